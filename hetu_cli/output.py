@@ -1,0 +1,41 @@
+"""Shared output helpers: rich consoles, JSON for scripts, and the error path (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, NoReturn
+
+import click
+from rich.console import Console
+
+from runtime.errors import HspmdError
+
+FORMAT_OPTION = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
+                             show_default=True, help="'json' prints one JSON object for scripts.")
+
+
+def _width(stream) -> int | None:
+    # Pipes and CI logs get a wide fixed width rather than rich's 80 columns, so tables stay legible.
+    return None if stream.isatty() else 140
+
+
+def console() -> Console:
+    return Console(highlight=False, width=_width(sys.stdout))
+
+
+def err_console() -> Console:
+    return Console(stderr=True, highlight=False, width=_width(sys.stderr))
+
+
+def emit_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=False))
+
+
+def fail(error: HspmdError | str) -> NoReturn:
+    """Print a user error, one problem per line, to stderr and exit with status 2."""
+    lines = error.lines() if isinstance(error, HspmdError) else [error]
+    for line in lines:
+        # click.echo, not rich: field paths like stages[0] must not be read as markup.
+        click.echo(f"error: {line}", err=True)
+    sys.exit(2)

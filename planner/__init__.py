@@ -1,0 +1,1 @@
+"""hspmd planner: cost model, ILP/DP search, baselines. May import ``runtime``; never ``hetu_cli``."""

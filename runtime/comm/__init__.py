@@ -1,0 +1,1 @@
+"""Communication on torch.distributed: process groups, reshard resolution, BSR, execution."""

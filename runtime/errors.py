@@ -1,0 +1,88 @@
+"""User-facing errors. The CLI turns any ``HspmdError`` into its lines on stderr and exit code 2."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with one field of one file."""
+
+    file: str
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}: " if self.file else ""
+        if self.field:
+            where += f"{self.field}: "
+        return f"{where}{self.message}"
+
+
+class HspmdError(Exception):
+    """An error caused by the user's input or request, not by a bug: reported without traceback."""
+
+    def lines(self) -> list[str]:
+        return [str(self)]
+
+
+class SpecError(HspmdError, ValueError):
+    """One or more problems with a spec (cluster, model, plan, profile)."""
+
+    def __init__(self, problems: Iterable[Problem]):
+        self.problems: tuple[Problem, ...] = tuple(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+    def lines(self) -> list[str]:
+        return [str(p) for p in self.problems]
+
+
+class InfeasibleError(HspmdError):
+    """A well-formed request that cannot be satisfied (model does not fit, too few devices, ...)."""
+
+
+class FieldErrors(ValueError):
+    """Raised by ``__post_init__`` validators: problems relative to the object being built.
+
+    The loader prefixes each relative field with the object's path; code that builds specs
+    directly sees a plain ``ValueError`` listing every problem.
+    """
+
+    def __init__(self, problems: Iterable[tuple[str, str]]):
+        self.problems: tuple[tuple[str, str], ...] = tuple(problems)
+        super().__init__("; ".join(f"{f}: {m}" if f else m for f, m in self.problems))
+
+
+class Checker:
+    """Collects (field, message) pairs in a ``__post_init__`` and raises them all at once."""
+
+    def __init__(self) -> None:
+        self.problems: list[tuple[str, str]] = []
+
+    def check(self, ok: bool, field: str, message: str) -> bool:
+        if not ok:
+            self.problems.append((field, message))
+        return ok
+
+    def add(self, field: str, message: str) -> None:
+        self.problems.append((field, message))
+
+    def nest(self, prefix: str, err: FieldErrors) -> None:
+        for f, m in err.problems:
+            self.problems.append((join_field(prefix, f), m))
+
+    def raise_if_any(self) -> None:
+        if self.problems:
+            raise FieldErrors(self.problems)
+
+
+def join_field(prefix: str, field: str) -> str:
+    if not prefix:
+        return field
+    if not field:
+        return prefix
+    if field.startswith("["):
+        return prefix + field
+    return f"{prefix}.{field}"

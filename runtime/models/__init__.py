@@ -1,0 +1,1 @@
+"""Plain PyTorch models and the parameter table that annotations are built from."""

@@ -1,0 +1,60 @@
+"""The parameter table of the Llama model: names, shapes, owner and TP split dimension.
+
+This table is the contract between the model code (runtime/models/llama.py, Hugging Face names),
+the annotations (which DS each parameter gets in each TP group) and the planner (memory). The TP
+rule is Megatron's: q/k/v and gate/up are column parallel (split the output dim 0), o and down are
+row parallel (split the input dim 1), embedding and head are vocab parallel (dim 0), norms are
+duplicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from runtime.spec.model import ModelSpec
+
+Owner = Literal["embedding", "layer", "head"]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    shape: tuple[int, ...]
+    owner: Owner
+    layer: int | None  # decoder layer index for owner == "layer"
+    tp_dim: int | None  # tensor dim split across a TP group; None = duplicated in the group
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def layer_parameters(model: ModelSpec, layer: int) -> list[ParamInfo]:
+    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_dim
+    p = f"model.layers.{layer}."
+    return [
+        ParamInfo(p + "input_layernorm.weight", (h,), "layer", layer, None),
+        ParamInfo(p + "self_attn.q_proj.weight", (h, h), "layer", layer, 0),
+        ParamInfo(p + "self_attn.k_proj.weight", (kv, h), "layer", layer, 0),
+        ParamInfo(p + "self_attn.v_proj.weight", (kv, h), "layer", layer, 0),
+        ParamInfo(p + "self_attn.o_proj.weight", (h, h), "layer", layer, 1),
+        ParamInfo(p + "post_attention_layernorm.weight", (h,), "layer", layer, None),
+        ParamInfo(p + "mlp.gate_proj.weight", (f, h), "layer", layer, 0),
+        ParamInfo(p + "mlp.up_proj.weight", (f, h), "layer", layer, 0),
+        ParamInfo(p + "mlp.down_proj.weight", (h, f), "layer", layer, 1),
+    ]
+
+
+def llama_parameters(model: ModelSpec) -> list[ParamInfo]:
+    """Every parameter of the model, in module order."""
+    h, v = model.hidden_size, model.vocab_size
+    out = [ParamInfo("model.embed_tokens.weight", (v, h), "embedding", None, 0)]
+    for i in range(model.num_layers):
+        out.extend(layer_parameters(model, i))
+    out.append(ParamInfo("model.norm.weight", (h,), "head", None, None))
+    out.append(ParamInfo("lm_head.weight", (v, h), "head", None, 0))
+    return out

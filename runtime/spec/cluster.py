@@ -1,0 +1,179 @@
+"""Cluster spec: nodes, device types and the links between devices.
+
+Device ids are global and dense: node entries are enumerated in file order, each contributing
+``count`` consecutive ids. A physical node with several device kinds is listed once per kind
+under the same name (the CPU emulation cluster does this).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+from runtime.errors import Checker, FieldErrors
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """CPU emulation of a device type: compute blocks are stretched ``slowdown`` times."""
+
+    slowdown: float = 1.0
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.check(self.slowdown >= 1.0, "slowdown", f"must be at least 1.0, got {self.slowdown}")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    """Datasheet figures of one accelerator kind (bandwidths in GB/s = 1e9 bytes/s)."""
+
+    memory_gib: float
+    peak_bf16_tflops: float
+    hbm_bandwidth_gbs: float
+    intra_node_bandwidth_gbs: float
+    emulate: Emulation | None = None
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        for name in ("memory_gib", "peak_bf16_tflops", "hbm_bandwidth_gbs", "intra_node_bandwidth_gbs"):
+            c.check(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        c.raise_if_any()
+
+    @property
+    def emulated(self) -> bool:
+        """True for device types that run as CPU processes (the emulated test/demo clusters)."""
+        return self.emulate is not None
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    device_type: str
+    count: int
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.check(bool(self.name), "name", "must not be empty")
+        c.check(self.count >= 1, "count", f"must be at least 1, got {self.count}")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True)
+class BandwidthOverride:
+    """Measured or known bandwidth between two devices, or between every device of two nodes."""
+
+    bandwidth_gbs: float
+    devices: tuple[int, int] | None = None
+    nodes: tuple[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.check(self.bandwidth_gbs > 0, "bandwidth_gbs", f"must be positive, got {self.bandwidth_gbs}")
+        c.check((self.devices is None) != (self.nodes is None), "",
+                "give exactly one of 'devices' or 'nodes'")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of a cluster, with where it lives."""
+
+    id: int
+    type: str
+    node: str
+    local_index: int
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    device_types: Mapping[str, DeviceType]
+    nodes: tuple[Node, ...]
+    inter_node_bandwidth_gbs: float
+    bandwidth_overrides: tuple[BandwidthOverride, ...] = ()
+    description: str | None = None
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.check(bool(self.name), "name", "must not be empty")
+        c.check(len(self.device_types) > 0, "device_types", "must define at least one device type")
+        c.check(len(self.nodes) > 0, "nodes", "must list at least one node")
+        c.check(self.inter_node_bandwidth_gbs > 0, "inter_node_bandwidth_gbs", "must be positive")
+        seen_pair: set[tuple[str, str]] = set()
+        for i, node in enumerate(self.nodes):
+            if node.device_type not in self.device_types:
+                c.add(f"nodes[{i}].device_type",
+                      f"unknown device type {node.device_type!r} (defined: {', '.join(self.device_types)})")
+            if (node.name, node.device_type) in seen_pair:
+                c.add(f"nodes[{i}]", f"node {node.name!r} lists device type {node.device_type!r} twice")
+            seen_pair.add((node.name, node.device_type))
+        n = sum(node.count for node in self.nodes)
+        names = {node.name for node in self.nodes}
+        for i, o in enumerate(self.bandwidth_overrides):
+            if o.devices is not None:
+                for j, d in enumerate(o.devices):
+                    c.check(0 <= d < n, f"bandwidth_overrides[{i}].devices[{j}]",
+                            f"unknown device id {d} (cluster has devices 0-{n - 1})")
+            if o.nodes is not None:
+                for j, name in enumerate(o.nodes):
+                    c.check(name in names, f"bandwidth_overrides[{i}].nodes[{j}]", f"unknown node {name!r}")
+        c.raise_if_any()
+
+    @cached_property
+    def devices(self) -> tuple[Device, ...]:
+        out: list[Device] = []
+        per_node: dict[str, int] = {}
+        for node in self.nodes:
+            for _ in range(node.count):
+                idx = per_node.get(node.name, 0)
+                per_node[node.name] = idx + 1
+                out.append(Device(len(out), node.device_type, node.name, idx))
+        return tuple(out)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.devices)
+
+    def device(self, device_id: int) -> Device:
+        if not 0 <= device_id < self.num_devices:
+            raise FieldErrors([("", f"unknown device id {device_id} (cluster {self.name!r} has devices "
+                                    f"0-{self.num_devices - 1})")])
+        return self.devices[device_id]
+
+    def type_of(self, device_id: int) -> DeviceType:
+        return self.device_types[self.device(device_id).type]
+
+    def devices_of_type(self, type_name: str) -> tuple[int, ...]:
+        return tuple(d.id for d in self.devices if d.type == type_name)
+
+    def bandwidth_gbs(self, a: int, b: int) -> float:
+        """Point-to-point bandwidth between two devices (GB/s); overrides win, last one first."""
+        da, db = self.device(a), self.device(b)
+        for o in reversed(self.bandwidth_overrides):
+            if o.devices is not None and {a, b} == set(o.devices):
+                return o.bandwidth_gbs
+            if o.nodes is not None and {da.node, db.node} == set(o.nodes) and (
+                    da.node != db.node or o.nodes[0] == o.nodes[1]):
+                return o.bandwidth_gbs
+        if a == b:
+            return self.device_types[da.type].hbm_bandwidth_gbs
+        if da.node == db.node:
+            return min(self.device_types[da.type].intra_node_bandwidth_gbs,
+                       self.device_types[db.type].intra_node_bandwidth_gbs)
+        return self.inter_node_bandwidth_gbs
+
+    def bandwidth_matrix(self) -> list[list[float]]:
+        """Bandwidth between every pair of devices, GB/s (diagonal: HBM bandwidth)."""
+        n = self.num_devices
+        return [[self.bandwidth_gbs(i, j) for j in range(n)] for i in range(n)]
+
+    @property
+    def emulated(self) -> bool:
+        """True when every device type is CPU-emulated (the cluster runs on this machine)."""
+        return all(t.emulated for t in self.device_types.values())
+
+    def total_peak_tflops(self) -> float:
+        return sum(self.type_of(d.id).peak_bf16_tflops for d in self.devices)

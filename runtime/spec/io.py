@@ -1,0 +1,74 @@
+"""Reading and writing spec files: strict YAML in, deterministic YAML out, atomic writes."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runtime.errors import Problem, SpecError
+
+
+def read_yaml(path: str | os.PathLike[str]) -> Any:
+    """Parse a YAML file with ``safe_load``; missing files and syntax errors become a SpecError."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError([Problem(str(p), "", "file not found")]) from None
+    except IsADirectoryError:
+        raise SpecError([Problem(str(p), "", "is a directory, expected a YAML file")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError([Problem(str(p), "", f"cannot read: {exc}")]) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError([Problem(str(p), where, f"malformed YAML: {what}")]) from None
+
+
+def dump_yaml(data: Any) -> str:
+    """Deterministic block YAML with inline lists of scalars (``layers: [0, 3]``)."""
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` so that readers see either the old file or the whole new one."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

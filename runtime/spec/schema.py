@@ -1,0 +1,189 @@
+"""Typed construction of frozen spec dataclasses from parsed YAML, and back.
+
+One generic reader serves every spec: it walks the dataclass's type hints, reports unknown keys,
+missing fields and wrong types with their full field path, then runs the class's own
+``__post_init__`` validation and re-homes its problems under the same path.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import math
+import types
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from runtime.errors import FieldErrors, Problem, SpecError, join_field
+
+T = TypeVar("T")
+
+_MISSING = object()
+
+
+class _Invalid(Exception):
+    """Internal: this value could not be built; problems were already recorded."""
+
+
+def build(cls: type[T], data: Any, file: str, path: str = "") -> T:
+    """Build ``cls`` from plain data; raise SpecError listing every problem found."""
+    problems: list[Problem] = []
+    try:
+        obj = _build(cls, data, file, path, problems)
+    except _Invalid:
+        obj = None
+    if problems:
+        raise SpecError(problems)
+    return obj  # type: ignore[return-value]
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is bool:
+        return "true or false"
+    if tp is str:
+        return "a string"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin is tuple:
+        return "a list"
+    if origin in (dict, collections.abc.Mapping) or tp is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _build(tp: Any, data: Any, file: str, path: str, problems: list[Problem]) -> Any:
+    origin = get_origin(tp)
+    if origin is Union or origin is types.UnionType:
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if data is None:
+            return None
+        if len(args) == 1:
+            return _build(args[0], data, file, path, problems)
+        raise TypeError(f"unsupported union {tp}")  # pragma: no cover - schema bug
+    if tp is Any:
+        return data
+    if tp is bool:
+        if isinstance(data, bool):
+            return data
+    elif tp is int:
+        if isinstance(data, int) and not isinstance(data, bool):
+            return data
+    elif tp is float:
+        if isinstance(data, (int, float)) and not isinstance(data, bool):
+            if not math.isfinite(float(data)):
+                problems.append(Problem(file, path, f"expected a finite number, got {data!r}"))
+                raise _Invalid
+            return float(data)
+    elif tp is str:
+        if isinstance(data, str):
+            return data
+    elif origin is Literal:
+        if data in get_args(tp) and type(data) in {type(a) for a in get_args(tp)}:
+            return data
+    elif origin is tuple:
+        if isinstance(data, list):
+            return _build_tuple(tp, data, file, path, problems)
+    elif origin in (dict, collections.abc.Mapping):
+        if isinstance(data, dict):
+            key_t, val_t = get_args(tp)
+            out = {}
+            failed = False
+            for k, v in data.items():
+                sub = join_field(path, str(k))
+                try:
+                    out[_build(key_t, k, file, sub, problems)] = _build(val_t, v, file, sub, problems)
+                except _Invalid:
+                    failed = True
+            if failed:
+                raise _Invalid
+            return out
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(data, dict):
+            return _build_dataclass(tp, data, file, path, problems)
+    else:  # pragma: no cover - schema bug
+        raise TypeError(f"unsupported field type {tp}")
+    problems.append(Problem(file, path, f"expected {_type_name(tp)}, got {_describe(data)}"))
+    raise _Invalid
+
+
+def _build_tuple(tp: Any, data: list, file: str, path: str, problems: list[Problem]) -> tuple:
+    args = get_args(tp)
+    if len(args) == 2 and args[1] is Ellipsis:
+        item_types = [args[0]] * len(data)
+    else:
+        if len(data) != len(args):
+            problems.append(Problem(file, path, f"expected a list of {len(args)} items, got {len(data)}"))
+            raise _Invalid
+        item_types = list(args)
+    out = []
+    failed = False
+    for i, (item_t, item) in enumerate(zip(item_types, data)):
+        try:
+            out.append(_build(item_t, item, file, f"{path}[{i}]", problems))
+        except _Invalid:
+            failed = True
+    if failed:
+        raise _Invalid
+    return tuple(out)
+
+
+def _build_dataclass(cls: Any, data: dict, file: str, path: str, problems: list[Problem]) -> Any:
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    failed = False
+    for key in data:
+        if key not in fields:
+            problems.append(Problem(file, join_field(path, str(key)),
+                                    f"unknown key (expected one of: {', '.join(fields)})"))
+            failed = True
+    kwargs = {}
+    for name, f in fields.items():
+        sub = join_field(path, name)
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                problems.append(Problem(file, sub, "missing required field"))
+                failed = True
+            continue
+        try:
+            kwargs[name] = _build(hints[name], data[name], file, sub, problems)
+        except _Invalid:
+            failed = True
+    if failed:
+        raise _Invalid
+    try:
+        return cls(**kwargs)
+    except FieldErrors as err:
+        for f, m in err.problems:
+            problems.append(Problem(file, join_field(path, f), m))
+        raise _Invalid from None
+
+
+def to_data(obj: Any) -> Any:
+    """Plain data (dicts, lists, scalars) for YAML/JSON; ``None`` fields are omitted."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if value is None or f.metadata.get("derived"):
+                continue
+            out[f.name] = to_data(value)
+        return out
+    if isinstance(obj, (tuple, list)):
+        return [to_data(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {k: to_data(v) for k, v in obj.items()}
+    return obj

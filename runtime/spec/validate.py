@@ -1,0 +1,88 @@
+"""Cross-checks of a plan against its model and cluster: every problem, with its field path."""
+
+from __future__ import annotations
+
+from runtime.errors import Problem
+from runtime.spec.cluster import Cluster
+from runtime.spec.model import ModelSpec
+from runtime.spec.plan import Plan, Strategy
+
+
+def _range(a: int, b: int) -> str:
+    return f"[{a}, {b})"
+
+
+def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster, file: str = "") -> list[Problem]:
+    problems: list[Problem] = []
+    t = plan.training
+    if t.seq_len > model.max_seq_len:
+        problems.append(Problem(file, "training.seq_len",
+                                f"{t.seq_len} exceeds {model.name}'s max_seq_len {model.max_seq_len}"))
+    for si, strategy in enumerate(plan.strategies):
+        problems.extend(validate_strategy(strategy, plan, model, cluster, file, f"strategies[{si}]"))
+    return problems
+
+
+def validate_strategy(strategy: Strategy, plan: Plan, model: ModelSpec, cluster: Cluster,
+                      file: str, path: str) -> list[Problem]:
+    problems: list[Problem] = []
+
+    def bad(field: str, message: str) -> None:
+        problems.append(Problem(file, f"{path}.{field}", message))
+
+    t = plan.training
+    n_dev = cluster.num_devices
+    owner: dict[int, str] = {}
+    for pi, pipe in enumerate(strategy.pipelines):
+        pp = f"pipelines[{pi}]"
+        # Layers: contiguous cover of [0, num_layers) in order.
+        covered = 0
+        for k, stage in enumerate(pipe.stages):
+            sp = f"{pp}.stages[{k}]"
+            start, end = stage.layers
+            if end > model.num_layers:
+                bad(f"{sp}.layers", f"range {_range(start, end)} goes past {model.name}'s "
+                                    f"{model.num_layers} layers")
+            if k > 0 and start < covered:
+                prev = pipe.stages[k - 1].layers
+                lo, hi = max(start, prev[0]), min(end, covered)
+                bad(f"{sp}.layers", f"overlaps layers {_range(lo, hi)} of stage {k - 1}")
+            elif start > covered:
+                what = f"stage {k - 1} ends at {covered}" if k > 0 else "the first stage must start at 0"
+                bad(f"{sp}.layers", f"leaves layers {_range(covered, start)} uncovered ({what})")
+            covered = max(covered, end)
+            # Devices.
+            types = set()
+            nodes = set()
+            for di, d in enumerate(stage.devices):
+                if not 0 <= d < n_dev:
+                    bad(f"{sp}.devices[{di}]", f"unknown device id {d} (cluster {cluster.name!r} has "
+                                               f"devices 0-{n_dev - 1})")
+                    continue
+                if d in owner:
+                    bad(f"{sp}.devices[{di}]", f"device {d} is also used by {owner[d]}")
+                else:
+                    owner[d] = f"{path}.{sp}"
+                dev = cluster.device(d)
+                types.add(dev.type)
+                nodes.add(dev.node)
+            if len(types) > 1:
+                bad(f"{sp}.devices", f"mixes device types {sorted(types)}: a TP group must be one type")
+            if len(nodes) > 1:
+                bad(f"{sp}.devices", f"spans nodes {sorted(nodes)}: a TP group must be on one node")
+            why = model.tp_problem(stage.tp)
+            if why is not None:
+                bad(f"{sp}.devices", f"{why} of {model.name}")
+        if covered < model.num_layers and pipe.stages:
+            bad(f"{pp}.stages[{len(pipe.stages) - 1}].layers",
+                f"pipeline ends at layer {covered}, leaving layers {_range(covered, model.num_layers)} "
+                f"of {model.name} uncovered")
+        if t.schedule == "1f1b" and pipe.micro_batches < len(pipe.stages):
+            bad(f"{pp}.micro_batches", f"{pipe.micro_batches} micro-batches for {len(pipe.stages)} stages: "
+                                       "1F1B needs at least one micro-batch per stage")
+    total = sum(p.micro_batches for p in strategy.pipelines) * t.micro_batch
+    if total != t.global_batch:
+        counts = " + ".join(str(p.micro_batches) for p in strategy.pipelines)
+        bad("pipelines", f"micro-batches ({counts}) x micro_batch {t.micro_batch} = {total} samples, "
+                         f"but training.global_batch is {t.global_batch}")
+    return problems
