@@ -1,0 +1,177 @@
+"""A plain PyTorch Llama decoder with Hugging Face parameter names.
+
+Parallelism is never written into this file: a pipeline stage is the same class built with a layer
+range and without the embedding or head, and TP sharding is applied from outside (the runtime swaps
+weights for DTensor shards). Attention therefore infers its local head count from the projection
+shapes. Layers are kept in a ModuleDict keyed by their global index, so a stage's parameter names are
+exactly the full model's (``model.layers.7.mlp.up_proj.weight``) and checkpoints are plan-independent.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.spec.model import ModelSpec
+
+INIT_STD = 0.02
+
+
+def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    # Each parameter's initial value depends only on (seed, its name): every plan, whatever subset of
+    # the model a device builds, starts from the same weights as the single-device reference.
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return g
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of rotary embeddings, shape [seq_len, head_dim] (HF's rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, kv = spec.hidden_size, spec.kv_dim
+        self.head_dim = spec.head_dim
+        self.q_proj = nn.Linear(h, h, bias=False)
+        self.k_proj = nn.Linear(h, kv, bias=False)
+        self.v_proj = nn.Linear(h, kv, bias=False)
+        self.o_proj = nn.Linear(h, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1: the local head count (all heads, or this TP rank's share of them).
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, f = spec.hidden_size, spec.ffn_hidden_size
+        self.gate_proj = nn.Linear(h, f, bias=False)
+        self.up_proj = nn.Linear(h, f, bias=False)
+        self.down_proj = nn.Linear(f, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.self_attn = LlamaAttention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.mlp = LlamaMLP(spec)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding (optional), a range of decoder layers, final norm (optional)."""
+
+    def __init__(self, spec: ModelSpec, layers: Iterable[int], embed: bool, final_norm: bool) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if embed else None
+        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(spec) for i in layers})
+        self.norm = RMSNorm(spec.hidden_size, spec.norm_eps) if final_norm else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        cos, sin = rope_tables(x.shape[1], self.spec.head_dim, self.spec.rope_theta, x.device, x.dtype)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model by default; a pipeline stage with ``layers``/``embed``/``head`` set.
+
+    Input: token ids [batch, seq] when ``embed``, else hidden states [batch, seq, hidden].
+    Output: logits [batch, seq, vocab] when ``head``, else hidden states.
+    """
+
+    def __init__(self, spec: ModelSpec, layers: Iterable[int] | None = None, *, embed: bool = True,
+                 head: bool = True) -> None:
+        super().__init__()
+        self.spec = spec
+        self.layer_ids = tuple(range(spec.num_layers) if layers is None else layers)
+        self.model = LlamaModel(spec, self.layer_ids, embed=embed, final_norm=head)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if head else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model(x)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic, name-seeded init: N(0, 0.02) for matrices, output projections scaled by
+        1/sqrt(2 * num_layers) (GPT-2 style), ones for norms."""
+        out_std = INIT_STD / math.sqrt(2 * self.spec.num_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                full = f"{name}.weight"
+                std = out_std if isinstance(module, nn.Linear) and _is_output_projection(self, module) else INIT_STD
+                w = module.weight
+                g = _generator(seed, full, w.device)
+                w.copy_(torch.randn(w.shape, generator=g, device=w.device, dtype=torch.float32).mul_(std))
+
+
+def _is_output_projection(model: LlamaForCausalLM, module: nn.Module) -> bool:
+    for layer in model.model.layers.values():
+        if module is layer.self_attn.o_proj or module is layer.mlp.down_proj:
+            return True
+    return False
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies: the runtime divides by the global token count once, so that
+    pipelines with different micro-batch counts weight every sample equally."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
