@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from hetu_cli.output import FORMAT_OPTION, console, emit_json
@@ -75,11 +76,22 @@ def _span(devices: tuple[int, ...]) -> str:
 @click.argument("plan", type=click.Path(path_type=Path))
 @click.option("--strategy", "strategy_name", help="Show only this strategy (default: all).")
 @click.option("--cluster", help="Use this cluster (name or path) instead of the plan's.")
+@click.option("--annotations", is_flag=True,
+              help="Show the HSPMD annotation of every parameter, the batch and stage-boundary activations.")
+@click.option("--device", "device", type=int, default=None,
+              help="Show the specialized program of this device: layers, shard shapes, ops in execution order.")
 @FORMAT_OPTION
-def show(plan: Path, strategy_name: str | None, cluster: str | None, fmt: str) -> None:
+def show(plan: Path, strategy_name: str | None, cluster: str | None, annotations: bool, device: int | None,
+         fmt: str) -> None:
     """Show PLAN: its settings, every strategy's pipelines and stages, and each device's role."""
     ctx = load_plan_context(plan, cluster=cluster)
     strategies = [ctx.plan.strategy(strategy_name)] if strategy_name else list(ctx.plan.strategies)
+    if device is not None:
+        _show_device(ctx, strategies, device, fmt)
+        return
+    if annotations:
+        _show_annotations(ctx, strategies, fmt)
+        return
     if fmt == "json":
         emit_json({
             "plan": to_data(ctx.plan),
@@ -100,3 +112,68 @@ def show(plan: Path, strategy_name: str | None, cluster: str | None, fmt: str) -
         out.print(devices)
         if s.estimates:
             out.print("estimates: " + ", ".join(f"{k} = {v:.4g}" for k, v in s.estimates.items()))
+
+
+def _show_annotations(ctx: PlanContext, strategies: list[Strategy], fmt: str) -> None:
+    from runtime.annotations.from_plan import annotation_rows, strategy_groups
+
+    t = ctx.plan.training
+    data = {s.name: {"rows": annotation_rows(s, ctx.model, t),
+                     "groups": [list(g) for g in strategy_groups(s, ctx.model, t)]} for s in strategies}
+    if fmt == "json":
+        emit_json({"model": ctx.model.name, "cluster": ctx.cluster.name, "annotations": data})
+        return
+    out = console()
+    for name, d in data.items():
+        table = Table(title=f"strategy {name!r}: HSPMD annotations", title_justify="left",
+                      caption="top tier: dup = HDim -1, partial = HDim -2, splitN(w:w) = HDim N with weights; "
+                              "per device group: S<d>×n split dim d, D×n duplicate, P×n partial",
+                      caption_justify="left")
+        for col in ("where", "tensor", "shape", "annotation", "grad / comm"):
+            table.add_column(col)
+        prev = None
+        for r in d["rows"]:
+            comm = f"HDim {r['grad_hdim']}: {r['sync']}" if r["kind"] == "parameter" else (r["sync"] or "-")
+            table.add_row(r["where"] if r["where"] != prev else "", r["tensor"], "x".join(map(str, r["shape"])),
+                          escape(r["text"]), comm, end_section=False)
+            prev = r["where"]
+        out.print(table)
+        out.print(f"{len(d['groups'])} device groups: " + " ".join(f"({_span(tuple(g))})" for g in d["groups"]))
+
+
+def _show_device(ctx: PlanContext, strategies: list[Strategy], device: int, fmt: str) -> None:
+    from runtime.engine import describe_program
+    from runtime.errors import Problem, SpecError
+
+    if not 0 <= device < ctx.cluster.num_devices:
+        raise SpecError([Problem("--device", "", f"unknown device id {device} (cluster {ctx.cluster.name!r} has "
+                                                 f"devices 0-{ctx.cluster.num_devices - 1})")])
+    descs = [describe_program(ctx, s.name, device) for s in strategies]
+    if fmt == "json":
+        emit_json({"model": ctx.model.name, "cluster": ctx.cluster.name, "device": device,
+                   "programs": [d.to_data() for d in descs]})
+        return
+    out = console()
+    for d in descs:
+        r = d.role
+        if r is None:
+            out.print(f"strategy {d.strategy!r}: device {device} is idle")
+            continue
+        out.print(f"[bold]strategy {d.strategy!r}, device {device}[/bold]: pipeline {r.pipeline} stage "
+                  f"{r.stage} (of {r.num_stages}), TP rank {r.tp_rank} of [{_span(r.devices)}]; holds {d.holds}; "
+                  f"{r.micro_batches} micro-batches of {r.micro_batch} (samples {r.first_sample}-"
+                  f"{r.first_sample + r.samples - 1}); schedule {d.schedule}")
+        params = Table(title="parameters (local shards)", title_justify="left")
+        for col in ("name", "full shape", "local shard", "TP split dim", "counted once here"):
+            params.add_column(col)
+        for p in d.params:
+            params.add_row(p.name, "x".join(map(str, p.info.shape)), "x".join(map(str, p.local_shape)),
+                           "-" if p.tp_size == 1 or p.info.tp_dim is None else str(p.info.tp_dim),
+                           "yes" if p.primary else "no")
+        out.print(params)
+        ops = Table(title="one training step, in execution order", title_justify="left")
+        for col in ("#", "kind", "op", "detail"):
+            ops.add_column(col)
+        for i, o in enumerate(d.ops):
+            ops.add_row(str(i), o.kind, escape(o.name), escape(o.detail))
+        out.print(ops)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 DeviceGroupKey = tuple[int, ...]
@@ -25,23 +26,37 @@ class ProcessGroups:
     """Registry of process groups keyed by (sorted) device-id tuples."""
 
     def __init__(self, groups: Iterable[Sequence[int]], ranks: Mapping[int, int], *,
-                 timeout: timedelta, backend: str | None = None) -> None:
+                 timeout: timedelta, backend: str | None = None,
+                 device: torch.device | str | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed must be initialized before creating process groups")
         self.ranks = dict(ranks)
         self.timeout = timeout
+        self.backend = backend
+        # Where this rank's communication buffers live (cuda:local_rank under NCCL); comm ops use it
+        # for tensors they allocate on devices that receive without holding an input.
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.my_rank = dist.get_rank()
         devices_by_rank = {r: d for d, r in self.ranks.items()}
         self.my_device = devices_by_rank.get(self.my_rank)
-        keys = sorted({canonical(g) for g in groups if len(set(g)) > 1}, key=lambda k: (len(k), k))
+        self._groups: dict[DeviceGroupKey, dist.ProcessGroup | None] = {}
+        self._meshes: dict[DeviceGroupKey, object] = {}
+        self.ensure(groups)
+
+    def ensure(self, groups: Iterable[Sequence[int]]) -> None:
+        """Create the groups not created yet, in the global order. Collective: every rank of the world
+        must call it with the same groups (as the constructor)."""
+        keys = sorted({canonical(g) for g in groups if len(set(g)) > 1} - set(self._groups),
+                      key=lambda k: (len(k), k))
         unknown = sorted({d for k in keys for d in k if d not in self.ranks})
         if unknown:
             raise ValueError(f"groups name devices {unknown} that have no rank in this world")
-        self._groups: dict[DeviceGroupKey, dist.ProcessGroup | None] = {}
         for key in keys:
-            pg = dist.new_group([self.ranks[d] for d in key], timeout=timeout, backend=backend)
+            pg = dist.new_group([self.ranks[d] for d in key], timeout=self.timeout, backend=self.backend)
             self._groups[key] = pg if self.my_device in key else None
-        self._meshes: dict[DeviceGroupKey, object] = {}
+
+    def __contains__(self, devices: object) -> bool:
+        return isinstance(devices, Iterable) and canonical(devices) in self._groups  # type: ignore[arg-type]
 
     @property
     def keys(self) -> list[DeviceGroupKey]:

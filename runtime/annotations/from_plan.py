@@ -1,0 +1,187 @@
+"""Plan strategy -> HSPMD annotations of every parameter, gradient, input batch and boundary activation.
+
+The rules (DESIGN.md §2, README "Plan"):
+
+* a decoder layer's parameter is held by every pipeline, by the stage whose layer range contains it:
+  HDim -1 over those stages' TP groups, member i laid out by its own TP degree (``ParamInfo.tp_dim``:
+  Split(tp_dim) x TP, or duplicate x TP for norms); the embedding lives on first stages, the final
+  norm and head on last stages;
+* its gradient: the same members with HDim -2 (each pipeline computed a summand);
+* the input batch ``(global_batch, seq_len)``: HDim 0 over pipelines, weighted by their micro-batch
+  counts; inside a pipeline only the first stage's devices hold tokens (duplicated in its TP group),
+  labels only the last stage's;
+* the activation between stage s and s+1 of a pipeline, ``(micro_batch, seq_len, hidden)``: duplicate
+  in the TP group of the producing stage -> duplicate in the TP group of the consuming stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.annotations.states import DUPLICATE, PARTIAL, Annotation, DistributedStates
+from runtime.models.params import ParamInfo, llama_parameters
+from runtime.spec.model import ModelSpec
+from runtime.spec.plan import Stage, Strategy, TrainingSettings
+
+
+@dataclass(frozen=True)
+class ParamAnnotation:
+    info: ParamInfo
+    param: Annotation  # HDim -1 (or plain SPMD when one pipeline holds it)
+    grad: Annotation  # HDim -2 with the same members
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.info.shape
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """The activation sent from stage ``stage`` to stage ``stage + 1`` of pipeline ``pipeline``."""
+
+    pipeline: int
+    stage: int
+    shape: tuple[int, ...]
+    src: Annotation
+    dst: Annotation
+
+
+@dataclass(frozen=True)
+class StrategyAnnotations:
+    strategy: str
+    params: tuple[ParamAnnotation, ...]
+    batch_shape: tuple[int, int]  # (global_batch, seq_len)
+    tokens: Annotation
+    labels: Annotation
+    boundaries: tuple[Boundary, ...]
+
+    def param(self, name: str) -> ParamAnnotation:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+def member_states(stage: Stage, tp_dim: int | None) -> DistributedStates:
+    """The bottom-tier DS of a parameter in one TP group."""
+    if stage.tp == 1:
+        return DistributedStates.of()
+    if tp_dim is None:
+        return DistributedStates.duplicate(stage.tp)
+    return DistributedStates.split(tp_dim, stage.tp)
+
+
+def holding_stages(strategy: Strategy, info: ParamInfo) -> list[Stage]:
+    """The stage of each pipeline that holds a parameter, in pipeline order."""
+    out = []
+    for pipe in strategy.pipelines:
+        if info.owner == "embedding":
+            out.append(pipe.stages[0])
+        elif info.owner == "head":
+            out.append(pipe.stages[-1])
+        else:
+            assert info.layer is not None
+            out.append(next(s for s in pipe.stages if s.layers[0] <= info.layer < s.layers[1]))
+    return out
+
+
+def param_annotation(strategy: Strategy, info: ParamInfo) -> ParamAnnotation:
+    stages = holding_stages(strategy, info)
+    members = [(s.devices, member_states(s, info.tp_dim)) for s in stages]
+    return ParamAnnotation(info, Annotation.union(DUPLICATE, members), Annotation.union(PARTIAL, members))
+
+
+def annotate_strategy(strategy: Strategy, model: ModelSpec, training: TrainingSettings) -> StrategyAnnotations:
+    """Every annotation the runtime needs to run ``strategy``."""
+    params = tuple(param_annotation(strategy, info) for info in llama_parameters(model))
+    weights = [p.micro_batches for p in strategy.pipelines]
+    firsts = [(p.stages[0].devices, DistributedStates.duplicate(p.stages[0].tp)) for p in strategy.pipelines]
+    lasts = [(p.stages[-1].devices, DistributedStates.duplicate(p.stages[-1].tp)) for p in strategy.pipelines]
+    tokens = Annotation.union(0, firsts, weights)
+    labels = Annotation.union(0, lasts, weights)
+    act = (training.micro_batch, training.seq_len, model.hidden_size)
+    boundaries = []
+    for pi, pipe in enumerate(strategy.pipelines):
+        for si in range(len(pipe.stages) - 1):
+            a, b = pipe.stages[si], pipe.stages[si + 1]
+            boundaries.append(Boundary(pi, si, act, Annotation.spmd(a.devices), Annotation.spmd(b.devices)))
+    return StrategyAnnotations(strategy.name, params, (training.global_batch, training.seq_len), tokens, labels,
+                               tuple(boundaries))
+
+
+def strategy_groups(strategy: Strategy, model: ModelSpec, training: TrainingSettings) -> list[tuple[int, ...]]:
+    """Every device group (sorted ids, size >= 2) the runtime of ``strategy`` needs, in creation order.
+
+    TP groups (DTensor meshes), gradient-sync groups (SplitAllReduce slices), collectives of the
+    stage-boundary ops, and the whole strategy (global reductions such as the gradient norm).
+    """
+    from runtime.comm.resolve import plan_reduce, resolve
+
+    keys: set[tuple[int, ...]] = set()
+    for pipe in strategy.pipelines:
+        for st in pipe.stages:
+            keys.add(tuple(sorted(st.devices)))
+    keys.add(tuple(sorted(strategy.devices)))
+    ann = annotate_strategy(strategy, model, training)
+    seen: set[tuple[Annotation, tuple[int, ...]]] = set()
+    for p in ann.params:
+        if (p.grad, p.shape) in seen:
+            continue
+        seen.add((p.grad, p.shape))
+        lay = p.grad.layout(p.shape)
+        if lay.is_partial:
+            keys.update(b.devices for b in plan_reduce(lay, None))
+    for b in ann.boundaries:
+        keys.update(resolve(b.src, b.dst, b.shape).groups())
+    return sorted((k for k in keys if len(k) > 1), key=lambda k: (len(k), k))
+
+
+def _placement(strategy: Strategy, layer: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(next(s.devices for s in p.stages if s.layers[0] <= layer < s.layers[1]) for p in strategy.pipelines)
+
+
+def annotation_rows(strategy: Strategy, model: ModelSpec, training: TrainingSettings) -> list[dict[str, Any]]:
+    """Rows for ``hspmd show --annotations``: layers with the same placement grouped into ranges."""
+    from runtime.comm.resolve import resolve
+
+    ann = annotate_strategy(strategy, model, training)
+    by_name = {p.name: p for p in ann.params}
+    rows: list[dict[str, Any]] = []
+    sync_kind: dict[tuple[Annotation, tuple[int, ...]], str] = {}
+
+    def param_row(where: str, layers: list[int] | None, p: ParamAnnotation, short: str) -> dict[str, Any]:
+        key = (p.grad, p.shape)
+        if key not in sync_kind:
+            sync_kind[key] = resolve(p.grad, p.param, p.shape).kind
+        return {"where": where, "layers": layers, "tensor": short, "kind": "parameter", "shape": list(p.shape),
+                "annotation": p.param.to_data(), "text": str(p.param), "grad_hdim": p.grad.hdim,
+                "sync": sync_kind[key]}
+
+    rows.append(param_row("embedding", None, by_name["model.embed_tokens.weight"], "embed_tokens.weight"))
+    start = 0
+    for layer in range(1, model.num_layers + 1):
+        if layer < model.num_layers and _placement(strategy, layer) == _placement(strategy, start):
+            continue
+        prefix = f"model.layers.{start}."
+        for p in ann.params:
+            if p.info.layer == start:
+                rows.append(param_row(f"layers {start}-{layer - 1}", [start, layer], p, p.name[len(prefix):]))
+        start = layer
+    rows.append(param_row("head", None, by_name["model.norm.weight"], "norm.weight"))
+    rows.append(param_row("head", None, by_name["lm_head.weight"], "lm_head.weight"))
+    for name, a in (("tokens", ann.tokens), ("labels", ann.labels)):
+        rows.append({"where": "batch", "layers": None, "tensor": name, "kind": "input",
+                     "shape": list(ann.batch_shape), "annotation": a.to_data(), "text": str(a), "grad_hdim": None,
+                     "sync": None})
+    for b in ann.boundaries:
+        op = resolve(b.src, b.dst, b.shape)
+        rows.append({"where": f"pipeline {b.pipeline}", "layers": None,
+                     "tensor": f"activation stage {b.stage}->{b.stage + 1}", "kind": "activation",
+                     "shape": list(b.shape), "annotation": b.dst.to_data(), "text": f"{b.src} -> {b.dst}",
+                     "grad_hdim": None, "sync": op.kind})
+    return rows

@@ -1,0 +1,259 @@
+"""The per-device specialized program: build the stage, shard it, run the schedule, sync, step.
+
+One instance per worker. Construction specializes the plain model for this device (its layers only,
+DTensor TP inside its stage group, boundary routes to the neighbouring stages, gradient-sync buckets
+across pipelines, AdamW on local shards); ``train_step`` runs one optimizer step of the global batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from runtime.annotations.from_plan import strategy_groups
+from runtime.comm.groups import ProcessGroups
+from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
+from runtime.engine.data_parallel import GradSync
+from runtime.engine.describe import ProgramDescription, describe_program
+from runtime.engine.optim import LocalAdamW, clip_coefficient
+from runtime.engine.pipeline import BOUNDARY_DTYPE, BoundaryOps, P2PBatch, stage_boundaries
+from runtime.engine.reference import autocast_for
+from runtime.engine.schedules import Action, Comm, Compute
+from runtime.engine.specialize import (
+    ParamShard,
+    StageRole,
+    global_tokens,
+    parameter_shards,
+    stage_parameters,
+    stage_role,
+    stage_schedule,
+    strategy_annotations,
+)
+from runtime.engine.tensor_parallel import apply_tensor_parallel, local_tensor
+from runtime.errors import Problem, SpecError
+from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
+from runtime.spec import PlanContext
+
+
+class DeviceProgram:
+    """This device's share of one strategy of a plan, ready to train."""
+
+    def __init__(self, ctx: WorkerContext, groups: ProcessGroups, hooks: Hooks = NULL_HOOKS) -> None:
+        if ctx.plan.plan.training.zero:
+            raise SpecError([Problem(str(ctx.plan.path), "training.zero",
+                                     "ZeRO-1 is not implemented by the engine yet: set zero: false")])
+        role = stage_role(ctx.plan, ctx.strategy, ctx.device_id)
+        if role is None:
+            raise ValueError(f"device {ctx.device_id} is idle in strategy {ctx.strategy!r}: it has no program "
+                             "(start workers only for the strategy's devices)")
+        self.ctx = ctx
+        self.role: StageRole = role
+        self.groups = groups
+        self.hooks = hooks
+        self.device = ctx.torch_device
+        self.actions: list[Action] = stage_schedule(ctx.plan, role)
+        spec = ctx.plan.model
+        t = ctx.plan.plan.training
+        self.tokens = global_tokens(ctx.plan)
+        self.ranks = dict(ctx.ranks)
+        if groups.my_device != ctx.device_id:
+            raise ValueError(f"ProcessGroups belong to device {groups.my_device}, this worker is {ctx.device_id}")
+        self.annotations = strategy_annotations(ctx.plan, ctx.strategy)
+
+        module = LlamaForCausalLM(spec, range(*role.layers), embed=role.embed, head=role.head)
+        module.init_weights(t.seed)  # on CPU, name-seeded: the reference's numbers on every device
+        module.to(self.device)
+        if role.tp > 1:
+            mesh = groups.mesh(role.devices, self.device.type)
+            apply_tensor_parallel(module, stage_parameters(spec, role), mesh)
+        if role.recompute:
+            _checkpoint_layers(module)
+        self.module = module
+        self.shards: list[ParamShard] = parameter_shards(spec, role, self.annotations)
+        self.params = {s.name: module.get_parameter(s.name) for s in self.shards}
+        for s in self.shards:
+            got = tuple(local_tensor(self.params[s.name]).shape)
+            if got != s.local_shape:
+                raise AssertionError(f"{s.name}: local shard {got} but the specialization expects {s.local_shape}")
+        self.optimizer = LocalAdamW({n: local_tensor(p) for n, p in self.params.items()}, t.optimizer)
+
+        self.prev: BoundaryOps | None
+        self.next: BoundaryOps | None
+        self.prev, self.next = stage_boundaries(ctx.plan, self.annotations, role)
+        self.grad_sync = GradSync(self.annotations, groups)
+        devices = ctx.plan.plan.strategy(ctx.strategy).devices
+        self.all_devices = tuple(devices)
+        self._stats_group = groups.get(devices) if len(devices) > 1 else None
+        self._times = {"compute": 0.0, "comm": 0.0}
+
+    # -- the launcher-facing API -------------------------------------------------------------------------
+
+    @staticmethod
+    def required_groups(plan: PlanContext, strategy: str) -> list[tuple[int, ...]]:
+        """Every device group the strategy's programs use (TP groups, gradient sync, statistics)."""
+        return strategy_groups(plan.plan.strategy(strategy), plan.model, plan.plan.training)
+
+    def train_step(self, global_batch: torch.Tensor) -> StepStats:
+        """One optimizer step; ``global_batch`` [global_batch, seq_len + 1] is the same on every rank."""
+        t = self.ctx.plan.plan.training
+        if tuple(global_batch.shape) != (t.global_batch, t.seq_len + 1):
+            raise ValueError(f"global batch has shape {tuple(global_batch.shape)}, the plan needs "
+                             f"[{t.global_batch}, {t.seq_len + 1}]")
+        self._times = {"compute": 0.0, "comm": 0.0}
+        role = self.role
+        rows = global_batch[role.first_sample:role.first_sample + role.samples].to(self.device)
+        for p in self.params.values():
+            p.grad = None
+        run = _StepState(self.device)
+        for action in self.actions:
+            if isinstance(action, Compute):
+                if action.kind == "forward":
+                    self._forward(action.micro_batch, rows, run)
+                else:
+                    self._backward(action.micro_batch, run)
+            else:
+                self._comm(action, run)
+        grads = self._local_grads()
+        if self.grad_sync.buckets:
+            with self._span("comm", "grad_sync"):
+                self.grad_sync.sync(grads)
+        norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for s in self.shards:
+            if s.primary:
+                norm_sq += grads[s.name].float().pow(2).sum()
+        loss_sum = run.loss_sum if role.head and role.tp_rank == 0 else torch.zeros((), device=self.device)
+        stats = torch.stack([loss_sum.float(), norm_sq])
+        if self._stats_group is not None:
+            with self._span("comm", "step_stats"):
+                dist.all_reduce(stats, group=self._stats_group)
+        norm = stats[1].sqrt()
+        with self._span("compute", "optimizer"):
+            self.optimizer.step(grads, clip_coefficient(norm, t.optimizer.grad_clip))
+        for p in self.params.values():
+            p.grad = None
+        loss = float(stats[0]) / self.tokens
+        return StepStats(loss=loss, grad_norm=float(norm), tokens=self.tokens,
+                         compute_s=self._times["compute"], comm_s=self._times["comm"])
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This device's shards: ``NAME``, ``NAME.exp_avg``, ``NAME.exp_avg_sq`` and ``step``."""
+        return self.optimizer.state()
+
+    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set parameters and AdamW states from a dict shaped like ``local_state()`` (same layouts)."""
+        self.optimizer.load_state(state)
+
+    def param_annotations(self) -> dict[str, ParamShard]:
+        """Layout of every parameter held here (its AdamW states share it): the HSPMD annotation over
+        the strategy, the region of the full tensor this device holds, and whether it is the copy
+        counted once (pipeline 0, first TP replica). ``self.annotations`` has every parameter's."""
+        return {s.name: s for s in self.shards}
+
+    def describe(self) -> ProgramDescription:
+        return describe_program(self.ctx.plan, self.ctx.strategy, self.ctx.device_id)
+
+    # -- the schedule's actions --------------------------------------------------------------------------
+
+    def _forward(self, mb: int, rows: torch.Tensor, run: _StepState) -> None:
+        role = self.role
+        local = rows[mb * role.micro_batch:(mb + 1) * role.micro_batch]
+        with self._span("compute", "forward", micro_batch=mb):
+            if role.embed:
+                x = local[:, :-1]
+            else:
+                x = run.inputs[mb].requires_grad_()
+            with autocast_for(self.device):
+                out = self.module(x)
+            if role.head:
+                loss = causal_lm_loss_sum(out, local[:, 1:])
+                run.loss_sum = run.loss_sum + loss.detach()
+                run.outputs[mb] = loss / self.tokens
+            else:
+                run.outputs[mb] = out
+                run.sent[mb] = out.detach().to(BOUNDARY_DTYPE)
+
+    def _backward(self, mb: int, run: _StepState) -> None:
+        with self._span("compute", "backward", micro_batch=mb):
+            out = run.outputs.pop(mb)
+            if self.role.head:
+                out.backward()
+            else:
+                out.backward(run.grads_in.pop(mb).to(out.dtype))
+            if not self.role.embed:
+                x = run.inputs.pop(mb)
+                run.grads_out[mb] = x.grad
+                x.grad = None
+
+    def _comm(self, action: Comm, run: _StepState) -> None:
+        batch = P2PBatch(self.role.device, self.ranks)
+        names = []
+        for tr in action.transfers:
+            mb = tr.micro_batch
+            names.append(f"{tr.kind} {mb}")
+            if tr.kind == "send_forward":
+                assert self.next is not None
+                batch.send(self.next.forward, run.sent.pop(mb))
+            elif tr.kind == "recv_forward":
+                assert self.prev is not None
+                run.inputs[mb] = batch.recv(self.prev.forward, dtype=BOUNDARY_DTYPE, device=self.device)
+            elif tr.kind == "send_backward":
+                assert self.prev is not None
+                batch.send(self.prev.backward, run.grads_out.pop(mb).to(BOUNDARY_DTYPE))
+            else:
+                assert self.next is not None
+                run.grads_in[mb] = batch.recv(self.next.backward, dtype=BOUNDARY_DTYPE, device=self.device)
+        with self._span("comm", ", ".join(names)):
+            batch.run()
+
+    def _local_grads(self) -> dict[str, torch.Tensor]:
+        """Plain local gradient tensors, in each parameter's own layout."""
+        out = {}
+        for name, p in self.params.items():
+            g = p.grad
+            if g is None:
+                g = torch.zeros_like(local_tensor(p))
+            elif isinstance(g, DTensor):
+                if isinstance(p, DTensor) and g.placements != p.placements:
+                    # e.g. the vocab-parallel embedding's gradient comes back replicated: keep our slice.
+                    g = g.redistribute(p.device_mesh, p.placements)
+                g = g.to_local()
+            out[name] = g
+        return out
+
+    @contextmanager
+    def _span(self, kind: str, name: str, **args: object) -> Iterator[None]:
+        t0 = time.perf_counter()
+        with self.hooks.span(kind, name, **args):
+            yield
+        if kind in self._times:
+            self._times[kind] += time.perf_counter() - t0
+
+
+class _StepState:
+    """Activations and gradients in flight during one step, keyed by micro-batch."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.sent: dict[int, torch.Tensor] = {}
+        self.grads_in: dict[int, torch.Tensor] = {}
+        self.grads_out: dict[int, torch.Tensor] = {}
+        self.loss_sum: torch.Tensor = torch.zeros((), device=device)
+
+
+def _checkpoint_layers(module: LlamaForCausalLM) -> None:
+    """Recompute: each decoder layer keeps only its input and reruns its forward in backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in module.model.layers.values():
+        inner = layer.forward
+
+        def forward(x, cos, sin, _inner=inner):
+            return checkpoint(_inner, x, cos, sin, use_reentrant=False)
+
+        layer.forward = forward

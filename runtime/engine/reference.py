@@ -1,0 +1,84 @@
+"""The single-process reference: the whole model on one device, the training every plan must reproduce.
+
+Same initial weights (name-seeded init), same loss normalisation (token-sum / global token count), same
+clipping and AdamW settings as the engine. Tests compare every distributed plan against it, and the
+runtime benchmark uses it as the plain PyTorch loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from runtime.engine.api import StepStats
+from runtime.engine.optim import build_adamw, clip_coefficient
+from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
+from runtime.spec import ModelSpec, TrainingSettings
+
+
+def autocast_for(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """bf16 autocast on CUDA, nothing (fp32) elsewhere: the engine and the reference share this policy."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class ReferenceTrainer:
+    """Plain PyTorch training of the full model on one device.
+
+    ``micro_batch``: run the global batch in chunks of this many samples (gradient accumulation), or in
+    one forward pass when None. Either way the gradient is that of (sum of token losses) / tokens.
+    """
+
+    def __init__(self, model: ModelSpec, training: TrainingSettings, *, device: torch.device | str = "cpu",
+                 micro_batch: int | None = None) -> None:
+        self.spec = model
+        self.training = training
+        self.device = torch.device(device)
+        self.micro_batch = micro_batch
+        module = LlamaForCausalLM(model)
+        module.init_weights(training.seed)  # on CPU: the same numbers whatever device runs the step
+        self.module = module.to(self.device)
+        self.params = [p for p in self.module.parameters()]
+        self.optimizer = build_adamw(self.params, training.optimizer)
+
+    def train_step(self, global_batch: torch.Tensor) -> StepStats:
+        """One optimizer step on ``global_batch`` [samples, seq_len + 1] (inputs then shifted labels)."""
+        t0 = time.perf_counter()
+        batch = global_batch.to(self.device)
+        tokens = batch.shape[0] * (batch.shape[1] - 1)
+        chunk = self.micro_batch or batch.shape[0]
+        for p in self.params:
+            p.grad = None
+        loss_sum = torch.zeros((), device=self.device)
+        for rows in batch.split(chunk):
+            with autocast_for(self.device):
+                logits = self.module(rows[:, :-1])
+            loss = causal_lm_loss_sum(logits, rows[:, 1:])
+            (loss / tokens).backward()
+            loss_sum += loss.detach()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        coef = clip_coefficient(norm, self.training.optimizer.grad_clip)
+        if coef is not None:
+            torch._foreach_mul_(grads, coef)
+        self.optimizer.step()
+        loss_value = (loss_sum / tokens).item()
+        return StepStats(loss=loss_value, grad_norm=norm.item(), tokens=tokens,
+                         compute_s=time.perf_counter() - t0, comm_s=0.0)
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """Full parameters by name (detached, on the trainer's device)."""
+        return {n: p.detach() for n, p in self.module.named_parameters()}
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """``NAME.exp_avg`` / ``NAME.exp_avg_sq`` for every parameter that has taken a step."""
+        out: dict[str, torch.Tensor] = {}
+        for n, p in self.module.named_parameters():
+            st = self.optimizer.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    out[f"{n}.{key}"] = st[key]
+        return out

@@ -1,0 +1,98 @@
+"""Engine jobs for a persistent gloo world (runtime.comm.world.LocalWorld): one plan, a few steps.
+
+A world costs seconds to start, a job less: each test module starts one ``LocalWorld`` and runs its
+plans as jobs. A job creates the plan's process groups on every rank (idle ranks too: group creation
+is collective), trains on the strategy's devices and returns losses, norms and local shards as numpy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+from runtime.comm.world import LocalWorld, WorkerContext, WorkerError
+
+OP_TIMEOUT = timedelta(seconds=60)
+
+
+@dataclass
+class DeviceResult:
+    device: int
+    losses: list[float]
+    grad_norms: list[float]
+    state: dict[str, np.ndarray]  # DeviceProgram.local_state()
+    regions: dict[str, tuple[tuple[int, int], ...]]  # name -> (start, stop) per dim of the full tensor
+    primary: dict[str, bool]
+    description: dict[str, Any]
+    spans: list[tuple[str, str]]  # (kind, name) of every hooks.span of the last step
+    compute_s: float  # of the last step
+    comm_s: float
+
+
+class RecordingHooks:
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, str]] = []
+
+    @contextlib.contextmanager
+    def span(self, kind: str, name: str, **args: object) -> Iterator[None]:
+        self.spans.append((kind, name))
+        yield
+
+
+def train_job(w: WorkerContext, plan: str, batches: list[np.ndarray], schedule: str | None) -> DeviceResult | None:
+    from runtime.engine import DeviceProgram
+    from runtime.engine import WorkerContext as EngineContext
+    from runtime.spec import load_plan_context
+
+    ctx = load_plan_context(plan)
+    if schedule is not None:
+        training = dataclasses.replace(ctx.plan.training, schedule=schedule)
+        ctx = dataclasses.replace(ctx, plan=dataclasses.replace(ctx.plan, training=training))
+    strategy = ctx.plan.strategies[0].name
+    w.groups.ensure(DeviceProgram.required_groups(ctx, strategy))
+    if w.device not in ctx.plan.strategy(strategy).devices:
+        return None
+    hooks = RecordingHooks()
+    program = DeviceProgram(EngineContext(ctx, strategy, w.device, w.ranks, torch.device("cpu"), OP_TIMEOUT),
+                            w.groups, hooks)
+    stats = []
+    for b in batches:
+        hooks.spans.clear()
+        stats.append(program.train_step(torch.from_numpy(b)))
+    ann = program.param_annotations()
+    return DeviceResult(
+        device=w.device, losses=[s.loss for s in stats], grad_norms=[s.grad_norm for s in stats],
+        state={k: v.detach().numpy().copy() for k, v in program.local_state().items()},
+        regions={n: tuple((s.start, s.stop) for s in a.region) for n, a in ann.items()},
+        primary={n: a.primary for n, a in ann.items()}, description=program.describe().to_data(),
+        spans=list(hooks.spans), compute_s=stats[-1].compute_s, comm_s=stats[-1].comm_s)
+
+
+class EngineWorld:
+    """A LocalWorld that is replaced after a failed job (its collectives may be left half-done)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.world = LocalWorld(size, timeout_s=OP_TIMEOUT.total_seconds())
+        self.world.start()
+
+    def train(self, plan: str, batches: list[torch.Tensor], schedule: str | None = None) -> dict[int, DeviceResult]:
+        if not self.world.alive:
+            self.world = LocalWorld(self.size, timeout_s=OP_TIMEOUT.total_seconds())
+            self.world.start()
+        try:
+            out = self.world.run(train_job, plan, [b.numpy() for b in batches], schedule, timeout_s=180)
+        except WorkerError:
+            self.world.close(force=True)
+            raise
+        return {r.device: r for r in out if r is not None}
+
+    def close(self) -> None:
+        self.world.close()

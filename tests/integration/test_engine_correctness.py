@@ -1,0 +1,133 @@
+"""Every plan trains exactly like the single-process reference: losses, global grad norm, parameters.
+
+One 8-process gloo world serves the whole module (tests/integration/engine_world.py); the reference is
+computed here, in the test process, from the same initial weights and batches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_world import DeviceResult, EngineWorld
+
+from runtime.engine import ReferenceTrainer
+from runtime.spec import PlanContext, load_plan_context
+
+PLANS = Path(__file__).parent / "engine_plans"
+STEPS = 3
+RTOL = 1e-5
+# Absolute floor for parameter entries near zero, as a fraction of one Adam step (lr = 1e-3 in every
+# test plan). Adam divides by sqrt(v) + eps, so an entry whose gradient is within fp32 rounding noise of
+# zero moves by up to lr * noise / eps: rounding differences (another summation order in a TP
+# all-reduce, another micro-batch size) are amplified by lr / eps. The test plans use eps 1e-5 to keep
+# that below 1e-3 of a step; with eps 1e-8 even two correct single-device runs (whole batch vs
+# micro-batched) differ by ~1e-2 of a step after 3 steps. A wrong gradient moves entries by O(lr).
+ATOL_STEPS = 1e-3  # x lr
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models on a shared 2-core box: intra-op threads only contend (10-50x slower under load).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = EngineWorld(8)
+    yield w
+    w.close()
+
+
+def make_batches(ctx: PlanContext, steps: int = STEPS) -> list[torch.Tensor]:
+    t = ctx.plan.training
+    g = torch.Generator().manual_seed(20240611)
+    return [torch.randint(0, ctx.model.vocab_size, (t.global_batch, t.seq_len + 1), generator=g)
+            for _ in range(steps)]
+
+
+def assemble(results: dict[int, DeviceResult], key: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The full tensor from the primary shards; every other copy must agree with it."""
+    full = torch.full(shape, float("nan"))
+    copies = []
+    for r in results.values():
+        if name not in r.regions:
+            continue
+        idx = tuple(slice(a, b) for a, b in r.regions[name])
+        if r.primary[name]:
+            full[idx] = torch.from_numpy(r.state[key])
+        copies.append((idx, torch.from_numpy(r.state[key]), r.device))
+    assert not torch.isnan(full).any(), f"{key}: primary shards do not cover the tensor"
+    for idx, local, dev in copies:
+        torch.testing.assert_close(local, full[idx], rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, k=key, d=dev: f"{k}: device {d}'s copy differs: {m}")
+    return full
+
+
+def check_against_reference(plan: Path, results: dict[int, DeviceResult], batches: list[torch.Tensor]) -> None:
+    ctx = load_plan_context(plan)
+    ref = ReferenceTrainer(ctx.model, ctx.plan.training)
+    ref_stats = [ref.train_step(b) for b in batches]
+    devices = ctx.plan.strategies[0].devices
+    assert sorted(results) == sorted(devices)
+    for dev, r in results.items():
+        torch.testing.assert_close(torch.tensor(r.losses, dtype=torch.float64),
+                                   torch.tensor([s.loss for s in ref_stats], dtype=torch.float64),
+                                   rtol=RTOL, atol=0, msg=lambda m, d=dev: f"losses on device {d}: {m}")
+        torch.testing.assert_close(torch.tensor(r.grad_norms, dtype=torch.float64),
+                                   torch.tensor([s.grad_norm for s in ref_stats], dtype=torch.float64),
+                                   rtol=RTOL, atol=0, msg=lambda m, d=dev: f"grad norms on device {d}: {m}")
+        assert float(r.state["step"]) == STEPS
+        check_spans(ctx, r)
+    moments = ref.optimizer_state()
+    atol = ATOL_STEPS * ctx.plan.training.optimizer.lr
+    for name, p in ref.parameters().items():
+        got = assemble(results, name, name, tuple(p.shape))
+        torch.testing.assert_close(got, p, rtol=RTOL, atol=atol, msg=lambda m, n=name: f"parameter {n}: {m}")
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = moments[f"{name}.{key}"]
+            got = assemble(results, f"{name}.{key}", name, tuple(p.shape))
+            # Moments are sums of gradients: entries that cancel to near zero carry rounding noise
+            # relative to the tensor's scale, hence an absolute floor of RTOL x its largest entry.
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=RTOL * float(want.abs().max()),
+                                       msg=lambda m, n=name, k=key: f"{n}.{k}: {m}")
+    # The reference really moved: a plan that skipped the update would not pass by accident.
+    init = ReferenceTrainer(ctx.model, ctx.plan.training).parameters()
+    assert any(not torch.allclose(init[n], p, rtol=RTOL, atol=atol) for n, p in ref.parameters().items())
+
+
+def check_spans(ctx: PlanContext, r: DeviceResult) -> None:
+    """The hooks saw each forward/backward block, the optimizer and the comm ops that describe() lists."""
+    role = r.description["role"]
+    computes = [n for k, n in r.spans if k == "compute"]
+    assert computes.count("forward") == computes.count("backward") == role["micro_batches"]
+    assert computes[-1] == "optimizer"
+    comms = [n for k, n in r.spans if k == "comm"]
+    p2p = [o["name"] for o in r.description["ops"] if o["kind"] == "comm" and "mb" in o["name"]]
+    syncs = any(o["name"].startswith("grad all-reduce") for o in r.description["ops"])
+    assert len(comms) == len(p2p) + syncs + (len(ctx.plan.strategies[0].devices) > 1)  # + grad sync, stats
+    assert r.compute_s > 0 and (r.comm_s > 0) == (len(ctx.plan.strategies[0].devices) > 1)
+
+
+CASES = [
+    ("single.yaml", None),
+    ("dp-uneven.yaml", None),
+    ("pp-uneven.yaml", None),
+    ("pp-uneven.yaml", "gpipe"),
+    ("tp2-tp1.yaml", None),
+    ("two-pipelines.yaml", None),
+    ("three-pipelines.yaml", None),
+    ("three-pipelines.yaml", "gpipe"),
+]
+
+
+@pytest.mark.parametrize("plan,schedule", CASES, ids=[f"{p.removesuffix('.yaml')}-{s or '1f1b'}" for p, s in CASES])
+def test_plan_matches_single_device_reference(world: EngineWorld, plan: str, schedule: str | None) -> None:
+    path = PLANS / plan
+    batches = make_batches(load_plan_context(path))
+    results = world.train(str(path), batches, schedule)
+    check_against_reference(path, results, batches)

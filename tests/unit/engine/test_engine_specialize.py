@@ -1,0 +1,132 @@
+"""Specialization, for every plan: devices' roles, batch shares, shards and the program description."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from hetu_cli.main import cli
+from runtime.engine import describe_program, parameter_shards, stage_role
+from runtime.engine.specialize import strategy_annotations
+from runtime.models.params import llama_parameters
+from runtime.spec import (
+    OptimizerSettings,
+    Pipeline,
+    Plan,
+    PlanContext,
+    Stage,
+    Strategy,
+    TrainingSettings,
+    load_cluster,
+    load_model,
+    load_plan_context,
+    validate_plan,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+ENGINE_PLANS = REPO / "tests" / "integration" / "engine_plans"
+MODEL = load_model("llama-tiny")
+CLUSTER = load_cluster(str(ENGINE_PLANS / "cpu-emu8.yaml"))
+
+
+@st.composite
+def plans(draw) -> PlanContext:
+    """Random valid strategies of llama-tiny on 8 devices: 1-3 pipelines of 1-3 stages, TP 1/2/4."""
+    micro_batch = draw(st.integers(1, 2))
+    pipes, next_dev = [], 0
+    for _ in range(draw(st.integers(1, 3))):
+        n_stages = draw(st.integers(1, 3))
+        cuts = sorted(draw(st.sets(st.integers(1, MODEL.num_layers - 1), min_size=n_stages - 1,
+                                   max_size=n_stages - 1)))
+        bounds = [0, *cuts, MODEL.num_layers]
+        stages = []
+        for i in range(n_stages):
+            tp = draw(st.sampled_from([1, 2, 4]))
+            devices = tuple(range(next_dev, next_dev + tp))
+            next_dev += tp
+            stages.append(Stage(devices, (bounds[i], bounds[i + 1]), recompute=draw(st.booleans())))
+        pipes.append(Pipeline(draw(st.integers(n_stages, n_stages + 3)), tuple(stages)))
+    assume(next_dev <= CLUSTER.num_devices)
+    training = TrainingSettings(global_batch=sum(p.micro_batches for p in pipes) * micro_batch,
+                                micro_batch=micro_batch, seq_len=16, optimizer=OptimizerSettings())
+    plan = Plan(1, "llama-tiny", "cpu-emu8", training, (Strategy("s", tuple(pipes)),))
+    assert validate_plan(plan, MODEL, CLUSTER) == []
+    return PlanContext(plan, MODEL, CLUSTER, ENGINE_PLANS / "random.yaml")
+
+
+@settings(max_examples=40, deadline=None)
+@given(plans())
+def test_every_element_has_one_primary_copy_and_the_batch_is_partitioned(ctx: PlanContext) -> None:
+    strategy = ctx.plan.strategies[0]
+    ann = strategy_annotations(ctx, strategy)
+    counts = {p.name: torch.zeros(p.shape, dtype=torch.int32) for p in llama_parameters(MODEL)}
+    per_pipeline = {(pi, p.name): torch.zeros(p.shape, dtype=torch.int32)
+                    for pi in range(len(strategy.pipelines)) for p in llama_parameters(MODEL)}
+    rows = torch.zeros(ctx.plan.training.global_batch, dtype=torch.int32)
+    for d in strategy.devices:
+        role = stage_role(ctx, strategy, d)
+        assert role is not None and role.device == d
+        if role.tp_rank == 0 and role.stage == 0:
+            for mb in range(role.micro_batches):
+                rows[role.micro_batch_rows(mb)] += 1
+        # parameter_shards checks each region against DTensor's Shard slice of this TP rank.
+        for s in parameter_shards(MODEL, role, ann):
+            assert s.local_shape == tuple(torch.empty(s.info.shape)[s.region].shape)
+            if s.primary:
+                counts[s.name][s.region] += 1
+            if role.tp_rank == 0 or s.info.tp_dim is not None:
+                per_pipeline[(role.pipeline, s.name)][s.region] += 1
+    assert bool((rows == 1).all()), "pipelines' shares must partition the global batch"
+    for name, c in counts.items():
+        assert bool((c == 1).all()), f"{name}: primary copies must tile the tensor exactly once"
+    for key, c in per_pipeline.items():
+        assert bool((c == 1).all()), f"pipeline {key[0]} must hold all of {key[1]} exactly once"
+
+
+@settings(max_examples=15, deadline=None)
+@given(plans())
+def test_every_device_program_can_be_described(ctx: PlanContext) -> None:
+    strategy = ctx.plan.strategies[0]
+    for d in range(CLUSTER.num_devices):
+        desc = describe_program(ctx, strategy.name, d)
+        if d not in strategy.devices:
+            assert desc.role is None and not desc.ops
+            continue
+        computes = [o for o in desc.ops if o.kind == "compute" and o.name.startswith(("forward", "backward"))]
+        assert len(computes) == 2 * desc.role.micro_batches
+        assert desc.ops[-1].name == "optimizer"
+
+
+def test_tp2_to_tp1_boundary_is_described_with_its_messages() -> None:
+    ctx = load_plan_context(ENGINE_PLANS / "tp2-tp1.yaml")
+    d2 = describe_program(ctx, "tp2-tp1", 2)
+    assert d2.holds == "layers 4-5, final norm + head + loss"
+    comm = [o for o in d2.ops if o.kind == "comm" and "recv_forward" in o.name]
+    assert comm and all("recv" in o.detail and "from 0" in o.detail for o in comm)
+    back = [o for o in d2.ops if o.kind == "comm" and "send_backward" in o.name]
+    # The gradient goes back to both TP ranks of the earlier stage.
+    assert back and all("to 0" in o.detail and "to 1" in o.detail for o in back)
+    d1 = describe_program(ctx, "tp2-tp1", 1)
+    assert [p.local_shape for p in d1.params if p.name == "model.embed_tokens.weight"] == [(128, 64)]
+    assert any("nothing for this device" in o.detail for o in d1.ops if "send_forward" in o.name)
+
+
+def test_show_device_cli() -> None:
+    plan = str(ENGINE_PLANS / "two-pipelines.yaml")
+    res = CliRunner().invoke(cli, ["show", "--device", "4", plan])
+    assert res.exit_code == 0, res.output
+    assert "pipeline 1 stage 0" in res.output and "send_forward mb0" in res.output
+    res = CliRunner().invoke(cli, ["show", "--device", "0", "--format", "json", plan])
+    assert res.exit_code == 0, res.output
+    import json
+
+    data = json.loads(res.output)
+    prog = data["programs"][0]
+    assert prog["role"]["tp_group"] == [0, 1, 2, 3]
+    assert any(o["name"].startswith("grad all-reduce") for o in prog["ops"])
+    res = CliRunner().invoke(cli, ["show", "--device", "8", plan])
+    assert res.exit_code == 2 and "unknown device id 8" in res.output
