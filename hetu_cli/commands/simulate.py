@@ -1,0 +1,73 @@
+"""``hspmd simulate --plan PLAN``: play one training step out on the cost model (discrete events)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from hetu_cli.output import FORMAT_OPTION, console, emit_json
+from planner.cost import CostModel
+from planner.simulate import chrome_trace
+from planner.simulate import simulate as run_simulation
+from runtime.profiling.profile import resolve_profiles
+from runtime.spec import load_plan_context
+from runtime.spec.io import atomic_write_text
+
+
+@click.command()
+@click.option("--plan", "plan_path", required=True, type=click.Path(path_type=Path), help="The plan to simulate.")
+@click.option("--profile", "profile_dirs", multiple=True, type=click.Path(path_type=Path),
+              help="Directory of device profiles (repeatable; before the shipped profiles/). "
+                   "A measured profile overrides a spec one.")
+@click.option("--strategy", "strategy_name", help="Strategy of the plan to simulate (default: the first).")
+@click.option("--cluster", help="Use this cluster (name or path) instead of the plan's.")
+@click.option("--trace", "trace_path", type=click.Path(path_type=Path),
+              help="Write a Chrome-trace JSON timeline here (open in https://ui.perfetto.dev).")
+@FORMAT_OPTION
+def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str | None, cluster: str | None,
+             trace_path: Path | None, fmt: str) -> None:
+    """Simulate one training step of PLAN: step time, tokens/s, MFU, per-stage compute / comm /
+    bubble, and peak memory per device with out-of-memory flags."""
+    ctx = load_plan_context(plan_path, cluster=cluster)
+    profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
+    strategy = ctx.plan.strategy(strategy_name)
+    t = ctx.plan.training
+    cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
+    result = run_simulation(cm, strategy, t.global_batch, t.schedule, t.zero)
+    if trace_path is not None:
+        atomic_write_text(trace_path, json.dumps(chrome_trace(result, strategy)))
+    origins = {name: profiles.resolved(name).origin for name in profiles}
+    if fmt == "json":
+        out = result.to_json()
+        out["profiles"] = origins
+        out["measured_fits"] = {name: any(cm.is_measured(name, s.tp) for p in strategy.pipelines for s in p.stages)
+                                for name in profiles}
+        if trace_path is not None:
+            out["trace"] = str(trace_path)
+        emit_json(out)
+        return
+    con = console()
+    con.print(f"[bold]{ctx.model.name}[/bold] on [bold]{ctx.cluster.name}[/bold], strategy {strategy.name!r}, "
+              f"{t.schedule}, global batch {t.global_batch} x {t.seq_len} tokens")
+    for name, origin in origins.items():
+        con.print(f"  profile {name}: {origin}")
+    table = Table(title="per stage (seconds per step)", title_justify="left")
+    for col in ("pipe", "stage", "devices", "type", "TP", "layers", "mb", "compute", "comm", "p2p", "optim",
+                "bubble", "in-flight", "peak GiB", "cap GiB"):
+        table.add_column(col, justify="left" if col in ("devices", "type", "layers") else "right")
+    for s in result.stages:
+        mem = f"[red]{s.peak_memory_gib:.2f} OOM[/red]" if s.oom else f"{s.peak_memory_gib:.2f}"
+        table.add_row(str(s.pipeline), str(s.stage), ",".join(map(str, s.devices)), s.device_type, str(s.tp),
+                      f"[{s.layers[0]}, {s.layers[1]})", str(s.micro_batches), f"{s.compute_s:.4f}",
+                      f"{s.comm_s:.4f}", f"{s.p2p_s:.4f}", f"{s.optimizer_s:.4f}", f"{s.bubble_s:.4f}",
+                      str(s.peak_in_flight), mem, f"{s.capacity_gib:g}")
+    con.print(table)
+    con.print(f"step time [bold]{result.step_time_s:.4f} s[/bold] (closed-form estimate "
+              f"{result.formula_step_time_s:.4f} s), {result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%}")
+    if result.oom_devices:
+        con.print(f"[red]out of memory on device(s) {', '.join(map(str, result.oom_devices))}[/red]")
+    if trace_path is not None:
+        con.print(f"trace: {trace_path} (open in https://ui.perfetto.dev)")

@@ -1,0 +1,719 @@
+"""The cost model: time and memory of a strategy on a cluster, from device profiles.
+
+Everything the planner, the simulator and the reports know about speed and memory comes from here.
+
+Quick start::
+
+    from planner.cost import CostModel
+    from runtime.profiling.profile import resolve_profiles
+
+    profiles = resolve_profiles(cluster.device_types, [profile_dir])   # measured > spec > datasheet
+    cm = CostModel(model, cluster, profiles, micro_batch=1, seq_len=4096)   # or CostModel.for_plan(...)
+    est = cm.estimate(strategy, global_batch=64, schedule="1f1b", zero=False)
+    est.step_time_s, est.tokens_per_s, est.mfu, est.oom_devices
+
+Units: seconds, bytes (``MemoryBreakdown.gib`` for GiB), one micro-batch of ``micro_batch`` sequences of
+``seq_len`` tokens unless a method says otherwise. Nothing here mutates its inputs.
+
+Building blocks, all cached per instance (keys are small: device type name, TP degree, flags), so the
+planner can call them millions of times:
+
+* ``layer(device_type, tp, recompute=False) -> LayerCost``: one decoder layer on one device of a TP
+  group: forward/backward compute, TP collectives, saved activations, local parameters. Stage costs are
+  linear in the layer count, so ``LayerCost`` fields are the per-layer coefficients an ILP wants.
+* ``extras(device_type, tp, first, last) -> LayerCost``: what the first stage (embedding) and the last
+  (final norm, head, loss) add on top of their layers.
+* ``stage(device_type, tp, num_layers, first, last, recompute) -> StageCost``: one micro-batch through
+  one stage. ``forward_s``/``backward_s`` include the TP collectives; ``backward_s`` includes the
+  recompute forward when ``recompute``.
+* ``stage_memory(device_type, tp, num_layers, first, last, recompute, in_flight, zero_degree=1)
+  -> MemoryBreakdown``: parameters, gradients, optimizer states / ``zero_degree``, activations x
+  ``in_flight`` micro-batches (use ``in_flight_micro_batches``), framework overhead.
+* ``p2p_time(src_devices, dst_devices)``: one activation (or its gradient, fp32) across a stage
+  boundary; ``link(a, b)`` the latency and bandwidth behind it.
+* ``allreduce_time(devices, nbytes)``: one ring all-reduce.
+* ``sync_plan(strategy) -> [SyncGroup]``: the cross-pipeline gradient sync as the runtime fuses it (one
+  all-reduce per device group; SplitAllReduce LCM slices when TP degrees differ); ``sync_group_time``
+  prices one group; ``grad_sync_times(strategy) -> {device: seconds}`` sums a device's groups and
+  ``grad_sync_time`` is their max (the simulator also plays out waits between groups).
+* ``optimizer_time(device_type, params, zero_degree=1, tensors=0)``: one AdamW step;
+  ``tensors_per_stage`` gives the tensor count. ``clip_time(devices)``: the per-step all-reduce of
+  loss and gradient norm.
+* ``estimate(strategy, global_batch, schedule, zero) -> StrategyEstimate``: the whole step by the
+  closed-form schedule formulas below, plus memory per device with OOM flags.
+
+Fidelity notes: TP collectives are priced from a profile's measured per-layer TP overhead (DTensor
+dispatch and collectives, ``MeasuredModel.tp_overhead``) when it has one, else counted (2 all-reduces
+forward, 5 backward per layer, as DTensor lays Megatron TP out); on a CPU-emulated device type the TP
+time inside compute blocks is stretched by its slowdown, because the runtime sleeps after whole compute
+blocks.
+
+Pure formulas (module level): ``pipeline_time`` (1F1B: ``(m-1)*max(t) + sum(t) + sum(boundary comm)``;
+GPipe: the same on forward and backward separately), ``in_flight_micro_batches`` (1F1B: stage k of S
+holds ``min(S-k, m)``; GPipe: ``m``), ``allreduce_seconds``, ``model_flops_per_token`` (for MFU).
+
+Where a profile has measured fits for this model's shape and TP degree, they are used as measured;
+otherwise the component costs are derived from the profile's throughput figures and the model's
+FLOPs and bytes (``analytic_components``). Both paths yield the same ``ComponentFit`` records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import reduce
+from typing import Any, Literal
+
+from runtime.models.params import llama_parameters
+from runtime.profiling.profile import (
+    ComponentFit,
+    ComputeFigures,
+    DeviceProfile,
+    LinkFit,
+    ProfileSet,
+    eval_fit,
+)
+from runtime.spec.cluster import Cluster
+from runtime.spec.model import ModelSpec
+from runtime.spec.plan import Plan, Stage, Strategy
+
+Schedule = Literal["1f1b", "gpipe"]
+GIB = float(2**30)
+
+# Collectives a TP group issues per micro-batch, as the runtime lays TP out with DTensor
+# (runtime/engine/tensor_parallel.py; Megatron layout, no sequence parallelism): in forward, the two
+# row-parallel projections (o_proj, down_proj) all-reduce their outputs; in backward, each of the five
+# column-parallel projections (q, k, v, gate, up) all-reduces its input gradient. The vocab-parallel
+# embedding all-reduces its output; the column-parallel head all-gathers the logits (forward) and
+# all-reduces its input gradient (backward).
+TP_ALLREDUCES_PER_LAYER = (2, 5)
+# The runtime fuses gradient-sync slices of one device group into buckets of this size
+# (runtime/engine/data_parallel.py BUCKET_BYTES).
+SYNC_BUCKET_BYTES = 32 << 20
+# The residual stream crosses stage boundaries in fp32 (runtime/engine/program.py BOUNDARY_DTYPE).
+BOUNDARY_BYTES = 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pure formulas
+
+
+def pipeline_time(forward_s: Sequence[float], backward_s: Sequence[float], micro_batches: int,
+                  schedule: Schedule = "1f1b", boundary_s: Sequence[float] = ()) -> float:
+    """Time of one pipeline for one step, closed form (DESIGN.md section 5).
+
+    1F1B: ``(m-1) * max_s(f_s + b_s) + sum_s(f_s + b_s) + sum(boundary)``; GPipe runs all forwards, then
+    all backwards: ``(m-1)*max(f) + sum(f) + (m-1)*max(b) + sum(b) + sum(boundary)``. ``boundary_s``
+    is the fill-and-drain cost of each stage boundary (forward activation plus backward gradient).
+    Exact for equal stages without communication; an estimate otherwise (the simulator is exact).
+    """
+    m = micro_batches
+    if schedule == "1f1b":
+        t = [f + b for f, b in zip(forward_s, backward_s)]
+        return (m - 1) * max(t) + sum(t) + sum(boundary_s)
+    return (m - 1) * (max(forward_s) + max(backward_s)) + sum(forward_s) + sum(backward_s) + sum(boundary_s)
+
+
+def in_flight_micro_batches(stage: int, num_stages: int, micro_batches: int, schedule: Schedule = "1f1b") -> int:
+    """Micro-batches whose activations a stage holds at its peak: 1F1B stage k of S holds S-k."""
+    if schedule == "1f1b":
+        return min(num_stages - stage, micro_batches)
+    return micro_batches
+
+
+def allreduce_seconds(nbytes: float, n: int, latency_s: float, bandwidth_gbs: float) -> float:
+    """Ring all-reduce of ``nbytes`` among ``n`` devices: ``latency + 2(n-1)/n * bytes / bandwidth``."""
+    if n <= 1:
+        return 0.0
+    return latency_s + 2.0 * (n - 1) / n * nbytes / (bandwidth_gbs * 1e9)
+
+
+def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward, no recompute): ``6N + 12*L*h*s`` (PaLM, App. B),
+    with N the layer and head parameters (the embedding lookup is not a matmul)."""
+    n = model.num_layers * model.layer_params() + model.vocab_size * model.hidden_size
+    return 6.0 * n + 12.0 * model.num_layers * model.hidden_size * seq_len
+
+
+# ---------------------------------------------------------------------------------------------------
+# Component costs from throughput figures (spec profiles, or models a profile has not measured)
+
+
+def analytic_components(model: ModelSpec, c: ComputeFigures, tp: int) -> dict[str, ComponentFit]:
+    """Per-component fits (time: ``a*B*s^2 + b*B*s + c``; saved activation bytes likewise) from FLOPs
+    and bytes moved. Counts follow runtime/models/llama.py: separate q/k/v/o projections, unfused RoPE,
+    SDPA attention (fused: causal, no s^2 kept; unfused: full s^2 scores kept), SwiGLU, fp32 RMSNorm."""
+    h, f, kv, n, v, t = (model.hidden_size, model.ffn_hidden_size, model.kv_dim, model.num_heads,
+                         model.vocab_size, tp)
+    mm = c.peak_tflops * 1e12 * c.matmul_efficiency
+    at = c.peak_tflops * 1e12 * c.attention_efficiency
+    bw = c.memory_bandwidth_gbs * 1e9 * c.memory_efficiency
+    k, e = c.kernel_overhead_s, c.activation_bytes
+
+    # Attention: projections (per token), scores and weighted sum (per s^2), RoPE and reshapes (bytes).
+    proj = (2 * h * (h + 2 * kv) + 2 * h * h) / t
+    rope_bytes = 8 * (h + kv) / t * e
+    if c.flash_attention:
+        a_fwd = 2 * h / t / at                       # causal half of 4*s^2*h FLOPs
+        a_bwd = 2.5 * a_fwd                          # backward recomputes the scores
+        a_act = 0.0
+    else:
+        softmax_bytes = 6 * n / t * e                # scale, mask, softmax passes over s^2 scores
+        a_fwd = 4 * h / t / at + softmax_bytes / bw
+        a_bwd = 2 * a_fwd
+        a_act = 2 * n / t * e                        # scores and probabilities
+    attn_act = e * (h + 2 * (h + kv) / t + 2 * (h + kv) / t + h / t) + 4 * n / t
+    attention = ComponentFit(
+        forward_s=(a_fwd, proj / mm + rope_bytes / bw, 14 * k),
+        backward_s=(a_bwd, 2 * proj / mm + 2 * rope_bytes / bw, 28 * k),
+        activation_bytes=(a_act, attn_act, 0.0),
+        params=(2 * h * h + 2 * kv * h) // t)
+    mlp_flops = 6 * h * f / t
+    mlp_bytes = 5 * f / t * e
+    mlp = ComponentFit(
+        forward_s=(0.0, mlp_flops / mm + mlp_bytes / bw, 5 * k),
+        backward_s=(0.0, 2 * mlp_flops / mm + 2 * mlp_bytes / bw, 10 * k),
+        activation_bytes=(0.0, e * (h + 4 * f / t), 0.0),
+        params=3 * h * f // t)
+    norm_bytes = h * (2 * e + 8)
+    norm = ComponentFit(
+        forward_s=(0.0, norm_bytes / bw, 6 * k), backward_s=(0.0, 2 * norm_bytes / bw, 12 * k),
+        activation_bytes=(0.0, e * h + 4.0, 0.0), params=h)
+    embedding = ComponentFit(
+        forward_s=(0.0, 2 * h * e / bw, 3 * k),
+        backward_s=(0.0, 8 * h / bw, 4 * k + 4 * v * h / t / bw),
+        activation_bytes=(0.0, 8.0, 0.0), params=v * h // t)
+    head_flops = 2 * h * v / t
+    ce_bytes = 12 * v / t
+    head = ComponentFit(
+        forward_s=(0.0, head_flops / mm + ce_bytes / bw, 8 * k),
+        backward_s=(0.0, 2 * head_flops / mm + ce_bytes / bw, 10 * k),
+        activation_bytes=(0.0, e * h + 8 * v / t, 0.0), params=v * h // t)
+    return {"embedding": embedding, "attention": attention, "mlp": mlp, "norm": norm, "head": head}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One micro-batch through one decoder layer (or the first/last stage's extras), one device.
+
+    ``forward_s``/``backward_s``: compute only. ``recompute_s``: the forward re-run in backward when
+    the stage recomputes. ``tp_forward_s``/``tp_backward_s``: the TP collectives. ``activation_bytes``:
+    saved for backward; ``checkpoint_bytes``: what recompute keeps instead (the layer input).
+    ``params``: local (per shard) parameter count.
+    """
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    tp_forward_s: float
+    tp_backward_s: float
+    activation_bytes: float
+    checkpoint_bytes: float
+    params: int
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One micro-batch through one stage. Times include the TP collectives (listed separately too)."""
+
+    forward_s: float
+    backward_s: float
+    compute_s: float        # forward + backward (+ recompute) compute, no communication
+    tp_forward_s: float     # TP collectives inside forward_s
+    tp_backward_s: float    # TP collectives inside backward_s (recompute included)
+    params: int             # local parameters on each device of the stage
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def tp_comm_s(self) -> float:
+        return self.tp_forward_s + self.tp_backward_s
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one device at its peak."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.overhead
+
+    @property
+    def gib(self) -> float:
+        return self.total / GIB
+
+    def as_gib(self) -> dict[str, float]:
+        return {"params": self.params / GIB, "grads": self.grads / GIB, "optimizer": self.optimizer / GIB,
+                "activations": self.activations / GIB, "overhead": self.overhead / GIB, "total": self.gib}
+
+
+@dataclass(frozen=True)
+class SyncGroup:
+    """One all-reduce group of the gradient sync: the devices (one per pipeline) and the elements each
+    contributes (its gradient slices that this group holds, fused)."""
+
+    devices: tuple[int, ...]
+    numel: float
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    micro_batches: int
+    stages: tuple[StageCost, ...]
+    boundary_s: tuple[float, ...]   # per boundary: forward activation + backward gradient, one micro-batch
+    time_s: float
+
+
+@dataclass(frozen=True)
+class StrategyEstimate:
+    step_time_s: float
+    pipelines: tuple[PipelineEstimate, ...]
+    grad_sync_s: float
+    optimizer_s: float
+    tokens_per_s: float
+    mfu: float
+    memory: Mapping[int, MemoryBreakdown]   # by device id
+    capacity_gib: Mapping[int, float]
+    oom_devices: tuple[int, ...]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return not self.oom_devices
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def _memo(fn: Callable) -> Callable:
+    """Per-instance cache for methods with hashable arguments (CostModel holds unhashable specs)."""
+    name = f"_memo_{fn.__name__}"
+
+    def wrapper(self, *args, **kwargs):
+        cache = self.__dict__.setdefault(name, {})
+        key = (args, tuple(sorted(kwargs.items())))
+        try:
+            return cache[key]
+        except KeyError:
+            value = cache[key] = fn(self, *args, **kwargs)
+            return value
+
+    wrapper.__doc__, wrapper.__name__ = fn.__doc__, fn.__name__
+    return wrapper
+
+
+class CostModel:
+    """Costs of one model on one cluster at one micro-batch shape. Cheap to build; caches as it goes."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
+                 *, micro_batch: int, seq_len: int, step_allreduce: bool = True) -> None:
+        missing = [t for t in cluster.device_types if t not in profiles]
+        if missing:
+            raise ValueError(f"no profile for device type(s) {missing}")
+        self.model = model
+        self.cluster = cluster
+        self.profiles = profiles
+        self.micro_batch = micro_batch
+        self.seq_len = seq_len
+        self.step_allreduce = step_allreduce
+        self._type_of = [d.type for d in cluster.devices]
+        self._node_of = [d.node for d in cluster.devices]
+        params = llama_parameters(dataclasses.replace(model, num_layers=1))
+        self._layer_tensors = [p for p in params if p.owner == "layer"]
+        self._embed_tensors = [p for p in params if p.owner == "embedding"]
+        self._head_tensors = [p for p in params if p.owner == "head"]
+
+    @classmethod
+    def for_plan(cls, plan: Plan, model: ModelSpec, cluster: Cluster,
+                 profiles: Mapping[str, DeviceProfile] | ProfileSet) -> CostModel:
+        t = plan.training
+        return cls(model, cluster, profiles, micro_batch=t.micro_batch, seq_len=t.seq_len)
+
+    # -- components ----------------------------------------------------------------------------------
+
+    @_memo
+    def components(self, device_type: str, tp: int) -> dict[str, ComponentFit]:
+        """Per-component fits on this device type at this TP degree: measured if the profile has this
+        model shape and TP degree, else derived from the profile's throughput figures."""
+        prof = self.profiles[device_type]
+        measured = prof.measured_model(self.model)
+        if measured is not None and tp in measured.tp:
+            return dict(measured.tp[tp])
+        return analytic_components(self.model, prof.compute, tp)
+
+    def _tp_overhead(self, device_type: str, tp: int) -> ComponentFit | None:
+        """The measured per-layer TP overhead (DTensor + collectives), if the profile has it."""
+        if tp <= 1:
+            return None
+        m = self.profiles[device_type].measured_model(self.model)
+        return None if m is None else m.tp_overhead.get(tp)
+
+    def is_measured(self, device_type: str, tp: int) -> bool:
+        m = self.profiles[device_type].measured_model(self.model)
+        return m is not None and tp in m.tp
+
+    def _act_element_bytes(self, device_type: str) -> int:
+        return self.profiles[device_type].compute.activation_bytes
+
+    def activation_tensor_bytes(self, device_type: str, micro_batch: int | None = None,
+                                seq_len: int | None = None) -> float:
+        """Bytes of one hidden-state tensor [B, s, h]: what crosses a stage boundary or a TP all-reduce."""
+        b = self.micro_batch if micro_batch is None else micro_batch
+        s = self.seq_len if seq_len is None else seq_len
+        return float(b * s * self.model.hidden_size * self._act_element_bytes(device_type))
+
+    # -- per layer and per stage ---------------------------------------------------------------------
+
+    @_memo
+    def layer(self, device_type: str, tp: int, recompute: bool = False, micro_batch: int | None = None,
+              seq_len: int | None = None) -> LayerCost:
+        """One decoder layer: attention, MLP and two RMSNorms, plus its TP all-reduces."""
+        b = self.micro_batch if micro_batch is None else micro_batch
+        s = self.seq_len if seq_len is None else seq_len
+        comp = self.components(device_type, tp)
+        parts = (comp["attention"], comp["mlp"], comp["norm"], comp["norm"])
+        fwd = sum(eval_fit(p.forward_s, b, s) for p in parts)
+        bwd = sum(eval_fit(p.backward_s, b, s) for p in parts)
+        act = sum(eval_fit(p.activation_bytes, b, s) for p in parts)
+        overhead = self._tp_overhead(device_type, tp)
+        if overhead is not None:
+            tp_f, tp_b = eval_fit(overhead.forward_s, b, s), eval_fit(overhead.backward_s, b, s)
+        else:
+            ar = self._tp_allreduce(device_type, tp, self.activation_tensor_bytes(device_type, b, s))
+            tp_f, tp_b = TP_ALLREDUCES_PER_LAYER[0] * ar, TP_ALLREDUCES_PER_LAYER[1] * ar
+        return LayerCost(forward_s=fwd, backward_s=bwd, recompute_s=fwd + tp_f if recompute else 0.0,
+                         tp_forward_s=tp_f, tp_backward_s=tp_b, activation_bytes=act,
+                         checkpoint_bytes=float(b * s * self.model.hidden_size * BOUNDARY_BYTES),
+                         params=sum(p.params for p in parts))
+
+    @_memo
+    def extras(self, device_type: str, tp: int, first: bool, last: bool, micro_batch: int | None = None,
+               seq_len: int | None = None) -> LayerCost:
+        """What the first stage (embedding) and the last (final norm, head, loss) add to their layers."""
+        b = self.micro_batch if micro_batch is None else micro_batch
+        s = self.seq_len if seq_len is None else seq_len
+        comp = self.components(device_type, tp)
+        parts = ([comp["embedding"]] if first else []) + ([comp["norm"], comp["head"]] if last else [])
+        ar_act = self._tp_allreduce(device_type, tp, self.activation_tensor_bytes(device_type, b, s))
+        logits = float(b * s * self.model.vocab_size * self._act_element_bytes(device_type))
+        tp_f = (ar_act if first else 0.0) + (self._tp_allgather(device_type, tp, logits) if last else 0.0)
+        tp_b = ar_act if last else 0.0
+        return LayerCost(
+            forward_s=sum(eval_fit(p.forward_s, b, s) for p in parts),
+            backward_s=sum(eval_fit(p.backward_s, b, s) for p in parts),
+            recompute_s=0.0, tp_forward_s=tp_f, tp_backward_s=tp_b,
+            activation_bytes=sum(eval_fit(p.activation_bytes, b, s) for p in parts),
+            checkpoint_bytes=0.0, params=sum(p.params for p in parts))
+
+    @_memo
+    def stage(self, device_type: str, tp: int, num_layers: int, first: bool, last: bool,
+              recompute: bool = False, micro_batch: int | None = None, seq_len: int | None = None) -> StageCost:
+        """One micro-batch through a stage of ``num_layers`` layers (recompute: whole-layer checkpoints)."""
+        lay = self.layer(device_type, tp, recompute, micro_batch, seq_len)
+        ext = self.extras(device_type, tp, first, last, micro_batch, seq_len)
+        n = num_layers
+        fwd_c = n * lay.forward_s + ext.forward_s
+        bwd_c = n * (lay.backward_s + lay.recompute_s) + ext.backward_s
+        # An emulated device stretches whole compute blocks, the TP collectives inside them included.
+        stretch = self._emulated_slowdown(device_type)
+        tp_f = (n * lay.tp_forward_s + ext.tp_forward_s) * stretch
+        tp_b = (n * lay.tp_backward_s + ext.tp_backward_s) * stretch
+        return StageCost(forward_s=fwd_c + tp_f, backward_s=bwd_c + tp_b, compute_s=fwd_c + bwd_c,
+                         tp_forward_s=tp_f, tp_backward_s=tp_b, params=n * lay.params + ext.params)
+
+    def host_cores(self, node: str) -> int | None:
+        """CPU cores shared by the emulated devices of ``node`` (from their measured profiles), or None
+        when its devices do not share a CPU (real accelerators, or no measured figure)."""
+        if not self.cluster.emulated:
+            return None
+        cores = [self.profiles[d.type].compute.host_cores for d in self.cluster.devices if d.node == node]
+        known = [c for c in cores if c]
+        return min(known) if known else None
+
+    def emulated_slowdown(self, device_type: str) -> float:
+        """The slowdown an emulated device type's compute blocks are stretched by (1 otherwise)."""
+        return self._emulated_slowdown(device_type)
+
+    def _emulated_slowdown(self, device_type: str) -> float:
+        em = self.cluster.device_types[device_type].emulate
+        return em.slowdown if em is not None else 1.0
+
+    # -- memory --------------------------------------------------------------------------------------
+
+    @_memo
+    def stage_memory(self, device_type: str, tp: int, num_layers: int, first: bool, last: bool,
+                     recompute: bool, in_flight: int, zero_degree: int = 1) -> MemoryBreakdown:
+        """Peak bytes on one device of a stage holding ``in_flight`` micro-batches of activations.
+
+        Without recompute every layer keeps its saved tensors per in-flight micro-batch; with recompute
+        only each layer's input is kept, plus one layer's full activations while it is recomputed.
+        The head's logits live only between the last stage's forward and backward of one micro-batch.
+        """
+        prof = self.profiles[device_type]
+        mem = prof.memory
+        lay = self.layer(device_type, tp, recompute)
+        ext = self.extras(device_type, tp, first, last)
+        params = num_layers * lay.params + ext.params
+        if recompute:
+            act = in_flight * num_layers * lay.checkpoint_bytes + lay.activation_bytes
+        else:
+            act = in_flight * num_layers * lay.activation_bytes
+        comp = self.components(device_type, tp)
+        if first:
+            act += in_flight * eval_fit(comp["embedding"].activation_bytes, self.micro_batch, self.seq_len)
+        if last:
+            act += sum(eval_fit(comp[k].activation_bytes, self.micro_batch, self.seq_len) for k in ("norm", "head"))
+        return MemoryBreakdown(params=params * mem.param_bytes, grads=params * mem.grad_bytes,
+                               optimizer=params * mem.optimizer_bytes / max(1, zero_degree),
+                               activations=act, overhead=mem.framework_overhead_gib * GIB)
+
+    def capacity_bytes(self, device: int) -> float:
+        return self.cluster.type_of(device).memory_gib * GIB
+
+    # -- communication -------------------------------------------------------------------------------
+
+    @_memo
+    def link(self, a: int, b: int) -> LinkFit:
+        """Latency and bandwidth between two devices: measured if both types measured this host's
+        links, else the cluster's link bandwidth times the profiles' efficiency."""
+        pa, pb = self.profiles[self._type_of[a]], self.profiles[self._type_of[b]]
+        if self._node_of[a] == self._node_of[b] and pa.comm.p2p is not None and pb.comm.p2p is not None:
+            return LinkFit(max(pa.comm.p2p.latency_s, pb.comm.p2p.latency_s),
+                           min(pa.comm.p2p.bandwidth_gbs, pb.comm.p2p.bandwidth_gbs))
+        eff = min(pa.comm.bandwidth_efficiency, pb.comm.bandwidth_efficiency)
+        return LinkFit(max(pa.comm.p2p_latency_s, pb.comm.p2p_latency_s), self.cluster.bandwidth_gbs(a, b) * eff)
+
+    def boundary_bytes(self) -> float:
+        """Bytes of one micro-batch's hidden states [B, s, h] at a stage boundary (fp32)."""
+        return float(self.micro_batch * self.seq_len * self.model.hidden_size * BOUNDARY_BYTES)
+
+    def p2p_time(self, src: Sequence[int], dst: Sequence[int], nbytes: float | None = None) -> float:
+        """One activation (default: [B, s, h] fp32) from stage ``src`` to ``dst``, one direction."""
+        if nbytes is None:
+            nbytes = self.boundary_bytes()
+        lk = self.link(src[0], dst[0])
+        return lk.latency_s + nbytes / (lk.bandwidth_gbs * 1e9)
+
+    def allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
+        """One ring all-reduce among ``devices``: measured fit for a same-type group on one node when
+        the profile has one for this group size (or the nearest measured size), else per-step latency
+        and the slowest link of the ring."""
+        n = len(devices)
+        if n <= 1:
+            return 0.0
+        types = {self._type_of[d] for d in devices}
+        nodes = {self._node_of[d] for d in devices}
+        measured = [self.profiles[t].comm.allreduce for t in types]
+        if len(nodes) == 1 and all(measured):
+            # Measured among this node's processes: the nearest measured group size, latency scaled by
+            # ring steps; the slowest of the types involved.
+            best = 0.0
+            for fits in measured:
+                size = min(fits, key=lambda k: (abs(k - n), k))
+                fit = fits[size]
+                best = max(best, allreduce_seconds(nbytes, n, fit.latency_s * (n - 1) / (size - 1),
+                                                   fit.bandwidth_gbs))
+            return best
+        ring = list(devices)
+        bw = min(self.link(ring[i], ring[(i + 1) % n]).bandwidth_gbs for i in range(n))
+        lat = max(self.profiles[t].comm.allreduce_latency_s for t in types) * 2 * (n - 1)
+        return allreduce_seconds(nbytes, n, lat, bw)
+
+    @_memo
+    def _tp_allreduce(self, device_type: str, tp: int, nbytes: float) -> float:
+        """An all-reduce inside a TP group of one type on one node (same-node intra bandwidth)."""
+        if tp <= 1:
+            return 0.0
+        prof = self.profiles[device_type]
+        measured = prof.comm.allreduce
+        if measured:
+            size = min(measured, key=lambda k: (abs(k - tp), k))
+            fit = measured[size]
+            return allreduce_seconds(nbytes, tp, fit.latency_s * (tp - 1) / (size - 1), fit.bandwidth_gbs)
+        dt = self.cluster.device_types[device_type]
+        bw = dt.intra_node_bandwidth_gbs * prof.comm.bandwidth_efficiency
+        return allreduce_seconds(nbytes, tp, prof.comm.allreduce_latency_s * 2 * (tp - 1), bw)
+
+    @_memo
+    def _tp_allgather(self, device_type: str, tp: int, nbytes: float) -> float:
+        """An all-gather of ``nbytes`` (the gathered size) inside a TP group: half an all-reduce's
+        traffic, same per-step latency."""
+        if tp <= 1:
+            return 0.0
+        full = self._tp_allreduce(device_type, tp, nbytes)
+        base = self._tp_allreduce(device_type, tp, 0.0)
+        return base / 2 + (full - base) / 2
+
+    def tensors_per_stage(self, num_layers: int, first: bool, last: bool) -> int:
+        """Parameter tensors a stage holds (one gradient all-reduce call each, per LCM slice)."""
+        return (num_layers * len(self._layer_tensors) + (len(self._embed_tensors) if first else 0)
+                + (len(self._head_tensors) if last else 0))
+
+    def sync_plan(self, strategy: Strategy) -> list[SyncGroup]:
+        """The cross-pipeline gradient sync as the runtime runs it: one fused all-reduce per device group.
+
+        Every pipeline holds every layer (and the embedding and head), each at its own TP degree. Cut
+        the layers into segments where no pipeline changes stage, and each segment's sharded gradients
+        into ``L = lcm(TP degrees)`` slices: slice ``j`` is held by one device per pipeline (TP rank
+        ``j * t / L`` of the stage holding the segment), and those devices all-reduce it together
+        (SplitAllReduce; a plain DP all-reduce when the degrees agree). Slices with the same device
+        group share buckets. Replicated tensors (norms) go with slice 0. Groups come in one global
+        order (first layer, then slice), which every device follows.
+        """
+        key = tuple(tuple((st.devices, st.layers) for st in p.stages) for p in strategy.pipelines)
+        cache = self.__dict__.setdefault("_sync_plans", {})
+        if key not in cache:
+            cache[key] = self._sync_plan(strategy)
+        return list(cache[key])
+
+    def _sync_plan(self, strategy: Strategy) -> tuple[SyncGroup, ...]:
+        pipes = strategy.pipelines
+        if len(pipes) <= 1:
+            return ()
+        m = self.model
+        h = m.hidden_size
+        cuts = sorted({0, m.num_layers} | {b for p in pipes for s in p.stages for b in s.layers})
+        groups: dict[tuple[int, ...], list[float]] = {}   # devices -> [numel, order key]
+        order: dict[tuple[int, ...], tuple[int, int]] = {}
+
+        def holders(layer: int) -> list[Stage]:
+            out = []
+            for p in pipes:
+                for st in p.stages:
+                    if st.layers[0] <= layer < st.layers[1]:
+                        out.append(st)
+                        break
+            return out
+
+        def add(stages: Sequence[Stage], sharded: float, replicated: float, key: int) -> None:
+            lcm = reduce(math.lcm, (st.tp for st in stages), 1)
+            for j in range(lcm):
+                devs = tuple(sorted(st.devices[j * st.tp // lcm] for st in stages))
+                g = groups.setdefault(devs, [0.0])
+                g[0] += sharded / lcm + (replicated if j == 0 else 0.0)
+                order.setdefault(devs, (key, j))
+
+        embed_stages = [p.stages[0] for p in pipes]
+        add(embed_stages, m.vocab_size * h, 0.0, -1)
+        for a, b in zip(cuts, cuts[1:]):
+            n = b - a
+            add(holders(a), n * (m.layer_params() - 2 * h), n * 2 * h, a)
+        add([p.stages[-1] for p in pipes], m.vocab_size * h, h, m.num_layers)
+        return tuple(SyncGroup(devs, numel[0]) for devs, numel in sorted(groups.items(), key=lambda kv: order[kv[0]]))
+
+    def sync_group_time(self, group: SyncGroup) -> float:
+        """One fused all-reduce of a sync group (a call per ``SYNC_BUCKET_BYTES`` bucket)."""
+        nbytes = group.numel * max(self.profiles[self._type_of[d]].memory.grad_bytes for d in group.devices)
+        buckets = max(1, math.ceil(nbytes / SYNC_BUCKET_BYTES))
+        one = self.allreduce_time(list(group.devices), nbytes / buckets)
+        return buckets * one
+
+    def grad_sync_times(self, strategy: Strategy) -> dict[int, float]:
+        """Seconds each device spends in the cross-pipeline gradient sync (its groups one after the
+        other, ignoring waits for slower peers; the simulator plays those out)."""
+        out = {d: 0.0 for d in strategy.devices}
+        for g in self.sync_plan(strategy):
+            t = self.sync_group_time(g)
+            for d in g.devices:
+                out[d] += t
+        return out
+
+    def grad_sync_time(self, strategy: Strategy) -> float:
+        times = self.grad_sync_times(strategy)
+        return max(times.values()) if times else 0.0
+
+    # -- optimizer -----------------------------------------------------------------------------------
+
+    def optimizer_time(self, device_type: str, params: float, zero_degree: int = 1, tensors: int = 0) -> float:
+        """One AdamW step over ``params`` local parameters in ``tensors`` tensors (``params / zero_degree``
+        with ZeRO-1)."""
+        opt = self.profiles[device_type].optimizer
+        return opt.seconds_per_param * params / max(1, zero_degree) + opt.seconds_per_tensor * tensors + opt.fixed_s
+
+    def clip_time(self, devices: Sequence[int]) -> float:
+        """The per-step all-reduce of loss and gradient norm (for clipping) over every device."""
+        if not self.step_allreduce or len(devices) <= 1:
+            return 0.0
+        return self.allreduce_time(list(devices), 8.0)
+
+    # -- whole strategy ------------------------------------------------------------------------------
+
+    def pipeline_estimate(self, strategy: Strategy, pi: int, schedule: Schedule = "1f1b") -> PipelineEstimate:
+        pipe = strategy.pipelines[pi]
+        n = len(pipe.stages)
+        stages = tuple(self.stage(self._type_of[s.devices[0]], s.tp, s.num_layers, k == 0, k == n - 1,
+                                  s.recompute) for k, s in enumerate(pipe.stages))
+        boundary = tuple(self.p2p_time(a.devices, b.devices) + self.p2p_time(b.devices, a.devices)
+                         for a, b in zip(pipe.stages, pipe.stages[1:]))
+        t = pipeline_time([s.forward_s for s in stages], [s.backward_s for s in stages], pipe.micro_batches,
+                          schedule, boundary)
+        return PipelineEstimate(pipe.micro_batches, stages, boundary, t)
+
+    def strategy_memory(self, strategy: Strategy, schedule: Schedule = "1f1b",
+                        zero: bool = False) -> dict[int, MemoryBreakdown]:
+        """Peak memory of every device the strategy uses (ZeRO-1 shards over the pipelines)."""
+        zero_degree = len(strategy.pipelines) if zero else 1
+        out = {}
+        for pipe in strategy.pipelines:
+            n = len(pipe.stages)
+            for k, s in enumerate(pipe.stages):
+                dtype = self._type_of[s.devices[0]]
+                mem = self.stage_memory(dtype, s.tp, s.num_layers, k == 0, k == n - 1, s.recompute,
+                                        in_flight_micro_batches(k, n, pipe.micro_batches, schedule), zero_degree)
+                for d in s.devices:
+                    out[d] = mem
+        return out
+
+    def device_params(self, strategy: Strategy) -> dict[int, tuple[int, int]]:
+        """(local parameters, parameter tensors) of every device the strategy uses."""
+        out = {}
+        for pipe in strategy.pipelines:
+            n = len(pipe.stages)
+            for k, s in enumerate(pipe.stages):
+                params = self.stage(self._type_of[s.devices[0]], s.tp, s.num_layers, k == 0, k == n - 1).params
+                tensors = self.tensors_per_stage(s.num_layers, k == 0, k == n - 1)
+                for d in s.devices:
+                    out[d] = (params, tensors)
+        return out
+
+    def optimizer_times(self, strategy: Strategy, zero: bool = False) -> dict[int, float]:
+        zero_degree = len(strategy.pipelines) if zero else 1
+        return {d: self.optimizer_time(self._type_of[d], n, zero_degree, tensors)
+                for d, (n, tensors) in self.device_params(strategy).items()}
+
+    def mfu(self, step_time_s: float, global_batch: int, devices: Iterable[int]) -> float:
+        """Model FLOPs per second over the datasheet peak of the devices used."""
+        peak = sum(self.cluster.type_of(d).peak_bf16_tflops for d in devices) * 1e12
+        flops = model_flops_per_token(self.model, self.seq_len) * global_batch * self.seq_len
+        return flops / step_time_s / peak if step_time_s > 0 and peak > 0 else 0.0
+
+    def estimate(self, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
+                 zero: bool = False) -> StrategyEstimate:
+        """Closed-form step time and memory of a strategy:
+        ``max over pipelines (pipeline_time) + gradient sync + clip + max over devices (optimizer)``."""
+        pipes = tuple(self.pipeline_estimate(strategy, i, schedule) for i in range(len(strategy.pipelines)))
+        sync = self.grad_sync_time(strategy)
+        opt = max(self.optimizer_times(strategy, zero).values())
+        clip = self.clip_time(strategy.devices)
+        step = max(p.time_s for p in pipes) + sync + clip + opt
+        memory = self.strategy_memory(strategy, schedule, zero)
+        cap = {d: self.cluster.type_of(d).memory_gib for d in memory}
+        oom = tuple(sorted(d for d, m in memory.items() if m.total > cap[d] * GIB))
+        return StrategyEstimate(
+            step_time_s=step, pipelines=pipes, grad_sync_s=sync, optimizer_s=opt + clip,
+            tokens_per_s=global_batch * self.seq_len / step, mfu=self.mfu(step, global_batch, strategy.devices),
+            memory=memory, capacity_gib=cap, oom_devices=oom)

@@ -1,0 +1,375 @@
+"""The device profile format: what one accelerator kind costs, measured or from its datasheet.
+
+One YAML file per device type (format in profiles/README.md). A profile has two layers:
+
+* model-independent figures (``compute``, ``comm``, ``memory``, ``optimizer``): achievable FLOPS,
+  memory bandwidth, per-op overhead, link latency. Spec profiles have only these, derived from
+  datasheet figures times an achievable-efficiency factor; the cost model turns them into per-component
+  costs for any model.
+* ``models``: per measured model shape, per TP degree, per component (embedding, attention, mlp, norm,
+  head) fits of forward time, backward time and saved-activation bytes. For a micro-batch of ``B``
+  sequences of length ``s`` a fit ``[a, b, c]`` means ``a*B*s^2 + b*B*s + c``: the quadratic term is
+  per sequence (attention), the linear one per token, the constant per call (dispatch overhead).
+
+Loading rule (``resolve_profiles``): per device type, a measured profile overrides a spec one; among
+equals, directories given first win over the shipped ``profiles/``; a type with no profile at all gets a
+spec profile derived from the cluster's own datasheet figures. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from runtime.errors import Checker, Problem, SpecError
+from runtime.spec.cluster import DeviceType
+from runtime.spec.io import atomic_write_text, dump_yaml, read_yaml
+from runtime.spec.model import ModelSpec
+from runtime.spec.schema import build, to_data
+
+PROFILE_VERSION = 1
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
+COMPONENTS = ("embedding", "attention", "mlp", "norm", "head")
+Provenance = Literal["measured", "spec"]
+Fit = tuple[float, float, float]
+
+
+def eval_fit(fit: Fit, micro_batch: float, seq_len: float) -> float:
+    """``a*B*s^2 + b*B*s + c`` for B sequences of length s."""
+    a, b, c = fit
+    return (a * seq_len + b) * seq_len * micro_batch + c
+
+
+@dataclass(frozen=True)
+class ComponentFit:
+    """One component (one instance of it, on one TP shard) at one TP degree."""
+
+    forward_s: Fit
+    backward_s: Fit
+    activation_bytes: Fit   # tensors saved for backward, per micro-batch
+    params: int             # local parameters of one instance (per shard)
+    residual: float = 0.0   # largest relative error of the time fits over the measured points
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.check(self.params >= 0, "params", f"must not be negative, got {self.params}")
+        c.check(self.residual >= 0, "residual", f"must not be negative, got {self.residual}")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True)
+class MeasuredModel:
+    """Component fits for one model shape (matched on these sizes, never on the model's name)."""
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    micro_batch: int
+    seq_lens: tuple[int, ...]
+    tp: Mapping[int, Mapping[str, ComponentFit]]
+    # Per TP degree > 1: what the runtime's TP layer (DTensor dispatch and its collectives) adds to one
+    # decoder layer over the plain local shard, measured among local processes. Absent: the cost model
+    # counts the collectives from the link figures instead.
+    tp_overhead: Mapping[int, ComponentFit] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.check(len(self.seq_lens) >= 1, "seq_lens", "must list the measured sequence lengths")
+        c.check(len(self.tp) >= 1, "tp", "must hold at least one TP degree")
+        for t, comps in self.tp.items():
+            c.check(t >= 1, f"tp.{t}", "TP degree must be at least 1")
+            missing = [k for k in COMPONENTS if k not in comps]
+            unknown = [k for k in comps if k not in COMPONENTS]
+            if missing:
+                c.add(f"tp.{t}", f"missing component(s) {', '.join(missing)}")
+            for k in unknown:
+                c.add(f"tp.{t}.{k}", f"unknown component (expected one of: {', '.join(COMPONENTS)})")
+        c.raise_if_any()
+
+    def matches(self, model: ModelSpec) -> bool:
+        return (self.hidden_size, self.ffn_hidden_size, self.num_heads, self.num_kv_heads, self.vocab_size) == (
+            model.hidden_size, model.ffn_hidden_size, model.num_heads, model.num_kv_heads, model.vocab_size)
+
+
+@dataclass(frozen=True)
+class ComputeFigures:
+    """What the device's kernels achieve, independent of the model."""
+
+    peak_tflops: float          # dense bf16 (fp16 where there is no bf16); CPUs: measured GEMM rate
+    matmul_efficiency: float    # fraction of peak large training GEMMs reach
+    attention_efficiency: float  # fraction of peak the attention kernel (s^2 part) reaches
+    memory_bandwidth_gbs: float
+    memory_efficiency: float    # fraction of memory bandwidth elementwise kernels reach
+    kernel_overhead_s: float    # fixed cost per kernel / op dispatch
+    flash_attention: bool       # fused attention: no s^2 score matrix kept for backward
+    activation_bytes: int = 2   # bytes per activation element (2: bf16 autocast; 4: fp32)
+    host_cores: int | None = None  # CPU-emulated types: cores of the host their processes share
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        for name in ("peak_tflops", "memory_bandwidth_gbs"):
+            c.check(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+            v = getattr(self, name)
+            c.check(0 < v <= 1, name, f"must be in (0, 1], got {v}")
+        c.check(self.kernel_overhead_s >= 0, "kernel_overhead_s", "must not be negative")
+        c.check(self.activation_bytes in (1, 2, 4), "activation_bytes", "must be 1, 2 or 4")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """``time = latency_s + bytes / (bandwidth_gbs * 1e9)``; for all-reduce, bytes = 2(n-1)/n x size."""
+
+    latency_s: float
+    bandwidth_gbs: float
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.check(self.latency_s >= 0, "latency_s", "must not be negative")
+        c.check(self.bandwidth_gbs > 0, "bandwidth_gbs", f"must be positive, got {self.bandwidth_gbs}")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True)
+class CommFigures:
+    p2p_latency_s: float
+    allreduce_latency_s: float    # per ring step
+    bandwidth_efficiency: float   # fraction of the cluster's link bandwidth collectives reach
+    p2p: LinkFit | None = None    # measured between two local devices of this type
+    allreduce: Mapping[int, LinkFit] = field(default_factory=dict)  # measured, by group size
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.check(self.p2p_latency_s >= 0, "p2p_latency_s", "must not be negative")
+        c.check(self.allreduce_latency_s >= 0, "allreduce_latency_s", "must not be negative")
+        c.check(0 < self.bandwidth_efficiency <= 1, "bandwidth_efficiency", "must be in (0, 1]")
+        for n in self.allreduce:
+            c.check(n >= 2, f"allreduce.{n}", "group size must be at least 2")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True)
+class MemoryFigures:
+    """Bytes per parameter of each kind of state, and what the framework itself takes."""
+
+    param_bytes: float = 4.0        # fp32 weights (bf16 autocast keeps fp32 parameters)
+    grad_bytes: float = 4.0
+    optimizer_bytes: float = 8.0    # AdamW first and second moments; divided by the ZeRO degree
+    framework_overhead_gib: float = 1.0
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "framework_overhead_gib"):
+            c.check(getattr(self, name) >= 0, name, "must not be negative")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True)
+class OptimizerFit:
+    """AdamW step time: ``seconds_per_param * params + seconds_per_tensor * tensors + fixed_s``."""
+
+    seconds_per_param: float
+    fixed_s: float = 0.0
+    seconds_per_tensor: float = 0.0
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.check(self.seconds_per_param >= 0, "seconds_per_param", "must not be negative")
+        c.check(self.fixed_s >= 0, "fixed_s", "must not be negative")
+        c.check(self.seconds_per_tensor >= 0, "seconds_per_tensor", "must not be negative")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the figures come from."""
+
+    note: str = ""
+    host: str | None = None
+    torch_version: str | None = None
+    date: str | None = None
+    derived_from: str | None = None  # e.g. the measured CPU an emulated type was scaled from
+    slowdown: float = 1.0
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    version: int
+    device_type: str
+    provenance: Provenance
+    memory_gib: float
+    compute: ComputeFigures
+    comm: CommFigures
+    memory: MemoryFigures
+    optimizer: OptimizerFit
+    source: Source = field(default_factory=Source)
+    models: Mapping[str, MeasuredModel] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.check(self.version == PROFILE_VERSION, "version",
+                f"unsupported profile version {self.version} (this hspmd reads version {PROFILE_VERSION})")
+        c.check(bool(self.device_type), "device_type", "must not be empty")
+        c.check(self.memory_gib > 0, "memory_gib", f"must be positive, got {self.memory_gib}")
+        c.raise_if_any()
+
+    def measured_model(self, model: ModelSpec) -> MeasuredModel | None:
+        """The measured fits for this model's shape, if any (first match in file order)."""
+        for m in self.models.values():
+            if m.matches(model):
+                return m
+        return None
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    """Parse one profile file; any problem is a SpecError naming the file and the field."""
+    return build(DeviceProfile, read_yaml(path), str(path))
+
+
+def dump_profile(profile: DeviceProfile) -> str:
+    return dump_yaml(to_data(profile))
+
+
+def save_profile(profile: DeviceProfile, path: str | Path) -> None:
+    atomic_write_text(path, dump_profile(profile))
+
+
+def read_profile_dir(directory: str | Path) -> list[tuple[Path, DeviceProfile]]:
+    """Every ``*.yaml`` profile in a directory (not recursive), sorted by file name."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise SpecError([Problem(str(d), "", "profile directory not found")])
+    out: list[tuple[Path, DeviceProfile]] = []
+    problems: list[Problem] = []
+    for p in sorted(d.glob("*.yaml")):
+        try:
+            out.append((p, load_profile(p)))
+        except SpecError as err:
+            problems.extend(err.problems)
+    if problems:
+        raise SpecError(problems)
+    return out
+
+
+# Defaults for a spec profile derived from datasheet figures (see profiles/README.md for why).
+GPU_EFFICIENCY = {"matmul_efficiency": 0.6, "attention_efficiency": 0.4, "memory_efficiency": 0.8}
+CPU_EFFICIENCY = {"matmul_efficiency": 0.5, "attention_efficiency": 0.25, "memory_efficiency": 0.5}
+
+
+def spec_profile(device_type: str, *, peak_tflops: float, hbm_bandwidth_gbs: float, memory_gib: float,
+                 note: str, emulated: bool = False, matmul_efficiency: float | None = None,
+                 attention_efficiency: float | None = None, memory_efficiency: float | None = None,
+                 bandwidth_efficiency: float = 0.75, framework_overhead_gib: float | None = None,
+                 slowdown: float = 1.0) -> DeviceProfile:
+    """A ``provenance: spec`` profile from datasheet figures and achievable-efficiency factors.
+
+    GPUs: bf16 autocast (2-byte activations, fp32 parameters), fused attention, ~8 us per kernel.
+    Emulated CPU devices: fp32 activations, unfused attention, ~30 us per op dispatch.
+    """
+    eff = dict(CPU_EFFICIENCY if emulated else GPU_EFFICIENCY)
+    for k, v in (("matmul_efficiency", matmul_efficiency), ("attention_efficiency", attention_efficiency),
+                 ("memory_efficiency", memory_efficiency)):
+        if v is not None:
+            eff[k] = v
+    compute = ComputeFigures(
+        peak_tflops=peak_tflops, memory_bandwidth_gbs=hbm_bandwidth_gbs,
+        kernel_overhead_s=_round(30e-6 * slowdown) if emulated else 8e-6, flash_attention=not emulated,
+        activation_bytes=4 if emulated else 2, **eff)
+    comm = CommFigures(p2p_latency_s=1e-3 if emulated else 20e-6,
+                       allreduce_latency_s=1e-3 if emulated else 15e-6,
+                       bandwidth_efficiency=bandwidth_efficiency)
+    memory = MemoryFigures(framework_overhead_gib=(0.3 if emulated else 2.0)
+                           if framework_overhead_gib is None else framework_overhead_gib)
+    # AdamW touches ~28 bytes per fp32 parameter (read p, g, m, v; write p, m, v).
+    opt = OptimizerFit(seconds_per_param=_round(28.0 / (hbm_bandwidth_gbs * 1e9 * eff["memory_efficiency"])),
+                       fixed_s=_round(compute.kernel_overhead_s * 20))
+    return DeviceProfile(version=PROFILE_VERSION, device_type=device_type, provenance="spec",
+                         memory_gib=memory_gib, compute=compute, comm=comm, memory=memory, optimizer=opt,
+                         source=Source(note=note, slowdown=slowdown))
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def profile_from_device_type(name: str, dt: DeviceType) -> DeviceProfile:
+    """The fallback for a type with no profile file: the cluster's own datasheet figures."""
+    return spec_profile(name, peak_tflops=dt.peak_bf16_tflops, hbm_bandwidth_gbs=dt.hbm_bandwidth_gbs,
+                        memory_gib=dt.memory_gib, emulated=dt.emulated,
+                        slowdown=dt.emulate.slowdown if dt.emulate is not None else 1.0,
+                        note="derived from the cluster file's datasheet figures (no profile found)")
+
+
+@dataclass(frozen=True)
+class ResolvedProfile:
+    profile: DeviceProfile
+    path: Path | None  # None: derived from the cluster file
+
+    @property
+    def origin(self) -> str:
+        where = str(self.path) if self.path is not None else "cluster datasheet figures"
+        return f"{self.profile.provenance} ({where})"
+
+
+class ProfileSet(Mapping[str, DeviceProfile]):
+    """The profile chosen for each device type of a cluster (read-only mapping by type name)."""
+
+    def __init__(self, resolved: Mapping[str, ResolvedProfile]) -> None:
+        self._resolved = dict(resolved)
+
+    def __getitem__(self, name: str) -> DeviceProfile:
+        return self._resolved[name].profile
+
+    def __iter__(self):
+        return iter(self._resolved)
+
+    def __len__(self) -> int:
+        return len(self._resolved)
+
+    def resolved(self, name: str) -> ResolvedProfile:
+        return self._resolved[name]
+
+
+def resolve_profiles(device_types: Mapping[str, DeviceType] | Iterable[str],
+                     dirs: Sequence[str | Path] = (), *, include_shipped: bool = True) -> ProfileSet:
+    """Choose a profile per device type: measured beats spec; earlier directories beat later ones.
+
+    ``device_types``: a cluster's ``device_types`` (types without any profile then fall back to the
+    cluster's datasheet figures) or bare names (then every type must have a profile file).
+    Two profiles of the same type and provenance in one directory are an error (which one is meant?).
+    """
+    search = [Path(d) for d in dirs]
+    if include_shipped and PROFILES_DIR.is_dir() and all(p.resolve() != PROFILES_DIR for p in search):
+        search.append(PROFILES_DIR)
+    found: dict[tuple[str, str], tuple[int, Path, DeviceProfile]] = {}
+    problems: list[Problem] = []
+    for rank, d in enumerate(search):
+        for path, prof in read_profile_dir(d):
+            key = (prof.device_type, prof.provenance)
+            prev = found.get(key)
+            if prev is not None and prev[0] == rank:
+                problems.append(Problem(str(path), "device_type", f"{prof.provenance} profile of "
+                                        f"{prof.device_type!r} is also in {prev[1]}: keep one"))
+            elif prev is None:
+                found[key] = (rank, path, prof)
+    if problems:
+        raise SpecError(problems)
+    names = list(device_types)
+    out: dict[str, ResolvedProfile] = {}
+    for name in names:
+        hit = found.get((name, "measured")) or found.get((name, "spec"))
+        if hit is not None:
+            out[name] = ResolvedProfile(hit[2], hit[1])
+        elif isinstance(device_types, Mapping):
+            out[name] = ResolvedProfile(profile_from_device_type(name, device_types[name]), None)
+        else:
+            problems.append(Problem(", ".join(str(d) for d in search), "",
+                                    f"no profile for device type {name!r}"))
+    if problems:
+        raise SpecError(problems)
+    return ProfileSet(out)

@@ -1,0 +1,263 @@
+"""The cost model against hand-computed cases: schedule formulas, memory of a known layer, comm."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.cost import (
+    GIB,
+    CostModel,
+    allreduce_seconds,
+    analytic_components,
+    in_flight_micro_batches,
+    model_flops_per_token,
+    pipeline_time,
+)
+from runtime.profiling.profile import (
+    CommFigures,
+    ComponentFit,
+    MeasuredModel,
+    ProfileSet,
+    ResolvedProfile,
+    spec_profile,
+)
+from runtime.spec import load_cluster, load_model
+from runtime.spec.plan import Pipeline, Stage, Strategy
+
+TINY = load_model("llama-tiny")
+CPU4 = load_cluster("cpu-hetero4")
+
+
+def fit(a: float = 0.0, b: float = 0.0, c: float = 0.0) -> tuple[float, float, float]:
+    return (a, b, c)
+
+
+def hand_profile(name: str, *, layer_fwd: float = 1.0, layer_bwd: float = 2.0, extras: bool = False,
+                 act_per_token: float = 100.0, latency: float = 0.0, overhead_gib: float = 0.0):
+    """A measured profile of llama-tiny whose layer costs are round numbers: attention takes
+    ``layer_fwd`` forward and ``layer_bwd`` backward per micro-batch, everything else is free unless
+    ``extras``; attention saves ``act_per_token`` bytes per token."""
+    zero = ComponentFit(fit(), fit(), fit(), params=0)
+    comps = {
+        "attention": ComponentFit(fit(c=layer_fwd), fit(c=layer_bwd), fit(b=act_per_token), params=1000),
+        "mlp": ComponentFit(fit(), fit(), fit(), params=3000),
+        "norm": ComponentFit(fit(), fit(), fit(), params=64),
+        "embedding": ComponentFit(fit(c=0.5), fit(c=0.25), fit(), params=500) if extras else zero,
+        "head": ComponentFit(fit(c=0.75), fit(c=1.5), fit(), params=700) if extras else zero,
+    }
+    measured = MeasuredModel(hidden_size=64, ffn_hidden_size=128, num_heads=8, num_kv_heads=4, vocab_size=256,
+                             micro_batch=1, seq_lens=(64,),
+                             tp={1: comps, 2: {k: dataclasses.replace(v, params=v.params // 2) if k != "norm" else v
+                                               for k, v in comps.items()}})
+    base = spec_profile(name, peak_tflops=1.0, hbm_bandwidth_gbs=10, memory_gib=2, note="test", emulated=True,
+                        framework_overhead_gib=overhead_gib)
+    comm = CommFigures(p2p_latency_s=latency, allreduce_latency_s=latency, bandwidth_efficiency=1.0)
+    opt = dataclasses.replace(base.optimizer, seconds_per_param=1e-6, fixed_s=0.0)
+    return dataclasses.replace(base, provenance="measured", comm=comm, optimizer=opt, models={"tiny": measured})
+
+
+def hand_set(**kw) -> ProfileSet:
+    return ProfileSet({t: ResolvedProfile(hand_profile(t, **kw), None) for t in CPU4.device_types})
+
+
+def cm_for(profiles, micro_batch: int = 1, seq_len: int = 64, step_allreduce: bool = False) -> CostModel:
+    return CostModel(TINY, CPU4, profiles, micro_batch=micro_batch, seq_len=seq_len, step_allreduce=step_allreduce)
+
+
+# -- closed-form schedule ------------------------------------------------------------------------
+
+
+def test_1f1b_formula_hand_computed():
+    # t = f + b = [3, 6, 3]; (m-1) * max + sum = 3 * 6 + 12 = 30; boundaries add once each.
+    assert pipeline_time([1, 2, 1], [2, 4, 2], 4, "1f1b") == 30
+    assert pipeline_time([1, 2, 1], [2, 4, 2], 4, "1f1b", [0.5, 0.25]) == 30.75
+
+
+def test_gpipe_formula_hand_computed():
+    # 1F1B: t = [5, 5] -> 2*5 + 10 = 20. GPipe: 2*(max f 3 + max b 4) + sum f 4 + sum b 6 = 24.
+    assert pipeline_time([1, 3], [4, 2], 3, "1f1b") == 20
+    assert pipeline_time([1, 3], [4, 2], 3, "gpipe") == 24
+
+
+def test_in_flight_micro_batches():
+    assert [in_flight_micro_batches(k, 4, 8) for k in range(4)] == [4, 3, 2, 1]
+    assert [in_flight_micro_batches(k, 4, 2) for k in range(4)] == [2, 2, 2, 1]
+    assert [in_flight_micro_batches(k, 4, 8, "gpipe") for k in range(4)] == [8, 8, 8, 8]
+
+
+def test_allreduce_formula():
+    assert allreduce_seconds(1e9, 1, 1.0, 1.0) == 0.0
+    assert allreduce_seconds(4e9, 4, 0.5, 2.0) == pytest.approx(0.5 + 2 * 3 / 4 * 4 / 2)
+
+
+def test_model_flops_per_token_llama7b():
+    m = load_model("llama-7b")
+    n = m.num_layers * m.layer_params() + m.vocab_size * m.hidden_size
+    assert model_flops_per_token(m, 2048) == 6 * n + 12 * m.num_layers * m.hidden_size * 2048
+    assert 6.5e9 * 6 < model_flops_per_token(m, 2048) < 7.5e9 * 6  # ~6.7B params
+
+
+# -- stage time and memory of a known layer -------------------------------------------------------
+
+
+def test_stage_time_uses_measured_fits():
+    cm = cm_for(hand_set(extras=True))
+    s = cm.stage("cpu-fast", 1, 3, first=True, last=False)
+    assert s.forward_s == pytest.approx(3 * 1.0 + 0.5)
+    assert s.backward_s == pytest.approx(3 * 2.0 + 0.25)
+    s = cm.stage("cpu-fast", 1, 3, first=False, last=True, recompute=True)
+    assert s.forward_s == pytest.approx(3 * 1.0 + 0.75)
+    assert s.backward_s == pytest.approx(3 * (2.0 + 1.0) + 1.5)  # recompute re-runs each layer's forward
+    assert s.params == 3 * (1000 + 3000 + 2 * 64) + 64 + 700   # final norm + head
+
+
+def test_memory_of_a_known_layer():
+    cm = cm_for(hand_set(act_per_token=100.0, overhead_gib=0.25), micro_batch=2, seq_len=64)
+    m = cm.stage_memory("cpu-fast", 1, num_layers=2, first=False, last=False, recompute=False, in_flight=3)
+    params = 2 * (1000 + 3000 + 2 * 64)
+    assert m.params == params * 4 and m.grads == params * 4 and m.optimizer == params * 8
+    assert m.activations == 3 * 2 * (100.0 * 2 * 64)           # in-flight x layers x bytes/token x tokens
+    assert m.overhead == 0.25 * GIB
+    z = cm.stage_memory("cpu-fast", 1, 2, False, False, False, 3, zero_degree=4)
+    assert z.optimizer == params * 8 / 4 and z.params == m.params
+    # Recompute keeps each layer's input [B, s, h] fp32 per micro-batch, plus one layer's activations.
+    r = cm.stage_memory("cpu-fast", 1, 2, False, False, True, 3)
+    assert r.activations == 3 * 2 * (2 * 64 * 64 * 4) + 100.0 * 2 * 64
+
+
+def test_analytic_params_match_parameter_table():
+    for tp in (1, 2, 4):
+        comps = analytic_components(TINY, spec_profile("x", peak_tflops=1, hbm_bandwidth_gbs=1, memory_gib=1,
+                                                       note="").compute, tp)
+        layer = comps["attention"].params + comps["mlp"].params + 2 * comps["norm"].params
+        h = TINY.hidden_size
+        # Sharded q/k/v/o and gate/up/down split by tp, the two norms are duplicated.
+        assert layer == (TINY.layer_params() - 2 * h) // tp + 2 * h
+        assert comps["head"].params == TINY.vocab_size * h // tp
+
+
+def test_analytic_costs_scale_with_peak_and_tp():
+    m = load_model("llama-7b")
+    slow = spec_profile("a", peak_tflops=100, hbm_bandwidth_gbs=2000, memory_gib=80, note="").compute
+    fast = dataclasses.replace(slow, peak_tflops=200)
+    a, b = analytic_components(m, slow, 1)["mlp"], analytic_components(m, fast, 1)["mlp"]
+    # The MLP's per-token term is FLOPs / rate + bytes / bandwidth: doubling the rate halves the first part.
+    flops = 6 * m.hidden_size * m.ffn_hidden_size / (100e12 * slow.matmul_efficiency)
+    assert a.forward_s[1] - b.forward_s[1] == pytest.approx(flops / 2)
+    t2 = analytic_components(m, slow, 2)["mlp"]
+    assert t2.forward_s[1] == pytest.approx(a.forward_s[1] / 2)
+    att = analytic_components(m, slow, 1)["attention"]
+    assert att.forward_s[0] > 0  # attention is quadratic in sequence length
+
+
+def test_measured_fits_only_for_matching_shape():
+    profiles = hand_set()
+    assert cm_for(profiles).is_measured("cpu-fast", 1)
+    assert not cm_for(profiles).is_measured("cpu-fast", 4)   # TP 4 not measured: analytic
+    big = CostModel(load_model("llama-7b"), CPU4, profiles, micro_batch=1, seq_len=64)
+    assert not big.is_measured("cpu-fast", 1)
+
+
+# -- communication ----------------------------------------------------------------------------------
+
+
+def test_p2p_is_latency_plus_bytes_over_bandwidth():
+    cm = cm_for(hand_set(latency=0.001))
+    nbytes = 1 * 64 * 64 * 4
+    bw = CPU4.bandwidth_gbs(0, 2) * 1.0
+    assert cm.p2p_time((0,), (2,)) == pytest.approx(0.001 + nbytes / (bw * 1e9))
+
+
+def test_tp_collectives_in_stage_time():
+    cm = cm_for(hand_set(latency=0.001))
+    one, two = cm.stage("cpu-fast", 1, 2, False, False), cm.stage("cpu-fast", 2, 2, False, False)
+    assert one.tp_comm_s == 0
+    nbytes = 64 * 64 * 4
+    ar = 0.001 * 2 + nbytes / (2 * 1e9)     # latency per ring step x 2(n-1), then 2(n-1)/n x bytes / bw
+    assert two.tp_comm_s == pytest.approx(2 * 7 * ar)  # 2 layers x (2 forward + 5 backward all-reduces)
+
+
+def test_grad_sync_two_equal_pipelines():
+    cm = cm_for(hand_set(latency=0.0))
+    one = Strategy("one", (Pipeline(8, (Stage((0,), (0, 6)),)),))
+    assert cm.sync_plan(one) == [] and cm.grad_sync_time(one) == 0
+    two = Strategy("two", (Pipeline(4, (Stage((0,), (0, 6)),)), Pipeline(4, (Stage((1,), (0, 6)),))))
+    (group,) = cm.sync_plan(two)                     # everything in one fused all-reduce
+    assert group.devices == (0, 1) and group.numel == TINY.total_params()
+    # Ring of 2: 2(n-1)/n = 1 times the bytes over the link (2 GB/s, efficiency 1), no latency.
+    expect = TINY.total_params() * 4 / (CPU4.bandwidth_gbs(0, 1) * 1e9)
+    assert cm.grad_sync_times(two) == pytest.approx({0: expect, 1: expect})
+
+
+def test_split_allreduce_lcm_slices():
+    cm = cm_for(hand_set(latency=0.001))
+    s = Strategy("mixed", (Pipeline(6, (Stage((0, 1), (0, 6)),)), Pipeline(2, (Stage((2,), (0, 6)),))))
+    g02, g12 = cm.sync_plan(s)
+    h, v = TINY.hidden_size, TINY.vocab_size
+    sharded = 2 * v * h + 6 * (TINY.layer_params() - 2 * h)
+    # Each TP-2 device shares its half with the TP-1 device; replicated norms ride with slice 0.
+    assert (g02.devices, g12.devices) == ((0, 2), (1, 2))
+    assert g02.numel == sharded / 2 + 6 * 2 * h + h and g12.numel == sharded / 2
+    ring = lambda numel: 0.001 * 2 + numel * 4 / (2 * 1e9)   # noqa: E731 (latency x 2(n-1) + bytes / bw)
+    times = cm.grad_sync_times(s)
+    assert times[0] == pytest.approx(ring(g02.numel)) and times[1] == pytest.approx(ring(g12.numel))
+    assert times[2] == pytest.approx(ring(g02.numel) + ring(g12.numel))
+
+
+# -- whole strategy --------------------------------------------------------------------------------
+
+
+def test_estimate_adds_up_and_flags_oom():
+    cm = cm_for(hand_set(extras=True))
+    s = Strategy("s", (Pipeline(4, (Stage((0,), (0, 3)), Stage((1,), (3, 6)))),))
+    est = cm.estimate(s, global_batch=4)
+    p = est.pipelines[0]
+    f = [st.forward_s for st in p.stages]
+    b = [st.backward_s for st in p.stages]
+    assert p.time_s == pytest.approx(3 * max(x + y for x, y in zip(f, b)) + sum(f) + sum(b) + sum(p.boundary_s))
+    assert est.step_time_s == pytest.approx(p.time_s + est.grad_sync_s + est.optimizer_s)
+    assert est.tokens_per_s == pytest.approx(4 * 64 / est.step_time_s)
+    assert est.fits
+    # A model far too big for 2 GiB devices.
+    big = CostModel(load_model("llama-7b"), CPU4, hand_set(), micro_batch=1, seq_len=64)
+    est = big.estimate(Strategy("b", (Pipeline(4, (Stage((0,), (0, 16)), Stage((1,), (16, 32)))),)), 4)
+    assert est.oom_devices == (0, 1)
+    assert est.memory[0].gib > 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.1, 5), st.floats(0.1, 5)), min_size=1, max_size=5), st.integers(1, 12))
+def test_1f1b_never_slower_than_gpipe_formula(stages, m):
+    f, b = [x for x, _ in stages], [y for _, y in stages]
+    assert pipeline_time(f, b, m, "1f1b") <= pipeline_time(f, b, m, "gpipe") + 1e-9
+    assert pipeline_time(f, b, m, "1f1b") >= m * max(x + y for x, y in stages) - 1e-9
+
+
+def test_cost_calls_are_cached_and_fast():
+    cm = CostModel(load_model("llama-32b"), load_cluster("h800-h20-48"),
+                   ProfileSet({t: ResolvedProfile(spec_profile(t, peak_tflops=989, hbm_bandwidth_gbs=3350,
+                                                               memory_gib=80, note=""), None)
+                               for t in ("H800", "H20")}), micro_batch=1, seq_len=4096)
+    a = cm.stage("H800", 8, 30, True, False, False)
+    assert cm.stage("H800", 8, 30, True, False, False) is a
+    assert math.isfinite(a.time_s) and a.time_s > 0
+
+
+def test_measured_tp_overhead_replaces_counted_collectives():
+    ps = hand_set(latency=0.001)
+    over = ComponentFit((0.0, 0.0, 0.01), (0.0, 0.0, 0.02), (0.0, 0.0, 0.0), params=0)
+    ps = ProfileSet({t: ResolvedProfile(dataclasses.replace(
+        ps[t], models={k: dataclasses.replace(m, tp_overhead={2: over}) for k, m in ps[t].models.items()}), None)
+        for t in ps})
+    cm = cm_for(ps)
+    fast = cm.stage("cpu-fast", 2, 3, False, False)
+    assert (fast.tp_forward_s, fast.tp_backward_s) == pytest.approx((3 * 0.01, 3 * 0.02))
+    # An emulated 3x device sleeps after whole compute blocks, the collectives inside them included.
+    slow = cm.stage("cpu-slow", 2, 3, False, False)
+    assert slow.tp_comm_s == pytest.approx(3 * fast.tp_comm_s)
+    assert slow.compute_s == pytest.approx(fast.compute_s)  # the hand profile gives both types equal compute

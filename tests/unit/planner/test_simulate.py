@@ -1,0 +1,218 @@
+"""The discrete-event simulator against the closed forms it must reproduce, and its outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetu_cli.main import cli
+from planner.cost import CostModel, pipeline_time
+from planner.simulate import chrome_trace, schedule_actions, schedule_order, simulate
+from runtime.profiling.profile import (
+    CommFigures,
+    ComponentFit,
+    MeasuredModel,
+    ProfileSet,
+    ResolvedProfile,
+    save_profile,
+    spec_profile,
+)
+from runtime.spec import load_cluster, load_model
+from runtime.spec.plan import Pipeline, Stage, Strategy
+
+TINY = load_model("llama-tiny")
+CPU4 = load_cluster("cpu-hetero4")
+# The same devices with practically infinite link bandwidth: transfers cost only their latency.
+FAST_LINKS = dataclasses.replace(CPU4, device_types={
+    k: dataclasses.replace(v, intra_node_bandwidth_gbs=1e15) for k, v in CPU4.device_types.items()})
+PLANS = Path(__file__).resolve().parents[3] / "configs" / "plans"
+
+
+def profiles(layer_fwd: float = 1.0, layer_bwd: float = 2.0, latency: float = 0.0, extras: bool = False,
+             slow: float = 1.0) -> ProfileSet:
+    """llama-tiny with round-number layer costs; free embedding/head unless ``extras``; ``slow``
+    stretches the cpu-slow type; optimizer 1 us per parameter."""
+    out = {}
+    for t in CPU4.device_types:
+        k = slow if t == "cpu-slow" else 1.0
+        z = ComponentFit((0, 0, 0), (0, 0, 0), (0, 0, 0), params=0)
+        comps = {"attention": ComponentFit((0, 0, layer_fwd * k), (0, 0, layer_bwd * k), (0, 100, 0), params=1000),
+                 "mlp": z, "norm": z,
+                 "embedding": ComponentFit((0, 0, 0.3 * k), (0, 0, 0.1 * k), (0, 0, 0), 10) if extras else z,
+                 "head": ComponentFit((0, 0, 0.4 * k), (0, 0, 0.9 * k), (0, 0, 0), 10) if extras else z}
+        mm = MeasuredModel(64, 128, 8, 4, 256, 1, (64,), {1: comps, 2: comps})
+        base = spec_profile(t, peak_tflops=1, hbm_bandwidth_gbs=10, memory_gib=2, note="t", emulated=True)
+        out[t] = ResolvedProfile(dataclasses.replace(
+            base, provenance="measured", models={"tiny": mm},
+            comm=CommFigures(p2p_latency_s=latency, allreduce_latency_s=latency, bandwidth_efficiency=1.0),
+            optimizer=dataclasses.replace(base.optimizer, seconds_per_param=1e-6, fixed_s=0.0)), None)
+    return ProfileSet(out)
+
+
+def cost_model(ps: ProfileSet, step_allreduce: bool = False) -> CostModel:
+    return CostModel(TINY, FAST_LINKS, ps, micro_batch=1, seq_len=64, step_allreduce=step_allreduce)
+
+
+def chain(m: int, layers: list[int], devices: list[int] | None = None) -> Strategy:
+    devices = devices or list(range(len(layers)))
+    bounds = [sum(layers[:i]) for i in range(len(layers) + 1)]
+    stages = tuple(Stage((d,), (bounds[i], bounds[i + 1])) for i, d in enumerate(devices))
+    return Strategy("s", (Pipeline(m, stages),))
+
+
+def test_schedule_orders():
+    assert schedule_order(0, 2, 3, "1f1b") == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+    assert schedule_order(1, 2, 3, "1f1b") == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    assert schedule_order(0, 2, 2, "gpipe") == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_actions_are_the_runtime_schedule(schedule):
+    from runtime.engine.schedules import Comm, Compute, build_schedule
+
+    for stages, m in ((1, 3), (2, 2), (3, 5), (4, 4)):
+        for k in range(stages):
+            runtime = [(("F" if a.kind == "forward" else "B"), a.micro_batch) if isinstance(a, Compute)
+                       else ("C", tuple((t.kind, t.micro_batch) for t in a.transfers))
+                       for a in build_schedule(schedule, stages, k, m) if isinstance(a, (Comm, Compute))]
+            assert schedule_actions(k, stages, m, schedule) == runtime
+
+
+def test_one_stage_pipeline_equals_cost_model_sum():
+    ps = profiles(extras=True, latency=0.001)
+    cm = cost_model(ps, step_allreduce=True)
+    s = chain(8, [6])
+    r = simulate(cm, s, global_batch=8)
+    stage = cm.stage("cpu-fast", 1, 6, True, True)
+    opt = cm.optimizer_time("cpu-fast", stage.params)
+    assert r.step_time_s == pytest.approx(8 * stage.time_s + opt)
+    assert r.step_time_s == pytest.approx(r.formula_step_time_s)
+    assert r.stages[0].bubble_s == pytest.approx(0.0, abs=1e-12)
+
+
+def test_1f1b_equal_stages_match_formula():
+    # Four equal stages of 1 layer (fwd 1, bwd 2), 6 micro-batches, no communication cost:
+    # (m-1) * max + sum = 5 * 3 + 4 * 3 = 27.
+    cm = cost_model(profiles())
+    r = simulate(cm, chain(6, [1, 1, 1, 1]), global_batch=6)
+    assert r.pipeline_end_s[0] == pytest.approx(27.0)
+    assert r.pipeline_end_s[0] == pytest.approx(pipeline_time([1] * 4, [2] * 4, 6))
+    # The bubble of every stage is the (S-1) * (f+b) fill and drain: 9 of 27 s (+ optimizer wait).
+    assert [round(s.compute_s, 9) for s in r.stages] == [18.0] * 4
+    assert [s.peak_in_flight for s in r.stages] == [4, 3, 2, 1]
+
+
+def test_gpipe_holds_all_micro_batches():
+    cm = cost_model(profiles())
+    one = simulate(cm, chain(6, [1, 1, 1]), 6, "1f1b")
+    gp = simulate(cm, chain(6, [1, 1, 1]), 6, "gpipe")
+    assert [s.peak_in_flight for s in gp.stages] == [6, 6, 6]
+    assert [s.peak_in_flight for s in one.stages] == [3, 2, 1]
+    assert all(g.peak_memory_gib > o.peak_memory_gib for g, o in zip(gp.stages, one.stages))
+    # Equal stages: GPipe and 1F1B take the same time ((m-1)(f+b) + S(f+b)) without comm.
+    assert gp.pipeline_end_s[0] == pytest.approx(one.pipeline_end_s[0])
+
+
+def test_comm_latency_delays_the_pipeline():
+    base = simulate(cost_model(profiles()), chain(4, [3, 3]), 4).step_time_s
+    slow = simulate(cost_model(profiles(latency=0.05)), chain(4, [3, 3]), 4).step_time_s
+    assert slow > base + 2 * 0.05  # at least one forward and one backward transfer on the critical path
+
+
+def test_hetero_pipelines_and_sync_wait_for_slowest():
+    cm = cost_model(profiles(slow=3.0, latency=0.001))
+    s = Strategy("h", (Pipeline(6, (Stage((0, 1), (0, 6)),)),
+                       Pipeline(2, (Stage((2,), (0, 3)), Stage((3,), (3, 6))))))
+    r = simulate(cm, s, 8)
+    fast_end, slow_end = r.pipeline_end_s
+    assert fast_end == pytest.approx(6 * 6 * 3.0 + 6 * cm.stage("cpu-fast", 2, 6, True, True).tp_comm_s)
+    assert r.step_time_s > max(fast_end, slow_end)
+    # The sync: groups {0,2} {1,2} {0,3} {1,3} (TP-2 slices against TP-1 stages). Device 2 runs {0,2} then
+    # {1,2}, device 0 runs {0,2} then {0,3}: {1,3} must wait for both, so three group times in a row.
+    plan = cm.sync_plan(s)
+    assert [g.devices for g in plan] == [(0, 2), (1, 2), (0, 3), (1, 3)]
+    group = cm.sync_group_time(plan[0])
+    opt = max(cm.optimizer_times(s).values())
+    assert r.step_time_s == pytest.approx(max(fast_end, slow_end) + 3 * group + opt, rel=1e-4)
+    assert cm.grad_sync_time(s) == pytest.approx(2 * group, rel=1e-2)  # the closed form: per-device sum
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 4), st.integers(0, 6), st.floats(0.2, 3.0), st.floats(0.2, 3.0))
+def test_equal_stages_property(stages, extra_mb, f, b):
+    m = stages + extra_mb
+    cm = cost_model(profiles(layer_fwd=f, layer_bwd=b))
+    r = simulate(cm, chain(m, [1] * stages), m)
+    assert r.pipeline_end_s[0] == pytest.approx(pipeline_time([f] * stages, [b] * stages, m))
+
+
+def test_chrome_trace_is_complete():
+    cm = cost_model(profiles(latency=0.001))
+    s = chain(3, [3, 3])
+    r = simulate(cm, s, 3)
+    trace = chrome_trace(r, s)
+    json.dumps(trace)
+    xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {(e["pid"], e["tid"], e["name"]) for e in xs}
+    assert sum(1 for e in xs if e["cat"] == "forward") == 6 and sum(1 for e in xs if e["cat"] == "backward") == 6
+    comm = [e["name"] for e in xs if e["cat"] == "p2p"]
+    # 3 activations and 3 gradients, each a send and a receive, in 4 + 4 posted groups.
+    assert len(comm) == 8 and sum(n.count("send") for n in comm) == 6 and sum(n.count("recv") for n in comm) == 6
+    assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in xs) and len(names) == len(xs)
+    assert max(e["ts"] + e["dur"] for e in xs) == pytest.approx(r.step_time_s * 1e6)
+
+
+def test_simulate_cli_json_and_trace(tmp_path: Path):
+    prof = tmp_path / "prof"
+    for name, rp in ((n, profiles().resolved(n)) for n in CPU4.device_types):
+        save_profile(rp.profile, prof / f"{name}.yaml")
+    trace = tmp_path / "t.json"
+    res = CliRunner().invoke(cli, ["simulate", "--plan", str(PLANS / "cpu-hetero4-tiny.yaml"), "--profile",
+                                   str(prof), "--trace", str(trace), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    for key in ("step_time_s", "tokens_per_s", "mfu", "stages", "peak_memory_gib"):
+        assert key in data
+    assert set(data["peak_memory_gib"]) == {"0", "1", "2", "3"}
+    assert data["profiles"]["cpu-fast"].startswith("measured")
+    assert json.loads(trace.read_text())["traceEvents"]
+    res = CliRunner().invoke(cli, ["simulate", "--plan", str(PLANS / "cpu-hetero4-tiny.yaml"), "--profile",
+                                   str(prof)])
+    assert res.exit_code == 0 and "step time" in res.output and "per stage" in res.output
+
+
+def test_simulate_cli_flags_oom(tmp_path: Path):
+    plan = tmp_path / "plan.yaml"
+    text = (PLANS / "cpu-hetero4-symmetric.yaml").read_text().replace("model: llama-tiny", "model: llama-7b")
+    plan.write_text(text.replace("[0, 6]", "[0, 32]").replace("seq_len: 64", "seq_len: 128"))
+    res = CliRunner().invoke(cli, ["simulate", "--plan", str(plan), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["oom_devices"] == [0, 1, 2, 3] and all(s["oom"] for s in data["stages"])
+
+
+def with_cores(ps: ProfileSet, cores: int) -> ProfileSet:
+    return ProfileSet({t: ResolvedProfile(dataclasses.replace(
+        ps[t], compute=dataclasses.replace(ps[t].compute, host_cores=cores)), None) for t in ps})
+
+
+def test_emulated_devices_share_host_cores():
+    dp2 = Strategy("dp", (Pipeline(1, (Stage((0,), (0, 6)),)), Pipeline(1, (Stage((1,), (0, 6)),))))
+    # Two fast devices computing at once: on 2 cores each runs at full speed, on 1 core at half speed.
+    two = simulate(cost_model(with_cores(profiles(), 2)), dp2, 2)
+    one = simulate(cost_model(with_cores(profiles(), 1)), dp2, 2)
+    assert two.pipeline_end_s == pytest.approx((18.0, 18.0)) and two.cpu_hosts == {"cpu0": 2.0}
+    assert one.pipeline_end_s == pytest.approx((36.0, 36.0))
+    # A 3x emulated device does 1/3 of its block on the CPU and sleeps 2x that block's wall time. On one core:
+    # both forwards share it (fast: 6 core-s, slow: 18 / 3 = 6 core-s) and end their CPU work at 12 s; the
+    # fast backward then has the core alone (12 -> 24); the slow one sleeps 2 x 12 = 24 s (-> 36), then
+    # runs its backward alone (12 core-s -> 48) and sleeps 2 x 12 (-> 72).
+    mixed = Strategy("m", (Pipeline(1, (Stage((0,), (0, 6)),)), Pipeline(1, (Stage((2,), (0, 6)),))))
+    r = simulate(cost_model(with_cores(profiles(slow=3.0), 1)), mixed, 2)
+    assert r.pipeline_end_s == pytest.approx((24.0, 72.0))
