@@ -44,7 +44,7 @@ planner can call them millions of times:
 
 Fidelity notes: TP collectives are priced from a profile's measured per-layer TP overhead (DTensor
 dispatch and collectives, ``MeasuredModel.tp_overhead``) when it has one, else counted (2 all-reduces
-forward, 5 backward per layer, as DTensor lays Megatron TP out); on a CPU-emulated device type the TP
+forward, 2 backward per layer, as the runtime lays Megatron TP out); on a CPU-emulated device type the TP
 time inside compute blocks is stretched by its slowdown, because the runtime sleeps after whole compute
 blocks.
 
@@ -84,11 +84,13 @@ GIB = float(2**30)
 
 # Collectives a TP group issues per micro-batch, as the runtime lays TP out with DTensor
 # (runtime/engine/tensor_parallel.py; Megatron layout, no sequence parallelism): in forward, the two
-# row-parallel projections (o_proj, down_proj) all-reduce their outputs; in backward, each of the five
-# column-parallel projections (q, k, v, gate, up) all-reduces its input gradient. The vocab-parallel
+# row-parallel projections (o_proj, down_proj) all-reduce their outputs; in backward, each block's
+# column-parallel projections (q/k/v, gate/up) read one shared replicated input, so their partial input
+# gradients add up locally and one all-reduce per block remains (counted with DTensor's CommDebugMode:
+# 2 forward + 2 backward per layer). The vocab-parallel
 # embedding all-reduces its output; the column-parallel head all-gathers the logits (forward) and
 # all-reduces its input gradient (backward).
-TP_ALLREDUCES_PER_LAYER = (2, 5)
+TP_ALLREDUCES_PER_LAYER = (2, 2)
 # The runtime fuses gradient-sync slices of one device group into buckets of this size
 # (runtime/engine/data_parallel.py BUCKET_BYTES).
 SYNC_BUCKET_BYTES = 32 << 20
