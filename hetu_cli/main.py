@@ -13,6 +13,10 @@ from runtime.errors import HspmdError
 COMMANDS: list[tuple[str, str]] = [
     ("validate", "validate"),
     ("show", "show"),
+    ("train", "train"),
+    ("simulate", "simulate"),
+    ("profile", "profile"),
+    ("plan", "plan"),
 ]
 
 

@@ -27,4 +27,15 @@ strategies:
 YAML
 if hspmd validate "$OUT/broken-plan.yaml"; then echo "expected a failure" >&2; exit 1; fi
 
-act "Not yet in this build: profile, plan, train, replan (see README 'Status')"
+act "2. Train: every device runs its own program (fast devices: whole model, 3 micro-batches each; slow pair: a 2-stage pipeline, 2)"
+echo "devices 2 and 3 emulate a 3x slower chip: each compute block is followed by a sleep of 2x its compute time"
+rm -rf "$OUT/checkpoint"
+hspmd train --plan configs/plans/cpu-hetero4-dp-pp.yaml --strategy dp-pp --steps 30 \
+  --metrics "$OUT/train-metrics.jsonl" --trace "$OUT/trace" --save "$OUT/checkpoint"
+echo "last metrics line: $(tail -n 1 "$OUT/train-metrics.jsonl")"
+
+act "   ... and the checkpoint (full tensors by name) continues under the TP-2 + pipeline plan of act 1"
+hspmd train --plan configs/plans/cpu-hetero4-tiny.yaml --load "$OUT/checkpoint" --steps 10 \
+  --metrics "$OUT/train-metrics-continued.jsonl"
+
+act "Not yet in this build: profile, plan, replan (see README 'Status')"

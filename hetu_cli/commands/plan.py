@@ -1,0 +1,96 @@
+"""``hspmd plan``: the fastest plan that fits, for a model on a (heterogeneous) cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from hetu_cli.output import FORMAT_OPTION, console, emit_json, err_console
+from planner.api import PlanSettings
+from planner.api import plan as run_planner
+from planner.report import print_report, result_json
+from runtime.errors import Problem, SpecError
+from runtime.profiling.profile import resolve_profiles
+from runtime.spec import load_cluster, load_model, save_plan, validate_plan
+from runtime.spec.catalog import resolve_ref
+
+
+def _ref(ref: str, kind: str) -> str:
+    """What the plan file records: a catalog name as is, a path made absolute (the plan may live
+    elsewhere)."""
+    path = resolve_ref(ref, kind)
+    if path is not None and ("/" in ref or ref.endswith((".yaml", ".yml"))):
+        return str(path.resolve())
+    return ref
+
+
+@click.command()
+@click.option("--model", "model_ref", required=True, help="Model (catalog name or path).")
+@click.option("--cluster", "cluster_ref", required=True, help="Cluster (catalog name or path).")
+@click.option("--profile", "profile_dirs", multiple=True, type=click.Path(path_type=Path),
+              help="Directory of device profiles (repeatable; before the shipped profiles/). "
+                   "A measured profile overrides a spec one.")
+@click.option("--global-batch", type=click.IntRange(min=1), required=True, help="Sequences per step.")
+@click.option("--seq-len", type=click.IntRange(min=1), required=True, help="Tokens per sequence.")
+@click.option("--micro-batch", type=click.IntRange(min=1),
+              help="Sequences per micro-batch (default: the planner chooses among 1, 2, 4).")
+@click.option("--elastic", is_flag=True,
+              help="Keep every parameter on >= 2 pipelines (failure recovery); turns ZeRO-1 off.")
+@click.option("--zero/--no-zero", "use_zero", default=None,
+              help="ZeRO-1 (optimizer states sharded over the pipelines). Default: on, off with --elastic.")
+@click.option("--time-limit", "time_limit", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
+              help="Seconds the search may take (it stops early and keeps what it found).")
+@click.option("--top-k", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Near-best candidates to list.")
+@click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), help="Write the plan here (YAML).")
+@click.option("--symmetric-out", "symmetric_path", type=click.Path(path_type=Path),
+              help="Also write the best symmetric baseline as a plan here (to measure it with hspmd train).")
+@FORMAT_OPTION
+def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], global_batch: int, seq_len: int,
+         micro_batch: int | None, elastic: bool, use_zero: bool | None, time_limit: float, top_k: int,
+         out_path: Path | None, symmetric_path: Path | None, fmt: str) -> None:
+    """Search TP groups, pipelines, layer splits (ILP), micro-batches (ILP) and recompute for the fastest
+    plan that fits memory; compare it with the best symmetric plans and the lower bound."""
+    for path in (out_path, symmetric_path):
+        if path is not None and path.is_dir():
+            raise SpecError([Problem(str(path), "", "is a directory; give a file name for the plan")])
+    model = load_model(model_ref, file="--model", field="")
+    cluster = load_cluster(cluster_ref, file="--cluster", field="")
+    profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
+    settings = PlanSettings(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch, elastic=elastic,
+                            use_zero=use_zero, time_limit_s=time_limit, top_k=top_k)
+    err = err_console()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task("planning", total=None)
+
+        def progress(phase: str, done: int, total: int) -> None:
+            bar.update(task, description=phase, completed=done, total=total)
+
+        result = run_planner(model, cluster, profiles, settings, progress=progress)
+    refs = (_ref(model_ref, "models"), _ref(cluster_ref, "clusters"))
+    planned = result.to_plan(*refs)
+    symmetric = result.baseline_plan(result.symmetric, *refs)
+    if symmetric_path is not None and symmetric is None:
+        raise SpecError([Problem("--symmetric-out", "", f"no symmetric plan to write: {result.symmetric.description}")])
+    for p, path in ((planned, out_path), (symmetric, symmetric_path)):
+        problems = [] if p is None else validate_plan(p, model, cluster, str(path or "plan"))
+        if problems:   # a planner bug, not a user error: refuse to write it
+            raise RuntimeError("planner produced an invalid plan: " + "; ".join(str(x) for x in problems))
+    if out_path is not None:
+        save_plan(planned, out_path)
+    if symmetric_path is not None and symmetric is not None:
+        save_plan(symmetric, symmetric_path)
+    written = None if out_path is None else str(out_path)
+    if fmt == "json":
+        out = result_json(result, planned, written)
+        out["symmetric_output"] = None if symmetric_path is None else str(symmetric_path)
+        emit_json(out)
+        return
+    con = console()
+    print_report(con, result, written)
+    if symmetric_path is not None:
+        con.print(f"symmetric baseline written to [bold]{escape(str(symmetric_path))}[/bold]")

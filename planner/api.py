@@ -1,0 +1,327 @@
+"""The planner's entry point: ``plan(model, cluster, profiles, settings)`` -> ranked candidate plans.
+
+``hspmd plan`` calls it; so does failure recovery, with ``devices=`` the survivors, to get several
+near-best plans (``PlanResult.candidates``, best first, each a distinct strategy with its cost-model
+estimate) and pick the one that moves the least state::
+
+    from planner.api import PlanSettings, plan
+    result = plan(model, cluster, profiles, PlanSettings(global_batch=64, seq_len=4096),
+                  devices=survivors)
+    for cand in result.candidates:            # best first
+        cand.strategy, cand.estimate.step_time_s, cand.micro_batch, cand.idle_devices
+    result.to_plan(model_ref, cluster_ref)    # a runtime.spec Plan (the best candidate)
+
+Raises ``InfeasibleError`` (exit 2 in the CLI) with a sentence saying why and what would fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from planner.baselines import Baseline, LowerBound, best_symmetric, best_symmetric_subset, lower_bound
+from planner.cost import GIB, CostModel
+from planner.layer_split import feasible, slot_costs
+from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, SearchStats, describe, rank, search
+from planner.tp_groups import GroupKind, available, form_groups, tp_choices
+from runtime.errors import InfeasibleError
+from runtime.profiling.profile import DeviceProfile, ProfileSet
+from runtime.spec.cluster import Cluster
+from runtime.spec.model import ModelSpec
+from runtime.spec.plan import PLAN_VERSION, Plan, Strategy, TrainingSettings
+
+MICRO_BATCH_GAIN = 0.03
+
+__all__ = ["PlanSettings", "PlanResult", "Candidate", "plan", "strategy_estimates"]
+
+
+@dataclass(frozen=True)
+class IdleGroup:
+    device_type: str
+    devices: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    model: ModelSpec
+    cluster: Cluster
+    settings: PlanSettings
+    devices: tuple[int, ...]                 # the devices the planner could use
+    candidates: tuple[Candidate, ...]        # best first, distinct strategies
+    symmetric: Baseline
+    symmetric_subset: Baseline
+    lower_bound: LowerBound
+    idle: tuple[IdleGroup, ...]              # the best plan's idle devices, by type, with why
+    solver_time_s: float
+    stats: SearchStats = field(default_factory=SearchStats)
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    @property
+    def efficiency(self) -> float:
+        """Lower bound / predicted step time (1.0 would be perfect)."""
+        return self.lower_bound.step_time_s / self.best.step_time_s
+
+    def speedup(self, baseline: Baseline) -> float | None:
+        t = baseline.step_time_s
+        return None if t is None else t / self.best.step_time_s
+
+    def to_plan(self, model_ref: str, cluster_ref: str, index: int = 0) -> Plan:
+        """A plan file's content: candidate ``index`` (0: the best) as strategy 'planned', estimates filled."""
+        cand = self.candidates[index]
+        strategy = dataclasses.replace(cand.strategy, name="planned", estimates=strategy_estimates(cand.estimate))
+        return self._plan(model_ref, cluster_ref, cand.micro_batch, strategy)
+
+    def baseline_plan(self, baseline: Baseline, model_ref: str, cluster_ref: str) -> Plan | None:
+        """A baseline as a plan file of its own (its micro-batch size may differ from the planned one), to
+        measure it with ``hspmd train``; None when the baseline has no feasible layout."""
+        if baseline.strategy is None or baseline.estimate is None or baseline.micro_batch is None:
+            return None
+        strategy = dataclasses.replace(baseline.strategy, estimates=strategy_estimates(baseline.estimate))
+        return self._plan(model_ref, cluster_ref, baseline.micro_batch, strategy)
+
+    def _plan(self, model_ref: str, cluster_ref: str, micro_batch: int, strategy: Strategy) -> Plan:
+        s = self.settings
+        training = TrainingSettings(global_batch=s.global_batch, micro_batch=micro_batch, seq_len=s.seq_len,
+                                    zero=s.zero, schedule="1f1b", seed=s.seed, optimizer=s.optimizer)
+        return Plan(version=PLAN_VERSION, model=model_ref, cluster=cluster_ref, training=training,
+                    strategies=(strategy,))
+
+
+def strategy_estimates(est) -> dict[str, float]:
+    peak = max((m.gib for m in est.memory.values()), default=0.0)
+    return {"step_time_s": round(est.step_time_s, 6), "tokens_per_s": round(est.tokens_per_s, 3),
+            "mfu": round(est.mfu, 6), "grad_sync_s": round(est.grad_sync_s, 6),
+            "optimizer_s": round(est.optimizer_s, 6), "peak_memory_gib": round(peak, 4)}
+
+
+def micro_batch_sizes(settings: PlanSettings) -> list[int]:
+    if settings.micro_batch is not None:
+        return [settings.micro_batch]
+    return [b for b in MICRO_BATCHES if settings.global_batch % b == 0] or [1]
+
+
+def cost_models(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
+                settings: PlanSettings, devices: tuple[int, ...]) -> dict[int, CostModel]:
+    """One cost model per micro-batch size worth searching. A larger micro-batch means fewer micro-batches
+    (more pipeline bubble) and more activation memory; it only pays where it makes a sequence cheaper
+    (per-op overheads amortized), so a size is kept when some device type runs a layer at least
+    ``MICRO_BATCH_GAIN`` cheaper per sequence than at the smallest size."""
+    sizes = micro_batch_sizes(settings)
+    cms = {b: CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len) for b in sizes}
+    if len(sizes) == 1:
+        return cms
+    base = cms[sizes[0]]
+    types = sorted({cluster.device(d).type for d in devices})
+    keep = {sizes[0]: base}
+    for b in sizes[1:]:
+        gain = min(cms[b].layer(t, 1).forward_s / b / (base.layer(t, 1).forward_s / sizes[0]) for t in types)
+        if gain < 1.0 - MICRO_BATCH_GAIN:
+            keep[b] = cms[b]
+    return keep
+
+
+def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
+         settings: PlanSettings, *, devices: Iterable[int] | None = None, baselines: bool = True,
+         progress: Progress | None = None) -> PlanResult:
+    """Search for the fastest plans that fit; rank them; score the baselines on the same cost model.
+
+    ``devices``: the usable device ids (default: all; failure recovery passes the survivors). Plans keep
+    the cluster's device ids. ``baselines=False`` skips the symmetric baselines (their fields then say
+    "not computed"); the lower bound is always computed (it is cheap). ``progress(phase, done, total)``
+    is called as the search advances.
+    """
+    t0 = time.perf_counter()
+    devs = tuple(sorted(set(range(cluster.num_devices) if devices is None else devices)))
+    _check_request(model, cluster, settings, devs)
+    cms = cost_models(model, cluster, profiles, settings, devs)
+    candidates, stats = search(cms, settings, devs, progress)
+    if not candidates:
+        if stats.truncated:
+            raise InfeasibleError(f"no plan found within the time limit of {settings.time_limit_s:g} s "
+                                  f"({len(devs)} devices); allow more time (--time-limit)")
+        raise InfeasibleError(diagnose(model, cluster, cms, settings, devs))
+    solver_time = time.perf_counter() - t0
+    # Baselines and bound over every micro-batch size, not only those the search kept: generous to them.
+    every = {b: cms.get(b) or CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len)
+             for b in micro_batch_sizes(settings)}
+    if progress is not None:
+        progress("baselines", 0, 3)
+    mp = settings.min_pipelines
+    if baselines:
+        sym = best_symmetric(every, devs, settings.global_batch, settings.zero, min_pipelines=mp)
+    else:
+        sym = Baseline("symmetric", None, None, None, "not computed")
+    if progress is not None:
+        progress("baselines", 1, 3)
+    if baselines:
+        sub = best_symmetric_subset(every, devs, settings.global_batch, settings.zero, min_pipelines=mp)
+    else:
+        sub = Baseline("symmetric-subset", None, None, None, "not computed")
+    if progress is not None:
+        progress("baselines", 2, 3)
+    lb = lower_bound(every, devs, settings.global_batch)
+    if progress is not None:
+        progress("baselines", 3, 3)
+    # A symmetric plan is a plan too: should one beat the search, it is the answer.
+    for b in (sym, sub):
+        if b.strategy is not None and b.estimate is not None and b.micro_batch is not None:
+            used = set(b.strategy.devices)
+            candidates.append(Candidate(dataclasses.replace(b.strategy, name="planned"), b.estimate, b.micro_batch,
+                                        tuple(d for d in devs if d not in used),
+                                        f"{describe(b.strategy, cluster)} (the {b.name} baseline)"))
+    ranked = rank(candidates)
+    idle = explain_idle(ranked[0], ranked, cluster)
+    top = tuple(ranked[:max(1, settings.top_k)])
+    return PlanResult(model, cluster, settings, devs, top, sym, sub, lb, idle, solver_time, stats)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Infeasible requests: say why and what would fit.
+
+
+def _check_request(model: ModelSpec, cluster: Cluster, settings: PlanSettings, devs: tuple[int, ...]) -> None:
+    if not devs:
+        raise InfeasibleError("no devices to plan on")
+    bad = [d for d in devs if not 0 <= d < cluster.num_devices]
+    if bad:
+        raise InfeasibleError(f"device(s) {bad} are not in cluster {cluster.name!r} "
+                              f"(devices 0-{cluster.num_devices - 1})")
+    if settings.seq_len > model.max_seq_len:
+        raise InfeasibleError(f"sequence length {settings.seq_len} exceeds {model.name}'s max_seq_len "
+                              f"{model.max_seq_len}")
+    b = settings.micro_batch
+    if b is not None and (b < 1 or settings.global_batch % b):
+        raise InfeasibleError(f"micro-batch {b} does not divide the global batch {settings.global_batch}")
+    if settings.elastic and settings.global_batch < 2 * (b or 1):
+        raise InfeasibleError(f"--elastic needs at least 2 pipelines, hence a global batch of at least "
+                              f"{2 * (b or 1)} sequences (got {settings.global_batch})")
+    if settings.elastic and settings.use_zero:
+        raise InfeasibleError("--elastic keeps a full optimizer state on every pipeline: it cannot be combined "
+                              "with ZeRO-1")
+    if settings.elastic and len(devs) < 2:
+        raise InfeasibleError("--elastic needs at least 2 devices (every parameter on >= 2 pipelines)")
+
+
+def _min_stages(cm: CostModel, kinds_by_speed: list, model: ModelSpec, settings: PlanSettings, zero_degree: int,
+                max_groups: int) -> int | None:
+    """Fewest stages of one kind that hold the model (None if even ``max_groups`` do not)."""
+    for s in range(1, max_groups + 1):
+        slots = slot_costs(cm, tuple(kinds_by_speed[:1] * s), zero_degree=zero_degree,
+                           recompute=settings.allow_recompute, memory_margin=settings.memory_margin)
+        if feasible(slots, model.num_layers):
+            return s
+    return None
+
+
+def diagnose(model: ModelSpec, cluster: Cluster, cms: Mapping[int, CostModel], settings: PlanSettings,
+             devs: tuple[int, ...]) -> str:
+    """Why no plan was found, and what would fit."""
+    cm = cms[min(cms)]
+    b = cm.micro_batch
+    m_total = settings.global_batch // b
+    zd = 1 if not settings.zero else max(1, min(m_total, len(devs)))
+    # 1. Can the model fit at all? One pipeline through every device, biggest TP groups, most memory first.
+    choices = tp_choices(cluster, model, devs)
+    tp_max = {t: max(v) for t, v in choices.items() if v}
+    groups = form_groups(cluster, model, tp_max, devs)
+    kinds = sorted((g.kind for g in groups), key=lambda k: -cluster.device_types[k.device_type].memory_gib)
+    if not kinds:
+        return (f"no TP group can be formed from devices {list(devs)} for {model.name} "
+                f"(TP degrees must divide {model.num_heads} heads and {model.num_kv_heads} kv heads)")
+
+    def fits(n_layers: int) -> bool:
+        if len(kinds) > n_layers:
+            return feasible(slot_costs(cm, tuple(kinds[:n_layers]), zero_degree=1,
+                                       recompute=settings.allow_recompute), n_layers)
+        small = dataclasses.replace(model, num_layers=n_layers)
+        cm_small = CostModel(small, cluster, cm.profiles, micro_batch=b, seq_len=settings.seq_len)
+        return feasible(slot_costs(cm_small, tuple(kinds), zero_degree=1, recompute=settings.allow_recompute),
+                        n_layers)
+
+    mem = sum(cluster.type_of(d).memory_gib for d in devs)
+    if not fits(model.num_layers):
+        lo, hi = 0, model.num_layers
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        need = _model_state_gib(model, cm, 1)
+        per = model.layer_params()
+        head = (f"{model.name} ({model.total_params() / 1e9:.1f}B parameters, ~{need:.0f} GiB of weights, "
+                f"gradients and optimizer states before activations) does not fit in the {mem:.0f} GiB of "
+                f"{len(devs)} device(s) even as one pipeline with recompute: ")
+        if lo == 0:
+            big = kinds[0]
+            one = cm.stage_memory(big.device_type, big.tp, 1, True, True, settings.allow_recompute, 1, 1).gib
+            cap = cluster.device_types[big.device_type].memory_gib
+            return (head + f"one layer with the embedding and head needs {one:.1f} GiB per device even at TP "
+                    f"{big.tp} on {big.device_type} ({cap:g} GiB); use a smaller model or devices with more memory")
+        grow = math.ceil(len(devs) * model.num_layers / lo)
+        return (head + f"at most {lo} of its {model.num_layers} layers (~{lo * per / 1e9:.1f}B parameters) would fit; "
+                f"a cluster of about {grow} such devices, or a model of at most {lo} layers, would fit")
+    # 2. The model fits; the batch is too small for the pipelines that hold it.
+    type_best = {}
+    for t, tps in choices.items():
+        for tp in sorted(tps, reverse=True):
+            n_groups = sum(len(ids) // tp for (_, tt), ids in available(cluster, devs).items() if tt == t)
+            s = _min_stages(cm, [GroupKind(t, tp)], model, settings, 1, n_groups) if n_groups else None
+            if s is not None:
+                type_best[t] = min(type_best.get(t, s), s)
+    min_stages = min(type_best.values()) if type_best else len(kinds)
+    need_mb = settings.min_pipelines * min_stages
+    if m_total < need_mb:
+        return (f"global batch {settings.global_batch} (micro-batch {b}) gives {m_total} micro-batch(es), but the "
+                f"shortest pipeline that holds {model.name} has {min_stages} stage(s) and 1F1B needs a micro-batch "
+                f"per stage{' on each of 2 pipelines (--elastic)' if settings.elastic else ''}: use a global "
+                f"batch of at least {need_mb * b}")
+    return (f"no plan for {model.name} on {len(devs)} device(s) of {cluster.name} fits memory with global batch "
+            f"{settings.global_batch} and sequence length {settings.seq_len} (ZeRO-1 {'on' if settings.zero else 'off'}"
+            f", zero degree up to {zd}); try a shorter sequence, a smaller micro-batch or more devices")
+
+
+def _model_state_gib(model: ModelSpec, cm: CostModel, zero_degree: int) -> float:
+    prof = next(iter(cm.profiles.values()))
+    mem = prof.memory
+    per = mem.param_bytes + mem.grad_bytes + mem.optimizer_bytes / zero_degree
+    return model.total_params() * per / GIB
+
+
+# ---------------------------------------------------------------------------------------------------
+# Idle devices: which, and why (with the numbers of the best plan that does use them).
+
+
+def explain_idle(best: Candidate, ranked: Iterable[Candidate], cluster: Cluster) -> tuple[IdleGroup, ...]:
+    idle = best.idle_devices
+    if not idle:
+        return ()
+    by_type: dict[str, list[int]] = {}
+    for d in idle:
+        by_type.setdefault(cluster.device(d).type, []).append(d)
+    used_types = {cluster.device(d).type for d in best.strategy.devices}
+    out = []
+    for t, ids in sorted(by_type.items()):
+        users = [c for c in ranked if any(d in set(c.strategy.devices) for d in ids)]
+        if users:
+            alt = min(users, key=lambda c: c.step_time_s)
+            a, b = alt.estimate, best.estimate
+            pa, pb = max(p.time_s for p in a.pipelines), max(p.time_s for p in b.pipelines)
+            why = (f"the best plan found that uses them takes {alt.step_time_s:.4g} s/step vs "
+                   f"{best.step_time_s:.4g} s/step without them (slowest pipeline {pa:.4g} vs {pb:.4g} s, "
+                   f"gradient sync {a.grad_sync_s:.3g} vs {b.grad_sync_s:.3g} s): the compute they would take "
+                   f"over is worth less than the pipeline stage, transfers and sync they add")
+        elif t in used_types:
+            why = ("left over after forming this type's TP groups, or more pipelines/stages than the batch's "
+                   "micro-batches can feed; no plan using them scored better")
+        else:
+            why = "no plan that includes them was faster (or fits in memory) in the search"
+        out.append(IdleGroup(t, tuple(ids), why))
+    return tuple(out)

@@ -1,0 +1,237 @@
+"""Non-uniform layer split of one pipeline: how many decoder layers each stage holds, and where to recompute.
+
+Under 1F1B a pipeline with stage times ``t_s`` and ``m`` micro-batches takes ``(m-1)*max_s t_s + sum_s t_s``
+plus its boundary transfers (``planner.cost.pipeline_time``). A stage's time is linear in its layer count
+(``per_layer * n + const``; ``const`` is the embedding on the first stage, norm + head on the last), and its
+memory must fit: stage k of S holds ``S-k`` micro-batches of activations. Both coefficients and the largest
+layer count that fits come from the cost model (``slot_costs``), so the split is optimal for the very
+model that scores the plan.
+
+* ``split_ilp``: the exact ILP (PuLP): minimize ``(m-1)*Z + sum_s t_s`` with ``t_s <= Z``, each stage
+  with or without recompute, ``n_s <= most layers that fit``, ``sum n_s = L``.
+* ``split_fast``: the min-max split by bisection on ``Z`` (each stage takes as many layers as fit under
+  ``Z``), then the remaining freedom spent on the cheapest stages. Used inside the outer search, where
+  thousands of candidate pipelines are compared; the finalists are re-split by the ILP.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pulp
+
+from planner.cost import GIB, CostModel, in_flight_micro_batches
+from planner.solver import solve, var
+from planner.tp_groups import GroupKind
+
+
+@dataclass(frozen=True)
+class SlotCost:
+    """One stage position of a pipeline template. Index 0: without recompute, 1: with recompute."""
+
+    kind: GroupKind
+    first: bool
+    last: bool
+    in_flight: int
+    per_layer_s: tuple[float, float]   # stage seconds per layer, one micro-batch (forward + backward)
+    const_s: float                     # seconds added by the embedding / head, one micro-batch
+    max_layers: tuple[int, int]        # most layers that fit in memory; -1: not even the extras fit
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    layers: tuple[int, ...]
+    recompute: tuple[bool, ...]
+    stage_s: tuple[float, ...]         # per stage, one micro-batch
+
+    @property
+    def max_s(self) -> float:
+        return max(self.stage_s)
+
+    @property
+    def sum_s(self) -> float:
+        return sum(self.stage_s)
+
+    def pipeline_s(self, micro_batches: int, boundary_s: float = 0.0) -> float:
+        return (micro_batches - 1) * self.max_s + self.sum_s + boundary_s
+
+    def ranges(self) -> list[tuple[int, int]]:
+        out, start = [], 0
+        for n in self.layers:
+            out.append((start, start + n))
+            start += n
+        return out
+
+
+def _max_layers(cm: CostModel, kind: GroupKind, first: bool, last: bool, recompute: bool, in_flight: int,
+                zero_degree: int, capacity: float, limit: int) -> int:
+    """Largest n in [0, limit] whose stage memory fits ``capacity`` bytes (-1 if none does)."""
+
+    def fits(n: int) -> bool:
+        mem = cm.stage_memory(kind.device_type, kind.tp, n, first, last, recompute, in_flight, zero_degree)
+        return mem.total <= capacity
+
+    if not fits(0):
+        return -1
+    lo, hi = 0, limit
+    if fits(hi):
+        return hi
+    while hi - lo > 1:   # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def slot_costs(cm: CostModel, kinds: Sequence[GroupKind], *, zero_degree: int = 1, recompute: bool = True,
+               memory_margin: float = 0.0) -> tuple[SlotCost, ...]:
+    """Cost coefficients and memory limits of each stage of a pipeline whose stages are ``kinds`` in order.
+
+    ``recompute=False`` forbids recompute (its limit is set to -1). ``memory_margin``: fraction of each
+    device's memory kept free.
+    """
+    n_stages = len(kinds)
+    limit = cm.model.num_layers
+    cache = cm.__dict__.setdefault("_planner_slot_cache", {})
+    out = []
+    for k, kind in enumerate(kinds):
+        first, last = k == 0, k == n_stages - 1
+        in_flight = in_flight_micro_batches(k, n_stages, n_stages)
+        key = (kind, first, last, in_flight, zero_degree, recompute, memory_margin)
+        hit = cache.get(key)
+        if hit is None:
+            cap = cm.cluster.device_types[kind.device_type].memory_gib * GIB * (1.0 - memory_margin)
+            per, const = [], 0.0
+            for rc in (False, True):
+                one = cm.stage(kind.device_type, kind.tp, 1, first, last, rc)
+                two = cm.stage(kind.device_type, kind.tp, 2, first, last, rc)
+                per.append(two.time_s - one.time_s)
+                if not rc:
+                    const = one.time_s - per[0]
+            nmax = tuple(_max_layers(cm, kind, first, last, rc, in_flight, zero_degree, cap, limit)
+                         if (rc is False or recompute) else -1 for rc in (False, True))
+            hit = cache[key] = SlotCost(kind, first, last, in_flight, (per[0], per[1]), max(0.0, const), nmax)
+        out.append(hit)
+    return tuple(out)
+
+
+def stage_time(slot: SlotCost, n: int, recompute: bool) -> float:
+    return slot.per_layer_s[int(recompute)] * n + slot.const_s
+
+
+def _usable(slot: SlotCost) -> int:
+    return max(slot.max_layers)
+
+
+def feasible(slots: Sequence[SlotCost], num_layers: int) -> bool:
+    """Whether some split fits memory: every stage takes at least one layer, all layers placed."""
+    return len(slots) <= num_layers and all(_usable(s) >= 1 for s in slots) and \
+        sum(_usable(s) for s in slots) >= num_layers
+
+
+def _cap(slot: SlotCost, z: float) -> tuple[int, bool]:
+    """Most layers the stage can take with time <= z, and whether that needs recompute."""
+    best, rc_best = -1, False
+    for rc in (False, True):
+        nmax = slot.max_layers[rc]
+        if nmax < 1:
+            continue
+        per = slot.per_layer_s[rc]
+        n = nmax if per <= 0 else min(nmax, math.floor((z - slot.const_s) / per + 1e-9))
+        if n > best:
+            best, rc_best = n, rc
+    return best, rc_best
+
+
+def split_fast(slots: Sequence[SlotCost], num_layers: int) -> LayerSplit | None:
+    """The split with the smallest slowest stage (exactly), then layers moved to cheap stages."""
+    if not feasible(slots, num_layers):
+        return None
+    lo = max(stage_time(s, 1, s.max_layers[0] < 1) for s in slots)
+    hi = max(stage_time(s, num_layers, s.max_layers[0] < num_layers) for s in slots)
+
+    def enough(z: float) -> bool:
+        total = 0
+        for s in slots:
+            n, _ = _cap(s, z)
+            if n < 1:
+                return False
+            total += n
+        return total >= num_layers
+
+    if not enough(hi):
+        hi *= 2
+    for _ in range(60):
+        if hi - lo <= 1e-9 * max(1.0, hi):
+            break
+        mid = (lo + hi) / 2
+        if enough(mid):
+            hi = mid
+        else:
+            lo = mid
+    z = hi
+    caps = [_cap(s, z) for s in slots]
+    layers = [1] * len(slots)
+    left = num_layers - len(slots)
+    # Fill the cheapest stages first (per-layer time of the option the cap needs), up to their caps.
+    order = sorted(range(len(slots)), key=lambda i: (slots[i].per_layer_s[caps[i][1]], i))
+    for i in order:
+        take = min(left, caps[i][0] - 1)
+        layers[i] += take
+        left -= take
+    if left > 0:
+        return None
+    rec = [layers[i] > slots[i].max_layers[0] for i in range(len(slots))]
+    return LayerSplit(tuple(layers), tuple(rec), tuple(stage_time(s, n, r) for s, n, r in zip(slots, layers, rec)))
+
+
+def split_ilp(slots: Sequence[SlotCost], num_layers: int, micro_batches: int,
+              time_limit: float | None = 10.0, incumbent: LayerSplit | None = None) -> LayerSplit | None:
+    """The split minimizing ``(m-1)*max_s t_s + sum_s t_s`` under each stage's memory limit (PuLP ILP).
+
+    ``incumbent``: a known feasible split (e.g. ``split_fast``); its objective bounds the search, and it is
+    returned if the solver finds nothing better in time.
+    """
+    if not feasible(slots, num_layers):
+        return None
+    m = max(1, micro_batches)
+    bound = None if incumbent is None else incumbent.pipeline_s(m) * (1 + 1e-9) + 1e-12
+    prob = pulp.LpProblem("layer_split", pulp.LpMinimize)
+    z = var(prob, "z", 0)
+    n0, n1, r = [], [], []
+    times = []
+    for i, s in enumerate(slots):
+        cap0, cap1 = max(0, s.max_layers[0]), max(0, s.max_layers[1])
+        a = var(prob, f"n0_{i}", 0, cap0, cat="Integer")
+        b = var(prob, f"n1_{i}", 0, cap1, cat="Integer")
+        x = var(prob, f"r_{i}", cat="Binary")
+        prob += a <= cap0 * (1 - x)
+        prob += b <= cap1 * x
+        prob += a + b >= 1
+        t = s.per_layer_s[0] * a + s.per_layer_s[1] * b + s.const_s
+        prob += t <= z
+        n0.append(a)
+        n1.append(b)
+        r.append(x)
+        times.append(t)
+    prob += pulp.lpSum(n0) + pulp.lpSum(n1) == num_layers
+    prob += (m - 1) * z + pulp.lpSum(times)
+    res = solve(prob, time_limit, objective_bound=bound)
+    if not res.ok:
+        return incumbent
+    layers, rec = [], []
+    for a, b, x in zip(n0, n1, r):
+        rc = round(x.value() or 0) == 1
+        n = round(b.value() or 0) if rc else round(a.value() or 0)
+        layers.append(n)
+        rec.append(rc)
+    if sum(layers) != num_layers or min(layers) < 1:
+        return incumbent
+    out = LayerSplit(tuple(layers), tuple(rec), tuple(stage_time(s, n, rc) for s, n, rc in zip(slots, layers, rec)))
+    if incumbent is not None and incumbent.pipeline_s(m) < out.pipeline_s(m):
+        return incumbent
+    return out

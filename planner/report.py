@@ -1,0 +1,138 @@
+"""What ``hspmd plan`` shows: the plan, its predicted step time against the baselines and the lower bound,
+memory headroom per device, idle devices and why; as rich tables or as one JSON object."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from planner.api import PlanResult
+from planner.baselines import Baseline
+from planner.cost import GIB
+from runtime.spec.plan import Plan
+from runtime.spec.schema import to_data
+
+
+def _baseline_json(result: PlanResult, b: Baseline) -> dict[str, Any]:
+    return {"step_time_s": b.step_time_s, "speedup": result.speedup(b), "micro_batch": b.micro_batch,
+            "description": b.description,
+            "mfu": None if b.estimate is None else b.estimate.mfu}
+
+
+def memory_rows(result: PlanResult, index: int = 0) -> list[dict[str, Any]]:
+    """Per stage of the chosen strategy: devices, peak memory, capacity, headroom."""
+    cand = result.candidates[index]
+    est = cand.estimate
+    rows = []
+    for pi, pipe in enumerate(cand.strategy.pipelines):
+        for si, st in enumerate(pipe.stages):
+            d = st.devices[0]
+            used = est.memory[d].total / GIB
+            cap = est.capacity_gib[d]
+            rows.append({"pipeline": pi, "stage": si, "devices": list(st.devices),
+                         "device_type": result.cluster.device(d).type, "peak_gib": round(used, 3),
+                         "capacity_gib": cap, "headroom_gib": round(cap - used, 3),
+                         "headroom_frac": round((cap - used) / cap, 4)})
+    return rows
+
+
+def result_json(result: PlanResult, plan: Plan, out_path: str | None) -> dict[str, Any]:
+    best = result.best
+    est = best.estimate
+    lb = result.lower_bound
+    return {
+        "plan": to_data(plan),
+        "output": out_path,
+        "step_time_s": est.step_time_s,
+        "tokens_per_s": est.tokens_per_s,
+        "mfu": est.mfu,
+        "micro_batch": best.micro_batch,
+        "summary": best.summary,
+        "baselines": {
+            "symmetric": _baseline_json(result, result.symmetric),
+            "symmetric_subset": _baseline_json(result, result.symmetric_subset),
+            "lower_bound": {"step_time_s": lb.step_time_s, "micro_batch": lb.micro_batch,
+                            "efficiency": result.efficiency, "best_tp": dict(lb.best_tp)},
+        },
+        "solver_time_s": result.solver_time_s,
+        "search": {"truncated": result.stats.truncated, "block_evaluations": result.stats.block_evaluations,
+                   "combinations": result.stats.combinations, "finalists": result.stats.finalists,
+                   "ilps": result.stats.ilps},
+        "memory": memory_rows(result),
+        "idle_devices": [{"device_type": g.device_type, "devices": list(g.devices), "reason": g.reason}
+                         for g in result.idle],
+        "candidates": [{"rank": i + 1, "step_time_s": c.step_time_s, "micro_batch": c.micro_batch,
+                        "summary": c.summary, "idle_devices": list(c.idle_devices)}
+                       for i, c in enumerate(result.candidates)],
+    }
+
+
+def _speedup(result: PlanResult, b: Baseline) -> str:
+    s = result.speedup(b)
+    return "-" if s is None else f"{s:.2f}x"
+
+
+def print_report(con: Console, result: PlanResult, out_path: str | None) -> None:
+    best = result.best
+    est = best.estimate
+    s = result.settings
+    con.print(f"[bold]{escape(result.model.name)}[/bold] on [bold]{escape(result.cluster.name)}[/bold] "
+              f"({len(result.devices)} devices), global batch {s.global_batch} x {s.seq_len} tokens, "
+              f"micro-batch {best.micro_batch}, ZeRO-1 {'off (elastic)' if s.elastic else 'on'}")
+    con.print(f"plan: {escape(best.summary)}")
+    table = Table(title="pipelines x stages (one micro-batch per stage)", title_justify="left")
+    for col in ("pipe", "mb", "stage", "type", "TP", "devices", "layers", "recompute", "stage s", "peak GiB",
+                "cap GiB", "headroom"):
+        table.add_column(col, justify="left" if col in ("type", "devices", "layers") else "right")
+    mem = {(r["pipeline"], r["stage"]): r for r in memory_rows(result)}
+    for pi, (pipe, pe) in enumerate(zip(best.strategy.pipelines, est.pipelines)):
+        for si, (st, sc) in enumerate(zip(pipe.stages, pe.stages)):
+            r = mem[pi, si]
+            devs = st.devices
+            dtext = f"{devs[0]}-{devs[-1]}" if len(devs) > 2 and devs[-1] - devs[0] == len(devs) - 1 else \
+                ",".join(map(str, devs))
+            table.add_row(str(pi) if si == 0 else "", str(pipe.micro_batches) if si == 0 else "", str(si),
+                          r["device_type"], str(st.tp), dtext, f"[{st.layers[0]}, {st.layers[1]})",
+                          "yes" if st.recompute else "", f"{sc.time_s:.4f}", f"{r['peak_gib']:.1f}",
+                          f"{r['capacity_gib']:g}", f"{r['headroom_frac']:.0%}")
+    con.print(table)
+    con.print(f"predicted step time [bold]{est.step_time_s:.4f} s[/bold] ({est.tokens_per_s:,.0f} tokens/s, "
+              f"MFU {est.mfu:.1%}); pipelines {max(p.time_s for p in est.pipelines):.4f} s, gradient sync "
+              f"{est.grad_sync_s:.4f} s, optimizer + clip {est.optimizer_s:.4f} s")
+    base = Table(title="against the baselines (same cost model)", title_justify="left")
+    for col in ("baseline", "configuration", "step s", "planned speedup"):
+        base.add_column(col, justify="left" if col in ("baseline", "configuration") else "right")
+    for b in (result.symmetric, result.symmetric_subset):
+        base.add_row(b.name, escape(b.description), "-" if b.step_time_s is None else f"{b.step_time_s:.4f}",
+                     _speedup(result, b))
+    lb = result.lower_bound
+    base.add_row("lower bound", "all devices at their best compute rate, no comm / bubbles / optimizer",
+                 f"{lb.step_time_s:.4f}", f"efficiency {result.efficiency:.1%}")
+    con.print(base)
+    low = min(memory_rows(result), key=lambda r: r["headroom_frac"])
+    con.print(f"memory: tightest stage is pipeline {low['pipeline']} stage {low['stage']} ({low['device_type']}): "
+              f"{low['peak_gib']:.1f} of {low['capacity_gib']:g} GiB, {low['headroom_frac']:.0%} free")
+    if result.idle:
+        for g in result.idle:
+            con.print(f"[yellow]idle[/yellow] {len(g.devices)} x {escape(g.device_type)} "
+                      f"(devices {','.join(map(str, g.devices))}): {escape(g.reason)}")
+    else:
+        con.print("idle devices: none")
+    if len(result.candidates) > 1:
+        alt = Table(title="near-best candidates", title_justify="left")
+        for col in ("rank", "step s", "mb", "plan"):
+            alt.add_column(col, justify="left" if col == "plan" else "right")
+        for i, c in enumerate(result.candidates):
+            alt.add_row(str(i + 1), f"{c.step_time_s:.4f}", str(c.micro_batch), escape(c.summary))
+        con.print(alt)
+    st = result.stats
+    trunc = " [yellow](time limit reached: search cut short)[/yellow]" if st.truncated else ""
+    con.print(f"searched {st.block_evaluations} pipeline groupings, {st.combinations} combinations, "
+              f"{st.ilps} ILPs in {result.solver_time_s:.2f} s{trunc}")
+    if out_path is not None:
+        con.print(f"plan written to [bold]{escape(out_path)}[/bold]")
+    else:
+        con.print("plan not saved (use -o plan.yaml)")

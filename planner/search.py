@@ -1,0 +1,685 @@
+"""The outer search: which TP degree per device type, which kinds share pipelines, how many pipelines.
+
+Decomposition (each level solved once per distinct sub-problem, then reused):
+
+1. **Type choices**: per device type a TP degree (power of two, same node, dividing heads / kv heads /
+   MLP) and whether a node's left-over devices form smaller groups (``tp_groups``).
+2. **Blocks**: a set of device types whose groups are shared out over ``P`` pipelines
+   (``pipelines.build_pipelines``), in one of two stage orders. A block of one type may also use only
+   ``P x S`` of its groups (``P`` pipelines of ``S`` stages, the rest idle) when the batch is too small
+   for more. Identical pipelines form a class; each class is split once by ``layer_split.split_fast``.
+   Per block, only the candidates on the front of (throughput up, fill-and-drain down) are kept.
+3. **Combination**: the types in use are partitioned into blocks (every set partition of every
+   subset of types: some types may stay idle), one candidate per block; ranked by a fast score: the
+   greedy micro-batch allocation (exact for the fast splits) plus the gradient all-reduce, optimizer
+   and clip priced by the cost model's own ``allreduce_time`` / ``optimizer_time`` / ``clip_time``.
+4. **Realized**: the best combinations (and the best one using each device type) become strategies
+   (fast splits, greedy micro-batches) scored by ``CostModel.estimate``, the same model that scores
+   the baselines.
+5. **Finalists** (the best realized, plus the best one using each type, so that idle devices can be
+   explained with real numbers): each class re-split by the layer-split ILP for the micro-batch counts
+   it may get, counts and splits chosen together by the allocation ILP, re-split for the final count,
+   and scored by ``CostModel.estimate``. Every realized and final strategy is a candidate; the best one
+   per structure (devices per stage, micro-batches) is kept, best first.
+
+The search is deterministic: every enumeration runs in a fixed order and ties break on that order.
+A time limit stops the enumeration early (the result says so) and caps each ILP.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from planner.cost import CostModel, StrategyEstimate
+from planner.layer_split import LayerSplit, slot_costs, split_fast, split_ilp
+from planner.microbatch import Allocation, PipelineClass, TimeOption, allocate_greedy, allocate_ilp
+from planner.pipelines import ORDERS, PipelineLayout, Template, build_pipelines, kind_order
+from planner.tp_groups import GroupKind, TPGroup, form_groups, groups_by_kind, tp_choices
+from runtime.spec.cluster import Cluster
+from runtime.spec.model import ModelSpec
+from runtime.spec.plan import OptimizerSettings, Pipeline, Stage, Strategy
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What the user asks for. ``micro_batch=None`` lets the planner choose among ``MICRO_BATCHES``."""
+
+    global_batch: int
+    seq_len: int
+    micro_batch: int | None = None
+    elastic: bool = False          # every parameter on >= 2 pipelines, ZeRO off (failure recovery)
+    use_zero: bool | None = None   # ZeRO-1 over the pipelines; None: on unless elastic
+    time_limit_s: float = 120.0
+    top_k: int = 5
+    allow_recompute: bool = True
+    memory_margin: float = 0.0     # fraction of each device's memory kept free
+    seed: int = 0
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+
+    @property
+    def zero(self) -> bool:
+        return (not self.elastic) if self.use_zero is None else self.use_zero
+
+    @property
+    def min_pipelines(self) -> int:
+        return 2 if self.elastic else 1
+
+
+MICRO_BATCHES = (1, 2, 4)
+BLOCK_KEEP = 8          # block candidates kept per block (after the Pareto filter)
+COMBOS_REALIZED = 40    # best combinations (by the fast score) realized and scored by the cost model
+COMBOS_FINAL = 6        # best realized plans solved exactly (ILPs)
+TYPE_CHOICES_MULTI = 2  # TP choices per type tried inside mixed blocks
+COMBO_BUDGET = 400      # combinations scored per set partition of the types
+
+
+@dataclass(frozen=True)
+class TypeChoice:
+    device_type: str
+    tp: int
+    remainder: bool = True
+
+
+@dataclass(frozen=True)
+class ClassInfo:
+    """Identical pipelines of a block: same stage kinds, same boundary cost."""
+
+    template: Template
+    boundary_s: float
+    members: tuple[int, ...]   # indices into the block's layouts
+    split: LayerSplit
+
+    def option(self) -> TimeOption:
+        return TimeOption(self.split.max_s, self.split.sum_s - self.split.max_s + self.boundary_s)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockCandidate:
+    """Compared by identity: candidates are built once and shared by the combinations."""
+
+    choice: tuple[TypeChoice, ...]
+    pipelines: int
+    order: str
+    layouts: tuple[PipelineLayout, ...]
+    classes: tuple[ClassInfo, ...]
+    grad_bytes: float                                    # largest gradient of one device (its stage's share)
+    opt_terms: tuple[tuple[str, int, int], ...]          # (device type, params, tensors): the heaviest stages
+    tps: frozenset[int]
+
+    @property
+    def types(self) -> frozenset[str]:
+        return frozenset(c.device_type for c in self.choice)
+
+    @property
+    def rate(self) -> float:
+        """Micro-batches per second at steady state."""
+        return sum(len(c.members) / c.split.max_s for c in self.classes)
+
+    @property
+    def overhead(self) -> float:
+        return sum(len(c.members) * c.option().fixed_s / c.split.max_s for c in self.classes)
+
+    @property
+    def min_micro_batches(self) -> int:
+        return sum(len(c.members) * len(c.template) for c in self.classes)
+
+    @property
+    def devices(self) -> frozenset[int]:
+        return frozenset(d for lay in self.layouts for d in lay.devices)
+
+    @property
+    def rep_devices(self) -> tuple[int, ...]:
+        """One device per pipeline (its first), to price the cross-pipeline gradient all-reduce."""
+        return tuple(lay.groups[0].devices[0] for lay in self.layouts)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One complete strategy with its cost-model estimate."""
+
+    strategy: Strategy
+    estimate: StrategyEstimate
+    micro_batch: int
+    idle_devices: tuple[int, ...]
+    summary: str
+
+    @property
+    def step_time_s(self) -> float:
+        return self.estimate.step_time_s
+
+
+@dataclass
+class SearchStats:
+    block_evaluations: int = 0
+    combinations: int = 0
+    finalists: int = 0
+    ilps: int = 0
+    truncated: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def set_partitions(items: Sequence[str]) -> Iterator[list[tuple[str, ...]]]:
+    """Every partition of ``items`` into non-empty blocks, in a fixed order."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in set_partitions(rest):
+        yield [(first,)] + part
+        for i in range(len(part)):
+            yield part[:i] + [(first,) + part[i]] + part[i + 1:]
+
+
+def _pareto(cands: list[tuple[float, BlockCandidate]], keep: int) -> list[BlockCandidate]:
+    """Sorted by score; drop candidates another beats on rate, fill-and-drain and score alike."""
+    cands.sort(key=lambda x: x[0])
+    out: list[tuple[float, BlockCandidate]] = []
+    for score, c in cands:
+        if any(o.rate >= c.rate and o.overhead <= c.overhead and s <= score for s, o in out):
+            continue
+        out.append((score, c))
+        if len(out) >= keep:
+            break
+    return [c for _, c in out]
+
+
+class Searcher:
+    """One search at one micro-batch size (one cost model)."""
+
+    def __init__(self, cm: CostModel, settings: PlanSettings, devices: Sequence[int], deadline: float,
+                 progress: Progress | None = None) -> None:
+        self.cm = cm
+        self.model: ModelSpec = cm.model
+        self.cluster: Cluster = cm.cluster
+        self.settings = settings
+        self.devices = tuple(sorted(devices))
+        self.deadline = deadline
+        self.progress = progress
+        self.micro_batches = settings.global_batch // cm.micro_batch
+        self.stats = SearchStats()
+        self._groups: dict[tuple[TypeChoice, ...], dict[GroupKind, list[TPGroup]]] = {}
+        self._fast: dict[tuple[Template, int], LayerSplit | None] = {}
+        self._layer_s: dict[GroupKind, float] = {}
+        self._sync_cache: dict[tuple, float] = {}
+        self.clip_s = cm.clip_time(self.devices)
+
+    # -- small helpers -------------------------------------------------------------------------------
+
+    def out_of_time(self) -> bool:
+        if time.perf_counter() > self.deadline:
+            self.stats.truncated = True
+            return True
+        return False
+
+    def layer_s(self, kind: GroupKind) -> float:
+        hit = self._layer_s.get(kind)
+        if hit is None:
+            hit = self._layer_s[kind] = self.cm.stage(kind.device_type, kind.tp, 1, False, False).time_s
+        return hit
+
+    def memory_gib(self, kind: GroupKind) -> float:
+        return self.cluster.device_types[kind.device_type].memory_gib
+
+    def groups(self, choice: tuple[TypeChoice, ...]) -> dict[GroupKind, list[TPGroup]]:
+        hit = self._groups.get(choice)
+        if hit is None:
+            out: dict[GroupKind, list[TPGroup]] = {}
+            for c in choice:
+                gs = form_groups(self.cluster, self.model, {c.device_type: c.tp}, self.devices, c.remainder)
+                for k, v in groups_by_kind(gs).items():
+                    out.setdefault(k, []).extend(v)
+            hit = self._groups[choice] = out
+        return hit
+
+    def zero_degree(self, pipelines: int) -> int:
+        return pipelines if self.settings.zero else 1
+
+    def fast_split(self, template: Template, zero_degree: int) -> LayerSplit | None:
+        key = (template, zero_degree)
+        if key not in self._fast:
+            slots = slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,
+                               memory_margin=self.settings.memory_margin)
+            self._fast[key] = split_fast(slots, self.model.num_layers)
+        return self._fast[key]
+
+    def boundary_s(self, layout: PipelineLayout) -> float:
+        p2p = self.cm.p2p_time
+        gs = layout.groups
+        return sum(p2p(a.devices, b.devices) + p2p(b.devices, a.devices) for a, b in zip(gs, gs[1:]))
+
+    # -- blocks --------------------------------------------------------------------------------------
+
+    def evaluate_block(self, choice: tuple[TypeChoice, ...], pipelines: int, order: str,
+                       stages: int | None = None) -> BlockCandidate | None:
+        """``stages``: use only ``pipelines x stages`` groups (one kind), the rest idle."""
+        self.stats.block_evaluations += 1
+        groups = self.groups(choice)
+        if stages is not None:
+            (kind, gs), = groups.items()
+            if pipelines * stages > len(gs):
+                return None
+            groups = {kind: gs[:pipelines * stages]}
+        ranked = kind_order(list(groups), self.memory_gib, self.layer_s, order)
+        layouts = build_pipelines(groups, pipelines, ranked)
+        if layouts is None or any(len(lay.groups) > self.model.num_layers for lay in layouts):
+            return None
+        zd = self.zero_degree(pipelines)
+        by_class: dict[tuple[Template, float], list[int]] = {}
+        for i, lay in enumerate(layouts):
+            by_class.setdefault((lay.template, round(self.boundary_s(lay), 12)), []).append(i)
+        classes = []
+        for (template, bnd), members in by_class.items():
+            split = self.fast_split(template, zd)
+            if split is None:
+                return None
+            classes.append(ClassInfo(template, bnd, tuple(members), split))
+        grad_bytes, opt_terms = self._terms(classes)
+        tps = frozenset(k.tp for c in classes for k in c.template)
+        return BlockCandidate(choice, pipelines, order, tuple(layouts), tuple(classes), grad_bytes, opt_terms, tps)
+
+    def _terms(self, classes: Sequence[ClassInfo]) -> tuple[float, tuple[tuple[str, int, int], ...]]:
+        """The largest per-device gradient and, per device type, the stages with the most parameters and
+        the most tensors (what the optimizer step's time grows with)."""
+        grad = 0.0
+        opt: dict[tuple[str, int], tuple[int, int]] = {}
+        for c in classes:
+            n_st = len(c.template)
+            for k, (kind, n) in enumerate(zip(c.template, c.split.layers)):
+                first, last = k == 0, k == n_st - 1
+                params = self.cm.stage(kind.device_type, kind.tp, n, first, last).params
+                tensors = self.cm.tensors_per_stage(n, first, last)
+                grad = max(grad, params * self.cm.profiles[kind.device_type].memory.grad_bytes)
+                t = kind.device_type
+                for key, val in (((t, 0), params), ((t, 1), tensors)):
+                    if key not in opt or val > (opt[key][0] if key[1] == 0 else opt[key][1]):
+                        opt[key] = (params, tensors)
+        return grad, tuple(sorted({(t, p, n) for (t, _), (p, n) in opt.items()}))
+
+    def pipeline_counts(self, groups: int) -> list[int]:
+        """Pipeline counts worth trying for a block of ``groups`` TP groups: every stage count's nearest
+        pipeline counts, and the divisors of ``groups`` (even pipelines)."""
+        n_layers = self.model.num_layers
+        top = min(groups, self.micro_batches)
+        out = set()
+        for s in range(1, n_layers + 1):
+            for p in (groups // s, -(-groups // s)):
+                if 1 <= p <= top:
+                    out.add(p)
+        out.update(p for p in range(1, top + 1) if groups % p == 0)
+        return sorted(out)
+
+    # -- combination ---------------------------------------------------------------------------------
+
+    def overheads(self, blocks: Sequence[BlockCandidate]) -> float:
+        """Gradient sync + optimizer + clip of a combination, from the cost model's own pricing: the
+        largest per-device gradient all-reduced over one device of every pipeline, the heaviest
+        optimizer step, the clip all-reduce. A ranking proxy only: realized plans get ``estimate``."""
+        p = sum(b.pipelines for b in blocks)
+        sync = 0.0
+        if p > 1:
+            ring = tuple(d for b in blocks for d in b.rep_devices)
+            nbytes = max(b.grad_bytes for b in blocks)
+            key = (ring, nbytes)
+            sync = self._sync_cache.get(key)
+            if sync is None:
+                sync = self._sync_cache[key] = self.cm.allreduce_time(list(ring), nbytes)
+        zd = self.zero_degree(p)
+        opt = max(self.cm.optimizer_time(t, n, zd, k) for b in blocks for t, n, k in b.opt_terms)
+        return sync + opt + self.clip_s
+
+    def score(self, blocks: Sequence[BlockCandidate]) -> tuple[float, Allocation] | None:
+        """Fast step-time estimate of a combination (greedy allocation over the fast splits)."""
+        p = sum(b.pipelines for b in blocks)
+        if p < self.settings.min_pipelines:
+            return None
+        if sum(b.min_micro_batches for b in blocks) > self.micro_batches:
+            return None
+        classes = [PipelineClass((c.option(),), len(c.template), len(c.members)) for b in blocks for c in b.classes]
+        alloc = allocate_greedy(classes, self.micro_batches)
+        if alloc is None:
+            return None
+        return alloc.makespan_s + self.overheads(blocks), alloc
+
+    # -- the whole search ----------------------------------------------------------------------------
+
+    def run(self) -> list[Candidate]:
+        choices = tp_choices(self.cluster, self.model, self.devices)
+        types = [t for t, tps in choices.items() if tps]
+        m = self.micro_batches
+        # 1. single-type blocks (all groups, or P x S of them), every TP degree.
+        single: dict[str, list[BlockCandidate]] = {t: [] for t in types}
+        jobs: list[tuple[tuple[TypeChoice, ...], int, str, int | None]] = []
+        for t in types:
+            for tp in choices[t]:
+                for rem in (True, False):
+                    choice = (TypeChoice(t, tp, rem),)
+                    gs = self.groups(choice)
+                    total = sum(len(v) for v in gs.values())
+                    if total == 0 or (not rem and len(self.groups((TypeChoice(t, tp),))) == len(gs)):
+                        continue   # rem=False only differs where a node has left-over devices
+                    for p in self.pipeline_counts(total):
+                        jobs.append((choice, p, "memory", None))
+                    if len(gs) == 1:
+                        n_g = total
+                        for s in range(1, self.model.num_layers + 1):
+                            p = min(n_g // s, m // s)
+                            if p >= 1 and p * s < n_g:
+                                jobs.append((choice, p, "memory", s))
+        n_multi = sum(1 for r in range(2, len(types) + 1) for _ in itertools.combinations(types, r))
+        self._report("pipelines (single type)", 0, len(jobs))
+        for i, (choice, p, order, s) in enumerate(jobs):
+            if i % 64 == 0:
+                self._report("pipelines (single type)", i, len(jobs))
+                if self.out_of_time():
+                    break
+            cand = self.evaluate_block(choice, p, order, s)
+            if cand is not None:
+                single[choice[0].device_type].append(cand)
+        self._report("pipelines (single type)", len(jobs), len(jobs))
+        # Share of the batch a block of these types would get, from the single-type throughputs.
+        best_rate = {t: max((c.rate for c in single[t]), default=0.0) for t in types}
+        total_rate = sum(best_rate.values()) or 1.0
+        blocks: dict[frozenset[str], list[BlockCandidate]] = {}
+        for t in types:
+            blocks[frozenset([t])] = self._keep(single[t], best_rate[t] / total_rate)
+        # 2. mixed blocks: the best TP choices per type, every subset of >= 2 types, both stage orders.
+        top_choice: dict[str, list[TypeChoice]] = {}
+        for t in types:
+            # The TP degrees of the type's best own pipelines, then the most efficient per layer. A type
+            # that cannot hold the model alone (small memory) tries every degree.
+            seen: list[TypeChoice] = []
+            for c in blocks[frozenset([t])]:
+                if c.choice[0] not in seen:
+                    seen.append(c.choice[0])
+            by_eff = sorted(choices[t], key=lambda tp: (tp * self.layer_s(GroupKind(t, tp)), tp))
+            for tp in by_eff:
+                if TypeChoice(t, tp) not in seen:
+                    seen.append(TypeChoice(t, tp))
+            top_choice[t] = seen[:TYPE_CHOICES_MULTI] if blocks[frozenset([t])] else seen
+        done = 0
+        for r in range(2, len(types) + 1):
+            for subset in itertools.combinations(types, r):
+                self._report("pipelines (mixed types)", done, n_multi)
+                done += 1
+                if self.out_of_time():
+                    break
+                found: list[BlockCandidate] = []
+                share = sum(best_rate[t] for t in subset) / total_rate
+                for combo in itertools.product(*(top_choice[t] for t in subset)):
+                    gs = self.groups(tuple(combo))
+                    total = sum(len(v) for v in gs.values())
+                    for p in self.pipeline_counts(total):
+                        for order in ORDERS:
+                            cand = self.evaluate_block(tuple(combo), p, order)
+                            if cand is not None:
+                                found.append(cand)
+                blocks[frozenset(subset)] = self._keep(found, share)
+        self._report("pipelines (mixed types)", n_multi, n_multi)
+        # 3. combinations, ranked by the fast score; the best are realized (fast splits, greedy
+        #    micro-batches) and scored by the cost model itself, plus the best one using each type.
+        scored = self.combine(types, blocks)
+        picked: list[tuple[tuple[BlockCandidate, ...], Allocation]] = [(c, a) for _, c, a in scored[:COMBOS_REALIZED]]
+        for t in types:
+            for _, combo, alloc in scored:
+                if any(t in b.types for b in combo):
+                    if all(combo is not c for c, _ in picked):
+                        picked.append((combo, alloc))
+                    break
+        realized: list[tuple[Candidate, tuple[BlockCandidate, ...], Allocation]] = []
+        for i, (combo, alloc) in enumerate(picked):
+            self._report("scoring plans with the cost model", i, len(picked))
+            if i >= COMBOS_FINAL and self.out_of_time():
+                break
+            cand = self.realize(combo, alloc)
+            if cand is not None:
+                realized.append((cand, combo, alloc))
+        self._report("scoring plans with the cost model", len(picked), len(picked))
+        realized.sort(key=lambda x: x[0].step_time_s)
+        # 4. finalists: exact layer splits and micro-batches (ILPs) for the best realized plans and for
+        #    the best one that uses each type (so idle devices can be explained with real numbers).
+        finalists = realized[:COMBOS_FINAL]
+        for t in types:
+            for item in realized:
+                if any(t in b.types for b in item[1]):
+                    if all(item is not f for f in finalists):
+                        finalists.append(item)
+                    break
+        out: list[Candidate] = [c for c, _, _ in realized]
+        for i, (_, combo, alloc) in enumerate(finalists):
+            self._report("exact layer split + micro-batches (ILP)", i, len(finalists))
+            if i >= 1 and self.out_of_time():
+                break
+            cand = self.finalize(combo, alloc)
+            if cand is not None:
+                out.append(cand)
+        self._report("exact layer split + micro-batches (ILP)", len(finalists), len(finalists))
+        self.stats.finalists += len(finalists)
+        return out
+
+    def _alone(self, cand: BlockCandidate, share: float = 1.0) -> float:
+        """Score of a block as if it took ``share`` of the batch alone (for pruning)."""
+        m = max(cand.min_micro_batches, round(self.micro_batches * share))
+        classes = [PipelineClass((c.option(),), len(c.template), len(c.members)) for c in cand.classes]
+        alloc = allocate_greedy(classes, m)
+        if alloc is None:
+            return math.inf
+        return alloc.makespan_s + self.overheads([cand])
+
+    def _keep(self, found: list[BlockCandidate], share: float) -> list[BlockCandidate]:
+        """The block candidates worth combining: the best when the block gets ``share`` of the batch (its
+        expected share next to the other types), and the best when it gets all of it."""
+        out: list[BlockCandidate] = []
+        shares = (share, 1.0) if share < 0.999 else (1.0,)
+        for i, sh in enumerate(shares):
+            scored = [(self._alone(c, sh), n, c) for n, c in enumerate(found)]
+            scored = [(s, c) for s, n, c in sorted(scored, key=lambda x: (x[0], x[1])) if math.isfinite(s)]
+            for c in _pareto(scored, BLOCK_KEEP if i == 0 else BLOCK_KEEP // 2):
+                if all(c is not o for o in out):
+                    out.append(c)
+        return out
+
+    def combine(self, types: Sequence[str], blocks: Mapping[frozenset[str], list[BlockCandidate]]
+                ) -> list[tuple[float, tuple[BlockCandidate, ...], Allocation]]:
+        scored: list[tuple[float, int, tuple[BlockCandidate, ...], Allocation]] = []
+        seq = 0
+        subsets = [s for r in range(1, len(types) + 1) for s in itertools.combinations(types, r)]
+        for si, subset in enumerate(subsets):
+            self._report("combining pipelines", si, len(subsets))
+            for part in set_partitions(list(subset)):
+                lists = [blocks.get(frozenset(b), []) for b in part]
+                if any(not x for x in lists):
+                    continue
+                width = max(2, int(COMBO_BUDGET ** (1.0 / len(lists))))
+                lists = [x[:width] for x in lists]
+                for combo in itertools.product(*lists):
+                    self.stats.combinations += 1
+                    res = self.score(combo)
+                    if res is not None:
+                        scored.append((res[0], seq, tuple(combo), res[1]))
+                    seq += 1
+        self._report("combining pipelines", len(subsets), len(subsets))
+        scored.sort(key=lambda x: (x[0], x[1]))
+        return [(s, c, a) for s, _, c, a in scored]
+
+    # -- realized plans ------------------------------------------------------------------------------
+
+    def _classes(self, combo: Sequence[BlockCandidate], alloc: Allocation
+                 ) -> tuple[list[PipelineLayout], list[tuple[Template, float]], dict, dict]:
+        """Classes over the whole combination (identical template and boundary cost), their members
+        (indices into the layouts) and the largest micro-batch count the allocation gave each."""
+        layouts = [lay for b in combo for lay in b.layouts]
+        keys: list[tuple[Template, float]] = []
+        members: dict[tuple[Template, float], list[int]] = {}
+        most: dict[tuple[Template, float], int] = {}
+        gi = hj = 0
+        for b in combo:
+            for c in b.classes:
+                key = (c.template, c.boundary_s)
+                if key not in members:
+                    keys.append(key)
+                    members[key] = []
+                members[key].extend(gi + i for i in c.members)
+                most[key] = max(most.get(key, 0), max(alloc.per_class[hj]))
+                hj += 1
+            gi += len(b.layouts)
+        return layouts, keys, members, most
+
+    def _candidate(self, layouts: Sequence[PipelineLayout], split_of: Mapping[int, LayerSplit],
+                   mb_of: Mapping[int, int]) -> Candidate | None:
+        pipes = []
+        for idx, lay in enumerate(layouts):
+            sp = split_of[idx]
+            stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc)
+                           for g, r, rc in zip(lay.groups, sp.ranges(), sp.recompute))
+            pipes.append(Pipeline(micro_batches=mb_of[idx], stages=stages))
+        strategy = Strategy(name="planned", pipelines=tuple(pipes))
+        est = self.cm.estimate(strategy, self.settings.global_batch, "1f1b", self.settings.zero)
+        if not est.fits:
+            self.stats.notes.append(f"dropped a plan: the cost model reports OOM on devices {est.oom_devices}")
+            return None
+        used = set(strategy.devices)
+        idle = tuple(d for d in self.devices if d not in used)
+        return Candidate(strategy, est, self.cm.micro_batch, idle, describe(strategy, self.cluster))
+
+    def realize(self, combo: Sequence[BlockCandidate], alloc: Allocation) -> Candidate | None:
+        """The combination as it was scored: fast splits, greedy micro-batch counts; scored by the cost
+        model (its estimate, not the fast score)."""
+        split_of: dict[int, LayerSplit] = {}
+        mb_of: dict[int, int] = {}
+        gi = hj = 0
+        for b in combo:
+            for c in b.classes:
+                for i, mb in zip(c.members, alloc.per_class[hj]):
+                    split_of[gi + i] = c.split
+                    mb_of[gi + i] = mb
+                hj += 1
+            gi += len(b.layouts)
+        layouts = [lay for b in combo for lay in b.layouts]
+        return self._candidate(layouts, split_of, mb_of)
+
+    def finalize(self, combo: Sequence[BlockCandidate], hint: Allocation) -> Candidate | None:
+        """Exact layer splits and micro-batches for a combination, scored by ``CostModel.estimate``: each
+        class offers its fast split and the ILP splits for the micro-batch counts it may get, the
+        allocation ILP picks counts and splits together, then each class is re-split for its count."""
+        layouts, keys, members, hint_m = self._classes(combo, hint)
+        zd = self.zero_degree(len(layouts))
+        m_total = self.micro_batches
+        n_layers = self.model.num_layers
+        limit = max(1.0, min(10.0, self.deadline - time.perf_counter()))
+        options: list[list[LayerSplit]] = []
+        for key in keys:
+            template, _ = key
+            slots = slot_costs(self.cm, template, zero_degree=zd, recompute=self.settings.allow_recompute,
+                               memory_margin=self.settings.memory_margin)
+            fast = split_fast(slots, n_layers)
+            if fast is None:
+                return None
+            found = [fast]
+            for mb in sorted({len(template), hint_m[key]}):
+                self.stats.ilps += 1
+                sp = split_ilp(slots, n_layers, mb, limit, incumbent=fast)
+                if sp is not None and sp not in found:
+                    found.append(sp)
+            options.append(found)
+        classes = [PipelineClass(tuple(TimeOption(s.max_s, s.sum_s - s.max_s + key[1]) for s in opts),
+                                 len(key[0]), len(members[key])) for key, opts in zip(keys, options)]
+        self.stats.ilps += 1
+        alloc = allocate_ilp(classes, m_total, limit)
+        if alloc is None:
+            return None
+        chosen = [opts[o] for opts, o in zip(options, alloc.option)]
+        changed = False
+        for j, key in enumerate(keys):
+            mb = max(alloc.per_class[j])
+            if mb in (hint_m[key], len(key[0])):
+                continue   # already solved for this count
+            slots = slot_costs(self.cm, key[0], zero_degree=zd, recompute=self.settings.allow_recompute,
+                               memory_margin=self.settings.memory_margin)
+            self.stats.ilps += 1
+            sp = split_ilp(slots, n_layers, mb, limit, incumbent=chosen[j])
+            if sp is not None and sp.pipeline_s(mb) < chosen[j].pipeline_s(mb) - 1e-12:
+                chosen[j] = sp
+                changed = True
+        if changed:
+            classes = [PipelineClass((TimeOption(s.max_s, s.sum_s - s.max_s + key[1]),), len(key[0]),
+                                     len(members[key])) for key, s in zip(keys, chosen)]
+            self.stats.ilps += 1
+            again = allocate_ilp(classes, m_total, limit)
+            if again is not None and again.makespan_s <= alloc.makespan_s + 1e-12:
+                alloc = again
+        split_of: dict[int, LayerSplit] = {}
+        mb_of: dict[int, int] = {}
+        for j, key in enumerate(keys):
+            for idx, mb in zip(members[key], alloc.per_class[j]):
+                mb_of[idx] = mb
+                split_of[idx] = chosen[j]
+        return self._candidate(layouts, split_of, mb_of)
+
+    def _report(self, phase: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(phase, done, total)
+
+
+def describe(strategy: Strategy, cluster: Cluster) -> str:
+    """Short text: identical pipelines grouped, e.g. ``2 x [H800/tp1 x4] (m=8) + ...``."""
+    parts: dict[tuple[str, int], int] = {}
+    for p in strategy.pipelines:
+        stages = []
+        for s in p.stages:
+            label = f"{cluster.device(s.devices[0]).type}/tp{s.tp}"
+            if stages and stages[-1][0] == label:
+                stages[-1][1] += 1
+            else:
+                stages.append([label, 1])
+        text = "[" + " > ".join(f"{lab} x{n}" if n > 1 else lab for lab, n in stages) + "]"
+        key = (text, p.micro_batches)
+        parts[key] = parts.get(key, 0) + 1
+    return " + ".join(f"{n} x {t} m={mb}" for (t, mb), n in parts.items())
+
+
+def structure_key(s: Strategy) -> tuple:
+    """Which devices form which stages of which pipeline, and the micro-batch counts; layer splits aside
+    (two splits of one structure are the same plan, one a little worse)."""
+    return tuple((p.micro_batches, tuple(st.devices for st in p.stages)) for p in s.pipelines)
+
+
+def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterable[int],
+           progress: Progress | None = None) -> tuple[list[Candidate], SearchStats]:
+    """Run the search at every micro-batch size in ``cms``; candidates ranked best first, distinct."""
+    start = time.perf_counter()
+    deadline = start + settings.time_limit_s
+    devices = tuple(sorted(devices))
+    stats = SearchStats()
+    found: list[Candidate] = []
+    for b, cm in sorted(cms.items()):
+        def report(phase: str, done: int, total: int, b: int = b) -> None:
+            if progress is not None:
+                progress(f"micro-batch {b}: {phase}", done, total)
+
+        s = Searcher(cm, settings, devices, deadline, report)
+        found.extend(s.run())
+        stats.block_evaluations += s.stats.block_evaluations
+        stats.combinations += s.stats.combinations
+        stats.finalists += s.stats.finalists
+        stats.ilps += s.stats.ilps
+        stats.truncated |= s.stats.truncated
+        stats.notes.extend(s.stats.notes)
+    return rank(found), stats
+
+
+def rank(candidates: Iterable[Candidate]) -> list[Candidate]:
+    """Best first (ties: smaller micro-batch, fewer pipelines, then the order found); one per structure."""
+    ordered = sorted(candidates, key=lambda c: (c.step_time_s, c.micro_batch, len(c.strategy.pipelines)))
+    out, seen = [], set()
+    for c in ordered:
+        k = (c.micro_batch, structure_key(c.strategy))
+        if k not in seen:
+            seen.add(k)
+            out.append(c)
+    return out

@@ -1,0 +1,125 @@
+"""What a training run is asked to do, and what each worker process is told (all picklable)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+FaultKind = Literal["error", "user-error", "exit", "kill", "hang"]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An injected failure (tests, demos): at the start of ``step`` the worker of ``device`` ...
+
+    error: raises RuntimeError (a bug); user-error: raises HspmdError; exit: exits with status 3
+    without a word; kill: SIGKILLs itself; hang: SIGSTOPs itself (only the heartbeat can tell).
+    """
+
+    device: int
+    step: int
+    kind: FaultKind
+
+    def __post_init__(self) -> None:
+        if self.kind not in get_args(FaultKind):
+            raise ValueError(f"unknown fault kind {self.kind!r}")
+        if self.step < 1:
+            raise ValueError(f"fault step must be at least 1, got {self.step}")
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """One ``hspmd train`` run. Steps are numbered from 1; a run loaded from a checkpoint of step k
+    continues with step k + 1 (and its data)."""
+
+    plan: Path
+    strategy: str | None = None  # None: the plan's first strategy
+    steps: int = 10
+    trace_dir: Path | None = None
+    data_file: Path | None = None
+    save_dir: Path | None = None
+    load_dir: Path | None = None
+    timeout_s: float = 120.0  # every store operation, process group and collective
+    heartbeat_s: float = 0.5
+    heartbeat_timeout_s: float = 30.0  # a worker silent this long counts as hung
+    faults: tuple[Fault, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"steps must not be negative, got {self.steps}")
+        if self.timeout_s <= 0 or self.heartbeat_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_s:
+            raise ValueError("timeouts must be positive and heartbeat_timeout_s > heartbeat_s")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one worker process needs besides the store: its device, rank and world."""
+
+    options: TrainOptions
+    strategy: str
+    device_id: int
+    rank: int
+    ranks: Mapping[int, int]  # device id -> rank
+    backend: str  # "gloo" or "nccl"
+    torch_device: str  # "cpu" or "cuda:N"
+    num_threads: int | None = None  # intra-op threads (CPU); None leaves torch's default
+    store_prefix: str = "hspmd/gen0/"  # a later generation (after a failure) gets a fresh prefix
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_reporter(self) -> bool:
+        """Rank 0 writes what is written once per run (checkpoint file, merged trace)."""
+        return self.rank == 0
+
+
+def rank_map(devices: tuple[int, ...] | list[int]) -> dict[int, int]:
+    """Ranks follow device ids: the rank order of every device group is its device order."""
+    return {d: r for r, d in enumerate(sorted(set(devices)))}
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One step as one worker saw it."""
+
+    step: int
+    rank: int
+    device: int
+    loss: float
+    grad_norm: float
+    tokens: int
+    wall_s: float  # train_step wall time on this worker
+    compute_s: float
+    comm_s: float
+    emulation_s: float  # seconds slept to emulate a slower device
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step of the run (what the metrics file and the progress bar show)."""
+
+    step: int
+    loss: float
+    step_time_s: float  # the slowest worker's train_step wall time
+    tokens_per_s: float
+    strategy: str
+    grad_norm: float
+    emulation_s: float  # most any worker slept to emulate slowness this step
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "loss": self.loss, "step_time_s": self.step_time_s,
+                "tokens_per_s": self.tokens_per_s, "strategy": self.strategy, "grad_norm": self.grad_norm,
+                "emulation_s": self.emulation_s}
+
+    @staticmethod
+    def combine(reports: list[StepReport], strategy: str) -> StepRecord:
+        first = min(reports, key=lambda r: r.rank)
+        step_time = max(r.wall_s for r in reports)
+        return StepRecord(step=first.step, loss=first.loss, step_time_s=step_time,
+                          tokens_per_s=first.tokens / step_time if step_time > 0 else 0.0,
+                          strategy=strategy, grad_norm=first.grad_norm,
+                          emulation_s=max(r.emulation_s for r in reports))

@@ -1,0 +1,88 @@
+"""Running as one of torchrun's workers (``torchrun ... -m hetu_cli train --plan PLAN``), for multi-node.
+
+torchrun's agent hosts the store and watches the processes (it stops the others when one fails); each
+worker here maps its rank to a device of the strategy (ranks follow device ids, as under the hspmd
+launcher) and runs the same ``train_worker``. Rank 0 reports steps to its console; the others are quiet.
+The torchrun protocol is its environment variables; they are read in one place (``TorchrunEnv``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from runtime.errors import HspmdError
+from runtime.launch.launcher import select_strategy
+from runtime.launch.options import StepRecord, StepReport, TrainOptions, WorkerSpec, rank_map
+from runtime.launch.worker import NullReporter, train_worker
+from runtime.spec import load_plan_context
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> TorchrunEnv | None:
+        """The worker's place when started by torchrun (its agent sets TORCHELASTIC_RUN_ID), else None."""
+        if "TORCHELASTIC_RUN_ID" not in environ:
+            return None
+        return TorchrunEnv(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"]),
+                           int(environ["LOCAL_WORLD_SIZE"]))
+
+
+class _LocalReporter:
+    def __init__(self, strategy: str, on_step: Callable[[StepRecord], None] | None,
+                 on_log: Callable[[str], None] | None) -> None:
+        self.strategy, self.on_step, self.on_log = strategy, on_step, on_log
+
+    def up(self) -> None:
+        pass
+
+    def step(self, report: StepReport) -> None:
+        if self.on_step is not None:
+            self.on_step(StepRecord.combine([report], self.strategy))
+
+    def log(self, message: str) -> None:
+        if self.on_log is not None:
+            self.on_log(message)
+
+
+def run_torchrun(options: TrainOptions, env: TorchrunEnv, *, on_step: Callable[[StepRecord], None] | None = None,
+                 on_log: Callable[[str], None] | None = None) -> None:
+    """This process's share of a torchrun launch; ``on_step``/``on_log`` are used on rank 0 only."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    ctx = load_plan_context(options.plan)
+    strategy = select_strategy(ctx, options.strategy)
+    devices = sorted(strategy.devices)
+    if env.world_size != len(devices):
+        raise HspmdError(f"{options.plan}: strategy {strategy.name!r} uses {len(devices)} devices, but torchrun "
+                         f"started {env.world_size} processes (--nnodes x --nproc-per-node must equal "
+                         f"{len(devices)})")
+    ranks = rank_map(devices)
+    device = devices[env.rank]  # rank r runs the r-th device of the strategy; its local rank picks the GPU
+    if ctx.cluster.emulated:
+        backend, torch_device = "gloo", "cpu"
+        threads: int | None = max(1, (os.cpu_count() or 1) // env.local_world_size)
+    else:
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() <= env.local_rank:
+            raise HspmdError(f"{options.plan}: cluster {ctx.cluster.name!r} has real GPUs, but local rank "
+                             f"{env.local_rank} has no CUDA device (emulated clusters such as cpu-hetero4 run "
+                             "on CPU)")
+        backend, torch_device, threads = "nccl", f"cuda:{env.local_rank}", None
+    spec = WorkerSpec(options=options, strategy=strategy.name, device_id=device, rank=env.rank, ranks=ranks,
+                      backend=backend, torch_device=torch_device, num_threads=threads)
+    # torchrun's "env://" rendezvous: MASTER_ADDR/PORT, and the agent's own store where it hosts one.
+    store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size,
+                                       timeout=timedelta(seconds=options.timeout_s)))
+    reporter = _LocalReporter(strategy.name, on_step, on_log) if env.rank == 0 else NullReporter()
+    train_worker(spec, store, reporter)

@@ -1,0 +1,64 @@
+"""The one solver entry point: HiGHS by default, CBC as fallback, the same optimum from both; the
+solution status (not PuLP's problem status) decides whether a solution is there."""
+
+from __future__ import annotations
+
+import itertools
+
+import pulp
+import pytest
+
+from planner.solver import make_solver, solve, var
+
+
+def knapsack() -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:
+    values, weights = [10, 13, 7, 8, 4], [5, 6, 3, 4, 2]
+    prob = pulp.LpProblem("knapsack", pulp.LpMaximize)
+    x = [var(prob, f"x{i}", cat="Binary") for i in range(5)]
+    prob += pulp.lpSum(w * xi for w, xi in zip(weights, x)) <= 10
+    prob += pulp.lpSum(v * xi for v, xi in zip(values, x))
+    return prob, x
+
+
+def brute() -> int:
+    values, weights = [10, 13, 7, 8, 4], [5, 6, 3, 4, 2]
+    return max(sum(v for v, b in zip(values, bits) if b) for bits in itertools.product((0, 1), repeat=5)
+               if sum(w for w, b in zip(weights, bits) if b) <= 10)
+
+
+@pytest.mark.parametrize("prefer", ["highs", "cbc"])
+def test_both_solvers_find_the_optimum(prefer):
+    prob, _ = knapsack()
+    res = solve(prob, 10.0, prefer=prefer)
+    assert res.ok and res.optimal
+    assert pulp.value(prob.objective) == brute()
+
+
+def test_default_is_highs_and_quiet():
+    solver = make_solver(5.0)
+    assert isinstance(solver, pulp.HiGHS)
+    assert solver.msg is False and solver.timeLimit == 5.0
+    assert isinstance(make_solver(5.0, prefer="cbc"), pulp.PULP_CBC_CMD)
+
+
+def test_infeasible_problem_is_not_ok():
+    prob = pulp.LpProblem("infeasible", pulp.LpMinimize)
+    x = var(prob, "x", 0, 1, cat="Integer")
+    prob += x >= 2
+    prob += x
+    for prefer in ("highs", "cbc"):
+        assert not solve(prob, 5.0, prefer=prefer).ok
+
+
+def test_objective_bound_prunes_to_nothing_when_the_bound_is_already_optimal():
+    # Minimize x with x >= 3: the bound 3 - 1 admits no solution, which is reported as "no solution".
+    prob = pulp.LpProblem("bounded", pulp.LpMinimize)
+    x = var(prob, "x", 0, 10, cat="Integer")
+    prob += x >= 3
+    prob += x
+    assert solve(prob, 5.0).ok
+    prob2 = pulp.LpProblem("bounded2", pulp.LpMinimize)
+    y = var(prob2, "y", 0, 10, cat="Integer")
+    prob2 += y >= 3
+    prob2 += y
+    assert not solve(prob2, 5.0, objective_bound=2.0).ok

@@ -1,0 +1,183 @@
+"""``hspmd plan`` and ``planner.api.plan``: valid plans that fit, honest baselines and bound, the JSON
+contract, determinism, infeasible requests (exit 2 with what would fit), elastic mode, device subsets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hetu_cli.main import cli
+from planner.api import PlanSettings, plan
+from planner.baselines import symmetric_strategies
+from planner.cost import GIB, CostModel
+from runtime.errors import InfeasibleError
+from runtime.profiling.profile import resolve_profiles
+from runtime.spec import load_cluster, load_model, load_plan, load_plan_context, validate_plan
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY_ARGS = ["--model", "llama-tiny", "--cluster", "cpu-hetero4", "--global-batch", "8", "--seq-len", "64"]
+
+
+def _plan(model: str, cluster: str, **kw):
+    m, c = load_model(model), load_cluster(cluster)
+    return plan(m, c, resolve_profiles(c.device_types), PlanSettings(**kw))
+
+
+@pytest.fixture(scope="module")
+def h800_h20():
+    return _plan("llama-32b", "h800-h20-48", global_batch=64, seq_len=4096)
+
+
+@pytest.fixture(scope="module")
+def hexiscale():
+    return _plan("llama-13b", "hexiscale-mixed", global_batch=32, seq_len=4096)
+
+
+@pytest.mark.parametrize("fixture", ["h800_h20", "hexiscale"])
+def test_every_candidate_is_valid_fits_and_beats_nothing_impossible(fixture, request):
+    result = request.getfixturevalue(fixture)
+    cm = CostModel(result.model, result.cluster, resolve_profiles(result.cluster.device_types),
+                   micro_batch=result.best.micro_batch, seq_len=result.settings.seq_len)
+    assert len(result.candidates) >= 2
+    times = [c.step_time_s for c in result.candidates]
+    assert times == sorted(times)
+    for i, cand in enumerate(result.candidates):
+        p = result.to_plan(result.model.name, result.cluster.name, i)
+        assert validate_plan(p, result.model, result.cluster) == []
+        assert p.training.zero is True
+        est = cand.estimate
+        assert est.fits
+        for d, mem in est.memory.items():
+            assert mem.total <= result.cluster.type_of(d).memory_gib * GIB
+        # The lower bound is a bound, for every plan and for the baselines.
+        assert result.lower_bound.step_time_s < cand.step_time_s
+        if cand.micro_batch == cm.micro_batch:
+            again = cm.estimate(cand.strategy, result.settings.global_batch, "1f1b", True)
+            assert again.step_time_s == pytest.approx(cand.step_time_s, rel=1e-12)
+    for b in (result.symmetric, result.symmetric_subset):
+        if b.step_time_s is not None:
+            assert result.lower_bound.step_time_s < b.step_time_s
+            assert b.estimate.fits
+    assert result.best.step_time_s <= min(b.step_time_s for b in (result.symmetric, result.symmetric_subset)
+                                          if b.step_time_s is not None) + 1e-12
+    assert 0 < result.efficiency < 1
+
+
+def test_heterogeneous_plan_beats_symmetric_on_h800_h20(h800_h20):
+    assert h800_h20.symmetric.step_time_s is not None
+    assert h800_h20.speedup(h800_h20.symmetric) > 1.5
+    assert not h800_h20.best.idle_devices
+
+
+def test_symmetric_baseline_is_symmetric(h800_h20):
+    s = h800_h20.symmetric.strategy
+    assert s is not None
+    tps = {st.tp for p in s.pipelines for st in p.stages}
+    depths = {len(p.stages) for p in s.pipelines}
+    mbs = {p.micro_batches for p in s.pipelines}
+    assert len(tps) == 1 and len(depths) == 1 and len(mbs) == 1
+    sizes = [st.num_layers for st in s.pipelines[0].stages]
+    assert max(sizes) - min(sizes) <= 1
+    assert sorted(s.devices) == list(range(48))
+    sub = h800_h20.symmetric_subset.strategy
+    assert len({h800_h20.cluster.device(d).type for d in sub.devices}) == 1
+
+
+def test_symmetric_layouts_cover_every_device_once():
+    model, cluster = load_model("llama-32b"), load_cluster("h800-h20-48")
+    cm = CostModel(model, cluster, resolve_profiles(cluster.device_types), micro_batch=1, seq_len=4096)
+    layouts = symmetric_strategies(cm, list(range(48)), 64)
+    assert layouts
+    for _, s in layouts:
+        assert sorted(s.devices) == list(range(48))
+        for p in s.pipelines:
+            for st in p.stages:
+                assert len({cluster.device(d).type for d in st.devices}) == 1
+                assert len({cluster.device(d).node for d in st.devices}) == 1
+
+
+def test_idle_devices_are_explained(hexiscale):
+    for g in hexiscale.idle:
+        assert g.devices and g.reason
+    idle = {d for g in hexiscale.idle for d in g.devices}
+    assert idle == set(hexiscale.best.idle_devices)
+
+
+def test_elastic_keeps_two_pipelines_and_no_zero():
+    result = _plan("llama-tiny", "cpu-hetero4", global_batch=8, seq_len=64, elastic=True)
+    for i, cand in enumerate(result.candidates):
+        assert len(cand.strategy.pipelines) >= 2
+        p = result.to_plan("llama-tiny", "cpu-hetero4", i)
+        assert p.training.zero is False
+        assert validate_plan(p, result.model, result.cluster) == []
+
+
+def test_device_subset_for_replanning():
+    result = _plan("llama-tiny", "cpu-hetero4", global_batch=8, seq_len=64, micro_batch=1)
+    survivors = [0, 2, 3]
+    m, c = load_model("llama-tiny"), load_cluster("cpu-hetero4")
+    again = plan(m, c, resolve_profiles(c.device_types), PlanSettings(global_batch=8, seq_len=64, micro_batch=1),
+                 devices=survivors)
+    assert again.devices == tuple(survivors)
+    for cand in again.candidates:
+        assert set(cand.strategy.devices) <= set(survivors)
+        assert set(cand.idle_devices) == set(survivors) - set(cand.strategy.devices)
+    assert again.best.step_time_s >= result.best.step_time_s - 1e-12
+
+
+def test_infeasible_requests_say_why_and_what_fits():
+    m, c = load_model("llama-70b"), load_cluster("hexiscale-mixed")
+    with pytest.raises(InfeasibleError, match=r"does not fit .* at most \d+ of its 80 layers .* would fit"):
+        plan(m, c, resolve_profiles(c.device_types), PlanSettings(global_batch=64, seq_len=4096))
+    m, c = load_model("llama-70b"), load_cluster("h800-h20-48")
+    with pytest.raises(InfeasibleError, match=r"use a global batch of at least \d+"):
+        plan(m, c, resolve_profiles(c.device_types), PlanSettings(global_batch=1, seq_len=4096))
+    with pytest.raises(InfeasibleError, match="does not divide the global batch"):
+        plan(m, c, resolve_profiles(c.device_types), PlanSettings(global_batch=8, seq_len=4096, micro_batch=3))
+
+
+def test_cli_infeasible_exits_2_with_one_line():
+    res = CliRunner().invoke(cli, ["plan", "--model", "llama-70b", "--cluster", "cpu-hetero4", "--global-batch", "8",
+                                   "--seq-len", "64"])
+    assert res.exit_code == 2
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: llama-70b") and "does not fit" in lines[0]
+
+
+def test_cli_writes_valid_deterministic_plans(tmp_path):
+    runner = CliRunner()
+    outs = []
+    for name in ("a.yaml", "b.yaml"):
+        res = runner.invoke(cli, ["plan", *TINY_ARGS, "-o", str(tmp_path / name),
+                                  "--symmetric-out", str(tmp_path / f"sym-{name}")])
+        assert res.exit_code == 0, res.output
+        assert "predicted step time" in res.output and "lower bound" in res.output
+        outs.append((tmp_path / name).read_text())
+    assert outs[0] == outs[1]
+    for name in ("a.yaml", "sym-a.yaml"):
+        ctx = load_plan_context(tmp_path / name)   # raises on any problem
+        assert ctx.plan.strategies[0].estimates["step_time_s"] > 0
+        res = runner.invoke(cli, ["validate", str(tmp_path / name)])
+        assert res.exit_code == 0, res.output
+    planned, sym = load_plan(tmp_path / "a.yaml"), load_plan(tmp_path / "sym-a.yaml")
+    assert planned.strategies[0].estimates["step_time_s"] <= sym.strategies[0].estimates["step_time_s"]
+
+
+def test_cli_json_contract_on_a_clean_stdout(tmp_path):
+    out = tmp_path / "plan.yaml"
+    proc = subprocess.run([sys.executable, "-m", "hetu_cli", "plan", *TINY_ARGS, "--format", "json", "-o", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)   # nothing else on stdout (no solver banner)
+    for key in ("plan", "step_time_s", "tokens_per_s", "mfu", "solver_time_s"):
+        assert key in data
+    for name in ("symmetric", "symmetric_subset", "lower_bound"):
+        assert "step_time_s" in data["baselines"][name]
+    assert data["baselines"]["lower_bound"]["step_time_s"] < data["step_time_s"]
+    assert data["plan"]["strategies"][0]["estimates"]["step_time_s"] == pytest.approx(data["step_time_s"], rel=1e-5)
+    assert load_plan(out).strategies[0].pipelines

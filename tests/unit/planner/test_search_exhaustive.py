@@ -1,0 +1,165 @@
+"""The outer search against exhaustive enumeration of every strategy on tiny clusters, and its building
+blocks (set partitions, dealing groups out to pipelines, TP groups) against their rules."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.api import PlanSettings, plan
+from planner.cost import CostModel
+from planner.pipelines import share_out
+from planner.search import set_partitions
+from planner.tp_groups import GroupKind, available, form_groups, tp_choices
+from runtime.profiling.profile import resolve_profiles
+from runtime.spec import load_cluster, load_model
+from runtime.spec.cluster import Cluster, DeviceType, Emulation, Node
+from runtime.spec.plan import Pipeline, Stage, Strategy
+
+TINY = load_model("llama-tiny")
+
+
+def tiny_cluster(fast: int, slow: int, slow_node: str = "cpu0") -> Cluster:
+    types = {"cpu-fast": DeviceType(2, 0.2, 10, 2, Emulation(1.0)),
+             "cpu-slow": DeviceType(2, 0.0667, 10, 2, Emulation(3.0))}
+    nodes = tuple(n for n in (Node("cpu0", "cpu-fast", fast) if fast else None,
+                              Node(slow_node, "cpu-slow", slow) if slow else None) if n is not None)
+    return Cluster("tiny", types, nodes, 1.0)
+
+
+def compositions(total: int, parts: int):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0,) + cuts + (total,)
+        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def groupings(ids: list[int], model) -> list[list[tuple[int, ...]]]:
+    """Every way to cut one node's devices of one type into TP groups of valid power-of-two sizes, devices
+    taken in id order (leftovers idle are covered by not using a group)."""
+    if not ids:
+        return [[]]
+    out = []
+    for t in (1, 2, 4, 8):
+        if t <= len(ids) and model.tp_problem(t) is None:
+            for rest in groupings(ids[t:], model):
+                out.append([tuple(ids[:t])] + rest)
+    return out
+
+
+def chain_sets(groups: list):
+    """Every set of ordered chains (pipelines) over every subset of the groups."""
+    n = len(groups)
+    for r in range(1, n + 1):
+        for subset in itertools.combinations(groups, r):
+            for part in set_partitions(list(range(r))):
+                for orders in itertools.product(*(itertools.permutations(block) for block in part)):
+                    yield [[subset[i] for i in order] for order in orders]
+
+
+def exhaustive_best(cm: CostModel, global_batch: int, zero: bool) -> float:
+    """Every strategy: TP groups, pipelines, stage orders, layer splits, micro-batch counts (no recompute:
+    memory never binds here, which the test checks)."""
+    m_total = global_batch // cm.micro_batch
+    per_node = list(available(cm.cluster).values())
+    best = math.inf
+    for grouping in itertools.product(*(groupings(ids, cm.model) for ids in per_node)):
+        groups = [g for part in grouping for g in part]
+        for chains in chain_sets(groups):
+            if sum(len(c) for c in chains) > m_total:
+                continue
+            splits = [list(compositions(cm.model.num_layers, len(c))) for c in chains]
+            for split in itertools.product(*splits):
+                for counts in compositions(m_total, len(chains)):
+                    if any(m < len(c) for m, c in zip(counts, chains)):
+                        continue
+                    pipes = []
+                    for c, layers, m in zip(chains, split, counts):
+                        start, stages = 0, []
+                        for g, n in zip(c, layers):
+                            stages.append(Stage(g, (start, start + n)))
+                            start += n
+                        pipes.append(Pipeline(m, tuple(stages)))
+                    est = cm.estimate(Strategy("x", tuple(pipes)), global_batch, "1f1b", zero)
+                    assert est.fits
+                    best = min(best, est.step_time_s)
+    return best
+
+
+@pytest.mark.parametrize("fast,slow,batch,slow_node", [(2, 1, 4, "cpu0"), (1, 2, 4, "cpu0"), (2, 2, 4, "cpu0"),
+                                                       (2, 2, 6, "cpu1"), (3, 1, 5, "cpu1")])
+def test_search_matches_exhaustive_enumeration(fast, slow, batch, slow_node):
+    cluster = tiny_cluster(fast, slow, slow_node)
+    profiles = resolve_profiles(cluster.device_types, include_shipped=False)
+    cm = CostModel(TINY, cluster, profiles, micro_batch=1, seq_len=64)
+    want = exhaustive_best(cm, batch, zero=True)
+    # baselines=False: the search alone must find it (a symmetric baseline would otherwise join the ranking).
+    result = plan(TINY, cluster, profiles, PlanSettings(global_batch=batch, seq_len=64, micro_batch=1),
+                  baselines=False)
+    assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
+    assert result.lower_bound.step_time_s <= want
+
+
+# -- building blocks ---------------------------------------------------------------------------------
+
+
+BELL = [1, 1, 2, 5, 15, 52]
+
+
+@pytest.mark.parametrize("n", range(6))
+def test_set_partitions_are_all_distinct_partitions(n):
+    items = [str(i) for i in range(n)]
+    parts = list(set_partitions(items))
+    assert len(parts) == BELL[n]
+    canon = {tuple(sorted(tuple(sorted(b)) for b in p)) for p in parts}
+    assert len(canon) == len(parts)
+    for p in parts:
+        assert sorted(x for b in p for x in b) == items
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), st.integers(1, 20), min_size=1),
+       pipelines=st.integers(1, 25))
+def test_share_out_deals_every_group_evenly(counts, pipelines):
+    kinds = {GroupKind(k, 1): v for k, v in counts.items()}
+    shares = share_out(kinds, pipelines)
+    if pipelines > sum(kinds.values()):
+        assert shares is None
+        return
+    if shares is None:   # only when some pipeline would get nothing
+        return
+    assert len(shares) == pipelines
+    for k, v in kinds.items():
+        got = [s.get(k, 0) for s in shares]
+        assert sum(got) == v
+        assert max(got) - min(got) <= 1
+    assert all(sum(s.values()) >= 1 for s in shares)
+
+
+def test_share_out_never_starves_a_pipeline_when_groups_suffice():
+    # 5 groups of one kind over 5 pipelines, and two kinds with 3 + 2 groups over 5 pipelines.
+    assert share_out({GroupKind("a", 1): 5}, 5) is not None
+    shares = share_out({GroupKind("a", 1): 3, GroupKind("b", 1): 2}, 5)
+    assert shares is not None and all(sum(s.values()) == 1 for s in shares)
+
+
+@pytest.mark.parametrize("cluster_name,model_name", [("h800-h20-48", "llama-32b"), ("hexiscale-mixed", "llama-7b"),
+                                                     ("cpu-hetero4", "llama-tiny")])
+def test_tp_groups_follow_the_rules(cluster_name, model_name):
+    cluster, model = load_cluster(cluster_name), load_model(model_name)
+    choices = tp_choices(cluster, model)
+    for combo in itertools.product(*choices.values()):
+        tp = dict(zip(choices, combo))
+        for rem in (True, False):
+            groups = form_groups(cluster, model, tp, remainder=rem)
+            seen = [d for g in groups for d in g.devices]
+            assert len(seen) == len(set(seen))
+            for g in groups:
+                assert {cluster.device(d).type for d in g.devices} == {g.kind.device_type}
+                assert {cluster.device(d).node for d in g.devices} == {g.node}
+                assert g.kind.tp == len(g.devices) and g.kind.tp & (g.kind.tp - 1) == 0
+                assert model.tp_problem(g.kind.tp) is None
+                assert g.kind.tp <= tp[g.kind.device_type]
