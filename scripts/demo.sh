@@ -27,15 +27,26 @@ strategies:
 YAML
 if hspmd validate "$OUT/broken-plan.yaml"; then echo "expected a failure" >&2; exit 1; fi
 
-act "2. Train: every device runs its own program (fast devices: whole model, 3 micro-batches each; slow pair: a 2-stage pipeline, 2)"
+act "2. Profile: time every Llama component on this CPU, derive the emulated device types, measure the links"
+hspmd profile --cluster cpu-hetero4 --out "$OUT/profiles"
+
+act "3. Plan: search TP groups, pipelines, layer splits and micro-batches (ILP) for the fastest plan that fits"
+hspmd plan --model llama-tiny --cluster cpu-hetero4 --profile "$OUT/profiles" --global-batch 16 --seq-len 256 \
+  --no-zero -o "$OUT/plan.yaml" --symmetric-out "$OUT/symmetric.yaml"
+hspmd simulate --plan "$OUT/plan.yaml" --profile "$OUT/profiles" --trace "$OUT/simulated-trace.json"
+
+act "4. Train the planned plan, then the best symmetric (Megatron-style) plan, and compare measured step times"
 echo "devices 2 and 3 emulate a 3x slower chip: each compute block is followed by a sleep of 2x its compute time"
 rm -rf "$OUT/checkpoint"
-hspmd train --plan configs/plans/cpu-hetero4-dp-pp.yaml --strategy dp-pp --steps 30 \
-  --metrics "$OUT/train-metrics.jsonl" --trace "$OUT/trace" --save "$OUT/checkpoint"
-echo "last metrics line: $(tail -n 1 "$OUT/train-metrics.jsonl")"
+hspmd train --plan "$OUT/plan.yaml" --steps 15 --metrics "$OUT/planned-metrics.jsonl" --trace "$OUT/trace" \
+  --save "$OUT/checkpoint"
+hspmd train --plan "$OUT/symmetric.yaml" --steps 15 --metrics "$OUT/symmetric-metrics.jsonl"
+python scripts/compare_runs.py planned="$OUT/planned-metrics.jsonl" symmetric="$OUT/symmetric-metrics.jsonl"
+echo "per-step metrics: $OUT/planned-metrics.jsonl; Perfetto traces (open at ui.perfetto.dev): $OUT/trace/"
 
-act "   ... and the checkpoint (full tensors by name) continues under the TP-2 + pipeline plan of act 1"
-hspmd train --plan configs/plans/cpu-hetero4-tiny.yaml --load "$OUT/checkpoint" --steps 10 \
-  --metrics "$OUT/train-metrics-continued.jsonl"
+act "5. The checkpoint (full tensors by name) continues under a different plan: a TP-2 pipeline + a 2-stage pipeline"
+hspmd show configs/plans/cpu-hetero4-tiny.yaml --device 3
+hspmd train --plan configs/plans/cpu-hetero4-tiny.yaml --load "$OUT/checkpoint" --steps 5 \
+  --metrics "$OUT/continued-metrics.jsonl"
 
-act "Not yet in this build: profile, plan, replan (see README 'Status')"
+act "Not yet in this build: replan and elastic training (see README 'Status')"
