@@ -17,6 +17,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("simulate", "simulate"),
     ("profile", "profile"),
     ("plan", "plan"),
+    ("replan", "replan"),
 ]
 
 

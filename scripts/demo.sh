@@ -49,4 +49,12 @@ hspmd show configs/plans/cpu-hetero4-tiny.yaml --device 3
 hspmd train --plan configs/plans/cpu-hetero4-tiny.yaml --load "$OUT/checkpoint" --steps 5 \
   --metrics "$OUT/continued-metrics.jsonl"
 
-act "Not yet in this build: replan and elastic training (see README 'Status')"
+act "6. A device fails mid-run: replan on the survivors and switch in memory (no checkpoint, no restart)"
+echo "what \`hspmd replan\` proposes if device 1 of the dp-pp plan fails, and what the switch costs against a restart:"
+hspmd replan --plan configs/plans/cpu-hetero4-dp-pp.yaml --strategy dp-pp --failed 1 --profile "$OUT/profiles"
+echo "now for real: device 1's worker is SIGKILLed at the start of step 6; the survivors abandon the step, the"
+echo "launcher replans, the survivors form a new process group, move the state by fused BSR and redo step 6"
+hspmd train --plan configs/plans/cpu-hetero4-dp-pp.yaml --strategy dp-pp --elastic --profile "$OUT/profiles" \
+  --kill-device 1 --at-step 6 --steps 10 --metrics "$OUT/elastic-metrics.jsonl"
+echo "the failure as logged in $OUT/elastic-metrics.jsonl:"
+grep '"event"' "$OUT/elastic-metrics.jsonl"

@@ -45,13 +45,17 @@ def _ref(ref: str, kind: str) -> str:
               help="Seconds the search may take (it stops early and keeps what it found).")
 @click.option("--top-k", type=click.IntRange(min=1), default=5, show_default=True,
               help="Near-best candidates to list.")
+@click.option("--check-top", type=click.IntRange(min=0), default=8, show_default=True,
+              help="Re-check this many of the best plans (and the best with identical pipelines, and the "
+                   "baselines) with the step simulator and rank them by the worse of the two predictions "
+                   "(0: rank by the closed-form estimate alone).")
 @click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), help="Write the plan here (YAML).")
 @click.option("--symmetric-out", "symmetric_path", type=click.Path(path_type=Path),
               help="Also write the best symmetric baseline as a plan here (to measure it with hspmd train).")
 @FORMAT_OPTION
 def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], global_batch: int, seq_len: int,
          micro_batch: int | None, elastic: bool, use_zero: bool | None, time_limit: float, top_k: int,
-         out_path: Path | None, symmetric_path: Path | None, fmt: str) -> None:
+         check_top: int, out_path: Path | None, symmetric_path: Path | None, fmt: str) -> None:
     """Search TP groups, pipelines, layer splits (ILP), micro-batches (ILP) and recompute for the fastest
     plan that fits memory; compare it with the best symmetric plans and the lower bound."""
     for path in (out_path, symmetric_path):
@@ -61,7 +65,7 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
     settings = PlanSettings(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch, elastic=elastic,
-                            use_zero=use_zero, time_limit_s=time_limit, top_k=top_k)
+                            use_zero=use_zero, time_limit_s=time_limit, top_k=top_k, simulate_top=check_top)
     err = err_console()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True, disable=not err.is_terminal) as bar:

@@ -16,8 +16,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hetu_cli.output import console, err_console
-from runtime.launch import StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
+from runtime.errors import HspmdError
+from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
+from runtime.launch.options import PlannedSwitch
 from runtime.launch.worker import TRACE_MERGED
+
+ELASTIC_TIMEOUT_S = 30.0  # op timeout under --elastic: only the worst case waits for it (runtime/elastic/)
+ELASTIC_HEARTBEAT_TIMEOUT_S = 5.0
 
 
 class MetricsFile:
@@ -29,10 +34,14 @@ class MetricsFile:
         self.fd: int | None = None
 
     def write(self, record: StepRecord) -> None:
+        self.write_line(record.to_json())
+
+    def write_line(self, obj: dict) -> None:
+        """One JSON line: a step, or an event (``{"event": "failure"|"switch", ...}``)."""
         if self.fd is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-        os.write(self.fd, (json.dumps(record.to_json()) + "\n").encode())
+        os.write(self.fd, (json.dumps(obj) + "\n").encode())
 
     def close(self) -> None:
         if self.fd is not None:
@@ -79,6 +88,9 @@ class StepDisplay:
     def log(self, message: str) -> None:
         self.progress.console.print(f"[dim]{escape(message)}[/dim]")
 
+    def event(self, message: str) -> None:
+        self.progress.console.print(f"[bold yellow]{escape(message)}[/bold yellow]")
+
 
 @click.command()
 @click.option("--plan", "plan", required=True, type=click.Path(path_type=Path), help="The plan file.")
@@ -91,18 +103,52 @@ class StepDisplay:
               help="Train on this local text file as byte tokens (default: a synthetic token stream).")
 @click.option("--save", "save_dir", type=click.Path(path_type=Path), help="Save a checkpoint here at the end.")
 @click.option("--load", "load_dir", type=click.Path(path_type=Path), help="Start from this checkpoint.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
-              help="Seconds any collective or store operation may take before the run fails.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0),
+              help="Seconds any collective or store operation may take before the run fails "
+                   f"[default: 120; {ELASTIC_TIMEOUT_S:g} with --elastic].")
+@click.option("--elastic", is_flag=True,
+              help="Survive device failures in memory: on a death or hang the survivors replan (the planner, "
+                   "switch cost in view), move the state from surviving replicas (fused BSR) and redo the step.")
+@click.option("--switch", "switch_specs", multiple=True, metavar="STEP:PLAN",
+              help="Switch to PLAN's first strategy in memory before step STEP (repeatable: A->B->A). The workers "
+                   "are the union of every plan's devices.")
+@click.option("--kill-device", "kill_devices", multiple=True, type=click.IntRange(min=0), metavar="D",
+              help="Fault injection: SIGKILL device D's worker at the start of --at-step (repeatable).")
+@click.option("--hang-device", "hang_devices", multiple=True, type=click.IntRange(min=0), metavar="D",
+              help="Fault injection: SIGSTOP device D's worker at the start of --at-step (the launcher kills it "
+                   "once its heartbeat stops).")
+@click.option("--at-step", "fault_step", type=click.IntRange(min=1), metavar="K",
+              help="The step at which --kill-device / --hang-device fire.")
+@click.option("--heartbeat-timeout", "heartbeat_timeout_s", type=click.FloatRange(min=1.0),
+              help=f"A worker silent this long counts as hung [default: 30; {ELASTIC_HEARTBEAT_TIMEOUT_S:g} with "
+                   "--elastic].")
+@click.option("--profile", "profile_dirs", multiple=True, type=click.Path(path_type=Path),
+              help="--elastic: device profiles for replanning (repeatable; before the shipped profiles/).")
+@click.option("--replan-tolerance", type=click.FloatRange(min=0.0), default=0.05, show_default=True,
+              help="--elastic: candidates this close to the fastest count as equally fast; the one moving the "
+                   "least state wins.")
 def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, trace_dir: Path | None,
-          data_file: Path | None, save_dir: Path | None, load_dir: Path | None, timeout_s: float) -> None:
+          data_file: Path | None, save_dir: Path | None, load_dir: Path | None, timeout_s: float | None,
+          elastic: bool, switch_specs: tuple[str, ...], kill_devices: tuple[int, ...], hang_devices: tuple[int, ...],
+          fault_step: int | None, heartbeat_timeout_s: float | None, profile_dirs: tuple[Path, ...],
+          replan_tolerance: float) -> None:
     """Train with PLAN: every device runs its own specialized program (gloo on CPU, NCCL on GPU).
 
     Started by torchrun (`torchrun ... -m hetu_cli train --plan PLAN`), runs as one of its workers
     instead of launching its own: the multi-node path (README, 'Training').
     """
+    faults = _faults(kill_devices, hang_devices, fault_step)
+    if timeout_s is None:
+        timeout_s = ELASTIC_TIMEOUT_S if elastic else 120.0
+    if heartbeat_timeout_s is None:
+        heartbeat_timeout_s = ELASTIC_HEARTBEAT_TIMEOUT_S if elastic else 30.0
     options = TrainOptions(plan=plan, strategy=strategy, steps=steps, trace_dir=trace_dir, data_file=data_file,
-                           save_dir=save_dir, load_dir=load_dir, timeout_s=timeout_s)
+                           save_dir=save_dir, load_dir=load_dir, timeout_s=timeout_s,
+                           heartbeat_timeout_s=heartbeat_timeout_s, faults=faults, elastic=elastic,
+                           switches=tuple(_parse_switch(s) for s in switch_specs))
     env = TorchrunEnv.detect(os.environ)
+    if env is not None and (options.coordinated or faults):
+        raise HspmdError("--elastic, --switch and fault injection run under hspmd's own launcher, not torchrun")
     if env is not None and env.rank != 0:
         run_torchrun(options, env)
         return
@@ -114,10 +160,21 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
         if sink is not None:
             sink.write(record)
 
+    events: list[dict] = []
+
+    def on_event(event: dict) -> None:
+        events.append(event)
+        display.event(_event_line(event))
+        if sink is not None:
+            sink.write_line(event)
+
     try:
         with display:
             if env is not None:
                 run_torchrun(options, env, on_step=on_step, on_log=display.log)
+            elif options.coordinated:
+                replan = _planner_replan(profile_dirs, replan_tolerance, display.log) if elastic else None
+                launch(options, on_step=on_step, on_log=display.log, on_event=on_event, replan=replan)
             else:
                 launch(options, on_step=on_step, on_log=display.log)
     except WorkerFailure as failure:
@@ -126,10 +183,75 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
         for line in failure.lines():
             click.echo(f"error: {line}", err=True)
         sys.exit(failure.exit_code)
+    except HspmdError as err:
+        code = getattr(err, "exit_code", 2)  # UnrecoverableFailure: 1 (not the user's input)
+        for line in err.lines():
+            click.echo(f"error: {line}", err=True)
+        sys.exit(code)
     finally:
         if sink is not None:
             sink.close()
     _summary(display.records, metrics, trace_dir, save_dir)
+
+
+def _faults(kill: tuple[int, ...], hang: tuple[int, ...], step: int | None) -> tuple[Fault, ...]:
+    if (kill or hang) and step is None:
+        raise HspmdError("--kill-device/--hang-device: say when with --at-step K")
+    if step is not None and not (kill or hang):
+        raise HspmdError("--at-step: give the device to fail with --kill-device D or --hang-device D")
+    both = sorted(set(kill) & set(hang))
+    if both:
+        raise HspmdError(f"device(s) {both} given to both --kill-device and --hang-device")
+    assert step is not None or not (kill or hang)
+    return tuple(Fault(d, step, "kill") for d in sorted(set(kill))) + \
+        tuple(Fault(d, step, "hang") for d in sorted(set(hang)))  # type: ignore[arg-type]
+
+
+def _parse_switch(spec: str) -> PlannedSwitch:
+    step, sep, path = spec.partition(":")
+    if not sep or not step.strip().isdigit() or not path:
+        raise HspmdError(f"--switch: expected STEP:PLAN such as 10:other-plan.yaml, got {spec!r}")
+    if not Path(path).is_file():
+        raise HspmdError(f"{path}: --switch: file not found")
+    if int(step) < 1:
+        raise HspmdError(f"--switch {spec}: the step must be at least 1")
+    return PlannedSwitch(int(step), Path(path))
+
+
+def _planner_replan(profile_dirs: tuple[Path, ...], tolerance: float, log):
+    """The runtime's Replanner: the planner on the survivors, switch cost in view (planner/replan.py)."""
+
+    def replan(failed, ctx, strategy):
+        from hetu_cli.commands.replan import plan_refs
+        from planner.replan import replan as plan_for_survivors
+        from runtime.profiling.profile import resolve_profiles
+
+        profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
+        model_ref, cluster_ref = plan_refs(ctx)
+        result = plan_for_survivors(ctx, strategy, failed, profiles, tolerance=tolerance, model_ref=model_ref,
+                                    cluster_ref=cluster_ref)
+        c = result.chosen
+        fastest = result.options[0]
+        vs = "the fastest" if c is fastest else (f"fastest: {fastest.label}, {fastest.step_time_s:.4g} s/step, moves "
+                                                  f"{fastest.switch_bytes / 1e6:.3g} MB")
+        log(f"replan: {len(result.options)} candidates; chose {c.label} ({c.step_time_s:.4g} s/step predicted, moves "
+            f"{c.switch_bytes / 1e6:.3g} MB; {vs}); checkpoint-restart modelled at {result.restart.total_s:.3g} s")
+        for note in result.notes:
+            log(f"replan: {note}")
+        return result.context
+
+    return replan
+
+
+def _event_line(e: dict) -> str:
+    if e.get("event") == "failure":
+        return (f"failure of device(s) {', '.join(map(str, e['failed']))} at step {e['step']}: recovered on "
+                f"{', '.join(map(str, e['devices']))} (plan {e['plan']}); detect {e['detect_s']:.3f} s, replan "
+                f"{e['replan_s']:.3f} s, regroup {e['regroup_s']:.3f} s, transfer {e['transfer_s']:.3f} s "
+                f"({e['switch_bytes'] / 1e6:.3g} MB), total {e['total_s']:.3f} s; step {e['step']} redone "
+                f"{e['recovery_s']:.3f} s after detection")
+    return (f"switch at step {e['step']} to {e['to']}: specialize {e['specialize_s']:.3f} s, transfer "
+            f"{e['transfer_s']:.3f} s ({e['switch_bytes'] / 1e6:.3g} MB), total {e['total_s']:.3f} s")
 
 
 def _summary(records: list[StepRecord], metrics: Path | None, trace_dir: Path | None, save_dir: Path | None) -> None:

@@ -8,7 +8,7 @@ across pipelines, AdamW on local shards); ``train_step`` runs one optimizer step
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -98,8 +98,14 @@ class DeviceProgram:
         """Every device group the strategy's programs use (TP groups, gradient sync, statistics)."""
         return strategy_groups(plan.plan.strategy(strategy), plan.model, plan.plan.training)
 
-    def train_step(self, global_batch: torch.Tensor) -> StepStats:
-        """One optimizer step; ``global_batch`` [global_batch, seq_len + 1] is the same on every rank."""
+    def train_step(self, global_batch: torch.Tensor, *,
+                   before_update: Callable[[], None] | None = None) -> StepStats:
+        """One optimizer step; ``global_batch`` [global_batch, seq_len + 1] is the same on every rank.
+
+        ``before_update`` runs after the last communication of the step, before the optimizer changes
+        any state: elastic training agrees there whether to commit the step; if it raises, the step is
+        abandoned and the program's state is exactly as before it.
+        """
         t = self.ctx.plan.plan.training
         if tuple(global_batch.shape) != (t.global_batch, t.seq_len + 1):
             raise ValueError(f"global batch has shape {tuple(global_batch.shape)}, the plan needs "
@@ -132,6 +138,8 @@ class DeviceProgram:
             with self._span("comm", "step_stats"):
                 dist.all_reduce(stats, group=self._stats_group)
         norm = stats[1].sqrt()
+        if before_update is not None:
+            before_update()
         with self._span("compute", "optimizer"):
             self.optimizer.step(grads, clip_coefficient(norm, t.optimizer.grad_clip))
         for p in self.params.values():

@@ -7,13 +7,15 @@
 * ``run_torchrun(options, TorchrunEnv.detect(os.environ), ...)`` (torchrun.py): the same worker under
   torchrun, for multi-node runs.
 * ``train_worker`` (worker.py): the per-device loop both share.
+* Elastic and switching runs (``TrainOptions(elastic=True)``, ``switches=(PlannedSwitch(step, plan), ...)``)
+  are coordinated by runtime/elastic/ (``launch(options, replan=..., on_event=...)``).
 
 Submodules import torch lazily, so importing this package stays cheap.
 """
 
 from runtime.launch.launcher import RunSummary, WorkerFailure, launch
-from runtime.launch.options import Fault, StepRecord, StepReport, TrainOptions, WorkerSpec
+from runtime.launch.options import Fault, PlannedSwitch, StepRecord, StepReport, TrainOptions, WorkerSpec
 from runtime.launch.torchrun import TorchrunEnv, run_torchrun
 
-__all__ = ["Fault", "RunSummary", "StepRecord", "StepReport", "TorchrunEnv", "TrainOptions", "WorkerFailure",
-           "WorkerSpec", "launch", "run_torchrun"]
+__all__ = ["Fault", "PlannedSwitch", "RunSummary", "StepRecord", "StepReport", "TorchrunEnv", "TrainOptions",
+           "WorkerFailure", "WorkerSpec", "launch", "run_torchrun"]

@@ -63,6 +63,7 @@ class RunSummary:
     records: list[StepRecord] = field(default_factory=list)
     startup_s: float = 0.0  # launch to the first completed step (process start, imports, groups, step 1)
     wall_s: float = 0.0
+    events: list[dict[str, Any]] = field(default_factory=list)  # failures and switches (runtime/elastic/)
 
 
 @dataclass
@@ -127,13 +128,34 @@ def _preflight(options: TrainOptions, ctx: PlanContext) -> None:
 
 
 def launch(options: TrainOptions, *, on_step: Callable[[StepRecord], None] | None = None,
-           on_log: Callable[[str], None] | None = None) -> RunSummary:
-    """Run ``options`` on this machine; return the per-step records or raise WorkerFailure."""
+           on_log: Callable[[str], None] | None = None, on_event: Callable[[dict[str, Any]], None] | None = None,
+           replan: Callable[..., Any] | None = None) -> RunSummary:
+    """Run ``options`` on this machine; return the per-step records or raise WorkerFailure.
+
+    Elastic and switching runs (``options.elastic``, ``options.switches``) are coordinated by
+    runtime/elastic/: ``on_event`` gets one dict per failure or switch, ``replan(failed, plan context,
+    strategy) -> plan context`` gives the plan for the survivors of a failure (runtime.elastic.Replanner);
+    such a run may also raise runtime.elastic.UnrecoverableFailure.
+    """
     t_start = time.perf_counter()
     log = on_log or (lambda _msg: None)
     ctx = load_plan_context(options.plan)
     strategy = select_strategy(ctx, options.strategy)
     devices = sorted(strategy.devices)
+    switches: dict[int, Any] = {}
+    first_step = 1
+    if options.coordinated:
+        from runtime.elastic.coordinator import prepare
+
+        if options.load_dir is not None:
+            from runtime.checkpoint import read_checkpoint_info
+
+            first_step = read_checkpoint_info(options.load_dir, ctx).step + 1
+        switches, devices = prepare(options, ctx, strategy.name, first_step)
+    stray = sorted({f.device for f in options.faults} - set(devices))
+    if stray:
+        raise HspmdError(f"fault injection: device(s) {stray} run no worker in this run (devices "
+                         f"{', '.join(map(str, devices))})")
     ranks = rank_map(devices)
     backend, torch_devices = placement(ctx, devices)
     threads = max(1, (os.cpu_count() or 1) // len(devices)) if backend == "gloo" else None
@@ -161,7 +183,14 @@ def launch(options: TrainOptions, *, on_step: Callable[[StepRecord], None] | Non
         log(f"started {len(workers)} workers ({backend}, strategy {strategy.name!r}, devices "
             f"{', '.join(map(str, devices))})")
         summary = RunSummary(strategy.name, tuple(devices), backend)
-        _monitor(workers, options, strategy.name, summary, on_step, log, t_start)
+        if options.coordinated:
+            from runtime.elastic.coordinator import Coordinator
+            from runtime.elastic.state import PlanRef
+
+            Coordinator(workers, options, PlanRef(ctx, strategy.name), first_step, switches, replan, summary,
+                        on_step, on_event, log, t_start).run()
+        else:
+            _monitor(workers, options, strategy.name, summary, on_step, log, t_start)
         for w in workers:
             w.process.join(options.timeout_s)
         summary.wall_s = time.perf_counter() - t_start

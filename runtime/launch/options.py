@@ -30,6 +30,19 @@ class Fault:
 
 
 @dataclass(frozen=True)
+class PlannedSwitch:
+    """Switch to ``strategy`` of ``plan`` (None: its first) in memory before step ``step`` runs."""
+
+    step: int
+    plan: Path
+    strategy: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.step < 1:
+            raise ValueError(f"switch step must be at least 1, got {self.step}")
+
+
+@dataclass(frozen=True)
 class TrainOptions:
     """One ``hspmd train`` run. Steps are numbered from 1; a run loaded from a checkpoint of step k
     continues with step k + 1 (and its data)."""
@@ -45,12 +58,24 @@ class TrainOptions:
     heartbeat_s: float = 0.5
     heartbeat_timeout_s: float = 30.0  # a worker silent this long counts as hung
     faults: tuple[Fault, ...] = ()
+    # Elastic: on a device's death or hang the survivors replan (the launcher's ``replan`` callback),
+    # move the state from surviving replicas and redo the step (runtime/elastic/).
+    elastic: bool = False
+    switches: tuple[PlannedSwitch, ...] = ()  # planned in-memory switches, by step
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ValueError(f"steps must not be negative, got {self.steps}")
         if self.timeout_s <= 0 or self.heartbeat_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ValueError("timeouts must be positive and heartbeat_timeout_s > heartbeat_s")
+        steps = [s.step for s in self.switches]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"switch steps must be distinct and increasing, got {steps}")
+
+    @property
+    def coordinated(self) -> bool:
+        """Runs whose steps the launcher coordinates (commit agreement, transitions)."""
+        return self.elastic or bool(self.switches)
 
 
 @dataclass(frozen=True)

@@ -236,14 +236,17 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _watch_launcher(control: Connection) -> None:
+def _watch_launcher(control: Connection, inbox: Any = None) -> None:
     """Exit at once when the launcher says stop or goes away: a worker blocked in a collective whose
-    peer died must not outlive the run (the blocking C++ call releases the GIL, so this thread runs)."""
+    peer died must not outlive the run (the blocking C++ call releases the GIL, so this thread runs).
+    Any other word (elastic and switching runs) goes to ``inbox`` for the training loop."""
     try:
         while True:
             msg = control.recv()
             if msg[0] == "stop":
                 _exit_now(1)
+            if inbox is not None:
+                inbox.put(msg)
     except (EOFError, OSError):
         _exit_now(1)
 
@@ -268,9 +271,19 @@ def process_main(spec: WorkerSpec, report_conn: Connection, control_conn: Connec
         if msg[0] != "start":
             _exit_now(1)
         _, host, port = msg
-        threading.Thread(target=_watch_launcher, args=(control_conn,), daemon=True).start()
+        inbox = None
+        if spec.options.coordinated:
+            from runtime.elastic.worker import Inbox
+
+            inbox = Inbox()
+        threading.Thread(target=_watch_launcher, args=(control_conn, inbox), daemon=True).start()
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=spec.options.timeout_s))
-        train_worker(spec, store, reporter)
+        if inbox is not None:
+            from runtime.elastic.worker import elastic_worker
+
+            elastic_worker(spec, store, reporter, inbox)
+        else:
+            train_worker(spec, store, reporter)
         reporter.send("done")
     except (EOFError, KeyboardInterrupt):
         _exit_now(1)

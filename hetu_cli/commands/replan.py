@@ -1,0 +1,159 @@
+"""``hspmd replan --plan PLAN --failed 5,6``: the plan to switch to when devices fail, and what the switch
+costs against checkpoint-restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.markup import escape
+from rich.table import Table
+
+from hetu_cli.output import FORMAT_OPTION, console, emit_json
+from planner.replan import DEFAULT_TOLERANCE, ReplanResult, RestartModel
+from planner.replan import replan as run_replan
+from runtime.errors import HspmdError, Problem, SpecError
+from runtime.profiling.profile import resolve_profiles
+from runtime.spec import PlanContext, load_plan_context, save_plan
+from runtime.spec.catalog import resolve_ref
+from runtime.spec.schema import to_data
+
+TOP_LINKS = 12
+
+
+def parse_devices(text: str, option: str) -> list[int]:
+    """'5,6' -> [5, 6]; anything else is a one-line user error."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise HspmdError(f"{option}: expected comma-separated device ids such as 5,6, got {text!r}") from None
+    if not out or any(d < 0 for d in out):
+        raise HspmdError(f"{option}: expected comma-separated device ids such as 5,6, got {text!r}")
+    return sorted(set(out))
+
+
+def plan_refs(ctx: PlanContext) -> tuple[str, str]:
+    """What a new plan file records for the model and cluster: catalog names as they are, paths made
+    absolute (the new file may live elsewhere than the plan it replaces)."""
+    out = []
+    for ref, kind in ((ctx.plan.model, "models"), (ctx.plan.cluster, "clusters")):
+        path = resolve_ref(ref, kind, ctx.path.parent)
+        looks_like_path = "/" in ref or ref.endswith((".yaml", ".yml"))
+        out.append(str(path.resolve()) if path is not None and looks_like_path else ref)
+    return out[0], out[1]
+
+
+@click.command()
+@click.option("--plan", "plan_path", required=True, type=click.Path(path_type=Path), help="The plan that was running.")
+@click.option("--strategy", "strategy_name", help="Its strategy that was running (default: the first).")
+@click.option("--failed", "failed_text", required=True, help="The failed device ids, e.g. 5,6.")
+@click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), help="Write the new plan here (YAML).")
+@click.option("--profile", "profile_dirs", multiple=True, type=click.Path(path_type=Path),
+              help="Directory of device profiles (repeatable; before the shipped profiles/).")
+@click.option("--tolerance", type=click.FloatRange(min=0.0), default=DEFAULT_TOLERANCE, show_default=True,
+              help="Candidates within this fraction of the fastest step time count as equally fast; among "
+                   "them the one that moves the least state wins.")
+@click.option("--time-limit", "time_limit", type=click.FloatRange(min=1.0), default=60.0, show_default=True,
+              help="Seconds the planner may search.")
+@click.option("--storage-gbs", type=click.FloatRange(min=0.001), default=RestartModel.storage_gbs, show_default=True,
+              help="Checkpoint-restart model: aggregate storage bandwidth (GB/s) for writing and reading.")
+@click.option("--restart-s", type=click.FloatRange(min=0.0), default=RestartModel.restart_s, show_default=True,
+              help="Checkpoint-restart model: seconds to start new processes and process groups.")
+@click.option("--checkpoint-interval", type=click.IntRange(min=1), default=RestartModel.checkpoint_interval_steps,
+              show_default=True, help="Checkpoint-restart model: steps between checkpoints (half is lost on average).")
+@FORMAT_OPTION
+def replan(plan_path: Path, strategy_name: str | None, failed_text: str, out_path: Path | None,
+           profile_dirs: tuple[Path, ...], tolerance: float, time_limit: float, storage_gbs: float, restart_s: float,
+           checkpoint_interval: int, fmt: str) -> None:
+    """A new plan for the survivors of FAILED devices of PLAN, chosen with the switch cost in view, with the
+    switch report (bytes per link, modelled fused-BSR time) and the modelled cost of checkpoint-restart.
+
+    Exit code 2 when some parameter has no surviving replica (the report names them)."""
+    if out_path is not None and out_path.is_dir():
+        raise SpecError([Problem(str(out_path), "", "is a directory; give a file name for the plan")])
+    failed = parse_devices(failed_text, "--failed")
+    ctx = load_plan_context(plan_path)
+    strategy = ctx.plan.strategy(strategy_name).name
+    profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
+    model_ref, cluster_ref = plan_refs(ctx)
+    result = run_replan(ctx, strategy, failed, profiles, tolerance=tolerance, time_limit_s=time_limit,
+                        restart=RestartModel(storage_gbs, restart_s, checkpoint_interval),
+                        model_ref=model_ref, cluster_ref=cluster_ref)
+    if out_path is not None:
+        save_plan(result.plan, out_path)
+    if fmt == "json":
+        emit_json(replan_json(result, None if out_path is None else str(out_path)))
+        return
+    print_replan(result, None if out_path is None else str(out_path))
+
+
+def replan_json(r: ReplanResult, out_path: str | None) -> dict[str, Any]:
+    c = r.chosen
+    return {
+        "plan": to_data(r.plan),
+        "output": out_path,
+        "step_time_s": c.step_time_s,
+        "switch_bytes": c.switch_bytes,
+        "switch_time_s": c.modelled_switch_s,
+        "restart_time_s": r.restart.total_s,
+        "switch_lower_bound_s": c.lower_bound_s,
+        "failed": list(r.failed),
+        "survivors": list(r.survivors),
+        "current_step_time_s": r.current_step_time_s,
+        "chosen": c.label,
+        "summary": c.summary,
+        "tolerance": r.tolerance,
+        "link_bytes": [{"src": s, "dst": d, "bytes": n} for (s, d), n in c.bsr.link_bytes().items()],
+        "restart": r.restart.to_json(),
+        "candidates": [{"candidate": o.label, "step_time_s": o.step_time_s, "switch_bytes": o.switch_bytes,
+                        "switch_time_s": o.modelled_switch_s, "summary": o.summary, "chosen": o is c}
+                       for o in r.options],
+        "notes": list(r.notes),
+    }
+
+
+def print_replan(r: ReplanResult, out_path: str | None) -> None:
+    con = console()
+    c = r.chosen
+    con.print(f"[bold]replan[/bold]: device(s) {', '.join(map(str, r.failed))} failed; "
+              f"{len(r.survivors)} survivors; current plan {r.current_step_time_s:.4g} s/step (cost model)")
+    for note in r.notes:
+        con.print(f"note: {escape(note)}")
+    table = Table(title=f"candidates (within {r.tolerance:.0%} of the fastest, the one moving the least state wins)")
+    for col in ("", "candidate", "s/step", "moves", "switch (modelled)", "plan"):
+        table.add_column(col, justify="right" if col in ("s/step", "moves", "switch (modelled)") else "left")
+    for o in r.options:
+        table.add_row("*" if o is c else "", o.label, f"{o.step_time_s:.4g}", _bytes(o.switch_bytes),
+                      f"{o.modelled_switch_s:.4g} s", escape(o.summary))
+    con.print(table)
+    links = sorted(c.bsr.link_bytes().items(), key=lambda kv: -kv[1])
+    con.print(f"switch: {_bytes(c.switch_bytes)} (every parameter and both AdamW moments, fp32) over {len(links)} "
+              f"link(s); fused BSR modelled {c.modelled_switch_s:.4g} s (lower bound {c.lower_bound_s:.4g} s)")
+    lt = Table()
+    for col in ("from", "to", "bytes", "GB/s", "seconds"):
+        lt.add_column(col, justify="right")
+    cluster = r.context.cluster
+    for (s, d), n in links[:TOP_LINKS]:
+        bw = cluster.bandwidth_gbs(s, d)
+        lt.add_row(str(s), str(d), _bytes(n), f"{bw:g}", f"{n / (bw * 1e9):.4g}")
+    if len(links) > TOP_LINKS:
+        lt.add_row("...", "", f"{len(links) - TOP_LINKS} more links", "", "")
+    con.print(lt)
+    rc = r.restart
+    con.print(f"checkpoint-restart (modelled): {rc.total_s:.4g} s = write {rc.write_s:.4g} s + read {rc.read_s:.4g} s "
+              f"+ restart {rc.restart_s:.4g} s + lost work {rc.lost_work_s:.4g} s; the in-memory switch is "
+              f"{c.modelled_switch_s:.4g} s ({c.modelled_switch_s / rc.total_s:.2g}x) before specialization")
+    for line in rc.assumptions():
+        con.print(f"  assumes: {escape(line)}")
+    con.print(f"new plan: {escape(c.summary)}, {c.step_time_s:.4g} s/step (cost model)")
+    if out_path is not None:
+        con.print(f"written to [bold]{escape(out_path)}[/bold]")
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} TB"

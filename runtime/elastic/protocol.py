@@ -1,0 +1,70 @@
+"""What the launcher and the workers of an elastic (or switching) run tell each other.
+
+The launcher is the coordinator: it owns the store, sees every death and silence, and decides. Workers
+only act on its word, so every survivor takes the same path through a failure.
+
+Launcher -> worker (control pipe):
+
+* ``("commit", gen, step, then)``: every device of the plan reached the end of ``step`` (gradients
+  synced, statistics reduced): apply the optimizer update. ``then`` is "next" (run the next step) or
+  "hold" (wait for the next word: a switch or the end).
+* ``("abort", gen)``: generation ``gen`` is over (a device failed). Abandon the step in progress
+  without updating anything, drop the process groups, answer ``left``.
+* ``("transition", Transition)``: form ``world`` (if any), specialize the target plan, move the state
+  with the fused BSR, answer ``switched``; keep the old state until ``resume``.
+* ``("resume", epoch)``: every device switched: adopt the new program and train from ``step + 1``.
+* ``("finish",)``: the last step is done: save, write traces, leave the world, exit.
+
+Worker -> launcher (report pipe; the rank follows the tag): ``("ready", r, gen, step)``,
+``("left", r, gen)``, ``("switched", r, epoch, SwitchTimes)``, ``("fault", r, kind, wall_time)`` (an
+injected fault is about to fire, for the failure's timing), plus the plain launcher's ``step``,
+``log``, ``error``, ``up``, ``hb`` and ``done``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from runtime.comm.bsr import BsrPlan
+from runtime.elastic.state import PlanRef
+
+Then = Literal["next", "hold"]
+
+
+@dataclass(frozen=True)
+class World:
+    """A torch.distributed world: its store prefix (fresh per generation) and the ranks of its devices."""
+
+    generation: int
+    prefix: str
+    ranks: Mapping[int, int]  # device id -> rank
+
+    @staticmethod
+    def of(generation: int, devices: tuple[int, ...] | list[int]) -> World:
+        return World(generation, f"hspmd/gen{generation}/", {d: r for r, d in enumerate(sorted(set(devices)))})
+
+
+@dataclass(frozen=True)
+class Transition:
+    """Move the run from ``source`` (what the devices hold now) to ``target``."""
+
+    epoch: int  # tags this transition's answers
+    reason: Literal["failure", "switch"]
+    source: PlanRef
+    target: PlanRef
+    excluded: tuple[int, ...]  # failed devices: never send, never receive
+    steps_done: int  # optimizer steps in the state; training continues with steps_done + 1
+    bsr: BsrPlan  # the fused BSR of every parameter and AdamW moment (computed once, by the launcher)
+    world: World | None  # form this world first (after a failure); None keeps the current one
+
+
+@dataclass(frozen=True)
+class SwitchTimes:
+    """One worker's share of a transition, in seconds."""
+
+    regroup_s: float  # new world and process groups
+    specialize_s: float  # building the target program
+    transfer_s: float  # the fused BSR and loading the state into the program
+    sent_bytes: int

@@ -1,0 +1,149 @@
+"""The model state of a run as data: which device holds which slice, what survives a failure, what a
+switch between two plans moves.
+
+The state is every parameter and its two AdamW moments, fp32, all three in the parameter's layout
+(``DeviceProgram.local_state()``). A switch from plan A to plan B is one fused BSR of all of them
+(runtime/comm/bsr.py): each destination slice comes from a surviving holder in A, chosen for
+bandwidth and load balance, and travels in one batched P2P round. Everything here is pure (no
+torch.distributed): the launcher checks a failure is survivable with it, ``hspmd replan`` prices
+candidate plans with it, and every worker computes the same BSR plan from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from runtime.annotations.states import contains
+from runtime.comm.bsr import BsrPlan, TensorMove, cells, plan_bsr, tensor_grid
+from runtime.engine.specialize import strategy_annotations
+from runtime.errors import HspmdError
+from runtime.spec import PlanContext
+
+STATE_SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")  # the parameter, then AdamW's two moments
+STATE_DTYPE = torch.float32  # master weights and moments (bf16 is autocast compute only)
+
+
+@dataclass(frozen=True)
+class PlanRef:
+    """A strategy of a plan: what a set of devices runs (and so which slices of the state it holds)."""
+
+    ctx: PlanContext
+    strategy: str
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(sorted(self.ctx.plan.strategy(self.strategy).devices))
+
+    def describe(self) -> str:
+        """'pipelines [0,1] x6 | [2] > [3] x2': each pipeline's stages (devices) and micro-batches."""
+        strat = self.ctx.plan.strategy(self.strategy)
+        pipes = []
+        for p in strat.pipelines:
+            stages = " > ".join("[" + ",".join(map(str, s.devices)) + f"]:{s.layers[0]}-{s.layers[1]}"
+                                for s in p.stages)
+            pipes.append(f"{stages} x{p.micro_batches}")
+        return " | ".join(pipes)
+
+
+@dataclass(frozen=True)
+class LostTensor:
+    """A parameter (with its moments) of which some slice is held only by failed devices."""
+
+    name: str
+    holders: tuple[int, ...]  # every device that held any part of it
+    lost_by: tuple[int, ...]  # the (failed) devices that held the missing slice
+    layer: int | None = None  # its decoder layer (None: embedding, final norm, head)
+
+    def __str__(self) -> str:
+        return f"{self.name} (a slice held only by failed device(s) {', '.join(map(str, self.lost_by))})"
+
+
+def describe_lost(lost: list[LostTensor]) -> list[str]:
+    """One line per run of decoder layers (and per other tensor) that lost every replica, with the
+    devices that held it: 'decoder layers 1-4 (36 tensors): held only by device(s) 1'."""
+    out: list[str] = []
+    run: list[LostTensor] = []
+
+    def flush() -> None:
+        if run:
+            first, last = run[0].layer, run[-1].layer
+            where = f"decoder layer {first}" if first == last else f"decoder layers {first}-{last}"
+            devs = sorted({d for t in run for d in t.lost_by})
+            out.append(f"{where} ({len(run)} tensors): held only by failed device(s) {', '.join(map(str, devs))}")
+            run.clear()
+
+    for t in lost:
+        if t.layer is not None and run and t.layer - run[-1].layer > 1:
+            flush()
+        if t.layer is None:
+            flush()
+            out.append(f"{t.name}: held only by failed device(s) {', '.join(map(str, t.lost_by))}")
+        else:
+            run.append(t)
+    flush()
+    return out
+
+
+def lost_tensors(ref: PlanRef, failed: Collection[int]) -> list[LostTensor]:
+    """Parameters with a slice that no surviving device of ``ref`` holds (empty: the failure is
+    survivable in memory). Needs only the plan: the launcher asks before it replans."""
+    failed = frozenset(failed)
+    ann = strategy_annotations(ref.ctx, ref.strategy)
+    out: list[LostTensor] = []
+    verdict: dict[tuple[object, tuple[int, ...]], tuple[int, ...] | None] = {}
+    for p in ann.params:
+        key = (p.param, p.shape)
+        if key not in verdict:
+            verdict[key] = _missing_cell_holders(p.param.layout(p.shape), p.shape, failed)
+        lost_by = verdict[key]
+        if lost_by is not None:
+            out.append(LostTensor(p.name, tuple(p.param.devices), lost_by, p.info.layer))
+    return out
+
+
+def _missing_cell_holders(layout, shape: tuple[int, ...], failed: frozenset[int]) -> tuple[int, ...] | None:
+    """The holders of the first grid cell no survivor holds, or None when every cell survives."""
+    holdings = list(layout.holdings)
+    if not any(d in failed for d, _ in holdings):
+        return None
+    cuts = tensor_grid((layout,), shape)
+    full = tuple((0, n) for n in shape)
+    for cell in cells(full, cuts):
+        holders = [d for d, h in holdings if contains(h.region, cell)]
+        if holders and all(d in failed for d in holders):
+            return tuple(holders)
+    return None
+
+
+def state_moves(src: PlanRef, dst: PlanRef) -> list[TensorMove]:
+    """Every state tensor (parameter, exp_avg, exp_avg_sq) from its layout under ``src`` to ``dst``."""
+    check_compatible(src.ctx, dst.ctx)
+    old = strategy_annotations(src.ctx, src.strategy)
+    new = strategy_annotations(dst.ctx, dst.strategy)
+    return [TensorMove(p.name + suffix, p.shape, STATE_DTYPE, p.param, new.param(p.name).param)
+            for p in old.params for suffix in STATE_SUFFIXES]
+
+
+def plan_switch(src: PlanRef, dst: PlanRef, excluded: Iterable[int] = ()) -> BsrPlan:
+    """The fused BSR of a switch; ``excluded`` (failed) devices never send. Raises HspmdError naming a
+    tensor when some slice has no surviving holder (check ``lost_tensors`` first for a full list)."""
+    return plan_bsr(state_moves(src, dst), bandwidth=dst.ctx.cluster, excluded=tuple(sorted(set(excluded))))
+
+
+def check_compatible(a: PlanContext, b: PlanContext) -> None:
+    """Two plans can hand state to each other only if they train the same model the same way (the
+    micro-batch size and schedule may differ: they do not change the numbers being computed)."""
+    problems = []
+    if a.model != b.model:
+        problems.append(f"model {a.model.name} vs {b.model.name}")
+    ta, tb = a.plan.training, b.plan.training
+    for field in ("global_batch", "seq_len", "seed", "optimizer"):
+        if getattr(ta, field) != getattr(tb, field):
+            problems.append(f"training.{field} {getattr(ta, field)} vs {getattr(tb, field)}")
+    if a.plan.training.zero or b.plan.training.zero:
+        problems.append("ZeRO-1 (zero: true) is not supported by the engine")
+    if problems:
+        raise HspmdError(f"{b.path}: cannot switch from {a.path} to this plan: " + "; ".join(problems))

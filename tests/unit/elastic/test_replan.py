@@ -1,0 +1,109 @@
+"""Replanning after a failure: switch-cost-aware choice, the repair candidate, the restart model, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+from hetu_cli.main import cli
+from planner.replan import LostStateError, RestartModel, choose, repair, replan, restart_cost
+from runtime.profiling.profile import resolve_profiles
+from runtime.spec import load_plan, load_plan_context
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"  # TP-2 on 0,1 | 2 -> 3
+DP_PP = REPO / "configs" / "plans" / "cpu-hetero4-dp-pp.yaml"  # 0 | 1 | 2 -> 3
+SINGLE = REPO / "tests" / "integration" / "engine_plans" / "pp-uneven.yaml"  # one pipeline 0 -> 1 -> 2
+
+
+def opt(step: float, nbytes: int, origin: str = "planner", rank: int = 0):
+    return SimpleNamespace(step_time_s=step, switch_bytes=nbytes, origin=origin, rank=rank)
+
+
+def test_choice_prefers_the_least_state_moved_among_the_near_best():
+    fast, near_cheap, slow_free = opt(1.00, 900), opt(1.04, 100, rank=1), opt(1.30, 0, "repair")
+    assert choose([fast, near_cheap, slow_free], 0.05) is near_cheap
+    assert choose([fast, near_cheap, slow_free], 0.0) is fast
+    assert choose([fast, near_cheap, slow_free], 0.5) is slow_free
+    tie = opt(1.02, 900, rank=1)
+    assert choose([tie, fast], 0.05) is fast  # same bytes: the faster
+
+
+def test_restart_model_states_its_arithmetic():
+    ctx = load_plan_context(TINY)
+    m = RestartModel(storage_gbs=2.0, restart_s=30.0, checkpoint_interval_steps=10)
+    rc = restart_cost(ctx.model, 0.5, m)
+    nbytes = ctx.model.total_params() * 12
+    assert rc.checkpoint_bytes == nbytes
+    assert rc.write_s == rc.read_s == pytest.approx(nbytes / 2e9)
+    assert rc.lost_work_s == pytest.approx(5 * 0.5)
+    assert rc.total_s == pytest.approx(2 * nbytes / 2e9 + 30.0 + 2.5)
+    assert any("30 s" in a for a in rc.assumptions()) and any("every 10 steps" in a for a in rc.assumptions())
+
+
+def test_repair_keeps_intact_pipelines_and_spreads_the_micro_batches():
+    ctx = load_plan_context(DP_PP)
+    profiles = resolve_profiles(ctx.cluster.device_types, [])
+    plan, step_time = repair(ctx, "dp-pp", [3], profiles)
+    (strategy,) = plan.strategies
+    assert [p.devices for p in strategy.pipelines] == [(0,), (1,)]
+    assert sum(p.micro_batches for p in strategy.pipelines) == 8 and step_time > 0
+    assert repair(ctx, "dp-pp", [0, 1, 2], profiles) is None  # nothing intact
+    assert repair(ctx, "dp-pp", [5], profiles) is None  # nothing broken
+
+
+def test_replan_picks_a_near_best_plan_that_moves_the_least():
+    ctx = load_plan_context(TINY)
+    profiles = resolve_profiles(ctx.cluster.device_types, [])
+    r = replan(ctx, "hetero", [1], profiles, tolerance=0.05)
+    assert r.survivors == (0, 2, 3) and r.failed == (1,)
+    fastest = min(o.step_time_s for o in r.options)
+    near = [o for o in r.options if o.step_time_s <= fastest * 1.05]
+    assert r.chosen in near and r.chosen.switch_bytes == min(o.switch_bytes for o in near)
+    assert 1 not in r.chosen.strategy.devices
+    assert any(o.origin == "repair" and o.switch_bytes == 0 for o in r.options)
+    assert r.restart.total_s > r.chosen.modelled_switch_s
+    # An unbounded tolerance takes the repair: nothing moves at all.
+    assert replan(ctx, "hetero", [1], profiles, tolerance=100.0).chosen.origin == "repair"
+
+
+def test_replan_refuses_when_a_parameter_lost_every_replica():
+    ctx = load_plan_context(SINGLE)
+    with pytest.raises(LostStateError) as err:
+        replan(ctx, "pp", [1], resolve_profiles(ctx.cluster.device_types, []))
+    assert err.value.lines()[1:] == ["  decoder layers 1-4 (36 tensors): held only by failed device(s) 1"]
+
+
+def test_cli_json_and_plan_file(tmp_path):
+    out = tmp_path / "new.yaml"
+    res = CliRunner().invoke(cli, ["replan", "--plan", str(TINY), "--failed", "1", "-o", str(out), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    for key in ("plan", "step_time_s", "switch_bytes", "switch_time_s", "restart_time_s"):
+        assert key in data
+    assert data["switch_time_s"] < data["restart_time_s"]
+    assert sum(link["bytes"] for link in data["link_bytes"]) == data["switch_bytes"]
+    written = load_plan(out)
+    assert 1 not in written.strategies[0].devices
+    assert written.strategies[0].name == data["plan"]["strategies"][0]["name"]
+    load_plan_context(out)  # valid against its model and cluster
+
+
+def test_cli_text_report_and_errors(tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(cli, ["replan", "--plan", str(TINY), "--failed", "1"])
+    assert res.exit_code == 0, res.output
+    assert "checkpoint-restart (modelled)" in res.output and "assumes:" in res.output
+    res = runner.invoke(cli, ["replan", "--plan", str(SINGLE), "--failed", "0,1"])
+    assert res.exit_code == 2
+    assert "lose every replica" in res.output and "held only by failed device(s) 0, 1" in res.output
+    res = runner.invoke(cli, ["replan", "--plan", str(TINY), "--failed", "one"])
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == ["error: --failed: expected comma-separated device ids such as 5,6, "
+                                               "got 'one'"]
+    res = runner.invoke(cli, ["replan", "--plan", str(TINY), "--failed", "9"])
+    assert res.exit_code == 2 and "not in cluster" in res.output
