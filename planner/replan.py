@@ -1,0 +1,269 @@
+"""A new plan after a failure, chosen with the cost of switching to it in view.
+
+``replan(ctx, strategy, failed, profiles)``:
+
+1. Every parameter must still have a surviving replica (``runtime.elastic.lost_tensors``); if one has
+   none, ``LostStateError`` names them (the run cannot continue in memory).
+2. Candidates: the planner's near-best plans on the survivors (``planner.api.plan`` with
+   ``devices=survivors``, elastic when the survivors allow it, ZeRO off), plus a *repair* of the current
+   plan: its pipelines that lost no device, with the micro-batches of the broken ones spread over them
+   (nothing moves at all: every survivor keeps what it holds).
+3. Each candidate is priced twice: its step time (the cost model) and its switch (the fused BSR of
+   every parameter and AdamW moment from the current layout, failed devices excluded: bytes, bytes per
+   link, modelled time). Among the candidates whose step time is within ``tolerance`` of the fastest,
+   the one that moves the fewest bytes wins (then the faster).
+4. For comparison, the modelled cost of checkpoint-restart (``RestartModel``: every assumption is a
+   field, printed by ``RestartCost.assumptions``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from planner.api import PlanSettings, plan
+from planner.cost import CostModel
+from runtime.comm.bsr import BsrPlan
+from runtime.elastic.state import STATE_SUFFIXES, LostTensor, PlanRef, describe_lost, lost_tensors, plan_switch
+from runtime.errors import HspmdError, InfeasibleError
+from runtime.profiling.profile import DeviceProfile, ProfileSet
+from runtime.spec import Plan, PlanContext, Strategy, validate_plan
+from runtime.spec.model import ModelSpec
+
+DEFAULT_TOLERANCE = 0.05
+STATE_BYTES_PER_PARAM = 4 * len(STATE_SUFFIXES)  # fp32 parameter + two fp32 AdamW moments (a checkpoint)
+
+
+class LostStateError(HspmdError):
+    """Some parameter has no surviving replica: no plan on the survivors can start from memory."""
+
+    def __init__(self, failed: Collection[int], lost: list[LostTensor]) -> None:
+        self.failed = tuple(sorted(failed))
+        self.lost = lost
+        super().__init__("; ".join(self.lines()))
+
+    def lines(self) -> list[str]:
+        devs = ", ".join(map(str, self.failed))
+        out = [f"device(s) {devs}: {len(self.lost)} parameter(s) lose every replica, so no plan can continue "
+               "from memory (restart from a checkpoint, or plan with --elastic to keep >= 2 pipelines):"]
+        return out + [f"  {line}" for line in describe_lost(self.lost)]
+
+
+@dataclass(frozen=True)
+class RestartModel:
+    """Checkpoint-restart, modelled. A job that restarts from a checkpoint pays: writing the checkpoint
+    (periodically; charged once here), reading it back, starting new processes and process groups, and
+    redoing the steps since the last checkpoint (on average half an interval, at the old step time)."""
+
+    storage_gbs: float = 10.0  # aggregate checkpoint storage bandwidth, GB/s, the same for write and read
+    restart_s: float = 60.0  # new processes, imports, CUDA context, NCCL/gloo groups, program build
+    checkpoint_interval_steps: int = 100
+
+    def __post_init__(self) -> None:
+        if self.storage_gbs <= 0 or self.restart_s < 0 or self.checkpoint_interval_steps < 1:
+            raise ValueError("storage_gbs must be positive, restart_s non-negative, checkpoint interval >= 1")
+
+
+@dataclass(frozen=True)
+class RestartCost:
+    model: RestartModel
+    checkpoint_bytes: int
+    write_s: float
+    read_s: float
+    restart_s: float
+    lost_work_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.write_s + self.read_s + self.restart_s + self.lost_work_s
+
+    def assumptions(self) -> list[str]:
+        m = self.model
+        return [
+            f"checkpoint = every parameter and both AdamW moments in fp32 ({STATE_BYTES_PER_PARAM} bytes per "
+            f"parameter): {self.checkpoint_bytes / 1e9:.3g} GB",
+            f"written once and read back once at {m.storage_gbs:g} GB/s aggregate storage bandwidth",
+            f"process restart and process-group initialization: {m.restart_s:g} s",
+            f"a checkpoint every {m.checkpoint_interval_steps} steps: a failure loses half an interval on "
+            "average, redone at the pre-failure step time",
+        ]
+
+    def to_json(self) -> dict[str, object]:
+        return {"total_s": self.total_s, "checkpoint_bytes": self.checkpoint_bytes, "write_s": self.write_s,
+                "read_s": self.read_s, "restart_s": self.restart_s, "lost_work_s": self.lost_work_s,
+                "storage_gbs": self.model.storage_gbs,
+                "checkpoint_interval_steps": self.model.checkpoint_interval_steps,
+                "assumptions": self.assumptions()}
+
+
+def restart_cost(model: ModelSpec, step_time_s: float, restart: RestartModel) -> RestartCost:
+    nbytes = model.total_params() * STATE_BYTES_PER_PARAM
+    io = nbytes / (restart.storage_gbs * 1e9)
+    return RestartCost(restart, nbytes, io, io, restart.restart_s,
+                       restart.checkpoint_interval_steps / 2 * step_time_s)
+
+
+@dataclass(frozen=True)
+class Option:
+    """A candidate plan for the survivors and what switching to it costs."""
+
+    origin: Literal["planner", "repair"]
+    rank: int  # the planner's rank (0: its best), or 0 for the repair
+    plan: Plan
+    step_time_s: float
+    summary: str
+    bsr: BsrPlan
+    modelled_switch_s: float
+    lower_bound_s: float
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.plan.strategies[0]
+
+    @property
+    def switch_bytes(self) -> int:
+        return self.bsr.total_bytes
+
+    @property
+    def label(self) -> str:
+        return "repair" if self.origin == "repair" else f"planner #{self.rank + 1}"
+
+
+@dataclass(frozen=True)
+class ReplanResult:
+    failed: tuple[int, ...]
+    survivors: tuple[int, ...]
+    current_step_time_s: float
+    options: tuple[Option, ...]  # every candidate considered, fastest first
+    chosen: Option
+    tolerance: float
+    restart: RestartCost
+    context: PlanContext  # the chosen plan, ready for the runtime
+    notes: tuple[str, ...] = ()
+
+    @property
+    def plan(self) -> Plan:
+        return self.chosen.plan
+
+
+def replan(ctx: PlanContext, strategy: str, failed: Collection[int],
+           profiles: Mapping[str, DeviceProfile] | ProfileSet, *, tolerance: float = DEFAULT_TOLERANCE,
+           time_limit_s: float = 60.0, top_k: int = 5, restart: RestartModel | None = None,
+           model_ref: str | None = None, cluster_ref: str | None = None) -> ReplanResult:
+    """The plan to switch to when ``failed`` devices of ``strategy`` are lost (see the module docstring).
+
+    The survivors are the strategy's other devices (a running job has processes only there). Raises
+    LostStateError when a parameter lost every replica, InfeasibleError when no plan fits the survivors.
+    """
+    if tolerance < 0:
+        raise ValueError("tolerance must not be negative")
+    current = PlanRef(ctx, strategy)
+    failed = frozenset(failed)
+    unknown = sorted(failed - set(range(ctx.cluster.num_devices)))
+    if unknown:
+        raise HspmdError(f"--failed: device(s) {unknown} are not in cluster {ctx.cluster.name!r} "
+                         f"(devices 0-{ctx.cluster.num_devices - 1})")
+    idle = sorted(failed - set(current.devices))
+    notes = [f"device(s) {idle} are idle in strategy {strategy!r}: losing them changes nothing"] if idle else []
+    lost = lost_tensors(current, failed)
+    if lost:
+        raise LostStateError(failed, lost)
+    survivors = tuple(d for d in current.devices if d not in failed)
+    t = ctx.plan.training
+    model_ref = model_ref or ctx.plan.model
+    cluster_ref = cluster_ref or ctx.plan.cluster
+    cur = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
+    current_time = cur.estimate(ctx.plan.strategy(strategy), t.global_batch, t.schedule, False).step_time_s
+
+    plans: list[tuple[Literal["planner", "repair"], int, Plan, float, str]] = []
+    settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=True,
+                            use_zero=False, time_limit_s=time_limit_s, top_k=top_k, seed=t.seed, optimizer=t.optimizer)
+    try:
+        result = plan(ctx.model, ctx.cluster, profiles, settings, devices=survivors, baselines=False)
+    except InfeasibleError as err:
+        notes.append(f"no elastic plan (>= 2 pipelines) fits the survivors ({err}); planning without that")
+        result = plan(ctx.model, ctx.cluster, profiles, dataclasses.replace(settings, elastic=False),
+                      devices=survivors, baselines=False)
+    for i, cand in enumerate(result.candidates):
+        p = result.to_plan(model_ref, cluster_ref, i)
+        plans.append(("planner", i, p, cand.step_time_s, cand.summary))
+    repaired = repair(ctx, strategy, failed, profiles)
+    if not failed & set(current.devices):
+        repaired = (dataclasses.replace(ctx.plan, strategies=(ctx.plan.strategy(strategy),)), current_time)
+    if repaired is not None:
+        p, step_time = repaired
+        plans.append(("repair", 0, p, step_time, "the current plan without its broken pipeline(s)"))
+
+    options = []
+    seen: set[tuple[int, tuple]] = set()
+    for origin, rank, p, step_time, summary in plans:
+        key = (p.training.micro_batch, p.strategies[0].pipelines)
+        if key in seen:
+            continue  # the planner found the repair too
+        seen.add(key)
+        problems = validate_plan(p, ctx.model, ctx.cluster, str(ctx.path))
+        if problems:
+            raise RuntimeError(f"replan produced an invalid plan ({origin}): {problems[0]}")
+        target = PlanRef(PlanContext(p, ctx.model, ctx.cluster, ctx.path), p.strategies[0].name)
+        bsr = plan_switch(current, target, failed)
+        options.append(Option(origin, rank, p, step_time, summary, bsr, bsr.modelled_time(ctx.cluster),
+                              bsr.lower_bound(ctx.cluster)))
+    options.sort(key=lambda o: (o.step_time_s, o.switch_bytes))
+    chosen = choose(options, tolerance)
+    return ReplanResult(tuple(sorted(failed)), survivors, current_time, tuple(options), chosen, tolerance,
+                        restart_cost(ctx.model, current_time, restart or RestartModel()),
+                        PlanContext(chosen.plan, ctx.model, ctx.cluster, ctx.path), tuple(notes))
+
+
+def choose(options: list[Option], tolerance: float) -> Option:
+    """Among the options within ``tolerance`` of the fastest step time, the one that moves the fewest
+    bytes (then the faster, then the planner's order)."""
+    if not options:
+        raise InfeasibleError("no candidate plan for the survivors")
+    best = min(o.step_time_s for o in options)
+    near = [o for o in options if o.step_time_s <= best * (1 + tolerance)]
+    return min(near, key=lambda o: (o.switch_bytes, o.step_time_s, o.origin != "planner", o.rank))
+
+
+def repair(ctx: PlanContext, strategy: str, failed: Collection[int],
+           profiles: Mapping[str, DeviceProfile] | ProfileSet) -> tuple[Plan, float] | None:
+    """The current plan without the pipelines that lost a device, their micro-batches spread over the
+    others to even out the pipelines' times (cost model); None when no pipeline is intact, when there are
+    too few micro-batches, or when it does not fit in memory."""
+    strat = ctx.plan.strategy(strategy)
+    t = ctx.plan.training
+    keep = [p for p in strat.pipelines if not set(p.devices) & set(failed)]
+    if not keep or len(keep) == len(strat.pipelines):
+        return None
+    total = t.global_batch // t.micro_batch
+    need = [len(p.stages) if t.schedule == "1f1b" else 1 for p in keep]
+    if sum(need) > total:
+        return None
+    cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
+
+    def with_counts(counts: list[int]) -> Strategy:
+        return Strategy(f"{strat.name}-repaired", tuple(dataclasses.replace(p, micro_batches=m)
+                                                         for p, m in zip(keep, counts)))
+
+    # Each pipeline's time is linear in its micro-batches (1F1B: (m-1)·max + sum): two estimates give
+    # slope and intercept; then water-filling puts each next micro-batch where it finishes soonest.
+    base = cm.estimate(with_counts(need), t.global_batch, t.schedule, False)
+    more = cm.estimate(with_counts([m + 1 for m in need]), t.global_batch, t.schedule, False)
+    lines = [(b.time_s, m.time_s - b.time_s) for b, m in zip(base.pipelines, more.pipelines)]
+    counts = list(need)
+    for _ in range(total - sum(need)):
+        i = min(range(len(keep)), key=lambda j: (lines[j][0] + (counts[j] - need[j] + 1) * lines[j][1], j))
+        counts[i] += 1
+    repaired = with_counts(counts)
+    est = cm.estimate(repaired, t.global_batch, t.schedule, False)
+    if not est.fits or not math.isfinite(est.step_time_s):
+        return None
+    repaired = dataclasses.replace(repaired, estimates={"step_time_s": round(est.step_time_s, 6)})
+    return dataclasses.replace(ctx.plan, strategies=(repaired,)), est.step_time_s
+
+
+__all__ = ["DEFAULT_TOLERANCE", "LostStateError", "Option", "ReplanResult", "RestartCost", "RestartModel",
+           "choose", "repair", "replan", "restart_cost"]
