@@ -11,6 +11,11 @@ estimate) and pick the one that moves the least state::
         cand.strategy, cand.estimate.step_time_s, cand.micro_batch, cand.idle_devices
     result.to_plan(model_ref, cluster_ref)    # a runtime.spec Plan (the best candidate)
 
+Candidates are ranked by ``CostModel.estimate``; with ``PlanSettings(simulate_top=N)`` (``hspmd plan``:
+``--check-top``, default 8) the best N, the best plans of identical pipelines and the baselines are also
+simulated (planner/simulate.py), ``cand.simulated_s`` set, and those come first, ranked by the worse of
+the two predictions (``cand.checked_s``).
+
 Raises ``InfeasibleError`` (exit 2 in the CLI) with a sentence saying why and what would fit.
 """
 
@@ -26,6 +31,7 @@ from planner.baselines import Baseline, LowerBound, best_symmetric, best_symmetr
 from planner.cost import GIB, CostModel
 from planner.layer_split import feasible, slot_costs
 from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, SearchStats, describe, rank, search
+from planner.simulate import simulate
 from planner.tp_groups import GroupKind, available, form_groups, tp_choices
 from runtime.errors import InfeasibleError
 from runtime.profiling.profile import DeviceProfile, ProfileSet
@@ -34,6 +40,7 @@ from runtime.spec.model import ModelSpec
 from runtime.spec.plan import PLAN_VERSION, Plan, Strategy, TrainingSettings
 
 MICRO_BATCH_GAIN = 0.03
+ALIGNED_CHECKED = 3   # plans of alike pipelines the simulator check adds to the estimate's best
 
 __all__ = ["PlanSettings", "PlanResult", "Candidate", "plan", "strategy_estimates"]
 
@@ -170,16 +177,54 @@ def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfil
     if progress is not None:
         progress("baselines", 3, 3)
     # A symmetric plan is a plan too: should one beat the search, it is the answer.
+    base_cands = []
     for b in (sym, sub):
         if b.strategy is not None and b.estimate is not None and b.micro_batch is not None:
             used = set(b.strategy.devices)
-            candidates.append(Candidate(dataclasses.replace(b.strategy, name="planned"), b.estimate, b.micro_batch,
+            base_cands.append(Candidate(dataclasses.replace(b.strategy, name="planned"), b.estimate, b.micro_batch,
                                         tuple(d for d in devs if d not in used),
                                         f"{describe(b.strategy, cluster)} (the {b.name} baseline)"))
-    ranked = rank(candidates)
+    ranked = rank(candidates + base_cands)
+    if settings.simulate_top > 0:
+        if progress is not None:
+            progress("checking the best plans with the simulator", 0, 1)
+        ranked = simulator_check(ranked, every, settings, base_cands)
     idle = explain_idle(ranked[0], ranked, cluster)
     top = tuple(ranked[:max(1, settings.top_k)])
     return PlanResult(model, cluster, settings, devs, top, sym, sub, lb, idle, solver_time, stats)
+
+
+def aligned(strategy: Strategy) -> bool:
+    """Whether every pipeline has the same stage layout (TP degrees and layer ranges): then each gradient
+    slice is all-reduced by one group of stage peers, with no chains of waits between groups."""
+    first = [(s.tp, s.layers) for s in strategy.pipelines[0].stages]
+    return all([(s.tp, s.layers) for s in p.stages] == first for p in strategy.pipelines[1:])
+
+
+def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], settings: PlanSettings,
+                    also: Iterable[Candidate] = ()) -> list[Candidate]:
+    """Simulate the best ``settings.simulate_top`` candidates, the best ``ALIGNED_CHECKED`` aligned ones
+    (``aligned``) and those of ``also`` (the baselines) still among the ranked; rank those by the worse of
+    estimate and simulation, ahead of the rest.
+
+    The closed-form estimate prices each device's gradient-sync groups back to back; the runtime (and the
+    simulator) runs the groups in one global order, each waiting for its slowest member, so plans whose
+    pipelines split the layers differently can wait far longer than estimated. Ranking by the worse of
+    the two keeps the planner from choosing a plan for a gap in the closed form."""
+    n = settings.simulate_top
+    pick = list(ranked[:n])
+    extra = [c for c in ranked if aligned(c.strategy)][:ALIGNED_CHECKED]
+    extra += [c for c in also if any(c is r for r in ranked)]
+    for c in extra:
+        if all(c is not p for p in pick):
+            pick.append(c)
+    checked = []
+    for c in pick:
+        sim = simulate(cms[c.micro_batch], c.strategy, settings.global_batch, "1f1b", settings.zero)
+        checked.append(dataclasses.replace(c, simulated_s=sim.step_time_s))
+    checked.sort(key=lambda c: (c.checked_s, c.step_time_s))   # stable: ties keep the estimate's order
+    rest = [c for c in ranked if all(c is not p for p in pick)]
+    return checked + rest
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,13 +9,15 @@ model that scores the plan.
 
 * ``split_ilp``: the exact ILP (PuLP): minimize ``(m-1)*Z + sum_s t_s`` with ``t_s <= Z``, each stage
   with or without recompute, ``n_s <= most layers that fit``, ``sum n_s = L``.
-* ``split_fast``: the min-max split by bisection on ``Z`` (each stage takes as many layers as fit under
-  ``Z``), then the remaining freedom spent on the cheapest stages. Used inside the outer search, where
+* ``split_fast``: the min-max split (``min_max_stage``: layers handed out one at a time to the stage
+  that is fastest with one more, exact for a bottleneck objective since stage times grow with their
+  layer count), then the remaining freedom spent on the cheapest stages. Used inside the outer search, where
   thousands of candidate pipelines are compared; the finalists are re-split by the ILP.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -147,33 +149,41 @@ def _cap(slot: SlotCost, z: float) -> tuple[int, bool]:
     return best, rc_best
 
 
+def _next_cost(slot: SlotCost, n: int) -> float:
+    """Least time of the stage with ``n`` layers (recompute only past what fits without it); inf if
+    ``n`` layers do not fit."""
+    if n <= slot.max_layers[0]:
+        return stage_time(slot, n, False)
+    if n <= slot.max_layers[1]:
+        return stage_time(slot, n, True)
+    return math.inf
+
+
+def min_max_stage(slots: Sequence[SlotCost], num_layers: int) -> float:
+    """The smallest possible slowest stage, exactly: every stage starts with one layer and each further
+    layer goes to the stage that is fastest with it (stage times grow with their layer count, so this
+    greedy is optimal for the bottleneck; O(L log S))."""
+    counts = [1] * len(slots)
+    z = max(_next_cost(s, 1) for s in slots)
+    heap = [(_next_cost(s, 2), i) for i, s in enumerate(slots)]
+    heapq.heapify(heap)
+    for _ in range(num_layers - len(slots)):
+        cost, i = heapq.heappop(heap)
+        if cost == math.inf:
+            return math.inf
+        counts[i] += 1
+        z = max(z, cost)
+        heapq.heappush(heap, (_next_cost(slots[i], counts[i] + 1), i))
+    return z
+
+
 def split_fast(slots: Sequence[SlotCost], num_layers: int) -> LayerSplit | None:
     """The split with the smallest slowest stage (exactly), then layers moved to cheap stages."""
     if not feasible(slots, num_layers):
         return None
-    lo = max(stage_time(s, 1, s.max_layers[0] < 1) for s in slots)
-    hi = max(stage_time(s, num_layers, s.max_layers[0] < num_layers) for s in slots)
-
-    def enough(z: float) -> bool:
-        total = 0
-        for s in slots:
-            n, _ = _cap(s, z)
-            if n < 1:
-                return False
-            total += n
-        return total >= num_layers
-
-    if not enough(hi):
-        hi *= 2
-    for _ in range(60):
-        if hi - lo <= 1e-9 * max(1.0, hi):
-            break
-        mid = (lo + hi) / 2
-        if enough(mid):
-            hi = mid
-        else:
-            lo = mid
-    z = hi
+    z = min_max_stage(slots, num_layers)
+    if not math.isfinite(z):
+        return None
     caps = [_cap(s, z) for s in slots]
     layers = [1] * len(slots)
     left = num_layers - len(slots)

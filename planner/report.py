@@ -47,6 +47,7 @@ def result_json(result: PlanResult, plan: Plan, out_path: str | None) -> dict[st
         "plan": to_data(plan),
         "output": out_path,
         "step_time_s": est.step_time_s,
+        "simulated_step_time_s": best.simulated_s,
         "tokens_per_s": est.tokens_per_s,
         "mfu": est.mfu,
         "micro_batch": best.micro_batch,
@@ -64,8 +65,8 @@ def result_json(result: PlanResult, plan: Plan, out_path: str | None) -> dict[st
         "memory": memory_rows(result),
         "idle_devices": [{"device_type": g.device_type, "devices": list(g.devices), "reason": g.reason}
                          for g in result.idle],
-        "candidates": [{"rank": i + 1, "step_time_s": c.step_time_s, "micro_batch": c.micro_batch,
-                        "summary": c.summary, "idle_devices": list(c.idle_devices)}
+        "candidates": [{"rank": i + 1, "step_time_s": c.step_time_s, "simulated_step_time_s": c.simulated_s,
+                        "micro_batch": c.micro_batch, "summary": c.summary, "idle_devices": list(c.idle_devices)}
                        for i, c in enumerate(result.candidates)],
     }
 
@@ -102,6 +103,9 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
     con.print(f"predicted step time [bold]{est.step_time_s:.4f} s[/bold] ({est.tokens_per_s:,.0f} tokens/s, "
               f"MFU {est.mfu:.1%}); pipelines {max(p.time_s for p in est.pipelines):.4f} s, gradient sync "
               f"{est.grad_sync_s:.4f} s, optimizer + clip {est.optimizer_s:.4f} s")
+    if best.simulated_s is not None:
+        con.print(f"simulated step time {best.simulated_s:.4f} s (the schedule and the gradient-sync order played "
+                  f"out; candidates checked so are ranked by the worse of the two)")
     base = Table(title="against the baselines (same cost model)", title_justify="left")
     for col in ("baseline", "configuration", "step s", "planned speedup"):
         base.add_column(col, justify="left" if col in ("baseline", "configuration") else "right")
@@ -123,10 +127,11 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
         con.print("idle devices: none")
     if len(result.candidates) > 1:
         alt = Table(title="near-best candidates", title_justify="left")
-        for col in ("rank", "step s", "mb", "plan"):
+        for col in ("rank", "step s", "simulated s", "mb", "plan"):
             alt.add_column(col, justify="left" if col == "plan" else "right")
         for i, c in enumerate(result.candidates):
-            alt.add_row(str(i + 1), f"{c.step_time_s:.4f}", str(c.micro_batch), escape(c.summary))
+            sim = "-" if c.simulated_s is None else f"{c.simulated_s:.4f}"
+            alt.add_row(str(i + 1), f"{c.step_time_s:.4f}", sim, str(c.micro_batch), escape(c.summary))
         con.print(alt)
     st = result.stats
     trunc = " [yellow](time limit reached: search cut short)[/yellow]" if st.truncated else ""

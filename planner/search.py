@@ -5,14 +5,23 @@ Decomposition (each level solved once per distinct sub-problem, then reused):
 1. **Type choices**: per device type a TP degree (power of two, same node, dividing heads / kv heads /
    MLP) and whether a node's left-over devices form smaller groups (``tp_groups``).
 2. **Blocks**: a set of device types whose groups are shared out over ``P`` pipelines
-   (``pipelines.build_pipelines``), in one of two stage orders. A block of one type may also use only
-   ``P x S`` of its groups (``P`` pipelines of ``S`` stages, the rest idle) when the batch is too small
-   for more. Identical pipelines form a class; each class is split once by ``layer_split.split_fast``.
-   Per block, only the candidates on the front of (throughput up, fill-and-drain down) are kept.
+   (``pipelines.build_pipelines``): as evenly as possible, or for a small block over 2-3 pipelines in
+   every uneven way (``pipelines.distributions``); in one of three stage orders (most memory first,
+   fastest first, fastest last); placed ``contiguous`` (a pipeline's stages share nodes) or
+   ``interleaved`` (the gradient-sync peers, one per pipeline, share nodes). A block of one type may
+   also use only ``P x S`` of its groups (``P`` pipelines of ``S`` stages, the rest idle) when the batch
+   is too small for more. Identical pipelines form a class; each class is split once by
+   ``layer_split.split_fast`` (exact min-max), and blocks whose pipelines cannot hold the model are
+   dropped before any group is dealt. A block's own gradient sync is priced as ``CostModel.sync_plan``
+   lays it out (layer segments, their holders, fused per stage) on the fast splits. Per block, only the
+   candidates on the front of (throughput up, fill-and-drain down) are kept. Mixed blocks try every TP
+   degree of each type when they hold two types, the two best per type otherwise.
 3. **Combination**: the types in use are partitioned into blocks (every set partition of every
    subset of types: some types may stay idle), one candidate per block; ranked by a fast score: the
-   greedy micro-batch allocation (exact for the fast splits) plus the gradient all-reduce, optimizer
-   and clip priced by the cost model's own ``allreduce_time`` / ``optimizer_time`` / ``clip_time``.
+   greedy micro-batch allocation (exact for the fast splits) plus the gradient all-reduce (a single
+   block's own sync; across blocks, each block's costliest stage rings joined by one device of every
+   other pipeline), optimizer and clip priced by the cost model's own ``allreduce_time`` /
+   ``optimizer_time`` / ``clip_time``.
 4. **Realized**: the best combinations (and the best one using each device type) become strategies
    (fast splits, greedy micro-batches) scored by ``CostModel.estimate``, the same model that scores
    the baselines.
@@ -37,13 +46,24 @@ from dataclasses import dataclass, field
 from planner.cost import CostModel, StrategyEstimate
 from planner.layer_split import LayerSplit, slot_costs, split_fast, split_ilp
 from planner.microbatch import Allocation, PipelineClass, TimeOption, allocate_greedy, allocate_ilp
-from planner.pipelines import ORDERS, PipelineLayout, Template, build_pipelines, kind_order
+from planner.pipelines import (
+    ORDERS,
+    PLACEMENTS,
+    PipelineLayout,
+    Template,
+    build_pipelines,
+    deal,
+    distributions,
+    kind_order,
+    share_out,
+)
 from planner.tp_groups import GroupKind, TPGroup, form_groups, groups_by_kind, tp_choices
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import OptimizerSettings, Pipeline, Stage, Strategy
 
 Progress = Callable[[str, int, int], None]
+Shares = Sequence[Mapping[GroupKind, int]]   # groups of each kind per pipeline
 
 
 @dataclass(frozen=True)
@@ -61,6 +81,9 @@ class PlanSettings:
     memory_margin: float = 0.0     # fraction of each device's memory kept free
     seed: int = 0
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    # Re-check the best ``simulate_top`` candidates (and the best one whose pipelines are all alike) with
+    # the discrete-event simulator and rank those by the worse of the two predictions (0: off).
+    simulate_top: int = 0
 
     @property
     def zero(self) -> bool:
@@ -75,8 +98,14 @@ MICRO_BATCHES = (1, 2, 4)
 BLOCK_KEEP = 8          # block candidates kept per block (after the Pareto filter)
 COMBOS_REALIZED = 40    # best combinations (by the fast score) realized and scored by the cost model
 COMBOS_FINAL = 6        # best realized plans solved exactly (ILPs)
-TYPE_CHOICES_MULTI = 2  # TP choices per type tried inside mixed blocks
+ALIGNED_REALIZED = 3    # best one-block plans of identical pipelines realized as well
+TYPE_CHOICES_MULTI = (4, 2, 2)  # TP choices per type tried inside mixed blocks of 2, 3, 4+ types
 COMBO_BUDGET = 400      # combinations scored per set partition of the types
+SMALL_BLOCK_GROUPS = 12  # blocks of at most this many TP groups also try uneven shares (every distribution)
+DISTRIBUTIONS_LIMIT = 150  # ... unless there are more ways than this (then: even shares only)
+UNEVEN_PIPELINES = 3       # ... over at most this many pipelines
+UNEVEN_CHOICES = 2         # ... and in mixed blocks with each type's first two TP choices only
+SYNC_RINGS = 2          # costliest stage positions per block kept to price cross-block gradient sync
 
 
 @dataclass(frozen=True)
@@ -106,15 +135,25 @@ class BlockCandidate:
     choice: tuple[TypeChoice, ...]
     pipelines: int
     order: str
+    placement: str
     layouts: tuple[PipelineLayout, ...]
     classes: tuple[ClassInfo, ...]
     grad_bytes: float                                    # largest gradient of one device (its stage's share)
     opt_terms: tuple[tuple[str, int, int], ...]          # (device type, params, tensors): the heaviest stages
     tps: frozenset[int]
+    # Gradient sync of the block's own pipelines: per stage position, the devices at that position (one per
+    # pipeline: the ones that all-reduce together) and the largest gradient among them, costliest first.
+    sync_rings: tuple[tuple[tuple[int, ...], float], ...] = ()
+    sync_self_s: float = 0.0
 
     @property
     def types(self) -> frozenset[str]:
         return frozenset(c.device_type for c in self.choice)
+
+    @property
+    def aligned(self) -> bool:
+        """All pipelines alike (one template, hence one layer split)."""
+        return len({c.template for c in self.classes}) == 1
 
     @property
     def rate(self) -> float:
@@ -135,7 +174,10 @@ class BlockCandidate:
 
     @property
     def rep_devices(self) -> tuple[int, ...]:
-        """One device per pipeline (its first), to price the cross-pipeline gradient all-reduce."""
+        """One device per pipeline, to price the cross-pipeline gradient all-reduce: those of the costliest
+        stage position (the first devices when the block has one pipeline)."""
+        if self.sync_rings and len(self.sync_rings[0][0]) == len(self.layouts):
+            return self.sync_rings[0][0]
         return tuple(lay.groups[0].devices[0] for lay in self.layouts)
 
 
@@ -148,10 +190,16 @@ class Candidate:
     micro_batch: int
     idle_devices: tuple[int, ...]
     summary: str
+    simulated_s: float | None = None   # the simulator's step time, where the candidate was re-checked
 
     @property
     def step_time_s(self) -> float:
         return self.estimate.step_time_s
+
+    @property
+    def checked_s(self) -> float:
+        """The worse of the closed-form estimate and the simulation (the estimate if not simulated)."""
+        return self.step_time_s if self.simulated_s is None else max(self.step_time_s, self.simulated_s)
 
 
 @dataclass
@@ -207,6 +255,11 @@ class Searcher:
         self._fast: dict[tuple[Template, int], LayerSplit | None] = {}
         self._layer_s: dict[GroupKind, float] = {}
         self._sync_cache: dict[tuple, float] = {}
+        self._p2p: dict[tuple[int, int], float] = {}
+        self._seen_blocks: set[tuple] = set()
+        names = {n.name: i for i, n in enumerate(self.cluster.nodes)}
+        self._node_idx = [names[d.node] for d in self.cluster.devices]
+        self._device_links = any(o.devices is not None for o in self.cluster.bandwidth_overrides)
         self.clip_s = cm.clip_time(self.devices)
 
     # -- small helpers -------------------------------------------------------------------------------
@@ -248,16 +301,26 @@ class Searcher:
             self._fast[key] = split_fast(slots, self.model.num_layers)
         return self._fast[key]
 
+    def _pair_s(self, a: int, b: int) -> float:
+        """One boundary both ways between stages led by devices ``a`` and ``b`` (``p2p_time`` prices a
+        transfer by the link between the stages' first devices)."""
+        key = (a, b) if self._device_links else (self._node_idx[a], self._node_idx[b])
+        hit = self._p2p.get(key)
+        if hit is None:
+            hit = self._p2p[key] = self.cm.p2p_time((a,), (b,)) + self.cm.p2p_time((b,), (a,))
+        return hit
+
     def boundary_s(self, layout: PipelineLayout) -> float:
-        p2p = self.cm.p2p_time
         gs = layout.groups
-        return sum(p2p(a.devices, b.devices) + p2p(b.devices, a.devices) for a, b in zip(gs, gs[1:]))
+        return sum(self._pair_s(a.devices[0], b.devices[0]) for a, b in zip(gs, gs[1:]))
 
     # -- blocks --------------------------------------------------------------------------------------
 
     def evaluate_block(self, choice: tuple[TypeChoice, ...], pipelines: int, order: str,
-                       stages: int | None = None) -> BlockCandidate | None:
-        """``stages``: use only ``pipelines x stages`` groups (one kind), the rest idle."""
+                       stages: int | None = None, placement: str = "contiguous",
+                       shares: Sequence[Mapping[GroupKind, int]] | None = None) -> BlockCandidate | None:
+        """``stages``: use only ``pipelines x stages`` groups (one kind), the rest idle. ``shares``: groups
+        of each kind per pipeline (default: as even as possible)."""
         self.stats.block_evaluations += 1
         groups = self.groups(choice)
         if stages is not None:
@@ -266,10 +329,28 @@ class Searcher:
                 return None
             groups = {kind: gs[:pipelines * stages]}
         ranked = kind_order(list(groups), self.memory_gib, self.layer_s, order)
-        layouts = build_pipelines(groups, pipelines, ranked)
-        if layouts is None or any(len(lay.groups) > self.model.num_layers for lay in layouts):
-            return None
         zd = self.zero_degree(pipelines)
+        # Templates first: a block whose pipelines cannot hold the model is dropped before dealing groups.
+        if shares is None:
+            shares = share_out({k: len(v) for k, v in groups.items() if v}, pipelines)
+        if shares is None:
+            return None
+        templates = tuple(sorted(tuple(k for k in ranked for _ in range(sh.get(k, 0))) for sh in shares))
+        # Another stage order or share-out that gives the same pipelines was evaluated already.
+        seen_key = (choice, stages, placement, templates)
+        if seen_key in self._seen_blocks:
+            return None
+        self._seen_blocks.add(seen_key)
+        for template in set(templates):
+            if len(template) > self.model.num_layers or self.fast_split(template, zd) is None:
+                return None
+        if placement != "contiguous" and all(
+                deal(len(gs), [sh.get(k, 0) for sh in shares], placement)
+                == deal(len(gs), [sh.get(k, 0) for sh in shares], "contiguous") for k, gs in groups.items()):
+            return None   # the same pipelines as the contiguous placement
+        layouts = build_pipelines(groups, pipelines, ranked, placement, shares)
+        if layouts is None:
+            return None
         by_class: dict[tuple[Template, float], list[int]] = {}
         for i, lay in enumerate(layouts):
             by_class.setdefault((lay.template, round(self.boundary_s(lay), 12)), []).append(i)
@@ -281,7 +362,58 @@ class Searcher:
             classes.append(ClassInfo(template, bnd, tuple(members), split))
         grad_bytes, opt_terms = self._terms(classes)
         tps = frozenset(k.tp for c in classes for k in c.template)
-        return BlockCandidate(choice, pipelines, order, tuple(layouts), tuple(classes), grad_bytes, opt_terms, tps)
+        rings = self._sync_rings(layouts, classes) if pipelines > 1 else ()
+        return BlockCandidate(choice, pipelines, order, placement, tuple(layouts), tuple(classes), grad_bytes,
+                              opt_terms, tps, rings[:SYNC_RINGS], rings[0][2] if rings else 0.0)
+
+    def _sync_rings(self, layouts: Sequence[PipelineLayout], classes: Sequence[ClassInfo]
+                    ) -> list[tuple[tuple[int, ...], float, float]]:
+        """The block's own gradient sync as ``CostModel.sync_plan`` lays it out, from the fast splits: the
+        layers cut where any class changes stage, each segment all-reduced among its holders (one device
+        per pipeline; TP slices priced as one ring through the groups' first devices), a stage's segments
+        with the same holders fused. Returns (ring, bytes, seconds) per stage of each class, costliest
+        first."""
+        n_layers = self.model.num_layers
+        ranges = [c.split.ranges() for c in classes]
+        cuts = sorted({0, n_layers} | {b for rs in ranges for r in rs for b in r})
+        fused: dict[tuple[int, int], dict[tuple[int, ...], float]] = {}
+        for a, b in zip(cuts, cuts[1:]):
+            holders = []
+            devs: list[int] = []
+            for ci, (c, rs) in enumerate(zip(classes, ranges)):
+                k = next(i for i, (lo, hi) in enumerate(rs) if lo <= a < hi)
+                holders.append((ci, k))
+                devs.extend(layouts[i].groups[k].devices[0] for i in c.members)
+            if len(devs) < 2:
+                continue
+            ring = tuple(sorted(devs))
+            for ci, k in holders:
+                kind = classes[ci].template[k]
+                n_st = len(classes[ci].template)
+                params = (b - a) * self.cm.layer(kind.device_type, kind.tp).params
+                if a == 0 and k == 0:
+                    params += self.cm.extras(kind.device_type, kind.tp, True, False).params
+                if b == n_layers and k == n_st - 1:
+                    params += self.cm.extras(kind.device_type, kind.tp, False, True).params
+                nbytes = params * self.cm.profiles[kind.device_type].memory.grad_bytes
+                per = fused.setdefault((ci, k), {})
+                per[ring] = per.get(ring, 0.0) + nbytes
+        out = []
+        for per in fused.values():
+            secs = sum(self.ring_time(ring, nbytes) for ring, nbytes in per.items())
+            biggest = max(per, key=lambda r: (per[r], r))
+            out.append((biggest, sum(per.values()), secs))
+        out.sort(key=lambda r: (-r[2], r[0]))
+        return out
+
+    def ring_time(self, ring: tuple[int, ...], nbytes: float) -> float:
+        """``allreduce_time`` of a ring, cached by the ring's nodes (a node holds one device type, and
+        links depend on nodes only, unless the cluster overrides single devices' bandwidth)."""
+        key = (ring if self._device_links else tuple(self._node_idx[d] for d in ring), nbytes)
+        hit = self._sync_cache.get(key)
+        if hit is None:
+            hit = self._sync_cache[key] = self.cm.allreduce_time(list(ring), nbytes)
+        return hit
 
     def _terms(self, classes: Sequence[ClassInfo]) -> tuple[float, tuple[tuple[str, int, int], ...]]:
         """The largest per-device gradient and, per device type, the stages with the most parameters and
@@ -300,6 +432,27 @@ class Searcher:
                     if key not in opt or val > (opt[key][0] if key[1] == 0 else opt[key][1]):
                         opt[key] = (params, tensors)
         return grad, tuple(sorted({(t, p, n) for (t, _), (p, n) in opt.items()}))
+
+    @staticmethod
+    def share_options(groups: Mapping[GroupKind, Sequence[TPGroup]], pipelines: int) -> list[Shares | None]:
+        """How a block's groups may be shared out to its pipelines: as evenly as possible (None), and for a
+        small block of several kinds over 2-3 pipelines every other way (``distributions``), so that
+        pipelines may differ as much as the devices do."""
+        counts = {k: len(v) for k, v in groups.items() if v}
+        out: list[Shares | None] = [None]
+        if len(counts) < 2 or sum(counts.values()) > SMALL_BLOCK_GROUPS or not 2 <= pipelines <= UNEVEN_PIPELINES:
+            return out
+        even = share_out(counts, pipelines)
+        canon = None if even is None else sorted(tuple(sorted(sh.items())) for sh in even)
+        for way in distributions(counts, pipelines, DISTRIBUTIONS_LIMIT) or []:
+            if sorted(tuple(sorted(sh.items())) for sh in way) != canon:
+                out.append(tuple(way))
+        return out
+
+    @staticmethod
+    def placements(pipelines: int) -> tuple[str, ...]:
+        """One pipeline has no gradient-sync peers to place next to each other."""
+        return PLACEMENTS if pipelines > 1 else PLACEMENTS[:1]
 
     def pipeline_counts(self, groups: int) -> list[int]:
         """Pipeline counts worth trying for a block of ``groups`` TP groups: every stage count's nearest
@@ -322,13 +475,15 @@ class Searcher:
         optimizer step, the clip all-reduce. A ranking proxy only: realized plans get ``estimate``."""
         p = sum(b.pipelines for b in blocks)
         sync = 0.0
-        if p > 1:
-            ring = tuple(d for b in blocks for d in b.rep_devices)
-            nbytes = max(b.grad_bytes for b in blocks)
-            key = (ring, nbytes)
-            sync = self._sync_cache.get(key)
-            if sync is None:
-                sync = self._sync_cache[key] = self.cm.allreduce_time(list(ring), nbytes)
+        if len(blocks) == 1:
+            sync = blocks[0].sync_self_s
+        elif p > 1:
+            # Each block's costliest positions, joined by one device of every other pipeline.
+            for i, b in enumerate(blocks):
+                others = tuple(d for j, o in enumerate(blocks) if j != i for d in o.rep_devices)
+                rings = b.sync_rings or ((b.rep_devices, b.grad_bytes),)
+                for ring, nbytes, *_ in rings:
+                    sync = max(sync, self.ring_time(tuple(sorted(ring + others)), nbytes))
         zd = self.zero_degree(p)
         opt = max(self.cm.optimizer_time(t, n, zd, k) for b in blocks for t, n, k in b.opt_terms)
         return sync + opt + self.clip_s
@@ -354,31 +509,34 @@ class Searcher:
         m = self.micro_batches
         # 1. single-type blocks (all groups, or P x S of them), every TP degree.
         single: dict[str, list[BlockCandidate]] = {t: [] for t in types}
-        jobs: list[tuple[tuple[TypeChoice, ...], int, str, int | None]] = []
+        jobs: list[tuple[tuple[TypeChoice, ...], int, str, int | None, str, Shares | None]] = []
         for t in types:
-            for tp in choices[t]:
-                for rem in (True, False):
-                    choice = (TypeChoice(t, tp, rem),)
-                    gs = self.groups(choice)
-                    total = sum(len(v) for v in gs.values())
-                    if total == 0 or (not rem and len(self.groups((TypeChoice(t, tp),))) == len(gs)):
-                        continue   # rem=False only differs where a node has left-over devices
-                    for p in self.pipeline_counts(total):
-                        jobs.append((choice, p, "memory", None))
-                    if len(gs) == 1:
-                        n_g = total
-                        for s in range(1, self.model.num_layers + 1):
-                            p = min(n_g // s, m // s)
-                            if p >= 1 and p * s < n_g:
-                                jobs.append((choice, p, "memory", s))
+            options = [TypeChoice(t, tp, rem) for tp in choices[t] for rem in (True, False)]
+            for c in options:
+                choice = (c,)
+                gs = self.groups(choice)
+                total = sum(len(v) for v in gs.values())
+                if total == 0 or (not c.remainder and len(self.groups((TypeChoice(t, c.tp),))) == len(gs)):
+                    continue   # rem=False only differs where a node has left-over devices
+                for p in self.pipeline_counts(total):
+                    for sh in self.share_options(gs, p):
+                        for place in self.placements(p):
+                            jobs.append((choice, p, "memory", None, place, sh))
+                if len(gs) == 1:
+                    n_g = total
+                    for s in range(1, self.model.num_layers + 1):
+                        p = min(n_g // s, m // s)
+                        if p >= 1 and p * s < n_g:
+                            for place in self.placements(p):
+                                jobs.append((choice, p, "memory", s, place, None))
         n_multi = sum(1 for r in range(2, len(types) + 1) for _ in itertools.combinations(types, r))
         self._report("pipelines (single type)", 0, len(jobs))
-        for i, (choice, p, order, s) in enumerate(jobs):
+        for i, (choice, p, order, s, place, sh) in enumerate(jobs):
             if i % 64 == 0:
                 self._report("pipelines (single type)", i, len(jobs))
                 if self.out_of_time():
                     break
-            cand = self.evaluate_block(choice, p, order, s)
+            cand = self.evaluate_block(choice, p, order, s, place, sh)
             if cand is not None:
                 single[choice[0].device_type].append(cand)
         self._report("pipelines (single type)", len(jobs), len(jobs))
@@ -401,7 +559,7 @@ class Searcher:
             for tp in by_eff:
                 if TypeChoice(t, tp) not in seen:
                     seen.append(TypeChoice(t, tp))
-            top_choice[t] = seen[:TYPE_CHOICES_MULTI] if blocks[frozenset([t])] else seen
+            top_choice[t] = seen
         done = 0
         for r in range(2, len(types) + 1):
             for subset in itertools.combinations(types, r):
@@ -411,14 +569,21 @@ class Searcher:
                     break
                 found: list[BlockCandidate] = []
                 share = sum(best_rate[t] for t in subset) / total_rate
-                for combo in itertools.product(*(top_choice[t] for t in subset)):
+                width = TYPE_CHOICES_MULTI[min(len(subset), 4) - 2]
+                # A type that cannot hold the model alone (small memory) tries every degree.
+                lists = [top_choice[t][:width] if blocks[frozenset([t])] else top_choice[t] for t in subset]
+                for combo in itertools.product(*lists):
                     gs = self.groups(tuple(combo))
                     total = sum(len(v) for v in gs.values())
+                    # Uneven shares only with each type's leading TP choices (they multiply the work).
+                    uneven = all(c in top_choice[t][:UNEVEN_CHOICES] for t, c in zip(subset, combo))
                     for p in self.pipeline_counts(total):
-                        for order in ORDERS:
-                            cand = self.evaluate_block(tuple(combo), p, order)
-                            if cand is not None:
-                                found.append(cand)
+                        for sh in (self.share_options(gs, p) if uneven else [None]):
+                            for order in ORDERS:
+                                for place in self.placements(p):
+                                    cand = self.evaluate_block(tuple(combo), p, order, None, place, sh)
+                                    if cand is not None:
+                                        found.append(cand)
                 blocks[frozenset(subset)] = self._keep(found, share)
         self._report("pipelines (mixed types)", n_multi, n_multi)
         # 3. combinations, ranked by the fast score; the best are realized (fast splits, greedy
@@ -431,6 +596,8 @@ class Searcher:
                     if all(combo is not c for c, _ in picked):
                         picked.append((combo, alloc))
                     break
+        aligned = [(c, a) for _, c, a in scored if len(c) == 1 and c[0].aligned][:ALIGNED_REALIZED]
+        picked += [(c, a) for c, a in aligned if all(c is not p for p, _ in picked)]
         realized: list[tuple[Candidate, tuple[BlockCandidate, ...], Allocation]] = []
         for i, (combo, alloc) in enumerate(picked):
             self._report("scoring plans with the cost model", i, len(picked))
@@ -479,7 +646,11 @@ class Searcher:
         for i, sh in enumerate(shares):
             scored = [(self._alone(c, sh), n, c) for n, c in enumerate(found)]
             scored = [(s, c) for s, n, c in sorted(scored, key=lambda x: (x[0], x[1])) if math.isfinite(s)]
-            for c in _pareto(scored, BLOCK_KEEP if i == 0 else BLOCK_KEEP // 2):
+            kept = _pareto(scored, BLOCK_KEEP if i == 0 else BLOCK_KEEP // 2)
+            # ... and the best with identical pipelines (their gradient sync has no chains of waits, which
+            # the closed form does not price: see api.simulator_check).
+            kept += [c for _, c in scored if c.aligned][:1]
+            for c in kept:
                 if all(c is not o for o in out):
                     out.append(c)
         return out

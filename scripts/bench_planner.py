@@ -17,6 +17,10 @@ times (mean over the steps after warm-up).
 
     python scripts/bench_planner.py [--json] [--scale 64,256,1024] [--no-quality] [--measured DIR]
 
+Every plan is chosen as ``hspmd plan`` chooses it (``--check-top 8``: the best candidates re-checked with
+the step simulator, ranked by the worse of estimate and simulation). Figures are the closed-form
+estimate's, as for the baselines; ``*_simulated*`` keys give the simulator's for comparison.
+
 ``--json`` prints one JSON object: ``quality`` (per cluster: ``efficiency``, ``speedup_over_symmetric``,
 ``mfu_gap_vs_homogeneous``, ...), ``quality_batch_256``, ``scale_seconds`` (keyed by GPU count),
 ``measured`` when asked. Progress goes to stderr.
@@ -38,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from planner.api import PlanResult, PlanSettings, plan  # noqa: E402
-from planner.cost import model_flops_per_token  # noqa: E402
+from planner.cost import CostModel, model_flops_per_token  # noqa: E402
+from planner.simulate import simulate  # noqa: E402
 from runtime.errors import InfeasibleError  # noqa: E402
 from runtime.profiling.profile import resolve_profiles  # noqa: E402
 from runtime.spec import load_cluster, load_model, load_plan  # noqa: E402
@@ -75,9 +80,23 @@ def cluster_mfu(result: PlanResult, seq_len: int, global_batch: int) -> float:
     return flops / result.best.step_time_s / (result.cluster.total_peak_tflops() * 1e12)
 
 
+CHECK_TOP = 8   # as ``hspmd plan`` (--check-top): the best plans re-checked with the step simulator
+
+
 def run_plan(model, cluster, batch: int, time_limit: float = 600.0) -> PlanResult:
     profiles = resolve_profiles(cluster.device_types)
-    return plan(model, cluster, profiles, PlanSettings(global_batch=batch, seq_len=SEQ_LEN, time_limit_s=time_limit))
+    # top_k: keep every checked candidate listed (the estimate's favourite among them).
+    return plan(model, cluster, profiles, PlanSettings(global_batch=batch, seq_len=SEQ_LEN, time_limit_s=time_limit,
+                                                       simulate_top=CHECK_TOP, top_k=CHECK_TOP + 4))
+
+
+def simulated(result: PlanResult, strategy, micro_batch: int | None) -> float | None:
+    """The step simulator's time of a strategy (the symmetric baseline's, say) on the result's cost model."""
+    if strategy is None or micro_batch is None:
+        return None
+    cm = CostModel(result.model, result.cluster, resolve_profiles(result.cluster.device_types),
+                   micro_batch=micro_batch, seq_len=result.settings.seq_len)
+    return simulate(cm, strategy, result.settings.global_batch, "1f1b", result.settings.zero).step_time_s
 
 
 def quality_case(name: str, cluster_ref: str, model_ref: str, batch: int) -> dict:
@@ -90,16 +109,20 @@ def quality_case(name: str, cluster_ref: str, model_ref: str, batch: int) -> dic
         hom = run_plan(model, twin, batch)
         hom_mfu = cluster_mfu(hom, SEQ_LEN, batch)
         hom_step = hom.best.step_time_s
+        hom_sim = hom.best.simulated_s
         hom_plan = hom.best.summary
     except InfeasibleError as err:
-        hom_mfu, hom_step, hom_plan = None, None, f"infeasible: {err}"
+        hom_mfu, hom_step, hom_sim, hom_plan = None, None, None, f"infeasible: {err}"
     mfu = cluster_mfu(het, SEQ_LEN, batch)
     sym, sub = het.symmetric, het.symmetric_subset
     out = {
         "model": model.name, "global_batch": batch, "seq_len": SEQ_LEN, "devices": cluster.num_devices,
         "plan": het.best.summary, "step_time_s": het.best.step_time_s,
         "lower_bound_s": het.lower_bound.step_time_s, "efficiency": het.efficiency,
+        "simulated_step_time_s": het.best.simulated_s,
+        "efficiency_simulated": het.lower_bound.step_time_s / het.best.simulated_s,
         "symmetric_s": sym.step_time_s, "symmetric_plan": sym.description,
+        "symmetric_simulated_s": simulated(het, sym.strategy, sym.micro_batch),
         "speedup_over_symmetric": het.speedup(sym),
         "symmetric_subset_s": sub.step_time_s, "symmetric_subset_plan": sub.description,
         "speedup_over_symmetric_subset": het.speedup(sub),
@@ -107,12 +130,22 @@ def quality_case(name: str, cluster_ref: str, model_ref: str, batch: int) -> dic
         # The MFU a plan running at the lower bound would reach: what the profiles allow at best.
         "mfu_at_lower_bound": mfu / het.efficiency,
         "homogeneous": twin.name, "homogeneous_plan": hom_plan, "homogeneous_step_time_s": hom_step,
+        "homogeneous_simulated_s": hom_sim,
         "homogeneous_mfu": hom_mfu,
         "mfu_gap_vs_homogeneous": None if hom_mfu is None else 1.0 - mfu / hom_mfu,
         "mfu_gap_points": None if hom_mfu is None else hom_mfu - mfu,
         "idle_devices": len(het.best.idle_devices), "planner_seconds": wall,
     }
-    log(f"  {name} B={batch}: {het.best.step_time_s:.3f} s, efficiency {het.efficiency:.3f}, "
+    # What ranking by the closed-form estimate alone (--check-top 0) would have chosen: the candidate with the
+    # least estimate (every candidate the check simulated is among the result's, that one included).
+    fav = min(het.candidates, key=lambda c: c.step_time_s)
+    out["estimate_only"] = {"plan": fav.summary, "step_time_s": fav.step_time_s,
+                            "simulated_step_time_s": fav.simulated_s,
+                            "efficiency": het.lower_bound.step_time_s / fav.step_time_s}
+    sym_sim = out["symmetric_simulated_s"]
+    out["speedup_over_symmetric_simulated"] = None if sym_sim is None else sym_sim / het.best.simulated_s
+    log(f"  {name} B={batch}: {het.best.step_time_s:.3f} s (simulated {het.best.simulated_s:.3f}), "
+        f"efficiency {het.efficiency:.3f}, "
         f"x{out['speedup_over_symmetric'] or float('nan'):.2f} over symmetric, MFU {mfu:.3f} vs homogeneous "
         f"{hom_mfu if hom_mfu is not None else float('nan'):.3f}")
     return out
@@ -131,7 +164,8 @@ def scale_case(n: int) -> dict:
     wall = time.perf_counter() - t0
     log(f"  {n} GPUs: {wall:.1f} s ({res.best.summary[:100]})")
     return {"seconds": wall, "search_seconds": res.solver_time_s, "truncated": res.stats.truncated,
-            "step_time_s": res.best.step_time_s, "efficiency": res.efficiency,
+            "step_time_s": res.best.step_time_s, "simulated_step_time_s": res.best.simulated_s,
+            "efficiency": res.efficiency,
             "speedup_over_symmetric": res.speedup(res.symmetric), "plan": res.best.summary}
 
 

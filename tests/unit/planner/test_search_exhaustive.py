@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from planner.api import PlanSettings, plan
 from planner.cost import CostModel
-from planner.pipelines import share_out
+from planner.pipelines import deal, distributions, share_out
 from planner.search import set_partitions
 from planner.tp_groups import GroupKind, available, form_groups, tp_choices
 from runtime.profiling.profile import resolve_profiles
@@ -89,10 +89,28 @@ def exhaustive_best(cm: CostModel, global_batch: int, zero: bool) -> float:
     return best
 
 
-@pytest.mark.parametrize("fast,slow,batch,slow_node", [(2, 1, 4, "cpu0"), (1, 2, 4, "cpu0"), (2, 2, 4, "cpu0"),
-                                                       (2, 2, 6, "cpu1"), (3, 1, 5, "cpu1")])
-def test_search_matches_exhaustive_enumeration(fast, slow, batch, slow_node):
-    cluster = tiny_cluster(fast, slow, slow_node)
+def nodes_cluster(*nodes: tuple[str, str, int], inter_gbs: float = 1.0) -> Cluster:
+    """A tiny cluster of the given (node, type, count): three CPU kinds, 1 / 2 / 3x slow."""
+    types = {"cpu-fast": DeviceType(2, 0.2, 10, 2, Emulation(1.0)),
+             "cpu-mid": DeviceType(2, 0.1, 10, 2, Emulation(2.0)),
+             "cpu-slow": DeviceType(2, 0.0667, 10, 2, Emulation(3.0))}
+    used = {t for _, t, _ in nodes}
+    return Cluster("tiny-nodes", {k: v for k, v in types.items() if k in used},
+                   tuple(Node(n, t, c) for n, t, c in nodes), inter_gbs)
+
+
+CASES = [(tiny_cluster(2, 1, "cpu0"), 4), (tiny_cluster(1, 2, "cpu0"), 4), (tiny_cluster(2, 2, "cpu0"), 4),
+         (tiny_cluster(2, 2, "cpu1"), 6), (tiny_cluster(3, 1, "cpu1"), 5),
+         # Two nodes of one type behind a slow link: which devices pair up as gradient-sync peers matters
+         # (interleaved vs contiguous placement).
+         (nodes_cluster(("n0", "cpu-fast", 2), ("n1", "cpu-fast", 2), inter_gbs=0.05), 4),
+         # Three kinds on three nodes: the best pipelines may differ (uneven shares, stage orders).
+         (nodes_cluster(("n0", "cpu-fast", 1), ("n1", "cpu-mid", 2), ("n2", "cpu-slow", 1)), 6)]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_search_matches_exhaustive_enumeration(case):
+    cluster, batch = CASES[case]
     profiles = resolve_profiles(cluster.device_types, include_shipped=False)
     cm = CostModel(TINY, cluster, profiles, micro_batch=1, seq_len=64)
     want = exhaustive_best(cm, batch, zero=True)
@@ -163,3 +181,39 @@ def test_tp_groups_follow_the_rules(cluster_name, model_name):
                 assert g.kind.tp == len(g.devices) and g.kind.tp & (g.kind.tp - 1) == 0
                 assert model.tp_problem(g.kind.tp) is None
                 assert g.kind.tp <= tp[g.kind.device_type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.dictionaries(st.sampled_from(["a", "b", "c"]), st.integers(1, 3), min_size=1),
+       pipelines=st.integers(1, 3))
+def test_distributions_are_every_uneven_share_out_once(counts, pipelines):
+    kinds = {GroupKind(k, 1): v for k, v in counts.items()}
+    ways = distributions(kinds, pipelines, limit=10_000)
+    assert ways is not None
+    # Brute force: every assignment of labelled groups to labelled pipelines, up to relabelling.
+    items = [k for k, v in sorted(kinds.items()) for _ in range(v)]
+    want = set()
+    for owner in itertools.product(range(pipelines), repeat=len(items)):
+        bins = [tuple(sorted(k for k, o in zip(items, owner) if o == p)) for p in range(pipelines)]
+        if all(bins):
+            want.add(tuple(sorted(bins)))
+    got = [tuple(sorted(tuple(sorted(k for k, n in sh.items() for _ in range(n))) for sh in way)) for way in ways]
+    assert len(got) == len(set(got))
+    assert set(got) == want
+    assert distributions(kinds, pipelines, limit=len(want) - 1) is None or not want
+
+
+@settings(max_examples=60, deadline=None)
+@given(shares=st.lists(st.integers(0, 5), min_size=1, max_size=6), spare=st.integers(0, 3))
+def test_deal_gives_each_pipeline_its_share_of_distinct_groups(shares, spare):
+    n = sum(shares) + spare
+    for placement in ("contiguous", "interleaved"):
+        dealt = deal(n, shares, placement)
+        assert [len(d) for d in dealt] == shares
+        flat = [i for d in dealt for i in d]
+        assert len(flat) == len(set(flat)) and all(0 <= i < n for i in flat)
+    # Interleaved: the r-th groups of the pipelines that have one are dealt side by side.
+    dealt = deal(n, shares, "interleaved")
+    for r in range(max(shares)):
+        row = sorted(d[r] for d in dealt if len(d) > r)
+        assert row == list(range(row[0], row[0] + len(row)))
