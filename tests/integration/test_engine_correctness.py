@@ -27,15 +27,6 @@ RTOL = 1e-5
 ATOL_STEPS = 1e-3  # x lr
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models on a shared 2-core box: intra-op threads only contend (10-50x slower under load).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def world():
     w = EngineWorld(8)

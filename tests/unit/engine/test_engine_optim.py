@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 
 from runtime.engine import ReferenceTrainer
@@ -13,15 +12,6 @@ from runtime.engine.optim import LocalAdamW, build_adamw, clip_coefficient
 from runtime.spec import OptimizerSettings, TrainingSettings, load_model
 
 SETTINGS = OptimizerSettings(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=1.0)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models on a shared 2-core box: intra-op threads only contend (10-50x slower under load).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_adamw_on_shards_is_the_slice_of_the_full_update() -> None:
