@@ -9,6 +9,11 @@ Saving is collective: the full tensors are assembled on the strategy's first dev
 layer's fused BSR (destination layout "whole tensor on one device"), a bounded number of bytes per
 round, and written atomically by that device. Loading is local: each device reads, from the lazily
 opened file, exactly the region of each tensor that its program holds.
+
+Under ZeRO-1 (``training.zero``, runtime/engine/zero.py) a sharded parameter's moments are kept as
+pieces: one contiguous run of each of its slices per device. Saving moves each slice's moment as a 1-D
+tensor split (HDim 0, uneven) over the devices holding its pieces, in the same fused BSR; loading reads
+just this device's pieces (``DeviceProgram.moment_pieces()``). So either side may use ZeRO-1 or not.
 """
 
 from __future__ import annotations
@@ -93,17 +98,25 @@ def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: P
     from runtime.annotations.from_plan import annotate_strategy
     from runtime.comm.bsr import TensorMove, plan_bsr
     from runtime.comm.execute import run_bsr
+    from runtime.engine.zero import moment_pieces, zero_slices
 
     strat = plan.plan.strategy(strategy)
     me = groups.my_device
     writer = min(strat.devices)
-    local = program.local_state()
-    params = annotate_strategy(strat, plan.model, plan.plan.training).params
+    local = dict(program.local_state())
+    ann = annotate_strategy(strat, plan.model, plan.plan.training)
+    params = ann.params
     _check_local_regions(program, {p.name: p for p in params}, me)
+    slices = zero_slices(ann) if plan.plan.training.zero else {}
+    if slices and program.moment_pieces() != moment_pieces(slices, me):
+        raise RuntimeError(f"device {me}: the program's ZeRO-1 moment pieces differ from the plan's")
     dtype = getattr(torch, STATE_DTYPE)
     moves = []
     for p in params:
         for suffix in STATE_SUFFIXES:
+            if suffix and p.name in slices:
+                moves.extend(_zero_moves(p.name + suffix, slices[p.name], writer, dtype, me, local))
+                continue
             moves.append(TensorMove(p.name + suffix, p.shape, dtype, p.param, Annotation.spmd([writer])))
     for name in (m.name for m in moves if m.name in local):
         if local[name].dtype != dtype:
@@ -116,6 +129,12 @@ def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: P
             full.update({k: v.detach().to("cpu").contiguous() for k, v in got.items()})
     if me != writer:
         return
+    for p in params:
+        for suffix in STATE_SUFFIXES[1:] if p.name in slices else ():
+            whole = torch.empty(p.shape, dtype=dtype)
+            for i, s in enumerate(slices[p.name]):
+                whole[tuple(slice(a, b) for a, b in s.region)] = full.pop(f"{p.name}{suffix}@{i}").view(s.shape)
+            full[p.name + suffix] = whole
     from safetensors.torch import save
 
     meta = {"format": FORMAT, "step": str(step), "model": plan.model.name,
@@ -130,13 +149,42 @@ def load_checkpoint(program: Any, directory: str | Path, plan: PlanContext) -> i
 
     info = read_checkpoint_info(directory, plan)
     state: dict[str, torch.Tensor] = {}
+    pieces = program.moment_pieces() if plan.plan.training.zero else {}
     with safe_open(info.path, framework="pt", device="cpu") as f:
         for name, shard in program.param_annotations().items():
             for suffix in STATE_SUFFIXES:
+                if suffix and name in pieces:  # ZeRO-1: only this device's pieces of the moment
+                    src = f.get_slice(name + suffix)
+                    state[name + suffix] = torch.cat([src[tuple(slice(a, b) for a, b in p.region)].reshape(-1)
+                                                      [p.start:p.stop] for p in pieces[name]])
+                    continue
                 state[name + suffix] = f.get_slice(name + suffix)[shard.region].contiguous()
     state["step"] = torch.tensor(float(info.step))
     program.load_local_state(state)
     return info.step
+
+
+def _zero_moves(key: str, slices: Any, writer: int, dtype: Any, me: int, local: dict[str, Any]) -> list[Any]:
+    """A ZeRO-1 moment as one 1-D tensor per slice (``KEY@i``), split over the devices that keep its
+    pieces; this device's local pieces are put into ``local`` under those names."""
+    from runtime.annotations import Annotation, DistributedStates
+    from runtime.comm.bsr import TensorMove
+
+    mine = local.pop(key, None)
+    off = 0
+    moves = []
+    for i, s in enumerate(slices):
+        owners = [(d, s.chunk(d)) for d in s.devices if s.chunk(d)[1] > s.chunk(d)[0]]
+        src = Annotation.union(0, [((d,), DistributedStates.of()) for d, _ in owners], [b - a for _, (a, b) in owners])
+        moves.append(TensorMove(f"{key}@{i}", (s.numel,), dtype, src, Annotation.spmd([writer])))
+        if me in s.devices:
+            a, b = s.chunk(me)
+            if b > a:
+                local[f"{key}@{i}"] = mine[off:off + b - a]
+            off += b - a
+    if mine is not None and off != mine.numel():
+        raise RuntimeError(f"{key}: device {me} keeps {mine.numel()} ZeRO-1 moment elements, its pieces {off}")
+    return moves
 
 
 def _rounds(moves: list[Any]) -> list[list[Any]]:

@@ -32,7 +32,7 @@ hspmd profile --cluster cpu-hetero4 --out "$OUT/profiles"
 
 act "3. Plan: search TP groups, pipelines, layer splits and micro-batches (ILP) for the fastest plan that fits"
 hspmd plan --model llama-tiny --cluster cpu-hetero4 --profile "$OUT/profiles" --global-batch 16 --seq-len 256 \
-  --no-zero -o "$OUT/plan.yaml" --symmetric-out "$OUT/symmetric.yaml"
+  -o "$OUT/plan.yaml" --symmetric-out "$OUT/symmetric.yaml"
 hspmd simulate --plan "$OUT/plan.yaml" --profile "$OUT/profiles" --trace "$OUT/simulated-trace.json"
 
 act "4. Train the planned plan, then the best symmetric (Megatron-style) plan, and compare measured step times"

@@ -94,6 +94,10 @@ def prepare(options: TrainOptions, ctx: PlanContext, strategy: str, first_step: 
     ref = PlanRef(ctx, strategy)
     devices = set(ref.devices)
     last = first_step - 1 + options.steps
+    if ctx.plan.training.zero:
+        raise HspmdError(f"{ctx.path}: training.zero: {'--elastic' if options.elastic else '--switch'} moves AdamW "
+                         "moments from full replicas, and ZeRO-1 keeps one copy of each: use a plan with zero: false "
+                         "(hspmd plan --elastic or --no-zero)")
     if options.elastic and options.switches:
         raise HspmdError("--switch and --elastic cannot be combined (planned switches name devices that a "
                          "failure may have taken)")

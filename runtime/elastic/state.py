@@ -144,6 +144,7 @@ def check_compatible(a: PlanContext, b: PlanContext) -> None:
         if getattr(ta, field) != getattr(tb, field):
             problems.append(f"training.{field} {getattr(ta, field)} vs {getattr(tb, field)}")
     if a.plan.training.zero or b.plan.training.zero:
-        problems.append("ZeRO-1 (zero: true) is not supported by the engine")
+        problems.append("training.zero: ZeRO-1 keeps one copy of each AdamW moment, an in-memory switch needs full "
+                        "replicas (use zero: false)")
     if problems:
         raise HspmdError(f"{b.path}: cannot switch from {a.path} to this plan: " + "; ".join(problems))

@@ -6,11 +6,12 @@ Pure (no torch.distributed): ``hspmd show --device N PLAN`` prints it without st
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from runtime.comm.resolve import CommOp
-from runtime.engine.data_parallel import describe_grad_sync
+from runtime.engine.data_parallel import BUCKET_BYTES, describe_grad_sync
 from runtime.engine.pipeline import BOUNDARY_DTYPE, stage_boundaries
 from runtime.engine.schedules import Comm, Compute
 from runtime.engine.specialize import (
@@ -21,6 +22,7 @@ from runtime.engine.specialize import (
     stage_schedule,
     strategy_annotations,
 )
+from runtime.engine.zero import describe_zero, moment_pieces, zero_slices
 from runtime.spec import PlanContext
 
 
@@ -126,8 +128,17 @@ def describe_program(ctx: PlanContext, strategy: str, device: int, schedule: str
     if len(devices) > 1:
         ops.append(OpLine("comm", "step statistics", f"all-reduce [loss sum, grad norm^2] over {len(devices)} "
                                                      "devices"))
-    ops.append(OpLine("compute", "optimizer", f"clip to global norm {t.optimizer.grad_clip}, AdamW on "
-                                              f"{len(shards)} local shards"))
+    adam = f"AdamW on {len(shards)} local shards"
+    if t.zero:
+        pieces = moment_pieces(zero_slices(annotations), device)
+        kept = sum(p.numel for ps in pieces.values() for p in ps)
+        held = sum(math.prod(s.local_shape) for s in shards if s.name in pieces)
+        adam += (f"; ZeRO-1: {len(pieces)} of them sharded, moments kept for {kept} of their {held} elements"
+                 if pieces else "; ZeRO-1: no data-parallel replicas, nothing sharded")
+    ops.append(OpLine("compute", "optimizer", f"clip to global norm {t.optimizer.grad_clip}, {adam}"))
+    if t.zero:
+        ops.extend(OpLine("comm", name, detail)
+                   for name, detail in describe_zero(annotations, device, bucket_bytes=BUCKET_BYTES))
     return ProgramDescription(strat.name, device, sched, role, shards, tuple(ops))
 
 

@@ -2,7 +2,8 @@
 
 One instance per worker. Construction specializes the plain model for this device (its layers only,
 DTensor TP inside its stage group, boundary routes to the neighbouring stages, gradient-sync buckets
-across pipelines, AdamW on local shards); ``train_step`` runs one optimizer step of the global batch.
+across pipelines, AdamW on local shards, or ZeRO-1 over the pipelines with ``training.zero``: zero.py);
+``train_step`` runs one optimizer step of the global batch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from runtime.annotations.from_plan import strategy_groups
 from runtime.comm.groups import ProcessGroups
 from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
-from runtime.engine.data_parallel import GradSync
+from runtime.engine.data_parallel import BUCKET_BYTES, GradSync
 from runtime.engine.describe import ProgramDescription, describe_program
 from runtime.engine.optim import LocalAdamW, clip_coefficient
 from runtime.engine.pipeline import BOUNDARY_DTYPE, BoundaryOps, P2PBatch, stage_boundaries
@@ -35,7 +36,7 @@ from runtime.engine.specialize import (
     strategy_annotations,
 )
 from runtime.engine.tensor_parallel import apply_tensor_parallel, local_tensor
-from runtime.errors import Problem, SpecError
+from runtime.engine.zero import MomentPiece, ShardedAdamW, zero_buckets, zero_slices
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
 from runtime.spec import PlanContext
 
@@ -44,9 +45,6 @@ class DeviceProgram:
     """This device's share of one strategy of a plan, ready to train."""
 
     def __init__(self, ctx: WorkerContext, groups: ProcessGroups, hooks: Hooks = NULL_HOOKS) -> None:
-        if ctx.plan.plan.training.zero:
-            raise SpecError([Problem(str(ctx.plan.path), "training.zero",
-                                     "ZeRO-1 is not implemented by the engine yet: set zero: false")])
         role = stage_role(ctx.plan, ctx.strategy, ctx.device_id)
         if role is None:
             raise ValueError(f"device {ctx.device_id} is idle in strategy {ctx.strategy!r}: it has no program "
@@ -80,7 +78,15 @@ class DeviceProgram:
             got = tuple(local_tensor(self.params[s.name]).shape)
             if got != s.local_shape:
                 raise AssertionError(f"{s.name}: local shard {got} but the specialization expects {s.local_shape}")
-        self.optimizer = LocalAdamW({n: local_tensor(p) for n, p in self.params.items()}, t.optimizer)
+        local = {n: local_tensor(p) for n, p in self.params.items()}
+        self.optimizer: LocalAdamW | ShardedAdamW
+        if t.zero:
+            slices = zero_slices(self.annotations)
+            self.optimizer = ShardedAdamW(
+                local, {s.name: tuple((r.start, r.stop) for r in s.region) for s in self.shards}, slices,
+                zero_buckets(self.annotations, slices, bucket_bytes=BUCKET_BYTES), t.optimizer, groups)
+        else:
+            self.optimizer = LocalAdamW(local, t.optimizer)
 
         self.prev: BoundaryOps | None
         self.next: BoundaryOps | None
@@ -104,7 +110,8 @@ class DeviceProgram:
 
         ``before_update`` runs after the last communication of the step, before the optimizer changes
         any state: elastic training agrees there whether to commit the step; if it raises, the step is
-        abandoned and the program's state is exactly as before it.
+        abandoned and the program's state is exactly as before it. (With ZeRO-1 the parameter all-gather
+        follows the update, which is one reason elastic runs refuse ``zero: true``.)
         """
         t = self.ctx.plan.plan.training
         if tuple(global_batch.shape) != (t.global_batch, t.seq_len + 1):
@@ -140,8 +147,15 @@ class DeviceProgram:
         norm = stats[1].sqrt()
         if before_update is not None:
             before_update()
+        zero = self.optimizer if isinstance(self.optimizer, ShardedAdamW) else None
         with self._span("compute", "optimizer"):
-            self.optimizer.step(grads, clip_coefficient(norm, t.optimizer.grad_clip))
+            if zero is None:
+                self.optimizer.step(grads, clip_coefficient(norm, t.optimizer.grad_clip))
+            else:
+                zero.update(grads, clip_coefficient(norm, t.optimizer.grad_clip))
+        if zero is not None and zero.buckets:
+            with self._span("comm", "param_all_gather"):
+                zero.gather()
         for p in self.params.values():
             p.grad = None
         loss = float(stats[0]) / self.tokens
@@ -149,7 +163,10 @@ class DeviceProgram:
                          compute_s=self._times["compute"], comm_s=self._times["comm"])
 
     def local_state(self) -> dict[str, torch.Tensor]:
-        """This device's shards: ``NAME``, ``NAME.exp_avg``, ``NAME.exp_avg_sq`` and ``step``."""
+        """This device's shards: ``NAME``, ``NAME.exp_avg``, ``NAME.exp_avg_sq`` and ``step``.
+
+        The moments share the parameter's layout, except for the parameters in ``moment_pieces()``
+        (ZeRO-1): theirs are 1-D, this device's pieces concatenated in that order."""
         return self.optimizer.state()
 
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -157,10 +174,23 @@ class DeviceProgram:
         self.optimizer.load_state(state)
 
     def param_annotations(self) -> dict[str, ParamShard]:
-        """Layout of every parameter held here (its AdamW states share it): the HSPMD annotation over
-        the strategy, the region of the full tensor this device holds, and whether it is the copy
-        counted once (pipeline 0, first TP replica). ``self.annotations`` has every parameter's."""
+        """Layout of every parameter held here (its AdamW states share it unless ``moment_pieces()``
+        lists it): the HSPMD annotation over the strategy, the region of the full tensor this device
+        holds, and whether it is the copy counted once (pipeline 0, first TP replica).
+        ``self.annotations`` has every parameter's."""
         return {s.name: s for s in self.shards}
+
+    def moment_pieces(self) -> dict[str, tuple[MomentPiece, ...]]:
+        """ZeRO-1: the parameters whose AdamW moments this device keeps only in part, and which part:
+        elements [start, stop) of the row-major flattening of each listed slice of the full tensor
+        (``zero.moment_pieces`` of ``zero.zero_slices``; empty without ZeRO-1 or with one pipeline)."""
+        return dict(self.optimizer.pieces) if isinstance(self.optimizer, ShardedAdamW) else {}
+
+    def moment_numel(self) -> int:
+        """Elements of each AdamW moment this device keeps (its optimizer-state memory / 8 bytes)."""
+        if isinstance(self.optimizer, ShardedAdamW):
+            return self.optimizer.moment_numel()
+        return sum(local_tensor(p).numel() for p in self.params.values())
 
     def describe(self) -> ProgramDescription:
         return describe_program(self.ctx.plan, self.ctx.strategy, self.ctx.device_id)

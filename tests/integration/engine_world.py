@@ -30,6 +30,9 @@ class DeviceResult:
     state: dict[str, np.ndarray]  # DeviceProgram.local_state()
     regions: dict[str, tuple[tuple[int, int], ...]]  # name -> (start, stop) per dim of the full tensor
     primary: dict[str, bool]
+    # ZeRO-1: name -> ((slice region, start, stop), ...) of the 1-D moments (DeviceProgram.moment_pieces())
+    moment_pieces: dict[str, tuple[tuple[tuple[tuple[int, int], ...], int, int], ...]]
+    moment_numel: int  # DeviceProgram.moment_numel()
     description: dict[str, Any]
     spans: list[tuple[str, str]]  # (kind, name) of every hooks.span of the last step
     compute_s: float  # of the last step
@@ -46,15 +49,32 @@ class RecordingHooks:
         yield
 
 
-def train_job(w: WorkerContext, plan: str, batches: list[np.ndarray], schedule: str | None) -> DeviceResult | None:
-    from runtime.engine import DeviceProgram
-    from runtime.engine import WorkerContext as EngineContext
+def plan_with(plan: str, schedule: str | None = None, zero: bool | None = None):
+    """The plan's context, with its schedule and ZeRO-1 setting replaced where given."""
     from runtime.spec import load_plan_context
 
     ctx = load_plan_context(plan)
+    changes: dict[str, Any] = {}
     if schedule is not None:
-        training = dataclasses.replace(ctx.plan.training, schedule=schedule)
+        changes["schedule"] = schedule
+    if zero is not None:
+        changes["zero"] = zero
+    if changes:
+        training = dataclasses.replace(ctx.plan.training, **changes)
         ctx = dataclasses.replace(ctx, plan=dataclasses.replace(ctx.plan, training=training))
+    return ctx
+
+
+def train_job(w: WorkerContext, plan: str, batches: list[np.ndarray], schedule: str | None,
+              zero: bool | None = None, load_dir: str | None = None, save_dir: str | None = None,
+              first_step: int = 1) -> DeviceResult | None:
+    """Train ``batches`` (after loading ``load_dir``; then save to ``save_dir``, steps counted from
+    ``first_step``)."""
+    from runtime.checkpoint import load_checkpoint, save_checkpoint
+    from runtime.engine import DeviceProgram
+    from runtime.engine import WorkerContext as EngineContext
+
+    ctx = plan_with(plan, schedule, zero)
     strategy = ctx.plan.strategies[0].name
     w.groups.ensure(DeviceProgram.required_groups(ctx, strategy))
     if w.device not in ctx.plan.strategy(strategy).devices:
@@ -62,16 +82,23 @@ def train_job(w: WorkerContext, plan: str, batches: list[np.ndarray], schedule: 
     hooks = RecordingHooks()
     program = DeviceProgram(EngineContext(ctx, strategy, w.device, w.ranks, torch.device("cpu"), OP_TIMEOUT),
                             w.groups, hooks)
+    if load_dir is not None:
+        assert load_checkpoint(program, load_dir, ctx) == first_step - 1
     stats = []
     for b in batches:
         hooks.spans.clear()
         stats.append(program.train_step(torch.from_numpy(b)))
+    if save_dir is not None:
+        save_checkpoint(program, w.groups, save_dir, plan=ctx, strategy=strategy,
+                        step=first_step - 1 + len(batches))
     ann = program.param_annotations()
     return DeviceResult(
         device=w.device, losses=[s.loss for s in stats], grad_norms=[s.grad_norm for s in stats],
         state={k: v.detach().numpy().copy() for k, v in program.local_state().items()},
         regions={n: tuple((s.start, s.stop) for s in a.region) for n, a in ann.items()},
-        primary={n: a.primary for n, a in ann.items()}, description=program.describe().to_data(),
+        primary={n: a.primary for n, a in ann.items()},
+        moment_pieces={n: tuple((p.region, p.start, p.stop) for p in ps) for n, ps in program.moment_pieces().items()},
+        moment_numel=program.moment_numel(), description=program.describe().to_data(),
         spans=list(hooks.spans), compute_s=stats[-1].compute_s, comm_s=stats[-1].comm_s)
 
 
@@ -83,12 +110,15 @@ class EngineWorld:
         self.world = LocalWorld(size, timeout_s=OP_TIMEOUT.total_seconds())
         self.world.start()
 
-    def train(self, plan: str, batches: list[torch.Tensor], schedule: str | None = None) -> dict[int, DeviceResult]:
+    def train(self, plan: str, batches: list[torch.Tensor], schedule: str | None = None, *, zero: bool | None = None,
+              load_dir: str | None = None, save_dir: str | None = None,
+              first_step: int = 1) -> dict[int, DeviceResult]:
         if not self.world.alive:
             self.world = LocalWorld(self.size, timeout_s=OP_TIMEOUT.total_seconds())
             self.world.start()
         try:
-            out = self.world.run(train_job, plan, [b.numpy() for b in batches], schedule, timeout_s=180)
+            out = self.world.run(train_job, plan, [b.numpy() for b in batches], schedule, zero, load_dir, save_dir,
+                                 first_step, timeout_s=180)
         except WorkerError:
             self.world.close(force=True)
             raise

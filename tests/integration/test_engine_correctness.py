@@ -12,7 +12,9 @@ import pytest
 import torch
 from engine_world import DeviceResult, EngineWorld
 
+from runtime.checkpoint import CHECKPOINT_FILE
 from runtime.engine import ReferenceTrainer
+from runtime.models.params import llama_parameters
 from runtime.spec import PlanContext, load_plan_context
 
 PLANS = Path(__file__).parent / "engine_plans"
@@ -59,9 +61,35 @@ def assemble(results: dict[int, DeviceResult], key: str, name: str, shape: tuple
     return full
 
 
-def check_against_reference(plan: Path, results: dict[int, DeviceResult], batches: list[torch.Tensor]) -> None:
+def assemble_moment(results: dict[int, DeviceResult], key: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A moment from its shards: ZeRO-1 pieces (each element kept by exactly one device) or, for
+    parameters no device shards, the parameter's layout (``assemble``)."""
+    if not any(name in r.moment_pieces for r in results.values()):
+        return assemble(results, key, name, shape)
+    full = torch.zeros(shape).reshape(-1)
+    count = torch.zeros(shape, dtype=torch.int64).reshape(-1)
+    index = torch.arange(full.numel()).reshape(shape)
+    for r in results.values():
+        if name not in r.regions:
+            continue
+        assert name in r.moment_pieces, f"{key}: device {r.device} keeps it unsharded"
+        flat, off = torch.from_numpy(r.state[key]), 0
+        for region, a, b in r.moment_pieces.get(name, ()):
+            where = index[tuple(slice(x, y) for x, y in region)].reshape(-1)[a:b]
+            full[where] = flat[off:off + b - a]
+            count[where] += 1
+            off += b - a
+        assert off == flat.numel(), f"{key}: device {r.device} keeps {flat.numel()} elements, its pieces {off}"
+    assert bool((count == 1).all()), f"{key}: ZeRO-1 pieces cover some elements {int(count.min())}-{int(count.max())} x"
+    return full.reshape(shape)
+
+
+def check_against_reference(plan: Path, results: dict[int, DeviceResult], batches: list[torch.Tensor], *,
+                            ref: ReferenceTrainer | None = None, steps: int = STEPS) -> None:
+    """``results`` of ``batches`` equal the reference's (a fresh one, or ``ref`` continued)."""
     ctx = load_plan_context(plan)
-    ref = ReferenceTrainer(ctx.model, ctx.plan.training)
+    fresh = ref is None
+    ref = ref if ref is not None else ReferenceTrainer(ctx.model, ctx.plan.training)
     ref_stats = [ref.train_step(b) for b in batches]
     devices = ctx.plan.strategies[0].devices
     assert sorted(results) == sorted(devices)
@@ -72,7 +100,7 @@ def check_against_reference(plan: Path, results: dict[int, DeviceResult], batche
         torch.testing.assert_close(torch.tensor(r.grad_norms, dtype=torch.float64),
                                    torch.tensor([s.grad_norm for s in ref_stats], dtype=torch.float64),
                                    rtol=RTOL, atol=0, msg=lambda m, d=dev: f"grad norms on device {d}: {m}")
-        assert float(r.state["step"]) == STEPS
+        assert float(r.state["step"]) == steps
         check_spans(ctx, r)
     moments = ref.optimizer_state()
     atol = ATOL_STEPS * ctx.plan.training.optimizer.lr
@@ -81,14 +109,15 @@ def check_against_reference(plan: Path, results: dict[int, DeviceResult], batche
         torch.testing.assert_close(got, p, rtol=RTOL, atol=atol, msg=lambda m, n=name: f"parameter {n}: {m}")
         for key in ("exp_avg", "exp_avg_sq"):
             want = moments[f"{name}.{key}"]
-            got = assemble(results, f"{name}.{key}", name, tuple(p.shape))
+            got = assemble_moment(results, f"{name}.{key}", name, tuple(p.shape))
             # Moments are sums of gradients: entries that cancel to near zero carry rounding noise
             # relative to the tensor's scale, hence an absolute floor of RTOL x its largest entry.
             torch.testing.assert_close(got, want, rtol=RTOL, atol=RTOL * float(want.abs().max()),
                                        msg=lambda m, n=name, k=key: f"{n}.{k}: {m}")
     # The reference really moved: a plan that skipped the update would not pass by accident.
-    init = ReferenceTrainer(ctx.model, ctx.plan.training).parameters()
-    assert any(not torch.allclose(init[n], p, rtol=RTOL, atol=atol) for n, p in ref.parameters().items())
+    if fresh:
+        init = ReferenceTrainer(ctx.model, ctx.plan.training).parameters()
+        assert any(not torch.allclose(init[n], p, rtol=RTOL, atol=atol) for n, p in ref.parameters().items())
 
 
 def check_spans(ctx: PlanContext, r: DeviceResult) -> None:
@@ -100,7 +129,10 @@ def check_spans(ctx: PlanContext, r: DeviceResult) -> None:
     comms = [n for k, n in r.spans if k == "comm"]
     p2p = [o["name"] for o in r.description["ops"] if o["kind"] == "comm" and "mb" in o["name"]]
     syncs = any(o["name"].startswith("grad all-reduce") for o in r.description["ops"])
-    assert len(comms) == len(p2p) + syncs + (len(ctx.plan.strategies[0].devices) > 1)  # + grad sync, stats
+    gathers = any(o["name"].startswith("param all-gather") for o in r.description["ops"])  # ZeRO-1
+    assert gathers == ("param_all_gather" in comms)
+    # + grad sync, stats, ZeRO-1 all-gather
+    assert len(comms) == len(p2p) + syncs + (len(ctx.plan.strategies[0].devices) > 1) + gathers
     assert r.compute_s > 0 and (r.comm_s > 0) == (len(ctx.plan.strategies[0].devices) > 1)
 
 
@@ -122,3 +154,67 @@ def test_plan_matches_single_device_reference(world: EngineWorld, plan: str, sch
     batches = make_batches(load_plan_context(path))
     results = world.train(str(path), batches, schedule)
     check_against_reference(path, results, batches)
+
+
+# ZeRO-1 (training.zero: true): the same plans with AdamW moments sharded over the pipelines.
+ZERO_PLANS = ["dp-uneven.yaml", "two-pipelines.yaml", "three-pipelines.yaml"]
+
+
+@pytest.mark.parametrize("plan", ZERO_PLANS, ids=[p.removesuffix(".yaml") for p in ZERO_PLANS])
+def test_zero1_plan_matches_single_device_reference(world: EngineWorld, plan: str) -> None:
+    path = PLANS / plan
+    ctx = load_plan_context(path)
+    batches = make_batches(ctx)
+    results = world.train(str(path), batches, zero=True)
+    check_against_reference(path, results, batches)
+    check_zero_memory(ctx, results)
+
+
+def check_zero_memory(ctx: PlanContext, results: dict[int, DeviceResult]) -> None:
+    """Every parameter is held by >= 2 pipelines here, so every moment element lives on one device only:
+    the devices together keep exactly one copy, and each keeps less than its parameters' size."""
+    model_numel = sum(info.numel for info in llama_parameters(ctx.model))
+    assert sum(r.moment_numel for r in results.values()) == model_numel
+    for r in results.values():
+        local = sum(v.size for k, v in r.state.items() if k in r.regions)
+        pieces = sum(b - a for ps in r.moment_pieces.values() for _, a, b in ps)
+        assert set(r.moment_pieces) == set(r.regions) and r.moment_numel == pieces
+        # Each slice is shared by at least two devices: at most about half of the local elements.
+        assert r.moment_numel <= local // 2 + sum(len(ps) for ps in r.moment_pieces.values()), (r.device, local)
+        assert any(o["name"].startswith("param all-gather") for o in r.description["ops"])
+
+
+def test_zero1_checkpoints_cross_plans(world: EngineWorld, tmp_path: Path) -> None:
+    """Saved under ZeRO-1 (pure DP), continued without it (three pipelines mixing TP and PP), saved again
+    and continued under ZeRO-1: every stretch equals the reference continued, moments included."""
+    dp, hetero = PLANS / "dp-uneven.yaml", PLANS / "three-pipelines.yaml"
+    ctx_dp, ctx_hetero = load_plan_context(dp), load_plan_context(hetero)
+    assert ctx_dp.plan.training.optimizer == ctx_hetero.plan.training.optimizer  # one reference serves both
+    ref = ReferenceTrainer(ctx_dp.model, ctx_dp.plan.training)
+    first, second = tmp_path / "zero", tmp_path / "plain"
+    batches = make_batches(ctx_dp, 2)
+    check_against_reference(dp, world.train(str(dp), batches, zero=True, save_dir=str(first)), batches, ref=ref,
+                            steps=2)
+    check_saved(first, ref, 2)
+    batches = make_batches(ctx_hetero, 1)
+    results = world.train(str(hetero), batches, zero=False, load_dir=str(first), save_dir=str(second), first_step=3)
+    check_against_reference(hetero, results, batches, ref=ref, steps=3)
+    check_saved(second, ref, 3)
+    batches = make_batches(ctx_dp, 1)
+    results = world.train(str(dp), batches, zero=True, load_dir=str(second), first_step=4)
+    check_against_reference(dp, results, batches, ref=ref, steps=4)
+
+
+def check_saved(directory: Path, ref: ReferenceTrainer, step: int) -> None:
+    """The checkpoint holds the reference's full parameters and moments after ``step`` steps."""
+    from safetensors import safe_open
+
+    with safe_open(directory / CHECKPOINT_FILE, framework="pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys()}
+        assert f.metadata()["step"] == str(step)
+    want = {**ref.parameters(), **ref.optimizer_state()}
+    assert set(saved) == set(want)
+    atol = ATOL_STEPS * ref.training.optimizer.lr
+    for name, w in want.items():
+        tol = RTOL * float(w.abs().max()) if name.endswith(("exp_avg", "exp_avg_sq")) else atol
+        torch.testing.assert_close(saved[name], w, rtol=RTOL, atol=tol, msg=lambda m, n=name: f"saved {n}: {m}")
