@@ -42,11 +42,17 @@ planner can call them millions of times:
 * ``estimate(strategy, global_batch, schedule, zero) -> StrategyEstimate``: the whole step by the
   closed-form schedule formulas below, plus memory per device with OOM flags.
 
-Fidelity notes: TP collectives are priced from a profile's measured per-layer TP overhead (DTensor
-dispatch and collectives, ``MeasuredModel.tp_overhead``) when it has one, else counted (2 all-reduces
-forward, 2 backward per layer, as the runtime lays Megatron TP out); on a CPU-emulated device type the TP
-time inside compute blocks is stretched by its slowdown, because the runtime sleeps after whole compute
-blocks.
+Fidelity notes: compute comes from a measured profile's stage blocks when it has them (one decoder
+layer, a stage's fixed time per micro-batch, what the embedding and head add, timed through the
+runtime's stage module as the engine runs a micro-batch: ``MeasuredModel.blocks``), else from the sum of
+the components. TP collectives are priced from the measured TP overhead per block (DTensor dispatch and
+collectives: ``tp_blocks``, or per layer ``tp_overhead`` in older profiles) when there is one, else
+counted (2 all-reduces forward, 2 backward per layer, as the runtime lays Megatron TP out). On a
+CPU-emulated device type only the CPU-time part of the TP overhead (``tp_blocks_cpu``) is stretched by its
+slowdown: the runtime sleeps a multiple of each compute block's CPU time. ``step_overhead_time`` (the
+step's code outside its spans) and the gradient sync's packing (``sync_group_time``) come from measured
+profiles too; ``resume_penalty``, ``comm_wake`` and ``core_sharing`` are measured host effects that only
+the simulator plays out (see planner/simulate.py).
 
 Pure formulas (module level): ``pipeline_time`` (1F1B: ``(m-1)*max(t) + sum(t) + sum(boundary comm)``;
 GPipe: the same on forward and backward separately), ``in_flight_micro_batches`` (1F1B: stage k of S
@@ -73,6 +79,7 @@ from runtime.profiling.profile import (
     DeviceProfile,
     LinkFit,
     ProfileSet,
+    ResumePenalty,
     eval_fit,
 )
 from runtime.spec.cluster import Cluster
@@ -230,6 +237,10 @@ class StageCost:
     tp_forward_s: float     # TP collectives inside forward_s
     tp_backward_s: float    # TP collectives inside backward_s (recompute included)
     params: int             # local parameters on each device of the stage
+    # CPU seconds inside the TP collectives (DTensor dispatch): on an emulated device they are stretched
+    # with the compute (included in tp_forward_s / tp_backward_s as (slowdown - 1) x these).
+    tp_cpu_forward_s: float = 0.0
+    tp_cpu_backward_s: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -270,6 +281,7 @@ class SyncGroup:
 
     devices: tuple[int, ...]
     numel: float
+    tensors: int = 0   # gradient slices it packs (each device of the group packs and unpacks them)
 
 
 @dataclass(frozen=True)
@@ -348,6 +360,15 @@ class CostModel:
     # -- components ----------------------------------------------------------------------------------
 
     @_memo
+    def blocks(self, device_type: str, tp: int) -> dict[str, ComponentFit] | None:
+        """Measured stage blocks (one decoder layer, a stage's fixed time, embedding, head) at this TP
+        degree, timed through the runtime's stage module; None when the profile has none."""
+        measured = self.profiles[device_type].measured_model(self.model)
+        if measured is not None and tp in measured.blocks:
+            return dict(measured.blocks[tp])
+        return None
+
+    @_memo
     def components(self, device_type: str, tp: int) -> dict[str, ComponentFit]:
         """Per-component fits on this device type at this TP degree: measured if the profile has this
         model shape and TP degree, else derived from the profile's throughput figures."""
@@ -388,8 +409,10 @@ class CostModel:
         s = self.seq_len if seq_len is None else seq_len
         comp = self.components(device_type, tp)
         parts = (comp["attention"], comp["mlp"], comp["norm"], comp["norm"])
-        fwd = sum(eval_fit(p.forward_s, b, s) for p in parts)
-        bwd = sum(eval_fit(p.backward_s, b, s) for p in parts)
+        blocks = self.blocks(device_type, tp)
+        timed = [blocks["layer"]] if blocks is not None else parts
+        fwd = sum(eval_fit(p.forward_s, b, s) for p in timed)
+        bwd = sum(eval_fit(p.backward_s, b, s) for p in timed)
         act = sum(eval_fit(p.activation_bytes, b, s) for p in parts)
         overhead = self._tp_overhead(device_type, tp)
         if overhead is not None:
@@ -405,18 +428,28 @@ class CostModel:
     @_memo
     def extras(self, device_type: str, tp: int, first: bool, last: bool, micro_batch: int | None = None,
                seq_len: int | None = None) -> LayerCost:
-        """What the first stage (embedding) and the last (final norm, head, loss) add to their layers."""
+        """What a stage adds to its layers: the first stage's embedding, the last one's final norm, head
+        and loss, and (measured stage blocks only) every stage's fixed time per micro-batch."""
         b = self.micro_batch if micro_batch is None else micro_batch
         s = self.seq_len if seq_len is None else seq_len
         comp = self.components(device_type, tp)
         parts = ([comp["embedding"]] if first else []) + ([comp["norm"], comp["head"]] if last else [])
-        ar_act = self._tp_allreduce(device_type, tp, self.activation_tensor_bytes(device_type, b, s))
-        logits = float(b * s * self.model.vocab_size * self._act_element_bytes(device_type))
-        tp_f = (ar_act if first else 0.0) + (self._tp_allgather(device_type, tp, logits) if last else 0.0)
-        tp_b = ar_act if last else 0.0
+        blocks = self.blocks(device_type, tp)
+        # Measured blocks: a stage's fixed time per micro-batch (every stage pays it) plus what the
+        # embedding and the head add; else the components' sum.
+        timed = parts if blocks is None else (
+            [blocks["stage"]] + ([blocks["embedding"]] if first else []) + ([blocks["head"]] if last else []))
+        tp_blocks = self._tp_blocks(device_type, tp)
+        if tp_blocks is not None:   # measured: DTensor dispatch and collectives of the TP stage module
+            tp_f, tp_b = self._tp_extras(tp_blocks, first, last, b, s)
+        else:   # counted: the embedding's all-reduce, the head's all-gather and input-gradient all-reduce
+            ar_act = self._tp_allreduce(device_type, tp, self.activation_tensor_bytes(device_type, b, s))
+            logits = float(b * s * self.model.vocab_size * self._act_element_bytes(device_type))
+            tp_f = (ar_act if first else 0.0) + (self._tp_allgather(device_type, tp, logits) if last else 0.0)
+            tp_b = ar_act if last else 0.0
         return LayerCost(
-            forward_s=sum(eval_fit(p.forward_s, b, s) for p in parts),
-            backward_s=sum(eval_fit(p.backward_s, b, s) for p in parts),
+            forward_s=sum(eval_fit(p.forward_s, b, s) for p in timed),
+            backward_s=sum(eval_fit(p.backward_s, b, s) for p in timed),
             recompute_s=0.0, tp_forward_s=tp_f, tp_backward_s=tp_b,
             activation_bytes=sum(eval_fit(p.activation_bytes, b, s) for p in parts),
             checkpoint_bytes=0.0, params=sum(p.params for p in parts))
@@ -430,12 +463,63 @@ class CostModel:
         n = num_layers
         fwd_c = n * lay.forward_s + ext.forward_s
         bwd_c = n * (lay.backward_s + lay.recompute_s) + ext.backward_s
-        # An emulated device stretches whole compute blocks, the TP collectives inside them included.
+        # An emulated device sleeps (slowdown - 1) x the CPU time of each compute block (runtime/trace.py
+        # EmulatedSlowdown): the waits inside its TP collectives are not stretched, their CPU time is.
         stretch = self._emulated_slowdown(device_type)
-        tp_f = (n * lay.tp_forward_s + ext.tp_forward_s) * stretch
-        tp_b = (n * lay.tp_backward_s + ext.tp_backward_s) * stretch
+        b = self.micro_batch if micro_batch is None else micro_batch
+        s = self.seq_len if seq_len is None else seq_len
+        cpu_blocks = self._tp_blocks(device_type, tp, cpu=True)
+        tp_cpu_f = tp_cpu_b = 0.0
+        if cpu_blocks is not None:
+            cpu_f = eval_fit(cpu_blocks["layer"].forward_s, b, s)
+            ext_f, ext_b = self._tp_extras(cpu_blocks, first, last, b, s)
+            tp_cpu_f = n * cpu_f + ext_f
+            tp_cpu_b = n * (eval_fit(cpu_blocks["layer"].backward_s, b, s) + (cpu_f if recompute else 0.0)) + ext_b
+        tp_f = n * lay.tp_forward_s + ext.tp_forward_s + (stretch - 1.0) * tp_cpu_f
+        tp_b = n * lay.tp_backward_s + ext.tp_backward_s + (stretch - 1.0) * tp_cpu_b
         return StageCost(forward_s=fwd_c + tp_f, backward_s=bwd_c + tp_b, compute_s=fwd_c + bwd_c,
-                         tp_forward_s=tp_f, tp_backward_s=tp_b, params=n * lay.params + ext.params)
+                         tp_forward_s=tp_f, tp_backward_s=tp_b, params=n * lay.params + ext.params,
+                         tp_cpu_forward_s=tp_cpu_f, tp_cpu_backward_s=tp_cpu_b)
+
+    def _tp_blocks(self, device_type: str, tp: int, cpu: bool = False) -> Mapping[str, ComponentFit] | None:
+        """Measured TP overhead per stage block (wall time, or its CPU part), if the profile has it."""
+        if tp <= 1:
+            return None
+        m = self.profiles[device_type].measured_model(self.model)
+        return None if m is None else (m.tp_blocks_cpu if cpu else m.tp_blocks).get(tp)
+
+    @staticmethod
+    def _tp_extras(blocks: Mapping[str, ComponentFit], first: bool, last: bool, b: int, s: int) -> tuple[float, float]:
+        """(forward, backward) TP overhead a stage adds beyond its layers: its fixed part, the embedding's
+        and the head's."""
+        parts = [blocks["stage"]] + ([blocks["embedding"]] if first else []) + ([blocks["head"]] if last else [])
+        return (sum(eval_fit(p.forward_s, b, s) for p in parts), sum(eval_fit(p.backward_s, b, s) for p in parts))
+
+    def resume_penalty(self, device_type: str) -> ResumePenalty | None:
+        """Extra CPU time of a compute block after its device idled (measured profiles; None otherwise).
+        The simulator applies it; the closed-form estimate does not."""
+        m = self.profiles[device_type].measured_model(self.model)
+        return None if m is None else m.resume
+
+    def core_sharing(self, device_type: str) -> float:
+        """Efficiency of two emulated devices' processes time-sharing one CPU core, at this sequence length
+        (measured profiles: interpolated in log length between the measured ones; 1 otherwise)."""
+        m = self.profiles[device_type].measured_model(self.model)
+        if m is None or not m.core_sharing:
+            return 1.0
+        pts = sorted(m.core_sharing.items())
+        s = self.seq_len
+        if s <= pts[0][0]:
+            return pts[0][1]
+        for (s0, e0), (s1, e1) in zip(pts, pts[1:]):
+            if s <= s1:
+                w = math.log(s / s0) / math.log(s1 / s0)
+                return e0 + w * (e1 - e0)
+        return pts[-1][1]
+
+    def comm_wake(self, device_type: str) -> ResumePenalty | None:
+        """How much later a device blocked in communication resumes after waiting (measured profiles)."""
+        return self.profiles[device_type].comm.p2p_wake
 
     def host_cores(self, node: str) -> int | None:
         """CPU cores shared by the emulated devices of ``node`` (from their measured profiles), or None
@@ -589,7 +673,7 @@ class CostModel:
         m = self.model
         h = m.hidden_size
         cuts = sorted({0, m.num_layers} | {b for p in pipes for s in p.stages for b in s.layers})
-        groups: dict[tuple[int, ...], list[float]] = {}   # devices -> [numel, order key]
+        groups: dict[tuple[int, ...], list[float]] = {}   # devices -> [numel, tensors]
         order: dict[tuple[int, ...], tuple[int, int]] = {}
 
         def holders(layer: int) -> list[Stage]:
@@ -601,28 +685,42 @@ class CostModel:
                         break
             return out
 
-        def add(stages: Sequence[Stage], sharded: float, replicated: float, key: int) -> None:
+        def add(stages: Sequence[Stage], sharded: float, replicated: float, key: int, n_sharded: int,
+                n_replicated: int) -> None:
             lcm = reduce(math.lcm, (st.tp for st in stages), 1)
             for j in range(lcm):
                 devs = tuple(sorted(st.devices[j * st.tp // lcm] for st in stages))
-                g = groups.setdefault(devs, [0.0])
+                g = groups.setdefault(devs, [0.0, 0.0])
                 g[0] += sharded / lcm + (replicated if j == 0 else 0.0)
+                g[1] += n_sharded + (n_replicated if j == 0 else 0)
                 order.setdefault(devs, (key, j))
 
+        per_layer = len(self._layer_tensors)
+        replicated_per_layer = sum(1 for p in self._layer_tensors if p.tp_dim is None)
         embed_stages = [p.stages[0] for p in pipes]
-        add(embed_stages, m.vocab_size * h, 0.0, -1)
+        add(embed_stages, m.vocab_size * h, 0.0, -1, len(self._embed_tensors), 0)
         for a, b in zip(cuts, cuts[1:]):
             n = b - a
-            add(holders(a), n * (m.layer_params() - 2 * h), n * 2 * h, a)
-        add([p.stages[-1] for p in pipes], m.vocab_size * h, h, m.num_layers)
-        return tuple(SyncGroup(devs, numel[0]) for devs, numel in sorted(groups.items(), key=lambda kv: order[kv[0]]))
+            add(holders(a), n * (m.layer_params() - 2 * h), n * 2 * h, a, n * (per_layer - replicated_per_layer),
+                n * replicated_per_layer)
+        n_head_rep = sum(1 for p in self._head_tensors if p.tp_dim is None)
+        add([p.stages[-1] for p in pipes], m.vocab_size * h, h, m.num_layers, len(self._head_tensors) - n_head_rep,
+            n_head_rep)
+        ordered = sorted(groups.items(), key=lambda kv: order[kv[0]])
+        return tuple(SyncGroup(devs, g[0], int(g[1])) for devs, g in ordered)
 
     def sync_group_time(self, group: SyncGroup) -> float:
-        """One fused all-reduce of a sync group (a call per ``SYNC_BUCKET_BYTES`` bucket)."""
+        """One fused all-reduce of a sync group (a call per ``SYNC_BUCKET_BYTES`` bucket), plus packing its
+        gradient slices into the buckets and back (measured profiles; the slowest device's)."""
         nbytes = group.numel * max(self.profiles[self._type_of[d]].memory.grad_bytes for d in group.devices)
         buckets = max(1, math.ceil(nbytes / SYNC_BUCKET_BYTES))
         one = self.allreduce_time(list(group.devices), nbytes / buckets)
-        return buckets * one
+        pack = 0.0
+        for d in group.devices:
+            fit = self.profiles[self._type_of[d]].sync_pack
+            pack = max(pack, fit.seconds_per_param * group.numel + fit.seconds_per_tensor * group.tensors
+                       + fit.fixed_s * buckets)
+        return buckets * one + pack
 
     def grad_sync_times(self, strategy: Strategy) -> dict[int, float]:
         """Seconds each device spends in the cross-pipeline gradient sync (its groups one after the
@@ -645,6 +743,16 @@ class CostModel:
         with ZeRO-1)."""
         opt = self.profiles[device_type].optimizer
         return opt.seconds_per_param * params / max(1, zero_degree) + opt.seconds_per_tensor * tensors + opt.fixed_s
+
+    def step_overhead_time(self, device_type: str, params: float, tensors: int = 0) -> float:
+        """A step's own code outside its compute and comm spans on one device (gradients collected and
+        reset, the global norm summed tensor by tensor): measured profiles only, never stretched."""
+        fit = self.profiles[device_type].step_overhead
+        return fit.seconds_per_param * params + fit.seconds_per_tensor * tensors + fit.fixed_s
+
+    def step_overhead_times(self, strategy: Strategy) -> dict[int, float]:
+        return {d: self.step_overhead_time(self._type_of[d], n, tensors)
+                for d, (n, tensors) in self.device_params(strategy).items()}
 
     def clip_time(self, devices: Sequence[int]) -> float:
         """The per-step all-reduce of loss and gradient norm (for clipping) over every device."""
@@ -709,7 +817,8 @@ class CostModel:
         ``max over pipelines (pipeline_time) + gradient sync + clip + max over devices (optimizer)``."""
         pipes = tuple(self.pipeline_estimate(strategy, i, schedule) for i in range(len(strategy.pipelines)))
         sync = self.grad_sync_time(strategy)
-        opt = max(self.optimizer_times(strategy, zero).values())
+        over = self.step_overhead_times(strategy)
+        opt = max(t + over[d] for d, t in self.optimizer_times(strategy, zero).items())
         clip = self.clip_time(strategy.devices)
         step = max(p.time_s for p in pipes) + sync + clip + opt
         memory = self.strategy_memory(strategy, schedule, zero)

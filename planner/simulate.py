@@ -10,9 +10,11 @@ batched send waits for its receive; NCCL's send/recv behave so too). After its s
 device joins its gradient-sync groups (a group's all-reduce starts when its last member joins), then
 the per-step all-reduce of loss and gradient norm, then its optimizer step.
 
-On a CPU-emulated cluster the devices of a node are processes sharing that host's cores: compute blocks
-running at the same time share them (processor sharing), and an emulated slower device sleeps
-``slowdown - 1`` times each compute block's wall time, as the runtime does.
+On a CPU-emulated cluster the devices are processes on one host, each pinned to its share of the cores
+as the launcher pins them (runtime/launch/options.py ``emulated_cpu_shares``): compute blocks running on
+the same core at the same time share it (processor sharing; a TP group's block runs at the pace of its
+slowest member), and an emulated slower device sleeps ``slowdown - 1`` times each compute block's CPU
+time, as the runtime does.
 
 The result has the step time, per-stage compute / comm / bubble, the peak number of in-flight
 micro-batches each stage reached (hence its peak memory), and a timeline for Chrome-trace / Perfetto.
@@ -27,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planner.cost import CostModel, Schedule
+from runtime.launch.options import emulated_cpu_shares
+from runtime.profiling.profile import ResumePenalty
 from runtime.spec.plan import Strategy
 
 
@@ -89,7 +93,7 @@ class SimulationResult:
     peak_memory_gib: dict[int, float]
     oom_devices: tuple[int, ...]
     events: tuple[Event, ...]
-    cpu_hosts: dict[str, float] = field(default_factory=dict)   # emulated nodes whose cores were shared
+    cpu_hosts: dict[str, float] = field(default_factory=dict)   # emulated hosts (cores) shared: their cores
 
     def to_json(self) -> dict[str, Any]:
         return {"strategy": self.strategy, "schedule": self.schedule, "step_time_s": self.step_time_s,
@@ -177,11 +181,18 @@ class _Sim:
 
     * A communication op's end is known once every op it ``waits`` on has started: a transfer of
       ``secs`` completes at ``max(own start, peer start) + secs`` (a rendezvous).
-    * A compute op on a shared CPU host (``host``) first needs ``cpu`` core-seconds of work: the ops
-      active on a host share its cores (each runs at ``min(1, cores / demand)``, processor sharing).
+    * A compute op on shared CPU hosts (``hosts``: (host, demand) pairs) first needs ``cpu`` seconds of
+      work: the ops active on a host share its cores (each at ``min(1, cores / total demand)``, processor
+      sharing) times its measured sharing efficiency while the core is oversubscribed (time-slicing
+      leaves caches cold: the CPU time it consumes grows accordingly), and an op on several hosts runs
+      at the slowest of their rates.
       Then come ``comm`` seconds of blocking collectives, then an emulated device's sleep of
-      ``(stretch - 1)`` times that compute block's wall time — as the runtime emulates a slower device.
-      Without a host, a compute op takes ``(cpu + comm) * stretch``.
+      ``(stretch - 1)`` times the block's CPU time (``cpu`` plus the collectives' own ``comm_cpu``), as
+      the runtime emulates a slower device (runtime/trace.py: CPU time, so neither waiting for a core nor
+      waiting in a collective is stretched). Without a host, the same with the cores never shared.
+    * A compute op with a ``resume`` penalty needs that much more CPU time the longer its resource idled
+      since its previous compute op's CPU work ended (cold caches; measured by ``hspmd profile``); a
+      communication op with a ``wake`` penalty ends that much later the longer it waited for its peers.
     """
 
     def __init__(self, cores: dict[str, float] | None = None) -> None:
@@ -191,10 +202,16 @@ class _Sim:
 
     def add(self, op: str, resource: str, duration: float = 0.0, deps: Sequence[str] = (),
             waits: Sequence[tuple[str, float]] = (), *, cpu: float = 0.0, comm: float = 0.0, stretch: float = 1.0,
-            host: str | None = None, demand: float = 1.0, **info: Any) -> None:
-        """``duration``: a fixed-length op (communication); ``cpu``/``comm``/``stretch``: a compute block."""
+            comm_cpu: float = 0.0, hosts: Sequence[tuple[str, float]] = (), resume: ResumePenalty | None = None,
+            wake: ResumePenalty | None = None, sharing: float = 1.0, **info: Any) -> None:
+        """``duration``: a fixed-length op (communication); ``cpu``/``comm``/``stretch``: a compute block;
+        ``resume``: its extra CPU time after its resource idled (from the end of its last compute op);
+        ``wake``: a communication op's extra time when it waited for its peers (blocked, core idle);
+        ``sharing``: a compute op's efficiency while a core it runs on is time-shared."""
+        hosts = [(h, d) for h, d in hosts if h in self.cores]
         self.ops[op] = {"resource": resource, "duration": duration, "deps": list(deps), "waits": list(waits),
-                        "cpu": cpu, "comm": comm, "stretch": stretch, "host": host, "demand": demand, **info}
+                        "cpu": cpu, "comm": comm, "stretch": stretch, "comm_cpu": comm_cpu, "hosts": hosts,
+                        "resume": resume, "wake": wake, "sharing": sharing, **info}
         self.queue.setdefault(resource, []).append(op)
 
     def run(self) -> dict[str, tuple[float, float]]:
@@ -204,7 +221,10 @@ class _Sim:
         done: dict[str, float] = {}
         times: dict[str, tuple[float, float]] = {}
         heap: list[tuple[float, int, str]] = []
-        active: dict[str, dict[str, float]] = {h: {} for h in self.cores}   # host -> op -> core-seconds left
+        active: dict[str, float] = {}   # compute op -> CPU seconds of work left
+        work: dict[str, float] = {}     # compute op -> its CPU seconds (with any resume penalty)
+        used: dict[str, float] = {}     # compute op -> CPU time it consumed (more than work when sharing)
+        cpu_end: dict[str, float] = {}  # resource -> when its last compute op's CPU work ended
         watchers: dict[str, set[str]] = {}     # op -> resources to wake when it starts or completes
         for info in self.ops.values():
             for d in info["deps"]:
@@ -229,13 +249,17 @@ class _Sim:
             end = start + info["duration"]
             for w, secs in info["waits"]:
                 end = max(end, max(start, starts[w]) + secs)
+            latest = max((starts[w] for w, _ in info["waits"]), default=start)
+            if info["wake"] is not None and latest > start:   # blocked meanwhile: resumes later
+                end += info["wake"].extra_s(latest - start, False)
             finish_at(op, end)
             return True
 
         def compute_tail(op: str, cpu_done: float) -> float:
             info = self.ops[op]
-            block = cpu_done - starts[op] + info["comm"]
-            return cpu_done + info["comm"] + (info["stretch"] - 1.0) * block
+            cpu_end[info["resource"]] = cpu_done
+            cpu = used.get(op, work[op])
+            return cpu_done + info["comm"] + (info["stretch"] - 1.0) * (cpu + info["comm_cpu"])
 
         def advance(r: str) -> None:
             op = busy[r]
@@ -253,45 +277,54 @@ class _Sim:
             busy[r] = op
             starts[op] = now
             if info["cpu"] > 0 or info["comm"] > 0:
-                host = info["host"]
-                if host in active and info["cpu"] > 0:
-                    active[host][op] = info["cpu"]
+                work[op] = info["cpu"]
+                if info["resume"] is not None:   # caches gone cold while the device idled
+                    work[op] += info["resume"].extra_s(now - cpu_end.get(r, 0.0), info.get("kind") == "backward")
+                if info["hosts"] and work[op] > 0:
+                    active[op] = work[op]
+                    used[op] = 0.0
                 else:
-                    finish_at(op, now + (info["cpu"] + info["comm"]) * info["stretch"])
+                    finish_at(op, compute_tail(op, now + work[op]))
             else:
                 try_end(op)
             for wr in watchers.get(op, ()):
                 if wr != r:
                     advance(wr)
 
-        def rates() -> dict[str, float]:
-            out = {}
-            for h, ops in active.items():
-                if ops:
-                    demand = sum(self.ops[o]["demand"] for o in ops)
-                    out[h] = min(1.0, self.cores[h] / demand)
-            return out
+        def rates() -> tuple[dict[str, float], dict[str, float]]:
+            """(CPU share, progress rate) of each active op: progress is the share times the op's sharing
+            efficiency while a core it runs on is oversubscribed."""
+            demand: dict[str, float] = {}
+            for o in active:
+                for h, d in self.ops[o]["hosts"]:
+                    demand[h] = demand.get(h, 0.0) + d
+            share, progress = {}, {}
+            for o in active:
+                hosts = self.ops[o]["hosts"]
+                share[o] = min(min(1.0, self.cores[h] / demand[h]) for h, _ in hosts)
+                crowded = any(demand[h] > self.cores[h] + 1e-9 for h, _ in hosts)
+                progress[o] = share[o] * (self.ops[o]["sharing"] if crowded else 1.0)
+            return share, progress
 
         for r in self.queue:
             advance(r)
         while True:
-            rate = rates()
+            share, rate = rates()
             t_cpu, cpu_op = math.inf, None
-            for h, ops in active.items():
-                for o, left in ops.items():
-                    t = now + left / rate[h]
-                    if t < t_cpu:
-                        t_cpu, cpu_op = t, o
+            for o, left in active.items():
+                t = now + left / rate[o]
+                if t < t_cpu:
+                    t_cpu, cpu_op = t, o
             t_heap = heap[0][0] if heap else math.inf
             if cpu_op is None and not heap:
                 break
             t_next = min(t_cpu, t_heap)
-            for h, ops in active.items():
-                for o in ops:
-                    ops[o] -= (t_next - now) * rate[h]
+            for o in active:
+                active[o] -= (t_next - now) * rate[o]
+                used[o] += (t_next - now) * share[o]
             now = t_next
             if cpu_op is not None and t_cpu <= t_heap:
-                del active[self.ops[cpu_op]["host"]][cpu_op]
+                del active[cpu_op]
                 finish_at(cpu_op, compute_tail(cpu_op, now))
                 continue
             _, _, op = heapq.heappop(heap)
@@ -311,10 +344,8 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
              zero: bool = False) -> SimulationResult:
     """Simulate one step of ``strategy`` with the costs of ``cm``."""
     type_of = {d.id: d.type for d in cm.cluster.devices}
-    node_of = {d.id: d.node for d in cm.cluster.devices}
     pipes = strategy.pipelines
-    used_nodes = {node_of[d] for d in strategy.devices}
-    cores = {n: float(c) for n in used_nodes if (c := cm.host_cores(n))}
+    cores, hosts_of = cpu_layout(cm, strategy)
     sim = _Sim(cores)
     stage_costs = {}
     for pi, pipe in enumerate(pipes):
@@ -323,12 +354,13 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
             stage_costs[pi, k] = cm.stage(type_of[st.devices[0]], st.tp, st.num_layers, k == 0, k == n - 1,
                                           st.recompute)
 
-    def block(st, total: float, tp: float) -> dict[str, Any]:
-        """A compute block: unstretched CPU work and collectives, the device's stretch, its host."""
-        k = cm.emulated_slowdown(type_of[st.devices[0]])
-        host = node_of[st.devices[0]]
-        return {"cpu": (total - tp) / k, "comm": tp / k, "stretch": k, "host": host if host in cores else None,
-                "demand": float(st.tp)}
+    def block(devices: Sequence[int], total: float, tp: float = 0.0, tp_cpu: float = 0.0) -> dict[str, Any]:
+        """A compute block: its CPU work (the device's stretch taken out), the TP collectives' wall time
+        and CPU time, the stretch, the cores it runs on. ``total``/``tp`` as the cost model gives them."""
+        k = cm.emulated_slowdown(type_of[devices[0]])
+        return {"cpu": (total - tp) / k, "comm": tp - (k - 1.0) * tp_cpu, "comm_cpu": tp_cpu, "stretch": k,
+                "hosts": [h for d in devices for h in hosts_of.get(d, ())],
+                "sharing": cm.core_sharing(type_of[devices[0]])}
 
     # The stages' action lists: compute, and communication groups (a rendezvous with the matching side).
     where: dict[tuple[int, int, str, int], str] = {}   # (pipeline, stage, transfer kind, mb) -> comm op id
@@ -348,12 +380,13 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
             sc = stage_costs[pi, k]
             res = f"p{pi}s{k}"
             for ai, (kind, what) in enumerate(actions[pi, k]):
+                resume = cm.resume_penalty(type_of[st.devices[0]])
                 if kind == "F":
-                    sim.add(f"{res}F{what}", res, kind="forward", pipeline=pi, stage=k, mb=what,
-                            **block(st, sc.forward_s, sc.tp_forward_s))
+                    sim.add(f"{res}F{what}", res, kind="forward", pipeline=pi, stage=k, mb=what, resume=resume,
+                            **block(st.devices, sc.forward_s, sc.tp_forward_s, sc.tp_cpu_forward_s))
                 elif kind == "B":
-                    sim.add(f"{res}B{what}", res, kind="backward", pipeline=pi, stage=k, mb=what,
-                            **block(st, sc.backward_s, sc.tp_backward_s))
+                    sim.add(f"{res}B{what}", res, kind="backward", pipeline=pi, stage=k, mb=what, resume=resume,
+                            **block(st.devices, sc.backward_s, sc.tp_backward_s, sc.tp_cpu_backward_s))
                 else:
                     own = 0.0
                     waits = []
@@ -365,10 +398,11 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
                         waits.append((where[pi, k + off, peer_kind, j], secs))
                         own = max(own, secs)
                     sim.add(f"{res}C{ai}", res, own, waits=waits, kind="p2p", pipeline=pi, stage=k, mb=what[0][1],
-                            transfers=what, transfer_s=own)
-    # After its stage's last action each device joins its gradient-sync groups in the global order (a
-    # group's all-reduce completes when its last member has joined), then the step's loss / grad-norm
-    # all-reduce over every device, then its optimizer step.
+                            transfers=what, transfer_s=own, wake=cm.comm_wake(type_of[st.devices[0]]))
+    # After its stage's last action each device runs the step's own code (gradients collected, norm
+    # summed: CPU work, never stretched), joins its gradient-sync groups in the global order (a group's
+    # all-reduce completes when its last member has joined), then the step's loss / grad-norm all-reduce
+    # over every device, then its optimizer step.
     last_action = {}
     for (pi, k), acts in actions.items():
         kind, what = acts[-1]
@@ -376,20 +410,26 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
     stage_of = {d: (pi, k) for pi, p in enumerate(pipes) for k, st in enumerate(p.stages) for d in st.devices}
     plan = cm.sync_plan(strategy)
     last_of = {d: last_action[stage_of[d]] for d in strategy.devices}
+    overhead = cm.step_overhead_times(strategy)
+    for d in strategy.devices:
+        if overhead[d] > 0:
+            sim.add(f"over{d}", f"dev{d}", deps=[last_of[d]], kind="step", pipeline=stage_of[d][0],
+                    stage=stage_of[d][1], mb=None, cpu=overhead[d], hosts=hosts_of.get(d, ()),
+                    sharing=cm.core_sharing(type_of[d]))
+            last_of[d] = f"over{d}"
     for gi, g in enumerate(plan):
         secs = cm.sync_group_time(g)
         for d in g.devices:
             sim.add(f"g{gi}d{d}", f"dev{d}", secs, [last_of[d]], waits=[(f"g{gi}d{e}", secs) for e in g.devices
                                                                        if e != d],
-                    kind="grad_sync", pipeline=stage_of[d][0], stage=stage_of[d][1], mb=None)
+                    kind="grad_sync", pipeline=stage_of[d][0], stage=stage_of[d][1], mb=None,
+                    wake=cm.comm_wake(type_of[d]))
             last_of[d] = f"g{gi}d{d}"
     sim.add("stats", "world", cm.clip_time(strategy.devices), sorted(set(last_of.values())), kind="clip",
             pipeline=-1, stage=-1, mb=None)
     opt_times = cm.optimizer_times(strategy, zero)
     for d in strategy.devices:
-        st = pipes[stage_of[d][0]].stages[stage_of[d][1]]
-        opt_block = block(st, opt_times[d], 0.0)
-        opt_block["demand"] = 1.0
+        opt_block = block((d,), opt_times[d])
         sim.add(f"opt{d}", f"dev{d}", deps=["stats"], kind="optimizer", pipeline=stage_of[d][0],
                 stage=stage_of[d][1], mb=None, **opt_block)
     times = sim.run()
@@ -458,6 +498,20 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
         pipeline_end_s=tuple(pipe_end), stages=tuple(reports), peak_memory_gib=memory,
         oom_devices=tuple(sorted(d for d, g in memory.items() if g > cm.cluster.type_of(d).memory_gib)),
         events=tuple(events), cpu_hosts=dict(cores))
+
+
+def cpu_layout(cm: CostModel, strategy: Strategy) -> tuple[dict[str, float], dict[int, list[tuple[str, float]]]]:
+    """Which cores each device of an emulated cluster runs on, as the launcher pins its workers: (cores
+    per host, device -> [(host, demand)]). One host per core; empty when the devices do not share CPUs
+    (real accelerators, or no measured core count)."""
+    if not cm.cluster.emulated:
+        return {}, {}
+    known = [c for n in {d.node for d in cm.cluster.devices} if (c := cm.host_cores(n))]
+    if not known:
+        return {}, {}
+    _, shares = emulated_cpu_shares(strategy.devices, cm.cluster.num_devices, range(min(known)))
+    cores = {f"core {c}": 1.0 for cs in shares.values() for c in cs}
+    return cores, {d: [(f"core {c}", 1.0) for c in cs] for d, cs in shares.items()}
 
 
 def _peak_in_flight(fwd_end: Sequence[float], bwd_end: Sequence[float]) -> int:

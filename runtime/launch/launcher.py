@@ -11,7 +11,6 @@ killed if it has not) and raises ``WorkerFailure`` naming the device and its err
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -21,7 +20,15 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from runtime.errors import HspmdError
-from runtime.launch.options import StepRecord, StepReport, TrainOptions, WorkerSpec, rank_map
+from runtime.launch.options import (
+    StepRecord,
+    StepReport,
+    TrainOptions,
+    WorkerSpec,
+    emulated_cpu_shares,
+    host_cpus,
+    rank_map,
+)
 from runtime.launch.worker import ErrorInfo, process_main
 from runtime.spec import PlanContext, Strategy, load_plan_context
 
@@ -158,7 +165,8 @@ def launch(options: TrainOptions, *, on_step: Callable[[StepRecord], None] | Non
                          f"{', '.join(map(str, devices))})")
     ranks = rank_map(devices)
     backend, torch_devices = placement(ctx, devices)
-    threads = max(1, (os.cpu_count() or 1) // len(devices)) if backend == "gloo" else None
+    threads, cpus = (emulated_cpu_shares(devices, ctx.cluster.num_devices, host_cpus()) if backend == "gloo"
+                     else (None, {}))
     _preflight(options, ctx)
     mp = multiprocessing.get_context("spawn")
     workers: list[_Worker] = []
@@ -166,7 +174,8 @@ def launch(options: TrainOptions, *, on_step: Callable[[StepRecord], None] | Non
     try:
         for d in devices:
             spec = WorkerSpec(options=options, strategy=strategy.name, device_id=d, rank=ranks[d], ranks=ranks,
-                              backend=backend, torch_device=torch_devices[d], num_threads=threads)
+                              backend=backend, torch_device=torch_devices[d], num_threads=threads,
+                              cpus=cpus.get(d))
             report_r, report_w = mp.Pipe(duplex=False)
             control_r, control_w = mp.Pipe(duplex=False)
             proc = mp.Process(target=process_main, args=(spec, report_w, control_r), daemon=True,

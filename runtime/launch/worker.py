@@ -262,6 +262,8 @@ def _heartbeat(reporter: PipeReporter, every_s: float) -> None:
 
 def process_main(spec: WorkerSpec, report_conn: Connection, control_conn: Connection) -> None:
     """Entry point of a worker process started by the launcher (multiprocessing 'spawn')."""
+    if spec.cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, spec.cpus)  # first: threads started from now on inherit it
     reporter = PipeReporter(report_conn, spec.rank)
     threading.Thread(target=_heartbeat, args=(reporter, spec.options.heartbeat_s), daemon=True).start()
     try:

@@ -7,24 +7,45 @@ warm-up; CUDA synchronised). Saved activations are counted with ``saved_tensors_
 storages, parameters excluded). Each series is fitted with ``a*s^2 + b*s + c`` by least squares on
 relative error, keeping only non-negative coefficients.
 
-What this does not time: the TP collectives and DTensor dispatch (the cost model adds the collectives
-from the measured link figures), and the head's all-gather (its output is materialised by a copy).
+Components timed alone overcount what a stage pays once per micro-batch (the autograd engine's start,
+RoPE tables, the module calls around the layers) and miss the engine's own per-micro-batch code. So
+whole **stage blocks** are timed too: the runtime's ``LlamaForCausalLM`` stage module run as the engine
+runs one micro-batch (runtime/engine/program.py ``_forward``/``_backward``: loss and its scaling on the
+last stage, the fp32 boundary copy on the others, the input gradient handed back), with 1 and 3 layers
+and with and without the embedding or head. Their differences give the per-layer time, a stage's fixed
+time per micro-batch, and what the embedding and the head add (``stage_blocks``). The step's epilogue
+(gradient collection, global norm, clipping, AdamW on local shards, gradient reset) is timed as
+``train_step`` runs it (``measure_optimizer``).
+
+What this does not time: the TP collectives and DTensor dispatch (``measure_tp_overhead`` measures what
+the runtime's TP layer adds among processes), and the head's all-gather (its output is materialised by a
+copy).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from runtime.models.llama import LlamaAttention, LlamaMLP, RMSNorm, causal_lm_loss_sum, rope_tables
-from runtime.profiling.profile import COMPONENTS, ComponentFit, Fit, LinkFit, MeasuredModel, OptimizerFit
+from runtime.profiling.profile import (
+    COMPONENTS,
+    ComponentFit,
+    Fit,
+    LinkFit,
+    MeasuredModel,
+    OptimizerFit,
+    ResumePenalty,
+)
 from runtime.spec.model import ModelSpec
 
 
@@ -149,22 +170,28 @@ class _Component:
 
 
 def _median_time(run: Callable[[], Callable[[], None]], device: torch.device, *, min_reps: int,
-                 max_reps: int, budget_s: float) -> float:
-    """Median wall time of the timed part: ``run()`` prepares (untimed) and returns what to time."""
+                 max_reps: int, budget_s: float, cpu: list[float] | None = None) -> float:
+    """Median wall time of the timed part: ``run()`` prepares (untimed) and returns what to time.
+    ``cpu``: if given, gets the median process (CPU) time of the timed part appended."""
     times: list[float] = []
+    cpus: list[float] = []
     start = time.perf_counter()
     while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < budget_s):
         timed = run()
         synchronize(device)
+        c0 = time.process_time()
         t0 = time.perf_counter()
         timed()
         synchronize(device)
         times.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    if cpu is not None:
+        cpu.append(statistics.median(cpus))
     return statistics.median(times)
 
 
-def _time_forward_backward(comp: _Component | _Runner, args: tuple, device: torch.device,
-                           **kw: float) -> tuple[float, float]:
+def _time_forward_backward(comp: _Component, args: tuple, device: torch.device,
+                           **kw: Any) -> tuple[float, float]:
     def fwd() -> Callable[[], None]:
         return lambda: comp.forward(args)
 
@@ -195,13 +222,313 @@ def measure_component(name: str, model: ModelSpec, tp: int, seq_lens: Sequence[i
     return samples, comp.params
 
 
+# -- whole stage blocks, as the engine runs them ---------------------------------------------------------
+
+# name -> (embedding, head, layers): the stage modules timed; their differences are the blocks.
+STAGE_VARIANTS: dict[str, tuple[bool, bool, int]] = {
+    "mid1": (False, False, 1), "mid3": (False, False, 3), "first1": (True, False, 1), "last1": (False, True, 1)}
+
+
+class _GatheredHead(nn.Module):
+    """One TP rank's column of the head, its logits repeated to full rows (the all-gather's shape)."""
+
+    def __init__(self, model: ModelSpec, tp: int) -> None:
+        super().__init__()
+        self.tp = tp
+        self.local = nn.Linear(model.hidden_size, model.vocab_size // tp, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.local(x)
+        return out.repeat(1, 1, self.tp) if self.tp > 1 else out
+
+
+def local_stage(model: ModelSpec, tp: int, num_layers: int, embed: bool, head: bool) -> nn.Module:
+    """The runtime's stage module (``LlamaForCausalLM`` with a layer range) at one TP rank's local
+    shapes, without DTensor: at TP 1 exactly what a worker builds."""
+    from runtime.models.llama import LlamaForCausalLM
+
+    stage = LlamaForCausalLM(model, range(num_layers), embed=embed, head=head)
+    if tp > 1:
+        for layer in stage.model.layers.values():
+            layer.self_attn = _shard_attention(model, tp)
+            layer.mlp = _shard_mlp(model, tp)
+        if embed:
+            stage.model.embed_tokens = nn.Embedding(model.vocab_size // tp, model.hidden_size)
+        if head:
+            stage.lm_head = _GatheredHead(model, tp)  # type: ignore[assignment]
+    return stage
+
+
+class _StageRun:
+    """One micro-batch through a stage module the way runtime/engine/program.py runs it: forward
+    (token ids in on the first stage, a fresh fp32 boundary tensor elsewhere; the summed loss scaled by
+    the token count on the last stage, the fp32 copy of the output to send elsewhere), then backward
+    (from the scaled loss, or from the received output gradient; the input gradient taken out).
+    Parameter gradients accumulate across micro-batches, as in a step."""
+
+    def __init__(self, model: ModelSpec, tp: int, num_layers: int, embed: bool, head: bool, micro_batch: int,
+                 seq_len: int, device: torch.device, module: nn.Module | None = None) -> None:
+        self.device = device
+        self.embed, self.head = embed, head
+        # ``module``: the runtime's TP stage (DTensor), which takes token ids of the whole vocabulary.
+        self.module = module if module is not None else local_stage(model, tp, num_layers, embed, head).to(device)
+        g = torch.Generator(device="cpu").manual_seed(seq_len)
+        vocab = model.vocab_size // tp if embed and module is None else model.vocab_size
+        self.ids = torch.randint(0, vocab, (micro_batch, seq_len), generator=g).to(device)
+        self.labels = torch.randint(0, model.vocab_size, (micro_batch, seq_len), generator=g).to(device)
+        self.x = torch.randn(micro_batch, seq_len, model.hidden_size, generator=g).to(device)
+        self.grad = torch.randn(micro_batch, seq_len, model.hidden_size, generator=g).to(device) * 1e-3
+        self.tokens = micro_batch * seq_len * 8
+        self.loss_sum = torch.zeros((), device=device)
+        self._input: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+
+    def prepare_forward(self) -> Callable[[], None]:
+        self._input = None if self.embed else self.x.clone()
+        return self.forward
+
+    def forward(self) -> None:
+        x = self.ids if self.embed else self._input.requires_grad_()  # type: ignore[union-attr]
+        with autocast(self.device):
+            out = self.module(x)
+        if self.head:
+            loss = causal_lm_loss_sum(out, self.labels)
+            self.loss_sum = self.loss_sum + loss.detach()
+            self._out = loss / self.tokens
+        else:
+            self._out = out
+            self._sent = out.detach().to(torch.float32)
+
+    def prepare_backward(self) -> Callable[[], None]:
+        self.prepare_forward()
+        self.forward()
+        synchronize(self.device)
+        return self.backward
+
+    def backward(self) -> None:
+        out = self._out
+        assert out is not None
+        self._out = None
+        if self.head:
+            out.backward()
+        else:
+            out.backward(self.grad.to(out.dtype))
+        if not self.embed:
+            assert self._input is not None
+            self._grad_out = self._input.grad
+            self._input.grad = None
+
+
+def _time_stage_runs(runs: dict[Any, _StageRun], device: torch.device, *, min_reps: int, max_reps: int,
+                     budget_s: float, warmup: int, barrier: Callable[[], None] | None = None,
+                     mean: bool = False) -> dict[Any, tuple[tuple[float, float], tuple[float, float]]]:
+    """Median (``mean``: mean) (forward, backward) wall and CPU times of each run; the runs take turns
+    within each repeat, so a change of machine load hits them alike. ``barrier``: called before each
+    repeat (TP groups)."""
+    for r in runs.values():
+        for _ in range(warmup):
+            r.prepare_backward()()
+    wall: dict[Any, tuple[list[float], list[float]]] = {k: ([], []) for k in runs}
+    cpu: dict[Any, tuple[list[float], list[float]]] = {k: ([], []) for k in runs}
+    start = time.perf_counter()
+    reps = 0
+    while reps < max_reps and (reps < min_reps or time.perf_counter() - start < budget_s * len(runs)):
+        if barrier is not None:
+            barrier()
+        for name, r in runs.items():
+            for phase, prep in ((0, r.prepare_forward), (1, r.prepare_backward)):
+                timed = prep()
+                synchronize(device)
+                c0 = time.process_time()
+                t0 = time.perf_counter()
+                timed()
+                synchronize(device)
+                wall[name][phase].append(time.perf_counter() - t0)
+                cpu[name][phase].append(time.process_time() - c0)
+            r._out = None
+        reps += 1
+    med = trimmed_mean if mean else statistics.median
+    return {k: ((med(wall[k][0]), med(wall[k][1])), (med(cpu[k][0]), med(cpu[k][1]))) for k in runs}
+
+
+def _blocks(med: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """Stage blocks (forward, backward) from the ``STAGE_VARIANTS`` times: a layer is (3 layers - 1) / 2,
+    a middle stage's fixed time the 1-layer stage minus a layer, the embedding and the head what the
+    first and last 1-layer stages add to the middle one (none below zero)."""
+    layer = tuple(max(0.0, (med["mid3"][i] - med["mid1"][i]) / 2) for i in (0, 1))
+    return {"layer": layer,  # type: ignore[dict-item]
+            "stage": tuple(max(0.0, med["mid1"][i] - layer[i]) for i in (0, 1)),
+            "embedding": tuple(max(0.0, med["first1"][i] - med["mid1"][i]) for i in (0, 1)),
+            "head": tuple(max(0.0, med["last1"][i] - med["mid1"][i]) for i in (0, 1))}
+
+
+def measure_stage_blocks(model: ModelSpec, tp: int, seq_lens: Sequence[int], *, micro_batch: int = 1,
+                         device: torch.device | str = "cpu", min_reps: int = 7, max_reps: int = 40,
+                         budget_s: float = 0.1, warmup: int = 2) -> dict[str, list[Sample]]:
+    """Time the ``STAGE_VARIANTS`` stage modules (local shards of TP rank 0) forward and backward at each
+    length; return per-length samples of the blocks: ``layer`` (one decoder layer), ``stage`` (a middle
+    stage's fixed time per micro-batch), ``embedding`` and ``head`` (what the first and the last stage
+    add). Every (length, variant) takes its turn in every repeat, so a slow spell of a shared machine
+    hits all of them alike and the medians pass over it."""
+    device = torch.device(device)
+    runs = {(s, name): _StageRun(model, tp, n, e, h, micro_batch, s, device)
+            for s in seq_lens for name, (e, h, n) in STAGE_VARIANTS.items()}
+    med = _time_stage_runs(runs, device, min_reps=min_reps, max_reps=max_reps, budget_s=budget_s,  # type: ignore[arg-type]
+                           warmup=warmup)
+    out: dict[str, list[Sample]] = {k: [] for k in ("layer", "stage", "embedding", "head")}
+    for s in seq_lens:
+        for k, (f, b) in _blocks({name: med[s, name][0] for name in STAGE_VARIANTS}).items():  # type: ignore[index]
+            out[k].append(Sample(s, f, b, 0.0))
+    return out
+
+
+def measure_tp_overhead(model: ModelSpec, tp: int, group, seq_lens: Sequence[int], *, device: torch.device | str,
+                        micro_batch: int = 1, reps: int = 9) -> dict[str, dict[str, list[Sample]]] | None:
+    """What tensor parallelism adds to each stage block: the runtime's TP stage modules
+    (``apply_tensor_parallel``: DTensor over ``group``, its collectives included) minus the same local
+    shards run plainly, both as the engine runs a micro-batch. Call on every member of ``group`` (the
+    first ``tp`` ranks); the group's first rank returns ``{"wall": blocks, "cpu": blocks}`` (block ->
+    per-length samples; CPU time is what an emulated device's sleep is a multiple of), the others None."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from runtime.engine.tensor_parallel import apply_tensor_parallel
+    from runtime.models.llama import LlamaForCausalLM
+    from runtime.models.params import llama_parameters
+
+    device = torch.device(device)
+    mesh = DeviceMesh.from_group(group, device.type)
+    first = dist.get_rank(group) == 0
+
+    def tp_stage(n: int, embed: bool, head: bool) -> nn.Module:
+        stage = LlamaForCausalLM(model, range(n), embed=embed, head=head).to(device)
+        infos = [i for i in llama_parameters(model) if (i.owner == "embedding" and embed) or
+                 (i.owner == "head" and head) or (i.owner == "layer" and i.layer is not None and i.layer < n)]
+        apply_tensor_parallel(stage, infos, mesh)
+        return stage
+
+    out: dict[str, dict[str, list[Sample]]] = {"wall": {}, "cpu": {}}
+    runs = {}
+    for s in seq_lens:
+        for name, (e, h, n) in STAGE_VARIANTS.items():
+            runs[s, f"tp {name}"] = _StageRun(model, tp, n, e, h, micro_batch, s, device, module=tp_stage(n, e, h))
+            runs[s, name] = _StageRun(model, tp, n, e, h, micro_batch, s, device)
+    dist.barrier(group=group)
+    # Means: a step pays every collective's occasional stall (on a shared host, a few ms when a waiting
+    # process's core has gone idle), so the mean is what adds up, not the typical time.
+    med = _time_stage_runs(runs, device, min_reps=reps, max_reps=reps, budget_s=0.0, warmup=2,  # type: ignore[arg-type]
+                           barrier=lambda: dist.barrier(group=group), mean=True)
+    for s in seq_lens:
+        for kind, i in (("wall", 0), ("cpu", 1)):
+            diff = {name: tuple(max(0.0, med[s, f"tp {name}"][i][j] - med[s, name][i][j]) for j in (0, 1))
+                    for name in STAGE_VARIANTS}
+            for k, (f, b) in _blocks(diff).items():  # type: ignore[arg-type]
+                out[kind].setdefault(k, []).append(Sample(s, f, b, 0.0))
+    return out if first else None
+
+
+def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.device | str = "cpu",
+                           idles_s: Sequence[float] = (0.0005, 0.002, 0.008, 0.032), reps: int = 25,
+                           micro_batch: int = 1) -> ResumePenalty:
+    """How much longer a stage block (one decoder layer, TP 1, as the engine runs it) takes when the
+    process idled (slept) for ``t`` before it than right after other work: the two take turns, for
+    each ``t`` of ``idles_s``; the mean differences (forward, backward) fitted with
+    ``peak * (1 - exp(-t / tau))`` (tau from a log grid, peaks by least squares, none below zero)."""
+    device = torch.device(device)
+    run = _StageRun(model, 1, 1, False, False, micro_batch, seq_len, device)
+    for _ in range(3):
+        run.prepare_backward()()
+    extra: list[tuple[float, float]] = []
+    for idle in idles_s:
+        times: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
+        for _ in range(reps):
+            for after_idle in (False, True):
+                fwd = run.prepare_forward()
+                if after_idle:
+                    time.sleep(idle)
+                synchronize(device)
+                t0 = time.perf_counter()
+                fwd()
+                synchronize(device)
+                t1 = time.perf_counter()
+                if after_idle:
+                    time.sleep(idle)
+                t2 = time.perf_counter()
+                run.backward()
+                synchronize(device)
+                times[after_idle][0].append(t1 - t0)
+                times[after_idle][1].append(time.perf_counter() - t2)
+        extra.append(tuple(statistics.mean(times[True][i]) - statistics.mean(times[False][i])  # type: ignore[misc]
+                           for i in (0, 1)))
+    best: tuple[float, float, float, float] | None = None
+    for k in range(41):   # tau from 0.1 ms up to the longest idle measured (no extrapolated growth)
+        tau = 1e-4 * 10 ** (k / 10)
+        if tau > max(idles_s):
+            break
+        shape = [1.0 - math.exp(-t / tau) for t in idles_s]
+        norm = sum(x * x for x in shape)
+        peaks = [max(0.0, sum(x * e[i] for x, e in zip(shape, extra)) / norm) for i in (0, 1)]
+        err = sum((peaks[i] * x - e[i]) ** 2 for x, e in zip(shape, extra) for i in (0, 1))
+        if best is None or err < best[0]:
+            best = (err, peaks[0], peaks[1], tau)
+    assert best is not None
+    return ResumePenalty(forward_s=best[1], backward_s=best[2], tau_s=best[3])
+
+
+def core_sharing(rank: int, pair: tuple[int, int], model: ModelSpec, seq_lens: Sequence[int], *,
+                 device: torch.device | str = "cpu", duration_s: float = 0.5) -> dict[int, float]:
+    """How well two processes pinned to one core share it (inside an initialised process group; ranks
+    ``pair`` share a core, as the launcher pins two emulated devices when cores are fewer than devices):
+    a one-layer stage block (forward and backward, as the engine runs it) is run for ``duration_s`` by
+    the first rank alone, then by both at once. Returns ``{seq_len: efficiency}`` on every rank, where
+    efficiency = (time per block alone) / (time per block shared / 2): 1 when time-slicing costs nothing,
+    less when each switch leaves the other process cold caches."""
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    out: dict[int, float] = {}
+    for s in seq_lens:
+        run = _StageRun(model, 1, 1, False, False, 1, s, device)
+        for _ in range(2):
+            run.prepare_backward()()
+        per_block = []
+        for both in (False, True):
+            dist.barrier()
+            if rank == pair[0] or (both and rank == pair[1]):
+                n, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < duration_s:
+                    run.prepare_backward()()
+                    n += 1
+                per_block.append((time.perf_counter() - t0) / n)
+            else:
+                time.sleep(duration_s)
+                per_block.append(0.0)
+        res = torch.tensor([per_block[0], per_block[1], 1.0 if rank in pair else 0.0], dtype=torch.float64)
+        dist.all_reduce(res)
+        alone = res[0].item()                    # only the pair's first rank ran alone
+        shared = res[1].item() / max(1.0, res[2].item())
+        out[s] = min(1.0, alone / (shared / 2)) if shared > 0 else 1.0
+    return out
+
+
+def trimmed_mean(xs: Sequence[float], cut: float = 0.1) -> float:
+    """Mean without the top and bottom ``cut`` fraction: what a sum of many such operations averages
+    (occasional stalls included), without the rare outlier of a foreign process."""
+    ys = sorted(xs)
+    k = int(len(ys) * cut)
+    ys = ys[k:len(ys) - k] or ys
+    return sum(ys) / len(ys)
+
+
 def nonneg_lstsq(columns: Sequence[Sequence[float]], ys: Sequence[float]) -> tuple[list[float], float]:
     """``y ~ sum_i coef_i * column_i`` by least squares on relative error, every coefficient >= 0: the
     best fit over the subsets of columns whose solution is non-negative (the others are 0). Returns the
-    coefficients and the largest relative error at the points."""
+    coefficients and the largest relative error at the points. Errors are relative to at least a tenth
+    of the largest ``|y|``, so that a point near zero (a difference of noisy times) does not pin the fit."""
     y = torch.tensor([float(v) for v in ys], dtype=torch.float64)
     cols = [torch.tensor([float(v) for v in c], dtype=torch.float64) for c in columns]
-    w = 1.0 / torch.clamp(y.abs(), min=1e-30)
+    floor = max(1e-30, 0.1 * float(y.abs().max())) if len(ys) else 1e-30
+    w = 1.0 / torch.clamp(y.abs(), min=floor)
     best: tuple[float, list[float]] | None = None
     for k in range(1, len(cols) + 1):
         for subset in itertools.combinations(range(len(cols)), k):
@@ -258,26 +585,132 @@ def measured_model(model: ModelSpec, raw: dict[int, dict[str, tuple[list[Sample]
                 for name, (samples, params) in comps.items()} for t, comps in raw.items()})
 
 
+def _step_layout(count: int, numel: int, device: torch.device) -> tuple[dict, dict]:
+    """``count`` parameters of ``numel`` elements and gradients for them (name -> tensor)."""
+    params = {f"p{i}": torch.zeros(numel, device=device) for i in range(count)}
+    grads = {n: torch.full((numel,), 1e-3, device=device) for n in params}
+    return params, grads
+
+
 def measure_optimizer(layouts: Iterable[tuple[int, int]], device: torch.device | str = "cpu",
                       reps: int = 7) -> tuple[OptimizerFit, float]:
-    """The runtime's AdamW step over ``(tensors, elements each)`` layouts, fitted as
-    ``seconds_per_param * params + seconds_per_tensor * tensors + fixed_s``."""
-    from runtime.engine.optim import build_adamw
+    """The runtime's optimizer span (runtime/engine/program.py: gradients scaled by the clip coefficient,
+    then AdamW on the local shards, ``LocalAdamW.step``) over ``(tensors, elements each)`` layouts,
+    fitted as ``seconds_per_param * params + seconds_per_tensor * tensors + fixed_s``."""
+    from runtime.engine.optim import LocalAdamW, clip_coefficient
+    from runtime.spec.plan import OptimizerSettings
+
+    device = torch.device(device)
+    settings = OptimizerSettings()
+    rows: list[tuple[float, float]] = []
+    ys = []
+    for count, numel in layouts:
+        params, grads = _step_layout(count, numel, device)
+        opt = LocalAdamW(params, settings)
+        norm = torch.tensor(10.0, device=device)
+        opt.step(grads, clip_coefficient(norm, 1.0))
+
+        def run(opt: LocalAdamW = opt, grads: dict = grads, norm: torch.Tensor = norm) -> Callable[[], None]:
+            return lambda: opt.step(grads, clip_coefficient(norm, 1.0))
+
+        ys.append(_median_time(run, device, min_reps=reps, max_reps=reps, budget_s=0.0))
+        rows.append((count * numel, count))
+    coef, resid = nonneg_lstsq([[r[0] for r in rows], [r[1] for r in rows], [1.0] * len(rows)], ys)
+    return OptimizerFit(seconds_per_param=coef[0], seconds_per_tensor=coef[1], fixed_s=coef[2]), resid
+
+
+def measure_step_epilogue(models: Sequence[ModelSpec], tp_degrees: Sequence[int], *,
+                          device: torch.device | str = "cpu", micro_batch: int = 1, seq_len: int = 64,
+                          reps: int = 7) -> tuple[OptimizerFit, OptimizerFit, float]:
+    """The end of a step on the parameters of real stages, right after their backward (as the caches are
+    then), as ``DeviceProgram.train_step`` runs it: the optimizer span (gradients scaled by the clip
+    coefficient, AdamW on the local shards: ``LocalAdamW.step``), and the code outside any span
+    (local gradients collected, the squared norm summed tensor by tensor, the statistics stacked, the
+    gradients reset). For every model, TP degree and ``STAGE_VARIANTS`` stage; each fitted as
+    ``seconds_per_param * params + seconds_per_tensor * tensors + fixed_s``. Returns (optimizer fit,
+    outside-span fit, the optimizer fit's largest relative error)."""
+    from runtime.engine.optim import LocalAdamW, clip_coefficient
     from runtime.spec.plan import OptimizerSettings
 
     device = torch.device(device)
     rows: list[tuple[float, float]] = []
-    ys = []
-    for count, numel in layouts:
-        ps = [torch.nn.Parameter(torch.zeros(numel, device=device)) for _ in range(count)]
-        for p in ps:
-            p.grad = torch.full((numel,), 1e-3, device=device)
-        opt = build_adamw(ps, OptimizerSettings())
-        opt.step()
-        ys.append(_median_time(lambda opt=opt: opt.step, device, min_reps=reps, max_reps=reps, budget_s=0.0))
-        rows.append((count * numel, count))
-    coef, resid = nonneg_lstsq([[r[0] for r in rows], [r[1] for r in rows], [1.0] * len(rows)], ys)
-    return OptimizerFit(seconds_per_param=coef[0], seconds_per_tensor=coef[1], fixed_s=coef[2]), resid
+    opt_ys: list[float] = []
+    over_ys: list[float] = []
+    for model in models:
+        s = min(seq_len, model.max_seq_len)
+        for tp in tp_degrees:
+            for embed, head, n in STAGE_VARIANTS.values():
+                run = _StageRun(model, tp, n, embed, head, micro_batch, s, device)
+                params = dict(run.module.named_parameters())
+                opt = LocalAdamW({k: p.detach() for k, p in params.items()}, OptimizerSettings())
+                t_opt, t_over = [], []
+                for i in range(reps + 1):
+                    for p in params.values():   # the step's start
+                        p.grad = None
+                    run.prepare_backward()()
+                    synchronize(device)
+                    t0 = time.perf_counter()
+                    grads = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in params.items()}
+                    norm_sq = torch.zeros((), dtype=torch.float32, device=device)
+                    for g in grads.values():
+                        norm_sq += g.float().pow(2).sum()
+                    stats = torch.stack([run.loss_sum.float(), norm_sq])
+                    norm = stats[1].sqrt()
+                    synchronize(device)
+                    t1 = time.perf_counter()
+                    opt.step(grads, clip_coefficient(norm, 1.0))
+                    synchronize(device)
+                    t2 = time.perf_counter()
+                    for p in params.values():
+                        p.grad = None
+                    float(stats[0])
+                    t3 = time.perf_counter()
+                    if i > 0:   # the first step allocates the AdamW states
+                        t_opt.append(t2 - t1)
+                        t_over.append(t1 - t0 + t3 - t2)
+                rows.append((sum(p.numel() for p in params.values()), len(params)))
+                opt_ys.append(statistics.median(t_opt))
+                over_ys.append(statistics.median(t_over))
+    cols = [[r[0] for r in rows], [r[1] for r in rows], [1.0] * len(rows)]
+    coef, resid = nonneg_lstsq(cols, opt_ys)
+    ocoef, _ = nonneg_lstsq(cols, over_ys)
+    return (OptimizerFit(seconds_per_param=coef[0], seconds_per_tensor=coef[1], fixed_s=coef[2]),
+            OptimizerFit(seconds_per_param=ocoef[0], seconds_per_tensor=ocoef[1], fixed_s=ocoef[2]), resid)
+
+
+def measure_sync_pack(models: Sequence[ModelSpec], tp_degrees: Sequence[int], *,
+                      device: torch.device | str = "cpu", reps: int = 9) -> OptimizerFit:
+    """The local work of the cross-pipeline gradient sync around its all-reduce, as
+    runtime/comm/gradsync.py ``GradientSync.sync`` does it: each gradient's slice flattened and
+    concatenated into the bucket, then copied back slice by slice. On the gradients of every
+    ``STAGE_VARIANTS`` stage; fitted per parameter, per tensor and fixed (``OptimizerFit``'s form)."""
+    device = torch.device(device)
+    rows: list[tuple[float, float]] = []
+    ys: list[float] = []
+    for model in models:
+        for tp in tp_degrees:
+            for embed, head, n in STAGE_VARIANTS.values():
+                module = local_stage(model, tp, n, embed, head).to(device)
+                grads = {k: torch.randn(p.shape, device=device) for k, p in module.named_parameters()}
+                regions = {k: tuple(slice(0, d) for d in g.shape) for k, g in grads.items()}
+
+                def run(grads: dict = grads, regions: dict = regions) -> Callable[[], None]:
+                    def sync() -> None:
+                        for k, g in grads.items():
+                            if tuple(g.shape) != tuple(e.stop for e in regions[k]):
+                                raise AssertionError(k)
+                        flat = torch.cat([g[regions[k]].reshape(-1) for k, g in grads.items()])
+                        off = 0
+                        for k, g in grads.items():
+                            size = g.numel()
+                            g[regions[k]] = flat[off:off + size].view(g.shape)
+                            off += size
+                    return sync
+
+                ys.append(_median_time(run, device, min_reps=reps, max_reps=reps, budget_s=0.0))
+                rows.append((sum(g.numel() for g in grads.values()), len(grads)))
+    coef, _ = nonneg_lstsq([[r[0] for r in rows], [r[1] for r in rows], [1.0] * len(rows)], ys)
+    return OptimizerFit(seconds_per_param=coef[0], seconds_per_tensor=coef[1], fixed_s=coef[2])
 
 
 def measure_throughput(device: torch.device | str = "cpu") -> dict[str, float]:
@@ -299,7 +732,7 @@ def measure_throughput(device: torch.device | str = "cpu") -> dict[str, float]:
 
 
 def p2p_and_allreduce(rank: int, world: int, sizes: Sequence[int], *, device: torch.device | str = "cpu",
-                      reps: int = 10) -> dict:
+                      reps: int = 15) -> dict:
     """Inside an initialised process group of ``world`` ranks: ping-pong between ranks 0 and 1, and an
     all-reduce over groups of 2 and of ``world`` ranks, at each message size. Rank 0 returns
     ``{"p2p": LinkFit, "allreduce": {group size: LinkFit}}`` (latency + bytes / bandwidth; for the
@@ -319,7 +752,7 @@ def p2p_and_allreduce(rank: int, world: int, sizes: Sequence[int], *, device: to
             fn()
             synchronize(device)
             times.append(time.perf_counter() - t0)
-        return statistics.median(times[2:])
+        return trimmed_mean(times[2:])
 
     p2p_x, p2p_y = [], []
     ar: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in group_sizes}
@@ -327,13 +760,18 @@ def p2p_and_allreduce(rank: int, world: int, sizes: Sequence[int], *, device: to
         buf = torch.zeros(max(1, size // 4), device=device)
         nbytes = buf.numel() * 4
 
+        def one(op: Callable, t: torch.Tensor, peer: int) -> None:
+            # As the runtime posts a schedule tick's messages (runtime/engine/pipeline.py P2PBatch).
+            for req in dist.batch_isend_irecv([dist.P2POp(op, t, peer)]):
+                req.wait()
+
         def ping(buf: torch.Tensor = buf) -> None:
             if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
+                one(dist.isend, buf, 1)
+                one(dist.irecv, buf, 1)
             elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+                one(dist.irecv, buf, 0)
+                one(dist.isend, buf, 0)
 
         p2p_x.append(nbytes)
         p2p_y.append(timed(ping) / 2)
@@ -347,78 +785,55 @@ def p2p_and_allreduce(rank: int, world: int, sizes: Sequence[int], *, device: to
 
             ar[n][0].append(2.0 * (n - 1) / n * nbytes)
             ar[n][1].append(timed(reduce))
+    wake = _p2p_wake(rank, device, reps)
     if rank != 0:
         return {}
-    return {"p2p": _link_fit(p2p_x, p2p_y), "allreduce": {n: _link_fit(x, y) for n, (x, y) in ar.items()}}
+    return {"p2p": _link_fit(p2p_x, p2p_y), "allreduce": {n: _link_fit(x, y) for n, (x, y) in ar.items()},
+            "p2p_wake": wake}
 
 
-class _LocalLayer(nn.Module):
-    """One decoder layer with the shapes of one TP rank, without DTensor or collectives."""
-
-    def __init__(self, model: ModelSpec, tp: int) -> None:
-        super().__init__()
-        from runtime.models.llama import LlamaDecoderLayer
-
-        self.layer = LlamaDecoderLayer(model)
-        self.layer.self_attn = _shard_attention(model, tp)
-        self.layer.mlp = _shard_mlp(model, tp)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.layer(x, cos, sin)
-
-
-def measure_tp_overhead(model: ModelSpec, tp: int, group, seq_lens: Sequence[int], *, device: torch.device | str,
-                        micro_batch: int = 1, reps: int = 5) -> list[Sample] | None:
-    """What tensor parallelism adds to one decoder layer: the runtime's TP layer (DTensor over ``group``,
-    its collectives included) minus the same local shard run plainly. Call on every member of ``group``
-    (the first ``tp`` ranks); the group's first rank returns the samples, the others None."""
+def _p2p_wake(rank: int, device: torch.device, reps: int,
+              idles_s: Sequence[float] = (0.0, 0.0005, 0.002, 0.008)) -> ResumePenalty | None:
+    """How much later a process blocked in a receive gets going when it has waited ``t`` (its core idle
+    meanwhile): rank 0 sleeps ``t``, then sends to rank 1 (blocked in its receive since it last replied)
+    and waits for the reply; the round trip beyond the one at ``t = 0`` is rank 1's extra wake-up time.
+    Fitted as ``peak * (1 - exp(-t / tau))`` (``ResumePenalty`` with forward_s = backward_s = peak)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
-    from runtime.engine.tensor_parallel import apply_tensor_parallel
-    from runtime.models.llama import LlamaForCausalLM
-    from runtime.models.params import layer_parameters
-
-    device = torch.device(device)
-    mesh = DeviceMesh.from_group(group, device.type)
-    stage = LlamaForCausalLM(model, [0], embed=False, head=False).to(device)
-    apply_tensor_parallel(stage, layer_parameters(model, 0), mesh)
-    tp_layer = stage.model.layers["0"]
-    local = _LocalLayer(model, tp).to(device)
-    first = dist.get_rank(group) == 0
-    out = []
-    for s in seq_lens:
-        g = torch.Generator(device="cpu").manual_seed(s)
-        x = torch.randn(micro_batch, s, model.hidden_size, generator=g).to(device)
-        cos, sin = rope_tables(s, model.head_dim, model.rope_theta, device, x.dtype)
-        times = {}
-        for name, mod in (("tp", tp_layer), ("local", local)):
-            comp = _Runner(mod, (x.clone().requires_grad_(), cos, sin), device)
-            for _ in range(min(2, reps)):
-                comp.backward(comp.forward(comp.args))
-            kw = {"min_reps": reps, "max_reps": reps, "budget_s": 0.0}
-            if name == "tp":
-                dist.barrier(group=group)
-            times[name] = _time_forward_backward(comp, comp.args, device, **kw)  # type: ignore[arg-type]
-        out.append(Sample(s, max(0.0, times["tp"][0] - times["local"][0]),
-                          max(0.0, times["tp"][1] - times["local"][1]), 0.0))
-    return out if first else None
-
-
-class _Runner:
-    """``_Component``'s forward/backward protocol for an arbitrary module and fixed inputs."""
-
-    def __init__(self, module: nn.Module, args: tuple, device: torch.device) -> None:
-        self.module = module
-        self.args = args
-        self.device = device
-
-    def forward(self, args: tuple) -> torch.Tensor:
-        with autocast(self.device):
-            return self.module(*args)
-
-    def backward(self, out: torch.Tensor) -> None:
-        out.backward(torch.ones_like(out))
+    buf = torch.zeros(1024, device=device)
+    rtts: list[float] = []
+    for idle in idles_s:
+        dist.barrier()
+        times = []
+        for _ in range(reps + 2):
+            if rank == 0:
+                if idle:
+                    time.sleep(idle)
+                t0 = time.perf_counter()
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+                times.append(time.perf_counter() - t0)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+        if rank == 0:
+            rtts.append(trimmed_mean(times[2:]))
+    if rank != 0:
+        return None
+    extra = [max(0.0, r - rtts[0]) for r in rtts]
+    best: tuple[float, float, float] | None = None
+    for k in range(41):   # tau from 0.1 ms up to the longest idle measured (no extrapolated growth)
+        tau = 1e-4 * 10 ** (k / 10)
+        if tau > max(idles_s):
+            break
+        shape = [1.0 - math.exp(-t / tau) for t in idles_s]
+        norm = sum(x * x for x in shape)
+        peak = max(0.0, sum(x * e for x, e in zip(shape, extra)) / norm) if norm > 0 else 0.0
+        err = sum((peak * x - e) ** 2 for x, e in zip(shape, extra))
+        if best is None or err < best[0]:
+            best = (err, peak, tau)
+    assert best is not None
+    return ResumePenalty(forward_s=best[1], backward_s=best[1], tau_s=best[2])
 
 
 def _link_fit(xs: Sequence[float], ys: Sequence[float]) -> LinkFit:

@@ -10,6 +10,9 @@ One YAML file per device type (format in profiles/README.md). A profile has two 
   head) fits of forward time, backward time and saved-activation bytes. For a micro-batch of ``B``
   sequences of length ``s`` a fit ``[a, b, c]`` means ``a*B*s^2 + b*B*s + c``: the quadratic term is
   per sequence (attention), the linear one per token, the constant per call (dispatch overhead).
+  Optionally (``blocks``, measured profiles since this field exists) the same fits for whole stage
+  blocks timed through the runtime's stage module: one decoder layer, a stage's fixed time per
+  micro-batch, and what the embedding and the head add; the cost model prefers them for time.
 
 Loading rule (``resolve_profiles``): per device type, a measured profile overrides a spec one; among
 equals, directories given first win over the shipped ``profiles/``; a type with no profile at all gets a
@@ -18,6 +21,7 @@ spec profile derived from the cluster's own datasheet figures. This module impor
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +36,9 @@ from runtime.spec.schema import build, to_data
 PROFILE_VERSION = 1
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 COMPONENTS = ("embedding", "attention", "mlp", "norm", "head")
+# Stage blocks (per micro-batch, as the engine runs a stage): one decoder layer, a stage's fixed time,
+# and what being the first (embedding) and the last stage (final norm, head, loss) add.
+BLOCKS = ("layer", "stage", "embedding", "head")
 Provenance = Literal["measured", "spec"]
 Fit = tuple[float, float, float]
 
@@ -40,6 +47,29 @@ def eval_fit(fit: Fit, micro_batch: float, seq_len: float) -> float:
     """``a*B*s^2 + b*B*s + c`` for B sequences of length s."""
     a, b, c = fit
     return (a * seq_len + b) * seq_len * micro_batch + c
+
+
+@dataclass(frozen=True)
+class ResumePenalty:
+    """What a compute block costs extra when its device idled for ``t`` seconds before it (waiting for a
+    peer, or an emulated device's sleep): ``forward_s * (1 - exp(-t / tau_s))``, backward likewise.
+    Its caches have gone cold meanwhile (on a shared or virtualised host, other work ran on the core).
+    CPU seconds, never stretched by an emulated slowdown in the profile (the simulator stretches it)."""
+
+    forward_s: float
+    backward_s: float
+    tau_s: float
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        for name in ("forward_s", "backward_s"):
+            c.check(getattr(self, name) >= 0, name, "must not be negative")
+        c.check(self.tau_s > 0, "tau_s", f"must be positive, got {self.tau_s}")
+        c.raise_if_any()
+
+    def extra_s(self, idle_s: float, backward: bool) -> float:
+        peak = self.backward_s if backward else self.forward_s
+        return peak * (1.0 - math.exp(-max(0.0, idle_s) / self.tau_s))
 
 
 @dataclass(frozen=True)
@@ -75,10 +105,34 @@ class MeasuredModel:
     # decoder layer over the plain local shard, measured among local processes. Absent: the cost model
     # counts the collectives from the link figures instead.
     tp_overhead: Mapping[int, ComponentFit] = field(default_factory=dict)
+    # Per TP degree > 1, per stage block (``BLOCKS``): what the runtime's TP stage modules add over the
+    # plain local shards, wall time (``tp_blocks``; its ``layer`` is ``tp_overhead``) and CPU time
+    # (``tp_blocks_cpu``: an emulated device's sleep is a multiple of the CPU time of its compute blocks,
+    # so only this part is stretched). Absent in older profiles.
+    tp_blocks: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
+    tp_blocks_cpu: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
+    # Per TP degree: whole stage blocks (``BLOCKS``) timed through the runtime's stage module; absent in
+    # older profiles, where the cost model sums the components instead.
+    blocks: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
+    # Measured on a 1-layer stage block; absent in older profiles (no penalty).
+    resume: ResumePenalty | None = None
+    # CPU-emulated hosts with fewer cores than devices: sequence length -> efficiency of two processes
+    # time-sharing one core (1 = no loss; each then progresses at efficiency / 2 of its speed alone).
+    core_sharing: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         c = Checker()
         c.check(len(self.seq_lens) >= 1, "seq_lens", "must list the measured sequence lengths")
+        for s, eff in self.core_sharing.items():
+            c.check(0 < eff <= 1, f"core_sharing.{s}", f"must be in (0, 1], got {eff}")
+        for name in ("blocks", "tp_blocks", "tp_blocks_cpu"):
+            for t, blocks in getattr(self, name).items():
+                missing = [k for k in BLOCKS if k not in blocks]
+                if missing:
+                    c.add(f"{name}.{t}", f"missing block(s) {', '.join(missing)}")
+                for k in blocks:
+                    if k not in BLOCKS:
+                        c.add(f"{name}.{t}.{k}", f"unknown block (expected one of: {', '.join(BLOCKS)})")
         c.check(len(self.tp) >= 1, "tp", "must hold at least one TP degree")
         for t, comps in self.tp.items():
             c.check(t >= 1, f"tp.{t}", "TP degree must be at least 1")
@@ -142,6 +196,9 @@ class CommFigures:
     bandwidth_efficiency: float   # fraction of the cluster's link bandwidth collectives reach
     p2p: LinkFit | None = None    # measured between two local devices of this type
     allreduce: Mapping[int, LinkFit] = field(default_factory=dict)  # measured, by group size
+    # Measured: how much later a process blocked in a receive resumes after waiting t seconds (its core
+    # idle meanwhile): ``forward_s * (1 - exp(-t / tau_s))`` (forward_s = backward_s).
+    p2p_wake: ResumePenalty | None = None
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -209,6 +266,12 @@ class DeviceProfile:
     optimizer: OptimizerFit
     source: Source = field(default_factory=Source)
     models: Mapping[str, MeasuredModel] = field(default_factory=dict)
+    # A step's own code outside its compute and comm spans (gradients collected and reset, the global
+    # norm summed tensor by tensor): never stretched on emulated devices. Measured profiles only.
+    step_overhead: OptimizerFit = field(default_factory=lambda: OptimizerFit(0.0))
+    # The gradient sync's local work around each bucket's all-reduce (slices packed into the bucket and
+    # copied back), on top of the all-reduce itself. Measured profiles only.
+    sync_pack: OptimizerFit = field(default_factory=lambda: OptimizerFit(0.0))
 
     def __post_init__(self) -> None:
         c = Checker()

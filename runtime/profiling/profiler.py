@@ -1,8 +1,9 @@
 """``hspmd profile``: measure the device types present on this machine and write their profiles.
 
 CPU-emulated clusters (every type has ``emulate:``): the CPU is measured once, with the intra-op thread
-count the launcher gives each worker (cores // devices), and every emulated type is derived from it by
-its ``emulate.slowdown`` (compute stretched, links not: that is how the runtime emulates). A CUDA GPU is
+count and the pinning the launcher gives each worker (runtime/launch/options.py ``emulated_cpu_shares``:
+cores // cluster devices threads, pinned), and every emulated type is derived from it by its
+``emulate.slowdown`` (compute stretched, links not: that is how the runtime emulates). A CUDA GPU is
 measured as the one cluster device type named by ``device_type``. Links are measured among local
 processes (gloo on CPU, NCCL on GPUs): ping-pong for p2p, all-reduce per group size.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from runtime.errors import HspmdError, InfeasibleError
+from runtime.launch.options import emulated_cpu_shares, host_cpus
 from runtime.profiling import measure
 from runtime.profiling.profile import (
     COMPONENTS,
@@ -47,10 +49,8 @@ Progress = Callable[[str, int], None]  # (what is being measured now, steps done
 class ProfileSettings:
     seq_lens: tuple[int, ...] = (16, 32, 64, 128, 256)
     micro_batch: int = 1
-    comm_sizes: tuple[int, ...] = (4, 65536, 1 << 20)       # bytes per message
+    comm_sizes: tuple[int, ...] = (4, 16384, 65536, 262144, 1 << 20)   # bytes per message
     comm_processes: int = 4                                    # most local processes for the link test
-    optimizer_layouts: tuple[tuple[int, int], ...] = ((1, 200_000), (4, 200_000), (64, 256), (256, 256),
-                                                      (16, 4096))
     component_budget_s: float = 0.1                            # timing budget per (component, length)
     measure_comm: bool = True
 
@@ -64,6 +64,7 @@ class Target:
     tp_degrees: tuple[int, ...] = (1,)
     local_devices: int = 1                      # processes / GPUs available for the link test
     threads: int | None = None
+    cpus: tuple[tuple[int, ...], ...] = ()      # emulated: the cores worker i is pinned to (launcher's rule)
 
 
 def plan_targets(cluster: Cluster, models: Sequence[ModelSpec], device_type: str | None,
@@ -81,8 +82,9 @@ def plan_targets(cluster: Cluster, models: Sequence[ModelSpec], device_type: str
     if cluster.emulated:
         types = {name: (dt.emulate.slowdown if dt.emulate else 1.0) for name, dt in cluster.device_types.items()}
         n = cluster.num_devices
-        threads = max(1, (os.cpu_count() or 1) // n)
-        return [Target("cpu", types, degrees(list(types)), local_devices=n, threads=threads)]
+        threads, shares = emulated_cpu_shares(range(n), n, host_cpus())
+        return [Target("cpu", types, degrees(list(types)), local_devices=n, threads=threads,
+                       cpus=tuple(shares[i] for i in range(n)))]
     if device_type is None:
         real = [n for n, dt in cluster.device_types.items() if not dt.emulated]
         if len(real) == 1 and cuda:
@@ -105,7 +107,7 @@ def plan_targets(cluster: Cluster, models: Sequence[ModelSpec], device_type: str
 def count_steps(targets: Sequence[Target], models: Sequence[ModelSpec], settings: ProfileSettings) -> int:
     steps = 0
     for t in targets:
-        steps += len(models) * len(t.tp_degrees) * len(COMPONENTS) + 2   # + optimizer, throughput
+        steps += len(models) * (len(t.tp_degrees) * (len(COMPONENTS) + 1) + 1) + 2   # + blocks, resume; opt, GEMM
         steps += 1 if settings.measure_comm and t.local_devices >= 2 else 0
     return steps
 
@@ -121,12 +123,17 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
     for target in targets:
         dev = torch.device(target.device)
         old_threads = torch.get_num_threads()
+        old_cpus = host_cpus()
         if target.threads:
             torch.set_num_threads(target.threads)
+        if target.cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, target.cpus[0])   # as the launcher pins device 0's worker
         try:
             raw: dict[str, dict[int, dict[str, tuple[list[measure.Sample], int]]]] = {}
+            blocks: dict[str, dict[int, dict[str, list[measure.Sample]]]] = {}
             for model in models:
                 raw[model.name] = {}
+                blocks[model.name] = {}
                 lens = tuple(s for s in settings.seq_lens if s <= model.max_seq_len)
                 for tp in target.tp_degrees:
                     raw[model.name][tp] = {}
@@ -136,14 +143,30 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
                             comp, model, tp, lens, micro_batch=settings.micro_batch, device=dev,
                             budget_s=settings.component_budget_s)
                         report("", 1)
+                    report(f"{target.device}: {model.name} stage blocks (TP {tp})", 0)
+                    blocks[model.name][tp] = measure.measure_stage_blocks(
+                        model, tp, lens, micro_batch=settings.micro_batch, device=dev,
+                        budget_s=settings.component_budget_s)
+                    report("", 1)
             report(f"{target.device}: optimizer step", 0)
-            opt, opt_resid = measure.measure_optimizer(settings.optimizer_layouts, dev)
+            opt, step_over, opt_resid = measure.measure_step_epilogue(
+                models, target.tp_degrees, device=dev, micro_batch=settings.micro_batch)
+            sync_pack = measure.measure_sync_pack(models, target.tp_degrees, device=dev)
             report("", 1)
+            resume = {}
+            for model in models:
+                lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
+                report(f"{target.device}: {model.name} compute after idling", 0)
+                resume[model.name] = measure.measure_resume_penalty(model, lens[len(lens) // 2], device=dev,
+                                                                    micro_batch=settings.micro_batch)
+                report("", 1)
             report(f"{target.device}: GEMM rate, memory bandwidth", 0)
             thr = measure.measure_throughput(dev)
             report("", 1)
         finally:
             torch.set_num_threads(old_threads)
+            if target.cpus and hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, old_cpus)
         links: dict[str, object] = {}
         if settings.measure_comm and target.local_devices >= 2:
             report(f"{target.device}: links among {min(target.local_devices, settings.comm_processes)} processes", 0)
@@ -151,7 +174,8 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
             report("", 1)
         for type_name, slowdown in target.types.items():
             prof = _build_profile(cluster, type_name, slowdown, target, models, raw, settings, opt, opt_resid, thr,
-                                  links, date)
+                                  links, date, blocks=blocks, step_overhead=step_over, sync_pack=sync_pack,
+                                  resume=resume)
             path = Path(out_dir) / f"{type_name}.measured.yaml"
             save_profile(prof, path)
             written.append((path, prof))
@@ -160,17 +184,30 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
 
 def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Target, models: Sequence[ModelSpec],
                    raw: dict, settings: ProfileSettings, opt: OptimizerFit, opt_resid: float,
-                   thr: dict[str, float], links: dict, date: str) -> DeviceProfile:
+                   thr: dict[str, float], links: dict, date: str, *, blocks: dict | None = None,
+                   step_overhead: OptimizerFit | None = None, sync_pack: OptimizerFit | None = None,
+                   resume: dict | None = None) -> DeviceProfile:
     cuda = target.device.startswith("cuda")
     fitted: dict[str, MeasuredModel] = {}
+    mb = settings.micro_batch
     for model in models:
         lens = tuple(s for s in settings.seq_lens if s <= model.max_seq_len)
-        mm = measure.measured_model(model, raw[model.name], settings.micro_batch, lens, slowdown)
+        mm = measure.measured_model(model, raw[model.name], mb, lens, slowdown)
+        if blocks and blocks.get(model.name):
+            mm = dataclasses.replace(mm, blocks={t: {k: measure.fit_component(smp, 0, mb, slowdown)
+                                                     for k, smp in per.items()}
+                                                 for t, per in sorted(blocks[model.name].items())})
+        if resume and model.name in resume:   # CPU seconds, not stretched (the simulator stretches them)
+            mm = dataclasses.replace(mm, resume=resume[model.name])
+        if links.get("core_sharing", {}).get(model.name):
+            mm = dataclasses.replace(mm, core_sharing={s: _r(e) for s, e in links["core_sharing"][model.name].items()})
         over = links.get("tp_overhead", {}).get(model.name, {})
-        if over:  # TP overhead is communication-bound: not stretched here (the cost model stretches whole
-            # compute blocks of emulated devices, as the runtime does)
-            mm = dataclasses.replace(mm, tp_overhead={t: measure.fit_component(smp, 0, settings.micro_batch)
-                                                      for t, smp in sorted(over.items())})
+        if over:  # As measured, not stretched: the runtime stretches only the CPU time of an emulated
+            # device's compute blocks, which the cost model takes from tp_blocks_cpu.
+            fits = {kind: {t: {k: measure.fit_component(smp, 0, mb) for k, smp in per[kind].items()}
+                           for t, per in sorted(over.items())} for kind in ("wall", "cpu")}
+            mm = dataclasses.replace(mm, tp_overhead={t: b["layer"] for t, b in fits["wall"].items()},
+                                     tp_blocks=fits["wall"], tp_blocks_cpu=fits["cpu"])
         fitted[model.name] = mm
     peak = thr["tflops"] / slowdown
     # Attention efficiency: the measured s^2 coefficient against its FLOPs (4*h*s^2 per sequence).
@@ -181,7 +218,7 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
     compute = ComputeFigures(peak_tflops=_r(peak), matmul_efficiency=1.0, attention_efficiency=_r(att_eff),
                              memory_bandwidth_gbs=_r(thr["bandwidth_gbs"] / slowdown), memory_efficiency=1.0,
                              kernel_overhead_s=_r(thr["op_s"] * slowdown), flash_attention=flash,
-                             activation_bytes=2 if cuda else 4, host_cores=None if cuda else os.cpu_count())
+                             activation_bytes=2 if cuda else 4, host_cores=None if cuda else len(host_cpus()))
     p2p: LinkFit | None = links.get("p2p")  # type: ignore[assignment]
     allreduce: dict[int, LinkFit] = links.get("allreduce", {})  # type: ignore[assignment]
     n_ar = min(allreduce) if allreduce else 2
@@ -189,7 +226,7 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
         p2p_latency_s=_r(p2p.latency_s) if p2p else (20e-6 if cuda else 1e-3),
         allreduce_latency_s=_r(allreduce[n_ar].latency_s / (2 * (n_ar - 1))) if allreduce else (15e-6 if cuda
                                                                                                 else 1e-3),
-        bandwidth_efficiency=0.75, p2p=p2p, allreduce=allreduce)
+        bandwidth_efficiency=0.75, p2p=p2p, allreduce=allreduce, p2p_wake=links.get("p2p_wake"))
     memory = MemoryFigures(framework_overhead_gib=_r(links.get("rss_gib", 0.0) or (2.0 if cuda else 0.3)))
     optimizer = OptimizerFit(seconds_per_param=_r(opt.seconds_per_param * slowdown), fixed_s=_r(opt.fixed_s * slowdown),
                              seconds_per_tensor=_r(opt.seconds_per_tensor * slowdown))
@@ -205,7 +242,7 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
         compute=compute, comm=comm, memory=memory, optimizer=optimizer,
         source=Source(note=note, host=host, torch_version=str(torch.__version__), date=date,
                       derived_from=f"{target.device} ({what})" if slowdown != 1.0 else None, slowdown=slowdown),
-        models=fitted)
+        models=fitted, step_overhead=step_overhead or OptimizerFit(0.0), sync_pack=sync_pack or OptimizerFit(0.0))
 
 
 def _r(x: float) -> float:
@@ -228,8 +265,12 @@ def measure_links(target: Target, models: Sequence[ModelSpec], settings: Profile
     with tempfile.TemporaryDirectory(prefix="hspmd-profile-") as tmp:
         init = f"file://{Path(tmp) / 'store'}"
         jobs = [(m, t) for m in models for t in target.tp_degrees if 2 <= t <= world]
-        procs = [ctx.Process(target=_link_worker, args=(r, world, init, cuda, settings, jobs, queue, timeout_s),
-                             daemon=True) for r in range(world)]
+        # Two workers the launcher pins to the same cores (fewer cores than devices): how well they share.
+        pair = next(((a, b) for a in range(world) for b in range(a + 1, world)
+                     if target.cpus and target.cpus[a] == target.cpus[b]), None)
+        procs = [ctx.Process(target=_link_worker, args=(r, world, init, cuda, settings, jobs, queue, timeout_s,
+                                                        target.threads or 1, target.cpus[r] if target.cpus else (),
+                                                        pair, list(models)), daemon=True) for r in range(world)]
         for p in procs:
             p.start()
         try:
@@ -247,13 +288,17 @@ def measure_links(target: Target, models: Sequence[ModelSpec], settings: Profile
 
 
 def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: ProfileSettings,
-                 jobs: Sequence[tuple[ModelSpec, int]], queue, timeout_s: float) -> None:
+                 jobs: Sequence[tuple[ModelSpec, int]], queue, timeout_s: float, threads: int = 1,
+                 cpus: tuple[int, ...] = (), pair: tuple[int, int] | None = None,
+                 models: Sequence[ModelSpec] = ()) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
 
     try:
-        torch.set_num_threads(1)
+        if cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads)
         if cuda:
             torch.cuda.set_device(rank)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world,
@@ -267,12 +312,19 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
                 lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
                 samples = measure.measure_tp_overhead(model, t, tp_groups[t], lens, device=dev,
                                                       micro_batch=settings.micro_batch,
-                                                      reps=5 if settings.component_budget_s > 0 else 2)
+                                                      reps=9 if settings.component_budget_s > 0 else 2)
                 if samples is not None:
                     overhead.setdefault(model.name, {})[t] = samples
             dist.barrier()
+        sharing = {}
+        if pair is not None and not cuda:
+            for model in models:
+                lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
+                sharing[model.name] = measure.core_sharing(rank, pair, model,
+                                                           sorted({lens[len(lens) // 2], lens[-1]}), device=dev)
         if rank == 0:
             out["tp_overhead"] = overhead
+            out["core_sharing"] = sharing
             out["rss_gib"] = _rss_gib() if not cuda else 0.0
             queue.put(out)
         dist.barrier()

@@ -35,6 +35,13 @@ def test_profile_then_simulate(tmp_path: Path):
     assert s[2] == pytest.approx(3 * f[2]) and s[1] == pytest.approx(3 * f[1])
     assert fast.comm.p2p is not None and fast.comm.p2p == slow.comm.p2p and sorted(fast.comm.allreduce) == [2]
     assert 0 < fast.comm.p2p.latency_s < 0.1
+    # Whole stage blocks through the runtime's stage module, stretched like the components; the TP
+    # stage modules' overhead (DTensor and collectives) per block; the penalty after idling.
+    mm, ms = fast.models["llama-tiny"], slow.models["llama-tiny"]
+    assert sorted(mm.blocks) == [1, 2] and sorted(mm.tp_blocks) == [2] and sorted(mm.tp_blocks_cpu) == [2]
+    assert ms.blocks[1]["layer"].forward_s[2] == pytest.approx(3 * mm.blocks[1]["layer"].forward_s[2])
+    assert mm.resume is not None and mm.resume == ms.resume and fast.comm.p2p_wake is not None
+    assert fast.optimizer.seconds_per_tensor > 0 and fast.step_overhead.seconds_per_tensor >= 0
     # Measured beats the spec fallback, and simulate uses it.
     ps = resolve_profiles(load_cluster("cpu-hetero4").device_types, [out])
     assert ps["cpu-slow"].provenance == "measured"

@@ -22,6 +22,7 @@ from runtime.profiling.profile import (
     CommFigures,
     ComponentFit,
     MeasuredModel,
+    OptimizerFit,
     ProfileSet,
     ResolvedProfile,
     spec_profile,
@@ -257,7 +258,61 @@ def test_measured_tp_overhead_replaces_counted_collectives():
     cm = cm_for(ps)
     fast = cm.stage("cpu-fast", 2, 3, False, False)
     assert (fast.tp_forward_s, fast.tp_backward_s) == pytest.approx((3 * 0.01, 3 * 0.02))
-    # An emulated 3x device sleeps after whole compute blocks, the collectives inside them included.
+    # An emulated 3x device sleeps 2x the CPU time of its compute blocks: with no measured CPU part, the
+    # collectives' waits are not stretched.
     slow = cm.stage("cpu-slow", 2, 3, False, False)
-    assert slow.tp_comm_s == pytest.approx(3 * fast.tp_comm_s)
+    assert slow.tp_comm_s == pytest.approx(fast.tp_comm_s)
     assert slow.compute_s == pytest.approx(fast.compute_s)  # the hand profile gives both types equal compute
+
+
+def blocks_set(**kw) -> ProfileSet:
+    """``hand_set`` plus measured stage blocks (layer 1.5/2.5 s, stage 0.2/0.1, embedding 0.3/0.05, head
+    0.4/0.6) and, at TP 2, measured TP blocks (wall: layer 0.1/0.2, stage 0.01/0.02, embedding 0.03/0,
+    head 0.04/0.05; CPU: half of each)."""
+    ps = hand_set(**kw)
+
+    def blk(f: float, b: float) -> ComponentFit:
+        return ComponentFit(fit(c=f), fit(c=b), fit(), params=0)
+
+    blocks = {"layer": blk(1.5, 2.5), "stage": blk(0.2, 0.1), "embedding": blk(0.3, 0.05), "head": blk(0.4, 0.6)}
+    tp = {"layer": blk(0.1, 0.2), "stage": blk(0.01, 0.02), "embedding": blk(0.03, 0.0), "head": blk(0.04, 0.05)}
+    half = {k: blk(v.forward_s[2] / 2, v.backward_s[2] / 2) for k, v in tp.items()}
+    return ProfileSet({t: ResolvedProfile(dataclasses.replace(ps[t], models={k: dataclasses.replace(
+        m, blocks={1: blocks, 2: blocks}, tp_overhead={2: tp["layer"]}, tp_blocks={2: tp}, tp_blocks_cpu={2: half})
+        for k, m in ps[t].models.items()}), None) for t in ps})
+
+
+def test_measured_stage_blocks_replace_the_component_sum():
+    cm = cm_for(blocks_set(extras=True))
+    # Timed whole: n layers + the stage's fixed time + what the embedding / head add.
+    mid = cm.stage("cpu-fast", 1, 2, False, False)
+    assert (mid.forward_s, mid.backward_s) == pytest.approx((2 * 1.5 + 0.2, 2 * 2.5 + 0.1))
+    whole = cm.stage("cpu-fast", 1, 3, True, True)
+    assert (whole.forward_s, whole.backward_s) == pytest.approx((4.5 + 0.2 + 0.3 + 0.4, 7.5 + 0.1 + 0.05 + 0.6))
+    # Parameters and activations still come from the components.
+    assert whole.params == 3 * cm.layer("cpu-fast", 1).params + 500 + 64 + 700   # + the final norm
+    # TP 2: the measured TP blocks; a 3x emulated device stretches only their CPU part (half).
+    tp = cm.stage("cpu-fast", 2, 2, True, False)
+    assert (tp.tp_forward_s, tp.tp_backward_s) == pytest.approx((2 * 0.1 + 0.01 + 0.03, 2 * 0.2 + 0.02))
+    slow = cm.stage("cpu-slow", 2, 2, True, False)
+    assert slow.tp_forward_s == pytest.approx(tp.tp_forward_s + 2 * tp.tp_forward_s / 2)
+    assert slow.tp_cpu_forward_s == pytest.approx(tp.tp_forward_s / 2)
+
+
+def test_step_overhead_and_sync_packing_are_priced():
+    ps = hand_set()
+    per = OptimizerFit(seconds_per_param=1e-6, seconds_per_tensor=1e-3, fixed_s=0.5)
+    ps = ProfileSet({t: ResolvedProfile(dataclasses.replace(ps[t], step_overhead=per, sync_pack=per), None)
+                     for t in ps})
+    cm = cm_for(ps)
+    dp = Strategy("dp", (Pipeline(1, (Stage((0,), (0, 6)),)), Pipeline(1, (Stage((1,), (0, 6)),))))
+    (group,) = cm.sync_plan(dp)
+    assert group.tensors == cm.tensors_per_stage(6, True, True)   # every gradient of the model
+    plain = cm_for(hand_set())
+    assert cm.sync_group_time(group) == pytest.approx(plain.sync_group_time(group) + 1e-6 * group.numel
+                                                     + 1e-3 * group.tensors + 0.5)
+    n, tensors = cm.device_params(dp)[0]
+    assert cm.step_overhead_times(dp)[0] == pytest.approx(1e-6 * n + 1e-3 * tensors + 0.5)
+    assert cm.estimate(dp, 2).step_time_s == pytest.approx(plain.estimate(dp, 2).step_time_s
+                                                          + cm.step_overhead_times(dp)[0]
+                                                          + cm.sync_group_time(group) - plain.sync_group_time(group))

@@ -20,6 +20,7 @@ from runtime.profiling.profile import (
     MeasuredModel,
     ProfileSet,
     ResolvedProfile,
+    ResumePenalty,
     save_profile,
     spec_profile,
 )
@@ -204,15 +205,62 @@ def with_cores(ps: ProfileSet, cores: int) -> ProfileSet:
 
 def test_emulated_devices_share_host_cores():
     dp2 = Strategy("dp", (Pipeline(1, (Stage((0,), (0, 6)),)), Pipeline(1, (Stage((1,), (0, 6)),))))
-    # Two fast devices computing at once: on 2 cores each runs at full speed, on 1 core at half speed.
+    # Two fast devices computing at once: on 2 cores (one each, as the launcher pins them) each runs at full
+    # speed; on 1 core both are pinned to it and run at half speed.
     two = simulate(cost_model(with_cores(profiles(), 2)), dp2, 2)
     one = simulate(cost_model(with_cores(profiles(), 1)), dp2, 2)
-    assert two.pipeline_end_s == pytest.approx((18.0, 18.0)) and two.cpu_hosts == {"cpu0": 2.0}
-    assert one.pipeline_end_s == pytest.approx((36.0, 36.0))
-    # A 3x emulated device does 1/3 of its block on the CPU and sleeps 2x that block's wall time. On one core:
-    # both forwards share it (fast: 6 core-s, slow: 18 / 3 = 6 core-s) and end their CPU work at 12 s; the
-    # fast backward then has the core alone (12 -> 24); the slow one sleeps 2 x 12 = 24 s (-> 36), then
-    # runs its backward alone (12 core-s -> 48) and sleeps 2 x 12 (-> 72).
+    assert two.pipeline_end_s == pytest.approx((18.0, 18.0)) and two.cpu_hosts == {"core 0": 1.0, "core 1": 1.0}
+    assert one.pipeline_end_s == pytest.approx((36.0, 36.0)) and one.cpu_hosts == {"core 0": 1.0}
+    # A 3x emulated device does 1/3 of its block on the CPU and then sleeps 2x the CPU time it used (not
+    # its wall time), as runtime/trace.py does. On one core: both forwards share it (fast: 6 core-s, slow:
+    # 18 / 3 = 6 core-s) and end their CPU work at 12 s; the fast backward then has the core alone
+    # (12 -> 24); the slow device sleeps 2 x 6 s (-> 24), then runs its backward alone (12 core-s -> 36)
+    # and sleeps 2 x 12 (-> 60).
     mixed = Strategy("m", (Pipeline(1, (Stage((0,), (0, 6)),)), Pipeline(1, (Stage((2,), (0, 6)),))))
     r = simulate(cost_model(with_cores(profiles(slow=3.0), 1)), mixed, 2)
-    assert r.pipeline_end_s == pytest.approx((24.0, 72.0))
+    assert r.pipeline_end_s == pytest.approx((24.0, 60.0))
+
+
+def with_models(ps: ProfileSet, **fields) -> ProfileSet:
+    return ProfileSet({t: ResolvedProfile(dataclasses.replace(ps[t], models={
+        k: dataclasses.replace(m, **fields) for k, m in ps[t].models.items()}), None) for t in ps})
+
+
+def test_time_sharing_a_core_costs_its_measured_efficiency():
+    dp2 = Strategy("dp", (Pipeline(1, (Stage((0,), (0, 6)),)), Pipeline(1, (Stage((1,), (0, 6)),))))
+    # Two processes on one core at efficiency 0.8: each progresses at 0.4 of its speed alone.
+    ps = with_models(with_cores(profiles(), 1), core_sharing={64: 0.8})
+    r = simulate(cost_model(ps), dp2, 2)
+    assert r.pipeline_end_s == pytest.approx((36.0 / 0.8, 36.0 / 0.8))
+    # Interpolated in log length between measured lengths (clamped outside them).
+    cm = CostModel(TINY, FAST_LINKS, with_models(profiles(), core_sharing={32: 0.6, 128: 1.0}), micro_batch=1,
+                   seq_len=64, step_allreduce=False)
+    assert cm.core_sharing("cpu-fast") == pytest.approx(0.8)
+    # On their own cores nothing is shared, whatever the efficiency.
+    alone = simulate(cost_model(with_models(with_cores(profiles(), 2), core_sharing={64: 0.5})), dp2, 2)
+    assert alone.pipeline_end_s == pytest.approx((18.0, 18.0))
+
+
+def test_resume_and_wake_penalties_follow_idle_time():
+    # Stage 1 idles while stage 0 runs its first forward (1 s per layer, 2 layers): its first forward then
+    # costs the resume penalty for 2 s of idling; back-to-back blocks cost nothing extra.
+    pen = ResumePenalty(forward_s=0.5, backward_s=1.0, tau_s=1.0)
+    base = simulate(cost_model(profiles()), chain(1, [2, 2]), 1)
+    r = simulate(cost_model(with_models(profiles(), resume=pen)), chain(1, [2, 2]), 1)
+    ev = {(e.stage, e.name): e for e in r.events}
+    base_ev = {(e.stage, e.name): e for e in base.events}
+    f1 = ev[1, "F0"]
+    assert f1.end_s - f1.start_s == pytest.approx(2.0 + pen.extra_s(2.0, False))
+    b1 = ev[1, "B0"]   # right after its forward: no idling
+    assert b1.end_s - b1.start_s == pytest.approx(base_ev[1, "B0"].end_s - base_ev[1, "B0"].start_s)
+    assert r.step_time_s > base.step_time_s
+    # A transfer ends later on the side that waited for it, by the wake penalty of its wait: stage 1 waits
+    # 2 s for the activation, then stage 0 waits for the gradient from 2 s until stage 1 has resumed and
+    # run its forward and backward (2 + 4 s).
+    wake = ResumePenalty(forward_s=0.25, backward_s=0.25, tau_s=0.5)
+    ps = ProfileSet({t: ResolvedProfile(dataclasses.replace(
+        profiles()[t], comm=dataclasses.replace(profiles()[t].comm, p2p_wake=wake)), None)
+        for t in CPU4.device_types})
+    w = simulate(cost_model(ps), chain(1, [2, 2]), 1)
+    first = wake.extra_s(2.0, False)
+    assert w.step_time_s == pytest.approx(base.step_time_s + first + wake.extra_s(6.0 + first, False))

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from runtime.errors import InfeasibleError
-from runtime.profiling.measure import fit_component, fit_quadratic, measure_component, nonneg_lstsq
+from runtime.launch.options import emulated_cpu_shares, host_cpus
+from runtime.models.llama import LlamaForCausalLM
+from runtime.profiling.measure import (
+    _blocks,
+    fit_component,
+    fit_quadratic,
+    local_stage,
+    measure_component,
+    measure_stage_blocks,
+    measure_step_epilogue,
+    measure_sync_pack,
+    nonneg_lstsq,
+)
+from runtime.profiling.profile import BLOCKS, ResumePenalty
 from runtime.profiling.profiler import plan_targets
 from runtime.spec import load_cluster, load_model
 
@@ -58,3 +73,52 @@ def test_plan_targets():
         plan_targets(load_cluster("h20-32"), [TINY], "H20", cuda_available=False)
     (g,) = plan_targets(load_cluster("h20-32"), [load_model("llama-32b")], "H20", cuda_available=True)
     assert g.device == "cuda:0" and g.tp_degrees == (1, 2, 4, 8)
+
+
+def test_stage_blocks_are_differences_of_whole_stages():
+    med = {"mid1": (3.0, 5.0), "mid3": (7.0, 11.0), "first1": (3.5, 5.25), "last1": (4.0, 5.0)}
+    blocks = _blocks(med)
+    assert blocks["layer"] == pytest.approx((2.0, 3.0))             # (3 layers - 1) / 2
+    assert blocks["stage"] == pytest.approx((1.0, 2.0))             # 1 layer minus a layer
+    assert blocks["embedding"] == pytest.approx((0.5, 0.25)) and blocks["head"] == pytest.approx((1.0, 0.0))
+    assert _blocks({**med, "mid3": (2.0, 1.0)})["layer"] == (0.0, 0.0)   # noise never goes below zero
+
+
+def test_measure_stage_blocks_through_the_runtime_stage_module():
+    torch.manual_seed(0)
+    samples = measure_stage_blocks(TINY, 2, [16, 32], min_reps=2, max_reps=2, budget_s=0.0, warmup=1)
+    assert sorted(samples) == sorted(BLOCKS)
+    assert [s.seq_len for s in samples["layer"]] == [16, 32]
+    assert all(s.forward_s > 0 and s.backward_s > 0 for s in samples["layer"])
+    # At TP 1 the stage is exactly the module a worker builds; at TP 2 its shards have the local shapes.
+    assert isinstance(local_stage(TINY, 1, 2, True, True), LlamaForCausalLM)
+    tp2 = local_stage(TINY, 2, 1, True, True)
+    assert tp2.model.layers["0"].mlp.gate_proj.weight.shape == (TINY.ffn_hidden_size // 2, TINY.hidden_size)
+
+
+def test_epilogue_and_sync_pack_fits_are_non_negative():
+    opt, over, resid = measure_step_epilogue([TINY], [1], reps=2, seq_len=16)
+    pack = measure_sync_pack([TINY], [1], reps=2)
+    for f in (opt, over, pack):
+        assert min(f.seconds_per_param, f.seconds_per_tensor, f.fixed_s) >= 0
+    assert opt.seconds_per_param * 1e5 + opt.seconds_per_tensor * 10 + opt.fixed_s > 0 and resid >= 0
+
+
+def test_resume_penalty_saturates_with_idle_time():
+    pen = ResumePenalty(forward_s=0.4e-3, backward_s=0.8e-3, tau_s=2e-3)
+    assert pen.extra_s(0.0, False) == 0.0 and pen.extra_s(-1.0, True) == 0.0
+    assert pen.extra_s(2e-3, True) == pytest.approx(0.8e-3 * (1 - math.exp(-1)))
+    assert pen.extra_s(1.0, False) == pytest.approx(0.4e-3)
+
+
+def test_emulated_cpu_shares_pin_like_the_launcher():
+    # 2 cores, a 4-device cluster: 1 thread each, device i of the plan on core i % 2.
+    assert emulated_cpu_shares([0, 1, 2, 3], 4, [0, 1]) == (1, {0: (0,), 1: (1,), 2: (0,), 3: (1,)})
+    # The plan's devices in id order, whichever ids: two devices get both cores even if both ids are even.
+    assert emulated_cpu_shares([2, 0], 4, [0, 1]) == (1, {0: (0,), 2: (1,)})
+    # 16 cores: 4 threads each on cores of their own, the same for a 2-device plan of the same cluster.
+    threads, cpus = emulated_cpu_shares([1, 3], 4, list(range(16)))
+    assert threads == 4 and cpus == {1: (0, 1, 2, 3), 3: (4, 5, 6, 7)}
+    # The profiler measures with the share of the cluster's devices.
+    (t,) = plan_targets(load_cluster("cpu-hetero4"), [TINY], None)
+    assert t.threads == emulated_cpu_shares(range(4), 4, host_cpus())[0] and len(t.cpus) == 4

@@ -12,10 +12,13 @@ import yaml
 
 from runtime.errors import SpecError
 from runtime.profiling.profile import (
+    BLOCKS,
     PROFILES_DIR,
     ComponentFit,
     LinkFit,
     MeasuredModel,
+    OptimizerFit,
+    ResumePenalty,
     dump_profile,
     load_profile,
     resolve_profiles,
@@ -31,11 +34,17 @@ SHIPPED = ("H800", "H20", "H100", "A100-80G", "A800", "L40S", "RTX4090", "RTX309
 
 def measured(name: str = "cpu-fast"):
     comp = ComponentFit((1e-9, 2e-6, 3e-5), (2e-9, 4e-6, 6e-5), (0.0, 512.0, 0.0), params=1234, residual=0.02)
+    block = ComponentFit((0.0, 1e-6, 1e-4), (0.0, 2e-6, 2e-4), (0.0, 0.0, 0.0), params=0, residual=0.05)
+    blocks = {k: block for k in BLOCKS}
     mm = MeasuredModel(64, 128, 8, 4, 256, 1, (32, 64), {1: {k: comp for k in
-                                                              ("embedding", "attention", "mlp", "norm", "head")}})
+                                                              ("embedding", "attention", "mlp", "norm", "head")}},
+                       tp_overhead={2: block}, tp_blocks={2: blocks}, tp_blocks_cpu={2: blocks},
+                       blocks={1: blocks}, resume=ResumePenalty(4e-4, 8e-4, 3e-3), core_sharing={64: 0.9})
     base = spec_profile(name, peak_tflops=0.1, hbm_bandwidth_gbs=10, memory_gib=2, note="", emulated=True)
-    comm = dataclasses.replace(base.comm, p2p=LinkFit(1e-3, 1.5), allreduce={2: LinkFit(2e-3, 1.0)})
+    comm = dataclasses.replace(base.comm, p2p=LinkFit(1e-3, 1.5), allreduce={2: LinkFit(2e-3, 1.0)},
+                               p2p_wake=ResumePenalty(3e-4, 3e-4, 1e-3))
     return dataclasses.replace(base, provenance="measured", comm=comm, models={"llama-tiny": mm},
+                               step_overhead=OptimizerFit(1e-9, 1e-5, 2e-6), sync_pack=OptimizerFit(3e-10, 2e-6, 8e-6),
                                source=dataclasses.replace(base.source, host="box", torch_version="2.13",
                                                           date="2025-01-01"))
 
@@ -47,6 +56,22 @@ def test_round_trip(tmp_path: Path):
     text = dump_profile(load_profile(tmp_path / "x.yaml"))
     (tmp_path / "y.yaml").write_text(text)
     assert dump_profile(load_profile(tmp_path / "y.yaml")) == text
+
+
+def test_profile_written_before_the_new_fields_still_loads(tmp_path: Path):
+    """Stage blocks, TP blocks, resume / wake penalties, core sharing, step overhead and sync packing are
+    optional: a profile from before them loads, with no penalty and no overhead."""
+    data = yaml.safe_load(dump_profile(measured()))
+    for key in ("step_overhead", "sync_pack"):
+        data.pop(key)
+    data["comm"].pop("p2p_wake")
+    for key in ("tp_blocks", "tp_blocks_cpu", "blocks", "resume", "core_sharing"):
+        data["models"]["llama-tiny"].pop(key)
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(data))
+    old = load_profile(path)
+    assert old.models["llama-tiny"].blocks == {} and old.models["llama-tiny"].resume is None
+    assert old.comm.p2p_wake is None and old.step_overhead == OptimizerFit(0.0)
 
 
 def test_every_shipped_spec_profile_loads():
@@ -65,6 +90,11 @@ def test_every_shipped_spec_profile_loads():
     (lambda d: d["models"]["llama-tiny"]["tp"][1]["attention"].update(forward_s=[1, 2]),
      "models.llama-tiny.tp.1.attention.forward_s: expected a list of 3 items, got 2"),
     (lambda d: d.update(bogus=1), "bogus: unknown key"),
+    (lambda d: d["models"]["llama-tiny"]["blocks"][1].pop("stage"),
+     "models.llama-tiny.blocks.1: missing block(s) stage"),
+    (lambda d: d["models"]["llama-tiny"]["resume"].update(tau_s=0), "models.llama-tiny.resume.tau_s: must be positive"),
+    (lambda d: d["models"]["llama-tiny"]["core_sharing"].update({64: 1.5}),
+     "models.llama-tiny.core_sharing.64: must be in (0, 1]"),
     (lambda d: d.update(version=9), "version: unsupported profile version 9"),
 ])
 def test_bad_field_names_file_and_field(tmp_path: Path, edit, message):
