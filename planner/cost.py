@@ -36,6 +36,9 @@ planner can call them millions of times:
   all-reduce per device group; SplitAllReduce LCM slices when TP degrees differ); ``sync_group_time``
   prices one group; ``grad_sync_times(strategy) -> {device: seconds}`` sums a device's groups and
   ``grad_sync_time`` is their max (the simulator also plays out waits between groups).
+* ``zero_gather_time(group)``: ZeRO-1's all-gather of a sync group's updated parameters after the
+  optimizer step (one per gradient-sync bucket: ``allgather_time``, measured or half an all-reduce);
+  ``zero_gather_times(strategy, zero)`` sums a device's groups.
 * ``optimizer_time(device_type, params, zero_degree=1, tensors=0)``: one AdamW step;
   ``tensors_per_stage`` gives the tensor count. ``clip_time(devices)``: the per-step all-reduce of
   loss and gradient norm.
@@ -709,11 +712,17 @@ class CostModel:
         ordered = sorted(groups.items(), key=lambda kv: order[kv[0]])
         return tuple(SyncGroup(devs, g[0], int(g[1])) for devs, g in ordered)
 
+    def sync_buckets(self, group: SyncGroup) -> int:
+        """How many ``SYNC_BUCKET_BYTES`` buckets (collective calls) the runtime cuts a sync group's
+        gradients into; ZeRO-1's parameter all-gathers reuse the same buckets (runtime/engine/zero.py)."""
+        nbytes = group.numel * max(self.profiles[self._type_of[d]].memory.grad_bytes for d in group.devices)
+        return max(1, math.ceil(nbytes / SYNC_BUCKET_BYTES))
+
     def sync_group_time(self, group: SyncGroup) -> float:
         """One fused all-reduce of a sync group (a call per ``SYNC_BUCKET_BYTES`` bucket), plus packing its
         gradient slices into the buckets and back (measured profiles; the slowest device's)."""
         nbytes = group.numel * max(self.profiles[self._type_of[d]].memory.grad_bytes for d in group.devices)
-        buckets = max(1, math.ceil(nbytes / SYNC_BUCKET_BYTES))
+        buckets = self.sync_buckets(group)
         one = self.allreduce_time(list(group.devices), nbytes / buckets)
         pack = 0.0
         for d in group.devices:
@@ -735,6 +744,50 @@ class CostModel:
     def grad_sync_time(self, strategy: Strategy) -> float:
         times = self.grad_sync_times(strategy)
         return max(times.values()) if times else 0.0
+
+    def allgather_time(self, devices: Sequence[int], nbytes: float) -> float:
+        """One all-gather of ``nbytes`` (the gathered size) among ``devices``: the measured fit for a
+        same-type group on one node when the profiles have one (nearest measured group size, latency scaled
+        by ring steps; on gloo an all-gather costs about as much as an all-reduce of the same bytes, not
+        half), else a ring's ``n-1`` steps where an all-reduce takes ``2(n-1)``: half its latency and
+        traffic."""
+        n = len(devices)
+        if n <= 1:
+            return 0.0
+        types = {self._type_of[d] for d in devices}
+        nodes = {self._node_of[d] for d in devices}
+        measured = [self.profiles[t].comm.allgather for t in types]
+        if len(nodes) == 1 and all(measured):
+            best = 0.0
+            for fits in measured:
+                size = min(fits, key=lambda k: (abs(k - n), k))
+                fit = fits[size]
+                best = max(best, fit.latency_s * (n - 1) / (size - 1)
+                           + (n - 1) / n * nbytes / (fit.bandwidth_gbs * 1e9))
+            return best
+        return self.allreduce_time(devices, nbytes) / 2.0
+
+    def zero_gather_time(self, group: SyncGroup) -> float:
+        """ZeRO-1's parameter all-gather of one sync group after the optimizer step (runtime/engine/zero.py):
+        each device sends its updated chunk of every slice the group holds, one all-gather per gradient-sync
+        bucket (the parameters, ``param_bytes`` each)."""
+        if len(group.devices) <= 1:
+            return 0.0
+        nbytes = group.numel * max(self.profiles[self._type_of[d]].memory.param_bytes for d in group.devices)
+        buckets = self.sync_buckets(group)
+        return buckets * self.allgather_time(list(group.devices), nbytes / buckets)
+
+    def zero_gather_times(self, strategy: Strategy, zero: bool = True) -> dict[int, float]:
+        """Seconds each device spends in ZeRO-1's all-gathers (its groups one after the other); all zero
+        without ZeRO or with one pipeline (nothing is sharded then)."""
+        out = {d: 0.0 for d in strategy.devices}
+        if not zero:
+            return out
+        for g in self.sync_plan(strategy):
+            t = self.zero_gather_time(g)
+            for d in g.devices:
+                out[d] += t
+        return out
 
     # -- optimizer -----------------------------------------------------------------------------------
 
@@ -813,12 +866,13 @@ class CostModel:
 
     def estimate(self, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
                  zero: bool = False) -> StrategyEstimate:
-        """Closed-form step time and memory of a strategy:
-        ``max over pipelines (pipeline_time) + gradient sync + clip + max over devices (optimizer)``."""
+        """Closed-form step time and memory of a strategy: ``max over pipelines (pipeline_time) + gradient
+        sync + clip + max over devices (step overhead + optimizer + ZeRO-1 parameter all-gathers)``."""
         pipes = tuple(self.pipeline_estimate(strategy, i, schedule) for i in range(len(strategy.pipelines)))
         sync = self.grad_sync_time(strategy)
         over = self.step_overhead_times(strategy)
-        opt = max(t + over[d] for d, t in self.optimizer_times(strategy, zero).items())
+        gather = self.zero_gather_times(strategy, zero)
+        opt = max(t + over[d] + gather[d] for d, t in self.optimizer_times(strategy, zero).items())
         clip = self.clip_time(strategy.devices)
         step = max(p.time_s for p in pipes) + sync + clip + opt
         memory = self.strategy_memory(strategy, schedule, zero)
@@ -827,4 +881,5 @@ class CostModel:
         return StrategyEstimate(
             step_time_s=step, pipelines=pipes, grad_sync_s=sync, optimizer_s=opt + clip,
             tokens_per_s=global_batch * self.seq_len / step, mfu=self.mfu(step, global_batch, strategy.devices),
-            memory=memory, capacity_gib=cap, oom_devices=oom)
+            memory=memory, capacity_gib=cap, oom_devices=oom,
+            extra={"zero_gather_s": max(gather.values(), default=0.0)})

@@ -8,7 +8,8 @@ send_forward_recv_backward grouping); each pipeline has its own micro-batch coun
 ``latency + bytes / bandwidth`` once both sides have posted (a rendezvous: measured so on gloo, where a
 batched send waits for its receive; NCCL's send/recv behave so too). After its stage's last action each
 device joins its gradient-sync groups (a group's all-reduce starts when its last member joins), then
-the per-step all-reduce of loss and gradient norm, then its optimizer step.
+the per-step all-reduce of loss and gradient norm, then its optimizer step, then (ZeRO-1) the all-gathers
+of the updated parameter chunks, group by group in the gradient sync's order.
 
 On a CPU-emulated cluster the devices are processes on one host, each pinned to its share of the cores
 as the launcher pins them (runtime/launch/options.py ``emulated_cpu_shares``): compute blocks running on
@@ -39,7 +40,7 @@ class Event:
     """One interval of the timeline."""
 
     name: str
-    category: str        # forward | backward | p2p | grad_sync | clip | optimizer
+    category: str        # forward | backward | p2p | grad_sync | clip | optimizer | zero_gather
     pipeline: int
     stage: int
     lane: str            # 'stage' or 'link k->k+1' / 'link k+1->k'
@@ -59,7 +60,7 @@ class StageReport:
     layers: tuple[int, int]
     micro_batches: int
     compute_s: float
-    comm_s: float        # TP collectives + gradient sync + loss/norm all-reduce
+    comm_s: float        # TP collectives + gradient sync + loss/norm all-reduce + ZeRO-1 all-gathers
     p2p_s: float         # pipeline sends/receives (the transfers themselves; waiting is bubble)
     optimizer_s: float
     bubble_s: float      # step time minus everything the stage did: waiting
@@ -432,6 +433,18 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
         opt_block = block((d,), opt_times[d])
         sim.add(f"opt{d}", f"dev{d}", deps=["stats"], kind="optimizer", pipeline=stage_of[d][0],
                 stage=stage_of[d][1], mb=None, **opt_block)
+        last_of[d] = f"opt{d}"
+    # ZeRO-1: after its update each device all-gathers the updated parameter chunks in every sync group
+    # it belongs to, in the same global order as the gradient sync (runtime/engine/zero.py).
+    gathers = [(gi, g) for gi, g in enumerate(plan)] if zero else []
+    for gi, g in gathers:
+        secs = cm.zero_gather_time(g)
+        for d in g.devices:
+            sim.add(f"z{gi}d{d}", f"dev{d}", secs, [last_of[d]], waits=[(f"z{gi}d{e}", secs) for e in g.devices
+                                                                       if e != d],
+                    kind="zero_gather", pipeline=stage_of[d][0], stage=stage_of[d][1], mb=None,
+                    wake=cm.comm_wake(type_of[d]))
+            last_of[d] = f"z{gi}d{d}"
     times = sim.run()
     step = max(end for _, end in times.values())
 
@@ -473,6 +486,11 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
                                     stats1 - stats0))
             o0, o1 = max((times[f"opt{d}"] for d in st.devices), key=lambda x: x[1])
             events.append(Event("optimizer", "optimizer", pi, k, "stage", o0, o1))
+            zs = [times[f"z{gi}d{d0}"] for gi, g in gathers if d0 in g.devices]
+            gather_busy = sum(sim.ops[f"z{gi}d{d0}"]["duration"] for gi, g in gathers if d0 in g.devices)
+            if zs:
+                events.append(Event("ZeRO-1 param all-gather", "zero_gather", pi, k, "stage", zs[0][0], zs[-1][1],
+                                    None, gather_busy))
             peak = _peak_in_flight([times[f"p{pi}s{k}F{j}"][1] for j in range(pipe.micro_batches)],
                                    [times[f"p{pi}s{k}B{j}"][1] for j in range(pipe.micro_batches)])
             dtype = type_of[d0]
@@ -482,7 +500,7 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
                 memory[d] = mem.gib
             m = pipe.micro_batches
             compute = fb_wall.get((pi, k), 0.0) - m * sc.tp_comm_s
-            comm = m * sc.tp_comm_s + sync_busy + (stats1 - stats0)
+            comm = m * sc.tp_comm_s + sync_busy + (stats1 - stats0) + gather_busy
             p2p = p2p_busy.get((pi, k), 0.0)
             reports.append(StageReport(
                 pipeline=pi, stage=k, devices=st.devices, device_type=dtype, tp=st.tp, layers=st.layers,

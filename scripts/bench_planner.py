@@ -182,10 +182,9 @@ def measured_case(profile_dir: Path, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         planned, sym = d / "plan.yaml", d / "symmetric.yaml"
-        # ZeRO-1 off: the engine does not implement it yet (the planner's choice does not depend on it
-        # on this cluster: memory is ample).
+        # ZeRO-1 as `hspmd plan` defaults (the symmetric baseline plan gets the same setting).
         cmd = hspmd + ["plan", "--model", "llama-tiny", "--cluster", "cpu-hetero4", "--profile", str(profile_dir),
-                       "--global-batch", "8", "--seq-len", "64", "--no-zero", "-o", str(planned),
+                       "--global-batch", "8", "--seq-len", "64", "-o", str(planned),
                        "--symmetric-out", str(sym), "--format", "json"]
         report = json.loads(subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True).stdout)
         out = {"plan": report["summary"], "predicted_s": report["step_time_s"],

@@ -1,18 +1,21 @@
 """Simulator fidelity on cpu-hetero4: simulated (`hspmd simulate`) vs measured (`hspmd train`) step time.
 
-Profiles the cluster first, in the same run (`hspmd profile`: every figure the simulator uses comes from
-it, measured independently of the plans below), then for each plan simulates one step with that profile
-and trains the plan, and compares the measured step time with the simulated one. Targets: every
-relative error <= 10%, and the plans ranked in the same order.
+Each round profiles the cluster (`hspmd profile`: every figure the simulator uses comes from it, measured
+independently of the plans below), simulates one step of every plan with that profile, then trains every
+plan once (the plans take turns). Targets: every relative error <= 10%, and the plans ranked in the same
+order.
 
     python scripts/bench_simulator.py [--steps 10] [--rounds 3] [--profile DIR] [--plans a,b] [--json]
 
-Measured step time of a plan: the median of its steps after 2 warm-up steps (each step's time is the
-slowest worker's), in each of ``--rounds`` runs (the plans take turns, round after round); the lowest
-of those medians is reported, since other processes on a shared machine only ever slow a run down. A
-run during which other processes used more than ``--max-foreign`` cores of CPU on average is repeated
-once. `--json` prints one JSON object: `errors` (relative error per plan), `max_abs_error`,
-`rank_preserved`, and the figures behind them. Everything else goes to stderr.
+The host's speed drifts by 10-30% over seconds to minutes (a shared VM: the same block, alone on its
+pinned core, at times runs 1.5-2x slower for a few hundred ms), and the profile is taken on the same host:
+so a profile and the runs it is compared with are taken close together, round after round, and both
+sides use medians. Measured step time of a plan in a round: the median of its steps after 2 warm-up steps
+(each step's time is the slowest worker's); the plan's measured time is the median over the rounds, its
+simulated time the median of the rounds' simulations. A run during which other processes used more than
+``--max-foreign`` cores of CPU on average is repeated once. `--json` prints one JSON object: `errors`
+(relative error per plan), `max_abs_error`, `rank_preserved`, and the figures behind them (per round too).
+Everything else goes to stderr.
 """
 
 from __future__ import annotations
@@ -123,54 +126,68 @@ def measured_step(plan: Path, steps: int, out: Path) -> tuple[float, float]:
     return statistics.median(times[WARMUP:]), foreign.cores
 
 
+def profile_now(prof_dir: Path) -> tuple[float, float]:
+    """Run `hspmd profile` into ``prof_dir``: (seconds, foreign CPU cores meanwhile)."""
+    t0 = time.perf_counter()
+    with ForeignCpu() as foreign:
+        proc = subprocess.run([sys.executable, "-m", "hetu_cli", "profile", "--cluster", "cpu-hetero4",
+                               "--out", str(prof_dir), "--format", "json"], capture_output=True, text=True,
+                              timeout=600, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"hspmd profile failed: {proc.stderr.strip()}")
+    return time.perf_counter() - t0, foreign.cores
+
+
+def simulate_plans(paths: dict[str, Path], prof_dir: Path) -> dict[str, float]:
+    out = {}
+    for name, path in paths.items():
+        ctx = load_plan_context(path)
+        profiles = resolve_profiles(ctx.cluster.device_types, [prof_dir])
+        cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
+        t = ctx.plan.training
+        out[name] = simulate(cm, ctx.plan.strategies[0], t.global_batch, t.schedule, t.zero).step_time_s
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=10, help=f"training steps per run (the first {WARMUP} are warm-up)")
-    ap.add_argument("--rounds", type=int, default=3, help="runs per plan (the lowest median is kept)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of profile + one run per plan (medians kept)")
     ap.add_argument("--max-foreign", type=float, default=0.25,
                     help="repeat a run once if other processes used more CPU cores than this during it")
-    ap.add_argument("--profile", type=Path, help="use this profile directory instead of profiling now")
+    ap.add_argument("--profile", type=Path, help="use this profile directory in every round instead of profiling")
     ap.add_argument("--plans", help="comma-separated subset of: " + ", ".join(PLANS))
     ap.add_argument("--json", action="store_true", help="print one JSON object of the figures on stdout")
     args = ap.parse_args()
     if args.steps <= WARMUP:
         raise SystemExit(f"--steps must be more than the {WARMUP} warm-up steps")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     names = args.plans.split(",") if args.plans else list(PLANS)
     unknown = [n for n in names if n not in PLANS]
     if unknown:
         raise SystemExit(f"--plans: unknown plan(s) {', '.join(unknown)} (have: {', '.join(PLANS)})")
     load_before = os.getloadavg()[0]
     log(f"load average {load_before:.2f} (prefer < 1.5: other processes distort the timings)")
+    sims: dict[str, list[float]] = {n: [] for n in names}
+    runs: dict[str, list[float]] = {n: [] for n in names}
+    foreign_cores: dict[str, list[float]] = {n: [] for n in names}
+    profile_s: list[float] = []
+    profile_foreign: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-sim-") as tmp:
         out = Path(tmp)
-        prof_dir = args.profile
-        profile_s = 0.0
-        profile_foreign = None
-        if prof_dir is None:
-            prof_dir = out / "profiles"
-            log("profiling cpu-hetero4 (hspmd profile) ...")
-            t0 = time.perf_counter()
-            with ForeignCpu() as foreign:
-                proc = subprocess.run([sys.executable, "-m", "hetu_cli", "profile", "--cluster", "cpu-hetero4",
-                                       "--out", str(prof_dir), "--format", "json"], capture_output=True, text=True,
-                                      timeout=600, cwd=REPO)
-            if proc.returncode != 0:
-                raise SystemExit(f"hspmd profile failed: {proc.stderr.strip()}")
-            profile_s = time.perf_counter() - t0
-            profile_foreign = foreign.cores
-            log(f"profiled in {profile_s:.1f} s (other processes: {foreign.cores:.2f} cores)")
-        simulated: dict[str, float] = {}
-        paths = {}
-        for name in names:
-            paths[name] = write_plan(name, PLANS[name], out)
-            ctx = load_plan_context(paths[name])
-            profiles = resolve_profiles(ctx.cluster.device_types, [prof_dir])
-            cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
-            t = ctx.plan.training
-            simulated[name] = simulate(cm, ctx.plan.strategies[0], t.global_batch, t.schedule, t.zero).step_time_s
-        runs: dict[str, list[float]] = {n: [] for n in names}
-        foreign_cores: dict[str, list[float]] = {n: [] for n in names}
+        paths = {name: write_plan(name, PLANS[name], out) for name in names}
         for r in range(args.rounds):
+            prof_dir = args.profile
+            if prof_dir is None:
+                prof_dir = out / f"profiles-{r}"
+                log(f"round {r + 1}: profiling cpu-hetero4 (hspmd profile) ...")
+                secs, foreign = profile_now(prof_dir)
+                profile_s.append(round(secs, 1))
+                profile_foreign.append(round(foreign, 3))
+                log(f"profiled in {secs:.1f} s (other processes: {foreign:.2f} cores)")
+            for name, t in simulate_plans(paths, prof_dir).items():
+                sims[name].append(t)
             for name in names:
                 step, foreign = measured_step(paths[name], args.steps, out)
                 if foreign > args.max_foreign:
@@ -178,9 +195,10 @@ def main() -> None:
                     step, foreign = measured_step(paths[name], args.steps, out)
                 runs[name].append(step)
                 foreign_cores[name].append(round(foreign, 3))
-                log(f"round {r + 1} {name:16s} simulated {simulated[name]:.4f} s  measured {step:.4f} s  "
+                log(f"round {r + 1} {name:16s} simulated {sims[name][-1]:.4f} s  measured {step:.4f} s  "
                     f"(other processes {foreign:.2f} cores)")
-    measured = {n: min(v) for n, v in runs.items()}
+    simulated = {n: statistics.median(v) for n, v in sims.items()}
+    measured = {n: statistics.median(v) for n, v in runs.items()}
     errors = {n: (simulated[n] - measured[n]) / measured[n] for n in names}
     rank_sim = sorted(names, key=lambda n: simulated[n])
     rank_meas = sorted(names, key=lambda n: measured[n])
@@ -193,10 +211,11 @@ def main() -> None:
         "concordant_pairs": f"{concordant}/{len(pairs)}",
         "simulated_s": {n: round(v, 5) for n, v in simulated.items()},
         "measured_s": {n: round(v, 5) for n, v in measured.items()},
-        "measured_runs_s": {n: [round(x, 5) for x in v] for n, v in runs.items()},
+        "simulated_rounds_s": {n: [round(x, 5) for x in v] for n, v in sims.items()},
+        "measured_rounds_s": {n: [round(x, 5) for x in v] for n, v in runs.items()},
         "foreign_cores": foreign_cores,
         "rank_simulated": rank_sim, "rank_measured": rank_meas,
-        "profile_s": round(profile_s, 1), "profile_foreign_cores": profile_foreign,
+        "profile_s": profile_s, "profile_foreign_cores": profile_foreign,
         "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
         "steps": args.steps, "warmup": WARMUP, "rounds": args.rounds, "training": TRAINING,
     }

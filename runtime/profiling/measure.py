@@ -735,8 +735,9 @@ def p2p_and_allreduce(rank: int, world: int, sizes: Sequence[int], *, device: to
                       reps: int = 15) -> dict:
     """Inside an initialised process group of ``world`` ranks: ping-pong between ranks 0 and 1, and an
     all-reduce over groups of 2 and of ``world`` ranks, at each message size. Rank 0 returns
-    ``{"p2p": LinkFit, "allreduce": {group size: LinkFit}}`` (latency + bytes / bandwidth; for the
-    all-reduce, bytes = 2(n-1)/n x size); the other ranks return {}."""
+    ``{"p2p": LinkFit, "allreduce": {group size: LinkFit}, "allgather": {group size: LinkFit}}`` (latency
+    + bytes / bandwidth; for the all-reduce, bytes = 2(n-1)/n x size; for the all-gather of ``size``
+    gathered bytes, as ZeRO-1 gathers its parameter chunks, (n-1)/n x size); the other ranks return {}."""
     import torch.distributed as dist
 
     device = torch.device(device)
@@ -756,6 +757,7 @@ def p2p_and_allreduce(rank: int, world: int, sizes: Sequence[int], *, device: to
 
     p2p_x, p2p_y = [], []
     ar: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in group_sizes}
+    ag: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in group_sizes}
     for size in sizes:
         buf = torch.zeros(max(1, size // 4), device=device)
         nbytes = buf.numel() * 4
@@ -785,11 +787,20 @@ def p2p_and_allreduce(rank: int, world: int, sizes: Sequence[int], *, device: to
 
             ar[n][0].append(2.0 * (n - 1) / n * nbytes)
             ar[n][1].append(timed(reduce))
+            part = max(1, buf.numel() // n)
+            gathered = torch.zeros(part * n, device=device)
+
+            def gather(g=g, member=member, gathered: torch.Tensor = gathered, part: int = part) -> None:
+                if member:
+                    dist.all_gather_into_tensor(gathered, gathered[:part].clone(), group=g)
+
+            ag[n][0].append((n - 1) / n * part * n * 4)
+            ag[n][1].append(timed(gather))
     wake = _p2p_wake(rank, device, reps)
     if rank != 0:
         return {}
     return {"p2p": _link_fit(p2p_x, p2p_y), "allreduce": {n: _link_fit(x, y) for n, (x, y) in ar.items()},
-            "p2p_wake": wake}
+            "allgather": {n: _link_fit(x, y) for n, (x, y) in ag.items()}, "p2p_wake": wake}
 
 
 def _p2p_wake(rank: int, device: torch.device, reps: int,

@@ -196,6 +196,9 @@ class CommFigures:
     bandwidth_efficiency: float   # fraction of the cluster's link bandwidth collectives reach
     p2p: LinkFit | None = None    # measured between two local devices of this type
     allreduce: Mapping[int, LinkFit] = field(default_factory=dict)  # measured, by group size
+    # Measured, by group size: an all-gather of B gathered bytes takes latency + (n-1)/n x B / bandwidth
+    # (absent: half an all-reduce, as a ring all-gather would be).
+    allgather: Mapping[int, LinkFit] = field(default_factory=dict)
     # Measured: how much later a process blocked in a receive resumes after waiting t seconds (its core
     # idle meanwhile): ``forward_s * (1 - exp(-t / tau_s))`` (forward_s = backward_s).
     p2p_wake: ResumePenalty | None = None
@@ -207,6 +210,8 @@ class CommFigures:
         c.check(0 < self.bandwidth_efficiency <= 1, "bandwidth_efficiency", "must be in (0, 1]")
         for n in self.allreduce:
             c.check(n >= 2, f"allreduce.{n}", "group size must be at least 2")
+        for n in self.allgather:
+            c.check(n >= 2, f"allgather.{n}", "group size must be at least 2")
         c.raise_if_any()
 
 

@@ -226,7 +226,8 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
         p2p_latency_s=_r(p2p.latency_s) if p2p else (20e-6 if cuda else 1e-3),
         allreduce_latency_s=_r(allreduce[n_ar].latency_s / (2 * (n_ar - 1))) if allreduce else (15e-6 if cuda
                                                                                                 else 1e-3),
-        bandwidth_efficiency=0.75, p2p=p2p, allreduce=allreduce, p2p_wake=links.get("p2p_wake"))
+        bandwidth_efficiency=0.75, p2p=p2p, allreduce=allreduce, allgather=links.get("allgather", {}),
+        p2p_wake=links.get("p2p_wake"))
     memory = MemoryFigures(framework_overhead_gib=_r(links.get("rss_gib", 0.0) or (2.0 if cuda else 0.3)))
     optimizer = OptimizerFit(seconds_per_param=_r(opt.seconds_per_param * slowdown), fixed_s=_r(opt.fixed_s * slowdown),
                              seconds_per_tensor=_r(opt.seconds_per_tensor * slowdown))

@@ -316,3 +316,53 @@ def test_step_overhead_and_sync_packing_are_priced():
     assert cm.estimate(dp, 2).step_time_s == pytest.approx(plain.estimate(dp, 2).step_time_s
                                                           + cm.step_overhead_times(dp)[0]
                                                           + cm.sync_group_time(group) - plain.sync_group_time(group))
+
+
+def test_zero1_adds_the_parameter_allgather():
+    cm = cm_for(hand_set(latency=0.001))
+    dp = Strategy("dp", (Pipeline(4, (Stage((0,), (0, 6)),)), Pipeline(4, (Stage((1,), (0, 6)),))))
+    (group,) = cm.sync_plan(dp)
+    bw = CPU4.bandwidth_gbs(0, 1) * 1e9                  # no measured all-reduce: the link, efficiency 1
+    nbytes = TINY.total_params() * 4                     # fp32 parameters, one bucket (< 32 MiB)
+    # A ring all-gather of 2: n-1 = 1 step of latency 0.001 (an all-reduce has 2), half the traffic.
+    gather = 0.001 + nbytes / (2 * bw)
+    assert cm.zero_gather_time(group) == pytest.approx(gather)
+    assert cm.zero_gather_times(dp) == pytest.approx({0: gather, 1: gather})
+    assert cm.zero_gather_times(dp, zero=False) == {0: 0.0, 1: 0.0}
+    n, _ = cm.device_params(dp)[0]
+    plain, zero = cm.estimate(dp, 8, zero=False), cm.estimate(dp, 8, zero=True)
+    # ZeRO-1 on: the optimizer updates half the parameters (1 us each), then the all-gather runs.
+    assert zero.step_time_s == pytest.approx(plain.step_time_s - 1e-6 * n / 2 + gather)
+    assert zero.extra["zero_gather_s"] == pytest.approx(gather) and plain.extra["zero_gather_s"] == 0.0
+    # One pipeline: no replicas, nothing sharded, nothing gathered.
+    one = Strategy("one", (Pipeline(8, (Stage((0,), (0, 6)),)),))
+    assert cm.estimate(one, 8, zero=True).step_time_s == cm.estimate(one, 8, zero=False).step_time_s
+
+
+def test_zero1_allgather_per_sync_bucket():
+    from planner.cost import SyncGroup
+
+    cm = cm_for(hand_set(latency=0.001))
+    group = SyncGroup((0, 1), numel=20e6)                # 80 MB of fp32: 3 buckets of 32 MiB at most
+    bw = CPU4.bandwidth_gbs(0, 1) * 1e9
+    assert cm.sync_buckets(group) == 3
+    assert cm.zero_gather_time(group) == pytest.approx(3 * 0.001 + 80e6 / (2 * bw))
+
+
+def test_zero1_allgather_uses_the_measured_fit():
+    from planner.cost import SyncGroup
+    from runtime.profiling.profile import LinkFit
+
+    ps = hand_set(latency=0.001)
+    fits = {2: LinkFit(latency_s=0.002, bandwidth_gbs=0.5), 4: LinkFit(latency_s=0.006, bandwidth_gbs=0.25)}
+    ps = ProfileSet({t: ResolvedProfile(dataclasses.replace(ps[t], comm=dataclasses.replace(ps[t].comm,
+                                                                                           allgather=fits)), None)
+                     for t in ps})
+    cm = cm_for(ps)
+    # Measured: latency + (n-1)/n x gathered bytes / bandwidth, the group size's own fit; one 4 MB bucket.
+    assert cm.allgather_time([0, 1], 4e6) == pytest.approx(0.002 + 0.5 * 4e6 / 0.5e9)
+    assert cm.allgather_time([0, 1, 2, 3], 4e6) == pytest.approx(0.006 + 0.75 * 4e6 / 0.25e9)
+    assert cm.zero_gather_time(SyncGroup((0, 1), numel=1e6)) == pytest.approx(0.002 + 0.5 * 4e6 / 0.5e9)
+    # A group size not measured: the nearest one's fit (a tie goes to the smaller), its latency scaled by
+    # ring steps: 3 devices take 2 steps where 2 take 1.
+    assert cm.allgather_time([0, 1, 2], 3e6) == pytest.approx(0.002 * 2 + 2 / 3 * 3e6 / 0.5e9)

@@ -264,3 +264,19 @@ def test_resume_and_wake_penalties_follow_idle_time():
     w = simulate(cost_model(ps), chain(1, [2, 2]), 1)
     first = wake.extra_s(2.0, False)
     assert w.step_time_s == pytest.approx(base.step_time_s + first + wake.extra_s(6.0 + first, False))
+
+
+def test_zero1_allgather_follows_the_optimizer():
+    cm = cost_model(profiles(latency=0.001))
+    dp = Strategy("dp", (Pipeline(2, (Stage((0,), (0, 6)),)), Pipeline(2, (Stage((1,), (0, 6)),))))
+    plain, zero = simulate(cm, dp, 4, zero=False), simulate(cm, dp, 4, zero=True)
+    (group,) = cm.sync_plan(dp)
+    n, _ = cm.device_params(dp)[0]
+    gather = cm.zero_gather_time(group)
+    assert gather > 0
+    # Half the optimizer's per-parameter work (1 us each), then the all-gather, nothing else changes.
+    assert zero.step_time_s == pytest.approx(plain.step_time_s - 1e-6 * n / 2 + gather)
+    ev = [e for e in zero.events if e.category == "zero_gather"]
+    opt_end = max(e.end_s for e in zero.events if e.category == "optimizer")
+    assert len(ev) == 2 and all(e.start_s == pytest.approx(opt_end) for e in ev)
+    assert not [e for e in plain.events if e.category == "zero_gather"]
