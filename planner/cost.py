@@ -54,8 +54,8 @@ counted (2 all-reduces forward, 2 backward per layer, as the runtime lays Megatr
 CPU-emulated device type only the CPU-time part of the TP overhead (``tp_blocks_cpu``) is stretched by its
 slowdown: the runtime sleeps a multiple of each compute block's CPU time. ``step_overhead_time`` (the
 step's code outside its spans) and the gradient sync's packing (``sync_group_time``) come from measured
-profiles too; ``resume_penalty``, ``comm_wake`` and ``core_sharing`` are measured host effects that only
-the simulator plays out (see planner/simulate.py).
+profiles too; ``resume_penalty``, ``comm_wake``, ``core_sharing`` and ``core_handoff`` are measured host
+effects that only the simulator plays out (see planner/simulate.py).
 
 Pure formulas (module level): ``pipeline_time`` (1F1B: ``(m-1)*max(t) + sum(t) + sum(boundary comm)``;
 GPipe: the same on forward and backward separately), ``in_flight_micro_batches`` (1F1B: stage k of S
@@ -79,6 +79,7 @@ from runtime.models.params import llama_parameters
 from runtime.profiling.profile import (
     ComponentFit,
     ComputeFigures,
+    CoreHandoff,
     DeviceProfile,
     LinkFit,
     ProfileSet,
@@ -110,6 +111,17 @@ BOUNDARY_BYTES = 4
 
 # ---------------------------------------------------------------------------------------------------
 # Pure formulas
+
+
+def _log_interp(pts: Sequence[tuple[int, float]], s: float) -> float:
+    """Linear in log ``s`` between sorted (s, value) points; the end values beyond them."""
+    if s <= pts[0][0]:
+        return pts[0][1]
+    for (s0, e0), (s1, e1) in zip(pts, pts[1:]):
+        if s <= s1:
+            w = math.log(s / s0) / math.log(s1 / s0)
+            return e0 + w * (e1 - e0)
+    return pts[-1][1]
 
 
 def pipeline_time(forward_s: Sequence[float], backward_s: Sequence[float], micro_batches: int,
@@ -510,15 +522,18 @@ class CostModel:
         m = self.profiles[device_type].measured_model(self.model)
         if m is None or not m.core_sharing:
             return 1.0
-        pts = sorted(m.core_sharing.items())
-        s = self.seq_len
-        if s <= pts[0][0]:
-            return pts[0][1]
-        for (s0, e0), (s1, e1) in zip(pts, pts[1:]):
-            if s <= s1:
-                w = math.log(s / s0) / math.log(s1 / s0)
-                return e0 + w * (e1 - e0)
-        return pts[-1][1]
+        return _log_interp(sorted(m.core_sharing.items()), self.seq_len)
+
+    def core_handoff(self, device_type: str) -> CoreHandoff | None:
+        """The scheduler's delays around a compute block of an emulated device whose core's other process
+        computes, at this sequence length (measured profiles: interpolated in log length; None otherwise)."""
+        m = self.profiles[device_type].measured_model(self.model)
+        if m is None or not m.core_handoff:
+            return None
+        pts = sorted(m.core_handoff.items())
+        return CoreHandoff(**{k: max(0.0, _log_interp([(s, getattr(h, k)) for s, h in pts], self.seq_len))
+                              for k in ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s",
+                                        "cold_backward_s")})
 
     def comm_wake(self, device_type: str) -> ResumePenalty | None:
         """How much later a device blocked in communication resumes after waiting (measured profiles)."""

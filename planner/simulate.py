@@ -15,7 +15,10 @@ On a CPU-emulated cluster the devices are processes on one host, each pinned to 
 as the launcher pins them (runtime/launch/options.py ``emulated_cpu_shares``): compute blocks running on
 the same core at the same time share it (processor sharing; a TP group's block runs at the pace of its
 slowest member), and an emulated slower device sleeps ``slowdown - 1`` times each compute block's CPU
-time, as the runtime does.
+time, as the runtime does. The kernel's scheduler hands a core over in time slices, not as a fluid: where
+a process finishes a block, wakes from its sleep or from a blocking receive while the other process on
+its core computes, it waits that much longer for the core as ``hspmd profile`` measured
+(``CoreHandoff``; nothing on an idle core).
 
 The result has the step time, per-stage compute / comm / bubble, the peak number of in-flight
 micro-batches each stage reached (hence its peak memory), and a timeline for Chrome-trace / Perfetto.
@@ -31,7 +34,7 @@ from typing import Any
 
 from planner.cost import CostModel, Schedule
 from runtime.launch.options import emulated_cpu_shares
-from runtime.profiling.profile import ResumePenalty
+from runtime.profiling.profile import CoreHandoff, ResumePenalty
 from runtime.spec.plan import Strategy
 
 
@@ -194,6 +197,14 @@ class _Sim:
     * A compute op with a ``resume`` penalty needs that much more CPU time the longer its resource idled
       since its previous compute op's CPU work ended (cold caches; measured by ``hspmd profile``); a
       communication op with a ``wake`` penalty ends that much later the longer it waited for its peers.
+    * ``handoff`` (an op's ``CoreHandoff``): the core is not shared as a fluid. A process that used up its
+      time slice is switched out at its next system call, and one that wakes up runs only once the
+      scheduler hands it the core. So where another compute op is active on a core of the op's ``hosts``
+      at that moment: a compute op's CPU work is followed by ``handoff_s`` before its tail; an op that
+      starts right after its resource's emulation sleep starts ``wake_s`` later; a communication op that
+      waited for its peers ends ``recv_wake_s`` later. And a forward / backward op needs ``cold_forward_s``
+      / ``cold_backward_s`` more CPU time when another resource's compute ran on its cores since its
+      resource's previous op started (that work took over the caches). On an idle core none applies.
     """
 
     def __init__(self, cores: dict[str, float] | None = None) -> None:
@@ -204,15 +215,18 @@ class _Sim:
     def add(self, op: str, resource: str, duration: float = 0.0, deps: Sequence[str] = (),
             waits: Sequence[tuple[str, float]] = (), *, cpu: float = 0.0, comm: float = 0.0, stretch: float = 1.0,
             comm_cpu: float = 0.0, hosts: Sequence[tuple[str, float]] = (), resume: ResumePenalty | None = None,
-            wake: ResumePenalty | None = None, sharing: float = 1.0, **info: Any) -> None:
+            wake: ResumePenalty | None = None, sharing: float = 1.0, handoff: CoreHandoff | None = None,
+            **info: Any) -> None:
         """``duration``: a fixed-length op (communication); ``cpu``/``comm``/``stretch``: a compute block;
         ``resume``: its extra CPU time after its resource idled (from the end of its last compute op);
         ``wake``: a communication op's extra time when it waited for its peers (blocked, core idle);
-        ``sharing``: a compute op's efficiency while a core it runs on is time-shared."""
+        ``sharing``: a compute op's efficiency while a core it runs on is time-shared; ``handoff``: the
+        scheduler's delays when a core of ``hosts`` is busy with another op (communication ops take
+        ``hosts`` for this only)."""
         hosts = [(h, d) for h, d in hosts if h in self.cores]
         self.ops[op] = {"resource": resource, "duration": duration, "deps": list(deps), "waits": list(waits),
                         "cpu": cpu, "comm": comm, "stretch": stretch, "comm_cpu": comm_cpu, "hosts": hosts,
-                        "resume": resume, "wake": wake, "sharing": sharing, **info}
+                        "resume": resume, "wake": wake, "sharing": sharing, "handoff": handoff, **info}
         self.queue.setdefault(resource, []).append(op)
 
     def run(self) -> dict[str, tuple[float, float]]:
@@ -226,6 +240,13 @@ class _Sim:
         work: dict[str, float] = {}     # compute op -> its CPU seconds (with any resume penalty)
         used: dict[str, float] = {}     # compute op -> CPU time it consumed (more than work when sharing)
         cpu_end: dict[str, float] = {}  # resource -> when its last compute op's CPU work ended
+        pending: dict[str, float] = {}  # compute op -> when it gets its core (a wake-up on a busy core)
+        slept: dict[str, bool] = {}     # resource -> its last op ended in an emulated device's sleep
+        users: dict[str, set[str]] = {}  # host -> the resources with ops on it
+        for info in self.ops.values():
+            for h, _ in info["hosts"]:
+                users.setdefault(h, set()).add(info["resource"])
+        foreign: set[tuple[str, str]] = set()   # (host, resource): another resource computed there since
         watchers: dict[str, set[str]] = {}     # op -> resources to wake when it starts or completes
         for info in self.ops.values():
             for d in info["deps"]:
@@ -241,6 +262,12 @@ class _Sim:
             seq += 1
             heapq.heappush(heap, (end, seq, op))
 
+        def core_busy(op: str) -> bool:
+            """Another compute op is running on a core of ``op``'s hosts now (one ending this instant is not)."""
+            mine = {h for h, _ in self.ops[op]["hosts"]}
+            return bool(mine) and any(o != op and left > 1e-9 and any(h in mine for h, _ in self.ops[o]["hosts"])
+                                      for o, left in active.items())
+
         def try_end(op: str) -> bool:
             """End a started communication / fixed op once the ops it waits on have started."""
             info = self.ops[op]
@@ -251,8 +278,11 @@ class _Sim:
             for w, secs in info["waits"]:
                 end = max(end, max(start, starts[w]) + secs)
             latest = max((starts[w] for w, _ in info["waits"]), default=start)
-            if info["wake"] is not None and latest > start:   # blocked meanwhile: resumes later
-                end += info["wake"].extra_s(latest - start, False)
+            if latest > start:   # blocked meanwhile: resumes later
+                if info["wake"] is not None:
+                    end += info["wake"].extra_s(latest - start, False)
+                if info["handoff"] is not None and core_busy(op):
+                    end += info["handoff"].recv_wake_s
             finish_at(op, end)
             return True
 
@@ -260,7 +290,8 @@ class _Sim:
             info = self.ops[op]
             cpu_end[info["resource"]] = cpu_done
             cpu = used.get(op, work[op])
-            return cpu_done + info["comm"] + (info["stretch"] - 1.0) * (cpu + info["comm_cpu"])
+            handoff = info["handoff"].handoff_s if info["handoff"] is not None and core_busy(op) else 0.0
+            return cpu_done + handoff + info["comm"] + (info["stretch"] - 1.0) * (cpu + info["comm_cpu"])
 
         def advance(r: str) -> None:
             op = busy[r]
@@ -276,16 +307,27 @@ class _Sim:
                 return
             head[r] += 1
             busy[r] = op
-            starts[op] = now
+            delay = info["handoff"].wake_s if slept.get(r) and info["handoff"] is not None and core_busy(op) else 0.0
+            slept[r] = False
+            starts[op] = now + delay
             if info["cpu"] > 0 or info["comm"] > 0:
                 work[op] = info["cpu"]
                 if info["resume"] is not None:   # caches gone cold while the device idled
                     work[op] += info["resume"].extra_s(now - cpu_end.get(r, 0.0), info.get("kind") == "backward")
+                kind = info.get("kind")
+                mine = [(h, r) for h, _ in info["hosts"]]
+                if info["handoff"] is not None and kind in ("forward", "backward") and foreign.intersection(mine):
+                    h = info["handoff"]   # ... or another process worked on its core meanwhile
+                    work[op] += h.cold_forward_s if kind == "forward" else h.cold_backward_s
+                foreign.difference_update(mine)
                 if info["hosts"] and work[op] > 0:
-                    active[op] = work[op]
                     used[op] = 0.0
+                    if delay > 0:
+                        pending[op] = now + delay
+                    else:
+                        active[op] = work[op]
                 else:
-                    finish_at(op, compute_tail(op, now + work[op]))
+                    finish_at(op, compute_tail(op, starts[op] + work[op]))
             else:
                 try_end(op)
             for wr in watchers.get(op, ()):
@@ -317,20 +359,30 @@ class _Sim:
                 if t < t_cpu:
                     t_cpu, cpu_op = t, o
             t_heap = heap[0][0] if heap else math.inf
-            if cpu_op is None and not heap:
+            woken = min(pending, key=lambda o: pending[o]) if pending else None
+            t_pend = pending[woken] if woken is not None else math.inf
+            if cpu_op is None and not heap and woken is None:
                 break
-            t_next = min(t_cpu, t_heap)
+            t_next = min(t_cpu, t_heap, t_pend)
             for o in active:
                 active[o] -= (t_next - now) * rate[o]
                 used[o] += (t_next - now) * share[o]
+                if t_next > now:
+                    mine = self.ops[o]["resource"]
+                    foreign.update((h, r) for h, _ in self.ops[o]["hosts"] for r in users[h] if r != mine)
             now = t_next
-            if cpu_op is not None and t_cpu <= t_heap:
+            if cpu_op is not None and t_cpu <= min(t_heap, t_pend):
                 del active[cpu_op]
                 finish_at(cpu_op, compute_tail(cpu_op, now))
+                continue
+            if woken is not None and t_pend <= t_heap:
+                del pending[woken]
+                active[woken] = work[woken]
                 continue
             _, _, op = heapq.heappop(heap)
             done[op] = times[op][1]
             r = self.ops[op]["resource"]
+            slept[r] = self.ops[op]["stretch"] > 1.0 and (self.ops[op]["cpu"] > 0 or self.ops[op]["comm"] > 0)
             busy[r] = None
             advance(r)
             for wr in watchers.get(op, ()):
@@ -360,8 +412,12 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
         and CPU time, the stretch, the cores it runs on. ``total``/``tp`` as the cost model gives them."""
         k = cm.emulated_slowdown(type_of[devices[0]])
         return {"cpu": (total - tp) / k, "comm": tp - (k - 1.0) * tp_cpu, "comm_cpu": tp_cpu, "stretch": k,
-                "hosts": [h for d in devices for h in hosts_of.get(d, ())],
-                "sharing": cm.core_sharing(type_of[devices[0]])}
+                **waiting(devices), "sharing": cm.core_sharing(type_of[devices[0]])}
+
+    def waiting(devices: Sequence[int]) -> dict[str, Any]:
+        """The cores an op's devices run on and the scheduler's delays there (``_Sim``'s handoff)."""
+        return {"hosts": [h for d in devices for h in hosts_of.get(d, ())],
+                "handoff": cm.core_handoff(type_of[devices[0]])}
 
     # The stages' action lists: compute, and communication groups (a rendezvous with the matching side).
     where: dict[tuple[int, int, str, int], str] = {}   # (pipeline, stage, transfer kind, mb) -> comm op id
@@ -399,7 +455,8 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
                         waits.append((where[pi, k + off, peer_kind, j], secs))
                         own = max(own, secs)
                     sim.add(f"{res}C{ai}", res, own, waits=waits, kind="p2p", pipeline=pi, stage=k, mb=what[0][1],
-                            transfers=what, transfer_s=own, wake=cm.comm_wake(type_of[st.devices[0]]))
+                            transfers=what, transfer_s=own, wake=cm.comm_wake(type_of[st.devices[0]]),
+                            **waiting(st.devices))
     # After its stage's last action each device runs the step's own code (gradients collected, norm
     # summed: CPU work, never stretched), joins its gradient-sync groups in the global order (a group's
     # all-reduce completes when its last member has joined), then the step's loss / grad-norm all-reduce
@@ -415,8 +472,8 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
     for d in strategy.devices:
         if overhead[d] > 0:
             sim.add(f"over{d}", f"dev{d}", deps=[last_of[d]], kind="step", pipeline=stage_of[d][0],
-                    stage=stage_of[d][1], mb=None, cpu=overhead[d], hosts=hosts_of.get(d, ()),
-                    sharing=cm.core_sharing(type_of[d]))
+                    stage=stage_of[d][1], mb=None, cpu=overhead[d], sharing=cm.core_sharing(type_of[d]),
+                    **waiting((d,)))
             last_of[d] = f"over{d}"
     for gi, g in enumerate(plan):
         secs = cm.sync_group_time(g)
@@ -424,7 +481,7 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
             sim.add(f"g{gi}d{d}", f"dev{d}", secs, [last_of[d]], waits=[(f"g{gi}d{e}", secs) for e in g.devices
                                                                        if e != d],
                     kind="grad_sync", pipeline=stage_of[d][0], stage=stage_of[d][1], mb=None,
-                    wake=cm.comm_wake(type_of[d]))
+                    wake=cm.comm_wake(type_of[d]), **waiting((d,)))
             last_of[d] = f"g{gi}d{d}"
     sim.add("stats", "world", cm.clip_time(strategy.devices), sorted(set(last_of.values())), kind="clip",
             pipeline=-1, stage=-1, mb=None)
@@ -443,7 +500,7 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
             sim.add(f"z{gi}d{d}", f"dev{d}", secs, [last_of[d]], waits=[(f"z{gi}d{e}", secs) for e in g.devices
                                                                        if e != d],
                     kind="zero_gather", pipeline=stage_of[d][0], stage=stage_of[d][1], mb=None,
-                    wake=cm.comm_wake(type_of[d]))
+                    wake=cm.comm_wake(type_of[d]), **waiting((d,)))
             last_of[d] = f"z{gi}d{d}"
     times = sim.run()
     step = max(end for _, end in times.values())

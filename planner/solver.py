@@ -82,15 +82,29 @@ class SolveResult:
 
 def solve(problem: pulp.LpProblem, time_limit: float | None = None, *, prefer: str = "highs",
           objective_bound: float | None = None) -> SolveResult:
-    """Solve ``problem`` in place; fall back to CBC if HiGHS errors out."""
+    """Solve ``problem`` in place; fall back to CBC if HiGHS errors out or gives up on numerics."""
     try:
         problem.solve(make_solver(time_limit, prefer=prefer, objective_bound=objective_bound))
+        failed = prefer != "cbc" and _highs_solve_error(problem)
     except pulp.PulpSolverError:
         if prefer == "cbc":
             raise
+        failed = True
+    if failed:
         with contextlib.suppress(AttributeError):
             problem.solverModel = None
         problem.solve(make_solver(time_limit, prefer="cbc"))
     sol = problem.sol_status
     ok = sol in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     return SolveResult(ok=ok, optimal=sol == pulp.LpSolutionOptimal, status=pulp.LpSolution[sol])
+
+
+def _highs_solve_error(problem: pulp.LpProblem) -> bool:
+    """HiGHS can find an optimum, then refuse it when its final check sees a primal infeasibility at the
+    tolerance (big-M rows): it reports "solve error" and PuLP "not solved". CBC accepts such solutions."""
+    model = getattr(problem, "solverModel", None)
+    if model is None or not hasattr(model, "getModelStatus"):
+        return False
+    import highspy
+
+    return model.getModelStatus() == highspy.HighsModelStatus.kSolveError

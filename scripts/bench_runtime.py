@@ -67,11 +67,28 @@ def hspmd_steps(plan: Path, steps: int, warmup: int, strategy: str | None = None
 def plain_steps(plan: Path, steps: int, warmup: int) -> float:
     import torch
 
+    from runtime.launch.options import emulated_cpu_shares, host_cpus
+
+    ctx = load_plan_context(plan)
+    # The CPU share the launcher gives this device's worker (threads and pinned cores: an emulated device
+    # gets the same share whichever plan runs it), so both sides compute on the same cores.
+    (device,) = ctx.plan.strategies[0].devices
+    threads, cpus = emulated_cpu_shares([device], ctx.cluster.num_devices, host_cpus())
+    torch.set_num_threads(threads)
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if before is not None:
+        os.sched_setaffinity(0, cpus[device])
+    try:
+        return _plain_loop(ctx, steps, warmup)
+    finally:
+        if before is not None:
+            os.sched_setaffinity(0, before)
+
+
+def _plain_loop(ctx, steps: int, warmup: int) -> float:
     from runtime.data import SyntheticTokens
     from runtime.engine import ReferenceTrainer
 
-    torch.set_num_threads(os.cpu_count() or 1)  # what the launcher gives a lone worker
-    ctx = load_plan_context(plan)
     t = ctx.plan.training
     trainer = ReferenceTrainer(ctx.model, t)
     source = SyntheticTokens(ctx.model.vocab_size, t.global_batch, t.seq_len, t.seed)

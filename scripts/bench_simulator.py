@@ -10,9 +10,11 @@ order.
 The host's speed drifts by 10-30% over seconds to minutes (a shared VM: the same block, alone on its
 pinned core, at times runs 1.5-2x slower for a few hundred ms), and the profile is taken on the same host:
 so a profile and the runs it is compared with are taken close together, round after round, and both
-sides use medians. Measured step time of a plan in a round: the median of its steps after 2 warm-up steps
-(each step's time is the slowest worker's); the plan's measured time is the median over the rounds, its
-simulated time the median of the rounds' simulations. A run during which other processes used more than
+sides use medians. Each round also simulates every plan without the profile's ``core_handoff`` (plain
+processor sharing of the pinned cores, as before that figure existed), for comparison. Measured step
+time of a plan in a round: the median of its steps after 2 warm-up steps (each step's time is the
+slowest worker's); the plan's measured time is the median over the rounds, its simulated time the median
+of the rounds' simulations. A run during which other processes used more than
 ``--max-foreign`` cores of CPU on average is repeated once. `--json` prints one JSON object: `errors`
 (relative error per plan), `max_abs_error`, `rank_preserved`, and the figures behind them (per round too).
 Everything else goes to stderr.
@@ -21,6 +23,7 @@ Everything else goes to stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -38,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from planner.cost import CostModel  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
-from runtime.profiling.profile import resolve_profiles  # noqa: E402
+from runtime.profiling.profile import ProfileSet, ResolvedProfile, load_profile, resolve_profiles  # noqa: E402
 from runtime.spec import load_plan_context  # noqa: E402
 
 # Sequences of 256 tokens (llama-tiny's longest): per micro-batch the compute dominates the fixed costs of
@@ -138,15 +141,30 @@ def profile_now(prof_dir: Path) -> tuple[float, float]:
     return time.perf_counter() - t0, foreign.cores
 
 
-def simulate_plans(paths: dict[str, Path], prof_dir: Path) -> dict[str, float]:
+def simulate_plans(paths: dict[str, Path], prof_dir: Path, handoff: bool = True) -> dict[str, float]:
+    """Each plan's simulated step time; ``handoff=False``: without the profile's ``core_handoff`` (the
+    scheduler's delays and cold caches on a busy core), i.e. plain processor sharing, for comparison."""
     out = {}
     for name, path in paths.items():
         ctx = load_plan_context(path)
         profiles = resolve_profiles(ctx.cluster.device_types, [prof_dir])
+        if not handoff:
+            profiles = ProfileSet({t: ResolvedProfile(dataclasses.replace(profiles[t], models={
+                k: dataclasses.replace(m, core_handoff={}) for k, m in profiles[t].models.items()}), None)
+                for t in profiles})
         cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
         t = ctx.plan.training
         out[name] = simulate(cm, ctx.plan.strategies[0], t.global_batch, t.schedule, t.zero).step_time_s
     return out
+
+
+def profile_handoff(prof_dir: Path) -> dict:
+    """The measured ``core_handoff`` of the profile (cpu-fast; every emulated type has the same), in ms."""
+    for path in sorted(prof_dir.glob("*.measured.yaml")):
+        for m in load_profile(path).models.values():
+            return {s: {k: round(v * 1e3, 3) for k, v in dataclasses.asdict(h).items()}
+                    for s, h in sorted(m.core_handoff.items())}
+    return {}
 
 
 def main() -> None:
@@ -170,6 +188,8 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     log(f"load average {load_before:.2f} (prefer < 1.5: other processes distort the timings)")
     sims: dict[str, list[float]] = {n: [] for n in names}
+    plain: dict[str, list[float]] = {n: [] for n in names}   # without core_handoff
+    handoffs: list[dict] = []
     runs: dict[str, list[float]] = {n: [] for n in names}
     foreign_cores: dict[str, list[float]] = {n: [] for n in names}
     profile_s: list[float] = []
@@ -188,6 +208,10 @@ def main() -> None:
                 log(f"profiled in {secs:.1f} s (other processes: {foreign:.2f} cores)")
             for name, t in simulate_plans(paths, prof_dir).items():
                 sims[name].append(t)
+            for name, t in simulate_plans(paths, prof_dir, handoff=False).items():
+                plain[name].append(t)
+            handoffs.append(profile_handoff(prof_dir))
+            log(f"core_handoff (ms): {handoffs[-1]}")
             for name in names:
                 step, foreign = measured_step(paths[name], args.steps, out)
                 if foreign > args.max_foreign:
@@ -200,6 +224,8 @@ def main() -> None:
     simulated = {n: statistics.median(v) for n, v in sims.items()}
     measured = {n: statistics.median(v) for n, v in runs.items()}
     errors = {n: (simulated[n] - measured[n]) / measured[n] for n in names}
+    plain_sim = {n: statistics.median(v) for n, v in plain.items()}
+    plain_errors = {n: (plain_sim[n] - measured[n]) / measured[n] for n in names}
     rank_sim = sorted(names, key=lambda n: simulated[n])
     rank_meas = sorted(names, key=lambda n: measured[n])
     pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
@@ -214,6 +240,11 @@ def main() -> None:
         "simulated_rounds_s": {n: [round(x, 5) for x in v] for n, v in sims.items()},
         "measured_rounds_s": {n: [round(x, 5) for x in v] for n, v in runs.items()},
         "foreign_cores": foreign_cores,
+        "errors_without_handoff": {n: round(e, 4) for n, e in plain_errors.items()},
+        "max_abs_error_without_handoff": round(max(abs(e) for e in plain_errors.values()), 4),
+        "rank_preserved_without_handoff": sorted(names, key=lambda n: plain_sim[n]) == rank_meas,
+        "simulated_without_handoff_s": {n: round(v, 5) for n, v in plain_sim.items()},
+        "core_handoff_ms": handoffs,
         "rank_simulated": rank_sim, "rank_measured": rank_meas,
         "profile_s": profile_s, "profile_foreign_cores": profile_foreign,
         "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),

@@ -33,6 +33,8 @@ hspmd profile --cluster cpu-hetero4 --out "$OUT/profiles"
 act "3. Plan: search TP groups, pipelines, layer splits and micro-batches (ILP) for the fastest plan that fits"
 hspmd plan --model llama-tiny --cluster cpu-hetero4 --profile "$OUT/profiles" --global-batch 16 --seq-len 256 \
   -o "$OUT/plan.yaml" --symmetric-out "$OUT/symmetric.yaml"
+echo "(the 4 emulated devices are processes sharing this host's cores: when the slow ones would take more CPU"
+echo " from the fast ones than they contribute, the planner leaves them idle and its report says why)"
 hspmd simulate --plan "$OUT/plan.yaml" --profile "$OUT/profiles" --trace "$OUT/simulated-trace.json"
 
 act "4. Train the planned plan, then the best symmetric (Megatron-style) plan, and compare measured step times"

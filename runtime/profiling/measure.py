@@ -24,11 +24,12 @@ copy).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -509,6 +510,102 @@ def core_sharing(rank: int, pair: tuple[int, int], model: ModelSpec, seq_lens: S
         shared = res[1].item() / max(1.0, res[2].item())
         out[s] = min(1.0, alone / (shared / 2)) if shared > 0 else 1.0
     return out
+
+
+def busy_core_handoff(rank: int, pair: tuple[int, int], model: ModelSpec, seq_lens: Sequence[int], *,
+                      peer: int | None = None, sleep_ratio: float = 2.0, device: torch.device | str = "cpu",
+                      duration_s: float = 0.6, peer_wait_s: float = 0.001) -> dict[int, dict[str, dict[str, float]]]:
+    """How long an emulated device's process waits for its core around its compute blocks when the other
+    process pinned to that core computes meanwhile (inside an initialised process group; ranks ``pair``
+    share a core, ``peer`` runs on another one). The pair's first rank runs the runtime's duty cycle of an
+    emulated device (one-layer stage block forward, then backward, each wrapped in ``EmulatedSlowdown``: a
+    sleep of ``sleep_ratio`` times its CPU time after it; after each sleep, with a ``peer``, a blocking
+    receive that the peer answers ``peer_wait_s`` later), first with the second rank idle, then with it
+    computing stage blocks nonstop. Per sequence length and case ("idle", "busy"), the means over the
+    blocks of: ``wall`` of a block, its CPU time (``cpu_forward``, ``cpu_backward``: more with the core-mate
+    computing, whose work meanwhile took over the caches); ``gap`` from a block's end to the start of its sleep (the
+    process runnable, the core taken: a time-slicing scheduler switches when a process that used up its
+    slice makes a system call, here the CPU-time read that sizes the sleep); ``late``: how much later than
+    asked it runs after its sleep; ``recv``: from the peer's send to the receive's return. Returned on
+    every rank (the first rank's figures)."""
+    import torch.distributed as dist
+
+    from runtime.trace import EmulatedSlowdown
+
+    device = torch.device(device)
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    keys = ("wall", "cpu_forward", "cpu_backward", "gap", "late", "recv")
+    flag = torch.zeros(1, dtype=torch.float64)
+    for s in seq_lens:
+        run = _StageRun(model, 1, 1, False, False, 1, s, device)
+        for _ in range(2):
+            run.prepare_backward()()
+        out[s] = {}
+        for case in ("idle", "busy"):
+            dist.barrier()
+            sums = torch.zeros(len(keys), dtype=torch.float64)
+            if rank == pair[0]:
+                rec = _DutyRecorder(sleep_ratio)
+                slow = EmulatedSlowdown(1.0 + sleep_ratio, rec, sleep=rec.sleep)
+                recv: list[float] = []
+                t_end = time.perf_counter() + duration_s
+                while time.perf_counter() < t_end:
+                    fwd = run.prepare_forward()
+                    for name, block in (("forward", fwd), ("backward", run.backward)):
+                        with slow.span("compute", name):
+                            block()
+                        if peer is not None:
+                            dist.send(flag.fill_(1.0), peer)
+                            dist.recv(flag, peer)
+                            recv.append(time.perf_counter() - flag.item())
+                if peer is not None:
+                    dist.send(flag.fill_(0.0), peer)
+                rows = rec.rows[2:] or rec.rows   # the first blocks of a phase start from a cold core
+                series = {"wall": [r[0] for r in rows], "cpu_forward": [r[1] for r in rows if r[4] == "forward"],
+                          "cpu_backward": [r[1] for r in rows if r[4] == "backward"], "gap": [r[2] for r in rows],
+                          "late": [r[3] for r in rows], "recv": recv[2:] or recv}
+                for i, k in enumerate(keys):
+                    sums[i] = statistics.fmean(series[k]) if series[k] else 0.0
+            elif rank == peer:
+                while True:
+                    dist.recv(flag, pair[0])
+                    if flag.item() == 0.0:
+                        break
+                    time.sleep(peer_wait_s)
+                    dist.send(flag.fill_(time.perf_counter()), pair[0])
+            elif rank == pair[1] and case == "busy":
+                t_end = time.perf_counter() + duration_s + 0.05
+                while time.perf_counter() < t_end:
+                    run.prepare_backward()()
+            else:
+                time.sleep(duration_s)
+            dist.all_reduce(sums)
+            out[s][case] = {k: sums[i].item() for i, k in enumerate(keys)}
+    return out
+
+
+class _DutyRecorder:
+    """Hooks for ``EmulatedSlowdown`` that time each compute block, its hand-off gap and its sleep."""
+
+    def __init__(self, sleep_ratio: float) -> None:
+        self.sleep_ratio = sleep_ratio
+        self.start = self.end = 0.0
+        self.name = ""
+        self.rows: list[tuple[float, float, float, float, str]] = []   # (wall, cpu, gap, late, name) per block
+
+    @contextlib.contextmanager
+    def span(self, kind: str, name: str, **args: Any) -> Iterator[None]:
+        if kind == "compute":
+            self.start, self.name = time.perf_counter(), name
+        yield
+        if kind == "compute":
+            self.end = time.perf_counter()
+
+    def sleep(self, secs: float) -> None:
+        t0 = time.perf_counter()
+        time.sleep(secs)
+        late = max(0.0, time.perf_counter() - t0 - secs)
+        self.rows.append((self.end - self.start, secs / self.sleep_ratio, t0 - self.end, late, self.name))
 
 
 def trimmed_mean(xs: Sequence[float], cut: float = 0.1) -> float:

@@ -73,6 +73,32 @@ class ResumePenalty:
 
 
 @dataclass(frozen=True)
+class CoreHandoff:
+    """What sharing a core costs beyond processor sharing when two emulated devices' processes are pinned
+    to it and the other one computes: seconds beyond the same moment with that core idle (``hspmd
+    profile``, ``measure.busy_core_handoff``). The scheduler hands the core over in time slices:
+    ``handoff_s``: after a compute block, before the process goes on (it used up its slice; its next
+    system call hands the core to the other process); ``wake_s``: after a sleep, before it runs;
+    ``recv_wake_s``: after a blocking receive is answered, before it runs. And where the other process
+    computed since the previous block, its work took over the caches: ``cold_forward_s`` /
+    ``cold_backward_s``, the extra CPU time of a one-layer block then (beyond ``MeasuredModel.resume``, its
+    cost after idling alone)."""
+
+    handoff_s: float
+    wake_s: float
+    recv_wake_s: float
+    cold_forward_s: float = 0.0
+    cold_backward_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        for name in ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s", "cold_backward_s"):
+            v = getattr(self, name)
+            c.check(v >= 0 and math.isfinite(v), name, f"must be a non-negative number of seconds, got {v}")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True)
 class ComponentFit:
     """One component (one instance of it, on one TP shard) at one TP degree."""
 
@@ -119,12 +145,17 @@ class MeasuredModel:
     # CPU-emulated hosts with fewer cores than devices: sequence length -> efficiency of two processes
     # time-sharing one core (1 = no loss; each then progresses at efficiency / 2 of its speed alone).
     core_sharing: Mapping[int, float] = field(default_factory=dict)
+    # The same hosts: sequence length (of the one-layer blocks measured) -> the scheduler's hand-off delays
+    # around a compute block while the core's other process computes. Absent in older profiles (none).
+    core_handoff: Mapping[int, CoreHandoff] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         c = Checker()
         c.check(len(self.seq_lens) >= 1, "seq_lens", "must list the measured sequence lengths")
         for s, eff in self.core_sharing.items():
             c.check(0 < eff <= 1, f"core_sharing.{s}", f"must be in (0, 1], got {eff}")
+        for s in self.core_handoff:
+            c.check(s >= 1, f"core_handoff.{s}", "must be keyed by a positive sequence length")
         for name in ("blocks", "tp_blocks", "tp_blocks_cpu"):
             for t, blocks in getattr(self, name).items():
                 missing = [k for k in BLOCKS if k not in blocks]

@@ -31,6 +31,7 @@ from runtime.profiling.profile import (
     PROFILE_VERSION,
     CommFigures,
     ComputeFigures,
+    CoreHandoff,
     DeviceProfile,
     LinkFit,
     MeasuredModel,
@@ -201,6 +202,8 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
             mm = dataclasses.replace(mm, resume=resume[model.name])
         if links.get("core_sharing", {}).get(model.name):
             mm = dataclasses.replace(mm, core_sharing={s: _r(e) for s, e in links["core_sharing"][model.name].items()})
+        if links.get("core_handoff", {}).get(model.name):   # scheduler delays: wall time, not stretched
+            mm = dataclasses.replace(mm, core_handoff=dict(links["core_handoff"][model.name]))
         over = links.get("tp_overhead", {}).get(model.name, {})
         if over:  # As measured, not stretched: the runtime stretches only the CPU time of an emulated
             # device's compute blocks, which the cost model takes from tp_blocks_cpu.
@@ -269,9 +272,14 @@ def measure_links(target: Target, models: Sequence[ModelSpec], settings: Profile
         # Two workers the launcher pins to the same cores (fewer cores than devices): how well they share.
         pair = next(((a, b) for a in range(world) for b in range(a + 1, world)
                      if target.cpus and target.cpus[a] == target.cpus[b]), None)
+        # A process on other cores, to answer the pair's blocking receives (the hand-off probe).
+        peer = next((r for r in range(world)
+                     if pair is not None and not set(target.cpus[r]) & set(target.cpus[pair[0]])), None)
+        sleep_ratio = max(1.0, max(target.types.values(), default=1.0) - 1.0)
         procs = [ctx.Process(target=_link_worker, args=(r, world, init, cuda, settings, jobs, queue, timeout_s,
                                                         target.threads or 1, target.cpus[r] if target.cpus else (),
-                                                        pair, list(models)), daemon=True) for r in range(world)]
+                                                        pair, list(models), peer, sleep_ratio), daemon=True)
+                 for r in range(world)]
         for p in procs:
             p.start()
         try:
@@ -291,7 +299,7 @@ def measure_links(target: Target, models: Sequence[ModelSpec], settings: Profile
 def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: ProfileSettings,
                  jobs: Sequence[tuple[ModelSpec, int]], queue, timeout_s: float, threads: int = 1,
                  cpus: tuple[int, ...] = (), pair: tuple[int, int] | None = None,
-                 models: Sequence[ModelSpec] = ()) -> None:
+                 models: Sequence[ModelSpec] = (), peer: int | None = None, sleep_ratio: float = 2.0) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -317,15 +325,20 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
                 if samples is not None:
                     overhead.setdefault(model.name, {})[t] = samples
             dist.barrier()
-        sharing = {}
+        sharing, handoff = {}, {}
         if pair is not None and not cuda:
             for model in models:
                 lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
                 sharing[model.name] = measure.core_sharing(rank, pair, model,
                                                            sorted({lens[len(lens) // 2], lens[-1]}), device=dev)
+                raw = measure.busy_core_handoff(rank, pair, model, sorted({lens[len(lens) // 2], lens[-1]}),
+                                                peer=peer, sleep_ratio=sleep_ratio, device=dev,
+                                                duration_s=1.0 if settings.component_budget_s > 0 else 0.1)
+                handoff[model.name] = {s: _handoff(r) for s, r in raw.items()}
         if rank == 0:
             out["tp_overhead"] = overhead
             out["core_sharing"] = sharing
+            out["core_handoff"] = handoff
             out["rss_gib"] = _rss_gib() if not cuda else 0.0
             queue.put(out)
         dist.barrier()
@@ -333,6 +346,16 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
     except Exception as exc:  # reported to the parent, which raises it as one line
         if rank == 0:
             queue.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _handoff(raw: dict[str, dict[str, float]]) -> CoreHandoff:
+    """The delays with the core's other process computing, beyond the same with it idle."""
+    busy, idle = raw["busy"], raw["idle"]
+    return CoreHandoff(handoff_s=_r(max(0.0, busy["gap"] - idle["gap"])),
+                       wake_s=_r(max(0.0, busy["late"] - idle["late"])),
+                       recv_wake_s=_r(max(0.0, busy["recv"] - idle["recv"])),
+                       cold_forward_s=_r(max(0.0, busy["cpu_forward"] - idle["cpu_forward"])),
+                       cold_backward_s=_r(max(0.0, busy["cpu_backward"] - idle["cpu_backward"])))
 
 
 def _rss_gib() -> float:

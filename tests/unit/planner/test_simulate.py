@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 
 from hetu_cli.main import cli
 from planner.cost import CostModel, pipeline_time
-from planner.simulate import chrome_trace, schedule_actions, schedule_order, simulate
+from planner.simulate import _Sim, chrome_trace, schedule_actions, schedule_order, simulate
 from runtime.profiling.profile import (
     CommFigures,
     ComponentFit,
+    CoreHandoff,
     MeasuredModel,
     ProfileSet,
     ResolvedProfile,
@@ -280,3 +281,103 @@ def test_zero1_allgather_follows_the_optimizer():
     opt_end = max(e.end_s for e in zero.events if e.category == "optimizer")
     assert len(ev) == 2 and all(e.start_s == pytest.approx(opt_end) for e in ev)
     assert not [e for e in plain.events if e.category == "zero_gather"]
+
+
+HANDOFF = CoreHandoff(handoff_s=0.5, wake_s=0.25, recv_wake_s=0.75)
+
+
+def test_busy_core_handoff_delays_only_on_a_busy_core():
+    """Hand-computed on one core (processor sharing at efficiency 1): A computes 10 CPU-s; B (an emulated 3x
+    device: sleeps 2x the CPU time it used) computes 2, then 1 CPU-s."""
+    def play(with_a: bool, handoff: CoreHandoff | None) -> dict[str, tuple[float, float]]:
+        sim = _Sim({"c": 1.0})
+        if with_a:
+            sim.add("A", "a", cpu=10.0, hosts=[("c", 1.0)], handoff=handoff)
+        sim.add("B1", "b", cpu=2.0, stretch=3.0, hosts=[("c", 1.0)], handoff=handoff)
+        sim.add("B2", "b", cpu=1.0, stretch=3.0, hosts=[("c", 1.0)], handoff=handoff)
+        return sim.run()
+
+    # Shared: B1's CPU work ends at 4 (half the core each) with A still computing: + handoff 0.5, then the
+    # sleep of 2 x 2 -> 8.5. B2 wakes at 8.5 with A computing: starts 0.25 later (A alone from 4 to 8.75:
+    # 2 + 4.75 CPU-s done, 3.25 left), shares the core for 2 s (CPU work ends 10.75, A still busy): + 0.5,
+    # sleep 2 x 1 -> 13.25. A: 2.25 CPU-s left at 10.75, alone -> 13.0 (B is asleep then: no hand-off).
+    t = play(True, HANDOFF)
+    assert t["B1"] == pytest.approx((0.0, 8.5))
+    assert t["B2"] == pytest.approx((8.75, 13.25))
+    assert t["A"] == pytest.approx((0.0, 13.0))
+    # The same without the measured delays: B1 4 -> 8, B2 at 8 (A: 2 + 4 done) shares to 10, sleeps -> 12;
+    # A: 4 - 1 = 3 CPU-s left at 10 -> 13.
+    t = play(True, None)
+    assert t["B1"] == pytest.approx((0.0, 8.0)) and t["B2"] == pytest.approx((8.0, 12.0))
+    assert t["A"] == pytest.approx((0.0, 13.0))
+    # On an idle core the delays never apply: B1 2 + 4 sleep, B2 6 -> 7 + 2 sleep.
+    alone = play(False, HANDOFF)
+    assert alone["B1"] == pytest.approx((0.0, 6.0)) and alone["B2"] == pytest.approx((6.0, 9.0))
+    assert alone == play(False, None)
+
+
+def test_blocked_receive_wakes_late_only_on_a_busy_core():
+    # The receiver posts at 0 and waits for its peer (another core), which posts at 5; the transfer takes 0.1.
+    def play(busy_for: float) -> dict[str, tuple[float, float]]:
+        sim = _Sim({"c": 1.0, "d": 1.0})
+        if busy_for:
+            sim.add("A", "a", cpu=busy_for, hosts=[("c", 1.0)])
+        sim.add("before", "p", 5.0)
+        sim.add("send", "p", 0.1, waits=[("recv", 0.1)])
+        sim.add("recv", "r", 0.1, waits=[("send", 0.1)], hosts=[("c", 1.0)], handoff=HANDOFF)
+        return sim.run()
+
+    assert play(10.0)["recv"] == pytest.approx((0.0, 5.1 + 0.75))   # A computes at 5: woken 0.75 late
+    assert play(0.0)["recv"] == pytest.approx((0.0, 5.1))           # idle core: on time
+    assert play(3.0)["recv"] == pytest.approx((0.0, 5.1))           # A done by then: on time
+    assert play(10.0)["send"] == pytest.approx((5.0, 5.1))          # the side that did not wait: on time
+
+
+def test_core_handoff_from_the_profile_reaches_the_simulation():
+    # Fast device 0 (2 micro-batches) and a 3x slow device 2 (1), both pinned to the one core; forward 1 s,
+    # backward 3 s per layer, 6 layers: CPU work F = 6, B = 18 on either device.
+    mixed = Strategy("m", (Pipeline(2, (Stage((0,), (0, 6)),)), Pipeline(1, (Stage((2,), (0, 6)),))))
+    ps = with_cores(profiles(layer_bwd=3.0, slow=3.0), 1)
+    # Without the delays: both forwards share the core to 12 (ending together: no hand-off either way);
+    # the slow device sleeps 2 x 6 -> 24 while fast B0 runs alone (12 of 18 done); they share from 24,
+    # fast B0 ends at 36, F1 at 48 (slow: 12 done), then B1 and slow B0 share until the slow one's CPU
+    # work ends at 60 (sleep 2 x 18 -> 96) and fast B1 finishes its last 12 alone (-> 72).
+    assert simulate(cost_model(ps), mixed, 3).pipeline_end_s == pytest.approx((72.0, 96.0))
+    # With them: the slow device wakes at 24 on a busy core and starts at 24.25 (fast B0: 6.25 done); fast
+    # B0's CPU work ends at 35.75, + 0.5 hand-off (slow computing) -> 36.25, F1 shares to 48.25, + 0.5; the
+    # slow B0 (11.75, then 5.25 left at 48.75) ends its CPU work at 59.25, + 0.5, + 36 -> 95.75; fast B1
+    # has 5.25 done at 59.25 and ends alone at 72.0 (the slow one asleep: no hand-off).
+    r = simulate(cost_model(with_models(ps, core_handoff={64: HANDOFF})), mixed, 3)
+    assert r.pipeline_end_s == pytest.approx((72.0, 95.75))
+    # Interpolated in log length between measured lengths, like core_sharing.
+    cm = CostModel(TINY, FAST_LINKS, with_models(profiles(), core_handoff={
+        32: CoreHandoff(0.001, 0.002, 0.0), 128: CoreHandoff(0.003, 0.0, 0.004)}), micro_batch=1, seq_len=64,
+        step_allreduce=False)
+    h = cm.core_handoff("cpu-fast")
+    assert h is not None and (h.handoff_s, h.wake_s, h.recv_wake_s) == pytest.approx((0.002, 0.001, 0.002))
+    assert cost_model(profiles()).core_handoff("cpu-fast") is None
+
+
+def test_block_after_the_core_mate_computed_pays_its_cold_caches():
+    cold = CoreHandoff(handoff_s=0.0, wake_s=0.0, recv_wake_s=0.0, cold_forward_s=1.0, cold_backward_s=2.0)
+
+    def play(a_cpu: float, stretch: float = 1.0) -> dict[str, tuple[float, float]]:
+        sim = _Sim({"c": 1.0})
+        if a_cpu:
+            sim.add("A", "a", cpu=a_cpu, hosts=[("c", 1.0)])
+        sim.add("F", "b", cpu=2.0, stretch=stretch, hosts=[("c", 1.0)], handoff=cold, kind="forward")
+        sim.add("B", "b", cpu=4.0, stretch=stretch, hosts=[("c", 1.0)], handoff=cold, kind="backward")
+        return sim.run()
+
+    # A and F start together (nothing ran before F: no extra); F's CPU work ends at 4 at half the core. A
+    # ran meanwhile, so B needs 4 + 2 CPU-s at half the core (-> 16); A: 8 done by 16, alone -> 28.
+    t = play(20.0)
+    assert t["F"] == pytest.approx((0.0, 4.0)) and t["B"] == pytest.approx((4.0, 16.0))
+    assert t["A"] == pytest.approx((0.0, 28.0))
+    # A 3x device: F sleeps 2 x 2 -> 8; A (3 CPU-s) finishes alone at 5, before B starts at 8 on an idle
+    # core: B still pays for A's work meanwhile (4 + 2, alone -> 14, sleep 12 -> 26).
+    t = play(3.0, stretch=3.0)
+    assert t["F"] == pytest.approx((0.0, 8.0)) and t["B"] == pytest.approx((8.0, 26.0))
+    # Alone on the core: no extra.
+    t = play(0.0)
+    assert t["F"] == pytest.approx((0.0, 2.0)) and t["B"] == pytest.approx((2.0, 6.0))

@@ -12,6 +12,7 @@ from runtime.launch.options import emulated_cpu_shares, host_cpus
 from runtime.models.llama import LlamaForCausalLM
 from runtime.profiling.measure import (
     _blocks,
+    busy_core_handoff,
     fit_component,
     fit_quadratic,
     local_stage,
@@ -22,7 +23,7 @@ from runtime.profiling.measure import (
     nonneg_lstsq,
 )
 from runtime.profiling.profile import BLOCKS, ResumePenalty
-from runtime.profiling.profiler import plan_targets
+from runtime.profiling.profiler import _handoff, plan_targets
 from runtime.spec import load_cluster, load_model
 
 TINY = load_model("llama-tiny")
@@ -122,3 +123,30 @@ def test_emulated_cpu_shares_pin_like_the_launcher():
     # The profiler measures with the share of the cluster's devices.
     (t,) = plan_targets(load_cluster("cpu-hetero4"), [TINY], None)
     assert t.threads == emulated_cpu_shares(range(4), 4, host_cpus())[0] and len(t.cpus) == 4
+
+
+def test_core_handoff_is_busy_minus_idle_never_negative():
+    raw = {"idle": {"wall": 3e-3, "cpu_forward": 1e-3, "cpu_backward": 2e-3, "gap": 5e-5, "late": 1e-4,
+                    "recv": 2e-4},
+           "busy": {"wall": 6e-3, "cpu_forward": 1.2e-3, "cpu_backward": 1.9e-3, "gap": 2.05e-3, "late": 5e-5,
+                    "recv": 9e-4}}
+    h = _handoff(raw)
+    assert (h.handoff_s, h.wake_s, h.recv_wake_s, h.cold_forward_s, h.cold_backward_s) == pytest.approx(
+        (2e-3, 0.0, 7e-4, 2e-4, 0.0))
+
+
+def test_busy_core_handoff_runs_the_emulated_duty_cycle(tmp_path):
+    """In a one-process group (no core-mate, no peer): both cases run the runtime's duty cycle; the block's
+    CPU time is what the sleep was sized by, and the hand-off figures are plain non-negative seconds."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        out = busy_core_handoff(0, (0, 0), TINY, [16], duration_s=0.05)
+    finally:
+        dist.destroy_process_group()
+    assert set(out) == {16} and set(out[16]) == {"idle", "busy"}
+    for case in out[16].values():
+        assert set(case) == {"wall", "cpu_forward", "cpu_backward", "gap", "late", "recv"} and case["recv"] == 0.0
+        assert 0 < case["cpu_forward"] < case["cpu_backward"] and case["gap"] >= 0 and case["late"] >= 0
+        assert case["cpu_forward"] + case["cpu_backward"] <= 2 * case["wall"] * 1.5

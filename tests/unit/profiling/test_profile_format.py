@@ -15,6 +15,7 @@ from runtime.profiling.profile import (
     BLOCKS,
     PROFILES_DIR,
     ComponentFit,
+    CoreHandoff,
     LinkFit,
     MeasuredModel,
     OptimizerFit,
@@ -39,7 +40,9 @@ def measured(name: str = "cpu-fast"):
     mm = MeasuredModel(64, 128, 8, 4, 256, 1, (32, 64), {1: {k: comp for k in
                                                               ("embedding", "attention", "mlp", "norm", "head")}},
                        tp_overhead={2: block}, tp_blocks={2: blocks}, tp_blocks_cpu={2: blocks},
-                       blocks={1: blocks}, resume=ResumePenalty(4e-4, 8e-4, 3e-3), core_sharing={64: 0.9})
+                       blocks={1: blocks}, resume=ResumePenalty(4e-4, 8e-4, 3e-3), core_sharing={64: 0.9},
+                       core_handoff={64: CoreHandoff(1.2e-3, 3e-4, 5e-4, 1e-4, 2e-4),
+                                     256: CoreHandoff(3e-3, 0.0, 2e-4)})
     base = spec_profile(name, peak_tflops=0.1, hbm_bandwidth_gbs=10, memory_gib=2, note="", emulated=True)
     comm = dataclasses.replace(base.comm, p2p=LinkFit(1e-3, 1.5), allreduce={2: LinkFit(2e-3, 1.0)},
                                p2p_wake=ResumePenalty(3e-4, 3e-4, 1e-3))
@@ -65,12 +68,13 @@ def test_profile_written_before_the_new_fields_still_loads(tmp_path: Path):
     for key in ("step_overhead", "sync_pack"):
         data.pop(key)
     data["comm"].pop("p2p_wake")
-    for key in ("tp_blocks", "tp_blocks_cpu", "blocks", "resume", "core_sharing"):
+    for key in ("tp_blocks", "tp_blocks_cpu", "blocks", "resume", "core_sharing", "core_handoff"):
         data["models"]["llama-tiny"].pop(key)
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump(data))
     old = load_profile(path)
     assert old.models["llama-tiny"].blocks == {} and old.models["llama-tiny"].resume is None
+    assert old.models["llama-tiny"].core_handoff == {}
     assert old.comm.p2p_wake is None and old.step_overhead == OptimizerFit(0.0)
 
 
@@ -95,6 +99,12 @@ def test_every_shipped_spec_profile_loads():
     (lambda d: d["models"]["llama-tiny"]["resume"].update(tau_s=0), "models.llama-tiny.resume.tau_s: must be positive"),
     (lambda d: d["models"]["llama-tiny"]["core_sharing"].update({64: 1.5}),
      "models.llama-tiny.core_sharing.64: must be in (0, 1]"),
+    (lambda d: d["models"]["llama-tiny"]["core_handoff"][64].update(wake_s=-1e-3),
+     "models.llama-tiny.core_handoff.64.wake_s: must be a non-negative number of seconds"),
+    (lambda d: d["models"]["llama-tiny"]["core_handoff"][64].pop("recv_wake_s"),
+     "models.llama-tiny.core_handoff.64.recv_wake_s: missing required field"),
+    (lambda d: d["models"]["llama-tiny"]["core_handoff"].update({0: {"handoff_s": 0, "wake_s": 0, "recv_wake_s": 0}}),
+     "models.llama-tiny.core_handoff.0: must be keyed by a positive sequence length"),
     (lambda d: d.update(version=9), "version: unsupported profile version 9"),
 ])
 def test_bad_field_names_file_and_field(tmp_path: Path, edit, message):
