@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from planner.cost import CostModel, Schedule
+from planner.cost import CostModel, Schedule, SyncGroup
 from runtime.launch.options import emulated_cpu_shares
 from runtime.profiling.profile import CoreHandoff, ResumePenalty
 from runtime.spec.plan import Strategy
@@ -475,14 +475,19 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
                     stage=stage_of[d][1], mb=None, cpu=overhead[d], sharing=cm.core_sharing(type_of[d]),
                     **waiting((d,)))
             last_of[d] = f"over{d}"
-    for gi, g in enumerate(plan):
-        secs = cm.sync_group_time(g)
-        for d in g.devices:
-            sim.add(f"g{gi}d{d}", f"dev{d}", secs, [last_of[d]], waits=[(f"g{gi}d{e}", secs) for e in g.devices
-                                                                       if e != d],
-                    kind="grad_sync", pipeline=stage_of[d][0], stage=stage_of[d][1], mb=None,
-                    wake=cm.comm_wake(type_of[d]), **waiting((d,)))
-            last_of[d] = f"g{gi}d{d}"
+    def collectives(prefix: str, kind: str, seconds: Callable[[SyncGroup], float]) -> None:
+        """One collective per sync group, in the runtime's global group order: each member joins after
+        its previous op, and the group's op ends once its last member has joined (a rendezvous)."""
+        for gi, g in enumerate(plan):
+            secs = seconds(g)
+            for d in g.devices:
+                sim.add(f"{prefix}{gi}d{d}", f"dev{d}", secs, [last_of[d]],
+                        waits=[(f"{prefix}{gi}d{e}", secs) for e in g.devices if e != d],
+                        kind=kind, pipeline=stage_of[d][0], stage=stage_of[d][1], mb=None,
+                        wake=cm.comm_wake(type_of[d]), **waiting((d,)))
+                last_of[d] = f"{prefix}{gi}d{d}"
+
+    collectives("g", "grad_sync", cm.sync_group_time)
     sim.add("stats", "world", cm.clip_time(strategy.devices), sorted(set(last_of.values())), kind="clip",
             pipeline=-1, stage=-1, mb=None)
     opt_times = cm.optimizer_times(strategy, zero)
@@ -493,15 +498,9 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
         last_of[d] = f"opt{d}"
     # ZeRO-1: after its update each device all-gathers the updated parameter chunks in every sync group
     # it belongs to, in the same global order as the gradient sync (runtime/engine/zero.py).
-    gathers = [(gi, g) for gi, g in enumerate(plan)] if zero else []
-    for gi, g in gathers:
-        secs = cm.zero_gather_time(g)
-        for d in g.devices:
-            sim.add(f"z{gi}d{d}", f"dev{d}", secs, [last_of[d]], waits=[(f"z{gi}d{e}", secs) for e in g.devices
-                                                                       if e != d],
-                    kind="zero_gather", pipeline=stage_of[d][0], stage=stage_of[d][1], mb=None,
-                    wake=cm.comm_wake(type_of[d]), **waiting((d,)))
-            last_of[d] = f"z{gi}d{d}"
+    gathers = list(enumerate(plan)) if zero else []
+    if zero:
+        collectives("z", "zero_gather", cm.zero_gather_time)
     times = sim.run()
     step = max(end for _, end in times.values())
 

@@ -170,6 +170,16 @@ class _Component:
         return float(sum(seen.values()))
 
 
+def _time_once(timed: Callable[[], None], device: torch.device) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one call, with the device synchronised before and after."""
+    synchronize(device)
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    timed()
+    synchronize(device)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
 def _median_time(run: Callable[[], Callable[[], None]], device: torch.device, *, min_reps: int,
                  max_reps: int, budget_s: float, cpu: list[float] | None = None) -> float:
     """Median wall time of the timed part: ``run()`` prepares (untimed) and returns what to time.
@@ -178,14 +188,9 @@ def _median_time(run: Callable[[], Callable[[], None]], device: torch.device, *,
     cpus: list[float] = []
     start = time.perf_counter()
     while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < budget_s):
-        timed = run()
-        synchronize(device)
-        c0 = time.process_time()
-        t0 = time.perf_counter()
-        timed()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
+        wall_s, cpu_s = _time_once(run(), device)
+        times.append(wall_s)
+        cpus.append(cpu_s)
     if cpu is not None:
         cpu.append(statistics.median(cpus))
     return statistics.median(times)
@@ -338,14 +343,9 @@ def _time_stage_runs(runs: dict[Any, _StageRun], device: torch.device, *, min_re
             barrier()
         for name, r in runs.items():
             for phase, prep in ((0, r.prepare_forward), (1, r.prepare_backward)):
-                timed = prep()
-                synchronize(device)
-                c0 = time.process_time()
-                t0 = time.perf_counter()
-                timed()
-                synchronize(device)
-                wall[name][phase].append(time.perf_counter() - t0)
-                cpu[name][phase].append(time.process_time() - c0)
+                wall_s, cpu_s = _time_once(prep(), device)
+                wall[name][phase].append(wall_s)
+                cpu[name][phase].append(cpu_s)
             r._out = None
         reps += 1
     med = trimmed_mean if mean else statistics.median
