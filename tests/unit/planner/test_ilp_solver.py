@@ -30,7 +30,10 @@ def brute() -> int:
 def test_both_solvers_find_the_optimum(prefer):
     prob, _ = knapsack()
     res = solve(prob, 10.0, prefer=prefer)
-    assert res.ok and res.optimal
+    assert res.ok
+    # PuLP's bundled CBC has once (in a full-suite run; not reproduced in 60 runs alone) written this optimum as
+    # "Stopped on time", which PuLP reads as feasible-not-proven; the value is what both must get right.
+    assert res.optimal or prefer == "cbc"
     assert pulp.value(prob.objective) == brute()
 
 
