@@ -154,6 +154,14 @@ def allreduce_seconds(nbytes: float, n: int, latency_s: float, bandwidth_gbs: fl
     return latency_s + 2.0 * (n - 1) / n * nbytes / (bandwidth_gbs * 1e9)
 
 
+def nearest_fit(fits: Mapping[int, LinkFit], n: int) -> tuple[float, float]:
+    """(latency s, bandwidth GB/s) for a ring of ``n`` from the fit of the nearest measured group size
+    (the smaller on a tie), its latency scaled by ring steps."""
+    size = min(fits, key=lambda k: (abs(k - n), k))
+    fit = fits[size]
+    return fit.latency_s * (n - 1) / (size - 1), fit.bandwidth_gbs
+
+
 def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward, no recompute): ``6N + 12*L*h*s`` (PaLM, App. B),
     with N the layer and head parameters (the embedding lookup is not a matmul)."""
@@ -619,19 +627,11 @@ class CostModel:
         n = len(devices)
         if n <= 1:
             return 0.0
+        measured = self._measured_group_time(devices, lambda prof: prof.comm.allreduce,
+                                             lambda lat, bw: allreduce_seconds(nbytes, n, lat, bw))
+        if measured is not None:
+            return measured
         types = {self._type_of[d] for d in devices}
-        nodes = {self._node_of[d] for d in devices}
-        measured = [self.profiles[t].comm.allreduce for t in types]
-        if len(nodes) == 1 and all(measured):
-            # Measured among this node's processes: the nearest measured group size, latency scaled by
-            # ring steps; the slowest of the types involved.
-            best = 0.0
-            for fits in measured:
-                size = min(fits, key=lambda k: (abs(k - n), k))
-                fit = fits[size]
-                best = max(best, allreduce_seconds(nbytes, n, fit.latency_s * (n - 1) / (size - 1),
-                                                   fit.bandwidth_gbs))
-            return best
         ring = list(devices)
         bw = min(self.link(ring[i], ring[(i + 1) % n]).bandwidth_gbs for i in range(n))
         lat = max(self.profiles[t].comm.allreduce_latency_s for t in types) * 2 * (n - 1)
@@ -645,9 +645,7 @@ class CostModel:
         prof = self.profiles[device_type]
         measured = prof.comm.allreduce
         if measured:
-            size = min(measured, key=lambda k: (abs(k - tp), k))
-            fit = measured[size]
-            return allreduce_seconds(nbytes, tp, fit.latency_s * (tp - 1) / (size - 1), fit.bandwidth_gbs)
+            return allreduce_seconds(nbytes, tp, *nearest_fit(measured, tp))
         dt = self.cluster.device_types[device_type]
         bw = dt.intra_node_bandwidth_gbs * prof.comm.bandwidth_efficiency
         return allreduce_seconds(nbytes, tp, prof.comm.allreduce_latency_s * 2 * (tp - 1), bw)
@@ -769,18 +767,24 @@ class CostModel:
         n = len(devices)
         if n <= 1:
             return 0.0
-        types = {self._type_of[d] for d in devices}
-        nodes = {self._node_of[d] for d in devices}
-        measured = [self.profiles[t].comm.allgather for t in types]
-        if len(nodes) == 1 and all(measured):
-            best = 0.0
-            for fits in measured:
-                size = min(fits, key=lambda k: (abs(k - n), k))
-                fit = fits[size]
-                best = max(best, fit.latency_s * (n - 1) / (size - 1)
-                           + (n - 1) / n * nbytes / (fit.bandwidth_gbs * 1e9))
-            return best
+        measured = self._measured_group_time(devices, lambda prof: prof.comm.allgather,
+                                             lambda lat, bw: lat + (n - 1) / n * nbytes / (bw * 1e9))
+        if measured is not None:
+            return measured
         return self.allreduce_time(devices, nbytes) / 2.0
+
+    def _measured_group_time(self, devices: Sequence[int],
+                             fits_of: Callable[[DeviceProfile], Mapping[int, LinkFit] | None],
+                             seconds: Callable[[float, float], float]) -> float | None:
+        """A collective among ``devices`` from measured fits (measured among one node's processes): for
+        each type involved the nearest measured group size (``nearest_fit``), the slowest of them; None
+        when the group spans nodes or some type has no fits. ``seconds(latency_s, bandwidth_gbs)``."""
+        if len({self._node_of[d] for d in devices}) != 1:
+            return None
+        measured = [fits_of(self.profiles[t]) for t in {self._type_of[d] for d in devices}]
+        if not all(measured):
+            return None
+        return max(seconds(*nearest_fit(fits, len(devices))) for fits in measured)  # type: ignore[arg-type]
 
     def zero_gather_time(self, group: SyncGroup) -> float:
         """ZeRO-1's parameter all-gather of one sync group after the optimizer step (runtime/engine/zero.py):

@@ -366,13 +366,19 @@ class Coordinator:
                 self.on_step(record)
             self._after_first_step(done)
 
+    def _still_waiting(self, waiting: set[int], since: float, what: str) -> bool:
+        """Whether some devices have yet to report a phase's end; those still silent an op timeout (plus
+        margin) after ``since`` are failed as hung."""
+        if not waiting:
+            return False
+        limit = self.options.timeout_s + LEAVE_MARGIN_S
+        if time.monotonic() - since > limit:
+            for d in sorted(waiting):
+                self._device_failed(self.workers[d], f"did not {what} within {limit:g} s", "hung")
+        return True
+
     def _advance_leave(self) -> None:
-        waiting = sorted(self.alive - self.left.get(self.gen, set()))
-        if waiting:
-            limit = self.options.timeout_s + LEAVE_MARGIN_S
-            if time.monotonic() - self.t_abort > limit:
-                for d in waiting:
-                    self._device_failed(self.workers[d], f"did not leave the failed step within {limit:g} s", "hung")
+        if self._still_waiting(self.alive - self.left.get(self.gen, set()), self.t_abort, "leave the failed step"):
             return
         inc = self.incident
         assert inc is not None
@@ -435,12 +441,7 @@ class Coordinator:
 
     def _advance_switch(self) -> None:
         got = self.switched.get(self.epoch, {})
-        waiting = sorted(self.alive - set(got))
-        if waiting:
-            limit = self.options.timeout_s + LEAVE_MARGIN_S
-            if time.monotonic() - self.t_transition > limit:
-                for d in waiting:
-                    self._device_failed(self.workers[d], f"did not finish the switch within {limit:g} s", "hung")
+        if self._still_waiting(self.alive - set(got), self.t_transition, "finish the switch"):
             return
         t = self.incident.transition if self.incident is not None else self.switch.transition  # type: ignore[union-attr]
         assert t is not None and t.epoch == self.epoch

@@ -461,19 +461,29 @@ def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.devi
                 times[after_idle][1].append(time.perf_counter() - t2)
         extra.append(tuple(statistics.mean(times[True][i]) - statistics.mean(times[False][i])  # type: ignore[misc]
                            for i in (0, 1)))
-    best: tuple[float, float, float, float] | None = None
-    for k in range(41):   # tau from 0.1 ms up to the longest idle measured (no extrapolated growth)
+    (fwd_s, bwd_s), tau = _fit_saturating(idles_s, extra)
+    return ResumePenalty(forward_s=fwd_s, backward_s=bwd_s, tau_s=tau)
+
+
+def _fit_saturating(idles_s: Sequence[float], extra: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], float]:
+    """Fit ``extra[j][i] ~ peak_i * (1 - exp(-idles_s[j] / tau))``: one tau shared by every column i,
+    from a log grid (0.1 ms up to the longest idle measured: no extrapolated growth), the peaks by least
+    squares, none below zero. Returns (peaks, tau)."""
+    cols = range(len(extra[0]))
+    best: tuple[float, tuple[float, ...], float] | None = None
+    for k in range(41):
         tau = 1e-4 * 10 ** (k / 10)
         if tau > max(idles_s):
             break
         shape = [1.0 - math.exp(-t / tau) for t in idles_s]
         norm = sum(x * x for x in shape)
-        peaks = [max(0.0, sum(x * e[i] for x, e in zip(shape, extra)) / norm) for i in (0, 1)]
-        err = sum((peaks[i] * x - e[i]) ** 2 for x, e in zip(shape, extra) for i in (0, 1))
+        peaks = tuple(max(0.0, sum(x * e[i] for x, e in zip(shape, extra)) / norm) if norm > 0 else 0.0
+                      for i in cols)
+        err = sum((peaks[i] * x - e[i]) ** 2 for x, e in zip(shape, extra) for i in cols)
         if best is None or err < best[0]:
-            best = (err, peaks[0], peaks[1], tau)
+            best = (err, peaks, tau)
     assert best is not None
-    return ResumePenalty(forward_s=best[1], backward_s=best[2], tau_s=best[3])
+    return best[1], best[2]
 
 
 def core_sharing(rank: int, pair: tuple[int, int], model: ModelSpec, seq_lens: Sequence[int], *,
@@ -928,20 +938,8 @@ def _p2p_wake(rank: int, device: torch.device, reps: int,
             rtts.append(trimmed_mean(times[2:]))
     if rank != 0:
         return None
-    extra = [max(0.0, r - rtts[0]) for r in rtts]
-    best: tuple[float, float, float] | None = None
-    for k in range(41):   # tau from 0.1 ms up to the longest idle measured (no extrapolated growth)
-        tau = 1e-4 * 10 ** (k / 10)
-        if tau > max(idles_s):
-            break
-        shape = [1.0 - math.exp(-t / tau) for t in idles_s]
-        norm = sum(x * x for x in shape)
-        peak = max(0.0, sum(x * e for x, e in zip(shape, extra)) / norm) if norm > 0 else 0.0
-        err = sum((peak * x - e) ** 2 for x, e in zip(shape, extra))
-        if best is None or err < best[0]:
-            best = (err, peak, tau)
-    assert best is not None
-    return ResumePenalty(forward_s=best[1], backward_s=best[1], tau_s=best[2])
+    (peak,), tau = _fit_saturating(idles_s, [(max(0.0, r - rtts[0]),) for r in rtts])
+    return ResumePenalty(forward_s=peak, backward_s=peak, tau_s=tau)
 
 
 def _link_fit(xs: Sequence[float], ys: Sequence[float]) -> LinkFit:
