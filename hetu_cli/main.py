@@ -1,4 +1,8 @@
-"""The ``hspmd`` click application. Each verb lives in hetu_cli/commands/<verb>.py."""
+"""The ``hspmd`` click application. Each verb lives in hetu_cli/commands/<verb>.py.
+
+Verbs are imported when they are invoked (or listed by ``--help``), not at start-up: a verb that does not
+train must not pay for torch and the engine (docs/design.md §8), and one verb's imports stay its own.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +13,22 @@ import click
 from hetu_cli.output import fail
 from runtime.errors import HspmdError
 
-# (module in hetu_cli.commands, command object name). A verb is listed here once it works.
-COMMANDS: list[tuple[str, str]] = [
-    ("validate", "validate"),
-    ("show", "show"),
-    ("train", "train"),
-    ("simulate", "simulate"),
-    ("profile", "profile"),
-    ("plan", "plan"),
-    ("replan", "replan"),
-]
+# verb -> module in hetu_cli.commands holding a click command of the same name (``-`` becomes ``_``).
+# A verb is listed here once it works.
+COMMANDS: tuple[str, ...] = ("validate", "show", "train", "simulate", "profile", "plan", "replan")
 
 
 class HspmdGroup(click.Group):
-    """Turns user errors raised anywhere below into one line per problem and exit code 2."""
+    """Loads verbs on demand; turns user errors raised anywhere below into one line each and exit code 2."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        attr = name.replace("-", "_")
+        return getattr(importlib.import_module(f"hetu_cli.commands.{attr}"), attr)
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
@@ -35,10 +41,6 @@ class HspmdGroup(click.Group):
 @click.version_option(package_name="hspmd")
 def cli() -> None:
     """hspmd: plan and run LLM training on heterogeneous, failure-prone GPU clusters."""
-
-
-for _module, _name in COMMANDS:
-    cli.add_command(getattr(importlib.import_module(f"hetu_cli.commands.{_module}"), _name))
 
 
 def main() -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
-from rich.console import Console
 
 from runtime.errors import HspmdError
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 FORMAT_OPTION = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
                              show_default=True, help="'json' prints one JSON object for scripts.")
@@ -21,10 +23,15 @@ def _width(stream) -> int | None:
 
 
 def console() -> Console:
+    # Imported here: rich's console costs ~25 ms of start-up that verbs printing one line need not pay.
+    from rich.console import Console
+
     return Console(highlight=False, width=_width(sys.stdout))
 
 
 def err_console() -> Console:
+    from rich.console import Console
+
     return Console(stderr=True, highlight=False, width=_width(sys.stderr))
 
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
-from rich.markup import escape
-
-from hetu_cli.output import FORMAT_OPTION, console, emit_json, fail
+from hetu_cli.output import FORMAT_OPTION, emit_json, fail
 from runtime.errors import SpecError
 from runtime.spec import load_plan_context
 
@@ -38,4 +36,4 @@ def validate(plan: Path, cluster: str | None, fmt: str) -> None:
         return
     used = ", ".join(f"{name}: {n}/{ctx.cluster.num_devices} devices"
                      for name, n in summary["devices_used"].items())
-    console().print(f"[green]valid[/green] {escape(str(plan))} ({ctx.model.name} on {ctx.cluster.name}; {used})")
+    click.echo(f"{click.style('valid', fg='green')} {plan} ({ctx.model.name} on {ctx.cluster.name}; {used})")
