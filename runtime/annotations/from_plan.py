@@ -21,6 +21,7 @@ from typing import Any
 
 from runtime.annotations.states import DUPLICATE, PARTIAL, Annotation, DistributedStates
 from runtime.models.params import ParamInfo, llama_parameters
+from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import Stage, Strategy, TrainingSettings
 
@@ -96,9 +97,24 @@ def param_annotation(strategy: Strategy, info: ParamInfo) -> ParamAnnotation:
     return ParamAnnotation(info, Annotation.union(DUPLICATE, members), Annotation.union(PARTIAL, members))
 
 
+def param_annotations(strategy: Strategy, model: ModelSpec) -> tuple[ParamAnnotation, ...]:
+    """Every parameter's annotations, in ``llama_parameters`` order (no batch needed: what the gradient
+    sync, ZeRO-1 and the cost model's sync pricing read). Layers placed alike share annotation objects."""
+    shared: dict[tuple[object, ...], tuple[Annotation, Annotation]] = {}
+    out = []
+    for info in llama_parameters(model):
+        stages = holding_stages(strategy, info)
+        key = (tuple(s.devices for s in stages), info.tp_dim)
+        if key not in shared:
+            p = param_annotation(strategy, info)
+            shared[key] = (p.param, p.grad)
+        out.append(ParamAnnotation(info, *shared[key]))
+    return tuple(out)
+
+
 def annotate_strategy(strategy: Strategy, model: ModelSpec, training: TrainingSettings) -> StrategyAnnotations:
     """Every annotation the runtime needs to run ``strategy``."""
-    params = tuple(param_annotation(strategy, info) for info in llama_parameters(model))
+    params = param_annotations(strategy, model)
     weights = [p.micro_batches for p in strategy.pipelines]
     firsts = [(p.stages[0].devices, DistributedStates.duplicate(p.stages[0].tp)) for p in strategy.pipelines]
     lasts = [(p.stages[-1].devices, DistributedStates.duplicate(p.stages[-1].tp)) for p in strategy.pipelines]
@@ -112,6 +128,15 @@ def annotate_strategy(strategy: Strategy, model: ModelSpec, training: TrainingSe
             boundaries.append(Boundary(pi, si, act, Annotation.spmd(a.devices), Annotation.spmd(b.devices)))
     return StrategyAnnotations(strategy.name, params, (training.global_batch, training.seq_len), tokens, labels,
                                tuple(boundaries))
+
+
+def strategy_annotations(handle: StrategyHandle) -> StrategyAnnotations:
+    """``annotate_strategy`` of a handle, computed once per handle."""
+    return handle.cached(_annotate)
+
+
+def _annotate(handle: StrategyHandle) -> StrategyAnnotations:
+    return annotate_strategy(handle.strategy, handle.model, handle.training)
 
 
 def strategy_groups(strategy: Strategy, model: ModelSpec, training: TrainingSettings) -> list[tuple[int, ...]]:
