@@ -181,7 +181,8 @@ def replan(current: StrategyHandle, failed: Collection[int],
 
     plans: list[tuple[Literal["planner", "repair"], int, Plan, float, str]] = []
     settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=True,
-                            use_zero=False, time_limit_s=time_limit_s, top_k=top_k, seed=t.seed, optimizer=t.optimizer)
+                            use_zero=False, time_limit_s=time_limit_s, top_k=top_k, seed=t.seed, optimizer=t.optimizer,
+                            schedule=t.schedule)
     try:
         result = plan(ctx.model, ctx.cluster, profiles, settings, devices=survivors, baselines=False)
     except InfeasibleError as err:

@@ -16,6 +16,7 @@ The rules (DESIGN.md §2, README "Plan"):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,21 +93,36 @@ def holding_stages(strategy: Strategy, info: ParamInfo) -> list[Stage]:
 
 
 def param_annotation(strategy: Strategy, info: ParamInfo) -> ParamAnnotation:
-    stages = holding_stages(strategy, info)
+    return held_by(holding_stages(strategy, info), info)
+
+
+def held_by(stages: Sequence[Stage], info: ParamInfo) -> ParamAnnotation:
+    """A parameter's annotations when ``stages`` (one per pipeline) hold it."""
     members = [(s.devices, member_states(s, info.tp_dim)) for s in stages]
     return ParamAnnotation(info, Annotation.union(DUPLICATE, members), Annotation.union(PARTIAL, members))
 
 
-def param_annotations(strategy: Strategy, model: ModelSpec) -> tuple[ParamAnnotation, ...]:
-    """Every parameter's annotations, in ``llama_parameters`` order (no batch needed: what the gradient
-    sync, ZeRO-1 and the cost model's sync pricing read). Layers placed alike share annotation objects."""
-    shared: dict[tuple[object, ...], tuple[Annotation, Annotation]] = {}
+def placements(strategy: Strategy, model: ModelSpec) -> list[tuple[ParamInfo, tuple[Stage, ...]]]:
+    """Every parameter (``llama_parameters`` order) with the stages that hold it, one per pipeline."""
+    by_owner: dict[tuple[str, int | None], tuple[Stage, ...]] = {}  # the tensors of one layer share stages
     out = []
     for info in llama_parameters(model):
-        stages = holding_stages(strategy, info)
+        key = (info.owner, info.layer)
+        if key not in by_owner:
+            by_owner[key] = tuple(holding_stages(strategy, info))
+        out.append((info, by_owner[key]))
+    return out
+
+
+def param_annotations(strategy: Strategy, model: ModelSpec) -> tuple[ParamAnnotation, ...]:
+    """Every parameter's annotations, in ``llama_parameters`` order (no batch needed: what the gradient
+    sync and ZeRO-1 read). Layers placed alike share annotation objects."""
+    shared: dict[tuple[object, ...], tuple[Annotation, Annotation]] = {}
+    out = []
+    for info, stages in placements(strategy, model):
         key = (tuple(s.devices for s in stages), info.tp_dim)
         if key not in shared:
-            p = param_annotation(strategy, info)
+            p = held_by(stages, info)
             shared[key] = (p.param, p.grad)
         out.append(ParamAnnotation(info, *shared[key]))
     return tuple(out)

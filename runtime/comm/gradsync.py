@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from runtime.annotations.states import Layout, Region, volume
-from runtime.comm.resolve import ReduceBucket, plan_reduce
+from runtime.comm.resolve import plan_reduce
 
 BUCKET_BYTES = 32 << 20  # one bucket size for the gradient sync and ZeRO-1's all-gathers
 GRAD_ITEMSIZE = 4  # gradients are synced in the parameters' dtype, fp32
@@ -32,10 +33,7 @@ class SyncBucket:
 
     devices: tuple[int, ...]
     entries: tuple[tuple[int, Region], ...]  # (gradient index, global region), packing order
-
-    @property
-    def numel(self) -> int:
-        return sum(volume(r) for _, r in self.entries)
+    numel: int  # elements of all its regions (the packer counts them as it cuts)
 
 
 @dataclass(frozen=True)
@@ -45,52 +43,71 @@ class SyncGroup:
     devices: tuple[int, ...]
     buckets: tuple[SyncBucket, ...]
 
-    @property
-    def numel(self) -> int:
-        return sum(b.numel for b in self.buckets)
+    @cached_property
+    def bucket_numel(self) -> tuple[int, ...]:
+        return tuple(b.numel for b in self.buckets)
 
-    @property
+    @cached_property
+    def numel(self) -> int:
+        return sum(self.bucket_numel)
+
+    @cached_property
     def slices(self) -> int:
         """Gradient slices packed into the buckets (and unpacked after)."""
         return sum(len(b.entries) for b in self.buckets)
 
 
+SliceGroups = tuple[tuple[tuple[tuple[int, ...], int], tuple[tuple[Region, int], ...]], ...]
+"""A gradient's all-reduce slices: per (device group, replica class) its regions with their sizes."""
+
+
+def reduce_slices(layout: Layout) -> SliceGroups:
+    """The slices of one gradient the sync all-reduces (none unless its layout is partial)."""
+    if not layout.is_partial:
+        return ()
+    return tuple(((b.devices, b.cls), tuple((r, volume(r)) for r in b.regions))
+                 for b in plan_reduce(layout, None) if len(b.devices) > 1)
+
+
 def plan_sync(layouts: Sequence[Layout], *, bucket_bytes: int = BUCKET_BYTES,
               itemsize: int = GRAD_ITEMSIZE) -> list[SyncBucket]:
     """Buckets of all gradients, grouped by device group, in one global order."""
-    bucket_numel = max(1, bucket_bytes // itemsize)
     # Layers placed alike share one layout object (Annotation.layout is cached): reduce each once, keyed by
     # identity (hashing a layout is as costly as reducing it).
-    reduced: dict[int, tuple[ReduceBucket, ...]] = {}
-    by_group: dict[tuple[tuple[int, ...], int], list[tuple[int, Region]]] = defaultdict(list)
-    for i, lay in enumerate(layouts):
-        if not lay.is_partial:
-            continue
+    reduced: dict[int, SliceGroups] = {}
+    for lay in layouts:
         if id(lay) not in reduced:
-            reduced[id(lay)] = plan_reduce(lay, None)
-        for b in reduced[id(lay)]:
-            if len(b.devices) > 1:
-                by_group[(b.devices, b.cls)].extend((i, r) for r in b.regions)
+            reduced[id(lay)] = reduce_slices(lay)
+    return cut_buckets([reduced[id(lay)] for lay in layouts], bucket_bytes=bucket_bytes, itemsize=itemsize)
+
+
+def cut_buckets(slices: Sequence[SliceGroups], *, bucket_bytes: int = BUCKET_BYTES,
+                itemsize: int = GRAD_ITEMSIZE) -> list[SyncBucket]:
+    """Gradient ``i``'s slices ``slices[i]`` packed into buckets of at most ``bucket_bytes`` (a slice is never
+    cut; a bigger one goes alone), device group by device group in one global order."""
+    bucket_numel = max(1, bucket_bytes // itemsize)
+    by_group: dict[tuple[tuple[int, ...], int], list[tuple[int, Region, int]]] = defaultdict(list)
+    for i, groups in enumerate(slices):
+        for key, regions in groups:
+            by_group[key].extend((i, r, n) for r, n in regions)
     out: list[SyncBucket] = []
     for (devices, _cls), entries in sorted(by_group.items(), key=lambda kv: (len(kv[0][0]), kv[0])):
         cur: list[tuple[int, Region]] = []
         size = 0
-        for e in entries:
-            n = volume(e[1])
+        for i, r, n in entries:
             if cur and size + n > bucket_numel:
-                out.append(SyncBucket(devices, tuple(cur)))
+                out.append(SyncBucket(devices, tuple(cur), size))
                 cur, size = [], 0
-            cur.append(e)
+            cur.append((i, r))
             size += n
         if cur:
-            out.append(SyncBucket(devices, tuple(cur)))
+            out.append(SyncBucket(devices, tuple(cur), size))
     return out
 
 
-def sync_groups(layouts: Sequence[Layout], *, bucket_bytes: int = BUCKET_BYTES,
-                itemsize: int = GRAD_ITEMSIZE) -> list[SyncGroup]:
+def sync_groups(buckets: Sequence[SyncBucket]) -> list[SyncGroup]:
     """``plan_sync``'s buckets by device group, groups in the order of their first bucket."""
     groups: dict[tuple[int, ...], list[SyncBucket]] = {}
-    for b in plan_sync(layouts, bucket_bytes=bucket_bytes, itemsize=itemsize):
+    for b in buckets:
         groups.setdefault(b.devices, []).append(b)
     return [SyncGroup(devices, tuple(bs)) for devices, bs in groups.items()]
