@@ -32,8 +32,9 @@ planner can call them millions of times:
 * ``p2p_time(src_devices, dst_devices)``: one activation (or its gradient, fp32) across a stage
   boundary; ``link(a, b)`` the latency and bandwidth behind it.
 * ``allreduce_time(devices, nbytes)``: one ring all-reduce.
-* ``sync_plan(strategy) -> [SyncGroup]``: the cross-pipeline gradient sync as the runtime fuses it (one
-  all-reduce per device group; SplitAllReduce LCM slices when TP degrees differ); ``sync_group_time``
+* ``sync_plan(strategy) -> [SyncGroup]``: the cross-pipeline gradient sync exactly as the runtime lays it
+  out (runtime/comm/gradsync.py: its device groups in its order, each with its buckets; SplitAllReduce LCM
+  slices when TP degrees differ, norms duplicated in a TP group synced by the whole group); ``sync_group_time``
   prices one group; ``grad_sync_times(strategy) -> {device: seconds}`` sums a device's groups and
   ``grad_sync_time`` is their max (the simulator also plays out waits between groups).
 * ``zero_gather_time(group)``: ZeRO-1's all-gather of a sync group's updated parameters after the
@@ -301,10 +302,6 @@ class MemoryBreakdown:
     @property
     def gib(self) -> float:
         return self.total / GIB
-
-    def as_gib(self) -> dict[str, float]:
-        return {"params": self.params / GIB, "grads": self.grads / GIB, "optimizer": self.optimizer / GIB,
-                "activations": self.activations / GIB, "overhead": self.overhead / GIB, "total": self.gib}
 
 
 @dataclass(frozen=True)

@@ -80,12 +80,8 @@ class StageReport:
         return self.peak_memory_gib > self.capacity_gib
 
     def to_json(self) -> dict[str, Any]:
-        return {"pipeline": self.pipeline, "stage": self.stage, "devices": list(self.devices),
-                "device_type": self.device_type, "tp": self.tp, "layers": list(self.layers),
-                "micro_batches": self.micro_batches, "compute_s": self.compute_s, "comm_s": self.comm_s,
-                "p2p_s": self.p2p_s, "optimizer_s": self.optimizer_s, "bubble_s": self.bubble_s,
-                "peak_in_flight": self.peak_in_flight, "peak_memory_gib": self.peak_memory_gib,
-                "capacity_gib": self.capacity_gib, "oom": self.oom}
+        return {**dataclasses.asdict(self), "devices": list(self.devices), "layers": list(self.layers),
+                "oom": self.oom}
 
 
 @dataclass(frozen=True)
@@ -127,16 +123,8 @@ class OpKind(Enum):
 
 @dataclass(frozen=True)
 class SimOp:
-    """One op of the event loop, run by its ``resource`` in the order added.
-
-    ``duration``: a fixed-length op (communication); ``cpu``/``comm``/``stretch``/``comm_cpu``: a compute
-    block (see ``EventLoop``). ``deps``: ops that must complete first; ``waits``: ``(op, seconds)`` of a
-    rendezvous, the transfer taking ``seconds`` once both sides started. ``resume``: its extra CPU time
-    after its resource idled (from the end of its last compute op); ``wake``: a communication op's extra
-    time when it waited for its peers (blocked, core idle); ``sharing``: a compute op's efficiency while a
-    core it runs on is time-shared; ``handoff``: the scheduler's delays when a core of ``hosts`` is busy
-    with another op (communication ops take ``hosts`` for this only).
-    """
+    """One op of the event loop, run by its ``resource`` in the order added (the fields: ``EventLoop``).
+    ``duration``: a fixed-length (communication) op; ``deps``: ops that must complete first."""
 
     name: str
     resource: str
@@ -182,6 +170,7 @@ class EventLoop:
     * A compute op with a ``resume`` penalty needs that much more CPU time the longer its resource idled
       since its previous compute op's CPU work ended (cold caches; measured by ``hspmd profile``); a
       communication op with a ``wake`` penalty ends that much later the longer it waited for its peers.
+      ``sharing``: a compute op's efficiency while a core it runs on is time-shared.
     * ``handoff`` (an op's ``CoreHandoff``): the core is not shared as a fluid. A process that used up its
       time slice is switched out at its next system call, and one that wakes up runs only once the
       scheduler hands it the core. So where another compute op is active on a core of the op's ``hosts``
@@ -198,7 +187,7 @@ class EventLoop:
         self.cores = cores or {}
 
     def add(self, op: SimOp) -> None:
-        """Append ``op`` to its resource's queue (hosts without cores of their own are dropped)."""
+        """Append ``op`` to its resource's queue (hosts without cores here are dropped)."""
         op = dataclasses.replace(op, hosts=tuple((h, d) for h, d in op.hosts if h in self.cores))
         self.ops[op.name] = op
         self.queue.setdefault(op.resource, []).append(op.name)

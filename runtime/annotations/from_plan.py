@@ -92,10 +92,6 @@ def holding_stages(strategy: Strategy, info: ParamInfo) -> list[Stage]:
     return out
 
 
-def param_annotation(strategy: Strategy, info: ParamInfo) -> ParamAnnotation:
-    return held_by(holding_stages(strategy, info), info)
-
-
 def held_by(stages: Sequence[Stage], info: ParamInfo) -> ParamAnnotation:
     """A parameter's annotations when ``stages`` (one per pipeline) hold it."""
     members = [(s.devices, member_states(s, info.tp_dim)) for s in stages]

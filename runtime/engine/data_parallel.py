@@ -37,10 +37,6 @@ class GradientSync:
         self.mine = [i for i, lay in enumerate(self.layouts) if me in lay]
         self.buckets = [b for b in buckets if me in b.devices]
 
-    def group_keys(self) -> list[tuple[int, ...]]:
-        """Device groups this device's buckets use (all must exist in ``groups``)."""
-        return sorted({b.devices for b in self.buckets}, key=lambda k: (len(k), k))
-
     def sync(self, grads: Mapping[str, torch.Tensor], *, scale: float | None = None) -> None:
         """All-reduce this device's local gradients (by name) in place; then multiply by ``scale``."""
         me = self.groups.my_device

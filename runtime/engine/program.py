@@ -82,7 +82,6 @@ class DeviceProgram:
         self.grad_sync = GradientSync([(p.name, p.shape, p.grad) for p in plan.annotations.params], plan.grad_sync,
                                       groups)
         devices = ctx.strategy.devices
-        self.all_devices = tuple(devices)
         self._stats_group = groups.get(devices) if len(devices) > 1 else None
         self._times = {"compute": 0.0, "comm": 0.0}
 

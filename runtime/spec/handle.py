@@ -61,13 +61,8 @@ class StrategyHandle:
 
     @cached_property
     def devices(self) -> tuple[int, ...]:
-        """Every device the strategy uses, pipeline by pipeline, stage by stage."""
-        return self.strategy.devices
-
-    @cached_property
-    def members(self) -> tuple[int, ...]:
-        """The same devices, sorted."""
-        return tuple(sorted(self.devices))
+        """Every device the strategy uses, sorted (``strategy.devices`` has them pipeline by pipeline)."""
+        return tuple(sorted(self.strategy.devices))
 
     @cached_property
     def _where(self) -> dict[int, tuple[int, int, int]]:
