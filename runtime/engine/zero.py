@@ -10,6 +10,8 @@ holder has the whole new slice again. The all-gathers use the gradient sync's gr
 (one collective per group per bucket); each device's part is padded to the group's longest, since gloo
 has no uneven all-gather. A plan with one pipeline has no replicas: nothing is sharded there.
 
+This module is the layout (pure, no torch); optim.py ``ShardedAdamW`` runs it.
+
 Choices:
 
 * Chunks are cut per slice, not per bucket, so the moment layout is a function of the plan alone (not
