@@ -86,20 +86,21 @@ def cut_buckets(slices: Sequence[SliceGroups], *, bucket_bytes: int = BUCKET_BYT
     """Gradient ``i``'s slices ``slices[i]`` packed into buckets of at most ``bucket_bytes`` (a slice is never
     cut; a bigger one goes alone), device group by device group in one global order."""
     bucket_numel = max(1, bucket_bytes // itemsize)
-    by_group: dict[tuple[tuple[int, ...], int], list[tuple[int, Region, int]]] = defaultdict(list)
+    by_group: dict[tuple[tuple[int, ...], int], list[tuple[int, tuple[tuple[Region, int], ...]]]] = defaultdict(list)
     for i, groups in enumerate(slices):
         for key, regions in groups:
-            by_group[key].extend((i, r, n) for r, n in regions)
+            by_group[key].append((i, regions))
     out: list[SyncBucket] = []
-    for (devices, _cls), entries in sorted(by_group.items(), key=lambda kv: (len(kv[0][0]), kv[0])):
+    for (devices, _cls), items in sorted(by_group.items(), key=lambda kv: (len(kv[0][0]), kv[0])):
         cur: list[tuple[int, Region]] = []
         size = 0
-        for i, r, n in entries:
-            if cur and size + n > bucket_numel:
-                out.append(SyncBucket(devices, tuple(cur), size))
-                cur, size = [], 0
-            cur.append((i, r))
-            size += n
+        for i, regions in items:
+            for r, n in regions:
+                if cur and size + n > bucket_numel:
+                    out.append(SyncBucket(devices, tuple(cur), size))
+                    cur, size = [], 0
+                cur.append((i, r))
+                size += n
         if cur:
             out.append(SyncBucket(devices, tuple(cur), size))
     return out
