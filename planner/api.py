@@ -96,7 +96,7 @@ class PlanResult:
     def _plan(self, model_ref: str, cluster_ref: str, micro_batch: int, strategy: Strategy) -> Plan:
         s = self.settings
         training = TrainingSettings(global_batch=s.global_batch, micro_batch=micro_batch, seq_len=s.seq_len,
-                                    zero=s.zero, schedule="1f1b", seed=s.seed, optimizer=s.optimizer)
+                                    zero=s.zero, schedule=s.schedule, seed=s.seed, optimizer=s.optimizer)
         return Plan(version=PLAN_VERSION, model=model_ref, cluster=cluster_ref, training=training,
                     strategies=(strategy,))
 
@@ -162,13 +162,15 @@ def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfil
         progress("baselines", 0, 3)
     mp = settings.min_pipelines
     if baselines:
-        sym = best_symmetric(every, devs, settings.global_batch, settings.zero, min_pipelines=mp)
+        sym = best_symmetric(every, devs, settings.global_batch, settings.zero, min_pipelines=mp,
+                             schedule=settings.schedule)
     else:
         sym = Baseline("symmetric", None, None, None, "not computed")
     if progress is not None:
         progress("baselines", 1, 3)
     if baselines:
-        sub = best_symmetric_subset(every, devs, settings.global_batch, settings.zero, min_pipelines=mp)
+        sub = best_symmetric_subset(every, devs, settings.global_batch, settings.zero, min_pipelines=mp,
+                                    schedule=settings.schedule)
     else:
         sub = Baseline("symmetric-subset", None, None, None, "not computed")
     if progress is not None:
@@ -220,7 +222,7 @@ def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], setti
             pick.append(c)
     checked = []
     for c in pick:
-        sim = simulate(cms[c.micro_batch], c.strategy, settings.global_batch, "1f1b", settings.zero)
+        sim = simulate(cms[c.micro_batch], c.strategy, settings.global_batch, settings.schedule, settings.zero)
         checked.append(dataclasses.replace(c, simulated_s=sim.step_time_s))
     checked.sort(key=lambda c: (c.checked_s, c.step_time_s))   # stable: ties keep the estimate's order
     rest = [c for c in ranked if all(c is not p for p in pick)]
@@ -282,13 +284,12 @@ def diagnose(model: ModelSpec, cluster: Cluster, cms: Mapping[int, CostModel], s
                 f"(TP degrees must divide {model.num_heads} heads and {model.num_kv_heads} kv heads)")
 
     def fits(n_layers: int) -> bool:
-        if len(kinds) > n_layers:
-            return feasible(slot_costs(cm, tuple(kinds[:n_layers]), zero_degree=1,
-                                       recompute=settings.allow_recompute), n_layers)
-        small = dataclasses.replace(model, num_layers=n_layers)
-        cm_small = CostModel(small, cluster, cm.profiles, micro_batch=b, seq_len=settings.seq_len)
-        return feasible(slot_costs(cm_small, tuple(kinds), zero_degree=1, recompute=settings.allow_recompute),
-                        n_layers)
+        """The search's own memory test (``slot_costs``, with its ``memory_margin``) on ``n_layers``."""
+        small = cm if len(kinds) > n_layers else CostModel(dataclasses.replace(model, num_layers=n_layers), cluster,
+                                                           cm.profiles, micro_batch=b, seq_len=settings.seq_len)
+        slots = slot_costs(small, tuple(kinds[:n_layers]), zero_degree=1, recompute=settings.allow_recompute,
+                           memory_margin=settings.memory_margin)
+        return feasible(slots, n_layers)
 
     mem = sum(cluster.type_of(d).memory_gib for d in devs)
     if not fits(model.num_layers):

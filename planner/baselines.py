@@ -24,7 +24,7 @@ import pulp
 from planner.cost import CostModel, StrategyEstimate
 from planner.solver import solve, var
 from planner.tp_groups import available, tp_degrees
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.spec.plan import Pipeline, Schedule, Stage, Strategy
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def symmetric_strategies(cm: CostModel, devices: Sequence[int], global_batch: in
 
 
 def best_symmetric(cms: Mapping[int, CostModel], devices: Sequence[int], global_batch: int, zero: bool,
-                   name: str = "symmetric", min_pipelines: int = 1) -> Baseline:
+                   name: str = "symmetric", min_pipelines: int = 1, schedule: Schedule = "1f1b") -> Baseline:
     """The fastest symmetric strategy that fits memory, over every micro-batch size in ``cms``."""
     best: Baseline | None = None
     tried = 0
@@ -105,7 +105,7 @@ def best_symmetric(cms: Mapping[int, CostModel], devices: Sequence[int], global_
             tried += 1
             if not _fits_quick(cm, strategy, zero):
                 continue
-            est = cm.estimate(strategy, global_batch, "1f1b", zero)
+            est = cm.estimate(strategy, global_batch, schedule, zero)
             if not est.fits:
                 continue
             if best is None or est.step_time_s < best.estimate.step_time_s - 1e-12:  # type: ignore[union-attr]
@@ -132,7 +132,7 @@ def _fits_quick(cm: CostModel, strategy: Strategy, zero: bool) -> bool:
 
 
 def best_symmetric_subset(cms: Mapping[int, CostModel], devices: Sequence[int], global_batch: int, zero: bool,
-                          min_pipelines: int = 1) -> Baseline:
+                          min_pipelines: int = 1, schedule: Schedule = "1f1b") -> Baseline:
     """The best symmetric plan over all devices of one type (the best type)."""
     cluster = next(iter(cms.values())).cluster
     by_type: dict[str, list[int]] = {}
@@ -141,7 +141,7 @@ def best_symmetric_subset(cms: Mapping[int, CostModel], devices: Sequence[int], 
     best: Baseline | None = None
     reasons = []
     for t, ids in sorted(by_type.items()):
-        b = best_symmetric(cms, ids, global_batch, zero, "symmetric-subset", min_pipelines)
+        b = best_symmetric(cms, ids, global_batch, zero, "symmetric-subset", min_pipelines, schedule)
         if b.estimate is None:
             reasons.append(f"{t}: {b.description}")
             continue

@@ -32,8 +32,9 @@ planner can call them millions of times:
 * ``p2p_time(src_devices, dst_devices)``: one activation (or its gradient, fp32) across a stage
   boundary; ``link(a, b)`` the latency and bandwidth behind it.
 * ``allreduce_time(devices, nbytes)``: one ring all-reduce.
-* ``sync_plan(strategy) -> [SyncGroup]``: the cross-pipeline gradient sync as the runtime fuses it (one
-  all-reduce per device group; SplitAllReduce LCM slices when TP degrees differ); ``sync_group_time``
+* ``sync_plan(strategy) -> [SyncGroup]``: the cross-pipeline gradient sync exactly as the runtime lays it
+  out (runtime/comm/gradsync.py: its device groups in its order, each with its buckets; SplitAllReduce LCM
+  slices when TP degrees differ, norms duplicated in a TP group synced by the whole group); ``sync_group_time``
   prices one group; ``grad_sync_times(strategy) -> {device: seconds}`` sums a device's groups and
   ``grad_sync_time`` is their max (the simulator also plays out waits between groups).
 * ``zero_gather_time(group)``: ZeRO-1's all-gather of a sync group's updated parameters after the
@@ -72,25 +73,29 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import reduce
-from typing import Any, Literal
+from functools import cache
+from typing import Any
 
-from runtime.models.params import llama_parameters
+from runtime.annotations.from_plan import held_by, placements
+from runtime.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
+from runtime.engine.schedules import build_schedule, peak_live_activations
+from runtime.engine.specialize import BOUNDARY_DTYPE
+from runtime.models.params import ParamInfo, llama_parameters
 from runtime.profiling.profile import (
     ComponentFit,
     ComputeFigures,
     CoreHandoff,
     DeviceProfile,
     LinkFit,
+    MemoryFigures,
     ProfileSet,
     ResumePenalty,
     eval_fit,
 )
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import Plan, Stage, Strategy
+from runtime.spec.plan import Plan, Schedule, Stage, Strategy
 
-Schedule = Literal["1f1b", "gpipe"]
 GIB = float(2**30)
 
 # Collectives a TP group issues per micro-batch, as the runtime lays TP out with DTensor
@@ -102,11 +107,8 @@ GIB = float(2**30)
 # embedding all-reduces its output; the column-parallel head all-gathers the logits (forward) and
 # all-reduces its input gradient (backward).
 TP_ALLREDUCES_PER_LAYER = (2, 2)
-# The runtime fuses gradient-sync slices of one device group into buckets of this size
-# (runtime/engine/data_parallel.py BUCKET_BYTES).
-SYNC_BUCKET_BYTES = 32 << 20
-# The residual stream crosses stage boundaries in fp32 (runtime/engine/program.py BOUNDARY_DTYPE).
-BOUNDARY_BYTES = 4
+# What crosses a stage boundary: the runtime's residual stream, in its dtype.
+BOUNDARY_BYTES = BOUNDARY_DTYPE.itemsize
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -140,11 +142,11 @@ def pipeline_time(forward_s: Sequence[float], backward_s: Sequence[float], micro
     return (m - 1) * (max(forward_s) + max(backward_s)) + sum(forward_s) + sum(backward_s) + sum(boundary_s)
 
 
+@cache
 def in_flight_micro_batches(stage: int, num_stages: int, micro_batches: int, schedule: Schedule = "1f1b") -> int:
-    """Micro-batches whose activations a stage holds at its peak: 1F1B stage k of S holds S-k."""
-    if schedule == "1f1b":
-        return min(num_stages - stage, micro_batches)
-    return micro_batches
+    """Micro-batches whose activations a stage holds at its peak, as the runtime's schedule runs them
+    (1F1B: stage k of S holds ``min(S-k, m)``; GPipe: ``m``)."""
+    return peak_live_activations(build_schedule(schedule, num_stages, stage, micro_batches))
 
 
 def allreduce_seconds(nbytes: float, n: int, latency_s: float, bandwidth_gbs: float) -> float:
@@ -152,6 +154,15 @@ def allreduce_seconds(nbytes: float, n: int, latency_s: float, bandwidth_gbs: fl
     if n <= 1:
         return 0.0
     return latency_s + 2.0 * (n - 1) / n * nbytes / (bandwidth_gbs * 1e9)
+
+
+def _collective_time(lines: Sequence[tuple[float, float]], sizes: Sequence[float]) -> float:
+    """Seconds of one collective call per entry of ``sizes`` (bytes): each call takes the slowest of the
+    (seconds, seconds per byte) ``lines`` (one per device type's fit)."""
+    if len(lines) == 1:
+        fixed, per_byte = lines[0]
+        return fixed * len(sizes) + per_byte * sum(sizes)
+    return sum(max(fixed + per_byte * x for fixed, per_byte in lines) for x in sizes)
 
 
 def nearest_fit(fits: Mapping[int, LinkFit], n: int) -> tuple[float, float]:
@@ -291,20 +302,6 @@ class MemoryBreakdown:
     @property
     def gib(self) -> float:
         return self.total / GIB
-
-    def as_gib(self) -> dict[str, float]:
-        return {"params": self.params / GIB, "grads": self.grads / GIB, "optimizer": self.optimizer / GIB,
-                "activations": self.activations / GIB, "overhead": self.overhead / GIB, "total": self.gib}
-
-
-@dataclass(frozen=True)
-class SyncGroup:
-    """One all-reduce group of the gradient sync: the devices (one per pipeline) and the elements each
-    contributes (its gradient slices that this group holds, fused)."""
-
-    devices: tuple[int, ...]
-    numel: float
-    tensors: int = 0   # gradient slices it packs (each device of the group packs and unpacks them)
 
 
 @dataclass(frozen=True)
@@ -624,18 +621,20 @@ class CostModel:
         """One ring all-reduce among ``devices``: measured fit for a same-type group on one node when
         the profile has one for this group size (or the nearest measured size), else per-step latency
         and the slowest link of the ring."""
+        return _collective_time(self._allreduce_lines(tuple(devices)), (nbytes,))
+
+    @_memo
+    def _allreduce_lines(self, devices: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
+        """``allreduce_time`` as lines (seconds, seconds per byte), the time being the slowest of them."""
         n = len(devices)
         if n <= 1:
-            return 0.0
-        measured = self._measured_group_time(devices, lambda prof: prof.comm.allreduce,
-                                             lambda lat, bw: allreduce_seconds(nbytes, n, lat, bw))
-        if measured is not None:
-            return measured
-        types = {self._type_of[d] for d in devices}
-        ring = list(devices)
-        bw = min(self.link(ring[i], ring[(i + 1) % n]).bandwidth_gbs for i in range(n))
-        lat = max(self.profiles[t].comm.allreduce_latency_s for t in types) * 2 * (n - 1)
-        return allreduce_seconds(nbytes, n, lat, bw)
+            return ((0.0, 0.0),)
+        measured = self._measured_fits(devices, lambda prof: prof.comm.allreduce)
+        if measured is None:
+            types = {self._type_of[d] for d in devices}
+            bw = min(self.link(devices[i], devices[(i + 1) % n]).bandwidth_gbs for i in range(n))
+            measured = [(max(self.profiles[t].comm.allreduce_latency_s for t in types) * 2 * (n - 1), bw)]
+        return tuple((lat, 2.0 * (n - 1) / n / (bw * 1e9)) for lat, bw in measured)
 
     @_memo
     def _tp_allreduce(self, device_type: str, tp: int, nbytes: float) -> float:
@@ -666,83 +665,59 @@ class CostModel:
                 + (len(self._head_tensors) if last else 0))
 
     def sync_plan(self, strategy: Strategy) -> list[SyncGroup]:
-        """The cross-pipeline gradient sync as the runtime runs it: one fused all-reduce per device group.
+        """The cross-pipeline gradient sync exactly as the runtime lays it out (runtime/comm/gradsync.py
+        ``sync_groups``): its device groups in the order it issues them, each with its buckets.
 
-        Every pipeline holds every layer (and the embedding and head), each at its own TP degree. Cut
-        the layers into segments where no pipeline changes stage, and each segment's sharded gradients
-        into ``L = lcm(TP degrees)`` slices: slice ``j`` is held by one device per pipeline (TP rank
-        ``j * t / L`` of the stage holding the segment), and those devices all-reduce it together
-        (SplitAllReduce; a plain DP all-reduce when the degrees agree). Slices with the same device
-        group share buckets. Replicated tensors (norms) go with slice 0. Groups come in one global
-        order (first layer, then slice), which every device follows.
+        Every pipeline holds every layer (and the embedding and head), each at its own TP degree; where
+        the degrees differ, the SplitAllReduce cuts each gradient into the LCM grid of their shards and
+        every slice is all-reduced by the devices that hold it (one per pipeline), norms duplicated inside
+        a TP group by the whole group (each replica counted once).
         """
         key = tuple(tuple((st.devices, st.layers) for st in p.stages) for p in strategy.pipelines)
         cache = self.__dict__.setdefault("_sync_plans", {})
+        if key not in cache and len(strategy.pipelines) <= 1:
+            cache[key] = ()  # nothing to sync
         if key not in cache:
-            cache[key] = self._sync_plan(strategy)
+            cache[key] = tuple(sync_groups(cut_buckets([self._grad_slices(info, stages)
+                                                        for info, stages in placements(strategy, self.model)])))
         return list(cache[key])
 
-    def _sync_plan(self, strategy: Strategy) -> tuple[SyncGroup, ...]:
-        pipes = strategy.pipelines
-        if len(pipes) <= 1:
-            return ()
-        m = self.model
-        h = m.hidden_size
-        cuts = sorted({0, m.num_layers} | {b for p in pipes for s in p.stages for b in s.layers})
-        groups: dict[tuple[int, ...], list[float]] = {}   # devices -> [numel, tensors]
-        order: dict[tuple[int, ...], tuple[int, int]] = {}
+    def _grad_slices(self, info: ParamInfo, stages: tuple[Stage, ...]) -> SliceGroups:
+        """One gradient's all-reduce slices where ``stages`` hold it: the same for every tensor of its shape
+        and split placed on the same devices, in any plan (so computed once per cost model).
 
-        def holders(layer: int) -> list[Stage]:
-            out = []
-            for p in pipes:
-                for st in p.stages:
-                    if st.layers[0] <= layer < st.layers[1]:
-                        out.append(st)
-                        break
-            return out
+        The runtime's layout only compares and sorts device ids, so it is computed once per pattern (the
+        devices renumbered 0, 1, ... in their order) and mapped back: plans that place a tensor on other
+        devices the same way share it."""
+        memo = self.__dict__.setdefault("_slices", {})
+        key = (info.shape, info.tp_dim, tuple(s.devices for s in stages))
+        if key not in memo:
+            ids = sorted({d for s in stages for d in s.devices})
+            number = {d: i for i, d in enumerate(ids)}
+            placed = tuple(tuple(number[d] for d in s.devices) for s in stages)
+            by_pattern = self.__dict__.setdefault("_slice_patterns", {})
+            if (info.shape, info.tp_dim, placed) not in by_pattern:
+                renumbered = [Stage(devices, s.layers) for devices, s in zip(placed, stages)]
+                by_pattern[info.shape, info.tp_dim, placed] = reduce_slices(
+                    held_by(renumbered, info).grad.layout(info.shape))
+            memo[key] = tuple(((tuple(ids[i] for i in group), cls), regions)
+                              for (group, cls), regions in by_pattern[info.shape, info.tp_dim, placed])
+        return memo[key]
 
-        def add(stages: Sequence[Stage], sharded: float, replicated: float, key: int, n_sharded: int,
-                n_replicated: int) -> None:
-            lcm = reduce(math.lcm, (st.tp for st in stages), 1)
-            for j in range(lcm):
-                devs = tuple(sorted(st.devices[j * st.tp // lcm] for st in stages))
-                g = groups.setdefault(devs, [0.0, 0.0])
-                g[0] += sharded / lcm + (replicated if j == 0 else 0.0)
-                g[1] += n_sharded + (n_replicated if j == 0 else 0)
-                order.setdefault(devs, (key, j))
-
-        per_layer = len(self._layer_tensors)
-        replicated_per_layer = sum(1 for p in self._layer_tensors if p.tp_dim is None)
-        embed_stages = [p.stages[0] for p in pipes]
-        add(embed_stages, m.vocab_size * h, 0.0, -1, len(self._embed_tensors), 0)
-        for a, b in zip(cuts, cuts[1:]):
-            n = b - a
-            add(holders(a), n * (m.layer_params() - 2 * h), n * 2 * h, a, n * (per_layer - replicated_per_layer),
-                n * replicated_per_layer)
-        n_head_rep = sum(1 for p in self._head_tensors if p.tp_dim is None)
-        add([p.stages[-1] for p in pipes], m.vocab_size * h, h, m.num_layers, len(self._head_tensors) - n_head_rep,
-            n_head_rep)
-        ordered = sorted(groups.items(), key=lambda kv: order[kv[0]])
-        return tuple(SyncGroup(devs, g[0], int(g[1])) for devs, g in ordered)
-
-    def sync_buckets(self, group: SyncGroup) -> int:
-        """How many ``SYNC_BUCKET_BYTES`` buckets (collective calls) the runtime cuts a sync group's
-        gradients into; ZeRO-1's parameter all-gathers reuse the same buckets (runtime/engine/zero.py)."""
-        nbytes = group.numel * max(self.profiles[self._type_of[d]].memory.grad_bytes for d in group.devices)
-        return max(1, math.ceil(nbytes / SYNC_BUCKET_BYTES))
+    def _element_bytes(self, group: SyncGroup, memory: Callable[[MemoryFigures], int]) -> int:
+        return max(memory(self.profiles[self._type_of[d]].memory) for d in group.devices)
 
     def sync_group_time(self, group: SyncGroup) -> float:
-        """One fused all-reduce of a sync group (a call per ``SYNC_BUCKET_BYTES`` bucket), plus packing its
-        gradient slices into the buckets and back (measured profiles; the slowest device's)."""
-        nbytes = group.numel * max(self.profiles[self._type_of[d]].memory.grad_bytes for d in group.devices)
-        buckets = self.sync_buckets(group)
-        one = self.allreduce_time(list(group.devices), nbytes / buckets)
+        """One fused all-reduce of a sync group (a call per bucket, as the runtime cuts them), plus packing
+        its gradient slices into the buckets and back (measured profiles; the slowest device's)."""
+        grad_bytes = self._element_bytes(group, lambda m: m.grad_bytes)
+        calls = _collective_time(self._allreduce_lines(group.devices), [n * grad_bytes for n in group.bucket_numel])
         pack = 0.0
         for d in group.devices:
             fit = self.profiles[self._type_of[d]].sync_pack
-            pack = max(pack, fit.seconds_per_param * group.numel + fit.seconds_per_tensor * group.tensors
-                       + fit.fixed_s * buckets)
-        return buckets * one + pack
+            pack = max(pack, fit.seconds_per_param * group.numel + fit.seconds_per_tensor * group.slices
+                       + fit.fixed_s * len(group.buckets))
+        return calls + pack
 
     def grad_sync_times(self, strategy: Strategy) -> dict[int, float]:
         """Seconds each device spends in the cross-pipeline gradient sync (its groups one after the
@@ -764,27 +739,30 @@ class CostModel:
         by ring steps; on gloo an all-gather costs about as much as an all-reduce of the same bytes, not
         half), else a ring's ``n-1`` steps where an all-reduce takes ``2(n-1)``: half its latency and
         traffic."""
+        return _collective_time(self._allgather_lines(tuple(devices)), (nbytes,))
+
+    @_memo
+    def _allgather_lines(self, devices: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
         n = len(devices)
         if n <= 1:
-            return 0.0
-        measured = self._measured_group_time(devices, lambda prof: prof.comm.allgather,
-                                             lambda lat, bw: lat + (n - 1) / n * nbytes / (bw * 1e9))
-        if measured is not None:
-            return measured
-        return self.allreduce_time(devices, nbytes) / 2.0
+            return ((0.0, 0.0),)
+        measured = self._measured_fits(devices, lambda prof: prof.comm.allgather)
+        if measured is None:
+            return tuple((fixed / 2.0, per_byte / 2.0) for fixed, per_byte in self._allreduce_lines(devices))
+        return tuple((lat, (n - 1) / n / (bw * 1e9)) for lat, bw in measured)
 
-    def _measured_group_time(self, devices: Sequence[int],
-                             fits_of: Callable[[DeviceProfile], Mapping[int, LinkFit] | None],
-                             seconds: Callable[[float, float], float]) -> float | None:
-        """A collective among ``devices`` from measured fits (measured among one node's processes): for
-        each type involved the nearest measured group size (``nearest_fit``), the slowest of them; None
-        when the group spans nodes or some type has no fits. ``seconds(latency_s, bandwidth_gbs)``."""
+    def _measured_fits(self, devices: Sequence[int],
+                       fits_of: Callable[[DeviceProfile], Mapping[int, LinkFit] | None]
+                       ) -> list[tuple[float, float]] | None:
+        """(latency s, bandwidth GB/s) of a collective among ``devices`` from measured fits (measured among
+        one node's processes): for each type involved the nearest measured group size (``nearest_fit``);
+        None when the group spans nodes or some type has no fits."""
         if len({self._node_of[d] for d in devices}) != 1:
             return None
-        measured = [fits_of(self.profiles[t]) for t in {self._type_of[d] for d in devices}]
+        measured = [fits_of(self.profiles[t]) for t in sorted({self._type_of[d] for d in devices})]
         if not all(measured):
             return None
-        return max(seconds(*nearest_fit(fits, len(devices))) for fits in measured)  # type: ignore[arg-type]
+        return [nearest_fit(fits, len(devices)) for fits in measured]  # type: ignore[arg-type]
 
     def zero_gather_time(self, group: SyncGroup) -> float:
         """ZeRO-1's parameter all-gather of one sync group after the optimizer step (runtime/engine/zero.py):
@@ -792,9 +770,8 @@ class CostModel:
         bucket (the parameters, ``param_bytes`` each)."""
         if len(group.devices) <= 1:
             return 0.0
-        nbytes = group.numel * max(self.profiles[self._type_of[d]].memory.param_bytes for d in group.devices)
-        buckets = self.sync_buckets(group)
-        return buckets * self.allgather_time(list(group.devices), nbytes / buckets)
+        param_bytes = self._element_bytes(group, lambda m: m.param_bytes)
+        return _collective_time(self._allgather_lines(group.devices), [n * param_bytes for n in group.bucket_numel])
 
     def zero_gather_times(self, strategy: Strategy, zero: bool = True) -> dict[int, float]:
         """Seconds each device spends in ZeRO-1's all-gathers (its groups one after the other); all zero

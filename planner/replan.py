@@ -27,10 +27,11 @@ from typing import Literal
 from planner.api import PlanSettings, plan
 from planner.cost import CostModel
 from runtime.comm.bsr import BsrPlan
-from runtime.elastic.state import STATE_SUFFIXES, LostTensor, PlanRef, describe_lost, lost_tensors, plan_switch
+from runtime.elastic.state import STATE_SUFFIXES, LostTensor, describe_lost, lost_tensors, plan_switch
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.profiling.profile import DeviceProfile, ProfileSet
 from runtime.spec import Plan, PlanContext, Strategy, validate_plan
+from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec
 
 DEFAULT_TOLERANCE = 0.05
@@ -149,25 +150,25 @@ class ReplanResult:
         return self.chosen.plan
 
 
-def replan(ctx: PlanContext, strategy: str, failed: Collection[int],
+def replan(current: StrategyHandle, failed: Collection[int],
            profiles: Mapping[str, DeviceProfile] | ProfileSet, *, tolerance: float = DEFAULT_TOLERANCE,
            time_limit_s: float = 60.0, top_k: int = 5, restart: RestartModel | None = None,
            model_ref: str | None = None, cluster_ref: str | None = None) -> ReplanResult:
-    """The plan to switch to when ``failed`` devices of ``strategy`` are lost (see the module docstring).
+    """The plan to switch to when ``failed`` devices of ``current`` are lost (see the module docstring).
 
     The survivors are the strategy's other devices (a running job has processes only there). Raises
     LostStateError when a parameter lost every replica, InfeasibleError when no plan fits the survivors.
     """
     if tolerance < 0:
         raise ValueError("tolerance must not be negative")
-    current = PlanRef(ctx, strategy)
+    ctx = current.ctx
     failed = frozenset(failed)
     unknown = sorted(failed - set(range(ctx.cluster.num_devices)))
     if unknown:
         raise HspmdError(f"--failed: device(s) {unknown} are not in cluster {ctx.cluster.name!r} "
                          f"(devices 0-{ctx.cluster.num_devices - 1})")
     idle = sorted(failed - set(current.devices))
-    notes = [f"device(s) {idle} are idle in strategy {strategy!r}: losing them changes nothing"] if idle else []
+    notes = [f"device(s) {idle} are idle in strategy {current.name!r}: losing them changes nothing"] if idle else []
     lost = lost_tensors(current, failed)
     if lost:
         raise LostStateError(failed, lost)
@@ -176,11 +177,12 @@ def replan(ctx: PlanContext, strategy: str, failed: Collection[int],
     model_ref = model_ref or ctx.plan.model
     cluster_ref = cluster_ref or ctx.plan.cluster
     cur = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
-    current_time = cur.estimate(ctx.plan.strategy(strategy), t.global_batch, t.schedule, False).step_time_s
+    current_time = cur.estimate(current.strategy, t.global_batch, t.schedule, False).step_time_s
 
     plans: list[tuple[Literal["planner", "repair"], int, Plan, float, str]] = []
     settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=True,
-                            use_zero=False, time_limit_s=time_limit_s, top_k=top_k, seed=t.seed, optimizer=t.optimizer)
+                            use_zero=False, time_limit_s=time_limit_s, top_k=top_k, seed=t.seed, optimizer=t.optimizer,
+                            schedule=t.schedule)
     try:
         result = plan(ctx.model, ctx.cluster, profiles, settings, devices=survivors, baselines=False)
     except InfeasibleError as err:
@@ -190,9 +192,9 @@ def replan(ctx: PlanContext, strategy: str, failed: Collection[int],
     for i, cand in enumerate(result.candidates):
         p = result.to_plan(model_ref, cluster_ref, i)
         plans.append(("planner", i, p, cand.step_time_s, cand.summary))
-    repaired = repair(ctx, strategy, failed, profiles)
+    repaired = repair(current, failed, profiles)
     if not failed & set(current.devices):
-        repaired = (dataclasses.replace(ctx.plan, strategies=(ctx.plan.strategy(strategy),)), current_time)
+        repaired = (dataclasses.replace(ctx.plan, strategies=(current.strategy,)), current_time)
     if repaired is not None:
         p, step_time = repaired
         plans.append(("repair", 0, p, step_time, "the current plan without its broken pipeline(s)"))
@@ -207,7 +209,7 @@ def replan(ctx: PlanContext, strategy: str, failed: Collection[int],
         problems = validate_plan(p, ctx.model, ctx.cluster, str(ctx.path))
         if problems:
             raise RuntimeError(f"replan produced an invalid plan ({origin}): {problems[0]}")
-        target = PlanRef(PlanContext(p, ctx.model, ctx.cluster, ctx.path), p.strategies[0].name)
+        target = StrategyHandle.of(PlanContext(p, ctx.model, ctx.cluster, ctx.path))
         bsr = plan_switch(current, target, failed)
         options.append(Option(origin, rank, p, step_time, summary, bsr, bsr.modelled_time(ctx.cluster),
                               bsr.lower_bound(ctx.cluster)))
@@ -228,12 +230,12 @@ def choose(options: list[Option], tolerance: float) -> Option:
     return min(near, key=lambda o: (o.switch_bytes, o.step_time_s, o.origin != "planner", o.rank))
 
 
-def repair(ctx: PlanContext, strategy: str, failed: Collection[int],
+def repair(current: StrategyHandle, failed: Collection[int],
            profiles: Mapping[str, DeviceProfile] | ProfileSet) -> tuple[Plan, float] | None:
     """The current plan without the pipelines that lost a device, their micro-batches spread over the
     others to even out the pipelines' times (cost model); None when no pipeline is intact, when there are
     too few micro-batches, or when it does not fit in memory."""
-    strat = ctx.plan.strategy(strategy)
+    ctx, strat = current.ctx, current.strategy
     t = ctx.plan.training
     keep = [p for p in strat.pipelines if not set(p.devices) & set(failed)]
     if not keep or len(keep) == len(strat.pipelines):

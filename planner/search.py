@@ -60,7 +60,7 @@ from planner.pipelines import (
 from planner.tp_groups import GroupKind, TPGroup, form_groups, groups_by_kind, tp_choices
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import OptimizerSettings, Pipeline, Stage, Strategy
+from runtime.spec.plan import OptimizerSettings, Pipeline, Schedule, Stage, Strategy
 
 Progress = Callable[[str, int, int], None]
 Shares = Sequence[Mapping[GroupKind, int]]   # groups of each kind per pipeline
@@ -79,6 +79,7 @@ class PlanSettings:
     top_k: int = 5
     allow_recompute: bool = True
     memory_margin: float = 0.0     # fraction of each device's memory kept free
+    schedule: Schedule = "1f1b"   # the pipeline schedule every plan runs (and is priced with)
     seed: int = 0
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     # Re-check the best ``simulate_top`` candidates (and the best one whose pipelines are all alike) with
@@ -710,7 +711,7 @@ class Searcher:
                            for g, r, rc in zip(lay.groups, sp.ranges(), sp.recompute))
             pipes.append(Pipeline(micro_batches=mb_of[idx], stages=stages))
         strategy = Strategy(name="planned", pipelines=tuple(pipes))
-        est = self.cm.estimate(strategy, self.settings.global_batch, "1f1b", self.settings.zero)
+        est = self.cm.estimate(strategy, self.settings.global_batch, self.settings.schedule, self.settings.zero)
         if not est.fits:
             self.stats.notes.append(f"dropped a plan: the cost model reports OOM on devices {est.oom_devices}")
             return None

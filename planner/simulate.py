@@ -26,16 +26,20 @@ micro-batches each stage reached (hence its peak memory), and a timeline for Chr
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
-from planner.cost import CostModel, Schedule, SyncGroup
+from planner.cost import CostModel, StageCost
+from runtime.comm.gradsync import SyncGroup
+from runtime.engine.schedules import Comm, Compute, Transfer, build_schedule
 from runtime.launch.options import emulated_cpu_shares
 from runtime.profiling.profile import CoreHandoff, ResumePenalty
-from runtime.spec.plan import Strategy
+from runtime.spec.plan import Schedule, Strategy
 
 
 @dataclass(frozen=True)
@@ -76,12 +80,8 @@ class StageReport:
         return self.peak_memory_gib > self.capacity_gib
 
     def to_json(self) -> dict[str, Any]:
-        return {"pipeline": self.pipeline, "stage": self.stage, "devices": list(self.devices),
-                "device_type": self.device_type, "tp": self.tp, "layers": list(self.layers),
-                "micro_batches": self.micro_batches, "compute_s": self.compute_s, "comm_s": self.comm_s,
-                "p2p_s": self.p2p_s, "optimizer_s": self.optimizer_s, "bubble_s": self.bubble_s,
-                "peak_in_flight": self.peak_in_flight, "peak_memory_gib": self.peak_memory_gib,
-                "capacity_gib": self.capacity_gib, "oom": self.oom}
+        return {**dataclasses.asdict(self), "devices": list(self.devices), "layers": list(self.layers),
+                "oom": self.oom}
 
 
 @dataclass(frozen=True)
@@ -108,80 +108,53 @@ class SimulationResult:
                 "oom_devices": list(self.oom_devices), "cpu_hosts": self.cpu_hosts}
 
 
-def schedule_order(stage: int, num_stages: int, micro_batches: int, schedule: Schedule) -> list[tuple[str, int]]:
-    """The (op, micro-batch) compute sequence of a stage: 1F1B warms up with S-k-1 forwards, then
-    alternates one forward and one backward, then drains; GPipe runs every forward, then every backward."""
-    return [(a[0], a[1]) for a in schedule_actions(stage, num_stages, micro_batches, schedule) if a[0] in "FB"]
+class OpKind(Enum):
+    """What a simulated op stands for (its timeline category)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    P2P = "p2p"
+    STEP = "step"
+    GRAD_SYNC = "grad_sync"
+    CLIP = "clip"
+    OPTIMIZER = "optimizer"
+    ZERO_GATHER = "zero_gather"
 
 
-# An action: ("F", mb) / ("B", mb) compute, or ("C", ((transfer kind, mb), ...)) one communication group.
-Action = tuple[str, Any]
+@dataclass(frozen=True)
+class SimOp:
+    """One op of the event loop, run by its ``resource`` in the order added (the fields: ``EventLoop``).
+    ``duration``: a fixed-length (communication) op; ``deps``: ops that must complete first."""
+
+    name: str
+    resource: str
+    kind: OpKind | None = None
+    pipeline: int = -1
+    stage: int = -1
+    micro_batch: int | None = None
+    duration: float = 0.0
+    deps: tuple[str, ...] = ()
+    waits: tuple[tuple[str, float], ...] = ()
+    cpu: float = 0.0
+    comm: float = 0.0
+    stretch: float = 1.0
+    comm_cpu: float = 0.0
+    hosts: tuple[tuple[str, float], ...] = ()
+    resume: ResumePenalty | None = None
+    wake: ResumePenalty | None = None
+    sharing: float = 1.0
+    handoff: CoreHandoff | None = None
+    transfers: tuple[Transfer, ...] = ()  # a P2P op: the runtime's transfers it posts together
+    transfer_s: float = 0.0  # ... and the longest of them
+
+    @property
+    def computes(self) -> bool:
+        return self.cpu > 0 or self.comm > 0
 
 
-def schedule_actions(stage: int, num_stages: int, micro_batches: int, schedule: Schedule) -> list[Action]:
-    """The stage's action list, grouped as the runtime groups it (runtime/engine/schedules.py)."""
-    first, last = stage == 0, stage == num_stages - 1
-    out: list[Action] = []
-
-    def comm(*ts: tuple[str, int] | None) -> None:
-        group = tuple(t for t in ts if t is not None)
-        if group:
-            out.append(("C", group))
-
-    def rf(mb: int) -> tuple[str, int] | None:
-        return None if first else ("recv_forward", mb)
-
-    def sf(mb: int) -> tuple[str, int] | None:
-        return None if last else ("send_forward", mb)
-
-    def rb(mb: int) -> tuple[str, int] | None:
-        return None if last else ("recv_backward", mb)
-
-    def sb(mb: int) -> tuple[str, int] | None:
-        return None if first else ("send_backward", mb)
-
-    m = micro_batches
-    if schedule == "gpipe":
-        for j in range(m):
-            comm(rf(j))
-            out.append(("F", j))
-            comm(sf(j))
-        for j in range(m):
-            comm(rb(j))
-            out.append(("B", j))
-            comm(sb(j))
-        return out
-    warm = min(num_stages - stage - 1, m)
-    steady = m - warm
-    fwd = bwd = 0
-    for _ in range(warm):
-        comm(rf(fwd))
-        out.append(("F", fwd))
-        comm(sf(fwd))
-        fwd += 1
-    if steady > 0:
-        comm(rf(fwd))
-    for i in range(steady):
-        out.append(("F", fwd))
-        comm(sf(fwd), rb(bwd))
-        fwd += 1
-        out.append(("B", bwd))
-        if i == steady - 1:
-            comm(sb(bwd))
-        else:
-            comm(sb(bwd), rf(fwd))
-        bwd += 1
-    for _ in range(warm):
-        comm(rb(bwd))
-        out.append(("B", bwd))
-        comm(sb(bwd))
-        bwd += 1
-    return out
-
-
-class _Sim:
-    """The event loop. Resources run their ops in a fixed order; an op starts when its resource is free
-    and its dependencies have completed (time advances event by event).
+class EventLoop:
+    """Resources run their ops in a fixed order; an op starts when its resource is free and its
+    dependencies have completed (time advances event by event).
 
     * A communication op's end is known once every op it ``waits`` on has started: a transfer of
       ``secs`` completes at ``max(own start, peer start) + secs`` (a rendezvous).
@@ -197,6 +170,7 @@ class _Sim:
     * A compute op with a ``resume`` penalty needs that much more CPU time the longer its resource idled
       since its previous compute op's CPU work ended (cold caches; measured by ``hspmd profile``); a
       communication op with a ``wake`` penalty ends that much later the longer it waited for its peers.
+      ``sharing``: a compute op's efficiency while a core it runs on is time-shared.
     * ``handoff`` (an op's ``CoreHandoff``): the core is not shared as a fluid. A process that used up its
       time slice is switched out at its next system call, and one that wakes up runs only once the
       scheduler hands it the core. So where another compute op is active on a core of the op's ``hosts``
@@ -209,369 +183,416 @@ class _Sim:
 
     def __init__(self, cores: dict[str, float] | None = None) -> None:
         self.queue: dict[str, list[str]] = {}
-        self.ops: dict[str, dict[str, Any]] = {}
+        self.ops: dict[str, SimOp] = {}
         self.cores = cores or {}
 
-    def add(self, op: str, resource: str, duration: float = 0.0, deps: Sequence[str] = (),
-            waits: Sequence[tuple[str, float]] = (), *, cpu: float = 0.0, comm: float = 0.0, stretch: float = 1.0,
-            comm_cpu: float = 0.0, hosts: Sequence[tuple[str, float]] = (), resume: ResumePenalty | None = None,
-            wake: ResumePenalty | None = None, sharing: float = 1.0, handoff: CoreHandoff | None = None,
-            **info: Any) -> None:
-        """``duration``: a fixed-length op (communication); ``cpu``/``comm``/``stretch``: a compute block;
-        ``resume``: its extra CPU time after its resource idled (from the end of its last compute op);
-        ``wake``: a communication op's extra time when it waited for its peers (blocked, core idle);
-        ``sharing``: a compute op's efficiency while a core it runs on is time-shared; ``handoff``: the
-        scheduler's delays when a core of ``hosts`` is busy with another op (communication ops take
-        ``hosts`` for this only)."""
-        hosts = [(h, d) for h, d in hosts if h in self.cores]
-        self.ops[op] = {"resource": resource, "duration": duration, "deps": list(deps), "waits": list(waits),
-                        "cpu": cpu, "comm": comm, "stretch": stretch, "comm_cpu": comm_cpu, "hosts": hosts,
-                        "resume": resume, "wake": wake, "sharing": sharing, "handoff": handoff, **info}
-        self.queue.setdefault(resource, []).append(op)
+    def add(self, op: SimOp) -> None:
+        """Append ``op`` to its resource's queue (hosts without cores here are dropped)."""
+        op = dataclasses.replace(op, hosts=tuple((h, d) for h, d in op.hosts if h in self.cores))
+        self.ops[op.name] = op
+        self.queue.setdefault(op.resource, []).append(op.name)
 
     def run(self) -> dict[str, tuple[float, float]]:
-        head = {r: 0 for r in self.queue}
-        busy: dict[str, str | None] = {r: None for r in self.queue}
-        starts: dict[str, float] = {}
-        done: dict[str, float] = {}
-        times: dict[str, tuple[float, float]] = {}
-        heap: list[tuple[float, int, str]] = []
-        active: dict[str, float] = {}   # compute op -> CPU seconds of work left
-        work: dict[str, float] = {}     # compute op -> its CPU seconds (with any resume penalty)
-        used: dict[str, float] = {}     # compute op -> CPU time it consumed (more than work when sharing)
-        cpu_end: dict[str, float] = {}  # resource -> when its last compute op's CPU work ended
-        pending: dict[str, float] = {}  # compute op -> when it gets its core (a wake-up on a busy core)
-        slept: dict[str, bool] = {}     # resource -> its last op ended in an emulated device's sleep
-        users: dict[str, set[str]] = {}  # host -> the resources with ops on it
-        for info in self.ops.values():
-            for h, _ in info["hosts"]:
-                users.setdefault(h, set()).add(info["resource"])
-        foreign: set[tuple[str, str]] = set()   # (host, resource): another resource computed there since
-        watchers: dict[str, set[str]] = {}     # op -> resources to wake when it starts or completes
-        for info in self.ops.values():
-            for d in info["deps"]:
-                watchers.setdefault(d, set()).add(info["resource"])
-            for w, _ in info["waits"]:
-                watchers.setdefault(w, set()).add(info["resource"])
-        now = 0.0
-        seq = 0
+        """(start, end) of every op."""
+        return _Run(self).run()
 
-        def finish_at(op: str, end: float) -> None:
-            nonlocal seq
-            times[op] = (starts[op], end)
-            seq += 1
-            heapq.heappush(heap, (end, seq, op))
 
-        def core_busy(op: str) -> bool:
-            """Another compute op is running on a core of ``op``'s hosts now (one ending this instant is not)."""
-            mine = {h for h, _ in self.ops[op]["hosts"]}
-            return bool(mine) and any(o != op and left > 1e-9 and any(h in mine for h, _ in self.ops[o]["hosts"])
-                                      for o, left in active.items())
+class _Run:
+    """The state of one ``EventLoop.run``."""
 
-        def try_end(op: str) -> bool:
-            """End a started communication / fixed op once the ops it waits on have started."""
-            info = self.ops[op]
-            if any(w not in starts for w, _ in info["waits"]):
-                return False
-            start = starts[op]
-            end = start + info["duration"]
-            for w, secs in info["waits"]:
-                end = max(end, max(start, starts[w]) + secs)
-            latest = max((starts[w] for w, _ in info["waits"]), default=start)
-            if latest > start:   # blocked meanwhile: resumes later
-                if info["wake"] is not None:
-                    end += info["wake"].extra_s(latest - start, False)
-                if info["handoff"] is not None and core_busy(op):
-                    end += info["handoff"].recv_wake_s
-            finish_at(op, end)
-            return True
+    def __init__(self, loop: EventLoop) -> None:
+        self.ops, self.queue, self.cores = loop.ops, loop.queue, loop.cores
+        self.head = {r: 0 for r in self.queue}
+        self.busy: dict[str, str | None] = {r: None for r in self.queue}
+        self.starts: dict[str, float] = {}
+        self.done: dict[str, float] = {}
+        self.times: dict[str, tuple[float, float]] = {}
+        self.heap: list[tuple[float, int, str]] = []
+        self.active: dict[str, float] = {}   # compute op -> CPU seconds of work left
+        self.work: dict[str, float] = {}     # compute op -> its CPU seconds (with any resume penalty)
+        self.used: dict[str, float] = {}     # compute op -> CPU time it consumed (more than work when sharing)
+        self.cpu_end: dict[str, float] = {}  # resource -> when its last compute op's CPU work ended
+        self.pending: dict[str, float] = {}  # compute op -> when it gets its core (a wake-up on a busy core)
+        self.slept: dict[str, bool] = {}     # resource -> its last op ended in an emulated device's sleep
+        self.users: dict[str, set[str]] = {}  # host -> the resources with ops on it
+        self.foreign: set[tuple[str, str]] = set()  # (host, resource): another resource computed there since
+        self.watchers: dict[str, set[str]] = {}     # op -> resources to wake when it starts or completes
+        for op in self.ops.values():
+            for h, _ in op.hosts:
+                self.users.setdefault(h, set()).add(op.resource)
+            for w in (*op.deps, *(w for w, _ in op.waits)):
+                self.watchers.setdefault(w, set()).add(op.resource)
+        self.now = 0.0
+        self.seq = 0
 
-        def compute_tail(op: str, cpu_done: float) -> float:
-            info = self.ops[op]
-            cpu_end[info["resource"]] = cpu_done
-            cpu = used.get(op, work[op])
-            handoff = info["handoff"].handoff_s if info["handoff"] is not None and core_busy(op) else 0.0
-            return cpu_done + handoff + info["comm"] + (info["stretch"] - 1.0) * (cpu + info["comm_cpu"])
-
-        def advance(r: str) -> None:
-            op = busy[r]
-            if op is not None:
-                if op not in times and self.ops[op]["cpu"] == 0 and self.ops[op]["comm"] == 0:
-                    try_end(op)
-                return
-            if head[r] >= len(self.queue[r]):
-                return
-            op = self.queue[r][head[r]]
-            info = self.ops[op]
-            if any(d not in done for d in info["deps"]):
-                return
-            head[r] += 1
-            busy[r] = op
-            delay = info["handoff"].wake_s if slept.get(r) and info["handoff"] is not None and core_busy(op) else 0.0
-            slept[r] = False
-            starts[op] = now + delay
-            if info["cpu"] > 0 or info["comm"] > 0:
-                work[op] = info["cpu"]
-                if info["resume"] is not None:   # caches gone cold while the device idled
-                    work[op] += info["resume"].extra_s(now - cpu_end.get(r, 0.0), info.get("kind") == "backward")
-                kind = info.get("kind")
-                mine = [(h, r) for h, _ in info["hosts"]]
-                if info["handoff"] is not None and kind in ("forward", "backward") and foreign.intersection(mine):
-                    h = info["handoff"]   # ... or another process worked on its core meanwhile
-                    work[op] += h.cold_forward_s if kind == "forward" else h.cold_backward_s
-                foreign.difference_update(mine)
-                if info["hosts"] and work[op] > 0:
-                    used[op] = 0.0
-                    if delay > 0:
-                        pending[op] = now + delay
-                    else:
-                        active[op] = work[op]
-                else:
-                    finish_at(op, compute_tail(op, starts[op] + work[op]))
-            else:
-                try_end(op)
-            for wr in watchers.get(op, ()):
-                if wr != r:
-                    advance(wr)
-
-        def rates() -> tuple[dict[str, float], dict[str, float]]:
-            """(CPU share, progress rate) of each active op: progress is the share times the op's sharing
-            efficiency while a core it runs on is oversubscribed."""
-            demand: dict[str, float] = {}
-            for o in active:
-                for h, d in self.ops[o]["hosts"]:
-                    demand[h] = demand.get(h, 0.0) + d
-            share, progress = {}, {}
-            for o in active:
-                hosts = self.ops[o]["hosts"]
-                share[o] = min(min(1.0, self.cores[h] / demand[h]) for h, _ in hosts)
-                crowded = any(demand[h] > self.cores[h] + 1e-9 for h, _ in hosts)
-                progress[o] = share[o] * (self.ops[o]["sharing"] if crowded else 1.0)
-            return share, progress
-
+    def run(self) -> dict[str, tuple[float, float]]:
         for r in self.queue:
-            advance(r)
-        while True:
-            share, rate = rates()
-            t_cpu, cpu_op = math.inf, None
-            for o, left in active.items():
-                t = now + left / rate[o]
-                if t < t_cpu:
-                    t_cpu, cpu_op = t, o
-            t_heap = heap[0][0] if heap else math.inf
-            woken = min(pending, key=lambda o: pending[o]) if pending else None
-            t_pend = pending[woken] if woken is not None else math.inf
-            if cpu_op is None and not heap and woken is None:
-                break
-            t_next = min(t_cpu, t_heap, t_pend)
-            for o in active:
-                active[o] -= (t_next - now) * rate[o]
-                used[o] += (t_next - now) * share[o]
-                if t_next > now:
-                    mine = self.ops[o]["resource"]
-                    foreign.update((h, r) for h, _ in self.ops[o]["hosts"] for r in users[h] if r != mine)
-            now = t_next
-            if cpu_op is not None and t_cpu <= min(t_heap, t_pend):
-                del active[cpu_op]
-                finish_at(cpu_op, compute_tail(cpu_op, now))
-                continue
-            if woken is not None and t_pend <= t_heap:
-                del pending[woken]
-                active[woken] = work[woken]
-                continue
-            _, _, op = heapq.heappop(heap)
-            done[op] = times[op][1]
-            r = self.ops[op]["resource"]
-            slept[r] = self.ops[op]["stretch"] > 1.0 and (self.ops[op]["cpu"] > 0 or self.ops[op]["comm"] > 0)
-            busy[r] = None
-            advance(r)
-            for wr in watchers.get(op, ()):
-                advance(wr)
-        missing = [op for op in self.ops if op not in times]
+            self.advance(r)
+        while self.step():
+            pass
+        missing = [op for op in self.ops if op not in self.times]
         if missing:  # a cycle: a bug in the schedule construction, not a user error
             raise RuntimeError(f"simulation deadlocked; unscheduled ops: {missing[:5]}")
-        return times
+        return self.times
+
+    # -- one event -------------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Advance to the next event (a compute op's CPU work done, an op's end, a wake-up) and handle it;
+        False when nothing is left."""
+        share, rate = self.rates()
+        t_cpu, cpu_op = math.inf, None
+        for o, left in self.active.items():
+            t = self.now + left / rate[o]
+            if t < t_cpu:
+                t_cpu, cpu_op = t, o
+        t_heap = self.heap[0][0] if self.heap else math.inf
+        woken = min(self.pending, key=lambda o: self.pending[o]) if self.pending else None
+        t_pend = self.pending[woken] if woken is not None else math.inf
+        if cpu_op is None and not self.heap and woken is None:
+            return False
+        self.progress(min(t_cpu, t_heap, t_pend), share, rate)
+        if cpu_op is not None and t_cpu <= min(t_heap, t_pend):
+            del self.active[cpu_op]
+            self.finish_at(cpu_op, self.compute_tail(cpu_op, self.now))
+        elif woken is not None and t_pend <= t_heap:
+            del self.pending[woken]
+            self.active[woken] = self.work[woken]
+        else:
+            self.complete(heapq.heappop(self.heap)[2])
+        return True
+
+    def progress(self, t_next: float, share: dict[str, float], rate: dict[str, float]) -> None:
+        """The active compute ops' CPU work from now to ``t_next``."""
+        for o in self.active:
+            self.active[o] -= (t_next - self.now) * rate[o]
+            self.used[o] += (t_next - self.now) * share[o]
+            if t_next > self.now:
+                mine = self.ops[o].resource
+                self.foreign.update((h, r) for h, _ in self.ops[o].hosts for r in self.users[h] if r != mine)
+        self.now = t_next
+
+    def complete(self, name: str) -> None:
+        op = self.ops[name]
+        self.done[name] = self.times[name][1]
+        r = op.resource
+        self.slept[r] = op.stretch > 1.0 and op.computes
+        self.busy[r] = None
+        self.advance(r)
+        for wr in self.watchers.get(name, ()):
+            self.advance(wr)
+
+    def rates(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(CPU share, progress rate) of each active op: progress is the share times the op's sharing
+        efficiency while a core it runs on is oversubscribed."""
+        demand: dict[str, float] = {}
+        for o in self.active:
+            for h, d in self.ops[o].hosts:
+                demand[h] = demand.get(h, 0.0) + d
+        share, progress = {}, {}
+        for o in self.active:
+            hosts = self.ops[o].hosts
+            share[o] = min(min(1.0, self.cores[h] / demand[h]) for h, _ in hosts)
+            crowded = any(demand[h] > self.cores[h] + 1e-9 for h, _ in hosts)
+            progress[o] = share[o] * (self.ops[o].sharing if crowded else 1.0)
+        return share, progress
+
+    # -- starting and ending ops -----------------------------------------------------------------------
+
+    def advance(self, r: str) -> None:
+        """Start resource ``r``'s next op if it is free and the op's dependencies are done."""
+        name = self.busy[r]
+        if name is not None:
+            if name not in self.times and not self.ops[name].computes:
+                self.try_end(name)
+            return
+        if self.head[r] >= len(self.queue[r]):
+            return
+        name = self.queue[r][self.head[r]]
+        op = self.ops[name]
+        if any(d not in self.done for d in op.deps):
+            return
+        self.head[r] += 1
+        self.busy[r] = name
+        delay = op.handoff.wake_s if self.slept.get(r) and op.handoff is not None and self.core_busy(name) else 0.0
+        self.slept[r] = False
+        self.starts[name] = self.now + delay
+        if op.computes:
+            self.start_compute(name, delay)
+        else:
+            self.try_end(name)
+        for wr in self.watchers.get(name, ()):
+            if wr != r:
+                self.advance(wr)
+
+    def start_compute(self, name: str, delay: float) -> None:
+        op = self.ops[name]
+        r = op.resource
+        self.work[name] = op.cpu
+        if op.resume is not None:   # caches gone cold while the device idled
+            self.work[name] += op.resume.extra_s(self.now - self.cpu_end.get(r, 0.0), op.kind is OpKind.BACKWARD)
+        mine = [(h, r) for h, _ in op.hosts]
+        if op.handoff is not None and op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and self.foreign.intersection(mine):
+            h = op.handoff   # ... or another process worked on its core meanwhile
+            self.work[name] += h.cold_forward_s if op.kind is OpKind.FORWARD else h.cold_backward_s
+        self.foreign.difference_update(mine)
+        if op.hosts and self.work[name] > 0:
+            self.used[name] = 0.0
+            if delay > 0:
+                self.pending[name] = self.now + delay
+            else:
+                self.active[name] = self.work[name]
+        else:
+            self.finish_at(name, self.compute_tail(name, self.starts[name] + self.work[name]))
+
+    def finish_at(self, name: str, end: float) -> None:
+        self.times[name] = (self.starts[name], end)
+        self.seq += 1
+        heapq.heappush(self.heap, (end, self.seq, name))
+
+    def core_busy(self, name: str) -> bool:
+        """Another compute op is running on a core of ``name``'s hosts now (one ending this instant is not)."""
+        mine = {h for h, _ in self.ops[name].hosts}
+        return bool(mine) and any(o != name and left > 1e-9 and any(h in mine for h, _ in self.ops[o].hosts)
+                                  for o, left in self.active.items())
+
+    def try_end(self, name: str) -> bool:
+        """End a started communication / fixed op once the ops it waits on have started."""
+        op = self.ops[name]
+        if any(w not in self.starts for w, _ in op.waits):
+            return False
+        start = self.starts[name]
+        end = start + op.duration
+        for w, secs in op.waits:
+            end = max(end, max(start, self.starts[w]) + secs)
+        latest = max((self.starts[w] for w, _ in op.waits), default=start)
+        if latest > start:   # blocked meanwhile: resumes later
+            if op.wake is not None:
+                end += op.wake.extra_s(latest - start, False)
+            if op.handoff is not None and self.core_busy(name):
+                end += op.handoff.recv_wake_s
+        self.finish_at(name, end)
+        return True
+
+    def compute_tail(self, name: str, cpu_done: float) -> float:
+        op = self.ops[name]
+        self.cpu_end[op.resource] = cpu_done
+        cpu = self.used.get(name, self.work[name])
+        handoff = op.handoff.handoff_s if op.handoff is not None and self.core_busy(name) else 0.0
+        return cpu_done + handoff + op.comm + (op.stretch - 1.0) * (cpu + op.comm_cpu)
 
 
 def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
              zero: bool = False) -> SimulationResult:
     """Simulate one step of ``strategy`` with the costs of ``cm``."""
-    type_of = {d.id: d.type for d in cm.cluster.devices}
-    pipes = strategy.pipelines
-    cores, hosts_of = cpu_layout(cm, strategy)
-    sim = _Sim(cores)
-    stage_costs = {}
-    for pi, pipe in enumerate(pipes):
-        n = len(pipe.stages)
-        for k, st in enumerate(pipe.stages):
-            stage_costs[pi, k] = cm.stage(type_of[st.devices[0]], st.tp, st.num_layers, k == 0, k == n - 1,
-                                          st.recompute)
-
-    def block(devices: Sequence[int], total: float, tp: float = 0.0, tp_cpu: float = 0.0) -> dict[str, Any]:
-        """A compute block: its CPU work (the device's stretch taken out), the TP collectives' wall time
-        and CPU time, the stretch, the cores it runs on. ``total``/``tp`` as the cost model gives them."""
-        k = cm.emulated_slowdown(type_of[devices[0]])
-        return {"cpu": (total - tp) / k, "comm": tp - (k - 1.0) * tp_cpu, "comm_cpu": tp_cpu, "stretch": k,
-                **waiting(devices), "sharing": cm.core_sharing(type_of[devices[0]])}
-
-    def waiting(devices: Sequence[int]) -> dict[str, Any]:
-        """The cores an op's devices run on and the scheduler's delays there (``_Sim``'s handoff)."""
-        return {"hosts": [h for d in devices for h in hosts_of.get(d, ())],
-                "handoff": cm.core_handoff(type_of[devices[0]])}
-
-    # The stages' action lists: compute, and communication groups (a rendezvous with the matching side).
-    where: dict[tuple[int, int, str, int], str] = {}   # (pipeline, stage, transfer kind, mb) -> comm op id
-    actions = {}
-    for pi, pipe in enumerate(pipes):
-        n = len(pipe.stages)
-        for k in range(n):
-            actions[pi, k] = schedule_actions(k, n, pipe.micro_batches, schedule)
-            for ai, (kind, what) in enumerate(actions[pi, k]):
-                if kind == "C":
-                    for tkind, j in what:
-                        where[pi, k, tkind, j] = f"p{pi}s{k}C{ai}"
-    match = {"recv_forward": (-1, "send_forward"), "send_forward": (+1, "recv_forward"),
-             "recv_backward": (+1, "send_backward"), "send_backward": (-1, "recv_backward")}
-    for pi, pipe in enumerate(pipes):
-        for k, st in enumerate(pipe.stages):
-            sc = stage_costs[pi, k]
-            res = f"p{pi}s{k}"
-            for ai, (kind, what) in enumerate(actions[pi, k]):
-                resume = cm.resume_penalty(type_of[st.devices[0]])
-                if kind == "F":
-                    sim.add(f"{res}F{what}", res, kind="forward", pipeline=pi, stage=k, mb=what, resume=resume,
-                            **block(st.devices, sc.forward_s, sc.tp_forward_s, sc.tp_cpu_forward_s))
-                elif kind == "B":
-                    sim.add(f"{res}B{what}", res, kind="backward", pipeline=pi, stage=k, mb=what, resume=resume,
-                            **block(st.devices, sc.backward_s, sc.tp_backward_s, sc.tp_cpu_backward_s))
-                else:
-                    own = 0.0
-                    waits = []
-                    for tkind, j in what:
-                        off, peer_kind = match[tkind]
-                        peer = pipe.stages[k + off]
-                        src, dst = (st, peer) if tkind.startswith("send") else (peer, st)
-                        secs = cm.p2p_time(src.devices, dst.devices)
-                        waits.append((where[pi, k + off, peer_kind, j], secs))
-                        own = max(own, secs)
-                    sim.add(f"{res}C{ai}", res, own, waits=waits, kind="p2p", pipeline=pi, stage=k, mb=what[0][1],
-                            transfers=what, transfer_s=own, wake=cm.comm_wake(type_of[st.devices[0]]),
-                            **waiting(st.devices))
-    # After its stage's last action each device runs the step's own code (gradients collected, norm
-    # summed: CPU work, never stretched), joins its gradient-sync groups in the global order (a group's
-    # all-reduce completes when its last member has joined), then the step's loss / grad-norm all-reduce
-    # over every device, then its optimizer step.
-    last_action = {}
-    for (pi, k), acts in actions.items():
-        kind, what = acts[-1]
-        last_action[pi, k] = f"p{pi}s{k}C{len(acts) - 1}" if kind == "C" else f"p{pi}s{k}{kind}{what}"
-    stage_of = {d: (pi, k) for pi, p in enumerate(pipes) for k, st in enumerate(p.stages) for d in st.devices}
-    plan = cm.sync_plan(strategy)
-    last_of = {d: last_action[stage_of[d]] for d in strategy.devices}
-    overhead = cm.step_overhead_times(strategy)
-    for d in strategy.devices:
-        if overhead[d] > 0:
-            sim.add(f"over{d}", f"dev{d}", deps=[last_of[d]], kind="step", pipeline=stage_of[d][0],
-                    stage=stage_of[d][1], mb=None, cpu=overhead[d], sharing=cm.core_sharing(type_of[d]),
-                    **waiting((d,)))
-            last_of[d] = f"over{d}"
-    def collectives(prefix: str, kind: str, seconds: Callable[[SyncGroup], float]) -> None:
-        """One collective per sync group, in the runtime's global group order: each member joins after
-        its previous op, and the group's op ends once its last member has joined (a rendezvous)."""
-        for gi, g in enumerate(plan):
-            secs = seconds(g)
-            for d in g.devices:
-                sim.add(f"{prefix}{gi}d{d}", f"dev{d}", secs, [last_of[d]],
-                        waits=[(f"{prefix}{gi}d{e}", secs) for e in g.devices if e != d],
-                        kind=kind, pipeline=stage_of[d][0], stage=stage_of[d][1], mb=None,
-                        wake=cm.comm_wake(type_of[d]), **waiting((d,)))
-                last_of[d] = f"{prefix}{gi}d{d}"
-
-    collectives("g", "grad_sync", cm.sync_group_time)
-    sim.add("stats", "world", cm.clip_time(strategy.devices), sorted(set(last_of.values())), kind="clip",
-            pipeline=-1, stage=-1, mb=None)
-    opt_times = cm.optimizer_times(strategy, zero)
-    for d in strategy.devices:
-        opt_block = block((d,), opt_times[d])
-        sim.add(f"opt{d}", f"dev{d}", deps=["stats"], kind="optimizer", pipeline=stage_of[d][0],
-                stage=stage_of[d][1], mb=None, **opt_block)
-        last_of[d] = f"opt{d}"
-    # ZeRO-1: after its update each device all-gathers the updated parameter chunks in every sync group
-    # it belongs to, in the same global order as the gradient sync (runtime/engine/zero.py).
-    gathers = list(enumerate(plan)) if zero else []
-    if zero:
-        collectives("z", "zero_gather", cm.zero_gather_time)
+    costs = _Costs.of(cm, strategy)
+    sim = EventLoop(costs.cores)
+    last_action = _add_schedules(sim, costs, schedule)
+    sync = cm.sync_plan(strategy)
+    _add_step_end(sim, costs, last_action, sync, zero)
     times = sim.run()
     step = max(end for _, end in times.values())
+    events, reports, memory = _reports(sim, times, costs, last_action, sync, zero, step)
+    est = cm.estimate(strategy, global_batch, schedule, zero)
+    return SimulationResult(
+        strategy=strategy.name, schedule=schedule, step_time_s=step,
+        tokens_per_s=global_batch * cm.seq_len / step if step > 0 else 0.0,
+        mfu=cm.mfu(step, global_batch, strategy.devices), formula_step_time_s=est.step_time_s,
+        pipeline_end_s=tuple(max(times[last_action[pi, k]][1] for k in range(len(p.stages)))
+                             for pi, p in enumerate(strategy.pipelines)),
+        stages=tuple(reports), peak_memory_gib=memory,
+        oom_devices=tuple(sorted(d for d, g in memory.items() if g > cm.cluster.type_of(d).memory_gib)),
+        events=tuple(sorted(events, key=lambda e: (e.start_s, e.pipeline, e.stage))), cpu_hosts=dict(costs.cores))
 
-    # Reports.
+
+@dataclass(frozen=True)
+class _Costs:
+    """What the simulator reads from the cost model for one strategy, looked up once."""
+
+    cm: CostModel
+    strategy: Strategy
+    type_of: dict[int, str]
+    stages: dict[tuple[int, int], StageCost]  # (pipeline, stage) -> one micro-batch through it
+    cores: dict[str, float]
+    hosts_of: dict[int, list[tuple[str, float]]]
+    stage_of: dict[int, tuple[int, int]]  # device -> (pipeline, stage)
+
+    @classmethod
+    def of(cls, cm: CostModel, strategy: Strategy) -> _Costs:
+        type_of = {d.id: d.type for d in cm.cluster.devices}
+        stages = {}
+        for pi, pipe in enumerate(strategy.pipelines):
+            n = len(pipe.stages)
+            for k, st in enumerate(pipe.stages):
+                stages[pi, k] = cm.stage(type_of[st.devices[0]], st.tp, st.num_layers, k == 0, k == n - 1,
+                                         st.recompute)
+        cores, hosts_of = cpu_layout(cm, strategy)
+        stage_of = {d: (pi, k) for pi, p in enumerate(strategy.pipelines) for k, st in enumerate(p.stages)
+                    for d in st.devices}
+        return cls(cm, strategy, type_of, stages, cores, hosts_of, stage_of)
+
+    def block(self, devices: Sequence[int], total: float, tp: float = 0.0, tp_cpu: float = 0.0) -> dict[str, Any]:
+        """A compute block's ``SimOp`` fields: its CPU work (the device's stretch taken out), the TP
+        collectives' wall time and CPU time, the stretch, the cores it runs on. ``total``/``tp`` as the
+        cost model gives them."""
+        k = self.cm.emulated_slowdown(self.type_of[devices[0]])
+        return {"cpu": (total - tp) / k, "comm": tp - (k - 1.0) * tp_cpu, "comm_cpu": tp_cpu, "stretch": k,
+                **self.waiting(devices), "sharing": self.cm.core_sharing(self.type_of[devices[0]])}
+
+    def waiting(self, devices: Sequence[int]) -> dict[str, Any]:
+        """The cores an op's devices run on and the scheduler's delays there (``EventLoop``'s handoff)."""
+        return {"hosts": tuple(h for d in devices for h in self.hosts_of.get(d, ())),
+                "handoff": self.cm.core_handoff(self.type_of[devices[0]])}
+
+    def device_op(self, name: str, device: int, kind: OpKind, **fields: Any) -> SimOp:
+        """An op of one device's own resource after its stage's schedule."""
+        pi, k = self.stage_of[device]
+        return SimOp(name, f"dev{device}", kind, pi, k, **fields)
+
+
+def _add_schedules(sim: EventLoop, costs: _Costs, schedule: Schedule) -> dict[tuple[int, int], str]:
+    """Every stage's action list as the runtime builds it (runtime/engine/schedules.py): compute blocks,
+    and communication actions that post their transfers together, each a rendezvous with the peer stage's
+    matching transfer. Returns each stage's last op."""
+    cm = costs.cm
+    actions = {}
+    where: dict[tuple[int, int, str, int], str] = {}   # (pipeline, stage, transfer kind, mb) -> comm op
+    for pi, pipe in enumerate(costs.strategy.pipelines):
+        for k in range(len(pipe.stages)):
+            actions[pi, k] = build_schedule(schedule, len(pipe.stages), k, pipe.micro_batches)
+            for ai, a in enumerate(actions[pi, k]):
+                if isinstance(a, Comm):
+                    where.update({(pi, k, t.kind, t.micro_batch): f"p{pi}s{k}C{ai}" for t in a.transfers})
+    last = {}
+    for (pi, k), acts in actions.items():
+        pipe = costs.strategy.pipelines[pi]
+        st, sc, res = pipe.stages[k], costs.stages[pi, k], f"p{pi}s{k}"
+        device_type = costs.type_of[st.devices[0]]
+        for ai, a in enumerate(acts):
+            if isinstance(a, Compute):
+                fwd = a.kind == "forward"
+                block = costs.block(st.devices, sc.forward_s if fwd else sc.backward_s,
+                                    sc.tp_forward_s if fwd else sc.tp_backward_s,
+                                    sc.tp_cpu_forward_s if fwd else sc.tp_cpu_backward_s)
+                name = f"{res}{'F' if fwd else 'B'}{a.micro_batch}"
+                sim.add(SimOp(name, res, OpKind(a.kind), pi, k, a.micro_batch,
+                              resume=cm.resume_penalty(device_type), **block))
+                continue
+            waits = []
+            for t in a.transfers:
+                peer = pipe.stages[k + t.peer_offset]
+                src, dst = (st, peer) if t.is_send else (peer, st)
+                secs = cm.p2p_time(src.devices, dst.devices)
+                waits.append((where[pi, k + t.peer_offset, t.counterpart, t.micro_batch], secs))
+            own = max(secs for _, secs in waits)
+            name = f"{res}C{ai}"
+            sim.add(SimOp(name, res, OpKind.P2P, pi, k, a.transfers[0].micro_batch, duration=own,
+                          waits=tuple(waits), transfers=a.transfers, transfer_s=own,
+                          wake=cm.comm_wake(device_type), **costs.waiting(st.devices)))
+        last[pi, k] = name
+    return last
+
+
+def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, int], str],
+                  sync: Sequence[SyncGroup], zero: bool) -> None:
+    """After its stage's last action each device runs the step's own code (gradients collected, norm
+    summed: CPU work, never stretched), joins its gradient-sync groups in the global order (a group's
+    all-reduce completes when its last member has joined), then the step's loss / grad-norm all-reduce
+    over every device, then its optimizer step, then (ZeRO-1) the all-gathers of the updated parameter
+    chunks in every sync group it belongs to, in the same order (runtime/engine/zero.py)."""
+    cm, devices = costs.cm, costs.strategy.devices
+    last_of = {d: last_action[costs.stage_of[d]] for d in devices}
+    overhead = cm.step_overhead_times(costs.strategy)
+    for d in devices:
+        if overhead[d] > 0:
+            sim.add(costs.device_op(f"over{d}", d, OpKind.STEP, deps=(last_of[d],), cpu=overhead[d],
+                                    sharing=cm.core_sharing(costs.type_of[d]), **costs.waiting((d,))))
+            last_of[d] = f"over{d}"
+
+    def collectives(prefix: str, kind: OpKind, seconds: Callable[[SyncGroup], float]) -> None:
+        """One collective per sync group, in the runtime's global group order: each member joins after
+        its previous op, and the group's op ends once its last member has joined (a rendezvous)."""
+        for gi, g in enumerate(sync):
+            secs = seconds(g)
+            for d in g.devices:
+                sim.add(costs.device_op(f"{prefix}{gi}d{d}", d, kind, duration=secs, deps=(last_of[d],),
+                                        waits=tuple((f"{prefix}{gi}d{e}", secs) for e in g.devices if e != d),
+                                        wake=cm.comm_wake(costs.type_of[d]), **costs.waiting((d,))))
+                last_of[d] = f"{prefix}{gi}d{d}"
+
+    collectives("g", OpKind.GRAD_SYNC, cm.sync_group_time)
+    sim.add(SimOp("stats", "world", OpKind.CLIP, duration=cm.clip_time(devices),
+                  deps=tuple(sorted(set(last_of.values())))))
+    opt_times = cm.optimizer_times(costs.strategy, zero)
+    for d in devices:
+        sim.add(costs.device_op(f"opt{d}", d, OpKind.OPTIMIZER, deps=("stats",), **costs.block((d,), opt_times[d])))
+        last_of[d] = f"opt{d}"
+    if zero:
+        collectives("z", OpKind.ZERO_GATHER, cm.zero_gather_time)
+
+
+def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Costs,
+             last_action: dict[tuple[int, int], str], sync: Sequence[SyncGroup], zero: bool,
+             step: float) -> tuple[list[Event], list[StageReport], dict[int, float]]:
+    """The timeline, each stage's report and each device's peak memory."""
     events: list[Event] = []
     p2p_busy: dict[tuple[int, int], float] = {}
     fb_wall: dict[tuple[int, int], float] = {}
-    for op, (start, end) in times.items():
-        info = sim.ops[op]
-        key = (info["pipeline"], info["stage"])
-        if info["kind"] == "p2p":
-            name = ", ".join(f"{t.replace('_', ' ')} {j}" for t, j in info["transfers"])
-            busy = min(end - start, info["transfer_s"])
+    for name, (start, end) in times.items():
+        op = sim.ops[name]
+        key = (op.pipeline, op.stage)
+        if op.kind is OpKind.P2P:
+            label = ", ".join(f"{t.kind.replace('_', ' ')} {t.micro_batch}" for t in op.transfers)
+            busy = min(end - start, op.transfer_s)
             p2p_busy[key] = p2p_busy.get(key, 0.0) + busy
-            events.append(Event(name, "p2p", info["pipeline"], info["stage"], "stage", start, end, info["mb"], busy))
-        elif info["kind"] in ("forward", "backward"):
-            fwd = info["kind"] == "forward"
-            sc = stage_costs[key]
+            events.append(Event(label, "p2p", op.pipeline, op.stage, "stage", start, end, op.micro_batch, busy))
+        elif op.kind in (OpKind.FORWARD, OpKind.BACKWARD):
+            sc = costs.stages[key]
+            fwd = op.kind is OpKind.FORWARD
             fb_wall[key] = fb_wall.get(key, 0.0) + end - start
-            events.append(Event(f"{'F' if fwd else 'B'}{info['mb']}", info["kind"], info["pipeline"], info["stage"],
-                                "stage", start, end, info["mb"], sc.tp_forward_s if fwd else sc.tp_backward_s))
+            events.append(Event(f"{'F' if fwd else 'B'}{op.micro_batch}", op.kind.value, op.pipeline, op.stage,
+                                "stage", start, end, op.micro_batch, sc.tp_forward_s if fwd else sc.tp_backward_s))
     stats0, stats1 = times["stats"]
-    memory = {}
+    cm, pipes = costs.cm, costs.strategy.pipelines
+    memory: dict[int, float] = {}
     reports = []
-    pipe_end = []
+
+    def joined(prefix: str, groups: Sequence[SyncGroup], device: int, label: str, category: str,
+               pi: int, k: int) -> float:
+        """The device's collectives of ``groups`` as one event; returns their own (busy) seconds."""
+        mine = [f"{prefix}{gi}d{device}" for gi, g in enumerate(groups) if device in g.devices]
+        busy = sum(sim.ops[n].duration for n in mine)
+        if mine:
+            events.append(Event(label, category, pi, k, "stage", times[mine[0]][0], times[mine[-1]][1], None, busy))
+        return busy
+
     for pi, pipe in enumerate(pipes):
         n = len(pipe.stages)
-        pipe_end.append(max(times[last_action[pi, k]][1] for k in range(n)))
         for k, st in enumerate(pipe.stages):
-            sc = stage_costs[pi, k]
-            d0 = st.devices[0]
-            syncs = [times[f"g{gi}d{d0}"] for gi, g in enumerate(plan) if d0 in g.devices]
-            sync_busy = sum(sim.ops[f"g{gi}d{d0}"]["duration"] for gi, g in enumerate(plan) if d0 in g.devices)
-            if syncs:
-                events.append(Event("grad sync", "grad_sync", pi, k, "stage", syncs[0][0], syncs[-1][1], None,
-                                    sync_busy))
+            sc, d0 = costs.stages[pi, k], st.devices[0]
+            sync_busy = joined("g", sync, d0, "grad sync", "grad_sync", pi, k)
             if stats1 > stats0:
                 events.append(Event("loss/norm all-reduce", "clip", pi, k, "stage", stats0, stats1, None,
                                     stats1 - stats0))
             o0, o1 = max((times[f"opt{d}"] for d in st.devices), key=lambda x: x[1])
             events.append(Event("optimizer", "optimizer", pi, k, "stage", o0, o1))
-            zs = [times[f"z{gi}d{d0}"] for gi, g in gathers if d0 in g.devices]
-            gather_busy = sum(sim.ops[f"z{gi}d{d0}"]["duration"] for gi, g in gathers if d0 in g.devices)
-            if zs:
-                events.append(Event("ZeRO-1 param all-gather", "zero_gather", pi, k, "stage", zs[0][0], zs[-1][1],
-                                    None, gather_busy))
+            gather_busy = joined("z", sync if zero else (), d0, "ZeRO-1 param all-gather", "zero_gather", pi, k)
             peak = _peak_in_flight([times[f"p{pi}s{k}F{j}"][1] for j in range(pipe.micro_batches)],
                                    [times[f"p{pi}s{k}B{j}"][1] for j in range(pipe.micro_batches)])
-            dtype = type_of[d0]
-            mem = cm.stage_memory(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, peak,
+            device_type = costs.type_of[d0]
+            mem = cm.stage_memory(device_type, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, peak,
                                   len(pipes) if zero else 1)
-            for d in st.devices:
-                memory[d] = mem.gib
+            memory.update(dict.fromkeys(st.devices, mem.gib))
             m = pipe.micro_batches
             compute = fb_wall.get((pi, k), 0.0) - m * sc.tp_comm_s
             comm = m * sc.tp_comm_s + sync_busy + (stats1 - stats0) + gather_busy
             p2p = p2p_busy.get((pi, k), 0.0)
             reports.append(StageReport(
-                pipeline=pi, stage=k, devices=st.devices, device_type=dtype, tp=st.tp, layers=st.layers,
+                pipeline=pi, stage=k, devices=st.devices, device_type=device_type, tp=st.tp, layers=st.layers,
                 micro_batches=m, compute_s=compute, comm_s=comm, p2p_s=p2p, optimizer_s=o1 - o0,
                 bubble_s=max(0.0, step - compute - comm - p2p - (o1 - o0)), peak_in_flight=peak,
                 peak_memory_gib=mem.gib, capacity_gib=cm.cluster.type_of(d0).memory_gib))
-    est = cm.estimate(strategy, global_batch, schedule, zero)
-    events.sort(key=lambda e: (e.start_s, e.pipeline, e.stage))
-    return SimulationResult(
-        strategy=strategy.name, schedule=schedule, step_time_s=step,
-        tokens_per_s=global_batch * cm.seq_len / step if step > 0 else 0.0,
-        mfu=cm.mfu(step, global_batch, strategy.devices), formula_step_time_s=est.step_time_s,
-        pipeline_end_s=tuple(pipe_end), stages=tuple(reports), peak_memory_gib=memory,
-        oom_devices=tuple(sorted(d for d, g in memory.items() if g > cm.cluster.type_of(d).memory_gib)),
-        events=tuple(events), cpu_hosts=dict(cores))
+    return events, reports, memory
 
 
 def cpu_layout(cm: CostModel, strategy: Strategy) -> tuple[dict[str, float], dict[int, list[tuple[str, float]]]]:

@@ -87,7 +87,7 @@ def plain_steps(plan: Path, steps: int, warmup: int) -> float:
 
 def _plain_loop(ctx, steps: int, warmup: int) -> float:
     from runtime.data import SyntheticTokens
-    from runtime.engine import ReferenceTrainer
+    from runtime.engine.reference import ReferenceTrainer
 
     t = ctx.plan.training
     trainer = ReferenceTrainer(ctx.model, t)

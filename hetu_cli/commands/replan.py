@@ -17,6 +17,7 @@ from runtime.errors import HspmdError, Problem, SpecError
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import PlanContext, load_plan_context, save_plan
 from runtime.spec.catalog import resolve_ref
+from runtime.spec.handle import StrategyHandle
 from runtime.spec.schema import to_data
 
 TOP_LINKS = 12
@@ -74,10 +75,10 @@ def replan(plan_path: Path, strategy_name: str | None, failed_text: str, out_pat
         raise SpecError([Problem(str(out_path), "", "is a directory; give a file name for the plan")])
     failed = parse_devices(failed_text, "--failed")
     ctx = load_plan_context(plan_path)
-    strategy = ctx.plan.strategy(strategy_name).name
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
     model_ref, cluster_ref = plan_refs(ctx)
-    result = run_replan(ctx, strategy, failed, profiles, tolerance=tolerance, time_limit_s=time_limit,
+    result = run_replan(StrategyHandle.of(ctx, strategy_name), failed, profiles, tolerance=tolerance,
+                        time_limit_s=time_limit,
                         restart=RestartModel(storage_gbs, restart_s, checkpoint_interval),
                         model_ref=model_ref, cluster_ref=cluster_ref)
     if out_path is not None:

@@ -142,13 +142,14 @@ def _show_annotations(ctx: PlanContext, strategies: list[Strategy], fmt: str) ->
 
 
 def _show_device(ctx: PlanContext, strategies: list[Strategy], device: int, fmt: str) -> None:
-    from runtime.engine import describe_program
+    from runtime.engine.describe import describe_program
     from runtime.errors import Problem, SpecError
+    from runtime.spec.handle import StrategyHandle
 
     if not 0 <= device < ctx.cluster.num_devices:
         raise SpecError([Problem("--device", "", f"unknown device id {device} (cluster {ctx.cluster.name!r} has "
                                                  f"devices 0-{ctx.cluster.num_devices - 1})")])
-    descs = [describe_program(ctx, s.name, device) for s in strategies]
+    descs = [describe_program(StrategyHandle(ctx, s), device) for s in strategies]
     if fmt == "json":
         emit_json({"model": ctx.model.name, "cluster": ctx.cluster.name, "device": device,
                    "programs": [d.to_data() for d in descs]})

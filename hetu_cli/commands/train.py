@@ -225,11 +225,12 @@ def _planner_replan(profile_dirs: tuple[Path, ...], tolerance: float, log):
         from hetu_cli.commands.replan import plan_refs
         from planner.replan import replan as plan_for_survivors
         from runtime.profiling.profile import resolve_profiles
+        from runtime.spec.handle import StrategyHandle
 
         profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
         model_ref, cluster_ref = plan_refs(ctx)
-        result = plan_for_survivors(ctx, strategy, failed, profiles, tolerance=tolerance, model_ref=model_ref,
-                                    cluster_ref=cluster_ref)
+        result = plan_for_survivors(StrategyHandle.of(ctx, strategy), failed, profiles, tolerance=tolerance,
+                                    model_ref=model_ref, cluster_ref=cluster_ref)
         c = result.chosen
         fastest = result.options[0]
         vs = "the fastest" if c is fastest else (f"fastest: {fastest.label}, {fastest.step_time_s:.4g} s/step, moves "

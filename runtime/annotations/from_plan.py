@@ -16,11 +16,13 @@ The rules (DESIGN.md §2, README "Plan"):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from runtime.annotations.states import DUPLICATE, PARTIAL, Annotation, DistributedStates
 from runtime.models.params import ParamInfo, llama_parameters
+from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import Stage, Strategy, TrainingSettings
 
@@ -90,15 +92,41 @@ def holding_stages(strategy: Strategy, info: ParamInfo) -> list[Stage]:
     return out
 
 
-def param_annotation(strategy: Strategy, info: ParamInfo) -> ParamAnnotation:
-    stages = holding_stages(strategy, info)
+def held_by(stages: Sequence[Stage], info: ParamInfo) -> ParamAnnotation:
+    """A parameter's annotations when ``stages`` (one per pipeline) hold it."""
     members = [(s.devices, member_states(s, info.tp_dim)) for s in stages]
     return ParamAnnotation(info, Annotation.union(DUPLICATE, members), Annotation.union(PARTIAL, members))
 
 
+def placements(strategy: Strategy, model: ModelSpec) -> list[tuple[ParamInfo, tuple[Stage, ...]]]:
+    """Every parameter (``llama_parameters`` order) with the stages that hold it, one per pipeline."""
+    by_owner: dict[tuple[str, int | None], tuple[Stage, ...]] = {}  # the tensors of one layer share stages
+    out = []
+    for info in llama_parameters(model):
+        key = (info.owner, info.layer)
+        if key not in by_owner:
+            by_owner[key] = tuple(holding_stages(strategy, info))
+        out.append((info, by_owner[key]))
+    return out
+
+
+def param_annotations(strategy: Strategy, model: ModelSpec) -> tuple[ParamAnnotation, ...]:
+    """Every parameter's annotations, in ``llama_parameters`` order (no batch needed: what the gradient
+    sync and ZeRO-1 read). Layers placed alike share annotation objects."""
+    shared: dict[tuple[object, ...], tuple[Annotation, Annotation]] = {}
+    out = []
+    for info, stages in placements(strategy, model):
+        key = (tuple(s.devices for s in stages), info.tp_dim)
+        if key not in shared:
+            p = held_by(stages, info)
+            shared[key] = (p.param, p.grad)
+        out.append(ParamAnnotation(info, *shared[key]))
+    return tuple(out)
+
+
 def annotate_strategy(strategy: Strategy, model: ModelSpec, training: TrainingSettings) -> StrategyAnnotations:
     """Every annotation the runtime needs to run ``strategy``."""
-    params = tuple(param_annotation(strategy, info) for info in llama_parameters(model))
+    params = param_annotations(strategy, model)
     weights = [p.micro_batches for p in strategy.pipelines]
     firsts = [(p.stages[0].devices, DistributedStates.duplicate(p.stages[0].tp)) for p in strategy.pipelines]
     lasts = [(p.stages[-1].devices, DistributedStates.duplicate(p.stages[-1].tp)) for p in strategy.pipelines]
@@ -112,6 +140,15 @@ def annotate_strategy(strategy: Strategy, model: ModelSpec, training: TrainingSe
             boundaries.append(Boundary(pi, si, act, Annotation.spmd(a.devices), Annotation.spmd(b.devices)))
     return StrategyAnnotations(strategy.name, params, (training.global_batch, training.seq_len), tokens, labels,
                                tuple(boundaries))
+
+
+def strategy_annotations(handle: StrategyHandle) -> StrategyAnnotations:
+    """``annotate_strategy`` of a handle, computed once per handle."""
+    return handle.cached(_annotate)
+
+
+def _annotate(handle: StrategyHandle) -> StrategyAnnotations:
+    return annotate_strategy(handle.strategy, handle.model, handle.training)
 
 
 def strategy_groups(strategy: Strategy, model: ModelSpec, training: TrainingSettings) -> list[tuple[int, ...]]:

@@ -165,10 +165,6 @@ class DistributedStates:
     def is_partial(self) -> bool:
         return self.degree(PARTIAL) > 1
 
-    @property
-    def is_pure_duplicate(self) -> bool:
-        return all(d == DUPLICATE for d, _ in self.states)
-
     def coordinates(self, index: int) -> dict[int, int]:
         """Coordinates of the device at ``index`` of the group, by dim (missing dims: 0)."""
         if not 0 <= index < self.device_num:
@@ -362,12 +358,6 @@ class Annotation:
     @property
     def is_partial(self) -> bool:
         return self.hdim == PARTIAL or any(s.is_partial for s in self.ds.states)
-
-    def member_of(self, device: int) -> int | None:
-        for i, g in enumerate(self.dg.groups):
-            if device in g:
-                return i
-        return None
 
     def check(self, shape: Sequence[int]) -> None:
         """Raise LayoutError unless this annotation can lay out a tensor of ``shape``."""

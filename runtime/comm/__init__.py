@@ -1,4 +1,5 @@
-"""Communication on torch.distributed: process groups, reshard resolution, BSR, execution.
+"""Communication: planning reshards, BSR and the gradient sync (pure, no torch), and running them on
+torch.distributed.
 
 Everything is addressed by **device ids** (cluster ids); ``ProcessGroups.ranks`` maps them to the
 ranks of the current world, which change when survivors of a failure form a new world.
@@ -12,9 +13,11 @@ resolve.py   ``resolve(src, dst, shape, *, dtype, bandwidth=None, excluded=()) -
              the op (identity, local_slice, all_reduce, reduce_scatter, all_gather, scatter, send_recv,
              split_all_reduce, split_reduce_scatter, split_all_gather, bsr, composed) and plans it.
 bsr.py       ``TensorMove``, ``plan_bsr(moves, *, bandwidth, excluded, policy) -> BsrPlan``; cost model
-             (``modelled_time``, ``lower_bound``, ``link_bytes``).
+             (``modelled_time``, ``lower_bound``, ``link_bytes``). Pure: element types are anything with
+             an ``itemsize`` (``torch.dtype``, or ``ElementType`` such as ``FLOAT32``).
 execute.py   ``execute(op, x, groups)`` with autograd, ``run(op, x, groups)`` without, ``run_bsr``.
-gradsync.py  ``GradientSync``: fused, bucketed SplitAllReduce of many gradients.
+gradsync.py  ``plan_sync(layouts) -> [SyncBucket]``: the fused, bucketed SplitAllReduce of many gradients
+             (pure; run by runtime/engine/data_parallel.py ``GradientSync``, priced by the planner).
 world.py     ``LocalWorld(n)``: persistent local gloo worker processes for tests and benchmarks.
 
 For the training runtime
@@ -36,7 +39,7 @@ For the training runtime
     ``op.adjoint`` (itself p2p_only for send_recv/bsr). Ready-made alternative with autograd:
     ``y = execute(op, x, groups)`` (see its docstring: sender-only devices get an empty tensor to add
     to the loss; receiver-only devices pass ``x=None, dtype=``).
-(2) **Gradient sync.** ``GradientSync(entries, groups, bucket_bytes=...)`` with entries
+(2) **Gradient sync.** ``GradientSync(entries, plan_sync(layouts), groups)`` with entries
     ``(name, global shape, grad annotation)`` (HDim -2 across the pipelines holding the parameter,
     the same members as the parameter; see annotations.from_plan). ``sync.sync(grads, scale=None)``
     all-reduces every gradient in place, one collective per device group per bucket, and counts a

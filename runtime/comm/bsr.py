@@ -22,9 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
-
-import torch
+from typing import Literal, Protocol
 
 from runtime.annotations.states import Annotation, Layout, LayoutError, Region, contains, intersect, volume
 from runtime.errors import HspmdError
@@ -33,6 +31,24 @@ Bandwidth = Callable[[int, int], float]
 """GB/s between two devices (the cluster's ``bandwidth_gbs``)."""
 
 Policy = Literal["balanced", "first_owner"]
+
+class DType(Protocol):
+    """What planning needs of an element type: its size. ``torch.dtype`` has it, so does ``ElementType``."""
+
+    @property
+    def itemsize(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ElementType:
+    """An element type named as torch names it, for plans made without torch (priced, checked, or
+    executed later: the executor maps it to the torch dtype of that name)."""
+
+    name: str
+    itemsize: int
+
+
+FLOAT32 = ElementType("float32", 4)
 
 GRID_LIMIT = 64  # max cells per dim of the LCM grid before falling back to the union of boundaries
 
@@ -59,7 +75,7 @@ class TensorMove:
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     src: Annotation
     dst: Annotation
 
@@ -77,7 +93,7 @@ class PlannedTensor:
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     src: Layout
     dst: Layout
 

@@ -21,9 +21,15 @@ import torch
 import torch.distributed as dist
 
 from runtime.annotations.states import Region, relative
-from runtime.comm.bsr import BsrPlan, Message
+from runtime.comm.bsr import BsrPlan, DType, Message
 from runtime.comm.groups import ProcessGroups
 from runtime.comm.resolve import CommOp
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    """The torch dtype of a plan's element type (plans made without torch name it: ``bsr.ElementType``)."""
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype.name)  # type: ignore[attr-defined]
+
 
 # torch 2.13 renamed the flat-tensor collectives; older torch (>= 2.4) has only the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -299,13 +305,13 @@ def run_bsr(plan: BsrPlan, tensors: Mapping[str, torch.Tensor], groups: ProcessG
             if tuple(x.shape) != t.src.local_shape(me):
                 raise ValueError(f"tensor {t.name!r}: local shape {list(x.shape)} on device {me}, layout says "
                                  f"{list(t.src.local_shape(me))}")
-            if x.dtype != t.dtype:
+            if x.dtype != torch_dtype(t.dtype):
                 raise ValueError(f"tensor {t.name!r}: dtype {x.dtype} on device {me}, plan says {t.dtype}")
             sources[i] = x.detach()
             regions[i] = t.src.by_device[me].region
         if me in t.dst:
             dev = tensors[t.name].device if t.name in tensors else (device or groups.device)
-            outputs[i] = torch.empty(t.dst.local_shape(me), dtype=t.dtype, device=dev)
+            outputs[i] = torch.empty(t.dst.local_shape(me), dtype=torch_dtype(t.dtype), device=dev)
     run_p2p(plan, me, sources, outputs, regions, groups.ranks, as_bytes=True)
     return {plan.tensors[i].name: out for i, out in outputs.items()}
 

@@ -1,115 +1,114 @@
-"""Fused, bucketed SplitAllReduce of the gradients of many parameters.
+"""The layout of the fused, bucketed SplitAllReduce of many gradients: which device groups all-reduce
+which slices, in which order, cut into which buckets. Pure (no torch): the engine runs exactly these
+buckets (runtime/engine/data_parallel.py), ZeRO-1 all-gathers through them (runtime/engine/zero.py)
+and the planner's cost model prices them, so all three see one layout.
 
 Each gradient is annotated like its parameter but with HDim -2 (the pipelines holding a layer each
 computed a summand) and possibly partial inside a subgroup. Its reduce phase (resolve.plan_reduce)
 cuts it into slices held by fixed device groups; here the slices of *all* gradients that share a
-device group are packed into flat buffers (at most ``bucket_bytes`` each), one all-reduce per buffer,
+device group are packed into flat buffers (at most ``BUCKET_BYTES`` each), one all-reduce per buffer,
 issued in one global order. A device contributes a slice only as the first replica of its summand in
 its subgroup, so a norm weight duplicated in a TP-2 group (devices 0 and 1 hold g_A) and held by a
-TP-1 pipeline (device 2 holds g_B) becomes g_A + g_B everywhere, not 2 g_A + g_B.
+TP-1 pipeline (device 2 holds g_B) becomes g_A + g_B everywhere, not 2 g_A + g_B: the norm's group is
+all three devices, next to the two groups (0, 2) and (1, 2) of the sharded weights' halves.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
-import torch
-import torch.distributed as dist
-
-from runtime.annotations.states import Annotation, Layout, Region, relative, volume
-from runtime.comm.groups import ProcessGroups
+from runtime.annotations.states import Layout, Region, volume
 from runtime.comm.resolve import plan_reduce
+
+BUCKET_BYTES = 32 << 20  # one bucket size for the gradient sync and ZeRO-1's all-gathers
+GRAD_ITEMSIZE = 4  # gradients are synced in the parameters' dtype, fp32
 
 
 @dataclass(frozen=True)
 class SyncBucket:
+    """One all-reduce: the slices of some gradients that one device group holds."""
+
     devices: tuple[int, ...]
     entries: tuple[tuple[int, Region], ...]  # (gradient index, global region), packing order
+    numel: int  # elements of all its regions (the packer counts them as it cuts)
 
-    @property
+
+@dataclass(frozen=True)
+class SyncGroup:
+    """A device group of the gradient sync and its buckets, in the order the runtime issues them."""
+
+    devices: tuple[int, ...]
+    buckets: tuple[SyncBucket, ...]
+
+    @cached_property
+    def bucket_numel(self) -> tuple[int, ...]:
+        return tuple(b.numel for b in self.buckets)
+
+    @cached_property
     def numel(self) -> int:
-        return sum(volume(r) for _, r in self.entries)
+        return sum(self.bucket_numel)
+
+    @cached_property
+    def slices(self) -> int:
+        """Gradient slices packed into the buckets (and unpacked after)."""
+        return sum(len(b.entries) for b in self.buckets)
 
 
-def plan_sync(layouts: Sequence[Layout], *, bucket_numel: int) -> list[SyncBucket]:
+SliceGroups = tuple[tuple[tuple[tuple[int, ...], int], tuple[tuple[Region, int], ...]], ...]
+"""A gradient's all-reduce slices: per (device group, replica class) its regions with their sizes."""
+
+
+def reduce_slices(layout: Layout) -> SliceGroups:
+    """The slices of one gradient the sync all-reduces (none unless its layout is partial)."""
+    if not layout.is_partial:
+        return ()
+    return tuple(((b.devices, b.cls), tuple((r, volume(r)) for r in b.regions))
+                 for b in plan_reduce(layout, None) if len(b.devices) > 1)
+
+
+def plan_sync(layouts: Sequence[Layout], *, bucket_bytes: int = BUCKET_BYTES,
+              itemsize: int = GRAD_ITEMSIZE) -> list[SyncBucket]:
     """Buckets of all gradients, grouped by device group, in one global order."""
-    by_group: dict[tuple[tuple[int, ...], int], list[tuple[int, Region]]] = defaultdict(list)
-    for i, lay in enumerate(layouts):
-        if not lay.is_partial:
-            continue
-        for b in plan_reduce(lay, None):
-            if len(b.devices) > 1:
-                by_group[(b.devices, b.cls)].extend((i, r) for r in b.regions)
+    # Layers placed alike share one layout object (Annotation.layout is cached): reduce each once, keyed by
+    # identity (hashing a layout is as costly as reducing it).
+    reduced: dict[int, SliceGroups] = {}
+    for lay in layouts:
+        if id(lay) not in reduced:
+            reduced[id(lay)] = reduce_slices(lay)
+    return cut_buckets([reduced[id(lay)] for lay in layouts], bucket_bytes=bucket_bytes, itemsize=itemsize)
+
+
+def cut_buckets(slices: Sequence[SliceGroups], *, bucket_bytes: int = BUCKET_BYTES,
+                itemsize: int = GRAD_ITEMSIZE) -> list[SyncBucket]:
+    """Gradient ``i``'s slices ``slices[i]`` packed into buckets of at most ``bucket_bytes`` (a slice is never
+    cut; a bigger one goes alone), device group by device group in one global order."""
+    bucket_numel = max(1, bucket_bytes // itemsize)
+    by_group: dict[tuple[tuple[int, ...], int], list[tuple[int, tuple[tuple[Region, int], ...]]]] = defaultdict(list)
+    for i, groups in enumerate(slices):
+        for key, regions in groups:
+            by_group[key].append((i, regions))
     out: list[SyncBucket] = []
-    for (devices, _cls), entries in sorted(by_group.items(), key=lambda kv: (len(kv[0][0]), kv[0])):
+    for (devices, _cls), items in sorted(by_group.items(), key=lambda kv: (len(kv[0][0]), kv[0])):
         cur: list[tuple[int, Region]] = []
         size = 0
-        for e in entries:
-            n = volume(e[1])
-            if cur and size + n > bucket_numel:
-                out.append(SyncBucket(devices, tuple(cur)))
-                cur, size = [], 0
-            cur.append(e)
-            size += n
+        for i, regions in items:
+            for r, n in regions:
+                if cur and size + n > bucket_numel:
+                    out.append(SyncBucket(devices, tuple(cur), size))
+                    cur, size = [], 0
+                cur.append((i, r))
+                size += n
         if cur:
-            out.append(SyncBucket(devices, tuple(cur)))
+            out.append(SyncBucket(devices, tuple(cur), size))
     return out
 
 
-class GradientSync:
-    """SplitAllReduce of many gradients at once; build once per strategy, call ``sync`` every step.
-
-    ``entries``: ``(name, global shape, grad annotation)``; the result on every holder is the sum
-    over the annotation's summands (HDim -2 members, bottom-tier partials), in place.
-    """
-
-    def __init__(self, entries: Sequence[tuple[str, Sequence[int], Annotation]], groups: ProcessGroups, *,
-                 bucket_bytes: int = 64 << 20, itemsize: int = 4) -> None:
-        self.names = [n for n, _, _ in entries]
-        self.layouts = [a.layout(tuple(s)) for _, s, a in entries]
-        self.groups = groups
-        me = groups.my_device
-        self.mine = [i for i, lay in enumerate(self.layouts) if me in lay]
-        self.buckets = [b for b in plan_sync(self.layouts, bucket_numel=max(1, bucket_bytes // itemsize))
-                        if me in b.devices]
-
-    def group_keys(self) -> list[tuple[int, ...]]:
-        """Device groups this device's buckets use (all must exist in ``groups``)."""
-        return sorted({b.devices for b in self.buckets}, key=lambda k: (len(k), k))
-
-    def sync(self, grads: Mapping[str, torch.Tensor], *, scale: float | None = None) -> None:
-        """All-reduce this device's local gradients (by name) in place; then multiply by ``scale``."""
-        me = self.groups.my_device
-        holding = {i: self.layouts[i].by_device[me] for i in self.mine}
-        for i in self.mine:
-            g = grads[self.names[i]]
-            if tuple(g.shape) != holding[i].shape:
-                raise ValueError(f"gradient {self.names[i]!r}: local shape {list(g.shape)}, layout says "
-                                 f"{list(holding[i].shape)}")
-        pending = []
-        for b in self.buckets:
-            parts = []
-            for i, region in b.entries:
-                h = holding[i]
-                g = grads[self.names[i]]
-                if h.replica == 0:
-                    parts.append(g[relative(region, h.region)].reshape(-1))
-                else:
-                    parts.append(g.new_zeros(volume(region)))
-            flat = torch.cat(parts)
-            work = dist.all_reduce(flat, group=self.groups.get(b.devices), async_op=True)
-            pending.append((work, flat, b))
-        for work, flat, b in pending:
-            work.wait()
-            off = 0
-            for i, region in b.entries:
-                h = holding[i]
-                n = volume(region)
-                grads[self.names[i]][relative(region, h.region)] = flat[off:off + n].view(
-                    tuple(e - s for s, e in region))
-                off += n
-        if scale is not None:
-            for i in self.mine:
-                grads[self.names[i]].mul_(scale)
+def sync_groups(buckets: Sequence[SyncBucket]) -> list[SyncGroup]:
+    """``plan_sync``'s buckets by device group, groups in the order of their first bucket."""
+    groups: dict[tuple[int, ...], list[SyncBucket]] = {}
+    for b in buckets:
+        groups.setdefault(b.devices, []).append(b)
+    return [SyncGroup(devices, tuple(bs)) for devices, bs in groups.items()]

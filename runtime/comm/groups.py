@@ -72,9 +72,6 @@ class ProcessGroups:
             raise KeyError(f"device {self.my_device} is not a member of group {key}")
         return pg
 
-    def rank_of(self, device: int) -> int:
-        return self.ranks[device]
-
     def mesh(self, devices: Sequence[int], device_type: str = "cpu"):
         """A 1-D DeviceMesh over an existing group (the bottom tier of a subgroup), in the given order."""
         from torch.distributed.device_mesh import DeviceMesh

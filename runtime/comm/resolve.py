@@ -30,8 +30,6 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-import torch
-
 from runtime.annotations.states import (
     PARTIAL,
     Annotation,
@@ -43,8 +41,10 @@ from runtime.annotations.states import (
     volume,
 )
 from runtime.comm.bsr import (
+    FLOAT32,
     Bandwidth,
     BsrPlan,
+    DType,
     LocalCopy,
     Message,
     Need,
@@ -159,7 +159,7 @@ class CommOp:
         return f"{kind}{extra}"
 
 
-def resolve(src: Annotation, dst: Annotation, shape: Sequence[int], *, dtype: torch.dtype = torch.float32,
+def resolve(src: Annotation, dst: Annotation, shape: Sequence[int], *, dtype: DType = FLOAT32,
             bandwidth: Bandwidth | object | None = None, excluded: Collection[int] = ()) -> CommOp:
     """The cheapest op that turns a tensor of global ``shape`` laid out as ``src`` into ``dst``.
 
@@ -174,7 +174,7 @@ def resolve(src: Annotation, dst: Annotation, shape: Sequence[int], *, dtype: to
                   src_annotation=src, dst_annotation=dst)
 
 
-def resolve_layouts(src: Layout, dst: Layout, *, dtype: torch.dtype = torch.float32,
+def resolve_layouts(src: Layout, dst: Layout, *, dtype: DType = FLOAT32,
                     bandwidth: Bandwidth | object | None = None, excluded: Collection[int] = ()) -> CommOp:
     """``resolve`` on layouts (no annotations): kinds are named from the plan's structure only."""
     if src.shape != dst.shape:
@@ -241,7 +241,7 @@ def _transfer_kind(s: Layout, d: Layout, gathers: Sequence[GatherGroup], p2p: Bs
 # Planning
 
 
-def _build(kind: str | None, parts: tuple[str, ...], s: Layout, d: Layout, *, dtype: torch.dtype,
+def _build(kind: str | None, parts: tuple[str, ...], s: Layout, d: Layout, *, dtype: DType,
            bandwidth: Bandwidth | object | None, excluded: Collection[int],
            src_annotation: Annotation | None = None, dst_annotation: Annotation | None = None) -> CommOp:
     shape = s.shape
@@ -279,7 +279,7 @@ def _build(kind: str | None, parts: tuple[str, ...], s: Layout, d: Layout, *, dt
     return CommOp(kind, parts, shape, s, d, reduce, gathers, p2p, src_annotation, dst_annotation, bandwidth)
 
 
-def _send_recv(s: Layout, d: Layout, dtype: torch.dtype, src_annotation: Annotation | None,
+def _send_recv(s: Layout, d: Layout, dtype: DType, src_annotation: Annotation | None,
                dst_annotation: Annotation | None) -> CommOp:
     """Position-wise copy: device at (member m, index i) of the source sends to (m, i) of the dest."""
     pos = {(h.member, h.index): x for x, h in s.holdings}

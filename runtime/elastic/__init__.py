@@ -1,8 +1,9 @@
 """Failures and switches in memory: no checkpoint, no restart (DESIGN.md §4, §7).
 
-* state.py: the model state as data. ``PlanRef(ctx, strategy)``; ``lost_tensors(ref, failed)`` (which
-  parameters lost every replica); ``state_moves(src, dst)`` / ``plan_switch(src, dst, excluded)`` (the
-  fused BSR of every parameter and AdamW moment); ``check_compatible(a, b)``.
+* state.py: the model state as data, per ``StrategyHandle`` (runtime/spec/handle.py):
+  ``lost_tensors(ref, failed)`` (which parameters lost every replica); ``state_moves(src, dst)`` /
+  ``plan_switch(src, dst, excluded)`` (the fused BSR of every parameter and AdamW moment);
+  ``check_compatible(a, b)``.
 * protocol.py: the launcher <-> worker messages (``World``, ``Transition``, ``SwitchTimes``).
 * coordinator.py: the launcher's side (``Coordinator``; ``Replanner``; ``UnrecoverableFailure``);
   ``runtime.launch.launch(options, replan=..., on_event=...)`` uses it when ``options.elastic`` or
@@ -13,6 +14,6 @@ The runtime never imports the planner: a run that must replan gets a ``Replanner
 CLI (hetu_cli/commands/train.py, which calls planner/replan.py).
 """
 
-from runtime.elastic.state import LostTensor, PlanRef, check_compatible, lost_tensors, plan_switch, state_moves
+from runtime.elastic.state import LostTensor, check_compatible, lost_tensors, plan_switch, state_moves
 
-__all__ = ["LostTensor", "PlanRef", "check_compatible", "lost_tensors", "plan_switch", "state_moves"]
+__all__ = ["LostTensor", "check_compatible", "lost_tensors", "plan_switch", "state_moves"]

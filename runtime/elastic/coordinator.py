@@ -28,11 +28,12 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from runtime.elastic.protocol import SwitchTimes, Transition, World
-from runtime.elastic.state import PlanRef, check_compatible, describe_lost, lost_tensors, plan_switch
+from runtime.elastic.state import check_compatible, describe_lost, lost_tensors, plan_switch
 from runtime.errors import HspmdError
 from runtime.launch.launcher import _PRIORITY, RunSummary, WorkerFailure, _death, _Worker
 from runtime.launch.options import PlannedSwitch, StepRecord, StepReport, TrainOptions
 from runtime.spec import PlanContext, load_plan_context
+from runtime.spec.handle import StrategyHandle as PlanRef
 
 Replanner = Callable[[frozenset[int], PlanContext, str], PlanContext]
 """``replan(failed devices, current plan, current strategy) -> plan for the survivors`` (its first
@@ -91,7 +92,7 @@ def prepare(options: TrainOptions, ctx: PlanContext, strategy: str, first_step: 
                                                                                               list[int]]:
     """User errors of a coordinated run, before any process starts: the planned switches by step and the
     devices the world needs (the union of every plan's devices)."""
-    ref = PlanRef(ctx, strategy)
+    ref = PlanRef.of(ctx, strategy)
     devices = set(ref.devices)
     last = first_step - 1 + options.steps
     if ctx.plan.training.zero:
@@ -121,8 +122,7 @@ def _switch_target(sw: PlannedSwitch, ctx: PlanContext, first: int, last: int) -
     if target.cluster != ctx.cluster:
         raise HspmdError(f"{where}: plan is for cluster {target.cluster.name!r}, the run is on {ctx.cluster.name!r}")
     check_compatible(ctx, target)
-    name = target.plan.strategy(sw.strategy).name
-    return PlanRef(target, name)
+    return PlanRef.of(target, sw.strategy)
 
 
 class Coordinator:
@@ -357,7 +357,7 @@ class Coordinator:
             if not got or not {r.device for r in got} >= self.committers[done] & self.alive:
                 return
             self.committers.pop(done)
-            record = StepRecord.combine(self.reports.pop(done), self.ref.strategy)
+            record = StepRecord.combine(self.reports.pop(done), self.ref.name)
             self.recorded = done
             if not self.summary.records:
                 self.summary.startup_s = time.perf_counter() - self.t_start
@@ -401,13 +401,13 @@ class Coordinator:
                                             "(hspmd train --elastic supplies the planner)"])
             t0 = time.perf_counter()
             try:
-                new_ctx = self.replan(failed, source.ctx, source.strategy)
+                new_ctx = self.replan(failed, source.ctx, source.name)
             except HspmdError as err:
                 raise UnrecoverableFailure([f"no plan for the survivors {_devs(self.alive)}: {line}"
                                             for line in err.lines()]) from None
             inc.replan_s += time.perf_counter() - t0
             inc.replanned = True
-            target = PlanRef(new_ctx, new_ctx.plan.strategies[0].name)
+            target = PlanRef.of(new_ctx)
             bad = sorted(set(target.devices) - self.alive)
             if bad:
                 raise RuntimeError(f"the replanner's plan uses devices {bad} that are not alive")
@@ -520,11 +520,11 @@ def _max(times: dict[int, SwitchTimes], name: str) -> float:
 def _failure_event(inc: _Incident, now: float, now_wall: float, survivors: list[int]) -> dict[str, Any]:
     t = inc.transition
     assert t is not None and inc.t_left is not None and inc.t_resumed is not None and inc.t_sent is not None
-    strat = t.target.ctx.plan.strategy(t.target.strategy)
+    strat = t.target.strategy
     return {
         "event": "failure", "step": inc.step, "failed": sorted(inc.failed),
         "cause": {str(d): how for d, how in sorted(inc.failed.items())}, "survivors": survivors,
-        "replanned": inc.replanned, "strategy": t.target.strategy, "plan": t.target.describe(),
+        "replanned": inc.replanned, "strategy": t.target.name, "plan": t.target.describe(),
         "devices": sorted(strat.devices), "micro_batch": t.target.ctx.plan.training.micro_batch,
         "detect_s": max(0.0, inc.t_detect_wall - inc.t_fail_wall),
         "abandon_s": inc.t_left - inc.t_detect,
@@ -547,7 +547,7 @@ def _switch_event(sw: _Switch, times: dict[int, SwitchTimes], ref: PlanRef) -> d
     assert sw.t_resumed is not None
     return {
         "event": "switch", "step": sw.step, "from": t.source.describe(), "to": t.target.describe(),
-        "strategy": t.target.strategy, "plan_file": str(t.target.ctx.path),
+        "strategy": t.target.name, "plan_file": str(t.target.ctx.path),
         "plan_s": sw.plan_s, "regroup_s": _max(times, "regroup_s"), "specialize_s": _max(times, "specialize_s"),
         "transfer_s": _max(times, "transfer_s"), "switch_bytes": t.bsr.total_bytes,
         "modelled_transfer_s": t.bsr.modelled_time(ref.ctx.cluster),

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from runtime.comm.bsr import BsrPlan
-from runtime.elastic.state import PlanRef
+from runtime.spec.handle import StrategyHandle as PlanRef
 
 Then = Literal["next", "hold"]
 

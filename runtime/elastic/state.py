@@ -5,7 +5,7 @@ The state is every parameter and its two AdamW moments, fp32, all three in the p
 (``DeviceProgram.local_state()``). A switch from plan A to plan B is one fused BSR of all of them
 (runtime/comm/bsr.py): each destination slice comes from a surviving holder in A, chosen for
 bandwidth and load balance, and travels in one batched P2P round. Everything here is pure (no
-torch.distributed): the launcher checks a failure is survivable with it, ``hspmd replan`` prices
+torch): the launcher checks a failure is survivable with it, ``hspmd replan`` prices
 candidate plans with it, and every worker computes the same BSR plan from it.
 """
 
@@ -14,38 +14,15 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-import torch
-
+from runtime.annotations.from_plan import strategy_annotations
 from runtime.annotations.states import contains
-from runtime.comm.bsr import BsrPlan, TensorMove, cells, plan_bsr, tensor_grid
-from runtime.engine.specialize import strategy_annotations
+from runtime.comm.bsr import FLOAT32, BsrPlan, TensorMove, cells, plan_bsr, tensor_grid
 from runtime.errors import HspmdError
 from runtime.spec import PlanContext
+from runtime.spec.handle import StrategyHandle
 
 STATE_SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")  # the parameter, then AdamW's two moments
-STATE_DTYPE = torch.float32  # master weights and moments (bf16 is autocast compute only)
-
-
-@dataclass(frozen=True)
-class PlanRef:
-    """A strategy of a plan: what a set of devices runs (and so which slices of the state it holds)."""
-
-    ctx: PlanContext
-    strategy: str
-
-    @property
-    def devices(self) -> tuple[int, ...]:
-        return tuple(sorted(self.ctx.plan.strategy(self.strategy).devices))
-
-    def describe(self) -> str:
-        """'pipelines [0,1] x6 | [2] > [3] x2': each pipeline's stages (devices) and micro-batches."""
-        strat = self.ctx.plan.strategy(self.strategy)
-        pipes = []
-        for p in strat.pipelines:
-            stages = " > ".join("[" + ",".join(map(str, s.devices)) + f"]:{s.layers[0]}-{s.layers[1]}"
-                                for s in p.stages)
-            pipes.append(f"{stages} x{p.micro_batches}")
-        return " | ".join(pipes)
+STATE_DTYPE = FLOAT32  # master weights and moments (bf16 is autocast compute only)
 
 
 @dataclass(frozen=True)
@@ -87,11 +64,11 @@ def describe_lost(lost: list[LostTensor]) -> list[str]:
     return out
 
 
-def lost_tensors(ref: PlanRef, failed: Collection[int]) -> list[LostTensor]:
+def lost_tensors(ref: StrategyHandle, failed: Collection[int]) -> list[LostTensor]:
     """Parameters with a slice that no surviving device of ``ref`` holds (empty: the failure is
     survivable in memory). Needs only the plan: the launcher asks before it replans."""
     failed = frozenset(failed)
-    ann = strategy_annotations(ref.ctx, ref.strategy)
+    ann = strategy_annotations(ref)
     out: list[LostTensor] = []
     verdict: dict[tuple[object, tuple[int, ...]], tuple[int, ...] | None] = {}
     for p in ann.params:
@@ -118,16 +95,15 @@ def _missing_cell_holders(layout, shape: tuple[int, ...], failed: frozenset[int]
     return None
 
 
-def state_moves(src: PlanRef, dst: PlanRef) -> list[TensorMove]:
+def state_moves(src: StrategyHandle, dst: StrategyHandle) -> list[TensorMove]:
     """Every state tensor (parameter, exp_avg, exp_avg_sq) from its layout under ``src`` to ``dst``."""
     check_compatible(src.ctx, dst.ctx)
-    old = strategy_annotations(src.ctx, src.strategy)
-    new = strategy_annotations(dst.ctx, dst.strategy)
+    old, new = strategy_annotations(src), strategy_annotations(dst)
     return [TensorMove(p.name + suffix, p.shape, STATE_DTYPE, p.param, new.param(p.name).param)
             for p in old.params for suffix in STATE_SUFFIXES]
 
 
-def plan_switch(src: PlanRef, dst: PlanRef, excluded: Iterable[int] = ()) -> BsrPlan:
+def plan_switch(src: StrategyHandle, dst: StrategyHandle, excluded: Iterable[int] = ()) -> BsrPlan:
     """The fused BSR of a switch; ``excluded`` (failed) devices never send. Raises HspmdError naming a
     tensor when some slice has no surviving holder (check ``lost_tensors`` first for a full list)."""
     return plan_bsr(state_moves(src, dst), bandwidth=dst.ctx.cluster, excluded=tuple(sorted(set(excluded))))

@@ -28,8 +28,8 @@ from datetime import timedelta
 from typing import Any
 
 from runtime.elastic.protocol import SwitchTimes, Transition, World
-from runtime.elastic.state import PlanRef
 from runtime.launch.options import StepReport, WorkerSpec
+from runtime.spec.handle import StrategyHandle as PlanRef
 
 
 class Aborted(Exception):
@@ -66,7 +66,7 @@ class ElasticWorker:
         self.options = spec.options
         self.me = spec.device_id
         ctx = load_plan_context(self.options.plan)
-        self.ref = PlanRef(ctx, spec.strategy)
+        self.ref = PlanRef.of(ctx, spec.strategy)
         t = ctx.plan.training
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
@@ -218,10 +218,11 @@ class ElasticWorker:
         self.reporter.send("left", gen)
 
     def _build(self, ref: PlanRef) -> Any:
-        from runtime.engine import DeviceProgram, WorkerContext
+        from runtime.engine.api import WorkerContext
+        from runtime.engine.program import DeviceProgram
 
-        self.groups.ensure(DeviceProgram.required_groups(ref.ctx, ref.strategy))
-        ctx = WorkerContext(plan=ref.ctx, strategy=ref.strategy, device_id=self.me, ranks=dict(self.world.ranks),
+        self.groups.ensure(DeviceProgram.required_groups(ref))
+        ctx = WorkerContext(strategy=ref, device_id=self.me, ranks=dict(self.world.ranks),
                             torch_device=self.device, timeout=self.timeout)
         return DeviceProgram(ctx, self.groups, self.hooks)
 
@@ -239,7 +240,7 @@ class ElasticWorker:
 
     def _transition(self, t: Transition) -> tuple[Transition, Any] | None:
         """Everything up to ``switched``; on a failure say why, leave, and wait for the launcher."""
-        from runtime.engine import DeviceProgram
+        from runtime.engine.program import DeviceProgram
         from runtime.launch.worker import classify
 
         gen = t.world.generation if t.world is not None else self.world.generation if self.world else -1
@@ -249,7 +250,7 @@ class ElasticWorker:
             if t.world is not None:
                 self._join(t.world)
             else:
-                self.groups.ensure(DeviceProgram.required_groups(t.target.ctx, t.target.strategy))
+                self.groups.ensure(DeviceProgram.required_groups(t.target))
             t1 = time.perf_counter()
             program = self._build(t.target) if self.me in t.target.devices else None
             t2 = time.perf_counter()
@@ -277,7 +278,7 @@ class ElasticWorker:
             from runtime.checkpoint import save_checkpoint
 
             save_checkpoint(self.program, self.groups, self.options.save_dir, plan=self.ref.ctx,
-                            strategy=self.ref.strategy, step=last_step)
+                            strategy=self.ref.name, step=last_step)
             if self.me == min(self.ref.devices):
                 self.reporter.log(f"saved {self.options.save_dir} (step {last_step})")
         if self.recorder is not None:

@@ -2,21 +2,16 @@
 
 The launcher (runtime/launch/) creates the world and calls, per worker::
 
-    groups = ProcessGroups(DeviceProgram.required_groups(plan, strategy), ranks, timeout=...)
-    program = DeviceProgram(WorkerContext(plan, strategy, device_id, ranks, torch_device, timeout), groups, hooks)
+    handle = StrategyHandle.of(plan_context, strategy_name)            # runtime/spec/handle.py
+    groups = ProcessGroups(DeviceProgram.required_groups(handle), ranks, timeout=...)
+    program = DeviceProgram(WorkerContext(handle, device_id, ranks, torch_device, timeout), groups, hooks)
     stats = program.train_step(global_batch)      # StepStats, the same loss/grad_norm on every rank
 
 ``ReferenceTrainer`` is the single-process training every plan must reproduce.
+
+The planning half is pure and imports no torch: ``schedules`` (the action lists), ``specialize``
+(``specialize(handle, device) -> DevicePlan``), ``describe`` and ``zero`` (ZeRO-1's layout). The
+executing half (``program``, ``pipeline``, ``data_parallel``, ``tensor_parallel``, ``optim``,
+``reference``, ``api``) needs torch; import it from its module. This package imports neither, so
+``import runtime.engine.schedules`` stays torch-free.
 """
-
-from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
-from runtime.engine.describe import OpLine, ProgramDescription, describe_program
-from runtime.engine.program import DeviceProgram
-from runtime.engine.reference import ReferenceTrainer, autocast_for
-from runtime.engine.specialize import ParamShard, StageRole, parameter_shards, stage_role
-
-__all__ = [
-    "NULL_HOOKS", "Hooks", "StepStats", "WorkerContext", "OpLine", "ProgramDescription", "describe_program",
-    "DeviceProgram", "ReferenceTrainer", "autocast_for", "ParamShard", "StageRole", "parameter_shards",
-    "stage_role",
-]

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from runtime.spec import PlanContext
+from runtime.spec.handle import StrategyHandle
 
 SpanKind = str  # "compute" | "comm" | "idle"
 
@@ -19,8 +19,7 @@ SpanKind = str  # "compute" | "comm" | "idle"
 class WorkerContext:
     """Everything one worker process knows about its place in the run."""
 
-    plan: PlanContext  # plan + model + cluster, validated together
-    strategy: str  # strategy name in the plan
+    strategy: StrategyHandle  # the strategy to run, in its validated plan context
     device_id: int  # cluster device id of this worker
     ranks: Mapping[int, int]  # device id -> rank in the current torch.distributed world
     torch_device: torch.device  # cpu, or cuda:local_rank

@@ -1,29 +1,21 @@
 """What one device's program is, in words: layers, shard shapes and comm ops in execution order.
 
-Pure (no torch.distributed): ``hspmd show --device N PLAN`` prints it without starting a world, and
-``DeviceProgram.describe()`` returns the same record for the program it runs.
+Pure (no torch): ``hspmd show --device N PLAN`` prints it without starting a world, and
+``DeviceProgram.describe()`` returns the same record for the program it runs; both read the device's
+``DevicePlan`` (specialize.py).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from runtime.comm.resolve import CommOp
-from runtime.engine.data_parallel import BUCKET_BYTES, describe_grad_sync
-from runtime.engine.pipeline import BOUNDARY_DTYPE, stage_boundaries
 from runtime.engine.schedules import Comm, Compute
-from runtime.engine.specialize import (
-    ParamShard,
-    StageRole,
-    parameter_shards,
-    stage_role,
-    stage_schedule,
-    strategy_annotations,
-)
-from runtime.engine.zero import describe_zero, moment_pieces, zero_slices
-from runtime.spec import PlanContext
+from runtime.engine.specialize import BOUNDARY_DTYPE, DevicePlan, ParamShard, StageRole, specialize
+from runtime.spec.handle import StrategyHandle
 
 
 @dataclass(frozen=True)
@@ -92,21 +84,21 @@ def _tp_collectives(role: StageRole, direction: str) -> str:
     return f"TP group [{g}]: " + ", ".join(parts)
 
 
-def describe_program(ctx: PlanContext, strategy: str, device: int, schedule: str | None = None) -> ProgramDescription:
-    t = ctx.plan.training
-    sched = schedule or t.schedule
-    strat = ctx.plan.strategy(strategy)
-    role = stage_role(ctx, strat, device)
-    if role is None:
-        return ProgramDescription(strat.name, device, sched, None, (), ())
-    annotations = strategy_annotations(ctx, strat)
-    shards = tuple(parameter_shards(ctx.model, role, annotations))
-    shape = (t.micro_batch, t.seq_len, ctx.model.hidden_size)
-    prev, nxt = stage_boundaries(ctx, annotations, role)
+def describe_program(handle: StrategyHandle, device: int) -> ProgramDescription:
+    plan = specialize(handle, device)
+    if plan is None:
+        return ProgramDescription(handle.name, device, handle.training.schedule, None, (), ())
+    return describe_plan(plan)
+
+
+def describe_plan(plan: DevicePlan) -> ProgramDescription:
+    t = plan.handle.training
+    role, device = plan.role, plan.device
+    shape = (t.micro_batch, t.seq_len, plan.handle.model.hidden_size)
     what = ("embedding + " if role.embed else "") + f"layers {role.layers[0]}-{role.layers[1] - 1}" + (
         " + head + loss" if role.head else "") + (" (recompute)" if role.recompute else "")
     ops: list[OpLine] = []
-    for a in stage_schedule(ctx, role, sched):
+    for a in plan.actions:
         if isinstance(a, Compute):
             detail = what if a.kind == "forward" else ("recompute + " if role.recompute else "") + "grads"
             tp = _tp_collectives(role, a.kind)
@@ -115,31 +107,42 @@ def describe_program(ctx: PlanContext, strategy: str, device: int, schedule: str
         assert isinstance(a, Comm)
         names, details = [], []
         for tr in a.transfers:
-            b = prev if tr.kind in ("recv_forward", "send_backward") else nxt
+            b = plan.prev if tr.kind in ("recv_forward", "send_backward") else plan.next
             assert b is not None
             op = b.forward if tr.kind.endswith("forward") else b.backward
             names.append(f"{tr.kind} mb{tr.micro_batch}")
             details.append(f"{tr.kind} ({op.kind}): {_messages(op, device)}")
         ops.append(OpLine("comm", " + ".join(names), f"one batch_isend_irecv of [{'x'.join(map(str, shape))}] "
-                                                     f"{str(BOUNDARY_DTYPE).removeprefix('torch.')}: "
-                                                     + "; ".join(details)))
-    ops.extend(OpLine("comm", name, detail) for name, detail in describe_grad_sync(annotations, device))
-    devices = strat.devices
+                                                     f"{BOUNDARY_DTYPE.name}: " + "; ".join(details)))
+    names = [p.name for p in plan.annotations.params]
+    for b in plan.grad_sync:
+        tensors = sorted({names[i] for i, _ in b.entries})
+        ops.append(OpLine("comm", f"grad all-reduce [{','.join(map(str, b.devices))}]",
+                          f"SplitAllReduce bucket: {b.numel} elements, {len(b.entries)} slices of {len(tensors)} "
+                          f"gradients ({_short(tensors)})"))
+    devices = plan.handle.devices
     if len(devices) > 1:
         ops.append(OpLine("comm", "step statistics", f"all-reduce [loss sum, grad norm^2] over {len(devices)} "
                                                      "devices"))
-    adam = f"AdamW on {len(shards)} local shards"
+    adam = f"AdamW on {len(plan.shards)} local shards"
     if t.zero:
-        pieces = moment_pieces(zero_slices(annotations), device)
+        pieces = plan.moment_pieces
         kept = sum(p.numel for ps in pieces.values() for p in ps)
-        held = sum(math.prod(s.local_shape) for s in shards if s.name in pieces)
+        held = sum(math.prod(s.local_shape) for s in plan.shards if s.name in pieces)
         adam += (f"; ZeRO-1: {len(pieces)} of them sharded, moments kept for {kept} of their {held} elements"
                  if pieces else "; ZeRO-1: no data-parallel replicas, nothing sharded")
     ops.append(OpLine("compute", "optimizer", f"clip to global norm {t.optimizer.grad_clip}, {adam}"))
-    if t.zero:
-        ops.extend(OpLine("comm", name, detail)
-                   for name, detail in describe_zero(annotations, device, bucket_bytes=BUCKET_BYTES))
-    return ProgramDescription(strat.name, device, sched, role, shards, tuple(ops))
+    for z in plan.zero_buckets:
+        if device in z.devices:
+            ops.append(OpLine("comm", f"param all-gather [{','.join(map(str, z.devices))}]",
+                              f"ZeRO-1 bucket: {z.numel} elements in {len(z.slices)} slices of "
+                              f"{len({s.name for s in z.slices})} parameters; this device updated "
+                              f"{z.length(device)}, parts padded to {z.width}"))
+    return ProgramDescription(plan.handle.name, device, plan.schedule, role, plan.shards, tuple(ops))
+
+
+def _short(names: Sequence[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f", ... (+{len(names) - n})" if len(names) > n else "")
 
 
 def _messages(op: CommOp, device: int) -> str:

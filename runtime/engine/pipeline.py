@@ -5,47 +5,17 @@ all-reduced) and must arrive duplicated inside the receiving group; its gradient
 receiving group (DTensor all-reduces the column-parallel input gradient) and must arrive duplicated on
 every device of the sending group, since each one runs the backward of its own copy of the graph.
 The communication layer resolves both directions from the annotations (send/recv between groups of the
-same size, BSR between different TP degrees); here their messages are posted, together with the other
-transfers of the same schedule tick, in one batch_isend_irecv.
+same size, BSR between different TP degrees; specialize.py ``stage_boundaries``); here their messages
+are posted, together with the other transfers of the same schedule tick, in one batch_isend_irecv.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-from runtime.annotations.from_plan import Boundary, StrategyAnnotations
 from runtime.comm.execute import pack_message, recv_buffer, start_output, unpack_message
-from runtime.comm.resolve import CommOp, resolve
-from runtime.engine.specialize import StageRole
-from runtime.spec import Cluster, PlanContext
-
-BOUNDARY_DTYPE = torch.float32  # the residual stream stays fp32 under autocast; sent as such
-
-
-@dataclass(frozen=True)
-class BoundaryOps:
-    """Both directions of one stage boundary, resolved once per program."""
-
-    boundary: Boundary
-    forward: CommOp  # activation: earlier stage -> later stage
-    backward: CommOp  # its gradient: later stage -> earlier stage (the forward op's adjoint)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.boundary.shape
-
-
-def resolve_boundary(boundary: Boundary, cluster: Cluster, dtype: torch.dtype) -> BoundaryOps:
-    fwd = resolve(boundary.src, boundary.dst, boundary.shape, dtype=dtype, bandwidth=cluster)
-    bwd = fwd.adjoint
-    for op in (fwd, bwd):
-        if not op.p2p_only:
-            raise NotImplementedError(f"stage boundary {boundary.src} -> {boundary.dst} resolved to {op.kind}, "
-                                      "which needs collectives; a schedule tick can only fuse P2P messages")
-    return BoundaryOps(boundary, fwd, bwd)
+from runtime.comm.resolve import CommOp
 
 
 class P2PBatch:
@@ -82,16 +52,3 @@ class P2PBatch:
         self.ops.clear()
         self._unpack.clear()
 
-
-def stage_boundaries(ctx: PlanContext, annotations: StrategyAnnotations,
-                     role: StageRole) -> tuple[BoundaryOps | None, BoundaryOps | None]:
-    """The boundary before this device's stage and the one after it (None at the pipeline's ends)."""
-    prev = nxt = None
-    for b in annotations.boundaries:
-        if b.pipeline != role.pipeline:
-            continue
-        if b.stage == role.stage - 1:
-            prev = resolve_boundary(b, ctx.cluster, BOUNDARY_DTYPE)
-        elif b.stage == role.stage:
-            nxt = resolve_boundary(b, ctx.cluster, BOUNDARY_DTYPE)
-    return prev, nxt

@@ -17,51 +17,44 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from runtime.annotations.from_plan import strategy_groups
+from runtime.comm.execute import torch_dtype
 from runtime.comm.groups import ProcessGroups
 from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
-from runtime.engine.data_parallel import BUCKET_BYTES, GradSync
-from runtime.engine.describe import ProgramDescription, describe_program
-from runtime.engine.optim import LocalAdamW, clip_coefficient
-from runtime.engine.pipeline import BOUNDARY_DTYPE, BoundaryOps, P2PBatch, stage_boundaries
+from runtime.engine.data_parallel import GradientSync
+from runtime.engine.describe import ProgramDescription, describe_plan
+from runtime.engine.optim import LocalAdamW, ShardedAdamW, clip_coefficient
+from runtime.engine.pipeline import P2PBatch
 from runtime.engine.reference import autocast_for
-from runtime.engine.schedules import Action, Comm, Compute
-from runtime.engine.specialize import (
-    ParamShard,
-    StageRole,
-    global_tokens,
-    parameter_shards,
-    stage_parameters,
-    stage_role,
-    stage_schedule,
-    strategy_annotations,
-)
+from runtime.engine.schedules import Comm, Compute
+from runtime.engine.specialize import BOUNDARY_DTYPE, DevicePlan, ParamShard, specialize, stage_parameters
 from runtime.engine.tensor_parallel import apply_tensor_parallel, local_tensor
-from runtime.engine.zero import MomentPiece, ShardedAdamW, zero_buckets, zero_slices
+from runtime.engine.zero import MomentPiece
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
-from runtime.spec import PlanContext
+from runtime.spec.handle import StrategyHandle
 
 
 class DeviceProgram:
     """This device's share of one strategy of a plan, ready to train."""
 
     def __init__(self, ctx: WorkerContext, groups: ProcessGroups, hooks: Hooks = NULL_HOOKS) -> None:
-        role = stage_role(ctx.plan, ctx.strategy, ctx.device_id)
-        if role is None:
-            raise ValueError(f"device {ctx.device_id} is idle in strategy {ctx.strategy!r}: it has no program "
+        plan = specialize(ctx.strategy, ctx.device_id)
+        if plan is None:
+            raise ValueError(f"device {ctx.device_id} is idle in strategy {ctx.strategy.name!r}: it has no program "
                              "(start workers only for the strategy's devices)")
+        if groups.my_device != ctx.device_id:
+            raise ValueError(f"ProcessGroups belong to device {groups.my_device}, this worker is {ctx.device_id}")
         self.ctx = ctx
-        self.role: StageRole = role
+        self.plan: DevicePlan = plan
+        self.role = role = plan.role
         self.groups = groups
         self.hooks = hooks
         self.device = ctx.torch_device
-        self.actions: list[Action] = stage_schedule(ctx.plan, role)
-        spec = ctx.plan.model
-        t = ctx.plan.plan.training
-        self.tokens = global_tokens(ctx.plan)
+        self.boundary_dtype = torch_dtype(BOUNDARY_DTYPE)
+        spec = ctx.strategy.model
+        t = ctx.strategy.training
+        self.tokens = t.global_batch * t.seq_len
         self.ranks = dict(ctx.ranks)
-        if groups.my_device != ctx.device_id:
-            raise ValueError(f"ProcessGroups belong to device {groups.my_device}, this worker is {ctx.device_id}")
-        self.annotations = strategy_annotations(ctx.plan, ctx.strategy)
+        self.annotations = plan.annotations
 
         module = LlamaForCausalLM(spec, range(*role.layers), embed=role.embed, head=role.head)
         module.init_weights(t.seed)  # on CPU, name-seeded: the reference's numbers on every device
@@ -72,7 +65,7 @@ class DeviceProgram:
         if role.recompute:
             _checkpoint_layers(module)
         self.module = module
-        self.shards: list[ParamShard] = parameter_shards(spec, role, self.annotations)
+        self.shards: tuple[ParamShard, ...] = plan.shards
         self.params = {s.name: module.get_parameter(s.name) for s in self.shards}
         for s in self.shards:
             got = tuple(local_tensor(self.params[s.name]).shape)
@@ -81,28 +74,23 @@ class DeviceProgram:
         local = {n: local_tensor(p) for n, p in self.params.items()}
         self.optimizer: LocalAdamW | ShardedAdamW
         if t.zero:
-            slices = zero_slices(self.annotations)
             self.optimizer = ShardedAdamW(
-                local, {s.name: tuple((r.start, r.stop) for r in s.region) for s in self.shards}, slices,
-                zero_buckets(self.annotations, slices, bucket_bytes=BUCKET_BYTES), t.optimizer, groups)
+                local, {s.name: tuple((r.start, r.stop) for r in s.region) for s in self.shards}, plan.zero_slices,
+                plan.zero_buckets, t.optimizer, groups)
         else:
             self.optimizer = LocalAdamW(local, t.optimizer)
-
-        self.prev: BoundaryOps | None
-        self.next: BoundaryOps | None
-        self.prev, self.next = stage_boundaries(ctx.plan, self.annotations, role)
-        self.grad_sync = GradSync(self.annotations, groups)
-        devices = ctx.plan.plan.strategy(ctx.strategy).devices
-        self.all_devices = tuple(devices)
+        self.grad_sync = GradientSync([(p.name, p.shape, p.grad) for p in plan.annotations.params], plan.grad_sync,
+                                      groups)
+        devices = ctx.strategy.devices
         self._stats_group = groups.get(devices) if len(devices) > 1 else None
         self._times = {"compute": 0.0, "comm": 0.0}
 
     # -- the launcher-facing API -------------------------------------------------------------------------
 
     @staticmethod
-    def required_groups(plan: PlanContext, strategy: str) -> list[tuple[int, ...]]:
+    def required_groups(strategy: StrategyHandle) -> list[tuple[int, ...]]:
         """Every device group the strategy's programs use (TP groups, gradient sync, statistics)."""
-        return strategy_groups(plan.plan.strategy(strategy), plan.model, plan.plan.training)
+        return strategy_groups(strategy.strategy, strategy.model, strategy.training)
 
     def train_step(self, global_batch: torch.Tensor, *,
                    before_update: Callable[[], None] | None = None) -> StepStats:
@@ -113,7 +101,7 @@ class DeviceProgram:
         abandoned and the program's state is exactly as before it. (With ZeRO-1 the parameter all-gather
         follows the update, which is one reason elastic runs refuse ``zero: true``.)
         """
-        t = self.ctx.plan.plan.training
+        t = self.ctx.strategy.training
         if tuple(global_batch.shape) != (t.global_batch, t.seq_len + 1):
             raise ValueError(f"global batch has shape {tuple(global_batch.shape)}, the plan needs "
                              f"[{t.global_batch}, {t.seq_len + 1}]")
@@ -123,7 +111,7 @@ class DeviceProgram:
         for p in self.params.values():
             p.grad = None
         run = _StepState(self.device)
-        for action in self.actions:
+        for action in self.plan.actions:
             if isinstance(action, Compute):
                 if action.kind == "forward":
                     self._forward(action.micro_batch, rows, run)
@@ -132,7 +120,7 @@ class DeviceProgram:
             else:
                 self._comm(action, run)
         grads = self._local_grads()
-        if self.grad_sync.buckets:
+        if self.plan.grad_sync:
             with self._span("comm", "grad_sync"):
                 self.grad_sync.sync(grads)
         norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -193,7 +181,7 @@ class DeviceProgram:
         return sum(local_tensor(p).numel() for p in self.params.values())
 
     def describe(self) -> ProgramDescription:
-        return describe_program(self.ctx.plan, self.ctx.strategy, self.ctx.device_id)
+        return describe_plan(self.plan)
 
     # -- the schedule's actions --------------------------------------------------------------------------
 
@@ -213,7 +201,7 @@ class DeviceProgram:
                 run.outputs[mb] = loss / self.tokens
             else:
                 run.outputs[mb] = out
-                run.sent[mb] = out.detach().to(BOUNDARY_DTYPE)
+                run.sent[mb] = out.detach().to(self.boundary_dtype)
 
     def _backward(self, mb: int, run: _StepState) -> None:
         with self._span("compute", "backward", micro_batch=mb):
@@ -233,18 +221,19 @@ class DeviceProgram:
         for tr in action.transfers:
             mb = tr.micro_batch
             names.append(f"{tr.kind} {mb}")
+            prev, nxt, dtype = self.plan.prev, self.plan.next, self.boundary_dtype
             if tr.kind == "send_forward":
-                assert self.next is not None
-                batch.send(self.next.forward, run.sent.pop(mb))
+                assert nxt is not None
+                batch.send(nxt.forward, run.sent.pop(mb))
             elif tr.kind == "recv_forward":
-                assert self.prev is not None
-                run.inputs[mb] = batch.recv(self.prev.forward, dtype=BOUNDARY_DTYPE, device=self.device)
+                assert prev is not None
+                run.inputs[mb] = batch.recv(prev.forward, dtype=dtype, device=self.device)
             elif tr.kind == "send_backward":
-                assert self.prev is not None
-                batch.send(self.prev.backward, run.grads_out.pop(mb).to(BOUNDARY_DTYPE))
+                assert prev is not None
+                batch.send(prev.backward, run.grads_out.pop(mb).to(dtype))
             else:
-                assert self.next is not None
-                run.grads_in[mb] = batch.recv(self.next.backward, dtype=BOUNDARY_DTYPE, device=self.device)
+                assert nxt is not None
+                run.grads_in[mb] = batch.recv(nxt.backward, dtype=dtype, device=self.device)
         with self._span("comm", ", ".join(names)):
             batch.run()
 

@@ -10,10 +10,12 @@ count; stages of one pipeline share it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-ScheduleName = Literal["1f1b", "gpipe"]
+from runtime.spec.plan import Schedule
+
 ComputeKind = Literal["forward", "backward"]
 TransferKind = Literal["send_forward", "recv_forward", "send_backward", "recv_backward"]
 
@@ -37,6 +39,16 @@ class Transfer:
     @property
     def is_send(self) -> bool:
         return self.kind.startswith("send")
+
+    @property
+    def counterpart(self) -> TransferKind:
+        """The kind of the peer stage's transfer this one pairs with."""
+        return _COUNTERPART[self.kind]
+
+
+_COUNTERPART: dict[TransferKind, TransferKind] = {
+    "send_forward": "recv_forward", "recv_forward": "send_forward",
+    "send_backward": "recv_backward", "recv_backward": "send_backward"}
 
 
 @dataclass(frozen=True)
@@ -119,10 +131,10 @@ def gpipe(num_stages: int, stage: int, micro_batches: int) -> list[Action]:
     return b.actions
 
 
-SCHEDULES = {"1f1b": one_f_one_b, "gpipe": gpipe}
+SCHEDULES: dict[Schedule, Callable[[int, int, int], list[Action]]] = {"1f1b": one_f_one_b, "gpipe": gpipe}
 
 
-def build_schedule(name: str, num_stages: int, stage: int, micro_batches: int) -> list[Action]:
+def build_schedule(name: Schedule, num_stages: int, stage: int, micro_batches: int) -> list[Action]:
     try:
         fn = SCHEDULES[name]
     except KeyError:

@@ -1,19 +1,28 @@
-"""Graph specialization as a pure function: plan + device -> what that device holds and does.
+"""Graph specialization as a pure function: strategy + device -> what that device holds and does.
 
-Nothing here touches torch.distributed, so ``hspmd show --device N`` and the unit tests can ask what a
-device's program is without starting a world. The executor (program.py) builds from the same records.
+Nothing here touches torch, so ``hspmd show --device N`` and the unit tests can ask what a device's
+program is without starting a world. ``specialize`` derives it once, as a ``DevicePlan``; the executor
+(program.py) builds from that record and ``describe_program`` (describe.py) prints it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from runtime.annotations.from_plan import StrategyAnnotations, annotate_strategy
+from runtime.annotations.from_plan import Boundary, StrategyAnnotations, strategy_annotations
 from runtime.annotations.states import Annotation
+from runtime.comm.bsr import FLOAT32
+from runtime.comm.gradsync import SyncBucket, plan_sync
+from runtime.comm.resolve import CommOp, resolve
 from runtime.engine.schedules import Action, build_schedule
-from runtime.engine.tensor_parallel import shard_slices
+from runtime.engine.zero import MomentPiece, ZeroBucket, ZeroSlice, moment_pieces, zero_buckets, zero_slices
 from runtime.models.params import ParamInfo, llama_parameters
-from runtime.spec import ModelSpec, PlanContext, Strategy
+from runtime.spec.cluster import Cluster
+from runtime.spec.handle import StrategyHandle
+from runtime.spec.model import ModelSpec
+
+BOUNDARY_DTYPE = FLOAT32  # the residual stream stays fp32 under autocast; sent as such
 
 
 @dataclass(frozen=True)
@@ -72,16 +81,73 @@ class ParamShard:
         return tuple(s.stop - s.start for s in self.region)
 
 
-def stage_role(ctx: PlanContext, strategy: str | Strategy, device: int) -> StageRole | None:
+@dataclass(frozen=True)
+class BoundaryOps:
+    """Both directions of one stage boundary, resolved once per program."""
+
+    boundary: Boundary
+    forward: CommOp  # activation: earlier stage -> later stage
+    backward: CommOp  # its gradient: later stage -> earlier stage (the forward op's adjoint)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.boundary.shape
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """Everything one device holds and does in a strategy: its stage, its shards, its schedule and every
+    communication it takes part in, derived once from the plan."""
+
+    handle: StrategyHandle
+    role: StageRole
+    annotations: StrategyAnnotations
+    shards: tuple[ParamShard, ...]
+    actions: tuple[Action, ...]
+    prev: BoundaryOps | None  # the boundary before this stage (None on first stages)
+    next: BoundaryOps | None  # the one after it (None on last stages)
+    grad_sync: tuple[SyncBucket, ...]  # this device's gradient all-reduces, in the global order
+    zero_slices: Mapping[str, tuple[ZeroSlice, ...]]  # ZeRO-1 only (else empty): every sharded parameter's
+    zero_buckets: tuple[ZeroBucket, ...]  # ZeRO-1 only: every all-gather of the strategy, in order
+    moment_pieces: Mapping[str, tuple[MomentPiece, ...]]  # ZeRO-1 only: the moments this device keeps
+
+    @property
+    def device(self) -> int:
+        return self.role.device
+
+    @property
+    def schedule(self) -> str:
+        return self.handle.training.schedule
+
+
+def specialize(handle: StrategyHandle, device: int) -> DevicePlan | None:
+    """The plan of ``device`` in the strategy, or None when the strategy leaves it idle."""
+    role = stage_role(handle, device)
+    if role is None:
+        return None
+    ann = strategy_annotations(handle)
+    zero = handle.training.zero
+    slices = zero_slices(ann) if zero else {}
+    layouts = [p.grad.layout(p.shape) for p in ann.params]
+    prev, nxt = stage_boundaries(ann, role, handle.cluster)
+    return DevicePlan(
+        handle=handle, role=role, annotations=ann, shards=tuple(parameter_shards(handle.model, role, ann)),
+        actions=tuple(build_schedule(handle.training.schedule, role.num_stages, role.stage, role.micro_batches)),
+        prev=prev, next=nxt, grad_sync=tuple(b for b in plan_sync(layouts) if device in b.devices),
+        zero_slices=slices, zero_buckets=tuple(zero_buckets(ann, slices)) if zero else (),
+        moment_pieces=moment_pieces(slices, device))
+
+
+def stage_role(handle: StrategyHandle, device: int) -> StageRole | None:
     """The role of ``device`` in the strategy, or None when the strategy leaves it idle."""
-    strat = ctx.plan.strategy(strategy) if isinstance(strategy, str) else strategy
-    where = strat.locate(device)
+    where = handle.locate(device)
     if where is None:
         return None
     pi, si, tp_rank = where
+    strat = handle.strategy
     pipe = strat.pipelines[pi]
     stage = pipe.stages[si]
-    mb = ctx.plan.training.micro_batch
+    mb = handle.training.micro_batch
     first = sum(p.micro_batches for p in strat.pipelines[:pi]) * mb
     return StageRole(
         strategy=strat.name, device=device, pipeline=pi, stage=si, num_stages=len(pipe.stages),
@@ -105,11 +171,6 @@ def stage_parameters(model: ModelSpec, role: StageRole) -> list[ParamInfo]:
     return out
 
 
-def strategy_annotations(ctx: PlanContext, strategy: str | Strategy) -> StrategyAnnotations:
-    strat = ctx.plan.strategy(strategy) if isinstance(strategy, str) else strategy
-    return annotate_strategy(strat, ctx.model, ctx.plan.training)
-
-
 def parameter_shards(model: ModelSpec, role: StageRole, annotations: StrategyAnnotations) -> list[ParamShard]:
     """This device's shard of each parameter of its stage, from the strategy's annotations.
 
@@ -130,11 +191,37 @@ def parameter_shards(model: ModelSpec, role: StageRole, annotations: StrategyAnn
     return out
 
 
-def stage_schedule(ctx: PlanContext, role: StageRole, schedule: str | None = None) -> list[Action]:
-    """The stage's action list under the plan's schedule (or ``schedule``)."""
-    return build_schedule(schedule or ctx.plan.training.schedule, role.num_stages, role.stage, role.micro_batches)
+def resolve_boundary(boundary: Boundary, cluster: Cluster) -> BoundaryOps:
+    fwd = resolve(boundary.src, boundary.dst, boundary.shape, dtype=BOUNDARY_DTYPE, bandwidth=cluster)
+    bwd = fwd.adjoint
+    for op in (fwd, bwd):
+        if not op.p2p_only:
+            raise NotImplementedError(f"stage boundary {boundary.src} -> {boundary.dst} resolved to {op.kind}, "
+                                      "which needs collectives; a schedule tick can only fuse P2P messages")
+    return BoundaryOps(boundary, fwd, bwd)
 
 
-def global_tokens(ctx: PlanContext) -> int:
-    t = ctx.plan.training
-    return t.global_batch * t.seq_len
+def stage_boundaries(annotations: StrategyAnnotations, role: StageRole,
+                     cluster: Cluster) -> tuple[BoundaryOps | None, BoundaryOps | None]:
+    """The boundary before this device's stage and the one after it (None at the pipeline's ends)."""
+    prev = nxt = None
+    for b in annotations.boundaries:
+        if b.pipeline != role.pipeline:
+            continue
+        if b.stage == role.stage - 1:
+            prev = resolve_boundary(b, cluster)
+        elif b.stage == role.stage:
+            nxt = resolve_boundary(b, cluster)
+    return prev, nxt
+
+
+def shard_slices(shape: tuple[int, ...], tp_dim: int | None, tp_size: int, tp_rank: int) -> tuple[slice, ...]:
+    """Which part of the full tensor TP rank ``tp_rank`` holds (torch.chunk semantics, as DTensor's
+    Shard)."""
+    out = [slice(0, s) for s in shape]
+    if tp_dim is not None and tp_size > 1:
+        n = shape[tp_dim]
+        step = -(-n // tp_size)  # ceil: torch.chunk's chunk size
+        lo = min(tp_rank * step, n)
+        out[tp_dim] = slice(lo, min(lo + step, n))
+    return tuple(out)

@@ -78,14 +78,3 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a (possibly DTensor) tensor, sharing storage with it."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
-
-def shard_slices(shape: tuple[int, ...], tp_dim: int | None, tp_size: int, tp_rank: int) -> tuple[slice, ...]:
-    """Which part of the full tensor TP rank ``tp_rank`` holds (torch.chunk semantics, as DTensor's
-    Shard)."""
-    out = [slice(0, s) for s in shape]
-    if tp_dim is not None and tp_size > 1:
-        n = shape[tp_dim]
-        step = -(-n // tp_size)  # ceil: torch.chunk's chunk size
-        lo = min(tp_rank * step, n)
-        out[tp_dim] = slice(lo, min(lo + step, n))
-    return tuple(out)

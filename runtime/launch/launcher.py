@@ -194,9 +194,9 @@ def launch(options: TrainOptions, *, on_step: Callable[[StepRecord], None] | Non
         summary = RunSummary(strategy.name, tuple(devices), backend)
         if options.coordinated:
             from runtime.elastic.coordinator import Coordinator
-            from runtime.elastic.state import PlanRef
+            from runtime.spec.handle import StrategyHandle
 
-            Coordinator(workers, options, PlanRef(ctx, strategy.name), first_step, switches, replan, summary,
+            Coordinator(workers, options, StrategyHandle(ctx, strategy), first_step, switches, replan, summary,
                         on_step, on_event, log, t_start).run()
         else:
             _monitor(workers, options, strategy.name, summary, on_step, log, t_start)

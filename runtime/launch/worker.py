@@ -84,14 +84,17 @@ def train_worker(spec: WorkerSpec, store: Any, reporter: Reporter) -> None:
                             device_id=device if device.type == "cuda" else None)
     reporter.up()
     try:
-        from runtime.engine import DeviceProgram, WorkerContext
+        from runtime.engine.api import WorkerContext
+        from runtime.engine.program import DeviceProgram
+        from runtime.spec.handle import StrategyHandle
 
-        groups = ProcessGroups(DeviceProgram.required_groups(plan_ctx, spec.strategy), spec.ranks, timeout=timeout)
+        handle = StrategyHandle.of(plan_ctx, spec.strategy)
+        groups = ProcessGroups(DeviceProgram.required_groups(handle), spec.ranks, timeout=timeout)
         hooks, recorder, emulator = _hooks(spec, plan_ctx, device)
         if emulator is not None:
             reporter.log(f"device {spec.device_id}: emulating a {emulator.slowdown:g}x slower device "
                          f"(sleeps {emulator.slowdown - 1:g}x each measured compute block)")
-        ctx = WorkerContext(plan=plan_ctx, strategy=spec.strategy, device_id=spec.device_id,
+        ctx = WorkerContext(strategy=handle, device_id=spec.device_id,
                             ranks=dict(spec.ranks), torch_device=device, timeout=timeout)
         program = DeviceProgram(ctx, groups, hooks)
         done = 0
@@ -134,7 +137,7 @@ def train_worker(spec: WorkerSpec, store: Any, reporter: Reporter) -> None:
 
 
 def _hooks(spec: WorkerSpec, plan_ctx: Any, device: Any) -> tuple[Any, Any, Any]:
-    from runtime.engine import NULL_HOOKS
+    from runtime.engine.api import NULL_HOOKS
     from runtime.trace import EmulatedSlowdown, TraceRecorder
 
     options = spec.options

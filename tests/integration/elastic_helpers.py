@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from runtime.checkpoint import CHECKPOINT_FILE
 from runtime.data import token_source
-from runtime.engine import ReferenceTrainer
+from runtime.engine.reference import ReferenceTrainer
 from runtime.spec import PlanContext, load_plan, load_plan_context, save_plan
 from runtime.spec.plan import Pipeline, Stage, Strategy
 
@@ -81,19 +81,20 @@ def switch_roundtrip_job(w, plan_a: str, plan_b: str, batches: list) -> dict | N
     ``plan_switch`` + ``move_state``), and report whether this device's state came back bit for bit."""
     from datetime import timedelta
 
-    from runtime.elastic.state import PlanRef, plan_switch
+    from runtime.elastic.state import plan_switch
     from runtime.elastic.worker import move_state
-    from runtime.engine import DeviceProgram
-    from runtime.engine import WorkerContext as EngineContext
+    from runtime.engine.api import WorkerContext as EngineContext
+    from runtime.engine.program import DeviceProgram
+    from runtime.spec.handle import StrategyHandle
 
     timeout = timedelta(seconds=60)
-    a, b = PlanRef(load_plan_context(plan_a), "a"), PlanRef(load_plan_context(plan_b), "b")
+    a, b = StrategyHandle.of(load_plan_context(plan_a), "a"), StrategyHandle.of(load_plan_context(plan_b), "b")
 
-    def build(ref: PlanRef):
-        w.groups.ensure(DeviceProgram.required_groups(ref.ctx, ref.strategy))
+    def build(ref: StrategyHandle):
+        w.groups.ensure(DeviceProgram.required_groups(ref))
         if w.device not in ref.devices:
             return None
-        ctx = EngineContext(ref.ctx, ref.strategy, w.device, w.ranks, torch.device("cpu"), timeout)
+        ctx = EngineContext(ref, w.device, w.ranks, torch.device("cpu"), timeout)
         return DeviceProgram(ctx, w.groups)
 
     program = build(a)

@@ -71,16 +71,18 @@ def train_job(w: WorkerContext, plan: str, batches: list[np.ndarray], schedule: 
     """Train ``batches`` (after loading ``load_dir``; then save to ``save_dir``, steps counted from
     ``first_step``)."""
     from runtime.checkpoint import load_checkpoint, save_checkpoint
-    from runtime.engine import DeviceProgram
-    from runtime.engine import WorkerContext as EngineContext
+    from runtime.engine.api import WorkerContext as EngineContext
+    from runtime.engine.program import DeviceProgram
+    from runtime.spec.handle import StrategyHandle
 
     ctx = plan_with(plan, schedule, zero)
-    strategy = ctx.plan.strategies[0].name
-    w.groups.ensure(DeviceProgram.required_groups(ctx, strategy))
-    if w.device not in ctx.plan.strategy(strategy).devices:
+    handle = StrategyHandle.of(ctx)
+    strategy = handle.name
+    w.groups.ensure(DeviceProgram.required_groups(handle))
+    if w.device not in handle.devices:
         return None
     hooks = RecordingHooks()
-    program = DeviceProgram(EngineContext(ctx, strategy, w.device, w.ranks, torch.device("cpu"), OP_TIMEOUT),
+    program = DeviceProgram(EngineContext(handle, w.device, w.ranks, torch.device("cpu"), OP_TIMEOUT),
                             w.groups, hooks)
     if load_dir is not None:
         assert load_checkpoint(program, load_dir, ctx) == first_step - 1

@@ -14,9 +14,10 @@ from runtime.annotations import Annotation, DistributedStates, to_placements
 from runtime.annotations.from_plan import annotate_strategy, strategy_groups
 from runtime.comm.bsr import TensorMove, plan_bsr
 from runtime.comm.execute import pack_message, recv_buffer, run_bsr, start_output, unpack_message
-from runtime.comm.gradsync import GradientSync
+from runtime.comm.gradsync import plan_sync
 from runtime.comm.resolve import resolve
 from runtime.comm.world import LocalWorld
+from runtime.engine.data_parallel import GradientSync
 from runtime.spec import Pipeline, Stage, Strategy, load_plan_context
 
 S = DistributedStates
@@ -70,7 +71,8 @@ def _grad_sync_job(ctx, scale: float):
             h = lay.by_device[me]
             pipe = strategy.locate(me)[0]
             grads[p.name] = per_pipe[pipe][p.name][region(h)].clone()
-    sync = GradientSync([(p.name, p.shape, p.grad) for p in ann.params], ctx.groups, bucket_bytes=16 << 10)
+    sync = GradientSync([(p.name, p.shape, p.grad) for p in ann.params],
+                        plan_sync([p.grad.layout(p.shape) for p in ann.params], bucket_bytes=16 << 10), ctx.groups)
     sync.sync(grads, scale=scale)
     return {k: v.numpy() for k, v in grads.items()}, len(sync.buckets)
 

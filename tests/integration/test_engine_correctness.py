@@ -13,7 +13,7 @@ import torch
 from engine_world import DeviceResult, EngineWorld
 
 from runtime.checkpoint import CHECKPOINT_FILE
-from runtime.engine import ReferenceTrainer
+from runtime.engine.reference import ReferenceTrainer
 from runtime.models.params import llama_parameters
 from runtime.spec import PlanContext, load_plan_context
 

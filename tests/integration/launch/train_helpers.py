@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from runtime.data import TokenSource, token_source
-from runtime.engine import ReferenceTrainer
+from runtime.engine.reference import ReferenceTrainer
 from runtime.spec import load_plan, load_plan_context, save_plan
 from runtime.spec.plan import Pipeline, Stage, Strategy
 

@@ -13,6 +13,7 @@ from hetu_cli.main import cli
 from planner.replan import LostStateError, RestartModel, choose, repair, replan, restart_cost
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_plan, load_plan_context
+from runtime.spec.handle import StrategyHandle
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"  # TP-2 on 0,1 | 2 -> 3
@@ -48,18 +49,18 @@ def test_restart_model_states_its_arithmetic():
 def test_repair_keeps_intact_pipelines_and_spreads_the_micro_batches():
     ctx = load_plan_context(DP_PP)
     profiles = resolve_profiles(ctx.cluster.device_types, [])
-    plan, step_time = repair(ctx, "dp-pp", [3], profiles)
+    plan, step_time = repair(StrategyHandle.of(ctx, "dp-pp"), [3], profiles)
     (strategy,) = plan.strategies
     assert [p.devices for p in strategy.pipelines] == [(0,), (1,)]
     assert sum(p.micro_batches for p in strategy.pipelines) == 8 and step_time > 0
-    assert repair(ctx, "dp-pp", [0, 1, 2], profiles) is None  # nothing intact
-    assert repair(ctx, "dp-pp", [5], profiles) is None  # nothing broken
+    assert repair(StrategyHandle.of(ctx, "dp-pp"), [0, 1, 2], profiles) is None  # nothing intact
+    assert repair(StrategyHandle.of(ctx, "dp-pp"), [5], profiles) is None  # nothing broken
 
 
 def test_replan_picks_a_near_best_plan_that_moves_the_least():
     ctx = load_plan_context(TINY)
     profiles = resolve_profiles(ctx.cluster.device_types, [])
-    r = replan(ctx, "hetero", [1], profiles, tolerance=0.05)
+    r = replan(StrategyHandle.of(ctx, "hetero"), [1], profiles, tolerance=0.05)
     assert r.survivors == (0, 2, 3) and r.failed == (1,)
     fastest = min(o.step_time_s for o in r.options)
     near = [o for o in r.options if o.step_time_s <= fastest * 1.05]
@@ -68,13 +69,13 @@ def test_replan_picks_a_near_best_plan_that_moves_the_least():
     assert any(o.origin == "repair" and o.switch_bytes == 0 for o in r.options)
     assert r.restart.total_s > r.chosen.modelled_switch_s
     # An unbounded tolerance takes the repair: nothing moves at all.
-    assert replan(ctx, "hetero", [1], profiles, tolerance=100.0).chosen.origin == "repair"
+    assert replan(StrategyHandle.of(ctx, "hetero"), [1], profiles, tolerance=100.0).chosen.origin == "repair"
 
 
 def test_replan_refuses_when_a_parameter_lost_every_replica():
     ctx = load_plan_context(SINGLE)
     with pytest.raises(LostStateError) as err:
-        replan(ctx, "pp", [1], resolve_profiles(ctx.cluster.device_types, []))
+        replan(StrategyHandle.of(ctx, "pp"), [1], resolve_profiles(ctx.cluster.device_types, []))
     assert err.value.lines()[1:] == ["  decoder layers 1-4 (36 tensors): held only by failed device(s) 1"]
 
 

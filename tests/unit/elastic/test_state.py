@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from runtime.annotations.states import intersect, volume
 from runtime.elastic.state import (
     STATE_SUFFIXES,
-    PlanRef,
     check_compatible,
     describe_lost,
     lost_tensors,
@@ -23,6 +22,7 @@ from runtime.elastic.state import (
 from runtime.errors import HspmdError
 from runtime.models.params import llama_parameters
 from runtime.spec import Pipeline, PlanContext, Stage, Strategy, load_plan_context, validate_plan
+from runtime.spec.handle import StrategyHandle
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"  # TP-2 on 0,1 | 2 -> 3
@@ -30,18 +30,18 @@ EMU8 = REPO / "tests" / "integration" / "engine_plans" / "three-pipelines.yaml" 
 
 
 def with_strategy(ctx: PlanContext, pipelines: list[tuple[int, list[tuple[tuple[int, ...], tuple[int, int]]]]],
-                  name: str = "s", micro_batch: int = 1) -> PlanRef:
+                  name: str = "s", micro_batch: int = 1) -> StrategyHandle:
     strat = Strategy(name, tuple(Pipeline(m, tuple(Stage(d, lay) for d, lay in stages)) for m, stages in pipelines))
     gb = sum(m for m, _ in pipelines) * micro_batch
     plan = replace(ctx.plan, training=replace(ctx.plan.training, global_batch=gb, micro_batch=micro_batch),
                    strategies=(strat,))
     problems = validate_plan(plan, ctx.model, ctx.cluster, "test")
     assert not problems, problems
-    return PlanRef(PlanContext(plan, ctx.model, ctx.cluster, ctx.path), name)
+    return StrategyHandle.of(PlanContext(plan, ctx.model, ctx.cluster, ctx.path), name)
 
 
 def test_a_tp_shard_survives_through_the_other_pipeline():
-    ref = PlanRef(load_plan_context(TINY), "hetero")
+    ref = StrategyHandle.of(load_plan_context(TINY), "hetero")
     assert lost_tensors(ref, [1]) == []
     assert lost_tensors(ref, [0, 1]) == []  # pipeline 2 -> 3 still holds everything
     lost = lost_tensors(ref, [1, 3])  # layers 3-5: TP half on 1 and the only other copy on 3
@@ -63,7 +63,7 @@ def test_describe_lost_groups_layer_runs_and_names_the_rest():
 
 def test_switch_moves_exactly_the_missing_tp_halves():
     ctx = load_plan_context(TINY)
-    src = PlanRef(ctx, "hetero")
+    src = StrategyHandle.of(ctx, "hetero")
     dst = with_strategy(ctx, [(6, [((0,), (0, 6))]), (2, [((2,), (0, 3)), ((3,), (3, 6))])])
     plan = plan_switch(src, dst, excluded=[1])
     # Device 0 had TP rank 0's half of every split tensor; the other half (and nothing else) comes in,
@@ -76,7 +76,7 @@ def test_switch_moves_exactly_the_missing_tp_halves():
 
 
 def test_the_same_plan_moves_nothing():
-    ref = PlanRef(load_plan_context(TINY), "hetero")
+    ref = StrategyHandle.of(load_plan_context(TINY), "hetero")
     plan = plan_switch(ref, ref)
     assert plan.total_bytes == 0 and plan.transfers == ()
 

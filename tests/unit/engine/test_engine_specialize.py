@@ -10,8 +10,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hetu_cli.main import cli
-from runtime.engine import describe_program, parameter_shards, stage_role
-from runtime.engine.specialize import strategy_annotations
+from runtime.annotations.from_plan import strategy_annotations
+from runtime.engine.describe import describe_program
+from runtime.engine.specialize import parameter_shards, stage_role
 from runtime.models.params import llama_parameters
 from runtime.spec import (
     OptimizerSettings,
@@ -26,6 +27,7 @@ from runtime.spec import (
     load_plan_context,
     validate_plan,
 )
+from runtime.spec.handle import StrategyHandle
 
 REPO = Path(__file__).resolve().parents[3]
 ENGINE_PLANS = REPO / "tests" / "integration" / "engine_plans"
@@ -61,14 +63,15 @@ def plans(draw) -> PlanContext:
 @settings(max_examples=40, deadline=None)
 @given(plans())
 def test_every_element_has_one_primary_copy_and_the_batch_is_partitioned(ctx: PlanContext) -> None:
-    strategy = ctx.plan.strategies[0]
-    ann = strategy_annotations(ctx, strategy)
+    handle = StrategyHandle.of(ctx)
+    strategy = handle.strategy
+    ann = strategy_annotations(handle)
     counts = {p.name: torch.zeros(p.shape, dtype=torch.int32) for p in llama_parameters(MODEL)}
     per_pipeline = {(pi, p.name): torch.zeros(p.shape, dtype=torch.int32)
                     for pi in range(len(strategy.pipelines)) for p in llama_parameters(MODEL)}
     rows = torch.zeros(ctx.plan.training.global_batch, dtype=torch.int32)
     for d in strategy.devices:
-        role = stage_role(ctx, strategy, d)
+        role = stage_role(handle, d)
         assert role is not None and role.device == d
         if role.tp_rank == 0 and role.stage == 0:
             for mb in range(role.micro_batches):
@@ -92,7 +95,7 @@ def test_every_element_has_one_primary_copy_and_the_batch_is_partitioned(ctx: Pl
 def test_every_device_program_can_be_described(ctx: PlanContext) -> None:
     strategy = ctx.plan.strategies[0]
     for d in range(CLUSTER.num_devices):
-        desc = describe_program(ctx, strategy.name, d)
+        desc = describe_program(StrategyHandle(ctx, strategy), d)
         if d not in strategy.devices:
             assert desc.role is None and not desc.ops
             continue
@@ -103,14 +106,14 @@ def test_every_device_program_can_be_described(ctx: PlanContext) -> None:
 
 def test_tp2_to_tp1_boundary_is_described_with_its_messages() -> None:
     ctx = load_plan_context(ENGINE_PLANS / "tp2-tp1.yaml")
-    d2 = describe_program(ctx, "tp2-tp1", 2)
+    d2 = describe_program(StrategyHandle.of(ctx, "tp2-tp1"), 2)
     assert d2.holds == "layers 4-5, final norm + head + loss"
     comm = [o for o in d2.ops if o.kind == "comm" and "recv_forward" in o.name]
     assert comm and all("recv" in o.detail and "from 0" in o.detail for o in comm)
     back = [o for o in d2.ops if o.kind == "comm" and "send_backward" in o.name]
     # The gradient goes back to both TP ranks of the earlier stage.
     assert back and all("to 0" in o.detail and "to 1" in o.detail for o in back)
-    d1 = describe_program(ctx, "tp2-tp1", 1)
+    d1 = describe_program(StrategyHandle.of(ctx, "tp2-tp1"), 1)
     assert [p.local_shape for p in d1.params if p.name == "model.embed_tokens.weight"] == [(128, 64)]
     assert any("nothing for this device" in o.detail for o in d1.ops if "send_forward" in o.name)
 

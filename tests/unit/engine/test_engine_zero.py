@@ -12,13 +12,15 @@ from hypothesis import strategies as st
 from test_engine_specialize import ENGINE_PLANS, MODEL, plans
 
 from hetu_cli.main import cli
+from runtime.annotations.from_plan import strategy_annotations
 from runtime.annotations.states import region_index
-from runtime.engine import describe_program
-from runtime.engine.data_parallel import BUCKET_BYTES
-from runtime.engine.specialize import strategy_annotations
-from runtime.engine.zero import flat_range, moment_pieces, zero_buckets, zero_slices
+from runtime.comm.gradsync import BUCKET_BYTES
+from runtime.engine.describe import describe_program
+from runtime.engine.optim import flat_range
+from runtime.engine.zero import moment_pieces, zero_buckets, zero_slices
 from runtime.models.params import llama_parameters
 from runtime.spec import PlanContext, load_plan, load_plan_context, save_plan
+from runtime.spec.handle import StrategyHandle
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -32,7 +34,7 @@ def with_zero(ctx: PlanContext, zero: bool = True) -> PlanContext:
 @given(plans())
 def test_every_moment_element_is_kept_once_by_a_device_that_holds_it(ctx: PlanContext) -> None:
     strategy = ctx.plan.strategies[0]
-    ann = strategy_annotations(ctx, strategy)
+    ann = strategy_annotations(StrategyHandle(ctx, strategy))
     slices = zero_slices(ann)
     if len(strategy.pipelines) == 1:
         assert slices == {}  # no data-parallel replicas: nothing to shard
@@ -70,8 +72,8 @@ def test_flat_range_of_a_column_slice_is_the_flattened_slice(rows: int, cols: in
 
 def test_description_lists_the_all_gathers_only_with_zero() -> None:
     ctx = load_plan_context(ENGINE_PLANS / "three-pipelines.yaml")
-    plain = describe_program(ctx, "hetero3", 1)
-    zero = describe_program(with_zero(ctx), "hetero3", 1)
+    plain = describe_program(StrategyHandle.of(ctx, "hetero3"), 1)
+    zero = describe_program(StrategyHandle.of(with_zero(ctx), "hetero3"), 1)
     assert not any(o.name.startswith("param all-gather") for o in plain.ops)
     gathers = [o for o in zero.ops if o.name.startswith("param all-gather")]
     assert gathers and zero.ops[-len(gathers) - 1].name == "optimizer"
@@ -79,7 +81,8 @@ def test_description_lists_the_all_gathers_only_with_zero() -> None:
     # device 1 (TP-2 with device 0) shares its norm weights with 0, 3 and 4: a group of four.
     assert any(o.name == "param all-gather [0,1,3,4]" for o in gathers)
     assert "ZeRO-1: " in zero.ops[-len(gathers) - 1].detail
-    one_pipeline = describe_program(with_zero(load_plan_context(ENGINE_PLANS / "pp-uneven.yaml")), "pp", 0)
+    one_pipeline = describe_program(StrategyHandle.of(with_zero(load_plan_context(ENGINE_PLANS / "pp-uneven.yaml")),
+                                                      "pp"), 0)
     assert "nothing sharded" in one_pipeline.ops[-1].detail
 
 

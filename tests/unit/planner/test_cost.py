@@ -18,6 +18,8 @@ from planner.cost import (
     model_flops_per_token,
     pipeline_time,
 )
+from runtime.annotations.states import PARTIAL, Annotation, DistributedStates
+from runtime.comm.gradsync import SyncGroup, plan_sync, sync_groups
 from runtime.profiling.profile import (
     CommFigures,
     ComponentFit,
@@ -198,16 +200,18 @@ def test_grad_sync_two_equal_pipelines():
 def test_split_allreduce_lcm_slices():
     cm = cm_for(hand_set(latency=0.001))
     s = Strategy("mixed", (Pipeline(6, (Stage((0, 1), (0, 6)),)), Pipeline(2, (Stage((2,), (0, 6)),))))
-    g02, g12 = cm.sync_plan(s)
+    g02, g12, g012 = cm.sync_plan(s)
     h, v = TINY.hidden_size, TINY.vocab_size
     sharded = 2 * v * h + 6 * (TINY.layer_params() - 2 * h)
-    # Each TP-2 device shares its half with the TP-1 device; replicated norms ride with slice 0.
-    assert (g02.devices, g12.devices) == ((0, 2), (1, 2))
-    assert g02.numel == sharded / 2 + 6 * 2 * h + h and g12.numel == sharded / 2
+    # Each TP-2 device shares its half of the sharded weights with the TP-1 device; the norms, duplicated
+    # in the TP-2 group, are all-reduced by all three devices (device 1's replica contributes zeros).
+    assert (g02.devices, g12.devices, g012.devices) == ((0, 2), (1, 2), (0, 1, 2))
+    assert g02.numel == g12.numel == sharded / 2 and g012.numel == 6 * 2 * h + h
     ring = lambda numel: 0.001 * 2 + numel * 4 / (2 * 1e9)   # noqa: E731 (latency x 2(n-1) + bytes / bw)
+    norms = cm.allreduce_time([0, 1, 2], g012.numel * 4)
     times = cm.grad_sync_times(s)
-    assert times[0] == pytest.approx(ring(g02.numel)) and times[1] == pytest.approx(ring(g12.numel))
-    assert times[2] == pytest.approx(ring(g02.numel) + ring(g12.numel))
+    assert times[0] == pytest.approx(ring(g02.numel) + norms) and times[1] == pytest.approx(ring(g12.numel) + norms)
+    assert times[2] == pytest.approx(ring(g02.numel) + ring(g12.numel) + norms)
 
 
 # -- whole strategy --------------------------------------------------------------------------------
@@ -307,10 +311,10 @@ def test_step_overhead_and_sync_packing_are_priced():
     cm = cm_for(ps)
     dp = Strategy("dp", (Pipeline(1, (Stage((0,), (0, 6)),)), Pipeline(1, (Stage((1,), (0, 6)),))))
     (group,) = cm.sync_plan(dp)
-    assert group.tensors == cm.tensors_per_stage(6, True, True)   # every gradient of the model
+    assert group.slices == cm.tensors_per_stage(6, True, True)   # every gradient of the model, whole
     plain = cm_for(hand_set())
     assert cm.sync_group_time(group) == pytest.approx(plain.sync_group_time(group) + 1e-6 * group.numel
-                                                     + 1e-3 * group.tensors + 0.5)
+                                                     + 1e-3 * group.slices + 0.5)
     n, tensors = cm.device_params(dp)[0]
     assert cm.step_overhead_times(dp)[0] == pytest.approx(1e-6 * n + 1e-3 * tensors + 0.5)
     assert cm.estimate(dp, 2).step_time_s == pytest.approx(plain.estimate(dp, 2).step_time_s
@@ -339,18 +343,22 @@ def test_zero1_adds_the_parameter_allgather():
     assert cm.estimate(one, 8, zero=True).step_time_s == cm.estimate(one, 8, zero=False).step_time_s
 
 
-def test_zero1_allgather_per_sync_bucket():
-    from planner.cost import SyncGroup
+def sync_group(devices: tuple[int, ...], *sizes: int) -> SyncGroup:
+    """The runtime's one sync group of gradients of these sizes, each a summand per device."""
+    ann = Annotation.union(PARTIAL, [((d,), DistributedStates.of()) for d in devices])
+    (group,) = sync_groups(plan_sync([ann.layout((n,)) for n in sizes]))
+    return group
 
+
+def test_zero1_allgather_per_sync_bucket():
     cm = cm_for(hand_set(latency=0.001))
-    group = SyncGroup((0, 1), numel=20e6)                # 80 MB of fp32: 3 buckets of 32 MiB at most
+    group = sync_group((0, 1), *[4_000_000] * 5)        # 80 MB of fp32: 3 buckets of 32 MiB at most
     bw = CPU4.bandwidth_gbs(0, 1) * 1e9
-    assert cm.sync_buckets(group) == 3
+    assert len(group.buckets) == 3
     assert cm.zero_gather_time(group) == pytest.approx(3 * 0.001 + 80e6 / (2 * bw))
 
 
 def test_zero1_allgather_uses_the_measured_fit():
-    from planner.cost import SyncGroup
     from runtime.profiling.profile import LinkFit
 
     ps = hand_set(latency=0.001)
@@ -362,7 +370,7 @@ def test_zero1_allgather_uses_the_measured_fit():
     # Measured: latency + (n-1)/n x gathered bytes / bandwidth, the group size's own fit; one 4 MB bucket.
     assert cm.allgather_time([0, 1], 4e6) == pytest.approx(0.002 + 0.5 * 4e6 / 0.5e9)
     assert cm.allgather_time([0, 1, 2, 3], 4e6) == pytest.approx(0.006 + 0.75 * 4e6 / 0.25e9)
-    assert cm.zero_gather_time(SyncGroup((0, 1), numel=1e6)) == pytest.approx(0.002 + 0.5 * 4e6 / 0.5e9)
+    assert cm.zero_gather_time(sync_group((0, 1), 1_000_000)) == pytest.approx(0.002 + 0.5 * 4e6 / 0.5e9)
     # A group size not measured: the nearest one's fit (a tie goes to the smaller), its latency scaled by
     # ring steps: 3 devices take 2 steps where 2 take 1.
     assert cm.allgather_time([0, 1, 2], 3e6) == pytest.approx(0.002 * 2 + 2 / 3 * 3e6 / 0.5e9)

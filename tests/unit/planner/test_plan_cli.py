@@ -141,6 +141,14 @@ def test_infeasible_requests_say_why_and_what_fits():
         plan(m, c, resolve_profiles(c.device_types), PlanSettings(global_batch=8, seq_len=4096, micro_batch=3))
 
 
+def test_diagnose_reasons_about_the_searched_memory_margin():
+    # llama-tiny fits the cpu-hetero4 devices with room to spare; keeping 99.9% of their memory free it fits
+    # nowhere, and the diagnosis must say so (not blame the batch or the sequence length).
+    m, c = load_model("llama-tiny"), load_cluster("cpu-hetero4")
+    with pytest.raises(InfeasibleError, match=r"does not fit .* even as one pipeline"):
+        plan(m, c, resolve_profiles(c.device_types), PlanSettings(global_batch=8, seq_len=64, memory_margin=0.999))
+
+
 def test_cli_infeasible_exits_2_with_one_line():
     res = CliRunner().invoke(cli, ["plan", "--model", "llama-70b", "--cluster", "cpu-hetero4", "--global-batch", "8",
                                    "--seq-len", "64"])

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from hetu_cli.main import cli
 from planner.cost import CostModel, pipeline_time
-from planner.simulate import _Sim, chrome_trace, schedule_actions, schedule_order, simulate
+from planner.simulate import EventLoop, OpKind, SimOp, chrome_trace, simulate
 from runtime.profiling.profile import (
     CommFigures,
     ComponentFit,
@@ -68,22 +68,33 @@ def chain(m: int, layers: list[int], devices: list[int] | None = None) -> Strate
     return Strategy("s", (Pipeline(m, stages),))
 
 
+def played(r, stage: int) -> list[tuple[str, int]]:
+    """The (F/B, micro-batch) compute blocks a simulated stage ran, in time order."""
+    return [(e.name[0], e.micro_batch) for e in r.events if e.stage == stage and e.category in ("forward", "backward")]
+
+
 def test_schedule_orders():
-    assert schedule_order(0, 2, 3, "1f1b") == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
-    assert schedule_order(1, 2, 3, "1f1b") == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
-    assert schedule_order(0, 2, 2, "gpipe") == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    cm = cost_model(profiles())
+    one = simulate(cm, chain(3, [3, 3]), 3, "1f1b")
+    assert played(one, 0) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+    assert played(one, 1) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    assert played(simulate(cm, chain(2, [3, 3]), 2, "gpipe"), 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_actions_are_the_runtime_schedule(schedule):
     from runtime.engine.schedules import Comm, Compute, build_schedule
 
+    cm = cost_model(profiles(latency=0.001))
     for stages, m in ((1, 3), (2, 2), (3, 5), (4, 4)):
+        r = simulate(cm, chain(m, [1] * stages), m, schedule)
         for k in range(stages):
             runtime = [(("F" if a.kind == "forward" else "B"), a.micro_batch) if isinstance(a, Compute)
-                       else ("C", tuple((t.kind, t.micro_batch) for t in a.transfers))
+                       else ("C", ", ".join(f"{t.kind.replace('_', ' ')} {t.micro_batch}" for t in a.transfers))
                        for a in build_schedule(schedule, stages, k, m) if isinstance(a, (Comm, Compute))]
-            assert schedule_actions(k, stages, m, schedule) == runtime
+            ran = [("C", e.name) if e.category == "p2p" else (e.name[0], e.micro_batch)
+                   for e in r.events if e.stage == k and e.category in ("forward", "backward", "p2p")]
+            assert ran == runtime
 
 
 def test_one_stage_pipeline_equals_cost_model_sum():
@@ -135,14 +146,24 @@ def test_hetero_pipelines_and_sync_wait_for_slowest():
     fast_end, slow_end = r.pipeline_end_s
     assert fast_end == pytest.approx(6 * 6 * 3.0 + 6 * cm.stage("cpu-fast", 2, 6, True, True).tp_comm_s)
     assert r.step_time_s > max(fast_end, slow_end)
-    # The sync: groups {0,2} {1,2} {0,3} {1,3} (TP-2 slices against TP-1 stages). Device 2 runs {0,2} then
-    # {1,2}, device 0 runs {0,2} then {0,3}: {1,3} must wait for both, so three group times in a row.
+    # The sync, as the runtime lays it out: the TP-2 slices against each TP-1 stage, then each TP-1 stage's
+    # norms with the whole TP-2 group (its duplicated replicas count once), in the runtime's global order.
     plan = cm.sync_plan(s)
-    assert [g.devices for g in plan] == [(0, 2), (1, 2), (0, 3), (1, 3)]
-    group = cm.sync_group_time(plan[0])
+    assert [g.devices for g in plan] == [(0, 2), (0, 3), (1, 2), (1, 3), (0, 1, 2), (0, 1, 3)]
+    # Every device joins its groups in that order after its stage's last action; a group's all-reduce
+    # ends once its last member has joined.
+    ready: dict[int, float] = {}
+    for e in r.events:
+        if e.category in ("forward", "backward", "p2p"):
+            for d in s.pipelines[e.pipeline].stages[e.stage].devices:
+                ready[d] = max(ready.get(d, 0.0), e.end_s)
+    for g in plan:
+        end = max(ready[d] for d in g.devices) + cm.sync_group_time(g)
+        ready.update(dict.fromkeys(g.devices, end))
     opt = max(cm.optimizer_times(s).values())
-    assert r.step_time_s == pytest.approx(max(fast_end, slow_end) + 3 * group + opt, rel=1e-4)
-    assert cm.grad_sync_time(s) == pytest.approx(2 * group, rel=1e-2)  # the closed form: per-device sum
+    assert r.step_time_s == pytest.approx(max(ready.values()) + opt, rel=1e-4)
+    per_device = {d: sum(cm.sync_group_time(g) for g in plan if d in g.devices) for d in s.devices}
+    assert cm.grad_sync_time(s) == pytest.approx(max(per_device.values()))  # the closed form: per-device sum
 
 
 @settings(max_examples=30, deadline=None)
@@ -290,11 +311,11 @@ def test_busy_core_handoff_delays_only_on_a_busy_core():
     """Hand-computed on one core (processor sharing at efficiency 1): A computes 10 CPU-s; B (an emulated 3x
     device: sleeps 2x the CPU time it used) computes 2, then 1 CPU-s."""
     def play(with_a: bool, handoff: CoreHandoff | None) -> dict[str, tuple[float, float]]:
-        sim = _Sim({"c": 1.0})
+        sim = EventLoop({"c": 1.0})
         if with_a:
-            sim.add("A", "a", cpu=10.0, hosts=[("c", 1.0)], handoff=handoff)
-        sim.add("B1", "b", cpu=2.0, stretch=3.0, hosts=[("c", 1.0)], handoff=handoff)
-        sim.add("B2", "b", cpu=1.0, stretch=3.0, hosts=[("c", 1.0)], handoff=handoff)
+            sim.add(SimOp("A", "a", cpu=10.0, hosts=(("c", 1.0),), handoff=handoff))
+        sim.add(SimOp("B1", "b", cpu=2.0, stretch=3.0, hosts=(("c", 1.0),), handoff=handoff))
+        sim.add(SimOp("B2", "b", cpu=1.0, stretch=3.0, hosts=(("c", 1.0),), handoff=handoff))
         return sim.run()
 
     # Shared: B1's CPU work ends at 4 (half the core each) with A still computing: + handoff 0.5, then the
@@ -319,12 +340,12 @@ def test_busy_core_handoff_delays_only_on_a_busy_core():
 def test_blocked_receive_wakes_late_only_on_a_busy_core():
     # The receiver posts at 0 and waits for its peer (another core), which posts at 5; the transfer takes 0.1.
     def play(busy_for: float) -> dict[str, tuple[float, float]]:
-        sim = _Sim({"c": 1.0, "d": 1.0})
+        sim = EventLoop({"c": 1.0, "d": 1.0})
         if busy_for:
-            sim.add("A", "a", cpu=busy_for, hosts=[("c", 1.0)])
-        sim.add("before", "p", 5.0)
-        sim.add("send", "p", 0.1, waits=[("recv", 0.1)])
-        sim.add("recv", "r", 0.1, waits=[("send", 0.1)], hosts=[("c", 1.0)], handoff=HANDOFF)
+            sim.add(SimOp("A", "a", cpu=busy_for, hosts=(("c", 1.0),)))
+        sim.add(SimOp("before", "p", duration=5.0))
+        sim.add(SimOp("send", "p", duration=0.1, waits=(("recv", 0.1),)))
+        sim.add(SimOp("recv", "r", duration=0.1, waits=(("send", 0.1),), hosts=(("c", 1.0),), handoff=HANDOFF))
         return sim.run()
 
     assert play(10.0)["recv"] == pytest.approx((0.0, 5.1 + 0.75))   # A computes at 5: woken 0.75 late
@@ -362,11 +383,11 @@ def test_block_after_the_core_mate_computed_pays_its_cold_caches():
     cold = CoreHandoff(handoff_s=0.0, wake_s=0.0, recv_wake_s=0.0, cold_forward_s=1.0, cold_backward_s=2.0)
 
     def play(a_cpu: float, stretch: float = 1.0) -> dict[str, tuple[float, float]]:
-        sim = _Sim({"c": 1.0})
+        sim = EventLoop({"c": 1.0})
         if a_cpu:
-            sim.add("A", "a", cpu=a_cpu, hosts=[("c", 1.0)])
-        sim.add("F", "b", cpu=2.0, stretch=stretch, hosts=[("c", 1.0)], handoff=cold, kind="forward")
-        sim.add("B", "b", cpu=4.0, stretch=stretch, hosts=[("c", 1.0)], handoff=cold, kind="backward")
+            sim.add(SimOp("A", "a", cpu=a_cpu, hosts=(("c", 1.0),)))
+        sim.add(SimOp("F", "b", cpu=2.0, stretch=stretch, hosts=(("c", 1.0),), handoff=cold, kind=OpKind.FORWARD))
+        sim.add(SimOp("B", "b", cpu=4.0, stretch=stretch, hosts=(("c", 1.0),), handoff=cold, kind=OpKind.BACKWARD))
         return sim.run()
 
     # A and F start together (nothing ran before F: no extra); F's CPU work ends at 4 at half the core. A

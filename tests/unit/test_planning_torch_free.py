@@ -1,0 +1,33 @@
+"""The planning half of the runtime, and the planner on top of it, import without torch.
+
+Run in a fresh interpreter: this test process has long imported torch through other tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+PLANNING_MODULES = (
+    "runtime.spec", "runtime.spec.handle", "runtime.annotations", "runtime.annotations.from_plan",
+    "runtime.engine.schedules", "runtime.engine.specialize", "runtime.engine.describe", "runtime.engine.zero",
+    "runtime.comm.gradsync", "runtime.comm.bsr", "runtime.comm.resolve", "runtime.elastic.state",
+    "runtime.profiling.profile", "planner.api", "planner.simulate", "planner.cost", "planner.replan",
+)
+
+
+def test_planning_modules_never_load_torch() -> None:
+    code = ("import importlib, sys\n"
+            f"for m in {PLANNING_MODULES!r}:\n"
+            "    importlib.import_module(m)\n"
+            "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+            "print(loaded[:5])\n"
+            "sys.exit(1 if loaded else 0)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, f"torch was imported: {res.stdout.strip()} {res.stderr.strip()[-2000:]}"
