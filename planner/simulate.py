@@ -12,7 +12,7 @@ the per-step all-reduce of loss and gradient norm, then its optimizer step, then
 of the updated parameter chunks, group by group in the gradient sync's order.
 
 On a CPU-emulated cluster the devices are processes on one host, each pinned to its share of the cores
-as the launcher pins them (runtime/launch/options.py ``emulated_cpu_shares``): compute blocks running on
+as the launcher pins them (planner/host.py ``HostModel.cpu_layout``): compute blocks running on
 the same core at the same time share it (processor sharing; a TP group's block runs at the pace of its
 slowest member), and an emulated slower device sleeps ``slowdown - 1`` times each compute block's CPU
 time, as the runtime does. The kernel's scheduler hands a core over in time slices, not as a fluid: where
@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planner.cost import CostModel, Schedule, SyncGroup
-from runtime.launch.options import emulated_cpu_shares
 from runtime.profiling.profile import CoreHandoff, ResumePenalty
 from runtime.spec.plan import Strategy
 
@@ -398,7 +397,7 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
     """Simulate one step of ``strategy`` with the costs of ``cm``."""
     type_of = {d.id: d.type for d in cm.cluster.devices}
     pipes = strategy.pipelines
-    cores, hosts_of = cpu_layout(cm, strategy)
+    cores, hosts_of = cm.host.cpu_layout(strategy.devices)
     sim = _Sim(cores)
     stage_costs = {}
     for pi, pipe in enumerate(pipes):
@@ -410,14 +409,14 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
     def block(devices: Sequence[int], total: float, tp: float = 0.0, tp_cpu: float = 0.0) -> dict[str, Any]:
         """A compute block: its CPU work (the device's stretch taken out), the TP collectives' wall time
         and CPU time, the stretch, the cores it runs on. ``total``/``tp`` as the cost model gives them."""
-        k = cm.emulated_slowdown(type_of[devices[0]])
+        k = cm.host.emulated_slowdown(type_of[devices[0]])
         return {"cpu": (total - tp) / k, "comm": tp - (k - 1.0) * tp_cpu, "comm_cpu": tp_cpu, "stretch": k,
-                **waiting(devices), "sharing": cm.core_sharing(type_of[devices[0]])}
+                **waiting(devices), "sharing": cm.host.core_sharing(type_of[devices[0]])}
 
     def waiting(devices: Sequence[int]) -> dict[str, Any]:
         """The cores an op's devices run on and the scheduler's delays there (``_Sim``'s handoff)."""
         return {"hosts": [h for d in devices for h in hosts_of.get(d, ())],
-                "handoff": cm.core_handoff(type_of[devices[0]])}
+                "handoff": cm.host.core_handoff(type_of[devices[0]])}
 
     # The stages' action lists: compute, and communication groups (a rendezvous with the matching side).
     where: dict[tuple[int, int, str, int], str] = {}   # (pipeline, stage, transfer kind, mb) -> comm op id
@@ -437,7 +436,7 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
             sc = stage_costs[pi, k]
             res = f"p{pi}s{k}"
             for ai, (kind, what) in enumerate(actions[pi, k]):
-                resume = cm.resume_penalty(type_of[st.devices[0]])
+                resume = cm.host.resume_penalty(type_of[st.devices[0]])
                 if kind == "F":
                     sim.add(f"{res}F{what}", res, kind="forward", pipeline=pi, stage=k, mb=what, resume=resume,
                             **block(st.devices, sc.forward_s, sc.tp_forward_s, sc.tp_cpu_forward_s))
@@ -455,7 +454,7 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
                         waits.append((where[pi, k + off, peer_kind, j], secs))
                         own = max(own, secs)
                     sim.add(f"{res}C{ai}", res, own, waits=waits, kind="p2p", pipeline=pi, stage=k, mb=what[0][1],
-                            transfers=what, transfer_s=own, wake=cm.comm_wake(type_of[st.devices[0]]),
+                            transfers=what, transfer_s=own, wake=cm.host.comm_wake(type_of[st.devices[0]]),
                             **waiting(st.devices))
     # After its stage's last action each device runs the step's own code (gradients collected, norm
     # summed: CPU work, never stretched), joins its gradient-sync groups in the global order (a group's
@@ -472,7 +471,7 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
     for d in strategy.devices:
         if overhead[d] > 0:
             sim.add(f"over{d}", f"dev{d}", deps=[last_of[d]], kind="step", pipeline=stage_of[d][0],
-                    stage=stage_of[d][1], mb=None, cpu=overhead[d], sharing=cm.core_sharing(type_of[d]),
+                    stage=stage_of[d][1], mb=None, cpu=overhead[d], sharing=cm.host.core_sharing(type_of[d]),
                     **waiting((d,)))
             last_of[d] = f"over{d}"
     def collectives(prefix: str, kind: str, seconds: Callable[[SyncGroup], float]) -> None:
@@ -484,7 +483,7 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
                 sim.add(f"{prefix}{gi}d{d}", f"dev{d}", secs, [last_of[d]],
                         waits=[(f"{prefix}{gi}d{e}", secs) for e in g.devices if e != d],
                         kind=kind, pipeline=stage_of[d][0], stage=stage_of[d][1], mb=None,
-                        wake=cm.comm_wake(type_of[d]), **waiting((d,)))
+                        wake=cm.host.comm_wake(type_of[d]), **waiting((d,)))
                 last_of[d] = f"{prefix}{gi}d{d}"
 
     collectives("g", "grad_sync", cm.sync_group_time)
@@ -572,20 +571,6 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
         pipeline_end_s=tuple(pipe_end), stages=tuple(reports), peak_memory_gib=memory,
         oom_devices=tuple(sorted(d for d, g in memory.items() if g > cm.cluster.type_of(d).memory_gib)),
         events=tuple(events), cpu_hosts=dict(cores))
-
-
-def cpu_layout(cm: CostModel, strategy: Strategy) -> tuple[dict[str, float], dict[int, list[tuple[str, float]]]]:
-    """Which cores each device of an emulated cluster runs on, as the launcher pins its workers: (cores
-    per host, device -> [(host, demand)]). One host per core; empty when the devices do not share CPUs
-    (real accelerators, or no measured core count)."""
-    if not cm.cluster.emulated:
-        return {}, {}
-    known = [c for n in {d.node for d in cm.cluster.devices} if (c := cm.host_cores(n))]
-    if not known:
-        return {}, {}
-    _, shares = emulated_cpu_shares(strategy.devices, cm.cluster.num_devices, range(min(known)))
-    cores = {f"core {c}": 1.0 for cs in shares.values() for c in cs}
-    return cores, {d: [(f"core {c}", 1.0) for c in cs] for d, cs in shares.items()}
 
 
 def _peak_in_flight(fwd_end: Sequence[float], bwd_end: Sequence[float]) -> int:

@@ -8,22 +8,19 @@ import pytest
 import torch
 
 from runtime.errors import InfeasibleError
-from runtime.launch.options import emulated_cpu_shares, host_cpus
 from runtime.models.llama import LlamaForCausalLM
-from runtime.profiling.measure import (
-    _blocks,
-    busy_core_handoff,
-    fit_component,
-    fit_quadratic,
+from runtime.profiling.compute import (
     local_stage,
     measure_component,
     measure_stage_blocks,
     measure_step_epilogue,
     measure_sync_pack,
-    nonneg_lstsq,
+    stage_blocks,
 )
+from runtime.profiling.fit import fit_component, fit_quadratic, nonneg_lstsq
+from runtime.profiling.host import busy_core_handoff, emulated_cpu_shares, handoff_figures, host_cpus
 from runtime.profiling.profile import BLOCKS, ResumePenalty
-from runtime.profiling.profiler import _handoff, plan_targets
+from runtime.profiling.profiler import plan_targets
 from runtime.spec import load_cluster, load_model
 
 TINY = load_model("llama-tiny")
@@ -78,11 +75,11 @@ def test_plan_targets():
 
 def test_stage_blocks_are_differences_of_whole_stages():
     med = {"mid1": (3.0, 5.0), "mid3": (7.0, 11.0), "first1": (3.5, 5.25), "last1": (4.0, 5.0)}
-    blocks = _blocks(med)
+    blocks = stage_blocks(med)
     assert blocks["layer"] == pytest.approx((2.0, 3.0))             # (3 layers - 1) / 2
     assert blocks["stage"] == pytest.approx((1.0, 2.0))             # 1 layer minus a layer
     assert blocks["embedding"] == pytest.approx((0.5, 0.25)) and blocks["head"] == pytest.approx((1.0, 0.0))
-    assert _blocks({**med, "mid3": (2.0, 1.0)})["layer"] == (0.0, 0.0)   # noise never goes below zero
+    assert stage_blocks({**med, "mid3": (2.0, 1.0)})["layer"] == (0.0, 0.0)   # noise never goes below zero
 
 
 def test_measure_stage_blocks_through_the_runtime_stage_module():
@@ -130,7 +127,7 @@ def test_core_handoff_is_busy_minus_idle_never_negative():
                     "recv": 2e-4},
            "busy": {"wall": 6e-3, "cpu_forward": 1.2e-3, "cpu_backward": 1.9e-3, "gap": 2.05e-3, "late": 5e-5,
                     "recv": 9e-4}}
-    h = _handoff(raw)
+    h = handoff_figures(raw)
     assert (h.handoff_s, h.wake_s, h.recv_wake_s, h.cold_forward_s, h.cold_backward_s) == pytest.approx(
         (2e-3, 0.0, 7e-4, 2e-4, 0.0))
 
