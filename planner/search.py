@@ -42,6 +42,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from planner.cost import CostModel, StrategyEstimate
 from planner.layer_split import LayerSplit, slot_costs, split_fast, split_ilp
@@ -64,6 +65,7 @@ from runtime.spec.plan import OptimizerSettings, Pipeline, Stage, Strategy
 
 Progress = Callable[[str, int, int], None]
 Shares = Sequence[Mapping[GroupKind, int]]   # groups of each kind per pipeline
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,11 @@ class Candidate:
     def checked_s(self) -> float:
         """The worse of the closed-form estimate and the simulation (the estimate if not simulated)."""
         return self.step_time_s if self.simulated_s is None else max(self.step_time_s, self.simulated_s)
+
+
+Combo = tuple[BlockCandidate, ...]   # one block candidate per block of a combination
+# A block to evaluate: (type choices, pipelines, stage order, stages or None, placement, shares or None).
+Job = tuple[tuple[TypeChoice, ...], int, str, int | None, str, Shares | None]
 
 
 @dataclass
@@ -504,12 +511,22 @@ class Searcher:
     # -- the whole search ----------------------------------------------------------------------------
 
     def run(self) -> list[Candidate]:
+        """The phases of the module docstring, each on what the one before kept."""
         choices = tp_choices(self.cluster, self.model, self.devices)
         types = [t for t, tps in choices.items() if tps]
+        single = self._single_type_blocks(choices, types)
+        # Share of the batch a block of these types would get, from the single-type throughputs.
+        best_rate = {t: max((c.rate for c in single[t]), default=0.0) for t in types}
+        total_rate = sum(best_rate.values()) or 1.0
+        blocks = {frozenset([t]): self._keep(single[t], best_rate[t] / total_rate) for t in types}
+        blocks.update(self._mixed_blocks(choices, types, blocks, best_rate, total_rate))
+        realized = self._realize_best(types, self.combine(types, blocks))
+        return [c for c, _, _ in realized] + self._finalize_best(types, realized)
+
+    def _single_type_jobs(self, choices: Mapping[str, Sequence[int]], types: Sequence[str]) -> list[Job]:
+        """Single-type blocks to evaluate: all of a type's groups, or P x S of them, at every TP degree."""
         m = self.micro_batches
-        # 1. single-type blocks (all groups, or P x S of them), every TP degree.
-        single: dict[str, list[BlockCandidate]] = {t: [] for t in types}
-        jobs: list[tuple[tuple[TypeChoice, ...], int, str, int | None, str, Shares | None]] = []
+        jobs: list[Job] = []
         for t in types:
             options = [TypeChoice(t, tp, rem) for tp in choices[t] for rem in (True, False)]
             for c in options:
@@ -529,7 +546,13 @@ class Searcher:
                         if p >= 1 and p * s < n_g:
                             for place in self.placements(p):
                                 jobs.append((choice, p, "memory", s, place, None))
-        n_multi = sum(1 for r in range(2, len(types) + 1) for _ in itertools.combinations(types, r))
+        return jobs
+
+    def _single_type_blocks(self, choices: Mapping[str, Sequence[int]], types: Sequence[str]
+                            ) -> dict[str, list[BlockCandidate]]:
+        """Phase 2 for one type at a time: every feasible block of ``_single_type_jobs``, by type."""
+        single: dict[str, list[BlockCandidate]] = {t: [] for t in types}
+        jobs = self._single_type_jobs(choices, types)
         self._report("pipelines (single type)", 0, len(jobs))
         for i, (choice, p, order, s, place, sh) in enumerate(jobs):
             if i % 64 == 0:
@@ -540,17 +563,14 @@ class Searcher:
             if cand is not None:
                 single[choice[0].device_type].append(cand)
         self._report("pipelines (single type)", len(jobs), len(jobs))
-        # Share of the batch a block of these types would get, from the single-type throughputs.
-        best_rate = {t: max((c.rate for c in single[t]), default=0.0) for t in types}
-        total_rate = sum(best_rate.values()) or 1.0
-        blocks: dict[frozenset[str], list[BlockCandidate]] = {}
+        return single
+
+    def _top_choices(self, choices: Mapping[str, Sequence[int]], types: Sequence[str],
+                     blocks: Mapping[frozenset[str], list[BlockCandidate]]) -> dict[str, list[TypeChoice]]:
+        """Per type, the TP choices of its best own pipelines, then every degree by time per layer (a type
+        that cannot hold the model alone, small memory, tries them all)."""
+        top: dict[str, list[TypeChoice]] = {}
         for t in types:
-            blocks[frozenset([t])] = self._keep(single[t], best_rate[t] / total_rate)
-        # 2. mixed blocks: the best TP choices per type, every subset of >= 2 types, both stage orders.
-        top_choice: dict[str, list[TypeChoice]] = {}
-        for t in types:
-            # The TP degrees of the type's best own pipelines, then the most efficient per layer. A type
-            # that cannot hold the model alone (small memory) tries every degree.
             seen: list[TypeChoice] = []
             for c in blocks[frozenset([t])]:
                 if c.choice[0] not in seen:
@@ -559,7 +579,17 @@ class Searcher:
             for tp in by_eff:
                 if TypeChoice(t, tp) not in seen:
                     seen.append(TypeChoice(t, tp))
-            top_choice[t] = seen
+            top[t] = seen
+        return top
+
+    def _mixed_blocks(self, choices: Mapping[str, Sequence[int]], types: Sequence[str],
+                      blocks: Mapping[frozenset[str], list[BlockCandidate]], best_rate: Mapping[str, float],
+                      total_rate: float) -> dict[frozenset[str], list[BlockCandidate]]:
+        """Phase 2 for mixed blocks: the best TP choices per type, every subset of >= 2 types, every stage
+        order; each subset's kept candidates (for its expected share of the batch)."""
+        top_choice = self._top_choices(choices, types, blocks)
+        n_multi = sum(1 for r in range(2, len(types) + 1) for _ in itertools.combinations(types, r))
+        mixed: dict[frozenset[str], list[BlockCandidate]] = {}
         done = 0
         for r in range(2, len(types) + 1):
             for subset in itertools.combinations(types, r):
@@ -584,21 +614,32 @@ class Searcher:
                                     cand = self.evaluate_block(tuple(combo), p, order, None, place, sh)
                                     if cand is not None:
                                         found.append(cand)
-                blocks[frozenset(subset)] = self._keep(found, share)
+                mixed[frozenset(subset)] = self._keep(found, share)
         self._report("pipelines (mixed types)", n_multi, n_multi)
-        # 3. combinations, ranked by the fast score; the best are realized (fast splits, greedy
-        #    micro-batches) and scored by the cost model itself, plus the best one using each type.
-        scored = self.combine(types, blocks)
-        picked: list[tuple[tuple[BlockCandidate, ...], Allocation]] = [(c, a) for _, c, a in scored[:COMBOS_REALIZED]]
+        return mixed
+
+    @staticmethod
+    def _with_each_type(kept: list[_T], ranked: Iterable[_T], types: Sequence[str],
+                        combo: Callable[[_T], Sequence[BlockCandidate]]) -> list[_T]:
+        """``kept`` and, for each type, the best of ``ranked`` whose combination uses it (if not kept yet):
+        so that idle devices can be explained with real numbers."""
+        ranked = list(ranked)
+        out = list(kept)
         for t in types:
-            for _, combo, alloc in scored:
-                if any(t in b.types for b in combo):
-                    if all(combo is not c for c, _ in picked):
-                        picked.append((combo, alloc))
-                    break
-        aligned = [(c, a) for _, c, a in scored if len(c) == 1 and c[0].aligned][:ALIGNED_REALIZED]
+            best = next((x for x in ranked if any(t in b.types for b in combo(x))), None)
+            if best is not None and all(combo(best) is not combo(k) for k in out):
+                out.append(best)
+        return out
+
+    def _realize_best(self, types: Sequence[str], scored: Sequence[tuple[float, Combo, Allocation]]
+                      ) -> list[tuple[Candidate, Combo, Allocation]]:
+        """Phase 4: the best combinations by the fast score, the best using each type and the best aligned
+        ones, realized (fast splits, greedy micro-batches) and scored by the cost model; best first."""
+        ranked = [(c, a) for _, c, a in scored]
+        picked = self._with_each_type(ranked[:COMBOS_REALIZED], ranked, types, lambda x: x[0])
+        aligned = [(c, a) for c, a in ranked if len(c) == 1 and c[0].aligned][:ALIGNED_REALIZED]
         picked += [(c, a) for c, a in aligned if all(c is not p for p, _ in picked)]
-        realized: list[tuple[Candidate, tuple[BlockCandidate, ...], Allocation]] = []
+        realized: list[tuple[Candidate, Combo, Allocation]] = []
         for i, (combo, alloc) in enumerate(picked):
             self._report("scoring plans with the cost model", i, len(picked))
             if i >= COMBOS_FINAL and self.out_of_time():
@@ -608,16 +649,14 @@ class Searcher:
                 realized.append((cand, combo, alloc))
         self._report("scoring plans with the cost model", len(picked), len(picked))
         realized.sort(key=lambda x: x[0].step_time_s)
-        # 4. finalists: exact layer splits and micro-batches (ILPs) for the best realized plans and for
-        #    the best one that uses each type (so idle devices can be explained with real numbers).
-        finalists = realized[:COMBOS_FINAL]
-        for t in types:
-            for item in realized:
-                if any(t in b.types for b in item[1]):
-                    if all(item is not f for f in finalists):
-                        finalists.append(item)
-                    break
-        out: list[Candidate] = [c for c, _, _ in realized]
+        return realized
+
+    def _finalize_best(self, types: Sequence[str], realized: Sequence[tuple[Candidate, Combo, Allocation]]
+                       ) -> list[Candidate]:
+        """Phase 5: exact layer splits and micro-batches (ILPs) for the best realized plans and the best
+        one using each type."""
+        finalists = self._with_each_type(list(realized[:COMBOS_FINAL]), realized, types, lambda x: x[1])
+        out: list[Candidate] = []
         for i, (_, combo, alloc) in enumerate(finalists):
             self._report("exact layer split + micro-batches (ILP)", i, len(finalists))
             if i >= 1 and self.out_of_time():
@@ -656,8 +695,8 @@ class Searcher:
         return out
 
     def combine(self, types: Sequence[str], blocks: Mapping[frozenset[str], list[BlockCandidate]]
-                ) -> list[tuple[float, tuple[BlockCandidate, ...], Allocation]]:
-        scored: list[tuple[float, int, tuple[BlockCandidate, ...], Allocation]] = []
+                ) -> list[tuple[float, Combo, Allocation]]:
+        scored: list[tuple[float, int, Combo, Allocation]] = []
         seq = 0
         subsets = [s for r in range(1, len(types) + 1) for s in itertools.combinations(types, r)]
         for si, subset in enumerate(subsets):
