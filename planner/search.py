@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from planner.cost import CostModel, StrategyEstimate
-from planner.layer_split import LayerSplit, slot_costs, split_fast, split_ilp
+from planner.layer_split import LayerSplit, SlotCost, slot_costs, split_fast, split_ilp
 from planner.microbatch import Allocation, PipelineClass, TimeOption, allocate_greedy, allocate_ilp
 from planner.pipelines import (
     ORDERS,
@@ -142,7 +142,6 @@ class BlockCandidate:
     classes: tuple[ClassInfo, ...]
     grad_bytes: float                                    # largest gradient of one device (its stage's share)
     opt_terms: tuple[tuple[str, int, int], ...]          # (device type, params, tensors): the heaviest stages
-    tps: frozenset[int]
     # Gradient sync of the block's own pipelines: per stage position, the devices at that position (one per
     # pipeline: the ones that all-reduce together) and the largest gradient among them, costliest first.
     sync_rings: tuple[tuple[tuple[int, ...], float], ...] = ()
@@ -169,10 +168,6 @@ class BlockCandidate:
     @property
     def min_micro_batches(self) -> int:
         return sum(len(c.members) * len(c.template) for c in self.classes)
-
-    @property
-    def devices(self) -> frozenset[int]:
-        return frozenset(d for lay in self.layouts for d in lay.devices)
 
     @property
     def rep_devices(self) -> tuple[int, ...]:
@@ -300,12 +295,14 @@ class Searcher:
     def zero_degree(self, pipelines: int) -> int:
         return pipelines if self.settings.zero else 1
 
+    def _slots(self, template: Template, zero_degree: int) -> tuple[SlotCost, ...]:
+        return slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,
+                          memory_margin=self.settings.memory_margin)
+
     def fast_split(self, template: Template, zero_degree: int) -> LayerSplit | None:
         key = (template, zero_degree)
         if key not in self._fast:
-            slots = slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,
-                               memory_margin=self.settings.memory_margin)
-            self._fast[key] = split_fast(slots, self.model.num_layers)
+            self._fast[key] = split_fast(self._slots(template, zero_degree), self.model.num_layers)
         return self._fast[key]
 
     def _pair_s(self, a: int, b: int) -> float:
@@ -368,10 +365,9 @@ class Searcher:
                 return None
             classes.append(ClassInfo(template, bnd, tuple(members), split))
         grad_bytes, opt_terms = self._terms(classes)
-        tps = frozenset(k.tp for c in classes for k in c.template)
         rings = self._sync_rings(layouts, classes) if pipelines > 1 else ()
         return BlockCandidate(choice, pipelines, order, placement, tuple(layouts), tuple(classes), grad_bytes,
-                              opt_terms, tps, rings[:SYNC_RINGS], rings[0][2] if rings else 0.0)
+                              opt_terms, rings[:SYNC_RINGS], rings[0][2] if rings else 0.0)
 
     def _sync_rings(self, layouts: Sequence[PipelineLayout], classes: Sequence[ClassInfo]
                     ) -> list[tuple[tuple[int, ...], float, float]]:
@@ -523,13 +519,10 @@ class Searcher:
         realized = self._realize_best(types, self.combine(types, blocks))
         return [c for c, _, _ in realized] + self._finalize_best(types, realized)
 
-    def _single_type_jobs(self, choices: Mapping[str, Sequence[int]], types: Sequence[str]) -> list[Job]:
+    def _single_type_jobs(self, choices: Mapping[str, Sequence[int]], types: Sequence[str]) -> Iterator[Job]:
         """Single-type blocks to evaluate: all of a type's groups, or P x S of them, at every TP degree."""
-        m = self.micro_batches
-        jobs: list[Job] = []
         for t in types:
-            options = [TypeChoice(t, tp, rem) for tp in choices[t] for rem in (True, False)]
-            for c in options:
+            for c in [TypeChoice(t, tp, rem) for tp in choices[t] for rem in (True, False)]:
                 choice = (c,)
                 gs = self.groups(choice)
                 total = sum(len(v) for v in gs.values())
@@ -538,21 +531,19 @@ class Searcher:
                 for p in self.pipeline_counts(total):
                     for sh in self.share_options(gs, p):
                         for place in self.placements(p):
-                            jobs.append((choice, p, "memory", None, place, sh))
+                            yield choice, p, "memory", None, place, sh
                 if len(gs) == 1:
-                    n_g = total
                     for s in range(1, self.model.num_layers + 1):
-                        p = min(n_g // s, m // s)
-                        if p >= 1 and p * s < n_g:
+                        p = min(total // s, self.micro_batches // s)
+                        if p >= 1 and p * s < total:
                             for place in self.placements(p):
-                                jobs.append((choice, p, "memory", s, place, None))
-        return jobs
+                                yield choice, p, "memory", s, place, None
 
     def _single_type_blocks(self, choices: Mapping[str, Sequence[int]], types: Sequence[str]
                             ) -> dict[str, list[BlockCandidate]]:
         """Phase 2 for one type at a time: every feasible block of ``_single_type_jobs``, by type."""
         single: dict[str, list[BlockCandidate]] = {t: [] for t in types}
-        jobs = self._single_type_jobs(choices, types)
+        jobs = list(self._single_type_jobs(choices, types))
         self._report("pipelines (single type)", 0, len(jobs))
         for i, (choice, p, order, s, place, sh) in enumerate(jobs):
             if i % 64 == 0:
@@ -588,42 +579,37 @@ class Searcher:
         """Phase 2 for mixed blocks: the best TP choices per type, every subset of >= 2 types, every stage
         order; each subset's kept candidates (for its expected share of the batch)."""
         top_choice = self._top_choices(choices, types, blocks)
-        n_multi = sum(1 for r in range(2, len(types) + 1) for _ in itertools.combinations(types, r))
+        subsets = [s for r in range(2, len(types) + 1) for s in itertools.combinations(types, r)]
         mixed: dict[frozenset[str], list[BlockCandidate]] = {}
-        done = 0
-        for r in range(2, len(types) + 1):
-            for subset in itertools.combinations(types, r):
-                self._report("pipelines (mixed types)", done, n_multi)
-                done += 1
-                if self.out_of_time():
-                    break
-                found: list[BlockCandidate] = []
-                share = sum(best_rate[t] for t in subset) / total_rate
-                width = TYPE_CHOICES_MULTI[min(len(subset), 4) - 2]
-                # A type that cannot hold the model alone (small memory) tries every degree.
-                lists = [top_choice[t][:width] if blocks[frozenset([t])] else top_choice[t] for t in subset]
-                for combo in itertools.product(*lists):
-                    gs = self.groups(tuple(combo))
-                    total = sum(len(v) for v in gs.values())
-                    # Uneven shares only with each type's leading TP choices (they multiply the work).
-                    uneven = all(c in top_choice[t][:UNEVEN_CHOICES] for t, c in zip(subset, combo))
-                    for p in self.pipeline_counts(total):
-                        for sh in (self.share_options(gs, p) if uneven else [None]):
-                            for order in ORDERS:
-                                for place in self.placements(p):
-                                    cand = self.evaluate_block(tuple(combo), p, order, None, place, sh)
-                                    if cand is not None:
-                                        found.append(cand)
-                mixed[frozenset(subset)] = self._keep(found, share)
-        self._report("pipelines (mixed types)", n_multi, n_multi)
+        for done, subset in enumerate(subsets):
+            self._report("pipelines (mixed types)", done, len(subsets))
+            if self.out_of_time():
+                break
+            found: list[BlockCandidate] = []
+            share = sum(best_rate[t] for t in subset) / total_rate
+            width = TYPE_CHOICES_MULTI[min(len(subset), 4) - 2]
+            lists = [top_choice[t][:width] if blocks[frozenset([t])] else top_choice[t] for t in subset]
+            for combo in itertools.product(*lists):
+                gs = self.groups(tuple(combo))
+                total = sum(len(v) for v in gs.values())
+                # Uneven shares only with each type's leading TP choices (they multiply the work).
+                uneven = all(c in top_choice[t][:UNEVEN_CHOICES] for t, c in zip(subset, combo))
+                for p in self.pipeline_counts(total):
+                    for sh in (self.share_options(gs, p) if uneven else [None]):
+                        for order in ORDERS:
+                            for place in self.placements(p):
+                                cand = self.evaluate_block(tuple(combo), p, order, None, place, sh)
+                                if cand is not None:
+                                    found.append(cand)
+            mixed[frozenset(subset)] = self._keep(found, share)
+        self._report("pipelines (mixed types)", len(subsets), len(subsets))
         return mixed
 
     @staticmethod
-    def _with_each_type(kept: list[_T], ranked: Iterable[_T], types: Sequence[str],
+    def _with_each_type(kept: list[_T], ranked: Sequence[_T], types: Sequence[str],
                         combo: Callable[[_T], Sequence[BlockCandidate]]) -> list[_T]:
         """``kept`` and, for each type, the best of ``ranked`` whose combination uses it (if not kept yet):
         so that idle devices can be explained with real numbers."""
-        ranked = list(ranked)
         out = list(kept)
         for t in types:
             best = next((x for x in ranked if any(t in b.types for b in combo(x))), None)
@@ -785,8 +771,7 @@ class Searcher:
         options: list[list[LayerSplit]] = []
         for key in keys:
             template, _ = key
-            slots = slot_costs(self.cm, template, zero_degree=zd, recompute=self.settings.allow_recompute,
-                               memory_margin=self.settings.memory_margin)
+            slots = self._slots(template, zd)
             fast = split_fast(slots, n_layers)
             if fast is None:
                 return None
@@ -809,10 +794,8 @@ class Searcher:
             mb = max(alloc.per_class[j])
             if mb in (hint_m[key], len(key[0])):
                 continue   # already solved for this count
-            slots = slot_costs(self.cm, key[0], zero_degree=zd, recompute=self.settings.allow_recompute,
-                               memory_margin=self.settings.memory_margin)
             self.stats.ilps += 1
-            sp = split_ilp(slots, n_layers, mb, limit, incumbent=chosen[j])
+            sp = split_ilp(self._slots(key[0], zd), n_layers, mb, limit, incumbent=chosen[j])
             if sp is not None and sp.pipeline_s(mb) < chosen[j].pipeline_s(mb) - 1e-12:
                 chosen[j] = sp
                 changed = True

@@ -27,14 +27,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from runtime.engine.optim import LocalAdamW, clip_coefficient
 from runtime.engine.program import StepState, stage_backward, stage_forward
 from runtime.engine.reference import autocast_for
-from runtime.models.llama import LlamaAttention, LlamaMLP, RMSNorm, causal_lm_loss_sum, rope_tables
-from runtime.profiling.fit import Sample, nonneg_lstsq, trimmed_mean
+from runtime.engine.tensor_parallel import apply_tensor_parallel
+from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, causal_lm_loss_sum, rope_tables
+from runtime.models.params import llama_parameters
+from runtime.profiling.fit import Sample, fit_per_param, trimmed_mean
 from runtime.profiling.profile import COMPONENTS, OptimizerFit
 from runtime.spec.model import ModelSpec
+from runtime.spec.plan import OptimizerSettings
 
 
 def synchronize(device: torch.device) -> None:
@@ -61,18 +67,19 @@ def _shard_mlp(model: ModelSpec, tp: int) -> nn.Module:
     return mlp
 
 
-class _Head(nn.Module):
-    """The column-parallel head of one TP rank: local logits, the gathered full rows, the sum loss."""
+class _GatheredHead(nn.Module):
+    """One TP rank's column of the head, its logits repeated to full rows (the all-gather's shape); with
+    ``labels`` their summed loss (the head component)."""
 
     def __init__(self, model: ModelSpec, tp: int) -> None:
         super().__init__()
         self.tp = tp
-        self.lm_head = nn.Linear(model.hidden_size, model.vocab_size // tp, bias=False)
+        self.local = nn.Linear(model.hidden_size, model.vocab_size // tp, bias=False)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        local = self.lm_head(x)
-        full = local.repeat(1, 1, self.tp) if self.tp > 1 else local
-        return causal_lm_loss_sum(full, labels)
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.local(x)
+        out = out.repeat(1, 1, self.tp) if self.tp > 1 else out
+        return out if labels is None else causal_lm_loss_sum(out, labels)
 
 
 class _Component:
@@ -92,7 +99,7 @@ class _Component:
         elif name == "embedding":
             self.module = nn.Embedding(model.vocab_size // tp, h)
         elif name == "head":
-            self.module = _Head(model, tp)
+            self.module = _GatheredHead(model, tp)
         else:
             raise ValueError(f"unknown component {name!r} (have: {', '.join(COMPONENTS)})")
         self.module.to(device)
@@ -201,24 +208,9 @@ STAGE_VARIANTS: dict[str, tuple[bool, bool, int]] = {
     "mid1": (False, False, 1), "mid3": (False, False, 3), "first1": (True, False, 1), "last1": (False, True, 1)}
 
 
-class _GatheredHead(nn.Module):
-    """One TP rank's column of the head, its logits repeated to full rows (the all-gather's shape)."""
-
-    def __init__(self, model: ModelSpec, tp: int) -> None:
-        super().__init__()
-        self.tp = tp
-        self.local = nn.Linear(model.hidden_size, model.vocab_size // tp, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.local(x)
-        return out.repeat(1, 1, self.tp) if self.tp > 1 else out
-
-
 def local_stage(model: ModelSpec, tp: int, num_layers: int, embed: bool, head: bool) -> nn.Module:
     """The runtime's stage module (``LlamaForCausalLM`` with a layer range) at one TP rank's local
     shapes, without DTensor: at TP 1 exactly what a worker builds."""
-    from runtime.models.llama import LlamaForCausalLM
-
     stage = LlamaForCausalLM(model, range(num_layers), embed=embed, head=head)
     if tp > 1:
         for layer in stage.model.layers.values():
@@ -339,13 +331,6 @@ def measure_tp_overhead(model: ModelSpec, tp: int, group, seq_lens: Sequence[int
     shards run plainly, both as the engine runs a micro-batch. Call on every member of ``group`` (the
     first ``tp`` ranks); the group's first rank returns ``{"wall": blocks, "cpu": blocks}`` (block ->
     per-length samples; CPU time is what an emulated device's sleep is a multiple of), the others None."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from runtime.engine.tensor_parallel import apply_tensor_parallel
-    from runtime.models.llama import LlamaForCausalLM
-    from runtime.models.params import llama_parameters
-
     device = torch.device(device)
     mesh = DeviceMesh.from_group(group, device.type)
     first = dist.get_rank(group) == 0
@@ -387,9 +372,6 @@ def measure_step_epilogue(models: Sequence[ModelSpec], tp_degrees: Sequence[int]
     gradients reset). For every model, TP degree and ``STAGE_VARIANTS`` stage; each fitted as
     ``seconds_per_param * params + seconds_per_tensor * tensors + fixed_s``. Returns (optimizer fit,
     outside-span fit, the optimizer fit's largest relative error)."""
-    from runtime.engine.optim import LocalAdamW, clip_coefficient
-    from runtime.spec.plan import OptimizerSettings
-
     device = torch.device(device)
     rows: list[tuple[float, float]] = []
     opt_ys: list[float] = []
@@ -429,11 +411,8 @@ def measure_step_epilogue(models: Sequence[ModelSpec], tp_degrees: Sequence[int]
                 rows.append((sum(p.numel() for p in params.values()), len(params)))
                 opt_ys.append(statistics.median(t_opt))
                 over_ys.append(statistics.median(t_over))
-    cols = [[r[0] for r in rows], [r[1] for r in rows], [1.0] * len(rows)]
-    coef, resid = nonneg_lstsq(cols, opt_ys)
-    ocoef, _ = nonneg_lstsq(cols, over_ys)
-    return (OptimizerFit(seconds_per_param=coef[0], seconds_per_tensor=coef[1], fixed_s=coef[2]),
-            OptimizerFit(seconds_per_param=ocoef[0], seconds_per_tensor=ocoef[1], fixed_s=ocoef[2]), resid)
+    opt, resid = fit_per_param(rows, opt_ys)
+    return opt, fit_per_param(rows, over_ys)[0], resid
 
 
 def measure_sync_pack(models: Sequence[ModelSpec], tp_degrees: Sequence[int], *,
@@ -467,8 +446,7 @@ def measure_sync_pack(models: Sequence[ModelSpec], tp_degrees: Sequence[int], *,
 
                 ys.append(_median_time(run, device, min_reps=reps, max_reps=reps, budget_s=0.0))
                 rows.append((sum(g.numel() for g in grads.values()), len(grads)))
-    coef, _ = nonneg_lstsq([[r[0] for r in rows], [r[1] for r in rows], [1.0] * len(rows)], ys)
-    return OptimizerFit(seconds_per_param=coef[0], seconds_per_tensor=coef[1], fixed_s=coef[2])
+    return fit_per_param(rows, ys)[0]
 
 
 def measure_throughput(device: torch.device | str = "cpu") -> dict[str, float]:

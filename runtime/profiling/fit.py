@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from runtime.profiling.profile import ComponentFit, Fit, LinkFit, MeasuredModel
+from runtime.profiling.profile import ComponentFit, Fit, LinkFit, MeasuredModel, OptimizerFit
 from runtime.spec.model import ModelSpec
 
 
@@ -109,6 +109,13 @@ def link_fit(xs: Sequence[float], ys: Sequence[float]) -> LinkFit:
     fit, _ = fit_quadratic(xs, ys, terms=(1, 2))
     bw = 1.0 / fit[1] / 1e9 if fit[1] > 0 else 1e6
     return LinkFit(latency_s=fit[2], bandwidth_gbs=bw)
+
+
+def fit_per_param(rows: Sequence[tuple[float, float]], ys: Sequence[float]) -> tuple[OptimizerFit, float]:
+    """``seconds_per_param * params + seconds_per_tensor * tensors + fixed_s`` over (params, tensors) rows,
+    and its largest relative error."""
+    coef, resid = nonneg_lstsq([[r[0] for r in rows], [r[1] for r in rows], [1.0] * len(rows)], ys)
+    return OptimizerFit(seconds_per_param=coef[0], seconds_per_tensor=coef[1], fixed_s=coef[2]), resid
 
 
 def fit_component(samples: Sequence[Sample], params: int, batch: int, scale: float = 1.0) -> ComponentFit:

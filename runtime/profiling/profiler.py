@@ -22,25 +22,8 @@ from pathlib import Path
 import torch
 
 from runtime.errors import HspmdError, InfeasibleError
-from runtime.profiling.compute import (
-    measure_component,
-    measure_stage_blocks,
-    measure_step_epilogue,
-    measure_sync_pack,
-    measure_throughput,
-    measure_tp_overhead,
-)
+from runtime.profiling import compute, host
 from runtime.profiling.fit import Sample, fit_component, measured_model, rounded
-from runtime.profiling.host import (
-    busy_core_handoff,
-    core_sharing,
-    emulated_cpu_shares,
-    handoff_figures,
-    host_cpus,
-    measure_resume_penalty,
-    p2p_wake,
-    pin_process,
-)
 from runtime.profiling.links import p2p_and_allreduce
 from runtime.profiling.profile import (
     COMPONENTS,
@@ -98,7 +81,7 @@ def plan_targets(cluster: Cluster, models: Sequence[ModelSpec], device_type: str
     if cluster.emulated:
         types = {name: (dt.emulate.slowdown if dt.emulate else 1.0) for name, dt in cluster.device_types.items()}
         n = cluster.num_devices
-        threads, shares = emulated_cpu_shares(range(n), n, host_cpus())
+        threads, shares = host.emulated_cpu_shares(range(n), n, host.host_cpus())
         return [Target("cpu", types, degrees(list(types)), local_devices=n, threads=threads,
                        cpus=tuple(shares[i] for i in range(n)))]
     if device_type is None:
@@ -139,11 +122,11 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
     for target in targets:
         dev = torch.device(target.device)
         old_threads = torch.get_num_threads()
-        old_cpus = host_cpus()
+        old_cpus = host.host_cpus()
         if target.threads:
             torch.set_num_threads(target.threads)
         if target.cpus:
-            pin_process(target.cpus[0])   # as the launcher pins device 0's worker
+            host.pin_process(target.cpus[0])   # as the launcher pins device 0's worker
         try:
             raw: dict[str, dict[int, dict[str, tuple[list[Sample], int]]]] = {}
             blocks: dict[str, dict[int, dict[str, list[Sample]]]] = {}
@@ -155,34 +138,34 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
                     raw[model.name][tp] = {}
                     for comp in COMPONENTS:
                         report(f"{target.device}: {model.name} {comp} (TP {tp})", 0)
-                        raw[model.name][tp][comp] = measure_component(
+                        raw[model.name][tp][comp] = compute.measure_component(
                             comp, model, tp, lens, micro_batch=settings.micro_batch, device=dev,
                             budget_s=settings.component_budget_s)
                         report("", 1)
                     report(f"{target.device}: {model.name} stage blocks (TP {tp})", 0)
-                    blocks[model.name][tp] = measure_stage_blocks(
+                    blocks[model.name][tp] = compute.measure_stage_blocks(
                         model, tp, lens, micro_batch=settings.micro_batch, device=dev,
                         budget_s=settings.component_budget_s)
                     report("", 1)
             report(f"{target.device}: optimizer step", 0)
-            opt, step_over, opt_resid = measure_step_epilogue(
+            opt, step_over, opt_resid = compute.measure_step_epilogue(
                 models, target.tp_degrees, device=dev, micro_batch=settings.micro_batch)
-            sync_pack = measure_sync_pack(models, target.tp_degrees, device=dev)
+            sync_pack = compute.measure_sync_pack(models, target.tp_degrees, device=dev)
             report("", 1)
             resume = {}
             for model in models:
                 lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
                 report(f"{target.device}: {model.name} compute after idling", 0)
-                resume[model.name] = measure_resume_penalty(model, lens[len(lens) // 2], device=dev,
-                                                            micro_batch=settings.micro_batch)
+                resume[model.name] = host.measure_resume_penalty(model, lens[len(lens) // 2], device=dev,
+                                                                 micro_batch=settings.micro_batch)
                 report("", 1)
             report(f"{target.device}: GEMM rate, memory bandwidth", 0)
-            thr = measure_throughput(dev)
+            thr = compute.measure_throughput(dev)
             report("", 1)
         finally:
             torch.set_num_threads(old_threads)
             if target.cpus:
-                pin_process(old_cpus)
+                host.pin_process(old_cpus)
         links: dict[str, object] = {}
         if settings.measure_comm and target.local_devices >= 2:
             report(f"{target.device}: links among {min(target.local_devices, settings.comm_processes)} processes", 0)
@@ -233,10 +216,10 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
     a = fitted[first.name].tp[1]["attention"].forward_s[0] if 1 in fitted[first.name].tp else 0.0
     att_eff = min(1.0, max(0.01, 4 * first.hidden_size / a / (peak * 1e12))) if a > 0 else 0.5
     flash = all(m.tp[t]["attention"].activation_bytes[0] == 0 for m in fitted.values() for t in m.tp)
-    compute = ComputeFigures(peak_tflops=rounded(peak), matmul_efficiency=1.0, attention_efficiency=rounded(att_eff),
+    figures = ComputeFigures(peak_tflops=rounded(peak), matmul_efficiency=1.0, attention_efficiency=rounded(att_eff),
                              memory_bandwidth_gbs=rounded(thr["bandwidth_gbs"] / slowdown), memory_efficiency=1.0,
                              kernel_overhead_s=rounded(thr["op_s"] * slowdown), flash_attention=flash,
-                             activation_bytes=2 if cuda else 4, host_cores=None if cuda else len(host_cpus()))
+                             activation_bytes=2 if cuda else 4, host_cores=None if cuda else len(host.host_cpus()))
     p2p: LinkFit | None = links.get("p2p")  # type: ignore[assignment]
     allreduce: dict[int, LinkFit] = links.get("allreduce", {})  # type: ignore[assignment]
     n_ar = min(allreduce) if allreduce else 2
@@ -250,7 +233,6 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
     optimizer = OptimizerFit(seconds_per_param=rounded(opt.seconds_per_param * slowdown),
                              fixed_s=rounded(opt.fixed_s * slowdown),
                              seconds_per_tensor=rounded(opt.seconds_per_tensor * slowdown))
-    host = socket.gethostname()
     what = torch.cuda.get_device_name(torch.device(target.device)) if cuda else (platform.processor() or "cpu")
     note = (f"measured on {what} ({target.threads or torch.get_num_threads()} threads); optimizer fit residual "
             f"{opt_resid:.3f}")
@@ -259,8 +241,8 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
     dt = cluster.device_types[type_name]
     return DeviceProfile(
         version=PROFILE_VERSION, device_type=type_name, provenance="measured", memory_gib=dt.memory_gib,
-        compute=compute, comm=comm, memory=memory, optimizer=optimizer,
-        source=Source(note=note, host=host, torch_version=str(torch.__version__), date=date,
+        compute=figures, comm=comm, memory=memory, optimizer=optimizer,
+        source=Source(note=note, host=socket.gethostname(), torch_version=str(torch.__version__), date=date,
                       derived_from=f"{target.device} ({what})" if slowdown != 1.0 else None, slowdown=slowdown),
         models=fitted, step_overhead=step_overhead or OptimizerFit(0.0), sync_pack=sync_pack or OptimizerFit(0.0))
 
@@ -317,7 +299,7 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
     import torch.distributed as dist
 
     try:
-        pin_process(cpus)
+        host.pin_process(cpus)
         torch.set_num_threads(threads)
         if cuda:
             torch.cuda.set_device(rank)
@@ -325,15 +307,15 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
                                 timeout=timedelta(seconds=timeout_s))
         dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
         out = p2p_and_allreduce(rank, world, settings.comm_sizes, device=dev)
-        wake = p2p_wake(rank, dev)
+        wake = host.p2p_wake(rank, dev)
         tp_groups = {t: dist.new_group(list(range(t))) for t in sorted({t for _, t in jobs})}
         overhead: dict[str, dict[int, list]] = {}
         for model, t in jobs:
             if rank < t:
                 lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
-                samples = measure_tp_overhead(model, t, tp_groups[t], lens, device=dev,
-                                              micro_batch=settings.micro_batch,
-                                              reps=9 if settings.component_budget_s > 0 else 2)
+                samples = compute.measure_tp_overhead(model, t, tp_groups[t], lens, device=dev,
+                                                      micro_batch=settings.micro_batch,
+                                                      reps=9 if settings.component_budget_s > 0 else 2)
                 if samples is not None:
                     overhead.setdefault(model.name, {})[t] = samples
             dist.barrier()
@@ -341,12 +323,11 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
         if pair is not None and not cuda:
             for model in models:
                 lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
-                sharing[model.name] = core_sharing(rank, pair, model,
-                                                   sorted({lens[len(lens) // 2], lens[-1]}), device=dev)
-                raw = busy_core_handoff(rank, pair, model, sorted({lens[len(lens) // 2], lens[-1]}), peer=peer,
-                                        sleep_ratio=sleep_ratio, device=dev,
-                                        duration_s=1.0 if settings.component_budget_s > 0 else 0.1)
-                handoff[model.name] = {s: handoff_figures(r) for s, r in raw.items()}
+                probed = sorted({lens[len(lens) // 2], lens[-1]})
+                sharing[model.name] = host.core_sharing(rank, pair, model, probed, device=dev)
+                raw = host.busy_core_handoff(rank, pair, model, probed, peer=peer, sleep_ratio=sleep_ratio, device=dev,
+                                             duration_s=1.0 if settings.component_budget_s > 0 else 0.1)
+                handoff[model.name] = {s: host.handoff_figures(r) for s, r in raw.items()}
         if rank == 0:
             out["p2p_wake"] = wake
             out["tp_overhead"] = overhead
