@@ -1,25 +1,21 @@
 """The emulated host as the planner models it: what sharing one machine's CPU costs emulated devices.
 
-A CPU-emulated cluster's devices are processes on one host, each pinned to its share of the cores as
-the launcher pins them (runtime/profiling/host.py ``emulated_cpu_shares``), and an emulated slower device
-sleeps ``slowdown - 1`` times each compute block's CPU time. ``hspmd profile`` measures what the sharing
-costs (runtime/profiling/host.py); this module reads those figures for one model at one sequence length.
-The cost model stretches compute by ``emulated_slowdown``; the other effects only the simulator plays
-out (planner/simulate.py). Every effect of a device type comes through ``_figures``, the one place that
-decides whether the host model applies to it.
+Their processes share the host's cores as the launcher pins them (runtime/profiling/host.py, which also
+measures what the sharing costs). The cost model stretches compute by ``emulated_slowdown``; the other
+effects only the simulator plays out (planner/simulate.py). A device type's measured effects all come
+through ``_figures``: the one place that decides whether they apply to it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from runtime.profiling.host import emulated_cpu_shares
 from runtime.profiling.profile import CoreHandoff, DeviceProfile, MeasuredModel, ProfileSet, ResumePenalty
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
-
-CoreLayout = tuple[dict[str, float], dict[int, list[tuple[str, float]]]]
 
 
 def _log_interp(pts: Sequence[tuple[int, float]], s: float) -> float:
@@ -33,19 +29,17 @@ def _log_interp(pts: Sequence[tuple[int, float]], s: float) -> float:
     return pts[-1][1]
 
 
+@dataclass(frozen=True)
 class HostModel:
-    """The host effects of one model's devices on one cluster at one sequence length, from the profiles."""
+    """The host effects on one model's devices of one cluster at one sequence length, from the profiles."""
 
-    def __init__(self, model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
-                 seq_len: int) -> None:
-        self.model = model
-        self.cluster = cluster
-        self.profiles = profiles
-        self.seq_len = seq_len
+    model: ModelSpec
+    cluster: Cluster
+    profiles: Mapping[str, DeviceProfile] | ProfileSet
+    seq_len: int
 
     def _figures(self, device_type: str) -> DeviceProfile | None:
-        """The profile holding ``device_type``'s host figures, or None where the host model does not apply
-        to it (every type's apply: a measured figure is what its devices pay on the host)."""
+        """The profile holding the type's measured host figures; None would turn them all off for it."""
         return self.profiles[device_type]
 
     def _measured(self, device_type: str) -> MeasuredModel | None:
@@ -58,8 +52,7 @@ class HostModel:
         return em.slowdown if em is not None else 1.0
 
     def resume_penalty(self, device_type: str) -> ResumePenalty | None:
-        """Extra CPU time of a compute block after its device idled (measured profiles; None otherwise).
-        The simulator applies it; the closed-form estimate does not."""
+        """Extra CPU time of a compute block after its device idled (measured profiles; None otherwise)."""
         m = self._measured(device_type)
         return None if m is None else m.resume
 
@@ -72,9 +65,7 @@ class HostModel:
         """Efficiency of two emulated devices' processes time-sharing one CPU core, at this sequence length
         (measured profiles: interpolated in log length between the measured ones; 1 otherwise)."""
         m = self._measured(device_type)
-        if m is None or not m.core_sharing:
-            return 1.0
-        return _log_interp(sorted(m.core_sharing.items()), self.seq_len)
+        return _log_interp(sorted(m.core_sharing.items()), self.seq_len) if m and m.core_sharing else 1.0
 
     def core_handoff(self, device_type: str) -> CoreHandoff | None:
         """The scheduler's delays around a compute block of an emulated device whose core's other process
@@ -96,12 +87,9 @@ class HostModel:
         known = [p.compute.host_cores for p in figures if p is not None and p.compute.host_cores]
         return min(known) if known else None
 
-    def cpu_layout(self, devices: Sequence[int]) -> CoreLayout:
-        """Which cores each of ``devices`` (a strategy's) runs on, as the launcher pins its workers: (cores
-        per host, device -> [(host, demand)]). One host per core; empty when the devices do not share
-        CPUs (real accelerators, or no measured core count)."""
-        if not self.cluster.emulated:
-            return {}, {}
+    def cpu_layout(self, devices: Sequence[int]) -> tuple[dict[str, float], dict[int, list[tuple[str, float]]]]:
+        """The cores each of a strategy's ``devices`` runs on, as the launcher pins its workers: (cores per
+        host, device -> [(host, demand)]), one host per core; empty when the devices do not share CPUs."""
         known = [c for n in {d.node for d in self.cluster.devices} if (c := self.host_cores(n))]
         if not known:
             return {}, {}

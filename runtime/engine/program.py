@@ -125,10 +125,13 @@ class DeviceProgram:
         run = StepState(self.device)
         for action in self.actions:
             if isinstance(action, Compute):
-                if action.kind == "forward":
-                    self._forward(action.micro_batch, rows, run)
-                else:
-                    self._backward(action.micro_batch, run)
+                mb = action.micro_batch
+                with self._span("compute", action.kind, micro_batch=mb):
+                    if action.kind == "forward":
+                        stage_forward(self.module, role.embed, role.head, self.tokens,
+                                      rows[mb * role.micro_batch:(mb + 1) * role.micro_batch], mb, run)
+                    else:
+                        stage_backward(role.embed, role.head, mb, run)
             else:
                 self._comm(action, run)
         grads = self._local_grads()
@@ -196,16 +199,6 @@ class DeviceProgram:
         return describe_program(self.ctx.plan, self.ctx.strategy, self.ctx.device_id)
 
     # -- the schedule's actions --------------------------------------------------------------------------
-
-    def _forward(self, mb: int, rows: torch.Tensor, run: StepState) -> None:
-        role = self.role
-        with self._span("compute", "forward", micro_batch=mb):
-            stage_forward(self.module, role.embed, role.head, self.tokens,
-                          rows[mb * role.micro_batch:(mb + 1) * role.micro_batch], mb, run)
-
-    def _backward(self, mb: int, run: StepState) -> None:
-        with self._span("compute", "backward", micro_batch=mb):
-            stage_backward(self.role.embed, self.role.head, mb, run)
 
     def _comm(self, action: Comm, run: StepState) -> None:
         batch = P2PBatch(self.role.device, self.ranks)

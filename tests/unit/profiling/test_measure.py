@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from runtime.errors import InfeasibleError
-from runtime.models.llama import LlamaForCausalLM
+from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
 from runtime.profiling.compute import (
+    StageRun,
     local_stage,
     measure_component,
     measure_stage_blocks,
@@ -147,3 +151,26 @@ def test_busy_core_handoff_runs_the_emulated_duty_cycle(tmp_path):
         assert set(case) == {"wall", "cpu_forward", "cpu_backward", "gap", "late", "recv"} and case["recv"] == 0.0
         assert 0 < case["cpu_forward"] < case["cpu_backward"] and case["gap"] >= 0 and case["late"] >= 0
         assert case["cpu_forward"] + case["cpu_backward"] <= 2 * case["wall"] * 1.5
+
+
+def test_stage_run_times_the_engines_micro_batch_step():
+    """The profiler's stage run is the engine's step: a middle stage hands back the input gradient of the
+    received output gradient, a last stage sums the loss and scales it by the step's tokens."""
+    torch.manual_seed(0)
+    mid = StageRun(TINY, 1, 1, False, False, 2, 16, torch.device("cpu"))
+    mid.prepare_backward()()
+    x = mid.x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(mid.module(x), x, mid.grad)
+    assert torch.allclose(mid.state.grads_out[0], want) and not mid.state.outputs
+    last = StageRun(TINY, 1, 1, False, True, 2, 16, torch.device("cpu"))
+    last.prepare_forward()()
+    loss = causal_lm_loss_sum(last.module(last.x), last.rows[:, 1:])
+    assert torch.allclose(last.loss_sum, loss) and torch.allclose(last.state.outputs[0], loss / last.tokens)
+
+
+def test_host_policy_and_model_load_no_torch():
+    """The launcher's CPU-share policy and the planner's host model are read by torch-free verbs."""
+    code = "import sys, runtime.profiling.host, planner.host; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[3])
+    assert out.stdout.strip() == "False"
