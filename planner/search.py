@@ -669,8 +669,8 @@ class Searcher:
         out: list[BlockCandidate] = []
         shares = (share, 1.0) if share < 0.999 else (1.0,)
         for i, sh in enumerate(shares):
-            scored = [(self._alone(c, sh), n, c) for n, c in enumerate(found)]
-            scored = [(s, c) for s, n, c in sorted(scored, key=lambda x: (x[0], x[1])) if math.isfinite(s)]
+            ranked = sorted(((self._alone(c, sh), c) for c in found), key=lambda x: x[0])   # stable
+            scored = [(s, c) for s, c in ranked if math.isfinite(s)]
             kept = _pareto(scored, BLOCK_KEEP if i == 0 else BLOCK_KEEP // 2)
             # ... and the best with identical pipelines (their gradient sync has no chains of waits, which
             # the closed form does not price: see api.simulator_check).
@@ -682,8 +682,7 @@ class Searcher:
 
     def combine(self, types: Sequence[str], blocks: Mapping[frozenset[str], list[BlockCandidate]]
                 ) -> list[tuple[float, Combo, Allocation]]:
-        scored: list[tuple[float, int, Combo, Allocation]] = []
-        seq = 0
+        scored: list[tuple[float, Combo, Allocation]] = []
         subsets = [s for r in range(1, len(types) + 1) for s in itertools.combinations(types, r)]
         for si, subset in enumerate(subsets):
             self._report("combining pipelines", si, len(subsets))
@@ -697,11 +696,10 @@ class Searcher:
                     self.stats.combinations += 1
                     res = self.score(combo)
                     if res is not None:
-                        scored.append((res[0], seq, tuple(combo), res[1]))
-                    seq += 1
+                        scored.append((res[0], tuple(combo), res[1]))
         self._report("combining pipelines", len(subsets), len(subsets))
-        scored.sort(key=lambda x: (x[0], x[1]))
-        return [(s, c, a) for s, _, c, a in scored]
+        scored.sort(key=lambda x: x[0])   # stable: ties keep the order found
+        return scored
 
     # -- realized plans ------------------------------------------------------------------------------
 

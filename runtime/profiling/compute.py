@@ -126,10 +126,7 @@ class _Component:
             return self.module(*args)
 
     def backward(self, out: torch.Tensor) -> None:
-        if out.dim() == 0:
-            out.backward()
-        else:
-            out.backward(torch.ones_like(out))
+        out.backward(None if out.dim() == 0 else torch.ones_like(out))
 
     def saved_bytes(self, args: tuple) -> float:
         """Bytes of the tensors autograd keeps for backward (unique storages, parameters excluded)."""
@@ -149,7 +146,7 @@ class _Component:
         return float(sum(seen.values()))
 
 
-def _time_once(timed: Callable[[], None], device: torch.device) -> tuple[float, float]:
+def time_once(timed: Callable[[], None], device: torch.device) -> tuple[float, float]:
     """(wall, process CPU) seconds of one call, with the device synchronised before and after."""
     synchronize(device)
     c0 = time.process_time()
@@ -165,7 +162,7 @@ def _median_time(run: Callable[[], Callable[[], None]], device: torch.device, *,
     times: list[float] = []
     start = time.perf_counter()
     while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < budget_s):
-        times.append(_time_once(run(), device)[0])
+        times.append(time_once(run(), device)[0])
     return statistics.median(times)
 
 
@@ -230,8 +227,8 @@ class StageRun:
     across micro-batches, as in a step."""
 
     def __init__(self, model: ModelSpec, tp: int, num_layers: int, embed: bool, head: bool, micro_batch: int,
-                 seq_len: int, device: torch.device, module: nn.Module | None = None) -> None:
-        self.device = device
+                 seq_len: int, device: torch.device | str, module: nn.Module | None = None) -> None:
+        self.device = device = torch.device(device)
         self.embed, self.head = embed, head
         # ``module``: the runtime's TP stage (DTensor), which takes token ids of the whole vocabulary.
         self.module = module if module is not None else local_stage(model, tp, num_layers, embed, head).to(device)
@@ -242,10 +239,6 @@ class StageRun:
         self.grad = torch.randn(micro_batch, seq_len, model.hidden_size, generator=g).to(device) * 1e-3
         self.tokens = micro_batch * seq_len * 8
         self.state = StepState(device)
-
-    @property
-    def loss_sum(self) -> torch.Tensor:
-        return self.state.loss_sum
 
     def prepare_forward(self) -> Callable[[], None]:
         if not self.embed:
@@ -285,7 +278,7 @@ def _time_stage_runs(runs: dict[Any, StageRun], device: torch.device, *, min_rep
             barrier()
         for name, r in runs.items():
             for phase, prep in ((0, r.prepare_forward), (1, r.prepare_backward)):
-                wall_s, cpu_s = _time_once(prep(), device)
+                wall_s, cpu_s = time_once(prep(), device)
                 wall[name][phase].append(wall_s)
                 cpu[name][phase].append(cpu_s)
         reps += 1
@@ -394,7 +387,7 @@ def measure_step_epilogue(models: Sequence[ModelSpec], tp_degrees: Sequence[int]
                     norm_sq = torch.zeros((), dtype=torch.float32, device=device)
                     for g in grads.values():
                         norm_sq += g.float().pow(2).sum()
-                    stats = torch.stack([run.loss_sum.float(), norm_sq])
+                    stats = torch.stack([run.state.loss_sum.float(), norm_sq])
                     norm = stats[1].sqrt()
                     synchronize(device)
                     t1 = time.perf_counter()

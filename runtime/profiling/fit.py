@@ -1,10 +1,7 @@
-"""The fitting behind ``hspmd profile``: timed samples to the profile's fits.
-
-Each series is fitted with ``a*s^2 + b*s + c`` by least squares on relative error, keeping only
-non-negative coefficients (``fit_quadratic``); links as latency + bytes / bandwidth (``link_fit``); the
-host's penalties after idling as ``peak * (1 - exp(-t / tau))`` (``fit_saturating``).
-Importing this module loads no torch (runtime/profiling/host.py, which torch-free callers import, uses it);
-the least squares load it when they run.
+"""Fitting ``hspmd profile``'s samples: ``a*s^2 + b*s + c`` by least squares on relative error with
+non-negative coefficients, links as latency + bytes / bandwidth, penalties after idling as
+``peak * (1 - exp(-t / tau))``. Importing this loads no torch (runtime/profiling/host.py has torch-free
+callers); the least squares load it when they run.
 """
 
 from __future__ import annotations

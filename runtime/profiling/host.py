@@ -1,14 +1,10 @@
 """The emulated host: how an emulated cluster's devices share this machine's CPU, and what that costs.
 
-Every worker of a CPU-emulated cluster is a process on one host. The launcher gives each its share of
-the cores (``emulated_cpu_shares``, applied with ``pin_process``); ``hspmd profile`` measures under the same
-share, and planner/host.py models what the sharing costs from what the probes here measure: the extra
-CPU time of a block after its process idled (``measure_resume_penalty``), how late a process blocked in a
-receive gets going (``p2p_wake``), how well two processes share one core (``core_sharing``), and the
-scheduler's delays around a block whose core-mate computes (``busy_core_handoff``, ``handoff_figures``).
-
-Importing this module loads no torch (the launcher's policy is needed by torch-free callers); the probes
-import it when they run.
+Each worker is a process on one host; the launcher gives each its share of the cores
+(``emulated_cpu_shares``, ``pin_process``) and ``hspmd profile`` measures under the same share. The probes
+measure what planner/host.py models: the cost of a block after idling, of waking from a blocking
+receive, of two processes on one core, of a core-mate computing. Importing this loads no torch (the
+policy has torch-free callers); the probes load it when they run.
 """
 
 from __future__ import annotations
@@ -61,7 +57,7 @@ def pin_process(cpus: Sequence[int]) -> None:
         os.sched_setaffinity(0, cpus)
 
 
-def _one_layer(model: ModelSpec, seq_len: int, device: torch.device, micro_batch: int = 1,
+def _one_layer(model: ModelSpec, seq_len: int, device: torch.device | str, micro_batch: int = 1,
                warmup: int = 2) -> StageRun:
     """What every probe times: a one-layer middle stage at TP 1 run by the engine's step, warmed up."""
     from runtime.profiling.compute import StageRun
@@ -79,11 +75,8 @@ def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.devi
     process idled (slept) for ``t`` before it than right after other work: the two take turns, for
     each ``t`` of ``idles_s``; the mean differences (forward, backward) fitted with
     ``peak * (1 - exp(-t / tau))`` (tau from a log grid, peaks by least squares, none below zero)."""
-    import torch
+    from runtime.profiling.compute import time_once
 
-    from runtime.profiling.compute import synchronize
-
-    device = torch.device(device)
     run = _one_layer(model, seq_len, device, micro_batch, warmup=3)
     extra: list[tuple[float, float]] = []
     for idle in idles_s:
@@ -93,18 +86,11 @@ def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.devi
                 fwd = run.prepare_forward()
                 if after_idle:
                     time.sleep(idle)
-                synchronize(device)
-                t0 = time.perf_counter()
-                fwd()
-                synchronize(device)
-                t1 = time.perf_counter()
+                forward_s = time_once(fwd, run.device)[0]
                 if after_idle:
                     time.sleep(idle)
-                t2 = time.perf_counter()
-                run.backward()
-                synchronize(device)
-                times[after_idle][0].append(t1 - t0)
-                times[after_idle][1].append(time.perf_counter() - t2)
+                times[after_idle][0].append(forward_s)
+                times[after_idle][1].append(time_once(run.backward, run.device)[0])
         extra.append(tuple(statistics.mean(times[True][i]) - statistics.mean(times[False][i])  # type: ignore[misc]
                            for i in (0, 1)))
     (fwd_s, bwd_s), tau = fit_saturating(idles_s, extra)
@@ -155,7 +141,6 @@ def core_sharing(rank: int, pair: tuple[int, int], model: ModelSpec, seq_lens: S
     import torch
     import torch.distributed as dist
 
-    device = torch.device(device)
     out: dict[int, float] = {}
     for s in seq_lens:
         run = _one_layer(model, s, device)
@@ -200,7 +185,6 @@ def busy_core_handoff(rank: int, pair: tuple[int, int], model: ModelSpec, seq_le
 
     from runtime.trace import EmulatedSlowdown
 
-    device = torch.device(device)
     out: dict[int, dict[str, dict[str, float]]] = {}
     keys = ("wall", "cpu_forward", "cpu_backward", "gap", "late", "recv")
     flag = torch.zeros(1, dtype=torch.float64)

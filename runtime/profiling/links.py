@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from runtime.profiling.compute import synchronize
 from runtime.profiling.fit import link_fit, trimmed_mean
@@ -19,8 +20,6 @@ def p2p_and_allreduce(rank: int, world: int, sizes: Sequence[int], *, device: to
     ``{"p2p": LinkFit, "allreduce": {group size: LinkFit}, "allgather": {group size: LinkFit}}`` (latency
     + bytes / bandwidth; for the all-reduce, bytes = 2(n-1)/n x size; for the all-gather of ``size``
     gathered bytes, as ZeRO-1 gathers its parameter chunks, (n-1)/n x size); the other ranks return {}."""
-    import torch.distributed as dist
-
     device = torch.device(device)
     group_sizes = sorted({2, world}) if world >= 2 else []
     groups = {n: dist.new_group(list(range(n))) if n < world else None for n in group_sizes}

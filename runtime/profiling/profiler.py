@@ -16,10 +16,12 @@ import socket
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.profiling import compute, host
@@ -254,8 +256,6 @@ def measure_links(target: Target, models: Sequence[ModelSpec], settings: Profile
                   timeout_s: float = 120.0) -> dict:
     """Spawn local processes (one per GPU on CUDA): measure p2p and all-reduce, and what the runtime's
     TP layer adds per TP degree; return the fits and the samples."""
-    import torch.multiprocessing as mp
-
     cuda = target.device.startswith("cuda")
     world = min(target.local_devices, settings.comm_processes)
     ctx = mp.get_context("spawn")
@@ -294,10 +294,6 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
                  jobs: Sequence[tuple[ModelSpec, int]], queue, timeout_s: float, threads: int = 1,
                  cpus: tuple[int, ...] = (), pair: tuple[int, int] | None = None,
                  models: Sequence[ModelSpec] = (), peer: int | None = None, sleep_ratio: float = 2.0) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     try:
         host.pin_process(cpus)
         torch.set_num_threads(threads)

@@ -165,7 +165,7 @@ def test_stage_run_times_the_engines_micro_batch_step():
     last = StageRun(TINY, 1, 1, False, True, 2, 16, torch.device("cpu"))
     last.prepare_forward()()
     loss = causal_lm_loss_sum(last.module(last.x), last.rows[:, 1:])
-    assert torch.allclose(last.loss_sum, loss) and torch.allclose(last.state.outputs[0], loss / last.tokens)
+    assert torch.allclose(last.state.loss_sum, loss) and torch.allclose(last.state.outputs[0], loss / last.tokens)
 
 
 def test_host_policy_and_model_load_no_torch():
