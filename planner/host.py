@@ -39,7 +39,8 @@ class HostModel:
     seq_len: int
 
     def _figures(self, device_type: str) -> DeviceProfile | None:
-        """The profile holding the type's measured host figures; None would turn them all off for it."""
+        """The profile holding the type's measured host figures: the one switch for all of them (a type
+        whose devices do not share a host the way they were measured would return None)."""
         return self.profiles[device_type]
 
     def _measured(self, device_type: str) -> MeasuredModel | None:

@@ -682,6 +682,8 @@ class Searcher:
 
     def combine(self, types: Sequence[str], blocks: Mapping[frozenset[str], list[BlockCandidate]]
                 ) -> list[tuple[float, Combo, Allocation]]:
+        """Phase 3: every set partition of every subset of the types into blocks, a candidate per block;
+        ranked by the fast score."""
         scored: list[tuple[float, Combo, Allocation]] = []
         subsets = [s for r in range(1, len(types) + 1) for s in itertools.combinations(types, r)]
         for si, subset in enumerate(subsets):

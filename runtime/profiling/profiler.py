@@ -325,11 +325,8 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
                                              duration_s=1.0 if settings.component_budget_s > 0 else 0.1)
                 handoff[model.name] = {s: host.handoff_figures(r) for s, r in raw.items()}
         if rank == 0:
-            out["p2p_wake"] = wake
-            out["tp_overhead"] = overhead
-            out["core_sharing"] = sharing
-            out["core_handoff"] = handoff
-            out["rss_gib"] = _rss_gib() if not cuda else 0.0
+            out.update(p2p_wake=wake, tp_overhead=overhead, core_sharing=sharing, core_handoff=handoff,
+                       rss_gib=_rss_gib() if not cuda else 0.0)
             queue.put(out)
         dist.barrier()
         dist.destroy_process_group()
