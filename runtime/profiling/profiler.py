@@ -185,19 +185,18 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
 
 def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Target, models: Sequence[ModelSpec],
                    raw: dict, settings: ProfileSettings, opt: OptimizerFit, opt_resid: float,
-                   thr: dict[str, float], links: dict, date: str, *, blocks: dict | None = None,
-                   step_overhead: OptimizerFit | None = None, sync_pack: OptimizerFit | None = None,
-                   resume: dict | None = None) -> DeviceProfile:
+                   thr: dict[str, float], links: dict, date: str, *, blocks: dict, step_overhead: OptimizerFit,
+                   sync_pack: OptimizerFit, resume: dict) -> DeviceProfile:
     cuda = target.device.startswith("cuda")
     fitted: dict[str, MeasuredModel] = {}
     mb = settings.micro_batch
     for model in models:
         lens = tuple(s for s in settings.seq_lens if s <= model.max_seq_len)
         mm = measured_model(model, raw[model.name], mb, lens, slowdown)
-        if blocks and blocks.get(model.name):
+        if blocks.get(model.name):
             mm = dataclasses.replace(mm, blocks={t: {k: fit_component(smp, 0, mb, slowdown) for k, smp in per.items()}
                                                  for t, per in sorted(blocks[model.name].items())})
-        if resume and model.name in resume:   # CPU seconds, not stretched (the simulator stretches them)
+        if model.name in resume:   # CPU seconds, not stretched (the simulator stretches them)
             mm = dataclasses.replace(mm, resume=resume[model.name])
         if links.get("core_sharing", {}).get(model.name):
             mm = dataclasses.replace(mm, core_sharing={s: rounded(e)
@@ -246,7 +245,7 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
         compute=figures, comm=comm, memory=memory, optimizer=optimizer,
         source=Source(note=note, host=socket.gethostname(), torch_version=str(torch.__version__), date=date,
                       derived_from=f"{target.device} ({what})" if slowdown != 1.0 else None, slowdown=slowdown),
-        models=fitted, step_overhead=step_overhead or OptimizerFit(0.0), sync_pack=sync_pack or OptimizerFit(0.0))
+        models=fitted, step_overhead=step_overhead, sync_pack=sync_pack)
 
 
 # -- links -----------------------------------------------------------------------------------------
