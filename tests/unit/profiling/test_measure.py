@@ -88,7 +88,7 @@ def test_stage_blocks_are_differences_of_whole_stages():
 
 def test_measure_stage_blocks_through_the_runtime_stage_module():
     torch.manual_seed(0)
-    samples = measure_stage_blocks(TINY, 2, [16, 32], min_reps=2, max_reps=2, budget_s=0.0, warmup=1)
+    samples = measure_stage_blocks(TINY, 2, [16, 32], min_reps=7, max_reps=7, budget_s=0.0, warmup=1)
     assert sorted(samples) == sorted(BLOCKS)
     assert [s.seq_len for s in samples["layer"]] == [16, 32]
     assert all(s.forward_s > 0 and s.backward_s > 0 for s in samples["layer"])
