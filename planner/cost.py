@@ -55,8 +55,8 @@ counted (2 all-reduces forward, 2 backward per layer, as the runtime lays Megatr
 CPU-emulated device type only the CPU-time part of the TP overhead (``tp_blocks_cpu``) is stretched by its
 slowdown: the runtime sleeps a multiple of each compute block's CPU time. ``step_overhead_time`` (the
 step's code outside its spans) and the gradient sync's packing (``sync_group_time``) come from measured
-profiles too; ``resume_penalty``, ``comm_wake``, ``core_sharing`` and ``core_handoff`` are measured host
-effects that only the simulator plays out (see planner/simulate.py).
+profiles too. ``host`` (planner/host.py) holds the emulated host's effects: the slowdown ``stage`` stretches
+by, and the measured costs of sharing the CPU that only the simulator plays out (planner/simulate.py).
 
 Pure formulas (module level): ``pipeline_time`` (1F1B: ``(m-1)*max(t) + sum(t) + sum(boundary comm)``;
 GPipe: the same on forward and backward separately), ``in_flight_micro_batches`` (1F1B: stage k of S
@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from planner.host import HostModel
 from runtime.annotations.from_plan import held_by, placements
 from runtime.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
 from runtime.engine.schedules import build_schedule, peak_live_activations
@@ -84,12 +85,10 @@ from runtime.models.params import ParamInfo, llama_parameters
 from runtime.profiling.profile import (
     ComponentFit,
     ComputeFigures,
-    CoreHandoff,
     DeviceProfile,
     LinkFit,
     MemoryFigures,
     ProfileSet,
-    ResumePenalty,
     eval_fit,
 )
 from runtime.spec.cluster import Cluster
@@ -113,17 +112,6 @@ BOUNDARY_BYTES = BOUNDARY_DTYPE.itemsize
 
 # ---------------------------------------------------------------------------------------------------
 # Pure formulas
-
-
-def _log_interp(pts: Sequence[tuple[int, float]], s: float) -> float:
-    """Linear in log ``s`` between sorted (s, value) points; the end values beyond them."""
-    if s <= pts[0][0]:
-        return pts[0][1]
-    for (s0, e0), (s1, e1) in zip(pts, pts[1:]):
-        if s <= s1:
-            w = math.log(s / s0) / math.log(s1 / s0)
-            return e0 + w * (e1 - e0)
-    return pts[-1][1]
 
 
 def pipeline_time(forward_s: Sequence[float], backward_s: Sequence[float], micro_batches: int,
@@ -364,6 +352,7 @@ class CostModel:
         self.micro_batch = micro_batch
         self.seq_len = seq_len
         self.step_allreduce = step_allreduce
+        self.host = HostModel(model, cluster, profiles, seq_len)   # emulated hosts: planner/host.py
         self._type_of = [d.type for d in cluster.devices]
         self._node_of = [d.node for d in cluster.devices]
         params = llama_parameters(dataclasses.replace(model, num_layers=1))
@@ -485,7 +474,7 @@ class CostModel:
         bwd_c = n * (lay.backward_s + lay.recompute_s) + ext.backward_s
         # An emulated device sleeps (slowdown - 1) x the CPU time of each compute block (runtime/trace.py
         # EmulatedSlowdown): the waits inside its TP collectives are not stretched, their CPU time is.
-        stretch = self._emulated_slowdown(device_type)
+        stretch = self.host.emulated_slowdown(device_type)
         b = self.micro_batch if micro_batch is None else micro_batch
         s = self.seq_len if seq_len is None else seq_len
         cpu_blocks = self._tp_blocks(device_type, tp, cpu=True)
@@ -514,52 +503,6 @@ class CostModel:
         and the head's."""
         parts = [blocks["stage"]] + ([blocks["embedding"]] if first else []) + ([blocks["head"]] if last else [])
         return (sum(eval_fit(p.forward_s, b, s) for p in parts), sum(eval_fit(p.backward_s, b, s) for p in parts))
-
-    def resume_penalty(self, device_type: str) -> ResumePenalty | None:
-        """Extra CPU time of a compute block after its device idled (measured profiles; None otherwise).
-        The simulator applies it; the closed-form estimate does not."""
-        m = self.profiles[device_type].measured_model(self.model)
-        return None if m is None else m.resume
-
-    def core_sharing(self, device_type: str) -> float:
-        """Efficiency of two emulated devices' processes time-sharing one CPU core, at this sequence length
-        (measured profiles: interpolated in log length between the measured ones; 1 otherwise)."""
-        m = self.profiles[device_type].measured_model(self.model)
-        if m is None or not m.core_sharing:
-            return 1.0
-        return _log_interp(sorted(m.core_sharing.items()), self.seq_len)
-
-    def core_handoff(self, device_type: str) -> CoreHandoff | None:
-        """The scheduler's delays around a compute block of an emulated device whose core's other process
-        computes, at this sequence length (measured profiles: interpolated in log length; None otherwise)."""
-        m = self.profiles[device_type].measured_model(self.model)
-        if m is None or not m.core_handoff:
-            return None
-        pts = sorted(m.core_handoff.items())
-        return CoreHandoff(**{k: max(0.0, _log_interp([(s, getattr(h, k)) for s, h in pts], self.seq_len))
-                              for k in ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s",
-                                        "cold_backward_s")})
-
-    def comm_wake(self, device_type: str) -> ResumePenalty | None:
-        """How much later a device blocked in communication resumes after waiting (measured profiles)."""
-        return self.profiles[device_type].comm.p2p_wake
-
-    def host_cores(self, node: str) -> int | None:
-        """CPU cores shared by the emulated devices of ``node`` (from their measured profiles), or None
-        when its devices do not share a CPU (real accelerators, or no measured figure)."""
-        if not self.cluster.emulated:
-            return None
-        cores = [self.profiles[d.type].compute.host_cores for d in self.cluster.devices if d.node == node]
-        known = [c for c in cores if c]
-        return min(known) if known else None
-
-    def emulated_slowdown(self, device_type: str) -> float:
-        """The slowdown an emulated device type's compute blocks are stretched by (1 otherwise)."""
-        return self._emulated_slowdown(device_type)
-
-    def _emulated_slowdown(self, device_type: str) -> float:
-        em = self.cluster.device_types[device_type].emulate
-        return em.slowdown if em is not None else 1.0
 
     # -- memory --------------------------------------------------------------------------------------
 

@@ -42,9 +42,10 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from planner.cost import CostModel, StrategyEstimate
-from planner.layer_split import LayerSplit, slot_costs, split_fast, split_ilp
+from planner.layer_split import LayerSplit, SlotCost, slot_costs, split_fast, split_ilp
 from planner.microbatch import Allocation, PipelineClass, TimeOption, allocate_greedy, allocate_ilp
 from planner.pipelines import (
     ORDERS,
@@ -64,6 +65,7 @@ from runtime.spec.plan import OptimizerSettings, Pipeline, Schedule, Stage, Stra
 
 Progress = Callable[[str, int, int], None]
 Shares = Sequence[Mapping[GroupKind, int]]   # groups of each kind per pipeline
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,6 @@ class BlockCandidate:
     classes: tuple[ClassInfo, ...]
     grad_bytes: float                                    # largest gradient of one device (its stage's share)
     opt_terms: tuple[tuple[str, int, int], ...]          # (device type, params, tensors): the heaviest stages
-    tps: frozenset[int]
     # Gradient sync of the block's own pipelines: per stage position, the devices at that position (one per
     # pipeline: the ones that all-reduce together) and the largest gradient among them, costliest first.
     sync_rings: tuple[tuple[tuple[int, ...], float], ...] = ()
@@ -168,10 +169,6 @@ class BlockCandidate:
     @property
     def min_micro_batches(self) -> int:
         return sum(len(c.members) * len(c.template) for c in self.classes)
-
-    @property
-    def devices(self) -> frozenset[int]:
-        return frozenset(d for lay in self.layouts for d in lay.devices)
 
     @property
     def rep_devices(self) -> tuple[int, ...]:
@@ -201,6 +198,11 @@ class Candidate:
     def checked_s(self) -> float:
         """The worse of the closed-form estimate and the simulation (the estimate if not simulated)."""
         return self.step_time_s if self.simulated_s is None else max(self.step_time_s, self.simulated_s)
+
+
+Combo = tuple[BlockCandidate, ...]   # one block candidate per block of a combination
+# A block to evaluate: (type choices, pipelines, stage order, stages or None, placement, shares or None).
+Job = tuple[tuple[TypeChoice, ...], int, str, int | None, str, Shares | None]
 
 
 @dataclass
@@ -294,12 +296,14 @@ class Searcher:
     def zero_degree(self, pipelines: int) -> int:
         return pipelines if self.settings.zero else 1
 
+    def _slots(self, template: Template, zero_degree: int) -> tuple[SlotCost, ...]:
+        return slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,
+                          memory_margin=self.settings.memory_margin)
+
     def fast_split(self, template: Template, zero_degree: int) -> LayerSplit | None:
         key = (template, zero_degree)
         if key not in self._fast:
-            slots = slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,
-                               memory_margin=self.settings.memory_margin)
-            self._fast[key] = split_fast(slots, self.model.num_layers)
+            self._fast[key] = split_fast(self._slots(template, zero_degree), self.model.num_layers)
         return self._fast[key]
 
     def _pair_s(self, a: int, b: int) -> float:
@@ -362,10 +366,9 @@ class Searcher:
                 return None
             classes.append(ClassInfo(template, bnd, tuple(members), split))
         grad_bytes, opt_terms = self._terms(classes)
-        tps = frozenset(k.tp for c in classes for k in c.template)
         rings = self._sync_rings(layouts, classes) if pipelines > 1 else ()
         return BlockCandidate(choice, pipelines, order, placement, tuple(layouts), tuple(classes), grad_bytes,
-                              opt_terms, tps, rings[:SYNC_RINGS], rings[0][2] if rings else 0.0)
+                              opt_terms, rings[:SYNC_RINGS], rings[0][2] if rings else 0.0)
 
     def _sync_rings(self, layouts: Sequence[PipelineLayout], classes: Sequence[ClassInfo]
                     ) -> list[tuple[tuple[int, ...], float, float]]:
@@ -505,15 +508,22 @@ class Searcher:
     # -- the whole search ----------------------------------------------------------------------------
 
     def run(self) -> list[Candidate]:
+        """The phases of the module docstring, each on what the one before kept."""
         choices = tp_choices(self.cluster, self.model, self.devices)
         types = [t for t, tps in choices.items() if tps]
-        m = self.micro_batches
-        # 1. single-type blocks (all groups, or P x S of them), every TP degree.
-        single: dict[str, list[BlockCandidate]] = {t: [] for t in types}
-        jobs: list[tuple[tuple[TypeChoice, ...], int, str, int | None, str, Shares | None]] = []
+        single = self._single_type_blocks(choices, types)
+        # Share of the batch a block of these types would get, from the single-type throughputs.
+        best_rate = {t: max((c.rate for c in single[t]), default=0.0) for t in types}
+        total_rate = sum(best_rate.values()) or 1.0
+        blocks = {frozenset([t]): self._keep(single[t], best_rate[t] / total_rate) for t in types}
+        blocks.update(self._mixed_blocks(choices, types, blocks, best_rate, total_rate))
+        realized = self._realize_best(types, self.combine(types, blocks))
+        return [c for c, _, _ in realized] + self._finalize_best(types, realized)
+
+    def _single_type_jobs(self, choices: Mapping[str, Sequence[int]], types: Sequence[str]) -> Iterator[Job]:
+        """Single-type blocks to evaluate: all of a type's groups, or P x S of them, at every TP degree."""
         for t in types:
-            options = [TypeChoice(t, tp, rem) for tp in choices[t] for rem in (True, False)]
-            for c in options:
+            for c in [TypeChoice(t, tp, rem) for tp in choices[t] for rem in (True, False)]:
                 choice = (c,)
                 gs = self.groups(choice)
                 total = sum(len(v) for v in gs.values())
@@ -522,15 +532,19 @@ class Searcher:
                 for p in self.pipeline_counts(total):
                     for sh in self.share_options(gs, p):
                         for place in self.placements(p):
-                            jobs.append((choice, p, "memory", None, place, sh))
+                            yield choice, p, "memory", None, place, sh
                 if len(gs) == 1:
-                    n_g = total
                     for s in range(1, self.model.num_layers + 1):
-                        p = min(n_g // s, m // s)
-                        if p >= 1 and p * s < n_g:
+                        p = min(total // s, self.micro_batches // s)
+                        if p >= 1 and p * s < total:
                             for place in self.placements(p):
-                                jobs.append((choice, p, "memory", s, place, None))
-        n_multi = sum(1 for r in range(2, len(types) + 1) for _ in itertools.combinations(types, r))
+                                yield choice, p, "memory", s, place, None
+
+    def _single_type_blocks(self, choices: Mapping[str, Sequence[int]], types: Sequence[str]
+                            ) -> dict[str, list[BlockCandidate]]:
+        """Phase 2 for one type at a time: every feasible block of ``_single_type_jobs``, by type."""
+        single: dict[str, list[BlockCandidate]] = {t: [] for t in types}
+        jobs = list(self._single_type_jobs(choices, types))
         self._report("pipelines (single type)", 0, len(jobs))
         for i, (choice, p, order, s, place, sh) in enumerate(jobs):
             if i % 64 == 0:
@@ -541,17 +555,14 @@ class Searcher:
             if cand is not None:
                 single[choice[0].device_type].append(cand)
         self._report("pipelines (single type)", len(jobs), len(jobs))
-        # Share of the batch a block of these types would get, from the single-type throughputs.
-        best_rate = {t: max((c.rate for c in single[t]), default=0.0) for t in types}
-        total_rate = sum(best_rate.values()) or 1.0
-        blocks: dict[frozenset[str], list[BlockCandidate]] = {}
+        return single
+
+    def _top_choices(self, choices: Mapping[str, Sequence[int]], types: Sequence[str],
+                     blocks: Mapping[frozenset[str], list[BlockCandidate]]) -> dict[str, list[TypeChoice]]:
+        """Per type, the TP choices of its best own pipelines, then every degree by time per layer (a type
+        that cannot hold the model alone, small memory, tries them all)."""
+        top: dict[str, list[TypeChoice]] = {}
         for t in types:
-            blocks[frozenset([t])] = self._keep(single[t], best_rate[t] / total_rate)
-        # 2. mixed blocks: the best TP choices per type, every subset of >= 2 types, both stage orders.
-        top_choice: dict[str, list[TypeChoice]] = {}
-        for t in types:
-            # The TP degrees of the type's best own pipelines, then the most efficient per layer. A type
-            # that cannot hold the model alone (small memory) tries every degree.
             seen: list[TypeChoice] = []
             for c in blocks[frozenset([t])]:
                 if c.choice[0] not in seen:
@@ -560,46 +571,62 @@ class Searcher:
             for tp in by_eff:
                 if TypeChoice(t, tp) not in seen:
                     seen.append(TypeChoice(t, tp))
-            top_choice[t] = seen
-        done = 0
-        for r in range(2, len(types) + 1):
-            for subset in itertools.combinations(types, r):
-                self._report("pipelines (mixed types)", done, n_multi)
-                done += 1
-                if self.out_of_time():
-                    break
-                found: list[BlockCandidate] = []
-                share = sum(best_rate[t] for t in subset) / total_rate
-                width = TYPE_CHOICES_MULTI[min(len(subset), 4) - 2]
-                # A type that cannot hold the model alone (small memory) tries every degree.
-                lists = [top_choice[t][:width] if blocks[frozenset([t])] else top_choice[t] for t in subset]
-                for combo in itertools.product(*lists):
-                    gs = self.groups(tuple(combo))
-                    total = sum(len(v) for v in gs.values())
-                    # Uneven shares only with each type's leading TP choices (they multiply the work).
-                    uneven = all(c in top_choice[t][:UNEVEN_CHOICES] for t, c in zip(subset, combo))
-                    for p in self.pipeline_counts(total):
-                        for sh in (self.share_options(gs, p) if uneven else [None]):
-                            for order in ORDERS:
-                                for place in self.placements(p):
-                                    cand = self.evaluate_block(tuple(combo), p, order, None, place, sh)
-                                    if cand is not None:
-                                        found.append(cand)
-                blocks[frozenset(subset)] = self._keep(found, share)
-        self._report("pipelines (mixed types)", n_multi, n_multi)
-        # 3. combinations, ranked by the fast score; the best are realized (fast splits, greedy
-        #    micro-batches) and scored by the cost model itself, plus the best one using each type.
-        scored = self.combine(types, blocks)
-        picked: list[tuple[tuple[BlockCandidate, ...], Allocation]] = [(c, a) for _, c, a in scored[:COMBOS_REALIZED]]
+            top[t] = seen
+        return top
+
+    def _mixed_blocks(self, choices: Mapping[str, Sequence[int]], types: Sequence[str],
+                      blocks: Mapping[frozenset[str], list[BlockCandidate]], best_rate: Mapping[str, float],
+                      total_rate: float) -> dict[frozenset[str], list[BlockCandidate]]:
+        """Phase 2 for mixed blocks: the best TP choices per type, every subset of >= 2 types, every stage
+        order; each subset's kept candidates (for its expected share of the batch)."""
+        top_choice = self._top_choices(choices, types, blocks)
+        subsets = [s for r in range(2, len(types) + 1) for s in itertools.combinations(types, r)]
+        mixed: dict[frozenset[str], list[BlockCandidate]] = {}
+        for done, subset in enumerate(subsets):
+            self._report("pipelines (mixed types)", done, len(subsets))
+            if self.out_of_time():
+                break
+            found: list[BlockCandidate] = []
+            share = sum(best_rate[t] for t in subset) / total_rate
+            width = TYPE_CHOICES_MULTI[min(len(subset), 4) - 2]
+            lists = [top_choice[t][:width] if blocks[frozenset([t])] else top_choice[t] for t in subset]
+            for combo in itertools.product(*lists):
+                gs = self.groups(tuple(combo))
+                total = sum(len(v) for v in gs.values())
+                # Uneven shares only with each type's leading TP choices (they multiply the work).
+                uneven = all(c in top_choice[t][:UNEVEN_CHOICES] for t, c in zip(subset, combo))
+                for p in self.pipeline_counts(total):
+                    for sh in (self.share_options(gs, p) if uneven else [None]):
+                        for order in ORDERS:
+                            for place in self.placements(p):
+                                cand = self.evaluate_block(tuple(combo), p, order, None, place, sh)
+                                if cand is not None:
+                                    found.append(cand)
+            mixed[frozenset(subset)] = self._keep(found, share)
+        self._report("pipelines (mixed types)", len(subsets), len(subsets))
+        return mixed
+
+    @staticmethod
+    def _with_each_type(kept: list[_T], ranked: Sequence[_T], types: Sequence[str],
+                        combo: Callable[[_T], Sequence[BlockCandidate]]) -> list[_T]:
+        """``kept`` and, for each type, the best of ``ranked`` whose combination uses it (if not kept yet):
+        so that idle devices can be explained with real numbers."""
+        out = list(kept)
         for t in types:
-            for _, combo, alloc in scored:
-                if any(t in b.types for b in combo):
-                    if all(combo is not c for c, _ in picked):
-                        picked.append((combo, alloc))
-                    break
-        aligned = [(c, a) for _, c, a in scored if len(c) == 1 and c[0].aligned][:ALIGNED_REALIZED]
+            best = next((x for x in ranked if any(t in b.types for b in combo(x))), None)
+            if best is not None and all(combo(best) is not combo(k) for k in out):
+                out.append(best)
+        return out
+
+    def _realize_best(self, types: Sequence[str], scored: Sequence[tuple[float, Combo, Allocation]]
+                      ) -> list[tuple[Candidate, Combo, Allocation]]:
+        """Phase 4: the best combinations by the fast score, the best using each type and the best aligned
+        ones, realized (fast splits, greedy micro-batches) and scored by the cost model; best first."""
+        ranked = [(c, a) for _, c, a in scored]
+        picked = self._with_each_type(ranked[:COMBOS_REALIZED], ranked, types, lambda x: x[0])
+        aligned = [(c, a) for c, a in ranked if len(c) == 1 and c[0].aligned][:ALIGNED_REALIZED]
         picked += [(c, a) for c, a in aligned if all(c is not p for p, _ in picked)]
-        realized: list[tuple[Candidate, tuple[BlockCandidate, ...], Allocation]] = []
+        realized: list[tuple[Candidate, Combo, Allocation]] = []
         for i, (combo, alloc) in enumerate(picked):
             self._report("scoring plans with the cost model", i, len(picked))
             if i >= COMBOS_FINAL and self.out_of_time():
@@ -609,16 +636,14 @@ class Searcher:
                 realized.append((cand, combo, alloc))
         self._report("scoring plans with the cost model", len(picked), len(picked))
         realized.sort(key=lambda x: x[0].step_time_s)
-        # 4. finalists: exact layer splits and micro-batches (ILPs) for the best realized plans and for
-        #    the best one that uses each type (so idle devices can be explained with real numbers).
-        finalists = realized[:COMBOS_FINAL]
-        for t in types:
-            for item in realized:
-                if any(t in b.types for b in item[1]):
-                    if all(item is not f for f in finalists):
-                        finalists.append(item)
-                    break
-        out: list[Candidate] = [c for c, _, _ in realized]
+        return realized
+
+    def _finalize_best(self, types: Sequence[str], realized: Sequence[tuple[Candidate, Combo, Allocation]]
+                       ) -> list[Candidate]:
+        """Phase 5: exact layer splits and micro-batches (ILPs) for the best realized plans and the best
+        one using each type."""
+        finalists = self._with_each_type(list(realized[:COMBOS_FINAL]), realized, types, lambda x: x[1])
+        out: list[Candidate] = []
         for i, (_, combo, alloc) in enumerate(finalists):
             self._report("exact layer split + micro-batches (ILP)", i, len(finalists))
             if i >= 1 and self.out_of_time():
@@ -645,8 +670,8 @@ class Searcher:
         out: list[BlockCandidate] = []
         shares = (share, 1.0) if share < 0.999 else (1.0,)
         for i, sh in enumerate(shares):
-            scored = [(self._alone(c, sh), n, c) for n, c in enumerate(found)]
-            scored = [(s, c) for s, n, c in sorted(scored, key=lambda x: (x[0], x[1])) if math.isfinite(s)]
+            ranked = sorted(((self._alone(c, sh), c) for c in found), key=lambda x: x[0])   # stable
+            scored = [(s, c) for s, c in ranked if math.isfinite(s)]
             kept = _pareto(scored, BLOCK_KEEP if i == 0 else BLOCK_KEEP // 2)
             # ... and the best with identical pipelines (their gradient sync has no chains of waits, which
             # the closed form does not price: see api.simulator_check).
@@ -657,9 +682,10 @@ class Searcher:
         return out
 
     def combine(self, types: Sequence[str], blocks: Mapping[frozenset[str], list[BlockCandidate]]
-                ) -> list[tuple[float, tuple[BlockCandidate, ...], Allocation]]:
-        scored: list[tuple[float, int, tuple[BlockCandidate, ...], Allocation]] = []
-        seq = 0
+                ) -> list[tuple[float, Combo, Allocation]]:
+        """Phase 3: every set partition of every subset of the types into blocks, a candidate per block;
+        ranked by the fast score."""
+        scored: list[tuple[float, Combo, Allocation]] = []
         subsets = [s for r in range(1, len(types) + 1) for s in itertools.combinations(types, r)]
         for si, subset in enumerate(subsets):
             self._report("combining pipelines", si, len(subsets))
@@ -673,11 +699,10 @@ class Searcher:
                     self.stats.combinations += 1
                     res = self.score(combo)
                     if res is not None:
-                        scored.append((res[0], seq, tuple(combo), res[1]))
-                    seq += 1
+                        scored.append((res[0], tuple(combo), res[1]))
         self._report("combining pipelines", len(subsets), len(subsets))
-        scored.sort(key=lambda x: (x[0], x[1]))
-        return [(s, c, a) for s, _, c, a in scored]
+        scored.sort(key=lambda x: x[0])   # stable: ties keep the order found
+        return scored
 
     # -- realized plans ------------------------------------------------------------------------------
 
@@ -747,8 +772,7 @@ class Searcher:
         options: list[list[LayerSplit]] = []
         for key in keys:
             template, _ = key
-            slots = slot_costs(self.cm, template, zero_degree=zd, recompute=self.settings.allow_recompute,
-                               memory_margin=self.settings.memory_margin)
+            slots = self._slots(template, zd)
             fast = split_fast(slots, n_layers)
             if fast is None:
                 return None
@@ -771,10 +795,8 @@ class Searcher:
             mb = max(alloc.per_class[j])
             if mb in (hint_m[key], len(key[0])):
                 continue   # already solved for this count
-            slots = slot_costs(self.cm, key[0], zero_degree=zd, recompute=self.settings.allow_recompute,
-                               memory_margin=self.settings.memory_margin)
             self.stats.ilps += 1
-            sp = split_ilp(slots, n_layers, mb, limit, incumbent=chosen[j])
+            sp = split_ilp(self._slots(key[0], zd), n_layers, mb, limit, incumbent=chosen[j])
             if sp is not None and sp.pipeline_s(mb) < chosen[j].pipeline_s(mb) - 1e-12:
                 chosen[j] = sp
                 changed = True

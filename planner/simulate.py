@@ -12,7 +12,7 @@ the per-step all-reduce of loss and gradient norm, then its optimizer step, then
 of the updated parameter chunks, group by group in the gradient sync's order.
 
 On a CPU-emulated cluster the devices are processes on one host, each pinned to its share of the cores
-as the launcher pins them (runtime/launch/options.py ``emulated_cpu_shares``): compute blocks running on
+as the launcher pins them (planner/host.py ``HostModel.cpu_layout``): compute blocks running on
 the same core at the same time share it (processor sharing; a TP group's block runs at the pace of its
 slowest member), and an emulated slower device sleeps ``slowdown - 1`` times each compute block's CPU
 time, as the runtime does. The kernel's scheduler hands a core over in time slices, not as a fluid: where
@@ -37,7 +37,6 @@ from typing import Any
 from planner.cost import CostModel, StageCost
 from runtime.comm.gradsync import SyncGroup
 from runtime.engine.schedules import Comm, Compute, Transfer, build_schedule
-from runtime.launch.options import emulated_cpu_shares
 from runtime.profiling.profile import CoreHandoff, ResumePenalty
 from runtime.spec.plan import Schedule, Strategy
 
@@ -426,7 +425,7 @@ class _Costs:
             for k, st in enumerate(pipe.stages):
                 stages[pi, k] = cm.stage(type_of[st.devices[0]], st.tp, st.num_layers, k == 0, k == n - 1,
                                          st.recompute)
-        cores, hosts_of = cpu_layout(cm, strategy)
+        cores, hosts_of = cm.host.cpu_layout(strategy.devices)
         stage_of = {d: (pi, k) for pi, p in enumerate(strategy.pipelines) for k, st in enumerate(p.stages)
                     for d in st.devices}
         return cls(cm, strategy, type_of, stages, cores, hosts_of, stage_of)
@@ -435,14 +434,14 @@ class _Costs:
         """A compute block's ``SimOp`` fields: its CPU work (the device's stretch taken out), the TP
         collectives' wall time and CPU time, the stretch, the cores it runs on. ``total``/``tp`` as the
         cost model gives them."""
-        k = self.cm.emulated_slowdown(self.type_of[devices[0]])
+        k = self.cm.host.emulated_slowdown(self.type_of[devices[0]])
         return {"cpu": (total - tp) / k, "comm": tp - (k - 1.0) * tp_cpu, "comm_cpu": tp_cpu, "stretch": k,
-                **self.waiting(devices), "sharing": self.cm.core_sharing(self.type_of[devices[0]])}
+                **self.waiting(devices), "sharing": self.cm.host.core_sharing(self.type_of[devices[0]])}
 
     def waiting(self, devices: Sequence[int]) -> dict[str, Any]:
         """The cores an op's devices run on and the scheduler's delays there (``EventLoop``'s handoff)."""
         return {"hosts": tuple(h for d in devices for h in self.hosts_of.get(d, ())),
-                "handoff": self.cm.core_handoff(self.type_of[devices[0]])}
+                "handoff": self.cm.host.core_handoff(self.type_of[devices[0]])}
 
     def device_op(self, name: str, device: int, kind: OpKind, **fields: Any) -> SimOp:
         """An op of one device's own resource after its stage's schedule."""
@@ -476,7 +475,7 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedule: Schedule) -> dict[tu
                                     sc.tp_cpu_forward_s if fwd else sc.tp_cpu_backward_s)
                 name = f"{res}{'F' if fwd else 'B'}{a.micro_batch}"
                 sim.add(SimOp(name, res, OpKind(a.kind), pi, k, a.micro_batch,
-                              resume=cm.resume_penalty(device_type), **block))
+                              resume=cm.host.resume_penalty(device_type), **block))
                 continue
             waits = []
             for t in a.transfers:
@@ -488,7 +487,7 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedule: Schedule) -> dict[tu
             name = f"{res}C{ai}"
             sim.add(SimOp(name, res, OpKind.P2P, pi, k, a.transfers[0].micro_batch, duration=own,
                           waits=tuple(waits), transfers=a.transfers, transfer_s=own,
-                          wake=cm.comm_wake(device_type), **costs.waiting(st.devices)))
+                          wake=cm.host.comm_wake(device_type), **costs.waiting(st.devices)))
         last[pi, k] = name
     return last
 
@@ -506,7 +505,7 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
     for d in devices:
         if overhead[d] > 0:
             sim.add(costs.device_op(f"over{d}", d, OpKind.STEP, deps=(last_of[d],), cpu=overhead[d],
-                                    sharing=cm.core_sharing(costs.type_of[d]), **costs.waiting((d,))))
+                                    sharing=cm.host.core_sharing(costs.type_of[d]), **costs.waiting((d,))))
             last_of[d] = f"over{d}"
 
     def collectives(prefix: str, kind: OpKind, seconds: Callable[[SyncGroup], float]) -> None:
@@ -517,7 +516,7 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
             for d in g.devices:
                 sim.add(costs.device_op(f"{prefix}{gi}d{d}", d, kind, duration=secs, deps=(last_of[d],),
                                         waits=tuple((f"{prefix}{gi}d{e}", secs) for e in g.devices if e != d),
-                                        wake=cm.comm_wake(costs.type_of[d]), **costs.waiting((d,))))
+                                        wake=cm.host.comm_wake(costs.type_of[d]), **costs.waiting((d,))))
                 last_of[d] = f"{prefix}{gi}d{d}"
 
     collectives("g", OpKind.GRAD_SYNC, cm.sync_group_time)
@@ -593,20 +592,6 @@ def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Cost
                 bubble_s=max(0.0, step - compute - comm - p2p - (o1 - o0)), peak_in_flight=peak,
                 peak_memory_gib=mem.gib, capacity_gib=cm.cluster.type_of(d0).memory_gib))
     return events, reports, memory
-
-
-def cpu_layout(cm: CostModel, strategy: Strategy) -> tuple[dict[str, float], dict[int, list[tuple[str, float]]]]:
-    """Which cores each device of an emulated cluster runs on, as the launcher pins its workers: (cores
-    per host, device -> [(host, demand)]). One host per core; empty when the devices do not share CPUs
-    (real accelerators, or no measured core count)."""
-    if not cm.cluster.emulated:
-        return {}, {}
-    known = [c for n in {d.node for d in cm.cluster.devices} if (c := cm.host_cores(n))]
-    if not known:
-        return {}, {}
-    _, shares = emulated_cpu_shares(strategy.devices, cm.cluster.num_devices, range(min(known)))
-    cores = {f"core {c}": 1.0 for cs in shares.values() for c in cs}
-    return cores, {d: [(f"core {c}", 1.0) for c in cs] for d, cs in shares.items()}
 
 
 def _peak_in_flight(fwd_end: Sequence[float], bwd_end: Sequence[float]) -> int:

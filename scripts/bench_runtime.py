@@ -67,7 +67,7 @@ def hspmd_steps(plan: Path, steps: int, warmup: int, strategy: str | None = None
 def plain_steps(plan: Path, steps: int, warmup: int) -> float:
     import torch
 
-    from runtime.launch.options import emulated_cpu_shares, host_cpus
+    from runtime.profiling.host import emulated_cpu_shares, host_cpus
 
     ctx = load_plan_context(plan)
     # The CPU share the launcher gives this device's worker (threads and pinned cores: an emulated device

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hetu_cli.output import FORMAT_OPTION, console, emit_json, err_console
-from runtime.profiling.profile import COMPONENTS, PROFILES_DIR
+from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, Fit, eval_fit
 from runtime.spec import load_cluster, load_model
 
 
@@ -97,6 +97,5 @@ def profile(cluster_ref: str, model_refs: tuple[str, ...], out_dir: Path, device
     con.print(f"profiled {len(written)} device type(s) in {elapsed:.1f} s")
 
 
-def _ms(fit: tuple[float, float, float], s: int) -> str:
-    a, b, c = fit
-    return f"{(a * s * s + b * s + c) * 1e3:.3f} ms"
+def _ms(fit: Fit, s: int) -> str:
+    return f"{eval_fit(fit, 1, s) * 1e3:.3f} ms"

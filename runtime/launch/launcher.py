@@ -20,16 +20,9 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from runtime.errors import HspmdError
-from runtime.launch.options import (
-    StepRecord,
-    StepReport,
-    TrainOptions,
-    WorkerSpec,
-    emulated_cpu_shares,
-    host_cpus,
-    rank_map,
-)
+from runtime.launch.options import StepRecord, StepReport, TrainOptions, WorkerSpec, rank_map
 from runtime.launch.worker import ErrorInfo, process_main
+from runtime.profiling.host import emulated_cpu_shares, host_cpus
 from runtime.spec import PlanContext, Strategy, load_plan_context
 
 STORE_HOST = "127.0.0.1"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -149,30 +149,3 @@ class StepRecord:
                           tokens_per_s=first.tokens / step_time if step_time > 0 else 0.0,
                           strategy=strategy, grad_norm=first.grad_norm,
                           emulation_s=max(r.emulation_s for r in reports))
-
-
-def emulated_cpu_shares(devices: Sequence[int], cluster_devices: int,
-                        cpus: Sequence[int]) -> tuple[int, dict[int, tuple[int, ...]]]:
-    """The CPU share of each worker of an emulated cluster on this host: (intra-op threads, device ->
-    cores to pin it to).
-
-    Every worker gets the same thread count, ``max(1, cores // cluster devices)``, whichever devices the
-    plan uses: an emulated device's speed must not depend on the plan (and one profile, measured at that
-    count, fits every plan). The i-th device of the plan (in id order) is pinned to cores ``i*t ..
-    i*t+t-1`` (mod the core count): left alone, the scheduler at times puts two communicating workers on
-    one core while another core idles (wake-affine placement), and the same plan's step time varied by
-    +-20% from run to run.
-    """
-    cores = list(cpus) or [0]
-    t = max(1, len(cores) // max(1, cluster_devices))
-    return t, {d: tuple(sorted({cores[(i * t + j) % len(cores)] for j in range(t)}))
-               for i, d in enumerate(sorted(devices))}
-
-
-def host_cpus() -> list[int]:
-    """The cores this process may run on."""
-    import os
-
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))

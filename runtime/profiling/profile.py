@@ -76,7 +76,7 @@ class ResumePenalty:
 class CoreHandoff:
     """What sharing a core costs beyond processor sharing when two emulated devices' processes are pinned
     to it and the other one computes: seconds beyond the same moment with that core idle (``hspmd
-    profile``, ``measure.busy_core_handoff``). The scheduler hands the core over in time slices:
+    profile``, ``host.busy_core_handoff``). The scheduler hands the core over in time slices:
     ``handoff_s``: after a compute block, before the process goes on (it used up its slice; its next
     system call hands the core to the other process); ``wake_s``: after a sleep, before it runs;
     ``recv_wake_s``: after a blocking receive is answered, before it runs. And where the other process

@@ -1,7 +1,7 @@
 """``hspmd profile``: measure the device types present on this machine and write their profiles.
 
 CPU-emulated clusters (every type has ``emulate:``): the CPU is measured once, with the intra-op thread
-count and the pinning the launcher gives each worker (runtime/launch/options.py ``emulated_cpu_shares``:
+count and the pinning the launcher gives each worker (runtime/profiling/host.py ``emulated_cpu_shares``:
 cores // cluster devices threads, pinned), and every emulated type is derived from it by its
 ``emulate.slowdown`` (compute stretched, links not: that is how the runtime emulates). A CUDA GPU is
 measured as the one cluster device type named by ``device_type``. Links are measured among local
@@ -11,27 +11,27 @@ processes (gloo on CPU, NCCL on GPUs): ping-pong for p2p, all-reduce per group s
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
 import platform
 import socket
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from runtime.errors import HspmdError, InfeasibleError
-from runtime.launch.options import emulated_cpu_shares, host_cpus
-from runtime.profiling import measure
+from runtime.profiling import compute, host
+from runtime.profiling.fit import Sample, fit_component, measured_model, rounded
+from runtime.profiling.links import p2p_and_allreduce
 from runtime.profiling.profile import (
     COMPONENTS,
     PROFILE_VERSION,
     CommFigures,
     ComputeFigures,
-    CoreHandoff,
     DeviceProfile,
     LinkFit,
     MeasuredModel,
@@ -83,7 +83,7 @@ def plan_targets(cluster: Cluster, models: Sequence[ModelSpec], device_type: str
     if cluster.emulated:
         types = {name: (dt.emulate.slowdown if dt.emulate else 1.0) for name, dt in cluster.device_types.items()}
         n = cluster.num_devices
-        threads, shares = emulated_cpu_shares(range(n), n, host_cpus())
+        threads, shares = host.emulated_cpu_shares(range(n), n, host.host_cpus())
         return [Target("cpu", types, degrees(list(types)), local_devices=n, threads=threads,
                        cpus=tuple(shares[i] for i in range(n)))]
     if device_type is None:
@@ -124,14 +124,14 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
     for target in targets:
         dev = torch.device(target.device)
         old_threads = torch.get_num_threads()
-        old_cpus = host_cpus()
+        old_cpus = host.host_cpus()
         if target.threads:
             torch.set_num_threads(target.threads)
-        if target.cpus and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, target.cpus[0])   # as the launcher pins device 0's worker
+        if target.cpus:
+            host.pin_process(target.cpus[0])   # as the launcher pins device 0's worker
         try:
-            raw: dict[str, dict[int, dict[str, tuple[list[measure.Sample], int]]]] = {}
-            blocks: dict[str, dict[int, dict[str, list[measure.Sample]]]] = {}
+            raw: dict[str, dict[int, dict[str, tuple[list[Sample], int]]]] = {}
+            blocks: dict[str, dict[int, dict[str, list[Sample]]]] = {}
             for model in models:
                 raw[model.name] = {}
                 blocks[model.name] = {}
@@ -140,34 +140,34 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
                     raw[model.name][tp] = {}
                     for comp in COMPONENTS:
                         report(f"{target.device}: {model.name} {comp} (TP {tp})", 0)
-                        raw[model.name][tp][comp] = measure.measure_component(
+                        raw[model.name][tp][comp] = compute.measure_component(
                             comp, model, tp, lens, micro_batch=settings.micro_batch, device=dev,
                             budget_s=settings.component_budget_s)
                         report("", 1)
                     report(f"{target.device}: {model.name} stage blocks (TP {tp})", 0)
-                    blocks[model.name][tp] = measure.measure_stage_blocks(
+                    blocks[model.name][tp] = compute.measure_stage_blocks(
                         model, tp, lens, micro_batch=settings.micro_batch, device=dev,
                         budget_s=settings.component_budget_s)
                     report("", 1)
             report(f"{target.device}: optimizer step", 0)
-            opt, step_over, opt_resid = measure.measure_step_epilogue(
+            opt, step_over, opt_resid = compute.measure_step_epilogue(
                 models, target.tp_degrees, device=dev, micro_batch=settings.micro_batch)
-            sync_pack = measure.measure_sync_pack(models, target.tp_degrees, device=dev)
+            sync_pack = compute.measure_sync_pack(models, target.tp_degrees, device=dev)
             report("", 1)
             resume = {}
             for model in models:
                 lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
                 report(f"{target.device}: {model.name} compute after idling", 0)
-                resume[model.name] = measure.measure_resume_penalty(model, lens[len(lens) // 2], device=dev,
-                                                                    micro_batch=settings.micro_batch)
+                resume[model.name] = host.measure_resume_penalty(model, lens[len(lens) // 2], device=dev,
+                                                                 micro_batch=settings.micro_batch)
                 report("", 1)
             report(f"{target.device}: GEMM rate, memory bandwidth", 0)
-            thr = measure.measure_throughput(dev)
+            thr = compute.measure_throughput(dev)
             report("", 1)
         finally:
             torch.set_num_threads(old_threads)
-            if target.cpus and hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, old_cpus)
+            if target.cpus:
+                host.pin_process(old_cpus)
         links: dict[str, object] = {}
         if settings.measure_comm and target.local_devices >= 2:
             report(f"{target.device}: links among {min(target.local_devices, settings.comm_processes)} processes", 0)
@@ -185,29 +185,28 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
 
 def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Target, models: Sequence[ModelSpec],
                    raw: dict, settings: ProfileSettings, opt: OptimizerFit, opt_resid: float,
-                   thr: dict[str, float], links: dict, date: str, *, blocks: dict | None = None,
-                   step_overhead: OptimizerFit | None = None, sync_pack: OptimizerFit | None = None,
-                   resume: dict | None = None) -> DeviceProfile:
+                   thr: dict[str, float], links: dict, date: str, *, blocks: dict, step_overhead: OptimizerFit,
+                   sync_pack: OptimizerFit, resume: dict) -> DeviceProfile:
     cuda = target.device.startswith("cuda")
     fitted: dict[str, MeasuredModel] = {}
     mb = settings.micro_batch
     for model in models:
         lens = tuple(s for s in settings.seq_lens if s <= model.max_seq_len)
-        mm = measure.measured_model(model, raw[model.name], mb, lens, slowdown)
-        if blocks and blocks.get(model.name):
-            mm = dataclasses.replace(mm, blocks={t: {k: measure.fit_component(smp, 0, mb, slowdown)
-                                                     for k, smp in per.items()}
+        mm = measured_model(model, raw[model.name], mb, lens, slowdown)
+        if blocks.get(model.name):
+            mm = dataclasses.replace(mm, blocks={t: {k: fit_component(smp, 0, mb, slowdown) for k, smp in per.items()}
                                                  for t, per in sorted(blocks[model.name].items())})
-        if resume and model.name in resume:   # CPU seconds, not stretched (the simulator stretches them)
+        if model.name in resume:   # CPU seconds, not stretched (the simulator stretches them)
             mm = dataclasses.replace(mm, resume=resume[model.name])
         if links.get("core_sharing", {}).get(model.name):
-            mm = dataclasses.replace(mm, core_sharing={s: _r(e) for s, e in links["core_sharing"][model.name].items()})
+            mm = dataclasses.replace(mm, core_sharing={s: rounded(e)
+                                                       for s, e in links["core_sharing"][model.name].items()})
         if links.get("core_handoff", {}).get(model.name):   # scheduler delays: wall time, not stretched
             mm = dataclasses.replace(mm, core_handoff=dict(links["core_handoff"][model.name]))
         over = links.get("tp_overhead", {}).get(model.name, {})
         if over:  # As measured, not stretched: the runtime stretches only the CPU time of an emulated
             # device's compute blocks, which the cost model takes from tp_blocks_cpu.
-            fits = {kind: {t: {k: measure.fit_component(smp, 0, mb) for k, smp in per[kind].items()}
+            fits = {kind: {t: {k: fit_component(smp, 0, mb) for k, smp in per[kind].items()}
                            for t, per in sorted(over.items())} for kind in ("wall", "cpu")}
             mm = dataclasses.replace(mm, tp_overhead={t: b["layer"] for t, b in fits["wall"].items()},
                                      tp_blocks=fits["wall"], tp_blocks_cpu=fits["cpu"])
@@ -218,23 +217,23 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
     a = fitted[first.name].tp[1]["attention"].forward_s[0] if 1 in fitted[first.name].tp else 0.0
     att_eff = min(1.0, max(0.01, 4 * first.hidden_size / a / (peak * 1e12))) if a > 0 else 0.5
     flash = all(m.tp[t]["attention"].activation_bytes[0] == 0 for m in fitted.values() for t in m.tp)
-    compute = ComputeFigures(peak_tflops=_r(peak), matmul_efficiency=1.0, attention_efficiency=_r(att_eff),
-                             memory_bandwidth_gbs=_r(thr["bandwidth_gbs"] / slowdown), memory_efficiency=1.0,
-                             kernel_overhead_s=_r(thr["op_s"] * slowdown), flash_attention=flash,
-                             activation_bytes=2 if cuda else 4, host_cores=None if cuda else len(host_cpus()))
+    figures = ComputeFigures(peak_tflops=rounded(peak), matmul_efficiency=1.0, attention_efficiency=rounded(att_eff),
+                             memory_bandwidth_gbs=rounded(thr["bandwidth_gbs"] / slowdown), memory_efficiency=1.0,
+                             kernel_overhead_s=rounded(thr["op_s"] * slowdown), flash_attention=flash,
+                             activation_bytes=2 if cuda else 4, host_cores=None if cuda else len(host.host_cpus()))
     p2p: LinkFit | None = links.get("p2p")  # type: ignore[assignment]
     allreduce: dict[int, LinkFit] = links.get("allreduce", {})  # type: ignore[assignment]
     n_ar = min(allreduce) if allreduce else 2
     comm = CommFigures(
-        p2p_latency_s=_r(p2p.latency_s) if p2p else (20e-6 if cuda else 1e-3),
-        allreduce_latency_s=_r(allreduce[n_ar].latency_s / (2 * (n_ar - 1))) if allreduce else (15e-6 if cuda
+        p2p_latency_s=rounded(p2p.latency_s) if p2p else (20e-6 if cuda else 1e-3),
+        allreduce_latency_s=rounded(allreduce[n_ar].latency_s / (2 * (n_ar - 1))) if allreduce else (15e-6 if cuda
                                                                                                 else 1e-3),
         bandwidth_efficiency=0.75, p2p=p2p, allreduce=allreduce, allgather=links.get("allgather", {}),
         p2p_wake=links.get("p2p_wake"))
-    memory = MemoryFigures(framework_overhead_gib=_r(links.get("rss_gib", 0.0) or (2.0 if cuda else 0.3)))
-    optimizer = OptimizerFit(seconds_per_param=_r(opt.seconds_per_param * slowdown), fixed_s=_r(opt.fixed_s * slowdown),
-                             seconds_per_tensor=_r(opt.seconds_per_tensor * slowdown))
-    host = socket.gethostname()
+    memory = MemoryFigures(framework_overhead_gib=rounded(links.get("rss_gib", 0.0) or (2.0 if cuda else 0.3)))
+    optimizer = OptimizerFit(seconds_per_param=rounded(opt.seconds_per_param * slowdown),
+                             fixed_s=rounded(opt.fixed_s * slowdown),
+                             seconds_per_tensor=rounded(opt.seconds_per_tensor * slowdown))
     what = torch.cuda.get_device_name(torch.device(target.device)) if cuda else (platform.processor() or "cpu")
     note = (f"measured on {what} ({target.threads or torch.get_num_threads()} threads); optimizer fit residual "
             f"{opt_resid:.3f}")
@@ -243,14 +242,10 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
     dt = cluster.device_types[type_name]
     return DeviceProfile(
         version=PROFILE_VERSION, device_type=type_name, provenance="measured", memory_gib=dt.memory_gib,
-        compute=compute, comm=comm, memory=memory, optimizer=optimizer,
-        source=Source(note=note, host=host, torch_version=str(torch.__version__), date=date,
+        compute=figures, comm=comm, memory=memory, optimizer=optimizer,
+        source=Source(note=note, host=socket.gethostname(), torch_version=str(torch.__version__), date=date,
                       derived_from=f"{target.device} ({what})" if slowdown != 1.0 else None, slowdown=slowdown),
-        models=fitted, step_overhead=step_overhead or OptimizerFit(0.0), sync_pack=sync_pack or OptimizerFit(0.0))
-
-
-def _r(x: float) -> float:
-    return float(f"{x:.5g}") if math.isfinite(x) else x
+        models=fitted, step_overhead=step_overhead, sync_pack=sync_pack)
 
 
 # -- links -----------------------------------------------------------------------------------------
@@ -260,8 +255,6 @@ def measure_links(target: Target, models: Sequence[ModelSpec], settings: Profile
                   timeout_s: float = 120.0) -> dict:
     """Spawn local processes (one per GPU on CUDA): measure p2p and all-reduce, and what the runtime's
     TP layer adds per TP degree; return the fits and the samples."""
-    import torch.multiprocessing as mp
-
     cuda = target.device.startswith("cuda")
     world = min(target.local_devices, settings.comm_processes)
     ctx = mp.get_context("spawn")
@@ -300,26 +293,22 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
                  jobs: Sequence[tuple[ModelSpec, int]], queue, timeout_s: float, threads: int = 1,
                  cpus: tuple[int, ...] = (), pair: tuple[int, int] | None = None,
                  models: Sequence[ModelSpec] = (), peer: int | None = None, sleep_ratio: float = 2.0) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     try:
-        if cpus and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, cpus)
+        host.pin_process(cpus)
         torch.set_num_threads(threads)
         if cuda:
             torch.cuda.set_device(rank)
         dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
         dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
-        out = measure.p2p_and_allreduce(rank, world, settings.comm_sizes, device=dev)
+        out = p2p_and_allreduce(rank, world, settings.comm_sizes, device=dev)
+        wake = host.p2p_wake(rank, dev)
         tp_groups = {t: dist.new_group(list(range(t))) for t in sorted({t for _, t in jobs})}
         overhead: dict[str, dict[int, list]] = {}
         for model, t in jobs:
             if rank < t:
                 lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
-                samples = measure.measure_tp_overhead(model, t, tp_groups[t], lens, device=dev,
+                samples = compute.measure_tp_overhead(model, t, tp_groups[t], lens, device=dev,
                                                       micro_batch=settings.micro_batch,
                                                       reps=9 if settings.component_budget_s > 0 else 2)
                 if samples is not None:
@@ -329,33 +318,20 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
         if pair is not None and not cuda:
             for model in models:
                 lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
-                sharing[model.name] = measure.core_sharing(rank, pair, model,
-                                                           sorted({lens[len(lens) // 2], lens[-1]}), device=dev)
-                raw = measure.busy_core_handoff(rank, pair, model, sorted({lens[len(lens) // 2], lens[-1]}),
-                                                peer=peer, sleep_ratio=sleep_ratio, device=dev,
-                                                duration_s=1.0 if settings.component_budget_s > 0 else 0.1)
-                handoff[model.name] = {s: _handoff(r) for s, r in raw.items()}
+                probed = sorted({lens[len(lens) // 2], lens[-1]})
+                sharing[model.name] = host.core_sharing(rank, pair, model, probed, device=dev)
+                raw = host.busy_core_handoff(rank, pair, model, probed, peer=peer, sleep_ratio=sleep_ratio, device=dev,
+                                             duration_s=1.0 if settings.component_budget_s > 0 else 0.1)
+                handoff[model.name] = {s: host.handoff_figures(r) for s, r in raw.items()}
         if rank == 0:
-            out["tp_overhead"] = overhead
-            out["core_sharing"] = sharing
-            out["core_handoff"] = handoff
-            out["rss_gib"] = _rss_gib() if not cuda else 0.0
+            out.update(p2p_wake=wake, tp_overhead=overhead, core_sharing=sharing, core_handoff=handoff,
+                       rss_gib=_rss_gib() if not cuda else 0.0)
             queue.put(out)
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:  # reported to the parent, which raises it as one line
         if rank == 0:
             queue.put({"error": f"{type(exc).__name__}: {exc}"})
-
-
-def _handoff(raw: dict[str, dict[str, float]]) -> CoreHandoff:
-    """The delays with the core's other process computing, beyond the same with it idle."""
-    busy, idle = raw["busy"], raw["idle"]
-    return CoreHandoff(handoff_s=_r(max(0.0, busy["gap"] - idle["gap"])),
-                       wake_s=_r(max(0.0, busy["late"] - idle["late"])),
-                       recv_wake_s=_r(max(0.0, busy["recv"] - idle["recv"])),
-                       cold_forward_s=_r(max(0.0, busy["cpu_forward"] - idle["cpu_forward"])),
-                       cold_backward_s=_r(max(0.0, busy["cpu_backward"] - idle["cpu_backward"])))
 
 
 def _rss_gib() -> float:

@@ -257,7 +257,7 @@ def test_time_sharing_a_core_costs_its_measured_efficiency():
     # Interpolated in log length between measured lengths (clamped outside them).
     cm = CostModel(TINY, FAST_LINKS, with_models(profiles(), core_sharing={32: 0.6, 128: 1.0}), micro_batch=1,
                    seq_len=64, step_allreduce=False)
-    assert cm.core_sharing("cpu-fast") == pytest.approx(0.8)
+    assert cm.host.core_sharing("cpu-fast") == pytest.approx(0.8)
     # On their own cores nothing is shared, whatever the efficiency.
     alone = simulate(cost_model(with_models(with_cores(profiles(), 2), core_sharing={64: 0.5})), dp2, 2)
     assert alone.pipeline_end_s == pytest.approx((18.0, 18.0))
@@ -374,9 +374,9 @@ def test_core_handoff_from_the_profile_reaches_the_simulation():
     cm = CostModel(TINY, FAST_LINKS, with_models(profiles(), core_handoff={
         32: CoreHandoff(0.001, 0.002, 0.0), 128: CoreHandoff(0.003, 0.0, 0.004)}), micro_batch=1, seq_len=64,
         step_allreduce=False)
-    h = cm.core_handoff("cpu-fast")
+    h = cm.host.core_handoff("cpu-fast")
     assert h is not None and (h.handoff_s, h.wake_s, h.recv_wake_s) == pytest.approx((0.002, 0.001, 0.002))
-    assert cost_model(profiles()).core_handoff("cpu-fast") is None
+    assert cost_model(profiles()).host.core_handoff("cpu-fast") is None
 
 
 def test_block_after_the_core_mate_computed_pays_its_cold_caches():

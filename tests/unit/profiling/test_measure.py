@@ -3,27 +3,28 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from runtime.errors import InfeasibleError
-from runtime.launch.options import emulated_cpu_shares, host_cpus
-from runtime.models.llama import LlamaForCausalLM
-from runtime.profiling.measure import (
-    _blocks,
-    busy_core_handoff,
-    fit_component,
-    fit_quadratic,
+from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
+from runtime.profiling.compute import (
+    StageRun,
     local_stage,
     measure_component,
     measure_stage_blocks,
     measure_step_epilogue,
     measure_sync_pack,
-    nonneg_lstsq,
+    stage_blocks,
 )
+from runtime.profiling.fit import fit_component, fit_quadratic, nonneg_lstsq
+from runtime.profiling.host import busy_core_handoff, emulated_cpu_shares, handoff_figures, host_cpus
 from runtime.profiling.profile import BLOCKS, ResumePenalty
-from runtime.profiling.profiler import _handoff, plan_targets
+from runtime.profiling.profiler import plan_targets
 from runtime.spec import load_cluster, load_model
 
 TINY = load_model("llama-tiny")
@@ -78,16 +79,16 @@ def test_plan_targets():
 
 def test_stage_blocks_are_differences_of_whole_stages():
     med = {"mid1": (3.0, 5.0), "mid3": (7.0, 11.0), "first1": (3.5, 5.25), "last1": (4.0, 5.0)}
-    blocks = _blocks(med)
+    blocks = stage_blocks(med)
     assert blocks["layer"] == pytest.approx((2.0, 3.0))             # (3 layers - 1) / 2
     assert blocks["stage"] == pytest.approx((1.0, 2.0))             # 1 layer minus a layer
     assert blocks["embedding"] == pytest.approx((0.5, 0.25)) and blocks["head"] == pytest.approx((1.0, 0.0))
-    assert _blocks({**med, "mid3": (2.0, 1.0)})["layer"] == (0.0, 0.0)   # noise never goes below zero
+    assert stage_blocks({**med, "mid3": (2.0, 1.0)})["layer"] == (0.0, 0.0)   # noise never goes below zero
 
 
 def test_measure_stage_blocks_through_the_runtime_stage_module():
     torch.manual_seed(0)
-    samples = measure_stage_blocks(TINY, 2, [16, 32], min_reps=2, max_reps=2, budget_s=0.0, warmup=1)
+    samples = measure_stage_blocks(TINY, 2, [16, 32], min_reps=7, max_reps=7, budget_s=0.0, warmup=1)
     assert sorted(samples) == sorted(BLOCKS)
     assert [s.seq_len for s in samples["layer"]] == [16, 32]
     assert all(s.forward_s > 0 and s.backward_s > 0 for s in samples["layer"])
@@ -130,7 +131,7 @@ def test_core_handoff_is_busy_minus_idle_never_negative():
                     "recv": 2e-4},
            "busy": {"wall": 6e-3, "cpu_forward": 1.2e-3, "cpu_backward": 1.9e-3, "gap": 2.05e-3, "late": 5e-5,
                     "recv": 9e-4}}
-    h = _handoff(raw)
+    h = handoff_figures(raw)
     assert (h.handoff_s, h.wake_s, h.recv_wake_s, h.cold_forward_s, h.cold_backward_s) == pytest.approx(
         (2e-3, 0.0, 7e-4, 2e-4, 0.0))
 
@@ -150,3 +151,26 @@ def test_busy_core_handoff_runs_the_emulated_duty_cycle(tmp_path):
         assert set(case) == {"wall", "cpu_forward", "cpu_backward", "gap", "late", "recv"} and case["recv"] == 0.0
         assert 0 < case["cpu_forward"] < case["cpu_backward"] and case["gap"] >= 0 and case["late"] >= 0
         assert case["cpu_forward"] + case["cpu_backward"] <= 2 * case["wall"] * 1.5
+
+
+def test_stage_run_times_the_engines_micro_batch_step():
+    """The profiler's stage run is the engine's step: a middle stage hands back the input gradient of the
+    received output gradient, a last stage sums the loss and scales it by the step's tokens."""
+    torch.manual_seed(0)
+    mid = StageRun(TINY, 1, 1, False, False, 2, 16, torch.device("cpu"))
+    mid.prepare_backward()()
+    x = mid.x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(mid.module(x), x, mid.grad)
+    assert torch.allclose(mid.state.grads_out[0], want) and not mid.state.outputs
+    last = StageRun(TINY, 1, 1, False, True, 2, 16, torch.device("cpu"))
+    last.prepare_forward()()
+    loss = causal_lm_loss_sum(last.module(last.x), last.rows[:, 1:])
+    assert torch.allclose(last.state.loss_sum, loss) and torch.allclose(last.state.outputs[0], loss / last.tokens)
+
+
+def test_host_policy_and_model_load_no_torch():
+    """The launcher's CPU-share policy and the planner's host model are read by torch-free verbs."""
+    code = "import sys, runtime.profiling.host, planner.host; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[3])
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,99 @@
+"""The emulated host as the planner models it: what sharing one machine's CPU costs emulated devices.
+
+Their processes share the host's cores as the launcher pins them (runtime/profiling/host.py, which also
+measures what the sharing costs). The cost model stretches compute by ``emulated_slowdown``; the other
+effects only the simulator plays out (planner/simulate.py). A device type's measured effects all come
+through ``_figures``: the one place that decides whether they apply to it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from runtime.profiling.host import emulated_cpu_shares
+from runtime.profiling.profile import CoreHandoff, DeviceProfile, MeasuredModel, ProfileSet, ResumePenalty
+from runtime.spec.cluster import Cluster
+from runtime.spec.model import ModelSpec
+
+
+def _log_interp(pts: Sequence[tuple[int, float]], s: float) -> float:
+    """Linear in log ``s`` between sorted (s, value) points; the end values beyond them."""
+    if s <= pts[0][0]:
+        return pts[0][1]
+    for (s0, e0), (s1, e1) in zip(pts, pts[1:]):
+        if s <= s1:
+            w = math.log(s / s0) / math.log(s1 / s0)
+            return e0 + w * (e1 - e0)
+    return pts[-1][1]
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """The host effects on one model's devices of one cluster at one sequence length, from the profiles."""
+
+    model: ModelSpec
+    cluster: Cluster
+    profiles: Mapping[str, DeviceProfile] | ProfileSet
+    seq_len: int
+
+    def _figures(self, device_type: str) -> DeviceProfile | None:
+        """The profile holding the type's measured host figures: the one switch for all of them (a type
+        whose devices do not share a host the way they were measured would return None)."""
+        return self.profiles[device_type]
+
+    def _measured(self, device_type: str) -> MeasuredModel | None:
+        prof = self._figures(device_type)
+        return None if prof is None else prof.measured_model(self.model)
+
+    def emulated_slowdown(self, device_type: str) -> float:
+        """The slowdown an emulated device type's compute blocks are stretched by (1 otherwise)."""
+        em = self.cluster.device_types[device_type].emulate
+        return em.slowdown if em is not None else 1.0
+
+    def resume_penalty(self, device_type: str) -> ResumePenalty | None:
+        """Extra CPU time of a compute block after its device idled (measured profiles; None otherwise)."""
+        m = self._measured(device_type)
+        return None if m is None else m.resume
+
+    def comm_wake(self, device_type: str) -> ResumePenalty | None:
+        """How much later a device blocked in communication resumes after waiting (measured profiles)."""
+        prof = self._figures(device_type)
+        return None if prof is None else prof.comm.p2p_wake
+
+    def core_sharing(self, device_type: str) -> float:
+        """Efficiency of two emulated devices' processes time-sharing one CPU core, at this sequence length
+        (measured profiles: interpolated in log length between the measured ones; 1 otherwise)."""
+        m = self._measured(device_type)
+        return _log_interp(sorted(m.core_sharing.items()), self.seq_len) if m and m.core_sharing else 1.0
+
+    def core_handoff(self, device_type: str) -> CoreHandoff | None:
+        """The scheduler's delays around a compute block of an emulated device whose core's other process
+        computes, at this sequence length (measured profiles: interpolated in log length; None otherwise)."""
+        m = self._measured(device_type)
+        if m is None or not m.core_handoff:
+            return None
+        pts = sorted(m.core_handoff.items())
+        return CoreHandoff(**{k: max(0.0, _log_interp([(s, getattr(h, k)) for s, h in pts], self.seq_len))
+                              for k in ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s",
+                                        "cold_backward_s")})
+
+    def host_cores(self, node: str) -> int | None:
+        """CPU cores shared by the emulated devices of ``node`` (from their measured profiles), or None
+        when its devices do not share a CPU (real accelerators, or no measured figure)."""
+        if not self.cluster.emulated:
+            return None
+        figures = [self._figures(d.type) for d in self.cluster.devices if d.node == node]
+        known = [p.compute.host_cores for p in figures if p is not None and p.compute.host_cores]
+        return min(known) if known else None
+
+    def cpu_layout(self, devices: Sequence[int]) -> tuple[dict[str, float], dict[int, list[tuple[str, float]]]]:
+        """The cores each of a strategy's ``devices`` runs on, as the launcher pins its workers: (cores per
+        host, device -> [(host, demand)]), one host per core; empty when the devices do not share CPUs."""
+        known = [c for n in {d.node for d in self.cluster.devices} if (c := self.host_cores(n))]
+        if not known:
+            return {}, {}
+        _, shares = emulated_cpu_shares(devices, self.cluster.num_devices, range(min(known)))
+        cores = {f"core {c}": 1.0 for cs in shares.values() for c in cs}
+        return cores, {d: [(f"core {c}", 1.0) for c in cs] for d, cs in shares.items()}

@@ -1,0 +1,460 @@
+"""Timing the runtime's own Llama modules on this machine, per TP shard shape.
+
+Each component is built from runtime/models/llama.py with the shapes one TP rank holds (q/k/v and
+gate/up split on their outputs, o/down on their inputs, embedding and head on the vocabulary), run
+forward and backward on ``B`` sequences of each length ``s``, and timed (median of repeats, after a
+warm-up; CUDA synchronised). Saved activations are counted with ``saved_tensors_hooks`` (unique
+storages, parameters excluded). runtime/profiling/fit.py fits the samples.
+
+Components timed alone overcount what a stage pays once per micro-batch (the autograd engine's start,
+RoPE tables, the module calls around the layers) and miss the engine's own per-micro-batch code. So
+whole **stage blocks** are timed too: the runtime's ``LlamaForCausalLM`` stage module run by the engine's
+own micro-batch step (``StageRun``), with 1 and 3 layers and with and without the embedding or head.
+Their differences give the per-layer time, a stage's fixed time per micro-batch, and what the embedding
+and the head add (``stage_blocks``). The step's epilogue (gradient collection, global norm, clipping,
+AdamW on local shards, gradient reset) is timed as ``train_step`` runs it (``measure_step_epilogue``), and
+what the runtime's TP layer adds among processes as the TP stage minus its local shards
+(``measure_tp_overhead``).
+
+What this does not time: the head's all-gather (its output is materialised by a copy).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from runtime.engine.optim import LocalAdamW, clip_coefficient
+from runtime.engine.program import StepState, stage_backward, stage_forward
+from runtime.engine.reference import autocast_for
+from runtime.engine.tensor_parallel import apply_tensor_parallel
+from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, causal_lm_loss_sum, rope_tables
+from runtime.models.params import llama_parameters
+from runtime.profiling.fit import Sample, fit_per_param, trimmed_mean
+from runtime.profiling.profile import COMPONENTS, OptimizerFit
+from runtime.spec.model import ModelSpec
+from runtime.spec.plan import OptimizerSettings
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _shard_attention(model: ModelSpec, tp: int) -> nn.Module:
+    att = LlamaAttention(model)
+    h, kv = model.hidden_size, model.kv_dim
+    att.q_proj = nn.Linear(h, h // tp, bias=False)
+    att.k_proj = nn.Linear(h, kv // tp, bias=False)
+    att.v_proj = nn.Linear(h, kv // tp, bias=False)
+    att.o_proj = nn.Linear(h // tp, h, bias=False)
+    return att
+
+
+def _shard_mlp(model: ModelSpec, tp: int) -> nn.Module:
+    mlp = LlamaMLP(model)
+    h, f = model.hidden_size, model.ffn_hidden_size
+    mlp.gate_proj = nn.Linear(h, f // tp, bias=False)
+    mlp.up_proj = nn.Linear(h, f // tp, bias=False)
+    mlp.down_proj = nn.Linear(f // tp, h, bias=False)
+    return mlp
+
+
+class _GatheredHead(nn.Module):
+    """One TP rank's column of the head, its logits repeated to full rows (the all-gather's shape); with
+    ``labels`` their summed loss (the head component)."""
+
+    def __init__(self, model: ModelSpec, tp: int) -> None:
+        super().__init__()
+        self.tp = tp
+        self.local = nn.Linear(model.hidden_size, model.vocab_size // tp, bias=False)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.local(x)
+        out = out.repeat(1, 1, self.tp) if self.tp > 1 else out
+        return out if labels is None else causal_lm_loss_sum(out, labels)
+
+
+class _Component:
+    """A module plus how to feed it and how to run its backward."""
+
+    def __init__(self, name: str, model: ModelSpec, tp: int, device: torch.device) -> None:
+        self.name = name
+        self.model = model
+        self.device = device
+        h = model.hidden_size
+        if name == "attention":
+            self.module: nn.Module = _shard_attention(model, tp)
+        elif name == "mlp":
+            self.module = _shard_mlp(model, tp)
+        elif name == "norm":
+            self.module = RMSNorm(h, model.norm_eps)
+        elif name == "embedding":
+            self.module = nn.Embedding(model.vocab_size // tp, h)
+        elif name == "head":
+            self.module = _GatheredHead(model, tp)
+        else:
+            raise ValueError(f"unknown component {name!r} (have: {', '.join(COMPONENTS)})")
+        self.module.to(device)
+        self.params = sum(p.numel() for p in self.module.parameters())
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+
+    def inputs(self, batch: int, seq_len: int) -> tuple:
+        d, h = self.device, self.model.hidden_size
+        g = torch.Generator(device="cpu").manual_seed(seq_len)
+        if self.name == "embedding":
+            ids = torch.randint(0, self.module.num_embeddings, (batch, seq_len), generator=g)
+            return (ids.to(d),)
+        x = torch.randn(batch, seq_len, h, generator=g).to(d).requires_grad_()
+        if self.name == "attention":
+            cos, sin = rope_tables(seq_len, self.model.head_dim, self.model.rope_theta, d, x.dtype)
+            return (x, cos, sin)
+        if self.name == "head":
+            labels = torch.randint(0, self.model.vocab_size, (batch, seq_len), generator=g).to(d)
+            return (x, labels)
+        return (x,)
+
+    def forward(self, args: tuple) -> torch.Tensor:
+        with autocast_for(self.device):
+            return self.module(*args)
+
+    def backward(self, out: torch.Tensor) -> None:
+        out.backward(None if out.dim() == 0 else torch.ones_like(out))
+
+    def saved_bytes(self, args: tuple) -> float:
+        """Bytes of the tensors autograd keeps for backward (unique storages, parameters excluded)."""
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr not in self._param_ptrs:
+                seen[ptr] = max(seen.get(ptr, 0), st.nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.forward(args)
+        del out
+        self.module.zero_grad(set_to_none=True)
+        return float(sum(seen.values()))
+
+
+def time_once(timed: Callable[[], None], device: torch.device) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one call, with the device synchronised before and after."""
+    synchronize(device)
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    timed()
+    synchronize(device)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _median_time(run: Callable[[], Callable[[], None]], device: torch.device, *, min_reps: int,
+                 max_reps: int, budget_s: float) -> float:
+    """Median wall time of the timed part: ``run()`` prepares (untimed) and returns what to time."""
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < budget_s):
+        times.append(time_once(run(), device)[0])
+    return statistics.median(times)
+
+
+def _time_forward_backward(comp: _Component, args: tuple, device: torch.device,
+                           **kw: Any) -> tuple[float, float]:
+    def fwd() -> Callable[[], None]:
+        return lambda: comp.forward(args)
+
+    holder: dict[str, torch.Tensor] = {}
+
+    def bwd() -> Callable[[], None]:
+        comp.module.zero_grad(set_to_none=True)
+        holder["out"] = comp.forward(args)
+        return lambda: comp.backward(holder.pop("out"))
+
+    return _median_time(fwd, device, **kw), _median_time(bwd, device, **kw)  # type: ignore[arg-type]
+
+
+def measure_component(name: str, model: ModelSpec, tp: int, seq_lens: Sequence[int], *, micro_batch: int = 1,
+                      device: torch.device | str = "cpu", min_reps: int = 5, max_reps: int = 40,
+                      budget_s: float = 0.1, warmup: int = 2) -> tuple[list[Sample], int]:
+    """Time one component at each sequence length; returns the samples and its local parameter count."""
+    device = torch.device(device)
+    comp = _Component(name, model, tp, device)
+    samples = []
+    for s in seq_lens:
+        args = comp.inputs(micro_batch, s)
+        for _ in range(warmup):
+            comp.backward(comp.forward(args))
+        comp.module.zero_grad(set_to_none=True)
+        f, b = _time_forward_backward(comp, args, device, min_reps=min_reps, max_reps=max_reps, budget_s=budget_s)
+        samples.append(Sample(s, f, b, comp.saved_bytes(args)))
+    return samples, comp.params
+
+
+# -- whole stage blocks, as the engine runs them ---------------------------------------------------------
+
+# name -> (embedding, head, layers): the stage modules timed; their differences are the blocks.
+STAGE_VARIANTS: dict[str, tuple[bool, bool, int]] = {
+    "mid1": (False, False, 1), "mid3": (False, False, 3), "first1": (True, False, 1), "last1": (False, True, 1)}
+
+
+def local_stage(model: ModelSpec, tp: int, num_layers: int, embed: bool, head: bool) -> nn.Module:
+    """The runtime's stage module (``LlamaForCausalLM`` with a layer range) at one TP rank's local
+    shapes, without DTensor: at TP 1 exactly what a worker builds."""
+    stage = LlamaForCausalLM(model, range(num_layers), embed=embed, head=head)
+    if tp > 1:
+        for layer in stage.model.layers.values():
+            layer.self_attn = _shard_attention(model, tp)
+            layer.mlp = _shard_mlp(model, tp)
+        if embed:
+            stage.model.embed_tokens = nn.Embedding(model.vocab_size // tp, model.hidden_size)
+        if head:
+            stage.lm_head = _GatheredHead(model, tp)  # type: ignore[assignment]
+    return stage
+
+
+class StageRun:
+    """One micro-batch through a stage module by the engine's own micro-batch step
+    (runtime/engine/program.py ``stage_forward`` / ``stage_backward``), fed as a middle stage is fed: a
+    fresh fp32 boundary tensor in, a received output gradient back. Parameter gradients accumulate
+    across micro-batches, as in a step."""
+
+    def __init__(self, model: ModelSpec, tp: int, num_layers: int, embed: bool, head: bool, micro_batch: int,
+                 seq_len: int, device: torch.device | str, module: nn.Module | None = None) -> None:
+        self.device = device = torch.device(device)
+        self.embed, self.head = embed, head
+        # ``module``: the runtime's TP stage (DTensor), which takes token ids of the whole vocabulary.
+        self.module = module if module is not None else local_stage(model, tp, num_layers, embed, head).to(device)
+        g = torch.Generator(device="cpu").manual_seed(seq_len)
+        vocab = model.vocab_size // tp if embed and module is None else model.vocab_size
+        self.rows = torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=g).to(device)
+        self.x = torch.randn(micro_batch, seq_len, model.hidden_size, generator=g).to(device)
+        self.grad = torch.randn(micro_batch, seq_len, model.hidden_size, generator=g).to(device) * 1e-3
+        self.tokens = micro_batch * seq_len * 8
+        self.state = StepState(device)
+
+    def prepare_forward(self) -> Callable[[], None]:
+        if not self.embed:
+            self.state.inputs[0] = self.x.clone()
+        if not self.head:
+            self.state.grads_in[0] = self.grad
+        return self.forward
+
+    def forward(self) -> None:
+        stage_forward(self.module, self.embed, self.head, self.tokens, self.rows, 0, self.state)  # type: ignore[arg-type]
+
+    def prepare_backward(self) -> Callable[[], None]:
+        self.prepare_forward()
+        self.forward()
+        synchronize(self.device)
+        return self.backward
+
+    def backward(self) -> None:
+        stage_backward(self.embed, self.head, 0, self.state)
+
+
+def _time_stage_runs(runs: dict[Any, StageRun], device: torch.device, *, min_reps: int, max_reps: int,
+                     budget_s: float, warmup: int, barrier: Callable[[], None] | None = None,
+                     mean: bool = False) -> dict[Any, tuple[tuple[float, float], tuple[float, float]]]:
+    """Median (``mean``: mean) (forward, backward) wall and CPU times of each run; the runs take turns
+    within each repeat, so a change of machine load hits them alike. ``barrier``: called before each
+    repeat (TP groups)."""
+    for r in runs.values():
+        for _ in range(warmup):
+            r.prepare_backward()()
+    wall: dict[Any, tuple[list[float], list[float]]] = {k: ([], []) for k in runs}
+    cpu: dict[Any, tuple[list[float], list[float]]] = {k: ([], []) for k in runs}
+    start = time.perf_counter()
+    reps = 0
+    while reps < max_reps and (reps < min_reps or time.perf_counter() - start < budget_s * len(runs)):
+        if barrier is not None:
+            barrier()
+        for name, r in runs.items():
+            for phase, prep in ((0, r.prepare_forward), (1, r.prepare_backward)):
+                wall_s, cpu_s = time_once(prep(), device)
+                wall[name][phase].append(wall_s)
+                cpu[name][phase].append(cpu_s)
+        reps += 1
+    med = trimmed_mean if mean else statistics.median
+    return {k: ((med(wall[k][0]), med(wall[k][1])), (med(cpu[k][0]), med(cpu[k][1]))) for k in runs}
+
+
+def stage_blocks(med: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """Stage blocks (forward, backward) from the ``STAGE_VARIANTS`` times: a layer is (3 layers - 1) / 2,
+    a middle stage's fixed time the 1-layer stage minus a layer, the embedding and the head what the
+    first and last 1-layer stages add to the middle one (none below zero)."""
+    layer = tuple(max(0.0, (med["mid3"][i] - med["mid1"][i]) / 2) for i in (0, 1))
+    return {"layer": layer,  # type: ignore[dict-item]
+            "stage": tuple(max(0.0, med["mid1"][i] - layer[i]) for i in (0, 1)),
+            "embedding": tuple(max(0.0, med["first1"][i] - med["mid1"][i]) for i in (0, 1)),
+            "head": tuple(max(0.0, med["last1"][i] - med["mid1"][i]) for i in (0, 1))}
+
+
+def measure_stage_blocks(model: ModelSpec, tp: int, seq_lens: Sequence[int], *, micro_batch: int = 1,
+                         device: torch.device | str = "cpu", min_reps: int = 7, max_reps: int = 40,
+                         budget_s: float = 0.1, warmup: int = 2) -> dict[str, list[Sample]]:
+    """Time the ``STAGE_VARIANTS`` stage modules (local shards of TP rank 0) forward and backward at each
+    length; return per-length samples of the blocks: ``layer`` (one decoder layer), ``stage`` (a middle
+    stage's fixed time per micro-batch), ``embedding`` and ``head`` (what the first and the last stage
+    add). Every (length, variant) takes its turn in every repeat, so a slow spell of a shared machine
+    hits all of them alike and the medians pass over it."""
+    device = torch.device(device)
+    runs = {(s, name): StageRun(model, tp, n, e, h, micro_batch, s, device)
+            for s in seq_lens for name, (e, h, n) in STAGE_VARIANTS.items()}
+    med = _time_stage_runs(runs, device, min_reps=min_reps, max_reps=max_reps, budget_s=budget_s,  # type: ignore[arg-type]
+                           warmup=warmup)
+    out: dict[str, list[Sample]] = {k: [] for k in ("layer", "stage", "embedding", "head")}
+    for s in seq_lens:
+        for k, (f, b) in stage_blocks({name: med[s, name][0] for name in STAGE_VARIANTS}).items():  # type: ignore[index]
+            out[k].append(Sample(s, f, b, 0.0))
+    return out
+
+
+def measure_tp_overhead(model: ModelSpec, tp: int, group, seq_lens: Sequence[int], *, device: torch.device | str,
+                        micro_batch: int = 1, reps: int = 9) -> dict[str, dict[str, list[Sample]]] | None:
+    """What tensor parallelism adds to each stage block: the runtime's TP stage modules
+    (``apply_tensor_parallel``: DTensor over ``group``, its collectives included) minus the same local
+    shards run plainly, both as the engine runs a micro-batch. Call on every member of ``group`` (the
+    first ``tp`` ranks); the group's first rank returns ``{"wall": blocks, "cpu": blocks}`` (block ->
+    per-length samples; CPU time is what an emulated device's sleep is a multiple of), the others None."""
+    device = torch.device(device)
+    mesh = DeviceMesh.from_group(group, device.type)
+    first = dist.get_rank(group) == 0
+
+    def tp_stage(n: int, embed: bool, head: bool) -> nn.Module:
+        stage = LlamaForCausalLM(model, range(n), embed=embed, head=head).to(device)
+        infos = [i for i in llama_parameters(model) if (i.owner == "embedding" and embed) or
+                 (i.owner == "head" and head) or (i.owner == "layer" and i.layer is not None and i.layer < n)]
+        apply_tensor_parallel(stage, infos, mesh)
+        return stage
+
+    out: dict[str, dict[str, list[Sample]]] = {"wall": {}, "cpu": {}}
+    runs = {}
+    for s in seq_lens:
+        for name, (e, h, n) in STAGE_VARIANTS.items():
+            runs[s, f"tp {name}"] = StageRun(model, tp, n, e, h, micro_batch, s, device, module=tp_stage(n, e, h))
+            runs[s, name] = StageRun(model, tp, n, e, h, micro_batch, s, device)
+    dist.barrier(group=group)
+    # Means: a step pays every collective's occasional stall (on a shared host, a few ms when a waiting
+    # process's core has gone idle), so the mean is what adds up, not the typical time.
+    med = _time_stage_runs(runs, device, min_reps=reps, max_reps=reps, budget_s=0.0, warmup=2,  # type: ignore[arg-type]
+                           barrier=lambda: dist.barrier(group=group), mean=True)
+    for s in seq_lens:
+        for kind, i in (("wall", 0), ("cpu", 1)):
+            diff = {name: tuple(max(0.0, med[s, f"tp {name}"][i][j] - med[s, name][i][j]) for j in (0, 1))
+                    for name in STAGE_VARIANTS}
+            for k, (f, b) in stage_blocks(diff).items():  # type: ignore[arg-type]
+                out[kind].setdefault(k, []).append(Sample(s, f, b, 0.0))
+    return out if first else None
+
+
+def measure_step_epilogue(models: Sequence[ModelSpec], tp_degrees: Sequence[int], *,
+                          device: torch.device | str = "cpu", micro_batch: int = 1, seq_len: int = 64,
+                          reps: int = 7) -> tuple[OptimizerFit, OptimizerFit, float]:
+    """The end of a step on the parameters of real stages, right after their backward (as the caches are
+    then), as ``DeviceProgram.train_step`` runs it: the optimizer span (gradients scaled by the clip
+    coefficient, AdamW on the local shards: ``LocalAdamW.step``), and the code outside any span
+    (local gradients collected, the squared norm summed tensor by tensor, the statistics stacked, the
+    gradients reset). For every model, TP degree and ``STAGE_VARIANTS`` stage; each fitted as
+    ``seconds_per_param * params + seconds_per_tensor * tensors + fixed_s``. Returns (optimizer fit,
+    outside-span fit, the optimizer fit's largest relative error)."""
+    device = torch.device(device)
+    rows: list[tuple[float, float]] = []
+    opt_ys: list[float] = []
+    over_ys: list[float] = []
+    for model in models:
+        s = min(seq_len, model.max_seq_len)
+        for tp in tp_degrees:
+            for embed, head, n in STAGE_VARIANTS.values():
+                run = StageRun(model, tp, n, embed, head, micro_batch, s, device)
+                params = dict(run.module.named_parameters())
+                opt = LocalAdamW({k: p.detach() for k, p in params.items()}, OptimizerSettings())
+                t_opt, t_over = [], []
+                for i in range(reps + 1):
+                    for p in params.values():   # the step's start
+                        p.grad = None
+                    run.prepare_backward()()
+                    synchronize(device)
+                    t0 = time.perf_counter()
+                    grads = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in params.items()}
+                    norm_sq = torch.zeros((), dtype=torch.float32, device=device)
+                    for g in grads.values():
+                        norm_sq += g.float().pow(2).sum()
+                    stats = torch.stack([run.state.loss_sum.float(), norm_sq])
+                    norm = stats[1].sqrt()
+                    synchronize(device)
+                    t1 = time.perf_counter()
+                    opt.step(grads, clip_coefficient(norm, 1.0))
+                    synchronize(device)
+                    t2 = time.perf_counter()
+                    for p in params.values():
+                        p.grad = None
+                    float(stats[0])
+                    t3 = time.perf_counter()
+                    if i > 0:   # the first step allocates the AdamW states
+                        t_opt.append(t2 - t1)
+                        t_over.append(t1 - t0 + t3 - t2)
+                rows.append((sum(p.numel() for p in params.values()), len(params)))
+                opt_ys.append(statistics.median(t_opt))
+                over_ys.append(statistics.median(t_over))
+    opt, resid = fit_per_param(rows, opt_ys)
+    return opt, fit_per_param(rows, over_ys)[0], resid
+
+
+def measure_sync_pack(models: Sequence[ModelSpec], tp_degrees: Sequence[int], *,
+                      device: torch.device | str = "cpu", reps: int = 9) -> OptimizerFit:
+    """The local work of the cross-pipeline gradient sync around its all-reduce, as
+    runtime/comm/gradsync.py ``GradientSync.sync`` does it: each gradient's slice flattened and
+    concatenated into the bucket, then copied back slice by slice. On the gradients of every
+    ``STAGE_VARIANTS`` stage; fitted per parameter, per tensor and fixed (``OptimizerFit``'s form)."""
+    device = torch.device(device)
+    rows: list[tuple[float, float]] = []
+    ys: list[float] = []
+    for model in models:
+        for tp in tp_degrees:
+            for embed, head, n in STAGE_VARIANTS.values():
+                module = local_stage(model, tp, n, embed, head).to(device)
+                grads = {k: torch.randn(p.shape, device=device) for k, p in module.named_parameters()}
+                regions = {k: tuple(slice(0, d) for d in g.shape) for k, g in grads.items()}
+
+                def run(grads: dict = grads, regions: dict = regions) -> Callable[[], None]:
+                    def sync() -> None:
+                        for k, g in grads.items():
+                            if tuple(g.shape) != tuple(e.stop for e in regions[k]):
+                                raise AssertionError(k)
+                        flat = torch.cat([g[regions[k]].reshape(-1) for k, g in grads.items()])
+                        off = 0
+                        for k, g in grads.items():
+                            size = g.numel()
+                            g[regions[k]] = flat[off:off + size].view(g.shape)
+                            off += size
+                    return sync
+
+                ys.append(_median_time(run, device, min_reps=reps, max_reps=reps, budget_s=0.0))
+                rows.append((sum(g.numel() for g in grads.values()), len(grads)))
+    return fit_per_param(rows, ys)[0]
+
+
+def measure_throughput(device: torch.device | str = "cpu") -> dict[str, float]:
+    """Model-independent figures: GEMM rate (TFLOPS), copy bandwidth (GB/s), per-op overhead (s)."""
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n = 4096 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    gemm = _median_time(lambda: (lambda: a @ b), device, min_reps=5, max_reps=20, budget_s=0.1)
+    size = (256 if device.type == "cuda" else 16) * 2**20 // 4
+    src = torch.randn(size, device=device)
+    dst = torch.empty_like(src)
+    copy = _median_time(lambda: (lambda: dst.copy_(src)), device, min_reps=5, max_reps=20, budget_s=0.1)
+    one = torch.ones(1, device=device)
+    op = _median_time(lambda: (lambda: [one.add(one) for _ in range(100)]), device, min_reps=5, max_reps=20,
+                      budget_s=0.05) / 100
+    return {"tflops": 2.0 * n**3 / gemm / 1e12, "bandwidth_gbs": 2.0 * size * 4 / copy / 1e9, "op_s": op}

@@ -1,0 +1,268 @@
+"""The emulated host: how an emulated cluster's devices share this machine's CPU, and what that costs.
+
+Each worker is a process on one host; the launcher gives each its share of the cores
+(``emulated_cpu_shares``, ``pin_process``) and ``hspmd profile`` measures under the same share. The probes
+measure what planner/host.py models: the cost of a block after idling, of waking from a blocking
+receive, of two processes on one core, of a core-mate computing. Importing this loads no torch (the
+policy has torch-free callers); the probes load it when they run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from runtime.profiling.fit import fit_saturating, rounded, trimmed_mean
+from runtime.profiling.profile import CoreHandoff, ResumePenalty
+from runtime.spec.model import ModelSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from runtime.profiling.compute import StageRun
+
+
+def emulated_cpu_shares(devices: Sequence[int], cluster_devices: int,
+                        cpus: Sequence[int]) -> tuple[int, dict[int, tuple[int, ...]]]:
+    """The CPU share of each worker of an emulated cluster on this host: (intra-op threads, device ->
+    cores to pin it to).
+
+    Every worker gets the same thread count, ``max(1, cores // cluster devices)``, whichever devices the
+    plan uses: an emulated device's speed must not depend on the plan (and one profile, measured at that
+    count, fits every plan). The i-th device of the plan (in id order) is pinned to cores ``i*t ..
+    i*t+t-1`` (mod the core count): left alone, the scheduler at times puts two communicating workers on
+    one core while another core idles (wake-affine placement), and the same plan's step time varied by
+    +-20% from run to run.
+    """
+    cores = list(cpus) or [0]
+    t = max(1, len(cores) // max(1, cluster_devices))
+    return t, {d: tuple(sorted({cores[(i * t + j) % len(cores)] for j in range(t)}))
+               for i, d in enumerate(sorted(devices))}
+
+
+def host_cpus() -> list[int]:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def pin_process(cpus: Sequence[int]) -> None:
+    """Pin this process to ``cpus`` (where the OS allows it; none: left as it is)."""
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+
+
+def _one_layer(model: ModelSpec, seq_len: int, device: torch.device | str, micro_batch: int = 1,
+               warmup: int = 2) -> StageRun:
+    """What every probe times: a one-layer middle stage at TP 1 run by the engine's step, warmed up."""
+    from runtime.profiling.compute import StageRun
+
+    run = StageRun(model, 1, 1, False, False, micro_batch, seq_len, device)
+    for _ in range(warmup):
+        run.prepare_backward()()
+    return run
+
+
+def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.device | str = "cpu",
+                           idles_s: Sequence[float] = (0.0005, 0.002, 0.008, 0.032), reps: int = 25,
+                           micro_batch: int = 1) -> ResumePenalty:
+    """How much longer a stage block (one decoder layer, TP 1, as the engine runs it) takes when the
+    process idled (slept) for ``t`` before it than right after other work: the two take turns, for
+    each ``t`` of ``idles_s``; the mean differences (forward, backward) fitted with
+    ``peak * (1 - exp(-t / tau))`` (tau from a log grid, peaks by least squares, none below zero)."""
+    from runtime.profiling.compute import time_once
+
+    run = _one_layer(model, seq_len, device, micro_batch, warmup=3)
+    extra: list[tuple[float, float]] = []
+    for idle in idles_s:
+        times: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
+        for _ in range(reps):
+            for after_idle in (False, True):
+                fwd = run.prepare_forward()
+                if after_idle:
+                    time.sleep(idle)
+                forward_s = time_once(fwd, run.device)[0]
+                if after_idle:
+                    time.sleep(idle)
+                times[after_idle][0].append(forward_s)
+                times[after_idle][1].append(time_once(run.backward, run.device)[0])
+        extra.append(tuple(statistics.mean(times[True][i]) - statistics.mean(times[False][i])  # type: ignore[misc]
+                           for i in (0, 1)))
+    (fwd_s, bwd_s), tau = fit_saturating(idles_s, extra)
+    return ResumePenalty(forward_s=fwd_s, backward_s=bwd_s, tau_s=tau)
+
+
+def p2p_wake(rank: int, device: torch.device, reps: int = 15,
+             idles_s: Sequence[float] = (0.0, 0.0005, 0.002, 0.008)) -> ResumePenalty | None:
+    """How much later a process blocked in a receive gets going when it has waited ``t`` (its core idle
+    meanwhile): rank 0 sleeps ``t``, then sends to rank 1 (blocked in its receive since it last replied)
+    and waits for the reply; the round trip beyond the one at ``t = 0`` is rank 1's extra wake-up time.
+    Fitted as ``peak * (1 - exp(-t / tau))`` (``ResumePenalty`` with forward_s = backward_s = peak)."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.zeros(1024, device=device)
+    rtts: list[float] = []
+    for idle in idles_s:
+        dist.barrier()
+        times = []
+        for _ in range(reps + 2):
+            if rank == 0:
+                if idle:
+                    time.sleep(idle)
+                t0 = time.perf_counter()
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+                times.append(time.perf_counter() - t0)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+        if rank == 0:
+            rtts.append(trimmed_mean(times[2:]))
+    if rank != 0:
+        return None
+    (peak,), tau = fit_saturating(idles_s, [(max(0.0, r - rtts[0]),) for r in rtts])
+    return ResumePenalty(forward_s=peak, backward_s=peak, tau_s=tau)
+
+
+def core_sharing(rank: int, pair: tuple[int, int], model: ModelSpec, seq_lens: Sequence[int], *,
+                 device: torch.device | str = "cpu", duration_s: float = 0.5) -> dict[int, float]:
+    """How well two processes pinned to one core share it (inside an initialised process group; ranks
+    ``pair`` share a core, as the launcher pins two emulated devices when cores are fewer than devices):
+    a one-layer stage block (forward and backward, as the engine runs it) is run for ``duration_s`` by
+    the first rank alone, then by both at once. Returns ``{seq_len: efficiency}`` on every rank, where
+    efficiency = (time per block alone) / (time per block shared / 2): 1 when time-slicing costs nothing,
+    less when each switch leaves the other process cold caches."""
+    import torch
+    import torch.distributed as dist
+
+    out: dict[int, float] = {}
+    for s in seq_lens:
+        run = _one_layer(model, s, device)
+        per_block = []
+        for both in (False, True):
+            dist.barrier()
+            if rank == pair[0] or (both and rank == pair[1]):
+                n, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < duration_s:
+                    run.prepare_backward()()
+                    n += 1
+                per_block.append((time.perf_counter() - t0) / n)
+            else:
+                time.sleep(duration_s)
+                per_block.append(0.0)
+        res = torch.tensor([per_block[0], per_block[1], 1.0 if rank in pair else 0.0], dtype=torch.float64)
+        dist.all_reduce(res)
+        alone = res[0].item()                    # only the pair's first rank ran alone
+        shared = res[1].item() / max(1.0, res[2].item())
+        out[s] = min(1.0, alone / (shared / 2)) if shared > 0 else 1.0
+    return out
+
+
+def busy_core_handoff(rank: int, pair: tuple[int, int], model: ModelSpec, seq_lens: Sequence[int], *,
+                      peer: int | None = None, sleep_ratio: float = 2.0, device: torch.device | str = "cpu",
+                      duration_s: float = 0.6, peer_wait_s: float = 0.001) -> dict[int, dict[str, dict[str, float]]]:
+    """How long an emulated device's process waits for its core around its compute blocks when the other
+    process pinned to that core computes meanwhile (inside an initialised process group; ranks ``pair``
+    share a core, ``peer`` runs on another one). The pair's first rank runs the runtime's duty cycle of an
+    emulated device (one-layer stage block forward, then backward, each wrapped in ``EmulatedSlowdown``: a
+    sleep of ``sleep_ratio`` times its CPU time after it; after each sleep, with a ``peer``, a blocking
+    receive that the peer answers ``peer_wait_s`` later), first with the second rank idle, then with it
+    computing stage blocks nonstop. Per sequence length and case ("idle", "busy"), the means over the
+    blocks of: ``wall`` of a block, its CPU time (``cpu_forward``, ``cpu_backward``: more with the core-mate
+    computing, whose work meanwhile took over the caches); ``gap`` from a block's end to the start of its sleep (the
+    process runnable, the core taken: a time-slicing scheduler switches when a process that used up its
+    slice makes a system call, here the CPU-time read that sizes the sleep); ``late``: how much later than
+    asked it runs after its sleep; ``recv``: from the peer's send to the receive's return. Returned on
+    every rank (the first rank's figures)."""
+    import torch
+    import torch.distributed as dist
+
+    from runtime.trace import EmulatedSlowdown
+
+    out: dict[int, dict[str, dict[str, float]]] = {}
+    keys = ("wall", "cpu_forward", "cpu_backward", "gap", "late", "recv")
+    flag = torch.zeros(1, dtype=torch.float64)
+    for s in seq_lens:
+        run = _one_layer(model, s, device)
+        out[s] = {}
+        for case in ("idle", "busy"):
+            dist.barrier()
+            sums = torch.zeros(len(keys), dtype=torch.float64)
+            if rank == pair[0]:
+                rec = _DutyRecorder(sleep_ratio)
+                slow = EmulatedSlowdown(1.0 + sleep_ratio, rec, sleep=rec.sleep)
+                recv: list[float] = []
+                t_end = time.perf_counter() + duration_s
+                while time.perf_counter() < t_end:
+                    fwd = run.prepare_forward()
+                    for name, block in (("forward", fwd), ("backward", run.backward)):
+                        with slow.span("compute", name):
+                            block()
+                        if peer is not None:
+                            dist.send(flag.fill_(1.0), peer)
+                            dist.recv(flag, peer)
+                            recv.append(time.perf_counter() - flag.item())
+                if peer is not None:
+                    dist.send(flag.fill_(0.0), peer)
+                rows = rec.rows[2:] or rec.rows   # the first blocks of a phase start from a cold core
+                series = {"wall": [r[0] for r in rows], "cpu_forward": [r[1] for r in rows if r[4] == "forward"],
+                          "cpu_backward": [r[1] for r in rows if r[4] == "backward"], "gap": [r[2] for r in rows],
+                          "late": [r[3] for r in rows], "recv": recv[2:] or recv}
+                for i, k in enumerate(keys):
+                    sums[i] = statistics.fmean(series[k]) if series[k] else 0.0
+            elif rank == peer:
+                while True:
+                    dist.recv(flag, pair[0])
+                    if flag.item() == 0.0:
+                        break
+                    time.sleep(peer_wait_s)
+                    dist.send(flag.fill_(time.perf_counter()), pair[0])
+            elif rank == pair[1] and case == "busy":
+                t_end = time.perf_counter() + duration_s + 0.05
+                while time.perf_counter() < t_end:
+                    run.prepare_backward()()
+            else:
+                time.sleep(duration_s)
+            dist.all_reduce(sums)
+            out[s][case] = {k: sums[i].item() for i, k in enumerate(keys)}
+    return out
+
+
+class _DutyRecorder:
+    """Hooks for ``EmulatedSlowdown`` that time each compute block, its hand-off gap and its sleep."""
+
+    def __init__(self, sleep_ratio: float) -> None:
+        self.sleep_ratio = sleep_ratio
+        self.start = self.end = 0.0
+        self.name = ""
+        self.rows: list[tuple[float, float, float, float, str]] = []   # (wall, cpu, gap, late, name) per block
+
+    @contextlib.contextmanager
+    def span(self, kind: str, name: str, **args: Any) -> Iterator[None]:
+        if kind == "compute":
+            self.start, self.name = time.perf_counter(), name
+        yield
+        if kind == "compute":
+            self.end = time.perf_counter()
+
+    def sleep(self, secs: float) -> None:
+        t0 = time.perf_counter()
+        time.sleep(secs)
+        late = max(0.0, time.perf_counter() - t0 - secs)
+        self.rows.append((self.end - self.start, secs / self.sleep_ratio, t0 - self.end, late, self.name))
+
+
+def handoff_figures(raw: dict[str, dict[str, float]]) -> CoreHandoff:
+    """The delays with the core's other process computing, beyond the same with it idle."""
+    busy, idle = raw["busy"], raw["idle"]
+    return CoreHandoff(handoff_s=rounded(max(0.0, busy["gap"] - idle["gap"])),
+                       wake_s=rounded(max(0.0, busy["late"] - idle["late"])),
+                       recv_wake_s=rounded(max(0.0, busy["recv"] - idle["recv"])),
+                       cold_forward_s=rounded(max(0.0, busy["cpu_forward"] - idle["cpu_forward"])),
+                       cold_backward_s=rounded(max(0.0, busy["cpu_backward"] - idle["cpu_backward"])))
