@@ -15,14 +15,14 @@ from planner.report import print_report, result_json
 from runtime.errors import Problem, SpecError
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_cluster, load_model, save_plan, validate_plan
-from runtime.spec.catalog import resolve_ref
+from runtime.spec.catalog import looks_like_path, resolve_ref
 
 
 def _ref(ref: str, kind: str) -> str:
     """What the plan file records: a catalog name as is, a path made absolute (the plan may live
     elsewhere)."""
     path = resolve_ref(ref, kind)
-    if path is not None and ("/" in ref or ref.endswith((".yaml", ".yml"))):
+    if path is not None and looks_like_path(ref):
         return str(path.resolve())
     return ref
 

@@ -16,7 +16,7 @@ from planner.replan import replan as run_replan
 from runtime.errors import HspmdError, Problem, SpecError
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import PlanContext, load_plan_context, save_plan
-from runtime.spec.catalog import resolve_ref
+from runtime.spec.catalog import looks_like_path, resolve_ref
 from runtime.spec.schema import to_data
 
 TOP_LINKS = 12
@@ -39,8 +39,7 @@ def plan_refs(ctx: PlanContext) -> tuple[str, str]:
     out = []
     for ref, kind in ((ctx.plan.model, "models"), (ctx.plan.cluster, "clusters")):
         path = resolve_ref(ref, kind, ctx.path.parent)
-        looks_like_path = "/" in ref or ref.endswith((".yaml", ".yml"))
-        out.append(str(path.resolve()) if path is not None and looks_like_path else ref)
+        out.append(str(path.resolve()) if path is not None and looks_like_path(ref) else ref)
     return out[0], out[1]
 
 

@@ -1,4 +1,8 @@
-"""Finding specs: catalog names (configs/models, configs/clusters) or paths, and loading them."""
+"""Finding specs: catalog names (configs/models, configs/clusters) or paths, and loading them.
+
+A model may also be a Hugging Face model directory or its ``config.json`` (runtime/spec/hf.py); this is
+the one place that tells the two apart, so every command taking ``--model`` or a plan's ``model:`` accepts
+both."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import TypeVar
 
 from runtime.errors import Problem, SpecError
 from runtime.spec.cluster import Cluster
+from runtime.spec.hf import config_file, is_hf_config, load_hf_model
 from runtime.spec.io import atomic_write_text, dump_yaml, read_yaml
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import Plan
@@ -24,17 +29,20 @@ def catalog_names(kind: str) -> list[str]:
     return sorted(p.stem for p in (CONFIGS_DIR / kind).glob("*.yaml"))
 
 
-def _looks_like_path(ref: str) -> bool:
-    return ref.endswith((".yaml", ".yml")) or "/" in ref or "\\" in ref
+def looks_like_path(ref: str) -> bool:
+    """A reference the user meant as a path (kept as a path in plan files), not a catalog name."""
+    return ref.endswith((".yaml", ".yml", ".json")) or "/" in ref or "\\" in ref
 
 
 def resolve_ref(ref: str, kind: str, relative_to: Path | None = None) -> Path | None:
     """Path of a spec given by name or path; None when no such file or catalog entry exists."""
-    if _looks_like_path(ref):
+    if looks_like_path(ref):
         candidates = [Path(ref)]
         if relative_to is not None and not Path(ref).is_absolute():
             candidates.insert(0, relative_to / ref)
         for c in candidates:
+            if kind == "models":
+                c = config_file(c)  # a Hugging Face model directory stands for its config.json
             if c.is_file():
                 return c
         return None
@@ -50,8 +58,15 @@ def load_model(ref: str, *, relative_to: Path | None = None, file: str = "", fie
     path = resolve_ref(ref, "models", relative_to)
     if path is None:
         raise SpecError([Problem(file, field, f"unknown model {ref!r} (catalog: "
-                                 f"{', '.join(catalog_names('models'))}; or a path to a YAML file)")])
-    return _load(ModelSpec, path)
+                                 f"{', '.join(catalog_names('models'))}; or a path to a YAML file, a Hugging "
+                                 "Face config.json or its directory)")])
+    return load_hf_model(path) if is_hf_config(path) else _load(ModelSpec, path)
+
+
+def model_source_config(ref: str, relative_to: Path | None = None) -> Path | None:
+    """The Hugging Face config.json a model reference names, or None (catalog entry, model YAML)."""
+    path = resolve_ref(ref, "models", relative_to)
+    return path if path is not None and is_hf_config(path) else None
 
 
 def load_cluster(ref: str, *, relative_to: Path | None = None, file: str = "",
