@@ -119,16 +119,20 @@ def _weight_files(directory: Path) -> list[Path] | None:
 
 def read_checkpoint_info(directory: str | Path, plan: PlanContext) -> CheckpointInfo:
     """Check that ``directory`` holds a checkpoint that ``plan``'s model can load (reads headers only)."""
+    return checkpoint_info(directory, plan.model)
+
+
+def checkpoint_info(directory: str | Path, model: ModelSpec) -> CheckpointInfo:
+    """Check that ``directory`` holds a checkpoint of ``model`` (reads headers only)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise HspmdError(f"{directory}: --load: no such directory")
     weights = _weight_files(directory)
     if weights is None:
         if checkpoint_path(directory).is_file():
-            return _legacy_info(directory, plan)
+            return _legacy_info(directory, model)
         raise HspmdError(f"{directory}: --load: no checkpoint in this directory ({WEIGHTS_FILE}, {WEIGHTS_INDEX} "
                          f"or {CHECKPOINT_FILE} not found)")
-    model = plan.model
     problems: list[Problem] = []
     if (directory / CONFIG_FILE).is_file():
         problems.extend(_config_problems(directory / CONFIG_FILE, model))
@@ -202,11 +206,11 @@ def _state_problems(path: Path, meta: dict[str, str], shapes: dict[str, tuple[in
     return problems
 
 
-def _legacy_info(directory: Path, plan: PlanContext) -> CheckpointInfo:
+def _legacy_info(directory: Path, model: ModelSpec) -> CheckpointInfo:
     path = checkpoint_path(directory)
     meta, shapes = _header(path)
-    want = expected_tensors(plan.model)
-    problems = _state_problems(path, meta, shapes, want, FORMAT, plan.model)
+    want = expected_tensors(model)
+    problems = _state_problems(path, meta, shapes, want, FORMAT, model)
     if problems:
         raise SpecError(problems)
     return CheckpointInfo(directory, int(meta["step"]), meta.get("model", ""), meta.get("saved_by", ""), "legacy",
@@ -421,3 +425,45 @@ def read_saved(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
             out.update({k: f.get_tensor(k) for k in f.keys() if not IGNORED.fullmatch(k)})
             meta = dict(f.metadata() or {})  # the last file's: the optimizer's (step, saved_by) when present
     return out, meta
+
+
+EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "fp32",
+                      model_ref: str | None = None) -> list[Path]:
+    """Write checkpoint ``source`` (either format) as a weights-only Hugging Face directory ``out`` with
+    weights in ``dtype`` (a key of EXPORT_DTYPES). The model is ``source``'s config.json, else
+    ``model_ref``, else the catalog entry the older format's metadata names. Checks everything first."""
+    import torch
+
+    from runtime.spec import load_model
+    from runtime.spec.hf import load_hf_model
+
+    source, out = Path(source), Path(out)
+    if not source.is_dir():
+        raise HspmdError(f"{source}: --checkpoint: no such directory")
+    if out.exists() and not out.is_dir():
+        raise HspmdError(f"{out}: --out: exists and is not a directory")
+    if out.exists() and out.resolve() == source.resolve():
+        raise HspmdError(f"{out}: --out: is the checkpoint itself; export into another directory")
+    config = None
+    if model_ref is not None:
+        model = load_model(model_ref, file="--model", field="")
+        path = model_source_config(model_ref)
+        config = None if path is None else read_config(path)
+    elif (source / CONFIG_FILE).is_file():
+        model = load_hf_model(source)
+        config = read_config(source / CONFIG_FILE)
+    elif checkpoint_path(source).is_file():
+        name = _header(checkpoint_path(source))[0].get("model", "")
+        model = load_model(name, file=str(checkpoint_path(source)), field="metadata.model")
+    else:
+        raise HspmdError(f"{source}: --checkpoint: no checkpoint in this directory ({CONFIG_FILE} or "
+                         f"{CHECKPOINT_FILE} not found)")
+    info = checkpoint_info(source, model)
+    tensors, _ = read_saved(source)
+    target = getattr(torch, EXPORT_DTYPES[dtype])
+    weights = {i.name: tensors[i.name].to(target) for i in llama_parameters(model)}
+    return write_checkpoint(out, model, weights, moments=None, step=info.step, saved_by=str(source),
+                            source_config=config)
