@@ -32,11 +32,11 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from runtime.errors import HspmdError, Problem, SpecError
 from runtime.models.params import llama_parameters
@@ -65,6 +65,7 @@ SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq)")
 
 Kind = Literal["hspmd", "huggingface", "legacy"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,9 @@ def checkpoint_info(directory: str | Path, model: ModelSpec) -> CheckpointInfo:
     params = {info.name: info.shape for info in llama_parameters(model)}
     files: dict[str, Path] = {}
     ids: dict[Path, str | None] = {}
+    if (directory / WEIGHTS_INDEX).is_file():
+        index_meta = read_config(directory / WEIGHTS_INDEX).get("metadata")
+        ids[directory / WEIGHTS_INDEX] = index_meta.get(SAVE_ID) if isinstance(index_meta, dict) else None
     for path in weights:
         meta, shapes = _header(path)
         ids[path] = meta.get(SAVE_ID)
@@ -250,7 +254,7 @@ def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: P
         if local[name].dtype != dtype:
             raise RuntimeError(f"{name}: local state is {local[name].dtype}, checkpoints hold {dtype}")
     full: dict[str, torch.Tensor] = {}
-    for chunk in _rounds(moves):
+    for chunk in _runs(moves, lambda m: m.itemsize * math.prod(m.shape), ROUND_BYTES):
         got = run_bsr(plan_bsr(chunk, bandwidth=plan.cluster),
                       {m.name: local[m.name] for m in chunk if m.name in local}, groups)
         if me == writer:
@@ -284,7 +288,7 @@ def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[s
         raise ValueError(f"weights of mixed dtypes {sorted(dtypes)}")
     save_id = uuid.uuid4().hex
     meta = {"format": "pt", SAVE_ID: save_id, "step": str(step), "model": model.name}
-    shards = _shards(list(weights), {k: v.numel() * v.element_size() for k, v in weights.items()}, shard_bytes)
+    shards = _runs(list(weights), lambda k: weights[k].numel() * weights[k].element_size(), shard_bytes)
     written: list[Path] = []
     names = [WEIGHTS_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                      for i in range(len(shards))]
@@ -305,23 +309,25 @@ def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[s
         atomic_write_text(directory / WEIGHTS_INDEX, json.dumps(index, indent=2) + "\n")
         written.append(directory / WEIGHTS_INDEX)
     keep = {p.name for p in written}
+    ours = {WEIGHTS_FILE, WEIGHTS_INDEX, OPTIMIZER_FILE, CHECKPOINT_FILE}
     for old in directory.iterdir():
-        stale = old.name in (WEIGHTS_FILE, WEIGHTS_INDEX, OPTIMIZER_FILE, CHECKPOINT_FILE) or SHARD_NAME.fullmatch(old.name)
-        if stale and old.name not in keep:
+        if (old.name in ours or SHARD_NAME.fullmatch(old.name)) and old.name not in keep:
             old.unlink()
     return written
 
 
-def _shards(names: list[str], nbytes: Mapping[str, int], limit: int) -> list[list[str]]:
-    """Consecutive runs of tensors of at most ``limit`` bytes each (a larger tensor alone)."""
-    out: list[list[str]] = [[]]
+def _runs(items: list[T], nbytes: Callable[[T], int], limit: int) -> list[list[T]]:
+    """Consecutive runs of ``items`` of at most ``limit`` bytes each (a larger item alone): BSR rounds of
+    the save, and the weight files of a sharded checkpoint."""
+    out: list[list[T]] = [[]]
     size = 0
-    for n in names:
-        if out[-1] and size + nbytes[n] > limit:
+    for item in items:
+        n = nbytes(item)
+        if out[-1] and size + n > limit:
             out.append([])
             size = 0
-        out[-1].append(n)
-        size += nbytes[n]
+        out[-1].append(item)
+        size += n
     return out
 
 
@@ -383,19 +389,6 @@ def _zero_moves(key: str, slices: Any, writer: int, dtype: Any, me: int, local: 
     if mine is not None and off != mine.numel():
         raise RuntimeError(f"{key}: device {me} keeps {mine.numel()} ZeRO-1 moment elements, its pieces {off}")
     return moves
-
-
-def _rounds(moves: list[Any]) -> list[list[Any]]:
-    out: list[list[Any]] = [[]]
-    size = 0
-    for m in moves:
-        nbytes = m.itemsize * math.prod(m.shape)
-        if out[-1] and size + nbytes > ROUND_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(m)
-        size += nbytes
-    return out
 
 
 def _check_local_regions(program: Any, params: dict[str, Any], me: int) -> None:

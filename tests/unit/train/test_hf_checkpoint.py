@@ -136,7 +136,13 @@ def test_a_torn_save_is_refused_naming_the_files(tmp_path: Path):
     spec = load_model(str(model_dir(tmp_path / "m")))
     state = random_state(spec, moments=False)
     for d in ("a", "b"):
-        write_checkpoint(tmp_path / d, spec, state, moments={}, step=1, saved_by="t", shard_bytes=20_000)
+        write_checkpoint(tmp_path / d, spec, state, moments=None, step=1, saved_by="t", shard_bytes=20_000)
+    checkpoint_info(tmp_path / "a", spec)
+    index = (tmp_path / "a" / WEIGHTS_INDEX).read_bytes()
+    (tmp_path / "a" / WEIGHTS_INDEX).write_bytes((tmp_path / "b" / WEIGHTS_INDEX).read_bytes())
+    with pytest.raises(SpecError, match=f"holds files of different saves .*{WEIGHTS_INDEX}.*a save was interrupted"):
+        checkpoint_info(tmp_path / "a", spec)
+    (tmp_path / "a" / WEIGHTS_INDEX).write_bytes(index)
     shard = sorted((tmp_path / "a").glob("model-*.safetensors"))[0]
     shard.write_bytes((tmp_path / "b" / shard.name).read_bytes())
     with pytest.raises(SpecError, match="holds files of different saves .*a save was interrupted"):
