@@ -30,24 +30,42 @@ def catalog_names(kind: str) -> list[str]:
 
 
 def looks_like_path(ref: str) -> bool:
-    """A reference the user meant as a path (kept as a path in plan files), not a catalog name."""
+    """A reference the user meant as a path, not a catalog name."""
     return ref.endswith((".yaml", ".yml", ".json")) or "/" in ref or "\\" in ref
 
 
+def _path_ref(ref: str, kind: str, relative_to: Path | None) -> Path | None:
+    candidates = [Path(ref)]
+    if relative_to is not None and not Path(ref).is_absolute():
+        candidates.insert(0, relative_to / ref)
+    for c in candidates:
+        if kind == "models":
+            c = config_file(c)  # a Hugging Face model directory stands for its config.json
+        if c.is_file():
+            return c
+    return None
+
+
 def resolve_ref(ref: str, kind: str, relative_to: Path | None = None) -> Path | None:
-    """Path of a spec given by name or path; None when no such file or catalog entry exists."""
+    """Path of a spec given by name or path; None when no such file or catalog entry exists.
+
+    A bare name is a catalog entry first; for models, else a Hugging Face model directory of that name
+    (``--model Llama-3.2-1B`` beside a downloaded model)."""
     if looks_like_path(ref):
-        candidates = [Path(ref)]
-        if relative_to is not None and not Path(ref).is_absolute():
-            candidates.insert(0, relative_to / ref)
-        for c in candidates:
-            if kind == "models":
-                c = config_file(c)  # a Hugging Face model directory stands for its config.json
-            if c.is_file():
-                return c
-        return None
+        return _path_ref(ref, kind, relative_to)
     p = CONFIGS_DIR / kind / f"{ref}.yaml"
-    return p if p.is_file() else None
+    if p.is_file():
+        return p
+    return _path_ref(ref, kind, relative_to) if kind == "models" else None
+
+
+def recorded_ref(ref: str, kind: str, relative_to: Path | None = None) -> str:
+    """What a plan file records for a spec reference: a catalog name as is, a path made absolute (the
+    plan may live elsewhere)."""
+    path = resolve_ref(ref, kind, relative_to)
+    if path is None or path.parent == CONFIGS_DIR / kind and not looks_like_path(ref):
+        return ref
+    return str(path.resolve())
 
 
 def _load(cls: type[T], path: Path) -> T:
