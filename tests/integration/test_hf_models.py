@@ -21,7 +21,9 @@ from engine_world import EngineWorld
 from test_engine_correctness import assemble, check_against_reference
 
 from runtime.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, read_saved
+from runtime.data import token_source
 from runtime.engine import ReferenceTrainer
+from runtime.launch import TrainOptions, launch
 from runtime.models.llama import LlamaForCausalLM
 from runtime.spec import load_plan_context
 
@@ -149,3 +151,25 @@ def test_a_transformers_checkpoint_loads_under_two_plans(world, tmp_path: Path) 
             want = model(batch[0], labels=batch[0]).loss.item()
         for dev, r in results.items():
             assert r.losses[0] == pytest.approx(want, rel=1e-5), (name, dev)
+
+
+def test_cli_path_trains_from_pretrained_weights_and_transformers_opens_the_result(tmp_path: Path) -> None:
+    """What a user runs (hspmd train --load PRETRAINED --save OUT), through the launcher's own workers;
+    the plan names the model directory by its bare name, beside the plan."""
+    pretrained = hf_dir(tmp_path, "pretrained", MODELS["llama3-rope"]())
+    plan = write_plan(tmp_path / "plan.yaml", Path("pretrained"), HETERO)
+    ctx = load_plan_context(plan)
+    out = tmp_path / "tuned"
+    run = launch(TrainOptions(plan=plan, steps=2, load_dir=pretrained, save_dir=out))
+    t = ctx.plan.training
+    first = token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len,
+                         seed=t.seed).batch(1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert run.records[0].loss == pytest.approx(model(first, labels=first).loss.item(), rel=1e-5)
+    saved, meta = read_saved(out)
+    assert meta["step"] == "2"
+    params = {k: v for k, v in saved.items() if not k.endswith(("exp_avg", "exp_avg_sq"))}
+    tokens = first[:, :-1]
+    torch.testing.assert_close(hf_logits(out, tokens), hspmd_logits(ctx, params, tokens), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(params["lm_head.weight"], model.lm_head.weight.detach())  # it trained

@@ -144,3 +144,16 @@ def test_plan_cli_takes_a_config_dir_and_refuses_an_unsupported_one(tmp_path: Pa
     assert res.exit_code == 2 and not (tmp_path / "no.yaml").exists()
     assert res.stderr.strip().splitlines() == [
         f"error: {bad / 'config.json'}: model_type: 'gpt2' is not supported (supported: llama, mistral, qwen2)"]
+
+
+def test_a_bare_name_is_the_catalog_entry_first_then_a_model_directory(tmp_path: Path):
+    from runtime.spec.catalog import recorded_ref
+
+    CONFIGS["llama3"]().save_pretrained(tmp_path / "My-Llama")
+    CONFIGS["llama3"]().save_pretrained(tmp_path / "llama-tiny")
+    assert load_model("My-Llama", relative_to=tmp_path).name == "My-Llama"
+    assert load_model("llama-tiny", relative_to=tmp_path).num_layers == 6  # the catalog's, not the directory
+    assert recorded_ref("My-Llama", "models", tmp_path) == str((tmp_path / "My-Llama" / "config.json").resolve())
+    assert recorded_ref("llama-tiny", "models", tmp_path) == "llama-tiny"
+    with pytest.raises(SpecError, match="unknown model 'Nope'"):
+        load_model("Nope", relative_to=tmp_path)
