@@ -53,6 +53,9 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         if path is not None and path.is_dir():
             raise SpecError([Problem(str(path), "", "is a directory; give a file name for the plan")])
     model = load_model(model_ref, file="--model", field="")
+    note = model.pricing_note(seq_len)
+    if note is not None:
+        click.echo(f"note: {note}", err=True)
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
     settings = PlanSettings(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch, elastic=elastic,

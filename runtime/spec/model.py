@@ -139,3 +139,10 @@ class ModelSpec:
             return ("sliding_window", f"attention window {self.sliding_window} is shorter than seq_len {seq_len}; "
                                       "the runtime trains full causal attention only")
         return None
+
+    def pricing_note(self, seq_len: int) -> str | None:
+        """What the planner and simulator approximate for this model at ``seq_len`` (None: nothing)."""
+        found = self.train_problem(seq_len)
+        if found is None:
+            return None
+        return f"{self.name}: {found[0]}: priced as full causal attention ({found[1]}; hspmd train refuses it)"

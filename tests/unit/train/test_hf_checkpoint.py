@@ -188,6 +188,10 @@ def test_train_refuses_what_it_cannot_run_in_one_line(tmp_path: Path):
         "runtime trains full causal attention only"]
     assert not (tmp_path / "out").exists()
     assert runner.invoke(cli, ["validate", str(plan)]).exit_code == 0  # the planner side still takes it
+    res = runner.invoke(cli, ["simulate", "--plan", str(plan)])
+    assert res.exit_code == 0 and res.stderr.strip().splitlines() == [
+        "note: mistral: sliding_window: priced as full causal attention (attention window 4 is shorter than "
+        "seq_len 8; the runtime trains full causal attention only; hspmd train refuses it)"]
 
 
 def test_export_writes_a_transformers_directory_from_either_format(tmp_path: Path):
