@@ -166,10 +166,12 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
     if tp not in (1, None):
         f.bad("pretraining_tp", f"{tp} is not supported (only 1: the weights' own layout)")
     theta, scaling = _rope(f)
+    # The window is in use when Mistral sets one, when Qwen2 switches it on, or (transformers 5) when any
+    # layer is listed as sliding; the runtime then refuses to train (ModelSpec.train_problem).
+    layer_types = data.get("layer_types")
+    sliding_layers = isinstance(layer_types, list) and "sliding_attention" in layer_types
     window = None
-    if model_type == "mistral":
-        window = f.get_int("sliding_window")
-    elif model_type == "qwen2" and f.get_bool("use_sliding_window", False):
+    if model_type == "mistral" or sliding_layers or model_type == "qwen2" and f.get_bool("use_sliding_window", False):
         window = f.get_int("sliding_window")
     eps = f.get_float("rms_norm_eps", DEFAULT_EPS[model_type])
     tied = f.get_bool("tie_word_embeddings", False)

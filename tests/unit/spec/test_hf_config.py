@@ -84,6 +84,8 @@ def test_config_fields_map_to_the_spec(tmp_path: Path):
     assert (q.family, q.qkv_bias, q.tie_word_embeddings, q.rope_theta, q.sliding_window, q.norm_eps) == \
         ("qwen2", True, True, 1e6, None, 1e-6)
     assert spec_from_config({**v4, "use_sliding_window": True}, "f", "q").sliding_window == 32
+    assert spec_from_config({**v4, "layer_types": ["full_attention", "sliding_attention"]}, "f", "q").sliding_window \
+        == 32
     legacy = {**v4, "model_type": "llama", "rope_scaling": {**LLAMA3, "type": "llama3"}}
     del legacy["rope_scaling"]["rope_type"]
     assert spec_from_config(legacy, "f", "l").rope_scaling == RopeScaling(8.0, 1.0, 4.0, 16)
