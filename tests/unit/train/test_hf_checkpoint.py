@@ -118,17 +118,19 @@ def test_sharded_save_opens_in_transformers_and_each_device_reads_its_region(tmp
     assert checkpoint_info(ck, ctx.model).step == 5
 
 
-def test_a_plain_transformers_checkpoint_loads_weights_only(tmp_path: Path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_plain_transformers_checkpoint_loads_weights_only(tmp_path: Path, dtype: torch.dtype):
     src = tmp_path / "pretrained"
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY)).float()
+    hf = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**TINY)).to(dtype)
     hf.save_pretrained(src)
     ctx = load_plan_context(plan_file(tmp_path / "plan.yaml", src))
     program = FakeProgram(REGIONS)
     assert load_checkpoint(program, src, ctx) == 0
     assert float(program.loaded["step"]) == 0.0
     for name, region in REGIONS.items():
-        assert torch.equal(program.loaded[name], hf.get_parameter(name).detach()[region])
+        assert program.loaded[name].dtype == torch.float32  # fp32 master weights, whatever the file holds
+        assert torch.equal(program.loaded[name], hf.get_parameter(name).detach()[region].float())
         assert not program.loaded[name + ".exp_avg"].any() and not program.loaded[name + ".exp_avg_sq"].any()
 
 
