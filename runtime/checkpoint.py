@@ -1,14 +1,23 @@
-"""Plan-independent checkpoints: every parameter and AdamW moment as one full tensor, by name.
+"""Plan-independent checkpoints in Hugging Face's layout, and the older single-file format.
 
-A checkpoint is one safetensors file, ``DIR/checkpoint.safetensors``: the Hugging Face parameter names
-(``model.layers.3.mlp.up_proj.weight``), ``NAME.exp_avg`` and ``NAME.exp_avg_sq``, and in its metadata
-the format, the model and the number of steps done. Nothing in it depends on the plan that wrote it, so
-any plan of the same model can load it.
+``--save DIR`` writes a directory that ``transformers`` opens with ``from_pretrained``:
+
+* ``config.json``: the model's (the source config.json's keys kept when the model came from one), with
+  ``torch_dtype``;
+* ``model.safetensors``: the parameters by their Hugging Face names (``model.layers.3.mlp.up_proj.weight``),
+  or ``model-0000i-of-0000N.safetensors`` shards and ``model.safetensors.index.json`` above ``SHARD_BYTES``;
+* ``optimizer.safetensors``: ``NAME.exp_avg``, ``NAME.exp_avg_sq`` and, in its metadata, the steps done.
+
+Every file is replaced atomically, and the files of one save carry the same save id in their metadata:
+``--load`` refuses a directory that a crash left holding files of two saves (naming them) instead of mixing
+them. ``--load DIR`` also takes a plain Hugging Face checkpoint (weights only: moments start at zero, step
+0) and the older ``checkpoint.safetensors`` (parameters and moments in one file). Nothing depends on the
+plan that wrote a checkpoint, so any plan of the same model can load it.
 
 Saving is collective: the full tensors are assembled on the strategy's first device with the comm
 layer's fused BSR (destination layout "whole tensor on one device"), a bounded number of bytes per
-round, and written atomically by that device. Loading is local: each device reads, from the lazily
-opened file, exactly the region of each tensor that its program holds.
+round, and written by that device. Loading is local: each device reads, from the lazily opened files
+(safetensors slicing), exactly the region of each tensor that its program holds.
 
 Under ZeRO-1 (``training.zero``, runtime/engine/zero.py) a sharded parameter's moments are kept as
 pieces: one contiguous run of each of its slices per device. Saving moves each slice's moment as a 1-D
@@ -18,32 +27,56 @@ just this device's pieces (``DeviceProgram.moment_pieces()``). So either side ma
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import re
+import uuid
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from runtime.errors import HspmdError, Problem, SpecError
 from runtime.models.params import llama_parameters
 from runtime.spec import ModelSpec, PlanContext
-from runtime.spec.io import atomic_write_bytes
+from runtime.spec.catalog import model_source_config
+from runtime.spec.hf import CONFIG_FILE, HF_NAMES, config_for, read_config, spec_from_config
+from runtime.spec.io import atomic_write_bytes, atomic_write_text
 
 if TYPE_CHECKING:
     import torch
 
-CHECKPOINT_FILE = "checkpoint.safetensors"
+CHECKPOINT_FILE = "checkpoint.safetensors"  # the older single-file format (read, no longer written)
 FORMAT = "hspmd-checkpoint/1"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+OPTIMIZER_FORMAT = "hspmd-optimizer/1"
+SHARD_BYTES = 4 * 2**30  # weights above this go into several files (Hugging Face's sharded layout)
 STATE_SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")  # the parameter, then AdamW's two moments
+MOMENT_SUFFIXES = STATE_SUFFIXES[1:]
 STATE_DTYPE = "float32"  # master weights and moments (bf16 is only autocast compute)
 ROUND_BYTES = 256 * 2**20  # full-tensor bytes gathered per BSR round (bounds the writer's memory)
+SAVE_ID = "hspmd_save"  # metadata key tying the files of one save together
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# Tensors that Hugging Face checkpoints may carry besides the parameters (buffers, the tied head's copy).
+IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq)")
+
+Kind = Literal["hspmd", "huggingface", "legacy"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    path: Path
+    path: Path  # the directory
     step: int
     model: str
     saved_by: str  # plan file and strategy that wrote it (informational)
+    kind: Kind
+    files: Mapping[str, Path]  # tensor name -> the file holding it (parameters; moments when ``moments``)
+    moments: bool  # False: weights only, AdamW starts from zero moments
 
 
 def expected_tensors(model: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -52,46 +85,145 @@ def expected_tensors(model: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def checkpoint_path(directory: str | Path) -> Path:
+    """The older format's single file."""
     return Path(directory) / CHECKPOINT_FILE
 
 
-def read_checkpoint_info(directory: str | Path, plan: PlanContext) -> CheckpointInfo:
-    """Check that ``directory`` holds a checkpoint that ``plan``'s model can load (reads the header only)."""
+def _header(path: Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
     from safetensors import SafetensorError, safe_open
 
-    directory = Path(directory)
-    path = checkpoint_path(directory)
-    if not directory.is_dir():
-        raise HspmdError(f"{directory}: --load: no such directory")
-    if not path.is_file():
-        raise HspmdError(f"{directory}: --load: no checkpoint in this directory ({CHECKPOINT_FILE} not found)")
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
-            meta = f.metadata() or {}
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            return dict(f.metadata() or {}), {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except (SafetensorError, OSError) as exc:
-        raise HspmdError(f"{path}: not a readable safetensors checkpoint: {exc}") from None
+        raise HspmdError(f"{path}: not a readable safetensors file: {exc}") from None
+
+
+def _weight_files(directory: Path) -> list[Path] | None:
+    """The weight files of a Hugging Face directory (from the index when sharded), or None."""
+    index = directory / WEIGHTS_INDEX
+    if index.is_file():
+        data = read_config(index)
+        wmap = data.get("weight_map")
+        if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
+            raise SpecError([Problem(str(index), "weight_map", "expected an object of tensor name -> file name")])
+        files = []
+        for name in sorted(set(wmap.values())):
+            f = directory / name
+            if Path(name).name != name or not f.is_file():
+                raise SpecError([Problem(str(index), "weight_map", f"names {name!r}, not a file in {directory}")])
+            files.append(f)
+        return files
+    single = directory / WEIGHTS_FILE
+    return [single] if single.is_file() else None
+
+
+def read_checkpoint_info(directory: str | Path, plan: PlanContext) -> CheckpointInfo:
+    """Check that ``directory`` holds a checkpoint that ``plan``'s model can load (reads headers only)."""
+    return checkpoint_info(directory, plan.model)
+
+
+def checkpoint_info(directory: str | Path, model: ModelSpec) -> CheckpointInfo:
+    """Check that ``directory`` holds a checkpoint of ``model`` (reads headers only)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise HspmdError(f"{directory}: --load: no such directory")
+    weights = _weight_files(directory)
+    if weights is None:
+        if checkpoint_path(directory).is_file():
+            return _legacy_info(directory, model)
+        raise HspmdError(f"{directory}: --load: no checkpoint in this directory ({WEIGHTS_FILE}, {WEIGHTS_INDEX} "
+                         f"or {CHECKPOINT_FILE} not found)")
     problems: list[Problem] = []
-    if meta.get("format") != FORMAT:
-        problems.append(Problem(str(path), "metadata.format", f"expected {FORMAT!r}, got {meta.get('format')!r}"))
-    step = meta.get("step", "")
-    if not step.isdigit():
-        problems.append(Problem(str(path), "metadata.step", f"expected a step count, got {step!r}"))
-    model = plan.model
-    for name, shape in expected_tensors(model).items():
+    if (directory / CONFIG_FILE).is_file():
+        problems.extend(_config_problems(directory / CONFIG_FILE, model))
+    params = {info.name: info.shape for info in llama_parameters(model)}
+    files: dict[str, Path] = {}
+    ids: dict[Path, str | None] = {}
+    if (directory / WEIGHTS_INDEX).is_file():
+        index_meta = read_config(directory / WEIGHTS_INDEX).get("metadata")
+        ids[directory / WEIGHTS_INDEX] = index_meta.get(SAVE_ID) if isinstance(index_meta, dict) else None
+    for path in weights:
+        meta, shapes = _header(path)
+        ids[path] = meta.get(SAVE_ID)
+        for name, shape in shapes.items():
+            if name in params:
+                files[name] = path
+                if shape != params[name]:
+                    problems.append(Problem(str(path), name, f"has shape {list(shape)}, model {model.name} needs "
+                                                             f"{list(params[name])}"))
+            elif not (IGNORED.fullmatch(name) or name == "lm_head.weight" and model.tie_word_embeddings):
+                problems.append(Problem(str(path), name, f"unexpected tensor (model {model.name} has no such "
+                                                         "parameter)"))
+    for name in params:
+        if name not in files:
+            problems.append(Problem(str(weights[0]), name, f"missing (model {model.name} needs it)"))
+    step, saved_by, moments = 0, "", False
+    opt = directory / OPTIMIZER_FILE
+    if opt.is_file():
+        meta, shapes = _header(opt)
+        ids[opt] = meta.get(SAVE_ID)
+        problems.extend(_state_problems(opt, meta, shapes, {n + s: params[n] for n in params for s in MOMENT_SUFFIXES},
+                                        OPTIMIZER_FORMAT, model))
+        files.update({n + s: opt for n in params for s in MOMENT_SUFFIXES})
+        step_text = meta.get("step", "")
+        step = int(step_text) if step_text.isdigit() else 0
+        saved_by, moments = meta.get("saved_by", ""), True
+    if len(set(ids.values())) > 1:
+        problems.append(Problem(str(directory), "", "holds files of different saves ("
+                                + ", ".join(f"{p.name}: {i or 'none'}" for p, i in ids.items())
+                                + "); a save was interrupted: save again or load an intact copy"))
+    if problems:
+        raise SpecError(problems)
+    return CheckpointInfo(directory, step, model.name, saved_by, "hspmd" if moments else "huggingface", files,
+                          moments)
+
+
+def _config_problems(path: Path, model: ModelSpec) -> list[Problem]:
+    """The checkpoint's config.json must describe the plan's model (names aside)."""
+    try:
+        theirs = spec_from_config(read_config(path), str(path), model.name)
+    except SpecError as err:
+        return list(err.problems)
+    out: dict[str, Problem] = {}
+    for f in dataclasses.fields(ModelSpec):
+        if f.name != "name" and getattr(theirs, f.name) != getattr(model, f.name):
+            key = "model_type" if f.name in ("family", "qkv_bias") else HF_NAMES.get(f.name, f.name)
+            out.setdefault(key, Problem(str(path), key, f"{getattr(theirs, f.name)!r} differs from the plan's model "
+                                                        f"{model.name} ({f.name}: {getattr(model, f.name)!r})"))
+    return list(out.values())
+
+
+def _state_problems(path: Path, meta: dict[str, str], shapes: dict[str, tuple[int, ...]],
+                    want: dict[str, tuple[int, ...]], fmt: str, model: ModelSpec) -> list[Problem]:
+    problems = []
+    if meta.get("format") != fmt:
+        problems.append(Problem(str(path), "metadata.format", f"expected {fmt!r}, got {meta.get('format')!r}"))
+    if not meta.get("step", "").isdigit():
+        problems.append(Problem(str(path), "metadata.step", f"expected a step count, got {meta.get('step')!r}"))
+    for name, shape in want.items():
         if name not in shapes:
             problems.append(Problem(str(path), name, f"missing (model {model.name} needs it)"))
         elif shapes[name] != shape:
             problems.append(Problem(str(path), name, f"has shape {list(shapes[name])}, model {model.name} needs "
                                                      f"{list(shape)} (saved for model {meta.get('model')!r})"))
+    return problems
+
+
+def _legacy_info(directory: Path, model: ModelSpec) -> CheckpointInfo:
+    path = checkpoint_path(directory)
+    meta, shapes = _header(path)
+    want = expected_tensors(model)
+    problems = _state_problems(path, meta, shapes, want, FORMAT, model)
     if problems:
         raise SpecError(problems)
-    return CheckpointInfo(path, int(step), meta.get("model", ""), meta.get("saved_by", ""))
+    return CheckpointInfo(directory, int(meta["step"]), meta.get("model", ""), meta.get("saved_by", ""), "legacy",
+                          {n: path for n in want}, True)
 
 
 def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: PlanContext, strategy: str,
-                    step: int) -> None:
-    """Collective over every device of ``strategy``: write ``directory``/checkpoint.safetensors."""
+                    step: int, shard_bytes: int = SHARD_BYTES) -> None:
+    """Collective over every device of ``strategy``: write ``directory`` (config, weights, optimizer)."""
     import torch
 
     from runtime.annotations import Annotation
@@ -122,7 +254,7 @@ def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: P
         if local[name].dtype != dtype:
             raise RuntimeError(f"{name}: local state is {local[name].dtype}, checkpoints hold {dtype}")
     full: dict[str, torch.Tensor] = {}
-    for chunk in _rounds(moves):
+    for chunk in _runs(moves, lambda m: m.itemsize * math.prod(m.shape), ROUND_BYTES):
         got = run_bsr(plan_bsr(chunk, bandwidth=plan.cluster),
                       {m.name: local[m.name] for m in chunk if m.name in local}, groups)
         if me == writer:
@@ -130,16 +262,73 @@ def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: P
     if me != writer:
         return
     for p in params:
-        for suffix in STATE_SUFFIXES[1:] if p.name in slices else ():
+        for suffix in MOMENT_SUFFIXES if p.name in slices else ():
             whole = torch.empty(p.shape, dtype=dtype)
             for i, s in enumerate(slices[p.name]):
                 whole[tuple(slice(a, b) for a, b in s.region)] = full.pop(f"{p.name}{suffix}@{i}").view(s.shape)
             full[p.name + suffix] = whole
+    weights = {p.name: full.pop(p.name) for p in params}
+    source = model_source_config(plan.plan.model, plan.path.parent)
+    write_checkpoint(directory, plan.model, weights, moments=full, step=step,
+                     saved_by=f"{plan.path} (strategy {strat.name})",
+                     source_config=None if source is None else read_config(source), shard_bytes=shard_bytes)
+
+
+def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[str, torch.Tensor], *,
+                     moments: Mapping[str, torch.Tensor] | None, step: int, saved_by: str,
+                     source_config: dict[str, Any] | None = None, shard_bytes: int = SHARD_BYTES) -> list[Path]:
+    """Write a Hugging Face directory (and the optimizer file when ``moments`` is given); return the paths
+    written. Files of an earlier save that this one does not replace are removed last."""
     from safetensors.torch import save
 
-    meta = {"format": FORMAT, "step": str(step), "model": plan.model.name,
-            "saved_by": f"{plan.path} (strategy {strat.name})"}
-    atomic_write_bytes(checkpoint_path(directory), save(full, metadata=meta))
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in weights.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"weights of mixed dtypes {sorted(dtypes)}")
+    save_id = uuid.uuid4().hex
+    meta = {"format": "pt", SAVE_ID: save_id, "step": str(step), "model": model.name}
+    shards = _runs(list(weights), lambda k: weights[k].numel() * weights[k].element_size(), shard_bytes)
+    written: list[Path] = []
+    names = [WEIGHTS_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                     for i in range(len(shards))]
+    for name, keys in zip(names, shards):
+        atomic_write_bytes(directory / name, save({k: weights[k].contiguous() for k in keys}, metadata=meta))
+        written.append(directory / name)
+    if moments is not None:
+        opt_meta = {**meta, "format": OPTIMIZER_FORMAT, "saved_by": saved_by}
+        atomic_write_bytes(directory / OPTIMIZER_FILE, save(dict(moments), metadata=opt_meta))
+        written.append(directory / OPTIMIZER_FILE)
+    config = config_for(model, dtypes.pop(), source_config)
+    atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    written.append(directory / CONFIG_FILE)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in weights.values()),
+                              SAVE_ID: save_id},
+                 "weight_map": {k: n for n, keys in zip(names, shards) for k in keys}}
+        atomic_write_text(directory / WEIGHTS_INDEX, json.dumps(index, indent=2) + "\n")
+        written.append(directory / WEIGHTS_INDEX)
+    keep = {p.name for p in written}
+    ours = {WEIGHTS_FILE, WEIGHTS_INDEX, OPTIMIZER_FILE, CHECKPOINT_FILE}
+    for old in directory.iterdir():
+        if (old.name in ours or SHARD_NAME.fullmatch(old.name)) and old.name not in keep:
+            old.unlink()
+    return written
+
+
+def _runs(items: list[T], nbytes: Callable[[T], int], limit: int) -> list[list[T]]:
+    """Consecutive runs of ``items`` of at most ``limit`` bytes each (a larger item alone): BSR rounds of
+    the save, and the weight files of a sharded checkpoint."""
+    out: list[list[T]] = [[]]
+    size = 0
+    for item in items:
+        n = nbytes(item)
+        if out[-1] and size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += n
+    return out
 
 
 def load_checkpoint(program: Any, directory: str | Path, plan: PlanContext) -> int:
@@ -148,17 +337,32 @@ def load_checkpoint(program: Any, directory: str | Path, plan: PlanContext) -> i
     from safetensors import safe_open
 
     info = read_checkpoint_info(directory, plan)
+    dtype = getattr(torch, STATE_DTYPE)
     state: dict[str, torch.Tensor] = {}
     pieces = program.moment_pieces() if plan.plan.training.zero else {}
-    with safe_open(info.path, framework="pt", device="cpu") as f:
+    with ExitStack() as stack:
+        opened: dict[Path, Any] = {}
+
+        def source(key: str) -> Any:
+            path = info.files[key]
+            if path not in opened:
+                opened[path] = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            return opened[path].get_slice(key)
+
         for name, shard in program.param_annotations().items():
-            for suffix in STATE_SUFFIXES:
-                if suffix and name in pieces:  # ZeRO-1: only this device's pieces of the moment
-                    src = f.get_slice(name + suffix)
-                    state[name + suffix] = torch.cat([src[tuple(slice(a, b) for a, b in p.region)].reshape(-1)
-                                                      [p.start:p.stop] for p in pieces[name]])
-                    continue
-                state[name + suffix] = f.get_slice(name + suffix)[shard.region].contiguous()
+            state[name] = source(name)[shard.region].to(dtype).contiguous()
+            for suffix in MOMENT_SUFFIXES:
+                if name in pieces:  # ZeRO-1: only this device's pieces of the moment
+                    regions = [(tuple(slice(a, b) for a, b in p.region), p.start, p.stop) for p in pieces[name]]
+                    if info.moments:
+                        src = source(name + suffix)
+                        state[name + suffix] = torch.cat([src[r].reshape(-1)[a:b] for r, a, b in regions])
+                    else:
+                        state[name + suffix] = torch.zeros(sum(b - a for _, a, b in regions), dtype=dtype)
+                elif info.moments:
+                    state[name + suffix] = source(name + suffix)[shard.region].to(dtype).contiguous()
+                else:
+                    state[name + suffix] = torch.zeros_like(state[name])
     state["step"] = torch.tensor(float(info.step))
     program.load_local_state(state)
     return info.step
@@ -187,19 +391,6 @@ def _zero_moves(key: str, slices: Any, writer: int, dtype: Any, me: int, local: 
     return moves
 
 
-def _rounds(moves: list[Any]) -> list[list[Any]]:
-    out: list[list[Any]] = [[]]
-    size = 0
-    for m in moves:
-        nbytes = m.itemsize * math.prod(m.shape)
-        if out[-1] and size + nbytes > ROUND_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(m)
-        size += nbytes
-    return out
-
-
 def _check_local_regions(program: Any, params: dict[str, Any], me: int) -> None:
     """The engine's own view of what it holds must match the plan's annotations, or the BSR would move
     the wrong slices."""
@@ -208,3 +399,64 @@ def _check_local_regions(program: Any, params: dict[str, Any], me: int) -> None:
         expected = params[name].param.layout(params[name].shape).region(me)
         if region != expected:
             raise RuntimeError(f"{name}: device {me} holds region {region}, the plan's annotation says {expected}")
+
+
+def read_saved(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of a saved checkpoint (parameters, and moments when it has them) in full, and the
+    metadata of the file that records the step: for tests and ``hspmd export``, not for training."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    weights = _weight_files(directory)
+    files = [checkpoint_path(directory)] if weights is None else weights
+    if weights is not None and (directory / OPTIMIZER_FILE).is_file():
+        files.append(directory / OPTIMIZER_FILE)
+    out: dict[str, torch.Tensor] = {}
+    meta: dict[str, str] = {}
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys() if not IGNORED.fullmatch(k)})
+            meta = dict(f.metadata() or {})  # the last file's: the optimizer's (step, saved_by) when present
+    return out, meta
+
+
+EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "fp32",
+                      model_ref: str | None = None) -> list[Path]:
+    """Write checkpoint ``source`` (either format) as a weights-only Hugging Face directory ``out`` with
+    weights in ``dtype`` (a key of EXPORT_DTYPES). The model is ``source``'s config.json, else
+    ``model_ref``, else the catalog entry the older format's metadata names. Checks everything first."""
+    import torch
+
+    from runtime.spec import load_model
+    from runtime.spec.hf import load_hf_model
+
+    source, out = Path(source), Path(out)
+    if not source.is_dir():
+        raise HspmdError(f"{source}: --checkpoint: no such directory")
+    if out.exists() and not out.is_dir():
+        raise HspmdError(f"{out}: --out: exists and is not a directory")
+    if out.exists() and out.resolve() == source.resolve():
+        raise HspmdError(f"{out}: --out: is the checkpoint itself; export into another directory")
+    config = None
+    if model_ref is not None:
+        model = load_model(model_ref, file="--model", field="")
+        path = model_source_config(model_ref)
+        config = None if path is None else read_config(path)
+    elif (source / CONFIG_FILE).is_file():
+        model = load_hf_model(source)
+        config = read_config(source / CONFIG_FILE)
+    elif checkpoint_path(source).is_file():
+        name = _header(checkpoint_path(source))[0].get("model", "")
+        model = load_model(name, file=str(checkpoint_path(source)), field="metadata.model")
+    else:
+        raise HspmdError(f"{source}: --checkpoint: no checkpoint in this directory ({CONFIG_FILE} or "
+                         f"{CHECKPOINT_FILE} not found)")
+    info = checkpoint_info(source, model)
+    tensors, _ = read_saved(source)
+    target = getattr(torch, EXPORT_DTYPES[dtype])
+    weights = {i.name: tensors[i.name].to(target) for i in llama_parameters(model)}
+    return write_checkpoint(out, model, weights, moments=None, step=info.step, saved_by=str(source),
+                            source_config=config)

@@ -15,16 +15,7 @@ from planner.report import print_report, result_json
 from runtime.errors import Problem, SpecError
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_cluster, load_model, save_plan, validate_plan
-from runtime.spec.catalog import resolve_ref
-
-
-def _ref(ref: str, kind: str) -> str:
-    """What the plan file records: a catalog name as is, a path made absolute (the plan may live
-    elsewhere)."""
-    path = resolve_ref(ref, kind)
-    if path is not None and ("/" in ref or ref.endswith((".yaml", ".yml"))):
-        return str(path.resolve())
-    return ref
+from runtime.spec.catalog import recorded_ref
 
 
 @click.command()
@@ -62,6 +53,9 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         if path is not None and path.is_dir():
             raise SpecError([Problem(str(path), "", "is a directory; give a file name for the plan")])
     model = load_model(model_ref, file="--model", field="")
+    note = model.pricing_note(seq_len)
+    if note is not None:
+        click.echo(f"note: {note}", err=True)
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
     settings = PlanSettings(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch, elastic=elastic,
@@ -75,7 +69,7 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
             bar.update(task, description=phase, completed=done, total=total)
 
         result = run_planner(model, cluster, profiles, settings, progress=progress)
-    refs = (_ref(model_ref, "models"), _ref(cluster_ref, "clusters"))
+    refs = (recorded_ref(model_ref, "models"), recorded_ref(cluster_ref, "clusters"))
     planned = result.to_plan(*refs)
     symmetric = result.baseline_plan(result.symmetric, *refs)
     if symmetric_path is not None and symmetric is None:

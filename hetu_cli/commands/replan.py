@@ -16,7 +16,7 @@ from planner.replan import replan as run_replan
 from runtime.errors import HspmdError, Problem, SpecError
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import PlanContext, load_plan_context, save_plan
-from runtime.spec.catalog import resolve_ref
+from runtime.spec.catalog import recorded_ref
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.schema import to_data
 
@@ -37,12 +37,8 @@ def parse_devices(text: str, option: str) -> list[int]:
 def plan_refs(ctx: PlanContext) -> tuple[str, str]:
     """What a new plan file records for the model and cluster: catalog names as they are, paths made
     absolute (the new file may live elsewhere than the plan it replaces)."""
-    out = []
-    for ref, kind in ((ctx.plan.model, "models"), (ctx.plan.cluster, "clusters")):
-        path = resolve_ref(ref, kind, ctx.path.parent)
-        looks_like_path = "/" in ref or ref.endswith((".yaml", ".yml"))
-        out.append(str(path.resolve()) if path is not None and looks_like_path else ref)
-    return out[0], out[1]
+    return (recorded_ref(ctx.plan.model, "models", ctx.path.parent),
+            recorded_ref(ctx.plan.cluster, "clusters", ctx.path.parent))
 
 
 @click.command()

@@ -35,6 +35,9 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
     strategy = ctx.plan.strategy(strategy_name)
     t = ctx.plan.training
+    note = ctx.model.pricing_note(t.seq_len)
+    if note is not None:
+        click.echo(f"note: {note}", err=True)
     cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
     result = run_simulation(cm, strategy, t.global_batch, t.schedule, t.zero)
     if trace_path is not None:

@@ -5,7 +5,8 @@ The rules (DESIGN.md §2, README "Plan"):
 * a decoder layer's parameter is held by every pipeline, by the stage whose layer range contains it:
   HDim -1 over those stages' TP groups, member i laid out by its own TP degree (``ParamInfo.tp_dim``:
   Split(tp_dim) x TP, or duplicate x TP for norms); the embedding lives on first stages, the final
-  norm and head on last stages;
+  norm and head on last stages; a tied embedding on both (one weight, two device groups per pipeline
+  when they differ: its gradient sums the lookup's and the head's summands like any HDim -2 member's);
 * its gradient: the same members with HDim -2 (each pipeline computed a summand);
 * the input batch ``(global_batch, seq_len)``: HDim 0 over pipelines, weighted by their micro-batch
   counts; inside a pipeline only the first stage's devices hold tokens (duplicated in its TP group),
@@ -79,11 +80,13 @@ def member_states(stage: Stage, tp_dim: int | None) -> DistributedStates:
 
 
 def holding_stages(strategy: Strategy, info: ParamInfo) -> list[Stage]:
-    """The stage of each pipeline that holds a parameter, in pipeline order."""
+    """The stages that hold a parameter: one per pipeline (two for a tied embedding), in pipeline order."""
     out = []
     for pipe in strategy.pipelines:
         if info.owner == "embedding":
             out.append(pipe.stages[0])
+            if info.tied and len(pipe.stages) > 1:
+                out.append(pipe.stages[-1])
         elif info.owner == "head":
             out.append(pipe.stages[-1])
         else:
@@ -210,7 +213,8 @@ def annotation_rows(strategy: Strategy, model: ModelSpec, training: TrainingSett
                 rows.append(param_row(f"layers {start}-{layer - 1}", [start, layer], p, p.name[len(prefix):]))
         start = layer
     rows.append(param_row("head", None, by_name["model.norm.weight"], "norm.weight"))
-    rows.append(param_row("head", None, by_name["lm_head.weight"], "lm_head.weight"))
+    if "lm_head.weight" in by_name:  # a tied head is the embedding row's weight
+        rows.append(param_row("head", None, by_name["lm_head.weight"], "lm_head.weight"))
     for name, a in (("tokens", ann.tokens), ("labels", ann.labels)):
         rows.append({"where": "batch", "layers": None, "tensor": name, "kind": "input",
                      "shape": list(ann.batch_shape), "annotation": a.to_data(), "text": str(a), "grad_hdim": None,

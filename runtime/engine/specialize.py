@@ -164,7 +164,7 @@ def stage_parameters(model: ModelSpec, role: StageRole) -> list[ParamInfo]:
     lo, hi = role.layers
     out = []
     for info in llama_parameters(model):
-        if info.owner == "embedding" and role.embed or info.owner == "head" and role.head:
+        if info.owner == "embedding" and (role.embed or info.tied and role.head) or info.owner == "head" and role.head:
             out.append(info)
         elif info.owner == "layer" and info.layer is not None and lo <= info.layer < hi:
             out.append(info)

@@ -27,7 +27,8 @@ def tp_style(module: nn.Module, info: ParamInfo) -> ParallelStyle:
         style = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     elif isinstance(module, nn.Linear) and info.tp_dim == 0:
         # The head's logits are gathered: the loss needs whole vocabulary rows.
-        style = ColwiseParallel(output_layouts=Replicate() if info.owner == "head" else Shard(-1))
+        # (A Linear holding a tied embedding's weight is the head.)
+        style = ColwiseParallel(output_layouts=Replicate() if info.owner == "head" or info.tied else Shard(-1))
     elif isinstance(module, nn.Linear) and info.tp_dim == 1:
         style = RowwiseParallel()
     else:
@@ -42,17 +43,26 @@ def apply_tensor_parallel(model: nn.Module, params: Iterable[ParamInfo], mesh: D
     """Shard ``model`` (a stage, full weights on every rank) over the 1-D TP ``mesh`` in place."""
     plan: dict[str, ParallelStyle] = {}
     blocks: set[str] = set()
+    ties: list[tuple[str, str, str]] = []  # (module, attribute, module owning the parameter)
     for info in params:
         if info.tp_dim is None:
             continue
         module_name, attr = info.name.rsplit(".", 1)
         module = model.get_submodule(module_name)
-        if getattr(module, attr) is not model.get_parameter(info.name):
+        param = model.get_parameter(info.name)
+        if getattr(module, attr) is not param:
             raise ValueError(f"{info.name}: not the weight of module {module_name}")
         plan[module_name] = tp_style(module, info)
         if isinstance(module, nn.Linear) and info.tp_dim == 0 and info.owner == "layer" and "." in module_name:
             blocks.add(module_name.rsplit(".", 1)[0])
+        for other_name, other in model.named_modules():  # a tied head: the same weight in a second module
+            if other is not module and getattr(other, attr, None) is param:
+                plan[other_name] = tp_style(other, info)
+                ties.append((other_name, attr, module_name))
     parallelize_module(model, mesh, plan)
+    # parallelize_module gave each module its own sharded copy: make the tied module share the owner's again.
+    for other_name, attr, module_name in ties:
+        setattr(model.get_submodule(other_name), attr, getattr(model.get_submodule(module_name), attr))
     for name in sorted(blocks):
         model.get_submodule(name).register_forward_pre_hook(_replicated_input(mesh))
 

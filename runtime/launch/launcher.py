@@ -19,11 +19,12 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from runtime.errors import HspmdError
+from runtime.errors import HspmdError, SpecError
 from runtime.launch.options import StepRecord, StepReport, TrainOptions, WorkerSpec, rank_map
 from runtime.launch.worker import ErrorInfo, process_main
 from runtime.profiling.host import emulated_cpu_shares, host_cpus
 from runtime.spec import PlanContext, Strategy, load_plan_context
+from runtime.spec.catalog import train_problems
 
 STORE_HOST = "127.0.0.1"
 FAILURE_GRACE_S = 0.5  # after the first failure, how long to wait for its root cause to report
@@ -117,6 +118,9 @@ def _preflight(options: TrainOptions, ctx: PlanContext) -> None:
     from runtime.data import token_source
 
     t = ctx.plan.training
+    refused = train_problems(ctx)
+    if refused:
+        raise SpecError(refused)
     token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed,
                  data_file=options.data_file)
     if options.load_dir is not None:

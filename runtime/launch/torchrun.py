@@ -12,11 +12,12 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from runtime.errors import HspmdError
+from runtime.errors import HspmdError, SpecError
 from runtime.launch.launcher import select_strategy
 from runtime.launch.options import StepRecord, StepReport, TrainOptions, WorkerSpec, rank_map
 from runtime.launch.worker import NullReporter, train_worker
 from runtime.spec import load_plan_context
+from runtime.spec.catalog import train_problems
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ def run_torchrun(options: TrainOptions, env: TorchrunEnv, *, on_step: Callable[[
     import torch.distributed as dist
 
     ctx = load_plan_context(options.plan)
+    refused = train_problems(ctx)
+    if refused:
+        raise SpecError(refused)
     strategy = select_strategy(ctx, options.strategy)
     devices = sorted(strategy.devices)
     if env.world_size != len(devices):

@@ -5,6 +5,10 @@ range and without the embedding or head, and TP sharding is applied from outside
 weights for DTensor shards). Attention therefore infers its local head count from the projection
 shapes. Layers are kept in a ModuleDict keyed by their global index, so a stage's parameter names are
 exactly the full model's (``model.layers.7.mlp.up_proj.weight``) and checkpoints are plan-independent.
+
+With tied embeddings the head is an ``nn.Linear`` whose weight *is* the embedding's parameter; a head
+stage that does not embed still holds ``model.embed_tokens`` (never called) so that the one weight keeps
+its one name on every stage.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.spec.model import ModelSpec
+from runtime.spec.model import ModelSpec, RopeScaling
 
 INIT_STD = 0.02
 
@@ -42,10 +46,29 @@ class RMSNorm(nn.Module):
         return y.type_as(x) * self.weight
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of rotary embeddings, shape [seq_len, head_dim] (HF's rotate-half layout)."""
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None,
+                     device: torch.device) -> torch.Tensor:
+    """Inverse frequencies of the head_dim / 2 rotary pairs (fp32), rescaled as Llama 3.x does."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Llama 3.x, compared by wavelength (2 pi / frequency) against the original context as transformers
+    # compares them (so the same pairs fall in each band): wavelengths beyond ctx / low_freq_factor are
+    # slowed by ``factor``, those under ctx / high_freq_factor kept, and in between the frequency is
+    # blended linearly in ctx / wavelength, from slowed at low_freq_factor to kept at high_freq_factor.
+    ctx = scaling.original_max_position_embeddings
+    lo, hi = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    slow = inv_freq / scaling.factor
+    blend = (ctx / wavelength - lo) / (hi - lo)
+    between = (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
+    return torch.where(wavelength > ctx / lo, slow, torch.where(wavelength < ctx / hi, inv_freq, between))
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of rotary embeddings, shape [seq_len, head_dim] (HF's rotate-half layout)."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling, device)
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -65,12 +88,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaAttention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        h, kv = spec.hidden_size, spec.kv_dim
-        self.head_dim = spec.head_dim
-        self.q_proj = nn.Linear(h, h, bias=False)
-        self.k_proj = nn.Linear(h, kv, bias=False)
-        self.v_proj = nn.Linear(h, kv, bias=False)
-        self.o_proj = nn.Linear(h, h, bias=False)
+        h, q, kv = spec.hidden_size, spec.q_dim, spec.kv_dim
+        self.head_dim = spec.head_size
+        self.q_proj = nn.Linear(h, q, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, kv, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, kv, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(q, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -109,19 +132,25 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding (optional), a range of decoder layers, final norm (optional)."""
+    """Embedding (optional), a range of decoder layers, final norm (optional).
 
-    def __init__(self, spec: ModelSpec, layers: Iterable[int], embed: bool, final_norm: bool) -> None:
+    ``hold_embedding``: keep the embedding module without looking tokens up (a tied head's weight)."""
+
+    def __init__(self, spec: ModelSpec, layers: Iterable[int], embed: bool, final_norm: bool,
+                 hold_embedding: bool = False) -> None:
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if embed else None
+        self.lookup = embed
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if embed or hold_embedding else None
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(spec) for i in layers})
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps) if final_norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed_tokens is not None:
+        if self.lookup:
+            assert self.embed_tokens is not None
             x = self.embed_tokens(x)
-        cos, sin = rope_tables(x.shape[1], self.spec.head_dim, self.spec.rope_theta, x.device, x.dtype)
+        cos, sin = rope_tables(x.shape[1], self.spec.head_size, self.spec.rope_theta, x.device, x.dtype,
+                               self.spec.rope_scaling)
         for layer in self.layers.values():
             x = layer(x, cos, sin)
         if self.norm is not None:
@@ -141,8 +170,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.layer_ids = tuple(range(spec.num_layers) if layers is None else layers)
-        self.model = LlamaModel(spec, self.layer_ids, embed=embed, final_norm=head)
+        tied = spec.tie_word_embeddings
+        self.model = LlamaModel(spec, self.layer_ids, embed=embed, final_norm=head, hold_embedding=head and tied)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if head else None
+        if self.lm_head is not None and tied:
+            assert self.model.embed_tokens is not None
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.model(x)
@@ -151,12 +184,17 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Deterministic, name-seeded init: N(0, 0.02) for matrices, output projections scaled by
-        1/sqrt(2 * num_layers) (GPT-2 style), ones for norms."""
+        1/sqrt(2 * num_layers) (GPT-2 style), ones for norms, zeros for biases. A tied head's weight is
+        the embedding's and initialised once, under the embedding's name."""
         out_std = INIT_STD / math.sqrt(2 * self.spec.num_layers)
         for name, module in self.named_modules():
             if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            elif module is self.lm_head and self.spec.tie_word_embeddings:
+                continue
             elif isinstance(module, (nn.Linear, nn.Embedding)):
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
                 full = f"{name}.weight"
                 std = out_std if isinstance(module, nn.Linear) and _is_output_projection(self, module) else INIT_STD
                 w = module.weight

@@ -5,6 +5,10 @@ the annotations (which DS each parameter gets in each TP group) and the planner 
 rule is Megatron's: q/k/v and gate/up are column parallel (split the output dim 0), o and down are
 row parallel (split the input dim 1), embedding and head are vocab parallel (dim 0), norms are
 duplicated.
+
+A tied embedding (``tie_word_embeddings``) is one parameter, ``model.embed_tokens.weight``, held by the
+first stages (lookup) and the last stages (head); there is no ``lm_head.weight``, as in Hugging Face's
+checkpoints of such models.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class ParamInfo:
     owner: Owner
     layer: int | None  # decoder layer index for owner == "layer"
     tp_dim: int | None  # tensor dim split across a TP group; None = duplicated in the group
+    tied: bool = False  # the embedding matrix, also used (and held) by the head stages as the head
 
     @property
     def numel(self) -> int:
@@ -34,14 +39,17 @@ class ParamInfo:
 
 
 def layer_parameters(model: ModelSpec, layer: int) -> list[ParamInfo]:
-    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_dim
+    h, f, q, kv = model.hidden_size, model.ffn_hidden_size, model.q_dim, model.kv_dim
     p = f"model.layers.{layer}."
+    attn = []
+    for proj, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        attn.append(ParamInfo(p + f"self_attn.{proj}.weight", (out, h), "layer", layer, 0))
+        if model.qkv_bias:  # column parallel: the bias splits with the output features
+            attn.append(ParamInfo(p + f"self_attn.{proj}.bias", (out,), "layer", layer, 0))
     return [
         ParamInfo(p + "input_layernorm.weight", (h,), "layer", layer, None),
-        ParamInfo(p + "self_attn.q_proj.weight", (h, h), "layer", layer, 0),
-        ParamInfo(p + "self_attn.k_proj.weight", (kv, h), "layer", layer, 0),
-        ParamInfo(p + "self_attn.v_proj.weight", (kv, h), "layer", layer, 0),
-        ParamInfo(p + "self_attn.o_proj.weight", (h, h), "layer", layer, 1),
+        *attn,
+        ParamInfo(p + "self_attn.o_proj.weight", (h, q), "layer", layer, 1),
         ParamInfo(p + "post_attention_layernorm.weight", (h,), "layer", layer, None),
         ParamInfo(p + "mlp.gate_proj.weight", (f, h), "layer", layer, 0),
         ParamInfo(p + "mlp.up_proj.weight", (f, h), "layer", layer, 0),
@@ -52,9 +60,11 @@ def layer_parameters(model: ModelSpec, layer: int) -> list[ParamInfo]:
 def llama_parameters(model: ModelSpec) -> list[ParamInfo]:
     """Every parameter of the model, in module order."""
     h, v = model.hidden_size, model.vocab_size
-    out = [ParamInfo("model.embed_tokens.weight", (v, h), "embedding", None, 0)]
+    tied = model.tie_word_embeddings
+    out = [ParamInfo("model.embed_tokens.weight", (v, h), "embedding", None, 0, tied=tied)]
     for i in range(model.num_layers):
         out.extend(layer_parameters(model, i))
     out.append(ParamInfo("model.norm.weight", (h,), "head", None, None))
-    out.append(ParamInfo("lm_head.weight", (v, h), "head", None, 0))
+    if not tied:
+        out.append(ParamInfo("lm_head.weight", (v, h), "head", None, 0))
     return out

@@ -50,11 +50,11 @@ def synchronize(device: torch.device) -> None:
 
 def _shard_attention(model: ModelSpec, tp: int) -> nn.Module:
     att = LlamaAttention(model)
-    h, kv = model.hidden_size, model.kv_dim
-    att.q_proj = nn.Linear(h, h // tp, bias=False)
-    att.k_proj = nn.Linear(h, kv // tp, bias=False)
-    att.v_proj = nn.Linear(h, kv // tp, bias=False)
-    att.o_proj = nn.Linear(h // tp, h, bias=False)
+    h, q, kv, bias = model.hidden_size, model.q_dim, model.kv_dim, model.qkv_bias
+    att.q_proj = nn.Linear(h, q // tp, bias=bias)
+    att.k_proj = nn.Linear(h, kv // tp, bias=bias)
+    att.v_proj = nn.Linear(h, kv // tp, bias=bias)
+    att.o_proj = nn.Linear(q // tp, h, bias=False)
     return att
 
 

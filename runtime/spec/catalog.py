@@ -1,4 +1,8 @@
-"""Finding specs: catalog names (configs/models, configs/clusters) or paths, and loading them."""
+"""Finding specs: catalog names (configs/models, configs/clusters) or paths, and loading them.
+
+A model may also be a Hugging Face model directory or its ``config.json`` (runtime/spec/hf.py); this is
+the one place that tells the two apart, so every command taking ``--model`` or a plan's ``model:`` accepts
+both."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import TypeVar
 
 from runtime.errors import Problem, SpecError
 from runtime.spec.cluster import Cluster
+from runtime.spec.hf import config_file, is_hf_config, load_hf_model
 from runtime.spec.io import atomic_write_text, dump_yaml, read_yaml
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import Plan
@@ -24,22 +29,43 @@ def catalog_names(kind: str) -> list[str]:
     return sorted(p.stem for p in (CONFIGS_DIR / kind).glob("*.yaml"))
 
 
-def _looks_like_path(ref: str) -> bool:
-    return ref.endswith((".yaml", ".yml")) or "/" in ref or "\\" in ref
+def looks_like_path(ref: str) -> bool:
+    """A reference the user meant as a path, not a catalog name."""
+    return ref.endswith((".yaml", ".yml", ".json")) or "/" in ref or "\\" in ref
+
+
+def _path_ref(ref: str, kind: str, relative_to: Path | None) -> Path | None:
+    candidates = [Path(ref)]
+    if relative_to is not None and not Path(ref).is_absolute():
+        candidates.insert(0, relative_to / ref)
+    for c in candidates:
+        if kind == "models":
+            c = config_file(c)  # a Hugging Face model directory stands for its config.json
+        if c.is_file():
+            return c
+    return None
 
 
 def resolve_ref(ref: str, kind: str, relative_to: Path | None = None) -> Path | None:
-    """Path of a spec given by name or path; None when no such file or catalog entry exists."""
-    if _looks_like_path(ref):
-        candidates = [Path(ref)]
-        if relative_to is not None and not Path(ref).is_absolute():
-            candidates.insert(0, relative_to / ref)
-        for c in candidates:
-            if c.is_file():
-                return c
-        return None
+    """Path of a spec given by name or path; None when no such file or catalog entry exists.
+
+    A bare name is a catalog entry first; for models, else a Hugging Face model directory of that name
+    (``--model Llama-3.2-1B`` beside a downloaded model)."""
+    if looks_like_path(ref):
+        return _path_ref(ref, kind, relative_to)
     p = CONFIGS_DIR / kind / f"{ref}.yaml"
-    return p if p.is_file() else None
+    if p.is_file():
+        return p
+    return _path_ref(ref, kind, relative_to) if kind == "models" else None
+
+
+def recorded_ref(ref: str, kind: str, relative_to: Path | None = None) -> str:
+    """What a plan file records for a spec reference: a catalog name as is, a path made absolute (the
+    plan may live elsewhere)."""
+    path = resolve_ref(ref, kind, relative_to)
+    if path is None or path.parent == CONFIGS_DIR / kind and not looks_like_path(ref):
+        return ref
+    return str(path.resolve())
 
 
 def _load(cls: type[T], path: Path) -> T:
@@ -50,8 +76,15 @@ def load_model(ref: str, *, relative_to: Path | None = None, file: str = "", fie
     path = resolve_ref(ref, "models", relative_to)
     if path is None:
         raise SpecError([Problem(file, field, f"unknown model {ref!r} (catalog: "
-                                 f"{', '.join(catalog_names('models'))}; or a path to a YAML file)")])
-    return _load(ModelSpec, path)
+                                 f"{', '.join(catalog_names('models'))}; or a path to a YAML file, a Hugging "
+                                 "Face config.json or its directory)")])
+    return load_hf_model(path) if is_hf_config(path) else _load(ModelSpec, path)
+
+
+def model_source_config(ref: str, relative_to: Path | None = None) -> Path | None:
+    """The Hugging Face config.json a model reference names, or None (catalog entry, model YAML)."""
+    path = resolve_ref(ref, "models", relative_to)
+    return path if path is not None and is_hf_config(path) else None
 
 
 def load_cluster(ref: str, *, relative_to: Path | None = None, file: str = "",
@@ -112,3 +145,13 @@ def load_plan_context(path: str | Path, cluster: str | None = None) -> PlanConte
         raise SpecError(problems)
     assert model is not None and cluster_spec is not None
     return PlanContext(plan, model, cluster_spec, path)
+
+
+def train_problems(ctx: PlanContext) -> list[Problem]:
+    """What in the plan's model the runtime cannot train (the planner prices it regardless), naming the
+    model's file and field."""
+    found = ctx.model.train_problem(ctx.plan.training.seq_len)
+    if found is None:
+        return []
+    path = resolve_ref(ctx.plan.model, "models", ctx.path.parent)
+    return [Problem(str(path or ctx.plan.model), found[0], found[1])]

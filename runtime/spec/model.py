@@ -1,15 +1,44 @@
-"""Model spec: the shape of a Llama-family decoder, as the catalog in configs/models/ gives it."""
+"""Model spec: the shape of a Llama-family decoder, as the catalog in configs/models/ or a Hugging Face
+``config.json`` (runtime/spec/hf.py) gives it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from runtime.errors import Checker
+
+# The Hugging Face ``model_type``s whose decoder the runtime's Llama is: Llama 2/3, Mistral, Qwen2 differ
+# only in figures this spec holds (head_dim, q/k/v bias, tied embeddings, rope scaling).
+Family = Literal["llama", "mistral", "qwen2"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.x's frequency-dependent RoPE rescaling (``rope_type: llama3``): wavelengths longer than
+    ``original_max_position_embeddings / low_freq_factor`` are stretched by ``factor``, shorter than
+    ``... / high_freq_factor`` kept, those between interpolated."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: Literal["llama3"] = "llama3"
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.check(self.factor >= 1, "factor", f"must be at least 1, got {self.factor}")
+        c.check(self.low_freq_factor > 0, "low_freq_factor", "must be positive")
+        c.check(self.high_freq_factor > self.low_freq_factor, "high_freq_factor",
+                f"must exceed low_freq_factor {self.low_freq_factor}, got {self.high_freq_factor}")
+        c.check(self.original_max_position_embeddings >= 1, "original_max_position_embeddings",
+                "must be at least 1")
+        c.raise_if_any()
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama decoder's sizes; the runtime builds the module, the planner costs it."""
+    """A Llama-family decoder's sizes; the runtime builds the module, the planner costs it."""
 
     name: str
     num_layers: int
@@ -21,6 +50,14 @@ class ModelSpec:
     max_seq_len: int
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    family: Family = "llama"
+    # Per-head width; hidden_size / num_heads when not given (Mistral-Nemo-style configs set it apart).
+    head_dim: int | None = None
+    qkv_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    tie_word_embeddings: bool = False  # the head multiplies by the embedding matrix (one weight)
+    rope_scaling: RopeScaling | None = None
+    # Attention window, when the model uses one (Mistral v0.1): the runtime cannot train it (``train_problem``).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -29,29 +66,43 @@ class ModelSpec:
             c.check(getattr(self, field) >= 1, field, f"must be at least 1, got {getattr(self, field)}")
         c.check(self.rope_theta > 0, "rope_theta", "must be positive")
         c.check(self.norm_eps > 0, "norm_eps", "must be positive")
-        if self.num_heads >= 1 and self.hidden_size >= 1:
-            c.check(self.hidden_size % self.num_heads == 0, "hidden_size",
-                    f"{self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.sliding_window is not None:
+            c.check(self.sliding_window >= 1, "sliding_window", f"must be at least 1, got {self.sliding_window}")
+        if self.head_dim is None:
+            if self.num_heads >= 1 and self.hidden_size >= 1:
+                if c.check(self.hidden_size % self.num_heads == 0, "hidden_size",
+                           f"{self.hidden_size} is not divisible by num_heads {self.num_heads} "
+                           "(or give head_dim)"):
+                    object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        else:
+            c.check(self.head_dim >= 1, "head_dim", f"must be at least 1, got {self.head_dim}")
         if self.num_kv_heads >= 1 and self.num_heads >= 1:
             c.check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
                     f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if not c.problems:
-            c.check(self.head_dim % 2 == 0, "hidden_size",
-                    f"head dimension {self.head_dim} must be even for rotary embeddings")
+            c.check(self.head_size % 2 == 0, "head_dim",
+                    f"head dimension {self.head_size} must be even for rotary embeddings")
         c.raise_if_any()
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+    def head_size(self) -> int:
+        """``head_dim`` as an int (always set after construction)."""
+        assert self.head_dim is not None
+        return self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        """Output width of the query projection (= hidden_size unless head_dim is set apart)."""
+        return self.num_heads * self.head_size
 
     @property
     def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
+        return self.num_kv_heads * self.head_size
 
     def layer_params(self) -> int:
-        """Parameters of one decoder block: q,k,v,o projections, gate/up/down, two norms."""
-        h, f = self.hidden_size, self.ffn_hidden_size
-        attn = h * h + 2 * h * self.kv_dim + h * h
+        """Parameters of one decoder block: q,k,v,o projections (and q/k/v biases), gate/up/down, two norms."""
+        h, f, q, kv = self.hidden_size, self.ffn_hidden_size, self.q_dim, self.kv_dim
+        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
         mlp = 3 * h * f
         return attn + mlp + 2 * h
 
@@ -59,17 +110,18 @@ class ModelSpec:
         return self.vocab_size * self.hidden_size
 
     def head_params(self) -> int:
-        """Final norm and the (untied) output projection."""
+        """Final norm and the output projection, as the last stage holds them (its own copy of the
+        embedding matrix when tied)."""
         return self.hidden_size + self.vocab_size * self.hidden_size
 
     def total_params(self) -> int:
-        return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params()
+        """Distinct parameters (a tied embedding counted once)."""
+        tied = self.vocab_size * self.hidden_size if self.tie_word_embeddings else 0
+        return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params() - tied
 
     def valid_tp_degrees(self, limit: int = 64) -> list[int]:
         """TP degrees that split heads, kv heads and the MLP evenly."""
-        return [t for t in range(1, limit + 1)
-                if self.num_heads % t == 0 and self.num_kv_heads % t == 0
-                and self.ffn_hidden_size % t == 0]
+        return [t for t in range(1, limit + 1) if self.tp_problem(t) is None]
 
     def tp_problem(self, tp: int) -> str | None:
         """Why this TP degree cannot shard the model, or None if it can."""
@@ -79,3 +131,18 @@ class ModelSpec:
         if not bad:
             return None
         return f"TP degree {tp} does not divide " + ", ".join(bad)
+
+    def train_problem(self, seq_len: int) -> tuple[str, str] | None:
+        """(field, why) when the runtime cannot train this model at ``seq_len``, else None. The planner
+        still prices such a model (as full causal attention)."""
+        if self.sliding_window is not None and seq_len > self.sliding_window:
+            return ("sliding_window", f"attention window {self.sliding_window} is shorter than seq_len {seq_len}; "
+                                      "the runtime trains full causal attention only")
+        return None
+
+    def pricing_note(self, seq_len: int) -> str | None:
+        """What the planner and simulator approximate for this model at ``seq_len`` (None: nothing)."""
+        found = self.train_problem(seq_len)
+        if found is None:
+            return None
+        return f"{self.name}: {found[0]}: priced as full causal attention ({found[1]}; hspmd train refuses it)"

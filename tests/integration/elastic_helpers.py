@@ -7,9 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from runtime.checkpoint import CHECKPOINT_FILE
+from runtime.checkpoint import read_saved
 from runtime.data import token_source
 from runtime.engine.reference import ReferenceTrainer
 from runtime.spec import PlanContext, load_plan, load_plan_context, save_plan
@@ -54,8 +53,7 @@ def reference(plan: Path, steps: int) -> tuple[list[float], ReferenceTrainer]:
 
 
 def saved_state(directory: Path) -> dict[str, torch.Tensor]:
-    with safe_open(directory / CHECKPOINT_FILE, framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+    return read_saved(directory)[0]
 
 
 def assert_matches_reference(saved: dict[str, torch.Tensor], trainer: ReferenceTrainer) -> None:

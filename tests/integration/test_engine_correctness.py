@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine_world import DeviceResult, EngineWorld
 
-from runtime.checkpoint import CHECKPOINT_FILE
+from runtime.checkpoint import read_saved
 from runtime.engine.reference import ReferenceTrainer
 from runtime.models.params import llama_parameters
 from runtime.spec import PlanContext, load_plan_context
@@ -207,11 +207,8 @@ def test_zero1_checkpoints_cross_plans(world: EngineWorld, tmp_path: Path) -> No
 
 def check_saved(directory: Path, ref: ReferenceTrainer, step: int) -> None:
     """The checkpoint holds the reference's full parameters and moments after ``step`` steps."""
-    from safetensors import safe_open
-
-    with safe_open(directory / CHECKPOINT_FILE, framework="pt") as f:
-        saved = {k: f.get_tensor(k) for k in f.keys()}
-        assert f.metadata()["step"] == str(step)
+    saved, meta = read_saved(directory)
+    assert meta["step"] == str(step)
     want = {**ref.parameters(), **ref.optimizer_state()}
     assert set(saved) == set(want)
     atol = ATOL_STEPS * ref.training.optimizer.lr

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors import safe_open
 from train_helpers import HETERO_PLAN, PARAM_ATOL, reference, reference_state, shrink, write_plan
 
-from runtime.checkpoint import CHECKPOINT_FILE, expected_tensors
+from runtime.checkpoint import expected_tensors, read_saved
 from runtime.launch import TrainOptions, launch
 from runtime.spec import load_plan_context
 
 
 def read(directory) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    with safe_open(directory / CHECKPOINT_FILE, framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    return read_saved(directory)
 
 
 def assert_state_equal(saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:

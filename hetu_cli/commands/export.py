@@ -1,0 +1,32 @@
+"""``hspmd export --checkpoint DIR --out HFDIR``: a checkpoint as a Hugging Face model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.markup import escape
+
+from hetu_cli.output import FORMAT_OPTION, console, emit_json
+from runtime.checkpoint import EXPORT_DTYPES, export_checkpoint
+
+
+@click.command()
+@click.option("--checkpoint", "source", required=True, type=click.Path(path_type=Path),
+              help="A --save directory (or the older checkpoint.safetensors format).")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path),
+              help="Directory to write (config.json, model.safetensors; from_pretrained opens it).")
+@click.option("--dtype", type=click.Choice(sorted(EXPORT_DTYPES)), default="fp32", show_default=True,
+              help="Weight dtype of the export (training keeps fp32 master weights).")
+@click.option("--model", "model_ref", help="The checkpoint's model (catalog name or path), when it has no "
+                                           "config.json and its metadata names no catalog entry.")
+@FORMAT_OPTION
+def export(source: Path, out: Path, dtype: str, model_ref: str | None, fmt: str) -> None:
+    """Write a checkpoint's weights as a Hugging Face directory (no optimizer state)."""
+    written = export_checkpoint(source, out, dtype=dtype, model_ref=model_ref)
+    if fmt == "json":
+        emit_json({"checkpoint": str(source), "out": str(out), "dtype": EXPORT_DTYPES[dtype],
+                   "files": [str(p) for p in written]})
+        return
+    console().print(f"exported {escape(str(source))} to [bold]{escape(str(out))}[/bold] "
+                    f"({EXPORT_DTYPES[dtype]}; {', '.join(escape(p.name) for p in written)})")

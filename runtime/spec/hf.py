@@ -1,0 +1,239 @@
+"""Hugging Face ``config.json`` <-> ModelSpec, for the decoders the runtime's Llama is.
+
+Read: the Llama family as ``transformers`` defines it (``model_type`` llama, mistral, qwen2), in either
+of its spellings of RoPE (``rope_theta`` + ``rope_scaling``, or ``rope_parameters``). What the runtime's
+module cannot compute is refused here, naming the field, so that nothing downstream prices or trains a
+different model than the file describes. Write: the config a checkpoint carries, the source config's
+keys kept (tokenizer ids, ``transformers_version``...), the shape keys rewritten from the spec.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import FieldErrors, Problem, SpecError
+from runtime.spec.model import ModelSpec, RopeScaling
+
+CONFIG_FILE = "config.json"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "olmoe", "jamba")
+# transformers' defaults for the keys a config.json may leave out, per model_type.
+DEFAULT_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6}
+REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
+            "max_position_embeddings")
+
+
+def is_hf_config(path: Path) -> bool:
+    """A ``.json`` file is a Hugging Face config; model YAML files are everything else."""
+    return path.suffix == ".json"
+
+
+def config_file(path: Path) -> Path:
+    """``path`` itself, or the ``config.json`` of a model directory."""
+    return path / CONFIG_FILE if path.is_dir() else path
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The raw JSON object of a config file; unreadable or non-object files become a SpecError."""
+    # TODO(lead): route through runtime/spec/io.py's bounded JSON reader once it exists.
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SpecError([Problem(str(p), "", "file not found")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError([Problem(str(p), "", f"cannot read: {exc}")]) from None
+    except json.JSONDecodeError as exc:
+        raise SpecError([Problem(str(p), f"line {exc.lineno}, column {exc.colno}", f"malformed JSON: {exc.msg}")]) \
+            from None
+    if not isinstance(data, dict):
+        raise SpecError([Problem(str(p), "", f"expected a JSON object, got {type(data).__name__}")])
+    return data
+
+
+class _Fields:
+    """Typed access to config keys, collecting one problem per bad field."""
+
+    def __init__(self, data: dict[str, Any], file: str) -> None:
+        self.data, self.file = data, file
+        self.problems: list[Problem] = []
+
+    def bad(self, field: str, message: str) -> None:
+        self.problems.append(Problem(self.file, field, message))
+
+    def get_int(self, key: str, default: int | None = None, *, required: bool = False) -> int | None:
+        value = self.data.get(key)
+        if value is None:
+            if required:
+                self.bad(key, "missing required field")
+            return default
+        if not isinstance(value, int) or isinstance(value, bool):
+            self.bad(key, f"expected an integer, got {value!r}")
+            return default
+        return value
+
+    def get_float(self, key: str, default: float, source: dict[str, Any] | None = None, prefix: str = "") -> float:
+        value = (self.data if source is None else source).get(key)
+        if value is None:
+            return default
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            self.bad(prefix + key, f"expected a number, got {value!r}")
+            return default
+        return float(value)
+
+    def get_bool(self, key: str, default: bool) -> bool:
+        value = self.data.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            self.bad(key, f"expected true or false, got {value!r}")
+            return default
+        return value
+
+
+def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
+    """rope_theta and the scaling, from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
+    ``rope_scaling`` (earlier)."""
+    params = f.data.get("rope_parameters")
+    if params is not None:
+        where = "rope_parameters"
+        if not isinstance(params, dict):
+            f.bad(where, f"expected an object, got {params!r}")
+            return 10000.0, None
+        theta = f.get_float("rope_theta", 10000.0, params, "rope_parameters.")
+        scaling: Any = params
+    else:
+        where = "rope_scaling"
+        theta = f.get_float("rope_theta", 10000.0)
+        scaling = f.data.get("rope_scaling")
+        if scaling is None:
+            return theta, None
+        if not isinstance(scaling, dict):
+            f.bad(where, f"expected an object or null, got {scaling!r}")
+            return theta, None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        f.bad(f"{where}.rope_type", f"{kind!r} is not supported (supported: default, llama3)")
+        return theta, None
+    values: dict[str, Any] = {}
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        if scaling.get(key) is None:
+            f.bad(f"{where}.{key}", "missing required field (rope_type llama3)")
+        else:
+            values[key] = f.get_float(key, 0.0, scaling, where + ".")
+    orig = scaling.get("original_max_position_embeddings")
+    if not isinstance(orig, int) or isinstance(orig, bool):
+        f.bad(f"{where}.original_max_position_embeddings", f"expected an integer, got {orig!r}")
+    if len(values) < 3 or not isinstance(orig, int):
+        return theta, None
+    try:
+        return theta, RopeScaling(values["factor"], values["low_freq_factor"], values["high_freq_factor"], orig)
+    except FieldErrors as err:
+        for field, message in err.problems:
+            f.bad(f"{where}.{field}", message)
+        return theta, None
+
+
+def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
+    """The ModelSpec of a parsed config.json; every problem raised at once, each naming its field."""
+    f = _Fields(data, file)
+    model_type = data.get("model_type")
+    if model_type not in ARCHITECTURES:
+        if model_type is None:
+            f.bad("model_type", "missing required field")
+        elif model_type in MOE_TYPES or any(k in data for k in ("num_local_experts", "num_experts")):
+            f.bad("model_type", f"{model_type!r} is a mixture-of-experts model; supported: "
+                                f"{', '.join(ARCHITECTURES)} (dense Llama family)")
+        else:
+            f.bad("model_type", f"{model_type!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+        raise SpecError(f.problems)
+    sizes = {k: f.get_int(k, required=True) for k in REQUIRED}
+    heads = sizes["num_attention_heads"]
+    kv_heads = f.get_int("num_key_value_heads", heads)
+    head_dim = f.get_int("head_dim")
+    act = data.get("hidden_act", "silu")
+    if act != "silu":
+        f.bad("hidden_act", f"{act!r} is not supported (the runtime's MLP is SwiGLU: silu)")
+    if f.get_bool("mlp_bias", False):
+        f.bad("mlp_bias", "true is not supported (the runtime's MLP has no biases)")
+    if model_type == "llama" and f.get_bool("attention_bias", False):
+        f.bad("attention_bias", "true is not supported (the runtime's o_proj has no bias)")
+    tp = f.get_int("pretraining_tp", 1)
+    if tp not in (1, None):
+        f.bad("pretraining_tp", f"{tp} is not supported (only 1: the weights' own layout)")
+    theta, scaling = _rope(f)
+    # The window is in use when Mistral sets one, when Qwen2 switches it on, or (transformers 5) when any
+    # layer is listed as sliding; the runtime then refuses to train (ModelSpec.train_problem).
+    layer_types = data.get("layer_types")
+    sliding_layers = isinstance(layer_types, list) and "sliding_attention" in layer_types
+    window = None
+    if model_type == "mistral" or sliding_layers or model_type == "qwen2" and f.get_bool("use_sliding_window", False):
+        window = f.get_int("sliding_window")
+    eps = f.get_float("rms_norm_eps", DEFAULT_EPS[model_type])
+    tied = f.get_bool("tie_word_embeddings", False)
+    if f.problems:
+        raise SpecError(f.problems)
+    try:
+        return ModelSpec(name=name, num_layers=sizes["num_hidden_layers"], hidden_size=sizes["hidden_size"],
+                         ffn_hidden_size=sizes["intermediate_size"], num_heads=heads, num_kv_heads=kv_heads,
+                         vocab_size=sizes["vocab_size"], max_seq_len=sizes["max_position_embeddings"],
+                         rope_theta=theta, norm_eps=eps, family=model_type, head_dim=head_dim,
+                         qkv_bias=model_type == "qwen2", tie_word_embeddings=tied, rope_scaling=scaling,
+                         sliding_window=window)
+    except FieldErrors as err:
+        raise SpecError([Problem(file, HF_NAMES.get(field, field), message) for field, message in err.problems]) \
+            from None
+
+
+# ModelSpec field -> config.json key, for problems found by ModelSpec's own validation.
+HF_NAMES = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
+            "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+            "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
+
+
+def load_hf_model(path: str | Path) -> ModelSpec:
+    """The ModelSpec of a model directory or its config.json; named after the directory."""
+    file = config_file(Path(path))
+    return spec_from_config(read_config(file), str(file), file.parent.resolve().name or "model")
+
+
+def config_for(spec: ModelSpec, dtype: str, source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json of a checkpoint of ``spec`` with weights in ``dtype`` ("float32", "bfloat16").
+
+    The source config's other keys are kept as they were; the shape is rewritten from the spec (they agree
+    when the spec was read from it). RoPE is written in the source's spelling, ``rope_theta`` +
+    ``rope_scaling`` without one (transformers reads both)."""
+    out = dict(source or {})
+    out.update({
+        "architectures": [ARCHITECTURES[spec.family]], "model_type": spec.family,
+        "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_hidden_size,
+        "num_hidden_layers": spec.num_layers, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_size, "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_seq_len, "rms_norm_eps": spec.norm_eps, "hidden_act": "silu",
+        "tie_word_embeddings": spec.tie_word_embeddings, "torch_dtype": dtype,
+    })
+    if "dtype" in out:
+        out["dtype"] = dtype
+    if spec.family == "llama":
+        out.setdefault("attention_bias", False)
+        out.setdefault("mlp_bias", False)
+    if spec.family == "mistral":
+        out["sliding_window"] = spec.sliding_window
+    if spec.family == "qwen2":
+        out["use_sliding_window"] = spec.sliding_window is not None
+        if spec.sliding_window is not None:
+            out["sliding_window"] = spec.sliding_window
+    scaling = None if spec.rope_scaling is None else {
+        "rope_type": "llama3", "factor": spec.rope_scaling.factor,
+        "low_freq_factor": spec.rope_scaling.low_freq_factor, "high_freq_factor": spec.rope_scaling.high_freq_factor,
+        "original_max_position_embeddings": spec.rope_scaling.original_max_position_embeddings}
+    if "rope_parameters" in out:
+        out["rope_parameters"] = {"rope_theta": spec.rope_theta, **(scaling or {"rope_type": "default"})}
+    else:
+        out["rope_theta"] = spec.rope_theta
+        out["rope_scaling"] = scaling
+    return out
