@@ -16,6 +16,7 @@ from runtime.engine.specialize import parameter_shards, stage_parameters, stage_
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.params import llama_parameters
 from runtime.spec import load_model, load_plan_context
+from runtime.spec.handle import StrategyHandle
 
 TINY = load_model("llama-tiny")
 TIED = dataclasses.replace(TINY, tie_word_embeddings=True)
@@ -73,7 +74,7 @@ def test_the_tied_weight_is_one_annotation_over_the_lookup_and_head_stages():
     tied_groups = set(strategy_groups(strategy, TIED, ctx.plan.training))
     assert tied_groups - set(strategy_groups(strategy, TINY, ctx.plan.training)) == {(0, 2, 3), (1, 2, 3)}
     for device in (0, 3):
-        role = stage_role(ctx, strategy, device)
+        role = stage_role(StrategyHandle(ctx, strategy), device)
         assert "model.embed_tokens.weight" in {p.name for p in stage_parameters(TIED, role)}
         shard = next(s for s in parameter_shards(TIED, role, ann) if s.name == "model.embed_tokens.weight")
         assert shard.primary == (device == 0)
