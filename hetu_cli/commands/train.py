@@ -19,7 +19,8 @@ from hetu_cli.output import console, err_console
 from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
 from runtime.launch.options import PlannedSwitch
-from runtime.launch.worker import TRACE_MERGED
+from runtime.launch.session import TRACE_MERGED
+from runtime.launch.supervise import PlainPolicy
 
 ELASTIC_TIMEOUT_S = 30.0  # op timeout under --elastic: only the worst case waits for it (runtime/elastic/)
 ELASTIC_HEARTBEAT_TIMEOUT_S = 5.0
@@ -172,11 +173,13 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
         with display:
             if env is not None:
                 run_torchrun(options, env, on_step=on_step, on_log=display.log)
-            elif options.coordinated:
+            elif options.coordinated:  # elastic and switching runs coordinate every step (runtime/elastic/)
+                from runtime.elastic.coordinator import ElasticPolicy
+
                 replan = _planner_replan(profile_dirs, replan_tolerance, display.log) if elastic else None
-                launch(options, on_step=on_step, on_log=display.log, on_event=on_event, replan=replan)
+                launch(options, ElasticPolicy(replan, on_event), on_step=on_step, on_log=display.log)
             else:
-                launch(options, on_step=on_step, on_log=display.log)
+                launch(options, PlainPolicy(), on_step=on_step, on_log=display.log)
     except WorkerFailure as failure:
         if failure.kind == "error" and failure.traceback:
             err_console().print(f"[dim]{escape(failure.traceback.rstrip())}[/dim]")

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from runtime.errors import HspmdError
 from runtime.launch.launcher import select_strategy
-from runtime.launch.options import StepRecord, StepReport, TrainOptions, WorkerSpec, rank_map
-from runtime.launch.worker import NullReporter, train_worker
+from runtime.launch.messages import Log, StepDone
+from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, rank_map
+from runtime.launch.worker import train_worker
 from runtime.spec import load_plan_context
 
 
@@ -35,21 +36,18 @@ class TorchrunEnv:
                            int(environ["LOCAL_WORLD_SIZE"]))
 
 
-class _LocalReporter:
+class _ConsoleReporter:
+    """A worker's steps and logs to this process's callbacks (rank 0's console; None: nowhere)."""
+
     def __init__(self, strategy: str, on_step: Callable[[StepRecord], None] | None,
                  on_log: Callable[[str], None] | None) -> None:
         self.strategy, self.on_step, self.on_log = strategy, on_step, on_log
 
-    def up(self) -> None:
-        pass
-
-    def step(self, report: StepReport) -> None:
-        if self.on_step is not None:
-            self.on_step(StepRecord.combine([report], self.strategy))
-
-    def log(self, message: str) -> None:
-        if self.on_log is not None:
-            self.on_log(message)
+    def send(self, msg: object) -> None:
+        if isinstance(msg, StepDone) and self.on_step is not None:
+            self.on_step(StepRecord.combine([msg.report], self.strategy))
+        elif isinstance(msg, Log) and self.on_log is not None:
+            self.on_log(msg.text)
 
 
 def run_torchrun(options: TrainOptions, env: TorchrunEnv, *, on_step: Callable[[StepRecord], None] | None = None,
@@ -84,5 +82,6 @@ def run_torchrun(options: TrainOptions, env: TorchrunEnv, *, on_step: Callable[[
     # torchrun's "env://" rendezvous: MASTER_ADDR/PORT, and the agent's own store where it hosts one.
     store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size,
                                        timeout=timedelta(seconds=options.timeout_s)))
-    reporter = _LocalReporter(strategy.name, on_step, on_log) if env.rank == 0 else NullReporter()
+    quiet = env.rank != 0
+    reporter = _ConsoleReporter(strategy.name, None if quiet else on_step, None if quiet else on_log)
     train_worker(spec, store, reporter)

@@ -1,0 +1,84 @@
+"""The words on the pipes between the launcher and a worker: one frozen dataclass each.
+
+Worker -> launcher: ``Up``, ``Heartbeat``, ``StepDone``, ``Log``, ``WorkerError``, ``FaultFiring``, ``Done``
+(and ``Exited``, said on a worker's behalf when its process ends).
+Launcher -> worker: ``Start``, ``Stop``. Elastic and switching runs add their own words
+(runtime/elastic/protocol.py). No message names its sender: the supervisor knows it by the pipe (and a
+later relay from remote nodes by its own bookkeeping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from runtime.launch.options import FaultKind, StepReport
+
+ErrorKind = Literal["user", "error", "comm"]
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where the launcher's store listens (sent once the workers are importing torch)."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Exit now (the run is over or failed)."""
+
+
+@dataclass(frozen=True)
+class Up:
+    """Start-up is over: from now on the worker's heartbeat is due every ``heartbeat_s``."""
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    pass
+
+
+@dataclass(frozen=True)
+class StepDone:
+    report: StepReport
+
+
+@dataclass(frozen=True)
+class Log:
+    text: str
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """How a worker failed: ``kind`` is "user" (HspmdError), "comm" (a collective or the store failed,
+    usually because a peer died first) or "error" (anything else: a bug)."""
+
+    kind: ErrorKind
+    lines: tuple[str, ...]
+    traceback: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in get_args(ErrorKind):
+            raise ValueError(f"unknown error kind {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class FaultFiring:
+    """An injected fault is about to fire (its wall time is when the failure really happened)."""
+
+    kind: FaultKind
+    wall_time: float
+
+
+@dataclass(frozen=True)
+class Exited:
+    """Said for a worker by whoever watches its process (it cannot): the process ended, ``how``."""
+
+    how: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """Everything is written; the worker exits."""
