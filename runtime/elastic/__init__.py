@@ -10,9 +10,6 @@
 * worker.py: the worker's side (commit agreement, leaving a generation, transitions).
 
 The runtime never imports the planner: a run that must replan gets a ``Replanner`` callback from the
-CLI (hetu_cli/commands/train.py, which calls planner/replan.py).
+CLI (hetu_cli/commands/train.py, which calls planner/replan.py). Nothing is imported here: a worker
+process unpickles its loop (worker.py) before its heartbeat starts, so that import must stay light.
 """
-
-from runtime.elastic.state import LostTensor, PlanRef, check_compatible, lost_tensors, plan_switch, state_moves
-
-__all__ = ["LostTensor", "PlanRef", "check_compatible", "lost_tensors", "plan_switch", "state_moves"]

@@ -36,7 +36,6 @@ from runtime.elastic.protocol import (
     Transition,
     World,
 )
-from runtime.elastic.state import PlanRef
 from runtime.launch.messages import StepDone, Up
 from runtime.launch.options import WorkerSpec
 from runtime.launch.session import Reporter, Session
@@ -51,6 +50,8 @@ class ElasticWorker:
     """One device's side of an elastic or switching run."""
 
     def __init__(self, spec: WorkerSpec, store: Any, reporter: Reporter, inbox: Inbox) -> None:
+        from runtime.elastic.state import PlanRef  # torch: after the heartbeat started (runtime/elastic/)
+
         self.session = Session(spec, store, reporter)
         self.spec, self.reporter, self.inbox = spec, reporter, inbox
         self.options = spec.options
