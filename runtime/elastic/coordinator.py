@@ -27,18 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.elastic.protocol import (
-    Abort,
-    Commit,
-    Finish,
-    Left,
-    Ready,
-    Resume,
-    Switched,
-    SwitchTimes,
-    Transition,
-    World,
-)
+from runtime.elastic.protocol import Abort, Commit, Finish, Left, Ready, Resume, Switched, Transition, World
 from runtime.elastic.state import PlanRef, check_compatible, describe_lost, lost_tensors, plan_switch
 from runtime.elastic.worker import elastic_worker
 from runtime.errors import HspmdError
@@ -85,7 +74,7 @@ class _Incident:
     t_sent: float | None = None
     t_resumed: float | None = None
     transition: Transition | None = None
-    times: dict[int, SwitchTimes] = field(default_factory=dict)
+    times: dict[int, Switched] = field(default_factory=dict)
     attempts: int = 0
 
 
@@ -236,7 +225,7 @@ class ElasticPolicy:
         self.ready: dict[tuple[int, int], set[int]] = {}  # (generation, step) -> the devices ready
         self.reports: dict[int, list[StepReport]] = {}
         self.left: dict[int, set[int]] = {}
-        self.switched: dict[int, dict[int, SwitchTimes]] = {}
+        self.switched: dict[int, dict[int, Switched]] = {}
         self.fault_wall: dict[int, float] = {}
         self.errors: list[tuple[float, WorkerHandle, WorkerError]] = []
         self.incident: _Incident | None = None
@@ -260,7 +249,7 @@ class ElasticPolicy:
         elif isinstance(msg, Left):
             self.left.setdefault(msg.generation, set()).add(d)
         elif isinstance(msg, Switched):
-            self.switched.setdefault(msg.epoch, {})[d] = msg.times
+            self.switched.setdefault(msg.epoch, {})[d] = msg
         elif isinstance(msg, FaultFiring):
             self.fault_wall[d] = msg.wall_time
         elif isinstance(msg, WorkerError):
@@ -331,11 +320,7 @@ class ElasticPolicy:
     def _note_single_copies(self) -> None:
         if not self.options.elastic:
             return
-        singles = []
-        for d in self.active:
-            lost = lost_tensors(self.ref, [d])
-            if lost:
-                singles.append((d, len(lost)))
+        singles = [(d, len(lost)) for d in self.active if (lost := lost_tensors(self.ref, [d]))]
         if singles:
             where = ", ".join(f"device {d} ({n} tensors)" for d, n in singles)
             self.log(f"note: some parameters have a single copy, on {where}: if such a device fails the run "
@@ -420,7 +405,7 @@ class ElasticPolicy:
         if inc is None or step < inc.step:
             return
         self.reported_incident = None
-        self.report(_failure_event(inc, time.monotonic(), time.time(), sorted(self.alive)),
+        self.report(_failure_event(inc, time.monotonic(), sorted(self.alive)),
                     lambda e: f"recovered from the failure of device(s) {_devs(inc.failed)}: step {inc.step} done "
                               f"{e['recovery_s']:.3f} s after detection (detect {e['detect_s']:.3f} s, abandon "
                               f"{e['abandon_s']:.3f} s, replan {e['replan_s']:.3f} s, regroup {e['regroup_s']:.3f} s, "
@@ -460,36 +445,29 @@ def _lost_lines(failed: frozenset[int], step: int, lost: list[Any], options: Tra
     return lines
 
 
-def _max(times: dict[int, SwitchTimes], name: str) -> float:
+def _max(times: dict[int, Switched], name: str) -> float:
     return max((getattr(t, name) for t in times.values()), default=0.0)
 
 
-def _failure_event(inc: _Incident, now: float, now_wall: float, survivors: list[int]) -> dict[str, Any]:
+def _failure_event(inc: _Incident, now: float, survivors: list[int]) -> dict[str, Any]:
     t = inc.transition
     assert t is not None and inc.t_left is not None and inc.t_resumed is not None and inc.t_sent is not None
-    strat = t.target.ctx.plan.strategy(t.target.strategy)
+    detect = max(0.0, inc.t_detect_wall - inc.t_fail_wall)
     return {
         "event": "failure", "step": inc.step, "failed": sorted(inc.failed),
         "cause": {str(d): how for d, how in sorted(inc.failed.items())}, "survivors": survivors,
         "replanned": inc.replanned, "strategy": t.target.strategy, "plan": t.target.describe(),
-        "devices": sorted(strat.devices), "micro_batch": t.target.ctx.plan.training.micro_batch,
-        "detect_s": max(0.0, inc.t_detect_wall - inc.t_fail_wall),
-        "abandon_s": inc.t_left - inc.t_detect,
-        "replan_s": inc.replan_s + inc.plan_s,
-        "regroup_s": _max(inc.times, "regroup_s"),
-        "specialize_s": _max(inc.times, "specialize_s"),
-        "transfer_s": _max(inc.times, "transfer_s"),
-        "switch_s": inc.t_resumed - inc.t_sent,
-        "switch_bytes": t.bsr.total_bytes,
-        "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster),
-        "total_s": max(0.0, inc.t_detect_wall - inc.t_fail_wall) + (inc.t_resumed - inc.t_detect),
-        "first_step_s": now - inc.t_resumed,
-        "recovery_s": now - inc.t_detect,
-        "attempts": inc.attempts,
+        "devices": sorted(t.target.devices), "micro_batch": t.target.ctx.plan.training.micro_batch,
+        "detect_s": detect, "abandon_s": inc.t_left - inc.t_detect, "replan_s": inc.replan_s + inc.plan_s,
+        "regroup_s": _max(inc.times, "regroup_s"), "specialize_s": _max(inc.times, "specialize_s"),
+        "transfer_s": _max(inc.times, "transfer_s"), "switch_s": inc.t_resumed - inc.t_sent,
+        "switch_bytes": t.bsr.total_bytes, "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster),
+        "total_s": detect + (inc.t_resumed - inc.t_detect), "first_step_s": now - inc.t_resumed,
+        "recovery_s": now - inc.t_detect, "attempts": inc.attempts,
     }
 
 
-def _switch_event(sw: Switching, t_resumed: float, times: dict[int, SwitchTimes], ref: PlanRef) -> dict[str, Any]:
+def _switch_event(sw: Switching, t_resumed: float, times: dict[int, Switched], ref: PlanRef) -> dict[str, Any]:
     t = sw.transition
     return {
         "event": "switch", "step": sw.step, "from": t.source.describe(), "to": t.target.describe(),

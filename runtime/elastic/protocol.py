@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
+from runtime.launch.options import rank_map
+
 if TYPE_CHECKING:  # annotations only: this module stays importable without torch
     from runtime.comm.bsr import BsrPlan
     from runtime.elastic.state import PlanRef
@@ -42,7 +44,7 @@ class World:
 
     @staticmethod
     def of(generation: int, devices: tuple[int, ...] | list[int]) -> World:
-        return World(generation, f"hspmd/gen{generation}/", {d: r for r, d in enumerate(sorted(set(devices)))})
+        return World(generation, f"hspmd/gen{generation}/", rank_map(devices))
 
 
 @dataclass(frozen=True)
@@ -87,8 +89,6 @@ class Finish:
 
 @dataclass(frozen=True)
 class Ready:
-    """This device reached the end of ``step`` in generation ``generation`` and waits for the commit."""
-
     generation: int
     step: int
 
@@ -99,16 +99,9 @@ class Left:
 
 
 @dataclass(frozen=True)
-class SwitchTimes:
-    """One worker's share of a transition, in seconds."""
-
+class Switched:
+    epoch: int  # the transition; then this device's share of it, in seconds
     regroup_s: float  # new world and process groups
     specialize_s: float  # building the target program
     transfer_s: float  # the fused BSR and loading the state into the program
     sent_bytes: int
-
-
-@dataclass(frozen=True)
-class Switched:
-    epoch: int
-    times: SwitchTimes

@@ -24,18 +24,7 @@ import gc
 import time
 from typing import Any
 
-from runtime.elastic.protocol import (
-    Abort,
-    Commit,
-    Finish,
-    Left,
-    Ready,
-    Resume,
-    Switched,
-    SwitchTimes,
-    Transition,
-    World,
-)
+from runtime.elastic.protocol import Abort, Commit, Finish, Left, Ready, Resume, Switched, Transition, World
 from runtime.launch.messages import StepDone, Up
 from runtime.launch.options import WorkerSpec
 from runtime.launch.session import Reporter, Session
@@ -189,7 +178,7 @@ class ElasticWorker:
             self._leave(gen)
             return None
         sent = sum(m.nbytes for m in t.bsr.sends(self.me))
-        self.reporter.send(Switched(t.epoch, SwitchTimes(t1 - t0, t2 - t1, t3 - t2, sent)))
+        self.reporter.send(Switched(t.epoch, t1 - t0, t2 - t1, t3 - t2, sent))
         return t, program
 
 

@@ -1,11 +1,5 @@
-"""The words on the pipes between the launcher and a worker: one frozen dataclass each.
-
-Worker -> launcher: ``Up``, ``Heartbeat``, ``StepDone``, ``Log``, ``WorkerError``, ``FaultFiring``, ``Done``
-(and ``Exited``, said on a worker's behalf when its process ends).
-Launcher -> worker: ``Start``, ``Stop``. Elastic and switching runs add their own words
-(runtime/elastic/protocol.py). No message names its sender: the supervisor knows it by the pipe (and a
-later relay from remote nodes by its own bookkeeping).
-"""
+"""The words on the pipes between the launcher and a worker, one frozen dataclass each (an elastic run's
+own are in runtime/elastic/protocol.py). None names its sender: the supervisor knows it by the pipe."""
 
 from __future__ import annotations
 
@@ -19,7 +13,7 @@ ErrorKind = Literal["user", "error", "comm"]
 
 @dataclass(frozen=True)
 class Start:
-    """Where the launcher's store listens (sent once the workers are importing torch)."""
+    """Launcher -> worker: where the store listens (sent once the workers are importing torch)."""
 
     host: str
     port: int
@@ -27,12 +21,12 @@ class Start:
 
 @dataclass(frozen=True)
 class Stop:
-    """Exit now (the run is over or failed)."""
+    """Launcher -> worker: exit now."""
 
 
 @dataclass(frozen=True)
 class Up:
-    """Start-up is over: from now on the worker's heartbeat is due every ``heartbeat_s``."""
+    """Start-up is over: from now on a heartbeat is due every ``heartbeat_s``."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +46,8 @@ class Log:
 
 @dataclass(frozen=True)
 class WorkerError:
-    """How a worker failed: ``kind`` is "user" (HspmdError), "comm" (a collective or the store failed,
-    usually because a peer died first) or "error" (anything else: a bug)."""
+    """How a worker failed: "user" (HspmdError), "comm" (a collective or the store failed, usually because
+    a peer died first) or "error" (anything else: a bug)."""
 
     kind: ErrorKind
     lines: tuple[str, ...]
@@ -73,12 +67,12 @@ class FaultFiring:
 
 
 @dataclass(frozen=True)
-class Exited:
-    """Said for a worker by whoever watches its process (it cannot): the process ended, ``how``."""
-
-    how: str
+class Done:
+    """Everything is written; the worker exits."""
 
 
 @dataclass(frozen=True)
-class Done:
-    """Everything is written; the worker exits."""
+class Exited:
+    """Said on a worker's behalf by whoever watches its process: it ended, ``how``."""
+
+    how: str

@@ -95,7 +95,6 @@ class EventSource(Protocol):
     def poll(self, timeout_s: float) -> Iterator[tuple[WorkerHandle, object]]:
         """Each worker's messages that arrive within ``timeout_s`` (fewer seconds once any has), with an
         ``Exited`` in its name once its process has ended."""
-        ...
 
 
 class LocalWorkers:
@@ -237,7 +236,6 @@ class Policy(Protocol):
 
     def prepare(self, options: TrainOptions, ctx: Any, strategy: str) -> list[int]:
         """User errors found before any process starts; the devices to start workers on."""
-        ...
 
     def begin(self, run: Run) -> None: ...
 
@@ -245,11 +243,9 @@ class Policy(Protocol):
 
     def on_failure(self, w: WorkerHandle, kind: str, how: str) -> None:
         """``w`` died (kind "died") or went silent ("hung")."""
-        ...
 
     def tick(self) -> bool:
         """After each round of events: whether the run is over."""
-        ...
 
 
 def supervise(run: Run, source: EventSource, policy: Policy) -> None:

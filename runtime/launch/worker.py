@@ -85,18 +85,12 @@ class PipeReporter:
             self.conn.send(msg)
 
 
-class Inbox:
+class Inbox(queue.Queue):
     """The launcher's words other than ``Stop``, in order (filled by the control-pipe thread)."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[object] = queue.Queue()
-
-    def put(self, msg: object) -> None:
-        self._queue.put(msg)
 
     def next(self, timeout_s: float) -> object:
         try:
-            return self._queue.get(timeout=timeout_s)
+            return self.get(timeout=timeout_s)
         except queue.Empty:
             raise TimeoutError(f"no word from the launcher for {timeout_s:g} s") from None
 
