@@ -35,17 +35,15 @@ class Aborted(Exception):
     """The launcher abandoned the step in progress (some device failed)."""
 
 
-class ElasticWorker:
-    """One device's side of an elastic or switching run."""
+class ElasticWorker(Session):
+    """One device's side of an elastic or switching run: a session that moves between worlds and plans."""
 
     def __init__(self, spec: WorkerSpec, store: Any, reporter: Reporter, inbox: Inbox) -> None:
         from runtime.elastic.state import PlanRef  # torch: after the heartbeat started (runtime/elastic/)
 
-        self.session = Session(spec, store, reporter)
-        self.spec, self.reporter, self.inbox = spec, reporter, inbox
-        self.options = spec.options
-        self.me = spec.device_id
-        self.ref = PlanRef(self.session.ctx, spec.strategy)
+        super().__init__(spec, store, reporter)
+        self.inbox = inbox
+        self.ref = PlanRef(self.ctx, spec.strategy)
         self.world: World | None = None
         self.program: Any = None
         self.held: dict[str, Any] | None = None  # the state as plain tensors while no program holds it
@@ -54,14 +52,14 @@ class ElasticWorker:
     # -- the loop ---------------------------------------------------------------------------------------
 
     def run(self) -> None:
-        self._join(World(0, self.spec.store_prefix, dict(self.spec.ranks)))
+        self._enter(World(0, self.spec.store_prefix, dict(self.spec.ranks)))
         # Leaving a generation needs a full gc pass (the groups sit in reference cycles); the objects of
         # the imports (torch's are many) need never be scanned: ~0.5 s -> ~0.05 s per pass.
         gc.freeze()
-        self.session.announce_emulation()
+        self.announce_emulation()
         if self.me in self.ref.devices:
-            self.program = self.session.build(self.ref.ctx, self.ref.strategy)
-        done = self.session.load(self.program)
+            self.program = self.build(self.ref.ctx, self.ref.strategy)
+        done = self.load(self.program)
         self.reporter.send(Up())  # the state exists from here on: failures are recoverable
         step = done + 1
         last = done + self.options.steps
@@ -69,8 +67,8 @@ class ElasticWorker:
         pending: tuple[Transition, Any] | None = None
         while True:
             if training:
-                self.session.fire_fault(step)
-                outcome = self._step(step)
+                self.fire_fault(step)
+                outcome = self._train_step(step)
                 if outcome == "left":
                     training = False
                     continue
@@ -80,7 +78,7 @@ class ElasticWorker:
             msg = self.inbox.next(self.options.timeout_s + 3600.0)  # the launcher watches everything
             if isinstance(msg, Abort):
                 pending = None  # a half-done transition's program holds groups of the aborted world
-                self._leave(msg.generation)
+                self._abandon(msg.generation)
             elif isinstance(msg, Transition):
                 pending = self._transition(msg)
             elif isinstance(msg, Resume):
@@ -93,12 +91,11 @@ class ElasticWorker:
                 training = program is not None and step <= last
                 gc.collect()
             elif isinstance(msg, Finish):
-                program, self.program = self.program, None
-                self.session.finish(program, self.ref.ctx, self.ref.strategy, step - 1)
+                self.finish(self.program, self.ref.ctx, self.ref.strategy, step - 1)
                 return
             # a late Commit of an aborted generation needs nothing
 
-    def _step(self, step: int) -> str:
+    def _train_step(self, step: int) -> str:
         """Run one step; "next"/"hold" after a committed step, "left" after an abandoned one."""
         gen = self.world.generation if self.world is not None else -1
         then: list[str] = []
@@ -118,7 +115,7 @@ class ElasticWorker:
 
         failed = False
         try:
-            report = self.session.step(self.program, step, before_update)
+            report = self.step(self.program, step, before_update)
         except Aborted:
             failed = True
         except Exception as exc:  # noqa: BLE001 - a peer vanished mid-step (or a bug: the launcher decides)
@@ -126,22 +123,22 @@ class ElasticWorker:
             failed = True
             del exc  # its traceback holds the program's frames: they must go for the sockets to close
         if failed:
-            self._leave(gen)
+            self._abandon(gen)
             return "left"
         self.reporter.send(StepDone(report))
         return then[0]
 
     # -- worlds and programs ----------------------------------------------------------------------------
 
-    def _join(self, world: World) -> None:
+    def _enter(self, world: World) -> None:
         import torch.distributed as dist
 
-        self.session.join(world.prefix, world.ranks)
+        self.join(world.prefix, world.ranks)
         self.world = world
         if world.generation > 0:
             dist.barrier()  # everyone is in; NCCL also wants a world collective before the first P2P
 
-    def _leave(self, gen: int) -> None:
+    def _abandon(self, gen: int) -> None:
         """Keep the state as plain tensors, drop the program and every process group of generation
         ``gen``; say so."""
         if self.left_gen < gen:
@@ -149,7 +146,7 @@ class ElasticWorker:
                 self.held = {k: v.detach() for k, v in self.program.local_state().items()}
                 self.program = None
             self.world = None
-            self.session.leave(abandon=True)
+            self.leave(abandon=True)
             self.left_gen = gen
         self.reporter.send(Left(gen))
 
@@ -160,22 +157,22 @@ class ElasticWorker:
         try:
             t0 = time.perf_counter()
             if t.world is not None:
-                self._join(t.world)
+                self._enter(t.world)
             else:
-                self.session.ensure_groups(t.target.ctx, t.target.strategy)
+                self.ensure_groups(t.target.ctx, t.target.strategy)
             t1 = time.perf_counter()
-            program = self.session.build(t.target.ctx, t.target.strategy) if self.me in t.target.devices else None
+            program = self.build(t.target.ctx, t.target.strategy) if self.me in t.target.devices else None
             t2 = time.perf_counter()
             # A planned switch reads the running program's state; after a failure it was kept as tensors.
             source = self.program.local_state() if self.program is not None else (self.held or {})
-            move_state(t.bsr, source, self.session.groups, program, t.steps_done, self.session.device)
+            move_state(t.bsr, source, self.groups, program, t.steps_done, self.device)
             del source
             t3 = time.perf_counter()
         except Exception as exc:  # noqa: BLE001 - a peer vanished mid-switch (or a bug: the launcher decides)
             self.reporter.send(classify(exc))
             del exc
             program = None
-            self._leave(gen)
+            self._abandon(gen)
             return None
         sent = sum(m.nbytes for m in t.bsr.sends(self.me))
         self.reporter.send(Switched(t.epoch, t1 - t0, t2 - t1, t3 - t2, sent))

@@ -13,15 +13,11 @@ ErrorKind = Literal["user", "error", "comm"]
 
 @dataclass(frozen=True)
 class Start:
-    """Launcher -> worker: where the store listens (sent once the workers are importing torch)."""
+    """Launcher -> worker: where the store listens (sent once the workers are importing torch). The
+    launcher closing the control pipe says: exit now."""
 
     host: str
     port: int
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Launcher -> worker: exit now."""
 
 
 @dataclass(frozen=True)

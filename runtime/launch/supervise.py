@@ -21,7 +21,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 from runtime.errors import HspmdError
-from runtime.launch.messages import Done, Exited, Heartbeat, Log, StepDone, Stop, Up, WorkerError
+from runtime.launch.messages import Done, Exited, Heartbeat, Log, StepDone, Up, WorkerError
 from runtime.launch.options import StepRecord, StepReport, TrainOptions, WorkerSpec
 from runtime.launch.worker import WorkerLoop, process_main, train_worker
 
@@ -143,14 +143,14 @@ class LocalWorkers:
                 yield w, Exited(death(w.process.exitcode))
 
     def stop(self) -> None:
-        """Stop every worker still running: ask through the control pipe, then SIGKILL (a SIGSTOPped or
-        not yet started one at once)."""
+        """Stop every worker still running: close its control pipe (it exits at once), then SIGKILL (a
+        SIGSTOPped or not yet started one at once)."""
         alive = [w for w in self.workers if w.process.is_alive()]
         for w in alive:
             if w.hung or not w.started:
                 w.process.kill()
             else:
-                w.send(Stop())
+                w.control.close()
         end = time.monotonic() + STOP_GRACE_S
         for w in alive:
             w.process.join(max(0.0, end - time.monotonic()))

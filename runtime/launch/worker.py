@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from runtime.errors import HspmdError
-from runtime.launch.messages import Done, Heartbeat, Start, StepDone, Stop, Up, WorkerError
+from runtime.launch.messages import Done, Heartbeat, Start, StepDone, Up, WorkerError
 from runtime.launch.options import WorkerSpec
 from runtime.launch.session import Reporter, Session
 
@@ -86,7 +86,7 @@ class PipeReporter:
 
 
 class Inbox(queue.Queue):
-    """The launcher's words other than ``Stop``, in order (filled by the control-pipe thread)."""
+    """The launcher's words, in order (filled by the control-pipe thread)."""
 
     def next(self, timeout_s: float) -> object:
         try:
@@ -105,15 +105,12 @@ def _exit_now(code: int) -> None:
 
 
 def _watch_launcher(control: Connection, inbox: Inbox) -> None:
-    """Exit at once when the launcher says stop or goes away: a worker blocked in a collective whose
-    peer died must not outlive the run (the blocking C++ call releases the GIL, so this thread runs).
-    Any other word (elastic and switching runs) goes to ``inbox`` for the training loop."""
+    """Exit at once when the launcher closes the control pipe or goes away: a worker blocked in a collective
+    whose peer died must not outlive the run (the blocking C++ call releases the GIL, so this thread runs).
+    Every word (elastic and switching runs) goes to ``inbox`` for the training loop."""
     try:
         while True:
-            msg = control.recv()
-            if isinstance(msg, Stop):
-                _exit_now(1)
-            inbox.put(msg)
+            inbox.put(control.recv())
     except (EOFError, OSError):
         _exit_now(1)
 
