@@ -180,17 +180,12 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
                 launch(options, ElasticPolicy(replan, on_event), on_step=on_step, on_log=display.log)
             else:
                 launch(options, PlainPolicy(), on_step=on_step, on_log=display.log)
-    except WorkerFailure as failure:
-        if failure.kind == "error" and failure.traceback:
-            err_console().print(f"[dim]{escape(failure.traceback.rstrip())}[/dim]")
-        for line in failure.lines():
-            click.echo(f"error: {line}", err=True)
-        sys.exit(failure.exit_code)
     except HspmdError as err:
-        code = getattr(err, "exit_code", 2)  # UnrecoverableFailure: 1 (not the user's input)
+        if isinstance(err, WorkerFailure) and err.kind == "error" and err.traceback:
+            err_console().print(f"[dim]{escape(err.traceback.rstrip())}[/dim]")
         for line in err.lines():
             click.echo(f"error: {line}", err=True)
-        sys.exit(code)
+        sys.exit(getattr(err, "exit_code", 2))  # WorkerFailure, UnrecoverableFailure: 1 unless the user's input
     finally:
         if sink is not None:
             sink.close()

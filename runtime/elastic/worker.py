@@ -69,10 +69,8 @@ class ElasticWorker(Session):
             if training:
                 self.fire_fault(step)
                 outcome = self._train_step(step)
-                if outcome == "left":
-                    training = False
-                    continue
-                step += 1
+                if outcome != "left":
+                    step += 1
                 training = outcome == "next"
                 continue
             msg = self.inbox.next(self.options.timeout_s + 3600.0)  # the launcher watches everything

@@ -1,16 +1,13 @@
 """Starting a training run: one worker process per device of the plan, supervised by the launcher.
 
-* ``launch(options, policy, on_step=..., on_log=...)`` (launcher.py): the local launcher behind ``hspmd
-  train``; it hosts the TCPStore, starts workers with multiprocessing 'spawn' (gloo on CPU, NCCL with one
-  process per GPU) and runs the supervisor's event loop (supervise.py) under a policy: ``PlainPolicy``
-  (the default) aggregates the per-step reports into ``StepRecord``s and on any worker's failure stops
-  them all and raises ``WorkerFailure``; elastic and switching runs use runtime.elastic.ElasticPolicy.
+* ``launch(options, policy, on_step=..., on_log=...)`` (launcher.py): ``hspmd train``'s own launcher: it
+  hosts the TCPStore, starts the workers and runs the supervisor's event loop (supervise.py) under a
+  policy: ``PlainPolicy`` (stop on the first failure, raise ``WorkerFailure``), or for elastic and
+  switching runs runtime.elastic.ElasticPolicy.
 * ``run_torchrun(options, TorchrunEnv.detect(os.environ), ...)`` (torchrun.py): the same worker under
   torchrun, for multi-node runs.
-* ``train_worker`` (worker.py): the per-device loop both share, on one device's ``Session`` (session.py);
-  messages.py: the words on the pipes.
-
-Submodules import torch lazily, so importing this package stays cheap.
+* ``train_worker`` (worker.py): the per-device loop both share, on a ``Session`` (session.py);
+  messages.py: the words on the pipes. Submodules import torch lazily: importing this package is cheap.
 """
 
 from runtime.launch.launcher import launch

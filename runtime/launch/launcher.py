@@ -1,11 +1,9 @@
 """``hspmd train``'s launcher: hosts the TCPStore, starts one worker per device, supervises them.
 
-The launcher owns the store (workers are clients under a per-generation PrefixStore), so a later
-failure-recovery step can start a new generation of process groups without the store dying with a
-worker. The policy it is given (runtime/launch/supervise.py) decides which devices get a worker, what
-each worker runs and what a failure means: ``PlainPolicy`` stops every worker on the first failure (a
-peer blocked in a collective is told to exit through its control pipe, and killed if it has not) and
-raises ``WorkerFailure`` naming the device and its error; runtime.elastic.ElasticPolicy recovers.
+The launcher owns the store (workers are clients under a per-generation PrefixStore), so a failure
+recovery can start a new generation of process groups without the store dying with a worker. Its
+policy (runtime/launch/supervise.py) decides which devices get a worker, what each runs and what a
+failure means.
 """
 
 from __future__ import annotations

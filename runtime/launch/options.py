@@ -93,11 +93,6 @@ class WorkerSpec:
     store_prefix: str = "hspmd/gen0/"  # a later generation (after a failure) gets a fresh prefix
     cpus: tuple[int, ...] | None = None  # emulated devices: the cores this worker is pinned to
 
-    @property
-    def is_reporter(self) -> bool:
-        """Rank 0 writes what is written once per run (checkpoint file, merged trace)."""
-        return self.rank == 0
-
 
 def rank_map(devices: tuple[int, ...] | list[int]) -> dict[int, int]:
     """Ranks follow device ids: the rank order of every device group is its device order."""

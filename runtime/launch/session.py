@@ -108,7 +108,7 @@ class Session:
         if program is None:
             return read_checkpoint_info(load_dir, self.ctx).step
         done = load_checkpoint(program, load_dir, self.ctx)
-        if self.spec.is_reporter:
+        if self.rank == 0:
             self.reporter.send(Log(f"loaded {load_dir} (step {done})"))
         return done
 
@@ -234,28 +234,23 @@ def sever_tcp_connections(keep_port: int) -> int:
     """
     import socket
 
-    count = 0
     if not os.path.isdir("/proc/self/fd"):
         return 0  # not Linux: peers blocked on this worker wait for their op timeout instead
+    count = 0
     for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
         try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
                 continue
-            sock = socket.socket(fileno=fd)
+            sock = socket.socket(fileno=int(name))
         except OSError:
             continue
         try:
-            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
-                try:
-                    peer = sock.getpeername()
-                except OSError:
-                    continue  # listening or not connected
-                if peer[1] != keep_port:
-                    sock.shutdown(socket.SHUT_RDWR)
-                    count += 1
+            if (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+                    and sock.getpeername()[1] != keep_port):
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
         except OSError:
-            pass
+            pass  # listening or not connected
         finally:
             sock.detach()
     return count

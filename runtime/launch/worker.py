@@ -1,14 +1,10 @@
 """The worker process: one per device; its plain training loop, and its pipes to the launcher.
 
-``train_worker`` is the same under both launchers; only where the store comes from and where reports go
-differ. Under ``hspmd train`` (runtime.launch.launcher) reports, heartbeats and errors travel over a pipe
-to the launcher, and a control pipe lets the launcher start and stop the worker; under torchrun
-(runtime.launch.torchrun) rank 0 reports to its own console. The launcher hands ``process_main`` the loop
-to run (``train_worker`` here, the elastic loop of runtime/elastic/worker.py), so this module never
-needs to know the elastic one.
-
-Imports of torch and the engine happen inside functions: the launcher imports this module to name the
-process entry point and must not pay for torch before its workers are started.
+``train_worker`` runs under both launchers: under ``hspmd train`` its words travel over a pipe to the
+launcher, which starts and stops it through a control pipe; under torchrun rank 0 reports to its own
+console. ``process_main`` runs the loop the launcher's policy names (this one, or the elastic loop of
+runtime/elastic/worker.py), so this module never needs to know the elastic one. Torch is imported inside
+functions: the launcher imports this module before its workers start and must not pay for torch.
 """
 
 from __future__ import annotations
@@ -48,8 +44,7 @@ def train_worker(spec: WorkerSpec, store: Any, reporter: Reporter, inbox: Inbox 
         session.close()
 
 
-WorkerLoop = Callable[[WorkerSpec, Any, Reporter, "Inbox"], None]
-"""What a worker process runs once it has the store: ``train_worker`` or the elastic loop."""
+WorkerLoop = Callable[[WorkerSpec, Any, Reporter, "Inbox"], None]  # what a worker runs once it has the store
 
 
 # ----------------------------------------------------------------------------------------------------
