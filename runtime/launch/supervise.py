@@ -6,7 +6,7 @@ message, death and silence (no heartbeat within the limit: a SIGSTOPped or wedge
 ``Policy``. ``PlainPolicy`` is ``hspmd train``'s: the first failure stops the run, and after a short
 grace for the root cause to report, the failure that explains it best is raised as ``WorkerFailure``.
 The elastic coordinator (runtime/elastic/coordinator.py ``ElasticPolicy``) recovers instead. A source
-that relays the events of remote nodes needs only to yield the same events.
+that relays remote nodes' events (a device joining later among them) need only yield the same pairs.
 """
 
 from __future__ import annotations
