@@ -140,9 +140,9 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     """
     faults = _faults(kill_devices, hang_devices, fault_step)
     if timeout_s is None:
-        timeout_s = ELASTIC_TIMEOUT_S if elastic else 120.0
+        timeout_s = ELASTIC_TIMEOUT_S if elastic else TrainOptions.timeout_s
     if heartbeat_timeout_s is None:
-        heartbeat_timeout_s = ELASTIC_HEARTBEAT_TIMEOUT_S if elastic else 30.0
+        heartbeat_timeout_s = ELASTIC_HEARTBEAT_TIMEOUT_S if elastic else TrainOptions.heartbeat_timeout_s
     options = TrainOptions(plan=plan, strategy=strategy, steps=steps, trace_dir=trace_dir, data_file=data_file,
                            save_dir=save_dir, load_dir=load_dir, timeout_s=timeout_s,
                            heartbeat_timeout_s=heartbeat_timeout_s, faults=faults, elastic=elastic,
@@ -161,10 +161,7 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
         if sink is not None:
             sink.write(record)
 
-    events: list[dict] = []
-
     def on_event(event: dict) -> None:
-        events.append(event)
         display.event(_event_line(event))
         if sink is not None:
             sink.write_line(event)

@@ -4,9 +4,8 @@
 worker's messages, deaths and silences, and it drives the protocol of runtime/elastic/protocol.py, one
 phase object at a time (``Training``, ``Leaving``, ``Switching``, ``Finishing``):
 
-* **Steps.** A step is committed when every device of the plan says ``ready`` (its gradients are
-  synced, nothing is updated yet); only then does any device update. A failure before that point
-  means no survivor has touched its state for the step, and the step is redone on the new plan.
+* **Steps** are all-or-nothing: committed only when every device of the plan is ``Ready`` (why:
+  runtime/elastic/worker.py), so a step a failure interrupts is redone on the new plan.
 * **Failures** (elastic runs): a death is seen at once (the process sentinel), a hang when the
   heartbeat stops (the hung process is then SIGKILLed, which also closes its sockets so that peers
   blocked on it fail at once). The coordinator aborts the generation and waits for every survivor to
@@ -169,8 +168,7 @@ def _switch_target(sw: PlannedSwitch, ctx: PlanContext, first: int, last: int) -
     if target.cluster != ctx.cluster:
         raise HspmdError(f"{where}: plan is for cluster {target.cluster.name!r}, the run is on {ctx.cluster.name!r}")
     check_compatible(ctx, target)
-    name = target.plan.strategy(sw.strategy).name
-    return PlanRef(target, name)
+    return PlanRef(target, target.plan.strategy(sw.strategy).name)
 
 
 class ElasticPolicy:
@@ -217,8 +215,7 @@ class ElasticPolicy:
         self.ref = PlanRef(run.ctx, run.strategy)
         self.alive: set[int] = set(self.workers)
         self.failed: dict[int, str] = {}
-        self.gen = 0
-        self.epoch = 0
+        self.gen = self.epoch = 0
         self.committed = self.recorded = self.first_step - 1
         self.last = self.first_step - 1 + run.options.steps
         self.phase: Phase = Training()

@@ -56,7 +56,6 @@ class ElasticWorker(Session):
         # Leaving a generation needs a full gc pass (the groups sit in reference cycles); the objects of
         # the imports (torch's are many) need never be scanned: ~0.5 s -> ~0.05 s per pass.
         gc.freeze()
-        self.announce_emulation()
         if self.me in self.ref.devices:
             self.program = self.build(self.ref.ctx, self.ref.strategy)
         done = self.load(self.program)

@@ -63,12 +63,8 @@ class FaultFiring:
 
 
 @dataclass(frozen=True)
-class Done:
-    """Everything is written; the worker exits."""
-
-
-@dataclass(frozen=True)
 class Exited:
-    """Said on a worker's behalf by whoever watches its process: it ended, ``how``."""
+    """Said on a worker's behalf by whoever watches its process: it ended with status ``code`` (0: its work
+    is done and written; negative: killed by that signal)."""
 
-    how: str
+    code: int | None

@@ -58,6 +58,9 @@ class Session:
         self.source = token_source(vocab_size=self.ctx.model.vocab_size, global_batch=t.global_batch,
                                    seq_len=t.seq_len, seed=t.seed, data_file=options.data_file)
         self.hooks, self.recorder, self.emulator = _hooks(spec, self.ctx, self.device)
+        if self.emulator is not None:
+            reporter.send(Log(f"device {self.me}: emulating a {self.emulator.slowdown:g}x slower device "
+                              f"(sleeps {self.emulator.slowdown - 1:g}x each measured compute block)"))
         self.faults = {f.step: f for f in options.faults if f.device == self.me}
         self.ranks: dict[int, int] = {}  # device -> rank in the current world
         self.groups: Any = None  # its ProcessGroups
@@ -77,11 +80,6 @@ class Session:
                                 device_id=self.device if self.device.type == "cuda" else None)
         self.ranks = dict(ranks)
         self.groups = ProcessGroups([], ranks, timeout=self.timeout, device=self.device)
-
-    def announce_emulation(self) -> None:
-        if self.emulator is not None:
-            self.reporter.send(Log(f"device {self.me}: emulating a {self.emulator.slowdown:g}x slower device "
-                                   f"(sleeps {self.emulator.slowdown - 1:g}x each measured compute block)"))
 
     def ensure_groups(self, ctx: Any, strategy: str) -> None:
         """Create the process groups a strategy's programs use (collective over the world)."""
@@ -151,7 +149,8 @@ class Session:
         self.leave()
 
     def leave(self, *, abandon: bool = False) -> None:
-        """Destroy this device's process groups and its world (nothing if it is in none).
+        """Destroy this device's process groups and its world (nothing if it is in none: leaving twice is
+        harmless).
 
         ``abandon``: a step or switch failed (a peer vanished) and the caller has dropped its program. The
         sockets are shut down and the groups aborted first, so that a peer blocked on this device errors at
@@ -173,13 +172,6 @@ class Session:
             dist.destroy_process_group()
         if abandon:
             gc.collect()  # the last references to the groups go now: their sockets close
-
-    def close(self) -> None:
-        """Leave the world however the run ended (after an error the subgroups go with the process)."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _hooks(spec: WorkerSpec, plan_ctx: Any, device: Any) -> tuple[Any, Any, Any]:

@@ -21,7 +21,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 from runtime.errors import HspmdError
-from runtime.launch.messages import Done, Exited, Heartbeat, Log, StepDone, Up, WorkerError
+from runtime.launch.messages import Exited, Heartbeat, Log, StepDone, Up, WorkerError
 from runtime.launch.options import StepRecord, StepReport, TrainOptions, WorkerSpec
 from runtime.launch.worker import WorkerLoop, process_main, train_worker
 
@@ -93,7 +93,7 @@ class WorkerHandle:
 
 class EventSource(Protocol):
     def poll(self, timeout_s: float) -> Iterator[tuple[WorkerHandle, object]]:
-        """Each worker's messages that arrive within ``timeout_s`` (fewer seconds once any has), with an
+        """Each worker's messages that arrive within ``timeout_s`` (fewer seconds once any has), and an
         ``Exited`` in its name once its process has ended."""
 
 
@@ -132,15 +132,13 @@ class LocalWorkers:
             else:
                 w = self._by_sentinel.pop(obj)
                 w.process.join(1.0)  # the sentinel fires as the process exits; reaping it may lag
-                left = []  # what it sent before it died comes first
                 try:
-                    while w.report.poll():
-                        left.append(w.report.recv())
+                    while w.report.poll():  # what it said before it ended comes first
+                        yield w, w.report.recv()
                 except (EOFError, OSError):
                     pass
                 self._by_conn.pop(w.report, None)
-                yield from ((w, msg) for msg in left)
-                yield w, Exited(death(w.process.exitcode))
+                yield w, Exited(w.process.exitcode)
 
     def stop(self) -> None:
         """Stop every worker still running: close its control pipe (it exits at once), then SIGKILL (a
@@ -228,8 +226,8 @@ class Run:
 
 
 class Policy(Protocol):
-    """What a run does with its workers' events. The loop itself notes every sign of life, ``Up``, ``Done``
-    and ``Log``, and raises the failure that explains the run best once ``failures`` says it is due."""
+    """What a run does with its workers' events. The loop itself notes every sign of life, ``Up``, ``Log``
+    and a clean exit, and raises the failure that explains the run best once ``failures`` says it is due."""
 
     worker_loop: WorkerLoop  # what each worker process runs
     failures: FailureLog
@@ -254,16 +252,16 @@ def supervise(run: Run, source: EventSource, policy: Policy) -> None:
     while True:
         for w, msg in source.poll(policy.failures.wait_s(options.heartbeat_s)):
             if isinstance(msg, Exited):
-                if not w.finished and not w.failed:
-                    policy.on_failure(w, "died", msg.how)
+                if msg.code == 0:
+                    w.finished = True
+                elif not w.finished and not w.failed:
+                    policy.on_failure(w, "died", death(msg.code))
                 continue
             w.last_seen, w.last_seen_wall = time.monotonic(), time.time()
             if isinstance(msg, Up):
                 w.up = True
             elif isinstance(msg, Log):
                 run.log(msg.text)
-            elif isinstance(msg, Done):
-                w.finished = True
             elif not isinstance(msg, Heartbeat):
                 policy.on_message(w, msg)
         now = time.monotonic()

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from runtime.errors import HspmdError
-from runtime.launch.messages import Done, Heartbeat, Start, StepDone, Up, WorkerError
+from runtime.launch.messages import Heartbeat, Start, StepDone, Up, WorkerError
 from runtime.launch.options import WorkerSpec
 from runtime.launch.session import Reporter, Session
 
@@ -33,7 +33,6 @@ def train_worker(spec: WorkerSpec, store: Any, reporter: Reporter, inbox: Inbox 
     session.join(spec.store_prefix, spec.ranks)
     reporter.send(Up())
     try:
-        session.announce_emulation()
         program = session.build(session.ctx, spec.strategy)
         done = session.load(program)
         for step in range(done + 1, done + spec.options.steps + 1):
@@ -41,7 +40,7 @@ def train_worker(spec: WorkerSpec, store: Any, reporter: Reporter, inbox: Inbox 
             reporter.send(StepDone(session.step(program, step)))
         session.finish(program, session.ctx, spec.strategy, done + spec.options.steps)
     finally:
-        session.close()
+        session.leave()
 
 
 WorkerLoop = Callable[[WorkerSpec, Any, Reporter, "Inbox"], None]  # what a worker runs once it has the store
@@ -136,7 +135,6 @@ def process_main(spec: WorkerSpec, loop: WorkerLoop, report_conn: Connection, co
         store = dist.TCPStore(msg.host, msg.port, is_master=False,
                               timeout=timedelta(seconds=spec.options.timeout_s))
         loop(spec, store, reporter, inbox)
-        reporter.send(Done())
     except (EOFError, KeyboardInterrupt):
         _exit_now(1)
     except BaseException as exc:  # noqa: BLE001 - everything a worker raises goes to the launcher
@@ -145,6 +143,6 @@ def process_main(spec: WorkerSpec, loop: WorkerLoop, report_conn: Connection, co
             reporter.send(info)
         finally:
             _exit_now(2 if info.kind == "user" else 1)
-    # Everything is written and the process group is gone; skip interpreter teardown (seconds of torch
-    # finalisation under load) so that the launcher returns as soon as the work is done.
+    # Everything is written and the process group is gone: status 0 tells the launcher so. Interpreter
+    # teardown is skipped (seconds of torch finalisation under load): the launcher returns at once.
     _exit_now(0)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from runtime.elastic.protocol import Commit
-from runtime.launch.messages import Done, Exited, Heartbeat, Log, StepDone, Up, WorkerError
+from runtime.launch.messages import Exited, Heartbeat, Log, StepDone, Up, WorkerError
 from runtime.launch.options import StepReport, TrainOptions, WorkerSpec, rank_map
 from runtime.launch.supervise import (
     PRIORITY,
@@ -64,7 +64,7 @@ def test_plain_run_records_a_step_once_every_worker_reported_it_and_ends_when_al
     run = make_run(options, workers, records, logs)
     source = Script([[(0, Up()), (1, Up()), (0, Heartbeat()), (0, StepDone(report(1, 0, 2.5, 0.2)))],
                      [(1, Log("hello")), (1, StepDone(report(1, 1, 9.0, 0.4)))],
-                     [(0, Done()), (1, Done())]], workers)
+                     [(0, Exited(0)), (1, Exited(0))]], workers)
     policy = PlainPolicy()
     policy.begin(run)
     supervise(run, source, policy)
@@ -81,7 +81,7 @@ def test_a_death_outranks_the_errors_of_its_peers_and_is_raised_after_the_grace(
     comm = WorkerError("comm", ("DistBackendError: peer gone",), "")
     source = Script([[(0, Up()), (1, Up()), (2, Up())],
                      [(0, comm), (2, WorkerError("error", ("RuntimeError: x",), "tb"))],
-                     [(1, Exited("worker process was killed by SIGKILL"))]], workers)
+                     [(1, Exited(-9))]], workers)
     policy = PlainPolicy()
     policy.begin(run)
     t0 = time.monotonic()
