@@ -38,10 +38,10 @@ class Aborted(Exception):
 class ElasticWorker(Session):
     """One device's side of an elastic or switching run: a session that moves between worlds and plans."""
 
-    def __init__(self, spec: WorkerSpec, store: Any, reporter: Reporter, inbox: Inbox) -> None:
+    def __init__(self, spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox) -> None:
         from runtime.elastic.state import PlanRef  # torch: after the heartbeat started (runtime/elastic/)
 
-        super().__init__(spec, store, reporter)
+        super().__init__(spec, store, report)
         self.inbox = inbox
         self.ref = PlanRef(self.ctx, spec.strategy)
         self.world: World | None = None
@@ -59,7 +59,7 @@ class ElasticWorker(Session):
         if self.me in self.ref.devices:
             self.program = self.build(self.ref.ctx, self.ref.strategy)
         done = self.load(self.program)
-        self.reporter.send(Up())  # the state exists from here on: failures are recoverable
+        self.report(Up())  # the state exists from here on: failures are recoverable
         step = done + 1
         last = done + self.options.steps
         training = self.program is not None and step <= last
@@ -98,7 +98,7 @@ class ElasticWorker(Session):
         then: list[str] = []
 
         def before_update() -> None:
-            self.reporter.send(Ready(gen, step))
+            self.report(Ready(gen, step))
             while True:
                 msg = self.inbox.next(self.options.timeout_s + 3600.0)
                 if isinstance(msg, Commit) and msg.generation == gen and msg.step == step:
@@ -116,13 +116,13 @@ class ElasticWorker(Session):
         except Aborted:
             failed = True
         except Exception as exc:  # noqa: BLE001 - a peer vanished mid-step (or a bug: the launcher decides)
-            self.reporter.send(classify(exc))
+            self.report(classify(exc))
             failed = True
             del exc  # its traceback holds the program's frames: they must go for the sockets to close
         if failed:
             self._abandon(gen)
             return "left"
-        self.reporter.send(StepDone(report))
+        self.report(StepDone(report))
         return then[0]
 
     # -- worlds and programs ----------------------------------------------------------------------------
@@ -145,7 +145,7 @@ class ElasticWorker(Session):
             self.world = None
             self.leave(abandon=True)
             self.left_gen = gen
-        self.reporter.send(Left(gen))
+        self.report(Left(gen))
 
     def _transition(self, t: Transition) -> tuple[Transition, Any] | None:
         """Everything up to ``Switched``; on a failure say why, leave, and wait for the launcher."""
@@ -166,13 +166,13 @@ class ElasticWorker(Session):
             del source
             t3 = time.perf_counter()
         except Exception as exc:  # noqa: BLE001 - a peer vanished mid-switch (or a bug: the launcher decides)
-            self.reporter.send(classify(exc))
+            self.report(classify(exc))
             del exc
             program = None
             self._abandon(gen)
             return None
         sent = sum(m.nbytes for m in t.bsr.sends(self.me))
-        self.reporter.send(Switched(t.epoch, t1 - t0, t2 - t1, t3 - t2, sent))
+        self.report(Switched(t.epoch, t1 - t0, t2 - t1, t3 - t2, sent))
         return t, program
 
 
@@ -191,6 +191,6 @@ def move_state(bsr: Any, source: dict[str, Any], groups: Any, program: Any, step
         program.load_local_state(out)
 
 
-def elastic_worker(spec: WorkerSpec, store: Any, reporter: Reporter, inbox: Inbox) -> None:
+def elastic_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox) -> None:
     """The worker loop of an elastic or switching run (``runtime.launch.worker.process_main`` runs it)."""
-    ElasticWorker(spec, store, reporter, inbox).run()
+    ElasticWorker(spec, store, report, inbox).run()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from runtime.errors import HspmdError
 from runtime.launch.messages import FaultFiring, Log
@@ -29,22 +29,19 @@ def trace_file(trace_dir: Path, device: int) -> Path:
     return trace_dir / f"device{device}.json"
 
 
-class Reporter(Protocol):
-    """Where a worker's words go: the launcher's pipe, or (under torchrun) rank 0's own console."""
-
-    def send(self, msg: object) -> None: ...
+Reporter = Callable[[object], None]  # where a worker's words go: the launcher's pipe, or rank 0's console
 
 
 class Session:
     """One device of a run, in whichever world it is in now (none between two generations)."""
 
-    def __init__(self, spec: WorkerSpec, store: Any, reporter: Reporter) -> None:
+    def __init__(self, spec: WorkerSpec, store: Any, report: Reporter) -> None:
         import torch
 
         from runtime.data import token_source
         from runtime.spec import load_plan_context
 
-        self.spec, self.store, self.reporter = spec, store, reporter
+        self.spec, self.store, self.report = spec, store, report
         self.options = options = spec.options
         self.me = spec.device_id
         self.ctx = load_plan_context(options.plan)  # the plan the run starts with
@@ -59,8 +56,8 @@ class Session:
                                    seq_len=t.seq_len, seed=t.seed, data_file=options.data_file)
         self.hooks, self.recorder, self.emulator = _hooks(spec, self.ctx, self.device)
         if self.emulator is not None:
-            reporter.send(Log(f"device {self.me}: emulating a {self.emulator.slowdown:g}x slower device "
-                              f"(sleeps {self.emulator.slowdown - 1:g}x each measured compute block)"))
+            report(Log(f"device {self.me}: emulating a {self.emulator.slowdown:g}x slower device "
+                       f"(sleeps {self.emulator.slowdown - 1:g}x each measured compute block)"))
         self.faults = {f.step: f for f in options.faults if f.device == self.me}
         self.ranks: dict[int, int] = {}  # device -> rank in the current world
         self.groups: Any = None  # its ProcessGroups
@@ -107,14 +104,14 @@ class Session:
             return read_checkpoint_info(load_dir, self.ctx).step
         done = load_checkpoint(program, load_dir, self.ctx)
         if self.rank == 0:
-            self.reporter.send(Log(f"loaded {load_dir} (step {done})"))
+            self.report(Log(f"loaded {load_dir} (step {done})"))
         return done
 
     def fire_fault(self, step: int) -> None:
         """An injected fault due at the start of ``step`` (once: a step redone after a failure runs clean)."""
         fault = self.faults.pop(step, None)
         if fault is not None:
-            self.reporter.send(FaultFiring(fault.kind, time.time()))
+            self.report(FaultFiring(fault.kind, time.time()))
             inject(fault)
 
     def step(self, program: Any, step: int, before_update: Callable[[], None] | None = None) -> StepReport:
@@ -139,7 +136,7 @@ class Session:
 
             save_checkpoint(program, self.groups, save_dir, plan=ctx, strategy=strategy, step=step)
             if self.me == min(ctx.plan.strategy(strategy).devices):
-                self.reporter.send(Log(f"saved {save_dir} (step {step})"))
+                self.report(Log(f"saved {save_dir} (step {step})"))
         if self.recorder is not None:
             assert self.options.trace_dir is not None
             self.recorder.write(trace_file(self.options.trace_dir, self.me))

@@ -24,6 +24,7 @@ from runtime.errors import HspmdError
 from runtime.launch.messages import Exited, Heartbeat, Log, StepDone, Up, WorkerError
 from runtime.launch.options import StepRecord, StepReport, TrainOptions, WorkerSpec
 from runtime.launch.worker import WorkerLoop, process_main, train_worker
+from runtime.spec import PlanContext
 
 FAILURE_GRACE_S = 0.5  # after the first failure, how long to wait for its root cause to report
 STOP_GRACE_S = 2.0  # how long a stopped worker gets to exit before SIGKILL
@@ -209,7 +210,7 @@ class Run:
     """What a policy is given: the run, its workers by device, and where its results go."""
 
     options: TrainOptions
-    ctx: Any  # the PlanContext the run starts with
+    ctx: PlanContext  # the plan the run starts with
     strategy: str
     workers: dict[int, WorkerHandle]
     summary: RunSummary
@@ -226,13 +227,14 @@ class Run:
 
 
 class Policy(Protocol):
-    """What a run does with its workers' events. The loop itself notes every sign of life, ``Up``, ``Log``
-    and a clean exit, and raises the failure that explains the run best once ``failures`` says it is due."""
+    """What a run (one per policy object) makes of its workers' events. The loop itself notes every sign
+    of life, ``Up``, ``Log`` and a clean exit, and raises the failure that explains the run best once
+    ``failures`` says it is due."""
 
     worker_loop: WorkerLoop  # what each worker process runs
     failures: FailureLog
 
-    def prepare(self, options: TrainOptions, ctx: Any, strategy: str) -> list[int]:
+    def prepare(self, options: TrainOptions, ctx: PlanContext, strategy: str) -> list[int]:
         """User errors found before any process starts; the devices to start workers on."""
 
     def begin(self, run: Run) -> None: ...
@@ -289,7 +291,7 @@ class PlainPolicy:
         self.failures = FailureLog(FAILURE_GRACE_S)
         self.pending: dict[int, list[StepReport]] = {}
 
-    def prepare(self, options: TrainOptions, ctx: Any, strategy: str) -> list[int]:
+    def prepare(self, options: TrainOptions, ctx: PlanContext, strategy: str) -> list[int]:
         if options.coordinated:
             raise ValueError("elastic and switching runs are supervised by runtime.elastic.ElasticPolicy")
         return sorted(ctx.plan.strategy(strategy).devices)

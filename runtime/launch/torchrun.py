@@ -16,6 +16,7 @@ from runtime.errors import HspmdError
 from runtime.launch.launcher import select_strategy
 from runtime.launch.messages import Log, StepDone
 from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, rank_map
+from runtime.launch.session import Reporter
 from runtime.launch.worker import train_worker
 from runtime.spec import load_plan_context
 
@@ -36,18 +37,17 @@ class TorchrunEnv:
                            int(environ["LOCAL_WORLD_SIZE"]))
 
 
-class _ConsoleReporter:
+def _console(strategy: str, on_step: Callable[[StepRecord], None] | None,
+             on_log: Callable[[str], None] | None) -> Reporter:
     """A worker's steps and logs to this process's callbacks (rank 0's console; None: nowhere)."""
 
-    def __init__(self, strategy: str, on_step: Callable[[StepRecord], None] | None,
-                 on_log: Callable[[str], None] | None) -> None:
-        self.strategy, self.on_step, self.on_log = strategy, on_step, on_log
+    def send(msg: object) -> None:
+        if isinstance(msg, StepDone) and on_step is not None:
+            on_step(StepRecord.combine([msg.report], strategy))
+        elif isinstance(msg, Log) and on_log is not None:
+            on_log(msg.text)
 
-    def send(self, msg: object) -> None:
-        if isinstance(msg, StepDone) and self.on_step is not None:
-            self.on_step(StepRecord.combine([msg.report], self.strategy))
-        elif isinstance(msg, Log) and self.on_log is not None:
-            self.on_log(msg.text)
+    return send
 
 
 def run_torchrun(options: TrainOptions, env: TorchrunEnv, *, on_step: Callable[[StepRecord], None] | None = None,
@@ -83,5 +83,4 @@ def run_torchrun(options: TrainOptions, env: TorchrunEnv, *, on_step: Callable[[
     store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size,
                                        timeout=timedelta(seconds=options.timeout_s)))
     quiet = env.rank != 0
-    reporter = _ConsoleReporter(strategy.name, None if quiet else on_step, None if quiet else on_log)
-    train_worker(spec, store, reporter)
+    train_worker(spec, store, _console(strategy.name, None if quiet else on_step, None if quiet else on_log))

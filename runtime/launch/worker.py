@@ -26,18 +26,18 @@ from runtime.launch.options import WorkerSpec
 from runtime.launch.session import Reporter, Session
 
 
-def train_worker(spec: WorkerSpec, store: Any, reporter: Reporter, inbox: Inbox | None = None) -> None:
+def train_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox | None = None) -> None:
     """Join the world through ``store``, build this device's program, run the steps, save, trace.
     (``inbox``: the launcher's other words; a plain run has none.)"""
-    session = Session(spec, store, reporter)
+    session = Session(spec, store, report)
     session.join(spec.store_prefix, spec.ranks)
-    reporter.send(Up())
+    report(Up())
     try:
         program = session.build(session.ctx, spec.strategy)
         done = session.load(program)
         for step in range(done + 1, done + spec.options.steps + 1):
             session.fire_fault(step)
-            reporter.send(StepDone(session.step(program, step)))
+            report(StepDone(session.step(program, step)))
         session.finish(program, session.ctx, spec.strategy, done + spec.options.steps)
     finally:
         session.leave()
@@ -67,16 +67,15 @@ def classify(exc: BaseException) -> WorkerError:
     return WorkerError(kind, (f"{type(exc).__name__}: {first}" if first else type(exc).__name__,), tb)
 
 
-class PipeReporter:
-    """Sends reports, logs, heartbeats and the final word to the launcher (thread-safe)."""
+def _pipe(conn: Connection) -> Reporter:
+    """Words to the launcher, from the training loop and the heartbeat thread alike (hence the lock)."""
+    lock = threading.Lock()
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self._lock = threading.Lock()
+    def send(msg: object) -> None:
+        with lock:
+            conn.send(msg)
 
-    def send(self, msg: object) -> None:
-        with self._lock:
-            self.conn.send(msg)
+    return send
 
 
 class Inbox(queue.Queue):
@@ -109,11 +108,11 @@ def _watch_launcher(control: Connection, inbox: Inbox) -> None:
         _exit_now(1)
 
 
-def _heartbeat(reporter: PipeReporter, every_s: float) -> None:
+def _heartbeat(report: Reporter, every_s: float) -> None:
     while True:
         time.sleep(every_s)
         try:
-            reporter.send(Heartbeat())
+            report(Heartbeat())
         except (OSError, ValueError):
             _exit_now(1)
 
@@ -122,8 +121,8 @@ def process_main(spec: WorkerSpec, loop: WorkerLoop, report_conn: Connection, co
     """Entry point of a worker process started by the launcher (multiprocessing 'spawn')."""
     if spec.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, spec.cpus)  # first: threads started from now on inherit it
-    reporter = PipeReporter(report_conn)
-    threading.Thread(target=_heartbeat, args=(reporter, spec.options.heartbeat_s), daemon=True).start()
+    report = _pipe(report_conn)
+    threading.Thread(target=_heartbeat, args=(report, spec.options.heartbeat_s), daemon=True).start()
     try:
         import torch.distributed as dist  # the slow import, overlapping the launcher's store start-up
 
@@ -134,13 +133,13 @@ def process_main(spec: WorkerSpec, loop: WorkerLoop, report_conn: Connection, co
         threading.Thread(target=_watch_launcher, args=(control_conn, inbox), daemon=True).start()
         store = dist.TCPStore(msg.host, msg.port, is_master=False,
                               timeout=timedelta(seconds=spec.options.timeout_s))
-        loop(spec, store, reporter, inbox)
+        loop(spec, store, report, inbox)
     except (EOFError, KeyboardInterrupt):
         _exit_now(1)
     except BaseException as exc:  # noqa: BLE001 - everything a worker raises goes to the launcher
         info = classify(exc)
         try:
-            reporter.send(info)
+            report(info)
         finally:
             _exit_now(2 if info.kind == "user" else 1)
     # Everything is written and the process group is gone: status 0 tells the launcher so. Interpreter
