@@ -3,7 +3,7 @@
 What differs from runtime/launch/worker.py's ``train_worker``:
 
 * **All-or-nothing steps.** ``train_step`` calls back before the optimizer update (``before_update``):
-  the worker says ``ready`` and waits for the launcher's ``commit``. The launcher commits a step only
+  the worker says ``Ready`` and waits for the launcher's ``Commit``. The launcher commits a step only
   when every device of the plan is ready, so either every survivor applies it or none does, and a
   step interrupted by a failure is redone on the new plan from exactly the committed state. (The
   alternative, keeping a copy of the state to undo an update, costs a second copy of every parameter
