@@ -379,8 +379,7 @@ class ElasticPolicy:
         inc.plan_s += time.perf_counter() - t0
         self.gen += 1
         self.epoch += 1
-        t = Transition(self.epoch, "failure", source, target, tuple(sorted(failed)), self.committed, bsr,
-                       World.of(self.gen, sorted(self.alive)))
+        t = Transition(self.epoch, source, target, self.committed, bsr, World.of(self.gen, sorted(self.alive)))
         inc.transition = t
         inc.attempts += 1
         inc.t_sent = time.monotonic()
@@ -393,7 +392,7 @@ class ElasticPolicy:
         bsr = plan_switch(self.ref, target, ())
         plan_s = time.perf_counter() - t0
         self.epoch += 1
-        t = Transition(self.epoch, "switch", self.ref, target, (), self.committed, bsr, None)
+        t = Transition(self.epoch, self.ref, target, self.committed, bsr, None)
         self.phase = Switching(t, time.monotonic(), step, plan_s)
         self.send(self.alive, t)
 

@@ -52,10 +52,8 @@ class Transition:
     """Move the run from ``source`` (what the devices hold now) to ``target``."""
 
     epoch: int  # tags this transition's answers
-    reason: Literal["failure", "switch"]
     source: PlanRef
     target: PlanRef
-    excluded: tuple[int, ...]  # failed devices: never send, never receive
     steps_done: int  # optimizer steps in the state; training continues with steps_done + 1
     bsr: BsrPlan  # the fused BSR of every parameter and AdamW moment (computed once, by the launcher)
     world: World | None  # form this world first (after a failure); None keeps the current one
