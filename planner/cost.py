@@ -70,7 +70,6 @@ FLOPs and bytes (``analytic_components``). Both paths yield the same ``Component
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache

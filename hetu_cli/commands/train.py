@@ -19,7 +19,8 @@ from hetu_cli.output import console, err_console
 from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
 from runtime.launch.options import PlannedSwitch
-from runtime.launch.worker import TRACE_MERGED
+from runtime.launch.session import TRACE_MERGED
+from runtime.launch.supervise import PlainPolicy
 
 ELASTIC_TIMEOUT_S = 30.0  # op timeout under --elastic: only the worst case waits for it (runtime/elastic/)
 ELASTIC_HEARTBEAT_TIMEOUT_S = 5.0
@@ -139,9 +140,9 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     """
     faults = _faults(kill_devices, hang_devices, fault_step)
     if timeout_s is None:
-        timeout_s = ELASTIC_TIMEOUT_S if elastic else 120.0
+        timeout_s = ELASTIC_TIMEOUT_S if elastic else TrainOptions.timeout_s
     if heartbeat_timeout_s is None:
-        heartbeat_timeout_s = ELASTIC_HEARTBEAT_TIMEOUT_S if elastic else 30.0
+        heartbeat_timeout_s = ELASTIC_HEARTBEAT_TIMEOUT_S if elastic else TrainOptions.heartbeat_timeout_s
     options = TrainOptions(plan=plan, strategy=strategy, steps=steps, trace_dir=trace_dir, data_file=data_file,
                            save_dir=save_dir, load_dir=load_dir, timeout_s=timeout_s,
                            heartbeat_timeout_s=heartbeat_timeout_s, faults=faults, elastic=elastic,
@@ -160,10 +161,7 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
         if sink is not None:
             sink.write(record)
 
-    events: list[dict] = []
-
     def on_event(event: dict) -> None:
-        events.append(event)
         display.event(_event_line(event))
         if sink is not None:
             sink.write_line(event)
@@ -172,22 +170,19 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
         with display:
             if env is not None:
                 run_torchrun(options, env, on_step=on_step, on_log=display.log)
-            elif options.coordinated:
+            elif options.coordinated:  # elastic and switching runs coordinate every step (runtime/elastic/)
+                from runtime.elastic.coordinator import ElasticPolicy
+
                 replan = _planner_replan(profile_dirs, replan_tolerance, display.log) if elastic else None
-                launch(options, on_step=on_step, on_log=display.log, on_event=on_event, replan=replan)
+                launch(options, ElasticPolicy(replan, on_event), on_step=on_step, on_log=display.log)
             else:
-                launch(options, on_step=on_step, on_log=display.log)
-    except WorkerFailure as failure:
-        if failure.kind == "error" and failure.traceback:
-            err_console().print(f"[dim]{escape(failure.traceback.rstrip())}[/dim]")
-        for line in failure.lines():
-            click.echo(f"error: {line}", err=True)
-        sys.exit(failure.exit_code)
+                launch(options, PlainPolicy(), on_step=on_step, on_log=display.log)
     except HspmdError as err:
-        code = getattr(err, "exit_code", 2)  # UnrecoverableFailure: 1 (not the user's input)
+        if isinstance(err, WorkerFailure) and err.kind == "error" and err.traceback:
+            err_console().print(f"[dim]{escape(err.traceback.rstrip())}[/dim]")
         for line in err.lines():
             click.echo(f"error: {line}", err=True)
-        sys.exit(code)
+        sys.exit(getattr(err, "exit_code", 2))  # WorkerFailure, UnrecoverableFailure: 1 unless the user's input
     finally:
         if sink is not None:
             sink.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+
 from hetu_cli.output import FORMAT_OPTION, emit_json, fail
 from runtime.errors import SpecError
 from runtime.spec import load_plan_context

@@ -1,19 +1,15 @@
 """Failures and switches in memory: no checkpoint, no restart (DESIGN.md §4, §7).
 
 * state.py: the model state as data, per ``StrategyHandle`` (runtime/spec/handle.py):
-  ``lost_tensors(ref, failed)`` (which parameters lost every replica); ``state_moves(src, dst)`` /
-  ``plan_switch(src, dst, excluded)`` (the fused BSR of every parameter and AdamW moment);
-  ``check_compatible(a, b)``.
-* protocol.py: the launcher <-> worker messages (``World``, ``Transition``, ``SwitchTimes``).
-* coordinator.py: the launcher's side (``Coordinator``; ``Replanner``; ``UnrecoverableFailure``);
-  ``runtime.launch.launch(options, replan=..., on_event=...)`` uses it when ``options.elastic`` or
-  ``options.switches`` is set.
+  ``lost_tensors(ref, failed)`` (which parameters lost every replica); ``state_moves(src, dst)`` / ``plan_switch(src, dst, excluded)`` (the
+  fused BSR of every parameter and AdamW moment); ``check_compatible(a, b)``.
+* protocol.py: the launcher <-> worker messages (``World``, ``Transition``, ``Commit``, ``Ready``, ...).
+* coordinator.py: the launcher's side (``ElasticPolicy``, a policy of the supervisor's loop;
+  ``Replanner``; ``UnrecoverableFailure``): ``runtime.launch.launch(options, ElasticPolicy(replan,
+  on_event))`` runs an elastic (``options.elastic``) or switching (``options.switches``) run.
 * worker.py: the worker's side (commit agreement, leaving a generation, transitions).
 
 The runtime never imports the planner: a run that must replan gets a ``Replanner`` callback from the
-CLI (hetu_cli/commands/train.py, which calls planner/replan.py).
+CLI (hetu_cli/commands/train.py, which calls planner/replan.py). Nothing is imported here: a worker
+process unpickles its loop (worker.py) before its heartbeat starts, so that import must stay light.
 """
-
-from runtime.elastic.state import LostTensor, check_compatible, lost_tensors, plan_switch, state_moves
-
-__all__ = ["LostTensor", "check_compatible", "lost_tensors", "plan_switch", "state_moves"]

@@ -5,30 +5,31 @@ only act on its word, so every survivor takes the same path through a failure.
 
 Launcher -> worker (control pipe):
 
-* ``("commit", gen, step, then)``: every device of the plan reached the end of ``step`` (gradients
-  synced, statistics reduced): apply the optimizer update. ``then`` is "next" (run the next step) or
-  "hold" (wait for the next word: a switch or the end).
-* ``("abort", gen)``: generation ``gen`` is over (a device failed). Abandon the step in progress
-  without updating anything, drop the process groups, answer ``left``.
-* ``("transition", Transition)``: form ``world`` (if any), specialize the target plan, move the state
-  with the fused BSR, answer ``switched``; keep the old state until ``resume``.
-* ``("resume", epoch)``: every device switched: adopt the new program and train from ``step + 1``.
-* ``("finish",)``: the last step is done: save, write traces, leave the world, exit.
+* ``Commit(gen, step, then)``: every device of the plan reached the end of ``step`` (gradients synced,
+  statistics reduced): apply the optimizer update. ``then`` is "next" (run the next step) or "hold"
+  (wait for the next word: a switch or the end).
+* ``Abort(gen)``: generation ``gen`` is over (a device failed). Abandon the step in progress without
+  updating anything, drop the process groups, answer ``Left``.
+* ``Transition``: form ``world`` (if any), specialize the target plan, move the state with the fused
+  BSR, answer ``Switched``; keep the old state until ``Resume``.
+* ``Resume(epoch)``: every device switched: adopt the new program and train from ``step + 1``.
+* ``Finish()``: the last step is done: save, write traces, leave the world, exit.
 
-Worker -> launcher (report pipe; the rank follows the tag): ``("ready", r, gen, step)``,
-``("left", r, gen)``, ``("switched", r, epoch, SwitchTimes)``, ``("fault", r, kind, wall_time)`` (an
-injected fault is about to fire, for the failure's timing), plus the plain launcher's ``step``,
-``log``, ``error``, ``up``, ``hb`` and ``done``.
+Worker -> launcher (report pipe): ``Ready(gen, step)``, ``Left(gen)``, ``Switched(epoch, times)``, plus the
+plain run's words (runtime/launch/messages.py; ``FaultFiring`` times a failure).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
-from runtime.comm.bsr import BsrPlan
-from runtime.spec.handle import StrategyHandle as PlanRef
+from runtime.launch.options import rank_map
+
+if TYPE_CHECKING:  # annotations only: this module stays importable without torch
+    from runtime.comm.bsr import BsrPlan
+    from runtime.spec.handle import StrategyHandle
 
 Then = Literal["next", "hold"]
 
@@ -43,7 +44,7 @@ class World:
 
     @staticmethod
     def of(generation: int, devices: tuple[int, ...] | list[int]) -> World:
-        return World(generation, f"hspmd/gen{generation}/", {d: r for r, d in enumerate(sorted(set(devices)))})
+        return World(generation, f"hspmd/gen{generation}/", rank_map(devices))
 
 
 @dataclass(frozen=True)
@@ -51,19 +52,53 @@ class Transition:
     """Move the run from ``source`` (what the devices hold now) to ``target``."""
 
     epoch: int  # tags this transition's answers
-    reason: Literal["failure", "switch"]
-    source: PlanRef
-    target: PlanRef
-    excluded: tuple[int, ...]  # failed devices: never send, never receive
+    source: StrategyHandle
+    target: StrategyHandle
     steps_done: int  # optimizer steps in the state; training continues with steps_done + 1
     bsr: BsrPlan  # the fused BSR of every parameter and AdamW moment (computed once, by the launcher)
     world: World | None  # form this world first (after a failure); None keeps the current one
 
 
 @dataclass(frozen=True)
-class SwitchTimes:
-    """One worker's share of a transition, in seconds."""
+class Commit:
+    generation: int
+    step: int
+    then: Then
 
+    def __post_init__(self) -> None:
+        if self.then not in get_args(Then):
+            raise ValueError(f"commit: unknown continuation {self.then!r}")
+
+
+@dataclass(frozen=True)
+class Abort:
+    generation: int
+
+
+@dataclass(frozen=True)
+class Resume:
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    pass
+
+
+@dataclass(frozen=True)
+class Ready:
+    generation: int
+    step: int
+
+
+@dataclass(frozen=True)
+class Left:
+    generation: int
+
+
+@dataclass(frozen=True)
+class Switched:
+    epoch: int  # the transition; then this device's share of it, in seconds
     regroup_s: float  # new world and process groups
     specialize_s: float  # building the target program
     transfer_s: float  # the fused BSR and loading the state into the program

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -93,15 +93,6 @@ class WorkerSpec:
     store_prefix: str = "hspmd/gen0/"  # a later generation (after a failure) gets a fresh prefix
     cpus: tuple[int, ...] | None = None  # emulated devices: the cores this worker is pinned to
 
-    @property
-    def world_size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def is_reporter(self) -> bool:
-        """Rank 0 writes what is written once per run (checkpoint file, merged trace)."""
-        return self.rank == 0
-
 
 def rank_map(devices: tuple[int, ...] | list[int]) -> dict[int, int]:
     """Ranks follow device ids: the rank order of every device group is its device order."""
@@ -137,9 +128,7 @@ class StepRecord:
     emulation_s: float  # most any worker slept to emulate slowness this step
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "loss": self.loss, "step_time_s": self.step_time_s,
-                "tokens_per_s": self.tokens_per_s, "strategy": self.strategy, "grad_norm": self.grad_norm,
-                "emulation_s": self.emulation_s}
+        return asdict(self)
 
     @staticmethod
     def combine(reports: list[StepReport], strategy: str) -> StepRecord:

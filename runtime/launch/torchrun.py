@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 from runtime.errors import HspmdError, SpecError
 from runtime.launch.launcher import select_strategy
-from runtime.launch.options import StepRecord, StepReport, TrainOptions, WorkerSpec, rank_map
-from runtime.launch.worker import NullReporter, train_worker
+from runtime.launch.messages import Log, StepDone
+from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, rank_map
+from runtime.launch.session import Reporter
+from runtime.launch.worker import train_worker
 from runtime.spec import load_plan_context
 from runtime.spec.catalog import train_problems
 
@@ -36,21 +38,17 @@ class TorchrunEnv:
                            int(environ["LOCAL_WORLD_SIZE"]))
 
 
-class _LocalReporter:
-    def __init__(self, strategy: str, on_step: Callable[[StepRecord], None] | None,
-                 on_log: Callable[[str], None] | None) -> None:
-        self.strategy, self.on_step, self.on_log = strategy, on_step, on_log
+def _console(strategy: str, on_step: Callable[[StepRecord], None] | None,
+             on_log: Callable[[str], None] | None) -> Reporter:
+    """A worker's steps and logs to this process's callbacks (rank 0's console; None: nowhere)."""
 
-    def up(self) -> None:
-        pass
+    def send(msg: object) -> None:
+        if isinstance(msg, StepDone) and on_step is not None:
+            on_step(StepRecord.combine([msg.report], strategy))
+        elif isinstance(msg, Log) and on_log is not None:
+            on_log(msg.text)
 
-    def step(self, report: StepReport) -> None:
-        if self.on_step is not None:
-            self.on_step(StepRecord.combine([report], self.strategy))
-
-    def log(self, message: str) -> None:
-        if self.on_log is not None:
-            self.on_log(message)
+    return send
 
 
 def run_torchrun(options: TrainOptions, env: TorchrunEnv, *, on_step: Callable[[StepRecord], None] | None = None,
@@ -88,5 +86,5 @@ def run_torchrun(options: TrainOptions, env: TorchrunEnv, *, on_step: Callable[[
     # torchrun's "env://" rendezvous: MASTER_ADDR/PORT, and the agent's own store where it hosts one.
     store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size,
                                        timeout=timedelta(seconds=options.timeout_s)))
-    reporter = _LocalReporter(strategy.name, on_step, on_log) if env.rank == 0 else NullReporter()
-    train_worker(spec, store, reporter)
+    quiet = env.rank != 0
+    train_worker(spec, store, _console(strategy.name, None if quiet else on_step, None if quiet else on_log))

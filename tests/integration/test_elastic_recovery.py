@@ -20,6 +20,7 @@ from elastic_helpers import (
     write_plan,
 )
 
+from runtime.elastic.coordinator import ElasticPolicy
 from runtime.launch import Fault, TrainOptions, launch
 from runtime.spec import load_plan_context
 
@@ -58,7 +59,7 @@ def plans(tmp_path_factory):
 
 def _run(options: TrainOptions, replan) -> tuple[list, list[dict]]:
     events: list[dict] = []
-    summary = launch(options, replan=replan, on_event=events.append)
+    summary = launch(options, ElasticPolicy(replan, on_event=events.append))
     assert multiprocessing.active_children() == []
     return summary.records, events
 

@@ -22,7 +22,7 @@ from test_engine_correctness import assemble, check_against_reference
 
 from runtime.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, read_saved
 from runtime.data import token_source
-from runtime.engine import ReferenceTrainer
+from runtime.engine.reference import ReferenceTrainer
 from runtime.launch import TrainOptions, launch
 from runtime.models.llama import LlamaForCausalLM
 from runtime.spec import load_plan_context

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 import hetu_cli.commands.train as train_cmd
 from hetu_cli.main import cli
-from runtime.launch import StepRecord, StepReport, WorkerFailure
+from runtime.launch import PlainPolicy, StepRecord, StepReport, WorkerFailure
 
 PLAN = "configs/plans/cpu-hetero4-tiny.yaml"
 
@@ -20,7 +20,8 @@ def record(step: int, loss: float) -> StepRecord:
 
 
 def test_metrics_get_one_json_line_per_step_with_the_required_keys(monkeypatch, tmp_path, repo):
-    def fake_launch(options, on_step, on_log):
+    def fake_launch(options, policy, on_step, on_log):
+        assert isinstance(policy, PlainPolicy)
         assert options.steps == 2 and options.plan.name == "cpu-hetero4-tiny.yaml"
         on_log("started 4 workers")
         on_step(record(1, 5.5))
@@ -50,7 +51,7 @@ def test_a_run_refused_at_start_up_leaves_no_metrics_file(tmp_path, repo):
 
 @pytest.mark.parametrize("kind, code", [("user", 2), ("error", 1), ("died", 1)])
 def test_worker_failures_print_one_error_line_and_a_traceback_only_for_bugs(monkeypatch, repo, kind, code):
-    def fake_launch(options, on_step, on_log):
+    def fake_launch(options, policy, on_step, on_log):
         raise WorkerFailure(3, 2, kind, ("it broke",), "Traceback (most recent call last):\n  boom\n")
 
     monkeypatch.setattr(train_cmd, "launch", fake_launch)

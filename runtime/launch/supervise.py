@@ -1,0 +1,315 @@
+"""Watching a run's workers: one event loop, and a policy that decides what each event means.
+
+The loop (``supervise``) takes events from a source (``LocalWorkers``: this host's report pipes and
+process sentinels, waited on at once, so a death is seen the moment it happens) and hands each worker's
+message, death and silence (no heartbeat within the limit: a SIGSTOPped or wedged process) to a
+``Policy``. ``PlainPolicy`` is ``hspmd train``'s: the first failure stops the run, and after a short
+grace for the root cause to report, the failure that explains it best is raised as ``WorkerFailure``.
+The elastic coordinator (runtime/elastic/coordinator.py ``ElasticPolicy``) recovers instead. A source
+that relays remote nodes' events (a device joining later among them) need only yield the same pairs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, Protocol
+
+from runtime.errors import HspmdError
+from runtime.launch.messages import Exited, Heartbeat, Log, StepDone, Up, WorkerError
+from runtime.launch.options import StepRecord, StepReport, TrainOptions, WorkerSpec
+from runtime.launch.worker import WorkerLoop, process_main, train_worker
+from runtime.spec import PlanContext
+
+FAILURE_GRACE_S = 0.5  # after the first failure, how long to wait for its root cause to report
+STOP_GRACE_S = 2.0  # how long a stopped worker gets to exit before SIGKILL
+
+# Which report explains a failure best. A worker that raises reports before it exits, so among errors
+# the earliest is the cause; a worker that dies or hangs says nothing, and its peers' collectives then
+# fail with errors of their own (gloo raises plain RuntimeErrors for a vanished peer), so a silent death
+# or hang outranks any error that is not a user error.
+PRIORITY = {"user": 0, "died": 1, "hung": 1, "error": 2, "comm": 3}
+
+
+class WorkerFailure(HspmdError):
+    """A worker failed; the run was stopped. ``kind``: user, error, comm, died or hung."""
+
+    def __init__(self, device: int, rank: int, kind: str, lines: tuple[str, ...], traceback: str = "") -> None:
+        self.device, self.rank, self.kind = device, rank, kind
+        self.messages = lines
+        self.traceback = traceback
+        super().__init__("; ".join(self.lines()))
+
+    def lines(self) -> list[str]:
+        return [f"device {self.device} (rank {self.rank}): {line}" for line in self.messages]
+
+    @property
+    def exit_code(self) -> int:
+        """2 for a user error (like every other user error of the CLI), 1 for a crash."""
+        return 2 if self.kind == "user" else 1
+
+
+@dataclass
+class RunSummary:
+    strategy: str
+    devices: tuple[int, ...]
+    backend: str
+    records: list[StepRecord] = field(default_factory=list)
+    startup_s: float = 0.0  # launch to the first completed step (process start, imports, groups, step 1)
+    wall_s: float = 0.0
+    events: list[dict[str, Any]] = field(default_factory=list)  # failures and switches (runtime/elastic/)
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """One worker as the supervisor sees it: its process, its pipes, and what it has shown of itself."""
+
+    spec: WorkerSpec
+    process: BaseProcess
+    report: Connection
+    control: Connection
+    last_seen: float = field(default_factory=time.monotonic)
+    last_seen_wall: float = field(default_factory=time.time)  # for a failure's timeline
+    started: bool = False  # told where the store is (before that it holds nothing and may just be killed)
+    up: bool = False  # past start-up (imports, store, process group): heartbeats are due from now on
+    finished: bool = False
+    failed: bool = False
+    hung: bool = False
+
+    @property
+    def device(self) -> int:
+        return self.spec.device_id
+
+    def send(self, msg: object) -> None:
+        try:
+            self.control.send(msg)
+        except (OSError, ValueError):
+            pass  # it died: its sentinel says so
+
+
+class EventSource(Protocol):
+    def poll(self, timeout_s: float) -> Iterator[tuple[WorkerHandle, object]]:
+        """Each worker's messages that arrive within ``timeout_s`` (fewer seconds once any has), and an
+        ``Exited`` in its name once its process has ended."""
+
+
+class LocalWorkers:
+    """This host's worker processes (multiprocessing 'spawn'): the events of their pipes and sentinels."""
+
+    def __init__(self) -> None:
+        self.workers: list[WorkerHandle] = []
+        self._by_conn: dict[Any, WorkerHandle] = {}
+        self._by_sentinel: dict[Any, WorkerHandle] = {}
+
+    def start(self, spec: WorkerSpec, loop: WorkerLoop) -> WorkerHandle:
+        mp = multiprocessing.get_context("spawn")
+        report_r, report_w = mp.Pipe(duplex=False)
+        control_r, control_w = mp.Pipe(duplex=False)
+        proc = mp.Process(target=process_main, args=(spec, loop, report_w, control_r), daemon=True,
+                          name=f"hspmd-device{spec.device_id}")
+        proc.start()
+        report_w.close()
+        control_r.close()
+        w = WorkerHandle(spec, proc, report_r, control_w)
+        self.workers.append(w)
+        self._by_conn[report_r] = w
+        self._by_sentinel[proc.sentinel] = w
+        return w
+
+    def poll(self, timeout_s: float) -> Iterator[tuple[WorkerHandle, object]]:
+        for obj in wait(list(self._by_conn) + list(self._by_sentinel), timeout=timeout_s):
+            if obj in self._by_conn:
+                try:
+                    msg = obj.recv()
+                except (EOFError, OSError):
+                    self._by_conn.pop(obj, None)
+                    continue
+                yield self._by_conn[obj], msg
+            else:
+                w = self._by_sentinel.pop(obj)
+                w.process.join(1.0)  # the sentinel fires as the process exits; reaping it may lag
+                try:
+                    while w.report.poll():  # what it said before it ended comes first
+                        yield w, w.report.recv()
+                except (EOFError, OSError):
+                    pass
+                self._by_conn.pop(w.report, None)
+                yield w, Exited(w.process.exitcode)
+
+    def stop(self) -> None:
+        """Stop every worker still running: close its control pipe (it exits at once), then SIGKILL (a
+        SIGSTOPped or not yet started one at once)."""
+        alive = [w for w in self.workers if w.process.is_alive()]
+        for w in alive:
+            if w.hung or not w.started:
+                w.process.kill()
+            else:
+                w.control.close()
+        end = time.monotonic() + STOP_GRACE_S
+        for w in alive:
+            w.process.join(max(0.0, end - time.monotonic()))
+        for w in alive:
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(5.0)
+        for w in self.workers:
+            for conn in (w.report, w.control):
+                try:
+                    conn.close()
+                except OSError:
+                    pass
+
+
+def death(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"worker process was killed by {name}"
+    return f"worker process exited with status {code} without reporting an error"
+
+
+class FailureLog:
+    """The failures that stop a run, and which of them explains it best (``PRIORITY``, then the earliest),
+    raised once ``grace_s`` after the first has passed (its root cause reports within it)."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self._failures: list[tuple[int, float, WorkerFailure]] = []
+        self.deadline: float | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self._failures)
+
+    def add(self, w: WorkerHandle, kind: str, lines: tuple[str, ...], tb: str = "") -> None:
+        if w.failed:
+            return
+        w.failed = True
+        self._failures.append((PRIORITY[kind], time.monotonic(),
+                               WorkerFailure(w.device, w.spec.rank, kind, tuple(lines), tb)))
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.grace_s
+
+    def wait_s(self, longest: float) -> float:
+        return longest if self.deadline is None else max(0.0, min(longest, self.deadline - time.monotonic()))
+
+    def raise_when_due(self) -> None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            self._failures.sort(key=lambda f: (f[0], f[1]))
+            raise self._failures[0][2]
+
+
+@dataclass
+class Run:
+    """What a policy is given: the run, its workers by device, and where its results go."""
+
+    options: TrainOptions
+    ctx: PlanContext  # the plan the run starts with
+    strategy: str
+    workers: dict[int, WorkerHandle]
+    summary: RunSummary
+    on_step: Callable[[StepRecord], None] | None
+    log: Callable[[str], None]
+    t_start: float
+
+    def record(self, record: StepRecord) -> None:
+        if not self.summary.records:
+            self.summary.startup_s = time.perf_counter() - self.t_start
+        self.summary.records.append(record)
+        if self.on_step is not None:
+            self.on_step(record)
+
+
+class Policy(Protocol):
+    """What a run (one per policy object) makes of its workers' events. The loop itself notes every sign
+    of life, ``Up``, ``Log`` and a clean exit, and raises the failure that explains the run best once
+    ``failures`` says it is due."""
+
+    worker_loop: WorkerLoop  # what each worker process runs
+    failures: FailureLog
+
+    def prepare(self, options: TrainOptions, ctx: PlanContext, strategy: str) -> list[int]:
+        """User errors found before any process starts; the devices to start workers on."""
+
+    def begin(self, run: Run) -> None: ...
+
+    def on_message(self, w: WorkerHandle, msg: object) -> None: ...
+
+    def on_failure(self, w: WorkerHandle, kind: str, how: str) -> None:
+        """``w`` died (kind "died") or went silent ("hung")."""
+
+    def tick(self) -> bool:
+        """After each round of events: whether the run is over."""
+
+
+def supervise(run: Run, source: EventSource, policy: Policy) -> None:
+    """The one event loop of a run: until ``policy.tick()`` says it is over, or a failure stops it."""
+    options = run.options
+    while True:
+        for w, msg in source.poll(policy.failures.wait_s(options.heartbeat_s)):
+            if isinstance(msg, Exited):
+                if msg.code == 0:
+                    w.finished = True
+                elif not w.finished and not w.failed:
+                    policy.on_failure(w, "died", death(msg.code))
+                continue
+            w.last_seen, w.last_seen_wall = time.monotonic(), time.time()
+            if isinstance(msg, Up):
+                w.up = True
+            elif isinstance(msg, Log):
+                run.log(msg.text)
+            elif not isinstance(msg, Heartbeat):
+                policy.on_message(w, msg)
+        now = time.monotonic()
+        for d in sorted(run.workers):
+            w = run.workers[d]
+            # Start-up (a cold torch import on a loaded machine holds the GIL for seconds) gets the
+            # generous operation timeout; after it, a silent worker is hung within heartbeat_timeout_s.
+            limit = options.heartbeat_timeout_s if w.up else options.timeout_s
+            if not w.finished and not w.failed and now - w.last_seen > limit:
+                what = "no heartbeat" if w.up else "no sign of start-up"
+                w.hung = True
+                policy.on_failure(w, "hung", f"{what} for {now - w.last_seen:.1f} s (process stopped or wedged)")
+        over = policy.tick()
+        policy.failures.raise_when_due()
+        if over:
+            return
+
+
+class PlainPolicy:
+    """``hspmd train`` without --elastic or --switch: aggregate the steps; the first failure stops the run."""
+
+    worker_loop = staticmethod(train_worker)
+
+    def __init__(self) -> None:
+        self.failures = FailureLog(FAILURE_GRACE_S)
+        self.pending: dict[int, list[StepReport]] = {}
+
+    def prepare(self, options: TrainOptions, ctx: PlanContext, strategy: str) -> list[int]:
+        if options.coordinated:
+            raise ValueError("elastic and switching runs are supervised by runtime.elastic.ElasticPolicy")
+        return sorted(ctx.plan.strategy(strategy).devices)
+
+    def begin(self, run: Run) -> None:
+        self.run = run
+
+    def on_message(self, w: WorkerHandle, msg: object) -> None:
+        if isinstance(msg, StepDone):
+            got = self.pending.setdefault(msg.report.step, [])
+            got.append(msg.report)
+            if len(got) == len(self.run.workers):
+                self.run.record(StepRecord.combine(self.pending.pop(msg.report.step), self.run.strategy))
+        elif isinstance(msg, WorkerError):
+            self.failures.add(w, msg.kind, msg.lines, msg.traceback)
+
+    def on_failure(self, w: WorkerHandle, kind: str, how: str) -> None:
+        self.failures.add(w, kind, (how,))
+
+    def tick(self) -> bool:
+        return all(w.finished for w in self.run.workers.values())
