@@ -437,7 +437,8 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
             sc = stage_costs[pi, k]
             res = f"p{pi}s{k}"
             for ai, (kind, what) in enumerate(actions[pi, k]):
-                resume = cm.resume_penalty(type_of[st.devices[0]])
+                dtype = type_of[st.devices[0]]
+                resume = cm.resume_penalty(dtype) if cm.host_contended(dtype) else None
                 if kind == "F":
                     sim.add(f"{res}F{what}", res, kind="forward", pipeline=pi, stage=k, mb=what, resume=resume,
                             **block(st.devices, sc.forward_s, sc.tp_forward_s, sc.tp_cpu_forward_s))
@@ -583,7 +584,9 @@ def cpu_layout(cm: CostModel, strategy: Strategy) -> tuple[dict[str, float], dic
     known = [c for n in {d.node for d in cm.cluster.devices} if (c := cm.host_cores(n))]
     if not known:
         return {}, {}
-    _, shares = emulated_cpu_shares(strategy.devices, cm.cluster.num_devices, range(min(known)))
+    _, pinned = emulated_cpu_shares(strategy.devices, cm.cluster.num_devices, range(min(known)))
+    # Sleep-mode devices are pinned too, but their blocks last their targets: they take no part in it.
+    shares = {d: cs for d, cs in pinned.items() if cm.host_contended(cm.cluster.device(d).type)}
     cores = {f"core {c}": 1.0 for cs in shares.values() for c in cs}
     return cores, {d: [(f"core {c}", 1.0) for c in cs] for d, cs in shares.items()}
 

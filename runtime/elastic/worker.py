@@ -59,7 +59,7 @@ class ElasticWorker:
         import torch
 
         from runtime.data import token_source
-        from runtime.launch.worker import _hooks
+        from runtime.launch.worker import _hooks, emulation_line
         from runtime.spec import load_plan_context
 
         self.spec, self.store, self.reporter, self.inbox = spec, store, reporter, inbox
@@ -92,8 +92,7 @@ class ElasticWorker:
         # the imports (torch's are many) need never be scanned: ~0.5 s -> ~0.05 s per pass.
         gc.freeze()
         if self.emulator is not None:
-            self.reporter.log(f"device {self.me}: emulating a {self.emulator.slowdown:g}x slower device "
-                              f"(sleeps {self.emulator.slowdown - 1:g}x each measured compute block)")
+            self.reporter.log(emulation_line(self.me, self.emulator))
         if self.me in self.ref.devices:
             self.program = self._build(self.ref)
         done = self._load()
@@ -175,7 +174,8 @@ class ElasticWorker:
             step=step, rank=self.world.ranks[self.me] if self.world else 0, device=self.me, loss=float(stats.loss),
             grad_norm=float(stats.grad_norm), tokens=int(stats.tokens), wall_s=wall,
             compute_s=float(stats.compute_s), comm_s=float(stats.comm_s),
-            emulation_s=self.emulator.take_emulated_s() if self.emulator is not None else 0.0))
+            emulation_s=self.emulator.take_emulated_s() if self.emulator is not None else 0.0,
+            emulation_overrun_s=self.emulator.take_overrun_s() if self.emulator is not None else 0.0))
         return then[0]
 
     # -- worlds and programs ----------------------------------------------------------------------------
@@ -221,8 +221,12 @@ class ElasticWorker:
         from runtime.engine import DeviceProgram, WorkerContext
 
         self.groups.ensure(DeviceProgram.required_groups(ref.ctx, ref.strategy))
+        from runtime.trace import EmulatedTarget, stage_block_targets
+
         ctx = WorkerContext(plan=ref.ctx, strategy=ref.strategy, device_id=self.me, ranks=dict(self.world.ranks),
                             torch_device=self.device, timeout=self.timeout)
+        if isinstance(self.emulator, EmulatedTarget):   # sleep mode: the new stage's blocks, priced anew
+            self.emulator.target_s = stage_block_targets(ref.ctx, ref.strategy, self.me)
         return DeviceProgram(ctx, self.groups, self.hooks)
 
     def _load(self) -> int:

@@ -122,6 +122,7 @@ class StepReport:
     compute_s: float
     comm_s: float
     emulation_s: float  # seconds slept to emulate a slower device
+    emulation_overrun_s: float = 0.0  # sleep mode: seconds the blocks' real compute ran past their targets
 
 
 @dataclass(frozen=True)
@@ -135,11 +136,12 @@ class StepRecord:
     strategy: str
     grad_norm: float
     emulation_s: float  # most any worker slept to emulate slowness this step
+    emulation_overrun_s: float = 0.0  # sleep mode: most any worker's blocks ran past their targets
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "loss": self.loss, "step_time_s": self.step_time_s,
                 "tokens_per_s": self.tokens_per_s, "strategy": self.strategy, "grad_norm": self.grad_norm,
-                "emulation_s": self.emulation_s}
+                "emulation_s": self.emulation_s, "emulation_overrun_s": self.emulation_overrun_s}
 
     @staticmethod
     def combine(reports: list[StepReport], strategy: str) -> StepRecord:
@@ -148,7 +150,8 @@ class StepRecord:
         return StepRecord(step=first.step, loss=first.loss, step_time_s=step_time,
                           tokens_per_s=first.tokens / step_time if step_time > 0 else 0.0,
                           strategy=strategy, grad_norm=first.grad_norm,
-                          emulation_s=max(r.emulation_s for r in reports))
+                          emulation_s=max(r.emulation_s for r in reports),
+                          emulation_overrun_s=max(r.emulation_overrun_s for r in reports))
 
 
 def emulated_cpu_shares(devices: Sequence[int], cluster_devices: int,

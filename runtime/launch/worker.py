@@ -89,8 +89,7 @@ def train_worker(spec: WorkerSpec, store: Any, reporter: Reporter) -> None:
         groups = ProcessGroups(DeviceProgram.required_groups(plan_ctx, spec.strategy), spec.ranks, timeout=timeout)
         hooks, recorder, emulator = _hooks(spec, plan_ctx, device)
         if emulator is not None:
-            reporter.log(f"device {spec.device_id}: emulating a {emulator.slowdown:g}x slower device "
-                         f"(sleeps {emulator.slowdown - 1:g}x each measured compute block)")
+            reporter.log(emulation_line(spec.device_id, emulator))
         ctx = WorkerContext(plan=plan_ctx, strategy=spec.strategy, device_id=spec.device_id,
                             ranks=dict(spec.ranks), torch_device=device, timeout=timeout)
         program = DeviceProgram(ctx, groups, hooks)
@@ -114,7 +113,8 @@ def train_worker(spec: WorkerSpec, store: Any, reporter: Reporter) -> None:
                 step=step, rank=spec.rank, device=spec.device_id, loss=float(stats.loss),
                 grad_norm=float(stats.grad_norm), tokens=int(stats.tokens), wall_s=wall,
                 compute_s=float(stats.compute_s), comm_s=float(stats.comm_s),
-                emulation_s=emulator.take_emulated_s() if emulator is not None else 0.0))
+                emulation_s=emulator.take_emulated_s() if emulator is not None else 0.0,
+                emulation_overrun_s=emulator.take_overrun_s() if emulator is not None else 0.0))
         if options.save_dir is not None:
             from runtime.checkpoint import save_checkpoint
 
@@ -135,21 +135,42 @@ def train_worker(spec: WorkerSpec, store: Any, reporter: Reporter) -> None:
 
 def _hooks(spec: WorkerSpec, plan_ctx: Any, device: Any) -> tuple[Any, Any, Any]:
     from runtime.engine import NULL_HOOKS
-    from runtime.trace import EmulatedSlowdown, TraceRecorder
+    from runtime.trace import EmulatedSlowdown, EmulatedTarget, TraceRecorder, stage_block_targets
 
     options = spec.options
     dev_type = plan_ctx.cluster.type_of(spec.device_id)
-    emulate = dev_type.emulate is not None and dev_type.emulate.slowdown > 1.0 and device.type == "cpu"
+    em = dev_type.emulate if device.type == "cpu" else None
+    emulate = em is not None and em.slowdown > 1.0
+    sleeps = em is not None and em.sleeps
     recorder = None
     if options.trace_dir is not None:
         import torch
 
         label = f"device {spec.device_id} ({plan_ctx.cluster.device(spec.device_id).type}"
-        label += f", emulated {dev_type.emulate.slowdown:g}x slower)" if emulate else ")"
+        if sleeps:
+            assert em is not None and em.target is not None
+            label += f", emulating {em.target.profile} running {em.target.model} x{em.time_scale:g})"
+        else:
+            label += f", emulated {dev_type.emulate.slowdown:g}x slower)" if emulate else ")"
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         recorder = TraceRecorder(spec.device_id, label, sync=sync)
-    emulator = EmulatedSlowdown(dev_type.emulate.slowdown, inner=recorder) if emulate else None
+    emulator: EmulatedSlowdown | EmulatedTarget | None = None
+    if sleeps:
+        emulator = EmulatedTarget(stage_block_targets(plan_ctx, spec.strategy, spec.device_id), inner=recorder)
+    elif emulate:
+        emulator = EmulatedSlowdown(dev_type.emulate.slowdown, inner=recorder)
     return emulator or recorder or NULL_HOOKS, recorder, emulator
+
+
+def emulation_line(device: int, emulator: Any) -> str:
+    """The log line saying how a worker emulates its device (stretch or sleep mode)."""
+    from runtime.trace import EmulatedTarget
+
+    if isinstance(emulator, EmulatedTarget):
+        return (f"device {device}: emulating its target device (each forward / backward block lasts its "
+                "target time: the real compute, then a sleep)")
+    return (f"device {device}: emulating a {emulator.slowdown:g}x slower device "
+            f"(sleeps {emulator.slowdown - 1:g}x each measured compute block)")
 
 
 def _merge_traces(trace_dir: Path | None, devices: list[int]) -> None:
