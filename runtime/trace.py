@@ -215,7 +215,7 @@ class EmulatedTarget:
         left = target - real
         if left > 0:
             with self._inner_span("emulation", f"{name} (until its target)", target_s=round(target, 6),
-                                  compute_s=round(real, 6)):
+                                  compute_s=round(real, 6), sleep_s=round(left, 6)):
                 self._sleep(left)
             self.emulated_s += left
             self.last = (target, real, left)
