@@ -18,7 +18,9 @@ slowest member), and an emulated slower device sleeps ``slowdown - 1`` times eac
 time, as the runtime does. The kernel's scheduler hands a core over in time slices, not as a fluid: where
 a process finishes a block, wakes from its sleep or from a blocking receive while the other process on
 its core computes, it waits that much longer for the core as ``hspmd profile`` measured
-(``CoreHandoff``; nothing on an idle core).
+(``CoreHandoff``; nothing on an idle core). A sleep-mode emulated device (runtime/spec/cluster.py
+``Emulation``) is outside this host model (``CostModel.host_contended``): its forward and backward blocks
+last their target's price (``CostModel.stage``), however the host runs the real work inside them.
 
 The result has the step time, per-stage compute / comm / bubble, the peak number of in-flight
 micro-batches each stage reached (hence its peak memory), and a timeline for Chrome-trace / Perfetto.
