@@ -219,10 +219,9 @@ class ElasticWorker:
 
     def _build(self, ref: PlanRef) -> Any:
         from runtime.engine import DeviceProgram, WorkerContext
-
-        self.groups.ensure(DeviceProgram.required_groups(ref.ctx, ref.strategy))
         from runtime.trace import EmulatedTarget, stage_block_targets
 
+        self.groups.ensure(DeviceProgram.required_groups(ref.ctx, ref.strategy))
         ctx = WorkerContext(plan=ref.ctx, strategy=ref.strategy, device_id=self.me, ranks=dict(self.world.ranks),
                             torch_device=self.device, timeout=self.timeout)
         if isinstance(self.emulator, EmulatedTarget):   # sleep mode: the new stage's blocks, priced anew
