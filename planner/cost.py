@@ -78,11 +78,11 @@ from typing import Any, Literal
 from runtime.models.params import llama_parameters
 from runtime.profiling.profile import (
     ComponentFit,
+    ComputeBlock,
     CoreHandoff,
     DeviceProfile,
     LinkFit,
     ProfileSet,
-    ComputeBlock,
     ResumePenalty,
     SleepTarget,
     analytic_components,  # noqa: F401 (re-exported: it lived here before the runtime's block pricing)

@@ -27,8 +27,9 @@ step's time is the slowest worker's); the plan's measured time is the median ove
 simulated time the median of the rounds' simulations. A run during which other processes used more than
 ``--max-foreign`` cores of CPU on average is repeated once. `--json` prints one JSON object: per mode
 (``stretch``, ``sleep``) `errors` (relative error per plan), `max_abs_error`, `rank_preserved`, `target`,
-`within_target` and the figures behind them (per round too); top level, `max_abs_error`, `rank_preserved`
-and `within_target` by mode. Everything else goes to stderr.
+`within_target` and the figures behind them (per round too; `rounds_max_overrun_s`: per plan and round,
+the most a step's blocks overran their sleep-mode targets, which should be 0); top level,
+`max_abs_error`, `rank_preserved` and `within_target` by mode. Everything else goes to stderr.
 """
 
 from __future__ import annotations
@@ -131,8 +132,9 @@ def _children_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def measured_step(plan: Path, steps: int, out: Path) -> tuple[float, float]:
-    """(median step time after warm-up, foreign CPU cores during the run) of one `hspmd train` run."""
+def measured_step(plan: Path, steps: int, out: Path) -> tuple[float, float, float]:
+    """(median step time after warm-up, foreign CPU cores during the run, the most any step's sleep-mode
+    blocks overran their targets: 0 in stretch mode) of one `hspmd train` run."""
     metrics = out / f"{plan.stem}.jsonl"
     with ForeignCpu() as foreign:
         proc = subprocess.run([sys.executable, "-m", "hetu_cli", "train", "--plan", str(plan), "--steps",
@@ -140,8 +142,10 @@ def measured_step(plan: Path, steps: int, out: Path) -> tuple[float, float]:
                               cwd=REPO)
     if proc.returncode != 0:
         raise SystemExit(f"hspmd train failed on {plan.name}: {proc.stderr.strip().splitlines()[-1:]}")
-    times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines() if line.strip()]
-    return statistics.median(times[WARMUP:]), foreign.cores
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    times = [r["step_time_s"] for r in rows]
+    overrun = max((r.get("emulation_overrun_s", 0.0) for r in rows[WARMUP:]), default=0.0)
+    return statistics.median(times[WARMUP:]), foreign.cores, overrun
 
 
 def profile_now(prof_dir: Path, cluster: str) -> tuple[float, float]:
@@ -191,6 +195,7 @@ def run_mode(mode: str, names: list[str], args: argparse.Namespace, out: Path) -
     handoffs: list[dict] = []
     runs: dict[str, list[float]] = {n: [] for n in names}
     foreign_cores: dict[str, list[float]] = {n: [] for n in names}
+    overruns: dict[str, list[float]] = {n: [] for n in names}   # sleep mode: blocks past their targets
     profile_s: list[float] = []
     profile_foreign: list[float] = []
     mode_dir = out / mode
@@ -213,12 +218,13 @@ def run_mode(mode: str, names: list[str], args: argparse.Namespace, out: Path) -
             handoffs.append(profile_handoff(prof_dir))
             log(f"core_handoff (ms): {handoffs[-1]}")
         for name in names:
-            step, foreign = measured_step(paths[name], args.steps, mode_dir)
+            step, foreign, overrun = measured_step(paths[name], args.steps, mode_dir)
             if foreign > args.max_foreign:
                 log(f"{name}: other processes used {foreign:.2f} cores during the run; once more")
-                step, foreign = measured_step(paths[name], args.steps, mode_dir)
+                step, foreign, overrun = measured_step(paths[name], args.steps, mode_dir)
             runs[name].append(step)
             foreign_cores[name].append(round(foreign, 3))
+            overruns[name].append(round(overrun, 5))
             log(f"{mode} round {r + 1} {name:16s} simulated {sims[name][-1]:.4f} s  measured {step:.4f} s  "
                 f"(other processes {foreign:.2f} cores)")
     simulated = {n: statistics.median(v) for n, v in sims.items()}
@@ -241,6 +247,7 @@ def run_mode(mode: str, names: list[str], args: argparse.Namespace, out: Path) -
         "simulated_rounds_s": {n: [round(x, 5) for x in v] for n, v in sims.items()},
         "measured_rounds_s": {n: [round(x, 5) for x in v] for n, v in runs.items()},
         "foreign_cores": foreign_cores,
+        "rounds_max_overrun_s": overruns,
         "rank_simulated": rank_sim, "rank_measured": rank_meas,
         "profile_s": profile_s, "profile_foreign_cores": profile_foreign,
     }

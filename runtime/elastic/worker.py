@@ -59,7 +59,7 @@ class ElasticWorker:
         import torch
 
         from runtime.data import token_source
-        from runtime.launch.worker import _hooks, emulation_line
+        from runtime.launch.worker import _hooks
         from runtime.spec import load_plan_context
 
         self.spec, self.store, self.reporter, self.inbox = spec, store, reporter, inbox
@@ -92,6 +92,8 @@ class ElasticWorker:
         # the imports (torch's are many) need never be scanned: ~0.5 s -> ~0.05 s per pass.
         gc.freeze()
         if self.emulator is not None:
+            from runtime.launch.worker import emulation_line
+
             self.reporter.log(emulation_line(self.me, self.emulator))
         if self.me in self.ref.devices:
             self.program = self._build(self.ref)
