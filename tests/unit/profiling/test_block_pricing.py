@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from planner.cost import CostModel
 from planner.simulate import simulate
@@ -135,3 +137,21 @@ def test_simulator_keeps_sleep_mode_devices_out_of_the_host_model():
     for pi, t in enumerate(("emu-a800", "emu-h20")):
         st = cm.stage(t, 1, 6, True, True)
         assert r.pipeline_end_s[pi] == pytest.approx(2 * (st.forward_s + st.backward_s))
+
+
+@given(layers=st.integers(1, 12), mb=st.integers(1, 8), seq=st.sampled_from([16, 64, 256, 1024]),
+       tp=st.sampled_from([1, 2, 4, 8]), first=st.booleans(), last=st.booleans(), recompute=st.booleans(),
+       backward=st.booleans())
+@settings(max_examples=100, deadline=None)
+def test_a_block_is_linear_in_its_layers(layers, mb, seq, tp, first, last, recompute, backward):
+    # The planner's layer-split ILP takes a stage's cost as (per-layer coefficient) x layers + fixed part,
+    # from the stage of 1 and 2 layers: the target price must be exactly that shape.
+    target = sleep_target(SLEEP4.device_types["emu-h20"].emulate)
+
+    def price(n: int) -> float:
+        return target.block_s(ComputeBlock(layers=n, micro_batch=mb, seq_len=seq, backward=backward, tp=tp,
+                                           recompute=recompute, first=first, last=last))
+
+    one, two = price(1), price(2)
+    assert price(layers) == pytest.approx(one + (layers - 1) * (two - one), rel=1e-9)
+    assert two > one > 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runtime.trace import EmulatedTarget, TraceRecorder
 
@@ -90,3 +92,15 @@ def test_the_pricing_sees_the_span_name_and_args():
     with hook.span("comm", "grad_sync"):
         pass
     assert seen == [("backward", {"micro_batch": 2})]
+
+
+@given(target=st.floats(0.0, 10.0), real=st.floats(0.0, 10.0))
+@settings(max_examples=200, deadline=None)
+def test_every_block_lasts_the_longer_of_its_target_and_its_real_work(target, real):
+    hook, clock, _ = target_hook({"forward": target})
+    with hook.span("compute", "forward"):
+        clock.t += real
+    assert clock.t == pytest.approx(max(target, real))
+    slept, over = hook.take_emulated_s(), hook.take_overrun_s()
+    assert slept >= 0 and over >= 0 and slept * over == 0
+    assert slept - over == pytest.approx(target - real)
