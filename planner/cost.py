@@ -63,7 +63,11 @@ holds ``min(S-k, m)``; GPipe: ``m``), ``allreduce_seconds``, ``model_flops_per_t
 
 Where a profile has measured fits for this model's shape and TP degree, they are used as measured;
 otherwise the component costs are derived from the profile's throughput figures and the model's
-FLOPs and bytes (``analytic_components``). Both paths yield the same ``ComponentFit`` records.
+FLOPs and bytes (``analytic_components``, runtime/profiling/profile.py ``component_fits``). Both paths
+yield the same ``ComponentFit`` records. A sleep-mode emulated type (runtime/spec/cluster.py ``Emulation``)
+is priced by its target instead: ``stage`` gives what ``sleep_target`` prices each forward / backward
+block at (runtime/profiling/profile.py ``block_seconds``, the function the runtime sleeps by), and
+``host_contended`` tells the simulator's host model to leave it out.
 """
 
 from __future__ import annotations
