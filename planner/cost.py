@@ -64,7 +64,11 @@ holds ``min(S-k, m)``; GPipe: ``m``), ``allreduce_seconds``, ``model_flops_per_t
 
 Where a profile has measured fits for this model's shape and TP degree, they are used as measured;
 otherwise the component costs are derived from the profile's throughput figures and the model's
-FLOPs and bytes (``analytic_components``). Both paths yield the same ``ComponentFit`` records.
+FLOPs and bytes (``analytic_components``, runtime/profiling/profile.py ``component_fits``). Both paths
+yield the same ``ComponentFit`` records. A sleep-mode emulated type (runtime/spec/cluster.py ``Emulation``)
+is priced by its target instead: ``stage`` gives what ``sleep_target`` prices each forward / backward
+block at (runtime/profiling/profile.py ``block_seconds``, the function the runtime sleeps by), and
+``HostModel.contended`` tells the simulator's host model to leave it out.
 """
 
 from __future__ import annotations
@@ -83,12 +87,18 @@ from runtime.engine.specialize import BOUNDARY_DTYPE
 from runtime.models.params import ParamInfo, llama_parameters
 from runtime.profiling.profile import (
     ComponentFit,
-    ComputeFigures,
+    ComputeBlock,
     DeviceProfile,
     LinkFit,
     MemoryFigures,
     ProfileSet,
+    SleepTarget,
+    analytic_components,  # noqa: F401 (re-exported: it lived here before the runtime's block pricing)
+    component_fits,
     eval_fit,
+    extra_components,
+    layer_components,
+    sleep_target,
 )
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
@@ -165,63 +175,6 @@ def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     with N the layer and head parameters (the embedding lookup is not a matmul)."""
     n = model.num_layers * model.layer_params() + model.vocab_size * model.hidden_size
     return 6.0 * n + 12.0 * model.num_layers * model.hidden_size * seq_len
-
-
-# ---------------------------------------------------------------------------------------------------
-# Component costs from throughput figures (spec profiles, or models a profile has not measured)
-
-
-def analytic_components(model: ModelSpec, c: ComputeFigures, tp: int) -> dict[str, ComponentFit]:
-    """Per-component fits (time: ``a*B*s^2 + b*B*s + c``; saved activation bytes likewise) from FLOPs
-    and bytes moved. Counts follow runtime/models/llama.py: separate q/k/v/o projections, unfused RoPE,
-    SDPA attention (fused: causal, no s^2 kept; unfused: full s^2 scores kept), SwiGLU, fp32 RMSNorm."""
-    h, f, kv, n, v, t = (model.hidden_size, model.ffn_hidden_size, model.kv_dim, model.num_heads,
-                         model.vocab_size, tp)
-    mm = c.peak_tflops * 1e12 * c.matmul_efficiency
-    at = c.peak_tflops * 1e12 * c.attention_efficiency
-    bw = c.memory_bandwidth_gbs * 1e9 * c.memory_efficiency
-    k, e = c.kernel_overhead_s, c.activation_bytes
-
-    # Attention: projections (per token), scores and weighted sum (per s^2), RoPE and reshapes (bytes).
-    proj = (2 * h * (h + 2 * kv) + 2 * h * h) / t
-    rope_bytes = 8 * (h + kv) / t * e
-    if c.flash_attention:
-        a_fwd = 2 * h / t / at                       # causal half of 4*s^2*h FLOPs
-        a_bwd = 2.5 * a_fwd                          # backward recomputes the scores
-        a_act = 0.0
-    else:
-        softmax_bytes = 6 * n / t * e                # scale, mask, softmax passes over s^2 scores
-        a_fwd = 4 * h / t / at + softmax_bytes / bw
-        a_bwd = 2 * a_fwd
-        a_act = 2 * n / t * e                        # scores and probabilities
-    attn_act = e * (h + 2 * (h + kv) / t + 2 * (h + kv) / t + h / t) + 4 * n / t
-    attention = ComponentFit(
-        forward_s=(a_fwd, proj / mm + rope_bytes / bw, 14 * k),
-        backward_s=(a_bwd, 2 * proj / mm + 2 * rope_bytes / bw, 28 * k),
-        activation_bytes=(a_act, attn_act, 0.0),
-        params=(2 * h * h + 2 * kv * h) // t)
-    mlp_flops = 6 * h * f / t
-    mlp_bytes = 5 * f / t * e
-    mlp = ComponentFit(
-        forward_s=(0.0, mlp_flops / mm + mlp_bytes / bw, 5 * k),
-        backward_s=(0.0, 2 * mlp_flops / mm + 2 * mlp_bytes / bw, 10 * k),
-        activation_bytes=(0.0, e * (h + 4 * f / t), 0.0),
-        params=3 * h * f // t)
-    norm_bytes = h * (2 * e + 8)
-    norm = ComponentFit(
-        forward_s=(0.0, norm_bytes / bw, 6 * k), backward_s=(0.0, 2 * norm_bytes / bw, 12 * k),
-        activation_bytes=(0.0, e * h + 4.0, 0.0), params=h)
-    embedding = ComponentFit(
-        forward_s=(0.0, 2 * h * e / bw, 3 * k),
-        backward_s=(0.0, 8 * h / bw, 4 * k + 4 * v * h / t / bw),
-        activation_bytes=(0.0, 8.0, 0.0), params=v * h // t)
-    head_flops = 2 * h * v / t
-    ce_bytes = 12 * v / t
-    head = ComponentFit(
-        forward_s=(0.0, head_flops / mm + ce_bytes / bw, 8 * k),
-        backward_s=(0.0, 2 * head_flops / mm + ce_bytes / bw, 10 * k),
-        activation_bytes=(0.0, e * h + 8 * v / t, 0.0), params=v * h // t)
-    return {"embedding": embedding, "attention": attention, "mlp": mlp, "norm": norm, "head": head}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -380,11 +333,7 @@ class CostModel:
     def components(self, device_type: str, tp: int) -> dict[str, ComponentFit]:
         """Per-component fits on this device type at this TP degree: measured if the profile has this
         model shape and TP degree, else derived from the profile's throughput figures."""
-        prof = self.profiles[device_type]
-        measured = prof.measured_model(self.model)
-        if measured is not None and tp in measured.tp:
-            return dict(measured.tp[tp])
-        return analytic_components(self.model, prof.compute, tp)
+        return component_fits(self.profiles[device_type], self.model, tp)
 
     def _tp_overhead(self, device_type: str, tp: int) -> ComponentFit | None:
         """The measured per-layer TP overhead (DTensor + collectives), if the profile has it."""
@@ -416,7 +365,7 @@ class CostModel:
         b = self.micro_batch if micro_batch is None else micro_batch
         s = self.seq_len if seq_len is None else seq_len
         comp = self.components(device_type, tp)
-        parts = (comp["attention"], comp["mlp"], comp["norm"], comp["norm"])
+        parts = layer_components(comp)
         blocks = self.blocks(device_type, tp)
         timed = [blocks["layer"]] if blocks is not None else parts
         fwd = sum(eval_fit(p.forward_s, b, s) for p in timed)
@@ -441,7 +390,7 @@ class CostModel:
         b = self.micro_batch if micro_batch is None else micro_batch
         s = self.seq_len if seq_len is None else seq_len
         comp = self.components(device_type, tp)
-        parts = ([comp["embedding"]] if first else []) + ([comp["norm"], comp["head"]] if last else [])
+        parts = extra_components(comp, first, last)
         blocks = self.blocks(device_type, tp)
         # Measured blocks: a stage's fixed time per micro-batch (every stage pays it) plus what the
         # embedding and the head add; else the components' sum.
@@ -469,6 +418,15 @@ class CostModel:
         lay = self.layer(device_type, tp, recompute, micro_batch, seq_len)
         ext = self.extras(device_type, tp, first, last, micro_batch, seq_len)
         n = num_layers
+        target = self.sleep_target(device_type)
+        if target is not None:   # sleep mode: each block lasts its target (TP collectives run inside it)
+            block = ComputeBlock(layers=n, micro_batch=self.micro_batch if micro_batch is None else micro_batch,
+                                 seq_len=self.seq_len if seq_len is None else seq_len, backward=False, tp=tp,
+                                 recompute=recompute, first=first, last=last)
+            fwd = target.block_s(block)
+            bwd = target.block_s(dataclasses.replace(block, backward=True))
+            return StageCost(forward_s=fwd, backward_s=bwd, compute_s=fwd + bwd, tp_forward_s=0.0,
+                             tp_backward_s=0.0, params=n * lay.params + ext.params)
         fwd_c = n * lay.forward_s + ext.forward_s
         bwd_c = n * (lay.backward_s + lay.recompute_s) + ext.backward_s
         # An emulated device sleeps (slowdown - 1) x the CPU time of each compute block (runtime/trace.py
@@ -502,6 +460,16 @@ class CostModel:
         and the head's."""
         parts = [blocks["stage"]] + ([blocks["embedding"]] if first else []) + ([blocks["head"]] if last else [])
         return (sum(eval_fit(p.forward_s, b, s) for p in parts), sum(eval_fit(p.backward_s, b, s) for p in parts))
+
+    @_memo
+    def sleep_target(self, device_type: str) -> SleepTarget | None:
+        """A sleep-mode emulated type's target (runtime/spec/cluster.py ``Emulation``): its forward and
+        backward blocks last what the target prices them at (``stage``), the same function the runtime's
+        emulation sleeps by. None for every other type."""
+        em = self.cluster.device_types[device_type].emulate
+        if em is None or not em.sleeps:
+            return None
+        return sleep_target(em, file=f"cluster {self.cluster.name}", field=f"device_types.{device_type}.emulate")
 
     # -- memory --------------------------------------------------------------------------------------
 

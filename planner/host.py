@@ -52,9 +52,16 @@ class HostModel:
         em = self.cluster.device_types[device_type].emulate
         return em.slowdown if em is not None else 1.0
 
+    def contended(self, device_type: str) -> bool:
+        """Whether the shared cores and cold caches after idling apply to this type's compute: not for a
+        sleep-mode type (runtime/spec/cluster.py ``Emulation``), whose blocks last their targets however the
+        host runs the real work inside them (an overrun is reported by the runtime, not modelled)."""
+        em = self.cluster.device_types[device_type].emulate
+        return em is None or not em.sleeps
+
     def resume_penalty(self, device_type: str) -> ResumePenalty | None:
         """Extra CPU time of a compute block after its device idled (measured profiles; None otherwise)."""
-        m = self._measured(device_type)
+        m = self._measured(device_type) if self.contended(device_type) else None
         return None if m is None else m.resume
 
     def comm_wake(self, device_type: str) -> ResumePenalty | None:
@@ -94,6 +101,8 @@ class HostModel:
         known = [c for n in {d.node for d in self.cluster.devices} if (c := self.host_cores(n))]
         if not known:
             return {}, {}
-        _, shares = emulated_cpu_shares(devices, self.cluster.num_devices, range(min(known)))
+        _, pinned = emulated_cpu_shares(devices, self.cluster.num_devices, range(min(known)))
+        # Sleep-mode devices are pinned too, but their blocks last their targets: they share no core.
+        shares = {d: cs for d, cs in pinned.items() if self.contended(self.cluster.device(d).type)}
         cores = {f"core {c}": 1.0 for cs in shares.values() for c in cs}
         return cores, {d: [(f"core {c}", 1.0) for c in cs] for d, cs in shares.items()}

@@ -2,20 +2,24 @@
 
 The engine brackets its work in ``hooks.span(kind, name, **args)`` with kind "compute", "comm" or
 "idle". ``TraceRecorder`` turns those spans into Chrome-trace events (open the JSON in
-https://ui.perfetto.dev); ``EmulatedSlowdown`` wraps another Hooks and, after each outermost compute
-span, sleeps (k - 1) x the compute time it measured, recording that sleep as an "emulation" span. Both
-are plain objects handed to the program: no global switch turns them on.
+https://ui.perfetto.dev). The two CPU emulation modes of runtime/spec/cluster.py ``Emulation`` wrap another
+Hooks: ``EmulatedSlowdown`` (stretch mode), after each outermost compute span, sleeps (k - 1) x the compute
+time it measured; ``EmulatedTarget`` (sleep mode) sleeps until the block has lasted its target time. Both
+record their sleep as an "emulation" span. All are plain objects handed to the program: no global switch
+turns them on.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from runtime.profiling.profile import ComputeBlock, SleepTarget, sleep_target
+from runtime.spec import PlanContext
 from runtime.spec.io import atomic_write_text
 
 
@@ -111,6 +115,10 @@ class EmulatedSlowdown:
         out, self.emulated_s = self.emulated_s, 0.0
         return out
 
+    def take_overrun_s(self) -> float:
+        """Always 0: a stretched block has no target to overrun (``EmulatedTarget``'s counterpart)."""
+        return 0.0
+
     def _inner_span(self, kind: str, name: str, **args: Any) -> AbstractContextManager[None]:
         return self.inner.span(kind, name, **args) if self.inner is not None else nullcontext()
 
@@ -150,3 +158,111 @@ class EmulatedSlowdown:
                                   compute_s=round(compute, 6), slowdown=self.slowdown):
                 self._sleep(extra)
             self.emulated_s += extra
+
+
+class EmulatedTarget:
+    """Sleep mode: each outermost compute block that ``target_s`` prices lasts (at least) its target.
+
+    After the block's real work the hook sleeps until the block's wall time since it began reaches
+    ``target_s(name, args)`` (None: a block with no target, e.g. the optimizer step, runs as is). Wall
+    time, not CPU time as in stretch mode: the target is what the block takes on the emulated device,
+    waits inside it (a TP collective) included, and a sleep to a deadline keeps the block's length
+    independent of how long the real work happened to take. The device mostly sleeps, so the host's cores
+    are not contended. A block whose real work took longer than its target is not hidden: it is recorded as
+    an "emulation" span named "... overran its target" (zero length, with the overrun) and summed in
+    ``overrun_s`` (per step: ``take_overrun_s``), and the block simply lasts as long as it took.
+    ``emulated_s`` sums the seconds slept (``take_emulated_s``). ``last`` holds the latest block's
+    (target, real, slept) seconds, so a test can check the rule without timing anything.
+    """
+
+    def __init__(self, target_s: Callable[[str, Mapping[str, Any]], float | None], inner: Any = None, *,
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.target_s = target_s
+        self.inner = inner
+        self.emulated_s = 0.0
+        self.overrun_s = 0.0
+        self.last: tuple[float, float, float] | None = None
+        self._sleep = sleep
+        self._clock = clock
+        self._compute_depth = 0
+
+    def take_emulated_s(self) -> float:
+        out, self.emulated_s = self.emulated_s, 0.0
+        return out
+
+    def take_overrun_s(self) -> float:
+        out, self.overrun_s = self.overrun_s, 0.0
+        return out
+
+    def _inner_span(self, kind: str, name: str, **args: Any) -> AbstractContextManager[None]:
+        return self.inner.span(kind, name, **args) if self.inner is not None else nullcontext()
+
+    @contextmanager
+    def span(self, kind: str, name: str, **args: Any) -> Iterator[None]:
+        target = self.target_s(name, args) if kind == "compute" and self._compute_depth == 0 else None
+        if kind == "compute":
+            self._compute_depth += 1
+        t0 = self._clock()
+        try:
+            with self._inner_span(kind, name, **args):
+                yield
+        finally:
+            if kind == "compute":
+                self._compute_depth -= 1
+        if target is None:
+            return
+        real = self._clock() - t0
+        left = target - real
+        if left > 0:
+            with self._inner_span("emulation", f"{name} (until its target)", target_s=round(target, 6),
+                                  compute_s=round(real, 6), sleep_s=round(left, 6)):
+                self._sleep(left)
+            self.emulated_s += left
+            self.last = (target, real, left)
+        else:
+            with self._inner_span("emulation", f"{name} overran its target", target_s=round(target, 6),
+                                  compute_s=round(real, 6), overrun_s=round(-left, 6)):
+                pass
+            self.overrun_s += -left
+            self.last = (target, real, 0.0)
+
+
+def stage_block_targets(ctx: PlanContext, strategy: str, device: int,
+                        target: SleepTarget | None = None) -> Callable[[str, Mapping[str, Any]], float | None]:
+    """``EmulatedTarget``'s pricing for ``device`` in ``strategy``: its stage's forward and backward blocks
+    as its type's sleep-mode target prices them (``SleepTarget.block_s``: the planner and the simulator
+    price the same blocks with the same function), at the plan's micro-batch size and sequence length (or
+    the span's own ``seq_len``, where the engine names one). Other compute blocks (the optimizer step) have
+    no target, and so has every block of a device the strategy leaves idle. ``target``: the resolved target
+    (default: resolved from the device's type)."""
+    cluster = ctx.cluster
+    dev_type = cluster.device(device).type
+    em = cluster.device_types[dev_type].emulate
+    if target is None:
+        if em is None or not em.sleeps:
+            raise ValueError(f"device {device} ({dev_type}) is not emulated in sleep mode")
+        target = sleep_target(em, file=f"cluster {cluster.name}", field=f"device_types.{dev_type}.emulate")
+    strat = ctx.plan.strategy(strategy)
+    where = strat.locate(device)
+    if where is None:   # idle in this strategy (an elastic run's standby device): no blocks to price
+        return lambda name, args: None
+    pi, si, _ = where
+    stages = strat.pipelines[pi].stages
+    st = stages[si]
+    t = ctx.plan.training
+    cache: dict[tuple[bool, int], float] = {}
+    resolved = target
+
+    def target_s(name: str, args: Mapping[str, Any]) -> float | None:
+        if name not in ("forward", "backward"):
+            return None
+        backward = name == "backward"
+        seq_len = int(args.get("seq_len", t.seq_len))  # type: ignore[call-overload]
+        key = (backward, seq_len)
+        if key not in cache:
+            cache[key] = resolved.block_s(ComputeBlock(
+                layers=st.num_layers, micro_batch=t.micro_batch, seq_len=seq_len, backward=backward, tp=st.tp,
+                recompute=st.recompute, first=si == 0, last=si == len(stages) - 1))
+        return cache[key]
+
+    return target_s

@@ -1,23 +1,35 @@
-"""Simulator fidelity on cpu-hetero4: simulated (`hspmd simulate`) vs measured (`hspmd train`) step time.
+"""Simulator fidelity on the emulated CPU clusters: simulated (`hspmd simulate`) vs measured (`hspmd train`)
+step time, in both emulation modes (runtime/spec/cluster.py ``Emulation``).
 
-Each round profiles the cluster (`hspmd profile`: every figure the simulator uses comes from it, measured
-independently of the plans below), simulates one step of every plan with that profile, then trains every
-plan once (the plans take turns). Targets: every relative error <= 10%, and the plans ranked in the same
-order.
+* ``stretch``: cpu-hetero4 (devices 2-3 sleep 2x each compute block: 3x slower). The devices are processes
+  sharing this host's cores, so the simulator models the host (shared cores, the scheduler's hand-offs,
+  cold caches). Target: every relative error <= 10%, the plans ranked in the same order.
+* ``sleep``: cpu-hetero4-sleep (2 A800 + 2 H20 running llama-32b's layer shapes): each forward / backward
+  block sleeps until it has lasted its target's price, so the devices barely load the cores and the step is
+  set by the plan, the schedule and the communication. Target: every relative error <= 3%, ranking
+  preserved.
 
-    python scripts/bench_simulator.py [--steps 10] [--rounds 3] [--profile DIR] [--plans a,b] [--json]
+Each round and mode profiles the mode's cluster (`hspmd profile`: every figure the simulator uses comes
+from it, measured independently of the plans below), simulates one step of every plan with that profile,
+then trains every plan once (the plans take turns). The same plan structures run in both modes (devices 0-1
+fast, 2-3 slow).
+
+    python scripts/bench_simulator.py [--steps 10] [--rounds 3] [--modes stretch,sleep] [--profile DIR]
+                                      [--plans a,b] [--json]
 
 The host's speed drifts by 10-30% over seconds to minutes (a shared VM: the same block, alone on its
 pinned core, at times runs 1.5-2x slower for a few hundred ms), and the profile is taken on the same host:
 so a profile and the runs it is compared with are taken close together, round after round, and both
-sides use medians. Each round also simulates every plan without the profile's ``core_handoff`` (plain
-processor sharing of the pinned cores, as before that figure existed), for comparison. Measured step
-time of a plan in a round: the median of its steps after 2 warm-up steps (each step's time is the
-slowest worker's); the plan's measured time is the median over the rounds, its simulated time the median
-of the rounds' simulations. A run during which other processes used more than
-``--max-foreign`` cores of CPU on average is repeated once. `--json` prints one JSON object: `errors`
-(relative error per plan), `max_abs_error`, `rank_preserved`, and the figures behind them (per round too).
-Everything else goes to stderr.
+sides use medians. In stretch mode each round also simulates every plan without the profile's
+``core_handoff`` (plain processor sharing of the pinned cores, as before that figure existed), for
+comparison. Measured step time of a plan in a round: the median of its steps after 2 warm-up steps (each
+step's time is the slowest worker's); the plan's measured time is the median over the rounds, its
+simulated time the median of the rounds' simulations. A run during which other processes used more than
+``--max-foreign`` cores of CPU on average is repeated once. `--json` prints one JSON object: per mode
+(``stretch``, ``sleep``) `errors` (relative error per plan), `max_abs_error`, `rank_preserved`, `target`,
+`within_target` and the figures behind them (per round too; `rounds_max_overrun_s`: per plan and round,
+the most a step's blocks overran their sleep-mode targets, which should be 0); top level,
+`max_abs_error`, `rank_preserved` and `within_target` by mode. Everything else goes to stderr.
 """
 
 from __future__ import annotations
@@ -57,7 +69,11 @@ def stage(devices: list[int], a: int, b: int) -> dict:
     return {"devices": devices, "layers": [a, b], "recompute": False}
 
 
-# name -> pipelines (micro_batches, stages). Devices 0-1 are fast, 2-3 emulate a 3x slower device.
+# Per emulation mode: the cluster and the largest relative error the simulator should make there.
+MODES = {"stretch": ("cpu-hetero4", 0.10), "sleep": ("cpu-hetero4-sleep", 0.03)}
+
+# name -> pipelines (micro_batches, stages). Devices 0-1 are fast, 2-3 slower (stretch: 3x; sleep: H20s
+# next to A800s, ~1.8x).
 # Structurally different: pure DP (even on the fast pair, symmetric over all four, uneven micro-batches),
 # pipelines of 2 and 4 stages (uneven layers: the slow devices get fewer), TP 2, and a heterogeneous mix
 # (a TP-2 pipeline of fast devices next to a 2-stage pipeline of slow ones, uneven micro-batches).
@@ -82,8 +98,8 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def write_plan(name: str, pipelines: list[dict], out: Path) -> Path:
-    plan = {"version": 1, "model": "llama-tiny", "cluster": "cpu-hetero4", "training": TRAINING,
+def write_plan(name: str, pipelines: list[dict], out: Path, cluster: str) -> Path:
+    plan = {"version": 1, "model": "llama-tiny", "cluster": cluster, "training": TRAINING,
             "strategies": [{"name": name, "pipelines": pipelines}]}
     path = out / f"{name}.yaml"
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
@@ -116,8 +132,9 @@ def _children_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def measured_step(plan: Path, steps: int, out: Path) -> tuple[float, float]:
-    """(median step time after warm-up, foreign CPU cores during the run) of one `hspmd train` run."""
+def measured_step(plan: Path, steps: int, out: Path) -> tuple[float, float, float]:
+    """(median step time after warm-up, foreign CPU cores during the run, the most any step's sleep-mode
+    blocks overran their targets: 0 in stretch mode) of one `hspmd train` run."""
     metrics = out / f"{plan.stem}.jsonl"
     with ForeignCpu() as foreign:
         proc = subprocess.run([sys.executable, "-m", "hetu_cli", "train", "--plan", str(plan), "--steps",
@@ -125,15 +142,17 @@ def measured_step(plan: Path, steps: int, out: Path) -> tuple[float, float]:
                               cwd=REPO)
     if proc.returncode != 0:
         raise SystemExit(f"hspmd train failed on {plan.name}: {proc.stderr.strip().splitlines()[-1:]}")
-    times = [json.loads(line)["step_time_s"] for line in metrics.read_text().splitlines() if line.strip()]
-    return statistics.median(times[WARMUP:]), foreign.cores
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    times = [r["step_time_s"] for r in rows]
+    overrun = max((r.get("emulation_overrun_s", 0.0) for r in rows[WARMUP:]), default=0.0)
+    return statistics.median(times[WARMUP:]), foreign.cores, overrun
 
 
-def profile_now(prof_dir: Path) -> tuple[float, float]:
-    """Run `hspmd profile` into ``prof_dir``: (seconds, foreign CPU cores meanwhile)."""
+def profile_now(prof_dir: Path, cluster: str) -> tuple[float, float]:
+    """Run `hspmd profile` of ``cluster`` into ``prof_dir``: (seconds, foreign CPU cores meanwhile)."""
     t0 = time.perf_counter()
     with ForeignCpu() as foreign:
-        proc = subprocess.run([sys.executable, "-m", "hetu_cli", "profile", "--cluster", "cpu-hetero4",
+        proc = subprocess.run([sys.executable, "-m", "hetu_cli", "profile", "--cluster", cluster,
                                "--out", str(prof_dir), "--format", "json"], capture_output=True, text=True,
                               timeout=600, cwd=REPO)
     if proc.returncode != 0:
@@ -159,7 +178,7 @@ def simulate_plans(paths: dict[str, Path], prof_dir: Path, handoff: bool = True)
 
 
 def profile_handoff(prof_dir: Path) -> dict:
-    """The measured ``core_handoff`` of the profile (cpu-fast; every emulated type has the same), in ms."""
+    """The measured ``core_handoff`` of the profile (its first type; every emulated type has the same), in ms."""
     for path in sorted(prof_dir.glob("*.measured.yaml")):
         for m in load_profile(path).models.values():
             return {s: {k: round(v * 1e3, 3) for k, v in dataclasses.asdict(h).items()}
@@ -167,13 +186,93 @@ def profile_handoff(prof_dir: Path) -> dict:
     return {}
 
 
+def run_mode(mode: str, names: list[str], args: argparse.Namespace, out: Path) -> dict:
+    """Every round of one emulation mode: profile, simulate, train each plan; the figures as JSON data."""
+    cluster, target = MODES[mode]
+    host_model = mode == "stretch"   # sleep-mode devices are outside the simulator's host model
+    sims: dict[str, list[float]] = {n: [] for n in names}
+    plain: dict[str, list[float]] = {n: [] for n in names}   # without core_handoff
+    handoffs: list[dict] = []
+    runs: dict[str, list[float]] = {n: [] for n in names}
+    foreign_cores: dict[str, list[float]] = {n: [] for n in names}
+    overruns: dict[str, list[float]] = {n: [] for n in names}   # sleep mode: blocks past their targets
+    profile_s: list[float] = []
+    profile_foreign: list[float] = []
+    mode_dir = out / mode
+    mode_dir.mkdir()
+    paths = {name: write_plan(name, PLANS[name], mode_dir, cluster) for name in names}
+    for r in range(args.rounds):
+        prof_dir = args.profile
+        if prof_dir is None:
+            prof_dir = mode_dir / f"profiles-{r}"
+            log(f"{mode} round {r + 1}: profiling {cluster} (hspmd profile) ...")
+            secs, foreign = profile_now(prof_dir, cluster)
+            profile_s.append(round(secs, 1))
+            profile_foreign.append(round(foreign, 3))
+            log(f"profiled in {secs:.1f} s (other processes: {foreign:.2f} cores)")
+        for name, t in simulate_plans(paths, prof_dir).items():
+            sims[name].append(t)
+        if host_model:
+            for name, t in simulate_plans(paths, prof_dir, handoff=False).items():
+                plain[name].append(t)
+            handoffs.append(profile_handoff(prof_dir))
+            log(f"core_handoff (ms): {handoffs[-1]}")
+        for name in names:
+            step, foreign, overrun = measured_step(paths[name], args.steps, mode_dir)
+            if foreign > args.max_foreign:
+                log(f"{name}: other processes used {foreign:.2f} cores during the run; once more")
+                step, foreign, overrun = measured_step(paths[name], args.steps, mode_dir)
+            runs[name].append(step)
+            foreign_cores[name].append(round(foreign, 3))
+            overruns[name].append(round(overrun, 5))
+            log(f"{mode} round {r + 1} {name:16s} simulated {sims[name][-1]:.4f} s  measured {step:.4f} s  "
+                f"(other processes {foreign:.2f} cores)")
+    simulated = {n: statistics.median(v) for n, v in sims.items()}
+    measured = {n: statistics.median(v) for n, v in runs.items()}
+    errors = {n: (simulated[n] - measured[n]) / measured[n] for n in names}
+    rank_sim = sorted(names, key=lambda n: simulated[n])
+    rank_meas = sorted(names, key=lambda n: measured[n])
+    pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
+    concordant = sum(1 for a, b in pairs if (simulated[a] - simulated[b]) * (measured[a] - measured[b]) > 0)
+    max_err = max(abs(e) for e in errors.values())
+    result = {
+        "cluster": cluster, "target": target,
+        "errors": {n: round(e, 4) for n, e in errors.items()},
+        "max_abs_error": round(max_err, 4),
+        "rank_preserved": rank_sim == rank_meas,
+        "within_target": max_err <= target and rank_sim == rank_meas,
+        "concordant_pairs": f"{concordant}/{len(pairs)}",
+        "simulated_s": {n: round(v, 5) for n, v in simulated.items()},
+        "measured_s": {n: round(v, 5) for n, v in measured.items()},
+        "simulated_rounds_s": {n: [round(x, 5) for x in v] for n, v in sims.items()},
+        "measured_rounds_s": {n: [round(x, 5) for x in v] for n, v in runs.items()},
+        "foreign_cores": foreign_cores,
+        "rounds_max_overrun_s": overruns,
+        "rank_simulated": rank_sim, "rank_measured": rank_meas,
+        "profile_s": profile_s, "profile_foreign_cores": profile_foreign,
+    }
+    if host_model:
+        plain_sim = {n: statistics.median(v) for n, v in plain.items()}
+        plain_errors = {n: (plain_sim[n] - measured[n]) / measured[n] for n in names}
+        result.update({
+            "errors_without_handoff": {n: round(e, 4) for n, e in plain_errors.items()},
+            "max_abs_error_without_handoff": round(max(abs(e) for e in plain_errors.values()), 4),
+            "rank_preserved_without_handoff": sorted(names, key=lambda n: plain_sim[n]) == rank_meas,
+            "simulated_without_handoff_s": {n: round(v, 5) for n, v in plain_sim.items()},
+            "core_handoff_ms": handoffs,
+        })
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=10, help=f"training steps per run (the first {WARMUP} are warm-up)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of profile + one run per plan (medians kept)")
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated emulation modes: " + ", ".join(MODES))
     ap.add_argument("--max-foreign", type=float, default=0.25,
                     help="repeat a run once if other processes used more CPU cores than this during it")
-    ap.add_argument("--profile", type=Path, help="use this profile directory in every round instead of profiling")
+    ap.add_argument("--profile", type=Path, help="use this profile directory in every round instead of profiling "
+                    "(it must hold the profiles of every mode's cluster)")
     ap.add_argument("--plans", help="comma-separated subset of: " + ", ".join(PLANS))
     ap.add_argument("--json", action="store_true", help="print one JSON object of the figures on stdout")
     args = ap.parse_args()
@@ -185,68 +284,19 @@ def main() -> None:
     unknown = [n for n in names if n not in PLANS]
     if unknown:
         raise SystemExit(f"--plans: unknown plan(s) {', '.join(unknown)} (have: {', '.join(PLANS)})")
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise SystemExit(f"--modes: unknown mode(s) {', '.join(bad)} (have: {', '.join(MODES)})")
     load_before = os.getloadavg()[0]
     log(f"load average {load_before:.2f} (prefer < 1.5: other processes distort the timings)")
-    sims: dict[str, list[float]] = {n: [] for n in names}
-    plain: dict[str, list[float]] = {n: [] for n in names}   # without core_handoff
-    handoffs: list[dict] = []
-    runs: dict[str, list[float]] = {n: [] for n in names}
-    foreign_cores: dict[str, list[float]] = {n: [] for n in names}
-    profile_s: list[float] = []
-    profile_foreign: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-sim-") as tmp:
-        out = Path(tmp)
-        paths = {name: write_plan(name, PLANS[name], out) for name in names}
-        for r in range(args.rounds):
-            prof_dir = args.profile
-            if prof_dir is None:
-                prof_dir = out / f"profiles-{r}"
-                log(f"round {r + 1}: profiling cpu-hetero4 (hspmd profile) ...")
-                secs, foreign = profile_now(prof_dir)
-                profile_s.append(round(secs, 1))
-                profile_foreign.append(round(foreign, 3))
-                log(f"profiled in {secs:.1f} s (other processes: {foreign:.2f} cores)")
-            for name, t in simulate_plans(paths, prof_dir).items():
-                sims[name].append(t)
-            for name, t in simulate_plans(paths, prof_dir, handoff=False).items():
-                plain[name].append(t)
-            handoffs.append(profile_handoff(prof_dir))
-            log(f"core_handoff (ms): {handoffs[-1]}")
-            for name in names:
-                step, foreign = measured_step(paths[name], args.steps, out)
-                if foreign > args.max_foreign:
-                    log(f"{name}: other processes used {foreign:.2f} cores during the run; once more")
-                    step, foreign = measured_step(paths[name], args.steps, out)
-                runs[name].append(step)
-                foreign_cores[name].append(round(foreign, 3))
-                log(f"round {r + 1} {name:16s} simulated {sims[name][-1]:.4f} s  measured {step:.4f} s  "
-                    f"(other processes {foreign:.2f} cores)")
-    simulated = {n: statistics.median(v) for n, v in sims.items()}
-    measured = {n: statistics.median(v) for n, v in runs.items()}
-    errors = {n: (simulated[n] - measured[n]) / measured[n] for n in names}
-    plain_sim = {n: statistics.median(v) for n, v in plain.items()}
-    plain_errors = {n: (plain_sim[n] - measured[n]) / measured[n] for n in names}
-    rank_sim = sorted(names, key=lambda n: simulated[n])
-    rank_meas = sorted(names, key=lambda n: measured[n])
-    pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
-    concordant = sum(1 for a, b in pairs if (simulated[a] - simulated[b]) * (measured[a] - measured[b]) > 0)
-    result = {
-        "errors": {n: round(e, 4) for n, e in errors.items()},
-        "max_abs_error": round(max(abs(e) for e in errors.values()), 4),
-        "rank_preserved": rank_sim == rank_meas,
-        "concordant_pairs": f"{concordant}/{len(pairs)}",
-        "simulated_s": {n: round(v, 5) for n, v in simulated.items()},
-        "measured_s": {n: round(v, 5) for n, v in measured.items()},
-        "simulated_rounds_s": {n: [round(x, 5) for x in v] for n, v in sims.items()},
-        "measured_rounds_s": {n: [round(x, 5) for x in v] for n, v in runs.items()},
-        "foreign_cores": foreign_cores,
-        "errors_without_handoff": {n: round(e, 4) for n, e in plain_errors.items()},
-        "max_abs_error_without_handoff": round(max(abs(e) for e in plain_errors.values()), 4),
-        "rank_preserved_without_handoff": sorted(names, key=lambda n: plain_sim[n]) == rank_meas,
-        "simulated_without_handoff_s": {n: round(v, 5) for n, v in plain_sim.items()},
-        "core_handoff_ms": handoffs,
-        "rank_simulated": rank_sim, "rank_measured": rank_meas,
-        "profile_s": profile_s, "profile_foreign_cores": profile_foreign,
+        per_mode = {mode: run_mode(mode, names, args, Path(tmp)) for mode in modes}
+    result: dict = {
+        **per_mode,
+        "max_abs_error": {m: r["max_abs_error"] for m, r in per_mode.items()},
+        "rank_preserved": {m: r["rank_preserved"] for m, r in per_mode.items()},
+        "within_target": {m: r["within_target"] for m, r in per_mode.items()},
         "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
         "steps": args.steps, "warmup": WARMUP, "rounds": args.rounds, "training": TRAINING,
     }

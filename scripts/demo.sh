@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The hspmd story on the built-in emulated CPU cluster (cpu-hetero4). Each capability adds its act.
+# The hspmd story on the built-in emulated CPU clusters (cpu-hetero4-sleep; cpu-hetero4 for the formats and
+# the checkpoint's continuation). Each capability adds its act.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${DEMO_OUT:-demo-out}
@@ -27,18 +28,23 @@ strategies:
 YAML
 if hspmd validate "$OUT/broken-plan.yaml"; then echo "expected a failure" >&2; exit 1; fi
 
-act "2. Profile: time every Llama component on this CPU, derive the emulated device types, measure the links"
-hspmd profile --cluster cpu-hetero4 --out "$OUT/profiles"
+act "2. The demo cluster: cpu-hetero4-sleep, 4 CPU processes emulating 2 A800 + 2 H20 (llama-32b's layer shapes)"
+echo "each forward / backward block runs the real llama-tiny, then sleeps until it has lasted what its target"
+echo "device's profile prices that block at (x time_scale): the devices mostly sleep, so they do not fight over"
+echo "this host's cores, and a step's time is what the plan, the schedule and the communication make it"
+echo "profile: time every Llama component on this CPU, measure the links (what the runtime does for real)"
+hspmd profile --cluster cpu-hetero4-sleep --out "$OUT/profiles"
 
 act "3. Plan: search TP groups, pipelines, layer splits and micro-batches (ILP) for the fastest plan that fits"
-hspmd plan --model llama-tiny --cluster cpu-hetero4 --profile "$OUT/profiles" --global-batch 16 --seq-len 256 \
-  -o "$OUT/plan.yaml" --symmetric-out "$OUT/symmetric.yaml"
-echo "(the 4 emulated devices are processes sharing this host's cores: when the slow ones would take more CPU"
-echo " from the fast ones than they contribute, the planner leaves them idle and its report says why)"
+hspmd plan --model llama-tiny --cluster cpu-hetero4-sleep --profile "$OUT/profiles" --global-batch 16 \
+  --seq-len 256 -o "$OUT/plan.yaml" --symmetric-out "$OUT/symmetric.yaml"
+echo "(the H20s price a block ~1.8x an A800: the planner gives them a smaller share of the batch, where the"
+echo " symmetric plan makes the A800s wait for them)"
 hspmd simulate --plan "$OUT/plan.yaml" --profile "$OUT/profiles" --trace "$OUT/simulated-trace.json"
+hspmd simulate --plan "$OUT/symmetric.yaml" --profile "$OUT/profiles"
 
 act "4. Train the planned plan, then the best symmetric (Megatron-style) plan, and compare measured step times"
-echo "devices 2 and 3 emulate a 3x slower chip: each compute block is followed by a sleep of 2x its compute time"
+echo "(the simulator's step times just above are what to compare them with)"
 rm -rf "$OUT/checkpoint"
 hspmd train --plan "$OUT/plan.yaml" --steps 15 --metrics "$OUT/planned-metrics.jsonl" --trace "$OUT/trace" \
   --save "$OUT/checkpoint"
@@ -47,16 +53,17 @@ python scripts/compare_runs.py planned="$OUT/planned-metrics.jsonl" symmetric="$
 echo "per-step metrics: $OUT/planned-metrics.jsonl; Perfetto traces (open at ui.perfetto.dev): $OUT/trace/"
 
 act "5. The checkpoint (full tensors by name) continues under a different plan: a TP-2 pipeline + a 2-stage pipeline"
+echo "(on cpu-hetero4, the other emulation mode: devices 2-3 sleep 2x each block's measured compute time)"
 hspmd show configs/plans/cpu-hetero4-tiny.yaml --device 3
 hspmd train --plan configs/plans/cpu-hetero4-tiny.yaml --load "$OUT/checkpoint" --steps 5 \
   --metrics "$OUT/continued-metrics.jsonl"
 
 act "6. A device fails mid-run: replan on the survivors and switch in memory (no checkpoint, no restart)"
 echo "what \`hspmd replan\` proposes if device 1 of the dp-pp plan fails, and what the switch costs against a restart:"
-hspmd replan --plan configs/plans/cpu-hetero4-dp-pp.yaml --strategy dp-pp --failed 1 --profile "$OUT/profiles"
+hspmd replan --plan configs/plans/cpu-hetero4-sleep-dp-pp.yaml --strategy dp-pp --failed 1 --profile "$OUT/profiles"
 echo "now for real: device 1's worker is SIGKILLed at the start of step 6; the survivors abandon the step, the"
 echo "launcher replans, the survivors form a new process group, move the state by fused BSR and redo step 6"
-hspmd train --plan configs/plans/cpu-hetero4-dp-pp.yaml --strategy dp-pp --elastic --profile "$OUT/profiles" \
+hspmd train --plan configs/plans/cpu-hetero4-sleep-dp-pp.yaml --strategy dp-pp --elastic --profile "$OUT/profiles" \
   --kill-device 1 --at-step 6 --steps 10 --metrics "$OUT/elastic-metrics.jsonl"
 echo "the failure as logged in $OUT/elastic-metrics.jsonl:"
 grep '"event"' "$OUT/elastic-metrics.jsonl"

@@ -83,6 +83,8 @@ class StepDisplay:
                              step_time=f"{r.step_time_s:.3f}", tps=f"{r.tokens_per_s:,.0f}")
         if not self.live:
             emu = f", emulation {r.emulation_s:.3f} s" if r.emulation_s else ""
+            if r.emulation_overrun_s:   # sleep mode: real compute took longer than the target (not hidden)
+                emu += f", blocks overran their targets by {r.emulation_overrun_s:.3f} s"
             self.console.print(f"step {r.step}: loss {r.loss:.4f}, {r.step_time_s:.3f} s/step, "
                                f"{r.tokens_per_s:,.0f} tokens/s{emu}")
 

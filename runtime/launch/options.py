@@ -113,6 +113,7 @@ class StepReport:
     compute_s: float
     comm_s: float
     emulation_s: float  # seconds slept to emulate a slower device
+    emulation_overrun_s: float = 0.0  # sleep mode: seconds the blocks' real compute ran past their targets
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,7 @@ class StepRecord:
     strategy: str
     grad_norm: float
     emulation_s: float  # most any worker slept to emulate slowness this step
+    emulation_overrun_s: float = 0.0  # sleep mode: most any worker's blocks ran past their targets
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,4 +139,5 @@ class StepRecord:
         return StepRecord(step=first.step, loss=first.loss, step_time_s=step_time,
                           tokens_per_s=first.tokens / step_time if step_time > 0 else 0.0,
                           strategy=strategy, grad_norm=first.grad_norm,
-                          emulation_s=max(r.emulation_s for r in reports))
+                          emulation_s=max(r.emulation_s for r in reports),
+                          emulation_overrun_s=max(r.emulation_overrun_s for r in reports))

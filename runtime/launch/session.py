@@ -57,8 +57,7 @@ class Session:
                                    seq_len=t.seq_len, seed=t.seed, data_file=options.data_file)
         self.hooks, self.recorder, self.emulator = _hooks(spec, self.ctx, self.device)
         if self.emulator is not None:
-            report(Log(f"device {self.me}: emulating a {self.emulator.slowdown:g}x slower device "
-                       f"(sleeps {self.emulator.slowdown - 1:g}x each measured compute block)"))
+            report(Log(emulation_line(self.me, self.emulator)))
         self.faults = {f.step: f for f in options.faults if f.device == self.me}
         self.ranks: dict[int, int] = {}  # device -> rank in the current world
         self.groups: Any = None  # its ProcessGroups
@@ -89,8 +88,11 @@ class Session:
         """This device's program of ``handle`` (collective: every device of the world builds its own)."""
         from runtime.engine.api import WorkerContext
         from runtime.engine.program import DeviceProgram
+        from runtime.trace import EmulatedTarget, stage_block_targets
 
         self.ensure_groups(handle)
+        if isinstance(self.emulator, EmulatedTarget):   # sleep mode: this stage's blocks, priced anew per plan
+            self.emulator.target_s = stage_block_targets(handle.ctx, handle.name, self.me)
         worker = WorkerContext(strategy=handle, device_id=self.me, ranks=dict(self.ranks),
                                torch_device=self.device, timeout=self.timeout)
         return DeviceProgram(worker, self.groups, self.hooks)
@@ -126,7 +128,8 @@ class Session:
         return StepReport(step=step, rank=self.rank, device=self.me, loss=float(stats.loss),
                           grad_norm=float(stats.grad_norm), tokens=int(stats.tokens), wall_s=wall,
                           compute_s=float(stats.compute_s), comm_s=float(stats.comm_s),
-                          emulation_s=self.emulator.take_emulated_s() if self.emulator is not None else 0.0)
+                          emulation_s=self.emulator.take_emulated_s() if self.emulator is not None else 0.0,
+                          emulation_overrun_s=self.emulator.take_overrun_s() if self.emulator is not None else 0.0)
 
     def finish(self, program: Any, handle: StrategyHandle, step: int) -> None:
         """Save ``--save`` (when this device holds state), write the traces, leave the world."""
@@ -175,21 +178,42 @@ class Session:
 
 def _hooks(spec: WorkerSpec, plan_ctx: Any, device: Any) -> tuple[Any, Any, Any]:
     from runtime.engine.api import NULL_HOOKS
-    from runtime.trace import EmulatedSlowdown, TraceRecorder
+    from runtime.trace import EmulatedSlowdown, EmulatedTarget, TraceRecorder, stage_block_targets
 
     options = spec.options
     dev_type = plan_ctx.cluster.type_of(spec.device_id)
-    emulate = dev_type.emulate is not None and dev_type.emulate.slowdown > 1.0 and device.type == "cpu"
+    em = dev_type.emulate if device.type == "cpu" else None
+    emulate = em is not None and em.slowdown > 1.0
+    sleeps = em is not None and em.sleeps
     recorder = None
     if options.trace_dir is not None:
         import torch
 
         label = f"device {spec.device_id} ({plan_ctx.cluster.device(spec.device_id).type}"
-        label += f", emulated {dev_type.emulate.slowdown:g}x slower)" if emulate else ")"
+        if sleeps:
+            assert em is not None and em.target is not None
+            label += f", emulating {em.target.profile} running {em.target.model} x{em.time_scale:g})"
+        else:
+            label += f", emulated {dev_type.emulate.slowdown:g}x slower)" if emulate else ")"
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         recorder = TraceRecorder(spec.device_id, label, sync=sync)
-    emulator = EmulatedSlowdown(dev_type.emulate.slowdown, inner=recorder) if emulate else None
+    emulator: EmulatedSlowdown | EmulatedTarget | None = None
+    if sleeps:
+        emulator = EmulatedTarget(stage_block_targets(plan_ctx, spec.strategy, spec.device_id), inner=recorder)
+    elif emulate:
+        emulator = EmulatedSlowdown(dev_type.emulate.slowdown, inner=recorder)
     return emulator or recorder or NULL_HOOKS, recorder, emulator
+
+
+def emulation_line(device: int, emulator: Any) -> str:
+    """The log line saying how a worker emulates its device (stretch or sleep mode)."""
+    from runtime.trace import EmulatedTarget
+
+    if isinstance(emulator, EmulatedTarget):
+        return (f"device {device}: emulating its target device (each forward / backward block lasts its "
+                "target time: the real compute, then a sleep)")
+    return (f"device {device}: emulating a {emulator.slowdown:g}x slower device "
+            f"(sleeps {emulator.slowdown - 1:g}x each measured compute block)")
 
 
 def _merge_traces(trace_dir: Path | None, devices: list[int]) -> None:

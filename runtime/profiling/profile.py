@@ -14,6 +14,12 @@ One YAML file per device type (format in profiles/README.md). A profile has two 
   blocks timed through the runtime's stage module: one decoder layer, a stage's fixed time per
   micro-batch, and what the embedding and the head add; the cost model prefers them for time.
 
+Pricing (``component_fits``, ``block_seconds``): the fits of a model on a profile (measured, else derived
+from the throughput figures: ``analytic_components``) and one compute block (a micro-batch's forward or
+backward through a stage) summed from them. The cost model builds on these; a sleep-mode emulated device
+(runtime/spec/cluster.py ``Emulation``) sleeps each block to ``SleepTarget.block_s``, and the planner
+prices its blocks with the same function.
+
 Loading rule (``resolve_profiles``): per device type, a measured profile overrides a spec one; among
 equals, directories given first win over the shipped ``profiles/``; a type with no profile at all gets a
 spec profile derived from the cluster's own datasheet figures. This module imports no torch.
@@ -28,13 +34,13 @@ from pathlib import Path
 from typing import Literal
 
 from runtime.errors import Checker, Problem, SpecError
-from runtime.spec.cluster import DeviceType
+from runtime.spec.catalog import PROFILES_DIR, load_model, resolve_profile_ref
+from runtime.spec.cluster import DeviceType, Emulation
 from runtime.spec.io import atomic_write_text, dump_yaml, read_yaml
 from runtime.spec.model import ModelSpec
 from runtime.spec.schema import build, to_data
 
 PROFILE_VERSION = 1
-PROFILES_DIR = Path(__file__).resolve().parents[2] / "profiles"
 COMPONENTS = ("embedding", "attention", "mlp", "norm", "head")
 # Stage blocks (per micro-batch, as the engine runs a stage): one decoder layer, a stage's fixed time,
 # and what being the first (embedding) and the last stage (final norm, head, loss) add.
@@ -353,6 +359,155 @@ def read_profile_dir(directory: str | Path) -> list[tuple[Path, DeviceProfile]]:
     if problems:
         raise SpecError(problems)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pricing compute blocks from a profile. The cost model (planner/cost.py) builds on these; the runtime's
+# sleep-mode emulation (runtime/trace.py ``EmulatedTarget``) prices its targets with ``block_seconds``, so a
+# sleep-mode device's blocks are priced by one definition on both sides.
+
+
+def analytic_components(model: ModelSpec, c: ComputeFigures, tp: int) -> dict[str, ComponentFit]:
+    """Per-component fits (time: ``a*B*s^2 + b*B*s + c``; saved activation bytes likewise) from FLOPs
+    and bytes moved. Counts follow runtime/models/llama.py: separate q/k/v/o projections, unfused RoPE,
+    SDPA attention (fused: causal, no s^2 kept; unfused: full s^2 scores kept), SwiGLU, fp32 RMSNorm."""
+    h, f, kv, n, v, t = (model.hidden_size, model.ffn_hidden_size, model.kv_dim, model.num_heads,
+                         model.vocab_size, tp)
+    mm = c.peak_tflops * 1e12 * c.matmul_efficiency
+    at = c.peak_tflops * 1e12 * c.attention_efficiency
+    bw = c.memory_bandwidth_gbs * 1e9 * c.memory_efficiency
+    k, e = c.kernel_overhead_s, c.activation_bytes
+
+    # Attention: projections (per token), scores and weighted sum (per s^2), RoPE and reshapes (bytes).
+    proj = (2 * h * (h + 2 * kv) + 2 * h * h) / t
+    rope_bytes = 8 * (h + kv) / t * e
+    if c.flash_attention:
+        a_fwd = 2 * h / t / at                       # causal half of 4*s^2*h FLOPs
+        a_bwd = 2.5 * a_fwd                          # backward recomputes the scores
+        a_act = 0.0
+    else:
+        softmax_bytes = 6 * n / t * e                # scale, mask, softmax passes over s^2 scores
+        a_fwd = 4 * h / t / at + softmax_bytes / bw
+        a_bwd = 2 * a_fwd
+        a_act = 2 * n / t * e                        # scores and probabilities
+    attn_act = e * (h + 2 * (h + kv) / t + 2 * (h + kv) / t + h / t) + 4 * n / t
+    attention = ComponentFit(
+        forward_s=(a_fwd, proj / mm + rope_bytes / bw, 14 * k),
+        backward_s=(a_bwd, 2 * proj / mm + 2 * rope_bytes / bw, 28 * k),
+        activation_bytes=(a_act, attn_act, 0.0),
+        params=(2 * h * h + 2 * kv * h) // t)
+    mlp_flops = 6 * h * f / t
+    mlp_bytes = 5 * f / t * e
+    mlp = ComponentFit(
+        forward_s=(0.0, mlp_flops / mm + mlp_bytes / bw, 5 * k),
+        backward_s=(0.0, 2 * mlp_flops / mm + 2 * mlp_bytes / bw, 10 * k),
+        activation_bytes=(0.0, e * (h + 4 * f / t), 0.0),
+        params=3 * h * f // t)
+    norm_bytes = h * (2 * e + 8)
+    norm = ComponentFit(
+        forward_s=(0.0, norm_bytes / bw, 6 * k), backward_s=(0.0, 2 * norm_bytes / bw, 12 * k),
+        activation_bytes=(0.0, e * h + 4.0, 0.0), params=h)
+    embedding = ComponentFit(
+        forward_s=(0.0, 2 * h * e / bw, 3 * k),
+        backward_s=(0.0, 8 * h / bw, 4 * k + 4 * v * h / t / bw),
+        activation_bytes=(0.0, 8.0, 0.0), params=v * h // t)
+    head_flops = 2 * h * v / t
+    ce_bytes = 12 * v / t
+    head = ComponentFit(
+        forward_s=(0.0, head_flops / mm + ce_bytes / bw, 8 * k),
+        backward_s=(0.0, 2 * head_flops / mm + ce_bytes / bw, 10 * k),
+        activation_bytes=(0.0, e * h + 8 * v / t, 0.0), params=v * h // t)
+    return {"embedding": embedding, "attention": attention, "mlp": mlp, "norm": norm, "head": head}
+
+
+def component_fits(profile: DeviceProfile, model: ModelSpec, tp: int) -> dict[str, ComponentFit]:
+    """Per-component fits of ``model`` on this profile at this TP degree: measured if the profile has this
+    model shape and TP degree, else derived from its throughput figures (``analytic_components``)."""
+    measured = profile.measured_model(model)
+    if measured is not None and tp in measured.tp:
+        return dict(measured.tp[tp])
+    return analytic_components(model, profile.compute, tp)
+
+
+def layer_components(comps: Mapping[str, ComponentFit]) -> tuple[ComponentFit, ...]:
+    """One decoder layer as the runtime's model builds it: attention, MLP and two RMSNorms."""
+    return (comps["attention"], comps["mlp"], comps["norm"], comps["norm"])
+
+
+def extra_components(comps: Mapping[str, ComponentFit], first: bool, last: bool) -> tuple[ComponentFit, ...]:
+    """What a stage runs besides its layers: the first stage's embedding, the last one's final norm and
+    head (with the loss)."""
+    return ((comps["embedding"],) if first else ()) + ((comps["norm"], comps["head"]) if last else ())
+
+
+@dataclass(frozen=True)
+class ComputeBlock:
+    """One compute block as the engine runs it: a micro-batch's forward or backward through one stage (of
+    ``layers`` decoder layers, on one device of a TP group of ``tp``; ``first``: with the embedding;
+    ``last``: with the final norm, head and loss; ``recompute``: whole-layer checkpoints)."""
+
+    layers: int
+    micro_batch: int
+    seq_len: int
+    backward: bool
+    tp: int = 1
+    recompute: bool = False
+    first: bool = False
+    last: bool = False
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.check(self.layers >= 0, "layers", f"must not be negative, got {self.layers}")
+        for name in ("micro_batch", "seq_len", "tp"):
+            c.check(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
+        c.check(self.layers > 0 or self.first or self.last, "layers", "an empty stage computes nothing")
+        c.raise_if_any()
+
+
+def block_seconds(profile: DeviceProfile, model: ModelSpec, block: ComputeBlock) -> float:
+    """What ``profile`` prices one compute block of ``model``'s shapes at: its component fits
+    (``component_fits``) summed as the stage runs them; a recomputing stage's backward re-runs its layers'
+    forward first. Compute only: the TP collectives are not in it (on the targets this prices, NVLink-class
+    TP all-reduces are a few percent of a layer; the emulated device's own TP collectives run inside its
+    block and count against the target)."""
+    comps = component_fits(profile, model, block.tp)
+    b, s = block.micro_batch, block.seq_len
+
+    def seconds(parts: Sequence[ComponentFit], backward: bool) -> float:
+        return sum(eval_fit(p.backward_s if backward else p.forward_s, b, s) for p in parts)
+
+    layer, extra = layer_components(comps), extra_components(comps, block.first, block.last)
+    out = block.layers * seconds(layer, block.backward) + seconds(extra, block.backward)
+    if block.backward and block.recompute:
+        out += block.layers * seconds(layer, False)
+    return out
+
+
+@dataclass(frozen=True)
+class SleepTarget:
+    """A sleep-mode device type's target, resolved: the profile, the model whose shapes it runs, and the
+    wall seconds one target second lasts (``runtime.spec.cluster.Emulation``)."""
+
+    profile: DeviceProfile
+    model: ModelSpec
+    time_scale: float
+
+    def block_s(self, block: ComputeBlock) -> float:
+        """Wall seconds the block lasts on the emulated device (at least: unless its real compute overruns)."""
+        return self.time_scale * block_seconds(self.profile, self.model, block)
+
+
+def sleep_target(emulation: Emulation, *, file: str = "", field: str = "emulate") -> SleepTarget:
+    """Resolve a sleep-mode emulation's target (``load_cluster`` has checked that the names exist; a
+    profile file that does not parse is reported against itself)."""
+    target = emulation.target
+    if target is None or emulation.time_scale is None:
+        raise ValueError("not a sleep-mode emulation (no target)")
+    path = resolve_profile_ref(target.profile)
+    if path is None:
+        raise SpecError([Problem(file, f"{field}.target.profile", f"unknown device profile {target.profile!r}")])
+    model = load_model(target.model, file=file, field=f"{field}.target.model")
+    return SleepTarget(load_profile(path), model, emulation.time_scale)
 
 
 # Defaults for a spec profile derived from datasheet figures (see profiles/README.md for why).

@@ -22,6 +22,8 @@ from runtime.spec.validate import validate_plan
 T = TypeVar("T")
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+# The shipped device profiles (runtime/profiling/profile.py reads them).
+PROFILES_DIR = CONFIGS_DIR.parent / "profiles"
 
 
 def catalog_names(kind: str) -> list[str]:
@@ -68,6 +70,15 @@ def recorded_ref(ref: str, kind: str, relative_to: Path | None = None) -> str:
     return str(path.resolve())
 
 
+def resolve_profile_ref(ref: str, relative_to: Path | None = None) -> Path | None:
+    """Path of a device profile given by a shipped profile's file name (``H20``: profiles/H20.yaml) or a
+    path; None when there is none."""
+    if _looks_like_path(ref):
+        return resolve_ref(ref, "profiles", relative_to)
+    p = PROFILES_DIR / f"{ref}.yaml"
+    return p if p.is_file() else None
+
+
 def _load(cls: type[T], path: Path) -> T:
     return build(cls, read_yaml(path), str(path))
 
@@ -93,7 +104,30 @@ def load_cluster(ref: str, *, relative_to: Path | None = None, file: str = "",
     if path is None:
         raise SpecError([Problem(file, field, f"unknown cluster {ref!r} (catalog: "
                                  f"{', '.join(catalog_names('clusters'))}; or a path to a YAML file)")])
-    return _load(Cluster, path)
+    cluster = _load(Cluster, path)
+    problems = emulation_target_problems(cluster, str(path))
+    if problems:
+        raise SpecError(problems)
+    return cluster
+
+
+def emulation_target_problems(cluster: Cluster, file: str) -> list[Problem]:
+    """Sleep-mode targets that name no profile or no model. Checked here, where the cluster file is
+    known, so a typo is reported against it (not later, by whichever process first prices a block)."""
+    out: list[Problem] = []
+    for name, dt in cluster.device_types.items():
+        target = dt.emulate.target if dt.emulate is not None else None
+        if target is None:
+            continue
+        where = f"device_types.{name}.emulate.target"
+        if resolve_profile_ref(target.profile) is None:
+            shipped = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+            out.append(Problem(file, f"{where}.profile", f"unknown device profile {target.profile!r} (shipped: "
+                               f"{', '.join(shipped)}; or a path to a profile file)"))
+        if resolve_ref(target.model, "models") is None:
+            out.append(Problem(file, f"{where}.model", f"unknown model {target.model!r} (catalog: "
+                               f"{', '.join(catalog_names('models'))}; or a path to a YAML file)"))
+    return out
 
 
 def load_plan(path: str | Path) -> Plan:

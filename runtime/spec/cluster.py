@@ -7,6 +7,7 @@ under the same name (the CPU emulation cluster does this).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -15,15 +16,63 @@ from runtime.errors import Checker, FieldErrors
 
 
 @dataclass(frozen=True)
+class EmulationTarget:
+    """The device an emulated type stands for in sleep mode: a device profile (a file name in the shipped
+    ``profiles/`` without ``.yaml``, or a path) running the layer shapes of a model (a catalog name in
+    ``configs/models``, or a path). Names, resolved and checked when the cluster file is loaded
+    (``runtime.spec.catalog.load_cluster``), so a typo is one line naming the cluster file."""
+
+    profile: str
+    model: str
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.check(bool(self.profile), "profile", "must name a device profile (e.g. H20) or a profile file")
+        c.check(bool(self.model), "model", "must name a model (e.g. llama-32b) or a model file")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True)
 class Emulation:
-    """CPU emulation of a device type: compute blocks are stretched ``slowdown`` times."""
+    """CPU emulation of a device type, in one of two modes.
+
+    * Stretch mode (``slowdown``): each compute block is followed by a sleep of ``slowdown - 1`` times its
+      measured compute time. The device's speed is the host CPU's, so emulated devices sharing cores
+      contend for them and the planner must model the host.
+    * Sleep mode (``target`` + ``time_scale``): each forward / backward block runs the real (tiny) model,
+      then sleeps until it has lasted its target: what ``target.profile`` prices the same block of
+      ``target.model``'s layer shapes at (``runtime.profiling.profile.block_seconds``), times
+      ``time_scale`` wall seconds per target second. Targets are chosen far above the real compute, so
+      the devices mostly sleep, barely load the host's cores, and a step's time is set by the plan, the
+      schedule and the communication. A block whose real compute exceeds its target is not hidden: the
+      overrun is traced and reported per step (``emulation_overrun_s``).
+    """
 
     slowdown: float = 1.0
+    target: EmulationTarget | None = None
+    # Wall seconds one target second lasts: scales the target's (GPU-sized, sub-millisecond) block
+    # prices up to where they dwarf the tiny model's real CPU compute.
+    time_scale: float | None = None
 
     def __post_init__(self) -> None:
         c = Checker()
         c.check(self.slowdown >= 1.0, "slowdown", f"must be at least 1.0, got {self.slowdown}")
+        if self.target is not None:
+            c.check(self.slowdown == 1.0, "slowdown",
+                    "give either 'slowdown' (stretch mode) or 'target' (sleep mode), not both")
+            c.check(self.time_scale is not None, "time_scale",
+                    "sleep mode needs 'time_scale' (wall seconds per target second, e.g. 20)")
+        else:
+            c.check(self.time_scale is None, "time_scale", "only meaningful with 'target' (sleep mode)")
+        if self.time_scale is not None:
+            c.check(math.isfinite(self.time_scale) and self.time_scale > 0, "time_scale",
+                    f"must be a positive number of wall seconds per target second, got {self.time_scale}")
         c.raise_if_any()
+
+    @property
+    def sleeps(self) -> bool:
+        """Sleep mode: compute blocks last their target's time; the host's cores are not contended."""
+        return self.target is not None
 
 
 @dataclass(frozen=True)
@@ -46,6 +95,11 @@ class DeviceType:
     def emulated(self) -> bool:
         """True for device types that run as CPU processes (the emulated test/demo clusters)."""
         return self.emulate is not None
+
+    @property
+    def sleep_emulated(self) -> bool:
+        """A CPU-emulated type in sleep mode (its blocks last their target's time, see ``Emulation``)."""
+        return self.emulate is not None and self.emulate.sleeps
 
 
 @dataclass(frozen=True)
