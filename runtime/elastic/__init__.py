@@ -1,8 +1,9 @@
 """Failures and switches in memory: no checkpoint, no restart (DESIGN.md §4, §7).
 
 * state.py: the model state as data, per ``StrategyHandle`` (runtime/spec/handle.py):
-  ``lost_tensors(ref, failed)`` (which parameters lost every replica); ``state_moves(src, dst)`` / ``plan_switch(src, dst, excluded)`` (the
-  fused BSR of every parameter and AdamW moment); ``check_compatible(a, b)``.
+  ``lost_tensors(ref, failed)`` (which parameters lost every replica); ``state_moves(src, dst)`` /
+  ``plan_switch(src, dst, excluded)`` (the fused BSR of every parameter and AdamW moment);
+  ``check_compatible(a, b)``.
 * protocol.py: the launcher <-> worker messages (``World``, ``Transition``, ``Commit``, ``Ready``, ...).
 * coordinator.py: the launcher's side (``ElasticPolicy``, a policy of the supervisor's loop;
   ``Replanner``; ``UnrecoverableFailure``): ``runtime.launch.launch(options, ElasticPolicy(replan,

@@ -73,7 +73,7 @@ def recorded_ref(ref: str, kind: str, relative_to: Path | None = None) -> str:
 def resolve_profile_ref(ref: str, relative_to: Path | None = None) -> Path | None:
     """Path of a device profile given by a shipped profile's file name (``H20``: profiles/H20.yaml) or a
     path; None when there is none."""
-    if _looks_like_path(ref):
+    if looks_like_path(ref):
         return resolve_ref(ref, "profiles", relative_to)
     p = PROFILES_DIR / f"{ref}.yaml"
     return p if p.is_file() else None
