@@ -15,7 +15,7 @@ Model (documented in docs/lengths.md):
   micro-batches at once, so a micro-batch may hold at most ``activation_budget_tokens // (S - k)`` tokens
   on that stage (``PipelineCost.capacity`` is the minimum over stages). A document is never split.
 
-Method: exact (ILP with PuLP, HiGHS then CBC) when the step has few documents; otherwise greedy LPT
+Method: exact (ILP with PuLP, HiGHS then CBC) when the instance is small (``EXACT_MAX_BINARIES``); otherwise greedy LPT
 (longest document first, each to the pipeline and micro-batch where it finishes earliest) with a proven
 bound on its gap to the optimum (``Assignment.gap_bound``).
 """
@@ -30,7 +30,10 @@ from typing import Literal
 from runtime.errors import Checker, InfeasibleError
 
 Method = Literal["auto", "ilp", "greedy"]
-EXACT_MAX_DOCUMENTS = 8          # ILP up to here: D*D*P/2 binaries solve in well under a second
+# The ILP has P * D * (D + 1) / 2 assignment binaries (D documents, P pipelines); up to this many it solves in
+# well under a second on one core (measured: 6 documents on 3 pipelines of 3 stages with overheads, 0.7 s at
+# worst), beyond it the time grows fast (8 documents on 4 such pipelines: up to 15 s), so LPT takes over.
+EXACT_MAX_BINARIES = 64
 # What "optimal" means for the ILP: HiGHS' default relative MIP gap 1e-4 plus its absolute gap 1e-6 on an
 # objective scaled by the lower bound (so >= 1); CBC's defaults are tighter.
 ILP_GAP_BOUND = 1.0 + 1e-4 + 1e-6
@@ -217,7 +220,7 @@ class Dispatch:
 
 
 def dispatch(lengths: Sequence[int], strategies: Sequence[StrategyCost], *, method: Method = "auto",
-             exact_max_documents: int = EXACT_MAX_DOCUMENTS) -> Dispatch:
+             exact_max_binaries: int = EXACT_MAX_BINARIES) -> Dispatch:
     """Pick the strategy with the smallest predicted step time among those that hold the step's longest
     document (ties: the first given), with its assignment of documents to pipelines and micro-batches."""
     if not strategies:
@@ -230,7 +233,7 @@ def dispatch(lengths: Sequence[int], strategies: Sequence[StrategyCost], *, meth
         if not strategy.holds(longest):
             predicted.append(None)
             continue
-        a = assign(lengths, strategy.pipelines, method=method, exact_max_documents=exact_max_documents)
+        a = assign(lengths, strategy.pipelines, method=method, exact_max_binaries=exact_max_binaries)
         predicted.append(a.makespan)
         if best is None or a.makespan < best[1].makespan:
             best = (i, a)
@@ -249,10 +252,10 @@ def check_lengths(lengths: Sequence[int]) -> None:
 
 
 def assign(lengths: Sequence[int], pipelines: Sequence[PipelineCost], *, method: Method = "auto",
-           exact_max_documents: int = EXACT_MAX_DOCUMENTS) -> Assignment:
+           exact_max_binaries: int = EXACT_MAX_BINARIES) -> Assignment:
     """Place every document on a pipeline and micro-batch, minimising the slowest pipeline's ``pipeline_time``
-    under every stage's memory. ILP when ``method`` is ilp, or auto with at most ``exact_max_documents``
-    documents; greedy LPT otherwise (and when the solver reports no proven optimum)."""
+    under every stage's memory. ILP when ``method`` is ilp, or auto with at most ``exact_max_binaries``
+    assignment binaries; greedy LPT otherwise (and when the solver reports no proven optimum)."""
     check_lengths(lengths)
     if not pipelines:
         raise ValueError("assign needs at least one pipeline")
@@ -263,10 +266,11 @@ def assign(lengths: Sequence[int], pipelines: Sequence[PipelineCost], *, method:
                                   f"(largest holds {max(caps)} tokens)")
     lb = lower_bound(lengths, pipelines)
     greedy = greedy_assign(lengths, pipelines)
-    if method == "greedy" or (method == "auto" and len(lengths) > exact_max_documents):
+    n = len(lengths)
+    if method == "greedy" or (method == "auto" and len(pipelines) * n * (n + 1) // 2 > exact_max_binaries):
         return finish(lengths, pipelines, greedy, lb, "greedy")
-    exact = ilp_assign(lengths, pipelines, scale=lb if lb > 0 else 1.0)
     fallback = finish(lengths, pipelines, greedy, lb, "greedy")
+    exact = ilp_assign(lengths, pipelines, scale=lb if lb > 0 else 1.0, lower=lb, upper=fallback.makespan)
     if exact is None:
         return fallback
     solved = finish(lengths, pipelines, exact, lb, "ilp")
@@ -403,8 +407,8 @@ def a_priori_bound(lengths: Sequence[int], pipelines: Sequence[PipelineCost]) ->
     return 2 * m / (m + 1) if proportional else math.inf
 
 
-def ilp_assign(lengths: Sequence[int], pipelines: Sequence[PipelineCost], *,
-               scale: float) -> list[list[list[int]]] | None:
+def ilp_assign(lengths: Sequence[int], pipelines: Sequence[PipelineCost], *, scale: float, lower: float = 0.0,
+               upper: float | None = None) -> list[list[list[int]]] | None:
     """The exact assignment, or None when the solver proves nothing (then the caller keeps the greedy one).
 
     Binary x[d,p,j]: document d in micro-batch slot j of pipeline p. Slots are symmetric, so we only allow
@@ -412,7 +416,8 @@ def ilp_assign(lengths: Sequence[int], pipelines: Sequence[PipelineCost], *,
     best-ranked member: the i-th then has a member of rank >= i); that removes the equivalent relabellings
     without losing any solution. y[p,j] marks a used slot where stages have a micro-batch overhead. M[p,k]
     bounds every slot's time on stage k, and z >= sum_j t[p,j,k] + sum_{k' != k} M[p,k'] is
-    ``pipeline_time`` linearised. Costs are divided by ``scale`` so the solver sees numbers near 1.
+    ``pipeline_time`` linearised. Costs are divided by ``scale`` so the solver sees numbers near 1. ``lower``
+    (a proven lower bound) and ``upper`` (a known solution's makespan) only prune the search.
     """
     import pulp
 
@@ -455,7 +460,8 @@ def ilp_assign(lengths: Sequence[int], pipelines: Sequence[PipelineCost], *,
                 prob += big[k] >= row[k]
         for k in range(n_st):
             prob += z >= pulp.lpSum(row[k] for row in t) + pulp.lpSum(big[kk] for kk in range(len(big)) if kk != k)
-    result = solve(prob)
+    bound = None if upper is None else upper / scale * (1 + 1e-6) + 1e-9
+    result = solve(prob, objective_bound=bound)
     if not (result.ok and result.optimal):
         return None
     layout: list[list[list[int]]] = [[[] for _ in range(n)] for _ in pipelines]

@@ -77,7 +77,7 @@ def test_lpt_classic_example_greedy_vs_exact():
     assert e.method == "ilp" and e.makespan == 9.0 and e.gap_bound <= ILP_GAP_BOUND
     assert sorted(sorted(d for mb in ld.microbatches for d in mb) for ld in e.pipelines) == [[0, 1], [2, 3, 4]]
     assert assign(lengths, [linear(), linear()]).method == "ilp"             # auto: small -> exact
-    assert assign(lengths * 2, [linear(), linear()], exact_max_documents=8).method == "greedy"
+    assert assign(lengths * 2, [linear(), linear()], exact_max_binaries=64).method == "greedy"
 
 
 def test_microbatch_overhead_makes_documents_share_a_microbatch():
