@@ -136,7 +136,9 @@ result = []
 for lengths, strategies in instances():
     d = dispatch(lengths, strategies)
     a = d.assignment
-    result.append([d.strategy, a.method, a.makespan, a.gap_bound, [list(map(list, p.microbatches)) for p in a.pipelines]])
+    layout = [list(map(list, p.microbatches)) for p in a.pipelines]
+    result.append([d.strategy, a.method, a.makespan, a.gap_bound, layout])
+assert not [m for m in ("torch", "planner") if m in sys.modules], "dispatch must stay torch- and planner-free"
 print(json.dumps(result))
 """
 

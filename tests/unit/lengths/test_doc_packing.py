@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from runtime.documents import IGNORE_INDEX, pack, pack_rows
 
-I = IGNORE_INDEX
+X = IGNORE_INDEX
 
 
 def test_pack_by_hand():
@@ -17,10 +17,10 @@ def test_pack_by_hand():
     # first-fit decreasing: [40..43] | [10,11,12] + [30] | [20,21]
     assert [r.documents for r in b.rows] == [(3,), (0, 2), (1,)]
     r0, r1, r2 = b.rows
-    assert r0.tokens == (40, 41, 42, 43) and r0.labels == (41, 42, 43, I) and r0.cu_seqlens == (0, 4)
-    assert r1.tokens == (10, 11, 12, 30) and r1.labels == (11, 12, I, I)
+    assert r0.tokens == (40, 41, 42, 43) and r0.labels == (41, 42, 43, X) and r0.cu_seqlens == (0, 4)
+    assert r1.tokens == (10, 11, 12, 30) and r1.labels == (11, 12, X, X)
     assert r1.positions == (0, 1, 2, 0) and r1.cu_seqlens == (0, 3, 4) and r1.segment_ids() == (0, 0, 0, 1)
-    assert r2.tokens == (20, 21, 0, 0) and r2.labels == (21, I, I, I) and r2.positions == (0, 1, 0, 0)
+    assert r2.tokens == (20, 21, 0, 0) and r2.labels == (21, X, X, X) and r2.positions == (0, 1, 0, 0)
     assert r2.cu_seqlens == (0, 2) and r2.segment_ids() == (0, 0, -1, -1)
     assert (b.num_tokens, b.num_labels, b.padding) == (10, 6, 2)
 
@@ -30,7 +30,7 @@ def test_pack_one_varlen_row_keeps_input_order():
     (r,) = b.rows
     assert b.row_len == 6 and b.padding == 0
     assert r.tokens == (1, 2, 3, 4, 5, 6) and r.cu_seqlens == (0, 2, 3, 6) and r.positions == (0, 1, 0, 0, 1, 2)
-    assert r.labels == (2, I, I, 5, 6, I)
+    assert r.labels == (2, X, X, 5, 6, X)
     assert pack([]).rows == ()
 
 

@@ -279,7 +279,9 @@ def test_sources_identical_across_processes(tmp_path):
     code = ("import json,sys\n"
             "from runtime.documents import SyntheticDocuments, named_distribution\n"
             "s = SyntheticDocuments(named_distribution('longtail', 2048), 20000, 2048, 500, seed=11)\n"
-            "print(json.dumps([list(s.lengths(k)) for k in (0, 5, 99)] + [list(s.documents(7).documents[0].tokens)]))\n")
+            "out = [list(s.lengths(k)) for k in (0, 5, 99)] + [list(s.documents(7).documents[0].tokens)]\n"
+            "assert 'torch' not in sys.modules, 'documents must stay torch-free'\n"
+            "print(json.dumps(out))\n")
     outs = []
     for hash_seed in ("0", "4242"):
         env = {"PYTHONPATH": str(REPO), "PYTHONHASHSEED": hash_seed, "PATH": "/usr/bin:/bin"}
