@@ -99,6 +99,11 @@ class StepDocuments:
     def num_tokens(self) -> int:
         return sum(len(d) for d in self.documents)
 
+    @property
+    def num_labels(self) -> int:
+        """Tokens that carry a loss (n - 1 per document): the step's loss is the sum over them / this."""
+        return sum(len(d) - 1 for d in self.documents)
+
 
 class DocumentSource(Protocol):
     tokens_per_step: int
@@ -200,10 +205,11 @@ class LengthDistribution:
         return max(b.hi for b in self.bins if b.weight > 0)
 
     def sample(self, rng: random.Random) -> int:
-        u = rng.random()
-        i = min(bisect.bisect_right(self.cumulative, u), len(self.bins) - 1)
-        while self.bins[i].weight == 0:      # u landed exactly on a zero-width step of the CDF
-            i += 1
+        # bisect_right never lands on a zero-weight bin (its cumulative equals its predecessor's); only when
+        # rounding leaves the last cumulative a hair below u does it run off the end: take the last real bin.
+        i = bisect.bisect_right(self.cumulative, rng.random())
+        if i >= len(self.bins):
+            i = max(k for k, b in enumerate(self.bins) if b.weight > 0)
         b = self.bins[i]
         return uniform_int(rng, b.lo, b.hi)
 
@@ -716,3 +722,19 @@ def pack(documents: Sequence[Sequence[int]], row_len: int | None = None, pad_id:
         rows.append(PackedRow(tuple(tokens + [pad_id] * pad), tuple(labels + [IGNORE_INDEX] * pad),
                               tuple(positions + [0] * pad), tuple(cu), tuple(members)))
     return PackedBatch(tuple(rows), width)
+
+
+def document_source(*, tokens_per_step: int, max_len: int, vocab_size: int, seed: int = 0,
+                    data_file: str | Path | None = None, tokenizer: str | Path | None = None,
+                    lengths: str = DEFAULT_DISTRIBUTION, long_documents: LongDocuments = "split") -> DocumentSource:
+    """What the CLI's ``--data/--tokenizer/--lengths/--long-documents`` select: a file's documents (JSONL by
+    its ``.jsonl`` suffix, else plain text; bytes unless a tokenizer.json is given), or else the synthetic
+    stream with lengths from a built-in distribution or a histogram file, scaled to ``max_len``."""
+    check_policy(long_documents)
+    if data_file is None:
+        dist = length_distribution(lengths, max_len, long_documents)
+        return SyntheticDocuments(dist, tokens_per_step, max_len, vocab_size, seed, long_documents)
+    tok = load_tokenizer(tokenizer, vocab_size)
+    corpus = load_corpus(data_file, max_len=max_len, tokenizer=tok, fmt=data_format(data_file),
+                         long_documents=long_documents)
+    return CorpusDocuments(corpus, tokens_per_step, max_len, seed)

@@ -16,9 +16,11 @@ from runtime.documents import (
     ByteTokenizer,
     CorpusDocuments,
     HFTokenizer,
+    LengthBin,
     LengthDistribution,
     SyntheticDocuments,
     data_format,
+    document_source,
     fit_length,
     length_distribution,
     load_corpus,
@@ -295,3 +297,21 @@ def test_sources_identical_across_processes(tmp_path):
 def test_distribution_validation():
     with pytest.raises(ValueError):
         LengthDistribution("empty", ())
+
+
+def test_document_source_selects_like_the_cli(tmp_path):
+    syn = document_source(tokens_per_step=500, max_len=64, vocab_size=300, seed=2)
+    assert isinstance(syn, SyntheticDocuments) and syn.distribution.name == "longtail"
+    assert syn.documents(4).num_labels == 500 - len(syn.lengths(4))
+    f = write_jsonl(tmp_path / "c.jsonl", [{"text": "abc"}, {"text": "de"}])
+    src = document_source(tokens_per_step=10, max_len=64, vocab_size=300, data_file=f)
+    assert isinstance(src, CorpusDocuments) and src.documents(0).num_tokens == 10
+    with pytest.raises(SpecError) as err:
+        document_source(tokens_per_step=10, max_len=64, vocab_size=100, data_file=f)
+    assert "vocab_size" in one_line(err)
+
+
+def test_sample_never_picks_a_zero_weight_bin():
+    d = LengthDistribution("z", (LengthBin(1, 1, 0.0), LengthBin(2, 2, 1.0), LengthBin(3, 3, 0.0)))
+    rng = step_rng(0, 0, "z")
+    assert {d.sample(rng) for _ in range(200)} == {2}
