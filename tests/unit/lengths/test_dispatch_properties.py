@@ -153,3 +153,42 @@ def test_dispatch_identical_across_processes():
         outs.append(json.loads(run.stdout))         # stdout is nothing but the JSON (no solver banner)
     assert outs[0] == outs[1]
     assert {r[1] for r in outs[0]} == {"ilp", "greedy"}
+
+
+def set_partitions(items: list[int]):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in set_partitions(rest):
+        for i in range(len(part)):
+            yield part[:i] + [[first, *part[i]]] + part[i + 1:]
+        yield [[first], *part]
+
+
+def brute_force(lengths, pipes) -> float:
+    """The optimum by enumeration: every pipeline choice per document, every split into micro-batches."""
+    best = float("inf")
+    n = len(lengths)
+    for code in range(len(pipes) ** n):
+        owner = [(code // len(pipes) ** d) % len(pipes) for d in range(n)]
+        worst = 0.0
+        for p, pipe in enumerate(pipes):
+            mine = [d for d in range(n) if owner[d] == p]
+            options = [pipe.time([[lengths[d] for d in mb] for mb in part]) for part in set_partitions(mine)
+                       if all(sum(lengths[d] for d in mb) <= pipe.capacity for mb in part)]
+            worst = max(worst, min(options, default=float("inf")))
+        best = min(best, worst)
+    return best
+
+
+@settings(max_examples=25, **SLOW)
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=5), pipes=st.lists(pipelines(), min_size=1,
+                                                                                     max_size=2))
+def test_ilp_is_the_optimum_of_pipeline_time(lengths, pipes):
+    """The ILP is pipeline_time linearised: its makespan equals the brute-force optimum (within its gap)."""
+    opt = brute_force(lengths, pipes)
+    assume(opt < float("inf"))
+    e = assign(lengths, pipes, method="ilp")
+    assert opt * (1 - 1e-12) <= e.makespan <= opt * e.gap_bound * (1 + 1e-12)
+    assert e.lower_bound <= opt * (1 + 1e-12)
