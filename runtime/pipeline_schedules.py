@@ -273,6 +273,7 @@ class Policy:
     split_backward: bool
     priority: tuple[OpKind, ...]
     forwards_first: bool = False
+    alternate: bool = True  # after a backward, a ready forward goes first
     bounded: bool = True
     fixed_chunks: int | None = None  # the chunk count the schedule is defined for (None: any / chosen)
     max_chunks_one: bool = False  # 1F1B, GPipe and ZB-H1 hold one chunk per device
@@ -280,7 +281,8 @@ class Policy:
 
 POLICIES: dict[str, Policy] = {
     "1f1b": Policy("loop", False, ("BW", "F"), fixed_chunks=1),
-    "gpipe": Policy("loop", False, ("F", "BW"), forwards_first=True, bounded=False, fixed_chunks=1),
+    "gpipe": Policy("loop", False, ("F", "BW"), forwards_first=True, alternate=False, bounded=False,
+                    fixed_chunks=1),
     "interleaved": Policy("loop", False, ("BW", "F")),
     "zb-h1": Policy("loop", True, ("B", "F", "W"), fixed_chunks=1),
     "zb-v": Policy("v", True, ("B", "F", "W"), fixed_chunks=2),
@@ -303,7 +305,7 @@ def live_activation_limit(name: str, num_devices: int, device: int, micro_batche
     * 1F1B, ZB-H1: ``min(S - s, m)`` for device ``s`` (ZB-H1 counts an activation until its W, so it
       needs no more memory than 1F1B: W is run early when the bound is reached).
     * GPipe: ``m`` (every forward before any backward).
-    * interleaved (``v`` chunks): ``min(v*m, 2*(S - s - 1) + (v - 1)*S + 1)``, one more than
+    * interleaved (``v`` chunks; ``v = 1`` is 1F1B): ``min(v*m, 2*(S - s - 1) + (v - 1)*S + 1)``, one more than
       Megatron's warm-up forward count: micro-batch 0 passes device ``s`` ``v`` times before its
       first backward returns, and the warm-up covers the forwards the later devices run meanwhile.
     * ZB-V: ``min(2m, 2S)`` on every device: a full stage's activation is two chunks, so this is
@@ -319,7 +321,7 @@ def live_activation_limit(name: str, num_devices: int, device: int, micro_batche
     v = layout.chunks
     if name == "gpipe":
         return m
-    if name in ("1f1b", "zb-h1"):
+    if name in ("1f1b", "zb-h1") or (name == "interleaved" and v == 1):
         return min(s - d, m)
     if name == "interleaved":
         return min(v * m, 2 * (s - d - 1) + (v - 1) * s + 1)
@@ -470,25 +472,49 @@ class _DeviceState:
     live: int = 0
     forwards_left: int = 0
     free_at: float = 0.0
+    last: str | None = None  # kind of the op run last
     ready: list[_Op] = field(default_factory=list)
+    # micro-batch -> forwards it still has to run here / activations it holds here (while it holds any)
+    owed: dict[int, int] = field(default_factory=dict)
+    held: dict[int, int] = field(default_factory=dict)
+
+    def safe_forward(self, mb: int, limit: int, chunks: int) -> bool:
+        """Banker's rule: after one more forward of ``mb`` here, can every micro-batch holding
+        activations here, the oldest first, still run its remaining forwards within ``limit`` (and
+        then, its backwards done, free every slot it holds)?"""
+        owed = dict(self.owed)
+        owed[mb] = owed.get(mb, chunks) - 1
+        held = dict(self.held)
+        held[mb] = held.get(mb, 0) + 1
+        free = limit - self.live - 1
+        if free < 0:
+            return False
+        for k in sorted(owed):
+            if owed[k] > free:
+                return False
+            free += held[k]
+        return True
 
 
-def _priority_key(name: str, pol: Policy, layout: Layout) -> Callable[[_Op], tuple]:
+def _priority_key(name: str, pol: Policy, layout: Layout) -> Callable[[_Op, str | None], tuple]:
     rank = {k: i for i, k in enumerate(pol.priority)}
     s = layout.num_devices
 
-    def key(op: _Op) -> tuple:
+    def key(op: _Op, last: str | None) -> tuple:
         kind, mb, j = op
+        r = rank[kind]
+        if pol.alternate and last in ("B", "BW") and kind == "F":
+            r = -1  # one forward after each backward: the steady state of 1F1B
         if name == "interleaved":
             # Megatron's order: micro-batches in groups of S, a group through chunk 0, then chunk 1, ...;
             # backwards in the same groups from the last chunk down.
             c = layout.chunk(j)
             if kind == "F":
-                return (rank[kind], mb // s, c, mb % s)
-            return (rank[kind], mb // s, -c, mb % s)
+                return (r, mb // s, c, mb)
+            return (r, mb // s, -c, mb)
         # Oldest micro-batch first; between chunks of one micro-batch, the later virtual stage (it is
         # closer to freeing memory: depth-first).
-        return (rank[kind], mb, -j)
+        return (r, mb, -j)
 
     return key
 
@@ -532,10 +558,11 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs) -> list[list
         for d, st in enumerate(devs):
             if st.free_at > now:
                 continue
-            allowed = [op for op in st.ready if ready_at[op] <= now and _allowed(op, pol, st, limit[d])]
+            allowed = [op for op in st.ready if ready_at[op] <= now and _allowed(op, pol, st, limit[d], layout.chunks)]
             if not allowed:
                 continue
-            op = min(allowed, key=key)
+            op = min(allowed, key=lambda o: key(o, st.last))
+            st.last = op[0]
             st.ready.remove(op)
             kind, mb, j = op
             dur = costs.chunk(d, layout.chunk(j)).of(kind)  # type: ignore[arg-type]
@@ -547,8 +574,13 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs) -> list[list
             if kind == "F":
                 st.live += 1
                 st.forwards_left -= 1
+                st.held[mb] = st.held.get(mb, 0) + 1
+                st.owed[mb] = st.owed.get(mb, layout.chunks) - 1
             elif kind == frees:
                 st.live -= 1
+                st.held[mb] -= 1
+                if not st.held[mb]:
+                    del st.held[mb], st.owed[mb]
             for nxt in dependents[op]:
                 waiting[nxt] -= 1
                 if waiting[nxt] == 0:
@@ -559,9 +591,16 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs) -> list[list
     return timeline
 
 
-def _allowed(op: _Op, pol: Policy, st: _DeviceState, limit: int) -> bool:
+def _allowed(op: _Op, pol: Policy, st: _DeviceState, limit: int, chunks: int) -> bool:
+    """Whether the device may start ``op`` now.
+
+    A forward must leave the device in a state where the oldest micro-batch here can still reach its
+    backward (a banker's rule): a bounded device must not fill up with chunk-0 forwards of new
+    micro-batches while an older one still needs a slot for its later chunks."""
     if op[0] == "F":
-        return not pol.bounded or st.live < limit
+        if not pol.bounded:
+            return True
+        return st.safe_forward(op[1], limit, chunks)
     if pol.forwards_first and op[0] in ("B", "BW"):
         return st.forwards_left == 0
     return True
