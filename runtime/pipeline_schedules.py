@@ -191,7 +191,8 @@ class Message:
     dst: int
 
     def __str__(self) -> str:
-        return f"{self.kind}(mb {self.micro_batch}, stage {self.src_stage}->{self.dst_stage}, dev {self.src}->{self.dst})"
+        return (f"{self.kind}(mb {self.micro_batch}, stage {self.src_stage}->{self.dst_stage}, "
+                f"dev {self.src}->{self.dst})")
 
 
 @dataclass(frozen=True)
@@ -266,33 +267,42 @@ class Schedule:
 class Policy:
     """What distinguishes one schedule from another for the list scheduler.
 
-    ``priority`` ranks op kinds (first wins among ready, allowed ops); ``forwards_first`` keeps
-    backwards waiting until the device has run every forward (GPipe's phases)."""
+    ``priority`` ranks op kinds (first wins among ready, allowed ops); ``alternate``: after a
+    backward a ready forward goes first (1F1B's steady state); ``forwards_first`` keeps backwards
+    waiting until the device has run every forward (GPipe's phases); ``order`` breaks ties between
+    ops of one kind: ``"oldest"`` micro-batch first (then the later virtual stage: depth-first), or
+    ``"groups"`` of ``S`` micro-batches through chunk 0, then chunk 1, ... (backwards from the last
+    chunk down), Megatron's interleaved order; ``bound`` names the formula of
+    ``live_activation_limit``; ``chunks``: the chunk count the schedule is defined for (None: chosen
+    per pipeline)."""
 
     placement: Placement
     split_backward: bool
     priority: tuple[OpKind, ...]
+    bound: Literal["depth", "all", "warmup", "v"]
+    alternate: bool = True
     forwards_first: bool = False
-    alternate: bool = True  # after a backward, a ready forward goes first
-    bounded: bool = True
-    fixed_chunks: int | None = None  # the chunk count the schedule is defined for (None: any / chosen)
-    max_chunks_one: bool = False  # 1F1B, GPipe and ZB-H1 hold one chunk per device
+    order: Literal["oldest", "groups"] = "oldest"
+    chunks: int | None = 1
 
 
 POLICIES: dict[str, Policy] = {
-    "1f1b": Policy("loop", False, ("BW", "F"), fixed_chunks=1),
-    "gpipe": Policy("loop", False, ("F", "BW"), forwards_first=True, alternate=False, bounded=False,
-                    fixed_chunks=1),
-    "interleaved": Policy("loop", False, ("BW", "F")),
-    "zb-h1": Policy("loop", True, ("B", "F", "W"), fixed_chunks=1),
-    "zb-v": Policy("v", True, ("B", "F", "W"), fixed_chunks=2),
+    "1f1b": Policy("loop", False, ("BW", "F"), "depth"),
+    "gpipe": Policy("loop", False, ("F", "BW"), "all", alternate=False, forwards_first=True),
+    "interleaved": Policy("loop", False, ("BW", "F"), "warmup", order="groups", chunks=None),
+    "zb-h1": Policy("loop", True, ("B", "F", "W"), "depth"),
+    # ZB-V rather than DualPipeV: DualPipeV's gain comes from running one micro-batch's forward and
+    # another's backward as one fused op so that expert-parallel all-to-alls hide behind compute; our
+    # dense models have no all-to-all to hide and the executor runs one op at a time. ZB-V needs only
+    # the F / B / W ops every other schedule here uses, at 1F1B's peak memory.
+    "zb-v": Policy("v", True, ("B", "F", "W"), "v", chunks=2),
 }
 
 
 def schedule_layout(name: str, num_devices: int, chunks: int | None = None) -> Layout:
     """The layout a schedule runs on (``chunks`` only matters for interleaved; default 2 there)."""
     pol = _policy(name)
-    v = pol.fixed_chunks if pol.fixed_chunks is not None else (2 if chunks is None else chunks)
+    v = pol.chunks if pol.chunks is not None else (2 if chunks is None else chunks)
     if chunks is not None and chunks != v:
         raise ValueError(f"chunks: {name} holds {v} chunk(s) per device, got {chunks}")
     return Layout(num_devices, v, pol.placement)
@@ -317,15 +327,15 @@ def live_activation_limit(name: str, num_devices: int, device: int, micro_batche
     if not 0 <= device < num_devices:
         raise ValueError(f"device {device} out of range for {num_devices} devices")
     s, m, d = num_devices, micro_batches, device
-    layout = schedule_layout(name, num_devices, chunks)
-    v = layout.chunks
-    if name == "gpipe":
+    bound = POLICIES[name].bound if name in POLICIES else None
+    v = schedule_layout(name, num_devices, chunks).chunks
+    if bound == "all":
         return m
-    if name in ("1f1b", "zb-h1") or (name == "interleaved" and v == 1):
+    if bound == "depth" or (bound == "warmup" and v == 1):
         return min(s - d, m)
-    if name == "interleaved":
+    if bound == "warmup":
         return min(v * m, 2 * (s - d - 1) + (v - 1) * s + 1)
-    return min(2 * m, 2 * s)  # zb-v
+    return min(2 * m, 2 * s)
 
 
 def _policy(name: str) -> Policy:
@@ -351,11 +361,11 @@ def schedule_problems(name: str, num_devices: int, micro_batches: int, chunks: i
     if micro_batches < 1:
         out.append(f"micro_batches: need at least one micro-batch, got {micro_batches}")
     if chunks is not None:
-        if pol.fixed_chunks is not None and chunks != pol.fixed_chunks:
-            out.append(f"chunks: {name} holds {pol.fixed_chunks} chunk(s) per device, got {chunks}")
+        if pol.chunks is not None and chunks != pol.chunks:
+            out.append(f"chunks: {name} holds {pol.chunks} chunk(s) per device, got {chunks}")
         elif chunks < 1:
             out.append(f"chunks: need at least one chunk per device, got {chunks}")
-    if name == "interleaved" and 1 <= micro_batches < num_devices:
+    if pol.order == "groups" and 1 <= micro_batches < num_devices:
         # Fewer micro-batches than stages leave a device's later chunks idle while it waits for
         # micro-batch 0 to come around: the schedule's bubble bound no longer holds.
         out.append(f"micro_batches: interleaved needs at least one micro-batch per stage "
@@ -408,9 +418,9 @@ def chunk_problems(chunk_layers: Sequence[Sequence[tuple[int, int]]], num_layers
     for j in range(layout.num_stages):
         d, c = layout.device(j), layout.chunk(j)
         a, b = chunk_layers[d][c]
-        if a != expect:
-            out.append(f"stages[{d}].layers[{c}]: virtual stage {j} starts at layer {a}, but the previous "
-                       f"virtual stage stops at {expect} ({placement} placement)")
+        if a != expect:  # the first break only: the later stages are out of step because of it
+            return [f"stages[{d}].layers[{c}]: virtual stage {j} starts at layer {a}, but the previous "
+                    f"virtual stage stops at {expect} ({placement} placement)"]
         expect = b
     return out
 
@@ -446,7 +456,7 @@ def build_schedule(name: str, num_devices: int, micro_batches: int, chunks: int 
     if problems:
         raise ValueError("; ".join(problems))
     timeline = _list_schedule(name, layout, micro_batches, costs)
-    actions = derive_actions(timeline, layout, costs)
+    actions = derive_actions(timeline, layout)
     return Schedule(name, layout, micro_batches, costs,  # type: ignore[arg-type]
                     tuple(tuple(t) for t in timeline), actions)
 
@@ -496,7 +506,7 @@ class _DeviceState:
         return True
 
 
-def _priority_key(name: str, pol: Policy, layout: Layout) -> Callable[[_Op, str | None], tuple]:
+def _priority_key(pol: Policy, layout: Layout) -> Callable[[_Op, str | None], tuple]:
     rank = {k: i for i, k in enumerate(pol.priority)}
     s = layout.num_devices
 
@@ -505,9 +515,7 @@ def _priority_key(name: str, pol: Policy, layout: Layout) -> Callable[[_Op, str 
         r = rank[kind]
         if pol.alternate and last in ("B", "BW") and kind == "F":
             r = -1  # one forward after each backward: the steady state of 1F1B
-        if name == "interleaved":
-            # Megatron's order: micro-batches in groups of S, a group through chunk 0, then chunk 1, ...;
-            # backwards in the same groups from the last chunk down.
+        if pol.order == "groups":
             c = layout.chunk(j)
             if kind == "F":
                 return (r, mb // s, c, mb)
@@ -541,9 +549,12 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs) -> list[list
         if waiting[op] == 0:
             ready_at[op] = 0.0
             devs[layout.device(op[2])].ready.append(op)
-    key = _priority_key(name, pol, layout)
+    key = _priority_key(pol, layout)
     frees = "W" if split else "BW"
     timeline: list[list[TimedOp]] = [[] for _ in range(n)]
+    # Times that differ only by rounding are one moment: the order must not hinge on float noise
+    # (a schedule on costs x * (1, 1, 1) is the schedule on (1, 1, 1), for any x).
+    tol = 1e-9 * max(costs.chunk(d, c).of(k) for d in range(n) for c in range(layout.chunks) for k in kinds)
     events = [0.0]
     started = 0
     now = 0.0
@@ -553,23 +564,23 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs) -> list[list
             raise RuntimeError(f"{name}: the list scheduler stalled at t={now} (ready per device: {stuck}); "
                                "the activation bound is too small for this shape")
         now = heapq.heappop(events)
-        while events and events[0] == now:
+        while events and events[0] <= now + tol:
             heapq.heappop(events)
         for d, st in enumerate(devs):
-            if st.free_at > now:
+            if st.free_at > now + tol:
                 continue
-            allowed = [op for op in st.ready if ready_at[op] <= now and _allowed(op, pol, st, limit[d], layout.chunks)]
+            allowed = [op for op in st.ready
+                       if ready_at[op] <= now + tol and _allowed(op, pol, st, limit[d], layout.chunks)]
             if not allowed:
                 continue
             op = min(allowed, key=lambda o: key(o, st.last))
             st.last = op[0]
             st.ready.remove(op)
             kind, mb, j = op
-            dur = costs.chunk(d, layout.chunk(j)).of(kind)  # type: ignore[arg-type]
-            end[op] = now + dur
-            st.free_at = now + dur
+            start = max(now, st.free_at, ready_at[op])  # never before its inputs, even by a rounding error
+            end[op] = st.free_at = start + costs.chunk(d, layout.chunk(j)).of(kind)  # type: ignore[arg-type]
             heapq.heappush(events, st.free_at)
-            timeline[d].append(TimedOp(Compute(kind, mb, j, layout.chunk(j)), now, now + dur))  # type: ignore[arg-type]
+            timeline[d].append(TimedOp(Compute(kind, mb, j, layout.chunk(j)), start, end[op]))  # type: ignore[arg-type]
             started += 1
             if kind == "F":
                 st.live += 1
@@ -598,8 +609,6 @@ def _allowed(op: _Op, pol: Policy, st: _DeviceState, limit: int, chunks: int) ->
     backward (a banker's rule): a bounded device must not fill up with chunk-0 forwards of new
     micro-batches while an older one still needs a slot for its later chunks."""
     if op[0] == "F":
-        if not pol.bounded:
-            return True
         return st.safe_forward(op[1], limit, chunks)
     if pol.forwards_first and op[0] in ("B", "BW"):
         return st.forwards_left == 0
@@ -638,15 +647,13 @@ def _needed(op: Compute, layout: Layout) -> Message | None:
     return None
 
 
-def derive_actions(timeline: Sequence[Sequence[TimedOp]], layout: Layout,
-                   costs: Costs | None = None) -> tuple[tuple[Action, ...], ...]:
+def derive_actions(timeline: Sequence[Sequence[TimedOp]], layout: Layout) -> tuple[tuple[Action, ...], ...]:
     """Per device: its computes with the posts and waits their messages need, in simulated-time order.
 
     Sort key per action: ``(time, class, sender, sender's sequence)`` with class 0 for posts (at the
     producer's end), 1 for waits and 2 for computes (at the consumer's start). A message's send and its
     receive carry the same key on their two devices, so each pair of devices posts its messages in one
     order on both sides."""
-    del costs  # the timeline already holds the transfer-delayed start times
     keyed: list[list[tuple[tuple, Action]]] = [[] for _ in range(layout.num_devices)]
     for d, ops in enumerate(timeline):
         for seq, t in enumerate(ops):
@@ -826,7 +833,7 @@ def check_schedule(actions: Sequence[Sequence[Action]], layout: Layout, micro_ba
                 progress_pair(a, b)
         if (sum(pc), matched) == before:
             deadlock = True
-            blocked = [f"device {d} at action {pc[d]}: {_show(actions[d][pc[d]])}"
+            blocked = [f"device {d} at action {pc[d]}: {action_text(actions[d][pc[d]])}"
                        for d in range(n) if pc[d] < len(actions[d])]
             problems.append("deadlock: " + "; ".join(blocked))
             break
@@ -860,7 +867,8 @@ def _valid_message(msg: Message, layout: Layout) -> bool:
     return msg.src == layout.device(a) and msg.dst == layout.device(b) and msg.src != msg.dst
 
 
-def _show(a: Action) -> str:
+def action_text(a: Action) -> str:
+    """One line per action, for ``hspmd show`` and error messages."""
     if isinstance(a, Compute):
         return str(a)
     if isinstance(a, WaitSends):
