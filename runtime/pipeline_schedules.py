@@ -258,6 +258,28 @@ class Schedule:
         """The device's bubble: makespan minus its busy time."""
         return self.makespan - sum(t.end - t.start for t in self.timeline[device])
 
+    def activation_limits(self) -> tuple[int, ...]:
+        """``live_activation_limit`` of every device: the bound this schedule was built under."""
+        return tuple(live_activation_limit(self.name, self.layout.num_devices, d, self.micro_batches,
+                                           self.layout.chunks) for d in range(self.layout.num_devices))
+
+    def peak_activation_memory(self, sizes: Sequence[Sequence[float]]) -> tuple[float, ...]:
+        """Per device, the most activation memory held at once, ``sizes[d][c]`` being one micro-batch's
+        activation of chunk ``c`` on device ``d``: with uneven chunks the peak count alone does not
+        say which chunks are live at the peak."""
+        frees = "W" if self.split_backward else "BW"
+        out = []
+        for d, ops in enumerate(self.timeline):
+            live = peak = 0.0
+            for t in ops:
+                if t.op.kind == "F":
+                    live += sizes[d][t.op.chunk]
+                    peak = max(peak, live)
+                elif t.op.kind == frees:
+                    live -= sizes[d][t.op.chunk]
+            out.append(peak)
+        return tuple(out)
+
 
 # ---------------------------------------------------------------------------------------------------
 # Policies and the documented memory bound
@@ -321,8 +343,9 @@ def live_activation_limit(name: str, num_devices: int, device: int, micro_batche
     * ZB-V: ``min(2m, 2S)`` on every device: a full stage's activation is two chunks, so this is
       1F1B's first-stage peak (``S`` full micro-batches) on every device, memory balanced by the V.
 
-    The scheduler enforces exactly this bound. With equal stage costs and enough micro-batches the
-    peak reaches it; with uneven costs a device may stay below (a backward arrives early).
+    The scheduler enforces exactly this bound (tested on every shape and random uneven costs). With
+    ``F = B = W`` on every chunk the peak reaches it (interleaved: when ``m`` is a multiple of ``S``);
+    with uneven costs a device may stay below it (a backward arrives early).
     """
     if not 0 <= device < num_devices:
         raise ValueError(f"device {device} out of range for {num_devices} devices")
@@ -387,6 +410,7 @@ def chunk_problems(chunk_layers: Sequence[Sequence[tuple[int, int]]], num_layers
     if len(counts) != 1:
         out.append(f"stages: every stage needs the same number of chunks, got {[len(c) for c in chunk_layers]}")
     spans: list[tuple[int, int, str]] = []
+    out_of_range = False
     for d, ranges in enumerate(chunk_layers):
         if not ranges:
             out.append(f"stages[{d}].layers: no layer range")
@@ -394,6 +418,7 @@ def chunk_problems(chunk_layers: Sequence[Sequence[tuple[int, int]]], num_layers
             where = f"stages[{d}].layers[{c}]"
             if not 0 <= a < b <= num_layers:
                 out.append(f"{where}: [{a}, {b}] is not a non-empty range within the model's {num_layers} layers")
+                out_of_range = True
                 continue
             spans.append((a, b, where))
     spans.sort()
@@ -405,7 +430,7 @@ def chunk_problems(chunk_layers: Sequence[Sequence[tuple[int, int]]], num_layers
         if a > covered:
             out.append(f"{where}: layers [{covered}, {a}] are not covered by any chunk")
         covered = max(covered, b)
-    if covered < num_layers and not any("not a non-empty range" in p for p in out):
+    if covered < num_layers and not out_of_range:
         out.append(f"stages: layers [{covered}, {num_layers}] are not covered by any chunk")
     if out:
         return out
@@ -469,10 +494,18 @@ def step_time(name: str, num_devices: int, micro_batches: int, chunks: int | Non
     stages, per-op costs ``F, B, W`` (``BW = B + W``) and no transfer time (tested):
 
     * 1F1B and GPipe: ``(m + S - 1) * (F + BW)``;
-    * interleaved (per-chunk costs, ``m`` a multiple of ``S``): ``(v*m + S - 1) * (F + BW)``, the
-      fill and drain shrunk ``v`` times against 1F1B on chunks ``v`` times larger;
-    * ZB-H1 with ``F = B = W``: ``m * (F + B + W) + (S - 1) * (F + B - W)`` = ``3mF + (S - 1)F``;
-    * ZB-V: at most ZB-H1's bubble on the same model (its fill runs on half-size chunks).
+    * ZB-H1: ``m * (F + B + W) + (S - 1) * (F + B)``: 1F1B's fill and drain without its ``W``s.
+      (The zero-bubble paper's ZB-H1 reaches ``(S - 1) * (F + B - W)`` by letting later stages keep
+      more W-pending micro-batches, whose memory it assumes smaller; here an activation counts in
+      full until its W, and under that bound the last stage must run F, B, W per micro-batch in turn,
+      which makes this the best any order can do);
+    * interleaved with ``F = B = W`` per chunk, ``m`` a multiple of ``S``: ``(v*m + S - 1) * (F + BW)``,
+      the fill and drain ``v`` times shorter than 1F1B's on chunks ``v`` times larger. For ``m`` not
+      a multiple of ``S``, the last, partial group of micro-batches costs extra fill;
+    * ZB-V with ``F = B = W``: less than ZB-H1 on the same model (its fill runs on half-size chunks).
+
+    With uneven stages there is no closed form worth trusting: this simulation is exact for the
+    given costs, which is why the planner should call it rather than a formula.
     """
     return build_schedule(name, num_devices, micro_batches, chunks, costs).makespan
 

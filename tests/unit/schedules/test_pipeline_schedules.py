@@ -355,3 +355,14 @@ def test_chunk_problems() -> None:
     assert p.startswith("stages[1].layers[0]: virtual stage 1 starts at layer 5")
     [p] = chunk_problems([[(0, 3), (5, 8)], [(3, 5)]], 8)
     assert p.startswith("stages: every stage needs the same number of chunks")
+
+
+def test_peak_activation_memory_weighs_uneven_chunks() -> None:
+    sched = build_schedule("interleaved", 2, 4, 2)
+    counts = check(sched).peak_live
+    assert sched.peak_activation_memory([[1.0, 1.0], [1.0, 1.0]]) == tuple(float(c) for c in counts)
+    assert sched.activation_limits() == counts  # equal stages, m a multiple of S: the bound is reached
+    # Device 0's chunk 1 three times larger: its peak is at least the bound's worth of chunk-0
+    # activations and at most the bound's worth of chunk-1 ones, and grows with the chunk's size.
+    heavy = sched.peak_activation_memory([[1.0, 3.0], [1.0, 1.0]])
+    assert counts[0] < heavy[0] <= 3 * counts[0] and heavy[1] == counts[1]
