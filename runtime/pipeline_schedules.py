@@ -681,12 +681,14 @@ def _needed(op: Compute, layout: Layout) -> Message | None:
 
 
 def derive_actions(timeline: Sequence[Sequence[TimedOp]], layout: Layout) -> tuple[tuple[Action, ...], ...]:
-    """Per device: its computes with the posts and waits their messages need, in simulated-time order.
+    """Per device: its computes with the posts and waits their messages need.
 
-    Sort key per action: ``(time, class, sender, sender's sequence)`` with class 0 for posts (at the
-    producer's end), 1 for waits and 2 for computes (at the consumer's start). A message's send and its
-    receive carry the same key on their two devices, so each pair of devices posts its messages in one
-    order on both sides."""
+    First in simulated-time order, sort key ``(time, class, sender, sender's sequence)`` with class 0
+    for posts (at the producer's end), 1 for waits and 2 for computes (at the consumer's start): a
+    message's send and its receive carry the same key on their two devices, so each pair of devices
+    posts its messages in one order on both sides. Then every ``PostRecv`` moves up to right after
+    this device's previous post of the same pair (the pair's order is unchanged, and posts never
+    block), so the data can flow while the receiver still computes."""
     keyed: list[list[tuple[tuple, Action]]] = [[] for _ in range(layout.num_devices)]
     for d, ops in enumerate(timeline):
         for seq, t in enumerate(ops):
@@ -702,8 +704,35 @@ def derive_actions(timeline: Sequence[Sequence[TimedOp]], layout: Layout) -> tup
     result = []
     for d in range(layout.num_devices):
         keyed[d].sort(key=lambda ka: ka[0])
-        result.append(tuple(a for _, a in keyed[d]) + (WaitSends(),))
+        result.append(_hoist_receives([a for _, a in keyed[d]], d) + (WaitSends(),))
     return tuple(result)
+
+
+def _hoist_receives(actions: list[Action], me: int) -> tuple[Action, ...]:
+    """Place each PostRecv right after the previous post this device makes to or from the same peer."""
+    anchored: dict[int, list[int]] = {}  # index of an action (-1: the start) -> receives that follow it
+    last_post: dict[int, int] = {}  # peer -> index of this device's latest post of that pair
+    for i, a in enumerate(actions):
+        if isinstance(a, (PostSend, PostRecv)):
+            peer = a.message.dst if a.message.src == me else a.message.src
+            if isinstance(a, PostRecv):
+                anchored.setdefault(last_post.get(peer, -1), []).append(i)
+            last_post[peer] = i
+    out: list[Action] = []
+
+    def emit_after(anchor: int) -> None:
+        stack = list(reversed(anchored.get(anchor, ())))
+        while stack:  # a receive anchored on a moved receive follows it directly
+            r = stack.pop()
+            out.append(actions[r])
+            stack.extend(reversed(anchored.get(r, ())))
+
+    emit_after(-1)
+    for i, a in enumerate(actions):
+        if not isinstance(a, PostRecv):
+            out.append(a)
+            emit_after(i)
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------------

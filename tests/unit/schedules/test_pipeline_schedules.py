@@ -120,6 +120,12 @@ def test_each_pair_posts_its_messages_in_one_order_on_both_sides(shape) -> None:
         acts = sched.actions[d]
         assert isinstance(acts[-1], WaitSends)
         for i, x in enumerate(acts):
+            if isinstance(x, PostRecv):  # posted as early as the pair's order allows
+                peer = x.message.src
+                before = [k for k in range(i) if isinstance(acts[k], (PostSend, PostRecv))
+                          and peer in (acts[k].message.src, acts[k].message.dst)]
+                assert all(isinstance(a, PostRecv) for a in acts[(before[-1] + 1 if before else 0):i])
+        for i, x in enumerate(acts):
             if isinstance(x, WaitRecv):  # right before the op that reads it
                 nxt = acts[i + 1]
                 assert isinstance(nxt, Compute) and nxt.micro_batch == x.message.micro_batch
