@@ -389,8 +389,9 @@ def schedule_problems(name: str, num_devices: int, micro_batches: int, chunks: i
         elif chunks < 1:
             out.append(f"chunks: need at least one chunk per device, got {chunks}")
     if pol.order == "groups" and 1 <= micro_batches < num_devices:
-        # Fewer micro-batches than stages leave a device's later chunks idle while it waits for
-        # micro-batch 0 to come around: the schedule's bubble bound no longer holds.
+        # Megatron's interleaved order is defined on whole groups of S micro-batches, and so are the
+        # documented bound's and step time's claims. (The list scheduler itself runs m < S without
+        # stalling, faster than 1F1B: lift this line if the planner wants those shapes.)
         out.append(f"micro_batches: interleaved needs at least one micro-batch per stage "
                    f"({num_devices}), got {micro_batches}")
     return out
