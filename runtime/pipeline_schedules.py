@@ -473,14 +473,7 @@ def build_schedule(name: str, num_devices: int, micro_batches: int, chunks: int 
     """Generate schedule ``name``: simulate the list scheduler, then derive the action lists.
 
     Raises ValueError (one line, ``FIELD: problem``) for shapes ``schedule_problems`` rejects."""
-    problems = schedule_problems(name, num_devices, micro_batches, chunks)
-    if problems:
-        raise ValueError("; ".join(problems))
-    layout = schedule_layout(name, num_devices, chunks)
-    costs = costs if costs is not None else Costs()
-    problems = costs.problems(layout)
-    if problems:
-        raise ValueError("; ".join(problems))
+    layout, costs = _checked(name, num_devices, micro_batches, chunks, costs)
     timeline = _list_schedule(name, layout, micro_batches, costs)
     actions = derive_actions(timeline, layout)
     return Schedule(name, layout, micro_batches, costs,  # type: ignore[arg-type]
@@ -508,7 +501,22 @@ def step_time(name: str, num_devices: int, micro_batches: int, chunks: int | Non
     With uneven stages there is no closed form worth trusting: this simulation is exact for the
     given costs, which is why the planner should call it rather than a formula.
     """
-    return build_schedule(name, num_devices, micro_batches, chunks, costs).makespan
+    layout, costs = _checked(name, num_devices, micro_batches, chunks, costs)
+    timeline = _list_schedule(name, layout, micro_batches, costs)
+    return max((t[-1].end for t in timeline if t), default=0.0)
+
+
+def _checked(name: str, num_devices: int, micro_batches: int, chunks: int | None,
+             costs: Costs | None) -> tuple[Layout, Costs]:
+    problems = schedule_problems(name, num_devices, micro_batches, chunks)
+    if problems:
+        raise ValueError("; ".join(problems))
+    layout = schedule_layout(name, num_devices, chunks)
+    costs = costs if costs is not None else Costs()
+    problems = costs.problems(layout)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return layout, costs
 
 
 @dataclass
@@ -603,11 +611,10 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs) -> list[list
         for d, st in enumerate(devs):
             if st.free_at > now + tol:
                 continue
-            allowed = [op for op in st.ready
-                       if ready_at[op] <= now + tol and _allowed(op, pol, st, limit[d], layout.chunks)]
-            if not allowed:
+            op = _choose(st, [o for o in st.ready if ready_at[o] <= now + tol], pol, limit[d],
+                         layout.chunks, key)
+            if op is None:
                 continue
-            op = min(allowed, key=lambda o: key(o, st.last))
             st.last = op[0]
             st.ready.remove(op)
             kind, mb, j = op
@@ -634,6 +641,28 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs) -> list[list
                     devs[layout.device(nxt[2])].ready.append(nxt)
                     heapq.heappush(events, t)
     return timeline
+
+
+def _choose(st: _DeviceState, ready: list[_Op], pol: Policy, limit: int, chunks: int,
+            key: Callable[[_Op, str | None], tuple]) -> _Op | None:
+    """The best-ranked ready op the policy allows (forwards checked in rank order: the banker's
+    check is the expensive part, and only the best allowed forward matters)."""
+    best: _Op | None = None
+    best_key: tuple | None = None
+    forwards = []
+    for o in ready:
+        k = key(o, st.last)
+        if o[0] == "F":
+            forwards.append((k, o))
+        elif (best_key is None or k < best_key) and _allowed(o, pol, st, limit, chunks):
+            best, best_key = o, k
+    forwards.sort()
+    for k, o in forwards:
+        if best_key is not None and k > best_key:
+            break
+        if _allowed(o, pol, st, limit, chunks):
+            return o
+    return best
 
 
 def _allowed(op: _Op, pol: Policy, st: _DeviceState, limit: int, chunks: int) -> bool:
