@@ -174,6 +174,12 @@ class Compute:
     stage: int
     chunk: int
 
+    def __post_init__(self) -> None:
+        if self.kind not in ("F", "B", "W", "BW"):
+            raise ValueError(f"kind: unknown op {self.kind!r} (have: F, B, W, BW)")
+        if min(self.micro_batch, self.stage, self.chunk) < 0:
+            raise ValueError(f"micro_batch, stage, chunk: must be >= 0, got {self}")
+
     def __str__(self) -> str:
         return f"{self.kind}(mb {self.micro_batch}, stage {self.stage})"
 
@@ -189,6 +195,16 @@ class Message:
     dst_stage: int
     src: int
     dst: int
+
+    def __post_init__(self) -> None:
+        step = {"activation": 1, "gradient": -1}.get(self.kind)
+        if step is None:
+            raise ValueError(f"kind: unknown message {self.kind!r} (have: activation, gradient)")
+        if self.dst_stage != self.src_stage + step or min(self.src_stage, self.dst_stage, self.micro_batch) < 0:
+            raise ValueError(f"src_stage, dst_stage: an {self.kind} goes from stage j to j{step:+d}, "
+                             f"got {self.src_stage} -> {self.dst_stage}")
+        if self.src == self.dst:
+            raise ValueError(f"src, dst: a message crosses devices, got {self.src} -> {self.dst}")
 
     def __str__(self) -> str:
         return (f"{self.kind}(mb {self.micro_batch}, stage {self.src_stage}->{self.dst_stage}, "
@@ -951,12 +967,11 @@ def check_schedule(actions: Sequence[Sequence[Action]], layout: Layout, micro_ba
 
 
 def _valid_message(msg: Message, layout: Layout) -> bool:
-    """Whether ``msg`` is a real boundary crossing of ``layout`` (right stages, right devices)."""
+    """Whether ``msg`` is a real boundary crossing of ``layout`` (its stages exist, on its devices)."""
     a, b = msg.src_stage, msg.dst_stage
-    step = 1 if msg.kind == "activation" else -1
-    if b != a + step or not (0 <= min(a, b) and max(a, b) < layout.num_stages):
+    if max(a, b) >= layout.num_stages:
         return False
-    return msg.src == layout.device(a) and msg.dst == layout.device(b) and msg.src != msg.dst
+    return msg.src == layout.device(a) and msg.dst == layout.device(b)
 
 
 def action_text(a: Action) -> str:

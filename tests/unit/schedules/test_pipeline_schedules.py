@@ -17,6 +17,7 @@ from runtime.pipeline_schedules import (
     Compute,
     Costs,
     Layout,
+    Message,
     PostRecv,
     PostSend,
     Schedule,
@@ -372,3 +373,12 @@ def test_peak_activation_memory_weighs_uneven_chunks() -> None:
     # activations and at most the bound's worth of chunk-1 ones, and grows with the chunk's size.
     heavy = sched.peak_activation_memory([[1.0, 3.0], [1.0, 1.0]])
     assert counts[0] < heavy[0] <= 3 * counts[0] and heavy[1] == counts[1]
+
+
+def test_actions_validate_on_construction() -> None:
+    with pytest.raises(ValueError, match="^kind: unknown op"):
+        Compute("X", 0, 0, 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^src_stage, dst_stage"):
+        Message("gradient", 0, 1, 2, 1, 0)
+    with pytest.raises(ValueError, match="^src, dst"):
+        Message("activation", 0, 3, 4, 3, 3)
