@@ -819,8 +819,6 @@ def check_schedule(actions: Sequence[Sequence[Action]], layout: Layout, micro_ba
     arrived: list[set[Message]] = [set() for _ in range(n)]  # messages whose receive completed here
     queues: dict[tuple[int, int], list[tuple[str, Message]]] = {}  # (me, peer) -> posted ops
     heads: dict[tuple[int, int], int] = {}
-    sends_n: dict[tuple[int, int], int] = {}  # (src, dst) -> sends posted / completed
-    recv_n: dict[tuple[int, int], int] = {}
     recv_done: list[dict[Message, bool]] = [{} for _ in range(n)]
     pending_sends = [0] * n
     live = [0] * n
@@ -901,7 +899,6 @@ def check_schedule(actions: Sequence[Sequence[Action]], layout: Layout, micro_ba
                     if (src_kind, msg.micro_batch, msg.src_stage) not in done[d]:
                         problems.append(f"device {d}: sends {msg} before computing it")
                     queue(d, msg.dst).append(("send", msg))
-                    sends_n[(d, msg.dst)] = sends_n.get((d, msg.dst), 0) + 1
                     pending_sends[d] += 1
             elif isinstance(a, PostRecv):
                 msg = a.message
@@ -911,7 +908,6 @@ def check_schedule(actions: Sequence[Sequence[Action]], layout: Layout, micro_ba
                     if msg in recv_done[d]:
                         problems.append(f"device {d}: posts a second receive of {msg}")
                     queue(d, msg.src).append(("recv", msg))
-                    recv_n[(msg.src, d)] = recv_n.get((msg.src, d), 0) + 1
                     recv_done[d][msg] = False
             elif isinstance(a, WaitRecv):
                 msg = a.message
