@@ -1,0 +1,979 @@
+"""Pipeline schedules from one mechanism: a list scheduler over virtual stages (torch-free).
+
+Why one mechanism: 1F1B, GPipe, interleaved 1F1B, ZB-H1 and ZB-V differ only in where the model chunks
+sit (placement), whether the backward is split into its input-gradient half B and weight-gradient half
+W, how many activations a device may hold, and which ready op a device prefers. Expressing each of
+them as a policy for one event-driven list scheduler means the executor, ``hspmd show``, the
+simulator and the cost model all read the same data, and a heterogeneous pipeline (stages of
+different speeds, uneven chunks) is scheduled with its real op durations instead of a unit-time
+template.
+
+Vocabulary. A pipeline has ``S`` devices; each holds ``v`` chunks, so there are ``S*v`` virtual
+stages ``j``. Placement ``"loop"``: virtual stage ``j`` is chunk ``j // S`` of device ``j % S``
+(interleaved 1F1B). Placement ``"v"`` (``v == 2``): device ``j`` for ``j < S`` and ``2S-1-j`` after,
+so the first and the last virtual stage share device 0 (the V shape of ZB-V). Ops per (micro-batch,
+virtual stage): ``F``; then either ``BW`` (the whole backward) or ``B`` followed by ``W``.
+
+Memory. "Live activations" counts (micro-batch, chunk) activations a device holds: one is born at its
+``F`` and dies at its ``BW``, or at its ``W`` when the backward is split (W still reads the saved
+inputs). ``live_activation_limit`` is the documented bound, and the scheduler enforces exactly that
+bound, so the memory the cost model charges and the memory the schedule uses cannot drift apart.
+
+Communication. Messages are derived from the compute order (``derive_actions``): a ``PostSend`` right
+after the producing op, a ``PostRecv`` at the simulated moment the peer sends, a ``WaitRecv`` right
+before the consuming op, and a final ``WaitSends``. Every pair of devices posts its messages, in both
+directions, in one order on both sides (the simulated send time), so in-order matching without tags
+(NCCL) and per-pair serialization (one NCCL stream per pair) are both safe; docs/schedules.md has the
+deadlock-freedom argument, and ``check_schedule`` verifies it on the action lists themselves.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+ScheduleName = Literal["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"]
+SCHEDULE_NAMES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v")
+OpKind = Literal["F", "B", "W", "BW"]
+Placement = Literal["loop", "v"]
+MessageKind = Literal["activation", "gradient"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shapes and costs
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which device and local chunk each virtual stage lives on."""
+
+    num_devices: int
+    chunks: int = 1
+    placement: Placement = "loop"
+
+    def __post_init__(self) -> None:
+        if self.num_devices < 1:
+            raise ValueError(f"num_devices: need at least one device, got {self.num_devices}")
+        if self.chunks < 1:
+            raise ValueError(f"chunks: need at least one chunk per device, got {self.chunks}")
+        if self.placement not in ("loop", "v"):
+            raise ValueError(f"placement: unknown placement {self.placement!r} (have: loop, v)")
+        if self.placement == "v" and self.chunks != 2:
+            raise ValueError(f"chunks: the V placement has exactly 2 chunks per device, got {self.chunks}")
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_devices * self.chunks
+
+    def device(self, stage: int) -> int:
+        s = self.num_devices
+        if self.placement == "v":
+            return stage if stage < s else 2 * s - 1 - stage
+        return stage % s
+
+    def chunk(self, stage: int) -> int:
+        if self.placement == "v":
+            return 0 if stage < self.num_devices else 1
+        return stage // self.num_devices
+
+    def stage(self, device: int, chunk: int) -> int:
+        """The virtual stage held as ``chunk`` on ``device`` (inverse of ``device``/``chunk``)."""
+        s = self.num_devices
+        if self.placement == "v":
+            return device if chunk == 0 else 2 * s - 1 - device
+        return chunk * s + device
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """Durations of one chunk's ops for one micro-batch (any unit: the schedule only compares them).
+
+    ``full_backward`` is the fused backward when it is not just B + W (e.g. measured separately)."""
+
+    forward: float = 1.0
+    input_grad: float = 1.0
+    weight_grad: float = 1.0
+    full_backward: float | None = None
+
+    def __post_init__(self) -> None:
+        # Strictly positive: an op that ends when it starts would let a send tie with its own producer
+        # in the action-list order (the deadlock argument relies on time moving forward).
+        for name in ("forward", "input_grad", "weight_grad", "full_backward"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name}: op durations must be positive, got {v}")
+
+    def of(self, kind: OpKind) -> float:
+        if kind == "F":
+            return self.forward
+        if kind == "B":
+            return self.input_grad
+        if kind == "W":
+            return self.weight_grad
+        return self.full_backward if self.full_backward is not None else self.input_grad + self.weight_grad
+
+
+UNIT_COST = ChunkCost()
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-(device, chunk) op durations and per-boundary transfer times.
+
+    ``chunks[d][c]`` is device ``d``'s chunk ``c`` (empty: unit costs everywhere); ``boundary[j]`` is
+    the time of a message between virtual stages ``j`` and ``j + 1`` in either direction (empty: 0;
+    ignored where both sit on one device)."""
+
+    chunks: tuple[tuple[ChunkCost, ...], ...] = ()
+    boundary: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        for j, t in enumerate(self.boundary):
+            if t < 0:
+                raise ValueError(f"boundary[{j}]: transfer time must be >= 0, got {t}")
+
+    @staticmethod
+    def uniform(layout: Layout, cost: ChunkCost = UNIT_COST, transfer: float = 0.0) -> Costs:
+        return Costs(tuple((cost,) * layout.chunks for _ in range(layout.num_devices)),
+                     (transfer,) * max(layout.num_stages - 1, 0))
+
+    def problems(self, layout: Layout) -> list[str]:
+        """Shape mismatches against ``layout``, one line each (empty when the costs fit)."""
+        out = []
+        if self.chunks:
+            if len(self.chunks) != layout.num_devices:
+                out.append(f"costs.chunks: {len(self.chunks)} devices, the pipeline has {layout.num_devices}")
+            for d, row in enumerate(self.chunks):
+                if len(row) != layout.chunks:
+                    out.append(f"costs.chunks[{d}]: {len(row)} chunks, the schedule has {layout.chunks}")
+        if self.boundary and len(self.boundary) != layout.num_stages - 1:
+            out.append(f"costs.boundary: {len(self.boundary)} boundaries, {layout.num_stages} virtual stages "
+                       f"have {layout.num_stages - 1}")
+        return out
+
+    def chunk(self, device: int, chunk: int) -> ChunkCost:
+        return self.chunks[device][chunk] if self.chunks else UNIT_COST
+
+    def transfer(self, stage: int) -> float:
+        """Message time between virtual stages ``stage`` and ``stage + 1``."""
+        return self.boundary[stage] if self.boundary else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Actions (the data every consumer reads)
+
+
+@dataclass(frozen=True)
+class Compute:
+    """One op of one micro-batch on one virtual stage (``chunk``: its local chunk on the device)."""
+
+    kind: OpKind
+    micro_batch: int
+    stage: int
+    chunk: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("F", "B", "W", "BW"):
+            raise ValueError(f"kind: unknown op {self.kind!r} (have: F, B, W, BW)")
+        if min(self.micro_batch, self.stage, self.chunk) < 0:
+            raise ValueError(f"micro_batch, stage, chunk: must be >= 0, got {self}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}(mb {self.micro_batch}, stage {self.stage})"
+
+
+@dataclass(frozen=True)
+class Message:
+    """A boundary tensor between two devices: an activation going forward (stage j -> j+1) or its
+    gradient coming back (j+1 -> j). Identified by its content, since NCCL matching ignores tags."""
+
+    kind: MessageKind
+    micro_batch: int
+    src_stage: int
+    dst_stage: int
+    src: int
+    dst: int
+
+    def __post_init__(self) -> None:
+        step = {"activation": 1, "gradient": -1}.get(self.kind)
+        if step is None:
+            raise ValueError(f"kind: unknown message {self.kind!r} (have: activation, gradient)")
+        if self.dst_stage != self.src_stage + step or min(self.src_stage, self.dst_stage, self.micro_batch) < 0:
+            raise ValueError(f"src_stage, dst_stage: an {self.kind} goes from stage j to j{step:+d}, "
+                             f"got {self.src_stage} -> {self.dst_stage}")
+        if self.src == self.dst:
+            raise ValueError(f"src, dst: a message crosses devices, got {self.src} -> {self.dst}")
+
+    def __str__(self) -> str:
+        return (f"{self.kind}(mb {self.micro_batch}, stage {self.src_stage}->{self.dst_stage}, "
+                f"dev {self.src}->{self.dst})")
+
+
+@dataclass(frozen=True)
+class PostSend:
+    """Start a non-blocking send of ``message`` (its producing op has run)."""
+
+    message: Message
+
+
+@dataclass(frozen=True)
+class PostRecv:
+    """Start a non-blocking receive of ``message`` into a fresh buffer."""
+
+    message: Message
+
+
+@dataclass(frozen=True)
+class WaitRecv:
+    """Block until ``message`` has arrived (right before the op that reads it)."""
+
+    message: Message
+
+
+@dataclass(frozen=True)
+class WaitSends:
+    """Block until every send this device posted has completed (the step's last action)."""
+
+
+Action = Compute | PostSend | PostRecv | WaitRecv | WaitSends
+
+
+@dataclass(frozen=True)
+class TimedOp:
+    op: Compute
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A generated schedule: per device its simulated compute timeline and its action list."""
+
+    name: ScheduleName
+    layout: Layout
+    micro_batches: int
+    costs: Costs
+    timeline: tuple[tuple[TimedOp, ...], ...]  # [device], in execution order
+    actions: tuple[tuple[Action, ...], ...]  # [device]
+
+    @property
+    def split_backward(self) -> bool:
+        return POLICIES[self.name].split_backward
+
+    @property
+    def makespan(self) -> float:
+        """Simulated step time of the pipeline part (first op start to last op end)."""
+        return max((t[-1].end for t in self.timeline if t), default=0.0)
+
+    def order(self, device: int) -> tuple[Compute, ...]:
+        return tuple(t.op for t in self.timeline[device])
+
+    def idle(self, device: int) -> float:
+        """The device's bubble: makespan minus its busy time."""
+        return self.makespan - sum(t.end - t.start for t in self.timeline[device])
+
+    def activation_limits(self) -> tuple[int, ...]:
+        """``live_activation_limit`` of every device: the bound this schedule was built under."""
+        return tuple(live_activation_limit(self.name, self.layout.num_devices, d, self.micro_batches,
+                                           self.layout.chunks) for d in range(self.layout.num_devices))
+
+    def peak_activation_memory(self, sizes: Sequence[Sequence[float]]) -> tuple[float, ...]:
+        """Per device, the most activation memory held at once, ``sizes[d][c]`` being one micro-batch's
+        activation of chunk ``c`` on device ``d``: with uneven chunks the peak count alone does not
+        say which chunks are live at the peak."""
+        frees = "W" if self.split_backward else "BW"
+        out = []
+        for d, ops in enumerate(self.timeline):
+            live = peak = 0.0
+            for t in ops:
+                if t.op.kind == "F":
+                    live += sizes[d][t.op.chunk]
+                    peak = max(peak, live)
+                elif t.op.kind == frees:
+                    live -= sizes[d][t.op.chunk]
+            out.append(peak)
+        return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Policies and the documented memory bound
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What distinguishes one schedule from another for the list scheduler.
+
+    ``priority`` ranks op kinds (first wins among ready, allowed ops); ``alternate``: after a
+    backward a ready forward goes first (1F1B's steady state); ``forwards_first`` keeps backwards
+    waiting until the device has run every forward (GPipe's phases); ``order`` breaks ties between
+    ops of one kind: ``"oldest"`` micro-batch first (then the later virtual stage: depth-first), or
+    ``"groups"`` of ``S`` micro-batches through chunk 0, then chunk 1, ... (backwards from the last
+    chunk down), Megatron's interleaved order; ``bound`` names the formula of
+    ``live_activation_limit``; ``chunks``: the chunk count the schedule is defined for (None: chosen
+    per pipeline)."""
+
+    placement: Placement
+    split_backward: bool
+    priority: tuple[OpKind, ...]
+    bound: Literal["depth", "all", "warmup", "v"]
+    alternate: bool = True
+    forwards_first: bool = False
+    order: Literal["oldest", "groups"] = "oldest"
+    chunks: int | None = 1
+
+
+POLICIES: dict[str, Policy] = {
+    "1f1b": Policy("loop", False, ("BW", "F"), "depth"),
+    "gpipe": Policy("loop", False, ("F", "BW"), "all", alternate=False, forwards_first=True),
+    "interleaved": Policy("loop", False, ("BW", "F"), "warmup", order="groups", chunks=None),
+    "zb-h1": Policy("loop", True, ("B", "F", "W"), "depth"),
+    # ZB-V rather than DualPipeV: DualPipeV's gain comes from running one micro-batch's forward and
+    # another's backward as one fused op so that expert-parallel all-to-alls hide behind compute; our
+    # dense models have no all-to-all to hide and the executor runs one op at a time. ZB-V needs only
+    # the F / B / W ops every other schedule here uses, at 1F1B's peak memory.
+    "zb-v": Policy("v", True, ("B", "F", "W"), "v", chunks=2),
+}
+
+
+def schedule_layout(name: str, num_devices: int, chunks: int | None = None) -> Layout:
+    """The layout a schedule runs on (``chunks`` only matters for interleaved; default 2 there)."""
+    pol = _policy(name)
+    v = pol.chunks if pol.chunks is not None else (2 if chunks is None else chunks)
+    if chunks is not None and chunks != v:
+        raise ValueError(f"chunks: {name} holds {v} chunk(s) per device, got {chunks}")
+    return Layout(num_devices, v, pol.placement)
+
+
+def live_activation_limit(name: str, num_devices: int, device: int, micro_batches: int,
+                          chunks: int | None = None) -> int:
+    """Most (micro-batch, chunk) activations ``device`` holds at once under schedule ``name``.
+
+    * 1F1B, ZB-H1: ``min(S - s, m)`` for device ``s`` (ZB-H1 counts an activation until its W, so it
+      needs no more memory than 1F1B: W is run early when the bound is reached).
+    * GPipe: ``m`` (every forward before any backward).
+    * interleaved (``v`` chunks; ``v = 1`` is 1F1B): ``min(v*m, 2*(S - s - 1) + (v - 1)*S + 1)``, one more than
+      Megatron's warm-up forward count: micro-batch 0 passes device ``s`` ``v`` times before its
+      first backward returns, and the warm-up covers the forwards the later devices run meanwhile.
+    * ZB-V: ``min(2m, 2S)`` on every device: a full stage's activation is two chunks, so this is
+      1F1B's first-stage peak (``S`` full micro-batches) on every device, memory balanced by the V.
+
+    The scheduler enforces exactly this bound (tested on every shape and random uneven costs). With
+    ``F = B = W`` on every chunk the peak reaches it (interleaved: when ``m`` is a multiple of ``S``);
+    with uneven costs a device may stay below it (a backward arrives early).
+    """
+    if not 0 <= device < num_devices:
+        raise ValueError(f"device {device} out of range for {num_devices} devices")
+    s, m, d = num_devices, micro_batches, device
+    bound = POLICIES[name].bound if name in POLICIES else None
+    v = schedule_layout(name, num_devices, chunks).chunks
+    if bound == "all":
+        return m
+    if bound == "depth" or (bound == "warmup" and v == 1):
+        return min(s - d, m)
+    if bound == "warmup":
+        return min(v * m, 2 * (s - d - 1) + (v - 1) * s + 1)
+    return min(2 * m, 2 * s)
+
+
+def _policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"schedule: unknown schedule {name!r} (have: {', '.join(SCHEDULE_NAMES)})") from None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation (problems as data; the plan validator prefixes its own path)
+
+
+def schedule_problems(name: str, num_devices: int, micro_batches: int, chunks: int | None = None) -> list[str]:
+    """Why ``name`` cannot run a pipeline of ``num_devices`` devices and ``micro_batches`` micro-batches
+    with ``chunks`` chunks per device, one ``FIELD: what is wrong`` line each (empty: it can)."""
+    if name not in POLICIES:
+        return [f"schedule: unknown schedule {name!r} (have: {', '.join(SCHEDULE_NAMES)})"]
+    out = []
+    pol = POLICIES[name]
+    if num_devices < 1:
+        out.append(f"stages: a pipeline needs at least one stage, got {num_devices}")
+    if micro_batches < 1:
+        out.append(f"micro_batches: need at least one micro-batch, got {micro_batches}")
+    if chunks is not None:
+        if pol.chunks is not None and chunks != pol.chunks:
+            out.append(f"chunks: {name} holds {pol.chunks} chunk(s) per device, got {chunks}")
+        elif chunks < 1:
+            out.append(f"chunks: need at least one chunk per device, got {chunks}")
+    if pol.order == "groups" and 1 <= micro_batches < num_devices:
+        # Megatron's interleaved order is defined on whole groups of S micro-batches, and so are the
+        # documented bound's and step time's claims. (The list scheduler itself runs m < S without
+        # stalling, faster than 1F1B: lift this line if the planner wants those shapes.)
+        out.append(f"micro_batches: interleaved needs at least one micro-batch per stage "
+                   f"({num_devices}), got {micro_batches}")
+    return out
+
+
+def chunk_problems(chunk_layers: Sequence[Sequence[tuple[int, int]]], num_layers: int,
+                   placement: Placement = "loop") -> list[str]:
+    """Layer ranges ``[start, stop)`` per device per chunk that do not form the pipeline.
+
+    Checks, one line each: empty or out-of-range ranges, devices with differing chunk counts,
+    overlaps, layers no chunk covers, and, once those hold, that the ranges follow the virtual-stage
+    order of ``placement`` (virtual stage ``j + 1`` starts where ``j`` stops)."""
+    out: list[str] = []
+    counts = {len(c) for c in chunk_layers}
+    if not chunk_layers:
+        return ["stages: no stages"]
+    if len(counts) != 1:
+        out.append(f"stages: every stage needs the same number of chunks, got {[len(c) for c in chunk_layers]}")
+    spans: list[tuple[int, int, str]] = []
+    out_of_range = False
+    for d, ranges in enumerate(chunk_layers):
+        if not ranges:
+            out.append(f"stages[{d}].layers: no layer range")
+        for c, (a, b) in enumerate(ranges):
+            where = f"stages[{d}].layers[{c}]"
+            if not 0 <= a < b <= num_layers:
+                out.append(f"{where}: [{a}, {b}] is not a non-empty range within the model's {num_layers} layers")
+                out_of_range = True
+                continue
+            spans.append((a, b, where))
+    spans.sort()
+    covered = 0
+    for i, (a, b, where) in enumerate(spans):
+        if i and a < spans[i - 1][1]:
+            pa, pb, pwhere = spans[i - 1]
+            out.append(f"{where}: [{a}, {b}] overlaps [{pa}, {pb}] of {pwhere}")
+        if a > covered:
+            out.append(f"{where}: layers [{covered}, {a}] are not covered by any chunk")
+        covered = max(covered, b)
+    if covered < num_layers and not out_of_range:
+        out.append(f"stages: layers [{covered}, {num_layers}] are not covered by any chunk")
+    if out:
+        return out
+    v = len(chunk_layers[0])
+    try:
+        layout = Layout(len(chunk_layers), v, placement)
+    except ValueError as e:
+        return [str(e)]
+    expect = 0
+    for j in range(layout.num_stages):
+        d, c = layout.device(j), layout.chunk(j)
+        a, b = chunk_layers[d][c]
+        if a != expect:  # the first break only: the later stages are out of step because of it
+            return [f"stages[{d}].layers[{c}]: virtual stage {j} starts at layer {a}, but the previous "
+                    f"virtual stage stops at {expect} ({placement} placement)"]
+        expect = b
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The list scheduler
+
+
+_Op = tuple[str, int, int]  # (kind, micro_batch, virtual stage)
+
+
+def _deps(op: _Op, last: int, split: bool) -> list[_Op]:
+    kind, mb, j = op
+    bk = "B" if split else "BW"
+    if kind == "F":
+        return [("F", mb, j - 1)] if j > 0 else []
+    if kind == "W":
+        return [("B", mb, j)]
+    return [("F", mb, j)] + ([(bk, mb, j + 1)] if j < last else [])
+
+
+def build_schedule(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
+                   costs: Costs | None = None) -> Schedule:
+    """Generate schedule ``name``: simulate the list scheduler, then derive the action lists.
+
+    Raises ValueError (one line, ``FIELD: problem``) for shapes ``schedule_problems`` rejects."""
+    layout, costs = _checked(name, num_devices, micro_batches, chunks, costs)
+    timeline = _list_schedule(name, layout, micro_batches, costs)
+    actions = derive_actions(timeline, layout)
+    return Schedule(name, layout, micro_batches, costs,  # type: ignore[arg-type]
+                    tuple(tuple(t) for t in timeline), actions)
+
+
+def step_time(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
+              costs: Costs | None = None) -> float:
+    """The pipeline's step time under ``name`` with ``costs``: the scheduler's simulated makespan.
+
+    The one definition for the cost model and the simulator. Closed forms it reproduces with equal
+    stages, per-op costs ``F, B, W`` (``BW = B + W``) and no transfer time (tested):
+
+    * 1F1B and GPipe: ``(m + S - 1) * (F + BW)``;
+    * ZB-H1: ``m * (F + B + W) + (S - 1) * (F + B)``: 1F1B's fill and drain without its ``W``s.
+      (The zero-bubble paper's ZB-H1 reaches ``(S - 1) * (F + B - W)`` by letting later stages keep
+      more W-pending micro-batches, whose memory it assumes smaller; here an activation counts in
+      full until its W, and under that bound the last stage must run F, B, W per micro-batch in turn,
+      which makes this the best any order can do);
+    * interleaved with ``F = B = W`` per chunk, ``m`` a multiple of ``S``: ``(v*m + S - 1) * (F + BW)``,
+      the fill and drain ``v`` times shorter than 1F1B's on chunks ``v`` times larger. For ``m`` not
+      a multiple of ``S``, the last, partial group of micro-batches costs extra fill;
+    * ZB-V with ``F = B = W``: less than ZB-H1 on the same model (its fill runs on half-size chunks).
+
+    With uneven stages there is no closed form worth trusting: this simulation is exact for the
+    given costs, which is why the planner should call it rather than a formula.
+    """
+    layout, costs = _checked(name, num_devices, micro_batches, chunks, costs)
+    timeline = _list_schedule(name, layout, micro_batches, costs)
+    return max((t[-1].end for t in timeline if t), default=0.0)
+
+
+def _checked(name: str, num_devices: int, micro_batches: int, chunks: int | None,
+             costs: Costs | None) -> tuple[Layout, Costs]:
+    problems = schedule_problems(name, num_devices, micro_batches, chunks)
+    if problems:
+        raise ValueError("; ".join(problems))
+    layout = schedule_layout(name, num_devices, chunks)
+    costs = costs if costs is not None else Costs()
+    problems = costs.problems(layout)
+    if problems:
+        raise ValueError("; ".join(problems))
+    return layout, costs
+
+
+@dataclass
+class _DeviceState:
+    live: int = 0
+    forwards_left: int = 0
+    free_at: float = 0.0
+    last: str | None = None  # kind of the op run last
+    ready: list[_Op] = field(default_factory=list)
+    # micro-batch -> forwards it still has to run here / activations it holds here (while it holds any)
+    owed: dict[int, int] = field(default_factory=dict)
+    held: dict[int, int] = field(default_factory=dict)
+
+    def safe_forward(self, mb: int, limit: int, chunks: int) -> bool:
+        """Banker's rule: after one more forward of ``mb`` here, can every micro-batch holding
+        activations here, the oldest first, still run its remaining forwards within ``limit`` (and
+        then, its backwards done, free every slot it holds)?"""
+        owed = dict(self.owed)
+        owed[mb] = owed.get(mb, chunks) - 1
+        held = dict(self.held)
+        held[mb] = held.get(mb, 0) + 1
+        free = limit - self.live - 1
+        if free < 0:
+            return False
+        for k in sorted(owed):
+            if owed[k] > free:
+                return False
+            free += held[k]
+        return True
+
+
+def _priority_key(pol: Policy, layout: Layout) -> Callable[[_Op, str | None], tuple]:
+    rank = {k: i for i, k in enumerate(pol.priority)}
+    s = layout.num_devices
+
+    def key(op: _Op, last: str | None) -> tuple:
+        kind, mb, j = op
+        r = rank[kind]
+        if pol.alternate and last in ("B", "BW") and kind == "F":
+            r = -1  # one forward after each backward: the steady state of 1F1B
+        if pol.order == "groups":
+            c = layout.chunk(j)
+            if kind == "F":
+                return (r, mb // s, c, mb)
+            return (r, mb // s, -c, mb)
+        # Oldest micro-batch first; between chunks of one micro-batch, the later virtual stage (it is
+        # closer to freeing memory: depth-first).
+        return (r, mb, -j)
+
+    return key
+
+
+def _list_schedule(name: str, layout: Layout, m: int, costs: Costs) -> list[list[TimedOp]]:
+    """Event-driven simulation: each idle device starts the best ready op its policy allows."""
+    pol = POLICIES[name]
+    n, last = layout.num_devices, layout.num_stages - 1
+    split = pol.split_backward
+    kinds = ("F", "B", "W") if split else ("F", "BW")
+    ops = [(k, mb, j) for mb in range(m) for j in range(layout.num_stages) for k in kinds]
+    dependents: dict[_Op, list[_Op]] = {op: [] for op in ops}
+    waiting = {}
+    for op in ops:
+        ds = _deps(op, last, split)
+        waiting[op] = len(ds)
+        for dep in ds:
+            dependents[dep].append(op)
+    limit = [live_activation_limit(name, n, d, m, layout.chunks) for d in range(n)]
+    devs = [_DeviceState(forwards_left=m * layout.chunks) for _ in range(n)]
+    ready_at: dict[_Op, float] = {}
+    end: dict[_Op, float] = {}
+    for op in ops:
+        if waiting[op] == 0:
+            ready_at[op] = 0.0
+            devs[layout.device(op[2])].ready.append(op)
+    key = _priority_key(pol, layout)
+    frees = "W" if split else "BW"
+    timeline: list[list[TimedOp]] = [[] for _ in range(n)]
+    # Times that differ only by rounding are one moment: the order must not hinge on float noise
+    # (a schedule on costs x * (1, 1, 1) is the schedule on (1, 1, 1), for any x).
+    tol = 1e-9 * max(costs.chunk(d, c).of(k) for d in range(n) for c in range(layout.chunks) for k in kinds)
+    events = [0.0]
+    started = 0
+    now = 0.0
+    while started < len(ops):
+        if not events:
+            stuck = [(d, sorted(st.ready)) for d, st in enumerate(devs)]
+            raise RuntimeError(f"{name}: the list scheduler stalled at t={now} (ready per device: {stuck}); "
+                               "the activation bound is too small for this shape")
+        now = heapq.heappop(events)
+        while events and events[0] <= now + tol:
+            heapq.heappop(events)
+        for d, st in enumerate(devs):
+            if st.free_at > now + tol:
+                continue
+            op = _choose(st, [o for o in st.ready if ready_at[o] <= now + tol], pol, limit[d],
+                         layout.chunks, key)
+            if op is None:
+                continue
+            st.last = op[0]
+            st.ready.remove(op)
+            kind, mb, j = op
+            start = max(now, st.free_at, ready_at[op])  # never before its inputs, even by a rounding error
+            end[op] = st.free_at = start + costs.chunk(d, layout.chunk(j)).of(kind)  # type: ignore[arg-type]
+            heapq.heappush(events, st.free_at)
+            timeline[d].append(TimedOp(Compute(kind, mb, j, layout.chunk(j)), start, end[op]))  # type: ignore[arg-type]
+            started += 1
+            if kind == "F":
+                st.live += 1
+                st.forwards_left -= 1
+                st.held[mb] = st.held.get(mb, 0) + 1
+                st.owed[mb] = st.owed.get(mb, layout.chunks) - 1
+            elif kind == frees:
+                st.live -= 1
+                st.held[mb] -= 1
+                if not st.held[mb]:
+                    del st.held[mb], st.owed[mb]
+            for nxt in dependents[op]:
+                waiting[nxt] -= 1
+                if waiting[nxt] == 0:
+                    t = max(end[dep] + _hop(dep, nxt, layout, costs) for dep in _deps(nxt, last, split))
+                    ready_at[nxt] = t
+                    devs[layout.device(nxt[2])].ready.append(nxt)
+                    heapq.heappush(events, t)
+    return timeline
+
+
+def _choose(st: _DeviceState, ready: list[_Op], pol: Policy, limit: int, chunks: int,
+            key: Callable[[_Op, str | None], tuple]) -> _Op | None:
+    """The best-ranked ready op the policy allows (forwards checked in rank order: the banker's
+    check is the expensive part, and only the best allowed forward matters)."""
+    best: _Op | None = None
+    best_key: tuple | None = None
+    forwards = []
+    for o in ready:
+        k = key(o, st.last)
+        if o[0] == "F":
+            forwards.append((k, o))
+        elif (best_key is None or k < best_key) and _allowed(o, pol, st, limit, chunks):
+            best, best_key = o, k
+    forwards.sort()
+    for k, o in forwards:
+        if best_key is not None and k > best_key:
+            break
+        if _allowed(o, pol, st, limit, chunks):
+            return o
+    return best
+
+
+def _allowed(op: _Op, pol: Policy, st: _DeviceState, limit: int, chunks: int) -> bool:
+    """Whether the device may start ``op`` now.
+
+    A forward must leave the device in a state where the oldest micro-batch here can still reach its
+    backward (a banker's rule): a bounded device must not fill up with chunk-0 forwards of new
+    micro-batches while an older one still needs a slot for its later chunks."""
+    if op[0] == "F":
+        return st.safe_forward(op[1], limit, chunks)
+    if pol.forwards_first and op[0] in ("B", "BW"):
+        return st.forwards_left == 0
+    return True
+
+
+def _hop(src: _Op, dst: _Op, layout: Layout, costs: Costs) -> float:
+    """Transfer time between the op that produces a tensor and the op that reads it."""
+    a, b = src[2], dst[2]
+    if a == b or layout.device(a) == layout.device(b):
+        return 0.0
+    return costs.transfer(min(a, b))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Communication derived from the order
+
+
+def _produced(op: Compute, layout: Layout) -> Message | None:
+    """The message an op's output travels in, if its consumer sits on another device."""
+    j, last = op.stage, layout.num_stages - 1
+    if op.kind == "F" and j < last and layout.device(j + 1) != layout.device(j):
+        return Message("activation", op.micro_batch, j, j + 1, layout.device(j), layout.device(j + 1))
+    if op.kind in ("B", "BW") and j > 0 and layout.device(j - 1) != layout.device(j):
+        return Message("gradient", op.micro_batch, j, j - 1, layout.device(j), layout.device(j - 1))
+    return None
+
+
+def _needed(op: Compute, layout: Layout) -> Message | None:
+    """The message an op reads from another device, if any."""
+    j, last = op.stage, layout.num_stages - 1
+    if op.kind == "F" and j > 0 and layout.device(j - 1) != layout.device(j):
+        return Message("activation", op.micro_batch, j - 1, j, layout.device(j - 1), layout.device(j))
+    if op.kind in ("B", "BW") and j < last and layout.device(j + 1) != layout.device(j):
+        return Message("gradient", op.micro_batch, j + 1, j, layout.device(j + 1), layout.device(j))
+    return None
+
+
+def derive_actions(timeline: Sequence[Sequence[TimedOp]], layout: Layout) -> tuple[tuple[Action, ...], ...]:
+    """Per device: its computes with the posts and waits their messages need.
+
+    First in simulated-time order, sort key ``(time, class, sender, sender's sequence)`` with class 0
+    for posts (at the producer's end), 1 for waits and 2 for computes (at the consumer's start): a
+    message's send and its receive carry the same key on their two devices, so each pair of devices
+    posts its messages in one order on both sides. Then every ``PostRecv`` moves up to right after
+    this device's previous post of the same pair (the pair's order is unchanged, and posts never
+    block), so the data can flow while the receiver still computes."""
+    keyed: list[list[tuple[tuple, Action]]] = [[] for _ in range(layout.num_devices)]
+    for d, ops in enumerate(timeline):
+        for seq, t in enumerate(ops):
+            keyed[d].append(((t.start, 2, d, seq), t.op))
+            out = _produced(t.op, layout)
+            if out is not None:
+                k = (t.end, 0, d, seq)
+                keyed[d].append((k, PostSend(out)))
+                keyed[out.dst].append((k, PostRecv(out)))
+            need = _needed(t.op, layout)
+            if need is not None:
+                keyed[d].append(((t.start, 1, d, seq), WaitRecv(need)))
+    result = []
+    for d in range(layout.num_devices):
+        keyed[d].sort(key=lambda ka: ka[0])
+        result.append(_hoist_receives([a for _, a in keyed[d]], d) + (WaitSends(),))
+    return tuple(result)
+
+
+def _hoist_receives(actions: list[Action], me: int) -> tuple[Action, ...]:
+    """Place each PostRecv right after the previous post this device makes to or from the same peer."""
+    anchored: dict[int, list[int]] = {}  # index of an action (-1: the start) -> receives that follow it
+    last_post: dict[int, int] = {}  # peer -> index of this device's latest post of that pair
+    for i, a in enumerate(actions):
+        if isinstance(a, (PostSend, PostRecv)):
+            peer = a.message.dst if a.message.src == me else a.message.src
+            if isinstance(a, PostRecv):
+                anchored.setdefault(last_post.get(peer, -1), []).append(i)
+            last_post[peer] = i
+    out: list[Action] = []
+
+    def emit_after(anchor: int) -> None:
+        stack = list(reversed(anchored.get(anchor, ())))
+        while stack:  # a receive anchored on a moved receive follows it directly
+            r = stack.pop()
+            out.append(actions[r])
+            stack.extend(reversed(anchored.get(r, ())))
+
+    emit_after(-1)
+    for i, a in enumerate(actions):
+        if not isinstance(a, PostRecv):
+            out.append(a)
+            emit_after(i)
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checking action lists
+
+
+@dataclass(frozen=True)
+class ScheduleCheck:
+    """What playing the action lists showed (``problems`` empty: every claim holds)."""
+
+    problems: tuple[str, ...]
+    transfers: int  # messages matched
+    deadlock: bool
+    peak_live: tuple[int, ...]  # [device] most live activations at once
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check_schedule(actions: Sequence[Sequence[Action]], layout: Layout, micro_batches: int, *,
+                   split_backward: bool) -> ScheduleCheck:
+    """Play per-device action lists on a simulated machine and report every violation.
+
+    The machine: a device runs its actions in order; posts never block; ``WaitRecv`` blocks until the
+    message's receive completes, ``WaitSends`` until all the device's sends have. Each pair of devices
+    has one FIFO queue of posted operations per side (NCCL runs a pair's operations on one stream, in
+    post order): an operation completes when it is at the head of its side's queue and the peer's
+    head is its counterpart, the k-th send from a to b meeting the k-th receive at b from a (in-order
+    matching, no tags). Checked: every message matched with the content its receiver expects; no
+    deadlock; each micro-batch's F and B/W (or BW) exactly once per virtual stage, on the stage's device,
+    after what it reads; sends after their producer; the peak of live activations per device.
+    """
+    n, last = layout.num_devices, layout.num_stages - 1
+    problems: list[str] = []
+    pc = [0] * n
+    done: list[set[tuple[str, int, int]]] = [set() for _ in range(n)]
+    arrived: list[set[Message]] = [set() for _ in range(n)]  # messages whose receive completed here
+    queues: dict[tuple[int, int], list[tuple[str, Message]]] = {}  # (me, peer) -> posted ops
+    heads: dict[tuple[int, int], int] = {}
+    recv_done: list[dict[Message, bool]] = [{} for _ in range(n)]
+    pending_sends = [0] * n
+    live = [0] * n
+    peak = [0] * n
+    matched = 0
+    bk = "B" if split_backward else "BW"
+    backward_kinds = {"B", "W"} if split_backward else {"BW"}
+
+    def queue(me: int, peer: int) -> list[tuple[str, Message]]:
+        return queues.setdefault((me, peer), [])
+
+    def run_compute(d: int, op: Compute) -> None:
+        k, mb, j = op.kind, op.micro_batch, op.stage
+        name = f"device {d}: {op}"
+        if not (0 <= j <= last and 0 <= mb < micro_batches) or (k != "F" and k not in backward_kinds):
+            problems.append(f"{name}: not an op of this schedule")
+            return
+        if layout.device(j) != d or layout.chunk(j) != op.chunk:
+            problems.append(f"{name}: virtual stage {j} is chunk {layout.chunk(j)} of device {layout.device(j)}")
+        if (k, mb, j) in done[d]:
+            problems.append(f"{name}: runs twice")
+        need = _needed(op, layout)
+        if k == "F":
+            if j > 0 and need is None and ("F", mb, j - 1) not in done[d]:
+                problems.append(f"{name}: before F of stage {j - 1}")
+        elif k == "W":
+            if ("B", mb, j) not in done[d]:
+                problems.append(f"{name}: before its B")
+        else:
+            if ("F", mb, j) not in done[d]:
+                problems.append(f"{name}: before its F")
+            if j < last and need is None and (bk, mb, j + 1) not in done[d]:
+                problems.append(f"{name}: before the backward of stage {j + 1}")
+        if need is not None and need not in arrived[d]:
+            problems.append(f"{name}: reads {need} before waiting for it")
+        done[d].add((k, mb, j))
+        if k == "F":
+            live[d] += 1
+            peak[d] = max(peak[d], live[d])
+        elif k == ("W" if split_backward else "BW"):
+            live[d] -= 1
+
+    def progress_pair(a: int, b: int) -> None:
+        """Complete the matching heads of the (a, b) pair's two queues."""
+        nonlocal matched
+        qa, qb = queue(a, b), queue(b, a)
+        while heads.get((a, b), 0) < len(qa) and heads.get((b, a), 0) < len(qb):
+            ha, hb = qa[heads.get((a, b), 0)], qb[heads.get((b, a), 0)]
+            if ha[0] == "send" and hb[0] == "recv":
+                src, dst, sent, want = a, b, ha[1], hb[1]
+            elif ha[0] == "recv" and hb[0] == "send":
+                src, dst, sent, want = b, a, hb[1], ha[1]
+            else:
+                return  # both sides wait to send (or to receive) first: this pair is stuck
+            if sent != want:
+                problems.append(f"device {dst}: its receive for {want} matches the send of {sent} "
+                                "(the pair posts its messages in different orders)")
+            heads[(a, b)] = heads.get((a, b), 0) + 1
+            heads[(b, a)] = heads.get((b, a), 0) + 1
+            pending_sends[src] -= 1
+            recv_done[dst][want] = True
+            arrived[dst].add(sent)
+            matched += 1
+
+    def step(d: int) -> None:
+        """Run device d's actions until it blocks."""
+        acts = actions[d]
+        while pc[d] < len(acts):
+            a = acts[pc[d]]
+            if isinstance(a, Compute):
+                run_compute(d, a)
+            elif isinstance(a, PostSend):
+                msg = a.message
+                if msg.src != d or not _valid_message(msg, layout):
+                    problems.append(f"device {d}: posts a send of {msg}, which is not its to send")
+                else:
+                    src_kind = "F" if msg.kind == "activation" else bk
+                    if (src_kind, msg.micro_batch, msg.src_stage) not in done[d]:
+                        problems.append(f"device {d}: sends {msg} before computing it")
+                    queue(d, msg.dst).append(("send", msg))
+                    pending_sends[d] += 1
+            elif isinstance(a, PostRecv):
+                msg = a.message
+                if msg.dst != d or not _valid_message(msg, layout):
+                    problems.append(f"device {d}: posts a receive of {msg}, which is not its to receive")
+                else:
+                    if msg in recv_done[d]:
+                        problems.append(f"device {d}: posts a second receive of {msg}")
+                    queue(d, msg.src).append(("recv", msg))
+                    recv_done[d][msg] = False
+            elif isinstance(a, WaitRecv):
+                msg = a.message
+                if msg not in recv_done[d]:
+                    problems.append(f"device {d}: waits for {msg} without posting its receive")
+                elif not recv_done[d][msg]:
+                    progress_pair(d, msg.src)
+                    if not recv_done[d][msg]:
+                        return
+            elif isinstance(a, WaitSends):
+                for peer in range(n):
+                    if peer != d:
+                        progress_pair(d, peer)
+                if pending_sends[d]:
+                    return
+            else:
+                problems.append(f"device {d}: unknown action {a!r}")
+            pc[d] += 1
+
+    deadlock = False
+    while any(pc[d] < len(actions[d]) for d in range(n)):
+        before = (sum(pc), matched)
+        for d in range(n):
+            step(d)
+        for a in range(n):
+            for b in range(a + 1, n):
+                progress_pair(a, b)
+        if (sum(pc), matched) == before:
+            deadlock = True
+            blocked = [f"device {d} at action {pc[d]}: {action_text(actions[d][pc[d]])}"
+                       for d in range(n) if pc[d] < len(actions[d])]
+            problems.append("deadlock: " + "; ".join(blocked))
+            break
+    if not deadlock:
+        for a in range(n):
+            for b in range(a + 1, n):
+                progress_pair(a, b)
+        for (a, b), q in sorted(queues.items()):
+            left = q[heads.get((a, b), 0):]
+            for kind, msg in left:
+                problems.append(f"device {a}: its {kind} of {msg} is never matched")
+        kinds = ("F", "B", "W") if split_backward else ("F", "BW")
+        for j in range(layout.num_stages):
+            d = layout.device(j)
+            for mb in range(micro_batches):
+                for k in kinds:
+                    if (k, mb, j) not in done[d]:
+                        problems.append(f"device {d}: {k}(mb {mb}, stage {j}) never runs")
+        for d in range(n):
+            if not actions[d] or not isinstance(actions[d][-1], WaitSends):
+                problems.append(f"device {d}: the action list does not end by waiting for its sends")
+    return ScheduleCheck(tuple(dict.fromkeys(problems)), matched, deadlock, tuple(peak))
+
+
+def _valid_message(msg: Message, layout: Layout) -> bool:
+    """Whether ``msg`` is a real boundary crossing of ``layout`` (its stages exist, on its devices)."""
+    a, b = msg.src_stage, msg.dst_stage
+    if max(a, b) >= layout.num_stages:
+        return False
+    return msg.src == layout.device(a) and msg.dst == layout.device(b)
+
+
+def action_text(a: Action) -> str:
+    """One line per action, for ``hspmd show`` and error messages."""
+    if isinstance(a, Compute):
+        return str(a)
+    if isinstance(a, WaitSends):
+        return "wait for sends"
+    return f"{type(a).__name__} {a.message}"
