@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import pulp
 
 from planner.cost import CostModel, StrategyEstimate
-from planner.solver import solve, var
 from planner.tp_groups import available, tp_degrees
+from runtime.solver import solve, var
 from runtime.spec.plan import Pipeline, Schedule, Stage, Strategy
 
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import pulp
 
 from planner.cost import GIB, CostModel, in_flight_micro_batches
-from planner.solver import solve, var
 from planner.tp_groups import GroupKind
+from runtime.solver import solve, var
 
 
 @dataclass(frozen=True)

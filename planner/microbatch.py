@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from planner.solver import solve, var
+from runtime.solver import solve, var
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The one place hspmd gets an ILP solver: PuLP with HiGHS (highspy), bundled CBC as fallback.
 
 It lives in runtime/ because the runtime's per-step dispatch solves small ILPs and must not import
-the planner; the planner's ``planner/solver.py`` is the same module and should become a re-export.
+the planner; the planner uses it from here.
 
 ``solve(problem, time_limit)`` returns whether PuLP holds a usable solution. On a time limit PuLP's
 ``status`` may still read Optimal while only a feasible (or no) solution exists: ``sol_status`` is what
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import sys
 import warnings
@@ -19,17 +20,12 @@ from dataclasses import dataclass
 
 import pulp
 
-_BANNER_SILENCED = False
 
-
+@functools.cache  # once per process: only the first solver object prints it
 def _silence_highs_banner() -> None:
     """HiGHS prints a copyright banner on stdout from C++ the first time a solver object is built in a
     process, before ``output_flag`` can be set; that would corrupt ``--format json`` output. Build that
     first object with file descriptor 1 pointed at /dev/null."""
-    global _BANNER_SILENCED
-    if _BANNER_SILENCED:
-        return
-    _BANNER_SILENCED = True
     try:
         import highspy
     except ImportError:

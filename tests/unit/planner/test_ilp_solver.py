@@ -8,7 +8,7 @@ import itertools
 import pulp
 import pytest
 
-from planner.solver import make_solver, solve, var
+from runtime.solver import make_solver, solve, var
 
 
 def knapsack() -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:
