@@ -125,7 +125,7 @@ BOUNDARY_BYTES = BOUNDARY_DTYPE.itemsize
 
 def pipeline_time(forward_s: Sequence[float], backward_s: Sequence[float], micro_batches: int,
                   schedule: Schedule = "1f1b", boundary_s: Sequence[float] = ()) -> float:
-    """Time of one pipeline for one step, closed form (DESIGN.md section 5).
+    """Time of one pipeline for one step, closed form (docs/design.md §5).
 
     1F1B: ``(m-1) * max_s(f_s + b_s) + sum_s(f_s + b_s) + sum(boundary)``; GPipe runs all forwards, then
     all backwards: ``(m-1)*max(f) + sum(f) + (m-1)*max(b) + sum(b) + sum(boundary)``. ``boundary_s``

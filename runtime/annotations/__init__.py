@@ -1,4 +1,4 @@
-"""HSPMD annotations (DESIGN.md §2): device groups, distributed states, DS/DG unions, layouts.
+"""HSPMD annotations (docs/design.md §2): device groups, distributed states, DS/DG unions, layouts.
 
 ``states`` holds the algebra (device ids only, never ranks); ``from_plan`` expands a plan strategy
 into the annotations of every parameter, gradient, input batch and stage-boundary activation.

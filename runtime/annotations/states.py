@@ -5,7 +5,7 @@ form a new world, device ids do not. All classes are frozen and validated on con
 constructors normalise what has a single meaning (degree-1 dims are dropped, a union of one subgroup
 has no top tier, split weights are reduced by their gcd) so that ``==`` is layout equality.
 
-Semantics (DESIGN.md §2):
+Semantics (docs/design.md §2):
 
 * ``DistributedStates`` over a ``DeviceGroup`` of n devices: ``{dim: degree}`` where dim >= 0 splits
   that tensor dim evenly, -1 duplicates (replicas) and -2 is partial (each holds a summand); the

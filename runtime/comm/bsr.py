@@ -3,7 +3,7 @@
 A plan cuts every tensor into its finest common slices (per dim the grid of all source and
 destination boundaries; for even splits that is the LCM of the degrees, not the max). Every slice a
 destination device needs and does not hold itself gets one sender among its owners: the owner with
-the highest bandwidth to the receiver, then the one with the fewest bytes assigned so far (DESIGN.md
+the highest bandwidth to the receiver, then the one with the fewest bytes assigned so far (docs/design.md
 §3; O(p·q), the exact problem is a generalized assignment). Planning many tensors together (fused)
 lets that balance span them, and the executor packs everything one device sends to one peer into
 one buffer: one ``batch_isend_irecv`` round for a whole state switch.

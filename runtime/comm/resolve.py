@@ -1,6 +1,6 @@
 """Hierarchical communication resolution: (src annotation, dst annotation, global shape) -> CommOp.
 
-``resolve`` is a pure function (DESIGN.md §3). It names the op by the annotations and builds the
+``resolve`` is a pure function (docs/design.md §3). It names the op by the annotations and builds the
 plan that executes it, in at most two phases:
 
 1. **reduce** (only when the source is partial): slices are cut on the common grid; the devices that

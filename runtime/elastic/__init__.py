@@ -1,4 +1,4 @@
-"""Failures and switches in memory: no checkpoint, no restart (DESIGN.md §4, §7).
+"""Failures and switches in memory: no checkpoint, no restart (docs/design.md §4, §7).
 
 * state.py: the model state as data, per ``StrategyHandle`` (runtime/spec/handle.py):
   ``lost_tensors(ref, failed)`` (which parameters lost every replica); ``state_moves(src, dst)`` /

@@ -161,7 +161,7 @@ def u(hdim, members, split=None):
     return Annotation.union(hdim, members, split)
 
 
-# The norm-weight gradient of DESIGN.md: duplicated in a TP-2 group, summed with a TP-1 pipeline.
+# The norm-weight gradient of docs/design.md: duplicated in a TP-2 group, summed with a TP-1 pipeline.
 NORM = [((20, 3), S.duplicate(2)), ((11,), S.of())]
 # The paper's example: TP 4 and TP 2 holding one weight, split on dim 1.
 PAPER = [((20, 3, 11, 7), S.split(1, 4)), ((21, 10), S.split(1, 2))]

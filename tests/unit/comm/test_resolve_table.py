@@ -1,4 +1,4 @@
-"""The resolution table of DESIGN.md §3: every (src, dst) pattern and the op it becomes."""
+"""The resolution table of docs/design.md §3: every (src, dst) pattern and the op it becomes."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_every_kind_is_in_the_table():
 
 
 def test_paper_split_all_reduce_groups():
-    # DESIGN.md §2: TP 4 on 0-3 and TP 2 on 8-9, split dim 1: LCM 4 slices, each all-reduced by its holders.
+    # docs/design.md §2: TP 4 on 0-3 and TP 2 on 8-9, split dim 1: LCM 4 slices, each all-reduced by its holders.
     members = [((0, 1, 2, 3), S.split(1, 4)), ((8, 9), S.split(1, 2))]
     op = resolve(union(-2, members), union(-1, members), (6, 8))
     assert op.groups() == [(0, 8), (1, 8), (2, 9), (3, 9)]
