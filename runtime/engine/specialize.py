@@ -36,8 +36,6 @@ class StageRole:
     num_stages: int
     tp_rank: int
     devices: tuple[int, ...]  # this stage's TP group, in TP-rank order
-    prev_devices: tuple[int, ...] | None  # the previous stage's group (None on first stages)
-    next_devices: tuple[int, ...] | None  # the next stage's group (None on last stages)
     layers: tuple[int, int]  # decoder layers [start, end)
     embed: bool
     head: bool  # final norm, head and loss
@@ -45,7 +43,6 @@ class StageRole:
     micro_batches: int
     micro_batch: int  # samples per micro-batch
     first_sample: int  # the pipeline's share of the global batch starts at this sample
-    num_pipelines: int
 
     @property
     def tp(self) -> int:
@@ -151,12 +148,9 @@ def stage_role(handle: StrategyHandle, device: int) -> StageRole | None:
     first = sum(p.micro_batches for p in strat.pipelines[:pi]) * mb
     return StageRole(
         strategy=strat.name, device=device, pipeline=pi, stage=si, num_stages=len(pipe.stages),
-        tp_rank=tp_rank, devices=stage.devices,
-        prev_devices=pipe.stages[si - 1].devices if si > 0 else None,
-        next_devices=pipe.stages[si + 1].devices if si + 1 < len(pipe.stages) else None,
-        layers=stage.layers, embed=si == 0, head=si == len(pipe.stages) - 1, recompute=stage.recompute,
-        micro_batches=pipe.micro_batches, micro_batch=mb, first_sample=first,
-        num_pipelines=len(strat.pipelines))
+        tp_rank=tp_rank, devices=stage.devices, layers=stage.layers, embed=si == 0,
+        head=si == len(pipe.stages) - 1, recompute=stage.recompute, micro_batches=pipe.micro_batches,
+        micro_batch=mb, first_sample=first)
 
 
 def stage_parameters(model: ModelSpec, role: StageRole) -> list[ParamInfo]:
