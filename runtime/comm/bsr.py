@@ -17,6 +17,7 @@ Reductions (partial values) never go through BSR: reduce first (see resolve.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -353,13 +354,7 @@ def _assign(demands: list[tuple[int, int, int, Region, tuple[int, ...]]], bw: Ba
             out.append(Transfer(owners[0], dev, ti, cell, nbytes))
     elif policy == "balanced":
         # Largest first (LPT), ties in a fixed order, so every rank computes the same plan.
-        bw_cache: dict[tuple[int, int], float] = {}
-
-        def link(o: int, d: int) -> float:
-            if (o, d) not in bw_cache:
-                bw_cache[(o, d)] = bw(o, d)
-            return bw_cache[(o, d)]
-
+        link = functools.cache(bw)
         for nbytes, ti, dev, cell, owners in sorted(demands, key=lambda x: (-x[0], x[1], x[2], x[3])):
             rank = {o: i for i, o in enumerate(owners)}
             sender = min(owners, key=lambda o: (-link(o, dev), load[o], rank[o]))
