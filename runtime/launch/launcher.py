@@ -25,13 +25,11 @@ STORE_HOST = "127.0.0.1"
 
 def select_strategy(ctx: PlanContext, name: str | None) -> Strategy:
     """The named strategy (or the plan's first); an unknown name is a user error naming the plan file."""
-    if name is None:
-        return ctx.plan.strategies[0]
-    for s in ctx.plan.strategies:
-        if s.name == name:
-            return s
-    raise HspmdError(f"{ctx.path}: --strategy: no strategy named {name!r} "
-                     f"(the plan has: {', '.join(s.name for s in ctx.plan.strategies)})")
+    try:
+        return ctx.plan.strategy(name)
+    except SpecError:
+        raise HspmdError(f"{ctx.path}: --strategy: no strategy named {name!r} "
+                         f"(the plan has: {', '.join(s.name for s in ctx.plan.strategies)})") from None
 
 
 def placement(ctx: PlanContext, devices: list[int]) -> tuple[str, dict[int, str]]:
