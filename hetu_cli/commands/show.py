@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hetu_cli.output import FORMAT_OPTION, console, emit_json
+from runtime.annotations.states import span
 from runtime.spec import PlanContext, Strategy, load_plan_context
 from runtime.spec.schema import to_data
 
@@ -51,7 +52,7 @@ def _strategy_tables(ctx: PlanContext, strategy: Strategy) -> tuple[Table, Table
             stages.add_row(
                 str(pi) if si == 0 else "", str(pipe.micro_batches) if si == 0 else "",
                 str(pipe.micro_batches * t.micro_batch) if si == 0 else "", str(si),
-                _span(stage.devices), first.type, first.node, str(stage.tp),
+                span(stage.devices), first.type, first.node, str(stage.tp),
                 f"[{stage.layers[0]}, {stage.layers[1]})", "yes" if stage.recompute else "no",
                 end_section=si == len(pipe.stages) - 1)
     devices = Table(title=f"strategy {strategy.name!r}: per device", title_justify="left")
@@ -64,12 +65,6 @@ def _strategy_tables(ctx: PlanContext, strategy: Strategy) -> tuple[Table, Table
             devices.add_row(str(row["device"]), row["type"], row["node"], str(row["pipeline"]),
                             str(row["stage"]), f"{row['tp_rank']}/{row['tp']}", row["role"])
     return stages, devices
-
-
-def _span(devices: tuple[int, ...]) -> str:
-    if len(devices) > 2 and list(devices) == list(range(devices[0], devices[-1] + 1)):
-        return f"{devices[0]}-{devices[-1]}"
-    return ",".join(str(d) for d in devices)
 
 
 @click.command()
@@ -138,7 +133,7 @@ def _show_annotations(ctx: PlanContext, strategies: list[Strategy], fmt: str) ->
                           escape(r["text"]), comm, end_section=False)
             prev = r["where"]
         out.print(table)
-        out.print(f"{len(d['groups'])} device groups: " + " ".join(f"({_span(tuple(g))})" for g in d["groups"]))
+        out.print(f"{len(d['groups'])} device groups: " + " ".join(f"({span(g)})" for g in d["groups"]))
 
 
 def _show_device(ctx: PlanContext, strategies: list[Strategy], device: int, fmt: str) -> None:
@@ -161,7 +156,7 @@ def _show_device(ctx: PlanContext, strategies: list[Strategy], device: int, fmt:
             out.print(f"strategy {d.strategy!r}: device {device} is idle")
             continue
         out.print(f"[bold]strategy {d.strategy!r}, device {device}[/bold]: pipeline {r.pipeline} stage "
-                  f"{r.stage} (of {r.num_stages}), TP rank {r.tp_rank} of [{_span(r.devices)}]; holds {d.holds}; "
+                  f"{r.stage} (of {r.num_stages}), TP rank {r.tp_rank} of [{span(r.devices)}]; holds {d.holds}; "
                   f"{r.micro_batches} micro-batches of {r.micro_batch} (samples {r.first_sample}-"
                   f"{r.first_sample + r.samples - 1}); schedule {d.schedule}")
         params = Table(title="parameters (local shards)", title_justify="left")
