@@ -90,6 +90,7 @@ from runtime.profiling.profile import (
     ComputeBlock,
     DeviceProfile,
     LinkFit,
+    MeasuredModel,
     MemoryFigures,
     ProfileSet,
     SleepTarget,
@@ -273,6 +274,11 @@ class StrategyEstimate:
 # ---------------------------------------------------------------------------------------------------
 
 
+def _stage_blocks(blocks: Mapping[str, ComponentFit], first: bool, last: bool) -> list[ComponentFit]:
+    """The measured blocks a stage adds beyond its layers: its fixed part, the embedding's, the head's."""
+    return [blocks["stage"]] + ([blocks["embedding"]] if first else []) + ([blocks["head"]] if last else [])
+
+
 def _memo(fn: Callable) -> Callable:
     """Per-instance cache for methods with hashable arguments (CostModel holds unhashable specs)."""
     name = f"_memo_{fn.__name__}"
@@ -324,7 +330,7 @@ class CostModel:
     def blocks(self, device_type: str, tp: int) -> dict[str, ComponentFit] | None:
         """Measured stage blocks (one decoder layer, a stage's fixed time, embedding, head) at this TP
         degree, timed through the runtime's stage module; None when the profile has none."""
-        measured = self.profiles[device_type].measured_model(self.model)
+        measured = self._measured(device_type)
         if measured is not None and tp in measured.blocks:
             return dict(measured.blocks[tp])
         return None
@@ -335,25 +341,30 @@ class CostModel:
         model shape and TP degree, else derived from the profile's throughput figures."""
         return component_fits(self.profiles[device_type], self.model, tp)
 
+    def _measured(self, device_type: str) -> MeasuredModel | None:
+        return self.profiles[device_type].measured_model(self.model)
+
     def _tp_overhead(self, device_type: str, tp: int) -> ComponentFit | None:
         """The measured per-layer TP overhead (DTensor + collectives), if the profile has it."""
-        if tp <= 1:
-            return None
-        m = self.profiles[device_type].measured_model(self.model)
+        m = self._measured(device_type) if tp > 1 else None
         return None if m is None else m.tp_overhead.get(tp)
 
     def is_measured(self, device_type: str, tp: int) -> bool:
-        m = self.profiles[device_type].measured_model(self.model)
+        m = self._measured(device_type)
         return m is not None and tp in m.tp
 
     def _act_element_bytes(self, device_type: str) -> int:
         return self.profiles[device_type].compute.activation_bytes
 
+    def _shape(self, micro_batch: int | None, seq_len: int | None) -> tuple[int, int]:
+        """(micro-batch, sequence length): the given ones, else this model's."""
+        return (self.micro_batch if micro_batch is None else micro_batch,
+                self.seq_len if seq_len is None else seq_len)
+
     def activation_tensor_bytes(self, device_type: str, micro_batch: int | None = None,
                                 seq_len: int | None = None) -> float:
         """Bytes of one hidden-state tensor [B, s, h]: what crosses a stage boundary or a TP all-reduce."""
-        b = self.micro_batch if micro_batch is None else micro_batch
-        s = self.seq_len if seq_len is None else seq_len
+        b, s = self._shape(micro_batch, seq_len)
         return float(b * s * self.model.hidden_size * self._act_element_bytes(device_type))
 
     # -- per layer and per stage ---------------------------------------------------------------------
@@ -362,8 +373,7 @@ class CostModel:
     def layer(self, device_type: str, tp: int, recompute: bool = False, micro_batch: int | None = None,
               seq_len: int | None = None) -> LayerCost:
         """One decoder layer: attention, MLP and two RMSNorms, plus its TP all-reduces."""
-        b = self.micro_batch if micro_batch is None else micro_batch
-        s = self.seq_len if seq_len is None else seq_len
+        b, s = self._shape(micro_batch, seq_len)
         comp = self.components(device_type, tp)
         parts = layer_components(comp)
         blocks = self.blocks(device_type, tp)
@@ -387,15 +397,13 @@ class CostModel:
                seq_len: int | None = None) -> LayerCost:
         """What a stage adds to its layers: the first stage's embedding, the last one's final norm, head
         and loss, and (measured stage blocks only) every stage's fixed time per micro-batch."""
-        b = self.micro_batch if micro_batch is None else micro_batch
-        s = self.seq_len if seq_len is None else seq_len
+        b, s = self._shape(micro_batch, seq_len)
         comp = self.components(device_type, tp)
         parts = extra_components(comp, first, last)
         blocks = self.blocks(device_type, tp)
         # Measured blocks: a stage's fixed time per micro-batch (every stage pays it) plus what the
         # embedding and the head add; else the components' sum.
-        timed = parts if blocks is None else (
-            [blocks["stage"]] + ([blocks["embedding"]] if first else []) + ([blocks["head"]] if last else []))
+        timed = parts if blocks is None else _stage_blocks(blocks, first, last)
         tp_blocks = self._tp_blocks(device_type, tp)
         if tp_blocks is not None:   # measured: DTensor dispatch and collectives of the TP stage module
             tp_f, tp_b = self._tp_extras(tp_blocks, first, last, b, s)
@@ -418,11 +426,11 @@ class CostModel:
         lay = self.layer(device_type, tp, recompute, micro_batch, seq_len)
         ext = self.extras(device_type, tp, first, last, micro_batch, seq_len)
         n = num_layers
+        b, s = self._shape(micro_batch, seq_len)
         target = self.sleep_target(device_type)
         if target is not None:   # sleep mode: each block lasts its target (TP collectives run inside it)
-            block = ComputeBlock(layers=n, micro_batch=self.micro_batch if micro_batch is None else micro_batch,
-                                 seq_len=self.seq_len if seq_len is None else seq_len, backward=False, tp=tp,
-                                 recompute=recompute, first=first, last=last)
+            block = ComputeBlock(layers=n, micro_batch=b, seq_len=s, backward=False, tp=tp, recompute=recompute,
+                                 first=first, last=last)
             fwd = target.block_s(block)
             bwd = target.block_s(dataclasses.replace(block, backward=True))
             return StageCost(forward_s=fwd, backward_s=bwd, compute_s=fwd + bwd, tp_forward_s=0.0,
@@ -432,8 +440,6 @@ class CostModel:
         # An emulated device sleeps (slowdown - 1) x the CPU time of each compute block (runtime/trace.py
         # EmulatedSlowdown): the waits inside its TP collectives are not stretched, their CPU time is.
         stretch = self.host.emulated_slowdown(device_type)
-        b = self.micro_batch if micro_batch is None else micro_batch
-        s = self.seq_len if seq_len is None else seq_len
         cpu_blocks = self._tp_blocks(device_type, tp, cpu=True)
         tp_cpu_f = tp_cpu_b = 0.0
         if cpu_blocks is not None:
@@ -449,16 +455,14 @@ class CostModel:
 
     def _tp_blocks(self, device_type: str, tp: int, cpu: bool = False) -> Mapping[str, ComponentFit] | None:
         """Measured TP overhead per stage block (wall time, or its CPU part), if the profile has it."""
-        if tp <= 1:
-            return None
-        m = self.profiles[device_type].measured_model(self.model)
+        m = self._measured(device_type) if tp > 1 else None
         return None if m is None else (m.tp_blocks_cpu if cpu else m.tp_blocks).get(tp)
 
     @staticmethod
     def _tp_extras(blocks: Mapping[str, ComponentFit], first: bool, last: bool, b: int, s: int) -> tuple[float, float]:
         """(forward, backward) TP overhead a stage adds beyond its layers: its fixed part, the embedding's
         and the head's."""
-        parts = [blocks["stage"]] + ([blocks["embedding"]] if first else []) + ([blocks["head"]] if last else [])
+        parts = _stage_blocks(blocks, first, last)
         return (sum(eval_fit(p.forward_s, b, s) for p in parts), sum(eval_fit(p.backward_s, b, s) for p in parts))
 
     @_memo
@@ -632,12 +636,7 @@ class CostModel:
     def grad_sync_times(self, strategy: Strategy) -> dict[int, float]:
         """Seconds each device spends in the cross-pipeline gradient sync (its groups one after the
         other, ignoring waits for slower peers; the simulator plays those out)."""
-        out = {d: 0.0 for d in strategy.devices}
-        for g in self.sync_plan(strategy):
-            t = self.sync_group_time(g)
-            for d in g.devices:
-                out[d] += t
-        return out
+        return self._group_times(strategy, self.sync_group_time)
 
     def grad_sync_time(self, strategy: Strategy) -> float:
         times = self.grad_sync_times(strategy)
@@ -686,11 +685,15 @@ class CostModel:
     def zero_gather_times(self, strategy: Strategy, zero: bool = True) -> dict[int, float]:
         """Seconds each device spends in ZeRO-1's all-gathers (its groups one after the other); all zero
         without ZeRO or with one pipeline (nothing is sharded then)."""
-        out = {d: 0.0 for d in strategy.devices}
         if not zero:
-            return out
+            return {d: 0.0 for d in strategy.devices}
+        return self._group_times(strategy, self.zero_gather_time)
+
+    def _group_times(self, strategy: Strategy, price: Callable[[SyncGroup], float]) -> dict[int, float]:
+        """Each device's sum of ``price`` over the sync groups it is in (every device of the strategy)."""
+        out = {d: 0.0 for d in strategy.devices}
         for g in self.sync_plan(strategy):
-            t = self.zero_gather_time(g)
+            t = price(g)
             for d in g.devices:
                 out[d] += t
         return out
