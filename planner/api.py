@@ -158,26 +158,19 @@ def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfil
     # Baselines and bound over every micro-batch size, not only those the search kept: generous to them.
     every = {b: cms.get(b) or CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len)
              for b in micro_batch_sizes(settings)}
-    if progress is not None:
-        progress("baselines", 0, 3)
-    mp = settings.min_pipelines
-    if baselines:
-        sym = best_symmetric(every, devs, settings.global_batch, settings.zero, min_pipelines=mp,
-                             schedule=settings.schedule)
-    else:
-        sym = Baseline("symmetric", None, None, None, "not computed")
-    if progress is not None:
-        progress("baselines", 1, 3)
-    if baselines:
-        sub = best_symmetric_subset(every, devs, settings.global_batch, settings.zero, min_pipelines=mp,
-                                    schedule=settings.schedule)
-    else:
-        sub = Baseline("symmetric-subset", None, None, None, "not computed")
-    if progress is not None:
-        progress("baselines", 2, 3)
+    report = progress if progress is not None else (lambda _phase, _done, _total: None)
+    found = []
+    for i, (name, best) in enumerate((("symmetric", best_symmetric), ("symmetric-subset", best_symmetric_subset))):
+        report("baselines", i, 3)
+        if baselines:
+            found.append(best(every, devs, settings.global_batch, settings.zero,
+                              min_pipelines=settings.min_pipelines, schedule=settings.schedule))
+        else:
+            found.append(Baseline(name, None, None, None, "not computed"))
+    sym, sub = found
+    report("baselines", 2, 3)
     lb = lower_bound(every, devs, settings.global_batch)
-    if progress is not None:
-        progress("baselines", 3, 3)
+    report("baselines", 3, 3)
     # A symmetric plan is a plan too: should one beat the search, it is the answer.
     base_cands = []
     for b in (sym, sub):
@@ -188,8 +181,7 @@ def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfil
                                         f"{describe(b.strategy, cluster)} (the {b.name} baseline)"))
     ranked = rank(candidates + base_cands)
     if settings.simulate_top > 0:
-        if progress is not None:
-            progress("checking the best plans with the simulator", 0, 1)
+        report("checking the best plans with the simulator", 0, 1)
         ranked = simulator_check(ranked, every, settings, base_cands)
     idle = explain_idle(ranked[0], ranked, cluster)
     top = tuple(ranked[:max(1, settings.top_k)])
