@@ -279,7 +279,7 @@ def _stage_blocks(blocks: Mapping[str, ComponentFit], first: bool, last: bool) -
     return [blocks["stage"]] + ([blocks["embedding"]] if first else []) + ([blocks["head"]] if last else [])
 
 
-def _memo(fn: Callable) -> Callable:
+def memo(fn: Callable) -> Callable:
     """Per-instance cache for methods with hashable arguments (CostModel holds unhashable specs)."""
     name = f"_memo_{fn.__name__}"
 
@@ -326,7 +326,7 @@ class CostModel:
 
     # -- components ----------------------------------------------------------------------------------
 
-    @_memo
+    @memo
     def blocks(self, device_type: str, tp: int) -> dict[str, ComponentFit] | None:
         """Measured stage blocks (one decoder layer, a stage's fixed time, embedding, head) at this TP
         degree, timed through the runtime's stage module; None when the profile has none."""
@@ -335,7 +335,7 @@ class CostModel:
             return dict(measured.blocks[tp])
         return None
 
-    @_memo
+    @memo
     def components(self, device_type: str, tp: int) -> dict[str, ComponentFit]:
         """Per-component fits on this device type at this TP degree: measured if the profile has this
         model shape and TP degree, else derived from the profile's throughput figures."""
@@ -369,7 +369,7 @@ class CostModel:
 
     # -- per layer and per stage ---------------------------------------------------------------------
 
-    @_memo
+    @memo
     def layer(self, device_type: str, tp: int, recompute: bool = False, micro_batch: int | None = None,
               seq_len: int | None = None) -> LayerCost:
         """One decoder layer: attention, MLP and two RMSNorms, plus its TP all-reduces."""
@@ -392,7 +392,7 @@ class CostModel:
                          checkpoint_bytes=float(b * s * self.model.hidden_size * BOUNDARY_BYTES),
                          params=sum(p.params for p in parts))
 
-    @_memo
+    @memo
     def extras(self, device_type: str, tp: int, first: bool, last: bool, micro_batch: int | None = None,
                seq_len: int | None = None) -> LayerCost:
         """What a stage adds to its layers: the first stage's embedding, the last one's final norm, head
@@ -419,7 +419,7 @@ class CostModel:
             activation_bytes=sum(eval_fit(p.activation_bytes, b, s) for p in parts),
             checkpoint_bytes=0.0, params=sum(p.params for p in parts))
 
-    @_memo
+    @memo
     def stage(self, device_type: str, tp: int, num_layers: int, first: bool, last: bool,
               recompute: bool = False, micro_batch: int | None = None, seq_len: int | None = None) -> StageCost:
         """One micro-batch through a stage of ``num_layers`` layers (recompute: whole-layer checkpoints)."""
@@ -465,7 +465,7 @@ class CostModel:
         parts = _stage_blocks(blocks, first, last)
         return (sum(eval_fit(p.forward_s, b, s) for p in parts), sum(eval_fit(p.backward_s, b, s) for p in parts))
 
-    @_memo
+    @memo
     def sleep_target(self, device_type: str) -> SleepTarget | None:
         """A sleep-mode emulated type's target (runtime/spec/cluster.py ``Emulation``): its forward and
         backward blocks last what the target prices them at (``stage``), the same function the runtime's
@@ -477,7 +477,7 @@ class CostModel:
 
     # -- memory --------------------------------------------------------------------------------------
 
-    @_memo
+    @memo
     def stage_memory(self, device_type: str, tp: int, num_layers: int, first: bool, last: bool,
                      recompute: bool, in_flight: int, zero_degree: int = 1) -> MemoryBreakdown:
         """Peak bytes on one device of a stage holding ``in_flight`` micro-batches of activations.
@@ -509,7 +509,7 @@ class CostModel:
 
     # -- communication -------------------------------------------------------------------------------
 
-    @_memo
+    @memo
     def link(self, a: int, b: int) -> LinkFit:
         """Latency and bandwidth between two devices: measured if both types measured this host's
         links, else the cluster's link bandwidth times the profiles' efficiency."""
@@ -537,7 +537,7 @@ class CostModel:
         and the slowest link of the ring."""
         return _collective_time(self._allreduce_lines(tuple(devices)), (nbytes,))
 
-    @_memo
+    @memo
     def _allreduce_lines(self, devices: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
         """``allreduce_time`` as lines (seconds, seconds per byte), the time being the slowest of them."""
         n = len(devices)
@@ -550,7 +550,7 @@ class CostModel:
             measured = [(max(self.profiles[t].comm.allreduce_latency_s for t in types) * 2 * (n - 1), bw)]
         return tuple((lat, 2.0 * (n - 1) / n / (bw * 1e9)) for lat, bw in measured)
 
-    @_memo
+    @memo
     def _tp_allreduce(self, device_type: str, tp: int, nbytes: float) -> float:
         """An all-reduce inside a TP group of one type on one node (same-node intra bandwidth)."""
         if tp <= 1:
@@ -563,7 +563,7 @@ class CostModel:
         bw = dt.intra_node_bandwidth_gbs * prof.comm.bandwidth_efficiency
         return allreduce_seconds(nbytes, tp, prof.comm.allreduce_latency_s * 2 * (tp - 1), bw)
 
-    @_memo
+    @memo
     def _tp_allgather(self, device_type: str, tp: int, nbytes: float) -> float:
         """An all-gather of ``nbytes`` (the gathered size) inside a TP group: half an all-reduce's
         traffic, same per-step latency."""
@@ -650,7 +650,7 @@ class CostModel:
         traffic."""
         return _collective_time(self._allgather_lines(tuple(devices)), (nbytes,))
 
-    @_memo
+    @memo
     def _allgather_lines(self, devices: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
         n = len(devices)
         if n <= 1:

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from planner.cost import CostModel, StrategyEstimate
+from planner.cost import CostModel, StrategyEstimate, memo
 from planner.layer_split import LayerSplit, SlotCost, slot_costs, split_fast, split_ilp
 from planner.microbatch import Allocation, PipelineClass, TimeOption, allocate_greedy, allocate_ilp
 from planner.pipelines import (
@@ -254,9 +254,6 @@ class Searcher:
         self.progress = progress
         self.micro_batches = settings.global_batch // cm.micro_batch
         self.stats = SearchStats()
-        self._groups: dict[tuple[TypeChoice, ...], dict[GroupKind, list[TPGroup]]] = {}
-        self._fast: dict[tuple[Template, int], LayerSplit | None] = {}
-        self._layer_s: dict[GroupKind, float] = {}
         self._sync_cache: dict[tuple, float] = {}
         self._p2p: dict[tuple[int, int], float] = {}
         self._seen_blocks: set[tuple] = set()
@@ -273,25 +270,21 @@ class Searcher:
             return True
         return False
 
+    @memo
     def layer_s(self, kind: GroupKind) -> float:
-        hit = self._layer_s.get(kind)
-        if hit is None:
-            hit = self._layer_s[kind] = self.cm.stage(kind.device_type, kind.tp, 1, False, False).time_s
-        return hit
+        return self.cm.stage(kind.device_type, kind.tp, 1, False, False).time_s
 
     def memory_gib(self, kind: GroupKind) -> float:
         return self.cluster.device_types[kind.device_type].memory_gib
 
+    @memo
     def groups(self, choice: tuple[TypeChoice, ...]) -> dict[GroupKind, list[TPGroup]]:
-        hit = self._groups.get(choice)
-        if hit is None:
-            out: dict[GroupKind, list[TPGroup]] = {}
-            for c in choice:
-                gs = form_groups(self.cluster, self.model, {c.device_type: c.tp}, self.devices, c.remainder)
-                for k, v in groups_by_kind(gs).items():
-                    out.setdefault(k, []).extend(v)
-            hit = self._groups[choice] = out
-        return hit
+        out: dict[GroupKind, list[TPGroup]] = {}
+        for c in choice:
+            gs = form_groups(self.cluster, self.model, {c.device_type: c.tp}, self.devices, c.remainder)
+            for k, v in groups_by_kind(gs).items():
+                out.setdefault(k, []).extend(v)
+        return out
 
     def zero_degree(self, pipelines: int) -> int:
         return pipelines if self.settings.zero else 1
@@ -300,11 +293,9 @@ class Searcher:
         return slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,
                           memory_margin=self.settings.memory_margin)
 
+    @memo
     def fast_split(self, template: Template, zero_degree: int) -> LayerSplit | None:
-        key = (template, zero_degree)
-        if key not in self._fast:
-            self._fast[key] = split_fast(self._slots(template, zero_degree), self.model.num_layers)
-        return self._fast[key]
+        return split_fast(self._slots(template, zero_degree), self.model.num_layers)
 
     def _pair_s(self, a: int, b: int) -> float:
         """One boundary both ways between stages led by devices ``a`` and ``b`` (``p2p_time`` prices a
