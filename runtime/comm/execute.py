@@ -119,15 +119,10 @@ def run(op: CommOp, x: torch.Tensor | None, groups: ProcessGroups, *, dtype: tor
     if dtype is None:
         raise ValueError(f"device {me} only receives: pass dtype=")
     mid = _reduce_phase(op, x, me, groups) if (in_src and op.reduce) else x
-    if not in_dst:
-        _gathers(op, mid, None, me, groups)
-        run_p2p(op.p2p, me, {0: mid} if mid is not None else {}, {}, _mid_regions(op, me), groups.ranks,
-                as_bytes=False)
-        return None
-    out = torch.empty(op.dst.local_shape(me), dtype=dtype, device=device)
+    out = torch.empty(op.dst.local_shape(me), dtype=dtype, device=device) if in_dst else None
     _gathers(op, mid, out, me, groups)
-    run_p2p(op.p2p, me, {0: mid} if mid is not None else {}, {0: out}, _mid_regions(op, me), groups.ranks,
-            as_bytes=False)
+    run_p2p(op.p2p, me, {0: mid} if mid is not None else {}, {0: out} if out is not None else {},
+            _mid_regions(op, me), groups.ranks, as_bytes=False)
     return out
 
 
@@ -150,7 +145,7 @@ def _reduce_phase(op: CommOp, x: torch.Tensor, me: int, groups: ProcessGroups) -
             work = dist.all_reduce(flat, group=pg, async_op=True)
             pending.append((work, flat, list(b.regions)))
             continue
-        order = [_device_of_rank(groups, r) for r in dist.get_process_group_ranks(pg)]
+        order = groups.order(pg)
         sizes = {d: 0 for d in order}
         chunks: dict[int, list[torch.Tensor]] = {d: [] for d in order}
         mine: list[Region] = []
@@ -183,14 +178,6 @@ def _reduce_phase(op: CommOp, x: torch.Tensor, me: int, groups: ProcessGroups) -
     return mid
 
 
-def _device_of_rank(groups: ProcessGroups, rank: int) -> int:
-    inv = getattr(groups, "_device_of_rank", None)
-    if inv is None:
-        inv = {r: d for d, r in groups.ranks.items()}
-        groups._device_of_rank = inv  # type: ignore[attr-defined]
-    return inv[rank]
-
-
 def _gathers(op: CommOp, mid: torch.Tensor | None, out: torch.Tensor | None, me: int,
              groups: ProcessGroups) -> None:
     for g in op.gathers:
@@ -198,7 +185,7 @@ def _gathers(op: CommOp, mid: torch.Tensor | None, out: torch.Tensor | None, me:
             continue
         assert mid is not None and out is not None
         pg = groups.get(g.devices)
-        order = [_device_of_rank(groups, r) for r in dist.get_process_group_ranks(pg)]
+        order = groups.order(pg)
         part = dict(zip(g.devices, g.parts))
         width = max(_numel(p) for p in g.parts)
         mine = mid.reshape(-1)

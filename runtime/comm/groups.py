@@ -37,8 +37,8 @@ class ProcessGroups:
         # for tensors they allocate on devices that receive without holding an input.
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.my_rank = dist.get_rank()
-        devices_by_rank = {r: d for d, r in self.ranks.items()}
-        self.my_device = devices_by_rank.get(self.my_rank)
+        self._device_of_rank = {r: d for d, r in self.ranks.items()}
+        self.my_device = self._device_of_rank.get(self.my_rank)
         self._groups: dict[DeviceGroupKey, dist.ProcessGroup | None] = {}
         self._meshes: dict[DeviceGroupKey, object] = {}
         self.ensure(groups)
@@ -71,6 +71,10 @@ class ProcessGroups:
         if pg is None:
             raise KeyError(f"device {self.my_device} is not a member of group {key}")
         return pg
+
+    def order(self, pg: dist.ProcessGroup) -> list[int]:
+        """The device ids of a group's members, in the group's rank order."""
+        return [self._device_of_rank[r] for r in dist.get_process_group_ranks(pg)]
 
     def mesh(self, devices: Sequence[int], device_type: str = "cpu"):
         """A 1-D DeviceMesh over an existing group (the bottom tier of a subgroup), in the given order."""

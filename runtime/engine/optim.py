@@ -137,8 +137,7 @@ class _Bucket:
                  device: torch.device) -> None:
         self.devices = zb.devices
         self.group = groups.get(zb.devices)
-        by_rank = {r: d for d, r in groups.ranks.items()}
-        slot = {by_rank[r]: q for q, r in enumerate(dist.get_process_group_ranks(self.group))}
+        slot = {d: q for q, d in enumerate(groups.order(self.group))}
         self.width = zb.width
         offsets = {d: slot[d] * self.width for d in zb.devices}
         entries = []
