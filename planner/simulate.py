@@ -144,7 +144,6 @@ class SimOp:
     sharing: float = 1.0
     handoff: CoreHandoff | None = None
     transfers: tuple[Transfer, ...] = ()  # a P2P op: the runtime's transfers it posts together
-    transfer_s: float = 0.0  # ... and the longest of them
 
     @property
     def computes(self) -> bool:
@@ -483,10 +482,10 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedule: Schedule) -> dict[tu
                 src, dst = (st, peer) if t.is_send else (peer, st)
                 secs = cm.p2p_time(src.devices, dst.devices)
                 waits.append((where[pi, k + t.peer_offset, t.counterpart, t.micro_batch], secs))
-            own = max(secs for _, secs in waits)
             name = f"{res}C{ai}"
-            sim.add(SimOp(name, res, OpKind.P2P, pi, k, a.transfers[0].micro_batch, duration=own,
-                          waits=tuple(waits), transfers=a.transfers, transfer_s=own,
+            # Its own duration: the longest of its transfers.
+            sim.add(SimOp(name, res, OpKind.P2P, pi, k, a.transfers[0].micro_batch,
+                          duration=max(secs for _, secs in waits), waits=tuple(waits), transfers=a.transfers,
                           wake=cm.host.comm_wake(device_type), **costs.waiting(st.devices)))
         last[pi, k] = name
     return last
@@ -542,7 +541,7 @@ def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Cost
         key = (op.pipeline, op.stage)
         if op.kind is OpKind.P2P:
             label = ", ".join(f"{t.kind.replace('_', ' ')} {t.micro_batch}" for t in op.transfers)
-            busy = min(end - start, op.transfer_s)
+            busy = min(end - start, op.duration)
             p2p_busy[key] = p2p_busy.get(key, 0.0) + busy
             events.append(Event(label, "p2p", op.pipeline, op.stage, "stage", start, end, op.micro_batch, busy))
         elif op.kind in (OpKind.FORWARD, OpKind.BACKWARD):
