@@ -442,8 +442,10 @@ def _lost_lines(failed: frozenset[int], step: int, lost: list[Any], options: Tra
     return lines
 
 
-def _max(times: dict[int, Switched], name: str) -> float:
-    return max((getattr(t, name) for t in times.values()), default=0.0)
+def _slowest(times: dict[int, Switched]) -> dict[str, float]:
+    """Each part of a transition as its slowest device took it."""
+    return {k: max((getattr(t, k) for t in times.values()), default=0.0)
+            for k in ("regroup_s", "specialize_s", "transfer_s")}
 
 
 def _failure_event(inc: _Incident, now: float, survivors: list[int]) -> dict[str, Any]:
@@ -456,8 +458,7 @@ def _failure_event(inc: _Incident, now: float, survivors: list[int]) -> dict[str
         "replanned": inc.replanned, "strategy": t.target.name, "plan": t.target.describe(),
         "devices": sorted(t.target.devices), "micro_batch": t.target.ctx.plan.training.micro_batch,
         "detect_s": detect, "abandon_s": inc.t_left - inc.t_detect, "replan_s": inc.replan_s + inc.plan_s,
-        "regroup_s": _max(inc.times, "regroup_s"), "specialize_s": _max(inc.times, "specialize_s"),
-        "transfer_s": _max(inc.times, "transfer_s"), "switch_s": inc.t_resumed - inc.t_sent,
+        **_slowest(inc.times), "switch_s": inc.t_resumed - inc.t_sent,
         "switch_bytes": t.bsr.total_bytes, "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster),
         "total_s": detect + (inc.t_resumed - inc.t_detect), "first_step_s": now - inc.t_resumed,
         "recovery_s": now - inc.t_detect, "attempts": inc.attempts,
@@ -469,8 +470,7 @@ def _switch_event(sw: Switching, t_resumed: float, times: dict[int, Switched], r
     return {
         "event": "switch", "step": sw.step, "from": t.source.describe(), "to": t.target.describe(),
         "strategy": t.target.name, "plan_file": str(t.target.ctx.path),
-        "plan_s": sw.plan_s, "regroup_s": _max(times, "regroup_s"), "specialize_s": _max(times, "specialize_s"),
-        "transfer_s": _max(times, "transfer_s"), "switch_bytes": t.bsr.total_bytes,
+        "plan_s": sw.plan_s, **_slowest(times), "switch_bytes": t.bsr.total_bytes,
         "modelled_transfer_s": t.bsr.modelled_time(ref.ctx.cluster),
         "total_s": t_resumed - sw.since,
     }
