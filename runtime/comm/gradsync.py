@@ -69,8 +69,7 @@ def reduce_slices(layout: Layout) -> SliceGroups:
                  for b in plan_reduce(layout, None) if len(b.devices) > 1)
 
 
-def plan_sync(layouts: Sequence[Layout], *, bucket_bytes: int = BUCKET_BYTES,
-              itemsize: int = GRAD_ITEMSIZE) -> list[SyncBucket]:
+def plan_sync(layouts: Sequence[Layout], *, bucket_bytes: int = BUCKET_BYTES) -> list[SyncBucket]:
     """Buckets of all gradients, grouped by device group, in one global order."""
     # Layers placed alike share one layout object (Annotation.layout is cached): reduce each once, keyed by
     # identity (hashing a layout is as costly as reducing it).
@@ -78,14 +77,13 @@ def plan_sync(layouts: Sequence[Layout], *, bucket_bytes: int = BUCKET_BYTES,
     for lay in layouts:
         if id(lay) not in reduced:
             reduced[id(lay)] = reduce_slices(lay)
-    return cut_buckets([reduced[id(lay)] for lay in layouts], bucket_bytes=bucket_bytes, itemsize=itemsize)
+    return cut_buckets([reduced[id(lay)] for lay in layouts], bucket_bytes=bucket_bytes)
 
 
-def cut_buckets(slices: Sequence[SliceGroups], *, bucket_bytes: int = BUCKET_BYTES,
-                itemsize: int = GRAD_ITEMSIZE) -> list[SyncBucket]:
+def cut_buckets(slices: Sequence[SliceGroups], *, bucket_bytes: int = BUCKET_BYTES) -> list[SyncBucket]:
     """Gradient ``i``'s slices ``slices[i]`` packed into buckets of at most ``bucket_bytes`` (a slice is never
     cut; a bigger one goes alone), device group by device group in one global order."""
-    bucket_numel = max(1, bucket_bytes // itemsize)
+    bucket_numel = max(1, bucket_bytes // GRAD_ITEMSIZE)
     by_group: dict[tuple[tuple[int, ...], int], list[tuple[int, tuple[tuple[Region, int], ...]]]] = defaultdict(list)
     for i, groups in enumerate(slices):
         for key, regions in groups:
