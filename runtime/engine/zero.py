@@ -39,8 +39,7 @@ from typing import NamedTuple
 
 from runtime.annotations.from_plan import StrategyAnnotations
 from runtime.annotations.states import Region, volume
-from runtime.comm.gradsync import BUCKET_BYTES, plan_sync
-from runtime.comm.resolve import plan_reduce
+from runtime.comm.gradsync import BUCKET_BYTES, plan_sync, reduce_slices
 
 
 @dataclass(frozen=True)
@@ -86,10 +85,9 @@ def zero_slices(annotations: StrategyAnnotations) -> dict[str, tuple[ZeroSlice, 
     memo: dict[tuple[object, tuple[int, ...]], tuple[tuple[Region, tuple[int, ...]], ...]] = {}
     for p in annotations.params:
         key = (p.grad, p.shape)
-        if key not in memo:
-            lay = p.grad.layout(p.shape)
-            memo[key] = tuple((r, b.devices) for b in plan_reduce(lay, None) if len(b.devices) > 1
-                              for r in b.regions) if lay.is_partial else ()
+        if key not in memo:  # the slices the gradient sync all-reduces
+            memo[key] = tuple((r, devs) for (devs, _), regions in reduce_slices(p.grad.layout(p.shape))
+                              for r, _ in regions)
         if memo[key]:
             out[p.name] = tuple(ZeroSlice(p.name, r, devs) for r, devs in memo[key])
     return out
