@@ -137,7 +137,7 @@ def specialize(handle: StrategyHandle, device: int) -> DevicePlan | None:
 
 def stage_role(handle: StrategyHandle, device: int) -> StageRole | None:
     """The role of ``device`` in the strategy, or None when the strategy leaves it idle."""
-    where = handle.locate(device)
+    where = handle.strategy.locate(device)
     if where is None:
         return None
     pi, si, tp_rank = where

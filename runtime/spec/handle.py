@@ -64,15 +64,6 @@ class StrategyHandle:
         """Every device the strategy uses, sorted (``strategy.devices`` has them pipeline by pipeline)."""
         return tuple(sorted(self.strategy.devices))
 
-    @cached_property
-    def _where(self) -> dict[int, tuple[int, int, int]]:
-        return {d: (pi, si, s.devices.index(d)) for pi, p in enumerate(self.strategy.pipelines)
-                for si, s in enumerate(p.stages) for d in s.devices}
-
-    def locate(self, device: int) -> tuple[int, int, int] | None:
-        """(pipeline index, stage index, TP rank) of a device, or None if it is idle."""
-        return self._where.get(device)
-
     def describe(self) -> str:
         """'[0,1]:0-4 > [2]:4-8 x6 | ...': each pipeline's stages (devices: layers) and micro-batches."""
         pipes = []
