@@ -3,13 +3,12 @@ ping-pong for p2p, all-reduce and all-gather per group size; fitted as latency +
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from runtime.profiling.compute import synchronize
+from runtime.profiling.compute import time_once
 from runtime.profiling.fit import link_fit, trimmed_mean
 
 
@@ -28,11 +27,7 @@ def p2p_and_allreduce(rank: int, world: int, sizes: Sequence[int], *, device: to
         times = []
         for _ in range(reps + 2):
             dist.barrier()
-            synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            synchronize(device)
-            times.append(time.perf_counter() - t0)
+            times.append(time_once(fn, device)[0])
         return trimmed_mean(times[2:])
 
     p2p_x, p2p_y = [], []
