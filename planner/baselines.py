@@ -44,7 +44,6 @@ class Baseline:
 class LowerBound:
     step_time_s: float
     micro_batch: int
-    device_seconds: Mapping[str, float]   # per type: device-seconds of one whole micro-batch (best TP)
     best_tp: Mapping[str, int]            # per type: the best TP degree for a decoder layer
 
 
@@ -197,8 +196,7 @@ def lower_bound(cms: Mapping[int, CostModel], devices: Sequence[int], global_bat
         res = solve(prob, 30.0)
         if not res.ok:
             raise RuntimeError(f"lower-bound LP failed: {res.status}")
-        per_mb = {t: sum(secs[t][k] * need[k] for k in need) / m for t in count}
-        lb = LowerBound(float(horizon.value()), b, per_mb, {t: tps[t]["layer"] for t in count})
+        lb = LowerBound(float(horizon.value()), b, {t: tps[t]["layer"] for t in count})
         if best is None or lb.step_time_s < best.step_time_s:
             best = lb
     assert best is not None
