@@ -28,7 +28,7 @@ def parse_devices(text: str, option: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise HspmdError(f"{option}: expected comma-separated device ids such as 5,6, got {text!r}") from None
+        out = []
     if not out or any(d < 0 for d in out):
         raise HspmdError(f"{option}: expected comma-separated device ids such as 5,6, got {text!r}")
     return sorted(set(out))
