@@ -524,12 +524,10 @@ class CostModel:
         """Bytes of one micro-batch's hidden states [B, s, h] at a stage boundary (fp32)."""
         return float(self.micro_batch * self.seq_len * self.model.hidden_size * BOUNDARY_BYTES)
 
-    def p2p_time(self, src: Sequence[int], dst: Sequence[int], nbytes: float | None = None) -> float:
-        """One activation (default: [B, s, h] fp32) from stage ``src`` to ``dst``, one direction."""
-        if nbytes is None:
-            nbytes = self.boundary_bytes()
+    def p2p_time(self, src: Sequence[int], dst: Sequence[int]) -> float:
+        """One activation ([B, s, h] fp32) from stage ``src`` to ``dst``, one direction."""
         lk = self.link(src[0], dst[0])
-        return lk.latency_s + nbytes / (lk.bandwidth_gbs * 1e9)
+        return lk.latency_s + self.boundary_bytes() / (lk.bandwidth_gbs * 1e9)
 
     def allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
         """One ring all-reduce among ``devices``: measured fit for a same-type group on one node when
