@@ -71,14 +71,9 @@ def form_groups(cluster: Cluster, model: ModelSpec, tp_by_type: Mapping[str, int
         t = tp_by_type.get(dtype)
         if t is None:
             continue
+        smaller = sorted((s for s in tp_degrees(model, t) if s < t), reverse=True) if remainder else []
         i = 0
-        while len(ids) - i >= t:
-            out.append(TPGroup(GroupKind(dtype, t), node, tuple(ids[i:i + t])))
-            i += t
-        if not remainder:
-            continue
-        smaller = [s for s in tp_degrees(model, t) if s < t]
-        for s in sorted(smaller, reverse=True):
+        for s in [t, *smaller]:
             while len(ids) - i >= s:
                 out.append(TPGroup(GroupKind(dtype, s), node, tuple(ids[i:i + s])))
                 i += s
