@@ -585,14 +585,29 @@ class CostModel:
         every slice is all-reduced by the devices that hold it (one per pipeline), norms duplicated inside
         a TP group by the whole group (each replica counted once).
         """
-        key = tuple(tuple((st.devices, st.layers) for st in p.stages) for p in strategy.pipelines)
+        if len(strategy.pipelines) <= 1:
+            return []  # nothing to sync
+        # The layout only compares and sorts device ids, so plans of one shape on other devices share it:
+        # computed once per pattern (devices renumbered 0, 1, ... in id order, which keeps every order)
+        # and mapped back. The search prices many placements of few shapes.
+        ids = sorted(strategy.devices)
+        number = {d: i for i, d in enumerate(ids)}
+        pattern = tuple(tuple((tuple(number[d] for d in st.devices), st.layers) for st in p.stages)
+                        for p in strategy.pipelines)
         cache = self.__dict__.setdefault("_sync_plans", {})
-        if key not in cache and len(strategy.pipelines) <= 1:
-            cache[key] = ()  # nothing to sync
-        if key not in cache:
-            cache[key] = tuple(sync_groups(cut_buckets([self._grad_slices(info, stages)
-                                                        for info, stages in placements(strategy, self.model)])))
-        return list(cache[key])
+        if pattern not in cache:
+            renumbered = dataclasses.replace(strategy, pipelines=tuple(
+                dataclasses.replace(p, stages=tuple(dataclasses.replace(st, devices=devices)
+                                                    for st, (devices, _) in zip(p.stages, shape)))
+                for p, shape in zip(strategy.pipelines, pattern)))
+            cache[pattern] = tuple(sync_groups(cut_buckets([self._grad_slices(info, stages)
+                                                            for info, stages in placements(renumbered, self.model)])))
+
+        def back(devices: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(ids[i] for i in devices)
+
+        return [SyncGroup(back(g.devices), tuple(dataclasses.replace(b, devices=back(b.devices)) for b in g.buckets))
+                for g in cache[pattern]]
 
     def _grad_slices(self, info: ParamInfo, stages: tuple[Stage, ...]) -> SliceGroups:
         """One gradient's all-reduce slices where ``stages`` hold it: the same for every tensor of its shape
