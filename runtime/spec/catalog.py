@@ -8,10 +8,10 @@ from typing import TypeVar
 
 from runtime.errors import Problem, SpecError
 from runtime.spec.cluster import Cluster
-from runtime.spec.io import atomic_write_text, dump_yaml, read_yaml
+from runtime.spec.io import atomic_write_text, dump_yaml, load_file
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import Plan
-from runtime.spec.schema import build, to_data
+from runtime.spec.plan import PLAN_VERSION, Plan
+from runtime.spec.schema import to_data
 from runtime.spec.validate import validate_plan
 
 T = TypeVar("T")
@@ -43,7 +43,7 @@ def resolve_ref(ref: str, kind: str, relative_to: Path | None = None) -> Path | 
 
 
 def _load(cls: type[T], path: Path) -> T:
-    return build(cls, read_yaml(path), str(path))
+    return load_file(cls, path)
 
 
 def load_model(ref: str, *, relative_to: Path | None = None, file: str = "", field: str = "model") -> ModelSpec:
@@ -65,7 +65,7 @@ def load_cluster(ref: str, *, relative_to: Path | None = None, file: str = "",
 
 def load_plan(path: str | Path) -> Plan:
     """Parse and type-check a plan file (no cross-checks against model and cluster)."""
-    return _load(Plan, Path(path))
+    return load_file(Plan, Path(path), version=PLAN_VERSION)
 
 
 def dump_plan(plan: Plan) -> str:
