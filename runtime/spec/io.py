@@ -159,9 +159,14 @@ def read_yaml(path: str | os.PathLike[str], limits: ReadLimits = DEFAULT_LIMITS)
     """Parse one YAML document with a bounded ``SafeLoader``; any problem is one SpecError line."""
     p = Path(path)
     text = _decode(p, _read_bytes(p, limits))
-    loader = _BoundedLoader(text, limits)
+    loader = None
     try:
+        loader = _BoundedLoader(text, limits)  # the reader rejects control characters here already
         return loader.get_single_data()
+    except yaml.reader.ReaderError as exc:
+        line = text[:exc.position].count("\n") + 1
+        raise SpecError([Problem(str(p), f"line {line}", f"malformed YAML: character #x{exc.character:04x} "
+                                                         "is not allowed")]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -172,7 +177,8 @@ def read_yaml(path: str | os.PathLike[str], limits: ReadLimits = DEFAULT_LIMITS)
         # e.g. an integer of more digits than Python converts, or a malformed timestamp.
         raise SpecError([Problem(str(p), "", f"malformed YAML: {str(exc).splitlines()[0][:120]}")]) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def _json_depth(text: str) -> tuple[int, int]:
