@@ -18,6 +18,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("profile", "profile"),
     ("plan", "plan"),
     ("replan", "replan"),
+    ("check_numerics", "check_numerics"),
 ]
 
 
