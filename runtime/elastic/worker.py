@@ -222,7 +222,7 @@ class ElasticWorker:
 
         self.groups.ensure(DeviceProgram.required_groups(ref.ctx, ref.strategy))
         ctx = WorkerContext(plan=ref.ctx, strategy=ref.strategy, device_id=self.me, ranks=dict(self.world.ranks),
-                            torch_device=self.device, timeout=self.timeout)
+                            torch_device=self.device, timeout=self.timeout, precision=self.options.precision)
         return DeviceProgram(ctx, self.groups, self.hooks)
 
     def _load(self) -> int:

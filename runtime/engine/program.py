@@ -205,7 +205,7 @@ class DeviceProgram:
                 x = local[:, :-1]
             else:
                 x = run.inputs[mb].requires_grad_()
-            with autocast_for(self.device):
+            with autocast_for(self.device, self.ctx.precision):
                 out = self.module(x)
             if role.head:
                 loss = causal_lm_loss_sum(out, local[:, 1:])

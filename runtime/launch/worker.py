@@ -92,7 +92,8 @@ def train_worker(spec: WorkerSpec, store: Any, reporter: Reporter) -> None:
             reporter.log(f"device {spec.device_id}: emulating a {emulator.slowdown:g}x slower device "
                          f"(sleeps {emulator.slowdown - 1:g}x each measured compute block)")
         ctx = WorkerContext(plan=plan_ctx, strategy=spec.strategy, device_id=spec.device_id,
-                            ranks=dict(spec.ranks), torch_device=device, timeout=timeout)
+                            ranks=dict(spec.ranks), torch_device=device, timeout=timeout,
+                            precision=options.precision)
         program = DeviceProgram(ctx, groups, hooks)
         done = 0
         if options.load_dir is not None:
