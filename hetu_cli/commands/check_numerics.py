@@ -38,7 +38,8 @@ def check_numerics(types_text: str | None, dtypes_text: str, model_ref: str, bat
     """Relative error of embedding, attention, MLP, norm and head+loss (forward output and the worst
     gradient) per device type and dtype against fp64 on the CPU; a component over its dtype's tolerance
     is flagged and the exit code is 3."""
-    from runtime.profiling.numerics import DTYPES, NumericsSettings, check_numerics as run_check, local_devices
+    from runtime.profiling.numerics import DTYPES, NumericsSettings, local_devices
+    from runtime.profiling.numerics import check_numerics as run_check
     from runtime.spec import load_model
 
     here = local_devices()

@@ -231,7 +231,8 @@ def check(verb: Verb, original: Path, data: bytes, loader: Callable[[Path], obje
 def run_fuzz(verbs: list[Verb], files: list[Path], loader: Callable[[Path], object]):
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(st.sampled_from(verbs), st.sampled_from(files).flatmap(lambda f: st.tuples(st.just(f), mutated(f.read_bytes()))))
+    @given(st.sampled_from(verbs),
+           st.sampled_from(files).flatmap(lambda f: st.tuples(st.just(f), mutated(f.read_bytes()))))
     def fuzz(verb: Verb, case: tuple[Path, bytes]) -> None:
         original, data = case
         check(verb, original, data, loader)
