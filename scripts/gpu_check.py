@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         rec.update(path=str(path), params=spec.total_params())
 
     with summary.phase("numerics") as rec:
-        summary.requires("model")
+        summary.requires("environment", "model")
         types = "cpu" if dry else "cpu,cuda"
         # Exit 3: some component was flagged; the JSON report is on stdout all the same.
         cmd = ["check-numerics", "--types", types, "--dtypes", "fp32,bf16", "--model", str(state["model"]),
