@@ -25,7 +25,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
             state.update(count=len(same), type=type_name(first), gpu_name=first,
                          memory_gib=min(g["memory_mib"] for g in same) / 1024)
             rec.update(device_type=state["type"], count=state["count"], backend="nccl")
+            # Data parallelism over every GPU needs a micro-batch count divisible by the GPU count.
+            sizes = replace(sizes, global_batch=sizes.micro_batch * math.lcm(4, state["count"]))
+            summary.data["sizes"] = sizes.__dict__
 
     with summary.phase("cluster") as rec:
         summary.requires("environment")
@@ -392,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         plans = make_plans(out, state["count"], sizes, state["cluster"], state["model"], data_parallel=not dry)
         state["plans"] = plans
         rec["plans"] = {k: str(v) for k, v in plans.items()}
+        if dry:
+            rec["data-parallel"] = "not run in the dry run (the same code path as the plans above)"
         if state["count"] < 2:
             rec["two-stage"] = ("not run: one GPU. hspmd's launcher gives every device its own GPU "
                                 "(cuda:<local index>) and NCCL refuses two ranks on one GPU ('Duplicate GPU "

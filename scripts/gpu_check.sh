@@ -42,9 +42,12 @@ if [ -z "$PY" ]; then
     INSTALL_REASON="make or python3 missing"
   fi
   if [ "$INSTALL_STATUS" = failed ]; then
-    # Go on with whatever python3 can import hspmd from this checkout; the phases say what breaks.
-    PY="$(command -v python3 || echo python3)"
+    # E.g. no network for pip: go on with an existing venv, else python3, importing hspmd from this
+    # checkout; the summary says which dependencies are missing and the phases what that breaks.
+    if [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"; else PY="$(command -v python3 || echo python3)"; fi
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+    MISSING="$("$PY" -c 'import importlib.util as u; print(" ".join(m for m in ("torch", "yaml", "click", "rich", "pulp", "highspy", "networkx", "safetensors") if u.find_spec(m) is None))' 2>/dev/null || echo "$PY does not run")"
+    INSTALL_REASON="$INSTALL_REASON; using $PY${MISSING:+, missing: $MISSING}"
   fi
 else
   INSTALL_REASON="kept: --python $PY"
@@ -52,7 +55,8 @@ else
 fi
 
 if ! "$PY" -c "import torch, yaml, click" >/dev/null 2>&1; then
-  # Nothing below can run: still leave one summary that says why.
+  # Nothing below can run: still leave one summary that says why (JSON-escaped by hand: no python here).
+  INSTALL_REASON="${INSTALL_REASON//\\/\\\\}"; INSTALL_REASON="${INSTALL_REASON//\"/\\\"}"
   printf '{\n  "mode": "%s",\n  "ok": false,\n  "phases": {"install": {"status": "failed", "reason": "%s cannot import torch, yaml and click (%s)"}}\n}\n' \
     "$([ ${#PASS[@]} -gt 0 ] && echo dry-run || echo gpu)" "$PY" "$INSTALL_REASON" >"$OUT/summary.json"
   echo "[gpu_check] install: failed; summary: $OUT/summary.json" >&2
