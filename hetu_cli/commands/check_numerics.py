@@ -38,7 +38,7 @@ def check_numerics(types_text: str | None, dtypes_text: str, model_ref: str, bat
     """Relative error of embedding, attention, MLP, norm and head+loss (forward output and the worst
     gradient) per device type and dtype against fp64 on the CPU; a component over its dtype's tolerance
     is flagged and the exit code is 3."""
-    from runtime.profiling.numerics import DTYPES, NumericsSettings, local_devices
+    from runtime.profiling.numerics import DTYPES, NumericsSettings, local_devices, size_problem
     from runtime.profiling.numerics import check_numerics as run_check
     from runtime.spec import load_model
 
@@ -49,6 +49,9 @@ def check_numerics(types_text: str | None, dtypes_text: str, model_ref: str, bat
     if seq_len > spec.max_seq_len:
         raise HspmdError(f"--seq-len: {seq_len} exceeds {spec.name}'s max_seq_len {spec.max_seq_len}")
     settings = NumericsSettings(batch=batch, seq_len=seq_len, seed=seed)
+    too_big = size_problem(spec, settings)
+    if too_big is not None:
+        raise HspmdError(f"--model: {too_big}")
     results = run_check(spec, types, dtypes, settings)
     flagged = [r for r in results if r.flagged]
     if fmt == "json":

@@ -97,6 +97,23 @@ class NumericsSettings:
             raise ValueError("batch must be at least 1 and seq_len at least 2")
 
 
+MAX_ELEMENTS = 2**28  # per tensor: the fp64 reference of a 2**28-element head alone is 2 GiB, its gradient 2 more
+
+
+def size_problem(spec: ModelSpec, settings: NumericsSettings) -> str | None:
+    """Why this model's components are too large to check on this machine in fp64, or None."""
+    tokens = settings.batch * settings.seq_len
+    largest = {"the embedding / head weight": spec.vocab_size * spec.hidden_size,
+               "an MLP weight": spec.hidden_size * spec.ffn_hidden_size,
+               "the head's logits": tokens * spec.vocab_size,
+               "the MLP's activations": tokens * spec.ffn_hidden_size}
+    what, n = max(largest.items(), key=lambda kv: kv[1])
+    if n > MAX_ELEMENTS:
+        return (f"{spec.name}: {what} has {n:,} elements, more than the {MAX_ELEMENTS:,} checked in fp64 here "
+                "(use a model of the same kind with smaller sizes, or a shorter --seq-len)")
+    return None
+
+
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     a64 = a.detach().to("cpu", torch.float64)
     num = torch.linalg.vector_norm(a64 - ref).item()

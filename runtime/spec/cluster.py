@@ -13,6 +13,8 @@ from functools import cached_property
 
 from runtime.errors import Checker, FieldErrors
 
+MAX_DEVICES = 65_536  # a bound on what a (hostile) file makes every verb enumerate
+
 
 @dataclass(frozen=True)
 class Emulation:
@@ -111,6 +113,7 @@ class Cluster:
                 c.add(f"nodes[{i}]", f"node {node.name!r} lists device type {node.device_type!r} twice")
             seen_pair.add((node.name, node.device_type))
         n = sum(node.count for node in self.nodes)
+        c.check(n <= MAX_DEVICES, "nodes", f"{n:,} devices in all: hspmd plans for at most {MAX_DEVICES:,}")
         names = {node.name for node in self.nodes}
         for i, o in enumerate(self.bandwidth_overrides):
             if o.devices is not None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from runtime.errors import Checker
 
+MAX_LAYERS = 1024  # the planner works per layer; a bound on what a (hostile) file makes it search
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -27,6 +29,7 @@ class ModelSpec:
         for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_heads",
                       "vocab_size", "max_seq_len"):
             c.check(getattr(self, field) >= 1, field, f"must be at least 1, got {getattr(self, field)}")
+        c.check(self.num_layers <= MAX_LAYERS, "num_layers", f"must be at most {MAX_LAYERS}, got {self.num_layers}")
         c.check(self.rope_theta > 0, "rope_theta", "must be positive")
         c.check(self.norm_eps > 0, "norm_eps", "must be positive")
         if self.num_heads >= 1 and self.hidden_size >= 1:

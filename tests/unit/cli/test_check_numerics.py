@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +72,15 @@ def test_cli_json_and_table():
                                                                       for d in ("fp32", "bf16")}
     r = CliRunner().invoke(cli, ["check-numerics", "--dtypes", "bf16", "--seq-len", "8"])
     assert r.exit_code == 0 and "every component within tolerance" in r.output, r.output
+
+
+def test_cli_refuses_components_too_large_for_an_fp64_check(tmp_path):
+    huge = tmp_path / "huge.yaml"
+    huge.write_text((Path(__file__).resolve().parents[3] / "configs" / "models" / "llama-tiny.yaml").read_text()
+                    .replace("ffn_hidden_size: 128", "ffn_hidden_size: 8000000"))
+    r = CliRunner().invoke(cli, ["check-numerics", "--model", str(huge)])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "--model: llama-tiny: an MLP weight has 512,000,000 elements, more than the 268,435,456" in r.output
 
 
 def test_cli_bad_input_is_exit_2():

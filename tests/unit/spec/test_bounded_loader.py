@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from runtime.errors import MAX_REPORTED, Problem, SpecError
-from runtime.spec import load_plan, load_plan_context
+from runtime.spec import load_cluster, load_model, load_plan, load_plan_context
 from runtime.spec.io import ReadLimits, check_version, load_file, read_json, read_yaml
 from runtime.spec.model import ModelSpec
 
@@ -165,3 +165,16 @@ def test_many_unknown_keys_are_capped(tmp_path):
     lines = err.value.lines()
     assert len(lines) == MAX_REPORTED + 1 and lines[-1].startswith(f"{p}: ... and ")
     assert all(line.startswith(f"{p}: ") for line in lines)
+
+
+def test_sizes_that_would_make_every_verb_enumerate_forever_are_refused(tmp_path):
+    cluster = (CONFIGS / "clusters" / "cpu-hetero4.yaml").read_text().replace("count: 2", "count: 999999999999")
+    p = write(tmp_path, "c.yaml", cluster)
+    with pytest.raises(SpecError) as err:
+        load_cluster(str(p))
+    assert err.value.lines() == [f"{p}: nodes: 1,999,999,999,998 devices in all: hspmd plans for at most 65,536"]
+    model = (CONFIGS / "models" / "llama-tiny.yaml").read_text().replace("num_layers: 6", "num_layers: 99999999999")
+    q = write(tmp_path, "m.yaml", model)
+    with pytest.raises(SpecError) as err:
+        load_model(str(q))
+    assert err.value.lines() == [f"{q}: num_layers: must be at most 1024, got 99999999999"]
