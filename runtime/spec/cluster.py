@@ -14,6 +14,7 @@ from functools import cached_property
 from runtime.errors import Checker, FieldErrors
 
 MAX_DEVICES = 65_536  # a bound on what a (hostile) file makes every verb enumerate
+MAX_SLOWDOWN = 1000.0  # beyond this the planner's ILP coefficients span too many orders of magnitude
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class Emulation:
     def __post_init__(self) -> None:
         c = Checker()
         c.check(self.slowdown >= 1.0, "slowdown", f"must be at least 1.0, got {self.slowdown}")
+        c.check(self.slowdown <= MAX_SLOWDOWN, "slowdown", f"must be at most {MAX_SLOWDOWN:g}, got {self.slowdown:g}")
         c.raise_if_any()
 
 

@@ -178,3 +178,12 @@ def test_sizes_that_would_make_every_verb_enumerate_forever_are_refused(tmp_path
     with pytest.raises(SpecError) as err:
         load_model(str(q))
     assert err.value.lines() == [f"{q}: num_layers: must be at most 1024, got 99999999999"]
+
+
+def test_an_absurd_emulated_slowdown_is_refused(tmp_path):
+    # 1e30 made the planner's ILP numerically degenerate (a PuLP IndexError instead of an answer).
+    text = (CONFIGS / "clusters" / "cpu-hetero4.yaml").read_text().replace("slowdown: 3.0", "slowdown: 1.0e+30")
+    p = write(tmp_path, "c.yaml", text)
+    with pytest.raises(SpecError) as err:
+        load_cluster(str(p))
+    assert err.value.lines() == [f"{p}: device_types.cpu-slow.emulate.slowdown: must be at most 1000, got 1e+30"]
