@@ -95,7 +95,8 @@ def mutated(draw, original: bytes) -> bytes:
             return original
         pos = draw(st.sampled_from(digits))
         value = draw(st.sampled_from([b"0", b"-3", b"1e400", b".nan", b"-.inf", b"0x7fffffffffffffffff",
-                                      b"999999999999", b"9" * 30, b"9" * 5000, b"2.5", b"true", b"~"]))
+                                      b"999999999999", b"9" * 30, b"9" * 5000, b"1.0e-30", b"1.0e+30", b"2.5",
+                                      b"true", b"~"]))
         return original[:pos] + value + original[pos + 1:]
     # anchor: make the whole document reuse itself under a new key (valid YAML, unknown key).
     return b"base: &base\n" + b"\n".join(b"  " + line for line in lines) + b"\nagain: *base\n"
