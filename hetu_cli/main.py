@@ -15,7 +15,8 @@ from runtime.errors import HspmdError
 
 # verb -> module in hetu_cli.commands holding a click command of the same name (``-`` becomes ``_``).
 # A verb is listed here once it works.
-COMMANDS: tuple[str, ...] = ("validate", "show", "train", "simulate", "profile", "plan", "replan", "export")
+COMMANDS: tuple[str, ...] = ("validate", "show", "train", "simulate", "profile", "plan", "replan", "export",
+                             "check-numerics")
 
 
 class HspmdGroup(click.Group):

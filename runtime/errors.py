@@ -28,15 +28,26 @@ class HspmdError(Exception):
         return [str(self)]
 
 
+MAX_REPORTED = 10  # problems shown per error; a hostile file must not fill the screen
+
+
 class SpecError(HspmdError, ValueError):
-    """One or more problems with a spec (cluster, model, plan, profile)."""
+    """One or more problems with a spec (cluster, model, plan, profile).
+
+    ``problems`` keeps every one; ``lines()`` shows the first MAX_REPORTED and counts the rest.
+    """
 
     def __init__(self, problems: Iterable[Problem]):
         self.problems: tuple[Problem, ...] = tuple(problems)
-        super().__init__("\n".join(str(p) for p in self.problems))
+        super().__init__("\n".join(self.lines()))
 
     def lines(self) -> list[str]:
-        return [str(p) for p in self.problems]
+        shown = [str(p) for p in self.problems[:MAX_REPORTED]]
+        rest = self.problems[MAX_REPORTED:]
+        if rest:
+            files = sorted({p.file for p in rest if p.file})
+            shown.append(str(Problem(", ".join(files), "", f"... and {len(rest)} more")))
+        return shown
 
 
 class InfeasibleError(HspmdError):

@@ -85,7 +85,9 @@ def solve(problem: pulp.LpProblem, time_limit: float | None = None, *, prefer: s
     try:
         problem.solve(make_solver(time_limit, prefer=prefer, objective_bound=objective_bound))
         failed = prefer != "cbc" and _highs_solve_error(problem)
-    except pulp.PulpSolverError:
+    except (pulp.PulpSolverError, IndexError):
+        # IndexError: PuLP's HiGHS adapter reading back a solution HiGHS did not produce (coefficients
+        # many orders of magnitude apart, e.g. from a cluster file's 1e-30 TFLOPS).
         if prefer == "cbc":
             raise
         failed = True

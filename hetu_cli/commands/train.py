@@ -21,6 +21,7 @@ from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerF
 from runtime.launch.options import PlannedSwitch
 from runtime.launch.session import TRACE_MERGED
 from runtime.launch.supervise import PlainPolicy
+from runtime.precision import PRECISIONS
 
 ELASTIC_TIMEOUT_S = 30.0  # op timeout under --elastic: only the worst case waits for it (runtime/elastic/)
 ELASTIC_HEARTBEAT_TIMEOUT_S = 5.0
@@ -130,11 +131,14 @@ class StepDisplay:
 @click.option("--replan-tolerance", type=click.FloatRange(min=0.0), default=0.05, show_default=True,
               help="--elastic: candidates this close to the fastest count as equally fast; the one moving the "
                    "least state wins.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="auto", show_default=True,
+              help="Autocast policy: auto = bf16 on CUDA and fp32 on CPU; fp32 = no autocast; bf16 = bf16 autocast "
+                   "on every device, the CPU included. Master weights and optimizer states stay fp32.")
 def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, trace_dir: Path | None,
           data_file: Path | None, save_dir: Path | None, load_dir: Path | None, timeout_s: float | None,
           elastic: bool, switch_specs: tuple[str, ...], kill_devices: tuple[int, ...], hang_devices: tuple[int, ...],
           fault_step: int | None, heartbeat_timeout_s: float | None, profile_dirs: tuple[Path, ...],
-          replan_tolerance: float) -> None:
+          replan_tolerance: float, precision: str) -> None:
     """Train with PLAN: every device runs its own specialized program (gloo on CPU, NCCL on GPU).
 
     Started by torchrun (`torchrun ... -m hetu_cli train --plan PLAN`), runs as one of its workers
@@ -148,7 +152,7 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     options = TrainOptions(plan=plan, strategy=strategy, steps=steps, trace_dir=trace_dir, data_file=data_file,
                            save_dir=save_dir, load_dir=load_dir, timeout_s=timeout_s,
                            heartbeat_timeout_s=heartbeat_timeout_s, faults=faults, elastic=elastic,
-                           switches=tuple(_parse_switch(s) for s in switch_specs))
+                           switches=tuple(_parse_switch(s) for s in switch_specs), precision=precision)
     env = TorchrunEnv.detect(os.environ)
     if env is not None and (options.coordinated or faults):
         raise HspmdError("--elastic, --switch and fault injection run under hspmd's own launcher, not torchrun")

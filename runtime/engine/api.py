@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from runtime.precision import Precision
 from runtime.spec.handle import StrategyHandle
 
 SpanKind = str  # "compute" | "comm" | "idle"
@@ -24,6 +25,7 @@ class WorkerContext:
     ranks: Mapping[int, int]  # device id -> rank in the current torch.distributed world
     torch_device: torch.device  # cpu, or cuda:local_rank
     timeout: timedelta  # for every process group and collective
+    precision: Precision = "auto"  # autocast policy (runtime/precision.py)
 
 
 class Hooks(Protocol):

@@ -30,6 +30,7 @@ from runtime.engine.specialize import BOUNDARY_DTYPE, DevicePlan, ParamShard, sp
 from runtime.engine.tensor_parallel import apply_tensor_parallel, local_tensor
 from runtime.engine.zero import MomentPiece
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
+from runtime.precision import Precision
 from runtime.spec.handle import StrategyHandle
 
 
@@ -110,7 +111,7 @@ class DeviceProgram:
         rows = global_batch[role.first_sample:role.first_sample + role.samples].to(self.device)
         for p in self.params.values():
             p.grad = None
-        run = StepState(self.device)
+        run = StepState(self.device, self.ctx.precision)
         for action in self.plan.actions:
             if isinstance(action, Compute):
                 mb = action.micro_batch
@@ -237,8 +238,9 @@ class DeviceProgram:
 class StepState:
     """Activations and gradients in flight during one step, keyed by micro-batch."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, precision: Precision = "auto") -> None:
         self.device = device
+        self.precision = precision  # the autocast policy of its compute (runtime/precision.py)
         self.inputs: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.sent: dict[int, torch.Tensor] = {}
@@ -254,7 +256,7 @@ def stage_forward(module: LlamaForCausalLM, embed: bool, head: bool, tokens: int
     by the step's ``tokens``, elsewhere the output and its fp32 copy to send. A function of its own so
     that ``hspmd profile`` times exactly this."""
     x = rows[:, :-1] if embed else run.inputs[mb].requires_grad_()
-    with autocast_for(run.device):
+    with autocast_for(run.device, run.precision):
         out = module(x)
     if head:
         loss = causal_lm_loss_sum(out, rows[:, 1:])

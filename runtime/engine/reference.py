@@ -15,13 +15,14 @@ import torch
 from runtime.engine.api import StepStats
 from runtime.engine.optim import build_adamw, clip_coefficient
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
+from runtime.precision import Precision, uses_bf16
 from runtime.spec import ModelSpec, TrainingSettings
 
 
-def autocast_for(device: torch.device) -> contextlib.AbstractContextManager[None]:
-    """bf16 autocast on CUDA, nothing (fp32) elsewhere: the engine and the reference share this policy."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+def autocast_for(device: torch.device, precision: Precision = "auto") -> contextlib.AbstractContextManager[None]:
+    """bf16 autocast or nothing (fp32), as ``precision`` says: the engine and the reference share this policy."""
+    if uses_bf16(precision, device.type):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
@@ -33,8 +34,9 @@ class ReferenceTrainer:
     """
 
     def __init__(self, model: ModelSpec, training: TrainingSettings, *, device: torch.device | str = "cpu",
-                 micro_batch: int | None = None) -> None:
+                 micro_batch: int | None = None, precision: Precision = "auto") -> None:
         self.spec = model
+        self.precision = precision
         self.training = training
         self.device = torch.device(device)
         self.micro_batch = micro_batch
@@ -54,7 +56,7 @@ class ReferenceTrainer:
             p.grad = None
         loss_sum = torch.zeros((), device=self.device)
         for rows in batch.split(chunk):
-            with autocast_for(self.device):
+            with autocast_for(self.device, self.precision):
                 logits = self.module(rows[:, :-1])
             loss = causal_lm_loss_sum(logits, rows[:, 1:])
             (loss / tokens).backward()

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from runtime.precision import PRECISIONS, Precision
+
 FaultKind = Literal["error", "user-error", "exit", "kill", "hang"]
 
 
@@ -62,12 +64,15 @@ class TrainOptions:
     # move the state from surviving replicas and redo the step (runtime/elastic/).
     elastic: bool = False
     switches: tuple[PlannedSwitch, ...] = ()  # planned in-memory switches, by step
+    precision: Precision = "auto"  # autocast policy (runtime/precision.py)
 
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ValueError(f"steps must not be negative, got {self.steps}")
         if self.timeout_s <= 0 or self.heartbeat_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ValueError("timeouts must be positive and heartbeat_timeout_s > heartbeat_s")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r} (have: {', '.join(PRECISIONS)})")
         steps = [s.step for s in self.switches]
         if steps != sorted(set(steps)):
             raise ValueError(f"switch steps must be distinct and increasing, got {steps}")

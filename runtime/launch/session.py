@@ -94,7 +94,7 @@ class Session:
         if isinstance(self.emulator, EmulatedTarget):   # sleep mode: this stage's blocks, priced anew per plan
             self.emulator.target_s = stage_block_targets(handle.ctx, handle.name, self.me)
         worker = WorkerContext(strategy=handle, device_id=self.me, ranks=dict(self.ranks),
-                               torch_device=self.device, timeout=self.timeout)
+                               torch_device=self.device, timeout=self.timeout, precision=self.options.precision)
         return DeviceProgram(worker, self.groups, self.hooks)
 
     def load(self, program: Any) -> int:

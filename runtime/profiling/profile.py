@@ -36,9 +36,9 @@ from typing import Literal
 from runtime.errors import Checker, Problem, SpecError
 from runtime.spec.catalog import PROFILES_DIR, load_model, resolve_profile_ref
 from runtime.spec.cluster import DeviceType, Emulation
-from runtime.spec.io import atomic_write_text, dump_yaml, read_yaml
+from runtime.spec.io import atomic_write_text, dump_yaml, load_file
 from runtime.spec.model import ModelSpec
-from runtime.spec.schema import build, to_data
+from runtime.spec.schema import to_data
 
 PROFILE_VERSION = 1
 COMPONENTS = ("embedding", "attention", "mlp", "norm", "head")
@@ -333,7 +333,7 @@ class DeviceProfile:
 
 def load_profile(path: str | Path) -> DeviceProfile:
     """Parse one profile file; any problem is a SpecError naming the file and the field."""
-    return build(DeviceProfile, read_yaml(path), str(path))
+    return load_file(DeviceProfile, path, version=PROFILE_VERSION)
 
 
 def dump_profile(profile: DeviceProfile) -> str:

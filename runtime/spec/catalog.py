@@ -13,10 +13,10 @@ from typing import TypeVar
 from runtime.errors import Problem, SpecError
 from runtime.spec.cluster import Cluster
 from runtime.spec.hf import config_file, is_hf_config, load_hf_model
-from runtime.spec.io import atomic_write_text, dump_yaml, read_yaml
+from runtime.spec.io import atomic_write_text, dump_yaml, load_file
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import Plan
-from runtime.spec.schema import build, to_data
+from runtime.spec.plan import PLAN_VERSION, Plan
+from runtime.spec.schema import to_data
 from runtime.spec.validate import validate_plan
 
 T = TypeVar("T")
@@ -80,7 +80,7 @@ def resolve_profile_ref(ref: str, relative_to: Path | None = None) -> Path | Non
 
 
 def _load(cls: type[T], path: Path) -> T:
-    return build(cls, read_yaml(path), str(path))
+    return load_file(cls, path)
 
 
 def load_model(ref: str, *, relative_to: Path | None = None, file: str = "", field: str = "model") -> ModelSpec:
@@ -132,7 +132,7 @@ def emulation_target_problems(cluster: Cluster, file: str) -> list[Problem]:
 
 def load_plan(path: str | Path) -> Plan:
     """Parse and type-check a plan file (no cross-checks against model and cluster)."""
-    return _load(Plan, Path(path))
+    return load_file(Plan, Path(path), version=PLAN_VERSION)
 
 
 def dump_plan(plan: Plan) -> str:

@@ -14,6 +14,9 @@ from functools import cached_property
 
 from runtime.errors import Checker, FieldErrors
 
+MAX_DEVICES = 65_536  # a bound on what a (hostile) file makes every verb enumerate
+MAX_SLOWDOWN = 1000.0  # beyond this the planner's ILP coefficients span too many orders of magnitude
+
 
 @dataclass(frozen=True)
 class EmulationTarget:
@@ -57,6 +60,7 @@ class Emulation:
     def __post_init__(self) -> None:
         c = Checker()
         c.check(self.slowdown >= 1.0, "slowdown", f"must be at least 1.0, got {self.slowdown}")
+        c.check(self.slowdown <= MAX_SLOWDOWN, "slowdown", f"must be at most {MAX_SLOWDOWN:g}, got {self.slowdown:g}")
         if self.target is not None:
             c.check(self.slowdown == 1.0, "slowdown",
                     "give either 'slowdown' (stretch mode) or 'target' (sleep mode), not both")
@@ -165,6 +169,7 @@ class Cluster:
                 c.add(f"nodes[{i}]", f"node {node.name!r} lists device type {node.device_type!r} twice")
             seen_pair.add((node.name, node.device_type))
         n = sum(node.count for node in self.nodes)
+        c.check(n <= MAX_DEVICES, "nodes", f"{n:,} devices in all: hspmd plans for at most {MAX_DEVICES:,}")
         names = {node.name for node in self.nodes}
         for i, o in enumerate(self.bandwidth_overrides):
             if o.devices is not None:

@@ -9,11 +9,11 @@ keys kept (tokenizer ids, ``transformers_version``...), the shape keys rewritten
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from runtime.errors import FieldErrors, Problem, SpecError
+from runtime.spec.io import read_json
 from runtime.spec.model import ModelSpec, RopeScaling
 
 CONFIG_FILE = "config.json"
@@ -36,18 +36,10 @@ def config_file(path: Path) -> Path:
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
-    """The raw JSON object of a config file; unreadable or non-object files become a SpecError."""
-    # TODO(lead): route through runtime/spec/io.py's bounded JSON reader once it exists.
+    """The raw JSON object of a config file, read with the bounded strict reader (runtime/spec/io.py);
+    unreadable, malformed or non-object files become a SpecError."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SpecError([Problem(str(p), "", "file not found")]) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError([Problem(str(p), "", f"cannot read: {exc}")]) from None
-    except json.JSONDecodeError as exc:
-        raise SpecError([Problem(str(p), f"line {exc.lineno}, column {exc.colno}", f"malformed JSON: {exc.msg}")]) \
-            from None
+    data = read_json(p)
     if not isinstance(data, dict):
         raise SpecError([Problem(str(p), "", f"expected a JSON object, got {type(data).__name__}")])
     return data

@@ -1,35 +1,278 @@
-"""Reading and writing spec files: strict YAML in, deterministic YAML out, atomic writes."""
+"""Reading and writing spec files: bounded, strict YAML/JSON in, deterministic YAML out, atomic writes.
+
+Every file hspmd reads (plans, clusters, models, profiles, and any later kind) comes in through
+``read_yaml`` / ``read_json`` / ``load_file``, so a hostile or broken file fails the same way for every
+verb: one line per problem naming the file, exit code 2, never a traceback. The reader bounds what a
+file may cost before anything downstream walks it: its size, its nesting depth, and YAML alias use
+(count, nesting and expanded size; recursive aliases are refused), and it decodes strictly (UTF-8,
+duplicate keys are an error, JSON's NaN/Infinity are refused).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from runtime.errors import Problem, SpecError
+from runtime.spec.schema import build
+
+T = TypeVar("T")
 
 
-def read_yaml(path: str | os.PathLike[str]) -> Any:
-    """Parse a YAML file with ``safe_load``; missing files and syntax errors become a SpecError."""
-    p = Path(path)
+@dataclass(frozen=True)
+class ReadLimits:
+    """What one input file may cost. Shipped files use a small fraction of each bound."""
+
+    max_bytes: int = 16 * 1024 * 1024
+    max_depth: int = 64            # nested mappings/lists
+    max_aliases: int = 1000        # YAML alias uses (*name) in one file
+    max_alias_nesting: int = 2     # an anchored node may use aliases, whose nodes may not (again)
+    max_nodes: int = 250_000       # nodes after expanding every alias (the billion-laughs bound)
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_depth", "max_aliases", "max_alias_nesting", "max_nodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ReadLimits.{name} must be at least 1")
+
+
+DEFAULT_LIMITS = ReadLimits()
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """A bound of ReadLimits was exceeded, or a strictness rule broken, at ``problem_mark``."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that counts as it composes: depth, aliases, expanded size, duplicate keys.
+
+    The composer is where aliases are resolved (to shared nodes) and where nesting recurses, so the
+    checks sit there, before any Python object is built from the node graph.
+    """
+
+    def __init__(self, text: str, limits: ReadLimits) -> None:
+        super().__init__(text)
+        self.limits = limits
+        self.depth = 0
+        self.alias_uses = 0
+        self.sizes: dict[int, int] = {}        # id(node) -> nodes after expanding its aliases
+        self.nesting: dict[int, int] = {}      # id(node) -> deepest alias chain inside it
+        self.open_nesting: list[int] = []      # the same, for collections still being composed
+
+    def refuse(self, mark: yaml.Mark | None, message: str) -> None:
+        raise _Refused(problem=message, problem_mark=mark)
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            target = self.anchors.get(event.anchor)
+            if target is not None:
+                lim = self.limits
+                self.alias_uses += 1
+                if self.alias_uses > lim.max_aliases:
+                    self.refuse(event.start_mark, f"more than {lim.max_aliases} YAML aliases (hspmd reads "
+                                                  f"at most {lim.max_aliases} per file)")
+                if id(target) not in self.sizes:
+                    self.refuse(event.start_mark, f"alias *{event.anchor} is used inside its own anchor "
+                                                  "(a recursive structure)")
+                level = self.nesting[id(target)] + 1
+                if level > lim.max_alias_nesting:
+                    self.refuse(event.start_mark, f"YAML aliases nested {level} deep (alias *{event.anchor} "
+                                                  f"refers to a node that uses aliases; hspmd reads at most "
+                                                  f"{lim.max_alias_nesting} levels)")
+                if self.open_nesting:
+                    self.open_nesting[-1] = max(self.open_nesting[-1], level)
+            return super().compose_node(parent, index)
+        if self.check_event(yaml.ScalarEvent):
+            node = super().compose_node(parent, index)
+            self.sizes[id(node)] = 1
+            self.nesting[id(node)] = 0
+            return node
+        self.depth += 1
+        if self.depth > self.limits.max_depth:
+            self.refuse(self.peek_event().start_mark, f"nested more than {self.limits.max_depth} levels deep "
+                                                      f"(hspmd reads at most {self.limits.max_depth})")
+        self.open_nesting.append(0)
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+            inner = self.open_nesting.pop()
+        if self.open_nesting:
+            self.open_nesting[-1] = max(self.open_nesting[-1], inner)
+        if isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        else:
+            children = node.value
+        size = 1 + sum(self.sizes[id(c)] for c in children)
+        if size > self.limits.max_nodes:
+            self.refuse(node.start_mark, f"YAML aliases expand to more than {self.limits.max_nodes:,} nodes "
+                                         "(an alias bomb?)")
+        self.sizes[id(node)] = size
+        self.nesting[id(node)] = inner
+        return node
+
+    def compose_mapping_node(self, anchor: str | None) -> yaml.MappingNode:
+        node = super().compose_mapping_node(anchor)
+        seen: dict[tuple[str, str], yaml.Node] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            first = seen.setdefault((key.tag, key.value), key)
+            if first is not key:
+                self.refuse(key.start_mark, f"duplicate key {key.value!r} (first at line {first.start_mark.line + 1})")
+        return node
+
+
+def _read_bytes(p: Path, limits: ReadLimits) -> bytes:
     try:
-        text = p.read_text(encoding="utf-8")
+        with open(p, "rb") as f:
+            data = f.read(limits.max_bytes + 1)
     except FileNotFoundError:
         raise SpecError([Problem(str(p), "", "file not found")]) from None
     except IsADirectoryError:
-        raise SpecError([Problem(str(p), "", "is a directory, expected a YAML file")]) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError([Problem(str(p), "", f"cannot read: {exc}")]) from None
+        raise SpecError([Problem(str(p), "", "is a directory, expected a file")]) from None
+    except OSError as exc:
+        raise SpecError([Problem(str(p), "", f"cannot read: {exc.strerror or exc}")]) from None
+    if len(data) > limits.max_bytes:
+        raise SpecError([Problem(str(p), "", f"larger than {limits.max_bytes:,} bytes (hspmd reads at most "
+                                             f"{limits.max_bytes:,} per file)")])
+    return data
+
+
+def _decode(p: Path, data: bytes) -> str:
     try:
-        return yaml.safe_load(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise SpecError([Problem(str(p), f"line {line}", f"not UTF-8 text (byte 0x{data[exc.start]:02x} at "
+                                                         f"offset {exc.start})")]) from None
+    return text.removeprefix("\ufeff")
+
+
+def read_yaml(path: str | os.PathLike[str], limits: ReadLimits = DEFAULT_LIMITS) -> Any:
+    """Parse one YAML document with a bounded ``SafeLoader``; any problem is one SpecError line."""
+    p = Path(path)
+    text = _decode(p, _read_bytes(p, limits))
+    loader = None
+    try:
+        loader = _BoundedLoader(text, limits)  # the reader rejects control characters here already
+        return loader.get_single_data()
+    except yaml.reader.ReaderError as exc:
+        line = text[:exc.position].count("\n") + 1
+        raise SpecError([Problem(str(p), f"line {line}", f"malformed YAML: character #x{exc.character:04x} "
+                                                         "is not allowed")]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError([Problem(str(p), where, f"malformed YAML: {what}")]) from None
+        kind = "refused YAML" if isinstance(exc, _Refused) else "malformed YAML"
+        raise SpecError([Problem(str(p), where, f"{kind}: {what}")]) from None
+    except (ValueError, OverflowError) as exc:
+        # e.g. an integer of more digits than Python converts, or a malformed timestamp.
+        raise SpecError([Problem(str(p), "", f"malformed YAML: {str(exc).splitlines()[0][:120]}")]) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def _json_depth(text: str) -> tuple[int, int]:
+    """Deepest bracket nesting outside strings, and the line where it is first reached.
+
+    Python's json decoder recurses once per level; measuring first keeps a deep file a user error.
+    """
+    depth = deepest = 0
+    line = at = 1
+    in_string = escaped = False
+    for ch in text:
+        if ch == "\n":
+            line += 1
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest, at = depth, line
+        elif ch in "]}":
+            depth -= 1
+    return deepest, at
+
+
+def read_json(path: str | os.PathLike[str], limits: ReadLimits = DEFAULT_LIMITS) -> Any:
+    """Parse a JSON file (e.g. a Hugging Face config.json) under the same bounds and strictness."""
+    p = Path(path)
+    text = _decode(p, _read_bytes(p, limits))
+    deepest, at = _json_depth(text)
+    if deepest > limits.max_depth:
+        raise SpecError([Problem(str(p), f"line {at}", f"nested more than {limits.max_depth} levels deep "
+                                                       f"(hspmd reads at most {limits.max_depth})")])
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            if k in out:
+                raise ValueError(f"duplicate key {k!r}")
+            out[k] = v
+        return out
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+    except json.JSONDecodeError as exc:
+        raise SpecError([Problem(str(p), f"line {exc.lineno}, column {exc.colno}",
+                                 f"malformed JSON: {exc.msg}")]) from None
+    except (ValueError, RecursionError) as exc:
+        raise SpecError([Problem(str(p), "", f"malformed JSON: {str(exc).splitlines()[0][:120]}")]) from None
+
+
+def read_data(path: str | os.PathLike[str], limits: ReadLimits = DEFAULT_LIMITS) -> Any:
+    """``read_json`` for ``*.json`` files, ``read_yaml`` for everything else."""
+    reader = read_json if Path(path).suffix.lower() == ".json" else read_yaml
+    return reader(path, limits)
+
+
+def check_version(data: Any, supported: int, file: str, field: str = "version") -> None:
+    """Refuse a file of another format version before anything else of it is read: a newer file's
+    other problems would only be noise (its fields may have changed meaning)."""
+    if not isinstance(data, dict):
+        return
+    if field not in data:
+        raise SpecError([Problem(file, field, f"missing required field (this hspmd reads version {supported})")])
+    found = data[field]
+    if not isinstance(found, int) or isinstance(found, bool):
+        shown = repr(found) if len(repr(found)) <= 40 else repr(found)[:37] + "..."
+        raise SpecError([Problem(file, field, f"expected an integer, got {shown} ({type(found).__name__})")])
+    if found > supported:
+        raise SpecError([Problem(file, field, f"version {found} is newer than this hspmd reads ({supported})")])
+    if found != supported:
+        raise SpecError([Problem(file, field, f"version {found} is not one this hspmd reads ({supported})")])
+
+
+def load_file(cls: type[T], path: str | os.PathLike[str], *, version: int | None = None,
+              limits: ReadLimits = DEFAULT_LIMITS) -> T:
+    """Read ``path`` (bounded, strict), check its ``version`` first if the format has one, and build
+    ``cls`` from it, every problem with its field path."""
+    file = str(path)
+    data = read_data(path, limits)
+    if data is None:
+        raise SpecError([Problem(file, "", "is empty, expected a mapping")])
+    if version is not None:
+        check_version(data, version, file)
+    return build(cls, data, file)
 
 
 def dump_yaml(data: Any) -> str:

@@ -8,6 +8,8 @@ from typing import Literal
 
 from runtime.errors import Checker
 
+MAX_LAYERS = 1024  # the planner works per layer; a bound on what a (hostile) file makes it search
+
 # The Hugging Face ``model_type``s whose decoder the runtime's Llama is: Llama 2/3, Mistral, Qwen2 differ
 # only in figures this spec holds (head_dim, q/k/v bias, tied embeddings, rope scaling).
 Family = Literal["llama", "mistral", "qwen2"]
@@ -64,6 +66,7 @@ class ModelSpec:
         for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_heads",
                       "vocab_size", "max_seq_len"):
             c.check(getattr(self, field) >= 1, field, f"must be at least 1, got {getattr(self, field)}")
+        c.check(self.num_layers <= MAX_LAYERS, "num_layers", f"must be at most {MAX_LAYERS}, got {self.num_layers}")
         c.check(self.rope_theta > 0, "rope_theta", "must be positive")
         c.check(self.norm_eps > 0, "norm_eps", "must be positive")
         if self.sliding_window is not None:

@@ -105,7 +105,7 @@ def test_every_shipped_spec_profile_loads():
      "models.llama-tiny.core_handoff.64.recv_wake_s: missing required field"),
     (lambda d: d["models"]["llama-tiny"]["core_handoff"].update({0: {"handoff_s": 0, "wake_s": 0, "recv_wake_s": 0}}),
      "models.llama-tiny.core_handoff.0: must be keyed by a positive sequence length"),
-    (lambda d: d.update(version=9), "version: unsupported profile version 9"),
+    (lambda d: d.update(version=9), "version: version 9 is newer than this hspmd reads (1)"),
 ])
 def test_bad_field_names_file_and_field(tmp_path: Path, edit, message):
     data = yaml.safe_load(dump_profile(measured()))

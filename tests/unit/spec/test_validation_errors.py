@@ -75,7 +75,7 @@ CASES = {
     "missing": (lambda d: d.pop("training"), "training: missing required field"),
     "bad_schedule": (lambda d: d["training"].update(schedule="zb"),
                      "training.schedule: expected one of '1f1b', 'gpipe'"),
-    "version": (lambda d: d.update(version=2), "version: unsupported plan version 2"),
+    "version": (lambda d: d.update(version=2), "version: version 2 is newer than this hspmd reads (1)"),
     "unknown_model": (lambda d: d.update(model="llama-999b"), "model: unknown model 'llama-999b'"),
     "unknown_cluster": (lambda d: d.update(cluster="nope"), "cluster: unknown cluster 'nope'"),
     "dup_strategy": (lambda d: d["strategies"].append(copy.deepcopy(d["strategies"][0])),
