@@ -234,7 +234,7 @@ def reference_losses(plan: Path, steps: int) -> list[float]:
     import torch
 
     from runtime.data import token_source
-    from runtime.engine import ReferenceTrainer
+    from runtime.engine.reference import ReferenceTrainer
     from runtime.spec import load_plan_context
 
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))

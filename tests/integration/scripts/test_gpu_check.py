@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from runtime.data import token_source
-from runtime.engine import ReferenceTrainer
+from runtime.engine.reference import ReferenceTrainer
 from runtime.spec import load_cluster, load_plan_context
 
 REPO = Path(__file__).resolve().parents[3]
