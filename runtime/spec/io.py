@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,15 +47,34 @@ class _Refused(yaml.MarkedYAMLError):
     """A bound of ReadLimits was exceeded, or a strictness rule broken, at ``problem_mark``."""
 
 
-class _BoundedLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that counts as it composes: depth, aliases, expanded size, duplicate keys.
+# libyaml's scanner and parser (C) when PyYAML has them: reading the plan, cluster and model of a verb
+# with the pure-Python ones costs more than the rest of ``hspmd validate``. The composer stays PyYAML's
+# Python one (below): that is where the bounds are checked.
+try:
+    from yaml.cyaml import CParser as _PARSER
+except ImportError:  # PyYAML built without libyaml
+    _PARSER = None
+
+
+class _BoundedLoader(yaml.composer.Composer, *((_PARSER,) if _PARSER else (yaml.reader.Reader, yaml.scanner.Scanner,
+                                                                          yaml.parser.Parser)),
+                     yaml.constructor.SafeConstructor, yaml.resolver.Resolver):
+    """A safe loader that counts as it composes: depth, aliases, expanded size, duplicate keys.
 
     The composer is where aliases are resolved (to shared nodes) and where nesting recurses, so the
     checks sit there, before any Python object is built from the node graph.
     """
 
     def __init__(self, text: str, limits: ReadLimits) -> None:
-        super().__init__(text)
+        if _PARSER is not None:
+            _PARSER.__init__(self, text)
+        else:
+            yaml.reader.Reader.__init__(self, text)
+            yaml.scanner.Scanner.__init__(self)
+            yaml.parser.Parser.__init__(self)
+        yaml.composer.Composer.__init__(self)
+        yaml.constructor.SafeConstructor.__init__(self)
+        yaml.resolver.Resolver.__init__(self)
         self.limits = limits
         self.depth = 0
         self.alias_uses = 0
@@ -172,6 +190,9 @@ def read_yaml(path: str | os.PathLike[str], limits: ReadLimits = DEFAULT_LIMITS)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         kind = "refused YAML" if isinstance(exc, _Refused) else "malformed YAML"
+        if what == "exceeded maximum nesting depth":  # libyaml's own bound (1000), met before ours
+            kind, what = "refused YAML", (f"nested more than {limits.max_depth} levels deep (hspmd reads at "
+                                          f"most {limits.max_depth})")
         raise SpecError([Problem(str(p), where, f"{kind}: {what}")]) from None
     except (ValueError, OverflowError) as exc:
         # e.g. an integer of more digits than Python converts, or a malformed timestamp.
@@ -293,6 +314,8 @@ def _umask() -> int:
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it over ``path``."""
+    import tempfile  # here: ~5 ms of start-up that verbs which write nothing need not pay
+
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
