@@ -32,7 +32,8 @@ def test_bf16_on_cpu_is_close_to_fp32_but_not_equal(repo):
 
 def test_train_passes_the_precision_to_the_launcher(monkeypatch, repo):
     seen = []
-    monkeypatch.setattr(train_cmd, "launch", lambda options, policy=None, *, on_step, on_log: seen.append(options.precision))
+    monkeypatch.setattr(train_cmd, "launch",
+                        lambda options, policy=None, *, on_step, on_log: seen.append(options.precision))
     for argv, want in (([], "auto"), (["--precision", "bf16"], "bf16"), (["--precision", "fp32"], "fp32")):
         res = CliRunner().invoke(cli, ["train", "--plan", str(repo / PLAN), "--steps", "1", *argv])
         assert res.exit_code == 0, res.output
