@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         t = state["type"]
         sheet = None if dry else datasheet(t)
         if sheet is None:
-            from runtime.profiling.measure import measure_throughput
+            from runtime.profiling.compute import measure_throughput
 
             figs = measure_throughput("cpu" if dry else "cuda:0")
             sheet = (figs["tflops"], figs["bandwidth_gbs"], "measured here (GEMM rate and copy bandwidth: no "
