@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
+from test_checkpoint_format import FakeProgram  # the same stand-in DeviceProgram
 
 from hetu_cli.main import cli
 from runtime.checkpoint import (
@@ -65,21 +65,6 @@ def random_state(spec, moments: bool = True) -> dict[str, torch.Tensor]:
     return {n: torch.randn(shape, generator=g) for n, shape in names.items()}
 
 
-@dataclass
-class Shard:
-    region: tuple[slice, ...]
-
-
-class FakeProgram:
-    def __init__(self, regions: dict[str, tuple[slice, ...]]) -> None:
-        self.regions = regions
-        self.loaded: dict[str, torch.Tensor] = {}
-
-    def param_annotations(self):
-        return {n: Shard(r) for n, r in self.regions.items()}
-
-    def load_local_state(self, state):
-        self.loaded = state
 
 
 REGIONS = {"model.layers.2.mlp.down_proj.weight": (slice(0, 32), slice(32, 64)),  # row-parallel TP rank 1
