@@ -3,7 +3,8 @@
 Their processes share the host's cores as the launcher pins them (runtime/profiling/host.py, which also
 measures what the sharing costs). The cost model stretches compute by ``emulated_slowdown``; the other
 effects only the simulator plays out (planner/simulate.py). A device type's measured effects all come
-through ``_figures``: the one place that decides whether they apply to it.
+through ``_figures``; ``contended`` says whether its compute shares the cores at all (not for a
+sleep-mode type: no resume penalty, no core in ``cpu_layout``).
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ class HostModel:
     seq_len: int
 
     def _figures(self, device_type: str) -> DeviceProfile | None:
-        """The profile holding the type's measured host figures: the one switch for all of them (a type
-        whose devices do not share a host the way they were measured would return None)."""
+        """The profile holding the type's measured host figures (every measured effect reads them here)."""
         return self.profiles[device_type]
 
     def _measured(self, device_type: str) -> MeasuredModel | None:
