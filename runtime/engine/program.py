@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,11 @@ class DeviceProgram:
                 _checkpoint_layers(module)
             chunks.append(module)
         _share_parameters(chunks)
+        # W from B's gradients of each parameter-owning module's output, where the schedule splits the
+        # backward; with recompute each of those small backwards would recompute its layer, so there W is
+        # one backward through the kept graph (stage_weight_grad).
+        split = ctx.strategy.pipeline_schedule(role.pipeline).split_backward and not role.recompute
+        self._records = [OutputRecord(m) if split and not c.embed else None for c, m in zip(role.chunks, chunks)]
         self.chunks = chunks  # [local chunk]: the schedule's Compute.chunk indexes it
         self._chunk_params = [list(m.parameters()) for m in chunks]
         self.shards: tuple[ParamShard, ...] = plan.shards
@@ -212,13 +217,17 @@ class DeviceProgram:
                 "first": c.embed, "last": c.head}
         with self._span("compute", COMPUTE_NAMES[op.kind], **args):
             if op.kind == "F":
-                stage_forward(self.chunks[op.chunk], c.embed, c.head, self.tokens, rows, key, run)
+                record = self._records[op.chunk]
+                with record.recording() if record is not None else nullcontext() as outputs:
+                    stage_forward(self.chunks[op.chunk], c.embed, c.head, self.tokens, rows, key, run)
+                if outputs is not None:
+                    run.recorded[key] = outputs
             elif op.kind == "BW":
                 stage_backward(c.embed, c.head, key, run)
             elif op.kind == "B":
-                stage_input_grad(c.embed, c.head, key, run)
+                stage_input_grad(c.embed, c.head, key, run, self._chunk_params[op.chunk])
             else:
-                stage_weight_grad(key, run, self._chunk_params[op.chunk])
+                stage_weight_grad(key, run)
         j = op.stage
         if op.kind == "F" and not c.head and layout.device(j + 1) == layout.device(j):
             run.inputs[op.micro_batch, layout.chunk(j + 1)] = run.sent.pop(key)
@@ -271,7 +280,9 @@ class StepState:
         self.sent: dict[Hashable, torch.Tensor] = {}
         self.grads_in: dict[Hashable, torch.Tensor] = {}
         self.grads_out: dict[Hashable, torch.Tensor] = {}
-        self.deferred: dict[Hashable, tuple[torch.Tensor, torch.Tensor | None]] = {}  # B done, W to run
+        # B done, W to run: (tensor, its gradient, the parameters to differentiate) per backward W runs
+        self.deferred: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]]] = {}
+        self.recorded: dict[Hashable, list[tuple[list[torch.Tensor], torch.Tensor]]] = {}  # OutputRecord's
         self.loss_sum: torch.Tensor = torch.zeros((), device=device)
 
 
@@ -307,25 +318,62 @@ def stage_backward(embed: bool, head: bool, mb: Hashable, run: StepState) -> Non
         x.grad = None
 
 
-def stage_input_grad(embed: bool, head: bool, mb: Hashable, run: StepState) -> None:
-    """B of a split backward: only the gradient of the chunk's input (what the previous virtual stage waits
-    for), by autograd; the graph is kept for W. Autograd computes only what that gradient needs, so the
-    weight-gradient products are skipped here. The first chunk has no input gradient: its B is empty and
-    its W the whole backward."""
+def stage_input_grad(embed: bool, head: bool, mb: Hashable, run: StepState,
+                     params: list[torch.Tensor] | None = None) -> None:
+    """B of a split backward: the gradient of the chunk's input (what the previous virtual stage waits
+    for), by autograd, which evaluates only what that gradient needs (no weight-gradient products).
+    Where F recorded the outputs of the chunk's parameter-owning modules (``run.recorded``), their
+    gradients come out of the same pass and W only multiplies them into weight gradients; else W is one
+    backward to ``params`` through the kept graph. The first chunk has no input gradient: its B is
+    empty and its W the whole backward."""
     out = run.outputs.pop(mb)
     grad = None if head else run.grads_in.pop(mb).to(out.dtype)
-    if not embed:
+    recorded = run.recorded.pop(mb, None)
+    if embed:
+        run.deferred[mb] = [(out, grad, list(params or ()))]
+    elif recorded is None:
         (run.grads_out[mb],) = torch.autograd.grad(out, run.inputs[mb], grad, retain_graph=True)
-    run.deferred[mb] = (out, grad)
+        run.deferred[mb] = [(out, grad, list(params or ()))]
+    else:
+        ys = [y for _, y in recorded]
+        gx, *gys = torch.autograd.grad(out, [run.inputs[mb], *ys], grad, retain_graph=True, allow_unused=True)
+        run.grads_out[mb] = gx
+        run.deferred[mb] = [(y, g, ps) for (ps, y), g in zip(recorded, gys) if g is not None]
 
 
-def stage_weight_grad(mb: Hashable, run: StepState, params: list[torch.Tensor]) -> None:
-    """W of a split backward: the chunk's weight gradients (accumulated into ``.grad``), by autograd from
-    the graph B kept. Autograd cannot reuse B's intermediate gradients, so this backward runs the
-    input-gradient chain again to reach the weights (docs/schedules.md, "Executing B and W")."""
-    out, grad = run.deferred.pop(mb)
-    torch.autograd.backward(out, grad, inputs=params)
+def stage_weight_grad(mb: Hashable, run: StepState) -> None:
+    """W of a split backward: the weight gradients (accumulated into ``.grad``) of what B deferred, by
+    autograd. Each recorded module output reaches its own parameters in one step (nothing else lies on
+    that path: a tied head's weight has no lookup in a chunk that does not embed)."""
+    for y, g, params in run.deferred.pop(mb):
+        torch.autograd.backward(y, g, inputs=params)
     run.inputs.pop(mb, None)
+
+
+class OutputRecord:
+    """Records, while F runs, the output of each module of a chunk that owns parameters directly (the
+    linear projections, the norms, the head), with those parameters: their gradients are what W needs."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._into: list[tuple[list[torch.Tensor], torch.Tensor]] | None = None
+        for m in module.modules():
+            own = list(m.parameters(recurse=False))
+            if own:
+                m.register_forward_hook(self._hook(own))
+
+    def _hook(self, own: list[torch.Tensor]) -> Callable[..., None]:
+        def hook(_module: torch.nn.Module, _args: object, output: torch.Tensor) -> None:
+            if self._into is not None and output.requires_grad:
+                self._into.append((own, output))
+        return hook
+
+    @contextmanager
+    def recording(self) -> Iterator[list[tuple[list[torch.Tensor], torch.Tensor]]]:
+        self._into = out = []
+        try:
+            yield out
+        finally:
+            self._into = None
 
 
 def _share_parameters(chunks: list[LlamaForCausalLM]) -> None:

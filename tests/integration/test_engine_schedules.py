@@ -25,7 +25,7 @@ def world():
     w.close()
 
 
-CASES = ["interleaved-hetero4.yaml", "zb-h1-hetero4.yaml", "zb-v-hetero4.yaml"]
+CASES = ["interleaved-hetero4.yaml", "zb-h1-hetero4.yaml", "zb-h1-tp-hetero4.yaml", "zb-v-hetero4.yaml"]
 
 
 @pytest.mark.parametrize("plan", CASES, ids=[p.removesuffix("-hetero4.yaml") for p in CASES])
