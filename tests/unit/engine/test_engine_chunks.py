@@ -70,3 +70,15 @@ def test_device_description_lists_the_new_actions() -> None:
     assert names.index("input_grad mb0") < names.index("post send_backward mb0 stage 1->0") < \
         names.index("weight_grad mb0")
     assert d.schedule == "zb-h1" and describe_program(handle("zb-h1-hetero4.yaml"), 3).schedule == "1f1b"
+
+
+def test_show_device_prints_the_action_list() -> None:
+    from click.testing import CliRunner
+
+    from hetu_cli.main import cli
+
+    res = CliRunner().invoke(cli, ["show", "--device", "2", str(PLANS / "interleaved-hetero4.yaml")])
+    assert res.exit_code == 0, res.output
+    assert "schedule interleaved" in res.output
+    assert "forward mb0 chunk 1" in res.output and "post send_forward mb0 stage 1->2" in res.output
+    assert "wait sends" in res.output
