@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.comm.resolve import CommOp
-from runtime.engine.specialize import BOUNDARY_DTYPE, ChunkRole, DevicePlan, ParamShard, StageRole, specialize
+from runtime.engine.specialize import (
+    BOUNDARY_DTYPE,
+    ChunkRole,
+    DevicePlan,
+    ParamShard,
+    StageRole,
+    specialize,
+    weight_grad_from_outputs,
+)
 from runtime.pipeline_schedules import Action, Compute, Message, PostRecv, PostSend, WaitSends
 from runtime.spec.handle import StrategyHandle
 
@@ -132,10 +140,13 @@ def describe_plan(plan: DevicePlan) -> ProgramDescription:
         if isinstance(a, Compute):
             c = role.chunks[a.chunk]
             detail = {"F": _holds(c) + recompute, "BW": ("recompute + " if role.recompute else "") + "grads",
-                      "B": "input gradient only (autograd.grad), graph kept" if not c.embed else
+                      "B": "input gradient (autograd.grad), graph kept" if not c.embed else
                            "nothing (the first chunk has no input gradient); graph kept",
-                      "W": "weight gradients (autograd, through the kept graph)"}[a.kind]
-            tp = _tp_collectives(role, c, a.kind)
+                      "W": "weight gradients from the module-output gradients B kept"
+                           if weight_grad_from_outputs(plan, c) else
+                           "weight gradients: one backward through the kept graph"}[a.kind]
+            # W from the kept module-output gradients is local; a W through the kept graph reruns the chain.
+            tp = "" if a.kind == "W" and weight_grad_from_outputs(plan, c) else _tp_collectives(role, c, a.kind)
             ops.append(OpLine("compute", name, f"virtual stage {a.stage}: {detail}" + (f"; {tp}" if tp else "")))
         elif isinstance(a, WaitSends):
             ops.append(OpLine("comm", name, "block until every send posted has completed"))

@@ -26,7 +26,14 @@ from runtime.engine.describe import COMPUTE_NAMES, ProgramDescription, action_na
 from runtime.engine.optim import LocalAdamW, ShardedAdamW, clip_coefficient
 from runtime.engine.pipeline import BoundaryChannel
 from runtime.engine.reference import autocast_for
-from runtime.engine.specialize import BOUNDARY_DTYPE, DevicePlan, ParamShard, chunk_parameters, specialize
+from runtime.engine.specialize import (
+    BOUNDARY_DTYPE,
+    DevicePlan,
+    ParamShard,
+    chunk_parameters,
+    specialize,
+    weight_grad_from_outputs,
+)
 from runtime.engine.tensor_parallel import apply_tensor_parallel, local_tensor
 from runtime.engine.zero import MomentPiece
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
@@ -70,11 +77,8 @@ class DeviceProgram:
                 _checkpoint_layers(module)
             chunks.append(module)
         _share_parameters(chunks)
-        # W from B's gradients of each parameter-owning module's output, where the schedule splits the
-        # backward; with recompute each of those small backwards would recompute its layer, so there W is
-        # one backward through the kept graph (stage_weight_grad).
-        split = ctx.strategy.pipeline_schedule(role.pipeline).split_backward and not role.recompute
-        self._records = [OutputRecord(m) if split and not c.embed else None for c, m in zip(role.chunks, chunks)]
+        self._records = [OutputRecord(m) if weight_grad_from_outputs(plan, c) else None
+                         for c, m in zip(role.chunks, chunks)]
         self.chunks = chunks  # [local chunk]: the schedule's Compute.chunk indexes it
         self._chunk_params = [list(m.parameters()) for m in chunks]
         self.shards: tuple[ParamShard, ...] = plan.shards

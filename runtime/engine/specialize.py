@@ -196,6 +196,16 @@ def chunk_roles(pipe: Pipeline, stage: int, layout: Layout) -> tuple[ChunkRole, 
     return tuple(out)
 
 
+def weight_grad_from_outputs(plan: DevicePlan, chunk: ChunkRole) -> bool:
+    """Whether W of ``chunk`` multiplies the gradients B left at its parameter-owning modules' outputs
+    into its weights (program.py ``OutputRecord``), rather than running one backward through the kept
+    graph: only under a split backward, not on the first chunk (it has no input gradient, so its B is
+    empty and W is the whole backward), and not under recompute (each small backward would recompute
+    its layer)."""
+    return plan.handle.pipeline_schedule(plan.role.pipeline).split_backward and not chunk.embed \
+        and not plan.role.recompute
+
+
 def chunk_parameters(model: ModelSpec, chunk: ChunkRole) -> list[ParamInfo]:
     """The parameters one chunk's module holds, in module order (a tied head holds the embedding)."""
     lo, hi = chunk.layers
