@@ -27,6 +27,21 @@ from runtime.comm.execute import pack_message, recv_buffer, start_output, unpack
 from runtime.comm.resolve import CommOp
 
 
+def connect_peers(me: int, peers: set[int], ranks: dict[int, int], device: torch.device) -> None:
+    """One blocking exchange with every boundary peer, pairs in one global order (by (lower, higher)
+    device id): the globally first unfinished pair always has both ends waiting for it, so this cannot
+    deadlock. NCCL sets a pair's communicator up on its first message, blocking until both ends post
+    one; a schedule that posts a receive early could otherwise block there while its peer waits for it."""
+    for peer in sorted(peers, key=lambda p: (min(me, p), max(me, p))):
+        out, back = torch.ones(1, device=device), torch.empty(1, device=device)
+        if me < peer:
+            dist.send(out, ranks[peer])
+            dist.recv(back, ranks[peer])
+        else:
+            dist.recv(back, ranks[peer])
+            dist.send(out, ranks[peer])
+
+
 @dataclass
 class _PendingRecv:
     op: CommOp

@@ -24,7 +24,7 @@ from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
 from runtime.engine.data_parallel import GradientSync
 from runtime.engine.describe import COMPUTE_NAMES, ProgramDescription, action_name, describe_plan, route
 from runtime.engine.optim import LocalAdamW, ShardedAdamW, clip_coefficient
-from runtime.engine.pipeline import BoundaryChannel
+from runtime.engine.pipeline import BoundaryChannel, connect_peers
 from runtime.engine.reference import autocast_for
 from runtime.engine.specialize import (
     BOUNDARY_DTYPE,
@@ -98,6 +98,9 @@ class DeviceProgram:
             self.optimizer = LocalAdamW(local, t.optimizer)
         self.grad_sync = GradientSync([(p.name, p.shape, p.grad) for p in plan.annotations.params], plan.grad_sync,
                                       groups)
+        peers = {m.peer for b in plan.routes.values() for op in (b.forward, b.backward)
+                 for m in (*op.sends(role.device), *op.recvs(role.device))}
+        connect_peers(role.device, peers, self.ranks, self.device)
         devices = ctx.strategy.devices
         self._stats_group = groups.get(devices) if len(devices) > 1 else None
         self._times = {"compute": 0.0, "comm": 0.0}
