@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from runtime.engine.optim import LocalAdamW, clip_coefficient
+from runtime.engine.microbatch import window_micro_batch
 from runtime.engine.program import StepState, stage_backward, stage_forward
 from runtime.engine.reference import autocast_for
 from runtime.engine.tensor_parallel import apply_tensor_parallel
@@ -248,7 +249,7 @@ class StageRun:
         return self.forward
 
     def forward(self) -> None:
-        stage_forward(self.module, self.embed, self.head, self.tokens, self.rows, 0, self.state)  # type: ignore[arg-type]
+        stage_forward(self.module, self.embed, self.head, self.tokens, window_micro_batch(self.rows), 0, self.state)  # type: ignore[arg-type]
 
     def prepare_backward(self) -> Callable[[], None]:
         self.prepare_forward()
