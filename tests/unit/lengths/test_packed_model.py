@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.documents import IGNORE_INDEX
+from runtime.documents import IGNORE_INDEX, Document, StepDocuments
 from runtime.engine.microbatch import MicroBatch, documents_step_batch, packed_micro_batch, window_micro_batch
-from runtime.documents import Document, StepDocuments
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum, document_mask
 from runtime.spec import load_model
 
