@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from runtime.engine.optim import LocalAdamW, clip_coefficient
 from runtime.engine.microbatch import window_micro_batch
+from runtime.engine.optim import LocalAdamW, clip_coefficient
 from runtime.engine.program import StepState, stage_backward, stage_forward
 from runtime.engine.reference import autocast_for
 from runtime.engine.tensor_parallel import apply_tensor_parallel
