@@ -15,6 +15,7 @@ from typing import Any
 from runtime.errors import HspmdError, SpecError
 from runtime.launch.messages import Start
 from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, rank_map
+from runtime.launch.session import document_source_of, documents_mode, documents_problems
 from runtime.launch.supervise import LocalWorkers, PlainPolicy, Policy, Run, RunSummary, supervise
 from runtime.profiling.host import emulated_cpu_shares, host_cpus
 from runtime.spec import PlanContext, Strategy, load_plan_context
@@ -61,8 +62,14 @@ def _preflight(options: TrainOptions, ctx: PlanContext) -> None:
     refused = train_problems(ctx)
     if refused:
         raise SpecError(refused)
-    token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed,
-                 data_file=options.data_file)
+    if documents_mode(options, t):
+        problems = documents_problems(ctx, options)
+        if problems:
+            raise HspmdError(problems[0])
+        document_source_of(ctx, options)  # a bad corpus, tokenizer or histogram is refused before any worker
+    else:
+        token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed,
+                     data_file=options.data_file)
     if options.load_dir is not None:
         from runtime.checkpoint import read_checkpoint_info
 

@@ -20,10 +20,72 @@ from typing import Any
 
 from runtime.errors import HspmdError
 from runtime.launch.messages import FaultFiring, Log
-from runtime.launch.options import Fault, StepReport, WorkerSpec
+from runtime.launch.options import Fault, LengthsStep, StepReport, TrainOptions, WorkerSpec
+from runtime.spec import PlanContext
 from runtime.spec.handle import StrategyHandle
+from runtime.spec.plan import TrainingSettings
 
 TRACE_MERGED = "trace.json"
+DISPATCH_STATE = "dispatch.json"  # beside a documents run's checkpoint: the strategy its last step ran
+
+
+def documents_mode(options: TrainOptions, training: TrainingSettings) -> bool:
+    """Whether the run trains on whole documents (docs/lengths.md) rather than fixed windows: the plan sets
+    ``training.tokens_per_step``, or the command asks for synthetic lengths, a tokenizer or a JSONL corpus.
+    A plain text ``--data`` with none of these keeps its old meaning (byte windows)."""
+    from runtime.documents import data_format
+
+    jsonl = options.data_file is not None and data_format(options.data_file) == "jsonl"
+    return training.tokens_per_step is not None or options.lengths is not None or options.tokenizer is not None \
+        or jsonl
+
+
+def run_strategies(ctx: PlanContext, options: TrainOptions) -> tuple[str, ...]:
+    """The strategies a run trains with: ``--strategy`` alone when given; in documents mode, every strategy of a
+    plan that tags length ranges (``max_seq_len``; dispatch picks one per step); else the plan's first."""
+    if options.strategy is not None:
+        return (ctx.plan.strategy(options.strategy).name,)
+    strategies = ctx.plan.strategies
+    if documents_mode(options, ctx.plan.training) and any(s.max_seq_len is not None for s in strategies):
+        return tuple(s.name for s in strategies)
+    return (strategies[0].name,)
+
+
+def run_devices(ctx: PlanContext, options: TrainOptions) -> list[int]:
+    """Every device some strategy of the run uses (one worker each)."""
+    return sorted({d for name in run_strategies(ctx, options) for d in ctx.plan.strategy(name).devices})
+
+
+def documents_problems(ctx: PlanContext, options: TrainOptions) -> list[str]:
+    """Why a documents run cannot start (empty: it can): every document must fit some strategy."""
+    t = ctx.plan.training
+    names = run_strategies(ctx, options)
+    longest = max(ctx.plan.strategy(n).max_len_of(t) for n in names)
+    problems = []
+    if longest < t.seq_len:
+        problems.append(f"{ctx.path}: --strategy: {names[0]!r} serves documents up to {longest} tokens, but the "
+                        f"run's documents reach training.seq_len {t.seq_len}")
+    if len(names) > 1 and t.zero:
+        problems.append(f"{ctx.path}: training.zero: switching between strategies in memory needs full AdamW "
+                        "replicas (use zero: false, or one strategy with --strategy)")
+    if any(dt.sleep_emulated for dt in ctx.cluster.device_types.values()):
+        problems.append(f"{ctx.path}: cluster {ctx.cluster.name!r} emulates in sleep mode, whose block targets are "
+                        "priced for fixed windows; documents runs need a stretch-mode or real cluster")
+    if options.coordinated:
+        problems.append("--elastic/--switch: documents runs switch between their plan's strategies themselves; "
+                        "they do not take --elastic or --switch yet")
+    return problems
+
+
+def document_source_of(ctx: PlanContext, options: TrainOptions):  # -> runtime.documents.DocumentSource
+    """The run's documents (raises SpecError naming the file and field for bad input)."""
+    from runtime.documents import DEFAULT_DISTRIBUTION, document_source
+
+    t = ctx.plan.training
+    return document_source(tokens_per_step=t.tokens_per_step or t.global_batch * t.seq_len, max_len=t.seq_len,
+                           vocab_size=ctx.model.vocab_size, seed=t.seed, data_file=options.data_file,
+                           tokenizer=options.tokenizer, lengths=options.lengths or DEFAULT_DISTRIBUTION,
+                           long_documents=options.long_documents)  # type: ignore[arg-type]
 
 
 def trace_file(trace_dir: Path, device: int) -> Path:
@@ -53,8 +115,12 @@ class Session:
             torch.cuda.set_device(self.device)
         self.timeout = timedelta(seconds=options.timeout_s)
         t = self.ctx.plan.training
-        self.source = token_source(vocab_size=self.ctx.model.vocab_size, global_batch=t.global_batch,
-                                   seq_len=t.seq_len, seed=t.seed, data_file=options.data_file)
+        self.documents = documents_mode(options, t)
+        if self.documents:
+            self.source: Any = document_source_of(self.ctx, options)
+        else:
+            self.source = token_source(vocab_size=self.ctx.model.vocab_size, global_batch=t.global_batch,
+                                       seq_len=t.seq_len, seed=t.seed, data_file=options.data_file)
         self.hooks, self.recorder, self.emulator = _hooks(spec, self.ctx, self.device)
         if self.emulator is not None:
             report(Log(emulation_line(self.me, self.emulator)))
@@ -120,7 +186,11 @@ class Session:
 
     def step(self, program: Any, step: int, before_update: Callable[[], None] | None = None) -> StepReport:
         """Run ``step`` (the exceptions of a failed step pass through)."""
-        batch = self.source.batch(step)
+        return self.run_step(program, step, self.source.batch(step), before_update)
+
+    def run_step(self, program: Any, step: int, batch: Any, before_update: Callable[[], None] | None = None,
+                 lengths: LengthsStep | None = None) -> StepReport:
+        """One step of ``program`` on ``batch`` (windows, or a documents run's packed ``StepBatch``)."""
         with self.recorder.span("step", f"step {step}") if self.recorder is not None else nullcontext():
             t0 = time.perf_counter()
             stats = program.train_step(batch, before_update=before_update)
@@ -129,7 +199,8 @@ class Session:
                           grad_norm=float(stats.grad_norm), tokens=int(stats.tokens), wall_s=wall,
                           compute_s=float(stats.compute_s), comm_s=float(stats.comm_s),
                           emulation_s=self.emulator.take_emulated_s() if self.emulator is not None else 0.0,
-                          emulation_overrun_s=self.emulator.take_overrun_s() if self.emulator is not None else 0.0)
+                          emulation_overrun_s=self.emulator.take_overrun_s() if self.emulator is not None else 0.0,
+                          lengths=lengths)
 
     def finish(self, program: Any, handle: StrategyHandle, step: int) -> None:
         """Save ``--save`` (when this device holds state), write the traces, leave the world."""
@@ -277,3 +348,106 @@ def _abort(pg: Any) -> None:
         pg.abort()
     except (AttributeError, RuntimeError, NotImplementedError):
         pass
+
+
+class DocumentSteps:
+    """One device's part of a documents run: every strategy's program built once at start-up; per step the
+    dispatch (runtime/dispatch.py: the strategy, with hysteresis against switching, and each document's
+    pipeline and micro-batch), computed identically on every device so nothing is communicated; an in-memory
+    switch (one fused BSR of the state, runtime/elastic/state.py ``plan_switch``) when consecutive steps pick
+    different strategies; then the step on the chosen strategy's program (idle devices sit it out)."""
+
+    def __init__(self, session: Session, names: tuple[str, ...]) -> None:
+        from runtime.dispatch import plan_strategy_cost
+
+        self.session = session
+        self.handles = [StrategyHandle.of(session.ctx, n) for n in names]
+        for h in self.handles:  # collective: every device creates every strategy's groups, in plan order
+            session.ensure_groups(h)
+        self.programs: list[Any] = [session.build(h) if session.me in h.devices else None for h in self.handles]
+        self.costs = [plan_strategy_cost(h.strategy, h.model, h.cluster, h.training) for h in self.handles]
+        self.current: int | None = None
+        self._switches: dict[tuple[int, int], Any] = {}
+
+    def switch_plan(self, src: int, dst: int) -> Any:
+        """The fused BSR moving every parameter and moment from strategy ``src``'s layout to ``dst``'s."""
+        if (src, dst) not in self._switches:
+            from runtime.elastic.state import plan_switch
+
+            self._switches[src, dst] = plan_switch(self.handles[src], self.handles[dst])
+        return self._switches[src, dst]
+
+    def switch_cost(self, src: int, dst: int) -> float:
+        return float(self.switch_plan(src, dst).modelled_time(self.session.ctx.cluster))
+
+    def load(self) -> int:
+        """``--load`` into every program of this device (each strategy starts from the checkpoint), and the
+        strategy the saved run's last step ran, so that the hysteresis continues as it would have."""
+        load_dir = self.session.options.load_dir
+        if load_dir is None:
+            return 0
+        import json
+
+        from runtime.checkpoint import load_checkpoint, read_checkpoint_info
+
+        done = read_checkpoint_info(load_dir, self.session.ctx).step
+        for p in self.programs:
+            if p is not None:
+                load_checkpoint(p, load_dir, self.session.ctx)
+        state = Path(load_dir) / DISPATCH_STATE
+        if state.is_file():
+            name = json.loads(state.read_text()).get("strategy")
+            names = [h.name for h in self.handles]
+            self.current = names.index(name) if name in names else None
+        if self.session.rank == 0:
+            self.session.report(Log(f"loaded {load_dir} (step {done})"))
+        return done
+
+    def step(self, step: int, before_update: Callable[[], None] | None = None) -> StepReport:
+        from runtime.dispatch import dispatch
+        from runtime.engine.microbatch import documents_step_batch
+        from runtime.elastic.worker import move_state
+
+        s = self.session
+        docs = s.source.documents(step)
+        previous = self.current
+        d = dispatch(docs.lengths, self.costs, current=previous, switch_cost=self.switch_cost)
+        switch_s, sent, gain = 0.0, 0, 0.0
+        if previous is not None and d.strategy != previous:
+            bsr = self.switch_plan(previous, d.strategy)
+            src = self.programs[previous]
+            t0 = time.perf_counter()
+            with s.recorder.span("comm", f"switch to {d.strategy_name}") if s.recorder is not None else nullcontext():
+                move_state(bsr, src.local_state() if src is not None else {}, s.groups, self.programs[d.strategy],
+                           step - 1, s.device)
+            switch_s = time.perf_counter() - t0
+            sent = sum(m.nbytes for m in bsr.sends(s.me))
+            old = d.predicted[previous]
+            gain = 0.0 if old is None else old - d.assignment.makespan
+        self.current = d.strategy
+        batch = documents_step_batch(docs, [[list(mb) for mb in p.microbatches] for p in d.assignment.pipelines])
+        slots = sum(m.shape[0] * m.shape[1] for p in batch.pipelines for m in p)
+        info = LengthsStep(strategy=d.strategy_name, documents=len(docs.documents),
+                           padding_fraction=1.0 - batch.num_tokens / slots if slots else 0.0,
+                           imbalance=d.assignment.imbalance, predicted_s=d.assignment.makespan,
+                           method=d.assignment.method,
+                           switched_from=None if previous in (None, d.strategy) else self.handles[previous].name,
+                           switch_s=switch_s, switch_bytes=sent, switch_modelled_s=d.switch_cost, switch_gain_s=gain)
+        program = self.programs[d.strategy]
+        if program is None:
+            return StepReport(step=step, rank=s.rank, device=s.me, loss=0.0, grad_norm=0.0, tokens=batch.num_tokens,
+                              wall_s=0.0, compute_s=0.0, comm_s=0.0, emulation_s=0.0, lengths=info, idle=True)
+        return s.run_step(program, step, batch, before_update, info)
+
+    def finish(self, step: int) -> None:
+        """Save from the current strategy's program (with the dispatch state beside it), traces, leave."""
+        s = self.session
+        i = self.current if self.current is not None else 0
+        handle, program = self.handles[i], self.programs[i]
+        s.finish(program, handle, step)
+        if s.options.save_dir is not None and program is not None and s.me == min(handle.devices):
+            import json
+
+            from runtime.spec.io import atomic_write_text
+
+            atomic_write_text(Path(s.options.save_dir) / DISPATCH_STATE, json.dumps({"strategy": handle.name}) + "\n")

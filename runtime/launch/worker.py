@@ -23,7 +23,7 @@ from typing import Any
 from runtime.errors import HspmdError
 from runtime.launch.messages import Heartbeat, Start, StepDone, Up, WorkerError
 from runtime.launch.options import WorkerSpec
-from runtime.launch.session import Reporter, Session
+from runtime.launch.session import DocumentSteps, Reporter, Session, run_strategies
 from runtime.spec.handle import StrategyHandle
 
 
@@ -34,6 +34,14 @@ def train_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox | 
     session.join(spec.store_prefix, spec.ranks)
     report(Up())
     try:
+        if session.documents:
+            steps = DocumentSteps(session, run_strategies(session.ctx, spec.options))
+            done = steps.load()
+            for step in range(done + 1, done + spec.options.steps + 1):
+                session.fire_fault(step)
+                report(StepDone(steps.step(step)))
+            steps.finish(done + spec.options.steps)
+            return
         handle = StrategyHandle.of(session.ctx, spec.strategy)
         program = session.build(handle)
         done = session.load(program)
