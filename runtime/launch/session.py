@@ -202,12 +202,18 @@ class Session:
                           emulation_overrun_s=self.emulator.take_overrun_s() if self.emulator is not None else 0.0,
                           lengths=lengths)
 
-    def finish(self, program: Any, handle: StrategyHandle, step: int) -> None:
-        """Save ``--save`` (when this device holds state), write the traces, leave the world."""
+    def finish(self, program: Any, handle: StrategyHandle, step: int,
+               save: Callable[[Path, int], None] | None = None) -> None:
+        """Save ``--save`` (when this device holds state; ``save``: how, for a documents run), write the
+        traces, leave the world."""
         import torch.distributed as dist
 
         save_dir = self.options.save_dir
-        if program is not None and save_dir is not None:
+        if save is not None and save_dir is not None:
+            save(save_dir, step)
+            if self.me == min(handle.devices):
+                self.report(Log(f"saved {save_dir} (step {step})"))
+        elif program is not None and save_dir is not None:
             from runtime.checkpoint import save_checkpoint
 
             save_checkpoint(program, self.groups, save_dir, plan=handle.ctx, strategy=handle.name, step=step)
@@ -350,22 +356,32 @@ def _abort(pg: Any) -> None:
         pass
 
 
+
 class DocumentSteps:
-    """One device's part of a documents run: every strategy's program built once at start-up; per step the
-    dispatch (runtime/dispatch.py: the strategy, with hysteresis against switching, and each document's
-    pipeline and micro-batch), computed identically on every device so nothing is communicated; an in-memory
-    switch (one fused BSR of the state, runtime/elastic/state.py ``plan_switch``) when consecutive steps pick
-    different strategies; then the step on the chosen strategy's program (idle devices sit it out)."""
+    """A documents run on one device: every strategy's program built once at start-up; per step the dispatch
+    (runtime/dispatch.py: the strategy, with hysteresis against switching, and each document's pipeline and
+    micro-batch), computed identically on every device so nothing is communicated; an in-memory switch (one
+    fused BSR of the state, runtime/elastic/state.py ``plan_switch``) when consecutive steps pick different
+    strategies; then the step on the chosen strategy's program (devices it leaves idle sit it out).
 
-    def __init__(self, session: Session, names: tuple[str, ...]) -> None:
+    ``build`` makes this device's program of a strategy (collective, like ``Session.build``); ``costs``
+    replaces the plan-derived cost models dispatch weighs (``dispatch.plan_strategy_cost``), e.g. measured ones.
+    """
+
+    def __init__(self, ctx: PlanContext, names: tuple[str, ...], *, me: int, groups: Any, device: Any,
+                 build: Callable[[StrategyHandle], Any], source: Any, costs: list[Any] | None = None,
+                 recorder: Any = None) -> None:
         from runtime.dispatch import plan_strategy_cost
+        from runtime.engine.program import DeviceProgram
 
-        self.session = session
-        self.handles = [StrategyHandle.of(session.ctx, n) for n in names]
+        self.ctx, self.me, self.groups, self.device, self.source, self.recorder = ctx, me, groups, device, source, \
+            recorder
+        self.handles = [StrategyHandle.of(ctx, n) for n in names]
         for h in self.handles:  # collective: every device creates every strategy's groups, in plan order
-            session.ensure_groups(h)
-        self.programs: list[Any] = [session.build(h) if session.me in h.devices else None for h in self.handles]
-        self.costs = [plan_strategy_cost(h.strategy, h.model, h.cluster, h.training) for h in self.handles]
+            groups.ensure(DeviceProgram.required_groups(h))
+        self.programs: list[Any] = [build(h) if me in h.devices else None for h in self.handles]
+        self.costs = costs if costs is not None else [
+            plan_strategy_cost(h.strategy, h.model, h.cluster, h.training) for h in self.handles]
         self.current: int | None = None
         self._switches: dict[tuple[int, int], Any] = {}
 
@@ -378,38 +394,56 @@ class DocumentSteps:
         return self._switches[src, dst]
 
     def switch_cost(self, src: int, dst: int) -> float:
-        return float(self.switch_plan(src, dst).modelled_time(self.session.ctx.cluster))
+        return float(self.switch_plan(src, dst).modelled_time(self.ctx.cluster))
 
-    def load(self) -> int:
-        """``--load`` into every program of this device (each strategy starts from the checkpoint), and the
-        strategy the saved run's last step ran, so that the hysteresis continues as it would have."""
-        load_dir = self.session.options.load_dir
-        if load_dir is None:
-            return 0
+    def load(self, load_dir: Path) -> int:
+        """A checkpoint into every program of this device (each strategy starts from it), and the strategy the
+        saved run's last step ran (``DISPATCH_STATE``), so that the hysteresis continues as it would have."""
         import json
 
         from runtime.checkpoint import load_checkpoint, read_checkpoint_info
 
-        done = read_checkpoint_info(load_dir, self.session.ctx).step
+        done = read_checkpoint_info(load_dir, self.ctx).step
         for p in self.programs:
             if p is not None:
-                load_checkpoint(p, load_dir, self.session.ctx)
+                load_checkpoint(p, load_dir, self.ctx)
         state = Path(load_dir) / DISPATCH_STATE
+        names = [h.name for h in self.handles]
         if state.is_file():
             name = json.loads(state.read_text()).get("strategy")
-            names = [h.name for h in self.handles]
             self.current = names.index(name) if name in names else None
-        if self.session.rank == 0:
-            self.session.report(Log(f"loaded {load_dir} (step {done})"))
         return done
 
-    def step(self, step: int, before_update: Callable[[], None] | None = None) -> StepReport:
-        from runtime.dispatch import dispatch
-        from runtime.engine.microbatch import documents_step_batch
-        from runtime.elastic.worker import move_state
+    def save(self, save_dir: Path, step: int) -> None:
+        """Save from the current strategy's program (collective over its devices), the dispatch state beside."""
+        import json
 
-        s = self.session
-        docs = s.source.documents(step)
+        from runtime.checkpoint import save_checkpoint
+        from runtime.spec.io import atomic_write_text
+
+        handle, program = self.current_handle, self.current_program
+        if program is None:
+            return
+        save_checkpoint(program, self.groups, save_dir, plan=self.ctx, strategy=handle.name, step=step)
+        if self.me == min(handle.devices):
+            atomic_write_text(Path(save_dir) / DISPATCH_STATE, json.dumps({"strategy": handle.name}) + "\n")
+
+    @property
+    def current_handle(self) -> StrategyHandle:
+        return self.handles[self.current if self.current is not None else 0]
+
+    @property
+    def current_program(self) -> Any:
+        return self.programs[self.current if self.current is not None else 0]
+
+    def prepare(self, step: int) -> tuple[Any, Any, LengthsStep]:
+        """Dispatch ``step``, switch state when its strategy differs from the previous step's, and return
+        the program to run (None: idle here), the packed ``StepBatch`` and what was decided."""
+        from runtime.dispatch import dispatch
+        from runtime.elastic.worker import move_state
+        from runtime.engine.microbatch import documents_step_batch
+
+        docs = self.source.documents(step)
         previous = self.current
         d = dispatch(docs.lengths, self.costs, current=previous, switch_cost=self.switch_cost)
         switch_s, sent, gain = 0.0, 0, 0.0
@@ -417,11 +451,12 @@ class DocumentSteps:
             bsr = self.switch_plan(previous, d.strategy)
             src = self.programs[previous]
             t0 = time.perf_counter()
-            with s.recorder.span("comm", f"switch to {d.strategy_name}") if s.recorder is not None else nullcontext():
-                move_state(bsr, src.local_state() if src is not None else {}, s.groups, self.programs[d.strategy],
-                           step - 1, s.device)
+            span = self.recorder.span("comm", f"switch to {d.strategy_name}") if self.recorder else nullcontext()
+            with span:
+                move_state(bsr, src.local_state() if src is not None else {}, self.groups,
+                           self.programs[d.strategy], step - 1, self.device)
             switch_s = time.perf_counter() - t0
-            sent = sum(m.nbytes for m in bsr.sends(s.me))
+            sent = sum(m.nbytes for m in bsr.sends(self.me))
             old = d.predicted[previous]
             gain = 0.0 if old is None else old - d.assignment.makespan
         self.current = d.strategy
@@ -433,21 +468,22 @@ class DocumentSteps:
                            method=d.assignment.method,
                            switched_from=None if previous in (None, d.strategy) else self.handles[previous].name,
                            switch_s=switch_s, switch_bytes=sent, switch_modelled_s=d.switch_cost, switch_gain_s=gain)
-        program = self.programs[d.strategy]
-        if program is None:
-            return StepReport(step=step, rank=s.rank, device=s.me, loss=0.0, grad_norm=0.0, tokens=batch.num_tokens,
-                              wall_s=0.0, compute_s=0.0, comm_s=0.0, emulation_s=0.0, lengths=info, idle=True)
-        return s.run_step(program, step, batch, before_update, info)
+        return self.programs[d.strategy], batch, info
 
-    def finish(self, step: int) -> None:
-        """Save from the current strategy's program (with the dispatch state beside it), traces, leave."""
-        s = self.session
-        i = self.current if self.current is not None else 0
-        handle, program = self.handles[i], self.programs[i]
-        s.finish(program, handle, step)
-        if s.options.save_dir is not None and program is not None and s.me == min(handle.devices):
-            import json
 
-            from runtime.spec.io import atomic_write_text
+def document_steps(session: Session) -> DocumentSteps:
+    """A session's documents run: its strategies, programs built by the session (emulation and tracing hooks)."""
+    return DocumentSteps(session.ctx, run_strategies(session.ctx, session.options), me=session.me,
+                         groups=session.groups, device=session.device, build=session.build, source=session.source,
+                         recorder=session.recorder)
 
-            atomic_write_text(Path(s.options.save_dir) / DISPATCH_STATE, json.dumps({"strategy": handle.name}) + "\n")
+
+def documents_step(session: Session, steps: DocumentSteps, step: int,
+                   before_update: Callable[[], None] | None = None) -> StepReport:
+    """One documents step as the session reports it (an idle device reports that it sat the step out)."""
+    program, batch, info = steps.prepare(step)
+    if program is None:
+        return StepReport(step=step, rank=session.rank, device=session.me, loss=0.0, grad_norm=0.0,
+                          tokens=batch.num_tokens, wall_s=0.0, compute_s=0.0, comm_s=0.0, emulation_s=0.0,
+                          lengths=info, idle=True)
+    return session.run_step(program, step, batch, before_update, info)
