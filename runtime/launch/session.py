@@ -357,6 +357,19 @@ def _abort(pg: Any) -> None:
 
 
 
+def documents_line(source: Any) -> str:
+    """What a documents run trains on, with what loading skipped or cut (empty documents are counted)."""
+    from runtime.documents import CorpusDocuments
+
+    if isinstance(source, CorpusDocuments):
+        c = source.corpus
+        return (f"data: {c.path}: {len(c.documents)} documents after cutting ({c.skipped_empty} empty skipped, "
+                f"{c.split_documents} split, {c.truncated_documents} truncated), {source.tokens_per_step} tokens "
+                f"per step, at most {source.max_len} per document")
+    return (f"data: synthetic documents, lengths {source.distribution.name} up to {source.max_len} tokens, "
+            f"{source.tokens_per_step} tokens per step")
+
+
 class DocumentSteps:
     """A documents run on one device: every strategy's program built once at start-up; per step the dispatch
     (runtime/dispatch.py: the strategy, with hysteresis against switching, and each document's pipeline and
