@@ -553,12 +553,22 @@ def head_cost(model: ModelSpec, tp: int, peak_flops: float) -> CostModel:
     return CostModel(0.0, 6.0 * model.hidden_size * model.vocab_size / (peak_flops * tp), 0.0)
 
 
+def tp_comm_cost(model: ModelSpec, tp: int, bandwidth_gbs: float) -> CostModel:
+    """Megatron TP's all-reduces of one layer for s tokens: two in the forward, two in the backward, each of
+    s x hidden fp32 values, a ring moving 2 (tp - 1) / tp of them over the group's slowest link."""
+    if tp == 1:
+        return CostModel()
+    per_token = 4 * 2 * (tp - 1) / tp * model.hidden_size * 4
+    return CostModel(0.0, per_token / (bandwidth_gbs * 1e9), 0.0)
+
+
 def plan_strategy_cost(strategy: Strategy, model: ModelSpec, cluster: Cluster,
                        training: TrainingSettings) -> StrategyCost:
     """Dispatch's view of a plan's strategy from the plan alone: FLOPs at each stage's peak rate (its device
-    type's ``peak_bf16_tflops``, which for emulated devices already carries their slowdown), a nominal
-    per-micro-batch launch cost, and memory sized as the plan sized it: a micro-batch of at most
-    ``training.micro_batch x max_seq_len`` tokens, S - k of them in flight on stage k under 1F1B."""
+    type's ``peak_bf16_tflops``, which for emulated devices already carries their slowdown), TP's all-reduces
+    at the group's slowest link, a nominal per-micro-batch launch cost, and memory sized as the plan sized it:
+    a micro-batch of at most ``training.micro_batch x max_seq_len`` tokens, S - k of them in flight on stage k
+    under 1F1B."""
     max_len = strategy.max_len_of(training)
     tokens = training.micro_batch * max_len
     pipes = []
@@ -567,7 +577,9 @@ def plan_strategy_cost(strategy: Strategy, model: ModelSpec, cluster: Cluster,
         stages = []
         for k, st in enumerate(pipe.stages):
             peak = min(cluster.type_of(d).peak_bf16_tflops for d in st.devices) * 1e12
-            layer = layer_cost(model, st.tp, peak)
+            link = min((cluster.bandwidth_gbs(x, y) for x in st.devices for y in st.devices if x != y),
+                       default=math.inf)
+            layer = layer_cost(model, st.tp, peak) + tp_comm_cost(model, st.tp, link)
             cost = CostModel.total([layer] * st.num_layers)
             if k == n - 1:
                 cost = cost + head_cost(model, st.tp, peak)

@@ -15,7 +15,13 @@ from typing import Any
 from runtime.errors import HspmdError, SpecError
 from runtime.launch.messages import Start
 from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, rank_map
-from runtime.launch.session import document_source_of, documents_line, documents_mode, documents_problems
+from runtime.launch.session import (
+    document_source_of,
+    documents_line,
+    documents_mode,
+    documents_problems,
+    run_strategies,
+)
 from runtime.launch.supervise import LocalWorkers, PlainPolicy, Policy, Run, RunSummary, supervise
 from runtime.profiling.host import emulated_cpu_shares, host_cpus
 from runtime.spec import PlanContext, Strategy, load_plan_context
@@ -114,8 +120,9 @@ def launch(options: TrainOptions, policy: Policy | None = None, *,
         for w in local.workers:
             w.send(Start(STORE_HOST, store.port))
             w.started = True
-        log(f"started {len(devices)} workers ({backend}, strategy {strategy.name!r}, devices "
-            f"{', '.join(map(str, devices))})")
+        names = run_strategies(ctx, options) if documents_mode(options, ctx.plan.training) else (strategy.name,)
+        which = f"strategy {names[0]!r}" if len(names) == 1 else f"strategies {', '.join(map(repr, names))}"
+        log(f"started {len(devices)} workers ({backend}, {which}, devices {', '.join(map(str, devices))})")
         run = Run(options, ctx, strategy.name, {w.device: w for w in local.workers},
                   RunSummary(strategy.name, tuple(devices), backend), on_step, log, t_start)
         policy.begin(run)
