@@ -453,7 +453,7 @@ class DocumentSteps:
         """Dispatch ``step``, switch state when its strategy differs from the previous step's, and return
         the program to run (None: idle here), the packed ``StepBatch`` and what was decided."""
         from runtime.dispatch import dispatch
-        from runtime.elastic.worker import move_state
+        from runtime.elastic.move import move_state
         from runtime.engine.microbatch import documents_step_batch
 
         docs = self.source.documents(step)
