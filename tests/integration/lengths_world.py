@@ -15,12 +15,12 @@ OP_TIMEOUT = timedelta(seconds=60)
 BINS = ((2, 16, 96.0), (17, 64, 4.0))  # mostly short documents, now and then one that only `long` holds
 
 
-def source(ctx, seed: int = 0):
+def source(ctx, bins=BINS, tokens_per_step: int | None = None, seed: int = 0):
     from runtime.documents import LengthBin, LengthDistribution, SyntheticDocuments
 
     t = ctx.plan.training
-    dist = LengthDistribution("test", tuple(LengthBin(*b) for b in BINS))
-    return SyntheticDocuments(dist, t.tokens_per_step, t.seq_len, ctx.model.vocab_size, seed)
+    dist = LengthDistribution("test", tuple(LengthBin(*b) for b in bins))
+    return SyntheticDocuments(dist, tokens_per_step or t.tokens_per_step, t.seq_len, ctx.model.vocab_size, seed)
 
 
 def scaled_costs(ctx, names: tuple[str, ...], slower: dict[str, float]):
@@ -55,7 +55,7 @@ class Result:
 
 def documents_job(w: WorkerContext, plan: str, names: tuple[str, ...], steps: tuple[int, ...],
                   slower: dict[str, float] | None = None, load_dir: str | None = None,
-                  save_dir: str | None = None) -> Result:
+                  save_dir: str | None = None, bins=BINS, tokens_per_step: int | None = None) -> Result:
     from pathlib import Path
 
     from runtime.engine.api import WorkerContext as EngineContext
@@ -69,7 +69,7 @@ def documents_job(w: WorkerContext, plan: str, names: tuple[str, ...], steps: tu
         return DeviceProgram(EngineContext(handle, w.device, w.ranks, torch.device("cpu"), OP_TIMEOUT), w.groups)
 
     run = DocumentSteps(ctx, names, me=w.device, groups=w.groups, device=torch.device("cpu"), build=build,
-                        source=source(ctx), costs=scaled_costs(ctx, names, slower or {}))
+                        source=source(ctx, bins, tokens_per_step), costs=scaled_costs(ctx, names, slower or {}))
     if load_dir is not None:
         assert run.load(Path(load_dir)) == steps[0] - 1
     res = Result(w.device, [], [], [], [], [], [], None, {}, {})

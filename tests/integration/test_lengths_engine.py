@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lengths_world import Result, documents_job, source
+from lengths_world import BINS, Result, documents_job, source
 
 from runtime.comm.world import LocalWorld
 from runtime.engine.reference import ReferenceTrainer
@@ -39,16 +39,16 @@ def ctx():
     return load_plan_context(PLAN)
 
 
-def reference(ctx, steps):
+def reference(ctx, steps, **kw):
     trainer = ReferenceTrainer(ctx.model, ctx.plan.training)
-    src = source(ctx)
+    src = source(ctx, **kw)
     stats = [trainer.train_documents([d.tokens for d in src.documents(k).documents]) for k in steps]
     return stats, trainer
 
 
 def run(world, names, steps, **kw) -> dict[int, Result]:
     out = world.run(documents_job, PLAN, names, tuple(steps), kw.get("slower"), kw.get("load_dir"),
-                    kw.get("save_dir"), timeout_s=300)
+                    kw.get("save_dir"), kw.get("bins", BINS), kw.get("tokens_per_step"), timeout_s=300)
     return {r.device: r for r in out}
 
 
@@ -72,8 +72,8 @@ def assemble(results: dict[int, Result], name: str, shape) -> torch.Tensor:
     return full
 
 
-def check_against_reference(ctx, results, steps):
-    ref_stats, trainer = reference(ctx, steps)
+def check_against_reference(ctx, results, steps, **data):
+    ref_stats, trainer = reference(ctx, steps, **data)
     torch.testing.assert_close(step_values(results, "losses"), [s.loss for s in ref_stats], rtol=RTOL, atol=1e-6)
     torch.testing.assert_close(step_values(results, "grad_norms"), [s.grad_norm for s in ref_stats], rtol=1e-4,
                                atol=1e-6)
@@ -96,6 +96,13 @@ def test_packed_documents_on_tp_and_uneven_pipelines(world, ctx):
         assert all(mbs), "every pipeline gets work"
         assert sum(sum(p) for p in mbs) == ctx.plan.training.tokens_per_step
     check_against_reference(ctx, results, steps)
+
+
+def test_a_pipeline_may_get_no_document(world, ctx):
+    data = {"bins": ((20, 20, 1.0),), "tokens_per_step": 20}   # one document per step, two pipelines
+    results = run(world, ("long",), (1, 2), **data)
+    assert all(sorted(len(p) for p in mbs) == [0, 1] for mbs in results[0].micro_batches)
+    check_against_reference(ctx, results, (1, 2), **data)
 
 
 @pytest.fixture(scope="module")
