@@ -140,6 +140,7 @@ class LengthsStep:
     imbalance: float  # slowest / mean predicted pipeline time
     predicted_s: float  # the chosen strategy's modelled step time
     method: str  # "ilp" or "greedy" (runtime/dispatch.py)
+    dispatch_s: float = 0.0  # this device's wall time computing the dispatch (and packing the step)
     switched_from: str | None = None  # the previous step's strategy, when this step switched
     switch_s: float = 0.0  # this device's wall time of the in-memory switch (fused BSR)
     switch_bytes: int = 0  # bytes this device sent in it
@@ -168,6 +169,7 @@ class StepRecord:
     imbalance: float | None = None
     predicted_s: float | None = None
     dispatch_method: str | None = None
+    dispatch_s: float | None = None
     switched_from: str | None = None
     switch_s: float | None = None
     switch_bytes: int | None = None
@@ -181,13 +183,15 @@ class StepRecord:
     def combine(reports: list[StepReport], strategy: str) -> StepRecord:
         active = [r for r in reports if not r.idle] or reports
         first = min(active, key=lambda r: r.rank)
-        step_time = max(r.wall_s + (r.lengths.switch_s if r.lengths else 0.0) for r in reports)
+        # a documents step lasts from its dispatch to its optimizer update: dispatch and switch included
+        step_time = max(r.wall_s + (r.lengths.dispatch_s + r.lengths.switch_s if r.lengths else 0.0) for r in reports)
         d = first.lengths
         extra: dict[str, Any] = {}
         if d is not None:
             strategy = d.strategy
             extra = dict(documents=d.documents, tokens=first.tokens, padding_fraction=d.padding_fraction,
-                         imbalance=d.imbalance, predicted_s=d.predicted_s, dispatch_method=d.method)
+                         imbalance=d.imbalance, predicted_s=d.predicted_s, dispatch_method=d.method,
+                         dispatch_s=max(r.lengths.dispatch_s for r in reports if r.lengths is not None))
             if d.switched_from is not None:
                 extra.update(switched_from=d.switched_from,
                              switch_s=max(r.lengths.switch_s for r in reports if r.lengths is not None),

@@ -456,9 +456,11 @@ class DocumentSteps:
         from runtime.elastic.move import move_state
         from runtime.engine.microbatch import documents_step_batch
 
+        t_dispatch = time.perf_counter()
         docs = self.source.documents(step)
         previous = self.current
         d = dispatch(docs.lengths, self.costs, current=previous, switch_cost=self.switch_cost)
+        dispatch_s = time.perf_counter() - t_dispatch
         switch_s, sent, gain = 0.0, 0, 0.0
         if previous is not None and d.strategy != previous:
             bsr = self.switch_plan(previous, d.strategy)
@@ -473,12 +475,14 @@ class DocumentSteps:
             old = d.predicted[previous]
             gain = 0.0 if old is None else old - d.assignment.makespan
         self.current = d.strategy
+        t_pack = time.perf_counter()
         batch = documents_step_batch(docs, [[list(mb) for mb in p.microbatches] for p in d.assignment.pipelines])
+        dispatch_s += time.perf_counter() - t_pack
         slots = sum(m.shape[0] * m.shape[1] for p in batch.pipelines for m in p)
         info = LengthsStep(strategy=d.strategy_name, documents=len(docs.documents),
                            padding_fraction=1.0 - batch.num_tokens / slots if slots else 0.0,
                            imbalance=d.assignment.imbalance, predicted_s=d.assignment.makespan,
-                           method=d.assignment.method,
+                           method=d.assignment.method, dispatch_s=dispatch_s,
                            switched_from=None if previous in (None, d.strategy) else self.handles[previous].name,
                            switch_s=switch_s, switch_bytes=sent, switch_modelled_s=d.switch_cost, switch_gain_s=gain)
         return self.programs[d.strategy], batch, info
