@@ -19,7 +19,9 @@ from runtime.engine.reference import ReferenceTrainer
 from runtime.models.params import llama_parameters
 from runtime.spec import load_plan_context
 
-PLAN = str(Path(__file__).parent / "engine_plans" / "lengths-two.yaml")
+PLANS = Path(__file__).parent / "engine_plans"
+PLAN = str(PLANS / "lengths-two.yaml")
+TP_PP = str(PLANS / "lengths-tp-pp.yaml")
 RTOL = 1e-5
 ATOL_STEPS = 1e-3  # x lr: see test_engine_correctness.py
 BOTH = ("short", "long")
@@ -46,8 +48,8 @@ def reference(ctx, steps, **kw):
     return stats, trainer
 
 
-def run(world, names, steps, **kw) -> dict[int, Result]:
-    out = world.run(documents_job, PLAN, names, tuple(steps), kw.get("slower"), kw.get("load_dir"),
+def run(world, names, steps, plan=PLAN, **kw) -> dict[int, Result]:
+    out = world.run(documents_job, plan, names, tuple(steps), kw.get("slower"), kw.get("load_dir"),
                     kw.get("save_dir"), kw.get("bins", BINS), kw.get("tokens_per_step"), timeout_s=300)
     return {r.device: r for r in out}
 
@@ -85,11 +87,13 @@ def check_against_reference(ctx, results, steps, **data):
                                    msg=lambda m, n=info.name: f"{n}: {m}")
 
 
-def test_packed_documents_on_tp_and_uneven_pipelines(world, ctx):
+@pytest.mark.parametrize("plan, name", [(PLAN, "long"), (TP_PP, "mixed")])
+def test_packed_documents_on_tp_and_uneven_pipelines(world, plan, name):
+    ctx = load_plan_context(plan)
     steps = (1, 2, 3)
-    results = run(world, ("long",), steps)
+    results = run(world, (name,), steps, plan)
     r0 = results[0]
-    assert r0.strategies == ["long"] * 3
+    assert r0.strategies == [name] * 3
     # several documents share a micro-batch (fewer micro-batches than documents), on both pipelines
     for docs, mbs in zip(r0.documents, r0.micro_batches):
         assert sum(len(p) for p in mbs) < docs
