@@ -294,7 +294,13 @@ def _summary(records: list[StepRecord], metrics: Path | None, trace_dir: Path | 
         mean = sum(r.step_time_s for r in steady) / len(steady)
         tps = sum(r.tokens_per_s for r in steady) / len(steady)
         n = f"{len(records)} step" + ("s" if len(records) != 1 else "")
-        out.print(f"{n} of strategy {records[-1].strategy!r}: loss {records[0].loss:.4f} -> "
+        used = list(dict.fromkeys(r.strategy for r in records))
+        if len(used) == 1:
+            which = f"of strategy {used[0]!r}"
+        else:  # a documents run's dispatch chose per step
+            counts = ", ".join(f"{s} {sum(r.strategy == s for r in records)}" for s in used)
+            which = f"(steps per strategy: {counts}; {sum(r.switched_from is not None for r in records)} switches)"
+        out.print(f"{n} {which}: loss {records[0].loss:.4f} -> "
                   f"{records[-1].loss:.4f}, {mean:.3f} s/step, {tps:,.0f} tokens/s (mean after step 1)")
     if metrics is not None:
         out.print(f"metrics: {escape(str(metrics))}")

@@ -69,3 +69,4 @@ def test_metrics_get_a_switch_event_before_the_switched_step(monkeypatch, tmp_pa
     assert (event["step"], event["from"], event["to"], event["cause"]) == (2, "short", "long", "dispatch")
     assert "switch at step 2 from short to long (short cannot serve the step's longest document)" in res.output
     assert lines[2]["strategy"] == "long" and lines[2]["switched_from"] == "short"
+    assert "2 steps (steps per strategy: short 1, long 1; 1 switches)" in res.output
