@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from runtime.dispatch import StrategyCost
 from runtime.precision import PRECISIONS, Precision
 
 FaultKind = Literal["error", "user-error", "exit", "kill", "hang"]
@@ -70,6 +71,9 @@ class TrainOptions:
     lengths: str | None = None
     tokenizer: Path | None = None
     long_documents: str = "split"
+    # Documents runs: the cost models dispatch weighs, one per run strategy in plan order (None: priced from the
+    # plan alone, runtime/dispatch.py ``plan_strategy_cost``); e.g. the planner's, from measured profiles.
+    dispatch_costs: tuple[StrategyCost, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0:

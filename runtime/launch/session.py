@@ -490,8 +490,12 @@ class DocumentSteps:
 
 def document_steps(session: Session) -> DocumentSteps:
     """A session's documents run: its strategies, programs built by the session (emulation and tracing hooks)."""
-    return DocumentSteps(session.ctx, run_strategies(session.ctx, session.options), me=session.me,
-                         groups=session.groups, device=session.device, build=session.build, source=session.source,
+    names = run_strategies(session.ctx, session.options)
+    costs = session.options.dispatch_costs
+    if costs is not None and tuple(c.name for c in costs) != names:
+        raise ValueError(f"dispatch_costs price strategies {[c.name for c in costs]}, the run has {list(names)}")
+    return DocumentSteps(session.ctx, names, me=session.me, groups=session.groups, device=session.device,
+                         build=session.build, source=session.source, costs=list(costs) if costs else None,
                          recorder=session.recorder)
 
 
