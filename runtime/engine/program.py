@@ -9,6 +9,7 @@ list for this stage (runtime/pipeline_schedules.py), then syncs and steps.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -20,24 +21,29 @@ from torch.distributed.tensor import DTensor
 from runtime.annotations.from_plan import strategy_groups
 from runtime.comm.execute import torch_dtype
 from runtime.comm.groups import ProcessGroups
+from runtime.comm.resolve import CommOp
 from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
 from runtime.engine.data_parallel import GradientSync
-from runtime.engine.describe import COMPUTE_NAMES, ProgramDescription, action_name, describe_plan, route
+from runtime.engine.describe import COMPUTE_NAMES, ProgramDescription, action_name, describe_plan
+from runtime.engine.microbatch import MicroBatch, StepBatch, window_micro_batch
 from runtime.engine.optim import LocalAdamW, ShardedAdamW, clip_coefficient
 from runtime.engine.pipeline import BoundaryChannel, connect_peers
 from runtime.engine.reference import autocast_for
 from runtime.engine.specialize import (
     BOUNDARY_DTYPE,
+    BoundaryOps,
     DevicePlan,
     ParamShard,
     chunk_parameters,
+    resolve_boundary,
     specialize,
+    stage_actions,
     weight_grad_from_outputs,
 )
 from runtime.engine.tensor_parallel import apply_tensor_parallel, local_tensor
 from runtime.engine.zero import MomentPiece
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
-from runtime.pipeline_schedules import Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
+from runtime.pipeline_schedules import Action, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
 from runtime.precision import Precision
 from runtime.spec.handle import StrategyHandle
 
@@ -104,6 +110,10 @@ class DeviceProgram:
         devices = ctx.strategy.devices
         self._stats_group = groups.get(devices) if len(devices) > 1 else None
         self._times = {"compute": 0.0, "comm": 0.0}
+        # Packed documents: micro-batch counts and boundary shapes vary by step; both follow from the step's
+        # dispatch, which every rank computes identically, so they are derived here rather than sent.
+        self._actions: dict[int, tuple[Action, ...]] = {role.micro_batches: plan.actions}
+        self._boundaries: dict[tuple[str, tuple[int, ...]], BoundaryOps] = {}
 
     # -- the launcher-facing API -------------------------------------------------------------------------
 
@@ -112,9 +122,10 @@ class DeviceProgram:
         """Every device group the strategy's programs use (TP groups, gradient sync, statistics)."""
         return strategy_groups(strategy.strategy, strategy.model, strategy.training)
 
-    def train_step(self, global_batch: torch.Tensor, *,
+    def train_step(self, global_batch: torch.Tensor | StepBatch, *,
                    before_update: Callable[[], None] | None = None) -> StepStats:
-        """One optimizer step; ``global_batch`` [global_batch, seq_len + 1] is the same on every rank.
+        """One optimizer step; ``global_batch`` [global_batch, seq_len + 1] is the same on every rank, or
+        a ``StepBatch`` of packed documents (runtime/engine/microbatch.py), also the same on every rank.
 
         ``before_update`` runs after the last communication of the step, before the optimizer changes
         any state: elastic training agrees there whether to commit the step; if it raises, the step is
@@ -122,26 +133,23 @@ class DeviceProgram:
         follows the update, which is one reason elastic runs refuse ``zero: true``.)
         """
         t = self.ctx.strategy.training
-        if tuple(global_batch.shape) != (t.global_batch, t.seq_len + 1):
-            raise ValueError(f"global batch has shape {tuple(global_batch.shape)}, the plan needs "
-                             f"[{t.global_batch}, {t.seq_len + 1}]")
-        self._times = {"compute": 0.0, "comm": 0.0}
         role = self.role
-        rows = global_batch[role.first_sample:role.first_sample + role.samples].to(self.device)
+        micro_batches, denominator, tokens = self._micro_batches(global_batch)
+        self._times = {"compute": 0.0, "comm": 0.0}
         for p in self.params.values():
             p.grad = None
         run = StepState(self.device, self.ctx.precision)
+        run.shapes = {mb: b.shape for mb, b in enumerate(micro_batches)}
         channel = BoundaryChannel(role.device, self.ranks)
-        for action in self.plan.actions:
+        for action in self.actions(len(micro_batches)):
             if isinstance(action, Compute):
-                mb = action.micro_batch
-                self._compute(action, rows[mb * role.micro_batch:(mb + 1) * role.micro_batch], run)
+                self._compute(action, micro_batches[action.micro_batch], denominator, run)
                 continue
             with self._span("comm", action_name(action)):
                 if isinstance(action, PostSend):
                     self._post_send(action.message, run, channel)
                 elif isinstance(action, PostRecv):
-                    channel.post_recv(action.message, route(self.plan, action.message),
+                    channel.post_recv(action.message, self._route(action.message, run),
                                       dtype=self.boundary_dtype, device=self.device)
                 elif isinstance(action, WaitRecv):
                     self._wait_recv(action.message, run, channel)
@@ -175,9 +183,33 @@ class DeviceProgram:
                 zero.gather()
         for p in self.params.values():
             p.grad = None
-        loss = float(stats[0]) / self.tokens
-        return StepStats(loss=loss, grad_norm=float(norm), tokens=self.tokens,
+        loss = float(stats[0]) / denominator if denominator else 0.0
+        return StepStats(loss=loss, grad_norm=float(norm), tokens=tokens,
                          compute_s=self._times["compute"], comm_s=self._times["comm"])
+
+    def _micro_batches(self, batch: torch.Tensor | StepBatch) -> tuple[tuple[MicroBatch, ...], int, int]:
+        """This pipeline's micro-batches of the step (on this device), the loss denominator, the step's tokens."""
+        role = self.role
+        if isinstance(batch, StepBatch):
+            if len(batch.pipelines) != len(self.ctx.strategy.strategy.pipelines):
+                raise ValueError(f"the step batch has {len(batch.pipelines)} pipelines, strategy "
+                                 f"{self.ctx.strategy.name!r} {len(self.ctx.strategy.strategy.pipelines)}")
+            mine = tuple(b.to(self.device) for b in batch.pipelines[role.pipeline])
+            return mine, batch.num_labels, batch.num_tokens
+        t = self.ctx.strategy.training
+        if tuple(batch.shape) != (t.global_batch, t.seq_len + 1):
+            raise ValueError(f"global batch has shape {tuple(batch.shape)}, the plan needs "
+                             f"[{t.global_batch}, {t.seq_len + 1}]")
+        rows = batch[role.first_sample:role.first_sample + role.samples].to(self.device)
+        n = role.micro_batch
+        mine = tuple(window_micro_batch(rows[mb * n:(mb + 1) * n]) for mb in range(role.micro_batches))
+        return mine, self.tokens, self.tokens
+
+    def actions(self, micro_batches: int) -> tuple[Action, ...]:
+        """This stage's schedule for a step of ``micro_batches`` (none: the pipeline got no document)."""
+        if micro_batches not in self._actions:
+            self._actions[micro_batches] = stage_actions(self.plan, micro_batches)
+        return self._actions[micro_batches]
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """This device's shards: ``NAME``, ``NAME.exp_avg``, ``NAME.exp_avg_sq`` and ``step``.
@@ -214,7 +246,7 @@ class DeviceProgram:
 
     # -- the schedule's actions --------------------------------------------------------------------------
 
-    def _compute(self, op: Compute, rows: torch.Tensor, run: StepState) -> None:
+    def _compute(self, op: Compute, batch: MicroBatch, denominator: int, run: StepState) -> None:
         """One op of the schedule on one chunk; a tensor for a chunk of this same device (the bottom of
         the V, or a one-stage pipeline) is handed over in memory instead of sent."""
         c = self.role.chunks[op.chunk]
@@ -226,7 +258,7 @@ class DeviceProgram:
             if op.kind == "F":
                 record = self._records[op.chunk]
                 with record.recording() if record is not None else nullcontext() as outputs:
-                    stage_forward(self.chunks[op.chunk], c.embed, c.head, self.tokens, rows, key, run)
+                    stage_forward(self.chunks[op.chunk], c.embed, c.head, denominator, batch, key, run)
                 if outputs is not None:
                     run.recorded[key] = outputs
             elif op.kind == "BW":
@@ -244,12 +276,25 @@ class DeviceProgram:
     def _post_send(self, msg: Message, run: StepState, channel: BoundaryChannel) -> None:
         key = (msg.micro_batch, self.plan.layout.chunk(msg.src_stage))
         x = run.sent.pop(key) if msg.kind == "activation" else run.grads_out.pop(key).to(self.boundary_dtype)
-        channel.post_send(route(self.plan, msg), x)
+        channel.post_send(self._route(msg, run), x)
 
     def _wait_recv(self, msg: Message, run: StepState, channel: BoundaryChannel) -> None:
         key = (msg.micro_batch, self.plan.layout.chunk(msg.dst_stage))
         x = channel.wait_recv(msg)
         (run.inputs if msg.kind == "activation" else run.grads_in)[key] = x
+
+    def _route(self, msg: Message, run: StepState) -> CommOp:
+        """The boundary op ``msg`` runs for its micro-batch's shape: the plan's own for the plan's fixed
+        shape, otherwise (packed documents) resolved once per shape."""
+        ops = self.plan.routes[msg.src_stage if msg.kind == "activation" else msg.dst_stage]
+        shape = (*run.shapes[msg.micro_batch], ops.shape[-1])
+        if shape != tuple(ops.shape):
+            key = (ops.boundary.stage, shape)
+            if key not in self._boundaries:
+                self._boundaries[key] = resolve_boundary(dataclasses.replace(ops.boundary, shape=shape),
+                                                         self.ctx.strategy.cluster)
+            ops = self._boundaries[key]
+        return ops.forward if msg.kind == "activation" else ops.backward
 
     def _local_grads(self) -> dict[str, torch.Tensor]:
         """Plain local gradient tensors, in each parameter's own layout."""
@@ -291,19 +336,20 @@ class StepState:
         self.deferred: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]]] = {}
         self.recorded: dict[Hashable, list[tuple[list[torch.Tensor], torch.Tensor]]] = {}  # OutputRecord's
         self.loss_sum: torch.Tensor = torch.zeros((), device=device)
+        self.shapes: dict[int, tuple[int, int]] = {}  # (rows, seq) of each micro-batch: its boundary shapes
 
 
-def stage_forward(module: LlamaForCausalLM, embed: bool, head: bool, tokens: int, rows: torch.Tensor,
-                  mb: Hashable, run: StepState) -> None:
-    """Micro-batch ``mb`` forward through a stage's chunk (``rows``: its samples, inputs and labels): token
-    ids in on the first chunk, the received boundary tensor elsewhere; out of the last chunk the summed
-    loss scaled by the step's ``tokens``, elsewhere the output and its fp32 copy to send. A function of
-    its own so that ``hspmd profile`` times exactly this."""
-    x = rows[:, :-1] if embed else run.inputs[mb].requires_grad_()
+def stage_forward(module: LlamaForCausalLM, embed: bool, head: bool, tokens: int, batch: MicroBatch, mb: Hashable,
+                  run: StepState) -> None:
+    """Micro-batch ``mb`` forward through a stage's chunk (``batch``: its tokens, labels and, packed, positions
+    and document ids): token ids in on the first chunk, the received boundary tensor elsewhere; out of the
+    last chunk the summed loss scaled by the step's ``tokens`` (labelled tokens), elsewhere the output and
+    its fp32 copy to send. A function of its own so that ``hspmd profile`` times exactly this."""
+    x = batch.tokens if embed else run.inputs[mb].requires_grad_()
     with autocast_for(run.device, run.precision):
-        out = module(x)
+        out = module(x, batch.positions, batch.segments)
     if head:
-        loss = causal_lm_loss_sum(out, rows[:, 1:])
+        loss = causal_lm_loss_sum(out, batch.labels)
         run.loss_sum = run.loss_sum + loss.detach()
         run.outputs[mb] = loss / tokens
     else:
@@ -405,7 +451,7 @@ def _checkpoint_layers(module: LlamaForCausalLM) -> None:
     for layer in module.model.layers.values():
         inner = layer.forward
 
-        def forward(x, cos, sin, _inner=inner):
-            return checkpoint(_inner, x, cos, sin, use_reentrant=False)
+        def forward(x, cos, sin, mask=None, _inner=inner):
+            return checkpoint(_inner, x, cos, sin, mask, use_reentrant=False)
 
         layer.forward = forward

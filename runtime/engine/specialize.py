@@ -154,15 +154,29 @@ def specialize(handle: StrategyHandle, device: int) -> DevicePlan | None:
     layouts = [p.grad.layout(p.shape) for p in ann.params]
     sched = handle.pipeline_schedule(role.pipeline)
     routes = stage_routes(ann, role, handle.cluster)
-    # A stage without boundaries (a one-stage pipeline) has nothing to send: its list's WaitSends is dropped.
-    actions = sched.actions[role.stage] if routes else tuple(a for a in sched.actions[role.stage]
-                                                              if isinstance(a, Compute))
+    actions = _own_actions(sched.actions[role.stage], routes)
     return DevicePlan(
         handle=handle, role=role, annotations=ann, shards=tuple(parameter_shards(handle.model, role, ann)),
         layout=sched.layout, actions=actions, routes=routes,
         grad_sync=tuple(b for b in plan_sync(layouts) if device in b.devices),
         zero_slices=slices, zero_buckets=tuple(zero_buckets(ann, slices)) if zero else (),
         moment_pieces=moment_pieces(slices, device))
+
+
+def stage_actions(plan: DevicePlan, micro_batches: int) -> tuple[Action, ...]:
+    """The stage's action list for a step of ``micro_batches`` (packed documents vary the count per step;
+    none: the pipeline got no document), from the same rule as ``plan.actions``."""
+    if micro_batches == plan.role.micro_batches:
+        return plan.actions
+    if micro_batches == 0:
+        return ()
+    sched = plan.handle.schedule_for(plan.role.pipeline, micro_batches)
+    return _own_actions(sched.actions[plan.role.stage], plan.routes)
+
+
+def _own_actions(actions: tuple[Action, ...], routes: Mapping[int, BoundaryOps]) -> tuple[Action, ...]:
+    # A stage without boundaries (a one-stage pipeline) has nothing to send: its list's WaitSends is dropped.
+    return actions if routes else tuple(a for a in actions if isinstance(a, Compute))
 
 
 def stage_role(handle: StrategyHandle, device: int) -> StageRole | None:

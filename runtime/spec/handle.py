@@ -30,7 +30,7 @@ class StrategyHandle:
     ctx: PlanContext
     strategy: Strategy
     _memo: dict[Callable[..., Any], Any] = field(default_factory=dict, init=False, repr=False)
-    _schedules: dict[int, Schedule] = field(default_factory=dict, init=False, repr=False)
+    _schedules: dict[tuple[int, int], Schedule] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not any(s is self.strategy or s == self.strategy for s in self.ctx.plan.strategies):
@@ -71,19 +71,23 @@ class StrategyHandle:
         return self.strategy.schedule_of(pipeline, self.training)
 
     def pipeline_schedule(self, pipeline: int) -> Schedule:
-        """Pipeline ``pipeline``'s action lists: what the engine executes and the simulator plays.
+        """Pipeline ``pipeline``'s action lists: what the engine executes and the simulator plays."""
+        return self.schedule_for(pipeline, self.strategy.pipelines[pipeline].micro_batches)
+
+    def schedule_for(self, pipeline: int, micro_batches: int) -> Schedule:
+        """The pipeline's schedule for ``micro_batches`` (the plan's count, or a step's under packed documents).
 
         Built from the plan alone, so every rank builds the same lists: a chunk's F, B and W each cost
         its layer count (docs/schedules.md, "Costs in the plan")."""
-        if pipeline not in self._schedules:
+        key = (pipeline, micro_batches)
+        if key not in self._schedules:
             pipe = self.strategy.pipelines[pipeline]
             name = self.schedule_name(pipeline)
             layout = schedule_layout(name, len(pipe.stages), pipe.stages[0].chunks)
             costs = Costs(chunks=tuple(tuple(ChunkCost(b - a, b - a, b - a) for a, b in st.layers)
                                        for st in pipe.stages))
-            self._schedules[pipeline] = build_schedule(name, len(pipe.stages), pipe.micro_batches,
-                                                       layout.chunks, costs)
-        return self._schedules[pipeline]
+            self._schedules[key] = build_schedule(name, len(pipe.stages), micro_batches, layout.chunks, costs)
+        return self._schedules[key]
 
     def describe(self) -> str:
         """'[0,1]:0-4 > [2]:4-8 x6 | [3]:0-2+6-8 > [4]:2-6 x2 interleaved': each pipeline's stages (devices:
