@@ -47,12 +47,16 @@ class TrainingSettings:
     schedule: Schedule = "1f1b"
     seed: int = 0
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    # Documents mode: a step's documents fill this many tokens (None: the fixed global_batch x seq_len form).
+    tokens_per_step: int | None = None
 
     def __post_init__(self) -> None:
         c = Checker()
         c.check(self.global_batch >= 1, "global_batch", f"must be at least 1, got {self.global_batch}")
         c.check(self.micro_batch >= 1, "micro_batch", f"must be at least 1, got {self.micro_batch}")
         c.check(self.seq_len >= 1, "seq_len", f"must be at least 1, got {self.seq_len}")
+        c.check(self.tokens_per_step is None or self.tokens_per_step >= 1, "tokens_per_step",
+                f"must be at least 1, got {self.tokens_per_step}")
         c.raise_if_any()
 
 
@@ -103,11 +107,16 @@ class Strategy:
     name: str
     pipelines: tuple[Pipeline, ...]
     estimates: Mapping[str, float] | None = None
+    # The longest document this strategy serves: its length range is (previous strategy's, this].
+    # None: training.seq_len.
+    max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         c = Checker()
         c.check(bool(self.name), "name", "must not be empty")
         c.check(len(self.pipelines) >= 1, "pipelines", "must list at least one pipeline")
+        c.check(self.max_seq_len is None or self.max_seq_len >= 1, "max_seq_len",
+                f"must be at least 1, got {self.max_seq_len}")
         c.raise_if_any()
 
     @property
