@@ -52,7 +52,7 @@ from runtime.dispatch import (
     lower_bound,
 )
 from runtime.dispatch import CostModel as TokenCost
-from runtime.documents import LengthDistribution, SyntheticDocuments
+from runtime.documents import LengthDistribution, SyntheticDocuments, pack_rows
 from runtime.elastic.state import plan_switch
 from runtime.errors import InfeasibleError
 from runtime.profiling.profile import DeviceProfile, ProfileSet
@@ -225,6 +225,30 @@ def round_robin(lengths: Sequence[int], pipelines: Sequence[PipelineCost]) -> As
 
 
 Dispatcher = Callable[[Sequence[int], Sequence[PipelineCost]], Assignment]
+
+
+def packed_rows(row_len: int, weights: Sequence[int]) -> Dispatcher:
+    """The fixed-length data path (a fixed strategy as Megatron-style training runs it): the step's
+    documents packed into rows of ``row_len`` tokens (``runtime.documents.pack_rows``, first-fit
+    decreasing), one row per micro-batch, rows dealt to the pipelines in proportion to ``weights`` (the
+    plan's micro-batch counts: each row to the pipeline with the fewest rows per weight, ties by index)."""
+    if not weights or min(weights) < 1:
+        raise ValueError("packed_rows needs a weight >= 1 per pipeline")
+
+    def deal(lengths: Sequence[int], pipelines: Sequence[PipelineCost]) -> Assignment:
+        check_lengths(lengths)
+        if len(pipelines) != len(weights):
+            raise ValueError(f"{len(weights)} weights for {len(pipelines)} pipelines")
+        rows = pack_rows(lengths, row_len)
+        layout: list[list[list[int]]] = [[] for _ in pipelines]
+        for row in rows:
+            p = min(range(len(pipelines)), key=lambda i: (len(layout[i]) / weights[i], i))
+            if sum(lengths[d] for d in row) > pipelines[p].capacity:
+                raise InfeasibleError(f"a row of {row_len} tokens does not fit pipeline {p}'s micro-batch memory")
+            layout[p].append(list(row))
+        return finish(lengths, pipelines, layout, lower_bound(lengths, pipelines), "greedy")
+
+    return deal
 
 
 def balanced(lengths: Sequence[int], pipelines: Sequence[PipelineCost]) -> Assignment:
@@ -448,13 +472,16 @@ class Candidates:
                     out.append(ls)
         if self.settings.composites:
             for long_devs, short_devs in node_splits(self.cluster):
+                if len(long_devs) > len(short_devs):
+                    continue   # the long part serves the tail: the bulk of the tokens goes to the rest
                 for li, long_len in enumerate(lengths):
-                    if long_len * 4 < self.settings.max_len:
-                        continue   # composites serve the long tail's steps
+                    if long_len * 2 < self.settings.max_len:
+                        continue   # most steps hold a document longer than max/4 (docs/lengths.md) ...
                     long = self.searched(long_len, long_devs)
                     if not long:
                         continue
-                    for short_len in lengths[:li]:
+                    # ... and 97% of the documents are at most max/4 long: the short part's buckets
+                    for short_len in [x for x in lengths[:li] if x * 4 <= self.settings.max_len]:
                         short = self.searched(short_len, short_devs)
                         for a, b in itertools.product(long[:COMPOSITE_TOP], short[:COMPOSITE_TOP]):
                             merged = Strategy("composite", a.pipelines + b.pipelines)
