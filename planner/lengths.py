@@ -161,23 +161,13 @@ def strategy_cost(cm: CostModel, strategy: Strategy, max_seq_len: int, memory_ma
         stages = []
         for k, st in enumerate(pipe.stages):
             dtype = cm.cluster.device(st.devices[0]).type
-            nxt = pipe.stages[k + 1] if k + 1 < n else None
-            link = None if nxt is None else cm.link(st.devices[0], nxt.devices[0])
-
-            def seconds(s: int) -> float:
-                t = cm.stage(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, 1, s).time_s
-                if link is not None:   # the activation forward and its gradient back, both blocking
-                    nbytes = s * cm.boundary_bytes() / cm.seq_len
-                    t += 2 * (link.latency_s + nbytes / (link.bandwidth_gbs * 1e9))
-                return t
-
-            a, b, c = quadratic_through(xs, [seconds(s) for s in xs])
+            a, b, c = quadratic_through(xs, [stage_seconds(cm, pipe, k, x) for x in xs])
             a, b, c = max(a, 0.0), max(b, 0.0), max(c, 0.0)
             in_flight = n - k
             base = cm.stage_memory(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, 0, zero_degree)
             full = cm.stage_memory(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, in_flight,
                                    zero_degree)
-            per_token = max(full.total - base.total, 1.0) / (in_flight * max_seq_len)
+            per_token = max(full.total - base.total, 1.0) / (in_flight * cm.seq_len)
             cap = cm.cluster.device_types[dtype].memory_gib * GIB * (1.0 - memory_margin)
             budget = max(0, math.floor((cap - base.total) / per_token))
             if budget < in_flight:
@@ -186,6 +176,20 @@ def strategy_cost(cm: CostModel, strategy: Strategy, max_seq_len: int, memory_ma
             stages.append(StageCost(TokenCost(a, b, 0.0), budget, c))
         pipes.append(PipelineCost(tuple(stages)))
     return StrategyCost(name or strategy.name, max_seq_len, tuple(pipes))
+
+
+def stage_seconds(cm: CostModel, pipe: Pipeline, k: int, s: int) -> float:
+    """One micro-batch of s tokens through stage k of ``pipe`` (forward + backward, TP collectives) and its
+    activation sent on and gradient received back (blocking, as on gloo), by the cost model."""
+    n = len(pipe.stages)
+    st = pipe.stages[k]
+    dtype = cm.cluster.device(st.devices[0]).type
+    t = cm.stage(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, 1, s).time_s
+    if k + 1 < n:
+        link = cm.link(st.devices[0], pipe.stages[k + 1].devices[0])
+        nbytes = s * cm.boundary_bytes() / cm.seq_len
+        t += 2 * (link.latency_s + nbytes / (link.bandwidth_gbs * 1e9))
+    return t
 
 
 def fixed_step_seconds(cm: CostModel, strategy: Strategy, schedule: Schedule = "1f1b") -> float:
@@ -543,7 +547,8 @@ def scale_counts(counts: Sequence[int], total: int) -> list[int]:
     return out
 
 
-def sample_lengths(distribution: LengthDistribution, settings: LengthSettings, seed: int) -> Callable[[int], tuple[int, ...]]:
+def sample_lengths(distribution: LengthDistribution, settings: LengthSettings,
+                   seed: int) -> Callable[[int], tuple[int, ...]]:
     source = SyntheticDocuments(distribution, settings.tokens_per_step, settings.max_len, 1, seed)
     return source.lengths
 
@@ -646,3 +651,32 @@ def length_ranges(p: Plan) -> dict[str, tuple[int, int]]:
         out[s.name] = (lo, hi)
         lo = hi + 1
     return out
+
+
+def chrome_trace(trace: Trace) -> dict[str, object]:
+    """Chrome trace-event JSON of a trace (Perfetto): process 0 the steps (strategy, switches), one process
+    per pipeline index with its modelled compute, its idle wait for the slowest pipeline, and the step's
+    gradient sync + optimizer; times in microseconds, steps back to back."""
+    out: list[dict[str, object]] = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "steps"}}]
+    pipes = max((len(r.pipeline_s) for r in trace.steps), default=0)
+    for p in range(pipes):
+        out.append({"ph": "M", "name": "process_name", "pid": p + 1, "args": {"name": f"pipeline {p}"}})
+    t = 0.0
+
+    def span(name: str, cat: str, pid: int, start: float, dur: float, **args: object) -> None:
+        if dur > 0:
+            out.append({"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": 0, "ts": start * 1e6,
+                        "dur": dur * 1e6, "args": args})
+
+    for r in trace.steps:
+        span(f"switch to {r.strategy}", "switch", 0, t, r.switch_s)
+        begin = t + r.switch_s
+        span(f"step {r.step}: {r.strategy}", "step", 0, begin, r.compute_s + r.fixed_s, documents=r.documents,
+             tokens=r.tokens, longest=r.longest, imbalance=round(r.imbalance, 4), method=r.method)
+        for p, (pt, load) in enumerate(zip(r.pipeline_s, r.assignment.pipelines)):
+            span(f"compute ({len(load.microbatches)} micro-batches)", "compute", p + 1, begin, pt,
+                 tokens=sum(load.tokens), microbatch_tokens=list(load.tokens))
+            span("idle", "idle", p + 1, begin + pt, r.compute_s - pt)
+            span("grad sync + optimizer", "step_end", p + 1, begin + r.compute_s, r.fixed_s)
+        t = begin + r.compute_s + r.fixed_s
+    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"total_s": trace.total_s}}

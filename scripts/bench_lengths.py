@@ -38,8 +38,8 @@ from planner.lengths import (  # noqa: E402
     balanced,
     context_for,
     packed_rows,
-    play,
     plan_lengths,
+    play,
     round_robin,
     symmetric_candidates,
 )
