@@ -33,10 +33,13 @@ from runtime.spec.io import atomic_write_text
 
 
 def plan_for_lengths(model_ref: str, cluster_ref: str, profile_dirs: Sequence[Path], lengths: str,
-                     tokens_per_step: int | None, max_len: int | None, max_strategies: int, time_limit: float,
-                     out_path: Path | None, fmt: str) -> None:
+                     tokens_per_step: int | None, max_len: int | None, global_batch: int | None,
+                     max_strategies: int, time_limit: float, out_path: Path | None, fmt: str) -> None:
     if tokens_per_step is None:
         raise SpecError([Problem("--tokens-per-step", "", "is required with --lengths (the tokens of one step)")])
+    if global_batch is not None:
+        raise SpecError([Problem("--global-batch", "", "not used with --lengths: a step is --tokens-per-step "
+                                                      "tokens of documents")])
     model = load_model(model_ref, file="--model", field="")
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))

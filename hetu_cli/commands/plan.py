@@ -63,8 +63,8 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         if path is not None and path.is_dir():
             raise SpecError([Problem(str(path), "", "is a directory; give a file name for the plan")])
     if lengths is not None:
-        plan_for_lengths(model_ref, cluster_ref, profile_dirs, lengths, tokens_per_step, seq_len, max_strategies,
-                         time_limit, out_path, fmt)
+        plan_for_lengths(model_ref, cluster_ref, profile_dirs, lengths, tokens_per_step, seq_len, global_batch,
+                         max_strategies, time_limit, out_path, fmt)
         return
     if global_batch is None or seq_len is None:
         raise click.UsageError("--global-batch and --seq-len are required (or --lengths with --tokens-per-step)")
