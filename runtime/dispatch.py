@@ -25,9 +25,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from runtime.errors import Checker, InfeasibleError
+from runtime.spec.cluster import Cluster
+from runtime.spec.model import ModelSpec
+from runtime.spec.plan import Strategy, TrainingSettings
 
 Method = Literal["auto", "ilp", "greedy"]
 # The ILP has P * D * (D + 1) / 2 assignment binaries (D documents, P pipelines); up to this many it solves in
@@ -213,6 +216,13 @@ class Dispatch:
     strategy_name: str
     assignment: Assignment
     predicted: tuple[float | None, ...]    # per strategy its makespan for this step, None where it cannot serve it
+    cheapest: int | None = None            # the strategy with the smallest makespan (None: the same as strategy)
+    switch_cost: float = 0.0               # modelled seconds of moving the state to ``strategy`` (0: no switch)
+
+    @property
+    def stayed(self) -> bool:
+        """The cheapest strategy was another one, but its gain did not pay for the switch (hysteresis)."""
+        return self.cheapest is not None and self.cheapest != self.strategy
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -220,29 +230,76 @@ class Dispatch:
 
 
 def dispatch(lengths: Sequence[int], strategies: Sequence[StrategyCost], *, method: Method = "auto",
-             exact_max_binaries: int = EXACT_MAX_BINARIES) -> Dispatch:
+             exact_max_binaries: int = EXACT_MAX_BINARIES, current: int | None = None,
+             switch_cost: SwitchCost | None = None) -> Dispatch:
     """Pick the strategy with the smallest predicted step time among those that hold the step's longest
-    document (ties: the first given), with its assignment of documents to pipelines and micro-batches."""
+    document (ties: the first given), with its assignment of documents to pipelines and micro-batches.
+
+    With ``current`` (the strategy the previous step ran) and ``switch_cost`` (modelled seconds of moving the
+    state from strategy i to j), the choice has hysteresis (``choose``): a switch is taken only when it pays.
+    """
     if not strategies:
         raise ValueError("dispatch needs at least one strategy")
     check_lengths(lengths)
     longest = max(lengths, default=0)
     predicted: list[float | None] = []
-    best: tuple[int, Assignment] | None = None
-    for i, strategy in enumerate(strategies):
+    assignments: list[Assignment | None] = []
+    for strategy in strategies:
         if not strategy.holds(longest):
             predicted.append(None)
+            assignments.append(None)
             continue
         a = assign(lengths, strategy.pipelines, method=method, exact_max_binaries=exact_max_binaries)
         predicted.append(a.makespan)
-        if best is None or a.makespan < best[1].makespan:
-            best = (i, a)
-    if best is None:
+        assignments.append(a)
+    if all(p is None for p in predicted):
         served = ", ".join(f"{s.name} up to {min(s.max_seq_len, max(p.capacity for p in s.pipelines))}"
                            for s in strategies)
         raise InfeasibleError(f"no strategy holds the step's longest document ({longest} tokens): {served}")
-    i, a = best
-    return Dispatch(i, strategies[i].name, a, tuple(predicted))
+    cheapest = cheapest_of(predicted)
+    i = choose(predicted, current, switch_cost)
+    a = assignments[i]
+    assert a is not None
+    cost = 0.0 if current is None or i == current or switch_cost is None else switch_cost(current, i)
+    return Dispatch(i, strategies[i].name, a, tuple(predicted), cheapest if cheapest != i else None, cost)
+
+
+class SwitchCost(Protocol):
+    def __call__(self, src: int, dst: int) -> float:
+        """Modelled seconds of moving the training state from strategy ``src`` to ``dst``."""
+        ...
+
+
+def cheapest_of(predicted: Sequence[float | None]) -> int:
+    """The strategy with the smallest predicted makespan (ties: the first)."""
+    best: int | None = None
+    for i, p in enumerate(predicted):
+        if p is not None and (best is None or p < predicted[best]):  # type: ignore[operator]
+            best = i
+    if best is None:
+        raise ValueError("no strategy can serve the step")
+    return best
+
+
+def choose(predicted: Sequence[float | None], current: int | None, switch_cost: SwitchCost | None) -> int:
+    """The strategy a step runs, with hysteresis against switching.
+
+    Keep ``current`` while it can serve the step, unless the cheapest strategy's modelled gain on this step,
+    ``predicted[current] - predicted[cheapest]``, exceeds the modelled cost of moving the state there
+    (``switch_cost(current, cheapest)``). Must the run leave ``current`` (the step holds a document longer
+    than it serves), it goes to the cheapest strategy whatever the cost. One step of look-ahead: the gain of
+    later steps on the new strategy is not counted, so a switch is only taken when it pays for itself at
+    once, and the run cannot flap between two strategies whose times differ by less than a switch.
+    Without ``current`` (the first step) or ``switch_cost``: the cheapest.
+    """
+    best = cheapest_of(predicted)
+    if current is None or switch_cost is None or best == current:
+        return best
+    now = predicted[current]
+    if now is None:
+        return best
+    gain = now - predicted[best]  # type: ignore[operator]
+    return best if gain > switch_cost(current, best) else current
 
 
 def check_lengths(lengths: Sequence[int]) -> None:
@@ -469,3 +526,63 @@ def ilp_assign(lengths: Sequence[int], pipelines: Sequence[PipelineCost], *, sca
         if (v.value() or 0) > 0.5:
             layout[p][j].append(d)
     return layout
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A strategy's costs from its plan alone (what the runtime dispatches with when no profile is given)
+
+# Per micro-batch and stage: launching one more forward and backward of each layer and one boundary message
+# each way. A nominal figure (the planner's profiles measure it); it only needs to make an extra micro-batch
+# cost something, so that short documents share one.
+LAUNCH_S_PER_LAYER = 5e-5
+
+
+def layer_cost(model: ModelSpec, tp: int, peak_flops: float) -> CostModel:
+    """Forward + backward seconds of one decoder layer for one document of s tokens at ``peak_flops`` per
+    device, its work split over ``tp`` devices: the projections' 6 * s * (matmul parameters) FLOPs (b) and
+    causal attention's 6 * q_dim * s^2 (a: QK^T and AV, 2 * s^2 / 2 * q_dim multiply-adds each, x3 with the
+    backward)."""
+    h, f, q, kv = model.hidden_size, model.ffn_hidden_size, model.q_dim, model.kv_dim
+    matmul = h * q + 2 * h * kv + q * h + 3 * h * f
+    rate = peak_flops * tp
+    return CostModel(6.0 * q / rate, 6.0 * matmul / rate, 0.0)
+
+
+def head_cost(model: ModelSpec, tp: int, peak_flops: float) -> CostModel:
+    """The output projection's forward + backward (the last stage's extra work)."""
+    return CostModel(0.0, 6.0 * model.hidden_size * model.vocab_size / (peak_flops * tp), 0.0)
+
+
+def tp_comm_cost(model: ModelSpec, tp: int, bandwidth_gbs: float) -> CostModel:
+    """Megatron TP's all-reduces of one layer for s tokens: two in the forward, two in the backward, each of
+    s x hidden fp32 values, a ring moving 2 (tp - 1) / tp of them over the group's slowest link."""
+    if tp == 1:
+        return CostModel()
+    per_token = 4 * 2 * (tp - 1) / tp * model.hidden_size * 4
+    return CostModel(0.0, per_token / (bandwidth_gbs * 1e9), 0.0)
+
+
+def plan_strategy_cost(strategy: Strategy, model: ModelSpec, cluster: Cluster,
+                       training: TrainingSettings) -> StrategyCost:
+    """Dispatch's view of a plan's strategy from the plan alone: FLOPs at each stage's peak rate (its device
+    type's ``peak_bf16_tflops``, which for emulated devices already carries their slowdown), TP's all-reduces
+    at the group's slowest link, a nominal per-micro-batch launch cost, and memory sized as the plan sized it:
+    a micro-batch of at most ``training.micro_batch x max_seq_len`` tokens, S - k of them in flight on stage k
+    under 1F1B."""
+    max_len = strategy.max_len_of(training)
+    tokens = training.micro_batch * max_len
+    pipes = []
+    for pipe in strategy.pipelines:
+        n = len(pipe.stages)
+        stages = []
+        for k, st in enumerate(pipe.stages):
+            peak = min(cluster.type_of(d).peak_bf16_tflops for d in st.devices) * 1e12
+            link = min((cluster.bandwidth_gbs(x, y) for x in st.devices for y in st.devices if x != y),
+                       default=math.inf)
+            layer = layer_cost(model, st.tp, peak) + tp_comm_cost(model, st.tp, link)
+            cost = CostModel.total([layer] * st.num_layers)
+            if k == n - 1:
+                cost = cost + head_cost(model, st.tp, peak)
+            stages.append(StageCost(cost, tokens * (n - k), LAUNCH_S_PER_LAYER * (st.num_layers + 1)))
+        pipes.append(PipelineCost(tuple(stages)))
+    return StrategyCost(strategy.name, max_len, tuple(pipes))

@@ -86,8 +86,10 @@ class StepDisplay:
             emu = f", emulation {r.emulation_s:.3f} s" if r.emulation_s else ""
             if r.emulation_overrun_s:   # sleep mode: real compute took longer than the target (not hidden)
                 emu += f", blocks overran their targets by {r.emulation_overrun_s:.3f} s"
+            docs = (f", {r.strategy}: {r.documents} documents, imbalance {r.imbalance:.2f}"
+                    if r.documents is not None and r.imbalance is not None else "")
             self.console.print(f"step {r.step}: loss {r.loss:.4f}, {r.step_time_s:.3f} s/step, "
-                               f"{r.tokens_per_s:,.0f} tokens/s{emu}")
+                               f"{r.tokens_per_s:,.0f} tokens/s{emu}{docs}")
 
     def log(self, message: str) -> None:
         self.progress.console.print(f"[dim]{escape(message)}[/dim]")
@@ -104,7 +106,17 @@ class StepDisplay:
 @click.option("--trace", "trace_dir", type=click.Path(path_type=Path),
               help="Write per-device Chrome traces (and a merged trace.json) here; open in ui.perfetto.dev.")
 @click.option("--data", "data_file", type=click.Path(path_type=Path),
-              help="Train on this local text file as byte tokens (default: a synthetic token stream).")
+              help="Train on this local file (default: a synthetic stream). FILE.jsonl (a `text` field per line), "
+                   "or plain text with --tokenizer/--lengths or a plan with training.tokens_per_step, is trained "
+                   "as whole documents (docs/lengths.md); plain text otherwise as byte windows.")
+@click.option("--tokenizer", type=click.Path(path_type=Path),
+              help="Tokenize --data with this local Hugging Face tokenizer.json (default: UTF-8 bytes).")
+@click.option("--lengths", metavar="DIST|FILE",
+              help="Train on synthetic documents whose lengths follow this distribution (longtail, uniform, fixed) "
+                   "or histogram YAML file, scaled to training.seq_len.")
+@click.option("--long-documents", type=click.Choice(["split", "truncate", "error"]), default="split",
+              show_default=True, help="Documents longer than training.seq_len: split into pieces, keep the first "
+                                      "seq_len tokens, or refuse the run.")
 @click.option("--save", "save_dir", type=click.Path(path_type=Path), help="Save a checkpoint here at the end.")
 @click.option("--load", "load_dir", type=click.Path(path_type=Path), help="Start from this checkpoint.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0),
@@ -135,7 +147,8 @@ class StepDisplay:
               help="Autocast policy: auto = bf16 on CUDA and fp32 on CPU; fp32 = no autocast; bf16 = bf16 autocast "
                    "on every device, the CPU included. Master weights and optimizer states stay fp32.")
 def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, trace_dir: Path | None,
-          data_file: Path | None, save_dir: Path | None, load_dir: Path | None, timeout_s: float | None,
+          data_file: Path | None, tokenizer: Path | None, lengths: str | None, long_documents: str,
+          save_dir: Path | None, load_dir: Path | None, timeout_s: float | None,
           elastic: bool, switch_specs: tuple[str, ...], kill_devices: tuple[int, ...], hang_devices: tuple[int, ...],
           fault_step: int | None, heartbeat_timeout_s: float | None, profile_dirs: tuple[Path, ...],
           replan_tolerance: float, precision: str) -> None:
@@ -145,6 +158,10 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     instead of launching its own: the multi-node path (README, 'Training').
     """
     faults = _faults(kill_devices, hang_devices, fault_step)
+    if lengths is not None and data_file is not None:
+        raise HspmdError("--lengths: synthetic documents or --data FILE, not both")
+    if tokenizer is not None and data_file is None:
+        raise HspmdError("--tokenizer: tokenizes --data FILE; give the file")
     if timeout_s is None:
         timeout_s = ELASTIC_TIMEOUT_S if elastic else TrainOptions.timeout_s
     if heartbeat_timeout_s is None:
@@ -152,7 +169,8 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     options = TrainOptions(plan=plan, strategy=strategy, steps=steps, trace_dir=trace_dir, data_file=data_file,
                            save_dir=save_dir, load_dir=load_dir, timeout_s=timeout_s,
                            heartbeat_timeout_s=heartbeat_timeout_s, faults=faults, elastic=elastic,
-                           switches=tuple(_parse_switch(s) for s in switch_specs), precision=precision)
+                           switches=tuple(_parse_switch(s) for s in switch_specs), precision=precision,
+                           lengths=lengths, tokenizer=tokenizer, long_documents=long_documents)
     env = TorchrunEnv.detect(os.environ)
     if env is not None and (options.coordinated or faults):
         raise HspmdError("--elastic, --switch and fault injection run under hspmd's own launcher, not torchrun")
@@ -163,6 +181,8 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     display = StepDisplay(steps, None if load_dir is not None else steps)
 
     def on_step(record: StepRecord) -> None:
+        if record.switched_from is not None:  # a documents run's dispatch changed strategy before this step
+            on_event(_dispatch_switch_event(record))
         display.step(record)
         if sink is not None:
             sink.write(record)
@@ -245,7 +265,18 @@ def _planner_replan(profile_dirs: tuple[Path, ...], tolerance: float, log):
     return replan
 
 
+def _dispatch_switch_event(r: StepRecord) -> dict:
+    return {"event": "switch", "cause": "dispatch", "step": r.step, "from": r.switched_from, "to": r.strategy,
+            "transfer_s": r.switch_s, "switch_bytes": r.switch_bytes, "modelled_cost_s": r.switch_modelled_s,
+            "modelled_gain_s": r.switch_gain_s}
+
+
 def _event_line(e: dict) -> str:
+    if e.get("cause") == "dispatch":
+        why = (f"modelled gain {e['modelled_gain_s'] * 1e3:.3g} ms > switch cost {e['modelled_cost_s'] * 1e3:.3g} ms"
+               if e["modelled_gain_s"] > 0 else f"{e['from']} cannot serve the step's longest document")
+        return (f"switch at step {e['step']} from {e['from']} to {e['to']} ({why}): transfer {e['transfer_s']:.3f} s "
+                f"({e['switch_bytes'] / 1e6:.3g} MB)")
     if e.get("event") == "failure":
         return (f"failure of device(s) {', '.join(map(str, e['failed']))} at step {e['step']}: recovered on "
                 f"{', '.join(map(str, e['devices']))} (plan {e['plan']}); detect {e['detect_s']:.3f} s, replan "
@@ -263,7 +294,13 @@ def _summary(records: list[StepRecord], metrics: Path | None, trace_dir: Path | 
         mean = sum(r.step_time_s for r in steady) / len(steady)
         tps = sum(r.tokens_per_s for r in steady) / len(steady)
         n = f"{len(records)} step" + ("s" if len(records) != 1 else "")
-        out.print(f"{n} of strategy {records[-1].strategy!r}: loss {records[0].loss:.4f} -> "
+        used = list(dict.fromkeys(r.strategy for r in records))
+        if len(used) == 1:
+            which = f"of strategy {used[0]!r}"
+        else:  # a documents run's dispatch chose per step
+            counts = ", ".join(f"{s} {sum(r.strategy == s for r in records)}" for s in used)
+            which = f"(steps per strategy: {counts}; {sum(r.switched_from is not None for r in records)} switches)"
+        out.print(f"{n} {which}: loss {records[0].loss:.4f} -> "
                   f"{records[-1].loss:.4f}, {mean:.3f} s/step, {tps:,.0f} tokens/s (mean after step 1)")
     if metrics is not None:
         out.print(f"metrics: {escape(str(metrics))}")

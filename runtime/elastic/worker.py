@@ -24,6 +24,7 @@ import gc
 import time
 from typing import Any
 
+from runtime.elastic.move import move_state
 from runtime.elastic.protocol import Abort, Commit, Finish, Left, Ready, Resume, Switched, Transition, World
 from runtime.launch.messages import StepDone, Up
 from runtime.launch.options import WorkerSpec
@@ -173,21 +174,6 @@ class ElasticWorker(Session):
         sent = sum(m.nbytes for m in t.bsr.sends(self.me))
         self.report(Switched(t.epoch, t1 - t0, t2 - t1, t3 - t2, sent))
         return t, program
-
-
-def move_state(bsr: Any, source: dict[str, Any], groups: Any, program: Any, steps_done: int, device: Any) -> None:
-    """This device's part of a switch: run the fused BSR ``bsr`` (collective over ``bsr.devices``) from
-    its ``source`` state (``local_state()`` layout of the old plan; empty if it held none) and load the
-    result into ``program`` (None when the new plan leaves this device idle)."""
-    import torch
-
-    from runtime.comm.execute import run_bsr
-
-    me = groups.my_device
-    out = run_bsr(bsr, source, groups, device=device) if me in bsr.devices else {}
-    if program is not None:
-        out["step"] = torch.tensor(float(steps_done))
-        program.load_local_state(out)
 
 
 def elastic_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox) -> None:

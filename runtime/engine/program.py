@@ -8,6 +8,7 @@ across pipelines, AdamW on local shards, or ZeRO-1 over the pipelines with ``tra
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,11 +23,20 @@ from runtime.comm.groups import ProcessGroups
 from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
 from runtime.engine.data_parallel import GradientSync
 from runtime.engine.describe import ProgramDescription, describe_plan
+from runtime.engine.microbatch import MicroBatch, StepBatch, window_micro_batch
 from runtime.engine.optim import LocalAdamW, ShardedAdamW, clip_coefficient
 from runtime.engine.pipeline import P2PBatch
 from runtime.engine.reference import autocast_for
-from runtime.engine.schedules import Comm, Compute
-from runtime.engine.specialize import BOUNDARY_DTYPE, DevicePlan, ParamShard, specialize, stage_parameters
+from runtime.engine.schedules import Action, Comm, Compute, build_schedule
+from runtime.engine.specialize import (
+    BOUNDARY_DTYPE,
+    BoundaryOps,
+    DevicePlan,
+    ParamShard,
+    resolve_boundary,
+    specialize,
+    stage_parameters,
+)
 from runtime.engine.tensor_parallel import apply_tensor_parallel, local_tensor
 from runtime.engine.zero import MomentPiece
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
@@ -85,6 +95,10 @@ class DeviceProgram:
         devices = ctx.strategy.devices
         self._stats_group = groups.get(devices) if len(devices) > 1 else None
         self._times = {"compute": 0.0, "comm": 0.0}
+        # Packed documents: micro-batch counts and boundary shapes vary by step; both follow from the step's
+        # dispatch, which every rank computes identically, so they are derived here rather than sent.
+        self._actions: dict[int, tuple[Action, ...]] = {role.micro_batches: plan.actions}
+        self._boundaries: dict[tuple[str, tuple[int, ...]], BoundaryOps] = {}
 
     # -- the launcher-facing API -------------------------------------------------------------------------
 
@@ -93,9 +107,10 @@ class DeviceProgram:
         """Every device group the strategy's programs use (TP groups, gradient sync, statistics)."""
         return strategy_groups(strategy.strategy, strategy.model, strategy.training)
 
-    def train_step(self, global_batch: torch.Tensor, *,
+    def train_step(self, global_batch: torch.Tensor | StepBatch, *,
                    before_update: Callable[[], None] | None = None) -> StepStats:
-        """One optimizer step; ``global_batch`` [global_batch, seq_len + 1] is the same on every rank.
+        """One optimizer step; ``global_batch`` [global_batch, seq_len + 1] is the same on every rank, or
+        a ``StepBatch`` of packed documents (runtime/engine/microbatch.py), also the same on every rank.
 
         ``before_update`` runs after the last communication of the step, before the optimizer changes
         any state: elastic training agrees there whether to commit the step; if it raises, the step is
@@ -103,22 +118,19 @@ class DeviceProgram:
         follows the update, which is one reason elastic runs refuse ``zero: true``.)
         """
         t = self.ctx.strategy.training
-        if tuple(global_batch.shape) != (t.global_batch, t.seq_len + 1):
-            raise ValueError(f"global batch has shape {tuple(global_batch.shape)}, the plan needs "
-                             f"[{t.global_batch}, {t.seq_len + 1}]")
-        self._times = {"compute": 0.0, "comm": 0.0}
         role = self.role
-        rows = global_batch[role.first_sample:role.first_sample + role.samples].to(self.device)
+        micro_batches, denominator, tokens = self._micro_batches(global_batch)
+        self._times = {"compute": 0.0, "comm": 0.0}
         for p in self.params.values():
             p.grad = None
         run = StepState(self.device, self.ctx.precision)
-        for action in self.plan.actions:
+        run.shapes = {mb: b.shape for mb, b in enumerate(micro_batches)}
+        for action in self.actions(len(micro_batches)):
             if isinstance(action, Compute):
                 mb = action.micro_batch
                 with self._span("compute", action.kind, micro_batch=mb):
                     if action.kind == "forward":
-                        stage_forward(self.module, role.embed, role.head, self.tokens,
-                                      rows[mb * role.micro_batch:(mb + 1) * role.micro_batch], mb, run)
+                        stage_forward(self.module, role.embed, role.head, denominator, micro_batches[mb], mb, run)
                     else:
                         stage_backward(role.embed, role.head, mb, run)
             else:
@@ -150,9 +162,49 @@ class DeviceProgram:
                 zero.gather()
         for p in self.params.values():
             p.grad = None
-        loss = float(stats[0]) / self.tokens
-        return StepStats(loss=loss, grad_norm=float(norm), tokens=self.tokens,
+        loss = float(stats[0]) / denominator if denominator else 0.0
+        return StepStats(loss=loss, grad_norm=float(norm), tokens=tokens,
                          compute_s=self._times["compute"], comm_s=self._times["comm"])
+
+    def _micro_batches(self, batch: torch.Tensor | StepBatch) -> tuple[tuple[MicroBatch, ...], int, int]:
+        """This pipeline's micro-batches of the step (on this device), the loss denominator, the step's tokens."""
+        role = self.role
+        if isinstance(batch, StepBatch):
+            if len(batch.pipelines) != len(self.ctx.strategy.strategy.pipelines):
+                raise ValueError(f"the step batch has {len(batch.pipelines)} pipelines, strategy "
+                                 f"{self.ctx.strategy.name!r} {len(self.ctx.strategy.strategy.pipelines)}")
+            mine = tuple(b.to(self.device) for b in batch.pipelines[role.pipeline])
+            return mine, batch.num_labels, batch.num_tokens
+        t = self.ctx.strategy.training
+        if tuple(batch.shape) != (t.global_batch, t.seq_len + 1):
+            raise ValueError(f"global batch has shape {tuple(batch.shape)}, the plan needs "
+                             f"[{t.global_batch}, {t.seq_len + 1}]")
+        rows = batch[role.first_sample:role.first_sample + role.samples].to(self.device)
+        n = role.micro_batch
+        mine = tuple(window_micro_batch(rows[mb * n:(mb + 1) * n]) for mb in range(role.micro_batches))
+        return mine, self.tokens, self.tokens
+
+    def actions(self, micro_batches: int) -> tuple[Action, ...]:
+        """This stage's schedule for a step of ``micro_batches`` (none: the pipeline got no document)."""
+        if micro_batches not in self._actions:
+            role = self.role
+            self._actions[micro_batches] = () if micro_batches == 0 else tuple(build_schedule(
+                self.plan.schedule, role.num_stages, role.stage, micro_batches))  # type: ignore[arg-type]
+        return self._actions[micro_batches]
+
+    def boundary(self, side: str, rows_seq: tuple[int, int]) -> BoundaryOps:
+        """The ops of the boundary before (``side`` "prev") or after ("next") this stage for a micro-batch
+        of shape (rows, seq): the plan's own for its fixed shape, otherwise resolved once per shape."""
+        ops = self.plan.prev if side == "prev" else self.plan.next
+        assert ops is not None
+        shape = (*rows_seq, ops.shape[-1])
+        if shape == tuple(ops.shape):
+            return ops
+        key = (side, shape)
+        if key not in self._boundaries:
+            self._boundaries[key] = resolve_boundary(dataclasses.replace(ops.boundary, shape=shape),
+                                                     self.ctx.strategy.cluster)
+        return self._boundaries[key]
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """This device's shards: ``NAME``, ``NAME.exp_avg``, ``NAME.exp_avg_sq`` and ``step``.
@@ -195,19 +247,15 @@ class DeviceProgram:
         for tr in action.transfers:
             mb = tr.micro_batch
             names.append(f"{tr.kind} {mb}")
-            prev, nxt, dtype = self.plan.prev, self.plan.next, self.boundary_dtype
+            dtype, shape = self.boundary_dtype, run.shapes[mb]
             if tr.kind == "send_forward":
-                assert nxt is not None
-                batch.send(nxt.forward, run.sent.pop(mb))
+                batch.send(self.boundary("next", shape).forward, run.sent.pop(mb))
             elif tr.kind == "recv_forward":
-                assert prev is not None
-                run.inputs[mb] = batch.recv(prev.forward, dtype=dtype, device=self.device)
+                run.inputs[mb] = batch.recv(self.boundary("prev", shape).forward, dtype=dtype, device=self.device)
             elif tr.kind == "send_backward":
-                assert prev is not None
-                batch.send(prev.backward, run.grads_out.pop(mb).to(dtype))
+                batch.send(self.boundary("prev", shape).backward, run.grads_out.pop(mb).to(dtype))
             else:
-                assert nxt is not None
-                run.grads_in[mb] = batch.recv(nxt.backward, dtype=dtype, device=self.device)
+                run.grads_in[mb] = batch.recv(self.boundary("next", shape).backward, dtype=dtype, device=self.device)
         with self._span("comm", ", ".join(names)):
             batch.run()
 
@@ -247,19 +295,20 @@ class StepState:
         self.grads_in: dict[int, torch.Tensor] = {}
         self.grads_out: dict[int, torch.Tensor] = {}
         self.loss_sum: torch.Tensor = torch.zeros((), device=device)
+        self.shapes: dict[int, tuple[int, int]] = {}  # (rows, seq) of each micro-batch: its boundary shapes
 
 
-def stage_forward(module: LlamaForCausalLM, embed: bool, head: bool, tokens: int, rows: torch.Tensor, mb: int,
+def stage_forward(module: LlamaForCausalLM, embed: bool, head: bool, tokens: int, batch: MicroBatch, mb: int,
                   run: StepState) -> None:
-    """Micro-batch ``mb`` forward through a stage (``rows``: its samples, inputs and labels): token ids in on
-    the first stage, the received boundary tensor elsewhere; out of the last stage the summed loss scaled
-    by the step's ``tokens``, elsewhere the output and its fp32 copy to send. A function of its own so
-    that ``hspmd profile`` times exactly this."""
-    x = rows[:, :-1] if embed else run.inputs[mb].requires_grad_()
+    """Micro-batch ``mb`` forward through a stage (``batch``: its tokens, labels and, packed, positions and
+    document ids): token ids in on the first stage, the received boundary tensor elsewhere; out of the last
+    stage the summed loss scaled by the step's ``tokens`` (labelled tokens), elsewhere the output and its fp32
+    copy to send. A function of its own so that ``hspmd profile`` times exactly this."""
+    x = batch.tokens if embed else run.inputs[mb].requires_grad_()
     with autocast_for(run.device, run.precision):
-        out = module(x)
+        out = module(x, batch.positions, batch.segments)
     if head:
-        loss = causal_lm_loss_sum(out, rows[:, 1:])
+        loss = causal_lm_loss_sum(out, batch.labels)
         run.loss_sum = run.loss_sum + loss.detach()
         run.outputs[mb] = loss / tokens
     else:
@@ -288,7 +337,7 @@ def _checkpoint_layers(module: LlamaForCausalLM) -> None:
     for layer in module.model.layers.values():
         inner = layer.forward
 
-        def forward(x, cos, sin, _inner=inner):
-            return checkpoint(_inner, x, cos, sin, use_reentrant=False)
+        def forward(x, cos, sin, mask=None, _inner=inner):
+            return checkpoint(_inner, x, cos, sin, mask, use_reentrant=False)
 
         layer.forward = forward

@@ -15,6 +15,13 @@ from typing import Any
 from runtime.errors import HspmdError, SpecError
 from runtime.launch.messages import Start
 from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, rank_map
+from runtime.launch.session import (
+    document_source_of,
+    documents_line,
+    documents_mode,
+    documents_problems,
+    run_strategies,
+)
 from runtime.launch.supervise import LocalWorkers, PlainPolicy, Policy, Run, RunSummary, supervise
 from runtime.profiling.host import emulated_cpu_shares, host_cpus
 from runtime.spec import PlanContext, Strategy, load_plan_context
@@ -53,22 +60,30 @@ def placement(ctx: PlanContext, devices: list[int]) -> tuple[str, dict[int, str]
     return "nccl", {d: f"cuda:{ctx.cluster.device(d).local_index}" for d in devices}
 
 
-def _preflight(options: TrainOptions, ctx: PlanContext) -> None:
-    """User errors that would otherwise surface in every worker at once (cheap: no torch import)."""
+def _preflight(options: TrainOptions, ctx: PlanContext) -> str | None:
+    """User errors that would otherwise surface in every worker at once (cheap: no torch import); for a
+    documents run the line that says what its data is."""
     from runtime.data import token_source
 
     t = ctx.plan.training
     refused = train_problems(ctx)
     if refused:
         raise SpecError(refused)
-    token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed,
-                 data_file=options.data_file)
+    if documents_mode(options, t):
+        problems = documents_problems(ctx, options)
+        if problems:
+            raise HspmdError(problems[0])
+        return documents_line(document_source_of(ctx, options))  # bad input refused before any worker starts
+    else:
+        token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed,
+                     data_file=options.data_file)
     if options.load_dir is not None:
         from runtime.checkpoint import read_checkpoint_info
 
         read_checkpoint_info(options.load_dir, ctx)
     if options.save_dir is not None and options.save_dir.exists() and not options.save_dir.is_dir():
         raise HspmdError(f"{options.save_dir}: --save: exists and is not a directory")
+    return None
 
 
 def launch(options: TrainOptions, policy: Policy | None = None, *,
@@ -90,7 +105,9 @@ def launch(options: TrainOptions, policy: Policy | None = None, *,
     backend, torch_devices = placement(ctx, devices)
     threads, cpus = (emulated_cpu_shares(devices, ctx.cluster.num_devices, host_cpus()) if backend == "gloo"
                      else (None, {}))
-    _preflight(options, ctx)
+    data_line = _preflight(options, ctx)
+    if data_line is not None:
+        log(data_line)
     local = LocalWorkers()
     store = None
     try:
@@ -103,8 +120,9 @@ def launch(options: TrainOptions, policy: Policy | None = None, *,
         for w in local.workers:
             w.send(Start(STORE_HOST, store.port))
             w.started = True
-        log(f"started {len(devices)} workers ({backend}, strategy {strategy.name!r}, devices "
-            f"{', '.join(map(str, devices))})")
+        names = run_strategies(ctx, options) if documents_mode(options, ctx.plan.training) else (strategy.name,)
+        which = f"strategy {names[0]!r}" if len(names) == 1 else f"strategies {', '.join(map(repr, names))}"
+        log(f"started {len(devices)} workers ({backend}, {which}, devices {', '.join(map(str, devices))})")
         run = Run(options, ctx, strategy.name, {w.device: w for w in local.workers},
                   RunSummary(strategy.name, tuple(devices), backend), on_step, log, t_start)
         policy.begin(run)

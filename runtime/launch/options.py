@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from runtime.dispatch import StrategyCost
 from runtime.precision import PRECISIONS, Precision
 
 FaultKind = Literal["error", "user-error", "exit", "kill", "hang"]
@@ -65,6 +66,14 @@ class TrainOptions:
     elastic: bool = False
     switches: tuple[PlannedSwitch, ...] = ()  # planned in-memory switches, by step
     precision: Precision = "auto"  # autocast policy (runtime/precision.py)
+    # Documents (docs/lengths.md): synthetic lengths (a distribution name or histogram file), a local
+    # tokenizer.json for --data, and what happens to documents longer than training.seq_len.
+    lengths: str | None = None
+    tokenizer: Path | None = None
+    long_documents: str = "split"
+    # Documents runs: the cost models dispatch weighs, one per run strategy in plan order (None: priced from the
+    # plan alone, runtime/dispatch.py ``plan_strategy_cost``); e.g. the planner's, from measured profiles.
+    dispatch_costs: tuple[StrategyCost, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -73,6 +82,8 @@ class TrainOptions:
             raise ValueError("timeouts must be positive and heartbeat_timeout_s > heartbeat_s")
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r} (have: {', '.join(PRECISIONS)})")
+        if self.long_documents not in ("split", "truncate", "error"):
+            raise ValueError(f"unknown long-document policy {self.long_documents!r}")
         steps = [s.step for s in self.switches]
         if steps != sorted(set(steps)):
             raise ValueError(f"switch steps must be distinct and increasing, got {steps}")
@@ -119,6 +130,26 @@ class StepReport:
     comm_s: float
     emulation_s: float  # seconds slept to emulate a slower device
     emulation_overrun_s: float = 0.0  # sleep mode: seconds the blocks' real compute ran past their targets
+    lengths: LengthsStep | None = None  # documents runs: the step's dispatch (the same on every device)
+    idle: bool = False  # documents runs: the step's strategy leaves this device idle (no loss, no time)
+
+
+@dataclass(frozen=True)
+class LengthsStep:
+    """A documents step as dispatch decided it (computed identically on every device)."""
+
+    strategy: str
+    documents: int
+    padding_fraction: float  # padded slots / all token slots of the step's micro-batches
+    imbalance: float  # slowest / mean predicted pipeline time
+    predicted_s: float  # the chosen strategy's modelled step time
+    method: str  # "ilp" or "greedy" (runtime/dispatch.py)
+    dispatch_s: float = 0.0  # this device's wall time computing the dispatch (and packing the step)
+    switched_from: str | None = None  # the previous step's strategy, when this step switched
+    switch_s: float = 0.0  # this device's wall time of the in-memory switch (fused BSR)
+    switch_bytes: int = 0  # bytes this device sent in it
+    switch_modelled_s: float = 0.0  # the switch cost dispatch weighed
+    switch_gain_s: float = 0.0  # the modelled gain that paid for it (0 when forced: the old one could not serve)
 
 
 @dataclass(frozen=True)
@@ -133,16 +164,45 @@ class StepRecord:
     grad_norm: float
     emulation_s: float  # most any worker slept to emulate slowness this step
     emulation_overrun_s: float = 0.0  # sleep mode: most any worker's blocks ran past their targets
+    # Documents runs (omitted from the JSON otherwise): the step's documents and tokens, its padding, the
+    # dispatch imbalance, and the switch (wall time: the slowest device's; bytes: all devices') when the
+    # strategy changed.
+    documents: int | None = None
+    tokens: int | None = None
+    padding_fraction: float | None = None
+    imbalance: float | None = None
+    predicted_s: float | None = None
+    dispatch_method: str | None = None
+    dispatch_s: float | None = None
+    switched_from: str | None = None
+    switch_s: float | None = None
+    switch_bytes: int | None = None
+    switch_modelled_s: float | None = None
+    switch_gain_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
     @staticmethod
     def combine(reports: list[StepReport], strategy: str) -> StepRecord:
-        first = min(reports, key=lambda r: r.rank)
-        step_time = max(r.wall_s for r in reports)
+        active = [r for r in reports if not r.idle] or reports
+        first = min(active, key=lambda r: r.rank)
+        # a documents step lasts from its dispatch to its optimizer update: dispatch and switch included
+        step_time = max(r.wall_s + (r.lengths.dispatch_s + r.lengths.switch_s if r.lengths else 0.0) for r in reports)
+        d = first.lengths
+        extra: dict[str, Any] = {}
+        if d is not None:
+            strategy = d.strategy
+            extra = dict(documents=d.documents, tokens=first.tokens, padding_fraction=d.padding_fraction,
+                         imbalance=d.imbalance, predicted_s=d.predicted_s, dispatch_method=d.method,
+                         dispatch_s=max(r.lengths.dispatch_s for r in reports if r.lengths is not None))
+            if d.switched_from is not None:
+                extra.update(switched_from=d.switched_from,
+                             switch_s=max(r.lengths.switch_s for r in reports if r.lengths is not None),
+                             switch_bytes=sum(r.lengths.switch_bytes for r in reports if r.lengths is not None),
+                             switch_modelled_s=d.switch_modelled_s, switch_gain_s=d.switch_gain_s)
         return StepRecord(step=first.step, loss=first.loss, step_time_s=step_time,
                           tokens_per_s=first.tokens / step_time if step_time > 0 else 0.0,
                           strategy=strategy, grad_norm=first.grad_norm,
                           emulation_s=max(r.emulation_s for r in reports),
-                          emulation_overrun_s=max(r.emulation_overrun_s for r in reports))
+                          emulation_overrun_s=max(r.emulation_overrun_s for r in reports), **extra)

@@ -20,10 +20,72 @@ from typing import Any
 
 from runtime.errors import HspmdError
 from runtime.launch.messages import FaultFiring, Log
-from runtime.launch.options import Fault, StepReport, WorkerSpec
+from runtime.launch.options import Fault, LengthsStep, StepReport, TrainOptions, WorkerSpec
+from runtime.spec import PlanContext
 from runtime.spec.handle import StrategyHandle
+from runtime.spec.plan import TrainingSettings
 
 TRACE_MERGED = "trace.json"
+DISPATCH_STATE = "dispatch.json"  # beside a documents run's checkpoint: the strategy its last step ran
+
+
+def documents_mode(options: TrainOptions, training: TrainingSettings) -> bool:
+    """Whether the run trains on whole documents (docs/lengths.md) rather than fixed windows: the plan sets
+    ``training.tokens_per_step``, or the command asks for synthetic lengths, a tokenizer or a JSONL corpus.
+    A plain text ``--data`` with none of these keeps its old meaning (byte windows)."""
+    from runtime.documents import data_format
+
+    jsonl = options.data_file is not None and data_format(options.data_file) == "jsonl"
+    return training.tokens_per_step is not None or options.lengths is not None or options.tokenizer is not None \
+        or jsonl
+
+
+def run_strategies(ctx: PlanContext, options: TrainOptions) -> tuple[str, ...]:
+    """The strategies a run trains with: ``--strategy`` alone when given; in documents mode, every strategy of a
+    plan that tags length ranges (``max_seq_len``; dispatch picks one per step); else the plan's first."""
+    if options.strategy is not None:
+        return (ctx.plan.strategy(options.strategy).name,)
+    strategies = ctx.plan.strategies
+    if documents_mode(options, ctx.plan.training) and any(s.max_seq_len is not None for s in strategies):
+        return tuple(s.name for s in strategies)
+    return (strategies[0].name,)
+
+
+def run_devices(ctx: PlanContext, options: TrainOptions) -> list[int]:
+    """Every device some strategy of the run uses (one worker each)."""
+    return sorted({d for name in run_strategies(ctx, options) for d in ctx.plan.strategy(name).devices})
+
+
+def documents_problems(ctx: PlanContext, options: TrainOptions) -> list[str]:
+    """Why a documents run cannot start (empty: it can): every document must fit some strategy."""
+    t = ctx.plan.training
+    names = run_strategies(ctx, options)
+    longest = max(ctx.plan.strategy(n).max_len_of(t) for n in names)
+    problems = []
+    if longest < t.seq_len:
+        problems.append(f"{ctx.path}: --strategy: {names[0]!r} serves documents up to {longest} tokens, but the "
+                        f"run's documents reach training.seq_len {t.seq_len}")
+    if len(names) > 1 and t.zero:
+        problems.append(f"{ctx.path}: training.zero: switching between strategies in memory needs full AdamW "
+                        "replicas (use zero: false, or one strategy with --strategy)")
+    if any(dt.sleep_emulated for dt in ctx.cluster.device_types.values()):
+        problems.append(f"{ctx.path}: cluster {ctx.cluster.name!r} emulates in sleep mode, whose block targets are "
+                        "priced for fixed windows; documents runs need a stretch-mode or real cluster")
+    if options.coordinated:
+        problems.append("--elastic/--switch: documents runs switch between their plan's strategies themselves; "
+                        "they do not take --elastic or --switch yet")
+    return problems
+
+
+def document_source_of(ctx: PlanContext, options: TrainOptions):  # -> runtime.documents.DocumentSource
+    """The run's documents (raises SpecError naming the file and field for bad input)."""
+    from runtime.documents import DEFAULT_DISTRIBUTION, document_source
+
+    t = ctx.plan.training
+    return document_source(tokens_per_step=t.tokens_per_step or t.global_batch * t.seq_len, max_len=t.seq_len,
+                           vocab_size=ctx.model.vocab_size, seed=t.seed, data_file=options.data_file,
+                           tokenizer=options.tokenizer, lengths=options.lengths or DEFAULT_DISTRIBUTION,
+                           long_documents=options.long_documents)  # type: ignore[arg-type]
 
 
 def trace_file(trace_dir: Path, device: int) -> Path:
@@ -53,8 +115,12 @@ class Session:
             torch.cuda.set_device(self.device)
         self.timeout = timedelta(seconds=options.timeout_s)
         t = self.ctx.plan.training
-        self.source = token_source(vocab_size=self.ctx.model.vocab_size, global_batch=t.global_batch,
-                                   seq_len=t.seq_len, seed=t.seed, data_file=options.data_file)
+        self.documents = documents_mode(options, t)
+        if self.documents:
+            self.source: Any = document_source_of(self.ctx, options)
+        else:
+            self.source = token_source(vocab_size=self.ctx.model.vocab_size, global_batch=t.global_batch,
+                                       seq_len=t.seq_len, seed=t.seed, data_file=options.data_file)
         self.hooks, self.recorder, self.emulator = _hooks(spec, self.ctx, self.device)
         if self.emulator is not None:
             report(Log(emulation_line(self.me, self.emulator)))
@@ -120,7 +186,11 @@ class Session:
 
     def step(self, program: Any, step: int, before_update: Callable[[], None] | None = None) -> StepReport:
         """Run ``step`` (the exceptions of a failed step pass through)."""
-        batch = self.source.batch(step)
+        return self.run_step(program, step, self.source.batch(step), before_update)
+
+    def run_step(self, program: Any, step: int, batch: Any, before_update: Callable[[], None] | None = None,
+                 lengths: LengthsStep | None = None) -> StepReport:
+        """One step of ``program`` on ``batch`` (windows, or a documents run's packed ``StepBatch``)."""
         with self.recorder.span("step", f"step {step}") if self.recorder is not None else nullcontext():
             t0 = time.perf_counter()
             stats = program.train_step(batch, before_update=before_update)
@@ -129,14 +199,21 @@ class Session:
                           grad_norm=float(stats.grad_norm), tokens=int(stats.tokens), wall_s=wall,
                           compute_s=float(stats.compute_s), comm_s=float(stats.comm_s),
                           emulation_s=self.emulator.take_emulated_s() if self.emulator is not None else 0.0,
-                          emulation_overrun_s=self.emulator.take_overrun_s() if self.emulator is not None else 0.0)
+                          emulation_overrun_s=self.emulator.take_overrun_s() if self.emulator is not None else 0.0,
+                          lengths=lengths)
 
-    def finish(self, program: Any, handle: StrategyHandle, step: int) -> None:
-        """Save ``--save`` (when this device holds state), write the traces, leave the world."""
+    def finish(self, program: Any, handle: StrategyHandle, step: int,
+               save: Callable[[Path, int], None] | None = None) -> None:
+        """Save ``--save`` (when this device holds state; ``save``: how, for a documents run), write the
+        traces, leave the world."""
         import torch.distributed as dist
 
         save_dir = self.options.save_dir
-        if program is not None and save_dir is not None:
+        if save is not None and save_dir is not None:
+            save(save_dir, step)
+            if self.me == min(handle.devices):
+                self.report(Log(f"saved {save_dir} (step {step})"))
+        elif program is not None and save_dir is not None:
             from runtime.checkpoint import save_checkpoint
 
             save_checkpoint(program, self.groups, save_dir, plan=handle.ctx, strategy=handle.name, step=step)
@@ -277,3 +354,157 @@ def _abort(pg: Any) -> None:
         pg.abort()
     except (AttributeError, RuntimeError, NotImplementedError):
         pass
+
+
+
+def documents_line(source: Any) -> str:
+    """What a documents run trains on, with what loading skipped or cut (empty documents are counted)."""
+    from runtime.documents import CorpusDocuments
+
+    if isinstance(source, CorpusDocuments):
+        c = source.corpus
+        return (f"data: {c.path}: {len(c.documents)} documents after cutting ({c.skipped_empty} empty skipped, "
+                f"{c.split_documents} split, {c.truncated_documents} truncated), {source.tokens_per_step} tokens "
+                f"per step, at most {source.max_len} per document")
+    return (f"data: synthetic documents, lengths {source.distribution.name} up to {source.max_len} tokens, "
+            f"{source.tokens_per_step} tokens per step")
+
+
+class DocumentSteps:
+    """A documents run on one device: every strategy's program built once at start-up; per step the dispatch
+    (runtime/dispatch.py: the strategy, with hysteresis against switching, and each document's pipeline and
+    micro-batch), computed identically on every device so nothing is communicated; an in-memory switch (one
+    fused BSR of the state, runtime/elastic/state.py ``plan_switch``) when consecutive steps pick different
+    strategies; then the step on the chosen strategy's program (devices it leaves idle sit it out).
+
+    ``build`` makes this device's program of a strategy (collective, like ``Session.build``); ``costs``
+    replaces the plan-derived cost models dispatch weighs (``dispatch.plan_strategy_cost``), e.g. measured ones.
+    """
+
+    def __init__(self, ctx: PlanContext, names: tuple[str, ...], *, me: int, groups: Any, device: Any,
+                 build: Callable[[StrategyHandle], Any], source: Any, costs: list[Any] | None = None,
+                 recorder: Any = None) -> None:
+        from runtime.dispatch import plan_strategy_cost
+        from runtime.engine.program import DeviceProgram
+
+        self.ctx, self.me, self.groups, self.device, self.source, self.recorder = ctx, me, groups, device, source, \
+            recorder
+        self.handles = [StrategyHandle.of(ctx, n) for n in names]
+        for h in self.handles:  # collective: every device creates every strategy's groups, in plan order
+            groups.ensure(DeviceProgram.required_groups(h))
+        self.programs: list[Any] = [build(h) if me in h.devices else None for h in self.handles]
+        self.costs = costs if costs is not None else [
+            plan_strategy_cost(h.strategy, h.model, h.cluster, h.training) for h in self.handles]
+        self.current: int | None = None
+        self._switches: dict[tuple[int, int], Any] = {}
+
+    def switch_plan(self, src: int, dst: int) -> Any:
+        """The fused BSR moving every parameter and moment from strategy ``src``'s layout to ``dst``'s."""
+        if (src, dst) not in self._switches:
+            from runtime.elastic.state import plan_switch
+
+            self._switches[src, dst] = plan_switch(self.handles[src], self.handles[dst])
+        return self._switches[src, dst]
+
+    def switch_cost(self, src: int, dst: int) -> float:
+        return float(self.switch_plan(src, dst).modelled_time(self.ctx.cluster))
+
+    def load(self, load_dir: Path) -> int:
+        """A checkpoint into every program of this device (each strategy starts from it), and the strategy the
+        saved run's last step ran (``DISPATCH_STATE``), so that the hysteresis continues as it would have."""
+        import json
+
+        from runtime.checkpoint import load_checkpoint, read_checkpoint_info
+
+        done = read_checkpoint_info(load_dir, self.ctx).step
+        for p in self.programs:
+            if p is not None:
+                load_checkpoint(p, load_dir, self.ctx)
+        state = Path(load_dir) / DISPATCH_STATE
+        names = [h.name for h in self.handles]
+        if state.is_file():
+            name = json.loads(state.read_text()).get("strategy")
+            self.current = names.index(name) if name in names else None
+        return done
+
+    def save(self, save_dir: Path, step: int) -> None:
+        """Save from the current strategy's program (collective over its devices), the dispatch state beside."""
+        import json
+
+        from runtime.checkpoint import save_checkpoint
+        from runtime.spec.io import atomic_write_text
+
+        handle, program = self.current_handle, self.current_program
+        if program is None:
+            return
+        save_checkpoint(program, self.groups, save_dir, plan=self.ctx, strategy=handle.name, step=step)
+        if self.me == min(handle.devices):
+            atomic_write_text(Path(save_dir) / DISPATCH_STATE, json.dumps({"strategy": handle.name}) + "\n")
+
+    @property
+    def current_handle(self) -> StrategyHandle:
+        return self.handles[self.current if self.current is not None else 0]
+
+    @property
+    def current_program(self) -> Any:
+        return self.programs[self.current if self.current is not None else 0]
+
+    def prepare(self, step: int) -> tuple[Any, Any, LengthsStep]:
+        """Dispatch ``step``, switch state when its strategy differs from the previous step's, and return
+        the program to run (None: idle here), the packed ``StepBatch`` and what was decided."""
+        from runtime.dispatch import dispatch
+        from runtime.elastic.move import move_state
+        from runtime.engine.microbatch import documents_step_batch
+
+        t_dispatch = time.perf_counter()
+        docs = self.source.documents(step)
+        previous = self.current
+        d = dispatch(docs.lengths, self.costs, current=previous, switch_cost=self.switch_cost)
+        dispatch_s = time.perf_counter() - t_dispatch
+        switch_s, sent, gain = 0.0, 0, 0.0
+        if previous is not None and d.strategy != previous:
+            bsr = self.switch_plan(previous, d.strategy)
+            src = self.programs[previous]
+            t0 = time.perf_counter()
+            span = self.recorder.span("comm", f"switch to {d.strategy_name}") if self.recorder else nullcontext()
+            with span:
+                move_state(bsr, src.local_state() if src is not None else {}, self.groups,
+                           self.programs[d.strategy], step - 1, self.device)
+            switch_s = time.perf_counter() - t0
+            sent = sum(m.nbytes for m in bsr.sends(self.me))
+            old = d.predicted[previous]
+            gain = 0.0 if old is None else old - d.assignment.makespan
+        self.current = d.strategy
+        t_pack = time.perf_counter()
+        batch = documents_step_batch(docs, [[list(mb) for mb in p.microbatches] for p in d.assignment.pipelines])
+        dispatch_s += time.perf_counter() - t_pack
+        slots = sum(m.shape[0] * m.shape[1] for p in batch.pipelines for m in p)
+        info = LengthsStep(strategy=d.strategy_name, documents=len(docs.documents),
+                           padding_fraction=1.0 - batch.num_tokens / slots if slots else 0.0,
+                           imbalance=d.assignment.imbalance, predicted_s=d.assignment.makespan,
+                           method=d.assignment.method, dispatch_s=dispatch_s,
+                           switched_from=None if previous in (None, d.strategy) else self.handles[previous].name,
+                           switch_s=switch_s, switch_bytes=sent, switch_modelled_s=d.switch_cost, switch_gain_s=gain)
+        return self.programs[d.strategy], batch, info
+
+
+def document_steps(session: Session) -> DocumentSteps:
+    """A session's documents run: its strategies, programs built by the session (emulation and tracing hooks)."""
+    names = run_strategies(session.ctx, session.options)
+    costs = session.options.dispatch_costs
+    if costs is not None and tuple(c.name for c in costs) != names:
+        raise ValueError(f"dispatch_costs price strategies {[c.name for c in costs]}, the run has {list(names)}")
+    return DocumentSteps(session.ctx, names, me=session.me, groups=session.groups, device=session.device,
+                         build=session.build, source=session.source, costs=list(costs) if costs else None,
+                         recorder=session.recorder)
+
+
+def documents_step(session: Session, steps: DocumentSteps, step: int,
+                   before_update: Callable[[], None] | None = None) -> StepReport:
+    """One documents step as the session reports it (an idle device reports that it sat the step out)."""
+    program, batch, info = steps.prepare(step)
+    if program is None:
+        return StepReport(step=step, rank=session.rank, device=session.me, loss=0.0, grad_norm=0.0,
+                          tokens=batch.num_tokens, wall_s=0.0, compute_s=0.0, comm_s=0.0, emulation_s=0.0,
+                          lengths=info, idle=True)
+    return session.run_step(program, step, batch, before_update, info)

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from runtime.errors import HspmdError
 from runtime.launch.messages import Exited, Heartbeat, Log, StepDone, Up, WorkerError
 from runtime.launch.options import StepRecord, StepReport, TrainOptions, WorkerSpec
+from runtime.launch.session import run_devices
 from runtime.launch.worker import WorkerLoop, process_main, train_worker
 from runtime.spec import PlanContext
 
@@ -294,7 +295,7 @@ class PlainPolicy:
     def prepare(self, options: TrainOptions, ctx: PlanContext, strategy: str) -> list[int]:
         if options.coordinated:
             raise ValueError("elastic and switching runs are supervised by runtime.elastic.ElasticPolicy")
-        return sorted(ctx.plan.strategy(strategy).devices)
+        return run_devices(ctx, options)  # a documents run's every strategy (runtime/launch/session.py)
 
     def begin(self, run: Run) -> None:
         self.run = run

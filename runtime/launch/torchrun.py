@@ -16,7 +16,7 @@ from runtime.errors import HspmdError, SpecError
 from runtime.launch.launcher import select_strategy
 from runtime.launch.messages import Log, StepDone
 from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, rank_map
-from runtime.launch.session import Reporter
+from runtime.launch.session import Reporter, run_devices
 from runtime.launch.worker import train_worker
 from runtime.spec import load_plan_context
 from runtime.spec.catalog import train_problems
@@ -63,7 +63,7 @@ def run_torchrun(options: TrainOptions, env: TorchrunEnv, *, on_step: Callable[[
     if refused:
         raise SpecError(refused)
     strategy = select_strategy(ctx, options.strategy)
-    devices = sorted(strategy.devices)
+    devices = run_devices(ctx, options)  # a documents run: every strategy's devices (runtime/launch/session.py)
     if env.world_size != len(devices):
         raise HspmdError(f"{options.plan}: strategy {strategy.name!r} uses {len(devices)} devices, but torchrun "
                          f"started {env.world_size} processes (--nnodes x --nproc-per-node must equal "

@@ -21,9 +21,9 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from runtime.errors import HspmdError
-from runtime.launch.messages import Heartbeat, Start, StepDone, Up, WorkerError
+from runtime.launch.messages import Heartbeat, Log, Start, StepDone, Up, WorkerError
 from runtime.launch.options import WorkerSpec
-from runtime.launch.session import Reporter, Session
+from runtime.launch.session import Reporter, Session, document_steps, documents_step
 from runtime.spec.handle import StrategyHandle
 
 
@@ -34,6 +34,19 @@ def train_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox | 
     session.join(spec.store_prefix, spec.ranks)
     report(Up())
     try:
+        if session.documents:
+            steps = document_steps(session)
+            done = 0
+            if spec.options.load_dir is not None:
+                done = steps.load(spec.options.load_dir)
+                if session.rank == 0:
+                    report(Log(f"loaded {spec.options.load_dir} (step {done})"))
+            for step in range(done + 1, done + spec.options.steps + 1):
+                session.fire_fault(step)
+                report(StepDone(documents_step(session, steps, step)))
+            session.finish(None, steps.current_handle, done + spec.options.steps,
+                           save=lambda d, n: steps.save(d, n))
+            return
         handle = StrategyHandle.of(session.ctx, spec.strategy)
         program = session.build(handle)
         done = session.load(program)

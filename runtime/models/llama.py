@@ -75,6 +75,25 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def position_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                    scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin at explicit ``positions`` [batch, seq] (packed documents restart at 0 each), shape
+    [batch, 1, seq, head_dim]: the rows of ``rope_tables`` at those positions, broadcast over heads."""
+    inv_freq = rope_frequencies(head_dim, theta, scaling, positions.device)
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def document_mask(segments: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal causal mask of packed documents, [batch, 1, seq, seq] bool (True: may attend):
+    token t sees token u iff both carry the same document id in ``segments`` [batch, seq] and u <= t.
+    Padding shares one id (-1) and so only sees padding: no row is ever fully masked."""
+    seq = segments.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril()
+    return (segments.unsqueeze(-1) == segments.unsqueeze(-2)).logical_and(causal).unsqueeze(1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -95,14 +114,19 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(h, kv, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(q, h, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1: the local head count (all heads, or this TP rank's share of them).
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # packed documents: block-diagonal causal (``document_mask``)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -126,8 +150,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.mlp = LlamaMLP(spec)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -145,14 +170,22 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(spec) for i in layers})
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps) if final_norm else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` [batch, seq]: RoPE positions (default 0..seq-1 per row); ``segments`` [batch, seq]:
+        the document id of every token of packed rows (default: each row one causal sequence)."""
         if self.lookup:
             assert self.embed_tokens is not None
             x = self.embed_tokens(x)
-        cos, sin = rope_tables(x.shape[1], self.spec.head_size, self.spec.rope_theta, x.device, x.dtype,
-                               self.spec.rope_scaling)
+        if positions is None:
+            cos, sin = rope_tables(x.shape[1], self.spec.head_size, self.spec.rope_theta, x.device, x.dtype,
+                                   self.spec.rope_scaling)
+        else:
+            cos, sin = position_tables(positions, self.spec.head_size, self.spec.rope_theta, x.dtype,
+                                       self.spec.rope_scaling)
+        mask = None if segments is None else document_mask(segments)
         for layer in self.layers.values():
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         if self.norm is not None:
             x = self.norm(x)
         return x
@@ -161,7 +194,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The whole model by default; a pipeline stage with ``layers``/``embed``/``head`` set.
 
-    Input: token ids [batch, seq] when ``embed``, else hidden states [batch, seq, hidden].
+    Input: token ids [batch, seq] when ``embed``, else hidden states [batch, seq, hidden]; for packed
+    documents also ``positions`` and ``segments`` [batch, seq] (``LlamaModel.forward``).
     Output: logits [batch, seq, vocab] when ``head``, else hidden states.
     """
 
@@ -177,8 +211,9 @@ class LlamaForCausalLM(nn.Module):
             assert self.model.embed_tokens is not None
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.model(x)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.model(x, positions, segments)
         return self.lm_head(h) if self.lm_head is not None else h
 
     @torch.no_grad()

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from runtime.engine.microbatch import window_micro_batch
 from runtime.engine.optim import LocalAdamW, clip_coefficient
 from runtime.engine.program import StepState, stage_backward, stage_forward
 from runtime.engine.reference import autocast_for
@@ -248,7 +249,7 @@ class StageRun:
         return self.forward
 
     def forward(self) -> None:
-        stage_forward(self.module, self.embed, self.head, self.tokens, self.rows, 0, self.state)  # type: ignore[arg-type]
+        stage_forward(self.module, self.embed, self.head, self.tokens, window_micro_batch(self.rows), 0, self.state)  # type: ignore[arg-type]
 
     def prepare_backward(self) -> Callable[[], None]:
         self.prepare_forward()

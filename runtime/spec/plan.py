@@ -47,7 +47,8 @@ class TrainingSettings:
     schedule: Schedule = "1f1b"
     seed: int = 0
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
-    # Documents mode: a step's documents fill this many tokens (None: the fixed global_batch x seq_len form).
+    # Documents mode (docs/lengths.md): a step is whole documents filling this many tokens, seq_len the longest
+    # document. None: the fixed global_batch x seq_len windows.
     tokens_per_step: int | None = None
 
     def __post_init__(self) -> None:
@@ -107,8 +108,8 @@ class Strategy:
     name: str
     pipelines: tuple[Pipeline, ...]
     estimates: Mapping[str, float] | None = None
-    # The longest document this strategy serves: its length range is (previous strategy's, this].
-    # None: training.seq_len.
+    # The longest document this strategy serves: its length range is (the previous strategy's max_seq_len,
+    # max_seq_len]. None: training.seq_len (``max_len_of``).
     max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
@@ -118,6 +119,10 @@ class Strategy:
         c.check(self.max_seq_len is None or self.max_seq_len >= 1, "max_seq_len",
                 f"must be at least 1, got {self.max_seq_len}")
         c.raise_if_any()
+
+    def max_len_of(self, training: TrainingSettings) -> int:
+        """The longest document this strategy serves (``max_seq_len``, else ``training.seq_len``)."""
+        return training.seq_len if self.max_seq_len is None else self.max_seq_len
 
     @property
     def devices(self) -> tuple[int, ...]:

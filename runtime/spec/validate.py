@@ -20,6 +20,35 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster, file: str = ""
                                 f"{t.seq_len} exceeds {model.name}'s max_seq_len {model.max_seq_len}"))
     for si, strategy in enumerate(plan.strategies):
         problems.extend(validate_strategy(strategy, plan, model, cluster, file, f"strategies[{si}]"))
+    problems.extend(validate_length_ranges(plan, file))
+    return problems
+
+
+def validate_length_ranges(plan: Plan, file: str = "") -> list[Problem]:
+    """Strategies tagged with ``max_seq_len`` split the lengths 1..training.seq_len into consecutive ranges
+    (previous max, max], in plan order: each must end above the previous one (no empty range), none past
+    training.seq_len (the run's longest document), and the last must reach it (no length left uncovered).
+    Plans without any tag keep their strategies as alternatives (``--strategy``) and are not checked."""
+    if all(s.max_seq_len is None for s in plan.strategies):
+        return []
+    problems: list[Problem] = []
+    t = plan.training
+    prev = 0
+    for si, s in enumerate(plan.strategies):
+        top = s.max_len_of(t)
+        where = f"strategies[{si}].max_seq_len"
+        if top > t.seq_len:
+            problems.append(Problem(file, where, f"{top} exceeds training.seq_len {t.seq_len}, the longest document "
+                                                 "of the run"))
+        elif top <= prev:
+            problems.append(Problem(file, where, f"{top} does not exceed the previous strategy's {prev}: length "
+                                                 "ranges ascend in plan order"))
+        prev = max(prev, top)
+    if prev < t.seq_len and not problems:
+        last = len(plan.strategies) - 1
+        problems.append(Problem(file, f"strategies[{last}].max_seq_len",
+                                f"the strategies serve documents up to {prev} tokens, leaving ({prev}, {t.seq_len}] "
+                                f"(up to training.seq_len) uncovered"))
     return problems
 
 

@@ -79,8 +79,8 @@ def switch_roundtrip_job(w, plan_a: str, plan_b: str, batches: list) -> dict | N
     ``plan_switch`` + ``move_state``), and report whether this device's state came back bit for bit."""
     from datetime import timedelta
 
+    from runtime.elastic.move import move_state
     from runtime.elastic.state import plan_switch
-    from runtime.elastic.worker import move_state
     from runtime.engine.api import WorkerContext as EngineContext
     from runtime.engine.program import DeviceProgram
     from runtime.spec.handle import StrategyHandle

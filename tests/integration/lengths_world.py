@@ -1,0 +1,98 @@
+"""Documents-run jobs for a persistent gloo world (runtime.comm.world.LocalWorld): a plan's strategies, the
+run's own dispatch and switching (runtime/launch/session.py ``DocumentSteps``), a few steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+
+from runtime.comm.world import WorkerContext
+
+OP_TIMEOUT = timedelta(seconds=60)
+BINS = ((2, 16, 96.0), (17, 64, 4.0))  # mostly short documents, now and then one that only `long` holds
+
+
+def source(ctx, bins=BINS, tokens_per_step: int | None = None, seed: int = 0):
+    from runtime.documents import LengthBin, LengthDistribution, SyntheticDocuments
+
+    t = ctx.plan.training
+    dist = LengthDistribution("test", tuple(LengthBin(*b) for b in bins))
+    return SyntheticDocuments(dist, tokens_per_step or t.tokens_per_step, t.seq_len, ctx.model.vocab_size, seed)
+
+
+def scaled_costs(ctx, names: tuple[str, ...], slower: dict[str, float]):
+    """The plan-derived cost models, with the named strategies made ``slower`` times slower (so that the
+    hysteresis takes switches both ways on this tiny model: what is under test is the switch, not the model)."""
+    from runtime.dispatch import CostModel, PipelineCost, StageCost, StrategyCost, plan_strategy_cost
+
+    out = []
+    for n in names:
+        c = plan_strategy_cost(ctx.plan.strategy(n), ctx.model, ctx.cluster, ctx.plan.training)
+        f = slower.get(n, 1.0)
+        pipes = tuple(PipelineCost(tuple(StageCost(CostModel(s.cost.a * f, s.cost.b * f, s.cost.c * f),
+                                                   s.activation_budget_tokens, s.microbatch_overhead * f)
+                                         for s in p.stages)) for p in c.pipelines)
+        out.append(StrategyCost(c.name, c.max_seq_len, pipes))
+    return out
+
+
+@dataclass
+class Result:
+    device: int
+    strategies: list[str]
+    switched: list[str | None]
+    losses: list[float | None]     # None where the step's strategy left this device idle
+    grad_norms: list[float | None]
+    documents: list[int]
+    micro_batches: list[list[list[int]]]   # per step, per pipeline: each micro-batch's tokens
+    state: dict[str, np.ndarray] | None    # the final strategy's local_state()
+    regions: dict[str, tuple[tuple[int, int], ...]]
+    primary: dict[str, bool]
+
+
+def documents_job(w: WorkerContext, plan: str, names: tuple[str, ...], steps: tuple[int, ...],
+                  slower: dict[str, float] | None = None, load_dir: str | None = None,
+                  save_dir: str | None = None, bins=BINS, tokens_per_step: int | None = None) -> Result:
+    from pathlib import Path
+
+    from runtime.engine.api import WorkerContext as EngineContext
+    from runtime.engine.program import DeviceProgram
+    from runtime.launch.session import DocumentSteps
+    from runtime.spec import load_plan_context
+
+    ctx = load_plan_context(plan)
+
+    def build(handle):
+        return DeviceProgram(EngineContext(handle, w.device, w.ranks, torch.device("cpu"), OP_TIMEOUT), w.groups)
+
+    run = DocumentSteps(ctx, names, me=w.device, groups=w.groups, device=torch.device("cpu"), build=build,
+                        source=source(ctx, bins, tokens_per_step), costs=scaled_costs(ctx, names, slower or {}))
+    if load_dir is not None:
+        assert run.load(Path(load_dir)) == steps[0] - 1
+    res = Result(w.device, [], [], [], [], [], [], None, {}, {})
+    for step in steps:
+        program, batch, info = run.prepare(step)
+        res.strategies.append(info.strategy)
+        res.switched.append(info.switched_from)
+        res.documents.append(info.documents)
+        res.micro_batches.append([[m.shape[1] for m in p] for p in batch.pipelines])
+        if program is None:
+            res.losses.append(None)
+            res.grad_norms.append(None)
+            continue
+        stats = program.train_step(batch)
+        res.losses.append(stats.loss)
+        res.grad_norms.append(stats.grad_norm)
+    if save_dir is not None:
+        run.save(Path(save_dir), steps[-1])
+    program = run.current_program
+    if program is not None:
+        res.state = {k: v.detach().numpy().copy() for k, v in program.local_state().items()}
+        ann = program.param_annotations()
+        res.regions = {n: tuple((s.start, s.stop) for s in a.region) for n, a in ann.items()}
+        res.primary = {n: a.primary for n, a in ann.items()}
+    return res
+
