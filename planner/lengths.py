@@ -23,9 +23,10 @@
    the smallest expected step time when every step runs on the set's cheapest eligible strategy is kept;
    the best few sets are re-scored with the switching rule and its modelled costs (``play``), the best wins.
 
-``play`` runs a trace of steps on a set of strategies as the dispatcher chooses (``choose_strategy``: the
-cheapest strategy that holds the step's longest document, counting the fused-BSR switch cost from the
-current one, so a switch is taken only when this step's modelled gain exceeds its modelled cost).
+``play`` runs a trace of steps on a set of strategies as the runtime's dispatcher chooses
+(``runtime.dispatch.choose``: the cheapest strategy that holds the step's longest document, with hysteresis
+against switching: a switch is taken only when this step's modelled gain exceeds the fused BSR's modelled
+cost, or when the current strategy cannot serve the step).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from runtime.dispatch import (
     StrategyCost,
     assign,
     check_lengths,
+    choose,
     finish,
     lower_bound,
 )
@@ -260,25 +262,6 @@ def balanced(lengths: Sequence[int], pipelines: Sequence[PipelineCost]) -> Assig
     return assign(lengths, pipelines)
 
 
-def choose_strategy(step_s: Sequence[float | None], current: int | None,
-                    switch_s: Callable[[int, int], float]) -> int:
-    """The strategy a step runs on: the smallest modelled step time plus the fused-BSR switch from the current
-    strategy (0 for staying), among those that can serve the step (``step_s`` None where not). So a switch
-    is taken only when this step's modelled gain exceeds its modelled cost (hysteresis); ties: the current
-    one, then the first listed."""
-    best: tuple[float, int, int] | None = None
-    for i, t in enumerate(step_s):
-        if t is None:
-            continue
-        cost = t + (0.0 if current is None or i == current else switch_s(current, i))
-        key = (cost, 0 if i == current else 1, i)
-        if best is None or key < best:
-            best = key
-    if best is None:
-        raise InfeasibleError("no strategy holds the step's longest document")
-    return best[2]
-
-
 @dataclass(frozen=True)
 class StepRecord:
     step: int
@@ -356,13 +339,14 @@ def step_times(strategies: Sequence[LengthStrategy], lengths: Sequence[int],
 def play(strategies: Sequence[LengthStrategy], lengths_of: Callable[[int], Sequence[int]], steps: Sequence[int],
          switch_s: Callable[[int, int], float], dispatcher: Dispatcher = balanced) -> Trace:
     """A trace of ``steps``: each step's documents dispatched on every strategy that can serve it, the step
-    run on ``choose_strategy``'s choice."""
+    run where the runtime's rule puts it (``runtime.dispatch.choose``: predicted makespans, hysteresis against
+    switching); with the balanced dispatcher exactly ``runtime.dispatch.dispatch``'s choice and assignment."""
     records = []
     current: int | None = None
     for step in steps:
         lengths = list(lengths_of(step))
         timed = step_times(strategies, lengths, dispatcher)
-        i = choose_strategy([None if x is None else x[0] for x in timed], current, switch_s)
+        i = choose([None if x is None else x[1].makespan for x in timed], current, switch_s)
         sw = 0.0 if current is None or current == i else switch_s(current, i)
         current = i
         _, a = timed[i]  # type: ignore[misc]
@@ -561,7 +545,8 @@ def context_for(strategies: Sequence[LengthStrategy], model: ModelSpec, cluster:
                 path: Path = Path("plan")) -> tuple[list[LengthStrategy], SwitchCosts]:
     """``strategies`` as one plan's (named ``len-N``) and the switch costs between them."""
     p = build_plan(strategies, settings, model.name, cluster.name)
-    members = [dataclasses.replace(ls, strategy=s) for ls, s in zip(strategies, p.strategies)]
+    members = [dataclasses.replace(ls, strategy=s, cost=dataclasses.replace(ls.cost, name=s.name))
+               for ls, s in zip(strategies, p.strategies)]
     return members, SwitchCosts(PlanContext(p, model, cluster, path), list(p.strategies))
 
 
