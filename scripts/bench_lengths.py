@@ -15,8 +15,14 @@ HotSPa-like baseline (issue 13).
    * hotspa_like: per bucket the best symmetric strategy (``planner.baselines.best_symmetric``), switching
      among them by the same rule, documents dealt round-robin (``planner.lengths.round_robin``).
    ``speedup_over_fixed`` = fixed / hspmd total time, ``speedup_over_hotspa_like`` likewise.
-2. Measured on cpu-hetero4 (sleep-emulated) with llama-tiny: needs ``hspmd train --lengths ... --metrics``
-   (branch lengths-rt); reported "unavailable" with the reason until the command exists.
+2. Measured with llama-tiny (lengths up to its maximum, 2048-token steps, 20 steps after a warm-up step):
+   hspmd's plan (``plan_lengths`` on that cluster) vs the best single strategy for the longest document
+   (``single_best``), both trained by ``hspmd train --lengths longtail --metrics`` (the runtime's dispatch),
+   ``measured_speedup_over_fixed`` from the mean measured step times, and the simulator's error on the same
+   steps (``predicted_steps``: each step's documents on the strategy the run chose, priced as in part 1).
+   On cpu-hetero4-sleep by default; ``hspmd train`` refuses documents runs on sleep-mode clusters (their
+   targets are priced for fixed windows), and then the part runs on cpu-hetero4 (stretch emulation) and says
+   so in ``notes``; if that fails too it reports "unavailable" with the reason (never numbers).
 
     python scripts/bench_lengths.py --json [--part modelled|measured|all] [--steps 100]
 """
@@ -25,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from planner.lengths import (  # noqa: E402
     LengthSettings,
     balanced,
+    build_plan,
     context_for,
     packed_rows,
     plan_lengths,
@@ -45,7 +54,7 @@ from planner.lengths import (  # noqa: E402
 )
 from runtime.documents import DEFAULT_DISTRIBUTION, SyntheticDocuments, length_distribution  # noqa: E402
 from runtime.profiling.profile import resolve_profiles  # noqa: E402
-from runtime.spec import load_cluster, load_model  # noqa: E402
+from runtime.spec import load_cluster, load_model, save_plan  # noqa: E402
 
 TARGET_OVER_FIXED = 1.3
 TARGET_OVER_HOTSPA = 1.1
@@ -108,16 +117,86 @@ def modelled(cluster_name: str, model_name: str, tokens: int, steps: int, seed: 
     return out
 
 
-def measured_unavailable() -> dict | None:
-    """Why the measured part cannot run here, or None when ``hspmd train`` has ``--lengths`` and ``--metrics``."""
-    proc = subprocess.run([sys.executable, "-m", "hetu_cli", "train", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    text = proc.stdout + proc.stderr
-    if proc.returncode != 0 or "--lengths" not in text or "--metrics" not in text:
-        return {"status": "unavailable",
-                "reason": "hspmd train has no --lengths/--metrics documents mode in this tree (branch lengths-rt "
-                          "not merged); no measured numbers"}
-    return None
+def train(plan: Path, lengths: str, steps: int, metrics: Path, timeout_s: float) -> tuple[list[dict], str | None]:
+    """``hspmd train`` on documents; (per-step metrics, None) or ([], why it did not run)."""
+    cmd = [sys.executable, "-m", "hetu_cli", "train", "--plan", str(plan), "--lengths", lengths,
+           "--steps", str(steps), "--metrics", str(metrics)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    except subprocess.TimeoutExpired:
+        return [], f"hspmd train did not finish within {timeout_s:g} s"
+    if proc.returncode != 0:
+        lines = [x for x in (proc.stderr + proc.stdout).splitlines() if x.strip()]
+        return [], (lines[-1] if lines else f"hspmd train exited with {proc.returncode}")
+    records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    return [r for r in records if "event" not in r], None
+
+
+def predicted_steps(plan_path: Path, lengths: str, records: list[dict], profile_dirs: list[Path]) -> list[float]:
+    """The model's time for each measured step, on the strategy the run chose for it: balanced dispatch of
+    that step's documents (the run's own source, a pure function of seed and step) priced by the profiles'
+    cost model (planner/lengths.py), plus gradient sync / optimizer, plus the modelled switch where the run
+    switched."""
+    from hetu_cli.commands.lengths_report import strategies_of
+    from runtime.launch.options import TrainOptions
+    from runtime.launch.session import document_source_of
+    from runtime.spec import load_plan_context
+
+    ctx = load_plan_context(plan_path)
+    profiles = resolve_profiles(ctx.cluster.device_types, profile_dirs)
+    members = {m.name: m for m in strategies_of(ctx, profiles)}
+    source = document_source_of(ctx, TrainOptions(plan=plan_path, lengths=lengths))
+    out = []
+    for r in records:
+        m = members[r["strategy"]]
+        a = balanced(list(source.lengths(r["step"])), m.cost.pipelines)
+        out.append(a.makespan + m.fixed_s + (r.get("switch_modelled_s") or 0.0))
+    return out
+
+
+def measured(cluster_name: str, steps: int, tokens: int, seed: int, timeout_s: float,
+             profile_dirs: list[Path]) -> dict:
+    """hspmd's plan vs the best single strategy for the longest document, both trained on the same documents
+    (``hspmd train --lengths``; the runtime's own dispatch), measured step times after the first step."""
+    model = load_model("llama-tiny", file="--model", field="")
+    dist_name = DEFAULT_DISTRIBUTION
+    notes = []
+    tried = [cluster_name] + (["cpu-hetero4"] if cluster_name != "cpu-hetero4" else [])
+    for name in tried:
+        cluster = load_cluster(name, file="--cluster", field="")
+        profiles = resolve_profiles(cluster.device_types, profile_dirs)
+        max_len = model.max_seq_len
+        settings = LengthSettings(tokens_per_step=tokens, max_len=max_len, seed=seed)
+        result = plan_lengths(model, cluster, profiles, length_distribution(dist_name, max_len), settings)
+        with tempfile.TemporaryDirectory() as tmp:
+            plans = {"hspmd": Path(tmp) / "hspmd.yaml", "fixed": Path(tmp) / "fixed.yaml"}
+            save_plan(result.to_plan("llama-tiny", name), plans["hspmd"])
+            save_plan(build_plan([result.single_best], settings, "llama-tiny", name), plans["fixed"])
+            runs, why = {}, None
+            for key, path in plans.items():
+                records, why = train(path, dist_name, steps + 1, Path(tmp) / f"{key}.jsonl", timeout_s)
+                if why is not None:
+                    break
+                steady = records[1:]   # the first step pays for allocations and warm-up
+                pred = predicted_steps(path, dist_name, steady, profile_dirs)
+                meas = [r["step_time_s"] for r in steady]
+                runs[key] = {"strategies": [s.summary for s in (result.strategies if key == "hspmd"
+                                                                 else [result.single_best])],
+                             "steps": len(steady), "measured_step_s": sum(meas) / len(meas),
+                             "simulated_step_s": sum(pred) / len(pred),
+                             "simulator_error": abs(sum(pred) - sum(meas)) / sum(meas),
+                             "simulator_step_error": sum(abs(p - m) / m for p, m in zip(pred, meas)) / len(meas),
+                             "strategy_steps": {n: sum(1 for r in steady if r["strategy"] == n)
+                                                for n in dict.fromkeys(r["strategy"] for r in steady)}}
+        if why is None:
+            return {"status": "measured", "cluster": name, "model": "llama-tiny", "tokens_per_step": tokens,
+                    "steps": steps, "distribution": dist_name, "notes": notes, **runs,
+                    "measured_speedup_over_fixed": runs["fixed"]["measured_step_s"] / runs["hspmd"]["measured_step_s"],
+                    "simulated_speedup_over_fixed": runs["fixed"]["simulated_step_s"]
+                    / runs["hspmd"]["simulated_step_s"]}
+        notes.append(f"{name}: {why}")
+    return {"status": "unavailable", "reason": "; ".join(notes)}
 
 
 def main() -> int:
@@ -128,12 +207,20 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=200_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--clusters", nargs="+", default=["h20-32", "h800-h20-48"])
+    ap.add_argument("--measured-cluster", default="cpu-hetero4-sleep",
+                    help="Cluster of the measured part (falls back to cpu-hetero4, noted, if hspmd train refuses it).")
+    ap.add_argument("--measured-steps", type=int, default=20, help="Measured steps after the first (warm-up).")
+    ap.add_argument("--measured-tokens", type=int, default=2048)
+    ap.add_argument("--timeout", type=float, default=1200.0, help="Seconds per hspmd train run.")
+    ap.add_argument("--profile", type=Path, action="append", default=[],
+                    help="Measured profile directory for the measured part's planning and prediction (repeatable).")
     args = ap.parse_args()
     out: dict = {}
     if args.part in ("modelled", "all"):
         out["modelled"] = {c: modelled(c, "llama-32b", args.tokens, args.steps, args.seed) for c in args.clusters}
     if args.part in ("measured", "all"):
-        out["measured"] = measured_unavailable() or measured()
+        out["measured"] = measured(args.measured_cluster, args.measured_steps, args.measured_tokens, args.seed,
+                                   args.timeout, args.profile)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -144,10 +231,6 @@ def main() -> int:
         if "measured" in out:
             print("measured:", json.dumps(out["measured"]))
     return 0
-
-
-def measured() -> dict:
-    raise NotImplementedError
 
 
 if __name__ == "__main__":
