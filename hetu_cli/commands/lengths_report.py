@@ -3,6 +3,7 @@ apart from their fixed-length code, which other work edits)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,8 +25,10 @@ from planner.lengths import (
     play,
     strategy_cost,
 )
-from runtime.documents import SyntheticDocuments, length_distribution
+from runtime.documents import length_distribution
 from runtime.errors import Problem, SpecError
+from runtime.launch.options import TrainOptions
+from runtime.launch.session import document_source_of
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_cluster, load_model, save_plan, validate_plan
 from runtime.spec.catalog import PlanContext, recorded_ref
@@ -109,11 +112,15 @@ def simulate_lengths(ctx: PlanContext, profile_dirs: Sequence[Path], lengths: st
     if tokens is None:
         raise SpecError([Problem(str(ctx.path), "training.tokens_per_step",
                                  "not set: give --tokens-per-step (the tokens of one step) to simulate documents")])
+    if tokens != t.tokens_per_step:
+        ctx = dataclasses.replace(ctx, plan=dataclasses.replace(
+            ctx.plan, training=dataclasses.replace(t, tokens_per_step=tokens)))
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
     dist = length_distribution(lengths, t.seq_len)
     members = strategies_of(ctx, profiles)
-    source = SyntheticDocuments(dist, tokens, t.seq_len, ctx.model.vocab_size, t.seed)
-    trace = play(members, source.lengths, range(steps), SwitchCosts(ctx, list(ctx.plan.strategies)))
+    # The documents ``hspmd train --lengths`` trains (the runtime's own source), its steps 1..N.
+    source = document_source_of(ctx, TrainOptions(plan=ctx.path, lengths=lengths))
+    trace = play(members, source.lengths, range(1, steps + 1), SwitchCosts(ctx, list(ctx.plan.strategies)))
     if trace_path is not None:
         atomic_write_text(trace_path, json.dumps(chrome_trace(trace)))
     if fmt == "json":

@@ -201,7 +201,7 @@ def test_cli_plan_show_simulate(tmp_path: Path):
                                    "--trace", str(trace), "--format", "json"])
     assert res.exit_code == 0, res.output
     sim = json.loads(res.output)
-    assert [s["step"] for s in sim["steps"]] == list(range(5))
+    assert [s["step"] for s in sim["steps"]] == [1, 2, 3, 4, 5]      # the steps hspmd train --steps 5 runs
     assert sim["total_s"] == pytest.approx(sum(s["time_s"] for s in sim["steps"]))
     assert all(math.isclose(s["compute_s"], max(s["pipeline_s"])) for s in sim["steps"])
     events = json.loads(trace.read_text())["traceEvents"]
@@ -227,3 +227,19 @@ def test_cli_simulate_lengths_needs_tokens_per_step():
     res = CliRunner().invoke(cli, ["simulate", "--plan", str(plan), "--lengths", "longtail"])
     assert res.exit_code == 2, res.output
     assert "training.tokens_per_step" in res.output
+
+
+def test_cli_plan_from_a_histogram_file(tmp_path: Path):
+    """A histogram whose documents are all short still yields a plan covering [1, max] (the last strategy
+    holds the maximum length), and a malformed one is refused with one line naming the field."""
+    hist = tmp_path / "h.yaml"
+    hist.write_text("scale: tokens\nbins:\n  - {lo: 1, hi: 32, weight: 9}\n  - {lo: 33, hi: 256, weight: 1}\n")
+    out = tmp_path / "p.yaml"
+    res = CliRunner().invoke(cli, ["plan", *TINY, "--lengths", str(hist), "--tokens-per-step", "1024", "-o", str(out),
+                                   "--format", "json"])
+    assert res.exit_code == 0, res.output
+    ranges = list(length_ranges(load_plan(out)).values())
+    assert ranges[0][0] == 1 and ranges[-1][1] == MAX_LEN
+    hist.write_text("bins:\n  - {lo: 5, hi: 2, weight: 1}\n")
+    res = CliRunner().invoke(cli, ["plan", *TINY, "--lengths", str(hist), "--tokens-per-step", "1024"])
+    assert res.exit_code == 2 and "bins[0]" in res.output and "Traceback" not in res.output
