@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +36,16 @@ from runtime.spec.io import atomic_write_text
 
 
 def plan_for_lengths(model_ref: str, cluster_ref: str, profile_dirs: Sequence[Path], lengths: str,
-                     tokens_per_step: int | None, max_len: int | None, global_batch: int | None,
+                     tokens_per_step: int | None, max_len: int | None, unused: Mapping[str, object],
                      max_strategies: int, time_limit: float, out_path: Path | None, fmt: str) -> None:
+    """``unused``: the fixed-length options given (None where not), refused: a documents plan is micro-batch
+    1, ZeRO off (in-memory switches need full replicas) and a step is ``tokens_per_step`` tokens."""
+    problems = [Problem(opt, "", "not used with --lengths (a step is --tokens-per-step tokens of documents, "
+                                 "micro-batch 1, ZeRO off)") for opt, v in unused.items() if v is not None]
     if tokens_per_step is None:
-        raise SpecError([Problem("--tokens-per-step", "", "is required with --lengths (the tokens of one step)")])
-    if global_batch is not None:
-        raise SpecError([Problem("--global-batch", "", "not used with --lengths: a step is --tokens-per-step "
-                                                      "tokens of documents")])
+        problems.append(Problem("--tokens-per-step", "", "is required with --lengths (the tokens of one step)"))
+    if problems:
+        raise SpecError(problems)
     model = load_model(model_ref, file="--model", field="")
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
@@ -106,7 +109,9 @@ def strategies_of(ctx: PlanContext, profiles) -> list[LengthStrategy]:
 
 
 def simulate_lengths(ctx: PlanContext, profile_dirs: Sequence[Path], lengths: str, steps: int,
-                     tokens_per_step: int | None, trace_path: Path | None, fmt: str) -> None:
+                     tokens_per_step: int | None, strategy_name: str | None, trace_path: Path | None,
+                     fmt: str) -> None:
+    """``strategy_name``: that strategy alone (as ``hspmd train --strategy`` runs it), else all of the plan's."""
     t = ctx.plan.training
     tokens = tokens_per_step or t.tokens_per_step
     if tokens is None:
@@ -115,9 +120,16 @@ def simulate_lengths(ctx: PlanContext, profile_dirs: Sequence[Path], lengths: st
     if tokens != t.tokens_per_step:
         ctx = dataclasses.replace(ctx, plan=dataclasses.replace(
             ctx.plan, training=dataclasses.replace(t, tokens_per_step=tokens)))
+    if strategy_name is not None:
+        only = ctx.plan.strategy(strategy_name)
+        ctx = dataclasses.replace(ctx, plan=dataclasses.replace(ctx.plan, strategies=(only,)))
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
     dist = length_distribution(lengths, t.seq_len)
     members = strategies_of(ctx, profiles)
+    longest = max(m.cost.max_seq_len for m in members)
+    if longest < t.seq_len:
+        raise SpecError([Problem(str(ctx.path), "strategies", f"the strategies serve documents up to {longest} "
+                                                              f"tokens, not training.seq_len {t.seq_len}")])
     # The documents ``hspmd train --lengths`` trains (the runtime's own source), its steps 1..N.
     source = document_source_of(ctx, TrainOptions(plan=ctx.path, lengths=lengths))
     trace = play(members, source.lengths, range(1, steps + 1), SwitchCosts(ctx, list(ctx.plan.strategies)))

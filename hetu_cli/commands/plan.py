@@ -63,7 +63,9 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         if path is not None and path.is_dir():
             raise SpecError([Problem(str(path), "", "is a directory; give a file name for the plan")])
     if lengths is not None:
-        plan_for_lengths(model_ref, cluster_ref, profile_dirs, lengths, tokens_per_step, seq_len, global_batch,
+        unused = {"--global-batch": global_batch, "--micro-batch": micro_batch, "--elastic": elastic or None,
+                  "--zero/--no-zero": use_zero, "--symmetric-out": symmetric_path}
+        plan_for_lengths(model_ref, cluster_ref, profile_dirs, lengths, tokens_per_step, seq_len, unused,
                          max_strategies, time_limit, out_path, fmt)
         return
     if global_batch is None or seq_len is None:

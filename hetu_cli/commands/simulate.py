@@ -41,7 +41,7 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
     documents (per step: strategy, time, switch, idle per pipeline)."""
     ctx = load_plan_context(plan_path, cluster=cluster)
     if lengths is not None:
-        simulate_lengths(ctx, profile_dirs, lengths, steps, tokens_per_step, trace_path, fmt)
+        simulate_lengths(ctx, profile_dirs, lengths, steps, tokens_per_step, strategy_name, trace_path, fmt)
         return
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
     strategy = ctx.plan.strategy(strategy_name)

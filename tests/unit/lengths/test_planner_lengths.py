@@ -206,6 +206,11 @@ def test_cli_plan_show_simulate(tmp_path: Path):
     assert all(math.isclose(s["compute_s"], max(s["pipeline_s"])) for s in sim["steps"])
     events = json.loads(trace.read_text())["traceEvents"]
     assert sum(1 for e in events if e.get("cat") == "step") == 5
+    last = load_plan(out).strategies[-1].name                       # one strategy alone, as train --strategy
+    res = CliRunner().invoke(cli, ["simulate", "--plan", str(out), "--lengths", "longtail", "--steps", "3",
+                                   "--strategy", last, "--format", "json"])
+    assert res.exit_code == 0, res.output
+    assert {s["strategy"] for s in json.loads(res.output)["steps"]} == {last}
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -213,6 +218,7 @@ def test_cli_plan_show_simulate(tmp_path: Path):
     (["--lengths", "longtail"], "--tokens-per-step"),
     (["--lengths", "longtail", "--tokens-per-step", "100", "--seq-len", "9999"], "--seq-len"),
     (["--lengths", "longtail", "--tokens-per-step", "100", "--global-batch", "8"], "--global-batch"),
+    (["--lengths", "longtail", "--tokens-per-step", "100", "--zero"], "--zero/--no-zero"),
 ])
 def test_cli_plan_lengths_bad_input(args, needle, tmp_path):
     out = tmp_path / "p.yaml"
