@@ -66,10 +66,11 @@ from runtime.spec.plan import PLAN_VERSION, Pipeline, Plan, Schedule, Strategy, 
 
 DEFAULT_BUCKETS = (1 / 8, 1 / 4, 1 / 2, 1.0)   # fractions of the maximum length
 # Planning draws its sample steps from seed + this, so that the plan is not fitted to the very steps a run
-# (seed, step 0, 1, ...) will train.
+# (seed, steps 1, 2, ...) will train.
 PLANNING_SEED_OFFSET = 7919
-# The planner's results for a bucket are ranked for sequences of exactly that length; under a distribution
-# the second best (e.g. more, shallower pipelines) may serve better, so composites combine the best few.
+# How many of each part's best results composites combine. The planner ranks a bucket's results for
+# sequences of exactly its length, so under a distribution a runner-up might serve better; at paper scale
+# (bench_lengths) combining the best two gained under 0.1% for four times the candidates, so: the best.
 COMPOSITE_TOP = 1
 SETS_REPLAYED = 4         # best sets by the switch-free score, re-scored with switching
 FIT_POINTS = (0.25, 0.5, 1.0)   # fractions of L the stage time is fitted through
