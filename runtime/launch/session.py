@@ -387,8 +387,8 @@ class DocumentSteps:
         from runtime.dispatch import plan_strategy_cost
         from runtime.engine.program import DeviceProgram
 
-        self.ctx, self.me, self.groups, self.device, self.source, self.recorder = ctx, me, groups, device, source, \
-            recorder
+        self.ctx, self.me, self.groups, self.device = ctx, me, groups, device
+        self.source, self.recorder = source, recorder
         self.handles = [StrategyHandle.of(ctx, n) for n in names]
         for h in self.handles:  # collective: every device creates every strategy's groups, in plan order
             groups.ensure(DeviceProgram.required_groups(h))

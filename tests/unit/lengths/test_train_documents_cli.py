@@ -96,3 +96,15 @@ def test_which_strategies_and_devices_a_run_uses(tmp_path):
 def test_unknown_distribution():
     line = refused(["--plan", str(PLAN), "--lengths", "zipf"])
     assert line == "error: zipf: lengths: neither a known distribution (longtail, uniform, fixed) nor an existing file"
+
+
+def test_start_up_line_counts_skipped_and_cut_documents(tmp_path):
+    from runtime.launch.session import document_source_of, documents_line
+
+    data = tmp_path / "c.jsonl"
+    data.write_text("\n".join(json.dumps({"text": t}) for t in ["", "abc", "", "x" * 150, "hello"]) + "\n")
+    ctx = load_plan_context(PLAN)
+    line = documents_line(document_source_of(ctx, TrainOptions(plan=PLAN, data_file=data)))
+    # 150 bytes at a maximum of 64 split into 64 + 64 + 22: 5 documents from 3 non-empty lines
+    assert line == (f"data: {data}: 5 documents after cutting (2 empty skipped, 1 split, 0 truncated), 160 tokens "
+                    "per step, at most 64 per document")
