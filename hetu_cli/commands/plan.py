@@ -8,6 +8,7 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from hetu_cli.commands.lengths_report import plan_for_lengths
 from hetu_cli.output import FORMAT_OPTION, console, emit_json, err_console
 from planner.api import PlanSettings
 from planner.api import plan as run_planner
@@ -24,8 +25,10 @@ from runtime.spec.catalog import recorded_ref
 @click.option("--profile", "profile_dirs", multiple=True, type=click.Path(path_type=Path),
               help="Directory of device profiles (repeatable; before the shipped profiles/). "
                    "A measured profile overrides a spec one.")
-@click.option("--global-batch", type=click.IntRange(min=1), required=True, help="Sequences per step.")
-@click.option("--seq-len", type=click.IntRange(min=1), required=True, help="Tokens per sequence.")
+@click.option("--global-batch", type=click.IntRange(min=1), help="Sequences per step (required without --lengths).")
+@click.option("--seq-len", type=click.IntRange(min=1),
+              help="Tokens per sequence (required without --lengths); with --lengths the longest document "
+                   "(default: the model's max_seq_len).")
 @click.option("--micro-batch", type=click.IntRange(min=1),
               help="Sequences per micro-batch (default: the planner chooses among 1, 2, 4).")
 @click.option("--elastic", is_flag=True,
@@ -43,15 +46,30 @@ from runtime.spec.catalog import recorded_ref
 @click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), help="Write the plan here (YAML).")
 @click.option("--symmetric-out", "symmetric_path", type=click.Path(path_type=Path),
               help="Also write the best symmetric baseline as a plan here (to measure it with hspmd train).")
+@click.option("--lengths", help="Documents of mixed length: a distribution name (longtail, uniform, fixed) or a "
+                                "histogram YAML file; plans several strategies, each for a length range.")
+@click.option("--tokens-per-step", type=click.IntRange(min=1), help="With --lengths: the tokens of one step.")
+@click.option("--max-strategies", type=click.IntRange(min=1), default=3, show_default=True,
+              help="With --lengths: the most strategies in the plan.")
 @FORMAT_OPTION
-def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], global_batch: int, seq_len: int,
-         micro_batch: int | None, elastic: bool, use_zero: bool | None, time_limit: float, top_k: int,
-         check_top: int, out_path: Path | None, symmetric_path: Path | None, fmt: str) -> None:
+def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], global_batch: int | None,
+         seq_len: int | None, micro_batch: int | None, elastic: bool, use_zero: bool | None, time_limit: float,
+         top_k: int, check_top: int, out_path: Path | None, symmetric_path: Path | None, lengths: str | None,
+         tokens_per_step: int | None, max_strategies: int, fmt: str) -> None:
     """Search TP groups, pipelines, layer splits (ILP), micro-batches (ILP) and recompute for the fastest
-    plan that fits memory; compare it with the best symmetric plans and the lower bound."""
+    plan that fits memory; compare it with the best symmetric plans and the lower bound. With --lengths:
+    one plan of several strategies, each serving a range of document lengths (planner/lengths.py)."""
     for path in (out_path, symmetric_path):
         if path is not None and path.is_dir():
             raise SpecError([Problem(str(path), "", "is a directory; give a file name for the plan")])
+    if lengths is not None:
+        unused = {"--global-batch": global_batch, "--micro-batch": micro_batch, "--elastic": elastic or None,
+                  "--zero/--no-zero": use_zero, "--symmetric-out": symmetric_path}
+        plan_for_lengths(model_ref, cluster_ref, profile_dirs, lengths, tokens_per_step, seq_len, unused,
+                         max_strategies, time_limit, out_path, fmt)
+        return
+    if global_batch is None or seq_len is None:
+        raise click.UsageError("--global-batch and --seq-len are required (or --lengths with --tokens-per-step)")
     model = load_model(model_ref, file="--model", field="")
     note = model.pricing_note(seq_len)
     if note is not None:

@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from hetu_cli.output import FORMAT_OPTION, console, emit_json
+from planner.lengths import length_ranges
 from runtime.annotations.states import span
 from runtime.spec import PlanContext, Strategy, load_plan_context
 from runtime.spec.schema import to_data
@@ -94,6 +95,7 @@ def show(plan: Path, strategy_name: str | None, cluster: str | None, annotations
             "model": to_data(ctx.model),
             "cluster": ctx.cluster.name,
             "devices": {s.name: device_rows(ctx, s) for s in strategies},
+            "length_ranges": {s.name: list(length_ranges(ctx.plan)[s.name]) for s in strategies},
         })
         return
     out = console()
@@ -105,6 +107,8 @@ def show(plan: Path, strategy_name: str | None, cluster: str | None, annotations
     for s in strategies:
         stages, devices = _strategy_tables(ctx, s)
         out.print(stages)
+        lo, hi = length_ranges(ctx.plan)[s.name]
+        out.print(f"strategy {s.name!r} serves documents of {lo} to {hi} tokens")
         out.print(devices)
         if s.estimates:
             out.print("estimates: " + ", ".join(f"{k} = {v:.4g}" for k, v in s.estimates.items()))

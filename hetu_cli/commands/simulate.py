@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
+from hetu_cli.commands.lengths_report import simulate_lengths
 from hetu_cli.output import FORMAT_OPTION, console, emit_json
 from planner.cost import CostModel
 from planner.simulate import chrome_trace
@@ -26,12 +27,22 @@ from runtime.spec.io import atomic_write_text
 @click.option("--cluster", help="Use this cluster (name or path) instead of the plan's.")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path),
               help="Write a Chrome-trace JSON timeline here (open in https://ui.perfetto.dev).")
+@click.option("--lengths", help="Play a trace of document steps (lengths from this distribution or histogram "
+                                "file) on all of PLAN's strategies, as the dispatcher chooses.")
+@click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True, help="With --lengths: steps.")
+@click.option("--tokens-per-step", type=click.IntRange(min=1),
+              help="With --lengths: tokens per step (default: the plan's training.tokens_per_step).")
 @FORMAT_OPTION
 def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str | None, cluster: str | None,
-             trace_path: Path | None, fmt: str) -> None:
+             trace_path: Path | None, lengths: str | None, steps: int, tokens_per_step: int | None,
+             fmt: str) -> None:
     """Simulate one training step of PLAN: step time, tokens/s, MFU, per-stage compute / comm /
-    bubble, and peak memory per device with out-of-memory flags."""
+    bubble, and peak memory per device with out-of-memory flags. With --lengths: a trace of steps of
+    documents (per step: strategy, time, switch, idle per pipeline)."""
     ctx = load_plan_context(plan_path, cluster=cluster)
+    if lengths is not None:
+        simulate_lengths(ctx, profile_dirs, lengths, steps, tokens_per_step, strategy_name, trace_path, fmt)
+        return
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
     strategy = ctx.plan.strategy(strategy_name)
     t = ctx.plan.training
