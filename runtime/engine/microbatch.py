@@ -28,6 +28,7 @@ class MicroBatch:
     labels: torch.Tensor
     positions: torch.Tensor | None = None
     segments: torch.Tensor | None = None
+    documents: tuple[int, ...] = ()  # packed: each document's length, in row order (what prices the block)
 
     def __post_init__(self) -> None:
         shape = tuple(self.tokens.shape)
@@ -54,7 +55,8 @@ class MicroBatch:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device)
 
-        return MicroBatch(self.tokens.to(device), self.labels.to(device), move(self.positions), move(self.segments))
+        return MicroBatch(self.tokens.to(device), self.labels.to(device), move(self.positions), move(self.segments),
+                          self.documents)
 
 
 def window_micro_batch(rows: torch.Tensor) -> MicroBatch:
@@ -72,7 +74,8 @@ def packed_micro_batch(documents: Sequence[Sequence[int]]) -> MicroBatch:
     def one(values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).unsqueeze(0)
 
-    return MicroBatch(one(row.tokens), one(row.labels), one(row.positions), one(seg))
+    return MicroBatch(one(row.tokens), one(row.labels), one(row.positions), one(seg),
+                      tuple(len(d) for d in documents))
 
 
 @dataclass(frozen=True, eq=False)

@@ -253,7 +253,9 @@ class DeviceProgram:
         key = (op.micro_batch, op.chunk)
         layout = self.plan.layout
         args = {"micro_batch": op.micro_batch, "chunk": op.chunk, "layers": c.layers[1] - c.layers[0],
-                "first": c.embed, "last": c.head}
+                "first": c.embed, "last": c.head, "strategy": self.ctx.strategy.name}
+        if batch.documents:  # packed: the lengths that price the block (sleep mode, traces)
+            args["documents"] = batch.documents
         with self._span("compute", COMPUTE_NAMES[op.kind], **args):
             if op.kind == "F":
                 record = self._records[op.chunk]

@@ -122,6 +122,7 @@ class Session:
             self.source = token_source(vocab_size=self.ctx.model.vocab_size, global_batch=t.global_batch,
                                        seq_len=t.seq_len, seed=t.seed, data_file=options.data_file)
         self.hooks, self.recorder, self.emulator = _hooks(spec, self.ctx, self.device)
+        self._targets: dict[str, Any] = {}  # sleep mode: each built strategy's block pricing, by name
         if self.emulator is not None:
             report(Log(emulation_line(self.me, self.emulator)))
         self.faults = {f.step: f for f in options.faults if f.device == self.me}
@@ -158,7 +159,11 @@ class Session:
 
         self.ensure_groups(handle)
         if isinstance(self.emulator, EmulatedTarget):   # sleep mode: this stage's blocks, priced anew per plan
-            self.emulator.target_s = stage_block_targets(handle.ctx, handle.name, self.me)
+            # A documents run builds every strategy's program up front: each block is priced by the strategy
+            # its span names (the engine puts it in the span's args), the latest built where none is named.
+            self._targets[handle.name] = latest = stage_block_targets(handle.ctx, handle.name, self.me)
+            targets = self._targets
+            self.emulator.target_s = lambda name, args: targets.get(args.get("strategy"), latest)(name, args)
         worker = WorkerContext(strategy=handle, device_id=self.me, ranks=dict(self.ranks),
                                torch_device=self.device, timeout=self.timeout, precision=self.options.precision)
         return DeviceProgram(worker, self.groups, self.hooks)
