@@ -30,12 +30,17 @@ planner can call them millions of times:
   -> MemoryBreakdown``: parameters, gradients, optimizer states / ``zero_degree``, activations x
   ``in_flight`` micro-batches (use ``in_flight_micro_batches``), framework overhead.
 * ``p2p_time(src_devices, dst_devices)``: one activation (or its gradient, fp32) across a stage
-  boundary; ``link(a, b)`` the latency and bandwidth behind it.
-* ``allreduce_time(devices, nbytes)``: one ring all-reduce.
+  boundary, priced as what the runtime sends (``boundary_flows``: every TP rank's copy, or the BSR's
+  pieces), its messages sharing ports and NICs (planner/links.py); ``transfer_time(a, b, nbytes)`` one
+  message (measured link curves, else ``link(a, b)``'s latency and bandwidth); ``tick_time`` a schedule
+  tick's transfers together (serialised where the profile says so).
+* ``allreduce_time(devices, nbytes)``: one ring all-reduce (measured curves by size for its link class,
+  across nodes too, when the profiles have them).
 * ``sync_plan(strategy) -> [SyncGroup]``: the cross-pipeline gradient sync exactly as the runtime lays it
   out (runtime/comm/gradsync.py: its device groups in its order, each with its buckets; SplitAllReduce LCM
   slices when TP degrees differ, norms duplicated in a TP group synced by the whole group); ``sync_group_time``
-  prices one group; ``grad_sync_times(strategy) -> {device: seconds}`` sums a device's groups and
+  prices one group; ``sync_times(strategy)`` prices them all, the rings that cross one NIC at once
+  (the TP ranks' of a stage) sharing it; ``grad_sync_times(strategy) -> {device: seconds}`` sums a device's groups and
   ``grad_sync_time`` is their max (the simulator also plays out waits between groups).
 * ``zero_gather_time(group)``: ZeRO-1's all-gather of a sync group's updated parameters after the
   optimizer step (one per gradient-sync bucket: ``allgather_time``, measured or half an all-reduce);
@@ -44,7 +49,10 @@ planner can call them millions of times:
   ``tensors_per_stage`` gives the tensor count. ``clip_time(devices)``: the per-step all-reduce of
   loss and gradient norm.
 * ``estimate(strategy, global_batch, schedule, zero) -> StrategyEstimate``: the whole step by the
-  closed-form schedule formulas below, plus memory per device with OOM flags.
+  closed-form schedule formulas below (1F1B: plus the steady state's comm ticks, ``steady_tick_s``) and
+  the measured fixed cost per iteration (``iteration_time``), plus memory per device with OOM flags.
+* ``placed_stage(device_type, tp, layers, first, last, recompute)``: ``stage`` for a layer range, with the
+  profile's per-layer-index overrides (estimate and simulator; the planner's ILP prices layers alike).
 
 Fidelity notes: compute comes from a measured profile's stage blocks when it has them (one decoder
 layer, a stage's fixed time per micro-batch, what the embedding and head add, timed through the
@@ -929,7 +937,8 @@ class CostModel:
     def estimate(self, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
                  zero: bool = False) -> StrategyEstimate:
         """Closed-form step time and memory of a strategy: ``max over pipelines (pipeline_time) + gradient
-        sync + clip + max over devices (step overhead + optimizer + ZeRO-1 parameter all-gathers)``."""
+        sync + clip + max over devices (step overhead + optimizer + ZeRO-1 parameter all-gathers) + the
+        fixed cost per iteration``."""
         pipes = tuple(self.pipeline_estimate(strategy, i, schedule) for i in range(len(strategy.pipelines)))
         sync = self.grad_sync_time(strategy)
         over = self.step_overhead_times(strategy)

@@ -5,8 +5,10 @@ schedule out as the runtime runs it (runtime/engine/schedules.py): every stage i
 actions in order — forward and backward of a micro-batch (TP collectives included), and communication
 actions that post a group of sends/receives together and wait for all of them (Megatron's
 send_forward_recv_backward grouping); each pipeline has its own micro-batch count. A transfer takes
-``latency + bytes / bandwidth`` once both sides have posted (a rendezvous: measured so on gloo, where a
-batched send waits for its receive; NCCL's send/recv behave so too). After its stage's last action each
+``CostModel.p2p_time`` once both sides have posted (a rendezvous: measured so on gloo, where a
+batched send waits for its receive; NCCL's send/recv behave so too); a tick's transfers overlap, or
+follow one another where the profile says sends and receives serialise (planner/links.py, the rules the
+cost model prices by too). The measured fixed cost per iteration is added to the step. After its stage's last action each
 device joins its gradient-sync groups (a group's all-reduce starts when its last member joins), then
 the per-step all-reduce of loss and gradient norm, then its optimizer step, then (ZeRO-1) the all-gathers
 of the updated parameter chunks, group by group in the gradient sync's order.
