@@ -94,7 +94,8 @@ from runtime.annotations.states import Annotation
 from runtime.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
 from runtime.engine.schedules import build_schedule, peak_live_activations
 from runtime.engine.specialize import BOUNDARY_DTYPE, resolve_boundary
-from runtime.models.params import ParamInfo, llama_parameters
+from runtime.models.decoders import model_parameters
+from runtime.models.params import ParamInfo
 from runtime.profiling.profile import (
     BLOCKS,
     ComponentFit,
@@ -330,7 +331,7 @@ class CostModel:
         self.host = HostModel(model, cluster, profiles, seq_len)   # emulated hosts: planner/host.py
         self._type_of = [d.type for d in cluster.devices]
         self._node_of = [d.node for d in cluster.devices]
-        params = llama_parameters(dataclasses.replace(model, num_layers=1))
+        params = model_parameters(dataclasses.replace(model, num_layers=1))
         self._layer_tensors = [p for p in params if p.owner == "layer"]
         self._embed_tensors = [p for p in params if p.owner == "embedding"]
         self._head_tensors = [p for p in params if p.owner == "head"]

@@ -269,7 +269,7 @@ def import_profile(path: str | Path, *, device_type: str, model: ModelSpec, base
         models[model.name] = MeasuredModel(
             hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size, num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads, vocab_size=model.vocab_size, micro_batch=mbs[0], seq_lens=lens, tp={},
-            tables=tables, layers=layers, includes_tp_comm=includes_tp_comm)
+            tables=tables, layers=layers, includes_tp_comm=includes_tp_comm, architecture=model.architecture)
     links: dict[str, LinkCurves] = {}
     for cls in ("intra", "inter"):
         send, recv = parsed.links.get((cls, "send")), parsed.links.get((cls, "recv"))

@@ -40,7 +40,7 @@ from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves, near
 from runtime.spec.catalog import PROFILES_DIR, load_model, resolve_profile_ref
 from runtime.spec.cluster import DeviceType, Emulation
 from runtime.spec.io import atomic_write_text, dump_yaml, load_file
-from runtime.spec.model import ModelSpec
+from runtime.spec.model import Architecture, ModelSpec
 from runtime.spec.schema import to_data
 
 PROFILE_VERSION = 1
@@ -171,6 +171,8 @@ class MeasuredModel:
     # The measured TP degrees' times already include their collectives (a TP layer timed whole, as
     # Megatron's and DeepSpeed's profilers time it): the cost model adds no TP overhead at those degrees.
     includes_tp_comm: bool = False
+    # The decoder's layout (``ModelSpec.architecture``): a GPT-style model of a Llama's sizes is another model.
+    architecture: Architecture = "llama"
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -212,8 +214,9 @@ class MeasuredModel:
         c.raise_if_any()
 
     def matches(self, model: ModelSpec) -> bool:
-        return (self.hidden_size, self.ffn_hidden_size, self.num_heads, self.num_kv_heads, self.vocab_size) == (
-            model.hidden_size, model.ffn_hidden_size, model.num_heads, model.num_kv_heads, model.vocab_size)
+        return (self.hidden_size, self.ffn_hidden_size, self.num_heads, self.num_kv_heads, self.vocab_size,
+                self.architecture) == (model.hidden_size, model.ffn_hidden_size, model.num_heads, model.num_kv_heads,
+                                       model.vocab_size, model.architecture)
 
 
 @dataclass(frozen=True)
@@ -417,7 +420,10 @@ def read_profile_dir(directory: str | Path) -> list[tuple[Path, DeviceProfile]]:
 def analytic_components(model: ModelSpec, c: ComputeFigures, tp: int) -> dict[str, ComponentFit]:
     """Per-component fits (time: ``a*B*s^2 + b*B*s + c``; saved activation bytes likewise) from FLOPs
     and bytes moved. Counts follow runtime/models/llama.py: separate q/k/v/o projections, unfused RoPE,
-    SDPA attention (fused: causal, no s^2 kept; unfused: full s^2 scores kept), SwiGLU, fp32 RMSNorm."""
+    SDPA attention (fused: causal, no s^2 kept; unfused: full s^2 scores kept), SwiGLU, fp32 RMSNorm. A
+    GPT-style decoder (``model.gpt``): no RoPE (learned positions, or GPT-NeoX's rotary counted alike),
+    a 2-matrix GELU MLP, LayerNorms, biases (a row-parallel projection's bias whole on every shard, as
+    runtime/models/decoders.py lays them out), and the position table with the embedding."""
     h, f, kv, n, v, t = (model.hidden_size, model.ffn_hidden_size, model.kv_dim, model.num_heads,
                          model.vocab_size, tp)
     mm = c.peak_tflops * 1e12 * c.matmul_efficiency
@@ -426,8 +432,9 @@ def analytic_components(model: ModelSpec, c: ComputeFigures, tp: int) -> dict[st
     k, e = c.kernel_overhead_s, c.activation_bytes
 
     # Attention: projections (per token), scores and weighted sum (per s^2), RoPE and reshapes (bytes).
+    gpt = model.gpt
     proj = (2 * h * (h + 2 * kv) + 2 * h * h) / t
-    rope_bytes = 8 * (h + kv) / t * e
+    rope_bytes = 8 * (h + kv) / t * e if model.rotary else 0.0
     if c.flash_attention:
         a_fwd = 2 * h / t / at                       # causal half of 4*s^2*h FLOPs
         a_bwd = 2.5 * a_fwd                          # backward recomputes the scores
@@ -442,22 +449,24 @@ def analytic_components(model: ModelSpec, c: ComputeFigures, tp: int) -> dict[st
         forward_s=(a_fwd, proj / mm + rope_bytes / bw, 14 * k),
         backward_s=(a_bwd, 2 * proj / mm + 2 * rope_bytes / bw, 28 * k),
         activation_bytes=(a_act, attn_act, 0.0),
-        params=(2 * h * h + 2 * kv * h) // t)
-    mlp_flops = 6 * h * f / t
-    mlp_bytes = 5 * f / t * e
+        params=(model.attention_params() - h) // t + h if gpt else (2 * h * h + 2 * kv * h) // t)
+    matrices = 2 if gpt else 3   # GPT: up and down; SwiGLU: gate, up and down
+    mlp_flops = 2 * matrices * h * f / t
+    mlp_bytes = (3 if gpt else 5) * f / t * e
     mlp = ComponentFit(
         forward_s=(0.0, mlp_flops / mm + mlp_bytes / bw, 5 * k),
         backward_s=(0.0, 2 * mlp_flops / mm + 2 * mlp_bytes / bw, 10 * k),
-        activation_bytes=(0.0, e * (h + 4 * f / t), 0.0),
-        params=3 * h * f // t)
+        activation_bytes=(0.0, e * (h + (2 if gpt else 4) * f / t), 0.0),
+        params=(2 * h * f + f) // t + h if gpt else 3 * h * f // t)
     norm_bytes = h * (2 * e + 8)
     norm = ComponentFit(
         forward_s=(0.0, norm_bytes / bw, 6 * k), backward_s=(0.0, 2 * norm_bytes / bw, 12 * k),
-        activation_bytes=(0.0, e * h + 4.0, 0.0), params=h)
+        activation_bytes=(0.0, e * h + (8.0 if gpt else 4.0), 0.0), params=model.norm_params)
+    positions = model.position_rows * h   # a learned position table: duplicated on every TP shard
     embedding = ComponentFit(
-        forward_s=(0.0, 2 * h * e / bw, 3 * k),
-        backward_s=(0.0, 8 * h / bw, 4 * k + 4 * v * h / t / bw),
-        activation_bytes=(0.0, 8.0, 0.0), params=v * h // t)
+        forward_s=(0.0, (2 * h * e + (h * e if positions else 0)) / bw, 3 * k),
+        backward_s=(0.0, 8 * h / bw, 4 * k + 4 * (v * h / t + positions) / bw),
+        activation_bytes=(0.0, 8.0, 0.0), params=v * h // t + positions)
     head_flops = 2 * h * v / t
     ce_bytes = 12 * v / t
     head = ComponentFit(
