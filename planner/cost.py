@@ -591,14 +591,31 @@ class CostModel:
         """What the runtime sends from stage ``src`` to stage ``dst`` for one micro-batch: the messages of
         the stage boundary's reshard as runtime/engine/specialize.py ``resolve_boundary`` lays it out
         (equal TP degrees: every rank's full copy to its counterpart; otherwise the BSR's pieces)."""
+        if len(src) == len(dst):
+            # Equal TP degrees: the layout does not depend on the devices or links (rank i to rank i), so
+            # it is resolved once per degree on stand-in devices and mapped back (the planner prices many).
+            ids = (*src, *dst)
+            return tuple(Flow(ids[f.src], ids[f.dst], f.nbytes) for f in self._boundary_pattern(len(src)))
+        return self._resolved_flows(src, dst, self.cluster)
+
+    @memo
+    def _boundary_pattern(self, tp: int) -> tuple[Flow, ...]:
+        return self._resolved_flows(tuple(range(tp)), tuple(range(tp, 2 * tp)), None)
+
+    def _resolved_flows(self, src: tuple[int, ...], dst: tuple[int, ...], cluster: Cluster | None) -> tuple[Flow, ...]:
         shape = (self.micro_batch, self.seq_len, self.model.hidden_size)
-        op = resolve_boundary(Boundary(0, 0, shape, Annotation.spmd(src), Annotation.spmd(dst)), self.cluster).forward
+        op = resolve_boundary(Boundary(0, 0, shape, Annotation.spmd(src), Annotation.spmd(dst)),
+                              cluster).forward  # type: ignore[arg-type]  # None: no links steer the layout
         return tuple(Flow(d, m.peer, float(m.nbytes)) for d in src for m in op.sends(d))
 
     def p2p_time(self, src: Sequence[int], dst: Sequence[int]) -> float:
         """One activation ([B, s, h] fp32) from stage ``src`` to ``dst``, one direction: the boundary's
         messages posted together, sharing their devices' ports and nodes' NICs (planner/links.py)."""
-        return concurrent_seconds(self.boundary_flows(tuple(src), tuple(dst)), self.transfer_time, self._node_of)
+        return self._p2p_time(tuple(src), tuple(dst))
+
+    @memo
+    def _p2p_time(self, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
+        return concurrent_seconds(self.boundary_flows(src, dst), self.transfer_time, self._node_of)
 
     def tick_time(self, devices: Sequence[int], seconds: Sequence[float]) -> float:
         """A schedule tick of a stage on ``devices`` posting transfers of ``seconds`` each together: the
@@ -774,7 +791,9 @@ class CostModel:
     def sync_times(self, strategy: Strategy) -> list[float]:
         """Each group of ``sync_plan``'s time, the rings that cross one NIC at the same time sharing it
         (planner/links.py ``ring_sharers``: the TP ranks' rings of a stage)."""
-        plan = self.sync_plan(strategy)
+        return self._priced_groups(self.sync_plan(strategy))
+
+    def _priced_groups(self, plan: Sequence[SyncGroup]) -> list[float]:
         sharers = ring_sharers([(g.devices, tuple(g.bucket_numel)) for g in plan], self._node_of)
         return [self.sync_group_time(g, k) for g, k in zip(plan, sharers)]
 
@@ -782,7 +801,8 @@ class CostModel:
         """Seconds each device spends in the cross-pipeline gradient sync (its groups one after the
         other, ignoring waits for slower peers; the simulator plays those out)."""
         out = {d: 0.0 for d in strategy.devices}
-        for g, t in zip(self.sync_plan(strategy), self.sync_times(strategy)):
+        plan = self.sync_plan(strategy)
+        for g, t in zip(plan, self._priced_groups(plan)):
             for d in g.devices:
                 out[d] += t
         return out

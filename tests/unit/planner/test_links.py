@@ -165,3 +165,17 @@ def test_fixed_cost_per_iteration():
     slow = dataclasses.replace(profile(), iteration_s=0.25)
     cm2 = CostModel(TINY, cm.cluster, {"gpu": slow}, micro_batch=1, seq_len=64, step_allreduce=False)
     assert both(cm2, s) == pytest.approx((6.25, 6.25))
+
+
+@pytest.mark.parametrize("src, dst", [((3, 1), (6, 4)), ((0, 1, 2, 3), (7, 5, 6, 4)), ((2,), (5,)), ((0, 1), (4, 5, 6, 7)),
+                                      ((4, 5, 6, 7), (1, 0))])
+def test_boundary_flows_are_the_runtimes_messages(src, dst):
+    from runtime.annotations.from_plan import Boundary
+    from runtime.annotations.states import Annotation
+    from runtime.engine.specialize import resolve_boundary
+
+    cm = model()
+    op = resolve_boundary(Boundary(0, 0, (1, 64, TINY.hidden_size), Annotation.spmd(src), Annotation.spmd(dst)),
+                          cm.cluster).forward
+    assert sorted(cm.boundary_flows(src, dst), key=lambda f: (f.src, f.dst)) == sorted(
+        (Flow(d, m.peer, float(m.nbytes)) for d in src for m in op.sends(d)), key=lambda f: (f.src, f.dst))
