@@ -186,3 +186,20 @@ def test_show_any_profile(tmp_path: Path):
     shown = run("profile", "show", str(imported)).output
     assert "table" in shown and "inter send" in shown and "inter all-reduce x2" in shown
     assert run("profile", "show", "no-such-profile").exit_code == 2
+
+
+def test_import_and_show_load_no_torch(tmp_path: Path):
+    write_csv(tmp_path / "t.csv", measured_rows())
+    probe = ("import sys\nfrom hetu_cli.main import cli\n"
+             "cut = sys.argv.index('--next')\n"
+             "for args in (sys.argv[1:cut], sys.argv[cut + 1:]):\n"
+             "    try:\n        cli.main(args, prog_name='hspmd', standalone_mode=False)\n"
+             "    except SystemExit as e:\n        assert not e.code, e.code\n"
+             "print('torch' in sys.modules)\n")
+    out = tmp_path / "p.yaml"
+    proc = subprocess.run([sys.executable, "-c", probe, "profile", "import", str(tmp_path / "t.csv"), "--type", "gpu",
+                           "--model", "llama-tiny", "--base", "H800", "--out", str(out), "--next", "profile", "show",
+                           str(out)],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "False"

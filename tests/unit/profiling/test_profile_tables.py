@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from planner.cost import CostModel
 from runtime.errors import SpecError
@@ -186,3 +188,29 @@ def test_bad_table_names_the_field(tmp_path: Path, edit, message):
     with pytest.raises(SpecError) as err:
         load_profile(path)
     assert [str(p) for p in err.value.problems] == [f"{path}: models.tiny.{message}"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 10.0), min_size=6, max_size=6), st.floats(0.5, 5.0), st.floats(100.0, 300.0))
+def test_bilinear_stays_within_its_cell_and_hits_the_points(values, b, s):
+    grid = (tuple(values[0:2]), tuple(values[2:4]), tuple(values[4:6]))
+    t = ComponentTable(MBS, LENS, grid, grid)
+    bc, sc = t.clamp(b, s)
+    v = t.value(bc, sc, backward=False)
+    assert min(values) - 1e-9 <= v <= max(values) + 1e-9
+    for i, mb in enumerate(MBS):
+        for j, sl in enumerate(LENS):
+            assert t.value(mb, sl, backward=True) == grid[i][j]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 1 << 30), st.floats(0.01, 100.0)), min_size=1, max_size=6,
+                unique_by=lambda x: x[0]), st.floats(1.0, float(1 << 31)))
+def test_link_curve_exact_at_sizes_and_continuous_past_the_last(points, nbytes):
+    points = sorted(points)
+    curve = LinkCurve(tuple(p[0] for p in points), tuple(p[1] for p in points))
+    for n, bw in points:
+        assert curve.seconds(n) == pytest.approx(n / (bw * 1e9), rel=1e-12)
+    assert curve.seconds(nbytes) >= 0
+    last_n, last_bw = points[-1]
+    assert curve.seconds(last_n * (1 + 1e-9)) == pytest.approx(last_n / (last_bw * 1e9), rel=1e-6)
