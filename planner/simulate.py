@@ -8,10 +8,10 @@ send_forward_recv_backward grouping); each pipeline has its own micro-batch coun
 ``CostModel.p2p_time`` once both sides have posted (a rendezvous: measured so on gloo, where a
 batched send waits for its receive; NCCL's send/recv behave so too); a tick's transfers overlap, or
 follow one another where the profile says sends and receives serialise (planner/links.py, the rules the
-cost model prices by too). The measured fixed cost per iteration is added to the step. After its stage's last action each
-device joins its gradient-sync groups (a group's all-reduce starts when its last member joins), then
-the per-step all-reduce of loss and gradient norm, then its optimizer step, then (ZeRO-1) the all-gathers
-of the updated parameter chunks, group by group in the gradient sync's order.
+cost model prices by too). The measured fixed cost per iteration is added to the step. After its
+stage's last action each device joins its gradient-sync groups (a group's all-reduce starts when its
+last member joins), then the per-step all-reduce of loss and gradient norm, then its optimizer step, then
+(ZeRO-1) the all-gathers of the updated parameter chunks, group by group in the gradient sync's order.
 
 On a CPU-emulated cluster the devices are processes on one host, each pinned to its share of the cores
 as the launcher pins them (planner/host.py ``HostModel.cpu_layout``): compute blocks running on
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any

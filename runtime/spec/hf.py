@@ -2,10 +2,11 @@
 
 Read: the Llama family as ``transformers`` defines it (``model_type`` llama, mistral, qwen2), in either
 of its spellings of RoPE (``rope_theta`` + ``rope_scaling``, or ``rope_parameters``); and GPT-style
-decoders (gpt2, opt, gpt_neox, gpt_neo: ``GPT_KEYS``), which the planner prices and ``hspmd train`` refuses. What the runtime's
-module cannot compute is refused here, naming the field, so that nothing downstream prices or trains a
-different model than the file describes. Write: the config a checkpoint carries, the source config's
-keys kept (tokenizer ids, ``transformers_version``...), the shape keys rewritten from the spec.
+decoders (gpt2, opt, gpt_neox, gpt_neo: ``GPT_KEYS``), which the planner prices and ``hspmd train``
+refuses. What the runtime's module cannot compute is refused here, naming the field, so that nothing
+downstream prices or trains a different model than the file describes. Write: the config a checkpoint
+carries, the source config's keys kept (tokenizer ids, ``transformers_version``...), the shape keys
+rewritten from the spec.
 """
 
 from __future__ import annotations

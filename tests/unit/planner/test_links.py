@@ -167,8 +167,8 @@ def test_fixed_cost_per_iteration():
     assert both(cm2, s) == pytest.approx((6.25, 6.25))
 
 
-@pytest.mark.parametrize("src, dst", [((3, 1), (6, 4)), ((0, 1, 2, 3), (7, 5, 6, 4)), ((2,), (5,)), ((0, 1), (4, 5, 6, 7)),
-                                      ((4, 5, 6, 7), (1, 0))])
+@pytest.mark.parametrize("src, dst", [((3, 1), (6, 4)), ((0, 1, 2, 3), (7, 5, 6, 4)), ((2,), (5,)),
+                                      ((0, 1), (4, 5, 6, 7)), ((4, 5, 6, 7), (1, 0))])
 def test_boundary_flows_are_the_runtimes_messages(src, dst):
     from runtime.annotations.from_plan import Boundary
     from runtime.annotations.states import Annotation

@@ -39,7 +39,8 @@ def measured_rows() -> list[dict]:
                                  "forward_s": f, "backward_s": 2.2 * f, "optimizer_s": 1e-4 * (i + 1) / tp})
     rows += [{"kind": "compute", "component": "attention", "layer": 0, "tp": 1, "micro_batch": b, "seq_len": s,
               "forward_s": 3e-4 * b * s / 64, "backward_s": 7e-4 * b * s / 64} for b in MBS for s in LENS]
-    rows += [{"kind": "link", "link": "inter", "direction": d, "bytes": n, "bandwidth_gbs": bw * (0.8 if d == "recv" else 1)}
+    rows += [{"kind": "link", "link": "inter", "direction": d, "bytes": n,
+              "bandwidth_gbs": bw * (0.8 if d == "recv" else 1)}
              for d in ("send", "recv") for n, bw in ((4096, 0.5), (1 << 20, 9.0), (1 << 24, 11.5))]
     rows += [{"kind": "allreduce", "link": "inter", "group": 2, "bytes": n, "bandwidth_gbs": bw}
              for n, bw in ((1 << 16, 1.0), (1 << 26, 10.0))]
