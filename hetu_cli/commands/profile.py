@@ -50,6 +50,11 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
 
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     models = [load_model(m, file="--model", field="") for m in model_refs]
+    for ref, m in zip(model_refs, models):
+        if m.gpt:   # the profiler times the runtime's own (Llama) modules
+            raise SpecError([Problem("--model", "", f"{ref}: {m.architecture} is not measured here (hspmd profile "
+                                                    "times the runtime's Llama modules); bring its timings with "
+                                                    "hspmd profile import")])
     try:
         lens = tuple(sorted({int(x) for x in seq_lens.split(",") if x.strip()}))
     except ValueError:

@@ -157,3 +157,16 @@ def test_train_refuses_a_gpt_model_with_one_line(tmp_path: Path):
     assert res.output.strip().splitlines() == [(
         f"error: {model}: architecture: opt is priced by the planner and simulator, not trained: the runtime trains "
         "the Llama family (llama, mistral, qwen2)")]
+
+
+def test_profile_refuses_to_measure_a_gpt_model(tmp_path: Path):
+    model = tmp_path / "gpt.yaml"
+    model.write_text(yaml.safe_dump({"name": "gpt", "architecture": "gpt_neox", "num_layers": 2, "hidden_size": 64,
+                                     "ffn_hidden_size": 128, "num_heads": 8, "num_kv_heads": 8, "vocab_size": 256,
+                                     "max_seq_len": 256}))
+    res = CliRunner().invoke(cli, ["profile", "--cluster", "cpu-hetero4", "--model", str(model), "--out",
+                                   str(tmp_path / "out")])
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == [
+        f"error: --model: {model}: gpt_neox is not measured here (hspmd profile times the runtime's Llama modules); "
+        "bring its timings with hspmd profile import"]
