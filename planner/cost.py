@@ -791,10 +791,15 @@ class CostModel:
     def sync_times(self, strategy: Strategy) -> list[float]:
         """Each group of ``sync_plan``'s time, the rings that cross one NIC at the same time sharing it
         (planner/links.py ``ring_sharers``: the TP ranks' rings of a stage)."""
-        return self._priced_groups(self.sync_plan(strategy))
+        return self._priced_groups(strategy, self.sync_plan(strategy))
 
-    def _priced_groups(self, plan: Sequence[SyncGroup]) -> list[float]:
-        sharers = ring_sharers([(g.devices, tuple(g.bucket_numel)) for g in plan], self._node_of)
+    def _priced_groups(self, strategy: Strategy, plan: Sequence[SyncGroup]) -> list[float]:
+        """Rings run at once where they are the TP ranks' of the same stages (their stages finish their
+        backward together) with the same buckets: the signature ``ring_sharers`` compares."""
+        stage_of = {d: (pi, k) for pi, p in enumerate(strategy.pipelines) for k, st in enumerate(p.stages)
+                    for d in st.devices}
+        sharers = ring_sharers([(g.devices, (tuple(g.bucket_numel), tuple(sorted({stage_of[d] for d in g.devices}))))
+                                for g in plan], self._node_of)
         return [self.sync_group_time(g, k) for g, k in zip(plan, sharers)]
 
     def grad_sync_times(self, strategy: Strategy) -> dict[int, float]:
@@ -802,7 +807,7 @@ class CostModel:
         other, ignoring waits for slower peers; the simulator plays those out)."""
         out = {d: 0.0 for d in strategy.devices}
         plan = self.sync_plan(strategy)
-        for g, t in zip(plan, self._priced_groups(plan)):
+        for g, t in zip(plan, self._priced_groups(strategy, plan)):
             for d in g.devices:
                 out[d] += t
         return out

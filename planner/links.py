@@ -9,7 +9,8 @@
   the bytes of all its flows as one message over the slowest of their links (so one latency, as
   transfers posted at once pay it together); the group takes as long as its busiest resource.
 * Collective rings that run at the same time over one NIC share it (``ring_sharers``): the gradient
-  rings of the TP ranks of a stage (same buckets, disjoint devices) each send their bytes across it.
+  rings of the TP ranks of a stage (same stages, same buckets, disjoint devices) each send their bytes
+  across it. Rings of other stages are not counted: their stages finish their backward at other times.
 * A stage's sends and receives posted at one schedule tick (``tick_seconds``) overlap on full-duplex
   links (the longest of them) and serialise where the profile says its links do (their sum).
 """
@@ -66,10 +67,11 @@ def concurrent_seconds(flows: Sequence[Flow], seconds: Callable[[int, int, float
 
 
 def ring_sharers(groups: Sequence[tuple[tuple[int, ...], Hashable]], node_of: Sequence[Hashable]) -> list[int]:
-    """For each collective group (its devices and a signature, equal for groups that run the same
-    buckets), how many rings cross the busiest NIC it uses at once: the cross-node groups of its
-    signature whose devices are disjoint from its own (they run at the same time: the TP ranks of one
-    stage, each with its shard), itself included, counted at each of its nodes. 1 within a node."""
+    """For each collective group (its devices and a signature, equal for groups that run at the same
+    time: the cost model's is the buckets and the stages the devices are in), how many rings cross the
+    busiest NIC it uses at once: the cross-node groups of its signature whose devices are disjoint from
+    its own (the TP ranks of one stage, each with its shard), itself included, counted at each of its
+    nodes. 1 within a node."""
     nodes = [frozenset(node_of[d] for d in devs) for devs, _ in groups]
     out = []
     for i, (devs, sig) in enumerate(groups):

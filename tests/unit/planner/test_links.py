@@ -179,3 +179,14 @@ def test_boundary_flows_are_the_runtimes_messages(src, dst):
                           cm.cluster).forward
     assert sorted(cm.boundary_flows(src, dst), key=lambda f: (f.src, f.dst)) == sorted(
         (Flow(d, m.peer, float(m.nbytes)) for d in src for m in op.sends(d)), key=lambda f: (f.src, f.dst))
+
+
+def test_rings_of_other_stages_do_not_share():
+    """Two pipelines of two TP-1 stages across the nodes: each stage's ring runs when its stages finish
+    their backward, not with the other stage's: each has the NIC to itself."""
+    cm = model()
+    s = Strategy("dp-pp", (pp(((0,), (0, 1)), ((1,), (1, 2))), pp(((4,), (0, 1)), ((5,), (1, 2)))))
+    plan = cm.sync_plan(s)
+    assert sorted(g.devices for g in plan) == [(0, 4), (1, 5)]
+    for g, t in zip(plan, cm.sync_times(s)):
+        assert t == pytest.approx(sum(n * 4 / (INTER * 1e9) for n in g.bucket_numel))
