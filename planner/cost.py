@@ -331,6 +331,7 @@ class CostModel:
         self.host = HostModel(model, cluster, profiles, seq_len)   # emulated hosts: planner/host.py
         self._type_of = [d.type for d in cluster.devices]
         self._node_of = [d.node for d in cluster.devices]
+        self._nic_of = [cluster.nic_of(d.id) for d in cluster.devices]
         params = model_parameters(dataclasses.replace(model, num_layers=1))
         self._layer_tensors = [p for p in params if p.owner == "layer"]
         self._embed_tensors = [p for p in params if p.owner == "embedding"]
@@ -615,7 +616,7 @@ class CostModel:
 
     @memo
     def _p2p_time(self, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
-        return concurrent_seconds(self.boundary_flows(src, dst), self.transfer_time, self._node_of)
+        return concurrent_seconds(self.boundary_flows(src, dst), self.transfer_time, self._node_of, self._nic_of)
 
     def tick_time(self, devices: Sequence[int], seconds: Sequence[float]) -> float:
         """A schedule tick of a stage on ``devices`` posting transfers of ``seconds`` each together: the
@@ -799,7 +800,7 @@ class CostModel:
         stage_of = {d: (pi, k) for pi, p in enumerate(strategy.pipelines) for k, st in enumerate(p.stages)
                     for d in st.devices}
         sharers = ring_sharers([(g.devices, (tuple(g.bucket_numel), tuple(sorted({stage_of[d] for d in g.devices}))))
-                                for g in plan], self._node_of)
+                                for g in plan], self._node_of, self._nic_of)
         return [self.sync_group_time(g, k) for g, k in zip(plan, sharers)]
 
     def grad_sync_times(self, strategy: Strategy) -> dict[int, float]:

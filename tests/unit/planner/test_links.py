@@ -35,9 +35,10 @@ def profile(**comm: object):
                                comm=CommFigures(0.0, 0.0, 1.0, **comm))  # type: ignore[arg-type]
 
 
-def model(nodes: int = 2, per_node: int = 4, **comm: object) -> CostModel:
+def model(nodes: int = 2, per_node: int = 4, nics: int = 1, **comm: object) -> CostModel:
     cl = Cluster("c", {"gpu": DeviceType(80, 100, 1000, INTRA)},
-                 tuple(Node(f"n{i}", "gpu", per_node) for i in range(nodes)), inter_node_bandwidth_gbs=INTER)
+                 tuple(Node(f"n{i}", "gpu", per_node) for i in range(nodes)), inter_node_bandwidth_gbs=INTER,
+                 nics_per_node=nics)
     return CostModel(TINY, cl, {"gpu": profile(**comm)}, micro_batch=1, seq_len=64, step_allreduce=False)
 
 
@@ -190,3 +191,16 @@ def test_rings_of_other_stages_do_not_share():
     assert sorted(g.devices for g in plan) == [(0, 4), (1, 5)]
     for g, t in zip(plan, cm.sync_times(s)):
         assert t == pytest.approx(sum(n * 4 / (INTER * 1e9) for n in g.bucket_numel))
+
+
+def test_a_nic_per_gpu_is_shared_by_nobody():
+    """Rail-optimised nodes (one NIC per GPU, ``nics_per_node``): TP ranks' rings and boundary copies each
+    leave by their own NIC."""
+    cm = model(nics=4)
+    s = Strategy("dp", (pp(((0, 1), (0, 2))), pp(((4, 5), (0, 2)))))
+    for g, t in zip(cm.sync_plan(s), cm.sync_times(s)):
+        if len(g.devices) == 2:
+            assert t == pytest.approx(sum(n * 4 / (INTER * 1e9) for n in g.bucket_numel))
+    assert cm.p2p_time((0, 1, 2, 3), (4, 5, 6, 7)) == pytest.approx(ACT / (INTER * 1e9))
+    # Two NICs for four GPUs: devices 0 and 2 share NIC 0, 1 and 3 NIC 1: two copies through each.
+    assert model(nics=2).p2p_time((0, 1, 2, 3), (4, 5, 6, 7)) == pytest.approx(2 * ACT / (INTER * 1e9))
