@@ -30,12 +30,17 @@ planner can call them millions of times:
   -> MemoryBreakdown``: parameters, gradients, optimizer states / ``zero_degree``, activations x
   ``in_flight`` micro-batches (use ``in_flight_micro_batches``), framework overhead.
 * ``p2p_time(src_devices, dst_devices)``: one activation (or its gradient, fp32) across a stage
-  boundary; ``link(a, b)`` the latency and bandwidth behind it.
-* ``allreduce_time(devices, nbytes)``: one ring all-reduce.
+  boundary, priced as what the runtime sends (``boundary_flows``: every TP rank's copy, or the BSR's
+  pieces), its messages sharing ports and NICs (planner/links.py); ``transfer_time(a, b, nbytes)`` one
+  message (measured link curves, else ``link(a, b)``'s latency and bandwidth); ``tick_time`` a schedule
+  tick's transfers together (serialised where the profile says so).
+* ``allreduce_time(devices, nbytes)``: one ring all-reduce (measured curves by size for its link class,
+  across nodes too, when the profiles have them).
 * ``sync_plan(strategy) -> [SyncGroup]``: the cross-pipeline gradient sync exactly as the runtime lays it
   out (runtime/comm/gradsync.py: its device groups in its order, each with its buckets; SplitAllReduce LCM
   slices when TP degrees differ, norms duplicated in a TP group synced by the whole group); ``sync_group_time``
-  prices one group; ``grad_sync_times(strategy) -> {device: seconds}`` sums a device's groups and
+  prices one group; ``sync_times(strategy)`` prices them all, the rings that cross one NIC at once
+  (the TP ranks' of a stage) sharing it; ``grad_sync_times(strategy) -> {device: seconds}`` sums a device's groups and
   ``grad_sync_time`` is their max (the simulator also plays out waits between groups).
 * ``zero_gather_time(group)``: ZeRO-1's all-gather of a sync group's updated parameters after the
   optimizer step (one per gradient-sync bucket: ``allgather_time``, measured or half an all-reduce);
@@ -44,7 +49,10 @@ planner can call them millions of times:
   ``tensors_per_stage`` gives the tensor count. ``clip_time(devices)``: the per-step all-reduce of
   loss and gradient norm.
 * ``estimate(strategy, global_batch, schedule, zero) -> StrategyEstimate``: the whole step by the
-  closed-form schedule formulas below, plus memory per device with OOM flags.
+  closed-form schedule formulas below (1F1B: plus the steady state's comm ticks, ``steady_tick_s``) and
+  the measured fixed cost per iteration (``iteration_time``), plus memory per device with OOM flags.
+* ``placed_stage(device_type, tp, layers, first, last, recompute)``: ``stage`` for a layer range, with the
+  profile's per-layer-index overrides (estimate and simulator; the planner's ILP prices layers alike).
 
 Fidelity notes: compute comes from a measured profile's stage blocks when it has them (one decoder
 layer, a stage's fixed time per micro-batch, what the embedding and head add, timed through the
@@ -80,15 +88,20 @@ from functools import cache
 from typing import Any
 
 from planner.host import HostModel
-from runtime.annotations.from_plan import held_by, placements
+from planner.links import Flow, concurrent_seconds, curve_seconds, ring_sharers, tick_seconds
+from runtime.annotations.from_plan import Boundary, held_by, placements
+from runtime.annotations.states import Annotation
 from runtime.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
 from runtime.engine.schedules import build_schedule, peak_live_activations
-from runtime.engine.specialize import BOUNDARY_DTYPE
-from runtime.models.params import ParamInfo, llama_parameters
+from runtime.engine.specialize import BOUNDARY_DTYPE, resolve_boundary
+from runtime.models.decoders import model_parameters
+from runtime.models.params import ParamInfo
 from runtime.profiling.profile import (
+    BLOCKS,
     ComponentFit,
     ComputeBlock,
     DeviceProfile,
+    LinkCurve,
     LinkFit,
     MeasuredModel,
     MemoryFigures,
@@ -99,7 +112,10 @@ from runtime.profiling.profile import (
     eval_fit,
     extra_components,
     layer_components,
+    layer_override_fits,
+    measured_tp_comm,
     sleep_target,
+    table_optimizer_s,
 )
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
@@ -118,6 +134,8 @@ GIB = float(2**30)
 TP_ALLREDUCES_PER_LAYER = (2, 2)
 # What crosses a stage boundary: the runtime's residual stream, in its dtype.
 BOUNDARY_BYTES = BOUNDARY_DTYPE.itemsize
+# What a TP degree adds where the measured times already include its collectives (``includes_tp_comm``).
+ZERO_FIT = ComponentFit((0.0, 0.0, 0.0), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0), params=0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -313,7 +331,8 @@ class CostModel:
         self.host = HostModel(model, cluster, profiles, seq_len)   # emulated hosts: planner/host.py
         self._type_of = [d.type for d in cluster.devices]
         self._node_of = [d.node for d in cluster.devices]
-        params = llama_parameters(dataclasses.replace(model, num_layers=1))
+        self._nic_of = [cluster.nic_of(d.id) for d in cluster.devices]
+        params = model_parameters(dataclasses.replace(model, num_layers=1))
         self._layer_tensors = [p for p in params if p.owner == "layer"]
         self._embed_tensors = [p for p in params if p.owner == "embedding"]
         self._head_tensors = [p for p in params if p.owner == "head"]
@@ -331,15 +350,18 @@ class CostModel:
         """Measured stage blocks (one decoder layer, a stage's fixed time, embedding, head) at this TP
         degree, timed through the runtime's stage module; None when the profile has none."""
         measured = self._measured(device_type)
-        if measured is not None and tp in measured.blocks:
+        if measured is not None and tp in measured.blocks and tp not in measured.tables:
             return dict(measured.blocks[tp])
         return None
 
     @memo
-    def components(self, device_type: str, tp: int) -> dict[str, ComponentFit]:
+    def components(self, device_type: str, tp: int, micro_batch: int | None = None,
+                   seq_len: int | None = None) -> dict[str, ComponentFit]:
         """Per-component fits on this device type at this TP degree: measured if the profile has this
-        model shape and TP degree, else derived from the profile's throughput figures."""
-        return component_fits(self.profiles[device_type], self.model, tp)
+        model shape and TP degree, else derived from the profile's throughput figures; tables (measured
+        elsewhere) resolved at this micro-batch shape (runtime/profiling/profile.py ``component_fits``)."""
+        b, s = self._shape(micro_batch, seq_len)
+        return component_fits(self.profiles[device_type], self.model, tp, b, s)
 
     def _measured(self, device_type: str) -> MeasuredModel | None:
         return self.profiles[device_type].measured_model(self.model)
@@ -347,6 +369,8 @@ class CostModel:
     def _tp_overhead(self, device_type: str, tp: int) -> ComponentFit | None:
         """The measured per-layer TP overhead (DTensor + collectives), if the profile has it."""
         m = self._measured(device_type) if tp > 1 else None
+        if m is not None and measured_tp_comm(self.profiles[device_type], self.model, tp):
+            return ZERO_FIT   # the measured times include the collectives
         return None if m is None else m.tp_overhead.get(tp)
 
     def is_measured(self, device_type: str, tp: int) -> bool:
@@ -374,7 +398,7 @@ class CostModel:
               seq_len: int | None = None) -> LayerCost:
         """One decoder layer: attention, MLP and two RMSNorms, plus its TP all-reduces."""
         b, s = self._shape(micro_batch, seq_len)
-        comp = self.components(device_type, tp)
+        comp = self.components(device_type, tp, b, s)
         parts = layer_components(comp)
         blocks = self.blocks(device_type, tp)
         timed = [blocks["layer"]] if blocks is not None else parts
@@ -398,7 +422,7 @@ class CostModel:
         """What a stage adds to its layers: the first stage's embedding, the last one's final norm, head
         and loss, and (measured stage blocks only) every stage's fixed time per micro-batch."""
         b, s = self._shape(micro_batch, seq_len)
-        comp = self.components(device_type, tp)
+        comp = self.components(device_type, tp, b, s)
         parts = extra_components(comp, first, last)
         blocks = self.blocks(device_type, tp)
         # Measured blocks: a stage's fixed time per micro-batch (every stage pays it) plus what the
@@ -453,9 +477,35 @@ class CostModel:
                          tp_forward_s=tp_f, tp_backward_s=tp_b, params=n * lay.params + ext.params,
                          tp_cpu_forward_s=tp_cpu_f, tp_cpu_backward_s=tp_cpu_b)
 
+    @memo
+    def placed_stage(self, device_type: str, tp: int, layers: tuple[int, int], first: bool, last: bool,
+                     recompute: bool = False) -> StageCost:
+        """``stage`` for the decoder layers ``layers`` (start, stop): where the profile overrides some of
+        them by index (``MeasuredModel.layers``), their own components' times replace the shared layer's."""
+        sc = self.stage(device_type, tp, layers[1] - layers[0], first, last, recompute)
+        prof, (b, s) = self.profiles[device_type], self._shape(None, None)
+        measured = self._measured(device_type)
+        if measured is None or not measured.layers or self.sleep_target(device_type) is not None:
+            return sc
+        base = layer_components(self.components(device_type, tp))
+        d_f = d_b = 0.0
+        for i in range(*layers):
+            own = layer_override_fits(prof, self.model, tp, i, b, s)
+            if own is None:
+                continue
+            f = sum(eval_fit(p.forward_s, b, s) for p in layer_components(own)) - sum(
+                eval_fit(p.forward_s, b, s) for p in base)
+            d_f += f
+            d_b += f * recompute + sum(eval_fit(p.backward_s, b, s) for p in layer_components(own)) - sum(
+                eval_fit(p.backward_s, b, s) for p in base)
+        return dataclasses.replace(sc, forward_s=sc.forward_s + d_f, backward_s=sc.backward_s + d_b,
+                                   compute_s=sc.compute_s + d_f + d_b)
+
     def _tp_blocks(self, device_type: str, tp: int, cpu: bool = False) -> Mapping[str, ComponentFit] | None:
         """Measured TP overhead per stage block (wall time, or its CPU part), if the profile has it."""
         m = self._measured(device_type) if tp > 1 else None
+        if m is not None and measured_tp_comm(self.profiles[device_type], self.model, tp):
+            return dict.fromkeys(BLOCKS, ZERO_FIT)   # the measured times include the collectives
         return None if m is None else (m.tp_blocks_cpu if cpu else m.tp_blocks).get(tp)
 
     @staticmethod
@@ -524,20 +574,107 @@ class CostModel:
         """Bytes of one micro-batch's hidden states [B, s, h] at a stage boundary (fp32)."""
         return float(self.micro_batch * self.seq_len * self.model.hidden_size * BOUNDARY_BYTES)
 
-    def p2p_time(self, src: Sequence[int], dst: Sequence[int]) -> float:
-        """One activation ([B, s, h] fp32) from stage ``src`` to ``dst``, one direction."""
-        lk = self.link(src[0], dst[0])
-        return lk.latency_s + self.boundary_bytes() / (lk.bandwidth_gbs * 1e9)
-
-    def allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
-        """One ring all-reduce among ``devices``: measured fit for a same-type group on one node when
-        the profile has one for this group size (or the nearest measured size), else per-step latency
-        and the slowest link of the ring."""
-        return _collective_time(self._allreduce_lines(tuple(devices)), (nbytes,))
+    @memo
+    def transfer_time(self, a: int, b: int, nbytes: float) -> float:
+        """One message of ``nbytes`` from device ``a`` to ``b`` on a link of its own: the profiles' measured
+        curves by size and direction where they have them (planner/links.py), else ``link``'s latency +
+        bytes / bandwidth."""
+        cls = "intra" if self._node_of[a] == self._node_of[b] else "inter"
+        curves = curve_seconds(self.profiles[self._type_of[a]].comm.links.get(cls),
+                               self.profiles[self._type_of[b]].comm.links.get(cls), nbytes)
+        if curves is not None:
+            return curves
+        lk = self.link(a, b)
+        return lk.latency_s + nbytes / (lk.bandwidth_gbs * 1e9)
 
     @memo
-    def _allreduce_lines(self, devices: tuple[int, ...]) -> tuple[tuple[float, float], ...]:
-        """``allreduce_time`` as lines (seconds, seconds per byte), the time being the slowest of them."""
+    def boundary_flows(self, src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[Flow, ...]:
+        """What the runtime sends from stage ``src`` to stage ``dst`` for one micro-batch: the messages of
+        the stage boundary's reshard as runtime/engine/specialize.py ``resolve_boundary`` lays it out
+        (equal TP degrees: every rank's full copy to its counterpart; otherwise the BSR's pieces)."""
+        if len(src) == len(dst):
+            # Equal TP degrees: the layout does not depend on the devices or links (rank i to rank i), so
+            # it is resolved once per degree on stand-in devices and mapped back (the planner prices many).
+            ids = (*src, *dst)
+            return tuple(Flow(ids[f.src], ids[f.dst], f.nbytes) for f in self._boundary_pattern(len(src)))
+        return self._resolved_flows(src, dst, self.cluster)
+
+    @memo
+    def _boundary_pattern(self, tp: int) -> tuple[Flow, ...]:
+        return self._resolved_flows(tuple(range(tp)), tuple(range(tp, 2 * tp)), None)
+
+    def _resolved_flows(self, src: tuple[int, ...], dst: tuple[int, ...], cluster: Cluster | None) -> tuple[Flow, ...]:
+        shape = (self.micro_batch, self.seq_len, self.model.hidden_size)
+        op = resolve_boundary(Boundary(0, 0, shape, Annotation.spmd(src), Annotation.spmd(dst)),
+                              cluster).forward  # type: ignore[arg-type]  # None: no links steer the layout
+        return tuple(Flow(d, m.peer, float(m.nbytes)) for d in src for m in op.sends(d))
+
+    def p2p_time(self, src: Sequence[int], dst: Sequence[int]) -> float:
+        """One activation ([B, s, h] fp32) from stage ``src`` to ``dst``, one direction: the boundary's
+        messages posted together, sharing their devices' ports and nodes' NICs (planner/links.py)."""
+        return self._p2p_time(tuple(src), tuple(dst))
+
+    @memo
+    def _p2p_time(self, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
+        return concurrent_seconds(self.boundary_flows(src, dst), self.transfer_time, self._node_of, self._nic_of)
+
+    def tick_time(self, devices: Sequence[int], seconds: Sequence[float]) -> float:
+        """A schedule tick of a stage on ``devices`` posting transfers of ``seconds`` each together: the
+        longest, or their sum where its profile says sends and receives serialise (planner/links.py)."""
+        serial = any(self.profiles[self._type_of[d]].comm.serialised_send_recv for d in devices)
+        return tick_seconds(seconds, serial)
+
+    def steady_tick_s(self, strategy: Strategy, pi: int, k: int) -> float:
+        """The comm ticks stage ``k`` of pipeline ``pi`` waits on per micro-batch in 1F1B's steady state:
+        send_forward + recv_backward with the next stage, send_backward + recv_forward with the previous."""
+        stages = strategy.pipelines[pi].stages
+        st, out = stages[k], 0.0
+        for j in (k - 1, k + 1):
+            if 0 <= j < len(stages):
+                peer = stages[j].devices
+                out += self.tick_time(st.devices, (self.p2p_time(st.devices, peer), self.p2p_time(peer, st.devices)))
+        return out
+
+    def iteration_time(self, strategy: Strategy) -> float:
+        """The measured fixed cost per iteration (launches, synchronisation, logging) of the step: the
+        largest among the device types it uses (they wait for each other at the step's end)."""
+        return max((self.profiles[self._type_of[d]].iteration_s for d in strategy.devices), default=0.0)
+
+    def allreduce_time(self, devices: Sequence[int], nbytes: float) -> float:
+        """One ring all-reduce among ``devices``: measured curves by size where the profiles have them for
+        the group's link class (one node, or across nodes), else the measured fit for a same-type group on
+        one node for this group size (or the nearest measured size), else per-step latency and the
+        slowest link of the ring."""
+        return self.allreduce_calls(tuple(devices), (nbytes,))
+
+    def allreduce_calls(self, devices: tuple[int, ...], sizes: Sequence[float], sharers: int = 1) -> float:
+        """One all-reduce per entry of ``sizes`` (bytes) among ``devices``, ``sharers`` rings crossing the
+        busiest NIC at once (planner/links.py ``ring_sharers``: each carries its bytes over it)."""
+        curves = self._allreduce_curves(devices)
+        if curves is None:
+            return _collective_time(self._allreduce_lines(devices, sharers), sizes)
+        n = len(devices)
+        return sum(max(2.0 * (n - 1) / n * c.seconds(x * sharers) for c in curves) for x in sizes)
+
+    @memo
+    def _allreduce_curves(self, devices: tuple[int, ...]) -> tuple[LinkCurve, ...] | None:
+        """The measured all-reduce curve of every type of the group for its link class (nearest measured
+        group size); None unless every type has one."""
+        if len(devices) <= 1:
+            return None
+        cls = "intra" if len({self._node_of[d] for d in devices}) == 1 else "inter"
+        out = []
+        for t in sorted({self._type_of[d] for d in devices}):
+            by_size = self.profiles[t].comm.allreduce_curves.get(cls)
+            if not by_size:
+                return None
+            out.append(by_size[min(by_size, key=lambda k: (abs(k - len(devices)), k))])
+        return tuple(out)
+
+    @memo
+    def _allreduce_lines(self, devices: tuple[int, ...], sharers: int = 1) -> tuple[tuple[float, float], ...]:
+        """``allreduce_time`` as lines (seconds, seconds per byte), the time being the slowest of them; a
+        ring across nodes shares the NIC with ``sharers - 1`` others."""
         n = len(devices)
         if n <= 1:
             return ((0.0, 0.0),)
@@ -545,6 +682,7 @@ class CostModel:
         if measured is None:
             types = {self._type_of[d] for d in devices}
             bw = min(self.link(devices[i], devices[(i + 1) % n]).bandwidth_gbs for i in range(n))
+            bw /= sharers if len({self._node_of[d] for d in devices}) > 1 else 1
             measured = [(max(self.profiles[t].comm.allreduce_latency_s for t in types) * 2 * (n - 1), bw)]
         return tuple((lat, 2.0 * (n - 1) / n / (bw * 1e9)) for lat, bw in measured)
 
@@ -554,6 +692,10 @@ class CostModel:
         if tp <= 1:
             return 0.0
         prof = self.profiles[device_type]
+        curves = prof.comm.allreduce_curves.get("intra")
+        if curves:
+            curve = curves[min(curves, key=lambda k: (abs(k - tp), k))]
+            return 2.0 * (tp - 1) / tp * curve.seconds(nbytes)
         measured = prof.comm.allreduce
         if measured:
             return allreduce_seconds(nbytes, tp, *nearest_fit(measured, tp))
@@ -634,11 +776,12 @@ class CostModel:
     def _element_bytes(self, group: SyncGroup, memory: Callable[[MemoryFigures], int]) -> int:
         return max(memory(self.profiles[self._type_of[d]].memory) for d in group.devices)
 
-    def sync_group_time(self, group: SyncGroup) -> float:
+    def sync_group_time(self, group: SyncGroup, sharers: int = 1) -> float:
         """One fused all-reduce of a sync group (a call per bucket, as the runtime cuts them), plus packing
-        its gradient slices into the buckets and back (measured profiles; the slowest device's)."""
+        its gradient slices into the buckets and back (measured profiles; the slowest device's);
+        ``sharers`` rings crossing its busiest NIC at once (``sync_times``)."""
         grad_bytes = self._element_bytes(group, lambda m: m.grad_bytes)
-        calls = _collective_time(self._allreduce_lines(group.devices), [n * grad_bytes for n in group.bucket_numel])
+        calls = self.allreduce_calls(group.devices, [n * grad_bytes for n in group.bucket_numel], sharers)
         pack = 0.0
         for d in group.devices:
             fit = self.profiles[self._type_of[d]].sync_pack
@@ -646,10 +789,29 @@ class CostModel:
                        + fit.fixed_s * len(group.buckets))
         return calls + pack
 
+    def sync_times(self, strategy: Strategy) -> list[float]:
+        """Each group of ``sync_plan``'s time, the rings that cross one NIC at the same time sharing it
+        (planner/links.py ``ring_sharers``: the TP ranks' rings of a stage)."""
+        return self._priced_groups(strategy, self.sync_plan(strategy))
+
+    def _priced_groups(self, strategy: Strategy, plan: Sequence[SyncGroup]) -> list[float]:
+        """Rings run at once where they are the TP ranks' of the same stages (their stages finish their
+        backward together) with the same buckets: the signature ``ring_sharers`` compares."""
+        stage_of = {d: (pi, k) for pi, p in enumerate(strategy.pipelines) for k, st in enumerate(p.stages)
+                    for d in st.devices}
+        sharers = ring_sharers([(g.devices, (tuple(g.bucket_numel), tuple(sorted({stage_of[d] for d in g.devices}))))
+                                for g in plan], self._node_of, self._nic_of)
+        return [self.sync_group_time(g, k) for g, k in zip(plan, sharers)]
+
     def grad_sync_times(self, strategy: Strategy) -> dict[int, float]:
         """Seconds each device spends in the cross-pipeline gradient sync (its groups one after the
         other, ignoring waits for slower peers; the simulator plays those out)."""
-        return self._group_times(strategy, self.sync_group_time)
+        out = {d: 0.0 for d in strategy.devices}
+        plan = self.sync_plan(strategy)
+        for g, t in zip(plan, self._priced_groups(strategy, plan)):
+            for d in g.devices:
+                out[d] += t
+        return out
 
     def grad_sync_time(self, strategy: Strategy) -> float:
         times = self.grad_sync_times(strategy)
@@ -740,12 +902,16 @@ class CostModel:
     def pipeline_estimate(self, strategy: Strategy, pi: int, schedule: Schedule = "1f1b") -> PipelineEstimate:
         pipe = strategy.pipelines[pi]
         n = len(pipe.stages)
-        stages = tuple(self.stage(self._type_of[s.devices[0]], s.tp, s.num_layers, k == 0, k == n - 1,
-                                  s.recompute) for k, s in enumerate(pipe.stages))
+        stages = tuple(self.placed_stage(self._type_of[s.devices[0]], s.tp, s.layers, k == 0, k == n - 1,
+                                         s.recompute) for k, s in enumerate(pipe.stages))
         boundary = tuple(self.p2p_time(a.devices, b.devices) + self.p2p_time(b.devices, a.devices)
                          for a, b in zip(pipe.stages, pipe.stages[1:]))
         t = pipeline_time([s.forward_s for s in stages], [s.backward_s for s in stages], pipe.micro_batches,
                           schedule, boundary)
+        if schedule == "1f1b" and n > 1:   # the steady state's comm ticks (planner/links.py tick_seconds)
+            busy = [s.time_s for s in stages]
+            ticks = [b + self.steady_tick_s(strategy, pi, k) for k, b in enumerate(busy)]
+            t += (pipe.micro_batches - 1) * (max(ticks) - max(busy))
         return PipelineEstimate(pipe.micro_batches, stages, boundary, t)
 
     def strategy_memory(self, strategy: Strategy, schedule: Schedule = "1f1b",
@@ -776,9 +942,18 @@ class CostModel:
         return out
 
     def optimizer_times(self, strategy: Strategy, zero: bool = False) -> dict[int, float]:
+        """One AdamW step per device: measured per-component optimizer seconds (profile tables) where the
+        profile has them for its stage, else the per-parameter fit."""
         zero_degree = len(strategy.pipelines) if zero else 1
-        return {d: self.optimizer_time(self._type_of[d], n, zero_degree, tensors)
-                for d, (n, tensors) in self.device_params(strategy).items()}
+        out = {d: self.optimizer_time(self._type_of[d], n, zero_degree, tensors)
+               for d, (n, tensors) in self.device_params(strategy).items()}
+        for pipe in strategy.pipelines:
+            for k, st in enumerate(pipe.stages):
+                t = table_optimizer_s(self.profiles[self._type_of[st.devices[0]]], self.model, st.tp, st.num_layers,
+                                      k == 0, k == len(pipe.stages) - 1)
+                if t is not None:
+                    out.update(dict.fromkeys(st.devices, t / zero_degree))
+        return out
 
     def mfu(self, step_time_s: float, global_batch: int, devices: Iterable[int]) -> float:
         """Model FLOPs per second over the datasheet peak of the devices used."""
@@ -789,14 +964,15 @@ class CostModel:
     def estimate(self, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
                  zero: bool = False) -> StrategyEstimate:
         """Closed-form step time and memory of a strategy: ``max over pipelines (pipeline_time) + gradient
-        sync + clip + max over devices (step overhead + optimizer + ZeRO-1 parameter all-gathers)``."""
+        sync + clip + max over devices (step overhead + optimizer + ZeRO-1 parameter all-gathers) + the
+        fixed cost per iteration``."""
         pipes = tuple(self.pipeline_estimate(strategy, i, schedule) for i in range(len(strategy.pipelines)))
         sync = self.grad_sync_time(strategy)
         over = self.step_overhead_times(strategy)
         gather = self.zero_gather_times(strategy, zero)
         opt = max(t + over[d] + gather[d] for d, t in self.optimizer_times(strategy, zero).items())
         clip = self.clip_time(strategy.devices)
-        step = max(p.time_s for p in pipes) + sync + clip + opt
+        step = max(p.time_s for p in pipes) + sync + clip + opt + self.iteration_time(strategy)
         memory = self.strategy_memory(strategy, schedule, zero)
         cap = {d: self.cluster.type_of(d).memory_gib for d in memory}
         oom = tuple(sorted(d for d, m in memory.items() if m.total > cap[d] * GIB))

@@ -5,11 +5,13 @@ schedule out as the runtime runs it (runtime/engine/schedules.py): every stage i
 actions in order — forward and backward of a micro-batch (TP collectives included), and communication
 actions that post a group of sends/receives together and wait for all of them (Megatron's
 send_forward_recv_backward grouping); each pipeline has its own micro-batch count. A transfer takes
-``latency + bytes / bandwidth`` once both sides have posted (a rendezvous: measured so on gloo, where a
-batched send waits for its receive; NCCL's send/recv behave so too). After its stage's last action each
-device joins its gradient-sync groups (a group's all-reduce starts when its last member joins), then
-the per-step all-reduce of loss and gradient norm, then its optimizer step, then (ZeRO-1) the all-gathers
-of the updated parameter chunks, group by group in the gradient sync's order.
+``CostModel.p2p_time`` once both sides have posted (a rendezvous: measured so on gloo, where a
+batched send waits for its receive; NCCL's send/recv behave so too); a tick's transfers overlap, or
+follow one another where the profile says sends and receives serialise (planner/links.py, the rules the
+cost model prices by too). The measured fixed cost per iteration is added to the step. After its
+stage's last action each device joins its gradient-sync groups (a group's all-reduce starts when its
+last member joins), then the per-step all-reduce of loss and gradient norm, then its optimizer step, then
+(ZeRO-1) the all-gathers of the updated parameter chunks, group by group in the gradient sync's order.
 
 On a CPU-emulated cluster the devices are processes on one host, each pinned to its share of the cores
 as the launcher pins them (planner/host.py ``HostModel.cpu_layout``): compute blocks running on
@@ -29,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -145,6 +147,7 @@ class SimOp:
     sharing: float = 1.0
     handoff: CoreHandoff | None = None
     transfers: tuple[Transfer, ...] = ()  # a P2P op: the runtime's transfers it posts together
+    serial: bool = False  # a P2P op whose transfers serialise on its links (one after the other)
 
     @property
     def computes(self) -> bool:
@@ -362,6 +365,11 @@ class _Run:
             return False
         start = self.starts[name]
         end = start + op.duration
+        if op.serial:   # each transfer once the previous one is done and its peer has posted
+            t = start
+            for w, secs in op.waits:
+                t = max(t, self.starts[w]) + secs
+            end = max(end, t)
         for w, secs in op.waits:
             end = max(end, max(start, self.starts[w]) + secs)
         latest = max((self.starts[w] for w, _ in op.waits), default=start)
@@ -390,7 +398,8 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
     sync = cm.sync_plan(strategy)
     _add_step_end(sim, costs, last_action, sync, zero)
     times = sim.run()
-    step = max(end for _, end in times.values())
+    # The measured fixed cost per iteration (launches, synchronisation, logging) comes on top.
+    step = max(end for _, end in times.values()) + cm.iteration_time(strategy)
     events, reports, memory = _reports(sim, times, costs, last_action, sync, zero, step)
     est = cm.estimate(strategy, global_batch, schedule, zero)
     return SimulationResult(
@@ -423,8 +432,8 @@ class _Costs:
         for pi, pipe in enumerate(strategy.pipelines):
             n = len(pipe.stages)
             for k, st in enumerate(pipe.stages):
-                stages[pi, k] = cm.stage(type_of[st.devices[0]], st.tp, st.num_layers, k == 0, k == n - 1,
-                                         st.recompute)
+                stages[pi, k] = cm.placed_stage(type_of[st.devices[0]], st.tp, st.layers, k == 0, k == n - 1,
+                                                st.recompute)
         cores, hosts_of = cm.host.cpu_layout(strategy.devices)
         stage_of = {d: (pi, k) for pi, p in enumerate(strategy.pipelines) for k, st in enumerate(p.stages)
                     for d in st.devices}
@@ -484,9 +493,12 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedule: Schedule) -> dict[tu
                 secs = cm.p2p_time(src.devices, dst.devices)
                 waits.append((where[pi, k + t.peer_offset, t.counterpart, t.micro_batch], secs))
             name = f"{res}C{ai}"
-            # Its own duration: the longest of its transfers.
+            # Its own duration: the tick's transfers together (the longest, or their sum where they
+            # serialise: planner/links.py tick_seconds, as the cost model prices a tick).
+            duration = cm.tick_time(st.devices, [secs for _, secs in waits])
             sim.add(SimOp(name, res, OpKind.P2P, pi, k, a.transfers[0].micro_batch,
-                          duration=max(secs for _, secs in waits), waits=tuple(waits), transfers=a.transfers,
+                          duration=duration, waits=tuple(waits), transfers=a.transfers,
+                          serial=len(waits) > 1 and duration > max(secs for _, secs in waits),
                           wake=cm.host.comm_wake(device_type), **costs.waiting(st.devices)))
         last[pi, k] = name
     return last
@@ -508,18 +520,17 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
                                     sharing=cm.host.core_sharing(costs.type_of[d]), **costs.waiting((d,))))
             last_of[d] = f"over{d}"
 
-    def collectives(prefix: str, kind: OpKind, seconds: Callable[[SyncGroup], float]) -> None:
+    def collectives(prefix: str, kind: OpKind, seconds: Sequence[float]) -> None:
         """One collective per sync group, in the runtime's global group order: each member joins after
         its previous op, and the group's op ends once its last member has joined (a rendezvous)."""
-        for gi, g in enumerate(sync):
-            secs = seconds(g)
+        for gi, (g, secs) in enumerate(zip(sync, seconds)):
             for d in g.devices:
                 sim.add(costs.device_op(f"{prefix}{gi}d{d}", d, kind, duration=secs, deps=(last_of[d],),
                                         waits=tuple((f"{prefix}{gi}d{e}", secs) for e in g.devices if e != d),
                                         wake=cm.host.comm_wake(costs.type_of[d]), **costs.waiting((d,))))
                 last_of[d] = f"{prefix}{gi}d{d}"
 
-    collectives("g", OpKind.GRAD_SYNC, cm.sync_group_time)
+    collectives("g", OpKind.GRAD_SYNC, cm.sync_times(costs.strategy))
     sim.add(SimOp("stats", "world", OpKind.CLIP, duration=cm.clip_time(devices),
                   deps=tuple(sorted(set(last_of.values())))))
     opt_times = cm.optimizer_times(costs.strategy, zero)
@@ -527,7 +538,7 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
         sim.add(costs.device_op(f"opt{d}", d, OpKind.OPTIMIZER, deps=("stats",), **costs.block((d,), opt_times[d])))
         last_of[d] = f"opt{d}"
     if zero:
-        collectives("z", OpKind.ZERO_GATHER, cm.zero_gather_time)
+        collectives("z", OpKind.ZERO_GATHER, [cm.zero_gather_time(g) for g in sync])
 
 
 def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Costs,

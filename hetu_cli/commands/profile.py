@@ -1,4 +1,6 @@
-"""``hspmd profile --cluster C``: measure this machine's device types and write their profiles."""
+"""``hspmd profile --cluster C``: measure this machine's device types and write their profiles;
+``hspmd profile import FILE --type NAME``: a profile from a flat table measured elsewhere;
+``hspmd profile export FILE``: a profile's flat table; ``hspmd profile show FILE``: print any profile."""
 
 from __future__ import annotations
 
@@ -10,12 +12,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from hetu_cli.output import FORMAT_OPTION, console, emit_json, err_console
-from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, Fit, eval_fit
+from runtime.errors import Problem, SpecError
+from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, DeviceProfile, Fit, eval_fit, load_profile
 from runtime.spec import load_cluster, load_model
+from runtime.spec.catalog import resolve_profile_ref
+from runtime.spec.schema import to_data
 
 
-@click.command()
-@click.option("--cluster", "cluster_ref", required=True, help="Cluster (name or path) whose device types to profile.")
+@click.group(invoke_without_command=True)
+@click.option("--cluster", "cluster_ref", help="Cluster (name or path) whose device types to profile.")
 @click.option("--model", "model_refs", multiple=True, default=("llama-tiny",), show_default=True,
               help="Model(s) whose components to time (repeatable).")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path), default=PROFILES_DIR, show_default="profiles/",
@@ -29,15 +34,27 @@ from runtime.spec import load_cluster, load_model
               help="Most local processes for the link measurement.")
 @click.option("--no-comm", is_flag=True, help="Skip the link measurement (keeps the spec link figures).")
 @FORMAT_OPTION
-def profile(cluster_ref: str, model_refs: tuple[str, ...], out_dir: Path, device_type: str | None, seq_lens: str,
-            budget: float, link_processes: int, no_comm: bool, fmt: str) -> None:
+@click.pass_context
+def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, ...], out_dir: Path,
+            device_type: str | None, seq_lens: str, budget: float, link_processes: int, no_comm: bool,
+            fmt: str) -> None:
     """Time forward and backward of each Llama component (embedding, attention, MLP, norm, head+loss)
     and the optimizer step per TP degree and sequence length, fit a*s^2+b*s+c, measure link latency
-    and bandwidth, and write one profile per device type. A measured profile overrides a spec one."""
+    and bandwidth, and write one profile per device type. A measured profile overrides a spec one.
+    Subcommands: import a table measured elsewhere, export one, show a profile."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if cluster_ref is None:
+        raise click.UsageError("give --cluster C to measure, or a subcommand (import, export, show)")
     from runtime.profiling.profiler import ProfileSettings, count_steps, plan_targets, profile_cluster
 
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     models = [load_model(m, file="--model", field="") for m in model_refs]
+    for ref, m in zip(model_refs, models):
+        if m.gpt:   # the profiler times the runtime's own (Llama) modules
+            raise SpecError([Problem("--model", "", f"{ref}: {m.architecture} is not measured here (hspmd profile "
+                                                    "times the runtime's Llama modules); bring its timings with "
+                                                    "hspmd profile import")])
     try:
         lens = tuple(sorted({int(x) for x in seq_lens.split(",") if x.strip()}))
     except ValueError:
@@ -97,5 +114,116 @@ def profile(cluster_ref: str, model_refs: tuple[str, ...], out_dir: Path, device
     con.print(f"profiled {len(written)} device type(s) in {elapsed:.1f} s")
 
 
-def _ms(fit: Fit, s: int) -> str:
-    return f"{eval_fit(fit, 1, s) * 1e3:.3f} ms"
+def _ms(fit: Fit, s: int, b: int = 1) -> str:
+    return f"{eval_fit(fit, b, s) * 1e3:.3f} ms"
+
+
+def _profile_file(ref: str, option: str) -> tuple[Path, DeviceProfile]:
+    """A profile given by path or by a shipped profile's name, loaded."""
+    path = resolve_profile_ref(ref)
+    if path is None:
+        raise SpecError([Problem(option, "", f"no profile {ref!r} (a path, or a name in profiles/)")])
+    return path, load_profile(path)
+
+
+@profile.command("import")
+@click.argument("table", type=click.Path(path_type=Path))
+@click.option("--type", "device_type", required=True, help="Device type name the profile is for (as clusters name it).")
+@click.option("--model", "model_ref", required=True, help="Model (name or path) whose layer shapes the table measured.")
+@click.option("--format", "table_fmt", type=click.Choice(["csv", "json"]), help="Table format (default: by suffix).")
+@click.option("--base", "base_ref", help="Profile whose other figures (memory, throughput, link latency) the "
+                                          "imported one keeps [default: the shipped profile of --type].")
+@click.option("--includes-tp-comm", is_flag=True, help="The TP rows' times include their collectives.")
+@click.option("--serialised-send-recv", is_flag=True, help="A send and a receive posted together serialise.")
+@click.option("--out", "out_path", type=click.Path(path_type=Path),
+              help="Where to write it [default: profiles/<type>.imported.yaml].")
+def import_(table: Path, device_type: str, model_ref: str, table_fmt: str | None, base_ref: str | None,
+            includes_tp_comm: bool, serialised_send_recv: bool, out_path: Path | None) -> None:
+    """Convert a flat table measured elsewhere (docs/profiles.md) into a profile of provenance imported."""
+    from runtime.profiling.flat_table import import_profile
+    from runtime.profiling.profile import save_profile
+
+    model = load_model(model_ref, file="--model", field="")
+    if base_ref is None and resolve_profile_ref(device_type) is None:
+        raise SpecError([Problem("--base", "", f"no shipped profile of {device_type!r} to start from: give --base")])
+    base_path, base = _profile_file(base_ref or device_type, "--base")
+    prof = import_profile(table, device_type=device_type, model=model, base=base, fmt=table_fmt,
+                          includes_tp_comm=includes_tp_comm, serialised_send_recv=serialised_send_recv,
+                          base_name=str(base_path))
+    out = out_path or PROFILES_DIR / f"{device_type}.imported.yaml"
+    save_profile(prof, out)
+    click.echo(f"wrote {out} ({device_type}, imported from {table})")
+
+
+@profile.command("export")
+@click.argument("profile_ref")
+@click.option("--format", "table_fmt", type=click.Choice(["csv", "json"]), default="csv", show_default=True)
+@click.option("--model", "model_key", help="Which of the profile's models (when it holds several).")
+@click.option("--out", "out_path", type=click.Path(path_type=Path), help="Write here (default: standard output).")
+def export(profile_ref: str, table_fmt: str, model_key: str | None, out_path: Path | None) -> None:
+    """Write a profile's measurements as the flat table ``profile import`` reads."""
+    from runtime.profiling.flat_table import format_rows, table_rows, write_rows
+
+    _, prof = _profile_file(profile_ref, "PROFILE")
+    rows = table_rows(prof, model_key)
+    if out_path is None:
+        click.echo(format_rows(rows, table_fmt), nl=False)   # type: ignore[arg-type]
+    else:
+        write_rows(rows, out_path, table_fmt)   # type: ignore[arg-type]
+
+
+@profile.command("show")
+@click.argument("profile_ref")
+@FORMAT_OPTION
+def show(profile_ref: str, fmt: str) -> None:
+    """Print a profile: its figures, its models' fits and tables, its link curves."""
+    path, prof = _profile_file(profile_ref, "PROFILE")
+    if fmt == "json":
+        emit_json({"path": str(path), "profile": to_data(prof)})
+        return
+    con = console()
+    c, m = prof.compute, prof.memory
+    con.print(f"[bold]{prof.device_type}[/bold] ({prof.provenance}, {path}): {prof.memory_gib:g} GiB, "
+              f"{c.peak_tflops:g} TFLOPS x {c.matmul_efficiency:g} matmul, {c.memory_bandwidth_gbs:g} GB/s; "
+              f"bytes/param {m.param_bytes:g}+{m.grad_bytes:g}+{m.optimizer_bytes:g}"
+              + (f"; {prof.iteration_s * 1e3:.3f} ms per iteration" if prof.iteration_s else ""))
+    if prof.source.note:
+        con.print(f"  source: {prof.source.note}")
+    for name, mm in prof.models.items():
+        table = Table(title=f"{name} (h={mm.hidden_size}, ffn={mm.ffn_hidden_size}, heads={mm.num_heads}/"
+                            f"{mm.num_kv_heads}, vocab={mm.vocab_size})"
+                            + (": TP times include their collectives" if mm.includes_tp_comm else ""),
+                      title_justify="left")
+        for col in ("TP", "layer", "component", "source", "points", "fwd ms", "bwd ms", "opt ms"):
+            table.add_column(col, justify="left" if col in ("component", "source", "points", "layer") else "right")
+        for tp, fits in mm.tp.items():
+            for comp in COMPONENTS:
+                f = fits[comp]
+                s = mm.seq_lens[-1]
+                table.add_row(str(tp), "", comp, "fit", f"B={mm.micro_batch} s={s}",
+                              _ms(f.forward_s, s, mm.micro_batch), _ms(f.backward_s, s, mm.micro_batch), "")
+        rows = [(tp, "", comps) for tp, comps in mm.tables.items()]
+        rows += [(tp, str(i), comps) for i, by_tp in mm.layers.items() for tp, comps in by_tp.items()]
+        for tp, layer, comps in rows:
+            for comp, t in comps.items():
+                table.add_row(str(tp), layer, comp, "table",
+                              f"B {','.join(map(str, t.micro_batches))} x s {','.join(map(str, t.seq_lens))}",
+                              f"{t.forward_s[-1][-1] * 1e3:.3f}", f"{t.backward_s[-1][-1] * 1e3:.3f}",
+                              "" if t.optimizer_s is None else f"{t.optimizer_s * 1e3:.3f}")
+        con.print(table)
+    cm = prof.comm
+    if cm.p2p is not None:
+        con.print(f"  p2p: {cm.p2p.latency_s * 1e3:.3f} ms + bytes / {cm.p2p.bandwidth_gbs:.2f} GB/s")
+    for n, f in cm.allreduce.items():
+        con.print(f"  all-reduce x{n}: {f.latency_s * 1e3:.3f} ms + bytes / {f.bandwidth_gbs:.2f} GB/s")
+    for cls, curves in cm.links.items():
+        for direction, curve in (("send", curves.send), ("recv", curves.recv)):
+            if curve is not None:
+                con.print(f"  {cls} {direction}: " + ", ".join(f"{b:,} B @ {bw:g} GB/s"
+                                                             for b, bw in zip(curve.bytes, curve.bandwidth_gbs)))
+    for cls, by_n in cm.allreduce_curves.items():
+        for n, curve in by_n.items():
+            con.print(f"  {cls} all-reduce x{n}: " + ", ".join(f"{b:,} B @ {bw:g} GB/s"
+                                                            for b, bw in zip(curve.bytes, curve.bandwidth_gbs)))
+    if cm.serialised_send_recv:
+        con.print("  a send and a receive posted together serialise")

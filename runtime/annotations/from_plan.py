@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.annotations.states import DUPLICATE, PARTIAL, Annotation, DistributedStates
-from runtime.models.params import ParamInfo, llama_parameters
+from runtime.models.decoders import model_parameters
+from runtime.models.params import ParamInfo
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import Stage, Strategy, TrainingSettings
@@ -108,10 +109,10 @@ def held_by(stages: Sequence[Stage], info: ParamInfo) -> ParamAnnotation:
 
 
 def placements(strategy: Strategy, model: ModelSpec) -> list[tuple[ParamInfo, tuple[Stage, ...]]]:
-    """Every parameter (``llama_parameters`` order) with the stages that hold it, one per pipeline."""
+    """Every parameter (``model_parameters`` order) with the stages that hold it, one per pipeline."""
     by_owner: dict[tuple[str, int | None], tuple[Stage, ...]] = {}  # the tensors of one layer share stages
     out = []
-    for info in llama_parameters(model):
+    for info in model_parameters(model):
         key = (info.owner, info.layer)
         if key not in by_owner:
             by_owner[key] = tuple(holding_stages(strategy, info))
@@ -120,7 +121,7 @@ def placements(strategy: Strategy, model: ModelSpec) -> list[tuple[ParamInfo, tu
 
 
 def param_annotations(strategy: Strategy, model: ModelSpec) -> tuple[ParamAnnotation, ...]:
-    """Every parameter's annotations, in ``llama_parameters`` order (no batch needed: what the gradient
+    """Every parameter's annotations, in ``model_parameters`` order (no batch needed: what the gradient
     sync and ZeRO-1 read). Layers placed alike share annotation objects."""
     shared: dict[tuple[object, ...], tuple[Annotation, Annotation]] = {}
     out = []

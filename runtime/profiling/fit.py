@@ -130,6 +130,7 @@ def measured_model(model: ModelSpec, raw: dict[int, dict[str, tuple[list[Sample]
     return MeasuredModel(
         hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size, num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads, vocab_size=model.vocab_size, micro_batch=micro_batch,
+        architecture=model.architecture,
         seq_lens=tuple(seq_lens),
         tp={t: {name: fit_component(samples, params, micro_batch, scale)
                 for name, (samples, params) in comps.items()} for t, comps in raw.items()})

@@ -20,24 +20,27 @@ backward through a stage) summed from them. The cost model builds on these; a sl
 (runtime/spec/cluster.py ``Emulation``) sleeps each block to ``SleepTarget.block_s``, and the planner
 prices its blocks with the same function.
 
-Loading rule (``resolve_profiles``): per device type, a measured profile overrides a spec one; among
+Loading rule (``resolve_profiles``): per device type, a measured profile overrides an imported one (measured
+elsewhere, ``hspmd profile import``), which overrides a spec one; among
 equals, directories given first win over the shipped ``profiles/``; a type with no profile at all gets a
 spec profile derived from the cluster's own datasheet figures. This module imports no torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from runtime.errors import Checker, Problem, SpecError
+from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves, nearest_degree
 from runtime.spec.catalog import PROFILES_DIR, load_model, resolve_profile_ref
 from runtime.spec.cluster import DeviceType, Emulation
 from runtime.spec.io import atomic_write_text, dump_yaml, load_file
-from runtime.spec.model import ModelSpec
+from runtime.spec.model import Architecture, ModelSpec
 from runtime.spec.schema import to_data
 
 PROFILE_VERSION = 1
@@ -45,7 +48,12 @@ COMPONENTS = ("embedding", "attention", "mlp", "norm", "head")
 # Stage blocks (per micro-batch, as the engine runs a stage): one decoder layer, a stage's fixed time,
 # and what being the first (embedding) and the last stage (final norm, head, loss) add.
 BLOCKS = ("layer", "stage", "embedding", "head")
-Provenance = Literal["measured", "spec"]
+# measured: by ``hspmd profile`` here; imported: measured elsewhere (``hspmd profile import``); spec: datasheet.
+Provenance = Literal["measured", "imported", "spec"]
+# Which links a link curve describes: between two devices of one node, or across nodes.
+LinkClass = Literal["intra", "inter"]
+# The components a per-layer-index override may replace (one decoder layer's).
+LAYER_COMPONENTS = ("attention", "mlp", "norm")
 Fit = tuple[float, float, float]
 
 
@@ -154,10 +162,34 @@ class MeasuredModel:
     # The same hosts: sequence length (of the one-layer blocks measured) -> the scheduler's hand-off delays
     # around a compute block while the core's other process computes. Absent in older profiles (none).
     core_handoff: Mapping[int, CoreHandoff] = field(default_factory=dict)
+    # Per TP degree, per component: measured seconds on a grid of micro-batch size and sequence length
+    # (runtime/profiling/tables.py: interpolation and extrapolation rules); they override the time fits.
+    tables: Mapping[int, Mapping[str, ComponentTable]] = field(default_factory=dict)
+    # Per decoder-layer index, per TP degree, per component (attention, mlp, norm): a layer that costs
+    # other than the rest (the first one, say) replaces those components' times by its own table.
+    layers: Mapping[int, Mapping[int, Mapping[str, ComponentTable]]] = field(default_factory=dict)
+    # The measured TP degrees' times already include their collectives (a TP layer timed whole, as
+    # Megatron's and DeepSpeed's profilers time it): the cost model adds no TP overhead at those degrees.
+    includes_tp_comm: bool = False
+    # The decoder's layout (``ModelSpec.architecture``): a GPT-style model of a Llama's sizes is another model.
+    architecture: Architecture = "llama"
 
     def __post_init__(self) -> None:
         c = Checker()
         c.check(len(self.seq_lens) >= 1, "seq_lens", "must list the measured sequence lengths")
+        for t, comps in self.tables.items():
+            c.check(t >= 1, f"tables.{t}", "TP degree must be at least 1")
+            for k in comps:
+                if k not in COMPONENTS:
+                    c.add(f"tables.{t}.{k}", f"unknown component (expected one of: {', '.join(COMPONENTS)})")
+        for i, by_tp in self.layers.items():
+            c.check(i >= 0, f"layers.{i}", "layer index must not be negative")
+            for t, comps in by_tp.items():
+                c.check(t >= 1, f"layers.{i}.{t}", "TP degree must be at least 1")
+                for k in comps:
+                    if k not in LAYER_COMPONENTS:
+                        c.add(f"layers.{i}.{t}.{k}",
+                              f"unknown layer component (expected one of: {', '.join(LAYER_COMPONENTS)})")
         for s, eff in self.core_sharing.items():
             c.check(0 < eff <= 1, f"core_sharing.{s}", f"must be in (0, 1], got {eff}")
         for s in self.core_handoff:
@@ -170,7 +202,7 @@ class MeasuredModel:
                 for k in blocks:
                     if k not in BLOCKS:
                         c.add(f"{name}.{t}.{k}", f"unknown block (expected one of: {', '.join(BLOCKS)})")
-        c.check(len(self.tp) >= 1, "tp", "must hold at least one TP degree")
+        c.check(len(self.tp) >= 1 or len(self.tables) >= 1, "tp", "must hold at least one TP degree (or give tables)")
         for t, comps in self.tp.items():
             c.check(t >= 1, f"tp.{t}", "TP degree must be at least 1")
             missing = [k for k in COMPONENTS if k not in comps]
@@ -182,8 +214,9 @@ class MeasuredModel:
         c.raise_if_any()
 
     def matches(self, model: ModelSpec) -> bool:
-        return (self.hidden_size, self.ffn_hidden_size, self.num_heads, self.num_kv_heads, self.vocab_size) == (
-            model.hidden_size, model.ffn_hidden_size, model.num_heads, model.num_kv_heads, model.vocab_size)
+        return (self.hidden_size, self.ffn_hidden_size, self.num_heads, self.num_kv_heads, self.vocab_size,
+                self.architecture) == (model.hidden_size, model.ffn_hidden_size, model.num_heads, model.num_kv_heads,
+                                       model.vocab_size, model.architecture)
 
 
 @dataclass(frozen=True)
@@ -239,6 +272,15 @@ class CommFigures:
     # Measured: how much later a process blocked in a receive resumes after waiting t seconds (its core
     # idle meanwhile): ``forward_s * (1 - exp(-t / tau_s))`` (forward_s = backward_s).
     p2p_wake: ResumePenalty | None = None
+    # Measured elsewhere (``hspmd profile import``): bandwidth by message size and direction, per link
+    # class; they replace ``p2p`` and the cluster's bandwidth for transfers of that class.
+    links: Mapping[LinkClass, LinkCurves] = field(default_factory=dict)
+    # The same for all-reduces, per link class and group size (bus bandwidth by message size); across
+    # nodes they are the only measured all-reduce rates (``allreduce`` is measured among one node's).
+    allreduce_curves: Mapping[LinkClass, Mapping[int, LinkCurve]] = field(default_factory=dict)
+    # A device's send and receive posted at one schedule tick serialise on its links (half duplex, or
+    # one connection per peer pair carrying both directions in turn); False: they overlap.
+    serialised_send_recv: bool = False
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -249,6 +291,9 @@ class CommFigures:
             c.check(n >= 2, f"allreduce.{n}", "group size must be at least 2")
         for n in self.allgather:
             c.check(n >= 2, f"allgather.{n}", "group size must be at least 2")
+        for cls, curves in self.allreduce_curves.items():
+            for n in curves:
+                c.check(n >= 2, f"allreduce_curves.{cls}.{n}", "group size must be at least 2")
         c.raise_if_any()
 
 
@@ -314,9 +359,14 @@ class DeviceProfile:
     # The gradient sync's local work around each bucket's all-reduce (slices packed into the bucket and
     # copied back), on top of the all-reduce itself. Measured profiles only.
     sync_pack: OptimizerFit = field(default_factory=lambda: OptimizerFit(0.0))
+    # A fixed cost per training iteration beyond its compute, communication and optimizer (launches,
+    # synchronisation, logging), when measured: added once to every step.
+    iteration_s: float = 0.0
 
     def __post_init__(self) -> None:
         c = Checker()
+        c.check(math.isfinite(self.iteration_s) and self.iteration_s >= 0, "iteration_s",
+                f"must be a non-negative number of seconds, got {self.iteration_s}")
         c.check(self.version == PROFILE_VERSION, "version",
                 f"unsupported profile version {self.version} (this hspmd reads version {PROFILE_VERSION})")
         c.check(bool(self.device_type), "device_type", "must not be empty")
@@ -370,7 +420,10 @@ def read_profile_dir(directory: str | Path) -> list[tuple[Path, DeviceProfile]]:
 def analytic_components(model: ModelSpec, c: ComputeFigures, tp: int) -> dict[str, ComponentFit]:
     """Per-component fits (time: ``a*B*s^2 + b*B*s + c``; saved activation bytes likewise) from FLOPs
     and bytes moved. Counts follow runtime/models/llama.py: separate q/k/v/o projections, unfused RoPE,
-    SDPA attention (fused: causal, no s^2 kept; unfused: full s^2 scores kept), SwiGLU, fp32 RMSNorm."""
+    SDPA attention (fused: causal, no s^2 kept; unfused: full s^2 scores kept), SwiGLU, fp32 RMSNorm. A
+    GPT-style decoder (``model.gpt``): no RoPE (learned positions, or GPT-NeoX's rotary counted alike),
+    a 2-matrix GELU MLP, LayerNorms, biases (a row-parallel projection's bias whole on every shard, as
+    runtime/models/decoders.py lays them out), and the position table with the embedding."""
     h, f, kv, n, v, t = (model.hidden_size, model.ffn_hidden_size, model.kv_dim, model.num_heads,
                          model.vocab_size, tp)
     mm = c.peak_tflops * 1e12 * c.matmul_efficiency
@@ -379,8 +432,9 @@ def analytic_components(model: ModelSpec, c: ComputeFigures, tp: int) -> dict[st
     k, e = c.kernel_overhead_s, c.activation_bytes
 
     # Attention: projections (per token), scores and weighted sum (per s^2), RoPE and reshapes (bytes).
+    gpt = model.gpt
     proj = (2 * h * (h + 2 * kv) + 2 * h * h) / t
-    rope_bytes = 8 * (h + kv) / t * e
+    rope_bytes = 8 * (h + kv) / t * e if model.rotary else 0.0
     if c.flash_attention:
         a_fwd = 2 * h / t / at                       # causal half of 4*s^2*h FLOPs
         a_bwd = 2.5 * a_fwd                          # backward recomputes the scores
@@ -395,22 +449,24 @@ def analytic_components(model: ModelSpec, c: ComputeFigures, tp: int) -> dict[st
         forward_s=(a_fwd, proj / mm + rope_bytes / bw, 14 * k),
         backward_s=(a_bwd, 2 * proj / mm + 2 * rope_bytes / bw, 28 * k),
         activation_bytes=(a_act, attn_act, 0.0),
-        params=(2 * h * h + 2 * kv * h) // t)
-    mlp_flops = 6 * h * f / t
-    mlp_bytes = 5 * f / t * e
+        params=(model.attention_params() - h) // t + h if gpt else (2 * h * h + 2 * kv * h) // t)
+    matrices = 2 if gpt else 3   # GPT: up and down; SwiGLU: gate, up and down
+    mlp_flops = 2 * matrices * h * f / t
+    mlp_bytes = (3 if gpt else 5) * f / t * e
     mlp = ComponentFit(
         forward_s=(0.0, mlp_flops / mm + mlp_bytes / bw, 5 * k),
         backward_s=(0.0, 2 * mlp_flops / mm + 2 * mlp_bytes / bw, 10 * k),
-        activation_bytes=(0.0, e * (h + 4 * f / t), 0.0),
-        params=3 * h * f // t)
+        activation_bytes=(0.0, e * (h + (2 if gpt else 4) * f / t), 0.0),
+        params=(2 * h * f + f) // t + h if gpt else 3 * h * f // t)
     norm_bytes = h * (2 * e + 8)
     norm = ComponentFit(
         forward_s=(0.0, norm_bytes / bw, 6 * k), backward_s=(0.0, 2 * norm_bytes / bw, 12 * k),
-        activation_bytes=(0.0, e * h + 4.0, 0.0), params=h)
+        activation_bytes=(0.0, e * h + (8.0 if gpt else 4.0), 0.0), params=model.norm_params)
+    positions = model.position_rows * h   # a learned position table: duplicated on every TP shard
     embedding = ComponentFit(
-        forward_s=(0.0, 2 * h * e / bw, 3 * k),
-        backward_s=(0.0, 8 * h / bw, 4 * k + 4 * v * h / t / bw),
-        activation_bytes=(0.0, 8.0, 0.0), params=v * h // t)
+        forward_s=(0.0, (2 * h * e + (h * e if positions else 0)) / bw, 3 * k),
+        backward_s=(0.0, 8 * h / bw, 4 * k + 4 * (v * h / t + positions) / bw),
+        activation_bytes=(0.0, 8.0, 0.0), params=v * h // t + positions)
     head_flops = 2 * h * v / t
     ce_bytes = 12 * v / t
     head = ComponentFit(
@@ -420,13 +476,90 @@ def analytic_components(model: ModelSpec, c: ComputeFigures, tp: int) -> dict[st
     return {"embedding": embedding, "attention": attention, "mlp": mlp, "norm": norm, "head": head}
 
 
-def component_fits(profile: DeviceProfile, model: ModelSpec, tp: int) -> dict[str, ComponentFit]:
+def reference_fits(profile: DeviceProfile, model: ModelSpec, tp: int) -> dict[str, ComponentFit]:
     """Per-component fits of ``model`` on this profile at this TP degree: measured if the profile has this
     model shape and TP degree, else derived from its throughput figures (``analytic_components``)."""
     measured = profile.measured_model(model)
     if measured is not None and tp in measured.tp:
         return dict(measured.tp[tp])
     return analytic_components(model, profile.compute, tp)
+
+
+def component_fits(profile: DeviceProfile, model: ModelSpec, tp: int, micro_batch: int | None = None,
+                   seq_len: int | None = None) -> dict[str, ComponentFit]:
+    """``reference_fits``, with the times of the components the profile has tables for resolved at
+    ``micro_batch`` x ``seq_len`` (then constant fits: valid at that shape only). Which one prices a
+    component: a table at this TP degree, else a measured fit at it, else a table at the nearest TP
+    degree (scaled by the reference fits, runtime/profiling/tables.py), else the derived fit."""
+    ref = reference_fits(profile, model, tp)
+    measured = profile.measured_model(model)
+    if measured is None or not measured.tables or micro_batch is None or seq_len is None:
+        return ref
+    out = dict(ref)
+    for name in COMPONENTS:
+        by_tp = {t: comps[name] for t, comps in measured.tables.items() if name in comps}
+        if by_tp and (tp in by_tp or tp not in measured.tp):
+            out[name] = _tabled(ref[name], by_tp, lambda t, k=name: reference_fits(profile, model, t)[k],
+                                tp, micro_batch, seq_len)
+    return out
+
+
+def _tabled(fit: ComponentFit, by_tp: Mapping[int, ComponentTable], ref: Callable[[int], ComponentFit], tp: int,
+            micro_batch: int, seq_len: int) -> ComponentFit:
+    """``fit`` with its times read from the tables (constant fits at this shape)."""
+    t0 = tp if tp in by_tp else nearest_degree(sorted(by_tp), tp)
+    table = by_tp[t0]
+    b0, s0 = table.clamp(micro_batch, seq_len)
+    exact = (t0, b0, s0) == (tp, micro_batch, seq_len)
+    here, there = (fit, ref(t0)) if not exact else (fit, fit)
+
+    def seconds(backward: bool) -> float:
+        v = table.value(b0, s0, backward)
+        if exact:
+            return v
+        num = eval_fit(here.backward_s if backward else here.forward_s, micro_batch, seq_len)
+        den = eval_fit(there.backward_s if backward else there.forward_s, b0, s0)
+        return v * num / den if den > 0 else v
+
+    return dataclasses.replace(fit, forward_s=(0.0, 0.0, seconds(False)), backward_s=(0.0, 0.0, seconds(True)))
+
+
+def layer_override_fits(profile: DeviceProfile, model: ModelSpec, tp: int, layer: int, micro_batch: int,
+                        seq_len: int) -> dict[str, ComponentFit] | None:
+    """The components of decoder layer ``layer`` where the profile overrides that layer (``MeasuredModel
+    .layers``), resolved at this shape as ``component_fits`` resolves tables; None where it does not."""
+    measured = profile.measured_model(model)
+    if measured is None or layer not in measured.layers:
+        return None
+    base = component_fits(profile, model, tp, micro_batch, seq_len)
+    out = dict(base)
+    for name in LAYER_COMPONENTS:
+        by_tp = {t: comps[name] for t, comps in measured.layers[layer].items() if name in comps}
+        if by_tp:
+            out[name] = _tabled(reference_fits(profile, model, tp)[name], by_tp,
+                                lambda t, k=name: reference_fits(profile, model, t)[k], tp, micro_batch, seq_len)
+    return out
+
+
+def measured_tp_comm(profile: DeviceProfile, model: ModelSpec, tp: int) -> bool:
+    """The profile's times at this TP degree include the TP collectives (``includes_tp_comm``, at a
+    measured degree: a table's or a fit's, not one scaled from another degree)."""
+    m = profile.measured_model(model)
+    return m is not None and m.includes_tp_comm and (tp in m.tables or tp in m.tp)
+
+
+def table_optimizer_s(profile: DeviceProfile, model: ModelSpec, tp: int, num_layers: int, first: bool,
+                      last: bool) -> float | None:
+    """One AdamW step of a stage from measured per-component optimizer seconds (tables at this TP
+    degree), summed as the stage holds the components; None unless every one of them was measured."""
+    m = profile.measured_model(model)
+    comps = None if m is None else m.tables.get(tp)
+    if comps is None or any(comps.get(k) is None or comps[k].optimizer_s is None for k in COMPONENTS):
+        return None
+    secs = {k: comps[k].optimizer_s for k in COMPONENTS}
+    layer = sum(secs[k] for k in ("attention", "mlp", "norm", "norm"))
+    extra = (secs["embedding"] if first else 0.0) + ((secs["norm"] + secs["head"]) if last else 0.0)
+    return num_layers * layer + extra  # type: ignore[operator]
 
 
 def layer_components(comps: Mapping[str, ComponentFit]) -> tuple[ComponentFit, ...]:
@@ -470,8 +603,8 @@ def block_seconds(profile: DeviceProfile, model: ModelSpec, block: ComputeBlock)
     forward first. Compute only: the TP collectives are not in it (on the targets this prices, NVLink-class
     TP all-reduces are a few percent of a layer; the emulated device's own TP collectives run inside its
     block and count against the target)."""
-    comps = component_fits(profile, model, block.tp)
     b, s = block.micro_batch, block.seq_len
+    comps = component_fits(profile, model, block.tp, b, s)
 
     def seconds(parts: Sequence[ComponentFit], backward: bool) -> float:
         return sum(eval_fit(p.backward_s if backward else p.forward_s, b, s) for p in parts)
@@ -591,7 +724,8 @@ class ProfileSet(Mapping[str, DeviceProfile]):
 
 def resolve_profiles(device_types: Mapping[str, DeviceType] | Iterable[str],
                      dirs: Sequence[str | Path] = (), *, include_shipped: bool = True) -> ProfileSet:
-    """Choose a profile per device type: measured beats spec; earlier directories beat later ones.
+    """Choose a profile per device type: measured beats imported beats spec; earlier directories beat later
+    ones.
 
     ``device_types``: a cluster's ``device_types`` (types without any profile then fall back to the
     cluster's datasheet figures) or bare names (then every type must have a profile file).
@@ -616,7 +750,7 @@ def resolve_profiles(device_types: Mapping[str, DeviceType] | Iterable[str],
     names = list(device_types)
     out: dict[str, ResolvedProfile] = {}
     for name in names:
-        hit = found.get((name, "measured")) or found.get((name, "spec"))
+        hit = found.get((name, "measured")) or found.get((name, "imported")) or found.get((name, "spec"))
         if hit is not None:
             out[name] = ResolvedProfile(hit[2], hit[1])
         elif isinstance(device_types, Mapping):

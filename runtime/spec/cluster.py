@@ -153,10 +153,15 @@ class Cluster:
     inter_node_bandwidth_gbs: float
     bandwidth_overrides: tuple[BandwidthOverride, ...] = ()
     description: str | None = None
+    # NICs per node; ``inter_node_bandwidth_gbs`` is one NIC's. A node's devices use them in turn (device i
+    # of a node: NIC i mod nics_per_node, as a rail-optimised node wires one NIC per GPU), and cross-node
+    # transfers through one NIC share it (planner/links.py).
+    nics_per_node: int = 1
 
     def __post_init__(self) -> None:
         c = Checker()
         c.check(bool(self.name), "name", "must not be empty")
+        c.check(self.nics_per_node >= 1, "nics_per_node", f"must be at least 1, got {self.nics_per_node}")
         c.check(len(self.device_types) > 0, "device_types", "must define at least one device type")
         c.check(len(self.nodes) > 0, "nodes", "must list at least one node")
         c.check(self.inter_node_bandwidth_gbs > 0, "inter_node_bandwidth_gbs", "must be positive")
@@ -195,6 +200,11 @@ class Cluster:
     @property
     def num_devices(self) -> int:
         return len(self.devices)
+
+    def nic_of(self, device_id: int) -> tuple[str, int]:
+        """(node, NIC index) of the NIC a device's cross-node traffic leaves by."""
+        d = self.devices[device_id]
+        return (d.node, d.local_index % self.nics_per_node)
 
     def device(self, device_id: int) -> Device:
         if not 0 <= device_id < self.num_devices:

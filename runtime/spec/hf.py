@@ -1,10 +1,12 @@
 """Hugging Face ``config.json`` <-> ModelSpec, for the decoders the runtime's Llama is.
 
 Read: the Llama family as ``transformers`` defines it (``model_type`` llama, mistral, qwen2), in either
-of its spellings of RoPE (``rope_theta`` + ``rope_scaling``, or ``rope_parameters``). What the runtime's
-module cannot compute is refused here, naming the field, so that nothing downstream prices or trains a
-different model than the file describes. Write: the config a checkpoint carries, the source config's
-keys kept (tokenizer ids, ``transformers_version``...), the shape keys rewritten from the spec.
+of its spellings of RoPE (``rope_theta`` + ``rope_scaling``, or ``rope_parameters``); and GPT-style
+decoders (gpt2, opt, gpt_neox, gpt_neo: ``GPT_KEYS``), which the planner prices and ``hspmd train``
+refuses. What the runtime's module cannot compute is refused here, naming the field, so that nothing
+downstream prices or trains a different model than the file describes. Write: the config a checkpoint
+carries, the source config's keys kept (tokenizer ids, ``transformers_version``...), the shape keys
+rewritten from the spec.
 """
 
 from __future__ import annotations
@@ -130,10 +132,60 @@ def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
         return theta, None
 
 
+# Per GPT-style model_type: its config keys for (layers, hidden, ffn, heads, positions, norm eps), the ffn
+# width when the key is absent or null (a multiple of hidden), and whether the embeddings are tied by default.
+GPT_KEYS: dict[str, tuple[tuple[str, str, str, str, str, str], int, bool]] = {
+    "gpt2": (("n_layer", "n_embd", "n_inner", "n_head", "n_positions", "layer_norm_epsilon"), 4, True),
+    "opt": (("num_hidden_layers", "hidden_size", "ffn_dim", "num_attention_heads", "max_position_embeddings",
+             "layer_norm_eps"), 0, True),
+    "gpt_neox": (("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                  "max_position_embeddings", "layer_norm_eps"), 0, False),
+    "gpt_neo": (("num_layers", "hidden_size", "intermediate_size", "num_heads", "max_position_embeddings",
+                 "layer_norm_epsilon"), 4, True),
+}
+
+
+def _gpt_spec(f: _Fields, model_type: str, name: str) -> ModelSpec:
+    """A GPT-style decoder's ModelSpec (transformers' key names and defaults for ``model_type``); what
+    would change its parameter layout beyond what the spec holds is refused, naming the field."""
+    (layers, hidden, ffn, heads, positions, eps_key), ffn_mult, tied_default = GPT_KEYS[model_type]
+    sizes = {k: f.get_int(k, required=True) for k in (layers, hidden, heads, positions, "vocab_size")}
+    h = sizes[hidden]
+    width = f.get_int(ffn, required=ffn_mult == 0)
+    if width is None and h is not None and ffn_mult:
+        width = ffn_mult * h
+    if model_type == "opt":
+        proj = f.get_int("word_embed_proj_dim", h)
+        if proj != h:
+            f.bad("word_embed_proj_dim", f"{proj} is not supported (only hidden_size {h}: no projections)")
+        if not f.get_bool("do_layer_norm_before", True):
+            f.bad("do_layer_norm_before", "false is not supported (only pre-LayerNorm decoders)")
+        if not f.get_bool("enable_bias", True):
+            f.bad("enable_bias", "false is not supported (OPT's projections carry biases)")
+    if model_type == "gpt_neox" and not f.get_bool("attention_bias", True):
+        f.bad("attention_bias", "false is not supported (GPT-NeoX's projections carry biases)")
+    eps = f.get_float(eps_key, 1e-5)
+    tied = f.get_bool("tie_word_embeddings", tied_default)
+    if f.problems:
+        raise SpecError(f.problems)
+    keys = {"num_layers": layers, "hidden_size": hidden, "ffn_hidden_size": ffn, "num_heads": heads,
+            "num_kv_heads": heads, "max_seq_len": positions, "norm_eps": eps_key}
+    try:
+        return ModelSpec(name=name, num_layers=sizes[layers], hidden_size=h, ffn_hidden_size=width,
+                         num_heads=sizes[heads], num_kv_heads=sizes[heads], vocab_size=sizes["vocab_size"],
+                         max_seq_len=sizes[positions], norm_eps=eps, tie_word_embeddings=tied,
+                         architecture=model_type)  # type: ignore[arg-type]
+    except FieldErrors as err:
+        raise SpecError([Problem(f.file, keys.get(field, field), message) for field, message in err.problems]) \
+            from None
+
+
 def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
     """The ModelSpec of a parsed config.json; every problem raised at once, each naming its field."""
     f = _Fields(data, file)
     model_type = data.get("model_type")
+    if model_type in GPT_KEYS:
+        return _gpt_spec(f, model_type, name)
     if model_type not in ARCHITECTURES:
         if model_type is None:
             f.bad("model_type", "missing required field")
@@ -141,7 +193,8 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
             f.bad("model_type", f"{model_type!r} is a mixture-of-experts model; supported: "
                                 f"{', '.join(ARCHITECTURES)} (dense Llama family)")
         else:
-            f.bad("model_type", f"{model_type!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+            f.bad("model_type", f"{model_type!r} is not supported (supported: "
+                                f"{', '.join([*ARCHITECTURES, *GPT_KEYS])})")
         raise SpecError(f.problems)
     sizes = {k: f.get_int(k, required=True) for k in REQUIRED}
     heads = sizes["num_attention_heads"]

@@ -173,6 +173,12 @@ def _decode(p: Path, data: bytes) -> str:
     return text.removeprefix("\ufeff")
 
 
+def read_text(path: str | os.PathLike[str], limits: ReadLimits = DEFAULT_LIMITS) -> str:
+    """A text file (e.g. a CSV table) under the same size bound and strict UTF-8 decoding."""
+    p = Path(path)
+    return _decode(p, _read_bytes(p, limits))
+
+
 def read_yaml(path: str | os.PathLike[str], limits: ReadLimits = DEFAULT_LIMITS) -> Any:
     """Parse one YAML document with a bounded ``SafeLoader``; any problem is one SpecError line."""
     p = Path(path)

@@ -1,5 +1,8 @@
-"""Model spec: the shape of a Llama-family decoder, as the catalog in configs/models/ or a Hugging Face
-``config.json`` (runtime/spec/hf.py) gives it."""
+"""Model spec: the shape of a decoder, as the catalog in configs/models/ or a Hugging Face ``config.json``
+(runtime/spec/hf.py) gives it. The runtime trains the Llama family; GPT-style decoders (``architecture``:
+gpt2, opt, gpt_neox, gpt_neo) are priced by the planner, the cost model and the simulator from their
+shapes (LayerNorm with biases, a 2-matrix GELU MLP, biased projections, learned position embeddings
+where the family has them, multi-head attention), and refused by ``hspmd train``."""
 
 from __future__ import annotations
 
@@ -13,6 +16,10 @@ MAX_LAYERS = 1024  # the planner works per layer; a bound on what a (hostile) fi
 # The Hugging Face ``model_type``s whose decoder the runtime's Llama is: Llama 2/3, Mistral, Qwen2 differ
 # only in figures this spec holds (head_dim, q/k/v bias, tied embeddings, rope scaling).
 Family = Literal["llama", "mistral", "qwen2"]
+# The decoder's layout: the runtime's Llama (``family`` then says which variant), or a GPT-style decoder
+# named by its Hugging Face ``model_type``.
+Architecture = Literal["llama", "gpt2", "opt", "gpt_neox", "gpt_neo"]
+GPT_ARCHITECTURES = ("gpt2", "opt", "gpt_neox", "gpt_neo")
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ class ModelSpec:
     rope_scaling: RopeScaling | None = None
     # Attention window, when the model uses one (Mistral v0.1): the runtime cannot train it (``train_problem``).
     sliding_window: int | None = None
+    architecture: Architecture = "llama"
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -82,10 +90,49 @@ class ModelSpec:
         if self.num_kv_heads >= 1 and self.num_heads >= 1:
             c.check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
                     f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        if not c.problems:
+        if self.gpt:
+            c.check(self.num_kv_heads == self.num_heads, "num_kv_heads",
+                    f"a {self.architecture} decoder has multi-head attention: must equal num_heads {self.num_heads}")
+        if not c.problems and self.rotary:
             c.check(self.head_size % 2 == 0, "head_dim",
                     f"head dimension {self.head_size} must be even for rotary embeddings")
         c.raise_if_any()
+
+    @property
+    def gpt(self) -> bool:
+        """A GPT-style decoder (priced, not trained)."""
+        return self.architecture in GPT_ARCHITECTURES
+
+    @property
+    def rotary(self) -> bool:
+        """Positions by rotary embeddings (Llama, GPT-NeoX) rather than a learned table."""
+        return self.architecture in ("llama", "gpt_neox")
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of the learned position-embedding table (0: rotary). OPT's table has 2 rows of offset."""
+        if self.rotary:
+            return 0
+        return self.max_seq_len + (2 if self.architecture == "opt" else 0)
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm: RMSNorm's weight, or LayerNorm's weight and bias."""
+        return 2 * self.hidden_size if self.gpt else self.hidden_size
+
+    def attention_params(self) -> int:
+        """One layer's attention: q, k, v and output projections, with the biases the family has (GPT-2,
+        OPT, GPT-NeoX: every projection; GPT-Neo: the output one; Qwen2: q/k/v)."""
+        h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
+        weights = h * q + 2 * h * kv + q * h
+        if self.gpt:
+            return weights + h + (0 if self.architecture == "gpt_neo" else q + 2 * kv)
+        return weights + ((q + 2 * kv) if self.qkv_bias else 0)
+
+    def mlp_params(self) -> int:
+        """One layer's MLP: SwiGLU's gate, up and down (Llama), or two biased matrices (GPT-style)."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        return 2 * h * f + f + h if self.gpt else 3 * h * f
 
     @property
     def head_size(self) -> int:
@@ -103,19 +150,17 @@ class ModelSpec:
         return self.num_kv_heads * self.head_size
 
     def layer_params(self) -> int:
-        """Parameters of one decoder block: q,k,v,o projections (and q/k/v biases), gate/up/down, two norms."""
-        h, f, q, kv = self.hidden_size, self.ffn_hidden_size, self.q_dim, self.kv_dim
-        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
-        mlp = 3 * h * f
-        return attn + mlp + 2 * h
+        """Parameters of one decoder block: attention, MLP, two norms."""
+        return self.attention_params() + self.mlp_params() + 2 * self.norm_params
 
     def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
+        """The token embedding and, where the family learns one, the position embedding."""
+        return (self.vocab_size + self.position_rows) * self.hidden_size
 
     def head_params(self) -> int:
         """Final norm and the output projection, as the last stage holds them (its own copy of the
         embedding matrix when tied)."""
-        return self.hidden_size + self.vocab_size * self.hidden_size
+        return self.norm_params + self.vocab_size * self.hidden_size
 
     def total_params(self) -> int:
         """Distinct parameters (a tied embedding counted once)."""
@@ -137,7 +182,10 @@ class ModelSpec:
 
     def train_problem(self, seq_len: int) -> tuple[str, str] | None:
         """(field, why) when the runtime cannot train this model at ``seq_len``, else None. The planner
-        still prices such a model (as full causal attention)."""
+        still prices such a model (a window as full causal attention)."""
+        if self.gpt:
+            return ("architecture", f"{self.architecture} is priced by the planner and simulator, not trained: "
+                                    "the runtime trains the Llama family (llama, mistral, qwen2)")
         if self.sliding_window is not None and seq_len > self.sliding_window:
             return ("sliding_window", f"attention window {self.sliding_window} is shorter than seq_len {seq_len}; "
                                       "the runtime trains full causal attention only")
@@ -148,4 +196,7 @@ class ModelSpec:
         found = self.train_problem(seq_len)
         if found is None:
             return None
+        if self.gpt:
+            return (f"{self.name}: architecture {self.architecture}: priced from its shapes (LayerNorm, GELU MLP, "
+                    "biases, position embeddings; hspmd train refuses it)")
         return f"{self.name}: {found[0]}: priced as full causal attention ({found[1]}; hspmd train refuses it)"

@@ -88,7 +88,7 @@ def test_every_shipped_spec_profile_loads():
 
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d["compute"].update(matmul_efficiency=1.5), "compute.matmul_efficiency: must be in (0, 1]"),
-    (lambda d: d.update(provenance="guess"), "provenance: expected one of 'measured', 'spec'"),
+    (lambda d: d.update(provenance="guess"), "provenance: expected one of 'measured', 'imported', 'spec'"),
     (lambda d: d["comm"].pop("p2p_latency_s"), "comm.p2p_latency_s: missing required field"),
     (lambda d: d["models"]["llama-tiny"]["tp"][1].pop("mlp"), "models.llama-tiny.tp.1: missing component(s) mlp"),
     (lambda d: d["models"]["llama-tiny"]["tp"][1]["attention"].update(forward_s=[1, 2]),

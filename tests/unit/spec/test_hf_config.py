@@ -105,8 +105,8 @@ def test_catalog_entries_are_what_transformers_builds(name: str):
 
 
 BAD = {
-    "gpt2": ({"model_type": "gpt2", "n_layer": 2}, ["model_type: 'gpt2' is not supported (supported: llama, "
-                                                    "mistral, qwen2)"]),
+    "falcon": ({"model_type": "falcon", "num_hidden_layers": 2}, [
+        "model_type: 'falcon' is not supported (supported: llama, mistral, qwen2, gpt2, opt, gpt_neox, gpt_neo)"]),
     "moe": ({"model_type": "mixtral", **TINY}, ["model_type: 'mixtral' is a mixture-of-experts model; supported: "
                                                 "llama, mistral, qwen2 (dense Llama family)"]),
     "missing": ({"model_type": "llama", **{k: v for k, v in TINY.items() if k not in ("hidden_size", "vocab_size")}},
@@ -140,12 +140,13 @@ def test_plan_cli_takes_a_config_dir_and_refuses_an_unsupported_one(tmp_path: Pa
     assert str((good / "config.json").resolve()) in out.read_text()
     res = CliRunner().invoke(cli, ["simulate", "--plan", str(out)])
     assert res.exit_code == 0, res.output
-    bad = write_config(tmp_path / "gpt", {"model_type": "gpt2"})
+    bad = write_config(tmp_path / "falcon", {"model_type": "falcon"})
     res = CliRunner().invoke(cli, ["plan", "--model", str(bad), "--cluster", "cpu-hetero4", "--global-batch", "8",
                                    "--seq-len", "64", "-o", str(tmp_path / "no.yaml")])
     assert res.exit_code == 2 and not (tmp_path / "no.yaml").exists()
     assert res.stderr.strip().splitlines() == [
-        f"error: {bad / 'config.json'}: model_type: 'gpt2' is not supported (supported: llama, mistral, qwen2)"]
+        f"error: {bad / 'config.json'}: model_type: 'falcon' is not supported (supported: llama, mistral, qwen2, "
+        "gpt2, opt, gpt_neox, gpt_neo)"]
 
 
 def test_a_bare_name_is_the_catalog_entry_first_then_a_model_directory(tmp_path: Path):
