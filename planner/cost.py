@@ -478,18 +478,19 @@ class CostModel:
                          tp_cpu_forward_s=tp_cpu_f, tp_cpu_backward_s=tp_cpu_b)
 
     @memo
-    def placed_stage(self, device_type: str, tp: int, layers: tuple[int, int], first: bool, last: bool,
+    def placed_stage(self, device_type: str, tp: int, layers: tuple[tuple[int, int], ...], first: bool, last: bool,
                      recompute: bool = False) -> StageCost:
-        """``stage`` for the decoder layers ``layers`` (start, stop): where the profile overrides some of
-        them by index (``MeasuredModel.layers``), their own components' times replace the shared layer's."""
-        sc = self.stage(device_type, tp, layers[1] - layers[0], first, last, recompute)
+        """``stage`` for the decoder layer ranges ``layers`` ((start, stop) per chunk): where the profile
+        overrides some of them by index (``MeasuredModel.layers``), their own components' times replace the
+        shared layer's."""
+        sc = self.stage(device_type, tp, sum(b - a for a, b in layers), first, last, recompute)
         prof, (b, s) = self.profiles[device_type], self._shape(None, None)
         measured = self._measured(device_type)
         if measured is None or not measured.layers or self.sleep_target(device_type) is not None:
             return sc
         base = layer_components(self.components(device_type, tp))
         d_f = d_b = 0.0
-        for i in range(*layers):
+        for i in (i for a, b in layers for i in range(a, b)):
             own = layer_override_fits(prof, self.model, tp, i, b, s)
             if own is None:
                 continue
@@ -605,7 +606,7 @@ class CostModel:
 
     def _resolved_flows(self, src: tuple[int, ...], dst: tuple[int, ...], cluster: Cluster | None) -> tuple[Flow, ...]:
         shape = (self.micro_batch, self.seq_len, self.model.hidden_size)
-        op = resolve_boundary(Boundary(0, 0, shape, Annotation.spmd(src), Annotation.spmd(dst)),
+        op = resolve_boundary(Boundary(0, 0, shape, Annotation.spmd(src), Annotation.spmd(dst), 0, 1),
                               cluster).forward  # type: ignore[arg-type]  # None: no links steer the layout
         return tuple(Flow(d, m.peer, float(m.nbytes)) for d in src for m in op.sends(d))
 

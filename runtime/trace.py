@@ -266,11 +266,16 @@ def stage_block_targets(ctx: PlanContext, strategy: str, device: int,
         layers = int(args.get("layers", st.num_layers))  # type: ignore[call-overload]
         first = bool(args.get("first", si == 0))
         last = bool(args.get("last", si == len(stages) - 1))
+        docs = tuple(int(n) for n in args.get("documents", ()))  # type: ignore[union-attr]
+        # packed documents (one row of several documents): priced by their lengths, uncached (they vary)
         key = (backward, seq_len, layers, first, last)
-        if key not in cache:
-            cache[key] = resolved.block_s(ComputeBlock(
-                layers=layers, micro_batch=t.micro_batch, seq_len=seq_len, backward=backward, tp=st.tp,
-                recompute=st.recompute, first=first, last=last))
+        if docs or key not in cache:
+            price = resolved.block_s(ComputeBlock(
+                layers=layers, micro_batch=1 if docs else t.micro_batch, seq_len=sum(docs) or seq_len,
+                backward=backward, tp=st.tp, recompute=st.recompute, first=first, last=last, documents=docs))
+            if docs:
+                return share * price
+            cache[key] = price
         return share * cache[key]
 
     return target_s

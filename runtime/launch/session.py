@@ -68,9 +68,6 @@ def documents_problems(ctx: PlanContext, options: TrainOptions) -> list[str]:
     if len(names) > 1 and t.zero:
         problems.append(f"{ctx.path}: training.zero: switching between strategies in memory needs full AdamW "
                         "replicas (use zero: false, or one strategy with --strategy)")
-    if any(dt.sleep_emulated for dt in ctx.cluster.device_types.values()):
-        problems.append(f"{ctx.path}: cluster {ctx.cluster.name!r} emulates in sleep mode, whose block targets are "
-                        "priced for fixed windows; documents runs need a stretch-mode or real cluster")
     if options.coordinated:
         problems.append("--elastic/--switch: documents runs switch between their plan's strategies themselves; "
                         "they do not take --elastic or --switch yet")

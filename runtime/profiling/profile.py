@@ -587,6 +587,7 @@ class ComputeBlock:
     recompute: bool = False
     first: bool = False
     last: bool = False
+    documents: tuple[int, ...] = ()  # packed: the lengths of the documents sharing its one row
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -603,8 +604,21 @@ def block_seconds(profile: DeviceProfile, model: ModelSpec, block: ComputeBlock)
     forward first. Compute only: the TP collectives are not in it (on the targets this prices, NVLink-class
     TP all-reduces are a few percent of a layer; the emulated device's own TP collectives run inside its
     block and count against the target)."""
+    if block.documents:
+        # Packed documents share one row: each document's attention is its own (the fits' s^2 term), the
+        # per-token work adds up, and the block's fixed cost (the fits' constant) is paid once.
+        one = [dataclasses.replace(block, micro_batch=1, seq_len=n, documents=()) for n in block.documents]
+        fixed = _block_seconds(profile, model, one[0], at_seq=0)
+        return sum(_block_seconds(profile, model, d) for d in one) - (len(one) - 1) * fixed
+    return _block_seconds(profile, model, block)
+
+
+def _block_seconds(profile: DeviceProfile, model: ModelSpec, block: ComputeBlock, at_seq: int | None = None) -> float:
+    """``block_seconds`` of one plain block; ``at_seq``: evaluate its fits at that length instead (0: the
+    fixed part alone)."""
     b, s = block.micro_batch, block.seq_len
     comps = component_fits(profile, model, block.tp, b, s)
+    s = s if at_seq is None else at_seq
 
     def seconds(parts: Sequence[ComponentFit], backward: bool) -> float:
         return sum(eval_fit(p.backward_s if backward else p.forward_s, b, s) for p in parts)

@@ -176,7 +176,7 @@ def test_boundary_flows_are_the_runtimes_messages(src, dst):
     from runtime.engine.specialize import resolve_boundary
 
     cm = model()
-    op = resolve_boundary(Boundary(0, 0, (1, 64, TINY.hidden_size), Annotation.spmd(src), Annotation.spmd(dst)),
+    op = resolve_boundary(Boundary(0, 0, (1, 64, TINY.hidden_size), Annotation.spmd(src), Annotation.spmd(dst), 0, 1),
                           cm.cluster).forward
     assert sorted(cm.boundary_flows(src, dst), key=lambda f: (f.src, f.dst)) == sorted(
         (Flow(d, m.peer, float(m.nbytes)) for d in src for m in op.sends(d)), key=lambda f: (f.src, f.dst))

@@ -155,3 +155,16 @@ def test_a_block_is_linear_in_its_layers(layers, mb, seq, tp, first, last, recom
     one, two = price(1), price(2)
     assert price(layers) == pytest.approx(one + (layers - 1) * (two - one), rel=1e-9)
     assert two > one > 0
+
+
+def test_packed_documents_pay_attention_per_document_and_the_fixed_cost_once():
+    # attention a*s^2 + c (a = 1e-4, c = 1); MLP and norms constant per call: a packed row of documents of
+    # 10 and 30 tokens costs attention 1e-4 * (100 + 900) + 1 once, not 1e-4 * 40^2 + 1 nor 2 x the fixed 1.
+    p = measured(attention_fwd=(1e-4, 0.0, 1.0))
+    packed = ComputeBlock(layers=1, micro_batch=1, seq_len=40, backward=False, documents=(10, 30))
+    layer_rest = 3.0 + 0.5  # MLP + 2 norms, constants
+    assert block_seconds(p, TINY, packed) == pytest.approx(1e-4 * (100 + 900) + 1.0 + layer_rest)
+    whole = dataclasses.replace(packed, documents=())
+    assert block_seconds(p, TINY, whole) == pytest.approx(1e-4 * 1600 + 1.0 + layer_rest)
+    alone = dataclasses.replace(packed, documents=(40,))
+    assert block_seconds(p, TINY, alone) == pytest.approx(block_seconds(p, TINY, whole))

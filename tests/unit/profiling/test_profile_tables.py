@@ -124,11 +124,11 @@ def test_per_layer_override_replaces_that_layer_only():
     base = TABLES[1]["attention"]
     d_f = first.forward_s[1][1] - base.forward_s[1][1]
     d_b = first.backward_s[1][1] - base.backward_s[1][1]
-    with_first = cm.placed_stage("gpu", 1, (0, 3), True, False)
+    with_first = cm.placed_stage("gpu", 1, ((0, 3),), True, False)
     assert with_first.forward_s == pytest.approx(shared.forward_s + d_f, rel=1e-12)
     assert with_first.backward_s == pytest.approx(shared.backward_s + d_b, rel=1e-12)
-    assert cm.placed_stage("gpu", 1, (1, 4), False, False) == cm.stage("gpu", 1, 3, False, False)
-    rec = cm.placed_stage("gpu", 1, (0, 3), True, False, True)   # recompute re-runs the first layer's forward
+    assert cm.placed_stage("gpu", 1, ((1, 4),), False, False) == cm.stage("gpu", 1, 3, False, False)
+    rec = cm.placed_stage("gpu", 1, ((0, 3),), True, False, True)   # recompute re-runs the first layer's forward
     assert rec.backward_s == pytest.approx(cm.stage("gpu", 1, 3, True, False, True).backward_s + d_f + d_b, rel=1e-12)
 
 
