@@ -267,5 +267,76 @@ def repair(current: StrategyHandle, failed: Collection[int],
     return dataclasses.replace(ctx.plan, strategies=(repaired,)), est.step_time_s
 
 
-__all__ = ["DEFAULT_TOLERANCE", "LostStateError", "Option", "ReplanResult", "RestartCost", "RestartModel",
-           "choose", "repair", "replan", "restart_cost"]
+@dataclass(frozen=True)
+class SwitchModel:
+    """What an in-memory switch costs besides moving the state (the fused BSR, priced from its bytes):
+    every member forms a new world and its process groups, and builds its program."""
+
+    regroup_s: float = 2.0  # new world, process groups, program build (measured ~0.3-1 s on cpu-hetero4)
+
+    def __post_init__(self) -> None:
+        if self.regroup_s < 0:
+            raise ValueError("regroup_s must not be negative")
+
+
+@dataclass(frozen=True)
+class GrowResult:
+    """Whether to adopt returning devices now: the best plan with them, and gain against cost."""
+
+    joining: tuple[int, ...]
+    current_step_time_s: float
+    step_time_s: float  # the best plan with the joining devices (inf when none fits)
+    steps_left: int
+    gain_s: float  # (current - new step time) x steps left
+    switch_s: float  # modelled: the fused BSR plus SwitchModel.regroup_s
+    adopt: bool
+    context: PlanContext | None
+    reason: str
+
+
+def grow(current: StrategyHandle, joining: Collection[int], profiles: Mapping[str, DeviceProfile] | ProfileSet, *,
+         steps_left: int, time_limit_s: float = 60.0, switch: SwitchModel | None = None,
+         model_ref: str | None = None, cluster_ref: str | None = None) -> GrowResult:
+    """The plan on ``current``'s devices plus ``joining`` (elastic when they allow it, ZeRO off), adopted
+    only when the step time it saves over ``steps_left`` steps beats the modelled cost of switching to it
+    (the state's fused BSR from its holders, plus regrouping)."""
+    ctx = current.ctx
+    joining = tuple(sorted(set(joining) - set(current.devices)))
+    unknown = [d for d in joining if not 0 <= d < ctx.cluster.num_devices]
+    if unknown:
+        raise HspmdError(f"--rejoin-device: device(s) {unknown} are not in cluster {ctx.cluster.name!r} "
+                         f"(devices 0-{ctx.cluster.num_devices - 1})")
+    switch = switch or SwitchModel()
+    t = ctx.plan.training
+    cur = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
+    current_time = cur.estimate(current.strategy, t.global_batch, t.schedule, False).step_time_s
+    devices = tuple(sorted(set(current.devices) | set(joining)))
+    settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=True,
+                            use_zero=False, time_limit_s=time_limit_s, top_k=1, seed=t.seed, optimizer=t.optimizer,
+                            schedule=t.schedule)
+    try:
+        result = plan(ctx.model, ctx.cluster, profiles, settings, devices=devices, baselines=False)
+    except InfeasibleError:
+        result = plan(ctx.model, ctx.cluster, profiles, dataclasses.replace(settings, elastic=False),
+                      devices=devices, baselines=False)
+    best = result.candidates[0]
+    p = result.to_plan(model_ref or ctx.plan.model, cluster_ref or ctx.plan.cluster, 0)
+    target_ctx = PlanContext(p, ctx.model, ctx.cluster, ctx.path)
+    target = StrategyHandle.of(target_ctx)
+    bsr = plan_switch(current, target, ())
+    switch_s = bsr.modelled_time(ctx.cluster) + switch.regroup_s
+    gain = (current_time - best.step_time_s) * steps_left
+    uses = sorted(set(target.devices) & set(joining))
+    adopt = bool(uses) and gain > switch_s
+    what = (f"with device(s) {', '.join(map(str, joining))}: {best.step_time_s:.4g} s/step predicted vs "
+            f"{current_time:.4g} s now; over {steps_left} step(s) left that saves {gain:.3g} s against a modelled "
+            f"switch of {switch_s:.3g} s ({bsr.total_bytes / 1e6:.3g} MB)")
+    reason = (f"adopt {what}" if adopt else
+              f"stay: the best plan leaves device(s) {', '.join(map(str, joining))} idle" if not uses else
+              f"stay: {what}")
+    return GrowResult(joining, current_time, best.step_time_s, steps_left, gain, switch_s, adopt,
+                      target_ctx if adopt else None, reason)
+
+
+__all__ = ["DEFAULT_TOLERANCE", "GrowResult", "LostStateError", "Option", "ReplanResult", "RestartCost",
+           "RestartModel", "SwitchModel", "choose", "grow", "repair", "replan", "restart_cost"]

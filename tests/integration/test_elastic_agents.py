@@ -1,0 +1,82 @@
+"""Node agents: the workers of an elastic job run under one agent per (emulated) node, on loopback; the
+coordinator runs the same supervisor loop over them. Losing a whole agent is the failure of every device
+on its node, and the survivors go on training exactly like the single-process reference. Agents with a
+wrong token or for an unknown node are refused (exit 2, one line), and the job goes on."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+from elastic_helpers import (
+    REPO,
+    assert_matches_reference,
+    fixed_replan,
+    reference,
+    saved_state,
+    write_nodes_cluster,
+    write_plan,
+)
+
+from runtime.elastic.agents import AgentSettings, launch_agents
+from runtime.elastic.coordinator import ElasticPolicy
+from runtime.launch import TrainOptions
+from runtime.launch.options import NodeKill
+
+FAST = {"timeout_s": 20.0, "heartbeat_timeout_s": 3.0}
+TOKEN = "s3cret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def agent(port: int, node: str, token: str = TOKEN) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "hetu_cli", "agent", "--coordinator", f"127.0.0.1:{port}",
+                             "--node", node, "--token", token, "--timeout", "60"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_an_agent_killed_with_two_devices_is_a_failure_of_both(tmp_path):
+    cluster = write_nodes_cluster(tmp_path / "two-nodes.yaml", [("fast0", "cpu-fast", 2), ("slow0", "cpu-slow", 2)])
+    tp = write_plan(tmp_path / "tp.yaml", "tp", [(2, [([0, 1], (0, 6))]), (2, [([2], (0, 3)), ([3], (3, 6))])],
+                    global_batch=4, cluster=str(cluster))
+    alone = write_plan(tmp_path / "alone.yaml", "alone", [(4, [([0, 1], (0, 6))])], global_batch=4,
+                       cluster=str(cluster))
+    port = free_port()
+    good = [agent(port, "fast0"), agent(port, "slow0")]
+    bad = [agent(port, "fast0", token="wrong"), agent(port, "nowhere")]
+    logs: list[str] = []
+    events: list[dict] = []
+    calls: list = []
+    steps = 5
+    options = TrainOptions(plan=tp, steps=steps, elastic=True, save_dir=tmp_path / "ck", **FAST,
+                           node_kills=(NodeKill("slow0", 3),))
+    try:
+        summary = launch_agents(options, ElasticPolicy(fixed_replan(alone, calls), events.append),
+                                AgentSettings(2, TOKEN, "127.0.0.1", port), on_log=logs.append)
+        outs = [p.communicate(timeout=60) for p in good + bad]
+    finally:
+        for p in good + bad:
+            if p.poll() is None:
+                p.kill()
+    expected, trainer = reference(tp, steps)
+    assert [r.step for r in summary.records] == list(range(1, steps + 1))
+    assert [r.loss for r in summary.records] == pytest.approx(expected, rel=1e-5)
+    assert [r.strategy for r in summary.records] == ["tp", "tp", "alone", "alone", "alone"]
+    assert calls == [(frozenset({2, 3}), "tp")]
+    (e,) = events
+    assert e["event"] == "failure" and e["step"] == 3 and e["failed"] == [2, 3] and e["survivors"] == [0, 1]
+    assert "node 'slow0' lost" in e["cause"]["2"]
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
+    # The agent of fast0 saw the job through; slow0's was killed; the refused ones said why, in one line.
+    assert good[0].returncode == 0 and good[1].returncode == -9
+    assert bad[0].returncode == 2 and bad[1].returncode == 2
+    assert outs[2][1].strip().splitlines()[-1].endswith("node 'fast0' refused: wrong job token")
+    assert "unknown node 'nowhere'" in outs[3][1]
+    assert any("refused an agent for node 'fast0'" in line and "wrong job token" in line for line in logs)
+    assert any("refused an agent for node 'nowhere'" in line for line in logs)
