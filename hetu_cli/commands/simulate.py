@@ -26,13 +26,19 @@ from runtime.spec.io import atomic_write_text
 @click.option("--cluster", help="Use this cluster (name or path) instead of the plan's.")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path),
               help="Write a Chrome-trace JSON timeline here (open in https://ui.perfetto.dev).")
+@click.option("--events", "events_file", type=click.Path(path_type=Path),
+              help="Model a failure trace instead (the --events file of hspmd train): goodput of hspmd vs "
+                   "checkpoint-restart vs an Oobleck-like baseline.")
 @FORMAT_OPTION
 def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str | None, cluster: str | None,
-             trace_path: Path | None, fmt: str) -> None:
+             trace_path: Path | None, events_file: Path | None, fmt: str) -> None:
     """Simulate one training step of PLAN: step time, tokens/s, MFU, per-stage compute / comm /
     bubble, and peak memory per device with out-of-memory flags."""
     ctx = load_plan_context(plan_path, cluster=cluster)
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
+    if events_file is not None:
+        _events(ctx, strategy_name, profiles, events_file, fmt)
+        return
     strategy = ctx.plan.strategy(strategy_name)
     t = ctx.plan.training
     note = ctx.model.pricing_note(t.seq_len)
@@ -74,3 +80,25 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
         con.print(f"[red]out of memory on device(s) {', '.join(map(str, result.oom_devices))}[/red]")
     if trace_path is not None:
         con.print(f"trace: {trace_path} (open in https://ui.perfetto.dev)")
+
+
+def _events(ctx, strategy_name: str | None, profiles, events_file: Path, fmt: str) -> None:
+    from planner.replan import model_trace
+    from runtime.elastic.events import load_trace
+    from runtime.spec.handle import StrategyHandle
+
+    handle = StrategyHandle.of(ctx, strategy_name)
+    trace = load_trace(events_file, ctx.cluster, handle.devices)
+    steps = trace.steps or trace.events[-1].step + 100
+    out = model_trace(handle, trace.events, steps, profiles)
+    if fmt == "json":
+        emit_json(out)
+        return
+    con = console()
+    con.print(f"{steps} steps, {trace.failures} failure(s), {trace.returns} return(s); initial step time "
+              f"{out['initial_step_time_s']:.3f} s")
+    for name in ("hspmd", "restart", "oobleck_like"):
+        line = out[name]
+        con.print(f"  {name:13s} {line['total_s']:10.1f} s, goodput {line['goodput_steps_per_s']:.4f} steps/s")
+    con.print(f"goodput over restart {out['modelled_goodput_over_restart']:.2f}x, over oobleck-like "
+              f"{out['modelled_goodput_over_oobleck_like']:.2f}x (modelled)")

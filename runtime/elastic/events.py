@@ -2,6 +2,7 @@
 
 ::
 
+    steps: 60                                      # optional: the steps it spans (simulate)
     events:
       - {step: 10, action: kill, devices: [3]}
       - {step: 25, action: kill, node: cpu1}       # the node's agent and every worker on it
@@ -50,6 +51,7 @@ class TraceEvent:
 @dataclass(frozen=True)
 class Trace:
     events: tuple[TraceEvent, ...]
+    steps: int | None = None  # the steps the trace spans (``hspmd simulate --events``; train has --steps)
 
     def faults(self) -> tuple[Fault, ...]:
         """Kills and hangs of named devices: injected in the workers (a node kill is the agent's)."""
@@ -81,9 +83,13 @@ def parse_trace(data: Any, cluster: Cluster, running: Collection[int], file: str
     def bad(field: str, message: str) -> SpecError:
         return SpecError([Problem(file, field, message)])
 
-    if not isinstance(data, dict) or set(data) != {"events"}:
-        raise bad("", "expected a mapping with one key, 'events' (a list of {step, action, devices | node})")
+    if not isinstance(data, dict) or "events" not in data or not set(data) <= {"events", "steps"}:
+        raise bad("", "expected a mapping with 'events' (a list of {step, action, devices | node}) and optionally "
+                      "'steps'")
     items = data["events"]
+    steps = data.get("steps")
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        raise bad("steps", f"must be an integer >= 1, got {steps!r}")
     if not isinstance(items, list):
         raise bad("events", "must be a list of {step, action, devices | node}")
     nodes = {n.name for n in cluster.nodes}
@@ -150,7 +156,9 @@ def parse_trace(data: Any, cluster: Cluster, running: Collection[int], file: str
         out.append(TraceEvent(step, action, devices, node))
     if not out:
         raise bad("events", "is empty")
-    return Trace(tuple(out))
+    if steps is not None and out[-1].step > steps:
+        raise bad("steps", f"{steps} ends before the last event (step {out[-1].step})")
+    return Trace(tuple(out), steps)
 
 
 __all__ = ["Trace", "TraceEvent", "load_trace", "parse_trace"]

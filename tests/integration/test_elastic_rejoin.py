@@ -12,6 +12,7 @@ from elastic_helpers import assert_matches_reference, fixed_grow, fixed_replan, 
 from runtime.elastic.coordinator import ElasticPolicy
 from runtime.launch import Fault, TrainOptions, launch
 from runtime.launch.options import Rejoin
+from runtime.spec import load_plan_context
 
 FAST = {"timeout_s": 20.0, "heartbeat_timeout_s": 3.0}
 
@@ -44,4 +45,39 @@ def test_a_killed_device_rejoins_and_gets_its_state_back(tmp_path):
     assert failure["event"] == "failure" and failure["failed"] == [1]
     assert rejoin["event"] == "rejoin" and rejoin["joined"] == [1] and rejoin["step"] == 4
     assert rejoin["devices"] == [0, 1, 2, 3] and rejoin["switch_bytes"] > 0
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
+
+
+def test_two_failures_in_consecutive_steps_then_the_rejoined_device_fails_again(tmp_path):
+    # Step 2: device 3 dies (device 2 takes the whole model); step 3: device 1 dies (devices 0 and 2 go
+    # on). Device 1 returns for step 5 and dies again in its first step back: a failure right after a
+    # rejoin, recovered from the state it had just received (and the others').
+    dp = write_plan(tmp_path / "dp.yaml", "dp", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                 (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
+    after3 = write_plan(tmp_path / "a3.yaml", "after3", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                         (2, [([2], (0, 6))])], global_batch=4)
+    two = write_plan(tmp_path / "two.yaml", "two", [(2, [([0], (0, 6))]), (2, [([2], (0, 6))])], global_batch=4)
+    three = write_plan(tmp_path / "three.yaml", "three", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                          (2, [([2], (0, 6))])], global_batch=4)
+    answers = {frozenset({3}): after3, frozenset({1, 3}): two}
+    asked: list = []
+
+    def replan(failed, ctx, strategy):
+        asked.append((failed, strategy))
+        return load_plan_context(answers[failed])
+
+    steps = 7
+    events: list[dict] = []
+    options = TrainOptions(plan=dp, steps=steps, elastic=True, save_dir=tmp_path / "ck", **FAST,
+                           faults=(Fault(3, 2, "kill"), Fault(1, 3, "kill"), Fault(1, 5, "kill")),
+                           rejoins=(Rejoin(1, 5),))
+    summary = launch(options, ElasticPolicy(replan, events.append, fixed_grow(three, [])))
+    assert multiprocessing.active_children() == []
+    expected, trainer = reference(dp, steps)
+    assert [r.step for r in summary.records] == list(range(1, steps + 1))
+    assert [r.loss for r in summary.records] == pytest.approx(expected, rel=1e-5)
+    assert [r.strategy for r in summary.records] == ["dp", "after3", "two", "two", "two", "two", "two"]
+    assert asked == [(frozenset({3}), "dp"), (frozenset({1, 3}), "after3"), (frozenset({1, 3}), "three")]
+    assert [(e["event"], e["step"]) for e in events] == [("failure", 2), ("failure", 3), ("rejoin", 5),
+                                                         ("failure", 5)]
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
