@@ -59,11 +59,11 @@ TOKEN = "bench-elastic"
 def trace_for(steps: int) -> dict:
     """>= 3 failures (one a whole node) and >= 2 returns, spread over ``steps``."""
     at = [max(2, round(steps * f)) for f in (0.15, 0.3, 0.45, 0.65, 0.8)]
-    return {"events": [{"step": at[0], "action": "kill", "devices": [3]},
-                       {"step": at[1], "action": "rejoin", "devices": [3]},
+    return {"events": [{"step": at[0], "action": "kill", "devices": [1]},
+                       {"step": at[1], "action": "rejoin", "devices": [1]},
                        {"step": at[2], "action": "kill", "node": "h20"},
                        {"step": at[3], "action": "rejoin", "node": "h20"},
-                       {"step": at[4], "action": "kill", "devices": [1]}]}
+                       {"step": at[4], "action": "kill", "devices": [0]}]}
 
 
 PAPER_TRACE = {"steps": 1200, "events": [
@@ -118,8 +118,12 @@ def keep_agent(port: int, node: str, stop: threading.Event, out: Path) -> None:
                                     stderr=subprocess.STDOUT)
             while proc.poll() is None and not stop.is_set():
                 time.sleep(0.2)
-            if proc.poll() is None:
-                proc.wait(30)
+            if proc.poll() is None:  # the job is over: an agent still waiting for its hello's answer
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
             if proc.returncode == 0:
                 return
         n += 1
@@ -246,12 +250,14 @@ def main() -> None:
     ap.add_argument("--skip-measured", action="store_true")
     ap.add_argument("--skip-modelled", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep", type=Path, help="Keep the measured runs' files (logs, metrics, plans) here.")
     args = ap.parse_args()
     out: dict = {"elastic_zero_over_zero": None,
                  "elastic_zero_note": "elastic ZeRO-1 with redundancy r >= 2 is not built"}
     if not args.skip_measured:
         with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
-            d = Path(tmp)
+            d = args.keep or Path(tmp)
+            d.mkdir(parents=True, exist_ok=True)
             _, plan_path = setup(d)
             trace = trace_for(args.steps)
             trace_path = d / "trace.yaml"

@@ -139,16 +139,28 @@ class AgentWorkers:
         self._events: queue.Queue[object] = queue.Queue()
         self._lock = threading.Lock()  # orders come from the loop and from RemoteLink alike
         self.started = False
-        self._reader = _client(host, port, 10 * 24 * 3600.0)
-        threading.Thread(target=self._read, daemon=True, name="hspmd-agents-up").start()
+        self._reader: Any = _client(host, port, 10 * 24 * 3600.0)
+        self._reading = threading.Thread(target=self._read, daemon=True, name="hspmd-agents-up")
+        self._reading.start()
 
     def _read(self) -> None:
         while True:
             try:
-                raw = self._reader.queue_pop(QUEUE_UP)
+                msg = pickle.loads(self._reader.queue_pop(QUEUE_UP))
             except Exception:  # noqa: BLE001 - the store is gone: the job is over
                 return
-            self._events.put(pickle.loads(raw))
+            if msg is None:  # close(): the store is about to go
+                return
+            self._events.put(msg)
+
+    def close(self) -> None:
+        """End the reader before the store goes: a client blocked on a store destroyed under it aborts the
+        process (std::terminate) instead of raising."""
+        with self._lock:
+            _push(self.store, QUEUE_UP, None)
+        self._reading.join(10.0)
+        self._reader = None
+        self.store = None
 
     def order(self, agent: _Agent, msg: object) -> None:
         if agent.lost:
@@ -318,6 +330,7 @@ def launch_agents(options: TrainOptions, policy: Policy, agents: AgentSettings, 
         return run.summary
     finally:
         source.stop()
+        source.close()
         del store
 
 
@@ -359,11 +372,14 @@ class _AgentLoop:
         self.handles: dict[int, WorkerHandle] = {}
         self.orders: queue.Queue[object] = queue.Queue()
         self.gone = threading.Event()  # the coordinator cannot be reached any more
-        inbox_store = _client(host, port, 10 * 24 * 3600.0)
-        beat_store = _client(host, port, 30.0)
-        threading.Thread(target=self._read, args=(inbox_store,), daemon=True, name="hspmd-agent-inbox").start()
-        threading.Thread(target=self._beat, args=(beat_store, heartbeat_s / 2), daemon=True,
-                         name="hspmd-agent-beat").start()
+        # Both threads end before the agent returns: a thread blocked in a store call while the interpreter
+        # exits aborts the process (std::terminate).
+        self.reader = threading.Thread(target=self._read, args=(_client(host, port, 10 * 24 * 3600.0),),
+                                       daemon=True, name="hspmd-agent-inbox")
+        self.beater = threading.Thread(target=self._beat, args=(_client(host, port, 30.0), heartbeat_s / 2),
+                                       daemon=True, name="hspmd-agent-beat")
+        self.reader.start()
+        self.beater.start()
 
     def _read(self, store: Any) -> None:
         while True:
@@ -380,6 +396,8 @@ class _AgentLoop:
                 os.kill(os.getpid(), signal.SIGKILL)
             else:
                 self.orders.put(msg)
+                if isinstance(msg, StopAgent):
+                    return  # the last order
 
     def _beat(self, store: Any, every_s: float) -> None:
         while not self.gone.is_set():
@@ -425,6 +443,9 @@ class _AgentLoop:
 
     def _stop(self) -> None:
         self.local.stop()
+        self.gone.set()  # the beat ends
+        self.beater.join(5.0)
+        self.reader.join(5.0)
         try:
             _push(self.store, QUEUE_UP, AgentDone(self.node, self.nonce))
         except Exception:  # noqa: BLE001

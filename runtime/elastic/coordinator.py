@@ -276,6 +276,7 @@ class ElasticPolicy:
         for k in run.options.node_kills:
             self.node_kills.setdefault(k.step, []).append(k.node)
         self.admit: dict[int, set[int]] = {}  # step -> returning devices its commit waits for
+        self.unplaced: dict[int, float] = {}  # returning device -> until when to wait for its node's agent
         self._note_single_copies()
         self.inject(self.first_step)
 
@@ -350,8 +351,9 @@ class ElasticPolicy:
         if isinstance(self.phase, Finishing):
             return all(self.workers[d].finished for d in self.alive | set(self.waiting))
         self._returned()
-        if isinstance(self.phase, Training) and self.growth is None:
-            self._consider_growth()
+        scheduled = {d for due in self.admit.values() for d in due}
+        if isinstance(self.phase, Training) and self.growth is None and not scheduled & set(self.waiting):
+            self._consider_growth()  # a device returning unannounced (a scheduled one: when its step comes)
         self.phase.advance(self)
         return False
 
@@ -362,38 +364,47 @@ class ElasticPolicy:
         ``step``; devices returning at ``step + 1`` start now, so that they are up when ``step`` ends and
         train from ``step + 1`` on (``admitted``: the commit of ``step`` waits for their start-up)."""
         for node in self.node_kills.pop(step, []):
-            kill = getattr(self.run.source, "kill_node", None)
-            if kill is None:
-                raise HspmdError(f"node kill at step {step}: node {node!r} has no agent (run with --agents)")
+            if self.run.source is None:
+                raise HspmdError(f"node kill at step {step}: this launcher has no nodes to lose")
             self.log(f"fault injection: killing the agent of node {node!r} at the start of step {step}")
-            kill(node)
+            self.run.source.kill_node(node)
         for d in self.rejoins.pop(step + 1, []):
             self.log(f"device {d} returns: its worker starts now, to train from step {step + 1}")
+            self.admit.setdefault(step, set()).add(d)
             try:
                 self.start_joiner(d)
             except HspmdError as err:
-                self.log(f"device {d} cannot return now: {'; '.join(err.lines())}")
-                continue
-            self.admit.setdefault(step, set()).add(d)
+                # Its node's agent is not back yet: the commit of ``step`` waits for it (up to an op timeout).
+                self.unplaced[d] = time.monotonic() + self.options.timeout_s
+                self.log(f"device {d} waits for its node: {'; '.join(err.lines())}")
 
     def admitted(self, step: int) -> bool:
-        """Whether ``step`` may be committed: the devices due to return after it are up (or failed)."""
+        """Whether ``step`` may be committed: the devices due to return after it are up (or failed, or
+        their node did not come back within an op timeout)."""
         due = self.admit.get(step)
         if not due:
             return True
-        if any(d in self.waiting and not self.waiting[d].up for d in due):
-            return False
+        for d in sorted(due):
+            if d in self.unplaced:
+                if time.monotonic() < self.unplaced[d]:
+                    return False
+                del self.unplaced[d]
+                due.discard(d)
+                self.log(f"device {d} did not return: its node has no agent")
+            elif d in self.waiting and not self.waiting[d].up:
+                return False
         del self.admit[step]
         self._consider_growth()
         return True
 
     def _returned(self) -> None:
         source = self.run.source
-        back = source.returned_devices() if hasattr(source, "returned_devices") else []
+        back = source.returned_devices() if source is not None else []
         scheduled = {d for ds in self.rejoins.values() for d in ds}
         for d in back:
             if d in scheduled:
                 continue  # a trace says when it returns: its worker starts then
+            self.unplaced.pop(d, None)
             try:
                 self.start_joiner(d)
             except HspmdError as err:

@@ -128,6 +128,12 @@ class EventSource(Protocol):
     def start(self, spec: WorkerSpec, loop: WorkerLoop) -> WorkerHandle:
         """A new worker (at start-up, or a device joining a running job); told where the store is."""
 
+    def returned_devices(self) -> list[int]:
+        """Devices that became available since the last call (a node's agent said hello again)."""
+
+    def kill_node(self, node: str) -> None:
+        """Fault injection: lose node ``node`` whole (raises HspmdError where there are no nodes to lose)."""
+
 
 class LocalWorkers:
     """This host's worker processes (multiprocessing 'spawn'): the events of their pipes and sentinels.
@@ -163,6 +169,12 @@ class LocalWorkers:
 
     def link(self, w: WorkerHandle) -> LocalLink:
         return self._links[id(w)]
+
+    def returned_devices(self) -> list[int]:
+        return []  # every device of this host is started by the run itself
+
+    def kill_node(self, node: str) -> None:
+        raise HspmdError(f"node {node!r} has no agent to kill (node kills need hspmd train --agents N)")
 
     def poll(self, timeout_s: float) -> Iterator[tuple[WorkerHandle, object]]:
         for obj in wait(list(self._by_conn) + list(self._by_sentinel), timeout=timeout_s):

@@ -13,6 +13,7 @@ import pytest
 from elastic_helpers import (
     REPO,
     assert_matches_reference,
+    fixed_grow,
     fixed_replan,
     reference,
     saved_state,
@@ -23,7 +24,7 @@ from elastic_helpers import (
 from runtime.elastic.agents import AgentSettings, launch_agents
 from runtime.elastic.coordinator import ElasticPolicy
 from runtime.launch import TrainOptions
-from runtime.launch.options import NodeKill
+from runtime.launch.options import NodeKill, Rejoin
 
 FAST = {"timeout_s": 20.0, "heartbeat_timeout_s": 3.0}
 TOKEN = "s3cret"
@@ -41,7 +42,7 @@ def agent(port: int, node: str, token: str = TOKEN) -> subprocess.Popen:
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_an_agent_killed_with_two_devices_is_a_failure_of_both(tmp_path):
+def test_an_agent_killed_with_two_devices_is_a_failure_of_both_and_its_node_comes_back(tmp_path):
     cluster = write_nodes_cluster(tmp_path / "two-nodes.yaml", [("fast0", "cpu-fast", 2), ("slow0", "cpu-slow", 2)])
     tp = write_plan(tmp_path / "tp.yaml", "tp", [(2, [([0, 1], (0, 6))]), (2, [([2], (0, 3)), ([3], (3, 6))])],
                     global_batch=4, cluster=str(cluster))
@@ -53,28 +54,39 @@ def test_an_agent_killed_with_two_devices_is_a_failure_of_both(tmp_path):
     logs: list[str] = []
     events: list[dict] = []
     calls: list = []
-    steps = 5
+    grows: list = []
+    back: list[subprocess.Popen] = []
+
+    def on_event(e: dict) -> None:
+        events.append(e)
+        if e["event"] == "failure":  # the node is repaired: its agent starts again and says hello
+            back.append(agent(port, "slow0"))
+
+    steps = 8
     options = TrainOptions(plan=tp, steps=steps, elastic=True, save_dir=tmp_path / "ck", **FAST,
-                           node_kills=(NodeKill("slow0", 3),))
+                           node_kills=(NodeKill("slow0", 3),), rejoins=(Rejoin(2, 6), Rejoin(3, 6)))
     try:
-        summary = launch_agents(options, ElasticPolicy(fixed_replan(alone, calls), events.append),
+        summary = launch_agents(options, ElasticPolicy(fixed_replan(alone, calls), on_event, fixed_grow(tp, grows)),
                                 AgentSettings(2, TOKEN, "127.0.0.1", port), on_log=logs.append)
-        outs = [p.communicate(timeout=60) for p in good + bad]
+        outs = [p.communicate(timeout=60) for p in good + bad + back]
     finally:
-        for p in good + bad:
+        for p in good + bad + back:
             if p.poll() is None:
                 p.kill()
     expected, trainer = reference(tp, steps)
     assert [r.step for r in summary.records] == list(range(1, steps + 1))
     assert [r.loss for r in summary.records] == pytest.approx(expected, rel=1e-5)
-    assert [r.strategy for r in summary.records] == ["tp", "tp", "alone", "alone", "alone"]
+    assert [r.strategy for r in summary.records] == ["tp", "tp", "alone", "alone", "alone", "tp", "tp", "tp"]
     assert calls == [(frozenset({2, 3}), "tp")]
-    (e,) = events
+    assert grows == [(frozenset({2, 3}), "alone", 3)]
+    e, r = events
     assert e["event"] == "failure" and e["step"] == 3 and e["failed"] == [2, 3] and e["survivors"] == [0, 1]
     assert "node 'slow0' lost" in e["cause"]["2"]
+    # The returning node's devices got their state (every layer, from the TP pair) by fused BSR.
+    assert r["event"] == "rejoin" and r["step"] == 6 and r["joined"] == [2, 3] and r["switch_bytes"] > 0
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
     # The agent of fast0 saw the job through; slow0's was killed; the refused ones said why, in one line.
-    assert good[0].returncode == 0 and good[1].returncode == -9
+    assert good[0].returncode == 0 and good[1].returncode == -9 and back[0].returncode == 0
     assert bad[0].returncode == 2 and bad[1].returncode == 2
     assert outs[2][1].strip().splitlines()[-1].endswith("node 'fast0' refused: wrong job token")
     assert "unknown node 'nowhere'" in outs[3][1]
