@@ -494,5 +494,6 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                             "per switch"]}
 
 
-__all__ = ["DEFAULT_TOLERANCE", "GrowResult", "TraceModel", "model_trace", "LostStateError", "Option", "ReplanResult", "RestartCost",
-           "RestartModel", "SwitchModel", "choose", "grow", "repair", "replan", "restart_cost"]
+__all__ = ["DEFAULT_TOLERANCE", "GrowResult", "LostStateError", "Option", "ReplanResult", "RestartCost",
+           "RestartModel", "SwitchModel", "TraceModel", "choose", "grow", "model_trace", "repair", "replan",
+           "restart_cost"]

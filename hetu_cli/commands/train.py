@@ -16,9 +16,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hetu_cli.output import console, err_console
+from runtime.elastic.agents import DEFAULT_PORT
 from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
-from runtime.elastic.agents import DEFAULT_PORT
 from runtime.launch.options import NodeKill, PlannedSwitch, Rejoin
 from runtime.launch.session import TRACE_MERGED
 from runtime.launch.supervise import PlainPolicy

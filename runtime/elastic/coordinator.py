@@ -158,7 +158,8 @@ class Switching:
         elif self.growth is not None:
             g = self.growth
             c.report(_growth_event(self, g, now, got),
-                     lambda e: f"device(s) {_devs(g.joining)} joined after step {self.step}: now {t.target.describe()}; "
+                     lambda e: f"device(s) {_devs(g.joining)} joined after step {self.step}: now "
+                               f"{t.target.describe()}; "
                                f"switch {e['total_s']:.3f} s (regroup {e['regroup_s']:.3f} s, transfer "
                                f"{e['transfer_s']:.3f} s, {_bytes(e['switch_bytes'])})")
         else:

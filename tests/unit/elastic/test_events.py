@@ -61,7 +61,8 @@ def test_a_bad_trace_is_one_line_naming_the_field(events, message):
 
 def test_cli_refuses_a_bad_trace_and_a_rejoin_outside_the_cluster(tmp_path):
     trace = tmp_path / "trace.yaml"
-    trace.write_text("events:\n  - {step: 4, action: kill, devices: [2]}\n  - {step: 2, action: rejoin, devices: [2]}\n")
+    trace.write_text("events:\n  - {step: 4, action: kill, devices: [2]}\n"
+                     "  - {step: 2, action: rejoin, devices: [2]}\n")
     res = CliRunner().invoke(cli, ["train", "--plan", str(TINY), "--steps", "6", "--elastic", "--events", str(trace)])
     assert res.exit_code == 2
     assert res.output.strip().splitlines()[-1] == (f"error: {trace}: events[1].step: step 2 comes after step 4: "
@@ -73,11 +74,13 @@ def test_cli_refuses_a_bad_trace_and_a_rejoin_outside_the_cluster(tmp_path):
                                                    "'cpu-hetero4' (devices 0-3)")
     res = CliRunner().invoke(cli, ["train", "--plan", str(TINY), "--elastic", "--agents", "2"])
     assert res.exit_code == 2
-    assert res.output.strip().splitlines()[-1] == "error: --agents: give the job token with --token (every agent presents it)"
+    assert res.output.strip().splitlines()[-1] == ("error: --agents: give the job token with --token (every agent "
+                                                   "presents it)")
 
 
 def test_a_paper_scale_trace_loads_from_a_file(tmp_path):
     trace = tmp_path / "t.yaml"
-    trace.write_text("events:\n  - {step: 100, action: kill, devices: [40]}\n  - {step: 300, action: rejoin, devices: [40]}\n")
+    trace.write_text("events:\n  - {step: 100, action: kill, devices: [40]}\n"
+                     "  - {step: 300, action: rejoin, devices: [40]}\n")
     t = load_trace(trace, PAPER, range(48))
     assert t.failures == 1 and t.returns == 1
