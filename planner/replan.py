@@ -350,8 +350,9 @@ class TraceModel:
     * **hspmd**: a failure costs detection, the replan (the planner's own wall time, measured here), the
       fused BSR of the chosen plan (modelled) plus regrouping, and half a step (the step in flight is
       redone); a return costs the grow decision and its switch, adopted only when it pays.
-    * **restart** (Megatron / DeepSpeed with torchrun): the node of a failed device is dropped whole and
-      the job restarts from its last checkpoint on the remaining whole nodes (``RestartCost``: write, read,
+    * **restart** (Megatron / DeepSpeed with torchrun): the node of a failed device is dropped whole (only
+      the failed devices when no whole node would be left) and the job restarts from its last checkpoint
+      on the remaining whole nodes (``RestartCost``: write, read,
       process restart, half a checkpoint interval lost); a node that is whole again is taken back with a
       planned restart (checkpoint written and read, no work lost).
     * **oobleck-like**: fixed pipeline templates: a failure drops the pipelines it broke and spreads their
@@ -452,8 +453,10 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
         h.time_s += cost
         # restart: whole nodes only
         rs = lines["restart"]
-        whole = sorted(d for n, devs in nodes.items() if not devs & down for d in devs
-                       if d in set(original.devices) | {x for ev in events for x in ev.devices})
+        usable = set(original.devices) | {x for ev in events for x in ev.devices}
+        whole = sorted(d for n, devs in nodes.items() if not devs & down for d in devs if d in usable)
+        if not whole:  # one node (or every node hit): it restarts without the failed devices only
+            whole = sorted(usable - down)
         if set(whole) != set(rs.handle.devices):
             lose = e.action != "rejoin"
             rs.handle, rs.step_time_s = best_on(whole)

@@ -124,6 +124,10 @@ class RemoteLink:
         self.source.order(self.agent, KillWorker(self.device))
 
 
+def _agent_of(w: WorkerHandle) -> _Agent | None:
+    return w.link.agent if isinstance(w.link, RemoteLink) else None
+
+
 class AgentWorkers:
     """The supervisor's event source for a job run by node agents (see the module docstring)."""
 
@@ -134,7 +138,6 @@ class AgentWorkers:
         self.nodes = {n.name for n in cluster.nodes}
         self.agents: dict[str, _Agent] = {}  # node -> its current agent
         self.workers: dict[int, WorkerHandle] = {}  # device -> its current handle
-        self._agent_of: dict[int, _Agent] = {}  # id(handle) -> the agent that runs it
         self._returned: list[int] = []
         self._events: queue.Queue[object] = queue.Queue()
         self._lock = threading.Lock()  # orders come from the loop and from RemoteLink alike
@@ -237,7 +240,6 @@ class AgentWorkers:
         w = WorkerHandle(spec, RemoteLink(self, agent, spec.device_id))
         w.started = True  # the agent tells it where the store is as it starts it
         self.workers[spec.device_id] = w
-        self._agent_of[id(w)] = agent
         self.order(agent, Spawn(spec, loop))
         return w
 
@@ -265,7 +267,7 @@ class AgentWorkers:
         agent.last_seen = time.monotonic()
         if isinstance(msg, FromWorker):
             w = self.workers.get(msg.device)
-            if w is not None and self._agent_of.get(id(w)) is agent:
+            if w is not None and _agent_of(w) is agent:
                 yield w, msg.msg
         elif isinstance(msg, AgentDone):
             agent.done = True
@@ -280,7 +282,7 @@ class AgentWorkers:
                    f"{now - agent.last_seen:.1f} s")
             self.log(how)
             for w in list(self.workers.values()):
-                if self._agent_of.get(id(w)) is agent and not w.finished and not w.failed:
+                if _agent_of(w) is agent and not w.finished and not w.failed:
                     yield w, Lost(how)
 
     def stop(self) -> None:

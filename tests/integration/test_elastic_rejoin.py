@@ -4,10 +4,21 @@ uninterrupted single-process reference (every step's loss, the final parameters 
 
 from __future__ import annotations
 
+import json
 import multiprocessing
+import subprocess
+import sys
 
 import pytest
-from elastic_helpers import assert_matches_reference, fixed_grow, fixed_replan, reference, saved_state, write_plan
+from elastic_helpers import (
+    REPO,
+    assert_matches_reference,
+    fixed_grow,
+    fixed_replan,
+    reference,
+    saved_state,
+    write_plan,
+)
 
 from runtime.elastic.coordinator import ElasticPolicy
 from runtime.launch import Fault, TrainOptions, launch
@@ -80,4 +91,25 @@ def test_two_failures_in_consecutive_steps_then_the_rejoined_device_fails_again(
     assert asked == [(frozenset({3}), "dp"), (frozenset({1, 3}), "after3"), (frozenset({1, 3}), "three")]
     assert [(e["event"], e["step"]) for e in events] == [("failure", 2), ("failure", 3), ("rejoin", 5),
                                                          ("failure", 5)]
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
+
+
+def test_cli_kill_then_rejoin_asks_the_planner_whether_the_return_pays(tmp_path):
+    # The planner decides (adopt or stay, both logged); either way the run trains the reference's numbers.
+    plan = write_plan(tmp_path / "dp.yaml", "dp", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                   (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "hetu_cli", "train", "--plan", str(plan), "--steps", "8", "--elastic",
+                           "--kill-device", "1", "--at-step", "2", "--rejoin-device", "1", "--rejoin-at-step", "5",
+                           "--metrics", str(metrics), "--save", str(tmp_path / "ck"), "--timeout", "20"],
+                          cwd=REPO, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr
+    assert "device 1 returns: its worker starts now, to train from step 5" in proc.stdout
+    grow = [line for line in proc.stdout.splitlines() if "grow: " in line]
+    assert len(grow) == 1 and ("grow: adopt with device(s) 1" in grow[0] or "grow: stay" in grow[0])
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    events = [x["event"] for x in lines if "event" in x]
+    assert events == (["failure", "rejoin"] if "adopt" in grow[0] else ["failure"])
+    expected, trainer = reference(plan, 8)
+    assert [x["loss"] for x in lines if "event" not in x] == pytest.approx(expected, rel=1e-5)
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
