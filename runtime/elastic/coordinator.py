@@ -331,6 +331,9 @@ class ElasticPolicy:
         self.failed[d] = how
         self.alive.discard(d)
         self.failure_times.append(time.monotonic())
+        # A growth decided on the plan before this failure is void; the spares are reconsidered after it.
+        self.growth = None
+        self.declined.clear()
         w.kill()  # a hung process: killing it closes its sockets, so its peers fail fast
         inc = self.incident
         if inc is None:
