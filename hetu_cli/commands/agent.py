@@ -18,7 +18,7 @@ from runtime.elastic.agents import DEFAULT_PORT, run_agent
               help=f"Where the coordinator's store listens (hspmd train --elastic --agents N; default port "
                    f"{DEFAULT_PORT}).")
 @click.option("--node", required=True, help="This node's name in the cluster file.")
-@click.option("--token", required=True, envvar=None, help="The job token the coordinator was given.")
+@click.option("--token", required=True, help="The job token the coordinator was given.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
               help="Seconds to wait for the coordinator's answer.")
 def agent(coordinator: str, node: str, token: str, timeout_s: float) -> None:

@@ -5,6 +5,7 @@ wrong token or for an unknown node are refused (exit 2, one line), and the job g
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -92,3 +93,39 @@ def test_an_agent_killed_with_two_devices_is_a_failure_of_both_and_its_node_come
     assert "unknown node 'nowhere'" in outs[3][1]
     assert any("refused an agent for node 'fast0'" in line and "wrong job token" in line for line in logs)
     assert any("refused an agent for node 'nowhere'" in line for line in logs)
+
+
+def test_cli_coordinator_replays_a_trace_over_agents(tmp_path):
+    # `hspmd train --elastic --agents 2 --events` with the planner: device 3 dies at step 2, node slow0 (now
+    # only device 2) at step 4; the run still trains the reference's numbers.
+    cluster = write_nodes_cluster(tmp_path / "two-nodes.yaml", [("fast0", "cpu-fast", 2), ("slow0", "cpu-slow", 2)])
+    plan = write_plan(tmp_path / "dp.yaml", "dp", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                   (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4,
+                      cluster=str(cluster))
+    trace = tmp_path / "trace.yaml"
+    trace.write_text("events:\n  - {step: 2, action: kill, devices: [3]}\n  - {step: 4, action: kill, node: slow0}\n")
+    port = free_port()
+    agents = [agent(port, "fast0"), agent(port, "slow0")]
+    metrics = tmp_path / "m.jsonl"
+    try:
+        proc = subprocess.run([sys.executable, "-m", "hetu_cli", "train", "--plan", str(plan), "--steps", "6",
+                               "--elastic", "--agents", "2", "--bind", f"127.0.0.1:{port}", "--token", TOKEN,
+                               "--events", str(trace), "--metrics", str(metrics), "--save", str(tmp_path / "ck"),
+                               "--timeout", "20", "--heartbeat-timeout", "3"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+        for p in agents:
+            p.communicate(timeout=60)
+    finally:
+        for p in agents:
+            if p.poll() is None:
+                p.kill()
+    assert proc.returncode == 0, proc.stderr
+    assert f"coordinator listening on 127.0.0.1:{port}" in proc.stdout
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    expected, trainer = reference(plan, 6)
+    assert [x["loss"] for x in lines if "event" not in x] == pytest.approx(expected, rel=1e-5)
+    failures = [x for x in lines if x.get("event") == "failure"]
+    assert [f["failed"] for f in failures] == [[3], [2]]
+    assert "node 'slow0' lost" in failures[1]["cause"]["2"]
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
+    assert [p.returncode for p in agents] == [0, -9]
