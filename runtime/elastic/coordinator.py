@@ -319,6 +319,11 @@ class ElasticPolicy:
             if self.growth is not None and d in self.growth.joining:
                 self.growth = None
             return
+        if isinstance(self.phase, Finishing) and self.options.elastic and d not in self.active:
+            w.failed = True  # idle in the plan: it has nothing to save, and the others do not wait for it
+            self.alive.discard(d)
+            self.log(f"device {d} (idle in the plan) failed while the run finished: {how}")
+            return
         starting = not all(self.workers[x].up for x in self.alive)
         if not self.options.elastic or isinstance(self.phase, Finishing) or starting:
             # Recovery starts once every program is built (the state exists); before that, or while

@@ -90,7 +90,7 @@ class ElasticWorker(Session):
                 gc.collect()
             elif isinstance(msg, Finish):
                 if self.world is not None:  # a device that never joined has nothing to save or leave
-                    self.finish(self.program, self.ref, step - 1)
+                    self.finish(self.program, self.ref, step - 1, sync=False)
                 return
             # a late Commit of an aborted generation needs nothing
 

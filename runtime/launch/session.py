@@ -131,8 +131,10 @@ class Session:
                           emulation_s=self.emulator.take_emulated_s() if self.emulator is not None else 0.0,
                           emulation_overrun_s=self.emulator.take_overrun_s() if self.emulator is not None else 0.0)
 
-    def finish(self, program: Any, handle: StrategyHandle, step: int) -> None:
-        """Save ``--save`` (when this device holds state), write the traces, leave the world."""
+    def finish(self, program: Any, handle: StrategyHandle, step: int, *, sync: bool = True) -> None:
+        """Save ``--save`` (when this device holds state), write the traces, leave the world. ``sync``: wait
+        for every device of the world first (needed to merge the traces; an elastic run skips it without
+        traces, so that a device idle in the plan that died unnoticed cannot fail the end of the run)."""
         import torch.distributed as dist
 
         save_dir = self.options.save_dir
@@ -145,7 +147,8 @@ class Session:
         if self.recorder is not None:
             assert self.options.trace_dir is not None
             self.recorder.write(trace_file(self.options.trace_dir, self.me))
-        dist.barrier()
+        if sync or self.recorder is not None:
+            dist.barrier()
         if self.recorder is not None and self.rank == 0:
             _merge_traces(self.options.trace_dir, sorted(self.spec.ranks))
         self.leave()

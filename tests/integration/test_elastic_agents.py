@@ -108,7 +108,7 @@ def test_cli_coordinator_replays_a_trace_over_agents(tmp_path):
     agents = [agent(port, "fast0"), agent(port, "slow0")]
     metrics = tmp_path / "m.jsonl"
     try:
-        proc = subprocess.run([sys.executable, "-m", "hetu_cli", "train", "--plan", str(plan), "--steps", "6",
+        proc = subprocess.run([sys.executable, "-m", "hetu_cli", "train", "--plan", str(plan), "--steps", "10",
                                "--elastic", "--agents", "2", "--bind", f"127.0.0.1:{port}", "--token", TOKEN,
                                "--events", str(trace), "--metrics", str(metrics), "--save", str(tmp_path / "ck"),
                                "--timeout", "20", "--heartbeat-timeout", "3"],
@@ -119,13 +119,17 @@ def test_cli_coordinator_replays_a_trace_over_agents(tmp_path):
         for p in agents:
             if p.poll() is None:
                 p.kill()
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"coordinator listening on 127.0.0.1:{port}" in proc.stdout
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
-    expected, trainer = reference(plan, 6)
+    expected, trainer = reference(plan, 10)
     assert [x["loss"] for x in lines if "event" not in x] == pytest.approx(expected, rel=1e-5)
     failures = [x for x in lines if x.get("event") == "failure"]
-    assert [f["failed"] for f in failures] == [[3], [2]]
-    assert "node 'slow0' lost" in failures[1]["cause"]["2"]
+    assert failures[0]["failed"] == [3]
+    # Device 2 may be idle in the survivors' plan: its node's loss is then seen by its agent's silence only,
+    # steps later, and nothing is redone (or the run is already saving: the others do not wait for it).
+    late = "device 2 (idle in the plan) failed while the run finished: node 'slow0' lost" in proc.stdout
+    assert [f["failed"] for f in failures[1:]] == ([] if late else [[2]]), proc.stdout
+    assert late or "node 'slow0' lost" in failures[1]["cause"]["2"]
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
     assert [p.returncode for p in agents] == [0, -9]
