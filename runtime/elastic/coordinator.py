@@ -95,6 +95,7 @@ class Training:
             hold = step == c.last or step + 1 in c.switches or c.growth is not None
             c.ready.pop((c.gen, step), None)
             c.send(c.active, Commit(c.gen, step, "hold" if hold else "next"))
+            c.holding = hold and step < c.last
             c.committed = step
             c.committers[step] = set(c.active)
             c.inject(step + 1)
@@ -106,6 +107,8 @@ class Training:
             c.start_switch(c.committed + 1)
         elif c.recorded == c.committed and c.growth is not None:
             c.start_growth()
+        elif c.recorded == c.committed and c.holding:
+            c.release()
 
 
 @dataclass
@@ -276,6 +279,7 @@ class ElasticPolicy:
         self.node_kills: dict[int, list[str]] = {}
         for k in run.options.node_kills:
             self.node_kills.setdefault(k.step, []).append(k.node)
+        self.holding = False  # the last commit said "hold" before the run's last step
         self.admit: dict[int, set[int]] = {}  # step -> returning devices its commit waits for
         self.unplaced: dict[int, float] = {}  # returning device -> until when to wait for its node's agent
         self._note_single_copies()
@@ -461,23 +465,22 @@ class ElasticPolicy:
         self.log(f"device(s) {_devs(joining)} will join after step {self.committed + 1}: {target.describe()} "
                  f"(decided in {decide_s:.3f} s)")
 
+    def release(self) -> None:
+        """The devices hold for a growth that a failure of the joining device voided: a switch to the plan
+        they run (nothing moves between devices) lets them go on."""
+        self.log(f"the devices held after step {self.committed} go on with {self.ref.describe()}")
+        self.start_transition(self.ref, None, self.committed + 1, 0.0, None)
+
     def start_growth(self) -> None:
         """A new world with the joining devices in it; every state tensor moves by one fused BSR."""
         g = self.growth
         assert g is not None
         self.growth = None
-        t0 = time.perf_counter()
-        bsr = plan_switch(self.ref, g.target, ())
-        plan_s = time.perf_counter() - t0
         self.gen += 1
-        self.epoch += 1
-        members = self.alive | set(g.joining)
-        t = Transition(self.epoch, self.ref, g.target, self.committed, bsr, World.of(self.gen, sorted(members)))
         for d in g.joining:
             del self.waiting[d]
-        self.alive = members
-        self.phase = Switching(t, time.monotonic(), self.committed, plan_s + g.decide_s, g)
-        self.send(self.alive, t)
+        self.alive |= set(g.joining)
+        self.start_transition(g.target, World.of(self.gen, sorted(self.alive)), self.committed + 1, g.decide_s, g)
 
     def _check_errors(self) -> None:
         now = time.monotonic()
@@ -566,6 +569,7 @@ class ElasticPolicy:
         self.gen += 1
         self.epoch += 1
         t = Transition(self.epoch, source, target, self.committed, bsr, World.of(self.gen, sorted(self.alive)))
+        self.holding = False  # whatever the last commit said, the survivors go on after this transition
         inc.transition = t
         inc.attempts += 1
         inc.t_sent = time.monotonic()
@@ -573,13 +577,18 @@ class ElasticPolicy:
         self.send(self.alive, t)
 
     def start_switch(self, step: int) -> None:
-        target = self.switches.pop(step)
+        self.start_transition(self.switches.pop(step), None, step, 0.0, None)
+
+    def start_transition(self, target: StrategyHandle, world: World | None, step: int, decide_s: float,
+                         growth: Growth | None) -> None:
+        """Send every member the transition to ``target`` (in ``world``, or the current one) before ``step``."""
         t0 = time.perf_counter()
         bsr = plan_switch(self.ref, target, ())
-        plan_s = time.perf_counter() - t0
+        plan_s = time.perf_counter() - t0 + decide_s
         self.epoch += 1
-        t = Transition(self.epoch, self.ref, target, self.committed, bsr, None)
-        self.phase = Switching(t, time.monotonic(), step, plan_s)
+        self.holding = False
+        t = Transition(self.epoch, self.ref, target, self.committed, bsr, world)
+        self.phase = Switching(t, time.monotonic(), step if growth is None else step - 1, plan_s, growth)
         self.send(self.alive, t)
 
     def _after_first_step(self, step: int) -> None:
