@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Mapping
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from planner.api import PlanSettings, plan
 from planner.cost import CostModel
 from runtime.comm.bsr import BsrPlan
+from runtime.elastic.events import TraceEvent
 from runtime.elastic.state import STATE_SUFFIXES, LostTensor, describe_lost, lost_tensors, plan_switch
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.profiling.profile import DeviceProfile, ProfileSet
@@ -267,5 +269,234 @@ def repair(current: StrategyHandle, failed: Collection[int],
     return dataclasses.replace(ctx.plan, strategies=(repaired,)), est.step_time_s
 
 
-__all__ = ["DEFAULT_TOLERANCE", "LostStateError", "Option", "ReplanResult", "RestartCost", "RestartModel",
-           "choose", "repair", "replan", "restart_cost"]
+@dataclass(frozen=True)
+class SwitchModel:
+    """What an in-memory switch costs besides moving the state (the fused BSR, priced from its bytes):
+    every member forms a new world and its process groups, and builds its program."""
+
+    regroup_s: float = 2.0  # new world, process groups, program build (measured ~0.3-1 s on cpu-hetero4)
+
+    def __post_init__(self) -> None:
+        if self.regroup_s < 0:
+            raise ValueError("regroup_s must not be negative")
+
+
+@dataclass(frozen=True)
+class GrowResult:
+    """Whether to adopt returning devices now: the best plan with them, and gain against cost."""
+
+    joining: tuple[int, ...]
+    current_step_time_s: float
+    step_time_s: float  # the best plan with the joining devices (inf when none fits)
+    steps_left: int
+    gain_s: float  # (current - new step time) x steps left
+    switch_s: float  # modelled: the fused BSR plus SwitchModel.regroup_s
+    adopt: bool
+    context: PlanContext | None
+    reason: str
+
+
+def grow(current: StrategyHandle, joining: Collection[int], profiles: Mapping[str, DeviceProfile] | ProfileSet, *,
+         steps_left: int, time_limit_s: float = 60.0, switch: SwitchModel | None = None,
+         model_ref: str | None = None, cluster_ref: str | None = None) -> GrowResult:
+    """The plan on ``current``'s devices plus ``joining`` (elastic when they allow it, ZeRO off), adopted
+    only when the step time it saves over ``steps_left`` steps beats the modelled cost of switching to it
+    (the state's fused BSR from its holders, plus regrouping)."""
+    ctx = current.ctx
+    joining = tuple(sorted(set(joining) - set(current.devices)))
+    unknown = [d for d in joining if not 0 <= d < ctx.cluster.num_devices]
+    if unknown:
+        raise HspmdError(f"--rejoin-device: device(s) {unknown} are not in cluster {ctx.cluster.name!r} "
+                         f"(devices 0-{ctx.cluster.num_devices - 1})")
+    switch = switch or SwitchModel()
+    t = ctx.plan.training
+    cur = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
+    current_time = cur.estimate(current.strategy, t.global_batch, t.schedule, False).step_time_s
+    devices = tuple(sorted(set(current.devices) | set(joining)))
+    settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=True,
+                            use_zero=False, time_limit_s=time_limit_s, top_k=1, seed=t.seed, optimizer=t.optimizer,
+                            schedule=t.schedule)
+    try:
+        result = plan(ctx.model, ctx.cluster, profiles, settings, devices=devices, baselines=False)
+    except InfeasibleError:
+        result = plan(ctx.model, ctx.cluster, profiles, dataclasses.replace(settings, elastic=False),
+                      devices=devices, baselines=False)
+    best = result.candidates[0]
+    p = result.to_plan(model_ref or ctx.plan.model, cluster_ref or ctx.plan.cluster, 0)
+    target_ctx = PlanContext(p, ctx.model, ctx.cluster, ctx.path)
+    target = StrategyHandle.of(target_ctx)
+    bsr = plan_switch(current, target, ())
+    switch_s = bsr.modelled_time(ctx.cluster) + switch.regroup_s
+    gain = (current_time - best.step_time_s) * steps_left
+    uses = sorted(set(target.devices) & set(joining))
+    adopt = bool(uses) and gain > switch_s
+    what = (f"with device(s) {', '.join(map(str, joining))}: {best.step_time_s:.4g} s/step predicted vs "
+            f"{current_time:.4g} s now; over {steps_left} step(s) left that saves {gain:.3g} s against a modelled "
+            f"switch of {switch_s:.3g} s ({bsr.total_bytes / 1e6:.3g} MB)")
+    reason = (f"adopt {what}" if adopt else
+              f"stay: the best plan leaves device(s) {', '.join(map(str, joining))} idle" if not uses else
+              f"stay: {what}")
+    return GrowResult(joining, current_time, best.step_time_s, steps_left, gain, switch_s, adopt,
+                      target_ctx if adopt else None, reason)
+
+
+# -- a failure trace, modelled (hspmd simulate --events, scripts/bench_elastic.py) ---------------------------
+
+
+@dataclass(frozen=True)
+class TraceModel:
+    """How the three ways of surviving failures are priced over a trace (every assumption a field).
+
+    * **hspmd**: a failure costs detection, the replan (the planner's own wall time, measured here), the
+      fused BSR of the chosen plan (modelled) plus regrouping, and half a step (the step in flight is
+      redone); a return costs the grow decision and its switch, adopted only when it pays.
+    * **restart** (Megatron / DeepSpeed with torchrun): the node of a failed device is dropped whole (only
+      the failed devices when no whole node would be left) and the job restarts from its last checkpoint
+      on the remaining whole nodes (``RestartCost``: write, read,
+      process restart, half a checkpoint interval lost); a node that is whole again is taken back with a
+      planned restart (checkpoint written and read, no work lost).
+    * **oobleck-like**: fixed pipeline templates: a failure drops the pipelines it broke and spreads their
+      micro-batches over the others (``repair``: nothing is re-planned, no TP or layer split changes);
+      when every pipeline is whole again the original plan is re-instantiated and the returning
+      pipelines' state is broadcast from one replica over one inter-node link (no balancing over holders).
+      No intact pipeline left: a restart.
+    """
+
+    detect_s: float = 1.0  # a death is seen at once, a lost node within its agent's heartbeat timeout
+    restart: RestartModel = RestartModel()
+    switch: SwitchModel = SwitchModel()
+    time_limit_s: float = 30.0  # the planner's limit per replan
+
+
+@dataclass
+class _Line:
+    """One approach's run through the trace."""
+
+    name: str
+    handle: StrategyHandle
+    step_time_s: float
+    time_s: float = 0.0
+    recovery: list[dict[str, object]] = dataclasses.field(default_factory=list)
+
+    def to_json(self, steps: int) -> dict[str, object]:
+        return {"total_s": self.time_s, "goodput_steps_per_s": steps / self.time_s if self.time_s else 0.0,
+                "events": self.recovery}
+
+
+def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int,
+                profiles: Mapping[str, DeviceProfile] | ProfileSet, model: TraceModel | None = None,
+                log: Callable[[str], None] = lambda _m: None) -> dict[str, object]:
+    """Goodput (steps per second over the whole trace) of hspmd, checkpoint-restart and an Oobleck-like
+    baseline on ``steps`` steps of ``current`` with the failures and returns of ``trace``."""
+    model = model or TraceModel()
+    ctx = current.ctx
+    t = ctx.plan.training
+    cluster = ctx.cluster
+    cm = CostModel.for_plan(ctx.plan, ctx.model, cluster, profiles)
+    t0_time = cm.estimate(current.strategy, t.global_batch, t.schedule, False).step_time_s
+    lines = {name: _Line(name, current, t0_time) for name in ("hspmd", "restart", "oobleck_like")}
+    node_of = {d.id: d.node for d in cluster.devices}
+    nodes = {n.name: {d.id for d in cluster.devices if d.node == n.name} for n in cluster.nodes}
+    original = current
+    plans: dict[tuple[int, ...], tuple[StrategyHandle, float]] = {}
+
+    def best_on(devices: Collection[int]) -> tuple[StrategyHandle, float]:
+        key = tuple(sorted(devices))
+        if key not in plans:
+            settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=False,
+                                    use_zero=False, time_limit_s=model.time_limit_s, top_k=1, seed=t.seed,
+                                    optimizer=t.optimizer, schedule=t.schedule)
+            result = plan(ctx.model, cluster, profiles, settings, devices=key, baselines=False)
+            p = result.to_plan(ctx.plan.model, ctx.plan.cluster, 0)
+            plans[key] = (StrategyHandle.of(PlanContext(p, ctx.model, cluster, ctx.path)),
+                          result.candidates[0].step_time_s)
+        return plans[key]
+
+    def restart_cost_s(step_time: float, lose_work: bool) -> float:
+        c = restart_cost(ctx.model, step_time, model.restart)
+        return c.write_s + c.read_s + c.restart_s + (c.lost_work_s if lose_work else 0.0)
+
+    down: set[int] = set()
+    events = sorted(trace, key=lambda e: e.step)
+    prev = 1
+    for e in events:
+        for line in lines.values():
+            line.time_s += (e.step - prev) * line.step_time_s
+        prev = e.step
+        if e.action == "rejoin":
+            down -= set(e.devices)
+        else:
+            down |= set(e.devices)
+        alive = [d for d in range(cluster.num_devices) if d not in down and d in set(original.devices) | set(e.devices)]
+        log(f"step {e.step}: {e.action} {list(e.devices)}")
+        # hspmd
+        h = lines["hspmd"]
+        t0 = time.perf_counter()
+        if e.action == "rejoin":
+            g = grow(h.handle, e.devices, profiles, steps_left=steps - e.step + 1, time_limit_s=model.time_limit_s,
+                     switch=model.switch)
+            cost = time.perf_counter() - t0 + (g.switch_s if g.adopt else 0.0)
+            if g.adopt and g.context is not None:
+                h.handle, h.step_time_s = StrategyHandle.of(g.context), g.step_time_s
+            h.recovery.append({"step": e.step, "event": "rejoin", "adopted": g.adopt, "cost_s": cost})
+        else:
+            try:
+                r = replan(h.handle, set(e.devices), profiles, time_limit_s=model.time_limit_s)
+                cost = (model.detect_s + time.perf_counter() - t0 + r.chosen.modelled_switch_s + model.switch.regroup_s
+                        + h.step_time_s / 2)
+                h.handle, h.step_time_s = StrategyHandle.of(r.context), r.chosen.step_time_s
+            except LostStateError:
+                survivors = [d for d in h.handle.devices if d not in e.devices]
+                h.handle, h.step_time_s = best_on(survivors)
+                cost = model.detect_s + restart_cost_s(h.step_time_s, True)
+            h.recovery.append({"step": e.step, "event": e.action, "cost_s": cost})
+        h.time_s += cost
+        # restart: whole nodes only
+        rs = lines["restart"]
+        usable = set(original.devices) | {x for ev in events for x in ev.devices}
+        whole = sorted(d for n, devs in nodes.items() if not devs & down for d in devs if d in usable)
+        if not whole:  # one node (or every node hit): it restarts without the failed devices only
+            whole = sorted(usable - down)
+        if set(whole) != set(rs.handle.devices):
+            lose = e.action != "rejoin"
+            rs.handle, rs.step_time_s = best_on(whole)
+            cost = (model.detect_s if lose else 0.0) + restart_cost_s(rs.step_time_s, lose)
+            rs.time_s += cost
+            rs.recovery.append({"step": e.step, "event": e.action, "cost_s": cost,
+                                "nodes_dropped": sorted({node_of[d] for d in down})})
+        # oobleck-like: fixed templates
+        ob = lines["oobleck_like"]
+        if e.action == "rejoin":
+            if not down & set(original.devices) and ob.handle is not original:
+                bsr = plan_switch(ob.handle, original, ())
+                cost = model.switch.regroup_s + bsr.total_bytes / (cluster.inter_node_bandwidth_gbs * 1e9)
+                ob.handle, ob.step_time_s = original, t0_time
+                ob.time_s += cost
+                ob.recovery.append({"step": e.step, "event": "rejoin", "cost_s": cost})
+        elif set(e.devices) & set(ob.handle.devices):
+            fixed = repair(ob.handle, set(e.devices), profiles)
+            if fixed is None:
+                ob.handle, ob.step_time_s = best_on([d for d in alive if d in set(ob.handle.devices)])
+                cost = model.detect_s + restart_cost_s(ob.step_time_s, True)
+            else:
+                p, ob.step_time_s = fixed
+                ob.handle = StrategyHandle.of(PlanContext(p, ctx.model, cluster, ctx.path))
+                cost = model.detect_s + model.switch.regroup_s + ob.step_time_s / 2
+            ob.time_s += cost
+            ob.recovery.append({"step": e.step, "event": e.action, "cost_s": cost})
+    for line in lines.values():
+        line.time_s += (steps - prev + 1) * line.step_time_s
+    out = {name: line.to_json(steps) for name, line in lines.items()}
+    gp = {name: steps / line.time_s for name, line in lines.items()}
+    return {"steps": steps, "events": len(events), "initial_step_time_s": t0_time, **out,
+            "modelled_goodput_over_restart": gp["hspmd"] / gp["restart"],
+            "modelled_goodput_over_oobleck_like": gp["hspmd"] / gp["oobleck_like"],
+            "assumptions": [TraceModel.__doc__.split("\n\n")[0].strip(),
+                            *restart_cost(ctx.model, t0_time, model.restart).assumptions(),
+                            f"detection {model.detect_s:g} s; regroup and program build {model.switch.regroup_s:g} s "
+                            "per switch"]}
+
+
+__all__ = ["DEFAULT_TOLERANCE", "GrowResult", "LostStateError", "Option", "ReplanResult", "RestartCost",
+           "RestartModel", "SwitchModel", "TraceModel", "choose", "grow", "model_trace", "repair", "replan",
+           "restart_cost"]

@@ -62,8 +62,15 @@ act "6. A device fails mid-run: replan on the survivors and switch in memory (no
 echo "what \`hspmd replan\` proposes if device 1 of the dp-pp plan fails, and what the switch costs against a restart:"
 hspmd replan --plan configs/plans/cpu-hetero4-sleep-dp-pp.yaml --strategy dp-pp --failed 1 --profile "$OUT/profiles"
 echo "now for real: device 1's worker is SIGKILLed at the start of step 6; the survivors abandon the step, the"
-echo "launcher replans, the survivors form a new process group, move the state by fused BSR and redo step 6"
+echo "launcher replans, the survivors form a new process group, move the state by fused BSR and redo step 6;"
+echo "device 1 returns for step 12: it joins if the planner predicts the gain beats the switch, and gets its state"
+echo "from the holders by fused BSR (no restart)"
 hspmd train --plan configs/plans/cpu-hetero4-sleep-dp-pp.yaml --strategy dp-pp --elastic --profile "$OUT/profiles" \
-  --kill-device 1 --at-step 6 --steps 10 --metrics "$OUT/elastic-metrics.jsonl"
-echo "the failure as logged in $OUT/elastic-metrics.jsonl:"
+  --kill-device 1 --at-step 6 --rejoin-device 1 --rejoin-at-step 12 --steps 24 --metrics "$OUT/elastic-metrics.jsonl"
+echo "the failure and the return as logged in $OUT/elastic-metrics.jsonl:"
 grep '"event"' "$OUT/elastic-metrics.jsonl"
+printf 'steps: 24\nevents:\n  - {step: 6, action: kill, devices: [1]}\n  - {step: 12, action: rejoin, devices: [1]}\n' \
+  > "$OUT/trace.yaml"
+echo "the same trace modelled: goodput against checkpoint-restart and an Oobleck-like baseline"
+hspmd simulate --plan configs/plans/cpu-hetero4-sleep-dp-pp.yaml --strategy dp-pp --profile "$OUT/profiles" \
+  --events "$OUT/trace.yaml"

@@ -32,10 +32,13 @@ from runtime.spec.io import atomic_write_text
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True, help="With --lengths: steps.")
 @click.option("--tokens-per-step", type=click.IntRange(min=1),
               help="With --lengths: tokens per step (default: the plan's training.tokens_per_step).")
+@click.option("--events", "events_file", type=click.Path(path_type=Path),
+              help="Model a failure trace instead (the --events file of hspmd train): goodput of hspmd vs "
+                   "checkpoint-restart vs an Oobleck-like baseline.")
 @FORMAT_OPTION
 def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str | None, cluster: str | None,
              trace_path: Path | None, lengths: str | None, steps: int, tokens_per_step: int | None,
-             fmt: str) -> None:
+             events_file: Path | None, fmt: str) -> None:
     """Simulate one training step of PLAN: step time, tokens/s, MFU, per-stage compute / comm /
     bubble, and peak memory per device with out-of-memory flags. With --lengths: a trace of steps of
     documents (per step: strategy, time, switch, idle per pipeline)."""
@@ -44,6 +47,9 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
         simulate_lengths(ctx, profile_dirs, lengths, steps, tokens_per_step, strategy_name, trace_path, fmt)
         return
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
+    if events_file is not None:
+        _events(ctx, strategy_name, profiles, events_file, fmt)
+        return
     strategy = ctx.plan.strategy(strategy_name)
     t = ctx.plan.training
     note = ctx.model.pricing_note(t.seq_len)
@@ -85,3 +91,25 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
         con.print(f"[red]out of memory on device(s) {', '.join(map(str, result.oom_devices))}[/red]")
     if trace_path is not None:
         con.print(f"trace: {trace_path} (open in https://ui.perfetto.dev)")
+
+
+def _events(ctx, strategy_name: str | None, profiles, events_file: Path, fmt: str) -> None:
+    from planner.replan import model_trace
+    from runtime.elastic.events import load_trace
+    from runtime.spec.handle import StrategyHandle
+
+    handle = StrategyHandle.of(ctx, strategy_name)
+    trace = load_trace(events_file, ctx.cluster, handle.devices)
+    steps = trace.steps or trace.events[-1].step + 100
+    out = model_trace(handle, trace.events, steps, profiles)
+    if fmt == "json":
+        emit_json(out)
+        return
+    con = console()
+    con.print(f"{steps} steps, {trace.failures} failure(s), {trace.returns} return(s); initial step time "
+              f"{out['initial_step_time_s']:.3f} s")
+    for name in ("hspmd", "restart", "oobleck_like"):
+        line = out[name]
+        con.print(f"  {name:13s} {line['total_s']:10.1f} s, goodput {line['goodput_steps_per_s']:.4f} steps/s")
+    con.print(f"goodput over restart {out['modelled_goodput_over_restart']:.2f}x, over oobleck-like "
+              f"{out['modelled_goodput_over_oobleck_like']:.2f}x (modelled)")

@@ -16,9 +16,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hetu_cli.output import console, err_console
+from runtime.elastic.agents import DEFAULT_PORT
 from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
-from runtime.launch.options import PlannedSwitch
+from runtime.launch.options import NodeKill, PlannedSwitch, Rejoin
 from runtime.launch.session import TRACE_MERGED
 from runtime.launch.supervise import PlainPolicy
 from runtime.precision import PRECISIONS
@@ -143,6 +144,20 @@ class StepDisplay:
 @click.option("--replan-tolerance", type=click.FloatRange(min=0.0), default=0.05, show_default=True,
               help="--elastic: candidates this close to the fastest count as equally fast; the one moving the "
                    "least state wins.")
+@click.option("--rejoin-device", "rejoin_devices", multiple=True, type=int, metavar="D",
+              help="--elastic: device D returns at the start of --rejoin-at-step (or --at-step) K: a worker is "
+                   "started for it and joins the running job when the predicted gain beats the switch cost.")
+@click.option("--rejoin-at-step", "rejoin_step", type=click.IntRange(min=1), metavar="K",
+              help="The step at which --rejoin-device returns (default: --at-step).")
+@click.option("--events", "events_file", type=click.Path(path_type=Path),
+              help="--elastic: replay a failure trace (YAML: events: [{step, action: kill|hang|rejoin, devices: [..] "
+                   "| node: NAME}]).")
+@click.option("--agents", "agents", type=click.IntRange(min=1), metavar="N",
+              help="--elastic: run the workers on N node agents (`hspmd agent --coordinator HOST:PORT --node NAME "
+                   "--token T` on each node) instead of on this machine.")
+@click.option("--bind", default=f"127.0.0.1:{DEFAULT_PORT}", show_default=True, metavar="HOST:PORT",
+              help="--agents: where the coordinator's store listens (loopback unless told otherwise).")
+@click.option("--token", help="--agents: the job token every agent must present.")
 @click.option("--precision", type=click.Choice(PRECISIONS), default="auto", show_default=True,
               help="Autocast policy: auto = bf16 on CUDA and fp32 on CPU; fp32 = no autocast; bf16 = bf16 autocast "
                    "on every device, the CPU included. Master weights and optimizer states stay fp32.")
@@ -151,17 +166,29 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
           save_dir: Path | None, load_dir: Path | None, timeout_s: float | None,
           elastic: bool, switch_specs: tuple[str, ...], kill_devices: tuple[int, ...], hang_devices: tuple[int, ...],
           fault_step: int | None, heartbeat_timeout_s: float | None, profile_dirs: tuple[Path, ...],
-          replan_tolerance: float, precision: str) -> None:
+          replan_tolerance: float, rejoin_devices: tuple[int, ...], rejoin_step: int | None,
+          events_file: Path | None, agents: int | None, bind: str, token: str | None, precision: str) -> None:
     """Train with PLAN: every device runs its own specialized program (gloo on CPU, NCCL on GPU).
 
     Started by torchrun (`torchrun ... -m hetu_cli train --plan PLAN`), runs as one of its workers
     instead of launching its own: the multi-node path (README, 'Training').
     """
-    faults = _faults(kill_devices, hang_devices, fault_step)
     if lengths is not None and data_file is not None:
         raise HspmdError("--lengths: synthetic documents or --data FILE, not both")
     if tokenizer is not None and data_file is None:
         raise HspmdError("--tokenizer: tokenizes --data FILE; give the file")
+    faults = _faults(kill_devices, hang_devices, fault_step, bool(rejoin_devices))
+    rejoins = _rejoins(rejoin_devices, rejoin_step, fault_step, bool(faults))
+    node_kills: tuple[NodeKill, ...] = ()
+    if (rejoins or events_file or agents) and not elastic:
+        raise HspmdError("--rejoin-device, --events and --agents need --elastic")
+    if agents is not None and not token:
+        raise HspmdError("--agents: give the job token with --token (every agent presents it)")
+    if events_file is not None:
+        trace = _trace(plan, strategy, events_file)
+        faults, rejoins, node_kills = faults + trace.faults(), rejoins + trace.rejoins(), trace.node_kills()
+        if node_kills and agents is None:
+            raise HspmdError(f"{events_file}: a node kill needs node agents (--agents N)")
     if timeout_s is None:
         timeout_s = ELASTIC_TIMEOUT_S if elastic else TrainOptions.timeout_s
     if heartbeat_timeout_s is None:
@@ -170,7 +197,8 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
                            save_dir=save_dir, load_dir=load_dir, timeout_s=timeout_s,
                            heartbeat_timeout_s=heartbeat_timeout_s, faults=faults, elastic=elastic,
                            switches=tuple(_parse_switch(s) for s in switch_specs), precision=precision,
-                           lengths=lengths, tokenizer=tokenizer, long_documents=long_documents)
+                           lengths=lengths, tokenizer=tokenizer, long_documents=long_documents,
+                           rejoins=rejoins, node_kills=node_kills)
     env = TorchrunEnv.detect(os.environ)
     if env is not None and (options.coordinated or faults):
         raise HspmdError("--elastic, --switch and fault injection run under hspmd's own launcher, not torchrun")
@@ -200,7 +228,17 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
                 from runtime.elastic.coordinator import ElasticPolicy
 
                 replan = _planner_replan(profile_dirs, replan_tolerance, display.log) if elastic else None
-                launch(options, ElasticPolicy(replan, on_event), on_step=on_step, on_log=display.log)
+                grow = _planner_grow(profile_dirs, display.log) if elastic else None
+                policy = ElasticPolicy(replan, on_event, grow)
+                if agents is not None:
+                    from runtime.elastic.agents import AgentSettings, launch_agents, parse_address
+
+                    host, port = parse_address(bind, "--bind")
+                    assert token is not None
+                    launch_agents(options, policy, AgentSettings(agents, token, host, port), on_step=on_step,
+                                  on_log=display.log)
+                else:
+                    launch(options, policy, on_step=on_step, on_log=display.log)
             else:
                 launch(options, PlainPolicy(), on_step=on_step, on_log=display.log)
     except HspmdError as err:
@@ -215,10 +253,10 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     _summary(display.records, metrics, trace_dir, save_dir)
 
 
-def _faults(kill: tuple[int, ...], hang: tuple[int, ...], step: int | None) -> tuple[Fault, ...]:
+def _faults(kill: tuple[int, ...], hang: tuple[int, ...], step: int | None, rejoin: bool = False) -> tuple[Fault, ...]:
     if (kill or hang) and step is None:
         raise HspmdError("--kill-device/--hang-device: say when with --at-step K")
-    if step is not None and not (kill or hang):
+    if step is not None and not (kill or hang or rejoin):
         raise HspmdError("--at-step: give the device to fail with --kill-device D or --hang-device D")
     both = sorted(set(kill) & set(hang))
     if both:
@@ -226,6 +264,29 @@ def _faults(kill: tuple[int, ...], hang: tuple[int, ...], step: int | None) -> t
     assert step is not None or not (kill or hang)
     return tuple(Fault(d, step, "kill") for d in sorted(set(kill))) + \
         tuple(Fault(d, step, "hang") for d in sorted(set(hang)))  # type: ignore[arg-type]
+
+
+def _rejoins(devices: tuple[int, ...], step: int | None, fault_step: int | None, faults: bool) -> tuple[Rejoin, ...]:
+    if step is not None and not devices:
+        raise HspmdError("--rejoin-at-step: give the returning device with --rejoin-device D")
+    if not devices:
+        return ()
+    if step is None:
+        if faults:
+            raise HspmdError("--rejoin-device: a device cannot fail and return at the same --at-step: say when it "
+                             "returns with --rejoin-at-step K")
+        step = fault_step
+    if step is None:
+        raise HspmdError("--rejoin-device: say when with --rejoin-at-step K (or --at-step K)")
+    return tuple(Rejoin(d, step) for d in sorted(set(devices)))
+
+
+def _trace(plan: Path, strategy: str | None, events_file: Path):
+    from runtime.elastic.events import load_trace
+    from runtime.spec import load_plan_context
+
+    ctx = load_plan_context(plan)
+    return load_trace(events_file, ctx.cluster, ctx.plan.strategy(strategy).devices)
 
 
 def _parse_switch(spec: str) -> PlannedSwitch:
@@ -271,6 +332,26 @@ def _dispatch_switch_event(r: StepRecord) -> dict:
             "modelled_gain_s": r.switch_gain_s}
 
 
+def _planner_grow(profile_dirs: tuple[Path, ...], log):
+    """The runtime's Grower: a plan with the joining devices, adopted only when the predicted gain over the
+    steps left beats the modelled switch cost (planner/replan.py ``grow``)."""
+
+    def grow(joining, ctx, strategy, steps_left):
+        from hetu_cli.commands.replan import plan_refs
+        from planner.replan import grow as plan_with
+        from runtime.profiling.profile import resolve_profiles
+        from runtime.spec.handle import StrategyHandle
+
+        profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
+        model_ref, cluster_ref = plan_refs(ctx)
+        result = plan_with(StrategyHandle.of(ctx, strategy), joining, profiles, steps_left=steps_left,
+                           model_ref=model_ref, cluster_ref=cluster_ref)
+        log(f"grow: {result.reason}")
+        return result.context if result.adopt else None
+
+    return grow
+
+
 def _event_line(e: dict) -> str:
     if e.get("cause") == "dispatch":
         why = (f"modelled gain {e['modelled_gain_s'] * 1e3:.3g} ms > switch cost {e['modelled_cost_s'] * 1e3:.3g} ms"
@@ -283,6 +364,10 @@ def _event_line(e: dict) -> str:
                 f"{e['replan_s']:.3f} s, regroup {e['regroup_s']:.3f} s, transfer {e['transfer_s']:.3f} s "
                 f"({e['switch_bytes'] / 1e6:.3g} MB), total {e['total_s']:.3f} s; step {e['step']} redone "
                 f"{e['recovery_s']:.3f} s after detection")
+    if e.get("event") == "rejoin":
+        return (f"device(s) {', '.join(map(str, e['joined']))} rejoined at step {e['step']}: now {e['to']}; "
+                f"switch {e['total_s']:.3f} s (regroup {e['regroup_s']:.3f} s, transfer {e['transfer_s']:.3f} s, "
+                f"{e['switch_bytes'] / 1e6:.3g} MB)")
     return (f"switch at step {e['step']} to {e['to']}: specialize {e['specialize_s']:.3f} s, transfer "
             f"{e['transfer_s']:.3f} s ({e['switch_bytes'] / 1e6:.3g} MB), total {e['total_s']:.3f} s")
 

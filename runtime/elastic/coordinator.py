@@ -40,6 +40,11 @@ Replanner = Callable[[frozenset[int], PlanContext, str], PlanContext]
 """``replan(failed devices, current plan, current strategy) -> plan for the survivors`` (its first
 strategy is used). Supplied by the CLI (which calls the planner); the runtime never imports it."""
 
+Grower = Callable[[frozenset[int], PlanContext, str, int], PlanContext | None]
+"""``grow(joining devices, current plan, current strategy, steps left) -> a plan using them, or None``
+when the predicted gain over the steps left does not beat the modelled switch cost (the CLI's calls
+planner/replan.py ``grow``)."""
+
 ERROR_GRACE_S = 1.0  # a worker's error with no device failure within this window is a genuine error
 LEAVE_MARGIN_S = 5.0  # beyond the op timeout, how long a survivor may take to leave a failed step
 
@@ -86,18 +91,24 @@ class Training:
 
     def advance(self, c: ElasticPolicy) -> None:
         step = c.committed + 1
-        if step <= c.last and set(c.active) <= c.ready.get((c.gen, step), set()):
-            then = "hold" if step == c.last or step + 1 in c.switches else "next"
+        if step <= c.last and set(c.active) <= c.ready.get((c.gen, step), set()) and c.admitted(step):
+            hold = step == c.last or step + 1 in c.switches or c.growth is not None
             c.ready.pop((c.gen, step), None)
-            c.send(c.active, Commit(c.gen, step, then))
+            c.send(c.active, Commit(c.gen, step, "hold" if hold else "next"))
+            c.holding = hold and step < c.last
             c.committed = step
             c.committers[step] = set(c.active)
+            c.inject(step + 1)
             c.collect_records()
         if c.recorded == c.last:
             c.phase = Finishing()
-            c.send(c.alive, Finish())
+            c.send(c.alive | set(c.waiting), Finish())
         elif c.recorded == c.committed and c.committed + 1 in c.switches:
             c.start_switch(c.committed + 1)
+        elif c.recorded == c.committed and c.growth is not None:
+            c.start_growth()
+        elif c.recorded == c.committed and c.holding:
+            c.release()
 
 
 @dataclass
@@ -128,6 +139,7 @@ class Switching:
     since: float
     step: int = 0
     plan_s: float = 0.0
+    growth: Growth | None = None  # devices joining the job (a new world with them in it)
 
     def advance(self, c: ElasticPolicy) -> None:
         got = c.switched.get(c.epoch, {})
@@ -146,6 +158,13 @@ class Switching:
             c.reported_incident, c.incident = inc, None
             c.log(f"switched to {t.target.describe()} in {now - (inc.t_sent or now):.3f} s "
                   f"({_bytes(t.bsr.total_bytes)} moved); redoing step {inc.step}")
+        elif self.growth is not None:
+            g = self.growth
+            c.report(_growth_event(self, g, now, got),
+                     lambda e: f"device(s) {_devs(g.joining)} joined after step {self.step}: now "
+                               f"{t.target.describe()}; "
+                               f"switch {e['total_s']:.3f} s (regroup {e['regroup_s']:.3f} s, transfer "
+                               f"{e['transfer_s']:.3f} s, {_bytes(e['switch_bytes'])})")
         else:
             c.report(_switch_event(self, now, got, c.ref),
                      lambda e: f"switched at step {self.step} to {t.target.describe()} in {e['total_s']:.3f} s "
@@ -155,6 +174,15 @@ class Switching:
 
 class Finishing:
     """The last step is recorded: every device saves, writes its trace and exits. A failure is fatal."""
+
+
+@dataclass(frozen=True)
+class Growth:
+    """Devices to adopt at the next step boundary, and the plan that uses them (decided in ``decide_s``)."""
+
+    joining: tuple[int, ...]
+    target: StrategyHandle
+    decide_s: float
 
 
 Phase = Training | Leaving | Switching | Finishing
@@ -180,8 +208,9 @@ class ElasticPolicy:
     worker_loop = staticmethod(elastic_worker)
 
     def __init__(self, replan: Replanner | None = None,
-                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_event: Callable[[dict[str, Any]], None] | None = None, grow: Grower | None = None) -> None:
         self.replan = replan
+        self.grow = grow
         self.on_event = on_event
         self.failures = FailureLog(ERROR_GRACE_S)
 
@@ -206,6 +235,16 @@ class ElasticPolicy:
                              "before the survivors' collectives time out")
         last = self.first_step - 1 + options.steps
         self.switches = {sw.step: _switch_target(sw, ctx, self.first_step, last) for sw in options.switches}
+        for what, step in [(f"rejoin of device {r.device}", r.step) for r in options.rejoins] + \
+                [(f"kill of node {k.node!r}", k.step) for k in options.node_kills]:
+            if not self.first_step < step <= last:
+                raise HspmdError(f"{what} at step {step}: the step must come after the first step of the run "
+                                 f"({self.first_step}) and at most at its last ({last})")
+        nodes = {n.name for n in ctx.cluster.nodes}
+        for k in options.node_kills:
+            if k.node not in nodes:
+                raise HspmdError(f"node kill at step {k.step}: unknown node {k.node!r} (cluster "
+                                 f"{ctx.cluster.name!r} has nodes {', '.join(sorted(nodes))})")
         return sorted(set(StrategyHandle.of(ctx, strategy).devices).union(*(t.devices for t in self.switches.values())))
 
     def begin(self, run: Run) -> None:
@@ -230,7 +269,21 @@ class ElasticPolicy:
         self.reported_incident: _Incident | None = None
         self.failure_times: list[float] = []
         self.committers: dict[int, set[int]] = {}  # step -> the devices told to commit it
+        self.error_grace_s = ERROR_GRACE_S + run.loss_detect_s
+        self.waiting: dict[int, WorkerHandle] = {}  # joining devices: started, in no world yet
+        self.declined: set[int] = set()  # joining devices the grower turned down (asked again with others)
+        self.growth: Growth | None = None
+        self.rejoins: dict[int, list[int]] = {}
+        for r in run.options.rejoins:
+            self.rejoins.setdefault(r.step, []).append(r.device)
+        self.node_kills: dict[int, list[str]] = {}
+        for k in run.options.node_kills:
+            self.node_kills.setdefault(k.step, []).append(k.node)
+        self.holding = False  # the last commit said "hold" before the run's last step
+        self.admit: dict[int, set[int]] = {}  # step -> returning devices its commit waits for
+        self.unplaced: dict[int, float] = {}  # returning device -> until when to wait for its node's agent
         self._note_single_copies()
+        self.inject(self.first_step)
 
     @property
     def active(self) -> tuple[int, ...]:
@@ -240,6 +293,8 @@ class ElasticPolicy:
 
     def on_message(self, w: WorkerHandle, msg: object) -> None:
         d = w.device
+        if self.workers.get(d) is not w:
+            return  # the late word of a device's earlier worker (it has rejoined since)
         if isinstance(msg, StepDone):
             self.reports.setdefault(msg.report.step, []).append(msg.report)
         elif isinstance(msg, Ready):
@@ -258,6 +313,21 @@ class ElasticPolicy:
 
     def on_failure(self, w: WorkerHandle, kind: str, how: str) -> None:
         d = w.device
+        if self.workers.get(d) is not w:
+            return  # a device's earlier worker (it has rejoined since)
+        if d in self.waiting:
+            w.failed = True
+            w.kill()
+            del self.waiting[d]
+            self.log(f"device {d} failed before it joined the job: {how}")
+            if self.growth is not None and d in self.growth.joining:
+                self.growth = None
+            return
+        if isinstance(self.phase, Finishing) and self.options.elastic and d not in self.active:
+            w.failed = True  # idle in the plan: it has nothing to save, and the others do not wait for it
+            self.alive.discard(d)
+            self.log(f"device {d} (idle in the plan) failed while the run finished: {how}")
+            return
         starting = not all(self.workers[x].up for x in self.alive)
         if not self.options.elastic or isinstance(self.phase, Finishing) or starting:
             # Recovery starts once every program is built (the state exists); before that, or while
@@ -270,8 +340,10 @@ class ElasticPolicy:
         self.failed[d] = how
         self.alive.discard(d)
         self.failure_times.append(time.monotonic())
-        if w.process.is_alive():
-            w.process.kill()  # a hung process: killing it closes its sockets, so its peers fail fast
+        # A growth decided on the plan before this failure is void; the spares are reconsidered after it.
+        self.growth = None
+        self.declined.clear()
+        w.kill()  # a hung process: killing it closes its sockets, so its peers fail fast
         inc = self.incident
         if inc is None:
             step = self.committed + 1
@@ -290,9 +362,125 @@ class ElasticPolicy:
             return False
         self.collect_records()
         if isinstance(self.phase, Finishing):
-            return all(self.workers[d].finished for d in self.alive)
+            return all(self.workers[d].finished for d in self.alive | set(self.waiting))
+        self._returned()
+        scheduled = {d for due in self.admit.values() for d in due}
+        if isinstance(self.phase, Training) and self.growth is None and not scheduled & set(self.waiting):
+            self._consider_growth()  # a device returning unannounced (a scheduled one: when its step comes)
         self.phase.advance(self)
         return False
+
+    # -- devices joining a running job ----------------------------------------------------------------------
+
+    def inject(self, step: int) -> None:
+        """The injected events due at the start of ``step`` (tests, demos, --events traces): nodes lost at
+        ``step``; devices returning at ``step + 1`` start now, so that they are up when ``step`` ends and
+        train from ``step + 1`` on (``admitted``: the commit of ``step`` waits for their start-up)."""
+        for node in self.node_kills.pop(step, []):
+            if self.run.source is None:
+                raise HspmdError(f"node kill at step {step}: this launcher has no nodes to lose")
+            self.log(f"fault injection: killing the agent of node {node!r} at the start of step {step}")
+            self.run.source.kill_node(node)
+        for d in self.rejoins.pop(step + 1, []):
+            self.log(f"device {d} returns: its worker starts now, to train from step {step + 1}")
+            self.admit.setdefault(step, set()).add(d)
+            try:
+                self.start_joiner(d)
+            except HspmdError as err:
+                # Its node's agent is not back yet: the commit of ``step`` waits for it (up to an op timeout).
+                self.unplaced[d] = time.monotonic() + self.options.timeout_s
+                self.log(f"device {d} waits for its node: {'; '.join(err.lines())}")
+
+    def admitted(self, step: int) -> bool:
+        """Whether ``step`` may be committed: the devices due to return after it are up (or failed, or
+        their node did not come back within an op timeout)."""
+        due = self.admit.get(step)
+        if not due:
+            return True
+        for d in sorted(due):
+            if d in self.unplaced:
+                if time.monotonic() < self.unplaced[d]:
+                    return False
+                del self.unplaced[d]
+                due.discard(d)
+                self.log(f"device {d} did not return: its node has no agent")
+            elif d in self.waiting and not self.waiting[d].up:
+                return False
+        del self.admit[step]
+        self._consider_growth()
+        return True
+
+    def _returned(self) -> None:
+        source = self.run.source
+        back = source.returned_devices() if source is not None else []
+        scheduled = {d for ds in self.rejoins.values() for d in ds}
+        for d in back:
+            if d in scheduled:
+                continue  # a trace says when it returns: its worker starts then
+            self.unplaced.pop(d, None)
+            try:
+                self.start_joiner(d)
+            except HspmdError as err:
+                self.log(f"device {d} cannot join: {'; '.join(err.lines())}")
+
+    def start_joiner(self, d: int) -> None:
+        """Start a worker for device ``d``, to join the job once it is up (if the grower wants it)."""
+        if d in self.alive or d in self.waiting:
+            self.log(f"device {d} is already in the job: nothing to rejoin")
+            return
+        if self.run.source is None or self.run.make_spec is None:
+            raise HspmdError(f"device {d} cannot rejoin: this launcher starts no workers during a run")
+        w = self.run.source.start(self.run.make_spec(d), self.worker_loop)
+        self.workers[d] = w
+        self.waiting[d] = w
+        self.failed.pop(d, None)
+        self.declined.discard(d)
+
+    def _consider_growth(self) -> None:
+        up = frozenset(d for d, w in self.waiting.items() if w.up)
+        if self.growth is not None or not up or up <= self.declined or self.committed + 2 > self.last:
+            return
+        if self.grow is None:
+            self.declined |= up
+            self.log(f"device(s) {_devs(up)} are up but no grower was given: they stay spare")
+            return
+        t0 = time.perf_counter()
+        try:
+            new_ctx = self.grow(up, self.ref.ctx, self.ref.name, self.last - self.committed - 1)
+        except HspmdError as err:
+            new_ctx = None
+            self.log(f"no plan with device(s) {_devs(up)}: {'; '.join(err.lines())}")
+        decide_s = time.perf_counter() - t0
+        if new_ctx is None:
+            self.declined |= up
+            self.log(f"device(s) {_devs(up)} stay spare (not worth a switch now)")
+            return
+        target = StrategyHandle.of(new_ctx)
+        bad = sorted(set(target.devices) - self.alive - up)
+        if bad:
+            raise RuntimeError(f"the grower's plan uses devices {bad} that are not in the job")
+        check_compatible(self.ref.ctx, target.ctx)
+        joining = tuple(sorted(set(target.devices) & up))
+        self.growth = Growth(joining, target, decide_s)
+        self.log(f"device(s) {_devs(joining)} will join after step {self.committed + 1}: {target.describe()} "
+                 f"(decided in {decide_s:.3f} s)")
+
+    def release(self) -> None:
+        """The devices hold for a growth that a failure of the joining device voided: a switch to the plan
+        they run (nothing moves between devices) lets them go on."""
+        self.log(f"the devices held after step {self.committed} go on with {self.ref.describe()}")
+        self.start_transition(self.ref, None, self.committed + 1, 0.0, None)
+
+    def start_growth(self) -> None:
+        """A new world with the joining devices in it; every state tensor moves by one fused BSR."""
+        g = self.growth
+        assert g is not None
+        self.growth = None
+        self.gen += 1
+        for d in g.joining:
+            del self.waiting[d]
+        self.alive |= set(g.joining)
+        self.start_transition(g.target, World.of(self.gen, sorted(self.alive)), self.committed + 1, g.decide_s, g)
 
     def _check_errors(self) -> None:
         now = time.monotonic()
@@ -300,9 +488,9 @@ class ElasticPolicy:
         for t, w, info in self.errors:
             # While survivors abandon a step their collectives fail (peers vanish or leave): consequences.
             # Otherwise an error is one only if a device failed about when it happened.
-            if isinstance(self.phase, Leaving) or any(abs(t - f) <= ERROR_GRACE_S for f in self.failure_times):
+            if isinstance(self.phase, Leaving) or any(abs(t - f) <= self.error_grace_s for f in self.failure_times):
                 continue
-            if now - t < ERROR_GRACE_S:
+            if now - t < self.error_grace_s:
                 keep.append((t, w, info))
                 continue
             self.failures.add(w, info.kind, info.lines, info.traceback)
@@ -381,6 +569,7 @@ class ElasticPolicy:
         self.gen += 1
         self.epoch += 1
         t = Transition(self.epoch, source, target, self.committed, bsr, World.of(self.gen, sorted(self.alive)))
+        self.holding = False  # whatever the last commit said, the survivors go on after this transition
         inc.transition = t
         inc.attempts += 1
         inc.t_sent = time.monotonic()
@@ -388,13 +577,18 @@ class ElasticPolicy:
         self.send(self.alive, t)
 
     def start_switch(self, step: int) -> None:
-        target = self.switches.pop(step)
+        self.start_transition(self.switches.pop(step), None, step, 0.0, None)
+
+    def start_transition(self, target: StrategyHandle, world: World | None, step: int, decide_s: float,
+                         growth: Growth | None) -> None:
+        """Send every member the transition to ``target`` (in ``world``, or the current one) before ``step``."""
         t0 = time.perf_counter()
         bsr = plan_switch(self.ref, target, ())
-        plan_s = time.perf_counter() - t0
+        plan_s = time.perf_counter() - t0 + decide_s
         self.epoch += 1
-        t = Transition(self.epoch, self.ref, target, self.committed, bsr, None)
-        self.phase = Switching(t, time.monotonic(), step, plan_s)
+        self.holding = False
+        t = Transition(self.epoch, self.ref, target, self.committed, bsr, world)
+        self.phase = Switching(t, time.monotonic(), step if growth is None else step - 1, plan_s, growth)
         self.send(self.alive, t)
 
     def _after_first_step(self, step: int) -> None:
@@ -465,6 +659,16 @@ def _failure_event(inc: _Incident, now: float, survivors: list[int]) -> dict[str
     }
 
 
+def _growth_event(sw: Switching, g: Growth, t_resumed: float, times: dict[int, Switched]) -> dict[str, Any]:
+    t = sw.transition
+    return {
+        "event": "rejoin", "step": sw.step + 1, "joined": list(g.joining), "from": t.source.describe(),
+        "to": t.target.describe(), "devices": sorted(t.target.devices), "strategy": t.target.name,
+        "decide_s": g.decide_s, "plan_s": sw.plan_s, **_slowest(times), "switch_bytes": t.bsr.total_bytes,
+        "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster), "total_s": t_resumed - sw.since,
+    }
+
+
 def _switch_event(sw: Switching, t_resumed: float, times: dict[int, Switched], ref: StrategyHandle) -> dict[str, Any]:
     t = sw.transition
     return {
@@ -476,4 +680,4 @@ def _switch_event(sw: Switching, t_resumed: float, times: dict[int, Switched], r
     }
 
 
-__all__ = ["ElasticPolicy", "Replanner", "UnrecoverableFailure"]
+__all__ = ["ElasticPolicy", "Grower", "Replanner", "UnrecoverableFailure"]

@@ -103,3 +103,78 @@ class Switched:
     specialize_s: float  # building the target program
     transfer_s: float  # the fused BSR and loading the state into the program
     sent_bytes: int
+
+
+# -- node agents <-> coordinator (runtime/elastic/agents.py), each pickled into a TCPStore queue ---------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Agent -> coordinator: node ``node`` offers its devices to job ``token``; answers go to the queue
+    named by ``nonce`` (two agents claiming one node must not read each other's answers)."""
+
+    node: str
+    token: str
+    nonce: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class Accepted:
+    heartbeat_s: float  # how often the agent says it is alive
+
+
+@dataclass(frozen=True)
+class Refused:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Coordinator -> agent: start a worker (``spec``, running ``loop``) and tell it where the store is."""
+
+    spec: object  # runtime.launch.options.WorkerSpec
+    loop: object  # runtime.launch.worker.WorkerLoop
+
+
+@dataclass(frozen=True)
+class ToWorker:
+    device: int
+    msg: object
+
+
+@dataclass(frozen=True)
+class KillWorker:
+    device: int
+
+
+@dataclass(frozen=True)
+class KillNode:
+    """Fault injection: the agent SIGKILLs itself; its workers exit as their control pipes close."""
+
+
+@dataclass(frozen=True)
+class StopAgent:
+    """The job is over: stop the workers still running and exit."""
+
+
+@dataclass(frozen=True)
+class FromWorker:
+    """Agent -> coordinator: what worker ``device`` said (or, for an ``Exited``, what became of it)."""
+
+    node: str
+    nonce: str
+    device: int
+    msg: object
+
+
+@dataclass(frozen=True)
+class AgentBeat:
+    node: str
+    nonce: str
+
+
+@dataclass(frozen=True)
+class AgentDone:
+    node: str
+    nonce: str

@@ -52,12 +52,14 @@ class ElasticWorker(Session):
     # -- the loop ---------------------------------------------------------------------------------------
 
     def run(self) -> None:
-        self._enter(World(0, self.spec.store_prefix, dict(self.spec.ranks)))
+        if not self.spec.joining:
+            self._enter(World(0, self.spec.store_prefix, dict(self.spec.ranks)))
         # Leaving a generation needs a full gc pass (the groups sit in reference cycles); the objects of
         # the imports (torch's are many) need never be scanned: ~0.5 s -> ~0.05 s per pass.
         gc.freeze()
-        if self.me in self.ref.devices:
+        if self.me in self.ref.devices and not self.spec.joining:
             self.program = self.build(self.ref)
+        # A device joining a running job holds nothing: its state arrives with the transition that adopts it.
         done = self.load(self.program)
         self.report(Up())  # the state exists from here on: failures are recoverable
         step = done + 1
@@ -88,7 +90,8 @@ class ElasticWorker(Session):
                 training = program is not None and step <= last
                 gc.collect()
             elif isinstance(msg, Finish):
-                self.finish(self.program, self.ref, step - 1)
+                if self.world is not None:  # a device that never joined has nothing to save or leave
+                    self.finish(self.program, self.ref, step - 1, sync=False)
                 return
             # a late Commit of an aborted generation needs nothing
 
@@ -154,6 +157,12 @@ class ElasticWorker(Session):
         try:
             t0 = time.perf_counter()
             if t.world is not None:
+                if self.world is not None:  # devices join: this world's groups do not include them
+                    if self.program is not None:
+                        self.held = {k: v.detach() for k, v in self.program.local_state().items()}
+                        self.program = None
+                    self.world = None
+                    self.leave()
                 self._enter(t.world)
             else:
                 self.ensure_groups(t.target)

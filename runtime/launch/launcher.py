@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from runtime.errors import HspmdError, SpecError
@@ -39,11 +40,13 @@ def select_strategy(ctx: PlanContext, name: str | None) -> Strategy:
                          f"(the plan has: {', '.join(s.name for s in ctx.plan.strategies)})") from None
 
 
-def placement(ctx: PlanContext, devices: list[int]) -> tuple[str, dict[int, str]]:
+def placement(ctx: PlanContext, devices: list[int], *, one_host: bool = True) -> tuple[str, dict[int, str]]:
     """Backend and torch device of every worker: gloo on CPU for emulated clusters, else NCCL with
-    device d on cuda:<its index on its node>."""
+    device d on cuda:<its index on its node> (checked here only when this host runs them all)."""
     if ctx.cluster.emulated:
         return "gloo", {d: "cpu" for d in devices}
+    if not one_host:
+        return "nccl", {d: f"cuda:{ctx.cluster.device(d).local_index}" for d in devices}
     nodes = sorted({ctx.cluster.device(d).node for d in devices})
     if len(nodes) > 1:
         raise HspmdError(f"{ctx.path}: the strategy spans nodes {', '.join(nodes)}: `hspmd train` starts "
@@ -86,6 +89,53 @@ def _preflight(options: TrainOptions, ctx: PlanContext) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A run checked and placed, before any process starts: what every launcher (this one, the node
+    agents' coordinator) needs to start its workers."""
+
+    ctx: PlanContext
+    strategy: str
+    devices: tuple[int, ...]
+    backend: str
+    torch_devices: dict[int, str]  # every cluster device the run may use (a device joining later too)
+    threads: int | None
+    cpus: dict[int, tuple[int, ...]]
+    data_line: str | None = None  # a documents run: what its data is (logged at the start)
+
+    def spec(self, options: TrainOptions, device: int, *, joining: bool = False) -> WorkerSpec:
+        """Device ``device``'s worker; ``joining``: it joins a running job (its world comes later)."""
+        ranks = rank_map(self.devices)
+        return WorkerSpec(options=options, strategy=self.strategy, device_id=device,
+                          rank=ranks.get(device, -1), ranks=ranks, backend=self.backend,
+                          torch_device=self.torch_devices[device], num_threads=self.threads,
+                          cpus=self.cpus.get(device), joining=joining)
+
+
+def prepare(options: TrainOptions, policy: Policy, *, one_host: bool = True) -> Prepared:
+    """Load the plan, ask the policy which devices run, refuse bad requests (no process started yet).
+    ``one_host``: this launcher starts every worker (a strategy spanning nodes is refused)."""
+    ctx = load_plan_context(options.plan)
+    strategy = select_strategy(ctx, options.strategy)
+    devices = policy.prepare(options, ctx, strategy.name)
+    n = ctx.cluster.num_devices
+    outside = sorted({r.device for r in options.rejoins if not 0 <= r.device < n})
+    if outside:
+        raise HspmdError(f"--rejoin-device: device(s) {outside} are not in cluster {ctx.cluster.name!r} "
+                         f"(devices 0-{n - 1})")
+    stray = sorted({f.device for f in options.faults} - set(devices) - {r.device for r in options.rejoins})
+    if stray:
+        raise HspmdError(f"fault injection: device(s) {stray} run no worker in this run (devices "
+                         f"{', '.join(map(str, devices))})")
+    everyone = list(range(ctx.cluster.num_devices))
+    backend, _ = placement(ctx, devices, one_host=one_host)  # refuses what this host cannot run
+    _, torch_devices = placement(ctx, everyone, one_host=False)  # a device joining later included
+    threads, cpus = (emulated_cpu_shares(everyone if options.rejoins else devices, ctx.cluster.num_devices,
+                                         host_cpus()) if backend == "gloo" else (None, {}))
+    data_line = _preflight(options, ctx)
+    return Prepared(ctx, strategy.name, tuple(devices), backend, torch_devices, threads, cpus, data_line)
+
+
 def launch(options: TrainOptions, policy: Policy | None = None, *,
            on_step: Callable[[StepRecord], None] | None = None,
            on_log: Callable[[str], None] | None = None) -> RunSummary:
@@ -94,41 +144,31 @@ def launch(options: TrainOptions, policy: Policy | None = None, *,
     t_start = time.perf_counter()
     log = on_log or (lambda _msg: None)
     policy = policy or PlainPolicy()
-    ctx = load_plan_context(options.plan)
-    strategy = select_strategy(ctx, options.strategy)
-    devices = policy.prepare(options, ctx, strategy.name)
-    stray = sorted({f.device for f in options.faults} - set(devices))
-    if stray:
-        raise HspmdError(f"fault injection: device(s) {stray} run no worker in this run (devices "
-                         f"{', '.join(map(str, devices))})")
-    ranks = rank_map(devices)
-    backend, torch_devices = placement(ctx, devices)
-    threads, cpus = (emulated_cpu_shares(devices, ctx.cluster.num_devices, host_cpus()) if backend == "gloo"
-                     else (None, {}))
-    data_line = _preflight(options, ctx)
-    if data_line is not None:
-        log(data_line)
+    prep = prepare(options, policy)
+    if prep.data_line is not None:
+        log(prep.data_line)
     local = LocalWorkers()
     store = None
     try:
-        for d in devices:
-            local.start(WorkerSpec(options=options, strategy=strategy.name, device_id=d, rank=ranks[d], ranks=ranks,
-                                   backend=backend, torch_device=torch_devices[d], num_threads=threads,
-                                   cpus=cpus.get(d)), policy.worker_loop)
+        for d in prep.devices:
+            local.start(prep.spec(options, d), policy.worker_loop)
         # Workers are importing torch now; the launcher's own import overlaps with theirs.
-        store = _host_store(options.timeout_s)
+        store = host_store(STORE_HOST, 0, options.timeout_s)
+        local.start_store = Start(STORE_HOST, store.port)
         for w in local.workers:
-            w.send(Start(STORE_HOST, store.port))
+            w.send(local.start_store)
             w.started = True
-        names = run_strategies(ctx, options) if documents_mode(options, ctx.plan.training) else (strategy.name,)
+        t = prep.ctx.plan.training
+        names = run_strategies(prep.ctx, options) if documents_mode(options, t) else (prep.strategy,)
         which = f"strategy {names[0]!r}" if len(names) == 1 else f"strategies {', '.join(map(repr, names))}"
-        log(f"started {len(devices)} workers ({backend}, {which}, devices {', '.join(map(str, devices))})")
-        run = Run(options, ctx, strategy.name, {w.device: w for w in local.workers},
-                  RunSummary(strategy.name, tuple(devices), backend), on_step, log, t_start)
+        log(f"started {len(prep.devices)} workers ({prep.backend}, {which}, devices "
+            f"{', '.join(map(str, prep.devices))})")
+        run = Run(options, prep.ctx, prep.strategy, {w.device: w for w in local.workers},
+                  RunSummary(prep.strategy, prep.devices, prep.backend), on_step, log, t_start,
+                  source=local, make_spec=lambda d: prep.spec(options, d, joining=True))
         policy.begin(run)
         supervise(run, local, policy)
-        for w in local.workers:
-            w.process.join(options.timeout_s)
+        local.join(options.timeout_s)
         run.summary.wall_s = time.perf_counter() - t_start
         return run.summary
     finally:
@@ -136,9 +176,10 @@ def launch(options: TrainOptions, policy: Policy | None = None, *,
         del store
 
 
-def _host_store(timeout_s: float) -> Any:
+def host_store(host: str, port: int, timeout_s: float) -> Any:
+    """The run's TCPStore, hosted by this process (port 0: any free port)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    return dist.TCPStore(STORE_HOST, 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)

@@ -68,3 +68,11 @@ class Exited:
     is done and written; negative: killed by that signal)."""
 
     code: int | None
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Said on a worker's behalf by its node's agent relay when the agent itself went silent (the node's
+    power or network): the worker may still run, but nothing it does can reach the run any more."""
+
+    how: str

@@ -46,6 +46,31 @@ class PlannedSwitch:
 
 
 @dataclass(frozen=True)
+class Rejoin:
+    """Device ``device`` returns (its agent starts a worker for it) at the start of ``step``."""
+
+    device: int
+    step: int
+
+    def __post_init__(self) -> None:
+        if self.step < 1:
+            raise ValueError(f"rejoin step must be at least 1, got {self.step}")
+
+
+@dataclass(frozen=True)
+class NodeKill:
+    """The agent of node ``node`` (and with it every worker it runs) is SIGKILLed at the start of ``step``:
+    a node lost to power or network."""
+
+    node: str
+    step: int
+
+    def __post_init__(self) -> None:
+        if self.step < 1:
+            raise ValueError(f"node kill step must be at least 1, got {self.step}")
+
+
+@dataclass(frozen=True)
 class TrainOptions:
     """One ``hspmd train`` run. Steps are numbered from 1; a run loaded from a checkpoint of step k
     continues with step k + 1 (and its data)."""
@@ -65,6 +90,10 @@ class TrainOptions:
     # move the state from surviving replicas and redo the step (runtime/elastic/).
     elastic: bool = False
     switches: tuple[PlannedSwitch, ...] = ()  # planned in-memory switches, by step
+    # Elastic: devices returning to the running job (a worker started for each at the start of its step;
+    # the coordinator adopts it when the predicted gain beats the switch cost), and whole nodes lost.
+    rejoins: tuple[Rejoin, ...] = ()
+    node_kills: tuple[NodeKill, ...] = ()
     precision: Precision = "auto"  # autocast policy (runtime/precision.py)
     # Documents (docs/lengths.md): synthetic lengths (a distribution name or histogram file), a local
     # tokenizer.json for --data, and what happens to documents longer than training.seq_len.
@@ -87,6 +116,8 @@ class TrainOptions:
         steps = [s.step for s in self.switches]
         if steps != sorted(set(steps)):
             raise ValueError(f"switch steps must be distinct and increasing, got {steps}")
+        if (self.rejoins or self.node_kills) and not self.elastic:
+            raise ValueError("device rejoins and node kills need an elastic run")
 
     @property
     def coordinated(self) -> bool:
@@ -108,6 +139,7 @@ class WorkerSpec:
     num_threads: int | None = None  # intra-op threads (CPU); None leaves torch's default
     store_prefix: str = "hspmd/gen0/"  # a later generation (after a failure) gets a fresh prefix
     cpus: tuple[int, ...] | None = None  # emulated devices: the cores this worker is pinned to
+    joining: bool = False  # joins a running job: no world, no state until the coordinator's transition
 
 
 def rank_map(devices: tuple[int, ...] | list[int]) -> dict[int, int]:

@@ -205,9 +205,11 @@ class Session:
                           lengths=lengths)
 
     def finish(self, program: Any, handle: StrategyHandle, step: int,
-               save: Callable[[Path, int], None] | None = None) -> None:
+               save: Callable[[Path, int], None] | None = None, *, sync: bool = True) -> None:
         """Save ``--save`` (when this device holds state; ``save``: how, for a documents run), write the
-        traces, leave the world."""
+        traces, leave the world. ``sync``: wait for every device of the world first (needed to merge the
+        traces; an elastic run skips it without traces, so that a device idle in the plan that died
+        unnoticed cannot fail the end of the run)."""
         import torch.distributed as dist
 
         save_dir = self.options.save_dir
@@ -224,7 +226,8 @@ class Session:
         if self.recorder is not None:
             assert self.options.trace_dir is not None
             self.recorder.write(trace_file(self.options.trace_dir, self.me))
-        dist.barrier()
+        if sync or self.recorder is not None:
+            dist.barrier()
         if self.recorder is not None and self.rank == 0:
             _merge_traces(self.options.trace_dir, sorted(self.spec.ranks))
         self.leave()

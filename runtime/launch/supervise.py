@@ -5,8 +5,9 @@ process sentinels, waited on at once, so a death is seen the moment it happens) 
 message, death and silence (no heartbeat within the limit: a SIGSTOPped or wedged process) to a
 ``Policy``. ``PlainPolicy`` is ``hspmd train``'s: the first failure stops the run, and after a short
 grace for the root cause to report, the failure that explains it best is raised as ``WorkerFailure``.
-The elastic coordinator (runtime/elastic/coordinator.py ``ElasticPolicy``) recovers instead. A source
-that relays remote nodes' events (a device joining later among them) need only yield the same pairs.
+The elastic coordinator (runtime/elastic/coordinator.py ``ElasticPolicy``) recovers instead. The node
+agents' relay (runtime/elastic/agents.py ``AgentWorkers``) is the other source: it yields the same pairs
+for workers on other nodes, and a ``Lost`` for each worker of a node whose agent went silent.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 from runtime.errors import HspmdError
-from runtime.launch.messages import Exited, Heartbeat, Log, StepDone, Up, WorkerError
+from runtime.launch.messages import Exited, Heartbeat, Log, Lost, Start, StepDone, Up, WorkerError
 from runtime.launch.options import StepRecord, StepReport, TrainOptions, WorkerSpec
 from runtime.launch.session import run_devices
 from runtime.launch.worker import WorkerLoop, process_main, train_worker
@@ -66,14 +67,22 @@ class RunSummary:
     events: list[dict[str, Any]] = field(default_factory=list)  # failures and switches (runtime/elastic/)
 
 
+class WorkerLink(Protocol):
+    """How the supervisor reaches one worker: its control pipe on this host, or its node's agent."""
+
+    def send(self, msg: object) -> None:
+        """Deliver ``msg`` (silently dropped when the worker is gone: its death is reported anyway)."""
+
+    def kill(self) -> None:
+        """SIGKILL the worker if it still runs (a hung one: killing it closes its sockets)."""
+
+
 @dataclass(eq=False)
 class WorkerHandle:
-    """One worker as the supervisor sees it: its process, its pipes, and what it has shown of itself."""
+    """One worker as the supervisor sees it: how to reach it, and what it has shown of itself."""
 
     spec: WorkerSpec
-    process: BaseProcess
-    report: Connection
-    control: Connection
+    link: WorkerLink
     last_seen: float = field(default_factory=time.monotonic)
     last_seen_wall: float = field(default_factory=time.time)  # for a failure's timeline
     started: bool = False  # told where the store is (before that it holds nothing and may just be killed)
@@ -87,25 +96,57 @@ class WorkerHandle:
         return self.spec.device_id
 
     def send(self, msg: object) -> None:
+        self.link.send(msg)
+
+    def kill(self) -> None:
+        self.link.kill()
+
+
+@dataclass(eq=False)
+class LocalLink:
+    """A worker process of this host: its pipes and its process."""
+
+    process: BaseProcess
+    report: Connection
+    control: Connection
+
+    def send(self, msg: object) -> None:
         try:
             self.control.send(msg)
         except (OSError, ValueError):
             pass  # it died: its sentinel says so
 
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+
 
 class EventSource(Protocol):
     def poll(self, timeout_s: float) -> Iterator[tuple[WorkerHandle, object]]:
         """Each worker's messages that arrive within ``timeout_s`` (fewer seconds once any has), and an
-        ``Exited`` in its name once its process has ended."""
+        ``Exited`` (or ``Lost``) in its name once its process has ended (or can no longer be seen)."""
+
+    def start(self, spec: WorkerSpec, loop: WorkerLoop) -> WorkerHandle:
+        """A new worker (at start-up, or a device joining a running job); told where the store is."""
+
+    def returned_devices(self) -> list[int]:
+        """Devices that became available since the last call (a node's agent said hello again)."""
+
+    def kill_node(self, node: str) -> None:
+        """Fault injection: lose node ``node`` whole (raises HspmdError where there are no nodes to lose)."""
 
 
 class LocalWorkers:
-    """This host's worker processes (multiprocessing 'spawn'): the events of their pipes and sentinels."""
+    """This host's worker processes (multiprocessing 'spawn'): the events of their pipes and sentinels.
+    ``start_store``: where a worker started later than the others is told the store is (None: the caller
+    sends ``Start`` itself, once the store is up)."""
 
     def __init__(self) -> None:
         self.workers: list[WorkerHandle] = []
         self._by_conn: dict[Any, WorkerHandle] = {}
         self._by_sentinel: dict[Any, WorkerHandle] = {}
+        self._links: dict[int, LocalLink] = {}  # id(handle) -> its link
+        self.start_store: Start | None = None
 
     def start(self, spec: WorkerSpec, loop: WorkerLoop) -> WorkerHandle:
         mp = multiprocessing.get_context("spawn")
@@ -116,11 +157,25 @@ class LocalWorkers:
         proc.start()
         report_w.close()
         control_r.close()
-        w = WorkerHandle(spec, proc, report_r, control_w)
+        link = LocalLink(proc, report_r, control_w)
+        w = WorkerHandle(spec, link)
         self.workers.append(w)
+        self._links[id(w)] = link
         self._by_conn[report_r] = w
         self._by_sentinel[proc.sentinel] = w
+        if self.start_store is not None:
+            w.send(self.start_store)
+            w.started = True
         return w
+
+    def link(self, w: WorkerHandle) -> LocalLink:
+        return self._links[id(w)]
+
+    def returned_devices(self) -> list[int]:
+        return []  # every device of this host is started by the run itself
+
+    def kill_node(self, node: str) -> None:
+        raise HspmdError(f"node {node!r} has no agent to kill (node kills need hspmd train --agents N)")
 
     def poll(self, timeout_s: float) -> Iterator[tuple[WorkerHandle, object]]:
         for obj in wait(list(self._by_conn) + list(self._by_sentinel), timeout=timeout_s):
@@ -131,35 +186,43 @@ class LocalWorkers:
                     self._by_conn.pop(obj, None)
                     continue
                 yield self._by_conn[obj], msg
-            else:
+            elif obj in self._by_sentinel:
                 w = self._by_sentinel.pop(obj)
-                w.process.join(1.0)  # the sentinel fires as the process exits; reaping it may lag
+                link = self.link(w)
+                link.process.join(1.0)  # the sentinel fires as the process exits; reaping it may lag
                 try:
-                    while w.report.poll():  # what it said before it ended comes first
-                        yield w, w.report.recv()
+                    while link.report.poll():  # what it said before it ended comes first
+                        yield w, link.report.recv()
                 except (EOFError, OSError):
                     pass
-                self._by_conn.pop(w.report, None)
-                yield w, Exited(w.process.exitcode)
+                self._by_conn.pop(link.report, None)
+                yield w, Exited(link.process.exitcode)
+
+    def join(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        for w in self.workers:
+            self.link(w).process.join(max(0.0, end - time.monotonic()))
 
     def stop(self) -> None:
         """Stop every worker still running: close its control pipe (it exits at once), then SIGKILL (a
         SIGSTOPped or not yet started one at once)."""
-        alive = [w for w in self.workers if w.process.is_alive()]
+        alive = [w for w in self.workers if self.link(w).process.is_alive()]
         for w in alive:
             if w.hung or not w.started:
-                w.process.kill()
+                self.link(w).process.kill()
             else:
-                w.control.close()
+                self.link(w).control.close()
         end = time.monotonic() + STOP_GRACE_S
         for w in alive:
-            w.process.join(max(0.0, end - time.monotonic()))
+            self.link(w).process.join(max(0.0, end - time.monotonic()))
         for w in alive:
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join(5.0)
+            proc = self.link(w).process
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
         for w in self.workers:
-            for conn in (w.report, w.control):
+            link = self.link(w)
+            for conn in (link.report, link.control):
                 try:
                     conn.close()
                 except OSError:
@@ -218,6 +281,11 @@ class Run:
     on_step: Callable[[StepRecord], None] | None
     log: Callable[[str], None]
     t_start: float
+    source: EventSource | None = None  # where a worker joining later is started
+    make_spec: Callable[[int], WorkerSpec] | None = None  # a joining device's spec (its world comes later)
+    # How long the loss of a worker can take to be seen besides heartbeats (a node agent's silence): errors
+    # its peers raise within that window are consequences, not causes.
+    loss_detect_s: float = 0.0
 
     def record(self, record: StepRecord) -> None:
         if not self.summary.records:
@@ -259,6 +327,10 @@ def supervise(run: Run, source: EventSource, policy: Policy) -> None:
                     w.finished = True
                 elif not w.finished and not w.failed:
                     policy.on_failure(w, "died", death(msg.code))
+                continue
+            if isinstance(msg, Lost):
+                if not w.finished and not w.failed:
+                    policy.on_failure(w, "died", msg.how)
                 continue
             w.last_seen, w.last_seen_wall = time.monotonic(), time.time()
             if isinstance(msg, Up):

@@ -28,16 +28,16 @@ Layout = list[tuple[int, list[tuple[list[int], tuple[int, int]]]]]
 
 
 def write_plan(dst: Path, name: str, pipelines: Layout, *, global_batch: int, micro_batch: int = 1,
-               seq_len: int = 16) -> Path:
-    """A llama-tiny plan on cpu-hetero4 from [(micro_batches, [(devices, (first layer, end)), ...]), ...]."""
+               seq_len: int = 16, cluster: str = "cpu-hetero4") -> Path:
+    """A llama-tiny plan on cpu-hetero4 (or ``cluster``: a catalog name or a path) from [(micro_batches,
+    [(devices, (first layer, end)), ...]), ...]."""
     plan = load_plan(HETERO_PLAN)
     strategy = Strategy(name, tuple(Pipeline(mb, tuple(Stage(tuple(d), lay) for d, lay in stages))
                                     for mb, stages in pipelines))
     optimizer = replace(plan.training.optimizer, lr=LR, eps=EPS)
     training = replace(plan.training, global_batch=global_batch, micro_batch=micro_batch, seq_len=seq_len,
                        optimizer=optimizer)
-    save_plan(replace(plan, model="llama-tiny", cluster="cpu-hetero4", training=training, strategies=(strategy,)),
-              dst)
+    save_plan(replace(plan, model="llama-tiny", cluster=cluster, training=training, strategies=(strategy,)), dst)
     load_plan_context(dst)  # valid
     return dst
 
@@ -62,6 +62,26 @@ def assert_matches_reference(saved: dict[str, torch.Tensor], trainer: ReferenceT
     for name, want in expected.items():
         atol = RTOL * float(want.abs().max()) if name.endswith(("exp_avg", "exp_avg_sq")) else PARAM_ATOL
         torch.testing.assert_close(saved[name], want, rtol=RTOL, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def write_nodes_cluster(dst: Path, nodes: list[tuple[str, str, int]]) -> Path:
+    """cpu-hetero4's device types on the given nodes [(name, cpu-fast | cpu-slow, count), ...]: emulated
+    nodes on this host, for node agents on loopback."""
+    text = (REPO / "configs" / "clusters" / "cpu-hetero4.yaml").read_text()
+    head = text[:text.index("nodes:")].replace("name: cpu-hetero4", f"name: {dst.stem}")
+    dst.write_text(head + "nodes:\n" + "".join(f"  - {{name: {n}, device_type: {t}, count: {c}}}\n"
+                                               for n, t, c in nodes))
+    return dst
+
+
+def fixed_grow(target: Path, calls: list[tuple[frozenset[int], str, int]]):
+    """A Grower that always adopts with a hand-written plan and records what it was asked."""
+
+    def grow(joining: frozenset[int], ctx: PlanContext, strategy: str, steps_left: int) -> PlanContext:
+        calls.append((joining, strategy, steps_left))
+        return load_plan_context(target)
+
+    return grow
 
 
 def fixed_replan(target: Path, calls: list[tuple[frozenset[int], str]]):

@@ -27,7 +27,7 @@ PLAN = Path("configs/plans/cpu-hetero4-tiny.yaml")
 
 def handles(n: int, options: TrainOptions) -> dict[int, WorkerHandle]:
     ranks = rank_map(list(range(n)))
-    return {d: WorkerHandle(WorkerSpec(options, "s", d, ranks[d], ranks, "gloo", "cpu"), None, None, None)
+    return {d: WorkerHandle(WorkerSpec(options, "s", d, ranks[d], ranks, "gloo", "cpu"), None)
             for d in range(n)}
 
 

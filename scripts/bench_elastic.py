@@ -1,0 +1,287 @@
+#!/usr/bin/env python
+"""Elastic training over a failure trace: goodput of hspmd (node agents, in-memory recovery, grow back)
+against checkpoint-restart, measured on this machine and modelled at paper scale.
+
+(1) Measured: llama-tiny on cpu-hetero4-sleep split into two emulated nodes (a800: devices 0-1, h20:
+    devices 2-3), the demo's dp-pp plan, ``--steps`` steps with the trace ``TRACE`` (>= 3 failures, among
+    them the h20 node's agent, and >= 2 returns):
+    * hspmd: ``hspmd train --elastic --agents 2 --events`` with two ``hspmd agent`` processes on loopback;
+      an agent that dies is started again by this script a second later (as a node's service manager would),
+      and says hello when the trace has it return. Goodput = steps / wall time of the whole run.
+    * checkpoint-restart (what torchrun's agent does): the same steps as plain ``hspmd train`` runs of
+      ``--checkpoint-every`` steps each, chained with ``--save`` / ``--load``; a failure kills the run, and
+      the job restarts from the last checkpoint on a plan for the survivors (the planner's); a return is
+      taken at the next checkpoint with a planned restart. Goodput = steps / the sum of every run's wall time
+      (planning included).
+    ``goodput_over_restart`` = hspmd / restart; per event: hspmd's recovery and rejoin times (from the
+    metrics file's events).
+(2) Modelled, paper scale: llama-32b on h800-h20-48, the planner's elastic plan, a trace of single H20 and
+    H800 failures, a whole H20 node lost and every device returning (``PAPER_TRACE``) over
+    ``--paper-steps`` steps: planner/replan.py ``model_trace`` (hspmd vs restart vs Oobleck-like; every
+    assumption listed in the output). Keys ``modelled_goodput_over_restart`` (target >= 1.5) and
+    ``modelled_goodput_over_oobleck_like``.
+(3) Elastic ZeRO-1 (redundancy r = 2): not built; ``elastic_zero_over_zero`` is reported as null.
+
+``--json`` prints one JSON object (nothing else on stdout). ``--skip-measured`` / ``--skip-modelled`` run one
+half only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from planner.api import PlanSettings, plan  # noqa: E402
+from planner.replan import model_trace  # noqa: E402
+from runtime.elastic.events import parse_trace  # noqa: E402
+from runtime.profiling.profile import resolve_profiles  # noqa: E402
+from runtime.spec import PlanContext, load_cluster, load_model, load_plan, load_plan_context, save_plan  # noqa: E402
+from runtime.spec.handle import StrategyHandle  # noqa: E402
+
+SLEEP_CLUSTER = REPO / "configs" / "clusters" / "cpu-hetero4-sleep.yaml"
+SLEEP_PLAN = REPO / "configs" / "plans" / "cpu-hetero4-sleep-dp-pp.yaml"
+NODES = [("a800", "emu-a800", 2), ("h20", "emu-h20", 2)]
+TOKEN = "bench-elastic"
+
+
+def trace_for(steps: int) -> dict:
+    """>= 3 failures (one a whole node) and >= 2 returns, spread over ``steps``."""
+    at = [max(2, round(steps * f)) for f in (0.15, 0.3, 0.45, 0.65, 0.8)]
+    return {"events": [{"step": at[0], "action": "kill", "devices": [1]},
+                       {"step": at[1], "action": "rejoin", "devices": [1]},
+                       {"step": at[2], "action": "kill", "node": "h20"},
+                       {"step": at[3], "action": "rejoin", "node": "h20"},
+                       {"step": at[4], "action": "kill", "devices": [0]}]}
+
+
+PAPER_TRACE = {"steps": 1200, "events": [
+    {"step": 150, "action": "kill", "devices": [40]},
+    {"step": 400, "action": "rejoin", "devices": [40]},
+    {"step": 550, "action": "kill", "node": "h20-2"},
+    {"step": 800, "action": "kill", "devices": [3]},
+    {"step": 950, "action": "rejoin", "node": "h20-2"},
+    {"step": 1100, "action": "rejoin", "devices": [3]},
+]}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hetu_cli", *args]
+
+
+def setup(out: Path) -> tuple[Path, Path]:
+    """The two-node sleep cluster and the dp-pp plan on it."""
+    text = SLEEP_CLUSTER.read_text()
+    head = text[:text.index("\nnodes:")].replace("name: cpu-hetero4-sleep", "name: cpu-hetero4-sleep-2node")
+    cluster = out / "cpu-hetero4-sleep-2node.yaml"
+    cluster.write_text(head + "\nnodes:\n" + "".join(f"  - {{name: {n}, device_type: {t}, count: {c}}}\n"
+                                                     for n, t, c in NODES))
+    p = load_plan(SLEEP_PLAN)
+    path = out / "plan.yaml"
+    save_plan(replace(p, cluster=str(cluster), strategies=(p.strategy("dp-pp"),)), path)
+    load_plan_context(path)
+    return cluster, path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def keep_agent(port: int, node: str, stop: threading.Event, out: Path) -> None:
+    """One node's agent, started again a second after it dies, until ``stop``."""
+    n = 0
+    while not stop.is_set():
+        with open(out / f"agent-{node}-{n}.log", "w") as f:
+            proc = subprocess.Popen(cli("agent", "--coordinator", f"127.0.0.1:{port}", "--node", node,
+                                        "--token", TOKEN, "--timeout", "600"), cwd=REPO, env=env(), stdout=f,
+                                    stderr=subprocess.STDOUT)
+            while proc.poll() is None and not stop.is_set():
+                time.sleep(0.2)
+            if proc.poll() is None:  # the job is over: an agent still waiting for its hello's answer
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            if proc.returncode == 0:
+                return
+        n += 1
+        time.sleep(1.0)
+
+
+def measured_hspmd(plan_path: Path, trace_path: Path, steps: int, out: Path) -> dict:
+    port = free_port()
+    stop = threading.Event()
+    agents = [threading.Thread(target=keep_agent, args=(port, node, stop, out), daemon=True) for node, _, _ in NODES]
+    metrics = out / "hspmd.jsonl"
+    t0 = time.perf_counter()
+    for a in agents:
+        a.start()
+    proc = subprocess.run(cli("train", "--plan", str(plan_path), "--steps", str(steps), "--elastic", "--agents", "2",
+                              "--bind", f"127.0.0.1:{port}", "--token", TOKEN, "--events", str(trace_path),
+                              "--metrics", str(metrics)), cwd=REPO, env=env(), capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    stop.set()
+    for a in agents:
+        a.join(60)
+    (out / "hspmd.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"hspmd run failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    records = [x for x in lines if "event" not in x]
+    events = [x for x in lines if "event" in x]
+    return {"wall_s": wall, "steps": len(records), "goodput_steps_per_s": len(records) / wall,
+            "events": [{"event": e["event"], "step": e["step"],
+                        "devices": e.get("failed", e.get("joined")),
+                        "time_s": e.get("recovery_s", e.get("total_s")),
+                        **({"detect_s": e["detect_s"]} if "detect_s" in e else {})} for e in events]}
+
+
+def plan_for(ctx: PlanContext, devices: list[int], out: Path, name: str) -> Path:
+    profiles = resolve_profiles(ctx.cluster.device_types, [])
+    t = ctx.plan.training
+    settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=False,
+                            use_zero=False, time_limit_s=30.0, top_k=1, seed=t.seed, optimizer=t.optimizer,
+                            schedule=t.schedule)
+    result = plan(ctx.model, ctx.cluster, profiles, settings, devices=devices, baselines=False)
+    p = result.to_plan(ctx.plan.model, ctx.plan.cluster, 0)
+    path = out / f"{name}.yaml"
+    save_plan(replace(p, training=replace(p.training, optimizer=t.optimizer)), path)
+    return path
+
+
+def measured_restart(plan_path: Path, trace: dict, steps: int, every: int, out: Path) -> dict:
+    """Chained plain runs with a checkpoint every ``every`` steps (see the module docstring)."""
+    ctx = load_plan_context(plan_path)
+    nodes = {n: [d.id for d in ctx.cluster.devices if d.node == n] for n, _, _ in NODES}
+    pending = [dict(e, devices=e.get("devices") or nodes[e["node"]]) for e in trace["events"]]
+    running = set(StrategyHandle.of(ctx).devices)
+    current = plan_path
+    done = 0  # steps in the last checkpoint
+    total = 0.0
+    ck_n = 0
+    runs: list[dict] = []
+    planned = set(running)
+    while done < steps:
+        end = min(done + every, steps)
+        used = current_devices(current)
+        fail = next((e for e in pending if e["action"] == "kill" and done < e["step"] <= end), None)
+        if fail is not None and not set(fail["devices"]) & used:
+            pending.remove(fail)  # a device the plan leaves idle: its loss stops nothing
+            running -= set(fail["devices"])
+            continue
+        args = ["train", "--plan", str(current), "--steps", str(end - done), "--save", str(out / f"ck{ck_n + 1}")]
+        if done:
+            args += ["--load", str(out / f"ck{ck_n}")]
+        if fail is not None:
+            args += [x for d in sorted(set(fail["devices"]) & used) for x in ("--kill-device", str(d))]
+            args += ["--at-step", str(fail["step"])]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cli(*args), cwd=REPO, env=env(), capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        total += wall
+        runs.append({"from_step": done + 1, "to_step": end, "wall_s": wall, "failed": fail is not None})
+        if fail is not None:
+            if proc.returncode == 0:
+                raise SystemExit("restart baseline: the injected failure did not stop the run")
+            pending.remove(fail)
+            running -= set(fail["devices"])
+        else:
+            if proc.returncode != 0:
+                raise SystemExit(f"restart baseline run failed: {proc.stderr.strip().splitlines()[-1:]}")
+            done, ck_n = end, ck_n + 1
+            for e in [e for e in pending if e["action"] == "rejoin" and e["step"] <= done + 1]:
+                pending.remove(e)
+                running |= set(e["devices"])
+        if running != planned:
+            t0 = time.perf_counter()
+            current = plan_for(ctx, sorted(running), out, f"restart-plan-{len(runs)}")
+            planned = set(running)
+            total += time.perf_counter() - t0
+    return {"wall_s": total, "steps": steps, "goodput_steps_per_s": steps / total, "checkpoint_every": every,
+            "runs": runs}
+
+
+def current_devices(plan_path: Path) -> set[int]:
+    return set(StrategyHandle.of(load_plan_context(plan_path)).devices)
+
+
+def modelled(steps: int) -> dict:
+    ctx0 = load_plan_context(REPO / "configs" / "plans" / "h800-h20-llama32b.yaml")
+    profiles = resolve_profiles(ctx0.cluster.device_types, [])
+    t = ctx0.plan.training
+    settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=True,
+                            use_zero=False, time_limit_s=60.0, top_k=1, seed=t.seed, optimizer=t.optimizer,
+                            schedule=t.schedule)
+    result = plan(ctx0.model, ctx0.cluster, profiles, settings, baselines=False)
+    p = result.to_plan(ctx0.plan.model, ctx0.plan.cluster, 0)
+    ctx = PlanContext(p, load_model("llama-32b"), load_cluster("h800-h20-48"), ctx0.path)
+    handle = StrategyHandle.of(ctx)
+    trace = parse_trace(dict(PAPER_TRACE, steps=steps), ctx.cluster, handle.devices, "PAPER_TRACE")
+    return {"plan": handle.describe(), **model_trace(handle, trace.events, steps, profiles, log=log)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--checkpoint-every", type=int, default=10)
+    ap.add_argument("--paper-steps", type=int, default=1200)
+    ap.add_argument("--skip-measured", action="store_true")
+    ap.add_argument("--skip-modelled", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep", type=Path, help="Keep the measured runs' files (logs, metrics, plans) here.")
+    args = ap.parse_args()
+    out: dict = {"elastic_zero_over_zero": None,
+                 "elastic_zero_note": "elastic ZeRO-1 with redundancy r >= 2 is not built"}
+    if not args.skip_measured:
+        with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
+            d = args.keep or Path(tmp)
+            d.mkdir(parents=True, exist_ok=True)
+            _, plan_path = setup(d)
+            trace = trace_for(args.steps)
+            trace_path = d / "trace.yaml"
+            trace_path.write_text(json.dumps(trace))  # JSON is YAML
+            log(f"measured: hspmd with 2 agents, {args.steps} steps, trace {trace['events']}")
+            h = measured_hspmd(plan_path, trace_path, args.steps, d)
+            log(f"measured: checkpoint-restart every {args.checkpoint_every} steps")
+            r = measured_restart(plan_path, trace, args.steps, args.checkpoint_every, d)
+            out["measured"] = {"cluster": "cpu-hetero4-sleep (2 emulated nodes)", "trace": trace["events"],
+                               "hspmd": h, "restart": r}
+            out["goodput_over_restart"] = h["goodput_steps_per_s"] / r["goodput_steps_per_s"]
+    if not args.skip_modelled:
+        log(f"modelled: llama-32b on h800-h20-48, {args.paper_steps} steps")
+        m = modelled(args.paper_steps)
+        out["modelled"] = m
+        out["modelled_goodput_over_restart"] = m["modelled_goodput_over_restart"]
+        out["modelled_goodput_over_oobleck_like"] = m["modelled_goodput_over_oobleck_like"]
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for k, v in out.items():
+            if not isinstance(v, dict):
+                print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

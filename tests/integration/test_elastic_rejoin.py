@@ -1,0 +1,115 @@
+"""Grow back: a device killed mid-run returns, joins the running job at a step boundary (a new world with
+it in it), receives its state by fused BSR from the holders, and the run still trains exactly like the
+uninterrupted single-process reference (every step's loss, the final parameters and AdamW moments)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import subprocess
+import sys
+
+import pytest
+from elastic_helpers import (
+    REPO,
+    assert_matches_reference,
+    fixed_grow,
+    fixed_replan,
+    reference,
+    saved_state,
+    write_plan,
+)
+
+from runtime.elastic.coordinator import ElasticPolicy
+from runtime.launch import Fault, TrainOptions, launch
+from runtime.launch.options import Rejoin
+from runtime.spec import load_plan_context
+
+FAST = {"timeout_s": 20.0, "heartbeat_timeout_s": 3.0}
+
+
+def test_a_killed_device_rejoins_and_gets_its_state_back(tmp_path):
+    dp = write_plan(tmp_path / "dp.yaml", "dp", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                 (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
+    without1 = write_plan(tmp_path / "dp1.yaml", "without1", [(2, [([0], (0, 6))]),
+                                                              (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
+    # Back with device 1: a whole-model replica again, every tensor of it received from devices 0, 2, 3.
+    back = write_plan(tmp_path / "back.yaml", "back", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                       (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
+    steps = 6
+    replans: list = []
+    grows: list = []
+    events: list[dict] = []
+    options = TrainOptions(plan=dp, steps=steps, elastic=True, save_dir=tmp_path / "ck", **FAST,
+                           faults=(Fault(1, 2, "kill"),), rejoins=(Rejoin(1, 4),))
+    summary = launch(options, ElasticPolicy(fixed_replan(without1, replans), events.append,
+                                            fixed_grow(back, grows)))
+    assert multiprocessing.active_children() == []
+    expected, trainer = reference(dp, steps)
+    records = summary.records
+    assert [r.step for r in records] == list(range(1, steps + 1))
+    assert [r.loss for r in records] == pytest.approx(expected, rel=1e-5)
+    assert [r.strategy for r in records] == ["dp", "without1", "without1", "back", "back", "back"]
+    assert replans == [(frozenset({1}), "dp")]
+    assert grows == [(frozenset({1}), "without1", 3)]
+    failure, rejoin = events
+    assert failure["event"] == "failure" and failure["failed"] == [1]
+    assert rejoin["event"] == "rejoin" and rejoin["joined"] == [1] and rejoin["step"] == 4
+    assert rejoin["devices"] == [0, 1, 2, 3] and rejoin["switch_bytes"] > 0
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
+
+
+def test_two_failures_in_consecutive_steps_then_the_rejoined_device_fails_again(tmp_path):
+    # Step 2: device 3 dies (device 2 takes the whole model); step 3: device 1 dies (devices 0 and 2 go
+    # on). Device 1 returns for step 5 and dies again in its first step back: a failure right after a
+    # rejoin, recovered from the state it had just received (and the others').
+    dp = write_plan(tmp_path / "dp.yaml", "dp", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                 (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
+    after3 = write_plan(tmp_path / "a3.yaml", "after3", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                         (2, [([2], (0, 6))])], global_batch=4)
+    two = write_plan(tmp_path / "two.yaml", "two", [(2, [([0], (0, 6))]), (2, [([2], (0, 6))])], global_batch=4)
+    three = write_plan(tmp_path / "three.yaml", "three", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                          (2, [([2], (0, 6))])], global_batch=4)
+    answers = {frozenset({3}): after3, frozenset({1, 3}): two}
+    asked: list = []
+
+    def replan(failed, ctx, strategy):
+        asked.append((failed, strategy))
+        return load_plan_context(answers[failed])
+
+    steps = 7
+    events: list[dict] = []
+    options = TrainOptions(plan=dp, steps=steps, elastic=True, save_dir=tmp_path / "ck", **FAST,
+                           faults=(Fault(3, 2, "kill"), Fault(1, 3, "kill"), Fault(1, 5, "kill")),
+                           rejoins=(Rejoin(1, 5),))
+    summary = launch(options, ElasticPolicy(replan, events.append, fixed_grow(three, [])))
+    assert multiprocessing.active_children() == []
+    expected, trainer = reference(dp, steps)
+    assert [r.step for r in summary.records] == list(range(1, steps + 1))
+    assert [r.loss for r in summary.records] == pytest.approx(expected, rel=1e-5)
+    assert [r.strategy for r in summary.records] == ["dp", "after3", "two", "two", "two", "two", "two"]
+    assert asked == [(frozenset({3}), "dp"), (frozenset({1, 3}), "after3"), (frozenset({1, 3}), "three")]
+    assert [(e["event"], e["step"]) for e in events] == [("failure", 2), ("failure", 3), ("rejoin", 5),
+                                                         ("failure", 5)]
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
+
+
+def test_cli_kill_then_rejoin_asks_the_planner_whether_the_return_pays(tmp_path):
+    # The planner decides (adopt or stay, both logged); either way the run trains the reference's numbers.
+    plan = write_plan(tmp_path / "dp.yaml", "dp", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                   (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "hetu_cli", "train", "--plan", str(plan), "--steps", "8", "--elastic",
+                           "--kill-device", "1", "--at-step", "2", "--rejoin-device", "1", "--rejoin-at-step", "5",
+                           "--metrics", str(metrics), "--save", str(tmp_path / "ck"), "--timeout", "20"],
+                          cwd=REPO, capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stderr
+    assert "device 1 returns: its worker starts now, to train from step 5" in proc.stdout
+    grow = [line for line in proc.stdout.splitlines() if "grow: " in line]
+    assert len(grow) == 1 and ("grow: adopt with device(s) 1" in grow[0] or "grow: stay" in grow[0])
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    events = [x["event"] for x in lines if "event" in x]
+    assert events == (["failure", "rejoin"] if "adopt" in grow[0] else ["failure"])
+    expected, trainer = reference(plan, 8)
+    assert [x["loss"] for x in lines if "event" not in x] == pytest.approx(expected, rel=1e-5)
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
