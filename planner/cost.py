@@ -91,7 +91,6 @@ from runtime.profiling.profile import (
     DeviceProfile,
     LinkFit,
     MeasuredModel,
-    MemoryFigures,
     ProfileSet,
     SleepTarget,
     analytic_components,  # noqa: F401 (re-exported: it lived here before the runtime's block pricing)
@@ -585,12 +584,24 @@ class CostModel:
         every slice is all-reduced by the devices that hold it (one per pipeline), norms duplicated inside
         a TP group by the whole group (each replica counted once).
         """
+        ids, groups = self._sync_shape(strategy)
+
+        def back(devices: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(ids[i] for i in devices)
+
+        return [SyncGroup(back(g.devices), tuple(dataclasses.replace(b, devices=back(b.devices)) for b in g.buckets))
+                for g in groups]
+
+    def _sync_shape(self, strategy: Strategy) -> tuple[tuple[int, ...], tuple[SyncGroup, ...]]:
+        """``sync_plan`` before its devices are mapped back: the strategy's device ids in id order and the
+        layout of the renumbered plan (devices 0, 1, ...).
+
+        The layout only compares and sorts device ids, so plans of one shape on other devices share it:
+        computed once per pattern and mapped back. The search prices many placements of few shapes, and
+        pricing needs only each group's devices mapped back (``_group_times``), not every bucket's."""
+        ids = tuple(sorted(strategy.devices))
         if len(strategy.pipelines) <= 1:
-            return []  # nothing to sync
-        # The layout only compares and sorts device ids, so plans of one shape on other devices share it:
-        # computed once per pattern (devices renumbered 0, 1, ... in id order, which keeps every order)
-        # and mapped back. The search prices many placements of few shapes.
-        ids = sorted(strategy.devices)
+            return ids, ()  # nothing to sync
         number = {d: i for i, d in enumerate(ids)}
         pattern = tuple(tuple((tuple(number[d] for d in st.devices), st.layers) for st in p.stages)
                         for p in strategy.pipelines)
@@ -602,12 +613,7 @@ class CostModel:
                 for p, shape in zip(strategy.pipelines, pattern)))
             cache[pattern] = tuple(sync_groups(cut_buckets([self._grad_slices(info, stages)
                                                             for info, stages in placements(renumbered, self.model)])))
-
-        def back(devices: tuple[int, ...]) -> tuple[int, ...]:
-            return tuple(ids[i] for i in devices)
-
-        return [SyncGroup(back(g.devices), tuple(dataclasses.replace(b, devices=back(b.devices)) for b in g.buckets))
-                for g in cache[pattern]]
+        return ids, cache[pattern]
 
     def _grad_slices(self, info: ParamInfo, stages: tuple[Stage, ...]) -> SliceGroups:
         """One gradient's all-reduce slices where ``stages`` hold it: the same for every tensor of its shape
@@ -631,16 +637,18 @@ class CostModel:
                               for (group, cls), regions in by_pattern[info.shape, info.tp_dim, placed])
         return memo[key]
 
-    def _element_bytes(self, group: SyncGroup, memory: Callable[[MemoryFigures], int]) -> int:
-        return max(memory(self.profiles[self._type_of[d]].memory) for d in group.devices)
-
     def sync_group_time(self, group: SyncGroup) -> float:
         """One fused all-reduce of a sync group (a call per bucket, as the runtime cuts them), plus packing
         its gradient slices into the buckets and back (measured profiles; the slowest device's)."""
-        grad_bytes = self._element_bytes(group, lambda m: m.grad_bytes)
-        calls = _collective_time(self._allreduce_lines(group.devices), [n * grad_bytes for n in group.bucket_numel])
+        return self._sync_seconds(group.devices, group)
+
+    def _sync_seconds(self, devices: tuple[int, ...], group: SyncGroup) -> float:
+        """``sync_group_time`` of ``group``'s buckets all-reduced among ``devices`` (the bucket sizes do not
+        depend on which devices hold them: ``_group_times`` prices a renumbered layout so)."""
+        grad_bytes = max(self.profiles[self._type_of[d]].memory.grad_bytes for d in devices)
+        calls = _collective_time(self._allreduce_lines(devices), [n * grad_bytes for n in group.bucket_numel])
         pack = 0.0
-        for d in group.devices:
+        for d in devices:
             fit = self.profiles[self._type_of[d]].sync_pack
             pack = max(pack, fit.seconds_per_param * group.numel + fit.seconds_per_tensor * group.slices
                        + fit.fixed_s * len(group.buckets))
@@ -649,7 +657,7 @@ class CostModel:
     def grad_sync_times(self, strategy: Strategy) -> dict[int, float]:
         """Seconds each device spends in the cross-pipeline gradient sync (its groups one after the
         other, ignoring waits for slower peers; the simulator plays those out)."""
-        return self._group_times(strategy, self.sync_group_time)
+        return self._group_times(strategy, self._sync_seconds)
 
     def grad_sync_time(self, strategy: Strategy) -> float:
         times = self.grad_sync_times(strategy)
@@ -690,25 +698,42 @@ class CostModel:
         """ZeRO-1's parameter all-gather of one sync group after the optimizer step (runtime/engine/zero.py):
         each device sends its updated chunk of every slice the group holds, one all-gather per gradient-sync
         bucket (the parameters, ``param_bytes`` each)."""
-        if len(group.devices) <= 1:
+        return self._gather_seconds(group.devices, group)
+
+    def _gather_seconds(self, devices: tuple[int, ...], group: SyncGroup) -> float:
+        """``zero_gather_time`` of ``group``'s buckets among ``devices`` (as ``_sync_seconds``)."""
+        if len(devices) <= 1:
             return 0.0
-        param_bytes = self._element_bytes(group, lambda m: m.param_bytes)
-        return _collective_time(self._allgather_lines(group.devices), [n * param_bytes for n in group.bucket_numel])
+        param_bytes = max(self.profiles[self._type_of[d]].memory.param_bytes for d in devices)
+        return _collective_time(self._allgather_lines(devices), [n * param_bytes for n in group.bucket_numel])
 
     def zero_gather_times(self, strategy: Strategy, zero: bool = True) -> dict[int, float]:
         """Seconds each device spends in ZeRO-1's all-gathers (its groups one after the other); all zero
         without ZeRO or with one pipeline (nothing is sharded then)."""
         if not zero:
             return {d: 0.0 for d in strategy.devices}
-        return self._group_times(strategy, self.zero_gather_time)
+        return self._group_times(strategy, self._gather_seconds)
 
-    def _group_times(self, strategy: Strategy, price: Callable[[SyncGroup], float]) -> dict[int, float]:
-        """Each device's sum of ``price`` over the sync groups it is in (every device of the strategy)."""
+    def _group_times(self, strategy: Strategy, price: Callable[[tuple[int, ...], SyncGroup], float]
+                     ) -> dict[int, float]:
+        """Each device's sum of ``price(devices, group)`` over the sync groups it is in (every device of the
+        strategy), priced on the renumbered layout with only the groups' devices mapped back. Cached per
+        strategy (the estimate asks for the sync and the ZeRO-1 gathers of one plan)."""
+        cache = self.__dict__.setdefault("_group_time_cache", {})
+        key = (strategy.pipelines, price.__name__)
+        hit = cache.get(key)
+        if hit is not None:
+            return dict(hit)
+        ids, groups = self._sync_shape(strategy)
         out = {d: 0.0 for d in strategy.devices}
-        for g in self.sync_plan(strategy):
-            t = price(g)
-            for d in g.devices:
+        for g in groups:
+            devices = tuple(ids[i] for i in g.devices)
+            t = price(devices, g)
+            for d in devices:
                 out[d] += t
+        if len(cache) > 4096:   # bounded: the search prices many plans once each
+            cache.clear()
+        cache[key] = dict(out)
         return out
 
     # -- optimizer -----------------------------------------------------------------------------------
