@@ -96,7 +96,7 @@ class PlanResult:
     def _plan(self, model_ref: str, cluster_ref: str, micro_batch: int, strategy: Strategy) -> Plan:
         s = self.settings
         training = TrainingSettings(global_batch=s.global_batch, micro_batch=micro_batch, seq_len=s.seq_len,
-                                    zero=s.zero, schedule=s.schedule, seed=s.seed, optimizer=s.optimizer)
+                                    zero=s.zero, schedule=s.default_schedule, seed=s.seed, optimizer=s.optimizer)
         return Plan(version=PLAN_VERSION, model=model_ref, cluster=cluster_ref, training=training,
                     strategies=(strategy,))
 
@@ -164,7 +164,7 @@ def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfil
         report("baselines", i, 3)
         if baselines:
             found.append(best(every, devs, settings.global_batch, settings.zero,
-                              min_pipelines=settings.min_pipelines, schedule=settings.schedule))
+                              min_pipelines=settings.min_pipelines, schedule=settings.default_schedule))
         else:
             found.append(Baseline(name, None, None, None, "not computed"))
     sym, sub = found
@@ -178,7 +178,8 @@ def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfil
             used = set(b.strategy.devices)
             base_cands.append(Candidate(dataclasses.replace(b.strategy, name="planned"), b.estimate, b.micro_batch,
                                         tuple(d for d in devs if d not in used),
-                                        f"{describe(b.strategy, cluster)} (the {b.name} baseline)"))
+                                        f"{describe(b.strategy, cluster, settings.default_schedule)} "
+                                        f"(the {b.name} baseline)"))
     ranked = rank(candidates + base_cands)
     if settings.simulate_top > 0:
         report("checking the best plans with the simulator", 0, 1)
@@ -214,7 +215,8 @@ def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], setti
             pick.append(c)
     checked = []
     for c in pick:
-        sim = simulate(cms[c.micro_batch], c.strategy, settings.global_batch, settings.schedule, settings.zero)
+        sim = simulate(cms[c.micro_batch], c.strategy, settings.global_batch, settings.default_schedule,
+                       settings.zero)
         checked.append(dataclasses.replace(c, simulated_s=sim.step_time_s))
     checked.sort(key=lambda c: (c.checked_s, c.step_time_s))   # stable: ties keep the estimate's order
     rest = [c for c in ranked if all(c is not p for p in pick)]

@@ -76,15 +76,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 from planner.host import HostModel
 from runtime.annotations.from_plan import held_by, placements
 from runtime.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
-from runtime.engine.schedules import build_schedule, peak_live_activations
 from runtime.engine.specialize import BOUNDARY_DTYPE
 from runtime.models.params import ParamInfo, llama_parameters
+from runtime.pipeline_schedules import ChunkCost, Costs, live_activation_limit, schedule_layout, step_time
 from runtime.profiling.profile import (
     ComponentFit,
     ComputeBlock,
@@ -139,11 +138,28 @@ def pipeline_time(forward_s: Sequence[float], backward_s: Sequence[float], micro
     return (m - 1) * (max(forward_s) + max(backward_s)) + sum(forward_s) + sum(backward_s) + sum(boundary_s)
 
 
-@cache
 def in_flight_micro_batches(stage: int, num_stages: int, micro_batches: int, schedule: Schedule = "1f1b") -> int:
-    """Micro-batches whose activations a stage holds at its peak, as the runtime's schedule runs them
-    (1F1B: stage k of S holds ``min(S-k, m)``; GPipe: ``m``)."""
-    return peak_live_activations(build_schedule(schedule, num_stages, stage, micro_batches))
+    """Micro-batches whose activations a stage holds at its peak under a one-chunk schedule: the bound the
+    runtime's list scheduler enforces (runtime/pipeline_schedules.py ``live_activation_limit``; 1F1B and
+    ZB-H1: stage k of S holds ``min(S-k, m)``; GPipe: ``m``)."""
+    return live_activation_limit(schedule, num_stages, stage, micro_batches)
+
+
+def weight_grad_fraction(model: ModelSpec, seq_len: int, num_layers: int, head: bool) -> float:
+    """The weight-gradient (W) share of a chunk's backward compute, by FLOPs (docs/design.md §9).
+
+    Per token, a decoder layer's forward runs ``2P`` matmul FLOPs (P its parameters) and ``4hs``
+    attention FLOPs (PaLM's count, as ``model_flops_per_token``). Its backward computes the input
+    gradients, ``2P + 8hs`` (the attention's backward is all input gradient: it has no weights), and the
+    weight gradients, ``2P``. The head adds ``2Vh`` to each half; the embedding's backward is a
+    scatter-add (no FLOPs). The profiles time the backward as one block, so W is this share of it and B
+    the rest; recompute and TP collectives stay with B (the recompute forward runs before the input
+    gradients; the row-parallel input-gradient all-reduce is B's)."""
+    p, h = model.layer_params(), model.hidden_size
+    head_flops = 2.0 * model.vocab_size * h if head else 0.0
+    w = num_layers * 2.0 * p + head_flops
+    total = num_layers * (4.0 * p + 8.0 * h * seq_len) + 2.0 * head_flops
+    return w / total if total > 0 else 0.0
 
 
 def allreduce_seconds(nbytes: float, n: int, latency_s: float, bandwidth_gbs: float) -> float:
@@ -250,6 +266,8 @@ class PipelineEstimate:
     stages: tuple[StageCost, ...]
     boundary_s: tuple[float, ...]   # per boundary: forward activation + backward gradient, one micro-batch
     time_s: float
+    schedule: Schedule = "1f1b"     # the schedule it is priced (and runs) with
+    chunks: int = 1                 # model chunks per stage (v)
 
 
 @dataclass(frozen=True)
@@ -760,30 +778,122 @@ class CostModel:
             return 0.0
         return self.allreduce_time(list(devices), 8.0)
 
+    # -- pipeline schedules (runtime/pipeline_schedules.py) ---------------------------------------------
+
+    @memo
+    def chunk_cost(self, device_type: str, tp: int, num_layers: int, first: bool, last: bool,
+                   recompute: bool = False) -> ChunkCost:
+        """One micro-batch through one model chunk as the list scheduler times it: F, and the backward
+        split into B (input gradients, what the previous chunk waits for) and W (weight gradients) by
+        ``weight_grad_fraction`` of its backward compute; the fused backward is ``stage``'s."""
+        sc = self.stage(device_type, tp, num_layers, first, last, recompute)
+        recomputed = num_layers * self.layer(device_type, tp, recompute).recompute_s
+        backward_compute = sc.compute_s - (sc.forward_s - sc.tp_forward_s) - recomputed
+        w = weight_grad_fraction(self.model, self.seq_len, num_layers, last) * max(0.0, backward_compute)
+        w = min(max(w, 1e-9 * sc.backward_s), 0.999 * sc.backward_s)   # both halves positive (ChunkCost)
+        return ChunkCost(forward=sc.forward_s, input_grad=sc.backward_s - w, weight_grad=w,
+                         full_backward=sc.backward_s)
+
+    def pipeline_costs(self, strategy: Strategy, pi: int, schedule: Schedule) -> Costs:
+        """The list scheduler's costs of pipeline ``pi``: per stage and chunk its ``chunk_cost`` (the chunk
+        holding layer 0 carries the embedding, the one holding the last layer the head), per virtual-stage
+        boundary one activation's transfer (the slower direction; 0 where both sit on one stage)."""
+        pipe = strategy.pipelines[pi]
+        n_layers = self.model.num_layers
+        chunks = []
+        for st in pipe.stages:
+            dtype = self._type_of[st.devices[0]]
+            chunks.append(tuple(self.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers, st.recompute)
+                                for a, b in st.layers))
+        layout = schedule_layout(schedule, len(pipe.stages), pipe.stages[0].chunks)
+        boundary = []
+        for j in range(layout.num_stages - 1):
+            a, b = pipe.stages[layout.device(j)], pipe.stages[layout.device(j + 1)]
+            boundary.append(0.0 if a is b else max(self.p2p_time(a.devices, b.devices),
+                                                   self.p2p_time(b.devices, a.devices)))
+        return Costs(tuple(chunks), tuple(boundary))
+
+    def pipeline_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
+        """Pipeline ``pi``'s part of the step under ``schedule``: the runtime's list scheduler run on the
+        real op costs (``step_time``, the one step-time definition), cached by its costs."""
+        pipe = strategy.pipelines[pi]
+        costs = self.pipeline_costs(strategy, pi, schedule)
+        key = (schedule, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
+        cache = self.__dict__.setdefault("_step_times", {})
+        if key not in cache:
+            cache[key] = step_time(schedule, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
+        return cache[key]
+
+    @memo
+    def chunk_activation_bytes(self, device_type: str, tp: int, num_layers: int, first: bool,
+                               recompute: bool) -> float:
+        """Bytes one micro-batch's activation of a chunk keeps until its backward (W under a split
+        backward): each layer's saved tensors (only its input with recompute), and the embedding's."""
+        lay = self.layer(device_type, tp, recompute)
+        act = num_layers * (lay.checkpoint_bytes if recompute else lay.activation_bytes)
+        if first:
+            act += eval_fit(self.components(device_type, tp)["embedding"].activation_bytes, self.micro_batch,
+                            self.seq_len)
+        return act
+
+    def device_memory(self, device_type: str, tp: int, chunks: Sequence[tuple[int, bool, bool]],
+                      recompute: bool, live_chunks: int, zero_degree: int = 1) -> MemoryBreakdown:
+        """Peak bytes on one device of a stage holding ``chunks`` ((layers, first, last) each) with at most
+        ``live_chunks`` chunk activations alive (``live_activation_limit``): each counted at the largest
+        chunk's size, so it bounds any order the scheduler picks. One chunk is ``stage_memory``."""
+        n = sum(c[0] for c in chunks)
+        first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
+        base = self.stage_memory(device_type, tp, n, first, last, recompute, 0, zero_degree)
+        per = max(self.chunk_activation_bytes(device_type, tp, k, f, recompute) for k, f, _ in chunks)
+        return dataclasses.replace(base, activations=base.activations + live_chunks * per)
+
+    def pipeline_memory(self, strategy: Strategy, pi: int, schedule: Schedule, zero_degree: int = 1
+                        ) -> list[MemoryBreakdown]:
+        """``device_memory`` of each stage of pipeline ``pi`` under ``schedule`` (its documented bound)."""
+        pipe = strategy.pipelines[pi]
+        n_layers, n = self.model.num_layers, len(pipe.stages)
+        out = []
+        for k, st in enumerate(pipe.stages):
+            live = live_activation_limit(schedule, n, k, pipe.micro_batches, st.chunks)
+            chunks = tuple((b - a, a == 0, b == n_layers) for a, b in st.layers)
+            out.append(self.device_memory(self._type_of[st.devices[0]], st.tp, chunks, st.recompute, live,
+                                          zero_degree))
+        return out
+
     # -- whole strategy ------------------------------------------------------------------------------
 
+    def holds_ends(self, st: Stage) -> tuple[bool, bool]:
+        """Whether a stage holds the embedding (a chunk starts at layer 0) and the head (one ends at the
+        last layer): under ZB-V both sit on the first stage."""
+        return any(a == 0 for a, _ in st.layers), any(b == self.model.num_layers for _, b in st.layers)
+
+    def stage_total(self, st: Stage) -> StageCost:
+        """One micro-batch through every chunk of a stage (``stage`` per chunk, summed)."""
+        dtype, n_layers = self._type_of[st.devices[0]], self.model.num_layers
+        parts = [self.stage(dtype, st.tp, b - a, a == 0, b == n_layers, st.recompute) for a, b in st.layers]
+        if len(parts) == 1:
+            return parts[0]
+        return StageCost(*(sum(getattr(c, f.name) for c in parts) for f in dataclasses.fields(StageCost)))
+
     def pipeline_estimate(self, strategy: Strategy, pi: int, schedule: Schedule = "1f1b") -> PipelineEstimate:
+        """Pipeline ``pi`` under its own schedule (``Pipeline.schedule``), else ``schedule``."""
         pipe = strategy.pipelines[pi]
-        n = len(pipe.stages)
-        stages = tuple(self.stage(self._type_of[s.devices[0]], s.tp, s.num_layers, k == 0, k == n - 1,
-                                  s.recompute) for k, s in enumerate(pipe.stages))
+        name = pipe.schedule if pipe.schedule is not None else schedule
+        stages = tuple(self.stage_total(s) for s in pipe.stages)
         boundary = tuple(self.p2p_time(a.devices, b.devices) + self.p2p_time(b.devices, a.devices)
                          for a, b in zip(pipe.stages, pipe.stages[1:]))
-        t = pipeline_time([s.forward_s for s in stages], [s.backward_s for s in stages], pipe.micro_batches,
-                          schedule, boundary)
-        return PipelineEstimate(pipe.micro_batches, stages, boundary, t)
+        t = self.pipeline_step_time(strategy, pi, name)
+        return PipelineEstimate(pipe.micro_batches, stages, boundary, t, name, pipe.stages[0].chunks)
 
     def strategy_memory(self, strategy: Strategy, schedule: Schedule = "1f1b",
                         zero: bool = False) -> dict[int, MemoryBreakdown]:
-        """Peak memory of every device the strategy uses (ZeRO-1 shards over the pipelines)."""
+        """Peak memory of every device the strategy uses (ZeRO-1 shards over the pipelines), each pipeline
+        under its own schedule's activation bound (``pipeline_memory``)."""
         zero_degree = len(strategy.pipelines) if zero else 1
         out = {}
-        for pipe in strategy.pipelines:
-            n = len(pipe.stages)
-            for k, s in enumerate(pipe.stages):
-                dtype = self._type_of[s.devices[0]]
-                mem = self.stage_memory(dtype, s.tp, s.num_layers, k == 0, k == n - 1, s.recompute,
-                                        in_flight_micro_batches(k, n, pipe.micro_batches, schedule), zero_degree)
+        for pi, pipe in enumerate(strategy.pipelines):
+            name = pipe.schedule if pipe.schedule is not None else schedule
+            for s, mem in zip(pipe.stages, self.pipeline_memory(strategy, pi, name, zero_degree)):
                 for d in s.devices:
                     out[d] = mem
         return out
@@ -792,10 +902,10 @@ class CostModel:
         """(local parameters, parameter tensors) of every device the strategy uses."""
         out = {}
         for pipe in strategy.pipelines:
-            n = len(pipe.stages)
-            for k, s in enumerate(pipe.stages):
-                params = self.stage(self._type_of[s.devices[0]], s.tp, s.num_layers, k == 0, k == n - 1).params
-                tensors = self.tensors_per_stage(s.num_layers, k == 0, k == n - 1)
+            for s in pipe.stages:
+                first, last = self.holds_ends(s)
+                params = self.stage(self._type_of[s.devices[0]], s.tp, s.num_layers, first, last).params
+                tensors = self.tensors_per_stage(s.num_layers, first, last)
                 for d in s.devices:
                     out[d] = (params, tensors)
         return out
@@ -813,8 +923,9 @@ class CostModel:
 
     def estimate(self, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
                  zero: bool = False) -> StrategyEstimate:
-        """Closed-form step time and memory of a strategy: ``max over pipelines (pipeline_time) + gradient
-        sync + clip + max over devices (step overhead + optimizer + ZeRO-1 parameter all-gathers)``."""
+        """Step time and memory of a strategy: ``max over pipelines (pipeline_step_time: the list scheduler on
+        the real op costs) + gradient sync + clip + max over devices (step overhead + optimizer + ZeRO-1
+        parameter all-gathers)``; each pipeline under its own schedule, else ``schedule``."""
         pipes = tuple(self.pipeline_estimate(strategy, i, schedule) for i in range(len(strategy.pipelines)))
         sync = self.grad_sync_time(strategy)
         over = self.step_overhead_times(strategy)

@@ -42,7 +42,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from planner.cost import CostModel, StrategyEstimate, memo
 from planner.layer_split import LayerSplit, SlotCost, slot_costs, split_fast, split_ilp
@@ -57,6 +57,14 @@ from planner.pipelines import (
     distributions,
     kind_order,
     share_out,
+)
+from planner.schedule_choice import (
+    AUTO,
+    ScheduleChoice,
+    fill_factor,
+    rounded_shares,
+    schedule_choices,
+    stage_layer_ranges,
 )
 from planner.tp_groups import GroupKind, TPGroup, form_groups, groups_by_kind, tp_choices
 from runtime.spec.cluster import Cluster
@@ -81,7 +89,9 @@ class PlanSettings:
     top_k: int = 5
     allow_recompute: bool = True
     memory_margin: float = 0.0     # fraction of each device's memory kept free
-    schedule: Schedule = "1f1b"   # the pipeline schedule every plan runs (and is priced with)
+    # The pipeline schedule every plan runs (and is priced with), or "auto": the search picks a schedule and
+    # its chunk count per pipeline class (planner/schedule_choice.py).
+    schedule: Schedule | Literal["auto"] = "1f1b"
     seed: int = 0
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     # Re-check the best ``simulate_top`` candidates (and the best one whose pipelines are all alike) with
@@ -95,6 +105,11 @@ class PlanSettings:
     @property
     def min_pipelines(self) -> int:
         return 2 if self.elastic else 1
+
+    @property
+    def default_schedule(self) -> Schedule:
+        """What a pipeline without a schedule of its own runs (the baselines too): 1F1B under "auto"."""
+        return "1f1b" if self.schedule == AUTO else self.schedule
 
 
 MICRO_BATCHES = (1, 2, 4)
@@ -126,9 +141,17 @@ class ClassInfo:
     boundary_s: float
     members: tuple[int, ...]   # indices into the block's layouts
     split: LayerSplit
+    schedule: ScheduleChoice = ScheduleChoice("1f1b")
+    fill: float = 1.0          # the schedule's fill_factor: (fill, hops)
+    hops: float = 1.0
 
     def option(self) -> TimeOption:
-        return TimeOption(self.split.max_s, self.split.sum_s - self.split.max_s + self.boundary_s)
+        return time_option(self.split, self.boundary_s, self.fill, self.hops)
+
+
+def time_option(split: LayerSplit, boundary_s: float, fill: float, hops: float) -> TimeOption:
+    """A pipeline's time per micro-batch and fixed time for the allocation: ``LayerSplit.pipeline_s``."""
+    return TimeOption(split.max_s, fill * (split.sum_s - split.max_s) + hops * boundary_s)
 
 
 @dataclass(frozen=True, eq=False)
@@ -201,6 +224,7 @@ class Candidate:
 
 
 Combo = tuple[BlockCandidate, ...]   # one block candidate per block of a combination
+ClassKey = tuple[Template, float, ScheduleChoice]   # pipelines alike: template, boundary cost, schedule
 # A block to evaluate: (type choices, pipelines, stage order, stages or None, placement, shares or None).
 Job = tuple[tuple[TypeChoice, ...], int, str, int | None, str, Shares | None]
 
@@ -253,6 +277,7 @@ class Searcher:
         self.deadline = deadline
         self.progress = progress
         self.micro_batches = settings.global_batch // cm.micro_batch
+        self.choices = schedule_choices(settings.schedule)
         self.stats = SearchStats()
         self._sync_cache: dict[tuple, float] = {}
         self._p2p: dict[tuple[int, int], float] = {}
@@ -289,13 +314,38 @@ class Searcher:
     def zero_degree(self, pipelines: int) -> int:
         return pipelines if self.settings.zero else 1
 
-    def _slots(self, template: Template, zero_degree: int) -> tuple[SlotCost, ...]:
+    def _slots(self, template: Template, zero_degree: int, choice: ScheduleChoice) -> tuple[SlotCost, ...]:
         return slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,
-                          memory_margin=self.settings.memory_margin)
+                          memory_margin=self.settings.memory_margin, schedule=choice)
 
     @memo
-    def fast_split(self, template: Template, zero_degree: int) -> LayerSplit | None:
-        return split_fast(self._slots(template, zero_degree), self.model.num_layers)
+    def fast_split(self, template: Template, zero_degree: int, choice: ScheduleChoice) -> LayerSplit | None:
+        """The min-max split under ``choice``'s memory (None if none fits, or a stage gets fewer layers
+        than chunks)."""
+        sp = split_fast(self._slots(template, zero_degree, choice), self.model.num_layers)
+        return None if sp is None or min(sp.layers) < choice.chunks else sp
+
+    @memo
+    def fill(self, template: Template, choice: ScheduleChoice) -> tuple[float, float]:
+        """``fill_factor`` of ``choice`` on this template (its first kind's op shares)."""
+        kind = template[0]
+        shares = rounded_shares(self.cm.chunk_cost(kind.device_type, kind.tp, 1, False, False))
+        return fill_factor(choice, len(template), shares)
+
+    def class_schedule(self, template: Template, boundary: float, zero_degree: int, micro_batches: int
+                       ) -> tuple[ScheduleChoice, LayerSplit, float, float] | None:
+        """The schedule (of those the settings allow) whose fast split runs ``micro_batches`` fastest by
+        ``LayerSplit.pipeline_s`` with its fill factor; None if none fits."""
+        best = None
+        for choice in self.choices:
+            sp = self.fast_split(template, zero_degree, choice)
+            if sp is None:
+                continue
+            fill, hops = self.fill(template, choice)
+            t = sp.pipeline_s(micro_batches, hops * boundary, fill)
+            if best is None or t < best[0] - 1e-12:
+                best = (t, choice, sp, fill, hops)
+        return None if best is None else best[1:]
 
     def _pair_s(self, a: int, b: int) -> float:
         """One boundary both ways between stages led by devices ``a`` and ``b`` (``p2p_time`` prices a
@@ -338,7 +388,8 @@ class Searcher:
             return None
         self._seen_blocks.add(seen_key)
         for template in set(templates):
-            if len(template) > self.model.num_layers or self.fast_split(template, zd) is None:
+            if len(template) > self.model.num_layers or all(self.fast_split(template, zd, c) is None
+                                                            for c in self.choices):
                 return None
         if placement != "contiguous" and all(
                 deal(len(gs), [sh.get(k, 0) for sh in shares], placement)
@@ -351,11 +402,13 @@ class Searcher:
         for i, lay in enumerate(layouts):
             by_class.setdefault((lay.template, round(self.boundary_s(lay), 12)), []).append(i)
         classes = []
+        m_each = max(1, self.micro_batches // pipelines)
         for (template, bnd), members in by_class.items():
-            split = self.fast_split(template, zd)
-            if split is None:
+            picked = self.class_schedule(template, bnd, zd, max(len(template), m_each))
+            if picked is None:
                 return None
-            classes.append(ClassInfo(template, bnd, tuple(members), split))
+            choice, split, fill, hops = picked
+            classes.append(ClassInfo(template, bnd, tuple(members), split, choice, fill, hops))
         grad_bytes, opt_terms = self._terms(classes)
         rings = self._sync_rings(layouts, classes) if pipelines > 1 else ()
         return BlockCandidate(choice, pipelines, order, placement, tuple(layouts), tuple(classes), grad_bytes,
@@ -369,14 +422,15 @@ class Searcher:
         with the same holders fused. Returns (ring, bytes, seconds) per stage of each class, costliest
         first."""
         n_layers = self.model.num_layers
-        ranges = [c.split.ranges() for c in classes]
-        cuts = sorted({0, n_layers} | {b for rs in ranges for r in rs for b in r})
+        ranges = [[(lo, hi, k) for k, chunks in enumerate(stage_layer_ranges(c.split.layers, c.schedule))
+                   for lo, hi in chunks] for c in classes]
+        cuts = sorted({0, n_layers} | {b for rs in ranges for r in rs for b in r[:2]})
         fused: dict[tuple[int, int], dict[tuple[int, ...], float]] = {}
         for a, b in zip(cuts, cuts[1:]):
             holders = []
             devs: list[int] = []
             for ci, (c, rs) in enumerate(zip(classes, ranges)):
-                k = next(i for i, (lo, hi) in enumerate(rs) if lo <= a < hi)
+                k = next(i for lo, hi, i in rs if lo <= a < hi)
                 holders.append((ci, k))
                 devs.extend(layouts[i].groups[k].devices[0] for i in c.members)
             if len(devs) < 2:
@@ -384,11 +438,10 @@ class Searcher:
             ring = tuple(sorted(devs))
             for ci, k in holders:
                 kind = classes[ci].template[k]
-                n_st = len(classes[ci].template)
                 params = (b - a) * self.cm.layer(kind.device_type, kind.tp).params
-                if a == 0 and k == 0:
+                if a == 0:   # the stage holding layer 0 holds the embedding, the last layer's the head
                     params += self.cm.extras(kind.device_type, kind.tp, True, False).params
-                if b == n_layers and k == n_st - 1:
+                if b == n_layers:
                     params += self.cm.extras(kind.device_type, kind.tp, False, True).params
                 nbytes = params * self.cm.profiles[kind.device_type].memory.grad_bytes
                 per = fused.setdefault((ci, k), {})
@@ -418,7 +471,7 @@ class Searcher:
         for c in classes:
             n_st = len(c.template)
             for k, (kind, n) in enumerate(zip(c.template, c.split.layers)):
-                first, last = k == 0, k == n_st - 1
+                first, last = c.schedule.ends(k, n_st)
                 params = self.cm.stage(kind.device_type, kind.tp, n, first, last).params
                 tensors = self.cm.tensors_per_stage(n, first, last)
                 grad = max(grad, params * self.cm.profiles[kind.device_type].memory.grad_bytes)
@@ -698,84 +751,98 @@ class Searcher:
     # -- realized plans ------------------------------------------------------------------------------
 
     def _classes(self, combo: Sequence[BlockCandidate], alloc: Allocation
-                 ) -> tuple[list[PipelineLayout], list[tuple[Template, float]], dict, dict]:
-        """Classes over the whole combination (identical template and boundary cost), their members
-        (indices into the layouts) and the largest micro-batch count the allocation gave each."""
+                 ) -> tuple[list[PipelineLayout], list[ClassKey], dict, dict, dict]:
+        """Classes over the whole combination (identical template, boundary cost and schedule), their
+        members (indices into the layouts), the largest micro-batch count the allocation gave each and
+        their schedule's (fill, hops)."""
         layouts = [lay for b in combo for lay in b.layouts]
-        keys: list[tuple[Template, float]] = []
-        members: dict[tuple[Template, float], list[int]] = {}
-        most: dict[tuple[Template, float], int] = {}
+        keys: list[ClassKey] = []
+        members: dict[ClassKey, list[int]] = {}
+        most: dict[ClassKey, int] = {}
+        fills: dict[ClassKey, tuple[float, float]] = {}
         gi = hj = 0
         for b in combo:
             for c in b.classes:
-                key = (c.template, c.boundary_s)
+                key = (c.template, c.boundary_s, c.schedule)
                 if key not in members:
                     keys.append(key)
                     members[key] = []
+                    fills[key] = (c.fill, c.hops)
                 members[key].extend(gi + i for i in c.members)
                 most[key] = max(most.get(key, 0), max(alloc.per_class[hj]))
                 hj += 1
             gi += len(b.layouts)
-        return layouts, keys, members, most
+        return layouts, keys, members, most, fills
 
     def _candidate(self, layouts: Sequence[PipelineLayout], split_of: Mapping[int, LayerSplit],
-                   mb_of: Mapping[int, int]) -> Candidate | None:
+                   mb_of: Mapping[int, int], choice_of: Mapping[int, ScheduleChoice]) -> Candidate | None:
         pipes = []
         for idx, lay in enumerate(layouts):
-            sp = split_of[idx]
+            sp, choice = split_of[idx], choice_of[idx]
             stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc)
-                           for g, r, rc in zip(lay.groups, sp.ranges(), sp.recompute))
-            pipes.append(Pipeline(micro_batches=mb_of[idx], stages=stages))
+                           for g, r, rc in zip(lay.groups, stage_layer_ranges(sp.layers, choice), sp.recompute))
+            own = None if choice.name == self.settings.default_schedule else choice.name
+            pipes.append(Pipeline(micro_batches=mb_of[idx], stages=stages, schedule=own))
         strategy = Strategy(name="planned", pipelines=tuple(pipes))
-        est = self.cm.estimate(strategy, self.settings.global_batch, self.settings.schedule, self.settings.zero)
+        est = self.cm.estimate(strategy, self.settings.global_batch, self.settings.default_schedule,
+                               self.settings.zero)
         if not est.fits:
             self.stats.notes.append(f"dropped a plan: the cost model reports OOM on devices {est.oom_devices}")
             return None
         used = set(strategy.devices)
         idle = tuple(d for d in self.devices if d not in used)
-        return Candidate(strategy, est, self.cm.micro_batch, idle, describe(strategy, self.cluster))
+        return Candidate(strategy, est, self.cm.micro_batch, idle,
+                         describe(strategy, self.cluster, self.settings.default_schedule))
 
     def realize(self, combo: Sequence[BlockCandidate], alloc: Allocation) -> Candidate | None:
-        """The combination as it was scored: fast splits, greedy micro-batch counts; scored by the cost
-        model (its estimate, not the fast score)."""
+        """The combination as it was scored: fast splits, greedy micro-batch counts, each class's schedule;
+        scored by the cost model (its estimate, not the fast score)."""
         split_of: dict[int, LayerSplit] = {}
         mb_of: dict[int, int] = {}
+        choice_of: dict[int, ScheduleChoice] = {}
         gi = hj = 0
         for b in combo:
             for c in b.classes:
                 for i, mb in zip(c.members, alloc.per_class[hj]):
                     split_of[gi + i] = c.split
                     mb_of[gi + i] = mb
+                    choice_of[gi + i] = c.schedule
                 hj += 1
             gi += len(b.layouts)
         layouts = [lay for b in combo for lay in b.layouts]
-        return self._candidate(layouts, split_of, mb_of)
+        return self._candidate(layouts, split_of, mb_of, choice_of)
 
     def finalize(self, combo: Sequence[BlockCandidate], hint: Allocation) -> Candidate | None:
         """Exact layer splits and micro-batches for a combination, scored by ``CostModel.estimate``: each
-        class offers its fast split and the ILP splits for the micro-batch counts it may get, the
-        allocation ILP picks counts and splits together, then each class is re-split for its count."""
-        layouts, keys, members, hint_m = self._classes(combo, hint)
+        class offers its fast split and the ILP splits for the micro-batch counts it may get (under its
+        schedule's memory and fill), the allocation ILP picks counts and splits together, then each class
+        is re-split for its count."""
+        layouts, keys, members, hint_m, fills = self._classes(combo, hint)
         zd = self.zero_degree(len(layouts))
         m_total = self.micro_batches
         n_layers = self.model.num_layers
         limit = max(1.0, min(10.0, self.deadline - time.perf_counter()))
         options: list[list[LayerSplit]] = []
         for key in keys:
-            template, _ = key
-            slots = self._slots(template, zd)
-            fast = split_fast(slots, n_layers)
+            template, _, choice = key
+            fill = fills[key][0]
+            slots = self._slots(template, zd, choice)
+            fast = self.fast_split(template, zd, choice)
             if fast is None:
                 return None
             found = [fast]
             for mb in sorted({len(template), hint_m[key]}):
                 self.stats.ilps += 1
-                sp = split_ilp(slots, n_layers, mb, limit, incumbent=fast)
-                if sp is not None and sp not in found:
+                sp = split_ilp(slots, n_layers, mb, limit, incumbent=fast, fill=fill)
+                if sp is not None and sp not in found and min(sp.layers) >= choice.chunks:
                     found.append(sp)
             options.append(found)
-        classes = [PipelineClass(tuple(TimeOption(s.max_s, s.sum_s - s.max_s + key[1]) for s in opts),
-                                 len(key[0]), len(members[key])) for key, opts in zip(keys, options)]
+
+        def option(key: ClassKey, sp: LayerSplit) -> TimeOption:
+            return time_option(sp, key[1], *fills[key])
+
+        classes = [PipelineClass(tuple(option(key, s) for s in opts), len(key[0]), len(members[key]))
+                   for key, opts in zip(keys, options)]
         self.stats.ilps += 1
         alloc = allocate_ilp(classes, m_total, limit)
         if alloc is None:
@@ -787,33 +854,43 @@ class Searcher:
             if mb in (hint_m[key], len(key[0])):
                 continue   # already solved for this count
             self.stats.ilps += 1
-            sp = split_ilp(self._slots(key[0], zd), n_layers, mb, limit, incumbent=chosen[j])
-            if sp is not None and sp.pipeline_s(mb) < chosen[j].pipeline_s(mb) - 1e-12:
+            fill = fills[key][0]
+            sp = split_ilp(self._slots(key[0], zd, key[2]), n_layers, mb, limit, incumbent=chosen[j], fill=fill)
+            if sp is not None and min(sp.layers) >= key[2].chunks and \
+                    sp.pipeline_s(mb, fill=fill) < chosen[j].pipeline_s(mb, fill=fill) - 1e-12:
                 chosen[j] = sp
                 changed = True
         if changed:
-            classes = [PipelineClass((TimeOption(s.max_s, s.sum_s - s.max_s + key[1]),), len(key[0]),
-                                     len(members[key])) for key, s in zip(keys, chosen)]
+            classes = [PipelineClass((option(key, s),), len(key[0]), len(members[key])) for key, s in zip(keys, chosen)]
             self.stats.ilps += 1
             again = allocate_ilp(classes, m_total, limit)
             if again is not None and again.makespan_s <= alloc.makespan_s + 1e-12:
                 alloc = again
         split_of: dict[int, LayerSplit] = {}
         mb_of: dict[int, int] = {}
+        choice_of: dict[int, ScheduleChoice] = {}
         for j, key in enumerate(keys):
             for idx, mb in zip(members[key], alloc.per_class[j]):
                 mb_of[idx] = mb
                 split_of[idx] = chosen[j]
-        return self._candidate(layouts, split_of, mb_of)
+                choice_of[idx] = key[2]
+        return self._candidate(layouts, split_of, mb_of, choice_of)
 
     def _report(self, phase: str, done: int, total: int) -> None:
         if self.progress is not None:
             self.progress(phase, done, total)
 
 
-def describe(strategy: Strategy, cluster: Cluster) -> str:
-    """Short text: identical pipelines grouped, e.g. ``2 x [H800/tp1 x4] (m=8) + ...``."""
-    parts: dict[tuple[str, int], int] = {}
+def schedule_label(pipe: Pipeline, default: Schedule = "1f1b") -> str:
+    """'1f1b', 'zb-h1', 'interleaved v=2', ...: a pipeline's schedule and, for interleaved, its chunks."""
+    name = pipe.schedule if pipe.schedule is not None else default
+    return name if name != "interleaved" else f"interleaved v={pipe.stages[0].chunks}"
+
+
+def describe(strategy: Strategy, cluster: Cluster, default: Schedule = "1f1b") -> str:
+    """Short text: identical pipelines grouped, e.g. ``2 x [H800/tp1 x4] m=8 zb-h1 + ...`` (the schedule
+    where it is not 1F1B)."""
+    parts: dict[tuple[str, int, str], int] = {}
     for p in strategy.pipelines:
         stages = []
         for s in p.stages:
@@ -823,15 +900,16 @@ def describe(strategy: Strategy, cluster: Cluster) -> str:
             else:
                 stages.append([label, 1])
         text = "[" + " > ".join(f"{lab} x{n}" if n > 1 else lab for lab, n in stages) + "]"
-        key = (text, p.micro_batches)
+        label = schedule_label(p, default)
+        key = (text, p.micro_batches, "" if label == "1f1b" else f" {label}")
         parts[key] = parts.get(key, 0) + 1
-    return " + ".join(f"{n} x {t} m={mb}" for (t, mb), n in parts.items())
+    return " + ".join(f"{n} x {t} m={mb}{sched}" for (t, mb, sched), n in parts.items())
 
 
 def structure_key(s: Strategy) -> tuple:
     """Which devices form which stages of which pipeline, and the micro-batch counts; layer splits aside
     (two splits of one structure are the same plan, one a little worse)."""
-    return tuple((p.micro_batches, tuple(st.devices for st in p.stages)) for p in s.pipelines)
+    return tuple((p.micro_batches, p.schedule, tuple(st.devices for st in p.stages)) for p in s.pipelines)
 
 
 def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterable[int],
