@@ -96,7 +96,7 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
             dtext = f"{devs[0]}-{devs[-1]}" if len(devs) > 2 and devs[-1] - devs[0] == len(devs) - 1 else \
                 ",".join(map(str, devs))
             table.add_row(str(pi) if si == 0 else "", str(pipe.micro_batches) if si == 0 else "", str(si),
-                          r["device_type"], str(st.tp), dtext, f"[{st.layers[0]}, {st.layers[1]})",
+                          r["device_type"], str(st.tp), dtext, st.layers_text(),
                           "yes" if st.recompute else "", f"{sc.time_s:.4f}", f"{r['peak_gib']:.1f}",
                           f"{r['capacity_gib']:g}", f"{r['headroom_frac']:.0%}")
     con.print(table)

@@ -70,7 +70,7 @@ class StageReport:
     devices: tuple[int, ...]
     device_type: str
     tp: int
-    layers: tuple[int, int]
+    layers: tuple[tuple[int, int], ...]  # one [start, stop) per chunk
     micro_batches: int
     compute_s: float
     comm_s: float        # TP collectives + gradient sync + loss/norm all-reduce + ZeRO-1 all-gathers
@@ -86,7 +86,8 @@ class StageReport:
         return self.peak_memory_gib > self.capacity_gib
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "devices": list(self.devices), "layers": list(self.layers),
+        layers = list(self.layers[0]) if len(self.layers) == 1 else [list(r) for r in self.layers]  # as in YAML
+        return {**dataclasses.asdict(self), "devices": list(self.devices), "layers": layers,
                 "oom": self.oom}
 
 
@@ -670,8 +671,9 @@ def chrome_trace(result: SimulationResult, strategy: Strategy) -> dict[str, Any]
             tid = len(tids)
             tids[key] = tid
             st = strategy.pipelines[e.pipeline].stages[e.stage]
-            label = (f"stage {e.stage}: devices {','.join(map(str, st.devices))} layers {st.layers[0]}-"
-                     f"{st.layers[1] - 1}" if e.lane == "stage" else f"stage {e.stage} {e.lane}")
+            label = (f"stage {e.stage}: devices {','.join(map(str, st.devices))} layers "
+                     + ", ".join(f"{a}-{b - 1}" for a, b in st.layers) if e.lane == "stage"
+                     else f"stage {e.stage} {e.lane}")
             out.append({"ph": "M", "name": "thread_name", "pid": e.pipeline, "tid": tid, "args": {"name": label}})
             out.append({"ph": "M", "name": "thread_sort_index", "pid": e.pipeline, "tid": tid,
                         "args": {"sort_index": e.stage * 3 + (0 if e.lane == "stage" else 1)}})

@@ -414,56 +414,57 @@ def schedule_problems(name: str, num_devices: int, micro_batches: int, chunks: i
 
 
 def chunk_problems(chunk_layers: Sequence[Sequence[tuple[int, int]]], num_layers: int,
-                   placement: Placement = "loop") -> list[str]:
+                   placement: Placement = "loop", model: str = "the model") -> list[str]:
     """Layer ranges ``[start, stop)`` per device per chunk that do not form the pipeline.
 
-    Checks, one line each: empty or out-of-range ranges, devices with differing chunk counts,
-    overlaps, layers no chunk covers, and, once those hold, that the ranges follow the virtual-stage
-    order of ``placement`` (virtual stage ``j + 1`` starts where ``j`` stops)."""
-    out: list[str] = []
-    counts = {len(c) for c in chunk_layers}
+    The virtual stages, in ``placement``'s order, must tile ``[0, num_layers)``: each starts where the
+    previous one stops. Checks, one line each: devices with differing chunk counts, empty ranges,
+    ranges past the model's end, overlaps, layers left uncovered. One-chunk stages are named
+    ``stages[d].layers`` (their YAML form is a single pair), several chunks ``stages[d].layers[c]``."""
     if not chunk_layers:
         return ["stages: no stages"]
-    if len(counts) != 1:
-        out.append(f"stages: every stage needs the same number of chunks, got {[len(c) for c in chunk_layers]}")
-    spans: list[tuple[int, int, str]] = []
-    out_of_range = False
-    for d, ranges in enumerate(chunk_layers):
-        if not ranges:
-            out.append(f"stages[{d}].layers: no layer range")
-        for c, (a, b) in enumerate(ranges):
-            where = f"stages[{d}].layers[{c}]"
-            if not 0 <= a < b <= num_layers:
-                out.append(f"{where}: [{a}, {b}] is not a non-empty range within the model's {num_layers} layers")
-                out_of_range = True
-                continue
-            spans.append((a, b, where))
-    spans.sort()
-    covered = 0
-    for i, (a, b, where) in enumerate(spans):
-        if i and a < spans[i - 1][1]:
-            pa, pb, pwhere = spans[i - 1]
-            out.append(f"{where}: [{a}, {b}] overlaps [{pa}, {pb}] of {pwhere}")
-        if a > covered:
-            out.append(f"{where}: layers [{covered}, {a}] are not covered by any chunk")
-        covered = max(covered, b)
-    if covered < num_layers and not out_of_range:
-        out.append(f"stages: layers [{covered}, {num_layers}] are not covered by any chunk")
-    if out:
-        return out
-    v = len(chunk_layers[0])
+    counts = [len(c) for c in chunk_layers]
+    empty = [f"stages[{d}].layers: no layer range" for d, n in enumerate(counts) if n == 0]
+    if empty:
+        return empty
+    if len(set(counts)) != 1:
+        return [f"stages: every stage needs the same number of chunks, got {counts}"]
     try:
-        layout = Layout(len(chunk_layers), v, placement)
+        layout = Layout(len(chunk_layers), counts[0], placement)
     except ValueError as e:
-        return [str(e)]
-    expect = 0
-    for j in range(layout.num_stages):
+        return [f"stages: {e}"]
+    single = layout.chunks == 1
+
+    def where(j: int) -> str:
         d, c = layout.device(j), layout.chunk(j)
-        a, b = chunk_layers[d][c]
-        if a != expect:  # the first break only: the later stages are out of step because of it
-            return [f"stages[{d}].layers[{c}]: virtual stage {j} starts at layer {a}, but the previous "
-                    f"virtual stage stops at {expect} ({placement} placement)"]
-        expect = b
+        return f"stages[{d}].layers" if single else f"stages[{d}].layers[{c}]"
+
+    def name(j: int) -> str:
+        return f"stage {j}" if single else f"virtual stage {j} ({where(j)}, {placement} placement)"
+
+    out: list[str] = []
+    covered = 0
+    last = -1
+    for j in range(layout.num_stages):
+        a, b = chunk_layers[layout.device(j)][layout.chunk(j)]
+        if not 0 <= a < b:
+            out.append(f"{where(j)}: must be a non-empty range [start, end), got [{a}, {b}]")
+            continue
+        if b > num_layers:
+            out.append(f"{where(j)}: range [{a}, {b}) goes past {model}'s {num_layers} layers")
+        if last >= 0 and a < covered:
+            pa = chunk_layers[layout.device(last)][layout.chunk(last)][0]
+            whose = name(last) if a >= pa else "the virtual stages before it"
+            out.append(f"{where(j)}: overlaps layers [{a}, {min(b, covered)}) of {whose}")
+        elif a > covered:
+            what = (f"{name(last)} ends at {covered}" if last >= 0 else
+                    f"the first {'stage' if single else 'virtual stage'} must start at 0")
+            out.append(f"{where(j)}: leaves layers [{covered}, {a}) uncovered ({what})")
+        covered = max(covered, b)
+        last = j
+    if 0 <= last and covered < num_layers:
+        out.append(f"{where(last)}: pipeline ends at layer {covered}, leaving layers [{covered}, {num_layers}) "
+                   f"of {model} uncovered")
     return out
 
 

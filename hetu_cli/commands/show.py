@@ -30,10 +30,10 @@ def device_rows(ctx: PlanContext, strategy: Strategy) -> list[dict[str, Any]]:
             roles = []
             if si == 0:
                 roles.append("embedding")
-            roles.append(f"layers {stage.layers[0]}-{stage.layers[1] - 1}")
+            roles.append("layers " + ", ".join(f"{a}-{b - 1}" for a, b in stage.layers))
             if si == len(pipe.stages) - 1:
                 roles.append("head+loss")
-            row.update(pipeline=pi, stage=si, tp_rank=rank, tp=stage.tp, layers=list(stage.layers),
+            row.update(pipeline=pi, stage=si, tp_rank=rank, tp=stage.tp, layers=stage.layers_data(),
                        role=", ".join(roles), micro_batches=pipe.micro_batches,
                        recompute=stage.recompute)
         rows.append(row)
@@ -53,7 +53,7 @@ def _strategy_tables(ctx: PlanContext, strategy: Strategy) -> tuple[Table, Table
                 str(pi) if si == 0 else "", str(pipe.micro_batches) if si == 0 else "",
                 str(pipe.micro_batches * t.micro_batch) if si == 0 else "", str(si),
                 span(stage.devices), first.type, first.node, str(stage.tp),
-                f"[{stage.layers[0]}, {stage.layers[1]})", "yes" if stage.recompute else "no",
+                stage.layers_text(), "yes" if stage.recompute else "no",
                 end_section=si == len(pipe.stages) - 1)
     devices = Table(title=f"strategy {strategy.name!r}: per device", title_justify="left")
     for col in ("device", "type", "node", "pipeline", "stage", "TP rank", "holds"):

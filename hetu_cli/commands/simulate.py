@@ -64,7 +64,7 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
     for s in result.stages:
         mem = f"[red]{s.peak_memory_gib:.2f} OOM[/red]" if s.oom else f"{s.peak_memory_gib:.2f}"
         table.add_row(str(s.pipeline), str(s.stage), ",".join(map(str, s.devices)), s.device_type, str(s.tp),
-                      f"[{s.layers[0]}, {s.layers[1]})", str(s.micro_batches), f"{s.compute_s:.4f}",
+                      " + ".join(f"[{a}, {b})" for a, b in s.layers), str(s.micro_batches), f"{s.compute_s:.4f}",
                       f"{s.comm_s:.4f}", f"{s.p2p_s:.4f}", f"{s.optimizer_s:.4f}", f"{s.bubble_s:.4f}",
                       str(s.peak_in_flight), mem, f"{s.capacity_gib:g}")
     con.print(table)

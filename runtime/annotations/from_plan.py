@@ -91,7 +91,7 @@ def holding_stages(strategy: Strategy, info: ParamInfo) -> list[Stage]:
             out.append(pipe.stages[-1])
         else:
             assert info.layer is not None
-            out.append(next(s for s in pipe.stages if s.layers[0] <= info.layer < s.layers[1]))
+            out.append(next(s for s in pipe.stages if s.holds_layer(info.layer)))
     return out
 
 
@@ -182,7 +182,7 @@ def strategy_groups(strategy: Strategy, model: ModelSpec, training: TrainingSett
 
 
 def _placement(strategy: Strategy, layer: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(next(s.devices for s in p.stages if s.layers[0] <= layer < s.layers[1]) for p in strategy.pipelines)
+    return tuple(next(s.devices for s in p.stages if s.holds_layer(layer)) for p in strategy.pipelines)
 
 
 def annotation_rows(strategy: Strategy, model: ModelSpec, training: TrainingSettings) -> list[dict[str, Any]]:

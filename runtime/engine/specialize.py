@@ -114,7 +114,7 @@ class DevicePlan:
 
     @property
     def schedule(self) -> str:
-        return self.handle.training.schedule
+        return self.handle.schedule_name(self.role.pipeline)
 
 
 def specialize(handle: StrategyHandle, device: int) -> DevicePlan | None:
@@ -129,7 +129,8 @@ def specialize(handle: StrategyHandle, device: int) -> DevicePlan | None:
     prev, nxt = stage_boundaries(ann, role, handle.cluster)
     return DevicePlan(
         handle=handle, role=role, annotations=ann, shards=tuple(parameter_shards(handle.model, role, ann)),
-        actions=tuple(build_schedule(handle.training.schedule, role.num_stages, role.stage, role.micro_batches)),
+        actions=tuple(build_schedule(handle.schedule_name(role.pipeline), role.num_stages, role.stage,
+                                     role.micro_batches)),
         prev=prev, next=nxt, grad_sync=tuple(b for b in plan_sync(layouts) if device in b.devices),
         zero_slices=slices, zero_buckets=tuple(zero_buckets(ann, slices)) if zero else (),
         moment_pieces=moment_pieces(slices, device))
@@ -144,11 +145,14 @@ def stage_role(handle: StrategyHandle, device: int) -> StageRole | None:
     strat = handle.strategy
     pipe = strat.pipelines[pi]
     stage = pipe.stages[si]
+    if stage.chunks != 1:  # the chunk-aware executor is the next step of issue 12
+        raise ValueError(f"pipelines[{pi}].stages[{si}].layers: the engine runs one layer range per stage, "
+                         f"got {stage.chunks}")
     mb = handle.training.micro_batch
     first = sum(p.micro_batches for p in strat.pipelines[:pi]) * mb
     return StageRole(
         strategy=strat.name, device=device, pipeline=pi, stage=si, num_stages=len(pipe.stages),
-        tp_rank=tp_rank, devices=stage.devices, layers=stage.layers, embed=si == 0,
+        tp_rank=tp_rank, devices=stage.devices, layers=stage.layers[0], embed=si == 0,
         head=si == len(pipe.stages) - 1, recompute=stage.recompute, micro_batches=pipe.micro_batches,
         micro_batch=mb, first_sample=first)
 

@@ -14,6 +14,7 @@ from functools import cached_property
 from typing import Any, TypeVar
 
 from runtime.errors import Problem, SpecError
+from runtime.pipeline_schedules import ChunkCost, Costs, Schedule, ScheduleName, build_schedule, schedule_layout
 from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
@@ -29,6 +30,7 @@ class StrategyHandle:
     ctx: PlanContext
     strategy: Strategy
     _memo: dict[Callable[..., Any], Any] = field(default_factory=dict, init=False, repr=False)
+    _schedules: dict[int, Schedule] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not any(s is self.strategy or s == self.strategy for s in self.ctx.plan.strategies):
@@ -64,13 +66,34 @@ class StrategyHandle:
         """Every device the strategy uses, sorted (``strategy.devices`` has them pipeline by pipeline)."""
         return tuple(sorted(self.strategy.devices))
 
+    def schedule_name(self, pipeline: int) -> ScheduleName:
+        """The schedule pipeline ``pipeline`` runs (its own, else ``training.schedule``)."""
+        return self.strategy.schedule_of(pipeline, self.training)
+
+    def pipeline_schedule(self, pipeline: int) -> Schedule:
+        """Pipeline ``pipeline``'s action lists: what the engine executes and the simulator plays.
+
+        Built from the plan alone, so every rank builds the same lists: a chunk's F, B and W each cost
+        its layer count (docs/schedules.md, "Costs in the plan")."""
+        if pipeline not in self._schedules:
+            pipe = self.strategy.pipelines[pipeline]
+            name = self.schedule_name(pipeline)
+            layout = schedule_layout(name, len(pipe.stages), pipe.stages[0].chunks)
+            costs = Costs(chunks=tuple(tuple(ChunkCost(b - a, b - a, b - a) for a, b in st.layers)
+                                       for st in pipe.stages))
+            self._schedules[pipeline] = build_schedule(name, len(pipe.stages), pipe.micro_batches,
+                                                       layout.chunks, costs)
+        return self._schedules[pipeline]
+
     def describe(self) -> str:
-        """'[0,1]:0-4 > [2]:4-8 x6 | ...': each pipeline's stages (devices: layers) and micro-batches."""
+        """'[0,1]:0-4 > [2]:4-8 x6 | [3]:0-2+6-8 > [4]:2-6 x2 interleaved': each pipeline's stages (devices:
+        layer ranges), micro-batches and, where it is not 1F1B, its schedule."""
         pipes = []
-        for p in self.strategy.pipelines:
-            stages = " > ".join("[" + ",".join(map(str, s.devices)) + f"]:{s.layers[0]}-{s.layers[1]}"
+        for pi, p in enumerate(self.strategy.pipelines):
+            stages = " > ".join("[" + ",".join(map(str, s.devices)) + "]:" + "+".join(f"{a}-{b}" for a, b in s.layers)
                                 for s in p.stages)
-            pipes.append(f"{stages} x{p.micro_batches}")
+            name = self.schedule_name(pi)
+            pipes.append(f"{stages} x{p.micro_batches}" + ("" if name == "1f1b" else f" {name}"))
         return " | ".join(pipes)
 
     def cached(self, derive: Callable[[StrategyHandle], T]) -> T:

@@ -1,21 +1,22 @@
 """Plan spec (plan.yaml): training settings plus one or more named heterogeneous strategies.
 
-A strategy is a list of pipelines; each pipeline has its own micro-batch count and a chain of
-stages; each stage is a TP group (its devices) holding a contiguous range of decoder layers.
-The first stage of every pipeline also holds the embedding, the last the final norm and head.
+A strategy is a list of pipelines; each pipeline has its own micro-batch count, schedule and a chain
+of stages; each stage is a TP group (its devices) holding one contiguous range of decoder layers per
+model chunk (several under interleaved 1F1B and ZB-V: docs/schedules.md). The chunk holding layer 0
+also holds the embedding, the chunk holding the last layer the final norm and head.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
 from runtime.errors import Checker, Problem, SpecError
+from runtime.pipeline_schedules import ScheduleName
 
 PLAN_VERSION = 1
 
-Schedule = Literal["1f1b", "gpipe"]
+Schedule = ScheduleName  # the plan's name for it (the planner imports it from here)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class TrainingSettings:
     micro_batch: int
     seq_len: int
     zero: bool = False
-    schedule: Schedule = "1f1b"
+    schedule: ScheduleName = "1f1b"  # the default of every pipeline (Pipeline.schedule overrides it)
     seed: int = 0
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
 
@@ -56,21 +57,42 @@ class TrainingSettings:
         c.raise_if_any()
 
 
+LayerRange = tuple[int, int]
+
+
+def _layer_ranges(layers: object) -> tuple[LayerRange, ...]:
+    """A single ``(start, stop)`` pair is the one-chunk form of ``((start, stop),)``."""
+    if isinstance(layers, (tuple, list)) and len(layers) == 2 and all(isinstance(x, int) for x in layers):
+        return (tuple(layers),)  # type: ignore[return-value]
+    return tuple(tuple(r) for r in layers)  # type: ignore[union-attr, misc]
+
+
 @dataclass(frozen=True)
 class Stage:
+    """A TP group and the layer range of each model chunk it holds (one chunk per virtual stage)."""
+
     devices: tuple[int, ...]
-    layers: tuple[int, int]
+    # YAML accepts (and writes back) one chunk as a bare pair: `layers: [0, 8]`.
+    layers: tuple[LayerRange, ...] = field(metadata={"pair_or_list": True})
     recompute: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "layers", _layer_ranges(self.layers))
         c = Checker()
         c.check(len(self.devices) >= 1, "devices", "must list at least one device")
         dup = sorted({d for d in self.devices if self.devices.count(d) > 1})
         c.check(not dup, "devices", f"lists device(s) {dup} more than once")
         c.check(all(d >= 0 for d in self.devices), "devices", "device ids must not be negative")
-        start, end = self.layers
-        c.check(0 <= start < end, "layers",
-                f"must be a non-empty range [start, end) with 0 <= start < end, got [{start}, {end}]")
+        c.check(len(self.layers) >= 1, "layers", "must hold at least one layer range")
+        for k, r in enumerate(self.layers):
+            where = "layers" if len(self.layers) == 1 else f"layers[{k}]"
+            if len(r) != 2:
+                c.add(where, f"must be a range [start, end), got {list(r)}")
+                continue
+            start, end = r
+            c.check(0 <= start < end, where,
+                    f"must be a non-empty range [start, end) with 0 <= start < end, got [{start}, {end}]")
         c.raise_if_any()
 
     @property
@@ -78,14 +100,37 @@ class Stage:
         return len(self.devices)
 
     @property
+    def chunks(self) -> int:
+        """v: how many model chunks (virtual stages) this stage holds."""
+        return len(self.layers)
+
+    @property
     def num_layers(self) -> int:
-        return self.layers[1] - self.layers[0]
+        """Layers held, over all chunks."""
+        return sum(b - a for a, b in self.layers)
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        """Every layer index held, ascending."""
+        return tuple(sorted(i for a, b in self.layers for i in range(a, b)))
+
+    def holds_layer(self, layer: int) -> bool:
+        return any(a <= layer < b for a, b in self.layers)
+
+    def layers_data(self) -> list:
+        """The YAML / JSON form: ``[0, 8]`` for one chunk, ``[[0, 8], [32, 40]]`` for several."""
+        return list(self.layers[0]) if len(self.layers) == 1 else [list(r) for r in self.layers]
+
+    def layers_text(self) -> str:
+        """'[0, 8)' or '[0, 8) + [32, 40)' for tables."""
+        return " + ".join(f"[{a}, {b})" for a, b in self.layers)
 
 
 @dataclass(frozen=True)
 class Pipeline:
     micro_batches: int
     stages: tuple[Stage, ...]
+    schedule: ScheduleName | None = None  # None: training.schedule
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -114,6 +159,11 @@ class Strategy:
     def devices(self) -> tuple[int, ...]:
         """Every device the strategy uses, pipeline by pipeline, stage by stage."""
         return tuple(d for p in self.pipelines for d in p.devices)
+
+    def schedule_of(self, pipeline: int, training: TrainingSettings) -> ScheduleName:
+        """The schedule pipeline ``pipeline`` runs: its own, else the training default."""
+        own = self.pipelines[pipeline].schedule
+        return own if own is not None else training.schedule
 
     def locate(self, device: int) -> tuple[int, int, int] | None:
         """(pipeline index, stage index, TP rank) of a device, or None if it is idle."""

@@ -159,7 +159,7 @@ def _build_dataclass(cls: Any, data: dict, file: str, path: str, problems: list[
                 failed = True
             continue
         try:
-            kwargs[name] = _build(hints[name], data[name], file, sub, problems)
+            kwargs[name] = _build_field(f, hints[name], data[name], file, sub, problems)
         except _Invalid:
             failed = True
     if failed:
@@ -172,6 +172,19 @@ def _build_dataclass(cls: Any, data: dict, file: str, path: str, problems: list[
         raise _Invalid from None
 
 
+def _is_pair_form(f: dataclasses.Field, value: Any) -> bool:
+    """A ``pair_or_list`` field (a tuple of pairs) given as one bare pair, e.g. ``layers: [0, 8]``."""
+    return bool(f.metadata.get("pair_or_list")) and isinstance(value, (list, tuple)) and len(value) == 2 \
+        and not any(isinstance(x, (list, tuple)) for x in value)
+
+
+def _build_field(f: dataclasses.Field, tp: Any, data: Any, file: str, path: str, problems: list[Problem]) -> Any:
+    if _is_pair_form(f, data):
+        # The pair is read at the field's own path: it is what the YAML spells there.
+        return (_build(get_args(tp)[0], data, file, path, problems),)
+    return _build(tp, data, file, path, problems)
+
+
 def to_data(obj: Any) -> Any:
     """Plain data (dicts, lists, scalars) for YAML/JSON; ``None`` fields are omitted."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -180,6 +193,8 @@ def to_data(obj: Any) -> Any:
             value = getattr(obj, f.name)
             if value is None or f.metadata.get("derived"):
                 continue
+            if f.metadata.get("pair_or_list") and len(value) == 1:
+                value = value[0]  # written back in its one-item form, as it is usually written
             out[f.name] = to_data(value)
         return out
     if isinstance(obj, (tuple, list)):

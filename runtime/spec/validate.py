@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from runtime.errors import Problem
+from runtime.pipeline_schedules import SCHEDULE_NAMES, chunk_problems, schedule_layout, schedule_problems
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import Plan, Strategy
-
-
-def _range(a: int, b: int) -> str:
-    return f"[{a}, {b})"
 
 
 def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster, file: str = "") -> list[Problem]:
@@ -35,22 +32,28 @@ def validate_strategy(strategy: Strategy, plan: Plan, model: ModelSpec, cluster:
     owner: dict[int, str] = {}
     for pi, pipe in enumerate(strategy.pipelines):
         pp = f"pipelines[{pi}]"
-        # Layers: contiguous cover of [0, num_layers) in order.
-        covered = 0
+        # Layers: the virtual stages, in the schedule's placement order, tile [0, num_layers).
+        name = strategy.schedule_of(pi, t)
+        chunks = {stage.chunks for stage in pipe.stages}
+        sched = schedule_problems(name, len(pipe.stages), pipe.micro_batches,
+                                  chunks.pop() if len(chunks) == 1 else None)
+        for line in sched:
+            field, message = line.split(": ", 1)
+            if field == "schedule":
+                where = f"{path}.{pp}.schedule" if pipe.schedule is not None else "training.schedule"
+                problems.append(Problem(file, where, message))
+            elif field == "chunks":
+                bad(f"{pp}.stages", f"{message} (the layer ranges each stage lists, under {name})")
+            else:
+                bad(f"{pp}.{field}", message)
+        placement = schedule_layout(name, 1).placement if name in SCHEDULE_NAMES else "loop"
+        wrong_count = any(line.startswith("chunks: ") for line in sched)  # then no placement to check against
+        ranges = [s.layers for s in pipe.stages]
+        for line in [] if wrong_count else chunk_problems(ranges, model.num_layers, placement, model.name):
+            field, message = line.split(": ", 1)
+            bad(f"{pp}.{field}", message)
         for k, stage in enumerate(pipe.stages):
             sp = f"{pp}.stages[{k}]"
-            start, end = stage.layers
-            if end > model.num_layers:
-                bad(f"{sp}.layers", f"range {_range(start, end)} goes past {model.name}'s "
-                                    f"{model.num_layers} layers")
-            if k > 0 and start < covered:
-                prev = pipe.stages[k - 1].layers
-                lo, hi = max(start, prev[0]), min(end, covered)
-                bad(f"{sp}.layers", f"overlaps layers {_range(lo, hi)} of stage {k - 1}")
-            elif start > covered:
-                what = f"stage {k - 1} ends at {covered}" if k > 0 else "the first stage must start at 0"
-                bad(f"{sp}.layers", f"leaves layers {_range(covered, start)} uncovered ({what})")
-            covered = max(covered, end)
             # Devices.
             types = set()
             nodes = set()
@@ -73,11 +76,7 @@ def validate_strategy(strategy: Strategy, plan: Plan, model: ModelSpec, cluster:
             why = model.tp_problem(stage.tp)
             if why is not None:
                 bad(f"{sp}.devices", f"{why} of {model.name}")
-        if covered < model.num_layers and pipe.stages:
-            bad(f"{pp}.stages[{len(pipe.stages) - 1}].layers",
-                f"pipeline ends at layer {covered}, leaving layers {_range(covered, model.num_layers)} "
-                f"of {model.name} uncovered")
-        if t.schedule == "1f1b" and pipe.micro_batches < len(pipe.stages):
+        if name == "1f1b" and pipe.micro_batches < len(pipe.stages):
             bad(f"{pp}.micro_batches", f"{pipe.micro_batches} micro-batches for {len(pipe.stages)} stages: "
                                        "1F1B needs at least one micro-batch per stage")
     total = sum(p.micro_batches for p in strategy.pipelines) * t.micro_batch

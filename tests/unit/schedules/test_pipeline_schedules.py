@@ -351,17 +351,49 @@ def test_chunk_problems() -> None:
     assert chunk_problems([[(0, 3), (8, 10)], [(3, 5), (5, 8)]], 10, "v") == []
     assert chunk_problems([[(0, 4)], [(4, 8)]], 8) == []
     [p] = chunk_problems([[(0, 5)], [(4, 8)]], 8)
-    assert p == "stages[1].layers[0]: [4, 8] overlaps [0, 5] of stages[0].layers[0]"
+    assert p == "stages[1].layers: overlaps layers [4, 5) of stage 0"
     [p] = chunk_problems([[(0, 3)], [(4, 8)]], 8)
-    assert p == "stages[1].layers[0]: layers [3, 4] are not covered by any chunk"
-    [p] = chunk_problems([[(0, 3)], [(3, 6)]], 8)
-    assert p == "stages: layers [6, 8] are not covered by any chunk"
+    assert p == "stages[1].layers: leaves layers [3, 4) uncovered (stage 0 ends at 3)"
+    [p] = chunk_problems([[(1, 3)], [(3, 8)]], 8)
+    assert p == "stages[0].layers: leaves layers [0, 1) uncovered (the first stage must start at 0)"
+    [p] = chunk_problems([[(0, 3)], [(3, 6)]], 8, model="llama-x")
+    assert p == "stages[1].layers: pipeline ends at layer 6, leaving layers [6, 8) of llama-x uncovered"
     [p] = chunk_problems([[(0, 3)], [(3, 9)]], 8)
-    assert p.startswith("stages[1].layers[0]: [3, 9] is not a non-empty range")
-    [p] = chunk_problems([[(0, 3), (3, 5)], [(5, 8), (8, 10)]], 10)
-    assert p.startswith("stages[1].layers[0]: virtual stage 1 starts at layer 5")
+    assert p == "stages[1].layers: range [3, 9) goes past the model's 8 layers"
+    [p] = chunk_problems([[(0, 3)], [(3, 3)]], 3)
+    assert p.startswith("stages[1].layers: must be a non-empty range")
+    # Chunks in the wrong virtual-stage order: the gap and the overlap it causes, named by chunk.
+    got = chunk_problems([[(0, 3), (3, 5)], [(5, 8), (8, 10)]], 10)
+    assert got == ["stages[1].layers[0]: leaves layers [3, 5) uncovered "
+                   "(virtual stage 0 (stages[0].layers[0], loop placement) ends at 3)",
+                   "stages[0].layers[1]: overlaps layers [3, 5) of the virtual stages before it"]
+    [p] = chunk_problems([[(0, 3), (4, 8)], [(3, 5), (8, 10)]], 10)
+    assert p == ("stages[0].layers[1]: overlaps layers [4, 5) of virtual stage 1 "
+                 "(stages[1].layers[0], loop placement)")
     [p] = chunk_problems([[(0, 3), (5, 8)], [(3, 5)]], 8)
     assert p.startswith("stages: every stage needs the same number of chunks")
+    [p] = chunk_problems([[(0, 3), (5, 8), (8, 9)], [(3, 5), (9, 10), (10, 11)]], 11, "v")
+    assert p.startswith("stages: chunks: the V placement has exactly 2 chunks per device, got 3")
+
+
+@given(st.integers(1, 6), st.integers(1, 3), st.data())
+def test_chunk_problems_accepts_every_tiling(devices: int, chunks: int, data) -> None:
+    """Any cut of the layers into S*v non-empty ranges, placed in virtual-stage order, is accepted;
+    shifting one boundary by a layer is rejected."""
+    n = devices * chunks
+    cuts = sorted(data.draw(st.sets(st.integers(1, 3 * n), min_size=n - 1, max_size=n - 1)))
+    bounds = [0, *cuts, (cuts[-1] if cuts else 0) + data.draw(st.integers(1, 3))]
+    layout = Layout(devices, chunks)
+    ranges = [[(0, 0)] * chunks for _ in range(devices)]
+    for j in range(n):
+        ranges[layout.device(j)][layout.chunk(j)] = (bounds[j], bounds[j + 1])
+    assert chunk_problems(ranges, bounds[-1]) == []
+    if n > 1:
+        j = data.draw(st.integers(1, n - 1))
+        d, c = layout.device(j), layout.chunk(j)
+        a, b = ranges[d][c]
+        ranges[d][c] = (a + 1, b) if b - a > 1 else (a - 1, b)
+        assert chunk_problems(ranges, bounds[-1]) != []
 
 
 def test_peak_activation_memory_weighs_uneven_chunks() -> None:
