@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pulp
@@ -261,3 +261,33 @@ def split_ilp(slots: Sequence[SlotCost], num_layers: int, micro_batches: int,
     if incumbent is not None and incumbent.pipeline_s(m, fill=fill) < out.pipeline_s(m, fill=fill):
         return incumbent
     return out
+
+
+def refine_split(slots: Sequence[SlotCost], split: LayerSplit, price: Callable[[LayerSplit], float],
+                 min_layers: int = 1, max_evaluations: int = 64) -> LayerSplit:
+    """``split`` improved by moving one layer at a time between neighbouring stages while ``price`` (the
+    exact pipeline time: the list scheduler on the real op costs) goes down, within each stage's memory
+    limit and keeping ``min_layers`` per stage. The ILP's objective is 1F1B's closed form, which knows
+    neither the transfers on the steady state's path nor another schedule's fill, so the exact price
+    gets the last word (steepest descent, at most ``max_evaluations`` prices)."""
+    best, best_t = split, price(split)
+    evaluations = 1
+    while evaluations < max_evaluations:
+        improved = None
+        for i in range(len(slots) - 1):
+            for src, dst in ((i, i + 1), (i + 1, i)):
+                layers = list(best.layers)
+                layers[src] -= 1
+                layers[dst] += 1
+                if layers[src] < min_layers or layers[dst] > _usable(slots[dst]):
+                    continue
+                rec = tuple(n > s.max_layers[0] for s, n in zip(slots, layers))
+                cand = LayerSplit(tuple(layers), rec, tuple(stage_time(s, n, r) for s, n, r in zip(slots, layers, rec)))
+                t = price(cand)
+                evaluations += 1
+                if t < best_t - 1e-12 and (improved is None or t < improved[0]):
+                    improved = (t, cand)
+        if improved is None:
+            break
+        best_t, best = improved
+    return best

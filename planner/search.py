@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
 from planner.cost import CostModel, StrategyEstimate, memo
-from planner.layer_split import LayerSplit, SlotCost, slot_costs, split_fast, split_ilp
+from planner.layer_split import LayerSplit, SlotCost, refine_split, slot_costs, split_fast, split_ilp
 from planner.microbatch import Allocation, PipelineClass, TimeOption, allocate_greedy, allocate_ilp
 from planner.pipelines import (
     ORDERS,
@@ -123,6 +123,7 @@ SMALL_BLOCK_GROUPS = 12  # blocks of at most this many TP groups also try uneven
 DISTRIBUTIONS_LIMIT = 150  # ... unless there are more ways than this (then: even shares only)
 UNEVEN_PIPELINES = 3       # ... over at most this many pipelines
 UNEVEN_CHOICES = 2         # ... and in mixed blocks with each type's first two TP choices only
+REFINE_EVALUATIONS = 48  # exact pipeline-time prices per class and finalist when moving layers (refine_split)
 SYNC_RINGS = 2          # costliest stage positions per block kept to price cross-block gradient sync
 
 
@@ -407,8 +408,8 @@ class Searcher:
             picked = self.class_schedule(template, bnd, zd, max(len(template), m_each))
             if picked is None:
                 return None
-            choice, split, fill, hops = picked
-            classes.append(ClassInfo(template, bnd, tuple(members), split, choice, fill, hops))
+            sched, split, fill, hops = picked
+            classes.append(ClassInfo(template, bnd, tuple(members), split, sched, fill, hops))
         grad_bytes, opt_terms = self._terms(classes)
         rings = self._sync_rings(layouts, classes) if pipelines > 1 else ()
         return BlockCandidate(choice, pipelines, order, placement, tuple(layouts), tuple(classes), grad_bytes,
@@ -776,14 +777,8 @@ class Searcher:
 
     def _candidate(self, layouts: Sequence[PipelineLayout], split_of: Mapping[int, LayerSplit],
                    mb_of: Mapping[int, int], choice_of: Mapping[int, ScheduleChoice]) -> Candidate | None:
-        pipes = []
-        for idx, lay in enumerate(layouts):
-            sp, choice = split_of[idx], choice_of[idx]
-            stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc)
-                           for g, r, rc in zip(lay.groups, stage_layer_ranges(sp.layers, choice), sp.recompute))
-            own = None if choice.name == self.settings.default_schedule else choice.name
-            pipes.append(Pipeline(micro_batches=mb_of[idx], stages=stages, schedule=own))
-        strategy = Strategy(name="planned", pipelines=tuple(pipes))
+        pipes = tuple(self._pipeline(lay, split_of[idx], mb_of[idx], choice_of[idx]) for idx, lay in enumerate(layouts))
+        strategy = Strategy(name="planned", pipelines=pipes)
         est = self.cm.estimate(strategy, self.settings.global_batch, self.settings.default_schedule,
                                self.settings.zero)
         if not est.fits:
@@ -793,6 +788,15 @@ class Searcher:
         idle = tuple(d for d in self.devices if d not in used)
         return Candidate(strategy, est, self.cm.micro_batch, idle,
                          describe(strategy, self.cluster, self.settings.default_schedule))
+
+    def _pipeline(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
+                  ) -> Pipeline:
+        """A pipeline of ``lay``'s groups with ``split``'s layers cut into ``choice``'s chunks (its schedule
+        named unless it is the plan's default)."""
+        stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc)
+                       for g, r, rc in zip(lay.groups, stage_layer_ranges(split.layers, choice), split.recompute))
+        own = None if choice.name == self.settings.default_schedule else choice.name
+        return Pipeline(micro_batches=micro_batches, stages=stages, schedule=own)
 
     def realize(self, combo: Sequence[BlockCandidate], alloc: Allocation) -> Candidate | None:
         """The combination as it was scored: fast splits, greedy micro-batch counts, each class's schedule;
@@ -866,6 +870,16 @@ class Searcher:
             again = allocate_ilp(classes, m_total, limit)
             if again is not None and again.makespan_s <= alloc.makespan_s + 1e-12:
                 alloc = again
+        for j, key in enumerate(keys):   # the exact pipeline time has the last word on each split
+            lay, mb, choice = layouts[members[key][0]], max(alloc.per_class[j]), key[2]
+
+            def price(sp: LayerSplit, lay: PipelineLayout = lay, mb: int = mb, choice: ScheduleChoice = choice
+                      ) -> float:
+                one = Strategy(name="class", pipelines=(self._pipeline(lay, sp, mb, choice),))
+                return self.cm.pipeline_step_time(one, 0, choice.name)
+
+            chosen[j] = refine_split(self._slots(key[0], zd, choice), chosen[j], price, choice.chunks,
+                                     REFINE_EVALUATIONS)
         split_of: dict[int, LayerSplit] = {}
         mb_of: dict[int, int] = {}
         choice_of: dict[int, ScheduleChoice] = {}

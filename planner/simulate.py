@@ -414,12 +414,12 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
     schedules = tuple(handle.pipeline_schedule(pi) for pi in range(len(strategy.pipelines)))
     costs = _Costs.of(cm, strategy)
     sim = EventLoop(costs.cores)
-    last_action, tp_s = _add_schedules(sim, costs, schedules)
+    last_action, tp_s, labels = _add_schedules(sim, costs, schedules)
     sync = cm.sync_plan(strategy)
     _add_step_end(sim, costs, last_action, sync, zero)
     times = sim.run()
     step = max(end for _, end in times.values())
-    events, reports, memory = _reports(sim, times, costs, schedules, tp_s, last_action, sync, zero, step)
+    events, reports, memory = _reports(sim, times, costs, schedules, tp_s, labels, sync, zero, step)
     est = cm.estimate(strategy, global_batch, schedule, zero)
     return SimulationResult(
         strategy=strategy.name, schedule=schedule, step_time_s=step,
@@ -495,15 +495,16 @@ class _Costs:
 
 
 def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSchedule]
-                   ) -> tuple[dict[tuple[int, int], str], dict[str, float]]:
+                   ) -> tuple[dict[tuple[int, int], str], dict[str, float], dict[str, str]]:
     """Every stage's action list as the runtime executes it: compute ops; posts that never block; each
     message a transfer on its pair's link (one queue per pair, in the pair's post order, which both
     sides share) once both sides have posted it; a ``WaitRecv`` blocks its stage until its message has
-    arrived, the final ``WaitSends`` until its sends have. Returns each stage's last op and each compute
-    op's TP collective seconds."""
+    arrived, the final ``WaitSends`` until its sends have. Returns each stage's last op, and each compute
+    op's TP collective seconds and timeline label."""
     cm = costs.cm
     last: dict[tuple[int, int], str] = {}
     tp_s: dict[str, float] = {}
+    labels: dict[str, str] = {}
     for pi, (pipe, sched) in enumerate(zip(costs.strategy.pipelines, schedules)):
         posted: dict[tuple[int, Message], str] = {}
         for k, acts in enumerate(sched.actions):
@@ -532,6 +533,8 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     total, tp, tp_cpu = costs.op_parts(pi, k, a)
                     name = f"{res}{a.kind}{a.micro_batch}c{a.chunk}"
                     tp_s[name] = tp
+                    # 'F3', 'B3' (the whole backward, or its input-gradient half), 'W3'; '/1' for chunk 1
+                    labels[name] = (f"{a.kind[0]}{a.micro_batch}" + (f"/{a.chunk}" if len(st.layers) > 1 else ""))
                     kind = OpKind.FORWARD if a.kind == "F" else OpKind.BACKWARD
                     sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=cm.host.resume_penalty(device_type),
                                   **costs.block(st.devices, total, tp, tp_cpu)))
@@ -545,7 +548,7 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     sim.add(SimOp(name, res, None, pi, k, deps=deps, wake=cm.host.comm_wake(device_type),
                                   **costs.waiting(st.devices)))
             last[pi, k] = name
-    return last, tp_s
+    return last, tp_s, labels
 
 
 def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, int], str],
@@ -587,7 +590,7 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
 
 
 def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Costs,
-             schedules: Sequence[PipelineSchedule], tp_s: dict[str, float], last_action: dict[tuple[int, int], str],
+             schedules: Sequence[PipelineSchedule], tp_s: dict[str, float], labels: dict[str, str],
              sync: Sequence[SyncGroup], zero: bool, step: float
              ) -> tuple[list[Event], list[StageReport], dict[int, float]]:
     """The timeline, each stage's report and each device's peak memory."""
@@ -608,7 +611,7 @@ def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Cost
         elif op.kind in (OpKind.FORWARD, OpKind.BACKWARD):
             fb_wall[key] = fb_wall.get(key, 0.0) + end - start
             tp_busy[key] = tp_busy.get(key, 0.0) + tp_s[name]
-            label = name[len(f"p{op.pipeline}s{op.stage}"):].split("c")[0]   # 'F3', 'BW3', 'B3', 'W3'
+            label = labels[name]
             events.append(Event(label, op.kind.value, op.pipeline, op.stage, "stage", start, end, op.micro_batch,
                                 tp_s[name]))
     stats0, stats1 = times["stats"]
