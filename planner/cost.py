@@ -824,6 +824,16 @@ class CostModel:
             cache[key] = step_time(schedule, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
         return cache[key]
 
+    def pipeline_proxy_time(self, strategy: Strategy, pi: int) -> float:
+        """1F1B's closed form (``pipeline_time``) on pipeline ``pi``'s whole stages: a cheap ranking proxy
+        for the list scheduler's time (``pipeline_step_time``), which the best plans then get."""
+        pipe = strategy.pipelines[pi]
+        stages = [self.stage_total(s) for s in pipe.stages]
+        boundary = [self.p2p_time(a.devices, b.devices) + self.p2p_time(b.devices, a.devices)
+                    for a, b in zip(pipe.stages, pipe.stages[1:])]
+        return pipeline_time([s.forward_s for s in stages], [s.backward_s for s in stages], pipe.micro_batches,
+                             "1f1b", boundary)
+
     @memo
     def chunk_activation_bytes(self, device_type: str, tp: int, num_layers: int, first: bool,
                                recompute: bool) -> float:
@@ -836,7 +846,8 @@ class CostModel:
                             self.seq_len)
         return act
 
-    def device_memory(self, device_type: str, tp: int, chunks: Sequence[tuple[int, bool, bool]],
+    @memo
+    def device_memory(self, device_type: str, tp: int, chunks: tuple[tuple[int, bool, bool], ...],
                       recompute: bool, live_chunks: int, zero_degree: int = 1) -> MemoryBreakdown:
         """Peak bytes on one device of a stage holding ``chunks`` ((layers, first, last) each) with at most
         ``live_chunks`` chunk activations alive (``live_activation_limit``): each counted at the largest
@@ -875,14 +886,16 @@ class CostModel:
             return parts[0]
         return StageCost(*(sum(getattr(c, f.name) for c in parts) for f in dataclasses.fields(StageCost)))
 
-    def pipeline_estimate(self, strategy: Strategy, pi: int, schedule: Schedule = "1f1b") -> PipelineEstimate:
-        """Pipeline ``pi`` under its own schedule (``Pipeline.schedule``), else ``schedule``."""
+    def pipeline_estimate(self, strategy: Strategy, pi: int, schedule: Schedule = "1f1b",
+                          time_s: float | None = None) -> PipelineEstimate:
+        """Pipeline ``pi`` under its own schedule (``Pipeline.schedule``), else ``schedule``; ``time_s``
+        given: its time, instead of ``pipeline_step_time``."""
         pipe = strategy.pipelines[pi]
         name = pipe.schedule if pipe.schedule is not None else schedule
         stages = tuple(self.stage_total(s) for s in pipe.stages)
         boundary = tuple(self.p2p_time(a.devices, b.devices) + self.p2p_time(b.devices, a.devices)
                          for a, b in zip(pipe.stages, pipe.stages[1:]))
-        t = self.pipeline_step_time(strategy, pi, name)
+        t = self.pipeline_step_time(strategy, pi, name) if time_s is None else time_s
         return PipelineEstimate(pipe.micro_batches, stages, boundary, t, name, pipe.stages[0].chunks)
 
     def strategy_memory(self, strategy: Strategy, schedule: Schedule = "1f1b",
@@ -922,11 +935,15 @@ class CostModel:
         return flops / step_time_s / peak if step_time_s > 0 and peak > 0 else 0.0
 
     def estimate(self, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
-                 zero: bool = False) -> StrategyEstimate:
+                 zero: bool = False, *, pipeline_s: Sequence[float] | None = None) -> StrategyEstimate:
         """Step time and memory of a strategy: ``max over pipelines (pipeline_step_time: the list scheduler on
         the real op costs) + gradient sync + clip + max over devices (step overhead + optimizer + ZeRO-1
-        parameter all-gathers)``; each pipeline under its own schedule, else ``schedule``."""
-        pipes = tuple(self.pipeline_estimate(strategy, i, schedule) for i in range(len(strategy.pipelines)))
+        parameter all-gathers)``; each pipeline under its own schedule, else ``schedule``.
+
+        ``pipeline_s``: the pipelines' times from the caller instead of the list scheduler (a search ranking
+        many plans prices them by a proxy, ``pipeline_proxy_time``, and only the best ones exactly)."""
+        pipes = tuple(self.pipeline_estimate(strategy, i, schedule, None if pipeline_s is None else pipeline_s[i])
+                      for i in range(len(strategy.pipelines)))
         sync = self.grad_sync_time(strategy)
         over = self.step_overhead_times(strategy)
         gather = self.zero_gather_times(strategy, zero)

@@ -264,7 +264,7 @@ def split_ilp(slots: Sequence[SlotCost], num_layers: int, micro_batches: int,
 
 
 def refine_split(slots: Sequence[SlotCost], split: LayerSplit, price: Callable[[LayerSplit], float],
-                 min_layers: int = 1, max_evaluations: int = 64) -> LayerSplit:
+                 min_layers: int = 1, max_evaluations: int = 16) -> LayerSplit:
     """``split`` improved by moving one layer at a time between neighbouring stages while ``price`` (the
     exact pipeline time: the list scheduler on the real op costs) goes down, within each stage's memory
     limit and keeping ``min_layers`` per stage. The ILP's objective is 1F1B's closed form, which knows

@@ -88,28 +88,37 @@ def stage_layer_ranges(layers: Sequence[int], choice: ScheduleChoice) -> list[tu
     return [tuple(r) for r in ranges]
 
 
+# Stages the fill factor is measured on at most: it barely moves with depth (equal stages, F = B = W: 1F1B
+# 1, ZB-H1 2/3, interleaved 1/v at every depth; ZB-V 0.17-0.20 from 4 to 20 stages), and the list
+# scheduler's time grows with stages x micro-batches.
+FILL_STAGES = 6
+
+
 @cache
 def fill_factor(choice: ScheduleChoice, num_stages: int, shares: tuple[float, float, float]) -> tuple[float, float]:
-    """(fill, hops) of ``choice`` on ``num_stages`` equal stages whose F, B, W take ``shares`` of a stage's
-    time: the list scheduler's step time at ``m = 2 S`` micro-batches, minus ``m`` stage times, over 1F1B's
-    ``(S - 1)`` stage times; and how many times the pipeline's stage boundaries a micro-batch's pass crosses
-    (``S v - 1`` boundaries instead of ``S - 1``; ZB-V's turn at the last stage is no transfer)."""
-    s, v = num_stages, choice.chunks
-    if s <= 1:
+    """(fill, hops) of ``choice`` on ``S = num_stages`` equal stages whose F, B, W take ``shares`` of a
+    stage's time: the list scheduler's step time at ``m = 2 S'`` micro-batches on ``S' = min(S,
+    FILL_STAGES)`` stages, minus ``m`` stage times, over 1F1B's ``(S' - 1)`` stage times; and how many
+    times the pipeline's stage boundaries a micro-batch's pass crosses (``S v - 1`` boundaries instead
+    of ``S - 1``; ZB-V's turn at the last stage is no transfer)."""
+    if num_stages <= 1:
         return 1.0, 1.0
+    v = choice.chunks
+    layout = schedule_layout(choice.name, num_stages, v)
+    crossings = sum(layout.device(j) != layout.device(j + 1) for j in range(layout.num_stages - 1))
+    s = min(num_stages, FILL_STAGES)
     f, b, w = shares
     layout = schedule_layout(choice.name, s, v)
     cost = ChunkCost(f / v, b / v, w / v)
     m = 2 * s
     t = step_time(choice.name, s, m, v, Costs.uniform(layout, cost))
     fill = max(0.0, (t - m * (f + b + w)) / ((s - 1) * (f + b + w)))
-    crossings = sum(layout.device(j) != layout.device(j + 1) for j in range(layout.num_stages - 1))
-    return fill, crossings / (s - 1)
+    return fill, crossings / (num_stages - 1)
 
 
 def rounded_shares(cost: ChunkCost) -> tuple[float, float, float]:
-    """F, B, W as shares of their sum, rounded to 0.05 (``fill_factor`` is cached on them)."""
+    """F, B, W as shares of their sum, rounded to 0.1 (``fill_factor`` is cached on them)."""
     total = cost.forward + cost.input_grad + cost.weight_grad
-    f = max(0.05, round(cost.forward / total * 20) / 20)
-    b = max(0.05, round(cost.input_grad / total * 20) / 20)
-    return f, b, max(0.05, round(1.0 - f - b, 2))
+    f = max(0.1, round(cost.forward / total * 10) / 10)
+    b = max(0.1, round(cost.input_grad / total * 10) / 10)
+    return f, b, max(0.1, round(1.0 - f - b, 1))

@@ -37,6 +37,7 @@ A time limit stops the enumeration early (the result says so) and caps each ILP.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -116,6 +117,7 @@ MICRO_BATCHES = (1, 2, 4)
 BLOCK_KEEP = 8          # block candidates kept per block (after the Pareto filter)
 COMBOS_REALIZED = 40    # best combinations (by the fast score) realized and scored by the cost model
 COMBOS_FINAL = 6        # best realized plans solved exactly (ILPs)
+EXACT_REALIZED = 8      # best realized plans (by their proxy) priced exactly as they are
 ALIGNED_REALIZED = 3    # best one-block plans of identical pipelines realized as well
 TYPE_CHOICES_MULTI = (4, 2, 2)  # TP choices per type tried inside mixed blocks of 2, 3, 4+ types
 COMBO_BUDGET = 400      # combinations scored per set partition of the types
@@ -123,7 +125,9 @@ SMALL_BLOCK_GROUPS = 12  # blocks of at most this many TP groups also try uneven
 DISTRIBUTIONS_LIMIT = 150  # ... unless there are more ways than this (then: even shares only)
 UNEVEN_PIPELINES = 3       # ... over at most this many pipelines
 UNEVEN_CHOICES = 2         # ... and in mixed blocks with each type's first two TP choices only
-REFINE_EVALUATIONS = 48  # exact pipeline-time prices per class and finalist when moving layers (refine_split)
+# Exact pipeline-time prices per class and finalist when moving layers (refine_split): as many as fit in
+# this many scheduled ops (stages x chunks x micro-batches x op kinds), between 3 and 48.
+REFINE_OPS = 10_000
 SYNC_RINGS = 2          # costliest stage positions per block kept to price cross-block gradient sync
 
 
@@ -213,6 +217,7 @@ class Candidate:
     idle_devices: tuple[int, ...]
     summary: str
     simulated_s: float | None = None   # the simulator's step time, where the candidate was re-checked
+    proxy: bool = False                # the estimate's pipeline times are the search's proxy (Searcher.exact)
 
     @property
     def step_time_s(self) -> float:
@@ -563,7 +568,10 @@ class Searcher:
         blocks = {frozenset([t]): self._keep(single[t], best_rate[t] / total_rate) for t in types}
         blocks.update(self._mixed_blocks(choices, types, blocks, best_rate, total_rate))
         realized = self._realize_best(types, self.combine(types, blocks))
-        return [c for c, _, _ in realized] + self._finalize_best(types, realized)
+        final = self._finalize_best(types, realized)
+        # The best realized plans priced exactly too (their proxy ranked them); the rest are dropped, so that
+        # every candidate is compared on the same estimate.
+        return [self.exact(c) for c, _, _ in realized[:EXACT_REALIZED]] + final
 
     def _single_type_jobs(self, choices: Mapping[str, Sequence[int]], types: Sequence[str]) -> Iterator[Job]:
         """Single-type blocks to evaluate: all of a type's groups, or P x S of them, at every TP degree."""
@@ -776,18 +784,26 @@ class Searcher:
         return layouts, keys, members, most, fills
 
     def _candidate(self, layouts: Sequence[PipelineLayout], split_of: Mapping[int, LayerSplit],
-                   mb_of: Mapping[int, int], choice_of: Mapping[int, ScheduleChoice]) -> Candidate | None:
+                   mb_of: Mapping[int, int], choice_of: Mapping[int, ScheduleChoice],
+                   proxy_s: Sequence[float] | None = None) -> Candidate | None:
+        """The plan, estimated (``proxy_s``: with these pipeline times instead of the list scheduler's)."""
         pipes = tuple(self._pipeline(lay, split_of[idx], mb_of[idx], choice_of[idx]) for idx, lay in enumerate(layouts))
         strategy = Strategy(name="planned", pipelines=pipes)
         est = self.cm.estimate(strategy, self.settings.global_batch, self.settings.default_schedule,
-                               self.settings.zero)
+                               self.settings.zero, pipeline_s=proxy_s)
         if not est.fits:
             self.stats.notes.append(f"dropped a plan: the cost model reports OOM on devices {est.oom_devices}")
             return None
         used = set(strategy.devices)
         idle = tuple(d for d in self.devices if d not in used)
         return Candidate(strategy, est, self.cm.micro_batch, idle,
-                         describe(strategy, self.cluster, self.settings.default_schedule))
+                         describe(strategy, self.cluster, self.settings.default_schedule), proxy=proxy_s is not None)
+
+    def exact(self, cand: Candidate) -> Candidate:
+        """A proxy-priced candidate with the exact estimate (the list scheduler's pipeline times)."""
+        est = self.cm.estimate(cand.strategy, self.settings.global_batch, self.settings.default_schedule,
+                               self.settings.zero)
+        return dataclasses.replace(cand, estimate=est, proxy=False)
 
     def _pipeline(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
                   ) -> Pipeline:
@@ -800,10 +816,12 @@ class Searcher:
 
     def realize(self, combo: Sequence[BlockCandidate], alloc: Allocation) -> Candidate | None:
         """The combination as it was scored: fast splits, greedy micro-batch counts, each class's schedule;
-        scored by the cost model (its estimate, not the fast score)."""
+        scored by the cost model (its estimate, not the fast score), each pipeline's time by its class's
+        ``time_option`` (a proxy: ``Searcher.exact`` prices the best ones by the list scheduler)."""
         split_of: dict[int, LayerSplit] = {}
         mb_of: dict[int, int] = {}
         choice_of: dict[int, ScheduleChoice] = {}
+        proxy: dict[int, float] = {}
         gi = hj = 0
         for b in combo:
             for c in b.classes:
@@ -811,10 +829,11 @@ class Searcher:
                     split_of[gi + i] = c.split
                     mb_of[gi + i] = mb
                     choice_of[gi + i] = c.schedule
+                    proxy[gi + i] = c.option().time(mb)
                 hj += 1
             gi += len(b.layouts)
         layouts = [lay for b in combo for lay in b.layouts]
-        return self._candidate(layouts, split_of, mb_of, choice_of)
+        return self._candidate(layouts, split_of, mb_of, choice_of, [proxy[i] for i in range(len(layouts))])
 
     def finalize(self, combo: Sequence[BlockCandidate], hint: Allocation) -> Candidate | None:
         """Exact layer splits and micro-batches for a combination, scored by ``CostModel.estimate``: each
@@ -878,8 +897,8 @@ class Searcher:
                 one = Strategy(name="class", pipelines=(self._pipeline(lay, sp, mb, choice),))
                 return self.cm.pipeline_step_time(one, 0, choice.name)
 
-            chosen[j] = refine_split(self._slots(key[0], zd, choice), chosen[j], price, choice.chunks,
-                                     REFINE_EVALUATIONS)
+            budget = max(3, min(48, REFINE_OPS // (3 * len(key[0]) * choice.chunks * mb)))
+            chosen[j] = refine_split(self._slots(key[0], zd, choice), chosen[j], price, choice.chunks, budget)
         split_of: dict[int, LayerSplit] = {}
         mb_of: dict[int, int] = {}
         choice_of: dict[int, ScheduleChoice] = {}
