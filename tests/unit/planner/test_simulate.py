@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hetu_cli.main import cli
 from planner.cost import CostModel, pipeline_time
 from planner.simulate import EventLoop, OpKind, SimOp, chrome_trace, planner_handle, simulate
+from runtime.pipeline_schedules import PostSend
 from runtime.profiling.profile import (
     CommFigures,
     ComponentFit,
@@ -26,7 +27,6 @@ from runtime.profiling.profile import (
     spec_profile,
 )
 from runtime.spec import load_cluster, load_model
-from runtime.pipeline_schedules import PostSend
 from runtime.spec.plan import Pipeline, Stage, Strategy
 
 TINY = load_model("llama-tiny")
@@ -88,7 +88,8 @@ def chunked(m: int, chunk_layers: list[list[tuple[int, int]]], schedule: str) ->
 
 
 # (schedule, micro-batches, per stage its chunks) on llama-tiny's 6 layers, uneven chunks included.
-RUNTIME_CASES = [("1f1b", 3, [[(0, 6)]]), ("1f1b", 2, [[(0, 3)], [(3, 6)]]), ("gpipe", 5, [[(0, 2)], [(2, 4)], [(4, 6)]]),
+RUNTIME_CASES = [("1f1b", 3, [[(0, 6)]]), ("1f1b", 2, [[(0, 3)], [(3, 6)]]),
+                 ("gpipe", 5, [[(0, 2)], [(2, 4)], [(4, 6)]]),
                  ("1f1b", 4, [[(0, 1)], [(1, 2)], [(2, 4)], [(4, 6)]]), ("zb-h1", 5, [[(0, 2)], [(2, 4)], [(4, 6)]]),
                  ("interleaved", 4, [[(0, 2), (3, 5)], [(2, 3), (5, 6)]]),
                  ("interleaved", 3, [[(0, 1), (3, 4)], [(1, 2), (4, 5)], [(2, 3), (5, 6)]]),
