@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 from planner.baselines import Baseline, LowerBound, best_symmetric, best_symmetric_subset, lower_bound
 from planner.cost import GIB, CostModel
 from planner.layer_split import feasible, slot_costs
-from planner.schedule_choice import AUTO, ScheduleChoice, schedule_choices, stage_layer_ranges
+from planner.schedule_choice import schedule_choices, stage_layer_ranges
 from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, SearchStats, describe, rank, search
 from planner.simulate import simulate
 from planner.tp_groups import GroupKind, available, form_groups, tp_choices
 from runtime.errors import InfeasibleError
-from runtime.pipeline_schedules import schedule_problems
+from runtime.pipeline_schedules import SCHEDULE_NAMES, schedule_problems
 from runtime.profiling.profile import DeviceProfile, ProfileSet
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
@@ -247,8 +247,8 @@ class ScheduleOption:
 
 def schedule_options(cm: CostModel, strategy: Strategy, pi: int, default: Schedule, zero: bool
                      ) -> list[ScheduleOption]:
-    """Pipeline ``pi`` of ``strategy`` under every schedule the search knows (``schedule_choices``, GPipe
-    too), each stage keeping its layer count: the pipeline time by the list scheduler and the memory by the
+    """Pipeline ``pi`` of ``strategy`` under every schedule the search knows (``schedule_choices`` of each
+    name), each stage keeping its layer count: the pipeline time by the list scheduler and the memory by the
     schedule's activation bound, as ``CostModel.estimate`` prices them. What ``hspmd plan`` shows as the
     reason for the pick: the search chose the schedule with the best time that fits (its own layer split
     for each, which may differ from the kept counts here)."""
@@ -257,7 +257,7 @@ def schedule_options(cm: CostModel, strategy: Strategy, pi: int, default: Schedu
     counts = [st.num_layers for st in pipe.stages]
     zero_degree = len(strategy.pipelines) if zero else 1
     out = []
-    for choice in (*schedule_choices(AUTO), ScheduleChoice("gpipe")):
+    for choice in [c for name in SCHEDULE_NAMES for c in schedule_choices(name)]:
         chosen = choice.name == own and choice.chunks == pipe.stages[0].chunks
         problems = schedule_problems(choice.name, len(pipe.stages), pipe.micro_batches, choice.chunks)
         if min(counts) < choice.chunks:

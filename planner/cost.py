@@ -76,6 +76,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from planner.host import HostModel
@@ -83,7 +84,18 @@ from runtime.annotations.from_plan import held_by, placements
 from runtime.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
 from runtime.engine.specialize import BOUNDARY_DTYPE
 from runtime.models.params import ParamInfo, llama_parameters
-from runtime.pipeline_schedules import ChunkCost, Costs, live_activation_limit, schedule_layout, step_time
+from runtime.pipeline_schedules import (
+    ChunkCost,
+    Compute,
+    Costs,
+    Message,
+    PostSend,
+    WaitRecv,
+    live_activation_limit,
+    schedule_layout,
+    step_time,
+)
+from runtime.pipeline_schedules import Schedule as PipelineSchedule
 from runtime.profiling.profile import (
     ComponentFit,
     ComputeBlock,
@@ -99,9 +111,11 @@ from runtime.profiling.profile import (
     layer_components,
     sleep_target,
 )
+from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
+from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import Plan, Schedule, Stage, Strategy
+from runtime.spec.plan import PLAN_VERSION, Plan, Schedule, Stage, Strategy, TrainingSettings
 
 GIB = float(2**30)
 
@@ -143,6 +157,42 @@ def in_flight_micro_batches(stage: int, num_stages: int, micro_batches: int, sch
     runtime's list scheduler enforces (runtime/pipeline_schedules.py ``live_activation_limit``; 1F1B and
     ZB-H1: stage k of S holds ``min(S-k, m)``; GPipe: ``m``)."""
     return live_activation_limit(schedule, num_stages, stage, micro_batches)
+
+
+def play_actions(schedule: PipelineSchedule, costs: Costs) -> float:
+    """The pipeline part of a step when each device runs ``schedule``'s action lists in order with the op
+    durations and message times of ``costs``: a compute op starts when its device is free, a ``WaitRecv``
+    waits for its message, which arrives its boundary's transfer time after the ``PostSend`` that follows
+    its producer (no link contention: the simulator plays that). Ends at the last op's end, as
+    ``step_time`` does for the order the list scheduler builds on ``costs``."""
+    layout = schedule.layout
+    arrival: dict[Message, float] = {}
+    clock = [0.0] * layout.num_devices
+    pos = [0] * layout.num_devices
+    last = 0.0
+    moved = True
+    while moved:
+        moved = False
+        for d, acts in enumerate(schedule.actions):
+            t = clock[d]
+            while pos[d] < len(acts):
+                a = acts[pos[d]]
+                if isinstance(a, WaitRecv):
+                    if a.message not in arrival:
+                        break   # its sender has not got there yet
+                    t = max(t, arrival[a.message])
+                elif isinstance(a, Compute):
+                    t += costs.chunk(d, a.chunk).of(a.kind)
+                    last = max(last, t)
+                elif isinstance(a, PostSend):
+                    m = a.message
+                    arrival[m] = t + costs.transfer(min(m.src_stage, m.dst_stage))
+                pos[d] += 1
+                moved = True
+            clock[d] = t
+    if any(p < len(acts) for p, acts in zip(pos, schedule.actions)):
+        raise RuntimeError("the action lists deadlock (a runtime schedule bug, not a user error)")
+    return last
 
 
 def weight_grad_fraction(model: ModelSpec, seq_len: int, num_layers: int, head: bool) -> float:
@@ -191,6 +241,18 @@ def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     with N the layer and head parameters (the embedding lookup is not a matmul)."""
     n = model.num_layers * model.layer_params() + model.vocab_size * model.hidden_size
     return 6.0 * n + 12.0 * model.num_layers * model.hidden_size * seq_len
+
+
+def planner_handle(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
+                   zero: bool = False) -> StrategyHandle:
+    """``strategy`` as a plan's strategy handle, so that the cost model and the simulator play the very
+    action lists the runtime would execute (``StrategyHandle.pipeline_schedule``): a planned strategy has
+    no plan file yet."""
+    training = TrainingSettings(global_batch=global_batch, micro_batch=cm.micro_batch, seq_len=cm.seq_len,
+                                zero=zero, schedule=schedule)
+    plan = Plan(version=PLAN_VERSION, model=cm.model.name, cluster=cm.cluster.name, training=training,
+                strategies=(strategy,))
+    return StrategyHandle(PlanContext(plan, cm.model, cm.cluster, Path("<planner>")), strategy)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -814,14 +876,44 @@ class CostModel:
         return Costs(tuple(chunks), tuple(boundary))
 
     def pipeline_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
-        """Pipeline ``pi``'s part of the step under ``schedule``: the runtime's list scheduler run on the
-        real op costs (``step_time``, the one step-time definition), cached by its costs."""
+        """Pipeline ``pi``'s part of the step under its schedule (``schedule`` unless it names its own): the
+        action lists the runtime executes (``runtime_schedule``) played with the real op costs
+        (``play_actions``), cached by both."""
         pipe = strategy.pipelines[pi]
-        costs = self.pipeline_costs(strategy, pi, schedule)
-        key = (schedule, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
+        name = pipe.schedule if pipe.schedule is not None else schedule
+        costs = self.pipeline_costs(strategy, pi, name)
+        sched = self.runtime_schedule(strategy, pi, name)
         cache = self.__dict__.setdefault("_step_times", {})
+        key = (id(sched), costs)
         if key not in cache:
-            cache[key] = step_time(schedule, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
+            cache[key] = play_actions(sched, costs)
+        return cache[key]
+
+    def ideal_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
+        """What ``pipeline_step_time`` would be if the runtime ordered the ops by these costs: the list
+        scheduler run on them (``step_time``). The runtime orders by layer counts (docs/schedules.md,
+        "Costs in the plan"), so on stages of different speeds the two differ: ``hspmd plan`` shows both."""
+        pipe = strategy.pipelines[pi]
+        name = pipe.schedule if pipe.schedule is not None else schedule
+        costs = self.pipeline_costs(strategy, pi, name)
+        key = (name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
+        cache = self.__dict__.setdefault("_ideal_times", {})
+        if key not in cache:
+            cache[key] = step_time(name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
+        return cache[key]
+
+    def runtime_schedule(self, strategy: Strategy, pi: int, schedule: Schedule) -> PipelineSchedule:
+        """The ``Schedule`` the runtime executes for pipeline ``pi`` (``StrategyHandle.pipeline_schedule``
+        of a plan holding it, ``schedule`` its default), cached per pipeline shape: the handle derives it
+        from the plan alone, here from the pipeline alone with its devices renumbered 0, 1, ..."""
+        pipe = strategy.pipelines[pi]
+        renumbered = dataclasses.replace(pipe, stages=tuple(
+            dataclasses.replace(st, devices=tuple(range(k * 64, k * 64 + st.tp))) for k, st in enumerate(pipe.stages)))
+        key = (schedule, renumbered)
+        cache = self.__dict__.setdefault("_runtime_schedules", {})
+        if key not in cache:
+            one = Strategy(name="pipeline", pipelines=(renumbered,))
+            cache[key] = planner_handle(self, one, self.micro_batch * pipe.micro_batches, schedule).pipeline_schedule(0)
         return cache[key]
 
     def pipeline_proxy_time(self, strategy: Strategy, pi: int) -> float:

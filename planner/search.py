@@ -118,6 +118,8 @@ BLOCK_KEEP = 8          # block candidates kept per block (after the Pareto filt
 COMBOS_REALIZED = 40    # best combinations (by the fast score) realized and scored by the cost model
 COMBOS_FINAL = 6        # best realized plans solved exactly (ILPs)
 EXACT_REALIZED = 8      # best realized plans (by their proxy) priced exactly as they are
+# Schedules every realized plan is also priced with (``Searcher.safe_variant``): one chunk, 1F1B's memory.
+SAFE_SCHEDULES = ("1f1b", "zb-h1")
 ALIGNED_REALIZED = 3    # best one-block plans of identical pipelines realized as well
 TYPE_CHOICES_MULTI = (4, 2, 2)  # TP choices per type tried inside mixed blocks of 2, 3, 4+ types
 COMBO_BUDGET = 400      # combinations scored per set partition of the types
@@ -338,12 +340,13 @@ class Searcher:
         shares = rounded_shares(self.cm.chunk_cost(kind.device_type, kind.tp, 1, False, False))
         return fill_factor(choice, len(template), shares)
 
-    def class_schedule(self, template: Template, boundary: float, zero_degree: int, micro_batches: int
+    def class_schedule(self, template: Template, boundary: float, zero_degree: int, micro_batches: int,
+                       choices: Sequence[ScheduleChoice] | None = None
                        ) -> tuple[ScheduleChoice, LayerSplit, float, float] | None:
-        """The schedule (of those the settings allow) whose fast split runs ``micro_batches`` fastest by
-        ``LayerSplit.pipeline_s`` with its fill factor; None if none fits."""
+        """The schedule (of ``choices``, default those the settings allow) whose fast split runs
+        ``micro_batches`` fastest by ``LayerSplit.pipeline_s`` with its fill factor; None if none fits."""
         best = None
-        for choice in self.choices:
+        for choice in self.choices if choices is None else choices:
             sp = self.fast_split(template, zero_degree, choice)
             if sp is None:
                 continue
@@ -568,10 +571,49 @@ class Searcher:
         blocks = {frozenset([t]): self._keep(single[t], best_rate[t] / total_rate) for t in types}
         blocks.update(self._mixed_blocks(choices, types, blocks, best_rate, total_rate))
         realized = self._realize_best(types, self.combine(types, blocks))
-        final = self._finalize_best(types, realized)
-        # The best realized plans priced exactly too (their proxy ranked them); the rest are dropped, so that
-        # every candidate is compared on the same estimate.
-        return [self.exact(c) for c, _, _ in realized[:EXACT_REALIZED]] + final
+        exact = self._price_best(realized)
+        final = self._finalize_best(types, exact + [r for r in realized if all(r[1] is not e[1] for e in exact)])
+        # Only exactly priced plans are returned, so that every candidate is compared on the same estimate.
+        return [c for c, _, _ in exact] + final
+
+    def _price_best(self, realized: Sequence[tuple[Candidate, Combo, Allocation]]
+                    ) -> list[tuple[Candidate, Combo, Allocation]]:
+        """Phase 4b: the best ``EXACT_REALIZED`` realized plans (by the proxy) priced exactly, each also with
+        every pipeline class on its best schedule of ``SAFE_SCHEDULES`` (``safe_variant``): the proxy
+        over-rates chunked schedules where messages and per-chunk costs weigh, and the exact price is the
+        judge. Best first."""
+        out = []
+        for cand, combo, alloc in realized[:EXACT_REALIZED]:
+            out.append((self.exact(cand), combo, alloc))
+            variant = self.safe_variant(combo)
+            if variant is not None:
+                alt = self.realize(variant, alloc)
+                if alt is not None:
+                    out.append((self.exact(alt), variant, alloc))
+        out.sort(key=lambda x: x[0].step_time_s)
+        return out
+
+    def safe_variant(self, combo: Combo) -> Combo | None:
+        """``combo`` with every class whose schedule is not in ``SAFE_SCHEDULES`` moved to the best of those
+        (by the proxy, with its own split); None if nothing changes or a class fits none of them."""
+        safe = tuple(c for c in self.choices if c.name in SAFE_SCHEDULES)
+        if not safe or all(c.schedule in safe for b in combo for c in b.classes):
+            return None
+        zd = self.zero_degree(sum(b.pipelines for b in combo))
+        m_each = max(1, self.micro_batches // sum(b.pipelines for b in combo))
+        blocks = []
+        for b in combo:
+            classes = []
+            for c in b.classes:
+                if c.schedule not in safe:
+                    picked = self.class_schedule(c.template, c.boundary_s, zd, max(len(c.template), m_each), safe)
+                    if picked is None:
+                        return None
+                    sched, split, fill, hops = picked
+                    c = dataclasses.replace(c, split=split, schedule=sched, fill=fill, hops=hops)
+                classes.append(c)
+            blocks.append(dataclasses.replace(b, classes=tuple(classes)))
+        return tuple(blocks)
 
     def _single_type_jobs(self, choices: Mapping[str, Sequence[int]], types: Sequence[str]) -> Iterator[Job]:
         """Single-type blocks to evaluate: all of a type's groups, or P x S of them, at every TP degree."""

@@ -35,17 +35,14 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
-from planner.cost import GIB, CostModel, StageCost
+from planner.cost import GIB, CostModel, StageCost, planner_handle
 from runtime.comm.gradsync import SyncGroup
 from runtime.pipeline_schedules import ChunkCost, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
 from runtime.pipeline_schedules import Schedule as PipelineSchedule
 from runtime.profiling.profile import CoreHandoff, ResumePenalty
-from runtime.spec.catalog import PlanContext
-from runtime.spec.handle import StrategyHandle
-from runtime.spec.plan import PLAN_VERSION, Plan, Schedule, Strategy, TrainingSettings
+from runtime.spec.plan import Schedule, Strategy
 
 
 @dataclass(frozen=True)
@@ -393,17 +390,6 @@ class _Run:
         cpu = self.used.get(name, self.work[name])
         handoff = op.handoff.handoff_s if op.handoff is not None and self.core_busy(name) else 0.0
         return cpu_done + handoff + op.comm + (op.stretch - 1.0) * (cpu + op.comm_cpu)
-
-
-def planner_handle(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
-                   zero: bool = False) -> StrategyHandle:
-    """``strategy`` as a plan's strategy handle, so that the simulator plays the very action lists the
-    runtime would execute (``StrategyHandle.pipeline_schedule``): a planned strategy has no plan file yet."""
-    training = TrainingSettings(global_batch=global_batch, micro_batch=cm.micro_batch, seq_len=cm.seq_len,
-                                zero=zero, schedule=schedule)
-    plan = Plan(version=PLAN_VERSION, model=cm.model.name, cluster=cm.cluster.name, training=training,
-                strategies=(strategy,))
-    return StrategyHandle(PlanContext(plan, cm.model, cm.cluster, Path("<planner>")), strategy)
 
 
 def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",

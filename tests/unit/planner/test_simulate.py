@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetu_cli.main import cli
-from planner.cost import CostModel, pipeline_time
-from planner.simulate import EventLoop, OpKind, SimOp, chrome_trace, planner_handle, simulate
+from planner.cost import CostModel, pipeline_time, planner_handle
+from planner.simulate import EventLoop, OpKind, SimOp, chrome_trace, simulate
 from runtime.pipeline_schedules import PostSend
 from runtime.profiling.profile import (
     CommFigures,
