@@ -118,8 +118,6 @@ BLOCK_KEEP = 8          # block candidates kept per block (after the Pareto filt
 COMBOS_REALIZED = 40    # best combinations (by the fast score) realized and scored by the cost model
 COMBOS_FINAL = 6        # best realized plans solved exactly (ILPs)
 EXACT_REALIZED = 8      # best realized plans (by their proxy) priced exactly as they are
-# Schedules every realized plan is also priced with (``Searcher.safe_variant``): one chunk, 1F1B's memory.
-SAFE_SCHEDULES = ("1f1b", "zb-h1")
 ALIGNED_REALIZED = 3    # best one-block plans of identical pipelines realized as well
 TYPE_CHOICES_MULTI = (4, 2, 2)  # TP choices per type tried inside mixed blocks of 2, 3, 4+ types
 COMBO_BUDGET = 400      # combinations scored per set partition of the types
@@ -128,8 +126,8 @@ DISTRIBUTIONS_LIMIT = 150  # ... unless there are more ways than this (then: eve
 UNEVEN_PIPELINES = 3       # ... over at most this many pipelines
 UNEVEN_CHOICES = 2         # ... and in mixed blocks with each type's first two TP choices only
 # Exact pipeline-time prices per class and finalist when moving layers (refine_split): as many as fit in
-# this many scheduled ops (stages x chunks x micro-batches x op kinds), between 3 and 48.
-REFINE_OPS = 10_000
+# this many scheduled ops (stages x chunks x micro-batches x op kinds), between 3 and 24.
+REFINE_OPS = 4_000
 SYNC_RINGS = 2          # costliest stage positions per block kept to price cross-block gradient sync
 
 
@@ -285,7 +283,11 @@ class Searcher:
         self.deadline = deadline
         self.progress = progress
         self.micro_batches = settings.global_batch // cm.micro_batch
-        self.choices = schedule_choices(settings.schedule)
+        # Under "auto" the search ranks pipelines as 1F1B runs them, and the best plans try every schedule
+        # per pipeline class by its exact price (``best_schedules``); a fixed schedule is searched as such.
+        auto = settings.schedule == AUTO
+        self.choices = (ScheduleChoice("1f1b"),) if auto else schedule_choices(settings.schedule)
+        self.variant_choices = schedule_choices(AUTO) if auto else ()
         self.stats = SearchStats()
         self._sync_cache: dict[tuple, float] = {}
         self._p2p: dict[tuple[int, int], float] = {}
@@ -330,8 +332,14 @@ class Searcher:
     def fast_split(self, template: Template, zero_degree: int, choice: ScheduleChoice) -> LayerSplit | None:
         """The min-max split under ``choice``'s memory (None if none fits, or a stage gets fewer layers
         than chunks)."""
-        sp = split_fast(self._slots(template, zero_degree, choice), self.model.num_layers)
+        sp = self._split_of(self._slots(template, zero_degree, choice))
         return None if sp is None or min(sp.layers) < choice.chunks else sp
+
+    @memo
+    def _split_of(self, slots: tuple[SlotCost, ...]) -> LayerSplit | None:
+        """``split_fast`` per distinct slots: schedules of one memory bound and placement (1F1B and ZB-H1)
+        share their splits."""
+        return split_fast(slots, self.model.num_layers)
 
     @memo
     def fill(self, template: Template, choice: ScheduleChoice) -> tuple[float, float]:
@@ -578,14 +586,13 @@ class Searcher:
 
     def _price_best(self, realized: Sequence[tuple[Candidate, Combo, Allocation]]
                     ) -> list[tuple[Candidate, Combo, Allocation]]:
-        """Phase 4b: the best ``EXACT_REALIZED`` realized plans (by the proxy) priced exactly, each also with
-        every pipeline class on its best schedule of ``SAFE_SCHEDULES`` (``safe_variant``): the proxy
-        over-rates chunked schedules where messages and per-chunk costs weigh, and the exact price is the
-        judge. Best first."""
+        """Phase 4b: the best ``EXACT_REALIZED`` realized plans (by the proxy) priced exactly, and with
+        ``schedule="auto"`` each also with every pipeline class on the schedule that runs it fastest
+        (``best_schedules``). Best first."""
         out = []
         for cand, combo, alloc in realized[:EXACT_REALIZED]:
             out.append((self.exact(cand), combo, alloc))
-            variant = self.safe_variant(combo)
+            variant = self.best_schedules(combo, alloc)
             if variant is not None:
                 alt = self.realize(variant, alloc)
                 if alt is not None:
@@ -593,27 +600,40 @@ class Searcher:
         out.sort(key=lambda x: x[0].step_time_s)
         return out
 
-    def safe_variant(self, combo: Combo) -> Combo | None:
-        """``combo`` with every class whose schedule is not in ``SAFE_SCHEDULES`` moved to the best of those
-        (by the proxy, with its own split); None if nothing changes or a class fits none of them."""
-        safe = tuple(c for c in self.choices if c.name in SAFE_SCHEDULES)
-        if not safe or all(c.schedule in safe for b in combo for c in b.classes):
+    def best_schedules(self, combo: Combo, alloc: Allocation) -> Combo | None:
+        """``combo`` with each pipeline class on the schedule of ``variant_choices`` (its own fast split
+        under that schedule's memory) whose exact pipeline time (``CostModel.pipeline_step_time``: the
+        runtime's lists played on the op costs) at the class's micro-batch count is least; None when no
+        class changes. The search itself ranks pipelines by 1F1B's closed form under "auto", where the
+        proxies of the other schedules mislead (their order is the runtime's, from layer counts)."""
+        if not self.variant_choices:
             return None
         zd = self.zero_degree(sum(b.pipelines for b in combo))
-        m_each = max(1, self.micro_batches // sum(b.pipelines for b in combo))
-        blocks = []
+        blocks, changed, hj = [], False, 0
         for b in combo:
             classes = []
             for c in b.classes:
-                if c.schedule not in safe:
-                    picked = self.class_schedule(c.template, c.boundary_s, zd, max(len(c.template), m_each), safe)
-                    if picked is None:
-                        return None
-                    sched, split, fill, hops = picked
-                    c = dataclasses.replace(c, split=split, schedule=sched, fill=fill, hops=hops)
-                classes.append(c)
+                mb = max(alloc.per_class[hj])
+                hj += 1
+                lay = b.layouts[c.members[0]]
+                best = (self._class_time(lay, c.split, mb, c.schedule), c)
+                for choice in self.variant_choices:
+                    sp = self.fast_split(c.template, zd, choice)
+                    if choice == c.schedule or sp is None or (choice.name == "interleaved" and mb < len(c.template)):
+                        continue
+                    t = self._class_time(lay, sp, mb, choice)
+                    if t < best[0] - 1e-12:
+                        fill, hops = self.fill(c.template, choice)
+                        best = (t, dataclasses.replace(c, split=sp, schedule=choice, fill=fill, hops=hops))
+                changed |= best[1] is not c
+                classes.append(best[1])
             blocks.append(dataclasses.replace(b, classes=tuple(classes)))
-        return tuple(blocks)
+        return tuple(blocks) if changed else None
+
+    def _class_time(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
+                    ) -> float:
+        one = Strategy(name="class", pipelines=(self._pipeline(lay, split, micro_batches, choice),))
+        return self.cm.pipeline_step_time(one, 0, choice.name)
 
     def _single_type_jobs(self, choices: Mapping[str, Sequence[int]], types: Sequence[str]) -> Iterator[Job]:
         """Single-type blocks to evaluate: all of a type's groups, or P x S of them, at every TP degree."""
@@ -939,7 +959,7 @@ class Searcher:
                 one = Strategy(name="class", pipelines=(self._pipeline(lay, sp, mb, choice),))
                 return self.cm.pipeline_step_time(one, 0, choice.name)
 
-            budget = max(3, min(48, REFINE_OPS // (3 * len(key[0]) * choice.chunks * mb)))
+            budget = max(3, min(24, REFINE_OPS // (3 * len(key[0]) * choice.chunks * mb)))
             chosen[j] = refine_split(self._slots(key[0], zd, choice), chosen[j], price, choice.chunks, budget)
         split_of: dict[int, LayerSplit] = {}
         mb_of: dict[int, int] = {}
