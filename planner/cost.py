@@ -43,8 +43,12 @@ planner can call them millions of times:
 * ``optimizer_time(device_type, params, zero_degree=1, tensors=0)``: one AdamW step;
   ``tensors_per_stage`` gives the tensor count. ``clip_time(devices)``: the per-step all-reduce of
   loss and gradient norm.
-* ``estimate(strategy, global_batch, schedule, zero) -> StrategyEstimate``: the whole step by the
-  closed-form schedule formulas below, plus memory per device with OOM flags.
+* ``estimate(strategy, global_batch, schedule, zero) -> StrategyEstimate``: the whole step, each pipeline
+  by ``pipeline_step_time`` (the runtime's action lists played with ``chunk_cost``s: ``play_actions``)
+  under its own schedule, plus memory per device (the schedule's ``live_activation_limit``:
+  ``pipeline_memory``) with OOM flags. docs/design.md §9.
+* ``chunk_cost``: a chunk's F, B and W (the backward split by ``weight_grad_fraction``);
+  ``pipeline_costs``: the list scheduler's ``Costs`` of a pipeline; ``ideal_step_time``: ``step_time`` on them.
 
 Fidelity notes: compute comes from a measured profile's stage blocks when it has them (one decoder
 layer, a stage's fixed time per micro-batch, what the embedding and head add, timed through the
@@ -58,9 +62,11 @@ step's code outside its spans) and the gradient sync's packing (``sync_group_tim
 profiles too. ``host`` (planner/host.py) holds the emulated host's effects: the slowdown ``stage`` stretches
 by, and the measured costs of sharing the CPU that only the simulator plays out (planner/simulate.py).
 
-Pure formulas (module level): ``pipeline_time`` (1F1B: ``(m-1)*max(t) + sum(t) + sum(boundary comm)``;
-GPipe: the same on forward and backward separately), ``in_flight_micro_batches`` (1F1B: stage k of S
-holds ``min(S-k, m)``; GPipe: ``m``), ``allreduce_seconds``, ``model_flops_per_token`` (for MFU).
+Pure formulas (module level): ``pipeline_time`` (1F1B's closed form ``(m-1)*max(t) + sum(t) +
+sum(boundary comm)``, GPipe's on forward and backward separately: ranking proxies, e.g.
+``pipeline_proxy_time``), ``in_flight_micro_batches`` (``live_activation_limit`` of a one-chunk
+schedule: 1F1B stage k of S holds ``min(S-k, m)``; GPipe ``m``), ``play_actions``,
+``weight_grad_fraction``, ``allreduce_seconds``, ``model_flops_per_token`` (for MFU).
 
 Where a profile has measured fits for this model's shape and TP degree, they are used as measured;
 otherwise the component costs are derived from the profile's throughput figures and the model's

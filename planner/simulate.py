@@ -95,7 +95,7 @@ class SimulationResult:
     step_time_s: float
     tokens_per_s: float
     mfu: float
-    formula_step_time_s: float      # the cost model's closed form, for comparison
+    formula_step_time_s: float      # the cost model's estimate (CostModel.estimate), for comparison
     pipeline_end_s: tuple[float, ...]
     stages: tuple[StageReport, ...]
     peak_memory_gib: dict[int, float]
