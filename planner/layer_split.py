@@ -265,28 +265,32 @@ def split_ilp(slots: Sequence[SlotCost], num_layers: int, micro_batches: int,
 
 def refine_split(slots: Sequence[SlotCost], split: LayerSplit, price: Callable[[LayerSplit], float],
                  min_layers: int = 1, max_evaluations: int = 16) -> LayerSplit:
-    """``split`` improved by moving one layer at a time between neighbouring stages while ``price`` (the
-    exact pipeline time: the list scheduler on the real op costs) goes down, within each stage's memory
+    """``split`` improved by moving one layer at a time to a neighbouring stage while ``price`` (the exact
+    pipeline time: the runtime's lists played on the op costs) goes down, within each stage's memory
     limit and keeping ``min_layers`` per stage. The ILP's objective is 1F1B's closed form, which knows
-    neither the transfers on the steady state's path nor another schedule's fill, so the exact price
-    gets the last word (steepest descent, at most ``max_evaluations`` prices)."""
+    neither the transfers on the steady state's path nor another schedule's fill, so the exact price gets
+    the last word: steepest descent over the moves off the slowest stages first, at most
+    ``max_evaluations`` prices."""
     best, best_t = split, price(split)
     evaluations = 1
     while evaluations < max_evaluations:
+        order = sorted(range(len(slots)), key=lambda k: -best.stage_s[k])
+        moves = [(src, dst) for src in order for dst in (src - 1, src + 1) if 0 <= dst < len(slots)]
         improved = None
-        for i in range(len(slots) - 1):
-            for src, dst in ((i, i + 1), (i + 1, i)):
-                layers = list(best.layers)
-                layers[src] -= 1
-                layers[dst] += 1
-                if layers[src] < min_layers or layers[dst] > _usable(slots[dst]):
-                    continue
-                rec = tuple(n > s.max_layers[0] for s, n in zip(slots, layers))
-                cand = LayerSplit(tuple(layers), rec, tuple(stage_time(s, n, r) for s, n, r in zip(slots, layers, rec)))
-                t = price(cand)
-                evaluations += 1
-                if t < best_t - 1e-12 and (improved is None or t < improved[0]):
-                    improved = (t, cand)
+        for src, dst in moves:
+            if evaluations >= max_evaluations:
+                break
+            layers = list(best.layers)
+            layers[src] -= 1
+            layers[dst] += 1
+            if layers[src] < min_layers or layers[dst] > _usable(slots[dst]):
+                continue
+            rec = tuple(n > s.max_layers[0] for s, n in zip(slots, layers))
+            cand = LayerSplit(tuple(layers), rec, tuple(stage_time(s, n, r) for s, n, r in zip(slots, layers, rec)))
+            t = price(cand)
+            evaluations += 1
+            if t < best_t - 1e-12 and (improved is None or t < improved[0]):
+                improved = (t, cand)
         if improved is None:
             break
         best_t, best = improved

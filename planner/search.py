@@ -109,8 +109,12 @@ class PlanSettings:
 
     @property
     def default_schedule(self) -> Schedule:
-        """What a pipeline without a schedule of its own runs (the baselines too): 1F1B under "auto"."""
-        return "1f1b" if self.schedule == AUTO else self.schedule
+        """What a pipeline without a schedule of its own runs (the baselines too, and the plan's
+        ``training.schedule``): the fixed schedule if it runs one-chunk stages, else 1F1B (under "auto",
+        interleaved and ZB-V every planned pipeline names its schedule)."""
+        if self.schedule in (AUTO, "interleaved", "zb-v"):
+            return "1f1b"
+        return self.schedule
 
 
 MICRO_BATCHES = (1, 2, 4)

@@ -236,3 +236,21 @@ def test_the_search_respects_each_schedules_activation_bound():
             assert c.estimate.fits
             assert max(s.peak_memory_gib for s in simulate(tight, c.strategy, 16, res.settings.default_schedule,
                                                             res.settings.zero).stages) <= cap
+
+
+@pytest.mark.parametrize("name", SCHEDULE_NAMES)
+def test_a_fixed_schedule_runs_every_planned_pipeline(name):
+    """``--schedule NAME``: every candidate's pipelines run NAME (chunks as the schedule needs), the plan
+    and the baseline plan pass the validator; baselines run the default one-chunk schedule."""
+    res = plan(TINY, CPU4, PROFILES, PlanSettings(global_batch=16, seq_len=256, time_limit_s=60, schedule=name))
+    default = res.settings.default_schedule
+    assert default == (name if name in ("1f1b", "gpipe", "zb-h1") else "1f1b")
+    for i, c in enumerate(res.candidates):
+        if "baseline" in c.summary:
+            continue
+        for p in c.strategy.pipelines:
+            assert (p.schedule or default) == name
+            assert p.stages[0].chunks == schedule_layout(name, len(p.stages), p.stages[0].chunks).chunks
+        assert validate_plan(res.to_plan("llama-tiny", "cpu-hetero4", i), TINY, CPU4, "plan") == []
+    sym = res.baseline_plan(res.symmetric, "llama-tiny", "cpu-hetero4")
+    assert sym is None or validate_plan(sym, TINY, CPU4, "plan") == []
