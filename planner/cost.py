@@ -910,9 +910,11 @@ class CostModel:
 
     def runtime_schedule(self, strategy: Strategy, pi: int, schedule: Schedule) -> PipelineSchedule:
         """The ``Schedule`` the runtime executes for pipeline ``pi`` (``StrategyHandle.pipeline_schedule``
-        of a plan holding it, ``schedule`` its default), cached per pipeline shape: the handle derives it
-        from the plan alone, here from the pipeline alone with its devices renumbered 0, 1, ..."""
+        of a plan holding it, ``schedule`` the default unless it names its own), cached per pipeline shape:
+        the handle derives it from the plan alone, here from the pipeline alone, its devices renumbered."""
         pipe = strategy.pipelines[pi]
+        if pipe.schedule is not None:
+            schedule = pipe.schedule
         renumbered = dataclasses.replace(pipe, stages=tuple(
             dataclasses.replace(st, devices=tuple(range(k * 64, k * 64 + st.tp))) for k, st in enumerate(pipe.stages)))
         key = (schedule, renumbered)

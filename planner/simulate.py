@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from planner.cost import GIB, CostModel, StageCost, planner_handle
+from planner.cost import GIB, CostModel, StageCost
 from runtime.comm.gradsync import SyncGroup
 from runtime.pipeline_schedules import ChunkCost, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
 from runtime.pipeline_schedules import Schedule as PipelineSchedule
@@ -396,8 +396,9 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
              zero: bool = False) -> SimulationResult:
     """Simulate one step of ``strategy`` with the costs of ``cm``; each pipeline runs its own schedule
     (``Pipeline.schedule``), else ``schedule``."""
-    handle = planner_handle(cm, strategy, global_batch, schedule, zero)
-    schedules = tuple(handle.pipeline_schedule(pi) for pi in range(len(strategy.pipelines)))
+    names = tuple(p.schedule if p.schedule is not None else schedule for p in strategy.pipelines)
+    # The runtime's lists (StrategyHandle.pipeline_schedule), through the cost model's cache of them.
+    schedules = tuple(cm.runtime_schedule(strategy, pi, schedule) for pi in range(len(strategy.pipelines)))
     costs = _Costs.of(cm, strategy)
     sim = EventLoop(costs.cores)
     last_action, tp_s, labels = _add_schedules(sim, costs, schedules)
@@ -416,7 +417,7 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
         stages=tuple(reports), peak_memory_gib=memory,
         oom_devices=tuple(sorted(d for d, g in memory.items() if g > cm.cluster.type_of(d).memory_gib)),
         events=tuple(sorted(events, key=lambda e: (e.start_s, e.pipeline, e.stage))), cpu_hosts=dict(costs.cores),
-        pipeline_schedules=tuple(handle.schedule_name(pi) for pi in range(len(strategy.pipelines))))
+        pipeline_schedules=names)
 
 
 @dataclass(frozen=True)
