@@ -853,14 +853,27 @@ class CostModel:
                    recompute: bool = False) -> ChunkCost:
         """One micro-batch through one model chunk as the list scheduler times it: F, and the backward
         split into B (input gradients, what the previous chunk waits for) and W (weight gradients) by
-        ``weight_grad_fraction`` of its backward compute; the fused backward is ``stage``'s."""
+        ``weight_grad_fraction`` of its backward compute; the fused backward is ``stage``'s. As the engine
+        runs them (docs/schedules.md, the executor): the chunk holding layer 0 has no input gradient, its W
+        is its whole backward; a recompute chunk's W is a second backward through the graph B kept."""
         sc = self.stage(device_type, tp, num_layers, first, last, recompute)
+        tiny = 1e-6 * sc.backward_s   # ChunkCost wants both halves positive
+        if self.sleep_target(device_type) is not None:
+            # Sleep emulation prices each half at half the backward block (runtime/trace.py
+            # stage_block_targets): what the emulated device then takes.
+            return ChunkCost(forward=sc.forward_s, input_grad=0.5 * sc.backward_s, weight_grad=0.5 * sc.backward_s,
+                             full_backward=sc.backward_s)
+        if first:   # the engine runs the first chunk's W as its whole backward: it has no input gradient
+            return ChunkCost(forward=sc.forward_s, input_grad=tiny, weight_grad=sc.backward_s - tiny,
+                             full_backward=sc.backward_s)
         recomputed = num_layers * self.layer(device_type, tp, recompute).recompute_s
         backward_compute = sc.compute_s - (sc.forward_s - sc.tp_forward_s) - recomputed
         w = weight_grad_fraction(self.model, self.seq_len, num_layers, last) * max(0.0, backward_compute)
-        w = min(max(w, 1e-9 * sc.backward_s), 0.999 * sc.backward_s)   # both halves positive (ChunkCost)
-        return ChunkCost(forward=sc.forward_s, input_grad=sc.backward_s - w, weight_grad=w,
-                         full_backward=sc.backward_s)
+        w = min(max(w, tiny), sc.backward_s - tiny)
+        b = sc.backward_s - w
+        if recompute:   # ... and a recompute chunk's W as one more backward through the kept graph
+            w = max(tiny, backward_compute)
+        return ChunkCost(forward=sc.forward_s, input_grad=b, weight_grad=w, full_backward=sc.backward_s)
 
     def pipeline_costs(self, strategy: Strategy, pi: int, schedule: Schedule) -> Costs:
         """The list scheduler's costs of pipeline ``pi``: per stage and chunk its ``chunk_cost`` (the chunk

@@ -62,16 +62,25 @@ def test_weight_grad_fraction_by_flops():
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_chunk_cost_splits_the_profiled_backward(recompute):
+    """B and W as the engine runs them: W the FLOP share of the backward compute (the recompute forward
+    and TP collectives stay in B); the first chunk's W its whole backward (it has no input gradient); a
+    recompute chunk's W a second backward through the graph B kept."""
     cm = cost_model()
-    for first, last in ((True, False), (False, False), (False, True)):
+    for first, last in ((False, False), (False, True), (True, False)):
         sc = cm.stage("cpu-fast", 1, 3, first, last, recompute)
         cc = cm.chunk_cost("cpu-fast", 1, 3, first, last, recompute)
         assert cc.forward == sc.forward_s and cc.full_backward == sc.backward_s
-        assert cc.input_grad + cc.weight_grad == pytest.approx(sc.backward_s)
-        # W is the FLOP share of the backward compute; the recompute forward and TP collectives stay in B.
         recomputed = 3 * cm.layer("cpu-fast", 1, recompute).recompute_s
         compute = sc.compute_s - (sc.forward_s - sc.tp_forward_s) - recomputed
-        assert cc.weight_grad == pytest.approx(weight_grad_fraction(TINY, 64, 3, last) * compute)
+        share = weight_grad_fraction(TINY, 64, 3, last) * compute
+        if first:
+            assert cc.input_grad < 1e-5 * sc.backward_s
+            assert cc.input_grad + cc.weight_grad == pytest.approx(sc.backward_s)
+        else:
+            assert cc.input_grad == pytest.approx(sc.backward_s - share)
+            assert cc.weight_grad == pytest.approx(compute if recompute else share)
+            if not recompute:
+                assert cc.input_grad + cc.weight_grad == pytest.approx(sc.backward_s)
 
 
 @pytest.mark.parametrize("choice", CHOICES, ids=lambda c: c.label)
