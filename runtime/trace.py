@@ -250,19 +250,27 @@ def stage_block_targets(ctx: PlanContext, strategy: str, device: int,
     stages = strat.pipelines[pi].stages
     st = stages[si]
     t = ctx.plan.training
-    cache: dict[tuple[bool, int], float] = {}
+    cache: dict[tuple[bool, int, int, bool, bool], float] = {}
     resolved = target
 
     def target_s(name: str, args: Mapping[str, Any]) -> float | None:
-        if name not in ("forward", "backward"):
+        # A split backward's two halves (zero-bubble schedules: input gradient, then weight gradient) are
+        # priced at half the backward block each.
+        share = {"forward": 1.0, "backward": 1.0, "input_grad": 0.5, "weight_grad": 0.5}.get(name)
+        if share is None:
             return None
-        backward = name == "backward"
+        backward = name != "forward"
         seq_len = int(args.get("seq_len", t.seq_len))  # type: ignore[call-overload]
-        key = (backward, seq_len)
+        # The engine names the chunk it runs (its layers, whether it embeds / holds the head); a span
+        # without them is the whole stage.
+        layers = int(args.get("layers", st.num_layers))  # type: ignore[call-overload]
+        first = bool(args.get("first", si == 0))
+        last = bool(args.get("last", si == len(stages) - 1))
+        key = (backward, seq_len, layers, first, last)
         if key not in cache:
             cache[key] = resolved.block_s(ComputeBlock(
-                layers=st.num_layers, micro_batch=t.micro_batch, seq_len=seq_len, backward=backward, tp=st.tp,
-                recompute=st.recompute, first=si == 0, last=si == len(stages) - 1))
-        return cache[key]
+                layers=layers, micro_batch=t.micro_batch, seq_len=seq_len, backward=backward, tp=st.tp,
+                recompute=st.recompute, first=first, last=last))
+        return share * cache[key]
 
     return target_s

@@ -28,10 +28,10 @@ def device_rows(ctx: PlanContext, strategy: Strategy) -> list[dict[str, Any]]:
             pipe = strategy.pipelines[pi]
             stage = pipe.stages[si]
             roles = []
-            if si == 0:
+            if si == pipe.embed_stage:
                 roles.append("embedding")
             roles.append("layers " + ", ".join(f"{a}-{b - 1}" for a, b in stage.layers))
-            if si == len(pipe.stages) - 1:
+            if si == pipe.head_stage:
                 roles.append("head+loss")
             row.update(pipeline=pi, stage=si, tp_rank=rank, tp=stage.tp, layers=stage.layers_data(),
                        role=", ".join(roles), micro_batches=pipe.micro_batches,
@@ -43,7 +43,7 @@ def device_rows(ctx: PlanContext, strategy: Strategy) -> list[dict[str, Any]]:
 def _strategy_tables(ctx: PlanContext, strategy: Strategy) -> tuple[Table, Table]:
     t = ctx.plan.training
     stages = Table(title=f"strategy {strategy.name!r}: pipelines x stages", title_justify="left")
-    for col in ("pipeline", "micro-batches", "samples", "stage", "devices", "type", "node", "TP",
+    for col in ("pipeline", "micro-batches", "samples", "schedule", "stage", "devices", "type", "node", "TP",
                 "layers", "recompute"):
         stages.add_column(col, justify="right" if col in ("micro-batches", "samples", "TP") else "left")
     for pi, pipe in enumerate(strategy.pipelines):
@@ -51,7 +51,8 @@ def _strategy_tables(ctx: PlanContext, strategy: Strategy) -> tuple[Table, Table
             first = ctx.cluster.device(stage.devices[0])
             stages.add_row(
                 str(pi) if si == 0 else "", str(pipe.micro_batches) if si == 0 else "",
-                str(pipe.micro_batches * t.micro_batch) if si == 0 else "", str(si),
+                str(pipe.micro_batches * t.micro_batch) if si == 0 else "",
+                strategy.schedule_of(pi, t) if si == 0 else "", str(si),
                 span(stage.devices), first.type, first.node, str(stage.tp),
                 stage.layers_text(), "yes" if stage.recompute else "no",
                 end_section=si == len(pipe.stages) - 1)

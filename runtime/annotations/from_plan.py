@@ -2,17 +2,19 @@
 
 The rules (docs/design.md §2, README "Plan"):
 
-* a decoder layer's parameter is held by every pipeline, by the stage whose layer range contains it:
-  HDim -1 over those stages' TP groups, member i laid out by its own TP degree (``ParamInfo.tp_dim``:
-  Split(tp_dim) x TP, or duplicate x TP for norms); the embedding lives on first stages, the final
-  norm and head on last stages; a tied embedding on both (one weight, two device groups per pipeline
-  when they differ: its gradient sums the lookup's and the head's summands like any HDim -2 member's);
+* a decoder layer's parameter is held by every pipeline, by the stage one of whose layer ranges (model
+  chunks) contains it: HDim -1 over those stages' TP groups, member i laid out by its own TP degree
+  (``ParamInfo.tp_dim``: Split(tp_dim) x TP, or duplicate x TP for norms); the embedding lives on the
+  stage holding layer 0, the final norm and head on the stage holding the last layer (the last stage,
+  or under ZB-V the first); a tied embedding on both (one weight, two device groups per pipeline when
+  they differ: its gradient sums the lookup's and the head's summands like any HDim -2 member's);
 * its gradient: the same members with HDim -2 (each pipeline computed a summand);
 * the input batch ``(global_batch, seq_len)``: HDim 0 over pipelines, weighted by their micro-batch
   counts; inside a pipeline only the first stage's devices hold tokens (duplicated in its TP group),
   labels only the last stage's;
-* the activation between stage s and s+1 of a pipeline, ``(micro_batch, seq_len, hidden)``: duplicate
-  in the TP group of the producing stage -> duplicate in the TP group of the consuming stage.
+* the activation between virtual stage j and j+1 of a pipeline (consecutive model chunks on different
+  stages), ``(micro_batch, seq_len, hidden)``: duplicate in the TP group of the producing stage ->
+  duplicate in the TP group of the consuming stage.
 """
 
 from __future__ import annotations
@@ -45,13 +47,17 @@ class ParamAnnotation:
 
 @dataclass(frozen=True)
 class Boundary:
-    """The activation sent from stage ``stage`` to stage ``stage + 1`` of pipeline ``pipeline``."""
+    """The activation sent from virtual stage ``stage`` to ``stage + 1`` of pipeline ``pipeline``: from
+    the chunk of plan stage ``src_stage`` to the chunk of ``dst_stage`` (with one chunk per stage,
+    ``stage`` -> ``stage + 1``). Consecutive chunks on one stage have no boundary."""
 
     pipeline: int
     stage: int
     shape: tuple[int, ...]
     src: Annotation
     dst: Annotation
+    src_stage: int
+    dst_stage: int
 
 
 @dataclass(frozen=True)
@@ -84,11 +90,11 @@ def holding_stages(strategy: Strategy, info: ParamInfo) -> list[Stage]:
     out = []
     for pipe in strategy.pipelines:
         if info.owner == "embedding":
-            out.append(pipe.stages[0])
-            if info.tied and len(pipe.stages) > 1:
-                out.append(pipe.stages[-1])
+            out.append(pipe.stages[pipe.embed_stage])
+            if info.tied and pipe.head_stage != pipe.embed_stage:
+                out.append(pipe.stages[pipe.head_stage])
         elif info.owner == "head":
-            out.append(pipe.stages[-1])
+            out.append(pipe.stages[pipe.head_stage])
         else:
             assert info.layer is not None
             out.append(next(s for s in pipe.stages if s.holds_layer(info.layer)))
@@ -131,16 +137,22 @@ def annotate_strategy(strategy: Strategy, model: ModelSpec, training: TrainingSe
     """Every annotation the runtime needs to run ``strategy``."""
     params = param_annotations(strategy, model)
     weights = [p.micro_batches for p in strategy.pipelines]
-    firsts = [(p.stages[0].devices, DistributedStates.duplicate(p.stages[0].tp)) for p in strategy.pipelines]
-    lasts = [(p.stages[-1].devices, DistributedStates.duplicate(p.stages[-1].tp)) for p in strategy.pipelines]
+    firsts = [(p.stages[p.embed_stage].devices, DistributedStates.duplicate(p.stages[p.embed_stage].tp))
+              for p in strategy.pipelines]
+    lasts = [(p.stages[p.head_stage].devices, DistributedStates.duplicate(p.stages[p.head_stage].tp))
+             for p in strategy.pipelines]
     tokens = Annotation.union(0, firsts, weights)
     labels = Annotation.union(0, lasts, weights)
     act = (training.micro_batch, training.seq_len, model.hidden_size)
     boundaries = []
     for pi, pipe in enumerate(strategy.pipelines):
-        for si in range(len(pipe.stages) - 1):
-            a, b = pipe.stages[si], pipe.stages[si + 1]
-            boundaries.append(Boundary(pi, si, act, Annotation.spmd(a.devices), Annotation.spmd(b.devices)))
+        order = pipe.chunk_order()
+        for j in range(len(order) - 1):
+            si, ti = order[j][0], order[j + 1][0]
+            if si != ti:
+                a, b = pipe.stages[si], pipe.stages[ti]
+                boundaries.append(Boundary(pi, j, act, Annotation.spmd(a.devices), Annotation.spmd(b.devices),
+                                           si, ti))
     return StrategyAnnotations(strategy.name, params, (training.global_batch, training.seq_len), tokens, labels,
                                tuple(boundaries))
 
@@ -222,7 +234,10 @@ def annotation_rows(strategy: Strategy, model: ModelSpec, training: TrainingSett
     for b in ann.boundaries:
         op = resolve(b.src, b.dst, b.shape)
         rows.append({"where": f"pipeline {b.pipeline}", "layers": None,
-                     "tensor": f"activation stage {b.stage}->{b.stage + 1}", "kind": "activation",
+                     "tensor": f"activation stage {b.src_stage}->{b.dst_stage}"
+                               + ("" if (b.src_stage, b.dst_stage) == (b.stage, b.stage + 1)
+                                  else f" (virtual stage {b.stage}->{b.stage + 1})"),
+                     "kind": "activation",
                      "shape": list(b.shape), "annotation": b.dst.to_data(), "text": f"{b.src} -> {b.dst}",
                      "grad_hdim": None, "sync": op.kind})
     return rows

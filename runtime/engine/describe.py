@@ -13,8 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.comm.resolve import CommOp
-from runtime.engine.schedules import Comm, Compute
-from runtime.engine.specialize import BOUNDARY_DTYPE, DevicePlan, ParamShard, StageRole, specialize
+from runtime.engine.specialize import (
+    BOUNDARY_DTYPE,
+    ChunkRole,
+    DevicePlan,
+    ParamShard,
+    StageRole,
+    specialize,
+    weight_grad_from_outputs,
+)
+from runtime.pipeline_schedules import Action, Compute, Message, PostRecv, PostSend, WaitSends
 from runtime.spec.handle import StrategyHandle
 
 
@@ -42,7 +50,7 @@ class ProgramDescription:
             return "idle"
         r = self.role
         parts = ["embedding"] if r.embed else []
-        parts.append(f"layers {r.layers[0]}-{r.layers[1] - 1}")
+        parts.append("layers " + ", ".join(f"{a}-{b - 1}" for a, b in r.layers))
         if r.head:
             parts.append("final norm + head + loss")
         return ", ".join(parts)
@@ -53,7 +61,11 @@ class ProgramDescription:
             "strategy": self.strategy, "device": self.device, "schedule": self.schedule,
             "role": None if r is None else {
                 "pipeline": r.pipeline, "stage": r.stage, "num_stages": r.num_stages, "tp_rank": r.tp_rank,
-                "tp_group": list(r.devices), "layers": list(r.layers), "embed": r.embed, "head": r.head,
+                "tp_group": list(r.devices),
+                "layers": list(r.layers[0]) if len(r.layers) == 1 else [list(x) for x in r.layers],
+                "chunks": [{"chunk": c.chunk, "virtual_stage": c.stage, "layers": list(c.layers), "embed": c.embed,
+                            "head": c.head} for c in r.chunks],
+                "embed": r.embed, "head": r.head,
                 "recompute": r.recompute, "micro_batches": r.micro_batches, "micro_batch": r.micro_batch,
                 "samples": [r.first_sample, r.first_sample + r.samples]},
             "holds": self.holds,
@@ -64,30 +76,55 @@ class ProgramDescription:
         }
 
 
-def _tp_collectives(role: StageRole, direction: str) -> str:
-    """The TP collectives DTensor issues inside one forward or backward block of the stage."""
-    if role.tp == 1:
+COMPUTE_NAMES = {"F": "forward", "BW": "backward", "B": "input_grad", "W": "weight_grad"}
+_DIRECTIONS = {("activation", True): "send_forward", ("activation", False): "recv_forward",
+               ("gradient", True): "send_backward", ("gradient", False): "recv_backward"}
+
+
+def action_name(action: Action, chunks: int = 1) -> str:
+    """The name of one schedule action, as ``describe`` lists it and the executor's hooks span it."""
+    if isinstance(action, Compute):
+        return f"{COMPUTE_NAMES[action.kind]} mb{action.micro_batch}" + (
+            f" chunk {action.chunk}" if chunks > 1 else "")
+    if isinstance(action, WaitSends):
+        return "wait sends"
+    m = action.message
+    verb = "post" if isinstance(action, (PostSend, PostRecv)) else "wait"
+    return f"{verb} {_DIRECTIONS[m.kind, isinstance(action, PostSend)]} mb{m.micro_batch} " \
+           f"stage {m.src_stage}->{m.dst_stage}"
+
+
+def _tp_collectives(role: StageRole, chunk: ChunkRole, kind: str) -> str:
+    """The TP collectives DTensor issues inside one op of a chunk (W reruns the input-gradient chain)."""
+    if role.tp == 1 or kind == "B" and chunk.embed:
         return ""
-    n = role.layers[1] - role.layers[0]
+    n = chunk.layers[1] - chunk.layers[0]
     g = ",".join(str(d) for d in role.devices)
-    if direction == "forward":
+    if kind == "F":
         parts = []
-        if role.embed:
+        if chunk.embed:
             parts.append("embedding all-reduce")
         parts.append(f"{2 * n} all-reduce (o_proj, down_proj x {n} layers)")
-        if role.head:
+        if chunk.head:
             parts.append("logits all-gather")
     else:
         parts = [f"{2 * n} all-reduce (attention and MLP input grads x {n} layers)"]
-        if role.head:
+        if chunk.head:
             parts.append("head input-grad all-reduce")
     return f"TP group [{g}]: " + ", ".join(parts)
+
+
+def _holds(chunk: ChunkRole) -> str:
+    return ("embedding + " if chunk.embed else "") + f"layers {chunk.layers[0]}-{chunk.layers[1] - 1}" + (
+        " + head + loss" if chunk.head else "")
 
 
 def describe_program(handle: StrategyHandle, device: int) -> ProgramDescription:
     plan = specialize(handle, device)
     if plan is None:
-        return ProgramDescription(handle.name, device, handle.training.schedule, None, (), ())
+        where = handle.strategy.locate(device)
+        name = handle.schedule_name(where[0]) if where is not None else handle.training.schedule
+        return ProgramDescription(handle.name, device, name, None, (), ())
     return describe_plan(plan)
 
 
@@ -95,25 +132,29 @@ def describe_plan(plan: DevicePlan) -> ProgramDescription:
     t = plan.handle.training
     role, device = plan.role, plan.device
     shape = (t.micro_batch, t.seq_len, plan.handle.model.hidden_size)
-    what = ("embedding + " if role.embed else "") + f"layers {role.layers[0]}-{role.layers[1] - 1}" + (
-        " + head + loss" if role.head else "") + (" (recompute)" if role.recompute else "")
+    recompute = " (recompute)" if role.recompute else ""
+    v = len(role.chunks)
     ops: list[OpLine] = []
     for a in plan.actions:
+        name = action_name(a, v)
         if isinstance(a, Compute):
-            detail = what if a.kind == "forward" else ("recompute + " if role.recompute else "") + "grads"
-            tp = _tp_collectives(role, a.kind)
-            ops.append(OpLine("compute", f"{a.kind} mb{a.micro_batch}", detail + (f"; {tp}" if tp else "")))
-            continue
-        assert isinstance(a, Comm)
-        names, details = [], []
-        for tr in a.transfers:
-            b = plan.prev if tr.kind in ("recv_forward", "send_backward") else plan.next
-            assert b is not None
-            op = b.forward if tr.kind.endswith("forward") else b.backward
-            names.append(f"{tr.kind} mb{tr.micro_batch}")
-            details.append(f"{tr.kind} ({op.kind}): {_messages(op, device)}")
-        ops.append(OpLine("comm", " + ".join(names), f"one batch_isend_irecv of [{'x'.join(map(str, shape))}] "
-                                                     f"{BOUNDARY_DTYPE.name}: " + "; ".join(details)))
+            c = role.chunks[a.chunk]
+            detail = {"F": _holds(c) + recompute, "BW": ("recompute + " if role.recompute else "") + "grads",
+                      "B": "input gradient (autograd.grad), graph kept" if not c.embed else
+                           "nothing (the first chunk has no input gradient); graph kept",
+                      "W": "weight gradients from the module-output gradients B kept"
+                           if weight_grad_from_outputs(plan, c) else
+                           "weight gradients: one backward through the kept graph"}[a.kind]
+            # W from the kept module-output gradients is local; a W through the kept graph reruns the chain.
+            tp = "" if a.kind == "W" and weight_grad_from_outputs(plan, c) else _tp_collectives(role, c, a.kind)
+            ops.append(OpLine("compute", name, f"virtual stage {a.stage}: {detail}" + (f"; {tp}" if tp else "")))
+        elif isinstance(a, WaitSends):
+            ops.append(OpLine("comm", name, "block until every send posted has completed"))
+        else:
+            op = route(plan, a.message)
+            what = "isend" if isinstance(a, PostSend) else "irecv" if isinstance(a, PostRecv) else "wait for"
+            ops.append(OpLine("comm", name, f"{what} [{'x'.join(map(str, shape))}] {BOUNDARY_DTYPE.name} "
+                                            f"({op.kind}): {_messages(op, device, isinstance(a, PostSend))}"))
     names = [p.name for p in plan.annotations.params]
     for b in plan.grad_sync:
         tensors = sorted({names[i] for i, _ in b.entries})
@@ -145,7 +186,16 @@ def _short(names: Sequence[str], n: int = 3) -> str:
     return ", ".join(names[:n]) + (f", ... (+{len(names) - n})" if len(names) > n else "")
 
 
-def _messages(op: CommOp, device: int) -> str:
-    parts = [f"send {m.nbytes} B to {m.peer}" for m in op.sends(device)]
-    parts += [f"recv {m.nbytes} B from {m.peer}" for m in op.recvs(device)]
+def route(plan: DevicePlan, msg: Message) -> CommOp:
+    """The boundary op a message runs: the activation of boundary j (stage j -> j + 1) or its gradient."""
+    if msg.kind == "activation":
+        return plan.routes[msg.src_stage].forward
+    return plan.routes[msg.dst_stage].backward
+
+
+def _messages(op: CommOp, device: int, send: bool) -> str:
+    if send:
+        parts = [f"send {m.nbytes} B to {m.peer}" for m in op.sends(device)]
+    else:
+        parts = [f"recv {m.nbytes} B from {m.peer}" for m in op.recvs(device)]
     return ", ".join(parts) or "nothing for this device"

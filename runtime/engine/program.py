@@ -1,16 +1,17 @@
 """The per-device specialized program: build the stage, shard it, run the schedule, sync, step.
 
-One instance per worker. Construction specializes the plain model for this device (its layers only,
-DTensor TP inside its stage group, boundary routes to the neighbouring stages, gradient-sync buckets
-across pipelines, AdamW on local shards, or ZeRO-1 over the pipelines with ``training.zero``: zero.py);
-``train_step`` runs one optimizer step of the global batch.
+One instance per worker. Construction specializes the plain model for this device (one module per model
+chunk the stage holds, each with its layers only; DTensor TP inside its stage group, boundary routes per
+virtual-stage boundary, gradient-sync buckets across pipelines, AdamW on local shards, or ZeRO-1 over
+the pipelines with ``training.zero``: zero.py); ``train_step`` walks the pipeline schedule's action
+list for this stage (runtime/pipeline_schedules.py), then syncs and steps.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -21,15 +22,22 @@ from runtime.comm.execute import torch_dtype
 from runtime.comm.groups import ProcessGroups
 from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
 from runtime.engine.data_parallel import GradientSync
-from runtime.engine.describe import ProgramDescription, describe_plan
+from runtime.engine.describe import COMPUTE_NAMES, ProgramDescription, action_name, describe_plan, route
 from runtime.engine.optim import LocalAdamW, ShardedAdamW, clip_coefficient
-from runtime.engine.pipeline import P2PBatch
+from runtime.engine.pipeline import BoundaryChannel, connect_peers
 from runtime.engine.reference import autocast_for
-from runtime.engine.schedules import Comm, Compute
-from runtime.engine.specialize import BOUNDARY_DTYPE, DevicePlan, ParamShard, specialize, stage_parameters
+from runtime.engine.specialize import (
+    BOUNDARY_DTYPE,
+    DevicePlan,
+    ParamShard,
+    chunk_parameters,
+    specialize,
+    weight_grad_from_outputs,
+)
 from runtime.engine.tensor_parallel import apply_tensor_parallel, local_tensor
 from runtime.engine.zero import MomentPiece
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
+from runtime.pipeline_schedules import Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
 from runtime.precision import Precision
 from runtime.spec.handle import StrategyHandle
 
@@ -57,17 +65,25 @@ class DeviceProgram:
         self.ranks = dict(ctx.ranks)
         self.annotations = plan.annotations
 
-        module = LlamaForCausalLM(spec, range(*role.layers), embed=role.embed, head=role.head)
-        module.init_weights(t.seed)  # on CPU, name-seeded: the reference's numbers on every device
-        module.to(self.device)
-        if role.tp > 1:
-            mesh = groups.mesh(role.devices, self.device.type)
-            apply_tensor_parallel(module, stage_parameters(spec, role), mesh)
-        if role.recompute:
-            _checkpoint_layers(module)
-        self.module = module
+        mesh = groups.mesh(role.devices, self.device.type) if role.tp > 1 else None
+        chunks: list[LlamaForCausalLM] = []
+        for c in role.chunks:
+            module = LlamaForCausalLM(spec, range(*c.layers), embed=c.embed, head=c.head)
+            module.init_weights(t.seed)  # on CPU, name-seeded: the reference's numbers on every device
+            module.to(self.device)
+            if mesh is not None:
+                apply_tensor_parallel(module, chunk_parameters(spec, c), mesh)
+            if role.recompute:
+                _checkpoint_layers(module)
+            chunks.append(module)
+        _share_parameters(chunks)
+        self._records = [OutputRecord(m) if weight_grad_from_outputs(plan, c) else None
+                         for c, m in zip(role.chunks, chunks)]
+        self.chunks = chunks  # [local chunk]: the schedule's Compute.chunk indexes it
+        self._chunk_params = [list(m.parameters()) for m in chunks]
         self.shards: tuple[ParamShard, ...] = plan.shards
-        self.params = {s.name: module.get_parameter(s.name) for s in self.shards}
+        held = {n: p for m in reversed(chunks) for n, p in m.named_parameters()}
+        self.params = {s.name: held[s.name] for s in self.shards}
         for s in self.shards:
             got = tuple(local_tensor(self.params[s.name]).shape)
             if got != s.local_shape:
@@ -82,6 +98,9 @@ class DeviceProgram:
             self.optimizer = LocalAdamW(local, t.optimizer)
         self.grad_sync = GradientSync([(p.name, p.shape, p.grad) for p in plan.annotations.params], plan.grad_sync,
                                       groups)
+        peers = {m.peer for b in plan.routes.values() for op in (b.forward, b.backward)
+                 for m in (*op.sends(role.device), *op.recvs(role.device))}
+        connect_peers(role.device, peers, self.ranks, self.device)
         devices = ctx.strategy.devices
         self._stats_group = groups.get(devices) if len(devices) > 1 else None
         self._times = {"compute": 0.0, "comm": 0.0}
@@ -112,17 +131,23 @@ class DeviceProgram:
         for p in self.params.values():
             p.grad = None
         run = StepState(self.device, self.ctx.precision)
+        channel = BoundaryChannel(role.device, self.ranks)
         for action in self.plan.actions:
             if isinstance(action, Compute):
                 mb = action.micro_batch
-                with self._span("compute", action.kind, micro_batch=mb):
-                    if action.kind == "forward":
-                        stage_forward(self.module, role.embed, role.head, self.tokens,
-                                      rows[mb * role.micro_batch:(mb + 1) * role.micro_batch], mb, run)
-                    else:
-                        stage_backward(role.embed, role.head, mb, run)
-            else:
-                self._comm(action, run)
+                self._compute(action, rows[mb * role.micro_batch:(mb + 1) * role.micro_batch], run)
+                continue
+            with self._span("comm", action_name(action)):
+                if isinstance(action, PostSend):
+                    self._post_send(action.message, run, channel)
+                elif isinstance(action, PostRecv):
+                    channel.post_recv(action.message, route(self.plan, action.message),
+                                      dtype=self.boundary_dtype, device=self.device)
+                elif isinstance(action, WaitRecv):
+                    self._wait_recv(action.message, run, channel)
+                else:
+                    assert isinstance(action, WaitSends)
+                    channel.wait_sends()
         grads = self._local_grads()
         if self.plan.grad_sync:
             with self._span("comm", "grad_sync"):
@@ -189,27 +214,42 @@ class DeviceProgram:
 
     # -- the schedule's actions --------------------------------------------------------------------------
 
-    def _comm(self, action: Comm, run: StepState) -> None:
-        batch = P2PBatch(self.role.device, self.ranks)
-        names = []
-        for tr in action.transfers:
-            mb = tr.micro_batch
-            names.append(f"{tr.kind} {mb}")
-            prev, nxt, dtype = self.plan.prev, self.plan.next, self.boundary_dtype
-            if tr.kind == "send_forward":
-                assert nxt is not None
-                batch.send(nxt.forward, run.sent.pop(mb))
-            elif tr.kind == "recv_forward":
-                assert prev is not None
-                run.inputs[mb] = batch.recv(prev.forward, dtype=dtype, device=self.device)
-            elif tr.kind == "send_backward":
-                assert prev is not None
-                batch.send(prev.backward, run.grads_out.pop(mb).to(dtype))
+    def _compute(self, op: Compute, rows: torch.Tensor, run: StepState) -> None:
+        """One op of the schedule on one chunk; a tensor for a chunk of this same device (the bottom of
+        the V, or a one-stage pipeline) is handed over in memory instead of sent."""
+        c = self.role.chunks[op.chunk]
+        key = (op.micro_batch, op.chunk)
+        layout = self.plan.layout
+        args = {"micro_batch": op.micro_batch, "chunk": op.chunk, "layers": c.layers[1] - c.layers[0],
+                "first": c.embed, "last": c.head}
+        with self._span("compute", COMPUTE_NAMES[op.kind], **args):
+            if op.kind == "F":
+                record = self._records[op.chunk]
+                with record.recording() if record is not None else nullcontext() as outputs:
+                    stage_forward(self.chunks[op.chunk], c.embed, c.head, self.tokens, rows, key, run)
+                if outputs is not None:
+                    run.recorded[key] = outputs
+            elif op.kind == "BW":
+                stage_backward(c.embed, c.head, key, run)
+            elif op.kind == "B":
+                stage_input_grad(c.embed, c.head, key, run, self._chunk_params[op.chunk])
             else:
-                assert nxt is not None
-                run.grads_in[mb] = batch.recv(nxt.backward, dtype=dtype, device=self.device)
-        with self._span("comm", ", ".join(names)):
-            batch.run()
+                stage_weight_grad(key, run)
+        j = op.stage
+        if op.kind == "F" and not c.head and layout.device(j + 1) == layout.device(j):
+            run.inputs[op.micro_batch, layout.chunk(j + 1)] = run.sent.pop(key)
+        if op.kind in ("B", "BW") and not c.embed and layout.device(j - 1) == layout.device(j):
+            run.grads_in[op.micro_batch, layout.chunk(j - 1)] = run.grads_out.pop(key)
+
+    def _post_send(self, msg: Message, run: StepState, channel: BoundaryChannel) -> None:
+        key = (msg.micro_batch, self.plan.layout.chunk(msg.src_stage))
+        x = run.sent.pop(key) if msg.kind == "activation" else run.grads_out.pop(key).to(self.boundary_dtype)
+        channel.post_send(route(self.plan, msg), x)
+
+    def _wait_recv(self, msg: Message, run: StepState, channel: BoundaryChannel) -> None:
+        key = (msg.micro_batch, self.plan.layout.chunk(msg.dst_stage))
+        x = channel.wait_recv(msg)
+        (run.inputs if msg.kind == "activation" else run.grads_in)[key] = x
 
     def _local_grads(self) -> dict[str, torch.Tensor]:
         """Plain local gradient tensors, in each parameter's own layout."""
@@ -236,25 +276,29 @@ class DeviceProgram:
 
 
 class StepState:
-    """Activations and gradients in flight during one step, keyed by micro-batch."""
+    """Activations and gradients in flight during one step, keyed by micro-batch (and chunk: the engine
+    keys them ``(micro_batch, chunk)``)."""
 
     def __init__(self, device: torch.device, precision: Precision = "auto") -> None:
         self.device = device
         self.precision = precision  # the autocast policy of its compute (runtime/precision.py)
-        self.inputs: dict[int, torch.Tensor] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.sent: dict[int, torch.Tensor] = {}
-        self.grads_in: dict[int, torch.Tensor] = {}
-        self.grads_out: dict[int, torch.Tensor] = {}
+        self.inputs: dict[Hashable, torch.Tensor] = {}
+        self.outputs: dict[Hashable, torch.Tensor] = {}
+        self.sent: dict[Hashable, torch.Tensor] = {}
+        self.grads_in: dict[Hashable, torch.Tensor] = {}
+        self.grads_out: dict[Hashable, torch.Tensor] = {}
+        # B done, W to run: (tensor, its gradient, the parameters to differentiate) per backward W runs
+        self.deferred: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]]] = {}
+        self.recorded: dict[Hashable, list[tuple[list[torch.Tensor], torch.Tensor]]] = {}  # OutputRecord's
         self.loss_sum: torch.Tensor = torch.zeros((), device=device)
 
 
-def stage_forward(module: LlamaForCausalLM, embed: bool, head: bool, tokens: int, rows: torch.Tensor, mb: int,
-                  run: StepState) -> None:
-    """Micro-batch ``mb`` forward through a stage (``rows``: its samples, inputs and labels): token ids in on
-    the first stage, the received boundary tensor elsewhere; out of the last stage the summed loss scaled
-    by the step's ``tokens``, elsewhere the output and its fp32 copy to send. A function of its own so
-    that ``hspmd profile`` times exactly this."""
+def stage_forward(module: LlamaForCausalLM, embed: bool, head: bool, tokens: int, rows: torch.Tensor,
+                  mb: Hashable, run: StepState) -> None:
+    """Micro-batch ``mb`` forward through a stage's chunk (``rows``: its samples, inputs and labels): token
+    ids in on the first chunk, the received boundary tensor elsewhere; out of the last chunk the summed
+    loss scaled by the step's ``tokens``, elsewhere the output and its fp32 copy to send. A function of
+    its own so that ``hspmd profile`` times exactly this."""
     x = rows[:, :-1] if embed else run.inputs[mb].requires_grad_()
     with autocast_for(run.device, run.precision):
         out = module(x)
@@ -267,9 +311,9 @@ def stage_forward(module: LlamaForCausalLM, embed: bool, head: bool, tokens: int
         run.sent[mb] = out.detach().to(torch_dtype(BOUNDARY_DTYPE))
 
 
-def stage_backward(embed: bool, head: bool, mb: int, run: StepState) -> None:
-    """Micro-batch ``mb`` backward: from the scaled loss on the last stage, else from the received output
-    gradient; the input gradient taken out to send (not on the first stage)."""
+def stage_backward(embed: bool, head: bool, mb: Hashable, run: StepState) -> None:
+    """Micro-batch ``mb`` backward: from the scaled loss on the last chunk, else from the received output
+    gradient; the input gradient taken out to send (not on the first chunk)."""
     out = run.outputs.pop(mb)
     if head:
         out.backward()
@@ -279,6 +323,79 @@ def stage_backward(embed: bool, head: bool, mb: int, run: StepState) -> None:
         x = run.inputs.pop(mb)
         run.grads_out[mb] = x.grad
         x.grad = None
+
+
+def stage_input_grad(embed: bool, head: bool, mb: Hashable, run: StepState,
+                     params: list[torch.Tensor] | None = None) -> None:
+    """B of a split backward: the gradient of the chunk's input (what the previous virtual stage waits
+    for), by autograd, which evaluates only what that gradient needs (no weight-gradient products).
+    Where F recorded the outputs of the chunk's parameter-owning modules (``run.recorded``), their
+    gradients come out of the same pass and W only multiplies them into weight gradients; else W is one
+    backward to ``params`` through the kept graph. The first chunk has no input gradient: its B is
+    empty and its W the whole backward."""
+    out = run.outputs.pop(mb)
+    grad = None if head else run.grads_in.pop(mb).to(out.dtype)
+    recorded = run.recorded.pop(mb, None)
+    if embed:
+        run.deferred[mb] = [(out, grad, list(params or ()))]
+    elif recorded is None:
+        (run.grads_out[mb],) = torch.autograd.grad(out, run.inputs[mb], grad, retain_graph=True)
+        run.deferred[mb] = [(out, grad, list(params or ()))]
+    else:
+        ys = [y for _, y in recorded]
+        gx, *gys = torch.autograd.grad(out, [run.inputs[mb], *ys], grad, retain_graph=True, allow_unused=True)
+        run.grads_out[mb] = gx
+        run.deferred[mb] = [(y, g, ps) for (ps, y), g in zip(recorded, gys) if g is not None]
+
+
+def stage_weight_grad(mb: Hashable, run: StepState) -> None:
+    """W of a split backward: the weight gradients (accumulated into ``.grad``) of what B deferred, by
+    autograd. Each recorded module output reaches its own parameters in one step (nothing else lies on
+    that path: a tied head's weight has no lookup in a chunk that does not embed)."""
+    for y, g, params in run.deferred.pop(mb):
+        torch.autograd.backward(y, g, inputs=params)
+    run.inputs.pop(mb, None)
+
+
+class OutputRecord:
+    """Records, while F runs, the output of each module of a chunk that owns parameters directly (the
+    linear projections, the norms, the head), with those parameters: their gradients are what W needs."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._into: list[tuple[list[torch.Tensor], torch.Tensor]] | None = None
+        for m in module.modules():
+            own = list(m.parameters(recurse=False))
+            if own:
+                m.register_forward_hook(self._hook(own))
+
+    def _hook(self, own: list[torch.Tensor]) -> Callable[..., None]:
+        def hook(_module: torch.nn.Module, _args: object, output: torch.Tensor) -> None:
+            if self._into is not None and output.requires_grad:
+                self._into.append((own, output))
+        return hook
+
+    @contextmanager
+    def recording(self) -> Iterator[list[tuple[list[torch.Tensor], torch.Tensor]]]:
+        self._into = out = []
+        try:
+            yield out
+        finally:
+            self._into = None
+
+
+def _share_parameters(chunks: list[LlamaForCausalLM]) -> None:
+    """A parameter two chunks of one device hold (a tied embedding under ZB-V: the lookup in the first
+    chunk, the head in the last) is one tensor, as in the single model: one gradient, one update."""
+    seen: dict[str, torch.nn.Parameter] = {}
+    for m in chunks:
+        for name, p in list(m.named_parameters()):
+            if name not in seen:
+                seen[name] = p
+                continue
+            attr = name.rsplit(".", 1)[1]
+            for sub in m.modules():  # the owner and, for a tied head, the head sharing it
+                if getattr(sub, attr, None) is p:
+                    setattr(sub, attr, seen[name])
 
 
 def _checkpoint_layers(module: LlamaForCausalLM) -> None:

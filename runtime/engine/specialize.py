@@ -15,14 +15,26 @@ from runtime.annotations.states import Annotation
 from runtime.comm.bsr import FLOAT32
 from runtime.comm.gradsync import SyncBucket, plan_sync
 from runtime.comm.resolve import CommOp, resolve
-from runtime.engine.schedules import Action, build_schedule
 from runtime.engine.zero import MomentPiece, ZeroBucket, ZeroSlice, moment_pieces, zero_buckets, zero_slices
 from runtime.models.params import ParamInfo, llama_parameters
+from runtime.pipeline_schedules import Action, Compute, Layout
 from runtime.spec.cluster import Cluster
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec
+from runtime.spec.plan import Pipeline
 
 BOUNDARY_DTYPE = FLOAT32  # the residual stream stays fp32 under autocast; sent as such
+
+
+@dataclass(frozen=True)
+class ChunkRole:
+    """One model chunk of a stage: a virtual stage of the pipeline, built as a module of its own."""
+
+    chunk: int  # local index on the device (the schedule's ``Compute.chunk``)
+    stage: int  # virtual stage j (the schedule's ``Compute.stage``)
+    layers: tuple[int, int]  # decoder layers [start, end)
+    embed: bool  # holds layer 0: looks up the tokens
+    head: bool  # holds the last layer: final norm, head and loss
 
 
 @dataclass(frozen=True)
@@ -36,9 +48,7 @@ class StageRole:
     num_stages: int
     tp_rank: int
     devices: tuple[int, ...]  # this stage's TP group, in TP-rank order
-    layers: tuple[int, int]  # decoder layers [start, end)
-    embed: bool
-    head: bool  # final norm, head and loss
+    chunks: tuple[ChunkRole, ...]  # one per layer range the stage holds, in local chunk order
     recompute: bool
     micro_batches: int
     micro_batch: int  # samples per micro-batch
@@ -47,6 +57,21 @@ class StageRole:
     @property
     def tp(self) -> int:
         return len(self.devices)
+
+    @property
+    def layers(self) -> tuple[tuple[int, int], ...]:
+        """Decoder layers [start, end) of each chunk."""
+        return tuple(c.layers for c in self.chunks)
+
+    @property
+    def embed(self) -> bool:
+        """Some chunk of this stage holds the embedding."""
+        return any(c.embed for c in self.chunks)
+
+    @property
+    def head(self) -> bool:
+        """Some chunk of this stage holds the final norm, head and loss."""
+        return any(c.head for c in self.chunks)
 
     @property
     def samples(self) -> int:
@@ -80,11 +105,11 @@ class ParamShard:
 
 @dataclass(frozen=True)
 class BoundaryOps:
-    """Both directions of one stage boundary, resolved once per program."""
+    """Both directions of one virtual-stage boundary, resolved once per program."""
 
     boundary: Boundary
-    forward: CommOp  # activation: earlier stage -> later stage
-    backward: CommOp  # its gradient: later stage -> earlier stage (the forward op's adjoint)
+    forward: CommOp  # activation: virtual stage j -> j + 1
+    backward: CommOp  # its gradient: j + 1 -> j (the forward op's adjoint)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -100,9 +125,10 @@ class DevicePlan:
     role: StageRole
     annotations: StrategyAnnotations
     shards: tuple[ParamShard, ...]
-    actions: tuple[Action, ...]
-    prev: BoundaryOps | None  # the boundary before this stage (None on first stages)
-    next: BoundaryOps | None  # the one after it (None on last stages)
+    layout: Layout  # the pipeline's virtual stages: which stage and chunk each one is
+    actions: tuple[Action, ...]  # this stage's list of the pipeline's schedule (handle.pipeline_schedule)
+    routes: Mapping[int, BoundaryOps]  # virtual boundary j (between j and j + 1) -> its ops, where this
+    # device sends or receives; boundaries between two chunks of this stage have none (handed in memory)
     grad_sync: tuple[SyncBucket, ...]  # this device's gradient all-reduces, in the global order
     zero_slices: Mapping[str, tuple[ZeroSlice, ...]]  # ZeRO-1 only (else empty): every sharded parameter's
     zero_buckets: tuple[ZeroBucket, ...]  # ZeRO-1 only: every all-gather of the strategy, in order
@@ -126,12 +152,15 @@ def specialize(handle: StrategyHandle, device: int) -> DevicePlan | None:
     zero = handle.training.zero
     slices = zero_slices(ann) if zero else {}
     layouts = [p.grad.layout(p.shape) for p in ann.params]
-    prev, nxt = stage_boundaries(ann, role, handle.cluster)
+    sched = handle.pipeline_schedule(role.pipeline)
+    routes = stage_routes(ann, role, handle.cluster)
+    # A stage without boundaries (a one-stage pipeline) has nothing to send: its list's WaitSends is dropped.
+    actions = sched.actions[role.stage] if routes else tuple(a for a in sched.actions[role.stage]
+                                                              if isinstance(a, Compute))
     return DevicePlan(
         handle=handle, role=role, annotations=ann, shards=tuple(parameter_shards(handle.model, role, ann)),
-        actions=tuple(build_schedule(handle.schedule_name(role.pipeline), role.num_stages, role.stage,
-                                     role.micro_batches)),
-        prev=prev, next=nxt, grad_sync=tuple(b for b in plan_sync(layouts) if device in b.devices),
+        layout=sched.layout, actions=actions, routes=routes,
+        grad_sync=tuple(b for b in plan_sync(layouts) if device in b.devices),
         zero_slices=slices, zero_buckets=tuple(zero_buckets(ann, slices)) if zero else (),
         moment_pieces=moment_pieces(slices, device))
 
@@ -145,28 +174,55 @@ def stage_role(handle: StrategyHandle, device: int) -> StageRole | None:
     strat = handle.strategy
     pipe = strat.pipelines[pi]
     stage = pipe.stages[si]
-    if stage.chunks != 1:  # the chunk-aware executor is the next step of issue 12
-        raise ValueError(f"pipelines[{pi}].stages[{si}].layers: the engine runs one layer range per stage, "
-                         f"got {stage.chunks}")
     mb = handle.training.micro_batch
     first = sum(p.micro_batches for p in strat.pipelines[:pi]) * mb
     return StageRole(
         strategy=strat.name, device=device, pipeline=pi, stage=si, num_stages=len(pipe.stages),
-        tp_rank=tp_rank, devices=stage.devices, layers=stage.layers[0], embed=si == 0,
-        head=si == len(pipe.stages) - 1, recompute=stage.recompute, micro_batches=pipe.micro_batches,
-        micro_batch=mb, first_sample=first)
+        tp_rank=tp_rank, devices=stage.devices, chunks=chunk_roles(pipe, si, handle.pipeline_schedule(pi).layout),
+        recompute=stage.recompute, micro_batches=pipe.micro_batches, micro_batch=mb, first_sample=first)
 
 
-def stage_parameters(model: ModelSpec, role: StageRole) -> list[ParamInfo]:
-    """The parameters a stage holds, in module order."""
-    lo, hi = role.layers
+def chunk_roles(pipe: Pipeline, stage: int, layout: Layout) -> tuple[ChunkRole, ...]:
+    """The chunks of ``stage``: the virtual stage each one is under the schedule's layout, which must be
+    the layer order (plan validation checks it; a plan built in code without validation is caught here)."""
+    order = pipe.chunk_order()
+    out = []
+    for c, layers in enumerate(pipe.stages[stage].layers):
+        j = layout.stage(stage, c)
+        if order[j] != (stage, c):
+            raise ValueError(f"stages[{stage}].layers[{c}]: {list(layers)} is virtual stage {j} of the "
+                             f"{layout.placement} placement, but not the {j}-th range in layer order")
+        out.append(ChunkRole(c, j, layers, embed=j == 0, head=j == layout.num_stages - 1))
+    return tuple(out)
+
+
+def weight_grad_from_outputs(plan: DevicePlan, chunk: ChunkRole) -> bool:
+    """Whether W of ``chunk`` multiplies the gradients B left at its parameter-owning modules' outputs
+    into its weights (program.py ``OutputRecord``), rather than running one backward through the kept
+    graph: only under a split backward, not on the first chunk (it has no input gradient, so its B is
+    empty and W is the whole backward), and not under recompute (each small backward would recompute
+    its layer)."""
+    return plan.handle.pipeline_schedule(plan.role.pipeline).split_backward and not chunk.embed \
+        and not plan.role.recompute
+
+
+def chunk_parameters(model: ModelSpec, chunk: ChunkRole) -> list[ParamInfo]:
+    """The parameters one chunk's module holds, in module order (a tied head holds the embedding)."""
+    lo, hi = chunk.layers
     out = []
     for info in llama_parameters(model):
-        if info.owner == "embedding" and (role.embed or info.tied and role.head) or info.owner == "head" and role.head:
+        if info.owner == "embedding" and (chunk.embed or info.tied and chunk.head) or \
+                info.owner == "head" and chunk.head:
             out.append(info)
         elif info.owner == "layer" and info.layer is not None and lo <= info.layer < hi:
             out.append(info)
     return out
+
+
+def stage_parameters(model: ModelSpec, role: StageRole) -> list[ParamInfo]:
+    """The parameters a stage holds over all its chunks, each once, in module order."""
+    names = {info.name for c in role.chunks for info in chunk_parameters(model, c)}
+    return [info for info in llama_parameters(model) if info.name in names]
 
 
 def parameter_shards(model: ModelSpec, role: StageRole, annotations: StrategyAnnotations) -> list[ParamShard]:
@@ -195,22 +251,19 @@ def resolve_boundary(boundary: Boundary, cluster: Cluster) -> BoundaryOps:
     for op in (fwd, bwd):
         if not op.p2p_only:
             raise NotImplementedError(f"stage boundary {boundary.src} -> {boundary.dst} resolved to {op.kind}, "
-                                      "which needs collectives; a schedule tick can only fuse P2P messages")
+                                      "which needs collectives; the schedule posts boundary messages as "
+                                      "point-to-point sends")
     return BoundaryOps(boundary, fwd, bwd)
 
 
-def stage_boundaries(annotations: StrategyAnnotations, role: StageRole,
-                     cluster: Cluster) -> tuple[BoundaryOps | None, BoundaryOps | None]:
-    """The boundary before this device's stage and the one after it (None at the pipeline's ends)."""
-    prev = nxt = None
+def stage_routes(annotations: StrategyAnnotations, role: StageRole, cluster: Cluster) -> dict[int, BoundaryOps]:
+    """The virtual-stage boundaries this device's stage sends or receives across, by virtual stage j
+    (the boundary between j and j + 1); each resolved once."""
+    out = {}
     for b in annotations.boundaries:
-        if b.pipeline != role.pipeline:
-            continue
-        if b.stage == role.stage - 1:
-            prev = resolve_boundary(b, cluster)
-        elif b.stage == role.stage:
-            nxt = resolve_boundary(b, cluster)
-    return prev, nxt
+        if b.pipeline == role.pipeline and role.stage in (b.src_stage, b.dst_stage):
+            out[b.stage] = resolve_boundary(b, cluster)
+    return out
 
 
 def shard_slices(shape: tuple[int, ...], tp_dim: int | None, tp_size: int, tp_rank: int) -> tuple[slice, ...]:

@@ -142,6 +142,22 @@ class Pipeline:
     def devices(self) -> tuple[int, ...]:
         return tuple(d for s in self.stages for d in s.devices)
 
+    def chunk_order(self) -> tuple[tuple[int, int], ...]:
+        """(stage, chunk) of every model chunk in layer order: on a valid plan, the virtual stages in
+        the schedule's placement order (validation checks the two agree)."""
+        return tuple(sorted(((si, c) for si, s in enumerate(self.stages) for c in range(s.chunks)),
+                            key=lambda sc: self.stages[sc[0]].layers[sc[1]]))
+
+    @property
+    def embed_stage(self) -> int:
+        """The stage whose chunk holds layer 0 (and so the embedding)."""
+        return self.chunk_order()[0][0]
+
+    @property
+    def head_stage(self) -> int:
+        """The stage whose chunk holds the last layer (and so the final norm, head and loss)."""
+        return self.chunk_order()[-1][0]
+
 
 @dataclass(frozen=True)
 class Strategy:

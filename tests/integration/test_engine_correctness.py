@@ -121,13 +121,19 @@ def check_against_reference(plan: Path, results: dict[int, DeviceResult], batche
 
 
 def check_spans(ctx: PlanContext, r: DeviceResult) -> None:
-    """The hooks saw each forward/backward block, the optimizer and the comm ops that describe() lists."""
+    """The hooks saw each forward/backward block (each chunk's; split into input and weight gradients
+    under zero-bubble schedules), the optimizer and the comm ops that describe() lists."""
     role = r.description["role"]
     computes = [n for k, n in r.spans if k == "compute"]
-    assert computes.count("forward") == computes.count("backward") == role["micro_batches"]
+    ops = role["micro_batches"] * len(role["chunks"])
+    split = computes.count("input_grad") > 0
+    assert computes.count("forward") == ops
+    assert (computes.count("input_grad"), computes.count("weight_grad"), computes.count("backward")) == (
+        (ops, ops, 0) if split else (0, 0, ops))
     assert computes[-1] == "optimizer"
     comms = [n for k, n in r.spans if k == "comm"]
-    p2p = [o["name"] for o in r.description["ops"] if o["kind"] == "comm" and "mb" in o["name"]]
+    p2p = [o["name"] for o in r.description["ops"] if o["kind"] == "comm" and o["name"].startswith(("post ", "wait "))]
+    assert [n for n in comms if n.startswith(("post ", "wait "))] == p2p  # the schedule's order, as described
     syncs = any(o["name"].startswith("grad all-reduce") for o in r.description["ops"])
     gathers = any(o["name"].startswith("param all-gather") for o in r.description["ops"])  # ZeRO-1
     assert gathers == ("param_all_gather" in comms)

@@ -14,6 +14,7 @@ from runtime.annotations.from_plan import strategy_annotations
 from runtime.engine.describe import describe_program
 from runtime.engine.specialize import parameter_shards, stage_role
 from runtime.models.params import llama_parameters
+from runtime.pipeline_schedules import SCHEDULE_NAMES, schedule_layout
 from runtime.spec import (
     OptimizerSettings,
     Pipeline,
@@ -37,26 +38,32 @@ CLUSTER = load_cluster(str(ENGINE_PLANS / "cpu-emu8.yaml"))
 
 @st.composite
 def plans(draw) -> PlanContext:
-    """Random valid strategies of llama-tiny on 8 devices: 1-3 pipelines of 1-3 stages, TP 1/2/4."""
+    """Random valid strategies of llama-tiny on 8 devices: 1-3 pipelines of 1-3 stages, TP 1/2/4, each
+    pipeline with its own schedule (and so 1-3 chunks per stage, placed as the schedule places them)."""
     micro_batch = draw(st.integers(1, 2))
     pipes, next_dev = [], 0
     for _ in range(draw(st.integers(1, 3))):
         n_stages = draw(st.integers(1, 3))
-        cuts = sorted(draw(st.sets(st.integers(1, MODEL.num_layers - 1), min_size=n_stages - 1,
-                                   max_size=n_stages - 1)))
+        name = draw(st.sampled_from(SCHEDULE_NAMES))
+        chunks = {"interleaved": draw(st.integers(1, 3)), "zb-v": 2}.get(name, 1)
+        assume(n_stages * chunks <= MODEL.num_layers)
+        layout = schedule_layout(name, n_stages, chunks)
+        n = layout.num_stages
+        cuts = sorted(draw(st.sets(st.integers(1, MODEL.num_layers - 1), min_size=n - 1, max_size=n - 1)))
         bounds = [0, *cuts, MODEL.num_layers]
         stages = []
         for i in range(n_stages):
             tp = draw(st.sampled_from([1, 2, 4]))
             devices = tuple(range(next_dev, next_dev + tp))
             next_dev += tp
-            stages.append(Stage(devices, (bounds[i], bounds[i + 1]), recompute=draw(st.booleans())))
-        pipes.append(Pipeline(draw(st.integers(n_stages, n_stages + 3)), tuple(stages)))
+            ranges = tuple((bounds[j], bounds[j + 1]) for j in (layout.stage(i, c) for c in range(chunks)))
+            stages.append(Stage(devices, ranges, recompute=draw(st.booleans())))
+        pipes.append(Pipeline(draw(st.integers(n_stages, n_stages + 3)), tuple(stages), schedule=name))
     assume(next_dev <= CLUSTER.num_devices)
     training = TrainingSettings(global_batch=sum(p.micro_batches for p in pipes) * micro_batch,
                                 micro_batch=micro_batch, seq_len=16, optimizer=OptimizerSettings())
     plan = Plan(1, "llama-tiny", "cpu-emu8", training, (Strategy("s", tuple(pipes)),))
-    assert validate_plan(plan, MODEL, CLUSTER) == []
+    assert validate_plan(plan, MODEL, CLUSTER) == [], validate_plan(plan, MODEL, CLUSTER)
     return PlanContext(plan, MODEL, CLUSTER, ENGINE_PLANS / "random.yaml")
 
 
@@ -73,7 +80,7 @@ def test_every_element_has_one_primary_copy_and_the_batch_is_partitioned(ctx: Pl
     for d in strategy.devices:
         role = stage_role(handle, d)
         assert role is not None and role.device == d
-        if role.tp_rank == 0 and role.stage == 0:
+        if role.tp_rank == 0 and role.embed:
             for mb in range(role.micro_batches):
                 rows[role.micro_batch_rows(mb)] += 1
         # parameter_shards checks each region against DTensor's Shard slice of this TP rank.
@@ -99,8 +106,15 @@ def test_every_device_program_can_be_described(ctx: PlanContext) -> None:
         if d not in strategy.devices:
             assert desc.role is None and not desc.ops
             continue
-        computes = [o for o in desc.ops if o.kind == "compute" and o.name.startswith(("forward", "backward"))]
-        assert len(computes) == 2 * desc.role.micro_batches
+        pi = desc.role.pipeline
+        sched = StrategyHandle(ctx, strategy).pipeline_schedule(pi)
+        ops = ("forward", "input_grad", "weight_grad") if sched.split_backward else ("forward", "backward")
+        computes = [o for o in desc.ops if o.kind == "compute" and o.name.startswith(ops)]
+        assert len(computes) == len(ops) * desc.role.micro_batches * len(desc.role.chunks)
+        assert [c.layers for c in desc.role.chunks] == list(strategy.pipelines[pi].stages[desc.role.stage].layers)
+        # Exactly the chunks holding the first and the last layer embed and hold the head.
+        assert [c.embed for c in desc.role.chunks] == [c.layers[0] == 0 for c in desc.role.chunks]
+        assert [c.head for c in desc.role.chunks] == [c.layers[1] == MODEL.num_layers for c in desc.role.chunks]
         assert desc.ops[-1].name == "optimizer"
 
 

@@ -154,3 +154,22 @@ def test_v_placement_order(tmp_path: Path) -> None:
 def test_pipeline_constructor_default_schedule() -> None:
     p = Pipeline(2, (Stage((0,), (0, 3)), Stage((1,), (3, 6))))
     assert p.schedule is None
+
+
+def test_validate_cli_one_line_per_problem(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from hetu_cli.main import cli
+
+    data = edit(lambda p: (p[1]["stages"][1].update(layers=[[1, 3], [5, 6]]), p[1].update(micro_batches=1),
+                           p[0].update(micro_batches=7)))
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    res = CliRunner().invoke(cli, ["validate", str(path)])
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert lines == [
+        f"error: {path}: strategies[0].pipelines[1].micro_batches: interleaved needs at least one micro-batch "
+        "per stage (2), got 1",
+        f"error: {path}: strategies[0].pipelines[1].stages[1].layers[0]: overlaps layers [1, 2) of virtual "
+        "stage 0 (stages[0].layers[0], loop placement)"], res.output
