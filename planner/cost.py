@@ -97,6 +97,7 @@ from runtime.pipeline_schedules import (
     Message,
     PostSend,
     WaitRecv,
+    build_schedule,
     live_activation_limit,
     schedule_layout,
     step_time,
@@ -385,7 +386,7 @@ class CostModel:
     """Costs of one model on one cluster at one micro-batch shape. Cheap to build; caches as it goes."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
-                 *, micro_batch: int, seq_len: int, step_allreduce: bool = True) -> None:
+                 *, micro_batch: int, seq_len: int, step_allreduce: bool = True, cost_ordered: bool = False) -> None:
         missing = [t for t in cluster.device_types if t not in profiles]
         if missing:
             raise ValueError(f"no profile for device type(s) {missing}")
@@ -395,6 +396,10 @@ class CostModel:
         self.micro_batch = micro_batch
         self.seq_len = seq_len
         self.step_allreduce = step_allreduce
+        # What-if: price (and simulate) each pipeline in the order the list scheduler builds on the priced op
+        # costs, as a runtime that took its lists' costs from the plan would run it, instead of the order
+        # StrategyHandle.pipeline_schedule builds today (from layer counts). docs/design.md §9.
+        self.cost_ordered = cost_ordered
         self.host = HostModel(model, cluster, profiles, seq_len)   # emulated hosts: planner/host.py
         self._type_of = [d.type for d in cluster.devices]
         self._node_of = [d.node for d in cluster.devices]
@@ -924,17 +929,27 @@ class CostModel:
     def runtime_schedule(self, strategy: Strategy, pi: int, schedule: Schedule) -> PipelineSchedule:
         """The ``Schedule`` the runtime executes for pipeline ``pi`` (``StrategyHandle.pipeline_schedule``
         of a plan holding it, ``schedule`` the default unless it names its own), cached per pipeline shape:
-        the handle derives it from the plan alone, here from the pipeline alone, its devices renumbered."""
+        the handle derives it from the plan alone, here from the pipeline alone, its devices renumbered.
+        With ``cost_ordered``: the list scheduler's lists on the priced costs instead (a what-if)."""
         pipe = strategy.pipelines[pi]
         if pipe.schedule is not None:
             schedule = pipe.schedule
         renumbered = dataclasses.replace(pipe, stages=tuple(
             dataclasses.replace(st, devices=tuple(range(k * 64, k * 64 + st.tp))) for k, st in enumerate(pipe.stages)))
-        key = (schedule, renumbered)
+        if self.cost_ordered:
+            costs = self.pipeline_costs(strategy, pi, schedule)
+            key: tuple = (schedule, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
+        else:
+            key = (schedule, renumbered)
         cache = self.__dict__.setdefault("_runtime_schedules", {})
         if key not in cache:
-            one = Strategy(name="pipeline", pipelines=(renumbered,))
-            cache[key] = planner_handle(self, one, self.micro_batch * pipe.micro_batches, schedule).pipeline_schedule(0)
+            if self.cost_ordered:
+                cache[key] = build_schedule(schedule, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks,
+                                            costs)
+            else:
+                one = Strategy(name="pipeline", pipelines=(renumbered,))
+                cache[key] = planner_handle(self, one, self.micro_batch * pipe.micro_batches,
+                                            schedule).pipeline_schedule(0)
         return cache[key]
 
     def pipeline_proxy_time(self, strategy: Strategy, pi: int) -> float:

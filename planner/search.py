@@ -98,6 +98,9 @@ class PlanSettings:
     # Re-check the best ``simulate_top`` candidates (and the best one whose pipelines are all alike) with
     # the discrete-event simulator and rank those by the worse of the two predictions (0: off).
     simulate_top: int = 0
+    # What-if: price every pipeline in the order the list scheduler builds on the priced op costs (a runtime
+    # building its action lists from costs in the plan) instead of the runtime's own (layer counts).
+    cost_ordered: bool = False
 
     @property
     def zero(self) -> bool:

@@ -263,3 +263,17 @@ def test_a_fixed_schedule_runs_every_planned_pipeline(name):
         assert validate_plan(res.to_plan("llama-tiny", "cpu-hetero4", i), TINY, CPU4, "plan") == []
     sym = res.baseline_plan(res.symmetric, "llama-tiny", "cpu-hetero4")
     assert sym is None or validate_plan(sym, TINY, CPU4, "plan") == []
+
+
+@pytest.mark.parametrize("choice", CHOICES[:3] + CHOICES[5:], ids=lambda c: c.label)
+def test_cost_ordered_what_if_prices_the_list_schedulers_own_order(choice):
+    """``cost_ordered``: pipelines priced (and simulated) in the order the list scheduler builds on the
+    priced costs, i.e. ``step_time`` itself; the default prices the runtime's layer-count order."""
+    s = pipeline(choice, [2, 2, 2], 6)
+    what_if = CostModel(TINY, CPU4, PROFILES, micro_batch=1, seq_len=64, cost_ordered=True)
+    costs = what_if.pipeline_costs(s, 0, choice.name)
+    want = step_time(choice.name, 3, 6, choice.chunks, costs)
+    assert what_if.estimate(s, 6).pipelines[0].time_s == pytest.approx(want, rel=1e-12)
+    assert what_if.ideal_step_time(s, 0, "1f1b") == want == cost_model().ideal_step_time(s, 0, "1f1b")
+    sim = simulate(what_if, s, 6)
+    assert sim.pipeline_end_s[0] >= want * (1 - 1e-9)   # the simulator adds link queues, not less work
