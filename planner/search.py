@@ -23,13 +23,20 @@ Decomposition (each level solved once per distinct sub-problem, then reused):
    other pipeline), optimizer and clip priced by the cost model's own ``allreduce_time`` /
    ``optimizer_time`` / ``clip_time``.
 4. **Realized**: the best combinations (and the best one using each device type) become strategies
-   (fast splits, greedy micro-batches) scored by ``CostModel.estimate``, the same model that scores
-   the baselines.
-5. **Finalists** (the best realized, plus the best one using each type, so that idle devices can be
-   explained with real numbers): each class re-split by the layer-split ILP for the micro-batch counts
-   it may get, counts and splits chosen together by the allocation ILP, re-split for the final count,
-   and scored by ``CostModel.estimate``. Every realized and final strategy is a candidate; the best one
-   per structure (devices per stage, micro-batches) is kept, best first.
+   (fast splits, greedy micro-batches) scored by ``CostModel.estimate`` with their pipelines' proxy
+   times; the best ``EXACT_REALIZED`` are priced exactly (the runtime's action lists played on the op
+   costs), under ``schedule="auto"`` each also with every pipeline class on the schedule that runs it
+   fastest by that exact price (``best_schedules``; planner/schedule_choice.py).
+5. **Finalists** (the best exactly priced, plus the best one using each type, so that idle devices can
+   be explained with real numbers): each class re-split by the layer-split ILP for the micro-batch
+   counts it may get (under its schedule's memory and fill factor), counts and splits chosen together
+   by the allocation ILP, re-split for the final count, the split refined by the exact price
+   (``layer_split.refine_split``), and scored by ``CostModel.estimate``. Every exactly priced strategy is
+   a candidate; the best one per structure (devices per stage, schedule, micro-batches) is kept.
+
+Schedules: with a fixed ``PlanSettings.schedule`` every phase uses it (its memory bound and placement in
+the slots, its fill factor in the ranking); with "auto" phases 1-3 rank as 1F1B runs and phase 4 picks
+the schedule per pipeline class (docs/design.md §9).
 
 The search is deterministic: every enumeration runs in a fixed order and ties break on that order.
 A time limit stops the enumeration early (the result says so) and caps each ILP.
