@@ -30,14 +30,16 @@ from dataclasses import dataclass, field
 from planner.baselines import Baseline, LowerBound, best_symmetric, best_symmetric_subset, lower_bound
 from planner.cost import GIB, CostModel
 from planner.layer_split import feasible, slot_costs
+from planner.schedule_choice import schedule_choices, stage_layer_ranges
 from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, SearchStats, describe, rank, search
 from planner.simulate import simulate
 from planner.tp_groups import GroupKind, available, form_groups, tp_choices
 from runtime.errors import InfeasibleError
+from runtime.pipeline_schedules import SCHEDULE_NAMES, schedule_problems
 from runtime.profiling.profile import DeviceProfile, ProfileSet
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import PLAN_VERSION, Plan, Strategy, TrainingSettings
+from runtime.spec.plan import PLAN_VERSION, Plan, Schedule, Strategy, TrainingSettings
 
 MICRO_BATCH_GAIN = 0.03
 ALIGNED_CHECKED = 3   # plans of alike pipelines the simulator check adds to the estimate's best
@@ -65,6 +67,8 @@ class PlanResult:
     idle: tuple[IdleGroup, ...]              # the best plan's idle devices, by type, with why
     solver_time_s: float
     stats: SearchStats = field(default_factory=SearchStats)
+    # Per pipeline of the best plan: every schedule's time and memory on its stages (why it runs its own).
+    schedule_options: tuple[tuple[ScheduleOption, ...], ...] = ()
 
     @property
     def best(self) -> Candidate:
@@ -96,7 +100,7 @@ class PlanResult:
     def _plan(self, model_ref: str, cluster_ref: str, micro_batch: int, strategy: Strategy) -> Plan:
         s = self.settings
         training = TrainingSettings(global_batch=s.global_batch, micro_batch=micro_batch, seq_len=s.seq_len,
-                                    zero=s.zero, schedule=s.schedule, seed=s.seed, optimizer=s.optimizer)
+                                    zero=s.zero, schedule=s.default_schedule, seed=s.seed, optimizer=s.optimizer)
         return Plan(version=PLAN_VERSION, model=model_ref, cluster=cluster_ref, training=training,
                     strategies=(strategy,))
 
@@ -121,7 +125,8 @@ def cost_models(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, Devic
     (per-op overheads amortized), so a size is kept when some device type runs a layer at least
     ``MICRO_BATCH_GAIN`` cheaper per sequence than at the smallest size."""
     sizes = micro_batch_sizes(settings)
-    cms = {b: CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len) for b in sizes}
+    cms = {b: CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len,
+                        cost_ordered=settings.cost_ordered) for b in sizes}
     if len(sizes) == 1:
         return cms
     base = cms[sizes[0]]
@@ -156,7 +161,8 @@ def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfil
         raise InfeasibleError(diagnose(model, cluster, cms, settings, devs))
     solver_time = time.perf_counter() - t0
     # Baselines and bound over every micro-batch size, not only those the search kept: generous to them.
-    every = {b: cms.get(b) or CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len)
+    every = {b: cms.get(b) or CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len,
+                                        cost_ordered=settings.cost_ordered)
              for b in micro_batch_sizes(settings)}
     report = progress if progress is not None else (lambda _phase, _done, _total: None)
     found = []
@@ -164,7 +170,7 @@ def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfil
         report("baselines", i, 3)
         if baselines:
             found.append(best(every, devs, settings.global_batch, settings.zero,
-                              min_pipelines=settings.min_pipelines, schedule=settings.schedule))
+                              min_pipelines=settings.min_pipelines, schedule=settings.default_schedule))
         else:
             found.append(Baseline(name, None, None, None, "not computed"))
     sym, sub = found
@@ -178,14 +184,18 @@ def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfil
             used = set(b.strategy.devices)
             base_cands.append(Candidate(dataclasses.replace(b.strategy, name="planned"), b.estimate, b.micro_batch,
                                         tuple(d for d in devs if d not in used),
-                                        f"{describe(b.strategy, cluster)} (the {b.name} baseline)"))
+                                        f"{describe(b.strategy, cluster, settings.default_schedule)} "
+                                        f"(the {b.name} baseline)"))
     ranked = rank(candidates + base_cands)
     if settings.simulate_top > 0:
         report("checking the best plans with the simulator", 0, 1)
         ranked = simulator_check(ranked, every, settings, base_cands)
     idle = explain_idle(ranked[0], ranked, cluster)
     top = tuple(ranked[:max(1, settings.top_k)])
-    return PlanResult(model, cluster, settings, devs, top, sym, sub, lb, idle, solver_time, stats)
+    best = top[0]
+    options = tuple(tuple(schedule_options(every[best.micro_batch], best.strategy, pi, settings.default_schedule,
+                                           settings.zero)) for pi in range(len(best.strategy.pipelines)))
+    return PlanResult(model, cluster, settings, devs, top, sym, sub, lb, idle, solver_time, stats, options)
 
 
 def aligned(strategy: Strategy) -> bool:
@@ -214,11 +224,74 @@ def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], setti
             pick.append(c)
     checked = []
     for c in pick:
-        sim = simulate(cms[c.micro_batch], c.strategy, settings.global_batch, settings.schedule, settings.zero)
+        sim = simulate(cms[c.micro_batch], c.strategy, settings.global_batch, settings.default_schedule,
+                       settings.zero)
         checked.append(dataclasses.replace(c, simulated_s=sim.step_time_s))
     checked.sort(key=lambda c: (c.checked_s, c.step_time_s))   # stable: ties keep the estimate's order
     rest = [c for c in ranked if all(c is not p for p in pick)]
     return checked + rest
+
+
+# ---------------------------------------------------------------------------------------------------
+# Which schedule each pipeline runs, and why.
+
+
+@dataclass(frozen=True)
+class ScheduleOption:
+    """One schedule for one pipeline of a plan, its stages' layer counts kept (re-cut into its chunks)."""
+
+    label: str                       # 'zb-h1', 'interleaved v=2', ...
+    pipeline_s: float | None         # the pipeline's time under it (None: it cannot run these stages)
+    oom_devices: tuple[int, ...]     # devices whose memory it would overflow
+    chosen: bool
+    note: str = ""                   # why it cannot run, if it cannot
+
+
+def schedule_options(cm: CostModel, strategy: Strategy, pi: int, default: Schedule, zero: bool
+                     ) -> list[ScheduleOption]:
+    """Pipeline ``pi`` of ``strategy`` under every schedule the search knows (``schedule_choices`` of each
+    name), each stage keeping its layer count: the pipeline time by the list scheduler and the memory by the
+    schedule's activation bound, as ``CostModel.estimate`` prices them. What ``hspmd plan`` shows as the
+    reason for the pick: the search chose the schedule with the best time that fits (its own layer split
+    for each, which may differ from the kept counts here)."""
+    pipe = strategy.pipelines[pi]
+    own = pipe.schedule if pipe.schedule is not None else default
+    counts = [st.num_layers for st in pipe.stages]
+    zero_degree = len(strategy.pipelines) if zero else 1
+    out = []
+    for choice in [c for name in SCHEDULE_NAMES for c in schedule_choices(name)]:
+        chosen = choice.name == own and choice.chunks == pipe.stages[0].chunks
+        problems = schedule_problems(choice.name, len(pipe.stages), pipe.micro_batches, choice.chunks)
+        if min(counts) < choice.chunks:
+            problems.append(f"a stage holds fewer than {choice.chunks} layers")
+        if problems:
+            out.append(ScheduleOption(choice.label, None, (), chosen, "; ".join(problems)))
+            continue
+        ranges = stage_layer_ranges(counts, choice)
+        stages = tuple(dataclasses.replace(st, layers=r) for st, r in zip(pipe.stages, ranges))
+        alt = dataclasses.replace(strategy, pipelines=tuple(
+            dataclasses.replace(p, stages=stages, schedule=choice.name) if i == pi else p
+            for i, p in enumerate(strategy.pipelines)))
+        mem = cm.pipeline_memory(alt, pi, choice.name, zero_degree)
+        oom = tuple(d for st, m in zip(stages, mem) for d in st.devices if m.total > cm.capacity_bytes(d))
+        out.append(ScheduleOption(choice.label, cm.pipeline_step_time(alt, pi, choice.name), oom, chosen))
+    return out
+
+
+def schedule_reason(options: list[ScheduleOption]) -> str:
+    """One sentence: the chosen schedule's time against the best other that fits, and what the rest lack."""
+    chosen = next((o for o in options if o.chosen), None)
+    if chosen is None or chosen.pipeline_s is None:
+        return "the plan's schedule"
+    fitting = [o for o in options if not o.chosen and o.pipeline_s is not None and not o.oom_devices]
+    parts = [f"{chosen.label}: {chosen.pipeline_s:.4g} s"]
+    if fitting:
+        alt = min(fitting, key=lambda o: o.pipeline_s or 0.0)
+        parts.append(f"best other that fits: {alt.label} {alt.pipeline_s:.4g} s")
+    ooms = [o.label for o in options if o.oom_devices and not o.chosen]
+    if ooms:
+        parts.append(f"out of memory with these layers: {', '.join(ooms)}")
+    return "; ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------------

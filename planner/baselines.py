@@ -26,6 +26,8 @@ from planner.tp_groups import available, tp_degrees
 from runtime.solver import solve, var
 from runtime.spec.plan import Pipeline, Schedule, Stage, Strategy
 
+EXACTLY_PRICED = 8   # symmetric plans priced by the list scheduler, the best by 1F1B's closed form
+
 
 @dataclass(frozen=True)
 class Baseline:
@@ -94,8 +96,10 @@ def symmetric_strategies(cm: CostModel, devices: Sequence[int], global_batch: in
 
 def best_symmetric(cms: Mapping[int, CostModel], devices: Sequence[int], global_batch: int, zero: bool,
                    name: str = "symmetric", min_pipelines: int = 1, schedule: Schedule = "1f1b") -> Baseline:
-    """The fastest symmetric strategy that fits memory, over every micro-batch size in ``cms``."""
-    best: Baseline | None = None
+    """The fastest symmetric strategy that fits memory, over every micro-batch size in ``cms``: every one
+    ranked with 1F1B's closed form for its pipelines (``pipeline_proxy_time``), the best
+    ``EXACTLY_PRICED`` of them priced exactly (the list scheduler's time)."""
+    ranked: list[tuple[float, int, str, Strategy]] = []
     tried = 0
     for b, cm in sorted(cms.items()):
         for desc, strategy in symmetric_strategies(cm, devices, global_batch, name):
@@ -104,11 +108,16 @@ def best_symmetric(cms: Mapping[int, CostModel], devices: Sequence[int], global_
             tried += 1
             if not _fits_quick(cm, strategy, zero):
                 continue
-            est = cm.estimate(strategy, global_batch, schedule, zero)
-            if not est.fits:
-                continue
-            if best is None or est.step_time_s < best.estimate.step_time_s - 1e-12:  # type: ignore[union-attr]
-                best = Baseline(name, strategy, est, b, f"{desc}, micro-batch {b}")
+            proxy = [cm.pipeline_proxy_time(strategy, 0)] * len(strategy.pipelines)   # the pipelines are alike
+            est = cm.estimate(strategy, global_batch, schedule, zero, pipeline_s=proxy)
+            if est.fits:
+                ranked.append((est.step_time_s, b, desc, strategy))
+    ranked.sort(key=lambda x: x[0])   # stable: ties keep the order found
+    best: Baseline | None = None
+    for _, b, desc, strategy in ranked[:EXACTLY_PRICED]:
+        est = cms[b].estimate(strategy, global_batch, schedule, zero)
+        if best is None or est.step_time_s < best.estimate.step_time_s - 1e-12:  # type: ignore[union-attr]
+            best = Baseline(name, strategy, est, b, f"{desc}, micro-batch {b}")
     if best is None:
         why = "no symmetric layout fits memory" if tried else \
             "no symmetric layout exists (TP / pipeline / data-parallel degrees do not divide the devices and batch)"

@@ -48,10 +48,14 @@ planner can call them millions of times:
 * ``optimizer_time(device_type, params, zero_degree=1, tensors=0)``: one AdamW step;
   ``tensors_per_stage`` gives the tensor count. ``clip_time(devices)``: the per-step all-reduce of
   loss and gradient norm.
-* ``estimate(strategy, global_batch, schedule, zero) -> StrategyEstimate``: the whole step by the
-  closed-form schedule formulas below (1F1B: plus the steady state's comm ticks, ``steady_tick_s``) and
-  the measured fixed cost per iteration (``iteration_time``), plus memory per device with OOM flags.
-* ``placed_stage(device_type, tp, layers, first, last, recompute)``: ``stage`` for a layer range, with the
+* ``estimate(strategy, global_batch, schedule, zero) -> StrategyEstimate``: the whole step, each pipeline
+  by ``pipeline_step_time`` (the runtime's action lists played with ``chunk_cost``s: ``play_actions``)
+  under its own schedule, plus memory per device (the schedule's ``live_activation_limit``:
+  ``pipeline_memory``) with OOM flags. docs/design.md §10.
+* ``chunk_cost``: a chunk's F, B and W (the backward split by ``weight_grad_fraction``);
+  ``pipeline_costs``: the list scheduler's ``Costs`` of a pipeline; ``ideal_step_time``: ``step_time`` on them.
+* ``iteration_time``: the measured fixed cost per iteration, added once to the step (estimate and simulator).
+* ``placed_stage(device_type, tp, layers, first, last, recompute)``: ``stage`` for layer ranges, with the
   profile's per-layer-index overrides (estimate and simulator; the planner's ILP prices layers alike).
 
 Fidelity notes: compute comes from a measured profile's stage blocks when it has them (one decoder
@@ -66,9 +70,11 @@ step's code outside its spans) and the gradient sync's packing (``sync_group_tim
 profiles too. ``host`` (planner/host.py) holds the emulated host's effects: the slowdown ``stage`` stretches
 by, and the measured costs of sharing the CPU that only the simulator plays out (planner/simulate.py).
 
-Pure formulas (module level): ``pipeline_time`` (1F1B: ``(m-1)*max(t) + sum(t) + sum(boundary comm)``;
-GPipe: the same on forward and backward separately), ``in_flight_micro_batches`` (1F1B: stage k of S
-holds ``min(S-k, m)``; GPipe: ``m``), ``allreduce_seconds``, ``model_flops_per_token`` (for MFU).
+Pure formulas (module level): ``pipeline_time`` (1F1B's closed form ``(m-1)*max(t) + sum(t) +
+sum(boundary comm)``, GPipe's on forward and backward separately: ranking proxies, e.g.
+``pipeline_proxy_time``), ``in_flight_micro_batches`` (``live_activation_limit`` of a one-chunk
+schedule: 1F1B stage k of S holds ``min(S-k, m)``; GPipe ``m``), ``play_actions``,
+``weight_grad_fraction``, ``allreduce_seconds``, ``model_flops_per_token`` (for MFU).
 
 Where a profile has measured fits for this model's shape and TP degree, they are used as measured;
 otherwise the component costs are derived from the profile's throughput figures and the model's
@@ -84,7 +90,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from pathlib import Path
 from typing import Any
 
 from planner.host import HostModel
@@ -92,10 +98,22 @@ from planner.links import Flow, concurrent_seconds, curve_seconds, ring_sharers,
 from runtime.annotations.from_plan import Boundary, held_by, placements
 from runtime.annotations.states import Annotation
 from runtime.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
-from runtime.engine.schedules import build_schedule, peak_live_activations
 from runtime.engine.specialize import BOUNDARY_DTYPE, resolve_boundary
 from runtime.models.decoders import model_parameters
 from runtime.models.params import ParamInfo
+from runtime.pipeline_schedules import (
+    ChunkCost,
+    Compute,
+    Costs,
+    Message,
+    PostSend,
+    WaitRecv,
+    build_schedule,
+    live_activation_limit,
+    schedule_layout,
+    step_time,
+)
+from runtime.pipeline_schedules import Schedule as PipelineSchedule
 from runtime.profiling.profile import (
     BLOCKS,
     ComponentFit,
@@ -104,7 +122,6 @@ from runtime.profiling.profile import (
     LinkCurve,
     LinkFit,
     MeasuredModel,
-    MemoryFigures,
     ProfileSet,
     SleepTarget,
     analytic_components,  # noqa: F401 (re-exported: it lived here before the runtime's block pricing)
@@ -117,9 +134,11 @@ from runtime.profiling.profile import (
     sleep_target,
     table_optimizer_s,
 )
+from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
+from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import Plan, Schedule, Stage, Strategy
+from runtime.spec.plan import PLAN_VERSION, Plan, Schedule, Stage, Strategy, TrainingSettings
 
 GIB = float(2**30)
 
@@ -158,11 +177,64 @@ def pipeline_time(forward_s: Sequence[float], backward_s: Sequence[float], micro
     return (m - 1) * (max(forward_s) + max(backward_s)) + sum(forward_s) + sum(backward_s) + sum(boundary_s)
 
 
-@cache
 def in_flight_micro_batches(stage: int, num_stages: int, micro_batches: int, schedule: Schedule = "1f1b") -> int:
-    """Micro-batches whose activations a stage holds at its peak, as the runtime's schedule runs them
-    (1F1B: stage k of S holds ``min(S-k, m)``; GPipe: ``m``)."""
-    return peak_live_activations(build_schedule(schedule, num_stages, stage, micro_batches))
+    """Micro-batches whose activations a stage holds at its peak under a one-chunk schedule: the bound the
+    runtime's list scheduler enforces (runtime/pipeline_schedules.py ``live_activation_limit``; 1F1B and
+    ZB-H1: stage k of S holds ``min(S-k, m)``; GPipe: ``m``)."""
+    return live_activation_limit(schedule, num_stages, stage, micro_batches)
+
+
+def play_actions(schedule: PipelineSchedule, costs: Costs) -> float:
+    """The pipeline part of a step when each device runs ``schedule``'s action lists in order with the op
+    durations and message times of ``costs``: a compute op starts when its device is free, a ``WaitRecv``
+    waits for its message, which arrives its boundary's transfer time after the ``PostSend`` that follows
+    its producer (no link contention: the simulator plays that). Ends at the last op's end, as
+    ``step_time`` does for the order the list scheduler builds on ``costs``."""
+    layout = schedule.layout
+    arrival: dict[Message, float] = {}
+    clock = [0.0] * layout.num_devices
+    pos = [0] * layout.num_devices
+    last = 0.0
+    moved = True
+    while moved:
+        moved = False
+        for d, acts in enumerate(schedule.actions):
+            t = clock[d]
+            while pos[d] < len(acts):
+                a = acts[pos[d]]
+                if isinstance(a, WaitRecv):
+                    if a.message not in arrival:
+                        break   # its sender has not got there yet
+                    t = max(t, arrival[a.message])
+                elif isinstance(a, Compute):
+                    t += costs.chunk(d, a.chunk).of(a.kind)
+                    last = max(last, t)
+                elif isinstance(a, PostSend):
+                    m = a.message
+                    arrival[m] = t + costs.transfer(min(m.src_stage, m.dst_stage))
+                pos[d] += 1
+                moved = True
+            clock[d] = t
+    if any(p < len(acts) for p, acts in zip(pos, schedule.actions)):
+        raise RuntimeError("the action lists deadlock (a runtime schedule bug, not a user error)")
+    return last
+
+
+def weight_grad_fraction(model: ModelSpec, seq_len: int, num_layers: int, head: bool) -> float:
+    """The weight-gradient (W) share of a chunk's backward compute, by FLOPs (docs/design.md §10).
+
+    Per token, a decoder layer's forward runs ``2P`` matmul FLOPs (P its parameters) and ``4hs``
+    attention FLOPs (PaLM's count, as ``model_flops_per_token``). Its backward computes the input
+    gradients, ``2P + 8hs`` (the attention's backward is all input gradient: it has no weights), and the
+    weight gradients, ``2P``. The head adds ``2Vh`` to each half; the embedding's backward is a
+    scatter-add (no FLOPs). The profiles time the backward as one block, so W is this share of it and B
+    the rest; recompute and TP collectives stay with B (the recompute forward runs before the input
+    gradients; the row-parallel input-gradient all-reduce is B's)."""
+    p, h = model.layer_params(), model.hidden_size
+    head_flops = 2.0 * model.vocab_size * h if head else 0.0
+    w = num_layers * 2.0 * p + head_flops
+    total = num_layers * (4.0 * p + 8.0 * h * seq_len) + 2.0 * head_flops
+    return w / total if total > 0 else 0.0
 
 
 def allreduce_seconds(nbytes: float, n: int, latency_s: float, bandwidth_gbs: float) -> float:
@@ -194,6 +266,18 @@ def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     with N the layer and head parameters (the embedding lookup is not a matmul)."""
     n = model.num_layers * model.layer_params() + model.vocab_size * model.hidden_size
     return 6.0 * n + 12.0 * model.num_layers * model.hidden_size * seq_len
+
+
+def planner_handle(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
+                   zero: bool = False) -> StrategyHandle:
+    """``strategy`` as a plan's strategy handle, so that the cost model and the simulator play the very
+    action lists the runtime would execute (``StrategyHandle.pipeline_schedule``): a planned strategy has
+    no plan file yet."""
+    training = TrainingSettings(global_batch=global_batch, micro_batch=cm.micro_batch, seq_len=cm.seq_len,
+                                zero=zero, schedule=schedule)
+    plan = Plan(version=PLAN_VERSION, model=cm.model.name, cluster=cm.cluster.name, training=training,
+                strategies=(strategy,))
+    return StrategyHandle(PlanContext(plan, cm.model, cm.cluster, Path("<planner>")), strategy)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -269,6 +353,8 @@ class PipelineEstimate:
     stages: tuple[StageCost, ...]
     boundary_s: tuple[float, ...]   # per boundary: forward activation + backward gradient, one micro-batch
     time_s: float
+    schedule: Schedule = "1f1b"     # the schedule it is priced (and runs) with
+    chunks: int = 1                 # model chunks per stage (v)
 
 
 @dataclass(frozen=True)
@@ -318,7 +404,7 @@ class CostModel:
     """Costs of one model on one cluster at one micro-batch shape. Cheap to build; caches as it goes."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
-                 *, micro_batch: int, seq_len: int, step_allreduce: bool = True) -> None:
+                 *, micro_batch: int, seq_len: int, step_allreduce: bool = True, cost_ordered: bool = False) -> None:
         missing = [t for t in cluster.device_types if t not in profiles]
         if missing:
             raise ValueError(f"no profile for device type(s) {missing}")
@@ -328,6 +414,10 @@ class CostModel:
         self.micro_batch = micro_batch
         self.seq_len = seq_len
         self.step_allreduce = step_allreduce
+        # What-if: price (and simulate) each pipeline in the order the list scheduler builds on the priced op
+        # costs, as a runtime that took its lists' costs from the plan would run it, instead of the order
+        # StrategyHandle.pipeline_schedule builds today (from layer counts). docs/design.md §10.
+        self.cost_ordered = cost_ordered
         self.host = HostModel(model, cluster, profiles, seq_len)   # emulated hosts: planner/host.py
         self._type_of = [d.type for d in cluster.devices]
         self._node_of = [d.node for d in cluster.devices]
@@ -622,8 +712,12 @@ class CostModel:
     def tick_time(self, devices: Sequence[int], seconds: Sequence[float]) -> float:
         """A schedule tick of a stage on ``devices`` posting transfers of ``seconds`` each together: the
         longest, or their sum where its profile says sends and receives serialise (planner/links.py)."""
-        serial = any(self.profiles[self._type_of[d]].comm.serialised_send_recv for d in devices)
-        return tick_seconds(seconds, serial)
+        return tick_seconds(seconds, self.serialises(devices))
+
+    def serialises(self, devices: Sequence[int]) -> bool:
+        """Whether a transfer's send and receive directions share the link one after the other (the
+        profile's ``comm.serialised_send_recv`` of any of ``devices``), else full duplex."""
+        return any(self.profiles[self._type_of[d]].comm.serialised_send_recv for d in devices)
 
     def steady_tick_s(self, strategy: Strategy, pi: int, k: int) -> float:
         """The comm ticks stage ``k`` of pipeline ``pi`` waits on per micro-batch in 1F1B's steady state:
@@ -728,12 +822,24 @@ class CostModel:
         every slice is all-reduced by the devices that hold it (one per pipeline), norms duplicated inside
         a TP group by the whole group (each replica counted once).
         """
+        ids, groups = self._sync_shape(strategy)
+
+        def back(devices: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(ids[i] for i in devices)
+
+        return [SyncGroup(back(g.devices), tuple(dataclasses.replace(b, devices=back(b.devices)) for b in g.buckets))
+                for g in groups]
+
+    def _sync_shape(self, strategy: Strategy) -> tuple[tuple[int, ...], tuple[SyncGroup, ...]]:
+        """``sync_plan`` before its devices are mapped back: the strategy's device ids in id order and the
+        layout of the renumbered plan (devices 0, 1, ...).
+
+        The layout only compares and sorts device ids, so plans of one shape on other devices share it:
+        computed once per pattern and mapped back. The search prices many placements of few shapes, and
+        pricing needs only each group's devices mapped back (``_group_times``), not every bucket's."""
+        ids = tuple(sorted(strategy.devices))
         if len(strategy.pipelines) <= 1:
-            return []  # nothing to sync
-        # The layout only compares and sorts device ids, so plans of one shape on other devices share it:
-        # computed once per pattern (devices renumbered 0, 1, ... in id order, which keeps every order)
-        # and mapped back. The search prices many placements of few shapes.
-        ids = sorted(strategy.devices)
+            return ids, ()  # nothing to sync
         number = {d: i for i, d in enumerate(ids)}
         pattern = tuple(tuple((tuple(number[d] for d in st.devices), st.layers) for st in p.stages)
                         for p in strategy.pipelines)
@@ -745,12 +851,7 @@ class CostModel:
                 for p, shape in zip(strategy.pipelines, pattern)))
             cache[pattern] = tuple(sync_groups(cut_buckets([self._grad_slices(info, stages)
                                                             for info, stages in placements(renumbered, self.model)])))
-
-        def back(devices: tuple[int, ...]) -> tuple[int, ...]:
-            return tuple(ids[i] for i in devices)
-
-        return [SyncGroup(back(g.devices), tuple(dataclasses.replace(b, devices=back(b.devices)) for b in g.buckets))
-                for g in cache[pattern]]
+        return ids, cache[pattern]
 
     def _grad_slices(self, info: ParamInfo, stages: tuple[Stage, ...]) -> SliceGroups:
         """One gradient's all-reduce slices where ``stages`` hold it: the same for every tensor of its shape
@@ -774,17 +875,19 @@ class CostModel:
                               for (group, cls), regions in by_pattern[info.shape, info.tp_dim, placed])
         return memo[key]
 
-    def _element_bytes(self, group: SyncGroup, memory: Callable[[MemoryFigures], int]) -> int:
-        return max(memory(self.profiles[self._type_of[d]].memory) for d in group.devices)
-
     def sync_group_time(self, group: SyncGroup, sharers: int = 1) -> float:
         """One fused all-reduce of a sync group (a call per bucket, as the runtime cuts them), plus packing
         its gradient slices into the buckets and back (measured profiles; the slowest device's);
         ``sharers`` rings crossing its busiest NIC at once (``sync_times``)."""
-        grad_bytes = self._element_bytes(group, lambda m: m.grad_bytes)
-        calls = self.allreduce_calls(group.devices, [n * grad_bytes for n in group.bucket_numel], sharers)
+        return self._sync_seconds(group.devices, group, sharers)
+
+    def _sync_seconds(self, devices: tuple[int, ...], group: SyncGroup, sharers: int = 1) -> float:
+        """``sync_group_time`` of ``group``'s buckets all-reduced among ``devices`` (the bucket sizes do not
+        depend on which devices hold them: ``_group_times`` prices a renumbered layout so)."""
+        grad_bytes = max(self.profiles[self._type_of[d]].memory.grad_bytes for d in devices)
+        calls = self.allreduce_calls(devices, [n * grad_bytes for n in group.bucket_numel], sharers)
         pack = 0.0
-        for d in group.devices:
+        for d in devices:
             fit = self.profiles[self._type_of[d]].sync_pack
             pack = max(pack, fit.seconds_per_param * group.numel + fit.seconds_per_tensor * group.slices
                        + fit.fixed_s * len(group.buckets))
@@ -796,23 +899,22 @@ class CostModel:
         return self._priced_groups(strategy, self.sync_plan(strategy))
 
     def _priced_groups(self, strategy: Strategy, plan: Sequence[SyncGroup]) -> list[float]:
+        return [self.sync_group_time(g, k)
+                for g, k in zip(plan, self._ring_sharers(strategy, [g.devices for g in plan], plan))]
+
+    def _ring_sharers(self, strategy: Strategy, devices: Sequence[tuple[int, ...]],
+                      plan: Sequence[SyncGroup]) -> list[int]:
         """Rings run at once where they are the TP ranks' of the same stages (their stages finish their
         backward together) with the same buckets: the signature ``ring_sharers`` compares."""
         stage_of = {d: (pi, k) for pi, p in enumerate(strategy.pipelines) for k, st in enumerate(p.stages)
                     for d in st.devices}
-        sharers = ring_sharers([(g.devices, (tuple(g.bucket_numel), tuple(sorted({stage_of[d] for d in g.devices}))))
-                                for g in plan], self._node_of, self._nic_of)
-        return [self.sync_group_time(g, k) for g, k in zip(plan, sharers)]
+        return ring_sharers([(devs, (tuple(g.bucket_numel), tuple(sorted({stage_of[d] for d in devs}))))
+                             for devs, g in zip(devices, plan)], self._node_of, self._nic_of)
 
     def grad_sync_times(self, strategy: Strategy) -> dict[int, float]:
         """Seconds each device spends in the cross-pipeline gradient sync (its groups one after the
         other, ignoring waits for slower peers; the simulator plays those out)."""
-        out = {d: 0.0 for d in strategy.devices}
-        plan = self.sync_plan(strategy)
-        for g, t in zip(plan, self._priced_groups(strategy, plan)):
-            for d in g.devices:
-                out[d] += t
-        return out
+        return self._group_times(strategy, self._sync_seconds)
 
     def grad_sync_time(self, strategy: Strategy) -> float:
         times = self.grad_sync_times(strategy)
@@ -853,25 +955,43 @@ class CostModel:
         """ZeRO-1's parameter all-gather of one sync group after the optimizer step (runtime/engine/zero.py):
         each device sends its updated chunk of every slice the group holds, one all-gather per gradient-sync
         bucket (the parameters, ``param_bytes`` each)."""
-        if len(group.devices) <= 1:
+        return self._gather_seconds(group.devices, group)
+
+    def _gather_seconds(self, devices: tuple[int, ...], group: SyncGroup, sharers: int = 1) -> float:
+        """``zero_gather_time`` of ``group``'s buckets among ``devices`` (as ``_sync_seconds``; NIC sharing is
+        not priced for the gathers: ``sharers`` is ignored)."""
+        if len(devices) <= 1:
             return 0.0
-        param_bytes = self._element_bytes(group, lambda m: m.param_bytes)
-        return _collective_time(self._allgather_lines(group.devices), [n * param_bytes for n in group.bucket_numel])
+        param_bytes = max(self.profiles[self._type_of[d]].memory.param_bytes for d in devices)
+        return _collective_time(self._allgather_lines(devices), [n * param_bytes for n in group.bucket_numel])
 
     def zero_gather_times(self, strategy: Strategy, zero: bool = True) -> dict[int, float]:
         """Seconds each device spends in ZeRO-1's all-gathers (its groups one after the other); all zero
         without ZeRO or with one pipeline (nothing is sharded then)."""
         if not zero:
             return {d: 0.0 for d in strategy.devices}
-        return self._group_times(strategy, self.zero_gather_time)
+        return self._group_times(strategy, self._gather_seconds)
 
-    def _group_times(self, strategy: Strategy, price: Callable[[SyncGroup], float]) -> dict[int, float]:
-        """Each device's sum of ``price`` over the sync groups it is in (every device of the strategy)."""
+    def _group_times(self, strategy: Strategy, price: Callable[[tuple[int, ...], SyncGroup, int], float]
+                     ) -> dict[int, float]:
+        """Each device's sum of ``price(devices, group, sharers)`` over the sync groups it is in (every device of the
+        strategy), priced on the renumbered layout with only the groups' devices mapped back. Cached per
+        strategy (the estimate asks for the sync and the ZeRO-1 gathers of one plan)."""
+        cache = self.__dict__.setdefault("_group_time_cache", {})
+        key = (strategy.pipelines, price.__name__)
+        hit = cache.get(key)
+        if hit is not None:
+            return dict(hit)
+        ids, groups = self._sync_shape(strategy)
+        mapped = [tuple(ids[i] for i in g.devices) for g in groups]
         out = {d: 0.0 for d in strategy.devices}
-        for g in self.sync_plan(strategy):
-            t = price(g)
-            for d in g.devices:
+        for devices, g, k in zip(mapped, groups, self._ring_sharers(strategy, mapped, groups)):
+            t = price(devices, g, k)
+            for d in devices:
                 out[d] += t
+        if len(cache) > 4096:   # bounded: the search prices many plans once each
+            cache.clear()
+        cache[key] = dict(out)
         return out
 
     # -- optimizer -----------------------------------------------------------------------------------
@@ -898,34 +1018,190 @@ class CostModel:
             return 0.0
         return self.allreduce_time(list(devices), 8.0)
 
+    # -- pipeline schedules (runtime/pipeline_schedules.py) ---------------------------------------------
+
+    @memo
+    def chunk_cost(self, device_type: str, tp: int, num_layers: int, first: bool, last: bool,
+                   recompute: bool = False) -> ChunkCost:
+        """One micro-batch through one model chunk as the list scheduler times it: F, and the backward
+        split into B (input gradients, what the previous chunk waits for) and W (weight gradients) by
+        ``weight_grad_fraction`` of its backward compute; the fused backward is ``stage``'s. As the engine
+        runs them (docs/schedules.md, the executor): the chunk holding layer 0 has no input gradient, its W
+        is its whole backward; a recompute chunk's W is a second backward through the graph B kept."""
+        sc = self.stage(device_type, tp, num_layers, first, last, recompute)
+        tiny = 1e-6 * sc.backward_s   # ChunkCost wants both halves positive
+        if self.sleep_target(device_type) is not None:
+            # Sleep emulation prices each half at half the backward block (runtime/trace.py
+            # stage_block_targets): what the emulated device then takes.
+            return ChunkCost(forward=sc.forward_s, input_grad=0.5 * sc.backward_s, weight_grad=0.5 * sc.backward_s,
+                             full_backward=sc.backward_s)
+        if first:   # the engine runs the first chunk's W as its whole backward: it has no input gradient
+            return ChunkCost(forward=sc.forward_s, input_grad=tiny, weight_grad=sc.backward_s - tiny,
+                             full_backward=sc.backward_s)
+        recomputed = num_layers * self.layer(device_type, tp, recompute).recompute_s
+        backward_compute = sc.compute_s - (sc.forward_s - sc.tp_forward_s) - recomputed
+        w = weight_grad_fraction(self.model, self.seq_len, num_layers, last) * max(0.0, backward_compute)
+        w = min(max(w, tiny), sc.backward_s - tiny)
+        b = sc.backward_s - w
+        if recompute:   # ... and a recompute chunk's W as one more backward through the kept graph
+            w = max(tiny, backward_compute)
+        return ChunkCost(forward=sc.forward_s, input_grad=b, weight_grad=w, full_backward=sc.backward_s)
+
+    def pipeline_costs(self, strategy: Strategy, pi: int, schedule: Schedule) -> Costs:
+        """The list scheduler's costs of pipeline ``pi``: per stage and chunk its ``chunk_cost`` (the chunk
+        holding layer 0 carries the embedding, the one holding the last layer the head), per virtual-stage
+        boundary one activation's transfer (the slower direction; 0 where both sit on one stage)."""
+        pipe = strategy.pipelines[pi]
+        n_layers = self.model.num_layers
+        chunks = []
+        for st in pipe.stages:
+            dtype = self._type_of[st.devices[0]]
+            chunks.append(tuple(self.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers, st.recompute)
+                                for a, b in st.layers))
+        layout = schedule_layout(schedule, len(pipe.stages), pipe.stages[0].chunks)
+        boundary = []
+        for j in range(layout.num_stages - 1):
+            a, b = pipe.stages[layout.device(j)], pipe.stages[layout.device(j + 1)]
+            boundary.append(0.0 if a is b else max(self.p2p_time(a.devices, b.devices),
+                                                   self.p2p_time(b.devices, a.devices)))
+        return Costs(tuple(chunks), tuple(boundary))
+
+    def pipeline_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
+        """Pipeline ``pi``'s part of the step under its schedule (``schedule`` unless it names its own): the
+        action lists the runtime executes (``runtime_schedule``) played with the real op costs
+        (``play_actions``), cached by both."""
+        pipe = strategy.pipelines[pi]
+        name = pipe.schedule if pipe.schedule is not None else schedule
+        costs = self.pipeline_costs(strategy, pi, name)
+        sched = self.runtime_schedule(strategy, pi, name)
+        cache = self.__dict__.setdefault("_step_times", {})
+        key = (id(sched), costs)
+        if key not in cache:
+            cache[key] = play_actions(sched, costs)
+        return cache[key]
+
+    def ideal_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
+        """What ``pipeline_step_time`` would be if the runtime ordered the ops by these costs: the list
+        scheduler run on them (``step_time``). The runtime orders by layer counts (docs/schedules.md,
+        "Costs in the plan"), so on stages of different speeds the two differ: ``hspmd plan`` shows both."""
+        pipe = strategy.pipelines[pi]
+        name = pipe.schedule if pipe.schedule is not None else schedule
+        costs = self.pipeline_costs(strategy, pi, name)
+        key = (name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
+        cache = self.__dict__.setdefault("_ideal_times", {})
+        if key not in cache:
+            cache[key] = step_time(name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
+        return cache[key]
+
+    def runtime_schedule(self, strategy: Strategy, pi: int, schedule: Schedule) -> PipelineSchedule:
+        """The ``Schedule`` the runtime executes for pipeline ``pi`` (``StrategyHandle.pipeline_schedule``
+        of a plan holding it, ``schedule`` the default unless it names its own), cached per pipeline shape:
+        the handle derives it from the plan alone, here from the pipeline alone, its devices renumbered.
+        With ``cost_ordered``: the list scheduler's lists on the priced costs instead (a what-if)."""
+        pipe = strategy.pipelines[pi]
+        if pipe.schedule is not None:
+            schedule = pipe.schedule
+        renumbered = dataclasses.replace(pipe, stages=tuple(
+            dataclasses.replace(st, devices=tuple(range(k * 64, k * 64 + st.tp))) for k, st in enumerate(pipe.stages)))
+        if self.cost_ordered:
+            costs = self.pipeline_costs(strategy, pi, schedule)
+            key: tuple = (schedule, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
+        else:
+            key = (schedule, renumbered)
+        cache = self.__dict__.setdefault("_runtime_schedules", {})
+        if key not in cache:
+            if self.cost_ordered:
+                cache[key] = build_schedule(schedule, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks,
+                                            costs)
+            else:
+                one = Strategy(name="pipeline", pipelines=(renumbered,))
+                cache[key] = planner_handle(self, one, self.micro_batch * pipe.micro_batches,
+                                            schedule).pipeline_schedule(0)
+        return cache[key]
+
+    def pipeline_proxy_time(self, strategy: Strategy, pi: int) -> float:
+        """1F1B's closed form (``pipeline_time``) on pipeline ``pi``'s whole stages: a cheap ranking proxy
+        for the list scheduler's time (``pipeline_step_time``), which the best plans then get."""
+        pipe = strategy.pipelines[pi]
+        stages = [self.stage_total(s) for s in pipe.stages]
+        boundary = [self.p2p_time(a.devices, b.devices) + self.p2p_time(b.devices, a.devices)
+                    for a, b in zip(pipe.stages, pipe.stages[1:])]
+        return pipeline_time([s.forward_s for s in stages], [s.backward_s for s in stages], pipe.micro_batches,
+                             "1f1b", boundary)
+
+    @memo
+    def chunk_activation_bytes(self, device_type: str, tp: int, num_layers: int, first: bool,
+                               recompute: bool) -> float:
+        """Bytes one micro-batch's activation of a chunk keeps until its backward (W under a split
+        backward): each layer's saved tensors (only its input with recompute), and the embedding's."""
+        lay = self.layer(device_type, tp, recompute)
+        act = num_layers * (lay.checkpoint_bytes if recompute else lay.activation_bytes)
+        if first:
+            act += eval_fit(self.components(device_type, tp)["embedding"].activation_bytes, self.micro_batch,
+                            self.seq_len)
+        return act
+
+    @memo
+    def device_memory(self, device_type: str, tp: int, chunks: tuple[tuple[int, bool, bool], ...],
+                      recompute: bool, live_chunks: int, zero_degree: int = 1) -> MemoryBreakdown:
+        """Peak bytes on one device of a stage holding ``chunks`` ((layers, first, last) each) with at most
+        ``live_chunks`` chunk activations alive (``live_activation_limit``): each counted at the largest
+        chunk's size, so it bounds any order the scheduler picks. One chunk is ``stage_memory``."""
+        n = sum(c[0] for c in chunks)
+        first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
+        base = self.stage_memory(device_type, tp, n, first, last, recompute, 0, zero_degree)
+        per = max(self.chunk_activation_bytes(device_type, tp, k, f, recompute) for k, f, _ in chunks)
+        return dataclasses.replace(base, activations=base.activations + live_chunks * per)
+
+    def pipeline_memory(self, strategy: Strategy, pi: int, schedule: Schedule, zero_degree: int = 1
+                        ) -> list[MemoryBreakdown]:
+        """``device_memory`` of each stage of pipeline ``pi`` under ``schedule`` (its documented bound)."""
+        pipe = strategy.pipelines[pi]
+        n_layers, n = self.model.num_layers, len(pipe.stages)
+        out = []
+        for k, st in enumerate(pipe.stages):
+            live = live_activation_limit(schedule, n, k, pipe.micro_batches, st.chunks)
+            chunks = tuple((b - a, a == 0, b == n_layers) for a, b in st.layers)
+            out.append(self.device_memory(self._type_of[st.devices[0]], st.tp, chunks, st.recompute, live,
+                                          zero_degree))
+        return out
+
     # -- whole strategy ------------------------------------------------------------------------------
 
-    def pipeline_estimate(self, strategy: Strategy, pi: int, schedule: Schedule = "1f1b") -> PipelineEstimate:
+    def holds_ends(self, st: Stage) -> tuple[bool, bool]:
+        """Whether a stage holds the embedding (a chunk starts at layer 0) and the head (one ends at the
+        last layer): under ZB-V both sit on the first stage."""
+        return any(a == 0 for a, _ in st.layers), any(b == self.model.num_layers for _, b in st.layers)
+
+    def stage_total(self, st: Stage) -> StageCost:
+        """One micro-batch through every chunk of a stage (``stage`` per chunk, summed)."""
+        dtype, n_layers = self._type_of[st.devices[0]], self.model.num_layers
+        parts = [self.placed_stage(dtype, st.tp, ((a, b),), a == 0, b == n_layers, st.recompute) for a, b in st.layers]
+        if len(parts) == 1:
+            return parts[0]
+        return StageCost(*(sum(getattr(c, f.name) for c in parts) for f in dataclasses.fields(StageCost)))
+
+    def pipeline_estimate(self, strategy: Strategy, pi: int, schedule: Schedule = "1f1b",
+                          time_s: float | None = None) -> PipelineEstimate:
+        """Pipeline ``pi`` under its own schedule (``Pipeline.schedule``), else ``schedule``; ``time_s``
+        given: its time, instead of ``pipeline_step_time``."""
         pipe = strategy.pipelines[pi]
-        n = len(pipe.stages)
-        stages = tuple(self.placed_stage(self._type_of[s.devices[0]], s.tp, s.layers, k == 0, k == n - 1,
-                                         s.recompute) for k, s in enumerate(pipe.stages))
+        name = pipe.schedule if pipe.schedule is not None else schedule
+        stages = tuple(self.stage_total(s) for s in pipe.stages)
         boundary = tuple(self.p2p_time(a.devices, b.devices) + self.p2p_time(b.devices, a.devices)
                          for a, b in zip(pipe.stages, pipe.stages[1:]))
-        t = pipeline_time([s.forward_s for s in stages], [s.backward_s for s in stages], pipe.micro_batches,
-                          schedule, boundary)
-        if schedule == "1f1b" and n > 1:   # the steady state's comm ticks (planner/links.py tick_seconds)
-            busy = [s.time_s for s in stages]
-            ticks = [b + self.steady_tick_s(strategy, pi, k) for k, b in enumerate(busy)]
-            t += (pipe.micro_batches - 1) * (max(ticks) - max(busy))
-        return PipelineEstimate(pipe.micro_batches, stages, boundary, t)
+        t = self.pipeline_step_time(strategy, pi, name) if time_s is None else time_s
+        return PipelineEstimate(pipe.micro_batches, stages, boundary, t, name, pipe.stages[0].chunks)
 
     def strategy_memory(self, strategy: Strategy, schedule: Schedule = "1f1b",
                         zero: bool = False) -> dict[int, MemoryBreakdown]:
-        """Peak memory of every device the strategy uses (ZeRO-1 shards over the pipelines)."""
+        """Peak memory of every device the strategy uses (ZeRO-1 shards over the pipelines), each pipeline
+        under its own schedule's activation bound (``pipeline_memory``)."""
         zero_degree = len(strategy.pipelines) if zero else 1
         out = {}
-        for pipe in strategy.pipelines:
-            n = len(pipe.stages)
-            for k, s in enumerate(pipe.stages):
-                dtype = self._type_of[s.devices[0]]
-                mem = self.stage_memory(dtype, s.tp, s.num_layers, k == 0, k == n - 1, s.recompute,
-                                        in_flight_micro_batches(k, n, pipe.micro_batches, schedule), zero_degree)
+        for pi, pipe in enumerate(strategy.pipelines):
+            name = pipe.schedule if pipe.schedule is not None else schedule
+            for s, mem in zip(pipe.stages, self.pipeline_memory(strategy, pi, name, zero_degree)):
                 for d in s.devices:
                     out[d] = mem
         return out
@@ -934,10 +1210,10 @@ class CostModel:
         """(local parameters, parameter tensors) of every device the strategy uses."""
         out = {}
         for pipe in strategy.pipelines:
-            n = len(pipe.stages)
-            for k, s in enumerate(pipe.stages):
-                params = self.stage(self._type_of[s.devices[0]], s.tp, s.num_layers, k == 0, k == n - 1).params
-                tensors = self.tensors_per_stage(s.num_layers, k == 0, k == n - 1)
+            for s in pipe.stages:
+                first, last = self.holds_ends(s)
+                params = self.stage(self._type_of[s.devices[0]], s.tp, s.num_layers, first, last).params
+                tensors = self.tensors_per_stage(s.num_layers, first, last)
                 for d in s.devices:
                     out[d] = (params, tensors)
         return out
@@ -963,11 +1239,16 @@ class CostModel:
         return flops / step_time_s / peak if step_time_s > 0 and peak > 0 else 0.0
 
     def estimate(self, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
-                 zero: bool = False) -> StrategyEstimate:
-        """Closed-form step time and memory of a strategy: ``max over pipelines (pipeline_time) + gradient
-        sync + clip + max over devices (step overhead + optimizer + ZeRO-1 parameter all-gathers) + the
-        fixed cost per iteration``."""
-        pipes = tuple(self.pipeline_estimate(strategy, i, schedule) for i in range(len(strategy.pipelines)))
+                 zero: bool = False, *, pipeline_s: Sequence[float] | None = None) -> StrategyEstimate:
+        """Step time and memory of a strategy: ``max over pipelines (pipeline_step_time: the list scheduler on
+        the real op costs) + gradient sync + clip + max over devices (step overhead + optimizer + ZeRO-1
+        parameter all-gathers) + the fixed cost per iteration``; each pipeline under its own schedule, else
+        ``schedule``.
+
+        ``pipeline_s``: the pipelines' times from the caller instead of the list scheduler (a search ranking
+        many plans prices them by a proxy, ``pipeline_proxy_time``, and only the best ones exactly)."""
+        pipes = tuple(self.pipeline_estimate(strategy, i, schedule, None if pipeline_s is None else pipeline_s[i])
+                      for i in range(len(strategy.pipelines)))
         sync = self.grad_sync_time(strategy)
         over = self.step_overhead_times(strategy)
         gather = self.zero_gather_times(strategy, zero)

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pulp
 
-from planner.cost import GIB, CostModel, in_flight_micro_batches
+from planner.cost import GIB, CostModel
+from planner.schedule_choice import ScheduleChoice, chunk_sizes
 from planner.tp_groups import GroupKind
+from runtime.pipeline_schedules import live_activation_limit
 from runtime.solver import solve, var
 
 
@@ -36,7 +38,7 @@ class SlotCost:
     kind: GroupKind
     first: bool
     last: bool
-    in_flight: int
+    in_flight: int                     # chunk activations alive at most (``live_activation_limit``)
     per_layer_s: tuple[float, float]   # stage seconds per layer, one micro-batch (forward + backward)
     const_s: float                     # seconds added by the embedding / head, one micro-batch
     max_layers: tuple[int, int]        # most layers that fit in memory; -1: not even the extras fit
@@ -56,8 +58,10 @@ class LayerSplit:
     def sum_s(self) -> float:
         return sum(self.stage_s)
 
-    def pipeline_s(self, micro_batches: int, boundary_s: float = 0.0) -> float:
-        return (micro_batches - 1) * self.max_s + self.sum_s + boundary_s
+    def pipeline_s(self, micro_batches: int, boundary_s: float = 0.0, fill: float = 1.0) -> float:
+        """``m * max + fill * (sum - max) + boundaries``: 1F1B's closed form at ``fill = 1``; the schedule's
+        ``fill_factor`` otherwise (planner/schedule_choice.py)."""
+        return micro_batches * self.max_s + fill * (self.sum_s - self.max_s) + boundary_s
 
     def ranges(self) -> list[tuple[int, int]]:
         out, start = [], 0
@@ -68,11 +72,14 @@ class LayerSplit:
 
 
 def _max_layers(cm: CostModel, kind: GroupKind, first: bool, last: bool, recompute: bool, in_flight: int,
-                zero_degree: int, capacity: float, limit: int) -> int:
-    """Largest n in [0, limit] whose stage memory fits ``capacity`` bytes (-1 if none does)."""
+                zero_degree: int, capacity: float, limit: int, chunks: int = 1) -> int:
+    """Largest n in [0, limit] whose stage memory fits ``capacity`` bytes (-1 if none does), the n layers
+    cut into ``chunks`` chunks (``chunk_sizes``) of which ``in_flight`` chunk activations live at most."""
 
     def fits(n: int) -> bool:
-        mem = cm.stage_memory(kind.device_type, kind.tp, n, first, last, recompute, in_flight, zero_degree)
+        sizes = chunk_sizes(n, chunks)
+        parts = tuple((k, first and c == 0, last and c == chunks - 1) for c, k in enumerate(sizes))
+        mem = cm.device_memory(kind.device_type, kind.tp, parts, recompute, in_flight, zero_degree)
         return mem.total <= capacity
 
     if not fits(0):
@@ -90,20 +97,24 @@ def _max_layers(cm: CostModel, kind: GroupKind, first: bool, last: bool, recompu
 
 
 def slot_costs(cm: CostModel, kinds: Sequence[GroupKind], *, zero_degree: int = 1, recompute: bool = True,
-               memory_margin: float = 0.0) -> tuple[SlotCost, ...]:
-    """Cost coefficients and memory limits of each stage of a pipeline whose stages are ``kinds`` in order.
+               memory_margin: float = 0.0, schedule: ScheduleChoice = ScheduleChoice("1f1b")) -> tuple[SlotCost, ...]:
+    """Cost coefficients and memory limits of each stage of a pipeline whose stages are ``kinds`` in order,
+    run under ``schedule``: its activation bound (at a micro-batch count where it saturates), where its
+    placement puts the embedding and the head, and a stage's fixed time per micro-batch paid once per
+    chunk.
 
     ``recompute=False`` forbids recompute (its limit is set to -1). ``memory_margin``: fraction of each
     device's memory kept free.
     """
     n_stages = len(kinds)
     limit = cm.model.num_layers
+    v = schedule.chunks
     cache = cm.__dict__.setdefault("_planner_slot_cache", {})
     out = []
     for k, kind in enumerate(kinds):
-        first, last = k == 0, k == n_stages - 1
-        in_flight = in_flight_micro_batches(k, n_stages, n_stages)
-        key = (kind, first, last, in_flight, zero_degree, recompute, memory_margin)
+        first, last = schedule.ends(k, n_stages)
+        in_flight = live_activation_limit(schedule.name, n_stages, k, 2 * n_stages * v, v)
+        key = (kind, first, last, in_flight, zero_degree, recompute, memory_margin, v)
         hit = cache.get(key)
         if hit is None:
             cap = cm.cluster.device_types[kind.device_type].memory_gib * GIB * (1.0 - memory_margin)
@@ -114,7 +125,10 @@ def slot_costs(cm: CostModel, kinds: Sequence[GroupKind], *, zero_degree: int = 
                 per.append(two.time_s - one.time_s)
                 if not rc:
                     const = one.time_s - per[0]
-            nmax = tuple(_max_layers(cm, kind, first, last, rc, in_flight, zero_degree, cap, limit)
+            if v > 1:   # every further chunk is a stage-module call of its own
+                mid = cm.stage(kind.device_type, kind.tp, 1, False, False)
+                const += (v - 1) * max(0.0, mid.time_s - per[0])
+            nmax = tuple(_max_layers(cm, kind, first, last, rc, in_flight, zero_degree, cap, limit, v)
                          if (rc is False or recompute) else -1 for rc in (False, True))
             hit = cache[key] = SlotCost(kind, first, last, in_flight, (per[0], per[1]), max(0.0, const), nmax)
         out.append(hit)
@@ -200,8 +214,10 @@ def split_fast(slots: Sequence[SlotCost], num_layers: int) -> LayerSplit | None:
 
 
 def split_ilp(slots: Sequence[SlotCost], num_layers: int, micro_batches: int,
-              time_limit: float | None = 10.0, incumbent: LayerSplit | None = None) -> LayerSplit | None:
-    """The split minimizing ``(m-1)*max_s t_s + sum_s t_s`` under each stage's memory limit (PuLP ILP).
+              time_limit: float | None = 10.0, incumbent: LayerSplit | None = None,
+              fill: float = 1.0) -> LayerSplit | None:
+    """The split minimizing ``LayerSplit.pipeline_s``, ``m*max_s t_s + fill*(sum_s t_s - max_s t_s)``, under
+    each stage's memory limit (PuLP ILP); ``fill = 1`` is 1F1B's ``(m-1)*max + sum``.
 
     ``incumbent``: a known feasible split (e.g. ``split_fast``); its objective bounds the search, and it is
     returned if the solver finds nothing better in time.
@@ -209,7 +225,7 @@ def split_ilp(slots: Sequence[SlotCost], num_layers: int, micro_batches: int,
     if not feasible(slots, num_layers):
         return None
     m = max(1, micro_batches)
-    bound = None if incumbent is None else incumbent.pipeline_s(m) * (1 + 1e-9) + 1e-12
+    bound = None if incumbent is None else incumbent.pipeline_s(m, fill=fill) * (1 + 1e-9) + 1e-12
     prob = pulp.LpProblem("layer_split", pulp.LpMinimize)
     z = var(prob, "z", 0)
     n0, n1, r = [], [], []
@@ -229,7 +245,7 @@ def split_ilp(slots: Sequence[SlotCost], num_layers: int, micro_batches: int,
         r.append(x)
         times.append(t)
     prob += pulp.lpSum(n0) + pulp.lpSum(n1) == num_layers
-    prob += (m - 1) * z + pulp.lpSum(times)
+    prob += (m - fill) * z + fill * pulp.lpSum(times)
     res = solve(prob, time_limit, objective_bound=bound)
     if not res.ok:
         return incumbent
@@ -242,6 +258,40 @@ def split_ilp(slots: Sequence[SlotCost], num_layers: int, micro_batches: int,
     if sum(layers) != num_layers or min(layers) < 1:
         return incumbent
     out = LayerSplit(tuple(layers), tuple(rec), tuple(stage_time(s, n, rc) for s, n, rc in zip(slots, layers, rec)))
-    if incumbent is not None and incumbent.pipeline_s(m) < out.pipeline_s(m):
+    if incumbent is not None and incumbent.pipeline_s(m, fill=fill) < out.pipeline_s(m, fill=fill):
         return incumbent
     return out
+
+
+def refine_split(slots: Sequence[SlotCost], split: LayerSplit, price: Callable[[LayerSplit], float],
+                 min_layers: int = 1, max_evaluations: int = 16) -> LayerSplit:
+    """``split`` improved by moving one layer at a time to a neighbouring stage while ``price`` (the exact
+    pipeline time: the runtime's lists played on the op costs) goes down, within each stage's memory
+    limit and keeping ``min_layers`` per stage. The ILP's objective is 1F1B's closed form, which knows
+    neither the transfers on the steady state's path nor another schedule's fill, so the exact price gets
+    the last word: steepest descent over the moves off the slowest stages first, at most
+    ``max_evaluations`` prices."""
+    best, best_t = split, price(split)
+    evaluations = 1
+    while evaluations < max_evaluations:
+        order = sorted(range(len(slots)), key=lambda k: -best.stage_s[k])
+        moves = [(src, dst) for src in order for dst in (src - 1, src + 1) if 0 <= dst < len(slots)]
+        improved = None
+        for src, dst in moves:
+            if evaluations >= max_evaluations:
+                break
+            layers = list(best.layers)
+            layers[src] -= 1
+            layers[dst] += 1
+            if layers[src] < min_layers or layers[dst] > _usable(slots[dst]):
+                continue
+            rec = tuple(n > s.max_layers[0] for s, n in zip(slots, layers))
+            cand = LayerSplit(tuple(layers), rec, tuple(stage_time(s, n, r) for s, n, r in zip(slots, layers, rec)))
+            t = price(cand)
+            evaluations += 1
+            if t < best_t - 1e-12 and (improved is None or t < improved[0]):
+                improved = (t, cand)
+        if improved is None:
+            break
+        best_t, best = improved
+    return best

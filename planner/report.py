@@ -9,9 +9,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from planner.api import PlanResult
+from planner.api import PlanResult, schedule_reason
 from planner.baselines import Baseline
 from planner.cost import GIB
+from planner.search import schedule_label
 from runtime.spec.plan import Plan
 from runtime.spec.schema import to_data
 
@@ -39,6 +40,20 @@ def memory_rows(result: PlanResult, index: int = 0) -> list[dict[str, Any]]:
     return rows
 
 
+def schedule_rows(result: PlanResult) -> list[dict[str, Any]]:
+    """Per pipeline of the chosen plan: its schedule, chunks, and every schedule's time and memory on its
+    stages (``api.schedule_options``), with the reason in one sentence."""
+    rows = []
+    default = result.settings.default_schedule
+    for pi, (pipe, options) in enumerate(zip(result.best.strategy.pipelines, result.schedule_options)):
+        rows.append({"pipeline": pi, "schedule": pipe.schedule if pipe.schedule is not None else default,
+                     "chunks": pipe.stages[0].chunks, "label": schedule_label(pipe, default),
+                     "searched": result.settings.schedule, "reason": schedule_reason(list(options)),
+                     "options": [{"schedule": o.label, "pipeline_s": o.pipeline_s, "oom_devices": list(o.oom_devices),
+                                  "chosen": o.chosen, "note": o.note} for o in options]})
+    return rows
+
+
 def result_json(result: PlanResult, plan: Plan, out_path: str | None) -> dict[str, Any]:
     best = result.best
     est = best.estimate
@@ -63,6 +78,7 @@ def result_json(result: PlanResult, plan: Plan, out_path: str | None) -> dict[st
                    "combinations": result.stats.combinations, "finalists": result.stats.finalists,
                    "ilps": result.stats.ilps},
         "memory": memory_rows(result),
+        "schedules": schedule_rows(result),
         "idle_devices": [{"device_type": g.device_type, "devices": list(g.devices), "reason": g.reason}
                          for g in result.idle],
         "candidates": [{"rank": i + 1, "step_time_s": c.step_time_s, "simulated_step_time_s": c.simulated_s,
@@ -85,8 +101,8 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
               f"micro-batch {best.micro_batch}, ZeRO-1 {'off (elastic)' if s.elastic else 'on'}")
     con.print(f"plan: {escape(best.summary)}")
     table = Table(title="pipelines x stages (one micro-batch per stage)", title_justify="left")
-    for col in ("pipe", "mb", "stage", "type", "TP", "devices", "layers", "recompute", "stage s", "peak GiB",
-                "cap GiB", "headroom"):
+    for col in ("pipe", "mb", "schedule", "stage", "type", "TP", "devices", "layers", "recompute", "stage s",
+                "peak GiB", "cap GiB", "headroom"):
         table.add_column(col, justify="left" if col in ("type", "devices", "layers") else "right")
     mem = {(r["pipeline"], r["stage"]): r for r in memory_rows(result)}
     for pi, (pipe, pe) in enumerate(zip(best.strategy.pipelines, est.pipelines)):
@@ -95,11 +111,20 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
             devs = st.devices
             dtext = f"{devs[0]}-{devs[-1]}" if len(devs) > 2 and devs[-1] - devs[0] == len(devs) - 1 else \
                 ",".join(map(str, devs))
-            table.add_row(str(pi) if si == 0 else "", str(pipe.micro_batches) if si == 0 else "", str(si),
+            table.add_row(str(pi) if si == 0 else "", str(pipe.micro_batches) if si == 0 else "",
+                          schedule_label(pipe, s.default_schedule) if si == 0 else "", str(si),
                           r["device_type"], str(st.tp), dtext, st.layers_text(),
                           "yes" if st.recompute else "", f"{sc.time_s:.4f}", f"{r['peak_gib']:.1f}",
                           f"{r['capacity_gib']:g}", f"{r['headroom_frac']:.0%}")
     con.print(table)
+    searched = "searched per pipeline" if s.schedule == "auto" else f"fixed by --schedule {s.schedule}"
+    seen = set()
+    for row in schedule_rows(result):
+        if (row["label"], row["reason"]) in seen:
+            continue   # alike pipelines: said once
+        seen.add((row["label"], row["reason"]))
+        con.print(f"schedule ({searched}) of pipeline {row['pipeline']}: [bold]{escape(row['label'])}[/bold] — "
+                  f"{escape(row['reason'])}")
     con.print(f"predicted step time [bold]{est.step_time_s:.4f} s[/bold] ({est.tokens_per_s:,.0f} tokens/s, "
               f"MFU {est.mfu:.1%}); pipelines {max(p.time_s for p in est.pipelines):.4f} s, gradient sync "
               f"{est.grad_sync_s:.4f} s, optimizer + clip {est.optimizer_s:.4f} s")

@@ -23,13 +23,20 @@ Decomposition (each level solved once per distinct sub-problem, then reused):
    other pipeline), optimizer and clip priced by the cost model's own ``allreduce_time`` /
    ``optimizer_time`` / ``clip_time``.
 4. **Realized**: the best combinations (and the best one using each device type) become strategies
-   (fast splits, greedy micro-batches) scored by ``CostModel.estimate``, the same model that scores
-   the baselines.
-5. **Finalists** (the best realized, plus the best one using each type, so that idle devices can be
-   explained with real numbers): each class re-split by the layer-split ILP for the micro-batch counts
-   it may get, counts and splits chosen together by the allocation ILP, re-split for the final count,
-   and scored by ``CostModel.estimate``. Every realized and final strategy is a candidate; the best one
-   per structure (devices per stage, micro-batches) is kept, best first.
+   (fast splits, greedy micro-batches) scored by ``CostModel.estimate`` with their pipelines' proxy
+   times; the best ``EXACT_REALIZED`` are priced exactly (the runtime's action lists played on the op
+   costs), under ``schedule="auto"`` each also with every pipeline class on the schedule that runs it
+   fastest by that exact price (``best_schedules``; planner/schedule_choice.py).
+5. **Finalists** (the best exactly priced, plus the best one using each type, so that idle devices can
+   be explained with real numbers): each class re-split by the layer-split ILP for the micro-batch
+   counts it may get (under its schedule's memory and fill factor), counts and splits chosen together
+   by the allocation ILP, re-split for the final count, the split refined by the exact price
+   (``layer_split.refine_split``), and scored by ``CostModel.estimate``. Every exactly priced strategy is
+   a candidate; the best one per structure (devices per stage, schedule, micro-batches) is kept.
+
+Schedules: with a fixed ``PlanSettings.schedule`` every phase uses it (its memory bound and placement in
+the slots, its fill factor in the ranking); with "auto" phases 1-3 rank as 1F1B runs and phase 4 picks
+the schedule per pipeline class (docs/design.md §10).
 
 The search is deterministic: every enumeration runs in a fixed order and ties break on that order.
 A time limit stops the enumeration early (the result says so) and caps each ILP.
@@ -37,15 +44,16 @@ A time limit stops the enumeration early (the result says so) and caps each ILP.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from planner.cost import CostModel, StrategyEstimate, memo
-from planner.layer_split import LayerSplit, SlotCost, slot_costs, split_fast, split_ilp
+from planner.layer_split import LayerSplit, SlotCost, refine_split, slot_costs, split_fast, split_ilp
 from planner.microbatch import Allocation, PipelineClass, TimeOption, allocate_greedy, allocate_ilp
 from planner.pipelines import (
     ORDERS,
@@ -57,6 +65,14 @@ from planner.pipelines import (
     distributions,
     kind_order,
     share_out,
+)
+from planner.schedule_choice import (
+    AUTO,
+    ScheduleChoice,
+    fill_factor,
+    rounded_shares,
+    schedule_choices,
+    stage_layer_ranges,
 )
 from planner.tp_groups import GroupKind, TPGroup, form_groups, groups_by_kind, tp_choices
 from runtime.spec.cluster import Cluster
@@ -81,12 +97,17 @@ class PlanSettings:
     top_k: int = 5
     allow_recompute: bool = True
     memory_margin: float = 0.0     # fraction of each device's memory kept free
-    schedule: Schedule = "1f1b"   # the pipeline schedule every plan runs (and is priced with)
+    # The pipeline schedule every plan runs (and is priced with), or "auto": the search picks a schedule and
+    # its chunk count per pipeline class (planner/schedule_choice.py).
+    schedule: Schedule | Literal["auto"] = "1f1b"
     seed: int = 0
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     # Re-check the best ``simulate_top`` candidates (and the best one whose pipelines are all alike) with
     # the discrete-event simulator and rank those by the worse of the two predictions (0: off).
     simulate_top: int = 0
+    # What-if: price every pipeline in the order the list scheduler builds on the priced op costs (a runtime
+    # building its action lists from costs in the plan) instead of the runtime's own (layer counts).
+    cost_ordered: bool = False
 
     @property
     def zero(self) -> bool:
@@ -96,11 +117,21 @@ class PlanSettings:
     def min_pipelines(self) -> int:
         return 2 if self.elastic else 1
 
+    @property
+    def default_schedule(self) -> Schedule:
+        """What a pipeline without a schedule of its own runs (the baselines too, and the plan's
+        ``training.schedule``): the fixed schedule if it runs one-chunk stages, else 1F1B (under "auto",
+        interleaved and ZB-V every planned pipeline names its schedule)."""
+        if self.schedule in (AUTO, "interleaved", "zb-v"):
+            return "1f1b"
+        return self.schedule
+
 
 MICRO_BATCHES = (1, 2, 4)
 BLOCK_KEEP = 8          # block candidates kept per block (after the Pareto filter)
 COMBOS_REALIZED = 40    # best combinations (by the fast score) realized and scored by the cost model
 COMBOS_FINAL = 6        # best realized plans solved exactly (ILPs)
+EXACT_REALIZED = 8      # best realized plans (by their proxy) priced exactly as they are
 ALIGNED_REALIZED = 3    # best one-block plans of identical pipelines realized as well
 TYPE_CHOICES_MULTI = (4, 2, 2)  # TP choices per type tried inside mixed blocks of 2, 3, 4+ types
 COMBO_BUDGET = 400      # combinations scored per set partition of the types
@@ -108,6 +139,9 @@ SMALL_BLOCK_GROUPS = 12  # blocks of at most this many TP groups also try uneven
 DISTRIBUTIONS_LIMIT = 150  # ... unless there are more ways than this (then: even shares only)
 UNEVEN_PIPELINES = 3       # ... over at most this many pipelines
 UNEVEN_CHOICES = 2         # ... and in mixed blocks with each type's first two TP choices only
+# Exact pipeline-time prices per class and finalist when moving layers (refine_split): as many as fit in
+# this many scheduled ops (stages x chunks x micro-batches x op kinds), between 3 and 24.
+REFINE_OPS = 4_000
 SYNC_RINGS = 2          # costliest stage positions per block kept to price cross-block gradient sync
 
 
@@ -126,9 +160,17 @@ class ClassInfo:
     boundary_s: float
     members: tuple[int, ...]   # indices into the block's layouts
     split: LayerSplit
+    schedule: ScheduleChoice = ScheduleChoice("1f1b")
+    fill: float = 1.0          # the schedule's fill_factor: (fill, hops)
+    hops: float = 1.0
 
     def option(self) -> TimeOption:
-        return TimeOption(self.split.max_s, self.split.sum_s - self.split.max_s + self.boundary_s)
+        return time_option(self.split, self.boundary_s, self.fill, self.hops)
+
+
+def time_option(split: LayerSplit, boundary_s: float, fill: float, hops: float) -> TimeOption:
+    """A pipeline's time per micro-batch and fixed time for the allocation: ``LayerSplit.pipeline_s``."""
+    return TimeOption(split.max_s, fill * (split.sum_s - split.max_s) + hops * boundary_s)
 
 
 @dataclass(frozen=True, eq=False)
@@ -189,6 +231,7 @@ class Candidate:
     idle_devices: tuple[int, ...]
     summary: str
     simulated_s: float | None = None   # the simulator's step time, where the candidate was re-checked
+    proxy: bool = False                # the estimate's pipeline times are the search's proxy (Searcher.exact)
 
     @property
     def step_time_s(self) -> float:
@@ -201,6 +244,7 @@ class Candidate:
 
 
 Combo = tuple[BlockCandidate, ...]   # one block candidate per block of a combination
+ClassKey = tuple[Template, float, ScheduleChoice]   # pipelines alike: template, boundary cost, schedule
 # A block to evaluate: (type choices, pipelines, stage order, stages or None, placement, shares or None).
 Job = tuple[tuple[TypeChoice, ...], int, str, int | None, str, Shares | None]
 
@@ -253,6 +297,11 @@ class Searcher:
         self.deadline = deadline
         self.progress = progress
         self.micro_batches = settings.global_batch // cm.micro_batch
+        # Under "auto" the search ranks pipelines as 1F1B runs them, and the best plans try every schedule
+        # per pipeline class by its exact price (``best_schedules``); a fixed schedule is searched as such.
+        auto = settings.schedule == AUTO
+        self.choices = (ScheduleChoice("1f1b"),) if auto else schedule_choices(settings.schedule)
+        self.variant_choices = schedule_choices(AUTO) if auto else ()
         self.stats = SearchStats()
         self._sync_cache: dict[tuple, float] = {}
         self._p2p: dict[tuple[int, int], float] = {}
@@ -289,13 +338,45 @@ class Searcher:
     def zero_degree(self, pipelines: int) -> int:
         return pipelines if self.settings.zero else 1
 
-    def _slots(self, template: Template, zero_degree: int) -> tuple[SlotCost, ...]:
+    def _slots(self, template: Template, zero_degree: int, choice: ScheduleChoice) -> tuple[SlotCost, ...]:
         return slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,
-                          memory_margin=self.settings.memory_margin)
+                          memory_margin=self.settings.memory_margin, schedule=choice)
 
     @memo
-    def fast_split(self, template: Template, zero_degree: int) -> LayerSplit | None:
-        return split_fast(self._slots(template, zero_degree), self.model.num_layers)
+    def fast_split(self, template: Template, zero_degree: int, choice: ScheduleChoice) -> LayerSplit | None:
+        """The min-max split under ``choice``'s memory (None if none fits, or a stage gets fewer layers
+        than chunks)."""
+        sp = self._split_of(self._slots(template, zero_degree, choice))
+        return None if sp is None or min(sp.layers) < choice.chunks else sp
+
+    @memo
+    def _split_of(self, slots: tuple[SlotCost, ...]) -> LayerSplit | None:
+        """``split_fast`` per distinct slots: schedules of one memory bound and placement (1F1B and ZB-H1)
+        share their splits."""
+        return split_fast(slots, self.model.num_layers)
+
+    @memo
+    def fill(self, template: Template, choice: ScheduleChoice) -> tuple[float, float]:
+        """``fill_factor`` of ``choice`` on this template (its first kind's op shares)."""
+        kind = template[0]
+        shares = rounded_shares(self.cm.chunk_cost(kind.device_type, kind.tp, 1, False, False))
+        return fill_factor(choice, len(template), shares)
+
+    def class_schedule(self, template: Template, boundary: float, zero_degree: int, micro_batches: int,
+                       choices: Sequence[ScheduleChoice] | None = None
+                       ) -> tuple[ScheduleChoice, LayerSplit, float, float] | None:
+        """The schedule (of ``choices``, default those the settings allow) whose fast split runs
+        ``micro_batches`` fastest by ``LayerSplit.pipeline_s`` with its fill factor; None if none fits."""
+        best = None
+        for choice in self.choices if choices is None else choices:
+            sp = self.fast_split(template, zero_degree, choice)
+            if sp is None:
+                continue
+            fill, hops = self.fill(template, choice)
+            t = sp.pipeline_s(micro_batches, hops * boundary, fill)
+            if best is None or t < best[0] - 1e-12:
+                best = (t, choice, sp, fill, hops)
+        return None if best is None else best[1:]
 
     def _pair_s(self, a: int, b: int) -> float:
         """One boundary both ways between stages led by devices ``a`` and ``b`` (``p2p_time`` prices a
@@ -338,7 +419,8 @@ class Searcher:
             return None
         self._seen_blocks.add(seen_key)
         for template in set(templates):
-            if len(template) > self.model.num_layers or self.fast_split(template, zd) is None:
+            if len(template) > self.model.num_layers or all(self.fast_split(template, zd, c) is None
+                                                            for c in self.choices):
                 return None
         if placement != "contiguous" and all(
                 deal(len(gs), [sh.get(k, 0) for sh in shares], placement)
@@ -351,11 +433,13 @@ class Searcher:
         for i, lay in enumerate(layouts):
             by_class.setdefault((lay.template, round(self.boundary_s(lay), 12)), []).append(i)
         classes = []
+        m_each = max(1, self.micro_batches // pipelines)
         for (template, bnd), members in by_class.items():
-            split = self.fast_split(template, zd)
-            if split is None:
+            picked = self.class_schedule(template, bnd, zd, max(len(template), m_each))
+            if picked is None:
                 return None
-            classes.append(ClassInfo(template, bnd, tuple(members), split))
+            sched, split, fill, hops = picked
+            classes.append(ClassInfo(template, bnd, tuple(members), split, sched, fill, hops))
         grad_bytes, opt_terms = self._terms(classes)
         rings = self._sync_rings(layouts, classes) if pipelines > 1 else ()
         return BlockCandidate(choice, pipelines, order, placement, tuple(layouts), tuple(classes), grad_bytes,
@@ -369,14 +453,15 @@ class Searcher:
         with the same holders fused. Returns (ring, bytes, seconds) per stage of each class, costliest
         first."""
         n_layers = self.model.num_layers
-        ranges = [c.split.ranges() for c in classes]
-        cuts = sorted({0, n_layers} | {b for rs in ranges for r in rs for b in r})
+        ranges = [[(lo, hi, k) for k, chunks in enumerate(stage_layer_ranges(c.split.layers, c.schedule))
+                   for lo, hi in chunks] for c in classes]
+        cuts = sorted({0, n_layers} | {b for rs in ranges for r in rs for b in r[:2]})
         fused: dict[tuple[int, int], dict[tuple[int, ...], float]] = {}
         for a, b in zip(cuts, cuts[1:]):
             holders = []
             devs: list[int] = []
             for ci, (c, rs) in enumerate(zip(classes, ranges)):
-                k = next(i for i, (lo, hi) in enumerate(rs) if lo <= a < hi)
+                k = next(i for lo, hi, i in rs if lo <= a < hi)
                 holders.append((ci, k))
                 devs.extend(layouts[i].groups[k].devices[0] for i in c.members)
             if len(devs) < 2:
@@ -384,11 +469,10 @@ class Searcher:
             ring = tuple(sorted(devs))
             for ci, k in holders:
                 kind = classes[ci].template[k]
-                n_st = len(classes[ci].template)
                 params = (b - a) * self.cm.layer(kind.device_type, kind.tp).params
-                if a == 0 and k == 0:
+                if a == 0:   # the stage holding layer 0 holds the embedding, the last layer's the head
                     params += self.cm.extras(kind.device_type, kind.tp, True, False).params
-                if b == n_layers and k == n_st - 1:
+                if b == n_layers:
                     params += self.cm.extras(kind.device_type, kind.tp, False, True).params
                 nbytes = params * self.cm.profiles[kind.device_type].memory.grad_bytes
                 per = fused.setdefault((ci, k), {})
@@ -418,7 +502,7 @@ class Searcher:
         for c in classes:
             n_st = len(c.template)
             for k, (kind, n) in enumerate(zip(c.template, c.split.layers)):
-                first, last = k == 0, k == n_st - 1
+                first, last = c.schedule.ends(k, n_st)
                 params = self.cm.stage(kind.device_type, kind.tp, n, first, last).params
                 tensors = self.cm.tensors_per_stage(n, first, last)
                 grad = max(grad, params * self.cm.profiles[kind.device_type].memory.grad_bytes)
@@ -509,7 +593,61 @@ class Searcher:
         blocks = {frozenset([t]): self._keep(single[t], best_rate[t] / total_rate) for t in types}
         blocks.update(self._mixed_blocks(choices, types, blocks, best_rate, total_rate))
         realized = self._realize_best(types, self.combine(types, blocks))
-        return [c for c, _, _ in realized] + self._finalize_best(types, realized)
+        exact = self._price_best(realized)
+        final = self._finalize_best(types, exact + [r for r in realized if all(r[1] is not e[1] for e in exact)])
+        # Only exactly priced plans are returned, so that every candidate is compared on the same estimate.
+        return [c for c, _, _ in exact] + final
+
+    def _price_best(self, realized: Sequence[tuple[Candidate, Combo, Allocation]]
+                    ) -> list[tuple[Candidate, Combo, Allocation]]:
+        """Phase 4b: the best ``EXACT_REALIZED`` realized plans (by the proxy) priced exactly, and with
+        ``schedule="auto"`` each also with every pipeline class on the schedule that runs it fastest
+        (``best_schedules``). Best first."""
+        out = []
+        for cand, combo, alloc in realized[:EXACT_REALIZED]:
+            out.append((self.exact(cand), combo, alloc))
+            variant = self.best_schedules(combo, alloc)
+            if variant is not None:
+                alt = self.realize(variant, alloc)
+                if alt is not None:
+                    out.append((self.exact(alt), variant, alloc))
+        out.sort(key=lambda x: x[0].step_time_s)
+        return out
+
+    def best_schedules(self, combo: Combo, alloc: Allocation) -> Combo | None:
+        """``combo`` with each pipeline class on the schedule of ``variant_choices`` (its own fast split
+        under that schedule's memory) whose exact pipeline time (``CostModel.pipeline_step_time``: the
+        runtime's lists played on the op costs) at the class's micro-batch count is least; None when no
+        class changes. The search itself ranks pipelines by 1F1B's closed form under "auto", where the
+        proxies of the other schedules mislead (their order is the runtime's, from layer counts)."""
+        if not self.variant_choices:
+            return None
+        zd = self.zero_degree(sum(b.pipelines for b in combo))
+        blocks, changed, hj = [], False, 0
+        for b in combo:
+            classes = []
+            for c in b.classes:
+                mb = max(alloc.per_class[hj])
+                hj += 1
+                lay = b.layouts[c.members[0]]
+                best = (self._class_time(lay, c.split, mb, c.schedule), c)
+                for choice in self.variant_choices:
+                    sp = self.fast_split(c.template, zd, choice)
+                    if choice == c.schedule or sp is None or (choice.name == "interleaved" and mb < len(c.template)):
+                        continue
+                    t = self._class_time(lay, sp, mb, choice)
+                    if t < best[0] - 1e-12:
+                        fill, hops = self.fill(c.template, choice)
+                        best = (t, dataclasses.replace(c, split=sp, schedule=choice, fill=fill, hops=hops))
+                changed |= best[1] is not c
+                classes.append(best[1])
+            blocks.append(dataclasses.replace(b, classes=tuple(classes)))
+        return tuple(blocks) if changed else None
+
+    def _class_time(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
+                    ) -> float:
+        one = Strategy(name="class", pipelines=(self._pipeline(lay, split, micro_batches, choice),))
+        return self.cm.pipeline_step_time(one, 0, choice.name)
 
     def _single_type_jobs(self, choices: Mapping[str, Sequence[int]], types: Sequence[str]) -> Iterator[Job]:
         """Single-type blocks to evaluate: all of a type's groups, or P x S of them, at every TP degree."""
@@ -698,84 +836,112 @@ class Searcher:
     # -- realized plans ------------------------------------------------------------------------------
 
     def _classes(self, combo: Sequence[BlockCandidate], alloc: Allocation
-                 ) -> tuple[list[PipelineLayout], list[tuple[Template, float]], dict, dict]:
-        """Classes over the whole combination (identical template and boundary cost), their members
-        (indices into the layouts) and the largest micro-batch count the allocation gave each."""
+                 ) -> tuple[list[PipelineLayout], list[ClassKey], dict, dict, dict]:
+        """Classes over the whole combination (identical template, boundary cost and schedule), their
+        members (indices into the layouts), the largest micro-batch count the allocation gave each and
+        their schedule's (fill, hops)."""
         layouts = [lay for b in combo for lay in b.layouts]
-        keys: list[tuple[Template, float]] = []
-        members: dict[tuple[Template, float], list[int]] = {}
-        most: dict[tuple[Template, float], int] = {}
+        keys: list[ClassKey] = []
+        members: dict[ClassKey, list[int]] = {}
+        most: dict[ClassKey, int] = {}
+        fills: dict[ClassKey, tuple[float, float]] = {}
         gi = hj = 0
         for b in combo:
             for c in b.classes:
-                key = (c.template, c.boundary_s)
+                key = (c.template, c.boundary_s, c.schedule)
                 if key not in members:
                     keys.append(key)
                     members[key] = []
+                    fills[key] = (c.fill, c.hops)
                 members[key].extend(gi + i for i in c.members)
                 most[key] = max(most.get(key, 0), max(alloc.per_class[hj]))
                 hj += 1
             gi += len(b.layouts)
-        return layouts, keys, members, most
+        return layouts, keys, members, most, fills
 
     def _candidate(self, layouts: Sequence[PipelineLayout], split_of: Mapping[int, LayerSplit],
-                   mb_of: Mapping[int, int]) -> Candidate | None:
-        pipes = []
-        for idx, lay in enumerate(layouts):
-            sp = split_of[idx]
-            stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc)
-                           for g, r, rc in zip(lay.groups, sp.ranges(), sp.recompute))
-            pipes.append(Pipeline(micro_batches=mb_of[idx], stages=stages))
-        strategy = Strategy(name="planned", pipelines=tuple(pipes))
-        est = self.cm.estimate(strategy, self.settings.global_batch, self.settings.schedule, self.settings.zero)
+                   mb_of: Mapping[int, int], choice_of: Mapping[int, ScheduleChoice],
+                   proxy_s: Sequence[float] | None = None) -> Candidate | None:
+        """The plan, estimated (``proxy_s``: with these pipeline times instead of the list scheduler's)."""
+        pipes = tuple(self._pipeline(lay, split_of[idx], mb_of[idx], choice_of[idx]) for idx, lay in enumerate(layouts))
+        strategy = Strategy(name="planned", pipelines=pipes)
+        est = self.cm.estimate(strategy, self.settings.global_batch, self.settings.default_schedule,
+                               self.settings.zero, pipeline_s=proxy_s)
         if not est.fits:
             self.stats.notes.append(f"dropped a plan: the cost model reports OOM on devices {est.oom_devices}")
             return None
         used = set(strategy.devices)
         idle = tuple(d for d in self.devices if d not in used)
-        return Candidate(strategy, est, self.cm.micro_batch, idle, describe(strategy, self.cluster))
+        return Candidate(strategy, est, self.cm.micro_batch, idle,
+                         describe(strategy, self.cluster, self.settings.default_schedule), proxy=proxy_s is not None)
+
+    def exact(self, cand: Candidate) -> Candidate:
+        """A proxy-priced candidate with the exact estimate (the list scheduler's pipeline times)."""
+        est = self.cm.estimate(cand.strategy, self.settings.global_batch, self.settings.default_schedule,
+                               self.settings.zero)
+        return dataclasses.replace(cand, estimate=est, proxy=False)
+
+    def _pipeline(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
+                  ) -> Pipeline:
+        """A pipeline of ``lay``'s groups with ``split``'s layers cut into ``choice``'s chunks (its schedule
+        named unless it is the plan's default)."""
+        stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc)
+                       for g, r, rc in zip(lay.groups, stage_layer_ranges(split.layers, choice), split.recompute))
+        own = None if choice.name == self.settings.default_schedule else choice.name
+        return Pipeline(micro_batches=micro_batches, stages=stages, schedule=own)
 
     def realize(self, combo: Sequence[BlockCandidate], alloc: Allocation) -> Candidate | None:
-        """The combination as it was scored: fast splits, greedy micro-batch counts; scored by the cost
-        model (its estimate, not the fast score)."""
+        """The combination as it was scored: fast splits, greedy micro-batch counts, each class's schedule;
+        scored by the cost model (its estimate, not the fast score), each pipeline's time by its class's
+        ``time_option`` (a proxy: ``Searcher.exact`` prices the best ones by the list scheduler)."""
         split_of: dict[int, LayerSplit] = {}
         mb_of: dict[int, int] = {}
+        choice_of: dict[int, ScheduleChoice] = {}
+        proxy: dict[int, float] = {}
         gi = hj = 0
         for b in combo:
             for c in b.classes:
                 for i, mb in zip(c.members, alloc.per_class[hj]):
                     split_of[gi + i] = c.split
                     mb_of[gi + i] = mb
+                    choice_of[gi + i] = c.schedule
+                    proxy[gi + i] = c.option().time(mb)
                 hj += 1
             gi += len(b.layouts)
         layouts = [lay for b in combo for lay in b.layouts]
-        return self._candidate(layouts, split_of, mb_of)
+        return self._candidate(layouts, split_of, mb_of, choice_of, [proxy[i] for i in range(len(layouts))])
 
     def finalize(self, combo: Sequence[BlockCandidate], hint: Allocation) -> Candidate | None:
         """Exact layer splits and micro-batches for a combination, scored by ``CostModel.estimate``: each
-        class offers its fast split and the ILP splits for the micro-batch counts it may get, the
-        allocation ILP picks counts and splits together, then each class is re-split for its count."""
-        layouts, keys, members, hint_m = self._classes(combo, hint)
+        class offers its fast split and the ILP splits for the micro-batch counts it may get (under its
+        schedule's memory and fill), the allocation ILP picks counts and splits together, then each class
+        is re-split for its count."""
+        layouts, keys, members, hint_m, fills = self._classes(combo, hint)
         zd = self.zero_degree(len(layouts))
         m_total = self.micro_batches
         n_layers = self.model.num_layers
         limit = max(1.0, min(10.0, self.deadline - time.perf_counter()))
         options: list[list[LayerSplit]] = []
         for key in keys:
-            template, _ = key
-            slots = self._slots(template, zd)
-            fast = split_fast(slots, n_layers)
+            template, _, choice = key
+            fill = fills[key][0]
+            slots = self._slots(template, zd, choice)
+            fast = self.fast_split(template, zd, choice)
             if fast is None:
                 return None
             found = [fast]
             for mb in sorted({len(template), hint_m[key]}):
                 self.stats.ilps += 1
-                sp = split_ilp(slots, n_layers, mb, limit, incumbent=fast)
-                if sp is not None and sp not in found:
+                sp = split_ilp(slots, n_layers, mb, limit, incumbent=fast, fill=fill)
+                if sp is not None and sp not in found and min(sp.layers) >= choice.chunks:
                     found.append(sp)
             options.append(found)
-        classes = [PipelineClass(tuple(TimeOption(s.max_s, s.sum_s - s.max_s + key[1]) for s in opts),
-                                 len(key[0]), len(members[key])) for key, opts in zip(keys, options)]
+
+        def option(key: ClassKey, sp: LayerSplit) -> TimeOption:
+            return time_option(sp, key[1], *fills[key])
+
+        classes = [PipelineClass(tuple(option(key, s) for s in opts), len(key[0]), len(members[key]))
+                   for key, opts in zip(keys, options)]
         self.stats.ilps += 1
         alloc = allocate_ilp(classes, m_total, limit)
         if alloc is None:
@@ -787,33 +953,53 @@ class Searcher:
             if mb in (hint_m[key], len(key[0])):
                 continue   # already solved for this count
             self.stats.ilps += 1
-            sp = split_ilp(self._slots(key[0], zd), n_layers, mb, limit, incumbent=chosen[j])
-            if sp is not None and sp.pipeline_s(mb) < chosen[j].pipeline_s(mb) - 1e-12:
+            fill = fills[key][0]
+            sp = split_ilp(self._slots(key[0], zd, key[2]), n_layers, mb, limit, incumbent=chosen[j], fill=fill)
+            if sp is not None and min(sp.layers) >= key[2].chunks and \
+                    sp.pipeline_s(mb, fill=fill) < chosen[j].pipeline_s(mb, fill=fill) - 1e-12:
                 chosen[j] = sp
                 changed = True
         if changed:
-            classes = [PipelineClass((TimeOption(s.max_s, s.sum_s - s.max_s + key[1]),), len(key[0]),
-                                     len(members[key])) for key, s in zip(keys, chosen)]
+            classes = [PipelineClass((option(key, s),), len(key[0]), len(members[key])) for key, s in zip(keys, chosen)]
             self.stats.ilps += 1
             again = allocate_ilp(classes, m_total, limit)
             if again is not None and again.makespan_s <= alloc.makespan_s + 1e-12:
                 alloc = again
+        for j, key in enumerate(keys):   # the exact pipeline time has the last word on each split
+            lay, mb, choice = layouts[members[key][0]], max(alloc.per_class[j]), key[2]
+
+            def price(sp: LayerSplit, lay: PipelineLayout = lay, mb: int = mb, choice: ScheduleChoice = choice
+                      ) -> float:
+                one = Strategy(name="class", pipelines=(self._pipeline(lay, sp, mb, choice),))
+                return self.cm.pipeline_step_time(one, 0, choice.name)
+
+            budget = max(3, min(24, REFINE_OPS // (3 * len(key[0]) * choice.chunks * mb)))
+            chosen[j] = refine_split(self._slots(key[0], zd, choice), chosen[j], price, choice.chunks, budget)
         split_of: dict[int, LayerSplit] = {}
         mb_of: dict[int, int] = {}
+        choice_of: dict[int, ScheduleChoice] = {}
         for j, key in enumerate(keys):
             for idx, mb in zip(members[key], alloc.per_class[j]):
                 mb_of[idx] = mb
                 split_of[idx] = chosen[j]
-        return self._candidate(layouts, split_of, mb_of)
+                choice_of[idx] = key[2]
+        return self._candidate(layouts, split_of, mb_of, choice_of)
 
     def _report(self, phase: str, done: int, total: int) -> None:
         if self.progress is not None:
             self.progress(phase, done, total)
 
 
-def describe(strategy: Strategy, cluster: Cluster) -> str:
-    """Short text: identical pipelines grouped, e.g. ``2 x [H800/tp1 x4] (m=8) + ...``."""
-    parts: dict[tuple[str, int], int] = {}
+def schedule_label(pipe: Pipeline, default: Schedule = "1f1b") -> str:
+    """'1f1b', 'zb-h1', 'interleaved v=2', ...: a pipeline's schedule and, for interleaved, its chunks."""
+    name = pipe.schedule if pipe.schedule is not None else default
+    return name if name != "interleaved" else f"interleaved v={pipe.stages[0].chunks}"
+
+
+def describe(strategy: Strategy, cluster: Cluster, default: Schedule = "1f1b") -> str:
+    """Short text: identical pipelines grouped, e.g. ``2 x [H800/tp1 x4] m=8 zb-h1 + ...`` (the schedule
+    where it is not 1F1B)."""
+    parts: dict[tuple[str, int, str], int] = {}
     for p in strategy.pipelines:
         stages = []
         for s in p.stages:
@@ -823,15 +1009,16 @@ def describe(strategy: Strategy, cluster: Cluster) -> str:
             else:
                 stages.append([label, 1])
         text = "[" + " > ".join(f"{lab} x{n}" if n > 1 else lab for lab, n in stages) + "]"
-        key = (text, p.micro_batches)
+        label = schedule_label(p, default)
+        key = (text, p.micro_batches, "" if label == "1f1b" else f" {label}")
         parts[key] = parts.get(key, 0) + 1
-    return " + ".join(f"{n} x {t} m={mb}" for (t, mb), n in parts.items())
+    return " + ".join(f"{n} x {t} m={mb}{sched}" for (t, mb, sched), n in parts.items())
 
 
 def structure_key(s: Strategy) -> tuple:
     """Which devices form which stages of which pipeline, and the micro-batch counts; layer splits aside
     (two splits of one structure are the same plan, one a little worse)."""
-    return tuple((p.micro_batches, tuple(st.devices for st in p.stages)) for p in s.pipelines)
+    return tuple((p.micro_batches, p.schedule, tuple(st.devices for st in p.stages)) for p in s.pipelines)
 
 
 def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterable[int],

@@ -1,14 +1,16 @@
 """Discrete-event simulation of one training step of a strategy, on the costs of ``planner.cost``.
 
-Where the cost model's ``estimate`` uses the closed-form 1F1B/GPipe formula, the simulator plays the
-schedule out as the runtime runs it (runtime/engine/schedules.py): every stage is a resource running its
-actions in order — forward and backward of a micro-batch (TP collectives included), and communication
-actions that post a group of sends/receives together and wait for all of them (Megatron's
-send_forward_recv_backward grouping); each pipeline has its own micro-batch count. A transfer takes
-``CostModel.p2p_time`` once both sides have posted (a rendezvous: measured so on gloo, where a
-batched send waits for its receive; NCCL's send/recv behave so too); a tick's transfers overlap, or
-follow one another where the profile says sends and receives serialise (planner/links.py, the rules the
-cost model prices by too). The measured fixed cost per iteration is added to the step. After its
+Where the cost model's ``estimate`` prices each pipeline by the list scheduler on its op costs, the
+simulator plays the action lists the runtime executes (``StrategyHandle.pipeline_schedule``: the
+same ``Schedule`` objects, runtime/pipeline_schedules.py) as the engine runs them: every stage is a
+resource running its actions in order — its chunks' F, B, W or fused BW ops (TP collectives in F and
+B), ``PostSend`` / ``PostRecv`` (never block), ``WaitRecv`` (blocks until that message has arrived) and
+a final ``WaitSends``; each pipeline has its own schedule and micro-batch count. A message is a transfer
+on its pair of devices' link, in the pair's post order (one stream per pair), and takes ``latency +
+bytes / bandwidth`` once both sides have posted it (a rendezvous: measured so on gloo, where a send
+waits for its receive; NCCL's send/recv behave so too); a pair's two directions share one queue where
+the profile says sends and receives serialise (planner/links.py, the rule the cost model prices by too),
+else each direction has its own. The measured fixed cost per iteration is added to the step. After its
 stage's last action each device joins its gradient-sync groups (a group's all-reduce starts when its
 last member joins), then the per-step all-reduce of loss and gradient norm, then its optimizer step, then
 (ZeRO-1) the all-gathers of the updated parameter chunks, group by group in the gradient sync's order.
@@ -22,8 +24,9 @@ a process finishes a block, wakes from its sleep or from a blocking receive whil
 its core computes, it waits that much longer for the core as ``hspmd profile`` measured
 (``CoreHandoff``; nothing on an idle core).
 
-The result has the step time, per-stage compute / comm / bubble, the peak number of in-flight
-micro-batches each stage reached (hence its peak memory), and a timeline for Chrome-trace / Perfetto.
+The result has the step time, per-stage compute / comm / bubble, the peak number of live chunk
+activations each stage reached and its peak memory (``Schedule.peak_activation_memory`` of the lists
+played), and a timeline for Chrome-trace / Perfetto.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from planner.cost import CostModel, StageCost
+from planner.cost import GIB, CostModel, StageCost
 from runtime.comm.gradsync import SyncGroup
-from runtime.engine.schedules import Comm, Compute, Transfer, build_schedule
+from runtime.pipeline_schedules import ChunkCost, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
+from runtime.pipeline_schedules import Schedule as PipelineSchedule
 from runtime.profiling.profile import CoreHandoff, ResumePenalty
 from runtime.spec.plan import Schedule, Strategy
 
@@ -51,7 +55,7 @@ class Event:
     category: str        # forward | backward | p2p | grad_sync | clip | optimizer | zero_gather
     pipeline: int
     stage: int
-    lane: str            # 'stage' or 'link k->k+1' / 'link k+1->k'
+    lane: str            # 'stage', or 'link k<->j' for a message (its sender's stage k)
     start_s: float
     end_s: float
     micro_batch: int | None = None
@@ -69,10 +73,10 @@ class StageReport:
     micro_batches: int
     compute_s: float
     comm_s: float        # TP collectives + gradient sync + loss/norm all-reduce + ZeRO-1 all-gathers
-    p2p_s: float         # pipeline sends/receives (the transfers themselves; waiting is bubble)
+    p2p_s: float         # its messages' transfers (sent and received; they overlap compute, so bubble counts the waits)
     optimizer_s: float
-    bubble_s: float      # step time minus everything the stage did: waiting
-    peak_in_flight: int
+    bubble_s: float      # step time minus its compute, comm and optimizer: waiting (for messages too)
+    peak_in_flight: int  # chunk activations alive at once
     peak_memory_gib: float
     capacity_gib: float
 
@@ -93,13 +97,14 @@ class SimulationResult:
     step_time_s: float
     tokens_per_s: float
     mfu: float
-    formula_step_time_s: float      # the cost model's closed form, for comparison
+    formula_step_time_s: float      # the cost model's estimate (CostModel.estimate), for comparison
     pipeline_end_s: tuple[float, ...]
     stages: tuple[StageReport, ...]
     peak_memory_gib: dict[int, float]
     oom_devices: tuple[int, ...]
     events: tuple[Event, ...]
     cpu_hosts: dict[str, float] = field(default_factory=dict)   # emulated hosts (cores) shared: their cores
+    pipeline_schedules: tuple[str, ...] = ()   # the schedule each pipeline ran
 
     def to_json(self) -> dict[str, Any]:
         return {"strategy": self.strategy, "schedule": self.schedule, "step_time_s": self.step_time_s,
@@ -107,7 +112,8 @@ class SimulationResult:
                 "formula_step_time_s": self.formula_step_time_s, "pipeline_end_s": list(self.pipeline_end_s),
                 "stages": [s.to_json() for s in self.stages],
                 "peak_memory_gib": {str(d): g for d, g in sorted(self.peak_memory_gib.items())},
-                "oom_devices": list(self.oom_devices), "cpu_hosts": self.cpu_hosts}
+                "oom_devices": list(self.oom_devices), "cpu_hosts": self.cpu_hosts,
+                "pipeline_schedules": list(self.pipeline_schedules)}
 
 
 class OpKind(Enum):
@@ -146,8 +152,7 @@ class SimOp:
     wake: ResumePenalty | None = None
     sharing: float = 1.0
     handoff: CoreHandoff | None = None
-    transfers: tuple[Transfer, ...] = ()  # a P2P op: the runtime's transfers it posts together
-    serial: bool = False  # a P2P op whose transfers serialise on its links (one after the other)
+    message: Message | None = None  # a P2P op: the runtime's message it carries
 
     @property
     def computes(self) -> bool:
@@ -159,7 +164,8 @@ class EventLoop:
     dependencies have completed (time advances event by event).
 
     * A communication op's end is known once every op it ``waits`` on has started: a transfer of
-      ``secs`` completes at ``max(own start, peer start) + secs`` (a rendezvous).
+      ``secs`` completes at ``max(own start, peer start) + secs`` (a rendezvous). A fixed op with
+      ``deps`` (a wait for a message) starts once they have completed, its resource blocked meanwhile.
     * A compute op on shared CPU hosts (``hosts``: (host, demand) pairs) first needs ``cpu`` seconds of
       work: the ops active on a host share its cores (each at ``min(1, cores / total demand)``, processor
       sharing) times its measured sharing efficiency while the core is oversubscribed (time-slicing
@@ -216,6 +222,7 @@ class _Run:
         self.cpu_end: dict[str, float] = {}  # resource -> when its last compute op's CPU work ended
         self.pending: dict[str, float] = {}  # compute op -> when it gets its core (a wake-up on a busy core)
         self.slept: dict[str, bool] = {}     # resource -> its last op ended in an emulated device's sleep
+        self.idle_since: dict[str, float] = {}  # resource -> when its last op completed
         self.users: dict[str, set[str]] = {}  # host -> the resources with ops on it
         self.foreign: set[tuple[str, str]] = set()  # (host, resource): another resource computed there since
         self.watchers: dict[str, set[str]] = {}     # op -> resources to wake when it starts or completes
@@ -279,6 +286,7 @@ class _Run:
         self.done[name] = self.times[name][1]
         r = op.resource
         self.slept[r] = op.stretch > 1.0 and op.computes
+        self.idle_since[r] = self.now
         self.busy[r] = None
         self.advance(r)
         for wr in self.watchers.get(name, ()):
@@ -372,10 +380,12 @@ class _Run:
             end = max(end, t)
         for w, secs in op.waits:
             end = max(end, max(start, self.starts[w]) + secs)
-        latest = max((self.starts[w] for w, _ in op.waits), default=start)
-        if latest > start:   # blocked meanwhile: resumes later
+        blocked = max((self.starts[w] for w, _ in op.waits), default=start) - start
+        if op.deps and not op.waits:   # a wait for a message: blocked since its resource went idle
+            blocked = start - self.idle_since.get(op.resource, 0.0)
+        if blocked > 0:   # blocked meanwhile: resumes later
             if op.wake is not None:
-                end += op.wake.extra_s(latest - start, False)
+                end += op.wake.extra_s(blocked, False)
             if op.handoff is not None and self.core_busy(name):
                 end += op.handoff.recv_wake_s
         self.finish_at(name, end)
@@ -391,16 +401,20 @@ class _Run:
 
 def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
              zero: bool = False) -> SimulationResult:
-    """Simulate one step of ``strategy`` with the costs of ``cm``."""
+    """Simulate one step of ``strategy`` with the costs of ``cm``; each pipeline runs its own schedule
+    (``Pipeline.schedule``), else ``schedule``."""
+    names = tuple(p.schedule if p.schedule is not None else schedule for p in strategy.pipelines)
+    # The runtime's lists (StrategyHandle.pipeline_schedule), through the cost model's cache of them.
+    schedules = tuple(cm.runtime_schedule(strategy, pi, schedule) for pi in range(len(strategy.pipelines)))
     costs = _Costs.of(cm, strategy)
     sim = EventLoop(costs.cores)
-    last_action = _add_schedules(sim, costs, schedule)
+    last_action, tp_s, labels = _add_schedules(sim, costs, schedules)
     sync = cm.sync_plan(strategy)
     _add_step_end(sim, costs, last_action, sync, zero)
     times = sim.run()
     # The measured fixed cost per iteration (launches, synchronisation, logging) comes on top.
     step = max(end for _, end in times.values()) + cm.iteration_time(strategy)
-    events, reports, memory = _reports(sim, times, costs, last_action, sync, zero, step)
+    events, reports, memory = _reports(sim, times, costs, schedules, tp_s, labels, sync, zero, step)
     est = cm.estimate(strategy, global_batch, schedule, zero)
     return SimulationResult(
         strategy=strategy.name, schedule=schedule, step_time_s=step,
@@ -410,7 +424,8 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
                              for pi, p in enumerate(strategy.pipelines)),
         stages=tuple(reports), peak_memory_gib=memory,
         oom_devices=tuple(sorted(d for d, g in memory.items() if g > cm.cluster.type_of(d).memory_gib)),
-        events=tuple(sorted(events, key=lambda e: (e.start_s, e.pipeline, e.stage))), cpu_hosts=dict(costs.cores))
+        events=tuple(sorted(events, key=lambda e: (e.start_s, e.pipeline, e.stage))), cpu_hosts=dict(costs.cores),
+        pipeline_schedules=names)
 
 
 @dataclass(frozen=True)
@@ -420,7 +435,8 @@ class _Costs:
     cm: CostModel
     strategy: Strategy
     type_of: dict[int, str]
-    stages: dict[tuple[int, int], StageCost]  # (pipeline, stage) -> one micro-batch through it
+    stages: dict[tuple[int, int], StageCost]  # (pipeline, stage) -> one micro-batch through all its chunks
+    chunks: dict[tuple[int, int, int], tuple[StageCost, ChunkCost]]  # (pipeline, stage, chunk) -> its costs
     cores: dict[str, float]
     hosts_of: dict[int, list[tuple[str, float]]]
     stage_of: dict[int, tuple[int, int]]  # device -> (pipeline, stage)
@@ -428,16 +444,31 @@ class _Costs:
     @classmethod
     def of(cls, cm: CostModel, strategy: Strategy) -> _Costs:
         type_of = {d.id: d.type for d in cm.cluster.devices}
-        stages = {}
+        n_layers = cm.model.num_layers
+        stages, chunks = {}, {}
         for pi, pipe in enumerate(strategy.pipelines):
-            n = len(pipe.stages)
             for k, st in enumerate(pipe.stages):
-                stages[pi, k] = cm.placed_stage(type_of[st.devices[0]], st.tp, st.layers, k == 0, k == n - 1,
-                                                st.recompute)
+                dtype = type_of[st.devices[0]]
+                stages[pi, k] = cm.stage_total(st)
+                for c, (a, b) in enumerate(st.layers):
+                    chunks[pi, k, c] = (cm.stage(dtype, st.tp, b - a, a == 0, b == n_layers, st.recompute),
+                                        cm.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers, st.recompute))
         cores, hosts_of = cm.host.cpu_layout(strategy.devices)
         stage_of = {d: (pi, k) for pi, p in enumerate(strategy.pipelines) for k, st in enumerate(p.stages)
                     for d in st.devices}
-        return cls(cm, strategy, type_of, stages, cores, hosts_of, stage_of)
+        return cls(cm, strategy, type_of, stages, chunks, cores, hosts_of, stage_of)
+
+    def op_parts(self, pi: int, k: int, op: Compute) -> tuple[float, float, float]:
+        """(seconds, TP collective seconds, their CPU seconds) of a compute op, as the cost model prices
+        its chunk: F and the fused BW as ``stage``, B and W as ``chunk_cost`` splits the backward (the TP
+        collectives are B's)."""
+        sc, cc = self.chunks[pi, k, op.chunk]
+        if op.kind == "F":
+            return sc.forward_s, sc.tp_forward_s, sc.tp_cpu_forward_s
+        if op.kind == "W":
+            return cc.weight_grad, 0.0, 0.0
+        total = sc.backward_s if op.kind == "BW" else cc.input_grad
+        return total, sc.tp_backward_s, sc.tp_cpu_backward_s
 
     def block(self, devices: Sequence[int], total: float, tp: float = 0.0, tp_cpu: float = 0.0) -> dict[str, Any]:
         """A compute block's ``SimOp`` fields: its CPU work (the device's stretch taken out), the TP
@@ -458,50 +489,65 @@ class _Costs:
         return SimOp(name, f"dev{device}", kind, pi, k, **fields)
 
 
-def _add_schedules(sim: EventLoop, costs: _Costs, schedule: Schedule) -> dict[tuple[int, int], str]:
-    """Every stage's action list as the runtime builds it (runtime/engine/schedules.py): compute blocks,
-    and communication actions that post their transfers together, each a rendezvous with the peer stage's
-    matching transfer. Returns each stage's last op."""
+def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSchedule]
+                   ) -> tuple[dict[tuple[int, int], str], dict[str, float], dict[str, str]]:
+    """Every stage's action list as the runtime executes it: compute ops; posts that never block; each
+    message a transfer on its pair's link (one queue per pair, in the pair's post order, which both
+    sides share) once both sides have posted it; a ``WaitRecv`` blocks its stage until its message has
+    arrived, the final ``WaitSends`` until its sends have. Returns each stage's last op, and each compute
+    op's TP collective seconds and timeline label."""
     cm = costs.cm
-    actions = {}
-    where: dict[tuple[int, int, str, int], str] = {}   # (pipeline, stage, transfer kind, mb) -> comm op
-    for pi, pipe in enumerate(costs.strategy.pipelines):
-        for k in range(len(pipe.stages)):
-            actions[pi, k] = build_schedule(schedule, len(pipe.stages), k, pipe.micro_batches)
-            for ai, a in enumerate(actions[pi, k]):
-                if isinstance(a, Comm):
-                    where.update({(pi, k, t.kind, t.micro_batch): f"p{pi}s{k}C{ai}" for t in a.transfers})
-    last = {}
-    for (pi, k), acts in actions.items():
-        pipe = costs.strategy.pipelines[pi]
-        st, sc, res = pipe.stages[k], costs.stages[pi, k], f"p{pi}s{k}"
-        device_type = costs.type_of[st.devices[0]]
-        for ai, a in enumerate(acts):
-            if isinstance(a, Compute):
-                fwd = a.kind == "forward"
-                block = costs.block(st.devices, sc.forward_s if fwd else sc.backward_s,
-                                    sc.tp_forward_s if fwd else sc.tp_backward_s,
-                                    sc.tp_cpu_forward_s if fwd else sc.tp_cpu_backward_s)
-                name = f"{res}{'F' if fwd else 'B'}{a.micro_batch}"
-                sim.add(SimOp(name, res, OpKind(a.kind), pi, k, a.micro_batch,
-                              resume=cm.host.resume_penalty(device_type), **block))
-                continue
-            waits = []
-            for t in a.transfers:
-                peer = pipe.stages[k + t.peer_offset]
-                src, dst = (st, peer) if t.is_send else (peer, st)
-                secs = cm.p2p_time(src.devices, dst.devices)
-                waits.append((where[pi, k + t.peer_offset, t.counterpart, t.micro_batch], secs))
-            name = f"{res}C{ai}"
-            # Its own duration: the tick's transfers together (the longest, or their sum where they
-            # serialise: planner/links.py tick_seconds, as the cost model prices a tick).
-            duration = cm.tick_time(st.devices, [secs for _, secs in waits])
-            sim.add(SimOp(name, res, OpKind.P2P, pi, k, a.transfers[0].micro_batch,
-                          duration=duration, waits=tuple(waits), transfers=a.transfers,
-                          serial=len(waits) > 1 and duration > max(secs for _, secs in waits),
-                          wake=cm.host.comm_wake(device_type), **costs.waiting(st.devices)))
-        last[pi, k] = name
-    return last
+    last: dict[tuple[int, int], str] = {}
+    tp_s: dict[str, float] = {}
+    labels: dict[str, str] = {}
+    for pi, (pipe, sched) in enumerate(zip(costs.strategy.pipelines, schedules)):
+        posted: dict[tuple[int, Message], str] = {}
+        for k, acts in enumerate(sched.actions):
+            for ai, a in enumerate(acts):
+                if isinstance(a, (PostSend, PostRecv)):
+                    posted[k, a.message] = f"p{pi}s{k}a{ai}"
+
+        def transfer(msg: Message, pi: int = pi) -> str:
+            return f"p{pi}m{msg.kind[0]}{msg.micro_batch}s{msg.src_stage}"
+
+        for k, acts in enumerate(sched.actions):   # the links, each pair's queue from its first device's list
+            for a in acts:
+                if isinstance(a, (PostSend, PostRecv)) and k == min(a.message.src, a.message.dst):
+                    msg = a.message
+                    src, dst = pipe.stages[msg.src].devices, pipe.stages[msg.dst].devices
+                    secs = cm.p2p_time(src, dst)
+                    # one queue per pair where sends and receives serialise, else one per direction
+                    link = (f"p{pi}link{k}-{max(msg.src, msg.dst)}" if cm.serialises(src + dst)
+                            else f"p{pi}link{msg.src}>{msg.dst}")
+                    sim.add(SimOp(transfer(msg), link, OpKind.P2P, pi, msg.src,
+                                  msg.micro_batch, duration=secs,
+                                  deps=(posted[msg.src, msg], posted[msg.dst, msg]), message=msg))
+        for k, acts in enumerate(sched.actions):
+            st, res = pipe.stages[k], f"p{pi}s{k}"
+            device_type = costs.type_of[st.devices[0]]
+            sent: list[str] = []
+            for ai, a in enumerate(acts):
+                name = f"{res}a{ai}"
+                if isinstance(a, Compute):
+                    total, tp, tp_cpu = costs.op_parts(pi, k, a)
+                    name = f"{res}{a.kind}{a.micro_batch}c{a.chunk}"
+                    tp_s[name] = tp
+                    # 'F3', 'B3' (the whole backward, or its input-gradient half), 'W3'; '/1' for chunk 1
+                    labels[name] = (f"{a.kind[0]}{a.micro_batch}" + (f"/{a.chunk}" if len(st.layers) > 1 else ""))
+                    kind = OpKind.FORWARD if a.kind == "F" else OpKind.BACKWARD
+                    sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=cm.host.resume_penalty(device_type),
+                                  **costs.block(st.devices, total, tp, tp_cpu)))
+                elif isinstance(a, (PostSend, PostRecv)):
+                    sim.add(SimOp(name, res, None, pi, k, a.message.micro_batch))
+                    if isinstance(a, PostSend):
+                        sent.append(transfer(a.message))
+                else:
+                    deps = (transfer(a.message),) if isinstance(a, WaitRecv) else tuple(sent)
+                    assert isinstance(a, (WaitRecv, WaitSends))
+                    sim.add(SimOp(name, res, None, pi, k, deps=deps, wake=cm.host.comm_wake(device_type),
+                                  **costs.waiting(st.devices)))
+            last[pi, k] = name
+    return last, tp_s, labels
 
 
 def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, int], str],
@@ -542,28 +588,33 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
 
 
 def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Costs,
-             last_action: dict[tuple[int, int], str], sync: Sequence[SyncGroup], zero: bool,
-             step: float) -> tuple[list[Event], list[StageReport], dict[int, float]]:
+             schedules: Sequence[PipelineSchedule], tp_s: dict[str, float], labels: dict[str, str],
+             sync: Sequence[SyncGroup], zero: bool, step: float
+             ) -> tuple[list[Event], list[StageReport], dict[int, float]]:
     """The timeline, each stage's report and each device's peak memory."""
     events: list[Event] = []
     p2p_busy: dict[tuple[int, int], float] = {}
     fb_wall: dict[tuple[int, int], float] = {}
+    tp_busy: dict[tuple[int, int], float] = {}
     for name, (start, end) in times.items():
         op = sim.ops[name]
         key = (op.pipeline, op.stage)
-        if op.kind is OpKind.P2P:
-            label = ", ".join(f"{t.kind.replace('_', ' ')} {t.micro_batch}" for t in op.transfers)
-            busy = min(end - start, op.duration)
-            p2p_busy[key] = p2p_busy.get(key, 0.0) + busy
-            events.append(Event(label, "p2p", op.pipeline, op.stage, "stage", start, end, op.micro_batch, busy))
+        if op.kind is OpKind.P2P and op.message is not None:
+            msg = op.message
+            for k in (msg.src, msg.dst):
+                p2p_busy[op.pipeline, k] = p2p_busy.get((op.pipeline, k), 0.0) + op.duration
+            events.append(Event(f"{msg.kind} {msg.micro_batch} (stage {msg.src_stage}->{msg.dst_stage})", "p2p",
+                                op.pipeline, msg.src, f"link {msg.src}->{msg.dst}", start, end, op.micro_batch,
+                                op.duration))
         elif op.kind in (OpKind.FORWARD, OpKind.BACKWARD):
-            sc = costs.stages[key]
-            fwd = op.kind is OpKind.FORWARD
             fb_wall[key] = fb_wall.get(key, 0.0) + end - start
-            events.append(Event(f"{'F' if fwd else 'B'}{op.micro_batch}", op.kind.value, op.pipeline, op.stage,
-                                "stage", start, end, op.micro_batch, sc.tp_forward_s if fwd else sc.tp_backward_s))
+            tp_busy[key] = tp_busy.get(key, 0.0) + tp_s[name]
+            label = labels[name]
+            events.append(Event(label, op.kind.value, op.pipeline, op.stage, "stage", start, end, op.micro_batch,
+                                tp_s[name]))
     stats0, stats1 = times["stats"]
     cm, pipes = costs.cm, costs.strategy.pipelines
+    n_layers = cm.model.num_layers
     memory: dict[int, float] = {}
     reports = []
 
@@ -576,10 +627,14 @@ def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Cost
             events.append(Event(label, category, pi, k, "stage", times[mine[0]][0], times[mine[-1]][1], None, busy))
         return busy
 
-    for pi, pipe in enumerate(pipes):
-        n = len(pipe.stages)
+    for pi, (pipe, sched) in enumerate(zip(pipes, schedules)):
+        # Activation bytes of one micro-batch per (stage, chunk): the lists' own peak, in the order played.
+        sizes = [[cm.chunk_activation_bytes(costs.type_of[st.devices[0]], st.tp, b - a, a == 0, st.recompute)
+                  for a, b in st.layers] for st in pipe.stages]
+        peak_bytes = sched.peak_activation_memory(sizes)
+        peak_count = sched.peak_activation_memory([[1.0] * len(row) for row in sizes])
         for k, st in enumerate(pipe.stages):
-            sc, d0 = costs.stages[pi, k], st.devices[0]
+            d0 = st.devices[0]
             sync_busy = joined("g", sync, d0, "grad sync", "grad_sync", pi, k)
             if stats1 > stats0:
                 events.append(Event("loss/norm all-reduce", "clip", pi, k, "stage", stats0, stats1, None,
@@ -587,32 +642,20 @@ def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Cost
             o0, o1 = max((times[f"opt{d}"] for d in st.devices), key=lambda x: x[1])
             events.append(Event("optimizer", "optimizer", pi, k, "stage", o0, o1))
             gather_busy = joined("z", sync if zero else (), d0, "ZeRO-1 param all-gather", "zero_gather", pi, k)
-            peak = _peak_in_flight([times[f"p{pi}s{k}F{j}"][1] for j in range(pipe.micro_batches)],
-                                   [times[f"p{pi}s{k}B{j}"][1] for j in range(pipe.micro_batches)])
             device_type = costs.type_of[d0]
-            mem = cm.stage_memory(device_type, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, peak,
-                                  len(pipes) if zero else 1)
-            memory.update(dict.fromkeys(st.devices, mem.gib))
-            m = pipe.micro_batches
-            compute = fb_wall.get((pi, k), 0.0) - m * sc.tp_comm_s
-            comm = m * sc.tp_comm_s + sync_busy + (stats1 - stats0) + gather_busy
-            p2p = p2p_busy.get((pi, k), 0.0)
+            chunks = tuple((b - a, a == 0, b == n_layers) for a, b in st.layers)
+            static = cm.device_memory(device_type, st.tp, chunks, st.recompute, 0, len(pipes) if zero else 1)
+            gib = (static.total + peak_bytes[k]) / GIB
+            memory.update(dict.fromkeys(st.devices, gib))
+            compute = fb_wall.get((pi, k), 0.0) - tp_busy.get((pi, k), 0.0)
+            comm = tp_busy.get((pi, k), 0.0) + sync_busy + (stats1 - stats0) + gather_busy
             reports.append(StageReport(
                 pipeline=pi, stage=k, devices=st.devices, device_type=device_type, tp=st.tp, layers=st.layers,
-                micro_batches=m, compute_s=compute, comm_s=comm, p2p_s=p2p, optimizer_s=o1 - o0,
-                bubble_s=max(0.0, step - compute - comm - p2p - (o1 - o0)), peak_in_flight=peak,
-                peak_memory_gib=mem.gib, capacity_gib=cm.cluster.type_of(d0).memory_gib))
+                micro_batches=pipe.micro_batches, compute_s=compute, comm_s=comm, p2p_s=p2p_busy.get((pi, k), 0.0),
+                optimizer_s=o1 - o0, bubble_s=max(0.0, step - compute - comm - (o1 - o0)),
+                peak_in_flight=round(peak_count[k]), peak_memory_gib=gib,
+                capacity_gib=cm.cluster.type_of(d0).memory_gib))
     return events, reports, memory
-
-
-def _peak_in_flight(fwd_end: Sequence[float], bwd_end: Sequence[float]) -> int:
-    """Most micro-batches whose forward is done and backward is not, over the step."""
-    marks = sorted([(t, 1) for t in fwd_end] + [(t, -1) for t in bwd_end], key=lambda x: (x[0], x[1]))
-    cur = peak = 0
-    for _, delta in marks:
-        cur += delta
-        peak = max(peak, cur)
-    return peak
 
 
 def chrome_trace(result: SimulationResult, strategy: Strategy) -> dict[str, Any]:

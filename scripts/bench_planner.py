@@ -16,6 +16,11 @@ the plan and the best symmetric plan, trains each with ``hspmd train`` and compa
 times (mean over the steps after warm-up).
 
     python scripts/bench_planner.py [--json] [--scale 64,256,1024] [--no-quality] [--measured DIR]
+                                    [--batches 64,256] [--cases h800-h20-48,...] [--no-per-schedule]
+
+Every plan searches the pipeline schedule and its chunk count per pipeline (``--schedule auto``, as
+``hspmd plan`` defaults); per quality case, ``per_schedule`` gives the best plan with each schedule
+fixed (``hspmd plan --schedule NAME``), so the gain of each is visible.
 
 Every plan is chosen as ``hspmd plan`` chooses it (``--check-top 8``: the best candidates re-checked with
 the step simulator, ranked by the worse of estimate and simulation). Figures are the closed-form
@@ -43,8 +48,11 @@ sys.path.insert(0, str(REPO))
 
 from planner.api import PlanResult, PlanSettings, plan  # noqa: E402
 from planner.cost import CostModel, model_flops_per_token  # noqa: E402
+from planner.schedule_choice import AUTO  # noqa: E402
+from planner.search import schedule_label  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
 from runtime.errors import InfeasibleError  # noqa: E402
+from runtime.pipeline_schedules import SCHEDULE_NAMES  # noqa: E402
 from runtime.profiling.profile import resolve_profiles  # noqa: E402
 from runtime.spec import load_cluster, load_model, load_plan  # noqa: E402
 from runtime.spec.cluster import Cluster, DeviceType, Node  # noqa: E402
@@ -83,11 +91,41 @@ def cluster_mfu(result: PlanResult, seq_len: int, global_batch: int) -> float:
 CHECK_TOP = 8   # as ``hspmd plan`` (--check-top): the best plans re-checked with the step simulator
 
 
-def run_plan(model, cluster, batch: int, time_limit: float = 600.0) -> PlanResult:
+def run_plan(model, cluster, batch: int, time_limit: float = 600.0, schedule: str = AUTO,
+             cost_ordered: bool = False) -> PlanResult:
     profiles = resolve_profiles(cluster.device_types)
     # top_k: keep every checked candidate listed (the estimate's favourite among them).
     return plan(model, cluster, profiles, PlanSettings(global_batch=batch, seq_len=SEQ_LEN, time_limit_s=time_limit,
-                                                       simulate_top=CHECK_TOP, top_k=CHECK_TOP + 4))
+                                                       simulate_top=CHECK_TOP, top_k=CHECK_TOP + 4,
+                                                       schedule=schedule, cost_ordered=cost_ordered))
+
+
+def schedules_used(result: PlanResult) -> dict[str, int]:
+    """Pipelines of the best plan per schedule label ('zb-h1', 'interleaved v=2', ...)."""
+    out: dict[str, int] = {}
+    for p in result.best.strategy.pipelines:
+        label = schedule_label(p, result.settings.default_schedule)
+        out[label] = out.get(label, 0) + 1
+    return out
+
+
+def per_schedule(model, cluster, batch: int) -> dict:
+    """The best plan with each schedule fixed: step time by the estimate and the simulator, efficiency."""
+    out = {}
+    for name in SCHEDULE_NAMES:
+        t0 = time.perf_counter()
+        try:
+            r = run_plan(model, cluster, batch, schedule=name)
+        except InfeasibleError as err:
+            out[name] = {"infeasible": str(err)}
+            continue
+        out[name] = {"plan": r.best.summary, "step_time_s": r.best.step_time_s,
+                     "simulated_step_time_s": r.best.simulated_s, "efficiency": r.efficiency,
+                     "efficiency_simulated": r.lower_bound.step_time_s / r.best.simulated_s,
+                     "planner_seconds": time.perf_counter() - t0}
+        log(f"    {name}: {r.best.step_time_s:.3f} s (simulated {r.best.simulated_s:.3f}), efficiency "
+            f"{r.efficiency:.3f} / {out[name]['efficiency_simulated']:.3f}")
+    return out
 
 
 def simulated(result: PlanResult, strategy, micro_batch: int | None) -> float | None:
@@ -95,11 +133,12 @@ def simulated(result: PlanResult, strategy, micro_batch: int | None) -> float | 
     if strategy is None or micro_batch is None:
         return None
     cm = CostModel(result.model, result.cluster, resolve_profiles(result.cluster.device_types),
-                   micro_batch=micro_batch, seq_len=result.settings.seq_len)
-    return simulate(cm, strategy, result.settings.global_batch, "1f1b", result.settings.zero).step_time_s
+                   micro_batch=micro_batch, seq_len=result.settings.seq_len, cost_ordered=result.settings.cost_ordered)
+    return simulate(cm, strategy, result.settings.global_batch, result.settings.default_schedule,
+                    result.settings.zero).step_time_s
 
 
-def quality_case(name: str, cluster_ref: str, model_ref: str, batch: int) -> dict:
+def quality_case(name: str, cluster_ref: str, model_ref: str, batch: int, schedules: bool = True) -> dict:
     model, cluster = load_model(model_ref), load_cluster(cluster_ref)
     t0 = time.perf_counter()
     het = run_plan(model, cluster, batch)
@@ -135,6 +174,7 @@ def quality_case(name: str, cluster_ref: str, model_ref: str, batch: int) -> dic
         "mfu_gap_vs_homogeneous": None if hom_mfu is None else 1.0 - mfu / hom_mfu,
         "mfu_gap_points": None if hom_mfu is None else hom_mfu - mfu,
         "idle_devices": len(het.best.idle_devices), "planner_seconds": wall,
+        "schedules": schedules_used(het),
     }
     # What ranking by the closed-form estimate alone (--check-top 0) would have chosen: the candidate with the
     # least estimate (every candidate the check simulated is among the result's, that one included).
@@ -144,6 +184,18 @@ def quality_case(name: str, cluster_ref: str, model_ref: str, batch: int) -> dic
                             "efficiency": het.lower_bound.step_time_s / fav.step_time_s}
     sym_sim = out["symmetric_simulated_s"]
     out["speedup_over_symmetric_simulated"] = None if sym_sim is None else sym_sim / het.best.simulated_s
+    if schedules:
+        out["per_schedule"] = per_schedule(model, cluster, batch)
+    # What a runtime ordering its action lists by the plan's op costs would reach (PlanSettings.cost_ordered).
+    t0 = time.perf_counter()
+    ordered = run_plan(model, cluster, batch, cost_ordered=True)
+    out["cost_ordered"] = {"plan": ordered.best.summary, "step_time_s": ordered.best.step_time_s,
+                           "simulated_step_time_s": ordered.best.simulated_s, "efficiency": ordered.efficiency,
+                           "efficiency_simulated": ordered.lower_bound.step_time_s / ordered.best.simulated_s,
+                           "planner_seconds": time.perf_counter() - t0}
+    log(f"    cost-ordered lists (what-if): {ordered.best.step_time_s:.3f} s (simulated "
+        f"{ordered.best.simulated_s:.3f}), efficiency {ordered.efficiency:.3f} / "
+        f"{out['cost_ordered']['efficiency_simulated']:.3f}: {ordered.best.summary}")
     log(f"  {name} B={batch}: {het.best.step_time_s:.3f} s (simulated {het.best.simulated_s:.3f}), "
         f"efficiency {het.efficiency:.3f}, "
         f"x{out['speedup_over_symmetric'] or float('nan'):.2f} over symmetric, MFU {mfu:.3f} vs homogeneous "
@@ -166,7 +218,9 @@ def scale_case(n: int) -> dict:
     return {"seconds": wall, "search_seconds": res.solver_time_s, "truncated": res.stats.truncated,
             "step_time_s": res.best.step_time_s, "simulated_step_time_s": res.best.simulated_s,
             "efficiency": res.efficiency,
-            "speedup_over_symmetric": res.speedup(res.symmetric), "plan": res.best.summary}
+            "efficiency_simulated": res.lower_bound.step_time_s / res.best.simulated_s,
+            "speedup_over_symmetric": res.speedup(res.symmetric), "plan": res.best.summary,
+            "schedules": schedules_used(res)}
 
 
 def _mean_step(metrics: Path, skip: int) -> float:
@@ -209,13 +263,20 @@ def main() -> None:
     ap.add_argument("--no-quality", action="store_true", help="skip the quality cases")
     ap.add_argument("--measured", type=Path, help="measured profile directory of cpu-hetero4: also train both plans")
     ap.add_argument("--steps", type=int, default=12, help="training steps per plan with --measured")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="global batches of the quality cases")
+    ap.add_argument("--cases", default="", help="quality cases to run (default: all)")
+    ap.add_argument("--no-per-schedule", action="store_true", help="skip the plans with each schedule fixed")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    cases = [c for c in CASES if not args.cases or c[0] in args.cases.split(",")]
     out: dict = {"note": "simulated with planner/cost.py; timings on a shared 2-core machine unless noted"}
     if not args.no_quality:
-        for batch in BATCHES:
+        for batch in batches:
             log(f"quality, global batch {batch} x {SEQ_LEN}:")
             key = "quality" if batch == BATCHES[0] else f"quality_batch_{batch}"
-            out[key] = {name: quality_case(name, c, m, batch) for name, c, m in CASES}
+            # The per-schedule plans at the issue's batch only (they multiply the runs by five).
+            out[key] = {name: quality_case(name, c, m, batch, not args.no_per_schedule and batch == BATCHES[0])
+                        for name, c, m in cases}
     if args.scale:
         log("scale (llama-32b, 4 GPU types, global batch = GPUs):")
         runs = {int(n): scale_case(int(n)) for n in args.scale.split(",") if n.strip()}
@@ -239,6 +300,12 @@ def main() -> None:
                   f"{f(q['speedup_over_symmetric_subset'], '8.2f')} {q['mfu']:6.3f} "
                   f"{f(q['homogeneous_mfu'], '9.3f')} {f(q['mfu_gap_vs_homogeneous'], '6.1%')}")
             print(f"    plan: {q['plan']}")
+            for sched, r in q.get("per_schedule", {}).items():
+                if "infeasible" in r:
+                    print(f"    {sched:12} infeasible")
+                else:
+                    print(f"    {sched:12} step {r['step_time_s']:.3f} s (sim {r['simulated_step_time_s']:.3f}) "
+                          f"efficiency {r['efficiency']:.3f} / {r['efficiency_simulated']:.3f}")
     if "scale" in out:
         print("\nscale:")
         for n, r in out["scale"].items():

@@ -69,6 +69,11 @@ def stage(devices: list[int], a: int, b: int) -> dict:
     return {"devices": devices, "layers": [a, b], "recompute": False}
 
 
+def chunks(devices: list[int], *ranges: tuple[int, int]) -> dict:
+    """A stage holding several model chunks (interleaved 1F1B, ZB-V)."""
+    return {"devices": devices, "layers": [list(r) for r in ranges], "recompute": False}
+
+
 # Per emulation mode: the cluster and the largest relative error the simulator should make there.
 MODES = {"stretch": ("cpu-hetero4", 0.10), "sleep": ("cpu-hetero4-sleep", 0.03)}
 
@@ -91,6 +96,16 @@ PLANS: dict[str, list[dict]] = {
     "tp2-fast": [{"micro_batches": 8, "stages": [stage([0, 1], 0, 6)]}],
     "hetero-tp2-pp2": [{"micro_batches": 6, "stages": [stage([0, 1], 0, 6)]},
                        {"micro_batches": 2, "stages": [stage([2], 0, 3), stage([3], 3, 6)]}],
+    # The schedules beyond 1F1B (docs/schedules.md): split backward, model chunks (uneven), the V.
+    "pp4-uneven-zb-h1": [{"micro_batches": 8, "schedule": "zb-h1",
+                          "stages": [stage([0], 0, 2), stage([2], 2, 3), stage([3], 3, 4), stage([1], 4, 6)]}],
+    "pp2-interleaved": [{"micro_batches": 8, "schedule": "interleaved",
+                         "stages": [chunks([0], (0, 2), (4, 5)), chunks([2], (2, 4), (5, 6))]}],
+    "pp3-interleaved": [{"micro_batches": 8, "schedule": "interleaved",
+                         "stages": [chunks([0], (0, 1), (3, 4)), chunks([2], (1, 2), (4, 5)),
+                                    chunks([1], (2, 3), (5, 6))]}],
+    "pp2-zb-v": [{"micro_batches": 8, "schedule": "zb-v",
+                  "stages": [chunks([0], (0, 2), (5, 6)), chunks([2], (2, 4), (4, 5))]}],
 }
 
 

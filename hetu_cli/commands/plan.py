@@ -13,7 +13,9 @@ from hetu_cli.output import FORMAT_OPTION, console, emit_json, err_console
 from planner.api import PlanSettings
 from planner.api import plan as run_planner
 from planner.report import print_report, result_json
+from planner.schedule_choice import AUTO
 from runtime.errors import Problem, SpecError
+from runtime.pipeline_schedules import SCHEDULE_NAMES
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_cluster, load_model, save_plan, validate_plan
 from runtime.spec.catalog import recorded_ref
@@ -39,6 +41,9 @@ from runtime.spec.catalog import recorded_ref
               help="Seconds the search may take (it stops early and keeps what it found).")
 @click.option("--top-k", type=click.IntRange(min=1), default=5, show_default=True,
               help="Near-best candidates to list.")
+@click.option("--schedule", type=click.Choice([AUTO, *SCHEDULE_NAMES]), default=AUTO, show_default=True,
+              help="Pipeline schedule: 'auto' searches the schedule and its model chunks per pipeline "
+                   "(docs/schedules.md); a name fixes it for every pipeline (interleaved: chunks searched).")
 @click.option("--check-top", type=click.IntRange(min=0), default=8, show_default=True,
               help="Re-check this many of the best plans (and the best with identical pipelines, and the "
                    "baselines) with the step simulator and rank them by the worse of the two predictions "
@@ -54,8 +59,8 @@ from runtime.spec.catalog import recorded_ref
 @FORMAT_OPTION
 def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], global_batch: int | None,
          seq_len: int | None, micro_batch: int | None, elastic: bool, use_zero: bool | None, time_limit: float,
-         top_k: int, check_top: int, out_path: Path | None, symmetric_path: Path | None, lengths: str | None,
-         tokens_per_step: int | None, max_strategies: int, fmt: str) -> None:
+         top_k: int, schedule: str, check_top: int, out_path: Path | None, symmetric_path: Path | None,
+         lengths: str | None, tokens_per_step: int | None, max_strategies: int, fmt: str) -> None:
     """Search TP groups, pipelines, layer splits (ILP), micro-batches (ILP) and recompute for the fastest
     plan that fits memory; compare it with the best symmetric plans and the lower bound. With --lengths:
     one plan of several strategies, each serving a range of document lengths (planner/lengths.py)."""
@@ -77,7 +82,8 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
     settings = PlanSettings(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch, elastic=elastic,
-                            use_zero=use_zero, time_limit_s=time_limit, top_k=top_k, simulate_top=check_top)
+                            use_zero=use_zero, time_limit_s=time_limit, top_k=top_k, simulate_top=check_top,
+                            schedule=schedule)  # type: ignore[arg-type]
     err = err_console()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True, disable=not err.is_terminal) as bar:

@@ -70,22 +70,24 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
         emit_json(out)
         return
     con = console()
+    scheds = sorted(set(result.pipeline_schedules))
     con.print(f"[bold]{ctx.model.name}[/bold] on [bold]{ctx.cluster.name}[/bold], strategy {strategy.name!r}, "
-              f"{t.schedule}, global batch {t.global_batch} x {t.seq_len} tokens")
+              f"{', '.join(scheds)}, global batch {t.global_batch} x {t.seq_len} tokens")
     for name, origin in origins.items():
         con.print(f"  profile {name}: {origin}")
     table = Table(title="per stage (seconds per step)", title_justify="left")
-    for col in ("pipe", "stage", "devices", "type", "TP", "layers", "mb", "compute", "comm", "p2p", "optim",
-                "bubble", "in-flight", "peak GiB", "cap GiB"):
+    for col in ("pipe", "schedule", "stage", "devices", "type", "TP", "layers", "mb", "compute", "comm", "p2p",
+                "optim", "bubble", "in-flight", "peak GiB", "cap GiB"):
         table.add_column(col, justify="left" if col in ("devices", "type", "layers") else "right")
     for s in result.stages:
         mem = f"[red]{s.peak_memory_gib:.2f} OOM[/red]" if s.oom else f"{s.peak_memory_gib:.2f}"
-        table.add_row(str(s.pipeline), str(s.stage), ",".join(map(str, s.devices)), s.device_type, str(s.tp),
+        sched = result.pipeline_schedules[s.pipeline] if s.stage == 0 else ""
+        table.add_row(str(s.pipeline), sched, str(s.stage), ",".join(map(str, s.devices)), s.device_type, str(s.tp),
                       " + ".join(f"[{a}, {b})" for a, b in s.layers), str(s.micro_batches), f"{s.compute_s:.4f}",
                       f"{s.comm_s:.4f}", f"{s.p2p_s:.4f}", f"{s.optimizer_s:.4f}", f"{s.bubble_s:.4f}",
                       str(s.peak_in_flight), mem, f"{s.capacity_gib:g}")
     con.print(table)
-    con.print(f"step time [bold]{result.step_time_s:.4f} s[/bold] (closed-form estimate "
+    con.print(f"step time [bold]{result.step_time_s:.4f} s[/bold] (cost-model estimate "
               f"{result.formula_step_time_s:.4f} s), {result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%}")
     if result.oom_devices:
         con.print(f"[red]out of memory on device(s) {', '.join(map(str, result.oom_devices))}[/red]")

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetu_cli.main import cli
-from planner.cost import CostModel, pipeline_time
+from planner.cost import CostModel, pipeline_time, planner_handle
 from planner.simulate import EventLoop, OpKind, SimOp, chrome_trace, simulate
+from runtime.pipeline_schedules import PostSend
 from runtime.profiling.profile import (
     CommFigures,
     ComponentFit,
@@ -81,20 +82,53 @@ def test_schedule_orders():
     assert played(simulate(cm, chain(2, [3, 3]), 2, "gpipe"), 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_actions_are_the_runtime_schedule(schedule):
-    from runtime.engine.schedules import Comm, Compute, build_schedule
+def chunked(m: int, chunk_layers: list[list[tuple[int, int]]], schedule: str) -> Strategy:
+    """One pipeline of one-device stages holding the given chunks, under ``schedule``."""
+    return Strategy("s", (Pipeline(m, tuple(Stage((d,), tuple(r)) for d, r in enumerate(chunk_layers)), schedule),))
 
+
+# (schedule, micro-batches, per stage its chunks) on llama-tiny's 6 layers, uneven chunks included.
+RUNTIME_CASES = [("1f1b", 3, [[(0, 6)]]), ("1f1b", 2, [[(0, 3)], [(3, 6)]]),
+                 ("gpipe", 5, [[(0, 2)], [(2, 4)], [(4, 6)]]),
+                 ("1f1b", 4, [[(0, 1)], [(1, 2)], [(2, 4)], [(4, 6)]]), ("zb-h1", 5, [[(0, 2)], [(2, 4)], [(4, 6)]]),
+                 ("interleaved", 4, [[(0, 2), (3, 5)], [(2, 3), (5, 6)]]),
+                 ("interleaved", 3, [[(0, 1), (3, 4)], [(1, 2), (4, 5)], [(2, 3), (5, 6)]]),
+                 ("zb-v", 3, [[(0, 1), (5, 6)], [(1, 3), (3, 5)]]),
+                 ("zb-v", 4, [[(0, 1), (5, 6)], [(1, 2), (4, 5)], [(2, 3), (3, 4)]])]
+
+
+@pytest.mark.parametrize("case", range(len(RUNTIME_CASES)))
+def test_actions_are_the_runtime_schedule(case):
+    """The simulator plays the runtime's own action lists (StrategyHandle.pipeline_schedule): each stage's
+    compute ops in the lists' order, every message one transfer, which ends before the op that reads it
+    starts and starts no earlier than the op that produces it ends."""
+    schedule, m, chunks = RUNTIME_CASES[case]
     cm = cost_model(profiles(latency=0.001))
-    for stages, m in ((1, 3), (2, 2), (3, 5), (4, 4)):
-        r = simulate(cm, chain(m, [1] * stages), m, schedule)
-        for k in range(stages):
-            runtime = [(("F" if a.kind == "forward" else "B"), a.micro_batch) if isinstance(a, Compute)
-                       else ("C", ", ".join(f"{t.kind.replace('_', ' ')} {t.micro_batch}" for t in a.transfers))
-                       for a in build_schedule(schedule, stages, k, m) if isinstance(a, (Comm, Compute))]
-            ran = [("C", e.name) if e.category == "p2p" else (e.name[0], e.micro_batch)
-                   for e in r.events if e.stage == k and e.category in ("forward", "backward", "p2p")]
-            assert ran == runtime
+    s = chunked(m, chunks, schedule)
+    r = simulate(cm, s, m)
+    sched = planner_handle(cm, s, m).pipeline_schedule(0)
+    assert r.pipeline_schedules == (schedule,)
+    v = len(chunks[0])
+
+    def label(op) -> str:
+        return f"{op.kind[0]}{op.micro_batch}" + (f"/{op.chunk}" if v > 1 else "")
+
+    for k in range(len(chunks)):
+        ran = [e.name for e in r.events if e.stage == k and e.lane == "stage" and e.category in ("forward", "backward")]
+        assert ran == [label(op) for op in sched.order(k)]
+    at = {(e.stage, e.name): e for e in r.events if e.lane == "stage"}
+    messages = [a.message for acts in sched.actions for a in acts if isinstance(a, PostSend)]
+    p2p = [e for e in r.events if e.category == "p2p"]
+    assert len(p2p) == len(messages) == len(set(messages))
+    for msg in messages:
+        (e,) = [e for e in p2p if e.name == f"{msg.kind} {msg.micro_batch} (stage {msg.src_stage}->{msg.dst_stage})"]
+        read_kind = "F" if msg.kind == "activation" else "B"
+        made_kind = "F" if msg.kind == "activation" else "B"
+        c_dst, c_src = sched.layout.chunk(msg.dst_stage), sched.layout.chunk(msg.src_stage)
+        reader = at[msg.dst, f"{read_kind}{msg.micro_batch}" + (f"/{c_dst}" if v > 1 else "")]
+        maker = at[msg.src, f"{made_kind}{msg.micro_batch}" + (f"/{c_src}" if v > 1 else "")]
+        assert maker.end_s <= e.start_s + 1e-12 and e.end_s <= reader.start_s + 1e-12
+        assert e.end_s - e.start_s == pytest.approx(cm.p2p_time((msg.src,), (msg.dst,)))
 
 
 def test_one_stage_pipeline_equals_cost_model_sum():
@@ -185,8 +219,9 @@ def test_chrome_trace_is_complete():
     names = {(e["pid"], e["tid"], e["name"]) for e in xs}
     assert sum(1 for e in xs if e["cat"] == "forward") == 6 and sum(1 for e in xs if e["cat"] == "backward") == 6
     comm = [e["name"] for e in xs if e["cat"] == "p2p"]
-    # 3 activations and 3 gradients, each a send and a receive, in 4 + 4 posted groups.
-    assert len(comm) == 8 and sum(n.count("send") for n in comm) == 6 and sum(n.count("recv") for n in comm) == 6
+    # 3 activations and 3 gradients, each one transfer on the stages' link.
+    assert len(comm) == 6 and sum(n.startswith("activation") for n in comm) == 3
+    assert sum(n.startswith("gradient") for n in comm) == 3
     assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in xs) and len(names) == len(xs)
     assert max(e["ts"] + e["dur"] for e in xs) == pytest.approx(r.step_time_s * 1e6)
 

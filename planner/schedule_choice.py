@@ -1,0 +1,128 @@
+"""Which pipeline schedules the search tries, and how it ranks them before the exact estimate.
+
+The runtime's schedules (runtime/pipeline_schedules.py) differ, for the planner, in three things: how
+many activations a stage keeps (``live_activation_limit``: the memory that decides how many layers a
+device can hold), where the embedding and the head sit (ZB-V's V puts both on the first stage), and
+how much of one micro-batch's pass through the pipeline the schedule fails to overlap (fill and
+drain). The search compares thousands of pipelines, where running the list scheduler for each would
+dominate, so it ranks them by ``m * slowest stage + fill * (sum - slowest) + hops * boundaries``, and
+takes ``fill`` and ``hops`` from the list scheduler itself, run once per (schedule, stage count, op
+shares) on equal stages (``fill_factor``). Realized plans and finalists are then priced exactly
+(``CostModel.estimate``: ``step_time`` on their real op costs). docs/design.md §10.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+
+from runtime.pipeline_schedules import SCHEDULE_NAMES, ChunkCost, Costs, schedule_layout, step_time
+
+AUTO = "auto"
+# Interleaved 1F1B's chunk counts the search tries with the schedule fixed: each halves the fill again
+# and costs activation memory, v times the messages and a stage's fixed time per chunk. "auto" tries the
+# first only: more chunks rarely pay on these stage counts (measured: v = 4 lost to v = 2 and ZB-H1 on
+# every pipeline of the 64-GPU scale case) and each choice costs search time.
+INTERLEAVED_CHUNKS = (2, 4)
+AUTO_INTERLEAVED_CHUNKS = (2,)
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """A schedule and its chunk count per stage (v)."""
+
+    name: str
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.name not in SCHEDULE_NAMES:
+            raise ValueError(f"schedule: unknown schedule {self.name!r} (have: {', '.join(SCHEDULE_NAMES)})")
+        schedule_layout(self.name, 1, self.chunks)   # raises for a chunk count the schedule does not have
+
+    @property
+    def label(self) -> str:
+        return self.name if self.name != "interleaved" else f"interleaved v={self.chunks}"
+
+    def ends(self, stage: int, num_stages: int) -> tuple[bool, bool]:
+        """Whether stage ``stage`` holds the embedding and the head under this schedule's placement."""
+        layout = schedule_layout(self.name, num_stages, self.chunks)
+        return stage == layout.device(0), stage == layout.device(layout.num_stages - 1)
+
+
+def schedule_choices(setting: str) -> tuple[ScheduleChoice, ...]:
+    """What the search tries for ``PlanSettings.schedule``: one named schedule (interleaved: every chunk
+    count of ``INTERLEAVED_CHUNKS``), or for ``"auto"`` every schedule but GPipe, which runs 1F1B's step
+    time with more activations, so it never wins on the cost model."""
+    if setting == AUTO:
+        names: Sequence[str] = tuple(n for n in SCHEDULE_NAMES if n != "gpipe")
+    elif setting in SCHEDULE_NAMES:
+        names = (setting,)
+    else:
+        raise ValueError(f"schedule: unknown schedule {setting!r} (have: {AUTO}, {', '.join(SCHEDULE_NAMES)})")
+    out: list[ScheduleChoice] = []
+    for n in names:
+        if n == "interleaved":
+            chunks = AUTO_INTERLEAVED_CHUNKS if setting == AUTO else INTERLEAVED_CHUNKS
+            out.extend(ScheduleChoice(n, v) for v in chunks)
+        else:
+            out.append(ScheduleChoice(n, schedule_layout(n, 1).chunks))
+    return tuple(out)
+
+
+def chunk_sizes(layers: int, chunks: int) -> tuple[int, ...]:
+    """A stage's layers cut into ``chunks`` chunks as evenly as possible, the larger ones first."""
+    q, r = divmod(layers, chunks)
+    return tuple(q + (1 if c < r else 0) for c in range(chunks))
+
+
+def stage_layer_ranges(layers: Sequence[int], choice: ScheduleChoice) -> list[tuple[tuple[int, int], ...]]:
+    """Per stage its chunks' ``[start, stop)`` layer ranges, from each stage's layer count: chunk ``c`` of
+    stage ``s`` takes ``chunk_sizes`` of its layers, and the ranges follow the placement's virtual-stage
+    order (the model runs through virtual stage 0, 1, ...)."""
+    n = len(layers)
+    layout = schedule_layout(choice.name, n, choice.chunks)
+    sizes = [chunk_sizes(k, choice.chunks) for k in layers]
+    ranges: list[list[tuple[int, int]]] = [[(0, 0)] * choice.chunks for _ in range(n)]
+    start = 0
+    for j in range(layout.num_stages):
+        d, c = layout.device(j), layout.chunk(j)
+        ranges[d][c] = (start, start + sizes[d][c])
+        start += sizes[d][c]
+    return [tuple(r) for r in ranges]
+
+
+# Stages the fill factor is measured on at most: it barely moves with depth (equal stages, F = B = W: 1F1B
+# 1, ZB-H1 2/3, interleaved 1/v at every depth; ZB-V 0.17-0.20 from 4 to 20 stages), and the list
+# scheduler's time grows with stages x micro-batches.
+FILL_STAGES = 6
+
+
+@cache
+def fill_factor(choice: ScheduleChoice, num_stages: int, shares: tuple[float, float, float]) -> tuple[float, float]:
+    """(fill, hops) of ``choice`` on ``S = num_stages`` equal stages whose F, B, W take ``shares`` of a
+    stage's time: the list scheduler's step time at ``m = 2 S'`` micro-batches on ``S' = min(S,
+    FILL_STAGES)`` stages, minus ``m`` stage times, over 1F1B's ``(S' - 1)`` stage times; and how many
+    times the pipeline's stage boundaries a micro-batch's pass crosses (``S v - 1`` boundaries instead
+    of ``S - 1``; ZB-V's turn at the last stage is no transfer)."""
+    if num_stages <= 1:
+        return 1.0, 1.0
+    v = choice.chunks
+    layout = schedule_layout(choice.name, num_stages, v)
+    crossings = sum(layout.device(j) != layout.device(j + 1) for j in range(layout.num_stages - 1))
+    s = min(num_stages, FILL_STAGES)
+    f, b, w = shares
+    layout = schedule_layout(choice.name, s, v)
+    cost = ChunkCost(f / v, b / v, w / v)
+    m = 2 * s
+    t = step_time(choice.name, s, m, v, Costs.uniform(layout, cost))
+    fill = max(0.0, (t - m * (f + b + w)) / ((s - 1) * (f + b + w)))
+    return fill, crossings / (num_stages - 1)
+
+
+def rounded_shares(cost: ChunkCost) -> tuple[float, float, float]:
+    """F, B, W as shares of their sum, rounded to 0.1 (``fill_factor`` is cached on them)."""
+    total = cost.forward + cost.input_grad + cost.weight_grad
+    f = max(0.1, round(cost.forward / total * 10) / 10)
+    b = max(0.1, round(cost.input_grad / total * 10) / 10)
+    return f, b, max(0.1, round(1.0 - f - b, 1))
