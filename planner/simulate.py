@@ -373,11 +373,6 @@ class _Run:
             return False
         start = self.starts[name]
         end = start + op.duration
-        if op.serial:   # each transfer once the previous one is done and its peer has posted
-            t = start
-            for w, secs in op.waits:
-                t = max(t, self.starts[w]) + secs
-            end = max(end, t)
         for w, secs in op.waits:
             end = max(end, max(start, self.starts[w]) + secs)
         blocked = max((self.starts[w] for w, _ in op.waits), default=start) - start

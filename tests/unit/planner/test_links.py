@@ -10,7 +10,7 @@ import pytest
 
 from planner.cost import CostModel
 from planner.links import Flow, concurrent_seconds, ring_sharers, tick_seconds
-from planner.simulate import EventLoop, OpKind, SimOp, simulate
+from planner.simulate import simulate
 from runtime.profiling.profile import COMPONENTS, CommFigures, ComponentFit, MeasuredModel, OptimizerFit, spec_profile
 from runtime.profiling.tables import LinkCurve
 from runtime.spec import load_model
@@ -141,21 +141,6 @@ def test_send_and_receive_at_one_tick(serialised: bool):
     expect = 9.0 + (4 * p if serialised else 3 * p)
     est, sim = both(cm, s)
     assert sim == pytest.approx(expect) and est == pytest.approx(expect)
-
-
-def test_serial_op_in_the_event_loop():
-    loop = EventLoop()
-    loop.add(SimOp("x", "r1", OpKind.P2P, duration=3.0, waits=(("y", 1.0), ("z", 2.0)), serial=True))
-    loop.add(SimOp("c", "r2", OpKind.FORWARD, cpu=5.0))
-    loop.add(SimOp("y", "r2", OpKind.P2P, duration=1.0, waits=(("x", 1.0),)))
-    loop.add(SimOp("z", "r3", OpKind.P2P, duration=2.0, waits=(("x", 2.0),)))
-    times = loop.run()
-    # x: the transfer with y once y posts (5) and 1 s, then the one with z: 5 + 1 + 2 = 8.
-    assert times["x"] == (0.0, 8.0)
-    overlapped = EventLoop()
-    for op in loop.ops.values():
-        overlapped.add(dataclasses.replace(op, serial=False))
-    assert overlapped.run()["x"] == (0.0, 6.0)
 
 
 def test_fixed_cost_per_iteration():
