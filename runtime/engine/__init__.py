@@ -10,9 +10,9 @@ The launcher (runtime/launch/) creates the world and calls, per worker::
 ``ReferenceTrainer`` is the single-process training every plan must reproduce.
 
 The planning half is pure and imports no torch: the action lists (runtime/pipeline_schedules.py, through
-``handle.pipeline_schedule``; ``schedules`` is the older 1F1B / GPipe form the planner still reads), ``specialize``
+``handle.pipeline_schedule``), ``specialize``
 (``specialize(handle, device) -> DevicePlan``), ``describe`` and ``zero`` (ZeRO-1's layout). The
 executing half (``program``, ``pipeline``, ``data_parallel``, ``tensor_parallel``, ``optim``,
 ``reference``, ``api``) needs torch; import it from its module. This package imports neither, so
-``import runtime.engine.schedules`` stays torch-free.
+``import runtime.engine.specialize`` stays torch-free.
 """

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 PLANNING_MODULES = (
     "runtime.spec", "runtime.spec.handle", "runtime.annotations", "runtime.annotations.from_plan",
-    "runtime.engine.schedules", "runtime.engine.specialize", "runtime.engine.describe", "runtime.engine.zero",
+    "runtime.engine.specialize", "runtime.engine.describe", "runtime.engine.zero",
     "runtime.comm.gradsync", "runtime.comm.bsr", "runtime.comm.resolve", "runtime.elastic.state",
     "runtime.profiling.profile", "planner.api", "planner.simulate", "planner.cost", "planner.replan",
 )
