@@ -35,11 +35,11 @@ echo "this host's cores, and a step's time is what the plan, the schedule and th
 echo "profile: time every Llama component on this CPU, measure the links (what the runtime does for real)"
 hspmd profile --cluster cpu-hetero4-sleep --out "$OUT/profiles"
 
-act "3. Plan: search TP groups, pipelines, layer splits and micro-batches (ILP) for the fastest plan that fits"
+act "3. Plan: search TP groups, pipelines, layer splits, micro-batches (ILP) and each pipeline's schedule for the fastest plan that fits"
 hspmd plan --model llama-tiny --cluster cpu-hetero4-sleep --profile "$OUT/profiles" --global-batch 16 \
   --seq-len 256 -o "$OUT/plan.yaml" --symmetric-out "$OUT/symmetric.yaml"
 echo "(the H20s price a block ~1.8x an A800: the planner gives them a smaller share of the batch, where the"
-echo " symmetric plan makes the A800s wait for them)"
+echo " symmetric plan makes the A800s wait for them; the table says which schedule each pipeline runs and why)"
 hspmd simulate --plan "$OUT/plan.yaml" --profile "$OUT/profiles" --trace "$OUT/simulated-trace.json"
 hspmd simulate --plan "$OUT/symmetric.yaml" --profile "$OUT/profiles"
 
@@ -74,3 +74,21 @@ printf 'steps: 24\nevents:\n  - {step: 6, action: kill, devices: [1]}\n  - {step
 echo "the same trace modelled: goodput against checkpoint-restart and an Oobleck-like baseline"
 hspmd simulate --plan configs/plans/cpu-hetero4-sleep-dp-pp.yaml --strategy dp-pp --profile "$OUT/profiles" \
   --events "$OUT/trace.yaml"
+
+act "7. Mixed sequence lengths: long-tailed documents, one strategy per length range, per-step dispatch"
+echo "plan several strategies for documents up to llama-tiny's 256 tokens, 512 tokens a step (longtail: most"
+echo "documents short, a few long); each strategy serves a length range (max_seq_len)"
+hspmd plan --model llama-tiny --cluster cpu-hetero4-sleep --profile "$OUT/profiles" --lengths longtail \
+  --tokens-per-step 512 -o "$OUT/lengths-plan.yaml"
+hspmd simulate --plan "$OUT/lengths-plan.yaml" --profile "$OUT/profiles" --lengths longtail --steps 12
+echo "train it: every rank draws the same documents, picks the same strategy and deals the documents to"
+echo "pipelines by predicted cost; documents are packed into micro-batches (attention stays inside each"
+echo "document), and a strategy change moves the state in memory by fused BSR"
+LONGEST=$(python -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['strategies'][-1]['name'])" \
+  "$OUT/lengths-plan.yaml")
+hspmd train --plan "$OUT/lengths-plan.yaml" --lengths longtail --steps 12 --metrics "$OUT/lengths-metrics.jsonl"
+echo "the same documents on the one strategy that holds the longest ($LONGEST), as a fixed plan would run them:"
+hspmd train --plan "$OUT/lengths-plan.yaml" --lengths longtail --strategy "$LONGEST" --steps 12 \
+  --metrics "$OUT/lengths-fixed-metrics.jsonl"
+python scripts/compare_runs.py hspmd="$OUT/lengths-metrics.jsonl" fixed="$OUT/lengths-fixed-metrics.jsonl"
+grep '"event"' "$OUT/lengths-metrics.jsonl" || echo "(no strategy switch in these steps: the modelled gain never beat the switch)"
