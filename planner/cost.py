@@ -136,9 +136,9 @@ from runtime.profiling.profile import (
 )
 from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
-from runtime.spec.handle import StrategyHandle
+from runtime.spec.handle import StrategyHandle, plan_schedule
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import PLAN_VERSION, Plan, Schedule, Stage, Strategy, TrainingSettings
+from runtime.spec.plan import PLAN_VERSION, OpCosts, Plan, Schedule, Stage, Strategy, TrainingSettings
 
 GIB = float(2**30)
 
@@ -404,7 +404,7 @@ class CostModel:
     """Costs of one model on one cluster at one micro-batch shape. Cheap to build; caches as it goes."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
-                 *, micro_batch: int, seq_len: int, step_allreduce: bool = True, cost_ordered: bool = False) -> None:
+                 *, micro_batch: int, seq_len: int, step_allreduce: bool = True) -> None:
         missing = [t for t in cluster.device_types if t not in profiles]
         if missing:
             raise ValueError(f"no profile for device type(s) {missing}")
@@ -414,10 +414,6 @@ class CostModel:
         self.micro_batch = micro_batch
         self.seq_len = seq_len
         self.step_allreduce = step_allreduce
-        # What-if: price (and simulate) each pipeline in the order the list scheduler builds on the priced op
-        # costs, as a runtime that took its lists' costs from the plan would run it, instead of the order
-        # StrategyHandle.pipeline_schedule builds today (from layer counts). docs/design.md §10.
-        self.cost_ordered = cost_ordered
         self.host = HostModel(model, cluster, profiles, seq_len)   # emulated hosts: planner/host.py
         self._type_of = [d.type for d in cluster.devices]
         self._node_of = [d.node for d in cluster.devices]
@@ -1094,30 +1090,38 @@ class CostModel:
         return cache[key]
 
     def runtime_schedule(self, strategy: Strategy, pi: int, schedule: Schedule) -> PipelineSchedule:
-        """The ``Schedule`` the runtime executes for pipeline ``pi`` (``StrategyHandle.pipeline_schedule``
-        of a plan holding it, ``schedule`` the default unless it names its own), cached per pipeline shape:
-        the handle derives it from the plan alone, here from the pipeline alone, its devices renumbered.
-        With ``cost_ordered``: the list scheduler's lists on the priced costs instead (a what-if)."""
+        """The ``Schedule`` the runtime executes for pipeline ``pi`` (``schedule`` the default unless it names
+        its own): ``plan_schedule``, the function ``StrategyHandle.pipeline_schedule`` builds it by, from the
+        pipeline's layers and ``op_costs`` (planned strategies carry them: ``with_op_costs``), cached."""
         pipe = strategy.pipelines[pi]
         if pipe.schedule is not None:
             schedule = pipe.schedule
-        renumbered = dataclasses.replace(pipe, stages=tuple(
-            dataclasses.replace(st, devices=tuple(range(k * 64, k * 64 + st.tp))) for k, st in enumerate(pipe.stages)))
-        if self.cost_ordered:
-            costs = self.pipeline_costs(strategy, pi, schedule)
-            key: tuple = (schedule, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
-        else:
-            key = (schedule, renumbered)
+        key = (schedule, pipe.micro_batches, tuple((st.layers, st.op_costs) for st in pipe.stages))
         cache = self.__dict__.setdefault("_runtime_schedules", {})
         if key not in cache:
-            if self.cost_ordered:
-                cache[key] = build_schedule(schedule, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks,
-                                            costs)
-            else:
-                one = Strategy(name="pipeline", pipelines=(renumbered,))
-                cache[key] = planner_handle(self, one, self.micro_batch * pipe.micro_batches,
-                                            schedule).pipeline_schedule(0)
+            cache[key] = plan_schedule(pipe, schedule, pipe.micro_batches)
         return cache[key]
+
+    def stage_op_costs(self, st: Stage) -> tuple[OpCosts, ...]:
+        """A stage's ``op_costs`` for the plan: each chunk's ``chunk_cost`` (F, B, W), the numbers the
+        estimate prices, so that the runtime orders its lists by them."""
+        dtype, n_layers = self._type_of[st.devices[0]], self.model.num_layers
+        out = []
+        for a, b in st.layers:
+            c = self.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers, st.recompute)
+            out.append((c.forward, c.input_grad, c.weight_grad))
+        return tuple(out)
+
+    def costed_stage(self, st: Stage) -> Stage:
+        """``st`` with its ``op_costs`` (re)computed by ``stage_op_costs``."""
+        return dataclasses.replace(st, op_costs=self.stage_op_costs(st))
+
+    def with_op_costs(self, strategy: Strategy) -> Strategy:
+        """``strategy`` with every stage's ``op_costs`` (``costed_stage``): what the planner writes, and so
+        what it prices (docs/design.md §10)."""
+        return dataclasses.replace(strategy, pipelines=tuple(
+            dataclasses.replace(p, stages=tuple(self.costed_stage(st) for st in p.stages))
+            for p in strategy.pipelines))
 
     def pipeline_proxy_time(self, strategy: Strategy, pi: int) -> float:
         """1F1B's closed form (``pipeline_time``) on pipeline ``pi``'s whole stages: a cheap ranking proxy

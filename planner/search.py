@@ -105,9 +105,6 @@ class PlanSettings:
     # Re-check the best ``simulate_top`` candidates (and the best one whose pipelines are all alike) with
     # the discrete-event simulator and rank those by the worse of the two predictions (0: off).
     simulate_top: int = 0
-    # What-if: price every pipeline in the order the list scheduler builds on the priced op costs (a runtime
-    # building its action lists from costs in the plan) instead of the runtime's own (layer counts).
-    cost_ordered: bool = False
 
     @property
     def zero(self) -> bool:
@@ -887,6 +884,8 @@ class Searcher:
         named unless it is the plan's default)."""
         stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc)
                        for g, r, rc in zip(lay.groups, stage_layer_ranges(split.layers, choice), split.recompute))
+        # Its op costs, as the plan will carry them: the runtime orders its lists by them (and so the price).
+        stages = tuple(self.cm.costed_stage(st) for st in stages)
         own = None if choice.name == self.settings.default_schedule else choice.name
         return Pipeline(micro_batches=micro_batches, stages=stages, schedule=own)
 
