@@ -52,8 +52,11 @@ planner can call them millions of times:
   by ``pipeline_step_time`` (the runtime's action lists played with ``chunk_cost``s: ``play_actions``)
   under its own schedule, plus memory per device (the schedule's ``live_activation_limit``:
   ``pipeline_memory``) with OOM flags. docs/design.md §10.
-* ``chunk_cost``: a chunk's F, B and W (the backward split by ``weight_grad_fraction``);
-  ``pipeline_costs``: the list scheduler's ``Costs`` of a pipeline; ``ideal_step_time``: ``step_time`` on them.
+* ``chunk_cost``: a chunk's F, B and W (the backward split by ``weight_grad_fraction``); ``with_op_costs``:
+  a strategy with every stage's ``op_costs`` (its chunks' ``chunk_cost``s), as the planner writes plans, so
+  that the runtime orders its lists by them (``runtime_schedule``: ``plan_schedule``, the handle's own
+  function); ``pipeline_costs``: the priced ``Costs`` of a pipeline (transfers included);
+  ``ideal_step_time``: the list scheduler on them (``step_time``).
 * ``iteration_time``: the measured fixed cost per iteration, added once to the step (estimate and simulator).
 * ``placed_stage(device_type, tp, layers, first, last, recompute)``: ``stage`` for layer ranges, with the
   profile's per-layer-index overrides (estimate and simulator; the planner's ILP prices layers alike).
@@ -1077,9 +1080,10 @@ class CostModel:
         return cache[key]
 
     def ideal_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
-        """What ``pipeline_step_time`` would be if the runtime ordered the ops by these costs: the list
-        scheduler run on them (``step_time``). The runtime orders by layer counts (docs/schedules.md,
-        "Costs in the plan"), so on stages of different speeds the two differ: ``hspmd plan`` shows both."""
+        """The list scheduler run on the priced costs, transfers included (``step_time``): what
+        ``pipeline_step_time`` would be if the runtime's lists were ordered knowing the transfer times and
+        the fused backward. The runtime orders by the plan's op costs without those (else by layer counts:
+        docs/schedules.md, "Costs in the plan"), so the two can differ."""
         pipe = strategy.pipelines[pi]
         name = pipe.schedule if pipe.schedule is not None else schedule
         costs = self.pipeline_costs(strategy, pi, name)

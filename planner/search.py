@@ -616,7 +616,7 @@ class Searcher:
         under that schedule's memory) whose exact pipeline time (``CostModel.pipeline_step_time``: the
         runtime's lists played on the op costs) at the class's micro-batch count is least; None when no
         class changes. The search itself ranks pipelines by 1F1B's closed form under "auto", where the
-        proxies of the other schedules mislead (their order is the runtime's, from layer counts)."""
+        proxies of the other schedules mislead (per-chunk fixed costs, v times the messages)."""
         if not self.variant_choices:
             return None
         zd = self.zero_degree(sum(b.pipelines for b in combo))
