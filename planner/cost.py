@@ -111,7 +111,6 @@ from runtime.pipeline_schedules import (
     Message,
     PostSend,
     WaitRecv,
-    build_schedule,
     live_activation_limit,
     schedule_layout,
     step_time,

@@ -29,8 +29,8 @@ from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_cluster, load_model, load_plan_context, validate_plan
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.io import dump_yaml
-from runtime.spec.schema import to_data
 from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.spec.schema import to_data
 
 TINY = load_model("llama-tiny")
 CPU4 = load_cluster("cpu-hetero4")
@@ -277,12 +277,12 @@ def test_a_planned_strategy_is_priced_in_the_order_of_its_op_costs(choice):
     s = cm.with_op_costs(pipeline(choice, [2, 2, 2] if choice.chunks <= 2 else [3, 3], 6))
     pipe = s.pipelines[0]
     n = len(pipe.stages)
-    for st in pipe.stages:
-        want = tuple(cm.chunk_cost(CPU4.device(st.devices[0]).type, st.tp, b - a, a == 0,
-                                   b == TINY.num_layers, st.recompute) for a, b in st.layers)
-        assert st.op_costs == tuple((c.forward, c.input_grad, c.weight_grad) for c in want)
+    for stage in pipe.stages:
+        want = tuple(cm.chunk_cost(CPU4.device(stage.devices[0]).type, stage.tp, b - a, a == 0,
+                                   b == TINY.num_layers, stage.recompute) for a, b in stage.layers)
+        assert stage.op_costs == tuple((c.forward, c.input_grad, c.weight_grad) for c in want)
     runtime = planner_handle(cm, s, 6).pipeline_schedule(0)
-    ordered = Costs(chunks=tuple(tuple(ChunkCost(*c) for c in st.op_costs) for st in pipe.stages))
+    ordered = Costs(chunks=tuple(tuple(ChunkCost(*c) for c in stage.op_costs) for stage in pipe.stages))
     assert runtime.actions == build_schedule(choice.name, n, 6, choice.chunks, ordered).actions
     costs = cm.pipeline_costs(s, 0, choice.name)
     est = cm.estimate(s, 6)
@@ -306,8 +306,8 @@ def test_the_written_plan_carries_the_op_costs_it_was_priced_with(tmp_path):
         assert ctx.plan == written
         handle = StrategyHandle.of(ctx)
         for pi, pipe in enumerate(handle.strategy.pipelines):
-            for st in pipe.stages:
-                assert st.op_costs == cm.stage_op_costs(st) and st.op_costs is not None
+            for stage in pipe.stages:
+                assert stage.op_costs == cm.stage_op_costs(stage) and stage.op_costs is not None
             costs = cm.pipeline_costs(handle.strategy, pi, handle.schedule_name(pi))
             assert est.pipelines[pi].time_s == play_actions(handle.pipeline_schedule(pi), costs)
 
