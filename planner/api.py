@@ -266,11 +266,12 @@ def schedule_options(cm: CostModel, strategy: Strategy, pi: int, default: Schedu
             out.append(ScheduleOption(choice.label, None, (), chosen, "; ".join(problems)))
             continue
         ranges = stage_layer_ranges(counts, choice)
-        stages = tuple(cm.costed_stage(dataclasses.replace(st, layers=r, op_costs=None))
-                       for st, r in zip(pipe.stages, ranges))
-        alt = dataclasses.replace(strategy, pipelines=tuple(
-            dataclasses.replace(p, stages=stages, schedule=choice.name) if i == pi else p
-            for i, p in enumerate(strategy.pipelines)))
+        stages = tuple(dataclasses.replace(st, layers=r, op_costs=None) for st, r in zip(pipe.stages, ranges))
+        costed = cm.costed_pipeline(dataclasses.replace(pipe, stages=stages, schedule=choice.name, transfer_costs=None),
+                                    choice.name)
+        alt = dataclasses.replace(strategy, pipelines=tuple(costed if i == pi else p
+                                                            for i, p in enumerate(strategy.pipelines)))
+        stages = costed.stages
         mem = cm.pipeline_memory(alt, pi, choice.name, zero_degree)
         oom = tuple(d for st, m in zip(stages, mem) for d in st.devices if m.total > cm.capacity_bytes(d))
         out.append(ScheduleOption(choice.label, cm.pipeline_step_time(alt, pi, choice.name), oom, chosen))

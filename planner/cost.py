@@ -53,7 +53,8 @@ planner can call them millions of times:
   under its own schedule, plus memory per device (the schedule's ``live_activation_limit``:
   ``pipeline_memory``) with OOM flags. docs/design.md §10.
 * ``chunk_cost``: a chunk's F, B and W (the backward split by ``weight_grad_fraction``); ``with_op_costs``:
-  a strategy with every stage's ``op_costs`` (its chunks' ``chunk_cost``s), as the planner writes plans, so
+  a strategy with every stage's ``op_costs`` (its chunks' ``chunk_cost``s) and every pipeline's
+  ``transfer_costs`` (``pipeline_costs``' boundaries: ``costed_pipeline``), as the planner writes plans, so
   that the runtime orders its lists by them (``runtime_schedule``: ``plan_schedule``, the handle's own
   function); ``pipeline_costs``: the priced ``Costs`` of a pipeline (transfers included);
   ``ideal_step_time``: the list scheduler on them (``step_time``).
@@ -140,7 +141,7 @@ from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
 from runtime.spec.handle import StrategyHandle, plan_schedule
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import PLAN_VERSION, OpCosts, Plan, Schedule, Stage, Strategy, TrainingSettings
+from runtime.spec.plan import PLAN_VERSION, OpCosts, Pipeline, Plan, Schedule, Stage, Strategy, TrainingSettings
 
 GIB = float(2**30)
 
@@ -1099,7 +1100,7 @@ class CostModel:
         pipe = strategy.pipelines[pi]
         if pipe.schedule is not None:
             schedule = pipe.schedule
-        key = (schedule, pipe.micro_batches, tuple((st.layers, st.op_costs) for st in pipe.stages))
+        key = (schedule, pipe.micro_batches, pipe.transfer_costs, tuple((st.layers, st.op_costs) for st in pipe.stages))
         cache = self.__dict__.setdefault("_runtime_schedules", {})
         if key not in cache:
             cache[key] = plan_schedule(pipe, schedule, pipe.micro_batches)
@@ -1115,16 +1116,21 @@ class CostModel:
             out.append((c.forward, c.input_grad, c.weight_grad))
         return tuple(out)
 
-    def costed_stage(self, st: Stage) -> Stage:
-        """``st`` with its ``op_costs`` (re)computed by ``stage_op_costs``."""
-        return dataclasses.replace(st, op_costs=self.stage_op_costs(st))
+    def costed_pipeline(self, pipe: Pipeline, schedule: Schedule) -> Pipeline:
+        """``pipe`` with the costs the planner writes into a plan, so that the runtime orders its lists by
+        them: each stage's ``op_costs`` (``stage_op_costs``) and the pipeline's ``transfer_costs``
+        (``pipeline_costs``' boundaries), under its own schedule, else ``schedule``."""
+        name = pipe.schedule if pipe.schedule is not None else schedule
+        stages = tuple(dataclasses.replace(st, op_costs=self.stage_op_costs(st)) for st in pipe.stages)
+        bare = dataclasses.replace(pipe, stages=stages, transfer_costs=None)
+        boundary = self.pipeline_costs(Strategy(name="pipeline", pipelines=(bare,)), 0, name).boundary
+        return dataclasses.replace(bare, transfer_costs=boundary)
 
-    def with_op_costs(self, strategy: Strategy) -> Strategy:
-        """``strategy`` with every stage's ``op_costs`` (``costed_stage``): what the planner writes, and so
+    def with_op_costs(self, strategy: Strategy, schedule: Schedule) -> Strategy:
+        """``strategy`` with every pipeline's costs (``costed_pipeline``): what the planner writes, and so
         what it prices (docs/design.md §10)."""
-        return dataclasses.replace(strategy, pipelines=tuple(
-            dataclasses.replace(p, stages=tuple(self.costed_stage(st) for st in p.stages))
-            for p in strategy.pipelines))
+        return dataclasses.replace(strategy, pipelines=tuple(self.costed_pipeline(p, schedule)
+                                                             for p in strategy.pipelines))
 
     def pipeline_proxy_time(self, strategy: Strategy, pi: int) -> float:
         """1F1B's closed form (``pipeline_time``) on pipeline ``pi``'s whole stages: a cheap ranking proxy

@@ -250,7 +250,7 @@ def repair(current: StrategyHandle, failed: Collection[int],
 
     def with_counts(counts: list[int]) -> Strategy:   # op costs as the planner writes them (and prices)
         return cm.with_op_costs(Strategy(f"{strat.name}-repaired", tuple(dataclasses.replace(p, micro_batches=m)
-                                                                         for p, m in zip(keep, counts))))
+                                                                         for p, m in zip(keep, counts))), t.schedule)
 
     # Each pipeline's time is linear in its micro-batches (1F1B: (m-1)·max + sum): two estimates give
     # slope and intercept; then water-filling puts each next micro-batch where it finishes soonest.

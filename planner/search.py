@@ -884,10 +884,10 @@ class Searcher:
         named unless it is the plan's default)."""
         stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc)
                        for g, r, rc in zip(lay.groups, stage_layer_ranges(split.layers, choice), split.recompute))
-        # Its op costs, as the plan will carry them: the runtime orders its lists by them (and so the price).
-        stages = tuple(self.cm.costed_stage(st) for st in stages)
         own = None if choice.name == self.settings.default_schedule else choice.name
-        return Pipeline(micro_batches=micro_batches, stages=stages, schedule=own)
+        # With its costs, as the plan will carry them: the runtime orders its lists by them (and so the price).
+        return self.cm.costed_pipeline(Pipeline(micro_batches=micro_batches, stages=stages, schedule=own),
+                                       choice.name)
 
     def realize(self, combo: Sequence[BlockCandidate], alloc: Allocation) -> Candidate | None:
         """The combination as it was scored: fast splits, greedy micro-batch counts, each class's schedule;

@@ -24,12 +24,13 @@ T = TypeVar("T")
 
 
 def plan_costs(pipe: Pipeline) -> Costs:
-    """The op durations a pipeline's action lists are ordered by: its stages' ``op_costs`` when every stage
-    has them (``full_backward`` is B + W: the plan gives no fused time), else each chunk's F, B and W cost
-    its layer count. No transfer times: the plan has none (docs/schedules.md, "Costs in the plan")."""
+    """The durations a pipeline's action lists are ordered by: its stages' ``op_costs`` when every stage has
+    them (``full_backward`` is B + W: the plan gives no fused time) with the pipeline's ``transfer_costs``
+    (none: 0), else each chunk's F, B and W cost its layer count, transfers free (docs/schedules.md, "Costs
+    in the plan")."""
     if all(st.op_costs is not None for st in pipe.stages):
         return Costs(chunks=tuple(tuple(ChunkCost(f, b, w) for f, b, w in st.op_costs)  # type: ignore[union-attr]
-                                  for st in pipe.stages))
+                                  for st in pipe.stages), boundary=pipe.transfer_costs or ())
     return Costs(chunks=tuple(tuple(ChunkCost(b - a, b - a, b - a) for a, b in st.layers) for st in pipe.stages))
 
 

@@ -3,7 +3,9 @@
 A strategy is a list of pipelines; each pipeline has its own micro-batch count, schedule and a chain
 of stages; each stage is a TP group (its devices) holding one contiguous range of decoder layers per
 model chunk (several under interleaved 1F1B and ZB-V: docs/schedules.md). The chunk holding layer 0
-also holds the embedding, the chunk holding the last layer the final norm and head.
+also holds the embedding, the chunk holding the last layer the final norm and head. Optional op costs
+(``Stage.op_costs``, ``Pipeline.transfer_costs``) order the pipeline's action lists (docs/schedules.md,
+"Costs in the plan").
 """
 
 from __future__ import annotations
@@ -159,11 +161,24 @@ class Pipeline:
     micro_batches: int
     stages: tuple[Stage, ...]
     schedule: ScheduleName | None = None  # None: training.schedule
+    # Seconds of one message between virtual stages j and j + 1 (either direction; 0 where both sit on one
+    # stage), which the runtime orders the lists by together with the stages' op_costs (docs/schedules.md,
+    # "Costs in the plan"); None: no transfer time.
+    transfer_costs: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.transfer_costs is not None:
+            object.__setattr__(self, "transfer_costs", tuple(self.transfer_costs))
         c = Checker()
         c.check(self.micro_batches >= 1, "micro_batches", f"must be at least 1, got {self.micro_batches}")
         c.check(len(self.stages) >= 1, "stages", "must list at least one stage")
+        if self.transfer_costs is not None:
+            chunks = {st.chunks for st in self.stages}
+            boundaries = len(self.stages) * chunks.pop() - 1 if len(chunks) == 1 else None
+            c.check(boundaries is None or len(self.transfer_costs) == boundaries, "transfer_costs",
+                    f"lists {len(self.transfer_costs)} transfer time(s) for {boundaries} virtual-stage boundaries")
+            bad = [t for t in self.transfer_costs if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0)]
+            c.check(not bad, "transfer_costs", f"transfer times must be finite seconds >= 0, got {bad}")
         c.raise_if_any()
 
     @property

@@ -270,11 +270,12 @@ def test_a_fixed_schedule_runs_every_planned_pipeline(name):
 
 @pytest.mark.parametrize("choice", CHOICES, ids=lambda c: c.label)
 def test_a_planned_strategy_is_priced_in_the_order_of_its_op_costs(choice):
-    """``with_op_costs``: every stage carries its chunks' ``chunk_cost`` (F, B, W); the estimate is the lists
-    the handle builds from those (``build_schedule`` on them, B + W fused, no transfers) played with the
-    priced costs, and the simulator plays the same lists (it adds link queues, not less work)."""
+    """``with_op_costs``: every stage carries its chunks' ``chunk_cost`` (F, B, W), the pipeline its priced
+    boundary transfers; the estimate is the lists the handle builds from those (``build_schedule`` on them,
+    B + W fused) played with the priced costs, and the simulator plays the same lists (it adds link
+    queues, not less work)."""
     cm = cost_model()
-    s = cm.with_op_costs(pipeline(choice, [2, 2, 2] if choice.chunks <= 2 else [3, 3], 6))
+    s = cm.with_op_costs(pipeline(choice, [2, 2, 2] if choice.chunks <= 2 else [3, 3], 6), "1f1b")
     pipe = s.pipelines[0]
     n = len(pipe.stages)
     for stage in pipe.stages:
@@ -282,16 +283,18 @@ def test_a_planned_strategy_is_priced_in_the_order_of_its_op_costs(choice):
                                    b == TINY.num_layers, stage.recompute) for a, b in stage.layers)
         assert stage.op_costs == tuple((c.forward, c.input_grad, c.weight_grad) for c in want)
     runtime = planner_handle(cm, s, 6).pipeline_schedule(0)
-    ordered = Costs(chunks=tuple(tuple(ChunkCost(*c) for c in stage.op_costs) for stage in pipe.stages))
-    assert runtime.actions == build_schedule(choice.name, n, 6, choice.chunks, ordered).actions
     costs = cm.pipeline_costs(s, 0, choice.name)
+    assert pipe.transfer_costs == costs.boundary and any(t > 0 for t in costs.boundary)
+    ordered = Costs(tuple(tuple(ChunkCost(*c) for c in stage.op_costs) for stage in pipe.stages), costs.boundary)
+    assert runtime.actions == build_schedule(choice.name, n, 6, choice.chunks, ordered).actions
     est = cm.estimate(s, 6)
     assert est.pipelines[0].time_s == play_actions(runtime, costs)
     assert simulate(cm, s, 6).pipeline_end_s[0] >= est.pipelines[0].time_s * (1 - 1e-9)
 
 
 def test_the_written_plan_carries_the_op_costs_it_was_priced_with(tmp_path):
-    """``to_plan`` (and the baseline's plan): every stage's ``op_costs`` is its chunks' ``chunk_cost``, through
+    """``to_plan`` (and the baseline's plan): every stage's ``op_costs`` is its chunks' ``chunk_cost``, every
+    pipeline's ``transfer_costs`` its priced boundary transfers, through
     the YAML unchanged; each pipeline's estimate is ``play_actions`` of the lists the loaded plan's handle
     builds."""
     res = plan(TINY, CPU4, PROFILES, PlanSettings(global_batch=16, seq_len=256, time_limit_s=60, schedule=AUTO))
@@ -309,6 +312,7 @@ def test_the_written_plan_carries_the_op_costs_it_was_priced_with(tmp_path):
             for stage in pipe.stages:
                 assert stage.op_costs == cm.stage_op_costs(stage) and stage.op_costs is not None
             costs = cm.pipeline_costs(handle.strategy, pi, handle.schedule_name(pi))
+            assert pipe.transfer_costs == costs.boundary
             assert est.pipelines[pi].time_s == play_actions(handle.pipeline_schedule(pi), costs)
 
 
@@ -318,5 +322,5 @@ def test_uneven_stages_run_faster_in_the_op_cost_order():
     op costs."""
     cm = cost_model()
     plain = pipeline(ScheduleChoice("zb-h1"), [1, 4, 1], 6, devices=[0, 1, 2])
-    costed = cm.with_op_costs(plain)
+    costed = cm.with_op_costs(plain, "1f1b")
     assert cm.estimate(costed, 6).pipelines[0].time_s < 0.9 * cm.estimate(plain, 6).pipelines[0].time_s

@@ -1,5 +1,6 @@
-"""Per-chunk op costs in the plan (``Stage.op_costs``): parsing, write-back, validation messages, and the
-action lists the runtime orders by them (docs/schedules.md, "Costs in the plan")."""
+"""Op costs in the plan (``Stage.op_costs`` per chunk, ``Pipeline.transfer_costs`` per boundary): parsing,
+write-back, validation messages, and the action lists the runtime orders by them (docs/schedules.md,
+"Costs in the plan")."""
 
 from __future__ import annotations
 
@@ -24,14 +25,21 @@ BASE = yaml.safe_load((CONFIGS / "plans" / "cpu-hetero4-tiny.yaml").read_text())
 COSTS = ([[0.012, 0.010, 0.008]], [[0.030, 0.025, 0.020]])   # pipeline 1: its slow second stage
 
 
-def costed_plan(**changes) -> dict:
-    """cpu-hetero4-tiny with op costs on pipeline 1's two stages (under ZB-H1, so B and W both count)."""
+TRANSFER = [0.004]
+
+
+def costed_plan(transfers: object = TRANSFER, **changes) -> dict:
+    """cpu-hetero4-tiny with op costs on pipeline 1's two stages and its one boundary (under ZB-H1, so B
+    and W both count)."""
     data = copy.deepcopy(BASE)
     data["training"]["schedule"] = "zb-h1"
-    for stage, costs in zip(data["strategies"][0]["pipelines"][1]["stages"], COSTS):
+    pipe = data["strategies"][0]["pipelines"][1]
+    for stage, costs in zip(pipe["stages"], COSTS):
         stage["op_costs"] = copy.deepcopy(costs)
+    if transfers is not None:
+        pipe["transfer_costs"] = transfers
     for k, v in changes.items():
-        data["strategies"][0]["pipelines"][1]["stages"][int(k[-1])]["op_costs"] = v
+        pipe["stages"][int(k[-1])]["op_costs"] = v
     return data
 
 
@@ -56,6 +64,8 @@ def test_op_costs_parse_and_write_back(tmp_path: Path) -> None:
     data = to_data(ctx.plan)
     assert "op_costs" not in data["strategies"][0]["pipelines"][0]["stages"][0]   # None: not written
     assert data["strategies"][0]["pipelines"][1]["stages"][1]["op_costs"] == COSTS[1]
+    assert data["strategies"][0]["pipelines"][1]["transfer_costs"] == TRANSFER
+    assert "transfer_costs" not in data["strategies"][0]["pipelines"][0]
     assert load(tmp_path, yaml.safe_load(dump_yaml(data))).plan == ctx.plan
 
 
@@ -72,21 +82,38 @@ BAD = {
 }
 
 
+P1 = "strategies[0].pipelines[1].transfer_costs"
+BAD_TRANSFERS = {
+    "count": ([0.1, 0.1], f"{P1}: lists 2 transfer time(s) for 1 virtual-stage boundaries"),
+    "negative": ([-0.1], f"{P1}: transfer times must be finite seconds >= 0, got [-0.1]"),
+    "nan": ([float("inf")], f"{P1}[0]: expected a finite number, got inf"),
+}
+
+
 @pytest.mark.parametrize("case", BAD, ids=list(BAD))
 def test_bad_op_costs_one_line_with_the_path(tmp_path: Path, case: str) -> None:
     changes, want = BAD[case]
     assert problems(tmp_path, costed_plan(**changes)) == [want]
 
 
+@pytest.mark.parametrize("case", BAD_TRANSFERS, ids=list(BAD_TRANSFERS))
+def test_bad_transfer_costs_one_line_with_the_path(tmp_path: Path, case: str) -> None:
+    transfers, want = BAD_TRANSFERS[case]
+    assert problems(tmp_path, costed_plan(transfers)) == [want]
+
+
 def test_schedule_for_orders_by_op_costs(tmp_path: Path) -> None:
-    """With op costs on every stage: ``build_schedule`` on those costs (B + W the fused backward, no
-    transfer times); with them on only some stages: the layer-count order, as without any."""
+    """With op costs on every stage: ``build_schedule`` on those costs (B + W the fused backward) and the
+    pipeline's transfer times (none given: 0); with them on only some stages: the layer-count order, as
+    without any."""
     h = StrategyHandle.of(load(tmp_path, costed_plan()))
-    want = build_schedule("zb-h1", 2, 2, 1, Costs(chunks=tuple((ChunkCost(*c[0]),) for c in COSTS)))
+    want = build_schedule("zb-h1", 2, 2, 1, Costs(tuple((ChunkCost(*c[0]),) for c in COSTS), tuple(TRANSFER)))
     got = h.pipeline_schedule(1)
     assert got.actions == want.actions and got.timeline == want.timeline and got.costs == want.costs
     assert h.schedule_for(1, 5).actions == build_schedule("zb-h1", 2, 5, 1, want.costs).actions
-    partial = costed_plan(s1=None)
+    free = StrategyHandle.of(load(tmp_path, costed_plan(None))).pipeline_schedule(1)
+    assert free.costs == Costs(want.costs.chunks) and free.timeline != want.timeline
+    partial = costed_plan(None, s1=None)
     del partial["strategies"][0]["pipelines"][1]["stages"][1]["op_costs"]
     layer_counts = Costs(chunks=((ChunkCost(3, 3, 3),), (ChunkCost(3, 3, 3),)))
     assert StrategyHandle.of(load(tmp_path, partial)).schedule_for(1, 5).actions == \
@@ -111,7 +138,8 @@ triples = st.tuples(*[st.floats(min_value=1e-3, max_value=1e3, allow_nan=False)]
 @given(name=st.sampled_from(["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"]), devices=st.integers(1, 5),
        extra=st.integers(0, 6), data=st.data())
 def test_lists_built_from_random_op_costs_are_sound(name: str, devices: int, extra: int, data) -> None:
-    """For any positive op costs: every transfer matched, no deadlock, each op once in dependency order."""
+    """For any positive op costs and transfer times: every transfer matched, no deadlock, each op once in
+    dependency order."""
     chunks = {"interleaved": data.draw(st.integers(1, 3)), "zb-v": 2}.get(name, 1)
     m = devices + extra
     layout = schedule_layout(name, devices, chunks)
@@ -119,7 +147,8 @@ def test_lists_built_from_random_op_costs_are_sound(name: str, devices: int, ext
     for d in range(devices):
         layers = tuple((layout.stage(d, c), layout.stage(d, c) + 1) for c in range(chunks))
         stages.append(Stage((d,), layers, op_costs=tuple(data.draw(triples) for _ in range(chunks))))
-    sched = plan_schedule(Pipeline(m, tuple(stages)), name, m)   # type: ignore[arg-type]
+    transfers = tuple(data.draw(st.floats(min_value=0.0, max_value=1e3)) for _ in range(devices * chunks - 1))
+    sched = plan_schedule(Pipeline(m, tuple(stages), transfer_costs=transfers), name, m)   # type: ignore[arg-type]
     check = check_schedule(sched.actions, sched.layout, m, split_backward=sched.split_backward)
     assert check.ok, check.problems
     assert sched.costs.chunk(0, 0) == ChunkCost(*stages[0].op_costs[0])
