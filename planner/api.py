@@ -125,8 +125,7 @@ def cost_models(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, Devic
     (per-op overheads amortized), so a size is kept when some device type runs a layer at least
     ``MICRO_BATCH_GAIN`` cheaper per sequence than at the smallest size."""
     sizes = micro_batch_sizes(settings)
-    cms = {b: CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len,
-                        cost_ordered=settings.cost_ordered) for b in sizes}
+    cms = {b: CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len) for b in sizes}
     if len(sizes) == 1:
         return cms
     base = cms[sizes[0]]
@@ -161,8 +160,7 @@ def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfil
         raise InfeasibleError(diagnose(model, cluster, cms, settings, devs))
     solver_time = time.perf_counter() - t0
     # Baselines and bound over every micro-batch size, not only those the search kept: generous to them.
-    every = {b: cms.get(b) or CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len,
-                                        cost_ordered=settings.cost_ordered)
+    every = {b: cms.get(b) or CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len)
              for b in micro_batch_sizes(settings)}
     report = progress if progress is not None else (lambda _phase, _done, _total: None)
     found = []
@@ -268,10 +266,12 @@ def schedule_options(cm: CostModel, strategy: Strategy, pi: int, default: Schedu
             out.append(ScheduleOption(choice.label, None, (), chosen, "; ".join(problems)))
             continue
         ranges = stage_layer_ranges(counts, choice)
-        stages = tuple(dataclasses.replace(st, layers=r) for st, r in zip(pipe.stages, ranges))
-        alt = dataclasses.replace(strategy, pipelines=tuple(
-            dataclasses.replace(p, stages=stages, schedule=choice.name) if i == pi else p
-            for i, p in enumerate(strategy.pipelines)))
+        stages = tuple(dataclasses.replace(st, layers=r, op_costs=None) for st, r in zip(pipe.stages, ranges))
+        costed = cm.costed_pipeline(dataclasses.replace(pipe, stages=stages, schedule=choice.name, transfer_costs=None),
+                                    choice.name)
+        alt = dataclasses.replace(strategy, pipelines=tuple(costed if i == pi else p
+                                                            for i, p in enumerate(strategy.pipelines)))
+        stages = costed.stages
         mem = cm.pipeline_memory(alt, pi, choice.name, zero_degree)
         oom = tuple(d for st, m in zip(stages, mem) for d in st.devices if m.total > cm.capacity_bytes(d))
         out.append(ScheduleOption(choice.label, cm.pipeline_step_time(alt, pi, choice.name), oom, chosen))

@@ -115,6 +115,7 @@ def best_symmetric(cms: Mapping[int, CostModel], devices: Sequence[int], global_
     ranked.sort(key=lambda x: x[0])   # stable: ties keep the order found
     best: Baseline | None = None
     for _, b, desc, strategy in ranked[:EXACTLY_PRICED]:
+        strategy = cms[b].with_op_costs(strategy, schedule)   # as its plan will carry them (the runtime's op order)
         est = cms[b].estimate(strategy, global_batch, schedule, zero)
         if best is None or est.step_time_s < best.estimate.step_time_s - 1e-12:  # type: ignore[union-attr]
             best = Baseline(name, strategy, est, b, f"{desc}, micro-batch {b}")

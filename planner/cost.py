@@ -52,8 +52,12 @@ planner can call them millions of times:
   by ``pipeline_step_time`` (the runtime's action lists played with ``chunk_cost``s: ``play_actions``)
   under its own schedule, plus memory per device (the schedule's ``live_activation_limit``:
   ``pipeline_memory``) with OOM flags. docs/design.md §10.
-* ``chunk_cost``: a chunk's F, B and W (the backward split by ``weight_grad_fraction``);
-  ``pipeline_costs``: the list scheduler's ``Costs`` of a pipeline; ``ideal_step_time``: ``step_time`` on them.
+* ``chunk_cost``: a chunk's F, B and W (the backward split by ``weight_grad_fraction``); ``with_op_costs``:
+  a strategy with every stage's ``op_costs`` (its chunks' ``chunk_cost``s) and every pipeline's
+  ``transfer_costs`` (``pipeline_costs``' boundaries: ``costed_pipeline``), as the planner writes plans, so
+  that the runtime orders its lists by them (``runtime_schedule``: ``plan_schedule``, the handle's own
+  function); ``pipeline_costs``: the priced ``Costs`` of a pipeline (transfers included);
+  ``ideal_step_time``: the list scheduler on them (``step_time``).
 * ``iteration_time``: the measured fixed cost per iteration, added once to the step (estimate and simulator).
 * ``placed_stage(device_type, tp, layers, first, last, recompute)``: ``stage`` for layer ranges, with the
   profile's per-layer-index overrides (estimate and simulator; the planner's ILP prices layers alike).
@@ -108,7 +112,6 @@ from runtime.pipeline_schedules import (
     Message,
     PostSend,
     WaitRecv,
-    build_schedule,
     live_activation_limit,
     schedule_layout,
     step_time,
@@ -136,9 +139,9 @@ from runtime.profiling.profile import (
 )
 from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
-from runtime.spec.handle import StrategyHandle
+from runtime.spec.handle import StrategyHandle, plan_schedule
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import PLAN_VERSION, Plan, Schedule, Stage, Strategy, TrainingSettings
+from runtime.spec.plan import PLAN_VERSION, OpCosts, Pipeline, Plan, Schedule, Stage, Strategy, TrainingSettings
 
 GIB = float(2**30)
 
@@ -404,7 +407,7 @@ class CostModel:
     """Costs of one model on one cluster at one micro-batch shape. Cheap to build; caches as it goes."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
-                 *, micro_batch: int, seq_len: int, step_allreduce: bool = True, cost_ordered: bool = False) -> None:
+                 *, micro_batch: int, seq_len: int, step_allreduce: bool = True) -> None:
         missing = [t for t in cluster.device_types if t not in profiles]
         if missing:
             raise ValueError(f"no profile for device type(s) {missing}")
@@ -414,10 +417,6 @@ class CostModel:
         self.micro_batch = micro_batch
         self.seq_len = seq_len
         self.step_allreduce = step_allreduce
-        # What-if: price (and simulate) each pipeline in the order the list scheduler builds on the priced op
-        # costs, as a runtime that took its lists' costs from the plan would run it, instead of the order
-        # StrategyHandle.pipeline_schedule builds today (from layer counts). docs/design.md §10.
-        self.cost_ordered = cost_ordered
         self.host = HostModel(model, cluster, profiles, seq_len)   # emulated hosts: planner/host.py
         self._type_of = [d.type for d in cluster.devices]
         self._node_of = [d.node for d in cluster.devices]
@@ -1081,9 +1080,10 @@ class CostModel:
         return cache[key]
 
     def ideal_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
-        """What ``pipeline_step_time`` would be if the runtime ordered the ops by these costs: the list
-        scheduler run on them (``step_time``). The runtime orders by layer counts (docs/schedules.md,
-        "Costs in the plan"), so on stages of different speeds the two differ: ``hspmd plan`` shows both."""
+        """The list scheduler run on the priced costs, transfers included (``step_time``): what
+        ``pipeline_step_time`` would be if the runtime's lists were ordered knowing the transfer times and
+        the fused backward. The runtime orders by the plan's op costs without those (else by layer counts:
+        docs/schedules.md, "Costs in the plan"), so the two can differ."""
         pipe = strategy.pipelines[pi]
         name = pipe.schedule if pipe.schedule is not None else schedule
         costs = self.pipeline_costs(strategy, pi, name)
@@ -1094,30 +1094,43 @@ class CostModel:
         return cache[key]
 
     def runtime_schedule(self, strategy: Strategy, pi: int, schedule: Schedule) -> PipelineSchedule:
-        """The ``Schedule`` the runtime executes for pipeline ``pi`` (``StrategyHandle.pipeline_schedule``
-        of a plan holding it, ``schedule`` the default unless it names its own), cached per pipeline shape:
-        the handle derives it from the plan alone, here from the pipeline alone, its devices renumbered.
-        With ``cost_ordered``: the list scheduler's lists on the priced costs instead (a what-if)."""
+        """The ``Schedule`` the runtime executes for pipeline ``pi`` (``schedule`` the default unless it names
+        its own): ``plan_schedule``, the function ``StrategyHandle.pipeline_schedule`` builds it by, from the
+        pipeline's layers and ``op_costs`` (planned strategies carry them: ``with_op_costs``), cached."""
         pipe = strategy.pipelines[pi]
         if pipe.schedule is not None:
             schedule = pipe.schedule
-        renumbered = dataclasses.replace(pipe, stages=tuple(
-            dataclasses.replace(st, devices=tuple(range(k * 64, k * 64 + st.tp))) for k, st in enumerate(pipe.stages)))
-        if self.cost_ordered:
-            costs = self.pipeline_costs(strategy, pi, schedule)
-            key: tuple = (schedule, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
-        else:
-            key = (schedule, renumbered)
+        key = (schedule, pipe.micro_batches, pipe.transfer_costs, tuple((st.layers, st.op_costs) for st in pipe.stages))
         cache = self.__dict__.setdefault("_runtime_schedules", {})
         if key not in cache:
-            if self.cost_ordered:
-                cache[key] = build_schedule(schedule, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks,
-                                            costs)
-            else:
-                one = Strategy(name="pipeline", pipelines=(renumbered,))
-                cache[key] = planner_handle(self, one, self.micro_batch * pipe.micro_batches,
-                                            schedule).pipeline_schedule(0)
+            cache[key] = plan_schedule(pipe, schedule, pipe.micro_batches)
         return cache[key]
+
+    def stage_op_costs(self, st: Stage) -> tuple[OpCosts, ...]:
+        """A stage's ``op_costs`` for the plan: each chunk's ``chunk_cost`` (F, B, W), the numbers the
+        estimate prices, so that the runtime orders its lists by them."""
+        dtype, n_layers = self._type_of[st.devices[0]], self.model.num_layers
+        out = []
+        for a, b in st.layers:
+            c = self.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers, st.recompute)
+            out.append((c.forward, c.input_grad, c.weight_grad))
+        return tuple(out)
+
+    def costed_pipeline(self, pipe: Pipeline, schedule: Schedule) -> Pipeline:
+        """``pipe`` with the costs the planner writes into a plan, so that the runtime orders its lists by
+        them: each stage's ``op_costs`` (``stage_op_costs``) and the pipeline's ``transfer_costs``
+        (``pipeline_costs``' boundaries), under its own schedule, else ``schedule``."""
+        name = pipe.schedule if pipe.schedule is not None else schedule
+        stages = tuple(dataclasses.replace(st, op_costs=self.stage_op_costs(st)) for st in pipe.stages)
+        bare = dataclasses.replace(pipe, stages=stages, transfer_costs=None)
+        boundary = self.pipeline_costs(Strategy(name="pipeline", pipelines=(bare,)), 0, name).boundary
+        return dataclasses.replace(bare, transfer_costs=boundary)
+
+    def with_op_costs(self, strategy: Strategy, schedule: Schedule) -> Strategy:
+        """``strategy`` with every pipeline's costs (``costed_pipeline``): what the planner writes, and so
+        what it prices (docs/design.md §10)."""
+        return dataclasses.replace(strategy, pipelines=tuple(self.costed_pipeline(p, schedule)
+                                                             for p in strategy.pipelines))
 
     def pipeline_proxy_time(self, strategy: Strategy, pi: int) -> float:
         """1F1B's closed form (``pipeline_time``) on pipeline ``pi``'s whole stages: a cheap ranking proxy

@@ -441,7 +441,9 @@ class Candidates:
 
     def priced(self, strategy: Strategy, length: int, origin: str, label: str) -> LengthStrategy | None:
         cm = self.cost_model(length)
-        tagged = dataclasses.replace(strategy, max_seq_len=length, estimates=None)
+        # Op costs at the length it serves: what the plan carries and the runtime orders its lists by.
+        tagged = cm.with_op_costs(dataclasses.replace(strategy, max_seq_len=length, estimates=None),
+                                  self.settings.schedule)
         try:
             cost = strategy_cost(cm, tagged, length, self.settings.memory_margin)
         except InfeasibleError as e:

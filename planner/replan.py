@@ -248,9 +248,9 @@ def repair(current: StrategyHandle, failed: Collection[int],
         return None
     cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
 
-    def with_counts(counts: list[int]) -> Strategy:
-        return Strategy(f"{strat.name}-repaired", tuple(dataclasses.replace(p, micro_batches=m)
-                                                         for p, m in zip(keep, counts)))
+    def with_counts(counts: list[int]) -> Strategy:   # op costs as the planner writes them (and prices)
+        return cm.with_op_costs(Strategy(f"{strat.name}-repaired", tuple(dataclasses.replace(p, micro_batches=m)
+                                                                         for p, m in zip(keep, counts))), t.schedule)
 
     # Each pipeline's time is linear in its micro-batches (1F1B: (m-1)·max + sum): two estimates give
     # slope and intercept; then water-filling puts each next micro-batch where it finishes soonest.

@@ -105,9 +105,6 @@ class PlanSettings:
     # Re-check the best ``simulate_top`` candidates (and the best one whose pipelines are all alike) with
     # the discrete-event simulator and rank those by the worse of the two predictions (0: off).
     simulate_top: int = 0
-    # What-if: price every pipeline in the order the list scheduler builds on the priced op costs (a runtime
-    # building its action lists from costs in the plan) instead of the runtime's own (layer counts).
-    cost_ordered: bool = False
 
     @property
     def zero(self) -> bool:
@@ -619,7 +616,7 @@ class Searcher:
         under that schedule's memory) whose exact pipeline time (``CostModel.pipeline_step_time``: the
         runtime's lists played on the op costs) at the class's micro-batch count is least; None when no
         class changes. The search itself ranks pipelines by 1F1B's closed form under "auto", where the
-        proxies of the other schedules mislead (their order is the runtime's, from layer counts)."""
+        proxies of the other schedules mislead (per-chunk fixed costs, v times the messages)."""
         if not self.variant_choices:
             return None
         zd = self.zero_degree(sum(b.pipelines for b in combo))
@@ -888,7 +885,9 @@ class Searcher:
         stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc)
                        for g, r, rc in zip(lay.groups, stage_layer_ranges(split.layers, choice), split.recompute))
         own = None if choice.name == self.settings.default_schedule else choice.name
-        return Pipeline(micro_batches=micro_batches, stages=stages, schedule=own)
+        # With its costs, as the plan will carry them: the runtime orders its lists by them (and so the price).
+        return self.cm.costed_pipeline(Pipeline(micro_batches=micro_batches, stages=stages, schedule=own),
+                                       choice.name)
 
     def realize(self, combo: Sequence[BlockCandidate], alloc: Allocation) -> Candidate | None:
         """The combination as it was scored: fast splits, greedy micro-batch counts, each class's schedule;

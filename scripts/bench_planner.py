@@ -91,13 +91,12 @@ def cluster_mfu(result: PlanResult, seq_len: int, global_batch: int) -> float:
 CHECK_TOP = 8   # as ``hspmd plan`` (--check-top): the best plans re-checked with the step simulator
 
 
-def run_plan(model, cluster, batch: int, time_limit: float = 600.0, schedule: str = AUTO,
-             cost_ordered: bool = False) -> PlanResult:
+def run_plan(model, cluster, batch: int, time_limit: float = 600.0, schedule: str = AUTO) -> PlanResult:
     profiles = resolve_profiles(cluster.device_types)
     # top_k: keep every checked candidate listed (the estimate's favourite among them).
     return plan(model, cluster, profiles, PlanSettings(global_batch=batch, seq_len=SEQ_LEN, time_limit_s=time_limit,
                                                        simulate_top=CHECK_TOP, top_k=CHECK_TOP + 4,
-                                                       schedule=schedule, cost_ordered=cost_ordered))
+                                                       schedule=schedule))
 
 
 def schedules_used(result: PlanResult) -> dict[str, int]:
@@ -133,7 +132,7 @@ def simulated(result: PlanResult, strategy, micro_batch: int | None) -> float | 
     if strategy is None or micro_batch is None:
         return None
     cm = CostModel(result.model, result.cluster, resolve_profiles(result.cluster.device_types),
-                   micro_batch=micro_batch, seq_len=result.settings.seq_len, cost_ordered=result.settings.cost_ordered)
+                   micro_batch=micro_batch, seq_len=result.settings.seq_len)
     return simulate(cm, strategy, result.settings.global_batch, result.settings.default_schedule,
                     result.settings.zero).step_time_s
 
@@ -186,16 +185,6 @@ def quality_case(name: str, cluster_ref: str, model_ref: str, batch: int, schedu
     out["speedup_over_symmetric_simulated"] = None if sym_sim is None else sym_sim / het.best.simulated_s
     if schedules:
         out["per_schedule"] = per_schedule(model, cluster, batch)
-    # What a runtime ordering its action lists by the plan's op costs would reach (PlanSettings.cost_ordered).
-    t0 = time.perf_counter()
-    ordered = run_plan(model, cluster, batch, cost_ordered=True)
-    out["cost_ordered"] = {"plan": ordered.best.summary, "step_time_s": ordered.best.step_time_s,
-                           "simulated_step_time_s": ordered.best.simulated_s, "efficiency": ordered.efficiency,
-                           "efficiency_simulated": ordered.lower_bound.step_time_s / ordered.best.simulated_s,
-                           "planner_seconds": time.perf_counter() - t0}
-    log(f"    cost-ordered lists (what-if): {ordered.best.step_time_s:.3f} s (simulated "
-        f"{ordered.best.simulated_s:.3f}), efficiency {ordered.efficiency:.3f} / "
-        f"{out['cost_ordered']['efficiency_simulated']:.3f}: {ordered.best.summary}")
     log(f"  {name} B={batch}: {het.best.step_time_s:.3f} s (simulated {het.best.simulated_s:.3f}), "
         f"efficiency {het.efficiency:.3f}, "
         f"x{out['speedup_over_symmetric'] or float('nan'):.2f} over symmetric, MFU {mfu:.3f} vs homogeneous "

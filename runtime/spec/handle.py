@@ -18,9 +18,27 @@ from runtime.pipeline_schedules import ChunkCost, Costs, Schedule, ScheduleName,
 from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import Strategy, TrainingSettings
+from runtime.spec.plan import Pipeline, Strategy, TrainingSettings
 
 T = TypeVar("T")
+
+
+def plan_costs(pipe: Pipeline) -> Costs:
+    """The durations a pipeline's action lists are ordered by: its stages' ``op_costs`` when every stage has
+    them (``full_backward`` is B + W: the plan gives no fused time) with the pipeline's ``transfer_costs``
+    (none: 0), else each chunk's F, B and W cost its layer count, transfers free (docs/schedules.md, "Costs
+    in the plan")."""
+    if all(st.op_costs is not None for st in pipe.stages):
+        return Costs(chunks=tuple(tuple(ChunkCost(f, b, w) for f, b, w in st.op_costs)  # type: ignore[union-attr]
+                                  for st in pipe.stages), boundary=pipe.transfer_costs or ())
+    return Costs(chunks=tuple(tuple(ChunkCost(b - a, b - a, b - a) for a, b in st.layers) for st in pipe.stages))
+
+
+def plan_schedule(pipe: Pipeline, name: ScheduleName, micro_batches: int) -> Schedule:
+    """Pipeline ``pipe``'s action lists under schedule ``name`` for ``micro_batches``: a pure function of
+    the plan, the one definition the engine, the cost model and the simulator build them by."""
+    layout = schedule_layout(name, len(pipe.stages), pipe.stages[0].chunks)
+    return build_schedule(name, len(pipe.stages), micro_batches, layout.chunks, plan_costs(pipe))
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,16 +95,11 @@ class StrategyHandle:
     def schedule_for(self, pipeline: int, micro_batches: int) -> Schedule:
         """The pipeline's schedule for ``micro_batches`` (the plan's count, or a step's under packed documents).
 
-        Built from the plan alone, so every rank builds the same lists: a chunk's F, B and W each cost
-        its layer count (docs/schedules.md, "Costs in the plan")."""
+        Built from the plan alone (``plan_schedule``), so every rank builds the same lists."""
         key = (pipeline, micro_batches)
         if key not in self._schedules:
-            pipe = self.strategy.pipelines[pipeline]
-            name = self.schedule_name(pipeline)
-            layout = schedule_layout(name, len(pipe.stages), pipe.stages[0].chunks)
-            costs = Costs(chunks=tuple(tuple(ChunkCost(b - a, b - a, b - a) for a, b in st.layers)
-                                       for st in pipe.stages))
-            self._schedules[key] = build_schedule(name, len(pipe.stages), micro_batches, layout.chunks, costs)
+            self._schedules[key] = plan_schedule(self.strategy.pipelines[pipeline], self.schedule_name(pipeline),
+                                                 micro_batches)
         return self._schedules[key]
 
     def describe(self) -> str:

@@ -3,11 +3,14 @@
 A strategy is a list of pipelines; each pipeline has its own micro-batch count, schedule and a chain
 of stages; each stage is a TP group (its devices) holding one contiguous range of decoder layers per
 model chunk (several under interleaved 1F1B and ZB-V: docs/schedules.md). The chunk holding layer 0
-also holds the embedding, the chunk holding the last layer the final norm and head.
+also holds the embedding, the chunk holding the last layer the final norm and head. Optional op costs
+(``Stage.op_costs``, ``Pipeline.transfer_costs``) order the pipeline's action lists (docs/schedules.md,
+"Costs in the plan").
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -63,6 +66,7 @@ class TrainingSettings:
 
 
 LayerRange = tuple[int, int]
+OpCosts = tuple[float, float, float]   # one chunk's (forward, input_grad, weight_grad) seconds per micro-batch
 
 
 def _layer_ranges(layers: object) -> tuple[LayerRange, ...]:
@@ -70,6 +74,20 @@ def _layer_ranges(layers: object) -> tuple[LayerRange, ...]:
     if isinstance(layers, (tuple, list)) and len(layers) == 2 and all(isinstance(x, int) for x in layers):
         return (tuple(layers),)  # type: ignore[return-value]
     return tuple(tuple(r) for r in layers)  # type: ignore[union-attr, misc]
+
+
+def op_cost_problems(op_costs: tuple[tuple[float, ...], ...], chunks: int) -> list[str]:
+    """What is wrong with a stage's ``op_costs`` for ``chunks`` chunks, one message each (empty: fine)."""
+    if len(op_costs) != chunks:
+        return [f"lists {len(op_costs)} cost triple(s) for {chunks} chunk(s): one [forward, input_grad, "
+                f"weight_grad] per layer range"]
+    out = []
+    for k, triple in enumerate(op_costs):
+        if len(triple) != 3:
+            out.append(f"chunk {k}: expected [forward, input_grad, weight_grad], got {list(triple)}")
+        elif not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in triple):
+            out.append(f"chunk {k}: op durations must be positive finite seconds, got {list(triple)}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -80,10 +98,15 @@ class Stage:
     # YAML accepts (and writes back) one chunk as a bare pair: `layers: [0, 8]`.
     layers: tuple[LayerRange, ...] = field(metadata={"pair_or_list": True})
     recompute: bool = False
+    # Per chunk, its ops' durations, which the runtime orders the pipeline's action lists by when every
+    # stage of the pipeline has them (docs/schedules.md, "Costs in the plan"); None: layer counts.
+    op_costs: tuple[OpCosts, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "layers", _layer_ranges(self.layers))
+        if self.op_costs is not None:
+            object.__setattr__(self, "op_costs", tuple(tuple(c) for c in self.op_costs))
         c = Checker()
         c.check(len(self.devices) >= 1, "devices", "must list at least one device")
         dup = sorted({d for d in self.devices if self.devices.count(d) > 1})
@@ -98,6 +121,8 @@ class Stage:
             start, end = r
             c.check(0 <= start < end, where,
                     f"must be a non-empty range [start, end) with 0 <= start < end, got [{start}, {end}]")
+        for line in [] if self.op_costs is None else op_cost_problems(self.op_costs, len(self.layers)):
+            c.add("op_costs", line)
         c.raise_if_any()
 
     @property
@@ -136,11 +161,24 @@ class Pipeline:
     micro_batches: int
     stages: tuple[Stage, ...]
     schedule: ScheduleName | None = None  # None: training.schedule
+    # Seconds of one message between virtual stages j and j + 1 (either direction; 0 where both sit on one
+    # stage), which the runtime orders the lists by together with the stages' op_costs (docs/schedules.md,
+    # "Costs in the plan"); None: no transfer time.
+    transfer_costs: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.transfer_costs is not None:
+            object.__setattr__(self, "transfer_costs", tuple(self.transfer_costs))
         c = Checker()
         c.check(self.micro_batches >= 1, "micro_batches", f"must be at least 1, got {self.micro_batches}")
         c.check(len(self.stages) >= 1, "stages", "must list at least one stage")
+        if self.transfer_costs is not None:
+            chunks = {st.chunks for st in self.stages}
+            boundaries = len(self.stages) * chunks.pop() - 1 if len(chunks) == 1 else None
+            c.check(boundaries is None or len(self.transfer_costs) == boundaries, "transfer_costs",
+                    f"lists {len(self.transfer_costs)} transfer time(s) for {boundaries} virtual-stage boundaries")
+            bad = [t for t in self.transfer_costs if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0)]
+            c.check(not bad, "transfer_costs", f"transfer times must be finite seconds >= 0, got {bad}")
         c.raise_if_any()
 
     @property

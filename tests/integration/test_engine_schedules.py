@@ -7,6 +7,7 @@ the same initial weights and batches, at the engine tests' tolerances (test_engi
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from test_engine_correctness import PLANS, check_against_reference, check_saved,
 
 from runtime.engine.reference import ReferenceTrainer
 from runtime.spec import load_plan_context
-from runtime.spec.handle import StrategyHandle
+from runtime.spec.handle import StrategyHandle, plan_schedule
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,8 @@ def world():
     w.close()
 
 
-CASES = ["interleaved-hetero4.yaml", "zb-h1-hetero4.yaml", "zb-h1-tp-hetero4.yaml", "zb-v-hetero4.yaml"]
+CASES = ["interleaved-hetero4.yaml", "zb-h1-hetero4.yaml", "zb-h1-tp-hetero4.yaml", "zb-v-hetero4.yaml",
+         "zb-h1-costs-hetero4.yaml"]
 
 
 @pytest.mark.parametrize("plan", CASES, ids=[p.removesuffix("-hetero4.yaml") for p in CASES])
@@ -43,6 +45,10 @@ def test_schedule_matches_single_device_reference(world: EngineWorld, plan: str)
         assert r.description["schedule"] == sched.name
         assert len(role["chunks"]) == sched.layout.chunks
         assert ("input_grad" in [n for _, n in r.spans]) == sched.split_backward
+    if plan == "zb-h1-costs-hetero4.yaml":   # its op costs order the lists (not the layer counts)
+        uncosted = dataclasses.replace(ctx.plan.strategies[0].pipelines[0], stages=tuple(
+            dataclasses.replace(st, op_costs=None) for st in ctx.plan.strategies[0].pipelines[0].stages))
+        assert plan_schedule(uncosted, "zb-h1", 6).actions != handle.pipeline_schedule(0).actions
 
 
 @pytest.mark.parametrize("then", ["interleaved-hetero4.yaml", "zb-h1-hetero4.yaml"])
