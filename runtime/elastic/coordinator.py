@@ -103,12 +103,15 @@ class Training:
         if c.recorded == c.last:
             c.phase = Finishing()
             c.send(c.alive | set(c.waiting), Finish())
-        elif c.recorded == c.committed and c.committed + 1 in c.switches:
-            c.start_switch(c.committed + 1)
-        elif c.recorded == c.committed and c.growth is not None:
-            c.start_growth()
         elif c.recorded == c.committed and c.holding:
-            c.release()
+            # Only devices that hold (the last commit said so) read a transition: right after a recovery
+            # they train the redone step, and a growth decided meanwhile waits for that step's "hold".
+            if c.committed + 1 in c.switches:
+                c.start_switch(c.committed + 1)
+            elif c.growth is not None:
+                c.start_growth()
+            else:
+                c.release()
 
 
 @dataclass

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from runtime.elastic.coordinator import ElasticPolicy
-from runtime.elastic.protocol import Commit, Ready, Transition
+from runtime.elastic.protocol import Commit, Left, Ready, Switched, Transition
 from runtime.launch.messages import Exited, StepDone
 from runtime.launch.options import Rejoin, StepReport, TrainOptions, WorkerSpec, rank_map
 from runtime.launch.supervise import Run, RunSummary, WorkerHandle
@@ -149,3 +149,50 @@ def test_a_return_joins_a_new_world_with_every_member(tmp_path):
     assert t.steps_done == 2 and t.bsr.total_bytes > 0  # device 1 receives the whole model
     assert [m for m in sent(run.workers[0]) if isinstance(m, Transition)] == [t]
     assert not [m for m in sent(joiner) if isinstance(m, Exited)]
+
+
+def _plan(tmp: Path, name: str, pipelines: tuple[Pipeline, ...]):
+    path = tmp / f"{name}.yaml"
+    save_plan(replace(load_plan(PLAN), model="llama-tiny", cluster="cpu-hetero4",
+                      strategies=(Strategy(name, pipelines),)), path)
+    return load_plan_context(path)
+
+
+def test_a_growth_decided_right_after_a_recovery_waits_for_the_redone_step_to_hold(tmp_path):
+    # The bench's trace: device 1 returns but stays spare; a failure (device 3) is recovered; the spares are
+    # then reconsidered and device 1 adopted. The survivors resumed training the redone step, so the new
+    # world must wait for that step's "hold": a transition sent mid-step is never read as one, and the
+    # newcomer waited for its peers in the new world until the op timeout.
+    survivors = _plan(tmp_path, "survivors", (Pipeline(4, (Stage((0,), (0, 6)),)), Pipeline(4, (Stage((2,), (0, 6)),))))
+    grown = _plan(tmp_path, "grown", (Pipeline(3, (Stage((0,), (0, 6)),)), Pipeline(2, (Stage((1,), (0, 6)),)),
+                                      Pipeline(3, (Stage((2,), (0, 6)),))))
+    answers = [None, grown]  # not worth it at first; after the failure it is
+    policy, run, source = setup(tmp_path, 8, lambda joining, current, strategy, steps_left: answers.pop(0))
+    policy.replan = lambda failed, current, strategy: survivors
+    policy.begin(run)
+    for w in run.workers.values():
+        w.up = True
+    step(policy, run, 1)
+    (joiner,) = source.started
+    joiner.up = True
+    step(policy, run, 2)  # device 1 is up; the grower says "stay spare"
+    assert answers == [grown] and policy.recorded == 2
+    assert [m for m in sent(run.workers[0]) if isinstance(m, Commit)][-1] == Commit(0, 2, "next")
+    policy.on_failure(run.workers[3], "died", "worker process was killed by SIGKILL")  # during step 3
+    for d in (0, 2):
+        policy.on_message(run.workers[d], Left(0))
+    policy.tick()
+    (recovery,) = [m for m in sent(run.workers[0]) if isinstance(m, Transition)]
+    assert recovery.world is not None and sorted(recovery.world.ranks) == [0, 2]
+    for d in (0, 2):
+        policy.on_message(run.workers[d], Switched(recovery.epoch, 0.0, 0.0, 0.0, 0))
+    policy.tick()  # Resume: devices 0 and 2 redo step 3
+    policy.tick()  # the spare is reconsidered: adopted
+    assert [m for m in sent(run.workers[0]) if isinstance(m, Transition)] == [recovery]  # nothing mid-step
+    assert not any(isinstance(m, Transition) for m in sent(joiner))
+    assert answers == [] and policy.growth is not None and policy.growth.joining == (1,)
+    step(policy, run, 3)
+    assert [m for m in sent(run.workers[0]) if isinstance(m, Commit)][-1] == Commit(1, 3, "hold")
+    (t,) = [m for m in sent(joiner) if isinstance(m, Transition)]
+    assert t.world is not None and t.world.generation == 2 and sorted(t.world.ranks) == [0, 1, 2]
+    assert t.steps_done == 3 and [m for m in sent(run.workers[0]) if isinstance(m, Transition)] == [recovery, t]
