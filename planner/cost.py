@@ -119,6 +119,7 @@ from runtime.pipeline_schedules import (
 from runtime.pipeline_schedules import Schedule as PipelineSchedule
 from runtime.profiling.profile import (
     BLOCKS,
+    SPLIT_BACKWARD_SHARE,
     ComponentFit,
     ComputeBlock,
     DeviceProfile,
@@ -1030,10 +1031,10 @@ class CostModel:
         sc = self.stage(device_type, tp, num_layers, first, last, recompute)
         tiny = 1e-6 * sc.backward_s   # ChunkCost wants both halves positive
         if self.sleep_target(device_type) is not None:
-            # Sleep emulation prices each half at half the backward block (runtime/trace.py
+            # Sleep emulation prices each half at its share of the backward block (runtime/trace.py
             # stage_block_targets): what the emulated device then takes.
-            return ChunkCost(forward=sc.forward_s, input_grad=0.5 * sc.backward_s, weight_grad=0.5 * sc.backward_s,
-                             full_backward=sc.backward_s)
+            half = SPLIT_BACKWARD_SHARE * sc.backward_s
+            return ChunkCost(forward=sc.forward_s, input_grad=half, weight_grad=half, full_backward=sc.backward_s)
         if first:   # the engine runs the first chunk's W as its whole backward: it has no input gradient
             return ChunkCost(forward=sc.forward_s, input_grad=tiny, weight_grad=sc.backward_s - tiny,
                              full_backward=sc.backward_s)

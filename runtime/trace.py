@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from runtime.profiling.profile import ComputeBlock, SleepTarget, sleep_target
+from runtime.profiling.profile import SPLIT_BACKWARD_SHARE, ComputeBlock, SleepTarget, sleep_target
 from runtime.spec import PlanContext
 from runtime.spec.io import atomic_write_text
 
@@ -256,7 +256,8 @@ def stage_block_targets(ctx: PlanContext, strategy: str, device: int,
     def target_s(name: str, args: Mapping[str, Any]) -> float | None:
         # A split backward's two halves (zero-bubble schedules: input gradient, then weight gradient) are
         # priced at half the backward block each.
-        share = {"forward": 1.0, "backward": 1.0, "input_grad": 0.5, "weight_grad": 0.5}.get(name)
+        share = {"forward": 1.0, "backward": 1.0, "input_grad": SPLIT_BACKWARD_SHARE,
+                 "weight_grad": SPLIT_BACKWARD_SHARE}.get(name)
         if share is None:
             return None
         backward = name != "forward"

@@ -630,6 +630,12 @@ def _block_seconds(profile: DeviceProfile, model: ModelSpec, block: ComputeBlock
     return out
 
 
+# Sleep mode prices each half of a split backward (zero-bubble schedules: input gradient B, then weight
+# gradient W) at this share of the backward block: the profiles time the backward as one block. The
+# runtime's targets (runtime/trace.py) and the planner's op costs (planner/cost.py chunk_cost) read it here.
+SPLIT_BACKWARD_SHARE = 0.5
+
+
 @dataclass(frozen=True)
 class SleepTarget:
     """A sleep-mode device type's target, resolved: the profile, the model whose shapes it runs, and the
