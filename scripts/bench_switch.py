@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hetu_cli.commands.train import _planner_replan  # noqa: E402
+from hetu_cli.commands.train import planner_replan  # noqa: E402
 from planner.replan import replan  # noqa: E402
 from runtime.elastic.coordinator import ElasticPolicy  # noqa: E402
 from runtime.launch import Fault, TrainOptions, launch  # noqa: E402
@@ -65,7 +65,7 @@ def in_memory(plan: Path, kill: int, at_step: int, steps: int, profiles: list[Pa
     events: list[dict] = []
     options = TrainOptions(plan=plan, steps=steps, elastic=True, timeout_s=30.0, heartbeat_timeout_s=5.0,
                            faults=(Fault(kill, at_step, "kill"),))
-    launch(options, ElasticPolicy(_planner_replan(tuple(profiles), 0.05, log), events.append), on_log=log)
+    launch(options, ElasticPolicy(planner_replan(tuple(profiles), 0.05, log), events.append), on_log=log)
     (event,) = events
     return event
 

@@ -227,7 +227,7 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
             elif options.coordinated:  # elastic and switching runs coordinate every step (runtime/elastic/)
                 from runtime.elastic.coordinator import ElasticPolicy
 
-                replan = _planner_replan(profile_dirs, replan_tolerance, display.log) if elastic else None
+                replan = planner_replan(profile_dirs, replan_tolerance, display.log) if elastic else None
                 grow = _planner_grow(profile_dirs, display.log) if elastic else None
                 policy = ElasticPolicy(replan, on_event, grow)
                 if agents is not None:
@@ -300,7 +300,7 @@ def _parse_switch(spec: str) -> PlannedSwitch:
     return PlannedSwitch(int(step), Path(path))
 
 
-def _planner_replan(profile_dirs: tuple[Path, ...], tolerance: float, log):
+def planner_replan(profile_dirs: tuple[Path, ...], tolerance: float, log):
     """The runtime's Replanner: the planner on the survivors, switch cost in view (planner/replan.py)."""
 
     def replan(failed, ctx, strategy):

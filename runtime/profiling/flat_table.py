@@ -105,39 +105,30 @@ def read_rows(path: str | Path, fmt: str | None = None) -> list[tuple[int, dict[
 
 def _cell(where: str, name: str, value: Any, problems: list[Problem]) -> Any:
     """One cell converted and checked (CSV cells are text, JSON ones numbers or text); None if bad."""
-    if name in INTS:
-        if isinstance(value, str):
-            try:
-                value = int(value)
-            except ValueError:
-                problems.append(Problem(where, name, f"expected an integer, got {value!r}"))
-                return None
-        if not isinstance(value, int) or isinstance(value, bool):
-            problems.append(Problem(where, name, f"expected an integer, got {value!r}"))
-            return None
-        if value < INTS[name]:
-            problems.append(Problem(where, name, f"must be at least {INTS[name]}, got {value}"))
+    if name not in INTS and name not in FLOATS:
+        if value not in CHOICES[name]:
+            problems.append(Problem(where, name, f"expected one of {', '.join(CHOICES[name])}, got {value!r}"))
             return None
         return value
-    if name in FLOATS:
-        if isinstance(value, str):
-            try:
-                value = float(value)
-            except ValueError:
-                problems.append(Problem(where, name, f"expected a number, got {value!r}"))
-                return None
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            problems.append(Problem(where, name, f"expected a finite number, got {value!r}"))
-            return None
-        if value < 0 or (name == "bandwidth_gbs" and value == 0):
-            problems.append(Problem(where, name, f"must be {'positive' if name == 'bandwidth_gbs' else 'non-negative'}"
-                                                 f", got {value}"))
-            return None
-        return float(value)
-    if value not in CHOICES[name]:
-        problems.append(Problem(where, name, f"expected one of {', '.join(CHOICES[name])}, got {value!r}"))
+    kind, convert = ("an integer", int) if name in INTS else ("a number", float)
+    raw = value
+    if isinstance(value, str):
+        try:
+            value = convert(value)
+        except ValueError:
+            value = None
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or (convert is int and not isinstance(value, int))
+            or not math.isfinite(value)):
+        problems.append(Problem(where, name, f"expected {kind}, got {raw!r}"))
         return None
-    return value
+    if name in INTS and value < INTS[name]:
+        problems.append(Problem(where, name, f"must be at least {INTS[name]}, got {value}"))
+        return None
+    if name in FLOATS and (value < 0 or (name == "bandwidth_gbs" and value == 0)):
+        problems.append(Problem(where, name, f"must be {'positive' if name == 'bandwidth_gbs' else 'non-negative'}"
+                                             f", got {value}"))
+        return None
+    return convert(value)
 
 
 @dataclass
