@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.elastic.protocol import Abort, Commit, Finish, Left, Ready, Resume, Switched, Transition, World
-from runtime.elastic.state import check_compatible, describe_lost, lost_tensors, plan_switch
+from runtime.elastic.state import check_compatible, describe_lost, lost_moments, lost_tensors, plan_switch
 from runtime.elastic.worker import elastic_worker
 from runtime.errors import HspmdError
 from runtime.launch.messages import FaultFiring, StepDone, WorkerError
@@ -225,10 +225,10 @@ class ElasticPolicy:
             from runtime.checkpoint import read_checkpoint_info
 
             self.first_step = read_checkpoint_info(options.load_dir, ctx).step + 1
-        if ctx.plan.training.zero:
+        if ctx.plan.training.zero and ctx.plan.training.zero_redundancy < 2:
             raise HspmdError(f"{ctx.path}: training.zero: {'--elastic' if options.elastic else '--switch'} moves "
-                             "AdamW moments from full replicas, and ZeRO-1 keeps one copy of each: use a plan with "
-                             "zero: false (hspmd plan --elastic or --no-zero)")
+                             "AdamW moments from surviving copies, and ZeRO-1 keeps one copy of each: use a plan "
+                             "with zero_redundancy: 2 or zero: false (hspmd plan --elastic)")
         if options.elastic and options.switches:
             raise HspmdError("--switch and --elastic cannot be combined (planned switches name devices that a "
                              "failure may have taken)")
@@ -543,9 +543,9 @@ class ElasticPolicy:
     def start_recovery(self, inc: _Incident) -> None:
         failed = frozenset(self.failed)
         source = self.ref
-        lost = lost_tensors(source, failed)
-        if lost:
-            raise UnrecoverableFailure(_lost_lines(failed, inc.step, lost, self.options))
+        lost, moments = lost_tensors(source, failed), lost_moments(source, failed)
+        if lost or moments:
+            raise UnrecoverableFailure(_lost_lines(failed, inc.step, lost, moments, self.options))
         target = source
         if failed & set(source.devices):
             if self.replan is None:
@@ -629,10 +629,15 @@ def _bytes(n: float) -> str:
     return f"{n} B"
 
 
-def _lost_lines(failed: frozenset[int], step: int, lost: list[Any], options: TrainOptions) -> list[str]:
-    lines = [f"device(s) {_devs(failed)} failed during step {step} and {len(lost)} parameter(s) have no surviving "
-             f"replica, so the run cannot continue in memory:"]
+def _lost_lines(failed: frozenset[int], step: int, lost: list[Any], moments: list[Any],
+                options: TrainOptions) -> list[str]:
+    what = [f"{len(lost)} parameter(s) have no surviving replica"] if lost else []
+    if moments:
+        what.append(f"the ZeRO-1 AdamW moments of {len(moments)} parameter(s) lost every copy of a chunk")
+    lines = [f"device(s) {_devs(failed)} failed during step {step} and {' and '.join(what)}, so the run cannot "
+             "continue in memory:"]
     lines += [f"  {line}" for line in describe_lost(lost)]
+    lines += [f"  AdamW moments of {line}" for line in describe_lost(moments)]
     if options.save_dir is not None:
         lines.append(f"--save {options.save_dir}: left as it was (checkpoints are written only at the end of a run)")
     lines.append("restart from the last checkpoint with --load, on a plan for the remaining devices")
