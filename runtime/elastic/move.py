@@ -37,7 +37,8 @@ def move_state(bsr: Any, source: dict[str, Any], groups: Any, program: Any, step
     return sent
 
 
-def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any, device: Any) -> tuple[dict[str, Any], int]:
+def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,
+                  device: Any) -> tuple[dict[str, Any], int]:
     """``source`` with this device's ZeRO-1 moments (1-D chunks) replaced by full moments in the
     parameter's layout, rebuilt by ``plan_moment_gather`` from the surviving copies."""
     import torch
