@@ -305,16 +305,15 @@ def zero_measured(steps: int, out_dir: Path) -> dict:
     from runtime.engine.zero import moment_pieces, strategy_zero_slices
 
     plan0 = load_plan(SLEEP_PLAN)
-    strategy = load_plan(REPO / "configs" / "plans" / "cpu-hetero4-sleep-dp-pp.yaml").strategies[0]
-    four = replace(strategy, name="dp4", pipelines=tuple(
-        replace(strategy.pipelines[0], micro_batches=2, stages=(replace(strategy.pipelines[0].stages[0], devices=(d,)),))
-        for d in range(4)))
+    whole = plan0.strategies[0].pipelines[0]  # one device, every layer
+    four = replace(plan0.strategies[0], name="dp4", pipelines=tuple(
+        replace(whole, micro_batches=2, stages=(replace(whole.stages[0], devices=(d,)),)) for d in range(4)))
     res: dict = {"cluster": "cpu-hetero4-sleep", "plan": "4 whole-model pipelines (llama-tiny), devices 0-3",
                  "steps": steps}
     for name, zero, r in (("elastic_zero_r2", True, 2), ("elastic_no_zero", False, 1), ("zero", True, 1)):
         path = out_dir / f"zero-{name}.yaml"
         training = replace(plan0.training, zero=zero, zero_redundancy=r)
-        save_plan(replace(plan0, cluster=str(SLEEP_CLUSTER), training=training, strategies=(four,)), path)
+        save_plan(replace(plan0, training=training, strategies=(four,)), path)
         ctx = load_plan_context(path)
         handle = StrategyHandle.of(ctx)
         ann = strategy_annotations(handle)
@@ -323,7 +322,7 @@ def zero_measured(steps: int, out_dir: Path) -> dict:
         for d in handle.devices:
             pieces = moment_pieces(slices, d)
             kept[d] = sum(p.numel for ps in pieces.values() for p in ps) + sum(
-                p.param.layout(p.shape).holdings[0][1].numel for p in ann.params
+                p.param.layout(p.shape).by_device[d].numel for p in ann.params
                 if p.name not in pieces and d in p.param.devices)
         metrics = out_dir / f"zero-{name}.jsonl"
         args = ["train", "--plan", str(path), "--steps", str(steps), "--metrics", str(metrics)]

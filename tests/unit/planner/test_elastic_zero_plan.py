@@ -67,7 +67,8 @@ def test_elastic_plan_takes_zero_with_two_copies_where_only_it_fits(tmp_path) ->
                                    "--elastic", "--time-limit", "10", "--out", str(out), "--format", "json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
-    assert data["zero_choice"].startswith("elastic: ZeRO-1 with 2 copies of each moment chunk; no plan without ZeRO fits")
+    assert data["zero_choice"].startswith("elastic: ZeRO-1 with 2 copies of each moment chunk; "
+                                          "no plan without ZeRO fits")
     ctx = load_plan_context(out)  # valid: 2 copies over >= 2 pipelines
     t = ctx.plan.training
     assert (t.zero, t.zero_redundancy) == (True, 2)
