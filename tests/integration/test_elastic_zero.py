@@ -46,13 +46,17 @@ def plans(tmp_path_factory):
     d = tmp_path_factory.mktemp("elastic-zero")
     # Two emulated nodes: devices 0, 1 on one, 2, 3 on the other (failure domains).
     cluster = write_nodes_cluster(d / "two-nodes.yaml", [("fast0", "cpu-fast", 2), ("slow0", "cpu-slow", 2)])
-    return {
+    out = {
         # Four whole-model replicas: each moment chunk on two devices, one per node (0+2, 1+3).
         "z4": zero_plan(d / "z4.yaml", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]), (1, [([2], (0, 6))]),
                                         (1, [([3], (0, 6))])], cluster),
-        # Device 1 gone: three replicas, one chunk on devices 0 and 2, device 3 keeps no moments.
-        "z3": zero_plan(d / "z3.yaml", [(2, [([0], (0, 6))]), (1, [([2], (0, 6))]), (1, [([3], (0, 6))])], cluster),
     }
+    # Device k gone: three replicas (one chunk, on two of them; the third keeps no moments).
+    for k in range(4):
+        rest = [d for d in range(4) if d != k]
+        out[f"z3-{k}"] = zero_plan(d / f"z3-{k}.yaml", [(m, [([dev], (0, 6))]) for m, dev in zip((2, 1, 1), rest)],
+                                   cluster)
+    return out
 
 
 def test_the_plan_places_each_chunk_on_both_nodes(plans) -> None:
@@ -61,21 +65,23 @@ def test_the_plan_places_each_chunk_on_both_nodes(plans) -> None:
     assert holders == {(0, 2), (1, 3)}
 
 
-def test_a_killed_holder_is_replaced_from_the_other_copies(plans, tmp_path) -> None:
+@pytest.mark.parametrize("dead", [0, 1, 2, 3])
+def test_a_killed_holder_is_replaced_from_the_other_copies(plans, tmp_path, dead: int) -> None:
     calls: list = []
     events: list[dict] = []
     options = TrainOptions(plan=plans["z4"], steps=STEPS, elastic=True, save_dir=tmp_path / "ck", **FAST,
-                           faults=(Fault(device=1, step=3, kind="kill"),))
-    summary = launch(options, ElasticPolicy(fixed_replan(plans["z3"], calls), on_event=events.append))
+                           faults=(Fault(device=dead, step=3, kind="kill"),))
+    summary = launch(options, ElasticPolicy(fixed_replan(plans[f"z3-{dead}"], calls), on_event=events.append))
     assert multiprocessing.active_children() == []
     expected, trainer = reference(plans["z4"], STEPS)
     records = summary.records
     assert [r.step for r in records] == [1, 2, 3, 4]
     assert [r.loss for r in records] == pytest.approx(expected, rel=1e-5)
-    assert [r.strategy for r in records] == ["z4", "z4", "z3", "z3"]
-    assert calls == [(frozenset({1}), "z4")]
+    assert [r.strategy for r in records] == ["z4", "z4", f"z3-{dead}", f"z3-{dead}"]
+    assert calls == [(frozenset({dead}), "z4")]
     (e,) = events
-    assert e["event"] == "failure" and e["failed"] == [1] and e["survivors"] == [0, 2, 3]
+    survivors = [d for d in range(4) if d != dead]
+    assert e["event"] == "failure" and e["failed"] == [dead] and e["survivors"] == survivors
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
 
 
