@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.elastic.protocol import Abort, Commit, Finish, Left, Ready, Resume, Switched, Transition, World
-from runtime.elastic.state import check_compatible, describe_lost, lost_moments, lost_tensors, plan_switch
+from runtime.elastic.state import (
+    check_compatible,
+    describe_lost,
+    lost_moments,
+    lost_tensors,
+    plan_moment_gather,
+    plan_switch,
+)
 from runtime.elastic.worker import elastic_worker
 from runtime.errors import HspmdError
 from runtime.launch.messages import FaultFiring, StepDone, WorkerError
@@ -81,6 +88,7 @@ class _Incident:
     transition: Transition | None = None
     times: dict[int, Switched] = field(default_factory=dict)
     attempts: int = 0
+    moment_bytes: int = 0  # ZeRO-1 with copies: the first round, rebuilding moments from the copies
 
 
 # -- the phases: what the coordinator waits for now, and what comes next ---------------------------------
@@ -160,7 +168,7 @@ class Switching:
             inc.times = dict(got)
             c.reported_incident, c.incident = inc, None
             c.log(f"switched to {t.target.describe()} in {now - (inc.t_sent or now):.3f} s "
-                  f"({_bytes(t.bsr.total_bytes)} moved); redoing step {inc.step}")
+                  f"({_bytes(t.bsr.total_bytes + inc.moment_bytes)} moved); redoing step {inc.step}")
         elif self.growth is not None:
             g = self.growth
             c.report(_growth_event(self, g, now, got),
@@ -568,6 +576,8 @@ class ElasticPolicy:
                      f"{target.describe()}")
         t0 = time.perf_counter()
         bsr = plan_switch(source, target, failed)
+        gather = plan_moment_gather(source, failed)  # the workers plan the same themselves (runtime/elastic/move.py)
+        inc.moment_bytes = gather.total_bytes if gather is not None else 0
         inc.plan_s += time.perf_counter() - t0
         self.gen += 1
         self.epoch += 1
@@ -661,7 +671,8 @@ def _failure_event(inc: _Incident, now: float, survivors: list[int]) -> dict[str
         "devices": sorted(t.target.devices), "micro_batch": t.target.ctx.plan.training.micro_batch,
         "detect_s": detect, "abandon_s": inc.t_left - inc.t_detect, "replan_s": inc.replan_s + inc.plan_s,
         **_slowest(inc.times), "switch_s": inc.t_resumed - inc.t_sent,
-        "switch_bytes": t.bsr.total_bytes, "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster),
+        "switch_bytes": t.bsr.total_bytes + inc.moment_bytes, "moment_rebuild_bytes": inc.moment_bytes,
+        "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster),
         "total_s": detect + (inc.t_resumed - inc.t_detect), "first_step_s": now - inc.t_resumed,
         "recovery_s": now - inc.t_detect, "attempts": inc.attempts,
     }

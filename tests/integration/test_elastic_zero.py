@@ -82,6 +82,7 @@ def test_a_killed_holder_is_replaced_from_the_other_copies(plans, tmp_path, dead
     (e,) = events
     survivors = [d for d in range(4) if d != dead]
     assert e["event"] == "failure" and e["failed"] == [dead] and e["survivors"] == survivors
+    assert e["moment_rebuild_bytes"] > 0 and e["switch_bytes"] >= e["moment_rebuild_bytes"]
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
 
 
