@@ -554,6 +554,14 @@ class ElasticPolicy:
         lost, moments = lost_tensors(source, failed), lost_moments(source, failed)
         if lost or moments:
             raise UnrecoverableFailure(_lost_lines(failed, inc.step, lost, moments, self.options))
+        self.collect_records()
+        if self.recorded < self.committed:
+            # Only ZeRO-1's parameter all-gather communicates after a commit: the survivors left a committed
+            # step half-gathered (no record of it). Repairing that in memory is not built; stop, not hang.
+            raise UnrecoverableFailure(
+                [f"device(s) {_devs(failed)} failed inside ZeRO-1's parameter all-gather of the committed step "
+                 f"{self.committed}, which the run cannot repair in memory"]
+                + _checkpoint_lines(self.options))
         target = source
         if failed & set(source.devices):
             if self.replan is None:
@@ -648,6 +656,11 @@ def _lost_lines(failed: frozenset[int], step: int, lost: list[Any], moments: lis
              "continue in memory:"]
     lines += [f"  {line}" for line in describe_lost(lost)]
     lines += [f"  AdamW moments of {line}" for line in describe_lost(moments)]
+    return lines + _checkpoint_lines(options)
+
+
+def _checkpoint_lines(options: TrainOptions) -> list[str]:
+    lines = []
     if options.save_dir is not None:
         lines.append(f"--save {options.save_dir}: left as it was (checkpoints are written only at the end of a run)")
     lines.append("restart from the last checkpoint with --load, on a plan for the remaining devices")
