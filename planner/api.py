@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from planner.baselines import Baseline, LowerBound, best_symmetric, best_symmetric_subset, lower_bound
-from planner.cost import GIB, CostModel, zero_degree
+from planner.cost import GIB, CostModel, zero_degree, zero_fields
 from planner.layer_split import feasible, slot_costs
 from planner.schedule_choice import schedule_choices, stage_layer_ranges
 from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, SearchStats, describe, rank, search
@@ -102,8 +102,8 @@ class PlanResult:
     def _plan(self, model_ref: str, cluster_ref: str, micro_batch: int, strategy: Strategy) -> Plan:
         s = self.settings
         training = TrainingSettings(global_batch=s.global_batch, micro_batch=micro_batch, seq_len=s.seq_len,
-                                    zero=bool(s.zero), zero_redundancy=max(1, s.zero), schedule=s.default_schedule,
-                                    seed=s.seed, optimizer=s.optimizer)
+                                    schedule=s.default_schedule, seed=s.seed, optimizer=s.optimizer,
+                                    **zero_fields(s.zero))
         return Plan(version=PLAN_VERSION, model=model_ref, cluster=cluster_ref, training=training,
                     strategies=(strategy,))
 

@@ -287,13 +287,18 @@ def zero_copies(training: TrainingSettings) -> int:
     return training.zero_redundancy if training.zero else 0
 
 
+def zero_fields(copies: int) -> dict[str, Any]:
+    """The inverse of ``zero_copies``: ``TrainingSettings``' ZeRO-1 fields for a copy count."""
+    return {"zero": bool(copies), "zero_redundancy": max(1, int(copies))}
+
+
 def planner_handle(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
                    zero: int = 0) -> StrategyHandle:
     """``strategy`` as a plan's strategy handle, so that the cost model and the simulator play the very
     action lists the runtime would execute (``StrategyHandle.pipeline_schedule``): a planned strategy has
     no plan file yet."""
     training = TrainingSettings(global_batch=global_batch, micro_batch=cm.micro_batch, seq_len=cm.seq_len,
-                                zero=bool(zero), zero_redundancy=max(1, int(zero)), schedule=schedule)
+                                schedule=schedule, **zero_fields(zero))
     plan = Plan(version=PLAN_VERSION, model=cm.model.name, cluster=cm.cluster.name, training=training,
                 strategies=(strategy,))
     return StrategyHandle(PlanContext(plan, cm.model, cm.cluster, Path("<planner>")), strategy)
