@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from planner.baselines import Baseline, LowerBound, best_symmetric, best_symmetric_subset, lower_bound
-from planner.cost import GIB, CostModel
+from planner.cost import GIB, CostModel, zero_degree, zero_fields
 from planner.layer_split import feasible, slot_costs
 from planner.schedule_choice import schedule_choices, stage_layer_ranges
 from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, SearchStats, describe, rank, search
@@ -69,6 +69,8 @@ class PlanResult:
     stats: SearchStats = field(default_factory=SearchStats)
     # Per pipeline of the best plan: every schedule's time and memory on its stages (why it runs its own).
     schedule_options: tuple[tuple[ScheduleOption, ...], ...] = ()
+    # Elastic plans without --zero/--no-zero: both were searched; why this one (empty otherwise).
+    zero_choice: str = ""
 
     @property
     def best(self) -> Candidate:
@@ -100,7 +102,8 @@ class PlanResult:
     def _plan(self, model_ref: str, cluster_ref: str, micro_batch: int, strategy: Strategy) -> Plan:
         s = self.settings
         training = TrainingSettings(global_batch=s.global_batch, micro_batch=micro_batch, seq_len=s.seq_len,
-                                    zero=s.zero, schedule=s.default_schedule, seed=s.seed, optimizer=s.optimizer)
+                                    schedule=s.default_schedule, seed=s.seed, optimizer=s.optimizer,
+                                    **zero_fields(s.zero))
         return Plan(version=PLAN_VERSION, model=model_ref, cluster=cluster_ref, training=training,
                     strategies=(strategy,))
 
@@ -147,7 +150,38 @@ def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfil
     the cluster's device ids. ``baselines=False`` skips the symmetric baselines (their fields then say
     "not computed"); the lower bound is always computed (it is cheap). ``progress(phase, done, total)``
     is called as the search advances.
+
+    Elastic without a ZeRO choice: searched twice, half the time limit each -- ZeRO-1 with 2 copies of every
+    moment chunk (less memory, hence other layouts; the parameter all-gather on top) and without ZeRO --
+    and the faster best plan is the answer (``zero_choice`` says why).
     """
+    if not (settings.elastic and settings.use_zero is None):
+        return _plan(model, cluster, profiles, settings, devices, baselines, progress)
+    half = settings.time_limit_s / 2
+    results: dict[bool, PlanResult] = {}
+    errors: dict[bool, InfeasibleError] = {}
+    for z in (False, True):
+        try:
+            results[z] = _plan(model, cluster, profiles, dataclasses.replace(settings, use_zero=z, time_limit_s=half),
+                               devices, baselines, progress)
+        except InfeasibleError as err:
+            errors[z] = err
+    if not results:
+        raise errors[False]
+    name = {False: "without ZeRO", True: "ZeRO-1 with 2 copies of each moment chunk"}
+    pick = min(results, key=lambda z: results[z].best.step_time_s)
+    other = not pick
+    if other in results:
+        why = (f"elastic: {name[pick]} ({results[pick].best.step_time_s:.3f} s per step) beats {name[other]} "
+               f"({results[other].best.step_time_s:.3f} s)")
+    else:
+        why = f"elastic: {name[pick]}; no plan {name[other]} fits ({errors[other]})"
+    return dataclasses.replace(results[pick], zero_choice=why)
+
+
+def _plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
+          settings: PlanSettings, devices: Iterable[int] | None, baselines: bool,
+          progress: Progress | None) -> PlanResult:
     t0 = time.perf_counter()
     devs = tuple(sorted(set(range(cluster.num_devices) if devices is None else devices)))
     _check_request(model, cluster, settings, devs)
@@ -255,7 +289,7 @@ def schedule_options(cm: CostModel, strategy: Strategy, pi: int, default: Schedu
     pipe = strategy.pipelines[pi]
     own = pipe.schedule if pipe.schedule is not None else default
     counts = [st.num_layers for st in pipe.stages]
-    zero_degree = len(strategy.pipelines) if zero else 1
+    zd = zero_degree(len(strategy.pipelines), zero)
     out = []
     for choice in [c for name in SCHEDULE_NAMES for c in schedule_choices(name)]:
         chosen = choice.name == own and choice.chunks == pipe.stages[0].chunks
@@ -272,7 +306,7 @@ def schedule_options(cm: CostModel, strategy: Strategy, pi: int, default: Schedu
         alt = dataclasses.replace(strategy, pipelines=tuple(costed if i == pi else p
                                                             for i, p in enumerate(strategy.pipelines)))
         stages = costed.stages
-        mem = cm.pipeline_memory(alt, pi, choice.name, zero_degree)
+        mem = cm.pipeline_memory(alt, pi, choice.name, zd)
         oom = tuple(d for st, m in zip(stages, mem) for d in st.devices if m.total > cm.capacity_bytes(d))
         out.append(ScheduleOption(choice.label, cm.pipeline_step_time(alt, pi, choice.name), oom, chosen))
     return out
@@ -314,9 +348,6 @@ def _check_request(model: ModelSpec, cluster: Cluster, settings: PlanSettings, d
     if settings.elastic and settings.global_batch < 2 * (b or 1):
         raise InfeasibleError(f"--elastic needs at least 2 pipelines, hence a global batch of at least "
                               f"{2 * (b or 1)} sequences (got {settings.global_batch})")
-    if settings.elastic and settings.use_zero:
-        raise InfeasibleError("--elastic keeps a full optimizer state on every pipeline: it cannot be combined "
-                              "with ZeRO-1")
     if settings.elastic and len(devs) < 2:
         raise InfeasibleError("--elastic needs at least 2 devices (every parameter on >= 2 pipelines)")
 
@@ -338,7 +369,7 @@ def diagnose(model: ModelSpec, cluster: Cluster, cms: Mapping[int, CostModel], s
     cm = cms[min(cms)]
     b = cm.micro_batch
     m_total = settings.global_batch // b
-    zd = 1 if not settings.zero else max(1, min(m_total, len(devs)))
+    zd = zero_degree(min(m_total, len(devs)), settings.zero)
     # 1. Can the model fit at all? One pipeline through every device, biggest TP groups, most memory first.
     choices = tp_choices(cluster, model, devs)
     tp_max = {t: max(v) for t, v in choices.items() if v}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from planner.cost import CostModel, StrategyEstimate
+from planner.cost import CostModel, StrategyEstimate, zero_degree
 from planner.tp_groups import available, tp_degrees
 from runtime.solver import solve, var
 from runtime.spec.plan import Pipeline, Schedule, Stage, Strategy
@@ -126,10 +126,10 @@ def best_symmetric(cms: Mapping[int, CostModel], devices: Sequence[int], global_
     return best
 
 
-def _fits_quick(cm: CostModel, strategy: Strategy, zero: bool) -> bool:
+def _fits_quick(cm: CostModel, strategy: Strategy, zero: int) -> bool:
     """Memory of the first pipeline only (all pipelines of a symmetric plan look alike)."""
     pipe = strategy.pipelines[0]
-    zd = len(strategy.pipelines) if zero else 1
+    zd = zero_degree(len(strategy.pipelines), zero)
     n = len(pipe.stages)
     for k, s in enumerate(pipe.stages):
         dtype = cm.cluster.device(s.devices[0]).type

@@ -48,6 +48,9 @@ planner can call them millions of times:
 * ``optimizer_time(device_type, params, zero_degree=1, tensors=0)``: one AdamW step;
   ``tensors_per_stage`` gives the tensor count. ``clip_time(devices)``: the per-step all-reduce of
   loss and gradient norm.
+* ``zero`` everywhere is a copy count: 0 (or False) off, 1 (or True) ZeRO-1, r >= 2 ZeRO-1 with r copies of
+  every moment chunk (``training.zero_redundancy``, elastic plans): ``zero_degree`` divides a device's
+  optimizer state and AdamW step by ``pipelines // r``; the all-gather sends each element once whatever r.
 * ``estimate(strategy, global_batch, schedule, zero) -> StrategyEstimate``: the whole step, each pipeline
   by ``pipeline_step_time`` (the runtime's action lists played with ``chunk_cost``s: ``play_actions``)
   under its own schedule, plus memory per device (the schedule's ``live_activation_limit``:
@@ -272,13 +275,30 @@ def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     return 6.0 * n + 12.0 * model.num_layers * model.hidden_size * seq_len
 
 
+def zero_degree(pipelines: int, zero: int) -> int:
+    """How many ways ZeRO-1 divides a device's optimizer state and AdamW step (``zero``: the copy count,
+    0 off): ``pipelines // r`` chunks per slice (runtime/engine/zero.py ``place``; a slice has at least
+    one replica per pipeline, so this errs on the side of memory)."""
+    return max(1, pipelines // int(zero)) if zero else 1
+
+
+def zero_copies(training: TrainingSettings) -> int:
+    """A plan's ZeRO-1 setting as the copy count the cost model takes (0: off)."""
+    return training.zero_redundancy if training.zero else 0
+
+
+def zero_fields(copies: int) -> dict[str, Any]:
+    """The inverse of ``zero_copies``: ``TrainingSettings``' ZeRO-1 fields for a copy count."""
+    return {"zero": bool(copies), "zero_redundancy": max(1, int(copies))}
+
+
 def planner_handle(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
-                   zero: bool = False) -> StrategyHandle:
+                   zero: int = 0) -> StrategyHandle:
     """``strategy`` as a plan's strategy handle, so that the cost model and the simulator play the very
     action lists the runtime would execute (``StrategyHandle.pipeline_schedule``): a planned strategy has
     no plan file yet."""
     training = TrainingSettings(global_batch=global_batch, micro_batch=cm.micro_batch, seq_len=cm.seq_len,
-                                zero=zero, schedule=schedule)
+                                schedule=schedule, **zero_fields(zero))
     plan = Plan(version=PLAN_VERSION, model=cm.model.name, cluster=cm.cluster.name, training=training,
                 strategies=(strategy,))
     return StrategyHandle(PlanContext(plan, cm.model, cm.cluster, Path("<planner>")), strategy)
@@ -1208,14 +1228,14 @@ class CostModel:
         return PipelineEstimate(pipe.micro_batches, stages, boundary, t, name, pipe.stages[0].chunks)
 
     def strategy_memory(self, strategy: Strategy, schedule: Schedule = "1f1b",
-                        zero: bool = False) -> dict[int, MemoryBreakdown]:
+                        zero: int = 0) -> dict[int, MemoryBreakdown]:
         """Peak memory of every device the strategy uses (ZeRO-1 shards over the pipelines), each pipeline
         under its own schedule's activation bound (``pipeline_memory``)."""
-        zero_degree = len(strategy.pipelines) if zero else 1
+        zd = zero_degree(len(strategy.pipelines), zero)
         out = {}
         for pi, pipe in enumerate(strategy.pipelines):
             name = pipe.schedule if pipe.schedule is not None else schedule
-            for s, mem in zip(pipe.stages, self.pipeline_memory(strategy, pi, name, zero_degree)):
+            for s, mem in zip(pipe.stages, self.pipeline_memory(strategy, pi, name, zd)):
                 for d in s.devices:
                     out[d] = mem
         return out
@@ -1232,18 +1252,18 @@ class CostModel:
                     out[d] = (params, tensors)
         return out
 
-    def optimizer_times(self, strategy: Strategy, zero: bool = False) -> dict[int, float]:
+    def optimizer_times(self, strategy: Strategy, zero: int = 0) -> dict[int, float]:
         """One AdamW step per device: measured per-component optimizer seconds (profile tables) where the
         profile has them for its stage, else the per-parameter fit."""
-        zero_degree = len(strategy.pipelines) if zero else 1
-        out = {d: self.optimizer_time(self._type_of[d], n, zero_degree, tensors)
+        zd = zero_degree(len(strategy.pipelines), zero)
+        out = {d: self.optimizer_time(self._type_of[d], n, zd, tensors)
                for d, (n, tensors) in self.device_params(strategy).items()}
         for pipe in strategy.pipelines:
             for k, st in enumerate(pipe.stages):
                 t = table_optimizer_s(self.profiles[self._type_of[st.devices[0]]], self.model, st.tp, st.num_layers,
                                       k == 0, k == len(pipe.stages) - 1)
                 if t is not None:
-                    out.update(dict.fromkeys(st.devices, t / zero_degree))
+                    out.update(dict.fromkeys(st.devices, t / zd))
         return out
 
     def mfu(self, step_time_s: float, global_batch: int, devices: Iterable[int]) -> float:
@@ -1253,7 +1273,7 @@ class CostModel:
         return flops / step_time_s / peak if step_time_s > 0 and peak > 0 else 0.0
 
     def estimate(self, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
-                 zero: bool = False, *, pipeline_s: Sequence[float] | None = None) -> StrategyEstimate:
+                 zero: int = 0, *, pipeline_s: Sequence[float] | None = None) -> StrategyEstimate:
         """Step time and memory of a strategy: ``max over pipelines (pipeline_step_time: the list scheduler on
         the real op costs) + gradient sync + clip + max over devices (step overhead + optimizer + ZeRO-1
         parameter all-gathers) + the fixed cost per iteration``; each pipeline under its own schedule, else

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from planner.api import PlanSettings, plan
-from planner.cost import CostModel
+from planner.cost import CostModel, zero_copies
 from runtime.comm.bsr import BsrPlan
 from runtime.elastic.events import TraceEvent
 from runtime.elastic.state import STATE_SUFFIXES, LostTensor, describe_lost, lost_tensors, plan_switch
@@ -179,17 +179,18 @@ def replan(current: StrategyHandle, failed: Collection[int],
     model_ref = model_ref or ctx.plan.model
     cluster_ref = cluster_ref or ctx.plan.cluster
     cur = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
-    current_time = cur.estimate(current.strategy, t.global_batch, t.schedule, False).step_time_s
+    current_time = cur.estimate(current.strategy, t.global_batch, t.schedule, zero_copies(t)).step_time_s
 
     plans: list[tuple[Literal["planner", "repair"], int, Plan, float, str]] = []
+    # The survivors keep the run's ZeRO choice (an elastic ZeRO-1 plan keeps 2 copies of every chunk).
     settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=True,
-                            use_zero=False, time_limit_s=time_limit_s, top_k=top_k, seed=t.seed, optimizer=t.optimizer,
+                            use_zero=t.zero, time_limit_s=time_limit_s, top_k=top_k, seed=t.seed, optimizer=t.optimizer,
                             schedule=t.schedule)
     try:
         result = plan(ctx.model, ctx.cluster, profiles, settings, devices=survivors, baselines=False)
     except InfeasibleError as err:
         notes.append(f"no elastic plan (>= 2 pipelines) fits the survivors ({err}); planning without that")
-        result = plan(ctx.model, ctx.cluster, profiles, dataclasses.replace(settings, elastic=False),
+        result = plan(ctx.model, ctx.cluster, profiles, dataclasses.replace(settings, elastic=False, use_zero=False),
                       devices=survivors, baselines=False)
     for i, cand in enumerate(result.candidates):
         p = result.to_plan(model_ref, cluster_ref, i)
@@ -262,11 +263,13 @@ def repair(current: StrategyHandle, failed: Collection[int],
         i = min(range(len(keep)), key=lambda j: (lines[j][0] + (counts[j] - need[j] + 1) * lines[j][1], j))
         counts[i] += 1
     repaired = with_counts(counts)
-    est = cm.estimate(repaired, t.global_batch, t.schedule, False)
+    # ZeRO-1's copies need as many pipelines: fewer left, and the moments are kept whole.
+    training = t if len(keep) >= t.zero_redundancy else dataclasses.replace(t, zero=False, zero_redundancy=1)
+    est = cm.estimate(repaired, t.global_batch, t.schedule, zero_copies(training))
     if not est.fits or not math.isfinite(est.step_time_s):
         return None
     repaired = dataclasses.replace(repaired, estimates={"step_time_s": round(est.step_time_s, 6)})
-    return dataclasses.replace(ctx.plan, strategies=(repaired,)), est.step_time_s
+    return dataclasses.replace(ctx.plan, training=training, strategies=(repaired,)), est.step_time_s
 
 
 @dataclass(frozen=True)
@@ -311,15 +314,15 @@ def grow(current: StrategyHandle, joining: Collection[int], profiles: Mapping[st
     switch = switch or SwitchModel()
     t = ctx.plan.training
     cur = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
-    current_time = cur.estimate(current.strategy, t.global_batch, t.schedule, False).step_time_s
+    current_time = cur.estimate(current.strategy, t.global_batch, t.schedule, zero_copies(t)).step_time_s
     devices = tuple(sorted(set(current.devices) | set(joining)))
     settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=True,
-                            use_zero=False, time_limit_s=time_limit_s, top_k=1, seed=t.seed, optimizer=t.optimizer,
+                            use_zero=t.zero, time_limit_s=time_limit_s, top_k=1, seed=t.seed, optimizer=t.optimizer,
                             schedule=t.schedule)
     try:
         result = plan(ctx.model, ctx.cluster, profiles, settings, devices=devices, baselines=False)
     except InfeasibleError:
-        result = plan(ctx.model, ctx.cluster, profiles, dataclasses.replace(settings, elastic=False),
+        result = plan(ctx.model, ctx.cluster, profiles, dataclasses.replace(settings, elastic=False, use_zero=False),
                       devices=devices, baselines=False)
     best = result.candidates[0]
     p = result.to_plan(model_ref or ctx.plan.model, cluster_ref or ctx.plan.cluster, 0)

@@ -67,6 +67,7 @@ def result_json(result: PlanResult, plan: Plan, out_path: str | None) -> dict[st
         "mfu": est.mfu,
         "micro_batch": best.micro_batch,
         "summary": best.summary,
+        "zero_choice": result.zero_choice or None,
         "baselines": {
             "symmetric": _baseline_json(result, result.symmetric),
             "symmetric_subset": _baseline_json(result, result.symmetric_subset),
@@ -92,13 +93,19 @@ def _speedup(result: PlanResult, b: Baseline) -> str:
     return "-" if s is None else f"{s:.2f}x"
 
 
+def zero_text(copies: int) -> str:
+    return "off" if not copies else "on" if copies == 1 else f"on, {copies} copies of each moment chunk"
+
+
 def print_report(con: Console, result: PlanResult, out_path: str | None) -> None:
     best = result.best
     est = best.estimate
     s = result.settings
     con.print(f"[bold]{escape(result.model.name)}[/bold] on [bold]{escape(result.cluster.name)}[/bold] "
               f"({len(result.devices)} devices), global batch {s.global_batch} x {s.seq_len} tokens, "
-              f"micro-batch {best.micro_batch}, ZeRO-1 {'off (elastic)' if s.elastic else 'on'}")
+              f"micro-batch {best.micro_batch}, ZeRO-1 {zero_text(s.zero)}{' (elastic)' if s.elastic else ''}")
+    if result.zero_choice:
+        con.print(escape(result.zero_choice))
     con.print(f"plan: {escape(best.summary)}")
     table = Table(title="pipelines x stages (one micro-batch per stage)", title_justify="left")
     for col in ("pipe", "mb", "schedule", "stage", "type", "TP", "devices", "layers", "recompute", "stage s",

@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-from planner.cost import CostModel, StrategyEstimate, memo
+from planner.cost import CostModel, StrategyEstimate, memo, zero_degree
 from planner.layer_split import LayerSplit, SlotCost, refine_split, slot_costs, split_fast, split_ilp
 from planner.microbatch import Allocation, PipelineClass, TimeOption, allocate_greedy, allocate_ilp
 from planner.pipelines import (
@@ -91,8 +91,10 @@ class PlanSettings:
     global_batch: int
     seq_len: int
     micro_batch: int | None = None
-    elastic: bool = False          # every parameter on >= 2 pipelines, ZeRO off (failure recovery)
-    use_zero: bool | None = None   # ZeRO-1 over the pipelines; None: on unless elastic
+    elastic: bool = False          # every parameter on >= 2 pipelines (failure recovery)
+    # ZeRO-1 over the pipelines; None: on, except under elastic, where planner/api.py ``plan`` tries both
+    # (ZeRO-1 with 2 copies of every moment chunk, and off) and keeps the faster.
+    use_zero: bool | None = None
     time_limit_s: float = 120.0
     top_k: int = 5
     allow_recompute: bool = True
@@ -107,8 +109,11 @@ class PlanSettings:
     simulate_top: int = 0
 
     @property
-    def zero(self) -> bool:
-        return (not self.elastic) if self.use_zero is None else self.use_zero
+    def zero(self) -> int:
+        """ZeRO-1 as the cost model's copy count (planner/cost.py ``zero_degree``): 0 off, 1 plain ZeRO-1, 2
+        under elastic (``training.zero_redundancy: 2``: any single failure leaves a copy of every chunk)."""
+        on = (not self.elastic) if self.use_zero is None else self.use_zero
+        return (2 if self.elastic else 1) if on else 0
 
     @property
     def min_pipelines(self) -> int:
@@ -333,7 +338,7 @@ class Searcher:
         return out
 
     def zero_degree(self, pipelines: int) -> int:
-        return pipelines if self.settings.zero else 1
+        return zero_degree(pipelines, self.settings.zero)
 
     def _slots(self, template: Template, zero_degree: int, choice: ScheduleChoice) -> tuple[SlotCost, ...]:
         return slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,

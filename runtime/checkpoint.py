@@ -230,7 +230,7 @@ def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: P
     from runtime.annotations.from_plan import annotate_strategy
     from runtime.comm.bsr import TensorMove, plan_bsr
     from runtime.comm.execute import run_bsr
-    from runtime.engine.zero import moment_pieces, zero_slices
+    from runtime.engine.zero import moment_pieces, strategy_zero_slices
 
     strat = plan.plan.strategy(strategy)
     me = groups.my_device
@@ -239,7 +239,7 @@ def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: P
     ann = annotate_strategy(strat, plan.model, plan.plan.training)
     params = ann.params
     _check_local_regions(program, {p.name: p for p in params}, me)
-    slices = zero_slices(ann) if plan.plan.training.zero else {}
+    slices = strategy_zero_slices(ann, plan.plan.training, plan.cluster)
     if slices and program.moment_pieces() != moment_pieces(slices, me):
         raise RuntimeError(f"device {me}: the program's ZeRO-1 moment pieces differ from the plan's")
     dtype = getattr(torch, STATE_DTYPE)
@@ -378,13 +378,15 @@ def _zero_moves(key: str, slices: Any, writer: int, dtype: Any, me: int, local: 
     off = 0
     moves = []
     for i, s in enumerate(slices):
-        owners = [(d, s.chunk(d)) for d in s.devices if s.chunk(d)[1] > s.chunk(d)[0]]
+        # Each element from one of its holders (with r >= 2 copies, each sends its share of its chunk).
+        owners = s.senders()
         src = Annotation.union(0, [((d,), DistributedStates.of()) for d, _ in owners], [b - a for _, (a, b) in owners])
         moves.append(TensorMove(f"{key}@{i}", (s.numel,), dtype, src, Annotation.spmd([writer])))
         if me in s.devices:
             a, b = s.chunk(me)
-            if b > a:
-                local[f"{key}@{i}"] = mine[off:off + b - a]
+            x, y = s.part(me)
+            if y > x:
+                local[f"{key}@{i}"] = mine[off + x - a:off + y - a]
             off += b - a
     if mine is not None and off != mine.numel():
         raise RuntimeError(f"{key}: device {me} keeps {mine.numel()} ZeRO-1 moment elements, its pieces {off}")

@@ -20,7 +20,16 @@ against checkpoint-restart, measured on this machine and modelled at paper scale
     ``--paper-steps`` steps: planner/replan.py ``model_trace`` (hspmd vs restart vs Oobleck-like; every
     assumption listed in the output). Keys ``modelled_goodput_over_restart`` (target >= 1.5) and
     ``modelled_goodput_over_oobleck_like``.
-(3) Elastic ZeRO-1 (redundancy r = 2): not built; ``elastic_zero_over_zero`` is reported as null.
+(3) Elastic ZeRO-1 (``training.zero_redundancy: 2``) vs elastic without ZeRO vs plain ZeRO-1 (``zero_part``):
+    * modelled, paper scale (llama-32b on h800-h20-48, the batch of configs/plans/h800-h20-llama32b.yaml):
+      the planner's best plan of each (elastic: >= 2 pipelines), step time and peak memory per device
+      (cost model), what ``hspmd plan --elastic`` chooses between the first two, and plain ZeRO-1's strategy
+      priced all three ways. ``elastic_zero_over_zero`` = elastic ZeRO-1's step time / plain ZeRO-1's
+      (target <= 1.05).
+    * measured (short): llama-tiny on cpu-hetero4-sleep, four whole-model pipelines, ``--zero-steps`` steps of
+      each setting with ``hspmd train``: median step time (after the first two steps) and the AdamW moment
+      elements each device keeps (the plan's ZeRO-1 layout: an exact count, not a memory measurement).
+    ``--zero-only`` runs part 3 alone, ``--skip-zero`` skips it.
 
 ``--json`` prints one JSON object (nothing else on stdout). ``--skip-measured`` / ``--skip-modelled`` run one
 half only.
@@ -242,6 +251,108 @@ def modelled(steps: int) -> dict:
     return {"plan": handle.describe(), **model_trace(handle, trace.events, steps, profiles, log=log)}
 
 
+ZERO_SETTINGS = {  # name -> (elastic, use_zero)
+    "elastic_zero_r2": (True, True),
+    "elastic_no_zero": (True, False),
+    "zero": (False, True),
+}
+
+
+def zero_modelled() -> dict:
+    """Part 3 at paper scale: each setting's best plan by the planner, and plain ZeRO-1's strategy priced
+    three ways (copies 0, 1, 2) to isolate what the copies cost."""
+    from planner.cost import CostModel
+
+    ctx = load_plan_context(REPO / "configs" / "plans" / "h800-h20-llama32b.yaml")
+    profiles = resolve_profiles(ctx.cluster.device_types, [])
+    t = ctx.plan.training
+    base = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, time_limit_s=60.0, top_k=1,
+                        seed=t.seed, optimizer=t.optimizer, schedule=t.schedule)
+    out: dict = {"model": ctx.model.name, "cluster": ctx.cluster.name, "global_batch": t.global_batch,
+                 "seq_len": t.seq_len}
+    best = {}
+    for name, (elastic, use_zero) in ZERO_SETTINGS.items():
+        t0 = time.perf_counter()
+        r = plan(ctx.model, ctx.cluster, profiles, replace(base, elastic=elastic, use_zero=use_zero), baselines=False)
+        b = best[name] = r.best
+        mem = b.estimate.memory
+        out[name] = {"plan": b.summary, "pipelines": len(b.strategy.pipelines), "micro_batch": b.micro_batch,
+                     "step_time_s": b.step_time_s, "peak_memory_gib": max(m.gib for m in mem.values()),
+                     "optimizer_state_gib": max(m.optimizer for m in mem.values()) / 2**30,
+                     "zero_gather_s": b.estimate.extra.get("zero_gather_s", 0.0),
+                     "plan_s": time.perf_counter() - t0}
+        log(f"  {name}: {b.step_time_s:.3f} s, peak {out[name]['peak_memory_gib']:.1f} GiB ({b.summary})")
+    auto = plan(ctx.model, ctx.cluster, profiles, replace(base, elastic=True), baselines=False)
+    out["hspmd_plan_elastic_chooses"] = auto.zero_choice
+    z = best["zero"]
+    cm = CostModel(ctx.model, ctx.cluster, profiles, micro_batch=z.micro_batch, seq_len=t.seq_len)
+    same = {}
+    for copies, label in ((0, "no_zero"), (1, "zero"), (2, "zero_r2")):
+        if copies > len(z.strategy.pipelines):
+            continue
+        est = cm.estimate(z.strategy, t.global_batch, t.schedule, copies)
+        same[label] = {"step_time_s": est.step_time_s, "peak_memory_gib": max(m.gib for m in est.memory.values()),
+                       "oom_devices": list(est.oom_devices)}
+    out["zero_plan_priced_three_ways"] = {"plan": z.summary, **same}
+    out["elastic_zero_over_zero"] = best["elastic_zero_r2"].step_time_s / best["zero"].step_time_s
+    out["elastic_no_zero_over_zero"] = best["elastic_no_zero"].step_time_s / best["zero"].step_time_s
+    return out
+
+
+def zero_measured(steps: int, out_dir: Path) -> dict:
+    """Part 3 measured: the same four-pipeline plan on cpu-hetero4-sleep under each setting, ``steps`` steps."""
+    from runtime.annotations.from_plan import strategy_annotations
+    from runtime.engine.zero import moment_pieces, strategy_zero_slices
+
+    plan0 = load_plan(SLEEP_PLAN)
+    whole = plan0.strategies[0].pipelines[0]  # one device, every layer
+    four = replace(plan0.strategies[0], name="dp4", pipelines=tuple(
+        replace(whole, micro_batches=2, stages=(replace(whole.stages[0], devices=(d,)),)) for d in range(4)))
+    res: dict = {"cluster": "cpu-hetero4-sleep", "plan": "4 whole-model pipelines (llama-tiny), devices 0-3",
+                 "steps": steps}
+    for name, zero, r in (("elastic_zero_r2", True, 2), ("elastic_no_zero", False, 1), ("zero", True, 1)):
+        path = out_dir / f"zero-{name}.yaml"
+        training = replace(plan0.training, zero=zero, zero_redundancy=r)
+        save_plan(replace(plan0, training=training, strategies=(four,)), path)
+        ctx = load_plan_context(path)
+        handle = StrategyHandle.of(ctx)
+        ann = strategy_annotations(handle)
+        slices = strategy_zero_slices(ann, ctx.plan.training, ctx.cluster)
+        kept = {}
+        for d in handle.devices:
+            pieces = moment_pieces(slices, d)
+            kept[d] = sum(p.numel for ps in pieces.values() for p in ps) + sum(
+                p.param.layout(p.shape).by_device[d].numel for p in ann.params
+                if p.name not in pieces and d in p.param.devices)
+        metrics = out_dir / f"zero-{name}.jsonl"
+        args = ["train", "--plan", str(path), "--steps", str(steps), "--metrics", str(metrics)]
+        if name.startswith("elastic"):
+            args.append("--elastic")
+        proc = subprocess.run(cli(*args), cwd=REPO, env=env(), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"{name} run failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
+        times = sorted(x["step_time_s"] for x in map(json.loads, metrics.read_text().splitlines())
+                       if "event" not in x and x["step"] > 2)
+        res[name] = {"median_step_time_s": times[len(times) // 2], "moment_elements_per_device": kept,
+                     "max_moment_elements": max(kept.values())}
+        log(f"  {name}: median step {res[name]['median_step_time_s']:.3f} s, moments per device {kept}")
+    res["elastic_zero_over_zero"] = res["elastic_zero_r2"]["median_step_time_s"] / res["zero"]["median_step_time_s"]
+    return res
+
+
+def zero_part(measured: bool, modelled: bool, steps: int, out_dir: Path) -> dict:
+    """Part 3: elastic ZeRO-1 (r = 2) vs elastic without ZeRO vs plain ZeRO-1."""
+    out: dict = {}
+    if modelled:
+        log("part 3 modelled: llama-32b on h800-h20-48, elastic ZeRO-1 (r = 2) / elastic no ZeRO / ZeRO-1")
+        out["modelled"] = zero_modelled()
+        out["elastic_zero_over_zero"] = out["modelled"]["elastic_zero_over_zero"]
+    if measured:
+        log(f"part 3 measured: cpu-hetero4-sleep, {steps} steps per setting")
+        out["measured"] = zero_measured(steps, out_dir)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=60)
@@ -251,10 +362,19 @@ def main() -> None:
     ap.add_argument("--skip-modelled", action="store_true")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", type=Path, help="Keep the measured runs' files (logs, metrics, plans) here.")
+    ap.add_argument("--zero-steps", type=int, default=8, help="Part 3, measured: steps per setting.")
+    ap.add_argument("--zero-only", action="store_true", help="Run part 3 (elastic ZeRO-1) alone.")
+    ap.add_argument("--skip-zero", action="store_true", help="Skip part 3 (elastic ZeRO-1).")
     args = ap.parse_args()
-    out: dict = {"elastic_zero_over_zero": None,
-                 "elastic_zero_note": "elastic ZeRO-1 with redundancy r >= 2 is not built"}
-    if not args.skip_measured:
+    out: dict = {"elastic_zero_over_zero": None}
+    if not args.skip_zero:
+        with tempfile.TemporaryDirectory(prefix="bench-elastic-zero-") as tmp:
+            d = args.keep or Path(tmp)
+            d.mkdir(parents=True, exist_ok=True)
+            z = zero_part(not args.skip_measured, not args.skip_modelled, args.zero_steps, d)
+        out["elastic_zero_over_zero"] = z.pop("elastic_zero_over_zero", None)
+        out["elastic_zero"] = z
+    if not args.skip_measured and not args.zero_only:
         with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
             d = args.keep or Path(tmp)
             d.mkdir(parents=True, exist_ok=True)
@@ -269,7 +389,7 @@ def main() -> None:
             out["measured"] = {"cluster": "cpu-hetero4-sleep (2 emulated nodes)", "trace": trace["events"],
                                "hspmd": h, "restart": r}
             out["goodput_over_restart"] = h["goodput_steps_per_s"] / r["goodput_steps_per_s"]
-    if not args.skip_modelled:
+    if not args.skip_modelled and not args.zero_only:
         log(f"modelled: llama-32b on h800-h20-48, {args.paper_steps} steps")
         m = modelled(args.paper_steps)
         out["modelled"] = m

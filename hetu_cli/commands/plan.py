@@ -34,9 +34,11 @@ from runtime.spec.catalog import recorded_ref
 @click.option("--micro-batch", type=click.IntRange(min=1),
               help="Sequences per micro-batch (default: the planner chooses among 1, 2, 4).")
 @click.option("--elastic", is_flag=True,
-              help="Keep every parameter on >= 2 pipelines (failure recovery); turns ZeRO-1 off.")
+              help="Keep every parameter on >= 2 pipelines (failure recovery); ZeRO-1 only with 2 copies of each "
+                   "moment chunk, and only when that plan is faster (both are searched).")
 @click.option("--zero/--no-zero", "use_zero", default=None,
-              help="ZeRO-1 (optimizer states sharded over the pipelines). Default: on, off with --elastic.")
+              help="ZeRO-1 (optimizer states sharded over the pipelines; with --elastic, 2 copies of each chunk). "
+                   "Default: on; with --elastic, whichever is faster.")
 @click.option("--time-limit", "time_limit", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
               help="Seconds the search may take (it stops early and keeps what it found).")
 @click.option("--top-k", type=click.IntRange(min=1), default=5, show_default=True,

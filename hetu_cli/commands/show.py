@@ -11,6 +11,7 @@ from rich.table import Table
 
 from hetu_cli.output import FORMAT_OPTION, console, emit_json
 from planner.lengths import length_ranges
+from planner.report import zero_text
 from runtime.annotations.states import span
 from runtime.spec import PlanContext, Strategy, load_plan_context
 from runtime.spec.schema import to_data
@@ -103,7 +104,7 @@ def show(plan: Path, strategy_name: str | None, cluster: str | None, annotations
     out.print(f"[bold]{ctx.model.name}[/bold] on [bold]{ctx.cluster.name}[/bold] "
               f"({ctx.cluster.num_devices} devices): global batch {t.global_batch}, micro-batch "
               f"{t.micro_batch}, sequence {t.seq_len}, schedule {t.schedule}, "
-              f"ZeRO-1 {'on' if t.zero else 'off'}")
+              f"ZeRO-1 {zero_text(t.zero_redundancy if t.zero else 0)}")
     for s in strategies:
         stages, devices = _strategy_tables(ctx, s)
         out.print(stages)

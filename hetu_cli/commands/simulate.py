@@ -10,7 +10,7 @@ from rich.table import Table
 
 from hetu_cli.commands.lengths_report import simulate_lengths
 from hetu_cli.output import FORMAT_OPTION, console, emit_json
-from planner.cost import CostModel
+from planner.cost import CostModel, zero_copies
 from planner.simulate import chrome_trace
 from planner.simulate import simulate as run_simulation
 from runtime.profiling.profile import resolve_profiles
@@ -56,7 +56,7 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
     if note is not None:
         click.echo(f"note: {note}", err=True)
     cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
-    result = run_simulation(cm, strategy, t.global_batch, t.schedule, t.zero)
+    result = run_simulation(cm, strategy, t.global_batch, t.schedule, zero_copies(t))
     if trace_path is not None:
         atomic_write_text(trace_path, json.dumps(chrome_trace(result, strategy)))
     origins = {name: profiles.resolved(name).origin for name in profiles}

@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.elastic.protocol import Abort, Commit, Finish, Left, Ready, Resume, Switched, Transition, World
-from runtime.elastic.state import check_compatible, describe_lost, lost_tensors, plan_switch
+from runtime.elastic.state import (
+    check_compatible,
+    describe_lost,
+    lost_moments,
+    lost_tensors,
+    plan_moment_gather,
+    plan_switch,
+)
 from runtime.elastic.worker import elastic_worker
 from runtime.errors import HspmdError
 from runtime.launch.messages import FaultFiring, StepDone, WorkerError
@@ -81,6 +88,7 @@ class _Incident:
     transition: Transition | None = None
     times: dict[int, Switched] = field(default_factory=dict)
     attempts: int = 0
+    moment_bytes: int = 0  # ZeRO-1 with copies: the first round, rebuilding moments from the copies
 
 
 # -- the phases: what the coordinator waits for now, and what comes next ---------------------------------
@@ -160,7 +168,7 @@ class Switching:
             inc.times = dict(got)
             c.reported_incident, c.incident = inc, None
             c.log(f"switched to {t.target.describe()} in {now - (inc.t_sent or now):.3f} s "
-                  f"({_bytes(t.bsr.total_bytes)} moved); redoing step {inc.step}")
+                  f"({_bytes(t.bsr.total_bytes + inc.moment_bytes)} moved); redoing step {inc.step}")
         elif self.growth is not None:
             g = self.growth
             c.report(_growth_event(self, g, now, got),
@@ -225,10 +233,10 @@ class ElasticPolicy:
             from runtime.checkpoint import read_checkpoint_info
 
             self.first_step = read_checkpoint_info(options.load_dir, ctx).step + 1
-        if ctx.plan.training.zero:
+        if ctx.plan.training.zero and ctx.plan.training.zero_redundancy < 2:
             raise HspmdError(f"{ctx.path}: training.zero: {'--elastic' if options.elastic else '--switch'} moves "
-                             "AdamW moments from full replicas, and ZeRO-1 keeps one copy of each: use a plan with "
-                             "zero: false (hspmd plan --elastic or --no-zero)")
+                             "AdamW moments from surviving copies, and ZeRO-1 keeps one copy of each: use a plan "
+                             "with zero_redundancy: 2 or zero: false (hspmd plan --elastic)")
         if options.elastic and options.switches:
             raise HspmdError("--switch and --elastic cannot be combined (planned switches name devices that a "
                              "failure may have taken)")
@@ -543,9 +551,17 @@ class ElasticPolicy:
     def start_recovery(self, inc: _Incident) -> None:
         failed = frozenset(self.failed)
         source = self.ref
-        lost = lost_tensors(source, failed)
-        if lost:
-            raise UnrecoverableFailure(_lost_lines(failed, inc.step, lost, self.options))
+        lost, moments = lost_tensors(source, failed), lost_moments(source, failed)
+        if lost or moments:
+            raise UnrecoverableFailure(_lost_lines(failed, inc.step, lost, moments, self.options))
+        self.collect_records()
+        if self.recorded < self.committed:
+            # Only ZeRO-1's parameter all-gather communicates after a commit: the survivors left a committed
+            # step half-gathered (no record of it). Repairing that in memory is not built; stop, not hang.
+            raise UnrecoverableFailure(
+                [f"device(s) {_devs(failed)} failed inside ZeRO-1's parameter all-gather of the committed step "
+                 f"{self.committed}, which the run cannot repair in memory"]
+                + _checkpoint_lines(self.options))
         target = source
         if failed & set(source.devices):
             if self.replan is None:
@@ -568,6 +584,8 @@ class ElasticPolicy:
                      f"{target.describe()}")
         t0 = time.perf_counter()
         bsr = plan_switch(source, target, failed)
+        gather = plan_moment_gather(source, failed)  # the workers plan the same themselves (runtime/elastic/move.py)
+        inc.moment_bytes = gather.total_bytes if gather is not None else 0
         inc.plan_s += time.perf_counter() - t0
         self.gen += 1
         self.epoch += 1
@@ -629,10 +647,20 @@ def _bytes(n: float) -> str:
     return f"{n} B"
 
 
-def _lost_lines(failed: frozenset[int], step: int, lost: list[Any], options: TrainOptions) -> list[str]:
-    lines = [f"device(s) {_devs(failed)} failed during step {step} and {len(lost)} parameter(s) have no surviving "
-             f"replica, so the run cannot continue in memory:"]
+def _lost_lines(failed: frozenset[int], step: int, lost: list[Any], moments: list[Any],
+                options: TrainOptions) -> list[str]:
+    what = [f"{len(lost)} parameter(s) have no surviving replica"] if lost else []
+    if moments:
+        what.append(f"the ZeRO-1 AdamW moments of {len(moments)} parameter(s) lost every copy of a chunk")
+    lines = [f"device(s) {_devs(failed)} failed during step {step} and {' and '.join(what)}, so the run cannot "
+             "continue in memory:"]
     lines += [f"  {line}" for line in describe_lost(lost)]
+    lines += [f"  AdamW moments of {line}" for line in describe_lost(moments)]
+    return lines + _checkpoint_lines(options)
+
+
+def _checkpoint_lines(options: TrainOptions) -> list[str]:
+    lines = []
     if options.save_dir is not None:
         lines.append(f"--save {options.save_dir}: left as it was (checkpoints are written only at the end of a run)")
     lines.append("restart from the last checkpoint with --load, on a plan for the remaining devices")
@@ -656,7 +684,8 @@ def _failure_event(inc: _Incident, now: float, survivors: list[int]) -> dict[str
         "devices": sorted(t.target.devices), "micro_batch": t.target.ctx.plan.training.micro_batch,
         "detect_s": detect, "abandon_s": inc.t_left - inc.t_detect, "replan_s": inc.replan_s + inc.plan_s,
         **_slowest(inc.times), "switch_s": inc.t_resumed - inc.t_sent,
-        "switch_bytes": t.bsr.total_bytes, "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster),
+        "switch_bytes": t.bsr.total_bytes + inc.moment_bytes, "moment_rebuild_bytes": inc.moment_bytes,
+        "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster),
         "total_s": detect + (inc.t_resumed - inc.t_detect), "first_step_s": now - inc.t_resumed,
         "recovery_s": now - inc.t_detect, "attempts": inc.attempts,
     }

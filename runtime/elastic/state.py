@@ -4,7 +4,16 @@ switch between two plans moves.
 The state is every parameter and its two AdamW moments, fp32, all three in the parameter's layout
 (``DeviceProgram.local_state()``). A switch from plan A to plan B is one fused BSR of all of them
 (runtime/comm/bsr.py): each destination slice comes from a surviving holder in A, chosen for
-bandwidth and load balance, and travels in one batched P2P round. Everything here is pure (no
+bandwidth and load balance, and travels in one batched P2P round.
+
+Under ZeRO-1 with r >= 2 copies (runtime/engine/zero.py) A's moments are chunks of flattened slices,
+not boxes of the parameter. A first fused BSR (``plan_moment_gather``) then rebuilds, on every
+surviving replica of each slice, that slice's full moments from the surviving copies of its chunks
+(a 1-D tensor per slice, the chunks an HSPMD union of duplicated parts); from there the switch is the
+usual one, and a ZeRO-1 destination keeps its chunks of what it receives (runtime/elastic/move.py).
+Why not one round: a chunk of a flattened slice is no box of the parameter, and B's boxes cut across
+A's chunks; two rounds keep the BSR a planner of boxes. The price: during the switch each survivor
+holds its full moments for a moment (what ``zero: false`` holds throughout). Everything here is pure (no
 torch): the launcher checks a failure is survivable with it, ``hspmd replan`` prices
 candidate plans with it, and every worker computes the same BSR plan from it.
 """
@@ -15,8 +24,9 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from runtime.annotations.from_plan import strategy_annotations
-from runtime.annotations.states import contains
+from runtime.annotations.states import Annotation, contains
 from runtime.comm.bsr import FLOAT32, BsrPlan, TensorMove, cells, plan_bsr, tensor_grid
+from runtime.engine.zero import ZeroSlice, strategy_zero_slices
 from runtime.errors import HspmdError
 from runtime.spec import PlanContext
 from runtime.spec.handle import StrategyHandle
@@ -81,6 +91,54 @@ def lost_tensors(ref: StrategyHandle, failed: Collection[int]) -> list[LostTenso
     return out
 
 
+def lost_moments(ref: StrategyHandle, failed: Collection[int]) -> list[LostTensor]:
+    """Parameters whose ZeRO-1 moments lost every copy of some chunk (``lost_by``: that chunk's holders).
+    Empty without ZeRO-1 or when every chunk has a surviving holder."""
+    failed = frozenset(failed)
+    ann = strategy_annotations(ref)
+    out: list[LostTensor] = []
+    for name, sl in moment_slices(ref).items():
+        gone = [h for s in sl for _, h in s.lost_chunks(failed)]
+        if gone:
+            holders = tuple(sorted({d for s in sl for h in s.holders for d in h}))
+            out.append(LostTensor(name, holders, gone[0], ann.param(name).info.layer))
+    return out
+
+
+def moment_slices(ref: StrategyHandle) -> dict[str, tuple[ZeroSlice, ...]]:
+    """The strategy's ZeRO-1 layout (empty without ZeRO-1), derived once per handle."""
+    return ref.cached(_zero_layout)
+
+
+def _zero_layout(h: StrategyHandle) -> dict[str, tuple[ZeroSlice, ...]]:
+    return strategy_zero_slices(strategy_annotations(h), h.training, h.cluster)
+
+
+def moment_key(name: str, suffix: str, i: int) -> str:
+    """The BSR tensor of one slice's moment in ``plan_moment_gather`` (the checkpoint's name for it)."""
+    return f"{name}{suffix}@{i}"
+
+
+def plan_moment_gather(src: StrategyHandle, excluded: Iterable[int] = ()) -> BsrPlan | None:
+    """The first round of a switch from a ZeRO-1 plan: every surviving replica of each sharded slice
+    gets the slice's full moments (1-D, ``moment_key``) from the surviving copies of its chunks. None
+    without ZeRO-1. Raises HspmdError when a chunk has no surviving copy (check ``lost_moments``)."""
+    slices = moment_slices(src)
+    if not slices:
+        return None
+    out = frozenset(excluded)
+    moves = []
+    for name, sl in slices.items():
+        for i, s in enumerate(sl):
+            have = s.moment_annotation(out)
+            if have is None:
+                raise HspmdError(f"{name}: the ZeRO-1 moments of slice {i} have no surviving copy")
+            want = Annotation.spmd([d for d in s.devices if d not in out])
+            moves.extend(TensorMove(moment_key(name, suffix, i), (s.numel,), STATE_DTYPE, have, want)
+                         for suffix in STATE_SUFFIXES[1:])
+    return plan_bsr(moves, bandwidth=src.ctx.cluster, excluded=tuple(sorted(out)))
+
+
 def _missing_cell_holders(layout, shape: tuple[int, ...], failed: frozenset[int]) -> tuple[int, ...] | None:
     """The holders of the first grid cell no survivor holds, or None when every cell survives."""
     holdings = list(layout.holdings)
@@ -119,8 +177,10 @@ def check_compatible(a: PlanContext, b: PlanContext) -> None:
     for field in ("global_batch", "seq_len", "seed", "optimizer"):
         if getattr(ta, field) != getattr(tb, field):
             problems.append(f"training.{field} {getattr(ta, field)} vs {getattr(tb, field)}")
-    if a.plan.training.zero or b.plan.training.zero:
-        problems.append("training.zero: ZeRO-1 keeps one copy of each AdamW moment, an in-memory switch needs full "
-                        "replicas (use zero: false)")
+    for t in (ta, tb):
+        if t.zero and t.zero_redundancy < 2:
+            problems.append("training.zero: ZeRO-1 keeps one copy of each AdamW moment, an in-memory switch needs "
+                            "two (zero_redundancy: 2) or full replicas (zero: false)")
+            break
     if problems:
         raise HspmdError(f"{b.path}: cannot switch from {a.path} to this plan: " + "; ".join(problems))

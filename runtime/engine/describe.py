@@ -170,7 +170,8 @@ def describe_plan(plan: DevicePlan) -> ProgramDescription:
         pieces = plan.moment_pieces
         kept = sum(p.numel for ps in pieces.values() for p in ps)
         held = sum(math.prod(s.local_shape) for s in plan.shards if s.name in pieces)
-        adam += (f"; ZeRO-1: {len(pieces)} of them sharded, moments kept for {kept} of their {held} elements"
+        copies = f" (x{t.zero_redundancy} copies)" if t.zero_redundancy > 1 else ""
+        adam += (f"; ZeRO-1{copies}: {len(pieces)} of them sharded, moments kept for {kept} of their {held} elements"
                  if pieces else "; ZeRO-1: no data-parallel replicas, nothing sharded")
     ops.append(OpLine("compute", "optimizer", f"clip to global norm {t.optimizer.grad_clip}, {adam}"))
     for z in plan.zero_buckets:
@@ -178,7 +179,7 @@ def describe_plan(plan: DevicePlan) -> ProgramDescription:
             ops.append(OpLine("comm", f"param all-gather [{','.join(map(str, z.devices))}]",
                               f"ZeRO-1 bucket: {z.numel} elements in {len(z.slices)} slices of "
                               f"{len({s.name for s in z.slices})} parameters; this device updated "
-                              f"{z.length(device)}, parts padded to {z.width}"))
+                              f"{z.length(device)}, sends {z.sent(device)}, parts padded to {z.width}"))
     return ProgramDescription(plan.handle.name, device, plan.schedule, role, plan.shards, tuple(ops))
 
 

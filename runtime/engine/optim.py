@@ -125,9 +125,10 @@ class _Entry(NamedTuple):
     region: Region  # the slice (global)
     index: tuple[slice, ...]  # the slice inside this device's local tensor
     shape: tuple[int, ...]
-    start: int  # this device's chunk
+    start: int  # this device's chunk (kept and updated)
     stop: int
-    parts: tuple[tuple[int, int], ...]  # (offset in the gathered buffer, length) of every chunk, in order
+    send: tuple[int, int]  # the part of it this device sends, relative to ``start``
+    parts: tuple[tuple[int, int], ...]  # (offset in the gathered buffer, length) of every part, in element order
 
 
 class _Bucket:
@@ -143,13 +144,14 @@ class _Bucket:
         entries = []
         for s in zb.slices:
             parts = []
-            for d in s.devices:  # chunk order
-                a, b = s.chunk(d)
+            for d, (a, b) in s.senders():  # element order
                 parts.append((offsets[d], b - a))
                 offsets[d] += b - a
-            entries.append(_Entry(s.name, s.region, relative(s.region, regions[s.name]), s.shape, *s.chunk(me),
-                                  tuple(parts)))
+            (a, b), (x, y) = s.chunk(me), s.part(me)
+            entries.append(_Entry(s.name, s.region, relative(s.region, regions[s.name]), s.shape, a, b,
+                                  (x - a, y - a) if y > x else (0, 0), tuple(parts)))
         self.entries = tuple(entries)
+        self.sends_all = all(e.send == (0, e.stop - e.start) for e in entries)  # r = 1: no copy to cut
         self.length = zb.length(me)
         self.exp_avg = torch.zeros(self.length, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros(self.length, dtype=torch.float32, device=device)
@@ -157,6 +159,16 @@ class _Bucket:
     def chunks(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """This device's chunks of ``tensors`` (local shards by name), packed (a new tensor)."""
         return torch.cat([flat_range(tensors[e.name][e.index], e.start, e.stop) for e in self.entries])
+
+    def sends(self, packed: torch.Tensor) -> torch.Tensor:
+        """What this device sends of its packed, updated chunks: every chunk's part (all of it when r = 1)."""
+        if self.sends_all:
+            return packed
+        out, off = [], 0
+        for e in self.entries:
+            out.append(packed[off + e.send[0]:off + e.send[1]])
+            off += e.stop - e.start
+        return torch.cat(out) if out else packed[:0]
 
     def unpack(self, gathered: torch.Tensor, shards: Mapping[str, torch.Tensor]) -> None:
         for e in self.entries:
@@ -227,7 +239,8 @@ class ShardedAdamW:
         """
         pending: deque[tuple[Any, torch.Tensor, _Bucket]] = deque()
         updated, self._updated = self._updated, []
-        for b, mine in zip(self.buckets, updated):
+        for b, packed in zip(self.buckets, updated):
+            mine = b.sends(packed)
             if mine.numel() < b.width:
                 mine = torch.cat([mine, mine.new_zeros(b.width - mine.numel())])
             out = mine.new_empty(b.width * len(b.devices))

@@ -15,7 +15,7 @@ from runtime.annotations.states import Annotation
 from runtime.comm.bsr import FLOAT32
 from runtime.comm.gradsync import SyncBucket, plan_sync
 from runtime.comm.resolve import CommOp, resolve
-from runtime.engine.zero import MomentPiece, ZeroBucket, ZeroSlice, moment_pieces, zero_buckets, zero_slices
+from runtime.engine.zero import MomentPiece, ZeroBucket, ZeroSlice, moment_pieces, strategy_zero_slices, zero_buckets
 from runtime.models.params import ParamInfo, llama_parameters
 from runtime.pipeline_schedules import Action, Compute, Layout
 from runtime.spec.cluster import Cluster
@@ -150,7 +150,7 @@ def specialize(handle: StrategyHandle, device: int) -> DevicePlan | None:
         return None
     ann = strategy_annotations(handle)
     zero = handle.training.zero
-    slices = zero_slices(ann) if zero else {}
+    slices = strategy_zero_slices(ann, handle.training, handle.cluster)
     layouts = [p.grad.layout(p.shape) for p in ann.params]
     sched = handle.pipeline_schedule(role.pipeline)
     routes = stage_routes(ann, role, handle.cluster)

@@ -48,6 +48,9 @@ class TrainingSettings:
     micro_batch: int
     seq_len: int
     zero: bool = False
+    # ZeRO-1's copies of each moment chunk (runtime/engine/zero.py): 1 is plain ZeRO-1; r >= 2 survives the
+    # loss of r - 1 holders of a chunk (elastic runs), for r/k of the moments per device instead of 1/k.
+    zero_redundancy: int = 1
     schedule: ScheduleName = "1f1b"  # the default of every pipeline (Pipeline.schedule overrides it)
     seed: int = 0
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
@@ -60,6 +63,9 @@ class TrainingSettings:
         c.check(self.global_batch >= 1, "global_batch", f"must be at least 1, got {self.global_batch}")
         c.check(self.micro_batch >= 1, "micro_batch", f"must be at least 1, got {self.micro_batch}")
         c.check(self.seq_len >= 1, "seq_len", f"must be at least 1, got {self.seq_len}")
+        c.check(self.zero_redundancy >= 1, "zero_redundancy", f"must be at least 1, got {self.zero_redundancy}")
+        c.check(self.zero or self.zero_redundancy == 1, "zero_redundancy",
+                f"{self.zero_redundancy} copies of ZeRO-1's moment chunks need zero: true")
         c.check(self.tokens_per_step is None or self.tokens_per_step >= 1, "tokens_per_step",
                 f"must be at least 1, got {self.tokens_per_step}")
         c.raise_if_any()

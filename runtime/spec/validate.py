@@ -16,6 +16,13 @@ def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster, file: str = ""
         problems.append(Problem(file, "training.seq_len",
                                 f"{t.seq_len} exceeds {model.name}'s max_seq_len {model.max_seq_len}"))
     for si, strategy in enumerate(plan.strategies):
+        # Every slice has a replica in each pipeline (so r <= pipelines always fits), and a slice split at
+        # the finest TP degree no more: the pipelines are what bounds the copies of a moment chunk.
+        if t.zero and t.zero_redundancy > len(strategy.pipelines):
+            problems.append(Problem(file, "training.zero_redundancy",
+                                    f"{t.zero_redundancy} copies of each ZeRO-1 moment chunk need as many data-"
+                                    f"parallel replicas; strategy {strategy.name!r} has {len(strategy.pipelines)} "
+                                    "pipeline(s)"))
         problems.extend(validate_strategy(strategy, plan, model, cluster, file, f"strategies[{si}]"))
     problems.extend(validate_length_ranges(plan, file))
     return problems

@@ -49,8 +49,8 @@ class RecordingHooks:
         yield
 
 
-def plan_with(plan: str, schedule: str | None = None, zero: bool | None = None):
-    """The plan's context, with its schedule and ZeRO-1 setting replaced where given."""
+def plan_with(plan: str, schedule: str | None = None, zero: bool | None = None, redundancy: int | None = None):
+    """The plan's context, with its schedule and ZeRO-1 settings replaced where given."""
     from runtime.spec import load_plan_context
 
     ctx = load_plan_context(plan)
@@ -59,6 +59,8 @@ def plan_with(plan: str, schedule: str | None = None, zero: bool | None = None):
         changes["schedule"] = schedule
     if zero is not None:
         changes["zero"] = zero
+    if redundancy is not None:
+        changes["zero_redundancy"] = redundancy
     if changes:
         training = dataclasses.replace(ctx.plan.training, **changes)
         ctx = dataclasses.replace(ctx, plan=dataclasses.replace(ctx.plan, training=training))
@@ -67,7 +69,7 @@ def plan_with(plan: str, schedule: str | None = None, zero: bool | None = None):
 
 def train_job(w: WorkerContext, plan: str, batches: list[np.ndarray], schedule: str | None,
               zero: bool | None = None, load_dir: str | None = None, save_dir: str | None = None,
-              first_step: int = 1) -> DeviceResult | None:
+              first_step: int = 1, redundancy: int | None = None) -> DeviceResult | None:
     """Train ``batches`` (after loading ``load_dir``; then save to ``save_dir``, steps counted from
     ``first_step``)."""
     from runtime.checkpoint import load_checkpoint, save_checkpoint
@@ -75,7 +77,7 @@ def train_job(w: WorkerContext, plan: str, batches: list[np.ndarray], schedule: 
     from runtime.engine.program import DeviceProgram
     from runtime.spec.handle import StrategyHandle
 
-    ctx = plan_with(plan, schedule, zero)
+    ctx = plan_with(plan, schedule, zero, redundancy)
     handle = StrategyHandle.of(ctx)
     strategy = handle.name
     w.groups.ensure(DeviceProgram.required_groups(handle))
@@ -114,13 +116,13 @@ class EngineWorld:
 
     def train(self, plan: str, batches: list[torch.Tensor], schedule: str | None = None, *, zero: bool | None = None,
               load_dir: str | None = None, save_dir: str | None = None,
-              first_step: int = 1) -> dict[int, DeviceResult]:
+              first_step: int = 1, redundancy: int | None = None) -> dict[int, DeviceResult]:
         if not self.world.alive:
             self.world = LocalWorld(self.size, timeout_s=OP_TIMEOUT.total_seconds())
             self.world.start()
         try:
             out = self.world.run(train_job, plan, [b.numpy() for b in batches], schedule, zero, load_dir, save_dir,
-                                 first_step, timeout_s=180)
+                                 first_step, redundancy, timeout_s=180)
         except WorkerError:
             self.world.close(force=True)
             raise

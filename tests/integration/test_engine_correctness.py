@@ -61,9 +61,10 @@ def assemble(results: dict[int, DeviceResult], key: str, name: str, shape: tuple
     return full
 
 
-def assemble_moment(results: dict[int, DeviceResult], key: str, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """A moment from its shards: ZeRO-1 pieces (each element kept by exactly one device) or, for
-    parameters no device shards, the parameter's layout (``assemble``)."""
+def assemble_moment(results: dict[int, DeviceResult], key: str, name: str, shape: tuple[int, ...],
+                    copies: int = 1) -> torch.Tensor:
+    """A moment from its shards: ZeRO-1 pieces (each element kept by exactly ``copies`` devices, which
+    agree) or, for parameters no device shards, the parameter's layout (``assemble``)."""
     if not any(name in r.moment_pieces for r in results.values()):
         return assemble(results, key, name, shape)
     full = torch.zeros(shape).reshape(-1)
@@ -76,16 +77,20 @@ def assemble_moment(results: dict[int, DeviceResult], key: str, name: str, shape
         flat, off = torch.from_numpy(r.state[key]), 0
         for region, a, b in r.moment_pieces.get(name, ()):
             where = index[tuple(slice(x, y) for x, y in region)].reshape(-1)[a:b]
+            seen = count[where] > 0
+            torch.testing.assert_close(flat[off:off + b - a][seen], full[where][seen], rtol=1e-6, atol=1e-9,
+                                       msg=lambda m, k=key, d=r.device: f"{k}: device {d}'s copy differs: {m}")
             full[where] = flat[off:off + b - a]
             count[where] += 1
             off += b - a
         assert off == flat.numel(), f"{key}: device {r.device} keeps {flat.numel()} elements, its pieces {off}"
-    assert bool((count == 1).all()), f"{key}: ZeRO-1 pieces cover some elements {int(count.min())}-{int(count.max())} x"
+    assert bool((count == copies).all()), \
+        f"{key}: ZeRO-1 pieces cover some elements {int(count.min())}-{int(count.max())} x, not {copies} x"
     return full.reshape(shape)
 
 
 def check_against_reference(plan: Path, results: dict[int, DeviceResult], batches: list[torch.Tensor], *,
-                            ref: ReferenceTrainer | None = None, steps: int = STEPS) -> None:
+                            ref: ReferenceTrainer | None = None, steps: int = STEPS, copies: int = 1) -> None:
     """``results`` of ``batches`` equal the reference's (a fresh one, or ``ref`` continued)."""
     ctx = load_plan_context(plan)
     fresh = ref is None
@@ -109,7 +114,7 @@ def check_against_reference(plan: Path, results: dict[int, DeviceResult], batche
         torch.testing.assert_close(got, p, rtol=RTOL, atol=atol, msg=lambda m, n=name: f"parameter {n}: {m}")
         for key in ("exp_avg", "exp_avg_sq"):
             want = moments[f"{name}.{key}"]
-            got = assemble_moment(results, f"{name}.{key}", name, tuple(p.shape))
+            got = assemble_moment(results, f"{name}.{key}", name, tuple(p.shape), copies)
             # Moments are sums of gradients: entries that cancel to near zero carry rounding noise
             # relative to the tensor's scale, hence an absolute floor of RTOL x its largest entry.
             torch.testing.assert_close(got, want, rtol=RTOL, atol=RTOL * float(want.abs().max()),
@@ -174,6 +179,23 @@ def test_zero1_plan_matches_single_device_reference(world: EngineWorld, plan: st
     results = world.train(str(path), batches, zero=True)
     check_against_reference(path, results, batches)
     check_zero_memory(ctx, results)
+
+
+def test_zero1_with_two_copies_matches_single_device_reference(world: EngineWorld) -> None:
+    """zero_redundancy 2: every moment element kept by two devices, each updating it, the all-gather
+    sending it once; training is still exactly the reference's."""
+    path = PLANS / "three-pipelines.yaml"
+    ctx = load_plan_context(path)
+    batches = make_batches(ctx)
+    results = world.train(str(path), batches, zero=True, redundancy=2)
+    check_against_reference(path, results, batches, copies=2)
+    model_numel = sum(info.numel for info in llama_parameters(ctx.model))
+    assert sum(r.moment_numel for r in results.values()) == 2 * model_numel
+    # Device 3 (a whole pipeline) keeps moments only where place() chose it among the k replicas.
+    for r in results.values():
+        local = sum(v.size for k, v in r.state.items() if k in r.regions)
+        assert r.moment_numel <= local, r.device
+    assert results[3].moment_numel < sum(v.size for k, v in results[3].state.items() if k in results[3].regions)
 
 
 def check_zero_memory(ctx: PlanContext, results: dict[int, DeviceResult]) -> None:
