@@ -23,6 +23,8 @@ from planner.lengths import (
     length_ranges,
     plan_lengths,
     play,
+    shared,
+    stage_rooms,
     strategy_cost,
 )
 from runtime.documents import length_distribution
@@ -104,8 +106,29 @@ def strategies_of(ctx: PlanContext, profiles) -> list[LengthStrategy]:
         top = t.seq_len if s.max_seq_len is None else s.max_seq_len
         cm = CostModel(ctx.model, ctx.cluster, profiles, micro_batch=1, seq_len=top)
         out.append(LengthStrategy(s, strategy_cost(cm, s, top), fixed_step_seconds(cm, s, t.schedule), s.name,
-                                  "plan"))
-    return out
+                                  "plan", rooms=stage_rooms(cm, s)))
+    together = shared(out)   # as a documents run holds them: every strategy's state stays allocated
+    if together is None:
+        raise SpecError([Problem(str(ctx.path), "strategies", "the strategies do not fit memory together (a "
+                                 "documents run keeps every strategy's parameters and moments allocated)")])
+    return together
+
+
+def planner_dispatch_costs(options: TrainOptions, profile_dirs: Sequence[Path]) -> TrainOptions:
+    """``options`` with the planner's dispatch costs (``strategies_of``) for the strategies the run trains, so
+    that the run dispatches and switches as ``hspmd simulate --lengths`` plays it."""
+    from runtime.launch.session import documents_mode, run_strategies
+    from runtime.spec import load_plan_context
+
+    ctx = load_plan_context(options.plan)
+    if not documents_mode(options, ctx.plan.training):
+        raise SpecError([Problem("--dispatch-costs", "", "only documents runs dispatch (give --lengths or --data "
+                                                         "FILE.jsonl, or a plan with training.tokens_per_step)")])
+    names = run_strategies(ctx, options)
+    ctx = dataclasses.replace(ctx, plan=dataclasses.replace(
+        ctx.plan, strategies=tuple(ctx.plan.strategy(n) for n in names)))
+    profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
+    return dataclasses.replace(options, dispatch_costs=tuple(m.cost for m in strategies_of(ctx, profiles)))
 
 
 def simulate_lengths(ctx: PlanContext, profile_dirs: Sequence[Path], lengths: str, steps: int,
