@@ -21,7 +21,9 @@
    candidate's step time computed where it holds the step's longest document, and the set of at most
    ``max_strategies`` candidates (distinct ``max_seq_len``, the longest holding the maximum length) with
    the smallest expected step time when every step runs on the set's cheapest eligible strategy is kept;
-   the best few sets are re-scored with the switching rule and its modelled costs (``play``), the best wins.
+   the best few sets that fit memory side by side (``shared``: a documents run keeps every strategy's
+   parameters and moments allocated) are re-scored with the switching rule and its modelled costs
+   (``play``), the best wins.
 
 ``play`` runs a trace of steps on a set of strategies as the runtime's dispatcher chooses
 (``runtime.dispatch.choose``: the cheapest strategy that holds the step's longest document, with hysteresis
@@ -656,7 +658,8 @@ def plan_lengths(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, Devi
     singles = [i for i, c in enumerate(cands) if c.max_seq_len == settings.max_len and c.origin == "planned"]
     single = min(singles, key=lambda i: (sum(t[i] for t in times), i))   # type: ignore[misc]
     # Sets whose members do not fit memory side by side (``shared``) are dropped before the replay.
-    replayed = [chosen for _, chosen in sets if shared([cands[i] for i in chosen]) is not None][:SETS_REPLAYED]
+    replayed = list(itertools.islice((chosen for _, chosen in sets if shared([cands[i] for i in chosen]) is not None),
+                                     SETS_REPLAYED))
     if (single,) not in replayed:
         replayed.append((single,))
     best: tuple[float, tuple[int, ...]] | None = None
