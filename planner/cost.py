@@ -646,7 +646,11 @@ class CostModel:
         Without recompute every layer keeps its saved tensors per in-flight micro-batch; with recompute
         only each layer's input is kept, plus one layer's full activations while it is recomputed.
         The head's logits live only between the last stage's forward and backward of one micro-batch.
+        A sleep-mode type that emulates its target's memory is priced by ``target_memory_model``.
         """
+        target = self.target_memory_model(device_type)
+        if target is not None:
+            return target.stage_memory(device_type, tp, num_layers, first, last, recompute, in_flight, zero_degree)
         prof = self.profiles[device_type]
         mem = prof.memory
         lay = self.layer(device_type, tp, recompute)
@@ -664,6 +668,21 @@ class CostModel:
         return MemoryBreakdown(params=params * mem.param_bytes, grads=params * mem.grad_bytes,
                                optimizer=params * mem.optimizer_bytes / max(1, zero_degree),
                                activations=act, overhead=mem.framework_overhead_gib * GIB)
+
+    @memo
+    def target_memory_model(self, device_type: str) -> CostModel | None:
+        """For a sleep-mode type with ``memory: target`` (runtime/spec/cluster.py ``Emulation``): a cost model
+        of the target's model on its profile at ``seq_scale`` times this one's lengths, with the type's
+        emulation removed, whose memory is this type's; None for every other type."""
+        target = self.sleep_target(device_type)
+        if target is None or not target.memory:
+            return None
+        dt = self.cluster.device_types[device_type]
+        types = {**self.cluster.device_types, device_type: dataclasses.replace(dt, emulate=None)}
+        profiles = {t: target.profile if t == device_type else self.profiles[t] for t in types}
+        return CostModel(target.model, dataclasses.replace(self.cluster, device_types=types), profiles,
+                         micro_batch=self.micro_batch, seq_len=self.seq_len * target.seq_scale,
+                         step_allreduce=self.step_allreduce)
 
     def capacity_bytes(self, device: int) -> float:
         return self.cluster.type_of(device).memory_gib * GIB
@@ -1168,6 +1187,9 @@ class CostModel:
                                recompute: bool) -> float:
         """Bytes one micro-batch's activation of a chunk keeps until its backward (W under a split
         backward): each layer's saved tensors (only its input with recompute), and the embedding's."""
+        target = self.target_memory_model(device_type)
+        if target is not None:
+            return target.chunk_activation_bytes(device_type, tp, num_layers, first, recompute)
         lay = self.layer(device_type, tp, recompute)
         act = num_layers * (lay.checkpoint_bytes if recompute else lay.activation_bytes)
         if first:

@@ -21,7 +21,9 @@
    candidate's step time computed where it holds the step's longest document, and the set of at most
    ``max_strategies`` candidates (distinct ``max_seq_len``, the longest holding the maximum length) with
    the smallest expected step time when every step runs on the set's cheapest eligible strategy is kept;
-   the best few sets are re-scored with the switching rule and its modelled costs (``play``), the best wins.
+   the best few sets that fit memory side by side (``shared``: a documents run keeps every strategy's
+   parameters and moments allocated) are re-scored with the switching rule and its modelled costs
+   (``play``), the best wins.
 
 ``play`` runs a trace of steps on a set of strategies as the runtime's dispatcher chooses
 (``runtime.dispatch.choose``: the cheapest strategy that holds the step's longest document, with hysteresis
@@ -106,6 +108,25 @@ class LengthSettings:
 
 
 @dataclass(frozen=True)
+class StageRoom:
+    """A stage's memory as dispatch's budgets come from it: what is left on each device of the stage after its
+    own weights, gradients, optimizer states and framework overhead, the activation bytes per in-flight token,
+    and what the stage keeps between steps (parameters and AdamW moments; gradients are freed after each
+    update) that a documents run leaves allocated while another strategy runs (runtime/launch/session.py
+    ``DocumentSteps``: every strategy's program is built at start-up and keeps its tensors)."""
+
+    devices: tuple[int, ...]
+    in_flight: int
+    free_bytes: float
+    token_bytes: float
+    state_bytes: float
+
+    def budget(self, held: float = 0.0) -> int:
+        """Activation tokens this stage may hold with ``held`` bytes of other strategies' state beside it."""
+        return max(0, math.floor((self.free_bytes - held) / self.token_bytes))
+
+
+@dataclass(frozen=True)
 class LengthStrategy:
     """A candidate strategy with what dispatch and the step model need to price it."""
 
@@ -115,6 +136,11 @@ class LengthStrategy:
     summary: str
     origin: str = "planned"   # planned (the whole cluster at one bucket) | composite | symmetric
     estimates: Mapping[str, float] = field(default_factory=dict)
+    rooms: tuple[tuple[StageRoom, ...], ...] = ()   # per pipeline and stage (``stage_rooms``); () = not priced
+
+    def state_on(self, device: int) -> float:
+        """Bytes of this strategy's state (parameters, AdamW moments) on ``device`` between its steps."""
+        return sum(r.state_bytes for pipe in self.rooms for r in pipe if device in r.devices)
 
     @property
     def max_seq_len(self) -> int:
@@ -139,46 +165,75 @@ def quadratic_through(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, 
     return a, b, c
 
 
+def stage_rooms(cm: CostModel, strategy: Strategy, memory_margin: float = 0.0) -> tuple[tuple[StageRoom, ...], ...]:
+    """Per pipeline and stage its ``StageRoom``, by the cost model at ``cm.seq_len`` (its activation bytes per
+    token: conservative for shorter documents where attention's saved tensors grow faster than linearly).
+    Stage k of S holds S - k micro-batches under 1F1B."""
+    zero_degree = 1   # multi-strategy plans switch in memory: no ZeRO (runtime/elastic/state.py)
+    out = []
+    for pipe in strategy.pipelines:
+        n = len(pipe.stages)
+        rooms = []
+        for k, st in enumerate(pipe.stages):
+            dtype = cm.cluster.device(st.devices[0]).type
+            in_flight = n - k
+            base = cm.stage_memory(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, 0, zero_degree)
+            full = cm.stage_memory(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, in_flight,
+                                   zero_degree)
+            cap = cm.cluster.device_types[dtype].memory_gib * GIB * (1.0 - memory_margin)
+            rooms.append(StageRoom(tuple(st.devices), in_flight, cap - base.total,
+                                   max(full.total - base.total, 1.0) / (in_flight * cm.seq_len),
+                                   base.params + base.optimizer))
+        out.append(tuple(rooms))
+    return tuple(out)
+
+
 def strategy_cost(cm: CostModel, strategy: Strategy, max_seq_len: int, memory_margin: float = 0.0,
-                  name: str | None = None) -> StrategyCost:
-    """Dispatch's cost and memory model of ``strategy``; ``cm`` at micro-batch 1 and ``seq_len = max_seq_len``
-    (its activation bytes per token set the budgets: conservative for shorter documents where attention's
-    saved tensors grow faster than linearly).
+                  name: str | None = None, held: Mapping[int, float] | None = None) -> StrategyCost:
+    """Dispatch's cost and memory model of ``strategy``; ``cm`` at micro-batch 1 and ``seq_len = max_seq_len``.
 
     Time: each stage's forward + backward (TP collectives included) plus its send to the next stage, as the
     cost model prices a micro-batch of s tokens, fitted as ``a*s^2 + b*s + c`` through three lengths; a
     document pays ``a*s^2 + b*s`` and the micro-batch ``c`` (launches and latencies, once however many
     documents share it). Negative fitted coefficients (the model is not quite quadratic) are clamped to 0.
-    Memory: stage k of S holds S - k micro-batches under 1F1B; the bytes left after its weights, gradients,
-    optimizer states and framework overhead, divided by the bytes per in-flight token, are its budget.
+    Memory: each stage's ``StageRoom`` budget, less ``held`` (bytes per device that other strategies of the
+    same run keep allocated, ``shared_costs``).
     """
     if cm.micro_batch != 1:
         raise ValueError("strategy_cost needs a cost model at micro-batch 1 (documents are packed in one row)")
-    zero_degree = 1   # multi-strategy plans switch in memory: no ZeRO (runtime/elastic/state.py)
+    rooms = stage_rooms(cm, strategy, memory_margin)
     xs = [max(1, round(f * max_seq_len)) for f in FIT_POINTS]
     if len(set(xs)) < 3:
         xs = [1, 2, 3]
     pipes = []
-    for pipe in strategy.pipelines:
-        n = len(pipe.stages)
+    for pipe, pipe_rooms in zip(strategy.pipelines, rooms):
         stages = []
-        for k, st in enumerate(pipe.stages):
-            dtype = cm.cluster.device(st.devices[0]).type
+        for k, room in enumerate(pipe_rooms):
             a, b, c = quadratic_through(xs, [stage_seconds(cm, pipe, k, x) for x in xs])
-            a, b, c = max(a, 0.0), max(b, 0.0), max(c, 0.0)
-            in_flight = n - k
-            base = cm.stage_memory(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, 0, zero_degree)
-            full = cm.stage_memory(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, in_flight,
-                                   zero_degree)
-            per_token = max(full.total - base.total, 1.0) / (in_flight * cm.seq_len)
-            cap = cm.cluster.device_types[dtype].memory_gib * GIB * (1.0 - memory_margin)
-            budget = max(0, math.floor((cap - base.total) / per_token))
-            if budget < in_flight:
-                raise InfeasibleError(f"strategy {strategy.name!r}: pipeline stage on devices {list(st.devices)} "
-                                      f"has no memory left for activations")
-            stages.append(StageCost(TokenCost(a, b, 0.0), budget, c))
+            # the budget is set by with_held (from the room); a placeholder that passes validation here
+            stages.append(StageCost(TokenCost(max(a, 0.0), max(b, 0.0), 0.0), room.in_flight, max(c, 0.0)))
         pipes.append(PipelineCost(tuple(stages)))
-    return StrategyCost(name or strategy.name, max_seq_len, tuple(pipes))
+    return with_held(StrategyCost(name or strategy.name, max_seq_len, tuple(pipes)), rooms, held or {},
+                     strategy.name)
+
+
+def with_held(cost: StrategyCost, rooms: tuple[tuple[StageRoom, ...], ...], held: Mapping[int, float],
+              label: str | None = None) -> StrategyCost:
+    """``cost`` with each stage's activation budget its room's less ``held`` (bytes per device other strategies
+    keep allocated); InfeasibleError where a stage is left without room for one token per in-flight
+    micro-batch."""
+    pipes = []
+    for pipe, pipe_rooms in zip(cost.pipelines, rooms):
+        stages = []
+        for st, room in zip(pipe.stages, pipe_rooms):
+            budget = room.budget(max((held.get(d, 0.0) for d in room.devices), default=0.0))
+            if budget < room.in_flight:
+                raise InfeasibleError(f"strategy {label or cost.name!r}: pipeline stage on devices "
+                                      f"{list(room.devices)} has no memory left for activations"
+                                      + (" beside the other strategies' states" if held else ""))
+            stages.append(dataclasses.replace(st, activation_budget_tokens=budget))
+        pipes.append(PipelineCost(tuple(stages)))
+    return dataclasses.replace(cost, pipelines=tuple(pipes))
 
 
 def stage_seconds(cm: CostModel, pipe: Pipeline, k: int, s: int) -> float:
@@ -453,7 +508,8 @@ class Candidates:
             return None
         est = cm.estimate(tagged, sum(p.micro_batches for p in tagged.pipelines), self.settings.schedule, False)
         return LengthStrategy(tagged, cost, fixed_step_seconds(cm, tagged, self.settings.schedule),
-                              f"{label}: {describe(tagged, self.cluster)}", origin, strategy_estimates(est))
+                              f"{label}: {describe(tagged, self.cluster)}", origin, strategy_estimates(est),
+                              stage_rooms(cm, tagged, self.settings.memory_margin))
 
     def all(self) -> list[LengthStrategy]:
         """Whole-cluster candidates per bucket, then composites (a long part and a short part by nodes)."""
@@ -544,12 +600,41 @@ def sample_lengths(distribution: LengthDistribution, settings: LengthSettings,
     return source.lengths
 
 
+def shared(strategies: Sequence[LengthStrategy]) -> list[LengthStrategy] | None:
+    """``strategies`` as one documents run holds them: every strategy's program keeps its state (parameters and
+    AdamW moments) on its devices while another runs, so each one's activation budgets are what its devices
+    have left beside the others' states (``with_held``). None when that leaves some strategy unable to hold
+    its own longest document (the set does not fit memory); one strategy alone is unchanged."""
+    if len(strategies) < 2:
+        return list(strategies)
+    out = []
+    for i, ls in enumerate(strategies):
+        if not ls.rooms:
+            out.append(ls)
+            continue
+        devices = {d for pipe in ls.rooms for r in pipe for d in r.devices}
+        held = {d: sum(o.state_on(d) for j, o in enumerate(strategies) if j != i) for d in devices}
+        try:
+            cost = with_held(ls.cost, ls.rooms, held, ls.name)
+        except InfeasibleError:
+            return None
+        if not cost.holds(ls.max_seq_len):
+            return None
+        out.append(dataclasses.replace(ls, cost=cost))
+    return out
+
+
 def context_for(strategies: Sequence[LengthStrategy], model: ModelSpec, cluster: Cluster, settings: LengthSettings,
-                path: Path = Path("plan")) -> tuple[list[LengthStrategy], SwitchCosts]:
-    """``strategies`` as one plan's (named ``len-N``) and the switch costs between them."""
-    p = build_plan(strategies, settings, model.name, cluster.name)
+                path: Path = Path("plan"), side_by_side: bool = True) -> tuple[list[LengthStrategy], SwitchCosts]:
+    """``strategies`` as one plan's (named ``len-N``) and the switch costs between them. ``side_by_side``: their
+    memory as this runtime holds them (``shared``; InfeasibleError if they do not fit together); False: each
+    strategy's memory alone (a baseline system that frees a strategy's state when it switches away)."""
+    together = shared(strategies) if side_by_side else list(strategies)
+    if together is None:
+        raise InfeasibleError("the strategies do not fit memory together (each keeps its state allocated)")
+    p = build_plan(together, settings, model.name, cluster.name)
     members = [dataclasses.replace(ls, strategy=s, cost=dataclasses.replace(ls.cost, name=s.name))
-               for ls, s in zip(strategies, p.strategies)]
+               for ls, s in zip(together, p.strategies)]
     return members, SwitchCosts(PlanContext(p, model, cluster, path), list(p.strategies))
 
 
@@ -572,7 +657,9 @@ def plan_lengths(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, Devi
     # and always replayed, so that the plan is never worse than it on the sample.
     singles = [i for i, c in enumerate(cands) if c.max_seq_len == settings.max_len and c.origin == "planned"]
     single = min(singles, key=lambda i: (sum(t[i] for t in times), i))   # type: ignore[misc]
-    replayed = [chosen for _, chosen in sets[:SETS_REPLAYED]]
+    # Sets whose members do not fit memory side by side (``shared``) are dropped before the replay.
+    replayed = list(itertools.islice((chosen for _, chosen in sets if shared([cands[i] for i in chosen]) is not None),
+                                     SETS_REPLAYED))
     if (single,) not in replayed:
         replayed.append((single,))
     best: tuple[float, tuple[int, ...]] | None = None

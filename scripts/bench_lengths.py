@@ -13,16 +13,21 @@ HotSPa-like baseline (issue 13).
      (``planner.lengths.packed_rows``); ``fixed_balanced``: the same strategies with hspmd's dispatch
      (``speedup_over_fixed_balanced``: what the multi-strategy plan alone gains);
    * hotspa_like: per bucket the best symmetric strategy (``planner.baselines.best_symmetric``), switching
-     among them by the same rule, documents dealt round-robin (``planner.lengths.round_robin``).
+     among them by the same rule, documents dealt round-robin (``planner.lengths.round_robin``), each
+     strategy's memory priced alone (HotSPa frees a strategy's state when it switches away; hspmd's plans
+     are priced with every strategy's state side by side, as this runtime keeps them: ``planner.lengths
+     .shared``).
    ``speedup_over_fixed`` = fixed / hspmd total time, ``speedup_over_hotspa_like`` likewise.
-2. Measured with llama-tiny (lengths up to its maximum, 2048-token steps, 20 steps after a warm-up step):
-   hspmd's plan (``plan_lengths`` on that cluster) vs the best single strategy for the longest document
-   (``single_best``), both trained by ``hspmd train --lengths longtail --metrics`` (the runtime's dispatch),
-   ``measured_speedup_over_fixed`` from the mean measured step times, and the simulator's error on the same
-   steps (``predicted_steps``: each step's documents on the strategy the run chose, priced as in part 1).
-   On cpu-hetero4-sleep by default; ``hspmd train`` refuses documents runs on sleep-mode clusters (their
-   targets are priced for fixed windows), and then the part runs on cpu-hetero4 (stretch emulation) and says
-   so in ``notes``; if that fails too it reports "unavailable" with the reason (never numbers).
+2. Measured with llama-tiny on cpu-hetero4-long (sleep mode at paper-scale lengths and memory: each real token
+   stands for 128 of llama-70b's layer shapes, the devices' memory is the A800's and H20's for those
+   shapes; configs/clusters/cpu-hetero4-long.yaml), lengths up to its maximum, 2048-token steps, 20 steps
+   after a warm-up step: hspmd's plan (``plan_lengths`` on that cluster) vs the best single strategy for
+   the longest document (``single_best``, as a one-strategy plan), both trained by ``hspmd train --lengths
+   longtail --dispatch-costs profiles --metrics`` (the runtime's dispatch with the planner's costs):
+   ``measured_speedup_over_fixed`` from the mean measured step times, and per run the simulator's error on
+   the same steps (``predicted_steps``: each step's documents on the strategy the run chose, priced as in
+   part 1), what of it the blocks' overruns of their sleep targets explain, and whether the run dispatched
+   as modelled. A run that fails makes the part "unavailable" with the reason (never numbers).
 
     python scripts/bench_lengths.py --json [--part modelled|measured|all] [--steps 100]
 """
@@ -72,8 +77,8 @@ def modelled(cluster_name: str, model_name: str, tokens: int, steps: int, seed: 
     lengths_of = SyntheticDocuments(dist, tokens, max_len, model.vocab_size, seed).lengths
     run = range(steps)
 
-    def trace_of(members, dispatcher=balanced):
-        named, switch = context_for(members, model, cluster, settings)
+    def trace_of(members, dispatcher=balanced, side_by_side=True):
+        named, switch = context_for(members, model, cluster, settings, side_by_side=side_by_side)
         return play(named, lengths_of, run, switch, dispatcher)
 
     hspmd = trace_of(list(result.strategies))
@@ -84,7 +89,9 @@ def modelled(cluster_name: str, model_name: str, tokens: int, steps: int, seed: 
     fixed_bal_trace, fixed_bal_cand = min(((trace_of([c]), c) for c in singles), key=lambda x: x[0].total_s)
     sym = symmetric_candidates(model, cluster, profiles, settings)
     sym = [c for c in sym if c.max_seq_len < max_len] + [c for c in sym if c.max_seq_len == max_len][:1]
-    hotspa = trace_of(sym, round_robin) if any(c.max_seq_len == max_len for c in sym) else None
+    # HotSPa frees a strategy's state when it switches away: each of its strategies is priced with its own
+    # memory alone (hspmd's with every strategy's state side by side, as this runtime keeps them).
+    hotspa = trace_of(sym, round_robin, side_by_side=False) if any(c.max_seq_len == max_len for c in sym) else None
 
     def summary(tr):
         return {"total_s": tr.total_s, "mean_step_s": tr.mean_step_s, "switches": tr.switches,
@@ -102,8 +109,8 @@ def modelled(cluster_name: str, model_name: str, tokens: int, steps: int, seed: 
                   "dispatch": f"documents packed into rows of {max_len} tokens, rows dealt by micro-batch counts"},
         "fixed_balanced": {**summary(fixed_bal_trace), "summary": fixed_bal_cand.summary,
                            "dispatch": "hspmd's balanced dispatch (runtime.dispatch.assign)"},
-        "hotspa_like": None if hotspa is None else {**summary(hotspa),
-                                                    "strategies": [c.summary for c in sym]},
+        "hotspa_like": None if hotspa is None else {**summary(hotspa), "strategies": [c.summary for c in sym],
+                                                    "memory": "each strategy alone (states freed on a switch)"},
         "speedup_over_fixed": fixed_trace.total_s / hspmd.total_s,
         "speedup_over_hotspa_like": None if hotspa is None else hotspa.total_s / hspmd.total_s,
         # The multi-strategy plan's share of the gain: the fixed strategy given hspmd's dispatch too.
@@ -117,10 +124,14 @@ def modelled(cluster_name: str, model_name: str, tokens: int, steps: int, seed: 
     return out
 
 
-def train(plan: Path, lengths: str, steps: int, metrics: Path, timeout_s: float) -> tuple[list[dict], str | None]:
-    """``hspmd train`` on documents; (per-step metrics, None) or ([], why it did not run)."""
+def train(plan: Path, lengths: str, steps: int, metrics: Path, timeout_s: float,
+          profile_dirs: list[Path]) -> tuple[list[dict], str | None]:
+    """``hspmd train`` on documents, dispatching with the planner's costs (``--dispatch-costs profiles``, as the
+    simulator prices the steps); (per-step metrics, None) or ([], why it did not run)."""
     cmd = [sys.executable, "-m", "hetu_cli", "train", "--plan", str(plan), "--lengths", lengths,
-           "--steps", str(steps), "--metrics", str(metrics)]
+           "--steps", str(steps), "--metrics", str(metrics), "--dispatch-costs", "profiles"]
+    for d in profile_dirs:
+        cmd += ["--profile", str(d)]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -133,11 +144,12 @@ def train(plan: Path, lengths: str, steps: int, metrics: Path, timeout_s: float)
     return [r for r in records if "event" not in r], None
 
 
-def predicted_steps(plan_path: Path, lengths: str, records: list[dict], profile_dirs: list[Path]) -> list[float]:
-    """The model's time for each measured step, on the strategy the run chose for it: balanced dispatch of
-    that step's documents (the run's own source, a pure function of seed and step) priced by the profiles'
-    cost model (planner/lengths.py), plus gradient sync / optimizer, plus the modelled switch where the run
-    switched."""
+def predicted_steps(plan_path: Path, lengths: str, records: list[dict],
+                    profile_dirs: list[Path]) -> list[tuple[float, float]]:
+    """The model's (step time, makespan) for each measured step, on the strategy the run chose for it: balanced
+    dispatch of that step's documents (the run's own source, a pure function of seed and step) priced by the
+    profiles' cost model (planner/lengths.py, the strategies' memory side by side as the run holds them), plus
+    gradient sync / optimizer, plus the modelled switch where the run switched."""
     from hetu_cli.commands.lengths_report import strategies_of
     from runtime.launch.options import TrainOptions
     from runtime.launch.session import document_source_of
@@ -151,52 +163,66 @@ def predicted_steps(plan_path: Path, lengths: str, records: list[dict], profile_
     for r in records:
         m = members[r["strategy"]]
         a = balanced(list(source.lengths(r["step"])), m.cost.pipelines)
-        out.append(a.makespan + m.fixed_s + (r.get("switch_modelled_s") or 0.0))
+        out.append((a.makespan + m.fixed_s + (r.get("switch_modelled_s") or 0.0), a.makespan))
     return out
+
+
+def run_summary(records: list[dict], predicted: list[tuple[float, float]]) -> dict:
+    """Measured against modelled over a run's steady steps. ``emulation_overrun_s``: how long blocks ran past
+    their sleep targets (the host's own compute floor, which the targets and so the model do not carry);
+    ``dispatch_s``: the dispatch's own computing time (measured, not modelled)."""
+    meas = [r["step_time_s"] for r in records]
+    pred = [p for p, _ in predicted]
+    over = [r.get("emulation_overrun_s", 0.0) for r in records]
+    n = len(meas)
+    return {"steps": n, "measured_step_s": sum(meas) / n, "simulated_step_s": sum(pred) / n,
+            "simulator_error": (sum(pred) - sum(meas)) / sum(meas),
+            "simulator_step_error": sum(abs(p - m) / m for p, m in zip(pred, meas)) / n,
+            "emulation_overrun_s": sum(over) / n,
+            "simulator_error_without_overrun": (sum(pred) - (sum(meas) - sum(over))) / sum(meas),
+            "dispatch_s": sum(r.get("dispatch_s", 0.0) for r in records) / n,
+            # the run's own dispatch predicted the same makespan as the model: it dispatched as modelled
+            "dispatch_as_modelled": sum(1 for r, (_, mk) in zip(records, predicted)
+                                        if abs(r.get("predicted_s", -1.0) - mk) <= 1e-9 * max(1.0, mk)) / n,
+            "switches": sum(1 for r in records if r.get("switched_from")),
+            "strategy_steps": {s: sum(1 for r in records if r["strategy"] == s)
+                               for s in dict.fromkeys(r["strategy"] for r in records)}}
 
 
 def measured(cluster_name: str, steps: int, tokens: int, seed: int, timeout_s: float,
              profile_dirs: list[Path]) -> dict:
     """hspmd's plan vs the best single strategy for the longest document, both trained on the same documents
-    (``hspmd train --lengths``; the runtime's own dispatch), measured step times after the first step."""
+    (``hspmd train --lengths``, the runtime's own dispatch with the planner's costs), measured step times
+    after the first step."""
+    t0 = time.perf_counter()
     model = load_model("llama-tiny", file="--model", field="")
     dist_name = DEFAULT_DISTRIBUTION
-    notes = []
-    tried = [cluster_name] + (["cpu-hetero4"] if cluster_name != "cpu-hetero4" else [])
-    for name in tried:
-        cluster = load_cluster(name, file="--cluster", field="")
-        profiles = resolve_profiles(cluster.device_types, profile_dirs)
-        max_len = model.max_seq_len
-        settings = LengthSettings(tokens_per_step=tokens, max_len=max_len, seed=seed)
-        result = plan_lengths(model, cluster, profiles, length_distribution(dist_name, max_len), settings)
-        with tempfile.TemporaryDirectory() as tmp:
-            plans = {"hspmd": Path(tmp) / "hspmd.yaml", "fixed": Path(tmp) / "fixed.yaml"}
-            save_plan(result.to_plan("llama-tiny", name), plans["hspmd"])
-            save_plan(build_plan([result.single_best], settings, "llama-tiny", name), plans["fixed"])
-            runs, why = {}, None
-            for key, path in plans.items():
-                records, why = train(path, dist_name, steps + 1, Path(tmp) / f"{key}.jsonl", timeout_s)
-                if why is not None:
-                    break
-                steady = records[1:]   # the first step pays for allocations and warm-up
-                pred = predicted_steps(path, dist_name, steady, profile_dirs)
-                meas = [r["step_time_s"] for r in steady]
-                runs[key] = {"strategies": [s.summary for s in (result.strategies if key == "hspmd"
-                                                                 else [result.single_best])],
-                             "steps": len(steady), "measured_step_s": sum(meas) / len(meas),
-                             "simulated_step_s": sum(pred) / len(pred),
-                             "simulator_error": abs(sum(pred) - sum(meas)) / sum(meas),
-                             "simulator_step_error": sum(abs(p - m) / m for p, m in zip(pred, meas)) / len(meas),
-                             "strategy_steps": {n: sum(1 for r in steady if r["strategy"] == n)
-                                                for n in dict.fromkeys(r["strategy"] for r in steady)}}
-        if why is None:
-            return {"status": "measured", "cluster": name, "model": "llama-tiny", "tokens_per_step": tokens,
-                    "steps": steps, "distribution": dist_name, "notes": notes, **runs,
-                    "measured_speedup_over_fixed": runs["fixed"]["measured_step_s"] / runs["hspmd"]["measured_step_s"],
-                    "simulated_speedup_over_fixed": runs["fixed"]["simulated_step_s"]
-                    / runs["hspmd"]["simulated_step_s"]}
-        notes.append(f"{name}: {why}")
-    return {"status": "unavailable", "reason": "; ".join(notes)}
+    cluster = load_cluster(cluster_name, file="--cluster", field="")
+    profiles = resolve_profiles(cluster.device_types, profile_dirs)
+    max_len = model.max_seq_len
+    settings = LengthSettings(tokens_per_step=tokens, max_len=max_len, seed=seed)
+    result = plan_lengths(model, cluster, profiles, length_distribution(dist_name, max_len), settings)
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        plans = {"hspmd": Path(tmp) / "hspmd.yaml", "fixed": Path(tmp) / "fixed.yaml"}
+        save_plan(result.to_plan("llama-tiny", cluster_name), plans["hspmd"])
+        save_plan(build_plan([result.single_best], settings, "llama-tiny", cluster_name), plans["fixed"])
+        for key, path in plans.items():
+            records, why = train(path, dist_name, steps + 1, Path(tmp) / f"{key}.jsonl", timeout_s, profile_dirs)
+            if why is not None:
+                return {"status": "unavailable", "cluster": cluster_name, "reason": f"{key}: {why}"}
+            steady = records[1:]   # the first step pays for allocations and warm-up
+            runs[key] = {"strategies": [s.summary for s in (result.strategies if key == "hspmd"
+                                                             else [result.single_best])],
+                         **run_summary(steady, predicted_steps(path, dist_name, steady, profile_dirs))}
+    return {"status": "measured", "cluster": cluster_name, "model": "llama-tiny", "tokens_per_step": tokens,
+            "steps": steps, "distribution": dist_name, **runs,
+            "fixed_is": "the best single whole-cluster plan for the longest document, trained with hspmd's "
+                        "dispatch (the modelled part's fixed_balanced: what the plan's strategies alone gain)",
+            "measured_speedup_over_fixed": runs["fixed"]["measured_step_s"] / runs["hspmd"]["measured_step_s"],
+            "simulated_speedup_over_fixed": runs["fixed"]["simulated_step_s"] / runs["hspmd"]["simulated_step_s"],
+            "planned_speedup_over_fixed": result.single_expected_s / result.expected_step_s,
+            "wall_s": time.perf_counter() - t0}
 
 
 def main() -> int:
@@ -207,8 +233,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=200_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--clusters", nargs="+", default=["h20-32", "h800-h20-48"])
-    ap.add_argument("--measured-cluster", default="cpu-hetero4-sleep",
-                    help="Cluster of the measured part (falls back to cpu-hetero4, noted, if hspmd train refuses it).")
+    ap.add_argument("--measured-cluster", default="cpu-hetero4-long",
+                    help="Cluster of the measured part (default: sleep mode at paper-scale lengths and memory).")
     ap.add_argument("--measured-steps", type=int, default=20, help="Measured steps after the first (warm-up).")
     ap.add_argument("--measured-tokens", type=int, default=2048)
     ap.add_argument("--timeout", type=float, default=1200.0, help="Seconds per hspmd train run.")

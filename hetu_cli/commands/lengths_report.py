@@ -18,11 +18,14 @@ from planner.lengths import (
     LengthSettings,
     LengthStrategy,
     SwitchCosts,
+    build_plan,
     chrome_trace,
     fixed_step_seconds,
     length_ranges,
     plan_lengths,
     play,
+    shared,
+    stage_rooms,
     strategy_cost,
 )
 from runtime.documents import length_distribution
@@ -37,7 +40,8 @@ from runtime.spec.io import atomic_write_text
 
 def plan_for_lengths(model_ref: str, cluster_ref: str, profile_dirs: Sequence[Path], lengths: str,
                      tokens_per_step: int | None, max_len: int | None, unused: Mapping[str, object],
-                     max_strategies: int, time_limit: float, out_path: Path | None, fmt: str) -> None:
+                     max_strategies: int, time_limit: float, out_path: Path | None, fmt: str,
+                     fixed_path: Path | None = None) -> None:
     """``unused``: the fixed-length options given (None where not), refused: a documents plan is micro-batch
     1, ZeRO off (in-memory switches need full replicas) and a step is ``tokens_per_step`` tokens."""
     problems = [Problem(opt, "", "not used with --lengths (a step is --tokens-per-step tokens of documents, "
@@ -60,8 +64,11 @@ def plan_for_lengths(model_ref: str, cluster_ref: str, profile_dirs: Sequence[Pa
     problems = validate_plan(planned, model, cluster, str(out_path or "plan"))
     if problems:   # a planner bug, not a user error: refuse to write it
         raise RuntimeError("planner produced an invalid plan: " + "; ".join(str(x) for x in problems))
+    fixed = build_plan([result.single_best], settings, planned.model, planned.cluster)
     if out_path is not None:
         save_plan(planned, out_path)
+    if fixed_path is not None:
+        save_plan(fixed, fixed_path)
     ranges = length_ranges(planned)
     rows = [{"name": s.name, "range": list(ranges[s.name]), "max_seq_len": s.max_seq_len, "summary": ls.summary,
              "pipeline_capacity_tokens": [p.capacity for p in ls.cost.pipelines], "fixed_step_s": ls.fixed_s}
@@ -75,7 +82,8 @@ def plan_for_lengths(model_ref: str, cluster_ref: str, profile_dirs: Sequence[Pa
                                        "expected_step_time_s": result.single_expected_s},
                    "speedup_over_single": speedup, "planning_steps": settings.sample_steps,
                    "candidates": len(result.candidates), "notes": list(result.notes),
-                   "output": None if out_path is None else str(out_path)})
+                   "output": None if out_path is None else str(out_path),
+                   "fixed_output": None if fixed_path is None else str(fixed_path)})
         return
     con = console()
     con.print(f"[bold]{model.name}[/bold] on [bold]{cluster.name}[/bold]: documents of {dist.name} lengths up to "
@@ -94,6 +102,8 @@ def plan_for_lengths(model_ref: str, cluster_ref: str, profile_dirs: Sequence[Pa
         con.print(f"note: {escape(n)}")
     if out_path is not None:
         con.print(f"plan written to [bold]{escape(str(out_path))}[/bold]")
+    if fixed_path is not None:
+        con.print(f"the single plan for the longest document written to [bold]{escape(str(fixed_path))}[/bold]")
 
 
 def strategies_of(ctx: PlanContext, profiles) -> list[LengthStrategy]:
@@ -104,8 +114,29 @@ def strategies_of(ctx: PlanContext, profiles) -> list[LengthStrategy]:
         top = t.seq_len if s.max_seq_len is None else s.max_seq_len
         cm = CostModel(ctx.model, ctx.cluster, profiles, micro_batch=1, seq_len=top)
         out.append(LengthStrategy(s, strategy_cost(cm, s, top), fixed_step_seconds(cm, s, t.schedule), s.name,
-                                  "plan"))
-    return out
+                                  "plan", rooms=stage_rooms(cm, s)))
+    together = shared(out)   # as a documents run holds them: every strategy's state stays allocated
+    if together is None:
+        raise SpecError([Problem(str(ctx.path), "strategies", "the strategies do not fit memory together (a "
+                                 "documents run keeps every strategy's parameters and moments allocated)")])
+    return together
+
+
+def planner_dispatch_costs(options: TrainOptions, profile_dirs: Sequence[Path]) -> TrainOptions:
+    """``options`` with the planner's dispatch costs (``strategies_of``) for the strategies the run trains, so
+    that the run dispatches and switches as ``hspmd simulate --lengths`` plays it."""
+    from runtime.launch.session import documents_mode, run_strategies
+    from runtime.spec import load_plan_context
+
+    ctx = load_plan_context(options.plan)
+    if not documents_mode(options, ctx.plan.training):
+        raise SpecError([Problem("--dispatch-costs", "", "only documents runs dispatch (give --lengths or --data "
+                                                         "FILE.jsonl, or a plan with training.tokens_per_step)")])
+    names = run_strategies(ctx, options)
+    ctx = dataclasses.replace(ctx, plan=dataclasses.replace(
+        ctx.plan, strategies=tuple(ctx.plan.strategy(n) for n in names)))
+    profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
+    return dataclasses.replace(options, dispatch_costs=tuple(m.cost for m in strategies_of(ctx, profiles)))
 
 
 def simulate_lengths(ctx: PlanContext, profile_dirs: Sequence[Path], lengths: str, steps: int,

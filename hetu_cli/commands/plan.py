@@ -58,23 +58,29 @@ from runtime.spec.catalog import recorded_ref
 @click.option("--tokens-per-step", type=click.IntRange(min=1), help="With --lengths: the tokens of one step.")
 @click.option("--max-strategies", type=click.IntRange(min=1), default=3, show_default=True,
               help="With --lengths: the most strategies in the plan.")
+@click.option("--fixed-out", "fixed_path", type=click.Path(path_type=Path),
+              help="With --lengths: also write the best single plan for the longest document (the comparison the "
+                   "report prints) as a documents plan here (to measure it with hspmd train).")
 @FORMAT_OPTION
 def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], global_batch: int | None,
          seq_len: int | None, micro_batch: int | None, elastic: bool, use_zero: bool | None, time_limit: float,
          top_k: int, schedule: str, check_top: int, out_path: Path | None, symmetric_path: Path | None,
-         lengths: str | None, tokens_per_step: int | None, max_strategies: int, fmt: str) -> None:
+         lengths: str | None, tokens_per_step: int | None, max_strategies: int, fixed_path: Path | None,
+         fmt: str) -> None:
     """Search TP groups, pipelines, layer splits (ILP), micro-batches (ILP) and recompute for the fastest
     plan that fits memory; compare it with the best symmetric plans and the lower bound. With --lengths:
     one plan of several strategies, each serving a range of document lengths (planner/lengths.py)."""
-    for path in (out_path, symmetric_path):
+    for path in (out_path, symmetric_path, fixed_path):
         if path is not None and path.is_dir():
             raise SpecError([Problem(str(path), "", "is a directory; give a file name for the plan")])
     if lengths is not None:
         unused = {"--global-batch": global_batch, "--micro-batch": micro_batch, "--elastic": elastic or None,
                   "--zero/--no-zero": use_zero, "--symmetric-out": symmetric_path}
         plan_for_lengths(model_ref, cluster_ref, profile_dirs, lengths, tokens_per_step, seq_len, unused,
-                         max_strategies, time_limit, out_path, fmt)
+                         max_strategies, time_limit, out_path, fmt, fixed_path)
         return
+    if fixed_path is not None:
+        raise SpecError([Problem("--fixed-out", "", "only with --lengths (the single plan for the longest document)")])
     if global_batch is None or seq_len is None:
         raise click.UsageError("--global-batch and --seq-len are required (or --lengths with --tokens-per-step)")
     model = load_model(model_ref, file="--model", field="")

@@ -140,7 +140,13 @@ class StepDisplay:
               help=f"A worker silent this long counts as hung [default: 30; {ELASTIC_HEARTBEAT_TIMEOUT_S:g} with "
                    "--elastic].")
 @click.option("--profile", "profile_dirs", multiple=True, type=click.Path(path_type=Path),
-              help="--elastic: device profiles for replanning (repeatable; before the shipped profiles/).")
+              help="--elastic: device profiles for replanning; --dispatch-costs profiles: for pricing documents "
+                   "(repeatable; before the shipped profiles/).")
+@click.option("--dispatch-costs", type=click.Choice(["plan", "profiles"]), default="plan", show_default=True,
+              help="Documents runs: what dispatch weighs per document and pipeline. plan: FLOPs at the devices' "
+                   "peak rates and micro-batches of the strategy's max_seq_len; profiles: the planner's cost model "
+                   "(the profiles' per-document costs and each stage's memory, the strategies' states side by "
+                   "side), as `hspmd plan --lengths` and `hspmd simulate --lengths` price them.")
 @click.option("--replan-tolerance", type=click.FloatRange(min=0.0), default=0.05, show_default=True,
               help="--elastic: candidates this close to the fastest count as equally fast; the one moving the "
                    "least state wins.")
@@ -167,7 +173,8 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
           elastic: bool, switch_specs: tuple[str, ...], kill_devices: tuple[int, ...], hang_devices: tuple[int, ...],
           fault_step: int | None, heartbeat_timeout_s: float | None, profile_dirs: tuple[Path, ...],
           replan_tolerance: float, rejoin_devices: tuple[int, ...], rejoin_step: int | None,
-          events_file: Path | None, agents: int | None, bind: str, token: str | None, precision: str) -> None:
+          events_file: Path | None, agents: int | None, bind: str, token: str | None, precision: str,
+          dispatch_costs: str) -> None:
     """Train with PLAN: every device runs its own specialized program (gloo on CPU, NCCL on GPU).
 
     Started by torchrun (`torchrun ... -m hetu_cli train --plan PLAN`), runs as one of its workers
@@ -199,6 +206,10 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
                            switches=tuple(_parse_switch(s) for s in switch_specs), precision=precision,
                            lengths=lengths, tokenizer=tokenizer, long_documents=long_documents,
                            rejoins=rejoins, node_kills=node_kills)
+    if dispatch_costs == "profiles":
+        from hetu_cli.commands.lengths_report import planner_dispatch_costs
+
+        options = planner_dispatch_costs(options, profile_dirs)
     env = TorchrunEnv.detect(os.environ)
     if env is not None and (options.coordinated or faults):
         raise HspmdError("--elastic, --switch and fault injection run under hspmd's own launcher, not torchrun")

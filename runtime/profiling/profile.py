@@ -644,9 +644,16 @@ class SleepTarget:
     profile: DeviceProfile
     model: ModelSpec
     time_scale: float
+    seq_scale: int = 1          # target tokens per real token (``Emulation.seq_scale``)
+    memory: bool = False        # the plan's memory is the target's (``Emulation.memory``)
 
     def block_s(self, block: ComputeBlock) -> float:
-        """Wall seconds the block lasts on the emulated device (at least: unless its real compute overruns)."""
+        """Wall seconds the block lasts on the emulated device (at least: unless its real compute overruns),
+        its lengths (and its packed documents') priced at ``seq_scale`` target tokens per real token."""
+        if self.seq_scale != 1:
+            k = self.seq_scale
+            block = dataclasses.replace(block, seq_len=block.seq_len * k,
+                                        documents=tuple(n * k for n in block.documents))
         return self.time_scale * block_seconds(self.profile, self.model, block)
 
 
@@ -660,7 +667,8 @@ def sleep_target(emulation: Emulation, *, file: str = "", field: str = "emulate"
     if path is None:
         raise SpecError([Problem(file, f"{field}.target.profile", f"unknown device profile {target.profile!r}")])
     model = load_model(target.model, file=file, field=f"{field}.target.model")
-    return SleepTarget(load_profile(path), model, emulation.time_scale)
+    return SleepTarget(load_profile(path), model, emulation.time_scale, emulation.seq_scale,
+                       emulation.memory == "target")
 
 
 # Defaults for a spec profile derived from datasheet figures (see profiles/README.md for why).

@@ -49,6 +49,13 @@ class Emulation:
       the devices mostly sleep, barely load the host's cores, and a step's time is set by the plan, the
       schedule and the communication. A block whose real compute exceeds its target is not hidden: the
       overrun is traced and reported per step (``emulation_overrun_s``).
+
+      ``seq_scale``: each real token stands for that many tokens of the target, so a tiny model's short
+      sequences are priced as the target's long ones (attention's s^2 included): the paper-scale lengths
+      at a CPU's. ``memory: target``: the plan's memory is checked as the target's (its model's shapes at
+      the scaled lengths, its profile's bytes per parameter, against this type's ``memory_gib``, which
+      should then be the target's), so the memory limits of long sequences bind as on the target; nothing
+      is allocated for it (the real model's memory is tiny). ``memory: real`` (default): the real model's.
     """
 
     slowdown: float = 1.0
@@ -56,6 +63,8 @@ class Emulation:
     # Wall seconds one target second lasts: scales the target's (GPU-sized, sub-millisecond) block
     # prices up to where they dwarf the tiny model's real CPU compute.
     time_scale: float | None = None
+    seq_scale: int = 1
+    memory: str = "real"   # real | target
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -68,6 +77,11 @@ class Emulation:
                     "sleep mode needs 'time_scale' (wall seconds per target second, e.g. 20)")
         else:
             c.check(self.time_scale is None, "time_scale", "only meaningful with 'target' (sleep mode)")
+            c.check(self.seq_scale == 1, "seq_scale", "only meaningful with 'target' (sleep mode)")
+            c.check(self.memory == "real", "memory", "only meaningful with 'target' (sleep mode)")
+        c.check(isinstance(self.seq_scale, int) and not isinstance(self.seq_scale, bool) and self.seq_scale >= 1,
+                "seq_scale", f"must be a whole number of target tokens per real token (>= 1), got {self.seq_scale!r}")
+        c.check(self.memory in ("real", "target"), "memory", f"must be 'real' or 'target', got {self.memory!r}")
         if self.time_scale is not None:
             c.check(math.isfinite(self.time_scale) and self.time_scale > 0, "time_scale",
                     f"must be a positive number of wall seconds per target second, got {self.time_scale}")

@@ -50,3 +50,29 @@ def test_documents_run_switches_strategy_and_matches_the_reference(tmp_path: Pat
     ref = [trainer.train_documents([doc.tokens for doc in d.documents]) for d in docs]
     torch.testing.assert_close([x["loss"] for x in steps], [r.loss for r in ref], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close([x["grad_norm"] for x in steps], [r.grad_norm for r in ref], rtol=1e-4, atol=1e-6)
+
+
+def test_dispatch_costs_profiles_dispatch_as_the_simulator_plays(tmp_path: Path):
+    """``--dispatch-costs profiles``: every step's strategy and predicted makespan are ``hspmd simulate
+    --lengths``'s for the same steps (one cost model on both sides), and the numbers are still the reference's."""
+    hist = tmp_path / "lengths.yaml"
+    hist.write_text(HISTOGRAM)
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "hetu_cli", "train", "--plan", str(PLAN), "--lengths", str(hist),
+                           "--steps", str(STEPS), "--metrics", str(metrics), "--dispatch-costs", "profiles"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    steps = [x for x in map(json.loads, metrics.read_text().splitlines()) if "event" not in x]
+    sim = subprocess.run([sys.executable, "-m", "hetu_cli", "simulate", "--plan", str(PLAN), "--lengths", str(hist),
+                          "--steps", str(STEPS), "--format", "json"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert sim.returncode == 0, sim.stderr
+    played = json.loads(sim.stdout)["steps"]
+    assert [x["strategy"] for x in steps] == [x["strategy"] for x in played]
+    for x, p in zip(steps, played):
+        assert x["predicted_s"] == p["compute_s"]
+    ctx = load_plan_context(PLAN)
+    source = document_source_of(ctx, TrainOptions(plan=PLAN, lengths=str(hist)))
+    trainer = ReferenceTrainer(ctx.model, ctx.plan.training)
+    ref = [trainer.train_documents([doc.tokens for doc in source.documents(k).documents]) for k in range(1, STEPS + 1)]
+    torch.testing.assert_close([x["loss"] for x in steps], [r.loss for r in ref], rtol=1e-5, atol=1e-6)

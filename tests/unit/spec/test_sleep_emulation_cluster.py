@@ -37,6 +37,16 @@ CASES = {
     "missing_model": ({"target": {"profile": "H20"}, "time_scale": 10}, f"{FIELD}.target.model: "),
     "unknown_key": ({"target": {"profile": "H20", "model": "llama-32b"}, "time_scale": 10, "speed": 2},
                     f"{FIELD}.speed: "),
+    "zero_seq_scale": ({"target": {"profile": "H20", "model": "llama-32b"}, "time_scale": 10, "seq_scale": 0},
+                       f"{FIELD}.seq_scale: must be a whole number of target tokens per real token (>= 1), got 0"),
+    "fractional_seq_scale": ({"target": {"profile": "H20", "model": "llama-32b"}, "time_scale": 10,
+                              "seq_scale": 1.5}, f"{FIELD}.seq_scale: expected an integer, got 1.5"),
+    "seq_scale_without_target": ({"slowdown": 2.0, "seq_scale": 8},
+                                 f"{FIELD}.seq_scale: only meaningful with 'target'"),
+    "bad_memory": ({"target": {"profile": "H20", "model": "llama-32b"}, "time_scale": 10, "memory": "both"},
+                   f"{FIELD}.memory: must be 'real' or 'target', got 'both'"),
+    "memory_without_target": ({"slowdown": 2.0, "memory": "target"},
+                              f"{FIELD}.memory: only meaningful with 'target'"),
 }
 
 
@@ -51,6 +61,10 @@ def bad_cluster(tmp_path: Path, emulate: dict) -> Path:
 def test_the_shipped_sleep_cluster_loads():
     c = load_cluster("cpu-hetero4-sleep")
     assert all(t.sleep_emulated for t in c.device_types.values()) and c.emulated
+    assert all(t.emulate.seq_scale == 1 and t.emulate.memory == "real" for t in c.device_types.values())
+    long = load_cluster("cpu-hetero4-long")
+    assert all(t.sleep_emulated and t.emulate.seq_scale == 128 and t.emulate.memory == "target"
+               for t in long.device_types.values())
     assert not any(t.sleep_emulated for t in load_cluster("cpu-hetero4").device_types.values())
 
 
