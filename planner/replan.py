@@ -10,8 +10,11 @@
    (nothing moves at all: every survivor keeps what it holds).
 3. Each candidate is priced twice: its step time (the cost model) and its switch (the fused BSR of
    every parameter and AdamW moment from the current layout, failed devices excluded: bytes, bytes per
-   link, modelled time). Among the candidates whose step time is within ``tolerance`` of the fastest,
-   the one that moves the fewest bytes wins (then the faster).
+   link, modelled time). Only candidates within ``tolerance`` of the fastest step time are considered.
+   With ``steps_left`` known (a running job), the one with the least modelled time over the rest of the
+   run wins: its switch plus its step time x the steps left (a plan a few percent slower to save a second
+   of transfer costs minutes over hundreds of steps). Without it, the one that moves the fewest bytes
+   wins (then the faster).
 4. For comparison, the modelled cost of checkpoint-restart (``RestartModel``: every assumption is a
    field, printed by ``RestartCost.assumptions``).
 """
@@ -31,6 +34,7 @@ from runtime.comm.bsr import BsrPlan
 from runtime.elastic.events import TraceEvent
 from runtime.elastic.state import STATE_SUFFIXES, LostTensor, describe_lost, lost_tensors, plan_switch
 from runtime.errors import HspmdError, InfeasibleError
+from runtime.launch.options import node_loss_detect_s
 from runtime.profiling.profile import DeviceProfile, ProfileSet
 from runtime.spec import Plan, PlanContext, Strategy, validate_plan
 from runtime.spec.handle import StrategyHandle
@@ -155,7 +159,8 @@ class ReplanResult:
 def replan(current: StrategyHandle, failed: Collection[int],
            profiles: Mapping[str, DeviceProfile] | ProfileSet, *, tolerance: float = DEFAULT_TOLERANCE,
            time_limit_s: float = 60.0, top_k: int = 5, restart: RestartModel | None = None,
-           model_ref: str | None = None, cluster_ref: str | None = None) -> ReplanResult:
+           model_ref: str | None = None, cluster_ref: str | None = None, steps_left: int | None = None,
+           ) -> ReplanResult:
     """The plan to switch to when ``failed`` devices of ``current`` are lost (see the module docstring).
 
     The survivors are the strategy's other devices (a running job has processes only there). Raises
@@ -163,6 +168,8 @@ def replan(current: StrategyHandle, failed: Collection[int],
     """
     if tolerance < 0:
         raise ValueError("tolerance must not be negative")
+    if steps_left is not None and steps_left < 0:
+        raise ValueError("steps_left must not be negative")
     ctx = current.ctx
     failed = frozenset(failed)
     unknown = sorted(failed - set(range(ctx.cluster.num_devices)))
@@ -217,19 +224,23 @@ def replan(current: StrategyHandle, failed: Collection[int],
         options.append(Option(origin, rank, p, step_time, summary, bsr, bsr.modelled_time(ctx.cluster),
                               bsr.lower_bound(ctx.cluster)))
     options.sort(key=lambda o: (o.step_time_s, o.switch_bytes))
-    chosen = choose(options, tolerance)
+    chosen = choose(options, tolerance, steps_left)
     return ReplanResult(tuple(sorted(failed)), survivors, current_time, tuple(options), chosen, tolerance,
                         restart_cost(ctx.model, current_time, restart or RestartModel()),
                         PlanContext(chosen.plan, ctx.model, ctx.cluster, ctx.path), tuple(notes))
 
 
-def choose(options: list[Option], tolerance: float) -> Option:
-    """Among the options within ``tolerance`` of the fastest step time, the one that moves the fewest
-    bytes (then the faster, then the planner's order)."""
+def choose(options: list[Option], tolerance: float, steps_left: int | None = None) -> Option:
+    """Among the options within ``tolerance`` of the fastest step time: with ``steps_left``, the one with the
+    least modelled switch + step time x steps left (then the fewer bytes, the planner's order); without, the
+    one that moves the fewest bytes (then the faster, then the planner's order)."""
     if not options:
         raise InfeasibleError("no candidate plan for the survivors")
     best = min(o.step_time_s for o in options)
     near = [o for o in options if o.step_time_s <= best * (1 + tolerance)]
+    if steps_left is not None:
+        return min(near, key=lambda o: (o.modelled_switch_s + o.step_time_s * steps_left, o.switch_bytes,
+                                        o.origin != "planner", o.rank))
     return min(near, key=lambda o: (o.switch_bytes, o.step_time_s, o.origin != "planner", o.rank))
 
 
@@ -332,7 +343,7 @@ def grow(current: StrategyHandle, joining: Collection[int], profiles: Mapping[st
     switch_s = bsr.modelled_time(ctx.cluster) + switch.regroup_s
     gain = (current_time - best.step_time_s) * steps_left
     uses = sorted(set(target.devices) & set(joining))
-    adopt = bool(uses) and gain > switch_s
+    adopt = bool(uses) and pays(current_time, best.step_time_s, steps_left, switch_s)
     what = (f"with device(s) {', '.join(map(str, joining))}: {best.step_time_s:.4g} s/step predicted vs "
             f"{current_time:.4g} s now; over {steps_left} step(s) left that saves {gain:.3g} s against a modelled "
             f"switch of {switch_s:.3g} s ({bsr.total_bytes / 1e6:.3g} MB)")
@@ -345,30 +356,68 @@ def grow(current: StrategyHandle, joining: Collection[int], profiles: Mapping[st
 
 # -- a failure trace, modelled (hspmd simulate --events, scripts/bench_elastic.py) ---------------------------
 
+# Megatron-LM's ``--distributed-timeout-minutes`` default (torch.distributed's NCCL timeout): when a whole node
+# vanishes, the survivors' collectives with it block until this timeout, because torchrun's agents watch only
+# their own node's processes (a crashed process, by contrast, is seen within the agent's monitor interval).
+MEGATRON_NCCL_TIMEOUT_S = 600.0
+
 
 @dataclass(frozen=True)
 class TraceModel:
     """How the three ways of surviving failures are priced over a trace (every assumption a field).
 
-    * **hspmd**: a failure costs detection, the replan (the planner's own wall time, measured here), the
-      fused BSR of the chosen plan (modelled) plus regrouping, and half a step (the step in flight is
-      redone); a return costs the grow decision and its switch, adopted only when it pays.
-    * **restart** (Megatron / DeepSpeed with torchrun): the node of a failed device is dropped whole (only
-      the failed devices when no whole node would be left) and the job restarts from its last checkpoint
-      on the remaining whole nodes (``RestartCost``: write, read,
-      process restart, half a checkpoint interval lost); a node that is whole again is taken back with a
-      planned restart (checkpoint written and read, no work lost).
+    * **hspmd**: a failure costs detection (a process death at once, a node's loss after the agent timeout),
+      the replan (the planner's own wall time, measured here), the fused BSR of the chosen plan (modelled)
+      plus regrouping, and half a step (the step in flight is redone); a return costs the grow decision and
+      its switch, adopted only when it pays.
+    * **restart** (Megatron / DeepSpeed under torchrun): the job runs the planner's best plan without the
+      elastic constraint and with ZeRO-1 (the distributed optimizer: a restart needs no replica in memory);
+      the node of a failed device is dropped whole (only the failed devices when no whole node would be
+      left), and the job restarts from its last checkpoint on the remaining whole nodes: detection (a crashed
+      process at once; a lost node only at the NCCL timeout), checkpoint read, process restart, and the
+      steps since the last checkpoint redone (half an interval on average). A node that is whole again is
+      taken back with a planned restart (checkpoint written and read, no work lost) when that pays.
     * **oobleck-like**: fixed pipeline templates: a failure drops the pipelines it broke and spreads their
       micro-batches over the others (``repair``: nothing is re-planned, no TP or layer split changes);
       when every pipeline is whole again the original plan is re-instantiated and the returning
       pipelines' state is broadcast from one replica over one inter-node link (no balancing over holders).
       No intact pipeline left: a restart.
+    * **checkpoints**: every line writes the same synchronous checkpoints (Megatron's default save blocks
+      training), every ``checkpoint_interval_steps`` steps; None: Young's optimum interval
+      sqrt(2 x write time x mean time between failures) for the trace's failure rate, the interval a
+      restart-based job should use. hspmd and the Oobleck-like line need checkpoints only for losses memory
+      cannot survive, so charging them the same writes is conservative for them.
     """
 
-    detect_s: float = 1.0  # a death is seen at once, a lost node within its agent's heartbeat timeout
+    detect_s: float = 1.0  # a process death: its pipe (or torchrun's monitor, every 0.1 s) sees it at once
+    node_loss_detect_s: float = node_loss_detect_s()  # hspmd: the agent timeout at the default heartbeats
+    restart_node_loss_detect_s: float = MEGATRON_NCCL_TIMEOUT_S
     restart: RestartModel = RestartModel()
+    checkpoint_interval_steps: int | None = None  # None: Young's optimum for the trace
+    restart_zero: bool = True
     switch: SwitchModel = SwitchModel()
     time_limit_s: float = 30.0  # the planner's limit per replan
+
+    def __post_init__(self) -> None:
+        if min(self.detect_s, self.node_loss_detect_s, self.restart_node_loss_detect_s, self.time_limit_s) < 0:
+            raise ValueError("detection times and the planner's time limit must not be negative")
+        if self.checkpoint_interval_steps is not None and self.checkpoint_interval_steps < 1:
+            raise ValueError("checkpoint_interval_steps must be >= 1 (or None: Young's optimum)")
+
+
+def young_interval_steps(write_s: float, step_time_s: float, run_s: float, failures: int) -> int | None:
+    """Young's first-order optimum checkpoint interval (CACM 1974), sqrt(2 x checkpoint cost x MTBF), in steps;
+    None when nothing fails (no interval is better than any other: no periodic checkpoint is charged)."""
+    if failures <= 0:
+        return None
+    mtbf = run_s / failures
+    return max(1, round(math.sqrt(2 * write_s * mtbf) / step_time_s))
+
+
+def pays(current_s: float, new_s: float, steps_left: int, cost_s: float) -> bool:
+    """Whether switching to a plan of ``new_s`` per step pays for its ``cost_s`` over ``steps_left`` steps (the
+    rule for adopting a return, for hspmd's grow and for a restart-based job's planned restart alike)."""
+    return (current_s - new_s) * steps_left > cost_s
 
 
 @dataclass
@@ -378,11 +427,33 @@ class _Line:
     name: str
     handle: StrategyHandle
     step_time_s: float
-    time_s: float = 0.0
+    base_step_time_s: float
+    steps_s: float = 0.0  # time in steps (at whatever step time the line ran)
+    recovery_s: float = 0.0
+    checkpoint_s: float = 0.0
     recovery: list[dict[str, object]] = dataclasses.field(default_factory=list)
+
+    @property
+    def time_s(self) -> float:
+        return self.steps_s + self.recovery_s + self.checkpoint_s
+
+    def run(self, steps: int) -> None:
+        self.steps_s += steps * self.step_time_s
+
+    def event(self, e: TraceEvent, parts: dict[str, float], before_s: float, **extra: object) -> None:
+        cost = sum(parts.values())
+        self.recovery_s += cost
+        self.recovery.append({"step": e.step, "event": e.action, "devices": list(e.devices), "node": e.node,
+                              "cost_s": cost, "parts_s": parts, "step_time_before_s": before_s,
+                              "step_time_after_s": self.step_time_s, "devices_after": len(self.handle.devices),
+                              **extra})
 
     def to_json(self, steps: int) -> dict[str, object]:
         return {"total_s": self.time_s, "goodput_steps_per_s": steps / self.time_s if self.time_s else 0.0,
+                "initial_step_time_s": self.base_step_time_s,
+                "breakdown_s": {"failure_free_steps": steps * self.base_step_time_s,
+                                "slower_steps": self.steps_s - steps * self.base_step_time_s,
+                                "recoveries_and_switches": self.recovery_s, "checkpoint_writes": self.checkpoint_s},
                 "events": self.recovery}
 
 
@@ -390,116 +461,155 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                 profiles: Mapping[str, DeviceProfile] | ProfileSet, model: TraceModel | None = None,
                 log: Callable[[str], None] = lambda _m: None) -> dict[str, object]:
     """Goodput (steps per second over the whole trace) of hspmd, checkpoint-restart and an Oobleck-like
-    baseline on ``steps`` steps of ``current`` with the failures and returns of ``trace``."""
+    baseline on ``steps`` steps of ``current`` with the failures and returns of ``trace``; each line's time
+    broken down (failure-free steps, the extra time of slower steps, recoveries and switches, checkpoint
+    writes) and every event's parts."""
     model = model or TraceModel()
     ctx = current.ctx
     t = ctx.plan.training
     cluster = ctx.cluster
     cm = CostModel.for_plan(ctx.plan, ctx.model, cluster, profiles)
     t0_time = cm.estimate(current.strategy, t.global_batch, t.schedule, False).step_time_s
-    lines = {name: _Line(name, current, t0_time) for name in ("hspmd", "restart", "oobleck_like")}
     node_of = {d.id: d.node for d in cluster.devices}
     nodes = {n.name: {d.id for d in cluster.devices if d.node == n.name} for n in cluster.nodes}
     original = current
-    plans: dict[tuple[int, ...], tuple[StrategyHandle, float]] = {}
+    plans: dict[tuple[tuple[int, ...], bool], tuple[StrategyHandle, float]] = {}
 
-    def best_on(devices: Collection[int]) -> tuple[StrategyHandle, float]:
-        key = tuple(sorted(devices))
+    def best_on(devices: Collection[int], zero: bool = False) -> tuple[StrategyHandle, float]:
+        key = (tuple(sorted(devices)), zero)
         if key not in plans:
             settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=False,
-                                    use_zero=False, time_limit_s=model.time_limit_s, top_k=1, seed=t.seed,
+                                    use_zero=zero, time_limit_s=model.time_limit_s, top_k=1, seed=t.seed,
                                     optimizer=t.optimizer, schedule=t.schedule)
-            result = plan(ctx.model, cluster, profiles, settings, devices=key, baselines=False)
+            result = plan(ctx.model, cluster, profiles, settings, devices=key[0], baselines=False)
             p = result.to_plan(ctx.plan.model, ctx.plan.cluster, 0)
             plans[key] = (StrategyHandle.of(PlanContext(p, ctx.model, cluster, ctx.path)),
                           result.candidates[0].step_time_s)
         return plans[key]
 
-    def restart_cost_s(step_time: float, lose_work: bool) -> float:
-        c = restart_cost(ctx.model, step_time, model.restart)
-        return c.write_s + c.read_s + c.restart_s + (c.lost_work_s if lose_work else 0.0)
+    events = sorted(trace, key=lambda e: e.step)
+    usable = set(original.devices) | {x for ev in events for x in ev.devices}
+    r_handle, r0_time = best_on(sorted(usable & set(original.devices)), model.restart_zero)
+    lines = {"hspmd": _Line("hspmd", current, t0_time, t0_time),
+             "restart": _Line("restart", r_handle, r0_time, r0_time),
+             "oobleck_like": _Line("oobleck_like", current, t0_time, t0_time)}
+    ck = restart_cost(ctx.model, t0_time, model.restart)
+    failures = sum(1 for e in events if e.action != "rejoin")
+    interval = model.checkpoint_interval_steps or young_interval_steps(ck.write_s, r0_time, steps * r0_time, failures)
+    writes = 0 if interval is None else steps // interval
+    for line in lines.values():
+        line.checkpoint_s = writes * ck.write_s
+
+    def from_checkpoint(step_time: float) -> dict[str, float]:
+        """Read the last checkpoint, restart, redo the steps since it (half an interval on average)."""
+        return {"read": ck.read_s, "restart": model.restart.restart_s,
+                "lost_work": (interval or steps) / 2 * step_time}
+
+    def detect(e: TraceEvent, restart: bool) -> float:
+        if e.node is None:
+            return model.detect_s
+        return model.restart_node_loss_detect_s if restart else model.node_loss_detect_s
 
     down: set[int] = set()
-    events = sorted(trace, key=lambda e: e.step)
     prev = 1
     for e in events:
         for line in lines.values():
-            line.time_s += (e.step - prev) * line.step_time_s
+            line.run(e.step - prev)
         prev = e.step
+        steps_left = steps - e.step + 1
         if e.action == "rejoin":
             down -= set(e.devices)
         else:
             down |= set(e.devices)
-        alive = [d for d in range(cluster.num_devices) if d not in down and d in set(original.devices) | set(e.devices)]
         log(f"step {e.step}: {e.action} {list(e.devices)}")
         # hspmd
         h = lines["hspmd"]
+        before = h.step_time_s
         t0 = time.perf_counter()
         if e.action == "rejoin":
-            g = grow(h.handle, e.devices, profiles, steps_left=steps - e.step + 1, time_limit_s=model.time_limit_s,
+            g = grow(h.handle, e.devices, profiles, steps_left=steps_left, time_limit_s=model.time_limit_s,
                      switch=model.switch)
-            cost = time.perf_counter() - t0 + (g.switch_s if g.adopt else 0.0)
+            parts = {"decide": time.perf_counter() - t0}
             if g.adopt and g.context is not None:
                 h.handle, h.step_time_s = StrategyHandle.of(g.context), g.step_time_s
-            h.recovery.append({"step": e.step, "event": "rejoin", "adopted": g.adopt, "cost_s": cost})
-        else:
+                parts["switch"] = g.switch_s
+            h.event(e, parts, before, adopted=g.adopt)
+        elif set(e.devices) & set(h.handle.devices):
             try:
-                r = replan(h.handle, set(e.devices), profiles, time_limit_s=model.time_limit_s)
-                cost = (model.detect_s + time.perf_counter() - t0 + r.chosen.modelled_switch_s + model.switch.regroup_s
-                        + h.step_time_s / 2)
+                r = replan(h.handle, set(e.devices), profiles, time_limit_s=model.time_limit_s,
+                           steps_left=steps_left)
+                parts = {"detect": detect(e, False), "replan": time.perf_counter() - t0,
+                         "transfer": r.chosen.modelled_switch_s, "regroup": model.switch.regroup_s,
+                         "step_redone": before / 2}
                 h.handle, h.step_time_s = StrategyHandle.of(r.context), r.chosen.step_time_s
+                h.event(e, parts, before, chosen=r.chosen.label, fastest_option_s=r.options[0].step_time_s)
             except LostStateError:
-                survivors = [d for d in h.handle.devices if d not in e.devices]
-                h.handle, h.step_time_s = best_on(survivors)
-                cost = model.detect_s + restart_cost_s(h.step_time_s, True)
-            h.recovery.append({"step": e.step, "event": e.action, "cost_s": cost})
-        h.time_s += cost
+                h.handle, h.step_time_s = best_on([d for d in h.handle.devices if d not in e.devices])
+                h.event(e, {"detect": detect(e, False), **from_checkpoint(h.step_time_s)}, before,
+                        restarted=True)
         # restart: whole nodes only
         rs = lines["restart"]
-        usable = set(original.devices) | {x for ev in events for x in ev.devices}
+        before = rs.step_time_s
         whole = sorted(d for n, devs in nodes.items() if not devs & down for d in devs if d in usable)
         if not whole:  # one node (or every node hit): it restarts without the failed devices only
             whole = sorted(usable - down)
-        if set(whole) != set(rs.handle.devices):
-            lose = e.action != "rejoin"
-            rs.handle, rs.step_time_s = best_on(whole)
-            cost = (model.detect_s if lose else 0.0) + restart_cost_s(rs.step_time_s, lose)
-            rs.time_s += cost
-            rs.recovery.append({"step": e.step, "event": e.action, "cost_s": cost,
-                                "nodes_dropped": sorted({node_of[d] for d in down})})
+        if e.action != "rejoin" and set(e.devices) & set(rs.handle.devices):
+            rs.handle, rs.step_time_s = best_on(whole, model.restart_zero)
+            rs.event(e, {"detect": detect(e, True), **from_checkpoint(rs.step_time_s)}, before,
+                     nodes_dropped=sorted({node_of[d] for d in down}))
+        elif e.action == "rejoin" and set(whole) != set(rs.handle.devices):
+            cand, cand_s = best_on(whole, model.restart_zero)
+            planned = {"write": ck.write_s, "read": ck.read_s, "restart": model.restart.restart_s}
+            if pays(rs.step_time_s, cand_s, steps_left, sum(planned.values())):
+                rs.handle, rs.step_time_s = cand, cand_s
+                rs.event(e, planned, before, adopted=True)
+            else:
+                rs.event(e, {}, before, adopted=False)
         # oobleck-like: fixed templates
         ob = lines["oobleck_like"]
+        before = ob.step_time_s
         if e.action == "rejoin":
             if not down & set(original.devices) and ob.handle is not original:
                 bsr = plan_switch(ob.handle, original, ())
-                cost = model.switch.regroup_s + bsr.total_bytes / (cluster.inter_node_bandwidth_gbs * 1e9)
                 ob.handle, ob.step_time_s = original, t0_time
-                ob.time_s += cost
-                ob.recovery.append({"step": e.step, "event": "rejoin", "cost_s": cost})
+                ob.event(e, {"regroup": model.switch.regroup_s,
+                             "broadcast": bsr.total_bytes / (cluster.inter_node_bandwidth_gbs * 1e9)}, before)
         elif set(e.devices) & set(ob.handle.devices):
             fixed = repair(ob.handle, set(e.devices), profiles)
             if fixed is None:
-                ob.handle, ob.step_time_s = best_on([d for d in alive if d in set(ob.handle.devices)])
-                cost = model.detect_s + restart_cost_s(ob.step_time_s, True)
+                alive = [d for d in ob.handle.devices if d not in down]
+                ob.handle, ob.step_time_s = best_on(alive)
+                ob.event(e, {"detect": detect(e, False), **from_checkpoint(ob.step_time_s)}, before, restarted=True)
             else:
                 p, ob.step_time_s = fixed
                 ob.handle = StrategyHandle.of(PlanContext(p, ctx.model, cluster, ctx.path))
-                cost = model.detect_s + model.switch.regroup_s + ob.step_time_s / 2
-            ob.time_s += cost
-            ob.recovery.append({"step": e.step, "event": e.action, "cost_s": cost})
+                ob.event(e, {"detect": detect(e, False), "regroup": model.switch.regroup_s, "step_redone": before / 2},
+                         before)
     for line in lines.values():
-        line.time_s += (steps - prev + 1) * line.step_time_s
+        line.run(steps - prev + 1)
     out = {name: line.to_json(steps) for name, line in lines.items()}
     gp = {name: steps / line.time_s for name, line in lines.items()}
-    return {"steps": steps, "events": len(events), "initial_step_time_s": t0_time, **out,
+    return {"steps": steps, "events": len(events), "initial_step_time_s": t0_time,
+            "checkpoint": {"interval_steps": interval, "writes": writes, "write_s": ck.write_s, "read_s": ck.read_s,
+                           "bytes": ck.checkpoint_bytes,
+                           "interval_rule": "given" if model.checkpoint_interval_steps else
+                           "Young's optimum for the trace's failure rate"},
+            **out,
             "modelled_goodput_over_restart": gp["hspmd"] / gp["restart"],
             "modelled_goodput_over_oobleck_like": gp["hspmd"] / gp["oobleck_like"],
             "assumptions": [TraceModel.__doc__.split("\n\n")[0].strip(),
-                            *restart_cost(ctx.model, t0_time, model.restart).assumptions(),
-                            f"detection {model.detect_s:g} s; regroup and program build {model.switch.regroup_s:g} s "
-                            "per switch"]}
+                            *ck.assumptions()[:3],
+                            f"checkpoints: {writes} synchronous write(s) of {ck.write_s:.3g} s each, every {interval} "
+                            "steps, on every line; a restart redoes half an interval on average",
+                            f"detection: a process death {model.detect_s:g} s; a lost node {model.node_loss_detect_s:g} s "
+                            f"for hspmd (agent timeout), {model.restart_node_loss_detect_s:g} s for restart (NCCL "
+                            "timeout)",
+                            f"regroup and program build {model.switch.regroup_s:g} s per switch",
+                            f"restart runs the planner's best non-elastic plan{' with ZeRO-1' if model.restart_zero else ''}"
+                            f" ({r0_time:.4g} s/step against hspmd's elastic {t0_time:.4g} s/step); Megatron itself "
+                            "would be held to a symmetric layout"]}
 
 
-__all__ = ["DEFAULT_TOLERANCE", "GrowResult", "LostStateError", "Option", "ReplanResult", "RestartCost",
-           "RestartModel", "SwitchModel", "TraceModel", "choose", "grow", "model_trace", "repair", "replan",
-           "restart_cost"]
+__all__ = ["DEFAULT_TOLERANCE", "GrowResult", "LostStateError", "MEGATRON_NCCL_TIMEOUT_S", "Option", "ReplanResult",
+           "RestartCost", "RestartModel", "SwitchModel", "TraceModel", "choose", "grow", "model_trace", "pays", "repair",
+           "replan", "restart_cost", "young_interval_steps"]

@@ -19,13 +19,11 @@ from hetu_cli.output import console, err_console
 from runtime.elastic.agents import DEFAULT_PORT
 from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
-from runtime.launch.options import NodeKill, PlannedSwitch, Rejoin
+from runtime.launch.options import ELASTIC_HEARTBEAT_TIMEOUT_S, ELASTIC_TIMEOUT_S, NodeKill, PlannedSwitch, Rejoin
 from runtime.launch.session import TRACE_MERGED
 from runtime.launch.supervise import PlainPolicy
 from runtime.precision import PRECISIONS
 
-ELASTIC_TIMEOUT_S = 30.0  # op timeout under --elastic: only the worst case waits for it (runtime/elastic/)
-ELASTIC_HEARTBEAT_TIMEOUT_S = 5.0
 
 
 class MetricsFile:
@@ -148,8 +146,8 @@ class StepDisplay:
                    "(the profiles' per-document costs and each stage's memory, the strategies' states side by "
                    "side), as `hspmd plan --lengths` and `hspmd simulate --lengths` price them.")
 @click.option("--replan-tolerance", type=click.FloatRange(min=0.0), default=0.05, show_default=True,
-              help="--elastic: candidates this close to the fastest count as equally fast; the one moving the "
-                   "least state wins.")
+              help="--elastic: only candidates this close to the fastest are considered; among them, the one "
+                   "with the least modelled switch plus predicted step time over the steps left wins.")
 @click.option("--rejoin-device", "rejoin_devices", multiple=True, type=int, metavar="D",
               help="--elastic: device D returns at the start of --rejoin-at-step (or --at-step) K: a worker is "
                    "started for it and joins the running job when the predicted gain beats the switch cost.")
@@ -314,7 +312,7 @@ def _parse_switch(spec: str) -> PlannedSwitch:
 def planner_replan(profile_dirs: tuple[Path, ...], tolerance: float, log):
     """The runtime's Replanner: the planner on the survivors, switch cost in view (planner/replan.py)."""
 
-    def replan(failed, ctx, strategy):
+    def replan(failed, ctx, strategy, steps_left):
         from hetu_cli.commands.replan import plan_refs
         from planner.replan import replan as plan_for_survivors
         from runtime.profiling.profile import resolve_profiles
@@ -323,7 +321,7 @@ def planner_replan(profile_dirs: tuple[Path, ...], tolerance: float, log):
         profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
         model_ref, cluster_ref = plan_refs(ctx)
         result = plan_for_survivors(StrategyHandle.of(ctx, strategy), failed, profiles, tolerance=tolerance,
-                                    model_ref=model_ref, cluster_ref=cluster_ref)
+                                    model_ref=model_ref, cluster_ref=cluster_ref, steps_left=steps_left)
         c = result.chosen
         fastest = result.options[0]
         vs = "the fastest" if c is fastest else (f"fastest: {fastest.label}, {fastest.step_time_s:.4g} s/step, moves "

@@ -48,7 +48,7 @@ from runtime.elastic.protocol import (
 from runtime.errors import HspmdError
 from runtime.launch.launcher import host_store, prepare
 from runtime.launch.messages import Lost, Start
-from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec
+from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, agent_timeout_s, node_loss_detect_s
 from runtime.launch.supervise import LocalWorkers, Policy, Run, RunSummary, WorkerHandle, supervise
 from runtime.launch.worker import WorkerLoop
 from runtime.spec.cluster import Cluster
@@ -309,7 +309,7 @@ def launch_agents(options: TrainOptions, policy: Policy, agents: AgentSettings, 
     log = on_log or (lambda _msg: None)
     prep = prepare(options, policy, one_host=False)
     store = host_store(agents.host, agents.port, options.timeout_s)
-    agent_timeout = options.heartbeat_timeout_s / 2  # below a worker's: the node's loss is the cause shown
+    agent_timeout = agent_timeout_s(options.heartbeat_timeout_s)
     source = AgentWorkers(store, agents.host, agents.port, agents.token, prep.ctx.cluster, options.heartbeat_s,
                           agent_timeout, log)
     try:
@@ -325,7 +325,7 @@ def launch_agents(options: TrainOptions, policy: Policy, agents: AgentSettings, 
         run = Run(options, prep.ctx, prep.strategy, dict(source.workers),
                   RunSummary(prep.strategy, prep.devices, prep.backend), on_step, log, t_start,
                   source=source, make_spec=lambda d: prep.spec(options, d, joining=True),
-                  loss_detect_s=agent_timeout + options.heartbeat_s)
+                  loss_detect_s=node_loss_detect_s(options.heartbeat_s, options.heartbeat_timeout_s))
         policy.begin(run)
         supervise(run, source, policy)
         run.summary.wall_s = time.perf_counter() - t_start

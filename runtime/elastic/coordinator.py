@@ -43,9 +43,10 @@ from runtime.launch.supervise import FailureLog, Run, WorkerHandle
 from runtime.spec import PlanContext, load_plan_context
 from runtime.spec.handle import StrategyHandle
 
-Replanner = Callable[[frozenset[int], PlanContext, str], PlanContext]
-"""``replan(failed devices, current plan, current strategy) -> plan for the survivors`` (its first
-strategy is used). Supplied by the CLI (which calls the planner); the runtime never imports it."""
+Replanner = Callable[[frozenset[int], PlanContext, str, int], PlanContext]
+"""``replan(failed devices, current plan, current strategy, steps left) -> plan for the survivors`` (its
+first strategy is used; the steps left, the failed one included, weigh a candidate's switch against its
+step time). Supplied by the CLI (which calls the planner); the runtime never imports it."""
 
 Grower = Callable[[frozenset[int], PlanContext, str, int], PlanContext | None]
 """``grow(joining devices, current plan, current strategy, steps left) -> a plan using them, or None``
@@ -569,7 +570,7 @@ class ElasticPolicy:
                                             "(hspmd train --elastic supplies the planner)"])
             t0 = time.perf_counter()
             try:
-                new_ctx = self.replan(failed, source.ctx, source.name)
+                new_ctx = self.replan(failed, source.ctx, source.name, self.last - inc.step + 1)
             except HspmdError as err:
                 raise UnrecoverableFailure([f"no plan for the survivors {_devs(self.alive)}: {line}"
                                             for line in err.lines()]) from None

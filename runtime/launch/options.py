@@ -70,6 +70,27 @@ class NodeKill:
             raise ValueError(f"node kill step must be at least 1, got {self.step}")
 
 
+DEFAULT_HEARTBEAT_S = 0.5
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
+# hspmd train --elastic's defaults: a failure should cost seconds, and gloo cannot abort an op in flight, so
+# only the worst case waits for the op timeout (runtime/elastic/).
+ELASTIC_TIMEOUT_S = 30.0
+ELASTIC_HEARTBEAT_TIMEOUT_S = 5.0
+
+
+def agent_timeout_s(heartbeat_timeout_s: float) -> float:
+    """How long a node agent may be silent before its node counts as lost: below a worker's hang timeout, so
+    that the node's loss (not its workers' silence) is the cause reported."""
+    return heartbeat_timeout_s / 2
+
+
+def node_loss_detect_s(heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+                       heartbeat_timeout_s: float = ELASTIC_HEARTBEAT_TIMEOUT_S) -> float:
+    """The longest a lost node goes unnoticed: the agent timeout plus one heartbeat (the coordinator's
+    check runs once per heartbeat); the model of a failure trace prices a node's loss with it."""
+    return agent_timeout_s(heartbeat_timeout_s) + heartbeat_s
+
+
 @dataclass(frozen=True)
 class TrainOptions:
     """One ``hspmd train`` run. Steps are numbered from 1; a run loaded from a checkpoint of step k
@@ -83,8 +104,8 @@ class TrainOptions:
     save_dir: Path | None = None
     load_dir: Path | None = None
     timeout_s: float = 120.0  # every store operation, process group and collective
-    heartbeat_s: float = 0.5
-    heartbeat_timeout_s: float = 30.0  # a worker silent this long counts as hung
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S  # a worker silent this long counts as hung
     faults: tuple[Fault, ...] = ()
     # Elastic: on a device's death or hang the survivors replan (the launcher's ``replan`` callback),
     # move the state from surviving replicas and redo the step (runtime/elastic/).

@@ -87,7 +87,7 @@ def fixed_grow(target: Path, calls: list[tuple[frozenset[int], str, int]]):
 def fixed_replan(target: Path, calls: list[tuple[frozenset[int], str]]):
     """A Replanner that answers with a hand-written plan and records what it was asked."""
 
-    def replan(failed: frozenset[int], ctx: PlanContext, strategy: str) -> PlanContext:
+    def replan(failed: frozenset[int], ctx: PlanContext, strategy: str, steps_left: int) -> PlanContext:
         calls.append((failed, strategy))
         return load_plan_context(target)
 

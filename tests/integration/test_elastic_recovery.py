@@ -104,7 +104,7 @@ def test_a_hang_then_two_deaths_at_once_across_two_generations(plans, tmp_path):
     asked: list = []
     answers = {frozenset({3}): plans["dp-after-3"], frozenset({1, 2, 3}): plans["dp-after-1-2-3"]}
 
-    def replan(failed, ctx, strategy):
+    def replan(failed, ctx, strategy, steps_left):
         asked.append((failed, strategy))
         return load_plan_context(answers[failed])
 

@@ -73,7 +73,7 @@ def test_two_failures_in_consecutive_steps_then_the_rejoined_device_fails_again(
     answers = {frozenset({3}): after3, frozenset({1, 3}): two}
     asked: list = []
 
-    def replan(failed, ctx, strategy):
+    def replan(failed, ctx, strategy, steps_left):
         asked.append((failed, strategy))
         return load_plan_context(answers[failed])
 

@@ -168,7 +168,7 @@ def test_a_growth_decided_right_after_a_recovery_waits_for_the_redone_step_to_ho
                                       Pipeline(3, (Stage((2,), (0, 6)),))))
     answers = [None, grown]  # not worth it at first; after the failure it is
     policy, run, source = setup(tmp_path, 8, lambda joining, current, strategy, steps_left: answers.pop(0))
-    policy.replan = lambda failed, current, strategy: survivors
+    policy.replan = lambda failed, current, strategy, steps_left: survivors
     policy.begin(run)
     for w in run.workers.values():
         w.up = True

@@ -1,0 +1,122 @@
+"""planner/replan.py ``model_trace``: each line's time is the sum of its parts, the restart baseline drops
+whole nodes and pays what torchrun + Megatron pay (NCCL timeout for a lost node, half a checkpoint interval
+redone), checkpoints follow Young's rule, and a replan weighs switch against step time over the steps left."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from planner.replan import (MEGATRON_NCCL_TIMEOUT_S, TraceModel, choose, model_trace, pays, restart_cost,
+                            young_interval_steps)
+from runtime.elastic.events import parse_trace
+from runtime.launch.options import ELASTIC_HEARTBEAT_TIMEOUT_S, node_loss_detect_s
+from runtime.profiling.profile import resolve_profiles
+from runtime.spec import load_plan, load_plan_context, save_plan
+from runtime.spec.handle import StrategyHandle
+
+REPO = Path(__file__).resolve().parents[3]
+CLUSTER = REPO / "configs" / "clusters" / "cpu-hetero4.yaml"
+DP_PP = REPO / "configs" / "plans" / "cpu-hetero4-dp-pp.yaml"  # 0 | 1 | 2 -> 3
+
+
+def opt(step: float, nbytes: int, switch_s: float, origin: str = "planner", rank: int = 0):
+    return SimpleNamespace(step_time_s=step, switch_bytes=nbytes, modelled_switch_s=switch_s, origin=origin,
+                           rank=rank)
+
+
+def test_with_steps_left_the_choice_minimizes_switch_plus_steps_within_the_tolerance():
+    fast, near_cheap, slow_free = opt(1.00, 900, 3.0), opt(1.04, 100, 1.0, rank=1), opt(1.5, 0, 0.0, "repair")
+    options = [fast, near_cheap, slow_free]
+    assert choose(options, 0.05) is near_cheap  # no horizon: the fewest bytes within the tolerance
+    assert choose(options, 0.05, steps_left=10) is near_cheap  # 11.4 < 13
+    assert choose(options, 0.05, steps_left=100) is fast  # 103 < 105
+    assert choose(options, 0.05, steps_left=0) is near_cheap  # nothing left: the cheaper switch
+    assert choose(options, 1.0, steps_left=0) is slow_free  # the tolerance bounds what may be chosen
+    assert choose(options, 1.0, steps_left=100) is fast
+
+
+def test_pays_and_young():
+    assert pays(2.0, 1.0, 10, 9.9) and not pays(2.0, 1.0, 10, 10.0) and not pays(1.0, 2.0, 100, 0.0)
+    assert young_interval_steps(50.0, 5.0, 10_000.0, 0) is None
+    # sqrt(2 x 50 x 10000 / 4) = 500 s = 100 steps of 5 s
+    assert young_interval_steps(50.0, 5.0, 10_000.0, 4) == 100
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """cpu-hetero4 as two nodes (a: devices 0-1, b: 2-3) and the dp-pp plan on it."""
+    d = tmp_path_factory.mktemp("trace-model")
+    text = CLUSTER.read_text()
+    head = text[:text.index("\nnodes:")].replace("name: cpu-hetero4", "name: cpu-hetero4-2node")
+    cluster = d / "two-nodes.yaml"
+    cluster.write_text(head + "\nnodes:\n  - {name: a, device_type: cpu-fast, count: 2}\n"
+                              "  - {name: b, device_type: cpu-slow, count: 2}\n")
+    p = load_plan(DP_PP)
+    path = d / "plan.yaml"
+    save_plan(replace(p, cluster=str(cluster), strategies=(p.strategy("dp-pp"),)), path)
+    ctx = load_plan_context(path)
+    return StrategyHandle.of(ctx), resolve_profiles(ctx.cluster.device_types, [])
+
+
+def test_every_line_is_the_sum_of_its_parts(two_nodes):
+    handle, profiles = two_nodes
+    steps = 400
+    trace = parse_trace({"events": [{"step": 50, "action": "kill", "node": "b"},
+                                    {"step": 150, "action": "kill", "devices": [1]},
+                                    {"step": 250, "action": "rejoin", "node": "b"}]},
+                        handle.ctx.cluster, handle.devices, "t.yaml")
+    model = TraceModel(time_limit_s=5.0)
+    out = model_trace(handle, trace.events, steps, profiles, model)
+    ck = restart_cost(handle.ctx.model, out["initial_step_time_s"], model.restart)
+    r0 = out["restart"]["initial_step_time_s"]
+    assert out["checkpoint"]["interval_steps"] == young_interval_steps(ck.write_s, r0, steps * r0, 2)
+    interval = out["checkpoint"]["interval_steps"]
+    for name in ("hspmd", "restart", "oobleck_like"):
+        line = out[name]
+        b = line["breakdown_s"]
+        assert line["total_s"] == pytest.approx(sum(b.values()))
+        assert b["checkpoint_writes"] == pytest.approx(steps // interval * ck.write_s)
+        assert b["recoveries_and_switches"] == pytest.approx(sum(e["cost_s"] for e in line["events"]))
+        for e in line["events"]:
+            assert e["cost_s"] == pytest.approx(sum(e["parts_s"].values()))
+    assert out["modelled_goodput_over_restart"] == pytest.approx(out["restart"]["total_s"] / out["hspmd"]["total_s"])
+    # hspmd: a death seen at once, a node's loss after the agent timeout; the step in flight redone.
+    node, kill, back = out["hspmd"]["events"]
+    assert kill["parts_s"]["detect"] == model.detect_s
+    assert node["parts_s"]["detect"] == node_loss_detect_s() == ELASTIC_HEARTBEAT_TIMEOUT_S / 2 + 0.5
+    assert kill["parts_s"]["step_redone"] == pytest.approx(kill["step_time_before_s"] / 2)
+    assert back["event"] == "rejoin" and (back["adopted"] == ("switch" in back["parts_s"]))
+    assert not math.isnan(out["modelled_goodput_over_oobleck_like"])
+
+
+def test_restart_drops_the_node_and_waits_for_the_nccl_timeout(two_nodes):
+    handle, profiles = two_nodes
+    trace = parse_trace({"events": [{"step": 50, "action": "kill", "node": "a"},
+                                    {"step": 200, "action": "rejoin", "node": "a"}]},
+                        handle.ctx.cluster, handle.devices, "t.yaml")
+    out = model_trace(handle, trace.events, 400, profiles, TraceModel(time_limit_s=5.0))
+    interval = out["checkpoint"]["interval_steps"]
+    lost, back = out["restart"]["events"]
+    assert lost["parts_s"]["detect"] == MEGATRON_NCCL_TIMEOUT_S and lost["nodes_dropped"] == ["a"]
+    assert lost["devices_after"] == 2  # node b's
+    assert set(lost["parts_s"]) == {"detect", "read", "restart", "lost_work"}
+    assert lost["parts_s"]["lost_work"] == pytest.approx(interval / 2 * lost["step_time_after_s"])
+    assert back["adopted"] == ("write" in back["parts_s"])
+    # hspmd recovers in memory (node b holds every parameter), seen after the agent timeout.
+    (h_lost, _) = out["hspmd"]["events"]
+    assert h_lost["parts_s"]["detect"] == node_loss_detect_s() and "restart" not in h_lost["parts_s"]
+
+
+def test_a_given_checkpoint_interval_is_used(two_nodes):
+    handle, profiles = two_nodes
+    trace = parse_trace({"events": [{"step": 30, "action": "kill", "devices": [3]}]}, handle.ctx.cluster,
+                        handle.devices, "t.yaml")
+    out = model_trace(handle, trace.events, 100, profiles, TraceModel(checkpoint_interval_steps=25, time_limit_s=5.0))
+    assert out["checkpoint"] == {**out["checkpoint"], "interval_steps": 25, "writes": 4, "interval_rule": "given"}
+    with pytest.raises(ValueError):
+        TraceModel(checkpoint_interval_steps=0)
