@@ -373,6 +373,9 @@ def _event_line(e: dict) -> str:
                 f"{e['replan_s']:.3f} s, regroup {e['regroup_s']:.3f} s, transfer {e['transfer_s']:.3f} s "
                 f"({e['switch_bytes'] / 1e6:.3g} MB), total {e['total_s']:.3f} s; step {e['step']} redone "
                 f"{e['recovery_s']:.3f} s after detection")
+    if e.get("event") == "switch_dropped":
+        return (f"switch planned for step {e['step']} to {e['strategy']} dropped: it names failed device(s) "
+                f"{', '.join(map(str, e['failed']))} ({e['reason']})")
     if e.get("event") == "rejoin":
         return (f"device(s) {', '.join(map(str, e['joined']))} rejoined at step {e['step']}: now {e['to']}; "
                 f"switch {e['total_s']:.3f} s (regroup {e['regroup_s']:.3f} s, transfer {e['transfer_s']:.3f} s, "

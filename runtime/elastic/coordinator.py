@@ -14,7 +14,11 @@ phase object at a time (``Training``, ``Leaving``, ``Switching``, ``Finishing``)
   directory given with ``--save`` is left as it was, since it is only ever written at the end),
   asks the ``replan`` callback for a plan on the survivors, plans the fused BSR once and sends every
   survivor a transition to a new world (a fresh store prefix, new ranks).
-* **Planned switches**: a transition in the same world before the scheduled step.
+* **Planned switches**: a transition in the same world before the scheduled step. In an elastic run a
+  failure may void one (in flight, or due at the step being redone) or take devices a later one names:
+  the recovery goes straight to a due switch's plan, and a switch whose plan lost devices is re-planned
+  for its survivors; one that cannot be is dropped, logged and reported (``switch_dropped``), never
+  silently.
 
 Every incident and switch is logged with what it cost and reported through ``on_event``.
 """
@@ -238,9 +242,6 @@ class ElasticPolicy:
             raise HspmdError(f"{ctx.path}: training.zero: {'--elastic' if options.elastic else '--switch'} moves "
                              "AdamW moments from surviving copies, and ZeRO-1 keeps one copy of each: use a plan "
                              "with zero_redundancy: 2 or zero: false (hspmd plan --elastic)")
-        if options.elastic and options.switches:
-            raise HspmdError("--switch and --elastic cannot be combined (planned switches name devices that a "
-                             "failure may have taken)")
         if options.elastic and options.heartbeat_timeout_s >= options.timeout_s:
             raise HspmdError(f"--elastic: the heartbeat timeout ({options.heartbeat_timeout_s:g} s) must be shorter "
                              f"than the op timeout (--timeout {options.timeout_s:g} s), so that a hang is found "
@@ -285,6 +286,9 @@ class ElasticPolicy:
         self.waiting: dict[int, WorkerHandle] = {}  # joining devices: started, in no world yet
         self.declined: set[int] = set()  # joining devices the grower turned down (asked again with others)
         self.growth: Growth | None = None
+        # Joining devices whose adopting transition a failure voided -> its generation: until they have left
+        # it, their errors are its consequences and they are not asked for again.
+        self.voided: dict[int, int] = {}
         self.rejoins: dict[int, list[int]] = {}
         for r in run.options.rejoins:
             self.rejoins.setdefault(r.step, []).append(r.device)
@@ -313,11 +317,16 @@ class ElasticPolicy:
             self.ready.setdefault((msg.generation, msg.step), set()).add(d)
         elif isinstance(msg, Left):
             self.left.setdefault(msg.generation, set()).add(d)
+            if d in self.voided and msg.generation >= self.voided[d]:
+                del self.voided[d]
+                self.log(f"device {d} left the void growth's world: it may be adopted again")
         elif isinstance(msg, Switched):
             self.switched.setdefault(msg.epoch, {})[d] = msg
         elif isinstance(msg, FaultFiring):
             self.fault_wall[d] = msg.wall_time
         elif isinstance(msg, WorkerError):
+            if d in self.voided:
+                return  # its transition failed with the growth a failure voided
             if not self.options.elastic or msg.kind == "user":
                 self.failures.add(w, msg.kind, msg.lines, msg.traceback)
             else:
@@ -331,6 +340,7 @@ class ElasticPolicy:
             w.failed = True
             w.kill()
             del self.waiting[d]
+            self.voided.pop(d, None)
             self.log(f"device {d} failed before it joined the job: {how}")
             if self.growth is not None and d in self.growth.joining:
                 self.growth = None
@@ -355,6 +365,8 @@ class ElasticPolicy:
         # A growth decided on the plan before this failure is void; the spares are reconsidered after it.
         self.growth = None
         self.declined.clear()
+        voided = self._void_growth_in_flight()
+        self._requeue_switch_in_flight()
         w.kill()  # a hung process: killing it closes its sockets, so its peers fail fast
         inc = self.incident
         if inc is None:
@@ -367,6 +379,31 @@ class ElasticPolicy:
         inc.failed[d] = how
         if isinstance(self.phase, (Training, Switching)):
             self._abort()
+        self.send(voided, Abort(self.gen))  # they leave the world of the void growth, and wait again
+
+    def _requeue_switch_in_flight(self) -> None:
+        """A failure during a planned switch's transition voids it; it is due again (at the step being redone,
+        so the recovery goes to its plan, ``_switch_for_recovery``)."""
+        phase = self.phase
+        if (isinstance(phase, Switching) and phase.growth is None and self.incident is None
+                and phase.transition.target is not self.ref):  # not a release (a switch to the running plan)
+            self.switches[phase.step] = phase.transition.target
+
+    def _void_growth_in_flight(self) -> set[int]:
+        """A failure during the transition that adopts returning devices voids it: the recovery starts from
+        the plan that ran, which they are not in (their state had not all arrived), so they go back to
+        waiting, still up, and are asked for again on the plan after the recovery."""
+        phase = self.phase
+        if not isinstance(phase, Switching) or phase.growth is None:
+            return set()
+        back = {d for d in phase.growth.joining if d in self.alive}
+        for d in sorted(back):
+            self.alive.discard(d)
+            self.waiting[d] = self.workers[d]
+            self.voided[d] = self.gen
+        if back:
+            self.log(f"the growth with device(s) {_devs(back)} is void: they wait for the recovery")
+        return back
 
     def tick(self) -> bool:
         self._check_errors()
@@ -449,7 +486,7 @@ class ElasticPolicy:
         self.declined.discard(d)
 
     def _consider_growth(self) -> None:
-        up = frozenset(d for d, w in self.waiting.items() if w.up)
+        up = frozenset(d for d, w in self.waiting.items() if w.up and d not in self.voided)
         if self.growth is not None or not up or up <= self.declined or self.committed + 2 > self.last:
             return
         if self.grow is None:
@@ -564,7 +601,10 @@ class ElasticPolicy:
                  f"{self.committed}, which the run cannot repair in memory"]
                 + _checkpoint_lines(self.options))
         target = source
-        if failed & set(source.devices):
+        due = self._switch_for_recovery(inc.step, failed)
+        if due is not None:
+            target = due
+        elif failed & set(source.devices):
             if self.replan is None:
                 raise UnrecoverableFailure([f"device(s) {_devs(failed)} failed and no replanner was given "
                                             "(hspmd train --elastic supplies the planner)"])
@@ -597,6 +637,48 @@ class ElasticPolicy:
         inc.t_sent = time.monotonic()
         self.phase = Switching(t, inc.t_sent)
         self.send(self.alive, t)
+
+    def _switch_for_recovery(self, step: int, failed: frozenset[int]) -> StrategyHandle | None:
+        """Planned switches after a failure: the one due by ``step`` (the step redone; the last of them if
+        several) is what the recovery switches to, re-planned if its plan lost devices; a later one whose
+        plan lost devices is re-planned now. One that cannot be re-planned is dropped and reported."""
+        due: StrategyHandle | None = None
+        for s in sorted(self.switches):
+            target = self.switches.pop(s)
+            if set(target.devices) & failed:
+                target = self._replan_switch(s, target, failed)
+            if target is None:
+                continue
+            if s <= step:
+                due = target
+                self.log(f"the switch planned for step {s} is taken by the recovery: {target.describe()}")
+            else:
+                self.switches[s] = target
+        if due is not None:
+            check_compatible(self.ref.ctx, due.ctx)
+        return due
+
+    def _replan_switch(self, step: int, target: StrategyHandle, failed: frozenset[int]) -> StrategyHandle | None:
+        lost = sorted(failed & set(target.devices))
+        why = ""
+        if self.replan is not None:
+            try:
+                new = StrategyHandle.of(self.replan(failed & set(target.devices), target.ctx, target.name,
+                                                    self.last - step + 1))
+                if set(new.devices) <= self.alive:
+                    self.log(f"the switch planned for step {step} names failed device(s) {_devs(lost)}: "
+                             f"re-planned as {new.describe()}")
+                    return new
+                why = f"its re-plan uses devices {sorted(set(new.devices) - self.alive)} that are not alive"
+            except HspmdError as err:
+                why = "; ".join(err.lines())
+        else:
+            why = "no replanner was given"
+        self.report({"event": "switch_dropped", "step": step, "strategy": target.name,
+                     "plan_file": str(target.ctx.path), "failed": lost, "reason": why},
+                    lambda e: f"the switch planned for step {step} to {target.describe()} is dropped: it names failed "
+                              f"device(s) {_devs(lost)} and cannot be re-planned ({why})")
+        return None
 
     def start_switch(self, step: int) -> None:
         self.start_transition(self.switches.pop(step), None, step, 0.0, None)

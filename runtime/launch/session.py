@@ -27,6 +27,7 @@ from runtime.spec.plan import TrainingSettings
 
 TRACE_MERGED = "trace.json"
 DISPATCH_STATE = "dispatch.json"  # beside a documents run's checkpoint: the strategy its last step ran
+ARRIVED = "hspmd-arrived"  # the store keys by which the members of a new world show they are there
 
 
 def documents_mode(options: TrainOptions, training: TrainingSettings) -> bool:
@@ -136,7 +137,13 @@ class Session:
 
         from runtime.comm.groups import ProcessGroups
 
-        dist.init_process_group(self.spec.backend, store=dist.PrefixStore(prefix, self.store),
+        store = dist.PrefixStore(prefix, self.store)
+        # Every member arrives before torch forms the group: a member that died makes this wait fail while
+        # torch's global state is untouched (an init_process_group that fails midway leaves its group counter
+        # advanced, and the next world's groups would be named unlike the other members').
+        store.set(f"{ARRIVED}/{ranks[self.me]}", b"1")
+        store.wait([f"{ARRIVED}/{r}" for r in sorted(ranks.values())], self.timeout)
+        dist.init_process_group(self.spec.backend, store=store,
                                 rank=ranks[self.me], world_size=len(ranks), timeout=self.timeout,
                                 device_id=self.device if self.device.type == "cuda" else None)
         self.ranks = dict(ranks)

@@ -113,3 +113,92 @@ def test_cli_kill_then_rejoin_asks_the_planner_whether_the_return_pays(tmp_path)
     expected, trainer = reference(plan, 8)
     assert [x["loss"] for x in lines if "event" not in x] == pytest.approx(expected, rel=1e-5)
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
+
+
+class KillDuringGrowth(ElasticPolicy):
+    """Kills ``victim`` the moment the transition that adopts a returning device is sent: a holder dies
+    while the newcomer receives its state by fused BSR."""
+
+    def __init__(self, victim: int, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.victim = victim
+        self.killed_at: int | None = None
+
+    def start_growth(self) -> None:
+        super().start_growth()
+        if self.killed_at is None:
+            self.killed_at = self.committed + 1
+            self.workers[self.victim].kill()
+
+
+def test_a_holder_dies_while_the_returning_device_receives_its_state(tmp_path):
+    # Device 1 dies at step 2 and returns for step 4; while the transition that adopts it runs, device 3
+    # (a holder, sending state to it) is killed. The growth is void: the survivors 0 and 2 recover from
+    # their own state (device 2 takes the whole model), and device 1, still up, is asked for again on the
+    # plan after the recovery and adopted then.
+    dp = write_plan(tmp_path / "dp.yaml", "dp", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                 (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
+    without1 = write_plan(tmp_path / "dp1.yaml", "without1", [(2, [([0], (0, 6))]),
+                                                              (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
+    back = write_plan(tmp_path / "back.yaml", "back", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                       (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
+    two = write_plan(tmp_path / "two.yaml", "two", [(2, [([0], (0, 6))]), (2, [([2], (0, 6))])], global_batch=4)
+    three = write_plan(tmp_path / "three.yaml", "three", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                          (2, [([2], (0, 6))])], global_batch=4)
+    replans = {frozenset({1}): without1, frozenset({1, 3}): two, frozenset({3}): two}
+    grows = {"without1": back, "two": three}
+    asked: list = []
+
+    def replan(failed, ctx, strategy, steps_left):
+        asked.append(("replan", failed, strategy))
+        return load_plan_context(replans[failed])
+
+    def grow(joining, ctx, strategy, steps_left):
+        asked.append(("grow", joining, strategy))
+        return load_plan_context(grows[strategy])
+
+    steps = 7
+    events: list[dict] = []
+    options = TrainOptions(plan=dp, steps=steps, elastic=True, save_dir=tmp_path / "ck", **FAST,
+                           faults=(Fault(1, 2, "kill"),), rejoins=(Rejoin(1, 4),))
+    policy = KillDuringGrowth(3, replan, events.append, grow)
+    summary = launch(options, policy)
+    assert multiprocessing.active_children() == []
+    assert policy.killed_at == 4
+    expected, trainer = reference(dp, steps)
+    assert [r.step for r in summary.records] == list(range(1, steps + 1))
+    assert [r.loss for r in summary.records] == pytest.approx(expected, rel=1e-5)
+    assert asked[:2] == [("replan", frozenset({1}), "dp"), ("grow", frozenset({1}), "without1")]
+    # The recovery is planned from the plan that ran (without1), without device 3; device 1 is asked again.
+    assert asked[2][0] == "replan" and asked[2][1] >= {3} and asked[2][2] == "without1"
+    assert asked[3:] == [("grow", frozenset({1}), "two")]
+    strategies = [r.strategy for r in summary.records]
+    assert strategies[:4] == ["dp", "without1", "without1", "two"] and strategies[-1] == "three"
+    kinds = [(e["event"], e["step"]) for e in events]
+    assert kinds[0] == ("failure", 2) and kinds[1] == ("failure", 4) and kinds[2][0] == "rejoin"
+    assert events[1]["failed"] == [3] and events[2]["joined"] == [1]
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
+
+
+def test_a_new_device_joins_a_running_job(tmp_path):
+    # Device 1 is in the cluster but not in the starting plan; it joins at step 3 and receives a whole
+    # replica by fused BSR from devices 0, 2 and 3.
+    start = write_plan(tmp_path / "start.yaml", "start", [(2, [([0], (0, 6))]),
+                                                          (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
+    grown = write_plan(tmp_path / "grown.yaml", "grown", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
+                                                          (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
+    steps = 5
+    grows: list = []
+    events: list[dict] = []
+    options = TrainOptions(plan=start, steps=steps, elastic=True, save_dir=tmp_path / "ck", **FAST,
+                           rejoins=(Rejoin(1, 3),))
+    summary = launch(options, ElasticPolicy(fixed_replan(start, []), events.append, fixed_grow(grown, grows)))
+    assert multiprocessing.active_children() == []
+    expected, trainer = reference(start, steps)
+    assert [r.loss for r in summary.records] == pytest.approx(expected, rel=1e-5)
+    assert [r.strategy for r in summary.records] == ["start", "start", "grown", "grown", "grown"]
+    assert grows == [(frozenset({1}), "start", 3)]
+    (rejoin,) = events
+    assert rejoin["event"] == "rejoin" and rejoin["joined"] == [1] and rejoin["step"] == 3
+    assert rejoin["devices"] == [0, 1, 2, 3] and rejoin["switch_bytes"] > 0
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)

@@ -33,8 +33,6 @@ def run(*args: str):
     (["--switch", "3:nope.yaml"], "error: nope.yaml: --switch: file not found"),
     (["--switch", f"1:{TINY}"], "error: --switch 1:" + str(TINY) + ": the step must come after the first step of the "
                                 "run (1) and at most at its last (4)"),
-    (["--elastic", "--switch", f"3:{TINY}"], "error: --switch and --elastic cannot be combined (planned switches name "
-                                             "devices that a failure may have taken)"),
 ])
 def test_bad_requests_are_one_line_and_exit_2(args, message):
     res = run(*args)
