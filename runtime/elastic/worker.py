@@ -133,7 +133,9 @@ class ElasticWorker(Session):
     def _enter(self, world: World) -> None:
         import torch.distributed as dist
 
-        self.join(world.prefix, world.ranks)
+        gen = world.generation
+        self.join(world.prefix, world.ranks,
+                  abandoned=lambda: self.inbox.holds(lambda m: isinstance(m, Abort) and m.generation == gen))
         self.world = world
         if world.generation > 0:
             dist.barrier()  # everyone is in; NCCL also wants a world collective before the first P2P

@@ -28,6 +28,11 @@ from runtime.spec.plan import TrainingSettings
 TRACE_MERGED = "trace.json"
 DISPATCH_STATE = "dispatch.json"  # beside a documents run's checkpoint: the strategy its last step ran
 ARRIVED = "hspmd-arrived"  # the store keys by which the members of a new world show they are there
+ARRIVAL_POLL_S = 0.05
+
+
+class WorldAbandoned(RuntimeError):
+    """The launcher gave up a world while its members gathered (one of them failed)."""
 
 
 def documents_mode(options: TrainOptions, training: TrainingSettings) -> bool:
@@ -131,8 +136,11 @@ class Session:
     def rank(self) -> int:
         return self.ranks[self.me]
 
-    def join(self, prefix: str, ranks: Mapping[int, int]) -> None:
-        """Form a world under the store ``prefix`` (fresh per generation), with no subgroups yet."""
+    def join(self, prefix: str, ranks: Mapping[int, int], abandoned: Callable[[], bool] | None = None) -> None:
+        """Form a world under the store ``prefix`` (fresh per generation), with no subgroups yet.
+
+        ``abandoned``: asked while waiting for the other members; True (the launcher gave this world up: a
+        member failed) ends the wait at once with an error instead of after the timeout."""
         import torch.distributed as dist
 
         from runtime.comm.groups import ProcessGroups
@@ -142,7 +150,15 @@ class Session:
         # torch's global state is untouched (an init_process_group that fails midway leaves its group counter
         # advanced, and the next world's groups would be named unlike the other members').
         store.set(f"{ARRIVED}/{ranks[self.me]}", b"1")
-        store.wait([f"{ARRIVED}/{r}" for r in sorted(ranks.values())], self.timeout)
+        keys = [f"{ARRIVED}/{r}" for r in sorted(ranks.values())]
+        end = time.monotonic() + self.timeout.total_seconds()
+        while not store.check(keys):
+            if abandoned is not None and abandoned():
+                raise WorldAbandoned(f"world {prefix!r} given up by the launcher while its members gathered")
+            if time.monotonic() > end:
+                raise TimeoutError(f"world {prefix!r}: not every member arrived within "
+                                   f"{self.timeout.total_seconds():g} s")
+            time.sleep(ARRIVAL_POLL_S)
         dist.init_process_group(self.spec.backend, store=store,
                                 rank=ranks[self.me], world_size=len(ranks), timeout=self.timeout,
                                 device_id=self.device if self.device.type == "cuda" else None)

@@ -102,6 +102,12 @@ class Inbox(queue.Queue):
         except queue.Empty:
             raise TimeoutError(f"no word from the launcher for {timeout_s:g} s") from None
 
+    def holds(self, wanted: Callable[[object], bool]) -> bool:
+        """Whether a word not yet read is ``wanted`` (it stays for ``next``): a worker blocked outside its
+        loop (forming a world) looks for an abort without taking the words in between."""
+        with self.mutex:
+            return any(wanted(m) for m in self.queue)
+
 
 def _exit_now(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):

@@ -4,6 +4,7 @@ way and returns the state bit for bit; a run with switches trains exactly like t
 from __future__ import annotations
 
 import json
+import multiprocessing
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import torch
 from elastic_helpers import (
     REPO,
     assert_matches_reference,
+    fixed_replan,
     reference,
     saved_state,
     switch_roundtrip_job,
@@ -19,6 +21,9 @@ from elastic_helpers import (
 )
 
 from runtime.comm.world import LocalWorld
+from runtime.elastic.coordinator import ElasticPolicy
+from runtime.launch import TrainOptions, launch
+from runtime.launch.options import PlannedSwitch
 
 
 @pytest.fixture(scope="module")
@@ -64,4 +69,40 @@ def test_cli_switches_a_b_a_and_trains_like_the_reference(plans, tmp_path):
     assert [(e["event"], e["step"], e["strategy"]) for e in events] == [("switch", 3, "b"), ("switch", 5, "a")]
     assert all(e["switch_bytes"] > 0 and e["total_s"] > 0 for e in events)
     assert "switch at step 3" in proc.stdout
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
+
+
+class KillDuringSwitch(ElasticPolicy):
+    """Kills ``victim`` the moment a planned switch's transition is sent (right after the hold before it)."""
+
+    def __init__(self, victim: int, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.victim = victim
+        self.killed_at: int | None = None
+
+    def start_switch(self, step: int) -> None:
+        super().start_switch(step)
+        if self.killed_at is None:
+            self.killed_at = step
+            self.workers[self.victim].kill()
+
+
+def test_a_failure_during_a_planned_switch_goes_to_its_plan_and_trains_like_the_reference(plans, tmp_path):
+    # Elastic run of A with a switch to B before step 3; device 2 (in A, idle in B) dies while the switch
+    # runs. The switch is not lost: the recovery goes straight to B, and step 3 is trained on it.
+    steps = 5
+    events: list[dict] = []
+    options = TrainOptions(plan=plans["a"], steps=steps, elastic=True, save_dir=tmp_path / "ck", timeout_s=20.0,
+                           heartbeat_timeout_s=3.0, switches=(PlannedSwitch(3, plans["b"]),))
+    asked: list = []
+    policy = KillDuringSwitch(2, fixed_replan(plans["a"], asked), events.append)
+    summary = launch(options, policy)
+    assert multiprocessing.active_children() == []
+    assert policy.killed_at == 3 and asked == []  # B avoids device 2: nothing to re-plan
+    expected, trainer = reference(plans["a"], steps)
+    assert [r.step for r in summary.records] == list(range(1, steps + 1))
+    assert [r.loss for r in summary.records] == pytest.approx(expected, rel=1e-5)
+    assert [r.strategy for r in summary.records] == ["a", "a", "b", "b", "b"]
+    (failure,) = events
+    assert failure["event"] == "failure" and failure["failed"] == [2] and failure["strategy"] == "b"
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
