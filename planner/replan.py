@@ -37,6 +37,7 @@ from runtime.errors import HspmdError, InfeasibleError
 from runtime.launch.options import node_loss_detect_s
 from runtime.profiling.profile import DeviceProfile, ProfileSet
 from runtime.spec import Plan, PlanContext, Strategy, validate_plan
+from runtime.spec.plan import Pipeline
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec
 
@@ -245,14 +246,18 @@ def choose(options: list[Option], tolerance: float, steps_left: int | None = Non
 
 
 def repair(current: StrategyHandle, failed: Collection[int],
-           profiles: Mapping[str, DeviceProfile] | ProfileSet) -> tuple[Plan, float] | None:
-    """The current plan without the pipelines that lost a device, their micro-batches spread over the
-    others to even out the pipelines' times (cost model); None when no pipeline is intact, when there are
-    too few micro-batches, or when it does not fit in memory."""
+           profiles: Mapping[str, DeviceProfile] | ProfileSet, extra: Sequence[Pipeline] = ()) -> tuple[Plan, float] | None:
+    """The current plan without the pipelines that lost a device (plus ``extra`` pipelines, e.g. templates
+    instantiated on the broken pipelines' other devices), the micro-batches spread over them to even out
+    the pipelines' times (cost model); None when no pipeline is left, when there are too few micro-batches,
+    or when it does not fit in memory."""
     ctx, strat = current.ctx, current.strategy
     t = ctx.plan.training
     keep = [p for p in strat.pipelines if not set(p.devices) & set(failed)]
-    if not keep or len(keep) == len(strat.pipelines):
+    if len(keep) == len(strat.pipelines):
+        return None
+    keep += list(extra)
+    if not keep:
         return None
     total = t.global_batch // t.micro_batch
     need = [len(p.stages) if t.schedule == "1f1b" else 1 for p in keep]
@@ -377,11 +382,14 @@ class TraceModel:
       process at once; a lost node only at the NCCL timeout), checkpoint read, process restart, and the
       steps since the last checkpoint redone (half an interval on average). A node that is whole again is
       taken back with a planned restart (checkpoint written and read, no work lost) when that pays.
-    * **oobleck-like**: fixed pipeline templates: a failure drops the pipelines it broke and spreads their
-      micro-batches over the others (``repair``: nothing is re-planned, no TP or layer split changes);
-      when every pipeline is whole again the original plan is re-instantiated and the returning
-      pipelines' state is broadcast from one replica over one inter-node link (no balancing over holders).
-      No intact pipeline left: a restart.
+    * **oobleck-like** (Oobleck, SOSP'23: pipeline templates planned ahead for every node count, node
+      granularity): after every event the layout is re-instantiated from the available whole nodes: the
+      original plan's pipelines with no device on a node that lost one, plus a template (the planner's
+      plan at the run's micro-batch size, planned ahead: no planning time charged) on the other whole-node
+      devices of the broken pipelines; the micro-batches are spread over them (``repair``). The state the
+      new pipelines need is broadcast from one replica over one inter-node link (no balancing over
+      holders); the surviving pipelines keep their layout (no TP or layer split changes across them).
+      No pipeline left, or a parameter without a replica: a restart.
     * **checkpoints**: every line writes the same synchronous checkpoints (Megatron's default save blocks
       training), every ``checkpoint_interval_steps`` steps; None: Young's optimum interval
       sqrt(2 x write time x mean time between failures) for the trace's failure rate, the interval a
@@ -487,6 +495,40 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                           result.candidates[0].step_time_s)
         return plans[key]
 
+    templates: dict[tuple[int, ...], tuple[Pipeline, ...]] = {}
+
+    def template_on(devices: Collection[int]) -> tuple[Pipeline, ...]:
+        """Oobleck's template for these devices, planned ahead: the planner's plan at the run's micro-batch
+        (none when nothing fits on them)."""
+        key = tuple(sorted(devices))
+        if key not in templates:
+            settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=t.micro_batch,
+                                    elastic=False, use_zero=False, time_limit_s=model.time_limit_s, top_k=1,
+                                    seed=t.seed, optimizer=t.optimizer, schedule=t.schedule)
+            try:
+                result = plan(ctx.model, cluster, profiles, settings, devices=key, baselines=False)
+                templates[key] = result.to_plan(ctx.plan.model, ctx.plan.cluster, 0).strategies[0].pipelines
+            except InfeasibleError:
+                templates[key] = ()
+        return templates[key]
+
+    def oobleck_on(down: set[int]) -> tuple[StrategyHandle, float] | None:
+        """The original pipelines on whole nodes plus a template on the broken ones' other whole-node
+        devices (None: nothing left that fits)."""
+        lost_nodes = {node_of[d] for d in down}
+        off = {d for d in original.devices if node_of[d] in lost_nodes}
+        if not off:
+            return original, t0_time
+        broken = [p for p in original.strategy.pipelines if set(p.devices) & off]
+        if not broken:
+            return original, t0_time
+        free = sorted({d for p in broken for d in p.devices} - off)
+        fixed = repair(original, off, profiles, template_on(free) if free else ())
+        if fixed is None:
+            return None
+        p, step_time = fixed
+        return StrategyHandle.of(PlanContext(p, ctx.model, cluster, ctx.path)), step_time
+
     events = sorted(trace, key=lambda e: e.step)
     usable = set(original.devices) | {x for ev in events for x in ev.devices}
     r_handle, r0_time = best_on(sorted(usable & set(original.devices)), model.restart_zero)
@@ -565,26 +607,24 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                 rs.event(e, planned, before, adopted=True)
             else:
                 rs.event(e, {}, before, adopted=False)
-        # oobleck-like: fixed templates
+        # oobleck-like: templates re-instantiated on the whole nodes
         ob = lines["oobleck_like"]
         before = ob.step_time_s
-        if e.action == "rejoin":
-            if not down & set(original.devices) and ob.handle is not original:
-                bsr = plan_switch(ob.handle, original, ())
-                ob.handle, ob.step_time_s = original, t0_time
-                ob.event(e, {"regroup": model.switch.regroup_s,
-                             "broadcast": bsr.total_bytes / (cluster.inter_node_bandwidth_gbs * 1e9)}, before)
-        elif set(e.devices) & set(ob.handle.devices):
-            fixed = repair(ob.handle, set(e.devices), profiles)
-            if fixed is None:
-                alive = [d for d in ob.handle.devices if d not in down]
-                ob.handle, ob.step_time_s = best_on(alive)
-                ob.event(e, {"detect": detect(e, False), **from_checkpoint(ob.step_time_s)}, before, restarted=True)
-            else:
-                p, ob.step_time_s = fixed
-                ob.handle = StrategyHandle.of(PlanContext(p, ctx.model, cluster, ctx.path))
-                ob.event(e, {"detect": detect(e, False), "regroup": model.switch.regroup_s, "step_redone": before / 2},
-                         before)
+        layout = oobleck_on(down)
+        if layout is not None and layout[0].describe() == ob.handle.describe():
+            pass  # the event changes nothing it runs
+        elif e.action != "rejoin" and (layout is None or lost_tensors(ob.handle, set(e.devices))):
+            alive = [d for d in ob.handle.devices if d not in down]
+            ob.handle, ob.step_time_s = best_on(alive)
+            ob.event(e, {"detect": detect(e, False), **from_checkpoint(ob.step_time_s)}, before, restarted=True)
+        elif layout is not None:
+            bsr = plan_switch(ob.handle, layout[0], set(e.devices) if e.action != "rejoin" else ())
+            parts = {"regroup": model.switch.regroup_s,
+                     "broadcast": bsr.total_bytes / (cluster.inter_node_bandwidth_gbs * 1e9)}
+            if e.action != "rejoin":
+                parts = {"detect": detect(e, False), **parts, "step_redone": before / 2}
+            ob.handle, ob.step_time_s = layout
+            ob.event(e, parts, before)
     for line in lines.values():
         line.run(steps - prev + 1)
     out = {name: line.to_json(steps) for name, line in lines.items()}

@@ -110,6 +110,12 @@ def test_restart_drops_the_node_and_waits_for_the_nccl_timeout(two_nodes):
     # hspmd recovers in memory (node b holds every parameter), seen after the agent timeout.
     (h_lost, _) = out["hspmd"]["events"]
     assert h_lost["parts_s"]["detect"] == node_loss_detect_s() and "restart" not in h_lost["parts_s"]
+    # Oobleck-like: node a's pipelines ([0], [1]) go, [2 -> 3] takes every micro-batch; the node's return
+    # re-instantiates the original plan, the returning pipelines' state broadcast over one link.
+    o_lost, o_back = out["oobleck_like"]["events"]
+    assert o_lost["devices_after"] == 2 and set(o_lost["parts_s"]) == {"detect", "regroup", "broadcast", "step_redone"}
+    assert o_back["devices_after"] == 4 and o_back["step_time_after_s"] == out["initial_step_time_s"]
+    assert o_back["parts_s"]["broadcast"] > 0
 
 
 def test_a_given_checkpoint_interval_is_used(two_nodes):
