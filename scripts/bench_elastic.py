@@ -17,9 +17,9 @@ against checkpoint-restart, measured on this machine and modelled at paper scale
     metrics file's events).
 (2) Modelled, paper scale: llama-32b on h800-h20-48, the planner's elastic plan, a trace of single H20 and
     H800 failures, a whole H20 node lost and every device returning (``PAPER_TRACE``) over
-    ``--paper-steps`` steps: planner/replan.py ``model_trace`` (hspmd vs restart vs Oobleck-like; every
-    assumption listed in the output). Keys ``modelled_goodput_over_restart`` (target >= 1.5) and
-    ``modelled_goodput_over_oobleck_like``.
+    ``--paper-steps`` steps: planner/replan.py ``model_trace`` (hspmd vs restart vs Oobleck-like; each
+    line's time broken down, each event's parts, every assumption listed in the output). Keys
+    ``modelled_goodput_over_restart`` (target >= 1.5) and ``modelled_goodput_over_oobleck_like``.
 (3) Elastic ZeRO-1 (``training.zero_redundancy: 2``) vs elastic without ZeRO vs plain ZeRO-1 (``zero_part``):
     * modelled, paper scale (llama-32b on h800-h20-48, the batch of configs/plans/h800-h20-llama32b.yaml):
       the planner's best plan of each (elastic: >= 2 pipelines), step time and peak memory per device
