@@ -477,7 +477,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
     t = ctx.plan.training
     cluster = ctx.cluster
     cm = CostModel.for_plan(ctx.plan, ctx.model, cluster, profiles)
-    t0_time = cm.estimate(current.strategy, t.global_batch, t.schedule, False).step_time_s
+    t0_time = cm.estimate(current.strategy, t.global_batch, t.schedule, zero_copies(t)).step_time_s
     node_of = {d.id: d.node for d in cluster.devices}
     nodes = {n.name: {d.id for d in cluster.devices if d.node == n.name} for n in cluster.nodes}
     original = current
