@@ -37,9 +37,9 @@ from runtime.errors import HspmdError, InfeasibleError
 from runtime.launch.options import node_loss_detect_s
 from runtime.profiling.profile import DeviceProfile, ProfileSet
 from runtime.spec import Plan, PlanContext, Strategy, validate_plan
-from runtime.spec.plan import Pipeline
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec
+from runtime.spec.plan import Pipeline
 
 DEFAULT_TOLERANCE = 0.05
 STATE_BYTES_PER_PARAM = 4 * len(STATE_SUFFIXES)  # fp32 parameter + two fp32 AdamW moments (a checkpoint)
@@ -246,7 +246,8 @@ def choose(options: list[Option], tolerance: float, steps_left: int | None = Non
 
 
 def repair(current: StrategyHandle, failed: Collection[int],
-           profiles: Mapping[str, DeviceProfile] | ProfileSet, extra: Sequence[Pipeline] = ()) -> tuple[Plan, float] | None:
+           profiles: Mapping[str, DeviceProfile] | ProfileSet,
+           extra: Sequence[Pipeline] = ()) -> tuple[Plan, float] | None:
     """The current plan without the pipelines that lost a device (plus ``extra`` pipelines, e.g. templates
     instantiated on the broken pipelines' other devices), the micro-batches spread over them to even out
     the pipelines' times (cost model); None when no pipeline is left, when there are too few micro-batches,
@@ -639,17 +640,17 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
             "modelled_goodput_over_oobleck_like": gp["hspmd"] / gp["oobleck_like"],
             "assumptions": [TraceModel.__doc__.split("\n\n")[0].strip(),
                             *ck.assumptions()[:3],
-                            f"checkpoints: {writes} synchronous write(s) of {ck.write_s:.3g} s each, every {interval} "
-                            "steps, on every line; a restart redoes half an interval on average",
-                            f"detection: a process death {model.detect_s:g} s; a lost node {model.node_loss_detect_s:g} s "
-                            f"for hspmd (agent timeout), {model.restart_node_loss_detect_s:g} s for restart (NCCL "
-                            "timeout)",
+                            f"checkpoints: {writes} synchronous write(s) of {ck.write_s:.3g} s each, every "
+                            f"{interval} steps, on every line; a restart redoes half an interval on average",
+                            f"detection: a process death {model.detect_s:g} s; a lost node "
+                            f"{model.node_loss_detect_s:g} s for hspmd (agent timeout), "
+                            f"{model.restart_node_loss_detect_s:g} s for restart (NCCL timeout)",
                             f"regroup and program build {model.switch.regroup_s:g} s per switch",
-                            f"restart runs the planner's best non-elastic plan{' with ZeRO-1' if model.restart_zero else ''}"
-                            f" ({r0_time:.4g} s/step against hspmd's elastic {t0_time:.4g} s/step); Megatron itself "
-                            "would be held to a symmetric layout"]}
+                            "restart runs the planner's best non-elastic plan"
+                            f"{' with ZeRO-1' if model.restart_zero else ''} ({r0_time:.4g} s/step against hspmd's "
+                            f"elastic {t0_time:.4g} s/step); Megatron itself would be held to a symmetric layout"]}
 
 
-__all__ = ["DEFAULT_TOLERANCE", "GrowResult", "LostStateError", "MEGATRON_NCCL_TIMEOUT_S", "Option", "ReplanResult",
-           "RestartCost", "RestartModel", "SwitchModel", "TraceModel", "choose", "grow", "model_trace", "pays", "repair",
-           "replan", "restart_cost", "young_interval_steps"]
+__all__ = ["DEFAULT_TOLERANCE", "GrowResult", "LostStateError", "MEGATRON_NCCL_TIMEOUT_S", "Option",
+           "ReplanResult", "RestartCost", "RestartModel", "SwitchModel", "TraceModel", "choose", "grow",
+           "model_trace", "pays", "repair", "replan", "restart_cost", "young_interval_steps"]

@@ -25,7 +25,6 @@ from runtime.launch.supervise import PlainPolicy
 from runtime.precision import PRECISIONS
 
 
-
 class MetricsFile:
     """One JSON object per step; each line is a single O_APPEND write, so a reader never sees half a line.
     Opened (and truncated) at the first step, so a run refused at start-up leaves no file behind."""

@@ -35,8 +35,8 @@ class Recorder:
 
 def plan(tmp: Path, name: str, pipelines: tuple[Pipeline, ...]) -> Path:
     path = tmp / f"{name}.yaml"
-    save_plan(replace(load_plan(PLAN), model="llama-tiny", cluster="cpu-hetero4", strategies=(Strategy(name, pipelines),)),
-              path)
+    save_plan(replace(load_plan(PLAN), model="llama-tiny", cluster="cpu-hetero4",
+                      strategies=(Strategy(name, pipelines),)), path)
     return path
 
 

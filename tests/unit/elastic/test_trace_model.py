@@ -11,8 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from planner.replan import (MEGATRON_NCCL_TIMEOUT_S, TraceModel, choose, model_trace, pays, restart_cost,
-                            young_interval_steps)
+from planner.replan import (
+    MEGATRON_NCCL_TIMEOUT_S,
+    TraceModel,
+    choose,
+    model_trace,
+    pays,
+    restart_cost,
+    young_interval_steps,
+)
 from runtime.elastic.events import parse_trace
 from runtime.launch.options import ELASTIC_HEARTBEAT_TIMEOUT_S, node_loss_detect_s
 from runtime.profiling.profile import resolve_profiles
