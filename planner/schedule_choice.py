@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
-from runtime.pipeline_schedules import SCHEDULE_NAMES, ChunkCost, Costs, schedule_layout, step_time
+from planner.cost import GIB, CostModel
+from runtime.pipeline_schedules import SCHEDULE_NAMES, ChunkCost, Costs, device_limits, schedule_layout, step_time
+from runtime.spec.plan import Strategy
 
 AUTO = "auto"
 # Interleaved 1F1B's chunk counts the search tries with the schedule fixed: each halves the fill again
@@ -126,3 +128,27 @@ def rounded_shares(cost: ChunkCost) -> tuple[float, float, float]:
     f = max(0.1, round(cost.forward / total * 10) / 10)
     b = max(0.1, round(cost.input_grad / total * 10) / 10)
     return f, b, max(0.1, round(1.0 - f - b, 1))
+
+
+def spare_activation_limits(cm: CostModel, strategy: Strategy, pi: int, schedule: str, zero_degree: int = 1,
+                            memory_margin: float = 0.0) -> tuple[int, ...] | None:
+    """Per stage of pipeline ``pi`` the most chunk activations its free memory holds (each at its largest
+    chunk's size, as ``CostModel.device_memory`` charges them), never below the schedule's own bound nor
+    above the step's ``v*m``: the ``Pipeline.activation_limits`` that let a stage with memory to spare run
+    more forwards ahead, and under a split backward defer more W into the fill and drain (a fast stage
+    ahead of slower ones, the first stage whose whole backward is W). None when no stage can raise its
+    bound (or the schedule already holds every activation, GPipe)."""
+    pipe = strategy.pipelines[pi]
+    n, m, v = len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks
+    own = device_limits(schedule, n, m, v)
+    n_layers = cm.model.num_layers
+    out = []
+    for k, st in enumerate(pipe.stages):
+        dtype = cm.cluster.device(st.devices[0]).type
+        chunks = tuple((b - a, a == 0, b == n_layers) for a, b in st.layers)
+        static = cm.device_memory(dtype, st.tp, chunks, st.recompute, 0, zero_degree).total
+        per = max(cm.chunk_activation_bytes(dtype, st.tp, b - a, a == 0, st.recompute) for a, b in st.layers)
+        cap = cm.cluster.device_types[dtype].memory_gib * GIB * (1.0 - memory_margin)
+        fits = int((cap - static) // per) if per > 0 else v * m
+        out.append(min(v * m, max(own[k], fits)))
+    return None if tuple(out) == own else tuple(out)

@@ -72,6 +72,7 @@ from planner.schedule_choice import (
     fill_factor,
     rounded_shares,
     schedule_choices,
+    spare_activation_limits,
     stage_layer_ranges,
 )
 from planner.tp_groups import GroupKind, TPGroup, form_groups, groups_by_kind, tp_choices
@@ -96,6 +97,9 @@ class PlanSettings:
     time_limit_s: float = 120.0
     top_k: int = 5
     allow_recompute: bool = True
+    # Raise a pipeline's activation bound to what its stages' free memory holds (``Pipeline.activation_limits``)
+    # where that makes the plan faster: more forwards ahead, more W deferred into the fill and drain.
+    spare_activations: bool = True
     memory_margin: float = 0.0     # fraction of each device's memory kept free
     # The pipeline schedule every plan runs (and is priced with), or "auto": the search picks a schedule and
     # its chunk count per pipeline class (planner/schedule_choice.py).
@@ -593,7 +597,27 @@ class Searcher:
         exact = self._price_best(realized)
         final = self._finalize_best(types, exact + [r for r in realized if all(r[1] is not e[1] for e in exact)])
         # Only exactly priced plans are returned, so that every candidate is compared on the same estimate.
-        return [c for c, _, _ in exact] + final
+        return [self.with_spare_limits(c) for c in [c for c, _, _ in exact] + final]
+
+    def with_spare_limits(self, cand: Candidate) -> Candidate:
+        """``cand`` with each pipeline's activation bound raised to what its stages' free memory holds
+        (``spare_activation_limits``), where the exact estimate says that is faster; else ``cand``."""
+        if not self.settings.spare_activations:
+            return cand
+        zd = self.zero_degree(len(cand.strategy.pipelines))
+        pipes = []
+        for pi, pipe in enumerate(cand.strategy.pipelines):
+            name = pipe.schedule if pipe.schedule is not None else self.settings.default_schedule
+            limits = spare_activation_limits(self.cm, cand.strategy, pi, name, zd, self.settings.memory_margin)
+            pipes.append(pipe if limits is None else dataclasses.replace(pipe, activation_limits=limits))
+        if all(a is b for a, b in zip(pipes, cand.strategy.pipelines)):
+            return cand
+        strategy = dataclasses.replace(cand.strategy, pipelines=tuple(pipes))
+        est = self.cm.estimate(strategy, self.settings.global_batch, self.settings.default_schedule,
+                               self.settings.zero)
+        if not est.fits or est.step_time_s >= cand.step_time_s - 1e-12:
+            return cand
+        return dataclasses.replace(cand, strategy=strategy, estimate=est)
 
     def _price_best(self, realized: Sequence[tuple[Candidate, Combo, Allocation]]
                     ) -> list[tuple[Candidate, Combo, Allocation]]:

@@ -1,0 +1,105 @@
+"""Raised activation limits (``Pipeline.activation_limits``) on the planner's side: which limits a stage's
+free memory allows (``spare_activation_limits``), that the cost model charges and the simulator plays
+them, and that the search keeps them only where they pay. Also the gap breakdown (planner/gap.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from planner.api import PlanSettings, plan
+from planner.baselines import lower_bound, work_seconds
+from planner.cost import GIB, CostModel
+from planner.gap import CATEGORIES, gap_breakdown
+from planner.schedule_choice import ScheduleChoice, spare_activation_limits, stage_layer_ranges
+from planner.simulate import simulate
+from runtime.pipeline_schedules import device_limits
+from runtime.profiling.profile import resolve_profiles
+from runtime.spec import load_cluster, load_model, validate_plan
+from runtime.spec.plan import Pipeline, Stage, Strategy
+
+HEXI = load_cluster("hexiscale-mixed")
+L7B = load_model("llama-7b")
+CM = CostModel(L7B, HEXI, resolve_profiles(HEXI.device_types), micro_batch=1, seq_len=4096)
+# HexiScale's plan: 3 A800 > 3 RTX 4090 > the RTX 3090 pair, whole layers 7/7/7/3/3/3/2.
+GROUPS = [(0,), (1,), (2,), (3,), (4,), (5,), (6, 7)]
+COUNTS = [7, 7, 7, 3, 3, 3, 2]
+
+
+def hexi_pipeline(schedule: str = "zb-h1", m: int = 64, limits: tuple[int, ...] | None = None) -> Strategy:
+    ranges = stage_layer_ranges(COUNTS, ScheduleChoice(schedule))
+    pipe = Pipeline(m, tuple(Stage(g, r) for g, r in zip(GROUPS, ranges)), schedule, activation_limits=limits)
+    return Strategy("s", (CM.costed_pipeline(pipe, schedule),))
+
+
+def test_spare_limits_fill_each_stages_free_memory_exactly() -> None:
+    """Each limit is the most activations (at the stage's chunk size) that fit beside its static memory,
+    never below the schedule's own bound nor above m: one more would not fit."""
+    s = hexi_pipeline()
+    limits = spare_activation_limits(CM, s, 0, "zb-h1")
+    assert limits is not None
+    own = device_limits("zb-h1", 7, 64)
+    for k, (st, lim) in enumerate(zip(s.pipelines[0].stages, limits)):
+        dtype = HEXI.device(st.devices[0]).type
+        first, last = st.layers[0][0] == 0, st.layers[0][1] == L7B.num_layers
+        static = CM.device_memory(dtype, st.tp, ((st.num_layers, first, last),), False, 0).total
+        per = CM.chunk_activation_bytes(dtype, st.tp, st.num_layers, first, False)
+        cap = HEXI.device_types[dtype].memory_gib * GIB
+        assert own[k] <= lim <= 64
+        if lim > own[k]:
+            assert static + lim * per <= cap and (lim == 64 or static + (lim + 1) * per > cap)
+    # The RTX 4090 behind the A800s holds 4 under ZB-H1's own bound and has room for one more.
+    assert limits[3] == own[3] + 1
+    # A pipeline whose stages already hold every activation, or have no room: nothing to raise.
+    assert spare_activation_limits(CM, hexi_pipeline("gpipe", m=8), 0, "gpipe") is None
+
+
+def test_the_estimate_charges_and_the_simulator_plays_the_raised_limits() -> None:
+    base = hexi_pipeline()
+    limits = spare_activation_limits(CM, base, 0, "zb-h1")
+    raised = hexi_pipeline(limits=limits)
+    a, b = CM.estimate(base, 64, "1f1b", False), CM.estimate(raised, 64, "1f1b", False)
+    assert b.fits and b.step_time_s < a.step_time_s - 0.3    # 15.23 -> 14.63 s: W deferred into the fill
+    assert max(CM.pipeline_memory(raised, 0, "zb-h1")[k].total - CM.pipeline_memory(base, 0, "zb-h1")[k].total
+               for k in range(7)) > 0                        # ... paid for with memory, charged
+    sim = simulate(CM, raised, 64, "1f1b", False)
+    assert sim.oom_devices == ()
+    assert sim.step_time_s == pytest.approx(b.step_time_s, rel=0.01)
+    for rep, lim in zip(sim.stages, limits):
+        assert rep.peak_in_flight <= lim
+
+
+def test_the_search_keeps_raised_limits_only_where_they_pay() -> None:
+    res = plan(L7B, HEXI, resolve_profiles(HEXI.device_types),
+               PlanSettings(global_batch=64, seq_len=4096, schedule="zb-h1", time_limit_s=120))
+    best = res.best
+    assert any(p.activation_limits is not None for p in best.strategy.pipelines)
+    bare = dataclasses.replace(best.strategy, pipelines=tuple(dataclasses.replace(p, activation_limits=None)
+                                                              for p in best.strategy.pipelines))
+    cm = CostModel(L7B, HEXI, resolve_profiles(HEXI.device_types), micro_batch=best.micro_batch, seq_len=4096)
+    assert best.estimate.fits
+    assert best.step_time_s < cm.estimate(bare, 64, "zb-h1", True).step_time_s
+    assert validate_plan(res.to_plan("llama-7b", "hexiscale-mixed"), L7B, HEXI) == []
+
+
+def test_gap_breakdown_accounts_for_every_device_second() -> None:
+    """Shares of the devices' capacity over the step (weighted by their best layer rate) sum to 1 with
+    the useful work; a device left out is idle for its whole share; a one-pipeline plan has no
+    imbalance between pipelines."""
+    s = hexi_pipeline()
+    est = CM.estimate(s, 64, "1f1b", False)
+    lb = lower_bound({1: CM}, tuple(range(HEXI.num_devices)), 64).step_time_s
+    g = gap_breakdown(CM, s, est, lb, tuple(range(HEXI.num_devices)), "1f1b")
+    assert set(g.losses) == set(CATEGORIES)
+    assert g.useful + sum(g.losses.values()) == pytest.approx(1.0)
+    assert g.losses["idle_devices"] == 0.0 and g.losses["pipeline_imbalance"] == pytest.approx(0.0)
+    assert g.losses["recompute"] == 0.0 and g.losses["bubble"] > 0.05
+    assert g.efficiency == pytest.approx(lb / est.step_time_s)
+    assert 0.0 <= g.residual < 0.05
+    # Two A800s alone: the other six devices idle the whole step, their share of the cluster's rate.
+    two = Strategy("two", (CM.costed_pipeline(Pipeline(64, (Stage((0,), (0, 16)), Stage((1,), (16, 32)))), "1f1b"),))
+    g2 = gap_breakdown(CM, two, CM.estimate(two, 64, "1f1b", False), lb, tuple(range(HEXI.num_devices)), "1f1b")
+    rate = {d: 1.0 / work_seconds(CM, HEXI.device(d).type, 3 if d < 6 else 2)[0]["layer"] for d in range(8)}
+    assert g2.losses["idle_devices"] == pytest.approx(sum(rate[d] for d in range(2, 8)) / sum(rate.values()))
+    assert g2.useful + sum(g2.losses.values()) == pytest.approx(1.0)
