@@ -36,7 +36,10 @@ Decomposition (each level solved once per distinct sub-problem, then reused):
 
 Schedules: with a fixed ``PlanSettings.schedule`` every phase uses it (its memory bound and placement in
 the slots, its fill factor in the ranking); with "auto" phases 1-3 rank as 1F1B runs and phase 4 picks
-the schedule per pipeline class (docs/design.md §10).
+the schedule per pipeline class (docs/design.md §10), and the whole search runs again as if ZB-H1 and
+then ZB-V were fixed (``auto_families``), all candidates ranked together. Every exactly priced plan
+finally has its pipelines' activation bounds raised to what their memory holds where that is faster
+(``Searcher.with_spare_limits``, ``PlanSettings.spare_activations``).
 
 The search is deterministic: every enumeration runs in a fixed order and ties break on that order.
 A time limit stops the enumeration early (the result says so) and caps each ILP.
@@ -289,7 +292,9 @@ class Searcher:
     """One search at one micro-batch size (one cost model)."""
 
     def __init__(self, cm: CostModel, settings: PlanSettings, devices: Sequence[int], deadline: float,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, choices: tuple[ScheduleChoice, ...] | None = None) -> None:
+        """``choices``: under "auto", search as if these schedules were fixed (``auto_families``), every
+        pipeline naming its own."""
         self.cm = cm
         self.model: ModelSpec = cm.model
         self.cluster: Cluster = cm.cluster
@@ -303,6 +308,8 @@ class Searcher:
         auto = settings.schedule == AUTO
         self.choices = (ScheduleChoice("1f1b"),) if auto else schedule_choices(settings.schedule)
         self.variant_choices = schedule_choices(AUTO) if auto else ()
+        if auto and choices is not None:
+            self.choices = choices
         self.stats = SearchStats()
         self._sync_cache: dict[tuple, float] = {}
         self._p2p: dict[tuple[int, int], float] = {}
@@ -1057,15 +1064,30 @@ def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterab
             if progress is not None:
                 progress(f"micro-batch {b}: {phase}", done, total)
 
-        s = Searcher(cm, settings, devices, deadline, report)
-        found.extend(s.run())
-        stats.block_evaluations += s.stats.block_evaluations
-        stats.combinations += s.stats.combinations
-        stats.finalists += s.stats.finalists
-        stats.ilps += s.stats.ilps
-        stats.truncated |= s.stats.truncated
-        stats.notes.extend(s.stats.notes)
+        for family in auto_families(settings):
+            s = Searcher(cm, settings, devices, deadline, report, family)
+            found.extend(s.run())
+            stats.block_evaluations += s.stats.block_evaluations
+            stats.combinations += s.stats.combinations
+            stats.finalists += s.stats.finalists
+            stats.ilps += s.stats.ilps
+            stats.truncated |= s.stats.truncated
+            stats.notes.extend(s.stats.notes)
     return rank(found), stats
+
+
+# Under "auto", the schedules also searched as if fixed: their memory bound and placement from the first
+# phase on (ranked as 1F1B, the search would drop the pipelines only they make good: ZB-V's memory-balanced
+# V, ZB-H1's fill). Interleaved is left out: it never won a case (its group order stalls on uneven stages).
+AUTO_FAMILIES = ("zb-h1", "zb-v")
+
+
+def auto_families(settings: PlanSettings) -> list[tuple[ScheduleChoice, ...] | None]:
+    """The searches ``search`` runs per micro-batch size: the settings' own (None), and under "auto" one
+    per schedule of ``AUTO_FAMILIES`` as if fixed (every pipeline naming its schedule)."""
+    if settings.schedule != AUTO:
+        return [None]
+    return [None] + [schedule_choices(name) for name in AUTO_FAMILIES]
 
 
 def rank(candidates: Iterable[Candidate]) -> list[Candidate]:

@@ -13,6 +13,7 @@ from planner.baselines import lower_bound, work_seconds
 from planner.cost import GIB, CostModel
 from planner.gap import CATEGORIES, gap_breakdown
 from planner.schedule_choice import ScheduleChoice, spare_activation_limits, stage_layer_ranges
+from planner.search import auto_families
 from planner.simulate import simulate
 from runtime.pipeline_schedules import device_limits
 from runtime.profiling.profile import resolve_profiles
@@ -103,3 +104,20 @@ def test_gap_breakdown_accounts_for_every_device_second() -> None:
     rate = {d: 1.0 / work_seconds(CM, HEXI.device(d).type, 3 if d < 6 else 2)[0]["layer"] for d in range(8)}
     assert g2.losses["idle_devices"] == pytest.approx(sum(rate[d] for d in range(2, 8)) / sum(rate.values()))
     assert g2.useful + sum(g2.losses.values()) == pytest.approx(1.0)
+
+
+def test_auto_also_searches_the_split_backward_schedules_as_if_fixed() -> None:
+    """Under "auto" the search also runs as if ZB-H1 and ZB-V were fixed, so its best plan is never worse
+    than the best plan with either fixed (on cpu-hetero4 / llama-tiny, where memory does not bind)."""
+    assert auto_families(PlanSettings(global_batch=8, seq_len=64, schedule="zb-h1")) == [None]
+    fams = auto_families(PlanSettings(global_batch=8, seq_len=64, schedule="auto"))
+    assert fams[0] is None and [f[0].name for f in fams[1:]] == ["zb-h1", "zb-v"]
+    cluster, model = load_cluster("cpu-hetero4"), load_model("llama-tiny")
+    profiles = resolve_profiles(cluster.device_types)
+
+    def best(schedule: str) -> float:
+        return plan(model, cluster, profiles, PlanSettings(global_batch=8, seq_len=64, schedule=schedule),
+                    baselines=False).best.step_time_s
+
+    auto = best("auto")
+    assert auto <= min(best("zb-h1"), best("zb-v")) * (1 + 1e-9)
