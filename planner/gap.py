@@ -8,8 +8,10 @@ decoder layer, the bound's rate), and names each loss:
 * ``idle_devices``: devices the plan leaves out, the whole step;
 * ``sync_optimizer``: the step past the slowest pipeline (gradient sync, clip, optimizer, ZeRO all-gathers);
 * ``pipeline_imbalance``: a pipeline that finishes before the slowest one waits for it;
-* ``bubble``: inside its pipeline's time, a device not computing (fill, drain, waits for slower stages
-  and transfers): the schedule's and the layer split's loss together;
+* ``fill_drain``: inside its pipeline's time, the pipeline's busiest stage not computing (fill, drain,
+  waits for transfers), charged to every device of the pipeline: the schedule's loss;
+* ``stage_imbalance``: a stage busy for less than the pipeline's busiest one (the layer split's loss:
+  whole layers, memory limits);
 * ``recompute``, ``tp_comm``: device time in recomputed forwards and in TP collectives;
 * ``slow_compute``: the rest of the compute beyond the bound's rate: a TP degree that runs a layer less
   efficiently than the type's best, embedding and head where they are dear, a stage's fixed time.
@@ -29,8 +31,8 @@ from planner.cost import CostModel, StrategyEstimate
 from planner.tp_groups import available
 from runtime.spec.plan import Schedule, Strategy
 
-CATEGORIES = ("idle_devices", "sync_optimizer", "pipeline_imbalance", "bubble", "recompute", "tp_comm",
-              "slow_compute")
+CATEGORIES = ("idle_devices", "sync_optimizer", "pipeline_imbalance", "fill_drain", "stage_imbalance", "recompute",
+              "tp_comm", "slow_compute")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ def gap_breakdown(cm: CostModel, strategy: Strategy, estimate: StrategyEstimate,
     for pipe, pest in zip(strategy.pipelines, estimate.pipelines):
         m = pipe.micro_batches
         bubble_p = cap_p = 0.0
+        busiest = m * max(sc.time_s for sc in pest.stages)
         for st, sc in zip(pipe.stages, pest.stages):
             dtype = cluster.device(st.devices[0]).type
             s = secs[dtype]
@@ -92,7 +95,8 @@ def gap_breakdown(cm: CostModel, strategy: Strategy, estimate: StrategyEstimate,
                 r = rate[d]
                 loss["sync_optimizer"] += (step - slowest) * r
                 loss["pipeline_imbalance"] += (slowest - pest.time_s) * r
-                loss["bubble"] += (pest.time_s - busy) * r
+                loss["fill_drain"] += (pest.time_s - busiest) * r
+                loss["stage_imbalance"] += (busiest - busy) * r
                 loss["recompute"] += recompute * r
                 loss["tp_comm"] += tp_comm * r
                 loss["slow_compute"] += (busy - recompute - tp_comm - ideal) * r
