@@ -35,9 +35,10 @@ Decomposition (each level solved once per distinct sub-problem, then reused):
    a candidate; the best one per structure (devices per stage, schedule, micro-batches) is kept.
 
 Schedules: with a fixed ``PlanSettings.schedule`` every phase uses it (its memory bound and placement in
-the slots, its fill factor in the ranking); with "auto" phases 1-3 rank as 1F1B runs and phase 4 picks
-the schedule per pipeline class (docs/design.md §10), and the whole search runs again as if ZB-H1 and
-then ZB-V were fixed (``auto_families``), all candidates ranked together. Every exactly priced plan
+the slots, its fill factor in the ranking); with "auto" phases 1-3 rank as ZB-H1 runs (1F1B's memory,
+never slower than 1F1B by the proxy) and phase 4 picks the schedule per pipeline class by its exact price
+(docs/design.md §10), and the whole search runs again as if ZB-V were fixed (``auto_families``), all
+candidates ranked together. Every exactly priced plan
 finally has its pipelines' activation bounds raised to what their memory holds where that is faster
 (``Searcher.with_spare_limits``, ``PlanSettings.spare_activations``).
 
@@ -303,10 +304,11 @@ class Searcher:
         self.deadline = deadline
         self.progress = progress
         self.micro_batches = settings.global_batch // cm.micro_batch
-        # Under "auto" the search ranks pipelines as 1F1B runs them, and the best plans try every schedule
-        # per pipeline class by its exact price (``best_schedules``); a fixed schedule is searched as such.
+        # Under "auto" the search ranks pipelines as ZB-H1 runs them (1F1B's memory bound and splits, its
+        # fill), and the best plans try every schedule per pipeline class by its exact price
+        # (``best_schedules``); a fixed schedule is searched as such.
         auto = settings.schedule == AUTO
-        self.choices = (ScheduleChoice("1f1b"),) if auto else schedule_choices(settings.schedule)
+        self.choices = (ScheduleChoice("zb-h1"),) if auto else schedule_choices(settings.schedule)
         self.variant_choices = schedule_choices(AUTO) if auto else ()
         if auto and choices is not None:
             self.choices = choices
@@ -646,7 +648,7 @@ class Searcher:
         """``combo`` with each pipeline class on the schedule of ``variant_choices`` (its own fast split
         under that schedule's memory) whose exact pipeline time (``CostModel.pipeline_step_time``: the
         runtime's lists played on the op costs) at the class's micro-batch count is least; None when no
-        class changes. The search itself ranks pipelines by 1F1B's closed form under "auto", where the
+        class changes. The search itself ranks pipelines by ZB-H1's proxy under "auto", where the
         proxies of the other schedules mislead (per-chunk fixed costs, v times the messages)."""
         if not self.variant_choices:
             return None
@@ -1077,9 +1079,10 @@ def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterab
 
 
 # Under "auto", the schedules also searched as if fixed: their memory bound and placement from the first
-# phase on (ranked as 1F1B, the search would drop the pipelines only they make good: ZB-V's memory-balanced
-# V, ZB-H1's fill). Interleaved is left out: it never won a case (its group order stalls on uneven stages).
-AUTO_FAMILIES = ("zb-h1", "zb-v")
+# phase on (ranked as ZB-H1, the search drops the pipelines only ZB-V's memory-balanced V makes good:
+# h800-h20-48). Choosing per class by the proxies instead misleads (h2-example: 12.54 s against 11.43 s).
+# Interleaved is left out: it never won a case (its group order stalls on uneven stages).
+AUTO_FAMILIES: tuple[str, ...] = ("zb-v",)
 
 
 def auto_families(settings: PlanSettings) -> list[tuple[ScheduleChoice, ...] | None]:
