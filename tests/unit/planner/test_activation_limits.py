@@ -82,6 +82,15 @@ def test_the_search_keeps_raised_limits_only_where_they_pay() -> None:
     assert best.estimate.fits
     assert best.step_time_s < cm.estimate(bare, 64, "zb-h1", True).step_time_s
     assert validate_plan(res.to_plan("llama-7b", "hexiscale-mixed"), L7B, HEXI) == []
+    # What `hspmd plan` reports per schedule: the chosen one as planned (its raised limits), the others
+    # under their own bounds (the limits were sized for the chosen schedule's memory).
+    for pi, options in enumerate(res.schedule_options):
+        chosen = next(o for o in options if o.chosen)
+        assert chosen.pipeline_s == pytest.approx(best.estimate.pipelines[pi].time_s)
+        one_f = next(o for o in options if o.label == "1f1b")
+        own = dataclasses.replace(bare.pipelines[pi], schedule="1f1b")
+        plain = cm.costed_pipeline(own, "1f1b")
+        assert one_f.pipeline_s == pytest.approx(cm.pipeline_step_time(Strategy("o", (plain,)), 0, "1f1b"))
 
 
 def test_gap_breakdown_accounts_for_every_device_second() -> None:
