@@ -13,7 +13,7 @@ shares) on equal stages (``fill_factor``). Realized plans and finalists are then
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -152,3 +152,33 @@ def spare_activation_limits(cm: CostModel, strategy: Strategy, pi: int, schedule
         fits = int((cap - static) // per) if per > 0 else v * m
         out.append(min(v * m, max(own[k], fits)))
     return None if tuple(out) == own else tuple(out)
+
+
+# Prices ``refine_limits`` spends per pipeline: lowering single stages' raised limits one at a time.
+LIMIT_REFINE_EVALUATIONS = 8
+
+
+def refine_limits(price: Callable[[tuple[int, ...]], float], own: Sequence[int], limits: Sequence[int],
+                  max_evaluations: int = LIMIT_REFINE_EVALUATIONS) -> tuple[tuple[int, ...], float]:
+    """``limits`` (raised per stage above ``own``) lowered one stage and one step at a time while ``price``
+    (the pipeline's exact time under those limits) goes down: holding every activation memory allows is
+    not always best, since a stage that runs far ahead can delay the backward work others wait for.
+    Nearest first: each stage is lowered until a step no longer pays; at most ``max_evaluations`` prices.
+    Returns the limits and their price."""
+    best = tuple(limits)
+    best_t = price(best)
+    n = 1
+    improved = True
+    while improved and n < max_evaluations:
+        improved = False
+        for k in range(len(best)):
+            lim = best[k] - 1
+            while lim >= own[k] and n < max_evaluations:
+                cand = best[:k] + (lim,) + best[k + 1:]
+                t = price(cand)
+                n += 1
+                if t >= best_t - 1e-12:
+                    break
+                best, best_t, improved = cand, t, True
+                lim -= 1
+    return best, best_t

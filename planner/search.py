@@ -74,12 +74,14 @@ from planner.schedule_choice import (
     AUTO,
     ScheduleChoice,
     fill_factor,
+    refine_limits,
     rounded_shares,
     schedule_choices,
     spare_activation_limits,
     stage_layer_ranges,
 )
 from planner.tp_groups import GroupKind, TPGroup, form_groups, groups_by_kind, tp_choices
+from runtime.pipeline_schedules import device_limits
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import OptimizerSettings, Pipeline, Schedule, Stage, Strategy
@@ -1075,7 +1077,41 @@ def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterab
             stats.ilps += s.stats.ilps
             stats.truncated |= s.stats.truncated
             stats.notes.extend(s.stats.notes)
-    return rank(found), stats
+    ranked = rank(found)
+    # The best few: their raised activation limits lowered per stage where that is faster (the search's
+    # candidates get them raised all the way: pricing lower ones for all would double its time).
+    top = [refined_limits(cms[c.micro_batch], settings, c) for c in ranked[:LIMITS_REFINED]]
+    return rank(top + ranked[LIMITS_REFINED:]), stats
+
+
+LIMITS_REFINED = 3   # best candidates whose activation limits ``refined_limits`` refines
+
+
+def refined_limits(cm: CostModel, settings: PlanSettings, cand: Candidate) -> Candidate:
+    """``cand`` with each pipeline's raised ``activation_limits`` lowered per stage while its exact time drops
+    (``refine_limits``), re-estimated; ``cand`` itself when nothing changes."""
+    pipes, changed = [], False
+    for pipe in cand.strategy.pipelines:
+        if pipe.activation_limits is None:
+            pipes.append(pipe)
+            continue
+        name = pipe.schedule if pipe.schedule is not None else settings.default_schedule
+
+        def price(lim: tuple[int, ...], pipe: Pipeline = pipe, name: str = name) -> float:
+            one = Strategy(name="limits", pipelines=(dataclasses.replace(pipe, activation_limits=lim),))
+            return cm.pipeline_step_time(one, 0, name)
+
+        own = device_limits(name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks)
+        lim = refine_limits(price, own, pipe.activation_limits)[0]
+        changed |= lim != pipe.activation_limits
+        pipes.append(dataclasses.replace(pipe, activation_limits=lim))
+    if not changed:
+        return cand
+    strategy = dataclasses.replace(cand.strategy, pipelines=tuple(pipes))
+    est = cm.estimate(strategy, settings.global_batch, settings.default_schedule, settings.zero)
+    if not est.fits or est.step_time_s >= cand.step_time_s - 1e-12:
+        return cand
+    return dataclasses.replace(cand, strategy=strategy, estimate=est)
 
 
 # Under "auto", the schedules also searched as if fixed: their memory bound and placement from the first
