@@ -301,8 +301,10 @@ def schedule_options(cm: CostModel, strategy: Strategy, pi: int, default: Schedu
             continue
         ranges = stage_layer_ranges(counts, choice)
         stages = tuple(dataclasses.replace(st, layers=r, op_costs=None) for st, r in zip(pipe.stages, ranges))
-        costed = cm.costed_pipeline(dataclasses.replace(pipe, stages=stages, schedule=choice.name, transfer_costs=None),
-                                    choice.name)
+        # The plan's raised activation limits belong to its own schedule; the others run under their own bounds.
+        limits = pipe.activation_limits if chosen else None
+        costed = cm.costed_pipeline(dataclasses.replace(pipe, stages=stages, schedule=choice.name, transfer_costs=None,
+                                                        activation_limits=limits), choice.name)
         alt = dataclasses.replace(strategy, pipelines=tuple(costed if i == pi else p
                                                             for i, p in enumerate(strategy.pipelines)))
         stages = costed.stages

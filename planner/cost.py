@@ -115,6 +115,7 @@ from runtime.pipeline_schedules import (
     Message,
     PostSend,
     WaitRecv,
+    device_limits,
     live_activation_limit,
     schedule_layout,
     step_time,
@@ -1127,10 +1128,11 @@ class CostModel:
         pipe = strategy.pipelines[pi]
         name = pipe.schedule if pipe.schedule is not None else schedule
         costs = self.pipeline_costs(strategy, pi, name)
-        key = (name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
+        key = (name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs, pipe.activation_limits)
         cache = self.__dict__.setdefault("_ideal_times", {})
         if key not in cache:
-            cache[key] = step_time(name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs)
+            cache[key] = step_time(name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, costs,
+                                   pipe.activation_limits)
         return cache[key]
 
     def runtime_schedule(self, strategy: Strategy, pi: int, schedule: Schedule) -> PipelineSchedule:
@@ -1140,7 +1142,8 @@ class CostModel:
         pipe = strategy.pipelines[pi]
         if pipe.schedule is not None:
             schedule = pipe.schedule
-        key = (schedule, pipe.micro_batches, pipe.transfer_costs, tuple((st.layers, st.op_costs) for st in pipe.stages))
+        key = (schedule, pipe.micro_batches, pipe.transfer_costs, pipe.activation_limits,
+               tuple((st.layers, st.op_costs) for st in pipe.stages))
         cache = self.__dict__.setdefault("_runtime_schedules", {})
         if key not in cache:
             cache[key] = plan_schedule(pipe, schedule, pipe.micro_batches)
@@ -1211,12 +1214,14 @@ class CostModel:
 
     def pipeline_memory(self, strategy: Strategy, pi: int, schedule: Schedule, zero_degree: int = 1
                         ) -> list[MemoryBreakdown]:
-        """``device_memory`` of each stage of pipeline ``pi`` under ``schedule`` (its documented bound)."""
+        """``device_memory`` of each stage of pipeline ``pi`` under ``schedule``: its documented bound, or the
+        pipeline's raised ``activation_limits`` (``device_limits``: the bound its lists are built under)."""
         pipe = strategy.pipelines[pi]
         n_layers, n = self.model.num_layers, len(pipe.stages)
+        limits = device_limits(schedule, n, pipe.micro_batches, pipe.stages[0].chunks, pipe.activation_limits)
         out = []
         for k, st in enumerate(pipe.stages):
-            live = live_activation_limit(schedule, n, k, pipe.micro_batches, st.chunks)
+            live = limits[k]
             chunks = tuple((b - a, a == 0, b == n_layers) for a, b in st.layers)
             out.append(self.device_memory(self._type_of[st.devices[0]], st.tp, chunks, st.recompute, live,
                                           zero_degree))

@@ -13,11 +13,13 @@ shares) on equal stages (``fill_factor``). Realized plans and finalists are then
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
-from runtime.pipeline_schedules import SCHEDULE_NAMES, ChunkCost, Costs, schedule_layout, step_time
+from planner.cost import GIB, CostModel
+from runtime.pipeline_schedules import SCHEDULE_NAMES, ChunkCost, Costs, device_limits, schedule_layout, step_time
+from runtime.spec.plan import Strategy
 
 AUTO = "auto"
 # Interleaved 1F1B's chunk counts the search tries with the schedule fixed: each halves the fill again
@@ -126,3 +128,57 @@ def rounded_shares(cost: ChunkCost) -> tuple[float, float, float]:
     f = max(0.1, round(cost.forward / total * 10) / 10)
     b = max(0.1, round(cost.input_grad / total * 10) / 10)
     return f, b, max(0.1, round(1.0 - f - b, 1))
+
+
+def spare_activation_limits(cm: CostModel, strategy: Strategy, pi: int, schedule: str, zero_degree: int = 1,
+                            memory_margin: float = 0.0) -> tuple[int, ...] | None:
+    """Per stage of pipeline ``pi`` the most chunk activations its free memory holds (each at its largest
+    chunk's size, as ``CostModel.device_memory`` charges them), never below the schedule's own bound nor
+    above the step's ``v*m``: the ``Pipeline.activation_limits`` that let a stage with memory to spare run
+    more forwards ahead, and under a split backward defer more W into the fill and drain (a fast stage
+    ahead of slower ones, the first stage whose whole backward is W). None when no stage can raise its
+    bound (or the schedule already holds every activation, GPipe)."""
+    pipe = strategy.pipelines[pi]
+    n, m, v = len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks
+    own = device_limits(schedule, n, m, v)
+    n_layers = cm.model.num_layers
+    out = []
+    for k, st in enumerate(pipe.stages):
+        dtype = cm.cluster.device(st.devices[0]).type
+        chunks = tuple((b - a, a == 0, b == n_layers) for a, b in st.layers)
+        static = cm.device_memory(dtype, st.tp, chunks, st.recompute, 0, zero_degree).total
+        per = max(cm.chunk_activation_bytes(dtype, st.tp, b - a, a == 0, st.recompute) for a, b in st.layers)
+        cap = cm.cluster.device_types[dtype].memory_gib * GIB * (1.0 - memory_margin)
+        fits = int((cap - static) // per) if per > 0 else v * m
+        out.append(min(v * m, max(own[k], fits)))
+    return None if tuple(out) == own else tuple(out)
+
+
+# Prices ``refine_limits`` spends per pipeline: lowering single stages' raised limits one at a time.
+LIMIT_REFINE_EVALUATIONS = 8
+
+
+def refine_limits(price: Callable[[tuple[int, ...]], float], own: Sequence[int], limits: Sequence[int],
+                  max_evaluations: int = LIMIT_REFINE_EVALUATIONS) -> tuple[tuple[int, ...], float]:
+    """``limits`` (raised per stage above ``own``) lowered one stage and one step at a time while ``price``
+    (the pipeline's exact time under those limits) goes down: holding every activation memory allows is
+    not always best, since a stage that runs far ahead can delay the backward work others wait for.
+    Nearest first: each stage is lowered until a step no longer pays; at most ``max_evaluations`` prices.
+    Returns the limits and their price."""
+    best = tuple(limits)
+    best_t = price(best)
+    n = 1
+    improved = True
+    while improved and n < max_evaluations:
+        improved = False
+        for k in range(len(best)):
+            lim = best[k] - 1
+            while lim >= own[k] and n < max_evaluations:
+                cand = best[:k] + (lim,) + best[k + 1:]
+                t = price(cand)
+                n += 1
+                if t >= best_t - 1e-12:
+                    break
+                best, best_t, improved = cand, t, True
+                lim -= 1
+    return best, best_t

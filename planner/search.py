@@ -35,8 +35,12 @@ Decomposition (each level solved once per distinct sub-problem, then reused):
    a candidate; the best one per structure (devices per stage, schedule, micro-batches) is kept.
 
 Schedules: with a fixed ``PlanSettings.schedule`` every phase uses it (its memory bound and placement in
-the slots, its fill factor in the ranking); with "auto" phases 1-3 rank as 1F1B runs and phase 4 picks
-the schedule per pipeline class (docs/design.md §10).
+the slots, its fill factor in the ranking); with "auto" phases 1-3 rank as ZB-H1 runs (1F1B's memory,
+never slower than 1F1B by the proxy) and phase 4 picks the schedule per pipeline class by its exact price
+(docs/design.md §10), and the whole search runs again as if ZB-V were fixed (``auto_families``), all
+candidates ranked together. Every exactly priced plan
+finally has its pipelines' activation bounds raised to what their memory holds where that is faster
+(``Searcher.with_spare_limits``, ``PlanSettings.spare_activations``).
 
 The search is deterministic: every enumeration runs in a fixed order and ties break on that order.
 A time limit stops the enumeration early (the result says so) and caps each ILP.
@@ -70,11 +74,14 @@ from planner.schedule_choice import (
     AUTO,
     ScheduleChoice,
     fill_factor,
+    refine_limits,
     rounded_shares,
     schedule_choices,
+    spare_activation_limits,
     stage_layer_ranges,
 )
 from planner.tp_groups import GroupKind, TPGroup, form_groups, groups_by_kind, tp_choices
+from runtime.pipeline_schedules import device_limits
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import OptimizerSettings, Pipeline, Schedule, Stage, Strategy
@@ -98,6 +105,9 @@ class PlanSettings:
     time_limit_s: float = 120.0
     top_k: int = 5
     allow_recompute: bool = True
+    # Raise a pipeline's activation bound to what its stages' free memory holds (``Pipeline.activation_limits``)
+    # where that makes the plan faster: more forwards ahead, more W deferred into the fill and drain.
+    spare_activations: bool = True
     memory_margin: float = 0.0     # fraction of each device's memory kept free
     # The pipeline schedule every plan runs (and is priced with), or "auto": the search picks a schedule and
     # its chunk count per pipeline class (planner/schedule_choice.py).
@@ -290,7 +300,9 @@ class Searcher:
     """One search at one micro-batch size (one cost model)."""
 
     def __init__(self, cm: CostModel, settings: PlanSettings, devices: Sequence[int], deadline: float,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, choices: tuple[ScheduleChoice, ...] | None = None) -> None:
+        """``choices``: under "auto", search as if these schedules were fixed (``auto_families``), every
+        pipeline naming its own."""
         self.cm = cm
         self.model: ModelSpec = cm.model
         self.cluster: Cluster = cm.cluster
@@ -299,11 +311,14 @@ class Searcher:
         self.deadline = deadline
         self.progress = progress
         self.micro_batches = settings.global_batch // cm.micro_batch
-        # Under "auto" the search ranks pipelines as 1F1B runs them, and the best plans try every schedule
-        # per pipeline class by its exact price (``best_schedules``); a fixed schedule is searched as such.
+        # Under "auto" the search ranks pipelines as ZB-H1 runs them (1F1B's memory bound and splits, its
+        # fill), and the best plans try every schedule per pipeline class by its exact price
+        # (``best_schedules``); a fixed schedule is searched as such.
         auto = settings.schedule == AUTO
-        self.choices = (ScheduleChoice("1f1b"),) if auto else schedule_choices(settings.schedule)
+        self.choices = (ScheduleChoice("zb-h1"),) if auto else schedule_choices(settings.schedule)
         self.variant_choices = schedule_choices(AUTO) if auto else ()
+        if auto and choices is not None:
+            self.choices = choices
         self.stats = SearchStats()
         self._sync_cache: dict[tuple, float] = {}
         self._p2p: dict[tuple[int, int], float] = {}
@@ -598,7 +613,27 @@ class Searcher:
         exact = self._price_best(realized)
         final = self._finalize_best(types, exact + [r for r in realized if all(r[1] is not e[1] for e in exact)])
         # Only exactly priced plans are returned, so that every candidate is compared on the same estimate.
-        return [c for c, _, _ in exact] + final
+        return [self.with_spare_limits(c) for c in [c for c, _, _ in exact] + final]
+
+    def with_spare_limits(self, cand: Candidate) -> Candidate:
+        """``cand`` with each pipeline's activation bound raised to what its stages' free memory holds
+        (``spare_activation_limits``), where the exact estimate says that is faster; else ``cand``."""
+        if not self.settings.spare_activations:
+            return cand
+        zd = self.zero_degree(len(cand.strategy.pipelines))
+        pipes = []
+        for pi, pipe in enumerate(cand.strategy.pipelines):
+            name = pipe.schedule if pipe.schedule is not None else self.settings.default_schedule
+            limits = spare_activation_limits(self.cm, cand.strategy, pi, name, zd, self.settings.memory_margin)
+            pipes.append(pipe if limits is None else dataclasses.replace(pipe, activation_limits=limits))
+        if all(a is b for a, b in zip(pipes, cand.strategy.pipelines)):
+            return cand
+        strategy = dataclasses.replace(cand.strategy, pipelines=tuple(pipes))
+        est = self.cm.estimate(strategy, self.settings.global_batch, self.settings.default_schedule,
+                               self.settings.zero)
+        if not est.fits or est.step_time_s >= cand.step_time_s - 1e-12:
+            return cand
+        return dataclasses.replace(cand, strategy=strategy, estimate=est)
 
     def _price_best(self, realized: Sequence[tuple[Candidate, Combo, Allocation]]
                     ) -> list[tuple[Candidate, Combo, Allocation]]:
@@ -620,7 +655,7 @@ class Searcher:
         """``combo`` with each pipeline class on the schedule of ``variant_choices`` (its own fast split
         under that schedule's memory) whose exact pipeline time (``CostModel.pipeline_step_time``: the
         runtime's lists played on the op costs) at the class's micro-batch count is least; None when no
-        class changes. The search itself ranks pipelines by 1F1B's closed form under "auto", where the
+        class changes. The search itself ranks pipelines by ZB-H1's proxy under "auto", where the
         proxies of the other schedules mislead (per-chunk fixed costs, v times the messages)."""
         if not self.variant_choices:
             return None
@@ -1038,15 +1073,65 @@ def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterab
             if progress is not None:
                 progress(f"micro-batch {b}: {phase}", done, total)
 
-        s = Searcher(cm, settings, devices, deadline, report)
-        found.extend(s.run())
-        stats.block_evaluations += s.stats.block_evaluations
-        stats.combinations += s.stats.combinations
-        stats.finalists += s.stats.finalists
-        stats.ilps += s.stats.ilps
-        stats.truncated |= s.stats.truncated
-        stats.notes.extend(s.stats.notes)
-    return rank(found), stats
+        for family in auto_families(settings):
+            s = Searcher(cm, settings, devices, deadline, report, family)
+            found.extend(s.run())
+            stats.block_evaluations += s.stats.block_evaluations
+            stats.combinations += s.stats.combinations
+            stats.finalists += s.stats.finalists
+            stats.ilps += s.stats.ilps
+            stats.truncated |= s.stats.truncated
+            stats.notes.extend(s.stats.notes)
+    ranked = rank(found)
+    # The best few: their raised activation limits lowered per stage where that is faster (the search's
+    # candidates get them raised all the way: pricing lower ones for all would double its time).
+    top = [refined_limits(cms[c.micro_batch], settings, c) for c in ranked[:LIMITS_REFINED]]
+    return rank(top + ranked[LIMITS_REFINED:]), stats
+
+
+LIMITS_REFINED = 3   # best candidates whose activation limits ``refined_limits`` refines
+
+
+def refined_limits(cm: CostModel, settings: PlanSettings, cand: Candidate) -> Candidate:
+    """``cand`` with each pipeline's raised ``activation_limits`` lowered per stage while its exact time drops
+    (``refine_limits``), re-estimated; ``cand`` itself when nothing changes."""
+    pipes, changed = [], False
+    for pipe in cand.strategy.pipelines:
+        if pipe.activation_limits is None:
+            pipes.append(pipe)
+            continue
+        name = pipe.schedule if pipe.schedule is not None else settings.default_schedule
+
+        def price(lim: tuple[int, ...], pipe: Pipeline = pipe, name: str = name) -> float:
+            one = Strategy(name="limits", pipelines=(dataclasses.replace(pipe, activation_limits=lim),))
+            return cm.pipeline_step_time(one, 0, name)
+
+        own = device_limits(name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks)
+        lim = refine_limits(price, own, pipe.activation_limits)[0]
+        changed |= lim != pipe.activation_limits
+        pipes.append(dataclasses.replace(pipe, activation_limits=lim))
+    if not changed:
+        return cand
+    strategy = dataclasses.replace(cand.strategy, pipelines=tuple(pipes))
+    est = cm.estimate(strategy, settings.global_batch, settings.default_schedule, settings.zero)
+    if not est.fits or est.step_time_s >= cand.step_time_s - 1e-12:
+        return cand
+    return dataclasses.replace(cand, strategy=strategy, estimate=est)
+
+
+# Under "auto", the schedules also searched as if fixed: their memory bound and placement from the first
+# phase on (ranked as ZB-H1, the search drops the pipelines only ZB-V's memory-balanced V makes good:
+# h800-h20-48). Choosing per class by the proxies instead misleads (h2-example: 12.54 s against 11.43 s).
+# Interleaved is left out: it never won a case (its group order stalls on uneven stages).
+AUTO_FAMILIES: tuple[str, ...] = ("zb-v",)
+
+
+def auto_families(settings: PlanSettings) -> list[tuple[ScheduleChoice, ...] | None]:
+    """The searches ``search`` runs per micro-batch size: the settings' own (None), and under "auto" one
+    per schedule of ``AUTO_FAMILIES`` as if fixed (every pipeline naming its schedule)."""
+    if settings.schedule != AUTO:
+        return [None]
+    return [None] + [schedule_choices(name) for name in AUTO_FAMILIES]
 
 
 def rank(candidates: Iterable[Candidate]) -> list[Candidate]:

@@ -257,6 +257,9 @@ class Schedule:
     costs: Costs
     timeline: tuple[tuple[TimedOp, ...], ...]  # [device], in execution order
     actions: tuple[tuple[Action, ...], ...]  # [device]
+    # Per device the activation bound the lists were built under, where it was raised above the
+    # schedule's own (``build_schedule``'s ``limits``); None: ``live_activation_limit`` everywhere.
+    limits: tuple[int, ...] | None = None
 
     @property
     def split_backward(self) -> bool:
@@ -275,9 +278,10 @@ class Schedule:
         return self.makespan - sum(t.end - t.start for t in self.timeline[device])
 
     def activation_limits(self) -> tuple[int, ...]:
-        """``live_activation_limit`` of every device: the bound this schedule was built under."""
-        return tuple(live_activation_limit(self.name, self.layout.num_devices, d, self.micro_batches,
-                                           self.layout.chunks) for d in range(self.layout.num_devices))
+        """Per device the bound this schedule was built under: ``live_activation_limit``, or the raised
+        ``limits`` it was built with."""
+        return device_limits(self.name, self.layout.num_devices, self.micro_batches, self.layout.chunks,
+                             self.limits)
 
     def peak_activation_memory(self, sizes: Sequence[Sequence[float]]) -> tuple[float, ...]:
         """Per device, the most activation memory held at once, ``sizes[d][c]`` being one micro-batch's
@@ -375,6 +379,38 @@ def live_activation_limit(name: str, num_devices: int, device: int, micro_batche
     if bound == "warmup":
         return min(v * m, 2 * (s - d - 1) + (v - 1) * s + 1)
     return min(2 * m, 2 * s)
+
+
+def device_limits(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
+                  limits: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Per device the activation bound the list scheduler enforces: ``live_activation_limit``, or where
+    ``limits`` raises it (a plan's ``activation_limits``: a device with memory to spare may run more
+    forwards ahead, which under a split backward lets it defer more W into the fill and drain), that,
+    capped at the ``v*m`` activations a step has. ``limit_problems`` says which ``limits`` are valid."""
+    own = [live_activation_limit(name, num_devices, d, micro_batches, chunks) for d in range(num_devices)]
+    if limits is None:
+        return tuple(own)
+    v = schedule_layout(name, num_devices, chunks).chunks
+    return tuple(min(v * micro_batches, max(a, int(b))) for a, b in zip(own, limits))
+
+
+def limit_problems(name: str, num_devices: int, micro_batches: int, chunks: int | None,
+                   limits: Sequence[int]) -> list[str]:
+    """Why ``limits`` cannot be a pipeline's activation bounds, one ``FIELD: what is wrong`` line each: one
+    per device, integers, none below the schedule's own bound (``live_activation_limit``: the list
+    scheduler is only shown deadlock-free from there up)."""
+    if len(limits) != num_devices:
+        return [f"activation_limits: lists {len(limits)} limit(s) for {num_devices} stage(s)"]
+    bad = [x for x in limits if isinstance(x, bool) or not isinstance(x, int)]
+    if bad:
+        return [f"activation_limits: limits must be integers, got {bad}"]
+    out = []
+    for d, x in enumerate(limits):
+        own = live_activation_limit(name, num_devices, d, micro_batches, chunks)
+        if x < own:
+            out.append(f"activation_limits[{d}]: {x} is below {name}'s own bound of {own} activations for this "
+                       f"stage")
+    return out
 
 
 def _policy(name: str) -> Policy:
@@ -486,19 +522,23 @@ def _deps(op: _Op, last: int, split: bool) -> list[_Op]:
 
 
 def build_schedule(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
-                   costs: Costs | None = None) -> Schedule:
+                   costs: Costs | None = None, limits: Sequence[int] | None = None) -> Schedule:
     """Generate schedule ``name``: simulate the list scheduler, then derive the action lists.
 
-    Raises ValueError (one line, ``FIELD: problem``) for shapes ``schedule_problems`` rejects."""
-    layout, costs = _checked(name, num_devices, micro_batches, chunks, costs)
-    timeline = _list_schedule(name, layout, micro_batches, costs)
+    ``limits``: per device an activation bound raised above the schedule's own (``device_limits``).
+    Raises ValueError (one line, ``FIELD: problem``) for shapes ``schedule_problems`` rejects, and for
+    ``limits`` of another length than the devices."""
+    layout, costs = _checked(name, num_devices, micro_batches, chunks, costs, limits)
+    bounds = device_limits(name, num_devices, micro_batches, layout.chunks, limits)
+    timeline = _list_schedule(name, layout, micro_batches, costs, bounds)
     actions = derive_actions(timeline, layout)
+    raised = None if limits is None else bounds
     return Schedule(name, layout, micro_batches, costs,  # type: ignore[arg-type]
-                    tuple(tuple(t) for t in timeline), actions)
+                    tuple(tuple(t) for t in timeline), actions, raised)
 
 
 def step_time(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
-              costs: Costs | None = None) -> float:
+              costs: Costs | None = None, limits: Sequence[int] | None = None) -> float:
     """The pipeline's step time under ``name`` with ``costs``: the scheduler's simulated makespan.
 
     The one definition for the cost model and the simulator. Closed forms it reproduces with equal
@@ -516,16 +556,22 @@ def step_time(name: str, num_devices: int, micro_batches: int, chunks: int | Non
     * ZB-V with ``F = B = W``: less than ZB-H1 on the same model (its fill runs on half-size chunks).
 
     With uneven stages there is no closed form worth trusting: this simulation is exact for the
-    given costs, which is why the planner should call it rather than a formula.
+    given costs, which is why the planner should call it rather than a formula. ``limits``: as for
+    ``build_schedule``.
     """
-    layout, costs = _checked(name, num_devices, micro_batches, chunks, costs)
-    timeline = _list_schedule(name, layout, micro_batches, costs)
+    layout, costs = _checked(name, num_devices, micro_batches, chunks, costs, limits)
+    bounds = device_limits(name, num_devices, micro_batches, layout.chunks, limits)
+    timeline = _list_schedule(name, layout, micro_batches, costs, bounds)
     return max((t[-1].end for t in timeline if t), default=0.0)
 
 
 def _checked(name: str, num_devices: int, micro_batches: int, chunks: int | None,
-             costs: Costs | None) -> tuple[Layout, Costs]:
+             costs: Costs | None, limits: Sequence[int] | None = None) -> tuple[Layout, Costs]:
     problems = schedule_problems(name, num_devices, micro_batches, chunks)
+    if not problems and limits is not None and len(limits) != num_devices:
+        # Only the shape: a limit below the schedule's own bound is raised to it (``device_limits``), so
+        # that a plan's limits also build the lists of a step with fewer micro-batches (packed documents).
+        problems = [f"activation_limits: lists {len(limits)} limit(s) for {num_devices} stage(s)"]
     if problems:
         raise ValueError("; ".join(problems))
     layout = schedule_layout(name, num_devices, chunks)
@@ -586,8 +632,9 @@ def _priority_key(pol: Policy, layout: Layout) -> Callable[[_Op, str | None], tu
     return key
 
 
-def _list_schedule(name: str, layout: Layout, m: int, costs: Costs) -> list[list[TimedOp]]:
-    """Event-driven simulation: each idle device starts the best ready op its policy allows."""
+def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]) -> list[list[TimedOp]]:
+    """Event-driven simulation: each idle device starts the best ready op its policy allows, holding at
+    most ``limit[d]`` activations on device ``d``."""
     pol = POLICIES[name]
     n, last = layout.num_devices, layout.num_stages - 1
     split = pol.split_backward
@@ -600,7 +647,6 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs) -> list[list
         waiting[op] = len(ds)
         for dep in ds:
             dependents[dep].append(op)
-    limit = [live_activation_limit(name, n, d, m, layout.chunks) for d in range(n)]
     devs = [_DeviceState(forwards_left=m * layout.chunks) for _ in range(n)]
     ready_at: dict[_Op, float] = {}
     end: dict[_Op, float] = {}

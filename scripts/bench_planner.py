@@ -27,8 +27,9 @@ the step simulator, ranked by the worse of estimate and simulation). Figures are
 estimate's, as for the baselines; ``*_simulated*`` keys give the simulator's for comparison.
 
 ``--json`` prints one JSON object: ``quality`` (per cluster: ``efficiency``, ``speedup_over_symmetric``,
-``mfu_gap_vs_homogeneous``, ...), ``quality_batch_256``, ``scale_seconds`` (keyed by GPU count),
-``measured`` when asked. Progress goes to stderr.
+``mfu_gap_vs_homogeneous``, ``gap``: where the plan's step goes against the lower bound, planner/gap.py,
+``activation_limits``: the best plan's raised activation bounds per pipeline, ...), ``quality_batch_256``,
+``scale_seconds`` (keyed by GPU count), ``measured`` when asked. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ sys.path.insert(0, str(REPO))
 
 from planner.api import PlanResult, PlanSettings, plan  # noqa: E402
 from planner.cost import CostModel, model_flops_per_token  # noqa: E402
+from planner.gap import gap_breakdown  # noqa: E402
 from planner.schedule_choice import AUTO  # noqa: E402
 from planner.search import schedule_label  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
@@ -181,6 +183,13 @@ def quality_case(name: str, cluster_ref: str, model_ref: str, batch: int, schedu
     out["estimate_only"] = {"plan": fav.summary, "step_time_s": fav.step_time_s,
                             "simulated_step_time_s": fav.simulated_s,
                             "efficiency": het.lower_bound.step_time_s / fav.step_time_s}
+    # Where the plan's step goes against the lower bound (planner/gap.py): shares of the devices' capacity.
+    cm = CostModel(model, cluster, resolve_profiles(cluster.device_types), micro_batch=het.best.micro_batch,
+                   seq_len=SEQ_LEN)
+    out["gap"] = gap_breakdown(cm, het.best.strategy, het.best.estimate, het.lower_bound.step_time_s, het.devices,
+                               het.settings.default_schedule).as_dict()
+    out["activation_limits"] = [list(p.activation_limits) if p.activation_limits is not None else None
+                                for p in het.best.strategy.pipelines]
     sym_sim = out["symmetric_simulated_s"]
     out["speedup_over_symmetric_simulated"] = None if sym_sim is None else sym_sim / het.best.simulated_s
     if schedules:
@@ -289,6 +298,7 @@ def main() -> None:
                   f"{f(q['speedup_over_symmetric_subset'], '8.2f')} {q['mfu']:6.3f} "
                   f"{f(q['homogeneous_mfu'], '9.3f')} {f(q['mfu_gap_vs_homogeneous'], '6.1%')}")
             print(f"    plan: {q['plan']}")
+            print("    gap: " + ", ".join(f"{k} {v:.1%}" for k, v in q["gap"]["losses"].items() if v > 5e-4))
             for sched, r in q.get("per_schedule", {}).items():
                 if "infeasible" in r:
                     print(f"    {sched:12} infeasible")

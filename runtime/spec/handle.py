@@ -36,9 +36,11 @@ def plan_costs(pipe: Pipeline) -> Costs:
 
 def plan_schedule(pipe: Pipeline, name: ScheduleName, micro_batches: int) -> Schedule:
     """Pipeline ``pipe``'s action lists under schedule ``name`` for ``micro_batches``: a pure function of
-    the plan, the one definition the engine, the cost model and the simulator build them by."""
+    the plan (its op costs and activation limits), the one definition the engine, the cost model and the
+    simulator build them by."""
     layout = schedule_layout(name, len(pipe.stages), pipe.stages[0].chunks)
-    return build_schedule(name, len(pipe.stages), micro_batches, layout.chunks, plan_costs(pipe))
+    return build_schedule(name, len(pipe.stages), micro_batches, layout.chunks, plan_costs(pipe),
+                          pipe.activation_limits)
 
 
 @dataclass(frozen=True, eq=False)

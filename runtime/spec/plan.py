@@ -171,10 +171,17 @@ class Pipeline:
     # stage), which the runtime orders the lists by together with the stages' op_costs (docs/schedules.md,
     # "Costs in the plan"); None: no transfer time.
     transfer_costs: tuple[float, ...] | None = None
+    # Per stage the most (micro-batch, chunk) activations it may hold at once, raised above the schedule's
+    # own bound where its memory allows (the planner's choice: more forwards ahead, and under a split
+    # backward more W deferred into the fill and drain); the action lists are built under it
+    # (docs/schedules.md, "Activation limits"). None: the schedule's own bound on every stage.
+    activation_limits: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.transfer_costs is not None:
             object.__setattr__(self, "transfer_costs", tuple(self.transfer_costs))
+        if self.activation_limits is not None:
+            object.__setattr__(self, "activation_limits", tuple(self.activation_limits))
         c = Checker()
         c.check(self.micro_batches >= 1, "micro_batches", f"must be at least 1, got {self.micro_batches}")
         c.check(len(self.stages) >= 1, "stages", "must list at least one stage")
@@ -185,6 +192,11 @@ class Pipeline:
                     f"lists {len(self.transfer_costs)} transfer time(s) for {boundaries} virtual-stage boundaries")
             bad = [t for t in self.transfer_costs if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0)]
             c.check(not bad, "transfer_costs", f"transfer times must be finite seconds >= 0, got {bad}")
+        if self.activation_limits is not None:
+            c.check(len(self.activation_limits) == len(self.stages), "activation_limits",
+                    f"lists {len(self.activation_limits)} limit(s) for {len(self.stages)} stage(s)")
+            low = [x for x in self.activation_limits if isinstance(x, bool) or not isinstance(x, int) or x < 1]
+            c.check(not low, "activation_limits", f"limits must be integers >= 1, got {low}")
         c.raise_if_any()
 
     @property

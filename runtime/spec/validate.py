@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from runtime.errors import Problem
-from runtime.pipeline_schedules import SCHEDULE_NAMES, chunk_problems, schedule_layout, schedule_problems
+from runtime.pipeline_schedules import (
+    SCHEDULE_NAMES,
+    chunk_problems,
+    limit_problems,
+    schedule_layout,
+    schedule_problems,
+)
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import Plan, Strategy
@@ -81,6 +87,12 @@ def validate_strategy(strategy: Strategy, plan: Plan, model: ModelSpec, cluster:
             elif field == "chunks":
                 bad(f"{pp}.stages", f"{message} (the layer ranges each stage lists, under {name})")
             else:
+                bad(f"{pp}.{field}", message)
+        uniform = len({stage.chunks for stage in pipe.stages}) == 1
+        if not sched and uniform and pipe.activation_limits is not None:
+            for line in limit_problems(name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks,
+                                       pipe.activation_limits):
+                field, message = line.split(": ", 1)
                 bad(f"{pp}.{field}", message)
         placement = schedule_layout(name, 1).placement if name in SCHEDULE_NAMES else "loop"
         wrong_count = any(line.startswith("chunks: ") for line in sched)  # then no placement to check against

@@ -15,6 +15,7 @@ from engine_world import EngineWorld
 from test_engine_correctness import PLANS, check_against_reference, check_saved, make_batches
 
 from runtime.engine.reference import ReferenceTrainer
+from runtime.pipeline_schedules import check_schedule
 from runtime.spec import load_plan_context
 from runtime.spec.handle import StrategyHandle, plan_schedule
 
@@ -27,7 +28,7 @@ def world():
 
 
 CASES = ["interleaved-hetero4.yaml", "zb-h1-hetero4.yaml", "zb-h1-tp-hetero4.yaml", "zb-v-hetero4.yaml",
-         "zb-h1-costs-hetero4.yaml"]
+         "zb-h1-costs-hetero4.yaml", "zb-h1-limits-hetero4.yaml"]
 
 
 @pytest.mark.parametrize("plan", CASES, ids=[p.removesuffix("-hetero4.yaml") for p in CASES])
@@ -49,6 +50,14 @@ def test_schedule_matches_single_device_reference(world: EngineWorld, plan: str)
         uncosted = dataclasses.replace(ctx.plan.strategies[0].pipelines[0], stages=tuple(
             dataclasses.replace(st, op_costs=None) for st in ctx.plan.strategies[0].pipelines[0].stages))
         assert plan_schedule(uncosted, "zb-h1", 6).actions != handle.pipeline_schedule(0).actions
+    if plan == "zb-h1-limits-hetero4.yaml":   # its raised limits change the lists, and are used
+        pipe = ctx.plan.strategies[0].pipelines[0]
+        own = plan_schedule(dataclasses.replace(pipe, activation_limits=None), "zb-h1", 6)
+        raised = handle.pipeline_schedule(0)
+        assert own.actions != raised.actions
+        peak = check_schedule(raised.actions, raised.layout, 6, split_backward=True).peak_live
+        assert any(p > b for p, b in zip(peak, own.activation_limits()))
+        assert all(p <= b for p, b in zip(peak, raised.activation_limits()))
 
 
 @pytest.mark.parametrize("then", ["interleaved-hetero4.yaml", "zb-h1-hetero4.yaml"])

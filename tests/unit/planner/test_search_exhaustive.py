@@ -115,10 +115,16 @@ def test_search_matches_exhaustive_enumeration(case):
     cm = CostModel(TINY, cluster, profiles, micro_batch=1, seq_len=64)
     want = exhaustive_best(cm, batch, zero=True)
     # baselines=False: the search alone must find it (a symmetric baseline would otherwise join the ranking).
-    result = plan(TINY, cluster, profiles, PlanSettings(global_batch=batch, seq_len=64, micro_batch=1),
-                  baselines=False)
+    # The enumeration covers plans under each schedule's own activation bound (spare_activations=False).
+    result = plan(TINY, cluster, profiles, PlanSettings(global_batch=batch, seq_len=64, micro_batch=1,
+                                                        spare_activations=False), baselines=False)
     assert result.best.step_time_s == pytest.approx(want, rel=1e-9)
     assert result.lower_bound.step_time_s <= want
+    # Raising the bounds where memory allows (the default) only adds plans: never worse than that optimum.
+    raised = plan(TINY, cluster, profiles, PlanSettings(global_batch=batch, seq_len=64, micro_batch=1),
+                  baselines=False)
+    assert raised.best.step_time_s <= want * (1 + 1e-9)
+    assert raised.lower_bound.step_time_s <= raised.best.step_time_s
 
 
 # -- building blocks ---------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from runtime.pipeline_schedules import (
     build_schedule,
     check_schedule,
     chunk_problems,
+    device_limits,
+    limit_problems,
     live_activation_limit,
     schedule_layout,
     schedule_problems,
@@ -74,6 +76,53 @@ def test_every_schedule_plays_out_on_uneven_costs(shape) -> None:
     ops = [t.op for d in range(s) for t in sched.timeline[d]]
     assert sorted((o.kind, o.micro_batch, o.stage) for o in ops) == sorted(
         itertools.product(kinds, range(m), range(sched.layout.num_stages)))
+
+
+@SETTINGS
+@given(shapes(), st.data())
+def test_raised_activation_limits_play_out_and_bound_the_peak(shape, data) -> None:
+    """A plan may raise a stage's activation bound (``activation_limits``): the lists still play out
+    without deadlock, every op once, and each device's peak stays within its raised bound."""
+    name, s, m, v, costs = shape
+    own = device_limits(name, s, m, v)
+    limits = [x + data.draw(st.integers(0, 2 * s)) for x in own]
+    sched = build_schedule(name, s, m, v, costs, limits)
+    report = check(sched)
+    assert report.ok and not report.deadlock
+    assert report.transfers == 2 * m * crossings(sched.layout)
+    bounds = device_limits(name, s, m, v, limits)
+    assert sched.activation_limits() == bounds
+    assert all(own[d] <= bounds[d] <= sched.layout.chunks * m for d in range(s))
+    assert all(report.peak_live[d] <= bounds[d] for d in range(s))
+    kinds = ("F", "B", "W") if sched.split_backward else ("F", "BW")
+    ops = [t.op for d in range(s) for t in sched.timeline[d]]
+    assert sorted((o.kind, o.micro_batch, o.stage) for o in ops) == sorted(
+        itertools.product(kinds, range(m), range(sched.layout.num_stages)))
+    assert step_time(name, s, m, v, costs, limits) == sched.makespan
+
+
+def test_raised_limits_let_zb_h1_defer_w_into_the_fill() -> None:
+    """4 equal stages, F = B = W = 1, 8 micro-batches: ZB-H1 under its own bound takes
+    m * 3 + (S - 1) * 2 = 30 (the documented closed form). With each stage allowed S - 1 = 3 more
+    activations the stages defer W's into their fill and drain: 27, which no order can beat (the last
+    stage cannot start before 3 forwards reached it, and then has 8 * 3 of work)."""
+    costs = Costs.uniform(Layout(4), ChunkCost(1.0, 1.0, 1.0))
+    assert step_time("zb-h1", 4, 8, None, costs) == pytest.approx(30.0)
+    assert step_time("zb-h1", 4, 8, None, costs, [7, 6, 5, 4]) == pytest.approx(27.0)
+    # Limits below the schedule's own bound are raised to it: the same lists as none.
+    low = build_schedule("zb-h1", 4, 8, None, costs, [1, 1, 1, 1])
+    assert low.activation_limits() == (4, 3, 2, 1)
+    assert low.actions == build_schedule("zb-h1", 4, 8, None, costs).actions
+
+
+def test_limit_problems() -> None:
+    assert limit_problems("1f1b", 3, 8, None, [3, 2, 1]) == []
+    assert limit_problems("1f1b", 3, 8, None, [3, 2]) == ["activation_limits: lists 2 limit(s) for 3 stage(s)"]
+    assert limit_problems("zb-h1", 3, 8, None, [3, 1, 1]) == [
+        "activation_limits[1]: 1 is below zb-h1's own bound of 2 activations for this stage"]
+    assert limit_problems("1f1b", 2, 4, None, [2.5, 1]) == ["activation_limits: limits must be integers, got [2.5]"]
+    with pytest.raises(ValueError, match="activation_limits: lists 1 limit"):
+        build_schedule("1f1b", 2, 4, None, None, [3])
 
 
 @SETTINGS
