@@ -57,68 +57,6 @@ def pin_process(cpus: Sequence[int]) -> None:
         os.sched_setaffinity(0, cpus)
 
 
-def neighbour_cores(shares: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    """The core sets the launcher pins the other devices of an emulated cluster to (``shares``: device i's
-    cores, as ``emulated_cpu_shares`` gives them), those that do not overlap device 0's: where the
-    profiler runs a neighbour while it times device 0's compute (``busy_neighbours``). Each set once."""
-    mine = set(shares[0]) if shares else set()
-    out: list[tuple[int, ...]] = []
-    for cores in shares[1:]:
-        if cores and not mine & set(cores) and cores not in out:
-            out.append(cores)
-    return out
-
-
-@contextlib.contextmanager
-def busy_neighbours(cores: Sequence[tuple[int, ...]], threads: int, model: ModelSpec, seq_len: int, *,
-                    start_timeout_s: float = 120.0) -> Iterator[None]:
-    """While inside: on each core set of ``cores`` a process (pinned there, ``threads`` intra-op threads)
-    runs one-layer stage blocks of ``model`` at ``seq_len`` nonstop, as the other emulated devices compute
-    on their cores during a training step. A block's speed on this host depends on whether the other cores
-    compute (a VM's vCPUs may be hyperthreads of one physical core, and share its caches, memory bandwidth
-    and power budget), so a device's compute is timed as a step runs it: next to busy neighbours, not
-    alone on an idle machine. Entered once every neighbour computes; left after they all stopped."""
-    import multiprocessing
-
-    from runtime.errors import HspmdError
-
-    ctx = multiprocessing.get_context("spawn")
-    stop = ctx.Event()
-    ready = [ctx.Event() for _ in cores]
-    procs = [ctx.Process(target=_neighbour, args=(c, threads, model, seq_len, r, stop), daemon=True)
-             for c, r in zip(cores, ready)]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + start_timeout_s
-        for p, r in zip(procs, ready):
-            while not r.wait(0.1):
-                if not p.is_alive() or time.monotonic() > deadline:
-                    raise HspmdError(f"a neighbour load process for the compute timing did not start "
-                                     f"(exit code {p.exitcode})")
-        yield
-    finally:
-        stop.set()
-        for p in procs:
-            if p.pid is not None:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.terminate()
-                    p.join(timeout=5)
-
-
-def _neighbour(cores: tuple[int, ...], threads: int, model: ModelSpec, seq_len: int, ready: Any,
-               stop: Any) -> None:
-    import torch
-
-    pin_process(cores)
-    torch.set_num_threads(threads)
-    run = _one_layer(model, seq_len, "cpu")
-    ready.set()
-    while not stop.is_set():
-        run.prepare_backward()()
-
-
 def _one_layer(model: ModelSpec, seq_len: int, device: torch.device | str, micro_batch: int = 1,
                warmup: int = 2) -> StageRun:
     """What every probe times: a one-layer middle stage at TP 1 run by the engine's step, warmed up."""

@@ -3,15 +3,13 @@
 CPU-emulated clusters (every type has ``emulate:``): the CPU is measured once, with the intra-op thread
 count and the pinning the launcher gives each worker (runtime/profiling/host.py ``emulated_cpu_shares``:
 cores // cluster devices threads, pinned), and every emulated type is derived from it by its
-``emulate.slowdown`` (compute stretched, links not: that is how the runtime emulates). In stretch mode the
-compute is timed while the other devices' cores compute (``host.busy_neighbours``), as they do in a step.
-A CUDA GPU is measured as the one cluster device type named by ``device_type``. Links are measured among
-local processes (gloo on CPU, NCCL on GPUs): ping-pong for p2p, all-reduce per group size.
+``emulate.slowdown`` (compute stretched, links not: that is how the runtime emulates). A CUDA GPU is
+measured as the one cluster device type named by ``device_type``. Links are measured among local
+processes (gloo on CPU, NCCL on GPUs): ping-pong for p2p, all-reduce per group size.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import platform
 import socket
@@ -68,9 +66,6 @@ class Target:
     local_devices: int = 1                      # processes / GPUs available for the link test
     threads: int | None = None
     cpus: tuple[tuple[int, ...], ...] = ()      # emulated: the cores worker i is pinned to (launcher's rule)
-    # Stretch-mode emulation: the other devices' cores, computing while the compute is timed
-    # (host.busy_neighbours); a sleep-mode device barely loads its core, so none there.
-    neighbours: tuple[tuple[int, ...], ...] = ()
 
 
 def plan_targets(cluster: Cluster, models: Sequence[ModelSpec], device_type: str | None,
@@ -89,10 +84,8 @@ def plan_targets(cluster: Cluster, models: Sequence[ModelSpec], device_type: str
         types = {name: (dt.emulate.slowdown if dt.emulate else 1.0) for name, dt in cluster.device_types.items()}
         n = cluster.num_devices
         threads, shares = host.emulated_cpu_shares(range(n), n, host.host_cpus())
-        cpus = tuple(shares[i] for i in range(n))
-        stretched = any(dt.emulated and not dt.sleep_emulated for dt in cluster.device_types.values())
-        return [Target("cpu", types, degrees(list(types)), local_devices=n, threads=threads, cpus=cpus,
-                       neighbours=tuple(host.neighbour_cores(cpus)) if stretched else ())]
+        return [Target("cpu", types, degrees(list(types)), local_devices=n, threads=threads,
+                       cpus=tuple(shares[i] for i in range(n)))]
     if device_type is None:
         real = [n for n, dt in cluster.device_types.items() if not dt.emulated]
         if len(real) == 1 and cuda:
@@ -136,46 +129,41 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
             torch.set_num_threads(target.threads)
         if target.cpus:
             host.pin_process(target.cpus[0])   # as the launcher pins device 0's worker
-        first = models[0]
-        neighbours = (host.busy_neighbours(target.neighbours, target.threads or 1, first,
-                                           max(s for s in settings.seq_lens if s <= first.max_seq_len))
-                      if target.neighbours else contextlib.nullcontext())
         try:
-            with neighbours:
-                raw: dict[str, dict[int, dict[str, tuple[list[Sample], int]]]] = {}
-                blocks: dict[str, dict[int, dict[str, list[Sample]]]] = {}
-                for model in models:
-                    raw[model.name] = {}
-                    blocks[model.name] = {}
-                    lens = tuple(s for s in settings.seq_lens if s <= model.max_seq_len)
-                    for tp in target.tp_degrees:
-                        raw[model.name][tp] = {}
-                        for comp in COMPONENTS:
-                            report(f"{target.device}: {model.name} {comp} (TP {tp})", 0)
-                            raw[model.name][tp][comp] = compute.measure_component(
-                                comp, model, tp, lens, micro_batch=settings.micro_batch, device=dev,
-                                budget_s=settings.component_budget_s)
-                            report("", 1)
-                        report(f"{target.device}: {model.name} stage blocks (TP {tp})", 0)
-                        blocks[model.name][tp] = compute.measure_stage_blocks(
-                            model, tp, lens, micro_batch=settings.micro_batch, device=dev,
+            raw: dict[str, dict[int, dict[str, tuple[list[Sample], int]]]] = {}
+            blocks: dict[str, dict[int, dict[str, list[Sample]]]] = {}
+            for model in models:
+                raw[model.name] = {}
+                blocks[model.name] = {}
+                lens = tuple(s for s in settings.seq_lens if s <= model.max_seq_len)
+                for tp in target.tp_degrees:
+                    raw[model.name][tp] = {}
+                    for comp in COMPONENTS:
+                        report(f"{target.device}: {model.name} {comp} (TP {tp})", 0)
+                        raw[model.name][tp][comp] = compute.measure_component(
+                            comp, model, tp, lens, micro_batch=settings.micro_batch, device=dev,
                             budget_s=settings.component_budget_s)
                         report("", 1)
-                report(f"{target.device}: optimizer step", 0)
-                opt, step_over, opt_resid = compute.measure_step_epilogue(
-                    models, target.tp_degrees, device=dev, micro_batch=settings.micro_batch)
-                sync_pack = compute.measure_sync_pack(models, target.tp_degrees, device=dev)
-                report("", 1)
-                resume = {}
-                for model in models:
-                    lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
-                    report(f"{target.device}: {model.name} compute after idling", 0)
-                    resume[model.name] = host.measure_resume_penalty(model, lens[len(lens) // 2], device=dev,
-                                                                     micro_batch=settings.micro_batch)
+                    report(f"{target.device}: {model.name} stage blocks (TP {tp})", 0)
+                    blocks[model.name][tp] = compute.measure_stage_blocks(
+                        model, tp, lens, micro_batch=settings.micro_batch, device=dev,
+                        budget_s=settings.component_budget_s)
                     report("", 1)
-                report(f"{target.device}: GEMM rate, memory bandwidth", 0)
-                thr = compute.measure_throughput(dev)
+            report(f"{target.device}: optimizer step", 0)
+            opt, step_over, opt_resid = compute.measure_step_epilogue(
+                models, target.tp_degrees, device=dev, micro_batch=settings.micro_batch)
+            sync_pack = compute.measure_sync_pack(models, target.tp_degrees, device=dev)
+            report("", 1)
+            resume = {}
+            for model in models:
+                lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
+                report(f"{target.device}: {model.name} compute after idling", 0)
+                resume[model.name] = host.measure_resume_penalty(model, lens[len(lens) // 2], device=dev,
+                                                                 micro_batch=settings.micro_batch)
                 report("", 1)
+            report(f"{target.device}: GEMM rate, memory bandwidth", 0)
+            thr = compute.measure_throughput(dev)
+            report("", 1)
         finally:
             torch.set_num_threads(old_threads)
             if target.cpus:
@@ -251,8 +239,6 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
             f"{opt_resid:.3f}")
     if slowdown != 1.0:
         note += f"; emulated device: compute x{slowdown:g}, links as measured"
-    if target.neighbours:
-        note += f"; compute timed next to {len(target.neighbours)} busy neighbour core set(s), as in a step"
     dt = cluster.device_types[type_name]
     return DeviceProfile(
         version=PROFILE_VERSION, device_type=type_name, provenance="measured", memory_gib=dt.memory_gib,

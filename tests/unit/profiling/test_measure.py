@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,14 +22,7 @@ from runtime.profiling.compute import (
     stage_blocks,
 )
 from runtime.profiling.fit import fit_component, fit_quadratic, nonneg_lstsq
-from runtime.profiling.host import (
-    busy_core_handoff,
-    busy_neighbours,
-    emulated_cpu_shares,
-    handoff_figures,
-    host_cpus,
-    neighbour_cores,
-)
+from runtime.profiling.host import busy_core_handoff, emulated_cpu_shares, handoff_figures, host_cpus
 from runtime.profiling.profile import BLOCKS, ResumePenalty
 from runtime.profiling.profiler import plan_targets
 from runtime.spec import load_cluster, load_model
@@ -133,53 +124,6 @@ def test_emulated_cpu_shares_pin_like_the_launcher():
     # The profiler measures with the share of the cluster's devices.
     (t,) = plan_targets(load_cluster("cpu-hetero4"), [TINY], None)
     assert t.threads == emulated_cpu_shares(range(4), 4, host_cpus())[0] and len(t.cpus) == 4
-
-
-def test_neighbour_cores_are_the_other_devices_cores():
-    # 2 cores, 4 devices (0 and 2 on core 0, 1 and 3 on core 1): device 0's neighbour is core 1, once.
-    assert neighbour_cores([(0,), (1,), (0,), (1,)]) == [(1,)]
-    # 16 cores, 4 devices of 4 threads: the other three devices' core sets.
-    shares = [tuple(range(4 * i, 4 * i + 4)) for i in range(4)]
-    assert neighbour_cores(shares) == shares[1:]
-    # One core, or one device: nobody computes elsewhere.
-    assert neighbour_cores([(0,), (0,), (0,)]) == [] and neighbour_cores([(0, 1)]) == [] and neighbour_cores([]) == []
-
-
-def test_stretch_mode_compute_is_timed_next_to_busy_neighbours():
-    """In a step of a stretch-mode cluster the other devices compute on the other cores, so the profiler
-    times device 0's compute with them computing (docs/benchmarks.md, "Simulator fidelity"), never with
-    a neighbour on device 0's own core. Sleep-mode devices barely load their cores: no neighbours there."""
-    (t,) = plan_targets(load_cluster("cpu-hetero4"), [TINY], None)
-    assert t.neighbours == tuple(neighbour_cores(t.cpus))
-    if len(host_cpus()) >= 2:
-        assert t.neighbours and not set(t.cpus[0]) & {c for cs in t.neighbours for c in cs}
-    (s,) = plan_targets(load_cluster("cpu-hetero4-sleep"), [TINY], None)
-    assert s.neighbours == ()
-
-
-@pytest.mark.integration
-def test_busy_neighbours_compute_on_their_cores_while_inside():
-    if len(host_cpus()) < 2:
-        pytest.skip("one core: no neighbour core")
-    core = (host_cpus()[-1],)
-
-    def children() -> list[int]:
-        me = os.getpid()
-        return [int(c) for c in Path(f"/proc/{me}/task/{me}/children").read_text().split()]
-
-    def cpu_s(pid: int) -> float:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    before = set(children())
-    with busy_neighbours([core], 1, TINY, 16):
-        pinned = [p for p in set(children()) - before
-                  if Path(f"/proc/{p}/status").read_text().split("Cpus_allowed_list:")[1].split()[0] == str(core[0])]
-        assert len(pinned) == 1
-        c0 = cpu_s(pinned[0])
-        time.sleep(0.5)
-        assert cpu_s(pinned[0]) > c0   # computing, not waiting
-    assert not Path(f"/proc/{pinned[0]}").exists()   # stopped and reaped on the way out
 
 
 def test_core_handoff_is_busy_minus_idle_never_negative():
