@@ -138,16 +138,27 @@ def test_core_handoff_is_busy_minus_idle_never_negative():
 
 def test_busy_core_handoff_runs_the_emulated_duty_cycle(tmp_path):
     """In a one-process group (no core-mate, no peer): both cases run the runtime's duty cycle; the block's
-    CPU time is what the sleep was sized by, and the hand-off figures are plain non-negative seconds."""
+    CPU time is what the sleep was sized by, and the hand-off figures are plain non-negative seconds.
+
+    Run as the profiler's link workers run it: at the launcher's thread share of a 4-device cluster (with
+    a second intra-op thread the process's CPU clock runs ahead of the wall clock, the duty cycle takes the
+    wall time, and one preemption on a loaded host made a forward look longer than a backward), at the
+    longest length, where the backward is clearly the larger block (about 1.4x its forward; at 16 tokens
+    both are mostly per-op overhead, 10-15% apart), for the profiler's 1 s, about 30 blocks a case, so that
+    one block slowed 5x by the shared host does not decide a mean."""
     import torch.distributed as dist
 
+    s = TINY.max_seq_len
+    threads = torch.get_num_threads()
+    torch.set_num_threads(emulated_cpu_shares(range(4), 4, host_cpus())[0])
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        out = busy_core_handoff(0, (0, 0), TINY, [16], duration_s=0.05)
+        out = busy_core_handoff(0, (0, 0), TINY, [s], duration_s=1.0)
     finally:
         dist.destroy_process_group()
-    assert set(out) == {16} and set(out[16]) == {"idle", "busy"}
-    for case in out[16].values():
+        torch.set_num_threads(threads)
+    assert set(out) == {s} and set(out[s]) == {"idle", "busy"}
+    for case in out[s].values():
         assert set(case) == {"wall", "cpu_forward", "cpu_backward", "gap", "late", "recv"} and case["recv"] == 0.0
         assert 0 < case["cpu_forward"] < case["cpu_backward"] and case["gap"] >= 0 and case["late"] >= 0
         assert case["cpu_forward"] + case["cpu_backward"] <= 2 * case["wall"] * 1.5
