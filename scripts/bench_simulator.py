@@ -25,10 +25,26 @@ sides use medians. In stretch mode each round also simulates every plan without 
 comparison. Measured step time of a plan in a round: the median of its steps after 2 warm-up steps (each
 step's time is the slowest worker's); the plan's measured time is the median over the rounds, its
 simulated time the median of the rounds' simulations. A run during which other processes used more than
-``--max-foreign`` cores of CPU on average is repeated once. `--json` prints one JSON object: per mode
+``--max-foreign`` cores of CPU on average is repeated once.
+
+Host-speed check (stretch mode; the host at times runs this VM at half speed for seconds): a fixed
+reference workload (the profiler's kind of torch block, in this process on device 0's core and thread
+count) is timed right after the round's profile and right before and after every run. A run whose
+before or after reference time is more than ``HOST_TOLERANCE`` off the profile's, or which drifted
+between them, is repeated (``HOST_TRIES`` runs at most); ``HOST_STREAK`` consecutive runs all off in the
+same direction re-profile the round and re-simulate every plan (``HOST_REPROFILES`` at most per round);
+a run still off when the tries are spent is kept and marked ``keep``. With ``--profile`` the reference is
+timed at each round's start instead and nothing is re-profiled. Measured times are never rescaled:
+only repeated. Each plan's simulation in a round is the one of the profile its run was compared with.
+Sleep mode records the reference times and acts on none (its blocks sleep up to their prices).
+
+`--json` prints one JSON object: per mode
 (``stretch``, ``sleep``) `errors` (relative error per plan), `max_abs_error`, `rank_preserved`, `target`,
 `within_target` and the figures behind them (per round too; `rounds_max_overrun_s`: per plan and round,
-the most a step's blocks overran their sleep-mode targets, which should be 0); top level,
+the most a step's blocks overran their sleep-mode targets, which should be 0; `host_speed`: per plan and
+round, the kept run's reference times (profile / before / after, in s, and their ratios), its verdict,
+retries, the round's re-profiles so far and every attempt; `profile_reference_s`: per round, each
+profile's reference time); top level,
 `max_abs_error`, `rank_preserved` and `within_target` by mode. Everything else goes to stderr.
 """
 
