@@ -94,3 +94,52 @@ def test_the_verdict_follows_from_the_ratios(pairs, tries, reprofiles):
         assert tries < bench.HOST_TRIES
     if v == "keep":
         assert tries >= bench.HOST_TRIES
+
+
+def test_a_round_repeats_reprofiles_and_pairs_each_run_with_its_profile(monkeypatch, tmp_path):
+    """run_mode's wiring, the cluster's processes replaced by scripted figures: three slow runs of the
+    first plan re-profile the round; the plan's kept run is then compared with (and simulated from) the new
+    profile, and the JSON says so. The measured time kept is the accepted run's, unscaled."""
+    import argparse
+
+    refs = iter([10.0,                       # after profile 0
+                 12.0, 12.0, 12.0, 12.0, 12.0, 12.0,   # pp2-fast: three runs 20% slow -> re-profile
+                 12.0,                       # after profile 1
+                 12.1, 11.9,                 # pp2-fast at the new profile's speed: accepted
+                 12.2, 11.8])                # dp2-fast: accepted
+    steps = iter([0.30, 0.31, 0.32, 0.25, 0.20])
+    profiles = []
+
+    class Reference:
+        def __init__(self, model, cluster_devices):
+            pass
+
+        def time_s(self):
+            return next(refs)
+
+    def profile_now(prof_dir, cluster):
+        profiles.append(prof_dir.name)
+        return 1.0, 0.0
+
+    def simulate_plans(paths, prof_dir, handoff=True):
+        k = len(profiles)   # which profile this simulation used
+        return {n: k + (0.5 if handoff else 0.0) for n in paths}
+
+    monkeypatch.setattr(bench, "HostReference", Reference)
+    monkeypatch.setattr(bench, "profile_now", profile_now)
+    monkeypatch.setattr(bench, "simulate_plans", simulate_plans)
+    monkeypatch.setattr(bench, "profile_handoff", lambda prof_dir: {})
+    monkeypatch.setattr(bench, "measured_step", lambda plan, n, out: (next(steps), 0.0, 0.0))
+    args = argparse.Namespace(rounds=1, steps=10, max_foreign=0.25, profile=None)
+    res = bench.run_mode("stretch", ["pp2-fast", "dp2-fast"], args, tmp_path)
+
+    assert profiles == ["profiles-0-0", "profiles-0-1"]
+    assert res["profile_reference_s"] == [[10.0, 12.0]]
+    assert res["measured_rounds_s"] == {"pp2-fast": [0.25], "dp2-fast": [0.20]}
+    assert res["simulated_rounds_s"] == {"pp2-fast": [2.5], "dp2-fast": [2.5]}   # the second profile's
+    pp2 = res["host_speed"]["pp2-fast"][0]
+    assert [a["verdict"] for a in pp2["attempts"]] == ["retry", "retry", "reprofile", "accept"]
+    assert (pp2["verdict"], pp2["reprofiles"], pp2["retries"], pp2["profile_s"]) == ("accept", 1, 0, 12.0)
+    dp2 = res["host_speed"]["dp2-fast"][0]
+    assert (dp2["verdict"], dp2["retries"], len(dp2["attempts"])) == ("accept", 0, 1)
+    assert next(refs, None) is None and next(steps, None) is None   # nothing run beyond the script
