@@ -542,6 +542,10 @@ class _DeviceState:
     forwards_left: int = 0
     free_at: float = 0.0
     last: str | None = None  # kind of the op run last
+    # Ops started here so far, and (eligible ops, that count) when the device last found nothing it may
+    # run: until one of the two changes it would find nothing again (the choice depends on nothing else).
+    started: int = 0
+    stuck: tuple[int, int] | None = None
     ready: list[_Op] = field(default_factory=list)
     # micro-batch -> forwards it still has to run here / activations it holds here (while it holds any)
     owed: dict[int, int] = field(default_factory=dict)
@@ -551,17 +555,20 @@ class _DeviceState:
         """Banker's rule: after one more forward of ``mb`` here, can every micro-batch holding
         activations here, the oldest first, still run its remaining forwards within ``limit`` (and
         then, its backwards done, free every slot it holds)?"""
-        owed = dict(self.owed)
-        owed[mb] = owed.get(mb, chunks) - 1
-        held = dict(self.held)
-        held[mb] = held.get(mb, 0) + 1
         free = limit - self.live - 1
         if free < 0:
             return False
-        for k in sorted(owed):
-            if owed[k] > free:
-                return False
-            free += held[k]
+        owed, held = self.owed, self.held
+        # The state after that forward, read without copying it (this runs for every candidate forward).
+        for k in sorted(owed) if mb in owed else sorted([*owed, mb]):
+            if k == mb:
+                if owed.get(k, chunks) - 1 > free:
+                    return False
+                free += held.get(k, 0) + 1
+            else:
+                if owed[k] > free:
+                    return False
+                free += held[k]
         return True
 
 
@@ -628,10 +635,16 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs) -> list[list
         for d, st in enumerate(devs):
             if st.free_at > now + tol:
                 continue
-            op = _choose(st, [o for o in st.ready if ready_at[o] <= now + tol], pol, limit[d],
-                         layout.chunks, key)
-            if op is None:
+            # Ready ops only join the list and become eligible as time passes, so an unchanged count
+            # with no op started here since means the same ops as when the device last found none.
+            eligible = [o for o in st.ready if ready_at[o] <= now + tol]
+            if st.stuck == (len(eligible), st.started):
                 continue
+            op = _choose(st, eligible, pol, limit[d], layout.chunks, key)
+            if op is None:
+                st.stuck = (len(eligible), st.started)
+                continue
+            st.started += 1
             st.last = op[0]
             st.ready.remove(op)
             kind, mb, j = op
