@@ -116,6 +116,11 @@ def best_symmetric(cms: Mapping[int, CostModel], devices: Sequence[int], global_
     best: Baseline | None = None
     for _, b, desc, strategy in ranked[:EXACTLY_PRICED]:
         strategy = cms[b].with_op_costs(strategy, schedule)   # as its plan will carry them (the runtime's op order)
+        if best is not None:   # not worth its action lists if even its pipelines' lower bounds lose
+            bounds = [cms[b].pipeline_step_bound(strategy, i, schedule) for i in range(len(strategy.pipelines))]
+            if cms[b].estimate(strategy, global_batch, schedule, zero, pipeline_s=bounds).step_time_s \
+                    >= best.estimate.step_time_s - 1e-12:  # type: ignore[union-attr]
+                continue
         est = cms[b].estimate(strategy, global_batch, schedule, zero)
         if best is None or est.step_time_s < best.estimate.step_time_s - 1e-12:  # type: ignore[union-attr]
             best = Baseline(name, strategy, est, b, f"{desc}, micro-batch {b}")

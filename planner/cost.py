@@ -99,6 +99,7 @@ from typing import Any
 
 from planner.host import HostModel
 from planner.links import Flow, concurrent_seconds, curve_seconds, ring_sharers, tick_seconds
+from planner.schedule_choice import step_time_bound
 from runtime.annotations.from_plan import Boundary, held_by, placements
 from runtime.annotations.states import Annotation
 from runtime.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
@@ -392,8 +393,10 @@ def memo(fn: Callable) -> Callable:
     name = f"_memo_{fn.__name__}"
 
     def wrapper(self, *args, **kwargs):
-        cache = self.__dict__.setdefault(name, {})
-        key = (args, tuple(sorted(kwargs.items())))
+        cache = self.__dict__.get(name)
+        if cache is None:
+            cache = self.__dict__[name] = {}
+        key = (args, tuple(sorted(kwargs.items())) if kwargs else ())   # the search calls these millions of times
         try:
             return cache[key]
         except KeyError:
@@ -1080,6 +1083,14 @@ class CostModel:
             cache[key] = play_actions(sched, costs)
         return cache[key]
 
+    def pipeline_step_bound(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
+        """A lower bound of ``pipeline_step_time`` that builds no lists (``step_time_bound``): a search that
+        compares exact prices skips the plans this shows cannot win."""
+        pipe = strategy.pipelines[pi]
+        name = pipe.schedule if pipe.schedule is not None else schedule
+        return step_time_bound(name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks,
+                               self.pipeline_costs(strategy, pi, name))
+
     def ideal_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
         """The list scheduler run on the priced costs, transfers included (``step_time``): what
         ``pipeline_step_time`` would be if the runtime's lists were ordered knowing the transfer times and
@@ -1101,7 +1112,10 @@ class CostModel:
         pipe = strategy.pipelines[pi]
         if pipe.schedule is not None:
             schedule = pipe.schedule
-        key = (schedule, pipe.micro_batches, pipe.transfer_costs, tuple((st.layers, st.op_costs) for st in pipe.stages))
+        # With every stage's op costs the lists depend on them, not on which layers the chunks hold.
+        costed = all(st.op_costs is not None for st in pipe.stages)
+        key = (schedule, pipe.micro_batches, pipe.transfer_costs,
+               tuple(st.op_costs if costed else (st.layers, st.op_costs) for st in pipe.stages))
         cache = self.__dict__.setdefault("_runtime_schedules", {})
         if key not in cache:
             cache[key] = plan_schedule(pipe, schedule, pipe.micro_batches)

@@ -17,7 +17,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
-from runtime.pipeline_schedules import SCHEDULE_NAMES, ChunkCost, Costs, schedule_layout, step_time
+from runtime.pipeline_schedules import (
+    POLICIES,
+    SCHEDULE_NAMES,
+    ChunkCost,
+    Costs,
+    live_activation_limit,
+    schedule_layout,
+    step_time,
+)
 
 AUTO = "auto"
 # Interleaved 1F1B's chunk counts the search tries with the schedule fixed: each halves the fill again
@@ -46,8 +54,19 @@ class ScheduleChoice:
 
     def ends(self, stage: int, num_stages: int) -> tuple[bool, bool]:
         """Whether stage ``stage`` holds the embedding and the head under this schedule's placement."""
-        layout = schedule_layout(self.name, num_stages, self.chunks)
-        return stage == layout.device(0), stage == layout.device(layout.num_stages - 1)
+        return stage_shapes(self, num_stages)[stage][:2]
+
+
+@cache
+def stage_shapes(choice: ScheduleChoice, num_stages: int) -> tuple[tuple[bool, bool, int], ...]:
+    """Per stage of ``num_stages`` under ``choice``: whether it holds the embedding, the head, and its
+    ``live_activation_limit`` where the bound saturates (``m = 2 S v``). Cached: the search asks for every
+    stage of every pipeline it tries."""
+    layout = schedule_layout(choice.name, num_stages, choice.chunks)
+    first, last = layout.device(0), layout.device(layout.num_stages - 1)
+    v = choice.chunks
+    return tuple((k == first, k == last, live_activation_limit(choice.name, num_stages, k, 2 * num_stages * v, v))
+                 for k in range(num_stages))
 
 
 def schedule_choices(setting: str) -> tuple[ScheduleChoice, ...]:
@@ -126,3 +145,42 @@ def rounded_shares(cost: ChunkCost) -> tuple[float, float, float]:
     f = max(0.1, round(cost.forward / total * 10) / 10)
     b = max(0.1, round(cost.input_grad / total * 10) / 10)
     return f, b, max(0.1, round(1.0 - f - b, 1))
+
+
+def step_time_bound(name: str, num_stages: int, micro_batches: int, chunks: int, costs: Costs) -> float:
+    """A lower bound on the pipeline's time under ``name`` with op durations and transfer times ``costs``,
+    for any op order that respects the dependencies: what the runtime's action lists take when played
+    (``CostModel.pipeline_step_time``) and what the list scheduler takes (``step_time``). Cheap (no lists
+    built), so that the search skips pricing exactly what cannot beat a plan it has (docs/design.md §10).
+
+    Per device ``d``: nothing runs before the first micro-batch's forward reaches its first virtual stage
+    (``head``), it runs its ops one at a time, its last backward (B) is followed by the input-gradient
+    chain down to stage 0 (``tail``), and no backward starts before the first micro-batch has gone
+    through the pipeline and its gradient has come back to ``d`` (``back``). Exact for 1F1B on equal
+    stages without transfers (``(m + S - 1) * (F + BW)``)."""
+    layout = schedule_layout(name, num_stages, chunks)
+    split = POLICIES[name].split_backward
+    n, m = layout.num_stages, micro_batches
+    dev = [layout.device(j) for j in range(n)]
+    cost = [costs.chunk(dev[j], layout.chunk(j)) for j in range(n)]
+    f = [c.forward for c in cost]
+    b = [c.input_grad if split else c.of("BW") for c in cost]
+    w = [c.weight_grad if split else 0.0 for c in cost]
+    hop = [costs.transfer(j) if dev[j] != dev[j + 1] else 0.0 for j in range(n - 1)]
+    head = [0.0] * n       # earliest start of F at virtual stage j
+    tail = [w[0]] * n      # least time from the end of B at stage j to the end of the step
+    for j in range(1, n):
+        head[j] = head[j - 1] + f[j - 1] + hop[j - 1]
+        tail[j] = tail[j - 1] + hop[j - 1] + b[j - 1]
+    back = [0.0] * n       # earliest start of B at stage j
+    back[n - 1] = head[n - 1] + f[n - 1]
+    for j in range(n - 2, -1, -1):
+        back[j] = max(head[j] + f[j], back[j + 1] + b[j + 1] + hop[j])
+    best = 0.0
+    for d in range(layout.num_devices):
+        js = [j for j in range(n) if dev[j] == d]
+        fs, bs, ws = (m * sum(x[j] for j in js) for x in (f, b, w))
+        start, first_back, least_tail = min(head[j] for j in js), min(back[j] for j in js), min(tail[j] for j in js)
+        best = max(best, start + fs + bs + ws, start + fs + bs + least_tail,
+                   first_back + bs + ws, first_back + bs + least_tail)
+    return best

@@ -1,0 +1,77 @@
+"""``step_time_bound``: the search skips exact pricing where this bound says a plan cannot win, which is
+only sound if it never exceeds the exact time (the list scheduler's, and the runtime's lists played on
+other costs than they were ordered by, as the cost model prices them)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.cost import play_actions
+from planner.schedule_choice import step_time_bound
+from runtime.pipeline_schedules import (
+    SCHEDULE_NAMES,
+    ChunkCost,
+    Costs,
+    build_schedule,
+    schedule_layout,
+    schedule_problems,
+    step_time,
+)
+
+positive = st.floats(min_value=1e-3, max_value=5.0, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def shapes(draw: st.DrawFn) -> tuple[str, int, int, int, Costs, Costs]:
+    """A valid (schedule, S, m, v) with two random cost sets (one to order the lists by, one to play)."""
+    name = draw(st.sampled_from(SCHEDULE_NAMES))
+    s = draw(st.integers(1, 6))
+    v = draw(st.integers(1, 3)) if name == "interleaved" else schedule_layout(name, 1).chunks
+    m = draw(st.integers(1, 12))
+    if schedule_problems(name, s, m, v):
+        m = max(m, s)   # interleaved needs m >= S
+    layout = schedule_layout(name, s, v)
+
+    def costs(full: bool) -> Costs:
+        chunks = tuple(tuple(ChunkCost(draw(positive), draw(positive), draw(positive),
+                                       draw(positive) if full and draw(st.booleans()) else None)
+                             for _ in range(layout.chunks)) for _ in range(s))
+        boundary = tuple(draw(st.sampled_from([0.0, 0.01, 0.3, 1.0])) for _ in range(layout.num_stages - 1))
+        return Costs(chunks, boundary if draw(st.booleans()) else ())
+
+    return name, s, m, v, costs(False), costs(True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes())
+def test_bound_never_exceeds_the_list_schedulers_time(shape: tuple[str, int, int, int, Costs, Costs]) -> None:
+    name, s, m, v, order, _ = shape
+    assert step_time_bound(name, s, m, v, order) <= step_time(name, s, m, v, order) * (1 + 1e-9) + 1e-12
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes())
+def test_bound_never_exceeds_the_played_lists(shape: tuple[str, int, int, int, Costs, Costs]) -> None:
+    """Lists ordered by one set of costs, played with another (fused backwards, transfers): the cost model's
+    exact price (``CostModel.pipeline_step_time``)."""
+    name, s, m, v, order, played = shape
+    sched = build_schedule(name, s, m, v, order)
+    assert step_time_bound(name, s, m, v, played) <= play_actions(sched, played) * (1 + 1e-9) + 1e-12
+
+
+@pytest.mark.parametrize("s, m", [(1, 1), (2, 5), (4, 4), (6, 13)])
+def test_bound_is_exact_for_1f1b_on_equal_stages(s: int, m: int) -> None:
+    costs = Costs(tuple((ChunkCost(1.0, 0.5, 1.5),) for _ in range(s)))
+    assert step_time_bound("1f1b", s, m, 1, costs) == pytest.approx(step_time("1f1b", s, m, 1, costs))
+    assert step_time_bound("1f1b", s, m, 1, costs) == pytest.approx((m + s - 1) * 3.0)
+
+
+def test_bound_sees_the_slowest_stage_and_the_transfers() -> None:
+    """A slow stage sets the bound at m times its time; a transfer adds to the fill."""
+    slow = Costs(((ChunkCost(1.0, 1.0, 1.0),), (ChunkCost(3.0, 3.0, 3.0),), (ChunkCost(1.0, 1.0, 1.0),)))
+    assert step_time_bound("zb-h1", 3, 8, 1, slow) >= 8 * 9.0
+    plain = Costs(((ChunkCost(1.0, 1.0, 1.0),),) * 3)
+    sent = Costs(plain.chunks, (0.5, 0.5))
+    assert step_time_bound("1f1b", 3, 4, 1, sent) == pytest.approx(step_time_bound("1f1b", 3, 4, 1, plain) + 2.0)
