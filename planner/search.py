@@ -478,6 +478,7 @@ class Searcher:
                    for lo, hi in chunks] for c in classes]
         cuts = sorted({0, n_layers} | {b for rs in ranges for r in rs for b in r[:2]})
         fused: dict[tuple[int, int], dict[tuple[int, ...], float]] = {}
+        ring_keys: dict[tuple[int, ...], tuple[int, ...]] = {}
         for a, b in zip(cuts, cuts[1:]):
             holders = []
             devs: list[int] = []
@@ -488,31 +489,43 @@ class Searcher:
             if len(devs) < 2:
                 continue
             ring = tuple(sorted(devs))
+            if ring not in ring_keys:
+                ring_keys[ring] = self._ring_key(ring)
             for ci, k in holders:
-                kind = classes[ci].template[k]
-                params = (b - a) * self.cm.layer(kind.device_type, kind.tp).params
-                if a == 0:   # the stage holding layer 0 holds the embedding, the last layer's the head
-                    params += self.cm.extras(kind.device_type, kind.tp, True, False).params
-                if b == n_layers:
-                    params += self.cm.extras(kind.device_type, kind.tp, False, True).params
-                nbytes = params * self.cm.profiles[kind.device_type].memory.grad_bytes
+                nbytes = self._segment_grad_bytes(classes[ci].template[k], b - a, a == 0, b == n_layers)
                 per = fused.setdefault((ci, k), {})
                 per[ring] = per.get(ring, 0.0) + nbytes
         out = []
         for per in fused.values():
-            secs = sum(self.ring_time(ring, nbytes) for ring, nbytes in per.items())
+            secs = sum(self._keyed_ring_time(ring_keys[ring], ring, nbytes) for ring, nbytes in per.items())
             biggest = max(per, key=lambda r: (per[r], r))
             out.append((biggest, sum(per.values()), secs))
         out.sort(key=lambda r: (-r[2], r[0]))
         return out
 
+    @memo
+    def _segment_grad_bytes(self, kind: GroupKind, layers: int, first: bool, last: bool) -> float:
+        """Gradient bytes of ``layers`` decoder layers on ``kind`` (with the embedding where the segment
+        starts at layer 0, the head where it ends at the last layer: the stage holding them holds those)."""
+        params = layers * self.cm.layer(kind.device_type, kind.tp).params
+        if first:
+            params += self.cm.extras(kind.device_type, kind.tp, True, False).params
+        if last:
+            params += self.cm.extras(kind.device_type, kind.tp, False, True).params
+        return params * self.cm.profiles[kind.device_type].memory.grad_bytes
+
+    def _ring_key(self, ring: tuple[int, ...]) -> tuple[int, ...]:
+        return ring if self._device_links else tuple(self._node_idx[d] for d in ring)
+
     def ring_time(self, ring: tuple[int, ...], nbytes: float) -> float:
         """``allreduce_time`` of a ring, cached by the ring's nodes (a node holds one device type, and
         links depend on nodes only, unless the cluster overrides single devices' bandwidth)."""
-        key = (ring if self._device_links else tuple(self._node_idx[d] for d in ring), nbytes)
-        hit = self._sync_cache.get(key)
+        return self._keyed_ring_time(self._ring_key(ring), ring, nbytes)
+
+    def _keyed_ring_time(self, key: tuple[int, ...], ring: tuple[int, ...], nbytes: float) -> float:
+        hit = self._sync_cache.get((key, nbytes))
         if hit is None:
-            hit = self._sync_cache[key] = self.cm.allreduce_time(list(ring), nbytes)
+            hit = self._sync_cache[(key, nbytes)] = self.cm.allreduce_time(list(ring), nbytes)
         return hit
 
     def _terms(self, classes: Sequence[ClassInfo]) -> tuple[float, tuple[tuple[str, int, int], ...]]:

@@ -196,7 +196,8 @@ class EventLoop:
 
     def add(self, op: SimOp) -> None:
         """Append ``op`` to its resource's queue (hosts without cores here are dropped)."""
-        op = dataclasses.replace(op, hosts=tuple((h, d) for h, d in op.hosts if h in self.cores))
+        if any(h not in self.cores for h, _ in op.hosts):   # (most ops have none to drop: no copy)
+            op = dataclasses.replace(op, hosts=tuple((h, d) for h, d in op.hosts if h in self.cores))
         self.ops[op.name] = op
         self.queue.setdefault(op.resource, []).append(op.name)
 
