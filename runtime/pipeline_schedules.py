@@ -497,6 +497,14 @@ def build_schedule(name: str, num_devices: int, micro_batches: int, chunks: int 
                     tuple(tuple(t) for t in timeline), actions)
 
 
+def schedule_timeline(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
+                      costs: Costs | None = None) -> tuple[tuple[TimedOp, ...], ...]:
+    """``build_schedule(...).timeline`` without deriving the action lists: the compute order is all a
+    caller that only times the order needs (the planner prices thousands of pipelines)."""
+    layout, costs = _checked(name, num_devices, micro_batches, chunks, costs)
+    return tuple(tuple(t) for t in _list_schedule(name, layout, micro_batches, costs))
+
+
 def step_time(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
               costs: Costs | None = None) -> float:
     """The pipeline's step time under ``name`` with ``costs``: the scheduler's simulated makespan.

@@ -1,6 +1,8 @@
-"""``step_time_bound``: the search skips exact pricing where this bound says a plan cannot win, which is
-only sound if it never exceeds the exact time (the list scheduler's, and the runtime's lists played on
-other costs than they were ordered by, as the cost model prices them)."""
+"""The planner's fast paths to the exact pipeline price. ``step_time_bound``: the search skips exact
+pricing where this bound says a plan cannot win, which is only sound if it never exceeds the exact time
+(the list scheduler's, and the runtime's lists played on other costs than they were ordered by, as the
+cost model prices them). ``play_timeline``: the price without deriving the action lists, which must be
+exactly ``play_actions``' number."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.cost import play_actions
+from planner.cost import play_actions, play_timeline
 from planner.schedule_choice import step_time_bound
 from runtime.pipeline_schedules import (
     SCHEDULE_NAMES,
@@ -17,6 +19,7 @@ from runtime.pipeline_schedules import (
     build_schedule,
     schedule_layout,
     schedule_problems,
+    schedule_timeline,
     step_time,
 )
 
@@ -75,3 +78,12 @@ def test_bound_sees_the_slowest_stage_and_the_transfers() -> None:
     plain = Costs(((ChunkCost(1.0, 1.0, 1.0),),) * 3)
     sent = Costs(plain.chunks, (0.5, 0.5))
     assert step_time_bound("1f1b", 3, 4, 1, sent) == pytest.approx(step_time_bound("1f1b", 3, 4, 1, plain) + 2.0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes())
+def test_playing_the_timeline_is_playing_the_action_lists(shape: tuple[str, int, int, int, Costs, Costs]) -> None:
+    name, s, m, v, order, played = shape
+    sched = build_schedule(name, s, m, v, order)
+    assert schedule_timeline(name, s, m, v, order) == sched.timeline
+    assert play_timeline(sched.layout, sched.timeline, played) == play_actions(sched, played)   # exactly
