@@ -259,17 +259,19 @@ class SearchStats:
     notes: list[str] = field(default_factory=list)
 
 
-def lazily_sorted(lower: Sequence[float], exact: Callable[[int], float], indices: Iterable[int]
-                  ) -> Iterator[tuple[float, int]]:
+def lazily_sorted(lower: Sequence[float], exact: Callable[[int], float], indices: Iterable[int],
+                  skip: Callable[[int], bool] | None = None) -> Iterator[tuple[float, int]]:
     """``(exact(i), i)`` for the ``indices`` with a finite exact value, in the order ``sorted`` gives
     (value, then index), computing ``exact(i)`` only when its lower bound ``lower[i]`` comes up: a
-    consumer that stops early never pays for the rest."""
+    consumer that stops early never pays for the rest. ``skip(i)``, asked then, drops ``i`` unpriced."""
     heap = [(lower[i], i, False) for i in indices if math.isfinite(lower[i])]
     heapq.heapify(heap)
     while heap:
         value, i, known = heapq.heappop(heap)
         if known:
             yield value, i
+            continue
+        if skip is not None and skip(i):
             continue
         value = exact(i)
         if math.isfinite(value):
@@ -288,17 +290,25 @@ def set_partitions(items: Sequence[str]) -> Iterator[list[tuple[str, ...]]]:
             yield part[:i] + [(first,) + part[i]] + part[i + 1:]
 
 
-def _pareto(ranked: Iterable[tuple[float, BlockCandidate]], keep: int) -> list[BlockCandidate]:
-    """The first ``keep`` of ``ranked`` (by score, best first) that no earlier one beats on rate,
-    fill-and-drain and score alike."""
-    out: list[tuple[float, BlockCandidate]] = []
-    for score, c in ranked:
-        if any(o.rate >= c.rate and o.overhead <= c.overhead and s <= score for s, o in out):
+def _pareto(drafts: Sequence[BlockCandidate], lower: Sequence[float], score: Callable[[int], float],
+            keep: int) -> list[int]:
+    """By score (``score(i)``, best first), the first ``keep`` drafts that no earlier one beats on rate,
+    fill-and-drain and score alike. In that order every earlier score is at most a later one's, so only
+    rate and fill-and-drain decide, and a draft they rule out when its lower bound ``lower[i]`` comes up
+    is dropped without being scored."""
+    out: list[int] = []
+
+    def beaten(i: int) -> bool:
+        c = drafts[i]
+        return any(drafts[j].rate >= c.rate and drafts[j].overhead <= c.overhead for j in out)
+
+    for _, i in lazily_sorted(lower, score, range(len(drafts)), beaten):
+        if beaten(i):
             continue
-        out.append((score, c))
+        out.append(i)
         if len(out) >= keep:
             break
-    return [c for _, c in out]
+    return out
 
 
 class Searcher:
@@ -855,8 +865,7 @@ class Searcher:
             def score(i: int, spans: list[float] = spans) -> float:
                 return spans[i] + self.overheads([full(i)])
 
-            ranked = ((v, full(i)) for v, i in lazily_sorted(lower, score, range(len(found))))
-            kept = _pareto(ranked, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2)
+            kept = [full(i) for i in _pareto(found, lower, score, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2)]
             # ... and the best with identical pipelines (their gradient sync has no chains of waits, which
             # the closed form does not price: see api.simulator_check).
             aligned = [i for i, c in enumerate(found) if c.aligned]

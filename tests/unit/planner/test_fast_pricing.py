@@ -6,12 +6,16 @@ exactly ``play_actions``' number."""
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.cost import play_actions, play_timeline
 from planner.schedule_choice import step_time_bound
+from planner.search import lazily_sorted
 from runtime.pipeline_schedules import (
     SCHEDULE_NAMES,
     ChunkCost,
@@ -87,3 +91,28 @@ def test_playing_the_timeline_is_playing_the_action_lists(shape: tuple[str, int,
     sched = build_schedule(name, s, m, v, order)
     assert schedule_timeline(name, s, m, v, order) == sched.timeline
     assert play_timeline(sched.layout, sched.timeline, played) == play_actions(sched, played)   # exactly
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0.0, 1.0, 2.0, 2.5, 7.0, math.inf]), st.sampled_from([0.0, 0.5, 1.0])),
+                max_size=25), st.data())
+def test_lazily_sorted_is_sorted_and_prices_only_what_comes_up(items: list[tuple[float, float]],
+                                                               data: st.DataObject) -> None:
+    """Exact values with lower bounds below them (ties included) come out as ``sorted`` orders them; a
+    consumer that stops after ``k`` never had an item priced whose bound lay above the ``k``-th value."""
+    exact = [lo + gap for lo, gap in items]
+    lower = [lo for lo, _ in items]
+    priced: list[int] = []
+
+    def price(i: int) -> float:
+        priced.append(i)
+        return exact[i]
+
+    want = sorted((v, i) for i, v in enumerate(exact) if math.isfinite(v))
+    assert list(lazily_sorted(lower, price, range(len(items)))) == want
+    k = data.draw(st.integers(1, max(1, len(want))))
+    priced.clear()
+    got = list(itertools.islice(lazily_sorted(lower, price, range(len(items))), k))
+    assert got == want[:k]
+    if got:
+        assert all(lower[i] <= got[-1][0] for i in priced)
