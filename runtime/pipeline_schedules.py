@@ -30,6 +30,7 @@ deadlock-freedom argument, and ``check_schedule`` verifies it on the action list
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -550,10 +551,9 @@ class _DeviceState:
     forwards_left: int = 0
     free_at: float = 0.0
     last: str | None = None  # kind of the op run last
-    # Ops started here so far, and (eligible ops, that count) when the device last found nothing it may
-    # run: until one of the two changes it would find nothing again (the choice depends on nothing else).
+    # Ops started here so far, and what the device's ready ops were when it last found none it may run.
     started: int = 0
-    stuck: tuple[int, int] | None = None
+    stuck: tuple[int, int, float] | None = None   # (ready ops, ops started, when the next one comes due)
     ready: list[_Op] = field(default_factory=list)
     # micro-batch -> forwards it still has to run here / activations it holds here (while it holds any)
     owed: dict[int, int] = field(default_factory=dict)
@@ -643,14 +643,16 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs) -> list[list
         for d, st in enumerate(devs):
             if st.free_at > now + tol:
                 continue
-            # Ready ops only join the list and become eligible as time passes, so an unchanged count
-            # with no op started here since means the same ops as when the device last found none.
-            eligible = [o for o in st.ready if ready_at[o] <= now + tol]
-            if st.stuck == (len(eligible), st.started):
+            # Ready ops only join the list and become eligible as time passes: with no op started or
+            # readied here since the device last found none to run, and none of its ready ops come due
+            # since, it would find none again.
+            if st.stuck is not None and st.stuck[:2] == (len(st.ready), st.started) and now + tol < st.stuck[2]:
                 continue
+            eligible = [o for o in st.ready if ready_at[o] <= now + tol]
             op = _choose(st, eligible, pol, limit[d], layout.chunks, key)
             if op is None:
-                st.stuck = (len(eligible), st.started)
+                due = min((ready_at[o] for o in st.ready if ready_at[o] > now + tol), default=math.inf)
+                st.stuck = (len(st.ready), st.started, due)
                 continue
             st.started += 1
             st.last = op[0]
