@@ -227,11 +227,17 @@ class _Run:
         self.users: dict[str, set[str]] = {}  # host -> the resources with ops on it
         self.foreign: set[tuple[str, str]] = set()  # (host, resource): another resource computed there since
         self.watchers: dict[str, set[str]] = {}     # op -> resources to wake when it starts or completes
+        self.unstarted: dict[str, int] = {}         # op -> how many of the ops it waits on have not started
+        self.waited_by: dict[str, list[str]] = {}   # op -> the ops that wait on it (once per wait)
         for op in self.ops.values():
             for h, _ in op.hosts:
                 self.users.setdefault(h, set()).add(op.resource)
             for w in (*op.deps, *(w for w, _ in op.waits)):
                 self.watchers.setdefault(w, set()).add(op.resource)
+            if op.waits:
+                self.unstarted[op.name] = len(op.waits)
+                for w, _ in op.waits:
+                    self.waited_by.setdefault(w, []).append(op.name)
         self.now = 0.0
         self.seq = 0
 
@@ -328,6 +334,8 @@ class _Run:
         delay = op.handoff.wake_s if self.slept.get(r) and op.handoff is not None and self.core_busy(name) else 0.0
         self.slept[r] = False
         self.starts[name] = self.now + delay
+        for waiter in self.waited_by.get(name, ()):
+            self.unstarted[waiter] -= 1
         if op.computes:
             self.start_compute(name, delay)
         else:
@@ -370,7 +378,7 @@ class _Run:
     def try_end(self, name: str) -> bool:
         """End a started communication / fixed op once the ops it waits on have started."""
         op = self.ops[name]
-        if any(w not in self.starts for w, _ in op.waits):
+        if self.unstarted.get(name, 0) > 0:   # (counted down as they start: collectives wait on many)
             return False
         start = self.starts[name]
         end = start + op.duration
