@@ -228,12 +228,18 @@ class _Run:
         self.foreign: set[tuple[str, str]] = set()  # (host, resource): another resource computed there since
         self.watchers: dict[str, set[str]] = {}     # op -> resources to wake when it starts or completes
         self.unstarted: dict[str, int] = {}         # op -> how many of the ops it waits on have not started
+        self.undone: dict[str, int] = {}            # op -> how many of its dependencies have not completed
+        self.needed_by: dict[str, list[str]] = {}   # op -> the ops that depend on it (once per dependency)
         self.waited_by: dict[str, list[str]] = {}   # op -> the ops that wait on it (once per wait)
         for op in self.ops.values():
             for h, _ in op.hosts:
                 self.users.setdefault(h, set()).add(op.resource)
             for w in (*op.deps, *(w for w, _ in op.waits)):
                 self.watchers.setdefault(w, set()).add(op.resource)
+            if op.deps:
+                self.undone[op.name] = len(op.deps)
+                for dep in op.deps:
+                    self.needed_by.setdefault(dep, []).append(op.name)
             if op.waits:
                 self.unstarted[op.name] = len(op.waits)
                 for w, _ in op.waits:
@@ -291,6 +297,8 @@ class _Run:
     def complete(self, name: str) -> None:
         op = self.ops[name]
         self.done[name] = self.times[name][1]
+        for later in self.needed_by.get(name, ()):
+            self.undone[later] -= 1
         r = op.resource
         self.slept[r] = op.stretch > 1.0 and op.computes
         self.idle_since[r] = self.now
@@ -327,7 +335,7 @@ class _Run:
             return
         name = self.queue[r][self.head[r]]
         op = self.ops[name]
-        if any(d not in self.done for d in op.deps):
+        if self.undone.get(name, 0) > 0:   # (counted down as they complete)
             return
         self.head[r] += 1
         self.busy[r] = name
