@@ -301,8 +301,8 @@ def main() -> None:
     if "scale" in out:
         print("\nscale:")
         for n, r in out["scale"].items():
-            print(f"  {n:5d} GPUs: {r['seconds']:7.1f} s, {r['cpu_seconds']:7.1f} s CPU  (step {r['step_time_s']:.3f} s, efficiency "
-                  f"{r['efficiency']:.3f}, truncated {r['truncated']})")
+            print(f"  {n:5d} GPUs: {r['seconds']:7.1f} s, {r['cpu_seconds']:7.1f} s CPU  (step {r['step_time_s']:.3f} s, "
+                  f"efficiency {r['efficiency']:.3f}, truncated {r['truncated']})")
     if "measured" in out:
         m = out["measured"]
         print(f"\nmeasured: planned {m['measured_s']:.4f} s/step vs symmetric {m['measured_symmetric_s']:.4f} "
