@@ -301,7 +301,8 @@ def main() -> None:
     if "scale" in out:
         print("\nscale:")
         for n, r in out["scale"].items():
-            print(f"  {n:5d} GPUs: {r['seconds']:7.1f} s, {r['cpu_seconds']:7.1f} s CPU  (step {r['step_time_s']:.3f} s, "
+            print(f"  {n:5d} GPUs: {r['seconds']:7.1f} s, {r['cpu_seconds']:7.1f} s CPU"
+                  f"  (step {r['step_time_s']:.3f} s, "
                   f"efficiency {r['efficiency']:.3f}, truncated {r['truncated']})")
     if "measured" in out:
         m = out["measured"]
