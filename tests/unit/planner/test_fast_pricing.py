@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.cost import play_actions, play_timeline
+from planner.baselines import EXACTLY_PRICED, best_symmetric, symmetric_strategies
+from planner.cost import CostModel, play_actions, play_timeline
 from planner.schedule_choice import step_time_bound
 from planner.search import lazily_sorted
 from runtime.pipeline_schedules import (
@@ -26,6 +27,8 @@ from runtime.pipeline_schedules import (
     schedule_timeline,
     step_time,
 )
+from runtime.profiling.profile import resolve_profiles
+from runtime.spec import load_cluster, load_model
 
 positive = st.floats(min_value=1e-3, max_value=5.0, allow_nan=False, allow_infinity=False)
 
@@ -116,3 +119,26 @@ def test_lazily_sorted_is_sorted_and_prices_only_what_comes_up(items: list[tuple
     assert got == want[:k]
     if got:
         assert all(lower[i] <= got[-1][0] for i in priced)
+
+
+@pytest.mark.parametrize("cluster_name, model_name", [("hexiscale-mixed", "llama-7b"), ("h2-example", "llama-13b")])
+def test_symmetric_baseline_matches_the_exhaustive_ranking(cluster_name: str, model_name: str) -> None:
+    """The lazily ranked symmetric baseline is the one ranking every candidate by its proxy estimate and
+    pricing the best ``EXACTLY_PRICED`` exactly would find."""
+    model, cluster = load_model(model_name), load_cluster(cluster_name)
+    cms = {b: CostModel(model, cluster, resolve_profiles(cluster.device_types), micro_batch=b, seq_len=2048)
+           for b in (1, 2)}
+    devices = tuple(range(cluster.num_devices))
+    got = best_symmetric(cms, devices, 64, True)
+    ranked = []
+    for b, cm in sorted(cms.items()):
+        for _, strategy in symmetric_strategies(cm, devices, 64, "symmetric"):
+            proxy = [cm.pipeline_proxy_time(strategy, 0)] * len(strategy.pipelines)
+            est = cm.estimate(strategy, 64, "1f1b", True, pipeline_s=proxy)
+            if est.fits:
+                ranked.append((est.step_time_s, b, strategy))
+    ranked.sort(key=lambda x: x[0])
+    exact = [(cms[b].estimate(cms[b].with_op_costs(s, "1f1b"), 64, "1f1b", True).step_time_s, b)
+             for _, b, s in ranked[:EXACTLY_PRICED]]
+    assert ranked and got.estimate is not None
+    assert got.estimate.step_time_s == min(t for t, _ in exact)
