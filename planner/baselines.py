@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import pulp
 
 from planner.cost import CostModel, StrategyEstimate, zero_degree
+from planner.search import lazily_sorted
 from planner.tp_groups import available, tp_degrees
 from runtime.solver import solve, var
 from runtime.spec.plan import Pipeline, Schedule, Stage, Strategy
@@ -99,7 +101,7 @@ def best_symmetric(cms: Mapping[int, CostModel], devices: Sequence[int], global_
     """The fastest symmetric strategy that fits memory, over every micro-batch size in ``cms``: every one
     ranked with 1F1B's closed form for its pipelines (``pipeline_proxy_time``), the best
     ``EXACTLY_PRICED`` of them priced exactly (the list scheduler's time)."""
-    ranked: list[tuple[float, int, str, Strategy]] = []
+    found: list[tuple[int, str, Strategy, list[float]]] = []
     tried = 0
     for b, cm in sorted(cms.items()):
         for desc, strategy in symmetric_strategies(cm, devices, global_batch, name):
@@ -109,13 +111,28 @@ def best_symmetric(cms: Mapping[int, CostModel], devices: Sequence[int], global_
             if not _fits_quick(cm, strategy, zero):
                 continue
             proxy = [cm.pipeline_proxy_time(strategy, 0)] * len(strategy.pipelines)   # the pipelines are alike
-            est = cm.estimate(strategy, global_batch, schedule, zero, pipeline_s=proxy)
-            if est.fits:
-                ranked.append((est.step_time_s, b, desc, strategy))
-    ranked.sort(key=lambda x: x[0])   # stable: ties keep the order found
+            found.append((b, desc, strategy, proxy))
+
+    def proxy_estimate(i: int) -> float:
+        b, _, strategy, proxy = found[i]
+        est = cms[b].estimate(strategy, global_batch, schedule, zero, pipeline_s=proxy)
+        return est.step_time_s if est.fits else math.inf
+
+    # The best EXACTLY_PRICED by that estimate (ties in the order found), each estimated only when a lower
+    # bound of it comes up: the pipelines, the clip and the fixed cost per iteration (the gradient sync,
+    # the optimizer and the ZeRO-1 gathers only add to them, and their exact layout is the costly part).
+    lower = [max(proxy) + cms[b].clip_time(strategy.devices) + cms[b].iteration_time(strategy)
+             for b, _, strategy, proxy in found]
+    ranked = [found[i] for _, i in itertools.islice(lazily_sorted(lower, proxy_estimate, range(len(found))),
+                                                    EXACTLY_PRICED)]
     best: Baseline | None = None
-    for _, b, desc, strategy in ranked[:EXACTLY_PRICED]:
+    for b, desc, strategy, _ in ranked:
         strategy = cms[b].with_op_costs(strategy, schedule)   # as its plan will carry them (the runtime's op order)
+        if best is not None:   # not worth its action lists if even its pipelines' lower bounds lose
+            bounds = [cms[b].pipeline_step_bound(strategy, i, schedule) for i in range(len(strategy.pipelines))]
+            if cms[b].estimate(strategy, global_batch, schedule, zero, pipeline_s=bounds).step_time_s \
+                    >= best.estimate.step_time_s - 1e-12:  # type: ignore[union-attr]
+                continue
         est = cms[b].estimate(strategy, global_batch, schedule, zero)
         if best is None or est.step_time_s < best.estimate.step_time_s - 1e-12:  # type: ignore[union-attr]
             best = Baseline(name, strategy, est, b, f"{desc}, micro-batch {b}")

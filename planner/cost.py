@@ -112,13 +112,16 @@ from runtime.pipeline_schedules import (
     ChunkCost,
     Compute,
     Costs,
+    Layout,
     Message,
     PostSend,
+    TimedOp,
     WaitRecv,
     device_limits,
     live_activation_limit,
     schedule_layout,
     step_time,
+    step_time_bound,
 )
 from runtime.pipeline_schedules import Schedule as PipelineSchedule
 from runtime.profiling.profile import (
@@ -144,7 +147,7 @@ from runtime.profiling.profile import (
 )
 from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
-from runtime.spec.handle import StrategyHandle, plan_schedule
+from runtime.spec.handle import StrategyHandle, plan_schedule, plan_timeline
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import PLAN_VERSION, OpCosts, Pipeline, Plan, Schedule, Stage, Strategy, TrainingSettings
 
@@ -224,6 +227,50 @@ def play_actions(schedule: PipelineSchedule, costs: Costs) -> float:
                 moved = True
             clock[d] = t
     if any(p < len(acts) for p, acts in zip(pos, schedule.actions)):
+        raise RuntimeError("the action lists deadlock (a runtime schedule bug, not a user error)")
+    return last
+
+
+def play_timeline(layout: Layout, timeline: Sequence[Sequence[TimedOp]], costs: Costs) -> float:
+    """``play_actions`` of the action lists ``derive_actions`` makes of ``timeline``, without making them:
+    those lists put each ``WaitRecv`` right before the op that reads its message and each ``PostSend``
+    right after the producer, so playing them is each device running its ops in timeline order, an op
+    on another device's output starting no earlier than the producer's end plus the boundary's transfer
+    time. The same arithmetic in the same order, so the same number (tested); the planner prices many
+    more pipelines than it writes."""
+    n = layout.num_stages
+    dev = [layout.device(j) for j in range(n)]
+    arrival: dict[tuple[bool, int, int], float] = {}   # (gradient?, micro-batch, sending virtual stage)
+    clock = [0.0] * layout.num_devices
+    pos = [0] * layout.num_devices
+    last = 0.0
+    moved = True
+    while moved:
+        moved = False
+        for d, ops in enumerate(timeline):
+            t = clock[d]
+            while pos[d] < len(ops):
+                op = ops[pos[d]].op
+                kind, mb, j = op.kind, op.micro_batch, op.stage
+                back = kind in ("B", "BW")
+                if kind == "F" and j > 0 and dev[j - 1] != dev[j]:
+                    if (False, mb, j - 1) not in arrival:
+                        break   # its sender has not got there yet
+                    t = max(t, arrival[False, mb, j - 1])
+                elif back and j < n - 1 and dev[j + 1] != dev[j]:
+                    if (True, mb, j + 1) not in arrival:
+                        break
+                    t = max(t, arrival[True, mb, j + 1])
+                t += costs.chunk(d, op.chunk).of(kind)
+                last = max(last, t)
+                if kind == "F" and j < n - 1 and dev[j + 1] != dev[j]:
+                    arrival[False, mb, j] = t + costs.transfer(j)
+                elif back and j > 0 and dev[j - 1] != dev[j]:
+                    arrival[True, mb, j] = t + costs.transfer(j - 1)
+                pos[d] += 1
+                moved = True
+            clock[d] = t
+    if any(p < len(ops) for p, ops in zip(pos, timeline)):
         raise RuntimeError("the action lists deadlock (a runtime schedule bug, not a user error)")
     return last
 
@@ -413,8 +460,10 @@ def memo(fn: Callable) -> Callable:
     name = f"_memo_{fn.__name__}"
 
     def wrapper(self, *args, **kwargs):
-        cache = self.__dict__.setdefault(name, {})
-        key = (args, tuple(sorted(kwargs.items())))
+        cache = self.__dict__.get(name)
+        if cache is None:
+            cache = self.__dict__[name] = {}
+        key = (args, tuple(sorted(kwargs.items())) if kwargs else ())   # the search calls these millions of times
         try:
             return cache[key]
         except KeyError:
@@ -1109,16 +1158,31 @@ class CostModel:
     def pipeline_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
         """Pipeline ``pi``'s part of the step under its schedule (``schedule`` unless it names its own): the
         action lists the runtime executes (``runtime_schedule``) played with the real op costs
-        (``play_actions``), cached by both."""
+        (``play_actions``; played from their timeline, ``play_timeline``, which gives the same number
+        without deriving the lists), cached."""
         pipe = strategy.pipelines[pi]
         name = pipe.schedule if pipe.schedule is not None else schedule
         costs = self.pipeline_costs(strategy, pi, name)
-        sched = self.runtime_schedule(strategy, pi, name)
+        key = self._schedule_key(pipe, name)
+        full = self.__dict__.get("_runtime_schedules", {}).get(key)
+        timelines = self.__dict__.setdefault("_runtime_timelines", {})
+        if key not in timelines:
+            timelines[key] = full.timeline if full is not None else plan_timeline(pipe, name, pipe.micro_batches)
+        timeline = timelines[key]
         cache = self.__dict__.setdefault("_step_times", {})
-        key = (id(sched), costs)
-        if key not in cache:
-            cache[key] = play_actions(sched, costs)
-        return cache[key]
+        played = (id(timeline), costs)
+        if played not in cache:
+            layout = schedule_layout(name, len(pipe.stages), pipe.stages[0].chunks)
+            cache[played] = play_timeline(layout, timeline, costs)
+        return cache[played]
+
+    def pipeline_step_bound(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
+        """A lower bound of ``pipeline_step_time`` that builds no lists (``step_time_bound``): a search that
+        compares exact prices skips the plans this shows cannot win."""
+        pipe = strategy.pipelines[pi]
+        name = pipe.schedule if pipe.schedule is not None else schedule
+        return step_time_bound(name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks,
+                               self.pipeline_costs(strategy, pi, name))
 
     def ideal_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
         """The list scheduler run on the priced costs, transfers included (``step_time``): what
@@ -1142,12 +1206,19 @@ class CostModel:
         pipe = strategy.pipelines[pi]
         if pipe.schedule is not None:
             schedule = pipe.schedule
-        key = (schedule, pipe.micro_batches, pipe.transfer_costs, pipe.activation_limits,
-               tuple((st.layers, st.op_costs) for st in pipe.stages))
+        key = self._schedule_key(pipe, schedule)
         cache = self.__dict__.setdefault("_runtime_schedules", {})
         if key not in cache:
             cache[key] = plan_schedule(pipe, schedule, pipe.micro_batches)
         return cache[key]
+
+    @staticmethod
+    def _schedule_key(pipe: Pipeline, schedule: Schedule) -> tuple:
+        """What ``plan_schedule`` builds a pipeline's lists from. With every stage's op costs the lists
+        depend on them, not on which layers the chunks hold."""
+        costed = all(st.op_costs is not None for st in pipe.stages)
+        return (schedule, pipe.micro_batches, pipe.transfer_costs, pipe.activation_limits,
+                tuple(st.op_costs if costed else (st.layers, st.op_costs) for st in pipe.stages))
 
     def stage_op_costs(self, st: Stage) -> tuple[OpCosts, ...]:
         """A stage's ``op_costs`` for the plan: each chunk's ``chunk_cost`` (F, B, W), the numbers the

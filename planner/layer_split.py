@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import pulp
 
 from planner.cost import GIB, CostModel
-from planner.schedule_choice import ScheduleChoice, chunk_sizes
+from planner.schedule_choice import ScheduleChoice, chunk_sizes, stage_shapes
 from planner.tp_groups import GroupKind
-from runtime.pipeline_schedules import live_activation_limit
 from runtime.solver import solve, var
 
 
@@ -111,9 +110,7 @@ def slot_costs(cm: CostModel, kinds: Sequence[GroupKind], *, zero_degree: int = 
     v = schedule.chunks
     cache = cm.__dict__.setdefault("_planner_slot_cache", {})
     out = []
-    for k, kind in enumerate(kinds):
-        first, last = schedule.ends(k, n_stages)
-        in_flight = live_activation_limit(schedule.name, n_stages, k, 2 * n_stages * v, v)
+    for kind, (first, last, in_flight) in zip(kinds, stage_shapes(schedule, n_stages)):
         key = (kind, first, last, in_flight, zero_degree, recompute, memory_margin, v)
         hit = cache.get(key)
         if hit is None:
@@ -264,13 +261,15 @@ def split_ilp(slots: Sequence[SlotCost], num_layers: int, micro_batches: int,
 
 
 def refine_split(slots: Sequence[SlotCost], split: LayerSplit, price: Callable[[LayerSplit], float],
-                 min_layers: int = 1, max_evaluations: int = 16) -> LayerSplit:
+                 min_layers: int = 1, max_evaluations: int = 16,
+                 bound: Callable[[LayerSplit], float] | None = None) -> LayerSplit:
     """``split`` improved by moving one layer at a time to a neighbouring stage while ``price`` (the exact
     pipeline time: the runtime's lists played on the op costs) goes down, within each stage's memory
     limit and keeping ``min_layers`` per stage. The ILP's objective is 1F1B's closed form, which knows
     neither the transfers on the steady state's path nor another schedule's fill, so the exact price gets
     the last word: steepest descent over the moves off the slowest stages first, at most
-    ``max_evaluations`` prices."""
+    ``max_evaluations`` prices. ``bound``: a cheap lower bound of ``price``; a move it shows cannot improve
+    is not priced (it still counts as an evaluation, so the result is the same as without it)."""
     best, best_t = split, price(split)
     evaluations = 1
     while evaluations < max_evaluations:
@@ -287,8 +286,10 @@ def refine_split(slots: Sequence[SlotCost], split: LayerSplit, price: Callable[[
                 continue
             rec = tuple(n > s.max_layers[0] for s, n in zip(slots, layers))
             cand = LayerSplit(tuple(layers), rec, tuple(stage_time(s, n, r) for s, n, r in zip(slots, layers, rec)))
-            t = price(cand)
             evaluations += 1
+            if bound is not None and bound(cand) >= best_t - 1e-12:
+                continue   # its price is at least the bound: no improvement
+            t = price(cand)
             if t < best_t - 1e-12 and (improved is None or t < improved[0]):
                 improved = (t, cand)
         if improved is None:

@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from functools import cache
 
 from planner.cost import GIB, CostModel
-from runtime.pipeline_schedules import SCHEDULE_NAMES, ChunkCost, Costs, device_limits, schedule_layout, step_time
+from runtime.pipeline_schedules import (
+    SCHEDULE_NAMES,
+    ChunkCost,
+    Costs,
+    device_limits,
+    live_activation_limit,
+    schedule_layout,
+    step_time,
+)
 from runtime.spec.plan import Strategy
 
 AUTO = "auto"
@@ -48,8 +56,19 @@ class ScheduleChoice:
 
     def ends(self, stage: int, num_stages: int) -> tuple[bool, bool]:
         """Whether stage ``stage`` holds the embedding and the head under this schedule's placement."""
-        layout = schedule_layout(self.name, num_stages, self.chunks)
-        return stage == layout.device(0), stage == layout.device(layout.num_stages - 1)
+        return stage_shapes(self, num_stages)[stage][:2]
+
+
+@cache
+def stage_shapes(choice: ScheduleChoice, num_stages: int) -> tuple[tuple[bool, bool, int], ...]:
+    """Per stage of ``num_stages`` under ``choice``: whether it holds the embedding, the head, and its
+    ``live_activation_limit`` where the bound saturates (``m = 2 S v``). Cached: the search asks for every
+    stage of every pipeline it tries."""
+    layout = schedule_layout(choice.name, num_stages, choice.chunks)
+    first, last = layout.device(0), layout.device(layout.num_stages - 1)
+    v = choice.chunks
+    return tuple((k == first, k == last, live_activation_limit(choice.name, num_stages, k, 2 * num_stages * v, v))
+                 for k in range(num_stages))
 
 
 def schedule_choices(setting: str) -> tuple[ScheduleChoice, ...]:

@@ -49,6 +49,7 @@ A time limit stops the enumeration early (the result says so) and caps each ILP.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import math
 import time
@@ -187,7 +188,9 @@ def time_option(split: LayerSplit, boundary_s: float, fill: float, hops: float) 
 
 @dataclass(frozen=True, eq=False)
 class BlockCandidate:
-    """Compared by identity: candidates are built once and shared by the combinations."""
+    """Compared by identity: candidates are built once and shared by the combinations. ``evaluate_block``
+    builds a draft (its pipelines and classes); the sync and optimizer terms are added by
+    ``Searcher.complete`` only to the drafts ``Searcher._keep`` ranks high enough to look at."""
 
     choice: tuple[TypeChoice, ...]
     pipelines: int
@@ -195,8 +198,8 @@ class BlockCandidate:
     placement: str
     layouts: tuple[PipelineLayout, ...]
     classes: tuple[ClassInfo, ...]
-    grad_bytes: float                                    # largest gradient of one device (its stage's share)
-    opt_terms: tuple[tuple[str, int, int], ...]          # (device type, params, tensors): the heaviest stages
+    grad_bytes: float = 0.0                              # largest gradient of one device (its stage's share)
+    opt_terms: tuple[tuple[str, int, int], ...] = ()     # (device type, params, tensors): the heaviest stages
     # Gradient sync of the block's own pipelines: per stage position, the devices at that position (one per
     # pipeline: the ones that all-reduce together) and the largest gradient among them, costliest first.
     sync_rings: tuple[tuple[tuple[int, ...], float], ...] = ()
@@ -271,6 +274,25 @@ class SearchStats:
     notes: list[str] = field(default_factory=list)
 
 
+def lazily_sorted(lower: Sequence[float], exact: Callable[[int], float], indices: Iterable[int],
+                  skip: Callable[[int], bool] | None = None) -> Iterator[tuple[float, int]]:
+    """``(exact(i), i)`` for the ``indices`` with a finite exact value, in the order ``sorted`` gives
+    (value, then index), computing ``exact(i)`` only when its lower bound ``lower[i]`` comes up: a
+    consumer that stops early never pays for the rest. ``skip(i)``, asked then, drops ``i`` unpriced."""
+    heap = [(lower[i], i, False) for i in indices if math.isfinite(lower[i])]
+    heapq.heapify(heap)
+    while heap:
+        value, i, known = heapq.heappop(heap)
+        if known:
+            yield value, i
+            continue
+        if skip is not None and skip(i):
+            continue
+        value = exact(i)
+        if math.isfinite(value):
+            heapq.heappush(heap, (value, i, True))
+
+
 def set_partitions(items: Sequence[str]) -> Iterator[list[tuple[str, ...]]]:
     """Every partition of ``items`` into non-empty blocks, in a fixed order."""
     if not items:
@@ -283,17 +305,25 @@ def set_partitions(items: Sequence[str]) -> Iterator[list[tuple[str, ...]]]:
             yield part[:i] + [(first,) + part[i]] + part[i + 1:]
 
 
-def _pareto(cands: list[tuple[float, BlockCandidate]], keep: int) -> list[BlockCandidate]:
-    """Sorted by score; drop candidates another beats on rate, fill-and-drain and score alike."""
-    cands.sort(key=lambda x: x[0])
-    out: list[tuple[float, BlockCandidate]] = []
-    for score, c in cands:
-        if any(o.rate >= c.rate and o.overhead <= c.overhead and s <= score for s, o in out):
+def _pareto(drafts: Sequence[BlockCandidate], lower: Sequence[float], score: Callable[[int], float],
+            keep: int) -> list[int]:
+    """By score (``score(i)``, best first), the first ``keep`` drafts that no earlier one beats on rate,
+    fill-and-drain and score alike. In that order every earlier score is at most a later one's, so only
+    rate and fill-and-drain decide, and a draft they rule out when its lower bound ``lower[i]`` comes up
+    is dropped without being scored."""
+    out: list[int] = []
+
+    def beaten(i: int) -> bool:
+        c = drafts[i]
+        return any(drafts[j].rate >= c.rate and drafts[j].overhead <= c.overhead for j in out)
+
+    for _, i in lazily_sorted(lower, score, range(len(drafts)), beaten):
+        if beaten(i):
             continue
-        out.append((score, c))
+        out.append(i)
         if len(out) >= keep:
             break
-    return [c for _, c in out]
+    return out
 
 
 class Searcher:
@@ -457,10 +487,14 @@ class Searcher:
                 return None
             sched, split, fill, hops = picked
             classes.append(ClassInfo(template, bnd, tuple(members), split, sched, fill, hops))
-        grad_bytes, opt_terms = self._terms(classes)
-        rings = self._sync_rings(layouts, classes) if pipelines > 1 else ()
-        return BlockCandidate(choice, pipelines, order, placement, tuple(layouts), tuple(classes), grad_bytes,
-                              opt_terms, rings[:SYNC_RINGS], rings[0][2] if rings else 0.0)
+        return BlockCandidate(choice, pipelines, order, placement, tuple(layouts), tuple(classes))
+
+    def complete(self, draft: BlockCandidate) -> BlockCandidate:
+        """``draft`` with its gradient sync and optimizer terms (what ``overheads`` prices)."""
+        grad_bytes, opt_terms = self._terms(draft.classes)
+        rings = self._sync_rings(draft.layouts, draft.classes) if draft.pipelines > 1 else ()
+        return dataclasses.replace(draft, grad_bytes=grad_bytes, opt_terms=opt_terms, sync_rings=rings[:SYNC_RINGS],
+                                   sync_self_s=rings[0][2] if rings else 0.0)
 
     def _sync_rings(self, layouts: Sequence[PipelineLayout], classes: Sequence[ClassInfo]
                     ) -> list[tuple[tuple[int, ...], float, float]]:
@@ -474,6 +508,7 @@ class Searcher:
                    for lo, hi in chunks] for c in classes]
         cuts = sorted({0, n_layers} | {b for rs in ranges for r in rs for b in r[:2]})
         fused: dict[tuple[int, int], dict[tuple[int, ...], float]] = {}
+        ring_keys: dict[tuple[int, ...], tuple[int, ...]] = {}
         for a, b in zip(cuts, cuts[1:]):
             holders = []
             devs: list[int] = []
@@ -484,31 +519,43 @@ class Searcher:
             if len(devs) < 2:
                 continue
             ring = tuple(sorted(devs))
+            if ring not in ring_keys:
+                ring_keys[ring] = self._ring_key(ring)
             for ci, k in holders:
-                kind = classes[ci].template[k]
-                params = (b - a) * self.cm.layer(kind.device_type, kind.tp).params
-                if a == 0:   # the stage holding layer 0 holds the embedding, the last layer's the head
-                    params += self.cm.extras(kind.device_type, kind.tp, True, False).params
-                if b == n_layers:
-                    params += self.cm.extras(kind.device_type, kind.tp, False, True).params
-                nbytes = params * self.cm.profiles[kind.device_type].memory.grad_bytes
+                nbytes = self._segment_grad_bytes(classes[ci].template[k], b - a, a == 0, b == n_layers)
                 per = fused.setdefault((ci, k), {})
                 per[ring] = per.get(ring, 0.0) + nbytes
         out = []
         for per in fused.values():
-            secs = sum(self.ring_time(ring, nbytes) for ring, nbytes in per.items())
+            secs = sum(self._keyed_ring_time(ring_keys[ring], ring, nbytes) for ring, nbytes in per.items())
             biggest = max(per, key=lambda r: (per[r], r))
             out.append((biggest, sum(per.values()), secs))
         out.sort(key=lambda r: (-r[2], r[0]))
         return out
 
+    @memo
+    def _segment_grad_bytes(self, kind: GroupKind, layers: int, first: bool, last: bool) -> float:
+        """Gradient bytes of ``layers`` decoder layers on ``kind`` (with the embedding where the segment
+        starts at layer 0, the head where it ends at the last layer: the stage holding them holds those)."""
+        params = layers * self.cm.layer(kind.device_type, kind.tp).params
+        if first:
+            params += self.cm.extras(kind.device_type, kind.tp, True, False).params
+        if last:
+            params += self.cm.extras(kind.device_type, kind.tp, False, True).params
+        return params * self.cm.profiles[kind.device_type].memory.grad_bytes
+
+    def _ring_key(self, ring: tuple[int, ...]) -> tuple[int, ...]:
+        return ring if self._device_links else tuple(self._node_idx[d] for d in ring)
+
     def ring_time(self, ring: tuple[int, ...], nbytes: float) -> float:
         """``allreduce_time`` of a ring, cached by the ring's nodes (a node holds one device type, and
         links depend on nodes only, unless the cluster overrides single devices' bandwidth)."""
-        key = (ring if self._device_links else tuple(self._node_idx[d] for d in ring), nbytes)
-        hit = self._sync_cache.get(key)
+        return self._keyed_ring_time(self._ring_key(ring), ring, nbytes)
+
+    def _keyed_ring_time(self, key: tuple[int, ...], ring: tuple[int, ...], nbytes: float) -> float:
+        hit = self._sync_cache.get((key, nbytes))
         if hit is None:
-            hit = self._sync_cache[key] = self.cm.allreduce_time(list(ring), nbytes)
+            hit = self._sync_cache[(key, nbytes)] = self.cm.allreduce_time(list(ring), nbytes)
         return hit
 
     def _terms(self, classes: Sequence[ClassInfo]) -> tuple[float, tuple[tuple[str, int, int], ...]]:
@@ -672,6 +719,8 @@ class Searcher:
                     sp = self.fast_split(c.template, zd, choice)
                     if choice == c.schedule or sp is None or (choice.name == "interleaved" and mb < len(c.template)):
                         continue
+                    if self._class_bound(lay, sp, mb, choice) >= best[0] - 1e-12:
+                        continue   # cannot beat the best so far: not worth its action lists
                     t = self._class_time(lay, sp, mb, choice)
                     if t < best[0] - 1e-12:
                         fill, hops = self.fill(c.template, choice)
@@ -683,8 +732,15 @@ class Searcher:
 
     def _class_time(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
                     ) -> float:
+        """The exact pipeline time of one pipeline of a class (the runtime's lists played on its op costs)."""
         one = Strategy(name="class", pipelines=(self._pipeline(lay, split, micro_batches, choice),))
         return self.cm.pipeline_step_time(one, 0, choice.name)
+
+    def _class_bound(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
+                     ) -> float:
+        """A lower bound of ``_class_time`` that builds no lists (``CostModel.pipeline_step_bound``)."""
+        one = Strategy(name="class", pipelines=(self._pipeline(lay, split, micro_batches, choice),))
+        return self.cm.pipeline_step_bound(one, 0, choice.name)
 
     def _single_type_jobs(self, choices: Mapping[str, Sequence[int]], types: Sequence[str]) -> Iterator[Job]:
         """Single-type blocks to evaluate: all of a type's groups, or P x S of them, at every TP degree."""
@@ -821,27 +877,39 @@ class Searcher:
         self.stats.finalists += len(finalists)
         return out
 
-    def _alone(self, cand: BlockCandidate, share: float = 1.0) -> float:
-        """Score of a block as if it took ``share`` of the batch alone (for pruning)."""
+    def _span_alone(self, cand: BlockCandidate, share: float = 1.0) -> float:
+        """The greedy allocation's makespan of a block as if it took ``share`` of the batch alone."""
         m = max(cand.min_micro_batches, round(self.micro_batches * share))
         classes = [PipelineClass((c.option(),), len(c.template), len(c.members)) for c in cand.classes]
         alloc = allocate_greedy(classes, m)
-        if alloc is None:
-            return math.inf
-        return alloc.makespan_s + self.overheads([cand])
+        return math.inf if alloc is None else alloc.makespan_s
 
     def _keep(self, found: list[BlockCandidate], share: float) -> list[BlockCandidate]:
-        """The block candidates worth combining: the best when the block gets ``share`` of the batch (its
-        expected share next to the other types), and the best when it gets all of it."""
+        """The block candidates worth combining, completed (``complete``): the best when the block gets
+        ``share`` of the batch (its expected share next to the other types), and the best when it gets all
+        of it; each scored as if it ran alone (makespan plus its ``overheads``). Drafts are completed in
+        order of a lower bound of that score (makespan plus clip), so only those that may be kept are."""
+        done: dict[int, BlockCandidate] = {}
+
+        def full(i: int) -> BlockCandidate:
+            if i not in done:
+                done[i] = self.complete(found[i])
+            return done[i]
+
         out: list[BlockCandidate] = []
         shares = (share, 1.0) if share < 0.999 else (1.0,)
-        for i, sh in enumerate(shares):
-            ranked = sorted(((self._alone(c, sh), c) for c in found), key=lambda x: x[0])   # stable
-            scored = [(s, c) for s, c in ranked if math.isfinite(s)]
-            kept = _pareto(scored, BLOCK_KEEP if i == 0 else BLOCK_KEEP // 2)
+        for k, sh in enumerate(shares):
+            spans = [self._span_alone(c, sh) for c in found]
+            lower = [x + self.clip_s for x in spans]   # overheads() adds sync + optimizer >= 0 to the clip
+
+            def score(i: int, spans: list[float] = spans) -> float:
+                return spans[i] + self.overheads([full(i)])
+
+            kept = [full(i) for i in _pareto(found, lower, score, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2)]
             # ... and the best with identical pipelines (their gradient sync has no chains of waits, which
             # the closed form does not price: see api.simulator_check).
-            kept += [c for _, c in scored if c.aligned][:1]
+            aligned = [i for i, c in enumerate(found) if c.aligned]
+            kept += [full(i) for _, i in itertools.islice(lazily_sorted(lower, score, aligned), 1)]
             for c in kept:
                 if all(c is not o for o in out):
                     out.append(c)
@@ -1009,11 +1077,14 @@ class Searcher:
 
             def price(sp: LayerSplit, lay: PipelineLayout = lay, mb: int = mb, choice: ScheduleChoice = choice
                       ) -> float:
-                one = Strategy(name="class", pipelines=(self._pipeline(lay, sp, mb, choice),))
-                return self.cm.pipeline_step_time(one, 0, choice.name)
+                return self._class_time(lay, sp, mb, choice)
+
+            def bound(sp: LayerSplit, lay: PipelineLayout = lay, mb: int = mb, choice: ScheduleChoice = choice
+                      ) -> float:
+                return self._class_bound(lay, sp, mb, choice)
 
             budget = max(3, min(24, REFINE_OPS // (3 * len(key[0]) * choice.chunks * mb)))
-            chosen[j] = refine_split(self._slots(key[0], zd, choice), chosen[j], price, choice.chunks, budget)
+            chosen[j] = refine_split(self._slots(key[0], zd, choice), chosen[j], price, choice.chunks, budget, bound)
         split_of: dict[int, LayerSplit] = {}
         mb_of: dict[int, int] = {}
         choice_of: dict[int, ScheduleChoice] = {}

@@ -196,7 +196,8 @@ class EventLoop:
 
     def add(self, op: SimOp) -> None:
         """Append ``op`` to its resource's queue (hosts without cores here are dropped)."""
-        op = dataclasses.replace(op, hosts=tuple((h, d) for h, d in op.hosts if h in self.cores))
+        if any(h not in self.cores for h, _ in op.hosts):   # (most ops have none to drop: no copy)
+            op = dataclasses.replace(op, hosts=tuple((h, d) for h, d in op.hosts if h in self.cores))
         self.ops[op.name] = op
         self.queue.setdefault(op.resource, []).append(op.name)
 
@@ -226,11 +227,23 @@ class _Run:
         self.users: dict[str, set[str]] = {}  # host -> the resources with ops on it
         self.foreign: set[tuple[str, str]] = set()  # (host, resource): another resource computed there since
         self.watchers: dict[str, set[str]] = {}     # op -> resources to wake when it starts or completes
+        self.unstarted: dict[str, int] = {}         # op -> how many of the ops it waits on have not started
+        self.undone: dict[str, int] = {}            # op -> how many of its dependencies have not completed
+        self.needed_by: dict[str, list[str]] = {}   # op -> the ops that depend on it (once per dependency)
+        self.waited_by: dict[str, list[str]] = {}   # op -> the ops that wait on it (once per wait)
         for op in self.ops.values():
             for h, _ in op.hosts:
                 self.users.setdefault(h, set()).add(op.resource)
             for w in (*op.deps, *(w for w, _ in op.waits)):
                 self.watchers.setdefault(w, set()).add(op.resource)
+            if op.deps:
+                self.undone[op.name] = len(op.deps)
+                for dep in op.deps:
+                    self.needed_by.setdefault(dep, []).append(op.name)
+            if op.waits:
+                self.unstarted[op.name] = len(op.waits)
+                for w, _ in op.waits:
+                    self.waited_by.setdefault(w, []).append(op.name)
         self.now = 0.0
         self.seq = 0
 
@@ -284,6 +297,8 @@ class _Run:
     def complete(self, name: str) -> None:
         op = self.ops[name]
         self.done[name] = self.times[name][1]
+        for later in self.needed_by.get(name, ()):
+            self.undone[later] -= 1
         r = op.resource
         self.slept[r] = op.stretch > 1.0 and op.computes
         self.idle_since[r] = self.now
@@ -320,13 +335,15 @@ class _Run:
             return
         name = self.queue[r][self.head[r]]
         op = self.ops[name]
-        if any(d not in self.done for d in op.deps):
+        if self.undone.get(name, 0) > 0:   # (counted down as they complete)
             return
         self.head[r] += 1
         self.busy[r] = name
         delay = op.handoff.wake_s if self.slept.get(r) and op.handoff is not None and self.core_busy(name) else 0.0
         self.slept[r] = False
         self.starts[name] = self.now + delay
+        for waiter in self.waited_by.get(name, ()):
+            self.unstarted[waiter] -= 1
         if op.computes:
             self.start_compute(name, delay)
         else:
@@ -369,7 +386,7 @@ class _Run:
     def try_end(self, name: str) -> bool:
         """End a started communication / fixed op once the ops it waits on have started."""
         op = self.ops[name]
-        if any(w not in self.starts for w, _ in op.waits):
+        if self.unstarted.get(name, 0) > 0:   # (counted down as they start: collectives wait on many)
             return False
         start = self.starts[name]
         end = start + op.duration

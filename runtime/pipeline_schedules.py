@@ -30,6 +30,7 @@ deadlock-freedom argument, and ``check_schedule`` verifies it on the action list
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -537,6 +538,16 @@ def build_schedule(name: str, num_devices: int, micro_batches: int, chunks: int 
                     tuple(tuple(t) for t in timeline), actions, raised)
 
 
+def schedule_timeline(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
+                      costs: Costs | None = None,
+                      limits: Sequence[int] | None = None) -> tuple[tuple[TimedOp, ...], ...]:
+    """``build_schedule(...).timeline`` without deriving the action lists: the compute order is all a
+    caller that only times the order needs (the planner prices thousands of pipelines)."""
+    layout, costs = _checked(name, num_devices, micro_batches, chunks, costs, limits)
+    bounds = device_limits(name, num_devices, micro_batches, layout.chunks, limits)
+    return tuple(tuple(t) for t in _list_schedule(name, layout, micro_batches, costs, bounds))
+
+
 def step_time(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
               costs: Costs | None = None, limits: Sequence[int] | None = None) -> float:
     """The pipeline's step time under ``name`` with ``costs``: the scheduler's simulated makespan.
@@ -565,6 +576,45 @@ def step_time(name: str, num_devices: int, micro_batches: int, chunks: int | Non
     return max((t[-1].end for t in timeline if t), default=0.0)
 
 
+def step_time_bound(name: str, num_stages: int, micro_batches: int, chunks: int, costs: Costs) -> float:
+    """A lower bound on the pipeline's time under ``name`` with op durations and transfer times ``costs``,
+    for any op order that respects the dependencies: what the runtime's action lists take when played
+    (``CostModel.pipeline_step_time``) and what the list scheduler takes (``step_time``). Cheap (no lists
+    built), so that the search skips pricing exactly what cannot beat a plan it has (docs/design.md §10).
+
+    Per device ``d``: nothing runs before the first micro-batch's forward reaches its first virtual stage
+    (``head``), it runs its ops one at a time, its last backward (B) is followed by the input-gradient
+    chain down to stage 0 (``tail``), and no backward starts before the first micro-batch has gone
+    through the pipeline and its gradient has come back to ``d`` (``back``). Exact for 1F1B on equal
+    stages without transfers (``(m + S - 1) * (F + BW)``)."""
+    layout = schedule_layout(name, num_stages, chunks)
+    split = POLICIES[name].split_backward
+    n, m = layout.num_stages, micro_batches
+    dev = [layout.device(j) for j in range(n)]
+    cost = [costs.chunk(dev[j], layout.chunk(j)) for j in range(n)]
+    f = [c.forward for c in cost]
+    b = [c.input_grad if split else c.of("BW") for c in cost]
+    w = [c.weight_grad if split else 0.0 for c in cost]
+    hop = [costs.transfer(j) if dev[j] != dev[j + 1] else 0.0 for j in range(n - 1)]
+    head = [0.0] * n       # earliest start of F at virtual stage j
+    tail = [w[0]] * n      # least time from the end of B at stage j to the end of the step
+    for j in range(1, n):
+        head[j] = head[j - 1] + f[j - 1] + hop[j - 1]
+        tail[j] = tail[j - 1] + hop[j - 1] + b[j - 1]
+    back = [0.0] * n       # earliest start of B at stage j
+    back[n - 1] = head[n - 1] + f[n - 1]
+    for j in range(n - 2, -1, -1):
+        back[j] = max(head[j] + f[j], back[j + 1] + b[j + 1] + hop[j])
+    best = 0.0
+    for d in range(layout.num_devices):
+        js = [j for j in range(n) if dev[j] == d]
+        fs, bs, ws = (m * sum(x[j] for j in js) for x in (f, b, w))
+        start, first_back, least_tail = min(head[j] for j in js), min(back[j] for j in js), min(tail[j] for j in js)
+        best = max(best, start + fs + bs + ws, start + fs + bs + least_tail,
+                   first_back + bs + ws, first_back + bs + least_tail)
+    return best
+
+
 def _checked(name: str, num_devices: int, micro_batches: int, chunks: int | None,
              costs: Costs | None, limits: Sequence[int] | None = None) -> tuple[Layout, Costs]:
     problems = schedule_problems(name, num_devices, micro_batches, chunks)
@@ -588,6 +638,9 @@ class _DeviceState:
     forwards_left: int = 0
     free_at: float = 0.0
     last: str | None = None  # kind of the op run last
+    # Ops started here so far, and what the device's ready ops were when it last found none it may run.
+    started: int = 0
+    stuck: tuple[int, int, float] | None = None   # (ready ops, ops started, when the next one comes due)
     ready: list[_Op] = field(default_factory=list)
     # micro-batch -> forwards it still has to run here / activations it holds here (while it holds any)
     owed: dict[int, int] = field(default_factory=dict)
@@ -597,17 +650,20 @@ class _DeviceState:
         """Banker's rule: after one more forward of ``mb`` here, can every micro-batch holding
         activations here, the oldest first, still run its remaining forwards within ``limit`` (and
         then, its backwards done, free every slot it holds)?"""
-        owed = dict(self.owed)
-        owed[mb] = owed.get(mb, chunks) - 1
-        held = dict(self.held)
-        held[mb] = held.get(mb, 0) + 1
         free = limit - self.live - 1
         if free < 0:
             return False
-        for k in sorted(owed):
-            if owed[k] > free:
-                return False
-            free += held[k]
+        owed, held = self.owed, self.held
+        # The state after that forward, read without copying it (this runs for every candidate forward).
+        for k in sorted(owed) if mb in owed else sorted([*owed, mb]):
+            if k == mb:
+                if owed.get(k, chunks) - 1 > free:
+                    return False
+                free += held.get(k, 0) + 1
+            else:
+                if owed[k] > free:
+                    return False
+                free += held[k]
         return True
 
 
@@ -674,10 +730,18 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
         for d, st in enumerate(devs):
             if st.free_at > now + tol:
                 continue
-            op = _choose(st, [o for o in st.ready if ready_at[o] <= now + tol], pol, limit[d],
-                         layout.chunks, key)
-            if op is None:
+            # Ready ops only join the list and become eligible as time passes: with no op started or
+            # readied here since the device last found none to run, and none of its ready ops come due
+            # since, it would find none again.
+            if st.stuck is not None and st.stuck[:2] == (len(st.ready), st.started) and now + tol < st.stuck[2]:
                 continue
+            eligible = [o for o in st.ready if ready_at[o] <= now + tol]
+            op = _choose(st, eligible, pol, limit[d], layout.chunks, key)
+            if op is None:
+                due = min((ready_at[o] for o in st.ready if ready_at[o] > now + tol), default=math.inf)
+                st.stuck = (len(st.ready), st.started, due)
+                continue
+            st.started += 1
             st.last = op[0]
             st.ready.remove(op)
             kind, mb, j = op

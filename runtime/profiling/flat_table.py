@@ -117,8 +117,8 @@ def _cell(where: str, name: str, value: Any, problems: list[Problem]) -> Any:
             value = convert(value)
         except ValueError:
             value = None
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or (convert is int and not isinstance(value, int))
-            or not math.isfinite(value)):
+    wrong_type = isinstance(value, bool) or not isinstance(value, int if convert is int else (int, float))
+    if wrong_type or not math.isfinite(value):
         problems.append(Problem(where, name, f"expected {kind}, got {raw!r}"))
         return None
     if name in INTS and value < INTS[name]:

@@ -14,7 +14,16 @@ from functools import cached_property
 from typing import Any, TypeVar
 
 from runtime.errors import Problem, SpecError
-from runtime.pipeline_schedules import ChunkCost, Costs, Schedule, ScheduleName, build_schedule, schedule_layout
+from runtime.pipeline_schedules import (
+    ChunkCost,
+    Costs,
+    Schedule,
+    ScheduleName,
+    TimedOp,
+    build_schedule,
+    schedule_layout,
+    schedule_timeline,
+)
 from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
@@ -41,6 +50,13 @@ def plan_schedule(pipe: Pipeline, name: ScheduleName, micro_batches: int) -> Sch
     layout = schedule_layout(name, len(pipe.stages), pipe.stages[0].chunks)
     return build_schedule(name, len(pipe.stages), micro_batches, layout.chunks, plan_costs(pipe),
                           pipe.activation_limits)
+
+
+def plan_timeline(pipe: Pipeline, name: ScheduleName, micro_batches: int) -> tuple[tuple[TimedOp, ...], ...]:
+    """``plan_schedule(...).timeline`` without the action lists (``schedule_timeline``)."""
+    layout = schedule_layout(name, len(pipe.stages), pipe.stages[0].chunks)
+    return schedule_timeline(name, len(pipe.stages), micro_batches, layout.chunks, plan_costs(pipe),
+                             pipe.activation_limits)
 
 
 @dataclass(frozen=True, eq=False)
