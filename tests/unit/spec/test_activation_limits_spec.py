@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from plan_files import load, problems
 
-from runtime.errors import SpecError
 from runtime.pipeline_schedules import build_schedule, check_schedule
-from runtime.spec import load_plan_context
 from runtime.spec.handle import StrategyHandle, plan_costs
 from runtime.spec.io import dump_yaml
 from runtime.spec.schema import to_data
@@ -29,17 +28,6 @@ def limited(limits: object, schedule: str = "zb-h1") -> dict:
     return data
 
 
-def load(tmp_path: Path, data: dict):
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return load_plan_context(path)
-
-
-def problems(tmp_path: Path, data: dict) -> list[str]:
-    with pytest.raises(SpecError) as err:
-        load(tmp_path, data)
-    prefix = str(tmp_path / "plan.yaml") + ": "
-    return [line.removeprefix(prefix) for line in err.value.lines()]
 
 
 def test_limits_parse_write_back_and_build_the_lists(tmp_path: Path) -> None:

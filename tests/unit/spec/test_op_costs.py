@@ -11,10 +11,9 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from plan_files import load, problems
 
-from runtime.errors import SpecError
 from runtime.pipeline_schedules import ChunkCost, Costs, build_schedule, check_schedule, schedule_layout
-from runtime.spec import load_plan_context
 from runtime.spec.handle import StrategyHandle, plan_schedule
 from runtime.spec.io import dump_yaml
 from runtime.spec.plan import Pipeline, Stage
@@ -43,17 +42,6 @@ def costed_plan(transfers: object = TRANSFER, **changes) -> dict:
     return data
 
 
-def load(tmp_path: Path, data: dict):
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return load_plan_context(path)
-
-
-def problems(tmp_path: Path, data: dict) -> list[str]:
-    with pytest.raises(SpecError) as err:
-        load(tmp_path, data)
-    prefix = str(tmp_path / "plan.yaml") + ": "
-    return [line.removeprefix(prefix) for line in err.value.lines()]
 
 
 def test_op_costs_parse_and_write_back(tmp_path: Path) -> None:

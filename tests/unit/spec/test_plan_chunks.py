@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from plan_files import load, problems
 
-from runtime.errors import FieldErrors, SpecError
+from runtime.errors import FieldErrors
 from runtime.pipeline_schedules import check_schedule
-from runtime.spec import load_plan_context
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.io import dump_yaml
 from runtime.spec.plan import Pipeline, Stage
@@ -31,19 +31,6 @@ def interleaved_plan() -> dict:
     return data
 
 
-def load(tmp_path: Path, data: dict):
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return load_plan_context(path)
-
-
-def problems(tmp_path: Path, data: dict) -> list[str]:
-    with pytest.raises(SpecError) as err:
-        load(tmp_path, data)
-    lines = err.value.lines()
-    prefix = str(tmp_path / "plan.yaml") + ": "
-    assert all(line.startswith(prefix) for line in lines), lines
-    return [line[len(prefix):] for line in lines]
 
 
 def test_stage_accepts_a_pair_or_ranges() -> None:
