@@ -52,7 +52,7 @@ planner can call them millions of times:
   every moment chunk (``training.zero_redundancy``, elastic plans): ``zero_degree`` divides a device's
   optimizer state and AdamW step by ``pipelines // r``; the all-gather sends each element once whatever r.
 * ``estimate(strategy, global_batch, schedule, zero) -> StrategyEstimate``: the whole step, each pipeline
-  by ``pipeline_step_time`` (the runtime's action lists played with ``chunk_cost``s: ``play_actions``)
+  by ``pipeline_step_time`` (the runtime's action lists played with ``chunk_cost``s: ``play_timeline``)
   under its own schedule, plus memory per device (the schedule's ``live_activation_limit``:
   ``pipeline_memory``) with OOM flags. docs/design.md §10.
 * ``chunk_cost``: a chunk's F, B and W (the backward split by ``weight_grad_fraction``); ``with_op_costs``:
@@ -80,7 +80,7 @@ by, and the measured costs of sharing the CPU that only the simulator plays out 
 Pure formulas (module level): ``pipeline_time`` (1F1B's closed form ``(m-1)*max(t) + sum(t) +
 sum(boundary comm)``, GPipe's on forward and backward separately: ranking proxies, e.g.
 ``pipeline_proxy_time``), ``in_flight_micro_batches`` (``live_activation_limit`` of a one-chunk
-schedule: 1F1B stage k of S holds ``min(S-k, m)``; GPipe ``m``), ``play_actions``,
+schedule: 1F1B stage k of S holds ``min(S-k, m)``; GPipe ``m``), ``play_timeline``,
 ``weight_grad_fraction``, ``allreduce_seconds``, ``model_flops_per_token`` (for MFU).
 
 Where a profile has measured fits for this model's shape and TP degree, they are used as measured;
@@ -110,13 +110,9 @@ from runtime.models.decoders import model_parameters
 from runtime.models.params import ParamInfo
 from runtime.pipeline_schedules import (
     ChunkCost,
-    Compute,
     Costs,
     Layout,
-    Message,
-    PostSend,
     TimedOp,
-    WaitRecv,
     device_limits,
     live_activation_limit,
     schedule_layout,
@@ -195,49 +191,13 @@ def in_flight_micro_batches(stage: int, num_stages: int, micro_batches: int, sch
     return live_activation_limit(schedule, num_stages, stage, micro_batches)
 
 
-def play_actions(schedule: PipelineSchedule, costs: Costs) -> float:
-    """The pipeline part of a step when each device runs ``schedule``'s action lists in order with the op
-    durations and message times of ``costs``: a compute op starts when its device is free, a ``WaitRecv``
-    waits for its message, which arrives its boundary's transfer time after the ``PostSend`` that follows
-    its producer (no link contention: the simulator plays that). Ends at the last op's end, as
-    ``step_time`` does for the order the list scheduler builds on ``costs``."""
-    layout = schedule.layout
-    arrival: dict[Message, float] = {}
-    clock = [0.0] * layout.num_devices
-    pos = [0] * layout.num_devices
-    last = 0.0
-    moved = True
-    while moved:
-        moved = False
-        for d, acts in enumerate(schedule.actions):
-            t = clock[d]
-            while pos[d] < len(acts):
-                a = acts[pos[d]]
-                if isinstance(a, WaitRecv):
-                    if a.message not in arrival:
-                        break   # its sender has not got there yet
-                    t = max(t, arrival[a.message])
-                elif isinstance(a, Compute):
-                    t += costs.chunk(d, a.chunk).of(a.kind)
-                    last = max(last, t)
-                elif isinstance(a, PostSend):
-                    m = a.message
-                    arrival[m] = t + costs.transfer(min(m.src_stage, m.dst_stage))
-                pos[d] += 1
-                moved = True
-            clock[d] = t
-    if any(p < len(acts) for p, acts in zip(pos, schedule.actions)):
-        raise RuntimeError("the action lists deadlock (a runtime schedule bug, not a user error)")
-    return last
-
-
 def play_timeline(layout: Layout, timeline: Sequence[Sequence[TimedOp]], costs: Costs) -> float:
-    """``play_actions`` of the action lists ``derive_actions`` makes of ``timeline``, without making them:
+    """What the action lists ``derive_actions`` makes of ``timeline`` take when played, without making them:
     those lists put each ``WaitRecv`` right before the op that reads its message and each ``PostSend``
     right after the producer, so playing them is each device running its ops in timeline order, an op
     on another device's output starting no earlier than the producer's end plus the boundary's transfer
-    time. The same arithmetic in the same order, so the same number (tested); the planner prices many
-    more pipelines than it writes."""
+    time. The tests play the lists themselves (tests/unit/planner/played_lists.py) and get the same number;
+    the planner prices many more pipelines than it writes."""
     n = layout.num_stages
     dev = [layout.device(j) for j in range(n)]
     arrival: dict[tuple[bool, int, int], float] = {}   # (gradient?, micro-batch, sending virtual stage)
@@ -1158,7 +1118,7 @@ class CostModel:
     def pipeline_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
         """Pipeline ``pi``'s part of the step under its schedule (``schedule`` unless it names its own): the
         action lists the runtime executes (``runtime_schedule``) played with the real op costs
-        (``play_actions``; played from their timeline, ``play_timeline``, which gives the same number
+        (played from their timeline, ``play_timeline``, which gives the number the lists give
         without deriving the lists), cached."""
         pipe = strategy.pipelines[pi]
         name = pipe.schedule if pipe.schedule is not None else schedule

@@ -12,9 +12,10 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from played_lists import play_actions
 
 from planner.baselines import EXACTLY_PRICED, best_symmetric, symmetric_strategies
-from planner.cost import CostModel, play_actions, play_timeline
+from planner.cost import CostModel, play_timeline
 from planner.search import lazily_sorted
 from runtime.pipeline_schedules import (
     SCHEDULE_NAMES,

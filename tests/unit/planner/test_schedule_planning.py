@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from played_lists import play_actions
 
 from planner.api import PlanSettings, plan
-from planner.cost import CostModel, planner_handle, play_actions, weight_grad_fraction
+from planner.cost import CostModel, planner_handle, weight_grad_fraction
 from planner.report import result_json, schedule_rows
 from planner.schedule_choice import AUTO, ScheduleChoice, chunk_sizes, fill_factor, schedule_choices, stage_layer_ranges
 from planner.simulate import simulate
