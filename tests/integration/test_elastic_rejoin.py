@@ -28,14 +28,21 @@ from runtime.spec import load_plan_context
 FAST = {"timeout_s": 20.0, "heartbeat_timeout_s": 3.0}
 
 
-def test_a_killed_device_rejoins_and_gets_its_state_back(tmp_path):
+def kill_and_return_plans(tmp_path):
+    """The plans of device 1's death and return: ``dp`` (whole-model replicas on 0 and 1 beside a 2-stage
+    pipeline on 2, 3), ``without1`` (device 1 gone) and ``back`` (a whole-model replica on device 1 again,
+    every tensor of it received from devices 0, 2, 3)."""
     dp = write_plan(tmp_path / "dp.yaml", "dp", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
                                                  (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
     without1 = write_plan(tmp_path / "dp1.yaml", "without1", [(2, [([0], (0, 6))]),
                                                               (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
-    # Back with device 1: a whole-model replica again, every tensor of it received from devices 0, 2, 3.
     back = write_plan(tmp_path / "back.yaml", "back", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
                                                        (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
+    return dp, without1, back
+
+
+def test_a_killed_device_rejoins_and_gets_its_state_back(tmp_path):
+    dp, without1, back = kill_and_return_plans(tmp_path)
     steps = 6
     replans: list = []
     grows: list = []
@@ -136,12 +143,7 @@ def test_a_holder_dies_while_the_returning_device_receives_its_state(tmp_path):
     # (a holder, sending state to it) is killed. The growth is void: the survivors 0 and 2 recover from
     # their own state (device 2 takes the whole model), and device 1, still up, is asked for again on the
     # plan after the recovery and adopted then.
-    dp = write_plan(tmp_path / "dp.yaml", "dp", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
-                                                 (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
-    without1 = write_plan(tmp_path / "dp1.yaml", "without1", [(2, [([0], (0, 6))]),
-                                                              (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
-    back = write_plan(tmp_path / "back.yaml", "back", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
-                                                       (2, [([2], (0, 3)), ([3], (3, 6))])], global_batch=4)
+    dp, without1, back = kill_and_return_plans(tmp_path)
     two = write_plan(tmp_path / "two.yaml", "two", [(2, [([0], (0, 6))]), (2, [([2], (0, 6))])], global_batch=4)
     three = write_plan(tmp_path / "three.yaml", "three", [(1, [([0], (0, 6))]), (1, [([1], (0, 6))]),
                                                           (2, [([2], (0, 6))])], global_batch=4)
