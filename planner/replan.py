@@ -239,9 +239,8 @@ def _plan_elastic(current: StrategyHandle, devices: Sequence[int], profiles: Map
                   time_limit_s: float, top_k: int) -> tuple[PlanResult, str | None]:
     """The planner on ``devices``: elastic (>= 2 pipelines) keeping the run's ZeRO choice (an elastic ZeRO-1
     plan keeps 2 copies of every chunk) where that fits, else neither; with why the elastic one did not."""
-    ctx = current.ctx
-    settings = _settings(ctx.plan.training, elastic=True, use_zero=ctx.plan.training.zero, time_limit_s=time_limit_s,
-                         top_k=top_k)
+    ctx, t = current.ctx, current.ctx.plan.training
+    settings = _settings(t, elastic=True, use_zero=t.zero, time_limit_s=time_limit_s, top_k=top_k)
     try:
         return plan(ctx.model, ctx.cluster, profiles, settings, devices=devices, baselines=False), None
     except InfeasibleError as err:
