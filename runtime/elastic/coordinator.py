@@ -183,7 +183,7 @@ class Switching:
                                f"{e['transfer_s']:.3f} s, {_bytes(e['switch_bytes'])})")
         else:
             c.report(_switch_event(self, now, got, c.ref),
-                     lambda e: f"switched at step {self.step} to {t.target.describe()} in {e['total_s']:.3f} s "
+                     lambda e: f"switch at step {self.step} to {t.target.describe()} in {e['total_s']:.3f} s "
                                f"(specialize {e['specialize_s']:.3f} s, transfer {e['transfer_s']:.3f} s, "
                                f"{_bytes(e['switch_bytes'])})")
 
