@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
@@ -15,6 +16,9 @@ if TYPE_CHECKING:
 
 FORMAT_OPTION = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
                              show_default=True, help="'json' prints one JSON object for scripts.")
+PROFILE_OPTION = click.option("--profile", "profile_dirs", multiple=True, type=click.Path(path_type=Path),
+                              help="Directory of device profiles (repeatable; before the shipped profiles/). "
+                                   "A measured profile overrides a spec one.")
 
 
 def _width(stream) -> int | None:

@@ -10,7 +10,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from hetu_cli.output import FORMAT_OPTION, console, emit_json
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json
 from planner.replan import DEFAULT_TOLERANCE, ReplanResult, RestartModel
 from planner.replan import replan as run_replan
 from runtime.errors import HspmdError, Problem, SpecError
@@ -46,8 +46,7 @@ def plan_refs(ctx: PlanContext) -> tuple[str, str]:
 @click.option("--strategy", "strategy_name", help="Its strategy that was running (default: the first).")
 @click.option("--failed", "failed_text", required=True, help="The failed device ids, e.g. 5,6.")
 @click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), help="Write the new plan here (YAML).")
-@click.option("--profile", "profile_dirs", multiple=True, type=click.Path(path_type=Path),
-              help="Directory of device profiles (repeatable; before the shipped profiles/).")
+@PROFILE_OPTION
 @click.option("--tolerance", type=click.FloatRange(min=0.0), default=DEFAULT_TOLERANCE, show_default=True,
               help="Candidates within this fraction of the fastest step time count as equally fast; among "
                    "them the one that moves the least state wins.")
