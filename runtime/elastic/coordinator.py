@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich import filesize
+
 from runtime.elastic.protocol import Abort, Commit, Finish, Left, Ready, Resume, Switched, Transition, World
 from runtime.elastic.state import (
     check_compatible,
@@ -173,19 +175,19 @@ class Switching:
             inc.times = dict(got)
             c.reported_incident, c.incident = inc, None
             c.log(f"switched to {t.target.describe()} in {now - (inc.t_sent or now):.3f} s "
-                  f"({_bytes(t.bsr.total_bytes + inc.moment_bytes)} moved); redoing step {inc.step}")
+                  f"({filesize.decimal(t.bsr.total_bytes + inc.moment_bytes)} moved); redoing step {inc.step}")
         elif self.growth is not None:
             g = self.growth
             c.report(_growth_event(self, g, now, got),
                      lambda e: f"device(s) {_devs(g.joining)} joined after step {self.step}: now "
                                f"{t.target.describe()}; "
                                f"switch {e['total_s']:.3f} s (regroup {e['regroup_s']:.3f} s, transfer "
-                               f"{e['transfer_s']:.3f} s, {_bytes(e['switch_bytes'])})")
+                               f"{e['transfer_s']:.3f} s, {filesize.decimal(e['switch_bytes'])})")
         else:
             c.report(_switch_event(self, now, got, c.ref),
                      lambda e: f"switch at step {self.step} to {t.target.describe()} in {e['total_s']:.3f} s "
                                f"(specialize {e['specialize_s']:.3f} s, transfer {e['transfer_s']:.3f} s, "
-                               f"{_bytes(e['switch_bytes'])})")
+                               f"{filesize.decimal(e['switch_bytes'])})")
 
 
 class Finishing:
@@ -720,14 +722,6 @@ class ElasticPolicy:
 
 def _devs(devices: Any) -> str:
     return ", ".join(str(d) for d in sorted(devices))
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
 
 
 def _lost_lines(failed: frozenset[int], step: int, lost: list[Any], moments: list[Any],
