@@ -14,31 +14,28 @@ from typing import Any
 
 
 def move_state(bsr: Any, source: dict[str, Any], groups: Any, program: Any, steps_done: int, device: Any,
-               src: Any = None) -> int:
+               src: Any = None) -> None:
     """This device's part of a switch: run the fused BSR ``bsr`` (collective over ``bsr.devices``) from
     its ``source`` state (``local_state()`` layout of the old plan ``src``; empty if it held none) and load
     the result into ``program`` (None when the new plan leaves this device idle). ``src`` (the old plan's
-    ``StrategyHandle``) is needed when it uses ZeRO-1; every device of the switch must pass it then.
-    Returns the bytes this device sent in the first round (0 without ZeRO-1)."""
+    ``StrategyHandle``) is needed when it uses ZeRO-1; every device of the switch must pass it then."""
     import torch
 
     from runtime.comm.execute import run_bsr
 
     me = groups.my_device
-    sent = 0
     if src is not None and src.training.zero:
-        source, sent = _full_moments(src, bsr.excluded, source, groups, device)
+        source = _full_moments(src, bsr.excluded, source, groups, device)
     out = run_bsr(bsr, source, groups, device=device) if me in bsr.devices else {}
     del source
     if program is not None:
         _keep_chunks(program, out)
         out["step"] = torch.tensor(float(steps_done))
         program.load_local_state(out)
-    return sent
 
 
 def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,
-                  device: Any) -> tuple[dict[str, Any], int]:
+                  device: Any) -> dict[str, Any]:
     """``source`` with this device's ZeRO-1 moments (1-D chunks) replaced by full moments in the
     parameter's layout, rebuilt by ``plan_moment_gather`` from the surviving copies."""
     import torch
@@ -64,10 +61,9 @@ def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,
                     mine[moment_key(name, suffix, i)] = flat[off:off + b - a]
                 off += b - a
     got = run_bsr(plan, mine, groups, device=device) if me in plan.devices else {}
-    sent = sum(m.nbytes for m in plan.sends(me))
     del mine
     if not got:
-        return source, sent
+        return source
     ann = strategy_annotations(src)
     out = dict(source)
     for name, sl in slices.items():
@@ -81,7 +77,7 @@ def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,
                 if me in s.devices:
                     full[relative(s.region, region)] = got.pop(moment_key(name, suffix, i)).view(s.shape)
             out[name + suffix] = full
-    return out, sent
+    return out
 
 
 def _keep_chunks(program: Any, state: dict[str, Any]) -> None:
