@@ -18,6 +18,7 @@ model that scores the plan.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,11 +64,12 @@ class LayerSplit:
         return micro_batches * self.max_s + fill * (self.sum_s - self.max_s) + boundary_s
 
     def ranges(self) -> list[tuple[int, int]]:
-        out, start = [], 0
-        for n in self.layers:
-            out.append((start, start + n))
-            start += n
-        return out
+        return consecutive_ranges(self.layers)
+
+
+def consecutive_ranges(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` layer ranges of stages holding ``counts`` layers each, in order from layer 0."""
+    return [(end - n, end) for n, end in zip(counts, itertools.accumulate(counts))]
 
 
 def _max_layers(cm: CostModel, kind: GroupKind, first: bool, last: bool, recompute: bool, in_flight: int,
