@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from runtime.annotations.states import Region, relative
+from runtime.annotations.states import Region, relative, volume
 from runtime.comm.bsr import BsrPlan, DType, Message
 from runtime.comm.groups import ProcessGroups
 from runtime.comm.resolve import CommOp
@@ -55,7 +55,7 @@ def run_p2p(plan: BsrPlan, me: int, sources: Mapping[int, torch.Tensor], outputs
         ops.append(dist.P2POp(dist.isend, buf, ranks[m.peer]))
     bufs = []
     for m in recvs:
-        numel = m.nbytes if as_bytes else sum(_numel(p.region) for p in m.pieces)
+        numel = m.nbytes if as_bytes else sum(volume(p.region) for p in m.pieces)
         some = outputs[m.pieces[0].tensor]
         buf = torch.empty(numel, dtype=torch.uint8 if as_bytes else some.dtype, device=some.device)
         bufs.append(buf)
@@ -66,7 +66,7 @@ def run_p2p(plan: BsrPlan, me: int, sources: Mapping[int, torch.Tensor], outputs
         off = 0
         for piece in m.pieces:
             out = outputs[piece.tensor]
-            n = _numel(piece.region)
+            n = volume(piece.region)
             nb = n * out.element_size() if as_bytes else n
             flat = buf[off:off + nb]
             if as_bytes:  # pieces of mixed dtypes share the buffer: realign before viewing
@@ -74,13 +74,6 @@ def run_p2p(plan: BsrPlan, me: int, sources: Mapping[int, torch.Tensor], outputs
             off += nb
             dst_region = plan.tensors[piece.tensor].dst.by_device[me].region
             out[relative(piece.region, dst_region)] = flat.view(tuple(b - a for a, b in piece.region))
-
-
-def _numel(region: Region) -> int:
-    n = 1
-    for a, b in region:
-        n *= b - a
-    return n
 
 
 def _pack(plan: BsrPlan, m: Message, sources: Mapping[int, torch.Tensor], regions: Mapping[int, Region],
@@ -151,7 +144,7 @@ def _reduce_phase(op: CommOp, x: torch.Tensor, me: int, groups: ProcessGroups) -
         mine: list[Region] = []
         off = 0
         for r, needer in zip(b.regions, b.needers):
-            n = _numel(r)
+            n = volume(r)
             chunks[needer].append(flat[off:off + n])
             sizes[needer] += n
             off += n
@@ -172,7 +165,7 @@ def _reduce_phase(op: CommOp, x: torch.Tensor, me: int, groups: ProcessGroups) -
         work.wait()
         off = 0
         for r in regions:
-            n = _numel(r)
+            n = volume(r)
             mid[relative(r, h.region)] = flat[off:off + n].view(tuple(b - a for a, b in r))
             off += n
     return mid
@@ -187,7 +180,7 @@ def _gathers(op: CommOp, mid: torch.Tensor | None, out: torch.Tensor | None, me:
         pg = groups.get(g.devices)
         order = groups.order(pg)
         part = dict(zip(g.devices, g.parts))
-        width = max(_numel(p) for p in g.parts)
+        width = max(volume(p) for p in g.parts)
         mine = mid.reshape(-1)
         if mine.numel() < width:
             mine = torch.cat([mine, mine.new_zeros(width - mine.numel())])
@@ -196,7 +189,7 @@ def _gathers(op: CommOp, mid: torch.Tensor | None, out: torch.Tensor | None, me:
         dst_region = op.dst.by_device[me].region
         for i, d in enumerate(order):
             p = part[d]
-            out[relative(p, dst_region)] = buf[i * width:i * width + _numel(p)].view(tuple(b - a for a, b in p))
+            out[relative(p, dst_region)] = buf[i * width:i * width + volume(p)].view(tuple(b - a for a, b in p))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -334,7 +327,7 @@ def pack_message(op: CommOp, message: Message, x: torch.Tensor, me: int) -> torc
 
 def recv_buffer(message: Message, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An empty buffer for one incoming message of ``op.recvs(me)``."""
-    return torch.empty(sum(_numel(p.region) for p in message.pieces), dtype=dtype, device=device)
+    return torch.empty(sum(volume(p.region) for p in message.pieces), dtype=dtype, device=device)
 
 
 def unpack_message(op: CommOp, message: Message, buf: torch.Tensor, out: torch.Tensor, me: int) -> None:
@@ -342,6 +335,6 @@ def unpack_message(op: CommOp, message: Message, buf: torch.Tensor, out: torch.T
     dst_region = op.dst.by_device[me].region
     off = 0
     for piece in message.pieces:
-        n = _numel(piece.region)
+        n = volume(piece.region)
         out[relative(piece.region, dst_region)] = buf[off:off + n].view(tuple(b - a for a, b in piece.region))
         off += n
