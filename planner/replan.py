@@ -30,9 +30,10 @@ from typing import Literal
 
 from planner.api import PlanResult, PlanSettings, plan
 from planner.cost import CostModel, zero_copies
+from runtime.checkpoint import STATE_SUFFIXES
 from runtime.comm.bsr import BsrPlan
 from runtime.elastic.events import TraceEvent
-from runtime.elastic.state import STATE_SUFFIXES, LostTensor, describe_lost, lost_tensors, plan_switch
+from runtime.elastic.state import LostTensor, describe_lost, lost_tensors, plan_switch
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.launch.options import node_loss_detect_s
 from runtime.profiling.profile import DeviceProfile, ProfileSet

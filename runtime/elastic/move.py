@@ -42,15 +42,16 @@ def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,
 
     from runtime.annotations.from_plan import strategy_annotations
     from runtime.annotations.states import relative
+    from runtime.checkpoint import MOMENT_SUFFIXES, moment_key
     from runtime.comm.execute import run_bsr
-    from runtime.elastic.state import STATE_SUFFIXES, moment_key, moment_slices, plan_moment_gather
+    from runtime.elastic.state import moment_slices, plan_moment_gather
 
     me = groups.my_device
     plan = plan_moment_gather(src, excluded)
     slices = moment_slices(src)
     mine: dict[str, Any] = {}
     for name, sl in slices.items():
-        for suffix in STATE_SUFFIXES[1:]:
+        for suffix in MOMENT_SUFFIXES:
             flat = source.get(name + suffix)
             off = 0
             for i, s in enumerate(sl):
@@ -71,7 +72,7 @@ def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,
             continue
         p = ann.param(name)
         region = p.param.layout(p.shape).region(me)
-        for suffix in STATE_SUFFIXES[1:]:
+        for suffix in MOMENT_SUFFIXES:
             full = torch.empty(tuple(b - a for a, b in region), dtype=source[name].dtype, device=source[name].device)
             for i, s in enumerate(sl):
                 if me in s.devices:
@@ -85,7 +86,7 @@ def _keep_chunks(program: Any, state: dict[str, Any]) -> None:
     import torch
 
     from runtime.annotations.states import relative
-    from runtime.elastic.state import STATE_SUFFIXES
+    from runtime.checkpoint import MOMENT_SUFFIXES
     from runtime.engine.optim import flat_range
 
     pieces = program.moment_pieces()
@@ -94,7 +95,7 @@ def _keep_chunks(program: Any, state: dict[str, Any]) -> None:
     shards = program.param_annotations()
     for name, ps in pieces.items():
         region = tuple((s.start, s.stop) for s in shards[name].region)
-        for suffix in STATE_SUFFIXES[1:]:
+        for suffix in MOMENT_SUFFIXES:
             full = state[name + suffix]
             state[name + suffix] = torch.cat([flat_range(full[relative(p.region, region)], p.start, p.stop)
                                               for p in ps])
