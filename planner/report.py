@@ -89,11 +89,6 @@ def result_json(result: PlanResult, plan: Plan, out_path: str | None) -> dict[st
     }
 
 
-def _speedup(result: PlanResult, b: Baseline) -> str:
-    s = result.speedup(b)
-    return "-" if s is None else f"{s:.2f}x"
-
-
 def zero_text(copies: int) -> str:
     return "off" if not copies else "on" if copies == 1 else f"on, {copies} copies of each moment chunk"
 
@@ -141,7 +136,7 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
         base.add_column(col, justify="left" if col in ("baseline", "configuration") else "right")
     for b in (result.symmetric, result.symmetric_subset):
         base.add_row(b.name, escape(b.description), "-" if b.step_time_s is None else f"{b.step_time_s:.4f}",
-                     _speedup(result, b))
+                     "-" if (speedup := result.speedup(b)) is None else f"{speedup:.2f}x")
     lb = result.lower_bound
     base.add_row("lower bound", "all devices at their best compute rate, no comm / bubbles / optimizer",
                  f"{lb.step_time_s:.4f}", f"efficiency {result.efficiency:.1%}")

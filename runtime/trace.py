@@ -53,7 +53,8 @@ class TraceRecorder:
             event = {"name": name, "cat": kind, "ph": "X", "ts": round(start, 3), "dur": round(end - start, 3),
                      "pid": self.pid, "tid": 0}
             if args:
-                event["args"] = {k: _jsonable(v) for k, v in args.items()}
+                event["args"] = {k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
+                                 for k, v in args.items()}
             self.events.append(event)
 
     def chrome_events(self) -> list[dict[str, Any]]:
@@ -66,10 +67,6 @@ class TraceRecorder:
 
     def write(self, path: str | Path) -> None:
         write_chrome_trace(path, self.chrome_events())
-
-
-def _jsonable(v: Any) -> Any:
-    return v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
 
 
 def write_chrome_trace(path: str | Path, events: Iterable[dict[str, Any]]) -> None:

@@ -115,12 +115,8 @@ def run(op: CommOp, x: torch.Tensor | None, groups: ProcessGroups, *, dtype: tor
     out = torch.empty(op.dst.local_shape(me), dtype=dtype, device=device) if in_dst else None
     _gathers(op, mid, out, me, groups)
     run_p2p(op.p2p, me, {0: mid} if mid is not None else {}, {0: out} if out is not None else {},
-            _mid_regions(op, me), groups.ranks, as_bytes=False)
+            {0: op.src.by_device[me].region} if in_src else {}, groups.ranks, as_bytes=False)
     return out
-
-
-def _mid_regions(op: CommOp, me: int) -> dict[int, Region]:
-    return {0: op.src.by_device[me].region} if me in op.src else {}
 
 
 def _reduce_phase(op: CommOp, x: torch.Tensor, me: int, groups: ProcessGroups) -> torch.Tensor:
@@ -243,18 +239,14 @@ def execute(op: CommOp, x: torch.Tensor | None, groups: ProcessGroups, *, dtype:
     if has_src:
         assert x is not None
         if not x.requires_grad or not torch.is_grad_enabled():
-            return run(op, x, groups) if me in op.dst else _run_send_only(op, x, groups)
+            y = run(op, x, groups)
+            return y if me in op.dst else torch.empty(0, dtype=x.dtype, device=x.device)
         return _Reshard.apply(x, op, groups, True, dtype, device)
     grad = requires_grad if requires_grad is not None else (torch.is_grad_enabled() and dtype.is_floating_point)
     if not grad:
         return run(op, None, groups, dtype=dtype, device=device)
     anchor = torch.zeros(0, dtype=dtype, device=device, requires_grad=True)
     return _Reshard.apply(anchor, op, groups, False, dtype, device)
-
-
-def _run_send_only(op: CommOp, x: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
-    run(op, x, groups)
-    return torch.empty(0, dtype=x.dtype, device=x.device)
 
 
 # ---------------------------------------------------------------------------------------------------

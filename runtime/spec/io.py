@@ -266,12 +266,6 @@ def read_json(path: str | os.PathLike[str], limits: ReadLimits = DEFAULT_LIMITS)
         raise SpecError([Problem(str(p), "", f"malformed JSON: {str(exc).splitlines()[0][:120]}")]) from None
 
 
-def read_data(path: str | os.PathLike[str], limits: ReadLimits = DEFAULT_LIMITS) -> Any:
-    """``read_json`` for ``*.json`` files, ``read_yaml`` for everything else."""
-    reader = read_json if Path(path).suffix.lower() == ".json" else read_yaml
-    return reader(path, limits)
-
-
 def check_version(data: Any, supported: int, file: str, field: str = "version") -> None:
     """Refuse a file of another format version before anything else of it is read: a newer file's
     other problems would only be noise (its fields may have changed meaning)."""
@@ -294,7 +288,7 @@ def load_file(cls: type[T], path: str | os.PathLike[str], *, version: int | None
     """Read ``path`` (bounded, strict), check its ``version`` first if the format has one, and build
     ``cls`` from it, every problem with its field path."""
     file = str(path)
-    data = read_data(path, limits)
+    data = (read_json if Path(path).suffix.lower() == ".json" else read_yaml)(path, limits)
     if data is None:
         raise SpecError([Problem(file, "", "is empty, expected a mapping")])
     if version is not None:
