@@ -32,13 +32,14 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 from runtime.comm.bsr import FLOAT32
+from runtime.comm.gradsync import runs
 from runtime.errors import HspmdError, Problem, SpecError
 from runtime.models.params import llama_parameters
 from runtime.spec import ModelSpec, PlanContext
@@ -66,7 +67,6 @@ SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq)")
 
 Kind = Literal["hspmd", "huggingface", "legacy"]
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: P
         if local[name].dtype != dtype:
             raise RuntimeError(f"{name}: local state is {local[name].dtype}, checkpoints hold {dtype}")
     full: dict[str, torch.Tensor] = {}
-    for chunk in _runs(moves, lambda m: m.itemsize * math.prod(m.shape), ROUND_BYTES):
+    for chunk in runs(moves, lambda m: m.itemsize * math.prod(m.shape), ROUND_BYTES):
         got = run_bsr(plan_bsr(chunk, bandwidth=plan.cluster),
                       {m.name: local[m.name] for m in chunk if m.name in local}, groups)
         if me == writer:
@@ -294,7 +294,7 @@ def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[s
         raise ValueError(f"weights of mixed dtypes {sorted(dtypes)}")
     save_id = uuid.uuid4().hex
     meta = {"format": "pt", SAVE_ID: save_id, "step": str(step), "model": model.name}
-    shards = _runs(list(weights), lambda k: weights[k].numel() * weights[k].element_size(), shard_bytes)
+    shards = runs(list(weights), lambda k: weights[k].numel() * weights[k].element_size(), shard_bytes)
     written: list[Path] = []
     names = [WEIGHTS_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                      for i in range(len(shards))]
@@ -320,21 +320,6 @@ def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[s
         if (old.name in ours or SHARD_NAME.fullmatch(old.name)) and old.name not in keep:
             old.unlink()
     return written
-
-
-def _runs(items: list[T], nbytes: Callable[[T], int], limit: int) -> list[list[T]]:
-    """Consecutive runs of ``items`` of at most ``limit`` bytes each (a larger item alone): BSR rounds of
-    the save, and the weight files of a sharded checkpoint."""
-    out: list[list[T]] = [[]]
-    size = 0
-    for item in items:
-        n = nbytes(item)
-        if out[-1] and size + n > limit:
-            out.append([])
-            size = 0
-        out[-1].append(item)
-        size += n
-    return out
 
 
 def load_checkpoint(program: Any, directory: str | Path, plan: PlanContext) -> int:
