@@ -58,7 +58,7 @@ def symmetric_strategies(cm: CostModel, devices: Sequence[int], global_batch: in
     """Every symmetric strategy over exactly ``devices`` (description, strategy)."""
     cluster, model = cm.cluster, cm.model
     per_node = available(cluster, devices)
-    blocks = [ids for ids in per_node.values()]
+    blocks = list(per_node.values())
     n = len(devices)
     m_total = global_batch // cm.micro_batch
     out: list[tuple[str, Strategy]] = []

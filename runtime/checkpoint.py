@@ -224,7 +224,7 @@ def _legacy_info(directory: Path, model: ModelSpec) -> CheckpointInfo:
     if problems:
         raise SpecError(problems)
     return CheckpointInfo(directory, int(meta["step"]), meta.get("model", ""), meta.get("saved_by", ""), "legacy",
-                          {n: path for n in want}, True)
+                          dict.fromkeys(want, path), True)
 
 
 def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: PlanContext, strategy: str,

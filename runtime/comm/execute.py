@@ -51,7 +51,7 @@ def run_p2p(plan: BsrPlan, me: int, sources: Mapping[int, torch.Tensor], outputs
         return
     ops: list[dist.P2POp] = []
     for m in sends:
-        buf = _pack(plan, m, sources, mid_regions, as_bytes)
+        buf = _pack(m, sources, mid_regions, as_bytes)
         ops.append(dist.P2POp(dist.isend, buf, ranks[m.peer]))
     bufs = []
     for m in recvs:
@@ -76,7 +76,7 @@ def run_p2p(plan: BsrPlan, me: int, sources: Mapping[int, torch.Tensor], outputs
             out[relative(piece.region, dst_region)] = flat.view(tuple(b - a for a, b in piece.region))
 
 
-def _pack(plan: BsrPlan, m: Message, sources: Mapping[int, torch.Tensor], regions: Mapping[int, Region],
+def _pack(m: Message, sources: Mapping[int, torch.Tensor], regions: Mapping[int, Region],
           as_bytes: bool) -> torch.Tensor:
     parts = []
     for piece in m.pieces:
@@ -135,7 +135,7 @@ def _reduce_phase(op: CommOp, x: torch.Tensor, me: int, groups: ProcessGroups) -
             pending.append((work, flat, list(b.regions)))
             continue
         order = groups.order(pg)
-        sizes = {d: 0 for d in order}
+        sizes = dict.fromkeys(order, 0)
         chunks: dict[int, list[torch.Tensor]] = {d: [] for d in order}
         mine: list[Region] = []
         off = 0
@@ -314,7 +314,7 @@ def start_output(op: CommOp, x: torch.Tensor | None, me: int, *, dtype: torch.dt
 
 def pack_message(op: CommOp, message: Message, x: torch.Tensor, me: int) -> torch.Tensor:
     """The flat send buffer of one outgoing message of ``op.sends(me)`` (dtype of ``x``)."""
-    return _pack(op.p2p, message, {0: x}, {0: op.src.by_device[me].region}, False)
+    return _pack(message, {0: x}, {0: op.src.by_device[me].region}, False)
 
 
 def recv_buffer(message: Message, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

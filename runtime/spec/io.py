@@ -10,6 +10,7 @@ duplicate keys are an error, JSON's NaN/Infinity are refused).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -123,10 +124,7 @@ class _BoundedLoader(yaml.composer.Composer, *((_PARSER,) if _PARSER else (yaml.
             inner = self.open_nesting.pop()
         if self.open_nesting:
             self.open_nesting[-1] = max(self.open_nesting[-1], inner)
-        if isinstance(node, yaml.MappingNode):
-            children = [n for pair in node.value for n in pair]
-        else:
-            children = node.value
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
         size = 1 + sum(self.sizes[id(c)] for c in children)
         if size > self.limits.max_nodes:
             self.refuse(node.start_mark, f"YAML aliases expand to more than {self.limits.max_nodes:,} nodes "
@@ -328,8 +326,6 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, p)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
