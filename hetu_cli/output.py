@@ -26,17 +26,11 @@ def _width(stream) -> int | None:
     return None if stream.isatty() else 140
 
 
-def console() -> Console:
+def console(stderr: bool = False) -> Console:
     # Imported here: rich's console costs ~25 ms of start-up that verbs printing one line need not pay.
     from rich.console import Console
 
-    return Console(highlight=False, width=_width(sys.stdout))
-
-
-def err_console() -> Console:
-    from rich.console import Console
-
-    return Console(stderr=True, highlight=False, width=_width(sys.stderr))
+    return Console(stderr=stderr, highlight=False, width=_width(sys.stderr if stderr else sys.stdout))
 
 
 def emit_json(obj: Any) -> None:

@@ -15,7 +15,7 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import console, err_console
+from hetu_cli.output import console
 from runtime.elastic.agents import DEFAULT_PORT
 from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
@@ -252,7 +252,7 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
                 launch(options, PlainPolicy(), on_step=on_step, on_log=display.log)
     except HspmdError as err:
         if isinstance(err, WorkerFailure) and err.kind == "error" and err.traceback:
-            err_console().print(f"[dim]{escape(err.traceback.rstrip())}[/dim]")
+            console(stderr=True).print(f"[dim]{escape(err.traceback.rstrip())}[/dim]")
         for line in err.lines():
             click.echo(f"error: {line}", err=True)
         sys.exit(getattr(err, "exit_code", 2))  # WorkerFailure, UnrecoverableFailure: 1 unless the user's input
