@@ -33,11 +33,11 @@ from planner.cost import CostModel, zero_copies
 from runtime.checkpoint import STATE_SUFFIXES
 from runtime.comm.bsr import BsrPlan
 from runtime.elastic.events import TraceEvent
-from runtime.elastic.state import LostTensor, describe_lost, lost_tensors, plan_switch
+from runtime.elastic.state import LostTensor, describe_lost, holder_sets, lost_tensors, plan_switch
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.launch.options import node_loss_detect_s
 from runtime.profiling.profile import DeviceProfile, ProfileSet
-from runtime.spec import Plan, PlanContext, Strategy, validate_plan
+from runtime.spec import Cluster, Plan, PlanContext, Strategy, validate_plan
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import Pipeline, TrainingSettings
@@ -397,11 +397,15 @@ class TraceModel:
       new pipelines need is broadcast from one replica over one inter-node link (no balancing over
       holders); the surviving pipelines keep their layout (no TP or layer split changes across them).
       No pipeline left, or a parameter without a replica: a restart.
-    * **checkpoints**: every line writes the same synchronous checkpoints (Megatron's default save blocks
-      training), every ``checkpoint_interval_steps`` steps; None: Young's optimum interval
-      sqrt(2 x write time x mean time between failures) for the trace's failure rate, the interval a
-      restart-based job should use. hspmd and the Oobleck-like line need checkpoints only for losses memory
-      cannot survive, so charging them the same writes is conservative for them.
+    * **checkpoints**: synchronous writes (Megatron's default save blocks training). Each line writes at
+      Young's optimum interval sqrt(2 x write time x mean time between the failures it must checkpoint
+      against): restart against every failure of the trace; hspmd and the Oobleck-like line only against
+      the losses memory cannot survive (``unrecoverable_rate``: the coordinator's node, or every holder of
+      some piece of state lost within one recovery window, on the layout each runs at the time, with the
+      trace's per-device and per-node failure rates), and each is charged the expected cost of those
+      losses (rate x time x (detection + read + restart + half an interval redone)). A given
+      ``checkpoint_interval_steps`` is used by every line instead (no expected-loss charge). The output
+      also has every line charged restart's writes (the earlier accounting, ``..._same_checkpoints``).
     """
 
     detect_s: float = 1.0  # a process death: its pipe (or torchrun's monitor, every 0.1 s) sees it at once
@@ -412,21 +416,101 @@ class TraceModel:
     restart_zero: bool = True
     switch: SwitchModel = SwitchModel()
     time_limit_s: float = 30.0  # the planner's limit per replan
+    # Where hspmd's coordinator (and the Oobleck-like master) runs: its node's loss ends the job whatever the
+    # replicas (None: the cluster's first node; every node fails at the same rate, so only a trace that names
+    # it depends on the choice).
+    coordinator_node: str | None = None
+    # How long a failure leaves the state with fewer replicas (detection until the switch is done); None: the
+    # line's longest in-memory recovery in the trace (the conservative choice), or, with none, its detection of
+    # a lost node plus the regrouping.
+    recovery_window_s: float | None = None
 
     def __post_init__(self) -> None:
         if min(self.detect_s, self.node_loss_detect_s, self.restart_node_loss_detect_s, self.time_limit_s) < 0:
             raise ValueError("detection times and the planner's time limit must not be negative")
         if self.checkpoint_interval_steps is not None and self.checkpoint_interval_steps < 1:
             raise ValueError("checkpoint_interval_steps must be >= 1 (or None: Young's optimum)")
+        if self.recovery_window_s is not None and self.recovery_window_s < 0:
+            raise ValueError("recovery_window_s must not be negative")
 
 
-def young_interval_steps(write_s: float, step_time_s: float, run_s: float, failures: int) -> int | None:
-    """Young's first-order optimum checkpoint interval (CACM 1974), sqrt(2 x checkpoint cost x MTBF), in steps;
-    None when nothing fails (no interval is better than any other: no periodic checkpoint is charged)."""
+def young_interval_steps(write_s: float, step_time_s: float, run_s: float, failures: float) -> int | None:
+    """Young's first-order optimum checkpoint interval (CACM 1974), sqrt(2 x checkpoint cost x MTBF), in steps,
+    for ``failures`` (an expected number: it may be fractional) over ``run_s``; None when nothing fails (no
+    interval is better than any other: no periodic checkpoint is charged)."""
     if failures <= 0:
         return None
     mtbf = run_s / failures
     return max(1, round(math.sqrt(2 * write_s * mtbf) / step_time_s))
+
+
+@dataclass(frozen=True)
+class FailureRates:
+    """Failures per second of one device and of one whole node (power, network, its agent), each an
+    independent Poisson process."""
+
+    device_per_s: float
+    node_per_s: float
+
+    def __post_init__(self) -> None:
+        if self.device_per_s < 0 or self.node_per_s < 0:
+            raise ValueError("failure rates must not be negative")
+
+    @classmethod
+    def of_trace(cls, events: Sequence[TraceEvent], cluster: Cluster, duration_s: float) -> FailureRates:
+        """The trace's rates over ``duration_s``: the devices its device failures name over every device of
+        the cluster, its node losses over every node (a return is no failure)."""
+        failed = [e for e in events if e.action != "rejoin"]
+        devices = sum(len(e.devices) for e in failed if e.node is None)
+        nodes = sum(1 for e in failed if e.node is not None)
+        return cls(devices / (cluster.num_devices * duration_s), nodes / (len(cluster.nodes) * duration_s))
+
+
+def unrecoverable_rate(holders: Collection[Collection[int]], node_of: Mapping[int, str], rates: FailureRates,
+                       window_s: float, coordinator_node: str | None = None) -> float:
+    """Losses per second that in-memory recovery cannot survive, for a layout whose pieces of state are each
+    held by one of the device sets ``holders`` (``runtime.elastic.state.holder_sets``): the coordinator's node
+    failing; a single failure (a device, or a node) that takes every holder of some piece; or a first failure
+    followed, within ``window_s`` (until the recovery has replicated the state again), by a second that takes
+    the rest of some piece's holders. Losses that need three or more failures within one window are left out
+    (each further failure is another factor of about rate x window)."""
+    if window_s < 0:
+        raise ValueError("window_s must not be negative")
+    sets = [frozenset(g) for g in holders]
+    held = sorted({d for g in sets for d in g})
+    nodes = sorted({node_of[d] for d in held})
+    coordinator = ("node", coordinator_node) if coordinator_node is not None else None
+
+    def covered(unit: tuple[str, object]) -> frozenset[int]:
+        kind, x = unit
+        return frozenset([x]) if kind == "device" else frozenset(d for d in held if node_of[d] == x)  # type: ignore
+
+    def rate(unit: tuple[str, object]) -> float:
+        return rates.device_per_s if unit[0] == "device" else rates.node_per_s
+
+    total = rates.node_per_s if coordinator is not None else 0.0
+    for unit in [("device", d) for d in held] + [("node", n) for n in nodes]:
+        if unit == coordinator:
+            continue  # counted above: its loss ends the job by itself
+        hit = covered(unit)
+        seconds: set[tuple[str, object]] = set()  # failures that would complete a loss after this one
+        alone = False
+        for g in sets:
+            if not g & hit:
+                continue
+            rest = g - hit
+            if not rest:
+                alone = True
+                break
+            if len(rest) == 1:
+                seconds.add(("device", next(iter(rest))))
+            if len({node_of[d] for d in rest}) == 1:
+                seconds.add(("node", node_of[next(iter(rest))]))
+        if coordinator is not None:
+            seconds.discard(coordinator)  # its loss is counted on its own
+        p = 1.0 if alone else 1.0 - math.exp(-window_s * sum(rate(u) for u in seconds))
+        total += rate(unit) * p
+    return total
 
 
 def pays(current_s: float, new_s: float, steps_left: int, cost_s: float) -> bool:
@@ -444,31 +528,62 @@ class _Line:
     step_time_s: float
     base_step_time_s: float
     steps_s: float = 0.0  # time in steps (at whatever step time the line ran)
-    recovery_s: float = 0.0
-    checkpoint_s: float = 0.0
     recovery: list[dict[str, object]] = dataclasses.field(default_factory=list)
+    # (seconds, step time, layout) of each run of steps: what an unrecoverable loss is priced on
+    segments: list[tuple[float, float, StrategyHandle]] = dataclasses.field(default_factory=list)
+    # events restarted from a checkpoint, with the step time their lost work is redone at (the lost work
+    # depends on the line's checkpoint interval, known once the whole trace is run)
+    redo: list[tuple[dict[str, object], float]] = dataclasses.field(default_factory=list)
+    windows: list[float] = dataclasses.field(default_factory=list)  # its in-memory failure recoveries, s
+    checkpoint_s: float = 0.0
+    unrecoverable_s: float = 0.0  # the expected cost of the losses memory cannot survive
+
+    @property
+    def recovery_s(self) -> float:
+        return sum(float(r["cost_s"]) for r in self.recovery)  # type: ignore[arg-type]
 
     @property
     def time_s(self) -> float:
-        return self.steps_s + self.recovery_s + self.checkpoint_s
+        return self.steps_s + self.recovery_s + self.checkpoint_s + self.unrecoverable_s
 
     def run(self, steps: int) -> None:
-        self.steps_s += steps * self.step_time_s
+        if steps > 0:
+            self.steps_s += steps * self.step_time_s
+            self.segments.append((steps * self.step_time_s, self.step_time_s, self.handle))
 
     def event(self, e: TraceEvent, parts: dict[str, float], before_s: float, **extra: object) -> None:
-        cost = sum(parts.values())
-        self.recovery_s += cost
         self.recovery.append({"step": e.step, "event": e.action, "devices": list(e.devices), "node": e.node,
-                              "cost_s": cost, "parts_s": parts, "step_time_before_s": before_s,
+                              "cost_s": sum(parts.values()), "parts_s": parts, "step_time_before_s": before_s,
                               "step_time_after_s": self.step_time_s, "devices_after": len(self.handle.devices),
                               **extra})
+
+    def restarted(self, e: TraceEvent, parts: dict[str, float], before_s: float, **extra: object) -> None:
+        """A restart from the last checkpoint; its lost work (half an interval) is set by ``settle``."""
+        self.event(e, {**parts, "lost_work": 0.0}, before_s, **extra)
+        self.redo.append((self.recovery[-1], self.step_time_s))
+
+    def lost_work_s(self, interval: int) -> float:
+        return sum(interval / 2 * st for _, st in self.redo)
+
+    def time_at(self, interval: int, checkpoint_s: float) -> float:
+        """The line's time had it checkpointed every ``interval`` steps, ``checkpoint_s`` in writes, and been
+        charged no expected unrecoverable loss (the accounting every line shared before)."""
+        fixed = self.recovery_s - sum(float(r["parts_s"]["lost_work"]) for r, _ in self.redo)  # type: ignore
+        return self.steps_s + fixed + self.lost_work_s(interval) + checkpoint_s
+
+    def settle(self, interval: int) -> None:
+        for record, st in self.redo:
+            parts = record["parts_s"]
+            parts["lost_work"] = interval / 2 * st  # type: ignore[index]
+            record["cost_s"] = sum(parts.values())  # type: ignore[union-attr]
 
     def to_json(self, steps: int) -> dict[str, object]:
         return {"total_s": self.time_s, "goodput_steps_per_s": steps / self.time_s if self.time_s else 0.0,
                 "initial_step_time_s": self.base_step_time_s,
                 "breakdown_s": {"failure_free_steps": steps * self.base_step_time_s,
                                 "slower_steps": self.steps_s - steps * self.base_step_time_s,
-                                "recoveries_and_switches": self.recovery_s, "checkpoint_writes": self.checkpoint_s},
+                                "recoveries_and_switches": self.recovery_s, "checkpoint_writes": self.checkpoint_s,
+                                "unrecoverable_losses_expected": self.unrecoverable_s},
                 "events": self.recovery}
 
 
@@ -478,11 +593,15 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
     """Goodput (steps per second over the whole trace) of hspmd, checkpoint-restart and an Oobleck-like
     baseline on ``steps`` steps of ``current`` with the failures and returns of ``trace``; each line's time
     broken down (failure-free steps, the extra time of slower steps, recoveries and switches, checkpoint
-    writes) and every event's parts."""
+    writes, the expected cost of losses memory cannot survive) and every event's parts; each line's checkpoint
+    interval and the rate it is chosen for (see ``TraceModel``)."""
     model = model or TraceModel()
     ctx = current.ctx
     t = ctx.plan.training
     cluster = ctx.cluster
+    coordinator = model.coordinator_node or cluster.nodes[0].name
+    if coordinator not in {n.name for n in cluster.nodes}:
+        raise HspmdError(f"coordinator_node: {coordinator!r} is not a node of cluster {cluster.name!r}")
     t0_time = modelled_step_time(current, profiles)
     node_of = {d.id: d.node for d in cluster.devices}
     nodes = {n.name: {d.id for d in cluster.devices if d.node == n.name} for n in cluster.nodes}
@@ -539,15 +658,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
              "oobleck_like": _Line("oobleck_like", current, t0_time, t0_time)}
     ck = restart_cost(ctx.model, t0_time, model.restart)
     failures = sum(1 for e in events if e.action != "rejoin")
-    interval = model.checkpoint_interval_steps or young_interval_steps(ck.write_s, r0_time, steps * r0_time, failures)
-    writes = 0 if interval is None else steps // interval
-    for line in lines.values():
-        line.checkpoint_s = writes * ck.write_s
-
-    def from_checkpoint(step_time: float) -> dict[str, float]:
-        """Read the last checkpoint, restart, redo the steps since it (half an interval on average)."""
-        return {"read": ck.read_s, "restart": model.restart.restart_s,
-                "lost_work": (interval or steps) / 2 * step_time}
+    from_checkpoint = {"read": ck.read_s, "restart": model.restart.restart_s}  # then half an interval redone
 
     def detect(e: TraceEvent, restart: bool) -> float:
         if e.node is None:
@@ -578,19 +689,24 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                 h.handle, h.step_time_s = StrategyHandle.of(g.context), g.step_time_s
                 parts["switch"] = g.switch_s
             h.event(e, parts, before, adopted=g.adopt)
-        elif set(e.devices) & set(h.handle.devices):
-            try:
-                r = replan(h.handle, set(e.devices), profiles, time_limit_s=model.time_limit_s,
-                           steps_left=steps_left)
+        elif set(e.devices) & set(h.handle.devices) or e.node == coordinator:
+            r, cause = None, "the coordinator's node lost"  # the job itself is gone: nothing to replan
+            if e.node != coordinator:
+                try:
+                    r = replan(h.handle, set(e.devices), profiles, time_limit_s=model.time_limit_s,
+                               steps_left=steps_left)
+                except LostStateError:
+                    cause = "state lost"
+            if r is None:
+                h.handle, h.step_time_s = best_on([d for d in h.handle.devices if d not in e.devices])
+                h.restarted(e, {"detect": detect(e, False), **from_checkpoint}, before, restarted=cause)
+            else:
                 parts = {"detect": detect(e, False), "replan": time.perf_counter() - t0,
                          "transfer": r.chosen.modelled_switch_s, "regroup": model.switch.regroup_s,
                          "step_redone": before / 2}
                 h.handle, h.step_time_s = StrategyHandle.of(r.context), r.chosen.step_time_s
                 h.event(e, parts, before, chosen=r.chosen.label, fastest_option_s=r.options[0].step_time_s)
-            except LostStateError:
-                h.handle, h.step_time_s = best_on([d for d in h.handle.devices if d not in e.devices])
-                h.event(e, {"detect": detect(e, False), **from_checkpoint(h.step_time_s)}, before,
-                        restarted=True)
+                h.windows.append(sum(parts.values()))
         # restart: whole nodes only
         rs = lines["restart"]
         before = rs.step_time_s
@@ -599,8 +715,8 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
             whole = sorted(usable - down)
         if e.action != "rejoin" and set(e.devices) & set(rs.handle.devices):
             rs.handle, rs.step_time_s = best_on(whole, model.restart_zero)
-            rs.event(e, {"detect": detect(e, True), **from_checkpoint(rs.step_time_s)}, before,
-                     nodes_dropped=sorted({node_of[d] for d in down}))
+            rs.restarted(e, {"detect": detect(e, True), **from_checkpoint}, before,
+                         nodes_dropped=sorted({node_of[d] for d in down}))
         elif e.action == "rejoin" and set(whole) != set(rs.handle.devices):
             cand, cand_s = best_on(whole, model.restart_zero)
             planned = {"write": ck.write_s, "read": ck.read_s, "restart": model.restart.restart_s}
@@ -615,10 +731,11 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
         layout = oobleck_on(down)
         if layout is not None and layout[0].describe() == ob.handle.describe():
             pass  # the event changes nothing it runs
-        elif e.action != "rejoin" and (layout is None or lost_tensors(ob.handle, set(e.devices))):
+        elif e.action != "rejoin" and (layout is None or e.node == coordinator
+                                       or lost_tensors(ob.handle, set(e.devices))):
             alive = [d for d in ob.handle.devices if d not in down]
             ob.handle, ob.step_time_s = best_on(alive)
-            ob.event(e, {"detect": detect(e, False), **from_checkpoint(ob.step_time_s)}, before, restarted=True)
+            ob.restarted(e, {"detect": detect(e, False), **from_checkpoint}, before, restarted=True)
         elif layout is not None:
             bsr = plan_switch(ob.handle, layout[0], set(e.devices) if e.action != "rejoin" else ())
             parts = {"regroup": model.switch.regroup_s,
@@ -627,31 +744,106 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                 parts = {"detect": detect(e, False), **parts, "step_redone": before / 2}
             ob.handle, ob.step_time_s = layout
             ob.event(e, parts, before)
+            if e.action != "rejoin":
+                ob.windows.append(sum(parts.values()))
     for line in lines.values():
         line.run(steps - prev + 1)
-    out = {name: line.to_json(steps) for name, line in lines.items()}
+
+    # Checkpoints: each line at Young's optimum for the failures it must checkpoint against.
+    rates = FailureRates.of_trace(events, cluster, steps * t0_time)
+    holders: dict[str, frozenset[frozenset[int]]] = {}
+
+    def layout_rate(handle: StrategyHandle, window_s: float) -> float:
+        key = handle.describe()
+        if key not in holders:
+            holders[key] = holder_sets(handle)
+        return unrecoverable_rate(holders[key], node_of, rates, window_s, coordinator)
+
+    given = model.checkpoint_interval_steps
+    restart_interval = given or young_interval_steps(ck.write_s, r0_time, steps * r0_time, failures)
+    checkpointing: dict[str, dict[str, object]] = {}
+    for name, line in lines.items():
+        info: dict[str, object]
+        if given is not None or name == "restart":
+            interval, expected, per = restart_interval, 0.0, []
+            info = {"against": "given interval" if given is not None else "every failure of the trace",
+                    "failures_per_s": failures / (steps * r0_time)}
+        else:
+            window = (model.recovery_window_s if model.recovery_window_s is not None else
+                      max(line.windows, default=model.node_loss_detect_s + model.switch.regroup_s))
+            per = [(sec, st, hd, layout_rate(hd, window)) for sec, st, hd in line.segments]
+            expected = sum(sec * r for sec, _, _, r in per)
+            interval = young_interval_steps(ck.write_s, line.base_step_time_s, line.steps_s, expected)
+            info = {"against": "losses memory cannot survive", "failures_per_s": expected / line.steps_s,
+                    "recovery_window_s": window, "expected_losses": expected,
+                    "layouts": [{"plan": hd.describe(), "seconds": sec, "step_time_s": st, "losses_per_s": r}
+                                for sec, st, hd, r in per]}
+        interval = None if interval is None else min(interval, steps)
+        every = interval or steps  # no periodic checkpoint: a loss redoes half the run on average
+        line.settle(every)
+        line.checkpoint_s = (steps // interval if interval else 0) * ck.write_s
+        if expected:
+            per_loss = {"detect": model.node_loss_detect_s, **from_checkpoint}
+            line.unrecoverable_s = sum(sec * r * (sum(per_loss.values()) + every / 2 * st) for sec, st, _, r in per)
+            info["cost_per_loss_s"] = {**per_loss, "lost_work": "half an interval at the step time then"}
+        checkpointing[name] = {**info, "interval_steps": interval, "writes": steps // interval if interval else 0,
+                               "write_s": line.checkpoint_s, "unrecoverable_losses_expected_s": line.unrecoverable_s}
+    restart_writes = (steps // restart_interval if restart_interval else 0) * ck.write_s
+    same = {name: line.time_at(min(restart_interval or steps, steps), restart_writes) for name, line in lines.items()}
+
+    out = {name: {**line.to_json(steps), "checkpoint": checkpointing[name]} for name, line in lines.items()}
     gp = {name: steps / line.time_s for name, line in lines.items()}
     return {"steps": steps, "events": len(events), "initial_step_time_s": t0_time,
-            "checkpoint": {"interval_steps": interval, "writes": writes, "write_s": ck.write_s, "read_s": ck.read_s,
-                           "bytes": ck.checkpoint_bytes,
-                           "interval_rule": "given" if model.checkpoint_interval_steps else
-                           "Young's optimum for the trace's failure rate"},
+            "checkpoint": {"write_s": ck.write_s, "read_s": ck.read_s, "bytes": ck.checkpoint_bytes,
+                           "interval_rule": "given" if given else "Young's optimum for the failures each line "
+                           "must checkpoint against",
+                           "failure_rates": {"device_per_s": rates.device_per_s, "node_per_s": rates.node_per_s},
+                           "coordinator_node": coordinator},
             **out,
             "modelled_goodput_over_restart": gp["hspmd"] / gp["restart"],
             "modelled_goodput_over_oobleck_like": gp["hspmd"] / gp["oobleck_like"],
-            "assumptions": [TraceModel.__doc__.split("\n\n")[0].strip(),
-                            *ck.assumptions()[:3],
-                            f"checkpoints: {writes} synchronous write(s) of {ck.write_s:.3g} s each, every "
-                            f"{interval} steps, on every line; a restart redoes half an interval on average",
-                            f"detection: a process death {model.detect_s:g} s; a lost node "
-                            f"{model.node_loss_detect_s:g} s for hspmd (agent timeout), "
-                            f"{model.restart_node_loss_detect_s:g} s for restart (NCCL timeout)",
-                            f"regroup and program build {model.switch.regroup_s:g} s per switch",
-                            "restart runs the planner's best non-elastic plan"
-                            f"{' with ZeRO-1' if model.restart_zero else ''} ({r0_time:.4g} s/step against hspmd's "
-                            f"elastic {t0_time:.4g} s/step); Megatron itself would be held to a symmetric layout"]}
+            "same_checkpoints": {"interval_steps": restart_interval, "write_s": restart_writes,
+                                 **{f"{name}_total_s": v for name, v in same.items()}},
+            "modelled_goodput_over_restart_same_checkpoints": same["restart"] / same["hspmd"],
+            "modelled_goodput_over_oobleck_like_same_checkpoints": same["oobleck_like"] / same["hspmd"],
+            "assumptions": {
+                "lines": TraceModel.__doc__.split("\n\n")[0].strip(),
+                **dict(zip(("checkpoint_bytes", "checkpoint_io", "restart_s"), ck.assumptions()[:3])),
+                "checkpoint_interval": (f"every line every {given} steps (given)" if given else
+                                        "Young's optimum sqrt(2 x write time x MTBF), at most the run: restart "
+                                        f"against the trace's {failures} failure(s) ({restart_interval} steps); hspmd "
+                                        f"and Oobleck-like against the losses memory cannot survive "
+                                        f"({checkpointing['hspmd']['interval_steps']} and "
+                                        f"{checkpointing['oobleck_like']['interval_steps']} steps); a restart "
+                                        "redoes half an interval on average"),
+                "failure_rates": (f"the trace's: {rates.device_per_s:.3g} failures/s per device (devices failed "
+                                  f"alone / {cluster.num_devices} devices / {steps * t0_time:.0f} s), "
+                                  f"{rates.node_per_s:.3g}/s per node (node losses / {len(cluster.nodes)} nodes); "
+                                  "independent Poisson processes"),
+                "unrecoverable_losses": ("the coordinator's node lost, or every holder of some piece of state "
+                                         "(a parameter cell, a ZeRO-1 moment chunk) lost by one failure or by two "
+                                         "within one recovery window, on the layout running at the time; losses "
+                                         "needing three or more failures in one window left out; each costs "
+                                         "detection (a lost node's), a checkpoint read, a restart and half an "
+                                         "interval redone, charged at its expected rate x time"),
+                "coordinator_node": f"{coordinator} (hspmd's coordinator and the Oobleck-like master)",
+                "recovery_window_s": ("given: " + f"{model.recovery_window_s:g} s" if model.recovery_window_s
+                                      is not None else "each line's longest in-memory recovery in the trace: "
+                                      + ", ".join(f"{n} {checkpointing[n].get('recovery_window_s', 0):.3g} s"
+                                                  for n in ("hspmd", "oobleck_like"))),
+                "detection": (f"a process death {model.detect_s:g} s; a lost node {model.node_loss_detect_s:g} s "
+                              f"for hspmd (agent timeout), {model.restart_node_loss_detect_s:g} s for restart "
+                              "(NCCL timeout)"),
+                "regroup_s": f"regroup and program build {model.switch.regroup_s:g} s per switch",
+                "restart_plan": ("restart runs the planner's best non-elastic plan"
+                                 f"{' with ZeRO-1' if model.restart_zero else ''} ({r0_time:.4g} s/step against "
+                                 f"hspmd's elastic {t0_time:.4g} s/step); Megatron itself would be held to a "
+                                 "symmetric layout"),
+                "planner_wall_time": ("hspmd's replan and grow-decision parts are the planner's wall time measured "
+                                      "on the machine that runs this model (inflated when it is loaded)"),
+            }}
 
 
-__all__ = ["DEFAULT_TOLERANCE", "GrowResult", "LostStateError", "MEGATRON_NCCL_TIMEOUT_S", "Option",
+__all__ = ["DEFAULT_TOLERANCE", "FailureRates", "GrowResult", "LostStateError", "MEGATRON_NCCL_TIMEOUT_S", "Option",
            "ReplanResult", "RestartCost", "RestartModel", "SwitchModel", "TraceModel", "choose", "grow",
-           "model_trace", "pays", "repair", "replan", "restart_cost", "young_interval_steps"]
+           "model_trace", "pays", "repair", "replan", "restart_cost", "unrecoverable_rate", "young_interval_steps"]

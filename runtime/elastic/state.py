@@ -132,18 +132,33 @@ def plan_moment_gather(src: StrategyHandle, excluded: Iterable[int] = ()) -> Bsr
     return plan_bsr(moves, bandwidth=src.ctx.cluster, excluded=tuple(sorted(out)))
 
 
-def _missing_cell_holders(layout, shape: tuple[int, ...], failed: frozenset[int]) -> tuple[int, ...] | None:
-    """The holders of the first grid cell no survivor holds, or None when every cell survives."""
+def holder_sets(ref: StrategyHandle) -> frozenset[frozenset[int]]:
+    """Every distinct set of devices that are all the holders of some piece of the state (a grid cell of a
+    parameter with its moments; under ZeRO-1, a moment chunk): the state is lost exactly when one of these
+    sets dies whole. What the trace model prices the risk of an unrecoverable loss from."""
+    ann = strategy_annotations(ref)
+    out: set[frozenset[int]] = set()
+    for key in {(p.param, p.shape) for p in ann.params}:
+        out.update(frozenset(h) for h in _cell_holders(key[0].layout(key[1]), key[1]) if h)
+    out.update(frozenset(h) for sl in moment_slices(ref).values() for s in sl for i, h in enumerate(s.holders)
+               if s.chunk_bounds(i)[1] > s.chunk_bounds(i)[0])
+    return frozenset(out)
+
+
+def _cell_holders(layout, shape: tuple[int, ...]) -> Iterable[tuple[int, ...]]:
+    """The holders of each grid cell of a parameter's layout, cell by cell."""
     holdings = list(layout.holdings)
-    if not any(d in failed for d, _ in holdings):
-        return None
     cuts = tensor_grid((layout,), shape)
     full = tuple((0, n) for n in shape)
     for cell in cells(full, cuts):
-        holders = [d for d, h in holdings if contains(h.region, cell)]
-        if holders and all(d in failed for d in holders):
-            return tuple(holders)
-    return None
+        yield tuple(d for d, h in holdings if contains(h.region, cell))
+
+
+def _missing_cell_holders(layout, shape: tuple[int, ...], failed: frozenset[int]) -> tuple[int, ...] | None:
+    """The holders of the first grid cell no survivor holds, or None when every cell survives."""
+    if not any(d in failed for d, _ in layout.holdings):
+        return None
+    return next((h for h in _cell_holders(layout, shape) if h and all(d in failed for d in h)), None)
 
 
 def state_moves(src: StrategyHandle, dst: StrategyHandle) -> list[TensorMove]:

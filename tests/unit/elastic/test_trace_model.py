@@ -1,6 +1,8 @@
 """planner/replan.py ``model_trace``: each line's time is the sum of its parts, the restart baseline drops
 whole nodes and pays what torchrun + Megatron pay (NCCL timeout for a lost node, half a checkpoint interval
-redone), checkpoints follow Young's rule, and a replan weighs switch against step time over the steps left."""
+redone), checkpoints follow Young's rule for the failures each line must checkpoint against (restart: every
+failure; hspmd and Oobleck-like: the losses memory cannot survive, whose expected cost they are charged), and a
+replan weighs switch against step time over the steps left."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from planner.replan import (
     young_interval_steps,
 )
 from runtime.elastic.events import parse_trace
+from runtime.errors import HspmdError
 from runtime.launch.options import ELASTIC_HEARTBEAT_TIMEOUT_S, node_loss_detect_s
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_plan, load_plan_context, save_plan
@@ -81,17 +84,48 @@ def test_every_line_is_the_sum_of_its_parts(two_nodes):
     out = model_trace(handle, trace.events, steps, profiles, model)
     ck = restart_cost(handle.ctx.model, out["initial_step_time_s"], model.restart)
     r0 = out["restart"]["initial_step_time_s"]
-    assert out["checkpoint"]["interval_steps"] == young_interval_steps(ck.write_s, r0, steps * r0, 2)
-    interval = out["checkpoint"]["interval_steps"]
+    restart_interval = young_interval_steps(ck.write_s, r0, steps * r0, 2)
+    assert out["restart"]["checkpoint"]["interval_steps"] == restart_interval
+    assert out["restart"]["breakdown_s"]["unrecoverable_losses_expected"] == 0.0
+    rates = out["checkpoint"]["failure_rates"]
+    t = steps * out["initial_step_time_s"]
+    assert rates == {"device_per_s": pytest.approx(1 / (4 * t)), "node_per_s": pytest.approx(1 / (2 * t))}
     for name in ("hspmd", "restart", "oobleck_like"):
         line = out[name]
         b = line["breakdown_s"]
         assert line["total_s"] == pytest.approx(sum(b.values()))
-        assert b["checkpoint_writes"] == pytest.approx(steps // interval * ck.write_s)
+        interval = line["checkpoint"]["interval_steps"]
+        assert b["checkpoint_writes"] == pytest.approx((steps // interval if interval else 0) * ck.write_s)
+        assert b["unrecoverable_losses_expected"] == line["checkpoint"]["unrecoverable_losses_expected_s"]
         assert b["recoveries_and_switches"] == pytest.approx(sum(e["cost_s"] for e in line["events"]))
         for e in line["events"]:
             assert e["cost_s"] == pytest.approx(sum(e["parts_s"].values()))
     assert out["modelled_goodput_over_restart"] == pytest.approx(out["restart"]["total_s"] / out["hspmd"]["total_s"])
+    # hspmd checkpoints against its expected unrecoverable losses: the layouts it ran, each at its rate (at least
+    # the coordinator's node's), and is charged their expected cost.
+    h = out["hspmd"]
+    hc = h["checkpoint"]
+    steps_s = h["breakdown_s"]["failure_free_steps"] + h["breakdown_s"]["slower_steps"]
+    assert sum(x["seconds"] for x in hc["layouts"]) == pytest.approx(steps_s)
+    assert all(x["losses_per_s"] >= rates["node_per_s"] for x in hc["layouts"])
+    assert hc["expected_losses"] == pytest.approx(sum(x["seconds"] * x["losses_per_s"] for x in hc["layouts"]))
+    assert hc["interval_steps"] == min(steps, young_interval_steps(ck.write_s, h["initial_step_time_s"], steps_s,
+                                                                   hc["expected_losses"]))
+    assert hc["interval_steps"] >= restart_interval  # fewer losses to checkpoint against (here both are tiny)
+    per_loss = node_loss_detect_s() + ck.read_s + model.restart.restart_s
+    assert h["breakdown_s"]["unrecoverable_losses_expected"] == pytest.approx(sum(
+        x["seconds"] * x["losses_per_s"] * (per_loss + hc["interval_steps"] / 2 * x["step_time_s"])
+        for x in hc["layouts"]))
+    assert hc["recovery_window_s"] == max(e["cost_s"] for e in h["events"] if e["event"] != "rejoin")
+    # the earlier accounting: every line charged restart's writes, no expected loss
+    same = out["same_checkpoints"]
+    assert same["interval_steps"] == restart_interval
+    assert same["hspmd_total_s"] == pytest.approx(h["total_s"] - h["breakdown_s"]["checkpoint_writes"]
+                                                  - h["breakdown_s"]["unrecoverable_losses_expected"]
+                                                  + steps // restart_interval * ck.write_s)
+    assert same["restart_total_s"] == pytest.approx(out["restart"]["total_s"])
+    assert out["modelled_goodput_over_restart_same_checkpoints"] == pytest.approx(
+        same["restart_total_s"] / same["hspmd_total_s"])
     # hspmd: a death seen at once, a node's loss after the agent timeout; the step in flight redone.
     node, kill, back = out["hspmd"]["events"]
     assert kill["parts_s"]["detect"] == model.detect_s
@@ -106,8 +140,9 @@ def test_restart_drops_the_node_and_waits_for_the_nccl_timeout(two_nodes):
     trace = parse_trace({"events": [{"step": 50, "action": "kill", "node": "a"},
                                     {"step": 200, "action": "rejoin", "node": "a"}]},
                         handle.ctx.cluster, handle.devices, "t.yaml")
-    out = model_trace(handle, trace.events, 400, profiles, TraceModel(time_limit_s=5.0))
-    interval = out["checkpoint"]["interval_steps"]
+    # hspmd's coordinator on node b (on a, losing a would end the job: test_losing_the_coordinators_node...)
+    out = model_trace(handle, trace.events, 400, profiles, TraceModel(time_limit_s=5.0, coordinator_node="b"))
+    interval = out["restart"]["checkpoint"]["interval_steps"]
     lost, back = out["restart"]["events"]
     assert lost["parts_s"]["detect"] == MEGATRON_NCCL_TIMEOUT_S and lost["nodes_dropped"] == ["a"]
     assert lost["devices_after"] == 2  # node b's
@@ -130,6 +165,28 @@ def test_a_given_checkpoint_interval_is_used(two_nodes):
     trace = parse_trace({"events": [{"step": 30, "action": "kill", "devices": [3]}]}, handle.ctx.cluster,
                         handle.devices, "t.yaml")
     out = model_trace(handle, trace.events, 100, profiles, TraceModel(checkpoint_interval_steps=25, time_limit_s=5.0))
-    assert out["checkpoint"] == {**out["checkpoint"], "interval_steps": 25, "writes": 4, "interval_rule": "given"}
+    assert out["checkpoint"]["interval_rule"] == "given"
+    for name in ("hspmd", "restart", "oobleck_like"):
+        c = out[name]["checkpoint"]
+        assert c == {**c, "interval_steps": 25, "writes": 4, "unrecoverable_losses_expected_s": 0.0}
+    assert out["modelled_goodput_over_restart"] == pytest.approx(out["modelled_goodput_over_restart_same_checkpoints"])
     with pytest.raises(ValueError):
         TraceModel(checkpoint_interval_steps=0)
+    with pytest.raises(ValueError):
+        TraceModel(recovery_window_s=-1.0)
+
+
+def test_losing_the_coordinators_node_restarts_hspmd_from_its_checkpoint(two_nodes):
+    handle, profiles = two_nodes
+    trace = parse_trace({"events": [{"step": 50, "action": "kill", "node": "a"}]}, handle.ctx.cluster,
+                        handle.devices, "t.yaml")
+    model = TraceModel(time_limit_s=5.0, recovery_window_s=4.0)  # the coordinator: node a, the first
+    out = model_trace(handle, trace.events, 400, profiles, model)
+    (lost,) = out["hspmd"]["events"]
+    assert lost["restarted"] == "the coordinator's node lost"
+    assert set(lost["parts_s"]) == {"detect", "read", "restart", "lost_work"}
+    hc = out["hspmd"]["checkpoint"]
+    assert hc["recovery_window_s"] == 4.0 and out["checkpoint"]["coordinator_node"] == "a"
+    assert lost["parts_s"]["lost_work"] == pytest.approx(hc["interval_steps"] / 2 * lost["step_time_after_s"])
+    with pytest.raises(HspmdError, match="coordinator_node: 'c' is not a node"):
+        model_trace(handle, trace.events, 400, profiles, TraceModel(coordinator_node="c"))
