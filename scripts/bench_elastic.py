@@ -18,8 +18,11 @@ against checkpoint-restart, measured on this machine and modelled at paper scale
 (2) Modelled, paper scale: llama-32b on h800-h20-48, the planner's elastic plan, a trace of single H20 and
     H800 failures, a whole H20 node lost and every device returning (``PAPER_TRACE``) over
     ``--paper-steps`` steps: planner/replan.py ``model_trace`` (hspmd vs restart vs Oobleck-like; each
-    line's time broken down, each event's parts, every assumption listed in the output). Keys
-    ``modelled_goodput_over_restart`` (target >= 1.5) and ``modelled_goodput_over_oobleck_like``.
+    line's time broken down, each event's parts, every assumption a named field of the output's
+    ``assumptions``). Keys ``modelled_goodput_over_restart`` (target >= 1.5) and
+    ``modelled_goodput_over_oobleck_like``: each line checkpoints at Young's optimum for the failures it must
+    checkpoint against (restart: every failure; hspmd and Oobleck-like: the losses memory cannot survive, whose
+    expected cost they are charged); ``..._same_checkpoints``: every line charged restart's writes instead.
 (3) Elastic ZeRO-1 (``training.zero_redundancy: 2``) vs elastic without ZeRO vs plain ZeRO-1 (``zero_part``):
     * modelled, paper scale (llama-32b on h800-h20-48, the batch of configs/plans/h800-h20-llama32b.yaml):
       the planner's best plan of each (elastic: >= 2 pipelines), step time and peak memory per device
@@ -421,6 +424,9 @@ def main() -> None:
         out["modelled"] = m
         out["modelled_goodput_over_restart"] = m["modelled_goodput_over_restart"]
         out["modelled_goodput_over_oobleck_like"] = m["modelled_goodput_over_oobleck_like"]
+        out["modelled_goodput_over_restart_same_checkpoints"] = m["modelled_goodput_over_restart_same_checkpoints"]
+        out["modelled_goodput_over_oobleck_like_same_checkpoints"] = m[
+            "modelled_goodput_over_oobleck_like_same_checkpoints"]
     if args.json:
         print(json.dumps(out, indent=2))
     else:
