@@ -48,6 +48,9 @@ COMPONENTS = ("embedding", "attention", "mlp", "norm", "head")
 # Stage blocks (per micro-batch, as the engine runs a stage): one decoder layer, a stage's fixed time,
 # and what being the first (embedding) and the last stage (final norm, head, loss) add.
 BLOCKS = ("layer", "stage", "embedding", "head")
+# The blocks of a backward split in two (zero-bubble schedules): the embedding's chunk is never split (it has
+# no input gradient: its W is its whole backward), so only these.
+SPLIT_BLOCKS = ("layer", "stage", "head")
 # measured: by ``hspmd profile`` here; imported: measured elsewhere (``hspmd profile import``); spec: datasheet.
 Provenance = Literal["measured", "imported", "spec"]
 # Which links a link curve describes: between two devices of one node, or across nodes.
@@ -154,6 +157,12 @@ class MeasuredModel:
     # Per TP degree: whole stage blocks (``BLOCKS``) timed through the runtime's stage module; absent in
     # older profiles, where the cost model sums the components instead.
     blocks: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
+    # Per TP degree: the ``SPLIT_BLOCKS``' backward as a split-backward schedule runs it, B (input
+    # gradients) then W (weight gradients) as two autograd passes: ``forward_s`` fits B, ``backward_s`` W.
+    # On a CPU the two passes cost well more than the fused backward (each pays the autograd engine's
+    # per-node overhead), so the halves are measured, not shared out. Absent in older profiles, where the
+    # cost model splits the fused backward by FLOPs.
+    split_blocks: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
     # Measured on a 1-layer stage block; absent in older profiles (no penalty).
     resume: ResumePenalty | None = None
     # CPU-emulated hosts with fewer cores than devices: sequence length -> efficiency of two processes
@@ -202,6 +211,13 @@ class MeasuredModel:
                 for k in blocks:
                     if k not in BLOCKS:
                         c.add(f"{name}.{t}.{k}", f"unknown block (expected one of: {', '.join(BLOCKS)})")
+        for t, blocks in self.split_blocks.items():
+            missing = [k for k in SPLIT_BLOCKS if k not in blocks]
+            unknown = [k for k in blocks if k not in SPLIT_BLOCKS]
+            if missing:
+                c.add(f"split_blocks.{t}", f"missing block(s) {', '.join(missing)}")
+            for k in unknown:
+                c.add(f"split_blocks.{t}.{k}", f"unknown block (expected one of: {', '.join(SPLIT_BLOCKS)})")
         c.check(len(self.tp) >= 1 or len(self.tables) >= 1, "tp", "must hold at least one TP degree (or give tables)")
         for t, comps in self.tp.items():
             c.check(t >= 1, f"tp.{t}", "TP degree must be at least 1")

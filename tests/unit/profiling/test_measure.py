@@ -16,6 +16,7 @@ from runtime.profiling.compute import (
     StageRun,
     local_stage,
     measure_component,
+    measure_split_blocks,
     measure_stage_blocks,
     measure_step_epilogue,
     measure_sync_pack,
@@ -23,7 +24,7 @@ from runtime.profiling.compute import (
 )
 from runtime.profiling.fit import fit_component, fit_quadratic, nonneg_lstsq
 from runtime.profiling.host import busy_core_handoff, emulated_cpu_shares, handoff_figures, host_cpus
-from runtime.profiling.profile import BLOCKS, ResumePenalty
+from runtime.profiling.profile import BLOCKS, SPLIT_BLOCKS, ResumePenalty
 from runtime.profiling.profiler import plan_targets
 from runtime.spec import load_cluster, load_model
 
@@ -96,6 +97,16 @@ def test_measure_stage_blocks_through_the_runtime_stage_module():
     assert isinstance(local_stage(TINY, 1, 2, True, True), LlamaForCausalLM)
     tp2 = local_stage(TINY, 2, 1, True, True)
     assert tp2.model.layers["0"].mlp.gate_proj.weight.shape == (TINY.ffn_hidden_size // 2, TINY.hidden_size)
+
+
+def test_measure_split_blocks_runs_the_engines_split_backward():
+    torch.manual_seed(0)
+    samples = measure_split_blocks(TINY, 1, [16, 64], min_reps=5, max_reps=5, budget_s=0.0, warmup=1)
+    assert sorted(samples) == sorted(SPLIT_BLOCKS)
+    assert [s.seq_len for s in samples["layer"]] == [16, 64]
+    # a layer has an input gradient (B) and weight gradients (W); noise never goes below zero
+    assert all(s.forward_s > 0 and s.backward_s > 0 for s in samples["layer"])
+    assert all(s.forward_s >= 0 and s.backward_s >= 0 for smp in samples.values() for s in smp)
 
 
 def test_epilogue_and_sync_pack_fits_are_non_negative():
