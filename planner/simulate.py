@@ -175,8 +175,9 @@ class EventLoop:
       ``(stretch - 1)`` times the block's CPU time (``cpu`` plus the collectives' own ``comm_cpu``), as
       the runtime emulates a slower device (runtime/trace.py: CPU time, so neither waiting for a core nor
       waiting in a collective is stretched). Without a host, the same with the cores never shared.
-    * A compute op with a ``resume`` penalty needs that much more CPU time the longer its resource idled
-      since its previous compute op's CPU work ended (cold caches; measured by ``hspmd profile``); a
+    * A compute op with a ``resume`` penalty needs that much more CPU time (a fixed part and one growing
+      with the op's own CPU time) the longer its resource idled since its previous compute op's CPU work
+      ended (cold caches, a woken virtual CPU; measured by ``hspmd profile``); a
       communication op with a ``wake`` penalty ends that much later the longer it waited for its peers.
       ``sharing``: a compute op's efficiency while a core it runs on is time-shared.
     * ``handoff`` (an op's ``CoreHandoff``): the core is not shared as a fluid. A process that used up its
@@ -357,7 +358,8 @@ class _Run:
         r = op.resource
         self.work[name] = op.cpu
         if op.resume is not None:   # caches gone cold while the device idled
-            self.work[name] += op.resume.extra_s(self.now - self.cpu_end.get(r, 0.0), op.kind is OpKind.BACKWARD)
+            self.work[name] += op.resume.extra_s(self.now - self.cpu_end.get(r, 0.0), op.kind is OpKind.BACKWARD,
+                                                 op.cpu)
         mine = [(h, r) for h, _ in op.hosts]
         if op.handoff is not None and op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and self.foreign.intersection(mine):
             h = op.handoff   # ... or another process worked on its core meanwhile

@@ -13,7 +13,7 @@ import contextlib
 import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from runtime.profiling.fit import fit_saturating, rounded, trimmed_mean
@@ -57,44 +57,73 @@ def pin_process(cpus: Sequence[int]) -> None:
         os.sched_setaffinity(0, cpus)
 
 
-def _one_layer(model: ModelSpec, seq_len: int, device: torch.device | str, micro_batch: int = 1,
+def _stage_run(model: ModelSpec, layers: int, seq_len: int, device: torch.device | str, micro_batch: int = 1,
                warmup: int = 2) -> StageRun:
-    """What every probe times: a one-layer middle stage at TP 1 run by the engine's step, warmed up."""
+    """A middle stage of ``layers`` decoder layers at TP 1 run by the engine's step, warmed up."""
     from runtime.profiling.compute import StageRun
 
-    run = StageRun(model, 1, 1, False, False, micro_batch, seq_len, device)
+    run = StageRun(model, 1, layers, False, False, micro_batch, seq_len, device)
     for _ in range(warmup):
         run.prepare_backward()()
     return run
 
 
+def _one_layer(model: ModelSpec, seq_len: int, device: torch.device | str, micro_batch: int = 1,
+               warmup: int = 2) -> StageRun:
+    """What the other probes time: a one-layer middle stage."""
+    return _stage_run(model, 1, seq_len, device, micro_batch, warmup)
+
+
 def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.device | str = "cpu",
                            idles_s: Sequence[float] = (0.0005, 0.002, 0.008, 0.032), reps: int = 25,
-                           micro_batch: int = 1) -> ResumePenalty:
-    """How much longer a stage block (one decoder layer, TP 1, as the engine runs it) takes when the
-    process idled (slept) for ``t`` before it than right after other work: the two take turns, for
-    each ``t`` of ``idles_s``; the mean differences (forward, backward) fitted with
-    ``peak * (1 - exp(-t / tau))`` (tau from a log grid, peaks by least squares, none below zero)."""
+                           micro_batch: int = 1, large: tuple[int, int] | None = None) -> ResumePenalty:
+    """How much longer a stage block (as the engine runs it, TP 1) takes when the process idled (slept)
+    for ``t`` before it than right after other work: the two take turns, for each ``t`` of ``idles_s``;
+    the mean differences fitted with ``peak * (1 - exp(-t / tau))`` (tau from a log grid shared by every
+    block and phase, peaks by least squares, none below zero). Timed on a one-decoder-layer block at
+    ``seq_len`` and, with ``large`` = (layers, seq_len), on a bigger block too: the peak's growth between
+    the two (per CPU second of the block, back to back) is the penalty's rate, the rest its fixed part.
+    On a CPU the time is this thread's CPU time, so that a preemption meanwhile is no penalty."""
     from runtime.profiling.compute import time_once
 
-    run = _one_layer(model, seq_len, device, micro_batch, warmup=3)
-    extra: list[tuple[float, float]] = []
-    for idle in idles_s:
-        times: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
-        for _ in range(reps):
-            for after_idle in (False, True):
-                fwd = run.prepare_forward()
-                if after_idle:
-                    time.sleep(idle)
-                forward_s = time_once(fwd, run.device)[0]
-                if after_idle:
-                    time.sleep(idle)
-                times[after_idle][0].append(forward_s)
-                times[after_idle][1].append(time_once(run.backward, run.device)[0])
-        extra.append(tuple(statistics.mean(times[True][i]) - statistics.mean(times[False][i])  # type: ignore[misc]
-                           for i in (0, 1)))
-    (fwd_s, bwd_s), tau = fit_saturating(idles_s, extra)
-    return ResumePenalty(forward_s=fwd_s, backward_s=bwd_s, tau_s=tau)
+    def timed(block: Callable[[], None], dev: torch.device) -> float:
+        if dev.type != "cpu":
+            return time_once(block, dev)[0]   # a GPU's kernels: wall time, synchronised
+        c0 = time.thread_time()
+        block()
+        return time.thread_time() - c0
+
+    shapes = [(1, seq_len)] + ([large] if large is not None else [])
+    extra: list[list[float]] = [[] for _ in idles_s]
+    hot: list[tuple[float, float]] = []   # per shape: (forward, backward) CPU seconds back to back
+    for layers, s in shapes:
+        run = _stage_run(model, layers, s, device, micro_batch, warmup=3)
+        n = reps if layers == 1 else max(5, reps // 2)
+        after: list[tuple[float, float]] = []
+        for j, idle in enumerate(idles_s):
+            times: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
+            for _ in range(n):
+                for after_idle in (False, True):
+                    fwd = run.prepare_forward()
+                    if after_idle:
+                        time.sleep(idle)
+                    forward_s = timed(fwd, run.device)
+                    if after_idle:
+                        time.sleep(idle)
+                    times[after_idle][0].append(forward_s)
+                    times[after_idle][1].append(timed(run.backward, run.device))
+            extra[j] += [statistics.mean(times[True][i]) - statistics.mean(times[False][i]) for i in (0, 1)]
+            after.append((statistics.mean(times[False][0]), statistics.mean(times[False][1])))
+        hot.append((statistics.mean(a[0] for a in after), statistics.mean(a[1] for a in after)))
+    peaks, tau = fit_saturating(idles_s, extra)
+    fixed, rates = list(peaks[:2]), [0.0, 0.0]
+    if large is not None:
+        for i in (0, 1):
+            span = hot[1][i] - hot[0][i]
+            rates[i] = max(0.0, (peaks[2 + i] - peaks[i]) / span) if span > 0 else 0.0
+            fixed[i] = max(0.0, peaks[i] - rates[i] * hot[0][i])
+    return ResumePenalty(forward_s=fixed[0], backward_s=fixed[1], tau_s=tau, forward_rate=rates[0],
+                         backward_rate=rates[1])
 
 
 def p2p_wake(rank: int, device: torch.device, reps: int = 15,

@@ -69,23 +69,30 @@ def eval_fit(fit: Fit, micro_batch: float, seq_len: float) -> float:
 @dataclass(frozen=True)
 class ResumePenalty:
     """What a compute block costs extra when its device idled for ``t`` seconds before it (waiting for a
-    peer, or an emulated device's sleep): ``forward_s * (1 - exp(-t / tau_s))``, backward likewise.
-    Its caches have gone cold meanwhile (on a shared or virtualised host, other work ran on the core).
+    peer, or an emulated device's sleep): ``(forward_s + forward_rate * cpu) * (1 - exp(-t / tau_s))``
+    for a block of ``cpu`` CPU seconds when run back to back, backward likewise. Its caches have gone cold
+    meanwhile (on a shared or virtualised host, other work ran on the core), and a virtual CPU that
+    halted may run slower for a while after it wakes: so the penalty has a fixed part and one that grows
+    with the block (``*_rate``: measured on blocks of two sizes; 0 in older profiles, which measured one).
     CPU seconds, never stretched by an emulated slowdown in the profile (the simulator stretches it)."""
 
     forward_s: float
     backward_s: float
     tau_s: float
+    forward_rate: float = 0.0
+    backward_rate: float = 0.0
 
     def __post_init__(self) -> None:
         c = Checker()
-        for name in ("forward_s", "backward_s"):
+        for name in ("forward_s", "backward_s", "forward_rate", "backward_rate"):
             c.check(getattr(self, name) >= 0, name, "must not be negative")
         c.check(self.tau_s > 0, "tau_s", f"must be positive, got {self.tau_s}")
         c.raise_if_any()
 
-    def extra_s(self, idle_s: float, backward: bool) -> float:
-        peak = self.backward_s if backward else self.forward_s
+    def extra_s(self, idle_s: float, backward: bool, cpu_s: float = 0.0) -> float:
+        """The extra CPU seconds of a block of ``cpu_s`` (back to back) after ``idle_s`` idle."""
+        peak = (self.backward_s + self.backward_rate * cpu_s) if backward else (self.forward_s
+                                                                                 + self.forward_rate * cpu_s)
         return peak * (1.0 - math.exp(-max(0.0, idle_s) / self.tau_s))
 
 

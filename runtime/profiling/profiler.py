@@ -163,8 +163,11 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
             for model in models:
                 lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
                 report(f"{target.device}: {model.name} compute after idling", 0)
+                # a one-layer block and a stage-sized one (3 layers, the longest length): the penalty's
+                # fixed part and its growth with the block
                 resume[model.name] = host.measure_resume_penalty(model, lens[len(lens) // 2], device=dev,
-                                                                 micro_batch=settings.micro_batch)
+                                                                 micro_batch=settings.micro_batch,
+                                                                 large=(3, lens[-1]))
                 report("", 1)
             report(f"{target.device}: GEMM rate, memory bandwidth", 0)
             thr = compute.measure_throughput(dev)

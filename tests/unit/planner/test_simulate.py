@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 from pathlib import Path
 
@@ -311,6 +312,11 @@ def test_resume_and_wake_penalties_follow_idle_time():
     b1 = ev[1, "B0"]   # right after its forward: no idling
     assert b1.end_s - b1.start_s == pytest.approx(base_ev[1, "B0"].end_s - base_ev[1, "B0"].start_s)
     assert r.step_time_s > base.step_time_s
+    # A penalty that grows with the block: stage 1's first forward (2 s of CPU) pays 25% of it on top.
+    grows = ResumePenalty(forward_s=0.5, backward_s=1.0, tau_s=1.0, forward_rate=0.25)
+    g = {(e.stage, e.name): e for e in simulate(cost_model(with_models(profiles(), resume=grows)),
+                                                 chain(1, [2, 2]), 1).events}
+    assert g[1, "F0"].end_s - g[1, "F0"].start_s == pytest.approx(2.0 + (0.5 + 0.25 * 2.0) * (1 - math.exp(-2.0)))
     # A transfer ends later on the side that waited for it, by the wake penalty of its wait: stage 1 waits
     # 2 s for the activation, then stage 0 waits for the gradient from 2 s until stage 1 has resumed and
     # run its forward and backward (2 + 4 s).
