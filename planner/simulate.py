@@ -60,6 +60,7 @@ class Event:
     end_s: float
     micro_batch: int | None = None
     comm_s: float = 0.0  # part of the interval spent in TP collectives
+    cpu_s: float = 0.0   # compute ops: the CPU seconds it consumed (penalties and time-sharing included)
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ class EventLoop:
         self.queue: dict[str, list[str]] = {}
         self.ops: dict[str, SimOp] = {}
         self.cores = cores or {}
+        self.cpu_s: dict[str, float] = {}   # after ``run``: each compute op's CPU seconds consumed
 
     def add(self, op: SimOp) -> None:
         """Append ``op`` to its resource's queue (hosts without cores here are dropped)."""
@@ -203,8 +205,11 @@ class EventLoop:
         self.queue.setdefault(op.resource, []).append(op.name)
 
     def run(self) -> dict[str, tuple[float, float]]:
-        """(start, end) of every op."""
-        return _Run(self).run()
+        """(start, end) of every op (and ``cpu_s``: what each compute op consumed)."""
+        run = _Run(self)
+        times = run.run()
+        self.cpu_s = {o: run.used.get(o, w) for o, w in run.work.items()}
+        return times
 
 
 class _Run:
@@ -625,7 +630,7 @@ def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Cost
             tp_busy[key] = tp_busy.get(key, 0.0) + tp_s[name]
             label = labels[name]
             events.append(Event(label, op.kind.value, op.pipeline, op.stage, "stage", start, end, op.micro_batch,
-                                tp_s[name]))
+                                tp_s[name], sim.cpu_s.get(name, 0.0)))
     stats0, stats1 = times["stats"]
     cm, pipes = costs.cm, costs.strategy.pipelines
     n_layers = cm.model.num_layers
@@ -653,8 +658,9 @@ def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Cost
             if stats1 > stats0:
                 events.append(Event("loss/norm all-reduce", "clip", pi, k, "stage", stats0, stats1, None,
                                     stats1 - stats0))
-            o0, o1 = max((times[f"opt{d}"] for d in st.devices), key=lambda x: x[1])
-            events.append(Event("optimizer", "optimizer", pi, k, "stage", o0, o1))
+            slowest = max(st.devices, key=lambda d: times[f"opt{d}"][1])
+            o0, o1 = times[f"opt{slowest}"]
+            events.append(Event("optimizer", "optimizer", pi, k, "stage", o0, o1, cpu_s=sim.cpu_s.get(f"opt{slowest}", 0.0)))
             gather_busy = joined("z", sync if zero else (), d0, "ZeRO-1 param all-gather", "zero_gather", pi, k)
             device_type = costs.type_of[d0]
             chunks = tuple((b - a, a == 0, b == n_layers) for a, b in st.layers)
@@ -693,6 +699,8 @@ def chrome_trace(result: SimulationResult, strategy: Strategy) -> dict[str, Any]
             out.append({"ph": "M", "name": "thread_sort_index", "pid": e.pipeline, "tid": tid,
                         "args": {"sort_index": e.stage * 3 + (0 if e.lane == "stage" else 1)}})
         args: dict[str, Any] = {"comm_ms": round(e.comm_s * 1e3, 4)}
+        if e.cpu_s:
+            args["cpu_ms"] = round(e.cpu_s * 1e3, 4)
         if e.micro_batch is not None:
             args["micro_batch"] = e.micro_batch
         out.append({"ph": "X", "name": e.name, "cat": e.category, "pid": e.pipeline, "tid": tids[key],

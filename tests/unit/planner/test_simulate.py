@@ -443,3 +443,14 @@ def test_block_after_the_core_mate_computed_pays_its_cold_caches():
     # Alone on the core: no extra.
     t = play(0.0)
     assert t["F"] == pytest.approx((0.0, 2.0)) and t["B"] == pytest.approx((2.0, 6.0))
+
+
+def test_compute_events_carry_the_cpu_they_consumed():
+    """The timeline's compute events say how much CPU work they consumed (an emulated device's sleep
+    and any wait excluded), so a measured trace can be held against them op by op."""
+    pen = ResumePenalty(forward_s=0.5, backward_s=1.0, tau_s=1.0)
+    r = simulate(cost_model(with_models(profiles(), resume=pen)), chain(1, [2, 2]), 1)
+    ev = {(e.stage, e.name): e for e in r.events}
+    assert ev[0, "F0"].cpu_s == pytest.approx(2.0)                          # 1 s per layer, nothing idle before
+    assert ev[1, "F0"].cpu_s == pytest.approx(2.0 + pen.extra_s(2.0, False))   # after 2 s idle
+    assert all(e.cpu_s > 0 for e in r.events if e.category in ("forward", "backward"))
