@@ -1,6 +1,6 @@
 """Op by op: a measured `hspmd train --trace` run next to the simulator's timeline of the same plan.
 
-    python scripts/compare_trace.py --plan PLAN --profile DIR --trace DIR [--skip 2] [--json]
+    python scripts/compare_trace.py --plan PLAN [--profile DIR] --trace DIR [--skip 2] [--json]
 
 For every compute op (device, F / B / W, micro-batch, chunk) and the optimizer step: the simulator's start,
 duration and CPU seconds (planner/simulate.py ``Event``: the block's CPU work with its penalties, then an
@@ -33,10 +33,10 @@ LETTER = {"forward": "F", "backward": "B", "input_grad": "B", "weight_grad": "W"
 Key = tuple[int, str, int, int]   # device, letter, micro-batch (-1: none), chunk
 
 
-def simulated(plan: Path, profile: Path) -> tuple[float, dict[Key, tuple[float, float, float]]]:
+def simulated(plan: Path, profiles: list[Path]) -> tuple[float, dict[Key, tuple[float, float, float]]]:
     """The simulated step time and per op (start, duration, CPU) in seconds."""
     ctx = load_plan_context(plan)
-    cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, resolve_profiles(ctx.cluster.device_types, [profile]))
+    cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, resolve_profiles(ctx.cluster.device_types, profiles))
     t = ctx.plan.training
     strat = ctx.plan.strategies[0]
     res = simulate(cm, strat, t.global_batch, t.schedule, t.zero)
@@ -89,7 +89,8 @@ def measured(trace_dir: Path, skip: int) -> tuple[float, dict[Key, tuple[float, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", type=Path, required=True)
-    ap.add_argument("--profile", type=Path, required=True, help="the profile directory to simulate with")
+    ap.add_argument("--profile", type=Path, action="append", default=[],
+                    help="profile directory to simulate with (repeatable; default: the cluster's own figures)")
     ap.add_argument("--trace", type=Path, required=True, help="the --trace directory of an `hspmd train` run")
     ap.add_argument("--skip", type=int, default=2, help="warm-up steps to leave out (default 2)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
