@@ -81,8 +81,9 @@ def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.devi
     for ``t`` before it than right after other work: the two take turns, for each ``t`` of ``idles_s``;
     the mean differences fitted with ``peak * (1 - exp(-t / tau))`` (tau from a log grid shared by every
     block and phase, peaks by least squares, none below zero). Timed on a one-decoder-layer block at
-    ``seq_len`` and, with ``large`` = (layers, seq_len), on a bigger block too: the peak's growth between
-    the two (per CPU second of the block, back to back) is the penalty's rate, the rest its fixed part.
+    ``seq_len`` and, with ``large`` = (layers, seq_len), on a bigger block too, the two taking turns in
+    every repeat: the peak's growth between them (per CPU second of the block, back to back) is the
+    penalty's rate, the rest its fixed part.
     On a CPU the time is this thread's CPU time, so that a preemption meanwhile is no penalty."""
     from runtime.profiling.compute import time_once
 
@@ -94,15 +95,16 @@ def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.devi
         return time.thread_time() - c0
 
     shapes = [(1, seq_len)] + ([large] if large is not None else [])
-    extra: list[list[float]] = [[] for _ in idles_s]
-    hot: list[tuple[float, float]] = []   # per shape: (forward, backward) CPU seconds back to back
-    for layers, s in shapes:
-        run = _stage_run(model, layers, s, device, micro_batch, warmup=3)
-        n = reps if layers == 1 else max(5, reps // 2)
-        after: list[tuple[float, float]] = []
-        for j, idle in enumerate(idles_s):
-            times: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
-            for _ in range(n):
+    runs = [_stage_run(model, layers, s, device, micro_batch, warmup=3) for layers, s in shapes]
+    extra: list[list[float]] = []
+    hot: list[list[tuple[float, float]]] = [[] for _ in shapes]   # per shape: (forward, backward) back to back
+    for idle in idles_s:
+        # (shape, after idle) -> (forward, backward) times; the shapes take turns within each repeat, so a
+        # change of the host's speed meanwhile hits the small and the large block alike
+        times: dict[tuple[int, bool], tuple[list[float], list[float]]] = {
+            (i, a): ([], []) for i in range(len(shapes)) for a in (False, True)}
+        for _ in range(reps):
+            for i, run in enumerate(runs):
                 for after_idle in (False, True):
                     fwd = run.prepare_forward()
                     if after_idle:
@@ -110,18 +112,20 @@ def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.devi
                     forward_s = timed(fwd, run.device)
                     if after_idle:
                         time.sleep(idle)
-                    times[after_idle][0].append(forward_s)
-                    times[after_idle][1].append(timed(run.backward, run.device))
-            extra[j] += [statistics.mean(times[True][i]) - statistics.mean(times[False][i]) for i in (0, 1)]
-            after.append((statistics.mean(times[False][0]), statistics.mean(times[False][1])))
-        hot.append((statistics.mean(a[0] for a in after), statistics.mean(a[1] for a in after)))
+                    times[i, after_idle][0].append(forward_s)
+                    times[i, after_idle][1].append(timed(run.backward, run.device))
+        extra.append([statistics.mean(times[i, True][j]) - statistics.mean(times[i, False][j])
+                      for i in range(len(shapes)) for j in (0, 1)])
+        for i in range(len(shapes)):
+            hot[i].append((statistics.mean(times[i, False][0]), statistics.mean(times[i, False][1])))
+    means = [(statistics.mean(a[0] for a in h), statistics.mean(a[1] for a in h)) for h in hot]
     peaks, tau = fit_saturating(idles_s, extra)
     fixed, rates = list(peaks[:2]), [0.0, 0.0]
     if large is not None:
         for i in (0, 1):
-            span = hot[1][i] - hot[0][i]
+            span = means[1][i] - means[0][i]
             rates[i] = max(0.0, (peaks[2 + i] - peaks[i]) / span) if span > 0 else 0.0
-            fixed[i] = max(0.0, peaks[i] - rates[i] * hot[0][i])
+            fixed[i] = max(0.0, peaks[i] - rates[i] * means[0][i])
     return ResumePenalty(forward_s=fixed[0], backward_s=fixed[1], tau_s=tau, forward_rate=rates[0],
                          backward_rate=rates[1])
 
