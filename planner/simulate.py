@@ -660,7 +660,8 @@ def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Cost
                                     stats1 - stats0))
             slowest = max(st.devices, key=lambda d: times[f"opt{d}"][1])
             o0, o1 = times[f"opt{slowest}"]
-            events.append(Event("optimizer", "optimizer", pi, k, "stage", o0, o1, cpu_s=sim.cpu_s.get(f"opt{slowest}", 0.0)))
+            events.append(Event("optimizer", "optimizer", pi, k, "stage", o0, o1,
+                                cpu_s=sim.cpu_s.get(f"opt{slowest}", 0.0)))
             gather_busy = joined("z", sync if zero else (), d0, "ZeRO-1 param all-gather", "zero_gather", pi, k)
             device_type = costs.type_of[d0]
             chunks = tuple((b - a, a == 0, b == n_layers) for a, b in st.layers)

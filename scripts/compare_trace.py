@@ -123,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['meas_cpu_ms'] / max(1e-9, r['sim_cpu_ms']):5.2f}")
     print("per device and op, per step (ms): simulated duration / CPU  |  measured duration / CPU")
     for t in totals:
-        print(f"  device {t['device']} {t['op']:>3}: {t['sim_ms']:8.2f} / {t['sim_cpu_ms']:8.2f}  |  {t['meas_ms']:8.2f} / "
-              f"{t['meas_cpu_ms']:8.2f}   CPU x{t['meas_cpu_ms'] / max(1e-9, t['sim_cpu_ms']):.3f}")
+        print(f"  device {t['device']} {t['op']:>3}: {t['sim_ms']:8.2f} / {t['sim_cpu_ms']:8.2f}  |  "
+              f"{t['meas_ms']:8.2f} / {t['meas_cpu_ms']:8.2f}   "
+              f"CPU x{t['meas_cpu_ms'] / max(1e-9, t['sim_cpu_ms']):.3f}")
     return 0
 
 

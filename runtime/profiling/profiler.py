@@ -205,8 +205,9 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
             mm = dataclasses.replace(mm, blocks={t: {k: fit_component(smp, 0, mb, slowdown) for k, smp in per.items()}
                                                  for t, per in sorted(blocks[model.name].items())})
         if split and split.get(model.name):
-            mm = dataclasses.replace(mm, split_blocks={t: {k: fit_component(smp, 0, mb, slowdown) for k, smp in per.items()}
-                                                       for t, per in sorted(split[model.name].items())})
+            mm = dataclasses.replace(mm, split_blocks={
+                t: {k: fit_component(smp, 0, mb, slowdown) for k, smp in per.items()}
+                for t, per in sorted(split[model.name].items())})
         if model.name in resume:   # CPU seconds, not stretched (the simulator stretches them)
             mm = dataclasses.replace(mm, resume=resume[model.name])
         if links.get("core_sharing", {}).get(model.name):
