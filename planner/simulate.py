@@ -43,7 +43,7 @@ from planner.cost import GIB, CostModel, StageCost
 from runtime.comm.gradsync import SyncGroup
 from runtime.pipeline_schedules import ChunkCost, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
 from runtime.pipeline_schedules import Schedule as PipelineSchedule
-from runtime.profiling.profile import CoreHandoff, ResumePenalty
+from runtime.profiling.profile import CoreHandoff, ResumePenalty, below_probe
 from runtime.spec.plan import Schedule, Strategy
 
 
@@ -187,7 +187,8 @@ class EventLoop:
       at that moment: a compute op's CPU work is followed by ``handoff_s`` before its tail; an op that
       starts right after its resource's emulation sleep starts ``wake_s`` later; a communication op that
       waited for its peers ends ``recv_wake_s`` later. And a forward / backward op needs ``cold_forward_s``
-      / ``cold_backward_s`` more CPU time when another resource's compute ran on its cores since its
+      / ``cold_backward_s`` (in proportion, for an op smaller than the block they were measured on)
+      more CPU time when another resource's compute ran on its cores since its
       resource's previous op started (that work took over the caches). On an idle core none applies.
     """
 
@@ -368,7 +369,9 @@ class _Run:
         mine = [(h, r) for h, _ in op.hosts]
         if op.handoff is not None and op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and self.foreign.intersection(mine):
             h = op.handoff   # ... or another process worked on its core meanwhile
-            self.work[name] += h.cold_forward_s if op.kind is OpKind.FORWARD else h.cold_backward_s
+            fwd = op.kind is OpKind.FORWARD
+            self.work[name] += below_probe(h.cold_forward_s if fwd else h.cold_backward_s, op.cpu,
+                                           h.block_forward_s if fwd else h.block_backward_s)
         self.foreign.difference_update(mine)
         if op.hosts and self.work[name] > 0:
             self.used[name] = 0.0

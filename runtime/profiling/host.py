@@ -127,7 +127,7 @@ def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.devi
             rates[i] = max(0.0, (peaks[2 + i] - peaks[i]) / span) if span > 0 else 0.0
             fixed[i] = max(0.0, peaks[i] - rates[i] * means[0][i])
     return ResumePenalty(forward_s=fixed[0], backward_s=fixed[1], tau_s=tau, forward_rate=rates[0],
-                         backward_rate=rates[1])
+                         backward_rate=rates[1], forward_block_s=means[0][0], backward_block_s=means[0][1])
 
 
 def p2p_wake(rank: int, device: torch.device, reps: int = 15,
@@ -298,4 +298,5 @@ def handoff_figures(raw: dict[str, dict[str, float]]) -> CoreHandoff:
                        wake_s=rounded(max(0.0, busy["late"] - idle["late"])),
                        recv_wake_s=rounded(max(0.0, busy["recv"] - idle["recv"])),
                        cold_forward_s=rounded(max(0.0, busy["cpu_forward"] - idle["cpu_forward"])),
-                       cold_backward_s=rounded(max(0.0, busy["cpu_backward"] - idle["cpu_backward"])))
+                       cold_backward_s=rounded(max(0.0, busy["cpu_backward"] - idle["cpu_backward"])),
+                       block_forward_s=rounded(idle["cpu_forward"]), block_backward_s=rounded(idle["cpu_backward"]))

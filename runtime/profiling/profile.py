@@ -81,19 +81,33 @@ class ResumePenalty:
     tau_s: float
     forward_rate: float = 0.0
     backward_rate: float = 0.0
+    # The CPU seconds (back to back) of the smallest block measured: an op smaller than it (a split
+    # backward's half, the first chunk's empty B) pays in proportion to its size (``below_probe``).
+    # 0: not recorded (older profiles), the penalty as is.
+    forward_block_s: float = 0.0
+    backward_block_s: float = 0.0
 
     def __post_init__(self) -> None:
         c = Checker()
-        for name in ("forward_s", "backward_s", "forward_rate", "backward_rate"):
+        for name in ("forward_s", "backward_s", "forward_rate", "backward_rate", "forward_block_s",
+                     "backward_block_s"):
             c.check(getattr(self, name) >= 0, name, "must not be negative")
         c.check(self.tau_s > 0, "tau_s", f"must be positive, got {self.tau_s}")
         c.raise_if_any()
 
     def extra_s(self, idle_s: float, backward: bool, cpu_s: float = 0.0) -> float:
         """The extra CPU seconds of a block of ``cpu_s`` (back to back) after ``idle_s`` idle."""
-        peak = (self.backward_s + self.backward_rate * cpu_s) if backward else (self.forward_s
-                                                                                 + self.forward_rate * cpu_s)
+        fixed, rate, block = ((self.backward_s, self.backward_rate, self.backward_block_s) if backward
+                              else (self.forward_s, self.forward_rate, self.forward_block_s))
+        peak = below_probe(fixed + rate * max(cpu_s, block), cpu_s, block)
         return peak * (1.0 - math.exp(-max(0.0, idle_s) / self.tau_s))
+
+
+def below_probe(extra_s: float, cpu_s: float, block_s: float) -> float:
+    """A penalty measured on a block of ``block_s`` CPU seconds, for an op of ``cpu_s``: as measured for an
+    op at least that big, in proportion below it (nothing measured says a near-empty op pays a whole
+    block's penalty); as measured where the block is unknown (0)."""
+    return extra_s * min(1.0, max(0.0, cpu_s) / block_s) if block_s > 0 else extra_s
 
 
 @dataclass(frozen=True)
@@ -113,10 +127,15 @@ class CoreHandoff:
     recv_wake_s: float
     cold_forward_s: float = 0.0
     cold_backward_s: float = 0.0
+    # The one-layer block's CPU seconds with the core-mate idle: smaller ops pay the cold penalties in
+    # proportion (``below_probe``); 0 in older profiles (as measured).
+    block_forward_s: float = 0.0
+    block_backward_s: float = 0.0
 
     def __post_init__(self) -> None:
         c = Checker()
-        for name in ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s", "cold_backward_s"):
+        for name in ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s", "cold_backward_s", "block_forward_s",
+                     "block_backward_s"):
             v = getattr(self, name)
             c.check(v >= 0 and math.isfinite(v), name, f"must be a non-negative number of seconds, got {v}")
         c.raise_if_any()

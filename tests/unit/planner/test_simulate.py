@@ -443,6 +443,11 @@ def test_block_after_the_core_mate_computed_pays_its_cold_caches():
     # Alone on the core: no extra.
     t = play(0.0)
     assert t["F"] == pytest.approx((0.0, 2.0)) and t["B"] == pytest.approx((2.0, 6.0))
+    # Measured on an 8 CPU-s backward block: B (4 CPU-s) pays half the cold backward penalty (4 + 1 at half
+    # the core -> 14); F is as big as its probe block (2 CPU-s): the whole of it.
+    cold = dataclasses.replace(cold, block_forward_s=2.0, block_backward_s=8.0)
+    t = play(20.0)
+    assert t["F"] == pytest.approx((0.0, 4.0)) and t["B"] == pytest.approx((4.0, 14.0))
 
 
 def test_compute_events_carry_the_cpu_they_consumed():

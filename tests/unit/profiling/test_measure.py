@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -127,6 +128,12 @@ def test_resume_penalty_saturates_with_idle_time():
     assert grows.extra_s(1.0, False, 0.010) == pytest.approx(0.4e-3 + 3e-3)
     assert grows.extra_s(2e-3, True, 0.010) == pytest.approx((0.8e-3 + 1e-3) * (1 - math.exp(-1)))
     assert grows.extra_s(1.0, False) == pytest.approx(0.4e-3)   # no block size given: the fixed part
+    # below the smallest block measured (2 ms forward): in proportion, down to nothing for an empty op
+    probed = dataclasses.replace(grows, forward_block_s=2e-3, backward_block_s=4e-3)
+    assert probed.extra_s(1.0, False, 2e-3) == pytest.approx(0.4e-3 + 0.3 * 2e-3)
+    assert probed.extra_s(1.0, False, 1e-3) == pytest.approx((0.4e-3 + 0.3 * 2e-3) / 2)
+    assert probed.extra_s(1.0, True, 0.0) == 0.0
+    assert probed.extra_s(1.0, False, 0.010) == grows.extra_s(1.0, False, 0.010)   # above it: as measured
     with pytest.raises(FieldErrors, match="forward_rate"):
         ResumePenalty(forward_s=0.0, backward_s=0.0, tau_s=1e-3, forward_rate=-0.1)
 
@@ -171,6 +178,7 @@ def test_resume_probe_times_two_block_sizes(monkeypatch):
     assert made == [1, 3]
     assert (pen.forward_rate, pen.backward_rate) == pytest.approx((0.3, 0.3), rel=0.1)
     assert pen.forward_s == pytest.approx(1e-4, rel=0.3) and pen.backward_s == pytest.approx(1e-4, rel=0.3)
+    assert (pen.forward_block_s, pen.backward_block_s) == pytest.approx((1e-3, 2e-3))   # the small block, hot
 
 
 def test_emulated_cpu_shares_pin_like_the_launcher():
