@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
@@ -15,6 +16,9 @@ if TYPE_CHECKING:
 
 FORMAT_OPTION = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
                              show_default=True, help="'json' prints one JSON object for scripts.")
+PROFILE_OPTION = click.option("--profile", "profile_dirs", multiple=True, type=click.Path(path_type=Path),
+                              help="Directory of device profiles (repeatable; before the shipped profiles/). "
+                                   "A measured profile overrides a spec one.")
 
 
 def _width(stream) -> int | None:
@@ -22,17 +26,11 @@ def _width(stream) -> int | None:
     return None if stream.isatty() else 140
 
 
-def console() -> Console:
+def console(stderr: bool = False) -> Console:
     # Imported here: rich's console costs ~25 ms of start-up that verbs printing one line need not pay.
     from rich.console import Console
 
-    return Console(highlight=False, width=_width(sys.stdout))
-
-
-def err_console() -> Console:
-    from rich.console import Console
-
-    return Console(stderr=True, highlight=False, width=_width(sys.stderr))
+    return Console(stderr=stderr, highlight=False, width=_width(sys.stderr if stderr else sys.stdout))
 
 
 def emit_json(obj: Any) -> None:

@@ -21,6 +21,7 @@ Raises ``InfeasibleError`` (exit 2 in the CLI) with a sentence saying why and wh
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import time
@@ -391,13 +392,7 @@ def diagnose(model: ModelSpec, cluster: Cluster, cms: Mapping[int, CostModel], s
 
     mem = sum(cluster.type_of(d).memory_gib for d in devs)
     if not fits(model.num_layers):
-        lo, hi = 0, model.num_layers
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
+        lo = bisect.bisect_left(range(1, model.num_layers), True, key=lambda n: not fits(n))  # most layers that fit
         need = _model_state_gib(model, cm, 1)
         per = model.layer_params()
         head = (f"{model.name} ({model.total_params() / 1e9:.1f}B parameters, ~{need:.0f} GiB of weights, "

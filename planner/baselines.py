@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import pulp
 
 from planner.cost import CostModel, StrategyEstimate, zero_degree
+from planner.layer_split import consecutive_ranges
+from planner.schedule_choice import chunk_sizes
 from planner.search import lazily_sorted
 from planner.tp_groups import available, tp_degrees
 from runtime.solver import solve, var
@@ -51,22 +53,12 @@ class LowerBound:
     best_tp: Mapping[str, int]            # per type: the best TP degree for a decoder layer
 
 
-def even_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    q, r = divmod(num_layers, stages)
-    out, start = [], 0
-    for k in range(stages):
-        n = q + (1 if k < r else 0)
-        out.append((start, start + n))
-        start += n
-    return out
-
-
 def symmetric_strategies(cm: CostModel, devices: Sequence[int], global_batch: int, name: str = "symmetric",
                          ) -> list[tuple[str, Strategy]]:
     """Every symmetric strategy over exactly ``devices`` (description, strategy)."""
     cluster, model = cm.cluster, cm.model
     per_node = available(cluster, devices)
-    blocks = [ids for ids in per_node.values()]
+    blocks = list(per_node.values())
     n = len(devices)
     m_total = global_batch // cm.micro_batch
     out: list[tuple[str, Strategy]] = []
@@ -82,7 +74,7 @@ def symmetric_strategies(cm: CostModel, devices: Sequence[int], global_batch: in
             if m_total % dp or m_total // dp < pp:
                 continue
             mb = m_total // dp
-            layers = even_layers(model.num_layers, pp)
+            layers = consecutive_ranges(chunk_sizes(model.num_layers, pp))  # the first stages take the extras
             for order in ("tp-dp-pp", "tp-pp-dp"):
                 if order == "tp-dp-pp" and (dp == 1 or pp == 1):
                     continue   # same layout as tp-pp-dp

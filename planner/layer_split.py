@@ -17,7 +17,9 @@ model that scores the plan.
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,11 +65,12 @@ class LayerSplit:
         return micro_batches * self.max_s + fill * (self.sum_s - self.max_s) + boundary_s
 
     def ranges(self) -> list[tuple[int, int]]:
-        out, start = [], 0
-        for n in self.layers:
-            out.append((start, start + n))
-            start += n
-        return out
+        return consecutive_ranges(self.layers)
+
+
+def consecutive_ranges(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` layer ranges of stages holding ``counts`` layers each, in order from layer 0."""
+    return [(end - n, end) for n, end in zip(counts, itertools.accumulate(counts))]
 
 
 def _max_layers(cm: CostModel, kind: GroupKind, first: bool, last: bool, recompute: bool, in_flight: int,
@@ -81,18 +84,8 @@ def _max_layers(cm: CostModel, kind: GroupKind, first: bool, last: bool, recompu
         mem = cm.device_memory(kind.device_type, kind.tp, parts, recompute, in_flight, zero_degree)
         return mem.total <= capacity
 
-    if not fits(0):
-        return -1
-    lo, hi = 0, limit
-    if fits(hi):
-        return hi
-    while hi - lo > 1:   # fits(lo) and not fits(hi)
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    # memory grows with n: the first n that does not fit, less one
+    return bisect.bisect_left(range(limit + 1), True, key=lambda n: not fits(n)) - 1
 
 
 def slot_costs(cm: CostModel, kinds: Sequence[GroupKind], *, zero_degree: int = 1, recompute: bool = True,

@@ -28,18 +28,19 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from planner.api import PlanSettings, plan
+from planner.api import PlanResult, PlanSettings, plan
 from planner.cost import CostModel, zero_copies
+from runtime.checkpoint import STATE_SUFFIXES
 from runtime.comm.bsr import BsrPlan
 from runtime.elastic.events import TraceEvent
-from runtime.elastic.state import STATE_SUFFIXES, LostTensor, describe_lost, lost_tensors, plan_switch
+from runtime.elastic.state import LostTensor, describe_lost, lost_tensors, plan_switch
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.launch.options import node_loss_detect_s
 from runtime.profiling.profile import DeviceProfile, ProfileSet
 from runtime.spec import Plan, PlanContext, Strategy, validate_plan
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import Pipeline
+from runtime.spec.plan import Pipeline, TrainingSettings
 
 DEFAULT_TOLERANCE = 0.05
 STATE_BYTES_PER_PARAM = 4 * len(STATE_SUFFIXES)  # fp32 parameter + two fp32 AdamW moments (a checkpoint)
@@ -183,23 +184,14 @@ def replan(current: StrategyHandle, failed: Collection[int],
     if lost:
         raise LostStateError(failed, lost)
     survivors = tuple(d for d in current.devices if d not in failed)
-    t = ctx.plan.training
     model_ref = model_ref or ctx.plan.model
     cluster_ref = cluster_ref or ctx.plan.cluster
-    cur = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
-    current_time = cur.estimate(current.strategy, t.global_batch, t.schedule, zero_copies(t)).step_time_s
+    current_time = modelled_step_time(current, profiles)
 
     plans: list[tuple[Literal["planner", "repair"], int, Plan, float, str]] = []
-    # The survivors keep the run's ZeRO choice (an elastic ZeRO-1 plan keeps 2 copies of every chunk).
-    settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=True,
-                            use_zero=t.zero, time_limit_s=time_limit_s, top_k=top_k, seed=t.seed, optimizer=t.optimizer,
-                            schedule=t.schedule)
-    try:
-        result = plan(ctx.model, ctx.cluster, profiles, settings, devices=survivors, baselines=False)
-    except InfeasibleError as err:
-        notes.append(f"no elastic plan (>= 2 pipelines) fits the survivors ({err}); planning without that")
-        result = plan(ctx.model, ctx.cluster, profiles, dataclasses.replace(settings, elastic=False, use_zero=False),
-                      devices=survivors, baselines=False)
+    result, refused = _plan_elastic(current, survivors, profiles, time_limit_s, top_k)
+    if refused is not None:
+        notes.append(f"no elastic plan (>= 2 pipelines) fits the survivors ({refused}); planning without that")
     for i, cand in enumerate(result.candidates):
         p = result.to_plan(model_ref, cluster_ref, i)
         plans.append(("planner", i, p, cand.step_time_s, cand.summary))
@@ -220,7 +212,7 @@ def replan(current: StrategyHandle, failed: Collection[int],
         problems = validate_plan(p, ctx.model, ctx.cluster, str(ctx.path))
         if problems:
             raise RuntimeError(f"replan produced an invalid plan ({origin}): {problems[0]}")
-        target = StrategyHandle.of(PlanContext(p, ctx.model, ctx.cluster, ctx.path))
+        target = StrategyHandle.of(dataclasses.replace(ctx, plan=p))
         bsr = plan_switch(current, target, failed)
         options.append(Option(origin, rank, p, step_time, summary, bsr, bsr.modelled_time(ctx.cluster),
                               bsr.lower_bound(ctx.cluster)))
@@ -228,7 +220,33 @@ def replan(current: StrategyHandle, failed: Collection[int],
     chosen = choose(options, tolerance, steps_left)
     return ReplanResult(tuple(sorted(failed)), survivors, current_time, tuple(options), chosen, tolerance,
                         restart_cost(ctx.model, current_time, restart or RestartModel()),
-                        PlanContext(chosen.plan, ctx.model, ctx.cluster, ctx.path), tuple(notes))
+                        dataclasses.replace(ctx, plan=chosen.plan), tuple(notes))
+
+
+def modelled_step_time(handle: StrategyHandle, profiles: Mapping[str, DeviceProfile] | ProfileSet) -> float:
+    """The cost model's step time of a running strategy (its plan's batch, schedule and ZeRO copies)."""
+    ctx, t = handle.ctx, handle.ctx.plan.training
+    cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
+    return cm.estimate(handle.strategy, t.global_batch, t.schedule, zero_copies(t)).step_time_s
+
+
+def _settings(t: TrainingSettings, **choices: object) -> PlanSettings:
+    """The planner's request for a running plan's batch, sequence length, seed, optimizer and schedule."""
+    return PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed, optimizer=t.optimizer,
+                        schedule=t.schedule, **choices)  # type: ignore[arg-type]
+
+
+def _plan_elastic(current: StrategyHandle, devices: Sequence[int], profiles: Mapping[str, DeviceProfile] | ProfileSet,
+                  time_limit_s: float, top_k: int) -> tuple[PlanResult, str | None]:
+    """The planner on ``devices``: elastic (>= 2 pipelines) keeping the run's ZeRO choice (an elastic ZeRO-1
+    plan keeps 2 copies of every chunk) where that fits, else neither; with why the elastic one did not."""
+    ctx, t = current.ctx, current.ctx.plan.training
+    settings = _settings(t, elastic=True, use_zero=t.zero, time_limit_s=time_limit_s, top_k=top_k)
+    try:
+        return plan(ctx.model, ctx.cluster, profiles, settings, devices=devices, baselines=False), None
+    except InfeasibleError as err:
+        return plan(ctx.model, ctx.cluster, profiles, dataclasses.replace(settings, elastic=False, use_zero=False),
+                    devices=devices, baselines=False), str(err)
 
 
 def choose(options: list[Option], tolerance: float, steps_left: int | None = None) -> Option:
@@ -323,27 +341,15 @@ def grow(current: StrategyHandle, joining: Collection[int], profiles: Mapping[st
     only when the step time it saves over ``steps_left`` steps beats the modelled cost of switching to it
     (the state's fused BSR from its holders, plus regrouping)."""
     ctx = current.ctx
+    # Device ids were checked where they came in (hspmd train's launcher, the --events trace).
     joining = tuple(sorted(set(joining) - set(current.devices)))
-    unknown = [d for d in joining if not 0 <= d < ctx.cluster.num_devices]
-    if unknown:
-        raise HspmdError(f"--rejoin-device: device(s) {unknown} are not in cluster {ctx.cluster.name!r} "
-                         f"(devices 0-{ctx.cluster.num_devices - 1})")
     switch = switch or SwitchModel()
-    t = ctx.plan.training
-    cur = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
-    current_time = cur.estimate(current.strategy, t.global_batch, t.schedule, zero_copies(t)).step_time_s
+    current_time = modelled_step_time(current, profiles)
     devices = tuple(sorted(set(current.devices) | set(joining)))
-    settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=True,
-                            use_zero=t.zero, time_limit_s=time_limit_s, top_k=1, seed=t.seed, optimizer=t.optimizer,
-                            schedule=t.schedule)
-    try:
-        result = plan(ctx.model, ctx.cluster, profiles, settings, devices=devices, baselines=False)
-    except InfeasibleError:
-        result = plan(ctx.model, ctx.cluster, profiles, dataclasses.replace(settings, elastic=False, use_zero=False),
-                      devices=devices, baselines=False)
+    result, _ = _plan_elastic(current, devices, profiles, time_limit_s, 1)
     best = result.candidates[0]
     p = result.to_plan(model_ref or ctx.plan.model, cluster_ref or ctx.plan.cluster, 0)
-    target_ctx = PlanContext(p, ctx.model, ctx.cluster, ctx.path)
+    target_ctx = dataclasses.replace(ctx, plan=p)
     target = StrategyHandle.of(target_ctx)
     bsr = plan_switch(current, target, ())
     switch_s = bsr.modelled_time(ctx.cluster) + switch.regroup_s
@@ -477,8 +483,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
     ctx = current.ctx
     t = ctx.plan.training
     cluster = ctx.cluster
-    cm = CostModel.for_plan(ctx.plan, ctx.model, cluster, profiles)
-    t0_time = cm.estimate(current.strategy, t.global_batch, t.schedule, zero_copies(t)).step_time_s
+    t0_time = modelled_step_time(current, profiles)
     node_of = {d.id: d.node for d in cluster.devices}
     nodes = {n.name: {d.id for d in cluster.devices if d.node == n.name} for n in cluster.nodes}
     original = current
@@ -487,13 +492,10 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
     def best_on(devices: Collection[int], zero: bool = False) -> tuple[StrategyHandle, float]:
         key = (tuple(sorted(devices)), zero)
         if key not in plans:
-            settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=False,
-                                    use_zero=zero, time_limit_s=model.time_limit_s, top_k=1, seed=t.seed,
-                                    optimizer=t.optimizer, schedule=t.schedule)
+            settings = _settings(t, use_zero=zero, time_limit_s=model.time_limit_s, top_k=1)
             result = plan(ctx.model, cluster, profiles, settings, devices=key[0], baselines=False)
             p = result.to_plan(ctx.plan.model, ctx.plan.cluster, 0)
-            plans[key] = (StrategyHandle.of(PlanContext(p, ctx.model, cluster, ctx.path)),
-                          result.candidates[0].step_time_s)
+            plans[key] = (StrategyHandle.of(dataclasses.replace(ctx, plan=p)), result.candidates[0].step_time_s)
         return plans[key]
 
     templates: dict[tuple[int, ...], tuple[Pipeline, ...]] = {}
@@ -503,9 +505,8 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
         (none when nothing fits on them)."""
         key = tuple(sorted(devices))
         if key not in templates:
-            settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=t.micro_batch,
-                                    elastic=False, use_zero=False, time_limit_s=model.time_limit_s, top_k=1,
-                                    seed=t.seed, optimizer=t.optimizer, schedule=t.schedule)
+            settings = _settings(t, micro_batch=t.micro_batch, use_zero=False, time_limit_s=model.time_limit_s,
+                                 top_k=1)
             try:
                 result = plan(ctx.model, cluster, profiles, settings, devices=key, baselines=False)
                 templates[key] = result.to_plan(ctx.plan.model, ctx.plan.cluster, 0).strategies[0].pipelines
@@ -528,7 +529,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
         if fixed is None:
             return None
         p, step_time = fixed
-        return StrategyHandle.of(PlanContext(p, ctx.model, cluster, ctx.path)), step_time
+        return StrategyHandle.of(dataclasses.replace(ctx, plan=p)), step_time
 
     events = sorted(trace, key=lambda e: e.step)
     usable = set(original.devices) | {x for ev in events for x in ev.devices}

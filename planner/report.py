@@ -13,6 +13,7 @@ from planner.api import PlanResult, schedule_reason
 from planner.baselines import Baseline
 from planner.cost import GIB
 from planner.search import schedule_label
+from runtime.annotations.states import span
 from runtime.spec.plan import Plan
 from runtime.spec.schema import to_data
 
@@ -88,11 +89,6 @@ def result_json(result: PlanResult, plan: Plan, out_path: str | None) -> dict[st
     }
 
 
-def _speedup(result: PlanResult, b: Baseline) -> str:
-    s = result.speedup(b)
-    return "-" if s is None else f"{s:.2f}x"
-
-
 def zero_text(copies: int) -> str:
     return "off" if not copies else "on" if copies == 1 else f"on, {copies} copies of each moment chunk"
 
@@ -115,12 +111,9 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
     for pi, (pipe, pe) in enumerate(zip(best.strategy.pipelines, est.pipelines)):
         for si, (st, sc) in enumerate(zip(pipe.stages, pe.stages)):
             r = mem[pi, si]
-            devs = st.devices
-            dtext = f"{devs[0]}-{devs[-1]}" if len(devs) > 2 and devs[-1] - devs[0] == len(devs) - 1 else \
-                ",".join(map(str, devs))
             table.add_row(str(pi) if si == 0 else "", str(pipe.micro_batches) if si == 0 else "",
                           schedule_label(pipe, s.default_schedule) if si == 0 else "", str(si),
-                          r["device_type"], str(st.tp), dtext, st.layers_text(),
+                          r["device_type"], str(st.tp), span(st.devices), st.layers_text(),
                           "yes" if st.recompute else "", f"{sc.time_s:.4f}", f"{r['peak_gib']:.1f}",
                           f"{r['capacity_gib']:g}", f"{r['headroom_frac']:.0%}")
     con.print(table)
@@ -143,7 +136,7 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
         base.add_column(col, justify="left" if col in ("baseline", "configuration") else "right")
     for b in (result.symmetric, result.symmetric_subset):
         base.add_row(b.name, escape(b.description), "-" if b.step_time_s is None else f"{b.step_time_s:.4f}",
-                     _speedup(result, b))
+                     "-" if (speedup := result.speedup(b)) is None else f"{speedup:.2f}x")
     lb = result.lower_bound
     base.add_row("lower bound", "all devices at their best compute rate, no comm / bubbles / optimizer",
                  f"{lb.step_time_s:.4f}", f"efficiency {result.efficiency:.1%}")

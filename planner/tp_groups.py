@@ -32,10 +32,6 @@ class TPGroup:
     devices: tuple[int, ...]
 
 
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
 def available(cluster: Cluster, devices: Iterable[int] | None = None) -> dict[tuple[str, str], list[int]]:
     """Usable device ids per (node, device type), in cluster order."""
     allowed = None if devices is None else set(devices)
@@ -48,7 +44,7 @@ def available(cluster: Cluster, devices: Iterable[int] | None = None) -> dict[tu
 
 def tp_degrees(model: ModelSpec, limit: int) -> list[int]:
     """Powers of two up to ``limit`` that divide heads, kv heads and the MLP width."""
-    return [t for t in model.valid_tp_degrees(max(1, limit)) if _is_pow2(t)]
+    return [t for t in model.valid_tp_degrees(max(1, limit)) if t & (t - 1) == 0]  # t >= 1
 
 
 def tp_choices(cluster: Cluster, model: ModelSpec, devices: Iterable[int] | None = None) -> dict[str, list[int]]:

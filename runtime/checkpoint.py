@@ -32,12 +32,14 @@ import json
 import math
 import re
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
+from runtime.comm.bsr import FLOAT32
+from runtime.comm.gradsync import runs
 from runtime.errors import HspmdError, Problem, SpecError
 from runtime.models.params import llama_parameters
 from runtime.spec import ModelSpec, PlanContext
@@ -57,7 +59,7 @@ OPTIMIZER_FORMAT = "hspmd-optimizer/1"
 SHARD_BYTES = 4 * 2**30  # weights above this go into several files (Hugging Face's sharded layout)
 STATE_SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")  # the parameter, then AdamW's two moments
 MOMENT_SUFFIXES = STATE_SUFFIXES[1:]
-STATE_DTYPE = "float32"  # master weights and moments (bf16 is only autocast compute)
+STATE_DTYPE = FLOAT32  # master weights and moments (bf16 is only autocast compute)
 ROUND_BYTES = 256 * 2**20  # full-tensor bytes gathered per BSR round (bounds the writer's memory)
 SAVE_ID = "hspmd_save"  # metadata key tying the files of one save together
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
@@ -65,7 +67,6 @@ SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq)")
 
 Kind = Literal["hspmd", "huggingface", "legacy"]
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,11 @@ class CheckpointInfo:
 def expected_tensors(model: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of ``model`` holds, with its full shape, in module order."""
     return {info.name + suffix: info.shape for info in llama_parameters(model) for suffix in STATE_SUFFIXES}
+
+
+def moment_key(name: str, suffix: str, i: int) -> str:
+    """A ZeRO-1 moment's slice ``i`` as one 1-D tensor (the fused BSRs of a save and of a switch move these)."""
+    return f"{name}{suffix}@{i}"
 
 
 def checkpoint_path(directory: str | Path) -> Path:
@@ -218,7 +224,7 @@ def _legacy_info(directory: Path, model: ModelSpec) -> CheckpointInfo:
     if problems:
         raise SpecError(problems)
     return CheckpointInfo(directory, int(meta["step"]), meta.get("model", ""), meta.get("saved_by", ""), "legacy",
-                          {n: path for n in want}, True)
+                          dict.fromkeys(want, path), True)
 
 
 def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: PlanContext, strategy: str,
@@ -242,19 +248,19 @@ def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: P
     slices = strategy_zero_slices(ann, plan.plan.training, plan.cluster)
     if slices and program.moment_pieces() != moment_pieces(slices, me):
         raise RuntimeError(f"device {me}: the program's ZeRO-1 moment pieces differ from the plan's")
-    dtype = getattr(torch, STATE_DTYPE)
+    dtype = getattr(torch, STATE_DTYPE.name)
     moves = []
     for p in params:
         for suffix in STATE_SUFFIXES:
             if suffix and p.name in slices:
-                moves.extend(_zero_moves(p.name + suffix, slices[p.name], writer, dtype, me, local))
+                moves.extend(_zero_moves(p.name, suffix, slices[p.name], writer, dtype, me, local))
                 continue
             moves.append(TensorMove(p.name + suffix, p.shape, dtype, p.param, Annotation.spmd([writer])))
     for name in (m.name for m in moves if m.name in local):
         if local[name].dtype != dtype:
             raise RuntimeError(f"{name}: local state is {local[name].dtype}, checkpoints hold {dtype}")
     full: dict[str, torch.Tensor] = {}
-    for chunk in _runs(moves, lambda m: m.itemsize * math.prod(m.shape), ROUND_BYTES):
+    for chunk in runs(moves, lambda m: m.itemsize * math.prod(m.shape), ROUND_BYTES):
         got = run_bsr(plan_bsr(chunk, bandwidth=plan.cluster),
                       {m.name: local[m.name] for m in chunk if m.name in local}, groups)
         if me == writer:
@@ -265,7 +271,7 @@ def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: P
         for suffix in MOMENT_SUFFIXES if p.name in slices else ():
             whole = torch.empty(p.shape, dtype=dtype)
             for i, s in enumerate(slices[p.name]):
-                whole[tuple(slice(a, b) for a, b in s.region)] = full.pop(f"{p.name}{suffix}@{i}").view(s.shape)
+                whole[tuple(slice(a, b) for a, b in s.region)] = full.pop(moment_key(p.name, suffix, i)).view(s.shape)
             full[p.name + suffix] = whole
     weights = {p.name: full.pop(p.name) for p in params}
     source = model_source_config(plan.plan.model, plan.path.parent)
@@ -288,7 +294,7 @@ def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[s
         raise ValueError(f"weights of mixed dtypes {sorted(dtypes)}")
     save_id = uuid.uuid4().hex
     meta = {"format": "pt", SAVE_ID: save_id, "step": str(step), "model": model.name}
-    shards = _runs(list(weights), lambda k: weights[k].numel() * weights[k].element_size(), shard_bytes)
+    shards = runs(list(weights), lambda k: weights[k].numel() * weights[k].element_size(), shard_bytes)
     written: list[Path] = []
     names = [WEIGHTS_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                      for i in range(len(shards))]
@@ -316,28 +322,13 @@ def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[s
     return written
 
 
-def _runs(items: list[T], nbytes: Callable[[T], int], limit: int) -> list[list[T]]:
-    """Consecutive runs of ``items`` of at most ``limit`` bytes each (a larger item alone): BSR rounds of
-    the save, and the weight files of a sharded checkpoint."""
-    out: list[list[T]] = [[]]
-    size = 0
-    for item in items:
-        n = nbytes(item)
-        if out[-1] and size + n > limit:
-            out.append([])
-            size = 0
-        out[-1].append(item)
-        size += n
-    return out
-
-
 def load_checkpoint(program: Any, directory: str | Path, plan: PlanContext) -> int:
     """Load this device's shards of every parameter and AdamW moment; return the steps already done."""
     import torch
     from safetensors import safe_open
 
     info = read_checkpoint_info(directory, plan)
-    dtype = getattr(torch, STATE_DTYPE)
+    dtype = getattr(torch, STATE_DTYPE.name)
     state: dict[str, torch.Tensor] = {}
     pieces = program.moment_pieces() if plan.plan.training.zero else {}
     with ExitStack() as stack:
@@ -368,12 +359,14 @@ def load_checkpoint(program: Any, directory: str | Path, plan: PlanContext) -> i
     return info.step
 
 
-def _zero_moves(key: str, slices: Any, writer: int, dtype: Any, me: int, local: dict[str, Any]) -> list[Any]:
-    """A ZeRO-1 moment as one 1-D tensor per slice (``KEY@i``), split over the devices that keep its
+def _zero_moves(name: str, suffix: str, slices: Any, writer: int, dtype: Any, me: int,
+                local: dict[str, Any]) -> list[Any]:
+    """A ZeRO-1 moment as one 1-D tensor per slice (``moment_key``), split over the devices that keep its
     pieces; this device's local pieces are put into ``local`` under those names."""
     from runtime.annotations import Annotation, DistributedStates
     from runtime.comm.bsr import TensorMove
 
+    key = name + suffix
     mine = local.pop(key, None)
     off = 0
     moves = []
@@ -381,12 +374,12 @@ def _zero_moves(key: str, slices: Any, writer: int, dtype: Any, me: int, local: 
         # Each element from one of its holders (with r >= 2 copies, each sends its share of its chunk).
         owners = s.senders()
         src = Annotation.union(0, [((d,), DistributedStates.of()) for d, _ in owners], [b - a for _, (a, b) in owners])
-        moves.append(TensorMove(f"{key}@{i}", (s.numel,), dtype, src, Annotation.spmd([writer])))
+        moves.append(TensorMove(moment_key(name, suffix, i), (s.numel,), dtype, src, Annotation.spmd([writer])))
         if me in s.devices:
             a, b = s.chunk(me)
             x, y = s.part(me)
             if y > x:
-                local[f"{key}@{i}"] = mine[off + x - a:off + y - a]
+                local[moment_key(name, suffix, i)] = mine[off + x - a:off + y - a]
             off += b - a
     if mine is not None and off != mine.numel():
         raise RuntimeError(f"{key}: device {me} keeps {mine.numel()} ZeRO-1 moment elements, its pieces {off}")

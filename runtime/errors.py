@@ -80,10 +80,6 @@ class Checker:
     def add(self, field: str, message: str) -> None:
         self.problems.append((field, message))
 
-    def nest(self, prefix: str, err: FieldErrors) -> None:
-        for f, m in err.problems:
-            self.problems.append((join_field(prefix, f), m))
-
     def raise_if_any(self) -> None:
         if self.problems:
             raise FieldErrors(self.problems)

@@ -58,7 +58,7 @@ class TraceRecorder:
             end = self._now_us()
             event = {"name": name, "cat": kind, "ph": "X", "ts": round(start, 3), "dur": round(end - start, 3),
                      "pid": self.pid, "tid": 0}
-            out = {k: _jsonable(v) for k, v in args.items()}
+            out = {k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v) for k, v in args.items()}
             if self._cpu_clock is not None:
                 out["cpu_ms"] = round((self._cpu_clock() - cpu0) * 1e3, 4)
             if out:
@@ -77,10 +77,6 @@ class TraceRecorder:
         write_chrome_trace(path, self.chrome_events())
 
 
-def _jsonable(v: Any) -> Any:
-    return v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
-
-
 def write_chrome_trace(path: str | Path, events: Iterable[dict[str, Any]]) -> None:
     atomic_write_text(path, json.dumps({"traceEvents": list(events), "displayTimeUnit": "ms"}))
 
@@ -93,15 +89,38 @@ def merge_chrome_traces(paths: Iterable[str | Path], out: str | Path) -> None:
     write_chrome_trace(out, events)
 
 
-class EmulatedSlowdown:
+class _Emulation:
+    """What both emulation modes share: the wrapped hooks, the seconds slept (``take_emulated_s`` resets
+    them, for the per-step log) and the seconds blocks overran their targets (``take_overrun_s``)."""
+
+    def __init__(self, inner: Any, sleep: Callable[[float], None], clock: Callable[[], float]) -> None:
+        self.inner = inner
+        self.emulated_s = 0.0
+        self.overrun_s = 0.0  # stays 0 in stretch mode: a stretched block has no target to overrun
+        self._sleep = sleep
+        self._clock = clock
+        self._compute_depth = 0
+
+    def take_emulated_s(self) -> float:
+        out, self.emulated_s = self.emulated_s, 0.0
+        return out
+
+    def take_overrun_s(self) -> float:
+        out, self.overrun_s = self.overrun_s, 0.0
+        return out
+
+    def _inner_span(self, kind: str, name: str, **args: Any) -> AbstractContextManager[None]:
+        return self.inner.span(kind, name, **args) if self.inner is not None else nullcontext()
+
+
+class EmulatedSlowdown(_Emulation):
     """Stretches compute ``slowdown`` times by sleeping after each outermost compute span.
 
     The compute time of a span is the process's CPU time in it, capped by its wall time (minus any
     comm/idle spans nested in it). CPU time, because a compute span may wait inside a collective the
     engine cannot bracket (DTensor's TP all-reduce inside a layer): stretching that wait would make two
     emulated TP partners sleep on each other's sleeps, step after step. Capped by wall time, because
-    several intra-op threads accumulate CPU time faster than the clock. ``emulated_s`` accumulates the
-    seconds slept, for the per-step log (``take_emulated_s`` resets it).
+    several intra-op threads accumulate CPU time faster than the clock.
     """
 
     def __init__(self, slowdown: float, inner: Any = None, *, sleep: Callable[[float], None] = time.sleep,
@@ -109,27 +128,12 @@ class EmulatedSlowdown:
                  cpu_clock: Callable[[], float] = time.process_time) -> None:
         if slowdown < 1.0:
             raise ValueError(f"slowdown must be at least 1.0, got {slowdown}")
+        super().__init__(inner, sleep, clock)
         self.slowdown = slowdown
-        self.inner = inner
-        self.emulated_s = 0.0
-        self._sleep = sleep
-        self._clock = clock
         self._cpu_clock = cpu_clock
-        self._compute_depth = 0
         self._other_depth = 0
         self._base_depth = 0  # non-compute nesting depth at which the current outermost compute span began
         self._excluded = (0.0, 0.0)  # (wall, cpu) seconds of non-compute spans directly inside it
-
-    def take_emulated_s(self) -> float:
-        out, self.emulated_s = self.emulated_s, 0.0
-        return out
-
-    def take_overrun_s(self) -> float:
-        """Always 0: a stretched block has no target to overrun (``EmulatedTarget``'s counterpart)."""
-        return 0.0
-
-    def _inner_span(self, kind: str, name: str, **args: Any) -> AbstractContextManager[None]:
-        return self.inner.span(kind, name, **args) if self.inner is not None else nullcontext()
 
     @contextmanager
     def span(self, kind: str, name: str, **args: Any) -> Iterator[None]:
@@ -169,7 +173,7 @@ class EmulatedSlowdown:
             self.emulated_s += extra
 
 
-class EmulatedTarget:
+class EmulatedTarget(_Emulation):
     """Sleep mode: each outermost compute block that ``target_s`` prices lasts (at least) its target.
 
     After the block's real work the hook sleeps until the block's wall time since it began reaches
@@ -179,32 +183,15 @@ class EmulatedTarget:
     independent of how long the real work happened to take. The device mostly sleeps, so the host's cores
     are not contended. A block whose real work took longer than its target is not hidden: it is recorded as
     an "emulation" span named "... overran its target" (zero length, with the overrun) and summed in
-    ``overrun_s`` (per step: ``take_overrun_s``), and the block simply lasts as long as it took.
-    ``emulated_s`` sums the seconds slept (``take_emulated_s``). ``last`` holds the latest block's
+    ``overrun_s``, and the block simply lasts as long as it took. ``last`` holds the latest block's
     (target, real, slept) seconds, so a test can check the rule without timing anything.
     """
 
     def __init__(self, target_s: Callable[[str, Mapping[str, Any]], float | None], inner: Any = None, *,
                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__(inner, sleep, clock)
         self.target_s = target_s
-        self.inner = inner
-        self.emulated_s = 0.0
-        self.overrun_s = 0.0
         self.last: tuple[float, float, float] | None = None
-        self._sleep = sleep
-        self._clock = clock
-        self._compute_depth = 0
-
-    def take_emulated_s(self) -> float:
-        out, self.emulated_s = self.emulated_s, 0.0
-        return out
-
-    def take_overrun_s(self) -> float:
-        out, self.overrun_s = self.overrun_s, 0.0
-        return out
-
-    def _inner_span(self, kind: str, name: str, **args: Any) -> AbstractContextManager[None]:
-        return self.inner.span(kind, name, **args) if self.inner is not None else nullcontext()
 
     @contextmanager
     def span(self, kind: str, name: str, **args: Any) -> Iterator[None]:

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hetu_cli.commands.lengths_report import plan_for_lengths
-from hetu_cli.output import FORMAT_OPTION, console, emit_json, err_console
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json
 from planner.api import PlanSettings
 from planner.api import plan as run_planner
 from planner.report import print_report, result_json
@@ -24,9 +24,7 @@ from runtime.spec.catalog import recorded_ref
 @click.command()
 @click.option("--model", "model_ref", required=True, help="Model (catalog name or path).")
 @click.option("--cluster", "cluster_ref", required=True, help="Cluster (catalog name or path).")
-@click.option("--profile", "profile_dirs", multiple=True, type=click.Path(path_type=Path),
-              help="Directory of device profiles (repeatable; before the shipped profiles/). "
-                   "A measured profile overrides a spec one.")
+@PROFILE_OPTION
 @click.option("--global-batch", type=click.IntRange(min=1), help="Sequences per step (required without --lengths).")
 @click.option("--seq-len", type=click.IntRange(min=1),
               help="Tokens per sequence (required without --lengths); with --lengths the longest document "
@@ -92,7 +90,7 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
     settings = PlanSettings(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch, elastic=elastic,
                             use_zero=use_zero, time_limit_s=time_limit, top_k=top_k, simulate_top=check_top,
                             schedule=schedule)  # type: ignore[arg-type]
-    err = err_console()
+    err = console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("planning", total=None)

@@ -11,7 +11,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from hetu_cli.output import FORMAT_OPTION, console, emit_json, err_console
+from hetu_cli.output import FORMAT_OPTION, console, emit_json
 from runtime.errors import Problem, SpecError
 from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, DeviceProfile, Fit, eval_fit, load_profile
 from runtime.spec import load_cluster, load_model
@@ -68,7 +68,7 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
     targets = plan_targets(cluster, models, device_type)
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err_console(), transient=fmt == "json") as bar:
+                  console=console(stderr=True), transient=fmt == "json") as bar:
         task = bar.add_task("profiling", total=count_steps(targets, models, settings))
 
         def progress(what: str, done: int) -> None:

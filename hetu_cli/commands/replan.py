@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich import filesize
 from rich.markup import escape
 from rich.table import Table
 
-from hetu_cli.output import FORMAT_OPTION, console, emit_json
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json
 from planner.replan import DEFAULT_TOLERANCE, ReplanResult, RestartModel
 from planner.replan import replan as run_replan
 from runtime.errors import HspmdError, Problem, SpecError
@@ -46,8 +47,7 @@ def plan_refs(ctx: PlanContext) -> tuple[str, str]:
 @click.option("--strategy", "strategy_name", help="Its strategy that was running (default: the first).")
 @click.option("--failed", "failed_text", required=True, help="The failed device ids, e.g. 5,6.")
 @click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), help="Write the new plan here (YAML).")
-@click.option("--profile", "profile_dirs", multiple=True, type=click.Path(path_type=Path),
-              help="Directory of device profiles (repeatable; before the shipped profiles/).")
+@PROFILE_OPTION
 @click.option("--tolerance", type=click.FloatRange(min=0.0), default=DEFAULT_TOLERANCE, show_default=True,
               help="Candidates within this fraction of the fastest step time count as equally fast; among "
                    "them the one that moves the least state wins.")
@@ -121,19 +121,20 @@ def print_replan(r: ReplanResult, out_path: str | None) -> None:
     for col in ("", "candidate", "s/step", "moves", "switch (modelled)", "plan"):
         table.add_column(col, justify="right" if col in ("s/step", "moves", "switch (modelled)") else "left")
     for o in r.options:
-        table.add_row("*" if o is c else "", o.label, f"{o.step_time_s:.4g}", _bytes(o.switch_bytes),
+        table.add_row("*" if o is c else "", o.label, f"{o.step_time_s:.4g}", filesize.decimal(o.switch_bytes),
                       f"{o.modelled_switch_s:.4g} s", escape(o.summary))
     con.print(table)
     links = sorted(c.bsr.link_bytes().items(), key=lambda kv: -kv[1])
-    con.print(f"switch: {_bytes(c.switch_bytes)} (every parameter and both AdamW moments, fp32) over {len(links)} "
-              f"link(s); fused BSR modelled {c.modelled_switch_s:.4g} s (lower bound {c.lower_bound_s:.4g} s)")
+    con.print(f"switch: {filesize.decimal(c.switch_bytes)} (every parameter and both AdamW moments, fp32) over "
+              f"{len(links)} link(s); fused BSR modelled {c.modelled_switch_s:.4g} s (lower bound "
+              f"{c.lower_bound_s:.4g} s)")
     lt = Table()
     for col in ("from", "to", "bytes", "GB/s", "seconds"):
         lt.add_column(col, justify="right")
     cluster = r.context.cluster
     for (s, d), n in links[:TOP_LINKS]:
         bw = cluster.bandwidth_gbs(s, d)
-        lt.add_row(str(s), str(d), _bytes(n), f"{bw:g}", f"{n / (bw * 1e9):.4g}")
+        lt.add_row(str(s), str(d), filesize.decimal(n), f"{bw:g}", f"{n / (bw * 1e9):.4g}")
     if len(links) > TOP_LINKS:
         lt.add_row("...", "", f"{len(links) - TOP_LINKS} more links", "", "")
     con.print(lt)
@@ -146,11 +147,3 @@ def print_replan(r: ReplanResult, out_path: str | None) -> None:
     con.print(f"new plan: {escape(c.summary)}, {c.step_time_s:.4g} s/step (cost model)")
     if out_path is not None:
         con.print(f"written to [bold]{escape(out_path)}[/bold]")
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1000
-    return f"{n:.3g} TB"

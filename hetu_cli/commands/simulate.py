@@ -9,7 +9,7 @@ import click
 from rich.table import Table
 
 from hetu_cli.commands.lengths_report import simulate_lengths
-from hetu_cli.output import FORMAT_OPTION, console, emit_json
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json
 from planner.cost import CostModel, zero_copies
 from planner.simulate import chrome_trace
 from planner.simulate import simulate as run_simulation
@@ -20,9 +20,7 @@ from runtime.spec.io import atomic_write_text
 
 @click.command()
 @click.option("--plan", "plan_path", required=True, type=click.Path(path_type=Path), help="The plan to simulate.")
-@click.option("--profile", "profile_dirs", multiple=True, type=click.Path(path_type=Path),
-              help="Directory of device profiles (repeatable; before the shipped profiles/). "
-                   "A measured profile overrides a spec one.")
+@PROFILE_OPTION
 @click.option("--strategy", "strategy_name", help="Strategy of the plan to simulate (default: the first).")
 @click.option("--cluster", help="Use this cluster (name or path) instead of the plan's.")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path),

@@ -15,7 +15,7 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import console, err_console
+from hetu_cli.output import console
 from runtime.elastic.agents import DEFAULT_PORT
 from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
@@ -218,13 +218,14 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
 
     def on_step(record: StepRecord) -> None:
         if record.switched_from is not None:  # a documents run's dispatch changed strategy before this step
-            on_event(_dispatch_switch_event(record))
+            event = _dispatch_switch_event(record)
+            display.event(_dispatch_line(event))
+            on_event(event)
         display.step(record)
         if sink is not None:
             sink.write(record)
 
-    def on_event(event: dict) -> None:
-        display.event(_event_line(event))
+    def on_event(event: dict) -> None:  # the elastic coordinator logs its events' lines itself
         if sink is not None:
             sink.write_line(event)
 
@@ -251,7 +252,7 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
                 launch(options, PlainPolicy(), on_step=on_step, on_log=display.log)
     except HspmdError as err:
         if isinstance(err, WorkerFailure) and err.kind == "error" and err.traceback:
-            err_console().print(f"[dim]{escape(err.traceback.rstrip())}[/dim]")
+            console(stderr=True).print(f"[dim]{escape(err.traceback.rstrip())}[/dim]")
         for line in err.lines():
             click.echo(f"error: {line}", err=True)
         sys.exit(getattr(err, "exit_code", 2))  # WorkerFailure, UnrecoverableFailure: 1 unless the user's input
@@ -360,27 +361,11 @@ def _planner_grow(profile_dirs: tuple[Path, ...], log):
     return grow
 
 
-def _event_line(e: dict) -> str:
-    if e.get("cause") == "dispatch":
-        why = (f"modelled gain {e['modelled_gain_s'] * 1e3:.3g} ms > switch cost {e['modelled_cost_s'] * 1e3:.3g} ms"
-               if e["modelled_gain_s"] > 0 else f"{e['from']} cannot serve the step's longest document")
-        return (f"switch at step {e['step']} from {e['from']} to {e['to']} ({why}): transfer {e['transfer_s']:.3f} s "
-                f"({e['switch_bytes'] / 1e6:.3g} MB)")
-    if e.get("event") == "failure":
-        return (f"failure of device(s) {', '.join(map(str, e['failed']))} at step {e['step']}: recovered on "
-                f"{', '.join(map(str, e['devices']))} (plan {e['plan']}); detect {e['detect_s']:.3f} s, replan "
-                f"{e['replan_s']:.3f} s, regroup {e['regroup_s']:.3f} s, transfer {e['transfer_s']:.3f} s "
-                f"({e['switch_bytes'] / 1e6:.3g} MB), total {e['total_s']:.3f} s; step {e['step']} redone "
-                f"{e['recovery_s']:.3f} s after detection")
-    if e.get("event") == "switch_dropped":
-        return (f"switch planned for step {e['step']} to {e['strategy']} dropped: it names failed device(s) "
-                f"{', '.join(map(str, e['failed']))} ({e['reason']})")
-    if e.get("event") == "rejoin":
-        return (f"device(s) {', '.join(map(str, e['joined']))} rejoined at step {e['step']}: now {e['to']}; "
-                f"switch {e['total_s']:.3f} s (regroup {e['regroup_s']:.3f} s, transfer {e['transfer_s']:.3f} s, "
-                f"{e['switch_bytes'] / 1e6:.3g} MB)")
-    return (f"switch at step {e['step']} to {e['to']}: specialize {e['specialize_s']:.3f} s, transfer "
-            f"{e['transfer_s']:.3f} s ({e['switch_bytes'] / 1e6:.3g} MB), total {e['total_s']:.3f} s")
+def _dispatch_line(e: dict) -> str:
+    why = (f"modelled gain {e['modelled_gain_s'] * 1e3:.3g} ms > switch cost {e['modelled_cost_s'] * 1e3:.3g} ms"
+           if e["modelled_gain_s"] > 0 else f"{e['from']} cannot serve the step's longest document")
+    return (f"switch at step {e['step']} from {e['from']} to {e['to']} ({why}): transfer {e['transfer_s']:.3f} s "
+            f"({e['switch_bytes'] / 1e6:.3g} MB)")
 
 
 def _summary(records: list[StepRecord], metrics: Path | None, trace_dir: Path | None, save_dir: Path | None) -> None:

@@ -175,10 +175,7 @@ def strategy_groups(strategy: Strategy, model: ModelSpec, training: TrainingSett
     """
     from runtime.comm.resolve import plan_reduce, resolve
 
-    keys: set[tuple[int, ...]] = set()
-    for pipe in strategy.pipelines:
-        for st in pipe.stages:
-            keys.add(tuple(sorted(st.devices)))
+    keys = {tuple(sorted(st.devices)) for pipe in strategy.pipelines for st in pipe.stages}
     keys.add(tuple(sorted(strategy.devices)))
     ann = annotate_strategy(strategy, model, training)
     seen: set[tuple[Annotation, tuple[int, ...]]] = set()

@@ -20,6 +20,7 @@ Semantics (docs/design.md §2):
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -257,11 +258,8 @@ class DSUnion:
     def bounds(self, size: int) -> list[tuple[int, int]]:
         """[start, stop) of each member along ``hdim`` for a dim of ``size`` (hdim >= 0 only)."""
         assert self.split is not None
-        total = sum(self.split)
-        cum = [0]
-        for w in self.split:
-            cum.append(cum[-1] + w)
-        return [(size * cum[i] // total, size * cum[i + 1] // total) for i in range(len(self.split))]
+        cum = [0, *itertools.accumulate(self.split)]
+        return [(size * a // cum[-1], size * b // cum[-1]) for a, b in zip(cum, cum[1:])]
 
 
 @dataclass(frozen=True)

@@ -4,21 +4,11 @@ torch.distributed.
 Everything is addressed by **device ids** (cluster ids); ``ProcessGroups.ranks`` maps them to the
 ranks of the current world, which change when survivors of a failure form a new world.
 
-Modules
--------
-groups.py    ``ProcessGroups(groups, ranks, timeout=, backend=None, device=None)``: every group created
-             in one global order on every rank; ``.get(devices)``, ``.ensure(groups)`` (collective),
-             ``.mesh(devices)`` (DTensor DeviceMesh of a TP group), ``.device`` (where comm buffers go).
-resolve.py   ``resolve(src, dst, shape, *, dtype, bandwidth=None, excluded=()) -> CommOp``: pure; names
-             the op (identity, local_slice, all_reduce, reduce_scatter, all_gather, scatter, send_recv,
-             split_all_reduce, split_reduce_scatter, split_all_gather, bsr, composed) and plans it.
-bsr.py       ``TensorMove``, ``plan_bsr(moves, *, bandwidth, excluded, policy) -> BsrPlan``; cost model
-             (``modelled_time``, ``lower_bound``, ``link_bytes``). Pure: element types are anything with
-             an ``itemsize`` (``torch.dtype``, or ``ElementType`` such as ``FLOAT32``).
-execute.py   ``execute(op, x, groups)`` with autograd, ``run(op, x, groups)`` without, ``run_bsr``.
-gradsync.py  ``plan_sync(layouts) -> [SyncBucket]``: the fused, bucketed SplitAllReduce of many gradients
-             (pure; run by runtime/engine/data_parallel.py ``GradientSync``, priced by the planner).
-world.py     ``LocalWorld(n)``: persistent local gloo worker processes for tests and benchmarks.
+Modules: groups.py (``ProcessGroups``: every group created in one global order on every rank),
+resolve.py (``resolve``: names and plans the op of a reshard, pure), bsr.py (``plan_bsr``: the fused BSR
+and its cost model, pure; element types are anything with an ``itemsize``), execute.py (running both on
+torch.distributed), gradsync.py (``plan_sync``: the bucketed gradient sync, pure, priced by the planner
+too), world.py (``LocalWorld``: persistent local gloo workers for tests and benchmarks).
 
 For the training runtime
 ------------------------

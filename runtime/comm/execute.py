@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from runtime.annotations.states import Region, relative
+from runtime.annotations.states import Region, relative, volume
 from runtime.comm.bsr import BsrPlan, DType, Message
 from runtime.comm.groups import ProcessGroups
 from runtime.comm.resolve import CommOp
@@ -51,11 +51,11 @@ def run_p2p(plan: BsrPlan, me: int, sources: Mapping[int, torch.Tensor], outputs
         return
     ops: list[dist.P2POp] = []
     for m in sends:
-        buf = _pack(plan, m, sources, mid_regions, as_bytes)
+        buf = _pack(m, sources, mid_regions, as_bytes)
         ops.append(dist.P2POp(dist.isend, buf, ranks[m.peer]))
     bufs = []
     for m in recvs:
-        numel = m.nbytes if as_bytes else sum(_numel(p.region) for p in m.pieces)
+        numel = m.nbytes if as_bytes else sum(volume(p.region) for p in m.pieces)
         some = outputs[m.pieces[0].tensor]
         buf = torch.empty(numel, dtype=torch.uint8 if as_bytes else some.dtype, device=some.device)
         bufs.append(buf)
@@ -66,7 +66,7 @@ def run_p2p(plan: BsrPlan, me: int, sources: Mapping[int, torch.Tensor], outputs
         off = 0
         for piece in m.pieces:
             out = outputs[piece.tensor]
-            n = _numel(piece.region)
+            n = volume(piece.region)
             nb = n * out.element_size() if as_bytes else n
             flat = buf[off:off + nb]
             if as_bytes:  # pieces of mixed dtypes share the buffer: realign before viewing
@@ -76,14 +76,7 @@ def run_p2p(plan: BsrPlan, me: int, sources: Mapping[int, torch.Tensor], outputs
             out[relative(piece.region, dst_region)] = flat.view(tuple(b - a for a, b in piece.region))
 
 
-def _numel(region: Region) -> int:
-    n = 1
-    for a, b in region:
-        n *= b - a
-    return n
-
-
-def _pack(plan: BsrPlan, m: Message, sources: Mapping[int, torch.Tensor], regions: Mapping[int, Region],
+def _pack(m: Message, sources: Mapping[int, torch.Tensor], regions: Mapping[int, Region],
           as_bytes: bool) -> torch.Tensor:
     parts = []
     for piece in m.pieces:
@@ -122,12 +115,8 @@ def run(op: CommOp, x: torch.Tensor | None, groups: ProcessGroups, *, dtype: tor
     out = torch.empty(op.dst.local_shape(me), dtype=dtype, device=device) if in_dst else None
     _gathers(op, mid, out, me, groups)
     run_p2p(op.p2p, me, {0: mid} if mid is not None else {}, {0: out} if out is not None else {},
-            _mid_regions(op, me), groups.ranks, as_bytes=False)
+            {0: op.src.by_device[me].region} if in_src else {}, groups.ranks, as_bytes=False)
     return out
-
-
-def _mid_regions(op: CommOp, me: int) -> dict[int, Region]:
-    return {0: op.src.by_device[me].region} if me in op.src else {}
 
 
 def _reduce_phase(op: CommOp, x: torch.Tensor, me: int, groups: ProcessGroups) -> torch.Tensor:
@@ -146,12 +135,12 @@ def _reduce_phase(op: CommOp, x: torch.Tensor, me: int, groups: ProcessGroups) -
             pending.append((work, flat, list(b.regions)))
             continue
         order = groups.order(pg)
-        sizes = {d: 0 for d in order}
+        sizes = dict.fromkeys(order, 0)
         chunks: dict[int, list[torch.Tensor]] = {d: [] for d in order}
         mine: list[Region] = []
         off = 0
         for r, needer in zip(b.regions, b.needers):
-            n = _numel(r)
+            n = volume(r)
             chunks[needer].append(flat[off:off + n])
             sizes[needer] += n
             off += n
@@ -172,7 +161,7 @@ def _reduce_phase(op: CommOp, x: torch.Tensor, me: int, groups: ProcessGroups) -
         work.wait()
         off = 0
         for r in regions:
-            n = _numel(r)
+            n = volume(r)
             mid[relative(r, h.region)] = flat[off:off + n].view(tuple(b - a for a, b in r))
             off += n
     return mid
@@ -187,7 +176,7 @@ def _gathers(op: CommOp, mid: torch.Tensor | None, out: torch.Tensor | None, me:
         pg = groups.get(g.devices)
         order = groups.order(pg)
         part = dict(zip(g.devices, g.parts))
-        width = max(_numel(p) for p in g.parts)
+        width = max(volume(p) for p in g.parts)
         mine = mid.reshape(-1)
         if mine.numel() < width:
             mine = torch.cat([mine, mine.new_zeros(width - mine.numel())])
@@ -196,7 +185,7 @@ def _gathers(op: CommOp, mid: torch.Tensor | None, out: torch.Tensor | None, me:
         dst_region = op.dst.by_device[me].region
         for i, d in enumerate(order):
             p = part[d]
-            out[relative(p, dst_region)] = buf[i * width:i * width + _numel(p)].view(tuple(b - a for a, b in p))
+            out[relative(p, dst_region)] = buf[i * width:i * width + volume(p)].view(tuple(b - a for a, b in p))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -250,18 +239,14 @@ def execute(op: CommOp, x: torch.Tensor | None, groups: ProcessGroups, *, dtype:
     if has_src:
         assert x is not None
         if not x.requires_grad or not torch.is_grad_enabled():
-            return run(op, x, groups) if me in op.dst else _run_send_only(op, x, groups)
+            y = run(op, x, groups)
+            return y if me in op.dst else torch.empty(0, dtype=x.dtype, device=x.device)
         return _Reshard.apply(x, op, groups, True, dtype, device)
     grad = requires_grad if requires_grad is not None else (torch.is_grad_enabled() and dtype.is_floating_point)
     if not grad:
         return run(op, None, groups, dtype=dtype, device=device)
     anchor = torch.zeros(0, dtype=dtype, device=device, requires_grad=True)
     return _Reshard.apply(anchor, op, groups, False, dtype, device)
-
-
-def _run_send_only(op: CommOp, x: torch.Tensor, groups: ProcessGroups) -> torch.Tensor:
-    run(op, x, groups)
-    return torch.empty(0, dtype=x.dtype, device=x.device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -329,12 +314,12 @@ def start_output(op: CommOp, x: torch.Tensor | None, me: int, *, dtype: torch.dt
 
 def pack_message(op: CommOp, message: Message, x: torch.Tensor, me: int) -> torch.Tensor:
     """The flat send buffer of one outgoing message of ``op.sends(me)`` (dtype of ``x``)."""
-    return _pack(op.p2p, message, {0: x}, {0: op.src.by_device[me].region}, False)
+    return _pack(message, {0: x}, {0: op.src.by_device[me].region}, False)
 
 
 def recv_buffer(message: Message, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An empty buffer for one incoming message of ``op.recvs(me)``."""
-    return torch.empty(sum(_numel(p.region) for p in message.pieces), dtype=dtype, device=device)
+    return torch.empty(sum(volume(p.region) for p in message.pieces), dtype=dtype, device=device)
 
 
 def unpack_message(op: CommOp, message: Message, buf: torch.Tensor, out: torch.Tensor, me: int) -> None:
@@ -342,6 +327,6 @@ def unpack_message(op: CommOp, message: Message, buf: torch.Tensor, out: torch.T
     dst_region = op.dst.by_device[me].region
     off = 0
     for piece in message.pieces:
-        n = _numel(piece.region)
+        n = volume(piece.region)
         out[relative(piece.region, dst_region)] = buf[off:off + n].view(tuple(b - a for a, b in piece.region))
         off += n

@@ -16,15 +16,17 @@ all three devices, next to the two groups (0, 2) and (1, 2) of the sharded weigh
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TypeVar
 
 from runtime.annotations.states import Layout, Region, volume
 from runtime.comm.resolve import plan_reduce
 
 BUCKET_BYTES = 32 << 20  # one bucket size for the gradient sync and ZeRO-1's all-gathers
 GRAD_ITEMSIZE = 4  # gradients are synced in the parameters' dtype, fp32
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -90,17 +92,24 @@ def cut_buckets(slices: Sequence[SliceGroups], *, bucket_bytes: int = BUCKET_BYT
             by_group[key].append((i, regions))
     out: list[SyncBucket] = []
     for (devices, _cls), items in sorted(by_group.items(), key=lambda kv: (len(kv[0][0]), kv[0])):
-        cur: list[tuple[int, Region]] = []
-        size = 0
-        for i, regions in items:
-            for r, n in regions:
-                if cur and size + n > bucket_numel:
-                    out.append(SyncBucket(devices, tuple(cur), size))
-                    cur, size = [], 0
-                cur.append((i, r))
-                size += n
-        if cur:
-            out.append(SyncBucket(devices, tuple(cur), size))
+        flat = [(i, r, n) for i, regions in items for r, n in regions]
+        out += [SyncBucket(devices, tuple((i, r) for i, r, _ in run), sum(n for _, _, n in run))
+                for run in runs(flat, lambda s: s[2], bucket_numel)]
+    return out
+
+
+def runs(items: Sequence[T], size: Callable[[T], int], limit: int) -> list[list[T]]:
+    """Consecutive runs of ``items`` of at most ``limit`` in all (a larger item alone; none when there are no
+    items): the sync's buckets, and a checkpoint save's BSR rounds and weight files."""
+    out: list[list[T]] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if not out or total + n > limit:
+            out.append([])
+            total = 0
+        out[-1].append(item)
+        total += n
     return out
 
 

@@ -10,6 +10,7 @@ collective fails the job instead of the test session.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import queue
 import time
@@ -65,10 +66,8 @@ def _worker(rank: int, size: int, port: int, devices: list[int], timeout_s: floa
             results.put((rank, job_id, True, out))
         except BaseException:  # noqa: BLE001 - reported to the parent
             results.put((rank, job_id, False, traceback.format_exc()))
-    try:
+    with contextlib.suppress(Exception):  # shutting down anyway
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - shutting down anyway
-        pass
 
 
 class LocalWorld:

@@ -19,6 +19,7 @@ whose devices are not running brings them back: the policy is told through ``ret
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import os
 import pickle
@@ -168,11 +169,8 @@ class AgentWorkers:
     def order(self, agent: _Agent, msg: object) -> None:
         if agent.lost:
             return
-        with self._lock:
-            try:
-                _push(self.store, inbox(agent.nonce), msg)
-            except Exception:  # noqa: BLE001 - a store failure ends the run elsewhere
-                pass
+        with self._lock, contextlib.suppress(Exception):  # a store failure ends the run elsewhere
+            _push(self.store, inbox(agent.nonce), msg)
 
     # -- membership -----------------------------------------------------------------------------------------
 
@@ -448,10 +446,8 @@ class _AgentLoop:
         self.gone.set()  # the beat ends
         self.beater.join(5.0)
         self.reader.join(5.0)
-        try:
+        with contextlib.suppress(Exception):
             _push(self.store, QUEUE_UP, AgentDone(self.node, self.nonce))
-        except Exception:  # noqa: BLE001
-            pass
         self.log(f"node {self.node}: the job is over")
 
 

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich import filesize
+
 from runtime.elastic.protocol import Abort, Commit, Finish, Left, Ready, Resume, Switched, Transition, World
 from runtime.elastic.state import (
     check_compatible,
@@ -173,19 +175,19 @@ class Switching:
             inc.times = dict(got)
             c.reported_incident, c.incident = inc, None
             c.log(f"switched to {t.target.describe()} in {now - (inc.t_sent or now):.3f} s "
-                  f"({_bytes(t.bsr.total_bytes + inc.moment_bytes)} moved); redoing step {inc.step}")
+                  f"({filesize.decimal(t.bsr.total_bytes + inc.moment_bytes)} moved); redoing step {inc.step}")
         elif self.growth is not None:
             g = self.growth
-            c.report(_growth_event(self, g, now, got),
+            c.report(_switch_event(self, now, got),
                      lambda e: f"device(s) {_devs(g.joining)} joined after step {self.step}: now "
                                f"{t.target.describe()}; "
                                f"switch {e['total_s']:.3f} s (regroup {e['regroup_s']:.3f} s, transfer "
-                               f"{e['transfer_s']:.3f} s, {_bytes(e['switch_bytes'])})")
+                               f"{e['transfer_s']:.3f} s, {filesize.decimal(e['switch_bytes'])})")
         else:
-            c.report(_switch_event(self, now, got, c.ref),
-                     lambda e: f"switched at step {self.step} to {t.target.describe()} in {e['total_s']:.3f} s "
+            c.report(_switch_event(self, now, got),
+                     lambda e: f"switch at step {self.step} to {t.target.describe()} in {e['total_s']:.3f} s "
                                f"(specialize {e['specialize_s']:.3f} s, transfer {e['transfer_s']:.3f} s, "
-                               f"{_bytes(e['switch_bytes'])})")
+                               f"{filesize.decimal(e['switch_bytes'])})")
 
 
 class Finishing:
@@ -204,11 +206,15 @@ class Growth:
 Phase = Training | Leaving | Switching | Finishing
 
 
+def _check_step(what: str, step: int, first: int, last: int) -> None:
+    if not first < step <= last:
+        raise HspmdError(f"{what}: the step must come after the first step of the run ({first}) and at most at "
+                         f"its last ({last})")
+
+
 def _switch_target(sw: PlannedSwitch, ctx: PlanContext, first: int, last: int) -> StrategyHandle:
     where = f"--switch {sw.step}:{sw.plan}"
-    if not first < sw.step <= last:
-        raise HspmdError(f"{where}: the step must come after the first step of the run ({first}) and at most at "
-                         f"its last ({last})")
+    _check_step(where, sw.step, first, last)
     target = load_plan_context(sw.plan)
     if target.cluster != ctx.cluster:
         raise HspmdError(f"{where}: plan is for cluster {target.cluster.name!r}, the run is on {ctx.cluster.name!r}")
@@ -250,9 +256,7 @@ class ElasticPolicy:
         self.switches = {sw.step: _switch_target(sw, ctx, self.first_step, last) for sw in options.switches}
         for what, step in [(f"rejoin of device {r.device}", r.step) for r in options.rejoins] + \
                 [(f"kill of node {k.node!r}", k.step) for k in options.node_kills]:
-            if not self.first_step < step <= last:
-                raise HspmdError(f"{what} at step {step}: the step must come after the first step of the run "
-                                 f"({self.first_step}) and at most at its last ({last})")
+            _check_step(f"{what} at step {step}", step, self.first_step, last)
         nodes = {n.name for n in ctx.cluster.nodes}
         for k in options.node_kills:
             if k.node not in nodes:
@@ -722,14 +726,6 @@ def _devs(devices: Any) -> str:
     return ", ".join(str(d) for d in sorted(devices))
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
-
-
 def _lost_lines(failed: frozenset[int], step: int, lost: list[Any], moments: list[Any],
                 options: TrainOptions) -> list[str]:
     what = [f"{len(lost)} parameter(s) have no surviving replica"] if lost else []
@@ -774,25 +770,15 @@ def _failure_event(inc: _Incident, now: float, survivors: list[int]) -> dict[str
     }
 
 
-def _growth_event(sw: Switching, g: Growth, t_resumed: float, times: dict[int, Switched]) -> dict[str, Any]:
-    t = sw.transition
-    return {
-        "event": "rejoin", "step": sw.step + 1, "joined": list(g.joining), "from": t.source.describe(),
-        "to": t.target.describe(), "devices": sorted(t.target.devices), "strategy": t.target.name,
-        "decide_s": g.decide_s, "plan_s": sw.plan_s, **_slowest(times), "switch_bytes": t.bsr.total_bytes,
-        "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster), "total_s": t_resumed - sw.since,
-    }
-
-
-def _switch_event(sw: Switching, t_resumed: float, times: dict[int, Switched], ref: StrategyHandle) -> dict[str, Any]:
-    t = sw.transition
-    return {
-        "event": "switch", "step": sw.step, "from": t.source.describe(), "to": t.target.describe(),
-        "strategy": t.target.name, "plan_file": str(t.target.ctx.path),
-        "plan_s": sw.plan_s, **_slowest(times), "switch_bytes": t.bsr.total_bytes,
-        "modelled_transfer_s": t.bsr.modelled_time(ref.ctx.cluster),
-        "total_s": t_resumed - sw.since,
-    }
+def _switch_event(sw: Switching, t_resumed: float, times: dict[int, Switched]) -> dict[str, Any]:
+    """A planned switch's event, or a growth's (``rejoin``): what moved, and each part at its slowest device."""
+    t, g = sw.transition, sw.growth
+    which = ({"event": "switch", "step": sw.step} if g is None else
+             {"event": "rejoin", "step": sw.step + 1, "joined": list(g.joining), "decide_s": g.decide_s})
+    return {**which, "from": t.source.describe(), "to": t.target.describe(), "devices": sorted(t.target.devices),
+            "strategy": t.target.name, "plan_file": str(t.target.ctx.path), "plan_s": sw.plan_s, **_slowest(times),
+            "switch_bytes": t.bsr.total_bytes, "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster),
+            "total_s": t_resumed - sw.since}
 
 
 __all__ = ["ElasticPolicy", "Grower", "Replanner", "UnrecoverableFailure"]

@@ -14,46 +14,44 @@ from typing import Any
 
 
 def move_state(bsr: Any, source: dict[str, Any], groups: Any, program: Any, steps_done: int, device: Any,
-               src: Any = None) -> int:
+               src: Any = None) -> None:
     """This device's part of a switch: run the fused BSR ``bsr`` (collective over ``bsr.devices``) from
     its ``source`` state (``local_state()`` layout of the old plan ``src``; empty if it held none) and load
     the result into ``program`` (None when the new plan leaves this device idle). ``src`` (the old plan's
-    ``StrategyHandle``) is needed when it uses ZeRO-1; every device of the switch must pass it then.
-    Returns the bytes this device sent in the first round (0 without ZeRO-1)."""
+    ``StrategyHandle``) is needed when it uses ZeRO-1; every device of the switch must pass it then."""
     import torch
 
     from runtime.comm.execute import run_bsr
 
     me = groups.my_device
-    sent = 0
     if src is not None and src.training.zero:
-        source, sent = _full_moments(src, bsr.excluded, source, groups, device)
+        source = _full_moments(src, bsr.excluded, source, groups, device)
     out = run_bsr(bsr, source, groups, device=device) if me in bsr.devices else {}
     del source
     if program is not None:
         _keep_chunks(program, out)
         out["step"] = torch.tensor(float(steps_done))
         program.load_local_state(out)
-    return sent
 
 
 def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,
-                  device: Any) -> tuple[dict[str, Any], int]:
+                  device: Any) -> dict[str, Any]:
     """``source`` with this device's ZeRO-1 moments (1-D chunks) replaced by full moments in the
     parameter's layout, rebuilt by ``plan_moment_gather`` from the surviving copies."""
     import torch
 
     from runtime.annotations.from_plan import strategy_annotations
     from runtime.annotations.states import relative
+    from runtime.checkpoint import MOMENT_SUFFIXES, moment_key
     from runtime.comm.execute import run_bsr
-    from runtime.elastic.state import STATE_SUFFIXES, moment_key, moment_slices, plan_moment_gather
+    from runtime.elastic.state import moment_slices, plan_moment_gather
 
     me = groups.my_device
     plan = plan_moment_gather(src, excluded)
     slices = moment_slices(src)
     mine: dict[str, Any] = {}
     for name, sl in slices.items():
-        for suffix in STATE_SUFFIXES[1:]:
+        for suffix in MOMENT_SUFFIXES:
             flat = source.get(name + suffix)
             off = 0
             for i, s in enumerate(sl):
@@ -64,10 +62,9 @@ def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,
                     mine[moment_key(name, suffix, i)] = flat[off:off + b - a]
                 off += b - a
     got = run_bsr(plan, mine, groups, device=device) if me in plan.devices else {}
-    sent = sum(m.nbytes for m in plan.sends(me))
     del mine
     if not got:
-        return source, sent
+        return source
     ann = strategy_annotations(src)
     out = dict(source)
     for name, sl in slices.items():
@@ -75,13 +72,13 @@ def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,
             continue
         p = ann.param(name)
         region = p.param.layout(p.shape).region(me)
-        for suffix in STATE_SUFFIXES[1:]:
+        for suffix in MOMENT_SUFFIXES:
             full = torch.empty(tuple(b - a for a, b in region), dtype=source[name].dtype, device=source[name].device)
             for i, s in enumerate(sl):
                 if me in s.devices:
                     full[relative(s.region, region)] = got.pop(moment_key(name, suffix, i)).view(s.shape)
             out[name + suffix] = full
-    return out, sent
+    return out
 
 
 def _keep_chunks(program: Any, state: dict[str, Any]) -> None:
@@ -89,7 +86,7 @@ def _keep_chunks(program: Any, state: dict[str, Any]) -> None:
     import torch
 
     from runtime.annotations.states import relative
-    from runtime.elastic.state import STATE_SUFFIXES
+    from runtime.checkpoint import MOMENT_SUFFIXES
     from runtime.engine.optim import flat_range
 
     pieces = program.moment_pieces()
@@ -98,7 +95,7 @@ def _keep_chunks(program: Any, state: dict[str, Any]) -> None:
     shards = program.param_annotations()
     for name, ps in pieces.items():
         region = tuple((s.start, s.stop) for s in shards[name].region)
-        for suffix in STATE_SUFFIXES[1:]:
+        for suffix in MOMENT_SUFFIXES:
             full = state[name + suffix]
             state[name + suffix] = torch.cat([flat_range(full[relative(p.region, region)], p.start, p.stop)
                                               for p in ps])

@@ -102,7 +102,6 @@ class Switched:
     regroup_s: float  # new world and process groups
     specialize_s: float  # building the target program
     transfer_s: float  # the fused BSR and loading the state into the program
-    sent_bytes: int
 
 
 # -- node agents <-> coordinator (runtime/elastic/agents.py), each pickled into a TCPStore queue ---------

@@ -25,14 +25,12 @@ from dataclasses import dataclass
 
 from runtime.annotations.from_plan import strategy_annotations
 from runtime.annotations.states import Annotation, contains
-from runtime.comm.bsr import FLOAT32, BsrPlan, TensorMove, cells, plan_bsr, tensor_grid
+from runtime.checkpoint import MOMENT_SUFFIXES, STATE_DTYPE, STATE_SUFFIXES, moment_key
+from runtime.comm.bsr import BsrPlan, TensorMove, cells, plan_bsr, tensor_grid
 from runtime.engine.zero import ZeroSlice, strategy_zero_slices
 from runtime.errors import HspmdError
 from runtime.spec import PlanContext
 from runtime.spec.handle import StrategyHandle
-
-STATE_SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")  # the parameter, then AdamW's two moments
-STATE_DTYPE = FLOAT32  # master weights and moments (bf16 is autocast compute only)
 
 
 @dataclass(frozen=True)
@@ -114,11 +112,6 @@ def _zero_layout(h: StrategyHandle) -> dict[str, tuple[ZeroSlice, ...]]:
     return strategy_zero_slices(strategy_annotations(h), h.training, h.cluster)
 
 
-def moment_key(name: str, suffix: str, i: int) -> str:
-    """The BSR tensor of one slice's moment in ``plan_moment_gather`` (the checkpoint's name for it)."""
-    return f"{name}{suffix}@{i}"
-
-
 def plan_moment_gather(src: StrategyHandle, excluded: Iterable[int] = ()) -> BsrPlan | None:
     """The first round of a switch from a ZeRO-1 plan: every surviving replica of each sharded slice
     gets the slice's full moments (1-D, ``moment_key``) from the surviving copies of its chunks. None
@@ -135,7 +128,7 @@ def plan_moment_gather(src: StrategyHandle, excluded: Iterable[int] = ()) -> Bsr
                 raise HspmdError(f"{name}: the ZeRO-1 moments of slice {i} have no surviving copy")
             want = Annotation.spmd([d for d in s.devices if d not in out])
             moves.extend(TensorMove(moment_key(name, suffix, i), (s.numel,), STATE_DTYPE, have, want)
-                         for suffix in STATE_SUFFIXES[1:])
+                         for suffix in MOMENT_SUFFIXES)
     return plan_bsr(moves, bandwidth=src.ctx.cluster, excluded=tuple(sorted(out)))
 
 

@@ -173,7 +173,7 @@ class ElasticWorker(Session):
             t2 = time.perf_counter()
             # A planned switch reads the running program's state; after a failure it was kept as tensors.
             source = self.program.local_state() if self.program is not None else (self.held or {})
-            gathered = move_state(t.bsr, source, self.groups, program, t.steps_done, self.device, t.source)
+            move_state(t.bsr, source, self.groups, program, t.steps_done, self.device, t.source)
             del source
             t3 = time.perf_counter()
         except Exception as exc:  # noqa: BLE001 - a peer vanished mid-switch (or a bug: the launcher decides)
@@ -182,8 +182,7 @@ class ElasticWorker(Session):
             program = None
             self._abandon(gen)
             return None
-        sent = gathered + sum(m.nbytes for m in t.bsr.sends(self.me))
-        self.report(Switched(t.epoch, t1 - t0, t2 - t1, t3 - t2, sent))
+        self.report(Switched(t.epoch, t1 - t0, t2 - t1, t3 - t2))
         return t, program
 
 

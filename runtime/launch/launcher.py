@@ -44,7 +44,7 @@ def placement(ctx: PlanContext, devices: list[int], *, one_host: bool = True) ->
     """Backend and torch device of every worker: gloo on CPU for emulated clusters, else NCCL with
     device d on cuda:<its index on its node> (checked here only when this host runs them all)."""
     if ctx.cluster.emulated:
-        return "gloo", {d: "cpu" for d in devices}
+        return "gloo", dict.fromkeys(devices, "cpu")
     if not one_host:
         return "nccl", {d: f"cuda:{ctx.cluster.device(d).local_index}" for d in devices}
     nodes = sorted({ctx.cluster.device(d).node for d in devices})
@@ -77,9 +77,8 @@ def _preflight(options: TrainOptions, ctx: PlanContext) -> str | None:
         if problems:
             raise HspmdError(problems[0])
         return documents_line(document_source_of(ctx, options))  # bad input refused before any worker starts
-    else:
-        token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed,
-                     data_file=options.data_file)
+    token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed,
+                 data_file=options.data_file)
     if options.load_dir is not None:
         from runtime.checkpoint import read_checkpoint_info
 

@@ -12,6 +12,7 @@ for workers on other nodes, and a ``Lost`` for each worker of a node whose agent
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import signal
 import time
@@ -111,10 +112,8 @@ class LocalLink:
     control: Connection
 
     def send(self, msg: object) -> None:
-        try:
+        with contextlib.suppress(OSError, ValueError):  # it died: its sentinel says so
             self.control.send(msg)
-        except (OSError, ValueError):
-            pass  # it died: its sentinel says so
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -223,10 +222,8 @@ class LocalWorkers:
         for w in self.workers:
             link = self.link(w)
             for conn in (link.report, link.control):
-                try:
+                with contextlib.suppress(OSError):
                     conn.close()
-                except OSError:
-                    pass
 
 
 def death(code: int | None) -> str:

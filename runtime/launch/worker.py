@@ -9,6 +9,7 @@ functions: the launcher imports this module before its workers start and must no
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import sys
@@ -111,10 +112,8 @@ class Inbox(queue.Queue):
 
 def _exit_now(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             stream.flush()
-        except (OSError, ValueError):
-            pass
     os._exit(code)
 
 

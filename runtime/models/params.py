@@ -13,6 +13,7 @@ checkpoints of such models.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,10 +33,7 @@ class ParamInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def layer_parameters(model: ModelSpec, layer: int) -> list[ParamInfo]:

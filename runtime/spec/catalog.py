@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 from runtime.errors import Problem, SpecError
 from runtime.spec.cluster import Cluster
@@ -18,8 +17,6 @@ from runtime.spec.model import ModelSpec
 from runtime.spec.plan import PLAN_VERSION, Plan
 from runtime.spec.schema import to_data
 from runtime.spec.validate import validate_plan
-
-T = TypeVar("T")
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 # The shipped device profiles (runtime/profiling/profile.py reads them).
@@ -79,17 +76,13 @@ def resolve_profile_ref(ref: str, relative_to: Path | None = None) -> Path | Non
     return p if p.is_file() else None
 
 
-def _load(cls: type[T], path: Path) -> T:
-    return load_file(cls, path)
-
-
 def load_model(ref: str, *, relative_to: Path | None = None, file: str = "", field: str = "model") -> ModelSpec:
     path = resolve_ref(ref, "models", relative_to)
     if path is None:
         raise SpecError([Problem(file, field, f"unknown model {ref!r} (catalog: "
                                  f"{', '.join(catalog_names('models'))}; or a path to a YAML file, a Hugging "
                                  "Face config.json or its directory)")])
-    return load_hf_model(path) if is_hf_config(path) else _load(ModelSpec, path)
+    return load_hf_model(path) if is_hf_config(path) else load_file(ModelSpec, path)
 
 
 def model_source_config(ref: str, relative_to: Path | None = None) -> Path | None:
@@ -104,7 +97,7 @@ def load_cluster(ref: str, *, relative_to: Path | None = None, file: str = "",
     if path is None:
         raise SpecError([Problem(file, field, f"unknown cluster {ref!r} (catalog: "
                                  f"{', '.join(catalog_names('clusters'))}; or a path to a YAML file)")])
-    cluster = _load(Cluster, path)
+    cluster = load_file(Cluster, path)
     problems = emulation_target_problems(cluster, str(path))
     if problems:
         raise SpecError(problems)

@@ -10,6 +10,7 @@ duplicate keys are an error, JSON's NaN/Infinity are refused).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -123,10 +124,7 @@ class _BoundedLoader(yaml.composer.Composer, *((_PARSER,) if _PARSER else (yaml.
             inner = self.open_nesting.pop()
         if self.open_nesting:
             self.open_nesting[-1] = max(self.open_nesting[-1], inner)
-        if isinstance(node, yaml.MappingNode):
-            children = [n for pair in node.value for n in pair]
-        else:
-            children = node.value
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
         size = 1 + sum(self.sizes[id(c)] for c in children)
         if size > self.limits.max_nodes:
             self.refuse(node.start_mark, f"YAML aliases expand to more than {self.limits.max_nodes:,} nodes "
@@ -266,12 +264,6 @@ def read_json(path: str | os.PathLike[str], limits: ReadLimits = DEFAULT_LIMITS)
         raise SpecError([Problem(str(p), "", f"malformed JSON: {str(exc).splitlines()[0][:120]}")]) from None
 
 
-def read_data(path: str | os.PathLike[str], limits: ReadLimits = DEFAULT_LIMITS) -> Any:
-    """``read_json`` for ``*.json`` files, ``read_yaml`` for everything else."""
-    reader = read_json if Path(path).suffix.lower() == ".json" else read_yaml
-    return reader(path, limits)
-
-
 def check_version(data: Any, supported: int, file: str, field: str = "version") -> None:
     """Refuse a file of another format version before anything else of it is read: a newer file's
     other problems would only be noise (its fields may have changed meaning)."""
@@ -294,7 +286,7 @@ def load_file(cls: type[T], path: str | os.PathLike[str], *, version: int | None
     """Read ``path`` (bounded, strict), check its ``version`` first if the format has one, and build
     ``cls`` from it, every problem with its field path."""
     file = str(path)
-    data = read_data(path, limits)
+    data = (read_json if Path(path).suffix.lower() == ".json" else read_yaml)(path, limits)
     if data is None:
         raise SpecError([Problem(file, "", "is empty, expected a mapping")])
     if version is not None:
@@ -334,8 +326,6 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, p)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise

@@ -80,11 +80,10 @@ class ModelSpec:
         if self.sliding_window is not None:
             c.check(self.sliding_window >= 1, "sliding_window", f"must be at least 1, got {self.sliding_window}")
         if self.head_dim is None:
-            if self.num_heads >= 1 and self.hidden_size >= 1:
-                if c.check(self.hidden_size % self.num_heads == 0, "hidden_size",
-                           f"{self.hidden_size} is not divisible by num_heads {self.num_heads} "
-                           "(or give head_dim)"):
-                    object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+            if self.num_heads >= 1 and self.hidden_size >= 1 and c.check(
+                    self.hidden_size % self.num_heads == 0, "hidden_size",
+                    f"{self.hidden_size} is not divisible by num_heads {self.num_heads} (or give head_dim)"):
+                object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         else:
             c.check(self.head_dim >= 1, "head_dim", f"must be at least 1, got {self.head_dim}")
         if self.num_kv_heads >= 1 and self.num_heads >= 1:

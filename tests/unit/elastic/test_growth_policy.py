@@ -185,7 +185,7 @@ def test_a_growth_decided_right_after_a_recovery_waits_for_the_redone_step_to_ho
     (recovery,) = [m for m in sent(run.workers[0]) if isinstance(m, Transition)]
     assert recovery.world is not None and sorted(recovery.world.ranks) == [0, 2]
     for d in (0, 2):
-        policy.on_message(run.workers[d], Switched(recovery.epoch, 0.0, 0.0, 0.0, 0))
+        policy.on_message(run.workers[d], Switched(recovery.epoch, 0.0, 0.0, 0.0))
     policy.tick()  # Resume: devices 0 and 2 redo step 3
     policy.tick()  # the spare is reconsidered: adopted
     assert [m for m in sent(run.workers[0]) if isinstance(m, Transition)] == [recovery]  # nothing mid-step

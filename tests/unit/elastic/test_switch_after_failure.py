@@ -144,7 +144,7 @@ def test_a_switch_that_cannot_be_replanned_is_dropped_and_reported(tmp_path):
     assert t.target.name == "survivors" and policy.switches == {}
     # The run goes on: the survivors switch and redo step 3.
     for d in sorted(policy.alive):
-        policy.on_message(run.workers[d], Switched(t.epoch, 0.0, 0.0, 0.0, 0))
+        policy.on_message(run.workers[d], Switched(t.epoch, 0.0, 0.0, 0.0))
     policy.tick()
     step(policy, run, 3)
     assert sent(run, 0, Commit)[-1] == Commit(t.world.generation, 3, "next")
