@@ -153,6 +153,7 @@ class SimOp:
     wake: ResumePenalty | None = None
     sharing: float = 1.0
     handoff: CoreHandoff | None = None
+    hot: bool = False
     message: Message | None = None  # a P2P op: the runtime's message it carries
 
     @property
@@ -190,6 +191,9 @@ class EventLoop:
       / ``cold_backward_s`` (in proportion, for an op smaller than the block they were measured on)
       more CPU time when another resource's compute ran on its cores since its
       resource's previous op started (that work took over the caches). On an idle core none applies.
+    * A ``hot`` compute op pays neither the ``resume`` nor the cold-cache penalty: it works on what an op of
+      its own resource produced (a split backward's W on its B's gradients), and traced runs show no such
+      penalty on it (the hand-off's scheduling delays still apply).
     """
 
     def __init__(self, cores: dict[str, float] | None = None) -> None:
@@ -363,11 +367,12 @@ class _Run:
         op = self.ops[name]
         r = op.resource
         self.work[name] = op.cpu
-        if op.resume is not None:   # caches gone cold while the device idled
+        if op.resume is not None and not op.hot:   # caches gone cold while the device idled
             self.work[name] += op.resume.extra_s(self.now - self.cpu_end.get(r, 0.0), op.kind is OpKind.BACKWARD,
                                                  op.cpu)
         mine = [(h, r) for h, _ in op.hosts]
-        if op.handoff is not None and op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and self.foreign.intersection(mine):
+        if (op.handoff is not None and op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and not op.hot
+                and self.foreign.intersection(mine)):
             h = op.handoff   # ... or another process worked on its core meanwhile
             fwd = op.kind is OpKind.FORWARD
             self.work[name] += below_probe(h.cold_forward_s if fwd else h.cold_backward_s, op.cpu,
@@ -557,8 +562,12 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     # 'F3', 'B3' (the whole backward, or its input-gradient half), 'W3'; '/1' for chunk 1
                     labels[name] = (f"{a.kind[0]}{a.micro_batch}" + (f"/{a.chunk}" if len(st.layers) > 1 else ""))
                     kind = OpKind.FORWARD if a.kind == "F" else OpKind.BACKWARD
+                    # A split backward's W works on what its B produced: traced op by op (pp4-uneven-
+                    # zb-h1, docs/benchmarks.md "Simulator fidelity"), the slow stages' W ops took 14.7 /
+                    # 13.2 ms of CPU per step against 20.4 / 27.9 ms simulated with the resume and cold
+                    # penalties, their priced CPU alone about what each measured (1.76 vs 1.65 ms).
                     sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=cm.host.resume_penalty(device_type),
-                                  **costs.block(st.devices, total, tp, tp_cpu)))
+                                  hot=a.kind == "W", **costs.block(st.devices, total, tp, tp_cpu)))
                 elif isinstance(a, (PostSend, PostRecv)):
                     sim.add(SimOp(name, res, None, pi, k, a.message.micro_batch))
                     if isinstance(a, PostSend):
