@@ -1087,6 +1087,10 @@ class CostModel:
         if first:   # the engine runs the first chunk's W as its whole backward: it has no input gradient
             return ChunkCost(forward=sc.forward_s, input_grad=tiny, weight_grad=sc.backward_s - tiny,
                              full_backward=sc.backward_s)
+        split = None if recompute else self._split_backward(device_type, tp, num_layers, last)
+        if split is not None:   # measured: the two autograd passes cost more than the fused backward
+            return ChunkCost(forward=sc.forward_s, input_grad=max(tiny, split[0]) + sc.tp_backward_s,
+                             weight_grad=max(tiny, split[1]), full_backward=sc.backward_s)
         recomputed = num_layers * self.layer(device_type, tp, recompute).recompute_s
         backward_compute = sc.compute_s - (sc.forward_s - sc.tp_forward_s) - recomputed
         w = weight_grad_fraction(self.model, self.seq_len, num_layers, last) * max(0.0, backward_compute)
@@ -1095,6 +1099,18 @@ class CostModel:
         if recompute:   # ... and a recompute chunk's W as one more backward through the kept graph
             w = max(tiny, backward_compute)
         return ChunkCost(forward=sc.forward_s, input_grad=b, weight_grad=w, full_backward=sc.backward_s)
+
+    def _split_backward(self, device_type: str, tp: int, num_layers: int, last: bool) -> tuple[float, float] | None:
+        """(B, W) compute seconds of a chunk without the embedding as the profile measured a split backward
+        (``MeasuredModel.split_blocks``), or None where it did not."""
+        m = self._measured(device_type)
+        split = None if m is None else m.split_blocks.get(tp)
+        if split is None:
+            return None
+        b, s = self._shape(None, None)
+        parts = [split["stage"]] + ([split["head"]] if last else [])
+        return tuple(num_layers * eval_fit(getattr(split["layer"], f), b, s)  # type: ignore[return-value]
+                     + sum(eval_fit(getattr(p, f), b, s) for p in parts) for f in ("forward_s", "backward_s"))
 
     def pipeline_costs(self, strategy: Strategy, pi: int, schedule: Schedule) -> Costs:
         """The list scheduler's costs of pipeline ``pi``: per stage and chunk its ``chunk_cost`` (the chunk

@@ -84,7 +84,7 @@ class HostModel:
         pts = sorted(m.core_handoff.items())
         return CoreHandoff(**{k: max(0.0, _log_interp([(s, getattr(h, k)) for s, h in pts], self.seq_len))
                               for k in ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s",
-                                        "cold_backward_s")})
+                                        "cold_backward_s", "block_forward_s", "block_backward_s")})
 
     def host_cores(self, node: str) -> int | None:
         """CPU cores shared by the emulated devices of ``node`` (from their measured profiles), or None

@@ -43,7 +43,7 @@ from planner.cost import GIB, CostModel, StageCost
 from runtime.comm.gradsync import SyncGroup
 from runtime.pipeline_schedules import ChunkCost, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
 from runtime.pipeline_schedules import Schedule as PipelineSchedule
-from runtime.profiling.profile import CoreHandoff, ResumePenalty
+from runtime.profiling.profile import CoreHandoff, ResumePenalty, below_probe
 from runtime.spec.plan import Schedule, Strategy
 
 
@@ -60,6 +60,7 @@ class Event:
     end_s: float
     micro_batch: int | None = None
     comm_s: float = 0.0  # part of the interval spent in TP collectives
+    cpu_s: float = 0.0   # compute ops: the CPU seconds it consumed (penalties and time-sharing included)
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class SimOp:
     wake: ResumePenalty | None = None
     sharing: float = 1.0
     handoff: CoreHandoff | None = None
+    hot: bool = False
     message: Message | None = None  # a P2P op: the runtime's message it carries
 
     @property
@@ -175,8 +177,9 @@ class EventLoop:
       ``(stretch - 1)`` times the block's CPU time (``cpu`` plus the collectives' own ``comm_cpu``), as
       the runtime emulates a slower device (runtime/trace.py: CPU time, so neither waiting for a core nor
       waiting in a collective is stretched). Without a host, the same with the cores never shared.
-    * A compute op with a ``resume`` penalty needs that much more CPU time the longer its resource idled
-      since its previous compute op's CPU work ended (cold caches; measured by ``hspmd profile``); a
+    * A compute op with a ``resume`` penalty needs that much more CPU time (a fixed part and one growing
+      with the op's own CPU time) the longer its resource idled since its previous compute op's CPU work
+      ended (cold caches, a woken virtual CPU; measured by ``hspmd profile``); a
       communication op with a ``wake`` penalty ends that much later the longer it waited for its peers.
       ``sharing``: a compute op's efficiency while a core it runs on is time-shared.
     * ``handoff`` (an op's ``CoreHandoff``): the core is not shared as a fluid. A process that used up its
@@ -185,14 +188,19 @@ class EventLoop:
       at that moment: a compute op's CPU work is followed by ``handoff_s`` before its tail; an op that
       starts right after its resource's emulation sleep starts ``wake_s`` later; a communication op that
       waited for its peers ends ``recv_wake_s`` later. And a forward / backward op needs ``cold_forward_s``
-      / ``cold_backward_s`` more CPU time when another resource's compute ran on its cores since its
+      / ``cold_backward_s`` (in proportion, for an op smaller than the block they were measured on)
+      more CPU time when another resource's compute ran on its cores since its
       resource's previous op started (that work took over the caches). On an idle core none applies.
+    * A ``hot`` compute op pays neither the ``resume`` nor the cold-cache penalty: it works on what an op of
+      its own resource produced (a split backward's W on its B's gradients), and traced runs show no such
+      penalty on it (the hand-off's scheduling delays still apply).
     """
 
     def __init__(self, cores: dict[str, float] | None = None) -> None:
         self.queue: dict[str, list[str]] = {}
         self.ops: dict[str, SimOp] = {}
         self.cores = cores or {}
+        self.cpu_s: dict[str, float] = {}   # after ``run``: each compute op's CPU seconds consumed
 
     def add(self, op: SimOp) -> None:
         """Append ``op`` to its resource's queue (hosts without cores here are dropped)."""
@@ -202,8 +210,11 @@ class EventLoop:
         self.queue.setdefault(op.resource, []).append(op.name)
 
     def run(self) -> dict[str, tuple[float, float]]:
-        """(start, end) of every op."""
-        return _Run(self).run()
+        """(start, end) of every op (and ``cpu_s``: what each compute op consumed)."""
+        run = _Run(self)
+        times = run.run()
+        self.cpu_s = {o: run.used.get(o, w) for o, w in run.work.items()}
+        return times
 
 
 class _Run:
@@ -356,12 +367,16 @@ class _Run:
         op = self.ops[name]
         r = op.resource
         self.work[name] = op.cpu
-        if op.resume is not None:   # caches gone cold while the device idled
-            self.work[name] += op.resume.extra_s(self.now - self.cpu_end.get(r, 0.0), op.kind is OpKind.BACKWARD)
+        if op.resume is not None and not op.hot:   # caches gone cold while the device idled
+            self.work[name] += op.resume.extra_s(self.now - self.cpu_end.get(r, 0.0), op.kind is OpKind.BACKWARD,
+                                                 op.cpu)
         mine = [(h, r) for h, _ in op.hosts]
-        if op.handoff is not None and op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and self.foreign.intersection(mine):
+        if (op.handoff is not None and op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and not op.hot
+                and self.foreign.intersection(mine)):
             h = op.handoff   # ... or another process worked on its core meanwhile
-            self.work[name] += h.cold_forward_s if op.kind is OpKind.FORWARD else h.cold_backward_s
+            fwd = op.kind is OpKind.FORWARD
+            self.work[name] += below_probe(h.cold_forward_s if fwd else h.cold_backward_s, op.cpu,
+                                           h.block_forward_s if fwd else h.block_backward_s)
         self.foreign.difference_update(mine)
         if op.hosts and self.work[name] > 0:
             self.used[name] = 0.0
@@ -547,8 +562,12 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     # 'F3', 'B3' (the whole backward, or its input-gradient half), 'W3'; '/1' for chunk 1
                     labels[name] = (f"{a.kind[0]}{a.micro_batch}" + (f"/{a.chunk}" if len(st.layers) > 1 else ""))
                     kind = OpKind.FORWARD if a.kind == "F" else OpKind.BACKWARD
+                    # A split backward's W works on what its B produced: traced op by op (pp4-uneven-
+                    # zb-h1, docs/benchmarks.md "Simulator fidelity"), the slow stages' W ops took 14.7 /
+                    # 13.2 ms of CPU per step against 20.4 / 27.9 ms simulated with the resume and cold
+                    # penalties, their priced CPU alone about what each measured (1.76 vs 1.65 ms).
                     sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=cm.host.resume_penalty(device_type),
-                                  **costs.block(st.devices, total, tp, tp_cpu)))
+                                  hot=a.kind == "W", **costs.block(st.devices, total, tp, tp_cpu)))
                 elif isinstance(a, (PostSend, PostRecv)):
                     sim.add(SimOp(name, res, None, pi, k, a.message.micro_batch))
                     if isinstance(a, PostSend):
@@ -623,7 +642,7 @@ def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Cost
             tp_busy[key] = tp_busy.get(key, 0.0) + tp_s[name]
             label = labels[name]
             events.append(Event(label, op.kind.value, op.pipeline, op.stage, "stage", start, end, op.micro_batch,
-                                tp_s[name]))
+                                tp_s[name], sim.cpu_s.get(name, 0.0)))
     stats0, stats1 = times["stats"]
     cm, pipes = costs.cm, costs.strategy.pipelines
     n_layers = cm.model.num_layers
@@ -651,8 +670,10 @@ def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Cost
             if stats1 > stats0:
                 events.append(Event("loss/norm all-reduce", "clip", pi, k, "stage", stats0, stats1, None,
                                     stats1 - stats0))
-            o0, o1 = max((times[f"opt{d}"] for d in st.devices), key=lambda x: x[1])
-            events.append(Event("optimizer", "optimizer", pi, k, "stage", o0, o1))
+            slowest = max(st.devices, key=lambda d: times[f"opt{d}"][1])
+            o0, o1 = times[f"opt{slowest}"]
+            events.append(Event("optimizer", "optimizer", pi, k, "stage", o0, o1,
+                                cpu_s=sim.cpu_s.get(f"opt{slowest}", 0.0)))
             gather_busy = joined("z", sync if zero else (), d0, "ZeRO-1 param all-gather", "zero_gather", pi, k)
             device_type = costs.type_of[d0]
             chunks = tuple((b - a, a == 0, b == n_layers) for a, b in st.layers)
@@ -691,6 +712,8 @@ def chrome_trace(result: SimulationResult, strategy: Strategy) -> dict[str, Any]
             out.append({"ph": "M", "name": "thread_sort_index", "pid": e.pipeline, "tid": tid,
                         "args": {"sort_index": e.stage * 3 + (0 if e.lane == "stage" else 1)}})
         args: dict[str, Any] = {"comm_ms": round(e.comm_s * 1e3, 4)}
+        if e.cpu_s:
+            args["cpu_ms"] = round(e.cpu_s * 1e3, 4)
         if e.micro_batch is not None:
             args["micro_batch"] = e.micro_batch
         out.append({"ph": "X", "name": e.name, "cat": e.category, "pid": e.pipeline, "tid": tids[key],

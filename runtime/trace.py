@@ -26,9 +26,14 @@ from runtime.spec.io import atomic_write_text
 class TraceRecorder:
     """Records spans as Chrome-trace complete events for one process (one device)."""
 
-    def __init__(self, pid: int, process_name: str, *, sync: Callable[[], None] | None = None) -> None:
+    def __init__(self, pid: int, process_name: str, *, sync: Callable[[], None] | None = None,
+                 cpu_clock: Callable[[], float] | None = time.thread_time) -> None:
         self.pid = pid
         self.process_name = process_name
+        # Each span's CPU time (``cpu_ms``; the main thread's by default, where the engine computes):
+        # a span whose wall time exceeds it waited (for its core, a message, a sleep), which a wall-clock
+        # timeline alone cannot tell apart from slow compute. None: wall times only.
+        self._cpu_clock = cpu_clock
         # On GPUs work is asynchronous: a span only means something if it ends when the device is done.
         self._sync = sync
         # Wall-clock anchor + monotonic offsets: comparable across the processes of one run.
@@ -44,6 +49,7 @@ class TraceRecorder:
         if self._sync is not None:
             self._sync()
         start = self._now_us()
+        cpu0 = self._cpu_clock() if self._cpu_clock is not None else 0.0
         try:
             yield
         finally:
@@ -52,9 +58,11 @@ class TraceRecorder:
             end = self._now_us()
             event = {"name": name, "cat": kind, "ph": "X", "ts": round(start, 3), "dur": round(end - start, 3),
                      "pid": self.pid, "tid": 0}
-            if args:
-                event["args"] = {k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
-                                 for k, v in args.items()}
+            out = {k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v) for k, v in args.items()}
+            if self._cpu_clock is not None:
+                out["cpu_ms"] = round((self._cpu_clock() - cpu0) * 1e3, 4)
+            if out:
+                event["args"] = out
             self.events.append(event)
 
     def chrome_events(self) -> list[dict[str, Any]]:

@@ -33,7 +33,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from runtime.engine.microbatch import window_micro_batch
 from runtime.engine.optim import LocalAdamW, clip_coefficient
-from runtime.engine.program import StepState, stage_backward, stage_forward
+from runtime.engine.program import (
+    OutputRecord,
+    StepState,
+    stage_backward,
+    stage_forward,
+    stage_input_grad,
+    stage_weight_grad,
+)
 from runtime.engine.reference import autocast_for
 from runtime.engine.tensor_parallel import apply_tensor_parallel
 from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, causal_lm_loss_sum, rope_tables
@@ -315,6 +322,59 @@ def measure_stage_blocks(model: ModelSpec, tp: int, seq_lens: Sequence[int], *, 
     for s in seq_lens:
         for k, (f, b) in stage_blocks({name: med[s, name][0] for name in STAGE_VARIANTS}).items():  # type: ignore[index]
             out[k].append(Sample(s, f, b, 0.0))
+    return out
+
+
+def measure_split_blocks(model: ModelSpec, tp: int, seq_lens: Sequence[int], *, micro_batch: int = 1,
+                         device: torch.device | str = "cpu", min_reps: int = 7, max_reps: int = 40,
+                         budget_s: float = 0.1, warmup: int = 2) -> dict[str, list[Sample]]:
+    """The backward of the stage modules without the embedding (``mid1``, ``mid3``, ``last1``) as a
+    split-backward schedule runs it (runtime/engine/program.py: the forward records the outputs of the
+    modules that own parameters, ``stage_input_grad`` then ``stage_weight_grad``); per length, samples of
+    the ``SPLIT_BLOCKS`` as ``stage_blocks`` differences them, ``forward_s`` B and ``backward_s`` W. The
+    variants take turns within each repeat, as in ``measure_stage_blocks``."""
+    device = torch.device(device)
+    names = [n for n, (embed, _, _) in STAGE_VARIANTS.items() if not embed]
+    runs = {(s, n): StageRun(model, tp, STAGE_VARIANTS[n][2], False, STAGE_VARIANTS[n][1], micro_batch, s, device)
+            for s in seq_lens for n in names}
+    records = {k: OutputRecord(r.module) for k, r in runs.items()}
+    params = {k: list(r.module.parameters()) for k, r in runs.items()}
+
+    def forward(k: tuple[int, str]) -> None:
+        run = runs[k]
+        run.prepare_forward()
+        with records[k].recording() as outputs:
+            run.forward()
+        run.state.recorded[0] = outputs
+        synchronize(device)
+
+    def input_grad(k: tuple[int, str]) -> Callable[[], None]:
+        return lambda: stage_input_grad(False, runs[k].head, 0, runs[k].state, params[k])
+
+    def weight_grad(k: tuple[int, str]) -> Callable[[], None]:
+        return lambda: stage_weight_grad(0, runs[k].state)
+
+    times: dict[tuple[int, str], tuple[list[float], list[float]]] = {k: ([], []) for k in runs}
+    for k in runs:
+        for _ in range(warmup):
+            forward(k)
+            input_grad(k)()
+            weight_grad(k)()
+    start = time.perf_counter()
+    reps = 0
+    while reps < max_reps and (reps < min_reps or time.perf_counter() - start < budget_s * len(runs)):
+        for k in runs:
+            forward(k)
+            times[k][0].append(time_once(input_grad(k), device)[0])
+            times[k][1].append(time_once(weight_grad(k), device)[0])
+        reps += 1
+    out: dict[str, list[Sample]] = {k: [] for k in ("layer", "stage", "head")}
+    for s in seq_lens:
+        med = {n: (statistics.median(times[s, n][0]), statistics.median(times[s, n][1])) for n in names}
+        med["first1"] = med["mid1"]   # unused: the embedding's chunk is not split
+        for k, (b, w) in stage_blocks(med).items():
+            if k in out:
+                out[k].append(Sample(s, b, w, 0.0))
     return out
 
 

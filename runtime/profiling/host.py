@@ -13,7 +13,7 @@ import contextlib
 import os
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from runtime.profiling.fit import fit_saturating, rounded, trimmed_mean
@@ -57,44 +57,77 @@ def pin_process(cpus: Sequence[int]) -> None:
         os.sched_setaffinity(0, cpus)
 
 
-def _one_layer(model: ModelSpec, seq_len: int, device: torch.device | str, micro_batch: int = 1,
+def _stage_run(model: ModelSpec, layers: int, seq_len: int, device: torch.device | str, micro_batch: int = 1,
                warmup: int = 2) -> StageRun:
-    """What every probe times: a one-layer middle stage at TP 1 run by the engine's step, warmed up."""
+    """A middle stage of ``layers`` decoder layers at TP 1 run by the engine's step, warmed up."""
     from runtime.profiling.compute import StageRun
 
-    run = StageRun(model, 1, 1, False, False, micro_batch, seq_len, device)
+    run = StageRun(model, 1, layers, False, False, micro_batch, seq_len, device)
     for _ in range(warmup):
         run.prepare_backward()()
     return run
 
 
+def _one_layer(model: ModelSpec, seq_len: int, device: torch.device | str, micro_batch: int = 1,
+               warmup: int = 2) -> StageRun:
+    """What the other probes time: a one-layer middle stage."""
+    return _stage_run(model, 1, seq_len, device, micro_batch, warmup)
+
+
 def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.device | str = "cpu",
                            idles_s: Sequence[float] = (0.0005, 0.002, 0.008, 0.032), reps: int = 25,
-                           micro_batch: int = 1) -> ResumePenalty:
-    """How much longer a stage block (one decoder layer, TP 1, as the engine runs it) takes when the
-    process idled (slept) for ``t`` before it than right after other work: the two take turns, for
-    each ``t`` of ``idles_s``; the mean differences (forward, backward) fitted with
-    ``peak * (1 - exp(-t / tau))`` (tau from a log grid, peaks by least squares, none below zero)."""
+                           micro_batch: int = 1, large: tuple[int, int] | None = None) -> ResumePenalty:
+    """How much longer a stage block (as the engine runs it, TP 1) takes when the process idled (slept)
+    for ``t`` before it than right after other work: the two take turns, for each ``t`` of ``idles_s``;
+    the mean differences fitted with ``peak * (1 - exp(-t / tau))`` (tau from a log grid shared by every
+    block and phase, peaks by least squares, none below zero). Timed on a one-decoder-layer block at
+    ``seq_len`` and, with ``large`` = (layers, seq_len), on a bigger block too, the two taking turns in
+    every repeat: the peak's growth between them (per CPU second of the block, back to back) is the
+    penalty's rate, the rest its fixed part.
+    On a CPU the time is this thread's CPU time, so that a preemption meanwhile is no penalty."""
     from runtime.profiling.compute import time_once
 
-    run = _one_layer(model, seq_len, device, micro_batch, warmup=3)
-    extra: list[tuple[float, float]] = []
+    def timed(block: Callable[[], None], dev: torch.device) -> float:
+        if dev.type != "cpu":
+            return time_once(block, dev)[0]   # a GPU's kernels: wall time, synchronised
+        c0 = time.thread_time()
+        block()
+        return time.thread_time() - c0
+
+    shapes = [(1, seq_len)] + ([large] if large is not None else [])
+    runs = [_stage_run(model, layers, s, device, micro_batch, warmup=3) for layers, s in shapes]
+    extra: list[list[float]] = []
+    hot: list[list[tuple[float, float]]] = [[] for _ in shapes]   # per shape: (forward, backward) back to back
     for idle in idles_s:
-        times: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
+        # (shape, after idle) -> (forward, backward) times; the shapes take turns within each repeat, so a
+        # change of the host's speed meanwhile hits the small and the large block alike
+        times: dict[tuple[int, bool], tuple[list[float], list[float]]] = {
+            (i, a): ([], []) for i in range(len(shapes)) for a in (False, True)}
         for _ in range(reps):
-            for after_idle in (False, True):
-                fwd = run.prepare_forward()
-                if after_idle:
-                    time.sleep(idle)
-                forward_s = time_once(fwd, run.device)[0]
-                if after_idle:
-                    time.sleep(idle)
-                times[after_idle][0].append(forward_s)
-                times[after_idle][1].append(time_once(run.backward, run.device)[0])
-        extra.append(tuple(statistics.mean(times[True][i]) - statistics.mean(times[False][i])  # type: ignore[misc]
-                           for i in (0, 1)))
-    (fwd_s, bwd_s), tau = fit_saturating(idles_s, extra)
-    return ResumePenalty(forward_s=fwd_s, backward_s=bwd_s, tau_s=tau)
+            for i, run in enumerate(runs):
+                for after_idle in (False, True):
+                    fwd = run.prepare_forward()
+                    if after_idle:
+                        time.sleep(idle)
+                    forward_s = timed(fwd, run.device)
+                    if after_idle:
+                        time.sleep(idle)
+                    times[i, after_idle][0].append(forward_s)
+                    times[i, after_idle][1].append(timed(run.backward, run.device))
+        extra.append([statistics.mean(times[i, True][j]) - statistics.mean(times[i, False][j])
+                      for i in range(len(shapes)) for j in (0, 1)])
+        for i in range(len(shapes)):
+            hot[i].append((statistics.mean(times[i, False][0]), statistics.mean(times[i, False][1])))
+    means = [(statistics.mean(a[0] for a in h), statistics.mean(a[1] for a in h)) for h in hot]
+    peaks, tau = fit_saturating(idles_s, extra)
+    fixed, rates = list(peaks[:2]), [0.0, 0.0]
+    if large is not None:
+        for i in (0, 1):
+            span = means[1][i] - means[0][i]
+            rates[i] = max(0.0, (peaks[2 + i] - peaks[i]) / span) if span > 0 else 0.0
+            fixed[i] = max(0.0, peaks[i] - rates[i] * means[0][i])
+    return ResumePenalty(forward_s=fixed[0], backward_s=fixed[1], tau_s=tau, forward_rate=rates[0],
+                         backward_rate=rates[1], forward_block_s=means[0][0], backward_block_s=means[0][1])
 
 
 def p2p_wake(rank: int, device: torch.device, reps: int = 15,
@@ -265,4 +298,5 @@ def handoff_figures(raw: dict[str, dict[str, float]]) -> CoreHandoff:
                        wake_s=rounded(max(0.0, busy["late"] - idle["late"])),
                        recv_wake_s=rounded(max(0.0, busy["recv"] - idle["recv"])),
                        cold_forward_s=rounded(max(0.0, busy["cpu_forward"] - idle["cpu_forward"])),
-                       cold_backward_s=rounded(max(0.0, busy["cpu_backward"] - idle["cpu_backward"])))
+                       cold_backward_s=rounded(max(0.0, busy["cpu_backward"] - idle["cpu_backward"])),
+                       block_forward_s=rounded(idle["cpu_forward"]), block_backward_s=rounded(idle["cpu_backward"]))

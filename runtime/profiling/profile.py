@@ -48,6 +48,9 @@ COMPONENTS = ("embedding", "attention", "mlp", "norm", "head")
 # Stage blocks (per micro-batch, as the engine runs a stage): one decoder layer, a stage's fixed time,
 # and what being the first (embedding) and the last stage (final norm, head, loss) add.
 BLOCKS = ("layer", "stage", "embedding", "head")
+# The blocks of a backward split in two (zero-bubble schedules): the embedding's chunk is never split (it has
+# no input gradient: its W is its whole backward), so only these.
+SPLIT_BLOCKS = ("layer", "stage", "head")
 # measured: by ``hspmd profile`` here; imported: measured elsewhere (``hspmd profile import``); spec: datasheet.
 Provenance = Literal["measured", "imported", "spec"]
 # Which links a link curve describes: between two devices of one node, or across nodes.
@@ -66,24 +69,45 @@ def eval_fit(fit: Fit, micro_batch: float, seq_len: float) -> float:
 @dataclass(frozen=True)
 class ResumePenalty:
     """What a compute block costs extra when its device idled for ``t`` seconds before it (waiting for a
-    peer, or an emulated device's sleep): ``forward_s * (1 - exp(-t / tau_s))``, backward likewise.
-    Its caches have gone cold meanwhile (on a shared or virtualised host, other work ran on the core).
+    peer, or an emulated device's sleep): ``(forward_s + forward_rate * cpu) * (1 - exp(-t / tau_s))``
+    for a block of ``cpu`` CPU seconds when run back to back, backward likewise. Its caches have gone cold
+    meanwhile (on a shared or virtualised host, other work ran on the core), and a virtual CPU that
+    halted may run slower for a while after it wakes: so the penalty has a fixed part and one that grows
+    with the block (``*_rate``: measured on blocks of two sizes; 0 in older profiles, which measured one).
     CPU seconds, never stretched by an emulated slowdown in the profile (the simulator stretches it)."""
 
     forward_s: float
     backward_s: float
     tau_s: float
+    forward_rate: float = 0.0
+    backward_rate: float = 0.0
+    # The CPU seconds (back to back) of the smallest block measured: an op smaller than it (a split
+    # backward's half, the first chunk's empty B) pays in proportion to its size (``below_probe``).
+    # 0: not recorded (older profiles), the penalty as is.
+    forward_block_s: float = 0.0
+    backward_block_s: float = 0.0
 
     def __post_init__(self) -> None:
         c = Checker()
-        for name in ("forward_s", "backward_s"):
+        for name in ("forward_s", "backward_s", "forward_rate", "backward_rate", "forward_block_s",
+                     "backward_block_s"):
             c.check(getattr(self, name) >= 0, name, "must not be negative")
         c.check(self.tau_s > 0, "tau_s", f"must be positive, got {self.tau_s}")
         c.raise_if_any()
 
-    def extra_s(self, idle_s: float, backward: bool) -> float:
-        peak = self.backward_s if backward else self.forward_s
+    def extra_s(self, idle_s: float, backward: bool, cpu_s: float = 0.0) -> float:
+        """The extra CPU seconds of a block of ``cpu_s`` (back to back) after ``idle_s`` idle."""
+        fixed, rate, block = ((self.backward_s, self.backward_rate, self.backward_block_s) if backward
+                              else (self.forward_s, self.forward_rate, self.forward_block_s))
+        peak = below_probe(fixed + rate * max(cpu_s, block), cpu_s, block)
         return peak * (1.0 - math.exp(-max(0.0, idle_s) / self.tau_s))
+
+
+def below_probe(extra_s: float, cpu_s: float, block_s: float) -> float:
+    """A penalty measured on a block of ``block_s`` CPU seconds, for an op of ``cpu_s``: as measured for an
+    op at least that big, in proportion below it (nothing measured says a near-empty op pays a whole
+    block's penalty); as measured where the block is unknown (0)."""
+    return extra_s * min(1.0, max(0.0, cpu_s) / block_s) if block_s > 0 else extra_s
 
 
 @dataclass(frozen=True)
@@ -103,10 +127,15 @@ class CoreHandoff:
     recv_wake_s: float
     cold_forward_s: float = 0.0
     cold_backward_s: float = 0.0
+    # The one-layer block's CPU seconds with the core-mate idle: smaller ops pay the cold penalties in
+    # proportion (``below_probe``); 0 in older profiles (as measured).
+    block_forward_s: float = 0.0
+    block_backward_s: float = 0.0
 
     def __post_init__(self) -> None:
         c = Checker()
-        for name in ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s", "cold_backward_s"):
+        for name in ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s", "cold_backward_s", "block_forward_s",
+                     "block_backward_s"):
             v = getattr(self, name)
             c.check(v >= 0 and math.isfinite(v), name, f"must be a non-negative number of seconds, got {v}")
         c.raise_if_any()
@@ -154,6 +183,12 @@ class MeasuredModel:
     # Per TP degree: whole stage blocks (``BLOCKS``) timed through the runtime's stage module; absent in
     # older profiles, where the cost model sums the components instead.
     blocks: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
+    # Per TP degree: the ``SPLIT_BLOCKS``' backward as a split-backward schedule runs it, B (input
+    # gradients) then W (weight gradients) as two autograd passes: ``forward_s`` fits B, ``backward_s`` W.
+    # On a CPU the two passes cost well more than the fused backward (each pays the autograd engine's
+    # per-node overhead), so the halves are measured, not shared out. Absent in older profiles, where the
+    # cost model splits the fused backward by FLOPs.
+    split_blocks: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
     # Measured on a 1-layer stage block; absent in older profiles (no penalty).
     resume: ResumePenalty | None = None
     # CPU-emulated hosts with fewer cores than devices: sequence length -> efficiency of two processes
@@ -202,6 +237,13 @@ class MeasuredModel:
                 for k in blocks:
                     if k not in BLOCKS:
                         c.add(f"{name}.{t}.{k}", f"unknown block (expected one of: {', '.join(BLOCKS)})")
+        for t, blocks in self.split_blocks.items():
+            missing = [k for k in SPLIT_BLOCKS if k not in blocks]
+            unknown = [k for k in blocks if k not in SPLIT_BLOCKS]
+            if missing:
+                c.add(f"split_blocks.{t}", f"missing block(s) {', '.join(missing)}")
+            for k in unknown:
+                c.add(f"split_blocks.{t}.{k}", f"unknown block (expected one of: {', '.join(SPLIT_BLOCKS)})")
         c.check(len(self.tp) >= 1 or len(self.tables) >= 1, "tp", "must hold at least one TP degree (or give tables)")
         for t, comps in self.tp.items():
             c.check(t >= 1, f"tp.{t}", "TP degree must be at least 1")

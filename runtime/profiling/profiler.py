@@ -132,9 +132,11 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
         try:
             raw: dict[str, dict[int, dict[str, tuple[list[Sample], int]]]] = {}
             blocks: dict[str, dict[int, dict[str, list[Sample]]]] = {}
+            split: dict[str, dict[int, dict[str, list[Sample]]]] = {}   # the split backward's blocks
             for model in models:
                 raw[model.name] = {}
                 blocks[model.name] = {}
+                split[model.name] = {}
                 lens = tuple(s for s in settings.seq_lens if s <= model.max_seq_len)
                 for tp in target.tp_degrees:
                     raw[model.name][tp] = {}
@@ -148,6 +150,9 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
                     blocks[model.name][tp] = compute.measure_stage_blocks(
                         model, tp, lens, micro_batch=settings.micro_batch, device=dev,
                         budget_s=settings.component_budget_s)
+                    split[model.name][tp] = compute.measure_split_blocks(
+                        model, tp, lens, micro_batch=settings.micro_batch, device=dev,
+                        budget_s=settings.component_budget_s)
                     report("", 1)
             report(f"{target.device}: optimizer step", 0)
             opt, step_over, opt_resid = compute.measure_step_epilogue(
@@ -158,8 +163,11 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
             for model in models:
                 lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
                 report(f"{target.device}: {model.name} compute after idling", 0)
+                # a one-layer block and a stage-sized one (3 layers, the longest length): the penalty's
+                # fixed part and its growth with the block
                 resume[model.name] = host.measure_resume_penalty(model, lens[len(lens) // 2], device=dev,
-                                                                 micro_batch=settings.micro_batch)
+                                                                 micro_batch=settings.micro_batch,
+                                                                 large=(3, lens[-1]))
                 report("", 1)
             report(f"{target.device}: GEMM rate, memory bandwidth", 0)
             thr = compute.measure_throughput(dev)
@@ -176,7 +184,7 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
         for type_name, slowdown in target.types.items():
             prof = _build_profile(cluster, type_name, slowdown, target, models, raw, settings, opt, opt_resid, thr,
                                   links, date, blocks=blocks, step_overhead=step_over, sync_pack=sync_pack,
-                                  resume=resume)
+                                  resume=resume, split=split)
             path = Path(out_dir) / f"{type_name}.measured.yaml"
             save_profile(prof, path)
             written.append((path, prof))
@@ -186,7 +194,7 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
 def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Target, models: Sequence[ModelSpec],
                    raw: dict, settings: ProfileSettings, opt: OptimizerFit, opt_resid: float,
                    thr: dict[str, float], links: dict, date: str, *, blocks: dict, step_overhead: OptimizerFit,
-                   sync_pack: OptimizerFit, resume: dict) -> DeviceProfile:
+                   sync_pack: OptimizerFit, resume: dict, split: dict | None = None) -> DeviceProfile:
     cuda = target.device.startswith("cuda")
     fitted: dict[str, MeasuredModel] = {}
     mb = settings.micro_batch
@@ -196,6 +204,10 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
         if blocks.get(model.name):
             mm = dataclasses.replace(mm, blocks={t: {k: fit_component(smp, 0, mb, slowdown) for k, smp in per.items()}
                                                  for t, per in sorted(blocks[model.name].items())})
+        if split and split.get(model.name):
+            mm = dataclasses.replace(mm, split_blocks={
+                t: {k: fit_component(smp, 0, mb, slowdown) for k, smp in per.items()}
+                for t, per in sorted(split[model.name].items())})
         if model.name in resume:   # CPU seconds, not stretched (the simulator stretches them)
             mm = dataclasses.replace(mm, resume=resume[model.name])
         if links.get("core_sharing", {}).get(model.name):

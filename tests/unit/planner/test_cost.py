@@ -303,6 +303,30 @@ def test_measured_stage_blocks_replace_the_component_sum():
     assert slow.tp_cpu_forward_s == pytest.approx(tp.tp_forward_s / 2)
 
 
+def test_a_measured_split_backward_prices_b_and_w_on_their_own():
+    """A profile with ``split_blocks`` (B and W of the layer, the stage's fixed part and the head, as the
+    engine runs a split backward): a chunk's B and W are their sums, not shares of the fused backward;
+    the first chunk (no input gradient) and a recompute chunk keep their rule."""
+    base = blocks_set(extras=True)
+
+    def blk(b: float, w: float) -> ComponentFit:
+        return ComponentFit(fit(c=b), fit(c=w), fit(), params=0)
+
+    split = {"layer": blk(2.0, 1.25), "stage": blk(0.3, 0.2), "head": blk(0.5, 0.25)}
+    ps = ProfileSet({t: ResolvedProfile(dataclasses.replace(base[t], models={
+        k: dataclasses.replace(m, split_blocks={1: split}) for k, m in base[t].models.items()}), None) for t in base})
+    cm, plain = cm_for(ps), cm_for(base)
+    mid = cm.chunk_cost("cpu-fast", 1, 2, False, False)
+    assert (mid.input_grad, mid.weight_grad) == pytest.approx((2 * 2.0 + 0.3, 2 * 1.25 + 0.2))
+    assert mid.full_backward == pytest.approx(2 * 2.5 + 0.1) and mid.forward == pytest.approx(2 * 1.5 + 0.2)
+    last = cm.chunk_cost("cpu-fast", 1, 3, False, True)
+    assert (last.input_grad, last.weight_grad) == pytest.approx((6.0 + 0.3 + 0.5, 3.75 + 0.2 + 0.25))
+    # the emulated 3x type: its profile's fits are as stretched as its blocks (here: the same hand fits)
+    assert cm.chunk_cost("cpu-slow", 1, 2, False, False).input_grad == pytest.approx(4.3)
+    for args in (("cpu-fast", 1, 2, True, False), ("cpu-fast", 1, 2, False, False, True)):
+        assert cm.chunk_cost(*args) == plain.chunk_cost(*args)
+
+
 def test_step_overhead_and_sync_packing_are_priced():
     ps = hand_set()
     per = OptimizerFit(seconds_per_param=1e-6, seconds_per_tensor=1e-3, fixed_s=0.5)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -311,6 +312,11 @@ def test_resume_and_wake_penalties_follow_idle_time():
     b1 = ev[1, "B0"]   # right after its forward: no idling
     assert b1.end_s - b1.start_s == pytest.approx(base_ev[1, "B0"].end_s - base_ev[1, "B0"].start_s)
     assert r.step_time_s > base.step_time_s
+    # A penalty that grows with the block: stage 1's first forward (2 s of CPU) pays 25% of it on top.
+    grows = ResumePenalty(forward_s=0.5, backward_s=1.0, tau_s=1.0, forward_rate=0.25)
+    g = {(e.stage, e.name): e for e in simulate(cost_model(with_models(profiles(), resume=grows)),
+                                                 chain(1, [2, 2]), 1).events}
+    assert g[1, "F0"].end_s - g[1, "F0"].start_s == pytest.approx(2.0 + (0.5 + 0.25 * 2.0) * (1 - math.exp(-2.0)))
     # A transfer ends later on the side that waited for it, by the wake penalty of its wait: stage 1 waits
     # 2 s for the activation, then stage 0 waits for the gradient from 2 s until stage 1 has resumed and
     # run its forward and backward (2 + 4 s).
@@ -437,3 +443,54 @@ def test_block_after_the_core_mate_computed_pays_its_cold_caches():
     # Alone on the core: no extra.
     t = play(0.0)
     assert t["F"] == pytest.approx((0.0, 2.0)) and t["B"] == pytest.approx((2.0, 6.0))
+    # Measured on an 8 CPU-s backward block: B (4 CPU-s) pays half the cold backward penalty (4 + 1 at half
+    # the core -> 14); F is as big as its probe block (2 CPU-s): the whole of it.
+    cold = dataclasses.replace(cold, block_forward_s=2.0, block_backward_s=8.0)
+    t = play(20.0)
+    assert t["F"] == pytest.approx((0.0, 4.0)) and t["B"] == pytest.approx((4.0, 14.0))
+
+
+def test_weight_gradient_after_idling_pays_no_resume_or_cold_penalty():
+    """A split backward's W works on what its B just produced (measured: docs/benchmarks.md, pp4-uneven-zb-h1
+    traced op by op): hand-computed, a 1 CPU-s op waiting 2 s for a peer then pays (1 - e^-2) of its resume
+    penalty as F (0.5 s) or B (1 s), and nothing as a hot W; after the core-mate's work, likewise."""
+    pen = ResumePenalty(forward_s=0.5, backward_s=1.0, tau_s=1.0)
+    cold = CoreHandoff(handoff_s=0.0, wake_s=0.0, recv_wake_s=0.0, cold_forward_s=1.0, cold_backward_s=2.0)
+
+    def play(kind: OpKind, hot: bool, mate: bool = False) -> tuple[float, float, float]:
+        """X's start, end and CPU consumed."""
+        sim = EventLoop({"c": 1.0})
+        sim.add(SimOp("peer", "p", duration=2.0))
+        if mate:
+            sim.add(SimOp("A", "a", cpu=1.0, hosts=(("c", 1.0),)))
+        sim.add(SimOp("X", "b", kind, cpu=1.0, deps=("peer",), hosts=(("c", 1.0),), resume=pen, hot=hot,
+                      handoff=cold))
+        t = sim.run()
+        return (*t["X"], sim.cpu_s["X"])
+
+    idle = 1.0 - math.exp(-2.0)   # 0.8647
+    assert play(OpKind.FORWARD, False) == pytest.approx((2.0, 3.0 + 0.5 * idle, 1.0 + 0.5 * idle))
+    assert play(OpKind.BACKWARD, False) == pytest.approx((2.0, 3.0 + 1.0 * idle, 1.0 + 1.0 * idle))
+    assert play(OpKind.BACKWARD, True) == pytest.approx((2.0, 3.0, 1.0))
+    # A (1 CPU-s) ran on the core before X started at 2: a B pays the cold backward penalty (2 s) on top.
+    assert play(OpKind.BACKWARD, False, mate=True) == pytest.approx((2.0, 5.0 + idle, 3.0 + idle))
+    assert play(OpKind.BACKWARD, True, mate=True) == pytest.approx((2.0, 3.0, 1.0))
+    # In a zero-bubble schedule the simulator marks every W hot: each costs its priced CPU whatever the
+    # idling before it, while the stages' F / B ops after idling pay more.
+    zb, m = chunked(4, [[(0, 2)], [(2, 4)], [(4, 6)]], "zb-h1"), 4
+    base = {(e.stage, e.name): e.cpu_s for e in simulate(cost_model(profiles()), zb, m).events}
+    r = {(e.stage, e.name): e.cpu_s for e in simulate(cost_model(with_models(profiles(), resume=pen)), zb, m).events}
+    w = [k for k in r if k[1].startswith("W")]
+    assert len(w) == 3 * m and all(r[k] == pytest.approx(base[k]) for k in w)
+    assert any(r[k] > base[k] + 0.1 for k in r if k[1][0] in "FB")
+
+
+def test_compute_events_carry_the_cpu_they_consumed():
+    """The timeline's compute events say how much CPU work they consumed (an emulated device's sleep
+    and any wait excluded), so a measured trace can be held against them op by op."""
+    pen = ResumePenalty(forward_s=0.5, backward_s=1.0, tau_s=1.0)
+    r = simulate(cost_model(with_models(profiles(), resume=pen)), chain(1, [2, 2]), 1)
+    ev = {(e.stage, e.name): e for e in r.events}
+    assert ev[0, "F0"].cpu_s == pytest.approx(2.0)                          # 1 s per layer, nothing idle before
+    assert ev[1, "F0"].cpu_s == pytest.approx(2.0 + pen.extra_s(2.0, False))   # after 2 s idle
+    assert all(e.cpu_s > 0 for e in r.events if e.category in ("forward", "backward"))

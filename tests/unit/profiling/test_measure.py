@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -10,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.errors import InfeasibleError
+from runtime.errors import FieldErrors, InfeasibleError
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
 from runtime.profiling.compute import (
     StageRun,
     local_stage,
     measure_component,
+    measure_split_blocks,
     measure_stage_blocks,
     measure_step_epilogue,
     measure_sync_pack,
@@ -23,7 +25,7 @@ from runtime.profiling.compute import (
 )
 from runtime.profiling.fit import fit_component, fit_quadratic, nonneg_lstsq
 from runtime.profiling.host import busy_core_handoff, emulated_cpu_shares, handoff_figures, host_cpus
-from runtime.profiling.profile import BLOCKS, ResumePenalty
+from runtime.profiling.profile import BLOCKS, SPLIT_BLOCKS, ResumePenalty
 from runtime.profiling.profiler import plan_targets
 from runtime.spec import load_cluster, load_model
 
@@ -98,6 +100,16 @@ def test_measure_stage_blocks_through_the_runtime_stage_module():
     assert tp2.model.layers["0"].mlp.gate_proj.weight.shape == (TINY.ffn_hidden_size // 2, TINY.hidden_size)
 
 
+def test_measure_split_blocks_runs_the_engines_split_backward():
+    torch.manual_seed(0)
+    samples = measure_split_blocks(TINY, 1, [16, 64], min_reps=5, max_reps=5, budget_s=0.0, warmup=1)
+    assert sorted(samples) == sorted(SPLIT_BLOCKS)
+    assert [s.seq_len for s in samples["layer"]] == [16, 64]
+    # a layer has an input gradient (B) and weight gradients (W); noise never goes below zero
+    assert all(s.forward_s > 0 and s.backward_s > 0 for s in samples["layer"])
+    assert all(s.forward_s >= 0 and s.backward_s >= 0 for smp in samples.values() for s in smp)
+
+
 def test_epilogue_and_sync_pack_fits_are_non_negative():
     opt, over, resid = measure_step_epilogue([TINY], [1], reps=2, seq_len=16)
     pack = measure_sync_pack([TINY], [1], reps=2)
@@ -111,6 +123,62 @@ def test_resume_penalty_saturates_with_idle_time():
     assert pen.extra_s(0.0, False) == 0.0 and pen.extra_s(-1.0, True) == 0.0
     assert pen.extra_s(2e-3, True) == pytest.approx(0.8e-3 * (1 - math.exp(-1)))
     assert pen.extra_s(1.0, False) == pytest.approx(0.4e-3)
+    # a part that grows with the block: a 10 ms block after a long idle pays 0.4 ms + 30% of 10 ms
+    grows = ResumePenalty(forward_s=0.4e-3, backward_s=0.8e-3, tau_s=2e-3, forward_rate=0.3, backward_rate=0.1)
+    assert grows.extra_s(1.0, False, 0.010) == pytest.approx(0.4e-3 + 3e-3)
+    assert grows.extra_s(2e-3, True, 0.010) == pytest.approx((0.8e-3 + 1e-3) * (1 - math.exp(-1)))
+    assert grows.extra_s(1.0, False) == pytest.approx(0.4e-3)   # no block size given: the fixed part
+    # below the smallest block measured (2 ms forward): in proportion, down to nothing for an empty op
+    probed = dataclasses.replace(grows, forward_block_s=2e-3, backward_block_s=4e-3)
+    assert probed.extra_s(1.0, False, 2e-3) == pytest.approx(0.4e-3 + 0.3 * 2e-3)
+    assert probed.extra_s(1.0, False, 1e-3) == pytest.approx((0.4e-3 + 0.3 * 2e-3) / 2)
+    assert probed.extra_s(1.0, True, 0.0) == 0.0
+    assert probed.extra_s(1.0, False, 0.010) == grows.extra_s(1.0, False, 0.010)   # above it: as measured
+    with pytest.raises(FieldErrors, match="forward_rate"):
+        ResumePenalty(forward_s=0.0, backward_s=0.0, tau_s=1e-3, forward_rate=-0.1)
+
+
+def test_resume_probe_times_two_block_sizes(monkeypatch):
+    """The probe's rate is the peak's growth from the one-layer block to the large one per CPU second of
+    the block, its fixed part what is left of the small block's peak: a fake clock whose blocks cost 30%
+    more (plus 0.1 ms) after any idle gives exactly that back."""
+    from runtime.profiling import host
+
+    cpu = {"t": 0.0}
+    idle = {"since": False}
+    cost = {1: (1e-3, 2e-3), 3: (3e-3, 6e-3)}   # (forward, backward) CPU seconds per layer count
+    made: list[int] = []
+
+    class FakeRun:
+        def __init__(self, layers: int) -> None:
+            self.layers, self.device = layers, torch.device("cpu")
+
+        def prepare_forward(self):
+            return lambda: self.block(0)
+
+        def backward(self) -> None:
+            self.block(1)
+
+        def block(self, i: int) -> None:
+            base = cost[self.layers][i]
+            cpu["t"] += base + ((1e-4 + 0.3 * base) if idle["since"] else 0.0)
+            idle["since"] = False
+
+    def fake_stage_run(model, layers, s, device, micro_batch=1, warmup=2):
+        made.append(layers)
+        return FakeRun(layers)
+
+    def fake_sleep(secs: float) -> None:
+        idle["since"] = True
+
+    monkeypatch.setattr(host, "_stage_run", fake_stage_run)
+    monkeypatch.setattr(host.time, "sleep", fake_sleep)
+    monkeypatch.setattr(host.time, "thread_time", lambda: cpu["t"])
+    pen = host.measure_resume_penalty(TINY, 64, idles_s=(0.001, 0.01, 1.0), reps=4, large=(3, 256))
+    assert made == [1, 3]
+    assert (pen.forward_rate, pen.backward_rate) == pytest.approx((0.3, 0.3), rel=0.1)
+    assert pen.forward_s == pytest.approx(1e-4, rel=0.3) and pen.backward_s == pytest.approx(1e-4, rel=0.3)
+    assert (pen.forward_block_s, pen.backward_block_s) == pytest.approx((1e-3, 2e-3))   # the small block, hot
 
 
 def test_emulated_cpu_shares_pin_like_the_launcher():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -88,7 +89,7 @@ def test_no_sleep_when_compute_raises_or_slowdown_is_one():
 
 
 def test_trace_records_nested_spans_and_emulation_as_chrome_events(tmp_path):
-    rec = TraceRecorder(2, "device 2 (cpu-slow)")
+    rec = TraceRecorder(2, "device 2 (cpu-slow)", cpu_clock=None)   # wall times only
     emu = EmulatedSlowdown(2.0, rec)
     with rec.span("step", "step 1"):
         with emu.span("compute", "forward", micro_batch=0):
@@ -115,6 +116,20 @@ def test_trace_records_nested_spans_and_emulation_as_chrome_events(tmp_path):
     names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert names == {2: "device 2 (cpu-slow)", 3: "device 3"}
     assert sum(e["ph"] == "X" for e in events) == 5
+
+
+def test_trace_spans_carry_their_cpu_time():
+    """By default each span records the main thread's CPU time in it: a span that slept, or waited for its
+    core or a message, shows wall time beyond its ``cpu_ms``."""
+    ticks = iter([1.0, 1.004, 2.0, 2.0005])
+    rec = TraceRecorder(0, "device 0", cpu_clock=lambda: next(ticks))
+    with rec.span("compute", "forward", micro_batch=1):
+        pass
+    with rec.span("comm", "wait"):
+        time.sleep(0.01)
+    fwd, wait = rec.events
+    assert fwd["args"] == {"micro_batch": 1, "cpu_ms": 4.0}
+    assert wait["args"] == {"cpu_ms": 0.5} and wait["dur"] >= 10_000 > wait["args"]["cpu_ms"] * 1e3
 
 
 def test_waiting_inside_a_compute_block_is_not_stretched_nor_are_extra_threads_counted_twice():
