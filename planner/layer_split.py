@@ -41,6 +41,10 @@ class SlotCost:
     per_layer_s: tuple[float, float]   # stage seconds per layer, one micro-batch (forward + backward)
     const_s: float                     # seconds added by the embedding / head, one micro-batch
     max_layers: tuple[int, int]        # most layers that fit in memory; -1: not even the extras fit
+    # Partial recompute (``Stage.recompute_layers``): at index n the fewest recomputed layers with which n
+    # layers fit (-1: none; 0 up to ``max_layers[0]``); each costs ``per_layer_s[1] - per_layer_s[0]``.
+    # Empty: whole-stage recompute only.
+    partial: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class LayerSplit:
     layers: tuple[int, ...]
     recompute: tuple[bool, ...]
     stage_s: tuple[float, ...]         # per stage, one micro-batch
+    recompute_layers: tuple[int, ...] = ()   # per stage, its partial recompute (0: none); empty: none
 
     @property
     def max_s(self) -> float:
@@ -95,6 +100,36 @@ def _max_layers(cm: CostModel, kind: GroupKind, first: bool, last: bool, recompu
     return lo
 
 
+def _min_recompute(cm: CostModel, kind: GroupKind, first: bool, last: bool, n: int, in_flight: int,
+                   zero_degree: int, capacity: float, chunks: int) -> int:
+    """The fewest of ``n`` layers to recompute (the lowest, chunk by chunk) for the stage to fit
+    ``capacity`` bytes; -1 if not even all do. Memory falls as more recompute (each frees its activations
+    but its input), so a bisection finds it."""
+    sizes = chunk_sizes(n, chunks)
+    parts = tuple((k, first and c == 0, last and c == chunks - 1) for c, k in enumerate(sizes))
+
+    def fits(k: int) -> bool:
+        per, left = [], k
+        for size in sizes:
+            per.append(min(size, left))
+            left -= per[-1]
+        mem = cm.device_memory(kind.device_type, kind.tp, parts, False, in_flight, zero_degree, tuple(per))
+        return mem.total <= capacity
+
+    if fits(0):
+        return 0
+    if not fits(n):
+        return -1
+    lo, hi = 0, n   # not fits(lo), fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def slot_costs(cm: CostModel, kinds: Sequence[GroupKind], *, zero_degree: int = 1, recompute: bool = True,
                memory_margin: float = 0.0, schedule: ScheduleChoice = ScheduleChoice("1f1b")) -> tuple[SlotCost, ...]:
     """Cost coefficients and memory limits of each stage of a pipeline whose stages are ``kinds`` in order,
@@ -127,13 +162,40 @@ def slot_costs(cm: CostModel, kinds: Sequence[GroupKind], *, zero_degree: int = 
                 const += (v - 1) * max(0.0, mid.time_s - per[0])
             nmax = tuple(_max_layers(cm, kind, first, last, rc, in_flight, zero_degree, cap, limit, v)
                          if (rc is False or recompute) else -1 for rc in (False, True))
-            hit = cache[key] = SlotCost(kind, first, last, in_flight, (per[0], per[1]), max(0.0, const), nmax)
+            # Partial recompute only where memory binds: between what fits without and with recompute.
+            partial = tuple(0 if n <= nmax[0] else _min_recompute(cm, kind, first, last, n, in_flight, zero_degree,
+                                                                   cap, v)
+                            for n in range(nmax[1] + 1)) if recompute and nmax[1] > max(0, nmax[0]) else ()
+            hit = cache[key] = SlotCost(kind, first, last, in_flight, (per[0], per[1]), max(0.0, const), nmax,
+                                        partial)
         out.append(hit)
     return tuple(out)
 
 
-def stage_time(slot: SlotCost, n: int, recompute: bool) -> float:
-    return slot.per_layer_s[int(recompute)] * n + slot.const_s
+def stage_time(slot: SlotCost, n: int, recompute: bool, recompute_layers: int = 0) -> float:
+    """One micro-batch through the stage with ``n`` layers: all recomputed, or ``recompute_layers`` of them."""
+    if recompute:
+        return slot.per_layer_s[1] * n + slot.const_s
+    return slot.per_layer_s[0] * n + (slot.per_layer_s[1] - slot.per_layer_s[0]) * recompute_layers + slot.const_s
+
+
+def recompute_choice(slot: SlotCost, n: int) -> tuple[bool, int]:
+    """How the stage holds ``n`` layers at least time: (whole-stage recompute, partial recompute layers);
+    recompute only past what fits without it, partial where the slot has it and it recomputes fewer."""
+    if n <= slot.max_layers[0]:
+        return False, 0
+    k = slot.partial[n] if n < len(slot.partial) else -1
+    if 0 <= k < n:
+        return False, k
+    return True, 0
+
+
+def _split(slots: Sequence[SlotCost], layers: Sequence[int]) -> LayerSplit:
+    """The split holding ``layers`` with each stage's least-time recompute (``recompute_choice``)."""
+    choice = [recompute_choice(s, n) for s, n in zip(slots, layers)]
+    return LayerSplit(tuple(layers), tuple(rc for rc, _ in choice),
+                      tuple(stage_time(s, n, rc, k) for s, n, (rc, k) in zip(slots, layers, choice)),
+                      tuple(k for _, k in choice))
 
 
 def _usable(slot: SlotCost) -> int:
@@ -148,6 +210,9 @@ def feasible(slots: Sequence[SlotCost], num_layers: int) -> bool:
 
 def _cap(slot: SlotCost, z: float) -> tuple[int, bool]:
     """Most layers the stage can take with time <= z, and whether that needs recompute."""
+    if slot.partial:   # partial recompute: the time per layer count is no longer one line per option
+        n = next((n for n in range(_usable(slot), 0, -1) if _next_cost(slot, n) <= z + 1e-9), -1)
+        return n, n > slot.max_layers[0]
     best, rc_best = -1, False
     for rc in (False, True):
         nmax = slot.max_layers[rc]
@@ -166,7 +231,7 @@ def _next_cost(slot: SlotCost, n: int) -> float:
     if n <= slot.max_layers[0]:
         return stage_time(slot, n, False)
     if n <= slot.max_layers[1]:
-        return stage_time(slot, n, True)
+        return stage_time(slot, n, *recompute_choice(slot, n))
     return math.inf
 
 
@@ -206,8 +271,7 @@ def split_fast(slots: Sequence[SlotCost], num_layers: int) -> LayerSplit | None:
         left -= take
     if left > 0:
         return None
-    rec = [layers[i] > slots[i].max_layers[0] for i in range(len(slots))]
-    return LayerSplit(tuple(layers), tuple(rec), tuple(stage_time(s, n, r) for s, n, r in zip(slots, layers, rec)))
+    return _split(slots, layers)
 
 
 def split_ilp(slots: Sequence[SlotCost], num_layers: int, micro_batches: int,
@@ -254,7 +318,8 @@ def split_ilp(slots: Sequence[SlotCost], num_layers: int, micro_batches: int,
         rec.append(rc)
     if sum(layers) != num_layers or min(layers) < 1:
         return incumbent
-    out = LayerSplit(tuple(layers), tuple(rec), tuple(stage_time(s, n, rc) for s, n, rc in zip(slots, layers, rec)))
+    # The ILP knows whole-stage recompute only: each stage then takes its least-time choice, partial included.
+    out = _split(slots, layers)
     if incumbent is not None and incumbent.pipeline_s(m, fill=fill) < out.pipeline_s(m, fill=fill):
         return incumbent
     return out
@@ -284,8 +349,7 @@ def refine_split(slots: Sequence[SlotCost], split: LayerSplit, price: Callable[[
             layers[dst] += 1
             if layers[src] < min_layers or layers[dst] > _usable(slots[dst]):
                 continue
-            rec = tuple(n > s.max_layers[0] for s, n in zip(slots, layers))
-            cand = LayerSplit(tuple(layers), rec, tuple(stage_time(s, n, r) for s, n, r in zip(slots, layers, rec)))
+            cand = _split(slots, layers)
             evaluations += 1
             if bound is not None and bound(cand) >= best_t - 1e-12:
                 continue   # its price is at least the bound: no improvement

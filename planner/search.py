@@ -385,15 +385,19 @@ class Searcher:
     def zero_degree(self, pipelines: int) -> int:
         return zero_degree(pipelines, self.settings.zero)
 
-    def _slots(self, template: Template, zero_degree: int, choice: ScheduleChoice) -> tuple[SlotCost, ...]:
-        return slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,
-                          memory_margin=self.settings.memory_margin, schedule=choice)
+    def _slots(self, template: Template, zero_degree: int, choice: ScheduleChoice, partial: bool = True
+               ) -> tuple[SlotCost, ...]:
+        """``partial=False``: without partial recompute (whole-stage recompute only)."""
+        slots = slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,
+                           memory_margin=self.settings.memory_margin, schedule=choice)
+        return slots if partial else tuple(dataclasses.replace(s, partial=()) for s in slots)
 
     @memo
-    def fast_split(self, template: Template, zero_degree: int, choice: ScheduleChoice) -> LayerSplit | None:
+    def fast_split(self, template: Template, zero_degree: int, choice: ScheduleChoice, partial: bool = True
+                   ) -> LayerSplit | None:
         """The min-max split under ``choice``'s memory (None if none fits, or a stage gets fewer layers
         than chunks)."""
-        sp = self._split_of(self._slots(template, zero_degree, choice))
+        sp = self._split_of(self._slots(template, zero_degree, choice, partial))
         return None if sp is None or min(sp.layers) < choice.chunks else sp
 
     @memo
@@ -873,6 +877,13 @@ class Searcher:
             cand = self.finalize(combo, alloc)
             if cand is not None:
                 out.append(cand)
+                # Partial recompute where memory binds: the closed form the splits are chosen by prices its
+                # extra forwards but not the activation limits the plain split's free memory buys later
+                # (with_spare_limits), so the same combination is finalized without it too.
+                if any(st.recompute_layers for p in cand.strategy.pipelines for st in p.stages):
+                    plain = self.finalize(combo, alloc, partial=False)
+                    if plain is not None:
+                        out.append(plain)
         self._report("exact layer split + micro-batches (ILP)", len(finalists), len(finalists))
         self.stats.finalists += len(finalists)
         return out
@@ -990,8 +1001,10 @@ class Searcher:
                   ) -> Pipeline:
         """A pipeline of ``lay``'s groups with ``split``'s layers cut into ``choice``'s chunks (its schedule
         named unless it is the plan's default)."""
-        stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc)
-                       for g, r, rc in zip(lay.groups, stage_layer_ranges(split.layers, choice), split.recompute))
+        partial = split.recompute_layers or (0,) * len(split.layers)
+        stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc, recompute_layers=k or None)
+                       for g, r, rc, k in zip(lay.groups, stage_layer_ranges(split.layers, choice), split.recompute,
+                                              partial))
         own = None if choice.name == self.settings.default_schedule else choice.name
         # With its costs, as the plan will carry them: the runtime orders its lists by them (and so the price).
         return self.cm.costed_pipeline(Pipeline(micro_batches=micro_batches, stages=stages, schedule=own),
@@ -1018,11 +1031,11 @@ class Searcher:
         layouts = [lay for b in combo for lay in b.layouts]
         return self._candidate(layouts, split_of, mb_of, choice_of, [proxy[i] for i in range(len(layouts))])
 
-    def finalize(self, combo: Sequence[BlockCandidate], hint: Allocation) -> Candidate | None:
+    def finalize(self, combo: Sequence[BlockCandidate], hint: Allocation, partial: bool = True) -> Candidate | None:
         """Exact layer splits and micro-batches for a combination, scored by ``CostModel.estimate``: each
         class offers its fast split and the ILP splits for the micro-batch counts it may get (under its
         schedule's memory and fill), the allocation ILP picks counts and splits together, then each class
-        is re-split for its count."""
+        is re-split for its count. ``partial=False``: without partial recompute."""
         layouts, keys, members, hint_m, fills = self._classes(combo, hint)
         zd = self.zero_degree(len(layouts))
         m_total = self.micro_batches
@@ -1032,8 +1045,8 @@ class Searcher:
         for key in keys:
             template, _, choice = key
             fill = fills[key][0]
-            slots = self._slots(template, zd, choice)
-            fast = self.fast_split(template, zd, choice)
+            slots = self._slots(template, zd, choice, partial)
+            fast = self.fast_split(template, zd, choice, partial)
             if fast is None:
                 return None
             found = [fast]
@@ -1061,7 +1074,8 @@ class Searcher:
                 continue   # already solved for this count
             self.stats.ilps += 1
             fill = fills[key][0]
-            sp = split_ilp(self._slots(key[0], zd, key[2]), n_layers, mb, limit, incumbent=chosen[j], fill=fill)
+            sp = split_ilp(self._slots(key[0], zd, key[2], partial), n_layers, mb, limit, incumbent=chosen[j],
+                           fill=fill)
             if sp is not None and min(sp.layers) >= key[2].chunks and \
                     sp.pipeline_s(mb, fill=fill) < chosen[j].pipeline_s(mb, fill=fill) - 1e-12:
                 chosen[j] = sp
@@ -1084,7 +1098,8 @@ class Searcher:
                 return self._class_bound(lay, sp, mb, choice)
 
             budget = max(3, min(24, REFINE_OPS // (3 * len(key[0]) * choice.chunks * mb)))
-            chosen[j] = refine_split(self._slots(key[0], zd, choice), chosen[j], price, choice.chunks, budget, bound)
+            chosen[j] = refine_split(self._slots(key[0], zd, choice, partial), chosen[j], price, choice.chunks, budget,
+                                     bound)
         split_of: dict[int, LayerSplit] = {}
         mb_of: dict[int, int] = {}
         choice_of: dict[int, ScheduleChoice] = {}
