@@ -148,6 +148,12 @@ class Stage:
         """How many of the stage's layers recompute their forward in the backward."""
         return self.num_layers if self.recompute else (self.recompute_layers or 0)
 
+    def recompute_text(self) -> str:
+        """'yes' (every layer), '3 of 8' (partial recompute) or '' for tables."""
+        if self.recompute:
+            return "yes"
+        return f"{self.recompute_layers} of {self.num_layers}" if self.recompute_layers else ""
+
     def chunk_recompute(self, chunk: int) -> int:
         """How many layers of chunk ``chunk`` recompute: the stage's ``recomputed_layers`` lowest layer
         indices, wherever its chunks hold them."""
