@@ -100,34 +100,30 @@ def _max_layers(cm: CostModel, kind: GroupKind, first: bool, last: bool, recompu
     return lo
 
 
-def _min_recompute(cm: CostModel, kind: GroupKind, first: bool, last: bool, n: int, in_flight: int,
-                   zero_degree: int, capacity: float, chunks: int) -> int:
-    """The fewest of ``n`` layers to recompute (the lowest, chunk by chunk) for the stage to fit
-    ``capacity`` bytes; -1 if not even all do. Memory falls as more recompute (each frees its activations
-    but its input), so a bisection finds it."""
-    sizes = chunk_sizes(n, chunks)
-    parts = tuple((k, first and c == 0, last and c == chunks - 1) for c, k in enumerate(sizes))
+def _partial_table(cm: CostModel, kind: GroupKind, first: bool, last: bool, fit_plain: int, fit_all: int,
+                   in_flight: int, zero_degree: int, capacity: float, chunks: int) -> tuple[int, ...]:
+    """``SlotCost.partial``: for n up to ``fit_all`` layers, the fewest to recompute (the lowest, chunk by
+    chunk) for the stage to fit ``capacity`` bytes by ``device_memory``. n layers fit with all recomputed
+    (n <= ``fit_all``), and memory grows with n and falls with each recomputed layer past the first, so the
+    count never falls as n grows: one upward scan finds every entry."""
+    out = [0] * (max(0, fit_plain) + 1)
+    k = 1
+    for n in range(len(out), fit_all + 1):
+        sizes = chunk_sizes(n, chunks)
+        parts = tuple((size, first and c == 0, last and c == chunks - 1) for c, size in enumerate(sizes))
 
-    def fits(k: int) -> bool:
-        per, left = [], k
-        for size in sizes:
-            per.append(min(size, left))
-            left -= per[-1]
-        mem = cm.device_memory(kind.device_type, kind.tp, parts, False, in_flight, zero_degree, tuple(per))
-        return mem.total <= capacity
+        def fits(k: int, sizes: tuple[int, ...] = sizes, parts: tuple = parts) -> bool:
+            per, left = [], k
+            for size in sizes:
+                per.append(min(size, left))
+                left -= per[-1]
+            mem = cm.device_memory(kind.device_type, kind.tp, parts, False, in_flight, zero_degree, tuple(per))
+            return mem.total <= capacity
 
-    if fits(0):
-        return 0
-    if not fits(n):
-        return -1
-    lo, hi = 0, n   # not fits(lo), fits(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+        while k < n and not fits(k):
+            k += 1
+        out.append(k)
+    return tuple(out)
 
 
 def slot_costs(cm: CostModel, kinds: Sequence[GroupKind], *, zero_degree: int = 1, recompute: bool = True,
@@ -163,9 +159,8 @@ def slot_costs(cm: CostModel, kinds: Sequence[GroupKind], *, zero_degree: int = 
             nmax = tuple(_max_layers(cm, kind, first, last, rc, in_flight, zero_degree, cap, limit, v)
                          if (rc is False or recompute) else -1 for rc in (False, True))
             # Partial recompute only where memory binds: between what fits without and with recompute.
-            partial = tuple(0 if n <= nmax[0] else _min_recompute(cm, kind, first, last, n, in_flight, zero_degree,
-                                                                   cap, v)
-                            for n in range(nmax[1] + 1)) if recompute and nmax[1] > max(0, nmax[0]) else ()
+            partial = _partial_table(cm, kind, first, last, nmax[0], nmax[1], in_flight, zero_degree, cap, v) \
+                if recompute and nmax[1] > max(0, nmax[0]) else ()
             hit = cache[key] = SlotCost(kind, first, last, in_flight, (per[0], per[1]), max(0.0, const), nmax,
                                         partial)
         out.append(hit)

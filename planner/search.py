@@ -106,6 +106,9 @@ class PlanSettings:
     time_limit_s: float = 120.0
     top_k: int = 5
     allow_recompute: bool = True
+    # Recompute only the layers of a stage its memory lacks room for (``Stage.recompute_layers``), searched
+    # only where memory binds; off: whole-stage recompute or none.
+    partial_recompute: bool = True
     # Raise a pipeline's activation bound to what its stages' free memory holds (``Pipeline.activation_limits``)
     # where that makes the plan faster: more forwards ahead, more W deferred into the fill and drain.
     spare_activations: bool = True
@@ -390,7 +393,9 @@ class Searcher:
         """``partial=False``: without partial recompute (whole-stage recompute only)."""
         slots = slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,
                            memory_margin=self.settings.memory_margin, schedule=choice)
-        return slots if partial else tuple(dataclasses.replace(s, partial=()) for s in slots)
+        if partial and self.settings.partial_recompute:
+            return slots
+        return tuple(dataclasses.replace(s, partial=()) for s in slots)
 
     @memo
     def fast_split(self, template: Template, zero_degree: int, choice: ScheduleChoice, partial: bool = True
@@ -874,16 +879,7 @@ class Searcher:
             self._report("exact layer split + micro-batches (ILP)", i, len(finalists))
             if i >= 1 and self.out_of_time():
                 break
-            cand = self.finalize(combo, alloc)
-            if cand is not None:
-                out.append(cand)
-                # Partial recompute where memory binds: the closed form the splits are chosen by prices its
-                # extra forwards but not the activation limits the plain split's free memory buys later
-                # (with_spare_limits), so the same combination is finalized without it too.
-                if any(st.recompute_layers for p in cand.strategy.pipelines for st in p.stages):
-                    plain = self.finalize(combo, alloc, partial=False)
-                    if plain is not None:
-                        out.append(plain)
+            out.extend(self.finalize(combo, alloc))
         self._report("exact layer split + micro-batches (ILP)", len(finalists), len(finalists))
         self.stats.finalists += len(finalists)
         return out
@@ -1031,11 +1027,14 @@ class Searcher:
         layouts = [lay for b in combo for lay in b.layouts]
         return self._candidate(layouts, split_of, mb_of, choice_of, [proxy[i] for i in range(len(layouts))])
 
-    def finalize(self, combo: Sequence[BlockCandidate], hint: Allocation, partial: bool = True) -> Candidate | None:
+    def finalize(self, combo: Sequence[BlockCandidate], hint: Allocation) -> list[Candidate]:
         """Exact layer splits and micro-batches for a combination, scored by ``CostModel.estimate``: each
         class offers its fast split and the ILP splits for the micro-batch counts it may get (under its
         schedule's memory and fill), the allocation ILP picks counts and splits together, then each class
-        is re-split for its count. ``partial=False``: without partial recompute."""
+        is re-split for its count. Where a class's split recomputes part of a stage, the plan is also
+        returned with that class split without partial recompute (``plain``): the closed form the splits
+        are chosen by prices partial recompute's extra forwards, but not the activation limits a plain
+        split's free memory buys later (``with_spare_limits``), which can make it the faster."""
         layouts, keys, members, hint_m, fills = self._classes(combo, hint)
         zd = self.zero_degree(len(layouts))
         m_total = self.micro_batches
@@ -1045,10 +1044,10 @@ class Searcher:
         for key in keys:
             template, _, choice = key
             fill = fills[key][0]
-            slots = self._slots(template, zd, choice, partial)
-            fast = self.fast_split(template, zd, choice, partial)
+            slots = self._slots(template, zd, choice)
+            fast = self.fast_split(template, zd, choice)
             if fast is None:
-                return None
+                return []
             found = [fast]
             for mb in sorted({len(template), hint_m[key]}):
                 self.stats.ilps += 1
@@ -1065,7 +1064,7 @@ class Searcher:
         self.stats.ilps += 1
         alloc = allocate_ilp(classes, m_total, limit)
         if alloc is None:
-            return None
+            return []
         chosen = [opts[o] for opts, o in zip(options, alloc.option)]
         changed = False
         for j, key in enumerate(keys):
@@ -1074,8 +1073,7 @@ class Searcher:
                 continue   # already solved for this count
             self.stats.ilps += 1
             fill = fills[key][0]
-            sp = split_ilp(self._slots(key[0], zd, key[2], partial), n_layers, mb, limit, incumbent=chosen[j],
-                           fill=fill)
+            sp = split_ilp(self._slots(key[0], zd, key[2]), n_layers, mb, limit, incumbent=chosen[j], fill=fill)
             if sp is not None and min(sp.layers) >= key[2].chunks and \
                     sp.pipeline_s(mb, fill=fill) < chosen[j].pipeline_s(mb, fill=fill) - 1e-12:
                 chosen[j] = sp
@@ -1086,6 +1084,7 @@ class Searcher:
             again = allocate_ilp(classes, m_total, limit)
             if again is not None and again.makespan_s <= alloc.makespan_s + 1e-12:
                 alloc = again
+        plain: list[LayerSplit | None] = list(chosen)
         for j, key in enumerate(keys):   # the exact pipeline time has the last word on each split
             lay, mb, choice = layouts[members[key][0]], max(alloc.per_class[j]), key[2]
 
@@ -1098,17 +1097,27 @@ class Searcher:
                 return self._class_bound(lay, sp, mb, choice)
 
             budget = max(3, min(24, REFINE_OPS // (3 * len(key[0]) * choice.chunks * mb)))
-            chosen[j] = refine_split(self._slots(key[0], zd, choice, partial), chosen[j], price, choice.chunks, budget,
-                                     bound)
-        split_of: dict[int, LayerSplit] = {}
-        mb_of: dict[int, int] = {}
-        choice_of: dict[int, ScheduleChoice] = {}
-        for j, key in enumerate(keys):
-            for idx, mb in zip(members[key], alloc.per_class[j]):
-                mb_of[idx] = mb
-                split_of[idx] = chosen[j]
-                choice_of[idx] = key[2]
-        return self._candidate(layouts, split_of, mb_of, choice_of)
+            chosen[j] = refine_split(self._slots(key[0], zd, choice), chosen[j], price, choice.chunks, budget, bound)
+            if any(chosen[j].recompute_layers):
+                sp = self.fast_split(key[0], zd, choice, False)
+                plain[j] = None if sp is None else \
+                    refine_split(self._slots(key[0], zd, choice, False), sp, price, choice.chunks, budget, bound)
+        out = []
+        for splits in (chosen, plain) if any(p is not c for p, c in zip(plain, chosen)) else (chosen,):
+            if any(sp is None for sp in splits):
+                continue
+            split_of: dict[int, LayerSplit] = {}
+            mb_of: dict[int, int] = {}
+            choice_of: dict[int, ScheduleChoice] = {}
+            for j, key in enumerate(keys):
+                for idx, mb in zip(members[key], alloc.per_class[j]):
+                    mb_of[idx] = mb
+                    split_of[idx] = splits[j]
+                    choice_of[idx] = key[2]
+            cand = self._candidate(layouts, split_of, mb_of, choice_of)
+            if cand is not None:
+                out.append(cand)
+        return out
 
     def _report(self, phase: str, done: int, total: int) -> None:
         if self.progress is not None:
