@@ -158,9 +158,11 @@ def slot_costs(cm: CostModel, kinds: Sequence[GroupKind], *, zero_degree: int = 
                 const += (v - 1) * max(0.0, mid.time_s - per[0])
             nmax = tuple(_max_layers(cm, kind, first, last, rc, in_flight, zero_degree, cap, limit, v)
                          if (rc is False or recompute) else -1 for rc in (False, True))
-            # Partial recompute only where memory binds: between what fits without and with recompute.
+            # Partial recompute only where memory binds: between what fits without and with recompute. Not
+            # under GPipe, whose stages hold every micro-batch: the bound above is at m = 2S, a plan's m is
+            # the allocation's, and a stage recomputing just enough at 2S runs out of memory at more.
             partial = _partial_table(cm, kind, first, last, nmax[0], nmax[1], in_flight, zero_degree, cap, v) \
-                if recompute and nmax[1] > max(0, nmax[0]) else ()
+                if recompute and nmax[1] > max(0, nmax[0]) and schedule.name != "gpipe" else ()
             hit = cache[key] = SlotCost(kind, first, last, in_flight, (per[0], per[1]), max(0.0, const), nmax,
                                         partial)
         out.append(hit)
