@@ -3,7 +3,8 @@
 Under 1F1B a pipeline with stage times ``t_s`` and ``m`` micro-batches takes ``(m-1)*max_s t_s + sum_s t_s``
 plus its boundary transfers (``planner.cost.pipeline_time``). A stage's time is linear in its layer count
 (``per_layer * n + const``; ``const`` is the embedding on the first stage, norm + head on the last), and its
-memory must fit: stage k of S holds ``S-k`` micro-batches of activations. Both coefficients and the largest
+memory must fit: stage k of S holds ``S-k`` micro-batches of activations. Where it does not, a stage
+recomputes all its layers or, cheaper, only as many as it lacks room for (``SlotCost.partial``). Both coefficients and the largest
 layer count that fits come from the cost model (``slot_costs``), so the split is optimal for the very
 model that scores the plan.
 
@@ -41,9 +42,9 @@ class SlotCost:
     per_layer_s: tuple[float, float]   # stage seconds per layer, one micro-batch (forward + backward)
     const_s: float                     # seconds added by the embedding / head, one micro-batch
     max_layers: tuple[int, int]        # most layers that fit in memory; -1: not even the extras fit
-    # Partial recompute (``Stage.recompute_layers``): at index n the fewest recomputed layers with which n
-    # layers fit (-1: none; 0 up to ``max_layers[0]``); each costs ``per_layer_s[1] - per_layer_s[0]``.
-    # Empty: whole-stage recompute only.
+    # Partial recompute (``Stage.recompute_layers``): at index n <= ``max_layers[1]`` the fewest recomputed
+    # layers with which n layers fit (0 up to ``max_layers[0]``; n: all, whole-stage recompute); each costs
+    # ``per_layer_s[1] - per_layer_s[0]``. Empty: whole-stage recompute only.
     partial: tuple[int, ...] = ()
 
 
