@@ -670,7 +670,8 @@ class CostModel:
 
     @memo
     def stage_memory(self, device_type: str, tp: int, num_layers: int, first: bool, last: bool,
-                     recompute: bool, in_flight: int, zero_degree: int = 1, recompute_layers: int = 0) -> MemoryBreakdown:
+                     recompute: bool, in_flight: int, zero_degree: int = 1,
+                     recompute_layers: int = 0) -> MemoryBreakdown:
         """Peak bytes on one device of a stage holding ``in_flight`` micro-batches of activations.
 
         A layer without recompute keeps its saved tensors per in-flight micro-batch; a recomputed one
@@ -1299,8 +1300,8 @@ class CostModel:
     def stage_total(self, st: Stage) -> StageCost:
         """One micro-batch through every chunk of a stage (``stage`` per chunk, summed)."""
         dtype, n_layers = self._type_of[st.devices[0]], self.model.num_layers
-        parts = [self.placed_stage(dtype, st.tp, ((a, b),), a == 0, b == n_layers, recompute_layers=st.chunk_recompute(c))
-                 for c, (a, b) in enumerate(st.layers)]
+        parts = [self.placed_stage(dtype, st.tp, ((a, b),), a == 0, b == n_layers,
+                                   recompute_layers=st.chunk_recompute(c)) for c, (a, b) in enumerate(st.layers)]
         if len(parts) == 1:
             return parts[0]
         return StageCost(*(sum(getattr(c, f.name) for c in parts) for f in dataclasses.fields(StageCost)))

@@ -4,9 +4,9 @@ Under 1F1B a pipeline with stage times ``t_s`` and ``m`` micro-batches takes ``(
 plus its boundary transfers (``planner.cost.pipeline_time``). A stage's time is linear in its layer count
 (``per_layer * n + const``; ``const`` is the embedding on the first stage, norm + head on the last), and its
 memory must fit: stage k of S holds ``S-k`` micro-batches of activations. Where it does not, a stage
-recomputes all its layers or, cheaper, only as many as it lacks room for (``SlotCost.partial``). Both coefficients and the largest
-layer count that fits come from the cost model (``slot_costs``), so the split is optimal for the very
-model that scores the plan.
+recomputes all its layers or, cheaper, only as many as it lacks room for (``SlotCost.partial``). Both
+coefficients and the largest layer count that fits come from the cost model (``slot_costs``), so the split
+is optimal for the very model that scores the plan.
 
 * ``split_ilp``: the exact ILP (PuLP): minimize ``(m-1)*Z + sum_s t_s`` with ``t_s <= Z``, each stage
   with or without recompute, ``n_s <= most layers that fit``, ``sum n_s = L``.

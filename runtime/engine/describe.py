@@ -140,8 +140,8 @@ def describe_plan(plan: DevicePlan) -> ProgramDescription:
             c = role.chunks[a.chunk]
             recompute = "" if not c.recomputed else " (recompute)" if c.recomputes_all else \
                 f" (recompute layers {c.recomputed[0]}-{c.recomputed[-1]})"
-            in_b = ", and the recomputed layers' weight gradients" if c.recomputed and weight_grad_from_outputs(plan, c) \
-                else ""
+            partial = c.recomputed and weight_grad_from_outputs(plan, c)
+            in_b = ", and the recomputed layers' weight gradients" if partial else ""
             detail = {"F": _holds(c) + recompute, "BW": ("recompute + " if c.recomputed else "") + "grads",
                       "B": f"input gradient (autograd.grad){in_b}, graph kept" if not c.embed else
                            "nothing (the first chunk has no input gradient); graph kept",

@@ -88,7 +88,8 @@ class DeviceProgram:
         # Partial recompute under a split backward: B computes the recomputed layers' weight gradients itself
         # (deferring them to W would rerun their forward a second time).
         self._in_input_grad = [[p for layer in _layers(m, c.recomputed) for p in layer.parameters()]
-                               if record is not None else [] for c, m, record in zip(role.chunks, chunks, self._records)]
+                               if record is not None else []
+                               for c, m, record in zip(role.chunks, chunks, self._records)]
         self.chunks = chunks  # [local chunk]: the schedule's Compute.chunk indexes it
         self._chunk_params = [list(m.parameters()) for m in chunks]
         self.shards: tuple[ParamShard, ...] = plan.shards

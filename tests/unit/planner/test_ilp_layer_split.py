@@ -170,5 +170,7 @@ def test_slot_partial_table_from_the_cost_model():
     assert slot.partial and slot.max_layers[0] < len(slot.partial) - 1
     for n in range(slot.max_layers[0] + 1, len(slot.partial)):
         k = slot.partial[n]
-        mem = lambda r: cm.device_memory("RTX4090", 1, ((n, True, False),), False, slot.in_flight, 1, (r,)).total
+        def mem(r: int, n: int = n) -> float:
+            return cm.device_memory("RTX4090", 1, ((n, True, False),), False, slot.in_flight, 1, (r,)).total
+
         assert 1 <= k <= n and mem(k) <= cap and mem(k - 1) > cap
