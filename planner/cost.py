@@ -235,7 +235,19 @@ def play_timeline(layout: Layout, timeline: Sequence[Sequence[TimedOp]], costs: 
     return last
 
 
-def weight_grad_fraction(model: ModelSpec, seq_len: int, num_layers: int, head: bool) -> float:
+def recomputed(num_layers: int, recompute: bool, recompute_layers: int) -> int:
+    """How many of ``num_layers`` layers recompute: all with ``recompute``, else ``recompute_layers``
+    (partial recompute, ``Stage.recompute_layers``), at most all."""
+    return num_layers if recompute else min(num_layers, max(0, recompute_layers))
+
+
+def stage_recompute(st: Stage) -> tuple[int, ...]:
+    """Per chunk of ``st``, how many of its layers recompute (``Stage.chunk_recompute``)."""
+    return tuple(st.chunk_recompute(c) for c in range(st.chunks))
+
+
+def weight_grad_fraction(model: ModelSpec, seq_len: int, num_layers: int, head: bool,
+                         in_input_grad: int = 0) -> float:
     """The weight-gradient (W) share of a chunk's backward compute, by FLOPs (docs/design.md §10).
 
     Per token, a decoder layer's forward runs ``2P`` matmul FLOPs (P its parameters) and ``4hs``
@@ -244,10 +256,12 @@ def weight_grad_fraction(model: ModelSpec, seq_len: int, num_layers: int, head: 
     weight gradients, ``2P``. The head adds ``2Vh`` to each half; the embedding's backward is a
     scatter-add (no FLOPs). The profiles time the backward as one block, so W is this share of it and B
     the rest; recompute and TP collectives stay with B (the recompute forward runs before the input
-    gradients; the row-parallel input-gradient all-reduce is B's)."""
+    gradients; the row-parallel input-gradient all-reduce is B's). ``in_input_grad``: layers whose weight
+    gradients B computes itself (partial recompute's recomputed layers: the engine does not defer them, as
+    deferring would rerun their forward once more), so they are not W's."""
     p, h = model.layer_params(), model.hidden_size
     head_flops = 2.0 * model.vocab_size * h if head else 0.0
-    w = num_layers * 2.0 * p + head_flops
+    w = (num_layers - in_input_grad) * 2.0 * p + head_flops
     total = num_layers * (4.0 * p + 8.0 * h * seq_len) + 2.0 * head_flops
     return w / total if total > 0 else 0.0
 
@@ -565,22 +579,25 @@ class CostModel:
 
     @memo
     def stage(self, device_type: str, tp: int, num_layers: int, first: bool, last: bool,
-              recompute: bool = False, micro_batch: int | None = None, seq_len: int | None = None) -> StageCost:
-        """One micro-batch through a stage of ``num_layers`` layers (recompute: whole-layer checkpoints)."""
-        lay = self.layer(device_type, tp, recompute, micro_batch, seq_len)
+              recompute: bool = False, micro_batch: int | None = None, seq_len: int | None = None,
+              recompute_layers: int = 0) -> StageCost:
+        """One micro-batch through a stage of ``num_layers`` layers, ``recomputed(...)`` of them with
+        whole-layer checkpoints (their forward re-run in the backward)."""
+        r = recomputed(num_layers, recompute, recompute_layers)
+        lay = self.layer(device_type, tp, r > 0, micro_batch, seq_len)
         ext = self.extras(device_type, tp, first, last, micro_batch, seq_len)
         n = num_layers
         b, s = self._shape(micro_batch, seq_len)
         target = self.sleep_target(device_type)
         if target is not None:   # sleep mode: each block lasts its target (TP collectives run inside it)
-            block = ComputeBlock(layers=n, micro_batch=b, seq_len=s, backward=False, tp=tp, recompute=recompute,
+            block = ComputeBlock(layers=n, micro_batch=b, seq_len=s, backward=False, tp=tp, recompute=r == n > 0,
                                  first=first, last=last)
             fwd = target.block_s(block)
             bwd = target.block_s(dataclasses.replace(block, backward=True))
             return StageCost(forward_s=fwd, backward_s=bwd, compute_s=fwd + bwd, tp_forward_s=0.0,
                              tp_backward_s=0.0, params=n * lay.params + ext.params)
         fwd_c = n * lay.forward_s + ext.forward_s
-        bwd_c = n * (lay.backward_s + lay.recompute_s) + ext.backward_s
+        bwd_c = n * lay.backward_s + r * lay.recompute_s + ext.backward_s
         # An emulated device sleeps (slowdown - 1) x the CPU time of each compute block (runtime/trace.py
         # EmulatedSlowdown): the waits inside its TP collectives are not stretched, their CPU time is.
         stretch = self.host.emulated_slowdown(device_type)
@@ -590,7 +607,7 @@ class CostModel:
             cpu_f = eval_fit(cpu_blocks["layer"].forward_s, b, s)
             ext_f, ext_b = self._tp_extras(cpu_blocks, first, last, b, s)
             tp_cpu_f = n * cpu_f + ext_f
-            tp_cpu_b = n * (eval_fit(cpu_blocks["layer"].backward_s, b, s) + (cpu_f if recompute else 0.0)) + ext_b
+            tp_cpu_b = n * eval_fit(cpu_blocks["layer"].backward_s, b, s) + r * cpu_f + ext_b
         tp_f = n * lay.tp_forward_s + ext.tp_forward_s + (stretch - 1.0) * tp_cpu_f
         tp_b = n * lay.tp_backward_s + ext.tp_backward_s + (stretch - 1.0) * tp_cpu_b
         return StageCost(forward_s=fwd_c + tp_f, backward_s=bwd_c + tp_b, compute_s=fwd_c + bwd_c,
@@ -599,11 +616,14 @@ class CostModel:
 
     @memo
     def placed_stage(self, device_type: str, tp: int, layers: tuple[tuple[int, int], ...], first: bool, last: bool,
-                     recompute: bool = False) -> StageCost:
+                     recompute: bool = False, recompute_layers: int = 0) -> StageCost:
         """``stage`` for the decoder layer ranges ``layers`` ((start, stop) per chunk): where the profile
         overrides some of them by index (``MeasuredModel.layers``), their own components' times replace the
-        shared layer's."""
-        sc = self.stage(device_type, tp, sum(b - a for a, b in layers), first, last, recompute)
+        shared layer's. The recomputed layers are the lowest ``recomputed(...)`` indices."""
+        n_layers = sum(b - a for a, b in layers)
+        sc = self.stage(device_type, tp, n_layers, first, last, recompute, recompute_layers=recompute_layers)
+        rc_ids = set(sorted(i for a, b in layers for i in range(a, b))[:recomputed(n_layers, recompute,
+                                                                                   recompute_layers)])
         prof, (b, s) = self.profiles[device_type], self._shape(None, None)
         measured = self._measured(device_type)
         if measured is None or not measured.layers or self.sleep_target(device_type) is not None:
@@ -617,7 +637,7 @@ class CostModel:
             f = sum(eval_fit(p.forward_s, b, s) for p in layer_components(own)) - sum(
                 eval_fit(p.forward_s, b, s) for p in base)
             d_f += f
-            d_b += f * recompute + sum(eval_fit(p.backward_s, b, s) for p in layer_components(own)) - sum(
+            d_b += f * (i in rc_ids) + sum(eval_fit(p.backward_s, b, s) for p in layer_components(own)) - sum(
                 eval_fit(p.backward_s, b, s) for p in base)
         return dataclasses.replace(sc, forward_s=sc.forward_s + d_f, backward_s=sc.backward_s + d_b,
                                    compute_s=sc.compute_s + d_f + d_b)
@@ -650,26 +670,29 @@ class CostModel:
 
     @memo
     def stage_memory(self, device_type: str, tp: int, num_layers: int, first: bool, last: bool,
-                     recompute: bool, in_flight: int, zero_degree: int = 1) -> MemoryBreakdown:
+                     recompute: bool, in_flight: int, zero_degree: int = 1,
+                     recompute_layers: int = 0) -> MemoryBreakdown:
         """Peak bytes on one device of a stage holding ``in_flight`` micro-batches of activations.
 
-        Without recompute every layer keeps its saved tensors per in-flight micro-batch; with recompute
-        only each layer's input is kept, plus one layer's full activations while it is recomputed.
+        A layer without recompute keeps its saved tensors per in-flight micro-batch; a recomputed one
+        (``recomputed(...)`` of them) only its input, and while one is recomputed its full activations
+        live once more.
         The head's logits live only between the last stage's forward and backward of one micro-batch.
         A sleep-mode type that emulates its target's memory is priced by ``target_memory_model``.
         """
         target = self.target_memory_model(device_type)
         if target is not None:
-            return target.stage_memory(device_type, tp, num_layers, first, last, recompute, in_flight, zero_degree)
+            return target.stage_memory(device_type, tp, num_layers, first, last, recompute, in_flight, zero_degree,
+                                       recompute_layers)
         prof = self.profiles[device_type]
         mem = prof.memory
-        lay = self.layer(device_type, tp, recompute)
+        r = recomputed(num_layers, recompute, recompute_layers)
+        lay = self.layer(device_type, tp, r > 0)
         ext = self.extras(device_type, tp, first, last)
         params = num_layers * lay.params + ext.params
-        if recompute:
-            act = in_flight * num_layers * lay.checkpoint_bytes + lay.activation_bytes
-        else:
-            act = in_flight * num_layers * lay.activation_bytes
+        act = in_flight * ((num_layers - r) * lay.activation_bytes + r * lay.checkpoint_bytes)
+        if r:
+            act += lay.activation_bytes
         comp = self.components(device_type, tp)
         if first:
             act += in_flight * eval_fit(comp["embedding"].activation_bytes, self.micro_batch, self.seq_len)
@@ -1071,13 +1094,15 @@ class CostModel:
 
     @memo
     def chunk_cost(self, device_type: str, tp: int, num_layers: int, first: bool, last: bool,
-                   recompute: bool = False) -> ChunkCost:
+                   recompute: bool = False, recompute_layers: int = 0) -> ChunkCost:
         """One micro-batch through one model chunk as the list scheduler times it: F, and the backward
         split into B (input gradients, what the previous chunk waits for) and W (weight gradients) by
         ``weight_grad_fraction`` of its backward compute; the fused backward is ``stage``'s. As the engine
         runs them (docs/schedules.md, the executor): the chunk holding layer 0 has no input gradient, its W
-        is its whole backward; a recompute chunk's W is a second backward through the graph B kept."""
-        sc = self.stage(device_type, tp, num_layers, first, last, recompute)
+        is its whole backward; a chunk recomputing all its layers runs W as a second backward through the
+        graph B kept; one recomputing some (partial recompute) computes their weight gradients in B."""
+        r = recomputed(num_layers, recompute, recompute_layers)
+        sc = self.stage(device_type, tp, num_layers, first, last, recompute_layers=r)
         tiny = 1e-6 * sc.backward_s   # ChunkCost wants both halves positive
         if self.sleep_target(device_type) is not None:
             # Sleep emulation prices each half at its share of the backward block (runtime/trace.py
@@ -1087,16 +1112,17 @@ class CostModel:
         if first:   # the engine runs the first chunk's W as its whole backward: it has no input gradient
             return ChunkCost(forward=sc.forward_s, input_grad=tiny, weight_grad=sc.backward_s - tiny,
                              full_backward=sc.backward_s)
-        split = None if recompute else self._split_backward(device_type, tp, num_layers, last)
+        split = None if r else self._split_backward(device_type, tp, num_layers, last)
         if split is not None:   # measured: the two autograd passes cost more than the fused backward
             return ChunkCost(forward=sc.forward_s, input_grad=max(tiny, split[0]) + sc.tp_backward_s,
                              weight_grad=max(tiny, split[1]), full_backward=sc.backward_s)
-        recomputed = num_layers * self.layer(device_type, tp, recompute).recompute_s
-        backward_compute = sc.compute_s - (sc.forward_s - sc.tp_forward_s) - recomputed
-        w = weight_grad_fraction(self.model, self.seq_len, num_layers, last) * max(0.0, backward_compute)
+        rerun = r * self.layer(device_type, tp, True).recompute_s
+        backward_compute = sc.compute_s - (sc.forward_s - sc.tp_forward_s) - rerun
+        partial = r if r < num_layers else 0
+        w = weight_grad_fraction(self.model, self.seq_len, num_layers, last, partial) * max(0.0, backward_compute)
         w = min(max(w, tiny), sc.backward_s - tiny)
         b = sc.backward_s - w
-        if recompute:   # ... and a recompute chunk's W as one more backward through the kept graph
+        if r == num_layers:   # ... and a recompute chunk's W as one more backward through the kept graph
             w = max(tiny, backward_compute)
         return ChunkCost(forward=sc.forward_s, input_grad=b, weight_grad=w, full_backward=sc.backward_s)
 
@@ -1121,8 +1147,9 @@ class CostModel:
         chunks = []
         for st in pipe.stages:
             dtype = self._type_of[st.devices[0]]
-            chunks.append(tuple(self.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers, st.recompute)
-                                for a, b in st.layers))
+            chunks.append(tuple(self.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers,
+                                                recompute_layers=st.chunk_recompute(c))
+                                for c, (a, b) in enumerate(st.layers)))
         layout = schedule_layout(schedule, len(pipe.stages), pipe.stages[0].chunks)
         boundary = []
         for j in range(layout.num_stages - 1):
@@ -1201,8 +1228,8 @@ class CostModel:
         estimate prices, so that the runtime orders its lists by them."""
         dtype, n_layers = self._type_of[st.devices[0]], self.model.num_layers
         out = []
-        for a, b in st.layers:
-            c = self.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers, st.recompute)
+        for k, (a, b) in enumerate(st.layers):
+            c = self.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers, recompute_layers=st.chunk_recompute(k))
             out.append((c.forward, c.input_grad, c.weight_grad))
         return tuple(out)
 
@@ -1234,14 +1261,15 @@ class CostModel:
 
     @memo
     def chunk_activation_bytes(self, device_type: str, tp: int, num_layers: int, first: bool,
-                               recompute: bool) -> float:
+                               recompute: bool, recompute_layers: int = 0) -> float:
         """Bytes one micro-batch's activation of a chunk keeps until its backward (W under a split
-        backward): each layer's saved tensors (only its input with recompute), and the embedding's."""
+        backward): each layer's saved tensors (only its input where it recomputes), and the embedding's."""
         target = self.target_memory_model(device_type)
         if target is not None:
-            return target.chunk_activation_bytes(device_type, tp, num_layers, first, recompute)
-        lay = self.layer(device_type, tp, recompute)
-        act = num_layers * (lay.checkpoint_bytes if recompute else lay.activation_bytes)
+            return target.chunk_activation_bytes(device_type, tp, num_layers, first, recompute, recompute_layers)
+        r = recomputed(num_layers, recompute, recompute_layers)
+        lay = self.layer(device_type, tp, r > 0)
+        act = (num_layers - r) * lay.activation_bytes + r * lay.checkpoint_bytes
         if first:
             act += eval_fit(self.components(device_type, tp)["embedding"].activation_bytes, self.micro_batch,
                             self.seq_len)
@@ -1249,14 +1277,18 @@ class CostModel:
 
     @memo
     def device_memory(self, device_type: str, tp: int, chunks: tuple[tuple[int, bool, bool], ...],
-                      recompute: bool, live_chunks: int, zero_degree: int = 1) -> MemoryBreakdown:
+                      recompute: bool, live_chunks: int, zero_degree: int = 1,
+                      recompute_layers: tuple[int, ...] | None = None) -> MemoryBreakdown:
         """Peak bytes on one device of a stage holding ``chunks`` ((layers, first, last) each) with at most
         ``live_chunks`` chunk activations alive (``live_activation_limit``): each counted at the largest
-        chunk's size, so it bounds any order the scheduler picks. One chunk is ``stage_memory``."""
+        chunk's size, so it bounds any order the scheduler picks. One chunk is ``stage_memory``.
+        ``recompute_layers``: per chunk, how many of its layers recompute (``Stage.chunk_recompute``)."""
         n = sum(c[0] for c in chunks)
         first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
-        base = self.stage_memory(device_type, tp, n, first, last, recompute, 0, zero_degree)
-        per = max(self.chunk_activation_bytes(device_type, tp, k, f, recompute) for k, f, _ in chunks)
+        rc = recompute_layers if recompute_layers is not None else (0,) * len(chunks)
+        base = self.stage_memory(device_type, tp, n, first, last, recompute, 0, zero_degree, sum(rc))
+        per = max(self.chunk_activation_bytes(device_type, tp, k, f, recompute, r)
+                  for (k, f, _), r in zip(chunks, rc))
         return dataclasses.replace(base, activations=base.activations + live_chunks * per)
 
     def pipeline_memory(self, strategy: Strategy, pi: int, schedule: Schedule, zero_degree: int = 1
@@ -1271,7 +1303,7 @@ class CostModel:
             live = limits[k]
             chunks = tuple((b - a, a == 0, b == n_layers) for a, b in st.layers)
             out.append(self.device_memory(self._type_of[st.devices[0]], st.tp, chunks, st.recompute, live,
-                                          zero_degree))
+                                          zero_degree, stage_recompute(st)))
         return out
 
     # -- whole strategy ------------------------------------------------------------------------------
@@ -1284,7 +1316,8 @@ class CostModel:
     def stage_total(self, st: Stage) -> StageCost:
         """One micro-batch through every chunk of a stage (``stage`` per chunk, summed)."""
         dtype, n_layers = self._type_of[st.devices[0]], self.model.num_layers
-        parts = [self.placed_stage(dtype, st.tp, ((a, b),), a == 0, b == n_layers, st.recompute) for a, b in st.layers]
+        parts = [self.placed_stage(dtype, st.tp, ((a, b),), a == 0, b == n_layers,
+                                   recompute_layers=st.chunk_recompute(c)) for c, (a, b) in enumerate(st.layers)]
         if len(parts) == 1:
             return parts[0]
         return StageCost(*(sum(getattr(c, f.name) for c in parts) for f in dataclasses.fields(StageCost)))

@@ -89,7 +89,7 @@ def gap_breakdown(cm: CostModel, strategy: Strategy, estimate: StrategyEstimate,
             busy = m * sc.time_s
             ideal = m * sum((b - a) * s["layer"] + (s["embedding"] if a == 0 else 0.0)
                             + (s["head"] if b == n_layers else 0.0) for a, b in st.layers) / st.tp
-            recompute = (m * st.num_layers * cm.layer(dtype, st.tp, True).recompute_s) if st.recompute else 0.0
+            recompute = m * st.recomputed_layers * cm.layer(dtype, st.tp, True).recompute_s
             tp_comm = m * sc.tp_comm_s
             for d in st.devices:
                 r = rate[d]

@@ -3,9 +3,10 @@
 Under 1F1B a pipeline with stage times ``t_s`` and ``m`` micro-batches takes ``(m-1)*max_s t_s + sum_s t_s``
 plus its boundary transfers (``planner.cost.pipeline_time``). A stage's time is linear in its layer count
 (``per_layer * n + const``; ``const`` is the embedding on the first stage, norm + head on the last), and its
-memory must fit: stage k of S holds ``S-k`` micro-batches of activations. Both coefficients and the largest
-layer count that fits come from the cost model (``slot_costs``), so the split is optimal for the very
-model that scores the plan.
+memory must fit: stage k of S holds ``S-k`` micro-batches of activations. Where it does not, a stage
+recomputes all its layers or, cheaper, only as many as it lacks room for (``SlotCost.partial``). Both
+coefficients and the largest layer count that fits come from the cost model (``slot_costs``), so the split
+is optimal for the very model that scores the plan.
 
 * ``split_ilp``: the exact ILP (PuLP): minimize ``(m-1)*Z + sum_s t_s`` with ``t_s <= Z``, each stage
   with or without recompute, ``n_s <= most layers that fit``, ``sum n_s = L``.
@@ -43,6 +44,10 @@ class SlotCost:
     per_layer_s: tuple[float, float]   # stage seconds per layer, one micro-batch (forward + backward)
     const_s: float                     # seconds added by the embedding / head, one micro-batch
     max_layers: tuple[int, int]        # most layers that fit in memory; -1: not even the extras fit
+    # Partial recompute (``Stage.recompute_layers``): at index n <= ``max_layers[1]`` the fewest recomputed
+    # layers with which n layers fit (0 up to ``max_layers[0]``; n: all, whole-stage recompute); each costs
+    # ``per_layer_s[1] - per_layer_s[0]``. Empty: whole-stage recompute only.
+    partial: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class LayerSplit:
     layers: tuple[int, ...]
     recompute: tuple[bool, ...]
     stage_s: tuple[float, ...]         # per stage, one micro-batch
+    recompute_layers: tuple[int, ...] = ()   # per stage, its partial recompute (0: none); empty: none
 
     @property
     def max_s(self) -> float:
@@ -88,6 +94,32 @@ def _max_layers(cm: CostModel, kind: GroupKind, first: bool, last: bool, recompu
     return bisect.bisect_left(range(limit + 1), True, key=lambda n: not fits(n)) - 1
 
 
+def _partial_table(cm: CostModel, kind: GroupKind, first: bool, last: bool, fit_plain: int, fit_all: int,
+                   in_flight: int, zero_degree: int, capacity: float, chunks: int) -> tuple[int, ...]:
+    """``SlotCost.partial``: for n up to ``fit_all`` layers, the fewest to recompute (the lowest, chunk by
+    chunk) for the stage to fit ``capacity`` bytes by ``device_memory``. n layers fit with all recomputed
+    (n <= ``fit_all``), and memory grows with n and falls with each recomputed layer past the first, so the
+    count never falls as n grows: one upward scan finds every entry."""
+    out = [0] * (max(0, fit_plain) + 1)
+    k = 1
+    for n in range(len(out), fit_all + 1):
+        sizes = chunk_sizes(n, chunks)
+        parts = tuple((size, first and c == 0, last and c == chunks - 1) for c, size in enumerate(sizes))
+
+        def fits(k: int, sizes: tuple[int, ...] = sizes, parts: tuple = parts) -> bool:
+            per, left = [], k
+            for size in sizes:
+                per.append(min(size, left))
+                left -= per[-1]
+            mem = cm.device_memory(kind.device_type, kind.tp, parts, False, in_flight, zero_degree, tuple(per))
+            return mem.total <= capacity
+
+        while k < n and not fits(k):
+            k += 1
+        out.append(k)
+    return tuple(out)
+
+
 def slot_costs(cm: CostModel, kinds: Sequence[GroupKind], *, zero_degree: int = 1, recompute: bool = True,
                memory_margin: float = 0.0, schedule: ScheduleChoice = ScheduleChoice("1f1b")) -> tuple[SlotCost, ...]:
     """Cost coefficients and memory limits of each stage of a pipeline whose stages are ``kinds`` in order,
@@ -120,13 +152,41 @@ def slot_costs(cm: CostModel, kinds: Sequence[GroupKind], *, zero_degree: int = 
                 const += (v - 1) * max(0.0, mid.time_s - per[0])
             nmax = tuple(_max_layers(cm, kind, first, last, rc, in_flight, zero_degree, cap, limit, v)
                          if (rc is False or recompute) else -1 for rc in (False, True))
-            hit = cache[key] = SlotCost(kind, first, last, in_flight, (per[0], per[1]), max(0.0, const), nmax)
+            # Partial recompute only where memory binds: between what fits without and with recompute. Not
+            # under GPipe, whose stages hold every micro-batch: the bound above is at m = 2S, a plan's m is
+            # the allocation's, and a stage recomputing just enough at 2S runs out of memory at more.
+            partial = _partial_table(cm, kind, first, last, nmax[0], nmax[1], in_flight, zero_degree, cap, v) \
+                if recompute and nmax[1] > max(0, nmax[0]) and schedule.name != "gpipe" else ()
+            hit = cache[key] = SlotCost(kind, first, last, in_flight, (per[0], per[1]), max(0.0, const), nmax,
+                                        partial)
         out.append(hit)
     return tuple(out)
 
 
-def stage_time(slot: SlotCost, n: int, recompute: bool) -> float:
-    return slot.per_layer_s[int(recompute)] * n + slot.const_s
+def stage_time(slot: SlotCost, n: int, recompute: bool, recompute_layers: int = 0) -> float:
+    """One micro-batch through the stage with ``n`` layers: all recomputed, or ``recompute_layers`` of them."""
+    if recompute:
+        return slot.per_layer_s[1] * n + slot.const_s
+    return slot.per_layer_s[0] * n + (slot.per_layer_s[1] - slot.per_layer_s[0]) * recompute_layers + slot.const_s
+
+
+def recompute_choice(slot: SlotCost, n: int) -> tuple[bool, int]:
+    """How the stage holds ``n`` layers at least time: (whole-stage recompute, partial recompute layers);
+    recompute only past what fits without it, partial where the slot has it and it recomputes fewer."""
+    if n <= slot.max_layers[0]:
+        return False, 0
+    k = slot.partial[n] if n < len(slot.partial) else -1
+    if 0 <= k < n:
+        return False, k
+    return True, 0
+
+
+def _split(slots: Sequence[SlotCost], layers: Sequence[int]) -> LayerSplit:
+    """The split holding ``layers`` with each stage's least-time recompute (``recompute_choice``)."""
+    choice = [recompute_choice(s, n) for s, n in zip(slots, layers)]
+    return LayerSplit(tuple(layers), tuple(rc for rc, _ in choice),
+                      tuple(stage_time(s, n, rc, k) for s, n, (rc, k) in zip(slots, layers, choice)),
+                      tuple(k for _, k in choice))
 
 
 def _usable(slot: SlotCost) -> int:
@@ -141,6 +201,9 @@ def feasible(slots: Sequence[SlotCost], num_layers: int) -> bool:
 
 def _cap(slot: SlotCost, z: float) -> tuple[int, bool]:
     """Most layers the stage can take with time <= z, and whether that needs recompute."""
+    if slot.partial:   # partial recompute: the time per layer count is no longer one line per option
+        n = next((n for n in range(_usable(slot), 0, -1) if _next_cost(slot, n) <= z + 1e-9), -1)
+        return n, n > slot.max_layers[0]
     best, rc_best = -1, False
     for rc in (False, True):
         nmax = slot.max_layers[rc]
@@ -159,7 +222,7 @@ def _next_cost(slot: SlotCost, n: int) -> float:
     if n <= slot.max_layers[0]:
         return stage_time(slot, n, False)
     if n <= slot.max_layers[1]:
-        return stage_time(slot, n, True)
+        return stage_time(slot, n, *recompute_choice(slot, n))
     return math.inf
 
 
@@ -199,8 +262,7 @@ def split_fast(slots: Sequence[SlotCost], num_layers: int) -> LayerSplit | None:
         left -= take
     if left > 0:
         return None
-    rec = [layers[i] > slots[i].max_layers[0] for i in range(len(slots))]
-    return LayerSplit(tuple(layers), tuple(rec), tuple(stage_time(s, n, r) for s, n, r in zip(slots, layers, rec)))
+    return _split(slots, layers)
 
 
 def split_ilp(slots: Sequence[SlotCost], num_layers: int, micro_batches: int,
@@ -247,7 +309,8 @@ def split_ilp(slots: Sequence[SlotCost], num_layers: int, micro_batches: int,
         rec.append(rc)
     if sum(layers) != num_layers or min(layers) < 1:
         return incumbent
-    out = LayerSplit(tuple(layers), tuple(rec), tuple(stage_time(s, n, rc) for s, n, rc in zip(slots, layers, rec)))
+    # The ILP knows whole-stage recompute only: each stage then takes its least-time choice, partial included.
+    out = _split(slots, layers)
     if incumbent is not None and incumbent.pipeline_s(m, fill=fill) < out.pipeline_s(m, fill=fill):
         return incumbent
     return out
@@ -277,8 +340,7 @@ def refine_split(slots: Sequence[SlotCost], split: LayerSplit, price: Callable[[
             layers[dst] += 1
             if layers[src] < min_layers or layers[dst] > _usable(slots[dst]):
                 continue
-            rec = tuple(n > s.max_layers[0] for s, n in zip(slots, layers))
-            cand = LayerSplit(tuple(layers), rec, tuple(stage_time(s, n, r) for s, n, r in zip(slots, layers, rec)))
+            cand = _split(slots, layers)
             evaluations += 1
             if bound is not None and bound(cand) >= best_t - 1e-12:
                 continue   # its price is at least the bound: no improvement

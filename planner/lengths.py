@@ -177,9 +177,10 @@ def stage_rooms(cm: CostModel, strategy: Strategy, memory_margin: float = 0.0) -
         for k, st in enumerate(pipe.stages):
             dtype = cm.cluster.device(st.devices[0]).type
             in_flight = n - k
-            base = cm.stage_memory(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, 0, zero_degree)
+            base = cm.stage_memory(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, 0, zero_degree,
+                                   st.recomputed_layers)
             full = cm.stage_memory(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, in_flight,
-                                   zero_degree)
+                                   zero_degree, st.recomputed_layers)
             cap = cm.cluster.device_types[dtype].memory_gib * GIB * (1.0 - memory_margin)
             rooms.append(StageRoom(tuple(st.devices), in_flight, cap - base.total,
                                    max(full.total - base.total, 1.0) / (in_flight * cm.seq_len),
@@ -242,7 +243,7 @@ def stage_seconds(cm: CostModel, pipe: Pipeline, k: int, s: int) -> float:
     n = len(pipe.stages)
     st = pipe.stages[k]
     dtype = cm.cluster.device(st.devices[0]).type
-    t = cm.stage(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, 1, s).time_s
+    t = cm.stage(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, 1, s, st.recomputed_layers).time_s
     if k + 1 < n:
         link = cm.link(st.devices[0], pipe.stages[k + 1].devices[0])
         nbytes = s * cm.boundary_bytes() / cm.seq_len

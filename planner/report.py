@@ -114,7 +114,7 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
             table.add_row(str(pi) if si == 0 else "", str(pipe.micro_batches) if si == 0 else "",
                           schedule_label(pipe, s.default_schedule) if si == 0 else "", str(si),
                           r["device_type"], str(st.tp), span(st.devices), st.layers_text(),
-                          "yes" if st.recompute else "", f"{sc.time_s:.4f}", f"{r['peak_gib']:.1f}",
+                          st.recompute_text(), f"{sc.time_s:.4f}", f"{r['peak_gib']:.1f}",
                           f"{r['capacity_gib']:g}", f"{r['headroom_frac']:.0%}")
     con.print(table)
     searched = "searched per pipeline" if s.schedule == "auto" else f"fixed by --schedule {s.schedule}"

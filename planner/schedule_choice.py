@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
-from planner.cost import GIB, CostModel
+from planner.cost import GIB, CostModel, stage_recompute
 from runtime.pipeline_schedules import (
     SCHEDULE_NAMES,
     ChunkCost,
@@ -165,8 +165,9 @@ def spare_activation_limits(cm: CostModel, strategy: Strategy, pi: int, schedule
     for k, st in enumerate(pipe.stages):
         dtype = cm.cluster.device(st.devices[0]).type
         chunks = tuple((b - a, a == 0, b == n_layers) for a, b in st.layers)
-        static = cm.device_memory(dtype, st.tp, chunks, st.recompute, 0, zero_degree).total
-        per = max(cm.chunk_activation_bytes(dtype, st.tp, b - a, a == 0, st.recompute) for a, b in st.layers)
+        static = cm.device_memory(dtype, st.tp, chunks, st.recompute, 0, zero_degree, stage_recompute(st)).total
+        per = max(cm.chunk_activation_bytes(dtype, st.tp, b - a, a == 0, st.recompute, st.chunk_recompute(c))
+                  for c, (a, b) in enumerate(st.layers))
         cap = cm.cluster.device_types[dtype].memory_gib * GIB * (1.0 - memory_margin)
         fits = int((cap - static) // per) if per > 0 else v * m
         out.append(min(v * m, max(own[k], fits)))

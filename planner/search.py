@@ -106,6 +106,9 @@ class PlanSettings:
     time_limit_s: float = 120.0
     top_k: int = 5
     allow_recompute: bool = True
+    # Recompute only the layers of a stage its memory lacks room for (``Stage.recompute_layers``), searched
+    # only where memory binds; off: whole-stage recompute or none.
+    partial_recompute: bool = True
     # Raise a pipeline's activation bound to what its stages' free memory holds (``Pipeline.activation_limits``)
     # where that makes the plan faster: more forwards ahead, more W deferred into the fill and drain.
     spare_activations: bool = True
@@ -385,15 +388,21 @@ class Searcher:
     def zero_degree(self, pipelines: int) -> int:
         return zero_degree(pipelines, self.settings.zero)
 
-    def _slots(self, template: Template, zero_degree: int, choice: ScheduleChoice) -> tuple[SlotCost, ...]:
-        return slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,
-                          memory_margin=self.settings.memory_margin, schedule=choice)
+    def _slots(self, template: Template, zero_degree: int, choice: ScheduleChoice, partial: bool = True
+               ) -> tuple[SlotCost, ...]:
+        """``partial=False``: without partial recompute (whole-stage recompute only)."""
+        slots = slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,
+                           memory_margin=self.settings.memory_margin, schedule=choice)
+        if partial and self.settings.partial_recompute:
+            return slots
+        return tuple(dataclasses.replace(s, partial=()) for s in slots)
 
     @memo
-    def fast_split(self, template: Template, zero_degree: int, choice: ScheduleChoice) -> LayerSplit | None:
+    def fast_split(self, template: Template, zero_degree: int, choice: ScheduleChoice, partial: bool = True
+                   ) -> LayerSplit | None:
         """The min-max split under ``choice``'s memory (None if none fits, or a stage gets fewer layers
         than chunks)."""
-        sp = self._split_of(self._slots(template, zero_degree, choice))
+        sp = self._split_of(self._slots(template, zero_degree, choice, partial))
         return None if sp is None or min(sp.layers) < choice.chunks else sp
 
     @memo
@@ -870,9 +879,7 @@ class Searcher:
             self._report("exact layer split + micro-batches (ILP)", i, len(finalists))
             if i >= 1 and self.out_of_time():
                 break
-            cand = self.finalize(combo, alloc)
-            if cand is not None:
-                out.append(cand)
+            out.extend(self.finalize(combo, alloc))
         self._report("exact layer split + micro-batches (ILP)", len(finalists), len(finalists))
         self.stats.finalists += len(finalists)
         return out
@@ -990,8 +997,10 @@ class Searcher:
                   ) -> Pipeline:
         """A pipeline of ``lay``'s groups with ``split``'s layers cut into ``choice``'s chunks (its schedule
         named unless it is the plan's default)."""
-        stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc)
-                       for g, r, rc in zip(lay.groups, stage_layer_ranges(split.layers, choice), split.recompute))
+        partial = split.recompute_layers or (0,) * len(split.layers)
+        stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc, recompute_layers=k or None)
+                       for g, r, rc, k in zip(lay.groups, stage_layer_ranges(split.layers, choice), split.recompute,
+                                              partial))
         own = None if choice.name == self.settings.default_schedule else choice.name
         # With its costs, as the plan will carry them: the runtime orders its lists by them (and so the price).
         return self.cm.costed_pipeline(Pipeline(micro_batches=micro_batches, stages=stages, schedule=own),
@@ -1018,11 +1027,14 @@ class Searcher:
         layouts = [lay for b in combo for lay in b.layouts]
         return self._candidate(layouts, split_of, mb_of, choice_of, [proxy[i] for i in range(len(layouts))])
 
-    def finalize(self, combo: Sequence[BlockCandidate], hint: Allocation) -> Candidate | None:
+    def finalize(self, combo: Sequence[BlockCandidate], hint: Allocation) -> list[Candidate]:
         """Exact layer splits and micro-batches for a combination, scored by ``CostModel.estimate``: each
         class offers its fast split and the ILP splits for the micro-batch counts it may get (under its
         schedule's memory and fill), the allocation ILP picks counts and splits together, then each class
-        is re-split for its count."""
+        is re-split for its count. Where a class's split recomputes part of a stage, the plan is also
+        returned with that class split without partial recompute (``plain``): the closed form the splits
+        are chosen by prices partial recompute's extra forwards, but not the activation limits a plain
+        split's free memory buys later (``with_spare_limits``), which can make it the faster."""
         layouts, keys, members, hint_m, fills = self._classes(combo, hint)
         zd = self.zero_degree(len(layouts))
         m_total = self.micro_batches
@@ -1035,7 +1047,7 @@ class Searcher:
             slots = self._slots(template, zd, choice)
             fast = self.fast_split(template, zd, choice)
             if fast is None:
-                return None
+                return []
             found = [fast]
             for mb in sorted({len(template), hint_m[key]}):
                 self.stats.ilps += 1
@@ -1052,7 +1064,7 @@ class Searcher:
         self.stats.ilps += 1
         alloc = allocate_ilp(classes, m_total, limit)
         if alloc is None:
-            return None
+            return []
         chosen = [opts[o] for opts, o in zip(options, alloc.option)]
         changed = False
         for j, key in enumerate(keys):
@@ -1072,6 +1084,7 @@ class Searcher:
             again = allocate_ilp(classes, m_total, limit)
             if again is not None and again.makespan_s <= alloc.makespan_s + 1e-12:
                 alloc = again
+        plain: list[LayerSplit | None] = list(chosen)
         for j, key in enumerate(keys):   # the exact pipeline time has the last word on each split
             lay, mb, choice = layouts[members[key][0]], max(alloc.per_class[j]), key[2]
 
@@ -1085,15 +1098,26 @@ class Searcher:
 
             budget = max(3, min(24, REFINE_OPS // (3 * len(key[0]) * choice.chunks * mb)))
             chosen[j] = refine_split(self._slots(key[0], zd, choice), chosen[j], price, choice.chunks, budget, bound)
-        split_of: dict[int, LayerSplit] = {}
-        mb_of: dict[int, int] = {}
-        choice_of: dict[int, ScheduleChoice] = {}
-        for j, key in enumerate(keys):
-            for idx, mb in zip(members[key], alloc.per_class[j]):
-                mb_of[idx] = mb
-                split_of[idx] = chosen[j]
-                choice_of[idx] = key[2]
-        return self._candidate(layouts, split_of, mb_of, choice_of)
+            if any(chosen[j].recompute_layers):
+                sp = self.fast_split(key[0], zd, choice, False)
+                plain[j] = None if sp is None else \
+                    refine_split(self._slots(key[0], zd, choice, False), sp, price, choice.chunks, budget, bound)
+        out = []
+        for splits in (chosen, plain) if any(p is not c for p, c in zip(plain, chosen)) else (chosen,):
+            if any(sp is None for sp in splits):
+                continue
+            split_of: dict[int, LayerSplit] = {}
+            mb_of: dict[int, int] = {}
+            choice_of: dict[int, ScheduleChoice] = {}
+            for j, key in enumerate(keys):
+                for idx, mb in zip(members[key], alloc.per_class[j]):
+                    mb_of[idx] = mb
+                    split_of[idx] = splits[j]
+                    choice_of[idx] = key[2]
+            cand = self._candidate(layouts, split_of, mb_of, choice_of)
+            if cand is not None:
+                out.append(cand)
+        return out
 
     def _report(self, phase: str, done: int, total: int) -> None:
         if self.progress is not None:

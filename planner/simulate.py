@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from planner.cost import GIB, CostModel, StageCost
+from planner.cost import GIB, CostModel, StageCost, stage_recompute
 from runtime.comm.gradsync import SyncGroup
 from runtime.pipeline_schedules import ChunkCost, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
 from runtime.pipeline_schedules import Schedule as PipelineSchedule
@@ -478,8 +478,9 @@ class _Costs:
                 dtype = type_of[st.devices[0]]
                 stages[pi, k] = cm.stage_total(st)
                 for c, (a, b) in enumerate(st.layers):
-                    chunks[pi, k, c] = (cm.stage(dtype, st.tp, b - a, a == 0, b == n_layers, st.recompute),
-                                        cm.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers, st.recompute))
+                    r = st.chunk_recompute(c)
+                    chunks[pi, k, c] = (cm.stage(dtype, st.tp, b - a, a == 0, b == n_layers, recompute_layers=r),
+                                        cm.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers, recompute_layers=r))
         cores, hosts_of = cm.host.cpu_layout(strategy.devices)
         stage_of = {d: (pi, k) for pi, p in enumerate(strategy.pipelines) for k, st in enumerate(p.stages)
                     for d in st.devices}
@@ -660,8 +661,9 @@ def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Cost
 
     for pi, (pipe, sched) in enumerate(zip(pipes, schedules)):
         # Activation bytes of one micro-batch per (stage, chunk): the lists' own peak, in the order played.
-        sizes = [[cm.chunk_activation_bytes(costs.type_of[st.devices[0]], st.tp, b - a, a == 0, st.recompute)
-                  for a, b in st.layers] for st in pipe.stages]
+        sizes = [[cm.chunk_activation_bytes(costs.type_of[st.devices[0]], st.tp, b - a, a == 0, st.recompute,
+                                            st.chunk_recompute(c))
+                  for c, (a, b) in enumerate(st.layers)] for st in pipe.stages]
         peak_bytes = sched.peak_activation_memory(sizes)
         peak_count = sched.peak_activation_memory([[1.0] * len(row) for row in sizes])
         for k, st in enumerate(pipe.stages):
@@ -677,7 +679,8 @@ def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Cost
             gather_busy = joined("z", sync if zero else (), d0, "ZeRO-1 param all-gather", "zero_gather", pi, k)
             device_type = costs.type_of[d0]
             chunks = tuple((b - a, a == 0, b == n_layers) for a, b in st.layers)
-            static = cm.device_memory(device_type, st.tp, chunks, st.recompute, 0, len(pipes) if zero else 1)
+            static = cm.device_memory(device_type, st.tp, chunks, st.recompute, 0, len(pipes) if zero else 1,
+                                      stage_recompute(st))
             gib = (static.total + peak_bytes[k]) / GIB
             memory.update(dict.fromkeys(st.devices, gib))
             compute = fb_wall.get((pi, k), 0.0) - tp_busy.get((pi, k), 0.0)

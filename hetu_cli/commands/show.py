@@ -37,7 +37,7 @@ def device_rows(ctx: PlanContext, strategy: Strategy) -> list[dict[str, Any]]:
                 roles.append("head+loss")
             row.update(pipeline=pi, stage=si, tp_rank=rank, tp=stage.tp, layers=stage.layers_data(),
                        role=", ".join(roles), micro_batches=pipe.micro_batches,
-                       recompute=stage.recompute)
+                       recompute=stage.recompute, recompute_layers=stage.recomputed_layers)
         rows.append(row)
     return rows
 
@@ -56,7 +56,7 @@ def _strategy_tables(ctx: PlanContext, strategy: Strategy) -> tuple[Table, Table
                 str(pipe.micro_batches * t.micro_batch) if si == 0 else "",
                 strategy.schedule_of(pi, t) if si == 0 else "", str(si),
                 span(stage.devices), first.type, first.node, str(stage.tp),
-                stage.layers_text(), "yes" if stage.recompute else "no",
+                stage.layers_text(), stage.recompute_text() or "no",
                 end_section=si == len(pipe.stages) - 1)
     devices = Table(title=f"strategy {strategy.name!r}: per device", title_justify="left")
     for col in ("device", "type", "node", "pipeline", "stage", "TP rank", "holds"):

@@ -64,7 +64,7 @@ class ProgramDescription:
                 "tp_group": list(r.devices),
                 "layers": list(r.layers[0]) if len(r.layers) == 1 else [list(x) for x in r.layers],
                 "chunks": [{"chunk": c.chunk, "virtual_stage": c.stage, "layers": list(c.layers), "embed": c.embed,
-                            "head": c.head} for c in r.chunks],
+                            "head": c.head, "recomputed": list(c.recomputed)} for c in r.chunks],
                 "embed": r.embed, "head": r.head,
                 "recompute": r.recompute, "micro_batches": r.micro_batches, "micro_batch": r.micro_batch,
                 "samples": [r.first_sample, r.first_sample + r.samples]},
@@ -132,15 +132,18 @@ def describe_plan(plan: DevicePlan) -> ProgramDescription:
     t = plan.handle.training
     role, device = plan.role, plan.device
     shape = (t.micro_batch, t.seq_len, plan.handle.model.hidden_size)
-    recompute = " (recompute)" if role.recompute else ""
     v = len(role.chunks)
     ops: list[OpLine] = []
     for a in plan.actions:
         name = action_name(a, v)
         if isinstance(a, Compute):
             c = role.chunks[a.chunk]
-            detail = {"F": _holds(c) + recompute, "BW": ("recompute + " if role.recompute else "") + "grads",
-                      "B": "input gradient (autograd.grad), graph kept" if not c.embed else
+            recompute = "" if not c.recomputed else " (recompute)" if c.recomputes_all else \
+                f" (recompute layers {c.recomputed[0]}-{c.recomputed[-1]})"
+            partial = c.recomputed and weight_grad_from_outputs(plan, c)
+            in_b = ", and the recomputed layers' weight gradients" if partial else ""
+            detail = {"F": _holds(c) + recompute, "BW": ("recompute + " if c.recomputed else "") + "grads",
+                      "B": f"input gradient (autograd.grad){in_b}, graph kept" if not c.embed else
                            "nothing (the first chunk has no input gradient); graph kept",
                       "W": "weight gradients from the module-output gradients B kept"
                            if weight_grad_from_outputs(plan, c) else

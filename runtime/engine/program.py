@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -79,12 +79,17 @@ class DeviceProgram:
             module.to(self.device)
             if mesh is not None:
                 apply_tensor_parallel(module, chunk_parameters(spec, c), mesh)
-            if role.recompute:
-                _checkpoint_layers(module)
+            if c.recomputed:
+                checkpoint_layers(module, c.recomputed)
             chunks.append(module)
         _share_parameters(chunks)
-        self._records = [OutputRecord(m) if weight_grad_from_outputs(plan, c) else None
+        self._records = [OutputRecord(m, skip=_layers(m, c.recomputed)) if weight_grad_from_outputs(plan, c) else None
                          for c, m in zip(role.chunks, chunks)]
+        # Partial recompute under a split backward: B computes the recomputed layers' weight gradients itself
+        # (deferring them to W would rerun their forward a second time).
+        self._in_input_grad = [[p for layer in _layers(m, c.recomputed) for p in layer.parameters()]
+                               if record is not None else []
+                               for c, m, record in zip(role.chunks, chunks, self._records)]
         self.chunks = chunks  # [local chunk]: the schedule's Compute.chunk indexes it
         self._chunk_params = [list(m.parameters()) for m in chunks]
         self.shards: tuple[ParamShard, ...] = plan.shards
@@ -266,7 +271,7 @@ class DeviceProgram:
             elif op.kind == "BW":
                 stage_backward(c.embed, c.head, key, run)
             elif op.kind == "B":
-                stage_input_grad(c.embed, c.head, key, run, self._chunk_params[op.chunk])
+                stage_input_grad(c.embed, c.head, key, run, self._chunk_params[op.chunk], self._in_input_grad[op.chunk])
             else:
                 stage_weight_grad(key, run)
         j = op.stage
@@ -374,13 +379,14 @@ def stage_backward(embed: bool, head: bool, mb: Hashable, run: StepState) -> Non
 
 
 def stage_input_grad(embed: bool, head: bool, mb: Hashable, run: StepState,
-                     params: list[torch.Tensor] | None = None) -> None:
+                     params: list[torch.Tensor] | None = None, with_weights: Sequence[torch.Tensor] = ()) -> None:
     """B of a split backward: the gradient of the chunk's input (what the previous virtual stage waits
     for), by autograd, which evaluates only what that gradient needs (no weight-gradient products).
     Where F recorded the outputs of the chunk's parameter-owning modules (``run.recorded``), their
     gradients come out of the same pass and W only multiplies them into weight gradients; else W is one
     backward to ``params`` through the kept graph. The first chunk has no input gradient: its B is
-    empty and its W the whole backward."""
+    empty and its W the whole backward. ``with_weights``: parameters whose gradients B accumulates itself
+    (partial recompute's recomputed layers, which F recorded nothing in)."""
     out = run.outputs.pop(mb)
     grad = None if head else run.grads_in.pop(mb).to(out.dtype)
     recorded = run.recorded.pop(mb, None)
@@ -391,8 +397,13 @@ def stage_input_grad(embed: bool, head: bool, mb: Hashable, run: StepState,
         run.deferred[mb] = [(out, grad, list(params or ()))]
     else:
         ys = [y for _, y in recorded]
-        gx, *gys = torch.autograd.grad(out, [run.inputs[mb], *ys], grad, retain_graph=True, allow_unused=True)
+        gx, *gs = torch.autograd.grad(out, [run.inputs[mb], *ys, *with_weights], grad, retain_graph=True,
+                                      allow_unused=True)
+        gys, gws = gs[:len(ys)], gs[len(ys):]
         run.grads_out[mb] = gx
+        for p, g in zip(with_weights, gws):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
         run.deferred[mb] = [(y, g, ps) for (ps, y), g in zip(recorded, gys) if g is not None]
 
 
@@ -409,11 +420,13 @@ class OutputRecord:
     """Records, while F runs, the output of each module of a chunk that owns parameters directly (the
     linear projections, the norms, the head), with those parameters: their gradients are what W needs."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, skip: Sequence[torch.nn.Module] = ()) -> None:
+        """``skip``: submodules recorded nothing in (checkpointed layers: their weight gradients are B's)."""
         self._into: list[tuple[list[torch.Tensor], torch.Tensor]] | None = None
+        skipped = {id(m) for s in skip for m in s.modules()}
         for m in module.modules():
             own = list(m.parameters(recurse=False))
-            if own:
+            if own and id(m) not in skipped:
                 m.register_forward_hook(self._hook(own))
 
     def _hook(self, own: list[torch.Tensor]) -> Callable[..., None]:
@@ -446,11 +459,17 @@ def _share_parameters(chunks: list[LlamaForCausalLM]) -> None:
                     setattr(sub, attr, seen[name])
 
 
-def _checkpoint_layers(module: LlamaForCausalLM) -> None:
-    """Recompute: each decoder layer keeps only its input and reruns its forward in backward."""
+def _layers(module: LlamaForCausalLM, ids: Sequence[int]) -> list[torch.nn.Module]:
+    """The decoder layers ``ids`` of a chunk's module."""
+    return [module.model.layers[str(i)] for i in ids]
+
+
+def checkpoint_layers(module: LlamaForCausalLM, ids: Sequence[int] | None = None) -> None:
+    """Recompute: each decoder layer ``ids`` (None: every one) keeps only its input and reruns its forward
+    in backward."""
     from torch.utils.checkpoint import checkpoint
 
-    for layer in module.model.layers.values():
+    for layer in module.model.layers.values() if ids is None else _layers(module, ids):
         inner = layer.forward
 
         def forward(x, cos, sin, mask=None, _inner=inner):

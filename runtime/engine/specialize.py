@@ -35,6 +35,12 @@ class ChunkRole:
     layers: tuple[int, int]  # decoder layers [start, end)
     embed: bool  # holds layer 0: looks up the tokens
     head: bool  # holds the last layer: final norm, head and loss
+    # The decoder layers it checkpoints (recompute: all; partial recompute: the stage's lowest ones here).
+    recomputed: tuple[int, ...] = ()
+
+    @property
+    def recomputes_all(self) -> bool:
+        return len(self.recomputed) == self.layers[1] - self.layers[0]
 
 
 @dataclass(frozen=True)
@@ -201,12 +207,15 @@ def chunk_roles(pipe: Pipeline, stage: int, layout: Layout) -> tuple[ChunkRole, 
     the layer order (plan validation checks it; a plan built in code without validation is caught here)."""
     order = pipe.chunk_order()
     out = []
-    for c, layers in enumerate(pipe.stages[stage].layers):
+    st = pipe.stages[stage]
+    rc = set(st.layer_ids[:st.recomputed_layers])
+    for c, layers in enumerate(st.layers):
         j = layout.stage(stage, c)
         if order[j] != (stage, c):
             raise ValueError(f"stages[{stage}].layers[{c}]: {list(layers)} is virtual stage {j} of the "
                              f"{layout.placement} placement, but not the {j}-th range in layer order")
-        out.append(ChunkRole(c, j, layers, embed=j == 0, head=j == layout.num_stages - 1))
+        out.append(ChunkRole(c, j, layers, embed=j == 0, head=j == layout.num_stages - 1,
+                             recomputed=tuple(i for i in range(*layers) if i in rc)))
     return tuple(out)
 
 
@@ -214,10 +223,11 @@ def weight_grad_from_outputs(plan: DevicePlan, chunk: ChunkRole) -> bool:
     """Whether W of ``chunk`` multiplies the gradients B left at its parameter-owning modules' outputs
     into its weights (program.py ``OutputRecord``), rather than running one backward through the kept
     graph: only under a split backward, not on the first chunk (it has no input gradient, so its B is
-    empty and W is the whole backward), and not under recompute (each small backward would recompute
-    its layer)."""
+    empty and W is the whole backward), and not where every layer of the chunk recomputes (each small
+    backward would recompute its layer). Under partial recompute the recomputed layers' weight gradients
+    come out of B itself (``recomputed_params``), the other layers' from their outputs."""
     return plan.handle.pipeline_schedule(plan.role.pipeline).split_backward and not chunk.embed \
-        and not plan.role.recompute
+        and not chunk.recomputes_all
 
 
 def chunk_parameters(model: ModelSpec, chunk: ChunkRole) -> list[ParamInfo]:

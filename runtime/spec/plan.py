@@ -104,6 +104,10 @@ class Stage:
     # YAML accepts (and writes back) one chunk as a bare pair: `layers: [0, 8]`.
     layers: tuple[LayerRange, ...] = field(metadata={"pair_or_list": True})
     recompute: bool = False
+    # Partial recompute: only the stage's first ``recompute_layers`` layers (lowest indices, over its chunks)
+    # keep just their input and rerun their forward in the backward; the rest keep their activations, so a
+    # stage frees just the memory it lacks at a fraction of full recompute's time. None: ``recompute`` says.
+    recompute_layers: int | None = None
     # Per chunk, its ops' durations, which the runtime orders the pipeline's action lists by when every
     # stage of the pipeline has them (docs/schedules.md, "Costs in the plan"); None: layer counts.
     op_costs: tuple[OpCosts, ...] | None = None
@@ -129,7 +133,35 @@ class Stage:
                     f"must be a non-empty range [start, end) with 0 <= start < end, got [{start}, {end}]")
         for line in [] if self.op_costs is None else op_cost_problems(self.op_costs, len(self.layers)):
             c.add("op_costs", line)
+        k = self.recompute_layers
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                c.add("recompute_layers", f"must be an integer >= 0, got {k!r}")
+            elif self.recompute:
+                c.add("recompute_layers", "set together with recompute: true (which recomputes every layer); give one")
+            elif all(len(r) == 2 for r in self.layers) and k > self.num_layers:
+                c.add("recompute_layers", f"recomputes {k} layers but the stage holds {self.num_layers}")
         c.raise_if_any()
+
+    @property
+    def recomputed_layers(self) -> int:
+        """How many of the stage's layers recompute their forward in the backward."""
+        return self.num_layers if self.recompute else (self.recompute_layers or 0)
+
+    def recompute_text(self) -> str:
+        """'yes' (every layer), '3 of 8' (partial recompute) or '' for tables."""
+        if self.recompute:
+            return "yes"
+        return f"{self.recompute_layers} of {self.num_layers}" if self.recompute_layers else ""
+
+    def chunk_recompute(self, chunk: int) -> int:
+        """How many layers of chunk ``chunk`` recompute: the stage's ``recomputed_layers`` lowest layer
+        indices, wherever its chunks hold them."""
+        a, b = self.layers[chunk]
+        if self.recompute:
+            return b - a
+        ids = self.layer_ids[:self.recompute_layers or 0]
+        return sum(1 for i in ids if a <= i < b)
 
     @property
     def tp(self) -> int:

@@ -28,7 +28,7 @@ def world():
 
 
 CASES = ["interleaved-hetero4.yaml", "zb-h1-hetero4.yaml", "zb-h1-tp-hetero4.yaml", "zb-v-hetero4.yaml",
-         "zb-h1-costs-hetero4.yaml", "zb-h1-limits-hetero4.yaml"]
+         "zb-h1-costs-hetero4.yaml", "zb-h1-limits-hetero4.yaml", "zb-h1-partial-hetero4.yaml"]
 
 
 @pytest.mark.parametrize("plan", CASES, ids=[p.removesuffix("-hetero4.yaml") for p in CASES])
@@ -50,6 +50,10 @@ def test_schedule_matches_single_device_reference(world: EngineWorld, plan: str)
         uncosted = dataclasses.replace(ctx.plan.strategies[0].pipelines[0], stages=tuple(
             dataclasses.replace(st, op_costs=None) for st in ctx.plan.strategies[0].pipelines[0].stages))
         assert plan_schedule(uncosted, "zb-h1", 6).actions != handle.pipeline_schedule(0).actions
+    if plan == "zb-h1-partial-hetero4.yaml":   # partial recompute: the stage's lowest layers checkpointed
+        recomputed = {r.description["role"]["stage"]: r.description["role"]["chunks"][0]["recomputed"]
+                      for r in results.values()}
+        assert recomputed == {0: [], 1: [1, 2], 2: [4]}
     if plan == "zb-h1-limits-hetero4.yaml":   # its raised limits change the lists, and are used
         pipe = ctx.plan.strategies[0].pipelines[0]
         own = plan_schedule(dataclasses.replace(pipe, activation_limits=None), "zb-h1", 6)

@@ -81,14 +81,14 @@ def test_reference_micro_batching_equals_whole_batch() -> None:
 
 
 def test_recompute_saves_only_layer_inputs_and_gives_the_same_gradients() -> None:
-    from runtime.engine.program import _checkpoint_layers
+    from runtime.engine.program import checkpoint_layers
     from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
 
     model = load_model("llama-tiny")
     plain, recomputed = LlamaForCausalLM(model), LlamaForCausalLM(model)
     plain.init_weights(0)
     recomputed.init_weights(0)
-    _checkpoint_layers(recomputed)
+    checkpoint_layers(recomputed)
     x = torch.randint(0, model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
     saved = []
     for m in (plain, recomputed):

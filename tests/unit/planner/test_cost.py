@@ -398,3 +398,65 @@ def test_zero1_allgather_uses_the_measured_fit():
     # A group size not measured: the nearest one's fit (a tie goes to the smaller), its latency scaled by
     # ring steps: 3 devices take 2 steps where 2 take 1.
     assert cm.allgather_time([0, 1, 2], 3e6) == pytest.approx(0.002 * 2 + 2 / 3 * 3e6 / 0.5e9)
+
+
+# -- partial recompute (Stage.recompute_layers): one rule for time and memory ---------------------------
+
+
+def test_partial_recompute_time_memory_and_split_backward_hand_computed():
+    cm = cm_for(hand_set(act_per_token=100.0, extras=True), micro_batch=2, seq_len=64)
+    s = cm.stage("cpu-fast", 1, 3, first=False, last=True, recompute_layers=2)
+    assert s.forward_s == pytest.approx(3 * 1.0 + 0.75)
+    assert s.backward_s == pytest.approx(3 * 2.0 + 2 * 1.0 + 1.5)   # two of three layers rerun their forward
+    assert cm.stage("cpu-fast", 1, 3, False, True, recompute_layers=3) == cm.stage("cpu-fast", 1, 3, False, True, True)
+    # Memory: a recomputed layer keeps its input [B, s, h] fp32, the other its 100 B/token; one layer's
+    # activations live again while it is recomputed.
+    act, ckpt = 100.0 * 2 * 64, 2 * 64 * 64 * 4
+    m = cm.stage_memory("cpu-fast", 1, 3, False, False, False, 4, recompute_layers=1)
+    assert m.activations == 4 * (2 * act + ckpt) + act
+    assert cm.stage_memory("cpu-fast", 1, 3, False, False, False, 4, recompute_layers=0).activations == 4 * 3 * act
+    assert cm.chunk_activation_bytes("cpu-fast", 1, 3, False, False, 2) == act + 2 * ckpt
+    # Two chunks (ZB-V), the first recomputing both its layers: live chunks at the larger chunk's bytes.
+    d = cm.device_memory("cpu-fast", 1, ((2, False, False), (2, False, False)), False, 4, 1, (2, 0))
+    assert d.activations == act + 4 * max(2 * ckpt, 2 * act)
+    # Split backward: the recomputed layers' weight gradients are B's, so W is the one other layer's share
+    # of the backward compute (3 * 2.0 s: the recompute forward is not backward compute) plus the head's.
+    p, h, v = TINY.layer_params(), TINY.hidden_size, TINY.vocab_size
+    share = (1 * 2 * p + 2 * v * h) / (3 * (4 * p + 8 * h * 64) + 4 * v * h)
+    c = cm.chunk_cost("cpu-fast", 1, 3, False, True, recompute_layers=2)
+    assert c.weight_grad == pytest.approx(share * (3 * 2.0 + 1.5))
+    assert c.input_grad == pytest.approx(s.backward_s - c.weight_grad)
+    assert c.full_backward == pytest.approx(s.backward_s)
+
+
+def test_partial_recompute_in_a_strategy_prices_its_chunks():
+    """``Stage.recompute_layers`` reaches the estimate: the stage's lowest layers, chunk by chunk."""
+    cm = cm_for(hand_set(act_per_token=100.0))
+    plain = Strategy(name="s", pipelines=(Pipeline(micro_batches=4, stages=(
+        Stage(devices=(0,), layers=((0, 3),)), Stage(devices=(1,), layers=((3, 6),)))),))
+    part = dataclasses.replace(plain, pipelines=(dataclasses.replace(plain.pipelines[0], stages=(
+        Stage(devices=(0,), layers=((0, 3),), recompute_layers=2), plain.pipelines[0].stages[1])),))
+    a, b = cm.stage_total(plain.pipelines[0].stages[0]), cm.stage_total(part.pipelines[0].stages[0])
+    assert b.backward_s - a.backward_s == pytest.approx(2 * 1.0)
+    ma, mb = cm.pipeline_memory(plain, 0, "1f1b")[0], cm.pipeline_memory(part, 0, "1f1b")[0]
+    # 1F1B stage 0 of 2 holds 2 micro-batches: two layers drop to their input, one layer's bytes return once.
+    act, ckpt = 100.0 * 64, 64 * 64 * 4
+    assert mb.activations - ma.activations == pytest.approx(2 * 2 * (ckpt - act) + act)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 6), k=st.integers(0, 6), in_flight=st.integers(1, 8), first=st.booleans(), last=st.booleans())
+def test_partial_recompute_between_none_and_all(n, k, in_flight, first, last):
+    """Every partial recompute lies between none and all: time grows by one forward per recomputed layer,
+    memory falls as more recompute (past the first, which brings the one-layer replay), split costs add up."""
+    k = min(k, n)
+    cm = cm_for(hand_set(act_per_token=5000.0, extras=True))
+    t = [cm.stage("cpu-slow", 1, n, first, last, recompute_layers=r).backward_s for r in range(n + 1)]
+    assert all(b - a == pytest.approx(1.0) for a, b in zip(t, t[1:]))
+    mem = [cm.stage_memory("cpu-slow", 1, n, first, last, False, in_flight, recompute_layers=r).total
+           for r in range(n + 1)]
+    assert all(b <= a for a, b in zip(mem[1:], mem[2:]))
+    assert mem[n] == cm.stage_memory("cpu-slow", 1, n, first, last, True, in_flight).total
+    c = cm.chunk_cost("cpu-slow", 1, n, first, last, recompute_layers=k)
+    if k < n or first:   # the whole backward split in two (a full-recompute chunk's W reruns the graph)
+        assert c.input_grad + c.weight_grad == pytest.approx(t[k])

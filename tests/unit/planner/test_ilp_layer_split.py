@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -9,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.cost import CostModel, pipeline_time
-from planner.layer_split import SlotCost, feasible, slot_costs, split_fast, split_ilp, stage_time
+from planner.cost import GIB, CostModel, pipeline_time
+from planner.layer_split import SlotCost, feasible, recompute_choice, slot_costs, split_fast, split_ilp, stage_time
 from planner.tp_groups import GroupKind
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_cluster, load_model
@@ -135,3 +136,41 @@ def test_slot_memory_limit_is_the_cost_models():
             if n < model.num_layers:
                 over = cm.stage_memory(slot.kind.device_type, slot.kind.tp, n + 1, k == 0, k == 1, rc, 2 - k, 2)
                 assert over.total > cap
+
+
+def test_partial_recompute_where_memory_binds():
+    """Stage 0 holds 2 layers without recompute, 6 with; n layers need ``partial[n]`` of them recomputed
+    (each +0.5 s). 8 layers: by hand, (5, 3) with 3 recomputed gives stages 5 + 1.5 = 6.5 and 6: the
+    least bottleneck ((4, 4): 8; (6, 2): all six recomputed, 9; whole-stage recompute at best 7.5)."""
+    slot0 = SlotCost(KIND, True, False, 2, (1.0, 1.5), 0.0, (2, 6), partial=(0, 0, 0, 1, 2, 3, 6))
+    slots = (slot0, SlotCost(KIND, False, True, 1, (2.0, 3.0), 0.0, (8, 8)))
+    got = split_fast(slots, 8)
+    assert got is not None
+    assert got.layers == (5, 3) and got.recompute_layers == (3, 0) and got.recompute == (False, False)
+    assert got.stage_s == pytest.approx((6.5, 6.0))
+    # Six layers need every one recomputed: that is whole-stage recompute, not partial.
+    assert stage_time(slot0, 6, True) == pytest.approx(9.0)
+    assert recompute_choice(slot0, 6) == (True, 0) and recompute_choice(slot0, 4) == (False, 2)
+    assert recompute_choice(slot0, 2) == (False, 0)
+    # The ILP knows whole-stage recompute only; with the fast split as incumbent it never does worse.
+    ilp = split_ilp(slots, 8, 10, incumbent=got)
+    assert ilp is not None and ilp.pipeline_s(10) <= got.pipeline_s(10) + 1e-9
+    # Without the partial table the best is whole-stage recompute: slower.
+    plain = split_fast((dataclasses.replace(slot0, partial=()), slots[1]), 8)
+    assert plain is not None and plain.max_s > got.max_s
+
+
+def test_slot_partial_table_from_the_cost_model():
+    """``slot_costs``' partial table is the least recompute count with which ``device_memory`` fits."""
+    model, cluster = load_model("llama-7b"), load_cluster("hexiscale-mixed")
+    cm = CostModel(model, cluster, resolve_profiles(cluster.device_types), micro_batch=1, seq_len=4096)
+    kind = GroupKind("RTX4090", 1)
+    slot = slot_costs(cm, (kind, kind, kind))[0]   # the first of three stages: the embedding, 3 in flight
+    cap = cluster.device_types["RTX4090"].memory_gib * GIB
+    assert slot.partial and slot.max_layers[0] < len(slot.partial) - 1
+    for n in range(slot.max_layers[0] + 1, len(slot.partial)):
+        k = slot.partial[n]
+        def mem(r: int, n: int = n) -> float:
+            return cm.device_memory("RTX4090", 1, ((n, True, False),), False, slot.in_flight, 1, (r,)).total
+
+        assert 1 <= k <= n and mem(k) <= cap and mem(k - 1) > cap
