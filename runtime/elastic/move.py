@@ -38,7 +38,9 @@ def move_state(bsr: Any, source: dict[str, Any], groups: Any, program: Any, step
     return sent
 
 
-StageObserver = Callable[[int, Any], None]   # (stage index, its ``SwitchStage``), called once the stage is done
+# (stage index, its ``SwitchStage``, "allocated" | "done"): called when the destination's tensors of the stage
+# are allocated (its peak, but for the BSR's buffers) and when the source's are freed
+StageObserver = Callable[[int, Any, str], None]
 
 
 def move_state_staged(switch: Any, src: Any, dst: Any, groups: Any, steps_done: int, device: Any,
@@ -55,6 +57,8 @@ def move_state_staged(switch: Any, src: Any, dst: Any, groups: Any, steps_done: 
     for k, stage in enumerate(switch.stages):
         gone = [n for n in stage.names if n in src_names]
         into = dst.receive_state([n for n in stage.names if n in dst_names], steps_done) if dst is not None else {}
+        if observe is not None:
+            observe(k, stage, "allocated")
         if me in stage.bsr.devices:
             source = src.local_state(gone) if gone else {}
             run_bsr(stage.bsr, source, groups, device=device, into=into)
@@ -63,7 +67,7 @@ def move_state_staged(switch: Any, src: Any, dst: Any, groups: Any, steps_done: 
         if gone:
             src.release_state(gone)
         if observe is not None:
-            observe(k, stage)
+            observe(k, stage, "done")
 
 
 def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,

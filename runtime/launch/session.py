@@ -412,12 +412,12 @@ class DocumentSteps:
 
     ``build`` makes this device's program of a strategy (collective, like ``Session.build``); ``costs``
     replaces the plan-derived cost models dispatch weighs (``dispatch.plan_strategy_cost``), e.g. measured ones;
-    ``observe``: called after each stage of a switch (``runtime.elastic.move.StageObserver``).
+    ``observe``: told of each stage of a switch (``runtime.elastic.move.StageObserver``).
     """
 
     def __init__(self, ctx: PlanContext, names: tuple[str, ...], *, me: int, groups: Any, device: Any,
                  build: Callable[[StrategyHandle], Any], source: Any, costs: list[Any] | None = None,
-                 recorder: Any = None, observe: Callable[[int, Any], None] | None = None) -> None:
+                 recorder: Any = None, observe: Callable[[int, Any, str], None] | None = None) -> None:
         from runtime.dispatch import plan_strategy_cost
         from runtime.engine.program import DeviceProgram
 
