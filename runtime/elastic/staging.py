@@ -17,8 +17,9 @@ receives more wants it late; the order is a greedy compromise over all devices, 
 every worker (pure, no torch) and by the planner (planner/lengths.py), which prices a documents run's memory
 with the same numbers: each strategy alone while it runs, and the switch's peak between steps (activations
 and gradients are freed by then). Where every device's units all shrink or all grow (the same devices, or
-nested layer ranges), the greedy order gives the ideal ``max(A, B) + one stage's buffers``; ``peak`` is what
-this order actually reaches, and that is what is priced.
+nested layer ranges), any order stays within ``max(A, B) + one stage`` (``stage_bytes``); where devices
+pull different ways (two stages swapping layers) the greedy order interleaves their units. ``peak`` is what
+the chosen order actually reaches, and that is what is priced.
 
 Why units of several layers and not single tensors: each stage is one batched P2P round with its latency;
 ``SWITCH_STAGES`` bounds the rounds while keeping a stage a small part of the state.
@@ -105,6 +106,13 @@ def start_bytes(table: UnitTable) -> dict[int, float]:
 
 def end_bytes(table: UnitTable) -> dict[int, float]:
     return {d: sum(row[d].dst for row in table if d in row) for d in table_devices(table)}
+
+
+def stage_bytes(b: UnitBytes) -> float:
+    """What one stage may add on a device above ``max(A, B)`` when every unit shrinks its state there (the
+    held bytes only fall: peak <= A + dst + buffers) or every unit grows it (peak <= B + src + buffers):
+    the ``one stage`` of the bound ``max(A, B) + one stage``."""
+    return max(b.src, b.dst) + b.buffers
 
 
 def stage_peak(held: Mapping[int, float], row: Mapping[int, UnitBytes]) -> dict[int, float]:

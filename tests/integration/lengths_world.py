@@ -129,7 +129,7 @@ def holdings_job(w: WorkerContext, plan: str, names: tuple[str, ...], steps: tup
                  slower: dict[str, float] | None = None) -> Holdings:
     """A documents run that records what each strategy's program holds after every step and at both phases
     of every switch stage (``DocumentSteps``'s observer), beside the staged switch plan's model of it."""
-    from runtime.elastic.staging import end_bytes, start_bytes
+    from runtime.elastic.staging import end_bytes, stage_bytes, start_bytes
     from runtime.engine.api import WorkerContext as EngineContext
     from runtime.engine.program import DeviceProgram
     from runtime.launch.session import DocumentSteps
@@ -158,8 +158,7 @@ def holdings_job(w: WorkerContext, plan: str, names: tuple[str, ...], steps: tup
                 "held": [h.get(w.device, 0.0) for h in sw.held()], "peak": sw.peak().get(w.device, 0.0),
                 "dst": [r[w.device].dst if w.device in r else 0.0 for r in sw.table],
                 "start": start_bytes(sw.table).get(w.device, 0.0), "end": end_bytes(sw.table).get(w.device, 0.0),
-                "stage_max": max((r[w.device].dst + r[w.device].buffers for r in sw.table if w.device in r),
-                                 default=0.0)}
+                "stage_max": max((stage_bytes(r[w.device]) for r in sw.table if w.device in r), default=0.0)}
         if program is not None:
             program.train_step(batch)
         out.between_steps.append([held_bytes(p) for p in programs])
