@@ -60,8 +60,8 @@ from runtime.dispatch import CostModel as TokenCost
 from runtime.documents import LengthDistribution, SyntheticDocuments, pack_rows
 from runtime.elastic.staging import UnitBytes, plan_staged_switch, switch_peak, switch_units, unit_of
 from runtime.elastic.state import STATE_DTYPE, STATE_SUFFIXES
-from runtime.models.params import llama_parameters
 from runtime.errors import InfeasibleError
+from runtime.models.params import llama_parameters
 from runtime.profiling.profile import DeviceProfile, ProfileSet
 from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
@@ -639,7 +639,8 @@ def switch_fits(strategies: Sequence[LengthStrategy], ctx: PlanContext) -> bool:
                     room[d] = (r.state_room, r.unit_scales)
     units = switch_units(ctx.model.num_layers)
     for i, j in itertools.permutations(range(len(strategies)), 2):
-        sw = plan_staged_switch(StrategyHandle(ctx, ctx.plan.strategies[i]), StrategyHandle(ctx, ctx.plan.strategies[j]))
+        a, b = ctx.plan.strategies[i], ctx.plan.strategies[j]
+        sw = plan_staged_switch(StrategyHandle(ctx, a), StrategyHandle(ctx, b))
         order = [units.index(s.unit) for s in sw.stages]
         table = [{d: scaled(b, room[d][1][u] if d in room and room[d][1] else 1.0) for d, b in row.items()}
                  for u, row in zip(order, sw.table)]

@@ -1,7 +1,7 @@
 """Mixed lengths at paper scale on a CPU: sleep mode's ``seq_scale`` (blocks priced at the target's lengths) and
 ``memory: target`` (plans checked against the target's memory), the planner pricing a documents run's
-strategies each alone and their staged switches against memory (``planner.lengths.shared``), and ``hspmd train --dispatch-costs
-profiles`` handing the planner's dispatch costs to the run."""
+strategies each alone and their staged switches against memory (``planner.lengths.shared``), and ``hspmd train
+--dispatch-costs profiles`` handing the planner's dispatch costs to the run."""
 
 from __future__ import annotations
 
