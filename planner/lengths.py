@@ -21,8 +21,9 @@
    candidate's step time computed where it holds the step's longest document, and the set of at most
    ``max_strategies`` candidates (distinct ``max_seq_len``, the longest holding the maximum length) with
    the smallest expected step time when every step runs on the set's cheapest eligible strategy is kept;
-   the best few sets that fit memory side by side (``shared``: a documents run keeps every strategy's
-   parameters and moments allocated) are re-scored with the switching rule and its modelled costs
+   the best few sets whose switches fit memory (``shared``: a documents run holds only the running strategy's
+   parameters and moments, and a switch moves them in stages, runtime/elastic/staging.py, whose peak is
+   checked against each device's memory) are re-scored with the switching rule and its modelled costs
    (``play``), the best wins.
 
 ``play`` runs a trace of steps on a set of strategies as the runtime's dispatcher chooses
@@ -57,8 +58,10 @@ from runtime.dispatch import (
 )
 from runtime.dispatch import CostModel as TokenCost
 from runtime.documents import LengthDistribution, SyntheticDocuments, pack_rows
-from runtime.elastic.state import plan_switch
+from runtime.elastic.staging import UnitBytes, plan_staged_switch, switch_peak, switch_units, unit_of
+from runtime.elastic.state import STATE_DTYPE, STATE_SUFFIXES
 from runtime.errors import InfeasibleError
+from runtime.models.params import llama_parameters
 from runtime.profiling.profile import DeviceProfile, ProfileSet
 from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
@@ -112,18 +115,23 @@ class StageRoom:
     """A stage's memory as dispatch's budgets come from it: what is left on each device of the stage after its
     own weights, gradients, optimizer states and framework overhead, the activation bytes per in-flight token,
     and what the stage keeps between steps (parameters and AdamW moments; gradients are freed after each
-    update) that a documents run leaves allocated while another strategy runs (runtime/launch/session.py
-    ``DocumentSteps``: every strategy's program is built at start-up and keeps its tensors)."""
+    update). A documents run keeps only the running strategy's state (runtime/launch/session.py
+    ``DocumentSteps``), so a strategy's budgets are its own; what a switch needs between two steps is priced
+    apart (``switch_fits``) from ``state_room`` (the device's memory less the framework's overhead: all a
+    switch may use, activations being freed by then) and ``unit_scales`` (per switch unit, the cost model's
+    state bytes over the real model's: 1 but where a sleep-mode device emulates its target's memory)."""
 
     devices: tuple[int, ...]
     in_flight: int
     free_bytes: float
     token_bytes: float
     state_bytes: float
+    state_room: float = math.inf
+    unit_scales: tuple[float, ...] = ()
 
-    def budget(self, held: float = 0.0) -> int:
-        """Activation tokens this stage may hold with ``held`` bytes of other strategies' state beside it."""
-        return max(0, math.floor((self.free_bytes - held) / self.token_bytes))
+    def budget(self) -> int:
+        """Activation tokens this stage may hold."""
+        return max(0, math.floor(self.free_bytes / self.token_bytes))
 
 
 @dataclass(frozen=True)
@@ -184,21 +192,39 @@ def stage_rooms(cm: CostModel, strategy: Strategy, memory_margin: float = 0.0) -
             cap = cm.cluster.device_types[dtype].memory_gib * GIB * (1.0 - memory_margin)
             rooms.append(StageRoom(tuple(st.devices), in_flight, cap - base.total,
                                    max(full.total - base.total, 1.0) / (in_flight * cm.seq_len),
-                                   base.params + base.optimizer))
+                                   base.params + base.optimizer, cap - base.overhead, unit_scales(cm, dtype)))
         out.append(tuple(rooms))
     return tuple(out)
 
 
+def unit_scales(cm: CostModel, device_type: str) -> tuple[float, ...]:
+    """Per unit of a switch (runtime/elastic/staging.py ``switch_units``) the state bytes (parameters and AdamW
+    moments, tensor-parallel degree 1) the cost model prices it at on ``device_type``, over the real model's
+    fp32 bytes of it: what scales a staged switch's bytes, computed from the real tensors, to the memory the
+    planner checks (a sleep-mode type with ``memory: target`` prices its target's shapes)."""
+    units = switch_units(cm.model.num_layers)
+    real = [0.0] * len(units)
+    for info in llama_parameters(cm.model):
+        real[unit_of(units, info.owner, info.layer)] += info.numel * STATE_DTYPE.itemsize * len(STATE_SUFFIXES)
+    out = []
+    for u, r in zip(units, real):
+        if u.kind == "layers":
+            m = cm.stage_memory(device_type, 1, u.stop - u.first, False, False, False, 0)
+        else:
+            m = cm.stage_memory(device_type, 1, 0, u.kind == "embedding", u.kind == "head", False, 0)
+        out.append((m.params + m.optimizer) / r if r else 1.0)
+    return tuple(out)
+
+
 def strategy_cost(cm: CostModel, strategy: Strategy, max_seq_len: int, memory_margin: float = 0.0,
-                  name: str | None = None, held: Mapping[int, float] | None = None) -> StrategyCost:
+                  name: str | None = None) -> StrategyCost:
     """Dispatch's cost and memory model of ``strategy``; ``cm`` at micro-batch 1 and ``seq_len = max_seq_len``.
 
     Time: each stage's forward + backward (TP collectives included) plus its send to the next stage, as the
     cost model prices a micro-batch of s tokens, fitted as ``a*s^2 + b*s + c`` through three lengths; a
     document pays ``a*s^2 + b*s`` and the micro-batch ``c`` (launches and latencies, once however many
     documents share it). Negative fitted coefficients (the model is not quite quadratic) are clamped to 0.
-    Memory: each stage's ``StageRoom`` budget, less ``held`` (bytes per device that other strategies of the
-    same run keep allocated, ``shared_costs``).
+    Memory: each stage's ``StageRoom`` budget.
     """
     if cm.micro_batch != 1:
         raise ValueError("strategy_cost needs a cost model at micro-batch 1 (documents are packed in one row)")
@@ -211,27 +237,24 @@ def strategy_cost(cm: CostModel, strategy: Strategy, max_seq_len: int, memory_ma
         stages = []
         for k, room in enumerate(pipe_rooms):
             a, b, c = quadratic_through(xs, [stage_seconds(cm, pipe, k, x) for x in xs])
-            # the budget is set by with_held (from the room); a placeholder that passes validation here
+            # the budget is set by with_budgets (from the room); a placeholder that passes validation here
             stages.append(StageCost(TokenCost(max(a, 0.0), max(b, 0.0), 0.0), room.in_flight, max(c, 0.0)))
         pipes.append(PipelineCost(tuple(stages)))
-    return with_held(StrategyCost(name or strategy.name, max_seq_len, tuple(pipes)), rooms, held or {},
-                     strategy.name)
+    return with_budgets(StrategyCost(name or strategy.name, max_seq_len, tuple(pipes)), rooms, strategy.name)
 
 
-def with_held(cost: StrategyCost, rooms: tuple[tuple[StageRoom, ...], ...], held: Mapping[int, float],
-              label: str | None = None) -> StrategyCost:
-    """``cost`` with each stage's activation budget its room's less ``held`` (bytes per device other strategies
-    keep allocated); InfeasibleError where a stage is left without room for one token per in-flight
-    micro-batch."""
+def with_budgets(cost: StrategyCost, rooms: tuple[tuple[StageRoom, ...], ...],
+                 label: str | None = None) -> StrategyCost:
+    """``cost`` with each stage's activation budget its room's; InfeasibleError where a stage is left without
+    room for one token per in-flight micro-batch."""
     pipes = []
     for pipe, pipe_rooms in zip(cost.pipelines, rooms):
         stages = []
         for st, room in zip(pipe.stages, pipe_rooms):
-            budget = room.budget(max((held.get(d, 0.0) for d in room.devices), default=0.0))
+            budget = room.budget()
             if budget < room.in_flight:
                 raise InfeasibleError(f"strategy {label or cost.name!r}: pipeline stage on devices "
-                                      f"{list(room.devices)} has no memory left for activations"
-                                      + (" beside the other strategies' states" if held else ""))
+                                      f"{list(room.devices)} has no memory left for activations")
             stages.append(dataclasses.replace(st, activation_budget_tokens=budget))
         pipes.append(PipelineCost(tuple(stages)))
     return dataclasses.replace(cost, pipelines=tuple(pipes))
@@ -414,7 +437,8 @@ def play(strategies: Sequence[LengthStrategy], lengths_of: Callable[[int], Seque
 
 
 class SwitchCosts:
-    """Modelled fused-BSR switch times between strategies of one plan context (computed once per pair)."""
+    """Modelled switch times between strategies of one plan context, staged as the runtime switches
+    (runtime/elastic/staging.py: one fused BSR per unit, one after the other; computed once per pair)."""
 
     def __init__(self, ctx: PlanContext, strategies: Sequence[Strategy]) -> None:
         self.ctx = ctx
@@ -428,7 +452,7 @@ class SwitchCosts:
         if key not in self._memo:
             src = StrategyHandle(self.ctx, self.strategies[a])
             dst = StrategyHandle(self.ctx, self.strategies[b])
-            self._memo[key] = plan_switch(src, dst).modelled_time(self.ctx.cluster)
+            self._memo[key] = plan_staged_switch(src, dst).modelled_time(self.ctx.cluster)
         return self._memo[key]
 
 
@@ -601,38 +625,56 @@ def sample_lengths(distribution: LengthDistribution, settings: LengthSettings,
     return source.lengths
 
 
-def shared(strategies: Sequence[LengthStrategy]) -> list[LengthStrategy] | None:
-    """``strategies`` as one documents run holds them: every strategy's program keeps its state (parameters and
-    AdamW moments) on its devices while another runs, so each one's activation budgets are what its devices
-    have left beside the others' states (``with_held``). None when that leaves some strategy unable to hold
-    its own longest document (the set does not fit memory); one strategy alone is unchanged."""
+def switch_fits(strategies: Sequence[LengthStrategy], ctx: PlanContext) -> bool:
+    """Whether every switch between two of ``strategies`` (the plan ``ctx``'s, in order) fits memory as the
+    runtime makes it (runtime/elastic/staging.py): between two steps, activations and gradients freed, a device
+    holds at most the staged switch's ``peak`` of state and buffers, its bytes scaled to the cost model's
+    (``unit_scales``), within its ``state_room``. Each strategy's own steps hold its state alone (its rooms)."""
+    if len(strategies) < 2:
+        return True
+    room: dict[int, tuple[float, tuple[float, ...]]] = {}
+    for ls in strategies:
+        for pipe in ls.rooms:
+            for r in pipe:
+                for d in r.devices:
+                    room[d] = (r.state_room, r.unit_scales)
+    units = switch_units(ctx.model.num_layers)
+    for i, j in itertools.permutations(range(len(strategies)), 2):
+        a, b = ctx.plan.strategies[i], ctx.plan.strategies[j]
+        sw = plan_staged_switch(StrategyHandle(ctx, a), StrategyHandle(ctx, b))
+        order = [units.index(s.unit) for s in sw.stages]
+        table = [{d: scaled(b, room[d][1][u] if d in room and room[d][1] else 1.0) for d, b in row.items()}
+                 for u, row in zip(order, sw.table)]
+        for d, peak in switch_peak(table, range(len(table))).items():
+            if peak > room.get(d, (math.inf, ()))[0]:
+                return False
+    return True
+
+
+def scaled(b: UnitBytes, k: float) -> UnitBytes:
+    return UnitBytes(b.src * k, b.dst * k, b.buffers * k)
+
+
+def shared(strategies: Sequence[LengthStrategy], model: ModelSpec, cluster: Cluster,
+           settings: LengthSettings) -> list[LengthStrategy] | None:
+    """``strategies`` as one documents run holds them: each with its own activation budgets (only the running
+    strategy holds its state), None when some switch between two of them does not fit memory
+    (``switch_fits``); one strategy alone is unchanged."""
     if len(strategies) < 2:
         return list(strategies)
-    out = []
-    for i, ls in enumerate(strategies):
-        if not ls.rooms:
-            out.append(ls)
-            continue
-        devices = {d for pipe in ls.rooms for r in pipe for d in r.devices}
-        held = {d: sum(o.state_on(d) for j, o in enumerate(strategies) if j != i) for d in devices}
-        try:
-            cost = with_held(ls.cost, ls.rooms, held, ls.name)
-        except InfeasibleError:
-            return None
-        if not cost.holds(ls.max_seq_len):
-            return None
-        out.append(dataclasses.replace(ls, cost=cost))
-    return out
+    p = build_plan(strategies, settings, model.name, cluster.name)
+    return list(strategies) if switch_fits(strategies, PlanContext(p, model, cluster, Path("plan"))) else None
 
 
 def context_for(strategies: Sequence[LengthStrategy], model: ModelSpec, cluster: Cluster, settings: LengthSettings,
                 path: Path = Path("plan"), side_by_side: bool = True) -> tuple[list[LengthStrategy], SwitchCosts]:
     """``strategies`` as one plan's (named ``len-N``) and the switch costs between them. ``side_by_side``: their
-    memory as this runtime holds them (``shared``; InfeasibleError if they do not fit together); False: each
-    strategy's memory alone (a baseline system that frees a strategy's state when it switches away)."""
-    together = shared(strategies) if side_by_side else list(strategies)
+    memory as this runtime holds them (``shared``: each alone, every staged switch between them fitting;
+    InfeasibleError if one does not); False: each strategy's memory alone, switches unchecked (a baseline
+    system)."""
+    together = shared(strategies, model, cluster, settings) if side_by_side else list(strategies)
     if together is None:
-        raise InfeasibleError("the strategies do not fit memory together (each keeps its state allocated)")
+        raise InfeasibleError("a switch between the strategies does not fit memory (runtime/elastic/staging.py)")
     p = build_plan(together, settings, model.name, cluster.name)
     members = [dataclasses.replace(ls, strategy=s, cost=dataclasses.replace(ls.cost, name=s.name))
                for ls, s in zip(together, p.strategies)]
@@ -659,7 +701,8 @@ def plan_lengths(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, Devi
     singles = [i for i, c in enumerate(cands) if c.max_seq_len == settings.max_len and c.origin == "planned"]
     single = min(singles, key=lambda i: (sum(t[i] for t in times), i))   # type: ignore[misc]
     # Sets whose members do not fit memory side by side (``shared``) are dropped before the replay.
-    replayed = list(itertools.islice((chosen for _, chosen in sets if shared([cands[i] for i in chosen]) is not None),
+    replayed = list(itertools.islice((chosen for _, chosen in sets
+                                      if shared([cands[i] for i in chosen], model, cluster, settings) is not None),
                                      SETS_REPLAYED))
     if (single,) not in replayed:
         replayed.append((single,))

@@ -18,16 +18,18 @@ HotSPa-like baseline (issue 13).
      are priced with every strategy's state side by side, as this runtime keeps them: ``planner.lengths
      .shared``).
    ``speedup_over_fixed`` = fixed / hspmd total time, ``speedup_over_hotspa_like`` likewise.
-2. Measured with llama-tiny on cpu-hetero4-long (sleep mode at paper-scale lengths and memory: each real token
-   stands for 128 of llama-70b's layer shapes, the devices' memory is the A800's and H20's for those
-   shapes; configs/clusters/cpu-hetero4-long.yaml), lengths up to its maximum, 2048-token steps, 20 steps
-   after a warm-up step: hspmd's plan (``plan_lengths`` on that cluster) vs the best single strategy for
-   the longest document (``single_best``, as a one-strategy plan), both trained by ``hspmd train --lengths
-   longtail --dispatch-costs profiles --metrics`` (the runtime's dispatch with the planner's costs):
+2. Measured with llama-tiny on cpu-hetero4-long64k (sleep mode at paper-scale lengths and memory: each real
+   token stands for 256 of llama-70b's layer shapes, the devices' memory is the A800's and H20's for those
+   shapes; configs/clusters/cpu-hetero4-long64k.yaml: at these lengths the plan has two strategies, switched
+   per step), lengths up to its maximum, 512-token steps, 20 steps after a warm-up step: hspmd's plan
+   (``plan_lengths`` on that cluster) vs the best single strategy for the longest document (``single_best``,
+   as a one-strategy plan), both trained by ``hspmd train --lengths longtail --dispatch-costs profiles
+   --metrics`` (the runtime's dispatch with the planner's costs):
    ``measured_speedup_over_fixed`` from the mean measured step times, and per run the simulator's error on
    the same steps (``predicted_steps``: each step's documents on the strategy the run chose, priced as in
-   part 1), what of it the blocks' overruns of their sleep targets explain, and whether the run dispatched
-   as modelled. A run that fails makes the part "unavailable" with the reason (never numbers).
+   part 1), what of it the blocks' overruns of their sleep targets explain, whether the run dispatched
+   as modelled, its per-step strategy choices and switches (measured transfer time and bytes). A run that
+   fails makes the part "unavailable" with the reason (never numbers).
 
     python scripts/bench_lengths.py --json [--part modelled|measured|all] [--steps 100]
 """
@@ -185,6 +187,9 @@ def run_summary(records: list[dict], predicted: list[tuple[float, float]]) -> di
             "dispatch_as_modelled": sum(1 for r, (_, mk) in zip(records, predicted)
                                         if abs(r.get("predicted_s", -1.0) - mk) <= 1e-9 * max(1.0, mk)) / n,
             "switches": sum(1 for r in records if r.get("switched_from")),
+            "switch_s": sum(r.get("switch_s", 0.0) for r in records if r.get("switched_from")),
+            "switch_bytes": sum(r.get("switch_bytes", 0) for r in records if r.get("switched_from")),
+            "choices": [r["strategy"] for r in records],
             "strategy_steps": {s: sum(1 for r in records if r["strategy"] == s)
                                for s in dict.fromkeys(r["strategy"] for r in records)}}
 
@@ -216,7 +221,9 @@ def measured(cluster_name: str, steps: int, tokens: int, seed: int, timeout_s: f
                                                              else [result.single_best])],
                          **run_summary(steady, predicted_steps(path, dist_name, steady, profile_dirs))}
     return {"status": "measured", "cluster": cluster_name, "model": "llama-tiny", "tokens_per_step": tokens,
-            "steps": steps, "distribution": dist_name, **runs,
+            "steps": steps, "distribution": dist_name,
+            "plan": [{"name": f"len-{c.max_seq_len}", "max_seq_len": c.max_seq_len, "summary": c.summary}
+                     for c in result.strategies], **runs,
             "fixed_is": "the best single whole-cluster plan for the longest document, trained with hspmd's "
                         "dispatch (the modelled part's fixed_balanced: what the plan's strategies alone gain)",
             "measured_speedup_over_fixed": runs["fixed"]["measured_step_s"] / runs["hspmd"]["measured_step_s"],
@@ -233,10 +240,10 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=200_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--clusters", nargs="+", default=["h20-32", "h800-h20-48"])
-    ap.add_argument("--measured-cluster", default="cpu-hetero4-long",
-                    help="Cluster of the measured part (default: sleep mode at paper-scale lengths and memory).")
+    ap.add_argument("--measured-cluster", default="cpu-hetero4-long64k",
+                    help="Cluster of the measured part (default: sleep mode at paper-scale lengths and memory, 64K).")
     ap.add_argument("--measured-steps", type=int, default=20, help="Measured steps after the first (warm-up).")
-    ap.add_argument("--measured-tokens", type=int, default=2048)
+    ap.add_argument("--measured-tokens", type=int, default=512)
     ap.add_argument("--timeout", type=float, default=1200.0, help="Seconds per hspmd train run.")
     ap.add_argument("--profile", type=Path, action="append", default=[],
                     help="Measured profile directory for the measured part's planning and prediction (repeatable).")

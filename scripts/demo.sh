@@ -75,28 +75,40 @@ echo "the same trace modelled: goodput against checkpoint-restart and an Oobleck
 hspmd simulate --plan configs/plans/cpu-hetero4-sleep-dp-pp.yaml --strategy dp-pp --profile "$OUT/profiles" \
   --events "$OUT/trace.yaml"
 
-act "7. Mixed sequence lengths: long-tailed documents, strategies by length range, per-step dispatch"
-echo "cpu-hetero4-long: this host in sleep mode at paper-scale lengths and memory: each real token stands for"
-echo "128 of llama-70b's layer shapes and the devices' memory is the A800's and H20's for those shapes, so"
-echo "llama-tiny's 256-token maximum weighs as 32K tokens there (attention grows as s^2; one replica's state"
-echo "needs two devices; a 32K document needs more TP, stages or recompute). Plan documents of longtail lengths"
-echo "(most short, a few long), 512 tokens a step; each strategy serves a length range, and within one"
-echo "strategy each pipeline holds the documents its memory allows"
-hspmd plan --model llama-tiny --cluster cpu-hetero4-long --lengths longtail --tokens-per-step 512 \
+act "7. Mixed sequence lengths: long-tailed documents, two strategies by length range, a strategy chosen per step"
+echo "cpu-hetero4-long64k: this host in sleep mode at paper-scale lengths and memory: each real token stands for"
+echo "256 of llama-70b's layer shapes and the devices' memory is the A800's and H20's for those shapes, so"
+echo "llama-tiny's 256-token maximum weighs as 64K tokens there (attention grows as s^2; one replica's state"
+echo "needs two devices; a 64K document needs all four in one pipeline, or recompute). Plan documents of"
+echo "longtail lengths (most short, a few long), 512 tokens a step: each strategy serves a length range. A run"
+echo "holds only the running strategy's state and switches in stages, so the strategies need not fit side by side"
+hspmd plan --model llama-tiny --cluster cpu-hetero4-long64k --lengths longtail --tokens-per-step 512 \
   -o "$OUT/lengths-plan.yaml" --fixed-out "$OUT/lengths-fixed.yaml"
+echo "(at 32K, cpu-hetero4-long, one strategy is the plan: an H20 pair holds the longest document without"
+echo " recompute, so a composite of a long-document and a short-document pipeline serves every step)"
 hspmd simulate --plan "$OUT/lengths-plan.yaml" --lengths longtail --steps 8
 echo "train it: every rank draws the same documents, picks the same strategy and deals the documents to"
 echo "pipelines by predicted cost (--dispatch-costs profiles: the planner's, as simulated); documents are packed"
 echo "into micro-batches (attention stays inside each document), and a strategy change moves the state in"
-echo "memory by fused BSR"
+echo "memory by fused BSR, a few layers at a time, freeing the old strategy's tensors as it goes"
 hspmd train --plan "$OUT/lengths-plan.yaml" --lengths longtail --steps 8 --dispatch-costs profiles \
   --metrics "$OUT/lengths-metrics.jsonl"
-echo "the same documents on the best single plan for the longest document (what planning for 32K alone gives),"
+echo "the per-step choices (strategy of each step, switches):"
+python - "$OUT/lengths-metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(x) for x in open(sys.argv[1]) if x.strip()]
+for r in rows:
+    if "event" in r:
+        print(f"  switch before step {r['step']}: {r['from']} -> {r['to']}, {r['switch_bytes'] / 1e6:.2f} MB "
+              f"in {r['transfer_s'] * 1e3:.0f} ms (modelled gain {r['modelled_gain_s']:.2f} s)")
+    else:
+        print(f"  step {r['step']}: {r['strategy']}, {r['documents']} documents, {r['step_time_s']:.2f} s "
+              f"(predicted {r['predicted_s']:.2f} s)")
+PY
+echo "the same documents on the best single plan for the longest document (what planning for 64K alone gives),"
 echo "with the same dispatch:"
 hspmd train --plan "$OUT/lengths-fixed.yaml" --lengths longtail --steps 8 --dispatch-costs profiles \
   --metrics "$OUT/lengths-fixed-metrics.jsonl"
 python scripts/compare_runs.py hspmd="$OUT/lengths-metrics.jsonl" fixed="$OUT/lengths-fixed-metrics.jsonl"
-echo "(expect hspmd ahead by about the plan's predicted speedup above, 1.1-1.2x: scripts/bench_lengths.py,"
-echo " docs/benchmarks.md. The plan is one strategy here: every strategy's state stays allocated in a run,"
-echo " and two strategies' states do not fit these devices side by side)"
-grep '"event"' "$OUT/lengths-metrics.jsonl" || echo "(no strategy switch in these steps)"
+echo "(expect hspmd ahead by about the plan's predicted speedup above: scripts/bench_lengths.py --part measured,"
+echo " docs/benchmarks.md \"Mixed sequence lengths\")"

@@ -115,10 +115,11 @@ def strategies_of(ctx: PlanContext, profiles) -> list[LengthStrategy]:
         cm = CostModel(ctx.model, ctx.cluster, profiles, micro_batch=1, seq_len=top)
         out.append(LengthStrategy(s, strategy_cost(cm, s, top), fixed_step_seconds(cm, s, t.schedule), s.name,
                                   "plan", rooms=stage_rooms(cm, s)))
-    together = shared(out)   # as a documents run holds them: every strategy's state stays allocated
+    settings = LengthSettings(tokens_per_step=t.tokens_per_step or t.global_batch * t.seq_len, max_len=t.seq_len)
+    together = shared(out, ctx.model, ctx.cluster, settings)   # as a documents run holds and switches them
     if together is None:
-        raise SpecError([Problem(str(ctx.path), "strategies", "the strategies do not fit memory together (a "
-                                 "documents run keeps every strategy's parameters and moments allocated)")])
+        raise SpecError([Problem(str(ctx.path), "strategies", "a switch between the strategies does not fit "
+                                 "memory (a documents run moves the state in stages: runtime/elastic/staging.py)")])
     return together
 
 

@@ -254,12 +254,14 @@ def execute(op: CommOp, x: torch.Tensor | None, groups: ProcessGroups, *, dtype:
 
 
 def run_bsr(plan: BsrPlan, tensors: Mapping[str, torch.Tensor], groups: ProcessGroups, *,
-            device: torch.device | None = None) -> dict[str, torch.Tensor]:
+            device: torch.device | None = None,
+            into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Execute a (fused) BSR plan on this device in one batched P2P round.
 
     ``tensors``: this device's local source tensor of every plan tensor it holds, by name. Returns
-    its local destination tensors by name (new tensors; sources are not modified). Excluded devices
-    must not call it; every other device of ``plan.devices`` must.
+    its local destination tensors by name (new tensors, or those of ``into`` where it names them: written
+    in place, no second copy; sources are not modified). Excluded devices must not call it; every other
+    device of ``plan.devices`` must.
     """
     me = groups.my_device
     if me is None:
@@ -281,7 +283,12 @@ def run_bsr(plan: BsrPlan, tensors: Mapping[str, torch.Tensor], groups: ProcessG
                 raise ValueError(f"tensor {t.name!r}: dtype {x.dtype} on device {me}, plan says {t.dtype}")
             sources[i] = x.detach()
             regions[i] = t.src.by_device[me].region
-        if me in t.dst:
+        if me in t.dst and into is not None and t.name in into:
+            outputs[i] = into[t.name]
+            if tuple(outputs[i].shape) != t.dst.local_shape(me):
+                raise ValueError(f"tensor {t.name!r}: destination shape {list(outputs[i].shape)} on device {me}, "
+                                 f"layout says {list(t.dst.local_shape(me))}")
+        elif me in t.dst:
             dev = tensors[t.name].device if t.name in tensors else (device or groups.device)
             outputs[i] = torch.empty(t.dst.local_shape(me), dtype=torch_dtype(t.dtype), device=dev)
     run_p2p(plan, me, sources, outputs, regions, groups.ranks, as_bytes=True)

@@ -10,6 +10,7 @@ ZeRO-1 destination keeps only its chunks of the moments it receives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -32,6 +33,38 @@ def move_state(bsr: Any, source: dict[str, Any], groups: Any, program: Any, step
         _keep_chunks(program, out)
         out["step"] = torch.tensor(float(steps_done))
         program.load_local_state(out)
+
+
+# (stage index, its ``SwitchStage``, "allocated" | "done"): called when the destination's tensors of the stage
+# are allocated (its peak, but for the BSR's buffers) and when the source's are freed
+StageObserver = Callable[[int, Any, str], None]
+
+
+def move_state_staged(switch: Any, src: Any, dst: Any, groups: Any, steps_done: int, device: Any,
+                      observe: StageObserver | None = None) -> None:
+    """This device's part of a staged switch (runtime/elastic/staging.py ``StagedSwitch``, collective over
+    each stage's devices) from program ``src`` to program ``dst`` (None where the strategy leaves this device
+    idle): per stage, ``dst``'s tensors of the unit are allocated and written in place by the stage's fused
+    BSR, then ``src``'s tensors of it are freed. Without ZeRO-1 (a documents run has none)."""
+    from runtime.comm.execute import run_bsr
+
+    me = groups.my_device
+    src_names = set(src.param_annotations()) if src is not None else set()
+    dst_names = set(dst.param_annotations()) if dst is not None else set()
+    for k, stage in enumerate(switch.stages):
+        gone = [n for n in stage.names if n in src_names]
+        into = dst.receive_state([n for n in stage.names if n in dst_names], steps_done) if dst is not None else {}
+        if observe is not None:
+            observe(k, stage, "allocated")
+        if me in stage.bsr.devices:
+            source = src.local_state(gone) if gone else {}
+            run_bsr(stage.bsr, source, groups, device=device, into=into)
+            del source
+        del into
+        if gone:
+            src.release_state(gone)
+        if observe is not None:
+            observe(k, stage, "done")
 
 
 def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,

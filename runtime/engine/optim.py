@@ -54,6 +54,9 @@ class LocalAdamW:
         self.params = [torch.nn.Parameter(shards[n].detach(), requires_grad=False) for n in self.names]
         self.settings = settings
         self.optimizer = build_adamw(self.params, settings)
+        self._index = {n: i for i, n in enumerate(self.names)}
+        # What each shard's storage holds when allocated (``release`` frees it, ``receive`` restores it).
+        self._storage_bytes = [p.untyped_storage().nbytes() for p in self.params]
 
     def step(self, grads: dict[str, torch.Tensor], coef: torch.Tensor | None) -> None:
         gs = [grads[n] for n in self.names]
@@ -73,10 +76,12 @@ class LocalAdamW:
                 return int(st["step"])
         return 0
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """``NAME`` (the shard), ``NAME.exp_avg``, ``NAME.exp_avg_sq`` and ``step`` (a 0-d tensor)."""
+    def state(self, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """``NAME`` (the shard), ``NAME.exp_avg``, ``NAME.exp_avg_sq`` and ``step`` (a 0-d tensor), of every
+        parameter or of ``names`` (views, not copies, except moments not created yet: zeros)."""
         out: dict[str, torch.Tensor] = {}
-        for n, p in zip(self.names, self.params):
+        for n in self.names if names is None else names:
+            p = self.params[self._index[n]]
             out[n] = p.detach()
             st = self.optimizer.state.get(p, {})
             for key in ("exp_avg", "exp_avg_sq"):
@@ -91,10 +96,11 @@ class LocalAdamW:
         if missing or "step" not in state:
             raise KeyError(f"local state lacks {(missing + ['step'] if 'step' not in state else missing)[:5]}")
         step = float(state["step"])
-        for n, p in zip(self.names, self.params):
+        for i, (n, p) in enumerate(zip(self.names, self.params)):
             src = state[n]
             if tuple(src.shape) != tuple(p.shape):
                 raise ValueError(f"{n}: shard shape {tuple(src.shape)} does not match {tuple(p.shape)}")
+            self._allocate(i)
             p.copy_(src)
             if step > 0:
                 self.optimizer.state[p] = {
@@ -105,6 +111,38 @@ class LocalAdamW:
             else:
                 self.optimizer.state.pop(p, None)
 
+
+    # -- holding no state while another strategy runs (a documents run: runtime/elastic/staging.py) ----------
+
+    def release(self, names: Sequence[str] | None = None) -> None:
+        """Free the storage of these shards (all: None) and drop their moments. The tensors keep their shapes
+        (the module's parameters alias the same storage: they are freed too); ``receive`` or ``load_state``
+        allocates them again. Why storage and not the tensors: the programs' modules, DTensors and schedule
+        stay built, so a strategy can be switched to without being specialized again."""
+        for n in self.names if names is None else names:
+            p = self.params[self._index[n]]
+            p.untyped_storage().resize_(0)
+            self.optimizer.state.pop(p, None)
+
+    def receive(self, names: Sequence[str], step: int) -> dict[str, torch.Tensor]:
+        """Allocate these shards again and their moments (``step`` > 0: kept; 0: a fresh AdamW keeps none, so
+        the moments received are scratch) and return them by state name, for a switch to write into."""
+        out: dict[str, torch.Tensor] = {}
+        for n in names:
+            i = self._index[n]
+            p = self.params[i]
+            self._allocate(i)
+            moments = {key: torch.empty_like(p) for key in MOMENTS}
+            if step > 0:
+                self.optimizer.state[p] = {"step": torch.tensor(float(step)), **moments}
+            out[n] = p.detach()
+            out.update({f"{n}.{key}": m for key, m in moments.items()})
+        return out
+
+    def _allocate(self, i: int) -> None:
+        st = self.params[i].untyped_storage()
+        if st.nbytes() == 0 and self._storage_bytes[i]:
+            st.resize_(self._storage_bytes[i])
 
 # ---------------------------------------------------------------------------------------------------
 # ZeRO-1 (runtime/engine/zero.py lays the moments out)

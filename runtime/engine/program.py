@@ -216,16 +216,33 @@ class DeviceProgram:
             self._actions[micro_batches] = stage_actions(self.plan, micro_batches)
         return self._actions[micro_batches]
 
-    def local_state(self) -> dict[str, torch.Tensor]:
+    def local_state(self, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         """This device's shards: ``NAME``, ``NAME.exp_avg``, ``NAME.exp_avg_sq`` and ``step``.
 
         The moments share the parameter's layout, except for the parameters in ``moment_pieces()``
-        (ZeRO-1): theirs are 1-D, this device's pieces concatenated in that order."""
-        return self.optimizer.state()
+        (ZeRO-1): theirs are 1-D, this device's pieces concatenated in that order. ``names``: those
+        parameters' alone (without ZeRO-1)."""
+        return self.optimizer.state() if names is None else self._local_optimizer().state(names)
 
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Set parameters and AdamW states from a dict shaped like ``local_state()`` (same layouts)."""
+        """Set parameters and AdamW states from a dict shaped like ``local_state()`` (same layouts); a released
+        state is allocated again."""
         self.optimizer.load_state(state)
+
+    def release_state(self, names: Sequence[str] | None = None) -> None:
+        """Free these parameters' shards and moments (every one: None) while the program stays built: a
+        documents run keeps only its current strategy's state (runtime/elastic/staging.py)."""
+        self._local_optimizer().release(names)
+
+    def receive_state(self, names: Sequence[str], step: int) -> dict[str, torch.Tensor]:
+        """Allocate these parameters' shards and moments again, for a switch to write into (``local_state``
+        names; the moments are kept only when ``step`` > 0, as AdamW keeps none before its first step)."""
+        return self._local_optimizer().receive(names, step)
+
+    def _local_optimizer(self) -> LocalAdamW:
+        if not isinstance(self.optimizer, LocalAdamW):
+            raise ValueError("a ZeRO-1 program's state is switched whole (runtime/elastic/move.py), not in stages")
+        return self.optimizer
 
     def param_annotations(self) -> dict[str, ParamShard]:
         """Layout of every parameter held here (its AdamW states share it unless ``moment_pieces()``

@@ -401,62 +401,78 @@ def documents_line(source: Any) -> str:
 class DocumentSteps:
     """A documents run on one device: every strategy's program built once at start-up; per step the dispatch
     (runtime/dispatch.py: the strategy, with hysteresis against switching, and each document's pipeline and
-    micro-batch), computed identically on every device so nothing is communicated; an in-memory switch (one
-    fused BSR of the state, runtime/elastic/state.py ``plan_switch``) when consecutive steps pick different
-    strategies; then the step on the chosen strategy's program (devices it leaves idle sit it out).
+    micro-batch), computed identically on every device so nothing is communicated; a switch when the step's
+    strategy is not the one holding the state; then the step on the chosen strategy's program (devices it
+    leaves idle sit it out).
+
+    Only one strategy holds the training state at a time (``holder``): the others' programs stay built (modules,
+    groups, schedules) with their parameters' storage and moments freed. A switch moves the state in stages, a
+    unit of layers at a time, freeing the source's tensors of each unit once it is moved
+    (runtime/elastic/staging.py: a device's peak is about max(A, B) + one stage, not A + B).
 
     ``build`` makes this device's program of a strategy (collective, like ``Session.build``); ``costs``
-    replaces the plan-derived cost models dispatch weighs (``dispatch.plan_strategy_cost``), e.g. measured ones.
+    replaces the plan-derived cost models dispatch weighs (``dispatch.plan_strategy_cost``), e.g. measured ones;
+    ``observe``: told of each stage of a switch (``runtime.elastic.move.StageObserver``).
     """
 
     def __init__(self, ctx: PlanContext, names: tuple[str, ...], *, me: int, groups: Any, device: Any,
                  build: Callable[[StrategyHandle], Any], source: Any, costs: list[Any] | None = None,
-                 recorder: Any = None) -> None:
+                 recorder: Any = None, observe: Callable[[int, Any, str], None] | None = None) -> None:
         from runtime.dispatch import plan_strategy_cost
         from runtime.engine.program import DeviceProgram
 
         self.ctx, self.me, self.groups, self.device = ctx, me, groups, device
-        self.source, self.recorder = source, recorder
+        self.source, self.recorder, self.observe = source, recorder, observe
         self.handles = [StrategyHandle.of(ctx, n) for n in names]
         for h in self.handles:  # collective: every device creates every strategy's groups, in plan order
             groups.ensure(DeviceProgram.required_groups(h))
-        self.programs: list[Any] = [build(h) if me in h.devices else None for h in self.handles]
+        self.programs: list[Any] = []
+        for i, h in enumerate(self.handles):
+            program = build(h) if me in h.devices else None
+            if program is not None and i > 0:   # a fresh run starts in strategy 0's state
+                program.release_state()
+            self.programs.append(program)
+        self.holder = 0   # the strategy whose program holds the state (the same on every device)
         self.costs = costs if costs is not None else [
             plan_strategy_cost(h.strategy, h.model, h.cluster, h.training) for h in self.handles]
-        self.current: int | None = None
+        self.current: int | None = None   # the strategy of the previous step (dispatch's hysteresis)
         self._switches: dict[tuple[int, int], Any] = {}
 
     def switch_plan(self, src: int, dst: int) -> Any:
-        """The fused BSR moving every parameter and moment from strategy ``src``'s layout to ``dst``'s."""
+        """The staged switch moving every parameter and moment from strategy ``src``'s layout to ``dst``'s."""
         if (src, dst) not in self._switches:
-            from runtime.elastic.state import plan_switch
+            from runtime.elastic.staging import plan_staged_switch
 
-            self._switches[src, dst] = plan_switch(self.handles[src], self.handles[dst])
+            self._switches[src, dst] = plan_staged_switch(self.handles[src], self.handles[dst])
         return self._switches[src, dst]
 
     def switch_cost(self, src: int, dst: int) -> float:
         return float(self.switch_plan(src, dst).modelled_time(self.ctx.cluster))
 
     def load(self, load_dir: Path) -> int:
-        """A checkpoint into every program of this device (each strategy starts from it), and the strategy the
-        saved run's last step ran (``DISPATCH_STATE``), so that the hysteresis continues as it would have."""
+        """A checkpoint into the program of the strategy the saved run's last step ran (``DISPATCH_STATE``; the
+        first strategy where none is recorded), which then holds the state, so that the hysteresis continues
+        as it would have."""
         import json
 
         from runtime.checkpoint import load_checkpoint, read_checkpoint_info
 
         done = read_checkpoint_info(load_dir, self.ctx).step
-        for p in self.programs:
-            if p is not None:
-                load_checkpoint(p, load_dir, self.ctx)
         state = Path(load_dir) / DISPATCH_STATE
         names = [h.name for h in self.handles]
         if state.is_file():
             name = json.loads(state.read_text()).get("strategy")
             self.current = names.index(name) if name in names else None
+        holder = self.current if self.current is not None else 0
+        if holder != self.holder and self.programs[self.holder] is not None:
+            self.programs[self.holder].release_state()
+        self.holder = holder
+        if self.programs[holder] is not None:
+            load_checkpoint(self.programs[holder], load_dir, self.ctx)
         return done
 
     def save(self, save_dir: Path, step: int) -> None:
-        """Save from the current strategy's program (collective over its devices), the dispatch state beside."""
+        """Save from the program holding the state (collective over its devices), the dispatch state beside."""
         import json
 
         from runtime.checkpoint import save_checkpoint
@@ -471,17 +487,17 @@ class DocumentSteps:
 
     @property
     def current_handle(self) -> StrategyHandle:
-        return self.handles[self.current if self.current is not None else 0]
+        return self.handles[self.holder]
 
     @property
     def current_program(self) -> Any:
-        return self.programs[self.current if self.current is not None else 0]
+        return self.programs[self.holder]
 
     def prepare(self, step: int) -> tuple[Any, Any, LengthsStep]:
         """Dispatch ``step``, switch state when its strategy differs from the previous step's, and return
         the program to run (None: idle here), the packed ``StepBatch`` and what was decided."""
         from runtime.dispatch import dispatch
-        from runtime.elastic.move import move_state
+        from runtime.elastic.move import move_state_staged
         from runtime.engine.microbatch import documents_step_batch
 
         t_dispatch = time.perf_counter()
@@ -490,17 +506,17 @@ class DocumentSteps:
         d = dispatch(docs.lengths, self.costs, current=previous, switch_cost=self.switch_cost)
         dispatch_s = time.perf_counter() - t_dispatch
         switch_s, sent, gain = 0.0, 0, 0.0
-        if previous is not None and d.strategy != previous:
-            bsr = self.switch_plan(previous, d.strategy)
-            src = self.programs[previous]
+        if d.strategy != self.holder:   # a switch (or, at a run's first step, the move out of strategy 0)
+            plan = self.switch_plan(self.holder, d.strategy)
             t0 = time.perf_counter()
             span = self.recorder.span("comm", f"switch to {d.strategy_name}") if self.recorder else nullcontext()
             with span:
-                move_state(bsr, src.local_state() if src is not None else {}, self.groups,
-                           self.programs[d.strategy], step - 1, self.device)
+                move_state_staged(plan, self.programs[self.holder], self.programs[d.strategy], self.groups,
+                                  step - 1, self.device, self.observe)
+            self.holder = d.strategy
             switch_s = time.perf_counter() - t0
-            sent = sum(m.nbytes for m in bsr.sends(self.me))
-            old = d.predicted[previous]
+            sent = plan.sent_bytes(self.me)
+            old = None if previous is None else d.predicted[previous]
             gain = 0.0 if old is None else old - d.assignment.makespan
         self.current = d.strategy
         t_pack = time.perf_counter()

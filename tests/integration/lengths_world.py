@@ -96,3 +96,70 @@ def documents_job(w: WorkerContext, plan: str, names: tuple[str, ...], steps: tu
         res.primary = {n: a.primary for n, a in ann.items()}
     return res
 
+
+
+def held_bytes(program) -> int:
+    """Bytes of the training state a program holds, counted from its tensors (not from its own accounting):
+    the distinct storages of its modules' parameters (local shards) and of its optimizer's AdamW moments."""
+    if program is None:
+        return 0
+    from torch.distributed.tensor import DTensor
+
+    tensors = [p.to_local() if isinstance(p, DTensor) else p for m in program.chunks for p in m.parameters()]
+    tensors += [v for st in program.optimizer.optimizer.state.values() for k, v in st.items()
+                if k in ("exp_avg", "exp_avg_sq")]
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes():
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+@dataclass
+class Holdings:
+    device: int
+    strategies: list[str]
+    between_steps: list[list[int]]   # after each step: per strategy the bytes its program holds
+    stages: list[tuple[str, int, str, list[int]]]   # per switch stage event: (unit, index, phase, per strategy)
+    modelled: dict[str, dict]        # per switch "a>b": the plan's held-after per stage, peak, start, end
+
+
+def holdings_job(w: WorkerContext, plan: str, names: tuple[str, ...], steps: tuple[int, ...],
+                 slower: dict[str, float] | None = None) -> Holdings:
+    """A documents run that records what each strategy's program holds after every step and at both phases
+    of every switch stage (``DocumentSteps``'s observer), beside the staged switch plan's model of it."""
+    from runtime.elastic.staging import end_bytes, stage_bytes, start_bytes
+    from runtime.engine.api import WorkerContext as EngineContext
+    from runtime.engine.program import DeviceProgram
+    from runtime.launch.session import DocumentSteps
+    from runtime.spec import load_plan_context
+
+    ctx = load_plan_context(plan)
+    out = Holdings(w.device, [], [], [], {})
+    programs: list = []
+
+    def build(handle):
+        return DeviceProgram(EngineContext(handle, w.device, w.ranks, torch.device("cpu"), OP_TIMEOUT), w.groups)
+
+    def observe(k, stage, phase):
+        out.stages.append((str(stage.unit), k, phase, [held_bytes(p) for p in programs]))
+
+    run = DocumentSteps(ctx, names, me=w.device, groups=w.groups, device=torch.device("cpu"), build=build,
+                        source=source(ctx), costs=scaled_costs(ctx, names, slower or {}), observe=observe)
+    programs.extend(run.programs)
+    for step in steps:
+        before = run.holder
+        program, batch, info = run.prepare(step)
+        out.strategies.append(info.strategy)
+        if run.holder != before:
+            sw = run.switch_plan(before, run.holder)
+            out.modelled[f"{before}>{run.holder}"] = {
+                "held": [h.get(w.device, 0.0) for h in sw.held()], "peak": sw.peak().get(w.device, 0.0),
+                "dst": [r[w.device].dst if w.device in r else 0.0 for r in sw.table],
+                "start": start_bytes(sw.table).get(w.device, 0.0), "end": end_bytes(sw.table).get(w.device, 0.0),
+                "stage_max": max((stage_bytes(r[w.device]) for r in sw.table if w.device in r), default=0.0)}
+        if program is not None:
+            program.train_step(batch)
+        out.between_steps.append([held_bytes(p) for p in programs])
+    return out

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lengths_world import BINS, Result, documents_job, source
+from lengths_world import BINS, Result, documents_job, holdings_job, source
 
 from runtime.comm.world import LocalWorld
 from runtime.engine.reference import ReferenceTrainer
@@ -136,3 +136,40 @@ def test_resume_mid_trace_continues_identically(world, switched, ctx, tmp_path):
     for info in llama_parameters(ctx.model):
         torch.testing.assert_close(assemble(rest, info.name, info.shape), assemble(switched, info.name, info.shape),
                                    rtol=1e-6, atol=1e-8)
+
+
+def test_only_the_current_strategy_holds_state_and_a_switch_moves_it_in_stages(world, ctx):
+    """The bytes each program's tensors hold (counted from the tensors), after every step and at both phases
+    of every stage of every switch, against the staged switch plan (runtime/elastic/staging.py): the other
+    strategy holds nothing, each stage adds the destination's unit and then frees the source's, and the peak
+    stays within max(A, B) + one stage, below the A + B of keeping both."""
+    out = {h.device: h for h in world.run(holdings_job, PLAN, BOTH, (1, 2, 3, 4), SLOWER, timeout_s=300)}
+    index = {n: i for i, n in enumerate(BOTH)}
+    assert out[0].strategies == ["short", "long", "short", "long"]
+    for dev, h in out.items():
+        for name, held in zip(h.strategies, h.between_steps):
+            i = index[name]
+            assert held[i] > 0, f"device {dev}: {name} ran but its program holds nothing"
+            assert all(b == 0 for j, b in enumerate(held) if j != i), f"device {dev}: idle strategies hold {held}"
+        assert set(h.modelled) == {"0>1", "1>0"}
+        # the stage events in order: two switches (short>long, long>short, short>long), each stage twice
+        events = iter(h.stages)
+        for (a, b), before, after in zip(((0, 1), (1, 0), (0, 1)), h.between_steps, h.between_steps[1:]):
+            m = h.modelled[f"{a}>{b}"]
+            assert m["start"] == sum(before), f"device {dev}: the model's start state {m['start']} vs held {before}"
+            assert m["end"] == sum(after), f"device {dev}: the model's end state {m['end']} vs held {after}"
+            held_before = m["start"]
+            peak = held_before
+            for k, (done, dst) in enumerate(zip(m["held"], m["dst"])):
+                unit, ka, phase, allocated = next(events)
+                assert (ka, phase) == (k, "allocated")
+                assert sum(allocated) == held_before + dst, f"device {dev} {a}>{b} {unit}: allocated {allocated}"
+                peak = max(peak, sum(allocated))
+                unit2, kd, phase, freed = next(events)
+                assert (unit2, kd, phase) == (unit, k, "done")
+                assert sum(freed) == done, f"device {dev} {a}>{b} {unit}: {freed} held after, model {done}"
+                held_before = done
+            bound = max(m["start"], m["end"]) + m["stage_max"]
+            assert peak <= m["peak"] <= bound, f"device {dev} {a}>{b}: peak {peak}, model {m['peak']}, bound {bound}"
+            assert m["peak"] < m["start"] + m["end"], f"device {dev}: no better than holding both"
+        assert next(events, None) is None

@@ -106,3 +106,28 @@ def test_recompute_saves_only_layer_inputs_and_gives_the_same_gradients() -> Non
     assert [n for n, _ in plain.named_parameters()] == [n for n, _ in recomputed.named_parameters()]
     for (n, p), q in zip(plain.named_parameters(), recomputed.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=n)
+
+
+def test_released_state_holds_no_storage_and_received_state_trains_on_identically() -> None:
+    """A documents run's idle strategy: ``release`` frees the shard's storage (its module alias too) and the
+    moments; ``receive`` allocates them again for a switch to write into; training then continues exactly as
+    an optimizer that was never released."""
+    g = torch.Generator().manual_seed(1)
+    module_w = torch.randn(6, 4, generator=g)   # stands for the module's parameter: the optimizer aliases it
+    opt, ref = LocalAdamW({"w": module_w}, SETTINGS), LocalAdamW({"w": module_w.clone()}, SETTINGS)
+    grads = [torch.randn(6, 4, generator=g) for _ in range(3)]
+    for o in (opt, ref):
+        o.step({"w": grads[0].clone()}, None)
+    saved = {k: v.clone() for k, v in opt.state().items()}
+    opt.release()
+    assert module_w.untyped_storage().nbytes() == 0 and not opt.optimizer.state
+    into = opt.receive(["w"], step=1)
+    assert module_w.untyped_storage().nbytes() == 6 * 4 * 4
+    for k, t in into.items():   # what a switch's BSR does: write every element in place
+        t.copy_(saved[k])
+    for gr in grads[1:]:
+        for o in (opt, ref):
+            o.step({"w": gr.clone()}, None)
+    for k, v in ref.state().items():
+        torch.testing.assert_close(opt.state()[k], v, rtol=0, atol=0)
+    torch.testing.assert_close(module_w, ref.state()["w"], rtol=0, atol=0)
