@@ -385,6 +385,11 @@ def measured_part(args: argparse.Namespace) -> dict:
                 "hspmd": h, "restart": r}
 
 
+# The modelled part's headline figures, repeated at the top level of the JSON.
+MODELLED_KEYS = ("modelled_goodput_over_restart", "modelled_goodput_over_oobleck_like",
+                 "modelled_goodput_over_restart_same_checkpoints", "modelled_goodput_over_oobleck_like_same_checkpoints")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=60)
@@ -422,11 +427,7 @@ def main() -> None:
         log(f"modelled: llama-32b on h800-h20-48, {args.paper_steps} steps")
         m = modelled(args.paper_steps)
         out["modelled"] = m
-        out["modelled_goodput_over_restart"] = m["modelled_goodput_over_restart"]
-        out["modelled_goodput_over_oobleck_like"] = m["modelled_goodput_over_oobleck_like"]
-        out["modelled_goodput_over_restart_same_checkpoints"] = m["modelled_goodput_over_restart_same_checkpoints"]
-        out["modelled_goodput_over_oobleck_like_same_checkpoints"] = m[
-            "modelled_goodput_over_oobleck_like_same_checkpoints"]
+        out.update({k: m[k] for k in MODELLED_KEYS})
     if args.json:
         print(json.dumps(out, indent=2))
     else:

@@ -30,7 +30,9 @@ def test_a_failed_measured_part_still_prints_the_modelled_figures(monkeypatch, c
 
     def small_model(steps):
         calls.append(("modelled", steps))
-        return {"modelled_goodput_over_restart": 1.25, "modelled_goodput_over_oobleck_like": 1.5, "steps": steps}
+        return {"modelled_goodput_over_restart": 1.25, "modelled_goodput_over_oobleck_like": 1.5,
+                "modelled_goodput_over_restart_same_checkpoints": 1.2,
+                "modelled_goodput_over_oobleck_like_same_checkpoints": 1.4, "steps": steps}
 
     monkeypatch.setattr(bench, "measured_part", measured_fails)
     monkeypatch.setattr(bench, "modelled", small_model)
@@ -43,6 +45,7 @@ def test_a_failed_measured_part_still_prints_the_modelled_figures(monkeypatch, c
                                "reason": "hspmd run failed (1): the coordinator lost its agents"}
     assert out["goodput_over_restart"] is None
     assert out["modelled_goodput_over_restart"] == 1.25 and out["modelled_goodput_over_oobleck_like"] == 1.5
+    assert out["modelled_goodput_over_restart_same_checkpoints"] == 1.2
     assert "measured part unavailable" in captured.err
 
 
