@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -201,16 +201,72 @@ class EventLoop:
         self.ops[op.name] = op
         self.queue.setdefault(op.resource, []).append(op.name)
 
-    def run(self) -> dict[str, tuple[float, float]]:
-        """(start, end) of every op."""
-        return _Run(self).run()
+    def run(self, copies: Mapping[str, Sequence[str]] | None = None) -> dict[str, tuple[float, float]]:
+        """(start, end) of every op. ``copies``: op -> ops that run exactly as it does (``pipeline_twins``),
+        given its times instead of being played (their resources run nothing themselves)."""
+        return _Run(self, copies or {}).run()
+
+
+def pipeline_twins(loop: EventLoop) -> dict[str, list[str]]:
+    """Op -> the ops of later pipelines that run at exactly its times: pipelines whose ops are alike (names
+    and resources but for the ``p{pi}`` prefix, every other field equal) and that share no CPU host (no
+    op has ``hosts``) interact with nothing before the step's end, where nothing feeds back into them, so
+    the event loop plays the same arithmetic on both. A planned strategy's pipelines of one class are such
+    twins: playing one of them is the simulator's saving on large clusters."""
+    by_pipe: dict[int, list[list[str]]] = {}
+    for names in loop.queue.values():
+        by_pipe.setdefault(loop.ops[names[0]].pipeline, []).append(names)
+    reps: dict[tuple, list[int]] = {}
+    out: dict[str, list[str]] = {}
+    for pi, queues in by_pipe.items():
+        if pi < 0:
+            continue
+        cut = len(f"p{pi}")
+        shape = tuple((loop.ops[q[0]].resource[cut:], len(q)) for q in queues)
+        rep = next((r for r in reps.get(shape, ()) if _alike(loop, by_pipe[r], r, queues, pi)), None)
+        if rep is None:
+            reps.setdefault(shape, []).append(pi)
+            continue
+        for q, mine in zip(by_pipe[rep], queues):
+            for x, y in zip(q, mine):
+                out.setdefault(x, []).append(y)
+    return out
+
+
+_TWIN_FIELDS = tuple(f.name for f in dataclasses.fields(SimOp)
+                     if f.name not in ("name", "resource", "pipeline", "deps", "waits", "hosts"))
+
+
+def _alike(loop: EventLoop, a: list[list[str]], pa: int, b: list[list[str]], pb: int) -> bool:
+    """Whether pipeline ``pb``'s queues ``b`` hold ``pa``'s ops ``a`` renamed (see ``pipeline_twins``), every
+    dependency inside its own pipeline and no op on a CPU host."""
+    ca, cb = len(f"p{pa}"), len(f"p{pb}")
+    ops = loop.ops
+    for qa, qb in zip(a, b):
+        for x, y in zip(qa, qb):
+            ox, oy = ops[x], ops[y]
+            if ox.hosts or oy.hosts or ox.pipeline != pa or oy.pipeline != pb or x[ca:] != y[cb:] \
+                    or ox.resource[ca:] != oy.resource[cb:] or len(ox.deps) != len(oy.deps) \
+                    or len(ox.waits) != len(oy.waits):
+                return False
+            if any(ops[d].pipeline != pa or ops[e].pipeline != pb or d[ca:] != e[cb:]
+                   for d, e in zip(ox.deps, oy.deps)):
+                return False
+            if any(ops[d].pipeline != pa or ops[e].pipeline != pb or d[ca:] != e[cb:] or s != t
+                   for (d, s), (e, t) in zip(ox.waits, oy.waits)):
+                return False
+            if any(getattr(ox, f) != getattr(oy, f) for f in _TWIN_FIELDS):
+                return False
+    return True
 
 
 class _Run:
     """The state of one ``EventLoop.run``."""
 
-    def __init__(self, loop: EventLoop) -> None:
+    def __init__(self, loop: EventLoop, copies: Mapping[str, Sequence[str]]) -> None:
         self.ops, self.queue, self.cores = loop.ops, loop.queue, loop.cores
+        self.copies = copies
+        self.passive = {self.ops[c].resource for cs in copies.values() for c in cs}   # they run only copies
         self.head = {r: 0 for r in self.queue}
         self.busy: dict[str, str | None] = {r: None for r in self.queue}
         self.starts: dict[str, float] = {}
@@ -244,6 +300,9 @@ class _Run:
                 self.unstarted[op.name] = len(op.waits)
                 for w, _ in op.waits:
                     self.waited_by.setdefault(w, []).append(op.name)
+        # Copies that ops outside the twins' pipelines depend on or wait for (the stages' last actions).
+        self.awaited = {c for o in self.ops.values() if o.resource not in self.passive
+                        for c in (*o.deps, *(w for w, _ in o.waits)) if self.ops[c].resource in self.passive}
         self.now = 0.0
         self.seq = 0
 
@@ -326,6 +385,8 @@ class _Run:
 
     def advance(self, r: str) -> None:
         """Start resource ``r``'s next op if it is free and the op's dependencies are done."""
+        if r in self.passive:
+            return
         name = self.busy[r]
         if name is not None:
             if name not in self.times and not self.ops[name].computes:
@@ -376,6 +437,12 @@ class _Run:
         self.times[name] = (self.starts[name], end)
         self.seq += 1
         heapq.heappush(self.heap, (end, self.seq, name))
+        for c in self.copies.get(name, ()):
+            self.starts[c] = self.starts[name]
+            self.times[c] = (self.starts[c], end)
+            if c in self.awaited:   # the step's end waits on it: it completes then
+                self.seq += 1
+                heapq.heappush(self.heap, (end, self.seq, c))
 
     def core_busy(self, name: str) -> bool:
         """Another compute op is running on a core of ``name``'s hosts now (one ending this instant is not)."""
@@ -421,9 +488,10 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
     costs = _Costs.of(cm, strategy)
     sim = EventLoop(costs.cores)
     last_action, tp_s, labels = _add_schedules(sim, costs, schedules)
+    twins = pipeline_twins(sim)   # before the step's end joins the pipelines
     sync = cm.sync_plan(strategy)
     _add_step_end(sim, costs, last_action, sync, zero)
-    times = sim.run()
+    times = sim.run(twins)
     # The measured fixed cost per iteration (launches, synchronisation, logging) comes on top.
     step = max(end for _, end in times.values()) + cm.iteration_time(strategy)
     events, reports, memory = _reports(sim, times, costs, schedules, tp_s, labels, sync, zero, step)
