@@ -321,6 +321,12 @@ class _Run:
     def step(self) -> bool:
         """Advance to the next event (a compute op's CPU work done, an op's end, a wake-up) and handle it;
         False when nothing is left."""
+        if not self.active and not self.pending:   # no CPU work under way: the next op end is the next event
+            if not self.heap:
+                return False
+            self.now = self.heap[0][0]
+            self.complete(heapq.heappop(self.heap)[2])
+            return True
         share, rate = self.rates()
         t_cpu, cpu_op = math.inf, None
         for o, left in self.active.items():
