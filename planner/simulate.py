@@ -611,6 +611,9 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
         for k, acts in enumerate(sched.actions):
             st, res = pipe.stages[k], f"p{pi}s{k}"
             device_type = costs.type_of[st.devices[0]]
+            resume, wake, waiting = cm.host.resume_penalty(device_type), cm.host.comm_wake(device_type), \
+                costs.waiting(st.devices)
+            blocks: dict[tuple[str, int], dict[str, Any]] = {}   # the stage's op fields per (kind, chunk)
             sent: list[str] = []
             for ai, a in enumerate(acts):
                 name = f"{res}a{ai}"
@@ -621,8 +624,10 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     # 'F3', 'B3' (the whole backward, or its input-gradient half), 'W3'; '/1' for chunk 1
                     labels[name] = (f"{a.kind[0]}{a.micro_batch}" + (f"/{a.chunk}" if len(st.layers) > 1 else ""))
                     kind = OpKind.FORWARD if a.kind == "F" else OpKind.BACKWARD
-                    sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=cm.host.resume_penalty(device_type),
-                                  **costs.block(st.devices, total, tp, tp_cpu)))
+                    fields = blocks.get((a.kind, a.chunk))
+                    if fields is None:
+                        fields = blocks[a.kind, a.chunk] = costs.block(st.devices, total, tp, tp_cpu)
+                    sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=resume, **fields))
                 elif isinstance(a, (PostSend, PostRecv)):
                     sim.add(SimOp(name, res, None, pi, k, a.message.micro_batch))
                     if isinstance(a, PostSend):
@@ -630,8 +635,7 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                 else:
                     deps = (transfer(a.message),) if isinstance(a, WaitRecv) else tuple(sent)
                     assert isinstance(a, (WaitRecv, WaitSends))
-                    sim.add(SimOp(name, res, None, pi, k, deps=deps, wake=cm.host.comm_wake(device_type),
-                                  **costs.waiting(st.devices)))
+                    sim.add(SimOp(name, res, None, pi, k, deps=deps, wake=wake, **waiting))
             last[pi, k] = name
     return last, tp_s, labels
 
