@@ -287,11 +287,17 @@ class _Run:
         self.undone: dict[str, int] = {}            # op -> how many of its dependencies have not completed
         self.needed_by: dict[str, list[str]] = {}   # op -> the ops that depend on it (once per dependency)
         self.waited_by: dict[str, list[str]] = {}   # op -> the ops that wait on it (once per wait)
+        # Copies that ops outside the twins' pipelines depend on or wait for (the stages' last actions).
+        self.awaited: set[str] = set()
         for op in self.ops.values():
+            if op.resource in self.passive:   # a copy: it never starts or waits by itself
+                continue
             for h, _ in op.hosts:
                 self.users.setdefault(h, set()).add(op.resource)
             for w in (*op.deps, *(w for w, _ in op.waits)):
                 self.watchers.setdefault(w, set()).add(op.resource)
+                if self.ops[w].resource in self.passive:
+                    self.awaited.add(w)
             if op.deps:
                 self.undone[op.name] = len(op.deps)
                 for dep in op.deps:
@@ -300,9 +306,6 @@ class _Run:
                 self.unstarted[op.name] = len(op.waits)
                 for w, _ in op.waits:
                     self.waited_by.setdefault(w, []).append(op.name)
-        # Copies that ops outside the twins' pipelines depend on or wait for (the stages' last actions).
-        self.awaited = {c for o in self.ops.values() if o.resource not in self.passive
-                        for c in (*o.deps, *(w for w, _ in o.waits)) if self.ops[c].resource in self.passive}
         self.now = 0.0
         self.seq = 0
 
