@@ -267,6 +267,10 @@ class _Run:
         self.ops, self.queue, self.cores = loop.ops, loop.queue, loop.cores
         self.copies = copies
         self.passive = {self.ops[c].resource for cs in copies.values() for c in cs}   # they run only copies
+        if any(self.ops[w].resource in self.passive for o in self.ops.values() if o.resource not in self.passive
+               for w, _ in o.waits):
+            # An op outside waits for a copy's start, which a copy has only once its original ends: play all.
+            self.copies, self.passive = {}, set()
         self.head = {r: 0 for r in self.queue}
         self.busy: dict[str, str | None] = {r: None for r in self.queue}
         self.starts: dict[str, float] = {}

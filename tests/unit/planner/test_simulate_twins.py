@@ -78,3 +78,10 @@ def test_pipelines_on_shared_cores_are_never_copies() -> None:
     times = shared.run()
     assert times["p0s0F0c0"][1] == pytest.approx(2.0)   # the two forwards share the core: each at half speed
     assert times["stats"][1] == pytest.approx(2.75)
+
+
+def test_an_op_that_waits_for_a_copys_start_has_every_pipeline_played() -> None:
+    """A rendezvous on a pipeline's op (``waits``) needs that op's own start: such a loop is played in full."""
+    loop = two_pipelines(())
+    loop.add(SimOp("peer", "world2", None, duration=0.1, waits=(("p1s0a1", 0.1),)))
+    assert loop.run(pipeline_twins(loop)) == loop.run()
