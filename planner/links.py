@@ -78,14 +78,19 @@ def ring_sharers(groups: Sequence[tuple[tuple[int, ...], Hashable]], node_of: Se
     nics = node_of if nic_of is None else nic_of
     spans = [len({node_of[d] for d in devs}) > 1 for devs, _ in groups]
     used = [frozenset(nics[d] for d in devs) for devs, _ in groups]
+    # Cross-node groups by signature, in order: a group's peers are among its own signature's (a large
+    # strategy has a thousand groups; comparing every pair of them dominated its pricing).
+    alike: dict[Hashable, list[int]] = {}
+    for j, (_, sig) in enumerate(groups):
+        if spans[j]:
+            alike.setdefault(sig, []).append(j)
     out = []
     for i, (devs, sig) in enumerate(groups):
         if not spans[i]:
             out.append(1)
             continue
         mine = set(devs)
-        peers = [j for j, (other, s) in enumerate(groups)
-                 if s == sig and spans[j] and (j == i or mine.isdisjoint(other))]
+        peers = [j for j in alike[sig] if j == i or mine.isdisjoint(groups[j][0])]
         out.append(max(sum(1 for j in peers if n in used[j]) for n in used[i]))
     return out
 

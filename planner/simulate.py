@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -209,19 +209,80 @@ class EventLoop:
         self.ops[op.name] = op
         self.queue.setdefault(op.resource, []).append(op.name)
 
-    def run(self) -> dict[str, tuple[float, float]]:
-        """(start, end) of every op (and ``cpu_s``: what each compute op consumed)."""
-        run = _Run(self)
+    def run(self, copies: Mapping[str, Sequence[str]] | None = None) -> dict[str, tuple[float, float]]:
+        """(start, end) of every op, and ``cpu_s``: what each played compute op consumed. ``copies``: op ->
+        ops that run exactly as it does (``pipeline_twins``), given its times instead of being played (their
+        resources run nothing themselves)."""
+        run = _Run(self, copies or {})
         times = run.run()
         self.cpu_s = {o: run.used.get(o, w) for o, w in run.work.items()}
         return times
 
 
+def pipeline_twins(loop: EventLoop) -> dict[str, list[str]]:
+    """Op -> the ops of later pipelines that run at exactly its times: pipelines whose ops are alike (names
+    and resources but for the ``p{pi}`` prefix, every other field equal) and that share no CPU host (no
+    op has ``hosts``) interact with nothing before the step's end, where nothing feeds back into them, so
+    the event loop plays the same arithmetic on both. A planned strategy's pipelines of one class are such
+    twins: playing one of them is the simulator's saving on large clusters."""
+    by_pipe: dict[int, list[list[str]]] = {}
+    for names in loop.queue.values():
+        by_pipe.setdefault(loop.ops[names[0]].pipeline, []).append(names)
+    reps: dict[tuple, list[int]] = {}
+    out: dict[str, list[str]] = {}
+    for pi, queues in by_pipe.items():
+        if pi < 0:
+            continue
+        cut = len(f"p{pi}")
+        shape = tuple((loop.ops[q[0]].resource[cut:], len(q)) for q in queues)
+        rep = next((r for r in reps.get(shape, ()) if _alike(loop, by_pipe[r], r, queues, pi)), None)
+        if rep is None:
+            reps.setdefault(shape, []).append(pi)
+            continue
+        for q, mine in zip(by_pipe[rep], queues):
+            for x, y in zip(q, mine):
+                out.setdefault(x, []).append(y)
+    return out
+
+
+_TWIN_FIELDS = tuple(f.name for f in dataclasses.fields(SimOp)
+                     if f.name not in ("name", "resource", "pipeline", "deps", "waits", "hosts"))
+
+
+def _alike(loop: EventLoop, a: list[list[str]], pa: int, b: list[list[str]], pb: int) -> bool:
+    """Whether pipeline ``pb``'s queues ``b`` hold ``pa``'s ops ``a`` renamed (see ``pipeline_twins``), every
+    dependency inside its own pipeline and no op on a CPU host."""
+    ca, cb = len(f"p{pa}"), len(f"p{pb}")
+    ops = loop.ops
+    for qa, qb in zip(a, b):
+        for x, y in zip(qa, qb):
+            ox, oy = ops[x], ops[y]
+            if ox.hosts or oy.hosts or ox.pipeline != pa or oy.pipeline != pb or x[ca:] != y[cb:] \
+                    or ox.resource[ca:] != oy.resource[cb:] or len(ox.deps) != len(oy.deps) \
+                    or len(ox.waits) != len(oy.waits):
+                return False
+            if any(ops[d].pipeline != pa or ops[e].pipeline != pb or d[ca:] != e[cb:]
+                   for d, e in zip(ox.deps, oy.deps)):
+                return False
+            if any(ops[d].pipeline != pa or ops[e].pipeline != pb or d[ca:] != e[cb:] or s != t
+                   for (d, s), (e, t) in zip(ox.waits, oy.waits)):
+                return False
+            if any(getattr(ox, f) != getattr(oy, f) for f in _TWIN_FIELDS):
+                return False
+    return True
+
+
 class _Run:
     """The state of one ``EventLoop.run``."""
 
-    def __init__(self, loop: EventLoop) -> None:
+    def __init__(self, loop: EventLoop, copies: Mapping[str, Sequence[str]]) -> None:
         self.ops, self.queue, self.cores = loop.ops, loop.queue, loop.cores
+        self.copies = copies
+        self.passive = {self.ops[c].resource for cs in copies.values() for c in cs}   # they run only copies
+        if any(self.ops[w].resource in self.passive for o in self.ops.values() if o.resource not in self.passive
+               for w, _ in o.waits):
+            # An op outside waits for a copy's start, which a copy has only once its original ends: play all.
+            self.copies, self.passive = {}, set()
         self.head = {r: 0 for r in self.queue}
         self.busy: dict[str, str | None] = {r: None for r in self.queue}
         self.starts: dict[str, float] = {}
@@ -242,11 +303,17 @@ class _Run:
         self.undone: dict[str, int] = {}            # op -> how many of its dependencies have not completed
         self.needed_by: dict[str, list[str]] = {}   # op -> the ops that depend on it (once per dependency)
         self.waited_by: dict[str, list[str]] = {}   # op -> the ops that wait on it (once per wait)
+        # Copies that ops outside the twins' pipelines depend on or wait for (the stages' last actions).
+        self.awaited: set[str] = set()
         for op in self.ops.values():
+            if op.resource in self.passive:   # a copy: it never starts or waits by itself
+                continue
             for h, _ in op.hosts:
                 self.users.setdefault(h, set()).add(op.resource)
             for w in (*op.deps, *(w for w, _ in op.waits)):
                 self.watchers.setdefault(w, set()).add(op.resource)
+                if self.ops[w].resource in self.passive:
+                    self.awaited.add(w)
             if op.deps:
                 self.undone[op.name] = len(op.deps)
                 for dep in op.deps:
@@ -273,6 +340,12 @@ class _Run:
     def step(self) -> bool:
         """Advance to the next event (a compute op's CPU work done, an op's end, a wake-up) and handle it;
         False when nothing is left."""
+        if not self.active and not self.pending:   # no CPU work under way: the next op end is the next event
+            if not self.heap:
+                return False
+            self.now = self.heap[0][0]
+            self.complete(heapq.heappop(self.heap)[2])
+            return True
         share, rate = self.rates()
         t_cpu, cpu_op = math.inf, None
         for o, left in self.active.items():
@@ -337,6 +410,8 @@ class _Run:
 
     def advance(self, r: str) -> None:
         """Start resource ``r``'s next op if it is free and the op's dependencies are done."""
+        if r in self.passive:
+            return
         name = self.busy[r]
         if name is not None:
             if name not in self.times and not self.ops[name].computes:
@@ -391,6 +466,12 @@ class _Run:
         self.times[name] = (self.starts[name], end)
         self.seq += 1
         heapq.heappush(self.heap, (end, self.seq, name))
+        for c in self.copies.get(name, ()):
+            self.starts[c] = self.starts[name]
+            self.times[c] = (self.starts[c], end)
+            if c in self.awaited:   # the step's end waits on it: it completes then
+                self.seq += 1
+                heapq.heappush(self.heap, (end, self.seq, c))
 
     def core_busy(self, name: str) -> bool:
         """Another compute op is running on a core of ``name``'s hosts now (one ending this instant is not)."""
@@ -436,9 +517,10 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
     costs = _Costs.of(cm, strategy)
     sim = EventLoop(costs.cores)
     last_action, tp_s, labels = _add_schedules(sim, costs, schedules)
+    twins = pipeline_twins(sim)   # before the step's end joins the pipelines
     sync = cm.sync_plan(strategy)
     _add_step_end(sim, costs, last_action, sync, zero)
-    times = sim.run()
+    times = sim.run(twins)
     # The measured fixed cost per iteration (launches, synchronisation, logging) comes on top.
     step = max(end for _, end in times.values()) + cm.iteration_time(strategy)
     events, reports, memory = _reports(sim, times, costs, schedules, tp_s, labels, sync, zero, step)
@@ -553,6 +635,9 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
         for k, acts in enumerate(sched.actions):
             st, res = pipe.stages[k], f"p{pi}s{k}"
             device_type = costs.type_of[st.devices[0]]
+            resume, wake, waiting = cm.host.resume_penalty(device_type), cm.host.comm_wake(device_type), \
+                costs.waiting(st.devices)
+            blocks: dict[tuple[str, int], dict[str, Any]] = {}   # the stage's op fields per (kind, chunk)
             sent: list[str] = []
             for ai, a in enumerate(acts):
                 name = f"{res}a{ai}"
@@ -563,12 +648,15 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     # 'F3', 'B3' (the whole backward, or its input-gradient half), 'W3'; '/1' for chunk 1
                     labels[name] = (f"{a.kind[0]}{a.micro_batch}" + (f"/{a.chunk}" if len(st.layers) > 1 else ""))
                     kind = OpKind.FORWARD if a.kind == "F" else OpKind.BACKWARD
+                    fields = blocks.get((a.kind, a.chunk))
+                    if fields is None:
+                        fields = blocks[a.kind, a.chunk] = costs.block(st.devices, total, tp, tp_cpu)
                     # A split backward's W works on what its B produced: traced op by op (pp4-uneven-
                     # zb-h1, docs/benchmarks.md "Simulator fidelity"), the slow stages' W ops took 14.7 /
                     # 13.2 ms of CPU per step against 20.4 / 27.9 ms simulated with the resume and cold
                     # penalties, their priced CPU alone about what each measured (1.76 vs 1.65 ms).
-                    sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=cm.host.resume_penalty(device_type),
-                                  hot=a.kind == "W", **costs.block(st.devices, total, tp, tp_cpu)))
+                    sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=resume, hot=a.kind == "W",
+                                  **fields))
                 elif isinstance(a, (PostSend, PostRecv)):
                     sim.add(SimOp(name, res, None, pi, k, a.message.micro_batch))
                     if isinstance(a, PostSend):
@@ -576,8 +664,7 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                 else:
                     deps = (transfer(a.message),) if isinstance(a, WaitRecv) else tuple(sent)
                     assert isinstance(a, (WaitRecv, WaitSends))
-                    sim.add(SimOp(name, res, None, pi, k, deps=deps, wake=cm.host.comm_wake(device_type),
-                                  **costs.waiting(st.devices)))
+                    sim.add(SimOp(name, res, None, pi, k, deps=deps, wake=wake, **waiting))
             last[pi, k] = name
     return last, tp_s, labels
 

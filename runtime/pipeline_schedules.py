@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -509,19 +509,6 @@ def chunk_problems(chunk_layers: Sequence[Sequence[tuple[int, int]]], num_layers
 # The list scheduler
 
 
-_Op = tuple[str, int, int]  # (kind, micro_batch, virtual stage)
-
-
-def _deps(op: _Op, last: int, split: bool) -> list[_Op]:
-    kind, mb, j = op
-    bk = "B" if split else "BW"
-    if kind == "F":
-        return [("F", mb, j - 1)] if j > 0 else []
-    if kind == "W":
-        return [("B", mb, j)]
-    return [("F", mb, j)] + ([(bk, mb, j + 1)] if j < last else [])
-
-
 def build_schedule(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
                    costs: Costs | None = None, limits: Sequence[int] | None = None) -> Schedule:
     """Generate schedule ``name``: simulate the list scheduler, then derive the action lists.
@@ -637,11 +624,11 @@ class _DeviceState:
     live: int = 0
     forwards_left: int = 0
     free_at: float = 0.0
-    last: str | None = None  # kind of the op run last
+    after_backward: bool = False  # the op run last was a backward (B or BW): 1F1B's alternation
     # Ops started here so far, and what the device's ready ops were when it last found none it may run.
     started: int = 0
     stuck: tuple[int, int, float] | None = None   # (ready ops, ops started, when the next one comes due)
-    ready: list[_Op] = field(default_factory=list)
+    ready: list[int] = field(default_factory=list)   # op numbers (``_list_schedule``)
     # micro-batch -> forwards it still has to run here / activations it holds here (while it holds any)
     owed: dict[int, int] = field(default_factory=dict)
     held: dict[int, int] = field(default_factory=dict)
@@ -667,95 +654,145 @@ class _DeviceState:
         return True
 
 
-def _priority_key(pol: Policy, layout: Layout) -> Callable[[_Op, str | None], tuple]:
+def _priority_keys(pol: Policy, layout: Layout, kinds: tuple[str, ...], m: int) -> tuple[list[tuple], list[tuple]]:
+    """Per op number (``_list_schedule``) its rank among a device's ready ops (least first), and the rank it
+    has right after a backward (1F1B's alternation: one forward after each backward, the steady state)."""
     rank = {k: i for i, k in enumerate(pol.priority)}
-    s = layout.num_devices
-
-    def key(op: _Op, last: str | None) -> tuple:
-        kind, mb, j = op
-        r = rank[kind]
-        if pol.alternate and last in ("B", "BW") and kind == "F":
-            r = -1  # one forward after each backward: the steady state of 1F1B
-        if pol.order == "groups":
+    s, stages = layout.num_devices, layout.num_stages
+    keys, after = [], []
+    for mb in range(m):
+        for j in range(stages):
             c = layout.chunk(j)
-            if kind == "F":
-                return (r, mb // s, c, mb)
-            return (r, mb // s, -c, mb)
-        # Oldest micro-batch first; between chunks of one micro-batch, the later virtual stage (it is
-        # closer to freeing memory: depth-first).
-        return (r, mb, -j)
-
-    return key
+            for kind in kinds:
+                r = rank[kind]
+                if pol.order == "groups":
+                    rest: tuple = (mb // s, c if kind == "F" else -c, mb)
+                else:
+                    # Oldest micro-batch first; between chunks of one micro-batch, the later virtual stage
+                    # (it is closer to freeing memory: depth-first).
+                    rest = (mb, -j)
+                keys.append((r, *rest))
+                after.append((-1, *rest) if pol.alternate and kind == "F" else keys[-1])
+    return keys, after
 
 
 def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]) -> list[list[TimedOp]]:
     """Event-driven simulation: each idle device starts the best ready op its policy allows, holding at
-    most ``limit[d]`` activations on device ``d``."""
+    most ``limit[d]`` activations on device ``d``.
+
+    Ops are numbered ``(mb * stages + j) * kinds + k`` (``k`` indexes ``kinds``: F, then B and W or the fused
+    BW), each op's dependencies with the transfer time they cross precomputed: the planner prices
+    thousands of pipelines by this loop, so it reads lists rather than hashing op tuples."""
     pol = POLICIES[name]
-    n, last = layout.num_devices, layout.num_stages - 1
+    n, stages = layout.num_devices, layout.num_stages
+    last = stages - 1
     split = pol.split_backward
     kinds = ("F", "B", "W") if split else ("F", "BW")
-    ops = [(k, mb, j) for mb in range(m) for j in range(layout.num_stages) for k in kinds]
-    dependents: dict[_Op, list[_Op]] = {op: [] for op in ops}
-    waiting = {}
-    for op in ops:
-        ds = _deps(op, last, split)
-        waiting[op] = len(ds)
-        for dep in ds:
-            dependents[dep].append(op)
-    devs = [_DeviceState(forwards_left=m * layout.chunks) for _ in range(n)]
-    ready_at: dict[_Op, float] = {}
-    end: dict[_Op, float] = {}
-    for op in ops:
-        if waiting[op] == 0:
-            ready_at[op] = 0.0
-            devs[layout.device(op[2])].ready.append(op)
-    key = _priority_key(pol, layout)
-    frees = "W" if split else "BW"
+    nk = len(kinds)
+    frees = nk - 1   # W under a split backward, else BW: the op that frees its activation
+    per_mb = stages * nk
+    total = m * per_mb
+    dev = [layout.device(j) for j in range(stages)]
+    chunk = [layout.chunk(j) for j in range(stages)]
+    dur = [[costs.chunk(dev[j], chunk[j]).of(k) for k in kinds] for j in range(stages)]  # type: ignore[arg-type]
+    # A message between virtual stages j and j + 1 (either way) takes costs.transfer(j) across devices.
+    hop = [costs.transfer(j) if dev[j] != dev[j + 1] else 0.0 for j in range(last)]
+    # Dependencies (op, transfer time): F after the previous stage's F; B (BW) after its own F and the next
+    # stage's B (BW); W after its own B.
+    deps: list[list[tuple[int, float]]] = []
+    for o in range(total):
+        j, k = (o // nk) % stages, o % nk
+        if k == 0:
+            deps.append([(o - nk, hop[j - 1])] if j > 0 else [])
+        elif k == 2:
+            deps.append([(o - 1, 0.0)])
+        else:
+            deps.append([(o - 1, 0.0)] + ([(o + nk, hop[j])] if j < last else []))
+    dependents: list[list[int]] = [[] for _ in range(total)]
+    for o, ds in enumerate(deps):
+        for dep, _ in ds:
+            dependents[dep].append(o)
+    waiting = [len(ds) for ds in deps]
+    keys, after = _priority_keys(pol, layout, kinds, m)
+    chunks = layout.chunks
+    devs = [_DeviceState(forwards_left=m * chunks) for _ in range(n)]
+    ready_at = [0.0] * total
+    end = [0.0] * total
+    for o in range(total):
+        if waiting[o] == 0:
+            devs[dev[(o // nk) % stages]].ready.append(o)
+    forwards_first = pol.forwards_first
+
+    def choose(st: _DeviceState, ready: list[int], lim: int) -> int | None:
+        """The best-ranked ready op the policy allows (forwards checked in rank order: the banker's
+        check is the expensive part, and only the best allowed forward matters)."""
+        best: int | None = None
+        best_key: tuple | None = None
+        forwards = []
+        ranks = after if st.after_backward else keys
+        for o in ready:
+            key = ranks[o]
+            if o % nk == 0:
+                forwards.append((key, o))
+            elif (best_key is None or key < best_key) and not (forwards_first and o % nk == 1 and st.forwards_left):
+                best, best_key = o, key
+        forwards.sort()
+        for key, o in forwards:
+            if best_key is not None and key > best_key:
+                break
+            # A forward must leave the device in a state where the oldest micro-batch here can still reach
+            # its backward (a banker's rule): a bounded device must not fill up with chunk-0 forwards of new
+            # micro-batches while an older one still needs a slot for its later chunks.
+            if st.safe_forward(o // per_mb, lim, chunks):
+                return o
+        return best
+
     timeline: list[list[TimedOp]] = [[] for _ in range(n)]
     # Times that differ only by rounding are one moment: the order must not hinge on float noise
     # (a schedule on costs x * (1, 1, 1) is the schedule on (1, 1, 1), for any x).
-    tol = 1e-9 * max(costs.chunk(d, c).of(k) for d in range(n) for c in range(layout.chunks) for k in kinds)
+    tol = 1e-9 * max(costs.chunk(d, c).of(k) for d in range(n) for c in range(chunks) for k in kinds)  # type: ignore[arg-type]
     events = [0.0]
     started = 0
     now = 0.0
-    while started < len(ops):
+    while started < total:
         if not events:
-            stuck = [(d, sorted(st.ready)) for d, st in enumerate(devs)]
+            stuck = [(d, sorted((kinds[o % nk], o // per_mb, (o // nk) % stages) for o in st.ready))
+                     for d, st in enumerate(devs)]
             raise RuntimeError(f"{name}: the list scheduler stalled at t={now} (ready per device: {stuck}); "
                                "the activation bound is too small for this shape")
         now = heapq.heappop(events)
         while events and events[0] <= now + tol:
             heapq.heappop(events)
+        due_by = now + tol
         for d, st in enumerate(devs):
-            if st.free_at > now + tol:
+            if st.free_at > due_by:
                 continue
             # Ready ops only join the list and become eligible as time passes: with no op started or
             # readied here since the device last found none to run, and none of its ready ops come due
             # since, it would find none again.
-            if st.stuck is not None and st.stuck[:2] == (len(st.ready), st.started) and now + tol < st.stuck[2]:
+            if st.stuck is not None and st.stuck[:2] == (len(st.ready), st.started) and due_by < st.stuck[2]:
                 continue
-            eligible = [o for o in st.ready if ready_at[o] <= now + tol]
-            op = _choose(st, eligible, pol, limit[d], layout.chunks, key)
+            eligible = [o for o in st.ready if ready_at[o] <= due_by]
+            op = choose(st, eligible, limit[d])
             if op is None:
-                due = min((ready_at[o] for o in st.ready if ready_at[o] > now + tol), default=math.inf)
+                due = min((ready_at[o] for o in st.ready if ready_at[o] > due_by), default=math.inf)
                 st.stuck = (len(st.ready), st.started, due)
                 continue
+            mb, j, k = op // per_mb, (op // nk) % stages, op % nk
             st.started += 1
-            st.last = op[0]
+            st.after_backward = k == 1
             st.ready.remove(op)
-            kind, mb, j = op
             start = max(now, st.free_at, ready_at[op])  # never before its inputs, even by a rounding error
-            end[op] = st.free_at = start + costs.chunk(d, layout.chunk(j)).of(kind)  # type: ignore[arg-type]
+            end[op] = st.free_at = start + dur[j][k]
             heapq.heappush(events, st.free_at)
-            timeline[d].append(TimedOp(Compute(kind, mb, j, layout.chunk(j)), start, end[op]))  # type: ignore[arg-type]
+            timeline[d].append(TimedOp(Compute(kinds[k], mb, j, chunk[j]), start, end[op]))  # type: ignore[arg-type]
             started += 1
-            if kind == "F":
+            if k == 0:
                 st.live += 1
                 st.forwards_left -= 1
                 st.held[mb] = st.held.get(mb, 0) + 1
-                st.owed[mb] = st.owed.get(mb, layout.chunks) - 1
-            elif kind == frees:
+                st.owed[mb] = st.owed.get(mb, chunks) - 1
+            elif k == frees:
                 st.live -= 1
                 st.held[mb] -= 1
                 if not st.held[mb]:
@@ -763,54 +800,11 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
             for nxt in dependents[op]:
                 waiting[nxt] -= 1
                 if waiting[nxt] == 0:
-                    t = max(end[dep] + _hop(dep, nxt, layout, costs) for dep in _deps(nxt, last, split))
+                    t = max(end[dep] + h for dep, h in deps[nxt])
                     ready_at[nxt] = t
-                    devs[layout.device(nxt[2])].ready.append(nxt)
+                    devs[dev[(nxt // nk) % stages]].ready.append(nxt)
                     heapq.heappush(events, t)
     return timeline
-
-
-def _choose(st: _DeviceState, ready: list[_Op], pol: Policy, limit: int, chunks: int,
-            key: Callable[[_Op, str | None], tuple]) -> _Op | None:
-    """The best-ranked ready op the policy allows (forwards checked in rank order: the banker's
-    check is the expensive part, and only the best allowed forward matters)."""
-    best: _Op | None = None
-    best_key: tuple | None = None
-    forwards = []
-    for o in ready:
-        k = key(o, st.last)
-        if o[0] == "F":
-            forwards.append((k, o))
-        elif (best_key is None or k < best_key) and _allowed(o, pol, st, limit, chunks):
-            best, best_key = o, k
-    forwards.sort()
-    for k, o in forwards:
-        if best_key is not None and k > best_key:
-            break
-        if _allowed(o, pol, st, limit, chunks):
-            return o
-    return best
-
-
-def _allowed(op: _Op, pol: Policy, st: _DeviceState, limit: int, chunks: int) -> bool:
-    """Whether the device may start ``op`` now.
-
-    A forward must leave the device in a state where the oldest micro-batch here can still reach its
-    backward (a banker's rule): a bounded device must not fill up with chunk-0 forwards of new
-    micro-batches while an older one still needs a slot for its later chunks."""
-    if op[0] == "F":
-        return st.safe_forward(op[1], limit, chunks)
-    if pol.forwards_first and op[0] in ("B", "BW"):
-        return st.forwards_left == 0
-    return True
-
-
-def _hop(src: _Op, dst: _Op, layout: Layout, costs: Costs) -> float:
-    """Transfer time between the op that produces a tensor and the op that reads it."""
-    a, b = src[2], dst[2]
-    if a == b or layout.device(a) == layout.device(b):
-        return 0.0
-    return costs.transfer(min(a, b))
 
 
 # ---------------------------------------------------------------------------------------------------

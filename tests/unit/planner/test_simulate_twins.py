@@ -1,0 +1,87 @@
+"""The simulator plays one of each set of alike pipelines (``pipeline_twins``) and copies its times: the result
+must be exactly the result of playing every pipeline."""
+
+from __future__ import annotations
+
+import pytest
+
+import planner.simulate as simulate_module
+from planner.cost import CostModel
+from planner.simulate import EventLoop, OpKind, SimOp, pipeline_twins, simulate
+from runtime.profiling.profile import resolve_profiles
+from runtime.spec import load_cluster, load_model
+from runtime.spec.plan import Pipeline, Stage, Strategy
+
+H2 = load_cluster("h2-example")
+MODEL = load_model("llama-13b")
+
+
+def pipe(m: int, devices: list[tuple[int, ...]], cuts: list[int], schedule: str | None = None) -> Pipeline:
+    bounds = [0, *cuts, MODEL.num_layers]
+    return Pipeline(m, tuple(Stage(d, (a, b)) for d, a, b in zip(devices, bounds, bounds[1:])), schedule=schedule)
+
+
+# Device ids: chip-a 0-15 (nodes a-0, a-1), chip-b 16-19 (node b-0).
+STRATEGIES = {
+    "alike": Strategy("s", (pipe(8, [(0, 1), (2, 3)], [20]), pipe(8, [(4, 5), (6, 7)], [20]),
+                            pipe(8, [(8, 9), (10, 11)], [20]))),
+    "alike zb-h1 across nodes": Strategy("s", (pipe(6, [(0, 1), (16, 17)], [30], "zb-h1"),
+                                               pipe(6, [(2, 3), (18, 19)], [30], "zb-h1"))),
+    "other splits": Strategy("s", (pipe(8, [(0, 1), (2, 3)], [20]), pipe(8, [(4, 5), (6, 7)], [21]))),
+    "other counts": Strategy("s", (pipe(8, [(0, 1), (2, 3)], [20]), pipe(7, [(4, 5), (6, 7)], [20]))),
+}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_copies_give_the_times_of_playing_every_pipeline(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    strategy = STRATEGIES[name]
+    cm = CostModel(MODEL, H2, resolve_profiles(H2.device_types), micro_batch=1, seq_len=4096)
+    found: list[dict[str, list[str]]] = []
+    real = pipeline_twins
+
+    def recorded(loop: EventLoop) -> dict[str, list[str]]:
+        found.append(real(loop))
+        return found[-1]
+
+    monkeypatch.setattr(simulate_module, "pipeline_twins", recorded)
+    with_copies = simulate(cm, strategy, 24, "1f1b", True)
+    monkeypatch.setattr(simulate_module, "pipeline_twins", lambda loop: {})
+    played = simulate(cm, strategy, 24, "1f1b", True)
+    assert with_copies.step_time_s == played.step_time_s
+    assert with_copies.events == played.events
+    assert with_copies.stages == played.stages
+    copied = {c for cs in found[0].values() for c in cs}
+    if name.startswith("alike"):
+        # Every op of the later pipelines is a copy of the first one's.
+        assert copied and all(c.startswith(("p1", "p2")) for c in copied)
+        assert all(not o.startswith("p0") or o in found[0] for o in found[0])
+    else:
+        assert not copied
+
+
+def two_pipelines(hosts: tuple[tuple[str, float], ...]) -> EventLoop:
+    """Two pipelines of one compute op and one send each, the sends feeding a shared op of the step's end."""
+    loop = EventLoop({"core 0": 1.0} if hosts else None)
+    for pi in range(2):
+        loop.add(SimOp(f"p{pi}s0F0c0", f"p{pi}s0", OpKind.FORWARD, pi, 0, 0, cpu=1.0, hosts=hosts))
+        loop.add(SimOp(f"p{pi}s0a1", f"p{pi}s0", None, pi, 0, 0, duration=0.5, deps=(f"p{pi}s0F0c0",)))
+    loop.add(SimOp("stats", "world", OpKind.CLIP, duration=0.25, deps=("p0s0a1", "p1s0a1")))
+    return loop
+
+
+def test_pipelines_on_shared_cores_are_never_copies() -> None:
+    """On an emulated cluster the pipelines' compute shares host cores: they are played, not copied."""
+    assert pipeline_twins(two_pipelines(())) == {"p0s0F0c0": ["p1s0F0c0"], "p0s0a1": ["p1s0a1"]}
+    assert pipeline_twins(two_pipelines((("core 0", 1.0),))) == {}
+    alone, shared = two_pipelines(()), two_pipelines((("core 0", 1.0),))
+    assert alone.run(pipeline_twins(alone)) == alone.run()
+    times = shared.run()
+    assert times["p0s0F0c0"][1] == pytest.approx(2.0)   # the two forwards share the core: each at half speed
+    assert times["stats"][1] == pytest.approx(2.75)
+
+
+def test_an_op_that_waits_for_a_copys_start_has_every_pipeline_played() -> None:
+    """A rendezvous on a pipeline's op (``waits``) needs that op's own start: such a loop is played in full."""
+    loop = two_pipelines(())
+    loop.add(SimOp("peer", "world2", None, duration=0.1, waits=(("p1s0a1", 0.1),)))
+    assert loop.run(pipeline_twins(loop)) == loop.run()
