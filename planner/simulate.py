@@ -216,6 +216,9 @@ class EventLoop:
         run = _Run(self, copies or {})
         times = run.run()
         self.cpu_s = {o: run.used.get(o, w) for o, w in run.work.items()}
+        for o, twins in run.copies.items():   # a copy consumed what its original did
+            if o in self.cpu_s:
+                self.cpu_s.update(dict.fromkeys(twins, self.cpu_s[o]))
         return times
 
 
