@@ -33,7 +33,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from runtime.errors import Checker, Problem, SpecError
 from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves, nearest_degree
@@ -65,6 +65,16 @@ def eval_fit(fit: Fit, micro_batch: float, seq_len: float) -> float:
     a, b, c = fit
     return (a * seq_len + b) * seq_len * micro_batch + c
 
+
+
+def check_keys(c: Checker, path: str, got: Mapping[str, Any], expected: Sequence[str], what: str) -> None:
+    """One problem for the entries ``expected`` names that ``got`` lacks, one per entry it does not name."""
+    missing = [k for k in expected if k not in got]
+    if missing:
+        c.add(path, f"missing {what}(s) {', '.join(missing)}")
+    for k in got:
+        if k not in expected:
+            c.add(f"{path}.{k}", f"unknown {what} (expected one of: {', '.join(expected)})")
 
 @dataclass(frozen=True)
 class ResumePenalty:
@@ -231,28 +241,13 @@ class MeasuredModel:
             c.check(s >= 1, f"core_handoff.{s}", "must be keyed by a positive sequence length")
         for name in ("blocks", "tp_blocks", "tp_blocks_cpu"):
             for t, blocks in getattr(self, name).items():
-                missing = [k for k in BLOCKS if k not in blocks]
-                if missing:
-                    c.add(f"{name}.{t}", f"missing block(s) {', '.join(missing)}")
-                for k in blocks:
-                    if k not in BLOCKS:
-                        c.add(f"{name}.{t}.{k}", f"unknown block (expected one of: {', '.join(BLOCKS)})")
+                check_keys(c, f"{name}.{t}", blocks, BLOCKS, "block")
         for t, blocks in self.split_blocks.items():
-            missing = [k for k in SPLIT_BLOCKS if k not in blocks]
-            unknown = [k for k in blocks if k not in SPLIT_BLOCKS]
-            if missing:
-                c.add(f"split_blocks.{t}", f"missing block(s) {', '.join(missing)}")
-            for k in unknown:
-                c.add(f"split_blocks.{t}.{k}", f"unknown block (expected one of: {', '.join(SPLIT_BLOCKS)})")
+            check_keys(c, f"split_blocks.{t}", blocks, SPLIT_BLOCKS, "block")
         c.check(len(self.tp) >= 1 or len(self.tables) >= 1, "tp", "must hold at least one TP degree (or give tables)")
         for t, comps in self.tp.items():
             c.check(t >= 1, f"tp.{t}", "TP degree must be at least 1")
-            missing = [k for k in COMPONENTS if k not in comps]
-            unknown = [k for k in comps if k not in COMPONENTS]
-            if missing:
-                c.add(f"tp.{t}", f"missing component(s) {', '.join(missing)}")
-            for k in unknown:
-                c.add(f"tp.{t}.{k}", f"unknown component (expected one of: {', '.join(COMPONENTS)})")
+            check_keys(c, f"tp.{t}", comps, COMPONENTS, "component")
         c.raise_if_any()
 
     def matches(self, model: ModelSpec) -> bool:
