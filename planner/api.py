@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from planner.baselines import Baseline, LowerBound, best_symmetric, best_symmetric_subset, lower_bound
-from planner.cost import GIB, CostModel, zero_degree, zero_fields
+from planner.cost import GIB, CostModel, has_tp_stage, zero_degree, zero_fields
 from planner.layer_split import feasible, slot_costs
 from planner.schedule_choice import schedule_choices, stage_layer_ranges
 from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, SearchStats, describe, rank, search
@@ -104,6 +104,7 @@ class PlanResult:
         s = self.settings
         training = TrainingSettings(global_batch=s.global_batch, micro_batch=micro_batch, seq_len=s.seq_len,
                                     schedule=s.default_schedule, seed=s.seed, optimizer=s.optimizer,
+                                    sequence_parallel=s.sequence_parallel and has_tp_stage(strategy),
                                     **zero_fields(s.zero))
         return Plan(version=PLAN_VERSION, model=model_ref, cluster=cluster_ref, training=training,
                     strategies=(strategy,))
@@ -129,7 +130,8 @@ def cost_models(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, Devic
     (per-op overheads amortized), so a size is kept when some device type runs a layer at least
     ``MICRO_BATCH_GAIN`` cheaper per sequence than at the smallest size."""
     sizes = micro_batch_sizes(settings)
-    cms = {b: CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len) for b in sizes}
+    cms = {b: CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len,
+                   sequence_parallel=settings.sequence_parallel) for b in sizes}
     if len(sizes) == 1:
         return cms
     base = cms[sizes[0]]
@@ -195,7 +197,8 @@ def _plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfi
         raise InfeasibleError(diagnose(model, cluster, cms, settings, devs))
     solver_time = time.perf_counter() - t0
     # Baselines and bound over every micro-batch size, not only those the search kept: generous to them.
-    every = {b: cms.get(b) or CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len)
+    every = {b: cms.get(b) or CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len,
+                   sequence_parallel=settings.sequence_parallel)
              for b in micro_batch_sizes(settings)}
     report = progress if progress is not None else (lambda _phase, _done, _total: None)
     found = []
@@ -385,7 +388,8 @@ def diagnose(model: ModelSpec, cluster: Cluster, cms: Mapping[int, CostModel], s
     def fits(n_layers: int) -> bool:
         """The search's own memory test (``slot_costs``, with its ``memory_margin``) on ``n_layers``."""
         small = cm if len(kinds) > n_layers else CostModel(dataclasses.replace(model, num_layers=n_layers), cluster,
-                                                           cm.profiles, micro_batch=b, seq_len=settings.seq_len)
+                                                           cm.profiles, micro_batch=b, seq_len=settings.seq_len,
+                                                           sequence_parallel=settings.sequence_parallel)
         slots = slot_costs(small, tuple(kinds[:n_layers]), zero_degree=1, recompute=settings.allow_recompute,
                            memory_margin=settings.memory_margin)
         return feasible(slots, n_layers)

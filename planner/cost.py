@@ -150,13 +150,15 @@ from runtime.spec.plan import PLAN_VERSION, OpCosts, Pipeline, Plan, Schedule, S
 GIB = float(2**30)
 
 # Collectives a TP group issues per micro-batch, as the runtime lays TP out with DTensor
-# (runtime/engine/tensor_parallel.py; Megatron layout, no sequence parallelism): in forward, the two
+# (runtime/engine/tensor_parallel.py; Megatron layout): in forward, the two
 # row-parallel projections (o_proj, down_proj) all-reduce their outputs; in backward, each block's
 # column-parallel projections (q/k/v, gate/up) read one shared replicated input, so their partial input
 # gradients add up locally and one all-reduce per block remains (counted with DTensor's CommDebugMode:
 # 2 forward + 2 backward per layer). The vocab-parallel
 # embedding all-reduces its output; the column-parallel head all-gathers the logits (forward) and
-# all-reduces its input gradient (backward).
+# all-reduces its input gradient (backward). Under sequence parallelism (``training.sequence_parallel``)
+# each of these all-reduces is a reduce-scatter plus an all-gather of the same bytes, and a stage adds
+# one all-gather each way where its sharded residual stream meets the replicated boundary (``extras``).
 TP_ALLREDUCES_PER_LAYER = (2, 2)
 # What crosses a stage boundary: the runtime's residual stream, in its dtype.
 BOUNDARY_BYTES = BOUNDARY_DTYPE.itemsize
@@ -297,6 +299,12 @@ def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     return 6.0 * n + 12.0 * model.num_layers * model.hidden_size * seq_len
 
 
+def has_tp_stage(strategy: Strategy) -> bool:
+    """Whether some stage is a TP group: what ``training.sequence_parallel`` acts on (a plan without one
+    must not set it, runtime/spec/validate.py)."""
+    return any(st.tp > 1 for p in strategy.pipelines for st in p.stages)
+
+
 def zero_degree(pipelines: int, zero: int) -> int:
     """How many ways ZeRO-1 divides a device's optimizer state and AdamW step (``zero``: the copy count,
     0 off): ``pipelines // r`` chunks per slice (runtime/engine/zero.py ``place``; a slice has at least
@@ -320,7 +328,7 @@ def planner_handle(cm: CostModel, strategy: Strategy, global_batch: int, schedul
     action lists the runtime would execute (``StrategyHandle.pipeline_schedule``): a planned strategy has
     no plan file yet."""
     training = TrainingSettings(global_batch=global_batch, micro_batch=cm.micro_batch, seq_len=cm.seq_len,
-                                schedule=schedule, **zero_fields(zero))
+                                schedule=schedule, sequence_parallel=cm.sequence_parallel, **zero_fields(zero))
     plan = Plan(version=PLAN_VERSION, model=cm.model.name, cluster=cm.cluster.name, training=training,
                 strategies=(strategy,))
     return StrategyHandle(PlanContext(plan, cm.model, cm.cluster, Path("<planner>")), strategy)
@@ -452,7 +460,8 @@ class CostModel:
     """Costs of one model on one cluster at one micro-batch shape. Cheap to build; caches as it goes."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
-                 *, micro_batch: int, seq_len: int, step_allreduce: bool = True) -> None:
+                 *, micro_batch: int, seq_len: int, step_allreduce: bool = True,
+                 sequence_parallel: bool = False) -> None:
         missing = [t for t in cluster.device_types if t not in profiles]
         if missing:
             raise ValueError(f"no profile for device type(s) {missing}")
@@ -462,6 +471,9 @@ class CostModel:
         self.micro_batch = micro_batch
         self.seq_len = seq_len
         self.step_allreduce = step_allreduce
+        # Whether TP stages run Megatron sequence parallelism (``training.sequence_parallel``): a plan-wide
+        # switch, so every price of a (device type, TP degree) is the one its plan runs.
+        self.sequence_parallel = sequence_parallel
         self.host = HostModel(model, cluster, profiles, seq_len)   # emulated hosts: planner/host.py
         self._type_of = [d.type for d in cluster.devices]
         self._node_of = [d.node for d in cluster.devices]
@@ -475,7 +487,8 @@ class CostModel:
     def for_plan(cls, plan: Plan, model: ModelSpec, cluster: Cluster,
                  profiles: Mapping[str, DeviceProfile] | ProfileSet) -> CostModel:
         t = plan.training
-        return cls(model, cluster, profiles, micro_batch=t.micro_batch, seq_len=t.seq_len)
+        return cls(model, cluster, profiles, micro_batch=t.micro_batch, seq_len=t.seq_len,
+                   sequence_parallel=t.sequence_parallel)
 
     # -- components ----------------------------------------------------------------------------------
 
@@ -511,6 +524,11 @@ class CostModel:
         m = self._measured(device_type)
         return m is not None and tp in m.tp
 
+    def sequence_sharded(self, tp: int) -> bool:
+        """Whether a stage of this TP degree runs sequence parallel: the norms, their saved inputs and the
+        residual stream sharded 1/tp along the sequence (runtime/engine/tensor_parallel.py)."""
+        return self.sequence_parallel and tp > 1
+
     def _act_element_bytes(self, device_type: str) -> int:
         return self.profiles[device_type].compute.activation_bytes
 
@@ -536,18 +554,27 @@ class CostModel:
         parts = layer_components(comp)
         blocks = self.blocks(device_type, tp)
         timed = [blocks["layer"]] if blocks is not None else parts
-        fwd = sum(eval_fit(p.forward_s, b, s) for p in timed)
-        bwd = sum(eval_fit(p.backward_s, b, s) for p in timed)
-        act = sum(eval_fit(p.activation_bytes, b, s) for p in parts)
+        # Sequence parallel: each norm runs on (and saves) 1/tp of the tokens. The blocks' inputs are
+        # gathered whole before the column-parallel projections, which save them whole, as without it.
+        # (A measured layer block was timed without sequence parallelism and is kept as measured.)
+        share = [1.0 / tp if self.sequence_sharded(tp) and p is comp["norm"] else 1.0 for p in parts]
+        shares = share if blocks is None else [1.0]
+        fwd = sum(k * eval_fit(p.forward_s, b, s) for k, p in zip(shares, timed))
+        bwd = sum(k * eval_fit(p.backward_s, b, s) for k, p in zip(shares, timed))
+        act = sum(k * eval_fit(p.activation_bytes, b, s) for k, p in zip(share, parts))
         overhead = self._tp_overhead(device_type, tp)
         if overhead is not None:
             tp_f, tp_b = eval_fit(overhead.forward_s, b, s), eval_fit(overhead.backward_s, b, s)
         else:
+            # Sequence parallel: each all-reduce becomes an all-gather (before the block) plus a
+            # reduce-scatter (after it), the same bytes: priced as the all-reduce.
             ar = self._tp_allreduce(device_type, tp, self.activation_tensor_bytes(device_type, b, s))
             tp_f, tp_b = TP_ALLREDUCES_PER_LAYER[0] * ar, TP_ALLREDUCES_PER_LAYER[1] * ar
+        # A recomputed layer keeps its input: the residual stream, 1/tp of it under sequence parallelism.
+        kept = float(b * s * self.model.hidden_size * BOUNDARY_BYTES) / (tp if self.sequence_sharded(tp) else 1)
         return LayerCost(forward_s=fwd, backward_s=bwd, recompute_s=fwd + tp_f if recompute else 0.0,
                          tp_forward_s=tp_f, tp_backward_s=tp_b, activation_bytes=act,
-                         checkpoint_bytes=float(b * s * self.model.hidden_size * BOUNDARY_BYTES),
+                         checkpoint_bytes=kept,
                          params=sum(p.params for p in parts))
 
     @memo
@@ -559,22 +586,36 @@ class CostModel:
         comp = self.components(device_type, tp, b, s)
         parts = extra_components(comp, first, last)
         blocks = self.blocks(device_type, tp)
+        sp = self.sequence_sharded(tp)
         # Measured blocks: a stage's fixed time per micro-batch (every stage pays it) plus what the
-        # embedding and the head add; else the components' sum.
-        timed = parts if blocks is None else _stage_blocks(blocks, first, last)
+        # embedding and the head add; else the components' sum (the final norm on 1/tp of the tokens under
+        # sequence parallelism).
+        share = [1.0 / tp if sp and p is comp["norm"] else 1.0 for p in parts]
+        timed, shares = (parts, share) if blocks is None else (_stage_blocks(blocks, first, last), None)
+        shares = shares or [1.0] * len(timed)
         tp_blocks = self._tp_blocks(device_type, tp)
+        act = self.activation_tensor_bytes(device_type, b, s)
         if tp_blocks is not None:   # measured: DTensor dispatch and collectives of the TP stage module
             tp_f, tp_b = self._tp_extras(tp_blocks, first, last, b, s)
+        elif sp:   # counted, sequence parallel (runtime/engine/tensor_parallel.py ``apply_tensor_parallel``)
+            ag = self._tp_allgather(device_type, tp, act)
+            logits = float(b * s * self.model.vocab_size * self._act_element_bytes(device_type))
+            # Forward: the embedding's reduce-scatter; the stage's output gathered whole for the boundary
+            # (or the head's input gathered); the logits gathered. Backward: the input scattered at the
+            # stage's start gives back an all-gather of its gradient (after the embedding: the reduce-
+            # scatter's); the head's input gradient reduce-scattered.
+            tp_f = ag * (1 + first) + (self._tp_allgather(device_type, tp, logits) if last else 0.0)
+            tp_b = ag * (1 + last)
         else:   # counted: the embedding's all-reduce, the head's all-gather and input-gradient all-reduce
-            ar_act = self._tp_allreduce(device_type, tp, self.activation_tensor_bytes(device_type, b, s))
+            ar_act = self._tp_allreduce(device_type, tp, act)
             logits = float(b * s * self.model.vocab_size * self._act_element_bytes(device_type))
             tp_f = (ar_act if first else 0.0) + (self._tp_allgather(device_type, tp, logits) if last else 0.0)
             tp_b = ar_act if last else 0.0
         return LayerCost(
-            forward_s=sum(eval_fit(p.forward_s, b, s) for p in timed),
-            backward_s=sum(eval_fit(p.backward_s, b, s) for p in timed),
+            forward_s=sum(k * eval_fit(p.forward_s, b, s) for k, p in zip(shares, timed)),
+            backward_s=sum(k * eval_fit(p.backward_s, b, s) for k, p in zip(shares, timed)),
             recompute_s=0.0, tp_forward_s=tp_f, tp_backward_s=tp_b,
-            activation_bytes=sum(eval_fit(p.activation_bytes, b, s) for p in parts),
+            activation_bytes=sum(k * eval_fit(p.activation_bytes, b, s) for k, p in zip(share, parts)),
             checkpoint_bytes=0.0, params=sum(p.params for p in parts))
 
     @memo
@@ -696,8 +737,10 @@ class CostModel:
         comp = self.components(device_type, tp)
         if first:
             act += in_flight * eval_fit(comp["embedding"].activation_bytes, self.micro_batch, self.seq_len)
-        if last:
-            act += sum(eval_fit(comp[k].activation_bytes, self.micro_batch, self.seq_len) for k in ("norm", "head"))
+        if last:   # the final norm's on 1/tp of the tokens under sequence parallelism
+            norm = eval_fit(comp["norm"].activation_bytes, self.micro_batch, self.seq_len)
+            act += norm / (tp if self.sequence_sharded(tp) else 1)
+            act += eval_fit(comp["head"].activation_bytes, self.micro_batch, self.seq_len)
         return MemoryBreakdown(params=params * mem.param_bytes, grads=params * mem.grad_bytes,
                                optimizer=params * mem.optimizer_bytes / max(1, zero_degree),
                                activations=act, overhead=mem.framework_overhead_gib * GIB)
@@ -715,7 +758,7 @@ class CostModel:
         profiles = {t: target.profile if t == device_type else self.profiles[t] for t in types}
         return CostModel(target.model, dataclasses.replace(self.cluster, device_types=types), profiles,
                          micro_batch=self.micro_batch, seq_len=self.seq_len * target.seq_scale,
-                         step_allreduce=self.step_allreduce)
+                         step_allreduce=self.step_allreduce, sequence_parallel=self.sequence_parallel)
 
     def capacity_bytes(self, device: int) -> float:
         return self.cluster.type_of(device).memory_gib * GIB

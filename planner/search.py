@@ -113,6 +113,8 @@ class PlanSettings:
     # where that makes the plan faster: more forwards ahead, more W deferred into the fill and drain.
     spare_activations: bool = True
     memory_margin: float = 0.0     # fraction of each device's memory kept free
+    # TP stages run Megatron sequence parallelism (``training.sequence_parallel``; planner/cost.py prices it).
+    sequence_parallel: bool = True
     # The pipeline schedule every plan runs (and is priced with), or "auto": the search picks a schedule and
     # its chunk count per pipeline class (planner/schedule_choice.py).
     schedule: Schedule | Literal["auto"] = "1f1b"

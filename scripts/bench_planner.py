@@ -135,7 +135,8 @@ def simulated(result: PlanResult, strategy, micro_batch: int | None) -> float | 
     if strategy is None or micro_batch is None:
         return None
     cm = CostModel(result.model, result.cluster, resolve_profiles(result.cluster.device_types),
-                   micro_batch=micro_batch, seq_len=result.settings.seq_len)
+                   micro_batch=micro_batch, seq_len=result.settings.seq_len,
+                   sequence_parallel=result.settings.sequence_parallel)
     return simulate(cm, strategy, result.settings.global_batch, result.settings.default_schedule,
                     result.settings.zero).step_time_s
 
@@ -186,7 +187,7 @@ def quality_case(name: str, cluster_ref: str, model_ref: str, batch: int, schedu
                             "efficiency": het.lower_bound.step_time_s / fav.step_time_s}
     # Where the plan's step goes against the lower bound (planner/gap.py): shares of the devices' capacity.
     cm = CostModel(model, cluster, resolve_profiles(cluster.device_types), micro_batch=het.best.micro_batch,
-                   seq_len=SEQ_LEN)
+                   seq_len=SEQ_LEN, sequence_parallel=het.settings.sequence_parallel)
     out["gap"] = gap_breakdown(cm, het.best.strategy, het.best.estimate, het.lower_bound.step_time_s, het.devices,
                                het.settings.default_schedule).as_dict()
     out["activation_limits"] = [list(p.activation_limits) if p.activation_limits is not None else None

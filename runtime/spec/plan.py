@@ -57,6 +57,10 @@ class TrainingSettings:
     # Documents mode (docs/lengths.md): a step is whole documents filling this many tokens, seq_len the longest
     # document. None: the fixed global_batch x seq_len windows.
     tokens_per_step: int | None = None
+    # Megatron sequence parallelism on every TP stage (runtime/engine/tensor_parallel.py): the residual
+    # stream, the norms and their saved inputs sharded along the sequence, each TP all-reduce a reduce-
+    # scatter plus an all-gather. Plan-wide, as the cost model prices a (device type, TP degree).
+    sequence_parallel: bool = field(default=False, metadata={"omit_default": True})
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -68,6 +72,8 @@ class TrainingSettings:
                 f"{self.zero_redundancy} copies of ZeRO-1's moment chunks need zero: true")
         c.check(self.tokens_per_step is None or self.tokens_per_step >= 1, "tokens_per_step",
                 f"must be at least 1, got {self.tokens_per_step}")
+        c.check(isinstance(self.sequence_parallel, bool), "sequence_parallel",
+                f"must be true or false, got {self.sequence_parallel!r}")
         c.raise_if_any()
 
 

@@ -186,13 +186,16 @@ def _build_field(f: dataclasses.Field, tp: Any, data: Any, file: str, path: str,
 
 
 def to_data(obj: Any) -> Any:
-    """Plain data (dicts, lists, scalars) for YAML/JSON; ``None`` fields are omitted."""
+    """Plain data (dicts, lists, scalars) for YAML/JSON; ``None`` fields are omitted, and fields marked
+    ``omit_default`` where they hold their default."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = {}
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
             if value is None or f.metadata.get("derived"):
                 continue
+            if f.metadata.get("omit_default") and value == f.default:
+                continue  # an opt-in flag: plans that do not use it read as before
             if f.metadata.get("pair_or_list") and len(value) == 1:
                 value = value[0]  # written back in its one-item form, as it is usually written
             out[f.name] = to_data(value)

@@ -124,9 +124,18 @@ def validate_strategy(strategy: Strategy, plan: Plan, model: ModelSpec, cluster:
             why = model.tp_problem(stage.tp)
             if why is not None:
                 bad(f"{sp}.devices", f"{why} of {model.name}")
+            if t.sequence_parallel and stage.tp > 1:
+                # Every sequence splits in tp equal pieces (documents mode: rows of the strategy's longest).
+                odd = [n for n in sorted({t.seq_len, strategy.max_len_of(t)}) if n % stage.tp]
+                if odd:
+                    bad(f"{sp}.devices", f"TP degree {stage.tp} does not divide sequence length {odd[0]} "
+                                         "(training.sequence_parallel shards the sequence over the TP group)")
         if name == "1f1b" and pipe.micro_batches < len(pipe.stages):
             bad(f"{pp}.micro_batches", f"{pipe.micro_batches} micro-batches for {len(pipe.stages)} stages: "
                                        "1F1B needs at least one micro-batch per stage")
+    if t.sequence_parallel and all(st.tp == 1 for p in strategy.pipelines for st in p.stages):
+        problems.append(Problem(file, "training.sequence_parallel",
+                                f"needs a TP stage (2 or more devices); strategy {strategy.name!r} has none"))
     total = sum(p.micro_batches for p in strategy.pipelines) * t.micro_batch
     if total != t.global_batch:
         counts = " + ".join(str(p.micro_batches) for p in strategy.pipelines)
