@@ -78,7 +78,7 @@ class DeviceProgram:
             module.init_weights(t.seed)  # on CPU, name-seeded: the reference's numbers on every device
             module.to(self.device)
             if mesh is not None:
-                apply_tensor_parallel(module, chunk_parameters(spec, c), mesh)
+                apply_tensor_parallel(module, chunk_parameters(spec, c), mesh, t.sequence_parallel)
             if c.recomputed:
                 checkpoint_layers(module, c.recomputed)
             chunks.append(module)
