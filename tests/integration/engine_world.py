@@ -130,3 +130,56 @@ class EngineWorld:
 
     def close(self) -> None:
         self.world.close()
+
+
+def saved_activation_job(w: WorkerContext, plan: str) -> dict[str, Any] | None:
+    """Bytes one micro-batch's forward through the plan's first TP stage saves for backward on this rank,
+    split into what its decoder layers' norms save and the rest: with the plan's own
+    ``training.sequence_parallel`` and with it off. Counted by saved-tensor hooks (DTensors by their
+    local shard)."""
+    from runtime.engine.tensor_parallel import apply_tensor_parallel, local_tensor
+    from runtime.models.llama import LlamaForCausalLM, RMSNorm
+    from runtime.models.params import llama_parameters
+    from runtime.spec import load_plan_context
+
+    ctx = load_plan_context(plan)
+    stage = next(s for p in ctx.plan.strategies[0].pipelines for s in p.stages if s.tp > 1)
+    w.groups.ensure([stage.devices])
+    if w.device not in stage.devices:
+        return None
+    out = {}
+    (lo, hi), = stage.layers
+    for sp in (False, True):
+        # The stage's layers as a chunk between two others (no embedding, no head): the decoder layers only.
+        module = LlamaForCausalLM(ctx.model, range(lo, hi), embed=False, head=False)
+        module.init_weights(ctx.plan.training.seed)
+        infos = [i for i in llama_parameters(ctx.model) if i.owner == "layer" and lo <= i.layer < hi]
+        apply_tensor_parallel(module, infos, w.groups.mesh(stage.devices), sp)
+        inside: list[bool] = []
+
+        def enter(*_: object) -> None:
+            inside.append(True)
+
+        def leave(*_: object) -> None:
+            inside.pop()
+
+        for m in module.modules():
+            if isinstance(m, RMSNorm):
+                m.register_forward_pre_hook(enter)
+                m.register_forward_hook(leave)
+        counts = {"norms": 0, "other": 0}
+
+        weights = {id(p) for p in module.parameters()} | {id(local_tensor(p)) for p in module.parameters()}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            local = local_tensor(t)
+            if id(t) not in weights and id(local) not in weights:   # activations only
+                counts["norms" if inside else "other"] += local.numel() * local.element_size()
+            return t
+
+        t = ctx.plan.training
+        x = torch.randn(t.micro_batch, t.seq_len, ctx.model.hidden_size, generator=torch.Generator().manual_seed(1))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module(x.requires_grad_())
+        out["on" if sp else "off"] = counts
+    return {"device": w.device, "counts": out}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_world import DeviceResult, EngineWorld
+from engine_world import DeviceResult, EngineWorld, saved_activation_job
 
 from runtime.checkpoint import read_saved
 from runtime.engine.reference import ReferenceTrainer
@@ -243,3 +243,32 @@ def check_saved(directory: Path, ref: ReferenceTrainer, step: int) -> None:
     for name, w in want.items():
         tol = RTOL * float(w.abs().max()) if name.endswith(("exp_avg", "exp_avg_sq")) else atol
         torch.testing.assert_close(saved[name], w, rtol=RTOL, atol=tol, msg=lambda m, n=name: f"saved {n}: {m}")
+
+
+# Sequence parallelism (training.sequence_parallel): TP-2 stages with the embedding and with the head next to a
+# TP-1 stage, under 1F1B and under ZB-H1 (W from the recorded outputs, the norms' outputs DTensors).
+SP_CASES = [("tp2-sp.yaml", None), ("tp2-sp.yaml", "zb-h1")]
+
+
+@pytest.mark.parametrize("plan,schedule", SP_CASES, ids=[f"{p.removesuffix('.yaml')}-{s or '1f1b'}" for p, s in SP_CASES])
+def test_sequence_parallel_matches_single_device_reference(world: EngineWorld, plan: str, schedule: str | None) -> None:
+    path = PLANS / plan
+    ctx = load_plan_context(path)
+    assert ctx.plan.training.sequence_parallel
+    batches = make_batches(ctx)
+    results = world.train(str(path), batches, schedule)
+    check_against_reference(path, results, batches)
+
+
+def test_sequence_parallel_shards_the_norms_activations(world: EngineWorld) -> None:
+    """Fails if sequence parallelism is silently off: on each TP rank the decoder layers' norms save half
+    of what they save without it (1/tp of the tokens), and everything else saves the same (the blocks'
+    inputs are gathered whole, as planner/cost.py ``CostModel.layer`` prices it)."""
+    path = PLANS / "tp2-sp.yaml"
+    out = {r["device"]: r["counts"] for r in world.world.run(saved_activation_job, str(path), timeout_s=120)
+           if r is not None}
+    assert sorted(out) == [0, 1]
+    for dev, counts in out.items():
+        off, on = counts["off"], counts["on"]
+        assert off["norms"] > 0 and on["norms"] * 2 == off["norms"], (dev, counts)
+        assert on["other"] == off["other"], (dev, counts)
