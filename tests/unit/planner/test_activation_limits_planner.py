@@ -78,7 +78,8 @@ def test_the_search_keeps_raised_limits_only_where_they_pay() -> None:
     assert any(p.activation_limits is not None for p in best.strategy.pipelines)
     bare = dataclasses.replace(best.strategy, pipelines=tuple(dataclasses.replace(p, activation_limits=None)
                                                               for p in best.strategy.pipelines))
-    cm = CostModel(L7B, HEXI, resolve_profiles(HEXI.device_types), micro_batch=best.micro_batch, seq_len=4096)
+    cm = CostModel(L7B, HEXI, resolve_profiles(HEXI.device_types), micro_batch=best.micro_batch, seq_len=4096,
+                   sequence_parallel=res.settings.sequence_parallel)   # as planned
     assert best.estimate.fits
     assert best.step_time_s < cm.estimate(bare, 64, "zb-h1", True).step_time_s
     assert validate_plan(res.to_plan("llama-7b", "hexiscale-mixed"), L7B, HEXI) == []

@@ -42,7 +42,8 @@ def hexiscale():
 def test_every_candidate_is_valid_fits_and_beats_nothing_impossible(fixture, request):
     result = request.getfixturevalue(fixture)
     cm = CostModel(result.model, result.cluster, resolve_profiles(result.cluster.device_types),
-                   micro_batch=result.best.micro_batch, seq_len=result.settings.seq_len)
+                   micro_batch=result.best.micro_batch, seq_len=result.settings.seq_len,
+                   sequence_parallel=result.settings.sequence_parallel)   # as planned
     assert len(result.candidates) >= 2
     times = [c.step_time_s for c in result.candidates]
     assert times == sorted(times)
@@ -213,17 +214,20 @@ def test_simulator_check_ranks_by_the_worse_of_estimate_and_simulation():
     assert keys == sorted(keys)
     m, cl = checked.model, checked.cluster
     for c in sims:
-        cm = CostModel(m, cl, resolve_profiles(cl.device_types), micro_batch=c.micro_batch, seq_len=4096)
+        cm = CostModel(m, cl, resolve_profiles(cl.device_types), micro_batch=c.micro_batch, seq_len=4096,
+                       sequence_parallel=checked.settings.sequence_parallel)
         assert simulate(cm, c.strategy, batch, "1f1b", True).step_time_s == pytest.approx(c.simulated_s, rel=1e-12)
     # The estimate's favourite simulates slower than the checked choice, which is a plan of alike pipelines.
     first = plain.best
-    cm = CostModel(m, cl, resolve_profiles(cl.device_types), micro_batch=first.micro_batch, seq_len=4096)
+    cm = CostModel(m, cl, resolve_profiles(cl.device_types), micro_batch=first.micro_batch, seq_len=4096,
+                       sequence_parallel=plain.settings.sequence_parallel)
     first_sim = simulate(cm, first.strategy, batch, "1f1b", True).step_time_s
     assert max(first.step_time_s, first_sim) > checked.best.checked_s
     assert aligned(checked.best.strategy) and not aligned(first.strategy)
     # Still never worse than the baselines, now on the checked figure.
     for b in (checked.symmetric, checked.symmetric_subset):
         if b.strategy is not None:
-            cm = CostModel(m, cl, resolve_profiles(cl.device_types), micro_batch=b.micro_batch, seq_len=4096)
+            cm = CostModel(m, cl, resolve_profiles(cl.device_types), micro_batch=b.micro_batch, seq_len=4096,
+                       sequence_parallel=checked.settings.sequence_parallel)
             b_sim = simulate(cm, b.strategy, batch, "1f1b", True).step_time_s
             assert checked.best.checked_s <= max(b.step_time_s, b_sim) + 1e-12
