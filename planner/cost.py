@@ -157,8 +157,8 @@ GIB = float(2**30)
 # 2 forward + 2 backward per layer). The vocab-parallel
 # embedding all-reduces its output; the column-parallel head all-gathers the logits (forward) and
 # all-reduces its input gradient (backward). Under sequence parallelism (``training.sequence_parallel``)
-# each of these all-reduces is a reduce-scatter plus an all-gather of the same bytes, and a stage adds
-# one all-gather each way where its sharded residual stream meets the replicated boundary (``extras``).
+# each layer's all-reduces are a reduce-scatter plus an all-gather of the same bytes, and a stage adds
+# one all-gather each way where its sharded residual stream meets its replicated ends (``extras``).
 TP_ALLREDUCES_PER_LAYER = (2, 2)
 # What crosses a stage boundary: the runtime's residual stream, in its dtype.
 BOUNDARY_BYTES = BOUNDARY_DTYPE.itemsize
@@ -586,36 +586,29 @@ class CostModel:
         comp = self.components(device_type, tp, b, s)
         parts = extra_components(comp, first, last)
         blocks = self.blocks(device_type, tp)
-        sp = self.sequence_sharded(tp)
         # Measured blocks: a stage's fixed time per micro-batch (every stage pays it) plus what the
-        # embedding and the head add; else the components' sum (the final norm on 1/tp of the tokens under
-        # sequence parallelism).
-        share = [1.0 / tp if sp and p is comp["norm"] else 1.0 for p in parts]
-        timed, shares = (parts, share) if blocks is None else (_stage_blocks(blocks, first, last), None)
-        shares = shares or [1.0] * len(timed)
+        # embedding and the head add; else the components' sum. (The embedding, the final norm and the
+        # head run as without sequence parallelism: it shards only between the first and the last layer.)
+        timed = parts if blocks is None else _stage_blocks(blocks, first, last)
         tp_blocks = self._tp_blocks(device_type, tp)
-        act = self.activation_tensor_bytes(device_type, b, s)
         if tp_blocks is not None:   # measured: DTensor dispatch and collectives of the TP stage module
             tp_f, tp_b = self._tp_extras(tp_blocks, first, last, b, s)
-        elif sp:   # counted, sequence parallel (runtime/engine/tensor_parallel.py ``apply_tensor_parallel``)
-            ag = self._tp_allgather(device_type, tp, act)
-            logits = float(b * s * self.model.vocab_size * self._act_element_bytes(device_type))
-            # Forward: the embedding's reduce-scatter; the stage's output gathered whole for the boundary
-            # (or the head's input gathered); the logits gathered. Backward: the input scattered at the
-            # stage's start gives back an all-gather of its gradient (after the embedding: the reduce-
-            # scatter's); the head's input gradient reduce-scattered.
-            tp_f = ag * (1 + first) + (self._tp_allgather(device_type, tp, logits) if last else 0.0)
-            tp_b = ag * (1 + last)
         else:   # counted: the embedding's all-reduce, the head's all-gather and input-gradient all-reduce
+            act = self.activation_tensor_bytes(device_type, b, s)
             ar_act = self._tp_allreduce(device_type, tp, act)
             logits = float(b * s * self.model.vocab_size * self._act_element_bytes(device_type))
             tp_f = (ar_act if first else 0.0) + (self._tp_allgather(device_type, tp, logits) if last else 0.0)
             tp_b = ar_act if last else 0.0
+            if self.sequence_sharded(tp):
+                # The last layer's output gathered whole (forward); the first layer's input scattered, so
+                # its gradient gathered whole (backward): runtime/engine/tensor_parallel.py.
+                ag = self._tp_allgather(device_type, tp, act)
+                tp_f, tp_b = tp_f + ag, tp_b + ag
         return LayerCost(
-            forward_s=sum(k * eval_fit(p.forward_s, b, s) for k, p in zip(shares, timed)),
-            backward_s=sum(k * eval_fit(p.backward_s, b, s) for k, p in zip(shares, timed)),
+            forward_s=sum(eval_fit(p.forward_s, b, s) for p in timed),
+            backward_s=sum(eval_fit(p.backward_s, b, s) for p in timed),
             recompute_s=0.0, tp_forward_s=tp_f, tp_backward_s=tp_b,
-            activation_bytes=sum(k * eval_fit(p.activation_bytes, b, s) for k, p in zip(share, parts)),
+            activation_bytes=sum(eval_fit(p.activation_bytes, b, s) for p in parts),
             checkpoint_bytes=0.0, params=sum(p.params for p in parts))
 
     @memo
@@ -737,10 +730,8 @@ class CostModel:
         comp = self.components(device_type, tp)
         if first:
             act += in_flight * eval_fit(comp["embedding"].activation_bytes, self.micro_batch, self.seq_len)
-        if last:   # the final norm's on 1/tp of the tokens under sequence parallelism
-            norm = eval_fit(comp["norm"].activation_bytes, self.micro_batch, self.seq_len)
-            act += norm / (tp if self.sequence_sharded(tp) else 1)
-            act += eval_fit(comp["head"].activation_bytes, self.micro_batch, self.seq_len)
+        if last:
+            act += sum(eval_fit(comp[k].activation_bytes, self.micro_batch, self.seq_len) for k in ("norm", "head"))
         return MemoryBreakdown(params=params * mem.param_bytes, grads=params * mem.grad_bytes,
                                optimizer=params * mem.optimizer_bytes / max(1, zero_degree),
                                activations=act, overhead=mem.framework_overhead_gib * GIB)

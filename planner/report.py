@@ -11,7 +11,7 @@ from rich.table import Table
 
 from planner.api import PlanResult, schedule_reason
 from planner.baselines import Baseline
-from planner.cost import GIB
+from planner.cost import GIB, has_tp_stage
 from planner.search import schedule_label
 from runtime.annotations.states import span
 from runtime.spec.plan import Plan
@@ -69,6 +69,7 @@ def result_json(result: PlanResult, plan: Plan, out_path: str | None) -> dict[st
         "micro_batch": best.micro_batch,
         "summary": best.summary,
         "zero_choice": result.zero_choice or None,
+        "sequence_parallel": plan.training.sequence_parallel,
         "baselines": {
             "symmetric": _baseline_json(result, result.symmetric),
             "symmetric_subset": _baseline_json(result, result.symmetric_subset),
@@ -89,6 +90,11 @@ def result_json(result: PlanResult, plan: Plan, out_path: str | None) -> dict[st
     }
 
 
+def tp_text(tp: int, sequence_parallel: bool) -> str:
+    """A stage's TP degree for tables: '2 sp' where it runs sequence parallel."""
+    return f"{tp} sp" if sequence_parallel and tp > 1 else str(tp)
+
+
 def zero_text(copies: int) -> str:
     return "off" if not copies else "on" if copies == 1 else f"on, {copies} copies of each moment chunk"
 
@@ -100,6 +106,10 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
     con.print(f"[bold]{escape(result.model.name)}[/bold] on [bold]{escape(result.cluster.name)}[/bold] "
               f"({len(result.devices)} devices), global batch {s.global_batch} x {s.seq_len} tokens, "
               f"micro-batch {best.micro_batch}, ZeRO-1 {zero_text(s.zero)}{' (elastic)' if s.elastic else ''}")
+    sp = s.sequence_parallel and has_tp_stage(best.strategy)
+    if sp:
+        con.print("sequence parallelism on every TP stage (TP column: sp): norms and saved residuals sharded "
+                  "along the sequence")
     if result.zero_choice:
         con.print(escape(result.zero_choice))
     con.print(f"plan: {escape(best.summary)}")
@@ -113,7 +123,7 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
             r = mem[pi, si]
             table.add_row(str(pi) if si == 0 else "", str(pipe.micro_batches) if si == 0 else "",
                           schedule_label(pipe, s.default_schedule) if si == 0 else "", str(si),
-                          r["device_type"], str(st.tp), span(st.devices), st.layers_text(),
+                          r["device_type"], tp_text(st.tp, sp), span(st.devices), st.layers_text(),
                           st.recompute_text(), f"{sc.time_s:.4f}", f"{r['peak_gib']:.1f}",
                           f"{r['capacity_gib']:g}", f"{r['headroom_frac']:.0%}")
     con.print(table)

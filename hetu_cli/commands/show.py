@@ -11,7 +11,7 @@ from rich.table import Table
 
 from hetu_cli.output import FORMAT_OPTION, console, emit_json
 from planner.lengths import length_ranges
-from planner.report import zero_text
+from planner.report import tp_text, zero_text
 from runtime.annotations.states import span
 from runtime.spec import PlanContext, Strategy, load_plan_context
 from runtime.spec.schema import to_data
@@ -37,7 +37,8 @@ def device_rows(ctx: PlanContext, strategy: Strategy) -> list[dict[str, Any]]:
                 roles.append("head+loss")
             row.update(pipeline=pi, stage=si, tp_rank=rank, tp=stage.tp, layers=stage.layers_data(),
                        role=", ".join(roles), micro_batches=pipe.micro_batches,
-                       recompute=stage.recompute, recompute_layers=stage.recomputed_layers)
+                       recompute=stage.recompute, recompute_layers=stage.recomputed_layers,
+                       sequence_parallel=ctx.plan.training.sequence_parallel and stage.tp > 1)
         rows.append(row)
     return rows
 
@@ -55,7 +56,7 @@ def _strategy_tables(ctx: PlanContext, strategy: Strategy) -> tuple[Table, Table
                 str(pi) if si == 0 else "", str(pipe.micro_batches) if si == 0 else "",
                 str(pipe.micro_batches * t.micro_batch) if si == 0 else "",
                 strategy.schedule_of(pi, t) if si == 0 else "", str(si),
-                span(stage.devices), first.type, first.node, str(stage.tp),
+                span(stage.devices), first.type, first.node, tp_text(stage.tp, t.sequence_parallel),
                 stage.layers_text(), stage.recompute_text() or "no",
                 end_section=si == len(pipe.stages) - 1)
     devices = Table(title=f"strategy {strategy.name!r}: per device", title_justify="left")
@@ -104,7 +105,8 @@ def show(plan: Path, strategy_name: str | None, cluster: str | None, annotations
     out.print(f"[bold]{ctx.model.name}[/bold] on [bold]{ctx.cluster.name}[/bold] "
               f"({ctx.cluster.num_devices} devices): global batch {t.global_batch}, micro-batch "
               f"{t.micro_batch}, sequence {t.seq_len}, schedule {t.schedule}, "
-              f"ZeRO-1 {zero_text(t.zero_redundancy if t.zero else 0)}")
+              f"ZeRO-1 {zero_text(t.zero_redundancy if t.zero else 0)}"
+              f"{', sequence parallel on TP stages (TP: sp)' if t.sequence_parallel else ''}")
     for s in strategies:
         stages, devices = _strategy_tables(ctx, s)
         out.print(stages)

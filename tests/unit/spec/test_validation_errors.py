@@ -83,6 +83,14 @@ CASES = {
     "no_pipelines": (lambda d: d["strategies"][0].update(pipelines=[]),
                      "strategies[0].pipelines: must list at least one pipeline"),
     "bad_lr": (lambda d: d["training"]["optimizer"].update(lr=-1.0), "training.optimizer.lr: must be positive"),
+    "sp_seq_len": (lambda d: d["training"].update(sequence_parallel=True, seq_len=63),
+                   "strategies[0].pipelines[0].stages[0].devices: TP degree 2 does not divide sequence length 63"),
+    "sp_without_tp": (lambda d: (d["training"].update(sequence_parallel=True),
+                                 stage(d, 0, 0).update(devices=[0]), d["strategies"][0]["pipelines"].pop(1),
+                                 d["strategies"][0]["pipelines"][0].update(micro_batches=8)),
+                      "training.sequence_parallel: needs a TP stage (2 or more devices); strategy 'hetero' has none"),
+    "sp_not_bool": (lambda d: d["training"].update(sequence_parallel="yes"),
+                    "training.sequence_parallel: expected true or false, got 'yes' (str)"),
 }
 
 
