@@ -464,7 +464,8 @@ def bucket_settings(length: int, settings: LengthSettings) -> PlanSettings:
     """The planner's request for one bucket: a step's tokens as sequences of the bucket's maximum length."""
     return PlanSettings(global_batch=max(1, math.ceil(settings.tokens_per_step / length)), seq_len=length,
                         micro_batch=1, use_zero=False, time_limit_s=settings.time_limit_s, top_k=settings.top_k,
-                        schedule=settings.schedule, seed=settings.seed, memory_margin=settings.memory_margin)
+                        schedule=settings.schedule, seed=settings.seed, memory_margin=settings.memory_margin,
+                        sequence_parallel=False)   # documents plans run without it (their training settings)
 
 
 def node_splits(cluster: Cluster) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -48,6 +48,9 @@ from runtime.spec.catalog import recorded_ref
               help="Re-check this many of the best plans (and the best with identical pipelines, and the "
                    "baselines) with the step simulator and rank them by the worse of the two predictions "
                    "(0: rank by the closed-form estimate alone).")
+@click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True,
+              help="Plan TP stages with Megatron sequence parallelism (training.sequence_parallel): less "
+                   "activation memory, the same TP traffic.")
 @click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), help="Write the plan here (YAML).")
 @click.option("--symmetric-out", "symmetric_path", type=click.Path(path_type=Path),
               help="Also write the best symmetric baseline as a plan here (to measure it with hspmd train).")
@@ -62,7 +65,8 @@ from runtime.spec.catalog import recorded_ref
 @FORMAT_OPTION
 def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], global_batch: int | None,
          seq_len: int | None, micro_batch: int | None, elastic: bool, use_zero: bool | None, time_limit: float,
-         top_k: int, schedule: str, check_top: int, out_path: Path | None, symmetric_path: Path | None,
+         top_k: int, schedule: str, check_top: int, sequence_parallel: bool, out_path: Path | None,
+         symmetric_path: Path | None,
          lengths: str | None, tokens_per_step: int | None, max_strategies: int, fixed_path: Path | None,
          fmt: str) -> None:
     """Search TP groups, pipelines, layer splits (ILP), micro-batches (ILP) and recompute for the fastest
@@ -89,7 +93,7 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
     settings = PlanSettings(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch, elastic=elastic,
                             use_zero=use_zero, time_limit_s=time_limit, top_k=top_k, simulate_top=check_top,
-                            schedule=schedule)  # type: ignore[arg-type]
+                            schedule=schedule, sequence_parallel=sequence_parallel)  # type: ignore[arg-type]
     err = console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True, disable=not err.is_terminal) as bar:
