@@ -246,8 +246,9 @@ def check_saved(directory: Path, ref: ReferenceTrainer, step: int) -> None:
 
 
 # Sequence parallelism (training.sequence_parallel): TP-2 stages with the embedding and with the head next to a
-# TP-1 stage, under 1F1B and under ZB-H1 (W from the recorded outputs, the norms' outputs DTensors).
-SP_CASES = [("tp2-sp.yaml", None), ("tp2-sp.yaml", "zb-h1")]
+# TP-1 stage, under 1F1B and under ZB-H1 (W from the recorded outputs, the norms' outputs DTensors); under ZB-V
+# with a tied embedding, recompute on the TP-2 stage and a second pipeline.
+SP_CASES = [("tp2-sp.yaml", None), ("tp2-sp.yaml", "zb-h1"), ("zb-v-sp.yaml", None)]
 
 
 @pytest.mark.parametrize("plan,schedule", SP_CASES, ids=[f"{p.removesuffix('.yaml')}-{s or '1f1b'}" for p, s in SP_CASES])
@@ -257,6 +258,15 @@ def test_sequence_parallel_matches_single_device_reference(world: EngineWorld, p
     assert ctx.plan.training.sequence_parallel
     batches = make_batches(ctx)
     results = world.train(str(path), batches, schedule)
+    check_against_reference(path, results, batches)
+
+
+def test_sequence_parallel_with_zero1_matches_single_device_reference(world: EngineWorld) -> None:
+    """ZeRO-1 over the two pipelines: the TP-2 stages' norm weights (replicated DTensors under SP) shard
+    their moments like any other parameter."""
+    path = PLANS / "zb-v-sp.yaml"
+    batches = make_batches(load_plan_context(path))
+    results = world.train(str(path), batches, zero=True)
     check_against_reference(path, results, batches)
 
 
