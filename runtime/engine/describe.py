@@ -94,8 +94,11 @@ def action_name(action: Action, chunks: int = 1) -> str:
            f"stage {m.src_stage}->{m.dst_stage}"
 
 
-def _tp_collectives(role: StageRole, chunk: ChunkRole, kind: str) -> str:
-    """The TP collectives DTensor issues inside one op of a chunk (W reruns the input-gradient chain)."""
+def _tp_collectives(role: StageRole, chunk: ChunkRole, kind: str, sequence_parallel: bool = False) -> str:
+    """The TP collectives DTensor issues inside one op of a chunk (W reruns the input-gradient chain); under
+    sequence parallelism each layer's all-reduces are all-gathers and reduce-scatters, and the chunk's
+    residual stream is scattered at its first layer and gathered after its last
+    (runtime/engine/tensor_parallel.py)."""
     if role.tp == 1 or kind == "B" and chunk.embed:
         return ""
     n = chunk.layers[1] - chunk.layers[0]
@@ -104,11 +107,18 @@ def _tp_collectives(role: StageRole, chunk: ChunkRole, kind: str) -> str:
         parts = []
         if chunk.embed:
             parts.append("embedding all-reduce")
-        parts.append(f"{2 * n} all-reduce (o_proj, down_proj x {n} layers)")
+        if sequence_parallel:
+            parts.append(f"sequence scatter, {2 * n} all-gather (attention and MLP inputs) + {2 * n} reduce-scatter "
+                         f"(o_proj, down_proj) x {n} layers, output all-gather")
+        else:
+            parts.append(f"{2 * n} all-reduce (o_proj, down_proj x {n} layers)")
         if chunk.head:
             parts.append("logits all-gather")
     else:
-        parts = [f"{2 * n} all-reduce (attention and MLP input grads x {n} layers)"]
+        if sequence_parallel:
+            parts = [f"{2 * n} all-gather + {2 * n} reduce-scatter (x {n} layers), input-grad all-gather"]
+        else:
+            parts = [f"{2 * n} all-reduce (attention and MLP input grads x {n} layers)"]
         if chunk.head:
             parts.append("head input-grad all-reduce")
     return f"TP group [{g}]: " + ", ".join(parts)
@@ -149,7 +159,8 @@ def describe_plan(plan: DevicePlan) -> ProgramDescription:
                            if weight_grad_from_outputs(plan, c) else
                            "weight gradients: one backward through the kept graph"}[a.kind]
             # W from the kept module-output gradients is local; a W through the kept graph reruns the chain.
-            tp = "" if a.kind == "W" and weight_grad_from_outputs(plan, c) else _tp_collectives(role, c, a.kind)
+            tp = "" if a.kind == "W" and weight_grad_from_outputs(plan, c) else \
+                _tp_collectives(role, c, a.kind, t.sequence_parallel)
             ops.append(OpLine("compute", name, f"virtual stage {a.stage}: {detail}" + (f"; {tp}" if tp else "")))
         elif isinstance(a, WaitSends):
             ops.append(OpLine("comm", name, "block until every send posted has completed"))
