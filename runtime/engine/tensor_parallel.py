@@ -67,8 +67,7 @@ def apply_tensor_parallel(model: nn.Module, params: Iterable[ParamInfo], mesh: D
     blocks: set[str] = set()
     norms: set[str] = set()   # a decoder layer's modules whose parameters are all whole on every rank
     ties: list[tuple[str, str, str]] = []  # (module, attribute, module owning the parameter)
-    infos = list(params)
-    for info in infos:
+    for info in params:
         module_name, attr = info.name.rsplit(".", 1)
         if info.tp_dim is None:
             module = model.get_submodule(module_name)
