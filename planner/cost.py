@@ -391,10 +391,11 @@ class MemoryBreakdown:
     optimizer: float
     activations: float
     overhead: float
+    casts: float = 0.0   # bf16 weight copies for one step's compute (freed after it, like the gradients)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.overhead
+        return self.params + self.grads + self.optimizer + self.activations + self.overhead + self.casts
 
     @property
     def gib(self) -> float:
@@ -732,9 +733,12 @@ class CostModel:
             act += in_flight * eval_fit(comp["embedding"].activation_bytes, self.micro_batch, self.seq_len)
         if last:
             act += sum(eval_fit(comp[k].activation_bytes, self.micro_batch, self.seq_len) for k in ("norm", "head"))
+        # Autocast's bf16 copies of the matrices a step multiplies with (the layers' and the head's; the
+        # embedding is a lookup, the norms stay fp32), made once per step and shared by its micro-batches.
+        cast = (num_layers * lay.params + (comp["head"].params if last else 0.0)) * mem.cast_bytes
         return MemoryBreakdown(params=params * mem.param_bytes, grads=params * mem.grad_bytes,
                                optimizer=params * mem.optimizer_bytes / max(1, zero_degree),
-                               activations=act, overhead=mem.framework_overhead_gib * GIB)
+                               activations=act, overhead=mem.framework_overhead_gib * GIB, casts=cast)
 
     @memo
     def target_memory_model(self, device_type: str) -> CostModel | None:

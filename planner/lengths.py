@@ -197,6 +197,24 @@ def stage_rooms(cm: CostModel, strategy: Strategy, memory_margin: float = 0.0) -
     return tuple(out)
 
 
+def documents_peak_bytes(cost: StrategyCost, rooms: tuple[tuple[StageRoom, ...], ...], cm: CostModel,
+                         strategy: Strategy, tokens_per_step: int) -> float:
+    """The most bytes any device of ``strategy`` holds in a documents step: its stage's state plus the
+    activations of every in-flight micro-batch at its pipeline's capacity (dispatch never packs a micro-batch
+    past it, nor a step past ``tokens_per_step``). ``cm.estimate`` would price every pipeline at the
+    strategy's longest length, which pipelines given only short documents never hold."""
+    peak = 0.0
+    for pipe, pipe_cost, pipe_rooms in zip(strategy.pipelines, cost.pipelines, rooms):
+        n = len(pipe.stages)
+        for k, (st, room) in enumerate(zip(pipe.stages, pipe_rooms)):
+            dtype = cm.cluster.device(st.devices[0]).type
+            base = cm.stage_memory(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, 0, 1,
+                                   st.recomputed_layers)
+            tokens = min((n - k) * pipe_cost.capacity, tokens_per_step)
+            peak = max(peak, base.total + tokens * room.token_bytes)
+    return peak
+
+
 def unit_scales(cm: CostModel, device_type: str) -> tuple[float, ...]:
     """Per unit of a switch (runtime/elastic/staging.py ``switch_units``) the state bytes (parameters and AdamW
     moments, tensor-parallel degree 1) the cost model prices it at on ``device_type``, over the real model's
@@ -533,9 +551,12 @@ class Candidates:
         if not cost.holds(length):
             return None
         est = cm.estimate(tagged, sum(p.micro_batches for p in tagged.pipelines), self.settings.schedule, False)
+        rooms = stage_rooms(cm, tagged, self.settings.memory_margin)
+        estimates = strategy_estimates(est)
+        estimates["peak_memory_gib"] = round(documents_peak_bytes(cost, rooms, cm, tagged,
+                                                                  self.settings.tokens_per_step) / GIB, 4)
         return LengthStrategy(tagged, cost, fixed_step_seconds(cm, tagged, self.settings.schedule),
-                              f"{label}: {describe(tagged, self.cluster)}", origin, strategy_estimates(est),
-                              stage_rooms(cm, tagged, self.settings.memory_margin))
+                              f"{label}: {describe(tagged, self.cluster)}", origin, estimates, rooms)
 
     def all(self) -> list[LengthStrategy]:
         """Whole-cluster candidates per bucket, then composites (a long part and a short part by nodes)."""

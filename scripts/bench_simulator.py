@@ -44,7 +44,8 @@ Sleep mode records the reference times and acts on none (its blocks sleep up to 
 the most a step's blocks overran their sleep-mode targets, which should be 0; `host_speed`: per plan and
 round, the kept run's reference times (profile / before / after, in s, and their ratios), its verdict,
 retries, the round's re-profiles so far and every attempt; `profile_reference_s`: per round, each
-profile's reference time); top level,
+profile's reference time; `repeat_spread`: per plan, (slowest - fastest) / median of all its attempts, the
+measurement's own reproducibility, and `median_repeat_spread` over the plans run more than once); top level,
 `max_abs_error`, `rank_preserved` and `within_target` by mode. Everything else goes to stderr.
 """
 
@@ -332,6 +333,11 @@ def profile_handoff(prof_dir: Path) -> dict:
     return {}
 
 
+def repeat_spread(times: Sequence[float]) -> float:
+    """(slowest - fastest) / median of repeated measurements of one plan; 0 for a single run."""
+    return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else 0.0
+
+
 def run_mode(mode: str, names: list[str], args: argparse.Namespace, out: Path) -> dict:
     """Every round of one emulation mode: profile, simulate, train each plan (each run checked against the
     profile's host speed); the figures as JSON data."""
@@ -433,6 +439,11 @@ def run_mode(mode: str, names: list[str], args: argparse.Namespace, out: Path) -
     pairs = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
     concordant = sum(1 for a, b in pairs if (simulated[a] - simulated[b]) * (measured[a] - measured[b]) > 0)
     max_err = max(abs(e) for e in errors.values())
+    # How far one plan's back-to-back runs (the host-speed check's retries, same profile) lie apart: an error
+    # target below this spread cannot be told from the measurement's own noise.
+    spread = {n: round(repeat_spread([a["measured_s"] for h in host_speed[n] for a in h["attempts"]]), 4)
+              for n in names}
+    repeated = [v for n, v in spread.items() if sum(len(h["attempts"]) for h in host_speed[n]) > 1]
     result = {
         "cluster": cluster, "target": target,
         "errors": {n: round(e, 4) for n, e in errors.items()},
@@ -450,6 +461,8 @@ def run_mode(mode: str, names: list[str], args: argparse.Namespace, out: Path) -
         "profile_s": profile_s, "profile_foreign_cores": profile_foreign,
         "host_speed": host_speed, "profile_reference_s": profile_reference_s,
         "host_tolerance": HOST_TOLERANCE,
+        "repeat_spread": spread,
+        "median_repeat_spread": round(statistics.median(repeated), 4) if repeated else None,
     }
     if host_model:
         plain_sim = {n: statistics.median(v) for n, v in plain.items()}

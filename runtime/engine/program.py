@@ -28,7 +28,7 @@ from runtime.engine.describe import COMPUTE_NAMES, ProgramDescription, action_na
 from runtime.engine.microbatch import MicroBatch, StepBatch, window_micro_batch
 from runtime.engine.optim import LocalAdamW, ShardedAdamW, clip_coefficient
 from runtime.engine.pipeline import BoundaryChannel, connect_peers
-from runtime.engine.reference import autocast_for
+from runtime.engine.reference import autocast_for, step_casts
 from runtime.engine.specialize import (
     BOUNDARY_DTYPE,
     BoundaryOps,
@@ -146,21 +146,22 @@ class DeviceProgram:
         run = StepState(self.device, self.ctx.precision)
         run.shapes = {mb: b.shape for mb, b in enumerate(micro_batches)}
         channel = BoundaryChannel(role.device, self.ranks)
-        for action in self.actions(len(micro_batches)):
-            if isinstance(action, Compute):
-                self._compute(action, micro_batches[action.micro_batch], denominator, run)
-                continue
-            with self._span("comm", action_name(action)):
-                if isinstance(action, PostSend):
-                    self._post_send(action.message, run, channel)
-                elif isinstance(action, PostRecv):
-                    channel.post_recv(action.message, self._route(action.message, run),
-                                      dtype=self.boundary_dtype, device=self.device)
-                elif isinstance(action, WaitRecv):
-                    self._wait_recv(action.message, run, channel)
-                else:
-                    assert isinstance(action, WaitSends)
-                    channel.wait_sends()
+        with step_casts(self.device, self.ctx.precision):
+            for action in self.actions(len(micro_batches)):
+                if isinstance(action, Compute):
+                    self._compute(action, micro_batches[action.micro_batch], denominator, run)
+                    continue
+                with self._span("comm", action_name(action)):
+                    if isinstance(action, PostSend):
+                        self._post_send(action.message, run, channel)
+                    elif isinstance(action, PostRecv):
+                        channel.post_recv(action.message, self._route(action.message, run),
+                                          dtype=self.boundary_dtype, device=self.device)
+                    elif isinstance(action, WaitRecv):
+                        self._wait_recv(action.message, run, channel)
+                    else:
+                        assert isinstance(action, WaitSends)
+                        channel.wait_sends()
         grads = self._local_grads()
         if self.plan.grad_sync:
             with self._span("comm", "grad_sync"):

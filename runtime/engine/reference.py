@@ -27,6 +27,20 @@ def autocast_for(device: torch.device, precision: Precision = "auto") -> context
     return contextlib.nullcontext()
 
 
+def step_casts(device: torch.device, precision: Precision = "auto") -> contextlib.AbstractContextManager[None]:
+    """Around a whole step: autocast's bf16 copy of each weight made once and shared by every micro-batch.
+
+    Each micro-batch's forward runs in its own ``autocast_for``, and autocast empties its weight-cast cache
+    when the outermost autocast region exits, so without this every in-flight micro-batch saved its own bf16
+    copy of every weight for its backward (2 bytes per parameter per micro-batch in flight: more than the
+    optimizer state on a deep pipeline's first stage). A disabled autocast region spanning the step keeps
+    the cache alive (backward itself runs outside autocast) and the copies are dropped at its end, before
+    the optimizer changes the fp32 weights. The copies are bitwise the casts each forward would make."""
+    if uses_bf16(precision, device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class ReferenceTrainer:
     """Plain PyTorch training of the full model on one device.
 

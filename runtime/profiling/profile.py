@@ -342,10 +342,13 @@ class MemoryFigures:
     grad_bytes: float = 4.0
     optimizer_bytes: float = 8.0    # AdamW first and second moments; divided by the ZeRO degree
     framework_overhead_gib: float = 1.0
+    # Under bf16 autocast, the bf16 copy of every matrix weight a step's forwards share (runtime/engine/
+    # reference.py ``step_casts``): 2; fp32 compute: 0.
+    cast_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         c = Checker()
-        for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "framework_overhead_gib"):
+        for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "framework_overhead_gib", "cast_bytes"):
             c.check(getattr(self, name) >= 0, name, "must not be negative")
         c.raise_if_any()
 
@@ -735,7 +738,7 @@ def spec_profile(device_type: str, *, peak_tflops: float, hbm_bandwidth_gbs: flo
     comm = CommFigures(p2p_latency_s=1e-3 if emulated else 20e-6,
                        allreduce_latency_s=1e-3 if emulated else 15e-6,
                        bandwidth_efficiency=bandwidth_efficiency)
-    memory = MemoryFigures(framework_overhead_gib=(0.3 if emulated else 2.0)
+    memory = MemoryFigures(cast_bytes=0.0 if emulated else 2.0, framework_overhead_gib=(0.3 if emulated else 2.0)
                            if framework_overhead_gib is None else framework_overhead_gib)
     # AdamW touches ~28 bytes per fp32 parameter (read p, g, m, v; write p, m, v).
     opt = OptimizerFit(seconds_per_param=_round(28.0 / (hbm_bandwidth_gbs * 1e9 * eff["memory_efficiency"])),

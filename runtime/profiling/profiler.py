@@ -242,7 +242,8 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
                                                                                                 else 1e-3),
         bandwidth_efficiency=0.75, p2p=p2p, allreduce=allreduce, allgather=links.get("allgather", {}),
         p2p_wake=links.get("p2p_wake"))
-    memory = MemoryFigures(framework_overhead_gib=rounded(links.get("rss_gib", 0.0) or (2.0 if cuda else 0.3)))
+    memory = MemoryFigures(framework_overhead_gib=rounded(links.get("rss_gib", 0.0) or (2.0 if cuda else 0.3)),
+                           cast_bytes=2.0 if cuda else 0.0)   # the profiles' compute: bf16 autocast on CUDA only
     optimizer = OptimizerFit(seconds_per_param=rounded(opt.seconds_per_param * slowdown),
                              fixed_s=rounded(opt.fixed_s * slowdown),
                              seconds_per_tensor=rounded(opt.seconds_per_tensor * slowdown))

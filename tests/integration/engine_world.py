@@ -183,3 +183,52 @@ def saved_activation_job(w: WorkerContext, plan: str) -> dict[str, Any] | None:
             module(x.requires_grad_())
         out["on" if sp else "off"] = counts
     return {"device": w.device, "counts": out}
+
+
+def bf16_weight_copies_job(w: WorkerContext, plan: str, batches: list[np.ndarray], shared: bool = True
+                           ) -> tuple[int, list[float], int, int] | None:
+    """Train ``batches`` under bf16 autocast, counting the distinct bf16 copies of the stage's 2-D weights that
+    autograd saved for backward during the last step: (device, losses, copies, weights). ``shared=False``
+    runs without the step-wide cast cache (``step_casts``), as the engine did before it."""
+    import runtime.engine.program as program_module
+
+    original = program_module.step_casts
+    if not shared:
+        program_module.step_casts = lambda device, precision: contextlib.nullcontext()
+    try:
+        return _count_copies(w, plan, batches, program_module)
+    finally:
+        program_module.step_casts = original
+
+
+def _count_copies(w: WorkerContext, plan: str, batches: list[np.ndarray], program_module: Any
+                  ) -> tuple[int, list[float], int, int] | None:
+    from runtime.engine.api import WorkerContext as EngineContext
+    from runtime.spec.handle import StrategyHandle
+
+    handle = StrategyHandle.of(plan_with(plan))
+    w.groups.ensure(program_module.DeviceProgram.required_groups(handle))
+    if w.device not in handle.devices:
+        return None
+    program = program_module.DeviceProgram(EngineContext(handle, w.device, w.ranks, torch.device("cpu"), OP_TIMEOUT,
+                                                         precision="bf16"), w.groups, RecordingHooks())
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    matrices = [local(p).detach() for p in program.params.values() if p.dim() == 2]
+    losses: list[float] = []
+    copies: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        x = local(t)
+        # a weight's cast, not an activation that happens to have a weight's shape
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and any(
+                torch.equal(y, m.to(torch.bfloat16)) for m in matrices for y in (x, x.mT) if y.shape == m.shape):
+            copies.add(x.untyped_storage().data_ptr())
+        return t
+
+    for b in batches:
+        copies.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            losses.append(program.train_step(torch.from_numpy(b)).loss)
+    return w.device, losses, len(copies), len(matrices)

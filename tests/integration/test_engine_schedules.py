@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 from engine_world import EngineWorld
 from test_engine_correctness import PLANS, check_against_reference, check_saved, make_batches
 
@@ -82,3 +83,26 @@ def test_checkpoint_continues_across_schedules(world: EngineWorld, tmp_path: Pat
     results = world.train(str(second), batches, load_dir=str(saved), save_dir=str(again), first_step=3)
     check_against_reference(second, results, batches, ref=ref, steps=3)
     check_saved(again, ref, 3)
+
+
+def test_bf16_weight_copies_are_made_once_per_step_not_per_micro_batch(world: EngineWorld) -> None:
+    """Under bf16 autocast each weight's bf16 copy is shared by every micro-batch in flight (it used to be one
+    per micro-batch: 2 bytes per parameter per in-flight micro-batch, which the cost model does not count),
+    and sharing it changes no number."""
+    from engine_world import bf16_weight_copies_job
+
+    path = PLANS / "zb-h1-tp-hetero4.yaml"
+    ctx = load_plan_context(path)
+    batches = [b.numpy() for b in make_batches(ctx, 2)]
+    run = world.world.run
+    shared = {r[0]: r for r in run(bf16_weight_copies_job, str(path), batches, True, timeout_s=180) if r}
+    per_mb = {r[0]: r for r in run(bf16_weight_copies_job, str(path), batches, False, timeout_s=180) if r}
+    for dev, (_, losses, copies, weights) in sorted(shared.items(), reverse=True):
+        assert copies <= weights, (dev, copies, weights)
+        assert losses == per_mb[dev][1]          # the same casts: bitwise the same training
+    first = 3                                     # stage 0 (no recompute) keeps 3 micro-batches in flight
+    assert per_mb[first][2] > 2 * shared[first][2], (per_mb[first], shared[first])
+    ref = ReferenceTrainer(ctx.model, ctx.plan.training, precision="bf16")
+    want = [ref.train_step(torch.from_numpy(b)).loss for b in batches]
+    for _, losses, _, _ in shared.values():
+        assert losses == pytest.approx(want, rel=1e-2)

@@ -143,3 +143,8 @@ def test_a_round_repeats_reprofiles_and_pairs_each_run_with_its_profile(monkeypa
     dp2 = res["host_speed"]["dp2-fast"][0]
     assert (dp2["verdict"], dp2["retries"], len(dp2["attempts"])) == ("accept", 0, 1)
     assert next(refs, None) is None and next(steps, None) is None   # nothing run beyond the script
+
+
+def test_repeat_spread_is_the_range_over_the_median():
+    assert bench.repeat_spread([0.5, 0.6, 0.4]) == pytest.approx(0.2 / 0.5)
+    assert bench.repeat_spread([0.3]) == 0.0

@@ -90,6 +90,27 @@ def test_each_strategy_fits_memory_at_its_max_seq_len(tiny):
 
 
 
+def test_peak_memory_estimate_is_each_pipeline_at_its_own_capacity(tiny):
+    """A plan's ``peak_memory_gib`` is what a device can reach in a documents step: its state plus its
+    in-flight micro-batches at its pipeline's capacity (never past its memory), not every pipeline at the
+    strategy's longest length."""
+    model, cluster, profiles, s, result = tiny
+    for ls in result.strategies:
+        cm = CostModel(model, cluster, profiles, micro_batch=1, seq_len=ls.max_seq_len)
+        want = 0.0
+        for pipe, pc in zip(ls.strategy.pipelines, ls.cost.pipelines):
+            n = len(pipe.stages)
+            for k, (st_, sc) in enumerate(zip(pipe.stages, pc.stages)):
+                dtype = cluster.device(st_.devices[0]).type
+                base = cm.stage_memory(dtype, st_.tp, st_.num_layers, k == 0, k == n - 1, st_.recompute, 0)
+                full = cm.stage_memory(dtype, st_.tp, st_.num_layers, k == 0, k == n - 1, st_.recompute, n - k)
+                per_token = (full.total - base.total) / ((n - k) * ls.max_seq_len)
+                used = base.total + min((n - k) * pc.capacity, s.tokens_per_step) * per_token
+                assert used <= cluster.device_types[dtype].memory_gib * 2**30 * (1 + 1e-9)
+                want = max(want, used)
+        assert ls.estimates["peak_memory_gib"] == pytest.approx(want / 2**30, abs=1e-4)
+
+
 def test_every_switch_between_the_strategies_fits_memory_at_its_staged_peak(tiny):
     """Between two steps a device holds at most the staged switch's peak (runtime/elastic/staging.py, real fp32
     bytes: this cluster prices the model itself), within its memory less the framework's overhead."""

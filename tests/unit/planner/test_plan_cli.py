@@ -4,6 +4,7 @@ contract, determinism, infeasible requests (exit 2 with what would fit), elastic
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -64,8 +65,9 @@ def test_every_candidate_is_valid_fits_and_beats_nothing_impossible(fixture, req
         if b.step_time_s is not None:
             assert result.lower_bound.step_time_s < b.step_time_s
             assert b.estimate.fits
-    assert result.best.step_time_s <= min(b.step_time_s for b in (result.symmetric, result.symmetric_subset)
-                                          if b.step_time_s is not None) + 1e-12
+    fitting = [b.step_time_s for b in (result.symmetric, result.symmetric_subset) if b.step_time_s is not None]
+    assert fitting or fixture == "hexiscale", "a symmetric plan of llama-32b fits h800-h20-48"
+    assert result.best.step_time_s <= min(fitting, default=math.inf) + 1e-12
     assert 0 < result.efficiency < 1
 
 
@@ -193,17 +195,18 @@ def test_cli_json_contract_on_a_clean_stdout(tmp_path):
 
 
 def test_simulator_check_ranks_by_the_worse_of_estimate_and_simulation():
-    """h2-example's estimate-best plan at global batch 320 splits the layers differently in its two
+    """h2-example's estimate-best plan at global batch 256 splits the layers differently in its two
     pipelines: the closed form prices its gradient sync per device, back to back, while the simulator plays
     the groups out in their global order with waits. The check must rank by the worse of the two, and say
     so per candidate."""
     from planner.api import aligned
     from planner.simulate import simulate
 
-    batch = 320  # at 256 the estimate (NIC sharing, TP boundaries, ticks priced) already picks alike pipelines
-    # Without partial recompute: with it the check's best is a plan of unlike pipelines recomputing 2 of a
-    # chip-b stage's 5 layers (55.49 s checked, against 55.84 s for the aligned plan found without), so the
-    # case no longer shows the check turning an unaligned favourite into an aligned choice.
+    # 256: at 288-384, with the weights' bf16 copies priced, the estimate's favourite is already the checked choice
+    batch = 256
+    # Without partial recompute: with it the check's best can be a plan of unlike pipelines recomputing part
+    # of a chip-b stage, and the case would no longer show the check turning an unaligned favourite into an
+    # aligned choice.
     kw = dict(global_batch=batch, seq_len=4096, top_k=8, partial_recompute=False)
     plain = _plan("llama-13b", "h2-example", **kw)
     checked = _plan("llama-13b", "h2-example", **kw, simulate_top=4)
