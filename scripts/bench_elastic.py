@@ -387,7 +387,8 @@ def measured_part(args: argparse.Namespace) -> dict:
 
 # The modelled part's headline figures, repeated at the top level of the JSON.
 MODELLED_KEYS = ("modelled_goodput_over_restart", "modelled_goodput_over_oobleck_like",
-                 "modelled_goodput_over_restart_same_checkpoints", "modelled_goodput_over_oobleck_like_same_checkpoints")
+                 "modelled_goodput_over_restart_same_checkpoints",
+                 "modelled_goodput_over_oobleck_like_same_checkpoints")
 
 
 def main() -> None:

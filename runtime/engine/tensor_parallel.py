@@ -34,7 +34,6 @@ from torch.distributed.tensor.parallel import (
 
 from runtime.models.params import ParamInfo
 
-
 SEQUENCE_DIM = 1   # hidden states are [batch, seq, hidden]
 
 

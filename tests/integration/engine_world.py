@@ -157,10 +157,10 @@ def saved_activation_job(w: WorkerContext, plan: str) -> dict[str, Any] | None:
         apply_tensor_parallel(module, infos, w.groups.mesh(stage.devices), sp)
         inside: list[bool] = []
 
-        def enter(*_: object) -> None:
+        def enter(*_: object, inside: list[bool] = inside) -> None:
             inside.append(True)
 
-        def leave(*_: object) -> None:
+        def leave(*_: object, inside: list[bool] = inside) -> None:
             inside.pop()
 
         for m in module.modules():
@@ -171,7 +171,8 @@ def saved_activation_job(w: WorkerContext, plan: str) -> dict[str, Any] | None:
 
         weights = {id(p) for p in module.parameters()} | {id(local_tensor(p)) for p in module.parameters()}
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor, counts: dict[str, int] = counts, inside: list[bool] = inside,
+                 weights: set[int] = weights) -> torch.Tensor:
             local = local_tensor(t)
             if id(t) not in weights and id(local) not in weights:   # activations only
                 counts["norms" if inside else "other"] += local.numel() * local.element_size()

@@ -251,7 +251,8 @@ def check_saved(directory: Path, ref: ReferenceTrainer, step: int) -> None:
 SP_CASES = [("tp2-sp.yaml", None), ("tp2-sp.yaml", "zb-h1"), ("zb-v-sp.yaml", None)]
 
 
-@pytest.mark.parametrize("plan,schedule", SP_CASES, ids=[f"{p.removesuffix('.yaml')}-{s or '1f1b'}" for p, s in SP_CASES])
+@pytest.mark.parametrize("plan,schedule", SP_CASES,
+                         ids=[f"{p.removesuffix('.yaml')}-{s or '1f1b'}" for p, s in SP_CASES])
 def test_sequence_parallel_matches_single_device_reference(world: EngineWorld, plan: str, schedule: str | None) -> None:
     path = PLANS / plan
     ctx = load_plan_context(path)

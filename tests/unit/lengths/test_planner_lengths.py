@@ -100,7 +100,7 @@ def test_peak_memory_estimate_is_each_pipeline_at_its_own_capacity(tiny):
         want = 0.0
         for pipe, pc in zip(ls.strategy.pipelines, ls.cost.pipelines):
             n = len(pipe.stages)
-            for k, (st_, sc) in enumerate(zip(pipe.stages, pc.stages)):
+            for k, st_ in enumerate(pipe.stages):
                 dtype = cluster.device(st_.devices[0]).type
                 base = cm.stage_memory(dtype, st_.tp, st_.num_layers, k == 0, k == n - 1, st_.recompute, 0)
                 full = cm.stage_memory(dtype, st_.tp, st_.num_layers, k == 0, k == n - 1, st_.recompute, n - k)
