@@ -56,10 +56,8 @@ class CostModel:
 
     def __post_init__(self) -> None:
         ck = Checker()
-        for name in ("a", "b", "c"):
-            v = getattr(self, name)
-            ck.check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
-                     name, f"must be a finite number >= 0, got {v!r}")
+        ck.each(self, ("a", "b", "c"), lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(v) and v >= 0, "must be a finite number >= 0")
         ck.raise_if_any()
 
     def __call__(self, s: int) -> float:

@@ -362,9 +362,7 @@ class SyntheticDocuments:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(self.tokens_per_step >= 1, "tokens_per_step", f"must be >= 1, got {self.tokens_per_step}")
-        c.check(self.max_len >= 1, "max_len", f"must be >= 1, got {self.max_len}")
-        c.check(self.vocab_size >= 1, "vocab_size", f"must be >= 1, got {self.vocab_size}")
+        c.each(self, ("tokens_per_step", "max_len", "vocab_size"), lambda v: v >= 1, "must be >= 1")
         c.check(self.long_documents in LONG_DOCUMENT_POLICIES, "long_documents",
                 f"must be one of {', '.join(LONG_DOCUMENT_POLICIES)}, got {self.long_documents!r}")
         c.raise_if_any()

@@ -99,10 +99,9 @@ class ResumePenalty:
 
     def __post_init__(self) -> None:
         c = Checker()
-        for name in ("forward_s", "backward_s", "forward_rate", "backward_rate", "forward_block_s",
-                     "backward_block_s"):
-            c.check(getattr(self, name) >= 0, name, "must not be negative")
-        c.check(self.tau_s > 0, "tau_s", f"must be positive, got {self.tau_s}")
+        c.each(self, ("forward_s", "backward_s", "forward_rate", "backward_rate", "forward_block_s",
+                      "backward_block_s"), lambda v: v >= 0, "must not be negative")
+        c.each(self, ("tau_s",), lambda v: v > 0, "must be positive")
         c.raise_if_any()
 
     def extra_s(self, idle_s: float, backward: bool, cpu_s: float = 0.0) -> float:
@@ -144,10 +143,9 @@ class CoreHandoff:
 
     def __post_init__(self) -> None:
         c = Checker()
-        for name in ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s", "cold_backward_s", "block_forward_s",
-                     "block_backward_s"):
-            v = getattr(self, name)
-            c.check(v >= 0 and math.isfinite(v), name, f"must be a non-negative number of seconds, got {v}")
+        c.each(self, ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s", "cold_backward_s", "block_forward_s",
+                      "block_backward_s"), lambda v: v >= 0 and math.isfinite(v),
+               "must be a non-negative number of seconds")
         c.raise_if_any()
 
 
@@ -163,8 +161,7 @@ class ComponentFit:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(self.params >= 0, "params", f"must not be negative, got {self.params}")
-        c.check(self.residual >= 0, "residual", f"must not be negative, got {self.residual}")
+        c.each(self, ("params", "residual"), lambda v: v >= 0, "must not be negative")
         c.raise_if_any()
 
 
@@ -272,12 +269,10 @@ class ComputeFigures:
 
     def __post_init__(self) -> None:
         c = Checker()
-        for name in ("peak_tflops", "memory_bandwidth_gbs"):
-            c.check(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
-        for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
-            v = getattr(self, name)
-            c.check(0 < v <= 1, name, f"must be in (0, 1], got {v}")
-        c.check(self.kernel_overhead_s >= 0, "kernel_overhead_s", "must not be negative")
+        c.each(self, ("peak_tflops", "memory_bandwidth_gbs"), lambda v: v > 0, "must be positive")
+        c.each(self, ("matmul_efficiency", "attention_efficiency", "memory_efficiency"), lambda v: 0 < v <= 1,
+               "must be in (0, 1]")
+        c.each(self, ("kernel_overhead_s",), lambda v: v >= 0, "must not be negative")
         c.check(self.activation_bytes in (1, 2, 4), "activation_bytes", "must be 1, 2 or 4")
         c.raise_if_any()
 
@@ -291,8 +286,8 @@ class LinkFit:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(self.latency_s >= 0, "latency_s", "must not be negative")
-        c.check(self.bandwidth_gbs > 0, "bandwidth_gbs", f"must be positive, got {self.bandwidth_gbs}")
+        c.each(self, ("latency_s",), lambda v: v >= 0, "must not be negative")
+        c.each(self, ("bandwidth_gbs",), lambda v: v > 0, "must be positive")
         c.raise_if_any()
 
 
@@ -321,16 +316,13 @@ class CommFigures:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(self.p2p_latency_s >= 0, "p2p_latency_s", "must not be negative")
-        c.check(self.allreduce_latency_s >= 0, "allreduce_latency_s", "must not be negative")
-        c.check(0 < self.bandwidth_efficiency <= 1, "bandwidth_efficiency", "must be in (0, 1]")
-        for n in self.allreduce:
-            c.check(n >= 2, f"allreduce.{n}", "group size must be at least 2")
-        for n in self.allgather:
-            c.check(n >= 2, f"allgather.{n}", "group size must be at least 2")
-        for cls, curves in self.allreduce_curves.items():
-            for n in curves:
-                c.check(n >= 2, f"allreduce_curves.{cls}.{n}", "group size must be at least 2")
+        c.each(self, ("p2p_latency_s", "allreduce_latency_s"), lambda v: v >= 0, "must not be negative")
+        c.each(self, ("bandwidth_efficiency",), lambda v: 0 < v <= 1, "must be in (0, 1]")
+        sizes = [("allreduce", self.allreduce), ("allgather", self.allgather)]
+        sizes += [(f"allreduce_curves.{cls}", curves) for cls, curves in self.allreduce_curves.items()]
+        for where, by_n in sizes:
+            for n in by_n:
+                c.check(n >= 2, f"{where}.{n}", "group size must be at least 2")
         c.raise_if_any()
 
 
@@ -345,8 +337,8 @@ class MemoryFigures:
 
     def __post_init__(self) -> None:
         c = Checker()
-        for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "framework_overhead_gib"):
-            c.check(getattr(self, name) >= 0, name, "must not be negative")
+        c.each(self, ("param_bytes", "grad_bytes", "optimizer_bytes", "framework_overhead_gib"), lambda v: v >= 0,
+               "must not be negative")
         c.raise_if_any()
 
 
@@ -360,9 +352,7 @@ class OptimizerFit:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(self.seconds_per_param >= 0, "seconds_per_param", "must not be negative")
-        c.check(self.fixed_s >= 0, "fixed_s", "must not be negative")
-        c.check(self.seconds_per_tensor >= 0, "seconds_per_tensor", "must not be negative")
+        c.each(self, ("seconds_per_param", "fixed_s", "seconds_per_tensor"), lambda v: v >= 0, "must not be negative")
         c.raise_if_any()
 
 
@@ -407,7 +397,7 @@ class DeviceProfile:
         c.check(self.version == PROFILE_VERSION, "version",
                 f"unsupported profile version {self.version} (this hspmd reads version {PROFILE_VERSION})")
         c.check(bool(self.device_type), "device_type", "must not be empty")
-        c.check(self.memory_gib > 0, "memory_gib", f"must be positive, got {self.memory_gib}")
+        c.each(self, ("memory_gib",), lambda v: v > 0, "must be positive")
         c.raise_if_any()
 
     def measured_model(self, model: ModelSpec) -> MeasuredModel | None:
@@ -628,9 +618,8 @@ class ComputeBlock:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(self.layers >= 0, "layers", f"must not be negative, got {self.layers}")
-        for name in ("micro_batch", "seq_len", "tp"):
-            c.check(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
+        c.each(self, ("layers",), lambda v: v >= 0, "must not be negative")
+        c.each(self, ("micro_batch", "seq_len", "tp"), lambda v: v >= 1, "must be at least 1")
         c.check(self.layers > 0 or self.first or self.last, "layers", "an empty stage computes nothing")
         c.raise_if_any()
 
