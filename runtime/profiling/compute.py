@@ -98,19 +98,13 @@ class _Component:
         self.model = model
         self.device = device
         h = model.hidden_size
-        if name == "attention":
-            self.module: nn.Module = _shard_attention(model, tp)
-        elif name == "mlp":
-            self.module = _shard_mlp(model, tp)
-        elif name == "norm":
-            self.module = RMSNorm(h, model.norm_eps)
-        elif name == "embedding":
-            self.module = nn.Embedding(model.vocab_size // tp, h)
-        elif name == "head":
-            self.module = _GatheredHead(model, tp)
-        else:
+        build: dict[str, Callable[[], nn.Module]] = {
+            "attention": lambda: _shard_attention(model, tp), "mlp": lambda: _shard_mlp(model, tp),
+            "norm": lambda: RMSNorm(h, model.norm_eps), "embedding": lambda: nn.Embedding(model.vocab_size // tp, h),
+            "head": lambda: _GatheredHead(model, tp)}
+        if name not in build:
             raise ValueError(f"unknown component {name!r} (have: {', '.join(COMPONENTS)})")
-        self.module.to(device)
+        self.module = build[name]().to(device)
         self.params = sum(p.numel() for p in self.module.parameters())
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
 
