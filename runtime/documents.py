@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import math
 import random
@@ -194,11 +195,7 @@ class LengthDistribution:
         if self.bins and total <= 0:
             c.add("bins", "the weights sum to 0; at least one bin needs a positive weight")
         c.raise_if_any()
-        acc, cum = 0.0, []
-        for b in self.bins:
-            acc += b.weight / total
-            cum.append(acc)
-        object.__setattr__(self, "cumulative", tuple(cum))
+        object.__setattr__(self, "cumulative", tuple(itertools.accumulate(b.weight / total for b in self.bins)))
 
     @property
     def max_len(self) -> int:
@@ -215,13 +212,8 @@ class LengthDistribution:
 
     def fraction_below(self, length: int) -> float:
         """P(length < ``length``): the shape check the docs and tests quote (e.g. 97% below max/4)."""
-        total = sum(b.weight for b in self.bins)
-        below = 0.0
-        for b in self.bins:
-            n = b.hi - b.lo + 1
-            inside = min(max(length - b.lo, 0), n)
-            below += b.weight * inside / n
-        return below / total
+        below = sum(b.weight * min(max(length - b.lo, 0), b.hi - b.lo + 1) / (b.hi - b.lo + 1) for b in self.bins)
+        return below / sum(b.weight for b in self.bins)
 
 
 # Built-in shapes as (lo, hi, weight) with lo/hi fractions of the maximum length. ``longtail`` is shaped like
@@ -508,21 +500,10 @@ def read_jsonl(path: Path) -> list[tuple[str, str]]:
 
 def read_text_blocks(path: Path) -> list[tuple[str, bytes]]:
     """A plain text file's documents: blocks of lines separated by blank (whitespace-only) lines."""
-    out: list[tuple[str, bytes]] = []
-    block: list[bytes] = []
-    start = 0
     with open_data(path) as f:
-        for n, raw in enumerate(f, start=1):
-            if raw.strip():
-                if not block:
-                    start = n
-                block.append(raw)
-            elif block:
-                out.append((f"{path}:{start}", b"".join(block).rstrip(b"\r\n")))
-                block = []
-    if block:
-        out.append((f"{path}:{start}", b"".join(block).rstrip(b"\r\n")))
-    return out
+        lines = list(enumerate(f, start=1))
+    blocks = [list(g) for text, g in itertools.groupby(lines, key=lambda x: bool(x[1].strip())) if text]
+    return [(f"{path}:{b[0][0]}", b"".join(raw for _, raw in b).rstrip(b"\r\n")) for b in blocks]
 
 
 def open_data(path: Path):
@@ -569,15 +550,14 @@ def load_corpus(path: str | Path, *, max_len: int, tokenizer: Tokenizer, fmt: Da
             raise SpecError([Problem(where, "", f"token id {bad[0]} outside the tokenizer's vocabulary "
                                                 f"{tokenizer.vocab_size}")])
         parts = fit_length(len(ids), max_len, long_documents, where)
-        split += len(parts) > 1
-        truncated += len(ids) > max_len and long_documents == "truncate"
-        offset = 0
-        for n in parts:
+        was_split, was_cut = len(parts) > 1, len(ids) > max_len and long_documents == "truncate"
+        split += was_split
+        truncated += was_cut
+        for offset, n in zip(itertools.accumulate(parts, initial=0), parts):
             docs.append(tuple(ids[offset:offset + n]))
             origins.append(where)
-            pieces.append(len(parts) > 1)
-            cut.append(len(ids) > max_len and long_documents == "truncate")
-            offset += n
+            pieces.append(was_split)
+            cut.append(was_cut)
     if not docs:
         raise SpecError([Problem(str(p), "data", f"no non-empty document ({empty} empty skipped)")])
     return Corpus(str(p), tuple(docs), tuple(origins), tuple(pieces), tuple(cut), empty, split, truncated)
@@ -645,11 +625,8 @@ class PackedRow:
 
     def segment_ids(self) -> tuple[int, ...]:
         """Per token the row-local document number, -1 for padding (one form of the block-diagonal mask)."""
-        seg = [-1] * len(self.tokens)
-        for i in range(len(self.cu_seqlens) - 1):
-            for t in range(self.cu_seqlens[i], self.cu_seqlens[i + 1]):
-                seg[t] = i
-        return tuple(seg)
+        seg = [i for i, (a, b) in enumerate(itertools.pairwise(self.cu_seqlens)) for _ in range(a, b)]
+        return tuple(seg + [-1] * (len(self.tokens) - len(seg)))
 
 
 @dataclass(frozen=True)
