@@ -69,10 +69,7 @@ class CostModel:
     @staticmethod
     def total(layers: Sequence[CostModel]) -> CostModel:
         """A stage's model from its layers' (the sum, in layer order)."""
-        out = CostModel()
-        for m in layers:
-            out = out + m
-        return out
+        return sum(layers, CostModel())
 
 
 @dataclass(frozen=True)
@@ -92,12 +89,7 @@ class StageCost:
 
     def time(self, lengths: Sequence[int]) -> float:
         """This stage's time for one micro-batch of documents (0 for an empty one)."""
-        if not lengths:
-            return 0.0
-        t = self.microbatch_overhead
-        for s in lengths:
-            t += self.cost(s)
-        return t
+        return sum((self.cost(s) for s in lengths), self.microbatch_overhead) if lengths else 0.0
 
 
 @dataclass(frozen=True)
@@ -270,10 +262,7 @@ class SwitchCost(Protocol):
 
 def cheapest_of(predicted: Sequence[float | None]) -> int:
     """The strategy with the smallest predicted makespan (ties: the first)."""
-    best: int | None = None
-    for i, p in enumerate(predicted):
-        if p is not None and (best is None or p < predicted[best]):  # type: ignore[operator]
-            best = i
+    best = min((i for i, p in enumerate(predicted) if p is not None), key=lambda i: predicted[i], default=None)
     if best is None:
         raise ValueError("no strategy can serve the step")
     return best
@@ -448,18 +437,14 @@ def a_priori_bound(lengths: Sequence[int], pipelines: Sequence[PipelineCost]) ->
     models = [p.stages[0].cost for p in pipelines]
     if all(c == models[0] for c in models):
         return 4 / 3 - 1 / (3 * m)
-    ref = models[0]
-    vec_ref = (ref.a, ref.b, ref.c)
-    proportional = True
-    for c in models[1:]:
-        vec = (c.a, c.b, c.c)
-        # proportional: vec = r * vec_ref for one r > 0 (cross-products vanish, zero pattern equal)
-        if any((x == 0) != (y == 0) for x, y in zip(vec, vec_ref)) or any(
-                not math.isclose(vec[i] * vec_ref[j], vec[j] * vec_ref[i], rel_tol=1e-12, abs_tol=0.0)
-                for i in range(3) for j in range(3)):
-            proportional = False
-            break
-    return 2 * m / (m + 1) if proportional else math.inf
+    ref = (models[0].a, models[0].b, models[0].c)
+
+    def proportional(vec: tuple[float, float, float]) -> bool:
+        """vec = r * ref for one r > 0: cross-products vanish, the zero pattern is equal."""
+        return all((x == 0) == (y == 0) for x, y in zip(vec, ref)) and all(
+            math.isclose(vec[i] * ref[j], vec[j] * ref[i], rel_tol=1e-12) for i in range(3) for j in range(3))
+
+    return 2 * m / (m + 1) if all(proportional((c.a, c.b, c.c)) for c in models[1:]) else math.inf
 
 
 def ilp_assign(lengths: Sequence[int], pipelines: Sequence[PipelineCost], *, scale: float, lower: float = 0.0,
