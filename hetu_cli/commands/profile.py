@@ -218,8 +218,8 @@ def show(profile_ref: str, fmt: str) -> None:
         con.print(f"  all-reduce x{n}: {_link(f)}")
     curves = [(f"{cls} {d}", c) for cls, lc in cm.links.items() for d, c in (("send", lc.send), ("recv", lc.recv))]
     curves += [(f"{cls} all-reduce x{n}", c) for cls, by_n in cm.allreduce_curves.items() for n, c in by_n.items()]
-    for what, curve in curves:
-        if curve is not None:
-            con.print(f"  {what}: " + ", ".join(f"{b:,} B @ {bw:g} GB/s" for b, bw in zip(curve.bytes, curve.bandwidth_gbs)))
+    for what, c in curves:
+        if c is not None:
+            con.print(f"  {what}: " + ", ".join(f"{b:,} B @ {bw:g} GB/s" for b, bw in zip(c.bytes, c.bandwidth_gbs)))
     if cm.serialised_send_recv:
         con.print("  a send and a receive posted together serialise")

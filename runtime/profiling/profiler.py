@@ -193,7 +193,7 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
     mb = settings.micro_batch
 
     def block_fits(by_tp: dict, stretch: float = slowdown) -> dict:
-        return {t: {k: fit_component(smp, 0, mb, stretch) for k, smp in per.items()} for t, per in sorted(by_tp.items())}
+        return {t: {k: fit_component(x, 0, mb, stretch) for k, x in per.items()} for t, per in sorted(by_tp.items())}
 
     for model in models:
         lens = tuple(s for s in settings.seq_lens if s <= model.max_seq_len)
