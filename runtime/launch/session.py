@@ -236,14 +236,13 @@ class Session:
         import torch.distributed as dist
 
         save_dir = self.options.save_dir
-        if save is not None and save_dir is not None:
-            save(save_dir, step)
-            if self.me == min(handle.devices):
-                self.report(Log(f"saved {save_dir} (step {step})"))
-        elif program is not None and save_dir is not None:
+        if save_dir is not None and (save is not None or program is not None):
             from runtime.checkpoint import save_checkpoint
 
-            save_checkpoint(program, self.groups, save_dir, plan=handle.ctx, strategy=handle.name, step=step)
+            if save is not None:
+                save(save_dir, step)
+            else:
+                save_checkpoint(program, self.groups, save_dir, plan=handle.ctx, strategy=handle.name, step=step)
             if self.me == min(handle.devices):
                 self.report(Log(f"saved {save_dir} (step {step})"))
         if self.recorder is not None:
