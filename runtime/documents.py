@@ -37,12 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+from runtime.data import BYTE_VOCAB, MAX_STRIDE
 from runtime.errors import Checker, FieldErrors, Problem, SpecError
 from runtime.spec.io import read_yaml
 
-BYTE_VOCAB = 256
 IGNORE_INDEX = -100          # the label of a document's last token and of padding (torch's cross_entropy default)
-MAX_STRIDE = 7
 
 LongDocuments = Literal["split", "truncate", "error"]
 LONG_DOCUMENT_POLICIES: tuple[str, ...] = ("split", "truncate", "error")
