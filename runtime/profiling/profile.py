@@ -14,16 +14,8 @@ One YAML file per device type (format in profiles/README.md). A profile has two 
   blocks timed through the runtime's stage module: one decoder layer, a stage's fixed time per
   micro-batch, and what the embedding and the head add; the cost model prefers them for time.
 
-Pricing (``component_fits``, ``block_seconds``): the fits of a model on a profile (measured, else derived
-from the throughput figures: ``analytic_components``) and one compute block (a micro-batch's forward or
-backward through a stage) summed from them. The cost model builds on these; a sleep-mode emulated device
-(runtime/spec/cluster.py ``Emulation``) sleeps each block to ``SleepTarget.block_s``, and the planner
-prices its blocks with the same function.
-
-Loading rule (``resolve_profiles``): per device type, a measured profile overrides an imported one (measured
-elsewhere, ``hspmd profile import``), which overrides a spec one; among
-equals, directories given first win over the shipped ``profiles/``; a type with no profile at all gets a
-spec profile derived from the cluster's own datasheet figures. This module imports no torch.
+Pricing (``component_fits``, ``block_seconds``) and the loading rule (``resolve_profiles``: measured beats
+imported beats spec) are here too. This module imports no torch.
 """
 
 from __future__ import annotations
