@@ -5,19 +5,11 @@ A pure, deterministic function of the step's document lengths and the strategies
 computes it identically, so nothing is communicated (floats are summed in a fixed order, ties broken by
 index, the ILP solved single-threaded with no time limit; no sets, no hashing of strings).
 
-Model (documented in docs/lengths.md):
-
-* a document of s tokens costs ``a*s^2 + b*s + c`` seconds on a stage (forward + backward, summed over the
-  stage's layers: attention is quadratic in s), plus the stage's ``microbatch_overhead`` once per
-  micro-batch (launches, point-to-point latency) - the one reason to put several documents in one;
-* a micro-batch's stage time is the sum over its documents; a pipeline's time is ``pipeline_time``;
-* memory: under 1F1B stage k (0-based) of an S-stage pipeline holds the activations of up to S - k
-  micro-batches at once, so a micro-batch may hold at most ``activation_budget_tokens // (S - k)`` tokens
-  on that stage (``PipelineCost.capacity`` is the minimum over stages). A document is never split.
-
-Method: exact (ILP with PuLP, HiGHS then CBC) when the instance is small (``EXACT_MAX_BINARIES``); otherwise greedy LPT
-(longest document first, each to the pipeline and micro-batch where it finishes earliest) with a proven
-bound on its gap to the optimum (``Assignment.gap_bound``).
+The model (docs/lengths.md): a document of s tokens costs ``a*s^2 + b*s + c`` on a stage, plus the stage's
+``microbatch_overhead`` once per micro-batch (the one reason to put several documents in one); a pipeline's
+time is ``pipeline_time``; a micro-batch holds at most ``PipelineCost.capacity`` tokens (1F1B keeps S - k of
+them in flight on stage k); a document is never split. Exact (ILP) when the instance is small
+(``EXACT_MAX_BINARIES``), else greedy LPT with a proven bound on its gap (``Assignment.gap_bound``).
 """
 
 from __future__ import annotations
