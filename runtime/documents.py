@@ -12,12 +12,8 @@ seeded from a hash of (seed, step, stream) and read only through ``random()`` (t
 Python guarantees across versions). A run resumed at step k, or replayed, sees the same documents on every
 rank. No global random state is touched.
 
-Sources:
-
-* ``SyntheticDocuments``: lengths from a ``LengthDistribution`` (a built-in long-tailed shape, scaled to the
-  model's maximum length, or a histogram file), tokens an arithmetic sequence per document (learnable).
-* ``CorpusDocuments``: documents of a local JSONL or plain-text file (``load_corpus``), tokenized as UTF-8
-  bytes or by a local Hugging Face ``tokenizer.json``, drawn uniformly with replacement.
+Sources: ``SyntheticDocuments`` (lengths from a ``LengthDistribution``) and ``CorpusDocuments`` (a local
+JSONL or text file's documents); ``document_source`` picks one as the CLI's options say.
 
 A step holds exactly ``tokens_per_step`` tokens: documents are drawn until the budget is reached and the last
 one is cut to the remaining budget (its tail is dropped), so every step trains the same number of tokens,
