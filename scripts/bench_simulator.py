@@ -27,16 +27,11 @@ step's time is the slowest worker's); the plan's measured time is the median ove
 simulated time the median of the rounds' simulations. A run during which other processes used more than
 ``--max-foreign`` cores of CPU on average is repeated once.
 
-Host-speed check (stretch mode; the host at times runs this VM at half speed for seconds): a fixed
-reference workload (the profiler's kind of torch block, in this process on device 0's core and thread
-count) is timed right after the round's profile and right before and after every run. A run whose
-before or after reference time is more than ``HOST_TOLERANCE`` off the profile's, or which drifted
-between them, is repeated (``HOST_TRIES`` runs at most); ``HOST_STREAK`` consecutive runs all off in the
-same direction re-profile the round and re-simulate every plan (``HOST_REPROFILES`` at most per round);
-a run still off when the tries are spent is kept and marked ``keep``. With ``--profile`` the reference is
-timed at each round's start instead and nothing is re-profiled. Measured times are never rescaled:
-only repeated. Each plan's simulation in a round is the one of the profile its run was compared with.
-Sleep mode records the reference times and acts on none (its blocks sleep up to their prices).
+Host-speed check (stretch mode): a fixed reference workload (``HostReference``) is timed right after the
+round's profile and right before and after every run; ``host_verdict`` and the ``HOST_*`` figures below say
+which runs are repeated, kept or re-profiled for. Measured times are never rescaled, only repeated; each
+plan's simulation in a round is the one of the profile its run was compared with. With ``--profile`` the
+reference is timed at each round's start and nothing is re-profiled; sleep mode records it and acts on none.
 
 `--json` prints one JSON object: per mode
 (``stretch``, ``sleep``) `errors` (relative error per plan), `max_abs_error`, `rank_preserved`, `target`,
