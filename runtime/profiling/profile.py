@@ -550,8 +550,7 @@ def layer_override_fits(profile: DeviceProfile, model: ModelSpec, tp: int, layer
     measured = profile.measured_model(model)
     if measured is None or layer not in measured.layers:
         return None
-    base = component_fits(profile, model, tp, micro_batch, seq_len)
-    out = dict(base)
+    out = component_fits(profile, model, tp, micro_batch, seq_len)
     for name in LAYER_COMPONENTS:
         by_tp = {t: comps[name] for t, comps in measured.layers[layer].items() if name in comps}
         if by_tp:
@@ -705,10 +704,8 @@ def spec_profile(device_type: str, *, peak_tflops: float, hbm_bandwidth_gbs: flo
     Emulated CPU devices: fp32 activations, unfused attention, ~30 us per op dispatch.
     """
     eff = dict(CPU_EFFICIENCY if emulated else GPU_EFFICIENCY)
-    for k, v in (("matmul_efficiency", matmul_efficiency), ("attention_efficiency", attention_efficiency),
-                 ("memory_efficiency", memory_efficiency)):
-        if v is not None:
-            eff[k] = v
+    eff.update({k: v for k, v in (("matmul_efficiency", matmul_efficiency), ("attention_efficiency",
+                attention_efficiency), ("memory_efficiency", memory_efficiency)) if v is not None})
     compute = ComputeFigures(
         peak_tflops=peak_tflops, memory_bandwidth_gbs=hbm_bandwidth_gbs,
         kernel_overhead_s=_round(30e-6 * slowdown) if emulated else 8e-6, flash_attention=not emulated,
