@@ -272,9 +272,8 @@ def load_histogram(path: str | Path, max_len: int, policy: LongDocuments = "spli
     if not isinstance(data, dict):
         raise SpecError([Problem(file, "", f"expected a mapping with {', '.join(HISTOGRAM_KEYS)}, "
                                            f"got {type(data).__name__}")])
-    for k in data:
-        if k not in HISTOGRAM_KEYS:
-            bad(str(k), f"unknown field; expected one of {', '.join(HISTOGRAM_KEYS)}")
+    problems += [Problem(file, str(k), f"unknown field; expected one of {', '.join(HISTOGRAM_KEYS)}")
+                 for k in data if k not in HISTOGRAM_KEYS]
     scale = data.get("scale", "tokens")
     if scale not in ("tokens", "fraction"):
         bad("scale", f"must be tokens or fraction, got {scale!r}")
@@ -289,13 +288,11 @@ def load_histogram(path: str | Path, max_len: int, policy: LongDocuments = "spli
         if not isinstance(b, dict):
             bad(where, f"expected a mapping with {', '.join(BIN_KEYS)}, got {type(b).__name__}")
             continue
-        unknown = [k for k in b if k not in BIN_KEYS]
-        for k in unknown:
-            bad(f"{where}.{k}", f"unknown field; expected one of {', '.join(BIN_KEYS)}")
-        missing = [k for k in BIN_KEYS if k not in b]
-        for k in missing:
-            bad(f"{where}.{k}", "missing")
-        if unknown or missing:
+        n = len(problems)
+        problems += [Problem(file, f"{where}.{k}", f"unknown field; expected one of {', '.join(BIN_KEYS)}")
+                     for k in b if k not in BIN_KEYS]
+        problems += [Problem(file, f"{where}.{k}", "missing") for k in BIN_KEYS if k not in b]
+        if len(problems) > n:
             continue
         lo, hi, w = b["lo"], b["hi"], b["weight"]
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
