@@ -59,9 +59,11 @@ def eval_fit(fit: Fit, micro_batch: float, seq_len: float) -> float:
 
 
 
-def check_keys(c: Checker, path: str, got: Mapping[str, Any], expected: Sequence[str], what: str) -> None:
-    """One problem for the entries ``expected`` names that ``got`` lacks, one per entry it does not name."""
-    missing = [k for k in expected if k not in got]
+def check_keys(c: Checker, path: str, got: Mapping[str, Any], expected: Sequence[str], what: str, *,
+               complete: bool = True) -> None:
+    """One problem for the entries ``expected`` names that ``got`` lacks (when it must be ``complete``), one
+    per entry it does not name."""
+    missing = [k for k in expected if k not in got] if complete else []
     if missing:
         c.add(path, f"missing {what}(s) {', '.join(missing)}")
     for k in got:
@@ -213,17 +215,12 @@ class MeasuredModel:
         c.check(len(self.seq_lens) >= 1, "seq_lens", "must list the measured sequence lengths")
         for t, comps in self.tables.items():
             c.check(t >= 1, f"tables.{t}", "TP degree must be at least 1")
-            for k in comps:
-                if k not in COMPONENTS:
-                    c.add(f"tables.{t}.{k}", f"unknown component (expected one of: {', '.join(COMPONENTS)})")
+            check_keys(c, f"tables.{t}", comps, COMPONENTS, "component", complete=False)
         for i, by_tp in self.layers.items():
             c.check(i >= 0, f"layers.{i}", "layer index must not be negative")
             for t, comps in by_tp.items():
                 c.check(t >= 1, f"layers.{i}.{t}", "TP degree must be at least 1")
-                for k in comps:
-                    if k not in LAYER_COMPONENTS:
-                        c.add(f"layers.{i}.{t}.{k}",
-                              f"unknown layer component (expected one of: {', '.join(LAYER_COMPONENTS)})")
+                check_keys(c, f"layers.{i}.{t}", comps, LAYER_COMPONENTS, "layer component", complete=False)
         for s, eff in self.core_sharing.items():
             c.check(0 < eff <= 1, f"core_sharing.{s}", f"must be in (0, 1], got {eff}")
         for s in self.core_handoff:
