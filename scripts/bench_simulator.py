@@ -66,7 +66,7 @@ sys.path.insert(0, str(REPO))
 
 from planner.cost import CostModel  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
-from runtime.profiling.host import emulated_cpu_shares, host_cpus  # noqa: E402
+from runtime.profiling.host import emulated_cpu_shares, host_cpus, pinned  # noqa: E402
 from runtime.profiling.profile import ProfileSet, ResolvedProfile, load_profile, resolve_profiles  # noqa: E402
 from runtime.spec import load_plan_context  # noqa: E402
 
@@ -207,24 +207,16 @@ class HostReference:
     launcher gives device 0 of ``cluster_devices``, so it sees the host as the first device does."""
 
     def __init__(self, model: object, cluster_devices: int) -> None:
-        import torch
-
         from runtime.profiling.compute import StageRun
 
         self.threads, pins = emulated_cpu_shares([0], cluster_devices, host_cpus())
         self.cpus = pins[0]
-        self.torch = torch
         self.run = StageRun(model, 1, REFERENCE_LAYERS, True, False, 1, REFERENCE_SEQ, "cpu")  # type: ignore[arg-type]
 
     def time_s(self) -> float:
         """The median forward + backward time of the block; this process's affinity and threads restored
         after (the training runs it starts must get every core)."""
-        saved_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        saved_threads = self.torch.get_num_threads()
-        try:
-            if saved_cpus is not None:
-                os.sched_setaffinity(0, self.cpus)
-            self.torch.set_num_threads(self.threads)
+        with pinned(self.cpus, self.threads):
             for _ in range(REFERENCE_WARMUP):
                 self.run.prepare_backward()()
             times = []
@@ -232,10 +224,6 @@ class HostReference:
                 t0 = time.perf_counter()
                 self.run.prepare_backward()()
                 times.append(time.perf_counter() - t0)
-        finally:
-            self.torch.set_num_threads(saved_threads)
-            if saved_cpus is not None:
-                os.sched_setaffinity(0, saved_cpus)
         return statistics.median(times)
 
 

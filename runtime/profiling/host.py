@@ -57,6 +57,23 @@ def pin_process(cpus: Sequence[int]) -> None:
         os.sched_setaffinity(0, cpus)
 
 
+@contextlib.contextmanager
+def pinned(cpus: Sequence[int], threads: int | None = None) -> Iterator[None]:
+    """The body runs on ``cpus`` (none: as it is) with ``threads`` intra-op threads (None: as they are), as
+    the launcher runs a worker; this process's cores and threads are restored after."""
+    import torch
+
+    old_cpus, old_threads = host_cpus(), torch.get_num_threads()
+    try:
+        pin_process(cpus)
+        if threads:
+            torch.set_num_threads(threads)
+        yield
+    finally:
+        torch.set_num_threads(old_threads)
+        pin_process(old_cpus)
+
+
 def _stage_run(model: ModelSpec, layers: int, seq_len: int, device: torch.device | str, micro_batch: int = 1,
                warmup: int = 2) -> StageRun:
     """A middle stage of ``layers`` decoder layers at TP 1 run by the engine's step, warmed up."""

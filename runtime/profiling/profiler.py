@@ -123,13 +123,8 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
     for target in targets:
         dev = torch.device(target.device)
-        old_threads = torch.get_num_threads()
-        old_cpus = host.host_cpus()
-        if target.threads:
-            torch.set_num_threads(target.threads)
-        if target.cpus:
-            host.pin_process(target.cpus[0])   # as the launcher pins device 0's worker
-        try:
+        # as the launcher pins device 0's worker
+        with host.pinned(target.cpus[0] if target.cpus else (), target.threads):
             raw: dict[str, dict[int, dict[str, tuple[list[Sample], int]]]] = {}
             blocks: dict[str, dict[int, dict[str, list[Sample]]]] = {}
             split: dict[str, dict[int, dict[str, list[Sample]]]] = {}   # the split backward's blocks
@@ -165,10 +160,6 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
             report(f"{target.device}: GEMM rate, memory bandwidth", 0)
             thr = compute.measure_throughput(dev)
             report("", 1)
-        finally:
-            torch.set_num_threads(old_threads)
-            if target.cpus:
-                host.pin_process(old_cpus)
         links: dict[str, object] = {}
         if settings.measure_comm and target.local_devices >= 2:
             report(f"{target.device}: links among {min(target.local_devices, settings.comm_processes)} processes", 0)
