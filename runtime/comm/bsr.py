@@ -152,9 +152,7 @@ def grid(size: int, boundaries: Iterable[int]) -> list[int]:
     """Cut points of one dim: the LCM grid (gcd of all boundaries) unless it is too fine."""
     bs = sorted(set(boundaries) | {0, size})
     g = math.gcd(*bs)
-    if g and size // g <= max(GRID_LIMIT, len(bs) - 1):
-        return list(range(0, size + 1, g))
-    return bs
+    return list(range(0, size + 1, g)) if g and size // g <= max(GRID_LIMIT, len(bs) - 1) else bs
 
 
 def cells(region: Region, cuts: Sequence[Sequence[int]]) -> list[Region]:

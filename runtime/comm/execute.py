@@ -192,9 +192,7 @@ class _Reshard(torch.autograd.Function):
         ctx.op, ctx.groups, ctx.has_src = op, groups, has_src
         ctx.dtype, ctx.device = dtype, device
         y = run(op, x if has_src else None, groups, dtype=dtype, device=device)
-        if y is None:
-            return torch.empty(0, dtype=dtype, device=device)
-        return y
+        return y if y is not None else torch.empty(0, dtype=dtype, device=device)
 
     @staticmethod
     def backward(ctx, gy):  # type: ignore[override]
