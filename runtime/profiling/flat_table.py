@@ -149,12 +149,10 @@ def parse_rows(rows: Sequence[tuple[int, Mapping[str, Any]]], file: str) -> _Par
             continue
         required, optional = FIELDS[kind]
         bad = len(problems)
-        for name in cells:
-            if name != "kind" and name not in required + optional:
-                problems.append(Problem(where, name, f"not used on a {kind} row"))
-        for name in required:
-            if name not in cells:
-                problems.append(Problem(where, name, f"missing (a {kind} row needs {', '.join(required)})"))
+        problems += [Problem(where, name, f"not used on a {kind} row") for name in cells
+                     if name != "kind" and name not in required + optional]
+        problems += [Problem(where, name, f"missing (a {kind} row needs {', '.join(required)})") for name in required
+                     if name not in cells]
         v = {name: _cell(where, name, cells[name], problems) for name in required + optional if name in cells}
         if len(problems) > bad:
             continue

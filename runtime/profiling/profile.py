@@ -66,9 +66,8 @@ def check_keys(c: Checker, path: str, got: Mapping[str, Any], expected: Sequence
     missing = [k for k in expected if k not in got] if complete else []
     if missing:
         c.add(path, f"missing {what}(s) {', '.join(missing)}")
-    for k in got:
-        if k not in expected:
-            c.add(f"{path}.{k}", f"unknown {what} (expected one of: {', '.join(expected)})")
+    c.problems += [(f"{path}.{k}", f"unknown {what} (expected one of: {', '.join(expected)})") for k in got
+                   if k not in expected]
 
 @dataclass(frozen=True)
 class ResumePenalty:
