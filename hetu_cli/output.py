@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -13,6 +14,7 @@ from runtime.errors import HspmdError
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Table
 
 FORMAT_OPTION = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
                              show_default=True, help="'json' prints one JSON object for scripts.")
@@ -31,6 +33,16 @@ def console(stderr: bool = False) -> Console:
     from rich.console import Console
 
     return Console(stderr=stderr, highlight=False, width=_width(sys.stderr if stderr else sys.stdout))
+
+
+def table(title: str, columns: Sequence[str], left: Collection[str] = ()) -> Table:
+    """A left-titled table: figures right-aligned, the ``left`` columns (names, lists) left-aligned."""
+    from rich.table import Table
+
+    out = Table(title=title, title_justify="left")
+    for col in columns:
+        out.add_column(col, justify="left" if col in left else "right")
+    return out
 
 
 def emit_json(obj: Any) -> None:

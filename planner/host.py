@@ -9,6 +9,7 @@ sleep-mode type: no resume penalty, no core in ``cpu_layout``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -82,9 +83,8 @@ class HostModel:
         if m is None or not m.core_handoff:
             return None
         pts = sorted(m.core_handoff.items())
-        return CoreHandoff(**{k: max(0.0, _log_interp([(s, getattr(h, k)) for s, h in pts], self.seq_len))
-                              for k in ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s",
-                                        "cold_backward_s", "block_forward_s", "block_backward_s")})
+        return CoreHandoff(**{f.name: max(0.0, _log_interp([(s, getattr(h, f.name)) for s, h in pts], self.seq_len))
+                              for f in dataclasses.fields(CoreHandoff)})
 
     def host_cores(self, node: str) -> int | None:
         """CPU cores shared by the emulated devices of ``node`` (from their measured profiles), or None

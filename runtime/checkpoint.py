@@ -161,9 +161,8 @@ def checkpoint_info(directory: str | Path, model: ModelSpec) -> CheckpointInfo:
             elif not (IGNORED.fullmatch(name) or name == "lm_head.weight" and model.tie_word_embeddings):
                 problems.append(Problem(str(path), name, f"unexpected tensor (model {model.name} has no such "
                                                          "parameter)"))
-    for name in params:
-        if name not in files:
-            problems.append(Problem(str(weights[0]), name, f"missing (model {model.name} needs it)"))
+    problems += [Problem(str(weights[0]), n, f"missing (model {model.name} needs it)") for n in params
+                 if n not in files]
     step, saved_by, moments = 0, "", False
     opt = directory / OPTIMIZER_FILE
     if opt.is_file():
@@ -172,8 +171,7 @@ def checkpoint_info(directory: str | Path, model: ModelSpec) -> CheckpointInfo:
         problems.extend(_state_problems(opt, meta, shapes, {n + s: params[n] for n in params for s in MOMENT_SUFFIXES},
                                         OPTIMIZER_FORMAT, model))
         files.update({n + s: opt for n in params for s in MOMENT_SUFFIXES})
-        step_text = meta.get("step", "")
-        step = int(step_text) if step_text.isdigit() else 0
+        step = int(meta["step"]) if meta.get("step", "").isdigit() else 0
         saved_by, moments = meta.get("saved_by", ""), True
     if len(set(ids.values())) > 1:
         problems.append(Problem(str(directory), "", "holds files of different saves ("

@@ -5,19 +5,11 @@ A pure, deterministic function of the step's document lengths and the strategies
 computes it identically, so nothing is communicated (floats are summed in a fixed order, ties broken by
 index, the ILP solved single-threaded with no time limit; no sets, no hashing of strings).
 
-Model (documented in docs/lengths.md):
-
-* a document of s tokens costs ``a*s^2 + b*s + c`` seconds on a stage (forward + backward, summed over the
-  stage's layers: attention is quadratic in s), plus the stage's ``microbatch_overhead`` once per
-  micro-batch (launches, point-to-point latency) - the one reason to put several documents in one;
-* a micro-batch's stage time is the sum over its documents; a pipeline's time is ``pipeline_time``;
-* memory: under 1F1B stage k (0-based) of an S-stage pipeline holds the activations of up to S - k
-  micro-batches at once, so a micro-batch may hold at most ``activation_budget_tokens // (S - k)`` tokens
-  on that stage (``PipelineCost.capacity`` is the minimum over stages). A document is never split.
-
-Method: exact (ILP with PuLP, HiGHS then CBC) when the instance is small (``EXACT_MAX_BINARIES``); otherwise greedy LPT
-(longest document first, each to the pipeline and micro-batch where it finishes earliest) with a proven
-bound on its gap to the optimum (``Assignment.gap_bound``).
+The model (docs/lengths.md): a document of s tokens costs ``a*s^2 + b*s + c`` on a stage, plus the stage's
+``microbatch_overhead`` once per micro-batch (the one reason to put several documents in one); a pipeline's
+time is ``pipeline_time``; a micro-batch holds at most ``PipelineCost.capacity`` tokens (1F1B keeps S - k of
+them in flight on stage k); a document is never split. Exact (ILP) when the instance is small
+(``EXACT_MAX_BINARIES``), else greedy LPT with a proven bound on its gap (``Assignment.gap_bound``).
 """
 
 from __future__ import annotations
@@ -56,10 +48,8 @@ class CostModel:
 
     def __post_init__(self) -> None:
         ck = Checker()
-        for name in ("a", "b", "c"):
-            v = getattr(self, name)
-            ck.check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0,
-                     name, f"must be a finite number >= 0, got {v!r}")
+        ck.each(self, ("a", "b", "c"), lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(v) and v >= 0, "must be a finite number >= 0")
         ck.raise_if_any()
 
     def __call__(self, s: int) -> float:
@@ -71,10 +61,7 @@ class CostModel:
     @staticmethod
     def total(layers: Sequence[CostModel]) -> CostModel:
         """A stage's model from its layers' (the sum, in layer order)."""
-        out = CostModel()
-        for m in layers:
-            out = out + m
-        return out
+        return sum(layers, CostModel())
 
 
 @dataclass(frozen=True)
@@ -94,12 +81,7 @@ class StageCost:
 
     def time(self, lengths: Sequence[int]) -> float:
         """This stage's time for one micro-batch of documents (0 for an empty one)."""
-        if not lengths:
-            return 0.0
-        t = self.microbatch_overhead
-        for s in lengths:
-            t += self.cost(s)
-        return t
+        return sum((self.cost(s) for s in lengths), self.microbatch_overhead) if lengths else 0.0
 
 
 @dataclass(frozen=True)
@@ -272,10 +254,7 @@ class SwitchCost(Protocol):
 
 def cheapest_of(predicted: Sequence[float | None]) -> int:
     """The strategy with the smallest predicted makespan (ties: the first)."""
-    best: int | None = None
-    for i, p in enumerate(predicted):
-        if p is not None and (best is None or p < predicted[best]):  # type: ignore[operator]
-            best = i
+    best = min((i for i, p in enumerate(predicted) if p is not None), key=lambda i: predicted[i], default=None)
     if best is None:
         raise ValueError("no strategy can serve the step")
     return best
@@ -450,18 +429,14 @@ def a_priori_bound(lengths: Sequence[int], pipelines: Sequence[PipelineCost]) ->
     models = [p.stages[0].cost for p in pipelines]
     if all(c == models[0] for c in models):
         return 4 / 3 - 1 / (3 * m)
-    ref = models[0]
-    vec_ref = (ref.a, ref.b, ref.c)
-    proportional = True
-    for c in models[1:]:
-        vec = (c.a, c.b, c.c)
-        # proportional: vec = r * vec_ref for one r > 0 (cross-products vanish, zero pattern equal)
-        if any((x == 0) != (y == 0) for x, y in zip(vec, vec_ref)) or any(
-                not math.isclose(vec[i] * vec_ref[j], vec[j] * vec_ref[i], rel_tol=1e-12, abs_tol=0.0)
-                for i in range(3) for j in range(3)):
-            proportional = False
-            break
-    return 2 * m / (m + 1) if proportional else math.inf
+    ref = (models[0].a, models[0].b, models[0].c)
+
+    def proportional(vec: tuple[float, float, float]) -> bool:
+        """vec = r * ref for one r > 0: cross-products vanish, the zero pattern is equal."""
+        return all((x == 0) == (y == 0) for x, y in zip(vec, ref)) and all(
+            math.isclose(vec[i] * ref[j], vec[j] * ref[i], rel_tol=1e-12) for i in range(3) for j in range(3))
+
+    return 2 * m / (m + 1) if all(proportional((c.a, c.b, c.c)) for c in models[1:]) else math.inf
 
 
 def ilp_assign(lengths: Sequence[int], pipelines: Sequence[PipelineCost], *, scale: float, lower: float = 0.0,

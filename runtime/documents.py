@@ -12,12 +12,8 @@ seeded from a hash of (seed, step, stream) and read only through ``random()`` (t
 Python guarantees across versions). A run resumed at step k, or replayed, sees the same documents on every
 rank. No global random state is touched.
 
-Sources:
-
-* ``SyntheticDocuments``: lengths from a ``LengthDistribution`` (a built-in long-tailed shape, scaled to the
-  model's maximum length, or a histogram file), tokens an arithmetic sequence per document (learnable).
-* ``CorpusDocuments``: documents of a local JSONL or plain-text file (``load_corpus``), tokenized as UTF-8
-  bytes or by a local Hugging Face ``tokenizer.json``, drawn uniformly with replacement.
+Sources: ``SyntheticDocuments`` (lengths from a ``LengthDistribution``) and ``CorpusDocuments`` (a local
+JSONL or text file's documents); ``document_source`` picks one as the CLI's options say.
 
 A step holds exactly ``tokens_per_step`` tokens: documents are drawn until the budget is reached and the last
 one is cut to the remaining budget (its tail is dropped), so every step trains the same number of tokens,
@@ -28,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
 import math
 import random
@@ -36,12 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+from runtime.data import BYTE_VOCAB, MAX_STRIDE
 from runtime.errors import Checker, FieldErrors, Problem, SpecError
 from runtime.spec.io import read_yaml
 
-BYTE_VOCAB = 256
 IGNORE_INDEX = -100          # the label of a document's last token and of padding (torch's cross_entropy default)
-MAX_STRIDE = 7
 
 LongDocuments = Literal["split", "truncate", "error"]
 LONG_DOCUMENT_POLICIES: tuple[str, ...] = ("split", "truncate", "error")
@@ -194,11 +190,7 @@ class LengthDistribution:
         if self.bins and total <= 0:
             c.add("bins", "the weights sum to 0; at least one bin needs a positive weight")
         c.raise_if_any()
-        acc, cum = 0.0, []
-        for b in self.bins:
-            acc += b.weight / total
-            cum.append(acc)
-        object.__setattr__(self, "cumulative", tuple(cum))
+        object.__setattr__(self, "cumulative", tuple(itertools.accumulate(b.weight / total for b in self.bins)))
 
     @property
     def max_len(self) -> int:
@@ -215,13 +207,8 @@ class LengthDistribution:
 
     def fraction_below(self, length: int) -> float:
         """P(length < ``length``): the shape check the docs and tests quote (e.g. 97% below max/4)."""
-        total = sum(b.weight for b in self.bins)
-        below = 0.0
-        for b in self.bins:
-            n = b.hi - b.lo + 1
-            inside = min(max(length - b.lo, 0), n)
-            below += b.weight * inside / n
-        return below / total
+        below = sum(b.weight * min(max(length - b.lo, 0), b.hi - b.lo + 1) / (b.hi - b.lo + 1) for b in self.bins)
+        return below / sum(b.weight for b in self.bins)
 
 
 # Built-in shapes as (lo, hi, weight) with lo/hi fractions of the maximum length. ``longtail`` is shaped like
@@ -285,9 +272,8 @@ def load_histogram(path: str | Path, max_len: int, policy: LongDocuments = "spli
     if not isinstance(data, dict):
         raise SpecError([Problem(file, "", f"expected a mapping with {', '.join(HISTOGRAM_KEYS)}, "
                                            f"got {type(data).__name__}")])
-    for k in data:
-        if k not in HISTOGRAM_KEYS:
-            bad(str(k), f"unknown field; expected one of {', '.join(HISTOGRAM_KEYS)}")
+    problems += [Problem(file, str(k), f"unknown field; expected one of {', '.join(HISTOGRAM_KEYS)}")
+                 for k in data if k not in HISTOGRAM_KEYS]
     scale = data.get("scale", "tokens")
     if scale not in ("tokens", "fraction"):
         bad("scale", f"must be tokens or fraction, got {scale!r}")
@@ -302,13 +288,11 @@ def load_histogram(path: str | Path, max_len: int, policy: LongDocuments = "spli
         if not isinstance(b, dict):
             bad(where, f"expected a mapping with {', '.join(BIN_KEYS)}, got {type(b).__name__}")
             continue
-        unknown = [k for k in b if k not in BIN_KEYS]
-        for k in unknown:
-            bad(f"{where}.{k}", f"unknown field; expected one of {', '.join(BIN_KEYS)}")
-        missing = [k for k in BIN_KEYS if k not in b]
-        for k in missing:
-            bad(f"{where}.{k}", "missing")
-        if unknown or missing:
+        n = len(problems)
+        problems += [Problem(file, f"{where}.{k}", f"unknown field; expected one of {', '.join(BIN_KEYS)}")
+                     for k in b if k not in BIN_KEYS]
+        problems += [Problem(file, f"{where}.{k}", "missing") for k in BIN_KEYS if k not in b]
+        if len(problems) > n:
             continue
         lo, hi, w = b["lo"], b["hi"], b["weight"]
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
@@ -362,9 +346,7 @@ class SyntheticDocuments:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(self.tokens_per_step >= 1, "tokens_per_step", f"must be >= 1, got {self.tokens_per_step}")
-        c.check(self.max_len >= 1, "max_len", f"must be >= 1, got {self.max_len}")
-        c.check(self.vocab_size >= 1, "vocab_size", f"must be >= 1, got {self.vocab_size}")
+        c.each(self, ("tokens_per_step", "max_len", "vocab_size"), lambda v: v >= 1, "must be >= 1")
         c.check(self.long_documents in LONG_DOCUMENT_POLICIES, "long_documents",
                 f"must be one of {', '.join(LONG_DOCUMENT_POLICIES)}, got {self.long_documents!r}")
         c.raise_if_any()
@@ -510,21 +492,10 @@ def read_jsonl(path: Path) -> list[tuple[str, str]]:
 
 def read_text_blocks(path: Path) -> list[tuple[str, bytes]]:
     """A plain text file's documents: blocks of lines separated by blank (whitespace-only) lines."""
-    out: list[tuple[str, bytes]] = []
-    block: list[bytes] = []
-    start = 0
     with open_data(path) as f:
-        for n, raw in enumerate(f, start=1):
-            if raw.strip():
-                if not block:
-                    start = n
-                block.append(raw)
-            elif block:
-                out.append((f"{path}:{start}", b"".join(block).rstrip(b"\r\n")))
-                block = []
-    if block:
-        out.append((f"{path}:{start}", b"".join(block).rstrip(b"\r\n")))
-    return out
+        lines = list(enumerate(f, start=1))
+    blocks = [list(g) for text, g in itertools.groupby(lines, key=lambda x: bool(x[1].strip())) if text]
+    return [(f"{path}:{b[0][0]}", b"".join(raw for _, raw in b).rstrip(b"\r\n")) for b in blocks]
 
 
 def open_data(path: Path):
@@ -571,15 +542,14 @@ def load_corpus(path: str | Path, *, max_len: int, tokenizer: Tokenizer, fmt: Da
             raise SpecError([Problem(where, "", f"token id {bad[0]} outside the tokenizer's vocabulary "
                                                 f"{tokenizer.vocab_size}")])
         parts = fit_length(len(ids), max_len, long_documents, where)
-        split += len(parts) > 1
-        truncated += len(ids) > max_len and long_documents == "truncate"
-        offset = 0
-        for n in parts:
+        was_split, was_cut = len(parts) > 1, len(ids) > max_len and long_documents == "truncate"
+        split += was_split
+        truncated += was_cut
+        for offset, n in zip(itertools.accumulate(parts, initial=0), parts):
             docs.append(tuple(ids[offset:offset + n]))
             origins.append(where)
-            pieces.append(len(parts) > 1)
-            cut.append(len(ids) > max_len and long_documents == "truncate")
-            offset += n
+            pieces.append(was_split)
+            cut.append(was_cut)
     if not docs:
         raise SpecError([Problem(str(p), "data", f"no non-empty document ({empty} empty skipped)")])
     return Corpus(str(p), tuple(docs), tuple(origins), tuple(pieces), tuple(cut), empty, split, truncated)
@@ -647,11 +617,8 @@ class PackedRow:
 
     def segment_ids(self) -> tuple[int, ...]:
         """Per token the row-local document number, -1 for padding (one form of the block-diagonal mask)."""
-        seg = [-1] * len(self.tokens)
-        for i in range(len(self.cu_seqlens) - 1):
-            for t in range(self.cu_seqlens[i], self.cu_seqlens[i + 1]):
-                seg[t] = i
-        return tuple(seg)
+        seg = [i for i, (a, b) in enumerate(itertools.pairwise(self.cu_seqlens)) for _ in range(a, b)]
+        return tuple(seg + [-1] * (len(self.tokens) - len(seg)))
 
 
 @dataclass(frozen=True)

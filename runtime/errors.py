@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,11 @@ class Checker:
 
     def add(self, field: str, message: str) -> None:
         self.problems.append((field, message))
+
+    def each(self, obj: object, names: Iterable[str], ok: Callable[[Any], bool], message: str) -> None:
+        """``check`` each named attribute of ``obj``; the message gets the bad value appended."""
+        for name in names:
+            self.check(ok(getattr(obj, name)), name, f"{message}, got {getattr(obj, name)}")
 
     def raise_if_any(self) -> None:
         if self.problems:

@@ -137,29 +137,23 @@ class EmulatedSlowdown(_Emulation):
 
     @contextmanager
     def span(self, kind: str, name: str, **args: Any) -> Iterator[None]:
-        if kind != "compute":
-            wall0, cpu0 = self._clock(), self._cpu_clock()
-            self._other_depth += 1
-            try:
-                with self._inner_span(kind, name, **args):
-                    yield
-            finally:
-                self._other_depth -= 1
-                if self._compute_depth and self._other_depth == self._base_depth:
-                    wall, cpu = self._excluded
-                    self._excluded = (wall + self._clock() - wall0, cpu + self._cpu_clock() - cpu0)
-            return
-        outermost = self._compute_depth == 0
+        compute = kind == "compute"
+        outermost = compute and self._compute_depth == 0
         if outermost:
             self._excluded = (0.0, 0.0)
             self._base_depth = self._other_depth
         wall0, cpu0 = self._clock(), self._cpu_clock()
-        self._compute_depth += 1
+        self._compute_depth += compute
+        self._other_depth += not compute
         try:
             with self._inner_span(kind, name, **args):
                 yield
         finally:
-            self._compute_depth -= 1
+            self._compute_depth -= compute
+            self._other_depth -= not compute
+            if not compute and self._compute_depth and self._other_depth == self._base_depth:
+                wall, cpu = self._excluded
+                self._excluded = (wall + self._clock() - wall0, cpu + self._cpu_clock() - cpu0)
         if not outermost:
             return
         wall = self._clock() - wall0 - self._excluded[0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -98,10 +99,7 @@ def measured_plans() -> tuple[Strategy, Strategy]:
 
 def _fill(name: str, shape: tuple[int, ...]) -> torch.Tensor:
     base = sum(map(ord, name)) % 1000
-    n = 1
-    for s in shape:
-        n *= s
-    return (torch.arange(n, dtype=torch.float32) + base).view(shape)
+    return (torch.arange(math.prod(shape), dtype=torch.float32) + base).view(shape)
 
 
 def _measure_job(ctx, reps: int) -> dict:

@@ -101,7 +101,7 @@ def modelled(cluster_name: str, model_name: str, tokens: int, steps: int, seed: 
                 "mean_imbalance": sum(s.imbalance for s in tr.steps) / len(tr.steps),
                 "strategy_steps": tr.to_json()["strategy_steps"]}
 
-    out = {
+    return {
         "cluster": cluster_name, "model": model_name, "tokens_per_step": tokens, "steps": steps,
         "distribution": dist.name, "max_len": max_len,
         "strategies": [{"name": f"len-{c.max_seq_len}", "max_seq_len": c.max_seq_len, "summary": c.summary}
@@ -123,7 +123,6 @@ def modelled(cluster_name: str, model_name: str, tokens: int, steps: int, seed: 
                          "switches",
         "wall_s": time.perf_counter() - t0,
     }
-    return out
 
 
 def train(plan: Path, lengths: str, steps: int, metrics: Path, timeout_s: float,

@@ -74,24 +74,15 @@ def hspmd_steps(plan: Path, steps: int, warmup: int, strategy: str | None = None
 
 
 def plain_steps(plan: Path, steps: int, warmup: int) -> float:
-    import torch
-
-    from runtime.profiling.host import emulated_cpu_shares, host_cpus
+    from runtime.profiling.host import emulated_cpu_shares, host_cpus, pinned
 
     ctx = load_plan_context(plan)
     # The CPU share the launcher gives this device's worker (threads and pinned cores: an emulated device
     # gets the same share whichever plan runs it), so both sides compute on the same cores.
     (device,) = ctx.plan.strategies[0].devices
     threads, cpus = emulated_cpu_shares([device], ctx.cluster.num_devices, host_cpus())
-    torch.set_num_threads(threads)
-    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    if before is not None:
-        os.sched_setaffinity(0, cpus[device])
-    try:
+    with pinned(cpus[device], threads):
         return _plain_loop(ctx, steps, warmup)
-    finally:
-        if before is not None:
-            os.sched_setaffinity(0, before)
 
 
 def _plain_loop(ctx, steps: int, warmup: int) -> float:

@@ -27,16 +27,11 @@ step's time is the slowest worker's); the plan's measured time is the median ove
 simulated time the median of the rounds' simulations. A run during which other processes used more than
 ``--max-foreign`` cores of CPU on average is repeated once.
 
-Host-speed check (stretch mode; the host at times runs this VM at half speed for seconds): a fixed
-reference workload (the profiler's kind of torch block, in this process on device 0's core and thread
-count) is timed right after the round's profile and right before and after every run. A run whose
-before or after reference time is more than ``HOST_TOLERANCE`` off the profile's, or which drifted
-between them, is repeated (``HOST_TRIES`` runs at most); ``HOST_STREAK`` consecutive runs all off in the
-same direction re-profile the round and re-simulate every plan (``HOST_REPROFILES`` at most per round);
-a run still off when the tries are spent is kept and marked ``keep``. With ``--profile`` the reference is
-timed at each round's start instead and nothing is re-profiled. Measured times are never rescaled:
-only repeated. Each plan's simulation in a round is the one of the profile its run was compared with.
-Sleep mode records the reference times and acts on none (its blocks sleep up to their prices).
+Host-speed check (stretch mode): a fixed reference workload (``HostReference``) is timed right after the
+round's profile and right before and after every run; ``host_verdict`` and the ``HOST_*`` figures below say
+which runs are repeated, kept or re-profiled for. Measured times are never rescaled, only repeated; each
+plan's simulation in a round is the one of the profile its run was compared with. With ``--profile`` the
+reference is timed at each round's start and nothing is re-profiled; sleep mode records it and acts on none.
 
 `--json` prints one JSON object: per mode
 (``stretch``, ``sleep``) `errors` (relative error per plan), `max_abs_error`, `rank_preserved`, `target`,
@@ -72,7 +67,7 @@ sys.path.insert(0, str(REPO))
 
 from planner.cost import CostModel  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
-from runtime.profiling.host import emulated_cpu_shares, host_cpus  # noqa: E402
+from runtime.profiling.host import emulated_cpu_shares, host_cpus, pinned  # noqa: E402
 from runtime.profiling.profile import ProfileSet, ResolvedProfile, load_profile, resolve_profiles  # noqa: E402
 from runtime.spec import load_plan_context  # noqa: E402
 
@@ -213,24 +208,16 @@ class HostReference:
     launcher gives device 0 of ``cluster_devices``, so it sees the host as the first device does."""
 
     def __init__(self, model: object, cluster_devices: int) -> None:
-        import torch
-
         from runtime.profiling.compute import StageRun
 
         self.threads, pins = emulated_cpu_shares([0], cluster_devices, host_cpus())
         self.cpus = pins[0]
-        self.torch = torch
         self.run = StageRun(model, 1, REFERENCE_LAYERS, True, False, 1, REFERENCE_SEQ, "cpu")  # type: ignore[arg-type]
 
     def time_s(self) -> float:
         """The median forward + backward time of the block; this process's affinity and threads restored
         after (the training runs it starts must get every core)."""
-        saved_cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        saved_threads = self.torch.get_num_threads()
-        try:
-            if saved_cpus is not None:
-                os.sched_setaffinity(0, self.cpus)
-            self.torch.set_num_threads(self.threads)
+        with pinned(self.cpus, self.threads):
             for _ in range(REFERENCE_WARMUP):
                 self.run.prepare_backward()()
             times = []
@@ -238,10 +225,6 @@ class HostReference:
                 t0 = time.perf_counter()
                 self.run.prepare_backward()()
                 times.append(time.perf_counter() - t0)
-        finally:
-            self.torch.set_num_threads(saved_threads)
-            if saved_cpus is not None:
-                os.sched_setaffinity(0, saved_cpus)
         return statistics.median(times)
 
 

@@ -55,10 +55,7 @@ def main() -> None:
             times[name].append(timed(cmd))
     med = {k: statistics.median(v) for k, v in times.items()}
     out = {
-        "validate_s": round(med["validate"], 4),
-        "baseline_s": round(med["baseline"], 4),
-        "help_s": round(med["help"], 4),
-        "simulate_s": round(med["simulate"], 4),
+        **{f"{k}_s": round(med[k], 4) for k in ("validate", "baseline", "help", "simulate")},
         "ratio": round(med["validate"] / med["baseline"], 3),
         "help_ratio": round(med["help"] / med["baseline"], 3),
         "reps": args.reps,

@@ -102,13 +102,12 @@ def main(argv: list[str] | None = None) -> int:
              "sim_start_ms": sim[k][0] * 1e3, "sim_ms": sim[k][1] * 1e3, "sim_cpu_ms": sim[k][2] * 1e3,
              "meas_start_ms": meas[k][0] * 1e3, "meas_ms": meas[k][1] * 1e3, "meas_cpu_ms": meas[k][2] * 1e3}
             for k in keys]
-    sums: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0] * 4)
+    figures = ("sim_ms", "sim_cpu_ms", "meas_ms", "meas_cpu_ms")
+    sums: dict[tuple[int, str], dict[str, float]] = defaultdict(lambda: dict.fromkeys(figures, 0.0))
     for r in rows:
-        s = sums[r["device"], r["op"]]
-        for i, f in enumerate(("sim_ms", "sim_cpu_ms", "meas_ms", "meas_cpu_ms")):
-            s[i] += r[f]
-    totals = [{"device": d, "op": op, "sim_ms": s[0], "sim_cpu_ms": s[1], "meas_ms": s[2], "meas_cpu_ms": s[3]}
-              for (d, op), s in sorted(sums.items())]
+        for f in figures:
+            sums[r["device"], r["op"]][f] += r[f]
+    totals = [{"device": d, "op": op, **s} for (d, op), s in sorted(sums.items())]
     if args.json:
         print(json.dumps({"simulated_step_s": sim_step, "measured_step_s": meas_step, "ops": rows, "totals": totals}))
         return 0

@@ -6,9 +6,8 @@ from __future__ import annotations
 import sys
 
 import click
-from rich.table import Table
 
-from hetu_cli.output import FORMAT_OPTION, console, emit_json
+from hetu_cli.output import FORMAT_OPTION, console, emit_json, table
 from runtime.errors import HspmdError
 
 EXIT_FLAGGED = 3  # ran, and some component is outside its tolerance (2 stays "bad input")
@@ -60,16 +59,15 @@ def check_numerics(types_text: str | None, dtypes_text: str, model_ref: str, bat
                    "results": [r.to_json() for r in results], "ok": not flagged,
                    "flagged": [f"{r.device} {r.dtype} {r.component}" for r in flagged]})
     else:
-        table = Table(title=f"{spec.name}: relative error against fp64 on the CPU (batch {batch} x {seq_len} "
-                            "tokens)", title_justify="left")
-        for col in ("device", "dtype", "component", "forward", "backward (worst)", "tolerance", ""):
-            table.add_column(col, justify="right" if col in ("forward", "backward (worst)", "tolerance") else "left")
+        out = table(f"{spec.name}: relative error against fp64 on the CPU (batch {batch} x {seq_len} tokens)",
+                    ("device", "dtype", "component", "forward", "backward (worst)", "tolerance", ""),
+                    left=("device", "dtype", "component", ""))
         for r in results:
-            table.add_row(r.device, r.dtype, r.component, f"{r.forward_error:.2e}",
-                          f"{r.backward_error:.2e} ({r.worst_gradient})", f"{r.tolerance:.0e}",
-                          "[red]FLAGGED[/red]" if r.flagged else "[green]ok[/green]")
+            out.add_row(r.device, r.dtype, r.component, f"{r.forward_error:.2e}",
+                        f"{r.backward_error:.2e} ({r.worst_gradient})", f"{r.tolerance:.0e}",
+                        "[red]FLAGGED[/red]" if r.flagged else "[green]ok[/green]")
         con = console()
-        con.print(table)
+        con.print(out)
         if flagged:
             con.print(f"[red]{len(flagged)} component(s) outside tolerance:[/red] "
                       + ", ".join(f"{r.device} {r.dtype} {r.component}" for r in flagged))

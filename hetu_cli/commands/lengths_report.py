@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.markup import escape
-from rich.table import Table
 
-from hetu_cli.output import console, emit_json
+from hetu_cli.output import console, emit_json, table
 from planner.cost import CostModel
 from planner.lengths import (
     LengthSettings,
@@ -88,13 +87,12 @@ def plan_for_lengths(model_ref: str, cluster_ref: str, profile_dirs: Sequence[Pa
     con = console()
     con.print(f"[bold]{model.name}[/bold] on [bold]{cluster.name}[/bold]: documents of {dist.name} lengths up to "
               f"{top} tokens, {tokens_per_step:,} tokens per step; {len(result.candidates)} candidate strategies")
-    table = Table(title="strategies (each serves its length range)", title_justify="left")
-    for col in ("strategy", "lengths", "pipelines (micro-batch capacity, tokens)", "plan"):
-        table.add_column(col)
+    cols = ("strategy", "lengths", "pipelines (micro-batch capacity, tokens)", "plan")
+    out = table("strategies (each serves its length range)", cols, left=cols)
     for r in rows:
-        table.add_row(r["name"], f"{r['range'][0]}-{r['range'][1]}",
-                      ", ".join(f"{c:,}" for c in r["pipeline_capacity_tokens"]), escape(r["summary"]))
-    con.print(table)
+        out.add_row(r["name"], f"{r['range'][0]}-{r['range'][1]}",
+                    ", ".join(f"{c:,}" for c in r["pipeline_capacity_tokens"]), escape(r["summary"]))
+    con.print(out)
     con.print(f"expected step time {result.expected_step_s:.4g} s over {settings.sample_steps} sampled steps "
               f"(switches included) vs {result.single_expected_s:.4g} s for the best single plan at {top} "
               f"({escape(result.single_best.summary)}): {speedup:.3g}x")
@@ -177,15 +175,13 @@ def simulate_lengths(ctx: PlanContext, profile_dirs: Sequence[Path], lengths: st
     con = console()
     con.print(f"[bold]{ctx.model.name}[/bold] on [bold]{ctx.cluster.name}[/bold]: {steps} steps of "
               f"{tokens:,} tokens, {dist.name} lengths up to {t.seq_len}")
-    table = Table(title="per step (seconds)", title_justify="left")
-    for col in ("step", "strategy", "docs", "longest", "time", "compute", "switch", "imbalance",
-                "idle per pipeline"):
-        table.add_column(col, justify="left" if col in ("strategy", "idle per pipeline") else "right")
+    per_step = table("per step (seconds)", ("step", "strategy", "docs", "longest", "time", "compute", "switch",
+                                             "imbalance", "idle per pipeline"), left=("strategy", "idle per pipeline"))
     for r in trace.steps:
-        table.add_row(str(r.step), r.strategy, str(r.documents), str(r.longest), f"{r.time_s:.4g}",
-                      f"{r.compute_s:.4g}", f"{r.switch_s:.3g}" if r.switch_s else "", f"{r.imbalance:.3f}",
-                      " ".join(f"{x:.3g}" for x in r.idle_s))
-    con.print(table)
+        per_step.add_row(str(r.step), r.strategy, str(r.documents), str(r.longest), f"{r.time_s:.4g}",
+                         f"{r.compute_s:.4g}", f"{r.switch_s:.3g}" if r.switch_s else "", f"{r.imbalance:.3f}",
+                         " ".join(f"{x:.3g}" for x in r.idle_s))
+    con.print(per_step)
     counts = trace.to_json()["strategy_steps"]
     con.print(f"total {trace.total_s:.4g} s, mean {trace.mean_step_s:.4g} s/step, {trace.switches} switch(es) "
               f"({sum(r.switch_s for r in trace.steps):.3g} s); steps per strategy: "

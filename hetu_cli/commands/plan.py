@@ -99,10 +99,10 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
                   console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("planning", total=None)
 
-        def progress(phase: str, done: int, total: int) -> None:
+        def report(phase: str, done: int, total: int) -> None:
             bar.update(task, description=phase, completed=done, total=total)
 
-        result = run_planner(model, cluster, profiles, settings, progress=progress)
+        result = run_planner(model, cluster, profiles, settings, progress=report)
     refs = (recorded_ref(model_ref, "models"), recorded_ref(cluster_ref, "clusters"))
     planned = result.to_plan(*refs)
     symmetric = result.baseline_plan(result.symmetric, *refs)

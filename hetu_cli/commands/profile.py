@@ -9,11 +9,10 @@ from pathlib import Path
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from hetu_cli.output import FORMAT_OPTION, console, emit_json
+from hetu_cli.output import FORMAT_OPTION, console, emit_json, table
 from runtime.errors import Problem, SpecError
-from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, DeviceProfile, Fit, eval_fit, load_profile
+from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, DeviceProfile, Fit, LinkFit, eval_fit, load_profile
 from runtime.spec import load_cluster, load_model
 from runtime.spec.catalog import resolve_profile_ref
 from runtime.spec.schema import to_data
@@ -71,14 +70,14 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
                   console=console(stderr=True), transient=fmt == "json") as bar:
         task = bar.add_task("profiling", total=count_steps(targets, models, settings))
 
-        def progress(what: str, done: int) -> None:
+        def report(what: str, done: int) -> None:
             if what:
                 bar.update(task, description=what)
             if done:
                 bar.advance(task, done)
 
         written = profile_cluster(cluster, models, out_dir, device_type=device_type, settings=settings,
-                                  progress=progress)
+                                  progress=report)
     elapsed = time.perf_counter() - t0
     summary = {
         "cluster": cluster.name, "out": str(out_dir), "seconds": round(elapsed, 2),
@@ -95,27 +94,29 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
         return
     con = console()
     for path, p in written:
-        table = Table(title=f"{p.device_type} -> {path} (per micro-batch of 1 x s tokens; fits a*s^2+b*s+c)",
-                      title_justify="left")
-        for col in ("model", "TP", "component", "fwd @s=min", "fwd @s=max", "bwd @s=max", "params", "resid"):
-            table.add_column(col, justify="left" if col in ("model", "component") else "right")
+        fits = table(f"{p.device_type} -> {path} (per micro-batch of 1 x s tokens; fits a*s^2+b*s+c)",
+                     ("model", "TP", "component", "fwd @s=min", "fwd @s=max", "bwd @s=max", "params", "resid"),
+                     left=("model", "component"))
         for name, m in p.models.items():
             lo, hi = m.seq_lens[0], m.seq_lens[-1]
             for tp, comps in m.tp.items():
                 for comp in COMPONENTS:
                     c = comps[comp]
-                    table.add_row(name, str(tp), comp, _ms(c.forward_s, lo), _ms(c.forward_s, hi),
-                                  _ms(c.backward_s, hi), f"{c.params:,}", f"{c.residual:.2f}")
-        con.print(table)
+                    fits.add_row(name, str(tp), comp, _ms(c.forward_s, lo), _ms(c.forward_s, hi),
+                                 _ms(c.backward_s, hi), f"{c.params:,}", f"{c.residual:.2f}")
+        con.print(fits)
         if p.comm.p2p is not None:
-            con.print(f"  p2p: {p.comm.p2p.latency_s * 1e3:.3f} ms + bytes / {p.comm.p2p.bandwidth_gbs:.2f} GB/s; "
-                      + ", ".join(f"all-reduce x{n}: {f.latency_s * 1e3:.3f} ms + bytes / {f.bandwidth_gbs:.2f} GB/s"
-                                  for n, f in p.comm.allreduce.items()))
+            con.print(f"  p2p: {_link(p.comm.p2p)}; "
+                      + ", ".join(f"all-reduce x{n}: {_link(f)}" for n, f in p.comm.allreduce.items()))
     con.print(f"profiled {len(written)} device type(s) in {elapsed:.1f} s")
 
 
 def _ms(fit: Fit, s: int, b: int = 1) -> str:
     return f"{eval_fit(fit, b, s) * 1e3:.3f} ms"
+
+
+def _link(f: LinkFit) -> str:
+    return f"{f.latency_s * 1e3:.3f} ms + bytes / {f.bandwidth_gbs:.2f} GB/s"
 
 
 def _profile_file(ref: str, option: str) -> tuple[Path, DeviceProfile]:
@@ -190,40 +191,35 @@ def show(profile_ref: str, fmt: str) -> None:
     if prof.source.note:
         con.print(f"  source: {prof.source.note}")
     for name, mm in prof.models.items():
-        table = Table(title=f"{name} (h={mm.hidden_size}, ffn={mm.ffn_hidden_size}, heads={mm.num_heads}/"
-                            f"{mm.num_kv_heads}, vocab={mm.vocab_size})"
-                            + (": TP times include their collectives" if mm.includes_tp_comm else ""),
-                      title_justify="left")
-        for col in ("TP", "layer", "component", "source", "points", "fwd ms", "bwd ms", "opt ms"):
-            table.add_column(col, justify="left" if col in ("component", "source", "points", "layer") else "right")
+        out = table(f"{name} (h={mm.hidden_size}, ffn={mm.ffn_hidden_size}, heads={mm.num_heads}/"
+                    f"{mm.num_kv_heads}, vocab={mm.vocab_size})"
+                    + (": TP times include their collectives" if mm.includes_tp_comm else ""),
+                    ("TP", "layer", "component", "source", "points", "fwd ms", "bwd ms", "opt ms"),
+                    left=("component", "source", "points", "layer"))
         for tp, fits in mm.tp.items():
             for comp in COMPONENTS:
                 f = fits[comp]
                 s = mm.seq_lens[-1]
-                table.add_row(str(tp), "", comp, "fit", f"B={mm.micro_batch} s={s}",
-                              _ms(f.forward_s, s, mm.micro_batch), _ms(f.backward_s, s, mm.micro_batch), "")
+                out.add_row(str(tp), "", comp, "fit", f"B={mm.micro_batch} s={s}",
+                            _ms(f.forward_s, s, mm.micro_batch), _ms(f.backward_s, s, mm.micro_batch), "")
         rows = [(tp, "", comps) for tp, comps in mm.tables.items()]
         rows += [(tp, str(i), comps) for i, by_tp in mm.layers.items() for tp, comps in by_tp.items()]
         for tp, layer, comps in rows:
             for comp, t in comps.items():
-                table.add_row(str(tp), layer, comp, "table",
-                              f"B {','.join(map(str, t.micro_batches))} x s {','.join(map(str, t.seq_lens))}",
-                              f"{t.forward_s[-1][-1] * 1e3:.3f}", f"{t.backward_s[-1][-1] * 1e3:.3f}",
-                              "" if t.optimizer_s is None else f"{t.optimizer_s * 1e3:.3f}")
-        con.print(table)
+                out.add_row(str(tp), layer, comp, "table",
+                            f"B {','.join(map(str, t.micro_batches))} x s {','.join(map(str, t.seq_lens))}",
+                            f"{t.forward_s[-1][-1] * 1e3:.3f}", f"{t.backward_s[-1][-1] * 1e3:.3f}",
+                            "" if t.optimizer_s is None else f"{t.optimizer_s * 1e3:.3f}")
+        con.print(out)
     cm = prof.comm
     if cm.p2p is not None:
-        con.print(f"  p2p: {cm.p2p.latency_s * 1e3:.3f} ms + bytes / {cm.p2p.bandwidth_gbs:.2f} GB/s")
+        con.print(f"  p2p: {_link(cm.p2p)}")
     for n, f in cm.allreduce.items():
-        con.print(f"  all-reduce x{n}: {f.latency_s * 1e3:.3f} ms + bytes / {f.bandwidth_gbs:.2f} GB/s")
-    for cls, curves in cm.links.items():
-        for direction, curve in (("send", curves.send), ("recv", curves.recv)):
-            if curve is not None:
-                con.print(f"  {cls} {direction}: " + ", ".join(f"{b:,} B @ {bw:g} GB/s"
-                                                             for b, bw in zip(curve.bytes, curve.bandwidth_gbs)))
-    for cls, by_n in cm.allreduce_curves.items():
-        for n, curve in by_n.items():
-            con.print(f"  {cls} all-reduce x{n}: " + ", ".join(f"{b:,} B @ {bw:g} GB/s"
-                                                            for b, bw in zip(curve.bytes, curve.bandwidth_gbs)))
+        con.print(f"  all-reduce x{n}: {_link(f)}")
+    curves = [(f"{cls} {d}", c) for cls, lc in cm.links.items() for d, c in (("send", lc.send), ("recv", lc.recv))]
+    curves += [(f"{cls} all-reduce x{n}", c) for cls, by_n in cm.allreduce_curves.items() for n, c in by_n.items()]
+    for what, c in curves:
+        if c is not None:
+            con.print(f"  {what}: " + ", ".join(f"{b:,} B @ {bw:g} GB/s" for b, bw in zip(c.bytes, c.bandwidth_gbs)))
     if cm.serialised_send_recv:
         con.print("  a send and a receive posted together serialise")

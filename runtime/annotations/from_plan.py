@@ -218,9 +218,8 @@ def annotation_rows(strategy: Strategy, model: ModelSpec, training: TrainingSett
         if layer < model.num_layers and _placement(strategy, layer) == _placement(strategy, start):
             continue
         prefix = f"model.layers.{start}."
-        for p in ann.params:
-            if p.info.layer == start:
-                rows.append(param_row(f"layers {start}-{layer - 1}", [start, layer], p, p.name[len(prefix):]))
+        rows += [param_row(f"layers {start}-{layer - 1}", [start, layer], p, p.name[len(prefix):])
+                 for p in ann.params if p.info.layer == start]
         start = layer
     rows.append(param_row("head", None, by_name["model.norm.weight"], "norm.weight"))
     if "lm_head.weight" in by_name:  # a tied head is the embedding row's weight

@@ -487,19 +487,16 @@ def _layout(ann: Annotation, shape: tuple[int, ...]) -> Layout:
         raise LayoutError(f"shape {list(shape)} has an empty dim")
     if ann.hdim >= rank:
         raise LayoutError(f"hdim {ann.hdim} is out of range for a {rank}-d tensor of shape {list(shape)}")
-    tops: list[list[tuple[int, int]]] = []
-    if ann.hdim >= 0:
-        bounds = ann.ds.bounds(shape[ann.hdim])
-        for i, (a, b) in enumerate(bounds):
-            if a >= b:
-                raise LayoutError(f"split weights {list(ann.ds.split or ())} leave subgroup {i} an empty part "
-                                  f"of dim {ann.hdim} (size {shape[ann.hdim]})")
+    bounds = ann.ds.bounds(shape[ann.hdim]) if ann.hdim >= 0 else []
+    for i, (a, b) in enumerate(bounds):
+        if a >= b:
+            raise LayoutError(f"split weights {list(ann.ds.split or ())} leave subgroup {i} an empty part "
+                              f"of dim {ann.hdim} (size {shape[ann.hdim]})")
     holdings: list[tuple[int, Holding]] = []
     for m, (group, states) in enumerate(ann.members):
         top = [(0, s) for s in shape]
-        if ann.hdim >= 0:
-            top[ann.hdim] = ann.ds.bounds(shape[ann.hdim])[m]
-        tops.append(top)
+        if bounds:
+            top[ann.hdim] = bounds[m]
         for dim, deg in states.split_dims.items():
             if dim >= rank:
                 raise LayoutError(f"subgroup {m}: split dim {dim} is out of range for shape {list(shape)}")

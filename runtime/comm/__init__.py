@@ -12,33 +12,19 @@ too), world.py (``LocalWorld``: persistent local gloo workers for tests and benc
 
 For the training runtime
 ------------------------
-(1) **Stage boundaries / P2P.** ``op = resolve(src, dst, shape, dtype=..., bandwidth=cluster)``.
-    ``op.p2p_only`` is True for identity / local_slice / send_recv / scatter / bsr ops (no collective).
-    For those, per device ``me``::
-
-        op.sends(me) -> [Message(peer: device id, pieces: ((tensor, region), ...), nbytes)]
-        op.recvs(me) -> [Message(...)]          # one message per peer, fixed packing order
-        out = start_output(op, x, me, dtype=, device=)   # dst tensor with local parts filled
-        buf = pack_message(op, m, x, me)                 # flat send buffer (x.dtype)
-        buf = recv_buffer(m, dtype=, device=)            # flat receive buffer
-        unpack_message(op, m, buf, out, me)              # after the wait
-
-    so a pipeline schedule can put them into its own ``batch_isend_irecv`` with other boundary ops
-    (peer rank = ``groups.ranks[m.peer]``). Regions are global ``((start, stop), ...)`` per dim;
-    ``relative(region, op.src.region(me))`` indexes the local tensor. The backward of a boundary op is
-    ``op.adjoint`` (itself p2p_only for send_recv/bsr). Ready-made alternative with autograd:
-    ``y = execute(op, x, groups)`` (see its docstring: sender-only devices get an empty tensor to add
-    to the loss; receiver-only devices pass ``x=None, dtype=``).
-(2) **Gradient sync.** ``GradientSync(entries, plan_sync(layouts), groups)`` with entries
-    ``(name, global shape, grad annotation)`` (HDim -2 across the pipelines holding the parameter,
-    the same members as the parameter; see annotations.from_plan). ``sync.sync(grads, scale=None)``
-    all-reduces every gradient in place, one collective per device group per bucket, and counts a
-    subgroup's internal replicas once (TP-duplicated norm weights are not double-counted);
-    ``scale`` multiplies afterwards (e.g. 1 / global sample count).
-(3) **Groups.** ``runtime.annotations.from_plan.strategy_groups(strategy, model, training)`` lists
-    every device group a strategy needs (TP groups, gradient-sync groups, boundary gathers, the whole
-    strategy); pass it to ``ProcessGroups`` once, on every rank.
-(4) **State switch (failures).** ``plan_bsr([TensorMove(name, shape, dtype, src, dst), ...],
-    bandwidth=cluster, excluded=failed)`` then ``run_bsr(plan, local_tensors_by_name, groups)`` ->
-    new local tensors by name, one batched P2P round for all parameters and optimizer states.
+(1) **Stage boundaries / P2P.** ``op = resolve(src, dst, shape, dtype=..., bandwidth=cluster)``. When
+    ``op.p2p_only`` (identity / local_slice / send_recv / scatter / bsr: no collective), a schedule can
+    fuse the op's messages into its own ``batch_isend_irecv``: ``op.sends(me)`` / ``op.recvs(me)`` (one
+    message per peer, fixed packing order; peer rank = ``groups.ranks[m.peer]``) with ``start_output``,
+    ``pack_message``, ``recv_buffer`` and ``unpack_message``. Regions are global ``((start, stop), ...)``
+    per dim. The backward of a boundary op is ``op.adjoint``. Ready-made, with autograd:
+    ``y = execute(op, x, groups)`` (sender-only devices get an empty tensor to add to the loss).
+(2) **Gradient sync.** ``GradientSync(entries, plan_sync(layouts), groups)`` all-reduces every gradient in
+    place, one collective per device group per bucket, counting a subgroup's internal replicas once
+    (TP-duplicated norm weights are not double-counted).
+(3) **Groups.** ``runtime.annotations.from_plan.strategy_groups`` lists every device group a strategy
+    needs; pass it to ``ProcessGroups`` once, on every rank.
+(4) **State switch (failures).** ``plan_bsr(moves, bandwidth=cluster, excluded=failed)`` then
+    ``run_bsr(plan, local_tensors_by_name, groups)``: one batched P2P round for all parameters and
+    optimizer states.
 """

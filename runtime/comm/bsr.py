@@ -18,6 +18,7 @@ Reductions (partial values) never go through BSR: reduce first (see resolve.py).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -150,24 +151,14 @@ class Message:
 def grid(size: int, boundaries: Iterable[int]) -> list[int]:
     """Cut points of one dim: the LCM grid (gcd of all boundaries) unless it is too fine."""
     bs = sorted(set(boundaries) | {0, size})
-    g = 0
-    for b in bs:
-        g = math.gcd(g, b)
-    if g and size // g <= max(GRID_LIMIT, len(bs) - 1):
-        return list(range(0, size + 1, g))
-    return bs
+    g = math.gcd(*bs)
+    return list(range(0, size + 1, g)) if g and size // g <= max(GRID_LIMIT, len(bs) - 1) else bs
 
 
 def cells(region: Region, cuts: Sequence[Sequence[int]]) -> list[Region]:
     """The grid cells inside ``region`` (whose bounds lie on the grid)."""
-    per_dim = []
-    for (a, b), cs in zip(region, cuts):
-        pts = [c for c in cs if a <= c <= b]
-        per_dim.append(list(zip(pts[:-1], pts[1:])))
-    out: list[Region] = [()]
-    for ranges in per_dim:
-        out = [r + (x,) for r in out for x in ranges]
-    return out
+    per_dim = [itertools.pairwise([c for c in cs if a <= c <= b]) for (a, b), cs in zip(region, cuts)]
+    return list(itertools.product(*per_dim))
 
 
 def tensor_grid(layouts: Iterable[Layout], shape: Sequence[int]) -> list[list[int]]:
@@ -350,8 +341,7 @@ def _assign(demands: list[tuple[int, int, int, Region, tuple[int, ...]]], bw: Ba
     load: dict[int, int] = defaultdict(int)
     out: list[Transfer] = []
     if policy == "first_owner":
-        for nbytes, ti, dev, cell, owners in demands:
-            out.append(Transfer(owners[0], dev, ti, cell, nbytes))
+        out = [Transfer(owners[0], dev, ti, cell, nbytes) for nbytes, ti, dev, cell, owners in demands]
     elif policy == "balanced":
         # Largest first (LPT), ties in a fixed order, so every rank computes the same plan.
         link = functools.cache(bw)
@@ -384,12 +374,10 @@ def _merge(transfers: list[Transfer]) -> list[Transfer]:
 def _join(a: Region, b: Region) -> Region | None:
     """The box a ∪ b when the two boxes touch along exactly one dim and agree on the others."""
     diff = [d for d, (x, y) in enumerate(zip(a, b)) if x != y]
-    if len(diff) != 1:
+    if len(diff) != 1 or a[diff[0]][1] != b[diff[0]][0]:
         return None
     d = diff[0]
-    if a[d][1] == b[d][0]:
-        return a[:d] + ((a[d][0], b[d][1]),) + a[d + 1:]
-    return None
+    return a[:d] + ((a[d][0], b[d][1]),) + a[d + 1:]
 
 
 def _fmt(region: Region) -> str:

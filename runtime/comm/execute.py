@@ -49,17 +49,13 @@ def run_p2p(plan: BsrPlan, me: int, sources: Mapping[int, torch.Tensor], outputs
     sends, recvs = plan.sends(me), plan.recvs(me)
     if not sends and not recvs:
         return
-    ops: list[dist.P2POp] = []
-    for m in sends:
-        buf = _pack(m, sources, mid_regions, as_bytes)
-        ops.append(dist.P2POp(dist.isend, buf, ranks[m.peer]))
+    ops = [dist.P2POp(dist.isend, _pack(m, sources, mid_regions, as_bytes), ranks[m.peer]) for m in sends]
     bufs = []
     for m in recvs:
-        numel = m.nbytes if as_bytes else sum(volume(p.region) for p in m.pieces)
         some = outputs[m.pieces[0].tensor]
-        buf = torch.empty(numel, dtype=torch.uint8 if as_bytes else some.dtype, device=some.device)
-        bufs.append(buf)
-        ops.append(dist.P2POp(dist.irecv, buf, ranks[m.peer]))
+        bufs.append(torch.empty(m.nbytes if as_bytes else sum(volume(p.region) for p in m.pieces),
+                                dtype=torch.uint8 if as_bytes else some.dtype, device=some.device))
+        ops.append(dist.P2POp(dist.irecv, bufs[-1], ranks[m.peer]))
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     for m, buf in zip(recvs, bufs):
@@ -78,10 +74,8 @@ def run_p2p(plan: BsrPlan, me: int, sources: Mapping[int, torch.Tensor], outputs
 
 def _pack(m: Message, sources: Mapping[int, torch.Tensor], regions: Mapping[int, Region],
           as_bytes: bool) -> torch.Tensor:
-    parts = []
-    for piece in m.pieces:
-        block = sources[piece.tensor][relative(piece.region, regions[piece.tensor])].reshape(-1)
-        parts.append(block.contiguous().view(torch.uint8) if as_bytes else block)
+    blocks = [sources[p.tensor][relative(p.region, regions[p.tensor])].reshape(-1) for p in m.pieces]
+    parts = [b.contiguous().view(torch.uint8) for b in blocks] if as_bytes else blocks
     return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous().clone()
 
 
@@ -198,9 +192,7 @@ class _Reshard(torch.autograd.Function):
         ctx.op, ctx.groups, ctx.has_src = op, groups, has_src
         ctx.dtype, ctx.device = dtype, device
         y = run(op, x if has_src else None, groups, dtype=dtype, device=device)
-        if y is None:
-            return torch.empty(0, dtype=dtype, device=device)
-        return y
+        return y if y is not None else torch.empty(0, dtype=dtype, device=device)
 
     @staticmethod
     def backward(ctx, gy):  # type: ignore[override]

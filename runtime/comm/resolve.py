@@ -317,14 +317,12 @@ def plan_reduce(s: Layout, d: Layout | None) -> tuple[ReduceBucket, ...]:
     """
     cuts = tensor_grid((s,) if d is None else (s, d), s.shape)
     by_cell: dict[Region, list[tuple[int, int]]] = defaultdict(list)  # cell -> [(cls, device)]
-    seen: set[Region] = set()
     for x, h in s.holdings:
         for cell in cells(h.region, cuts):
             by_cell[cell].append((h.cls, x))
-            seen.add(cell)
     buckets: dict[tuple[int, tuple[int, ...]], list[tuple[Region, tuple[int, ...]]]] = defaultdict(list)
     dst_regions = d.by_device if d is not None else None
-    for cell in sorted(seen):
+    for cell in sorted(by_cell):
         per_cls: dict[int, list[int]] = defaultdict(list)
         for c, x in by_cell[cell]:
             per_cls[c].append(x)
@@ -376,16 +374,11 @@ def _gather(region: Region, devs: list[int], sb: dict) -> list[GatherGroup] | No
     for x in sorted(devs):
         classes[sb[x].region].append(x)
     parts = list(classes)
-    if any(contains(p, region) for p in parts):
-        return None  # someone already holds it all: cheaper as local copies + P2P
-    if not all(contains(region, p) for p in parts):
-        return None
-    if sum(volume(p) for p in parts) != volume(region):
-        return None
-    if any(intersect(parts[i], parts[j]) is not None for i in range(len(parts)) for j in range(i)):
-        return None
     k = len(classes[parts[0]])
-    if any(len(v) != k for v in classes.values()):
+    # Someone already holds it all (cheaper as local copies + P2P), or the parts do not tile it k times over.
+    if (any(contains(p, region) for p in parts) or not all(contains(region, p) for p in parts)
+            or sum(volume(p) for p in parts) != volume(region) or any(len(v) != k for v in classes.values())
+            or any(intersect(parts[i], parts[j]) is not None for i in range(len(parts)) for j in range(i))):
         return None
     for j in range(k):
         members = sorted((classes[p][j], p) for p in parts)

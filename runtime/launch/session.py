@@ -236,14 +236,13 @@ class Session:
         import torch.distributed as dist
 
         save_dir = self.options.save_dir
-        if save is not None and save_dir is not None:
-            save(save_dir, step)
-            if self.me == min(handle.devices):
-                self.report(Log(f"saved {save_dir} (step {step})"))
-        elif program is not None and save_dir is not None:
+        if save_dir is not None and (save is not None or program is not None):
             from runtime.checkpoint import save_checkpoint
 
-            save_checkpoint(program, self.groups, save_dir, plan=handle.ctx, strategy=handle.name, step=step)
+            if save is not None:
+                save(save_dir, step)
+            else:
+                save_checkpoint(program, self.groups, save_dir, plan=handle.ctx, strategy=handle.name, step=step)
             if self.me == min(handle.devices):
                 self.report(Log(f"saved {save_dir} (step {step})"))
         if self.recorder is not None:
@@ -405,10 +404,8 @@ class DocumentSteps:
     strategy is not the one holding the state; then the step on the chosen strategy's program (devices it
     leaves idle sit it out).
 
-    Only one strategy holds the training state at a time (``holder``): the others' programs stay built (modules,
-    groups, schedules) with their parameters' storage and moments freed. A switch moves the state in stages, a
-    unit of layers at a time, freeing the source's tensors of each unit once it is moved
-    (runtime/elastic/staging.py: a device's peak is about max(A, B) + one stage, not A + B).
+    Only one strategy holds the training state at a time (``holder``): the others' programs stay built with
+    their parameters' storage and moments freed; a switch moves the state in stages (docs/design.md §4).
 
     ``build`` makes this device's program of a strategy (collective, like ``Session.build``); ``costs``
     replaces the plan-derived cost models dispatch weighs (``dispatch.plan_strategy_cost``), e.g. measured ones;

@@ -319,15 +319,11 @@ def supervise(run: Run, source: EventSource, policy: Policy) -> None:
     options = run.options
     while True:
         for w, msg in source.poll(policy.failures.wait_s(options.heartbeat_s)):
-            if isinstance(msg, Exited):
-                if msg.code == 0:
+            if isinstance(msg, (Exited, Lost)):
+                if isinstance(msg, Exited) and msg.code == 0:
                     w.finished = True
                 elif not w.finished and not w.failed:
-                    policy.on_failure(w, "died", death(msg.code))
-                continue
-            if isinstance(msg, Lost):
-                if not w.finished and not w.failed:
-                    policy.on_failure(w, "died", msg.how)
+                    policy.on_failure(w, "died", death(msg.code) if isinstance(msg, Exited) else msg.how)
                 continue
             w.last_seen, w.last_seen_wall = time.monotonic(), time.time()
             if isinstance(msg, Up):

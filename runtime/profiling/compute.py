@@ -98,19 +98,13 @@ class _Component:
         self.model = model
         self.device = device
         h = model.hidden_size
-        if name == "attention":
-            self.module: nn.Module = _shard_attention(model, tp)
-        elif name == "mlp":
-            self.module = _shard_mlp(model, tp)
-        elif name == "norm":
-            self.module = RMSNorm(h, model.norm_eps)
-        elif name == "embedding":
-            self.module = nn.Embedding(model.vocab_size // tp, h)
-        elif name == "head":
-            self.module = _GatheredHead(model, tp)
-        else:
+        build: dict[str, Callable[[], nn.Module]] = {
+            "attention": lambda: _shard_attention(model, tp), "mlp": lambda: _shard_mlp(model, tp),
+            "norm": lambda: RMSNorm(h, model.norm_eps), "embedding": lambda: nn.Embedding(model.vocab_size // tp, h),
+            "head": lambda: _GatheredHead(model, tp)}
+        if name not in build:
             raise ValueError(f"unknown component {name!r} (have: {', '.join(COMPONENTS)})")
-        self.module.to(device)
+        self.module = build[name]().to(device)
         self.params = sum(p.numel() for p in self.module.parameters())
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
 
@@ -277,8 +271,7 @@ def _time_stage_runs(runs: dict[Any, StageRun], device: torch.device, *, min_rep
     for r in runs.values():
         for _ in range(warmup):
             r.prepare_backward()()
-    wall: dict[Any, tuple[list[float], list[float]]] = {k: ([], []) for k in runs}
-    cpu: dict[Any, tuple[list[float], list[float]]] = {k: ([], []) for k in runs}
+    times: dict[Any, list[list[list[float]]]] = {k: [[[], []], [[], []]] for k in runs}  # [wall, cpu][phase]
     start = time.perf_counter()
     reps = 0
     while reps < max_reps and (reps < min_reps or time.perf_counter() - start < budget_s * len(runs)):
@@ -286,12 +279,11 @@ def _time_stage_runs(runs: dict[Any, StageRun], device: torch.device, *, min_rep
             barrier()
         for name, r in runs.items():
             for phase, prep in ((0, r.prepare_forward), (1, r.prepare_backward)):
-                wall_s, cpu_s = time_once(prep(), device)
-                wall[name][phase].append(wall_s)
-                cpu[name][phase].append(cpu_s)
+                for clock, secs in enumerate(time_once(prep(), device)):
+                    times[name][clock][phase].append(secs)
         reps += 1
     med = trimmed_mean if mean else statistics.median
-    return {k: ((med(wall[k][0]), med(wall[k][1])), (med(cpu[k][0]), med(cpu[k][1]))) for k in runs}
+    return {k: tuple((med(fwd), med(bwd)) for fwd, bwd in times[k]) for k in runs}  # type: ignore[misc]
 
 
 def stage_blocks(med: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:

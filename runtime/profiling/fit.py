@@ -54,9 +54,8 @@ def nonneg_lstsq(columns: Sequence[Sequence[float]], ys: Sequence[float]) -> tup
             sol = torch.linalg.lstsq(a, (y * w).unsqueeze(1)).solution.squeeze(1)
             if bool((sol < 0).any()):
                 continue
-            coef = [0.0] * len(cols)
-            for i, v in zip(subset, sol.tolist()):
-                coef[i] = v
+            found = dict(zip(subset, sol.tolist()))
+            coef = [found.get(i, 0.0) for i in range(len(cols))]
             pred = sum(coef[i] * cols[i] for i in range(len(cols)))
             err = float((((pred - y) * w) ** 2).sum())
             if best is None or err < best[0] - 1e-15:
@@ -75,10 +74,8 @@ def fit_quadratic(xs: Sequence[float], ys: Sequence[float], batch: int = 1,
     free. Returns the fit and the largest relative error at the points."""
     all_cols = [[batch * x * x for x in xs], [batch * x for x in xs], [1.0 for _ in xs]]
     coef, resid = nonneg_lstsq([all_cols[i] for i in terms], ys)
-    out = [0.0, 0.0, 0.0]
-    for i, v in zip(terms, coef):
-        out[i] = v
-    return (out[0], out[1], out[2]), resid
+    out = dict(zip(terms, coef))
+    return (out.get(0, 0.0), out.get(1, 0.0), out.get(2, 0.0)), resid
 
 
 def fit_saturating(idles_s: Sequence[float], extra: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], float]:
@@ -130,8 +127,7 @@ def measured_model(model: ModelSpec, raw: dict[int, dict[str, tuple[list[Sample]
     return MeasuredModel(
         hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size, num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads, vocab_size=model.vocab_size, micro_batch=micro_batch,
-        architecture=model.architecture,
-        seq_lens=tuple(seq_lens),
+        architecture=model.architecture, seq_lens=tuple(seq_lens),
         tp={t: {name: fit_component(samples, params, micro_batch, scale)
                 for name, (samples, params) in comps.items()} for t, comps in raw.items()})
 

@@ -2,17 +2,8 @@
 
 Teams time their layers with Megatron, DeepSpeed or torch.profiler; a flat table (CSV with a header
 row, or JSON: a list of row objects) is the common denominator. One row per measurement, its ``kind``
-saying which (format and example: docs/profiles.md):
-
-* ``compute``: ``component`` (embedding, attention, mlp, norm, head), ``tp``, ``micro_batch``, ``seq_len``,
-  ``forward_s``, ``backward_s``, optionally ``optimizer_s`` (one AdamW step of the component's local
-  parameters: the same on every row of a component and TP degree, or empty) and ``layer`` (a decoder
-  layer index: the row overrides that layer's attention, mlp or norm);
-* ``link``: ``link`` (intra: two devices of one node; inter: across nodes), ``direction`` (send: this
-  device type sending; recv: receiving), ``bytes``, ``bandwidth_gbs`` (bytes / seconds of one message);
-* ``allreduce``: ``link``, ``group`` (ranks), ``bytes`` (the buffer), ``bandwidth_gbs`` (bus bandwidth:
-  2(n-1)/n x bytes / seconds);
-* ``iteration``: ``seconds``, a fixed cost per training iteration (launches, synchronisation, logging).
+saying which: ``compute``, ``link``, ``allreduce`` or ``iteration`` (their columns: ``FIELDS``; their
+meaning and an example: docs/profiles.md).
 
 Each (component, TP degree[, layer]) must cover every combination of its micro-batch sizes and sequence
 lengths (a full grid: runtime/profiling/tables.py interpolates on it). A bad row is one problem naming
@@ -158,12 +149,10 @@ def parse_rows(rows: Sequence[tuple[int, Mapping[str, Any]]], file: str) -> _Par
             continue
         required, optional = FIELDS[kind]
         bad = len(problems)
-        for name in cells:
-            if name != "kind" and name not in required + optional:
-                problems.append(Problem(where, name, f"not used on a {kind} row"))
-        for name in required:
-            if name not in cells:
-                problems.append(Problem(where, name, f"missing (a {kind} row needs {', '.join(required)})"))
+        problems += [Problem(where, name, f"not used on a {kind} row") for name in cells
+                     if name != "kind" and name not in required + optional]
+        problems += [Problem(where, name, f"missing (a {kind} row needs {', '.join(required)})") for name in required
+                     if name not in cells]
         v = {name: _cell(where, name, cells[name], problems) for name in required + optional if name in cells}
         if len(problems) > bad:
             continue

@@ -57,6 +57,23 @@ def pin_process(cpus: Sequence[int]) -> None:
         os.sched_setaffinity(0, cpus)
 
 
+@contextlib.contextmanager
+def pinned(cpus: Sequence[int], threads: int | None = None) -> Iterator[None]:
+    """The body runs on ``cpus`` (none: as it is) with ``threads`` intra-op threads (None: as they are), as
+    the launcher runs a worker; this process's cores and threads are restored after."""
+    import torch
+
+    old_cpus, old_threads = host_cpus(), torch.get_num_threads()
+    try:
+        pin_process(cpus)
+        if threads:
+            torch.set_num_threads(threads)
+        yield
+    finally:
+        torch.set_num_threads(old_threads)
+        pin_process(old_cpus)
+
+
 def _stage_run(model: ModelSpec, layers: int, seq_len: int, device: torch.device | str, micro_batch: int = 1,
                warmup: int = 2) -> StageRun:
     """A middle stage of ``layers`` decoder layers at TP 1 run by the engine's step, warmed up."""
@@ -66,12 +83,6 @@ def _stage_run(model: ModelSpec, layers: int, seq_len: int, device: torch.device
     for _ in range(warmup):
         run.prepare_backward()()
     return run
-
-
-def _one_layer(model: ModelSpec, seq_len: int, device: torch.device | str, micro_batch: int = 1,
-               warmup: int = 2) -> StageRun:
-    """What the other probes time: a one-layer middle stage."""
-    return _stage_run(model, 1, seq_len, device, micro_batch, warmup)
 
 
 def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.device | str = "cpu",
@@ -176,7 +187,7 @@ def core_sharing(rank: int, pair: tuple[int, int], model: ModelSpec, seq_lens: S
 
     out: dict[int, float] = {}
     for s in seq_lens:
-        run = _one_layer(model, s, device)
+        run = _stage_run(model, 1, s, device)
         per_block = []
         for both in (False, True):
             dist.barrier()
@@ -222,7 +233,7 @@ def busy_core_handoff(rank: int, pair: tuple[int, int], model: ModelSpec, seq_le
     keys = ("wall", "cpu_forward", "cpu_backward", "gap", "late", "recv")
     flag = torch.zeros(1, dtype=torch.float64)
     for s in seq_lens:
-        run = _one_layer(model, s, device)
+        run = _stage_run(model, 1, s, device)
         out[s] = {}
         for case in ("idle", "busy"):
             dist.barrier()
@@ -294,9 +305,7 @@ class _DutyRecorder:
 def handoff_figures(raw: dict[str, dict[str, float]]) -> CoreHandoff:
     """The delays with the core's other process computing, beyond the same with it idle."""
     busy, idle = raw["busy"], raw["idle"]
-    return CoreHandoff(handoff_s=rounded(max(0.0, busy["gap"] - idle["gap"])),
-                       wake_s=rounded(max(0.0, busy["late"] - idle["late"])),
-                       recv_wake_s=rounded(max(0.0, busy["recv"] - idle["recv"])),
-                       cold_forward_s=rounded(max(0.0, busy["cpu_forward"] - idle["cpu_forward"])),
-                       cold_backward_s=rounded(max(0.0, busy["cpu_backward"] - idle["cpu_backward"])),
+    extra = {k: rounded(max(0.0, busy[k] - idle[k])) for k in ("gap", "late", "recv", "cpu_forward", "cpu_backward")}
+    return CoreHandoff(handoff_s=extra["gap"], wake_s=extra["late"], recv_wake_s=extra["recv"],
+                       cold_forward_s=extra["cpu_forward"], cold_backward_s=extra["cpu_backward"],
                        block_forward_s=rounded(idle["cpu_forward"]), block_backward_s=rounded(idle["cpu_backward"]))

@@ -133,24 +133,17 @@ def _inputs(name: str, spec: ModelSpec, s: NumericsSettings) -> tuple[tuple, tor
     x = torch.randn(b, n, h, generator=g, dtype=torch.float64)
     if name == "head":
         return (x, torch.randint(0, spec.vocab_size, (b, n), generator=g)), None
-    if name == "attention":
-        cos, sin = rope_tables(n, spec.head_dim, spec.rope_theta, torch.device("cpu"), torch.float64)
-        args = (x, cos, sin)
-    else:
-        args = (x,)
-    return args, torch.randn(b, n, h, generator=g, dtype=torch.float64)
+    cpu = torch.device("cpu")
+    rope = rope_tables(n, spec.head_dim, spec.rope_theta, cpu, torch.float64) if name == "attention" else ()
+    return (x, *rope), torch.randn(b, n, h, generator=g, dtype=torch.float64)
 
 
 def _weights(module: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """fp64 weights: N(0, 1/sqrt(fan_in)) matrices (activations of order one), norms near one."""
     g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, p in module.named_parameters():
-        if p.dim() == 1:
-            out[name] = 1.0 + 0.1 * torch.randn(p.shape, generator=g, dtype=torch.float64)
-        else:
-            out[name] = torch.randn(p.shape, generator=g, dtype=torch.float64) / math.sqrt(p.shape[-1])
-    return out
+    return {name: 1.0 + 0.1 * torch.randn(p.shape, generator=g, dtype=torch.float64) if p.dim() == 1
+            else torch.randn(p.shape, generator=g, dtype=torch.float64) / math.sqrt(p.shape[-1])
+            for name, p in module.named_parameters()}
 
 
 def _run(module: nn.Module, kernel: Kernel, args64: tuple, grad64: torch.Tensor | None,
@@ -167,10 +160,7 @@ def _run(module: nn.Module, kernel: Kernel, args64: tuple, grad64: torch.Tensor 
             a = a.to(device)
         args.append(a)
     out = kernel(module, tuple(args))
-    if grad64 is None:
-        out.backward()
-    else:
-        out.backward(grad64.to(device=device, dtype=out.dtype))
+    out.backward(None if grad64 is None else grad64.to(device=device, dtype=out.dtype))
     grads = {f"d{n}": p.grad for n, p in module.named_parameters()}
     if args[0].is_floating_point():
         grads = {"dinput": args[0].grad, **grads}

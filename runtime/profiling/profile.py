@@ -14,16 +14,8 @@ One YAML file per device type (format in profiles/README.md). A profile has two 
   blocks timed through the runtime's stage module: one decoder layer, a stage's fixed time per
   micro-batch, and what the embedding and the head add; the cost model prefers them for time.
 
-Pricing (``component_fits``, ``block_seconds``): the fits of a model on a profile (measured, else derived
-from the throughput figures: ``analytic_components``) and one compute block (a micro-batch's forward or
-backward through a stage) summed from them. The cost model builds on these; a sleep-mode emulated device
-(runtime/spec/cluster.py ``Emulation``) sleeps each block to ``SleepTarget.block_s``, and the planner
-prices its blocks with the same function.
-
-Loading rule (``resolve_profiles``): per device type, a measured profile overrides an imported one (measured
-elsewhere, ``hspmd profile import``), which overrides a spec one; among
-equals, directories given first win over the shipped ``profiles/``; a type with no profile at all gets a
-spec profile derived from the cluster's own datasheet figures. This module imports no torch.
+Pricing (``component_fits``, ``block_seconds``) and the loading rule (``resolve_profiles``: measured beats
+imported beats spec) are here too. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -67,14 +59,15 @@ def eval_fit(fit: Fit, micro_batch: float, seq_len: float) -> float:
 
 
 
-def check_keys(c: Checker, path: str, got: Mapping[str, Any], expected: Sequence[str], what: str) -> None:
-    """One problem for the entries ``expected`` names that ``got`` lacks, one per entry it does not name."""
-    missing = [k for k in expected if k not in got]
+def check_keys(c: Checker, path: str, got: Mapping[str, Any], expected: Sequence[str], what: str, *,
+               complete: bool = True) -> None:
+    """One problem for the entries ``expected`` names that ``got`` lacks (when it must be ``complete``), one
+    per entry it does not name."""
+    missing = [k for k in expected if k not in got] if complete else []
     if missing:
         c.add(path, f"missing {what}(s) {', '.join(missing)}")
-    for k in got:
-        if k not in expected:
-            c.add(f"{path}.{k}", f"unknown {what} (expected one of: {', '.join(expected)})")
+    c.problems += [(f"{path}.{k}", f"unknown {what} (expected one of: {', '.join(expected)})") for k in got
+                   if k not in expected]
 
 @dataclass(frozen=True)
 class ResumePenalty:
@@ -99,10 +92,9 @@ class ResumePenalty:
 
     def __post_init__(self) -> None:
         c = Checker()
-        for name in ("forward_s", "backward_s", "forward_rate", "backward_rate", "forward_block_s",
-                     "backward_block_s"):
-            c.check(getattr(self, name) >= 0, name, "must not be negative")
-        c.check(self.tau_s > 0, "tau_s", f"must be positive, got {self.tau_s}")
+        c.each(self, ("forward_s", "backward_s", "forward_rate", "backward_rate", "forward_block_s",
+                      "backward_block_s"), lambda v: v >= 0, "must not be negative")
+        c.each(self, ("tau_s",), lambda v: v > 0, "must be positive")
         c.raise_if_any()
 
     def extra_s(self, idle_s: float, backward: bool, cpu_s: float = 0.0) -> float:
@@ -144,10 +136,9 @@ class CoreHandoff:
 
     def __post_init__(self) -> None:
         c = Checker()
-        for name in ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s", "cold_backward_s", "block_forward_s",
-                     "block_backward_s"):
-            v = getattr(self, name)
-            c.check(v >= 0 and math.isfinite(v), name, f"must be a non-negative number of seconds, got {v}")
+        c.each(self, ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s", "cold_backward_s", "block_forward_s",
+                      "block_backward_s"), lambda v: v >= 0 and math.isfinite(v),
+               "must be a non-negative number of seconds")
         c.raise_if_any()
 
 
@@ -163,8 +154,7 @@ class ComponentFit:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(self.params >= 0, "params", f"must not be negative, got {self.params}")
-        c.check(self.residual >= 0, "residual", f"must not be negative, got {self.residual}")
+        c.each(self, ("params", "residual"), lambda v: v >= 0, "must not be negative")
         c.raise_if_any()
 
 
@@ -224,17 +214,12 @@ class MeasuredModel:
         c.check(len(self.seq_lens) >= 1, "seq_lens", "must list the measured sequence lengths")
         for t, comps in self.tables.items():
             c.check(t >= 1, f"tables.{t}", "TP degree must be at least 1")
-            for k in comps:
-                if k not in COMPONENTS:
-                    c.add(f"tables.{t}.{k}", f"unknown component (expected one of: {', '.join(COMPONENTS)})")
+            check_keys(c, f"tables.{t}", comps, COMPONENTS, "component", complete=False)
         for i, by_tp in self.layers.items():
             c.check(i >= 0, f"layers.{i}", "layer index must not be negative")
             for t, comps in by_tp.items():
                 c.check(t >= 1, f"layers.{i}.{t}", "TP degree must be at least 1")
-                for k in comps:
-                    if k not in LAYER_COMPONENTS:
-                        c.add(f"layers.{i}.{t}.{k}",
-                              f"unknown layer component (expected one of: {', '.join(LAYER_COMPONENTS)})")
+                check_keys(c, f"layers.{i}.{t}", comps, LAYER_COMPONENTS, "layer component", complete=False)
         for s, eff in self.core_sharing.items():
             c.check(0 < eff <= 1, f"core_sharing.{s}", f"must be in (0, 1], got {eff}")
         for s in self.core_handoff:
@@ -272,12 +257,10 @@ class ComputeFigures:
 
     def __post_init__(self) -> None:
         c = Checker()
-        for name in ("peak_tflops", "memory_bandwidth_gbs"):
-            c.check(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
-        for name in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
-            v = getattr(self, name)
-            c.check(0 < v <= 1, name, f"must be in (0, 1], got {v}")
-        c.check(self.kernel_overhead_s >= 0, "kernel_overhead_s", "must not be negative")
+        c.each(self, ("peak_tflops", "memory_bandwidth_gbs"), lambda v: v > 0, "must be positive")
+        c.each(self, ("matmul_efficiency", "attention_efficiency", "memory_efficiency"), lambda v: 0 < v <= 1,
+               "must be in (0, 1]")
+        c.each(self, ("kernel_overhead_s",), lambda v: v >= 0, "must not be negative")
         c.check(self.activation_bytes in (1, 2, 4), "activation_bytes", "must be 1, 2 or 4")
         c.raise_if_any()
 
@@ -291,8 +274,8 @@ class LinkFit:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(self.latency_s >= 0, "latency_s", "must not be negative")
-        c.check(self.bandwidth_gbs > 0, "bandwidth_gbs", f"must be positive, got {self.bandwidth_gbs}")
+        c.each(self, ("latency_s",), lambda v: v >= 0, "must not be negative")
+        c.each(self, ("bandwidth_gbs",), lambda v: v > 0, "must be positive")
         c.raise_if_any()
 
 
@@ -321,16 +304,13 @@ class CommFigures:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(self.p2p_latency_s >= 0, "p2p_latency_s", "must not be negative")
-        c.check(self.allreduce_latency_s >= 0, "allreduce_latency_s", "must not be negative")
-        c.check(0 < self.bandwidth_efficiency <= 1, "bandwidth_efficiency", "must be in (0, 1]")
-        for n in self.allreduce:
-            c.check(n >= 2, f"allreduce.{n}", "group size must be at least 2")
-        for n in self.allgather:
-            c.check(n >= 2, f"allgather.{n}", "group size must be at least 2")
-        for cls, curves in self.allreduce_curves.items():
-            for n in curves:
-                c.check(n >= 2, f"allreduce_curves.{cls}.{n}", "group size must be at least 2")
+        c.each(self, ("p2p_latency_s", "allreduce_latency_s"), lambda v: v >= 0, "must not be negative")
+        c.each(self, ("bandwidth_efficiency",), lambda v: 0 < v <= 1, "must be in (0, 1]")
+        sizes = [("allreduce", self.allreduce), ("allgather", self.allgather)]
+        sizes += [(f"allreduce_curves.{cls}", curves) for cls, curves in self.allreduce_curves.items()]
+        for where, by_n in sizes:
+            for n in by_n:
+                c.check(n >= 2, f"{where}.{n}", "group size must be at least 2")
         c.raise_if_any()
 
 
@@ -348,8 +328,8 @@ class MemoryFigures:
 
     def __post_init__(self) -> None:
         c = Checker()
-        for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "framework_overhead_gib", "cast_bytes"):
-            c.check(getattr(self, name) >= 0, name, "must not be negative")
+        c.each(self, ("param_bytes", "grad_bytes", "optimizer_bytes", "framework_overhead_gib", "cast_bytes"),
+               lambda v: v >= 0, "must not be negative")
         c.raise_if_any()
 
 
@@ -363,9 +343,7 @@ class OptimizerFit:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(self.seconds_per_param >= 0, "seconds_per_param", "must not be negative")
-        c.check(self.fixed_s >= 0, "fixed_s", "must not be negative")
-        c.check(self.seconds_per_tensor >= 0, "seconds_per_tensor", "must not be negative")
+        c.each(self, ("seconds_per_param", "fixed_s", "seconds_per_tensor"), lambda v: v >= 0, "must not be negative")
         c.raise_if_any()
 
 
@@ -410,7 +388,7 @@ class DeviceProfile:
         c.check(self.version == PROFILE_VERSION, "version",
                 f"unsupported profile version {self.version} (this hspmd reads version {PROFILE_VERSION})")
         c.check(bool(self.device_type), "device_type", "must not be empty")
-        c.check(self.memory_gib > 0, "memory_gib", f"must be positive, got {self.memory_gib}")
+        c.each(self, ("memory_gib",), lambda v: v > 0, "must be positive")
         c.raise_if_any()
 
     def measured_model(self, model: ModelSpec) -> MeasuredModel | None:
@@ -571,8 +549,7 @@ def layer_override_fits(profile: DeviceProfile, model: ModelSpec, tp: int, layer
     measured = profile.measured_model(model)
     if measured is None or layer not in measured.layers:
         return None
-    base = component_fits(profile, model, tp, micro_batch, seq_len)
-    out = dict(base)
+    out = component_fits(profile, model, tp, micro_batch, seq_len)
     for name in LAYER_COMPONENTS:
         by_tp = {t: comps[name] for t, comps in measured.layers[layer].items() if name in comps}
         if by_tp:
@@ -631,9 +608,8 @@ class ComputeBlock:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(self.layers >= 0, "layers", f"must not be negative, got {self.layers}")
-        for name in ("micro_batch", "seq_len", "tp"):
-            c.check(getattr(self, name) >= 1, name, f"must be at least 1, got {getattr(self, name)}")
+        c.each(self, ("layers",), lambda v: v >= 0, "must not be negative")
+        c.each(self, ("micro_batch", "seq_len", "tp"), lambda v: v >= 1, "must be at least 1")
         c.check(self.layers > 0 or self.first or self.last, "layers", "an empty stage computes nothing")
         c.raise_if_any()
 
@@ -727,10 +703,8 @@ def spec_profile(device_type: str, *, peak_tflops: float, hbm_bandwidth_gbs: flo
     Emulated CPU devices: fp32 activations, unfused attention, ~30 us per op dispatch.
     """
     eff = dict(CPU_EFFICIENCY if emulated else GPU_EFFICIENCY)
-    for k, v in (("matmul_efficiency", matmul_efficiency), ("attention_efficiency", attention_efficiency),
-                 ("memory_efficiency", memory_efficiency)):
-        if v is not None:
-            eff[k] = v
+    eff.update({k: v for k, v in (("matmul_efficiency", matmul_efficiency), ("attention_efficiency",
+                attention_efficiency), ("memory_efficiency", memory_efficiency)) if v is not None})
     compute = ComputeFigures(
         peak_tflops=peak_tflops, memory_bandwidth_gbs=hbm_bandwidth_gbs,
         kernel_overhead_s=_round(30e-6 * slowdown) if emulated else 8e-6, flash_attention=not emulated,

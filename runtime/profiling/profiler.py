@@ -123,36 +123,24 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
     for target in targets:
         dev = torch.device(target.device)
-        old_threads = torch.get_num_threads()
-        old_cpus = host.host_cpus()
-        if target.threads:
-            torch.set_num_threads(target.threads)
-        if target.cpus:
-            host.pin_process(target.cpus[0])   # as the launcher pins device 0's worker
-        try:
+        # as the launcher pins device 0's worker
+        with host.pinned(target.cpus[0] if target.cpus else (), target.threads):
             raw: dict[str, dict[int, dict[str, tuple[list[Sample], int]]]] = {}
             blocks: dict[str, dict[int, dict[str, list[Sample]]]] = {}
             split: dict[str, dict[int, dict[str, list[Sample]]]] = {}   # the split backward's blocks
+            kw = {"micro_batch": settings.micro_batch, "device": dev, "budget_s": settings.component_budget_s}
             for model in models:
-                raw[model.name] = {}
-                blocks[model.name] = {}
-                split[model.name] = {}
+                raw[model.name], blocks[model.name], split[model.name] = {}, {}, {}
                 lens = tuple(s for s in settings.seq_lens if s <= model.max_seq_len)
                 for tp in target.tp_degrees:
                     raw[model.name][tp] = {}
                     for comp in COMPONENTS:
                         report(f"{target.device}: {model.name} {comp} (TP {tp})", 0)
-                        raw[model.name][tp][comp] = compute.measure_component(
-                            comp, model, tp, lens, micro_batch=settings.micro_batch, device=dev,
-                            budget_s=settings.component_budget_s)
+                        raw[model.name][tp][comp] = compute.measure_component(comp, model, tp, lens, **kw)
                         report("", 1)
                     report(f"{target.device}: {model.name} stage blocks (TP {tp})", 0)
-                    blocks[model.name][tp] = compute.measure_stage_blocks(
-                        model, tp, lens, micro_batch=settings.micro_batch, device=dev,
-                        budget_s=settings.component_budget_s)
-                    split[model.name][tp] = compute.measure_split_blocks(
-                        model, tp, lens, micro_batch=settings.micro_batch, device=dev,
-                        budget_s=settings.component_budget_s)
+                    blocks[model.name][tp] = compute.measure_stage_blocks(model, tp, lens, **kw)
+                    split[model.name][tp] = compute.measure_split_blocks(model, tp, lens, **kw)
                     report("", 1)
             report(f"{target.device}: optimizer step", 0)
             opt, step_over, opt_resid = compute.measure_step_epilogue(
@@ -172,10 +160,6 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
             report(f"{target.device}: GEMM rate, memory bandwidth", 0)
             thr = compute.measure_throughput(dev)
             report("", 1)
-        finally:
-            torch.set_num_threads(old_threads)
-            if target.cpus:
-                host.pin_process(old_cpus)
         links: dict[str, object] = {}
         if settings.measure_comm and target.local_devices >= 2:
             report(f"{target.device}: links among {min(target.local_devices, settings.comm_processes)} processes", 0)
@@ -198,16 +182,17 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
     cuda = target.device.startswith("cuda")
     fitted: dict[str, MeasuredModel] = {}
     mb = settings.micro_batch
+
+    def block_fits(by_tp: dict, stretch: float = slowdown) -> dict:
+        return {t: {k: fit_component(x, 0, mb, stretch) for k, x in per.items()} for t, per in sorted(by_tp.items())}
+
     for model in models:
         lens = tuple(s for s in settings.seq_lens if s <= model.max_seq_len)
         mm = measured_model(model, raw[model.name], mb, lens, slowdown)
         if blocks.get(model.name):
-            mm = dataclasses.replace(mm, blocks={t: {k: fit_component(smp, 0, mb, slowdown) for k, smp in per.items()}
-                                                 for t, per in sorted(blocks[model.name].items())})
+            mm = dataclasses.replace(mm, blocks=block_fits(blocks[model.name]))
         if split and split.get(model.name):
-            mm = dataclasses.replace(mm, split_blocks={
-                t: {k: fit_component(smp, 0, mb, slowdown) for k, smp in per.items()}
-                for t, per in sorted(split[model.name].items())})
+            mm = dataclasses.replace(mm, split_blocks=block_fits(split[model.name]))
         if model.name in resume:   # CPU seconds, not stretched (the simulator stretches them)
             mm = dataclasses.replace(mm, resume=resume[model.name])
         if links.get("core_sharing", {}).get(model.name):
@@ -218,8 +203,7 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
         over = links.get("tp_overhead", {}).get(model.name, {})
         if over:  # As measured, not stretched: the runtime stretches only the CPU time of an emulated
             # device's compute blocks, which the cost model takes from tp_blocks_cpu.
-            fits = {kind: {t: {k: fit_component(smp, 0, mb) for k, smp in per[kind].items()}
-                           for t, per in sorted(over.items())} for kind in ("wall", "cpu")}
+            fits = {kind: block_fits({t: per[kind] for t, per in over.items()}, 1.0) for kind in ("wall", "cpu")}
             mm = dataclasses.replace(mm, tp_overhead={t: b["layer"] for t, b in fits["wall"].items()},
                                      tp_blocks=fits["wall"], tp_blocks_cpu=fits["cpu"])
         fitted[model.name] = mm
@@ -244,9 +228,8 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
         p2p_wake=links.get("p2p_wake"))
     memory = MemoryFigures(framework_overhead_gib=rounded(links.get("rss_gib", 0.0) or (2.0 if cuda else 0.3)),
                            cast_bytes=2.0 if cuda else 0.0)   # the profiles' compute: bf16 autocast on CUDA only
-    optimizer = OptimizerFit(seconds_per_param=rounded(opt.seconds_per_param * slowdown),
-                             fixed_s=rounded(opt.fixed_s * slowdown),
-                             seconds_per_tensor=rounded(opt.seconds_per_tensor * slowdown))
+    optimizer = OptimizerFit(*(rounded(x * slowdown) for x in (opt.seconds_per_param, opt.fixed_s,
+                                                               opt.seconds_per_tensor)))
     what = torch.cuda.get_device_name(torch.device(target.device)) if cuda else (platform.processor() or "cpu")
     note = (f"measured on {what} ({target.threads or torch.get_num_threads()} threads); optimizer fit residual "
             f"{opt_resid:.3f}")
