@@ -32,7 +32,18 @@ from typing import Any
 
 from rich import filesize
 
-from runtime.elastic.protocol import Abort, Commit, Finish, Left, Ready, Resume, Switched, Transition, World
+from runtime.elastic.protocol import (
+    Abort,
+    Commit,
+    Finish,
+    Interrupted,
+    Left,
+    Ready,
+    Resume,
+    Switched,
+    Transition,
+    World,
+)
 from runtime.elastic.state import (
     check_compatible,
     describe_lost,
@@ -96,6 +107,7 @@ class _Incident:
     times: dict[int, Switched] = field(default_factory=dict)
     attempts: int = 0
     moment_bytes: int = 0  # ZeRO-1 with copies: the first round, rebuilding moments from the copies
+    ungathered: bool = False  # it struck inside a committed step's parameter all-gather (ZeRO-1)
 
 
 # -- the phases: what the coordinator waits for now, and what comes next ---------------------------------
@@ -302,6 +314,7 @@ class ElasticPolicy:
         self.holding = False  # the last commit said "hold" before the run's last step
         self.admit: dict[int, set[int]] = {}  # step -> returning devices its commit waits for
         self.unplaced: dict[int, float] = {}  # returning device -> until when to wait for its node's agent
+        self.ungathered: set[int] = set()  # committed steps whose ZeRO-1 parameter all-gather some survivor left
         self._note_single_copies()
         self.inject(self.first_step)
 
@@ -317,6 +330,9 @@ class ElasticPolicy:
             return  # the late word of a device's earlier worker (it has rejoined since)
         if isinstance(msg, StepDone):
             self.reports.setdefault(msg.report.step, []).append(msg.report)
+        elif isinstance(msg, Interrupted):
+            self.reports.setdefault(msg.report.step, []).append(msg.report)
+            self.ungathered.add(msg.report.step)
         elif isinstance(msg, Ready):
             self.ready.setdefault((msg.generation, msg.step), set()).add(d)
         elif isinstance(msg, Left):
@@ -597,13 +613,22 @@ class ElasticPolicy:
         if lost or moments:
             raise UnrecoverableFailure(_lost_lines(failed, inc.step, lost, moments, self.options))
         self.collect_records()
-        if self.recorded < self.committed:
-            # Only ZeRO-1's parameter all-gather communicates after a commit: the survivors left a committed
-            # step half-gathered (no record of it). Repairing that in memory is not built; stop, not hang.
-            raise UnrecoverableFailure(
-                [f"device(s) {_devs(failed)} failed inside ZeRO-1's parameter all-gather of the committed step "
-                 f"{self.committed}, which the run cannot repair in memory"]
-                + _checkpoint_lines(self.options))
+        if self.recorded < self.committed:  # every survivor reports a committed step, gathered or not
+            raise RuntimeError(f"survivors {_devs(self.alive)} left step {self.committed} after its commit "
+                               "without reporting it")
+        # Only ZeRO-1's parameter all-gather communicates after a commit. A failure inside it leaves the
+        # committed step half-gathered, and what is consistent then is: on every survivor the step count,
+        # the unsharded parameters and moments, and the moments of its own chunks are the committed step's
+        # (the update ran everywhere before the all-gather); so are the parameters of its own chunks (kept by
+        # the optimizer until the all-gather ends, runtime/engine/optim.py); every other element of a sharded
+        # slice is of either step, depending on which buckets arrived. Every chunk has a surviving holder (r
+        # copies, ``lost_moments`` above), so the first round of the switch rebuilds each slice's parameters
+        # from its chunks' holders as it rebuilds the moments: the all-gather redone among the survivors, then
+        # the usual fused BSR to the new layout. A survivor that finished the all-gather holds the same values.
+        ungathered = self.committed in self.ungathered
+        if ungathered:
+            self.log(f"step {self.committed} was committed but its parameter all-gather did not finish: the "
+                     "switch rebuilds the parameters from the surviving copies of their chunks")
         target = source
         due = self._switch_for_recovery(inc.step, failed)
         if due is not None:
@@ -629,12 +654,15 @@ class ElasticPolicy:
                      f"{target.describe()}")
         t0 = time.perf_counter()
         bsr = plan_switch(source, target, failed)
-        gather = plan_moment_gather(source, failed)  # the workers plan the same themselves (runtime/elastic/move.py)
+        # the workers plan the same themselves (runtime/elastic/move.py)
+        gather = plan_moment_gather(source, failed, ungathered=ungathered)
         inc.moment_bytes = gather.total_bytes if gather is not None else 0
+        inc.ungathered = ungathered
         inc.plan_s += time.perf_counter() - t0
         self.gen += 1
         self.epoch += 1
-        t = Transition(self.epoch, source, target, self.committed, bsr, World.of(self.gen, sorted(self.alive)))
+        t = Transition(self.epoch, source, target, self.committed, bsr, World.of(self.gen, sorted(self.alive)),
+                       ungathered)
         self.holding = False  # whatever the last commit said, the survivors go on after this transition
         inc.transition = t
         inc.attempts += 1
@@ -764,6 +792,7 @@ def _failure_event(inc: _Incident, now: float, survivors: list[int]) -> dict[str
         "detect_s": detect, "abandon_s": inc.t_left - inc.t_detect, "replan_s": inc.replan_s + inc.plan_s,
         **_slowest(inc.times), "switch_s": inc.t_resumed - inc.t_sent,
         "switch_bytes": t.bsr.total_bytes + inc.moment_bytes, "moment_rebuild_bytes": inc.moment_bytes,
+        "in_param_gather": inc.ungathered,
         "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster),
         "total_s": detect + (inc.t_resumed - inc.t_detect), "first_step_s": now - inc.t_resumed,
         "recovery_s": now - inc.t_detect, "attempts": inc.attempts,

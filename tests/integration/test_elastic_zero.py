@@ -86,6 +86,28 @@ def test_a_killed_holder_is_replaced_from_the_other_copies(plans, tmp_path, dead
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
 
 
+@pytest.mark.parametrize("dead", [0, 3])
+def test_a_holder_killed_inside_the_parameter_all_gather_is_recovered(plans, tmp_path, dead: int) -> None:
+    # The kill fires once step 2 is committed, as the update and the all-gather begin: the survivors have
+    # updated their chunks and are left inside the all-gather; step 2 stays committed, step 3 runs on z3-dead.
+    calls: list = []
+    events: list[dict] = []
+    options = TrainOptions(plan=plans["z4"], steps=STEPS, elastic=True, save_dir=tmp_path / "ck", **FAST,
+                           faults=(Fault(device=dead, step=2, kind="kill", point="after-commit"),))
+    summary = launch(options, ElasticPolicy(fixed_replan(plans[f"z3-{dead}"], calls), on_event=events.append))
+    assert multiprocessing.active_children() == []
+    expected, trainer = reference(plans["z4"], STEPS)
+    records = summary.records
+    assert [r.step for r in records] == [1, 2, 3, 4]
+    assert [r.loss for r in records] == pytest.approx(expected, rel=1e-5)
+    assert [r.strategy for r in records] == ["z4", "z4", f"z3-{dead}", f"z3-{dead}"]
+    assert calls == [(frozenset({dead}), "z4")]
+    (e,) = events
+    assert e["event"] == "failure" and e["failed"] == [dead] and e["step"] == 3 and e["in_param_gather"]
+    assert e["moment_rebuild_bytes"] > 0
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
+
+
 def test_both_copies_of_a_chunk_dying_stops_the_run_and_keeps_the_checkpoint(plans, tmp_path) -> None:
     ck = tmp_path / "ck"
     ck.mkdir()
