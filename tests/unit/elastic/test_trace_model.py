@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from planner.baselines import best_symmetric, best_symmetric_subset
+from planner.cost import CostModel
 from planner.replan import (
     MEGATRON_NCCL_TIMEOUT_S,
     TraceModel,
@@ -190,3 +192,37 @@ def test_losing_the_coordinators_node_restarts_hspmd_from_its_checkpoint(two_nod
     assert lost["parts_s"]["lost_work"] == pytest.approx(hc["interval_steps"] / 2 * lost["step_time_after_s"])
     with pytest.raises(HspmdError, match="coordinator_node: 'c' is not a node"):
         model_trace(handle, trace.events, 400, profiles, TraceModel(coordinator_node="c"))
+
+
+def test_megatron_restart_runs_the_best_symmetric_plan_on_the_whole_nodes_left(two_nodes):
+    handle, profiles = two_nodes
+    steps = 400
+    trace = parse_trace({"events": [{"step": 50, "action": "kill", "node": "a"}]}, handle.ctx.cluster,
+                        handle.devices, "t.yaml")
+    model = TraceModel(time_limit_s=5.0, coordinator_node="b")
+    out = model_trace(handle, trace.events, steps, profiles, model)
+    t = handle.ctx.plan.training
+
+    def symmetric_s(devices):  # Megatron's layout: the best symmetric plan, over all of them or one type's
+        cms = {b: CostModel(handle.ctx.model, handle.ctx.cluster, profiles, micro_batch=b, seq_len=t.seq_len)
+               for b in (1, 2, 4, 8) if t.global_batch % b == 0}
+        found = [f(cms, devices, t.global_batch, 1) for f in (best_symmetric, best_symmetric_subset)]
+        return min(b.estimate.step_time_s for b in found if b.estimate is not None)
+
+    s0, s1 = symmetric_s([0, 1, 2, 3]), symmetric_s([2, 3])  # node a (0, 1) lost at step 50
+    ck = restart_cost(handle.ctx.model, out["initial_step_time_s"], model.restart)
+    interval = min(young_interval_steps(ck.write_s, s0, steps * s0, 1) or steps, steps)
+    lost = MEGATRON_NCCL_TIMEOUT_S + ck.read_s + model.restart.restart_s + interval / 2 * s1
+    total = 49 * s0 + (steps - 49) * s1 + lost + steps // interval * ck.write_s
+    m = out["megatron_restart"]
+    assert m["initial_step_time_s"] == pytest.approx(s0)
+    (e,) = m["events"]
+    assert e["step_time_after_s"] == pytest.approx(s1) and e["devices_after"] <= 2 and e["nodes_dropped"] == ["a"]
+    assert e["cost_s"] == pytest.approx(lost)
+    assert m["checkpoint"]["interval_steps"] == interval
+    assert m["total_s"] == pytest.approx(total)
+    assert out["modelled_goodput_over_megatron_restart"] == pytest.approx(total / out["hspmd"]["total_s"])
+    # the planned restart line is unchanged by it, and can be left out
+    alone = model_trace(handle, trace.events, steps, profiles, replace(model, megatron_restart=False))
+    assert "megatron_restart" not in alone and "modelled_goodput_over_megatron_restart" not in alone
+    assert alone["restart"]["total_s"] == pytest.approx(out["restart"]["total_s"])
