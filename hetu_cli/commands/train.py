@@ -150,6 +150,9 @@ class StepDisplay:
 @click.option("--replan-tolerance", type=click.FloatRange(min=0.0), default=0.05, show_default=True,
               help="--elastic: only candidates this close to the fastest are considered; among them, the one "
                    "with the least modelled switch plus predicted step time over the steps left wins.")
+@click.option("--preplan/--no-preplan", default=True, show_default=True,
+              help="--elastic: between failures, plan in the background for the loss of each device and node of the "
+                   "running layout, so that such a failure switches without planning.")
 @click.option("--rejoin-device", "rejoin_devices", multiple=True, type=int, metavar="D",
               help="--elastic: device D returns at the start of --rejoin-at-step (or --at-step) K: a worker is "
                    "started for it and joins the running job when the predicted gain beats the switch cost.")
@@ -172,7 +175,7 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
           save_dir: Path | None, load_dir: Path | None, timeout_s: float | None,
           elastic: bool, switch_specs: tuple[str, ...], kill_devices: tuple[int, ...], hang_devices: tuple[int, ...],
           fault_step: int | None, fault_point: str, heartbeat_timeout_s: float | None, profile_dirs: tuple[Path, ...],
-          replan_tolerance: float, rejoin_devices: tuple[int, ...], rejoin_step: int | None,
+          replan_tolerance: float, preplan: bool, rejoin_devices: tuple[int, ...], rejoin_step: int | None,
           events_file: Path | None, agents: int | None, bind: str, token: str | None, precision: str,
           dispatch_costs: str) -> None:
     """Train with PLAN: every device runs its own specialized program (gloo on CPU, NCCL on GPU).
@@ -243,7 +246,9 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
 
                 replan = planner_replan(profile_dirs, replan_tolerance, display.log) if elastic else None
                 grow = _planner_grow(profile_dirs, display.log) if elastic else None
-                policy = ElasticPolicy(replan, on_event, grow)
+                ahead = planner_replan(profile_dirs, replan_tolerance, lambda _line: None) \
+                    if elastic and preplan else None  # quiet: its lines would interleave with the run's
+                policy = ElasticPolicy(replan, on_event, grow, ahead)
                 if agents is not None:
                     from runtime.elastic.agents import AgentSettings, launch_agents, parse_address
 

@@ -52,6 +52,7 @@ from runtime.elastic.state import (
     plan_moment_gather,
     plan_switch,
 )
+from runtime.elastic.preplan import Preplanner, Replanner, candidates
 from runtime.elastic.worker import elastic_worker
 from runtime.errors import HspmdError
 from runtime.launch.messages import FaultFiring, StepDone, WorkerError
@@ -59,11 +60,6 @@ from runtime.launch.options import PlannedSwitch, StepRecord, StepReport, TrainO
 from runtime.launch.supervise import FailureLog, Run, WorkerHandle
 from runtime.spec import PlanContext, load_plan_context
 from runtime.spec.handle import StrategyHandle
-
-Replanner = Callable[[frozenset[int], PlanContext, str, int], PlanContext]
-"""``replan(failed devices, current plan, current strategy, steps left) -> plan for the survivors`` (its
-first strategy is used; the steps left, the failed one included, weigh a candidate's switch against its
-step time). Supplied by the CLI (which calls the planner); the runtime never imports it."""
 
 Grower = Callable[[frozenset[int], PlanContext, str, int], PlanContext | None]
 """``grow(joining devices, current plan, current strategy, steps left) -> a plan using them, or None``
@@ -108,6 +104,7 @@ class _Incident:
     attempts: int = 0
     moment_bytes: int = 0  # ZeRO-1 with copies: the first round, rebuilding moments from the copies
     ungathered: bool = False  # it struck inside a committed step's parameter all-gather (ZeRO-1)
+    preplanned: bool = False  # its plan was made ahead, in the background
 
 
 # -- the phases: what the coordinator waits for now, and what comes next ---------------------------------
@@ -129,6 +126,8 @@ class Training:
             c.collect_records()
         if c.recorded == c.last:
             c.phase = Finishing()
+            if c.preplanner is not None:
+                c.preplanner.stop()
             c.send(c.alive | set(c.waiting), Finish())
         elif c.recorded == c.committed and c.holding:
             # Only devices that hold (the last commit said so) read a transition: right after a recovery
@@ -236,17 +235,22 @@ def _switch_target(sw: PlannedSwitch, ctx: PlanContext, first: int, last: int) -
 
 class ElasticPolicy:
     """The supervisor's policy for elastic and switching runs (``TrainOptions.elastic`` / ``switches``):
-    ``replan`` gives the plan for the survivors of a failure, ``on_event`` gets one dict per failure or
-    switch. Without ``options.elastic`` a failure stops the run as under ``PlainPolicy``."""
+    ``replan`` gives the plan for the survivors of a failure (``preplan``: the same, planned ahead for every
+    single device and node loss of the running layout), ``on_event`` gets one dict per failure or switch.
+    Without ``options.elastic`` a failure stops the run as under ``PlainPolicy``."""
 
     worker_loop = staticmethod(elastic_worker)
 
     def __init__(self, replan: Replanner | None = None,
-                 on_event: Callable[[dict[str, Any]], None] | None = None, grow: Grower | None = None) -> None:
+                 on_event: Callable[[dict[str, Any]], None] | None = None, grow: Grower | None = None,
+                 preplan: Replanner | None = None) -> None:
         self.replan = replan
         self.grow = grow
         self.on_event = on_event
         self.failures = FailureLog(ERROR_GRACE_S)
+        # ``preplan``: the replanner for planning ahead, in the background (runtime/elastic/preplan.py; the
+        # CLI's is ``replan`` without its log lines); None plans only when a failure strikes.
+        self.preplanner = Preplanner(preplan) if preplan is not None else None
 
     def prepare(self, options: TrainOptions, ctx: PlanContext, strategy: str) -> list[int]:
         """User errors of a coordinated run, before any process starts; the devices the world needs (the
@@ -382,6 +386,8 @@ class ElasticPolicy:
         self.failed[d] = how
         self.alive.discard(d)
         self.failure_times.append(time.monotonic())
+        if self.preplanner is not None:
+            self.preplanner.stop()  # the recovery has the CPU; the plans made so far stay for it
         # A growth decided on the plan before this failure is void; the spares are reconsidered after it.
         self.growth = None
         self.declined.clear()
@@ -433,11 +439,23 @@ class ElasticPolicy:
         if isinstance(self.phase, Finishing):
             return all(self.workers[d].finished for d in self.alive | set(self.waiting))
         self._returned()
+        self._plan_ahead()
         scheduled = {d for due in self.admit.values() for d in due}
         if isinstance(self.phase, Training) and self.growth is None and not scheduled & set(self.waiting):
             self._consider_growth()  # a device returning unannounced (a scheduled one: when its step comes)
         self.phase.advance(self)
         return False
+
+    def _plan_ahead(self) -> None:
+        """Between failures, on a layout not planned ahead yet: plan its single-device and node losses."""
+        p = self.preplanner
+        if p is None or not self.options.elastic or self.replan is None:
+            return
+        if isinstance(self.phase, Training) and self.incident is None and p.ref is not self.ref:
+            if self.committed + 1 < self.last:
+                p.begin(self.ref, candidates(self.ref, self.alive), frozenset(self.failed), self.last - self.committed)
+        for line in p.notes():
+            self.log(line)
 
     # -- devices joining a running job ----------------------------------------------------------------------
 
@@ -638,11 +656,18 @@ class ElasticPolicy:
                 raise UnrecoverableFailure([f"device(s) {_devs(failed)} failed and no replanner was given "
                                             "(hspmd train --elastic supplies the planner)"])
             t0 = time.perf_counter()
-            try:
-                new_ctx = self.replan(failed, source.ctx, source.name, self.last - inc.step + 1)
-            except HspmdError as err:
-                raise UnrecoverableFailure([f"no plan for the survivors {_devs(self.alive)}: {line}"
-                                            for line in err.lines()]) from None
+            ahead = self.preplanner.lookup(source, failed) if self.preplanner is not None else None
+            if ahead is not None:
+                new_ctx = ahead.context
+                inc.preplanned = True
+                self.log(f"the plan for survivors {_devs(self.alive)} was made ahead (in {ahead.plan_s:.3f} s, "
+                         "in the background): switching without planning")
+            else:
+                try:
+                    new_ctx = self.replan(failed, source.ctx, source.name, self.last - inc.step + 1)
+                except HspmdError as err:
+                    raise UnrecoverableFailure([f"no plan for the survivors {_devs(self.alive)}: {line}"
+                                                for line in err.lines()]) from None
             inc.replan_s += time.perf_counter() - t0
             inc.replanned = True
             target = StrategyHandle.of(new_ctx)
@@ -792,7 +817,7 @@ def _failure_event(inc: _Incident, now: float, survivors: list[int]) -> dict[str
         "detect_s": detect, "abandon_s": inc.t_left - inc.t_detect, "replan_s": inc.replan_s + inc.plan_s,
         **_slowest(inc.times), "switch_s": inc.t_resumed - inc.t_sent,
         "switch_bytes": t.bsr.total_bytes + inc.moment_bytes, "moment_rebuild_bytes": inc.moment_bytes,
-        "in_param_gather": inc.ungathered,
+        "in_param_gather": inc.ungathered, "preplanned": inc.preplanned,
         "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster),
         "total_s": detect + (inc.t_resumed - inc.t_detect), "first_step_s": now - inc.t_resumed,
         "recovery_s": now - inc.t_detect, "attempts": inc.attempts,
