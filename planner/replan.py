@@ -34,6 +34,7 @@ from planner.cost import CostModel, planner_handle, zero_copies
 from runtime.checkpoint import STATE_SUFFIXES
 from runtime.comm.bsr import BsrPlan
 from runtime.elastic.events import TraceEvent
+from runtime.elastic.preplan import candidates, survivors
 from runtime.elastic.state import LostTensor, describe_lost, holder_sets, lost_tensors, plan_switch
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.launch.options import node_loss_detect_s
@@ -382,7 +383,11 @@ class TraceModel:
     * **hspmd**: a failure costs detection (a process death at once, a node's loss after the agent timeout),
       the replan (the planner's own wall time, measured here), the fused BSR of the chosen plan (modelled)
       plus regrouping, and half a step (the step in flight is redone); a return costs the grow decision and
-      its switch, adopted only when it pays.
+      its switch, adopted only when it pays. With ``preplan`` (the coordinator's default) the loss of one
+      device or one whole node of the running layout was planned ahead in the background
+      (runtime/elastic/preplan.py) when the layout had run long enough for that: one replan per candidate
+      loss, each priced at this event's replan wall time; such a failure costs a lookup plus the planning of
+      the chosen plan's fused BSR (measured), not the replan.
     * **restart** (Megatron / DeepSpeed under torchrun): the job runs the planner's best plan without the
       elastic constraint and with ZeRO-1 (the distributed optimizer: a restart needs no replica in memory);
       the node of a failed device is dropped whole (only the failed devices when no whole node would be
@@ -421,6 +426,7 @@ class TraceModel:
     checkpoint_interval_steps: int | None = None  # None: Young's optimum for the trace
     restart_zero: bool = True
     megatron_restart: bool = True  # also price restart on Megatron's symmetric layouts (line megatron_restart)
+    preplan: bool = True  # hspmd plans single-device and node losses ahead (hspmd train --elastic's default)
     switch: SwitchModel = SwitchModel()
     time_limit_s: float = 30.0  # the planner's limit per replan
     # Where hspmd's coordinator (and the Oobleck-like master) runs: its node's loss ends the job whatever the
@@ -678,6 +684,16 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
         p, step_time = fixed
         return StrategyHandle.of(dataclasses.replace(ctx, plan=p)), step_time
 
+    def preplanned(handle: StrategyHandle, lost: set[int], alive: Collection[int], ran_s: float,
+                   plan_s: float) -> bool:
+        """Whether hspmd's coordinator had this loss planned ahead: a candidate of the layout (the same rule as
+        runtime/elastic/preplan.py) after the layout ran long enough to plan every candidate at ``plan_s``."""
+        if not model.preplan:
+            return False
+        losses = candidates(handle, alive)
+        key = survivors(handle, lost)
+        return any(survivors(handle, c) == key for c in losses) and ran_s >= len(losses) * plan_s
+
     events = sorted(trace, key=lambda e: e.step)
     usable = set(original.devices) | {x for ev in events for x in ev.devices}
     # The restart lines: each its layout on the surviving whole nodes.
@@ -703,11 +719,13 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
 
     down: set[int] = set()
     prev = 1
+    h_since = 1  # the step from which hspmd's current layout runs (its losses are planned ahead from there)
     for e in events:
         for line in lines.values():
             line.run(e.step - prev)
         prev = e.step
         steps_left = steps - e.step + 1
+        alive_before = usable - down
         if e.action == "rejoin":
             down -= set(e.devices)
         else:
@@ -724,6 +742,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
             if g.adopt and g.context is not None:
                 h.handle, h.step_time_s = StrategyHandle.of(g.context), g.step_time_s
                 parts["switch"] = g.switch_s
+                h_since = e.step
             h.event(e, parts, before, adopted=g.adopt)
         elif set(e.devices) & set(h.handle.devices) or e.node == coordinator:
             r, cause = None, "the coordinator's node lost"  # the job itself is gone: nothing to replan
@@ -737,12 +756,22 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                 h.handle, h.step_time_s = best_on([d for d in h.handle.devices if d not in e.devices])
                 h.restarted(e, {"detect": detect(e, False), **from_checkpoint}, before, restarted=cause)
             else:
-                parts = {"detect": detect(e, False), "replan": time.perf_counter() - t0,
+                wall = time.perf_counter() - t0
+                ahead = preplanned(h.handle, set(e.devices), alive_before, (e.step - h_since) * before, wall)
+                if ahead:  # the coordinator looks the plan up and plans its fused BSR
+                    t1 = time.perf_counter()
+                    plan_switch(h.handle, StrategyHandle.of(r.context), set(e.devices))
+                    replan_s = time.perf_counter() - t1
+                else:
+                    replan_s = wall
+                parts = {"detect": detect(e, False), "replan": replan_s,
                          "transfer": r.chosen.modelled_switch_s, "regroup": model.switch.regroup_s,
                          "step_redone": before / 2}
                 h.handle, h.step_time_s = StrategyHandle.of(r.context), r.chosen.step_time_s
-                h.event(e, parts, before, chosen=r.chosen.label, fastest_option_s=r.options[0].step_time_s)
+                h.event(e, parts, before, chosen=r.chosen.label, fastest_option_s=r.options[0].step_time_s,
+                        preplanned=ahead, planner_wall_s=wall)
                 h.windows.append(sum(parts.values()))
+            h_since = e.step
         # restart: whole nodes only
         whole = sorted(d for n, devs in nodes.items() if not devs & down for d in devs if d in usable)
         if not whole:  # one node (or every node hit): it restarts without the failed devices only
@@ -883,7 +912,10 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                                     f"({lines['megatron_restart'].base_step_time_s:.4g} s/step)"
                                     if "megatron_restart" in lines else "")),
                 "planner_wall_time": ("hspmd's replan and grow-decision parts are the planner's wall time measured "
-                                      "on the machine that runs this model (inflated when it is loaded)"),
+                                      "on the machine that runs this model (inflated when it is loaded)"
+                                      + ("; a failure planned ahead (a single device or node of the running layout, "
+                                         "the layout run for as long as one replan per candidate takes) costs the "
+                                         "planning of its fused BSR instead" if model.preplan else "")),
             }}
 
 

@@ -25,6 +25,7 @@ from planner.replan import (
     young_interval_steps,
 )
 from runtime.elastic.events import parse_trace
+from runtime.elastic.preplan import candidates
 from runtime.errors import HspmdError
 from runtime.launch.options import ELASTIC_HEARTBEAT_TIMEOUT_S, node_loss_detect_s
 from runtime.profiling.profile import resolve_profiles
@@ -226,3 +227,31 @@ def test_megatron_restart_runs_the_best_symmetric_plan_on_the_whole_nodes_left(t
     alone = model_trace(handle, trace.events, steps, profiles, replace(model, megatron_restart=False))
     assert "megatron_restart" not in alone and "modelled_goodput_over_megatron_restart" not in alone
     assert alone["restart"]["total_s"] == pytest.approx(out["restart"]["total_s"])
+
+
+def test_a_loss_planned_ahead_costs_a_lookup_when_the_layout_ran_long_enough_to_plan_it(two_nodes):
+    handle, profiles = two_nodes
+    trace = parse_trace({"events": [{"step": 150, "action": "kill", "devices": [1]},
+                                    {"step": 300, "action": "kill", "devices": [0, 2]}]},
+                        handle.ctx.cluster, handle.devices, "t.yaml")
+    on = model_trace(handle, trace.events, 400, profiles, TraceModel(time_limit_s=5.0, coordinator_node="b"))
+    off = model_trace(handle, trace.events, 400, profiles,
+                      TraceModel(time_limit_s=5.0, coordinator_node="b", preplan=False))
+    first = on["hspmd"]["events"][0]
+    # device 1 alone is a candidate of the layout; it is planned ahead when 149 steps at the layout's step time
+    # cover one replan per candidate (each device, and each node with two of the layout's devices) at this
+    # event's planner wall time
+    n = len(candidates(handle, set(range(4))))
+    ran = 149 * first["step_time_before_s"]
+    assert first["preplanned"] == (ran >= n * first["planner_wall_s"])
+    if first["preplanned"]:
+        assert first["parts_s"]["replan"] < first["planner_wall_s"]
+    else:
+        assert first["parts_s"]["replan"] == first["planner_wall_s"]
+    assert first["cost_s"] == pytest.approx(sum(first["parts_s"].values()))
+    # devices 0 and 2 together are neither one device nor one node: planned at the failure
+    second = on["hspmd"]["events"][1]
+    assert not second.get("preplanned", False)
+    # without it every replan is charged the planner's wall time
+    assert all(e["parts_s"]["replan"] == e["planner_wall_s"] and not e["preplanned"]
+               for e in off["hspmd"]["events"] if "planner_wall_s" in e)
