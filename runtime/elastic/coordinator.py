@@ -32,6 +32,7 @@ from typing import Any
 
 from rich import filesize
 
+from runtime.elastic.preplan import Preplanner, Replanner, candidates
 from runtime.elastic.protocol import (
     Abort,
     Commit,
@@ -52,7 +53,6 @@ from runtime.elastic.state import (
     plan_moment_gather,
     plan_switch,
 )
-from runtime.elastic.preplan import Preplanner, Replanner, candidates
 from runtime.elastic.worker import elastic_worker
 from runtime.errors import HspmdError
 from runtime.launch.messages import FaultFiring, StepDone, WorkerError

@@ -87,7 +87,7 @@ def test_a_killed_holder_is_replaced_from_the_other_copies(plans, tmp_path, dead
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
 
 
-@pytest.mark.parametrize("dead", [0, 3])
+@pytest.mark.parametrize("dead", [0, 1, 2, 3])
 def test_a_holder_killed_inside_the_parameter_all_gather_is_recovered(plans, tmp_path, dead: int) -> None:
     # The kill fires once step 2 is committed, as the update and the all-gather begin: the survivors have
     # updated their chunks and are left inside the all-gather; step 2 stays committed, step 3 runs on z3-dead.
