@@ -28,11 +28,13 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from planner.api import PlanResult, PlanSettings, plan
-from planner.cost import CostModel, zero_copies
+from planner.api import PlanResult, PlanSettings, micro_batch_sizes, plan
+from planner.baselines import best_symmetric, best_symmetric_subset
+from planner.cost import CostModel, planner_handle, zero_copies
 from runtime.checkpoint import STATE_SUFFIXES
 from runtime.comm.bsr import BsrPlan
 from runtime.elastic.events import TraceEvent
+from runtime.elastic.preplan import candidates, survivors
 from runtime.elastic.state import LostTensor, describe_lost, holder_sets, lost_tensors, plan_switch
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.launch.options import node_loss_detect_s
@@ -381,14 +383,23 @@ class TraceModel:
     * **hspmd**: a failure costs detection (a process death at once, a node's loss after the agent timeout),
       the replan (the planner's own wall time, measured here), the fused BSR of the chosen plan (modelled)
       plus regrouping, and half a step (the step in flight is redone); a return costs the grow decision and
-      its switch, adopted only when it pays.
+      its switch, adopted only when it pays. With ``preplan`` (the coordinator's default) the loss of one
+      device or one whole node of the running layout was planned ahead in the background
+      (runtime/elastic/preplan.py) when the layout had run long enough for that: one replan per candidate
+      loss, each priced at this event's replan wall time; such a failure costs a lookup plus the planning of
+      the chosen plan's fused BSR (measured), not the replan.
     * **restart** (Megatron / DeepSpeed under torchrun): the job runs the planner's best plan without the
       elastic constraint and with ZeRO-1 (the distributed optimizer: a restart needs no replica in memory);
       the node of a failed device is dropped whole (only the failed devices when no whole node would be
       left), and the job restarts from its last checkpoint on the remaining whole nodes: detection (a crashed
       process at once; a lost node only at the NCCL timeout), checkpoint read, process restart, and the
       steps since the last checkpoint redone (half an interval on average). A node that is whole again is
-      taken back with a planned restart (checkpoint written and read, no work lost) when that pays.
+      taken back with a planned restart (checkpoint written and read, no work lost) when that pays. This line
+      isolates hspmd's fault handling (same planner, same heterogeneous layouts).
+    * **megatron restart** (``megatron_restart``): the same restarts, on the layout Megatron itself runs: the
+      best symmetric plan (planner/baselines.py: every pipeline alike, uniform stages, one micro-batch size)
+      over the surviving whole nodes at each phase, or over one device type's devices of them when that is
+      faster or nothing symmetric spans them all (``symmetric-subset``); ZeRO-1 as for restart.
     * **oobleck-like** (Oobleck, SOSP'23: pipeline templates planned ahead for every node count, node
       granularity): after every event the layout is re-instantiated from the available whole nodes: the
       original plan's pipelines with no device on a node that lost one, plus a template (the planner's
@@ -399,7 +410,7 @@ class TraceModel:
       No pipeline left, or a parameter without a replica: a restart.
     * **checkpoints**: synchronous writes (Megatron's default save blocks training). Each line writes at
       Young's optimum interval sqrt(2 x write time x mean time between the failures it must checkpoint
-      against): restart against every failure of the trace; hspmd and the Oobleck-like line only against
+      against): the restart lines against every failure of the trace; hspmd and the Oobleck-like line only against
       the losses memory cannot survive (``unrecoverable_rate``: the coordinator's node, or every holder of
       some piece of state lost within one recovery window, on the layout each runs at the time, with the
       trace's per-device and per-node failure rates), and each is charged the expected cost of those
@@ -414,6 +425,8 @@ class TraceModel:
     restart: RestartModel = RestartModel()
     checkpoint_interval_steps: int | None = None  # None: Young's optimum for the trace
     restart_zero: bool = True
+    megatron_restart: bool = True  # also price restart on Megatron's symmetric layouts (line megatron_restart)
+    preplan: bool = True  # hspmd plans single-device and node losses ahead (hspmd train --elastic's default)
     switch: SwitchModel = SwitchModel()
     time_limit_s: float = 30.0  # the planner's limit per replan
     # Where hspmd's coordinator (and the Oobleck-like master) runs: its node's loss ends the job whatever the
@@ -617,6 +630,27 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
             plans[key] = (StrategyHandle.of(dataclasses.replace(ctx, plan=p)), result.candidates[0].step_time_s)
         return plans[key]
 
+    symmetric: dict[tuple[int, ...], tuple[StrategyHandle, float]] = {}
+
+    def symmetric_on(devices: Collection[int], zero: bool) -> tuple[StrategyHandle, float]:
+        """Megatron's layout on these devices: the best symmetric plan over all of them or over one type's."""
+        key = tuple(sorted(devices))
+        if key not in symmetric:
+            settings = _settings(t, use_zero=zero, time_limit_s=model.time_limit_s, top_k=1)
+            every = {b: CostModel(ctx.model, cluster, profiles, micro_batch=b, seq_len=t.seq_len)
+                     for b in micro_batch_sizes(settings)}
+            found = [f(every, key, t.global_batch, settings.zero, schedule=settings.default_schedule)
+                     for f in (best_symmetric, best_symmetric_subset)]
+            ok = [b for b in found if b.strategy is not None and b.estimate is not None and b.micro_batch is not None]
+            if not ok:
+                raise InfeasibleError(f"megatron restart: no symmetric layout on devices {list(key)}: "
+                                      + "; ".join(b.description for b in found))
+            best = min(ok, key=lambda b: b.estimate.step_time_s)  # type: ignore[union-attr]
+            assert best.strategy is not None and best.estimate is not None and best.micro_batch is not None
+            symmetric[key] = (planner_handle(every[best.micro_batch], best.strategy, t.global_batch,
+                                             settings.default_schedule, settings.zero), best.estimate.step_time_s)
+        return symmetric[key]
+
     templates: dict[tuple[int, ...], tuple[Pipeline, ...]] = {}
 
     def template_on(devices: Collection[int]) -> tuple[Pipeline, ...]:
@@ -650,12 +684,30 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
         p, step_time = fixed
         return StrategyHandle.of(dataclasses.replace(ctx, plan=p)), step_time
 
+    def preplanned(handle: StrategyHandle, lost: set[int], alive: Collection[int], ran_s: float,
+                   plan_s: float) -> bool:
+        """Whether hspmd's coordinator had this loss planned ahead: a candidate of the layout (the same rule as
+        runtime/elastic/preplan.py) after the layout ran long enough to plan every candidate at ``plan_s``."""
+        if not model.preplan:
+            return False
+        losses = candidates(handle, alive)
+        key = survivors(handle, lost)
+        return any(survivors(handle, c) == key for c in losses) and ran_s >= len(losses) * plan_s
+
     events = sorted(trace, key=lambda e: e.step)
     usable = set(original.devices) | {x for ev in events for x in ev.devices}
-    r_handle, r0_time = best_on(sorted(usable & set(original.devices)), model.restart_zero)
-    lines = {"hspmd": _Line("hspmd", current, t0_time, t0_time),
-             "restart": _Line("restart", r_handle, r0_time, r0_time),
-             "oobleck_like": _Line("oobleck_like", current, t0_time, t0_time)}
+    # The restart lines: each its layout on the surviving whole nodes.
+    restarts: dict[str, Callable[[Collection[int]], tuple[StrategyHandle, float]]] = {
+        "restart": lambda devs: best_on(devs, model.restart_zero)}
+    if model.megatron_restart:
+        restarts["megatron_restart"] = lambda devs: symmetric_on(devs, model.restart_zero)
+    start = sorted(usable & set(original.devices))
+    lines = {"hspmd": _Line("hspmd", current, t0_time, t0_time)}
+    for name, pick in restarts.items():
+        first, first_s = pick(start)
+        lines[name] = _Line(name, first, first_s, first_s)
+    lines["oobleck_like"] = _Line("oobleck_like", current, t0_time, t0_time)
+    r0_time = lines["restart"].base_step_time_s
     ck = restart_cost(ctx.model, t0_time, model.restart)
     failures = sum(1 for e in events if e.action != "rejoin")
     from_checkpoint = {"read": ck.read_s, "restart": model.restart.restart_s}  # then half an interval redone
@@ -667,11 +719,13 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
 
     down: set[int] = set()
     prev = 1
+    h_since = 1  # the step from which hspmd's current layout runs (its losses are planned ahead from there)
     for e in events:
         for line in lines.values():
             line.run(e.step - prev)
         prev = e.step
         steps_left = steps - e.step + 1
+        alive_before = usable - down
         if e.action == "rejoin":
             down -= set(e.devices)
         else:
@@ -688,6 +742,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
             if g.adopt and g.context is not None:
                 h.handle, h.step_time_s = StrategyHandle.of(g.context), g.step_time_s
                 parts["switch"] = g.switch_s
+                h_since = e.step
             h.event(e, parts, before, adopted=g.adopt)
         elif set(e.devices) & set(h.handle.devices) or e.node == coordinator:
             r, cause = None, "the coordinator's node lost"  # the job itself is gone: nothing to replan
@@ -701,30 +756,41 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                 h.handle, h.step_time_s = best_on([d for d in h.handle.devices if d not in e.devices])
                 h.restarted(e, {"detect": detect(e, False), **from_checkpoint}, before, restarted=cause)
             else:
-                parts = {"detect": detect(e, False), "replan": time.perf_counter() - t0,
+                wall = time.perf_counter() - t0
+                ahead = preplanned(h.handle, set(e.devices), alive_before, (e.step - h_since) * before, wall)
+                if ahead:  # the coordinator looks the plan up and plans its fused BSR
+                    t1 = time.perf_counter()
+                    plan_switch(h.handle, StrategyHandle.of(r.context), set(e.devices))
+                    replan_s = time.perf_counter() - t1
+                else:
+                    replan_s = wall
+                parts = {"detect": detect(e, False), "replan": replan_s,
                          "transfer": r.chosen.modelled_switch_s, "regroup": model.switch.regroup_s,
                          "step_redone": before / 2}
                 h.handle, h.step_time_s = StrategyHandle.of(r.context), r.chosen.step_time_s
-                h.event(e, parts, before, chosen=r.chosen.label, fastest_option_s=r.options[0].step_time_s)
+                h.event(e, parts, before, chosen=r.chosen.label, fastest_option_s=r.options[0].step_time_s,
+                        preplanned=ahead, planner_wall_s=wall)
                 h.windows.append(sum(parts.values()))
+            h_since = e.step
         # restart: whole nodes only
-        rs = lines["restart"]
-        before = rs.step_time_s
         whole = sorted(d for n, devs in nodes.items() if not devs & down for d in devs if d in usable)
         if not whole:  # one node (or every node hit): it restarts without the failed devices only
             whole = sorted(usable - down)
-        if e.action != "rejoin" and set(e.devices) & set(rs.handle.devices):
-            rs.handle, rs.step_time_s = best_on(whole, model.restart_zero)
-            rs.restarted(e, {"detect": detect(e, True), **from_checkpoint}, before,
-                         nodes_dropped=sorted({node_of[d] for d in down}))
-        elif e.action == "rejoin" and set(whole) != set(rs.handle.devices):
-            cand, cand_s = best_on(whole, model.restart_zero)
-            planned = {"write": ck.write_s, "read": ck.read_s, "restart": model.restart.restart_s}
-            if pays(rs.step_time_s, cand_s, steps_left, sum(planned.values())):
-                rs.handle, rs.step_time_s = cand, cand_s
-                rs.event(e, planned, before, adopted=True)
-            else:
-                rs.event(e, {}, before, adopted=False)
+        for name, pick in restarts.items():
+            rs = lines[name]
+            before = rs.step_time_s
+            if e.action != "rejoin" and set(e.devices) & set(rs.handle.devices):
+                rs.handle, rs.step_time_s = pick(whole)
+                rs.restarted(e, {"detect": detect(e, True), **from_checkpoint}, before,
+                             nodes_dropped=sorted({node_of[d] for d in down}))
+            elif e.action == "rejoin" and set(whole) != set(rs.handle.devices):
+                cand, cand_s = pick(whole)
+                planned = {"write": ck.write_s, "read": ck.read_s, "restart": model.restart.restart_s}
+                if pays(rs.step_time_s, cand_s, steps_left, sum(planned.values())):
+                    rs.handle, rs.step_time_s = cand, cand_s
+                    rs.event(e, planned, before, adopted=True)
+                else:
+                    rs.event(e, {}, before, adopted=False)
         # oobleck-like: templates re-instantiated on the whole nodes
         ob = lines["oobleck_like"]
         before = ob.step_time_s
@@ -764,10 +830,12 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
     checkpointing: dict[str, dict[str, object]] = {}
     for name, line in lines.items():
         info: dict[str, object]
-        if given is not None or name == "restart":
-            interval, expected, per = restart_interval, 0.0, []
+        if given is not None or name in restarts:
+            base = line.base_step_time_s
+            interval = given or young_interval_steps(ck.write_s, base, steps * base, failures)
+            expected, per = 0.0, []
             info = {"against": "given interval" if given is not None else "every failure of the trace",
-                    "failures_per_s": failures / (steps * r0_time)}
+                    "failures_per_s": failures / (steps * base)}
         else:
             window = (model.recovery_window_s if model.recovery_window_s is not None else
                       max(line.windows, default=model.node_loss_detect_s + model.switch.regroup_s))
@@ -802,6 +870,8 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
             **out,
             "modelled_goodput_over_restart": gp["hspmd"] / gp["restart"],
             "modelled_goodput_over_oobleck_like": gp["hspmd"] / gp["oobleck_like"],
+            **({"modelled_goodput_over_megatron_restart": gp["hspmd"] / gp["megatron_restart"]}
+               if "megatron_restart" in gp else {}),
             "same_checkpoints": {"interval_steps": restart_interval, "write_s": restart_writes,
                                  **{f"{name}_total_s": v for name, v in same.items()}},
             "modelled_goodput_over_restart_same_checkpoints": same["restart"] / same["hspmd"],
@@ -837,10 +907,15 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                 "regroup_s": f"regroup and program build {model.switch.regroup_s:g} s per switch",
                 "restart_plan": ("restart runs the planner's best non-elastic plan"
                                  f"{' with ZeRO-1' if model.restart_zero else ''} ({r0_time:.4g} s/step against "
-                                 f"hspmd's elastic {t0_time:.4g} s/step); Megatron itself would be held to a "
-                                 "symmetric layout"),
+                                 f"hspmd's elastic {t0_time:.4g} s/step): hspmd's fault handling alone"
+                                 + (f"; megatron_restart runs the best symmetric plan, as Megatron itself would "
+                                    f"({lines['megatron_restart'].base_step_time_s:.4g} s/step)"
+                                    if "megatron_restart" in lines else "")),
                 "planner_wall_time": ("hspmd's replan and grow-decision parts are the planner's wall time measured "
-                                      "on the machine that runs this model (inflated when it is loaded)"),
+                                      "on the machine that runs this model (inflated when it is loaded)"
+                                      + ("; a failure planned ahead (a single device or node of the running layout, "
+                                         "the layout run for as long as one replan per candidate takes) costs the "
+                                         "planning of its fused BSR instead" if model.preplan else "")),
             }}
 
 

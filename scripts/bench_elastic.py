@@ -23,6 +23,10 @@ against checkpoint-restart, measured on this machine and modelled at paper scale
     ``modelled_goodput_over_oobleck_like``: each line checkpoints at Young's optimum for the failures it must
     checkpoint against (restart: every failure; hspmd and Oobleck-like: the losses memory cannot survive, whose
     expected cost they are charged); ``..._same_checkpoints``: every line charged restart's writes instead.
+    Restart is priced twice: ``restart`` on the planner's best non-elastic plan (the headline: hspmd's fault
+    handling alone) and ``megatron_restart`` on the best symmetric plan over the whole nodes left, as Megatron
+    itself runs (key ``modelled_goodput_over_megatron_restart``); ``modelled_<line>_step_time_s``: each
+    line's failure-free step time.
 (3) Elastic ZeRO-1 (``training.zero_redundancy: 2``) vs elastic without ZeRO vs plain ZeRO-1 (``zero_part``):
     * modelled, paper scale (llama-32b on h800-h20-48, the batch of configs/plans/h800-h20-llama32b.yaml):
       the planner's best plan of each (elastic: >= 2 pipelines), step time and peak memory per device
@@ -386,9 +390,10 @@ def measured_part(args: argparse.Namespace) -> dict:
 
 
 # The modelled part's headline figures, repeated at the top level of the JSON.
-MODELLED_KEYS = ("modelled_goodput_over_restart", "modelled_goodput_over_oobleck_like",
-                 "modelled_goodput_over_restart_same_checkpoints",
+MODELLED_KEYS = ("modelled_goodput_over_restart", "modelled_goodput_over_megatron_restart",
+                 "modelled_goodput_over_oobleck_like", "modelled_goodput_over_restart_same_checkpoints",
                  "modelled_goodput_over_oobleck_like_same_checkpoints")
+MODELLED_LINES = ("hspmd", "restart", "megatron_restart", "oobleck_like")  # each line's step time, at the top too
 
 
 def main() -> None:
@@ -429,6 +434,7 @@ def main() -> None:
         m = modelled(args.paper_steps)
         out["modelled"] = m
         out.update({k: m[k] for k in MODELLED_KEYS})
+        out.update({f"modelled_{name}_step_time_s": m[name]["initial_step_time_s"] for name in MODELLED_LINES})
     if args.json:
         print(json.dumps(out, indent=2))
     else:

@@ -108,8 +108,10 @@ def _events(ctx, strategy_name: str | None, profiles, events_file: Path, fmt: st
     con = console()
     con.print(f"{steps} steps, {trace.failures} failure(s), {trace.returns} return(s); initial step time "
               f"{out['initial_step_time_s']:.3f} s")
-    for name in ("hspmd", "restart", "oobleck_like"):
+    for name in ("hspmd", "restart", "megatron_restart", "oobleck_like"):
         line = out[name]
-        con.print(f"  {name:13s} {line['total_s']:10.1f} s, goodput {line['goodput_steps_per_s']:.4f} steps/s")
-    con.print(f"goodput over restart {out['modelled_goodput_over_restart']:.2f}x, over oobleck-like "
+        con.print(f"  {name:16s} {line['total_s']:10.1f} s, goodput {line['goodput_steps_per_s']:.4f} steps/s "
+                  f"(step {line['initial_step_time_s']:.3f} s)")
+    con.print(f"goodput over restart {out['modelled_goodput_over_restart']:.2f}x (planned layout), over Megatron's "
+              f"restart {out['modelled_goodput_over_megatron_restart']:.2f}x (symmetric layout), over oobleck-like "
               f"{out['modelled_goodput_over_oobleck_like']:.2f}x (modelled)")

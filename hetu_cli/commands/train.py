@@ -133,6 +133,9 @@ class StepDisplay:
                    "once its heartbeat stops).")
 @click.option("--at-step", "fault_step", type=click.IntRange(min=1), metavar="K",
               help="The step at which --kill-device / --hang-device fire.")
+@click.option("--fault-point", type=click.Choice(["start", "after-commit"]), default="start", show_default=True,
+              help="Where in --at-step they fire: its start, or (--elastic) once it is committed, as its optimizer "
+                   "update and ZeRO-1 parameter all-gather begin.")
 @click.option("--heartbeat-timeout", "heartbeat_timeout_s", type=click.FloatRange(min=1.0),
               help=f"A worker silent this long counts as hung [default: 30; {ELASTIC_HEARTBEAT_TIMEOUT_S:g} with "
                    "--elastic].")
@@ -147,6 +150,9 @@ class StepDisplay:
 @click.option("--replan-tolerance", type=click.FloatRange(min=0.0), default=0.05, show_default=True,
               help="--elastic: only candidates this close to the fastest are considered; among them, the one "
                    "with the least modelled switch plus predicted step time over the steps left wins.")
+@click.option("--preplan/--no-preplan", default=True, show_default=True,
+              help="--elastic: between failures, plan in the background for the loss of each device and node of the "
+                   "running layout, so that such a failure switches without planning.")
 @click.option("--rejoin-device", "rejoin_devices", multiple=True, type=int, metavar="D",
               help="--elastic: device D returns at the start of --rejoin-at-step (or --at-step) K: a worker is "
                    "started for it and joins the running job when the predicted gain beats the switch cost.")
@@ -168,8 +174,8 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
           data_file: Path | None, tokenizer: Path | None, lengths: str | None, long_documents: str,
           save_dir: Path | None, load_dir: Path | None, timeout_s: float | None,
           elastic: bool, switch_specs: tuple[str, ...], kill_devices: tuple[int, ...], hang_devices: tuple[int, ...],
-          fault_step: int | None, heartbeat_timeout_s: float | None, profile_dirs: tuple[Path, ...],
-          replan_tolerance: float, rejoin_devices: tuple[int, ...], rejoin_step: int | None,
+          fault_step: int | None, fault_point: str, heartbeat_timeout_s: float | None, profile_dirs: tuple[Path, ...],
+          replan_tolerance: float, preplan: bool, rejoin_devices: tuple[int, ...], rejoin_step: int | None,
           events_file: Path | None, agents: int | None, bind: str, token: str | None, precision: str,
           dispatch_costs: str) -> None:
     """Train with PLAN: every device runs its own specialized program (gloo on CPU, NCCL on GPU).
@@ -181,9 +187,11 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
         raise HspmdError("--lengths: synthetic documents or --data FILE, not both")
     if tokenizer is not None and data_file is None:
         raise HspmdError("--tokenizer: tokenizes --data FILE; give the file")
-    faults = _faults(kill_devices, hang_devices, fault_step, bool(rejoin_devices))
+    faults = _faults(kill_devices, hang_devices, fault_step, bool(rejoin_devices), fault_point)
     rejoins = _rejoins(rejoin_devices, rejoin_step, fault_step, bool(faults))
     node_kills: tuple[NodeKill, ...] = ()
+    if fault_point != "start" and not elastic:
+        raise HspmdError("--fault-point after-commit: only an elastic run commits steps; add --elastic")
     if (rejoins or events_file or agents) and not elastic:
         raise HspmdError("--rejoin-device, --events and --agents need --elastic")
     if agents is not None and not token:
@@ -238,7 +246,9 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
 
                 replan = planner_replan(profile_dirs, replan_tolerance, display.log) if elastic else None
                 grow = _planner_grow(profile_dirs, display.log) if elastic else None
-                policy = ElasticPolicy(replan, on_event, grow)
+                ahead = planner_replan(profile_dirs, replan_tolerance, lambda _line: None) \
+                    if elastic and preplan else None  # quiet: its lines would interleave with the run's
+                policy = ElasticPolicy(replan, on_event, grow, ahead)
                 if agents is not None:
                     from runtime.elastic.agents import AgentSettings, launch_agents, parse_address
 
@@ -262,7 +272,8 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     _summary(display.records, metrics, trace_dir, save_dir)
 
 
-def _faults(kill: tuple[int, ...], hang: tuple[int, ...], step: int | None, rejoin: bool = False) -> tuple[Fault, ...]:
+def _faults(kill: tuple[int, ...], hang: tuple[int, ...], step: int | None, rejoin: bool = False,
+            point: str = "start") -> tuple[Fault, ...]:
     if (kill or hang) and step is None:
         raise HspmdError("--kill-device/--hang-device: say when with --at-step K")
     if step is not None and not (kill or hang or rejoin):
@@ -271,8 +282,8 @@ def _faults(kill: tuple[int, ...], hang: tuple[int, ...], step: int | None, rejo
     if both:
         raise HspmdError(f"device(s) {both} given to both --kill-device and --hang-device")
     assert step is not None or not (kill or hang)
-    return tuple(Fault(d, step, "kill") for d in sorted(set(kill))) + \
-        tuple(Fault(d, step, "hang") for d in sorted(set(hang)))  # type: ignore[arg-type]
+    return tuple(Fault(d, step, "kill", point) for d in sorted(set(kill))) + \
+        tuple(Fault(d, step, "hang", point) for d in sorted(set(hang)))  # type: ignore[arg-type]
 
 
 def _rejoins(devices: tuple[int, ...], step: int | None, fault_step: int | None, faults: bool) -> tuple[Rejoin, ...]:

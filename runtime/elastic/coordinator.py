@@ -32,7 +32,19 @@ from typing import Any
 
 from rich import filesize
 
-from runtime.elastic.protocol import Abort, Commit, Finish, Left, Ready, Resume, Switched, Transition, World
+from runtime.elastic.preplan import Preplanner, Replanner, candidates
+from runtime.elastic.protocol import (
+    Abort,
+    Commit,
+    Finish,
+    Interrupted,
+    Left,
+    Ready,
+    Resume,
+    Switched,
+    Transition,
+    World,
+)
 from runtime.elastic.state import (
     check_compatible,
     describe_lost,
@@ -48,11 +60,6 @@ from runtime.launch.options import PlannedSwitch, StepRecord, StepReport, TrainO
 from runtime.launch.supervise import FailureLog, Run, WorkerHandle
 from runtime.spec import PlanContext, load_plan_context
 from runtime.spec.handle import StrategyHandle
-
-Replanner = Callable[[frozenset[int], PlanContext, str, int], PlanContext]
-"""``replan(failed devices, current plan, current strategy, steps left) -> plan for the survivors`` (its
-first strategy is used; the steps left, the failed one included, weigh a candidate's switch against its
-step time). Supplied by the CLI (which calls the planner); the runtime never imports it."""
 
 Grower = Callable[[frozenset[int], PlanContext, str, int], PlanContext | None]
 """``grow(joining devices, current plan, current strategy, steps left) -> a plan using them, or None``
@@ -96,6 +103,8 @@ class _Incident:
     times: dict[int, Switched] = field(default_factory=dict)
     attempts: int = 0
     moment_bytes: int = 0  # ZeRO-1 with copies: the first round, rebuilding moments from the copies
+    ungathered: bool = False  # it struck inside a committed step's parameter all-gather (ZeRO-1)
+    preplanned: bool = False  # its plan was made ahead, in the background
 
 
 # -- the phases: what the coordinator waits for now, and what comes next ---------------------------------
@@ -117,6 +126,8 @@ class Training:
             c.collect_records()
         if c.recorded == c.last:
             c.phase = Finishing()
+            if c.preplanner is not None:
+                c.preplanner.stop()
             c.send(c.alive | set(c.waiting), Finish())
         elif c.recorded == c.committed and c.holding:
             # Only devices that hold (the last commit said so) read a transition: right after a recovery
@@ -224,17 +235,22 @@ def _switch_target(sw: PlannedSwitch, ctx: PlanContext, first: int, last: int) -
 
 class ElasticPolicy:
     """The supervisor's policy for elastic and switching runs (``TrainOptions.elastic`` / ``switches``):
-    ``replan`` gives the plan for the survivors of a failure, ``on_event`` gets one dict per failure or
-    switch. Without ``options.elastic`` a failure stops the run as under ``PlainPolicy``."""
+    ``replan`` gives the plan for the survivors of a failure (``preplan``: the same, planned ahead for every
+    single device and node loss of the running layout), ``on_event`` gets one dict per failure or switch.
+    Without ``options.elastic`` a failure stops the run as under ``PlainPolicy``."""
 
     worker_loop = staticmethod(elastic_worker)
 
     def __init__(self, replan: Replanner | None = None,
-                 on_event: Callable[[dict[str, Any]], None] | None = None, grow: Grower | None = None) -> None:
+                 on_event: Callable[[dict[str, Any]], None] | None = None, grow: Grower | None = None,
+                 preplan: Replanner | None = None) -> None:
         self.replan = replan
         self.grow = grow
         self.on_event = on_event
         self.failures = FailureLog(ERROR_GRACE_S)
+        # ``preplan``: the replanner for planning ahead, in the background (runtime/elastic/preplan.py; the
+        # CLI's is ``replan`` without its log lines); None plans only when a failure strikes.
+        self.preplanner = Preplanner(preplan) if preplan is not None else None
 
     def prepare(self, options: TrainOptions, ctx: PlanContext, strategy: str) -> list[int]:
         """User errors of a coordinated run, before any process starts; the devices the world needs (the
@@ -302,6 +318,7 @@ class ElasticPolicy:
         self.holding = False  # the last commit said "hold" before the run's last step
         self.admit: dict[int, set[int]] = {}  # step -> returning devices its commit waits for
         self.unplaced: dict[int, float] = {}  # returning device -> until when to wait for its node's agent
+        self.ungathered: set[int] = set()  # committed steps whose ZeRO-1 parameter all-gather some survivor left
         self._note_single_copies()
         self.inject(self.first_step)
 
@@ -317,6 +334,9 @@ class ElasticPolicy:
             return  # the late word of a device's earlier worker (it has rejoined since)
         if isinstance(msg, StepDone):
             self.reports.setdefault(msg.report.step, []).append(msg.report)
+        elif isinstance(msg, Interrupted):
+            self.reports.setdefault(msg.report.step, []).append(msg.report)
+            self.ungathered.add(msg.report.step)
         elif isinstance(msg, Ready):
             self.ready.setdefault((msg.generation, msg.step), set()).add(d)
         elif isinstance(msg, Left):
@@ -366,6 +386,8 @@ class ElasticPolicy:
         self.failed[d] = how
         self.alive.discard(d)
         self.failure_times.append(time.monotonic())
+        if self.preplanner is not None:
+            self.preplanner.stop()  # the recovery has the CPU; the plans made so far stay for it
         # A growth decided on the plan before this failure is void; the spares are reconsidered after it.
         self.growth = None
         self.declined.clear()
@@ -417,11 +439,23 @@ class ElasticPolicy:
         if isinstance(self.phase, Finishing):
             return all(self.workers[d].finished for d in self.alive | set(self.waiting))
         self._returned()
+        self._plan_ahead()
         scheduled = {d for due in self.admit.values() for d in due}
         if isinstance(self.phase, Training) and self.growth is None and not scheduled & set(self.waiting):
             self._consider_growth()  # a device returning unannounced (a scheduled one: when its step comes)
         self.phase.advance(self)
         return False
+
+    def _plan_ahead(self) -> None:
+        """Between failures, on a layout not planned ahead yet: plan its single-device and node losses."""
+        p = self.preplanner
+        if p is None or not self.options.elastic or self.replan is None:
+            return
+        if isinstance(self.phase, Training) and self.incident is None and p.ref is not self.ref:
+            if self.committed + 1 < self.last:
+                p.begin(self.ref, candidates(self.ref, self.alive), frozenset(self.failed), self.last - self.committed)
+        for line in p.notes():
+            self.log(line)
 
     # -- devices joining a running job ----------------------------------------------------------------------
 
@@ -597,13 +631,22 @@ class ElasticPolicy:
         if lost or moments:
             raise UnrecoverableFailure(_lost_lines(failed, inc.step, lost, moments, self.options))
         self.collect_records()
-        if self.recorded < self.committed:
-            # Only ZeRO-1's parameter all-gather communicates after a commit: the survivors left a committed
-            # step half-gathered (no record of it). Repairing that in memory is not built; stop, not hang.
-            raise UnrecoverableFailure(
-                [f"device(s) {_devs(failed)} failed inside ZeRO-1's parameter all-gather of the committed step "
-                 f"{self.committed}, which the run cannot repair in memory"]
-                + _checkpoint_lines(self.options))
+        if self.recorded < self.committed:  # every survivor reports a committed step, gathered or not
+            raise RuntimeError(f"survivors {_devs(self.alive)} left step {self.committed} after its commit "
+                               "without reporting it")
+        # Only ZeRO-1's parameter all-gather communicates after a commit. A failure inside it leaves the
+        # committed step half-gathered, and what is consistent then is: on every survivor the step count,
+        # the unsharded parameters and moments, and the moments of its own chunks are the committed step's
+        # (the update ran everywhere before the all-gather); so are the parameters of its own chunks (kept by
+        # the optimizer until the all-gather ends, runtime/engine/optim.py); every other element of a sharded
+        # slice is of either step, depending on which buckets arrived. Every chunk has a surviving holder (r
+        # copies, ``lost_moments`` above), so the first round of the switch rebuilds each slice's parameters
+        # from its chunks' holders as it rebuilds the moments: the all-gather redone among the survivors, then
+        # the usual fused BSR to the new layout. A survivor that finished the all-gather holds the same values.
+        ungathered = self.committed in self.ungathered
+        if ungathered:
+            self.log(f"step {self.committed} was committed but its parameter all-gather did not finish: the "
+                     "switch rebuilds the parameters from the surviving copies of their chunks")
         target = source
         due = self._switch_for_recovery(inc.step, failed)
         if due is not None:
@@ -613,11 +656,18 @@ class ElasticPolicy:
                 raise UnrecoverableFailure([f"device(s) {_devs(failed)} failed and no replanner was given "
                                             "(hspmd train --elastic supplies the planner)"])
             t0 = time.perf_counter()
-            try:
-                new_ctx = self.replan(failed, source.ctx, source.name, self.last - inc.step + 1)
-            except HspmdError as err:
-                raise UnrecoverableFailure([f"no plan for the survivors {_devs(self.alive)}: {line}"
-                                            for line in err.lines()]) from None
+            ahead = self.preplanner.lookup(source, failed) if self.preplanner is not None else None
+            if ahead is not None:
+                new_ctx = ahead.context
+                inc.preplanned = True
+                self.log(f"the plan for survivors {_devs(self.alive)} was made ahead (in {ahead.plan_s:.3f} s, "
+                         "in the background): switching without planning")
+            else:
+                try:
+                    new_ctx = self.replan(failed, source.ctx, source.name, self.last - inc.step + 1)
+                except HspmdError as err:
+                    raise UnrecoverableFailure([f"no plan for the survivors {_devs(self.alive)}: {line}"
+                                                for line in err.lines()]) from None
             inc.replan_s += time.perf_counter() - t0
             inc.replanned = True
             target = StrategyHandle.of(new_ctx)
@@ -629,12 +679,15 @@ class ElasticPolicy:
                      f"{target.describe()}")
         t0 = time.perf_counter()
         bsr = plan_switch(source, target, failed)
-        gather = plan_moment_gather(source, failed)  # the workers plan the same themselves (runtime/elastic/move.py)
+        # the workers plan the same themselves (runtime/elastic/move.py)
+        gather = plan_moment_gather(source, failed, ungathered=ungathered)
         inc.moment_bytes = gather.total_bytes if gather is not None else 0
+        inc.ungathered = ungathered
         inc.plan_s += time.perf_counter() - t0
         self.gen += 1
         self.epoch += 1
-        t = Transition(self.epoch, source, target, self.committed, bsr, World.of(self.gen, sorted(self.alive)))
+        t = Transition(self.epoch, source, target, self.committed, bsr, World.of(self.gen, sorted(self.alive)),
+                       ungathered)
         self.holding = False  # whatever the last commit said, the survivors go on after this transition
         inc.transition = t
         inc.attempts += 1
@@ -764,6 +817,7 @@ def _failure_event(inc: _Incident, now: float, survivors: list[int]) -> dict[str
         "detect_s": detect, "abandon_s": inc.t_left - inc.t_detect, "replan_s": inc.replan_s + inc.plan_s,
         **_slowest(inc.times), "switch_s": inc.t_resumed - inc.t_sent,
         "switch_bytes": t.bsr.total_bytes + inc.moment_bytes, "moment_rebuild_bytes": inc.moment_bytes,
+        "in_param_gather": inc.ungathered, "preplanned": inc.preplanned,
         "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster),
         "total_s": detect + (inc.t_resumed - inc.t_detect), "first_step_s": now - inc.t_resumed,
         "recovery_s": now - inc.t_detect, "attempts": inc.attempts,

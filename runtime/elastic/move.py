@@ -15,18 +15,20 @@ from typing import Any
 
 
 def move_state(bsr: Any, source: dict[str, Any], groups: Any, program: Any, steps_done: int, device: Any,
-               src: Any = None) -> None:
+               src: Any = None, *, ungathered: bool = False) -> None:
     """This device's part of a switch: run the fused BSR ``bsr`` (collective over ``bsr.devices``) from
     its ``source`` state (``local_state()`` layout of the old plan ``src``; empty if it held none) and load
     the result into ``program`` (None when the new plan leaves this device idle). ``src`` (the old plan's
-    ``StrategyHandle``) is needed when it uses ZeRO-1; every device of the switch must pass it then."""
+    ``StrategyHandle``) is needed when it uses ZeRO-1; every device of the switch must pass it then.
+    ``ungathered`` (ZeRO-1): the parameters of the sharded slices are final only on their chunks' holders
+    (``Transition.ungathered``); the first round rebuilds them too."""
     import torch
 
     from runtime.comm.execute import run_bsr
 
     me = groups.my_device
     if src is not None and src.training.zero:
-        source = _full_moments(src, bsr.excluded, source, groups, device)
+        source = _full_moments(src, bsr.excluded, source, groups, device, ungathered)
     out = run_bsr(bsr, source, groups, device=device) if me in bsr.devices else {}
     del source
     if program is not None:
@@ -68,9 +70,10 @@ def move_state_staged(switch: Any, src: Any, dst: Any, groups: Any, steps_done: 
 
 
 def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,
-                  device: Any) -> dict[str, Any]:
+                  device: Any, ungathered: bool = False) -> dict[str, Any]:
     """``source`` with this device's ZeRO-1 moments (1-D chunks) replaced by full moments in the
-    parameter's layout, rebuilt by ``plan_moment_gather`` from the surviving copies."""
+    parameter's layout, rebuilt by ``plan_moment_gather`` from the surviving copies (``ungathered``: the
+    sharded slices' parameters too, from their chunks' holders)."""
     import torch
 
     from runtime.annotations.from_plan import strategy_annotations
@@ -78,12 +81,21 @@ def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,
     from runtime.checkpoint import MOMENT_SUFFIXES, moment_key
     from runtime.comm.execute import run_bsr
     from runtime.elastic.state import moment_slices, plan_moment_gather
+    from runtime.engine.optim import flat_range
 
     me = groups.my_device
-    plan = plan_moment_gather(src, excluded)
+    plan = plan_moment_gather(src, excluded, ungathered=ungathered)
     slices = moment_slices(src)
+    ann = strategy_annotations(src)
     mine: dict[str, Any] = {}
     for name, sl in slices.items():
+        if ungathered and name in source:
+            p = ann.param(name)
+            region = p.param.layout(p.shape).region(me)
+            for i, s in enumerate(sl):
+                a, b = s.chunk(me) if me in s.devices else (0, 0)
+                if b > a:
+                    mine[moment_key(name, "", i)] = flat_range(source[name][relative(s.region, region)], a, b)
         for suffix in MOMENT_SUFFIXES:
             flat = source.get(name + suffix)
             off = 0
@@ -98,13 +110,18 @@ def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,
     del mine
     if not got:
         return source
-    ann = strategy_annotations(src)
     out = dict(source)
     for name, sl in slices.items():
         if name not in source:
             continue
         p = ann.param(name)
         region = p.param.layout(p.shape).region(me)
+        if ungathered:
+            param = source[name].clone()
+            for i, s in enumerate(sl):
+                if me in s.devices:
+                    param[relative(s.region, region)] = got.pop(moment_key(name, "", i)).view(s.shape)
+            out[name] = param
         for suffix in MOMENT_SUFFIXES:
             full = torch.empty(tuple(b - a for a, b in region), dtype=source[name].dtype, device=source[name].device)
             for i, s in enumerate(sl):

@@ -15,8 +15,10 @@ Launcher -> worker (control pipe):
 * ``Resume(epoch)``: every device switched: adopt the new program and train from ``step + 1``.
 * ``Finish()``: the last step is done: save, write traces, leave the world, exit.
 
-Worker -> launcher (report pipe): ``Ready(gen, step)``, ``Left(gen)``, ``Switched(epoch, times)``, plus the
-plain run's words (runtime/launch/messages.py; ``FaultFiring`` times a failure).
+Worker -> launcher (report pipe): ``Ready(gen, step)``, ``Left(gen)``, ``Switched(epoch, times)``,
+``Interrupted(gen, report)`` (a committed step whose ZeRO-1 parameter all-gather failed: its statistics, in
+place of its ``StepDone``), plus the plain run's words (runtime/launch/messages.py; ``FaultFiring`` times a
+failure).
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ class Transition:
     steps_done: int  # optimizer steps in the state; training continues with steps_done + 1
     bsr: BsrPlan  # the fused BSR of every parameter and AdamW moment (computed once, by the launcher)
     world: World | None  # form this world first (after a failure); None keeps the current one
+    # ZeRO-1: the committed step's parameter all-gather did not finish, so a sharded slice's parameters are
+    # final only on its chunks' holders: the first round rebuilds them from there, with the moments.
+    ungathered: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,16 @@ class Ready:
 @dataclass(frozen=True)
 class Left:
     generation: int
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """Committed step ``report.step`` failed after its update, in ZeRO-1's parameter all-gather: what the step
+    measured (the loss and norm were final before the commit), and that this device's parameters are final only
+    on its own chunks."""
+
+    generation: int
+    report: object  # runtime.launch.options.StepReport
 
 
 @dataclass(frozen=True)

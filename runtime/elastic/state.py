@@ -112,14 +112,20 @@ def _zero_layout(h: StrategyHandle) -> dict[str, tuple[ZeroSlice, ...]]:
     return strategy_zero_slices(strategy_annotations(h), h.training, h.cluster)
 
 
-def plan_moment_gather(src: StrategyHandle, excluded: Iterable[int] = ()) -> BsrPlan | None:
+def plan_moment_gather(src: StrategyHandle, excluded: Iterable[int] = (), *,
+                       ungathered: bool = False) -> BsrPlan | None:
     """The first round of a switch from a ZeRO-1 plan: every surviving replica of each sharded slice
     gets the slice's full moments (1-D, ``moment_key``) from the surviving copies of its chunks. None
-    without ZeRO-1. Raises HspmdError when a chunk has no surviving copy (check ``lost_moments``)."""
+    without ZeRO-1. Raises HspmdError when a chunk has no surviving copy (check ``lost_moments``).
+
+    ``ungathered``: the committed step's parameter all-gather did not finish, so each slice's parameters are
+    also rebuilt from its chunks' holders (who updated them; the other replicas may hold either step's
+    values). That is the all-gather redone among the survivors, in the same round as the moments."""
     slices = moment_slices(src)
     if not slices:
         return None
     out = frozenset(excluded)
+    suffixes = (STATE_SUFFIXES if ungathered else MOMENT_SUFFIXES)
     moves = []
     for name, sl in slices.items():
         for i, s in enumerate(sl):
@@ -128,7 +134,7 @@ def plan_moment_gather(src: StrategyHandle, excluded: Iterable[int] = ()) -> Bsr
                 raise HspmdError(f"{name}: the ZeRO-1 moments of slice {i} have no surviving copy")
             want = Annotation.spmd([d for d in s.devices if d not in out])
             moves.extend(TensorMove(moment_key(name, suffix, i), (s.numel,), STATE_DTYPE, have, want)
-                         for suffix in MOMENT_SUFFIXES)
+                         for suffix in suffixes)
     return plan_bsr(moves, bandwidth=src.ctx.cluster, excluded=tuple(sorted(out)))
 
 

@@ -7,7 +7,10 @@ What differs from runtime/launch/worker.py's ``train_worker``:
   when every device of the plan is ready, so either every survivor applies it or none does, and a
   step interrupted by a failure is redone on the new plan from exactly the committed state. (The
   alternative, keeping a copy of the state to undo an update, costs a second copy of every parameter
-  and moment; the agreement costs one pipe round trip per step.)
+  and moment; the agreement costs one pipe round trip per step.) Under ZeRO-1 the parameter all-gather
+  follows the update: a failure inside it leaves the committed step half-gathered; the worker then says
+  ``Interrupted`` (with the step's statistics) and keeps its updated chunks, from which the recovery
+  rebuilds the parameters (runtime/elastic/move.py).
 * **Leaving a generation.** When a step fails (a peer vanished) or the launcher aborts it, the worker
   keeps its state as plain tensors and drops every reference to its program and process groups and
   destroys them. Dropping them closes the gloo sockets, so a peer blocked on this worker errors at
@@ -25,7 +28,18 @@ import time
 from typing import Any
 
 from runtime.elastic.move import move_state
-from runtime.elastic.protocol import Abort, Commit, Finish, Left, Ready, Resume, Switched, Transition, World
+from runtime.elastic.protocol import (
+    Abort,
+    Commit,
+    Finish,
+    Interrupted,
+    Left,
+    Ready,
+    Resume,
+    Switched,
+    Transition,
+    World,
+)
 from runtime.launch.messages import StepDone, Up
 from runtime.launch.options import WorkerSpec
 from runtime.launch.session import Reporter, Session
@@ -99,13 +113,17 @@ class ElasticWorker(Session):
         """Run one step; "next"/"hold" after a committed step, "left" after an abandoned one."""
         gen = self.world.generation if self.world is not None else -1
         then: list[str] = []
+        seen: list[Any] = []  # the step's statistics, final before the commit
+        t0 = time.perf_counter()
 
-        def before_update() -> None:
+        def before_update(stats: Any) -> None:
             self.report(Ready(gen, step))
             while True:
                 msg = self.inbox.next(self.options.timeout_s + 3600.0)
                 if isinstance(msg, Commit) and msg.generation == gen and msg.step == step:
                     then.append(msg.then)
+                    self.fire_fault(step, "after-commit")
+                    seen.append(stats)
                     return
                 if isinstance(msg, Abort) and msg.generation == gen:
                     raise Aborted()
@@ -119,6 +137,8 @@ class ElasticWorker(Session):
         except Aborted:
             failed = True
         except Exception as exc:  # noqa: BLE001 - a peer vanished mid-step (or a bug: the launcher decides)
+            if seen:  # committed: the update ran, the parameter all-gather (ZeRO-1) did not finish
+                self.report(Interrupted(gen, self.step_report(step, seen[0], time.perf_counter() - t0)))
             self.report(classify(exc))
             failed = True
             del exc  # its traceback holds the program's frames: they must go for the sockets to close
@@ -173,7 +193,8 @@ class ElasticWorker(Session):
             t2 = time.perf_counter()
             # A planned switch reads the running program's state; after a failure it was kept as tensors.
             source = self.program.local_state() if self.program is not None else (self.held or {})
-            move_state(t.bsr, source, self.groups, program, t.steps_done, self.device, t.source)
+            move_state(t.bsr, source, self.groups, program, t.steps_done, self.device, t.source,
+                       ungathered=t.ungathered)
             del source
             t3 = time.perf_counter()
         except Exception as exc:  # noqa: BLE001 - a peer vanished mid-switch (or a bug: the launcher decides)

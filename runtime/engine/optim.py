@@ -158,6 +158,21 @@ def flat_range(view: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return view[r0:r1].reshape(-1)[start - r0 * inner:stop - r0 * inner]
 
 
+def write_flat_range(view: torch.Tensor, start: int, stop: int, values: torch.Tensor) -> None:
+    """Set elements [start, stop) of ``view``'s row-major flattening to ``values`` (``flat_range`` may copy)."""
+    if view.dim() <= 1:
+        view[start:stop].copy_(values)
+        return
+    if view.is_contiguous():
+        view.view(-1)[start:stop].copy_(values)
+        return
+    inner = view.numel() // view.shape[0]
+    r0, r1 = start // inner, -(-stop // inner)
+    rows = view[r0:r1].reshape(-1).clone()
+    rows[start - r0 * inner:stop - r0 * inner] = values
+    view[r0:r1].copy_(rows.view(view[r0:r1].shape))
+
+
 class _Entry(NamedTuple):
     name: str
     region: Region  # the slice (global)
@@ -276,7 +291,9 @@ class ShardedAdamW:
         the oldest never blocks a peer that waits for an earlier one.
         """
         pending: deque[tuple[Any, torch.Tensor, _Bucket]] = deque()
-        updated, self._updated = self._updated, []
+        # The updated chunks stay pending until every bucket is back: a failure in between leaves the slices
+        # half-gathered, and ``state`` then writes them in (elastic recovery rebuilds the rest from them).
+        updated = self._updated
         for b, packed in zip(self.buckets, updated):
             mine = b.sends(packed)
             if mine.numel() < b.width:
@@ -287,6 +304,20 @@ class ShardedAdamW:
                 self._finish(*pending.popleft())
         while pending:
             self._finish(*pending.popleft())
+        self._updated = []
+
+    def _settle(self) -> None:
+        """After an interrupted ``gather``: this device's updated chunks into its parameters. The other
+        elements of a slice are then of either step (whatever buckets arrived); this device's chunks, like its
+        moments, are the committed step's."""
+        for b, packed in zip(self.buckets, self._updated):
+            off = 0
+            for e in b.entries:
+                n = e.stop - e.start
+                if n:
+                    write_flat_range(self.shards[e.name][e.index], e.start, e.stop, packed[off:off + n])
+                off += n
+        self._updated = []
 
     def _finish(self, work: Any, gathered: torch.Tensor, bucket: _Bucket) -> None:
         work.wait()
@@ -316,7 +347,10 @@ class ShardedAdamW:
 
     def state(self) -> dict[str, torch.Tensor]:
         """Like ``LocalAdamW.state``, except that a sharded parameter's moments are 1-D: this device's
-        chunks of its slices, in ``self.pieces[name]`` order."""
+        chunks of its slices, in ``self.pieces[name]`` order. After an interrupted ``gather`` a sharded
+        parameter is final only on this device's chunks (``_settle``)."""
+        if self._updated:
+            self._settle()
         out = self.rest.state() if self.rest is not None else {}
         for name in self.pieces:
             out[name] = self.shards[name]

@@ -128,14 +128,15 @@ class DeviceProgram:
         return strategy_groups(strategy.strategy, strategy.model, strategy.training)
 
     def train_step(self, global_batch: torch.Tensor | StepBatch, *,
-                   before_update: Callable[[], None] | None = None) -> StepStats:
+                   before_update: Callable[[StepStats], None] | None = None) -> StepStats:
         """One optimizer step; ``global_batch`` [global_batch, seq_len + 1] is the same on every rank, or
         a ``StepBatch`` of packed documents (runtime/engine/microbatch.py), also the same on every rank.
 
         ``before_update`` runs after the last communication of the step, before the optimizer changes
-        any state: elastic training agrees there whether to commit the step; if it raises, the step is
-        abandoned and the program's state is exactly as before it. (With ZeRO-1 the parameter all-gather
-        follows the update, which is one reason elastic runs refuse ``zero: true``.)
+        any state, with the step's statistics (final there): elastic training agrees there whether to commit
+        the step; if it raises, the step is abandoned and the program's state is exactly as before it. (With
+        ZeRO-1 the parameter all-gather follows the update: a failure inside it leaves a committed step
+        half-gathered, which elastic recovery repairs from the chunks' copies.)
         """
         t = self.ctx.strategy.training
         role = self.role
@@ -176,8 +177,10 @@ class DeviceProgram:
             with self._span("comm", "step_stats"):
                 dist.all_reduce(stats, group=self._stats_group)
         norm = stats[1].sqrt()
-        if before_update is not None:
-            before_update()
+        if before_update is not None:  # (reading the statistics waits for the device: only when asked)
+            before_update(StepStats(loss=float(stats[0]) / denominator if denominator else 0.0,
+                                    grad_norm=float(norm), tokens=tokens, compute_s=self._times["compute"],
+                                    comm_s=self._times["comm"]))
         zero = self.optimizer if isinstance(self.optimizer, ShardedAdamW) else None
         with self._span("compute", "optimizer"):
             if zero is None:

@@ -11,23 +11,30 @@ from runtime.dispatch import StrategyCost
 from runtime.precision import PRECISIONS, Precision
 
 FaultKind = Literal["error", "user-error", "exit", "kill", "hang"]
+FaultPoint = Literal["start", "after-commit"]
 
 
 @dataclass(frozen=True)
 class Fault:
-    """An injected failure (tests, demos): at the start of ``step`` the worker of ``device`` ...
+    """An injected failure (tests, demos): at ``point`` of ``step`` the worker of ``device`` ...
 
     error: raises RuntimeError (a bug); user-error: raises HspmdError; exit: exits with status 3
     without a word; kill: SIGKILLs itself; hang: SIGSTOPs itself (only the heartbeat can tell).
+
+    point: "start" (of the step), or "after-commit" (elastic runs: as the committed step's optimizer update
+    and ZeRO-1 parameter all-gather begin, so that its peers are left inside that all-gather).
     """
 
     device: int
     step: int
     kind: FaultKind
+    point: FaultPoint = "start"
 
     def __post_init__(self) -> None:
         if self.kind not in get_args(FaultKind):
             raise ValueError(f"unknown fault kind {self.kind!r}")
+        if self.point not in get_args(FaultPoint):
+            raise ValueError(f"unknown fault point {self.point!r}")
         if self.step < 1:
             raise ValueError(f"fault step must be at least 1, got {self.step}")
 

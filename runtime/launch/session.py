@@ -20,7 +20,7 @@ from typing import Any
 
 from runtime.errors import HspmdError
 from runtime.launch.messages import FaultFiring, Log
-from runtime.launch.options import Fault, LengthsStep, StepReport, TrainOptions, WorkerSpec
+from runtime.launch.options import Fault, FaultPoint, LengthsStep, StepReport, TrainOptions, WorkerSpec
 from runtime.spec import PlanContext
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.plan import TrainingSettings
@@ -128,7 +128,7 @@ class Session:
         self._targets: dict[str, Any] = {}  # sleep mode: each built strategy's block pricing, by name
         if self.emulator is not None:
             report(Log(emulation_line(self.me, self.emulator)))
-        self.faults = {f.step: f for f in options.faults if f.device == self.me}
+        self.faults = {(f.step, f.point): f for f in options.faults if f.device == self.me}
         self.ranks: dict[int, int] = {}  # device -> rank in the current world
         self.groups: Any = None  # its ProcessGroups
 
@@ -202,24 +202,28 @@ class Session:
             self.report(Log(f"loaded {load_dir} (step {done})"))
         return done
 
-    def fire_fault(self, step: int) -> None:
-        """An injected fault due at the start of ``step`` (once: a step redone after a failure runs clean)."""
-        fault = self.faults.pop(step, None)
+    def fire_fault(self, step: int, point: FaultPoint = "start") -> None:
+        """An injected fault due at ``point`` of ``step`` (once: a step redone after a failure runs clean)."""
+        fault = self.faults.pop((step, point), None)
         if fault is not None:
             self.report(FaultFiring(fault.kind, time.time()))
             inject(fault)
 
-    def step(self, program: Any, step: int, before_update: Callable[[], None] | None = None) -> StepReport:
+    def step(self, program: Any, step: int, before_update: Callable[[Any], None] | None = None) -> StepReport:
         """Run ``step`` (the exceptions of a failed step pass through)."""
         return self.run_step(program, step, self.source.batch(step), before_update)
 
-    def run_step(self, program: Any, step: int, batch: Any, before_update: Callable[[], None] | None = None,
+    def run_step(self, program: Any, step: int, batch: Any, before_update: Callable[[Any], None] | None = None,
                  lengths: LengthsStep | None = None) -> StepReport:
         """One step of ``program`` on ``batch`` (windows, or a documents run's packed ``StepBatch``)."""
         with self.recorder.span("step", f"step {step}") if self.recorder is not None else nullcontext():
             t0 = time.perf_counter()
             stats = program.train_step(batch, before_update=before_update)
             wall = time.perf_counter() - t0
+        return self.step_report(step, stats, wall, lengths)
+
+    def step_report(self, step: int, stats: Any, wall: float, lengths: LengthsStep | None = None) -> StepReport:
+        """What this worker reports of ``step`` (``stats``: the program's ``StepStats``)."""
         return StepReport(step=step, rank=self.rank, device=self.me, loss=float(stats.loss),
                           grad_norm=float(stats.grad_norm), tokens=int(stats.tokens), wall_s=wall,
                           compute_s=float(stats.compute_s), comm_s=float(stats.comm_s),
@@ -541,7 +545,7 @@ def document_steps(session: Session) -> DocumentSteps:
 
 
 def documents_step(session: Session, steps: DocumentSteps, step: int,
-                   before_update: Callable[[], None] | None = None) -> StepReport:
+                   before_update: Callable[[Any], None] | None = None) -> StepReport:
     """One documents step as the session reports it (an idle device reports that it sat the step out)."""
     program, batch, info = steps.prepare(step)
     if program is None:

@@ -147,7 +147,7 @@ def test_cli_elastic_run_replans_with_the_planner_and_logs_the_costs(tmp_path):
     metrics = tmp_path / "m.jsonl"
     proc = subprocess.run([sys.executable, "-m", "hetu_cli", "train", "--plan", str(plan), "--steps", "4",
                            "--elastic", "--kill-device", "0", "--at-step", "3", "--metrics", str(metrics),
-                           "--save", str(tmp_path / "ck"), "--timeout", "20"],
+                           "--save", str(tmp_path / "ck"), "--timeout", "20", "--no-preplan"],  # planned at the failure
                           cwd=REPO, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr
     assert "device 0 failed during step 3" in proc.stdout

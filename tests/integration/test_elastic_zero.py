@@ -24,6 +24,7 @@ from elastic_helpers import (
 
 from runtime.elastic.coordinator import ElasticPolicy
 from runtime.elastic.state import moment_slices
+from runtime.errors import HspmdError
 from runtime.launch import Fault, TrainOptions, launch
 from runtime.spec import load_plan, load_plan_context, save_plan
 from runtime.spec.handle import StrategyHandle
@@ -83,6 +84,58 @@ def test_a_killed_holder_is_replaced_from_the_other_copies(plans, tmp_path, dead
     survivors = [d for d in range(4) if d != dead]
     assert e["event"] == "failure" and e["failed"] == [dead] and e["survivors"] == survivors
     assert e["moment_rebuild_bytes"] > 0 and e["switch_bytes"] >= e["moment_rebuild_bytes"]
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
+
+
+@pytest.mark.parametrize("dead", [0, 1, 2, 3])
+def test_a_holder_killed_inside_the_parameter_all_gather_is_recovered(plans, tmp_path, dead: int) -> None:
+    # The kill fires once step 2 is committed, as the update and the all-gather begin: the survivors have
+    # updated their chunks and are left inside the all-gather; step 2 stays committed, step 3 runs on z3-dead.
+    calls: list = []
+    events: list[dict] = []
+    options = TrainOptions(plan=plans["z4"], steps=STEPS, elastic=True, save_dir=tmp_path / "ck", **FAST,
+                           faults=(Fault(device=dead, step=2, kind="kill", point="after-commit"),))
+    summary = launch(options, ElasticPolicy(fixed_replan(plans[f"z3-{dead}"], calls), on_event=events.append))
+    assert multiprocessing.active_children() == []
+    expected, trainer = reference(plans["z4"], STEPS)
+    records = summary.records
+    assert [r.step for r in records] == [1, 2, 3, 4]
+    assert [r.loss for r in records] == pytest.approx(expected, rel=1e-5)
+    assert [r.strategy for r in records] == ["z4", "z4", f"z3-{dead}", f"z3-{dead}"]
+    assert calls == [(frozenset({dead}), "z4")]
+    (e,) = events
+    assert e["event"] == "failure" and e["failed"] == [dead] and e["step"] == 3 and e["in_param_gather"]
+    assert e["moment_rebuild_bytes"] > 0
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
+
+
+def test_a_failure_planned_ahead_switches_to_the_cached_plan_without_planning(plans, tmp_path) -> None:
+    # The background replanner knows a plan for each single device lost (none for a node): the failure of
+    # device 1 at step 3 finds its survivor set planned and the foreground replanner is never asked.
+    ahead: list = []
+    foreground: list = []
+    events: list[dict] = []
+
+    def plan_ahead(failed, ctx, strategy, steps_left):
+        ahead.append(failed)
+        if len(failed) != 1:
+            raise HspmdError("no plan for a node here")
+        return load_plan_context(plans[f"z3-{next(iter(failed))}"])
+
+    options = TrainOptions(plan=plans["z4"], steps=STEPS, elastic=True, save_dir=tmp_path / "ck", **FAST,
+                           faults=(Fault(device=1, step=3, kind="kill"),))
+    policy = ElasticPolicy(fixed_replan(plans["z3-1"], foreground), on_event=events.append, preplan=plan_ahead)
+    summary = launch(options, policy)
+    expected, trainer = reference(plans["z4"], STEPS)
+    assert [r.loss for r in summary.records] == pytest.approx(expected, rel=1e-5)
+    assert [r.strategy for r in summary.records] == ["z4", "z4", "z3-1", "z3-1"]
+    assert foreground == []
+    # every device of the running layout, then each node (two of its devices) -- and, after the switch,
+    # the new layout's devices and nodes, planned ahead again with device 1 already lost
+    assert ahead[:6] == [frozenset({d}) for d in range(4)] + [frozenset({0, 1}), frozenset({2, 3})]
+    assert set(ahead[6:]) <= {frozenset({1, d}) for d in (0, 2, 3)} | {frozenset({1, 2, 3})}
+    (e,) = events
+    assert e["event"] == "failure" and e["failed"] == [1] and e["preplanned"] is True and e["replanned"]
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
 
 

@@ -31,8 +31,11 @@ def test_a_failed_measured_part_still_prints_the_modelled_figures(monkeypatch, c
     def small_model(steps):
         calls.append(("modelled", steps))
         return {"modelled_goodput_over_restart": 1.25, "modelled_goodput_over_oobleck_like": 1.5,
+                "modelled_goodput_over_megatron_restart": 1.75,
                 "modelled_goodput_over_restart_same_checkpoints": 1.2,
-                "modelled_goodput_over_oobleck_like_same_checkpoints": 1.4, "steps": steps}
+                "modelled_goodput_over_oobleck_like_same_checkpoints": 1.4, "steps": steps,
+                **{name: {"initial_step_time_s": s} for name, s in
+                   (("hspmd", 6.0), ("restart", 5.9), ("megatron_restart", 7.5), ("oobleck_like", 6.0))}}
 
     monkeypatch.setattr(bench, "measured_part", measured_fails)
     monkeypatch.setattr(bench, "modelled", small_model)
@@ -46,6 +49,9 @@ def test_a_failed_measured_part_still_prints_the_modelled_figures(monkeypatch, c
     assert out["goodput_over_restart"] is None
     assert out["modelled_goodput_over_restart"] == 1.25 and out["modelled_goodput_over_oobleck_like"] == 1.5
     assert out["modelled_goodput_over_restart_same_checkpoints"] == 1.2
+    assert out["modelled_goodput_over_megatron_restart"] == 1.75
+    assert out["modelled_restart_step_time_s"] == 5.9 and out["modelled_megatron_restart_step_time_s"] == 7.5
+    assert out["modelled_hspmd_step_time_s"] == 6.0
     assert "measured part unavailable" in captured.err
 
 

@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from planner.baselines import best_symmetric, best_symmetric_subset
+from planner.cost import CostModel
 from planner.replan import (
     MEGATRON_NCCL_TIMEOUT_S,
     TraceModel,
@@ -23,6 +25,7 @@ from planner.replan import (
     young_interval_steps,
 )
 from runtime.elastic.events import parse_trace
+from runtime.elastic.preplan import candidates
 from runtime.errors import HspmdError
 from runtime.launch.options import ELASTIC_HEARTBEAT_TIMEOUT_S, node_loss_detect_s
 from runtime.profiling.profile import resolve_profiles
@@ -190,3 +193,65 @@ def test_losing_the_coordinators_node_restarts_hspmd_from_its_checkpoint(two_nod
     assert lost["parts_s"]["lost_work"] == pytest.approx(hc["interval_steps"] / 2 * lost["step_time_after_s"])
     with pytest.raises(HspmdError, match="coordinator_node: 'c' is not a node"):
         model_trace(handle, trace.events, 400, profiles, TraceModel(coordinator_node="c"))
+
+
+def test_megatron_restart_runs_the_best_symmetric_plan_on_the_whole_nodes_left(two_nodes):
+    handle, profiles = two_nodes
+    steps = 400
+    trace = parse_trace({"events": [{"step": 50, "action": "kill", "node": "a"}]}, handle.ctx.cluster,
+                        handle.devices, "t.yaml")
+    model = TraceModel(time_limit_s=5.0, coordinator_node="b")
+    out = model_trace(handle, trace.events, steps, profiles, model)
+    t = handle.ctx.plan.training
+
+    def symmetric_s(devices):  # Megatron's layout: the best symmetric plan, over all of them or one type's
+        cms = {b: CostModel(handle.ctx.model, handle.ctx.cluster, profiles, micro_batch=b, seq_len=t.seq_len)
+               for b in (1, 2, 4, 8) if t.global_batch % b == 0}
+        found = [f(cms, devices, t.global_batch, 1) for f in (best_symmetric, best_symmetric_subset)]
+        return min(b.estimate.step_time_s for b in found if b.estimate is not None)
+
+    s0, s1 = symmetric_s([0, 1, 2, 3]), symmetric_s([2, 3])  # node a (0, 1) lost at step 50
+    ck = restart_cost(handle.ctx.model, out["initial_step_time_s"], model.restart)
+    interval = min(young_interval_steps(ck.write_s, s0, steps * s0, 1) or steps, steps)
+    lost = MEGATRON_NCCL_TIMEOUT_S + ck.read_s + model.restart.restart_s + interval / 2 * s1
+    total = 49 * s0 + (steps - 49) * s1 + lost + steps // interval * ck.write_s
+    m = out["megatron_restart"]
+    assert m["initial_step_time_s"] == pytest.approx(s0)
+    (e,) = m["events"]
+    assert e["step_time_after_s"] == pytest.approx(s1) and e["devices_after"] <= 2 and e["nodes_dropped"] == ["a"]
+    assert e["cost_s"] == pytest.approx(lost)
+    assert m["checkpoint"]["interval_steps"] == interval
+    assert m["total_s"] == pytest.approx(total)
+    assert out["modelled_goodput_over_megatron_restart"] == pytest.approx(total / out["hspmd"]["total_s"])
+    # the planned restart line is unchanged by it, and can be left out
+    alone = model_trace(handle, trace.events, steps, profiles, replace(model, megatron_restart=False))
+    assert "megatron_restart" not in alone and "modelled_goodput_over_megatron_restart" not in alone
+    assert alone["restart"]["total_s"] == pytest.approx(out["restart"]["total_s"])
+
+
+def test_a_loss_planned_ahead_costs_a_lookup_when_the_layout_ran_long_enough_to_plan_it(two_nodes):
+    handle, profiles = two_nodes
+    trace = parse_trace({"events": [{"step": 150, "action": "kill", "devices": [1]},
+                                    {"step": 300, "action": "kill", "devices": [0, 2]}]},
+                        handle.ctx.cluster, handle.devices, "t.yaml")
+    on = model_trace(handle, trace.events, 400, profiles, TraceModel(time_limit_s=5.0, coordinator_node="b"))
+    off = model_trace(handle, trace.events, 400, profiles,
+                      TraceModel(time_limit_s=5.0, coordinator_node="b", preplan=False))
+    first = on["hspmd"]["events"][0]
+    # device 1 alone is a candidate of the layout; it is planned ahead when 149 steps at the layout's step time
+    # cover one replan per candidate (each device, and each node with two of the layout's devices) at this
+    # event's planner wall time
+    n = len(candidates(handle, set(range(4))))
+    ran = 149 * first["step_time_before_s"]
+    assert first["preplanned"] == (ran >= n * first["planner_wall_s"])
+    if first["preplanned"]:
+        assert first["parts_s"]["replan"] < first["planner_wall_s"]
+    else:
+        assert first["parts_s"]["replan"] == first["planner_wall_s"]
+    assert first["cost_s"] == pytest.approx(sum(first["parts_s"].values()))
+    # devices 0 and 2 together are neither one device nor one node: planned at the failure
+    second = on["hspmd"]["events"][1]
+    assert not second.get("preplanned", False)
+    # without it every replan is charged the planner's wall time
+    assert all(e["parts_s"]["replan"] == e["planner_wall_s"] and not e["preplanned"]
+               for e in off["hspmd"]["events"] if "planner_wall_s" in e)

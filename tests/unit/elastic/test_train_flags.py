@@ -28,6 +28,8 @@ def run(*args: str):
      "error: device(s) [1] given to both --kill-device and --hang-device"),
     (["--kill-device", "9", "--at-step", "2"],
      "error: fault injection: device(s) [9] run no worker in this run (devices 0, 1, 2, 3)"),
+    (["--kill-device", "1", "--at-step", "2", "--fault-point", "after-commit"],
+     "error: --fault-point after-commit: only an elastic run commits steps; add --elastic"),
     (["--switch", "three:x.yaml"],
      "error: --switch: expected STEP:PLAN such as 10:other-plan.yaml, got 'three:x.yaml'"),
     (["--switch", "3:nope.yaml"], "error: nope.yaml: --switch: file not found"),

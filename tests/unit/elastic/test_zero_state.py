@@ -79,3 +79,21 @@ def test_switches_take_two_copies_and_refuse_one() -> None:
     check_compatible(with_copies(src).ctx, src.ctx)
     with pytest.raises(HspmdError, match="zero_redundancy: 2"):
         check_compatible(with_copies(src, 1).ctx, src.ctx)
+
+
+@pytest.mark.parametrize("dead", [0, 1, 2, 3])
+def test_after_an_interrupted_all_gather_the_parameters_are_rebuilt_from_the_chunk_holders(dead: int) -> None:
+    src = with_copies(with_strategy(load_plan_context(EMU8), [(1, [((d,), (0, 6))]) for d in range(4)]))
+    moments = plan_moment_gather(src, [dead])
+    both = plan_moment_gather(src, [dead], ungathered=True)
+    slices = {f"{s.name}@{i}": s for sl in moment_slices(src).values() for i, s in enumerate(sl)}
+    params = {i: t for i, t in enumerate(both.tensors) if t.name in slices}
+    # Each slice's parameters ride with its moments: the same size, to every surviving replica, whole.
+    assert len(params) == len(slices) and len(both.tensors) == 3 * len(slices)
+    assert both.total_bytes == pytest.approx(1.5 * moments.total_bytes)
+    for i, tensor in params.items():
+        s = slices[tensor.name]
+        assert sorted(tensor.dst.devices) == sorted(d for d in s.devices if d != dead)
+        for t in (t for t in both.transfers if t.tensor == i):
+            a, b = s.chunk(t.src)
+            assert t.src != dead and a <= t.region[0][0] and t.region[0][1] <= b  # only a holder's own chunk

@@ -16,7 +16,7 @@ from runtime.annotations.from_plan import strategy_annotations
 from runtime.annotations.states import region_index
 from runtime.comm.gradsync import BUCKET_BYTES
 from runtime.engine.describe import describe_program
-from runtime.engine.optim import flat_range
+from runtime.engine.optim import flat_range, write_flat_range
 from runtime.engine.zero import moment_pieces, zero_buckets, zero_slices
 from runtime.models.params import llama_parameters
 from runtime.spec import PlanContext, load_plan, load_plan_context, save_plan
@@ -68,6 +68,22 @@ def test_flat_range_of_a_column_slice_is_the_flattened_slice(rows: int, cols: in
     start = data.draw(st.integers(0, view.numel()))
     stop = data.draw(st.integers(start, view.numel()))
     assert torch.equal(flat_range(view, start, stop), view.reshape(-1)[start:stop])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(2, 9), st.data())
+def test_write_flat_range_sets_exactly_those_elements_of_a_column_slice(rows: int, cols: int, data) -> None:
+    full = torch.arange(rows * cols * 2, dtype=torch.float32).reshape(rows, cols * 2)
+    c0 = data.draw(st.integers(0, cols))
+    view = full[:, c0:c0 + cols]
+    start = data.draw(st.integers(0, view.numel()))
+    stop = data.draw(st.integers(start, view.numel()))
+    want = full.clone()
+    flat = want[:, c0:c0 + cols].reshape(-1).clone()
+    flat[start:stop] = -1.0 - torch.arange(stop - start, dtype=torch.float32)
+    want[:, c0:c0 + cols] = flat.view(rows, cols)
+    write_flat_range(view, start, stop, -1.0 - torch.arange(stop - start, dtype=torch.float32))
+    assert torch.equal(full, want)
 
 
 def test_description_lists_the_all_gathers_only_with_zero() -> None:

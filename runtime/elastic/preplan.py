@@ -1,0 +1,135 @@
+"""Replans planned ahead: between failures the coordinator plans, in the background, what it would switch to
+after the loss of each single device and each whole node of the running layout, so that such a failure
+switches without planning (the foreground replan is most of an in-memory recovery's time at paper scale).
+
+* **Bounded**: one replan per candidate (the layout's devices, then its nodes), each bounded by the planner's
+  own time limit; nothing else is planned until the layout changes.
+* **Cancellable**: a stop flag checked between candidates; a replan in flight when it is set finishes (it
+  cannot be interrupted) but its result is dropped. The coordinator stops the work when a failure strikes
+  (the recovery must not share the CPU with it) and when the run finishes.
+* **Never delaying a step boundary**: the work runs on a daemon thread; the supervisor loop only starts it,
+  looks plans up and stops it. The planner is Python and HiGHS, so it shares the interpreter lock with the
+  loop, which gets it back within the interpreter's switch interval (milliseconds: nothing against a step).
+  On an emulated cluster it also shares the host's cores with the workers.
+* **Keyed by the survivor set** of the running layout (its devices less the failed ones: what the planner
+  plans on); the cache belongs to one layout (one ``StrategyHandle``) and is replaced when the layout changes.
+  The plans are made with the steps left when planned: a replan weighs a switch against the steps left, so a
+  pre-planned choice may differ from a fresh one made later (the same candidates, a slightly older horizon).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+
+from runtime.errors import HspmdError
+from runtime.spec import PlanContext
+from runtime.spec.handle import StrategyHandle
+
+Replanner = Callable[[frozenset[int], PlanContext, str, int], PlanContext]
+"""``replan(failed devices, current plan, current strategy, steps left) -> plan for the survivors`` (its
+first strategy is used; the steps left, the failed one included, weigh a candidate's switch against its
+step time). Supplied by the CLI (which calls the planner); the runtime never imports it."""
+
+
+@dataclass(frozen=True)
+class Preplanned:
+    """The plan for one survivor set, and the planner's wall time that made it."""
+
+    context: PlanContext
+    plan_s: float
+
+
+def survivors(ref: StrategyHandle, failed: Collection[int]) -> tuple[int, ...]:
+    """The cache key: the layout's devices that are not in ``failed``."""
+    return tuple(d for d in ref.devices if d not in failed)
+
+
+def candidates(ref: StrategyHandle, alive: Collection[int]) -> list[frozenset[int]]:
+    """The losses planned ahead, in order: each device of the layout, then each node's devices that are up
+    (a node's loss fails all of them) where the node holds more than one of the layout's devices."""
+    out = [frozenset({d}) for d in ref.devices]
+    nodes: dict[str, set[int]] = {}
+    for d in ref.cluster.devices:
+        if d.id in alive:
+            nodes.setdefault(d.node, set()).add(d.id)
+    for _, devs in sorted(nodes.items()):
+        if len(devs & set(ref.devices)) > 1:
+            out.append(frozenset(devs))
+    return out
+
+
+class Preplanner:
+    """The background planning of one layout at a time (see the module docstring)."""
+
+    def __init__(self, replan: Replanner) -> None:
+        self.replan = replan
+        self.ref: StrategyHandle | None = None  # the layout the cache is for
+        self._plans: dict[tuple[int, ...], Preplanned] = {}
+        self._lock = threading.Lock()
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._notes: list[str] = []
+
+    def begin(self, ref: StrategyHandle, losses: Iterable[frozenset[int]], failed_before: frozenset[int],
+              steps_left: int) -> None:
+        """Stop the work in progress; plan ahead for ``losses`` of ``ref`` (``failed_before``: devices already
+        lost, passed on to the replanner as a failure would)."""
+        self.stop()
+        stop = threading.Event()
+        with self._lock:
+            self.ref, self._plans, self._stop = ref, {}, stop
+        work = [set_ for set_ in losses if set_ & set(ref.devices)]
+        self._thread = threading.Thread(target=self._work, args=(ref, work, failed_before, steps_left, stop),
+                                        name="hspmd-preplan", daemon=True)
+        self._thread.start()
+
+    def _work(self, ref: StrategyHandle, work: list[frozenset[int]], failed_before: frozenset[int],
+              steps_left: int, stop: threading.Event) -> None:
+        done = 0
+        t_all = time.perf_counter()
+        for lost in work:
+            if stop.is_set():
+                return
+            t0 = time.perf_counter()
+            try:
+                ctx = self.replan(failed_before | lost, ref.ctx, ref.name, steps_left)
+            except HspmdError:
+                continue  # no plan for it: a failure of that set plans in the foreground (and says why)
+            except Exception as err:  # noqa: BLE001 - a planner bug must not end the run from this thread
+                self._note(f"pre-planning the loss of device(s) {sorted(lost)} failed: {err!r}")
+                continue
+            with self._lock:
+                if stop.is_set() or self.ref is not ref:
+                    return
+                self._plans[survivors(ref, lost)] = Preplanned(ctx, time.perf_counter() - t0)
+            done += 1
+        self._note(f"pre-planned {done} of {len(work)} single-device and node losses of {ref.describe()} in "
+                   f"{time.perf_counter() - t_all:.3f} s (background)")
+
+    def _note(self, line: str) -> None:
+        with self._lock:
+            self._notes.append(line)
+
+    def notes(self) -> list[str]:
+        """Log lines of the background work since the last call (the supervisor loop logs them)."""
+        with self._lock:
+            out, self._notes = self._notes, []
+        return out
+
+    def lookup(self, ref: StrategyHandle, failed: Collection[int]) -> Preplanned | None:
+        """The plan made ahead for the survivors of ``failed`` in layout ``ref`` (None: not planned)."""
+        with self._lock:
+            if self.ref is not ref:
+                return None
+            return self._plans.get(survivors(ref, failed))
+
+    def stop(self) -> None:
+        """No new replan starts; the one in flight is dropped when done. The plans made so far stay."""
+        if self._stop is not None:
+            self._stop.set()
+
+
+__all__ = ["Preplanned", "Preplanner", "candidates", "survivors"]

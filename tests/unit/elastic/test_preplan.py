@@ -1,0 +1,85 @@
+"""runtime/elastic/preplan.py: the losses planned ahead for a layout, the cache keyed by its survivor set and
+replaced with the layout, and a stop that lets no further replan start."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from test_state import EMU8, with_strategy
+
+from runtime.elastic.preplan import Preplanner, candidates, survivors
+from runtime.errors import HspmdError
+from runtime.spec import load_plan_context
+
+
+def layouts():
+    ctx = load_plan_context(EMU8)
+    four = with_strategy(ctx, [(1, [((d,), (0, 6))]) for d in range(4)], "four")
+    three = with_strategy(ctx, [(1, [((d,), (0, 6))]) for d in (0, 2, 3)], "three")
+    return ctx, four, three
+
+
+def wait_for(cond, timeout_s: float = 10.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, "the background work did not finish"
+        time.sleep(0.01)
+
+
+def test_every_device_then_every_node_with_two_of_the_layouts_devices():
+    _, four, _ = layouts()
+    nodes: dict[str, set[int]] = {}
+    for d in four.cluster.devices:
+        nodes.setdefault(d.node, set()).add(d.id)
+    want = [frozenset({d}) for d in range(4)] + [frozenset(devs) for _, devs in sorted(nodes.items())
+                                                  if len(devs & {0, 1, 2, 3}) > 1]
+    assert candidates(four, set(range(four.cluster.num_devices))) == want
+    assert survivors(four, {1, 7}) == (0, 2, 3)
+
+
+def test_plans_are_found_by_survivor_set_and_only_for_their_layout():
+    _, four, three = layouts()
+    asked = []
+
+    def replan(failed, c, strategy, steps_left):
+        asked.append((failed, strategy, steps_left))
+        if {0, 1, 2, 3} <= failed:
+            raise HspmdError("nothing left")
+        return c
+
+    p = Preplanner(replan)
+    p.begin(four, [frozenset({1}), frozenset({2, 3}), frozenset({0, 1, 2, 3}), frozenset({6})], frozenset({7}), 9)
+    wait_for(lambda: len(asked) == 3 and p.notes())
+    # device 6 is not in the layout: nothing to plan; device 7 was lost before and is passed on
+    assert asked == [(frozenset({1, 7}), "four", 9), (frozenset({2, 3, 7}), "four", 9),
+                     (frozenset({0, 1, 2, 3, 7}), "four", 9)]
+    assert p.lookup(four, {1}).context is four.ctx and p.lookup(four, {1, 7}).context is four.ctx  # same survivors
+    assert p.lookup(four, {3, 2}) is not None
+    assert p.lookup(four, {0}) is None and p.lookup(four, {0, 1, 2, 3}) is None  # not planned / no plan
+    assert p.lookup(three, {2}) is None  # another layout
+    p.begin(three, [frozenset({2})], frozenset({1}), 5)
+    wait_for(lambda: p.lookup(three, {1, 2}) is not None)
+    assert p.lookup(four, {1}) is None  # replaced with the layout
+
+
+def test_a_stop_lets_no_further_replan_start_and_keeps_what_was_planned():
+    _, four, _ = layouts()
+    release = threading.Event()
+    asked = []
+
+    def replan(failed, c, strategy, steps_left):
+        asked.append(failed)
+        if len(asked) == 2:
+            release.wait(10.0)  # in flight while the stop comes
+        return c
+
+    p = Preplanner(replan)
+    p.begin(four, [frozenset({d}) for d in range(4)], frozenset(), 3)
+    wait_for(lambda: len(asked) == 2)
+    p.stop()
+    release.set()
+    time.sleep(0.2)
+    assert asked == [frozenset({0}), frozenset({1})]  # the third never started
+    assert p.lookup(four, {0}) is not None  # made before the stop: kept
+    assert p.lookup(four, {1}) is None  # in flight at the stop: dropped
