@@ -515,17 +515,7 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
     """Simulate one step of ``strategy`` with the costs of ``cm``; each pipeline runs its own schedule
     (``Pipeline.schedule``), else ``schedule``."""
     names = tuple(p.schedule if p.schedule is not None else schedule for p in strategy.pipelines)
-    # The runtime's lists (StrategyHandle.pipeline_schedule), through the cost model's cache of them.
-    schedules = tuple(cm.runtime_schedule(strategy, pi, schedule) for pi in range(len(strategy.pipelines)))
-    costs = _Costs.of(cm, strategy)
-    sim = EventLoop(costs.cores)
-    last_action, tp_s, labels = _add_schedules(sim, costs, schedules)
-    twins = pipeline_twins(sim)   # before the step's end joins the pipelines
-    sync = cm.sync_plan(strategy)
-    _add_step_end(sim, costs, last_action, sync, zero)
-    times = sim.run(twins)
-    # The measured fixed cost per iteration (launches, synchronisation, logging) comes on top.
-    step = max(end for _, end in times.values()) + cm.iteration_time(strategy)
+    sim, costs, schedules, last_action, tp_s, labels, sync, times, step = _played(cm, strategy, schedule, zero)
     events, reports, memory = _reports(sim, times, costs, schedules, tp_s, labels, sync, zero, step)
     est = cm.estimate(strategy, global_batch, schedule, zero)
     return SimulationResult(
@@ -538,6 +528,29 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
         oom_devices=tuple(sorted(d for d, g in memory.items() if g > cm.cluster.type_of(d).memory_gib)),
         events=tuple(sorted(events, key=lambda e: (e.start_s, e.pipeline, e.stage))), cpu_hosts=dict(costs.cores),
         pipeline_schedules=names)
+
+
+def simulated_step_time(cm: CostModel, strategy: Strategy, schedule: Schedule = "1f1b", zero: bool = False) -> float:
+    """``simulate(...).step_time_s`` without the per-stage reports, events and memory: what a caller ranking
+    plans by the simulated step (``planner.api.simulator_check``) reads, played the same way."""
+    return _played(cm, strategy, schedule, zero)[-1]
+
+
+def _played(cm: CostModel, strategy: Strategy, schedule: Schedule, zero: bool) -> tuple:
+    """The event loop of one step played: (loop, costs, schedules, each stage's last op, TP seconds, labels,
+    the sync plan, every op's times, the step time)."""
+    # The runtime's lists (StrategyHandle.pipeline_schedule), through the cost model's cache of them.
+    schedules = tuple(cm.runtime_schedule(strategy, pi, schedule) for pi in range(len(strategy.pipelines)))
+    costs = _Costs.of(cm, strategy)
+    sim = EventLoop(costs.cores)
+    last_action, tp_s, labels = _add_schedules(sim, costs, schedules)
+    twins = pipeline_twins(sim)   # before the step's end joins the pipelines
+    sync = cm.sync_plan(strategy)
+    _add_step_end(sim, costs, last_action, sync, zero)
+    times = sim.run(twins)
+    # The measured fixed cost per iteration (launches, synchronisation, logging) comes on top.
+    step = max(end for _, end in times.values()) + cm.iteration_time(strategy)
+    return sim, costs, schedules, last_action, tp_s, labels, sync, times, step
 
 
 @dataclass(frozen=True)

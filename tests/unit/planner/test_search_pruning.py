@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
 import pytest
 from test_search_exhaustive import CASES, TINY
 
-from planner.api import PlanSettings
+from planner.api import PlanSettings, plan
 from planner.cost import CostModel
 from planner.search import EXACT_REALIZED, Searcher
+from planner.simulate import simulate, simulated_step_time
 from planner.tp_groups import tp_choices
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_cluster, load_model
@@ -77,3 +79,13 @@ def test_realized_plans_priced_by_their_floor_are_the_fully_sorted_ones(case: in
     times = [c.step_time_s for c, _, _ in got]
     assert times == sorted(times)
     assert len(got) >= min(EXACT_REALIZED, len(every))
+
+
+@pytest.mark.parametrize("case", range(len(CASE_LIST)))
+def test_simulated_step_time_is_the_simulations(case: int) -> None:
+    """The simulator check's short path plays the same step as ``simulate``."""
+    cm, settings = CASE_LIST[case]
+    result = plan(cm.model, cm.cluster, cm.profiles, dataclasses.replace(settings, simulate_top=2), baselines=False)
+    for cand in result.candidates[:3]:
+        full = simulate(cm, cand.strategy, settings.global_batch, settings.default_schedule, settings.zero)
+        assert simulated_step_time(cm, cand.strategy, settings.default_schedule, settings.zero) == full.step_time_s
