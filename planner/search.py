@@ -684,6 +684,12 @@ class Searcher:
             pipes.append(pipe if limits is None else dataclasses.replace(pipe, activation_limits=limits))
         if all(a is b for a, b in zip(pipes, cand.strategy.pipelines)):
             return cand
+        # The estimate's sum but for the slowest pipeline is the same with any limits (memory aside, and a
+        # plan that is not faster is not taken): with a slowest pipeline unchanged it cannot get faster.
+        times = [p.time_s for p in cand.estimate.pipelines]
+        slowest = max(times)
+        if any(a is b for a, b, t in zip(pipes, cand.strategy.pipelines, times) if t == slowest):
+            return cand
         strategy = dataclasses.replace(cand.strategy, pipelines=tuple(pipes))
         est = self.cm.estimate(strategy, self.settings.global_batch, self.settings.default_schedule,
                                self.settings.zero)

@@ -231,16 +231,16 @@ def pipeline_twins(loop: EventLoop) -> dict[str, list[str]]:
     by_pipe: dict[int, list[list[str]]] = {}
     for names in loop.queue.values():
         by_pipe.setdefault(loop.ops[names[0]].pipeline, []).append(names)
-    reps: dict[tuple, list[int]] = {}
+    reps: list[tuple[tuple, int]] = []   # (signature, pipeline): one per set of twins
     out: dict[str, list[str]] = {}
     for pi, queues in by_pipe.items():
         if pi < 0:
             continue
-        cut = len(f"p{pi}")
-        shape = tuple((loop.ops[q[0]].resource[cut:], len(q)) for q in queues)
-        rep = next((r for r in reps.get(shape, ()) if _alike(loop, by_pipe[r], r, queues, pi)), None)
+        sig = _signature(loop, queues, pi)
+        rep = None if sig is None else next((r for other, r in reps if other == sig), None)
         if rep is None:
-            reps.setdefault(shape, []).append(pi)
+            if sig is not None:
+                reps.append((sig, pi))
             continue
         for q, mine in zip(by_pipe[rep], queues):
             for x, y in zip(q, mine):
@@ -248,31 +248,29 @@ def pipeline_twins(loop: EventLoop) -> dict[str, list[str]]:
     return out
 
 
+def _signature(loop: EventLoop, queues: list[list[str]], pi: int) -> tuple | None:
+    """What two pipelines must share to be twins (``pipeline_twins``), built once per pipeline: per queue,
+    each op's name and resource without the ``p{pi}`` prefix, its dependencies' and waits' names so (with
+    the waits' offsets) and every other field; None where an op runs on a CPU host or depends on an op of
+    another pipeline (such a pipeline has no twin)."""
+    cut = len(f"p{pi}")
+    ops = loop.ops
+    out = []
+    for q in queues:
+        row = []
+        for x in q:
+            o = ops[x]
+            if o.hosts or o.pipeline != pi or any(ops[d].pipeline != pi for d in o.deps) \
+                    or any(ops[d].pipeline != pi for d, _ in o.waits):
+                return None
+            row.append((x[cut:], o.resource[cut:], tuple(d[cut:] for d in o.deps),
+                        tuple((d[cut:], t) for d, t in o.waits), tuple(getattr(o, f) for f in _TWIN_FIELDS)))
+        out.append(tuple(row))
+    return tuple(out)
+
+
 _TWIN_FIELDS = tuple(f.name for f in dataclasses.fields(SimOp)
                      if f.name not in ("name", "resource", "pipeline", "deps", "waits", "hosts"))
-
-
-def _alike(loop: EventLoop, a: list[list[str]], pa: int, b: list[list[str]], pb: int) -> bool:
-    """Whether pipeline ``pb``'s queues ``b`` hold ``pa``'s ops ``a`` renamed (see ``pipeline_twins``), every
-    dependency inside its own pipeline and no op on a CPU host."""
-    ca, cb = len(f"p{pa}"), len(f"p{pb}")
-    ops = loop.ops
-    for qa, qb in zip(a, b):
-        for x, y in zip(qa, qb):
-            ox, oy = ops[x], ops[y]
-            if ox.hosts or oy.hosts or ox.pipeline != pa or oy.pipeline != pb or x[ca:] != y[cb:] \
-                    or ox.resource[ca:] != oy.resource[cb:] or len(ox.deps) != len(oy.deps) \
-                    or len(ox.waits) != len(oy.waits):
-                return False
-            if any(ops[d].pipeline != pa or ops[e].pipeline != pb or d[ca:] != e[cb:]
-                   for d, e in zip(ox.deps, oy.deps)):
-                return False
-            if any(ops[d].pipeline != pa or ops[e].pipeline != pb or d[ca:] != e[cb:] or s != t
-                   for (d, s), (e, t) in zip(ox.waits, oy.waits)):
-                return False
-            if any(getattr(ox, f) != getattr(oy, f) for f in _TWIN_FIELDS):
-                return False
-    return True
 
 
 class _Run:
