@@ -11,6 +11,7 @@ from test_search_exhaustive import CASES, TINY
 
 from planner.api import PlanSettings, plan
 from planner.cost import CostModel
+from planner.schedule_choice import spare_activation_limits
 from planner.search import EXACT_REALIZED, Searcher
 from planner.simulate import simulate, simulated_step_time
 from planner.tp_groups import tp_choices
@@ -89,3 +90,28 @@ def test_simulated_step_time_is_the_simulations(case: int) -> None:
     for cand in result.candidates[:3]:
         full = simulate(cm, cand.strategy, settings.global_batch, settings.default_schedule, settings.zero)
         assert simulated_step_time(cm, cand.strategy, settings.default_schedule, settings.zero) == full.step_time_s
+
+
+def test_raised_limits_never_speed_up_a_plan_whose_slowest_pipeline_keeps_its_own() -> None:
+    """What ``Searcher.with_spare_limits`` leaves unpriced: where a slowest pipeline gets no raised limits, the
+    raised plan's estimate is never below the plan's (so it would not have been taken)."""
+    checked = 0
+    for cm, settings in CASE_LIST:
+        plain = dataclasses.replace(settings, spare_activations=False)
+        searcher = Searcher(cm, plain, range(cm.cluster.num_devices), time.perf_counter() + 3600.0)
+        for cand in searcher.run():
+            zd = searcher.zero_degree(len(cand.strategy.pipelines))
+            pipes = []
+            for pi, pipe in enumerate(cand.strategy.pipelines):
+                name = pipe.schedule if pipe.schedule is not None else settings.default_schedule
+                limits = spare_activation_limits(cm, cand.strategy, pi, name, zd, settings.memory_margin)
+                pipes.append(pipe if limits is None else dataclasses.replace(pipe, activation_limits=limits))
+            times = [p.time_s for p in cand.estimate.pipelines]
+            kept = [a is b for a, b in zip(pipes, cand.strategy.pipelines)]
+            if all(kept) or not any(k for k, t in zip(kept, times) if t == max(times)):
+                continue
+            raised = dataclasses.replace(cand.strategy, pipelines=tuple(pipes))
+            est = cm.estimate(raised, settings.global_batch, settings.default_schedule, settings.zero)
+            assert not est.fits or est.step_time_s >= cand.step_time_s - 1e-12
+            checked += 1
+    assert checked, "some plan raises the limits of a pipeline other than its slowest"
