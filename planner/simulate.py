@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -255,22 +256,29 @@ def _signature(loop: EventLoop, queues: list[list[str]], pi: int) -> tuple | Non
     another pipeline (such a pipeline has no twin)."""
     cut = len(f"p{pi}")
     ops = loop.ops
+    fields = _TWIN_VALUES
     out = []
     for q in queues:
         row = []
         for x in q:
             o = ops[x]
-            if o.hosts or o.pipeline != pi or any(ops[d].pipeline != pi for d in o.deps) \
-                    or any(ops[d].pipeline != pi for d, _ in o.waits):
+            if o.hosts or o.pipeline != pi:
                 return None
-            row.append((x[cut:], o.resource[cut:], tuple(d[cut:] for d in o.deps),
-                        tuple((d[cut:], t) for d, t in o.waits), tuple(getattr(o, f) for f in _TWIN_FIELDS)))
+            for d in o.deps:
+                if ops[d].pipeline != pi:
+                    return None
+            for d, _ in o.waits:
+                if ops[d].pipeline != pi:
+                    return None
+            row.append((x[cut:], o.resource[cut:], tuple([d[cut:] for d in o.deps]),
+                        tuple([(d[cut:], t) for d, t in o.waits]) if o.waits else (), fields(o)))
         out.append(tuple(row))
     return tuple(out)
 
 
 _TWIN_FIELDS = tuple(f.name for f in dataclasses.fields(SimOp)
                      if f.name not in ("name", "resource", "pipeline", "deps", "waits", "hosts"))
+_TWIN_VALUES = operator.attrgetter(*_TWIN_FIELDS)   # the tuple of an op's _TWIN_FIELDS
 
 
 class _Run:
@@ -280,8 +288,8 @@ class _Run:
         self.ops, self.queue, self.cores = loop.ops, loop.queue, loop.cores
         self.copies = copies
         self.passive = {self.ops[c].resource for cs in copies.values() for c in cs}   # they run only copies
-        if any(self.ops[w].resource in self.passive for o in self.ops.values() if o.resource not in self.passive
-               for w, _ in o.waits):
+        if self.passive and any(self.ops[w].resource in self.passive for o in self.ops.values()
+                                if o.waits and o.resource not in self.passive for w, _ in o.waits):
             # An op outside waits for a copy's start, which a copy has only once its original ends: play all.
             self.copies, self.passive = {}, set()
         self.head = {r: 0 for r in self.queue}
