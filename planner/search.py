@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
-from planner.cost import GIB, CostModel, StrategyEstimate, memo, zero_degree
+from planner.cost import CostModel, StrategyEstimate, memo, zero_degree
 from planner.layer_split import LayerSplit, SlotCost, refine_split, slot_costs, split_fast, split_ilp
 from planner.microbatch import Allocation, PipelineClass, TimeOption, allocate_greedy, allocate_ilp
 from planner.pipelines import (
@@ -870,60 +870,22 @@ class Searcher:
     def _realize_best(self, types: Sequence[str], scored: Sequence[tuple[float, Combo, Allocation]]
                       ) -> list[tuple[Candidate, Combo, Allocation]]:
         """Phase 4: the best combinations by the fast score, the best using each type and the best aligned
-        ones, realized (fast splits, greedy micro-batches) and scored by the cost model; best first.
-
-        Only the prefix the later phases read is returned: the best ``EXACT_REALIZED`` and, for each type
-        some realized plan uses, everything up to the best one using it (``run`` takes the best exactly
-        priced and ``_finalize_best`` the best using each type, both from the front of this list). The
-        estimate's costly part, the gradient sync and ZeRO-1 gathers, is priced in order of a lower bound
-        without them (``_estimate_floor``), so plans ranked past that prefix are never priced: the prefix
-        is what sorting every realized plan by its estimate gives (ties in the order realized)."""
+        ones, realized (fast splits, greedy micro-batches) and scored by the cost model; best first."""
         ranked = [(c, a) for _, c, a in scored]
         picked = self._with_each_type(ranked[:COMBOS_REALIZED], ranked, types, lambda x: x[0])
         aligned = [(c, a) for c, a in ranked if len(c) == 1 and c[0].aligned][:ALIGNED_REALIZED]
         picked += [(c, a) for c, a in aligned if all(c is not p for p, _ in picked)]
-        drafts: list[tuple[Strategy, list[float], Combo, Allocation]] = []
-        floors: list[float] = []
+        realized: list[tuple[Candidate, Combo, Allocation]] = []
         for i, (combo, alloc) in enumerate(picked):
             self._report("scoring plans with the cost model", i, len(picked))
             if i >= COMBOS_FINAL and self.out_of_time():
                 break
-            strategy, proxy = self.draft(combo, alloc)
-            floor = self._estimate_floor(strategy, proxy)
-            floors.append(floor)
-            drafts.append((strategy, proxy, tuple(combo), alloc))
+            cand = self.realize(combo, alloc)
+            if cand is not None:
+                realized.append((cand, combo, alloc))
         self._report("scoring plans with the cost model", len(picked), len(picked))
-        scores: dict[int, Candidate] = {}
-
-        def price(i: int) -> float:
-            cand = self._scored(drafts[i][0], drafts[i][1])
-            assert cand is not None   # its floor was finite: it fits
-            scores[i] = cand
-            return cand.step_time_s
-
-        wanted = {t for i, d in enumerate(drafts) if math.isfinite(floors[i]) for b in d[2] for t in b.types}
-        realized: list[tuple[Candidate, Combo, Allocation]] = []
-        for _, i in lazily_sorted(floors, price, range(len(drafts))):
-            realized.append((scores[i], drafts[i][2], drafts[i][3]))
-            wanted -= {t for b in drafts[i][2] for t in b.types}
-            if len(realized) >= EXACT_REALIZED and not wanted:
-                break
+        realized.sort(key=lambda x: x[0].step_time_s)
         return realized
-
-    def _estimate_floor(self, strategy: Strategy, proxy: Sequence[float]) -> float:
-        """A lower bound of ``CostModel.estimate(strategy, pipeline_s=proxy).step_time_s`` without its costly
-        part, inf where the plan does not fit memory (then noted as the estimate would have it dropped):
-        the estimate's own sum with the gradient sync and the ZeRO-1 gathers (both >= 0) left out; float
-        addition is monotone, so the bound holds to the bit."""
-        cm, s = self.cm, self.settings
-        memory = cm.strategy_memory(strategy, s.default_schedule, s.zero)
-        oom = tuple(sorted(d for d, m in memory.items() if m.total > self.cluster.type_of(d).memory_gib * GIB))
-        if oom:
-            self.stats.notes.append(f"dropped a plan: the cost model reports OOM on devices {oom}")
-            return math.inf
-        over = cm.step_overhead_times(strategy)
-        opt = max(t + over[d] for d, t in cm.optimizer_times(strategy, s.zero).items())
-        return max(proxy) + 0.0 + cm.clip_time(strategy.devices) + opt + cm.iteration_time(strategy)
 
     def _finalize_best(self, types: Sequence[str], realized: Sequence[tuple[Candidate, Combo, Allocation]]
                        ) -> list[Candidate]:
@@ -1032,10 +994,7 @@ class Searcher:
                    proxy_s: Sequence[float] | None = None) -> Candidate | None:
         """The plan, estimated (``proxy_s``: with these pipeline times instead of the list scheduler's)."""
         pipes = tuple(self._pipeline(lay, split_of[idx], mb_of[idx], choice_of[idx]) for idx, lay in enumerate(layouts))
-        return self._scored(Strategy(name="planned", pipelines=pipes), proxy_s)
-
-    def _scored(self, strategy: Strategy, proxy_s: Sequence[float] | None = None) -> Candidate | None:
-        """``strategy`` as a candidate with its estimate (None, noted, where it does not fit memory)."""
+        strategy = Strategy(name="planned", pipelines=pipes)
         est = self.cm.estimate(strategy, self.settings.global_batch, self.settings.default_schedule,
                                self.settings.zero, pipeline_s=proxy_s)
         if not est.fits:
@@ -1066,14 +1025,9 @@ class Searcher:
                                        choice.name)
 
     def realize(self, combo: Sequence[BlockCandidate], alloc: Allocation) -> Candidate | None:
-        """The combination as it was scored (``draft``), scored by the cost model (its estimate, not the fast
-        score), each pipeline's time by its class's ``time_option`` (a proxy: ``Searcher.exact`` prices the
-        best ones by the list scheduler)."""
-        return self._scored(*self.draft(combo, alloc))
-
-    def draft(self, combo: Sequence[BlockCandidate], alloc: Allocation) -> tuple[Strategy, list[float]]:
         """The combination as it was scored: fast splits, greedy micro-batch counts, each class's schedule;
-        with each pipeline's proxy time (its class's ``time_option``)."""
+        scored by the cost model (its estimate, not the fast score), each pipeline's time by its class's
+        ``time_option`` (a proxy: ``Searcher.exact`` prices the best ones by the list scheduler)."""
         split_of: dict[int, LayerSplit] = {}
         mb_of: dict[int, int] = {}
         choice_of: dict[int, ScheduleChoice] = {}
@@ -1089,8 +1043,7 @@ class Searcher:
                 hj += 1
             gi += len(b.layouts)
         layouts = [lay for b in combo for lay in b.layouts]
-        pipes = tuple(self._pipeline(lay, split_of[idx], mb_of[idx], choice_of[idx]) for idx, lay in enumerate(layouts))
-        return Strategy(name="planned", pipelines=pipes), [proxy[i] for i in range(len(layouts))]
+        return self._candidate(layouts, split_of, mb_of, choice_of, [proxy[i] for i in range(len(layouts))])
 
     def finalize(self, combo: Sequence[BlockCandidate], hint: Allocation) -> list[Candidate]:
         """Exact layer splits and micro-batches for a combination, scored by ``CostModel.estimate``: each

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import pytest
@@ -12,23 +11,10 @@ from test_search_exhaustive import CASES, TINY
 from planner.api import PlanSettings, plan
 from planner.cost import CostModel
 from planner.schedule_choice import spare_activation_limits
-from planner.search import EXACT_REALIZED, Searcher
+from planner.search import Searcher
 from planner.simulate import simulate, simulated_step_time
-from planner.tp_groups import tp_choices
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_cluster, load_model
-
-
-def combined(searcher: Searcher) -> tuple[list[str], list]:
-    """The types and the ranked combinations ``Searcher.run`` hands to ``_realize_best``."""
-    choices = tp_choices(searcher.cluster, searcher.model, searcher.devices)
-    types = [t for t, tps in choices.items() if tps]
-    single = searcher._single_type_blocks(choices, types)
-    best_rate = {t: max((c.rate for c in single[t]), default=0.0) for t in types}
-    total = sum(best_rate.values()) or 1.0
-    blocks = {frozenset([t]): searcher._keep(single[t], best_rate[t] / total) for t in types}
-    blocks.update(searcher._mixed_blocks(choices, types, blocks, best_rate, total))
-    return types, searcher.combine(types, blocks)
 
 
 def cases() -> list[tuple[CostModel, PlanSettings]]:
@@ -44,42 +30,6 @@ def cases() -> list[tuple[CostModel, PlanSettings]]:
 
 
 CASE_LIST = cases()
-
-
-class PriceAll(Searcher):
-    """Prices every realized plan before ranking any (the floor of a plan that fits: 0)."""
-
-    def _estimate_floor(self, strategy, proxy):
-        return 0.0 if math.isfinite(super()._estimate_floor(strategy, proxy)) else math.inf
-
-
-@pytest.mark.parametrize("case", range(len(CASE_LIST)))
-def test_realized_plans_priced_by_their_floor_are_the_fully_sorted_ones(case: int) -> None:
-    """``_realize_best`` prices plans in order of ``_estimate_floor``: the floor never exceeds the estimate
-    (inf exactly where the plan does not fit), and the plans it returns are those that pricing every
-    plan first gives: the front of all realized plans sorted by their estimate, through the best
-    ``EXACT_REALIZED`` and the best one using each type."""
-    cm, settings = CASE_LIST[case]
-    far = time.perf_counter() + 3600.0
-    lazy = Searcher(cm, settings, range(cm.cluster.num_devices), far)
-    eager = PriceAll(cm, settings, range(cm.cluster.num_devices), far)
-    types, scored = combined(lazy)
-    every = []
-    for _, combo, alloc in scored:
-        strategy, proxy = lazy.draft(combo, alloc)
-        floor, cand = lazy._estimate_floor(strategy, proxy), lazy._scored(strategy, proxy)
-        assert (cand is None) == (floor == math.inf)
-        if cand is not None:
-            assert floor <= cand.step_time_s
-            every.append(cand.step_time_s)
-    got = lazy._realize_best(types, scored)
-    want = eager._realize_best(types, scored)
-    assert got, "some plan is realized"
-    assert [(c.summary, c.step_time_s, combo) for c, combo, _ in got] == \
-        [(c.summary, c.step_time_s, combo) for c, combo, _ in want]
-    times = [c.step_time_s for c, _, _ in got]
-    assert times == sorted(times)
-    assert len(got) >= min(EXACT_REALIZED, len(every))
 
 
 @pytest.mark.parametrize("case", range(len(CASE_LIST)))
