@@ -232,10 +232,18 @@ def pipeline_twins(loop: EventLoop) -> dict[str, list[str]]:
     by_pipe: dict[int, list[list[str]]] = {}
     for names in loop.queue.values():
         by_pipe.setdefault(loop.ops[names[0]].pipeline, []).append(names)
+    # Pipelines of one shape (their queues' resources and lengths) may be twins: only those are compared,
+    # each by its signature (built once, and only for a shape that more than one pipeline has).
+    shapes: dict[tuple, list[int]] = {}
+    for pi, queues in by_pipe.items():
+        if pi >= 0:
+            cut = len(f"p{pi}")
+            shapes.setdefault(tuple((loop.ops[q[0]].resource[cut:], len(q)) for q in queues), []).append(pi)
+    alike_shape = {pi for group in shapes.values() if len(group) > 1 for pi in group}
     reps: list[tuple[tuple, int]] = []   # (signature, pipeline): one per set of twins
     out: dict[str, list[str]] = {}
     for pi, queues in by_pipe.items():
-        if pi < 0:
+        if pi not in alike_shape:
             continue
         sig = _signature(loop, queues, pi)
         rep = None if sig is None else next((r for other, r in reps if other == sig), None)
