@@ -33,7 +33,7 @@ from planner.cost import GIB, CostModel, has_tp_stage, zero_degree, zero_fields
 from planner.layer_split import feasible, slot_costs
 from planner.schedule_choice import schedule_choices, stage_layer_ranges
 from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, SearchStats, describe, rank, search
-from planner.simulate import simulate
+from planner.simulate import simulated_step_time
 from planner.tp_groups import GroupKind, available, form_groups, tp_choices
 from runtime.errors import InfeasibleError
 from runtime.pipeline_schedules import SCHEDULE_NAMES, schedule_problems
@@ -260,9 +260,8 @@ def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], setti
             pick.append(c)
     checked = []
     for c in pick:
-        sim = simulate(cms[c.micro_batch], c.strategy, settings.global_batch, settings.default_schedule,
-                       settings.zero)
-        checked.append(dataclasses.replace(c, simulated_s=sim.step_time_s))
+        sim = simulated_step_time(cms[c.micro_batch], c.strategy, settings.default_schedule, settings.zero)
+        checked.append(dataclasses.replace(c, simulated_s=sim))
     checked.sort(key=lambda c: (c.checked_s, c.step_time_s))   # stable: ties keep the estimate's order
     rest = [c for c in ranked if all(c is not p for p in pick)]
     return checked + rest

@@ -24,6 +24,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import pulp
 
@@ -48,6 +49,12 @@ class SlotCost:
     # layers with which n layers fit (0 up to ``max_layers[0]``; n: all, whole-stage recompute); each costs
     # ``per_layer_s[1] - per_layer_s[0]``. Empty: whole-stage recompute only.
     partial: tuple[int, ...] = ()
+
+    @cached_property
+    def least_times(self) -> tuple[float, ...]:
+        """``_least_time`` for 0 .. the most layers that fit, once per slot (the splits ask for them by the
+        million; slots are cached and shared)."""
+        return tuple(_least_time(self, n) for n in range(max(self.max_layers) + 1))
 
 
 @dataclass(frozen=True)
@@ -217,8 +224,13 @@ def _cap(slot: SlotCost, z: float) -> tuple[int, bool]:
 
 
 def _next_cost(slot: SlotCost, n: int) -> float:
-    """Least time of the stage with ``n`` layers (recompute only past what fits without it); inf if
-    ``n`` layers do not fit."""
+    """Least time of the stage with ``n >= 0`` layers (recompute only past what fits without it); inf if
+    ``n`` layers do not fit: ``_least_time``, from the slot's table."""
+    table = slot.least_times
+    return table[n] if n < len(table) else math.inf
+
+
+def _least_time(slot: SlotCost, n: int) -> float:
     if n <= slot.max_layers[0]:
         return stage_time(slot, n, False)
     if n <= slot.max_layers[1]:

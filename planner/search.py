@@ -331,13 +331,22 @@ def _pareto(drafts: Sequence[BlockCandidate], lower: Sequence[float], score: Cal
     return out
 
 
+# The ``Searcher`` caches whose values depend only on the cost model, the settings and the devices (not on
+# the schedules searched): the searches ``search`` runs per micro-batch size share them. (``memo`` keeps a
+# method's cache under ``_memo_<name>``.)
+SHARED_CACHES = ("_memo_layer_s", "_memo_groups", "_memo_fast_split", "_memo__split_of", "_memo_fill",
+                 "_memo__segment_grad_bytes", "_sync_cache", "_p2p")
+
+
 class Searcher:
     """One search at one micro-batch size (one cost model)."""
 
     def __init__(self, cm: CostModel, settings: PlanSettings, devices: Sequence[int], deadline: float,
-                 progress: Progress | None = None, choices: tuple[ScheduleChoice, ...] | None = None) -> None:
+                 progress: Progress | None = None, choices: tuple[ScheduleChoice, ...] | None = None,
+                 shared: dict[str, dict] | None = None) -> None:
         """``choices``: under "auto", search as if these schedules were fixed (``auto_families``), every
-        pipeline naming its own."""
+        pipeline naming its own. ``shared``: the caches of another search on the same cost model, settings
+        and devices (``SHARED_CACHES``: what they hold depends on nothing else), used and filled."""
         self.cm = cm
         self.model: ModelSpec = cm.model
         self.cluster: Cluster = cm.cluster
@@ -362,6 +371,9 @@ class Searcher:
         self._node_idx = [names[d.node] for d in self.cluster.devices]
         self._device_links = any(o.devices is not None for o in self.cluster.bandwidth_overrides)
         self.clip_s = cm.clip_time(self.devices)
+        if shared is not None:
+            for name in SHARED_CACHES:
+                self.__dict__[name] = shared.setdefault(name, {})
 
     # -- small helpers -------------------------------------------------------------------------------
 
@@ -685,6 +697,12 @@ class Searcher:
             limits = spare_activation_limits(self.cm, cand.strategy, pi, name, zd, self.settings.memory_margin)
             pipes.append(pipe if limits is None else dataclasses.replace(pipe, activation_limits=limits))
         if all(a is b for a, b in zip(pipes, cand.strategy.pipelines)):
+            return cand
+        # The estimate's sum but for the slowest pipeline is the same with any limits (memory aside, and a
+        # plan that is not faster is not taken): with a slowest pipeline unchanged it cannot get faster.
+        times = [p.time_s for p in cand.estimate.pipelines]
+        slowest = max(times)
+        if any(a is b for a, b, t in zip(pipes, cand.strategy.pipelines, times) if t == slowest):
             return cand
         strategy = dataclasses.replace(cand.strategy, pipelines=tuple(pipes))
         est = self.cm.estimate(strategy, self.settings.global_batch, self.settings.default_schedule,
@@ -1170,8 +1188,9 @@ def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterab
             if progress is not None:
                 progress(f"micro-batch {b}: {phase}", done, total)
 
+        shared: dict[str, dict] = {}
         for family in auto_families(settings):
-            s = Searcher(cm, settings, devices, deadline, report, family)
+            s = Searcher(cm, settings, devices, deadline, report, family, shared)
             found.extend(s.run())
             stats.block_evaluations += s.stats.block_evaluations
             stats.combinations += s.stats.combinations

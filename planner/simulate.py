@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -231,16 +232,24 @@ def pipeline_twins(loop: EventLoop) -> dict[str, list[str]]:
     by_pipe: dict[int, list[list[str]]] = {}
     for names in loop.queue.values():
         by_pipe.setdefault(loop.ops[names[0]].pipeline, []).append(names)
-    reps: dict[tuple, list[int]] = {}
+    # Pipelines of one shape (their queues' resources and lengths) may be twins: only those are compared,
+    # each by its signature (built once, and only for a shape that more than one pipeline has).
+    shapes: dict[tuple, list[int]] = {}
+    for pi, queues in by_pipe.items():
+        if pi >= 0:
+            cut = len(f"p{pi}")
+            shapes.setdefault(tuple((loop.ops[q[0]].resource[cut:], len(q)) for q in queues), []).append(pi)
+    alike_shape = {pi for group in shapes.values() if len(group) > 1 for pi in group}
+    reps: list[tuple[tuple, int]] = []   # (signature, pipeline): one per set of twins
     out: dict[str, list[str]] = {}
     for pi, queues in by_pipe.items():
-        if pi < 0:
+        if pi not in alike_shape:
             continue
-        cut = len(f"p{pi}")
-        shape = tuple((loop.ops[q[0]].resource[cut:], len(q)) for q in queues)
-        rep = next((r for r in reps.get(shape, ()) if _alike(loop, by_pipe[r], r, queues, pi)), None)
+        sig = _signature(loop, queues, pi)
+        rep = None if sig is None else next((r for other, r in reps if other == sig), None)
         if rep is None:
-            reps.setdefault(shape, []).append(pi)
+            if sig is not None:
+                reps.append((sig, pi))
             continue
         for q, mine in zip(by_pipe[rep], queues):
             for x, y in zip(q, mine):
@@ -248,31 +257,36 @@ def pipeline_twins(loop: EventLoop) -> dict[str, list[str]]:
     return out
 
 
+def _signature(loop: EventLoop, queues: list[list[str]], pi: int) -> tuple | None:
+    """What two pipelines must share to be twins (``pipeline_twins``), built once per pipeline: per queue,
+    each op's name and resource without the ``p{pi}`` prefix, its dependencies' and waits' names so (with
+    the waits' offsets) and every other field; None where an op runs on a CPU host or depends on an op of
+    another pipeline (such a pipeline has no twin)."""
+    cut = len(f"p{pi}")
+    ops = loop.ops
+    fields = _TWIN_VALUES
+    out = []
+    for q in queues:
+        row = []
+        for x in q:
+            o = ops[x]
+            if o.hosts or o.pipeline != pi:
+                return None
+            for d in o.deps:
+                if ops[d].pipeline != pi:
+                    return None
+            for d, _ in o.waits:
+                if ops[d].pipeline != pi:
+                    return None
+            row.append((x[cut:], o.resource[cut:], tuple([d[cut:] for d in o.deps]),
+                        tuple([(d[cut:], t) for d, t in o.waits]) if o.waits else (), fields(o)))
+        out.append(tuple(row))
+    return tuple(out)
+
+
 _TWIN_FIELDS = tuple(f.name for f in dataclasses.fields(SimOp)
                      if f.name not in ("name", "resource", "pipeline", "deps", "waits", "hosts"))
-
-
-def _alike(loop: EventLoop, a: list[list[str]], pa: int, b: list[list[str]], pb: int) -> bool:
-    """Whether pipeline ``pb``'s queues ``b`` hold ``pa``'s ops ``a`` renamed (see ``pipeline_twins``), every
-    dependency inside its own pipeline and no op on a CPU host."""
-    ca, cb = len(f"p{pa}"), len(f"p{pb}")
-    ops = loop.ops
-    for qa, qb in zip(a, b):
-        for x, y in zip(qa, qb):
-            ox, oy = ops[x], ops[y]
-            if ox.hosts or oy.hosts or ox.pipeline != pa or oy.pipeline != pb or x[ca:] != y[cb:] \
-                    or ox.resource[ca:] != oy.resource[cb:] or len(ox.deps) != len(oy.deps) \
-                    or len(ox.waits) != len(oy.waits):
-                return False
-            if any(ops[d].pipeline != pa or ops[e].pipeline != pb or d[ca:] != e[cb:]
-                   for d, e in zip(ox.deps, oy.deps)):
-                return False
-            if any(ops[d].pipeline != pa or ops[e].pipeline != pb or d[ca:] != e[cb:] or s != t
-                   for (d, s), (e, t) in zip(ox.waits, oy.waits)):
-                return False
-            if any(getattr(ox, f) != getattr(oy, f) for f in _TWIN_FIELDS):
-                return False
-    return True
+_TWIN_VALUES = operator.attrgetter(*_TWIN_FIELDS)   # the tuple of an op's _TWIN_FIELDS
 
 
 class _Run:
@@ -282,8 +296,8 @@ class _Run:
         self.ops, self.queue, self.cores = loop.ops, loop.queue, loop.cores
         self.copies = copies
         self.passive = {self.ops[c].resource for cs in copies.values() for c in cs}   # they run only copies
-        if any(self.ops[w].resource in self.passive for o in self.ops.values() if o.resource not in self.passive
-               for w, _ in o.waits):
+        if self.passive and any(self.ops[w].resource in self.passive for o in self.ops.values()
+                                if o.waits and o.resource not in self.passive for w, _ in o.waits):
             # An op outside waits for a copy's start, which a copy has only once its original ends: play all.
             self.copies, self.passive = {}, set()
         self.head = {r: 0 for r in self.queue}
@@ -515,17 +529,7 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
     """Simulate one step of ``strategy`` with the costs of ``cm``; each pipeline runs its own schedule
     (``Pipeline.schedule``), else ``schedule``."""
     names = tuple(p.schedule if p.schedule is not None else schedule for p in strategy.pipelines)
-    # The runtime's lists (StrategyHandle.pipeline_schedule), through the cost model's cache of them.
-    schedules = tuple(cm.runtime_schedule(strategy, pi, schedule) for pi in range(len(strategy.pipelines)))
-    costs = _Costs.of(cm, strategy)
-    sim = EventLoop(costs.cores)
-    last_action, tp_s, labels = _add_schedules(sim, costs, schedules)
-    twins = pipeline_twins(sim)   # before the step's end joins the pipelines
-    sync = cm.sync_plan(strategy)
-    _add_step_end(sim, costs, last_action, sync, zero)
-    times = sim.run(twins)
-    # The measured fixed cost per iteration (launches, synchronisation, logging) comes on top.
-    step = max(end for _, end in times.values()) + cm.iteration_time(strategy)
+    sim, costs, schedules, last_action, tp_s, labels, sync, times, step = _played(cm, strategy, schedule, zero)
     events, reports, memory = _reports(sim, times, costs, schedules, tp_s, labels, sync, zero, step)
     est = cm.estimate(strategy, global_batch, schedule, zero)
     return SimulationResult(
@@ -538,6 +542,29 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
         oom_devices=tuple(sorted(d for d, g in memory.items() if g > cm.cluster.type_of(d).memory_gib)),
         events=tuple(sorted(events, key=lambda e: (e.start_s, e.pipeline, e.stage))), cpu_hosts=dict(costs.cores),
         pipeline_schedules=names)
+
+
+def simulated_step_time(cm: CostModel, strategy: Strategy, schedule: Schedule = "1f1b", zero: bool = False) -> float:
+    """``simulate(...).step_time_s`` without the per-stage reports, events and memory: what a caller ranking
+    plans by the simulated step (``planner.api.simulator_check``) reads, played the same way."""
+    return _played(cm, strategy, schedule, zero)[-1]
+
+
+def _played(cm: CostModel, strategy: Strategy, schedule: Schedule, zero: bool) -> tuple:
+    """The event loop of one step played: (loop, costs, schedules, each stage's last op, TP seconds, labels,
+    the sync plan, every op's times, the step time)."""
+    # The runtime's lists (StrategyHandle.pipeline_schedule), through the cost model's cache of them.
+    schedules = tuple(cm.runtime_schedule(strategy, pi, schedule) for pi in range(len(strategy.pipelines)))
+    costs = _Costs.of(cm, strategy)
+    sim = EventLoop(costs.cores)
+    last_action, tp_s, labels = _add_schedules(sim, costs, schedules)
+    twins = pipeline_twins(sim)   # before the step's end joins the pipelines
+    sync = cm.sync_plan(strategy)
+    _add_step_end(sim, costs, last_action, sync, zero)
+    times = sim.run(twins)
+    # The measured fixed cost per iteration (launches, synchronisation, logging) comes on top.
+    step = max(end for _, end in times.values()) + cm.iteration_time(strategy)
+    return sim, costs, schedules, last_action, tp_s, labels, sync, times, step
 
 
 @dataclass(frozen=True)

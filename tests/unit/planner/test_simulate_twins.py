@@ -3,6 +3,8 @@ must be exactly the result of playing every pipeline."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import planner.simulate as simulate_module
@@ -85,3 +87,19 @@ def test_an_op_that_waits_for_a_copys_start_has_every_pipeline_played() -> None:
     loop = two_pipelines(())
     loop.add(SimOp("peer", "world2", None, duration=0.1, waits=(("p1s0a1", 0.1),)))
     assert loop.run(pipeline_twins(loop)) == loop.run()
+
+
+def test_pipelines_differing_in_one_field_or_dependency_are_not_twins() -> None:
+    """Twins match op for op: one other duration, or a dependency on another pipeline's op, and neither copies."""
+    base = two_pipelines(())
+    assert pipeline_twins(base)
+    slower = two_pipelines(())
+    slower.ops["p1s0a1"] = dataclasses.replace(slower.ops["p1s0a1"], duration=0.6)
+    assert pipeline_twins(slower) == {}
+    crossed = two_pipelines(())
+    crossed.ops["p1s0a1"] = dataclasses.replace(crossed.ops["p1s0a1"], deps=("p0s0F0c0",))
+    assert pipeline_twins(crossed) == {}
+    three = EventLoop()
+    for pi, cpu in enumerate((1.0, 2.0, 1.0)):   # the third is the first's twin, the second no one's
+        three.add(SimOp(f"p{pi}s0F0c0", f"p{pi}s0", OpKind.FORWARD, pi, 0, 0, cpu=cpu))
+    assert pipeline_twins(three) == {"p0s0F0c0": ["p2s0F0c0"]}
