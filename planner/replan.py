@@ -2,8 +2,9 @@
 
 ``replan(ctx, strategy, failed, profiles)``:
 
-1. Every parameter must still have a surviving replica (``runtime.elastic.lost_tensors``); if one has
-   none, ``LostStateError`` names them (the run cannot continue in memory).
+1. Every parameter must still have a surviving replica, and under ZeRO-1 every moment chunk a surviving
+   copy (``runtime.elastic.state.lost_state``, the coordinator's check); if not, ``LostStateError`` names
+   what is lost (the run cannot continue in memory).
 2. Candidates: the planner's near-best plans on the survivors (``planner.api.plan`` with
    ``devices=survivors``, elastic when the survivors allow it, ZeRO off), plus a *repair* of the current
    plan: its pipelines that lost no device, with the micro-batches of the broken ones spread over them
@@ -35,7 +36,7 @@ from runtime.checkpoint import STATE_SUFFIXES
 from runtime.comm.bsr import BsrPlan
 from runtime.elastic.events import TraceEvent
 from runtime.elastic.preplan import candidates, survivors
-from runtime.elastic.state import LostTensor, describe_lost, holder_sets, lost_tensors, plan_switch
+from runtime.elastic.state import LostState, holder_sets, lost_state, lost_tensors, plan_switch
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.launch.options import node_loss_detect_s
 from runtime.profiling.profile import DeviceProfile, ProfileSet
@@ -49,18 +50,21 @@ STATE_BYTES_PER_PARAM = 4 * len(STATE_SUFFIXES)  # fp32 parameter + two fp32 Ada
 
 
 class LostStateError(HspmdError):
-    """Some parameter has no surviving replica: no plan on the survivors can start from memory."""
+    """Some piece of the state (a slice of a parameter, or under ZeRO-1 a chunk of its moments) has no
+    surviving copy: no plan on the survivors can start from memory. ``lost``: the coordinator's own verdict
+    (``runtime.elastic.state.lost_state``), so ``hspmd replan`` answers as a running job would."""
 
-    def __init__(self, failed: Collection[int], lost: list[LostTensor]) -> None:
-        self.failed = tuple(sorted(failed))
+    def __init__(self, lost: LostState) -> None:
         self.lost = lost
+        self.failed = lost.failed
         super().__init__("; ".join(self.lines()))
 
     def lines(self) -> list[str]:
-        devs = ", ".join(map(str, self.failed))
-        out = [f"device(s) {devs}: {len(self.lost)} parameter(s) lose every replica, so no plan can continue "
-               "from memory (restart from a checkpoint, or plan with --elastic to keep >= 2 pipelines):"]
-        return out + [f"  {line}" for line in describe_lost(self.lost)]
+        keep = ("plan with --elastic to keep >= 2 pipelines" if self.lost.tensors else
+                "keep more copies of each chunk: a higher training.zero_redundancy, or zero: false")
+        return [f"device(s) {', '.join(map(str, self.failed))}: {self.lost.what()}, so no plan can continue from "
+                f"memory (the last checkpoint is what is left: restart from it with --load; {keep}):",
+                *self.lost.details()]
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,8 @@ def replan(current: StrategyHandle, failed: Collection[int],
     """The plan to switch to when ``failed`` devices of ``current`` are lost (see the module docstring).
 
     The survivors are the strategy's other devices (a running job has processes only there). Raises
-    LostStateError when a parameter lost every replica, InfeasibleError when no plan fits the survivors.
+    LostStateError when a parameter lost every replica or a ZeRO-1 moment chunk every copy, InfeasibleError
+    when no plan fits the survivors.
     """
     if tolerance < 0:
         raise ValueError("tolerance must not be negative")
@@ -182,9 +187,9 @@ def replan(current: StrategyHandle, failed: Collection[int],
                          f"(devices 0-{ctx.cluster.num_devices - 1})")
     idle = sorted(failed - set(current.devices))
     notes = [f"device(s) {idle} are idle in strategy {current.name!r}: losing them changes nothing"] if idle else []
-    lost = lost_tensors(current, failed)
+    lost = lost_state(current, failed)
     if lost:
-        raise LostStateError(failed, lost)
+        raise LostStateError(lost)
     survivors = tuple(d for d in current.devices if d not in failed)
     model_ref = model_ref or ctx.plan.model
     cluster_ref = cluster_ref or ctx.plan.cluster

@@ -46,9 +46,9 @@ from runtime.elastic.protocol import (
     World,
 )
 from runtime.elastic.state import (
+    LostState,
     check_compatible,
-    describe_lost,
-    lost_moments,
+    lost_state,
     lost_tensors,
     plan_moment_gather,
     plan_switch,
@@ -627,9 +627,9 @@ class ElasticPolicy:
     def start_recovery(self, inc: _Incident) -> None:
         failed = frozenset(self.failed)
         source = self.ref
-        lost, moments = lost_tensors(source, failed), lost_moments(source, failed)
-        if lost or moments:
-            raise UnrecoverableFailure(_lost_lines(failed, inc.step, lost, moments, self.options))
+        lost = lost_state(source, failed)
+        if lost:
+            raise UnrecoverableFailure(_lost_lines(lost, inc.step, self.options))
         self.collect_records()
         if self.recorded < self.committed:  # every survivor reports a committed step, gathered or not
             raise RuntimeError(f"survivors {_devs(self.alive)} left step {self.committed} after its commit "
@@ -640,7 +640,7 @@ class ElasticPolicy:
         # (the update ran everywhere before the all-gather); so are the parameters of its own chunks (kept by
         # the optimizer until the all-gather ends, runtime/engine/optim.py); every other element of a sharded
         # slice is of either step, depending on which buckets arrived. Every chunk has a surviving holder (r
-        # copies, ``lost_moments`` above), so the first round of the switch rebuilds each slice's parameters
+        # copies, ``lost_state`` above), so the first round of the switch rebuilds each slice's parameters
         # from its chunks' holders as it rebuilds the moments: the all-gather redone among the survivors, then
         # the usual fused BSR to the new layout. A survivor that finished the all-gather holds the same values.
         ungathered = self.committed in self.ungathered
@@ -779,16 +779,10 @@ def _devs(devices: Any) -> str:
     return ", ".join(str(d) for d in sorted(devices))
 
 
-def _lost_lines(failed: frozenset[int], step: int, lost: list[Any], moments: list[Any],
-                options: TrainOptions) -> list[str]:
-    what = [f"{len(lost)} parameter(s) have no surviving replica"] if lost else []
-    if moments:
-        what.append(f"the ZeRO-1 AdamW moments of {len(moments)} parameter(s) lost every copy of a chunk")
-    lines = [f"device(s) {_devs(failed)} failed during step {step} and {' and '.join(what)}, so the run cannot "
+def _lost_lines(lost: LostState, step: int, options: TrainOptions) -> list[str]:
+    lines = [f"device(s) {_devs(lost.failed)} failed during step {step} and {lost.what()}, so the run cannot "
              "continue in memory:"]
-    lines += [f"  {line}" for line in describe_lost(lost)]
-    lines += [f"  AdamW moments of {line}" for line in describe_lost(moments)]
-    return lines + _checkpoint_lines(options)
+    return lines + lost.details() + _checkpoint_lines(options)
 
 
 def _checkpoint_lines(options: TrainOptions) -> list[str]:
