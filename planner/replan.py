@@ -35,7 +35,7 @@ from planner.cost import CostModel, planner_handle, zero_copies
 from runtime.checkpoint import STATE_SUFFIXES
 from runtime.comm.bsr import BsrPlan
 from runtime.elastic.events import TraceEvent
-from runtime.elastic.preplan import candidates, survivors
+from runtime.elastic.preplan import candidates, grown, returns, survivors
 from runtime.elastic.state import LostState, holder_sets, lost_state, lost_tensors, plan_switch
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.launch.options import node_loss_detect_s
@@ -392,7 +392,11 @@ class TraceModel:
       device or one whole node of the running layout was planned ahead in the background
       (runtime/elastic/preplan.py) when the layout had run long enough for that: one replan per candidate
       loss, each priced at this event's replan wall time; such a failure costs a lookup plus the planning of
-      the chosen plan's fused BSR (measured), not the replan.
+      the chosen plan's fused BSR (measured), not the replan. After the losses, the grow decision for each
+      device (then each node's devices) out of every world was made ahead too: a return whose resulting
+      device set was among them, once the layout ran long enough for all its losses and returns at this
+      event's grow wall time, costs a lookup (plus, adopted, the planning of the fused BSR) and the modelled
+      switch, not the decision.
     * **restart** (Megatron / DeepSpeed under torchrun): the job runs the planner's best plan without the
       elastic constraint and with ZeRO-1 (the distributed optimizer: a restart needs no replica in memory);
       the node of a failed device is dropped whole (only the failed devices when no whole node would be
@@ -689,15 +693,19 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
         p, step_time = fixed
         return StrategyHandle.of(dataclasses.replace(ctx, plan=p)), step_time
 
-    def preplanned(handle: StrategyHandle, lost: set[int], alive: Collection[int], ran_s: float,
-                   plan_s: float) -> bool:
-        """Whether hspmd's coordinator had this loss planned ahead: a candidate of the layout (the same rule as
-        runtime/elastic/preplan.py) after the layout ran long enough to plan every candidate at ``plan_s``."""
+    def preplanned(handle: StrategyHandle, alive: Collection[int], out: Collection[int], ran_s: float,
+                   plan_s: float, *, lost: Collection[int] = (), joining: Collection[int] = ()) -> bool:
+        """Whether hspmd's coordinator had this loss (or return) planned ahead: a candidate of the layout (the
+        rules of runtime/elastic/preplan.py: its losses, then the returns of the devices ``out`` of every
+        world) once the layout ran long enough to plan every candidate up to its own at ``plan_s`` each."""
         if not model.preplan:
             return False
-        losses = candidates(handle, alive)
-        key = survivors(handle, lost)
-        return any(survivors(handle, c) == key for c in losses) and ran_s >= len(losses) * plan_s
+        losses, back = candidates(handle, alive), returns(handle, out)
+        if lost:
+            return any(survivors(handle, c) == survivors(handle, lost) for c in losses) and \
+                ran_s >= len(losses) * plan_s
+        return any(grown(handle, c) == grown(handle, joining) for c in back) and \
+            ran_s >= (len(losses) + len(back)) * plan_s
 
     events = sorted(trace, key=lambda e: e.step)
     usable = set(original.devices) | {x for ev in events for x in ev.devices}
@@ -725,6 +733,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
     down: set[int] = set()
     prev = 1
     h_since = 1  # the step from which hspmd's current layout runs (its losses are planned ahead from there)
+    world = set(original.devices)  # the devices in hspmd's world (the coordinator's ``alive``)
     for e in events:
         for line in lines.values():
             line.run(e.step - prev)
@@ -739,16 +748,28 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
         # hspmd
         h = lines["hspmd"]
         before = h.step_time_s
+        if e.action != "rejoin":
+            world -= set(e.devices)
         t0 = time.perf_counter()
         if e.action == "rejoin":
             g = grow(h.handle, e.devices, profiles, steps_left=steps_left, time_limit_s=model.time_limit_s,
                      switch=model.switch)
-            parts = {"decide": time.perf_counter() - t0}
+            wall = time.perf_counter() - t0
+            out = set(range(cluster.num_devices)) - world
+            ahead = preplanned(h.handle, alive_before, out, (e.step - h_since) * before, wall, joining=e.devices)
+            # decided ahead: a lookup, then (adopted) the coordinator plans the fused BSR of the plan found
+            parts = {"decide": wall if not ahead else 0.0}
             if g.adopt and g.context is not None:
-                h.handle, h.step_time_s = StrategyHandle.of(g.context), g.step_time_s
+                target = StrategyHandle.of(g.context)
+                if ahead:
+                    t1 = time.perf_counter()
+                    plan_switch(h.handle, target, ())
+                    parts["decide"] = time.perf_counter() - t1
+                world |= set(target.devices) & set(e.devices)
+                h.handle, h.step_time_s = target, g.step_time_s
                 parts["switch"] = g.switch_s
                 h_since = e.step
-            h.event(e, parts, before, adopted=g.adopt)
+            h.event(e, parts, before, adopted=g.adopt, preplanned=ahead, planner_wall_s=wall)
         elif set(e.devices) & set(h.handle.devices) or e.node == coordinator:
             r, cause = None, "the coordinator's node lost"  # the job itself is gone: nothing to replan
             if e.node != coordinator:
@@ -759,10 +780,11 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                     cause = "state lost"
             if r is None:
                 h.handle, h.step_time_s = best_on([d for d in h.handle.devices if d not in e.devices])
+                world = set(h.handle.devices)
                 h.restarted(e, {"detect": detect(e, False), **from_checkpoint}, before, restarted=cause)
             else:
                 wall = time.perf_counter() - t0
-                ahead = preplanned(h.handle, set(e.devices), alive_before, (e.step - h_since) * before, wall)
+                ahead = preplanned(h.handle, alive_before, (), (e.step - h_since) * before, wall, lost=e.devices)
                 if ahead:  # the coordinator looks the plan up and plans its fused BSR
                     t1 = time.perf_counter()
                     plan_switch(h.handle, StrategyHandle.of(r.context), set(e.devices))
@@ -920,7 +942,9 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                                       "on the machine that runs this model (inflated when it is loaded)"
                                       + ("; a failure planned ahead (a single device or node of the running layout, "
                                          "the layout run for as long as one replan per candidate takes) costs the "
-                                         "planning of its fused BSR instead" if model.preplan else "")),
+                                         "planning of its fused BSR instead; a return planned ahead (a device or "
+                                         "node out of every world, decided after the layout's losses) costs a "
+                                         "lookup, plus that planning when adopted" if model.preplan else "")),
             }}
 
 
