@@ -2,8 +2,9 @@
 
 ``replan(ctx, strategy, failed, profiles)``:
 
-1. Every parameter must still have a surviving replica (``runtime.elastic.lost_tensors``); if one has
-   none, ``LostStateError`` names them (the run cannot continue in memory).
+1. Every parameter must still have a surviving replica, and under ZeRO-1 every moment chunk a surviving
+   copy (``runtime.elastic.state.lost_state``, the coordinator's check); if not, ``LostStateError`` names
+   what is lost (the run cannot continue in memory).
 2. Candidates: the planner's near-best plans on the survivors (``planner.api.plan`` with
    ``devices=survivors``, elastic when the survivors allow it, ZeRO off), plus a *repair* of the current
    plan: its pipelines that lost no device, with the micro-batches of the broken ones spread over them
@@ -34,8 +35,8 @@ from planner.cost import CostModel, planner_handle, zero_copies
 from runtime.checkpoint import STATE_SUFFIXES
 from runtime.comm.bsr import BsrPlan
 from runtime.elastic.events import TraceEvent
-from runtime.elastic.preplan import candidates, survivors
-from runtime.elastic.state import LostTensor, describe_lost, holder_sets, lost_tensors, plan_switch
+from runtime.elastic.preplan import candidates, grown, returns, survivors
+from runtime.elastic.state import LostState, holder_sets, lost_state, lost_tensors, plan_switch
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.launch.options import node_loss_detect_s
 from runtime.profiling.profile import DeviceProfile, ProfileSet
@@ -49,18 +50,21 @@ STATE_BYTES_PER_PARAM = 4 * len(STATE_SUFFIXES)  # fp32 parameter + two fp32 Ada
 
 
 class LostStateError(HspmdError):
-    """Some parameter has no surviving replica: no plan on the survivors can start from memory."""
+    """Some piece of the state (a slice of a parameter, or under ZeRO-1 a chunk of its moments) has no
+    surviving copy: no plan on the survivors can start from memory. ``lost``: the coordinator's own verdict
+    (``runtime.elastic.state.lost_state``), so ``hspmd replan`` answers as a running job would."""
 
-    def __init__(self, failed: Collection[int], lost: list[LostTensor]) -> None:
-        self.failed = tuple(sorted(failed))
+    def __init__(self, lost: LostState) -> None:
         self.lost = lost
+        self.failed = lost.failed
         super().__init__("; ".join(self.lines()))
 
     def lines(self) -> list[str]:
-        devs = ", ".join(map(str, self.failed))
-        out = [f"device(s) {devs}: {len(self.lost)} parameter(s) lose every replica, so no plan can continue "
-               "from memory (restart from a checkpoint, or plan with --elastic to keep >= 2 pipelines):"]
-        return out + [f"  {line}" for line in describe_lost(self.lost)]
+        keep = ("plan with --elastic to keep >= 2 pipelines" if self.lost.tensors else
+                "keep more copies of each chunk: a higher training.zero_redundancy, or zero: false")
+        return [f"device(s) {', '.join(map(str, self.failed))}: {self.lost.what()}, so no plan can continue from "
+                f"memory (the last checkpoint is what is left: restart from it with --load; {keep}):",
+                *self.lost.details()]
 
 
 @dataclass(frozen=True)
@@ -168,7 +172,8 @@ def replan(current: StrategyHandle, failed: Collection[int],
     """The plan to switch to when ``failed`` devices of ``current`` are lost (see the module docstring).
 
     The survivors are the strategy's other devices (a running job has processes only there). Raises
-    LostStateError when a parameter lost every replica, InfeasibleError when no plan fits the survivors.
+    LostStateError when a parameter lost every replica or a ZeRO-1 moment chunk every copy, InfeasibleError
+    when no plan fits the survivors.
     """
     if tolerance < 0:
         raise ValueError("tolerance must not be negative")
@@ -182,9 +187,9 @@ def replan(current: StrategyHandle, failed: Collection[int],
                          f"(devices 0-{ctx.cluster.num_devices - 1})")
     idle = sorted(failed - set(current.devices))
     notes = [f"device(s) {idle} are idle in strategy {current.name!r}: losing them changes nothing"] if idle else []
-    lost = lost_tensors(current, failed)
+    lost = lost_state(current, failed)
     if lost:
-        raise LostStateError(failed, lost)
+        raise LostStateError(lost)
     survivors = tuple(d for d in current.devices if d not in failed)
     model_ref = model_ref or ctx.plan.model
     cluster_ref = cluster_ref or ctx.plan.cluster
@@ -387,7 +392,11 @@ class TraceModel:
       device or one whole node of the running layout was planned ahead in the background
       (runtime/elastic/preplan.py) when the layout had run long enough for that: one replan per candidate
       loss, each priced at this event's replan wall time; such a failure costs a lookup plus the planning of
-      the chosen plan's fused BSR (measured), not the replan.
+      the chosen plan's fused BSR (measured), not the replan. After the losses, the grow decision for each
+      device (then each node's devices) out of every world was made ahead too: a return whose resulting
+      device set was among them, once the layout ran long enough for all its losses and returns at this
+      event's grow wall time, costs a lookup (plus, adopted, the planning of the fused BSR) and the modelled
+      switch, not the decision.
     * **restart** (Megatron / DeepSpeed under torchrun): the job runs the planner's best plan without the
       elastic constraint and with ZeRO-1 (the distributed optimizer: a restart needs no replica in memory);
       the node of a failed device is dropped whole (only the failed devices when no whole node would be
@@ -684,15 +693,19 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
         p, step_time = fixed
         return StrategyHandle.of(dataclasses.replace(ctx, plan=p)), step_time
 
-    def preplanned(handle: StrategyHandle, lost: set[int], alive: Collection[int], ran_s: float,
-                   plan_s: float) -> bool:
-        """Whether hspmd's coordinator had this loss planned ahead: a candidate of the layout (the same rule as
-        runtime/elastic/preplan.py) after the layout ran long enough to plan every candidate at ``plan_s``."""
+    def preplanned(handle: StrategyHandle, alive: Collection[int], out: Collection[int], ran_s: float,
+                   plan_s: float, *, lost: Collection[int] = (), joining: Collection[int] = ()) -> bool:
+        """Whether hspmd's coordinator had this loss (or return) planned ahead: a candidate of the layout (the
+        rules of runtime/elastic/preplan.py: its losses, then the returns of the devices ``out`` of every
+        world) once the layout ran long enough to plan every candidate up to its own at ``plan_s`` each."""
         if not model.preplan:
             return False
-        losses = candidates(handle, alive)
-        key = survivors(handle, lost)
-        return any(survivors(handle, c) == key for c in losses) and ran_s >= len(losses) * plan_s
+        losses, back = candidates(handle, alive), returns(handle, out)
+        if lost:
+            return any(survivors(handle, c) == survivors(handle, lost) for c in losses) and \
+                ran_s >= len(losses) * plan_s
+        return any(grown(handle, c) == grown(handle, joining) for c in back) and \
+            ran_s >= (len(losses) + len(back)) * plan_s
 
     events = sorted(trace, key=lambda e: e.step)
     usable = set(original.devices) | {x for ev in events for x in ev.devices}
@@ -720,6 +733,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
     down: set[int] = set()
     prev = 1
     h_since = 1  # the step from which hspmd's current layout runs (its losses are planned ahead from there)
+    world = set(original.devices)  # the devices in hspmd's world (the coordinator's ``alive``)
     for e in events:
         for line in lines.values():
             line.run(e.step - prev)
@@ -734,16 +748,28 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
         # hspmd
         h = lines["hspmd"]
         before = h.step_time_s
+        if e.action != "rejoin":
+            world -= set(e.devices)
         t0 = time.perf_counter()
         if e.action == "rejoin":
             g = grow(h.handle, e.devices, profiles, steps_left=steps_left, time_limit_s=model.time_limit_s,
                      switch=model.switch)
-            parts = {"decide": time.perf_counter() - t0}
+            wall = time.perf_counter() - t0
+            out = set(range(cluster.num_devices)) - world
+            ahead = preplanned(h.handle, alive_before, out, (e.step - h_since) * before, wall, joining=e.devices)
+            # decided ahead: a lookup, then (adopted) the coordinator plans the fused BSR of the plan found
+            parts = {"decide": wall if not ahead else 0.0}
             if g.adopt and g.context is not None:
-                h.handle, h.step_time_s = StrategyHandle.of(g.context), g.step_time_s
+                target = StrategyHandle.of(g.context)
+                if ahead:
+                    t1 = time.perf_counter()
+                    plan_switch(h.handle, target, ())
+                    parts["decide"] = time.perf_counter() - t1
+                world |= set(target.devices) & set(e.devices)
+                h.handle, h.step_time_s = target, g.step_time_s
                 parts["switch"] = g.switch_s
                 h_since = e.step
-            h.event(e, parts, before, adopted=g.adopt)
+            h.event(e, parts, before, adopted=g.adopt, preplanned=ahead, planner_wall_s=wall)
         elif set(e.devices) & set(h.handle.devices) or e.node == coordinator:
             r, cause = None, "the coordinator's node lost"  # the job itself is gone: nothing to replan
             if e.node != coordinator:
@@ -754,10 +780,11 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                     cause = "state lost"
             if r is None:
                 h.handle, h.step_time_s = best_on([d for d in h.handle.devices if d not in e.devices])
+                world = set(h.handle.devices)
                 h.restarted(e, {"detect": detect(e, False), **from_checkpoint}, before, restarted=cause)
             else:
                 wall = time.perf_counter() - t0
-                ahead = preplanned(h.handle, set(e.devices), alive_before, (e.step - h_since) * before, wall)
+                ahead = preplanned(h.handle, alive_before, (), (e.step - h_since) * before, wall, lost=e.devices)
                 if ahead:  # the coordinator looks the plan up and plans its fused BSR
                     t1 = time.perf_counter()
                     plan_switch(h.handle, StrategyHandle.of(r.context), set(e.devices))
@@ -915,7 +942,9 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                                       "on the machine that runs this model (inflated when it is loaded)"
                                       + ("; a failure planned ahead (a single device or node of the running layout, "
                                          "the layout run for as long as one replan per candidate takes) costs the "
-                                         "planning of its fused BSR instead" if model.preplan else "")),
+                                         "planning of its fused BSR instead; a return planned ahead (a device or "
+                                         "node out of every world, decided after the layout's losses) costs a "
+                                         "lookup, plus that planning when adopted" if model.preplan else "")),
             }}
 
 

@@ -66,7 +66,8 @@ def replan(plan_path: Path, strategy_name: str | None, failed_text: str, out_pat
     """A new plan for the survivors of FAILED devices of PLAN, chosen with the switch cost in view, with the
     switch report (bytes per link, modelled fused-BSR time) and the modelled cost of checkpoint-restart.
 
-    Exit code 2 when some parameter has no surviving replica (the report names them)."""
+    Exit code 2, nothing written, when some parameter has no surviving replica or (ZeRO-1) some moment chunk
+    no surviving copy: the coordinator's own check, naming what is lost and who held it."""
     if out_path is not None and out_path.is_dir():
         raise SpecError([Problem(str(out_path), "", "is a directory; give a file name for the plan")])
     failed = parse_devices(failed_text, "--failed")

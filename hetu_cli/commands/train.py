@@ -152,7 +152,8 @@ class StepDisplay:
                    "with the least modelled switch plus predicted step time over the steps left wins.")
 @click.option("--preplan/--no-preplan", default=True, show_default=True,
               help="--elastic: between failures, plan in the background for the loss of each device and node of the "
-                   "running layout, so that such a failure switches without planning.")
+                   "running layout, and decide the return of each device (and node) out of it, so that such a "
+                   "failure or return switches without planning.")
 @click.option("--rejoin-device", "rejoin_devices", multiple=True, type=int, metavar="D",
               help="--elastic: device D returns at the start of --rejoin-at-step (or --at-step) K: a worker is "
                    "started for it and joins the running job when the predicted gain beats the switch cost.")
@@ -246,9 +247,11 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
 
                 replan = planner_replan(profile_dirs, replan_tolerance, display.log) if elastic else None
                 grow = _planner_grow(profile_dirs, display.log) if elastic else None
-                ahead = planner_replan(profile_dirs, replan_tolerance, lambda _line: None) \
-                    if elastic and preplan else None  # quiet: its lines would interleave with the run's
-                policy = ElasticPolicy(replan, on_event, grow, ahead)
+                ahead = ahead_grow = None
+                if elastic and preplan:  # quiet: the background's lines would interleave with the run's
+                    ahead = planner_replan(profile_dirs, replan_tolerance, lambda _line: None)
+                    ahead_grow = _planner_grow(profile_dirs, lambda _line: None)
+                policy = ElasticPolicy(replan, on_event, grow, ahead, ahead_grow)
                 if agents is not None:
                     from runtime.elastic.agents import AgentSettings, launch_agents, parse_address
 

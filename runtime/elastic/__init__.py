@@ -1,7 +1,9 @@
 """Failures and switches in memory: no checkpoint, no restart (docs/design.md §4, §7).
 
 * state.py: the model state as data, per ``StrategyHandle`` (runtime/spec/handle.py):
-  ``lost_tensors(ref, failed)`` (which parameters lost every replica); ``state_moves(src, dst)`` /
+  ``lost_state(ref, failed)`` (what a failure loses for good: parameters without a replica, ZeRO-1
+  moment chunks without a copy; the coordinator and `hspmd replan` both ask it);
+  ``state_moves(src, dst)`` /
   ``plan_switch(src, dst, excluded)`` (the fused BSR of every parameter and AdamW moment);
   ``check_compatible(a, b)``.
 * protocol.py: the launcher <-> worker messages (``World``, ``Transition``, ``Commit``, ``Ready``, ...).

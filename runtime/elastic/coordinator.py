@@ -32,7 +32,7 @@ from typing import Any
 
 from rich import filesize
 
-from runtime.elastic.preplan import Preplanner, Replanner, candidates
+from runtime.elastic.preplan import Grower, Preplanner, Replanner, candidates, returns
 from runtime.elastic.protocol import (
     Abort,
     Commit,
@@ -46,9 +46,9 @@ from runtime.elastic.protocol import (
     World,
 )
 from runtime.elastic.state import (
+    LostState,
     check_compatible,
-    describe_lost,
-    lost_moments,
+    lost_state,
     lost_tensors,
     plan_moment_gather,
     plan_switch,
@@ -60,11 +60,6 @@ from runtime.launch.options import PlannedSwitch, StepRecord, StepReport, TrainO
 from runtime.launch.supervise import FailureLog, Run, WorkerHandle
 from runtime.spec import PlanContext, load_plan_context
 from runtime.spec.handle import StrategyHandle
-
-Grower = Callable[[frozenset[int], PlanContext, str, int], PlanContext | None]
-"""``grow(joining devices, current plan, current strategy, steps left) -> a plan using them, or None``
-when the predicted gain over the steps left does not beat the modelled switch cost (the CLI's calls
-planner/replan.py ``grow``)."""
 
 ERROR_GRACE_S = 1.0  # a worker's error with no device failure within this window is a genuine error
 LEAVE_MARGIN_S = 5.0  # beyond the op timeout, how long a survivor may take to leave a failed step
@@ -212,6 +207,7 @@ class Growth:
     joining: tuple[int, ...]
     target: StrategyHandle
     decide_s: float
+    preplanned: bool = False  # decided ahead, in the background (runtime/elastic/preplan.py)
 
 
 Phase = Training | Leaving | Switching | Finishing
@@ -236,21 +232,24 @@ def _switch_target(sw: PlannedSwitch, ctx: PlanContext, first: int, last: int) -
 class ElasticPolicy:
     """The supervisor's policy for elastic and switching runs (``TrainOptions.elastic`` / ``switches``):
     ``replan`` gives the plan for the survivors of a failure (``preplan``: the same, planned ahead for every
-    single device and node loss of the running layout), ``on_event`` gets one dict per failure or switch.
+    single device and node loss of the running layout), ``grow`` the decision on returning devices
+    (``preplan_grow``: the same, decided ahead for each device and node out of the layout), ``on_event`` gets
+    one dict per failure or switch.
     Without ``options.elastic`` a failure stops the run as under ``PlainPolicy``."""
 
     worker_loop = staticmethod(elastic_worker)
 
     def __init__(self, replan: Replanner | None = None,
                  on_event: Callable[[dict[str, Any]], None] | None = None, grow: Grower | None = None,
-                 preplan: Replanner | None = None) -> None:
+                 preplan: Replanner | None = None, preplan_grow: Grower | None = None) -> None:
         self.replan = replan
         self.grow = grow
         self.on_event = on_event
         self.failures = FailureLog(ERROR_GRACE_S)
-        # ``preplan``: the replanner for planning ahead, in the background (runtime/elastic/preplan.py; the
-        # CLI's is ``replan`` without its log lines); None plans only when a failure strikes.
-        self.preplanner = Preplanner(preplan) if preplan is not None else None
+        # ``preplan`` / ``preplan_grow``: the replanner and grower for planning ahead, in the background
+        # (runtime/elastic/preplan.py; the CLI's are ``replan`` and ``grow`` without their log lines); None
+        # plans only when a failure strikes (a return: when it comes).
+        self.preplanner = Preplanner(preplan, preplan_grow) if preplan is not None else None
 
     def prepare(self, options: TrainOptions, ctx: PlanContext, strategy: str) -> list[int]:
         """User errors of a coordinated run, before any process starts; the devices the world needs (the
@@ -447,13 +446,16 @@ class ElasticPolicy:
         return False
 
     def _plan_ahead(self) -> None:
-        """Between failures, on a layout not planned ahead yet: plan its single-device and node losses."""
+        """Between failures, on a layout not planned ahead yet: plan its single-device and node losses, then
+        decide the returns of the cluster's devices in no world now (failed earlier, or never started)."""
         p = self.preplanner
         if p is None or not self.options.elastic or self.replan is None:
             return
         if isinstance(self.phase, Training) and self.incident is None and p.ref is not self.ref:
             if self.committed + 1 < self.last:
-                p.begin(self.ref, candidates(self.ref, self.alive), frozenset(self.failed), self.last - self.committed)
+                out = {d.id for d in self.ref.cluster.devices} - self.alive
+                p.begin(self.ref, candidates(self.ref, self.alive), frozenset(self.failed), self.last - self.committed,
+                        returns(self.ref, out))
         for line in p.notes():
             self.log(line)
 
@@ -532,11 +534,17 @@ class ElasticPolicy:
             self.log(f"device(s) {_devs(up)} are up but no grower was given: they stay spare")
             return
         t0 = time.perf_counter()
-        try:
-            new_ctx = self.grow(up, self.ref.ctx, self.ref.name, self.last - self.committed - 1)
-        except HspmdError as err:
-            new_ctx = None
-            self.log(f"no plan with device(s) {_devs(up)}: {'; '.join(err.lines())}")
+        ahead = self.preplanner.lookup_return(self.ref, up) if self.preplanner is not None else None
+        if ahead is not None:
+            new_ctx = ahead.context
+            self.log(f"device(s) {_devs(up)}: the grow decision was planned ahead (in {ahead.plan_s:.3f} s, in the "
+                     f"background): {'adopt' if new_ctx is not None else 'stay'}, without planning now")
+        else:
+            try:
+                new_ctx = self.grow(up, self.ref.ctx, self.ref.name, self.last - self.committed - 1)
+            except HspmdError as err:
+                new_ctx = None
+                self.log(f"no plan with device(s) {_devs(up)}: {'; '.join(err.lines())}")
         decide_s = time.perf_counter() - t0
         if new_ctx is None:
             self.declined |= up
@@ -548,7 +556,7 @@ class ElasticPolicy:
             raise RuntimeError(f"the grower's plan uses devices {bad} that are not in the job")
         check_compatible(self.ref.ctx, target.ctx)
         joining = tuple(sorted(set(target.devices) & up))
-        self.growth = Growth(joining, target, decide_s)
+        self.growth = Growth(joining, target, decide_s, ahead is not None)
         self.log(f"device(s) {_devs(joining)} will join after step {self.committed + 1}: {target.describe()} "
                  f"(decided in {decide_s:.3f} s)")
 
@@ -627,9 +635,9 @@ class ElasticPolicy:
     def start_recovery(self, inc: _Incident) -> None:
         failed = frozenset(self.failed)
         source = self.ref
-        lost, moments = lost_tensors(source, failed), lost_moments(source, failed)
-        if lost or moments:
-            raise UnrecoverableFailure(_lost_lines(failed, inc.step, lost, moments, self.options))
+        lost = lost_state(source, failed)
+        if lost:
+            raise UnrecoverableFailure(_lost_lines(lost, inc.step, self.options))
         self.collect_records()
         if self.recorded < self.committed:  # every survivor reports a committed step, gathered or not
             raise RuntimeError(f"survivors {_devs(self.alive)} left step {self.committed} after its commit "
@@ -640,7 +648,7 @@ class ElasticPolicy:
         # (the update ran everywhere before the all-gather); so are the parameters of its own chunks (kept by
         # the optimizer until the all-gather ends, runtime/engine/optim.py); every other element of a sharded
         # slice is of either step, depending on which buckets arrived. Every chunk has a surviving holder (r
-        # copies, ``lost_moments`` above), so the first round of the switch rebuilds each slice's parameters
+        # copies, ``lost_state`` above), so the first round of the switch rebuilds each slice's parameters
         # from its chunks' holders as it rebuilds the moments: the all-gather redone among the survivors, then
         # the usual fused BSR to the new layout. A survivor that finished the all-gather holds the same values.
         ungathered = self.committed in self.ungathered
@@ -657,7 +665,7 @@ class ElasticPolicy:
                                             "(hspmd train --elastic supplies the planner)"])
             t0 = time.perf_counter()
             ahead = self.preplanner.lookup(source, failed) if self.preplanner is not None else None
-            if ahead is not None:
+            if ahead is not None and ahead.context is not None:
                 new_ctx = ahead.context
                 inc.preplanned = True
                 self.log(f"the plan for survivors {_devs(self.alive)} was made ahead (in {ahead.plan_s:.3f} s, "
@@ -779,16 +787,10 @@ def _devs(devices: Any) -> str:
     return ", ".join(str(d) for d in sorted(devices))
 
 
-def _lost_lines(failed: frozenset[int], step: int, lost: list[Any], moments: list[Any],
-                options: TrainOptions) -> list[str]:
-    what = [f"{len(lost)} parameter(s) have no surviving replica"] if lost else []
-    if moments:
-        what.append(f"the ZeRO-1 AdamW moments of {len(moments)} parameter(s) lost every copy of a chunk")
-    lines = [f"device(s) {_devs(failed)} failed during step {step} and {' and '.join(what)}, so the run cannot "
+def _lost_lines(lost: LostState, step: int, options: TrainOptions) -> list[str]:
+    lines = [f"device(s) {_devs(lost.failed)} failed during step {step} and {lost.what()}, so the run cannot "
              "continue in memory:"]
-    lines += [f"  {line}" for line in describe_lost(lost)]
-    lines += [f"  AdamW moments of {line}" for line in describe_lost(moments)]
-    return lines + _checkpoint_lines(options)
+    return lines + lost.details() + _checkpoint_lines(options)
 
 
 def _checkpoint_lines(options: TrainOptions) -> list[str]:
@@ -828,11 +830,12 @@ def _switch_event(sw: Switching, t_resumed: float, times: dict[int, Switched]) -
     """A planned switch's event, or a growth's (``rejoin``): what moved, and each part at its slowest device."""
     t, g = sw.transition, sw.growth
     which = ({"event": "switch", "step": sw.step} if g is None else
-             {"event": "rejoin", "step": sw.step + 1, "joined": list(g.joining), "decide_s": g.decide_s})
+             {"event": "rejoin", "step": sw.step + 1, "joined": list(g.joining), "decide_s": g.decide_s,
+              "preplanned": g.preplanned})
     return {**which, "from": t.source.describe(), "to": t.target.describe(), "devices": sorted(t.target.devices),
             "strategy": t.target.name, "plan_file": str(t.target.ctx.path), "plan_s": sw.plan_s, **_slowest(times),
             "switch_bytes": t.bsr.total_bytes, "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster),
             "total_s": t_resumed - sw.since}
 
 
-__all__ = ["ElasticPolicy", "Grower", "Replanner", "UnrecoverableFailure"]
+__all__ = ["ElasticPolicy", "Grower", "Replanner", "UnrecoverableFailure"]  # the callbacks: preplan.py

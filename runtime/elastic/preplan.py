@@ -2,8 +2,8 @@
 after the loss of each single device and each whole node of the running layout, so that such a failure
 switches without planning (the foreground replan is most of an in-memory recovery's time at paper scale).
 
-* **Bounded**: one replan per candidate (the layout's devices, then its nodes), each bounded by the planner's
-  own time limit; nothing else is planned until the layout changes.
+* **Bounded**: one replan per candidate (the layout's devices, then its nodes; then the returns below), each
+  bounded by the planner's own time limit; nothing else is planned until the layout changes.
 * **Cancellable**: a stop flag checked between candidates; a replan in flight when it is set finishes (it
   cannot be interrupted) but its result is dropped. The coordinator stops the work when a failure strikes
   (the recovery must not share the CPU with it) and when the run finishes.
@@ -15,6 +15,10 @@ switches without planning (the foreground replan is most of an in-memory recover
   plans on); the cache belongs to one layout (one ``StrategyHandle``) and is replaced when the layout changes.
   The plans are made with the steps left when planned: a replan weighs a switch against the steps left, so a
   pre-planned choice may differ from a fresh one made later (the same candidates, a slightly older horizon).
+* **Returns too**: after the losses, the grow decision (``Grower``: a plan with the returning devices and the
+  gain-vs-switch-cost rule, adopt or stay) for each device out of the layout (failed earlier, or in the cluster
+  file but idle), then each node's such devices together; keyed by the resulting device set, so that a device
+  that announces itself joins (or stays spare) without planning in the foreground.
 """
 
 from __future__ import annotations
@@ -33,18 +37,40 @@ Replanner = Callable[[frozenset[int], PlanContext, str, int], PlanContext]
 first strategy is used; the steps left, the failed one included, weigh a candidate's switch against its
 step time). Supplied by the CLI (which calls the planner); the runtime never imports it."""
 
+Grower = Callable[[frozenset[int], PlanContext, str, int], PlanContext | None]
+"""``grow(joining devices, current plan, current strategy, steps left) -> a plan using them, or None``
+when the predicted gain over the steps left does not beat the modelled switch cost (the CLI's calls
+planner/replan.py ``grow``)."""
+
 
 @dataclass(frozen=True)
 class Preplanned:
-    """The plan for one survivor set, and the planner's wall time that made it."""
+    """The plan for one resulting device set (None: a grow decision to stay), and the planner's wall time."""
 
-    context: PlanContext
+    context: PlanContext | None
     plan_s: float
 
 
 def survivors(ref: StrategyHandle, failed: Collection[int]) -> tuple[int, ...]:
-    """The cache key: the layout's devices that are not in ``failed``."""
+    """The cache key of a loss: the layout's devices that are not in ``failed``."""
     return tuple(d for d in ref.devices if d not in failed)
+
+
+def grown(ref: StrategyHandle, joining: Collection[int]) -> tuple[int, ...]:
+    """The cache key of a return: the layout's devices with ``joining``."""
+    return tuple(sorted(set(ref.devices) | set(joining)))
+
+
+def returns(ref: StrategyHandle, out: Collection[int]) -> list[frozenset[int]]:
+    """The returns planned ahead, in order: each device of ``out`` (the cluster's devices in no world now)
+    that the layout does not use, then each node's such devices together where there are several (a node
+    coming back returns all of them)."""
+    away = sorted(set(out) - set(ref.devices))
+    nodes: dict[str, set[int]] = {}
+    for d in ref.cluster.devices:
+        if d.id in away:
+            nodes.setdefault(d.node, set()).add(d.id)
+    return [frozenset({d}) for d in away] + [frozenset(devs) for _, devs in sorted(nodes.items()) if len(devs) > 1]
 
 
 def candidates(ref: StrategyHandle, alive: Collection[int]) -> list[frozenset[int]]:
@@ -64,50 +90,61 @@ def candidates(ref: StrategyHandle, alive: Collection[int]) -> list[frozenset[in
 class Preplanner:
     """The background planning of one layout at a time (see the module docstring)."""
 
-    def __init__(self, replan: Replanner) -> None:
+    def __init__(self, replan: Replanner, grow: Grower | None = None) -> None:
         self.replan = replan
+        self.grow = grow  # None: returns are decided when they come
         self.ref: StrategyHandle | None = None  # the layout the cache is for
         self._plans: dict[tuple[int, ...], Preplanned] = {}
+        self._grows: dict[tuple[int, ...], Preplanned] = {}
         self._lock = threading.Lock()
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
         self._notes: list[str] = []
 
     def begin(self, ref: StrategyHandle, losses: Iterable[frozenset[int]], failed_before: frozenset[int],
-              steps_left: int) -> None:
+              steps_left: int, back: Iterable[frozenset[int]] = ()) -> None:
         """Stop the work in progress; plan ahead for ``losses`` of ``ref`` (``failed_before``: devices already
-        lost, passed on to the replanner as a failure would)."""
+        lost, passed on to the replanner as a failure would), then decide ahead the returns ``back``."""
         self.stop()
         stop = threading.Event()
         with self._lock:
-            self.ref, self._plans, self._stop = ref, {}, stop
-        work = [set_ for set_ in losses if set_ & set(ref.devices)]
+            self.ref, self._plans, self._grows, self._stop = ref, {}, {}, stop
+        work = [("loss", set_) for set_ in losses if set_ & set(ref.devices)]
+        if self.grow is not None:
+            work += [("return", set_) for set_ in back if set_ - set(ref.devices)]
         self._thread = threading.Thread(target=self._work, args=(ref, work, failed_before, steps_left, stop),
                                         name="hspmd-preplan", daemon=True)
         self._thread.start()
 
-    def _work(self, ref: StrategyHandle, work: list[frozenset[int]], failed_before: frozenset[int],
+    def _work(self, ref: StrategyHandle, work: list[tuple[str, frozenset[int]]], failed_before: frozenset[int],
               steps_left: int, stop: threading.Event) -> None:
         done = 0
         t_all = time.perf_counter()
-        for lost in work:
+        for kind, devs in work:
             if stop.is_set():
                 return
             t0 = time.perf_counter()
             try:
-                ctx = self.replan(failed_before | lost, ref.ctx, ref.name, steps_left)
+                if kind == "loss":
+                    ctx = self.replan(failed_before | devs, ref.ctx, ref.name, steps_left)
+                else:  # a return joins after the next step at the earliest: one step fewer to gain on
+                    assert self.grow is not None
+                    ctx = self.grow(devs, ref.ctx, ref.name, steps_left - 1)
             except HspmdError:
-                continue  # no plan for it: a failure of that set plans in the foreground (and says why)
+                continue  # no plan for it: that event plans in the foreground (and says why)
             except Exception as err:  # noqa: BLE001 - a planner bug must not end the run from this thread
-                self._note(f"pre-planning the loss of device(s) {sorted(lost)} failed: {err!r}")
+                self._note(f"pre-planning the {kind} of device(s) {sorted(devs)} failed: {err!r}")
                 continue
             with self._lock:
                 if stop.is_set() or self.ref is not ref:
                     return
-                self._plans[survivors(ref, lost)] = Preplanned(ctx, time.perf_counter() - t0)
+                if kind == "loss":
+                    self._plans[survivors(ref, devs)] = Preplanned(ctx, time.perf_counter() - t0)
+                else:
+                    self._grows[grown(ref, devs)] = Preplanned(ctx, time.perf_counter() - t0)
             done += 1
-        self._note(f"pre-planned {done} of {len(work)} single-device and node losses of {ref.describe()} in "
-                   f"{time.perf_counter() - t_all:.3f} s (background)")
+        self._note(f"pre-planned {done} of {len(work)} single-device and node losses and returns of "
+                   f"{ref.describe()} in {time.perf_counter() - t_all:.3f} s (background)")
 
     def _note(self, line: str) -> None:
         with self._lock:
@@ -126,10 +163,18 @@ class Preplanner:
                 return None
             return self._plans.get(survivors(ref, failed))
 
+    def lookup_return(self, ref: StrategyHandle, joining: Collection[int]) -> Preplanned | None:
+        """The grow decision made ahead for ``joining`` returning to layout ``ref`` (its context None: stay;
+        None: not decided ahead)."""
+        with self._lock:
+            if self.ref is not ref:
+                return None
+            return self._grows.get(grown(ref, joining))
+
     def stop(self) -> None:
         """No new replan starts; the one in flight is dropped when done. The plans made so far stay."""
         if self._stop is not None:
             self._stop.set()
 
 
-__all__ = ["Preplanned", "Preplanner", "candidates", "survivors"]
+__all__ = ["Grower", "Preplanned", "Preplanner", "Replanner", "candidates", "grown", "returns", "survivors"]

@@ -41,9 +41,16 @@ class LostTensor:
     holders: tuple[int, ...]  # every device that held any part of it
     lost_by: tuple[int, ...]  # the (failed) devices that held the missing slice
     layer: int | None = None  # its decoder layer (None: embedding, final norm, head)
+    # ZeRO-1 moments: the lost chunk, (index, chunks of its slice); None for a parameter's slice
+    chunk: tuple[int, int] | None = None
 
     def __str__(self) -> str:
         return f"{self.name} (a slice held only by failed device(s) {', '.join(map(str, self.lost_by))})"
+
+    @property
+    def piece(self) -> str:
+        """Which piece was lost, as a line names it: '' (a slice of the parameter) or 'chunk 0 of 2 '."""
+        return "" if self.chunk is None else f"chunk {self.chunk[0]} of {self.chunk[1]} "
 
 
 def describe_lost(lost: list[LostTensor]) -> list[str]:
@@ -57,7 +64,10 @@ def describe_lost(lost: list[LostTensor]) -> list[str]:
             first, last = run[0].layer, run[-1].layer
             where = f"decoder layer {first}" if first == last else f"decoder layers {first}-{last}"
             devs = sorted({d for t in run for d in t.lost_by})
-            out.append(f"{where} ({len(run)} tensors): held only by failed device(s) {', '.join(map(str, devs))}")
+            chunks = sorted({t.chunk for t in run if t.chunk is not None})
+            piece = run[0].piece if len(chunks) <= 1 else f"chunks {', '.join(f'{i} of {m}' for i, m in chunks)} "
+            out.append(f"{where} ({len(run)} tensors): {piece}held only by failed device(s) "
+                       f"{', '.join(map(str, devs))}")
             run.clear()
 
     for t in lost:
@@ -65,7 +75,7 @@ def describe_lost(lost: list[LostTensor]) -> list[str]:
             flush()
         if t.layer is None:
             flush()
-            out.append(f"{t.name}: held only by failed device(s) {', '.join(map(str, t.lost_by))}")
+            out.append(f"{t.name}: {t.piece}held only by failed device(s) {', '.join(map(str, t.lost_by))}")
         else:
             run.append(t)
     flush()
@@ -96,11 +106,43 @@ def lost_moments(ref: StrategyHandle, failed: Collection[int]) -> list[LostTenso
     ann = strategy_annotations(ref)
     out: list[LostTensor] = []
     for name, sl in moment_slices(ref).items():
-        gone = [h for s in sl for _, h in s.lost_chunks(failed)]
+        gone = [(s.holders.index(h), len(s.holders), h) for s in sl for _, h in s.lost_chunks(failed)]
         if gone:
+            i, m, lost_by = gone[0]
             holders = tuple(sorted({d for s in sl for h in s.holders for d in h}))
-            out.append(LostTensor(name, holders, gone[0], ann.param(name).info.layer))
+            out.append(LostTensor(name, holders, lost_by, ann.param(name).info.layer, (i, m)))
     return out
+
+
+@dataclass(frozen=True)
+class LostState:
+    """What a failure takes with it for good: the parameters with a slice no survivor holds, and (ZeRO-1)
+    those whose moments lost every copy of some chunk. Empty (false) when memory can recover. The one
+    answer the coordinator (at run time) and ``hspmd replan`` (asked ahead) both give."""
+
+    failed: tuple[int, ...]
+    tensors: tuple[LostTensor, ...] = ()
+    moments: tuple[LostTensor, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors or self.moments)
+
+    def what(self) -> str:
+        """'29 parameter(s) have no surviving replica and the ZeRO-1 AdamW moments of ...'."""
+        parts = [f"{len(self.tensors)} parameter(s) have no surviving replica"] if self.tensors else []
+        if self.moments:
+            parts.append(f"the ZeRO-1 AdamW moments of {len(self.moments)} parameter(s) lost every copy of a chunk")
+        return " and ".join(parts)
+
+    def details(self) -> list[str]:
+        """One indented line per run of layers (and other tensor): which tensors, which piece, which devices."""
+        return ([f"  {line}" for line in describe_lost(list(self.tensors))]
+                + [f"  AdamW moments of {line}" for line in describe_lost(list(self.moments))])
+
+
+def lost_state(ref: StrategyHandle, failed: Collection[int]) -> LostState:
+    """Whether ``ref``'s state survives the loss of ``failed`` in memory, and if not, what is gone."""
+    return LostState(tuple(sorted(set(failed))), tuple(lost_tensors(ref, failed)), tuple(lost_moments(ref, failed)))
 
 
 def moment_slices(ref: StrategyHandle) -> dict[str, tuple[ZeroSlice, ...]]:

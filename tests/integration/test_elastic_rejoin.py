@@ -21,6 +21,7 @@ from elastic_helpers import (
 )
 
 from runtime.elastic.coordinator import ElasticPolicy
+from runtime.errors import HspmdError
 from runtime.launch import Fault, TrainOptions, launch
 from runtime.launch.options import Rejoin
 from runtime.spec import load_plan_context
@@ -63,6 +64,39 @@ def test_a_killed_device_rejoins_and_gets_its_state_back(tmp_path):
     assert failure["event"] == "failure" and failure["failed"] == [1]
     assert rejoin["event"] == "rejoin" and rejoin["joined"] == [1] and rejoin["step"] == 4
     assert rejoin["devices"] == [0, 1, 2, 3] and rejoin["switch_bytes"] > 0
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
+
+
+def test_a_return_decided_ahead_joins_without_the_foreground_grower(tmp_path):
+    # After device 1's death the coordinator plans the new layout's losses, then decides device 1's return,
+    # in the background; when device 1 comes back the decision is a lookup.
+    dp, without1, back = kill_and_return_plans(tmp_path)
+    steps = 7
+    foreground: list = []
+    ahead: list = []
+    events: list[dict] = []
+
+    def no_plan_ahead(failed, ctx, strategy, steps_left):
+        raise HspmdError("not planned ahead here")  # the failure itself is planned in the foreground
+
+    options = TrainOptions(plan=dp, steps=steps, elastic=True, save_dir=tmp_path / "ck", **FAST,
+                           faults=(Fault(1, 2, "kill"),), rejoins=(Rejoin(1, 5),))
+    summary = launch(options, ElasticPolicy(fixed_replan(without1, []), events.append, fixed_grow(back, foreground),
+                                            preplan=no_plan_ahead, preplan_grow=fixed_grow(back, ahead)))
+    assert multiprocessing.active_children() == []
+    expected, trainer = reference(dp, steps)
+    records = summary.records
+    assert [r.step for r in records] == list(range(1, steps + 1))
+    assert [r.loss for r in records] == pytest.approx(expected, rel=1e-5)
+    assert [r.strategy for r in records] == ["dp", "without1", "without1", "without1", "back", "back", "back"]
+    assert foreground == []  # the foreground grow planner was never called
+    # decided once, on the layout without device 1, as its first step (the redone step 2) began: 6 steps left
+    # then, one fewer for a return to gain on
+    assert ahead == [(frozenset({1}), "without1", 5)]
+    failure, rejoin = events
+    assert failure["event"] == "failure" and failure["preplanned"] is False
+    assert rejoin["event"] == "rejoin" and rejoin["joined"] == [1] and rejoin["step"] == 5
+    assert rejoin["preplanned"] is True and rejoin["devices"] == [0, 1, 2, 3]
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
 
 
@@ -112,11 +146,16 @@ def test_cli_kill_then_rejoin_asks_the_planner_whether_the_return_pays(tmp_path)
                           cwd=REPO, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stderr
     assert "device 1 returns: its worker starts now, to train from step 5" in proc.stdout
-    grow = [line for line in proc.stdout.splitlines() if "grow: " in line]
-    assert len(grow) == 1 and ("grow: adopt with device(s) 1" in grow[0] or "grow: stay" in grow[0])
+    # decided in the foreground (the planner's line) or, when the background got there first, looked up
+    grow = [line for line in proc.stdout.splitlines() if "grow: " in line or "grow decision was planned ahead" in line]
+    assert len(grow) == 1, grow
+    ahead = "planned ahead" in grow[0]
+    adopt = ": adopt, without planning now" in grow[0] if ahead else "grow: adopt with device(s) 1" in grow[0]
+    assert adopt or (": stay, without planning now" in grow[0] if ahead else "grow: stay" in grow[0]), grow
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
-    events = [x["event"] for x in lines if "event" in x]
-    assert events == (["failure", "rejoin"] if "adopt" in grow[0] else ["failure"])
+    events = [x for x in lines if "event" in x]
+    assert [x["event"] for x in events] == (["failure", "rejoin"] if adopt else ["failure"])
+    assert all(x["preplanned"] == ahead for x in events if x["event"] == "rejoin")
     expected, trainer = reference(plan, 8)
     assert [x["loss"] for x in lines if "event" not in x] == pytest.approx(expected, rel=1e-5)
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)

@@ -8,7 +8,7 @@ import time
 
 from test_state import EMU8, with_strategy
 
-from runtime.elastic.preplan import Preplanner, candidates, survivors
+from runtime.elastic.preplan import Preplanner, candidates, grown, returns, survivors
 from runtime.errors import HspmdError
 from runtime.spec import load_plan_context
 
@@ -83,3 +83,47 @@ def test_a_stop_lets_no_further_replan_start_and_keeps_what_was_planned():
     assert asked == [frozenset({0}), frozenset({1})]  # the third never started
     assert p.lookup(four, {0}) is not None  # made before the stop: kept
     assert p.lookup(four, {1}) is None  # in flight at the stop: dropped
+
+
+def test_returns_are_the_devices_out_of_the_layout_then_their_nodes():
+    _, four, three = layouts()
+    nodes: dict[str, set[int]] = {}
+    for d in three.cluster.devices:
+        nodes.setdefault(d.node, set()).add(d.id)
+    out = {1, 5, 6, 7, 2}  # 2 is in the layout: not a return
+    want = [frozenset({d}) for d in (1, 5, 6, 7)] + [frozenset(devs & {1, 5, 6, 7}) for _, devs in
+                                                     sorted(nodes.items()) if len(devs & {1, 5, 6, 7}) > 1]
+    assert returns(three, out) == want
+    assert grown(three, {1}) == (0, 1, 2, 3) and grown(four, {1}) == (0, 1, 2, 3)
+
+
+def test_returns_are_decided_after_the_losses_keyed_by_the_resulting_set_and_only_for_their_layout():
+    ctx, four, three = layouts()
+    order = []
+
+    def replan(failed, c, strategy, steps_left):
+        order.append(("loss", failed, steps_left))
+        return c
+
+    def grow(joining, c, strategy, steps_left):
+        order.append(("return", joining, steps_left))
+        if joining == {5}:
+            raise HspmdError("no plan with it")
+        return None if joining == {6} else four.ctx  # 6: stay spare
+
+    p = Preplanner(replan, grow)
+    p.begin(three, [frozenset({2})], frozenset({1}), 9, [frozenset({1}), frozenset({5}), frozenset({6}),
+                                                          frozenset({3})])
+    wait_for(lambda: p.notes())
+    # device 3 is in the layout: no return; a return joins after the next step, one step fewer to gain on
+    assert order == [("loss", frozenset({1, 2}), 9), ("return", frozenset({1}), 8), ("return", frozenset({5}), 8),
+                     ("return", frozenset({6}), 8)]
+    assert p.lookup_return(three, {1}).context is four.ctx
+    assert p.lookup_return(three, {6}).context is None  # decided ahead: stay
+    assert p.lookup_return(three, {5}) is None and p.lookup_return(three, {1, 6}) is None  # not decided ahead
+    assert p.lookup_return(four, {1}) is None  # another layout
+    assert p.lookup(three, {2}) is not None and p.lookup(three, {1}) is None  # losses keep their own keys
+    p.begin(four, [], frozenset(), 5, [frozenset({6})])
+    wait_for(lambda: p.notes())
+    assert p.lookup_return(three, {1}) is None  # replaced with the layout
+    assert Preplanner(replan).lookup_return(three, {1}) is None  # without a grower nothing is decided ahead

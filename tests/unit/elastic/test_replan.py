@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,8 +12,9 @@ from click.testing import CliRunner
 
 from hetu_cli.main import cli
 from planner.replan import LostStateError, RestartModel, choose, repair, replan, restart_cost
+from runtime.elastic.state import lost_state, moment_slices
 from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_plan, load_plan_context
+from runtime.spec import load_plan, load_plan_context, save_plan
 from runtime.spec.handle import StrategyHandle
 
 REPO = Path(__file__).resolve().parents[3]
@@ -101,10 +103,59 @@ def test_cli_text_report_and_errors(tmp_path):
     assert "checkpoint-restart (modelled)" in res.output and "assumes:" in res.output
     res = runner.invoke(cli, ["replan", "--plan", str(SINGLE), "--failed", "0,1"])
     assert res.exit_code == 2
-    assert "lose every replica" in res.output and "held only by failed device(s) 0, 1" in res.output
+    assert "parameter(s) have no surviving replica" in res.output
+    assert "held only by failed device(s) 0, 1" in res.output
     res = runner.invoke(cli, ["replan", "--plan", str(TINY), "--failed", "one"])
     assert res.exit_code == 2
     assert res.output.strip().splitlines() == ["error: --failed: expected comma-separated device ids such as 5,6, "
                                                "got 'one'"]
     res = runner.invoke(cli, ["replan", "--plan", str(TINY), "--failed", "9"])
     assert res.exit_code == 2 and "not in cluster" in res.output
+
+
+@pytest.fixture
+def zero_dp4(tmp_path) -> Path:
+    """Four whole-model replicas with ZeRO-1, two copies of every moment chunk (holders 0+2 and 1+3)."""
+    plan = load_plan(DP_PP)
+    whole = plan.strategies[0].pipelines[0]  # one device, every layer
+    four = dataclasses.replace(plan.strategies[0], name="dp4", pipelines=tuple(
+        dataclasses.replace(whole, micro_batches=2, stages=(dataclasses.replace(whole.stages[0], devices=(d,)),))
+        for d in range(4)))
+    path = tmp_path / "zero-dp4.yaml"
+    save_plan(dataclasses.replace(plan, training=dataclasses.replace(plan.training, zero=True, zero_redundancy=2),
+                                  strategies=(four,)), path)
+    ref = StrategyHandle.of(load_plan_context(path))
+    assert {h for sl in moment_slices(ref).values() for s in sl for h in s.holders} == {(0, 2), (1, 3)}
+    return path
+
+
+def test_cli_replans_an_elastic_zero_plan_after_one_holder_of_each_chunk_fails(zero_dp4, tmp_path):
+    out = tmp_path / "new.yaml"
+    res = CliRunner().invoke(cli, ["replan", "--plan", str(zero_dp4), "--failed", "2", "-o", str(out),
+                                   "--format", "json", "--time-limit", "10"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["failed"] == [2] and data["survivors"] == [0, 1, 3]
+    assert 2 not in load_plan(out).strategies[0].devices
+    load_plan_context(out)
+
+
+def test_cli_refuses_when_both_holders_of_a_moment_chunk_fail(zero_dp4, tmp_path):
+    out = tmp_path / "new.yaml"
+    res = CliRunner().invoke(cli, ["replan", "--plan", str(zero_dp4), "--failed", "0,2", "-o", str(out)])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    # every parameter is still on devices 1 and 3, but chunk 0 of every slice's moments was on 0 and 2 only
+    assert lines[0].startswith("error: device(s) 0, 2: the ZeRO-1 AdamW moments of ")
+    assert "lost every copy of a chunk" in lines[0] and "no surviving replica" not in lines[0]
+    assert "the last checkpoint is what is left" in lines[0]
+    assert any(line.startswith("error:   AdamW moments of decoder layers 0-") and
+               line.endswith("chunk 0 of 2 held only by failed device(s) 0, 2") for line in lines), lines
+    assert "Traceback" not in res.output and not out.exists()
+    # the same verdict as the coordinator's, from the same function
+    failed = lost_state(StrategyHandle.of(load_plan_context(zero_dp4)), [0, 2])
+    assert not failed.tensors and failed.moments and [f"error: {line}" for line in failed.details()] == lines[1:]
+    # one holder of each chunk is no loss; a parameter's last replica still is, as before
+    assert not lost_state(StrategyHandle.of(load_plan_context(zero_dp4)), [0, 1])
+    res = CliRunner().invoke(cli, ["replan", "--plan", str(zero_dp4), "--failed", "0,1,2,3"])
+    assert res.exit_code == 2 and "parameter(s) have no surviving replica" in res.output

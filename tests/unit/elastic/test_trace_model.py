@@ -255,3 +255,43 @@ def test_a_loss_planned_ahead_costs_a_lookup_when_the_layout_ran_long_enough_to_
     # without it every replan is charged the planner's wall time
     assert all(e["parts_s"]["replan"] == e["planner_wall_s"] and not e["preplanned"]
                for e in off["hspmd"]["events"] if "planner_wall_s" in e)
+
+
+def test_a_return_decided_ahead_costs_a_lookup_and_the_modelled_switch(two_nodes):
+    """A plan on devices 0 | 2 -> 3 (device 1, node a, out of the world) and device 1 returning late in a long
+    run: the coordinator plans the layout's 4 losses (0, 2, 3, node b's {2, 3}) then its 1 return ({1}) ahead,
+    5 plans, far less than the 9999 steps it ran."""
+    handle, profiles = two_nodes
+    p = handle.ctx.plan
+    pipes = p.strategies[0].pipelines
+    three = replace(p.strategies[0], name="no1", pipelines=(replace(pipes[0], micro_batches=5), pipes[2]))
+    ctx = replace(handle.ctx, plan=replace(p, strategies=(three,)))
+    h = StrategyHandle.of(ctx)
+    assert h.devices == (0, 2, 3)
+    assert len(candidates(h, {0, 1, 2, 3})) == 4
+    trace = parse_trace({"events": [{"step": 10_000, "action": "rejoin", "devices": [1]}]}, ctx.cluster,
+                        h.devices, "t.yaml")
+    on = model_trace(h, trace.events, 12_000, profiles, TraceModel(time_limit_s=5.0, coordinator_node="b"))
+    off = model_trace(h, trace.events, 12_000, profiles,
+                      TraceModel(time_limit_s=5.0, coordinator_node="b", preplan=False))
+    (back,) = on["hspmd"]["events"]
+    ran = 9_999 * back["step_time_before_s"]
+    assert ran >= 5 * back["planner_wall_s"]  # the premise: the layout ran long enough to plan all 5
+    assert back["preplanned"] is True
+    if back["adopted"]:  # the lookup plus the planning of its fused BSR, then the modelled switch
+        assert set(back["parts_s"]) == {"decide", "switch"}
+        assert back["parts_s"]["decide"] < back["planner_wall_s"]
+    else:  # a lookup: the decision to stay was made ahead
+        assert back["parts_s"] == {"decide": 0.0}
+    assert back["cost_s"] == pytest.approx(sum(back["parts_s"].values()))
+    (fresh,) = off["hspmd"]["events"]
+    assert fresh["preplanned"] is False and fresh["parts_s"]["decide"] == fresh["planner_wall_s"]
+    assert fresh["adopted"] == back["adopted"]
+    if back["adopted"]:  # the same modelled switch either way
+        assert fresh["parts_s"]["switch"] == pytest.approx(back["parts_s"]["switch"])
+    # a return at step 2: one step of the layout cannot have covered 5 plans at the planner's wall time
+    early = parse_trace({"events": [{"step": 2, "action": "rejoin", "devices": [1]}]}, ctx.cluster, h.devices,
+                        "t.yaml")
+    (first,) = model_trace(h, early.events, 100, profiles,
+                           TraceModel(time_limit_s=5.0, coordinator_node="b"))["hspmd"]["events"]
+    assert first["preplanned"] == (first["step_time_before_s"] >= 5 * first["planner_wall_s"])
