@@ -196,10 +196,11 @@ def quality_case(name: str, cluster_ref: str, model_ref: str, batch: int, schedu
     out["speedup_over_symmetric_simulated"] = None if sym_sim is None else sym_sim / het.best.simulated_s
     if schedules:
         out["per_schedule"] = per_schedule(model, cluster, batch)
+    speedup = out["speedup_over_symmetric"]
     log(f"  {name} B={batch}: {het.best.step_time_s:.3f} s (simulated {het.best.simulated_s:.3f}), "
         f"efficiency {het.efficiency:.3f}, "
-        f"x{out['speedup_over_symmetric'] or float('nan'):.2f} over symmetric, MFU {mfu:.3f} vs homogeneous "
-        f"{hom_mfu if hom_mfu is not None else float('nan'):.3f}")
+        + (f"x{speedup:.2f} over symmetric" if speedup is not None else "no symmetric plan fits")
+        + f", MFU {mfu:.3f} vs homogeneous " + (f"{hom_mfu:.3f}" if hom_mfu is not None else "(none fits)"))
     return out
 
 
