@@ -11,7 +11,7 @@ from rich import filesize
 from rich.markup import escape
 from rich.table import Table
 
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json, table
 from planner.replan import DEFAULT_TOLERANCE, ReplanResult, RestartModel
 from planner.replan import replan as run_replan
 from runtime.errors import HspmdError, Problem, SpecError
@@ -118,20 +118,18 @@ def print_replan(r: ReplanResult, out_path: str | None) -> None:
               f"{len(r.survivors)} survivors; current plan {r.current_step_time_s:.4g} s/step (cost model)")
     for note in r.notes:
         con.print(f"note: {escape(note)}")
-    table = Table(title=f"candidates (within {r.tolerance:.0%} of the fastest, the one moving the least state wins)")
+    cands = Table(title=f"candidates (within {r.tolerance:.0%} of the fastest, the one moving the least state wins)")
     for col in ("", "candidate", "s/step", "moves", "switch (modelled)", "plan"):
-        table.add_column(col, justify="right" if col in ("s/step", "moves", "switch (modelled)") else "left")
+        cands.add_column(col, justify="right" if col in ("s/step", "moves", "switch (modelled)") else "left")
     for o in r.options:
-        table.add_row("*" if o is c else "", o.label, f"{o.step_time_s:.4g}", filesize.decimal(o.switch_bytes),
+        cands.add_row("*" if o is c else "", o.label, f"{o.step_time_s:.4g}", filesize.decimal(o.switch_bytes),
                       f"{o.modelled_switch_s:.4g} s", escape(o.summary))
-    con.print(table)
+    con.print(cands)
     links = sorted(c.bsr.link_bytes().items(), key=lambda kv: -kv[1])
     con.print(f"switch: {filesize.decimal(c.switch_bytes)} (every parameter and both AdamW moments, fp32) over "
               f"{len(links)} link(s); fused BSR modelled {c.modelled_switch_s:.4g} s (lower bound "
               f"{c.lower_bound_s:.4g} s)")
-    lt = Table()
-    for col in ("from", "to", "bytes", "GB/s", "seconds"):
-        lt.add_column(col, justify="right")
+    lt = table("", ("from", "to", "bytes", "GB/s", "seconds"))
     cluster = r.context.cluster
     for (s, d), n in links[:TOP_LINKS]:
         bw = cluster.bandwidth_gbs(s, d)

@@ -9,7 +9,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from hetu_cli.output import FORMAT_OPTION, console, emit_json
+from hetu_cli.output import FORMAT_OPTION, console, emit_json, table
 from planner.lengths import length_ranges
 from planner.report import tp_text, zero_text
 from runtime.annotations.states import span
@@ -45,10 +45,10 @@ def device_rows(ctx: PlanContext, strategy: Strategy) -> list[dict[str, Any]]:
 
 def _strategy_tables(ctx: PlanContext, strategy: Strategy) -> tuple[Table, Table]:
     t = ctx.plan.training
-    stages = Table(title=f"strategy {strategy.name!r}: pipelines x stages", title_justify="left")
-    for col in ("pipeline", "micro-batches", "samples", "schedule", "stage", "devices", "type", "node", "TP",
-                "layers", "recompute"):
-        stages.add_column(col, justify="right" if col in ("micro-batches", "samples", "TP") else "left")
+    cols = ("pipeline", "micro-batches", "samples", "schedule", "stage", "devices", "type", "node", "TP", "layers",
+            "recompute")
+    stages = table(f"strategy {strategy.name!r}: pipelines x stages", cols,
+                   left=set(cols) - {"micro-batches", "samples", "TP"})
     for pi, pipe in enumerate(strategy.pipelines):
         for si, stage in enumerate(pipe.stages):
             first = ctx.cluster.device(stage.devices[0])
@@ -59,9 +59,8 @@ def _strategy_tables(ctx: PlanContext, strategy: Strategy) -> tuple[Table, Table
                 span(stage.devices), first.type, first.node, tp_text(stage.tp, t.sequence_parallel),
                 stage.layers_text(), stage.recompute_text() or "no",
                 end_section=si == len(pipe.stages) - 1)
-    devices = Table(title=f"strategy {strategy.name!r}: per device", title_justify="left")
-    for col in ("device", "type", "node", "pipeline", "stage", "TP rank", "holds"):
-        devices.add_column(col)
+    cols = ("device", "type", "node", "pipeline", "stage", "TP rank", "holds")
+    devices = table(f"strategy {strategy.name!r}: per device", cols, left=cols)
     for row in device_rows(ctx, strategy):
         if row["pipeline"] is None:
             devices.add_row(str(row["device"]), row["type"], row["node"], "-", "-", "-", "[dim]idle[/dim]")
@@ -128,19 +127,18 @@ def _show_annotations(ctx: PlanContext, strategies: list[Strategy], fmt: str) ->
         return
     out = console()
     for name, d in data.items():
-        table = Table(title=f"strategy {name!r}: HSPMD annotations", title_justify="left",
-                      caption="top tier: dup = HDim -1, partial = HDim -2, splitN(w:w) = HDim N with weights; "
-                              "per device group: S<d>×n split dim d, D×n duplicate, P×n partial",
-                      caption_justify="left")
-        for col in ("where", "tensor", "shape", "annotation", "grad / comm"):
-            table.add_column(col)
+        cols = ("where", "tensor", "shape", "annotation", "grad / comm")
+        out_t = table(f"strategy {name!r}: HSPMD annotations", cols, left=cols)
+        out_t.caption, out_t.caption_justify = ("top tier: dup = HDim -1, partial = HDim -2, splitN(w:w) = HDim N "
+                                                "with weights; per device group: S<d>×n split dim d, D×n duplicate, "
+                                                "P×n partial"), "left"
         prev = None
         for r in d["rows"]:
             comm = f"HDim {r['grad_hdim']}: {r['sync']}" if r["kind"] == "parameter" else (r["sync"] or "-")
-            table.add_row(r["where"] if r["where"] != prev else "", r["tensor"], "x".join(map(str, r["shape"])),
+            out_t.add_row(r["where"] if r["where"] != prev else "", r["tensor"], "x".join(map(str, r["shape"])),
                           escape(r["text"]), comm, end_section=False)
             prev = r["where"]
-        out.print(table)
+        out.print(out_t)
         out.print(f"{len(d['groups'])} device groups: " + " ".join(f"({span(g)})" for g in d["groups"]))
 
 
@@ -167,17 +165,15 @@ def _show_device(ctx: PlanContext, strategies: list[Strategy], device: int, fmt:
                   f"{r.stage} (of {r.num_stages}), TP rank {r.tp_rank} of [{span(r.devices)}]; holds {d.holds}; "
                   f"{r.micro_batches} micro-batches of {r.micro_batch} (samples {r.first_sample}-"
                   f"{r.first_sample + r.samples - 1}); schedule {d.schedule}")
-        params = Table(title="parameters (local shards)", title_justify="left")
-        for col in ("name", "full shape", "local shard", "TP split dim", "counted once here"):
-            params.add_column(col)
+        cols = ("name", "full shape", "local shard", "TP split dim", "counted once here")
+        params = table("parameters (local shards)", cols, left=cols)
         for p in d.params:
             params.add_row(p.name, "x".join(map(str, p.info.shape)), "x".join(map(str, p.local_shape)),
                            "-" if p.tp_size == 1 or p.info.tp_dim is None else str(p.info.tp_dim),
                            "yes" if p.primary else "no")
         out.print(params)
-        ops = Table(title="one training step, in execution order", title_justify="left")
-        for col in ("#", "kind", "op", "detail"):
-            ops.add_column(col)
+        cols = ("#", "kind", "op", "detail")
+        ops = table("one training step, in execution order", cols, left=cols)
         for i, o in enumerate(d.ops):
             ops.add_row(str(i), o.kind, escape(o.name), escape(o.detail))
         out.print(ops)

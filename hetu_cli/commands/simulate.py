@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import click
-from rich.table import Table
 
 from hetu_cli.commands.lengths_report import simulate_lengths
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json, table
 from planner.cost import CostModel, zero_copies
 from planner.simulate import chrome_trace
 from planner.simulate import simulate as run_simulation
@@ -73,18 +72,17 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
               f"{', '.join(scheds)}, global batch {t.global_batch} x {t.seq_len} tokens")
     for name, origin in origins.items():
         con.print(f"  profile {name}: {origin}")
-    table = Table(title="per stage (seconds per step)", title_justify="left")
-    for col in ("pipe", "schedule", "stage", "devices", "type", "TP", "layers", "mb", "compute", "comm", "p2p",
-                "optim", "bubble", "in-flight", "peak GiB", "cap GiB"):
-        table.add_column(col, justify="left" if col in ("devices", "type", "layers") else "right")
+    stages = table("per stage (seconds per step)", ("pipe", "schedule", "stage", "devices", "type", "TP", "layers",
+                   "mb", "compute", "comm", "p2p", "optim", "bubble", "in-flight", "peak GiB", "cap GiB"),
+                   left=("devices", "type", "layers"))
     for s in result.stages:
         mem = f"[red]{s.peak_memory_gib:.2f} OOM[/red]" if s.oom else f"{s.peak_memory_gib:.2f}"
         sched = result.pipeline_schedules[s.pipeline] if s.stage == 0 else ""
-        table.add_row(str(s.pipeline), sched, str(s.stage), ",".join(map(str, s.devices)), s.device_type, str(s.tp),
+        stages.add_row(str(s.pipeline), sched, str(s.stage), ",".join(map(str, s.devices)), s.device_type, str(s.tp),
                       " + ".join(f"[{a}, {b})" for a, b in s.layers), str(s.micro_batches), f"{s.compute_s:.4f}",
                       f"{s.comm_s:.4f}", f"{s.p2p_s:.4f}", f"{s.optimizer_s:.4f}", f"{s.bubble_s:.4f}",
                       str(s.peak_in_flight), mem, f"{s.capacity_gib:g}")
-    con.print(table)
+    con.print(stages)
     con.print(f"step time [bold]{result.step_time_s:.4f} s[/bold] (cost-model estimate "
               f"{result.formula_step_time_s:.4f} s), {result.tokens_per_s:,.0f} tokens/s, MFU {result.mfu:.1%}")
     if result.oom_devices:

@@ -71,9 +71,8 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         c = Checker()
-        for field in ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_heads",
-                      "vocab_size", "max_seq_len"):
-            c.check(getattr(self, field) >= 1, field, f"must be at least 1, got {getattr(self, field)}")
+        c.each(self, ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_heads", "vocab_size",
+                      "max_seq_len"), lambda v: v >= 1, "must be at least 1")
         c.check(self.num_layers <= MAX_LAYERS, "num_layers", f"must be at most {MAX_LAYERS}, got {self.num_layers}")
         c.check(self.rope_theta > 0, "rope_theta", "must be positive")
         c.check(self.norm_eps > 0, "norm_eps", "must be positive")

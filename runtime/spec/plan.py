@@ -64,10 +64,8 @@ class TrainingSettings:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(self.global_batch >= 1, "global_batch", f"must be at least 1, got {self.global_batch}")
-        c.check(self.micro_batch >= 1, "micro_batch", f"must be at least 1, got {self.micro_batch}")
-        c.check(self.seq_len >= 1, "seq_len", f"must be at least 1, got {self.seq_len}")
-        c.check(self.zero_redundancy >= 1, "zero_redundancy", f"must be at least 1, got {self.zero_redundancy}")
+        c.each(self, ("global_batch", "micro_batch", "seq_len", "zero_redundancy"), lambda v: v >= 1,
+               "must be at least 1")
         c.check(self.zero or self.zero_redundancy == 1, "zero_redundancy",
                 f"{self.zero_redundancy} copies of ZeRO-1's moment chunks need zero: true")
         c.check(self.tokens_per_step is None or self.tokens_per_step >= 1, "tokens_per_step",
