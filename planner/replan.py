@@ -641,11 +641,12 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
 
     symmetric: dict[tuple[int, ...], tuple[StrategyHandle, float]] = {}
 
-    def symmetric_on(devices: Collection[int], zero: bool) -> tuple[StrategyHandle, float]:
-        """Megatron's layout on these devices: the best symmetric plan over all of them or over one type's."""
+    def symmetric_on(devices: Collection[int]) -> tuple[StrategyHandle, float]:
+        """Megatron's layout on these devices (ZeRO-1 as restart's, ``model.restart_zero``): the best symmetric
+        plan over all of them or over one type's."""
         key = tuple(sorted(devices))
         if key not in symmetric:
-            settings = _settings(t, use_zero=zero, time_limit_s=model.time_limit_s, top_k=1)
+            settings = _settings(t, use_zero=model.restart_zero, time_limit_s=model.time_limit_s, top_k=1)
             every = {b: CostModel(ctx.model, cluster, profiles, micro_batch=b, seq_len=t.seq_len)
                      for b in micro_batch_sizes(settings)}
             found = [f(every, key, t.global_batch, settings.zero, schedule=settings.default_schedule)
@@ -713,7 +714,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
     restarts: dict[str, Callable[[Collection[int]], tuple[StrategyHandle, float]]] = {
         "restart": lambda devs: best_on(devs, model.restart_zero)}
     if model.megatron_restart:
-        restarts["megatron_restart"] = lambda devs: symmetric_on(devs, model.restart_zero)
+        restarts["megatron_restart"] = symmetric_on
     start = sorted(usable & set(original.devices))
     lines = {"hspmd": _Line("hspmd", current, t0_time, t0_time)}
     for name, pick in restarts.items():
