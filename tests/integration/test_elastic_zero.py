@@ -87,7 +87,8 @@ def test_a_killed_holder_is_replaced_from_the_other_copies(plans, tmp_path, dead
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
 
 
-@pytest.mark.parametrize("dead", [0, 1, 2, 3])
+# One holder of each chunk ({0, 2} hold chunk 0, {1, 3} chunk 1: 2 and 3 mirror 0 and 1), for the suite's time.
+@pytest.mark.parametrize("dead", [0, 1])
 def test_a_holder_killed_inside_the_parameter_all_gather_is_recovered(plans, tmp_path, dead: int) -> None:
     # The kill fires once step 2 is committed, as the update and the all-gather begin: the survivors have
     # updated their chunks and are left inside the all-gather; step 2 stays committed, step 3 runs on z3-dead.
