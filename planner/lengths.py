@@ -128,6 +128,7 @@ class StageRoom:
     state_bytes: float
     state_room: float = math.inf
     unit_scales: tuple[float, ...] = ()
+    base_bytes: float = 0.0   # everything on a device of the stage but activations (its peak less them)
 
     def budget(self) -> int:
         """Activation tokens this stage may hold."""
@@ -192,27 +193,19 @@ def stage_rooms(cm: CostModel, strategy: Strategy, memory_margin: float = 0.0) -
             cap = cm.cluster.device_types[dtype].memory_gib * GIB * (1.0 - memory_margin)
             rooms.append(StageRoom(tuple(st.devices), in_flight, cap - base.total,
                                    max(full.total - base.total, 1.0) / (in_flight * cm.seq_len),
-                                   base.params + base.optimizer, cap - base.overhead, unit_scales(cm, dtype)))
+                                   base.params + base.optimizer, cap - base.overhead, unit_scales(cm, dtype),
+                                   base.total))
         out.append(tuple(rooms))
     return tuple(out)
 
 
-def documents_peak_bytes(cost: StrategyCost, rooms: tuple[tuple[StageRoom, ...], ...], cm: CostModel,
-                         strategy: Strategy, tokens_per_step: int) -> float:
-    """The most bytes any device of ``strategy`` holds in a documents step: its stage's state plus the
-    activations of every in-flight micro-batch at its pipeline's capacity (dispatch never packs a micro-batch
-    past it, nor a step past ``tokens_per_step``). ``cm.estimate`` would price every pipeline at the
-    strategy's longest length, which pipelines given only short documents never hold."""
-    peak = 0.0
-    for pipe, pipe_cost, pipe_rooms in zip(strategy.pipelines, cost.pipelines, rooms):
-        n = len(pipe.stages)
-        for k, (st, room) in enumerate(zip(pipe.stages, pipe_rooms)):
-            dtype = cm.cluster.device(st.devices[0]).type
-            base = cm.stage_memory(dtype, st.tp, st.num_layers, k == 0, k == n - 1, st.recompute, 0, 1,
-                                   st.recomputed_layers)
-            tokens = min((n - k) * pipe_cost.capacity, tokens_per_step)
-            peak = max(peak, base.total + tokens * room.token_bytes)
-    return peak
+def documents_peak_bytes(cost: StrategyCost, rooms: tuple[tuple[StageRoom, ...], ...], tokens_per_step: int) -> float:
+    """The most bytes any device holds in a documents step: its stage's base plus the activations of every
+    in-flight micro-batch at its pipeline's capacity (dispatch never packs a micro-batch past it, nor a step
+    past ``tokens_per_step``). ``cm.estimate`` would price every pipeline at the strategy's longest length,
+    which pipelines given only short documents never hold."""
+    return max(room.base_bytes + min(room.in_flight * pipe.capacity, tokens_per_step) * room.token_bytes
+               for pipe, pipe_rooms in zip(cost.pipelines, rooms) for room in pipe_rooms)
 
 
 def unit_scales(cm: CostModel, device_type: str) -> tuple[float, ...]:
@@ -553,8 +546,7 @@ class Candidates:
         est = cm.estimate(tagged, sum(p.micro_batches for p in tagged.pipelines), self.settings.schedule, False)
         rooms = stage_rooms(cm, tagged, self.settings.memory_margin)
         estimates = strategy_estimates(est)
-        estimates["peak_memory_gib"] = round(documents_peak_bytes(cost, rooms, cm, tagged,
-                                                                  self.settings.tokens_per_step) / GIB, 4)
+        estimates["peak_memory_gib"] = round(documents_peak_bytes(cost, rooms, self.settings.tokens_per_step) / GIB, 4)
         return LengthStrategy(tagged, cost, fixed_step_seconds(cm, tagged, self.settings.schedule),
                               f"{label}: {describe(tagged, self.cluster)}", origin, estimates, rooms)
 
