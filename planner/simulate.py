@@ -174,7 +174,8 @@ class EventLoop:
       sharing) times its measured sharing efficiency while the core is oversubscribed (time-slicing
       leaves caches cold: the CPU time it consumes grows accordingly), and an op on several hosts runs
       at the slowest of their rates.
-      Then come ``comm`` seconds of blocking collectives, then an emulated device's sleep of
+      Then come ``comm`` seconds of blocking collectives (their waiting: a TP block's collectives' CPU
+      time is part of ``cpu``, ``tp_block_split``), then an emulated device's sleep of
       ``(stretch - 1)`` times the block's CPU time (``cpu`` plus the collectives' own ``comm_cpu``), as
       the runtime emulates a slower device (runtime/trace.py: CPU time, so neither waiting for a core nor
       waiting in a collective is stretched). Without a host, the same with the cores never shared.
@@ -567,6 +568,21 @@ def _played(cm: CostModel, strategy: Strategy, schedule: Schedule, zero: bool) -
     return sim, costs, schedules, last_action, tp_s, labels, sync, times, step
 
 
+def tp_block_split(compute_cpu: float, tp_wall: float, tp_cpu: float) -> tuple[float, float, float]:
+    """(``cpu``, ``comm``, ``comm_cpu``) of a compute block whose TP collectives take ``tp_wall`` seconds,
+    ``tp_cpu`` of them CPU time (``tp_blocks_cpu``: DTensor's dispatch, gloo's threads), beside
+    ``compute_cpu`` seconds of the block's own work, all unstretched.
+
+    The collectives' CPU time is work on the TP ranks' cores like the block's own: where another process
+    computes on one of those cores, it runs at that core's share too, and the other ranks wait for it. So
+    it joins ``cpu`` (processor shared) and only the rest of the collectives' wall time is ``comm``
+    (waiting, which takes no core). A CPU part above the wall time (several threads at once) keeps the
+    excess in ``comm_cpu``: stretched, but not a core's work. On idle cores the block lasts what it did
+    with the whole of the collectives as ``comm``."""
+    on_core = max(0.0, min(tp_cpu, tp_wall))
+    return compute_cpu + on_core, max(0.0, tp_wall - on_core), tp_cpu - on_core
+
+
 @dataclass(frozen=True)
 class _Costs:
     """What the simulator reads from the cost model for one strategy, looked up once."""
@@ -612,10 +628,11 @@ class _Costs:
 
     def block(self, devices: Sequence[int], total: float, tp: float = 0.0, tp_cpu: float = 0.0) -> dict[str, Any]:
         """A compute block's ``SimOp`` fields: its CPU work (the device's stretch taken out), the TP
-        collectives' wall time and CPU time, the stretch, the cores it runs on. ``total``/``tp`` as the
-        cost model gives them."""
+        collectives' wall time and CPU time, the stretch, the cores it runs on. ``total``/``tp``/``tp_cpu``
+        as the cost model gives them."""
         k = self.cm.host.emulated_slowdown(self.type_of[devices[0]])
-        return {"cpu": (total - tp) / k, "comm": tp - (k - 1.0) * tp_cpu, "comm_cpu": tp_cpu, "stretch": k,
+        cpu, comm, comm_cpu = tp_block_split((total - tp) / k, tp - (k - 1.0) * tp_cpu, tp_cpu)
+        return {"cpu": cpu, "comm": comm, "comm_cpu": comm_cpu, "stretch": k,
                 **self.waiting(devices), "sharing": self.cm.host.core_sharing(self.type_of[devices[0]])}
 
     def waiting(self, devices: Sequence[int]) -> dict[str, Any]:

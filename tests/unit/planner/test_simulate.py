@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from hetu_cli.main import cli
 from planner.cost import CostModel, pipeline_time, planner_handle
-from planner.simulate import EventLoop, OpKind, SimOp, chrome_trace, simulate
+from planner.simulate import EventLoop, OpKind, SimOp, chrome_trace, simulate, tp_block_split
 from runtime.pipeline_schedules import PostSend
 from runtime.profiling.profile import (
     CommFigures,
@@ -494,3 +494,29 @@ def test_compute_events_carry_the_cpu_they_consumed():
     assert ev[0, "F0"].cpu_s == pytest.approx(2.0)                          # 1 s per layer, nothing idle before
     assert ev[1, "F0"].cpu_s == pytest.approx(2.0 + pen.extra_s(2.0, False))   # after 2 s idle
     assert all(e.cpu_s > 0 for e in r.events if e.category in ("forward", "backward"))
+
+
+def test_tp_collectives_cpu_is_core_work():
+    """A TP block's collectives: their CPU part (``tp_blocks_cpu``) joins the block's core work, only the
+    rest of their wall time is waiting. Hand-computed: 1 s of the block's own CPU, collectives of 0.6 s
+    wall of which 0.4 s CPU, on a 3x emulated device (sleeps 2x the CPU): the cost model's total is
+    3 x 1 + 0.6 + 2 x 0.4 = 4.4 s, its TP part 1.4 s."""
+    assert tp_block_split(1.0, 0.6, 0.4) == pytest.approx((1.4, 0.2, 0.0))
+    # More CPU than wall time (several threads at once): the excess is stretched but not a core's work.
+    assert tp_block_split(1.0, 0.3, 0.5) == pytest.approx((1.3, 0.0, 0.2))
+    assert tp_block_split(1.0, 0.0, 0.0) == (1.0, 0.0, 0.0)
+
+    def play(cpu: float, comm: float, mate: bool) -> tuple[float, float]:
+        sim = EventLoop({"c": 1.0})
+        if mate:   # another device's block of 2.8 CPU-s on the same core from 0
+            sim.add(SimOp("A", "a", cpu=2.8, hosts=(("c", 1.0),)))
+        sim.add(SimOp("T", "t", cpu=cpu, comm=comm, stretch=3.0, hosts=(("c", 1.0),)))
+        return sim.run()["T"]
+
+    cpu, comm, comm_cpu = tp_block_split(1.0, 0.6, 0.4)
+    assert comm_cpu == 0.0
+    # Alone: CPU 1.4, waiting 0.2, sleep 2 x 1.4 -> 4.4, the cost model's total.
+    assert play(cpu, comm, False) == pytest.approx((0.0, 4.4))
+    # Sharing the core at half speed: 1.4 CPU-s end at 2.8, then 0.2 of waiting and the 2.8 s sleep -> 5.8.
+    # (With the collectives' CPU as waiting, only 1 CPU-s was shared: 2.0 + 0.6 + 2 x 1.4 = 5.4.)
+    assert play(cpu, comm, True) == pytest.approx((0.0, 5.8))
