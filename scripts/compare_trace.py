@@ -8,7 +8,9 @@ emulated device's sleep) and the measured medians over the steps after ``--skip`
 from the step's first device start; duration from the compute span's start to the end of the emulation
 sleep that follows it, if any; the span's main-thread CPU, ``cpu_ms`` of runtime/trace.py), with their
 ratios, then per device and op kind the sums per step. CPU-time ratios say whether a block's work was
-priced right; wall-time ratios beyond them are waiting (for the core, a message, a sleep's wake-up).
+priced right; wall-time ratios beyond them are waiting (for the core, a message, a sleep's wake-up). A TP
+block's simulated CPU includes its collectives' (the profile's process CPU: gloo's threads too), the
+trace's is the main thread's (83-91% of the process's in a TP-2 stage, docs/benchmarks.md).
 """
 
 from __future__ import annotations
