@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from planner.baselines import Baseline, LowerBound, best_symmetric, best_symmetric_subset, lower_bound
 from planner.cost import GIB, CostModel, has_tp_stage, zero_degree, zero_fields
 from planner.layer_split import feasible, slot_costs
-from planner.parallel import ordered_map
+from planner.parallel import Tasks, ordered_map
 from planner.schedule_choice import schedule_choices, stage_layer_ranges
 from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, SearchStats, describe, rank, search
 from planner.simulate import simulated_step_time
@@ -191,26 +192,29 @@ def _plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfi
     devs = tuple(sorted(set(range(cluster.num_devices) if devices is None else devices)))
     _check_request(model, cluster, settings, devs)
     cms = cost_models(model, cluster, profiles, settings, devs)
-    candidates, stats = search(cms, settings, devs, progress, workers)
-    if not candidates:
-        if stats.truncated:
-            raise InfeasibleError(f"no plan found within the time limit of {settings.time_limit_s:g} s "
-                                  f"({len(devs)} devices); allow more time (--time-limit)")
-        raise InfeasibleError(diagnose(model, cluster, cms, settings, devs))
-    solver_time = time.perf_counter() - t0
     # Baselines and bound over every micro-batch size, not only those the search kept: generous to them.
     every = {b: cms.get(b) or CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len,
                    sequence_parallel=settings.sequence_parallel)
              for b in micro_batch_sizes(settings)}
     report = progress if progress is not None else (lambda _phase, _done, _total: None)
-    found = []
-    for i, (name, best) in enumerate((("symmetric", best_symmetric), ("symmetric-subset", best_symmetric_subset))):
-        report("baselines", i, 3)
-        if baselines:
-            found.append(best(every, devs, settings.global_batch, settings.zero,
-                              min_pipelines=settings.min_pipelines, schedule=settings.default_schedule))
-        else:
-            found.append(Baseline(name, None, None, None, "not computed"))
+    kinds = (("symmetric", best_symmetric), ("symmetric-subset", best_symmetric_subset))
+    # With workers, the baselines (which need nothing of the search) run beside it.
+    with Tasks(workers, len(kinds) if baselines else 0) as early:
+        pending = [early.submit(functools.partial(best, min_pipelines=settings.min_pipelines,
+                                                  schedule=settings.default_schedule),
+                                every, devs, settings.global_batch, settings.zero) if baselines else None
+                   for _, best in kinds]
+        candidates, stats = search(cms, settings, devs, progress, workers)
+        if not candidates:
+            if stats.truncated:
+                raise InfeasibleError(f"no plan found within the time limit of {settings.time_limit_s:g} s "
+                                      f"({len(devs)} devices); allow more time (--time-limit)")
+            raise InfeasibleError(diagnose(model, cluster, cms, settings, devs))
+        solver_time = time.perf_counter() - t0
+        found = []
+        for i, ((name, _), collect) in enumerate(zip(kinds, pending)):
+            report("baselines", i, 3)
+            found.append(collect() if collect is not None else Baseline(name, None, None, None, "not computed"))
     sym, sub = found
     report("baselines", 2, 3)
     lb = lower_bound(every, devs, settings.global_batch)

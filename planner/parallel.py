@@ -10,6 +10,7 @@ in an unknown state.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 from collections.abc import Callable, Sequence
@@ -35,14 +36,34 @@ def worker_count(workers: int | None, tasks: int) -> int:
     return max(1, min(want, tasks))
 
 
+class Tasks:
+    """Calls started now and collected later (``submit`` returns the call that collects): over
+    ``worker_count(workers, tasks)`` worker processes, or, with one, run in the calling process when
+    collected (the serial path: the same calls, in the order they are collected)."""
+
+    def __init__(self, workers: int | None, tasks: int) -> None:
+        n = worker_count(workers, tasks)
+        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+        self._pool = ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context(method)) \
+            if n > 1 else None
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Callable[[], T]:
+        if self._pool is None:
+            return functools.partial(fn, *args)
+        return self._pool.submit(fn, *args).result
+
+    def __enter__(self) -> Tasks:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        if self._pool is not None:   # on an error, drop what has not started
+            self._pool.shutdown(wait=kind is None, cancel_futures=kind is not None)
+
+
 def ordered_map(fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], workers: int | None = 1) -> list[T]:
     """``[fn(*args) for args in calls]``, over ``worker_count(workers, len(calls))`` processes. ``fn`` and the
     arguments must pickle (a module-level function; planner/cost.py's ``CostModel`` pickles without its
     caches)."""
-    n = worker_count(workers, len(calls))
-    if n == 1:
-        return [fn(*args) for args in calls]
-    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    with ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context(method)) as pool:
-        futures = [pool.submit(fn, *args) for args in calls]
-        return [f.result() for f in futures]
+    with Tasks(workers, len(calls)) as tasks:
+        pending = [tasks.submit(fn, *args) for args in calls]
+        return [collect() for collect in pending]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from planner.api import PlanResult, plan, simulator_check
 from planner.cost import CostModel
-from planner.parallel import ordered_map, worker_count
+from planner.parallel import Tasks, ordered_map, worker_count
 from planner.search import PlanSettings
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_cluster, load_model
@@ -30,6 +30,16 @@ def test_ordered_map_keeps_the_input_order() -> None:
     want = [a * b for a, b in calls]
     assert ordered_map(operator.mul, calls, 1) == want
     assert ordered_map(operator.mul, calls, 3) == want
+
+
+def test_serial_tasks_run_when_collected() -> None:
+    ran: list[int] = []
+    with Tasks(1, 3) as tasks:
+        pending = [tasks.submit(ran.append, i) for i in range(3)]
+        assert ran == []
+        for collect in reversed(pending):
+            collect()
+    assert ran == [2, 1, 0]
 
 
 def test_worker_count() -> None:
@@ -80,14 +90,18 @@ SETTINGS = PlanSettings(global_batch=16, seq_len=2048, time_limit_s=300, simulat
 @pytest.fixture(scope="module")
 def serial() -> PlanResult:
     c = load_cluster("hexiscale-mixed")
-    return plan(load_model("llama-7b"), c, resolve_profiles(c.device_types), SETTINGS, baselines=False)
+    return plan(load_model("llama-7b"), c, resolve_profiles(c.device_types), SETTINGS)
 
 
 def test_plan_with_workers_is_the_serial_plan(serial: PlanResult) -> None:
-    """The whole result: every ranked candidate (strategy, estimate, simulated time), the statistics."""
+    """The whole result: every ranked candidate (strategy, estimate, simulated time), the baselines (run
+    beside the searches), the statistics."""
     parallel = plan(serial.model, serial.cluster, resolve_profiles(serial.cluster.device_types), SETTINGS,
-                    baselines=False, workers=2)
+                    workers=2)
     assert serial.candidates == parallel.candidates
+    assert (serial.symmetric, serial.symmetric_subset, serial.lower_bound) == \
+        (parallel.symmetric, parallel.symmetric_subset, parallel.lower_bound)
+    assert serial.symmetric.strategy is not None
     assert all(c.simulated_s is not None for c in parallel.candidates[:3])
     assert (serial.stats.block_evaluations, serial.stats.combinations, serial.stats.finalists, serial.stats.ilps,
             serial.stats.notes) == (parallel.stats.block_evaluations, parallel.stats.combinations,
