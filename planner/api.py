@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from planner.baselines import Baseline, LowerBound, best_symmetric, best_symmetric_subset, lower_bound
 from planner.cost import GIB, CostModel, has_tp_stage, zero_degree, zero_fields
 from planner.layer_split import feasible, slot_costs
+from planner.parallel import Tasks, ordered_map
 from planner.schedule_choice import schedule_choices, stage_layer_ranges
 from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, SearchStats, describe, rank, search
 from planner.simulate import simulated_step_time
@@ -146,27 +148,28 @@ def cost_models(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, Devic
 
 def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
          settings: PlanSettings, *, devices: Iterable[int] | None = None, baselines: bool = True,
-         progress: Progress | None = None) -> PlanResult:
+         progress: Progress | None = None, workers: int | None = 1) -> PlanResult:
     """Search for the fastest plans that fit; rank them; score the baselines on the same cost model.
 
     ``devices``: the usable device ids (default: all; failure recovery passes the survivors). Plans keep
     the cluster's device ids. ``baselines=False`` skips the symmetric baselines (their fields then say
     "not computed"); the lower bound is always computed (it is cheap). ``progress(phase, done, total)``
-    is called as the search advances.
+    is called as the search advances. ``workers`` > 1 (None: every core) runs the independent searches and
+    the simulator's checks in that many processes (planner/parallel.py): the same result, less wall time.
 
     Elastic without a ZeRO choice: searched twice, half the time limit each -- ZeRO-1 with 2 copies of every
     moment chunk (less memory, hence other layouts; the parameter all-gather on top) and without ZeRO --
     and the faster best plan is the answer (``zero_choice`` says why).
     """
     if not (settings.elastic and settings.use_zero is None):
-        return _plan(model, cluster, profiles, settings, devices, baselines, progress)
+        return _plan(model, cluster, profiles, settings, devices, baselines, progress, workers)
     half = settings.time_limit_s / 2
     results: dict[bool, PlanResult] = {}
     errors: dict[bool, InfeasibleError] = {}
     for z in (False, True):
         try:
             results[z] = _plan(model, cluster, profiles, dataclasses.replace(settings, use_zero=z, time_limit_s=half),
-                               devices, baselines, progress)
+                               devices, baselines, progress, workers)
         except InfeasibleError as err:
             errors[z] = err
     if not results:
@@ -184,31 +187,34 @@ def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfil
 
 def _plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
           settings: PlanSettings, devices: Iterable[int] | None, baselines: bool,
-          progress: Progress | None) -> PlanResult:
+          progress: Progress | None, workers: int | None = 1) -> PlanResult:
     t0 = time.perf_counter()
     devs = tuple(sorted(set(range(cluster.num_devices) if devices is None else devices)))
     _check_request(model, cluster, settings, devs)
     cms = cost_models(model, cluster, profiles, settings, devs)
-    candidates, stats = search(cms, settings, devs, progress)
-    if not candidates:
-        if stats.truncated:
-            raise InfeasibleError(f"no plan found within the time limit of {settings.time_limit_s:g} s "
-                                  f"({len(devs)} devices); allow more time (--time-limit)")
-        raise InfeasibleError(diagnose(model, cluster, cms, settings, devs))
-    solver_time = time.perf_counter() - t0
     # Baselines and bound over every micro-batch size, not only those the search kept: generous to them.
     every = {b: cms.get(b) or CostModel(model, cluster, profiles, micro_batch=b, seq_len=settings.seq_len,
                    sequence_parallel=settings.sequence_parallel)
              for b in micro_batch_sizes(settings)}
     report = progress if progress is not None else (lambda _phase, _done, _total: None)
-    found = []
-    for i, (name, best) in enumerate((("symmetric", best_symmetric), ("symmetric-subset", best_symmetric_subset))):
-        report("baselines", i, 3)
-        if baselines:
-            found.append(best(every, devs, settings.global_batch, settings.zero,
-                              min_pipelines=settings.min_pipelines, schedule=settings.default_schedule))
-        else:
-            found.append(Baseline(name, None, None, None, "not computed"))
+    kinds = (("symmetric", best_symmetric), ("symmetric-subset", best_symmetric_subset))
+    # With workers, the baselines (which need nothing of the search) run beside it.
+    with Tasks(workers, len(kinds) if baselines else 0) as early:
+        pending = [early.submit(functools.partial(best, min_pipelines=settings.min_pipelines,
+                                                  schedule=settings.default_schedule),
+                                every, devs, settings.global_batch, settings.zero) if baselines else None
+                   for _, best in kinds]
+        candidates, stats = search(cms, settings, devs, progress, workers)
+        if not candidates:
+            if stats.truncated:
+                raise InfeasibleError(f"no plan found within the time limit of {settings.time_limit_s:g} s "
+                                      f"({len(devs)} devices); allow more time (--time-limit)")
+            raise InfeasibleError(diagnose(model, cluster, cms, settings, devs))
+        solver_time = time.perf_counter() - t0
+        found = []
+        for i, ((name, _), collect) in enumerate(zip(kinds, pending)):
+            report("baselines", i, 3)
+            found.append(collect() if collect is not None else Baseline(name, None, None, None, "not computed"))
     sym, sub = found
     report("baselines", 2, 3)
     lb = lower_bound(every, devs, settings.global_batch)
@@ -225,7 +231,7 @@ def _plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfi
     ranked = rank(candidates + base_cands)
     if settings.simulate_top > 0:
         report("checking the best plans with the simulator", 0, 1)
-        ranked = simulator_check(ranked, every, settings, base_cands)
+        ranked = simulator_check(ranked, every, settings, base_cands, workers)
     idle = explain_idle(ranked[0], ranked, cluster)
     top = tuple(ranked[:max(1, settings.top_k)])
     best = top[0]
@@ -242,7 +248,7 @@ def aligned(strategy: Strategy) -> bool:
 
 
 def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], settings: PlanSettings,
-                    also: Iterable[Candidate] = ()) -> list[Candidate]:
+                    also: Iterable[Candidate] = (), workers: int | None = 1) -> list[Candidate]:
     """Simulate the best ``settings.simulate_top`` candidates, the best ``ALIGNED_CHECKED`` aligned ones
     (``aligned``) and those of ``also`` (the baselines) still among the ranked; rank those by the worse of
     estimate and simulation, ahead of the rest.
@@ -250,7 +256,8 @@ def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], setti
     The closed-form estimate prices each device's gradient-sync groups back to back; the runtime (and the
     simulator) runs the groups in one global order, each waiting for its slowest member, so plans whose
     pipelines split the layers differently can wait far longer than estimated. Ranking by the worse of
-    the two keeps the planner from choosing a plan for a gap in the closed form."""
+    the two keeps the planner from choosing a plan for a gap in the closed form. ``workers``: processes
+    for the simulations (planner/parallel.py; each is a function of its plan and cost model alone)."""
     n = settings.simulate_top
     pick = list(ranked[:n])
     extra = [c for c in ranked if aligned(c.strategy)][:ALIGNED_CHECKED]
@@ -258,10 +265,9 @@ def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], setti
     for c in extra:
         if all(c is not p for p in pick):
             pick.append(c)
-    checked = []
-    for c in pick:
-        sim = simulated_step_time(cms[c.micro_batch], c.strategy, settings.default_schedule, settings.zero)
-        checked.append(dataclasses.replace(c, simulated_s=sim))
+    sims = ordered_map(simulated_step_time, [(cms[c.micro_batch], c.strategy, settings.default_schedule,
+                                              settings.zero) for c in pick], workers)
+    checked = [dataclasses.replace(c, simulated_s=sim) for c, sim in zip(pick, sims)]
     checked.sort(key=lambda c: (c.checked_s, c.step_time_s))   # stable: ties keep the estimate's order
     rest = [c for c in ranked if all(c is not p for p in pick)]
     return checked + rest

@@ -95,6 +95,7 @@ block at (runtime/profiling/profile.py ``block_seconds``, the function the runti
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -395,7 +396,11 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.overhead + self.casts
+        return self.total_with(self.activations)
+
+    def total_with(self, activations: float) -> float:
+        """``total`` had the activations been ``activations`` (the same sum, in the same order)."""
+        return self.params + self.grads + self.optimizer + activations + self.overhead + self.casts
 
     @property
     def gib(self) -> float:
@@ -483,6 +488,13 @@ class CostModel:
         self._layer_tensors = [p for p in params if p.owner == "layer"]
         self._embed_tensors = [p for p in params if p.owner == "embedding"]
         self._head_tensors = [p for p in params if p.owner == "head"]
+
+    def __reduce__(self) -> tuple:
+        """Pickled as its inputs, without its caches (rebuilt on demand: every cached value is a function of
+        the inputs): the planner's worker processes (planner/parallel.py) get a small cost model."""
+        return (functools.partial(CostModel, micro_batch=self.micro_batch, seq_len=self.seq_len,
+                                  step_allreduce=self.step_allreduce, sequence_parallel=self.sequence_parallel),
+                (self.model, self.cluster, self.profiles))
 
     @classmethod
     def for_plan(cls, plan: Plan, model: ModelSpec, cluster: Cluster,
@@ -1321,13 +1333,30 @@ class CostModel:
         ``live_chunks`` chunk activations alive (``live_activation_limit``): each counted at the largest
         chunk's size, so it bounds any order the scheduler picks. One chunk is ``stage_memory``.
         ``recompute_layers``: per chunk, how many of its layers recompute (``Stage.chunk_recompute``)."""
+        base, per = self._memory_parts(device_type, tp, chunks, recompute, zero_degree, recompute_layers)
+        return dataclasses.replace(base, activations=base.activations + live_chunks * per)
+
+    def device_memory_total(self, device_type: str, tp: int, chunks: tuple[tuple[int, bool, bool], ...],
+                            recompute: bool, live_chunks: int, zero_degree: int = 1,
+                            recompute_layers: tuple[int, ...] | None = None) -> float:
+        """``device_memory(...).total``, the same float, without building the breakdown: the layer split's
+        memory tables (planner/layer_split.py) ask it for every layer count at every activation bound."""
+        base, per = self._memory_parts(device_type, tp, chunks, recompute, zero_degree, recompute_layers)
+        return base.total_with(base.activations + live_chunks * per)
+
+    @memo
+    def _memory_parts(self, device_type: str, tp: int, chunks: tuple[tuple[int, bool, bool], ...],
+                      recompute: bool, zero_degree: int, recompute_layers: tuple[int, ...] | None
+                      ) -> tuple[MemoryBreakdown, float]:
+        """``device_memory`` without its live activations, and the bytes of one (the largest chunk's): the
+        part shared by every activation bound."""
         n = sum(c[0] for c in chunks)
         first, last = any(c[1] for c in chunks), any(c[2] for c in chunks)
         rc = recompute_layers if recompute_layers is not None else (0,) * len(chunks)
         base = self.stage_memory(device_type, tp, n, first, last, recompute, 0, zero_degree, sum(rc))
         per = max(self.chunk_activation_bytes(device_type, tp, k, f, recompute, r)
                   for (k, f, _), r in zip(chunks, rc))
-        return dataclasses.replace(base, activations=base.activations + live_chunks * per)
+        return base, per
 
     def pipeline_memory(self, strategy: Strategy, pi: int, schedule: Schedule, zero_degree: int = 1
                         ) -> list[MemoryBreakdown]:

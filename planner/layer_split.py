@@ -94,8 +94,7 @@ def _max_layers(cm: CostModel, kind: GroupKind, first: bool, last: bool, recompu
     def fits(n: int) -> bool:
         sizes = chunk_sizes(n, chunks)
         parts = tuple((k, first and c == 0, last and c == chunks - 1) for c, k in enumerate(sizes))
-        mem = cm.device_memory(kind.device_type, kind.tp, parts, recompute, in_flight, zero_degree)
-        return mem.total <= capacity
+        return cm.device_memory_total(kind.device_type, kind.tp, parts, recompute, in_flight, zero_degree) <= capacity
 
     # memory grows with n: the first n that does not fit, less one
     return bisect.bisect_left(range(limit + 1), True, key=lambda n: not fits(n)) - 1
@@ -118,8 +117,8 @@ def _partial_table(cm: CostModel, kind: GroupKind, first: bool, last: bool, fit_
             for size in sizes:
                 per.append(min(size, left))
                 left -= per[-1]
-            mem = cm.device_memory(kind.device_type, kind.tp, parts, False, in_flight, zero_degree, tuple(per))
-            return mem.total <= capacity
+            return cm.device_memory_total(kind.device_type, kind.tp, parts, False, in_flight, zero_degree,
+                                          tuple(per)) <= capacity
 
         while k < n and not fits(k):
             k += 1

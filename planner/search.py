@@ -60,6 +60,7 @@ from typing import Literal, TypeVar
 from planner.cost import CostModel, StrategyEstimate, memo, zero_degree
 from planner.layer_split import LayerSplit, SlotCost, refine_split, slot_costs, split_fast, split_ilp
 from planner.microbatch import Allocation, PipelineClass, TimeOption, allocate_greedy, allocate_ilp
+from planner.parallel import ordered_map, worker_count
 from planner.pipelines import (
     ORDERS,
     PLACEMENTS,
@@ -1176,33 +1177,50 @@ def structure_key(s: Strategy) -> tuple:
 
 
 def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterable[int],
-           progress: Progress | None = None) -> tuple[list[Candidate], SearchStats]:
-    """Run the search at every micro-batch size in ``cms``; candidates ranked best first, distinct."""
+           progress: Progress | None = None, workers: int | None = 1) -> tuple[list[Candidate], SearchStats]:
+    """Run the search at every micro-batch size in ``cms``; candidates ranked best first, distinct.
+
+    ``workers`` > 1 (None: every core) runs the searches (one per micro-batch size and ``auto_families``
+    entry) in worker processes (planner/parallel.py): the same candidates, in the same order, but the
+    searches of one size no longer share ``SHARED_CACHES`` and ``progress`` hears only the phases after them."""
     start = time.perf_counter()
     deadline = start + settings.time_limit_s
     devices = tuple(sorted(devices))
     stats = SearchStats()
     found: list[Candidate] = []
-    for b, cm in sorted(cms.items()):
-        def report(phase: str, done: int, total: int, b: int = b) -> None:
-            if progress is not None:
-                progress(f"micro-batch {b}: {phase}", done, total)
+    runs = [(b, family) for b in sorted(cms) for family in auto_families(settings)]
+    if worker_count(workers, len(runs)) > 1:
+        outcomes = ordered_map(run_search, [(cms[b], settings, devices, deadline - time.perf_counter(), family)
+                                            for b, family in runs], workers)
+    else:
+        outcomes, shared_by = [], {}
+        for b, family in runs:
+            def report(phase: str, done: int, total: int, b: int = b) -> None:
+                if progress is not None:
+                    progress(f"micro-batch {b}: {phase}", done, total)
 
-        shared: dict[str, dict] = {}
-        for family in auto_families(settings):
-            s = Searcher(cm, settings, devices, deadline, report, family, shared)
-            found.extend(s.run())
-            stats.block_evaluations += s.stats.block_evaluations
-            stats.combinations += s.stats.combinations
-            stats.finalists += s.stats.finalists
-            stats.ilps += s.stats.ilps
-            stats.truncated |= s.stats.truncated
-            stats.notes.extend(s.stats.notes)
+            s = Searcher(cms[b], settings, devices, deadline, report, family, shared_by.setdefault(b, {}))
+            outcomes.append((s.run(), s.stats))
+    for cands, st in outcomes:
+        found.extend(cands)
+        stats.block_evaluations += st.block_evaluations
+        stats.combinations += st.combinations
+        stats.finalists += st.finalists
+        stats.ilps += st.ilps
+        stats.truncated |= st.truncated
+        stats.notes.extend(st.notes)
     ranked = rank(found)
     # The best few: their raised activation limits lowered per stage where that is faster (the search's
     # candidates get them raised all the way: pricing lower ones for all would double its time).
     top = [refined_limits(cms[c.micro_batch], settings, c) for c in ranked[:LIMITS_REFINED]]
     return rank(top + ranked[LIMITS_REFINED:]), stats
+
+
+def run_search(cm: CostModel, settings: PlanSettings, devices: tuple[int, ...], seconds: float,
+               family: tuple[ScheduleChoice, ...] | None) -> tuple[list[Candidate], SearchStats]:
+    """One ``Searcher`` run with ``seconds`` to go, in a worker process (``search``'s parallel path)."""
+    s = Searcher(cm, settings, devices, time.perf_counter() + seconds, None, family)
+    return s.run(), s.stats
 
 
 LIMITS_REFINED = 3   # best candidates whose activation limits ``refined_limits`` refines

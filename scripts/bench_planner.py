@@ -30,7 +30,11 @@ estimate's, as for the baselines; ``*_simulated*`` keys give the simulator's for
 ``mfu_gap_vs_homogeneous``, ``gap``: where the plan's step goes against the lower bound, planner/gap.py,
 ``activation_limits``: the best plan's raised activation bounds per pipeline, ...), ``quality_batch_256``,
 ``scale_seconds`` (keyed by GPU count), ``scale_cpu_seconds`` (the planner's CPU time: on a shared machine
-its wall time also measures the other jobs), ``measured`` when asked. Progress goes to stderr.
+its wall time also measures the other jobs; this process's only, so with ``--workers`` other than 1 it leaves
+out the worker processes' share), ``measured`` when asked. Progress goes to stderr.
+
+The scale runs plan with ``--workers`` processes (default: every core; planner/parallel.py): the searches and
+the simulator's checks run side by side, the plans are the serial ones.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ sys.path.insert(0, str(REPO))
 from planner.api import PlanResult, PlanSettings, plan  # noqa: E402
 from planner.cost import CostModel, model_flops_per_token  # noqa: E402
 from planner.gap import gap_breakdown  # noqa: E402
+from planner.parallel import worker_count  # noqa: E402
 from planner.schedule_choice import AUTO  # noqa: E402
 from planner.search import schedule_label  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
@@ -94,12 +99,13 @@ def cluster_mfu(result: PlanResult, seq_len: int, global_batch: int) -> float:
 CHECK_TOP = 8   # as ``hspmd plan`` (--check-top): the best plans re-checked with the step simulator
 
 
-def run_plan(model, cluster, batch: int, time_limit: float = 600.0, schedule: str = AUTO) -> PlanResult:
+def run_plan(model, cluster, batch: int, time_limit: float = 600.0, schedule: str = AUTO,
+             workers: int | None = 1) -> PlanResult:
     profiles = resolve_profiles(cluster.device_types)
     # top_k: keep every checked candidate listed (the estimate's favourite among them).
     return plan(model, cluster, profiles, PlanSettings(global_batch=batch, seq_len=SEQ_LEN, time_limit_s=time_limit,
                                                        simulate_top=CHECK_TOP, top_k=CHECK_TOP + 4,
-                                                       schedule=schedule))
+                                                       schedule=schedule), workers=workers)
 
 
 def schedules_used(result: PlanResult) -> dict[str, int]:
@@ -210,14 +216,15 @@ def synthetic(n: int) -> Cluster:
     return Cluster(f"synthetic-4type-{n}", SCALE_TYPES, nodes, 50.0)
 
 
-def scale_case(n: int) -> dict:
+def scale_case(n: int, workers: int | None = 1) -> dict:
     model, cluster = load_model("llama-32b"), synthetic(n)
     t0, c0 = time.perf_counter(), time.process_time()
-    res = run_plan(model, cluster, batch=n)
+    res = run_plan(model, cluster, batch=n, workers=workers)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     log(f"  {n} GPUs: {wall:.1f} s, {cpu:.1f} s CPU ({res.best.summary[:100]})")
     # CPU seconds besides wall time: on a shared machine the wall time grows with the other jobs' load.
-    return {"seconds": wall, "cpu_seconds": cpu, "search_seconds": res.solver_time_s, "truncated": res.stats.truncated,
+    return {"seconds": wall, "cpu_seconds": cpu, "workers": worker_count(workers, 1 << 30),
+            "search_seconds": res.solver_time_s, "truncated": res.stats.truncated,
             "step_time_s": res.best.step_time_s, "simulated_step_time_s": res.best.simulated_s,
             "efficiency": res.efficiency,
             "efficiency_simulated": res.lower_bound.step_time_s / res.best.simulated_s,
@@ -262,6 +269,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--scale", default="64,256,1024", help="GPU counts for the scale runs ('' to skip)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="planner processes for the scale runs (0: every core; 1: serial, CPU time = the planner's)")
     ap.add_argument("--no-quality", action="store_true", help="skip the quality cases")
     ap.add_argument("--measured", type=Path, help="measured profile directory of cpu-hetero4: also train both plans")
     ap.add_argument("--steps", type=int, default=12, help="training steps per plan with --measured")
@@ -281,7 +290,7 @@ def main() -> None:
                         for name, c, m in cases}
     if args.scale:
         log("scale (llama-32b, 4 GPU types, global batch = GPUs):")
-        runs = {int(n): scale_case(int(n)) for n in args.scale.split(",") if n.strip()}
+        runs = {int(n): scale_case(int(n), args.workers or None) for n in args.scale.split(",") if n.strip()}
         out["scale_seconds"] = {n: r["seconds"] for n, r in runs.items()}
         out["scale_cpu_seconds"] = {n: r["cpu_seconds"] for n, r in runs.items()}
         out["scale"] = runs
