@@ -246,15 +246,19 @@ def check(kind: Kind, verb: str, name: str, text: str, mutated: Path_, what: str
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-# Inputs that once broke a verb: (kind, verb, example index, path, value).
-REGRESSIONS: list[tuple[str, str, int, Path_, Any]] = [
-    ("events", "train --events", 0, ("events", 1, "node"), [1, 2]),      # TypeError: unhashable list
-    ("events", "train --events", 0, ("events", 1, "node"), {}),
-    ("config.json", "validate", 0, ("model_type",), [1, 2]),             # TypeError: unhashable list
-    ("lengths", "simulate --lengths", 0, ("bins", 0, "hi"), 10**30),    # OverflowError splitting
-    ("lengths", "simulate --lengths", 0, ("bins", 0, "lo"), True),       # true read as 1
-    ("plan", "simulate", 0, ("training", "global_batch"), 10**9),        # refused, not a hang
-    ("plan", "show --device", 0, ("strategies", 0, "pipelines", 0, "micro_batches"), 10**9),
+# Inputs that once broke a verb: (kind, verb, example index, {path: value}); the first path is the one
+# whose field the message must name.
+REGRESSIONS: list[tuple[str, str, int, dict[Path_, Any]]] = [
+    ("events", "train --events", 0, {("events", 1, "node"): [1, 2]}),      # TypeError: unhashable list
+    ("events", "train --events", 0, {("events", 1, "node"): {}}),
+    ("config.json", "validate", 0, {("model_type",): [1, 2]}),             # TypeError: unhashable list
+    ("lengths", "simulate --lengths", 0, {("bins", 0, "hi"): 10**30}),    # OverflowError splitting
+    ("lengths", "simulate --lengths", 0, {("bins", 0, "lo"): True}),       # true read as 1
+    # A consistent billion-sequence step: every schedule listed a billion micro-batches (a hang).
+    ("plan", "simulate", 0, {("training", "global_batch"): 10**9,
+                             ("strategies", 0, "pipelines", 0, "micro_batches"): 10**9 - 2}),
+    ("plan", "show --device", 0, {("training", "global_batch"): 10**9,
+                                  ("strategies", 0, "pipelines", 0, "micro_batches"): 10**9 - 2}),
 ]
 
 
@@ -264,11 +268,13 @@ def cases(kind: Kind, verb: str) -> list[tuple[str, Path_, str, str]]:
     examples = kind.examples()
     pool = [(name, path, desc, d) for name, data in examples for desc, path, d in variants(data)]
     picked = [(n, p, desc, kind.dump(d)) for n, p, desc, d in rng.sample(pool, min(SAMPLES, len(pool)))]
-    for k, v, i, path, value in REGRESSIONS:
+    for k, v, i, edits in REGRESSIONS:
         if (k, v) == (kind.name, verb):
             name, data = examples[i]
-            picked.append((name, path, f"{dotted(path)} = {value!r} (regression)",
-                           kind.dump(with_value(data, path, value))))
+            for path, value in edits.items():
+                data = with_value(data, path, value)
+            picked.append((name, next(iter(edits)), ", ".join(f"{dotted(p)} = {x!r}" for p, x in edits.items())
+                           + " (regression)", kind.dump(data)))
     return picked
 
 
