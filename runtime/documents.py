@@ -493,6 +493,11 @@ def read_jsonl(path: Path) -> list[tuple[str, str]]:
                 raise SpecError([Problem(where, "text", "missing")])
             if not isinstance(obj["text"], str):
                 raise SpecError([Problem(where, "text", f"expected a string, got {type(obj['text']).__name__}")])
+            try:   # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer can encode
+                obj["text"].encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise SpecError([Problem(where, "text", f"not valid Unicode: a lone surrogate at character "
+                                                        f"{exc.start}")]) from None
             out.append((where, obj["text"]))
     return out
 

@@ -333,3 +333,29 @@ def test_infeasible_requests_say_why(argv: list[str], says: tuple[str, ...], tmp
     assert "Traceback" not in result.output and not out.exists()
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and all(s in lines[0] for s in says), result.output
+
+
+# ``hspmd train --data FILE.jsonl``: lines whose ``text`` is hostile. Only refused ones (a valid file would
+# start training): each stops before any worker starts, naming FILE:LINE and the field.
+BAD_LINES = [
+    ('{"text": "a\\ud800b"}', "text: not valid Unicode"),   # a lone surrogate: UnicodeEncodeError once
+    ('{"text": 5}', "text: expected a string"),
+    ('{"text": null}', "text: expected a string"),
+    ('{"txt": "a"}', "text: missing"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"text": [1e308]}', "text: expected a string"),
+]
+
+
+@pytest.mark.parametrize("line,says", BAD_LINES)
+def test_hostile_data_lines(line: str, says: str, tmp_path: Path) -> None:
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "fine"}\n' + line + "\n")
+    out = tmp_path / "metrics.jsonl"
+    with deadline(2 * SECONDS):
+        result = CliRunner().invoke(cli, ["train", "--plan", str(TINY_PLAN), "--data", str(data), "--steps", "1",
+                                          "--metrics", str(out)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    lines = [x for x in result.output.splitlines() if x.strip()]
+    assert lines == [lines[0]] and f"{data}:2: {says}" in lines[0], result.output
+    assert not out.exists()
