@@ -17,6 +17,8 @@ from runtime.spec import load_plan_context
 from runtime.spec.io import atomic_write_text
 from runtime.spec.plan import MAX_TOKENS_PER_STEP
 
+MAX_TRACE_STEPS = 10_000
+
 
 @click.command()
 @click.option("--plan", "plan_path", required=True, type=click.Path(path_type=Path), help="The plan to simulate.")
@@ -27,7 +29,9 @@ from runtime.spec.plan import MAX_TOKENS_PER_STEP
               help="Write a Chrome-trace JSON timeline here (open in https://ui.perfetto.dev).")
 @click.option("--lengths", help="Play a trace of document steps (lengths from this distribution or histogram "
                                 "file) on all of PLAN's strategies, as the dispatcher chooses.")
-@click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True, help="With --lengths: steps.")
+# Each step is drawn and priced in turn (~10 ms); a billion would not finish.
+@click.option("--steps", type=click.IntRange(min=1, max=MAX_TRACE_STEPS), default=20, show_default=True,
+              help="With --lengths: steps.")
 @click.option("--tokens-per-step", type=click.IntRange(min=1, max=MAX_TOKENS_PER_STEP),
               help="With --lengths: tokens per step (default: the plan's training.tokens_per_step).")
 @click.option("--events", "events_file", type=click.Path(path_type=Path),

@@ -372,3 +372,22 @@ def test_hostile_data_lines(line: str, says: str, tmp_path: Path) -> None:
     lines = [x for x in result.output.splitlines() if x.strip()]
     assert lines == [lines[0]] and f"{data}:2: {says}" in lines[0], result.output
     assert not out.exists()
+
+
+# Counts given on the command line: refused at once (exit 2, one error line), never enumerated.
+TINY = str(TINY_PLAN)
+EXTREME_COUNTS = [
+    ["simulate", "--plan", TINY, "--lengths", "uniform", "--tokens-per-step", "256", "--steps", str(10**9)],
+    ["simulate", "--plan", TINY, "--lengths", "uniform", "--tokens-per-step", str(10**9), "--steps", "2"],
+    ["replan", "--plan", TINY, "--failed", str(10**22), "--time-limit", "1"],
+    ["show", TINY, "--device", str(10**22)],
+]
+
+
+@pytest.mark.parametrize("argv", EXTREME_COUNTS, ids=lambda a: " ".join(a[i] for i in (0, -2)))
+def test_extreme_counts_are_refused(argv: list[str]) -> None:
+    with deadline(2 * SECONDS):
+        result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    errors = [line for line in result.output.splitlines() if line.startswith(("error: ", "Error: "))]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
