@@ -34,7 +34,7 @@ from hetu_cli.main import cli
 from runtime.documents import load_histogram
 from runtime.elastic.events import load_trace
 from runtime.errors import SpecError
-from runtime.profiling.flat_table import import_profile
+from runtime.profiling.flat_table import COLUMNS
 from runtime.profiling.profile import load_profile
 from runtime.spec import load_cluster, load_model, load_plan
 from runtime.spec.hf import config_for
@@ -49,7 +49,7 @@ Path_ = tuple[Any, ...]  # a field path inside the parsed file: keys and list in
 EVENTS = {"steps": 30, "events": [{"step": 10, "action": "kill", "devices": [3]},
                                   {"step": 20, "action": "rejoin", "node": "cpu0"}]}
 HISTOGRAM = {"scale": "tokens", "bins": [{"lo": 8, "hi": 32, "weight": 3}, {"lo": 33, "hi": 64, "weight": 1}]}
-TABLE = """kind,component,layer,tp,micro_batch,seq_len,forward_s,backward_s,optimizer_s,link,direction,group,bytes,bandwidth_gbs,seconds
+TABLE = ",".join(COLUMNS) + """
 compute,attention,,1,1,2048,0.00121,0.00265,0.00031,,,,,,
 compute,attention,,1,1,4096,0.00262,0.00581,0.00031,,,,,,
 compute,attention,,1,2,2048,0.00229,0.00502,0.00031,,,,,,
@@ -59,7 +59,6 @@ link,,,,,,,,,inter,send,,16777216,11.5,
 allreduce,,,,,,,,,inter,,8,67108864,10.0,
 iteration,,,,,,,,,,,,,,0.0031
 """
-COLUMNS = TABLE.splitlines()[0].split(",")
 
 
 def table_rows() -> list[dict[str, Any]]:
@@ -280,7 +279,8 @@ def cases(kind: Kind, verb: str) -> list[tuple[str, Path_, str, str]]:
     rng = random.Random(f"{kind.name}/{verb}")
     examples = kind.examples()
     pool = [(name, path, desc, d) for name, data in examples for desc, path, d in variants(data)]
-    picked = [(n, p, desc, kind.dump(d)) for n, p, desc, d in rng.sample(pool, min(FEWER.get(verb, SAMPLES), len(pool)))]
+    sample = rng.sample(pool, min(FEWER.get(verb, SAMPLES), len(pool)))
+    picked = [(n, p, desc, kind.dump(d)) for n, p, desc, d in sample]
     for k, v, i, edits in REGRESSIONS:
         if (k, v) == (kind.name, verb):
             name, data = examples[i]
