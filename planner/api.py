@@ -42,7 +42,7 @@ from runtime.pipeline_schedules import SCHEDULE_NAMES, schedule_problems
 from runtime.profiling.profile import DeviceProfile, ProfileSet
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import PLAN_VERSION, Plan, Schedule, Strategy, TrainingSettings
+from runtime.spec.plan import MAX_GLOBAL_BATCH, PLAN_VERSION, Plan, Schedule, Strategy, TrainingSettings
 
 MICRO_BATCH_GAIN = 0.03
 ALIGNED_CHECKED = 3   # plans of alike pipelines the simulator check adds to the estimate's best
@@ -353,6 +353,10 @@ def _check_request(model: ModelSpec, cluster: Cluster, settings: PlanSettings, d
     if settings.seq_len > model.max_seq_len:
         raise InfeasibleError(f"sequence length {settings.seq_len} exceeds {model.name}'s max_seq_len "
                               f"{model.max_seq_len}")
+    if settings.global_batch > MAX_GLOBAL_BATCH:
+        raise InfeasibleError(f"a global batch of {settings.global_batch:,} sequences: hspmd plans for at most "
+                              f"{MAX_GLOBAL_BATCH:,} per step (every schedule lists each micro-batch); give at most "
+                              f"{MAX_GLOBAL_BATCH:,}, or longer sequences for more tokens per step")
     b = settings.micro_batch
     if b is not None and (b < 1 or settings.global_batch % b):
         raise InfeasibleError(f"micro-batch {b} does not divide the global batch {settings.global_batch}")

@@ -166,10 +166,14 @@ class LengthBin:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(isinstance(self.lo, int) and self.lo >= 1, "lo", f"must be an integer >= 1, got {self.lo!r}")
-        c.check(isinstance(self.hi, int) and isinstance(self.lo, int) and self.hi >= self.lo, "hi",
+        def integer(v: object) -> bool:   # a YAML ``true`` is no length
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        c.check(integer(self.lo) and self.lo >= 1, "lo", f"must be an integer >= 1, got {self.lo!r}")
+        c.check(integer(self.hi) and integer(self.lo) and self.hi >= self.lo, "hi",
                 f"must be an integer >= lo ({self.lo!r}), got {self.hi!r}")
-        c.check(isinstance(self.weight, (int, float)) and math.isfinite(self.weight) and self.weight >= 0,
+        c.check(isinstance(self.weight, (int, float)) and not isinstance(self.weight, bool)
+                and math.isfinite(self.weight) and self.weight >= 0,
                 "weight", f"must be a finite number >= 0, got {self.weight!r}")
         c.raise_if_any()
 
@@ -358,7 +362,10 @@ class SyntheticDocuments:
         left = self.tokens_per_step
         while left > 0:
             drawn = self.distribution.sample(rng)
-            pieces = fit_length(drawn, self.max_len, self.long_documents, f"{self.distribution.name}: step {step}")
+            # Split pieces past the step's tokens are dropped: cutting only what the step can take keeps a
+            # histogram of huge documents (10**30 tokens) from building pieces no step holds.
+            cut = min(drawn, left + self.max_len) if self.long_documents == "split" else drawn
+            pieces = fit_length(cut, self.max_len, self.long_documents, f"{self.distribution.name}: step {step}")
             split += len(pieces) > 1
             truncated += self.long_documents == "truncate" and drawn > self.max_len
             for p in pieces:
@@ -486,6 +493,11 @@ def read_jsonl(path: Path) -> list[tuple[str, str]]:
                 raise SpecError([Problem(where, "text", "missing")])
             if not isinstance(obj["text"], str):
                 raise SpecError([Problem(where, "text", f"expected a string, got {type(obj['text']).__name__}")])
+            try:   # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer can encode
+                obj["text"].encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise SpecError([Problem(where, "text", f"not valid Unicode: a lone surrogate at character "
+                                                        f"{exc.start}")]) from None
             out.append((where, obj["text"]))
     return out
 

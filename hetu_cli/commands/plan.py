@@ -19,6 +19,7 @@ from runtime.pipeline_schedules import SCHEDULE_NAMES
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_cluster, load_model, save_plan, validate_plan
 from runtime.spec.catalog import recorded_ref
+from runtime.spec.plan import MAX_TOKENS_PER_STEP
 
 
 @click.command()
@@ -59,7 +60,8 @@ from runtime.spec.catalog import recorded_ref
               help="Also write the best symmetric baseline as a plan here (to measure it with hspmd train).")
 @click.option("--lengths", help="Documents of mixed length: a distribution name (longtail, uniform, fixed) or a "
                                 "histogram YAML file; plans several strategies, each for a length range.")
-@click.option("--tokens-per-step", type=click.IntRange(min=1), help="With --lengths: the tokens of one step.")
+@click.option("--tokens-per-step", type=click.IntRange(min=1, max=MAX_TOKENS_PER_STEP),
+              help="With --lengths: the tokens of one step.")
 @click.option("--max-strategies", type=click.IntRange(min=1), default=3, show_default=True,
               help="With --lengths: the most strategies in the plan.")
 @click.option("--fixed-out", "fixed_path", type=click.Path(path_type=Path),

@@ -15,6 +15,9 @@ from planner.simulate import simulate as run_simulation
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_plan_context
 from runtime.spec.io import atomic_write_text
+from runtime.spec.plan import MAX_TOKENS_PER_STEP
+
+MAX_TRACE_STEPS = 10_000
 
 
 @click.command()
@@ -26,8 +29,10 @@ from runtime.spec.io import atomic_write_text
               help="Write a Chrome-trace JSON timeline here (open in https://ui.perfetto.dev).")
 @click.option("--lengths", help="Play a trace of document steps (lengths from this distribution or histogram "
                                 "file) on all of PLAN's strategies, as the dispatcher chooses.")
-@click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True, help="With --lengths: steps.")
-@click.option("--tokens-per-step", type=click.IntRange(min=1),
+# Each step is drawn and priced in turn (~10 ms); a billion would not finish.
+@click.option("--steps", type=click.IntRange(min=1, max=MAX_TRACE_STEPS), default=20, show_default=True,
+              help="With --lengths: steps.")
+@click.option("--tokens-per-step", type=click.IntRange(min=1, max=MAX_TOKENS_PER_STEP),
               help="With --lengths: tokens per step (default: the plan's training.tokens_per_step).")
 @click.option("--events", "events_file", type=click.Path(path_type=Path),
               help="Model a failure trace instead (the --events file of hspmd train): goodput of hspmd vs "

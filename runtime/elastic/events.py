@@ -118,7 +118,7 @@ def parse_trace(data: Any, cluster: Cluster, running: Collection[int], file: str
         node = None
         if "node" in item:
             node = item["node"]
-            if node not in nodes:
+            if not isinstance(node, str) or node not in nodes:
                 raise bad(f"{at}.node", f"unknown node {node!r} (cluster {cluster.name!r} has nodes "
                                         f"{', '.join(sorted(nodes))})")
             if action == "hang":

@@ -15,6 +15,9 @@ from functools import cached_property
 from runtime.errors import Checker, FieldErrors
 
 MAX_DEVICES = 65_536  # a bound on what a (hostile) file makes every verb enumerate
+# A device's GiB, TFLOPS and GB/s beyond a million are no device; 1e308 overflows the cost model's byte and
+# FLOP products to inf, and inf - inf to nan.
+MAX_FIGURE = 1e6
 MAX_SLOWDOWN = 1000.0  # beyond this the planner's ILP coefficients span too many orders of magnitude
 
 
@@ -106,7 +109,9 @@ class DeviceType:
     def __post_init__(self) -> None:
         c = Checker()
         for name in ("memory_gib", "peak_bf16_tflops", "hbm_bandwidth_gbs", "intra_node_bandwidth_gbs"):
-            c.check(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if c.check(v > 0, name, f"must be positive, got {v}"):
+                c.check(v <= MAX_FIGURE, name, f"{v:g} is beyond any device (at most {MAX_FIGURE:g})")
         c.raise_if_any()
 
     @property
@@ -143,7 +148,9 @@ class BandwidthOverride:
 
     def __post_init__(self) -> None:
         c = Checker()
-        c.check(self.bandwidth_gbs > 0, "bandwidth_gbs", f"must be positive, got {self.bandwidth_gbs}")
+        if c.check(self.bandwidth_gbs > 0, "bandwidth_gbs", f"must be positive, got {self.bandwidth_gbs}"):
+            c.check(self.bandwidth_gbs <= MAX_FIGURE, "bandwidth_gbs",
+                    f"{self.bandwidth_gbs:g} is beyond any link (at most {MAX_FIGURE:g})")
         c.check((self.devices is None) != (self.nodes is None), "",
                 "give exactly one of 'devices' or 'nodes'")
         c.raise_if_any()
@@ -178,7 +185,9 @@ class Cluster:
         c.check(self.nics_per_node >= 1, "nics_per_node", f"must be at least 1, got {self.nics_per_node}")
         c.check(len(self.device_types) > 0, "device_types", "must define at least one device type")
         c.check(len(self.nodes) > 0, "nodes", "must list at least one node")
-        c.check(self.inter_node_bandwidth_gbs > 0, "inter_node_bandwidth_gbs", "must be positive")
+        if c.check(self.inter_node_bandwidth_gbs > 0, "inter_node_bandwidth_gbs", "must be positive"):
+            c.check(self.inter_node_bandwidth_gbs <= MAX_FIGURE, "inter_node_bandwidth_gbs",
+                    f"{self.inter_node_bandwidth_gbs:g} is beyond any link (at most {MAX_FIGURE:g})")
         seen_pair: set[tuple[str, str]] = set()
         for i, node in enumerate(self.nodes):
             if node.device_type not in self.device_types:

@@ -184,6 +184,9 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
     """The ModelSpec of a parsed config.json; every problem raised at once, each naming its field."""
     f = _Fields(data, file)
     model_type = data.get("model_type")
+    if not isinstance(model_type, (str, type(None))):   # a list or mapping would not even hash
+        f.bad("model_type", f"must be a string such as 'llama', got {model_type!r}")
+        raise SpecError(f.problems)
     if model_type in GPT_KEYS:
         return _gpt_spec(f, model_type, name)
     if model_type not in ARCHITECTURES:

@@ -18,6 +18,11 @@ from runtime.errors import Checker, Problem, SpecError
 from runtime.pipeline_schedules import ScheduleName
 
 PLAN_VERSION = 1
+# Bounds on what a (hostile) file or request makes every verb enumerate: schedules list each micro-batch and
+# documents runs draw each document of a step. BERT's LAMB runs used 65,536 sequences per step; Llama 3 16M
+# tokens per step.
+MAX_GLOBAL_BATCH = 65_536
+MAX_TOKENS_PER_STEP = 1 << 26
 
 Schedule = ScheduleName  # the plan's name for it (the planner imports it from here)
 
@@ -68,8 +73,13 @@ class TrainingSettings:
                "must be at least 1")
         c.check(self.zero or self.zero_redundancy == 1, "zero_redundancy",
                 f"{self.zero_redundancy} copies of ZeRO-1's moment chunks need zero: true")
+        c.check(self.global_batch <= MAX_GLOBAL_BATCH, "global_batch",
+                f"{self.global_batch:,} sequences per step: hspmd plans for at most {MAX_GLOBAL_BATCH:,}")
         c.check(self.tokens_per_step is None or self.tokens_per_step >= 1, "tokens_per_step",
                 f"must be at least 1, got {self.tokens_per_step}")
+        if self.tokens_per_step is not None and self.tokens_per_step > MAX_TOKENS_PER_STEP:
+            c.add("tokens_per_step", f"{self.tokens_per_step:,} tokens per step: hspmd plans for at most "
+                                     f"{MAX_TOKENS_PER_STEP:,}")
         c.check(isinstance(self.sequence_parallel, bool), "sequence_parallel",
                 f"must be true or false, got {self.sequence_parallel!r}")
         c.raise_if_any()

@@ -17,6 +17,10 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 from runtime.errors import FieldErrors, Problem, SpecError, join_field
 
 T = TypeVar("T")
+# No figure of a spec is this large; beyond it products of a few figures overflow to inf (and inf - inf to
+# nan), and integers lose exactness as floats and overflow index and seed sizes.
+MAX_FLOAT = 1e30
+MAX_INT = 2**53
 
 _MISSING = object()
 
@@ -81,11 +85,17 @@ def _build(tp: Any, data: Any, file: str, path: str, problems: list[Problem]) ->
             return data
     elif tp is int:
         if isinstance(data, int) and not isinstance(data, bool):
+            if abs(data) > MAX_INT:
+                problems.append(Problem(file, path, f"{data} is out of range (at most {MAX_INT:,} in size)"))
+                raise _Invalid
             return data
     elif tp is float:
         if isinstance(data, (int, float)) and not isinstance(data, bool):
-            if not math.isfinite(float(data)):
+            if isinstance(data, int) and abs(data) > MAX_INT or not math.isfinite(float(data)):
                 problems.append(Problem(file, path, f"expected a finite number, got {data!r}"))
+                raise _Invalid
+            if abs(data) > MAX_FLOAT:
+                problems.append(Problem(file, path, f"{data:g} is out of range (at most {MAX_FLOAT:g} in size)"))
                 raise _Invalid
             return float(data)
     elif tp is str:
