@@ -181,9 +181,22 @@ class ClassInfo:
     schedule: ScheduleChoice = ScheduleChoice("1f1b")
     fill: float = 1.0          # the schedule's fill_factor: (fill, hops)
     hops: float = 1.0
+    # Whether some stage's free memory holds more activations than the schedule's bound, and what raising the
+    # bounds to it saves (``Searcher.spare_gain``; None: not priced yet, ``Searcher.complete`` prices it): the
+    # plans get those limits in the end (``with_spare_limits``), so the ranking must know what they buy.
+    spare_room: bool = False
+    spare_s: float | None = None
 
     def option(self) -> TimeOption:
-        return time_option(self.split, self.boundary_s, self.fill, self.hops)
+        opt = time_option(self.split, self.boundary_s, self.fill, self.hops)
+        return TimeOption(opt.per_mb_s, max(0.0, opt.fixed_s - (self.spare_s or 0.0)))
+
+    def floor_option(self) -> TimeOption:
+        """``option`` or less, known before the spare limits are priced: a stage with room may save up to all
+        of the fixed time."""
+        if self.spare_room and self.spare_s is None:
+            return TimeOption(self.split.max_s, 0.0)
+        return self.option()
 
 
 def time_option(split: LayerSplit, boundary_s: float, fill: float, hops: float) -> TimeOption:
@@ -227,6 +240,11 @@ class BlockCandidate:
     @property
     def overhead(self) -> float:
         return sum(len(c.members) * c.option().fixed_s / c.split.max_s for c in self.classes)
+
+    @property
+    def floor_overhead(self) -> float:
+        """``overhead`` or less, before ``Searcher.complete`` prices the spare limits (``floor_option``)."""
+        return sum(len(c.members) * c.floor_option().fixed_s / c.split.max_s for c in self.classes)
 
     @property
     def min_micro_batches(self) -> int:
@@ -310,19 +328,20 @@ def set_partitions(items: Sequence[str]) -> Iterator[list[tuple[str, ...]]]:
             yield part[:i] + [(first,) + part[i]] + part[i + 1:]
 
 
-def _pareto(drafts: Sequence[BlockCandidate], lower: Sequence[float], score: Callable[[int], float],
+def _pareto(view: Callable[[int], BlockCandidate], n: int, lower: Sequence[float], score: Callable[[int], float],
             keep: int) -> list[int]:
-    """By score (``score(i)``, best first), the first ``keep`` drafts that no earlier one beats on rate,
-    fill-and-drain and score alike. In that order every earlier score is at most a later one's, so only
-    rate and fill-and-drain decide, and a draft they rule out when its lower bound ``lower[i]`` comes up
-    is dropped without being scored."""
+    """By score (``score(i)``, best first), the first ``keep`` of ``n`` drafts that no earlier one beats on
+    rate, fill-and-drain and score alike. In that order every earlier score is at most a later one's, so
+    only rate and fill-and-drain decide, and a draft they rule out when its lower bound ``lower[i]`` comes
+    up is dropped without being scored. ``view(i)``: the draft as known so far (completed once scored); an
+    unscored one is compared by the least fill-and-drain it may have (``floor_overhead``)."""
     out: list[int] = []
 
     def beaten(i: int) -> bool:
-        c = drafts[i]
-        return any(drafts[j].rate >= c.rate and drafts[j].overhead <= c.overhead for j in out)
+        c = view(i)
+        return any(view(j).rate >= c.rate and view(j).overhead <= c.floor_overhead for j in out)
 
-    for _, i in lazily_sorted(lower, score, range(len(drafts)), beaten):
+    for _, i in lazily_sorted(lower, score, range(n), beaten):
         if beaten(i):
             continue
         out.append(i)
@@ -335,7 +354,7 @@ def _pareto(drafts: Sequence[BlockCandidate], lower: Sequence[float], score: Cal
 # the schedules searched): the searches ``search`` runs per micro-batch size share them. (``memo`` keeps a
 # method's cache under ``_memo_<name>``.)
 SHARED_CACHES = ("_memo_layer_s", "_memo_groups", "_memo_fast_split", "_memo__split_of", "_memo_fill",
-                 "_memo__segment_grad_bytes", "_sync_cache", "_p2p")
+                 "_memo__segment_grad_bytes", "_sync_cache", "_p2p", "_spare", "_room")
 
 
 class Searcher:
@@ -366,6 +385,8 @@ class Searcher:
         self.stats = SearchStats()
         self._sync_cache: dict[tuple, float] = {}
         self._p2p: dict[tuple[int, int], float] = {}
+        self._spare: dict[tuple, float] = {}
+        self._room: dict[tuple, bool] = {}
         self._seen_blocks: set[tuple] = set()
         names = {n.name: i for i, n in enumerate(self.cluster.nodes)}
         self._node_idx = [names[d.node] for d in self.cluster.devices]
@@ -509,11 +530,58 @@ class Searcher:
             if picked is None:
                 return None
             sched, split, fill, hops = picked
-            classes.append(ClassInfo(template, bnd, tuple(members), split, sched, fill, hops))
+            room = self.spare_room(layouts[members[0]], zd, split, sched, max(len(template), m_each))
+            classes.append(ClassInfo(template, bnd, tuple(members), split, sched, fill, hops, room))
         return BlockCandidate(choice, pipelines, order, placement, tuple(layouts), tuple(classes))
 
+    def spare_room(self, lay: PipelineLayout, zero_degree: int, split: LayerSplit, choice: ScheduleChoice,
+                   micro_batches: int) -> bool:
+        """Whether a stage of the class's pipeline can hold more activations than its schedule's bound
+        (memory only: no costs, no lists)."""
+        if not self.settings.spare_activations:
+            return False
+        key = (lay.template, zero_degree, split, choice, micro_batches)
+        hit = self._room.get(key)
+        if hit is None:
+            one = Strategy(name="class", pipelines=(self._bare_pipeline(lay, split, micro_batches, choice),))
+            hit = self._room[key] = spare_activation_limits(self.cm, one, 0, choice.name, zero_degree,
+                                                            self.settings.memory_margin) is not None
+        return hit
+
+    def spare_gain(self, lay: PipelineLayout, boundary: float, zero_degree: int, split: LayerSplit,
+                   choice: ScheduleChoice, micro_batches: int) -> float:
+        """Seconds the class's pipeline (``lay`` with ``split`` under ``choice``, ``micro_batches``) saves by
+        the exact price when its activation bounds are raised to what its stages' free memory holds
+        (``spare_activation_limits``, as ``with_spare_limits`` raises them for the plans the search returns);
+        0 where no stage has room or raising does not pay. Without it the ranking prices every pipeline at
+        its schedule's own bounds, and drops plans whose deep-memory stages make them the fastest once
+        raised (h2-example: ``2 x [chip-a/tp2 x4 > chip-b/tp2]``, 11.92 s at the bounds, 11.28 s raised).
+        Cached per (template, boundary, split, schedule, count): blocks share their classes."""
+        if not self.settings.spare_activations:
+            return 0.0
+        key = (lay.template, boundary, zero_degree, split, choice, micro_batches)
+        hit = self._spare.get(key)
+        if hit is None:
+            pipe = self._pipeline(lay, split, micro_batches, choice)
+            one = Strategy(name="class", pipelines=(pipe,))
+            limits = spare_activation_limits(self.cm, one, 0, choice.name, zero_degree, self.settings.memory_margin)
+            hit = 0.0
+            if limits is not None:
+                raised = Strategy(name="class", pipelines=(dataclasses.replace(pipe, activation_limits=limits),))
+                hit = max(0.0, self.cm.pipeline_step_time(one, 0, choice.name)
+                          - self.cm.pipeline_step_time(raised, 0, choice.name))
+            self._spare[key] = hit
+        return hit
+
     def complete(self, draft: BlockCandidate) -> BlockCandidate:
-        """``draft`` with its gradient sync and optimizer terms (what ``overheads`` prices)."""
+        """``draft`` with its gradient sync and optimizer terms (what ``overheads`` prices) and each class's
+        ``spare_gain`` (priced here, not for every draft: it plays the schedule twice)."""
+        zd = self.zero_degree(draft.pipelines)
+        m_each = max(1, self.micro_batches // draft.pipelines)
+        classes = tuple(c if c.spare_s is not None or not c.spare_room else dataclasses.replace(
+            c, spare_s=self.spare_gain(draft.layouts[c.members[0]], c.boundary_s, zd, c.split, c.schedule,
+                                       max(len(c.template), m_each))) for c in draft.classes)
+        draft = dataclasses.replace(draft, classes=classes)
         grad_bytes, opt_terms = self._terms(draft.classes)
         rings = self._sync_rings(draft.layouts, draft.classes) if draft.pipelines > 1 else ()
         return dataclasses.replace(draft, grad_bytes=grad_bytes, opt_terms=opt_terms, sync_rings=rings[:SYNC_RINGS],
@@ -753,7 +821,10 @@ class Searcher:
                     t = self._class_time(lay, sp, mb, choice)
                     if t < best[0] - 1e-12:
                         fill, hops = self.fill(c.template, choice)
-                        best = (t, dataclasses.replace(c, split=sp, schedule=choice, fill=fill, hops=hops))
+                        best = (t, dataclasses.replace(
+                            c, split=sp, schedule=choice, fill=fill, hops=hops,
+                            spare_room=self.spare_room(lay, zd, sp, choice, mb),
+                            spare_s=self.spare_gain(lay, c.boundary_s, zd, sp, choice, mb)))
                 changed |= best[1] is not c
                 classes.append(best[1])
             blocks.append(dataclasses.replace(b, classes=tuple(classes)))
@@ -904,10 +975,12 @@ class Searcher:
         self.stats.finalists += len(finalists)
         return out
 
-    def _span_alone(self, cand: BlockCandidate, share: float = 1.0) -> float:
-        """The greedy allocation's makespan of a block as if it took ``share`` of the batch alone."""
+    def _span_alone(self, cand: BlockCandidate, share: float = 1.0, floor: bool = False) -> float:
+        """The greedy allocation's makespan of a block as if it took ``share`` of the batch alone (``floor``:
+        with each class's ``floor_option``, a lower bound before ``complete``)."""
         m = max(cand.min_micro_batches, round(self.micro_batches * share))
-        classes = [PipelineClass((c.option(),), len(c.template), len(c.members)) for c in cand.classes]
+        classes = [PipelineClass((c.floor_option() if floor else c.option(),), len(c.template), len(c.members))
+                   for c in cand.classes]
         alloc = allocate_greedy(classes, m)
         return math.inf if alloc is None else alloc.makespan_s
 
@@ -923,16 +996,19 @@ class Searcher:
                 done[i] = self.complete(found[i])
             return done[i]
 
+        def view(i: int) -> BlockCandidate:
+            return done.get(i, found[i])
+
         out: list[BlockCandidate] = []
         shares = (share, 1.0) if share < 0.999 else (1.0,)
         for k, sh in enumerate(shares):
-            spans = [self._span_alone(c, sh) for c in found]
-            lower = [x + self.clip_s for x in spans]   # overheads() adds sync + optimizer >= 0 to the clip
+            # overheads() adds sync + optimizer >= 0 to the clip; the floor span, what the spare limits may save.
+            lower = [self._span_alone(c, sh, floor=True) + self.clip_s for c in found]
 
-            def score(i: int, spans: list[float] = spans) -> float:
-                return spans[i] + self.overheads([full(i)])
+            def score(i: int, sh: float = sh) -> float:
+                return self._span_alone(full(i), sh) + self.overheads([full(i)])
 
-            kept = [full(i) for i in _pareto(found, lower, score, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2)]
+            kept = [full(i) for i in _pareto(view, len(found), lower, score, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2)]
             # ... and the best with identical pipelines (their gradient sync has no chains of waits, which
             # the closed form does not price: see api.simulator_check).
             aligned = [i for i, c in enumerate(found) if c.aligned]
@@ -1017,14 +1093,18 @@ class Searcher:
                   ) -> Pipeline:
         """A pipeline of ``lay``'s groups with ``split``'s layers cut into ``choice``'s chunks (its schedule
         named unless it is the plan's default)."""
+        # With its costs, as the plan will carry them: the runtime orders its lists by them (and so the price).
+        return self.cm.costed_pipeline(self._bare_pipeline(lay, split, micro_batches, choice), choice.name)
+
+    def _bare_pipeline(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
+                       ) -> Pipeline:
+        """``_pipeline`` without its op and transfer costs."""
         partial = split.recompute_layers or (0,) * len(split.layers)
         stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc, recompute_layers=k or None)
                        for g, r, rc, k in zip(lay.groups, stage_layer_ranges(split.layers, choice), split.recompute,
                                               partial))
         own = None if choice.name == self.settings.default_schedule else choice.name
-        # With its costs, as the plan will carry them: the runtime orders its lists by them (and so the price).
-        return self.cm.costed_pipeline(Pipeline(micro_batches=micro_batches, stages=stages, schedule=own),
-                                       choice.name)
+        return Pipeline(micro_batches=micro_batches, stages=stages, schedule=own)
 
     def realize(self, combo: Sequence[BlockCandidate], alloc: Allocation) -> Candidate | None:
         """The combination as it was scored: fast splits, greedy micro-batch counts, each class's schedule;
