@@ -750,8 +750,9 @@ class Searcher:
         realized = self._realize_best(types, self.combine(types, blocks))
         exact = self._price_best(realized)
         final = self._finalize_best(types, exact + [r for r in realized if all(r[1] is not e[1] for e in exact)])
-        # Only exactly priced plans are returned, so that every candidate is compared on the same estimate.
-        return [self.with_spare_limits(c) for c in [c for c, _, _ in exact] + final]
+        # Only exactly priced plans are returned, so that every candidate is compared on the same estimate
+        # (``exact`` has its raised limits already).
+        return [c for c, _, _ in exact] + [self.with_spare_limits(c) for c in final]
 
     def with_spare_limits(self, cand: Candidate) -> Candidate:
         """``cand`` with each pipeline's activation bound raised to what its stages' free memory holds
@@ -783,15 +784,17 @@ class Searcher:
                     ) -> list[tuple[Candidate, Combo, Allocation]]:
         """Phase 4b: the best ``EXACT_REALIZED`` realized plans (by the proxy) priced exactly, and with
         ``schedule="auto"`` each also with every pipeline class on the schedule that runs it fastest
-        (``best_schedules``). Best first."""
+        (``best_schedules``). Best first, each with its raised activation limits (``with_spare_limits``) as
+        it will be returned: the finalists are the best of these, and a plan the raised limits make fast
+        ranks low at the schedules' own bounds."""
         out = []
         for cand, combo, alloc in realized[:EXACT_REALIZED]:
-            out.append((self.exact(cand), combo, alloc))
+            out.append((self.with_spare_limits(self.exact(cand)), combo, alloc))
             variant = self.best_schedules(combo, alloc)
             if variant is not None:
                 alt = self.realize(variant, alloc)
                 if alt is not None:
-                    out.append((self.exact(alt), variant, alloc))
+                    out.append((self.with_spare_limits(self.exact(alt)), variant, alloc))
         out.sort(key=lambda x: x[0].step_time_s)
         return out
 
@@ -1010,9 +1013,11 @@ class Searcher:
 
             kept = [full(i) for i in _pareto(view, len(found), lower, score, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2)]
             # ... and the best with identical pipelines (their gradient sync has no chains of waits, which
-            # the closed form does not price: see api.simulator_check).
-            aligned = [i for i, c in enumerate(found) if c.aligned]
-            kept += [full(i) for _, i in itertools.islice(lazily_sorted(lower, score, aligned), 1)]
+            # the closed form does not price: see api.simulator_check), in each placement: where the
+            # pipelines' stages sit decides between boundary and sync costs, which the ranking prices apart.
+            for place in PLACEMENTS:
+                aligned = [i for i, c in enumerate(found) if c.aligned and c.placement == place]
+                kept += [full(i) for _, i in itertools.islice(lazily_sorted(lower, score, aligned), 1)]
             for c in kept:
                 if all(c is not o for o in out):
                     out.append(c)
