@@ -181,22 +181,30 @@ class ClassInfo:
     schedule: ScheduleChoice = ScheduleChoice("1f1b")
     fill: float = 1.0          # the schedule's fill_factor: (fill, hops)
     hops: float = 1.0
-    # Whether some stage's free memory holds more activations than the schedule's bound, and what raising the
-    # bounds to it saves (``Searcher.spare_gain``; None: not priced yet, ``Searcher.complete`` prices it): the
-    # plans get those limits in the end (``with_spare_limits``), so the ranking must know what they buy.
-    spare_room: bool = False
+    # Where some stage's free memory holds more activations than the schedule's bound: a lower bound of the
+    # pipeline's time with the bounds raised (``Searcher.spare_room``; None: no room), and what raising saves
+    # on the ranking price (``Searcher.spare_gain``; None: not priced yet, ``Searcher.complete`` prices it).
+    # The plans get those limits in the end (``with_spare_limits``), so the ranking must know what they buy.
+    spare_bound_s: float | None = None
     spare_s: float | None = None
+    spare_count: int = 1   # the micro-batch count both are priced at
 
     def option(self) -> TimeOption:
         opt = time_option(self.split, self.boundary_s, self.fill, self.hops)
         return TimeOption(opt.per_mb_s, max(0.0, opt.fixed_s - (self.spare_s or 0.0)))
 
+    @property
+    def spare_room(self) -> bool:
+        return self.spare_bound_s is not None
+
     def floor_option(self) -> TimeOption:
-        """``option`` or less, known before the spare limits are priced: a stage with room may save up to all
-        of the fixed time."""
-        if self.spare_room and self.spare_s is None:
-            return TimeOption(self.split.max_s, 0.0)
-        return self.option()
+        """``option`` or less, known before the spare limits are priced: the raised time is at least
+        ``spare_bound_s`` (at the count it is priced at, ``spare_count``)."""
+        opt = self.option()
+        if self.spare_bound_s is None or self.spare_s is not None:
+            return opt
+        m = self.spare_count
+        return TimeOption(opt.per_mb_s, max(0.0, min(opt.fixed_s, self.spare_bound_s - m * opt.per_mb_s)))
 
 
 def time_option(split: LayerSplit, boundary_s: float, fill: float, hops: float) -> TimeOption:
@@ -386,7 +394,7 @@ class Searcher:
         self._sync_cache: dict[tuple, float] = {}
         self._p2p: dict[tuple[int, int], float] = {}
         self._spare: dict[tuple, float] = {}
-        self._room: dict[tuple, bool] = {}
+        self._room: dict[tuple, float | None] = {}
         self._seen_blocks: set[tuple] = set()
         names = {n.name: i for i, n in enumerate(self.cluster.nodes)}
         self._node_idx = [names[d.node] for d in self.cluster.devices]
@@ -530,36 +538,40 @@ class Searcher:
             if picked is None:
                 return None
             sched, split, fill, hops = picked
-            room = self.spare_room(layouts[members[0]], zd, split, sched, max(len(template), m_each))
-            classes.append(ClassInfo(template, bnd, tuple(members), split, sched, fill, hops, room))
+            m = max(len(template), m_each)
+            room = self.spare_room(layouts[members[0]], zd, split, sched, m)
+            classes.append(ClassInfo(template, bnd, tuple(members), split, sched, fill, hops, room, spare_count=m))
         return BlockCandidate(choice, pipelines, order, placement, tuple(layouts), tuple(classes))
 
     def spare_room(self, lay: PipelineLayout, zero_degree: int, split: LayerSplit, choice: ScheduleChoice,
-                   micro_batches: int) -> bool:
-        """Whether a stage of the class's pipeline can hold more activations than its schedule's bound
-        (memory only: no costs, no lists)."""
+                   micro_batches: int) -> float | None:
+        """Where a stage of the class's pipeline can hold more activations than its schedule's bound (by
+        memory), a lower bound of its time with the bounds raised (``CostModel.pipeline_step_bound``: any
+        op order; no lists built); None where none can."""
         if not self.settings.spare_activations:
-            return False
-        key = (lay.template, zero_degree, split, choice, micro_batches)
-        hit = self._room.get(key)
-        if hit is None:
+            return None
+        key = (lay.template, round(self.boundary_s(lay), 12), zero_degree, split, choice, micro_batches)
+        if key not in self._room:
             one = Strategy(name="class", pipelines=(self._bare_pipeline(lay, split, micro_batches, choice),))
-            hit = self._room[key] = spare_activation_limits(self.cm, one, 0, choice.name, zero_degree,
-                                                            self.settings.memory_margin) is not None
-        return hit
+            room = spare_activation_limits(self.cm, one, 0, choice.name, zero_degree,
+                                           self.settings.memory_margin) is not None
+            self._room[key] = self._class_bound(lay, split, micro_batches, choice) if room else None
+        return self._room[key]
 
-    def spare_gain(self, lay: PipelineLayout, boundary: float, zero_degree: int, split: LayerSplit,
-                   choice: ScheduleChoice, micro_batches: int) -> float:
-        """Seconds the class's pipeline (``lay`` with ``split`` under ``choice``, ``micro_batches``) saves by
-        the exact price when its activation bounds are raised to what its stages' free memory holds
-        (``spare_activation_limits``, as ``with_spare_limits`` raises them for the plans the search returns);
-        0 where no stage has room or raising does not pay. Without it the ranking prices every pipeline at
-        its schedule's own bounds, and drops plans whose deep-memory stages make them the fastest once
-        raised (h2-example: ``2 x [chip-a/tp2 x4 > chip-b/tp2]``, 11.92 s at the bounds, 11.28 s raised).
-        Cached per (template, boundary, split, schedule, count): blocks share their classes."""
+    def spare_gain(self, lay: PipelineLayout, zero_degree: int, split: LayerSplit, choice: ScheduleChoice,
+                   micro_batches: int, proxy_s: float) -> float:
+        """Seconds by which the exact time of the class's pipeline (``lay`` with ``split`` under ``choice``,
+        ``micro_batches``) with its activation bounds raised to what its stages' free memory holds
+        (``spare_activation_limits``, as ``with_spare_limits`` raises them for the plans the search returns)
+        falls below ``proxy_s``, its ranking price at that count; 0 where no stage has room or it does not.
+        Without it the ranking prices every pipeline at its schedule's own bounds and drops plans that raising
+        makes the fastest (h2-example: ``2 x [chip-a/tp2 x4 > chip-b/tp2]``, 11.92 s at the bounds, 11.28 s
+        raised). Against the proxy, not the exact time at the own bounds: what raising recovers there is
+        often a steady-state stall the proxy never charged. Cached per (template, devices' boundary, split,
+        schedule, count, proxy): blocks share their classes."""
         if not self.settings.spare_activations:
             return 0.0
-        key = (lay.template, boundary, zero_degree, split, choice, micro_batches)
+        key = (lay.template, round(self.boundary_s(lay), 12), zero_degree, split, choice, micro_batches, proxy_s)
         hit = self._spare.get(key)
         if hit is None:
             pipe = self._pipeline(lay, split, micro_batches, choice)
@@ -568,8 +580,7 @@ class Searcher:
             hit = 0.0
             if limits is not None:
                 raised = Strategy(name="class", pipelines=(dataclasses.replace(pipe, activation_limits=limits),))
-                hit = max(0.0, self.cm.pipeline_step_time(one, 0, choice.name)
-                          - self.cm.pipeline_step_time(raised, 0, choice.name))
+                hit = max(0.0, proxy_s - self.cm.pipeline_step_time(raised, 0, choice.name))
             self._spare[key] = hit
         return hit
 
@@ -577,11 +588,14 @@ class Searcher:
         """``draft`` with its gradient sync and optimizer terms (what ``overheads`` prices) and each class's
         ``spare_gain`` (priced here, not for every draft: it plays the schedule twice)."""
         zd = self.zero_degree(draft.pipelines)
-        m_each = max(1, self.micro_batches // draft.pipelines)
-        classes = tuple(c if c.spare_s is not None or not c.spare_room else dataclasses.replace(
-            c, spare_s=self.spare_gain(draft.layouts[c.members[0]], c.boundary_s, zd, c.split, c.schedule,
-                                       max(len(c.template), m_each))) for c in draft.classes)
-        draft = dataclasses.replace(draft, classes=classes)
+        classes = []
+        for c in draft.classes:
+            if c.spare_s is None and c.spare_room:
+                m = c.spare_count
+                c = dataclasses.replace(c, spare_s=self.spare_gain(draft.layouts[c.members[0]], zd, c.split,
+                                                                   c.schedule, m, c.option().time(m)))
+            classes.append(c)
+        draft = dataclasses.replace(draft, classes=tuple(classes))
         grad_bytes, opt_terms = self._terms(draft.classes)
         rings = self._sync_rings(draft.layouts, draft.classes) if draft.pipelines > 1 else ()
         return dataclasses.replace(draft, grad_bytes=grad_bytes, opt_terms=opt_terms, sync_rings=rings[:SYNC_RINGS],
@@ -824,10 +838,11 @@ class Searcher:
                     t = self._class_time(lay, sp, mb, choice)
                     if t < best[0] - 1e-12:
                         fill, hops = self.fill(c.template, choice)
+                        proxy = time_option(sp, c.boundary_s, fill, hops).time(mb)
                         best = (t, dataclasses.replace(
                             c, split=sp, schedule=choice, fill=fill, hops=hops,
-                            spare_room=self.spare_room(lay, zd, sp, choice, mb),
-                            spare_s=self.spare_gain(lay, c.boundary_s, zd, sp, choice, mb)))
+                            spare_bound_s=self.spare_room(lay, zd, sp, choice, mb), spare_count=mb,
+                            spare_s=self.spare_gain(lay, zd, sp, choice, mb, proxy)))
                 changed |= best[1] is not c
                 classes.append(best[1])
             blocks.append(dataclasses.replace(b, classes=tuple(classes)))
