@@ -13,8 +13,12 @@ Decomposition (each level solved once per distinct sub-problem, then reused):
    is too small for more. Identical pipelines form a class; each class is split once by
    ``layer_split.split_fast`` (exact min-max), and blocks whose pipelines cannot hold the model are
    dropped before any group is dealt. A block's own gradient sync is priced as ``CostModel.sync_plan``
-   lays it out (layer segments, their holders, fused per stage) on the fast splits. Per block, only the
-   candidates on the front of (throughput up, fill-and-drain down) are kept. Mixed blocks try every TP
+   lays it out (layer segments, their holders, fused per stage) on the fast splits. A class whose stages
+   have memory for more activations than its schedule's bound is ranked by the lesser of its proxy and
+   its exact time with the bounds raised (``Searcher.spare_gain``: every returned plan gets them raised,
+   so the ranking must know it), priced only for the drafts the keep below looks at. Per block, only the
+   candidates on the front of (throughput up, fill-and-drain down) are kept, and the best of identical
+   pipelines in each placement. Mixed blocks try every TP
    degree of each type when they hold two types, the two best per type otherwise.
 3. **Combination**: the types in use are partitioned into blocks (every set partition of every
    subset of types: some types may stay idle), one candidate per block; ranked by a fast score: the
