@@ -590,7 +590,7 @@ class Searcher:
 
     def complete(self, draft: BlockCandidate) -> BlockCandidate:
         """``draft`` with its gradient sync and optimizer terms (what ``overheads`` prices) and each class's
-        ``spare_gain`` (priced here, not for every draft: it plays the schedule twice)."""
+        ``spare_gain`` (priced here, not for every draft: it plays the schedule)."""
         zd = self.zero_degree(draft.pipelines)
         classes = []
         for c in draft.classes:
