@@ -13,8 +13,12 @@ Decomposition (each level solved once per distinct sub-problem, then reused):
    is too small for more. Identical pipelines form a class; each class is split once by
    ``layer_split.split_fast`` (exact min-max), and blocks whose pipelines cannot hold the model are
    dropped before any group is dealt. A block's own gradient sync is priced as ``CostModel.sync_plan``
-   lays it out (layer segments, their holders, fused per stage) on the fast splits. Per block, only the
-   candidates on the front of (throughput up, fill-and-drain down) are kept. Mixed blocks try every TP
+   lays it out (layer segments, their holders, fused per stage) on the fast splits. A class whose stages
+   have memory for more activations than its schedule's bound is ranked by the lesser of its proxy and
+   its exact time with the bounds raised (``Searcher.spare_gain``: every returned plan gets them raised,
+   so the ranking must know it), priced only for the drafts the keep below looks at. Per block, only the
+   candidates on the front of (throughput up, fill-and-drain down) are kept, and the best of identical
+   pipelines in each placement. Mixed blocks try every TP
    degree of each type when they hold two types, the two best per type otherwise.
 3. **Combination**: the types in use are partitioned into blocks (every set partition of every
    subset of types: some types may stay idle), one candidate per block; ranked by a fast score: the
@@ -182,9 +186,30 @@ class ClassInfo:
     schedule: ScheduleChoice = ScheduleChoice("1f1b")
     fill: float = 1.0          # the schedule's fill_factor: (fill, hops)
     hops: float = 1.0
+    # Where some stage's free memory holds more activations than the schedule's bound: a lower bound of the
+    # pipeline's time with the bounds raised (``Searcher.spare_room``; None: no room), and what raising saves
+    # on the ranking price (``Searcher.spare_gain``; None: not priced yet, ``Searcher.complete`` prices it).
+    # The plans get those limits in the end (``with_spare_limits``), so the ranking must know what they buy.
+    spare_bound_s: float | None = None
+    spare_s: float | None = None
+    spare_count: int = 1   # the micro-batch count both are priced at
 
     def option(self) -> TimeOption:
-        return time_option(self.split, self.boundary_s, self.fill, self.hops)
+        opt = time_option(self.split, self.boundary_s, self.fill, self.hops)
+        return TimeOption(opt.per_mb_s, max(0.0, opt.fixed_s - (self.spare_s or 0.0)))
+
+    @property
+    def spare_room(self) -> bool:
+        return self.spare_bound_s is not None
+
+    def floor_option(self) -> TimeOption:
+        """``option`` or less, known before the spare limits are priced: the raised time is at least
+        ``spare_bound_s`` (at the count it is priced at, ``spare_count``)."""
+        opt = self.option()
+        if self.spare_bound_s is None or self.spare_s is not None:
+            return opt
+        m = self.spare_count
+        return TimeOption(opt.per_mb_s, max(0.0, min(opt.fixed_s, self.spare_bound_s - m * opt.per_mb_s)))
 
 
 def time_option(split: LayerSplit, boundary_s: float, fill: float, hops: float) -> TimeOption:
@@ -228,6 +253,11 @@ class BlockCandidate:
     @property
     def overhead(self) -> float:
         return sum(len(c.members) * c.option().fixed_s / c.split.max_s for c in self.classes)
+
+    @property
+    def floor_overhead(self) -> float:
+        """``overhead`` or less, before ``Searcher.complete`` prices the spare limits (``floor_option``)."""
+        return sum(len(c.members) * c.floor_option().fixed_s / c.split.max_s for c in self.classes)
 
     @property
     def min_micro_batches(self) -> int:
@@ -311,19 +341,20 @@ def set_partitions(items: Sequence[str]) -> Iterator[list[tuple[str, ...]]]:
             yield part[:i] + [(first,) + part[i]] + part[i + 1:]
 
 
-def _pareto(drafts: Sequence[BlockCandidate], lower: Sequence[float], score: Callable[[int], float],
+def _pareto(view: Callable[[int], BlockCandidate], n: int, lower: Sequence[float], score: Callable[[int], float],
             keep: int) -> list[int]:
-    """By score (``score(i)``, best first), the first ``keep`` drafts that no earlier one beats on rate,
-    fill-and-drain and score alike. In that order every earlier score is at most a later one's, so only
-    rate and fill-and-drain decide, and a draft they rule out when its lower bound ``lower[i]`` comes up
-    is dropped without being scored."""
+    """By score (``score(i)``, best first), the first ``keep`` of ``n`` drafts that no earlier one beats on
+    rate, fill-and-drain and score alike. In that order every earlier score is at most a later one's, so
+    only rate and fill-and-drain decide, and a draft they rule out when its lower bound ``lower[i]`` comes
+    up is dropped without being scored. ``view(i)``: the draft as known so far (completed once scored); an
+    unscored one is compared by the least fill-and-drain it may have (``floor_overhead``)."""
     out: list[int] = []
 
     def beaten(i: int) -> bool:
-        c = drafts[i]
-        return any(drafts[j].rate >= c.rate and drafts[j].overhead <= c.overhead for j in out)
+        c = view(i)
+        return any(view(j).rate >= c.rate and view(j).overhead <= c.floor_overhead for j in out)
 
-    for _, i in lazily_sorted(lower, score, range(len(drafts)), beaten):
+    for _, i in lazily_sorted(lower, score, range(n), beaten):
         if beaten(i):
             continue
         out.append(i)
@@ -336,7 +367,7 @@ def _pareto(drafts: Sequence[BlockCandidate], lower: Sequence[float], score: Cal
 # the schedules searched): the searches ``search`` runs per micro-batch size share them. (``memo`` keeps a
 # method's cache under ``_memo_<name>``.)
 SHARED_CACHES = ("_memo_layer_s", "_memo_groups", "_memo_fast_split", "_memo__split_of", "_memo_fill",
-                 "_memo__segment_grad_bytes", "_sync_cache", "_p2p")
+                 "_memo__segment_grad_bytes", "_sync_cache", "_p2p", "_spare", "_room")
 
 
 class Searcher:
@@ -367,6 +398,8 @@ class Searcher:
         self.stats = SearchStats()
         self._sync_cache: dict[tuple, float] = {}
         self._p2p: dict[tuple[int, int], float] = {}
+        self._spare: dict[tuple, float] = {}
+        self._room: dict[tuple, float | None] = {}
         self._seen_blocks: set[tuple] = set()
         names = {n.name: i for i, n in enumerate(self.cluster.nodes)}
         self._node_idx = [names[d.node] for d in self.cluster.devices]
@@ -510,11 +543,64 @@ class Searcher:
             if picked is None:
                 return None
             sched, split, fill, hops = picked
-            classes.append(ClassInfo(template, bnd, tuple(members), split, sched, fill, hops))
+            m = max(len(template), m_each)
+            room = self.spare_room(layouts[members[0]], zd, split, sched, m)
+            classes.append(ClassInfo(template, bnd, tuple(members), split, sched, fill, hops, room, spare_count=m))
         return BlockCandidate(choice, pipelines, order, placement, tuple(layouts), tuple(classes))
 
+    def spare_room(self, lay: PipelineLayout, zero_degree: int, split: LayerSplit, choice: ScheduleChoice,
+                   micro_batches: int) -> float | None:
+        """Where a stage of the class's pipeline can hold more activations than its schedule's bound (by
+        memory), a lower bound of its time with the bounds raised (``CostModel.pipeline_step_bound``: any
+        op order; no lists built); None where none can."""
+        if not self.settings.spare_activations:
+            return None
+        key = (lay.template, round(self.boundary_s(lay), 12), zero_degree, split, choice, micro_batches)
+        if key not in self._room:
+            one = Strategy(name="class", pipelines=(self._bare_pipeline(lay, split, micro_batches, choice),))
+            room = spare_activation_limits(self.cm, one, 0, choice.name, zero_degree,
+                                           self.settings.memory_margin) is not None
+            self._room[key] = self._class_bound(lay, split, micro_batches, choice) if room else None
+        return self._room[key]
+
+    def spare_gain(self, lay: PipelineLayout, zero_degree: int, split: LayerSplit, choice: ScheduleChoice,
+                   micro_batches: int, proxy_s: float) -> float:
+        """Seconds by which the exact time of the class's pipeline (``lay`` with ``split`` under ``choice``,
+        ``micro_batches``) with its activation bounds raised to what its stages' free memory holds
+        (``spare_activation_limits``, as ``with_spare_limits`` raises them for the plans the search returns)
+        falls below ``proxy_s``, its ranking price at that count; 0 where no stage has room or it does not.
+        Without it the ranking prices every pipeline at its schedule's own bounds and drops plans that raising
+        makes the fastest (h2-example: ``2 x [chip-a/tp2 x4 > chip-b/tp2]``, 11.92 s at the bounds, 11.28 s
+        raised). Against the proxy, not the exact time at the own bounds: what raising recovers there is
+        often a steady-state stall the proxy never charged. Cached per (template, devices' boundary, split,
+        schedule, count, proxy): blocks share their classes."""
+        if not self.settings.spare_activations:
+            return 0.0
+        key = (lay.template, round(self.boundary_s(lay), 12), zero_degree, split, choice, micro_batches, proxy_s)
+        hit = self._spare.get(key)
+        if hit is None:
+            pipe = self._pipeline(lay, split, micro_batches, choice)
+            one = Strategy(name="class", pipelines=(pipe,))
+            limits = spare_activation_limits(self.cm, one, 0, choice.name, zero_degree, self.settings.memory_margin)
+            hit = 0.0
+            if limits is not None:
+                raised = Strategy(name="class", pipelines=(dataclasses.replace(pipe, activation_limits=limits),))
+                hit = max(0.0, proxy_s - self.cm.pipeline_step_time(raised, 0, choice.name))
+            self._spare[key] = hit
+        return hit
+
     def complete(self, draft: BlockCandidate) -> BlockCandidate:
-        """``draft`` with its gradient sync and optimizer terms (what ``overheads`` prices)."""
+        """``draft`` with its gradient sync and optimizer terms (what ``overheads`` prices) and each class's
+        ``spare_gain`` (priced here, not for every draft: it plays the schedule)."""
+        zd = self.zero_degree(draft.pipelines)
+        classes = []
+        for c in draft.classes:
+            if c.spare_s is None and c.spare_room:
+                m = c.spare_count
+                c = dataclasses.replace(c, spare_s=self.spare_gain(draft.layouts[c.members[0]], zd, c.split,
+                                                                   c.schedule, m, c.option().time(m)))
+            classes.append(c)
+        draft = dataclasses.replace(draft, classes=tuple(classes))
         grad_bytes, opt_terms = self._terms(draft.classes)
         rings = self._sync_rings(draft.layouts, draft.classes) if draft.pipelines > 1 else ()
         return dataclasses.replace(draft, grad_bytes=grad_bytes, opt_terms=opt_terms, sync_rings=rings[:SYNC_RINGS],
@@ -683,8 +769,9 @@ class Searcher:
         realized = self._realize_best(types, self.combine(types, blocks))
         exact = self._price_best(realized)
         final = self._finalize_best(types, exact + [r for r in realized if all(r[1] is not e[1] for e in exact)])
-        # Only exactly priced plans are returned, so that every candidate is compared on the same estimate.
-        return [self.with_spare_limits(c) for c in [c for c, _, _ in exact] + final]
+        # Only exactly priced plans are returned, so that every candidate is compared on the same estimate
+        # (``exact`` has its raised limits already).
+        return [c for c, _, _ in exact] + [self.with_spare_limits(c) for c in final]
 
     def with_spare_limits(self, cand: Candidate) -> Candidate:
         """``cand`` with each pipeline's activation bound raised to what its stages' free memory holds
@@ -716,15 +803,17 @@ class Searcher:
                     ) -> list[tuple[Candidate, Combo, Allocation]]:
         """Phase 4b: the best ``EXACT_REALIZED`` realized plans (by the proxy) priced exactly, and with
         ``schedule="auto"`` each also with every pipeline class on the schedule that runs it fastest
-        (``best_schedules``). Best first."""
+        (``best_schedules``). Best first, each with its raised activation limits (``with_spare_limits``) as
+        it will be returned: the finalists are the best of these, and a plan the raised limits make fast
+        ranks low at the schedules' own bounds."""
         out = []
         for cand, combo, alloc in realized[:EXACT_REALIZED]:
-            out.append((self.exact(cand), combo, alloc))
+            out.append((self.with_spare_limits(self.exact(cand)), combo, alloc))
             variant = self.best_schedules(combo, alloc)
             if variant is not None:
                 alt = self.realize(variant, alloc)
                 if alt is not None:
-                    out.append((self.exact(alt), variant, alloc))
+                    out.append((self.with_spare_limits(self.exact(alt)), variant, alloc))
         out.sort(key=lambda x: x[0].step_time_s)
         return out
 
@@ -754,7 +843,11 @@ class Searcher:
                     t = self._class_time(lay, sp, mb, choice)
                     if t < best[0] - 1e-12:
                         fill, hops = self.fill(c.template, choice)
-                        best = (t, dataclasses.replace(c, split=sp, schedule=choice, fill=fill, hops=hops))
+                        proxy = time_option(sp, c.boundary_s, fill, hops).time(mb)
+                        best = (t, dataclasses.replace(
+                            c, split=sp, schedule=choice, fill=fill, hops=hops,
+                            spare_bound_s=self.spare_room(lay, zd, sp, choice, mb), spare_count=mb,
+                            spare_s=self.spare_gain(lay, zd, sp, choice, mb, proxy)))
                 changed |= best[1] is not c
                 classes.append(best[1])
             blocks.append(dataclasses.replace(b, classes=tuple(classes)))
@@ -905,10 +998,12 @@ class Searcher:
         self.stats.finalists += len(finalists)
         return out
 
-    def _span_alone(self, cand: BlockCandidate, share: float = 1.0) -> float:
-        """The greedy allocation's makespan of a block as if it took ``share`` of the batch alone."""
+    def _span_alone(self, cand: BlockCandidate, share: float = 1.0, floor: bool = False) -> float:
+        """The greedy allocation's makespan of a block as if it took ``share`` of the batch alone (``floor``:
+        with each class's ``floor_option``, a lower bound before ``complete``)."""
         m = max(cand.min_micro_batches, round(self.micro_batches * share))
-        classes = [PipelineClass((c.option(),), len(c.template), len(c.members)) for c in cand.classes]
+        classes = [PipelineClass((c.floor_option() if floor else c.option(),), len(c.template), len(c.members))
+                   for c in cand.classes]
         alloc = allocate_greedy(classes, m)
         return math.inf if alloc is None else alloc.makespan_s
 
@@ -924,20 +1019,25 @@ class Searcher:
                 done[i] = self.complete(found[i])
             return done[i]
 
+        def view(i: int) -> BlockCandidate:
+            return done.get(i, found[i])
+
         out: list[BlockCandidate] = []
         shares = (share, 1.0) if share < 0.999 else (1.0,)
         for k, sh in enumerate(shares):
-            spans = [self._span_alone(c, sh) for c in found]
-            lower = [x + self.clip_s for x in spans]   # overheads() adds sync + optimizer >= 0 to the clip
+            # overheads() adds sync + optimizer >= 0 to the clip; the floor span, what the spare limits may save.
+            lower = [self._span_alone(c, sh, floor=True) + self.clip_s for c in found]
 
-            def score(i: int, spans: list[float] = spans) -> float:
-                return spans[i] + self.overheads([full(i)])
+            def score(i: int, sh: float = sh) -> float:
+                return self._span_alone(full(i), sh) + self.overheads([full(i)])
 
-            kept = [full(i) for i in _pareto(found, lower, score, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2)]
+            kept = [full(i) for i in _pareto(view, len(found), lower, score, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2)]
             # ... and the best with identical pipelines (their gradient sync has no chains of waits, which
-            # the closed form does not price: see api.simulator_check).
-            aligned = [i for i, c in enumerate(found) if c.aligned]
-            kept += [full(i) for _, i in itertools.islice(lazily_sorted(lower, score, aligned), 1)]
+            # the closed form does not price: see api.simulator_check), in each placement: where the
+            # pipelines' stages sit decides between boundary and sync costs, which the ranking prices apart.
+            for place in PLACEMENTS:
+                aligned = [i for i, c in enumerate(found) if c.aligned and c.placement == place]
+                kept += [full(i) for _, i in itertools.islice(lazily_sorted(lower, score, aligned), 1)]
             for c in kept:
                 if all(c is not o for o in out):
                     out.append(c)
@@ -1018,14 +1118,18 @@ class Searcher:
                   ) -> Pipeline:
         """A pipeline of ``lay``'s groups with ``split``'s layers cut into ``choice``'s chunks (its schedule
         named unless it is the plan's default)."""
+        # With its costs, as the plan will carry them: the runtime orders its lists by them (and so the price).
+        return self.cm.costed_pipeline(self._bare_pipeline(lay, split, micro_batches, choice), choice.name)
+
+    def _bare_pipeline(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
+                       ) -> Pipeline:
+        """``_pipeline`` without its op and transfer costs."""
         partial = split.recompute_layers or (0,) * len(split.layers)
         stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc, recompute_layers=k or None)
                        for g, r, rc, k in zip(lay.groups, stage_layer_ranges(split.layers, choice), split.recompute,
                                               partial))
         own = None if choice.name == self.settings.default_schedule else choice.name
-        # With its costs, as the plan will carry them: the runtime orders its lists by them (and so the price).
-        return self.cm.costed_pipeline(Pipeline(micro_batches=micro_batches, stages=stages, schedule=own),
-                                       choice.name)
+        return Pipeline(micro_batches=micro_batches, stages=stages, schedule=own)
 
     def realize(self, combo: Sequence[BlockCandidate], alloc: Allocation) -> Candidate | None:
         """The combination as it was scored: fast splits, greedy micro-batch counts, each class's schedule;
