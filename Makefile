@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
-# xdist workers for `make test`; the integration tests stay serial on one of them (tests/integration/conftest.py).
+# xdist workers for `make test`; the integration tests stay serial on one of them (tests/conftest.py).
 TEST_WORKERS ?= 2
 STAMP  := $(VENV)/.installed
 
@@ -25,7 +25,7 @@ $(STAMP): setup.cfg pyproject.toml
 	@touch $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests
 
 unit: install
 	$(BIN)/python -m pytest -q tests/unit

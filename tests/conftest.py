@@ -11,6 +11,24 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`make test` runs two xdist workers. The integration tests go to one of them as one unit, in their
+    order: a world of four processes already fills the box's two cores, and the hang and heartbeat tests time
+    real silences, so two worlds at once would only make them slow and flaky. The single-process unit tests
+    are dealt one by one to whichever worker is free. (xdist's own `loadgroup` would do this from a mark, but
+    its renaming of node ids does not take on pytest 9.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    worlds = "tests/integration/"
+
+    class WorldsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worlds if nodeid.startswith(worlds) else nodeid
+
+    return WorldsTogether(config, log)
+
+
 @pytest.fixture
 def repo() -> Path:
     return REPO

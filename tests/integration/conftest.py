@@ -1,10 +1,6 @@
-"""Every test under tests/integration spawns worker processes (multi-process gloo worlds, agents, CLI runs).
-
-They are marked `integration` here, in one place, and put in one xdist group: under `make test`
-(`pytest -n 2 --dist loadgroup`) they run one after another on one xdist worker, as they were written to
-(a world of four processes already fills the box's two cores, and the hang and heartbeat tests time real
-silences), while the single-process unit tests share the other core.
-"""
+"""Every test under tests/integration spawns worker processes (multi-process gloo worlds, agents, CLI runs),
+so each is marked `integration` here, in one place (`pytest -m integration` / `-m 'not integration'`).
+Under xdist they also run one after another on one worker: tests/conftest.py's scheduler."""
 
 from __future__ import annotations
 
@@ -12,12 +8,10 @@ from pathlib import Path
 
 import pytest
 
-WORLDS = pytest.mark.xdist_group("worlds")
+HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = Path(__file__).resolve().parent
     for item in items:
-        if item.path.is_relative_to(here):
+        if item.path.is_relative_to(HERE):
             item.add_marker(pytest.mark.integration)
-            item.add_marker(WORLDS)
