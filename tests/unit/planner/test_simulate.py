@@ -28,13 +28,14 @@ from runtime.profiling.profile import (
     spec_profile,
 )
 from runtime.spec import load_cluster, load_model
+from runtime.spec.cluster import MAX_FIGURE
 from runtime.spec.plan import Pipeline, Stage, Strategy
 
 TINY = load_model("llama-tiny")
 CPU4 = load_cluster("cpu-hetero4")
-# The same devices with practically infinite link bandwidth: transfers cost only their latency.
+# The same devices with the fastest links the spec allows: transfers cost practically only their latency.
 FAST_LINKS = dataclasses.replace(CPU4, device_types={
-    k: dataclasses.replace(v, intra_node_bandwidth_gbs=1e15) for k, v in CPU4.device_types.items()})
+    k: dataclasses.replace(v, intra_node_bandwidth_gbs=MAX_FIGURE) for k, v in CPU4.device_types.items()})
 PLANS = Path(__file__).resolve().parents[3] / "configs" / "plans"
 
 
