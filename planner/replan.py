@@ -31,7 +31,7 @@ from typing import Literal
 
 from planner.api import PlanResult, PlanSettings, micro_batch_sizes, plan
 from planner.baselines import best_symmetric, best_symmetric_subset
-from planner.cost import CostModel, planner_handle, zero_copies
+from planner.cost import CostModel, has_tp_stage, planner_handle, zero_copies
 from runtime.checkpoint import STATE_SUFFIXES
 from runtime.comm.bsr import BsrPlan
 from runtime.elastic.events import TraceEvent
@@ -305,8 +305,10 @@ def repair(current: StrategyHandle, failed: Collection[int],
         i = min(range(len(keep)), key=lambda j: (lines[j][0] + (counts[j] - need[j] + 1) * lines[j][1], j))
         counts[i] += 1
     repaired = with_counts(counts)
-    # ZeRO-1's copies need as many pipelines: fewer left, and the moments are kept whole.
+    # ZeRO-1's copies need as many pipelines: fewer left, and the moments are kept whole. Sequence
+    # parallelism acts on TP stages: a repair that dropped the last of them must not keep it on.
     training = t if len(keep) >= t.zero_redundancy else dataclasses.replace(t, zero=False, zero_redundancy=1)
+    training = dataclasses.replace(training, sequence_parallel=t.sequence_parallel and has_tp_stage(repaired))
     est = cm.estimate(repaired, t.global_batch, t.schedule, zero_copies(training))
     if not est.fits or not math.isfinite(est.step_time_s):
         return None

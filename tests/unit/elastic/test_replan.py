@@ -14,7 +14,7 @@ from hetu_cli.main import cli
 from planner.replan import LostStateError, RestartModel, choose, repair, replan, restart_cost
 from runtime.elastic.state import lost_state, moment_slices
 from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_plan, load_plan_context, save_plan
+from runtime.spec import load_plan, load_plan_context, save_plan, validate_plan
 from runtime.spec.handle import StrategyHandle
 
 REPO = Path(__file__).resolve().parents[3]
@@ -57,6 +57,20 @@ def test_repair_keeps_intact_pipelines_and_spreads_the_micro_batches():
     assert sum(p.micro_batches for p in strategy.pipelines) == 8 and step_time > 0
     assert repair(StrategyHandle.of(ctx, "dp-pp"), [0, 1, 2], profiles) is None  # nothing intact
     assert repair(StrategyHandle.of(ctx, "dp-pp"), [5], profiles) is None  # nothing broken
+
+
+def test_a_repair_without_a_tp_stage_turns_sequence_parallelism_off():
+    """Found in the demo: pre-planning the loss of a rank of the TP stage a failure had switched to failed,
+    because the repair kept `training.sequence_parallel` on a plan left with no TP stage (invalid)."""
+    ctx = load_plan_context(TINY)
+    sp = dataclasses.replace(ctx, plan=dataclasses.replace(
+        ctx.plan, training=dataclasses.replace(ctx.plan.training, sequence_parallel=True)))
+    profiles = resolve_profiles(ctx.cluster.device_types, [])
+    for failed, tp_left in (([0], False), ([3], True)):
+        plan, _ = repair(StrategyHandle.of(sp, "hetero"), failed, profiles)
+        assert plan.training.sequence_parallel is tp_left, failed
+        assert validate_plan(plan, ctx.model, ctx.cluster) == [], failed
+    assert replan(StrategyHandle.of(sp, "hetero"), [0], profiles).chosen is not None  # raised before
 
 
 def test_replan_picks_a_near_best_plan_that_moves_the_least():
