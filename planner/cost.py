@@ -841,17 +841,6 @@ class CostModel:
         profile's ``comm.serialised_send_recv`` of any of ``devices``), else full duplex."""
         return any(self.profiles[self._type_of[d]].comm.serialised_send_recv for d in devices)
 
-    def steady_tick_s(self, strategy: Strategy, pi: int, k: int) -> float:
-        """The comm ticks stage ``k`` of pipeline ``pi`` waits on per micro-batch in 1F1B's steady state:
-        send_forward + recv_backward with the next stage, send_backward + recv_forward with the previous."""
-        stages = strategy.pipelines[pi].stages
-        st, out = stages[k], 0.0
-        for j in (k - 1, k + 1):
-            if 0 <= j < len(stages):
-                peer = stages[j].devices
-                out += self.tick_time(st.devices, (self.p2p_time(st.devices, peer), self.p2p_time(peer, st.devices)))
-        return out
-
     def iteration_time(self, strategy: Strategy) -> float:
         """The measured fixed cost per iteration (launches, synchronisation, logging) of the step: the
         largest among the device types it uses (they wait for each other at the step's end)."""

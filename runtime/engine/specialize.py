@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from runtime.annotations.from_plan import Boundary, StrategyAnnotations, strategy_annotations
-from runtime.annotations.states import Annotation
 from runtime.comm.bsr import FLOAT32
 from runtime.comm.gradsync import SyncBucket, plan_sync
 from runtime.comm.resolve import CommOp, resolve
@@ -98,7 +97,6 @@ class ParamShard:
     tp_rank: int
     region: tuple[slice, ...]  # the part of the full tensor held here
     primary: bool  # the copy counted once: pipeline 0, and TP rank 0 for parameters duplicated in TP
-    annotation: Annotation  # the parameter's HSPMD annotation over the whole strategy
 
     @property
     def name(self) -> str:
@@ -265,7 +263,7 @@ def parameter_shards(model: ModelSpec, role: StageRole, annotations: StrategyAnn
         if region != shard_slices(info.shape, tp_dim, role.tp, role.tp_rank):
             raise AssertionError(f"{info.name}: annotation region {held.region} is not TP rank {role.tp_rank}'s "
                                  f"shard of a {info.shape} tensor split on dim {tp_dim} x {role.tp}")
-        out.append(ParamShard(info, role.tp, role.tp_rank, region, held.member == 0 and held.replica == 0, ann))
+        out.append(ParamShard(info, role.tp, role.tp_rank, region, held.member == 0 and held.replica == 0))
     return out
 
 
