@@ -26,7 +26,7 @@ from runtime.launch.session import (
 from runtime.launch.supervise import LocalWorkers, PlainPolicy, Policy, Run, RunSummary, supervise
 from runtime.profiling.host import emulated_cpu_shares, host_cpus
 from runtime.spec import PlanContext, Strategy, load_plan_context
-from runtime.spec.catalog import train_problems
+from runtime.spec.catalog import check_trainable
 
 STORE_HOST = "127.0.0.1"
 
@@ -69,9 +69,7 @@ def _preflight(options: TrainOptions, ctx: PlanContext) -> str | None:
     from runtime.data import token_source
 
     t = ctx.plan.training
-    refused = train_problems(ctx)
-    if refused:
-        raise SpecError(refused)
+    check_trainable(ctx)
     if documents_mode(options, t):
         problems = documents_problems(ctx, options)
         if problems:

@@ -12,14 +12,14 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from runtime.errors import HspmdError, SpecError
+from runtime.errors import HspmdError
 from runtime.launch.launcher import select_strategy
 from runtime.launch.messages import Log, StepDone
 from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, rank_map
 from runtime.launch.session import Reporter, run_devices
 from runtime.launch.worker import train_worker
 from runtime.spec import load_plan_context
-from runtime.spec.catalog import train_problems
+from runtime.spec.catalog import check_trainable
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,7 @@ def run_torchrun(options: TrainOptions, env: TorchrunEnv, *, on_step: Callable[[
     import torch.distributed as dist
 
     ctx = load_plan_context(options.plan)
-    refused = train_problems(ctx)
-    if refused:
-        raise SpecError(refused)
+    check_trainable(ctx)
     strategy = select_strategy(ctx, options.strategy)
     devices = run_devices(ctx, options)  # a documents run: every strategy's devices (runtime/launch/session.py)
     if env.world_size != len(devices):

@@ -174,11 +174,10 @@ def load_plan_context(path: str | Path, cluster: str | None = None) -> PlanConte
     return PlanContext(plan, model, cluster_spec, path)
 
 
-def train_problems(ctx: PlanContext) -> list[Problem]:
-    """What in the plan's model the runtime cannot train (the planner prices it regardless), naming the
-    model's file and field."""
+def check_trainable(ctx: PlanContext) -> None:
+    """Refuse what in the plan's model the runtime cannot train (the planner prices it regardless), naming
+    the model's file and field."""
     found = ctx.model.train_problem(ctx.plan.training.seq_len)
-    if found is None:
-        return []
-    path = resolve_ref(ctx.plan.model, "models", ctx.path.parent)
-    return [Problem(str(path or ctx.plan.model), found[0], found[1])]
+    if found is not None:
+        path = resolve_ref(ctx.plan.model, "models", ctx.path.parent)
+        raise SpecError([Problem(str(path or ctx.plan.model), found[0], found[1])])
