@@ -303,9 +303,9 @@ def assign(lengths: Sequence[int], pipelines: Sequence[PipelineCost], *, method:
     lb = lower_bound(lengths, pipelines)
     greedy = greedy_assign(lengths, pipelines)
     n = len(lengths)
-    if method == "greedy" or not n or (method == "auto" and len(pipelines) * n * (n + 1) // 2 > exact_max_binaries):
-        return finish(lengths, pipelines, greedy, lb, "greedy")
     fallback = finish(lengths, pipelines, greedy, lb, "greedy")
+    if method == "greedy" or not n or (method == "auto" and len(pipelines) * n * (n + 1) // 2 > exact_max_binaries):
+        return fallback
     exact = ilp_assign(lengths, pipelines, scale=lb if lb > 0 else 1.0, lower=lb, upper=fallback.makespan)
     if exact is None:
         return fallback

@@ -164,13 +164,17 @@ class ElasticWorker(Session):
         """Keep the state as plain tensors, drop the program and every process group of generation
         ``gen``; say so."""
         if self.left_gen < gen:
-            if self.program is not None:
-                self.held = {k: v.detach() for k, v in self.program.local_state().items()}
-                self.program = None
-            self.world = None
-            self.leave(abandon=True)
+            self._leave_world(abandon=True)
             self.left_gen = gen
         self.report(Left(gen))
+
+    def _leave_world(self, *, abandon: bool = False) -> None:
+        """Keep the state as plain tensors, drop the program, leave the world (``Session.leave``)."""
+        if self.program is not None:
+            self.held = {k: v.detach() for k, v in self.program.local_state().items()}
+            self.program = None
+        self.world = None
+        self.leave(abandon=abandon)
 
     def _transition(self, t: Transition) -> tuple[Transition, Any] | None:
         """Everything up to ``Switched``; on a failure say why, leave, and wait for the launcher."""
@@ -180,11 +184,7 @@ class ElasticWorker(Session):
             t0 = time.perf_counter()
             if t.world is not None:
                 if self.world is not None:  # devices join: this world's groups do not include them
-                    if self.program is not None:
-                        self.held = {k: v.detach() for k, v in self.program.local_state().items()}
-                        self.program = None
-                    self.world = None
-                    self.leave()
+                    self._leave_world()
                 self._enter(t.world)
             else:
                 self.ensure_groups(t.target)

@@ -111,7 +111,6 @@ class LocalAdamW:
             else:
                 self.optimizer.state.pop(p, None)
 
-
     # -- holding no state while another strategy runs (a documents run: runtime/elastic/staging.py) ----------
 
     def release(self, names: Sequence[str] | None = None) -> None:

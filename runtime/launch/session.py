@@ -387,7 +387,6 @@ def _abort(pg: Any) -> None:
         pass
 
 
-
 def documents_line(source: Any) -> str:
     """What a documents run trains on, with what loading skipped or cut (empty documents are counted)."""
     from runtime.documents import CorpusDocuments
