@@ -1,0 +1,299 @@
+"""Hostile checkpoint directories through every reader: ``checkpoint_info`` (what ``hspmd train --load``
+checks before any worker starts), ``load_checkpoint`` (what each worker then reads), ``hspmd export`` and
+``hspmd train --load`` themselves; and hostile ``--save`` / ``--out`` targets and a save that fails
+part-way through.
+
+Each case starts from a real checkpoint (written by ``write_checkpoint`` for llama-tiny: unsharded, and
+sharded into many small files) and breaks one thing. Whatever is broken: exit code 2, one line per problem
+that names the file (and the field or tensor), no traceback, nothing written; and a save that fails leaves
+the previous checkpoint loadable as it was.
+
+Not tried here: unreadable permissions and read-only parents (the suite runs as root, which reads and
+writes through any mode bits: the cases are skipped there rather than asserting nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save
+
+from hetu_cli.main import cli
+from runtime.checkpoint import (
+    OPTIMIZER_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX,
+    checkpoint_info,
+    expected_tensors,
+    load_checkpoint,
+    read_checkpoint_info,
+    write_checkpoint,
+)
+from runtime.errors import HspmdError
+from runtime.models.params import llama_parameters
+from runtime.spec import load_plan_context
+
+REPO = Path(__file__).resolve().parents[3]
+PLAN = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"
+STEP = 3
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return load_plan_context(PLAN)
+
+
+@pytest.fixture(scope="module")
+def state(ctx) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(s, generator=g) for n, s in expected_tensors(ctx.model).items()}
+
+
+def save_to(directory: Path, ctx, state: dict[str, torch.Tensor], step: int = STEP, **kw) -> Path:
+    weights = {p.name: state[p.name] for p in llama_parameters(ctx.model)}
+    moments = {k: v for k, v in state.items() if k not in weights}
+    write_checkpoint(directory, ctx.model, weights, moments=moments, step=step, saved_by="test", **kw)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def originals(tmp_path_factory, ctx, state) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("originals")
+    return {"single": save_to(root / "single", ctx, state),
+            "sharded": save_to(root / "sharded", ctx, state, shard_bytes=20_000)}
+
+
+@dataclass
+class Shard:
+    region: tuple[slice, ...]
+
+
+class WholeProgram:
+    """The stand-in DeviceProgram of a device holding every parameter whole (no ZeRO-1)."""
+
+    def __init__(self, ctx) -> None:
+        self.shapes = {p.name: p.shape for p in llama_parameters(ctx.model)}
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def param_annotations(self) -> dict[str, Shard]:
+        return {n: Shard(tuple(slice(0, d) for d in s)) for n, s in self.shapes.items()}
+
+    def moment_pieces(self) -> dict:
+        return {}
+
+    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.loaded = state
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mutations: each takes a copy of an original checkpoint directory and breaks one thing.
+
+def rewrite(path: Path, tensors: Callable[[dict], dict] | None = None,
+            metadata: Callable[[dict], dict | None] | None = None) -> None:
+    """Write ``path`` again with its tensors and/or metadata changed (a well-formed safetensors file)."""
+    with safe_open(path, framework="pt") as f:
+        t = {k: f.get_tensor(k) for k in f.keys()}
+        m = f.metadata()
+    path.write_bytes(save(tensors(t) if tensors else t, metadata=metadata(m) if metadata else m))
+
+
+def header_length(path: Path) -> int:
+    return struct.unpack("<Q", path.read_bytes()[:8])[0]
+
+
+def truncate(at: int | Callable[[Path], int]) -> Callable[[Path], None]:
+    def cut(d: Path) -> None:
+        p = d / WEIGHTS_FILE
+        data = p.read_bytes()
+        p.write_bytes(data[:at(p) if callable(at) else at])
+    return cut
+
+
+def set_step(value: str | None) -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        rewrite(d / OPTIMIZER_FILE, metadata=lambda m: {k: v for k, v in m.items() if k != "step"}
+                | ({} if value is None else {"step": value}))
+    return mutate
+
+
+def replace_tensor(name: str, value: torch.Tensor, file: str = WEIGHTS_FILE) -> Callable[[Path], None]:
+    return lambda d: rewrite(d / file, tensors=lambda t: {**t, name: value})
+
+
+def drop_tensor(name: str, file: str = WEIGHTS_FILE) -> Callable[[Path], None]:
+    return lambda d: rewrite(d / file, tensors=lambda t: {k: v for k, v in t.items() if k != name})
+
+
+def edit_json(file: str, edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def mutate(d: Path) -> None:
+        data = json.loads((d / file).read_text())
+        edit(data)
+        (d / file).write_text(json.dumps(data))
+    return mutate
+
+
+def shards(d: Path) -> list[Path]:
+    return sorted(d.glob("model-*-of-*.safetensors"))
+
+
+def break_header_json(d: Path) -> None:
+    p = d / WEIGHTS_FILE
+    data = p.read_bytes()
+    n = header_length(p)
+    p.write_bytes(data[:8] + b"{" * n + data[8 + n:])
+
+
+def replace_dir(d: Path, make: Callable[[Path], None]) -> None:
+    shutil.rmtree(d)
+    make(d)
+
+
+# (name, original, mutation, the line expected first, with {d} for the checkpoint directory)
+REFUSED: list[tuple[str, str, Callable[[Path], None], str]] = [
+    ("missing directory", "single", lambda d: shutil.rmtree(d), "{d}: --load: no such directory"),
+    ("empty directory", "single", lambda d: replace_dir(d, Path.mkdir),
+     "{d}: --load: no checkpoint in this directory (model.safetensors, model.safetensors.index.json or "
+     "checkpoint.safetensors not found)"),
+    ("empty weights file", "single", truncate(0),
+     "{d}/model.safetensors: not a readable safetensors file: Error while deserializing header: header too small"),
+    ("cut inside the header length", "single", truncate(5),
+     "{d}/model.safetensors: not a readable safetensors file: Error while deserializing header: header too small"),
+    ("cut right after the header length", "single", truncate(8),
+     "{d}/model.safetensors: not a readable safetensors file: Error while deserializing header: invalid header "
+     "length"),
+    ("cut inside the JSON header", "single", truncate(lambda p: 8 + header_length(p) // 2),
+     "{d}/model.safetensors: not a readable safetensors file: Error while deserializing header: invalid header "
+     "length"),
+    ("cut inside the tensor data", "single", truncate(lambda p: 8 + header_length(p) + 100),
+     "{d}/model.safetensors: not a readable safetensors file: Error while deserializing header: incomplete "
+     "metadata, file not fully covered"),
+    ("last byte cut", "single", truncate(-1),
+     "{d}/model.safetensors: not a readable safetensors file: Error while deserializing header: incomplete "
+     "metadata, file not fully covered"),
+    ("invalid JSON header", "single", break_header_json,
+     "{d}/model.safetensors: not a readable safetensors file: Error while deserializing header: invalid JSON in "
+     "header: key must be a string at line 1 column 2"),
+    ("huge declared header length", "single",
+     lambda d: (d / WEIGHTS_FILE).write_bytes(struct.pack("<Q", 2**62) + (d / WEIGHTS_FILE).read_bytes()[8:]),
+     "{d}/model.safetensors: not a readable safetensors file: Error while deserializing header: header too large"),
+    ("header length past the end", "single",
+     lambda d: (d / WEIGHTS_FILE).write_bytes(struct.pack("<Q", 50_000_000) + (d / WEIGHTS_FILE).read_bytes()[8:]),
+     "{d}/model.safetensors: not a readable safetensors file: Error while deserializing header: invalid header "
+     "length"),
+    ("wrong shape", "single", replace_tensor("model.norm.weight", torch.zeros(3)),
+     "{d}/model.safetensors: model.norm.weight: has shape [3], model llama-tiny needs [64]"),
+    ("missing tensor", "single", drop_tensor("model.norm.weight"),
+     "{d}/model.safetensors: model.norm.weight: missing (model llama-tiny needs it)"),
+    ("missing moment", "single", drop_tensor("model.norm.weight.exp_avg", OPTIMIZER_FILE),
+     "{d}/optimizer.safetensors: model.norm.weight.exp_avg: missing (model llama-tiny needs it)"),
+    ("unknown tensor", "single", replace_tensor("foo.bar", torch.zeros(2)),
+     "{d}/model.safetensors: foo.bar: unexpected tensor (model llama-tiny has no such parameter)"),
+    ("step missing", "single", set_step(None),
+     "{d}/optimizer.safetensors: metadata.step: expected a step count, got None"),
+    ("step a string", "single", set_step("x"),
+     "{d}/optimizer.safetensors: metadata.step: expected a step count, got 'x'"),
+    ("step negative", "single", set_step("-1"),
+     "{d}/optimizer.safetensors: metadata.step: expected a step count, got '-1'"),
+    ("step 1e308", "single", set_step("1e308"),
+     "{d}/optimizer.safetensors: metadata.step: expected a step count, got '1e308'"),
+    ("step nan", "single", set_step("nan"),
+     "{d}/optimizer.safetensors: metadata.step: expected a step count, got 'nan'"),
+    ("format missing", "single", lambda d: rewrite(d / OPTIMIZER_FILE, metadata=lambda m: {
+        k: v for k, v in m.items() if k != "format"}),
+     "{d}/optimizer.safetensors: metadata.format: expected 'hspmd-optimizer/1', got None"),
+    ("metadata value not a string", "single", lambda d: _int_metadata(d / OPTIMIZER_FILE),
+     "{d}/optimizer.safetensors: not a readable safetensors file: Error while deserializing header: invalid JSON "
+     "in header: invalid type: integer `5`, expected a string at line 1 column"),
+    ("config.json of another model", "single",
+     edit_json("config.json", lambda c: c.update(intermediate_size=96)),
+     "{d}/config.json: intermediate_size: 96 differs from the plan's model llama-tiny (ffn_hidden_size: 128)"),
+    ("config.json not JSON", "single", lambda d: (d / "config.json").write_text("{nope"),
+     "{d}/config.json: line 1, column 2: malformed JSON: Expecting property name enclosed in double quotes"),
+    ("optimizer of another save", "single",
+     lambda d: rewrite(d / OPTIMIZER_FILE, metadata=lambda m: {**m, "hspmd_save": "other"}),
+     "{d}: holds files of different saves (model.safetensors: "),
+    ("symlink loop as the directory", "single", lambda d: replace_dir(d, lambda p: os.symlink(p, p)),
+     "{d}: --load: no such directory"),
+    ("shard missing", "sharded", lambda d: shards(d)[1].unlink(),
+     "{d}/model.safetensors.index.json: weight_map: names 'model-00002-of-00039.safetensors', not a file in {d}"),
+    ("shard duplicated over another", "sharded", lambda d: shards(d)[1].write_bytes(shards(d)[0].read_bytes()),
+     "{d}/model-00001-of-00039.safetensors: model.layers.0.input_layernorm.weight: missing"),
+    ("index names an absent shard", "sharded", edit_json(WEIGHTS_INDEX, lambda i: i["weight_map"].update(
+        {"model.norm.weight": "model-00099-of-00099.safetensors"})),
+     "{d}/model.safetensors.index.json: weight_map: names 'model-00099-of-00099.safetensors', not a file in {d}"),
+    ("index names a path outside", "sharded", edit_json(WEIGHTS_INDEX, lambda i: i["weight_map"].update(
+        {"model.norm.weight": "../model.safetensors"})),
+     "{d}/model.safetensors.index.json: weight_map: names '../model.safetensors', not a file in {d}"),
+    ("index without weight_map", "sharded", lambda d: (d / WEIGHTS_INDEX).write_text("{}"),
+     "{d}/model.safetensors.index.json: weight_map: expected an object of tensor name -> file name"),
+    ("index not UTF-8", "sharded", lambda d: (d / WEIGHTS_INDEX).write_bytes(b'{"weight_map": {"a": "\xff"}}'),
+     "{d}/model.safetensors.index.json: line 1: not UTF-8 text (byte 0xff at offset 22)"),
+    ("index missing", "sharded", lambda d: (d / WEIGHTS_INDEX).unlink(),
+     "{d}: --load: no checkpoint in this directory (model.safetensors, model.safetensors.index.json or "
+     "checkpoint.safetensors not found)"),
+]
+
+
+def _int_metadata(path: Path) -> None:
+    """A metadata value that is a JSON number: safetensors itself allows only strings there."""
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header["__metadata__"]["step"] = 5
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def broken(originals: dict[str, Path], tmp_path: Path, original: str, mutate: Callable[[Path], None]) -> Path:
+    d = tmp_path / "ck"
+    shutil.copytree(originals[original], d)
+    mutate(d)
+    return d
+
+
+def assert_refused(d: Path, ctx, first: str, tmp_path: Path) -> None:
+    """Every reader refuses ``d`` the same way: the checks, a worker's load, export, train."""
+    with pytest.raises(HspmdError) as err:
+        read_checkpoint_info(d, ctx)
+    lines = err.value.lines()
+    assert lines[0].startswith(first.format(d=d)), lines
+    with pytest.raises(HspmdError):
+        load_checkpoint(WholeProgram(ctx), d, ctx)
+    runner = CliRunner()
+    res = runner.invoke(cli, ["train", "--plan", str(PLAN), "--load", str(d), "--save", str(tmp_path / "save"),
+                              "--metrics", str(tmp_path / "m.jsonl")])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert res.stderr.strip().splitlines() == [f"error: {line}" for line in lines]
+    assert not (tmp_path / "save").exists() and not (tmp_path / "m.jsonl").exists()
+    out = tmp_path / "export"
+    res = runner.invoke(cli, ["export", "--checkpoint", str(d), "--out", str(out), "--model", "llama-tiny"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert not isinstance(res.exception, Exception) or isinstance(res.exception, SystemExit)
+    assert res.stderr.strip().splitlines()[0].startswith("error: ")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("original", "mutate", "first"), [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
+def test_a_hostile_checkpoint_is_refused_by_every_reader(originals, ctx, tmp_path, original, mutate, first):
+    assert_refused(broken(originals, tmp_path, original, mutate), ctx, first, tmp_path)
+
+
+@pytest.mark.parametrize("original", ["single", "sharded"])
+def test_the_originals_load_whole(originals, ctx, state, original):
+    """The baseline the mutations break: each original loads every tensor exactly, at its step."""
+    program = WholeProgram(ctx)
+    assert load_checkpoint(program, originals[original], ctx) == STEP
+    assert float(program.loaded.pop("step")) == STEP
+    assert set(program.loaded) == set(state)
+    assert all(torch.equal(program.loaded[k], v) for k, v in state.items())
