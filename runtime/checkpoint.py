@@ -63,6 +63,10 @@ STATE_DTYPE = FLOAT32  # master weights and moments (bf16 is only autocast compu
 ROUND_BYTES = 256 * 2**20  # full-tensor bytes gathered per BSR round (bounds the writer's memory)
 SAVE_ID = "hspmd_save"  # metadata key tying the files of one save together
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# A step count in metadata: ASCII digits (str.isdigit also takes '²', which int() refuses), at most
+# MAX_STEP: the step travels as a float tensor in the optimizer state, exact up to 2**53.
+STEP_TEXT = re.compile(r"[0-9]{1,16}")
+MAX_STEP = 2**53
 # Tensors that Hugging Face checkpoints may carry besides the parameters (buffers, the tied head's copy).
 IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq)")
 
@@ -171,7 +175,7 @@ def checkpoint_info(directory: str | Path, model: ModelSpec) -> CheckpointInfo:
         problems.extend(_state_problems(opt, meta, shapes, {n + s: params[n] for n in params for s in MOMENT_SUFFIXES},
                                         OPTIMIZER_FORMAT, model))
         files.update({n + s: opt for n in params for s in MOMENT_SUFFIXES})
-        step = int(meta["step"]) if meta.get("step", "").isdigit() else 0
+        step = _step(meta) or 0
         saved_by, moments = meta.get("saved_by", ""), True
     if len(set(ids.values())) > 1:
         problems.append(Problem(str(directory), "", "holds files of different saves ("
@@ -203,8 +207,10 @@ def _state_problems(path: Path, meta: dict[str, str], shapes: dict[str, tuple[in
     problems = []
     if meta.get("format") != fmt:
         problems.append(Problem(str(path), "metadata.format", f"expected {fmt!r}, got {meta.get('format')!r}"))
-    if not meta.get("step", "").isdigit():
-        problems.append(Problem(str(path), "metadata.step", f"expected a step count, got {meta.get('step')!r}"))
+    if _step(meta) is None:
+        got = repr(meta.get("step"))
+        got = got if len(got) <= 40 else f"{got[:30]}... ({len(got)} characters)"
+        problems.append(Problem(str(path), "metadata.step", f"expected a step count, got {got}"))
     for name, shape in want.items():
         if name not in shapes:
             problems.append(Problem(str(path), name, f"missing (model {model.name} needs it)"))
@@ -214,6 +220,12 @@ def _state_problems(path: Path, meta: dict[str, str], shapes: dict[str, tuple[in
     return problems
 
 
+def _step(meta: dict[str, str]) -> int | None:
+    """The step count a file's metadata records, or None when it records none that is valid."""
+    text = meta.get("step", "")
+    return int(text) if STEP_TEXT.fullmatch(text) and int(text) <= MAX_STEP else None
+
+
 def _legacy_info(directory: Path, model: ModelSpec) -> CheckpointInfo:
     path = checkpoint_path(directory)
     meta, shapes = _header(path)
@@ -221,7 +233,7 @@ def _legacy_info(directory: Path, model: ModelSpec) -> CheckpointInfo:
     problems = _state_problems(path, meta, shapes, want, FORMAT, model)
     if problems:
         raise SpecError(problems)
-    return CheckpointInfo(directory, int(meta["step"]), meta.get("model", ""), meta.get("saved_by", ""), "legacy",
+    return CheckpointInfo(directory, _step(meta) or 0, meta.get("model", ""), meta.get("saved_by", ""), "legacy",
                           dict.fromkeys(want, path), True)
 
 

@@ -208,6 +208,18 @@ REFUSED: list[tuple[str, str, Callable[[Path], None], str]] = [
      "{d}/optimizer.safetensors: metadata.step: expected a step count, got '1e308'"),
     ("step nan", "single", set_step("nan"),
      "{d}/optimizer.safetensors: metadata.step: expected a step count, got 'nan'"),
+    # Regressions: str.isdigit took '²' (then int() raised ValueError: a traceback); 400 digits passed the
+    # checks and load_checkpoint raised OverflowError (float(step)); 5000 digits raised ValueError in int().
+    ("step a superscript digit", "single", set_step("\u00b2"),
+     "{d}/optimizer.safetensors: metadata.step: expected a step count, got '\u00b2'"),
+    ("step 400 digits", "single", set_step("9" * 400),
+     "{d}/optimizer.safetensors: metadata.step: expected a step count, got '99999999999999999999999999999... "
+     "(402 characters)"),
+    ("step 5000 digits", "single", set_step("9" * 5000),
+     "{d}/optimizer.safetensors: metadata.step: expected a step count, got '99999999999999999999999999999... "
+     "(5002 characters)"),
+    ("step past 2**53", "single", set_step(str(2**53 + 1)),
+     "{d}/optimizer.safetensors: metadata.step: expected a step count, got '9007199254740993'"),
     ("format missing", "single", lambda d: rewrite(d / OPTIMIZER_FILE, metadata=lambda m: {
         k: v for k, v in m.items() if k != "format"}),
      "{d}/optimizer.safetensors: metadata.format: expected 'hspmd-optimizer/1', got None"),
