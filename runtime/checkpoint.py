@@ -152,7 +152,12 @@ def checkpoint_info(directory: str | Path, model: ModelSpec) -> CheckpointInfo:
     ids: dict[Path, str | None] = {}
     if (directory / WEIGHTS_INDEX).is_file():
         index_meta = read_config(directory / WEIGHTS_INDEX).get("metadata")
-        ids[directory / WEIGHTS_INDEX] = index_meta.get(SAVE_ID) if isinstance(index_meta, dict) else None
+        save_id = index_meta.get(SAVE_ID) if isinstance(index_meta, dict) else None
+        if save_id is not None and not isinstance(save_id, str):
+            problems.append(Problem(str(directory / WEIGHTS_INDEX), f"metadata.{SAVE_ID}",
+                                    f"expected a save id (a string), got {type(save_id).__name__}"))
+        else:
+            ids[directory / WEIGHTS_INDEX] = save_id
     for path in weights:
         meta, shapes = _header(path)
         ids[path] = meta.get(SAVE_ID)

@@ -250,6 +250,9 @@ REFUSED: list[tuple[str, str, Callable[[Path], None], str]] = [
      "{d}/model.safetensors.index.json: weight_map: expected an object of tensor name -> file name"),
     ("index not UTF-8", "sharded", lambda d: (d / WEIGHTS_INDEX).write_bytes(b'{"weight_map": {"a": "\xff"}}'),
      "{d}/model.safetensors.index.json: line 1: not UTF-8 text (byte 0xff at offset 22)"),
+    # Regression: a list as the save id raised TypeError (unhashable), a traceback.
+    ("index save id a list", "sharded", edit_json(WEIGHTS_INDEX, lambda i: i["metadata"].update(hspmd_save=[1])),
+     "{d}/model.safetensors.index.json: metadata.hspmd_save: expected a save id (a string), got list"),
     ("index missing", "sharded", lambda d: (d / WEIGHTS_INDEX).unlink(),
      "{d}: --load: no checkpoint in this directory (model.safetensors, model.safetensors.index.json or "
      "checkpoint.safetensors not found)"),
