@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import uuid
 from collections.abc import Mapping
@@ -109,10 +110,22 @@ def _header(path: Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
         raise HspmdError(f"{path}: not a readable safetensors file: {exc}") from None
 
 
+def _is_file(path: Path) -> bool:
+    """Whether the checkpoint has file ``path``. Something else under that name (a directory, a broken or
+    looping symlink) is refused: read as absent, an unreadable optimizer file would load the weights with
+    zero moments at step 0, and the other files' absence would be reported instead of what is there."""
+    if path.is_file():
+        return True
+    if not os.path.lexists(path):
+        return False
+    what = "a directory" if path.is_dir() else "a broken or looping symbolic link"
+    raise SpecError([Problem(str(path), "", f"is {what}, expected a file")])
+
+
 def _weight_files(directory: Path) -> list[Path] | None:
     """The weight files of a Hugging Face directory (from the index when sharded), or None."""
     index = directory / WEIGHTS_INDEX
-    if index.is_file():
+    if _is_file(index):
         data = read_config(index)
         wmap = data.get("weight_map")
         if not isinstance(wmap, dict) or not all(isinstance(v, str) for v in wmap.values()):
@@ -125,7 +138,7 @@ def _weight_files(directory: Path) -> list[Path] | None:
             files.append(f)
         return files
     single = directory / WEIGHTS_FILE
-    return [single] if single.is_file() else None
+    return [single] if _is_file(single) else None
 
 
 def read_checkpoint_info(directory: str | Path, plan: PlanContext) -> CheckpointInfo:
@@ -140,17 +153,17 @@ def checkpoint_info(directory: str | Path, model: ModelSpec) -> CheckpointInfo:
         raise HspmdError(f"{directory}: --load: no such directory")
     weights = _weight_files(directory)
     if weights is None:
-        if checkpoint_path(directory).is_file():
+        if _is_file(checkpoint_path(directory)):
             return _legacy_info(directory, model)
         raise HspmdError(f"{directory}: --load: no checkpoint in this directory ({WEIGHTS_FILE}, {WEIGHTS_INDEX} "
                          f"or {CHECKPOINT_FILE} not found)")
     problems: list[Problem] = []
-    if (directory / CONFIG_FILE).is_file():
+    if _is_file(directory / CONFIG_FILE):
         problems.extend(_config_problems(directory / CONFIG_FILE, model))
     params = {info.name: info.shape for info in llama_parameters(model)}
     files: dict[str, Path] = {}
     ids: dict[Path, str | None] = {}
-    if (directory / WEIGHTS_INDEX).is_file():
+    if _is_file(directory / WEIGHTS_INDEX):
         index_meta = read_config(directory / WEIGHTS_INDEX).get("metadata")
         save_id = index_meta.get(SAVE_ID) if isinstance(index_meta, dict) else None
         if save_id is not None and not isinstance(save_id, str):
@@ -174,7 +187,7 @@ def checkpoint_info(directory: str | Path, model: ModelSpec) -> CheckpointInfo:
                  if n not in files]
     step, saved_by, moments = 0, "", False
     opt = directory / OPTIMIZER_FILE
-    if opt.is_file():
+    if _is_file(opt):
         meta, shapes = _header(opt)
         ids[opt] = meta.get(SAVE_ID)
         problems.extend(_state_problems(opt, meta, shapes, {n + s: params[n] for n in params for s in MOMENT_SUFFIXES},
@@ -419,7 +432,7 @@ def read_saved(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     directory = Path(directory)
     weights = _weight_files(directory)
     files = [checkpoint_path(directory)] if weights is None else weights
-    if weights is not None and (directory / OPTIMIZER_FILE).is_file():
+    if weights is not None and _is_file(directory / OPTIMIZER_FILE):
         files.append(directory / OPTIMIZER_FILE)
     out: dict[str, torch.Tensor] = {}
     meta: dict[str, str] = {}
@@ -455,10 +468,10 @@ def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "fp32
         model = load_model(model_ref, file="--model", field="")
         path = model_source_config(model_ref)
         config = None if path is None else read_config(path)
-    elif (source / CONFIG_FILE).is_file():
+    elif _is_file(source / CONFIG_FILE):
         model = load_hf_model(source)
         config = read_config(source / CONFIG_FILE)
-    elif checkpoint_path(source).is_file():
+    elif _is_file(checkpoint_path(source)):
         name = _header(checkpoint_path(source))[0].get("model", "")
         model = load_model(name, file=str(checkpoint_path(source)), field="metadata.model")
     else:

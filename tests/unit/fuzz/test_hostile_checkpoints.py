@@ -154,7 +154,11 @@ def break_header_json(d: Path) -> None:
 
 
 def replace_dir(d: Path, make: Callable[[Path], None]) -> None:
-    shutil.rmtree(d)
+    """Put what ``make`` makes in the place of file or directory ``d``."""
+    if d.is_dir():
+        shutil.rmtree(d)
+    else:
+        d.unlink()
     make(d)
 
 
@@ -236,6 +240,23 @@ REFUSED: list[tuple[str, str, Callable[[Path], None], str]] = [
      "{d}: holds files of different saves (model.safetensors: "),
     ("symlink loop as the directory", "single", lambda d: replace_dir(d, lambda p: os.symlink(p, p)),
      "{d}: --load: no such directory"),
+    # Regressions: an optimizer file that is a directory or a symlink loop was read as absent: the weights
+    # loaded with zero moments at step 0, silently. A weights file or config.json in such a state was
+    # reported as "not found" (or, config.json, ignored).
+    ("optimizer file a directory", "single", lambda d: replace_dir(d / OPTIMIZER_FILE, Path.mkdir),
+     "{d}/optimizer.safetensors: is a directory, expected a file"),
+    ("optimizer file a symlink loop", "single",
+     lambda d: replace_dir(d / OPTIMIZER_FILE, lambda p: os.symlink(p.name, p)),
+     "{d}/optimizer.safetensors: is a broken or looping symbolic link, expected a file"),
+    ("weights file a directory", "single", lambda d: replace_dir(d / WEIGHTS_FILE, Path.mkdir),
+     "{d}/model.safetensors: is a directory, expected a file"),
+    ("weights file a symlink loop", "single",
+     lambda d: replace_dir(d / WEIGHTS_FILE, lambda p: os.symlink(p.name, p)),
+     "{d}/model.safetensors: is a broken or looping symbolic link, expected a file"),
+    ("config.json a directory", "single", lambda d: replace_dir(d / "config.json", Path.mkdir),
+     "{d}/config.json: is a directory, expected a file"),
+    ("index a dangling symlink", "sharded", lambda d: replace_dir(d / WEIGHTS_INDEX, lambda p: os.symlink("gone", p)),
+     "{d}/model.safetensors.index.json: is a broken or looping symbolic link, expected a file"),
     ("shard missing", "sharded", lambda d: shards(d)[1].unlink(),
      "{d}/model.safetensors.index.json: weight_map: names 'model-00002-of-00039.safetensors', not a file in {d}"),
     ("shard duplicated over another", "sharded", lambda d: shards(d)[1].write_bytes(shards(d)[0].read_bytes()),
