@@ -62,6 +62,7 @@ STATE_SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")  # the parameter, then AdamW's 
 MOMENT_SUFFIXES = STATE_SUFFIXES[1:]
 STATE_DTYPE = FLOAT32  # master weights and moments (bf16 is only autocast compute)
 ROUND_BYTES = 256 * 2**20  # full-tensor bytes gathered per BSR round (bounds the writer's memory)
+FLOATING_DTYPES = ("F", "BF")  # safetensors dtype names of floating-point tensors (F32, F8_E4M3, BF16, ...)
 SAVE_ID = "hspmd_save"  # metadata key tying the files of one save together
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # A step count in metadata: ASCII digits (str.isdigit also takes '²', which int() refuses), at most
@@ -100,12 +101,18 @@ def checkpoint_path(directory: str | Path) -> Path:
     return Path(directory) / CHECKPOINT_FILE
 
 
-def _header(path: Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+def _header(path: Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]], list[Problem]]:
+    """A file's metadata, its tensors' shapes, and a problem per tensor that is not floating point: loading
+    converts to the fp32 master dtype, which would turn integers or booleans into weights silently."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
-            return dict(f.metadata() or {}), {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            slices = {k: f.get_slice(k) for k in f.keys()}
+            problems = [Problem(str(path), k, f"has dtype {s.get_dtype()}, expected a floating-point dtype "
+                                              "(F32, BF16, F16, ...)")
+                        for k, s in slices.items() if not s.get_dtype().startswith(FLOATING_DTYPES)]
+            return dict(f.metadata() or {}), {k: tuple(s.get_shape()) for k, s in slices.items()}, problems
     except (SafetensorError, OSError) as exc:
         raise HspmdError(f"{path}: not a readable safetensors file: {exc}") from None
 
@@ -172,7 +179,8 @@ def checkpoint_info(directory: str | Path, model: ModelSpec) -> CheckpointInfo:
         else:
             ids[directory / WEIGHTS_INDEX] = save_id
     for path in weights:
-        meta, shapes = _header(path)
+        meta, shapes, bad_dtypes = _header(path)
+        problems += bad_dtypes
         ids[path] = meta.get(SAVE_ID)
         for name, shape in shapes.items():
             if name in params:
@@ -188,7 +196,8 @@ def checkpoint_info(directory: str | Path, model: ModelSpec) -> CheckpointInfo:
     step, saved_by, moments = 0, "", False
     opt = directory / OPTIMIZER_FILE
     if _is_file(opt):
-        meta, shapes = _header(opt)
+        meta, shapes, bad_dtypes = _header(opt)
+        problems += bad_dtypes
         ids[opt] = meta.get(SAVE_ID)
         problems.extend(_state_problems(opt, meta, shapes, {n + s: params[n] for n in params for s in MOMENT_SUFFIXES},
                                         OPTIMIZER_FORMAT, model))
@@ -246,9 +255,9 @@ def _step(meta: dict[str, str]) -> int | None:
 
 def _legacy_info(directory: Path, model: ModelSpec) -> CheckpointInfo:
     path = checkpoint_path(directory)
-    meta, shapes = _header(path)
+    meta, shapes, bad_dtypes = _header(path)
     want = expected_tensors(model)
-    problems = _state_problems(path, meta, shapes, want, FORMAT, model)
+    problems = bad_dtypes + _state_problems(path, meta, shapes, want, FORMAT, model)
     if problems:
         raise SpecError(problems)
     return CheckpointInfo(directory, _step(meta) or 0, meta.get("model", ""), meta.get("saved_by", ""), "legacy",

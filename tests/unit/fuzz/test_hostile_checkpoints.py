@@ -196,6 +196,15 @@ REFUSED: list[tuple[str, str, Callable[[Path], None], str]] = [
      "length"),
     ("wrong shape", "single", replace_tensor("model.norm.weight", torch.zeros(3)),
      "{d}/model.safetensors: model.norm.weight: has shape [3], model llama-tiny needs [64]"),
+    # Regressions: integer and boolean tensors passed the checks and were converted into fp32 weights.
+    ("integer weights", "single", replace_tensor("model.norm.weight", torch.ones(64, dtype=torch.int64)),
+     "{d}/model.safetensors: model.norm.weight: has dtype I64, expected a floating-point dtype (F32, BF16, F16, "
+     "...)"),
+    ("boolean weights", "single", replace_tensor("model.norm.weight", torch.ones(64, dtype=torch.bool)),
+     "{d}/model.safetensors: model.norm.weight: has dtype BOOL, expected a floating-point dtype"),
+    ("byte moments", "single",
+     replace_tensor("model.norm.weight.exp_avg", torch.ones(64, dtype=torch.uint8), OPTIMIZER_FILE),
+     "{d}/optimizer.safetensors: model.norm.weight.exp_avg: has dtype U8, expected a floating-point dtype"),
     ("missing tensor", "single", drop_tensor("model.norm.weight"),
      "{d}/model.safetensors: model.norm.weight: missing (model llama-tiny needs it)"),
     ("missing moment", "single", drop_tensor("model.norm.weight.exp_avg", OPTIMIZER_FILE),
