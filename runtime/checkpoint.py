@@ -244,6 +244,8 @@ def _state_problems(path: Path, meta: dict[str, str], shapes: dict[str, tuple[in
         elif shapes[name] != shape:
             problems.append(Problem(str(path), name, f"has shape {list(shapes[name])}, model {model.name} needs "
                                                      f"{list(shape)} (saved for model {meta.get('model')!r})"))
+    problems += [Problem(str(path), name, f"unexpected tensor (model {model.name} has no such state)")
+                 for name in shapes if name not in want]
     return problems
 
 

@@ -211,6 +211,11 @@ REFUSED: list[tuple[str, str, Callable[[Path], None], str]] = [
      "{d}/optimizer.safetensors: model.norm.weight.exp_avg: missing (model llama-tiny needs it)"),
     ("unknown tensor", "single", replace_tensor("foo.bar", torch.zeros(2)),
      "{d}/model.safetensors: foo.bar: unexpected tensor (model llama-tiny has no such parameter)"),
+    # Regression: unknown tensors in the optimizer file were ignored (the weights file refused them).
+    ("unknown moment", "single", replace_tensor("model.layers.9.mlp.up_proj.weight.exp_avg", torch.zeros(2),
+                                                OPTIMIZER_FILE),
+     "{d}/optimizer.safetensors: model.layers.9.mlp.up_proj.weight.exp_avg: unexpected tensor (model llama-tiny "
+     "has no such state)"),
     ("step missing", "single", set_step(None),
      "{d}/optimizer.safetensors: metadata.step: expected a step count, got None"),
     ("step a string", "single", set_step("x"),
@@ -298,6 +303,14 @@ def _int_metadata(path: Path) -> None:
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def _copy_tensor(src: Path, dst: Path) -> None:
+    """``src``'s first tensor, changed, also into ``dst``."""
+    with safe_open(src, framework="pt") as f:
+        name = next(iter(f.keys()))
+        value = f.get_tensor(name) + 1
+    rewrite(dst, tensors=lambda t: {**t, name: value})
 
 
 def broken(originals: dict[str, Path], tmp_path: Path, original: str, mutate: Callable[[Path], None]) -> Path:
