@@ -184,6 +184,9 @@ def checkpoint_info(directory: str | Path, model: ModelSpec) -> CheckpointInfo:
         ids[path] = meta.get(SAVE_ID)
         for name, shape in shapes.items():
             if name in params:
+                if name in files:  # which copy would load is an accident of file order
+                    problems.append(Problem(str(path), name, f"also in {files[name].name}; a tensor belongs to "
+                                                             "one file"))
                 files[name] = path
                 if shape != params[name]:
                     problems.append(Problem(str(path), name, f"has shape {list(shape)}, model {model.name} needs "

@@ -274,7 +274,11 @@ REFUSED: list[tuple[str, str, Callable[[Path], None], str]] = [
     ("shard missing", "sharded", lambda d: shards(d)[1].unlink(),
      "{d}/model.safetensors.index.json: weight_map: names 'model-00002-of-00039.safetensors', not a file in {d}"),
     ("shard duplicated over another", "sharded", lambda d: shards(d)[1].write_bytes(shards(d)[0].read_bytes()),
-     "{d}/model-00001-of-00039.safetensors: model.layers.0.input_layernorm.weight: missing"),
+     "{d}/model-00002-of-00039.safetensors: model.embed_tokens.weight: also in model-00001-of-00039.safetensors"),
+    # Regression: a tensor held by two shards (with different values) loaded from the later one, silently.
+    ("tensor in two shards", "sharded", lambda d: _copy_tensor(shards(d)[0], shards(d)[1]),
+     "{d}/model-00002-of-00039.safetensors: model.embed_tokens.weight: also in model-00001-of-00039.safetensors; a "
+     "tensor belongs to one file"),
     ("index names an absent shard", "sharded", edit_json(WEIGHTS_INDEX, lambda i: i["weight_map"].update(
         {"model.norm.weight": "model-00099-of-00099.safetensors"})),
      "{d}/model.safetensors.index.json: weight_map: names 'model-00099-of-00099.safetensors', not a file in {d}"),
