@@ -153,16 +153,16 @@ def read_checkpoint_info(directory: str | Path, plan: PlanContext) -> Checkpoint
     return checkpoint_info(directory, plan.model)
 
 
-def checkpoint_info(directory: str | Path, model: ModelSpec) -> CheckpointInfo:
-    """Check that ``directory`` holds a checkpoint of ``model`` (reads headers only)."""
+def checkpoint_info(directory: str | Path, model: ModelSpec, *, option: str = "--load") -> CheckpointInfo:
+    """Check that ``directory`` holds a checkpoint of ``model`` (reads headers only); ``option``: the
+    command-line option that named it, for the messages."""
     directory = Path(directory)
-    if not directory.is_dir():
-        raise HspmdError(f"{directory}: --load: no such directory")
+    _check_source(directory, option)
     weights = _weight_files(directory)
     if weights is None:
         if _is_file(checkpoint_path(directory)):
             return _legacy_info(directory, model)
-        raise HspmdError(f"{directory}: --load: no checkpoint in this directory ({WEIGHTS_FILE}, {WEIGHTS_INDEX} "
+        raise HspmdError(f"{directory}: {option}: no checkpoint in this directory ({WEIGHTS_FILE}, {WEIGHTS_INDEX} "
                          f"or {CHECKPOINT_FILE} not found)")
     problems: list[Problem] = []
     if _is_file(directory / CONFIG_FILE):
@@ -215,6 +215,12 @@ def checkpoint_info(directory: str | Path, model: ModelSpec) -> CheckpointInfo:
         raise SpecError(problems)
     return CheckpointInfo(directory, step, model.name, saved_by, "hspmd" if moments else "huggingface", files,
                           moments)
+
+
+def _check_source(directory: Path, option: str) -> None:
+    if not directory.is_dir():
+        what = "not a directory" if os.path.lexists(directory) and not directory.is_symlink() else "no such directory"
+        raise HspmdError(f"{directory}: {option}: {what}")
 
 
 def _config_problems(path: Path, model: ModelSpec) -> list[Problem]:
@@ -471,8 +477,7 @@ def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "fp32
     from runtime.spec.hf import load_hf_model
 
     source, out = Path(source), Path(out)
-    if not source.is_dir():
-        raise HspmdError(f"{source}: --checkpoint: no such directory")
+    _check_source(source, "--checkpoint")
     if out.exists() and not out.is_dir():
         raise HspmdError(f"{out}: --out: exists and is not a directory")
     if out.exists() and out.resolve() == source.resolve():
@@ -488,10 +493,13 @@ def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "fp32
     elif _is_file(checkpoint_path(source)):
         name = _header(checkpoint_path(source))[0].get("model", "")
         model = load_model(name, file=str(checkpoint_path(source)), field="metadata.model")
+    elif _weight_files(source) is not None:
+        raise HspmdError(f"{source}: --checkpoint: no {CONFIG_FILE} to say which model its weights are; name it "
+                         "with --model")
     else:
         raise HspmdError(f"{source}: --checkpoint: no checkpoint in this directory ({CONFIG_FILE} or "
                          f"{CHECKPOINT_FILE} not found)")
-    info = checkpoint_info(source, model)
+    info = checkpoint_info(source, model, option="--checkpoint")
     tensors, _ = read_saved(source)
     target = getattr(torch, EXPORT_DTYPES[dtype])
     weights = {i.name: tensors[i.name].to(target) for i in llama_parameters(model)}

@@ -165,6 +165,9 @@ def replace_dir(d: Path, make: Callable[[Path], None]) -> None:
 # (name, original, mutation, the line expected first, with {d} for the checkpoint directory)
 REFUSED: list[tuple[str, str, Callable[[Path], None], str]] = [
     ("missing directory", "single", lambda d: shutil.rmtree(d), "{d}: --load: no such directory"),
+    # Regression: a file was called "no such directory".
+    ("a file instead of a directory", "single", lambda d: replace_dir(d, lambda p: p.write_text("x")),
+     "{d}: --load: not a directory"),
     ("empty directory", "single", lambda d: replace_dir(d, Path.mkdir),
      "{d}: --load: no checkpoint in this directory (model.safetensors, model.safetensors.index.json or "
      "checkpoint.safetensors not found)"),
@@ -341,8 +344,8 @@ def assert_refused(d: Path, ctx, first: str, tmp_path: Path) -> None:
     out = tmp_path / "export"
     res = runner.invoke(cli, ["export", "--checkpoint", str(d), "--out", str(out), "--model", "llama-tiny"])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
-    assert not isinstance(res.exception, Exception) or isinstance(res.exception, SystemExit)
-    assert res.stderr.strip().splitlines()[0].startswith("error: ")
+    assert res.stderr.strip().splitlines() == [f"error: {line.replace(': --load: ', ': --checkpoint: ')}"
+                                               for line in lines]
     assert not out.exists()
 
 
@@ -359,3 +362,24 @@ def test_the_originals_load_whole(originals, ctx, state, original):
     assert float(program.loaded.pop("step")) == STEP
     assert set(program.loaded) == set(state)
     assert all(torch.equal(program.loaded[k], v) for k, v in state.items())
+
+
+def test_export_names_its_own_option_and_what_is_missing(originals, tmp_path):
+    """Regressions: export's refusals of a checkpoint said ``--load`` (an option export does not have), and
+    a --save directory without config.json was "no checkpoint in this directory"."""
+    d = broken(originals, tmp_path, "sharded", lambda d: (d / WEIGHTS_INDEX).unlink())
+    runner = CliRunner()
+    res = runner.invoke(cli, ["export", "--checkpoint", str(d), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
+        f"error: {d}: --checkpoint: no checkpoint in this directory (model.safetensors, "
+        "model.safetensors.index.json or checkpoint.safetensors not found)"]
+    d = tmp_path / "no-config"
+    shutil.copytree(originals["single"], d)
+    (d / "config.json").unlink()
+    res = runner.invoke(cli, ["export", "--checkpoint", str(d), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
+        f"error: {d}: --checkpoint: no config.json to say which model its weights are; name it with --model"]
+    assert not (tmp_path / "out").exists()
+    res = runner.invoke(cli, ["export", "--checkpoint", str(d), "--out", str(tmp_path / "out"), "--model",
+                              "llama-tiny"])
+    assert res.exit_code == 0, res.output
