@@ -370,6 +370,19 @@ def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[s
     return written
 
 
+def check_save_target(directory: str | Path, option: str) -> None:
+    """Refuse a directory a checkpoint cannot be written to, before any work: a run trains for its whole
+    length before it saves. (Mode bits are as the OS reports them: root writes through them.)"""
+    directory = Path(directory)
+    if os.path.lexists(directory) and not directory.is_dir():
+        raise HspmdError(f"{directory}: {option}: exists and is not a directory")
+    existing = next(p for p in (directory, *directory.absolute().parents) if os.path.lexists(p))
+    if not existing.is_dir():
+        raise HspmdError(f"{directory}: {option}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise HspmdError(f"{directory}: {option}: {existing} is not writable")
+
+
 def load_checkpoint(program: Any, directory: str | Path, plan: PlanContext) -> int:
     """Load this device's shards of every parameter and AdamW moment; return the steps already done."""
     import torch
@@ -478,8 +491,7 @@ def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "fp32
 
     source, out = Path(source), Path(out)
     _check_source(source, "--checkpoint")
-    if out.exists() and not out.is_dir():
-        raise HspmdError(f"{out}: --out: exists and is not a directory")
+    check_save_target(out, "--out")
     if out.exists() and out.resolve() == source.resolve():
         raise HspmdError(f"{out}: --out: is the checkpoint itself; export into another directory")
     config = None

@@ -81,8 +81,10 @@ def _preflight(options: TrainOptions, ctx: PlanContext) -> str | None:
         from runtime.checkpoint import read_checkpoint_info
 
         read_checkpoint_info(options.load_dir, ctx)
-    if options.save_dir is not None and options.save_dir.exists() and not options.save_dir.is_dir():
-        raise HspmdError(f"{options.save_dir}: --save: exists and is not a directory")
+    if options.save_dir is not None:
+        from runtime.checkpoint import check_save_target
+
+        check_save_target(options.save_dir, "--save")
     return None
 
 

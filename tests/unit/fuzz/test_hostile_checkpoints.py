@@ -383,3 +383,30 @@ def test_export_names_its_own_option_and_what_is_missing(originals, tmp_path):
     res = runner.invoke(cli, ["export", "--checkpoint", str(d), "--out", str(tmp_path / "out"), "--model",
                               "llama-tiny"])
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("target", ["under a file", "a symlink loop", "a file"])
+def test_an_unusable_save_target_is_refused_before_anything_runs(tmp_path, target):
+    """Regression: ``--save FILE/ck`` (and a symlink loop) passed the checks, so the run trained to its end
+    and then died in the writer with a traceback (NotADirectoryError), exit 1; ``--out FILE/ck`` the same."""
+    (tmp_path / "file").write_text("x")
+    os.symlink("loop", tmp_path / "loop")
+    path, message = {"under a file": (tmp_path / "file" / "ck", f"{tmp_path / 'file'} is not a directory"),
+                     "a symlink loop": (tmp_path / "loop", "exists and is not a directory"),
+                     "a file": (tmp_path / "file", "exists and is not a directory")}[target]
+    runner = CliRunner()
+    res = runner.invoke(cli, ["train", "--plan", str(PLAN), "--save", str(path), "--metrics", str(tmp_path / "m")])
+    assert res.exit_code == 2 and res.stderr.strip().splitlines() == [f"error: {path}: --save: {message}"]
+    assert not (tmp_path / "m").exists()
+    res = runner.invoke(cli, ["export", "--checkpoint", str(REPO / "configs"), "--out", str(path)])
+    assert res.exit_code == 2 and res.stderr.strip().splitlines() == [f"error: {path}: --out: {message}"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through mode bits: a read-only parent means nothing")
+def test_a_read_only_parent_is_refused_before_anything_runs(tmp_path):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o555)
+    res = CliRunner().invoke(cli, ["train", "--plan", str(PLAN), "--save", str(parent / "ck")])
+    assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
+        f"error: {parent / 'ck'}: --save: {parent} is not writable"]
