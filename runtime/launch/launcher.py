@@ -70,13 +70,16 @@ def _preflight(options: TrainOptions, ctx: PlanContext) -> str | None:
 
     t = ctx.plan.training
     check_trainable(ctx)
+    line = None
     if documents_mode(options, t):
         problems = documents_problems(ctx, options)
         if problems:
             raise HspmdError(problems[0])
-        return documents_line(document_source_of(ctx, options))  # bad input refused before any worker starts
-    token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed,
-                 data_file=options.data_file)
+        line = documents_line(document_source_of(ctx, options))  # bad input refused before any worker starts
+    else:
+        token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed,
+                     data_file=options.data_file)
+    # Both checked in documents runs too, which skipped them: a bad --load or --save surfaced in the workers.
     if options.load_dir is not None:
         from runtime.checkpoint import read_checkpoint_info
 
@@ -85,7 +88,7 @@ def _preflight(options: TrainOptions, ctx: PlanContext) -> str | None:
         from runtime.checkpoint import check_save_target
 
         check_save_target(options.save_dir, "--save")
-    return None
+    return line
 
 
 @dataclass(frozen=True)

@@ -410,3 +410,20 @@ def test_a_read_only_parent_is_refused_before_anything_runs(tmp_path):
     res = CliRunner().invoke(cli, ["train", "--plan", str(PLAN), "--save", str(parent / "ck")])
     assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
         f"error: {parent / 'ck'}: --save: {parent} is not writable"]
+
+
+def test_a_documents_run_checks_load_and_save_before_starting_workers(originals, tmp_path):
+    """Regression: a documents run (``--lengths``, JSONL ``--data``, ...) returned from the checks before
+    reaching --load and --save: a bad checkpoint failed in every worker once they had started, and a bad
+    --save target only after the whole run had trained."""
+    (tmp_path / "file").write_text("x")
+    runner = CliRunner()
+    res = runner.invoke(cli, ["train", "--plan", str(PLAN), "--lengths", "fixed", "--load", str(tmp_path / "nope"),
+                              "--metrics", str(tmp_path / "m")])
+    assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'nope'}: --load: no such directory"]
+    res = runner.invoke(cli, ["train", "--plan", str(PLAN), "--lengths", "fixed", "--save",
+                              str(tmp_path / "file" / "ck"), "--metrics", str(tmp_path / "m")])
+    assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'file' / 'ck'}: --save: {tmp_path / 'file'} is not a directory"]
+    assert not (tmp_path / "m").exists()
