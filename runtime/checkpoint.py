@@ -27,6 +27,7 @@ just this device's pieces (``DeviceProgram.moment_pieces()``). So either side ma
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -46,7 +47,7 @@ from runtime.models.params import llama_parameters
 from runtime.spec import ModelSpec, PlanContext
 from runtime.spec.catalog import model_source_config
 from runtime.spec.hf import CONFIG_FILE, HF_NAMES, config_for, read_config, spec_from_config
-from runtime.spec.io import atomic_write_bytes, atomic_write_text
+from runtime.spec.io import AtomicFiles
 
 if TYPE_CHECKING:
     import torch
@@ -336,37 +337,46 @@ def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[s
     from safetensors.torch import save
 
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     dtypes = {str(t.dtype).removeprefix("torch.") for t in weights.values()}
     if len(dtypes) != 1:
         raise ValueError(f"weights of mixed dtypes {sorted(dtypes)}")
     save_id = uuid.uuid4().hex
     meta = {"format": "pt", SAVE_ID: save_id, "step": str(step), "model": model.name}
     shards = runs(list(weights), lambda k: weights[k].numel() * weights[k].element_size(), shard_bytes)
-    written: list[Path] = []
     names = [WEIGHTS_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                      for i in range(len(shards))]
-    for name, keys in zip(names, shards):
-        atomic_write_bytes(directory / name, save({k: weights[k].contiguous() for k in keys}, metadata=meta))
-        written.append(directory / name)
-    if moments is not None:
-        opt_meta = {**meta, "format": OPTIMIZER_FORMAT, "saved_by": saved_by}
-        atomic_write_bytes(directory / OPTIMIZER_FILE, save(dict(moments), metadata=opt_meta))
-        written.append(directory / OPTIMIZER_FILE)
-    config = config_for(model, dtypes.pop(), source_config)
-    atomic_write_text(directory / CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
-    written.append(directory / CONFIG_FILE)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in weights.values()),
-                              SAVE_ID: save_id},
-                 "weight_map": {k: n for n, keys in zip(names, shards) for k in keys}}
-        atomic_write_text(directory / WEIGHTS_INDEX, json.dumps(index, indent=2) + "\n")
-        written.append(directory / WEIGHTS_INDEX)
-    keep = {p.name for p in written}
-    ours = {WEIGHTS_FILE, WEIGHTS_INDEX, OPTIMIZER_FILE, CHECKPOINT_FILE}
-    for old in directory.iterdir():
-        if (old.name in ours or SHARD_NAME.fullmatch(old.name)) and old.name not in keep:
-            old.unlink()
+    created = [p for p in (directory, *directory.parents) if not os.path.lexists(p)]
+    written: list[Path] = []
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # Every file is staged before any is renamed: a failure part-way leaves the previous save whole.
+        with AtomicFiles() as staged:
+            for name, keys in zip(names, shards):
+                staged.write(directory / name, save({k: weights[k].contiguous() for k in keys}, metadata=meta))
+                written.append(directory / name)
+            if moments is not None:
+                opt_meta = {**meta, "format": OPTIMIZER_FORMAT, "saved_by": saved_by}
+                staged.write(directory / OPTIMIZER_FILE, save(dict(moments), metadata=opt_meta))
+                written.append(directory / OPTIMIZER_FILE)
+            config = config_for(model, dtypes.pop(), source_config)
+            staged.write(directory / CONFIG_FILE, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+            written.append(directory / CONFIG_FILE)
+            if len(shards) > 1:
+                index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in weights.values()),
+                                      SAVE_ID: save_id},
+                         "weight_map": {k: n for n, keys in zip(names, shards) for k in keys}}
+                staged.write(directory / WEIGHTS_INDEX, (json.dumps(index, indent=2) + "\n").encode())
+                written.append(directory / WEIGHTS_INDEX)
+        keep = {p.name for p in written}
+        ours = {WEIGHTS_FILE, WEIGHTS_INDEX, OPTIMIZER_FILE, CHECKPOINT_FILE}
+        for old in directory.iterdir():
+            if (old.name in ours or SHARD_NAME.fullmatch(old.name)) and old.name not in keep:
+                old.unlink()
+    except OSError as exc:
+        for p in created:  # what this save created, now empty again (its staged files are gone)
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise HspmdError(f"{directory}: cannot write the checkpoint: {exc.strerror or exc}") from None
     return written
 
 

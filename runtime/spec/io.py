@@ -312,20 +312,44 @@ def _umask() -> int:
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it over ``path``."""
-    import tempfile  # here: ~5 ms of start-up that verbs which write nothing need not pay
+    with AtomicFiles() as files:
+        files.write(path, data)
 
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        # mkstemp creates 0600; give the file the mode a plain open() would have.
-        os.fchmod(fd, 0o666 & ~_umask())
+
+class AtomicFiles:
+    """Files replaced together. Each is written and fsynced under a temporary name beside its target; the
+    renames over the targets come only once every file is written (leaving the ``with`` block without an
+    exception). So a failure while writing (a full disk, an error in the writer) leaves every target as it
+    was and no temporary file behind; only a crash during the renames, microseconds, can leave some
+    replaced, which readers that care detect by tying the files together (the checkpoint's save id)."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[str, Path]] = []  # (temporary file, target)
+
+    def write(self, path: str | os.PathLike[str], data: bytes) -> None:
+        import tempfile  # here: ~5 ms of start-up that verbs which write nothing need not pay
+
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+        self.pending.append((tmp, p))
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())  # mkstemp creates 0600: the mode a plain open() gives
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+
+    def __enter__(self) -> AtomicFiles:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        try:
+            while kind is None and self.pending:
+                tmp, target = self.pending[0]
+                os.replace(tmp, target)
+                self.pending.pop(0)
+        finally:
+            for tmp, _target in self.pending:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            self.pending.clear()

@@ -427,3 +427,46 @@ def test_a_documents_run_checks_load_and_save_before_starting_workers(originals,
     assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'file' / 'ck'}: --save: {tmp_path / 'file'} is not a directory"]
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads through mode bits: an unreadable file means nothing")
+def test_an_unreadable_file_is_one_line(originals, ctx, tmp_path):
+    d = broken(originals, tmp_path, "single", lambda d: (d / WEIGHTS_FILE).chmod(0))
+    assert_refused(d, ctx, "{d}/model.safetensors: not a readable safetensors file", tmp_path)
+
+
+@pytest.mark.parametrize("original", ["single", "sharded"])
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_a_save_that_fails_part_way_leaves_the_previous_one_whole(originals, ctx, state, tmp_path, monkeypatch,
+                                                                  original, fail_at):
+    """Regression: each file was renamed into place as soon as it was written, so a save that failed at
+    its second file (a full disk) left the new weights beside the old optimizer file: the directory was
+    refused as torn, the previous checkpoint lost; and the error was an OSError traceback."""
+    d = tmp_path / "ck"
+    shutil.copytree(originals[original], d)
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    calls = []
+    real = os.fsync
+
+    def failing(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == fail_at:
+            raise OSError(28, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    newer = {k: v + 1 for k, v in state.items()}
+    with pytest.raises(HspmdError) as err:
+        save_to(d, ctx, newer, step=STEP + 1, **({"shard_bytes": 20_000} if original == "sharded" else {}))
+    assert err.value.lines() == [f"{d}: cannot write the checkpoint: No space left on device"]
+    monkeypatch.setattr(os, "fsync", real)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # no file replaced, no temporary left
+    program = WholeProgram(ctx)
+    assert load_checkpoint(program, d, ctx) == STEP
+    assert all(torch.equal(program.loaded[k], v) for k, v in state.items())
+    # And into a new directory: nothing is left of it.
+    calls.clear()
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(HspmdError):
+        save_to(tmp_path / "new" / "ck", ctx, newer)
+    assert not (tmp_path / "new").exists()
