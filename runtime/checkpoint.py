@@ -107,6 +107,9 @@ def _header(path: Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]], lis
     converts to the fp32 master dtype, which would turn integers or booleans into weights silently."""
     from safetensors import SafetensorError, safe_open
 
+    if not _utf8(path):
+        raise HspmdError(f"{path}: the path is not valid UTF-8, and safetensors opens only UTF-8 paths; rename "
+                         "the directory")
     try:
         with safe_open(path, framework="pt", device="cpu") as f:
             slices = {k: f.get_slice(k) for k in f.keys()}
@@ -391,6 +394,17 @@ def check_save_target(directory: str | Path, option: str) -> None:
         raise HspmdError(f"{directory}: {option}: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise HspmdError(f"{directory}: {option}: {existing} is not writable")
+    if not _utf8(directory):
+        raise HspmdError(f"{directory}: {option}: the path is not valid UTF-8, and safetensors opens only UTF-8 "
+                         "paths: the checkpoint could not be loaded")
+
+
+def _utf8(path: Path) -> bool:
+    try:
+        str(path.absolute()).encode("utf-8")  # undecodable bytes of a name are lone surrogates here
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def load_checkpoint(program: Any, directory: str | Path, plan: PlanContext) -> int:

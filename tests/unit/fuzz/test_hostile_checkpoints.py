@@ -327,6 +327,11 @@ def broken(originals: dict[str, Path], tmp_path: Path, original: str, mutate: Ca
     return d
 
 
+def shown(line: str) -> str:
+    """``line`` as the terminal gets it: an undecodable byte of a file name (a lone surrogate) escaped."""
+    return line.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def assert_refused(d: Path, ctx, first: str, tmp_path: Path) -> None:
     """Every reader refuses ``d`` the same way: the checks, a worker's load, export, train."""
     with pytest.raises(HspmdError) as err:
@@ -339,12 +344,12 @@ def assert_refused(d: Path, ctx, first: str, tmp_path: Path) -> None:
     res = runner.invoke(cli, ["train", "--plan", str(PLAN), "--load", str(d), "--save", str(tmp_path / "save"),
                               "--metrics", str(tmp_path / "m.jsonl")])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
-    assert res.stderr.strip().splitlines() == [f"error: {line}" for line in lines]
+    assert res.stderr.strip().splitlines() == [shown(f"error: {line}") for line in lines]
     assert not (tmp_path / "save").exists() and not (tmp_path / "m.jsonl").exists()
     out = tmp_path / "export"
     res = runner.invoke(cli, ["export", "--checkpoint", str(d), "--out", str(out), "--model", "llama-tiny"])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
-    assert res.stderr.strip().splitlines() == [f"error: {line.replace(': --load: ', ': --checkpoint: ')}"
+    assert res.stderr.strip().splitlines() == [shown(f"error: {line.replace(': --load: ', ': --checkpoint: ')}")
                                                for line in lines]
     assert not out.exists()
 
@@ -383,6 +388,19 @@ def test_export_names_its_own_option_and_what_is_missing(originals, tmp_path):
     res = runner.invoke(cli, ["export", "--checkpoint", str(d), "--out", str(tmp_path / "out"), "--model",
                               "llama-tiny"])
     assert res.exit_code == 0, res.output
+
+
+def test_a_non_utf8_directory_name_is_refused_clearly(originals, ctx, tmp_path):
+    """safetensors opens only UTF-8 paths: a checkpoint under a non-UTF-8 name cannot be read. Regression:
+    ``--save`` took such a directory (and wrote a checkpoint that no --load could open)."""
+    d = tmp_path / os.fsdecode(b"ck\xff")
+    shutil.copytree(originals["single"], d)
+    assert_refused(d, ctx, "{d}/model.safetensors: the path is not valid UTF-8, and safetensors opens only UTF-8 "
+                           "paths; rename the directory", tmp_path)
+    res = CliRunner().invoke(cli, ["train", "--plan", str(PLAN), "--save", str(d / "again")])
+    assert res.exit_code == 2 and res.stderr.strip().splitlines() == [shown(
+        f"error: {d / 'again'}: --save: the path is not valid UTF-8, and safetensors opens only UTF-8 paths: the "
+        "checkpoint could not be loaded")]
 
 
 @pytest.mark.parametrize("target", ["under a file", "a symlink loop", "a file"])
