@@ -21,6 +21,7 @@ from runtime.launch.session import (
     documents_line,
     documents_mode,
     documents_problems,
+    read_dispatch_state,
     run_strategies,
 )
 from runtime.launch.supervise import LocalWorkers, PlainPolicy, Policy, Run, RunSummary, supervise
@@ -76,6 +77,8 @@ def _preflight(options: TrainOptions, ctx: PlanContext) -> str | None:
         if problems:
             raise HspmdError(problems[0])
         line = documents_line(document_source_of(ctx, options))  # bad input refused before any worker starts
+        if options.load_dir is not None:
+            read_dispatch_state(options.load_dir)
     else:
         token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed,
                      data_file=options.data_file)

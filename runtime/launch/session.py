@@ -18,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import HspmdError
+from runtime.errors import HspmdError, Problem, SpecError
 from runtime.launch.messages import FaultFiring, Log
 from runtime.launch.options import Fault, FaultPoint, LengthsStep, StepReport, TrainOptions, WorkerSpec
 from runtime.spec import PlanContext
@@ -33,6 +33,20 @@ ARRIVAL_POLL_S = 0.05
 
 class WorldAbandoned(RuntimeError):
     """The launcher gave up a world while its members gathered (one of them failed)."""
+
+
+def read_dispatch_state(load_dir: Path) -> str | None:
+    """The strategy a documents run's last saved step ran (``DISPATCH_STATE`` beside its checkpoint), or
+    None where none is recorded. Read strictly: a broken file is the user's, not a worker's crash."""
+    from runtime.spec.hf import read_config
+
+    path = Path(load_dir) / DISPATCH_STATE
+    if not os.path.lexists(path):
+        return None
+    name = read_config(path).get("strategy")
+    if not isinstance(name, str):
+        raise SpecError([Problem(str(path), "strategy", f"expected a strategy name, got {name!r}"[:200])])
+    return name
 
 
 def documents_mode(options: TrainOptions, training: TrainingSettings) -> bool:
@@ -453,15 +467,12 @@ class DocumentSteps:
         """A checkpoint into the program of the strategy the saved run's last step ran (``DISPATCH_STATE``; the
         first strategy where none is recorded), which then holds the state, so that the hysteresis continues
         as it would have."""
-        import json
-
         from runtime.checkpoint import load_checkpoint, read_checkpoint_info
 
         done = read_checkpoint_info(load_dir, self.ctx).step
-        state = Path(load_dir) / DISPATCH_STATE
+        name = read_dispatch_state(load_dir)
         names = [h.name for h in self.handles]
-        if state.is_file():
-            name = json.loads(state.read_text()).get("strategy")
+        if name is not None:  # a name this plan lacks (another plan saved it): its first strategy
             self.current = names.index(name) if name in names else None
         holder = self.current if self.current is not None else 0
         if holder != self.holder and self.programs[self.holder] is not None:

@@ -33,7 +33,6 @@ from runtime.checkpoint import (
     OPTIMIZER_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
-    checkpoint_info,
     expected_tensors,
     load_checkpoint,
     read_checkpoint_info,
@@ -488,3 +487,18 @@ def test_a_save_that_fails_part_way_leaves_the_previous_one_whole(originals, ctx
     with pytest.raises(HspmdError):
         save_to(tmp_path / "new" / "ck", ctx, newer)
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize(("content", "problem"), [
+    (b"{nope", "line 1, column 2: malformed JSON: Expecting property name enclosed in double quotes"),
+    (b"[1]", "expected a JSON object, got list"),
+    (b'{"strategy": 3}', "strategy: expected a strategy name, got 3"),
+])
+def test_a_broken_dispatch_state_is_refused_before_starting_workers(originals, tmp_path, content, problem):
+    """Regression: a documents run's ``dispatch.json`` beside the checkpoint was read with json.loads in
+    every worker: '{nope' killed them with JSONDecodeError, a traceback and exit 1."""
+    d = broken(originals, tmp_path, "single", lambda d: (d / "dispatch.json").write_bytes(content))
+    res = CliRunner().invoke(cli, ["train", "--plan", str(PLAN), "--lengths", "fixed", "--load", str(d),
+                                   "--metrics", str(tmp_path / "m")])
+    assert res.exit_code == 2 and res.stderr.strip().splitlines() == [f"error: {d / 'dispatch.json'}: {problem}"]
+    assert not (tmp_path / "m").exists()
