@@ -78,14 +78,16 @@ class Shard:
 
 
 class WholeProgram:
-    """The stand-in DeviceProgram of a device holding every parameter whole (no ZeRO-1)."""
+    """The stand-in DeviceProgram of a device holding ``regions`` of parameters (default: every parameter
+    whole; no ZeRO-1)."""
 
-    def __init__(self, ctx) -> None:
-        self.shapes = {p.name: p.shape for p in llama_parameters(ctx.model)}
+    def __init__(self, ctx, regions: dict[str, tuple[slice, ...]] | None = None) -> None:
+        self.regions = regions if regions is not None else {
+            p.name: tuple(slice(0, d) for d in p.shape) for p in llama_parameters(ctx.model)}
         self.loaded: dict[str, torch.Tensor] = {}
 
     def param_annotations(self) -> dict[str, Shard]:
-        return {n: Shard(tuple(slice(0, d) for d in s)) for n, s in self.shapes.items()}
+        return {n: Shard(r) for n, r in self.regions.items()}
 
     def moment_pieces(self) -> dict:
         return {}
@@ -502,3 +504,27 @@ def test_a_broken_dispatch_state_is_refused_before_starting_workers(originals, t
                                    "--metrics", str(tmp_path / "m")])
     assert res.exit_code == 2 and res.stderr.strip().splitlines() == [f"error: {d / 'dispatch.json'}: {problem}"]
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("original", ["single", "sharded"])
+def test_a_checkpoint_of_another_plan_loads_into_any_layout(originals, ctx, state, tmp_path, original):
+    """The format promises plan-independence (runtime/checkpoint.py): a checkpoint saved by another plan and
+    strategy (``saved_by`` names them; nothing else does) loads into this plan's layout. Four devices holding
+    TP-4 column and row shards each read exactly their region."""
+    d = broken(originals, tmp_path, original, lambda d: rewrite(
+        d / OPTIMIZER_FILE, metadata=lambda m: {**m, "saved_by": "elsewhere/other.yaml (strategy gone)"}))
+    assert read_checkpoint_info(d, ctx).saved_by == "elsewhere/other.yaml (strategy gone)"
+    names = ["model.layers.1.self_attn.q_proj.weight", "model.layers.4.mlp.down_proj.weight", "model.norm.weight"]
+    whole = {n: tuple(state[n].shape) for n in names}
+    for rank in range(4):
+        regions = {}
+        for n, shape in whole.items():
+            dim = 1 if "down_proj" in n else 0  # row-parallel splits the input dimension
+            size = shape[dim] // 4 if len(shape) > 1 else shape[0]
+            start = rank * size if len(shape) > 1 else 0
+            regions[n] = tuple(slice(start, start + size) if i == dim else slice(0, s) for i, s in enumerate(shape))
+        program = WholeProgram(ctx, regions)
+        assert load_checkpoint(program, d, ctx) == STEP
+        for n, r in regions.items():
+            for suffix in ("", ".exp_avg", ".exp_avg_sq"):
+                assert torch.equal(program.loaded[n + suffix], state[n + suffix][r]), (n + suffix, rank)
