@@ -30,6 +30,8 @@ from safetensors.torch import save
 
 from hetu_cli.main import cli
 from runtime.checkpoint import (
+    CHECKPOINT_FILE,
+    FORMAT,
     OPTIMIZER_FILE,
     WEIGHTS_FILE,
     WEIGHTS_INDEX,
@@ -68,8 +70,12 @@ def save_to(directory: Path, ctx, state: dict[str, torch.Tensor], step: int = ST
 @pytest.fixture(scope="module")
 def originals(tmp_path_factory, ctx, state) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("originals")
+    legacy = root / "legacy"
+    legacy.mkdir()
+    (legacy / CHECKPOINT_FILE).write_bytes(save(state, metadata={"format": FORMAT, "step": str(STEP),
+                                                                 "model": "llama-tiny"}))
     return {"single": save_to(root / "single", ctx, state),
-            "sharded": save_to(root / "sharded", ctx, state, shard_bytes=20_000)}
+            "sharded": save_to(root / "sharded", ctx, state, shard_bytes=20_000), "legacy": legacy}
 
 
 @dataclass
@@ -251,6 +257,8 @@ REFUSED: list[tuple[str, str, Callable[[Path], None], str]] = [
     ("config.json of another model", "single",
      edit_json("config.json", lambda c: c.update(intermediate_size=96)),
      "{d}/config.json: intermediate_size: 96 differs from the plan's model llama-tiny (ffn_hidden_size: 128)"),
+    ("config.json of another family", "single", edit_json("config.json", lambda c: c.update(model_type="gpt2")),
+     "{d}/config.json: n_layer: missing required field"),
     ("config.json not JSON", "single", lambda d: (d / "config.json").write_text("{nope"),
      "{d}/config.json: line 1, column 2: malformed JSON: Expecting property name enclosed in double quotes"),
     ("optimizer of another save", "single",
@@ -275,6 +283,17 @@ REFUSED: list[tuple[str, str, Callable[[Path], None], str]] = [
      "{d}/config.json: is a directory, expected a file"),
     ("index a dangling symlink", "sharded", lambda d: replace_dir(d / WEIGHTS_INDEX, lambda p: os.symlink("gone", p)),
      "{d}/model.safetensors.index.json: is a broken or looping symbolic link, expected a file"),
+    # The older single-file format: the same checks (a superscript step raised ValueError here too).
+    ("legacy step a superscript digit", "legacy",
+     lambda d: rewrite(d / CHECKPOINT_FILE, metadata=lambda m: {**m, "step": "\u00b2"}),
+     "{d}/checkpoint.safetensors: metadata.step: expected a step count, got '\u00b2'"),
+    ("legacy cut short", "legacy",
+     lambda d: (d / CHECKPOINT_FILE).write_bytes((d / CHECKPOINT_FILE).read_bytes()[:-7]),
+     "{d}/checkpoint.safetensors: not a readable safetensors file: Error while deserializing header: incomplete "
+     "metadata, file not fully covered"),
+    ("legacy integer moment", "legacy",
+     replace_tensor("model.norm.weight.exp_avg_sq", torch.ones(64, dtype=torch.int32), CHECKPOINT_FILE),
+     "{d}/checkpoint.safetensors: model.norm.weight.exp_avg_sq: has dtype I32, expected a floating-point dtype"),
     ("shard missing", "sharded", lambda d: shards(d)[1].unlink(),
      "{d}/model.safetensors.index.json: weight_map: names 'model-00002-of-00039.safetensors', not a file in {d}"),
     ("shard duplicated over another", "sharded", lambda d: shards(d)[1].write_bytes(shards(d)[0].read_bytes()),
@@ -360,7 +379,7 @@ def test_a_hostile_checkpoint_is_refused_by_every_reader(originals, ctx, tmp_pat
     assert_refused(broken(originals, tmp_path, original, mutate), ctx, first, tmp_path)
 
 
-@pytest.mark.parametrize("original", ["single", "sharded"])
+@pytest.mark.parametrize("original", ["single", "sharded", "legacy"])
 def test_the_originals_load_whole(originals, ctx, state, original):
     """The baseline the mutations break: each original loads every tensor exactly, at its step."""
     program = WholeProgram(ctx)
