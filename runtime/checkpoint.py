@@ -66,6 +66,7 @@ ROUND_BYTES = 256 * 2**20  # full-tensor bytes gathered per BSR round (bounds th
 FLOATING_DTYPES = ("F", "BF")  # safetensors dtype names of floating-point tensors (F32, F8_E4M3, BF16, ...)
 SAVE_ID = "hspmd_save"  # metadata key tying the files of one save together
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+STAGED = re.compile(r"\.(.+)\.\w{8}\.tmp")  # a file AtomicFiles staged (.NAME.XXXXXXXX.tmp) that a crash left
 # A step count in metadata: ASCII digits (str.isdigit also takes '²', which int() refuses), at most
 # MAX_STEP: the step travels as a float tensor in the optimizer state, exact up to 2**53.
 STEP_TEXT = re.compile(r"[0-9]{1,16}")
@@ -371,9 +372,14 @@ def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[s
                 staged.write(directory / WEIGHTS_INDEX, (json.dumps(index, indent=2) + "\n").encode())
                 written.append(directory / WEIGHTS_INDEX)
         keep = {p.name for p in written}
-        ours = {WEIGHTS_FILE, WEIGHTS_INDEX, OPTIMIZER_FILE, CHECKPOINT_FILE}
+        ours = {WEIGHTS_FILE, WEIGHTS_INDEX, OPTIMIZER_FILE, CHECKPOINT_FILE, CONFIG_FILE}
+
+        def is_ours(name: str) -> bool:
+            return name in ours or SHARD_NAME.fullmatch(name) is not None
+
         for old in directory.iterdir():
-            if (old.name in ours or SHARD_NAME.fullmatch(old.name)) and old.name not in keep:
+            staged_by_a_crash = STAGED.fullmatch(old.name)
+            if (is_ours(old.name) and old.name not in keep) or (staged_by_a_crash and is_ours(staged_by_a_crash[1])):
                 old.unlink()
     except OSError as exc:
         for p in created:  # what this save created, now empty again (its staged files are gone)

@@ -547,3 +547,18 @@ def test_a_checkpoint_of_another_plan_loads_into_any_layout(originals, ctx, stat
         for n, r in regions.items():
             for suffix in ("", ".exp_avg", ".exp_avg_sq"):
                 assert torch.equal(program.loaded[n + suffix], state[n + suffix][r]), (n + suffix, rank)
+
+
+def test_files_a_crashed_save_staged_go_with_the_next_save(originals, ctx, state, tmp_path):
+    """A save killed outright (SIGKILL, power) leaves its staged files (the previous save stays whole); the
+    next save removes them, and nothing else of the directory's."""
+    d = tmp_path / "ck"
+    shutil.copytree(originals["sharded"], d)
+    litter = [".model-00002-of-00039.safetensors.k3j_x9a1.tmp", ".optimizer.safetensors.abcdefgh.tmp",
+              ".config.json.a1b2c3d4.tmp"]
+    kept = [".notes.txt.abcdefgh.tmp", "notes.txt"]
+    for name in litter + kept:
+        (d / name).write_bytes(b"x")
+    assert read_checkpoint_info(d, ctx).step == STEP
+    save_to(d, ctx, state, step=STEP + 1)
+    assert sorted(p.name for p in d.iterdir()) == sorted(["config.json", WEIGHTS_FILE, OPTIMIZER_FILE, *kept])
