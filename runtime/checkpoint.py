@@ -8,9 +8,10 @@
   or ``model-0000i-of-0000N.safetensors`` shards and ``model.safetensors.index.json`` above ``SHARD_BYTES``;
 * ``optimizer.safetensors``: ``NAME.exp_avg``, ``NAME.exp_avg_sq`` and, in its metadata, the steps done.
 
-Every file is replaced atomically, and the files of one save carry the same save id in their metadata:
-``--load`` refuses a directory that a crash left holding files of two saves (naming them) instead of mixing
-them. ``--load DIR`` also takes a plain Hugging Face checkpoint (weights only: moments start at zero, step
+A save stages every file under a temporary name before it renames any into place (``AtomicFiles``), so a
+save that fails part-way leaves the previous one whole. The files of one save carry the same save id in
+their metadata: ``--load`` refuses a directory that a crash during the renames left holding files of two
+saves (naming them) instead of mixing them. ``--load DIR`` also takes a plain Hugging Face checkpoint (weights only: moments start at zero, step
 0) and the older ``checkpoint.safetensors`` (parameters and moments in one file). Nothing depends on the
 plan that wrote a checkpoint, so any plan of the same model can load it.
 
