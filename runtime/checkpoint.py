@@ -11,9 +11,10 @@
 A save stages every file under a temporary name before it renames any into place (``AtomicFiles``), so a
 save that fails part-way leaves the previous one whole. The files of one save carry the same save id in
 their metadata: ``--load`` refuses a directory that a crash during the renames left holding files of two
-saves (naming them) instead of mixing them. ``--load DIR`` also takes a plain Hugging Face checkpoint (weights only: moments start at zero, step
-0) and the older ``checkpoint.safetensors`` (parameters and moments in one file). Nothing depends on the
-plan that wrote a checkpoint, so any plan of the same model can load it.
+saves (naming them) instead of mixing them. ``--load DIR`` also takes a plain Hugging Face checkpoint
+(weights only: moments start at zero, step 0) and the older ``checkpoint.safetensors`` (parameters and
+moments in one file). Nothing depends on the plan that wrote a checkpoint, so any plan of the same model
+can load it.
 
 Saving is collective: the full tensors are assembled on the strategy's first device with the comm
 layer's fused BSR (destination layout "whole tensor on one device"), a bounded number of bytes per
@@ -388,6 +389,15 @@ def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[s
                 p.rmdir()
         raise HspmdError(f"{directory}: cannot write the checkpoint: {exc.strerror or exc}") from None
     return written
+
+
+def check_load_and_save(ctx: PlanContext, load_dir: Path | None, save_dir: Path | None) -> None:
+    """What ``--load`` and ``--save`` name, checked before anything trains (by every launcher: hspmd's own
+    and each torchrun worker): a bad one would otherwise surface in the workers, or after the whole run."""
+    if load_dir is not None:
+        read_checkpoint_info(load_dir, ctx)
+    if save_dir is not None:
+        check_save_target(save_dir, "--save")
 
 
 def check_save_target(directory: str | Path, option: str) -> None:

@@ -83,14 +83,9 @@ def _preflight(options: TrainOptions, ctx: PlanContext) -> str | None:
         token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed,
                      data_file=options.data_file)
     # Both checked in documents runs too, which skipped them: a bad --load or --save surfaced in the workers.
-    if options.load_dir is not None:
-        from runtime.checkpoint import read_checkpoint_info
+    from runtime.checkpoint import check_load_and_save
 
-        read_checkpoint_info(options.load_dir, ctx)
-    if options.save_dir is not None:
-        from runtime.checkpoint import check_save_target
-
-        check_save_target(options.save_dir, "--save")
+    check_load_and_save(ctx, options.load_dir, options.save_dir)
     return line
 
 

@@ -58,8 +58,11 @@ def run_torchrun(options: TrainOptions, env: TorchrunEnv, *, on_step: Callable[[
 
     import torch.distributed as dist
 
+    from runtime.checkpoint import check_load_and_save
+
     ctx = load_plan_context(options.plan)
     check_trainable(ctx)
+    check_load_and_save(ctx, options.load_dir, options.save_dir)
     strategy = select_strategy(ctx, options.strategy)
     devices = run_devices(ctx, options)  # a documents run: every strategy's devices (runtime/launch/session.py)
     if env.world_size != len(devices):

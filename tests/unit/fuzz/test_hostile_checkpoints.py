@@ -562,3 +562,19 @@ def test_files_a_crashed_save_staged_go_with_the_next_save(originals, ctx, state
     assert read_checkpoint_info(d, ctx).step == STEP
     save_to(d, ctx, state, step=STEP + 1)
     assert sorted(p.name for p in d.iterdir()) == sorted(["config.json", WEIGHTS_FILE, OPTIMIZER_FILE, *kept])
+
+
+@pytest.mark.parametrize("option", ["load", "save"])
+def test_a_torchrun_worker_checks_load_and_save_before_its_rendezvous(tmp_path, option):
+    """Regression: under torchrun nothing checked --save (the run trained to its end before the writer
+    failed) and --load was read only once the world had formed."""
+    from runtime.launch import TrainOptions
+    from runtime.launch.torchrun import TorchrunEnv, run_torchrun
+
+    (tmp_path / "file").write_text("x")
+    path = tmp_path / "file" / "ck"
+    options = TrainOptions(plan=PLAN, **{f"{option}_dir": path})
+    with pytest.raises(HspmdError) as err:
+        run_torchrun(options, TorchrunEnv(rank=0, world_size=4, local_rank=0, local_world_size=4))
+    assert err.value.lines() == [f"{path}: --{option}: " + (
+        "no such directory" if option == "load" else f"{tmp_path / 'file'} is not a directory")]
