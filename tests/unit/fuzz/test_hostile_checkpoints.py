@@ -8,8 +8,9 @@ sharded into many small files) and breaks one thing. Whatever is broken: exit co
 that names the file (and the field or tensor), no traceback, nothing written; and a save that fails leaves
 the previous checkpoint loadable as it was.
 
-Not tried here: unreadable permissions and read-only parents (the suite runs as root, which reads and
-writes through any mode bits: the cases are skipped there rather than asserting nothing).
+Under root, the unreadable-file and read-only-parent cases are skipped (root reads and writes through any
+mode bits, so they would assert nothing). A crash during the renames that end a save (as opposed to a
+failure while writing) is refused by the save id: tests/unit/train/test_hf_checkpoint.py's torn save.
 """
 
 from __future__ import annotations
