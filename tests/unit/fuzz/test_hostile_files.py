@@ -1,6 +1,6 @@
 """Hostile files through every verb that reads one: random bytes, truncations and mutations of each
 shipped file. Whatever the file, a verb exits 0 (the mutation stayed valid) or 2 with a few lines, each
-naming the file when the file itself is at fault; never a traceback, never exit 1, never over 5 s,
+naming the file when the file itself is at fault; never a traceback, never exit 1, never over 5 s of CPU,
 and nothing written when it fails.
 """
 
@@ -31,7 +31,8 @@ MODELS = sorted((REPO / "configs" / "models").glob("*.yaml"))
 CLUSTERS = sorted((REPO / "configs" / "clusters").glob("*.yaml"))
 PROFILES = sorted((REPO / "profiles").glob("*.yaml"))
 TINY_PLAN = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"
-SECONDS = 5.0
+SECONDS = 5.0  # of CPU per verb run
+HANG_SECONDS = 60.0  # of wall time: a hang, whatever the load
 MAX_LINES = MAX_REPORTED + 2  # the capped list, its "... and N more", and slack for one usage line
 EXAMPLES = 40  # per verb and file kind: ~60 s in all on a loaded 2-core box (~20 s of CPU)
 
@@ -201,17 +202,19 @@ def check(verb: Verb, original: Path, data: bytes, loader: Callable[[Path], obje
         hostile.write_bytes(data)
         out = scratch / "out" / "written"
         argv = verb.argv(hostile, scratch, out)
-        t0 = time.perf_counter()
-        with deadline(2 * SECONDS):
+        # CPU time, not wall time: the verb runs in this process, and on a shared 2-core box the wall
+        # clock measures the other jobs too. The wall deadline only catches a hang.
+        t0 = time.process_time()
+        with deadline(HANG_SECONDS):
             result = CliRunner().invoke(cli, argv)
-        elapsed = time.perf_counter() - t0
+        elapsed = time.process_time() - t0
         text = result.output
         where = f"{verb.name} on a variant of {original.name}: exit {result.exit_code}\n{text}"
         assert "Traceback" not in text, where
         assert result.exit_code in (0, 2), where
         if result.exit_code != 0:
             assert isinstance(result.exception, SystemExit), f"{where}\n{result.exception!r}"
-        assert elapsed < SECONDS, f"{where}\ntook {elapsed:.1f} s"
+        assert elapsed < SECONDS, f"{where}\ntook {elapsed:.1f} s of CPU"
         bad = file_is_bad(loader, hostile)
         if bad:
             assert result.exit_code == 2, where
