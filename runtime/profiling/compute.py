@@ -265,7 +265,7 @@ class StageRun:
         stage_backward(self.embed, self.head, 0, self.state)
 
 
-def _time_stage_runs(runs: dict[Any, StageRun], device: torch.device, *, min_reps: int, max_reps: int,
+def time_in_turns(runs: dict[Any, StageRun], device: torch.device, *, min_reps: int, max_reps: int,
                      budget_s: float, warmup: int, barrier: Callable[[], None] | None = None,
                      mean: bool = False) -> dict[Any, tuple[tuple[float, float], tuple[float, float]]]:
     """Median (``mean``: mean) (forward, backward) wall and CPU times of each run; the runs take turns
@@ -311,7 +311,7 @@ def measure_stage_blocks(model: ModelSpec, tp: int, seq_lens: Sequence[int], *, 
     device = torch.device(device)
     runs = {(s, name): StageRun(model, tp, n, e, h, micro_batch, s, device)
             for s in seq_lens for name, (e, h, n) in STAGE_VARIANTS.items()}
-    med = _time_stage_runs(runs, device, min_reps=min_reps, max_reps=max_reps, budget_s=budget_s,  # type: ignore[arg-type]
+    med = time_in_turns(runs, device, min_reps=min_reps, max_reps=max_reps, budget_s=budget_s,  # type: ignore[arg-type]
                            warmup=warmup)
     out: dict[str, list[Sample]] = {k: [] for k in ("layer", "stage", "embedding", "head")}
     for s in seq_lens:
