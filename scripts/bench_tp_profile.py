@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -47,6 +48,7 @@ from runtime.spec import load_model  # noqa: E402
 
 TP = 2
 CLOCKS = ("wall", "cpu")
+METHODS = ("in_turns", "back_to_back", "back_to_back_sp")
 
 
 def price(blocks: dict[str, tuple[float, float]], layers: int) -> tuple[float, float]:
@@ -146,8 +148,15 @@ def main() -> None:
         result = queue.get(timeout=1800)
         for p in procs:
             p.join(timeout=60)
+    def median(xs: list) -> float:
+        kept = [x for x in xs if x is not None]   # an overhead timed whole at <= 0 has no ratio
+        return statistics.median(kept) if kept else float("nan")
+
+    summary = {name: {c: {key: [median([rec[c][name][key][j] for rec in result]) for j in (0, 1)]
+                          for key in ("stage_ratio", "overhead_ratio")} for c in CLOCKS}
+               for name in METHODS}
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(json.dumps({"repeats": result, "median_over_repeats": summary}, indent=1))
         return
     for rec in result:
         print(f"repeat {rec['repeat']}: load {rec['load_start']:.2f} -> {rec['load_end']:.2f}, "
@@ -157,12 +166,17 @@ def main() -> None:
             print(f"  {c}: whole TP stage F/B {r['whole_tp'][0] * 1e3:.1f}/{r['whole_tp'][1] * 1e3:.1f} ms, "
                   f"SP {r['whole_sp'][0] * 1e3:.1f}/{r['whole_sp'][1] * 1e3:.1f}, local "
                   f"{r['whole_local'][0] * 1e3:.1f}/{r['whole_local'][1] * 1e3:.1f}")
-            for name in ("in_turns", "back_to_back", "back_to_back_sp"):
+            for name in METHODS:
                 m = r[name]
                 print(f"    {name:16s} stage priced {m['stage_priced'][0] * 1e3:.1f}/{m['stage_priced'][1] * 1e3:.1f} "
                       f"ms (x{m['stage_ratio'][0]:.3f}/x{m['stage_ratio'][1]:.3f}); overhead priced "
                       f"{m['overhead_priced'][0] * 1e3:.1f}/{m['overhead_priced'][1] * 1e3:.1f} vs whole "
                       f"{m['overhead_whole'][0] * 1e3:.1f}/{m['overhead_whole'][1] * 1e3:.1f}")
+    print("median over the repeats, priced / timed whole (F/B):")
+    for name, by_clock in summary.items():
+        print(f"  {name:16s} " + "; ".join(f"{c}: stage x{v['stage_ratio'][0]:.3f}/x{v['stage_ratio'][1]:.3f}, "
+                                          f"overhead x{v['overhead_ratio'][0]:.3f}/x{v['overhead_ratio'][1]:.3f}"
+                                          for c, v in by_clock.items()))
 
 
 if __name__ == "__main__":
