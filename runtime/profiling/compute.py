@@ -15,9 +15,9 @@ and the head add (``stage_blocks``). The step's epilogue (gradient collection, g
 AdamW on local shards, gradient reset) is timed as ``train_step`` runs it (``measure_step_epilogue``), and
 what the runtime's TP layer adds among processes as the TP stage minus its local shards, without and with
 sequence parallelism (``measure_tp_overhead``). The TP stages are timed as the engine runs a stage's
-micro-batches, back to back (``time_back_to_back``): timed one forward and backward at a time with a
-barrier between them, in turns with the other variants, a TP stage's collectives and DTensor dispatch
-cost other than in a step (by 2-30% on a loaded CPU host; docs/benchmarks.md).
+micro-batches, back to back (``time_back_to_back``): timed one forward and one backward at a time, a
+barrier before each pair and the other variants' in between, a TP stage's collectives and DTensor
+dispatch cost other than in a step (by 2-30% on a loaded CPU host; docs/benchmarks.md).
 
 What this does not time: the head's all-gather (its output is materialised by a copy).
 """
@@ -266,8 +266,8 @@ class StageRun:
 
 
 def time_in_turns(runs: dict[Any, StageRun], device: torch.device, *, min_reps: int, max_reps: int,
-                     budget_s: float, warmup: int, barrier: Callable[[], None] | None = None,
-                     mean: bool = False) -> dict[Any, tuple[tuple[float, float], tuple[float, float]]]:
+                  budget_s: float, warmup: int, barrier: Callable[[], None] | None = None,
+                  mean: bool = False) -> dict[Any, tuple[tuple[float, float], tuple[float, float]]]:
     """Median (``mean``: mean) (forward, backward) wall and CPU times of each run; the runs take turns
     within each repeat, so a change of machine load hits them alike. ``barrier``: called before each
     repeat (TP groups)."""
@@ -312,7 +312,7 @@ def measure_stage_blocks(model: ModelSpec, tp: int, seq_lens: Sequence[int], *, 
     runs = {(s, name): StageRun(model, tp, n, e, h, micro_batch, s, device)
             for s in seq_lens for name, (e, h, n) in STAGE_VARIANTS.items()}
     med = time_in_turns(runs, device, min_reps=min_reps, max_reps=max_reps, budget_s=budget_s,  # type: ignore[arg-type]
-                           warmup=warmup)
+                        warmup=warmup)
     out: dict[str, list[Sample]] = {k: [] for k in ("layer", "stage", "embedding", "head")}
     for s in seq_lens:
         for k, (f, b) in stage_blocks({name: med[s, name][0] for name in STAGE_VARIANTS}).items():  # type: ignore[index]
