@@ -69,7 +69,8 @@ Fidelity notes: compute comes from a measured profile's stage blocks when it has
 layer, a stage's fixed time per micro-batch, what the embedding and head add, timed through the
 runtime's stage module as the engine runs a micro-batch: ``MeasuredModel.blocks``), else from the sum of
 the components. TP collectives are priced from the measured TP overhead per block (DTensor dispatch and
-collectives: ``tp_blocks``, or per layer ``tp_overhead`` in older profiles) when there is one, else
+collectives: ``tp_blocks``, ``tp_blocks_sp`` for a sequence-parallel plan where the profile has them, or
+per layer ``tp_overhead`` in older profiles) when there is one, else
 counted (2 all-reduces forward, 2 backward per layer, as the runtime lays Megatron TP out). On a
 CPU-emulated device type only the CPU-time part of the TP overhead (``tp_blocks_cpu``) is stretched by its
 slowdown: the runtime sleeps a multiple of each compute block's CPU time. ``step_overhead_time`` (the
@@ -527,10 +528,12 @@ class CostModel:
         return self.profiles[device_type].measured_model(self.model)
 
     def _tp_overhead(self, device_type: str, tp: int) -> ComponentFit | None:
-        """The measured per-layer TP overhead (DTensor + collectives), if the profile has it."""
+        """The measured per-layer TP overhead (DTensor + collectives), if the profile has it: the layer
+        block of ``_tp_blocks``, else (profiles without TP blocks) ``tp_overhead``."""
+        blocks = self._tp_blocks(device_type, tp)
+        if blocks is not None:
+            return blocks["layer"]
         m = self._measured(device_type) if tp > 1 else None
-        if m is not None and measured_tp_comm(self.profiles[device_type], self.model, tp):
-            return ZERO_FIT   # the measured times include the collectives
         return None if m is None else m.tp_overhead.get(tp)
 
     def is_measured(self, device_type: str, tp: int) -> bool:
@@ -690,10 +693,15 @@ class CostModel:
                                    compute_s=sc.compute_s + d_f + d_b)
 
     def _tp_blocks(self, device_type: str, tp: int, cpu: bool = False) -> Mapping[str, ComponentFit] | None:
-        """Measured TP overhead per stage block (wall time, or its CPU part), if the profile has it."""
+        """Measured TP overhead per stage block (wall time, or its CPU part), if the profile has it: for a
+        sequence-parallel plan the figures measured with it on (``tp_blocks_sp``), where the profile has
+        them at this degree, else (older profiles) those measured without it, whose collectives move the
+        same bytes (each all-reduce a reduce-scatter plus an all-gather)."""
         m = self._measured(device_type) if tp > 1 else None
         if m is not None and measured_tp_comm(self.profiles[device_type], self.model, tp):
             return dict.fromkeys(BLOCKS, ZERO_FIT)   # the measured times include the collectives
+        if m is not None and self.sequence_sharded(tp) and tp in m.tp_blocks_sp:
+            return (m.tp_blocks_sp_cpu if cpu else m.tp_blocks_sp).get(tp)
         return None if m is None else (m.tp_blocks_cpu if cpu else m.tp_blocks).get(tp)
 
     @staticmethod

@@ -13,8 +13,11 @@ own micro-batch step (``StageRun``), with 1 and 3 layers and with and without th
 Their differences give the per-layer time, a stage's fixed time per micro-batch, and what the embedding
 and the head add (``stage_blocks``). The step's epilogue (gradient collection, global norm, clipping,
 AdamW on local shards, gradient reset) is timed as ``train_step`` runs it (``measure_step_epilogue``), and
-what the runtime's TP layer adds among processes as the TP stage minus its local shards
-(``measure_tp_overhead``).
+what the runtime's TP layer adds among processes as the TP stage minus its local shards, without and with
+sequence parallelism (``measure_tp_overhead``). The TP stages are timed as the engine runs a stage's
+micro-batches, back to back (``time_back_to_back``): timed one forward and one backward at a time, a
+barrier before each pair and the other variants' in between, a TP stage's collectives and DTensor
+dispatch cost other than in a step (by 2-30% on a loaded CPU host; docs/benchmarks.md).
 
 What this does not time: the head's all-gather (its output is materialised by a copy).
 """
@@ -262,9 +265,9 @@ class StageRun:
         stage_backward(self.embed, self.head, 0, self.state)
 
 
-def _time_stage_runs(runs: dict[Any, StageRun], device: torch.device, *, min_reps: int, max_reps: int,
-                     budget_s: float, warmup: int, barrier: Callable[[], None] | None = None,
-                     mean: bool = False) -> dict[Any, tuple[tuple[float, float], tuple[float, float]]]:
+def time_in_turns(runs: dict[Any, StageRun], device: torch.device, *, min_reps: int, max_reps: int,
+                  budget_s: float, warmup: int, barrier: Callable[[], None] | None = None,
+                  mean: bool = False) -> dict[Any, tuple[tuple[float, float], tuple[float, float]]]:
     """Median (``mean``: mean) (forward, backward) wall and CPU times of each run; the runs take turns
     within each repeat, so a change of machine load hits them alike. ``barrier``: called before each
     repeat (TP groups)."""
@@ -308,8 +311,8 @@ def measure_stage_blocks(model: ModelSpec, tp: int, seq_lens: Sequence[int], *, 
     device = torch.device(device)
     runs = {(s, name): StageRun(model, tp, n, e, h, micro_batch, s, device)
             for s in seq_lens for name, (e, h, n) in STAGE_VARIANTS.items()}
-    med = _time_stage_runs(runs, device, min_reps=min_reps, max_reps=max_reps, budget_s=budget_s,  # type: ignore[arg-type]
-                           warmup=warmup)
+    med = time_in_turns(runs, device, min_reps=min_reps, max_reps=max_reps, budget_s=budget_s,  # type: ignore[arg-type]
+                        warmup=warmup)
     out: dict[str, list[Sample]] = {k: [] for k in ("layer", "stage", "embedding", "head")}
     for s in seq_lens:
         for k, (f, b) in stage_blocks({name: med[s, name][0] for name in STAGE_VARIANTS}).items():  # type: ignore[index]
@@ -370,41 +373,95 @@ def measure_split_blocks(model: ModelSpec, tp: int, seq_lens: Sequence[int], *, 
     return out
 
 
+# A TP stage's micro-batches as the engine runs them: a one-stage pipeline's 1F1B step is each micro-batch's
+# forward then its backward, back to back (the TP plans the simulator is checked on hold one such stage, with
+# 8 micro-batches per step); rounds of such bursts, every run taking its turn in each round. The quick
+# profile (``--budget 0``) runs one short round.
+TP_MICRO_BATCHES = 8
+TP_ROUNDS = 3
+
+
+def time_back_to_back(runs: dict[Any, StageRun], device: torch.device, *, micro_batches: int, rounds: int,
+                      warmup: int = 1, barrier: Callable[[], None] | None = None
+                      ) -> dict[Any, tuple[tuple[float, float], tuple[float, float]]]:
+    """Mean (forward, backward) wall and process-CPU seconds of one micro-batch of each run, timed as the
+    engine runs a stage's micro-batches: ``micro_batches`` of them, forward then backward, back to back,
+    nothing else run and nothing waited for between them (``barrier`` only before each burst: a step's
+    start). Every run takes its turn in each round, so a change of the host's load hits them alike; per
+    run, the trimmed mean over the rounds of each burst's mean (a step pays every stall of its
+    micro-batches: means add up)."""
+    for r in runs.values():
+        for _ in range(warmup):
+            r.prepare_backward()()
+    bursts: dict[Any, list[list[list[float]]]] = {k: [[[], []], [[], []]] for k in runs}  # [wall, cpu][phase]
+    for _ in range(rounds):
+        for key, r in runs.items():
+            if barrier is not None:
+                barrier()
+            sums = [[0.0, 0.0], [0.0, 0.0]]
+            for _ in range(micro_batches):
+                for phase, timed in ((0, r.prepare_forward()), (1, r.backward)):
+                    for clock, secs in enumerate(time_once(timed, device)):
+                        sums[clock][phase] += secs
+            for clock in (0, 1):
+                for phase in (0, 1):
+                    bursts[key][clock][phase].append(sums[clock][phase] / micro_batches)
+    return {k: tuple((trimmed_mean(f), trimmed_mean(b)) for f, b in bursts[k]) for k in runs}  # type: ignore[misc]
+
+
+def tp_overhead_blocks(tp: dict[str, tuple[float, float]], local: dict[str, tuple[float, float]]
+                       ) -> dict[str, tuple[float, float]]:
+    """The difference method on whole stages: what TP adds to each ``STAGE_VARIANTS`` stage (the TP stage's
+    (forward, backward) time minus the plain local shards', none below zero), then ``stage_blocks`` of
+    those: per layer (3 layers - 1) / 2, the rest as there."""
+    return stage_blocks({name: tuple(max(0.0, tp[name][j] - local[name][j]) for j in (0, 1))  # type: ignore[misc]
+                         for name in STAGE_VARIANTS})
+
+
 def measure_tp_overhead(model: ModelSpec, tp: int, group, seq_lens: Sequence[int], *, device: torch.device | str,
-                        micro_batch: int = 1, reps: int = 9) -> dict[str, dict[str, list[Sample]]] | None:
+                        micro_batch: int = 1, micro_batches: int = TP_MICRO_BATCHES, rounds: int = TP_ROUNDS
+                        ) -> dict[str, dict[str, list[Sample]]] | None:
     """What tensor parallelism adds to each stage block: the runtime's TP stage modules
-    (``apply_tensor_parallel``: DTensor over ``group``, its collectives included) minus the same local
-    shards run plainly, both as the engine runs a micro-batch. Call on every member of ``group`` (the
-    first ``tp`` ranks); the group's first rank returns ``{"wall": blocks, "cpu": blocks}`` (block ->
-    per-length samples; CPU time is what an emulated device's sleep is a multiple of), the others None."""
+    (``apply_tensor_parallel``: DTensor over ``group``, its collectives included), without and with
+    sequence parallelism, minus the same local shards run plainly, every one timed as the engine runs a
+    stage's micro-batches (``time_back_to_back``) and differenced by ``tp_overhead_blocks``. Call on every
+    member of ``group`` (the first ``tp`` ranks); the group's first rank returns ``{"wall": blocks, "cpu":
+    blocks, "sp_wall": blocks, "sp_cpu": blocks}`` (block -> per-length samples; CPU time is what an
+    emulated device's sleep is a multiple of; ``sp_*``: sequence parallel, at the lengths ``tp`` divides),
+    the others None."""
     device = torch.device(device)
     mesh = DeviceMesh.from_group(group, device.type)
     first = dist.get_rank(group) == 0
 
-    def tp_stage(n: int, embed: bool, head: bool) -> nn.Module:
+    def tp_stage(n: int, embed: bool, head: bool, sp: bool) -> nn.Module:
         stage = LlamaForCausalLM(model, range(n), embed=embed, head=head).to(device)
         infos = [i for i in llama_parameters(model) if (i.owner == "embedding" and embed) or
                  (i.owner == "head" and head) or (i.owner == "layer" and i.layer is not None and i.layer < n)]
-        apply_tensor_parallel(stage, infos, mesh)
+        apply_tensor_parallel(stage, infos, mesh, sequence_parallel=sp)
         return stage
 
-    out: dict[str, dict[str, list[Sample]]] = {"wall": {}, "cpu": {}}
+    kinds = {"": False, "sp_": True}
     runs = {}
     for s in seq_lens:
         for name, (e, h, n) in STAGE_VARIANTS.items():
-            runs[s, f"tp {name}"] = StageRun(model, tp, n, e, h, micro_batch, s, device, module=tp_stage(n, e, h))
-            runs[s, name] = StageRun(model, tp, n, e, h, micro_batch, s, device)
+            runs[s, name, None] = StageRun(model, tp, n, e, h, micro_batch, s, device)
+            for kind, sp in kinds.items():
+                if not sp or s % tp == 0:   # sequence parallel shards the sequence evenly
+                    runs[s, name, kind] = StageRun(model, tp, n, e, h, micro_batch, s, device,
+                                                   module=tp_stage(n, e, h, sp))
     dist.barrier(group=group)
-    # Means: a step pays every collective's occasional stall (on a shared host, a few ms when a waiting
-    # process's core has gone idle), so the mean is what adds up, not the typical time.
-    med = _time_stage_runs(runs, device, min_reps=reps, max_reps=reps, budget_s=0.0, warmup=2,  # type: ignore[arg-type]
-                           barrier=lambda: dist.barrier(group=group), mean=True)
+    times = time_back_to_back(runs, device, micro_batches=micro_batches, rounds=rounds,
+                              barrier=lambda: dist.barrier(group=group))
+    out: dict[str, dict[str, list[Sample]]] = {f"{kind}{clock}": {} for kind in kinds for clock in ("wall", "cpu")}
     for s in seq_lens:
-        for kind, i in (("wall", 0), ("cpu", 1)):
-            diff = {name: tuple(max(0.0, med[s, f"tp {name}"][i][j] - med[s, name][i][j]) for j in (0, 1))
-                    for name in STAGE_VARIANTS}
-            for k, (f, b) in stage_blocks(diff).items():  # type: ignore[arg-type]
-                out[kind].setdefault(k, []).append(Sample(s, f, b, 0.0))
+        for kind in kinds:
+            if (s, "mid1", kind) not in runs:
+                continue
+            for clock, i in (("wall", 0), ("cpu", 1)):
+                blocks = tp_overhead_blocks({name: times[s, name, kind][i] for name in STAGE_VARIANTS},
+                                            {name: times[s, name, None][i] for name in STAGE_VARIANTS})
+                for k, (f, b) in blocks.items():
+                    out[f"{kind}{clock}"].setdefault(k, []).append(Sample(s, f, b, 0.0))
     return out if first else None
 
 

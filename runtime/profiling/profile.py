@@ -180,6 +180,12 @@ class MeasuredModel:
     # so only this part is stretched). Absent in older profiles.
     tp_blocks: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
     tp_blocks_cpu: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
+    # The same with sequence parallelism on (``training.sequence_parallel``: the TP stage modules shard the
+    # residual stream along the sequence, reduce-scatter + all-gather instead of all-reduce), wall and CPU
+    # time; the cost model prices a sequence-parallel plan's TP stages by them. Absent in older profiles
+    # (the cost model then uses ``tp_blocks`` for those plans too: the same bytes cross the links).
+    tp_blocks_sp: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
+    tp_blocks_sp_cpu: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
     # Per TP degree: whole stage blocks (``BLOCKS``) timed through the runtime's stage module; absent in
     # older profiles, where the cost model sums the components instead.
     blocks: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
@@ -224,7 +230,7 @@ class MeasuredModel:
             c.check(0 < eff <= 1, f"core_sharing.{s}", f"must be in (0, 1], got {eff}")
         for s in self.core_handoff:
             c.check(s >= 1, f"core_handoff.{s}", "must be keyed by a positive sequence length")
-        for name in ("blocks", "tp_blocks", "tp_blocks_cpu"):
+        for name in ("blocks", "tp_blocks", "tp_blocks_cpu", "tp_blocks_sp", "tp_blocks_sp_cpu"):
             for t, blocks in getattr(self, name).items():
                 check_keys(c, f"{name}.{t}", blocks, BLOCKS, "block")
         for t, blocks in self.split_blocks.items():

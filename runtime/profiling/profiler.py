@@ -203,9 +203,11 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
         over = links.get("tp_overhead", {}).get(model.name, {})
         if over:  # As measured, not stretched: the runtime stretches only the CPU time of an emulated
             # device's compute blocks, which the cost model takes from tp_blocks_cpu.
-            fits = {kind: block_fits({t: per[kind] for t, per in over.items()}, 1.0) for kind in ("wall", "cpu")}
+            fits = {kind: block_fits({t: per[kind] for t, per in over.items() if per.get(kind)}, 1.0)
+                    for kind in ("wall", "cpu", "sp_wall", "sp_cpu")}
             mm = dataclasses.replace(mm, tp_overhead={t: b["layer"] for t, b in fits["wall"].items()},
-                                     tp_blocks=fits["wall"], tp_blocks_cpu=fits["cpu"])
+                                     tp_blocks=fits["wall"], tp_blocks_cpu=fits["cpu"],
+                                     tp_blocks_sp=fits["sp_wall"], tp_blocks_sp_cpu=fits["sp_cpu"])
         fitted[model.name] = mm
     peak = thr["tflops"] / slowdown
     # Attention efficiency: the measured s^2 coefficient against its FLOPs (4*h*s^2 per sequence).
@@ -306,7 +308,8 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
                 lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
                 samples = compute.measure_tp_overhead(model, t, tp_groups[t], lens, device=dev,
                                                       micro_batch=settings.micro_batch,
-                                                      reps=9 if settings.component_budget_s > 0 else 2)
+                                                      **({} if settings.component_budget_s > 0 else
+                                                         {"micro_batches": 2, "rounds": 1}))
                 if samples is not None:
                     overhead.setdefault(model.name, {})[t] = samples
             dist.barrier()

@@ -39,6 +39,9 @@ def test_profile_then_simulate(tmp_path: Path):
     # stage modules' overhead (DTensor and collectives) per block; the penalty after idling.
     mm, ms = fast.models["llama-tiny"], slow.models["llama-tiny"]
     assert sorted(mm.blocks) == [1, 2] and sorted(mm.tp_blocks) == [2] and sorted(mm.tp_blocks_cpu) == [2]
+    # ... and with sequence parallelism on, timed apart
+    assert sorted(mm.tp_blocks_sp) == [2] and sorted(mm.tp_blocks_sp_cpu) == [2]
+    assert mm.tp_blocks_sp[2]["layer"].forward_s != mm.tp_blocks[2]["layer"].forward_s
     assert ms.blocks[1]["layer"].forward_s[2] == pytest.approx(3 * mm.blocks[1]["layer"].forward_s[2])
     assert mm.resume is not None and mm.resume == ms.resume and fast.comm.p2p_wake is not None
     assert fast.optimizer.seconds_per_tensor > 0 and fast.step_overhead.seconds_per_tensor >= 0

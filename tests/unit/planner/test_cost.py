@@ -303,6 +303,41 @@ def test_measured_stage_blocks_replace_the_component_sum():
     assert slow.tp_cpu_forward_s == pytest.approx(tp.tp_forward_s / 2)
 
 
+def test_a_sequence_parallel_plan_is_priced_by_the_tp_blocks_measured_with_it():
+    """``tp_blocks_sp`` (measured with sequence parallelism on: wall layer 0.3/0.4, stage 0.05/0.06,
+    embedding 0.07/0, head 0.08/0.09; CPU a quarter of each) price the TP stages of a sequence-parallel
+    plan; a plan without it keeps ``tp_blocks``; a profile without SP figures prices both by ``tp_blocks``."""
+    base = blocks_set(extras=True)
+
+    def blk(f: float, b: float) -> ComponentFit:
+        return ComponentFit(fit(c=f), fit(c=b), fit(), params=0)
+
+    sp = {"layer": blk(0.3, 0.4), "stage": blk(0.05, 0.06), "embedding": blk(0.07, 0.0), "head": blk(0.08, 0.09)}
+    quarter = {k: blk(v.forward_s[2] / 4, v.backward_s[2] / 4) for k, v in sp.items()}
+    ps = ProfileSet({t: ResolvedProfile(dataclasses.replace(base[t], models={
+        k: dataclasses.replace(m, tp_blocks_sp={2: sp}, tp_blocks_sp_cpu={2: quarter})
+        for k, m in base[t].models.items()}), None) for t in base})
+
+    def model(profiles, sequence_parallel: bool) -> CostModel:
+        return CostModel(TINY, CPU4, profiles, micro_batch=1, seq_len=64, step_allreduce=False,
+                         sequence_parallel=sequence_parallel)
+
+    on = model(ps, True).stage("cpu-fast", 2, 2, True, False)
+    assert (on.tp_forward_s, on.tp_backward_s) == pytest.approx((2 * 0.3 + 0.05 + 0.07, 2 * 0.4 + 0.06))
+    assert (on.tp_cpu_forward_s, on.tp_cpu_backward_s) == pytest.approx(((0.6 + 0.12) / 4, 0.86 / 4))
+    # the 3x emulated device stretches the SP blocks' CPU part
+    slow = model(ps, True).stage("cpu-slow", 2, 2, True, False)
+    assert slow.tp_forward_s == pytest.approx(on.tp_forward_s + 2 * on.tp_cpu_forward_s)
+    off = model(ps, False).stage("cpu-fast", 2, 2, True, False)   # blocks_set's tp_blocks
+    assert (off.tp_forward_s, off.tp_backward_s) == pytest.approx((2 * 0.1 + 0.01 + 0.03, 2 * 0.2 + 0.02))
+    # the stated fallback: no SP figures in the profile, the SP plan priced as without SP
+    old = model(base, True).stage("cpu-fast", 2, 2, True, False)
+    assert (old.tp_forward_s, old.tp_backward_s) == pytest.approx((off.tp_forward_s, off.tp_backward_s))
+    assert old.tp_cpu_forward_s == pytest.approx(off.tp_cpu_forward_s)
+    # TP 1 stages have no TP overhead, whatever the plan's switch
+    assert model(ps, True).stage("cpu-fast", 1, 2, True, False).tp_forward_s == 0.0
+
+
 def test_a_measured_split_backward_prices_b_and_w_on_their_own():
     """A profile with ``split_blocks`` (B and W of the layer, the stage's fixed part and the head, as the
     engine runs a split backward): a chunk's B and W are their sums, not shares of the fused backward;

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,8 @@ from runtime.profiling.compute import (
     measure_step_epilogue,
     measure_sync_pack,
     stage_blocks,
+    time_back_to_back,
+    tp_overhead_blocks,
 )
 from runtime.profiling.fit import fit_component, fit_quadratic, nonneg_lstsq
 from runtime.profiling.host import busy_core_handoff, emulated_cpu_shares, handoff_figures, host_cpus
@@ -86,6 +89,60 @@ def test_stage_blocks_are_differences_of_whole_stages():
     assert blocks["stage"] == pytest.approx((1.0, 2.0))             # 1 layer minus a layer
     assert blocks["embedding"] == pytest.approx((0.5, 0.25)) and blocks["head"] == pytest.approx((1.0, 0.0))
     assert stage_blocks({**med, "mid3": (2.0, 1.0)})["layer"] == (0.0, 0.0)   # noise never goes below zero
+
+
+def test_tp_overhead_is_the_difference_of_whole_tp_and_local_stages():
+    """Hand-computed: the TP stages minus the local ones per variant, then the blocks of those differences;
+    a TP stage measured faster than its local shards (noise) adds nothing."""
+    local = {"mid1": (3.0, 5.0), "mid3": (7.0, 11.0), "first1": (3.5, 5.25), "last1": (4.0, 5.0)}
+    tp = {"mid1": (4.0, 7.0), "mid3": (10.0, 17.0), "first1": (5.0, 7.5), "last1": (6.0, 6.5)}
+    blocks = tp_overhead_blocks(tp, local)
+    # differences: mid1 (1, 2), mid3 (3, 6), first1 (1.5, 2.25), last1 (2, 1.5)
+    assert blocks["layer"] == pytest.approx((1.0, 2.0))        # (3 - 1) / 2, (6 - 2) / 2
+    assert blocks["stage"] == pytest.approx((0.0, 0.0))        # mid1's difference minus a layer's
+    assert blocks["embedding"] == pytest.approx((0.5, 0.25))   # first1's minus mid1's
+    assert blocks["head"] == pytest.approx((1.0, 0.0))         # last1's minus mid1's (-0.5: none)
+    faster = tp_overhead_blocks({**tp, "mid3": (6.0, 17.0)}, local)
+    assert faster["layer"] == pytest.approx((0.0, 2.0)) and faster["stage"] == pytest.approx((1.0, 0.0))
+
+
+class _Recorded:
+    """A stand-in for ``StageRun`` that logs its calls and sleeps ``secs`` in its forward and backward."""
+
+    def __init__(self, name: str, log: list[str], secs: float) -> None:
+        self.name, self.log, self.secs = name, log, secs
+
+    def prepare_forward(self):
+        self.log.append(f"{self.name}.prep")
+        return self.forward
+
+    def forward(self) -> None:
+        self.log.append(f"{self.name}.F")
+        time.sleep(self.secs)
+
+    def prepare_backward(self):
+        self.prepare_forward()
+        self.forward()
+        return self.backward
+
+    def backward(self) -> None:
+        self.log.append(f"{self.name}.B")
+        time.sleep(2 * self.secs)
+
+
+def test_back_to_back_timing_runs_each_stage_as_the_engine_runs_a_step():
+    """Each run's micro-batches, forward then backward, back to back; the runs take turns, one burst each
+    per round, with the barrier only before a burst; means per micro-batch, sleeping taking no CPU."""
+    log: list[str] = []
+    runs = {"a": _Recorded("a", log, 0.002), "b": _Recorded("b", log, 0.001)}
+    times = time_back_to_back(runs, torch.device("cpu"), micro_batches=3, rounds=2, warmup=1,
+                              barrier=lambda: log.append("barrier"))
+    step = {n: ["barrier"] + [f"{n}.prep", f"{n}.F", f"{n}.B"] * 3 for n in "ab"}
+    assert log == ["a.prep", "a.F", "a.B", "b.prep", "b.F", "b.B"] + 2 * (step["a"] + step["b"])
+    (wall_f, wall_b), (cpu_f, cpu_b) = times["a"]
+    assert 0.002 <= wall_f < 0.05 and 0.004 <= wall_b < 0.1
+    assert cpu_f < wall_f and cpu_b < wall_b
+    assert times["b"][0][0] >= 0.001 and times["b"][0][1] >= 0.002
 
 
 def test_measure_stage_blocks_through_the_runtime_stage_module():

@@ -40,6 +40,7 @@ def measured(name: str = "cpu-fast"):
     mm = MeasuredModel(64, 128, 8, 4, 256, 1, (32, 64), {1: {k: comp for k in
                                                               ("embedding", "attention", "mlp", "norm", "head")}},
                        tp_overhead={2: block}, tp_blocks={2: blocks}, tp_blocks_cpu={2: blocks},
+                       tp_blocks_sp={2: blocks}, tp_blocks_sp_cpu={2: blocks},
                        blocks={1: blocks}, resume=ResumePenalty(4e-4, 8e-4, 3e-3), core_sharing={64: 0.9},
                        core_handoff={64: CoreHandoff(1.2e-3, 3e-4, 5e-4, 1e-4, 2e-4),
                                      256: CoreHandoff(3e-3, 0.0, 2e-4)})
@@ -68,12 +69,14 @@ def test_profile_written_before_the_new_fields_still_loads(tmp_path: Path):
     for key in ("step_overhead", "sync_pack"):
         data.pop(key)
     data["comm"].pop("p2p_wake")
-    for key in ("tp_blocks", "tp_blocks_cpu", "blocks", "resume", "core_sharing", "core_handoff"):
+    for key in ("tp_blocks", "tp_blocks_cpu", "tp_blocks_sp", "tp_blocks_sp_cpu", "blocks", "resume", "core_sharing",
+                "core_handoff"):
         data["models"]["llama-tiny"].pop(key)
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump(data))
     old = load_profile(path)
     assert old.models["llama-tiny"].blocks == {} and old.models["llama-tiny"].resume is None
+    assert old.models["llama-tiny"].tp_blocks_sp == {} and old.models["llama-tiny"].tp_blocks_sp_cpu == {}
     assert old.models["llama-tiny"].core_handoff == {}
     assert old.comm.p2p_wake is None and old.step_overhead == OptimizerFit(0.0)
 
