@@ -29,6 +29,7 @@ deadlock-freedom argument, and ``check_schedule`` verifies it on the action list
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Sequence
@@ -621,14 +622,26 @@ def _checked(name: str, num_devices: int, micro_batches: int, chunks: int | None
 
 @dataclass
 class _DeviceState:
+    """One device of the list scheduler. Its ready ops are kept by how the policy picks them, so that a
+    choice reads the heads of a few queues instead of every ready op (with thousands of micro-batches a
+    device has thousands ready: every first-stage forward is ready at the start)."""
+
     live: int = 0
     forwards_left: int = 0
     free_at: float = 0.0
     after_backward: bool = False  # the op run last was a backward (B or BW): 1F1B's alternation
-    # Ops started here so far, and what the device's ready ops were when it last found none it may run.
+    # Ops started and readied here so far, and those counts when it last found none it may run.
     started: int = 0
-    stuck: tuple[int, int, float] | None = None   # (ready ops, ops started, when the next one comes due)
-    ready: list[int] = field(default_factory=list)   # op numbers (``_list_schedule``)
+    readied: int = 0
+    stuck: tuple[int, int, float] | None = None   # (ops readied, ops started, when the next one comes due)
+    # Ready ops (numbers, ``_list_schedule``): not yet due, as (ready time, op); due ones by kind: a micro-
+    # batch's first forward here (by rank), its later chunks' forwards (few: of micro-batches held here),
+    # B or BW, W (by rank).
+    pending: list[tuple[float, int]] = field(default_factory=list)
+    first_forwards: list[tuple[tuple, int]] = field(default_factory=list)
+    later_forwards: list[int] = field(default_factory=list)
+    backwards: list[tuple[tuple, int]] = field(default_factory=list)
+    weights: list[tuple[tuple, int]] = field(default_factory=list)
     # micro-batch -> forwards it still has to run here / activations it holds here (while it holds any)
     owed: dict[int, int] = field(default_factory=dict)
     held: dict[int, int] = field(default_factory=dict)
@@ -640,6 +653,8 @@ class _DeviceState:
         free = limit - self.live - 1
         if free < 0:
             return False
+        if chunks == 1:   # a micro-batch here owes no forward once it holds its one activation
+            return True
         owed, held = self.owed, self.held
         # The state after that forward, read without copying it (this runs for every candidate forward).
         for k in sorted(owed) if mb in owed else sorted([*owed, mb]):
@@ -652,6 +667,10 @@ class _DeviceState:
                     return False
                 free += held[k]
         return True
+
+    def ready_ops(self) -> list[int]:
+        return ([o for _, o in self.pending] + [o for _, o in self.first_forwards] + self.later_forwards
+                + [o for _, o in self.backwards] + [o for _, o in self.weights])
 
 
 def _priority_keys(pol: Policy, layout: Layout, kinds: tuple[str, ...], m: int) -> tuple[list[tuple], list[tuple]]:
@@ -682,7 +701,10 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
 
     Ops are numbered ``(mb * stages + j) * kinds + k`` (``k`` indexes ``kinds``: F, then B and W or the fused
     BW), each op's dependencies with the transfer time they cross precomputed: the planner prices
-    thousands of pipelines by this loop, so it reads lists rather than hashing op tuples."""
+    thousands of pipelines by this loop, so it reads lists rather than hashing op tuples. A choice costs
+    a few heap operations, not a scan of the ready ops, so a step of many micro-batches is scheduled in
+    time linear in its ops (up to a logarithm); tests/unit/schedules/reference_scheduler.py states the
+    rules plainly, and the tests hold this loop to its choices."""
     pol = POLICIES[name]
     n, stages = layout.num_devices, layout.num_stages
     last = stages - 1
@@ -720,32 +742,81 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
     end = [0.0] * total
     for o in range(total):
         if waiting[o] == 0:
-            devs[dev[(o // nk) % stages]].ready.append(o)
+            st0 = devs[dev[(o // nk) % stages]]
+            st0.pending.append((0.0, o))
+            st0.readied += 1
+    for st0 in devs:
+        heapq.heapify(st0.pending)
     forwards_first = pol.forwards_first
 
-    def choose(st: _DeviceState, ready: list[int], lim: int) -> int | None:
-        """The best-ranked ready op the policy allows (forwards checked in rank order: the banker's
-        check is the expensive part, and only the best allowed forward matters)."""
-        best: int | None = None
-        best_key: tuple | None = None
-        forwards = []
+    def first_safe(st: _DeviceState, lim: int, beats: tuple | None, within: tuple | None) -> int | None:
+        """Remove and return the best-ranked due first forward of a micro-batch here that the banker's rule
+        allows and that ranks before ``beats`` (a backward's rank) and ``within`` (a forward's key); None if
+        none. Those forwards are of micro-batches holding nothing here, and the rule's answer for such a
+        micro-batch depends only on how many of those that do hold activations here are older. Their ranks
+        order them by micro-batch (a device's chunk-0 forwards all sit on one virtual stage, and either
+        order compares the micro-batch first among them), so once one younger than every held micro-batch
+        fails, every later one fails too."""
+        heap = st.first_forwards
         ranks = after if st.after_backward else keys
-        for o in ready:
-            key = ranks[o]
-            if o % nk == 0:
-                forwards.append((key, o))
-            elif (best_key is None or key < best_key) and not (forwards_first and o % nk == 1 and st.forwards_left):
-                best, best_key = o, key
-        forwards.sort()
-        for key, o in forwards:
-            if best_key is not None and key > best_key:
+        order: list[int] | None = None
+        answers: dict[int, bool] = {}
+        skipped: list[tuple[tuple, int]] = []
+        found = None
+        while heap:
+            o = heap[0][1]
+            if (beats is not None and ranks[o] > beats) or (within is not None and keys[o] > within):
                 break
+            if chunks == 1:   # (safe_forward: any forward is, with a free slot)
+                found = heapq.heappop(heap)[1]
+                break
+            if order is None:
+                order = sorted(st.owed)
+            mb = o // per_mb
+            p = bisect.bisect_left(order, mb)
+            ok = answers.get(p)
+            if ok is None:
+                ok = answers[p] = st.safe_forward(mb, lim, chunks)
+            if ok:
+                found = heapq.heappop(heap)[1]
+                break
+            if p == len(order):
+                break
+            skipped.append(heapq.heappop(heap))
+        for x in skipped:
+            heapq.heappush(heap, x)
+        return found
+
+    def take(st: _DeviceState, lim: int) -> int | None:
+        """Remove and return the best-ranked due op the policy allows (None: none): the best B / BW or W
+        (GPipe: no B before the device's last forward), unless a forward that the banker's rule allows ranks
+        before it (forwards are checked in rank order: the banker's check is the expensive part, and only
+        the best allowed forward matters)."""
+        ranks = after if st.after_backward else keys
+        best_heap: list[tuple[tuple, int]] | None = None
+        if st.backwards and not (forwards_first and st.forwards_left):
+            best_heap = st.backwards
+        if st.weights and (best_heap is None or st.weights[0][0] < best_heap[0][0]):
+            best_heap = st.weights
+        beats = None if best_heap is None else best_heap[0][0]   # (a backward ranks the same after either)
+        if st.live < lim:   # else no forward fits (safe_forward)
+            later = None
             # A forward must leave the device in a state where the oldest micro-batch here can still reach
             # its backward (a banker's rule): a bounded device must not fill up with chunk-0 forwards of new
             # micro-batches while an older one still needs a slot for its later chunks.
-            if st.safe_forward(o // per_mb, lim, chunks):
-                return o
-        return best
+            for o in sorted(st.later_forwards, key=keys.__getitem__):
+                if beats is not None and ranks[o] > beats:
+                    break
+                if st.safe_forward(o // per_mb, lim, chunks):
+                    later = o
+                    break
+            first = first_safe(st, lim, beats, None if later is None else keys[later])
+            if first is not None:
+                return first
+            if later is not None:
+                st.later_forwards.remove(later)
+                return later
+        return None if best_heap is None else heapq.heappop(best_heap)[1]
 
     timeline: list[list[TimedOp]] = [[] for _ in range(n)]
     # Times that differ only by rounding are one moment: the order must not hinge on float noise
@@ -756,7 +827,7 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
     now = 0.0
     while started < total:
         if not events:
-            stuck = [(d, sorted((kinds[o % nk], o // per_mb, (o // nk) % stages) for o in st.ready))
+            stuck = [(d, sorted((kinds[o % nk], o // per_mb, (o // nk) % stages) for o in st.ready_ops()))
                      for d, st in enumerate(devs)]
             raise RuntimeError(f"{name}: the list scheduler stalled at t={now} (ready per device: {stuck}); "
                                "the activation bound is too small for this shape")
@@ -767,21 +838,29 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
         for d, st in enumerate(devs):
             if st.free_at > due_by:
                 continue
-            # Ready ops only join the list and become eligible as time passes: with no op started or
-            # readied here since the device last found none to run, and none of its ready ops come due
-            # since, it would find none again.
-            if st.stuck is not None and st.stuck[:2] == (len(st.ready), st.started) and due_by < st.stuck[2]:
+            # Ready ops only join and become due as time passes: with no op started or readied here since
+            # the device last found none to run, and none of its ready ops come due since, it would find
+            # none again.
+            if st.stuck is not None and st.stuck[:2] == (st.readied, st.started) and due_by < st.stuck[2]:
                 continue
-            eligible = [o for o in st.ready if ready_at[o] <= due_by]
-            op = choose(st, eligible, limit[d])
+            pending = st.pending
+            while pending and pending[0][0] <= due_by:
+                o = heapq.heappop(pending)[1]
+                k = o % nk
+                if k == 0:
+                    if chunk[(o // nk) % stages] == 0:
+                        heapq.heappush(st.first_forwards, (keys[o], o))
+                    else:
+                        st.later_forwards.append(o)
+                else:
+                    heapq.heappush(st.backwards if k == 1 else st.weights, (keys[o], o))
+            op = take(st, limit[d])
             if op is None:
-                due = min((ready_at[o] for o in st.ready if ready_at[o] > due_by), default=math.inf)
-                st.stuck = (len(st.ready), st.started, due)
+                st.stuck = (st.readied, st.started, pending[0][0] if pending else math.inf)
                 continue
             mb, j, k = op // per_mb, (op // nk) % stages, op % nk
             st.started += 1
             st.after_backward = k == 1
-            st.ready.remove(op)
             start = max(now, st.free_at, ready_at[op])  # never before its inputs, even by a rounding error
             end[op] = st.free_at = start + dur[j][k]
             heapq.heappush(events, st.free_at)
@@ -802,7 +881,9 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
                 if waiting[nxt] == 0:
                     t = max(end[dep] + h for dep, h in deps[nxt])
                     ready_at[nxt] = t
-                    devs[dev[(nxt // nk) % stages]].ready.append(nxt)
+                    target = devs[dev[(nxt // nk) % stages]]
+                    heapq.heappush(target.pending, (t, nxt))
+                    target.readied += 1
                     heapq.heappush(events, t)
     return timeline
 
