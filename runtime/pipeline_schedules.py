@@ -620,7 +620,7 @@ def _checked(name: str, num_devices: int, micro_batches: int, chunks: int | None
     return layout, costs
 
 
-@dataclass
+@dataclass(slots=True)
 class _DeviceState:
     """One device of the list scheduler. Its ready ops are kept by how the policy picks them, so that a
     choice reads the heads of a few queues instead of every ready op (with thousands of micro-batches a
@@ -748,6 +748,7 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
     for st0 in devs:
         heapq.heapify(st0.pending)
     forwards_first = pol.forwards_first
+    heappush, heappop = heapq.heappush, heapq.heappop
 
     def first_safe(st: _DeviceState, lim: int, beats: tuple | None, within: tuple | None) -> int | None:
         """Remove and return the best-ranked due first forward of a micro-batch here that the banker's rule
@@ -831,9 +832,9 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
                      for d, st in enumerate(devs)]
             raise RuntimeError(f"{name}: the list scheduler stalled at t={now} (ready per device: {stuck}); "
                                "the activation bound is too small for this shape")
-        now = heapq.heappop(events)
+        now = heappop(events)
         while events and events[0] <= now + tol:
-            heapq.heappop(events)
+            heappop(events)
         due_by = now + tol
         for d, st in enumerate(devs):
             if st.free_at > due_by:
@@ -845,15 +846,15 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
                 continue
             pending = st.pending
             while pending and pending[0][0] <= due_by:
-                o = heapq.heappop(pending)[1]
+                o = heappop(pending)[1]
                 k = o % nk
                 if k == 0:
                     if chunk[(o // nk) % stages] == 0:
-                        heapq.heappush(st.first_forwards, (keys[o], o))
+                        heappush(st.first_forwards, (keys[o], o))
                     else:
                         st.later_forwards.append(o)
                 else:
-                    heapq.heappush(st.backwards if k == 1 else st.weights, (keys[o], o))
+                    heappush(st.backwards if k == 1 else st.weights, (keys[o], o))
             op = take(st, limit[d])
             if op is None:
                 st.stuck = (st.readied, st.started, pending[0][0] if pending else math.inf)
@@ -863,7 +864,7 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
             st.after_backward = k == 1
             start = max(now, st.free_at, ready_at[op])  # never before its inputs, even by a rounding error
             end[op] = st.free_at = start + dur[j][k]
-            heapq.heappush(events, st.free_at)
+            heappush(events, st.free_at)
             timeline[d].append(TimedOp(Compute(kinds[k], mb, j, chunk[j]), start, end[op]))  # type: ignore[arg-type]
             started += 1
             if k == 0:
@@ -879,12 +880,15 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
             for nxt in dependents[op]:
                 waiting[nxt] -= 1
                 if waiting[nxt] == 0:
-                    t = max(end[dep] + h for dep, h in deps[nxt])
+                    t = 0.0
+                    for dep, h in deps[nxt]:
+                        if end[dep] + h > t:
+                            t = end[dep] + h
                     ready_at[nxt] = t
                     target = devs[dev[(nxt // nk) % stages]]
-                    heapq.heappush(target.pending, (t, nxt))
+                    heappush(target.pending, (t, nxt))
                     target.readied += 1
-                    heapq.heappush(events, t)
+                    heappush(events, t)
     return timeline
 
 

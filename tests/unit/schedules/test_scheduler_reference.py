@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference_scheduler import reference_timeline
 
 from runtime.pipeline_schedules import (
     SCHEDULE_NAMES,
@@ -18,7 +19,6 @@ from runtime.pipeline_schedules import (
     schedule_layout,
     schedule_timeline,
 )
-from reference_scheduler import reference_timeline
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
