@@ -634,14 +634,14 @@ class _DeviceState:
     started: int = 0
     readied: int = 0
     stuck: tuple[int, int, float] | None = None   # (ops readied, ops started, when the next one comes due)
-    # Ready ops (numbers, ``_list_schedule``): not yet due, as (ready time, op); due ones by kind: a micro-
-    # batch's first forward here (by rank), its later chunks' forwards (few: of micro-batches held here),
-    # B or BW, W (by rank).
+    # Ready ops (numbers, ``_list_schedule``): not yet due, as (ready time, op); due ones by kind, as
+    # ``rank * ops + op`` (``_priority_keys``: least first): a micro-batch's first forward here, B or BW, W;
+    # and its later chunks' forwards as op numbers (few: of micro-batches held here).
     pending: list[tuple[float, int]] = field(default_factory=list)
-    first_forwards: list[tuple[tuple, int]] = field(default_factory=list)
+    first_forwards: list[int] = field(default_factory=list)
     later_forwards: list[int] = field(default_factory=list)
-    backwards: list[tuple[tuple, int]] = field(default_factory=list)
-    weights: list[tuple[tuple, int]] = field(default_factory=list)
+    backwards: list[int] = field(default_factory=list)
+    weights: list[int] = field(default_factory=list)
     # micro-batch -> forwards it still has to run here / activations it holds here (while it holds any)
     owed: dict[int, int] = field(default_factory=dict)
     held: dict[int, int] = field(default_factory=dict)
@@ -668,30 +668,36 @@ class _DeviceState:
                 free += held[k]
         return True
 
-    def ready_ops(self) -> list[int]:
-        return ([o for _, o in self.pending] + [o for _, o in self.first_forwards] + self.later_forwards
-                + [o for _, o in self.backwards] + [o for _, o in self.weights])
+    def ready_ops(self, total: int) -> list[int]:
+        return ([o for _, o in self.pending] + [x % total for x in self.first_forwards] + self.later_forwards
+                + [x % total for x in self.backwards] + [x % total for x in self.weights])
 
 
-def _priority_keys(pol: Policy, layout: Layout, kinds: tuple[str, ...], m: int) -> tuple[list[tuple], list[tuple]]:
+def _priority_keys(pol: Policy, layout: Layout, kinds: tuple[str, ...], m: int) -> tuple[list[int], list[int]]:
     """Per op number (``_list_schedule``) its rank among a device's ready ops (least first), and the rank it
-    has right after a backward (1F1B's alternation: one forward after each backward, the steady state)."""
-    rank = {k: i for i, k in enumerate(pol.priority)}
-    s, stages = layout.num_devices, layout.num_stages
+    has right after a backward (1F1B's alternation: one forward after each backward, the steady state).
+
+    A rank is the tuple ``(kind's priority, then by order: micro-batch, later virtual stage first; or group of
+    S micro-batches, chunk (forwards up, backwards down), micro-batch)`` numbered as one integer in the same
+    order (ints: no tuple per op to build, compare or keep)."""
+    rank = {k: i + 1 for i, k in enumerate(pol.priority)}   # 0: a forward right after a backward
+    s, stages, v = layout.num_devices, layout.num_stages, layout.chunks
+    groups = -(-m // s)
+    # key = r * scale + rest: the kind's rank r first, then ``rest`` (below ``scale``) in the order's terms.
+    scale = groups * (2 * v - 1) * m if pol.order == "groups" else m * stages
     keys, after = [], []
     for mb in range(m):
         for j in range(stages):
             c = layout.chunk(j)
             for kind in kinds:
-                r = rank[kind]
                 if pol.order == "groups":
-                    rest: tuple = (mb // s, c if kind == "F" else -c, mb)
+                    rest = ((mb // s) * (2 * v - 1) + (c if kind == "F" else -c) + v - 1) * m + mb
                 else:
                     # Oldest micro-batch first; between chunks of one micro-batch, the later virtual stage
                     # (it is closer to freeing memory: depth-first).
-                    rest = (mb, -j)
-                keys.append((r, *rest))
-                after.append((-1, *rest) if pol.alternate and kind == "F" else keys[-1])
+                    rest = mb * stages + stages - 1 - j
+                keys.append(rank[kind] * scale + rest)
+                after.append(rest if pol.alternate and kind == "F" else keys[-1])
     return keys, after
 
 
@@ -700,11 +706,12 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
     most ``limit[d]`` activations on device ``d``.
 
     Ops are numbered ``(mb * stages + j) * kinds + k`` (``k`` indexes ``kinds``: F, then B and W or the fused
-    BW), each op's dependencies with the transfer time they cross precomputed: the planner prices
-    thousands of pipelines by this loop, so it reads lists rather than hashing op tuples. A choice costs
-    a few heap operations, not a scan of the ready ops, so a step of many micro-batches is scheduled in
-    time linear in its ops (up to a logarithm); tests/unit/schedules/reference_scheduler.py states the
-    rules plainly, and the tests hold this loop to its choices."""
+    BW); an op's dependencies follow from its number: F after the previous stage's F (across the transfer
+    time between them); B (BW) after its own F and the next stage's B (BW); W after its own B. A choice
+    costs a few heap operations, not a scan of the ready ops, so a step of many micro-batches is scheduled
+    in time linear in its ops (up to a logarithm); tests/unit/schedules/reference_scheduler.py states the
+    rules plainly, and the tests hold this loop to its choices. The planner prices thousands of pipelines
+    by this loop: it keeps ints in flat lists, not a tuple or list per op."""
     pol = POLICIES[name]
     n, stages = layout.num_devices, layout.num_stages
     last = stages - 1
@@ -719,22 +726,10 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
     dur = [[costs.chunk(dev[j], chunk[j]).of(k) for k in kinds] for j in range(stages)]  # type: ignore[arg-type]
     # A message between virtual stages j and j + 1 (either way) takes costs.transfer(j) across devices.
     hop = [costs.transfer(j) if dev[j] != dev[j + 1] else 0.0 for j in range(last)]
-    # Dependencies (op, transfer time): F after the previous stage's F; B (BW) after its own F and the next
-    # stage's B (BW); W after its own B.
-    deps: list[list[tuple[int, float]]] = []
-    for o in range(total):
-        j, k = (o // nk) % stages, o % nk
-        if k == 0:
-            deps.append([(o - nk, hop[j - 1])] if j > 0 else [])
-        elif k == 2:
-            deps.append([(o - 1, 0.0)])
-        else:
-            deps.append([(o - 1, 0.0)] + ([(o + nk, hop[j])] if j < last else []))
-    dependents: list[list[int]] = [[] for _ in range(total)]
-    for o, ds in enumerate(deps):
-        for dep, _ in ds:
-            dependents[dep].append(o)
-    waiting = [len(ds) for ds in deps]
+    # Per op of one micro-batch (``o % per_mb``): how many ops it waits for.
+    waits = [(1 if j > 0 else 0) if k == 0 else (2 if j < last else 1) if k == 1 else 1
+             for j in range(stages) for k in range(nk)]
+    waiting = waits * m
     keys, after = _priority_keys(pol, layout, kinds, m)
     chunks = layout.chunks
     devs = [_DeviceState(forwards_left=m * chunks) for _ in range(n)]
@@ -750,9 +745,9 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
     forwards_first = pol.forwards_first
     heappush, heappop = heapq.heappush, heapq.heappop
 
-    def first_safe(st: _DeviceState, lim: int, beats: tuple | None, within: tuple | None) -> int | None:
+    def first_safe(st: _DeviceState, lim: int, beats: int | None, within: int | None) -> int | None:
         """Remove and return the best-ranked due first forward of a micro-batch here that the banker's rule
-        allows and that ranks before ``beats`` (a backward's rank) and ``within`` (a forward's key); None if
+        allows and that ranks before ``beats`` (a backward's rank) and ``within`` (a forward's rank); None if
         none. Those forwards are of micro-batches holding nothing here, and the rule's answer for such a
         micro-batch depends only on how many of those that do hold activations here are older. Their ranks
         order them by micro-batch (a device's chunk-0 forwards all sit on one virtual stage, and either
@@ -762,14 +757,14 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
         ranks = after if st.after_backward else keys
         order: list[int] | None = None
         answers: dict[int, bool] = {}
-        skipped: list[tuple[tuple, int]] = []
+        skipped: list[int] = []
         found = None
         while heap:
-            o = heap[0][1]
+            o = heap[0] % total
             if (beats is not None and ranks[o] > beats) or (within is not None and keys[o] > within):
                 break
             if chunks == 1:   # (safe_forward: any forward is, with a free slot)
-                found = heapq.heappop(heap)[1]
+                found = heappop(heap) % total
                 break
             if order is None:
                 order = sorted(st.owed)
@@ -779,13 +774,13 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
             if ok is None:
                 ok = answers[p] = st.safe_forward(mb, lim, chunks)
             if ok:
-                found = heapq.heappop(heap)[1]
+                found = heappop(heap) % total
                 break
             if p == len(order):
                 break
-            skipped.append(heapq.heappop(heap))
+            skipped.append(heappop(heap))
         for x in skipped:
-            heapq.heappush(heap, x)
+            heappush(heap, x)
         return found
 
     def take(st: _DeviceState, lim: int) -> int | None:
@@ -794,30 +789,32 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
         before it (forwards are checked in rank order: the banker's check is the expensive part, and only
         the best allowed forward matters)."""
         ranks = after if st.after_backward else keys
-        best_heap: list[tuple[tuple, int]] | None = None
+        best_heap: list[int] | None = None
         if st.backwards and not (forwards_first and st.forwards_left):
             best_heap = st.backwards
-        if st.weights and (best_heap is None or st.weights[0][0] < best_heap[0][0]):
+        if st.weights and (best_heap is None or st.weights[0] < best_heap[0]):
             best_heap = st.weights
-        beats = None if best_heap is None else best_heap[0][0]   # (a backward ranks the same after either)
+        beats = None if best_heap is None else best_heap[0] // total   # (a backward ranks the same after either)
         if st.live < lim:   # else no forward fits (safe_forward)
             later = None
             # A forward must leave the device in a state where the oldest micro-batch here can still reach
             # its backward (a banker's rule): a bounded device must not fill up with chunk-0 forwards of new
             # micro-batches while an older one still needs a slot for its later chunks.
-            for o in sorted(st.later_forwards, key=keys.__getitem__):
-                if beats is not None and ranks[o] > beats:
-                    break
-                if st.safe_forward(o // per_mb, lim, chunks):
-                    later = o
-                    break
-            first = first_safe(st, lim, beats, None if later is None else keys[later])
-            if first is not None:
-                return first
+            if st.later_forwards:
+                for o in sorted(st.later_forwards, key=keys.__getitem__):
+                    if beats is not None and ranks[o] > beats:
+                        break
+                    if st.safe_forward(o // per_mb, lim, chunks):
+                        later = o
+                        break
+            if st.first_forwards:
+                first = first_safe(st, lim, beats, None if later is None else keys[later])
+                if first is not None:
+                    return first
             if later is not None:
                 st.later_forwards.remove(later)
                 return later
-        return None if best_heap is None else heapq.heappop(best_heap)[1]
+        return None if best_heap is None else heappop(best_heap) % total
 
     timeline: list[list[TimedOp]] = [[] for _ in range(n)]
     # Times that differ only by rounding are one moment: the order must not hinge on float noise
@@ -826,9 +823,17 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
     events = [0.0]
     started = 0
     now = 0.0
+
+    def readied(nxt: int, t: float) -> None:
+        ready_at[nxt] = t
+        target = devs[dev[(nxt // nk) % stages]]
+        heappush(target.pending, (t, nxt))
+        target.readied += 1
+        heappush(events, t)
+
     while started < total:
         if not events:
-            stuck = [(d, sorted((kinds[o % nk], o // per_mb, (o // nk) % stages) for o in st.ready_ops()))
+            stuck = [(d, sorted((kinds[o % nk], o // per_mb, (o // nk) % stages) for o in st.ready_ops(total)))
                      for d, st in enumerate(devs)]
             raise RuntimeError(f"{name}: the list scheduler stalled at t={now} (ready per device: {stuck}); "
                                "the activation bound is too small for this shape")
@@ -850,11 +855,11 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
                 k = o % nk
                 if k == 0:
                     if chunk[(o // nk) % stages] == 0:
-                        heappush(st.first_forwards, (keys[o], o))
+                        heappush(st.first_forwards, keys[o] * total + o)
                     else:
                         st.later_forwards.append(o)
                 else:
-                    heappush(st.backwards if k == 1 else st.weights, (keys[o], o))
+                    heappush(st.backwards if k == 1 else st.weights, keys[o] * total + o)
             op = take(st, limit[d])
             if op is None:
                 st.stuck = (st.readied, st.started, pending[0][0] if pending else math.inf)
@@ -877,18 +882,28 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
                 st.held[mb] -= 1
                 if not st.held[mb]:
                     del st.held[mb], st.owed[mb]
-            for nxt in dependents[op]:
+            # What this op's end readies (its end is known now): its dependents whose last input it was.
+            if k == 0:
+                nxt = op + 1   # its own backward (B or BW)
                 waiting[nxt] -= 1
-                if waiting[nxt] == 0:
-                    t = 0.0
-                    for dep, h in deps[nxt]:
-                        if end[dep] + h > t:
-                            t = end[dep] + h
-                    ready_at[nxt] = t
-                    target = devs[dev[(nxt // nk) % stages]]
-                    heappush(target.pending, (t, nxt))
-                    target.readied += 1
-                    heappush(events, t)
+                if not waiting[nxt]:
+                    readied(nxt, max(end[op], end[nxt + nk] + hop[j]) if j < last else end[op])
+                if j < last:   # the next stage's forward
+                    nxt = op + nk
+                    waiting[nxt] -= 1
+                    if not waiting[nxt]:
+                        readied(nxt, end[op] + hop[j])
+            elif k == 1:
+                if split:   # its W
+                    nxt = op + 1
+                    waiting[nxt] -= 1
+                    if not waiting[nxt]:
+                        readied(nxt, end[op])
+                if j > 0:   # the previous stage's backward
+                    nxt = op - nk
+                    waiting[nxt] -= 1
+                    if not waiting[nxt]:
+                        readied(nxt, max(end[nxt - 1], end[op] + hop[j - 1]))
     return timeline
 
 
