@@ -39,6 +39,7 @@ from runtime.elastic.preplan import candidates, grown, returns, survivors
 from runtime.elastic.state import LostState, holder_sets, lost_state, lost_tensors, plan_switch
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.launch.options import node_loss_detect_s
+from runtime.pipeline_schedules import schedule_problems
 from runtime.profiling.profile import DeviceProfile, ProfileSet
 from runtime.spec import Cluster, Plan, PlanContext, Strategy, validate_plan
 from runtime.spec.handle import StrategyHandle
@@ -286,7 +287,10 @@ def repair(current: StrategyHandle, failed: Collection[int],
     if not keep:
         return None
     total = t.global_batch // t.micro_batch
-    need = [len(p.stages) if t.schedule == "1f1b" else 1 for p in keep]
+    # At least a micro-batch per stage for 1F1B (its time is linear in them from there) and wherever the
+    # schedule needs them (interleaved: schedule_problems), else one.
+    need = [len(p.stages) if t.schedule == "1f1b" or schedule_problems(
+        p.schedule or t.schedule, len(p.stages), 1, p.stages[0].chunks) else 1 for p in keep]
     if sum(need) > total:
         return None
     cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)

@@ -658,27 +658,34 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
     tp_s: dict[str, float] = {}
     labels: dict[str, str] = {}
     for pi, (pipe, sched) in enumerate(zip(costs.strategy.pipelines, schedules)):
-        posted: dict[tuple[int, Message], str] = {}
+        # Each message's transfer op name, and per (stage, transfer) the name of the stage's post of it.
+        names: dict[Message, str] = {}
+        posted: dict[tuple[int, str], str] = {}
         for k, acts in enumerate(sched.actions):
             for ai, a in enumerate(acts):
                 if isinstance(a, (PostSend, PostRecv)):
-                    posted[k, a.message] = f"p{pi}s{k}a{ai}"
+                    msg = a.message
+                    name = names.get(msg)
+                    if name is None:
+                        name = names[msg] = f"p{pi}m{msg.kind[0]}{msg.micro_batch}s{msg.src_stage}"
+                    posted[k, name] = f"p{pi}s{k}a{ai}"
 
-        def transfer(msg: Message, pi: int = pi) -> str:
-            return f"p{pi}m{msg.kind[0]}{msg.micro_batch}s{msg.src_stage}"
-
+        # Per direction of a stage pair: its transfer time and its link (one queue per pair where sends and
+        # receives serialise, else one per direction).
+        pairs: dict[tuple[int, int], tuple[float, str]] = {}
         for k, acts in enumerate(sched.actions):   # the links, each pair's queue from its first device's list
             for a in acts:
                 if isinstance(a, (PostSend, PostRecv)) and k == min(a.message.src, a.message.dst):
                     msg = a.message
-                    src, dst = pipe.stages[msg.src].devices, pipe.stages[msg.dst].devices
-                    secs = cm.p2p_time(src, dst)
-                    # one queue per pair where sends and receives serialise, else one per direction
-                    link = (f"p{pi}link{k}-{max(msg.src, msg.dst)}" if cm.serialises(src + dst)
-                            else f"p{pi}link{msg.src}>{msg.dst}")
-                    sim.add(SimOp(transfer(msg), link, OpKind.P2P, pi, msg.src,
-                                  msg.micro_batch, duration=secs,
-                                  deps=(posted[msg.src, msg], posted[msg.dst, msg]), message=msg))
+                    pair = pairs.get((msg.src, msg.dst))
+                    if pair is None:
+                        src, dst = pipe.stages[msg.src].devices, pipe.stages[msg.dst].devices
+                        pair = pairs[msg.src, msg.dst] = (
+                            cm.p2p_time(src, dst), f"p{pi}link{k}-{max(msg.src, msg.dst)}"
+                            if cm.serialises(src + dst) else f"p{pi}link{msg.src}>{msg.dst}")
+                    name = names[msg]
+                    sim.add(SimOp(name, pair[1], OpKind.P2P, pi, msg.src, msg.micro_batch, duration=pair[0],
+                                  deps=(posted[msg.src, name], posted[msg.dst, name]), message=msg))
         for k, acts in enumerate(sched.actions):
             st, res = pipe.stages[k], f"p{pi}s{k}"
             device_type = costs.type_of[st.devices[0]]
@@ -707,9 +714,9 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                 elif isinstance(a, (PostSend, PostRecv)):
                     sim.add(SimOp(name, res, None, pi, k, a.message.micro_batch))
                     if isinstance(a, PostSend):
-                        sent.append(transfer(a.message))
+                        sent.append(names[a.message])
                 else:
-                    deps = (transfer(a.message),) if isinstance(a, WaitRecv) else tuple(sent)
+                    deps = (names[a.message],) if isinstance(a, WaitRecv) else tuple(sent)
                     assert isinstance(a, (WaitRecv, WaitSends))
                     sim.add(SimOp(name, res, None, pi, k, deps=deps, wake=wake, **waiting))
             last[pi, k] = name

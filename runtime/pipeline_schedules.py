@@ -29,6 +29,7 @@ deadlock-freedom argument, and ``check_schedule`` verifies it on the action list
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Sequence
@@ -619,16 +620,28 @@ def _checked(name: str, num_devices: int, micro_batches: int, chunks: int | None
     return layout, costs
 
 
-@dataclass
+@dataclass(slots=True)
 class _DeviceState:
+    """One device of the list scheduler. Its ready ops are kept by how the policy picks them, so that a
+    choice reads the heads of a few queues instead of every ready op (with thousands of micro-batches a
+    device has thousands ready: every first-stage forward is ready at the start)."""
+
     live: int = 0
     forwards_left: int = 0
     free_at: float = 0.0
     after_backward: bool = False  # the op run last was a backward (B or BW): 1F1B's alternation
-    # Ops started here so far, and what the device's ready ops were when it last found none it may run.
+    # Ops started and readied here so far, and those counts when it last found none it may run.
     started: int = 0
-    stuck: tuple[int, int, float] | None = None   # (ready ops, ops started, when the next one comes due)
-    ready: list[int] = field(default_factory=list)   # op numbers (``_list_schedule``)
+    readied: int = 0
+    stuck: tuple[int, int, float] | None = None   # (ops readied, ops started, when the next one comes due)
+    # Ready ops (numbers, ``_list_schedule``): not yet due, as (ready time, op); due ones by kind, as
+    # ``rank * ops + op`` (``_priority_keys``: least first): a micro-batch's first forward here, B or BW, W;
+    # and its later chunks' forwards as op numbers (few: of micro-batches held here).
+    pending: list[tuple[float, int]] = field(default_factory=list)
+    first_forwards: list[int] = field(default_factory=list)
+    later_forwards: list[int] = field(default_factory=list)
+    backwards: list[int] = field(default_factory=list)
+    weights: list[int] = field(default_factory=list)
     # micro-batch -> forwards it still has to run here / activations it holds here (while it holds any)
     owed: dict[int, int] = field(default_factory=dict)
     held: dict[int, int] = field(default_factory=dict)
@@ -640,6 +653,8 @@ class _DeviceState:
         free = limit - self.live - 1
         if free < 0:
             return False
+        if chunks == 1:   # a micro-batch here owes no forward once it holds its one activation
+            return True
         owed, held = self.owed, self.held
         # The state after that forward, read without copying it (this runs for every candidate forward).
         for k in sorted(owed) if mb in owed else sorted([*owed, mb]):
@@ -653,26 +668,36 @@ class _DeviceState:
                 free += held[k]
         return True
 
+    def ready_ops(self, total: int) -> list[int]:
+        return ([o for _, o in self.pending] + [x % total for x in self.first_forwards] + self.later_forwards
+                + [x % total for x in self.backwards] + [x % total for x in self.weights])
 
-def _priority_keys(pol: Policy, layout: Layout, kinds: tuple[str, ...], m: int) -> tuple[list[tuple], list[tuple]]:
+
+def _priority_keys(pol: Policy, layout: Layout, kinds: tuple[str, ...], m: int) -> tuple[list[int], list[int]]:
     """Per op number (``_list_schedule``) its rank among a device's ready ops (least first), and the rank it
-    has right after a backward (1F1B's alternation: one forward after each backward, the steady state)."""
-    rank = {k: i for i, k in enumerate(pol.priority)}
-    s, stages = layout.num_devices, layout.num_stages
+    has right after a backward (1F1B's alternation: one forward after each backward, the steady state).
+
+    A rank is the tuple ``(kind's priority, then by order: micro-batch, later virtual stage first; or group of
+    S micro-batches, chunk (forwards up, backwards down), micro-batch)`` numbered as one integer in the same
+    order (ints: no tuple per op to build, compare or keep)."""
+    rank = {k: i + 1 for i, k in enumerate(pol.priority)}   # 0: a forward right after a backward
+    s, stages, v = layout.num_devices, layout.num_stages, layout.chunks
+    groups = -(-m // s)
+    # key = r * scale + rest: the kind's rank r first, then ``rest`` (below ``scale``) in the order's terms.
+    scale = groups * (2 * v - 1) * m if pol.order == "groups" else m * stages
     keys, after = [], []
     for mb in range(m):
         for j in range(stages):
             c = layout.chunk(j)
             for kind in kinds:
-                r = rank[kind]
                 if pol.order == "groups":
-                    rest: tuple = (mb // s, c if kind == "F" else -c, mb)
+                    rest = ((mb // s) * (2 * v - 1) + (c if kind == "F" else -c) + v - 1) * m + mb
                 else:
                     # Oldest micro-batch first; between chunks of one micro-batch, the later virtual stage
                     # (it is closer to freeing memory: depth-first).
-                    rest = (mb, -j)
-                keys.append((r, *rest))
-                after.append((-1, *rest) if pol.alternate and kind == "F" else keys[-1])
+                    rest = mb * stages + stages - 1 - j
+                keys.append(rank[kind] * scale + rest)
+                after.append(rest if pol.alternate and kind == "F" else keys[-1])
     return keys, after
 
 
@@ -681,8 +706,12 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
     most ``limit[d]`` activations on device ``d``.
 
     Ops are numbered ``(mb * stages + j) * kinds + k`` (``k`` indexes ``kinds``: F, then B and W or the fused
-    BW), each op's dependencies with the transfer time they cross precomputed: the planner prices
-    thousands of pipelines by this loop, so it reads lists rather than hashing op tuples."""
+    BW); an op's dependencies follow from its number: F after the previous stage's F (across the transfer
+    time between them); B (BW) after its own F and the next stage's B (BW); W after its own B. A choice
+    costs a few heap operations, not a scan of the ready ops, so a step of many micro-batches is scheduled
+    in time linear in its ops (up to a logarithm); tests/unit/schedules/reference_scheduler.py states the
+    rules plainly, and the tests hold this loop to its choices. The planner prices thousands of pipelines
+    by this loop: it keeps ints in flat lists, not a tuple or list per op."""
     pol = POLICIES[name]
     n, stages = layout.num_devices, layout.num_stages
     last = stages - 1
@@ -697,22 +726,10 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
     dur = [[costs.chunk(dev[j], chunk[j]).of(k) for k in kinds] for j in range(stages)]  # type: ignore[arg-type]
     # A message between virtual stages j and j + 1 (either way) takes costs.transfer(j) across devices.
     hop = [costs.transfer(j) if dev[j] != dev[j + 1] else 0.0 for j in range(last)]
-    # Dependencies (op, transfer time): F after the previous stage's F; B (BW) after its own F and the next
-    # stage's B (BW); W after its own B.
-    deps: list[list[tuple[int, float]]] = []
-    for o in range(total):
-        j, k = (o // nk) % stages, o % nk
-        if k == 0:
-            deps.append([(o - nk, hop[j - 1])] if j > 0 else [])
-        elif k == 2:
-            deps.append([(o - 1, 0.0)])
-        else:
-            deps.append([(o - 1, 0.0)] + ([(o + nk, hop[j])] if j < last else []))
-    dependents: list[list[int]] = [[] for _ in range(total)]
-    for o, ds in enumerate(deps):
-        for dep, _ in ds:
-            dependents[dep].append(o)
-    waiting = [len(ds) for ds in deps]
+    # Per op of one micro-batch (``o % per_mb``): how many ops it waits for.
+    waits = [(1 if j > 0 else 0) if k == 0 else (2 if j < last else 1) if k == 1 else 1
+             for j in range(stages) for k in range(nk)]
+    waiting = waits * m
     keys, after = _priority_keys(pol, layout, kinds, m)
     chunks = layout.chunks
     devs = [_DeviceState(forwards_left=m * chunks) for _ in range(n)]
@@ -720,32 +737,84 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
     end = [0.0] * total
     for o in range(total):
         if waiting[o] == 0:
-            devs[dev[(o // nk) % stages]].ready.append(o)
+            st0 = devs[dev[(o // nk) % stages]]
+            st0.pending.append((0.0, o))
+            st0.readied += 1
+    for st0 in devs:
+        heapq.heapify(st0.pending)
     forwards_first = pol.forwards_first
+    heappush, heappop = heapq.heappush, heapq.heappop
 
-    def choose(st: _DeviceState, ready: list[int], lim: int) -> int | None:
-        """The best-ranked ready op the policy allows (forwards checked in rank order: the banker's
-        check is the expensive part, and only the best allowed forward matters)."""
-        best: int | None = None
-        best_key: tuple | None = None
-        forwards = []
+    def first_safe(st: _DeviceState, lim: int, beats: int | None, within: int | None) -> int | None:
+        """Remove and return the best-ranked due first forward of a micro-batch here that the banker's rule
+        allows and that ranks before ``beats`` (a backward's rank) and ``within`` (a forward's rank); None if
+        none. Those forwards are of micro-batches holding nothing here, and the rule's answer for such a
+        micro-batch depends only on how many of those that do hold activations here are older. Their ranks
+        order them by micro-batch (a device's chunk-0 forwards all sit on one virtual stage, and either
+        order compares the micro-batch first among them), so once one younger than every held micro-batch
+        fails, every later one fails too."""
+        heap = st.first_forwards
         ranks = after if st.after_backward else keys
-        for o in ready:
-            key = ranks[o]
-            if o % nk == 0:
-                forwards.append((key, o))
-            elif (best_key is None or key < best_key) and not (forwards_first and o % nk == 1 and st.forwards_left):
-                best, best_key = o, key
-        forwards.sort()
-        for key, o in forwards:
-            if best_key is not None and key > best_key:
+        order: list[int] | None = None
+        answers: dict[int, bool] = {}
+        skipped: list[int] = []
+        found = None
+        while heap:
+            o = heap[0] % total
+            if (beats is not None and ranks[o] > beats) or (within is not None and keys[o] > within):
                 break
+            if chunks == 1:   # (safe_forward: any forward is, with a free slot)
+                found = heappop(heap) % total
+                break
+            if order is None:
+                order = sorted(st.owed)
+            mb = o // per_mb
+            p = bisect.bisect_left(order, mb)
+            ok = answers.get(p)
+            if ok is None:
+                ok = answers[p] = st.safe_forward(mb, lim, chunks)
+            if ok:
+                found = heappop(heap) % total
+                break
+            if p == len(order):
+                break
+            skipped.append(heappop(heap))
+        for x in skipped:
+            heappush(heap, x)
+        return found
+
+    def take(st: _DeviceState, lim: int) -> int | None:
+        """Remove and return the best-ranked due op the policy allows (None: none): the best B / BW or W
+        (GPipe: no B before the device's last forward), unless a forward that the banker's rule allows ranks
+        before it (forwards are checked in rank order: the banker's check is the expensive part, and only
+        the best allowed forward matters)."""
+        ranks = after if st.after_backward else keys
+        best_heap: list[int] | None = None
+        if st.backwards and not (forwards_first and st.forwards_left):
+            best_heap = st.backwards
+        if st.weights and (best_heap is None or st.weights[0] < best_heap[0]):
+            best_heap = st.weights
+        beats = None if best_heap is None else best_heap[0] // total   # (a backward ranks the same after either)
+        if st.live < lim:   # else no forward fits (safe_forward)
+            later = None
             # A forward must leave the device in a state where the oldest micro-batch here can still reach
             # its backward (a banker's rule): a bounded device must not fill up with chunk-0 forwards of new
             # micro-batches while an older one still needs a slot for its later chunks.
-            if st.safe_forward(o // per_mb, lim, chunks):
-                return o
-        return best
+            if st.later_forwards:
+                for o in sorted(st.later_forwards, key=keys.__getitem__):
+                    if beats is not None and ranks[o] > beats:
+                        break
+                    if st.safe_forward(o // per_mb, lim, chunks):
+                        later = o
+                        break
+            if st.first_forwards:
+                first = first_safe(st, lim, beats, None if later is None else keys[later])
+                if first is not None:
+                    return first
+            if later is not None:
+                st.later_forwards.remove(later)
+                return later
+        return None if best_heap is None else heappop(best_heap) % total
 
     timeline: list[list[TimedOp]] = [[] for _ in range(n)]
     # Times that differ only by rounding are one moment: the order must not hinge on float noise
@@ -754,37 +823,53 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
     events = [0.0]
     started = 0
     now = 0.0
+
+    def readied(nxt: int, t: float) -> None:
+        ready_at[nxt] = t
+        target = devs[dev[(nxt // nk) % stages]]
+        heappush(target.pending, (t, nxt))
+        target.readied += 1
+        heappush(events, t)
+
     while started < total:
         if not events:
-            stuck = [(d, sorted((kinds[o % nk], o // per_mb, (o // nk) % stages) for o in st.ready))
+            stuck = [(d, sorted((kinds[o % nk], o // per_mb, (o // nk) % stages) for o in st.ready_ops(total)))
                      for d, st in enumerate(devs)]
             raise RuntimeError(f"{name}: the list scheduler stalled at t={now} (ready per device: {stuck}); "
                                "the activation bound is too small for this shape")
-        now = heapq.heappop(events)
+        now = heappop(events)
         while events and events[0] <= now + tol:
-            heapq.heappop(events)
+            heappop(events)
         due_by = now + tol
         for d, st in enumerate(devs):
             if st.free_at > due_by:
                 continue
-            # Ready ops only join the list and become eligible as time passes: with no op started or
-            # readied here since the device last found none to run, and none of its ready ops come due
-            # since, it would find none again.
-            if st.stuck is not None and st.stuck[:2] == (len(st.ready), st.started) and due_by < st.stuck[2]:
+            # Ready ops only join and become due as time passes: with no op started or readied here since
+            # the device last found none to run, and none of its ready ops come due since, it would find
+            # none again.
+            if st.stuck is not None and st.stuck[:2] == (st.readied, st.started) and due_by < st.stuck[2]:
                 continue
-            eligible = [o for o in st.ready if ready_at[o] <= due_by]
-            op = choose(st, eligible, limit[d])
+            pending = st.pending
+            while pending and pending[0][0] <= due_by:
+                o = heappop(pending)[1]
+                k = o % nk
+                if k == 0:
+                    if chunk[(o // nk) % stages] == 0:
+                        heappush(st.first_forwards, keys[o] * total + o)
+                    else:
+                        st.later_forwards.append(o)
+                else:
+                    heappush(st.backwards if k == 1 else st.weights, keys[o] * total + o)
+            op = take(st, limit[d])
             if op is None:
-                due = min((ready_at[o] for o in st.ready if ready_at[o] > due_by), default=math.inf)
-                st.stuck = (len(st.ready), st.started, due)
+                st.stuck = (st.readied, st.started, pending[0][0] if pending else math.inf)
                 continue
             mb, j, k = op // per_mb, (op // nk) % stages, op % nk
             st.started += 1
             st.after_backward = k == 1
-            st.ready.remove(op)
             start = max(now, st.free_at, ready_at[op])  # never before its inputs, even by a rounding error
             end[op] = st.free_at = start + dur[j][k]
-            heapq.heappush(events, st.free_at)
+            heappush(events, st.free_at)
             timeline[d].append(TimedOp(Compute(kinds[k], mb, j, chunk[j]), start, end[op]))  # type: ignore[arg-type]
             started += 1
             if k == 0:
@@ -797,13 +882,28 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
                 st.held[mb] -= 1
                 if not st.held[mb]:
                     del st.held[mb], st.owed[mb]
-            for nxt in dependents[op]:
+            # What this op's end readies (its end is known now): its dependents whose last input it was.
+            if k == 0:
+                nxt = op + 1   # its own backward (B or BW)
                 waiting[nxt] -= 1
-                if waiting[nxt] == 0:
-                    t = max(end[dep] + h for dep, h in deps[nxt])
-                    ready_at[nxt] = t
-                    devs[dev[(nxt // nk) % stages]].ready.append(nxt)
-                    heapq.heappush(events, t)
+                if not waiting[nxt]:
+                    readied(nxt, max(end[op], end[nxt + nk] + hop[j]) if j < last else end[op])
+                if j < last:   # the next stage's forward
+                    nxt = op + nk
+                    waiting[nxt] -= 1
+                    if not waiting[nxt]:
+                        readied(nxt, end[op] + hop[j])
+            elif k == 1:
+                if split:   # its W
+                    nxt = op + 1
+                    waiting[nxt] -= 1
+                    if not waiting[nxt]:
+                        readied(nxt, end[op])
+                if j > 0:   # the previous stage's backward
+                    nxt = op - nk
+                    waiting[nxt] -= 1
+                    if not waiting[nxt]:
+                        readied(nxt, max(end[nxt - 1], end[op] + hop[j - 1]))
     return timeline
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Hashable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.markup import escape
@@ -15,6 +17,14 @@ from planner.report import tp_text, zero_text
 from runtime.annotations.states import span
 from runtime.spec import PlanContext, Strategy, load_plan_context
 from runtime.spec.schema import to_data
+
+if TYPE_CHECKING:
+    from runtime.engine.describe import OpLine
+
+# A block of ops repeated this often (the steady state of a schedule over many micro-batches) is printed
+# first and last with one line for the repetitions between; blocks up to MAX_PERIOD ops are looked for.
+MIN_REPEATS = 4
+MAX_PERIOD = 64
 
 
 def device_rows(ctx: PlanContext, strategy: Strategy) -> list[dict[str, Any]]:
@@ -78,14 +88,18 @@ def _strategy_tables(ctx: PlanContext, strategy: Strategy) -> tuple[Table, Table
               help="Show the HSPMD annotation of every parameter, the batch and stage-boundary activations.")
 @click.option("--device", "device", type=int, default=None,
               help="Show the specialized program of this device: layers, shard shapes, ops in execution order.")
+@click.option("--all-ops", "all_ops", is_flag=True,
+              help=f"With --device: list every op (default: a block of ops repeated {MIN_REPEATS} or more times, "
+                   "as a schedule's steady state is, is listed first and last with one line for the repetitions "
+                   "between; --format json always lists every op).")
 @FORMAT_OPTION
 def show(plan: Path, strategy_name: str | None, cluster: str | None, annotations: bool, device: int | None,
-         fmt: str) -> None:
+         all_ops: bool, fmt: str) -> None:
     """Show PLAN: its settings, every strategy's pipelines and stages, and each device's role."""
     ctx = load_plan_context(plan, cluster=cluster)
     strategies = [ctx.plan.strategy(strategy_name)] if strategy_name else list(ctx.plan.strategies)
     if device is not None:
-        _show_device(ctx, strategies, device, fmt)
+        _show_device(ctx, strategies, device, fmt, all_ops)
         return
     if annotations:
         _show_annotations(ctx, strategies, fmt)
@@ -142,7 +156,7 @@ def _show_annotations(ctx: PlanContext, strategies: list[Strategy], fmt: str) ->
         out.print(f"{len(d['groups'])} device groups: " + " ".join(f"({span(g)})" for g in d["groups"]))
 
 
-def _show_device(ctx: PlanContext, strategies: list[Strategy], device: int, fmt: str) -> None:
+def _show_device(ctx: PlanContext, strategies: list[Strategy], device: int, fmt: str, all_ops: bool) -> None:
     from runtime.engine.describe import describe_program
     from runtime.errors import Problem, SpecError
     from runtime.spec.handle import StrategyHandle
@@ -174,6 +188,86 @@ def _show_device(ctx: PlanContext, strategies: list[Strategy], device: int, fmt:
         out.print(params)
         cols = ("#", "kind", "op", "detail")
         ops = table("one training step, in execution order", cols, left=cols)
-        for i, o in enumerate(d.ops):
-            ops.add_row(str(i), o.kind, escape(o.name), escape(o.detail))
+        runs = {} if all_ops else {r[0]: r for r in steady_runs(d.ops)}
+        i = 0
+        while i < len(d.ops):
+            first, period, repeats, step = runs.get(i, (i, 1, 1, 0))
+            last = first + (repeats - 1) * period   # the run's last repetition
+            for k in range(first, first + period):
+                ops.add_row(str(k), d.ops[k].kind, escape(d.ops[k].name), escape(d.ops[k].detail))
+            if repeats > 1:
+                hidden = [mb for o in d.ops[first + period:last] if (mb := _micro_batch(o)) is not None]
+                ops.add_row(f"{first + period}-{last - 1}", "", f"... the {period} ops above x {repeats - 2}",
+                            f"[dim]each time every micro-batch {step} later (micro-batches {min(hidden)}-"
+                            f"{max(hidden)}); --all-ops lists them[/dim]")
+                for k in range(last, last + period):
+                    ops.add_row(str(k), d.ops[k].kind, escape(d.ops[k].name), escape(d.ops[k].detail))
+            i = first + repeats * period
         out.print(ops)
+
+
+def _micro_batch(line: OpLine) -> int | None:
+    a = line.action
+    if a is None:
+        return None
+    if hasattr(a, "micro_batch"):
+        return a.micro_batch
+    message = getattr(a, "message", None)
+    return None if message is None else message.micro_batch
+
+
+def _shape(line: OpLine) -> Hashable:
+    """What a line does but for its micro-batch (equal across a steady state's repetitions)."""
+    from runtime.pipeline_schedules import Compute, PostRecv, PostSend, WaitRecv
+
+    a = line.action
+    if isinstance(a, Compute):
+        a = dataclasses.replace(a, micro_batch=0)
+    elif isinstance(a, (PostSend, PostRecv, WaitRecv)):
+        a = type(a)(dataclasses.replace(a.message, micro_batch=0))
+    else:
+        return (line.kind, line.name, line.detail)
+    return (line.kind, line.detail, a)
+
+
+def steady_runs(ops: Sequence[OpLine], min_repeats: int = MIN_REPEATS, max_period: int = MAX_PERIOD
+                ) -> list[tuple[int, int, int, int]]:
+    """``(first, period, repeats, step)`` of each run of lines ``[first, first + period)`` repeated ``repeats >=
+    min_repeats`` times, each repetition the same ops on micro-batches ``step`` later (every line moving by
+    the same step). Left to right, without overlaps; at each line the period covering the most lines
+    (the shortest among equals). Linear in the lines for a fixed ``max_period``."""
+    ids: dict[Hashable, int] = {}
+    shape = [ids.setdefault(_shape(o), len(ids)) for o in ops]
+    mbs = [_micro_batch(o) for o in ops]
+    n = len(ops)
+
+    def repeats(i: int, period: int) -> tuple[int, int]:
+        a0, b0 = mbs[i], mbs[i + period]
+        if a0 is None or b0 is None or b0 <= a0:
+            return 1, 0
+        step, r = b0 - a0, 1
+        while i + (r + 1) * period <= n:
+            base = i + (r - 1) * period
+            for x in range(base, base + period):
+                y = x + period
+                if shape[x] != shape[y] or mbs[x] is None or mbs[y] is None or mbs[y] - mbs[x] != step:
+                    return r, step
+            r += 1
+        return r, step
+
+    out = []
+    i = 0
+    while i < n:
+        best = (0, 0, 0, 0)   # (lines covered, period, repeats, step)
+        for period in range(1, min(max_period, (n - i) // min_repeats) + 1):
+            if shape[i] != shape[i + period]:
+                continue
+            r, step = repeats(i, period)
+            if r >= min_repeats and r * period > best[0]:
+                best = (r * period, period, r, step)
+        if best[0]:
+            out.append((i, best[1], best[2], best[3]))
+            i += best[0]
+        else:
+            i += 1
+    return out

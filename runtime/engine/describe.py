@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.comm.resolve import CommOp
@@ -28,11 +28,13 @@ from runtime.spec.handle import StrategyHandle
 
 @dataclass(frozen=True)
 class OpLine:
-    """One step of the program: ``kind`` is "compute" or "comm"."""
+    """One step of the program: ``kind`` is "compute" or "comm"; ``action``: the schedule action it runs (None:
+    the step's own ops after the schedule), for readers that group the lines by what they do."""
 
     kind: str
     name: str
     detail: str
+    action: Action | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -161,14 +163,14 @@ def describe_plan(plan: DevicePlan) -> ProgramDescription:
             # W from the kept module-output gradients is local; a W through the kept graph reruns the chain.
             tp = "" if a.kind == "W" and weight_grad_from_outputs(plan, c) else \
                 _tp_collectives(role, c, a.kind, t.sequence_parallel)
-            ops.append(OpLine("compute", name, f"virtual stage {a.stage}: {detail}" + (f"; {tp}" if tp else "")))
+            ops.append(OpLine("compute", name, f"virtual stage {a.stage}: {detail}" + (f"; {tp}" if tp else ""), a))
         elif isinstance(a, WaitSends):
-            ops.append(OpLine("comm", name, "block until every send posted has completed"))
+            ops.append(OpLine("comm", name, "block until every send posted has completed", a))
         else:
             op = route(plan, a.message)
             what = "isend" if isinstance(a, PostSend) else "irecv" if isinstance(a, PostRecv) else "wait for"
             ops.append(OpLine("comm", name, f"{what} [{'x'.join(map(str, shape))}] {BOUNDARY_DTYPE.name} "
-                                            f"({op.kind}): {_messages(op, device, isinstance(a, PostSend))}"))
+                                            f"({op.kind}): {_messages(op, device, isinstance(a, PostSend))}", a))
     names = [p.name for p in plan.annotations.params]
     for b in plan.grad_sync:
         tensors = sorted({names[i] for i, _ in b.entries})

@@ -173,3 +173,17 @@ def test_cli_refuses_when_both_holders_of_a_moment_chunk_fail(zero_dp4, tmp_path
     assert not lost_state(StrategyHandle.of(load_plan_context(zero_dp4)), [0, 1])
     res = CliRunner().invoke(cli, ["replan", "--plan", str(zero_dp4), "--failed", "0,1,2,3"])
     assert res.exit_code == 2 and "parameter(s) have no surviving replica" in res.output
+
+
+def test_replan_of_an_interleaved_plan_keeps_a_micro_batch_per_stage():
+    """Found with large global batches: the repair priced an interleaved pipeline of two stages on one
+    micro-batch, which interleaved refuses (a traceback from replan); it starts from one per stage."""
+    ctx = load_plan_context(TINY)
+    inter = dataclasses.replace(ctx, plan=dataclasses.replace(
+        ctx.plan, training=dataclasses.replace(ctx.plan.training, schedule="interleaved")))
+    profiles = resolve_profiles(ctx.cluster.device_types, [])
+    plan, step_time = repair(StrategyHandle.of(inter, "hetero"), [1], profiles)
+    (strategy,) = plan.strategies
+    assert [p.devices for p in strategy.pipelines] == [(2, 3)] and strategy.pipelines[0].micro_batches == 8
+    assert validate_plan(plan, ctx.model, ctx.cluster) == [] and step_time > 0
+    assert replan(StrategyHandle.of(inter, "hetero"), [1], profiles, time_limit_s=5).chosen is not None
