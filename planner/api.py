@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from planner.baselines import Baseline, LowerBound, best_symmetric, best_symmetric_subset, lower_bound
 from planner.cost import GIB, CostModel, has_tp_stage, zero_degree, zero_fields
 from planner.layer_split import feasible, slot_costs
-from planner.parallel import Tasks, ordered_map
+from planner.parallel import Tasks, ordered_map, worker_count
 from planner.schedule_choice import schedule_choices, stage_layer_ranges
 from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, SearchStats, describe, rank, search
 from planner.simulate import simulated_step_time
@@ -189,6 +189,7 @@ def _plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfi
           settings: PlanSettings, devices: Iterable[int] | None, baselines: bool,
           progress: Progress | None, workers: int | None = 1) -> PlanResult:
     t0 = time.perf_counter()
+    deadline = t0 + settings.time_limit_s
     devs = tuple(sorted(set(range(cluster.num_devices) if devices is None else devices)))
     _check_request(model, cluster, settings, devs)
     cms = cost_models(model, cluster, profiles, settings, devs)
@@ -212,9 +213,14 @@ def _plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfi
             raise InfeasibleError(diagnose(model, cluster, cms, settings, devs))
         solver_time = time.perf_counter() - t0
         found = []
+        serial = worker_count(workers, len(kinds)) == 1
         for i, ((name, _), collect) in enumerate(zip(kinds, pending)):
             report("baselines", i, 3)
-            found.append(collect() if collect is not None else Baseline(name, None, None, None, "not computed"))
+            why = "not computed"
+            if collect is not None and serial and time.perf_counter() > deadline:
+                stats.cut(f"{name} baseline")   # not started in one process past the limit
+                collect, why = None, "not computed (time limit)"
+            found.append(collect() if collect is not None else Baseline(name, None, None, None, why))
     sym, sub = found
     report("baselines", 2, 3)
     lb = lower_bound(every, devs, settings.global_batch)
@@ -231,12 +237,16 @@ def _plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfi
     ranked = rank(candidates + base_cands)
     if settings.simulate_top > 0:
         report("checking the best plans with the simulator", 0, 1)
-        ranked = simulator_check(ranked, every, settings, base_cands, workers)
+        ranked = simulator_check(ranked, every, settings, base_cands, workers, deadline, stats)
     idle = explain_idle(ranked[0], ranked, cluster)
     top = tuple(ranked[:max(1, settings.top_k)])
     best = top[0]
-    options = tuple(tuple(schedule_options(every[best.micro_batch], best.strategy, pi, settings.default_schedule,
-                                           settings.zero)) for pi in range(len(best.strategy.pipelines)))
+    options: tuple[tuple[ScheduleOption, ...], ...] = ()
+    if time.perf_counter() > deadline:
+        stats.cut("schedule options of the best plan")   # the plan stands; the table of alternatives is left out
+    else:
+        options = tuple(tuple(schedule_options(every[best.micro_batch], best.strategy, pi, settings.default_schedule,
+                                               settings.zero)) for pi in range(len(best.strategy.pipelines)))
     return PlanResult(model, cluster, settings, devs, top, sym, sub, lb, idle, solver_time, stats, options)
 
 
@@ -248,7 +258,8 @@ def aligned(strategy: Strategy) -> bool:
 
 
 def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], settings: PlanSettings,
-                    also: Iterable[Candidate] = (), workers: int | None = 1) -> list[Candidate]:
+                    also: Iterable[Candidate] = (), workers: int | None = 1, deadline: float = math.inf,
+                    stats: SearchStats | None = None) -> list[Candidate]:
     """Simulate the best ``settings.simulate_top`` candidates, the best ``ALIGNED_CHECKED`` aligned ones
     (``aligned``) and those of ``also`` (the baselines) still among the ranked; rank those by the worse of
     estimate and simulation, ahead of the rest.
@@ -256,8 +267,17 @@ def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], setti
     The closed-form estimate prices each device's gradient-sync groups back to back; the runtime (and the
     simulator) runs the groups in one global order, each waiting for its slowest member, so plans whose
     pipelines split the layers differently can wait far longer than estimated. Ranking by the worse of
-    the two keeps the planner from choosing a plan for a gap in the closed form. ``workers``: processes
-    for the simulations (planner/parallel.py; each is a function of its plan and cost model alone)."""
+    the two keeps the planner from choosing a plan for a gap in the closed form.
+
+    Only what can still win is played out: the picks go in order of their estimates against the best
+    checked time so far, and one whose estimate is above it (its checked time is at least its estimate)
+    or whose simulation passes it (``simulated_step_time``'s ``cutoff``: the simulator stops there) cannot
+    be the best, so it stays unchecked among the rest. The best plan is the one checking them all would
+    pick (tested); the unchecked lose their simulated time in the listing. ``workers``: processes for the
+    simulations (planner/parallel.py), which then play every pick to the end, the same ones kept.
+
+    ``deadline`` (``time.perf_counter``): in one process, no simulation starts after it (those left keep the
+    estimate alone; ``stats`` records the cut); with workers every simulation runs."""
     n = settings.simulate_top
     pick = list(ranked[:n])
     extra = [c for c in ranked if aligned(c.strategy)][:ALIGNED_CHECKED]
@@ -265,11 +285,28 @@ def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], setti
     for c in extra:
         if all(c is not p for p in pick):
             pick.append(c)
-    sims = ordered_map(simulated_step_time, [(cms[c.micro_batch], c.strategy, settings.default_schedule,
-                                              settings.zero) for c in pick], workers)
-    checked = [dataclasses.replace(c, simulated_s=sim) for c, sim in zip(pick, sims)]
+    calls = [(cms[c.micro_batch], c.strategy, settings.default_schedule, settings.zero) for c in pick]
+    order = sorted(range(len(pick)), key=lambda i: pick[i].step_time_s)   # stable: ties keep the pick order
+    parallel = worker_count(workers, len(calls)) > 1
+    played = ordered_map(simulated_step_time, [calls[i] for i in order], workers) if parallel else []
+    sims: dict[int, float] = {}
+    best = math.inf
+    for j, i in enumerate(order):
+        if pick[i].step_time_s > best:
+            break   # this estimate and every later one: above the best checked time
+        if not parallel and time.perf_counter() > deadline:
+            if stats is not None:
+                stats.cut("simulator check")
+            break
+        sim = played[j] if parallel else simulated_step_time(*calls[i], cutoff=best)
+        if sim > best:
+            continue   # its checked time passes the best one's
+        sims[i] = sim
+        best = min(best, max(pick[i].step_time_s, sim))
+    checked = [dataclasses.replace(c, simulated_s=sims[i]) for i, c in enumerate(pick) if i in sims]
     checked.sort(key=lambda c: (c.checked_s, c.step_time_s))   # stable: ties keep the estimate's order
-    rest = [c for c in ranked if all(c is not p for p in pick)]
+    kept = [c for i, c in enumerate(pick) if i in sims]
+    rest = [c for c in ranked if all(c is not p for p in kept)]
     return checked + rest
 
 

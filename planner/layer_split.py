@@ -136,37 +136,69 @@ def slot_costs(cm: CostModel, kinds: Sequence[GroupKind], *, zero_degree: int = 
     ``recompute=False`` forbids recompute (its limit is set to -1). ``memory_margin``: fraction of each
     device's memory kept free.
     """
-    n_stages = len(kinds)
-    limit = cm.model.num_layers
-    v = schedule.chunks
     cache = cm.__dict__.setdefault("_planner_slot_cache", {})
+    # ZeRO degrees whose slots are known, per slot but for the degree (sorted): see ``_between``.
+    degrees = cm.__dict__.setdefault("_planner_slot_degrees", {})
+    top = cm.cluster.num_devices   # no plan has a larger degree (one per pipeline at most)
     out = []
-    for kind, (first, last, in_flight) in zip(kinds, stage_shapes(schedule, n_stages)):
-        key = (kind, first, last, in_flight, zero_degree, recompute, memory_margin, v)
+    for kind, (first, last, in_flight) in zip(kinds, stage_shapes(schedule, len(kinds))):
+        key = (kind, first, last, in_flight, zero_degree, recompute, memory_margin, schedule.chunks)
         hit = cache.get(key)
         if hit is None:
-            cap = cm.cluster.device_types[kind.device_type].memory_gib * GIB * (1.0 - memory_margin)
-            per, const = [], 0.0
-            for rc in (False, True):
-                one = cm.stage(kind.device_type, kind.tp, 1, first, last, rc)
-                two = cm.stage(kind.device_type, kind.tp, 2, first, last, rc)
-                per.append(two.time_s - one.time_s)
-                if not rc:
-                    const = one.time_s - per[0]
-            if v > 1:   # every further chunk is a stage-module call of its own
-                mid = cm.stage(kind.device_type, kind.tp, 1, False, False)
-                const += (v - 1) * max(0.0, mid.time_s - per[0])
-            nmax = tuple(_max_layers(cm, kind, first, last, rc, in_flight, zero_degree, cap, limit, v)
-                         if (rc is False or recompute) else -1 for rc in (False, True))
-            # Partial recompute only where memory binds: between what fits without and with recompute. Not
-            # under GPipe, whose stages hold every micro-batch: the bound above is at m = 2S, a plan's m is
-            # the allocation's, and a stage recomputing just enough at 2S runs out of memory at more.
-            partial = _partial_table(cm, kind, first, last, nmax[0], nmax[1], in_flight, zero_degree, cap, v) \
-                if recompute and nmax[1] > max(0, nmax[0]) and schedule.name != "gpipe" else ()
-            hit = cache[key] = SlotCost(kind, first, last, in_flight, (per[0], per[1]), max(0.0, const), nmax,
-                                        partial)
+            hit = _between(cache, degrees, key)
+        if hit is None:
+            others = key[:4] + key[5:]
+            if others not in degrees and zero_degree < top:
+                # ... the largest degree first, so that the degrees between reuse the slot where it is the same
+                _slot(cm, cache, degrees, key[:4] + (top,) + key[5:], schedule)
+            hit = _slot(cm, cache, degrees, key, schedule)
+        cache[key] = hit
         out.append(hit)
     return tuple(out)
+
+
+def _slot(cm: CostModel, cache: dict, degrees: dict, key: tuple, schedule: ScheduleChoice) -> SlotCost:
+    """``slot_costs``' entry for one stage position (``key``: kind, first, last, in flight, ZeRO degree,
+    recompute, margin, chunks), computed and cached."""
+    kind, first, last, in_flight, zero_degree, recompute, memory_margin, v = key
+    limit = cm.model.num_layers
+    cap = cm.cluster.device_types[kind.device_type].memory_gib * GIB * (1.0 - memory_margin)
+    per, const = [], 0.0
+    for rc in (False, True):
+        one = cm.stage(kind.device_type, kind.tp, 1, first, last, rc)
+        two = cm.stage(kind.device_type, kind.tp, 2, first, last, rc)
+        per.append(two.time_s - one.time_s)
+        if not rc:
+            const = one.time_s - per[0]
+    if v > 1:   # every further chunk is a stage-module call of its own
+        mid = cm.stage(kind.device_type, kind.tp, 1, False, False)
+        const += (v - 1) * max(0.0, mid.time_s - per[0])
+    nmax = tuple(_max_layers(cm, kind, first, last, rc, in_flight, zero_degree, cap, limit, v)
+                 if (rc is False or recompute) else -1 for rc in (False, True))
+    # Partial recompute only where memory binds: between what fits without and with recompute. Not
+    # under GPipe, whose stages hold every micro-batch: the bound above is at m = 2S, a plan's m is
+    # the allocation's, and a stage recomputing just enough at 2S runs out of memory at more.
+    partial = _partial_table(cm, kind, first, last, nmax[0], nmax[1], in_flight, zero_degree, cap, v) \
+        if recompute and nmax[1] > max(0, nmax[0]) and schedule.name != "gpipe" else ()
+    hit = cache[key] = SlotCost(kind, first, last, in_flight, (per[0], per[1]), max(0.0, const), nmax, partial)
+    bisect.insort(degrees.setdefault(key[:4] + key[5:], []), zero_degree)
+    return hit
+
+
+def _between(cache: dict, degrees: dict, key: tuple) -> SlotCost | None:
+    """The slot at ZeRO degree ``key[4]`` when the known slots at the nearest degrees below and above it are
+    equal (else None): a larger degree only shrinks the optimizer state (``stage_memory``), so every table
+    entry (the most layers that fit, the fewest recomputed) moves one way with the degree, and one equal at
+    both ends is equal between. Large clusters try many pipeline counts, hence degrees, on one template."""
+    known = degrees.get(key[:4] + key[5:])
+    if not known:
+        return None
+    zd = key[4]
+    i = bisect.bisect_left(known, zd)
+    if i == 0 or i == len(known):
+        return None
+    lo, hi = cache[key[:4] + (known[i - 1],) + key[5:]], cache[key[:4] + (known[i],) + key[5:]]
+    return lo if lo == hi else None
 
 
 def stage_time(slot: SlotCost, n: int, recompute: bool, recompute_layers: int = 0) -> float:

@@ -77,7 +77,9 @@ def result_json(result: PlanResult, plan: Plan, out_path: str | None) -> dict[st
                             "efficiency": result.efficiency, "best_tp": dict(lb.best_tp)},
         },
         "solver_time_s": result.solver_time_s,
-        "search": {"truncated": result.stats.truncated, "block_evaluations": result.stats.block_evaluations,
+        "search": {"truncated": result.stats.truncated, "cut_short": list(result.stats.cut_short),
+                   "proxy_estimate": best.proxy,
+                   "block_evaluations": result.stats.block_evaluations,
                    "combinations": result.stats.combinations, "finalists": result.stats.finalists,
                    "ilps": result.stats.ilps},
         "memory": memory_rows(result),
@@ -169,7 +171,13 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
             alt.add_row(str(i + 1), f"{c.step_time_s:.4f}", sim, str(c.micro_batch), escape(c.summary))
         con.print(alt)
     st = result.stats
-    trunc = " [yellow](time limit reached: search cut short)[/yellow]" if st.truncated else ""
+    trunc = ""
+    if st.truncated:
+        where = f": {', '.join(st.cut_short)}" if st.cut_short else ""
+        trunc = f" [yellow](time limit reached: search cut short{escape(where)}; the best plan found so far"
+        if result.best.proxy:
+            trunc += ", its step time by the search's closed-form proxy, not priced exactly"
+        trunc += ")[/yellow]"
     con.print(f"searched {st.block_evaluations} pipeline groupings, {st.combinations} combinations, "
               f"{st.ilps} ILPs in {result.solver_time_s:.2f} s{trunc}")
     if out_path is not None:

@@ -165,6 +165,9 @@ UNEVEN_CHOICES = 2         # ... and in mixed blocks with each type's first two 
 # Exact pipeline-time prices per class and finalist when moving layers (refine_split): as many as fit in
 # this many scheduled ops (stages x chunks x micro-batches x op kinds), between 3 and 24.
 REFINE_OPS = 4_000
+# How far ``step_time_bound`` may exceed the time it bounds by rounding alone (tests/unit/planner/test_fast_pricing.py
+# checks it within this): a bound is trusted to rule a price out only past it.
+BOUND_ROUNDING = 1e-9
 SYNC_RINGS = 2          # costliest stage positions per block kept to price cross-block gradient sync
 
 
@@ -308,25 +311,41 @@ class SearchStats:
     ilps: int = 0
     truncated: bool = False
     notes: list[str] = field(default_factory=list)
+    # The phases the time limit cut short or skipped, in the order it happened (``truncated`` says whether any).
+    cut_short: list[str] = field(default_factory=list)
+
+    def cut(self, phase: str) -> None:
+        """Record that the time limit cut ``phase`` short (once per phase)."""
+        self.truncated = True
+        if phase not in self.cut_short:
+            self.cut_short.append(phase)
 
 
 def lazily_sorted(lower: Sequence[float], exact: Callable[[int], float], indices: Iterable[int],
-                  skip: Callable[[int], bool] | None = None) -> Iterator[tuple[float, int]]:
+                  skip: Callable[[int], bool] | None = None, middle: Callable[[int], float] | None = None
+                  ) -> Iterator[tuple[float, int]]:
     """``(exact(i), i)`` for the ``indices`` with a finite exact value, in the order ``sorted`` gives
     (value, then index), computing ``exact(i)`` only when its lower bound ``lower[i]`` comes up: a
-    consumer that stops early never pays for the rest. ``skip(i)``, asked then, drops ``i`` unpriced."""
-    heap = [(lower[i], i, False) for i in indices if math.isfinite(lower[i])]
+    consumer that stops early never pays for the rest. ``skip(i)``, asked then, drops ``i`` unpriced.
+    ``middle(i)``: a tighter lower bound of ``exact(i)``, dearer than ``lower`` and cheaper than ``exact``,
+    computed when ``lower[i]`` comes up; ``exact(i)`` then waits for it to come up in turn. (Any value not
+    above the exact one keeps the order: an entry is yielded only once every bound below it has been
+    replaced by its exact value.)"""
+    heap = [(lower[i], i, 0) for i in indices if math.isfinite(lower[i])]
     heapq.heapify(heap)
     while heap:
-        value, i, known = heapq.heappop(heap)
-        if known:
+        value, i, level = heapq.heappop(heap)
+        if level == 2:
             yield value, i
             continue
         if skip is not None and skip(i):
             continue
-        value = exact(i)
+        if level == 0 and middle is not None:
+            value, level = middle(i), 1
+        else:
+            value, level = exact(i), 2
         if math.isfinite(value):
-            heapq.heappush(heap, (value, i, True))
+            heapq.heappush(heap, (value, i, level))
 
 
 def set_partitions(items: Sequence[str]) -> Iterator[list[tuple[str, ...]]]:
@@ -342,7 +361,7 @@ def set_partitions(items: Sequence[str]) -> Iterator[list[tuple[str, ...]]]:
 
 
 def _pareto(view: Callable[[int], BlockCandidate], n: int, lower: Sequence[float], score: Callable[[int], float],
-            keep: int) -> list[int]:
+            keep: int, middle: Callable[[int], float] | None = None) -> list[int]:
     """By score (``score(i)``, best first), the first ``keep`` of ``n`` drafts that no earlier one beats on
     rate, fill-and-drain and score alike. In that order every earlier score is at most a later one's, so
     only rate and fill-and-drain decide, and a draft they rule out when its lower bound ``lower[i]`` comes
@@ -354,7 +373,7 @@ def _pareto(view: Callable[[int], BlockCandidate], n: int, lower: Sequence[float
         c = view(i)
         return any(view(j).rate >= c.rate and view(j).overhead <= c.floor_overhead for j in out)
 
-    for _, i in lazily_sorted(lower, score, range(n), beaten):
+    for _, i in lazily_sorted(lower, score, range(n), beaten, middle):
         if beaten(i):
             continue
         out.append(i)
@@ -411,9 +430,10 @@ class Searcher:
 
     # -- small helpers -------------------------------------------------------------------------------
 
-    def out_of_time(self) -> bool:
+    def out_of_time(self, phase: str) -> bool:
+        """Whether the time limit has passed; if so ``phase`` is recorded as cut short (``SearchStats.cut``)."""
         if time.perf_counter() > self.deadline:
-            self.stats.truncated = True
+            self.stats.cut(phase)
             return True
         return False
 
@@ -579,11 +599,16 @@ class Searcher:
         key = (lay.template, round(self.boundary_s(lay), 12), zero_degree, split, choice, micro_batches, proxy_s)
         hit = self._spare.get(key)
         if hit is None:
-            pipe = self._pipeline(lay, split, micro_batches, choice)
-            one = Strategy(name="class", pipelines=(pipe,))
+            # Memory and the bound from the bare pipeline (neither reads the op costs); the costed one only to play.
+            one = Strategy(name="class", pipelines=(self._bare_pipeline(lay, split, micro_batches, choice),))
             limits = spare_activation_limits(self.cm, one, 0, choice.name, zero_degree, self.settings.memory_margin)
             hit = 0.0
-            if limits is not None:
+            # The lists are played only where the time can fall below the proxy: ``pipeline_step_bound`` holds
+            # for any op order, so for any activation limits (the same costs), up to rounding (the margin), and
+            # above the proxy it leaves no gain (exact: the same 0 the played time would give).
+            if limits is not None and \
+                    self.cm.pipeline_step_bound(one, 0, choice.name) * (1 - BOUND_ROUNDING) - 1e-12 < proxy_s:
+                pipe = self._pipeline(lay, split, micro_batches, choice)
                 raised = Strategy(name="class", pipelines=(dataclasses.replace(pipe, activation_limits=limits),))
                 hit = max(0.0, proxy_s - self.cm.pipeline_step_time(raised, 0, choice.name))
             self._spare[key] = hit
@@ -592,19 +617,29 @@ class Searcher:
     def complete(self, draft: BlockCandidate) -> BlockCandidate:
         """``draft`` with its gradient sync and optimizer terms (what ``overheads`` prices) and each class's
         ``spare_gain`` (priced here, not for every draft: it plays the schedule)."""
-        zd = self.zero_degree(draft.pipelines)
-        classes = []
-        for c in draft.classes:
-            if c.spare_s is None and c.spare_room:
-                m = c.spare_count
-                c = dataclasses.replace(c, spare_s=self.spare_gain(draft.layouts[c.members[0]], zd, c.split,
-                                                                   c.schedule, m, c.option().time(m)))
-            classes.append(c)
-        draft = dataclasses.replace(draft, classes=tuple(classes))
+        return self.with_spare_gains(self.with_sync(draft))
+
+    def with_sync(self, draft: BlockCandidate) -> BlockCandidate:
+        """``draft`` with its gradient sync and optimizer terms: what ``overheads`` prices (from the splits,
+        layouts and schedules alone: the spare gains change none of them)."""
         grad_bytes, opt_terms = self._terms(draft.classes)
         rings = self._sync_rings(draft.layouts, draft.classes) if draft.pipelines > 1 else ()
         return dataclasses.replace(draft, grad_bytes=grad_bytes, opt_terms=opt_terms, sync_rings=rings[:SYNC_RINGS],
                                    sync_self_s=rings[0][2] if rings else 0.0)
+
+    def with_spare_gains(self, draft: BlockCandidate) -> BlockCandidate:
+        """``draft`` with each class's ``spare_gain`` where it has room and none is priced yet."""
+        zd = self.zero_degree(draft.pipelines)
+        classes = []
+        late = any(c.spare_s is None and c.spare_room for c in draft.classes) and \
+            self.out_of_time("raised activation limits")   # past the limit: ranked without them
+        for c in draft.classes:
+            if c.spare_s is None and c.spare_room and not late:
+                m = c.spare_count
+                c = dataclasses.replace(c, spare_s=self.spare_gain(draft.layouts[c.members[0]], zd, c.split,
+                                                                   c.schedule, m, c.option().time(m)))
+            classes.append(c)
+        return dataclasses.replace(draft, classes=tuple(classes))
 
     def _sync_rings(self, layouts: Sequence[PipelineLayout], classes: Sequence[ClassInfo]
                     ) -> list[tuple[tuple[int, ...], float, float]]:
@@ -768,6 +803,10 @@ class Searcher:
         blocks.update(self._mixed_blocks(choices, types, blocks, best_rate, total_rate))
         realized = self._realize_best(types, self.combine(types, blocks))
         exact = self._price_best(realized)
+        if not exact and realized:
+            # Past the time limit before any exact price (the runtime's lists of a large batch take long to
+            # play): the best plan by its proxy, marked as such (``Candidate.proxy``).
+            return [realized[0][0]]
         final = self._finalize_best(types, exact + [r for r in realized if all(r[1] is not e[1] for e in exact)])
         # Only exactly priced plans are returned, so that every candidate is compared on the same estimate
         # (``exact`` has its raised limits already).
@@ -776,7 +815,7 @@ class Searcher:
     def with_spare_limits(self, cand: Candidate) -> Candidate:
         """``cand`` with each pipeline's activation bound raised to what its stages' free memory holds
         (``spare_activation_limits``), where the exact estimate says that is faster; else ``cand``."""
-        if not self.settings.spare_activations:
+        if not self.settings.spare_activations or self.out_of_time("raised activation limits"):
             return cand
         zd = self.zero_degree(len(cand.strategy.pipelines))
         pipes = []
@@ -808,7 +847,11 @@ class Searcher:
         ranks low at the schedules' own bounds."""
         out = []
         for cand, combo, alloc in realized[:EXACT_REALIZED]:
+            if self.out_of_time("exact pricing"):
+                break   # past the limit (``run`` falls back on the best proxy-priced plan if none is priced)
             out.append((self.with_spare_limits(self.exact(cand)), combo, alloc))
+            if self.out_of_time("schedule per pipeline class"):
+                continue
             variant = self.best_schedules(combo, alloc)
             if variant is not None:
                 alt = self.realize(variant, alloc)
@@ -861,8 +904,10 @@ class Searcher:
 
     def _class_bound(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
                      ) -> float:
-        """A lower bound of ``_class_time`` that builds no lists (``CostModel.pipeline_step_bound``)."""
-        one = Strategy(name="class", pipelines=(self._pipeline(lay, split, micro_batches, choice),))
+        """A lower bound of ``_class_time`` that builds no lists (``CostModel.pipeline_step_bound``). On the bare
+        pipeline: the bound reads the cost model's chunk and transfer costs, not the op costs a plan carries
+        (``costed_pipeline``), so it is the same number without building them."""
+        one = Strategy(name="class", pipelines=(self._bare_pipeline(lay, split, micro_batches, choice),))
         return self.cm.pipeline_step_bound(one, 0, choice.name)
 
     def _single_type_jobs(self, choices: Mapping[str, Sequence[int]], types: Sequence[str]) -> Iterator[Job]:
@@ -891,14 +936,17 @@ class Searcher:
         single: dict[str, list[BlockCandidate]] = {t: [] for t in types}
         jobs = list(self._single_type_jobs(choices, types))
         self._report("pipelines (single type)", 0, len(jobs))
+        found = False
         for i, (choice, p, order, s, place, sh) in enumerate(jobs):
             if i % 64 == 0:
                 self._report("pipelines (single type)", i, len(jobs))
-                if self.out_of_time():
-                    break
+            # Past the time limit the search goes on only until it has a block (a plan to return).
+            if found and self.out_of_time("single-type pipelines"):
+                break
             cand = self.evaluate_block(choice, p, order, s, place, sh)
             if cand is not None:
                 single[choice[0].device_type].append(cand)
+                found = True
         self._report("pipelines (single type)", len(jobs), len(jobs))
         return single
 
@@ -929,13 +977,15 @@ class Searcher:
         mixed: dict[frozenset[str], list[BlockCandidate]] = {}
         for done, subset in enumerate(subsets):
             self._report("pipelines (mixed types)", done, len(subsets))
-            if self.out_of_time():
+            if (any(blocks.values()) or any(mixed.values())) and self.out_of_time("mixed-type pipelines"):
                 break
             found: list[BlockCandidate] = []
             share = sum(best_rate[t] for t in subset) / total_rate
             width = TYPE_CHOICES_MULTI[min(len(subset), 4) - 2]
             lists = [top_choice[t][:width] if blocks[frozenset([t])] else top_choice[t] for t in subset]
             for combo in itertools.product(*lists):
+                if found and self.out_of_time("mixed-type pipelines"):
+                    break   # the subset's blocks so far are kept
                 gs = self.groups(tuple(combo))
                 total = sum(len(v) for v in gs.values())
                 # Uneven shares only with each type's leading TP choices (they multiply the work).
@@ -974,8 +1024,8 @@ class Searcher:
         realized: list[tuple[Candidate, Combo, Allocation]] = []
         for i, (combo, alloc) in enumerate(picked):
             self._report("scoring plans with the cost model", i, len(picked))
-            if i >= COMBOS_FINAL and self.out_of_time():
-                break
+            if realized and self.out_of_time("scoring plans"):
+                break   # past the limit: no more once one plan is scored
             cand = self.realize(combo, alloc)
             if cand is not None:
                 realized.append((cand, combo, alloc))
@@ -991,8 +1041,8 @@ class Searcher:
         out: list[Candidate] = []
         for i, (_, combo, alloc) in enumerate(finalists):
             self._report("exact layer split + micro-batches (ILP)", i, len(finalists))
-            if i >= 1 and self.out_of_time():
-                break
+            if self.out_of_time("exact layer splits and micro-batches"):
+                break   # the exactly priced plans stand (``_price_best`` prices at least one)
             out.extend(self.finalize(combo, alloc))
         self._report("exact layer split + micro-batches (ILP)", len(finalists), len(finalists))
         self.stats.finalists += len(finalists)
@@ -1011,12 +1061,20 @@ class Searcher:
         """The block candidates worth combining, completed (``complete``): the best when the block gets
         ``share`` of the batch (its expected share next to the other types), and the best when it gets all
         of it; each scored as if it ran alone (makespan plus its ``overheads``). Drafts are completed in
-        order of a lower bound of that score (makespan plus clip), so only those that may be kept are."""
+        order of a lower bound of that score (makespan plus clip), so only those that may be kept are; and
+        before the spare gains, which play the schedule, each gets a tighter bound (the floor makespan plus
+        its own sync and optimizer terms, ``with_sync``), so that only those that still may be kept play it."""
         done: dict[int, BlockCandidate] = {}
+        synced: dict[int, BlockCandidate] = {}
+
+        def sync_view(i: int) -> BlockCandidate:
+            if i not in synced:
+                synced[i] = self.with_sync(found[i])
+            return synced[i]
 
         def full(i: int) -> BlockCandidate:
             if i not in done:
-                done[i] = self.complete(found[i])
+                done[i] = self.with_spare_gains(sync_view(i))
             return done[i]
 
         def view(i: int) -> BlockCandidate:
@@ -1031,13 +1089,17 @@ class Searcher:
             def score(i: int, sh: float = sh) -> float:
                 return self._span_alone(full(i), sh) + self.overheads([full(i)])
 
-            kept = [full(i) for i in _pareto(view, len(found), lower, score, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2)]
+            def middle(i: int, sh: float = sh) -> float:   # the overheads are the score's; the floor span below its
+                return self._span_alone(sync_view(i), sh, floor=True) + self.overheads([sync_view(i)])
+
+            kept = [full(i) for i in _pareto(view, len(found), lower, score, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2,
+                                             middle)]
             # ... and the best with identical pipelines (their gradient sync has no chains of waits, which
             # the closed form does not price: see api.simulator_check), in each placement: where the
             # pipelines' stages sit decides between boundary and sync costs, which the ranking prices apart.
             for place in PLACEMENTS:
                 aligned = [i for i, c in enumerate(found) if c.aligned and c.placement == place]
-                kept += [full(i) for _, i in itertools.islice(lazily_sorted(lower, score, aligned), 1)]
+                kept += [full(i) for _, i in itertools.islice(lazily_sorted(lower, score, aligned, middle=middle), 1)]
             for c in kept:
                 if all(c is not o for o in out):
                     out.append(c)
@@ -1299,6 +1361,9 @@ def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterab
     else:
         outcomes, shared_by = [], {}
         for b, family in runs:
+            if time.perf_counter() > deadline and any(cands for cands, _ in outcomes):
+                stats.cut(f"search at micro-batch {b}" + ("" if family is None else f" ({family[0].name} family)"))
+                continue   # past the limit with plans in hand: the other searches are skipped
             def report(phase: str, done: int, total: int, b: int = b) -> None:
                 if progress is not None:
                     progress(f"micro-batch {b}: {phase}", done, total)
@@ -1313,10 +1378,17 @@ def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterab
         stats.ilps += st.ilps
         stats.truncated |= st.truncated
         stats.notes.extend(st.notes)
+        stats.cut_short.extend(p for p in st.cut_short if p not in stats.cut_short)
     ranked = rank(found)
     # The best few: their raised activation limits lowered per stage where that is faster (the search's
     # candidates get them raised all the way: pricing lower ones for all would double its time).
-    top = [refined_limits(cms[c.micro_batch], settings, c) for c in ranked[:LIMITS_REFINED]]
+    top = []
+    for c in ranked[:LIMITS_REFINED]:
+        if time.perf_counter() > deadline:
+            stats.cut("refined activation limits")
+            top.append(c)
+        else:
+            top.append(refined_limits(cms[c.micro_batch], settings, c))
     return rank(top + ranked[LIMITS_REFINED:]), stats
 
 

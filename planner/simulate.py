@@ -211,12 +211,16 @@ class EventLoop:
         self.ops[op.name] = op
         self.queue.setdefault(op.resource, []).append(op.name)
 
-    def run(self, copies: Mapping[str, Sequence[str]] | None = None) -> dict[str, tuple[float, float]]:
+    def run(self, copies: Mapping[str, Sequence[str]] | None = None, until: float = math.inf
+            ) -> dict[str, tuple[float, float]] | None:
         """(start, end) of every op, and ``cpu_s``: what each played compute op consumed. ``copies``: op ->
         ops that run exactly as it does (``pipeline_twins``), given its times instead of being played (their
-        resources run nothing themselves)."""
+        resources run nothing themselves). ``until``: None as soon as an event lies past it (the last op
+        then ends past it too: every event is some op's end, or the start of work that ends later)."""
         run = _Run(self, copies or {})
-        times = run.run()
+        times = run.run(until)
+        if times is None:
+            return None
         self.cpu_s = {o: run.used.get(o, w) for o, w in run.work.items()}
         for o, twins in run.copies.items():   # a copy consumed what its original did
             if o in self.cpu_s:
@@ -343,11 +347,12 @@ class _Run:
         self.now = 0.0
         self.seq = 0
 
-    def run(self) -> dict[str, tuple[float, float]]:
+    def run(self, until: float = math.inf) -> dict[str, tuple[float, float]] | None:
         for r in self.queue:
             self.advance(r)
         while self.step():
-            pass
+            if self.now > until:
+                return None
         missing = [op for op in self.ops if op not in self.times]
         if missing:  # a cycle: a bug in the schedule construction, not a user error
             raise RuntimeError(f"simulation deadlocked; unscheduled ops: {missing[:5]}")
@@ -545,15 +550,18 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
         pipeline_schedules=names)
 
 
-def simulated_step_time(cm: CostModel, strategy: Strategy, schedule: Schedule = "1f1b", zero: bool = False) -> float:
+def simulated_step_time(cm: CostModel, strategy: Strategy, schedule: Schedule = "1f1b", zero: bool = False,
+                        cutoff: float = math.inf) -> float:
     """``simulate(...).step_time_s`` without the per-stage reports, events and memory: what a caller ranking
-    plans by the simulated step (``planner.api.simulator_check``) reads, played the same way."""
-    return _played(cm, strategy, schedule, zero)[-1]
+    plans by the simulated step (``planner.api.simulator_check``) reads, played the same way. ``cutoff``: inf
+    as soon as the step is sure to take longer (a caller that keeps only a plan beating it stops early)."""
+    return _played(cm, strategy, schedule, zero, cutoff)[-1]
 
 
-def _played(cm: CostModel, strategy: Strategy, schedule: Schedule, zero: bool) -> tuple:
+def _played(cm: CostModel, strategy: Strategy, schedule: Schedule, zero: bool, cutoff: float = math.inf) -> tuple:
     """The event loop of one step played: (loop, costs, schedules, each stage's last op, TP seconds, labels,
-    the sync plan, every op's times, the step time)."""
+    the sync plan, every op's times, the step time; inf, with no times, once the step is sure to pass
+    ``cutoff``)."""
     # The runtime's lists (StrategyHandle.pipeline_schedule), through the cost model's cache of them.
     schedules = tuple(cm.runtime_schedule(strategy, pi, schedule) for pi in range(len(strategy.pipelines)))
     costs = _Costs.of(cm, strategy)
@@ -562,9 +570,13 @@ def _played(cm: CostModel, strategy: Strategy, schedule: Schedule, zero: bool) -
     twins = pipeline_twins(sim)   # before the step's end joins the pipelines
     sync = cm.sync_plan(strategy)
     _add_step_end(sim, costs, last_action, sync, zero)
-    times = sim.run(twins)
     # The measured fixed cost per iteration (launches, synchronisation, logging) comes on top.
-    step = max(end for _, end in times.values()) + cm.iteration_time(strategy)
+    fixed = cm.iteration_time(strategy)
+    # (a margin far above rounding: a step cut off is longer than ``cutoff`` for sure, not by an ulp)
+    times = sim.run(twins, cutoff - fixed + 1e-9 * max(1.0, abs(cutoff)))
+    if times is None:   # an op ends past that, so the step passes cutoff
+        return sim, costs, schedules, last_action, tp_s, labels, sync, None, math.inf
+    step = max(end for _, end in times.values()) + fixed
     return sim, costs, schedules, last_action, tp_s, labels, sync, times, step
 
 

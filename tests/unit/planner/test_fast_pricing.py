@@ -16,12 +16,13 @@ from played_lists import play_actions
 
 from planner.baselines import EXACTLY_PRICED, best_symmetric, symmetric_strategies
 from planner.cost import CostModel, play_timeline
-from planner.search import lazily_sorted
+from planner.search import BOUND_ROUNDING, lazily_sorted
 from runtime.pipeline_schedules import (
     SCHEDULE_NAMES,
     ChunkCost,
     Costs,
     build_schedule,
+    device_limits,
     schedule_layout,
     schedule_problems,
     schedule_timeline,
@@ -70,6 +71,21 @@ def test_bound_never_exceeds_the_played_lists(shape: tuple[str, int, int, int, C
     name, s, m, v, order, played = shape
     sched = build_schedule(name, s, m, v, order)
     assert step_time_bound(name, s, m, v, played) <= play_actions(sched, played) * (1 + 1e-9) + 1e-12
+
+
+@settings(max_examples=150, deadline=None)
+@given(shapes(), st.lists(st.integers(0, 30), min_size=6, max_size=6))
+def test_bound_never_exceeds_the_played_lists_with_raised_limits(shape: tuple[str, int, int, int, Costs, Costs],
+                                                                 extra: list[int]) -> None:
+    """With activation limits raised above the schedule's own (``Pipeline.activation_limits``): the bound holds
+    for any op order, so ``Searcher.spare_gain`` plays no lists where it is above the ranking price."""
+    name, s, m, v, order, played = shape
+    own = device_limits(name, s, m, v)
+    limits = tuple(lim + x for lim, x in zip(own, extra))
+    sched = build_schedule(name, s, m, v, order, limits)
+    bound = step_time_bound(name, s, m, v, played)
+    assert bound * (1 - BOUND_ROUNDING) - 1e-12 <= play_actions(sched, played)
+    assert bound * (1 - BOUND_ROUNDING) - 1e-12 <= step_time(name, s, m, v, played, limits)
 
 
 @pytest.mark.parametrize("s, m", [(1, 1), (2, 5), (4, 4), (6, 13)])

@@ -102,7 +102,9 @@ def test_plan_with_workers_is_the_serial_plan(serial: PlanResult) -> None:
     assert (serial.symmetric, serial.symmetric_subset, serial.lower_bound) == \
         (parallel.symmetric, parallel.symmetric_subset, parallel.lower_bound)
     assert serial.symmetric.strategy is not None
-    assert all(c.simulated_s is not None for c in parallel.candidates[:3])
+    # The check ran (it plays out only the picks that can still win: planner/api.py simulator_check, and
+    # tests/unit/planner/test_check_pruning.py that its choice is the full check's).
+    assert parallel.best.simulated_s is not None
     assert (serial.stats.block_evaluations, serial.stats.combinations, serial.stats.finalists, serial.stats.ilps,
             serial.stats.notes) == (parallel.stats.block_evaluations, parallel.stats.combinations,
                                     parallel.stats.finalists, parallel.stats.ilps, parallel.stats.notes)
@@ -117,5 +119,5 @@ def test_simulator_check_with_workers_is_the_serial_check(serial: PlanResult) ->
     ranked = [dataclasses.replace(c, simulated_s=None) for c in serial.candidates]
     check = dataclasses.replace(SETTINGS, simulate_top=5)
     one = simulator_check(ranked, cms, check)
-    assert sum(c.simulated_s is not None for c in one) >= 5
+    assert one[0].simulated_s is not None   # (only the picks that can win are played out: test_check_pruning.py)
     assert simulator_check(ranked, cms, check, workers=2) == one

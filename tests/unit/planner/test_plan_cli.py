@@ -215,7 +215,9 @@ def test_simulator_check_ranks_by_the_worse_of_estimate_and_simulation():
     checked = _plan("llama-13b", "h2-example", **kw, simulate_top=4)
     assert all(c.simulated_s is None for c in plain.candidates)
     sims = [c for c in checked.candidates if c.simulated_s is not None]
-    assert len(sims) >= 4 and all(a is b for a, b in zip(checked.candidates, sims))
+    # The checked come first. (Of the 4 picks only those that can still win are played out, so at least the
+    # choice: tests/unit/planner/test_check_pruning.py, that it is the choice of the full check.)
+    assert sims and all(a is b for a, b in zip(checked.candidates, sims))
     keys = [c.checked_s for c in sims]
     assert keys == sorted(keys)
     m, cl = checked.model, checked.cluster
