@@ -419,11 +419,8 @@ def step_times(strategies: Sequence[LengthStrategy], lengths: Sequence[int],
     longest = max(lengths, default=0)
     out: list[tuple[float, Assignment] | None] = []
     for ls in strategies:
-        if not ls.cost.holds(longest):
-            out.append(None)
-            continue
-        a = dispatcher(lengths, ls.cost.pipelines)
-        out.append((a.makespan + ls.fixed_s, a))
+        a = dispatcher(lengths, ls.cost.pipelines) if ls.cost.holds(longest) else None
+        out.append(None if a is None else (a.makespan + ls.fixed_s, a))
     return out
 
 
@@ -459,12 +456,10 @@ class SwitchCosts:
     def __call__(self, a: int, b: int) -> float:
         if a == b:
             return 0.0
-        key = (a, b)
-        if key not in self._memo:
-            src = StrategyHandle(self.ctx, self.strategies[a])
-            dst = StrategyHandle(self.ctx, self.strategies[b])
-            self._memo[key] = plan_staged_switch(src, dst).modelled_time(self.ctx.cluster)
-        return self._memo[key]
+        if (a, b) not in self._memo:
+            src, dst = (StrategyHandle(self.ctx, self.strategies[i]) for i in (a, b))
+            self._memo[a, b] = plan_staged_switch(src, dst).modelled_time(self.ctx.cluster)
+        return self._memo[a, b]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -483,10 +478,8 @@ def node_splits(cluster: Cluster) -> list[tuple[tuple[int, ...], tuple[int, ...]
     """Ways to cut the cluster in two along its node entries (a prefix and the rest, in both roles): (long
     part, short part) pairs, each non-empty; one per composition (types and sizes of the parts' nodes)."""
     # One part per node entry (a node lists each of its device types once; device ids follow the entries).
-    per_node, start = [], 0
-    for n in cluster.nodes:
-        per_node.append(tuple(range(start, start + n.count)))
-        start += n.count
+    starts = itertools.accumulate((n.count for n in cluster.nodes), initial=0)
+    per_node = [tuple(range(a, a + n.count)) for a, n in zip(starts, cluster.nodes)]
     kinds = [(n.device_type, n.count) for n in cluster.nodes]
     out, seen = [], set()
     for k in range(1, len(per_node)):
@@ -646,12 +639,7 @@ def switch_fits(strategies: Sequence[LengthStrategy], ctx: PlanContext) -> bool:
     (``unit_scales``), within its ``state_room``. Each strategy's own steps hold its state alone (its rooms)."""
     if len(strategies) < 2:
         return True
-    room: dict[int, tuple[float, tuple[float, ...]]] = {}
-    for ls in strategies:
-        for pipe in ls.rooms:
-            for r in pipe:
-                for d in r.devices:
-                    room[d] = (r.state_room, r.unit_scales)
+    room = {d: (r.state_room, r.unit_scales) for ls in strategies for pipe in ls.rooms for r in pipe for d in r.devices}
     units = switch_units(ctx.model.num_layers)
     for i, j in itertools.permutations(range(len(strategies)), 2):
         a, b = ctx.plan.strategies[i], ctx.plan.strategies[j]
@@ -747,9 +735,7 @@ def ranked_sets(cands: Sequence[LengthStrategy], times: Sequence[Sequence[float 
                 if len({cands[i].max_seq_len for i in rest}) < r:
                     continue
                 members = rest + (top,)
-                total = 0.0
-                for row in times:
-                    total += min(row[i] for i in members if row[i] is not None)   # type: ignore[type-var]
+                total = sum(min(row[i] for i in members if row[i] is not None) for row in times)  # type: ignore
                 out.append((total / len(times), members))
     out.sort(key=lambda x: (x[0], len(x[1]), x[1]))
     return out
