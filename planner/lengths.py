@@ -321,6 +321,7 @@ def round_robin(lengths: Sequence[int], pipelines: Sequence[PipelineCost]) -> As
     return finish(lengths, pipelines, layout, lower_bound(lengths, pipelines), "greedy")
 
 
+# hspmd's own is ``runtime.dispatch.assign`` (ILP where small, LPT otherwise), the default below.
 Dispatcher = Callable[[Sequence[int], Sequence[PipelineCost]], Assignment]
 
 
@@ -346,11 +347,6 @@ def packed_rows(row_len: int, weights: Sequence[int]) -> Dispatcher:
         return finish(lengths, pipelines, layout, lower_bound(lengths, pipelines), "greedy")
 
     return deal
-
-
-def balanced(lengths: Sequence[int], pipelines: Sequence[PipelineCost]) -> Assignment:
-    """hspmd's dispatch: ``runtime.dispatch.assign`` (ILP where small, LPT otherwise)."""
-    return assign(lengths, pipelines)
 
 
 @dataclass(frozen=True)
@@ -414,7 +410,7 @@ class Trace:
 
 
 def step_times(strategies: Sequence[LengthStrategy], lengths: Sequence[int],
-               dispatcher: Dispatcher = balanced) -> list[tuple[float, Assignment] | None]:
+               dispatcher: Dispatcher = assign) -> list[tuple[float, Assignment] | None]:
     """Per strategy its modelled step time on these documents and the assignment (None: cannot serve)."""
     longest = max(lengths, default=0)
     out: list[tuple[float, Assignment] | None] = []
@@ -425,10 +421,10 @@ def step_times(strategies: Sequence[LengthStrategy], lengths: Sequence[int],
 
 
 def play(strategies: Sequence[LengthStrategy], lengths_of: Callable[[int], Sequence[int]], steps: Sequence[int],
-         switch_s: Callable[[int, int], float], dispatcher: Dispatcher = balanced) -> Trace:
+         switch_s: Callable[[int, int], float], dispatcher: Dispatcher = assign) -> Trace:
     """A trace of ``steps``: each step's documents dispatched on every strategy that can serve it, the step
     run where the runtime's rule puts it (``runtime.dispatch.choose``: predicted makespans, hysteresis against
-    switching); with the balanced dispatcher exactly ``runtime.dispatch.dispatch``'s choice and assignment."""
+    switching); with ``assign`` (the default) exactly ``runtime.dispatch.dispatch``'s choice and assignment."""
     records = []
     current: int | None = None
     for step in steps:
@@ -626,12 +622,6 @@ def scale_counts(counts: Sequence[int], total: int) -> list[int]:
     return out
 
 
-def sample_lengths(distribution: LengthDistribution, settings: LengthSettings,
-                   seed: int) -> Callable[[int], tuple[int, ...]]:
-    source = SyntheticDocuments(distribution, settings.tokens_per_step, settings.max_len, 1, seed)
-    return source.lengths
-
-
 def switch_fits(strategies: Sequence[LengthStrategy], ctx: PlanContext) -> bool:
     """Whether every switch between two of ``strategies`` (the plan ``ctx``'s, in order) fits memory as the
     runtime makes it (runtime/elastic/staging.py): between two steps, activations and gradients freed, a device
@@ -694,7 +684,8 @@ def plan_lengths(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, Devi
     if not any(c.max_seq_len == settings.max_len and c.origin == "planned" for c in cands):
         raise InfeasibleError(f"no strategy on {cluster.name} holds a document of {settings.max_len} tokens of "
                               f"{model.name}" + (f" ({'; '.join(found.notes)})" if found.notes else ""))
-    lengths_of = sample_lengths(distribution, settings, settings.seed + PLANNING_SEED_OFFSET)
+    lengths_of = SyntheticDocuments(distribution, settings.tokens_per_step, settings.max_len, 1,
+                                    settings.seed + PLANNING_SEED_OFFSET).lengths
     sample = [lengths_of(t) for t in range(settings.sample_steps)]
     times = [[None if x is None else x[0] for x in step_times(cands, ls)] for ls in sample]
     sets = ranked_sets(cands, times, settings)
