@@ -212,7 +212,7 @@ def measured_restart(plan_path: Path, trace: dict, steps: int, every: int, out: 
     planned = set(running)
     while done < steps:
         end = min(done + every, steps)
-        used = current_devices(current)
+        used = set(StrategyHandle.of(load_plan_context(current)).devices)
         fail = next((e for e in pending if e["action"] == "kill" and done < e["step"] <= end), None)
         if fail is not None and not set(fail["devices"]) & used:
             pending.remove(fail)  # a device the plan leaves idle: its loss stops nothing
@@ -248,10 +248,6 @@ def measured_restart(plan_path: Path, trace: dict, steps: int, every: int, out: 
             total += time.perf_counter() - t0
     return {"wall_s": total, "steps": steps, "goodput_steps_per_s": steps / total, "checkpoint_every": every,
             "runs": runs}
-
-
-def current_devices(plan_path: Path) -> set[int]:
-    return set(StrategyHandle.of(load_plan_context(plan_path)).devices)
 
 
 def modelled(steps: int) -> dict:
