@@ -23,16 +23,13 @@ PROFILE_OPTION = click.option("--profile", "profile_dirs", multiple=True, type=c
                                    "A measured profile overrides a spec one.")
 
 
-def _width(stream) -> int | None:
-    # Pipes and CI logs get a wide fixed width rather than rich's 80 columns, so tables stay legible.
-    return None if stream.isatty() else 140
-
-
 def console(stderr: bool = False) -> Console:
     # Imported here: rich's console costs ~25 ms of start-up that verbs printing one line need not pay.
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, width=_width(sys.stderr if stderr else sys.stdout))
+    # Pipes and CI logs get a wide fixed width rather than rich's 80 columns, so tables stay legible.
+    width = None if (sys.stderr if stderr else sys.stdout).isatty() else 140
+    return Console(stderr=stderr, highlight=False, width=width)
 
 
 def table(title: str, columns: Sequence[str], left: Collection[str] = ()) -> Table:

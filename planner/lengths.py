@@ -321,6 +321,7 @@ def round_robin(lengths: Sequence[int], pipelines: Sequence[PipelineCost]) -> As
     return finish(lengths, pipelines, layout, lower_bound(lengths, pipelines), "greedy")
 
 
+# hspmd's own is ``runtime.dispatch.assign`` (ILP where small, LPT otherwise), the default below.
 Dispatcher = Callable[[Sequence[int], Sequence[PipelineCost]], Assignment]
 
 
@@ -346,11 +347,6 @@ def packed_rows(row_len: int, weights: Sequence[int]) -> Dispatcher:
         return finish(lengths, pipelines, layout, lower_bound(lengths, pipelines), "greedy")
 
     return deal
-
-
-def balanced(lengths: Sequence[int], pipelines: Sequence[PipelineCost]) -> Assignment:
-    """hspmd's dispatch: ``runtime.dispatch.assign`` (ILP where small, LPT otherwise)."""
-    return assign(lengths, pipelines)
 
 
 @dataclass(frozen=True)
@@ -414,24 +410,21 @@ class Trace:
 
 
 def step_times(strategies: Sequence[LengthStrategy], lengths: Sequence[int],
-               dispatcher: Dispatcher = balanced) -> list[tuple[float, Assignment] | None]:
+               dispatcher: Dispatcher = assign) -> list[tuple[float, Assignment] | None]:
     """Per strategy its modelled step time on these documents and the assignment (None: cannot serve)."""
     longest = max(lengths, default=0)
     out: list[tuple[float, Assignment] | None] = []
     for ls in strategies:
-        if not ls.cost.holds(longest):
-            out.append(None)
-            continue
-        a = dispatcher(lengths, ls.cost.pipelines)
-        out.append((a.makespan + ls.fixed_s, a))
+        a = dispatcher(lengths, ls.cost.pipelines) if ls.cost.holds(longest) else None
+        out.append(None if a is None else (a.makespan + ls.fixed_s, a))
     return out
 
 
 def play(strategies: Sequence[LengthStrategy], lengths_of: Callable[[int], Sequence[int]], steps: Sequence[int],
-         switch_s: Callable[[int, int], float], dispatcher: Dispatcher = balanced) -> Trace:
+         switch_s: Callable[[int, int], float], dispatcher: Dispatcher = assign) -> Trace:
     """A trace of ``steps``: each step's documents dispatched on every strategy that can serve it, the step
     run where the runtime's rule puts it (``runtime.dispatch.choose``: predicted makespans, hysteresis against
-    switching); with the balanced dispatcher exactly ``runtime.dispatch.dispatch``'s choice and assignment."""
+    switching); with ``assign`` (the default) exactly ``runtime.dispatch.dispatch``'s choice and assignment."""
     records = []
     current: int | None = None
     for step in steps:
@@ -459,12 +452,10 @@ class SwitchCosts:
     def __call__(self, a: int, b: int) -> float:
         if a == b:
             return 0.0
-        key = (a, b)
-        if key not in self._memo:
-            src = StrategyHandle(self.ctx, self.strategies[a])
-            dst = StrategyHandle(self.ctx, self.strategies[b])
-            self._memo[key] = plan_staged_switch(src, dst).modelled_time(self.ctx.cluster)
-        return self._memo[key]
+        if (a, b) not in self._memo:
+            src, dst = (StrategyHandle(self.ctx, self.strategies[i]) for i in (a, b))
+            self._memo[a, b] = plan_staged_switch(src, dst).modelled_time(self.ctx.cluster)
+        return self._memo[a, b]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -483,10 +474,8 @@ def node_splits(cluster: Cluster) -> list[tuple[tuple[int, ...], tuple[int, ...]
     """Ways to cut the cluster in two along its node entries (a prefix and the rest, in both roles): (long
     part, short part) pairs, each non-empty; one per composition (types and sizes of the parts' nodes)."""
     # One part per node entry (a node lists each of its device types once; device ids follow the entries).
-    per_node, start = [], 0
-    for n in cluster.nodes:
-        per_node.append(tuple(range(start, start + n.count)))
-        start += n.count
+    starts = itertools.accumulate((n.count for n in cluster.nodes), initial=0)
+    per_node = [tuple(range(a, a + n.count)) for a, n in zip(starts, cluster.nodes)]
     kinds = [(n.device_type, n.count) for n in cluster.nodes]
     out, seen = [], set()
     for k in range(1, len(per_node)):
@@ -633,12 +622,6 @@ def scale_counts(counts: Sequence[int], total: int) -> list[int]:
     return out
 
 
-def sample_lengths(distribution: LengthDistribution, settings: LengthSettings,
-                   seed: int) -> Callable[[int], tuple[int, ...]]:
-    source = SyntheticDocuments(distribution, settings.tokens_per_step, settings.max_len, 1, seed)
-    return source.lengths
-
-
 def switch_fits(strategies: Sequence[LengthStrategy], ctx: PlanContext) -> bool:
     """Whether every switch between two of ``strategies`` (the plan ``ctx``'s, in order) fits memory as the
     runtime makes it (runtime/elastic/staging.py): between two steps, activations and gradients freed, a device
@@ -646,12 +629,7 @@ def switch_fits(strategies: Sequence[LengthStrategy], ctx: PlanContext) -> bool:
     (``unit_scales``), within its ``state_room``. Each strategy's own steps hold its state alone (its rooms)."""
     if len(strategies) < 2:
         return True
-    room: dict[int, tuple[float, tuple[float, ...]]] = {}
-    for ls in strategies:
-        for pipe in ls.rooms:
-            for r in pipe:
-                for d in r.devices:
-                    room[d] = (r.state_room, r.unit_scales)
+    room = {d: (r.state_room, r.unit_scales) for ls in strategies for pipe in ls.rooms for r in pipe for d in r.devices}
     units = switch_units(ctx.model.num_layers)
     for i, j in itertools.permutations(range(len(strategies)), 2):
         a, b = ctx.plan.strategies[i], ctx.plan.strategies[j]
@@ -706,7 +684,8 @@ def plan_lengths(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, Devi
     if not any(c.max_seq_len == settings.max_len and c.origin == "planned" for c in cands):
         raise InfeasibleError(f"no strategy on {cluster.name} holds a document of {settings.max_len} tokens of "
                               f"{model.name}" + (f" ({'; '.join(found.notes)})" if found.notes else ""))
-    lengths_of = sample_lengths(distribution, settings, settings.seed + PLANNING_SEED_OFFSET)
+    lengths_of = SyntheticDocuments(distribution, settings.tokens_per_step, settings.max_len, 1,
+                                    settings.seed + PLANNING_SEED_OFFSET).lengths
     sample = [lengths_of(t) for t in range(settings.sample_steps)]
     times = [[None if x is None else x[0] for x in step_times(cands, ls)] for ls in sample]
     sets = ranked_sets(cands, times, settings)
@@ -747,9 +726,7 @@ def ranked_sets(cands: Sequence[LengthStrategy], times: Sequence[Sequence[float 
                 if len({cands[i].max_seq_len for i in rest}) < r:
                     continue
                 members = rest + (top,)
-                total = 0.0
-                for row in times:
-                    total += min(row[i] for i in members if row[i] is not None)   # type: ignore[type-var]
+                total = sum(min(row[i] for i in members if row[i] is not None) for row in times)  # type: ignore
                 out.append((total / len(times), members))
     out.sort(key=lambda x: (x[0], len(x[1]), x[1]))
     return out

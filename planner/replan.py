@@ -238,7 +238,7 @@ def modelled_step_time(handle: StrategyHandle, profiles: Mapping[str, DeviceProf
     return cm.estimate(handle.strategy, t.global_batch, t.schedule, zero_copies(t)).step_time_s
 
 
-def _settings(t: TrainingSettings, **choices: object) -> PlanSettings:
+def settings_for(t: TrainingSettings, **choices: object) -> PlanSettings:
     """The planner's request for a running plan's batch, sequence length, seed, optimizer and schedule."""
     return PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed, optimizer=t.optimizer,
                         schedule=t.schedule, **choices)  # type: ignore[arg-type]
@@ -249,7 +249,7 @@ def _plan_elastic(current: StrategyHandle, devices: Sequence[int], profiles: Map
     """The planner on ``devices``: elastic (>= 2 pipelines) keeping the run's ZeRO choice (an elastic ZeRO-1
     plan keeps 2 copies of every chunk) where that fits, else neither; with why the elastic one did not."""
     ctx, t = current.ctx, current.ctx.plan.training
-    settings = _settings(t, elastic=True, use_zero=t.zero, time_limit_s=time_limit_s, top_k=top_k)
+    settings = settings_for(t, elastic=True, use_zero=t.zero, time_limit_s=time_limit_s, top_k=top_k)
     try:
         return plan(ctx.model, ctx.cluster, profiles, settings, devices=devices, baselines=False), None
     except InfeasibleError as err:
@@ -639,7 +639,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
     def best_on(devices: Collection[int], zero: bool = False) -> tuple[StrategyHandle, float]:
         key = (tuple(sorted(devices)), zero)
         if key not in plans:
-            settings = _settings(t, use_zero=zero, time_limit_s=model.time_limit_s, top_k=1)
+            settings = settings_for(t, use_zero=zero, time_limit_s=model.time_limit_s, top_k=1)
             result = plan(ctx.model, cluster, profiles, settings, devices=key[0], baselines=False)
             p = result.to_plan(ctx.plan.model, ctx.plan.cluster, 0)
             plans[key] = (StrategyHandle.of(dataclasses.replace(ctx, plan=p)), result.candidates[0].step_time_s)
@@ -652,7 +652,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
         plan over all of them or over one type's."""
         key = tuple(sorted(devices))
         if key not in symmetric:
-            settings = _settings(t, use_zero=model.restart_zero, time_limit_s=model.time_limit_s, top_k=1)
+            settings = settings_for(t, use_zero=model.restart_zero, time_limit_s=model.time_limit_s, top_k=1)
             every = {b: CostModel(ctx.model, cluster, profiles, micro_batch=b, seq_len=t.seq_len)
                      for b in micro_batch_sizes(settings)}
             found = [f(every, key, t.global_batch, settings.zero, schedule=settings.default_schedule)
@@ -674,7 +674,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
         (none when nothing fits on them)."""
         key = tuple(sorted(devices))
         if key not in templates:
-            settings = _settings(t, micro_batch=t.micro_batch, use_zero=False, time_limit_s=model.time_limit_s,
+            settings = settings_for(t, micro_batch=t.micro_batch, use_zero=False, time_limit_s=model.time_limit_s,
                                  top_k=1)
             try:
                 result = plan(ctx.model, cluster, profiles, settings, devices=key, baselines=False)
@@ -956,5 +956,5 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
 
 
 __all__ = ["DEFAULT_TOLERANCE", "FailureRates", "GrowResult", "LostStateError", "MEGATRON_NCCL_TIMEOUT_S", "Option",
-           "ReplanResult", "RestartCost", "RestartModel", "SwitchModel", "TraceModel", "choose", "grow",
-           "model_trace", "pays", "repair", "replan", "restart_cost", "unrecoverable_rate", "young_interval_steps"]
+           "ReplanResult", "RestartCost", "RestartModel", "SwitchModel", "TraceModel", "choose", "grow", "model_trace",
+           "pays", "repair", "replan", "restart_cost", "settings_for", "unrecoverable_rate", "young_interval_steps"]

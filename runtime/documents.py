@@ -440,15 +440,11 @@ class HFTokenizer:
 def load_tokenizer(path: str | Path | None, model_vocab_size: int) -> Tokenizer:
     """Bytes (``path`` None) or a local tokenizer.json, refused when its ids would not fit the model."""
     tok: Tokenizer = ByteTokenizer() if path is None else HFTokenizer(path)
-    check_vocab(tok, model_vocab_size)
-    return tok
-
-
-def check_vocab(tok: Tokenizer, model_vocab_size: int) -> None:
     if tok.vocab_size > model_vocab_size:
         raise SpecError([Problem(tok.origin, "vocab_size",
                                  f"the tokenizer's vocabulary has {tok.vocab_size} tokens, more than the "
                                  f"model's vocab_size {model_vocab_size}")])
+    return tok
 
 
 def data_format(path: str | Path) -> DataFormat:

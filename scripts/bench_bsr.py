@@ -177,25 +177,20 @@ def main() -> None:
     if args.json:
         print(json.dumps(figures, indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
+    from hetu_cli.output import console, table
 
-    out = Console(highlight=False, width=None if sys.stdout.isatty() else 140)
-    t = Table(title="modelled: llama-32b parameters (bf16), h800-h20-llama32b -> other plan, h800-h20-48",
-              title_justify="left")
-    for col in ("scenario", "GB moved", "lower bound s", "fused s", "per-tensor s", "naive s", "fused/LB",
-                "naive/fused"):
-        t.add_column(col, justify="right" if col != "scenario" else "left")
+    out = console()
+    t = table("modelled: llama-32b parameters (bf16), h800-h20-llama32b -> other plan, h800-h20-48",
+              ("scenario", "GB moved", "lower bound s", "fused s", "per-tensor s", "naive s", "fused/LB",
+               "naive/fused"), left=("scenario",))
     for name, r in model.items():
         t.add_row(name, f"{r['bytes_moved'] / 1e9:.1f}", f"{r['lower_bound_s']:.4f}", f"{r['fused_s']:.4f}",
                   f"{r['per_tensor_s']:.4f}", f"{r['naive_s']:.4f}", f"{r['fused_over_lower_bound']:.3f}",
                   f"{r['naive_over_fused']:.2f}")
     out.print(t)
     if meas:
-        m = Table(title=f"measured: gloo, {meas['processes']} processes, {meas['bytes_moved'] / 1e6:.0f} MB moved, "
-                        f"median of {meas['reps']}", title_justify="left")
-        for col in ("fused s", "per-tensor s", "naive s", "naive/fused", "per-tensor/fused"):
-            m.add_column(col, justify="right")
+        m = table(f"measured: gloo, {meas['processes']} processes, {meas['bytes_moved'] / 1e6:.0f} MB moved, median "
+                  f"of {meas['reps']}", ("fused s", "per-tensor s", "naive s", "naive/fused", "per-tensor/fused"))
         m.add_row(f"{meas['fused_s']:.3f}", f"{meas['per_tensor_s']:.3f}", f"{meas['naive_s']:.3f}",
                   f"{meas['measured_naive_over_fused']:.2f}", f"{meas['measured_per_tensor_over_fused']:.2f}")
         out.print(m)

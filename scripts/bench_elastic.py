@@ -60,8 +60,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from planner.api import PlanSettings, plan  # noqa: E402
-from planner.replan import model_trace  # noqa: E402
+from planner.api import plan  # noqa: E402
+from planner.replan import model_trace, settings_for  # noqa: E402
 from runtime.elastic.events import parse_trace  # noqa: E402
 from runtime.profiling.profile import resolve_profiles  # noqa: E402
 from runtime.spec import PlanContext, load_cluster, load_model, load_plan, load_plan_context, save_plan  # noqa: E402
@@ -190,9 +190,7 @@ def measured_hspmd(plan_path: Path, trace_path: Path, steps: int, out: Path, tim
 def plan_for(ctx: PlanContext, devices: list[int], out: Path, name: str) -> Path:
     profiles = resolve_profiles(ctx.cluster.device_types, [])
     t = ctx.plan.training
-    settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=False,
-                            use_zero=False, time_limit_s=30.0, top_k=1, seed=t.seed, optimizer=t.optimizer,
-                            schedule=t.schedule)
+    settings = settings_for(t, use_zero=False, time_limit_s=30.0, top_k=1)
     result = plan(ctx.model, ctx.cluster, profiles, settings, devices=devices, baselines=False)
     p = result.to_plan(ctx.plan.model, ctx.plan.cluster, 0)
     path = out / f"{name}.yaml"
@@ -214,7 +212,7 @@ def measured_restart(plan_path: Path, trace: dict, steps: int, every: int, out: 
     planned = set(running)
     while done < steps:
         end = min(done + every, steps)
-        used = current_devices(current)
+        used = set(StrategyHandle.of(load_plan_context(current)).devices)
         fail = next((e for e in pending if e["action"] == "kill" and done < e["step"] <= end), None)
         if fail is not None and not set(fail["devices"]) & used:
             pending.remove(fail)  # a device the plan leaves idle: its loss stops nothing
@@ -252,17 +250,11 @@ def measured_restart(plan_path: Path, trace: dict, steps: int, every: int, out: 
             "runs": runs}
 
 
-def current_devices(plan_path: Path) -> set[int]:
-    return set(StrategyHandle.of(load_plan_context(plan_path)).devices)
-
-
 def modelled(steps: int) -> dict:
     ctx0 = load_plan_context(REPO / "configs" / "plans" / "h800-h20-llama32b.yaml")
     profiles = resolve_profiles(ctx0.cluster.device_types, [])
     t = ctx0.plan.training
-    settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, elastic=True,
-                            use_zero=False, time_limit_s=60.0, top_k=1, seed=t.seed, optimizer=t.optimizer,
-                            schedule=t.schedule)
+    settings = settings_for(t, elastic=True, use_zero=False, time_limit_s=60.0, top_k=1)
     result = plan(ctx0.model, ctx0.cluster, profiles, settings, baselines=False)
     p = result.to_plan(ctx0.plan.model, ctx0.plan.cluster, 0)
     ctx = PlanContext(p, load_model("llama-32b"), load_cluster("h800-h20-48"), ctx0.path)
@@ -286,8 +278,7 @@ def zero_modelled() -> dict:
     ctx = load_plan_context(REPO / "configs" / "plans" / "h800-h20-llama32b.yaml")
     profiles = resolve_profiles(ctx.cluster.device_types, [])
     t = ctx.plan.training
-    base = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, micro_batch=None, time_limit_s=60.0, top_k=1,
-                        seed=t.seed, optimizer=t.optimizer, schedule=t.schedule)
+    base = settings_for(t, time_limit_s=60.0, top_k=1)
     out: dict = {"model": ctx.model.name, "cluster": ctx.cluster.name, "global_batch": t.global_batch,
                  "seq_len": t.seq_len}
     best = {}

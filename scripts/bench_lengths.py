@@ -50,7 +50,6 @@ sys.path.insert(0, str(ROOT))
 
 from planner.lengths import (  # noqa: E402
     LengthSettings,
-    balanced,
     build_plan,
     context_for,
     packed_rows,
@@ -59,6 +58,7 @@ from planner.lengths import (  # noqa: E402
     round_robin,
     symmetric_candidates,
 )
+from runtime.dispatch import assign  # noqa: E402
 from runtime.documents import DEFAULT_DISTRIBUTION, SyntheticDocuments, length_distribution  # noqa: E402
 from runtime.profiling.profile import resolve_profiles  # noqa: E402
 from runtime.spec import load_cluster, load_model, save_plan  # noqa: E402
@@ -79,7 +79,7 @@ def modelled(cluster_name: str, model_name: str, tokens: int, steps: int, seed: 
     lengths_of = SyntheticDocuments(dist, tokens, max_len, model.vocab_size, seed).lengths
     run = range(steps)
 
-    def trace_of(members, dispatcher=balanced, side_by_side=True):
+    def trace_of(members, dispatcher=assign, side_by_side=True):
         named, switch = context_for(members, model, cluster, settings, side_by_side=side_by_side)
         return play(named, lengths_of, run, switch, dispatcher)
 
@@ -163,7 +163,7 @@ def predicted_steps(plan_path: Path, lengths: str, records: list[dict],
     out = []
     for r in records:
         m = members[r["strategy"]]
-        a = balanced(list(source.lengths(r["step"])), m.cost.pipelines)
+        a = assign(list(source.lengths(r["step"])), m.cost.pipelines)
         out.append((a.makespan + m.fixed_s + (r.get("switch_modelled_s") or 0.0), a.makespan))
     return out
 

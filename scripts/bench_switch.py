@@ -43,6 +43,7 @@ from runtime.elastic.coordinator import ElasticPolicy  # noqa: E402
 from runtime.launch import Fault, TrainOptions, launch  # noqa: E402
 from runtime.profiling.profile import resolve_profiles  # noqa: E402
 from runtime.spec import load_plan, load_plan_context, save_plan  # noqa: E402
+from runtime.spec.handle import StrategyHandle  # noqa: E402
 
 PLAN = REPO / "configs" / "plans" / "cpu-hetero4-dp-pp.yaml"
 PAPER_PLAN = REPO / "configs" / "plans" / "h800-h20-llama32b.yaml"
@@ -85,8 +86,7 @@ def restart(plan: Path, kill: int, at_step: int, out: Path, profiles: list[Path]
     save_s = marks["saved"] - marks["last_step"]
     ctx = load_plan_context(plan)
     t0 = time.perf_counter()
-    result = replan(ctx, ctx.plan.strategies[0].name, [kill],
-                    resolve_profiles(ctx.cluster.device_types, [str(p) for p in profiles]))
+    result = replan(StrategyHandle.of(ctx), [kill], resolve_profiles(ctx.cluster.device_types, profiles))
     replan_s = time.perf_counter() - t0
     survivors_plan = out / "survivors.yaml"
     save_plan(result.plan, survivors_plan)
@@ -102,7 +102,7 @@ def restart(plan: Path, kill: int, at_step: int, out: Path, profiles: list[Path]
 def modelled() -> dict:
     ctx = load_plan_context(PAPER_PLAN)
     t0 = time.perf_counter()
-    r = replan(ctx, ctx.plan.strategies[0].name, [PAPER_FAILED], resolve_profiles(ctx.cluster.device_types, []))
+    r = replan(StrategyHandle.of(ctx), [PAPER_FAILED], resolve_profiles(ctx.cluster.device_types, []))
     wall = time.perf_counter() - t0
     c = r.chosen
     fastest = r.options[0]

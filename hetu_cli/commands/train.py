@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.markup import escape
@@ -323,19 +324,26 @@ def _parse_switch(spec: str) -> PlannedSwitch:
     return PlannedSwitch(int(step), Path(path))
 
 
+def _planner_inputs(ctx, strategy: str, profile_dirs: tuple[Path, ...]) -> tuple[Any, Any, dict[str, str]]:
+    """What the planner's replan and grow take from a running job: its strategy, the profiles and the refs
+    its new plan records."""
+    from hetu_cli.commands.replan import plan_refs
+    from runtime.profiling.profile import resolve_profiles
+    from runtime.spec.handle import StrategyHandle
+
+    model_ref, cluster_ref = plan_refs(ctx)
+    return (StrategyHandle.of(ctx, strategy), resolve_profiles(ctx.cluster.device_types, list(profile_dirs)),
+            {"model_ref": model_ref, "cluster_ref": cluster_ref})
+
+
 def planner_replan(profile_dirs: tuple[Path, ...], tolerance: float, log):
     """The runtime's Replanner: the planner on the survivors, switch cost in view (planner/replan.py)."""
 
     def replan(failed, ctx, strategy, steps_left):
-        from hetu_cli.commands.replan import plan_refs
         from planner.replan import replan as plan_for_survivors
-        from runtime.profiling.profile import resolve_profiles
-        from runtime.spec.handle import StrategyHandle
 
-        profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
-        model_ref, cluster_ref = plan_refs(ctx)
-        result = plan_for_survivors(StrategyHandle.of(ctx, strategy), failed, profiles, tolerance=tolerance,
-                                    model_ref=model_ref, cluster_ref=cluster_ref, steps_left=steps_left)
+        handle, profiles, refs = _planner_inputs(ctx, strategy, profile_dirs)
+        result = plan_for_survivors(handle, failed, profiles, tolerance=tolerance, steps_left=steps_left, **refs)
         c = result.chosen
         fastest = result.options[0]
         vs = "the fastest" if c is fastest else (f"fastest: {fastest.label}, {fastest.step_time_s:.4g} s/step, moves "
@@ -360,15 +368,10 @@ def _planner_grow(profile_dirs: tuple[Path, ...], log):
     steps left beats the modelled switch cost (planner/replan.py ``grow``)."""
 
     def grow(joining, ctx, strategy, steps_left):
-        from hetu_cli.commands.replan import plan_refs
         from planner.replan import grow as plan_with
-        from runtime.profiling.profile import resolve_profiles
-        from runtime.spec.handle import StrategyHandle
 
-        profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
-        model_ref, cluster_ref = plan_refs(ctx)
-        result = plan_with(StrategyHandle.of(ctx, strategy), joining, profiles, steps_left=steps_left,
-                           model_ref=model_ref, cluster_ref=cluster_ref)
+        handle, profiles, refs = _planner_inputs(ctx, strategy, profile_dirs)
+        result = plan_with(handle, joining, profiles, steps_left=steps_left, **refs)
         log(f"grow: {result.reason}")
         return result.context if result.adopt else None
 

@@ -229,7 +229,7 @@ def plan_staged_switch(src: StrategyHandle, dst: StrategyHandle) -> StagedSwitch
         bsr = plan_bsr(ms, bandwidth=dst.ctx.cluster)
         row: dict[int, UnitBytes] = {}
         for d in bsr.devices:
-            held = [sum(_numel(lay.local_shape(d)) * t.itemsize for t in bsr.tensors for lay in (getattr(t, side),)
+            held = [sum(math.prod(lay.local_shape(d)) * t.itemsize for t in bsr.tensors for lay in (getattr(t, side),)
                         if d in lay.devices) for side in ("src", "dst")]
             buffers = sum(m.nbytes for m in bsr.sends(d)) + sum(m.nbytes for m in bsr.recvs(d))
             row[d] = UnitBytes(float(held[0]), float(held[1]), float(buffers))
@@ -237,10 +237,3 @@ def plan_staged_switch(src: StrategyHandle, dst: StrategyHandle) -> StagedSwitch
         table.append(row)
     order = stage_order(table)
     return StagedSwitch(tuple(stages[u] for u in order), tuple(table[u] for u in order))
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -13,7 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -395,10 +395,8 @@ def sever_tcp_connections(keep_port: int) -> int:
 
 def _abort(pg: Any) -> None:
     """Abort a group's communicators where the backend can (NCCL); gloo has nothing to abort."""
-    try:
+    with suppress(AttributeError, RuntimeError, NotImplementedError):
         pg.abort()
-    except (AttributeError, RuntimeError, NotImplementedError):
-        pass
 
 
 def documents_line(source: Any) -> str:

@@ -189,11 +189,9 @@ class LocalWorkers:
                 w = self._by_sentinel.pop(obj)
                 link = self.link(w)
                 link.process.join(1.0)  # the sentinel fires as the process exits; reaping it may lag
-                try:
+                with contextlib.suppress(EOFError, OSError):
                     while link.report.poll():  # what it said before it ended comes first
                         yield w, link.report.recv()
-                except (EOFError, OSError):
-                    pass
                 self._by_conn.pop(link.report, None)
                 yield w, Exited(link.process.exitcode)
 

@@ -71,13 +71,11 @@ def classify(exc: BaseException) -> WorkerError:
     if isinstance(exc, HspmdError):
         return WorkerError("user", tuple(exc.lines()), tb)
     kind = "error"
-    try:
+    with contextlib.suppress(ImportError):  # torch failed to import: what the worker raised says why
         import torch.distributed as dist
 
         if isinstance(exc, dist.DistError):
             kind = "comm"
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
     text = str(exc).strip().splitlines()
     first = text[0] if text else ""
     return WorkerError(kind, (f"{type(exc).__name__}: {first}" if first else type(exc).__name__,), tb)

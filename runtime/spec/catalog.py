@@ -160,10 +160,8 @@ def load_plan_context(path: str | Path, cluster: str | None = None) -> PlanConte
     except SpecError as err:
         problems.extend(err.problems)
     try:
-        if cluster is not None:
-            cluster_spec = load_cluster(cluster, file="--cluster", field="")
-        else:
-            cluster_spec = load_cluster(plan.cluster, relative_to=path.parent, file=str(path))
+        cluster_spec = (load_cluster(cluster, file="--cluster", field="") if cluster is not None
+                        else load_cluster(plan.cluster, relative_to=path.parent, file=str(path)))
     except SpecError as err:
         problems.extend(err.problems)
     if model is not None and cluster_spec is not None:

@@ -89,15 +89,12 @@ def validate_strategy(strategy: Strategy, plan: Plan, model: ModelSpec, cluster:
             else:
                 bad(f"{pp}.{field}", message)
         uniform = len({stage.chunks for stage in pipe.stages}) == 1
-        if not sched and uniform and pipe.activation_limits is not None:
-            for line in limit_problems(name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks,
-                                       pipe.activation_limits):
-                field, message = line.split(": ", 1)
-                bad(f"{pp}.{field}", message)
+        lines = [] if sched or not uniform or pipe.activation_limits is None else limit_problems(
+            name, len(pipe.stages), pipe.micro_batches, pipe.stages[0].chunks, pipe.activation_limits)
         placement = schedule_layout(name, 1).placement if name in SCHEDULE_NAMES else "loop"
         wrong_count = any(line.startswith("chunks: ") for line in sched)  # then no placement to check against
         ranges = [s.layers for s in pipe.stages]
-        for line in [] if wrong_count else chunk_problems(ranges, model.num_layers, placement, model.name):
+        for line in lines + ([] if wrong_count else chunk_problems(ranges, model.num_layers, placement, model.name)):
             field, message = line.split(": ", 1)
             bad(f"{pp}.{field}", message)
         for k, stage in enumerate(pipe.stages):
