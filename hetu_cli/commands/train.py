@@ -16,7 +16,7 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import console
+from hetu_cli.output import console, refuse_given
 from runtime.elastic.agents import DEFAULT_PORT
 from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
@@ -198,6 +198,12 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
         raise HspmdError("--rejoin-device, --events and --agents need --elastic")
     if agents is not None and not token:
         raise HspmdError("--agents: give the job token with --token (every agent presents it)")
+    if agents is None:
+        refuse_given("only with --agents N", "bind", "token")
+    if not elastic:
+        refuse_given("only with --elastic", "replan_tolerance", "preplan")
+        if dispatch_costs != "profiles":
+            refuse_given("only with --elastic (replanning) or --dispatch-costs profiles", "profile_dirs")
     if events_file is not None:
         trace = _trace(plan, strategy, events_file)
         faults, rejoins, node_kills = faults + trace.faults(), rejoins + trace.rejoins(), trace.node_kills()
