@@ -31,6 +31,9 @@ def events_file(tmp_path: Path) -> str:
      ["--tokens-per-step: only with --lengths", "--max-strategies: only with --lengths",
       "--fixed-out: only with --lengths"]),
     (["show", TINY, "--all-ops"], ["--all-ops: only with --device N"]),
+    (["profile", "--out", "OUT", "--format", "json", "show", "H800"],
+     ["--out: only when measuring, not before 'profile show' (its own options follow it)",
+      "--format: only when measuring, not before 'profile show' (its own options follow it)"]),
     (["show", TINY, "--device", "0", "--annotations"], ["--annotations: not with --device (one view at a time)"]),
     (["train", "--plan", TINY, "--steps", "1", "--profile", "OUT"],
      ["--profile: only with --elastic (replanning) or --dispatch-costs profiles"]),
@@ -53,6 +56,7 @@ def test_refused_in_one_line_each(args, lines, tmp_path: Path) -> None:
     ["simulate", "--plan", TINY],                      # --steps keeps its default: not "given"
     ["show", TINY, "--device", "0", "--all-ops"],
     ["show", TINY, "--annotations"],
+    ["profile", "show", "H800", "--format", "json"],
 ])
 def test_defaults_and_applicable_options_still_run(args) -> None:
     res = CliRunner().invoke(cli, args)
