@@ -106,7 +106,7 @@ class StepDisplay:
               help="Write per-device Chrome traces (and a merged trace.json) here; open in ui.perfetto.dev.")
 @click.option("--data", "data_file", type=click.Path(path_type=Path),
               help="Train on this local file (default: a synthetic stream). FILE.jsonl (a `text` field per line), "
-                   "or plain text with --tokenizer/--lengths or a plan with training.tokens_per_step, is trained "
+                   "or plain text with --tokenizer or a plan with training.tokens_per_step, is trained "
                    "as whole documents (docs/lengths.md); plain text otherwise as byte windows.")
 @click.option("--tokenizer", type=click.Path(path_type=Path),
               help="Tokenize --data with this local Hugging Face tokenizer.json (default: UTF-8 bytes).")
