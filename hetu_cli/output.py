@@ -55,19 +55,21 @@ def fail(error: HspmdError | str) -> NoReturn:
     sys.exit(2)
 
 
-def refuse_given(why: str, *params: str) -> None:
-    """Refuse the options among ``params`` (click parameter names) that the command line gave where they do
-    not apply, one line each saying ``why``: accepted and then ignored, they would leave the user believing
-    they took effect. Defaults are not "given", so a default-valued option never trips this."""
+def given(*params: str) -> list[str]:
+    """The options among ``params`` (click parameter names) that the command line set: a default is not
+    "given", so a default-valued option never counts."""
     from click.core import ParameterSource
 
     ctx = click.get_current_context()
-    by_name = {p.name: p for p in ctx.command.params}
-    problems = []
-    for name in params:
-        if ctx.get_parameter_source(name) in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP):
-            continue
-        opts = [*by_name[name].opts, *by_name[name].secondary_opts]
-        problems.append(Problem("/".join(o for o in opts if o.startswith("--")), "", why))
+    return [name for name in params
+            if ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)]
+
+
+def refuse_given(why: str, *params: str) -> None:
+    """Refuse the options among ``params`` that the command line gave where they do not apply, one line each
+    saying ``why``: accepted and then ignored, they would leave the user believing they took effect."""
+    by_name = {p.name: p for p in click.get_current_context().command.params}
+    problems = [Problem("/".join(o for o in (*by_name[name].opts, *by_name[name].secondary_opts)
+                                 if o.startswith("--")), "", why) for name in given(*params)]
     if problems:
         raise SpecError(problems)

@@ -16,7 +16,7 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import console, refuse_given
+from hetu_cli.output import console, given, refuse_given
 from runtime.elastic.agents import DEFAULT_PORT
 from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
@@ -219,6 +219,13 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
                            switches=tuple(_parse_switch(s) for s in switch_specs), precision=precision,
                            lengths=lengths, tokenizer=tokenizer, long_documents=long_documents,
                            rejoins=rejoins, node_kills=node_kills)
+    if given("long_documents"):
+        from runtime.launch.session import documents_mode
+        from runtime.spec import load_plan_context
+
+        if not documents_mode(options, load_plan_context(plan).plan.training):
+            refuse_given("only for documents (--lengths, --tokenizer, --data FILE.jsonl, or a plan with "
+                         "training.tokens_per_step); this run trains fixed windows", "long_documents")
     if dispatch_costs == "profiles":
         from hetu_cli.commands.lengths_report import planner_dispatch_costs
 

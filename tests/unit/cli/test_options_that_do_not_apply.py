@@ -39,6 +39,9 @@ def events_file(tmp_path: Path) -> str:
      ["--profile: only with --elastic (replanning) or --dispatch-costs profiles"]),
     (["train", "--plan", TINY, "--steps", "1", "--bind", "127.0.0.1:1234", "--token", "t"],
      ["--bind: only with --agents N", "--token: only with --agents N"]),
+    (["train", "--plan", TINY, "--steps", "1", "--long-documents", "truncate"],
+     ["--long-documents: only for documents (--lengths, --tokenizer, --data FILE.jsonl, or a plan with "
+      "training.tokens_per_step); this run trains fixed windows"]),
     (["train", "--plan", TINY, "--steps", "1", "--no-preplan", "--replan-tolerance", "0.1"],
      ["--replan-tolerance: only with --elastic", "--preplan/--no-preplan: only with --elastic"]),
 ])
