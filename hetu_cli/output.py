@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from runtime.errors import HspmdError
+from runtime.errors import HspmdError, Problem, SpecError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -53,3 +53,23 @@ def fail(error: HspmdError | str) -> NoReturn:
         # click.echo, not rich: field paths like stages[0] must not be read as markup.
         click.echo(f"error: {line}", err=True)
     sys.exit(2)
+
+
+def given(*params: str) -> list[str]:
+    """The options among ``params`` (click parameter names) that the command line set: a default is not
+    "given", so a default-valued option never counts."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    return [name for name in params
+            if ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)]
+
+
+def refuse_given(why: str, *params: str) -> None:
+    """Refuse the options among ``params`` that the command line gave where they do not apply, one line each
+    saying ``why``: accepted and then ignored, they would leave the user believing they took effect."""
+    by_name = {p.name: p for p in click.get_current_context().command.params}
+    problems = [Problem("/".join(o for o in (*by_name[name].opts, *by_name[name].secondary_opts)
+                                 if o.startswith("--")), "", why) for name in given(*params)]
+    if problems:
+        raise SpecError(problems)

@@ -1,7 +1,8 @@
 """Per-rank timelines and emulated slowness, both as implementations of the engine's ``Hooks``.
 
-The engine brackets its work in ``hooks.span(kind, name, **args)`` with kind "compute", "comm" or
-"idle". ``TraceRecorder`` turns those spans into Chrome-trace events (open the JSON in
+The engine brackets its work in ``hooks.span(kind, name, **args)`` with kind "compute" or "comm" (a wait
+is a "comm" span; the hooks' API also allows "idle", which the engine does not emit). ``TraceRecorder``
+turns those spans into Chrome-trace events (open the JSON in
 https://ui.perfetto.dev). The two CPU emulation modes of runtime/spec/cluster.py ``Emulation`` wrap another
 Hooks: ``EmulatedSlowdown`` (stretch mode), after each outermost compute span, sleeps (k - 1) x the compute
 time it measured; ``EmulatedTarget`` (sleep mode) sleeps until the block has lasted its target time. Both

@@ -15,8 +15,8 @@ from runtime.elastic.agents import DEFAULT_PORT, run_agent
 
 @click.command()
 @click.option("--coordinator", required=True, metavar="HOST:PORT",
-              help=f"Where the coordinator's store listens (hspmd train --elastic --agents N; default port "
-                   f"{DEFAULT_PORT}).")
+              help=f"Where the coordinator's store listens: its hspmd train --agents N --bind, port "
+                   f"{DEFAULT_PORT} unless that says otherwise (the port is always given here).")
 @click.option("--node", required=True, help="This node's name in the cluster file.")
 @click.option("--token", required=True, help="The job token the coordinator was given.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=120.0, show_default=True,

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hetu_cli.commands.lengths_report import plan_for_lengths
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json, refuse_given
 from planner.api import PlanSettings
 from planner.api import plan as run_planner
 from planner.report import print_report, result_json
@@ -86,8 +86,7 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         plan_for_lengths(model_ref, cluster_ref, profile_dirs, lengths, tokens_per_step, seq_len, unused,
                          max_strategies, time_limit, out_path, fmt, fixed_path)
         return
-    if fixed_path is not None:
-        raise SpecError([Problem("--fixed-out", "", "only with --lengths (the single plan for the longest document)")])
+    refuse_given("only with --lengths", "tokens_per_step", "max_strategies", "fixed_path")
     if global_batch is None or seq_len is None:
         raise click.UsageError("--global-batch and --seq-len are required (or --lengths with --tokens-per-step)")
     model = load_model(model_ref, file="--model", field="")

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import FORMAT_OPTION, console, emit_json, table
+from hetu_cli.output import FORMAT_OPTION, console, emit_json, refuse_given, table
 from runtime.errors import Problem, SpecError
 from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, DeviceProfile, Fit, LinkFit, eval_fit, load_profile
 from runtime.spec import load_cluster, load_model
@@ -42,6 +42,8 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
     and bandwidth, and write one profile per device type. A measured profile overrides a spec one.
     Subcommands: import a table measured elsewhere, export one, show a profile."""
     if ctx.invoked_subcommand is not None:
+        refuse_given(f"only when measuring, not before 'profile {ctx.invoked_subcommand}' (its own options follow it)",
+                     *(p.name for p in ctx.command.params if p.name is not None))
         return
     if cluster_ref is None:
         raise click.UsageError("give --cluster C to measure, or a subcommand (import, export, show)")

@@ -11,7 +11,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from hetu_cli.output import FORMAT_OPTION, console, emit_json, table
+from hetu_cli.output import FORMAT_OPTION, console, emit_json, refuse_given, table
 from planner.lengths import length_ranges
 from planner.report import tp_text, zero_text
 from runtime.annotations.states import span
@@ -96,6 +96,10 @@ def _strategy_tables(ctx: PlanContext, strategy: Strategy) -> tuple[Table, Table
 def show(plan: Path, strategy_name: str | None, cluster: str | None, annotations: bool, device: int | None,
          all_ops: bool, fmt: str) -> None:
     """Show PLAN: its settings, every strategy's pipelines and stages, and each device's role."""
+    if device is None:
+        refuse_given("only with --device N", "all_ops")
+    else:
+        refuse_given("not with --device (one view at a time)", "annotations")
     ctx = load_plan_context(plan, cluster=cluster)
     strategies = [ctx.plan.strategy(strategy_name)] if strategy_name else list(ctx.plan.strategies)
     if device is not None:

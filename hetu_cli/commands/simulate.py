@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from hetu_cli.commands.lengths_report import simulate_lengths
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json, table
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json, refuse_given, table
 from planner.cost import CostModel, zero_copies
 from planner.simulate import chrome_trace
 from planner.simulate import simulate as run_simulation
@@ -44,6 +44,12 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
     """Simulate one training step of PLAN: step time, tokens/s, MFU, per-stage compute / comm /
     bubble, and peak memory per device with out-of-memory flags. With --lengths: a trace of steps of
     documents (per step: strategy, time, switch, idle per pipeline)."""
+    if lengths is None:
+        refuse_given("only with --lengths", "steps", "tokens_per_step")
+    elif events_file is not None:
+        refuse_given("not with --lengths (it models failures of fixed-length steps)", "events_file")
+    if events_file is not None:
+        refuse_given("not with --events (the failure model writes no timeline)", "trace_path")
     ctx = load_plan_context(plan_path, cluster=cluster)
     if lengths is not None:
         simulate_lengths(ctx, profile_dirs, lengths, steps, tokens_per_step, strategy_name, trace_path, fmt)

@@ -16,7 +16,7 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import console
+from hetu_cli.output import console, given, refuse_given
 from runtime.elastic.agents import DEFAULT_PORT
 from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
@@ -106,7 +106,7 @@ class StepDisplay:
               help="Write per-device Chrome traces (and a merged trace.json) here; open in ui.perfetto.dev.")
 @click.option("--data", "data_file", type=click.Path(path_type=Path),
               help="Train on this local file (default: a synthetic stream). FILE.jsonl (a `text` field per line), "
-                   "or plain text with --tokenizer/--lengths or a plan with training.tokens_per_step, is trained "
+                   "or plain text with --tokenizer or a plan with training.tokens_per_step, is trained "
                    "as whole documents (docs/lengths.md); plain text otherwise as byte windows.")
 @click.option("--tokenizer", type=click.Path(path_type=Path),
               help="Tokenize --data with this local Hugging Face tokenizer.json (default: UTF-8 bytes).")
@@ -198,6 +198,12 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
         raise HspmdError("--rejoin-device, --events and --agents need --elastic")
     if agents is not None and not token:
         raise HspmdError("--agents: give the job token with --token (every agent presents it)")
+    if agents is None:
+        refuse_given("only with --agents N", "bind", "token")
+    if not elastic:
+        refuse_given("only with --elastic", "replan_tolerance", "preplan")
+        if dispatch_costs != "profiles":
+            refuse_given("only with --elastic (replanning) or --dispatch-costs profiles", "profile_dirs")
     if events_file is not None:
         trace = _trace(plan, strategy, events_file)
         faults, rejoins, node_kills = faults + trace.faults(), rejoins + trace.rejoins(), trace.node_kills()
@@ -213,6 +219,13 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
                            switches=tuple(_parse_switch(s) for s in switch_specs), precision=precision,
                            lengths=lengths, tokenizer=tokenizer, long_documents=long_documents,
                            rejoins=rejoins, node_kills=node_kills)
+    if given("long_documents"):
+        from runtime.launch.session import documents_mode
+        from runtime.spec import load_plan_context
+
+        if not documents_mode(options, load_plan_context(plan).plan.training):
+            refuse_given("only for documents (--lengths, --tokenizer, --data FILE.jsonl, or a plan with "
+                         "training.tokens_per_step); this run trains fixed windows", "long_documents")
     if dispatch_costs == "profiles":
         from hetu_cli.commands.lengths_report import planner_dispatch_costs
 
