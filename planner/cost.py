@@ -1198,7 +1198,7 @@ class CostModel:
                                                 recompute_layers=st.chunk_recompute(c))
                                 for c, (a, b) in enumerate(st.layers)))
         layout = schedule_layout(schedule, len(pipe.stages), pipe.stages[0].chunks)
-        chunks = self._with_message_cpu(pipe, layout, chunks)
+        chunks = self._with_executor_costs(pipe, layout, chunks)
         boundary = []
         for j in range(layout.num_stages - 1):
             a, b = pipe.stages[layout.device(j)], pipe.stages[layout.device(j + 1)]
@@ -1206,33 +1206,42 @@ class CostModel:
                                                    self.p2p_time(b.devices, a.devices)))
         return Costs(tuple(chunks), tuple(boundary))
 
-    def _with_message_cpu(self, pipe: Pipeline, layout: Layout, chunks: list[tuple[ChunkCost, ...]]
-                          ) -> list[tuple[ChunkCost, ...]]:
-        """``chunks`` with the executor's CPU per boundary message (``HostModel.p2p_actions``, measured) in
-        the ops that send or receive it, as the simulator plays the posts and waits on the stage's own
-        timeline: a virtual stage's F receives its input (post and wait) from the previous one and sends its
-        output to the next, its B (or fused BW) the reverse; W sends nothing. A neighbour on the same device
-        (the bottom of a V) is handed over in memory: no message."""
-        per_stage = [self.host.p2p_actions(self._type_of[st.devices[0]]) for st in pipe.stages]
-        if all(a is None for a in per_stage):   # (spec and GPU profiles: the search's common case)
+    def _with_executor_costs(self, pipe: Pipeline, layout: Layout, chunks: list[tuple[ChunkCost, ...]]
+                             ) -> list[tuple[ChunkCost, ...]]:
+        """``chunks`` with what the executor adds to the ops, as the simulator plays it on the stage's own
+        timeline (measured; nothing without the figures): the CPU per boundary message
+        (``HostModel.p2p_actions``) in the ops that send or receive it (a virtual stage's F receives its
+        input, post and wait, from the previous one and sends its output to the next, its B or fused BW the
+        reverse; W sends nothing; a neighbour on the same device, the bottom of a V, is handed over in
+        memory), and on an emulated slower device the lateness of the sleep after each block
+        (``CoreHandoff.sleep_late_s``: every F, B, W and BW is one block)."""
+        types = [self._type_of[st.devices[0]] for st in pipe.stages]
+        per_stage = [self.host.p2p_actions(t) for t in types]
+        late = []
+        for t in types:
+            h = self.host.core_handoff(t) if self.host.emulated_slowdown(t) > 1.0 else None
+            late.append(0.0 if h is None else h.sleep_late_s)
+        if all(a is None for a in per_stage) and not any(late):   # (spec and GPU profiles: the search's case)
             return chunks
         out = [list(row) for row in chunks]
         last = layout.num_stages - 1
         for j in range(layout.num_stages):
             d, c = layout.device(j), layout.chunk(j)
             acts = per_stage[d]
-            if acts is None:
-                continue
-            recv = acts.post_recv_s + acts.wait_recv_s
-            before = j > 0 and layout.device(j - 1) != d     # F receives, B sends
-            after = j < last and layout.device(j + 1) != d   # F sends, B receives
-            f = (recv if before else 0.0) + (acts.post_send_s if after else 0.0)
-            b = (recv if after else 0.0) + (acts.post_send_s if before else 0.0)
+            f = b = late[d]
+            if acts is not None:
+                recv = acts.post_recv_s + acts.wait_recv_s
+                before = j > 0 and layout.device(j - 1) != d     # F receives, B sends
+                after = j < last and layout.device(j + 1) != d   # F sends, B receives
+                f += (recv if before else 0.0) + (acts.post_send_s if after else 0.0)
+                b += (recv if after else 0.0) + (acts.post_send_s if before else 0.0)
             if f or b:
                 cc = out[d][c]
+                # A fused BW is one block (one sleep), a split backward two (B and W).
                 out[d][c] = dataclasses.replace(cc, forward=cc.forward + f, input_grad=cc.input_grad + b,
-                                                full_backward=None if cc.full_backward is None
-                                                else cc.full_backward + b)
+                                                weight_grad=cc.weight_grad + late[d],
+                                                full_backward=cc.input_grad + cc.weight_grad + b
+                                                if cc.full_backward is None else cc.full_backward + b)
         return [tuple(row) for row in out]
 
     def pipeline_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:

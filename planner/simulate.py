@@ -24,7 +24,7 @@ slowest member), and an emulated slower device sleeps ``slowdown - 1`` times eac
 time, as the runtime does. The kernel's scheduler hands a core over in time slices, not as a fluid: where
 a process finishes a block, wakes from its sleep or from a blocking receive while the other process on
 its core computes, it waits that much longer for the core as ``hspmd profile`` measured
-(``CoreHandoff``; nothing on an idle core).
+(``CoreHandoff``; nothing on an idle core but the measured lateness of every emulated sleep).
 
 The result has the step time, per-stage compute / comm / bubble, the peak number of live chunk
 activations each stage reached and its peak memory (``Schedule.peak_activation_memory`` of the lists
@@ -195,7 +195,8 @@ class EventLoop:
       waited for its peers ends ``recv_wake_s`` later. And a forward / backward op needs ``cold_forward_s``
       / ``cold_backward_s`` (in proportion, for an op smaller than the block they were measured on)
       more CPU time when another resource's compute ran on its cores since its
-      resource's previous op started (that work took over the caches). On an idle core none applies.
+      resource's previous op started (that work took over the caches). On an idle core none applies but
+      ``sleep_late_s``: an emulated device's sleep after a block ends that much late, wherever it runs.
     * A ``hot`` compute op pays neither the ``resume`` nor the cold-cache penalty: it works on what an op of
       its own resource produced (a split backward's W on its B's gradients), and traced runs show no such
       penalty on it (the hand-off's scheduling delays still apply).
@@ -536,7 +537,10 @@ class _Run:
             self.cpu_end[op.resource] = cpu_done
         cpu = self.used.get(name, self.work[name])
         handoff = op.handoff.handoff_s if op.handoff is not None and self.core_busy(name) else 0.0
-        return cpu_done + handoff + op.comm + (op.stretch - 1.0) * (cpu + op.comm_cpu)
+        sleep = (op.stretch - 1.0) * (cpu + op.comm_cpu)
+        if sleep > 0 and op.handoff is not None:   # the sleep ends late, on an idle core too
+            sleep += op.handoff.sleep_late_s
+        return cpu_done + handoff + op.comm + sleep
 
 
 def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",

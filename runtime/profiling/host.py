@@ -351,9 +351,11 @@ class _DutyRecorder:
 
 
 def handoff_figures(raw: dict[str, dict[str, float]]) -> CoreHandoff:
-    """The delays with the core's other process computing, beyond the same with it idle."""
+    """The delays with the core's other process computing, beyond the same with it idle; and how late a
+    sleep ends with it idle (``sleep_late_s``: every sleep pays that)."""
     busy, idle = raw["busy"], raw["idle"]
     extra = {k: rounded(max(0.0, busy[k] - idle[k])) for k in ("gap", "late", "recv", "cpu_forward", "cpu_backward")}
     return CoreHandoff(handoff_s=extra["gap"], wake_s=extra["late"], recv_wake_s=extra["recv"],
                        cold_forward_s=extra["cpu_forward"], cold_backward_s=extra["cpu_backward"],
-                       block_forward_s=rounded(idle["cpu_forward"]), block_backward_s=rounded(idle["cpu_backward"]))
+                       block_forward_s=rounded(idle["cpu_forward"]), block_backward_s=rounded(idle["cpu_backward"]),
+                       sleep_late_s=rounded(max(0.0, idle["late"])))

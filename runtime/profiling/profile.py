@@ -133,11 +133,15 @@ class CoreHandoff:
     # proportion (``below_probe``); 0 in older profiles (as measured).
     block_forward_s: float = 0.0
     block_backward_s: float = 0.0
+    # With the core-mate idle: how much later than asked an emulated device's sleep after a block ends (the
+    # timer's slack, the wake-up), paid after every such sleep whoever else computes (``wake_s`` comes on
+    # top on a busy core); 0 in older profiles (not measured).
+    sleep_late_s: float = 0.0
 
     def __post_init__(self) -> None:
         c = Checker()
         c.each(self, ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s", "cold_backward_s", "block_forward_s",
-                      "block_backward_s"), lambda v: v >= 0 and math.isfinite(v),
+                      "block_backward_s", "sleep_late_s"), lambda v: v >= 0 and math.isfinite(v),
                "must be a non-negative number of seconds")
         c.raise_if_any()
 

@@ -622,3 +622,25 @@ def test_message_cpu_shares_the_core_but_is_no_block():
     f1 = {(e.stage, e.name): e for e in r.events}[1, "F0"]
     assert f1.start_s == pytest.approx(2.12)
     assert f1.end_s - f1.start_s == pytest.approx(2.0 + pen.extra_s(2.12, False))
+
+
+def test_every_emulated_sleep_ends_late_by_its_measured_slack():
+    # Stage 1 on a 3x device (F 6 s, BW 12 s: 2 and 4 s of CPU, each followed by a sleep of twice that); its
+    # sleeps end 0.01 s late on an idle core too (no shared cores here). Stage 0 (not stretched) sleeps
+    # never. Both of stage 1's blocks are on the path: 2 + 6 + 12 + 4 = 24, + 2 x 0.01.
+    late = CoreHandoff(handoff_s=0.0, wake_s=0.0, recv_wake_s=0.0, sleep_late_s=0.01)
+    devs = Strategy("s", (Pipeline(1, (Stage((0,), (0, 2)), Stage((2,), (2, 4)))),))
+    base = cost_model(profiles(slow=3.0))
+    cm = cost_model(with_models(profiles(slow=3.0), core_handoff={64: late}))
+    assert simulate(base, devs, 1).pipeline_end_s[0] == pytest.approx(24.0)
+    assert simulate(cm, devs, 1).pipeline_end_s[0] == pytest.approx(24.02)
+    # The estimate adds it to each of the slow stage's ops (one sleep per block) and to none of the fast's.
+    assert base.pipeline_step_time(devs, 0, "1f1b") == pytest.approx(24.0)
+    assert cm.pipeline_step_time(devs, 0, "1f1b") == pytest.approx(24.02)
+    got, bare = cm.pipeline_costs(devs, 0, "1f1b"), base.pipeline_costs(devs, 0, "1f1b")
+    assert got.chunk(0, 0) == bare.chunk(0, 0)
+    assert got.chunk(1, 0).forward - bare.chunk(1, 0).forward == pytest.approx(0.01)
+    assert got.chunk(1, 0).of("BW") - bare.chunk(1, 0).of("BW") == pytest.approx(0.01)   # one block, one sleep
+    # A split backward is two blocks, two sleeps: B and W each.
+    assert got.chunk(1, 0).input_grad - bare.chunk(1, 0).input_grad == pytest.approx(0.01)
+    assert got.chunk(1, 0).weight_grad - bare.chunk(1, 0).weight_grad == pytest.approx(0.01)

@@ -71,6 +71,13 @@ def test_profile_written_before_the_new_fields_still_loads(tmp_path: Path):
         data.pop(key)
     data["comm"].pop("p2p_wake")
     data["comm"].pop("p2p_actions")
+    handoff = yaml.safe_load(dump_profile(measured()))["models"]["llama-tiny"]["core_handoff"]
+    for h in handoff.values():
+        h.pop("sleep_late_s")
+    path = tmp_path / "handoff.yaml"
+    path.write_text(yaml.safe_dump({**yaml.safe_load(dump_profile(measured())), "models": {"llama-tiny": {
+        **yaml.safe_load(dump_profile(measured()))["models"]["llama-tiny"], "core_handoff": handoff}}}))
+    assert all(h.sleep_late_s == 0.0 for h in load_profile(path).models["llama-tiny"].core_handoff.values())
     for key in ("tp_blocks", "tp_blocks_cpu", "tp_blocks_sp", "tp_blocks_sp_cpu", "blocks", "resume", "core_sharing",
                 "core_handoff"):
         data["models"]["llama-tiny"].pop(key)
