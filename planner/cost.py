@@ -131,6 +131,7 @@ from runtime.profiling.profile import (
     LinkCurve,
     LinkFit,
     MeasuredModel,
+    P2pActions,
     ProfileSet,
     SleepTarget,
     analytic_components,  # noqa: F401 (re-exported: it lived here before the runtime's block pricing)
@@ -1206,6 +1207,12 @@ class CostModel:
                                                    self.p2p_time(b.devices, a.devices)))
         return Costs(tuple(chunks), tuple(boundary))
 
+    @memo
+    def _executor_figures(self, device_type: str) -> tuple[P2pActions | None, float]:
+        """(CPU per boundary message, lateness of an emulated sleep after a block: 0 unless stretched)."""
+        h = self.host.core_handoff(device_type) if self.host.emulated_slowdown(device_type) > 1.0 else None
+        return self.host.p2p_actions(device_type), 0.0 if h is None else h.sleep_late_s
+
     def _with_executor_costs(self, pipe: Pipeline, layout: Layout, chunks: list[tuple[ChunkCost, ...]]
                              ) -> list[tuple[ChunkCost, ...]]:
         """``chunks`` with what the executor adds to the ops, as the simulator plays it on the stage's own
@@ -1215,12 +1222,8 @@ class CostModel:
         reverse; W sends nothing; a neighbour on the same device, the bottom of a V, is handed over in
         memory), and on an emulated slower device the lateness of the sleep after each block
         (``CoreHandoff.sleep_late_s``: every F, B, W and BW is one block)."""
-        types = [self._type_of[st.devices[0]] for st in pipe.stages]
-        per_stage = [self.host.p2p_actions(t) for t in types]
-        late = []
-        for t in types:
-            h = self.host.core_handoff(t) if self.host.emulated_slowdown(t) > 1.0 else None
-            late.append(0.0 if h is None else h.sleep_late_s)
+        figures = [self._executor_figures(self._type_of[st.devices[0]]) for st in pipe.stages]
+        per_stage, late = [f[0] for f in figures], [f[1] for f in figures]
         if all(a is None for a in per_stage) and not any(late):   # (spec and GPU profiles: the search's case)
             return chunks
         out = [list(row) for row in chunks]
