@@ -76,7 +76,9 @@ CPU-emulated device type only the CPU-time part of the TP overhead (``tp_blocks_
 slowdown: the runtime sleeps a multiple of each compute block's CPU time. ``step_overhead_time`` (the
 step's code outside its spans) and the gradient sync's packing (``sync_group_time``) come from measured
 profiles too. ``host`` (planner/host.py) holds the emulated host's effects: the slowdown ``stage`` stretches
-by, and the measured costs of sharing the CPU that only the simulator plays out (planner/simulate.py).
+by, the measured costs of sharing the CPU that only the simulator plays out (planner/simulate.py), and
+two the estimate charges as well (``pipeline_costs``): the executor's CPU per boundary message
+(``p2p_actions``) and the lateness of every emulated sleep (``sleep_late_s``).
 
 Pure formulas (module level): ``pipeline_time`` (1F1B's closed form ``(m-1)*max(t) + sum(t) +
 sum(boundary comm)``, GPipe's on forward and backward separately: ranking proxies, e.g.
