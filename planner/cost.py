@@ -76,7 +76,9 @@ CPU-emulated device type only the CPU-time part of the TP overhead (``tp_blocks_
 slowdown: the runtime sleeps a multiple of each compute block's CPU time. ``step_overhead_time`` (the
 step's code outside its spans) and the gradient sync's packing (``sync_group_time``) come from measured
 profiles too. ``host`` (planner/host.py) holds the emulated host's effects: the slowdown ``stage`` stretches
-by, and the measured costs of sharing the CPU that only the simulator plays out (planner/simulate.py).
+by, the measured costs of sharing the CPU that only the simulator plays out (planner/simulate.py), and
+two the estimate charges as well (``pipeline_costs``): the executor's CPU per boundary message
+(``p2p_actions``) and the lateness of every emulated sleep (``sleep_late_s``).
 
 Pure formulas (module level): ``pipeline_time`` (1F1B's closed form ``(m-1)*max(t) + sum(t) +
 sum(boundary comm)``, GPipe's on forward and backward separately: ranking proxies, e.g.
@@ -131,6 +133,7 @@ from runtime.profiling.profile import (
     LinkCurve,
     LinkFit,
     MeasuredModel,
+    P2pActions,
     ProfileSet,
     SleepTarget,
     analytic_components,  # noqa: F401 (re-exported: it lived here before the runtime's block pricing)
@@ -1198,12 +1201,53 @@ class CostModel:
                                                 recompute_layers=st.chunk_recompute(c))
                                 for c, (a, b) in enumerate(st.layers)))
         layout = schedule_layout(schedule, len(pipe.stages), pipe.stages[0].chunks)
+        chunks = self._with_executor_costs(pipe, layout, chunks)
         boundary = []
         for j in range(layout.num_stages - 1):
             a, b = pipe.stages[layout.device(j)], pipe.stages[layout.device(j + 1)]
             boundary.append(0.0 if a is b else max(self.p2p_time(a.devices, b.devices),
                                                    self.p2p_time(b.devices, a.devices)))
         return Costs(tuple(chunks), tuple(boundary))
+
+    @memo
+    def _executor_figures(self, device_type: str) -> tuple[P2pActions | None, float]:
+        """(CPU per boundary message, lateness of an emulated sleep after a block: 0 unless stretched)."""
+        h = self.host.core_handoff(device_type) if self.host.emulated_slowdown(device_type) > 1.0 else None
+        return self.host.p2p_actions(device_type), 0.0 if h is None else h.sleep_late_s
+
+    def _with_executor_costs(self, pipe: Pipeline, layout: Layout, chunks: list[tuple[ChunkCost, ...]]
+                             ) -> list[tuple[ChunkCost, ...]]:
+        """``chunks`` with what the executor adds to the ops, as the simulator plays it on the stage's own
+        timeline (measured; nothing without the figures): the CPU per boundary message
+        (``HostModel.p2p_actions``) in the ops that send or receive it (a virtual stage's F receives its
+        input, post and wait, from the previous one and sends its output to the next, its B or fused BW the
+        reverse; W sends nothing; a neighbour on the same device, the bottom of a V, is handed over in
+        memory), and on an emulated slower device the lateness of the sleep after each block
+        (``CoreHandoff.sleep_late_s``: every F, B, W and BW is one block)."""
+        figures = [self._executor_figures(self._type_of[st.devices[0]]) for st in pipe.stages]
+        per_stage, late = [f[0] for f in figures], [f[1] for f in figures]
+        if all(a is None for a in per_stage) and not any(late):   # (spec and GPU profiles: the search's case)
+            return chunks
+        out = [list(row) for row in chunks]
+        last = layout.num_stages - 1
+        for j in range(layout.num_stages):
+            d, c = layout.device(j), layout.chunk(j)
+            acts = per_stage[d]
+            f = b = late[d]
+            if acts is not None:
+                recv = acts.post_recv_s + acts.wait_recv_s
+                before = j > 0 and layout.device(j - 1) != d     # F receives, B sends
+                after = j < last and layout.device(j + 1) != d   # F sends, B receives
+                f += (recv if before else 0.0) + (acts.post_send_s if after else 0.0)
+                b += (recv if after else 0.0) + (acts.post_send_s if before else 0.0)
+            if f or b:
+                cc = out[d][c]
+                # A fused BW is one block (one sleep), a split backward two (B and W).
+                out[d][c] = dataclasses.replace(cc, forward=cc.forward + f, input_grad=cc.input_grad + b,
+                                                weight_grad=cc.weight_grad + late[d],
+                                                full_backward=cc.input_grad + cc.weight_grad + b
+                                                if cc.full_backward is None else cc.full_backward + b)
+        return [tuple(row) for row in out]
 
     def pipeline_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
         """Pipeline ``pi``'s part of the step under its schedule (``schedule`` unless it names its own): the

@@ -2,7 +2,8 @@
 
 Their processes share the host's cores as the launcher pins them (runtime/profiling/host.py, which also
 measures what the sharing costs). The cost model stretches compute by ``emulated_slowdown``; the other
-effects only the simulator plays out (planner/simulate.py). A device type's measured effects all come
+effects only the simulator plays out (planner/simulate.py), but for the executor's CPU per boundary message
+(``p2p_actions``), which the estimate charges too. A device type's measured effects all come
 through ``_figures``; ``contended`` says whether its compute shares the cores at all (not for a
 sleep-mode type: no resume penalty, no core in ``cpu_layout``).
 """
@@ -15,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from runtime.profiling.host import emulated_cpu_shares
-from runtime.profiling.profile import CoreHandoff, DeviceProfile, MeasuredModel, ProfileSet, ResumePenalty
+from runtime.profiling.profile import CoreHandoff, DeviceProfile, MeasuredModel, P2pActions, ProfileSet, ResumePenalty
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
 
@@ -69,6 +70,13 @@ class HostModel:
         """How much later a device blocked in communication resumes after waiting (measured profiles)."""
         prof = self._figures(device_type)
         return None if prof is None else prof.comm.p2p_wake
+
+    def p2p_actions(self, device_type: str) -> P2pActions | None:
+        """The executor's CPU per boundary-message action on this type (measured profiles of CPU hosts;
+        None otherwise: nothing charged). Also for a sleep-mode type: its blocks sleep to their targets, but
+        the posts and waits between them run as they are."""
+        prof = self._figures(device_type)
+        return None if prof is None else prof.comm.p2p_actions
 
     def core_sharing(self, device_type: str) -> float:
         """Efficiency of two emulated devices' processes time-sharing one CPU core, at this sequence length

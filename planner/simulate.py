@@ -5,7 +5,9 @@ simulator plays the action lists the runtime executes (``StrategyHandle.pipeline
 same ``Schedule`` objects, runtime/pipeline_schedules.py) as the engine runs them: every stage is a
 resource running its actions in order — its chunks' F, B, W or fused BW ops (TP collectives in F and
 B), ``PostSend`` / ``PostRecv`` (never block), ``WaitRecv`` (blocks until that message has arrived) and
-a final ``WaitSends``; each pipeline has its own schedule and micro-batch count. A message is a transfer
+a final ``WaitSends``; each pipeline has its own schedule and micro-batch count. Each post, and each
+received message's unpacking after its wait, is the executor's CPU work as ``hspmd profile`` measured it
+(``P2pActions``), on the stage's cores. A message is a transfer
 on its pair of devices' link, in the pair's post order (one stream per pair), and takes ``latency +
 bytes / bandwidth`` once both sides have posted it (a rendezvous: measured so on gloo, where a send
 waits for its receive; NCCL's send/recv behave so too); a pair's two directions share one queue where
@@ -22,7 +24,7 @@ slowest member), and an emulated slower device sleeps ``slowdown - 1`` times eac
 time, as the runtime does. The kernel's scheduler hands a core over in time slices, not as a fluid: where
 a process finishes a block, wakes from its sleep or from a blocking receive while the other process on
 its core computes, it waits that much longer for the core as ``hspmd profile`` measured
-(``CoreHandoff``; nothing on an idle core).
+(``CoreHandoff``; nothing on an idle core but the measured lateness of every emulated sleep).
 
 The result has the step time, per-stage compute / comm / bubble, the peak number of live chunk
 activations each stage reached and its peak memory (``Schedule.peak_activation_memory`` of the lists
@@ -129,6 +131,7 @@ class OpKind(Enum):
     CLIP = "clip"
     OPTIMIZER = "optimizer"
     ZERO_GATHER = "zero_gather"
+    HOST = "host"   # the executor's own CPU work for a boundary message: posting it, unpacking it
 
 
 @dataclass(frozen=True)
@@ -192,10 +195,15 @@ class EventLoop:
       waited for its peers ends ``recv_wake_s`` later. And a forward / backward op needs ``cold_forward_s``
       / ``cold_backward_s`` (in proportion, for an op smaller than the block they were measured on)
       more CPU time when another resource's compute ran on its cores since its
-      resource's previous op started (that work took over the caches). On an idle core none applies.
+      resource's previous op started (that work took over the caches). On an idle core none applies but
+      ``sleep_late_s``: an emulated device's sleep after a block ends that much late, wherever it runs.
     * A ``hot`` compute op pays neither the ``resume`` nor the cold-cache penalty: it works on what an op of
       its own resource produced (a split backward's W on its B's gradients), and traced runs show no such
       penalty on it (the hand-off's scheduling delays still apply).
+    * A ``HOST`` op (the executor posting a message, or unpacking one it waited for) is CPU work on its
+      cores like a block's, never stretched, but no block: a device's idle time for the ``resume`` penalty
+      runs from its previous block, and it neither takes over another resource's caches nor counts as that
+      resource's core-mate computing for the hand-off (a fraction of a millisecond, between blocks).
     """
 
     def __init__(self, cores: dict[str, float] | None = None) -> None:
@@ -396,7 +404,7 @@ class _Run:
         for o in self.active:
             self.active[o] -= (t_next - self.now) * rate[o]
             self.used[o] += (t_next - self.now) * share[o]
-            if t_next > self.now:
+            if t_next > self.now and self.ops[o].kind is not OpKind.HOST:
                 mine = self.ops[o].resource
                 self.foreign.update((h, r) for h, _ in self.ops[o].hosts for r in self.users[h] if r != mine)
         self.now = t_next
@@ -475,7 +483,8 @@ class _Run:
             fwd = op.kind is OpKind.FORWARD
             self.work[name] += below_probe(h.cold_forward_s if fwd else h.cold_backward_s, op.cpu,
                                            h.block_forward_s if fwd else h.block_backward_s)
-        self.foreign.difference_update(mine)
+        if op.kind is not OpKind.HOST:
+            self.foreign.difference_update(mine)
         if op.hosts and self.work[name] > 0:
             self.used[name] = 0.0
             if delay > 0:
@@ -499,8 +508,8 @@ class _Run:
     def core_busy(self, name: str) -> bool:
         """Another compute op is running on a core of ``name``'s hosts now (one ending this instant is not)."""
         mine = {h for h, _ in self.ops[name].hosts}
-        return bool(mine) and any(o != name and left > 1e-9 and any(h in mine for h, _ in self.ops[o].hosts)
-                                  for o, left in self.active.items())
+        return bool(mine) and any(o != name and left > 1e-9 and self.ops[o].kind is not OpKind.HOST
+                                  and any(h in mine for h, _ in self.ops[o].hosts) for o, left in self.active.items())
 
     def try_end(self, name: str) -> bool:
         """End a started communication / fixed op once the ops it waits on have started."""
@@ -524,10 +533,14 @@ class _Run:
 
     def compute_tail(self, name: str, cpu_done: float) -> float:
         op = self.ops[name]
-        self.cpu_end[op.resource] = cpu_done
+        if op.kind is not OpKind.HOST:   # a device idles (cold caches) from one block to the next
+            self.cpu_end[op.resource] = cpu_done
         cpu = self.used.get(name, self.work[name])
         handoff = op.handoff.handoff_s if op.handoff is not None and self.core_busy(name) else 0.0
-        return cpu_done + handoff + op.comm + (op.stretch - 1.0) * (cpu + op.comm_cpu)
+        sleep = (op.stretch - 1.0) * (cpu + op.comm_cpu)
+        if sleep > 0 and op.handoff is not None:   # the sleep ends late, on an idle core too
+            sleep += op.handoff.sleep_late_s
+        return cpu_done + handoff + op.comm + sleep
 
 
 def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
@@ -703,6 +716,10 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
             device_type = costs.type_of[st.devices[0]]
             resume, wake, waiting = cm.host.resume_penalty(device_type), cm.host.comm_wake(device_type), \
                 costs.waiting(st.devices)
+            # The executor's CPU per message (measured; none charged without the figure): each post, and the
+            # unpacking after each wait for a receive, on the stage's cores (ops of its own resource).
+            per_msg = cm.host.p2p_actions(device_type)
+            hosts = waiting["hosts"]
             blocks: dict[tuple[str, int], dict[str, Any]] = {}   # the stage's op fields per (kind, chunk)
             sent: list[str] = []
             for ai, a in enumerate(acts):
@@ -724,13 +741,20 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=resume, hot=a.kind == "W",
                                   **fields))
                 elif isinstance(a, (PostSend, PostRecv)):
-                    sim.add(SimOp(name, res, None, pi, k, a.message.micro_batch))
+                    post = (0.0 if per_msg is None else per_msg.post_send_s if isinstance(a, PostSend)
+                            else per_msg.post_recv_s)
+                    sim.add(SimOp(name, res, OpKind.HOST if post > 0 else None, pi, k, a.message.micro_batch,
+                                  cpu=post, hosts=hosts if post > 0 else ()))
                     if isinstance(a, PostSend):
                         sent.append(names[a.message])
                 else:
                     deps = (names[a.message],) if isinstance(a, WaitRecv) else tuple(sent)
                     assert isinstance(a, (WaitRecv, WaitSends))
                     sim.add(SimOp(name, res, None, pi, k, deps=deps, wake=wake, **waiting))
+                    if isinstance(a, WaitRecv) and per_msg is not None and per_msg.wait_recv_s > 0:
+                        name = f"{name}u"   # the message unpacked (the stage's next op waits for it)
+                        sim.add(SimOp(name, res, OpKind.HOST, pi, k, a.message.micro_batch, cpu=per_msg.wait_recv_s,
+                                      hosts=hosts))
             last[pi, k] = name
     return last, tp_s, labels
 

@@ -41,7 +41,9 @@ round, the kept run's reference times (profile / before / after, in s, and their
 retries, the round's re-profiles so far and every attempt; `profile_reference_s`: per round, each
 profile's reference time; `repeat_spread`: per plan, (slowest - fastest) / median of all its attempts, the
 measurement's own reproducibility, and `median_repeat_spread` over the plans run more than once); top level,
-`max_abs_error`, `rank_preserved` and `within_target` by mode. Everything else goes to stderr.
+`max_abs_error`, `rank_preserved` and `within_target` by mode. Each mode also re-simulates every plan on the same
+profiles without the executor's CPU per boundary message (``errors_without_p2p_actions``, the model before
+``comm.p2p_actions``): an ablation on the same measured runs. Everything else goes to stderr.
 """
 
 from __future__ import annotations
@@ -290,9 +292,11 @@ def profile_now(prof_dir: Path, cluster: str) -> tuple[float, float]:
     return time.perf_counter() - t0, foreign.cores
 
 
-def simulate_plans(paths: dict[str, Path], prof_dir: Path, handoff: bool = True) -> dict[str, float]:
+def simulate_plans(paths: dict[str, Path], prof_dir: Path, handoff: bool = True,
+                   p2p_actions: bool = True) -> dict[str, float]:
     """Each plan's simulated step time; ``handoff=False``: without the profile's ``core_handoff`` (the
-    scheduler's delays and cold caches on a busy core), i.e. plain processor sharing, for comparison."""
+    scheduler's delays and cold caches on a busy core), i.e. plain processor sharing, for comparison;
+    ``p2p_actions=False``: without the executor's CPU per boundary message (the model before it)."""
     out = {}
     for name, path in paths.items():
         ctx = load_plan_context(path)
@@ -301,6 +305,9 @@ def simulate_plans(paths: dict[str, Path], prof_dir: Path, handoff: bool = True)
             profiles = ProfileSet({t: ResolvedProfile(dataclasses.replace(profiles[t], models={
                 k: dataclasses.replace(m, core_handoff={}) for k, m in profiles[t].models.items()}), None)
                 for t in profiles})
+        if not p2p_actions:
+            profiles = ProfileSet({t: ResolvedProfile(dataclasses.replace(profiles[t], comm=dataclasses.replace(
+                profiles[t].comm, p2p_actions=None)), None) for t in profiles})
         cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
         t = ctx.plan.training
         out[name] = simulate(cm, ctx.plan.strategies[0], t.global_batch, t.schedule, t.zero).step_time_s
@@ -328,6 +335,7 @@ def run_mode(mode: str, names: list[str], args: argparse.Namespace, out: Path) -
     host_model = mode == "stretch"   # sleep-mode devices are outside the simulator's host model
     sims: dict[str, list[float]] = {n: [] for n in names}
     plain: dict[str, list[float]] = {n: [] for n in names}   # without core_handoff
+    bare: dict[str, list[float]] = {n: [] for n in names}    # without the CPU per boundary message
     handoffs: list[dict] = []
     runs: dict[str, list[float]] = {n: [] for n in names}
     foreign_cores: dict[str, list[float]] = {n: [] for n in names}
@@ -345,7 +353,7 @@ def run_mode(mode: str, names: list[str], args: argparse.Namespace, out: Path) -
     # (``rounds_max_overrun_s`` shows when the host was too slow for that).
     max_reprofiles = HOST_REPROFILES if args.profile is None else 0   # a given profile cannot be retaken
 
-    def profile(r: int, n: int) -> tuple[Path, float, dict[str, float], dict[str, float]]:
+    def profile(r: int, n: int) -> tuple[Path, float, dict[str, float], dict[str, float], dict[str, float]]:
         """A profile (unless given), its reference time, the plans' simulations (and without core_handoff)."""
         prof_dir = args.profile
         if prof_dir is None:
@@ -364,12 +372,12 @@ def run_mode(mode: str, names: list[str], args: argparse.Namespace, out: Path) -
             no_handoff = simulate_plans(paths, prof_dir, handoff=False)
             handoffs.append(profile_handoff(prof_dir))
             log(f"core_handoff (ms): {handoffs[-1]}")
-        return prof_dir, ref_s, sim, no_handoff
+        return prof_dir, ref_s, sim, no_handoff, simulate_plans(paths, prof_dir, p2p_actions=False)
 
     for r in range(args.rounds):
         profile_reference_s.append([])
         reprofiles = 0
-        _, ref_s, sim, no_handoff = profile(r, reprofiles)
+        _, ref_s, sim, no_handoff, no_actions = profile(r, reprofiles)
         recent: list[HostCheck] = []   # this round's runs since its latest profile
         for name in names:
             tries, attempts, foreign_rerun = 0, [], False
@@ -395,7 +403,7 @@ def run_mode(mode: str, names: list[str], args: argparse.Namespace, out: Path) -
                     log(f"{name}: {why}: {HOST_STREAK} runs in a row off in the same direction; the host's speed "
                         "moved: profiling again and re-simulating")
                     reprofiles += 1
-                    _, ref_s, sim, no_handoff = profile(r, reprofiles)
+                    _, ref_s, sim, no_handoff, no_actions = profile(r, reprofiles)
                     recent, tries = [], 0
                 elif verdict == "keep":
                     log(f"{name}: {why}: still off after {tries} runs; kept, recorded as off")
@@ -404,6 +412,7 @@ def run_mode(mode: str, names: list[str], args: argparse.Namespace, out: Path) -
             # The simulation of the profile this run was accepted against (earlier plans of the round may
             # have been accepted against an earlier profile: theirs stays).
             sims[name].append(sim[name])
+            bare[name].append(no_actions[name])
             if host_model:
                 plain[name].append(no_handoff[name])
             runs[name].append(step)
@@ -447,6 +456,13 @@ def run_mode(mode: str, names: list[str], args: argparse.Namespace, out: Path) -
         "repeat_spread": spread,
         "median_repeat_spread": round(statistics.median(repeated), 4) if repeated else None,
     }
+    bare_sim = {n: statistics.median(v) for n, v in bare.items()}
+    bare_errors = {n: (bare_sim[n] - measured[n]) / measured[n] for n in names}
+    result.update({
+        "errors_without_p2p_actions": {n: round(e, 4) for n, e in bare_errors.items()},
+        "max_abs_error_without_p2p_actions": round(max(abs(e) for e in bare_errors.values()), 4),
+        "simulated_without_p2p_actions_s": {n: round(v, 5) for n, v in bare_sim.items()},
+    })
     if host_model:
         plain_sim = {n: statistics.median(v) for n, v in plain.items()}
         plain_errors = {n: (plain_sim[n] - measured[n]) / measured[n] for n in names}

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from runtime.profiling.fit import fit_saturating, rounded, trimmed_mean
-from runtime.profiling.profile import CoreHandoff, ResumePenalty
+from runtime.profiling.profile import CoreHandoff, P2pActions, ResumePenalty
 from runtime.spec.model import ModelSpec
 
 if TYPE_CHECKING:
@@ -174,6 +174,54 @@ def p2p_wake(rank: int, device: torch.device, reps: int = 15,
     return ResumePenalty(forward_s=peak, backward_s=peak, tau_s=tau)
 
 
+def p2p_actions(rank: int, device: torch.device, shape: Sequence[int], reps: int = 30,
+                settle_s: float = 0.002) -> P2pActions:
+    """The executor's CPU per boundary-message action (inside an initialised process group of at least
+    two ranks): rank 0 sends rank 1 a boundary tensor of ``shape`` through the engine's own
+    ``BoundaryChannel`` and op (runtime/engine/pipeline.py, as ``hspmd train`` posts it), ``reps`` times.
+    Timed on the thread that posts (CPU time, so that a preemption is no cost): rank 0's post of the send,
+    rank 1's post of the receive and, once the message has had ``settle_s`` to arrive, its wait (what is
+    left is unpacking it; the time spent blocked waiting is the transfer's, priced apart). Returned on
+    every rank (medians)."""
+    import torch
+    import torch.distributed as dist
+
+    from runtime.annotations import Annotation
+    from runtime.comm.resolve import resolve
+    from runtime.engine.pipeline import BoundaryChannel
+
+    op = resolve(Annotation.spmd([0]), Annotation.spmd([1]), tuple(shape))
+    x = torch.randn(*shape, device=device)
+    ranks = {0: 0, 1: 1}
+    times: tuple[list[float], list[float], list[float]] = ([], [], [])
+    for i in range(reps + 2):   # the first two warm up
+        channel = BoundaryChannel(rank, ranks) if rank in ranks else None
+        if rank == 1:
+            assert channel is not None
+            c0 = time.thread_time()
+            channel.post_recv(i, op, dtype=x.dtype, device=device)
+            times[1].append(time.thread_time() - c0)
+        dist.barrier()
+        if rank == 0:
+            assert channel is not None
+            c0 = time.thread_time()
+            channel.post_send(op, x)
+            times[0].append(time.thread_time() - c0)
+        time.sleep(settle_s)
+        if rank == 1:
+            assert channel is not None
+            c0 = time.thread_time()
+            channel.wait_recv(i)
+            times[2].append(time.thread_time() - c0)
+        if channel is not None:
+            channel.wait_sends()
+        dist.barrier()
+    res = torch.tensor([statistics.median(t[2:]) if t else 0.0 for t in times], dtype=torch.float64)
+    dist.all_reduce(res)
+    return P2pActions(post_send_s=rounded(res[0].item()), post_recv_s=rounded(res[1].item()),
+                      wait_recv_s=rounded(res[2].item()))
+
+
 def core_sharing(rank: int, pair: tuple[int, int], model: ModelSpec, seq_lens: Sequence[int], *,
                  device: torch.device | str = "cpu", duration_s: float = 0.5) -> dict[int, float]:
     """How well two processes pinned to one core share it (inside an initialised process group; ranks
@@ -303,9 +351,11 @@ class _DutyRecorder:
 
 
 def handoff_figures(raw: dict[str, dict[str, float]]) -> CoreHandoff:
-    """The delays with the core's other process computing, beyond the same with it idle."""
+    """The delays with the core's other process computing, beyond the same with it idle; and how late a
+    sleep ends with it idle (``sleep_late_s``: every sleep pays that)."""
     busy, idle = raw["busy"], raw["idle"]
     extra = {k: rounded(max(0.0, busy[k] - idle[k])) for k in ("gap", "late", "recv", "cpu_forward", "cpu_backward")}
     return CoreHandoff(handoff_s=extra["gap"], wake_s=extra["late"], recv_wake_s=extra["recv"],
                        cold_forward_s=extra["cpu_forward"], cold_backward_s=extra["cpu_backward"],
-                       block_forward_s=rounded(idle["cpu_forward"]), block_backward_s=rounded(idle["cpu_backward"]))
+                       block_forward_s=rounded(idle["cpu_forward"]), block_backward_s=rounded(idle["cpu_backward"]),
+                       sleep_late_s=rounded(max(0.0, idle["late"])))

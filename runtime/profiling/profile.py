@@ -133,11 +133,35 @@ class CoreHandoff:
     # proportion (``below_probe``); 0 in older profiles (as measured).
     block_forward_s: float = 0.0
     block_backward_s: float = 0.0
+    # With the core-mate idle: how much later than asked an emulated device's sleep after a block ends (the
+    # timer's slack, the wake-up), paid after every such sleep whoever else computes (``wake_s`` comes on
+    # top on a busy core); 0 in older profiles (not measured).
+    sleep_late_s: float = 0.0
 
     def __post_init__(self) -> None:
         c = Checker()
         c.each(self, ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s", "cold_backward_s", "block_forward_s",
-                      "block_backward_s"), lambda v: v >= 0 and math.isfinite(v),
+                      "block_backward_s", "sleep_late_s"), lambda v: v >= 0 and math.isfinite(v),
+               "must be a non-negative number of seconds")
+        c.raise_if_any()
+
+
+@dataclass(frozen=True)
+class P2pActions:
+    """The executor's own CPU work per boundary-message action (``hspmd profile``: the engine's
+    ``BoundaryChannel`` between two local processes, main-thread CPU time): posting a send (packing the
+    buffer, ``isend``), posting a receive (its buffer, ``irecv``) and completing a receive whose message has
+    arrived (``wait``, unpacking). Seconds per action, never stretched by an emulated slowdown: the runtime
+    stretches only compute blocks. A schedule with more, smaller messages per step (interleaved chunks) pays
+    them more often; on a CPU-emulated cluster they take the device's core like its compute."""
+
+    post_send_s: float
+    post_recv_s: float
+    wait_recv_s: float
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.each(self, ("post_send_s", "post_recv_s", "wait_recv_s"), lambda v: v >= 0 and math.isfinite(v),
                "must be a non-negative number of seconds")
         c.raise_if_any()
 
@@ -298,6 +322,9 @@ class CommFigures:
     # Measured: how much later a process blocked in a receive resumes after waiting t seconds (its core
     # idle meanwhile): ``forward_s * (1 - exp(-t / tau_s))`` (forward_s = backward_s).
     p2p_wake: ResumePenalty | None = None
+    # Measured (CPU hosts): the executor's CPU per boundary-message action; absent (older profiles, GPUs,
+    # whose host work overlaps the device's): none charged.
+    p2p_actions: P2pActions | None = None
     # Measured elsewhere (``hspmd profile import``): bandwidth by message size and direction, per link
     # class; they replace ``p2p`` and the cluster's bandwidth for transfers of that class.
     links: Mapping[LinkClass, LinkCurves] = field(default_factory=dict)

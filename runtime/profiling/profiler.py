@@ -227,7 +227,7 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
         allreduce_latency_s=rounded(allreduce[n_ar].latency_s / (2 * (n_ar - 1))) if allreduce else (15e-6 if cuda
                                                                                                 else 1e-3),
         bandwidth_efficiency=0.75, p2p=p2p, allreduce=allreduce, allgather=links.get("allgather", {}),
-        p2p_wake=links.get("p2p_wake"))
+        p2p_wake=links.get("p2p_wake"), p2p_actions=links.get("p2p_actions"))
     memory = MemoryFigures(framework_overhead_gib=rounded(links.get("rss_gib", 0.0) or (2.0 if cuda else 0.3)),
                            cast_bytes=2.0 if cuda else 0.0)   # the profiles' compute: bf16 autocast on CUDA only
     optimizer = OptimizerFit(*(rounded(x * slowdown) for x in (opt.seconds_per_param, opt.fixed_s,
@@ -301,6 +301,9 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
         dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
         out = p2p_and_allreduce(rank, world, settings.comm_sizes, device=dev)
         wake = host.p2p_wake(rank, dev)
+        # The executor's CPU per boundary message (CPU hosts: on GPUs it overlaps the device's work).
+        actions = None if cuda or world < 2 or not models else host.p2p_actions(rank, dev, _boundary_shape(
+            models[0], settings))
         tp_groups = {t: dist.new_group(list(range(t))) for t in sorted({t for _, t in jobs})}
         overhead: dict[str, dict[int, list]] = {}
         for model, t in jobs:
@@ -323,14 +326,20 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
                                              duration_s=1.0 if settings.component_budget_s > 0 else 0.1)
                 handoff[model.name] = {s: host.handoff_figures(r) for s, r in raw.items()}
         if rank == 0:
-            out.update(p2p_wake=wake, tp_overhead=overhead, core_sharing=sharing, core_handoff=handoff,
-                       rss_gib=_rss_gib() if not cuda else 0.0)
+            out.update(p2p_wake=wake, p2p_actions=actions, tp_overhead=overhead, core_sharing=sharing,
+                       core_handoff=handoff, rss_gib=_rss_gib() if not cuda else 0.0)
             queue.put(out)
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:  # reported to the parent, which raises it as one line
         if rank == 0:
             queue.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _boundary_shape(model: ModelSpec, settings: ProfileSettings) -> tuple[int, int, int]:
+    """A stage boundary's tensor (micro-batch, longest profiled length, hidden): what a pipeline sends."""
+    lens = [s for s in settings.seq_lens if s <= model.max_seq_len] or [min(settings.seq_lens)]
+    return settings.micro_batch, max(lens), model.hidden_size
 
 
 def _rss_gib() -> float:

@@ -44,6 +44,10 @@ def test_profile_then_simulate(tmp_path: Path):
     assert mm.tp_blocks_sp[2]["layer"].forward_s != mm.tp_blocks[2]["layer"].forward_s
     assert ms.blocks[1]["layer"].forward_s[2] == pytest.approx(3 * mm.blocks[1]["layer"].forward_s[2])
     assert mm.resume is not None and mm.resume == ms.resume and fast.comm.p2p_wake is not None
+    # The executor's CPU per message, measured through the engine's channel, not stretched.
+    acts = fast.comm.p2p_actions
+    assert acts is not None and acts == slow.comm.p2p_actions
+    assert 0 < acts.post_send_s < 0.01 and 0 < acts.post_recv_s < 0.01 and 0 < acts.wait_recv_s < 0.01
     assert fast.optimizer.seconds_per_tensor > 0 and fast.step_overhead.seconds_per_tensor >= 0
     # Measured beats the spec fallback, and simulate uses it.
     ps = resolve_profiles(load_cluster("cpu-hetero4").device_types, [out])

@@ -121,9 +121,9 @@ def test_a_round_repeats_reprofiles_and_pairs_each_run_with_its_profile(monkeypa
         profiles.append(prof_dir.name)
         return 1.0, 0.0
 
-    def simulate_plans(paths, prof_dir, handoff=True):
+    def simulate_plans(paths, prof_dir, handoff=True, p2p_actions=True):
         k = len(profiles)   # which profile this simulation used
-        return {n: k + (0.5 if handoff else 0.0) for n in paths}
+        return {n: k + (0.5 if handoff else 0.0) - (0.0 if p2p_actions else 0.25) for n in paths}
 
     monkeypatch.setattr(bench, "HostReference", Reference)
     monkeypatch.setattr(bench, "profile_now", profile_now)
@@ -137,6 +137,8 @@ def test_a_round_repeats_reprofiles_and_pairs_each_run_with_its_profile(monkeypa
     assert res["profile_reference_s"] == [[10.0, 12.0]]
     assert res["measured_rounds_s"] == {"pp2-fast": [0.25], "dp2-fast": [0.20]}
     assert res["simulated_rounds_s"] == {"pp2-fast": [2.5], "dp2-fast": [2.5]}   # the second profile's
+    # ... and the ablation without the CPU per message, on the same profile
+    assert res["simulated_without_p2p_actions_s"] == {"pp2-fast": 2.25, "dp2-fast": 2.25}
     pp2 = res["host_speed"]["pp2-fast"][0]
     assert [a["verdict"] for a in pp2["attempts"]] == ["retry", "retry", "reprofile", "accept"]
     assert (pp2["verdict"], pp2["reprofiles"], pp2["retries"], pp2["profile_s"]) == ("accept", 1, 0, 12.0)

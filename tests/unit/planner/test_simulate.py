@@ -21,6 +21,7 @@ from runtime.profiling.profile import (
     ComponentFit,
     CoreHandoff,
     MeasuredModel,
+    P2pActions,
     ProfileSet,
     ResolvedProfile,
     ResumePenalty,
@@ -521,3 +522,125 @@ def test_tp_collectives_cpu_is_core_work():
     # Sharing the core at half speed: 1.4 CPU-s end at 2.8, then 0.2 of waiting and the 2.8 s sleep -> 5.8.
     # (With the collectives' CPU as waiting, only 1 CPU-s was shared: 2.0 + 0.6 + 2 x 1.4 = 5.4.)
     assert play(cpu, comm, True) == pytest.approx((0.0, 5.8))
+
+
+def with_p2p_actions(ps: ProfileSet, actions: P2pActions) -> ProfileSet:
+    return ProfileSet({t: ResolvedProfile(dataclasses.replace(
+        ps[t], comm=dataclasses.replace(ps[t].comm, p2p_actions=actions)), None) for t in ps})
+
+
+def test_message_cpu_is_played_on_the_stage_and_priced_by_the_estimate():
+    # Two stages of 2 layers (F 2 s, BW 4 s), one micro-batch, transfers free. The runtime's lists: stage 0
+    # F0, post send (act), post recv (grad), wait (grad), BW0; stage 1 post recv (act), wait (act), F0, BW0,
+    # post send (grad). Simulated, every post and unpack is the stage's own work: the critical path is
+    # F0 (0-2), send (2-2.1), stage 1's unpack (2.1-2.12; its recv was posted at 0-0.05), F0 + BW0
+    # (2.12-8.12), send (8.12-8.22), stage 0's unpack (8.22-8.24; its recv post 2.1-2.15 is off the path),
+    # BW0 (-12.24): 12 + 2 x (0.1 + 0.02).
+    acts = P2pActions(post_send_s=0.1, post_recv_s=0.05, wait_recv_s=0.02)
+    s = chain(1, [2, 2])
+    base = cost_model(profiles())
+    cm = cost_model(with_p2p_actions(profiles(), acts))
+    assert simulate(base, s, 1).pipeline_end_s[0] == pytest.approx(12.0)
+    r = simulate(cm, s, 1)
+    assert r.pipeline_end_s[0] == pytest.approx(12.24)
+    # The estimate puts each message's CPU into the ops that send or receive it: stage 0's F + 0.1 (send),
+    # BW + 0.07 (post recv + unpack); stage 1's F + 0.07, BW + 0.1. One micro-batch is the four ops in turn:
+    # 2.1 + 2.07 + 4.1 + 4.07 (the recv posts, off the simulated path, are on this one).
+    assert base.pipeline_step_time(s, 0, "1f1b") == pytest.approx(12.0)
+    assert cm.pipeline_step_time(s, 0, "1f1b") == pytest.approx(12.34)
+    costs = cm.pipeline_costs(s, 0, "1f1b")
+    assert costs.chunk(0, 0).forward == pytest.approx(2.1)
+    assert costs.chunk(0, 0).of("BW") == pytest.approx(4.07)
+    assert costs.chunk(1, 0).forward == pytest.approx(2.07)
+    assert costs.chunk(1, 0).of("BW") == pytest.approx(4.1)
+    # A one-stage pipeline sends nothing: unchanged.
+    one = chain(2, [6])
+    assert simulate(cm, one, 2).step_time_s == pytest.approx(simulate(base, one, 2).step_time_s)
+    assert cm.pipeline_step_time(one, 0, "1f1b") == pytest.approx(base.pipeline_step_time(one, 0, "1f1b"))
+
+
+def test_message_cpu_scales_with_the_messages_a_schedule_sends():
+    # Interleaved on 2 stages, 2 chunks each: 3 virtual-stage boundaries, every one across devices, so per
+    # micro-batch each device posts 3 sends and 3 receives (of 2 x 3 messages) where 1F1B's 2 stages post 1
+    # and 1. The estimate's costs: device 0 holds virtual stages 0 and 2, device 1 stages 1 and 3.
+    acts = P2pActions(post_send_s=0.1, post_recv_s=0.05, wait_recv_s=0.02)
+    cm = cost_model(with_p2p_actions(profiles(), acts))
+    base = cost_model(profiles())
+    s = chunked(4, [[(0, 2), (3, 5)], [(2, 3), (5, 6)]], "interleaved")
+    got, bare = cm.pipeline_costs(s, 0, "interleaved"), base.pipeline_costs(s, 0, "interleaved")
+    extra = {(d, c): (got.chunk(d, c).forward - bare.chunk(d, c).forward,
+                      got.chunk(d, c).input_grad - bare.chunk(d, c).input_grad) for d in (0, 1) for c in (0, 1)}
+    assert extra[0, 0] == pytest.approx((0.1, 0.07))     # stage 0: sends its output, receives its gradient
+    assert extra[1, 0] == pytest.approx((0.17, 0.17))    # stage 1: receives and sends both ways
+    assert extra[0, 1] == pytest.approx((0.17, 0.17))    # stage 2
+    assert extra[1, 1] == pytest.approx((0.07, 0.1))     # stage 3 (the head): receives its input, sends back
+    # Simulated: each device's host work is its posts and unpacks, all of them played (4 micro-batches).
+    r = simulate(cm, s, 4)
+    sched = cm.runtime_schedule(s, 0, "interleaved")
+    for k in (0, 1):
+        n_send = sum(isinstance(a, PostSend) for a in sched.actions[k])
+        assert n_send == 4 * 3
+    assert r.step_time_s > simulate(base, s, 4).step_time_s + 4 * 3 * 0.1 * 0.5   # some of it on the path
+
+
+def test_v_bottom_sends_nothing():
+    # ZB-V on 2 devices: device 1 holds virtual stages 1 and 2, the bottom of the V, handed over in memory:
+    # its chunk 0's F receives (no send), its chunk 1's F sends (no receive); backward the reverse.
+    acts = P2pActions(post_send_s=0.1, post_recv_s=0.05, wait_recv_s=0.02)
+    cm, base = cost_model(with_p2p_actions(profiles(), acts)), cost_model(profiles())
+    s = chunked(3, [[(0, 1), (5, 6)], [(1, 3), (3, 5)]], "zb-v")
+    got, bare = cm.pipeline_costs(s, 0, "zb-v"), base.pipeline_costs(s, 0, "zb-v")
+    lay = cm.runtime_schedule(s, 0, "zb-v").layout
+    assert [(lay.device(j), lay.chunk(j)) for j in range(4)] == [(0, 0), (1, 0), (1, 1), (0, 1)]
+    f = {(d, c): got.chunk(d, c).forward - bare.chunk(d, c).forward for d in (0, 1) for c in (0, 1)}
+    b = {(d, c): got.chunk(d, c).input_grad - bare.chunk(d, c).input_grad for d in (0, 1) for c in (0, 1)}
+    w = {(d, c): got.chunk(d, c).weight_grad - bare.chunk(d, c).weight_grad for d in (0, 1) for c in (0, 1)}
+    assert f == pytest.approx({(0, 0): 0.1, (1, 0): 0.07, (1, 1): 0.1, (0, 1): 0.07})
+    assert b == pytest.approx({(0, 0): 0.07, (1, 0): 0.1, (1, 1): 0.07, (0, 1): 0.1})
+    assert w == pytest.approx(dict.fromkeys(w, 0.0))
+
+
+def test_message_cpu_shares_the_core_but_is_no_block():
+    # On one core shared by both stages, a post is processor-shared CPU work like a block's; it does not
+    # move the resume penalty's idle reference (the previous block's end) and is never stretched.
+    acts = P2pActions(post_send_s=0.1, post_recv_s=0.05, wait_recv_s=0.02)
+    s = chain(1, [2, 2])
+    one_core = cost_model(with_p2p_actions(with_cores(profiles(), 1), acts))
+    # Stage 1's recv post (0.05 s of CPU) shares the core with stage 0's F0 from 0: F0 ends at 2.05. Stage 0's
+    # send 2.05-2.15; then its recv post (0.05) shares the core with stage 1's unpack (0.02: done at 2.19,
+    # the post 0.02 in) and F0 (the post's last 0.03 at half speed: -2.25, F0 0.03 in): F0 ends 2.25 + 1.97
+    # = 4.22, BW0 8.22, its send 8.32, stage 0's unpack 8.34, BW0 12.34: the two-core path + 2 x 0.05.
+    assert simulate(one_core, s, 1).pipeline_end_s[0] == pytest.approx(12.24 + 2 * 0.05)
+    slow = cost_model(with_p2p_actions(profiles(slow=3.0), acts))
+    devs = Strategy("s", (Pipeline(1, (Stage((0,), (0, 2)), Stage((2,), (2, 4)))),))
+    # Stage 1 on a 3x device: its F0 and BW0 (6 and 12 s) stretched as blocks, its posts and unpacks not.
+    assert simulate(slow, devs, 1).pipeline_end_s[0] == pytest.approx(2 + 0.1 + 0.02 + 6 + 12 + 0.1 + 0.02 + 4)
+    # The resume penalty's idle time runs from the stage's previous block (none: from 0), not from its unpack:
+    # stage 1's F0 starts at 2.12 (as above) after 2.12 s without a block.
+    pen = ResumePenalty(forward_s=0.5, backward_s=1.0, tau_s=1.0)
+    r = simulate(cost_model(with_models(with_p2p_actions(profiles(), acts), resume=pen)), s, 1)
+    f1 = {(e.stage, e.name): e for e in r.events}[1, "F0"]
+    assert f1.start_s == pytest.approx(2.12)
+    assert f1.end_s - f1.start_s == pytest.approx(2.0 + pen.extra_s(2.12, False))
+
+
+def test_every_emulated_sleep_ends_late_by_its_measured_slack():
+    # Stage 1 on a 3x device (F 6 s, BW 12 s: 2 and 4 s of CPU, each followed by a sleep of twice that); its
+    # sleeps end 0.01 s late on an idle core too (no shared cores here). Stage 0 (not stretched) sleeps
+    # never. Both of stage 1's blocks are on the path: 2 + 6 + 12 + 4 = 24, + 2 x 0.01.
+    late = CoreHandoff(handoff_s=0.0, wake_s=0.0, recv_wake_s=0.0, sleep_late_s=0.01)
+    devs = Strategy("s", (Pipeline(1, (Stage((0,), (0, 2)), Stage((2,), (2, 4)))),))
+    base = cost_model(profiles(slow=3.0))
+    cm = cost_model(with_models(profiles(slow=3.0), core_handoff={64: late}))
+    assert simulate(base, devs, 1).pipeline_end_s[0] == pytest.approx(24.0)
+    assert simulate(cm, devs, 1).pipeline_end_s[0] == pytest.approx(24.02)
+    # The estimate adds it to each of the slow stage's ops (one sleep per block) and to none of the fast's.
+    assert base.pipeline_step_time(devs, 0, "1f1b") == pytest.approx(24.0)
+    assert cm.pipeline_step_time(devs, 0, "1f1b") == pytest.approx(24.02)
+    got, bare = cm.pipeline_costs(devs, 0, "1f1b"), base.pipeline_costs(devs, 0, "1f1b")
+    assert got.chunk(0, 0) == bare.chunk(0, 0)
+    assert got.chunk(1, 0).forward - bare.chunk(1, 0).forward == pytest.approx(0.01)
+    assert got.chunk(1, 0).of("BW") - bare.chunk(1, 0).of("BW") == pytest.approx(0.01)   # one block, one sleep
+    # A split backward is two blocks, two sleeps: B and W each.
+    assert got.chunk(1, 0).input_grad - bare.chunk(1, 0).input_grad == pytest.approx(0.01)
+    assert got.chunk(1, 0).weight_grad - bare.chunk(1, 0).weight_grad == pytest.approx(0.01)

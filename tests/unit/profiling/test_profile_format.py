@@ -19,6 +19,7 @@ from runtime.profiling.profile import (
     LinkFit,
     MeasuredModel,
     OptimizerFit,
+    P2pActions,
     ResumePenalty,
     dump_profile,
     load_profile,
@@ -46,7 +47,7 @@ def measured(name: str = "cpu-fast"):
                                      256: CoreHandoff(3e-3, 0.0, 2e-4)})
     base = spec_profile(name, peak_tflops=0.1, hbm_bandwidth_gbs=10, memory_gib=2, note="", emulated=True)
     comm = dataclasses.replace(base.comm, p2p=LinkFit(1e-3, 1.5), allreduce={2: LinkFit(2e-3, 1.0)},
-                               p2p_wake=ResumePenalty(3e-4, 3e-4, 1e-3))
+                               p2p_wake=ResumePenalty(3e-4, 3e-4, 1e-3), p2p_actions=P2pActions(2e-4, 1e-4, 1.2e-4))
     return dataclasses.replace(base, provenance="measured", comm=comm, models={"llama-tiny": mm},
                                step_overhead=OptimizerFit(1e-9, 1e-5, 2e-6), sync_pack=OptimizerFit(3e-10, 2e-6, 8e-6),
                                source=dataclasses.replace(base.source, host="box", torch_version="2.13",
@@ -69,6 +70,14 @@ def test_profile_written_before_the_new_fields_still_loads(tmp_path: Path):
     for key in ("step_overhead", "sync_pack"):
         data.pop(key)
     data["comm"].pop("p2p_wake")
+    data["comm"].pop("p2p_actions")
+    handoff = yaml.safe_load(dump_profile(measured()))["models"]["llama-tiny"]["core_handoff"]
+    for h in handoff.values():
+        h.pop("sleep_late_s")
+    path = tmp_path / "handoff.yaml"
+    path.write_text(yaml.safe_dump({**yaml.safe_load(dump_profile(measured())), "models": {"llama-tiny": {
+        **yaml.safe_load(dump_profile(measured()))["models"]["llama-tiny"], "core_handoff": handoff}}}))
+    assert all(h.sleep_late_s == 0.0 for h in load_profile(path).models["llama-tiny"].core_handoff.values())
     for key in ("tp_blocks", "tp_blocks_cpu", "tp_blocks_sp", "tp_blocks_sp_cpu", "blocks", "resume", "core_sharing",
                 "core_handoff"):
         data["models"]["llama-tiny"].pop(key)
@@ -79,6 +88,7 @@ def test_profile_written_before_the_new_fields_still_loads(tmp_path: Path):
     assert old.models["llama-tiny"].tp_blocks_sp == {} and old.models["llama-tiny"].tp_blocks_sp_cpu == {}
     assert old.models["llama-tiny"].core_handoff == {}
     assert old.comm.p2p_wake is None and old.step_overhead == OptimizerFit(0.0)
+    assert old.comm.p2p_actions is None   # no CPU charged per message
 
 
 def test_every_shipped_spec_profile_loads():
