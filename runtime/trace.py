@@ -1,7 +1,7 @@
 """Per-rank timelines and emulated slowness, both as implementations of the engine's ``Hooks``.
 
 The engine brackets its work in ``hooks.span(kind, name, **args)`` with kind "compute" or "comm" (a wait
-is a "comm" span; the hooks' API also allows "idle", which the engine does not emit). ``TraceRecorder``
+is a "comm" span; idle time is the gap between spans). ``TraceRecorder``
 turns those spans into Chrome-trace events (open the JSON in
 https://ui.perfetto.dev). The two CPU emulation modes of runtime/spec/cluster.py ``Emulation`` wrap another
 Hooks: ``EmulatedSlowdown`` (stretch mode), after each outermost compute span, sleeps (k - 1) x the compute

@@ -31,9 +31,10 @@ def torch_dtype(dtype: DType) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype.name)  # type: ignore[attr-defined]
 
 
-# torch 2.13 renamed the flat-tensor collectives; older torch (>= 2.4) has only the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed the flat-tensor collectives; older torch (>= 2.4) has only the old names. Everyone
+# (the optimizer, the link profiler) calls them through these two names.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # ---------------------------------------------------------------------------------------------------
 # Point-to-point round
@@ -149,7 +150,7 @@ def _reduce_phase(op: CommOp, x: torch.Tensor, me: int, groups: ProcessGroups) -
                 padded.append(torch.zeros(pad, dtype=x.dtype, device=x.device))
         inp = torch.cat(padded)
         out = torch.empty(width, dtype=x.dtype, device=x.device)
-        work = _reduce_scatter_flat(out, inp, group=pg, async_op=True)
+        work = reduce_scatter_flat(out, inp, group=pg, async_op=True)
         pending.append((work, out, mine))
     for work, flat, regions in pending:
         work.wait()
@@ -175,7 +176,7 @@ def _gathers(op: CommOp, mid: torch.Tensor | None, out: torch.Tensor | None, me:
         if mine.numel() < width:
             mine = torch.cat([mine, mine.new_zeros(width - mine.numel())])
         buf = torch.empty(width * len(order), dtype=mid.dtype, device=mid.device)
-        _all_gather_flat(buf, mine.contiguous(), group=pg)
+        all_gather_flat(buf, mine.contiguous(), group=pg)
         dst_region = op.dst.by_device[me].region
         for i, d in enumerate(order):
             p = part[d]

@@ -13,7 +13,7 @@ import torch
 from runtime.precision import Precision
 from runtime.spec.handle import StrategyHandle
 
-SpanKind = str  # "compute" | "comm" | "idle"
+SpanKind = str  # "compute" | "comm"
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Hooks(Protocol):
     """Instrumentation points: the launcher implements tracing and the emulated slowdown with them.
 
     kinds: "compute" (each forward/backward block of a stage on a micro-batch, the optimizer step),
-    "comm" (boundary send/recv, gradient sync, statistics), "idle".
+    "comm" (boundary send/recv, gradient sync, statistics). Idle time is what lies between them.
     """
 
     def span(self, kind: SpanKind, name: str, **args: object) -> contextlib.AbstractContextManager[None]: ...

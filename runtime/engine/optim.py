@@ -13,19 +13,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.optim.adamw import adamw
 
 from runtime.annotations.states import Region, relative, volume
+from runtime.comm.execute import all_gather_flat
 from runtime.comm.groups import ProcessGroups
 from runtime.engine.zero import ZeroBucket, ZeroSlice, moment_pieces
 from runtime.spec import OptimizerSettings
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 IN_FLIGHT = 2  # ZeRO-1 parameter all-gathers outstanding at once (each at most a gradient-sync bucket)
-
-# torch 2.13 renamed the flat-tensor collective; older torch (>= 2.4) has only the old name.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def build_adamw(params: Sequence[torch.Tensor], settings: OptimizerSettings) -> torch.optim.AdamW:
@@ -298,7 +295,7 @@ class ShardedAdamW:
             if mine.numel() < b.width:
                 mine = torch.cat([mine, mine.new_zeros(b.width - mine.numel())])
             out = mine.new_empty(b.width * len(b.devices))
-            pending.append((_all_gather_flat(out, mine, group=b.group, async_op=True), out, b))
+            pending.append((all_gather_flat(out, mine, group=b.group, async_op=True), out, b))
             while len(pending) > IN_FLIGHT:
                 self._finish(*pending.popleft())
         while pending:

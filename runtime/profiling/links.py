@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from runtime.comm.execute import all_gather_flat
 from runtime.profiling.compute import time_once
 from runtime.profiling.fit import link_fit, trimmed_mean
 
@@ -67,7 +68,7 @@ def p2p_and_allreduce(rank: int, world: int, sizes: Sequence[int], *, device: to
 
             def gather(g=g, member=member, gathered: torch.Tensor = gathered, part: int = part) -> None:
                 if member:
-                    dist.all_gather_into_tensor(gathered, gathered[:part].clone(), group=g)
+                    all_gather_flat(gathered, gathered[:part].clone(), group=g)
 
             ag[n][0].append((n - 1) / n * part * n * 4)
             ag[n][1].append(timed(gather))
