@@ -362,8 +362,8 @@ def lazily_sorted(lower: Sequence[float], exact: Callable[[int], float], indices
         if level == 2:
             yield value, i
             continue
-        if level == -1:
-            value, level = first(i), 0   # type: ignore[misc]
+        if level == -1 and first is not None:
+            value, level = first(i), 0
         elif skip is not None and skip(i):
             continue
         elif level == 0 and middle is not None:
@@ -1193,9 +1193,14 @@ class Searcher:
                 any_built[0] |= built[i] is not None
             return built[i]
 
+        def built_draft(i: int) -> BlockCandidate:   # asked only of drafts whose bound came up: built, not None
+            d = draft(i)
+            assert d is not None
+            return d
+
         def sync_view(i: int) -> BlockCandidate:
             if i not in synced:
-                synced[i] = self.with_sync(draft(i))   # type: ignore[arg-type]
+                synced[i] = self.with_sync(built_draft(i))
             return synced[i]
 
         def full(i: int) -> BlockCandidate:
@@ -1204,22 +1209,21 @@ class Searcher:
             return done[i]
 
         def view(i: int) -> BlockCandidate:
-            return done.get(i) or draft(i)   # type: ignore[return-value]
+            return done.get(i) or built_draft(i)
 
         out: list[BlockCandidate] = []
         shares = (share, 1.0) if share < 0.999 else (1.0,)
         for k, sh in enumerate(shares):
-            first: Callable[[int], float] | None = None
-            if lazy:
-                lower = [self.job_bound(x, sh) if isinstance(x, BlockJob) else
-                         self._span_alone(x, sh, floor=True) + self.clip_s for x in found]
+            # overheads() adds sync + optimizer >= 0 to the clip; the floor span, what the spare limits may save
+            # (below it, for blocks not built yet, their templates' bound).
+            lower = [self.job_bound(x, sh) if isinstance(x, BlockJob) else
+                     self._span_alone(x, sh, floor=True) + self.clip_s for x in found]
 
-                def first(i: int, sh: float = sh) -> float:   # the cheap bound below, once built
-                    d = draft(i)
-                    return math.inf if d is None else self._span_alone(d, sh, floor=True) + self.clip_s
-            else:
-                # overheads() adds sync + optimizer >= 0 to the clip; the floor span, what the spare limits may save.
-                lower = [self._span_alone(c, sh, floor=True) + self.clip_s for c in found]  # type: ignore[arg-type]
+            def cheap(i: int, sh: float = sh) -> float:   # ``lower``'s bound once the block is built
+                d = draft(i)
+                return math.inf if d is None else self._span_alone(d, sh, floor=True) + self.clip_s
+
+            first = cheap if lazy else None
 
             def score(i: int, sh: float = sh) -> float:
                 return self._span_alone(full(i), sh) + self.overheads([full(i)])
