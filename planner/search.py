@@ -87,7 +87,7 @@ from planner.schedule_choice import (
     stage_layer_ranges,
 )
 from planner.tp_groups import GroupKind, TPGroup, form_groups, groups_by_kind, tp_choices
-from runtime.pipeline_schedules import device_limits
+from runtime.pipeline_schedules import Costs, device_limits, step_time_bound
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import OptimizerSettings, Pipeline, Schedule, Stage, Strategy
@@ -275,6 +275,25 @@ class BlockCandidate:
         return tuple(lay.groups[0].devices[0] for lay in self.layouts)
 
 
+@dataclass(frozen=True, eq=False)
+class BlockJob:
+    """A block to build (``Searcher.block_job``): its pipelines' templates known, its groups not dealt yet."""
+
+    choice: tuple[TypeChoice, ...]
+    pipelines: int
+    order: str
+    placement: str
+    groups: Mapping[GroupKind, Sequence[TPGroup]]
+    ranked: tuple[GroupKind, ...]
+    shares: tuple[Mapping[GroupKind, int], ...]
+    templates: tuple[Template, ...]
+
+    @property
+    def aligned(self) -> bool:
+        """``BlockCandidate.aligned`` of the block it builds (its layouts' templates are these)."""
+        return len(set(self.templates)) == 1
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One complete strategy with its cost-model estimate."""
@@ -322,25 +341,32 @@ class SearchStats:
 
 
 def lazily_sorted(lower: Sequence[float], exact: Callable[[int], float], indices: Iterable[int],
-                  skip: Callable[[int], bool] | None = None, middle: Callable[[int], float] | None = None
-                  ) -> Iterator[tuple[float, int]]:
+                  skip: Callable[[int], bool] | None = None, middle: Callable[[int], float] | None = None,
+                  first: Callable[[int], float] | None = None) -> Iterator[tuple[float, int]]:
     """``(exact(i), i)`` for the ``indices`` with a finite exact value, in the order ``sorted`` gives
     (value, then index), computing ``exact(i)`` only when its lower bound ``lower[i]`` comes up: a
     consumer that stops early never pays for the rest. ``skip(i)``, asked then, drops ``i`` unpriced.
     ``middle(i)``: a tighter lower bound of ``exact(i)``, dearer than ``lower`` and cheaper than ``exact``,
-    computed when ``lower[i]`` comes up; ``exact(i)`` then waits for it to come up in turn. (Any value not
-    above the exact one keeps the order: an entry is yielded only once every bound below it has been
-    replaced by its exact value.)"""
-    heap = [(lower[i], i, 0) for i in indices if math.isfinite(lower[i])]
+    computed when ``lower[i]`` comes up; ``exact(i)`` then waits for it to come up in turn. ``first(i)``:
+    with it, ``lower[i]`` bounds ``first(i)``, the bound the others refine, computed when ``lower[i]``
+    comes up; ``skip`` is asked from ``first``'s value on (what it reads may exist only from then). (Any
+    value not above the exact one keeps the order: an entry is yielded only once every bound below it
+    has been replaced by its exact value. With ``first`` the entries from its value on come up in the
+    order they would without it, so ``skip``, ``middle`` and ``exact`` are asked the same things at the
+    same points.)"""
+    start = 0 if first is None else -1
+    heap = [(lower[i], i, start) for i in indices if math.isfinite(lower[i])]
     heapq.heapify(heap)
     while heap:
         value, i, level = heapq.heappop(heap)
         if level == 2:
             yield value, i
             continue
-        if skip is not None and skip(i):
+        if level == -1 and first is not None:
+            value, level = first(i), 0
+        elif skip is not None and skip(i):
             continue
-        if level == 0 and middle is not None:
+        elif level == 0 and middle is not None:
             value, level = middle(i), 1
         else:
             value, level = exact(i), 2
@@ -361,7 +387,8 @@ def set_partitions(items: Sequence[str]) -> Iterator[list[tuple[str, ...]]]:
 
 
 def _pareto(view: Callable[[int], BlockCandidate], n: int, lower: Sequence[float], score: Callable[[int], float],
-            keep: int, middle: Callable[[int], float] | None = None) -> list[int]:
+            keep: int, middle: Callable[[int], float] | None = None, first: Callable[[int], float] | None = None
+            ) -> list[int]:
     """By score (``score(i)``, best first), the first ``keep`` of ``n`` drafts that no earlier one beats on
     rate, fill-and-drain and score alike. In that order every earlier score is at most a later one's, so
     only rate and fill-and-drain decide, and a draft they rule out when its lower bound ``lower[i]`` comes
@@ -373,7 +400,7 @@ def _pareto(view: Callable[[int], BlockCandidate], n: int, lower: Sequence[float
         c = view(i)
         return any(view(j).rate >= c.rate and view(j).overhead <= c.floor_overhead for j in out)
 
-    for _, i in lazily_sorted(lower, score, range(n), beaten, middle):
+    for _, i in lazily_sorted(lower, score, range(n), beaten, middle, first):
         if beaten(i):
             continue
         out.append(i)
@@ -386,7 +413,7 @@ def _pareto(view: Callable[[int], BlockCandidate], n: int, lower: Sequence[float
 # the schedules searched): the searches ``search`` runs per micro-batch size share them. (``memo`` keeps a
 # method's cache under ``_memo_<name>``.)
 SHARED_CACHES = ("_memo_layer_s", "_memo_groups", "_memo_fast_split", "_memo__split_of", "_memo_fill",
-                 "_memo__segment_grad_bytes", "_sync_cache", "_p2p", "_spare", "_room")
+                 "_memo__segment_grad_bytes", "_sync_cache", "_p2p", "_spare", "_room", "_open")
 
 
 class Searcher:
@@ -416,9 +443,10 @@ class Searcher:
             self.choices = choices
         self.stats = SearchStats()
         self._sync_cache: dict[tuple, float] = {}
-        self._p2p: dict[tuple[int, int], float] = {}
+        self._p2p: dict[tuple[int, int], tuple[float, float]] = {}
         self._spare: dict[tuple, float] = {}
         self._room: dict[tuple, float | None] = {}
+        self._open: dict[tuple, float] = {}
         self._seen_blocks: set[tuple] = set()
         names = {n.name: i for i, n in enumerate(self.cluster.nodes)}
         self._node_idx = [names[d.node] for d in self.cluster.devices]
@@ -502,18 +530,32 @@ class Searcher:
                 best = (t, choice, sp, fill, hops)
         return None if best is None else best[1:]
 
-    def _pair_s(self, a: int, b: int) -> float:
-        """One boundary both ways between stages led by devices ``a`` and ``b`` (``p2p_time`` prices a
-        transfer by the link between the stages' first devices)."""
+    def _hop_s(self, a: int, b: int) -> tuple[float, float]:
+        """One boundary each way between stages led by devices ``a`` and ``b`` (``p2p_time`` prices a
+        transfer by the link between the stages' first devices), cached by their nodes (or devices, where
+        the cluster overrides single devices' links)."""
         key = (a, b) if self._device_links else (self._node_idx[a], self._node_idx[b])
         hit = self._p2p.get(key)
         if hit is None:
-            hit = self._p2p[key] = self.cm.p2p_time((a,), (b,)) + self.cm.p2p_time((b,), (a,))
+            hit = self._p2p[key] = (self.cm.p2p_time((a,), (b,)), self.cm.p2p_time((b,), (a,)))
         return hit
+
+    def _pair_s(self, a: int, b: int) -> float:
+        """One boundary both ways (``_hop_s``' sum)."""
+        there, back = self._hop_s(a, b)
+        return there + back
 
     def boundary_s(self, layout: PipelineLayout) -> float:
         gs = layout.groups
         return sum(self._pair_s(a.devices[0], b.devices[0]) for a, b in zip(gs, gs[1:]))
+
+    def hops(self, layout: PipelineLayout) -> tuple[tuple[float, float], ...]:
+        """Per stage boundary of ``layout`` its transfer time each way: what its exact time and bounds read
+        of its devices besides their types (``CostModel.pipeline_costs``), so the key under which pipelines
+        on other devices of alike nodes share those prices. (Not the boundaries' sum: two layouts whose
+        hops differ but sum alike run differently.)"""
+        gs = layout.groups
+        return tuple(self._hop_s(a.devices[0], b.devices[0]) for a, b in zip(gs, gs[1:]))
 
     # -- blocks --------------------------------------------------------------------------------------
 
@@ -522,6 +564,15 @@ class Searcher:
                        shares: Sequence[Mapping[GroupKind, int]] | None = None) -> BlockCandidate | None:
         """``stages``: use only ``pipelines x stages`` groups (one kind), the rest idle. ``shares``: groups
         of each kind per pipeline (default: as even as possible)."""
+        job = self.block_job(choice, pipelines, order, stages, placement, shares)
+        return None if job is None else self.build_block(job)
+
+    def block_job(self, choice: tuple[TypeChoice, ...], pipelines: int, order: str,
+                  stages: int | None = None, placement: str = "contiguous",
+                  shares: Sequence[Mapping[GroupKind, int]] | None = None) -> BlockJob | None:
+        """``evaluate_block`` up to dealing the groups: all that decides whether the block exists (its
+        pipelines' templates, their fast splits, not evaluated already in another order), without its
+        layouts and classes (``build_block``); ``job_bound`` bounds what ``_keep`` ranks it by."""
         self.stats.block_evaluations += 1
         groups = self.groups(choice)
         if stages is not None:
@@ -550,14 +601,20 @@ class Searcher:
                 deal(len(gs), [sh.get(k, 0) for sh in shares], placement)
                 == deal(len(gs), [sh.get(k, 0) for sh in shares], "contiguous") for k, gs in groups.items()):
             return None   # the same pipelines as the contiguous placement
-        layouts = build_pipelines(groups, pipelines, ranked, placement, shares)
+        return BlockJob(choice, pipelines, order, placement, groups, tuple(ranked), tuple(shares), templates)
+
+    def build_block(self, job: BlockJob) -> BlockCandidate | None:
+        """The rest of ``evaluate_block``: the groups dealt, the pipelines' classes (schedule, split, room
+        for raised activation bounds)."""
+        layouts = build_pipelines(job.groups, job.pipelines, job.ranked, job.placement, job.shares)
         if layouts is None:
             return None
+        zd = self.zero_degree(job.pipelines)
         by_class: dict[tuple[Template, float], list[int]] = {}
         for i, lay in enumerate(layouts):
             by_class.setdefault((lay.template, round(self.boundary_s(lay), 12)), []).append(i)
         classes = []
-        m_each = max(1, self.micro_batches // pipelines)
+        m_each = max(1, self.micro_batches // job.pipelines)
         for (template, bnd), members in by_class.items():
             picked = self.class_schedule(template, bnd, zd, max(len(template), m_each))
             if picked is None:
@@ -566,7 +623,60 @@ class Searcher:
             m = max(len(template), m_each)
             room = self.spare_room(layouts[members[0]], zd, split, sched, m)
             classes.append(ClassInfo(template, bnd, tuple(members), split, sched, fill, hops, room, spare_count=m))
-        return BlockCandidate(choice, pipelines, order, placement, tuple(layouts), tuple(classes))
+        return BlockCandidate(job.choice, job.pipelines, job.order, job.placement, tuple(layouts), tuple(classes))
+
+    def job_bound(self, job: BlockJob, share: float) -> float:
+        """A lower bound of ``_keep``'s cheap bound of the block ``job`` builds (``_span_alone`` on each
+        class's ``floor_option``, plus the clip), from its templates alone: per template the least slowest
+        stage over the schedules searched and a fixed time without the boundary transfers (``option`` adds
+        ``hops * boundary >= 0``; ``pipeline_step_bound`` only grows with each transfer time, so
+        ``open_bound``, the same bound with none, is at most ``spare_bound_s``). The greedy allocation's
+        makespan only falls with per-micro-batch and fixed times, and pipelines alike in both count as one
+        class; a margin against rounding (``BOUND_ROUNDING``)."""
+        zd = self.zero_degree(job.pipelines)
+        m_each = max(1, self.micro_batches // job.pipelines)
+        counts: dict[Template, int] = {}
+        for t in job.templates:
+            counts[t] = counts.get(t, 0) + 1
+        classes = []
+        for template, n in counts.items():
+            m = max(len(template), m_each)
+            per = fixed = math.inf
+            for choice in self.choices:
+                sp = self.fast_split(template, zd, choice)
+                if sp is None:
+                    continue
+                fill_s = self.fill(template, choice)[0] * (sp.sum_s - sp.max_s)
+                room_s = self.open_bound(template, job.groups, sp, choice, m) - m * sp.max_s
+                per, fixed = min(per, sp.max_s), min(fixed, max(0.0, min(fill_s, room_s)))
+            if not math.isfinite(per):
+                return math.inf
+            classes.append(PipelineClass((TimeOption(per, fixed),), len(template), n))
+        m_total = max(sum(len(t) for t in job.templates), round(self.micro_batches * share))
+        alloc = allocate_greedy(classes, m_total)
+        if alloc is None:
+            return math.inf
+        return (alloc.makespan_s + self.clip_s) * (1 - BOUND_ROUNDING) - 1e-12
+
+    def open_bound(self, template: Template, groups: Mapping[GroupKind, Sequence[TPGroup]], split: LayerSplit,
+                   choice: ScheduleChoice, micro_batches: int) -> float:
+        """``pipeline_step_bound`` of a pipeline of ``template`` with ``split`` under ``choice`` and every
+        transfer time 0: a bound of it on any devices of those kinds (the bound grows with each transfer,
+        and the chunk costs read the devices' types only); cached per (template, split, schedule, count)."""
+        key = (template, split, choice, micro_batches)
+        hit = self._open.get(key)
+        if hit is None:
+            taken: dict[GroupKind, int] = {}
+            chain = []
+            for kind in template:
+                chain.append(groups[kind][taken.get(kind, 0)])
+                taken[kind] = taken.get(kind, 0) + 1
+            lay = PipelineLayout(tuple(chain))
+            one = Strategy(name="class", pipelines=(self._bare_pipeline(lay, split, micro_batches, choice),))
+            costs = self.cm.pipeline_costs(one, 0, choice.name)
+            hit = self._open[key] = step_time_bound(choice.name, len(template), micro_batches, choice.chunks,
+                                                    Costs(costs.chunks))
+        return hit
 
     def spare_room(self, lay: PipelineLayout, zero_degree: int, split: LayerSplit, choice: ScheduleChoice,
                    micro_batches: int) -> float | None:
@@ -575,7 +685,7 @@ class Searcher:
         op order; no lists built); None where none can."""
         if not self.settings.spare_activations:
             return None
-        key = (lay.template, round(self.boundary_s(lay), 12), zero_degree, split, choice, micro_batches)
+        key = (lay.template, self.hops(lay), zero_degree, split, choice, micro_batches)
         if key not in self._room:
             one = Strategy(name="class", pipelines=(self._bare_pipeline(lay, split, micro_batches, choice),))
             room = spare_activation_limits(self.cm, one, 0, choice.name, zero_degree,
@@ -592,11 +702,11 @@ class Searcher:
         Without it the ranking prices every pipeline at its schedule's own bounds and drops plans that raising
         makes the fastest (h2-example: ``2 x [chip-a/tp2 x4 > chip-b/tp2]``, 11.92 s at the bounds, 11.28 s
         raised). Against the proxy, not the exact time at the own bounds: what raising recovers there is
-        often a steady-state stall the proxy never charged. Cached per (template, devices' boundary, split,
-        schedule, count, proxy): blocks share their classes."""
+        often a steady-state stall the proxy never charged. Cached per (template, ``hops``, split, schedule,
+        count, proxy): blocks share their classes, and pipelines on alike nodes their prices."""
         if not self.settings.spare_activations:
             return 0.0
-        key = (lay.template, round(self.boundary_s(lay), 12), zero_degree, split, choice, micro_batches, proxy_s)
+        key = (lay.template, self.hops(lay), zero_degree, split, choice, micro_batches, proxy_s)
         hit = self._spare.get(key)
         if hit is None:
             # Memory and the bound from the bare pipeline (neither reads the op costs); the costed one only to play.
@@ -979,7 +1089,7 @@ class Searcher:
             self._report("pipelines (mixed types)", done, len(subsets))
             if (any(blocks.values()) or any(mixed.values())) and self.out_of_time("mixed-type pipelines"):
                 break
-            found: list[BlockCandidate] = []
+            found: list[BlockJob] = []   # built only where ``_keep`` looks at them
             share = sum(best_rate[t] for t in subset) / total_rate
             width = TYPE_CHOICES_MULTI[min(len(subset), 4) - 2]
             lists = [top_choice[t][:width] if blocks[frozenset([t])] else top_choice[t] for t in subset]
@@ -994,9 +1104,9 @@ class Searcher:
                     for sh in (self.share_options(gs, p) if uneven else [None]):
                         for order in ORDERS:
                             for place in self.placements(p):
-                                cand = self.evaluate_block(tuple(combo), p, order, None, place, sh)
-                                if cand is not None:
-                                    found.append(cand)
+                                job = self.block_job(tuple(combo), p, order, None, place, sh)
+                                if job is not None:
+                                    found.append(job)
             mixed[frozenset(subset)] = self._keep(found, share)
         self._report("pipelines (mixed types)", len(subsets), len(subsets))
         return mixed
@@ -1057,19 +1167,40 @@ class Searcher:
         alloc = allocate_greedy(classes, m)
         return math.inf if alloc is None else alloc.makespan_s
 
-    def _keep(self, found: list[BlockCandidate], share: float) -> list[BlockCandidate]:
+    def _keep(self, found: Sequence[BlockCandidate | BlockJob], share: float) -> list[BlockCandidate]:
         """The block candidates worth combining, completed (``complete``): the best when the block gets
         ``share`` of the batch (its expected share next to the other types), and the best when it gets all
         of it; each scored as if it ran alone (makespan plus its ``overheads``). Drafts are completed in
         order of a lower bound of that score (makespan plus clip), so only those that may be kept are; and
         before the spare gains, which play the schedule, each gets a tighter bound (the floor makespan plus
-        its own sync and optimizer terms, ``with_sync``), so that only those that still may be kept play it."""
+        its own sync and optimizer terms, ``with_sync``), so that only those that still may be kept play it.
+        Blocks not built yet (``BlockJob``, the mixed blocks) are built when a bound of that bound from their
+        templates (``job_bound``) comes up: those that cannot be kept never deal their groups."""
+        built: dict[int, BlockCandidate | None] = {}
         done: dict[int, BlockCandidate] = {}
         synced: dict[int, BlockCandidate] = {}
+        lazy = any(isinstance(x, BlockJob) for x in found)
+        any_built = [False]
+
+        def draft(i: int) -> BlockCandidate | None:
+            x = found[i]
+            if isinstance(x, BlockCandidate):
+                return x
+            if i not in built:
+                # Past the time limit no more blocks are built once one is (the ones so far are kept).
+                late = any_built[0] and self.out_of_time("mixed-type pipelines")
+                built[i] = None if late else self.build_block(x)
+                any_built[0] |= built[i] is not None
+            return built[i]
+
+        def built_draft(i: int) -> BlockCandidate:   # asked only of drafts whose bound came up: built, not None
+            d = draft(i)
+            assert d is not None
+            return d
 
         def sync_view(i: int) -> BlockCandidate:
             if i not in synced:
-                synced[i] = self.with_sync(found[i])
+                synced[i] = self.with_sync(built_draft(i))
             return synced[i]
 
         def full(i: int) -> BlockCandidate:
@@ -1078,13 +1209,21 @@ class Searcher:
             return done[i]
 
         def view(i: int) -> BlockCandidate:
-            return done.get(i, found[i])
+            return done.get(i) or built_draft(i)
 
         out: list[BlockCandidate] = []
         shares = (share, 1.0) if share < 0.999 else (1.0,)
         for k, sh in enumerate(shares):
-            # overheads() adds sync + optimizer >= 0 to the clip; the floor span, what the spare limits may save.
-            lower = [self._span_alone(c, sh, floor=True) + self.clip_s for c in found]
+            # overheads() adds sync + optimizer >= 0 to the clip; the floor span, what the spare limits may save
+            # (below it, for blocks not built yet, their templates' bound).
+            lower = [self.job_bound(x, sh) if isinstance(x, BlockJob) else
+                     self._span_alone(x, sh, floor=True) + self.clip_s for x in found]
+
+            def cheap(i: int, sh: float = sh) -> float:   # ``lower``'s bound once the block is built
+                d = draft(i)
+                return math.inf if d is None else self._span_alone(d, sh, floor=True) + self.clip_s
+
+            first = cheap if lazy else None
 
             def score(i: int, sh: float = sh) -> float:
                 return self._span_alone(full(i), sh) + self.overheads([full(i)])
@@ -1093,13 +1232,14 @@ class Searcher:
                 return self._span_alone(sync_view(i), sh, floor=True) + self.overheads([sync_view(i)])
 
             kept = [full(i) for i in _pareto(view, len(found), lower, score, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2,
-                                             middle)]
+                                             middle, first)]
             # ... and the best with identical pipelines (their gradient sync has no chains of waits, which
             # the closed form does not price: see api.simulator_check), in each placement: where the
             # pipelines' stages sit decides between boundary and sync costs, which the ranking prices apart.
             for place in PLACEMENTS:
                 aligned = [i for i, c in enumerate(found) if c.aligned and c.placement == place]
-                kept += [full(i) for _, i in itertools.islice(lazily_sorted(lower, score, aligned, middle=middle), 1)]
+                kept += [full(i) for _, i in itertools.islice(lazily_sorted(lower, score, aligned, middle=middle,
+                                                                            first=first), 1)]
             for c in kept:
                 if all(c is not o for o in out):
                     out.append(c)

@@ -1,0 +1,142 @@
+"""The search builds a mixed block (deals its groups, prices its classes) only when ``Searcher._keep`` may keep
+it: each block is first ranked by ``Searcher.job_bound``, a bound from its pipelines' templates alone, which
+is only sound if it never exceeds the bound ``_keep`` ranks the built block by; and ``lazily_sorted`` with
+that level below must ask everything it asks without it, in the same order. The caches the blocks share
+(``spare_room``, ``spare_gain``) are keyed by each stage boundary's transfer times (``Searcher.hops``): a
+cached price must be the price of the layout asked for, whichever layout filled the cache."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.cost import CostModel
+from planner.pipelines import ORDERS, PipelineLayout
+from planner.search import PlanSettings, Searcher, TypeChoice, lazily_sorted
+from planner.tp_groups import tp_choices
+from runtime.profiling.profile import resolve_profiles
+from runtime.spec import load_cluster, load_model
+
+CASES = [("h2-example", "llama-13b", "auto"), ("hexiscale-mixed", "llama-7b", "auto"),
+         ("h800-h20-48", "llama-32b", "zb-v"), ("hexiscale-mixed", "llama-7b", "interleaved")]
+
+
+def searcher(case: int) -> Searcher:
+    cluster_ref, model_ref, schedule = CASES[case]
+    model, cluster = load_model(model_ref), load_cluster(cluster_ref)
+    cm = CostModel(model, cluster, resolve_profiles(cluster.device_types), micro_batch=1, seq_len=4096,
+                   sequence_parallel=True)
+    settings_ = PlanSettings(global_batch=64, seq_len=4096, schedule=schedule)
+    return Searcher(cm, settings_, range(cluster.num_devices), math.inf)
+
+
+def mixed_jobs(s: Searcher, limit: int) -> list:
+    """Up to ``limit`` mixed-block jobs, as ``_mixed_blocks`` lists them (every TP degree of two types)."""
+    choices = tp_choices(s.cluster, s.model, s.devices)
+    types = [t for t, tps in choices.items() if tps]
+    out = []
+    for a, b in itertools.combinations(types, 2):
+        for tpa, tpb in itertools.product(choices[a], choices[b]):
+            combo = (TypeChoice(a, tpa), TypeChoice(b, tpb))
+            gs = s.groups(combo)
+            for p in s.pipeline_counts(sum(len(v) for v in gs.values())):
+                for sh in s.share_options(gs, p):
+                    for order in ORDERS:
+                        for place in s.placements(p):
+                            job = s.block_job(combo, p, order, None, place, sh)
+                            if job is not None:
+                                out.append(job)
+                                if len(out) >= limit:
+                                    return out
+    return out
+
+
+JOBS = {case: mixed_jobs(searcher(case), 400) for case in range(len(CASES))}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, len(CASES) - 1), st.data(), st.floats(0.05, 1.0))
+def test_job_bound_never_exceeds_the_built_blocks_bound(case: int, data: st.DataObject, share: float) -> None:
+    s = searcher(case)
+    jobs = JOBS[case]
+    assert jobs
+    for job in data.draw(st.lists(st.sampled_from(jobs), min_size=1, max_size=8)):
+        block = s.build_block(job)
+        assert block is not None   # a job is a block that exists: only the dealing is left
+        assert block.aligned == job.aligned and block.placement == job.placement
+        assert sorted(lay.template for lay in block.layouts) == list(job.templates)
+        cheap = s._span_alone(block, share, floor=True) + s.clip_s
+        assert s.job_bound(job, share) <= cheap
+        for c in block.classes:   # the transfers only add to the bound
+            if c.spare_bound_s is not None:
+                assert s.open_bound(c.template, job.groups, c.split, c.schedule, c.spare_count) <= c.spare_bound_s
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0.0, 1.0, 2.0, 2.5, 7.0, math.inf]), st.sampled_from([0.0, 0.5, 1.0]),
+                          st.sampled_from([0.0, 0.5, 1.0]), st.sampled_from([0.0, 0.5, 1.0]), st.booleans()),
+                max_size=25), st.data())
+def test_a_first_level_asks_the_same_as_without_it(items: list[tuple[float, float, float, float, bool]],
+                                                   data: st.DataObject) -> None:
+    """``lazily_sorted(..., first=)``: with ``lower <= first <= middle <= exact`` (ties included) and a ``skip``
+    that reads what was yielded so far, the same values come out and ``skip``, ``middle`` and ``exact`` are
+    called with the same arguments in the same order as when ``first``'s values are the lower bounds."""
+    base = [lo for lo, *_ in items]
+    firsts = [lo + a for lo, a, *_ in items]
+    middles = [f + b for f, (_, _, b, _, _) in zip(firsts, items)]
+    exact = [mi + c for mi, (_, _, _, c, _) in zip(middles, items)]
+    odd = [flag for *_, flag in items]
+    k = data.draw(st.integers(1, max(1, len(items))))
+
+    def run(lower: list[float], first: bool) -> tuple[list, list]:
+        calls: list = []
+        out: list = []
+
+        def skip(i: int) -> bool:   # drops an odd item once an even one was yielded: reads the state
+            calls.append(("skip", i))
+            return odd[i] and any(not odd[j] for _, j in out)
+
+        def mid(i: int) -> float:
+            calls.append(("middle", i))
+            return middles[i]
+
+        def ex(i: int) -> float:
+            calls.append(("exact", i))
+            return exact[i]
+
+        for v, i in lazily_sorted(lower, ex, range(len(items)), skip, mid, (lambda i: firsts[i]) if first else None):
+            out.append((v, i))
+            if len(out) >= k:
+                break
+        return out, calls
+
+    assert run(base, True) == run(firsts, False)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_cached_spare_prices_are_the_layouts_own(data: st.DataObject) -> None:
+    """Layouts of one template on random devices (some boundaries inside a node, some across, in any
+    order: equal sums of different hops): the warm searcher's ``spare_room`` and ``spare_gain`` for each,
+    asked after the others, are a cold searcher's for that layout alone."""
+    warm = searcher(0)
+    groups = warm.groups((TypeChoice("chip-a", 2), TypeChoice("chip-b", 2)))
+    (ka, ga), (kb, gb) = sorted(groups.items(), key=lambda kv: -warm.memory_gib(kv[0]))
+    zd = warm.zero_degree(1)
+    n = data.draw(st.integers(2, min(4, len(ga))))
+    template = (ka,) * n + (kb,)
+    choice = warm.choices[0]
+    split = warm.fast_split(template, zd, choice)
+    assert split is not None
+    layouts = [PipelineLayout(tuple(data.draw(st.permutations(ga))[:n]) + (gb[data.draw(st.integers(0, len(gb) - 1))],))
+               for _ in range(3)]
+    m = data.draw(st.sampled_from([n + 1, 16, 32]))
+    proxy = data.draw(st.floats(1.0, 100.0))
+    warm_prices = [(warm.spare_room(lay, zd, split, choice, m), warm.spare_gain(lay, zd, split, choice, m, proxy))
+                   for lay in layouts]
+    for lay, got in zip(layouts, warm_prices):
+        cold = searcher(0)
+        assert got == (cold.spare_room(lay, zd, split, choice, m), cold.spare_gain(lay, zd, split, choice, m, proxy))
