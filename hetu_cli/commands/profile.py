@@ -216,6 +216,10 @@ def show(profile_ref: str, fmt: str) -> None:
     cm = prof.comm
     if cm.p2p is not None:
         con.print(f"  p2p: {_link(cm.p2p)}")
+    if cm.p2p_actions is not None:
+        a = cm.p2p_actions
+        con.print(f"  executor CPU per message: send post {a.post_send_s * 1e3:.3f} ms, receive post "
+                  f"{a.post_recv_s * 1e3:.3f} ms, receive wait {a.wait_recv_s * 1e3:.3f} ms")
     for n, f in cm.allreduce.items():
         con.print(f"  all-reduce x{n}: {_link(f)}")
     curves = [(f"{cls} {d}", c) for cls, lc in cm.links.items() for d, c in (("send", lc.send), ("recv", lc.recv))]

@@ -186,6 +186,9 @@ def test_show_any_profile(tmp_path: Path):
         assert data["profile"]["device_type"] in text.output
     shown = run("profile", "show", str(imported)).output
     assert "table" in shown and "inter send" in shown and "inter all-reduce x2" in shown
+    assert "executor CPU per message" not in shown   # an imported table has no such figure
+    assert ("executor CPU per message: send post 0.200 ms, receive post 0.100 ms, receive wait 0.120 ms"
+            in run("profile", "show", str(tmp_path / "m.yaml")).output)
     assert run("profile", "show", "no-such-profile").exit_code == 2
 
 
