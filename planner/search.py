@@ -57,6 +57,7 @@ import heapq
 import itertools
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
@@ -635,9 +636,7 @@ class Searcher:
         class; a margin against rounding (``BOUND_ROUNDING``)."""
         zd = self.zero_degree(job.pipelines)
         m_each = max(1, self.micro_batches // job.pipelines)
-        counts: dict[Template, int] = {}
-        for t in job.templates:
-            counts[t] = counts.get(t, 0) + 1
+        counts = Counter(job.templates)
         classes = []
         for template, n in counts.items():
             m = max(len(template), m_each)
