@@ -426,32 +426,6 @@ class Layout:
         return Layout(self.shape, tuple((d, Holding(h.member, h.index, h.region, (0, 0), 0, h.cls))
                                         for d, h in self.holdings))
 
-    def local_view(self, full: Any, device: int) -> Any:
-        """The slice of a global tensor ``full`` that ``device`` holds (non-partial layouts)."""
-        if self.is_partial:
-            raise LayoutError("a partial layout has no local view of a single global tensor")
-        return full[region_index(self.region(device))]
-
-    def global_view(self, locals_: Mapping[int, Any]) -> Any:
-        """Rebuild the global tensor from every device's local tensor (partial summands are added)."""
-        import torch
-
-        first = next(iter(locals_.values()))
-        out = torch.zeros(self.shape, dtype=first.dtype, device=first.device)
-        covered = torch.zeros(self.shape, dtype=torch.bool, device=first.device)
-        for dev, h in self.holdings:
-            if h.replica != 0 or (h.cls != 0 and self.is_partial):
-                continue
-            idx = region_index(h.region)
-            if self.is_partial:
-                out[idx] += locals_[dev]
-            else:
-                out[idx] = locals_[dev]
-            covered[idx] = True
-        if not bool(covered.all()):
-            raise LayoutError("the local tensors do not cover the whole tensor")
-        return out
-
 
 def region_index(region: Region) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in region)

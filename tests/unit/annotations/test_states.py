@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import global_view, local_view
 
 from runtime.annotations import Annotation, DeviceGroup, DistributedStates, DSUnion, LayoutError, lcm_degrees
 from runtime.annotations.states import to_placements
@@ -98,14 +99,14 @@ def test_global_view_counts_member_once():
     a = Annotation.union(-2, [((0, 1), S.duplicate(2)), ((2,), S.of())])
     lay = a.layout((3,))
     ga, gb = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0])
-    assert torch.equal(lay.global_view({0: ga, 1: ga, 2: gb}), ga + gb)
+    assert torch.equal(global_view(lay, {0: ga, 1: ga, 2: gb}), ga + gb)
 
 
 def test_global_view_split_top_with_partial_member():
     # Member 0 holds rows 0-1 whole, member 1 holds rows 2-3 as two summands.
     a = Annotation.union(0, [((0,), S.of()), ((1, 2), S.partial(2))], (1, 1))
     lay = a.layout((4,))
-    got = lay.global_view({0: torch.tensor([1.0, 2.0]), 1: torch.tensor([3.0, 4.0]), 2: torch.tensor([10.0, 20.0])})
+    got = global_view(lay, {0: torch.tensor([1.0, 2.0]), 1: torch.tensor([3.0, 4.0]), 2: torch.tensor([10.0, 20.0])})
     assert torch.equal(got, torch.tensor([1.0, 2.0, 13.0, 24.0]))
 
 
@@ -165,4 +166,4 @@ def test_regions_tile_tensor_dup_times(case):
     for d in lay.devices:
         assert math.prod(lay.local_shape(d)) * ds.device_num == math.prod(shape) * ds.degree(-1)
     full = torch.arange(math.prod(shape)).view(shape)
-    assert torch.equal(lay.global_view({d: lay.local_view(full, d) for d in lay.devices}), full)
+    assert torch.equal(global_view(lay, {d: local_view(lay, full, d) for d in lay.devices}), full)
