@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from runtime.annotations import Layout, LayoutError
+from runtime.annotations import DUPLICATE, PARTIAL, DistributedStates, Layout, LayoutError
 from runtime.annotations.states import region_index
 from runtime.engine.api import StepStats
 from runtime.engine.optim import clip_coefficient
@@ -44,6 +44,22 @@ def global_view(layout: Layout, locals_: Mapping[int, Any]) -> Any:
         raise LayoutError("the local tensors do not cover the whole tensor")
     return out
 
+
+def to_placements(states: DistributedStates) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    """The bottom tier in DTensor terms: mesh shape and one placement per mesh dim.
+
+    The subgroup's devices, in group order, reshaped row-major to the mesh shape form the DeviceMesh
+    (the same enumeration as ``order``): split -> Shard(dim), duplicate -> Replicate, partial ->
+    Partial("sum"). DTensor's collectives follow the process group's rank order, so hand it only
+    groups whose device order is the rank order (``ProcessGroups.mesh`` checks this).
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if not states.order:
+        return (1,), (Replicate(),)
+    placements = tuple(Replicate() if d == DUPLICATE else Partial("sum") if d == PARTIAL else Shard(d)
+                       for d in states.order)
+    return tuple(states.degree(d) for d in states.order), placements
 
 def train_documents(trainer: ReferenceTrainer, documents: Sequence[Sequence[int]]) -> StepStats:
     """One optimizer step of ``trainer`` on whole documents, each run alone (no packing, no mask: the model's

@@ -177,12 +177,6 @@ class DistributedStates:
             index //= n
         return coords
 
-    def index_of(self, coords: Mapping[int, int]) -> int:
-        idx = 0
-        for dim in self.order:
-            idx = idx * self.degree(dim) + coords.get(dim, 0)
-        return idx
-
     def reduced(self) -> DistributedStates:
         """The same device positions with partial replaced by duplicate (the layout of a gradient).
 
@@ -495,20 +489,3 @@ def _layout(ann: Annotation, shape: tuple[int, ...]) -> Layout:
 def lcm_degrees(annotations: Iterable[Annotation], dim: int) -> int:
     """The finest common split of ``dim``: LCM of every bottom-tier degree on it (not the max)."""
     return math.lcm(*[s.degree(dim) for a in annotations for s in a.ds.states] or [1])
-
-
-def to_placements(states: DistributedStates) -> tuple[tuple[int, ...], tuple[Any, ...]]:
-    """The bottom tier in DTensor terms: mesh shape and one placement per mesh dim.
-
-    The subgroup's devices, in group order, reshaped row-major to the mesh shape form the DeviceMesh
-    (the same enumeration as ``order``): split -> Shard(dim), duplicate -> Replicate, partial ->
-    Partial("sum"). DTensor's collectives follow the process group's rank order, so hand it only
-    groups whose device order is the rank order (``ProcessGroups.mesh`` checks this).
-    """
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    if not states.order:
-        return (1,), (Replicate(),)
-    placements = tuple(Replicate() if d == DUPLICATE else Partial("sum") if d == PARTIAL else Shard(d)
-                       for d in states.order)
-    return tuple(states.degree(d) for d in states.order), placements

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from oracles import local_view
+from oracles import local_view, to_placements
 
-from runtime.annotations import Annotation, DistributedStates, to_placements
+from runtime.annotations import Annotation, DistributedStates
 from runtime.annotations.from_plan import annotate_strategy, strategy_groups
 from runtime.comm.bsr import TensorMove, plan_bsr
 from runtime.comm.execute import pack_message, recv_buffer, run_bsr, start_output, unpack_message
