@@ -82,11 +82,6 @@ class StageRole:
     def samples(self) -> int:
         return self.micro_batches * self.micro_batch
 
-    def micro_batch_rows(self, mb: int) -> slice:
-        """Rows of the global batch that micro-batch ``mb`` of this pipeline takes."""
-        start = self.first_sample + mb * self.micro_batch
-        return slice(start, start + self.micro_batch)
-
 
 @dataclass(frozen=True)
 class ParamShard:

@@ -257,11 +257,6 @@ class Cluster:
                        self.device_types[db.type].intra_node_bandwidth_gbs)
         return self.inter_node_bandwidth_gbs
 
-    def bandwidth_matrix(self) -> list[list[float]]:
-        """Bandwidth between every pair of devices, GB/s (diagonal: HBM bandwidth)."""
-        n = self.num_devices
-        return [[self.bandwidth_gbs(i, j) for j in range(n)] for i in range(n)]
-
     @property
     def emulated(self) -> bool:
         """True when every device type is CPU-emulated (the cluster runs on this machine)."""
