@@ -224,16 +224,9 @@ def dispatch(lengths: Sequence[int], strategies: Sequence[StrategyCost], *, meth
         raise ValueError("dispatch needs at least one strategy")
     check_lengths(lengths)
     longest = max(lengths, default=0)
-    predicted: list[float | None] = []
-    assignments: list[Assignment | None] = []
-    for strategy in strategies:
-        if not strategy.holds(longest):
-            predicted.append(None)
-            assignments.append(None)
-            continue
-        a = assign(lengths, strategy.pipelines, method=method, exact_max_binaries=exact_max_binaries)
-        predicted.append(a.makespan)
-        assignments.append(a)
+    assignments = [assign(lengths, s.pipelines, method=method, exact_max_binaries=exact_max_binaries)
+                   if s.holds(longest) else None for s in strategies]
+    predicted = [None if a is None else a.makespan for a in assignments]
     if all(p is None for p in predicted):
         served = ", ".join(f"{s.name} up to {min(s.max_seq_len, max(p.capacity for p in s.pipelines))}"
                            for s in strategies)

@@ -406,13 +406,9 @@ def limit_problems(name: str, num_devices: int, micro_batches: int, chunks: int 
     bad = [x for x in limits if isinstance(x, bool) or not isinstance(x, int)]
     if bad:
         return [f"activation_limits: limits must be integers, got {bad}"]
-    out = []
-    for d, x in enumerate(limits):
-        own = live_activation_limit(name, num_devices, d, micro_batches, chunks)
-        if x < own:
-            out.append(f"activation_limits[{d}]: {x} is below {name}'s own bound of {own} activations for this "
-                       f"stage")
-    return out
+    own = [live_activation_limit(name, num_devices, d, micro_batches, chunks) for d in range(num_devices)]
+    return [f"activation_limits[{d}]: {x} is below {name}'s own bound of {own[d]} activations for this stage"
+            for d, x in enumerate(limits) if x < own[d]]
 
 
 def _policy(name: str) -> Policy:

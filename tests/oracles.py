@@ -89,3 +89,14 @@ def train_documents(trainer: ReferenceTrainer, documents: Sequence[Sequence[int]
     trainer.optimizer.step()
     return StepStats(loss=(loss_sum / labels).item() if labels else 0.0, grad_norm=norm.item(),
                      tokens=sum(len(d) for d in documents), compute_s=time.perf_counter() - t0, comm_s=0.0)
+
+
+def optimizer_state(trainer: ReferenceTrainer) -> dict[str, torch.Tensor]:
+    """``NAME.exp_avg`` / ``NAME.exp_avg_sq`` of ``trainer`` for every parameter that has taken a step."""
+    out: dict[str, torch.Tensor] = {}
+    for n, p in trainer.module.named_parameters():
+        st = trainer.optimizer.state.get(p, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in st:
+                out[f"{n}.{key}"] = st[key]
+    return out

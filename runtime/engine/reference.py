@@ -88,13 +88,3 @@ class ReferenceTrainer:
     def parameters(self) -> dict[str, torch.Tensor]:
         """Full parameters by name (detached, on the trainer's device)."""
         return {n: p.detach() for n, p in self.module.named_parameters()}
-
-    def optimizer_state(self) -> dict[str, torch.Tensor]:
-        """``NAME.exp_avg`` / ``NAME.exp_avg_sq`` for every parameter that has taken a step."""
-        out: dict[str, torch.Tensor] = {}
-        for n, p in self.module.named_parameters():
-            st = self.optimizer.state.get(p, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in st:
-                    out[f"{n}.{key}"] = st[key]
-        return out
