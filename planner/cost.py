@@ -32,8 +32,8 @@ planner can call them millions of times:
 * ``p2p_time(src_devices, dst_devices)``: one activation (or its gradient, fp32) across a stage
   boundary, priced as what the runtime sends (``boundary_flows``: every TP rank's copy, or the BSR's
   pieces), its messages sharing ports and NICs (planner/links.py); ``transfer_time(a, b, nbytes)`` one
-  message (measured link curves, else ``link(a, b)``'s latency and bandwidth); ``tick_time`` a schedule
-  tick's transfers together (serialised where the profile says so).
+  message (measured link curves, else ``link(a, b)``'s latency and bandwidth); ``serialises(devices)``
+  whether a tick's sends and receives serialise, as the profile says (``tick_seconds``, planner/links.py).
 * ``allreduce_time(devices, nbytes)``: one ring all-reduce (measured curves by size for its link class,
   across nodes too, when the profiles have them).
 * ``sync_plan(strategy) -> [SyncGroup]``: the cross-pipeline gradient sync exactly as the runtime lays it
@@ -104,7 +104,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.host import HostModel
-from planner.links import Flow, concurrent_seconds, curve_seconds, ring_sharers, tick_seconds
+from planner.links import Flow, concurrent_seconds, curve_seconds, ring_sharers
 from runtime.annotations.from_plan import Boundary, held_by, placements
 from runtime.annotations.states import Annotation
 from runtime.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
@@ -832,11 +832,6 @@ class CostModel:
     @memo
     def _p2p_time(self, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
         return concurrent_seconds(self.boundary_flows(src, dst), self.transfer_time, self._node_of, self._nic_of)
-
-    def tick_time(self, devices: Sequence[int], seconds: Sequence[float]) -> float:
-        """A schedule tick of a stage on ``devices`` posting transfers of ``seconds`` each together: the
-        longest, or their sum where its profile says sends and receives serialise (planner/links.py)."""
-        return tick_seconds(seconds, self.serialises(devices))
 
     def serialises(self, devices: Sequence[int]) -> bool:
         """Whether a transfer's send and receive directions share the link one after the other (the

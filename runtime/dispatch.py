@@ -201,11 +201,6 @@ class Dispatch:
     cheapest: int | None = None            # the strategy with the smallest makespan (None: the same as strategy)
     switch_cost: float = 0.0               # modelled seconds of moving the state to ``strategy`` (0: no switch)
 
-    @property
-    def stayed(self) -> bool:
-        """The cheapest strategy was another one, but its gain did not pay for the switch (hysteresis)."""
-        return self.cheapest is not None and self.cheapest != self.strategy
-
 
 # ---------------------------------------------------------------------------------------------------------
 # Dispatch
