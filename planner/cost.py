@@ -28,12 +28,12 @@ planner can call them millions of times:
   recompute forward when ``recompute``.
 * ``stage_memory(device_type, tp, num_layers, first, last, recompute, in_flight, zero_degree=1)
   -> MemoryBreakdown``: parameters, gradients, optimizer states / ``zero_degree``, activations x
-  ``in_flight`` micro-batches (use ``in_flight_micro_batches``), framework overhead.
+  ``in_flight`` micro-batches (``live_activation_limit``), framework overhead.
 * ``p2p_time(src_devices, dst_devices)``: one activation (or its gradient, fp32) across a stage
   boundary, priced as what the runtime sends (``boundary_flows``: every TP rank's copy, or the BSR's
   pieces), its messages sharing ports and NICs (planner/links.py); ``transfer_time(a, b, nbytes)`` one
-  message (measured link curves, else ``link(a, b)``'s latency and bandwidth); ``tick_time`` a schedule
-  tick's transfers together (serialised where the profile says so).
+  message (measured link curves, else ``link(a, b)``'s latency and bandwidth); ``serialises(devices)``
+  whether a tick's sends and receives serialise, as the profile says (``tick_seconds``, planner/links.py).
 * ``allreduce_time(devices, nbytes)``: one ring all-reduce (measured curves by size for its link class,
   across nodes too, when the profiles have them).
 * ``sync_plan(strategy) -> [SyncGroup]``: the cross-pipeline gradient sync exactly as the runtime lays it
@@ -82,9 +82,8 @@ two the estimate charges as well (``pipeline_costs``): the executor's CPU per bo
 
 Pure formulas (module level): ``pipeline_time`` (1F1B's closed form ``(m-1)*max(t) + sum(t) +
 sum(boundary comm)``, GPipe's on forward and backward separately: ranking proxies, e.g.
-``pipeline_proxy_time``), ``in_flight_micro_batches`` (``live_activation_limit`` of a one-chunk
-schedule: 1F1B stage k of S holds ``min(S-k, m)``; GPipe ``m``), ``play_timeline``,
-``weight_grad_fraction``, ``allreduce_seconds``, ``model_flops_per_token`` (for MFU).
+``pipeline_proxy_time``), ``play_timeline``, ``weight_grad_fraction``, ``allreduce_seconds``,
+``model_flops_per_token`` (for MFU).
 
 Where a profile has measured fits for this model's shape and TP degree, they are used as measured;
 otherwise the component costs are derived from the profile's throughput figures and the model's
@@ -105,7 +104,7 @@ from pathlib import Path
 from typing import Any
 
 from planner.host import HostModel
-from planner.links import Flow, concurrent_seconds, curve_seconds, ring_sharers, tick_seconds
+from planner.links import Flow, concurrent_seconds, curve_seconds, ring_sharers
 from runtime.annotations.from_plan import Boundary, held_by, placements
 from runtime.annotations.states import Annotation
 from runtime.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
@@ -118,7 +117,6 @@ from runtime.pipeline_schedules import (
     Layout,
     TimedOp,
     device_limits,
-    live_activation_limit,
     schedule_layout,
     step_time,
     step_time_bound,
@@ -189,13 +187,6 @@ def pipeline_time(forward_s: Sequence[float], backward_s: Sequence[float], micro
         t = [f + b for f, b in zip(forward_s, backward_s)]
         return (m - 1) * max(t) + sum(t) + sum(boundary_s)
     return (m - 1) * (max(forward_s) + max(backward_s)) + sum(forward_s) + sum(backward_s) + sum(boundary_s)
-
-
-def in_flight_micro_batches(stage: int, num_stages: int, micro_batches: int, schedule: Schedule = "1f1b") -> int:
-    """Micro-batches whose activations a stage holds at its peak under a one-chunk schedule: the bound the
-    runtime's list scheduler enforces (runtime/pipeline_schedules.py ``live_activation_limit``; 1F1B and
-    ZB-H1: stage k of S holds ``min(S-k, m)``; GPipe: ``m``)."""
-    return live_activation_limit(schedule, num_stages, stage, micro_batches)
 
 
 def play_timeline(layout: Layout, timeline: Sequence[Sequence[TimedOp]], costs: Costs) -> float:
@@ -841,11 +832,6 @@ class CostModel:
     @memo
     def _p2p_time(self, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
         return concurrent_seconds(self.boundary_flows(src, dst), self.transfer_time, self._node_of, self._nic_of)
-
-    def tick_time(self, devices: Sequence[int], seconds: Sequence[float]) -> float:
-        """A schedule tick of a stage on ``devices`` posting transfers of ``seconds`` each together: the
-        longest, or their sum where its profile says sends and receives serialise (planner/links.py)."""
-        return tick_seconds(seconds, self.serialises(devices))
 
     def serialises(self, devices: Sequence[int]) -> bool:
         """Whether a transfer's send and receive directions share the link one after the other (the

@@ -147,10 +147,6 @@ class LengthStrategy:
     estimates: Mapping[str, float] = field(default_factory=dict)
     rooms: tuple[tuple[StageRoom, ...], ...] = ()   # per pipeline and stage (``stage_rooms``); () = not priced
 
-    def state_on(self, device: int) -> float:
-        """Bytes of this strategy's state (parameters, AdamW moments) on ``device`` between its steps."""
-        return sum(r.state_bytes for pipe in self.rooms for r in pipe if device in r.devices)
-
     @property
     def max_seq_len(self) -> int:
         return self.cost.max_seq_len

@@ -47,10 +47,9 @@ class CostModel:
     c: float = 0.0
 
     def __post_init__(self) -> None:
-        ck = Checker()
-        ck.each(self, ("a", "b", "c"), lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-                and math.isfinite(v) and v >= 0, "must be a finite number >= 0")
-        ck.raise_if_any()
+        with Checker() as ck:
+            ck.each(self, ("a", "b", "c"), lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v) and v >= 0, "must be a finite number >= 0")
 
     def __call__(self, s: int) -> float:
         return (self.a * s + self.b) * s + self.c
@@ -71,13 +70,12 @@ class StageCost:
     microbatch_overhead: float = 0.0
 
     def __post_init__(self) -> None:
-        ck = Checker()
-        ck.check(isinstance(self.cost, CostModel), "cost", "must be a CostModel")
-        ck.check(isinstance(self.activation_budget_tokens, int) and self.activation_budget_tokens >= 1,
-                 "activation_budget_tokens", f"must be an integer >= 1, got {self.activation_budget_tokens!r}")
-        ck.check(math.isfinite(self.microbatch_overhead) and self.microbatch_overhead >= 0, "microbatch_overhead",
-                 f"must be a finite number >= 0, got {self.microbatch_overhead!r}")
-        ck.raise_if_any()
+        with Checker() as ck:
+            ck.check(isinstance(self.cost, CostModel), "cost", "must be a CostModel")
+            ck.check(isinstance(self.activation_budget_tokens, int) and self.activation_budget_tokens >= 1,
+                     "activation_budget_tokens", f"must be an integer >= 1, got {self.activation_budget_tokens!r}")
+            ck.check(math.isfinite(self.microbatch_overhead) and self.microbatch_overhead >= 0, "microbatch_overhead",
+                     f"must be a finite number >= 0, got {self.microbatch_overhead!r}")
 
     def time(self, lengths: Sequence[int]) -> float:
         """This stage's time for one micro-batch of documents (0 for an empty one)."""
@@ -89,15 +87,14 @@ class PipelineCost:
     stages: tuple[StageCost, ...]
 
     def __post_init__(self) -> None:
-        ck = Checker()
-        if not self.stages:
-            ck.add("stages", "a pipeline needs at least one stage")
-        n = len(self.stages)
-        for k, st in enumerate(self.stages):
-            ck.check(st.activation_budget_tokens >= n - k, f"stages[{k}].activation_budget_tokens",
-                     f"{st.activation_budget_tokens} tokens cannot hold one token of each of the {n - k} "
-                     f"micro-batches stage {k} keeps in flight under 1F1B")
-        ck.raise_if_any()
+        with Checker() as ck:
+            if not self.stages:
+                ck.add("stages", "a pipeline needs at least one stage")
+            n = len(self.stages)
+            for k, st in enumerate(self.stages):
+                ck.check(st.activation_budget_tokens >= n - k, f"stages[{k}].activation_budget_tokens",
+                         f"{st.activation_budget_tokens} tokens cannot hold one token of each of the {n - k} "
+                         f"micro-batches stage {k} keeps in flight under 1F1B")
 
     @property
     def capacity(self) -> int:
@@ -122,12 +119,11 @@ class StrategyCost:
     pipelines: tuple[PipelineCost, ...]
 
     def __post_init__(self) -> None:
-        ck = Checker()
-        ck.check(bool(self.name), "name", "must not be empty")
-        ck.check(isinstance(self.max_seq_len, int) and self.max_seq_len >= 1, "max_seq_len",
-                 f"must be an integer >= 1, got {self.max_seq_len!r}")
-        ck.check(bool(self.pipelines), "pipelines", "a strategy needs at least one pipeline")
-        ck.raise_if_any()
+        with Checker() as ck:
+            ck.check(bool(self.name), "name", "must not be empty")
+            ck.check(isinstance(self.max_seq_len, int) and self.max_seq_len >= 1, "max_seq_len",
+                     f"must be an integer >= 1, got {self.max_seq_len!r}")
+            ck.check(bool(self.pipelines), "pipelines", "a strategy needs at least one pipeline")
 
     def holds(self, longest: int) -> bool:
         """Serves a step whose longest document has ``longest`` tokens (length range and some pipeline's memory)."""
@@ -201,11 +197,6 @@ class Dispatch:
     cheapest: int | None = None            # the strategy with the smallest makespan (None: the same as strategy)
     switch_cost: float = 0.0               # modelled seconds of moving the state to ``strategy`` (0: no switch)
 
-    @property
-    def stayed(self) -> bool:
-        """The cheapest strategy was another one, but its gain did not pay for the switch (hysteresis)."""
-        return self.cheapest is not None and self.cheapest != self.strategy
-
 
 # ---------------------------------------------------------------------------------------------------------
 # Dispatch
@@ -224,16 +215,9 @@ def dispatch(lengths: Sequence[int], strategies: Sequence[StrategyCost], *, meth
         raise ValueError("dispatch needs at least one strategy")
     check_lengths(lengths)
     longest = max(lengths, default=0)
-    predicted: list[float | None] = []
-    assignments: list[Assignment | None] = []
-    for strategy in strategies:
-        if not strategy.holds(longest):
-            predicted.append(None)
-            assignments.append(None)
-            continue
-        a = assign(lengths, strategy.pipelines, method=method, exact_max_binaries=exact_max_binaries)
-        predicted.append(a.makespan)
-        assignments.append(a)
+    assignments = [assign(lengths, s.pipelines, method=method, exact_max_binaries=exact_max_binaries)
+                   if s.holds(longest) else None for s in strategies]
+    predicted = [None if a is None else a.makespan for a in assignments]
     if all(p is None for p in predicted):
         served = ", ".join(f"{s.name} up to {min(s.max_seq_len, max(p.capacity for p in s.pipelines))}"
                            for s in strategies)

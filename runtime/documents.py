@@ -165,17 +165,16 @@ class LengthBin:
     weight: float
 
     def __post_init__(self) -> None:
-        c = Checker()
         def integer(v: object) -> bool:   # a YAML ``true`` is no length
             return isinstance(v, int) and not isinstance(v, bool)
 
-        c.check(integer(self.lo) and self.lo >= 1, "lo", f"must be an integer >= 1, got {self.lo!r}")
-        c.check(integer(self.hi) and integer(self.lo) and self.hi >= self.lo, "hi",
-                f"must be an integer >= lo ({self.lo!r}), got {self.hi!r}")
-        c.check(isinstance(self.weight, (int, float)) and not isinstance(self.weight, bool)
-                and math.isfinite(self.weight) and self.weight >= 0,
-                "weight", f"must be a finite number >= 0, got {self.weight!r}")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(integer(self.lo) and self.lo >= 1, "lo", f"must be an integer >= 1, got {self.lo!r}")
+            c.check(integer(self.hi) and integer(self.lo) and self.hi >= self.lo, "hi",
+                    f"must be an integer >= lo ({self.lo!r}), got {self.hi!r}")
+            c.check(isinstance(self.weight, (int, float)) and not isinstance(self.weight, bool)
+                    and math.isfinite(self.weight) and self.weight >= 0,
+                    "weight", f"must be a finite number >= 0, got {self.weight!r}")
 
 
 @dataclass(frozen=True)
@@ -187,13 +186,12 @@ class LengthDistribution:
     cumulative: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        c = Checker()
-        if not self.bins:
-            c.add("bins", "needs at least one bin")
-        total = sum(b.weight for b in self.bins)
-        if self.bins and total <= 0:
-            c.add("bins", "the weights sum to 0; at least one bin needs a positive weight")
-        c.raise_if_any()
+        with Checker() as c:
+            if not self.bins:
+                c.add("bins", "needs at least one bin")
+            total = sum(b.weight for b in self.bins)
+            if self.bins and total <= 0:
+                c.add("bins", "the weights sum to 0; at least one bin needs a positive weight")
         object.__setattr__(self, "cumulative", tuple(itertools.accumulate(b.weight / total for b in self.bins)))
 
     @property
@@ -349,11 +347,10 @@ class SyntheticDocuments:
     long_documents: LongDocuments = "split"
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.each(self, ("tokens_per_step", "max_len", "vocab_size"), lambda v: v >= 1, "must be >= 1")
-        c.check(self.long_documents in LONG_DOCUMENT_POLICIES, "long_documents",
-                f"must be one of {', '.join(LONG_DOCUMENT_POLICIES)}, got {self.long_documents!r}")
-        c.raise_if_any()
+        with Checker() as c:
+            c.each(self, ("tokens_per_step", "max_len", "vocab_size"), lambda v: v >= 1, "must be >= 1")
+            c.check(self.long_documents in LONG_DOCUMENT_POLICIES, "long_documents",
+                    f"must be one of {', '.join(LONG_DOCUMENT_POLICIES)}, got {self.long_documents!r}")
 
     def _pieces(self, step: int) -> tuple[list[int], int, int]:
         rng = step_rng(self.seed, step, "lengths")
@@ -574,11 +571,10 @@ class CorpusDocuments:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.check(self.tokens_per_step >= 1, "tokens_per_step", f"must be >= 1, got {self.tokens_per_step}")
-        c.check(self.max_len >= max(len(d) for d in self.corpus.documents), "max_len",
-                f"{self.max_len} is shorter than the corpus' longest document; load it with this max_len")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(self.tokens_per_step >= 1, "tokens_per_step", f"must be >= 1, got {self.tokens_per_step}")
+            c.check(self.max_len >= max(len(d) for d in self.corpus.documents), "max_len",
+                    f"{self.max_len} is shorter than the corpus' longest document; load it with this max_len")
 
     def _draws(self, step: int) -> list[tuple[int, int]]:
         docs = self.corpus.documents

@@ -68,7 +68,8 @@ class FieldErrors(ValueError):
 
 
 class Checker:
-    """Collects (field, message) pairs in a ``__post_init__`` and raises them all at once."""
+    """Collects (field, message) pairs in a ``__post_init__`` and raises them all at once, as ``FieldErrors``
+    when its ``with`` block ends."""
 
     def __init__(self) -> None:
         self.problems: list[tuple[str, str]] = []
@@ -86,8 +87,12 @@ class Checker:
         for name in names:
             self.check(ok(getattr(obj, name)), name, f"{message}, got {getattr(obj, name)}")
 
-    def raise_if_any(self) -> None:
-        if self.problems:
+    def __enter__(self) -> Checker:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        """``with Checker() as c:`` raises what the block collected when it ends (not over its exception)."""
+        if exc_type is None and self.problems:
             raise FieldErrors(self.problems)
 
 

@@ -406,13 +406,9 @@ def limit_problems(name: str, num_devices: int, micro_batches: int, chunks: int 
     bad = [x for x in limits if isinstance(x, bool) or not isinstance(x, int)]
     if bad:
         return [f"activation_limits: limits must be integers, got {bad}"]
-    out = []
-    for d, x in enumerate(limits):
-        own = live_activation_limit(name, num_devices, d, micro_batches, chunks)
-        if x < own:
-            out.append(f"activation_limits[{d}]: {x} is below {name}'s own bound of {own} activations for this "
-                       f"stage")
-    return out
+    own = [live_activation_limit(name, num_devices, d, micro_batches, chunks) for d in range(num_devices)]
+    return [f"activation_limits[{d}]: {x} is below {name}'s own bound of {own[d]} activations for this stage"
+            for d, x in enumerate(limits) if x < own[d]]
 
 
 def _policy(name: str) -> Policy:
@@ -1150,20 +1146,14 @@ def check_schedule(actions: Sequence[Sequence[Action]], layout: Layout, micro_ba
         for a in range(n):
             for b in range(a + 1, n):
                 progress_pair(a, b)
-        for (a, b), q in sorted(queues.items()):
-            left = q[heads.get((a, b), 0):]
-            for kind, msg in left:
-                problems.append(f"device {a}: its {kind} of {msg} is never matched")
+        problems += [f"device {a}: its {kind} of {msg} is never matched"
+                     for (a, b), q in sorted(queues.items()) for kind, msg in q[heads.get((a, b), 0):]]
         kinds = ("F", "B", "W") if split_backward else ("F", "BW")
-        for j in range(layout.num_stages):
-            d = layout.device(j)
-            for mb in range(micro_batches):
-                for k in kinds:
-                    if (k, mb, j) not in done[d]:
-                        problems.append(f"device {d}: {k}(mb {mb}, stage {j}) never runs")
-        for d in range(n):
-            if not actions[d] or not isinstance(actions[d][-1], WaitSends):
-                problems.append(f"device {d}: the action list does not end by waiting for its sends")
+        problems += [f"device {layout.device(j)}: {k}(mb {mb}, stage {j}) never runs"
+                     for j in range(layout.num_stages) for mb in range(micro_batches) for k in kinds
+                     if (k, mb, j) not in done[layout.device(j)]]
+        problems += [f"device {d}: the action list does not end by waiting for its sends"
+                     for d in range(n) if not actions[d] or not isinstance(actions[d][-1], WaitSends)]
     return ScheduleCheck(tuple(dict.fromkeys(problems)), matched, deadlock, tuple(peak))
 
 

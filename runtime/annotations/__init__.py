@@ -18,11 +18,9 @@ from runtime.annotations.states import (
     Region,
     lcm_degrees,
     region_index,
-    to_placements,
 )
 
 __all__ = [
     "DUPLICATE", "PARTIAL", "Annotation", "DeviceGroup", "DGUnion", "DistributedStates", "DSUnion", "Holding",
     "Layout", "LayoutError", "Region", "lcm_degrees", "region_index",
-    "to_placements",
 ]

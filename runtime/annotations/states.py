@@ -177,12 +177,6 @@ class DistributedStates:
             index //= n
         return coords
 
-    def index_of(self, coords: Mapping[int, int]) -> int:
-        idx = 0
-        for dim in self.order:
-            idx = idx * self.degree(dim) + coords.get(dim, 0)
-        return idx
-
     def reduced(self) -> DistributedStates:
         """The same device positions with partial replaced by duplicate (the layout of a gradient).
 
@@ -426,32 +420,6 @@ class Layout:
         return Layout(self.shape, tuple((d, Holding(h.member, h.index, h.region, (0, 0), 0, h.cls))
                                         for d, h in self.holdings))
 
-    def local_view(self, full: Any, device: int) -> Any:
-        """The slice of a global tensor ``full`` that ``device`` holds (non-partial layouts)."""
-        if self.is_partial:
-            raise LayoutError("a partial layout has no local view of a single global tensor")
-        return full[region_index(self.region(device))]
-
-    def global_view(self, locals_: Mapping[int, Any]) -> Any:
-        """Rebuild the global tensor from every device's local tensor (partial summands are added)."""
-        import torch
-
-        first = next(iter(locals_.values()))
-        out = torch.zeros(self.shape, dtype=first.dtype, device=first.device)
-        covered = torch.zeros(self.shape, dtype=torch.bool, device=first.device)
-        for dev, h in self.holdings:
-            if h.replica != 0 or (h.cls != 0 and self.is_partial):
-                continue
-            idx = region_index(h.region)
-            if self.is_partial:
-                out[idx] += locals_[dev]
-            else:
-                out[idx] = locals_[dev]
-            covered[idx] = True
-        if not bool(covered.all()):
-            raise LayoutError("the local tensors do not cover the whole tensor")
-        return out
-
 
 def region_index(region: Region) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in region)
@@ -521,20 +489,3 @@ def _layout(ann: Annotation, shape: tuple[int, ...]) -> Layout:
 def lcm_degrees(annotations: Iterable[Annotation], dim: int) -> int:
     """The finest common split of ``dim``: LCM of every bottom-tier degree on it (not the max)."""
     return math.lcm(*[s.degree(dim) for a in annotations for s in a.ds.states] or [1])
-
-
-def to_placements(states: DistributedStates) -> tuple[tuple[int, ...], tuple[Any, ...]]:
-    """The bottom tier in DTensor terms: mesh shape and one placement per mesh dim.
-
-    The subgroup's devices, in group order, reshaped row-major to the mesh shape form the DeviceMesh
-    (the same enumeration as ``order``): split -> Shard(dim), duplicate -> Replicate, partial ->
-    Partial("sum"). DTensor's collectives follow the process group's rank order, so hand it only
-    groups whose device order is the rank order (``ProcessGroups.mesh`` checks this).
-    """
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    if not states.order:
-        return (1,), (Replicate(),)
-    placements = tuple(Replicate() if d == DUPLICATE else Partial("sum") if d == PARTIAL else Shard(d)
-                       for d in states.order)
-    return tuple(states.degree(d) for d in states.order), placements

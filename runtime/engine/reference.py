@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
 
 import torch
 
@@ -86,45 +85,6 @@ class ReferenceTrainer:
         return StepStats(loss=loss_value, grad_norm=norm.item(), tokens=tokens,
                          compute_s=time.perf_counter() - t0, comm_s=0.0)
 
-    def train_documents(self, documents: Sequence[Sequence[int]]) -> StepStats:
-        """One optimizer step on whole documents, each run alone (no packing, no mask: the model's own causal
-        attention), the gradient that of (sum of token losses) / (labelled tokens, n - 1 per document): what
-        any packing and dispatch of a documents run must reproduce."""
-        t0 = time.perf_counter()
-        labels = sum(len(d) - 1 for d in documents)
-        for p in self.params:
-            p.grad = None
-        loss_sum = torch.zeros((), device=self.device)
-        for doc in documents:
-            if len(doc) < 2:
-                continue  # a one-token document has no label
-            row = torch.tensor(doc, dtype=torch.long, device=self.device).unsqueeze(0)
-            with autocast_for(self.device, self.precision):
-                logits = self.module(row[:, :-1])
-            loss = causal_lm_loss_sum(logits, row[:, 1:])
-            (loss / labels).backward()
-            loss_sum += loss.detach()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        norm = torch.nn.utils.get_total_norm(grads)
-        coef = clip_coefficient(norm, self.training.optimizer.grad_clip)
-        if coef is not None:
-            torch._foreach_mul_(grads, coef)
-        for p, g in zip(self.params, grads):
-            p.grad = g
-        self.optimizer.step()
-        return StepStats(loss=(loss_sum / labels).item() if labels else 0.0, grad_norm=norm.item(),
-                         tokens=sum(len(d) for d in documents), compute_s=time.perf_counter() - t0, comm_s=0.0)
-
     def parameters(self) -> dict[str, torch.Tensor]:
         """Full parameters by name (detached, on the trainer's device)."""
         return {n: p.detach() for n, p in self.module.named_parameters()}
-
-    def optimizer_state(self) -> dict[str, torch.Tensor]:
-        """``NAME.exp_avg`` / ``NAME.exp_avg_sq`` for every parameter that has taken a step."""
-        out: dict[str, torch.Tensor] = {}
-        for n, p in self.module.named_parameters():
-            st = self.optimizer.state.get(p, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in st:
-                    out[f"{n}.{key}"] = st[key]
-        return out

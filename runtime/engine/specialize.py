@@ -82,11 +82,6 @@ class StageRole:
     def samples(self) -> int:
         return self.micro_batches * self.micro_batch
 
-    def micro_batch_rows(self, mb: int) -> slice:
-        """Rows of the global batch that micro-batch ``mb`` of this pipeline takes."""
-        start = self.first_sample + mb * self.micro_batch
-        return slice(start, start + self.micro_batch)
-
 
 @dataclass(frozen=True)
 class ParamShard:
@@ -231,14 +226,10 @@ def weight_grad_from_outputs(plan: DevicePlan, chunk: ChunkRole) -> bool:
 def chunk_parameters(model: ModelSpec, chunk: ChunkRole) -> list[ParamInfo]:
     """The parameters one chunk's module holds, in module order (a tied head holds the embedding)."""
     lo, hi = chunk.layers
-    out = []
-    for info in llama_parameters(model):
-        if info.owner == "embedding" and (chunk.embed or info.tied and chunk.head) or \
-                info.owner == "head" and chunk.head:
-            out.append(info)
-        elif info.owner == "layer" and info.layer is not None and lo <= info.layer < hi:
-            out.append(info)
-    return out
+    return [info for info in llama_parameters(model)
+            if info.owner == "embedding" and (chunk.embed or info.tied and chunk.head)
+            or info.owner == "head" and chunk.head
+            or info.owner == "layer" and info.layer is not None and lo <= info.layer < hi]
 
 
 def stage_parameters(model: ModelSpec, role: StageRole) -> list[ParamInfo]:

@@ -91,11 +91,10 @@ class ResumePenalty:
     backward_block_s: float = 0.0
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.each(self, ("forward_s", "backward_s", "forward_rate", "backward_rate", "forward_block_s",
-                      "backward_block_s"), lambda v: v >= 0, "must not be negative")
-        c.each(self, ("tau_s",), lambda v: v > 0, "must be positive")
-        c.raise_if_any()
+        with Checker() as c:
+            c.each(self, ("forward_s", "backward_s", "forward_rate", "backward_rate", "forward_block_s",
+                          "backward_block_s"), lambda v: v >= 0, "must not be negative")
+            c.each(self, ("tau_s",), lambda v: v > 0, "must be positive")
 
     def extra_s(self, idle_s: float, backward: bool, cpu_s: float = 0.0) -> float:
         """The extra CPU seconds of a block of ``cpu_s`` (back to back) after ``idle_s`` idle."""
@@ -139,11 +138,10 @@ class CoreHandoff:
     sleep_late_s: float = 0.0
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.each(self, ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s", "cold_backward_s", "block_forward_s",
-                      "block_backward_s", "sleep_late_s"), lambda v: v >= 0 and math.isfinite(v),
-               "must be a non-negative number of seconds")
-        c.raise_if_any()
+        with Checker() as c:
+            c.each(self, ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s", "cold_backward_s", "block_forward_s",
+                          "block_backward_s", "sleep_late_s"), lambda v: v >= 0 and math.isfinite(v),
+                   "must be a non-negative number of seconds")
 
 
 @dataclass(frozen=True)
@@ -160,10 +158,9 @@ class P2pActions:
     wait_recv_s: float
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.each(self, ("post_send_s", "post_recv_s", "wait_recv_s"), lambda v: v >= 0 and math.isfinite(v),
-               "must be a non-negative number of seconds")
-        c.raise_if_any()
+        with Checker() as c:
+            c.each(self, ("post_send_s", "post_recv_s", "wait_recv_s"), lambda v: v >= 0 and math.isfinite(v),
+                   "must be a non-negative number of seconds")
 
 
 @dataclass(frozen=True)
@@ -177,9 +174,8 @@ class ComponentFit:
     residual: float = 0.0   # largest relative error of the time fits over the measured points
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.each(self, ("params", "residual"), lambda v: v >= 0, "must not be negative")
-        c.raise_if_any()
+        with Checker() as c:
+            c.each(self, ("params", "residual"), lambda v: v >= 0, "must not be negative")
 
 
 @dataclass(frozen=True)
@@ -240,30 +236,30 @@ class MeasuredModel:
     architecture: Architecture = "llama"
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.check(len(self.seq_lens) >= 1, "seq_lens", "must list the measured sequence lengths")
-        for t, comps in self.tables.items():
-            c.check(t >= 1, f"tables.{t}", "TP degree must be at least 1")
-            check_keys(c, f"tables.{t}", comps, COMPONENTS, "component", complete=False)
-        for i, by_tp in self.layers.items():
-            c.check(i >= 0, f"layers.{i}", "layer index must not be negative")
-            for t, comps in by_tp.items():
-                c.check(t >= 1, f"layers.{i}.{t}", "TP degree must be at least 1")
-                check_keys(c, f"layers.{i}.{t}", comps, LAYER_COMPONENTS, "layer component", complete=False)
-        for s, eff in self.core_sharing.items():
-            c.check(0 < eff <= 1, f"core_sharing.{s}", f"must be in (0, 1], got {eff}")
-        for s in self.core_handoff:
-            c.check(s >= 1, f"core_handoff.{s}", "must be keyed by a positive sequence length")
-        for name in ("blocks", "tp_blocks", "tp_blocks_cpu", "tp_blocks_sp", "tp_blocks_sp_cpu"):
-            for t, blocks in getattr(self, name).items():
-                check_keys(c, f"{name}.{t}", blocks, BLOCKS, "block")
-        for t, blocks in self.split_blocks.items():
-            check_keys(c, f"split_blocks.{t}", blocks, SPLIT_BLOCKS, "block")
-        c.check(len(self.tp) >= 1 or len(self.tables) >= 1, "tp", "must hold at least one TP degree (or give tables)")
-        for t, comps in self.tp.items():
-            c.check(t >= 1, f"tp.{t}", "TP degree must be at least 1")
-            check_keys(c, f"tp.{t}", comps, COMPONENTS, "component")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(len(self.seq_lens) >= 1, "seq_lens", "must list the measured sequence lengths")
+            for t, comps in self.tables.items():
+                c.check(t >= 1, f"tables.{t}", "TP degree must be at least 1")
+                check_keys(c, f"tables.{t}", comps, COMPONENTS, "component", complete=False)
+            for i, by_tp in self.layers.items():
+                c.check(i >= 0, f"layers.{i}", "layer index must not be negative")
+                for t, comps in by_tp.items():
+                    c.check(t >= 1, f"layers.{i}.{t}", "TP degree must be at least 1")
+                    check_keys(c, f"layers.{i}.{t}", comps, LAYER_COMPONENTS, "layer component", complete=False)
+            for s, eff in self.core_sharing.items():
+                c.check(0 < eff <= 1, f"core_sharing.{s}", f"must be in (0, 1], got {eff}")
+            for s in self.core_handoff:
+                c.check(s >= 1, f"core_handoff.{s}", "must be keyed by a positive sequence length")
+            for name in ("blocks", "tp_blocks", "tp_blocks_cpu", "tp_blocks_sp", "tp_blocks_sp_cpu"):
+                for t, blocks in getattr(self, name).items():
+                    check_keys(c, f"{name}.{t}", blocks, BLOCKS, "block")
+            for t, blocks in self.split_blocks.items():
+                check_keys(c, f"split_blocks.{t}", blocks, SPLIT_BLOCKS, "block")
+            c.check(len(self.tp) >= 1 or len(self.tables) >= 1, "tp",
+                    "must hold at least one TP degree (or give tables)")
+            for t, comps in self.tp.items():
+                c.check(t >= 1, f"tp.{t}", "TP degree must be at least 1")
+                check_keys(c, f"tp.{t}", comps, COMPONENTS, "component")
 
     def matches(self, model: ModelSpec) -> bool:
         return (self.hidden_size, self.ffn_hidden_size, self.num_heads, self.num_kv_heads, self.vocab_size,
@@ -286,13 +282,12 @@ class ComputeFigures:
     host_cores: int | None = None  # CPU-emulated types: cores of the host their processes share
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.each(self, ("peak_tflops", "memory_bandwidth_gbs"), lambda v: v > 0, "must be positive")
-        c.each(self, ("matmul_efficiency", "attention_efficiency", "memory_efficiency"), lambda v: 0 < v <= 1,
-               "must be in (0, 1]")
-        c.each(self, ("kernel_overhead_s",), lambda v: v >= 0, "must not be negative")
-        c.check(self.activation_bytes in (1, 2, 4), "activation_bytes", "must be 1, 2 or 4")
-        c.raise_if_any()
+        with Checker() as c:
+            c.each(self, ("peak_tflops", "memory_bandwidth_gbs"), lambda v: v > 0, "must be positive")
+            c.each(self, ("matmul_efficiency", "attention_efficiency", "memory_efficiency"), lambda v: 0 < v <= 1,
+                   "must be in (0, 1]")
+            c.each(self, ("kernel_overhead_s",), lambda v: v >= 0, "must not be negative")
+            c.check(self.activation_bytes in (1, 2, 4), "activation_bytes", "must be 1, 2 or 4")
 
 
 @dataclass(frozen=True)
@@ -303,10 +298,9 @@ class LinkFit:
     bandwidth_gbs: float
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.each(self, ("latency_s",), lambda v: v >= 0, "must not be negative")
-        c.each(self, ("bandwidth_gbs",), lambda v: v > 0, "must be positive")
-        c.raise_if_any()
+        with Checker() as c:
+            c.each(self, ("latency_s",), lambda v: v >= 0, "must not be negative")
+            c.each(self, ("bandwidth_gbs",), lambda v: v > 0, "must be positive")
 
 
 @dataclass(frozen=True)
@@ -336,15 +330,14 @@ class CommFigures:
     serialised_send_recv: bool = False
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.each(self, ("p2p_latency_s", "allreduce_latency_s"), lambda v: v >= 0, "must not be negative")
-        c.each(self, ("bandwidth_efficiency",), lambda v: 0 < v <= 1, "must be in (0, 1]")
-        sizes = [("allreduce", self.allreduce), ("allgather", self.allgather)]
-        sizes += [(f"allreduce_curves.{cls}", curves) for cls, curves in self.allreduce_curves.items()]
-        for where, by_n in sizes:
-            for n in by_n:
-                c.check(n >= 2, f"{where}.{n}", "group size must be at least 2")
-        c.raise_if_any()
+        with Checker() as c:
+            c.each(self, ("p2p_latency_s", "allreduce_latency_s"), lambda v: v >= 0, "must not be negative")
+            c.each(self, ("bandwidth_efficiency",), lambda v: 0 < v <= 1, "must be in (0, 1]")
+            sizes = [("allreduce", self.allreduce), ("allgather", self.allgather)]
+            sizes += [(f"allreduce_curves.{cls}", curves) for cls, curves in self.allreduce_curves.items()]
+            for where, by_n in sizes:
+                for n in by_n:
+                    c.check(n >= 2, f"{where}.{n}", "group size must be at least 2")
 
 
 @dataclass(frozen=True)
@@ -360,10 +353,9 @@ class MemoryFigures:
     cast_bytes: float = 0.0
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.each(self, ("param_bytes", "grad_bytes", "optimizer_bytes", "framework_overhead_gib", "cast_bytes"),
-               lambda v: v >= 0, "must not be negative")
-        c.raise_if_any()
+        with Checker() as c:
+            c.each(self, ("param_bytes", "grad_bytes", "optimizer_bytes", "framework_overhead_gib", "cast_bytes"),
+                   lambda v: v >= 0, "must not be negative")
 
 
 @dataclass(frozen=True)
@@ -375,9 +367,9 @@ class OptimizerFit:
     seconds_per_tensor: float = 0.0
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.each(self, ("seconds_per_param", "fixed_s", "seconds_per_tensor"), lambda v: v >= 0, "must not be negative")
-        c.raise_if_any()
+        with Checker() as c:
+            c.each(self, ("seconds_per_param", "fixed_s", "seconds_per_tensor"), lambda v: v >= 0,
+                   "must not be negative")
 
 
 @dataclass(frozen=True)
@@ -415,14 +407,13 @@ class DeviceProfile:
     iteration_s: float = 0.0
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.check(math.isfinite(self.iteration_s) and self.iteration_s >= 0, "iteration_s",
-                f"must be a non-negative number of seconds, got {self.iteration_s}")
-        c.check(self.version == PROFILE_VERSION, "version",
-                f"unsupported profile version {self.version} (this hspmd reads version {PROFILE_VERSION})")
-        c.check(bool(self.device_type), "device_type", "must not be empty")
-        c.each(self, ("memory_gib",), lambda v: v > 0, "must be positive")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(math.isfinite(self.iteration_s) and self.iteration_s >= 0, "iteration_s",
+                    f"must be a non-negative number of seconds, got {self.iteration_s}")
+            c.check(self.version == PROFILE_VERSION, "version",
+                    f"unsupported profile version {self.version} (this hspmd reads version {PROFILE_VERSION})")
+            c.check(bool(self.device_type), "device_type", "must not be empty")
+            c.each(self, ("memory_gib",), lambda v: v > 0, "must be positive")
 
     def measured_model(self, model: ModelSpec) -> MeasuredModel | None:
         """The measured fits for this model's shape, if any (first match in file order)."""
@@ -640,11 +631,10 @@ class ComputeBlock:
     documents: tuple[int, ...] = ()  # packed: the lengths of the documents sharing its one row
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.each(self, ("layers",), lambda v: v >= 0, "must not be negative")
-        c.each(self, ("micro_batch", "seq_len", "tp"), lambda v: v >= 1, "must be at least 1")
-        c.check(self.layers > 0 or self.first or self.last, "layers", "an empty stage computes nothing")
-        c.raise_if_any()
+        with Checker() as c:
+            c.each(self, ("layers",), lambda v: v >= 0, "must not be negative")
+            c.each(self, ("micro_batch", "seq_len", "tp"), lambda v: v >= 1, "must be at least 1")
+            c.check(self.layers > 0 or self.first or self.last, "layers", "an empty stage computes nothing")
 
 
 def block_seconds(profile: DeviceProfile, model: ModelSpec, block: ComputeBlock) -> float:

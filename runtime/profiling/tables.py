@@ -79,18 +79,17 @@ class ComponentTable:
     optimizer_s: float | None = None
 
     def __post_init__(self) -> None:
-        c = Checker()
-        for name in ("micro_batches", "seq_lens"):
-            why = _axis_problem(getattr(self, name))
-            if why is not None:
-                c.add(name, why)
-        if not c.problems:
-            for name in ("forward_s", "backward_s"):
-                _check_grid(c, name, getattr(self, name), len(self.micro_batches), len(self.seq_lens))
-        if self.optimizer_s is not None:
-            c.check(math.isfinite(self.optimizer_s) and self.optimizer_s >= 0, "optimizer_s",
-                    f"must be a non-negative number, got {self.optimizer_s}")
-        c.raise_if_any()
+        with Checker() as c:
+            for name in ("micro_batches", "seq_lens"):
+                why = _axis_problem(getattr(self, name))
+                if why is not None:
+                    c.add(name, why)
+            if not c.problems:
+                for name in ("forward_s", "backward_s"):
+                    _check_grid(c, name, getattr(self, name), len(self.micro_batches), len(self.seq_lens))
+            if self.optimizer_s is not None:
+                c.check(math.isfinite(self.optimizer_s) and self.optimizer_s >= 0, "optimizer_s",
+                        f"must be a non-negative number, got {self.optimizer_s}")
 
     def clamp(self, micro_batch: float, seq_len: float) -> tuple[float, float]:
         """The nearest point of the grid's range (each coordinate clamped)."""
@@ -121,15 +120,14 @@ class LinkCurve:
     bandwidth_gbs: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        c = Checker()
-        why = _axis_problem(self.bytes)
-        if why is not None:
-            c.add("bytes", why)
-        c.check(len(self.bandwidth_gbs) == len(self.bytes), "bandwidth_gbs",
-                f"expected {len(self.bytes)} values (one per message size), got {len(self.bandwidth_gbs)}")
-        for i, bw in enumerate(self.bandwidth_gbs):
-            c.check(math.isfinite(bw) and bw > 0, f"bandwidth_gbs[{i}]", f"must be positive, got {bw}")
-        c.raise_if_any()
+        with Checker() as c:
+            why = _axis_problem(self.bytes)
+            if why is not None:
+                c.add("bytes", why)
+            c.check(len(self.bandwidth_gbs) == len(self.bytes), "bandwidth_gbs",
+                    f"expected {len(self.bytes)} values (one per message size), got {len(self.bandwidth_gbs)}")
+            for i, bw in enumerate(self.bandwidth_gbs):
+                c.check(math.isfinite(bw) and bw > 0, f"bandwidth_gbs[{i}]", f"must be positive, got {bw}")
 
     def seconds(self, nbytes: float) -> float:
         """Time of one message of ``nbytes`` (the rule in the module docstring); all-reduce curves give
@@ -152,6 +150,5 @@ class LinkCurves:
     recv: LinkCurve | None = None
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.check(self.send is not None or self.recv is not None, "", "give a send or a recv curve")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(self.send is not None or self.recv is not None, "", "give a send or a recv curve")

@@ -32,10 +32,9 @@ class EmulationTarget:
     model: str
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.check(bool(self.profile), "profile", "must name a device profile (e.g. H20) or a profile file")
-        c.check(bool(self.model), "model", "must name a model (e.g. llama-32b) or a model file")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(bool(self.profile), "profile", "must name a device profile (e.g. H20) or a profile file")
+            c.check(bool(self.model), "model", "must name a model (e.g. llama-32b) or a model file")
 
 
 @dataclass(frozen=True)
@@ -70,25 +69,26 @@ class Emulation:
     memory: str = "real"   # real | target
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.check(self.slowdown >= 1.0, "slowdown", f"must be at least 1.0, got {self.slowdown}")
-        c.check(self.slowdown <= MAX_SLOWDOWN, "slowdown", f"must be at most {MAX_SLOWDOWN:g}, got {self.slowdown:g}")
-        if self.target is not None:
-            c.check(self.slowdown == 1.0, "slowdown",
-                    "give either 'slowdown' (stretch mode) or 'target' (sleep mode), not both")
-            c.check(self.time_scale is not None, "time_scale",
-                    "sleep mode needs 'time_scale' (wall seconds per target second, e.g. 20)")
-        else:
-            c.check(self.time_scale is None, "time_scale", "only meaningful with 'target' (sleep mode)")
-            c.check(self.seq_scale == 1, "seq_scale", "only meaningful with 'target' (sleep mode)")
-            c.check(self.memory == "real", "memory", "only meaningful with 'target' (sleep mode)")
-        c.check(isinstance(self.seq_scale, int) and not isinstance(self.seq_scale, bool) and self.seq_scale >= 1,
-                "seq_scale", f"must be a whole number of target tokens per real token (>= 1), got {self.seq_scale!r}")
-        c.check(self.memory in ("real", "target"), "memory", f"must be 'real' or 'target', got {self.memory!r}")
-        if self.time_scale is not None:
-            c.check(math.isfinite(self.time_scale) and self.time_scale > 0, "time_scale",
-                    f"must be a positive number of wall seconds per target second, got {self.time_scale}")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(self.slowdown >= 1.0, "slowdown", f"must be at least 1.0, got {self.slowdown}")
+            c.check(self.slowdown <= MAX_SLOWDOWN, "slowdown",
+                    f"must be at most {MAX_SLOWDOWN:g}, got {self.slowdown:g}")
+            if self.target is not None:
+                c.check(self.slowdown == 1.0, "slowdown",
+                        "give either 'slowdown' (stretch mode) or 'target' (sleep mode), not both")
+                c.check(self.time_scale is not None, "time_scale",
+                        "sleep mode needs 'time_scale' (wall seconds per target second, e.g. 20)")
+            else:
+                c.check(self.time_scale is None, "time_scale", "only meaningful with 'target' (sleep mode)")
+                c.check(self.seq_scale == 1, "seq_scale", "only meaningful with 'target' (sleep mode)")
+                c.check(self.memory == "real", "memory", "only meaningful with 'target' (sleep mode)")
+            c.check(isinstance(self.seq_scale, int) and not isinstance(self.seq_scale, bool) and self.seq_scale >= 1,
+                    "seq_scale",
+                    f"must be a whole number of target tokens per real token (>= 1), got {self.seq_scale!r}")
+            c.check(self.memory in ("real", "target"), "memory", f"must be 'real' or 'target', got {self.memory!r}")
+            if self.time_scale is not None:
+                c.check(math.isfinite(self.time_scale) and self.time_scale > 0, "time_scale",
+                        f"must be a positive number of wall seconds per target second, got {self.time_scale}")
 
     @property
     def sleeps(self) -> bool:
@@ -107,12 +107,11 @@ class DeviceType:
     emulate: Emulation | None = None
 
     def __post_init__(self) -> None:
-        c = Checker()
-        for name in ("memory_gib", "peak_bf16_tflops", "hbm_bandwidth_gbs", "intra_node_bandwidth_gbs"):
-            v = getattr(self, name)
-            if c.check(v > 0, name, f"must be positive, got {v}"):
-                c.check(v <= MAX_FIGURE, name, f"{v:g} is beyond any device (at most {MAX_FIGURE:g})")
-        c.raise_if_any()
+        with Checker() as c:
+            for name in ("memory_gib", "peak_bf16_tflops", "hbm_bandwidth_gbs", "intra_node_bandwidth_gbs"):
+                v = getattr(self, name)
+                if c.check(v > 0, name, f"must be positive, got {v}"):
+                    c.check(v <= MAX_FIGURE, name, f"{v:g} is beyond any device (at most {MAX_FIGURE:g})")
 
     @property
     def emulated(self) -> bool:
@@ -132,10 +131,9 @@ class Node:
     count: int
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.check(bool(self.name), "name", "must not be empty")
-        c.check(self.count >= 1, "count", f"must be at least 1, got {self.count}")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(bool(self.name), "name", "must not be empty")
+            c.check(self.count >= 1, "count", f"must be at least 1, got {self.count}")
 
 
 @dataclass(frozen=True)
@@ -147,13 +145,12 @@ class BandwidthOverride:
     nodes: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
-        c = Checker()
-        if c.check(self.bandwidth_gbs > 0, "bandwidth_gbs", f"must be positive, got {self.bandwidth_gbs}"):
-            c.check(self.bandwidth_gbs <= MAX_FIGURE, "bandwidth_gbs",
-                    f"{self.bandwidth_gbs:g} is beyond any link (at most {MAX_FIGURE:g})")
-        c.check((self.devices is None) != (self.nodes is None), "",
-                "give exactly one of 'devices' or 'nodes'")
-        c.raise_if_any()
+        with Checker() as c:
+            if c.check(self.bandwidth_gbs > 0, "bandwidth_gbs", f"must be positive, got {self.bandwidth_gbs}"):
+                c.check(self.bandwidth_gbs <= MAX_FIGURE, "bandwidth_gbs",
+                        f"{self.bandwidth_gbs:g} is beyond any link (at most {MAX_FIGURE:g})")
+            c.check((self.devices is None) != (self.nodes is None), "",
+                    "give exactly one of 'devices' or 'nodes'")
 
 
 @dataclass(frozen=True)
@@ -180,34 +177,33 @@ class Cluster:
     nics_per_node: int = 1
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.check(bool(self.name), "name", "must not be empty")
-        c.check(self.nics_per_node >= 1, "nics_per_node", f"must be at least 1, got {self.nics_per_node}")
-        c.check(len(self.device_types) > 0, "device_types", "must define at least one device type")
-        c.check(len(self.nodes) > 0, "nodes", "must list at least one node")
-        if c.check(self.inter_node_bandwidth_gbs > 0, "inter_node_bandwidth_gbs", "must be positive"):
-            c.check(self.inter_node_bandwidth_gbs <= MAX_FIGURE, "inter_node_bandwidth_gbs",
-                    f"{self.inter_node_bandwidth_gbs:g} is beyond any link (at most {MAX_FIGURE:g})")
-        seen_pair: set[tuple[str, str]] = set()
-        for i, node in enumerate(self.nodes):
-            if node.device_type not in self.device_types:
-                c.add(f"nodes[{i}].device_type",
-                      f"unknown device type {node.device_type!r} (defined: {', '.join(self.device_types)})")
-            if (node.name, node.device_type) in seen_pair:
-                c.add(f"nodes[{i}]", f"node {node.name!r} lists device type {node.device_type!r} twice")
-            seen_pair.add((node.name, node.device_type))
-        n = sum(node.count for node in self.nodes)
-        c.check(n <= MAX_DEVICES, "nodes", f"{n:,} devices in all: hspmd plans for at most {MAX_DEVICES:,}")
-        names = {node.name for node in self.nodes}
-        for i, o in enumerate(self.bandwidth_overrides):
-            if o.devices is not None:
-                for j, d in enumerate(o.devices):
-                    c.check(0 <= d < n, f"bandwidth_overrides[{i}].devices[{j}]",
-                            f"unknown device id {d} (cluster has devices 0-{n - 1})")
-            if o.nodes is not None:
-                for j, name in enumerate(o.nodes):
-                    c.check(name in names, f"bandwidth_overrides[{i}].nodes[{j}]", f"unknown node {name!r}")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(bool(self.name), "name", "must not be empty")
+            c.check(self.nics_per_node >= 1, "nics_per_node", f"must be at least 1, got {self.nics_per_node}")
+            c.check(len(self.device_types) > 0, "device_types", "must define at least one device type")
+            c.check(len(self.nodes) > 0, "nodes", "must list at least one node")
+            if c.check(self.inter_node_bandwidth_gbs > 0, "inter_node_bandwidth_gbs", "must be positive"):
+                c.check(self.inter_node_bandwidth_gbs <= MAX_FIGURE, "inter_node_bandwidth_gbs",
+                        f"{self.inter_node_bandwidth_gbs:g} is beyond any link (at most {MAX_FIGURE:g})")
+            seen_pair: set[tuple[str, str]] = set()
+            for i, node in enumerate(self.nodes):
+                if node.device_type not in self.device_types:
+                    c.add(f"nodes[{i}].device_type",
+                          f"unknown device type {node.device_type!r} (defined: {', '.join(self.device_types)})")
+                if (node.name, node.device_type) in seen_pair:
+                    c.add(f"nodes[{i}]", f"node {node.name!r} lists device type {node.device_type!r} twice")
+                seen_pair.add((node.name, node.device_type))
+            n = sum(node.count for node in self.nodes)
+            c.check(n <= MAX_DEVICES, "nodes", f"{n:,} devices in all: hspmd plans for at most {MAX_DEVICES:,}")
+            names = {node.name for node in self.nodes}
+            for i, o in enumerate(self.bandwidth_overrides):
+                if o.devices is not None:
+                    for j, d in enumerate(o.devices):
+                        c.check(0 <= d < n, f"bandwidth_overrides[{i}].devices[{j}]",
+                                f"unknown device id {d} (cluster has devices 0-{n - 1})")
+                if o.nodes is not None:
+                    for j, name in enumerate(o.nodes):
+                        c.check(name in names, f"bandwidth_overrides[{i}].nodes[{j}]", f"unknown node {name!r}")
 
     @cached_property
     def devices(self) -> tuple[Device, ...]:
@@ -256,11 +252,6 @@ class Cluster:
             return min(self.device_types[da.type].intra_node_bandwidth_gbs,
                        self.device_types[db.type].intra_node_bandwidth_gbs)
         return self.inter_node_bandwidth_gbs
-
-    def bandwidth_matrix(self) -> list[list[float]]:
-        """Bandwidth between every pair of devices, GB/s (diagonal: HBM bandwidth)."""
-        n = self.num_devices
-        return [[self.bandwidth_gbs(i, j) for j in range(n)] for i in range(n)]
 
     @property
     def emulated(self) -> bool:

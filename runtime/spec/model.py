@@ -35,14 +35,13 @@ class RopeScaling:
     rope_type: Literal["llama3"] = "llama3"
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.check(self.factor >= 1, "factor", f"must be at least 1, got {self.factor}")
-        c.check(self.low_freq_factor > 0, "low_freq_factor", "must be positive")
-        c.check(self.high_freq_factor > self.low_freq_factor, "high_freq_factor",
-                f"must exceed low_freq_factor {self.low_freq_factor}, got {self.high_freq_factor}")
-        c.check(self.original_max_position_embeddings >= 1, "original_max_position_embeddings",
-                "must be at least 1")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(self.factor >= 1, "factor", f"must be at least 1, got {self.factor}")
+            c.check(self.low_freq_factor > 0, "low_freq_factor", "must be positive")
+            c.check(self.high_freq_factor > self.low_freq_factor, "high_freq_factor",
+                    f"must exceed low_freq_factor {self.low_freq_factor}, got {self.high_freq_factor}")
+            c.check(self.original_max_position_embeddings >= 1, "original_max_position_embeddings",
+                    "must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -70,31 +69,31 @@ class ModelSpec:
     architecture: Architecture = "llama"
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.each(self, ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_heads", "vocab_size",
-                      "max_seq_len"), lambda v: v >= 1, "must be at least 1")
-        c.check(self.num_layers <= MAX_LAYERS, "num_layers", f"must be at most {MAX_LAYERS}, got {self.num_layers}")
-        c.check(self.rope_theta > 0, "rope_theta", "must be positive")
-        c.check(self.norm_eps > 0, "norm_eps", "must be positive")
-        if self.sliding_window is not None:
-            c.check(self.sliding_window >= 1, "sliding_window", f"must be at least 1, got {self.sliding_window}")
-        if self.head_dim is None:
-            if self.num_heads >= 1 and self.hidden_size >= 1 and c.check(
-                    self.hidden_size % self.num_heads == 0, "hidden_size",
-                    f"{self.hidden_size} is not divisible by num_heads {self.num_heads} (or give head_dim)"):
-                object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        else:
-            c.check(self.head_dim >= 1, "head_dim", f"must be at least 1, got {self.head_dim}")
-        if self.num_kv_heads >= 1 and self.num_heads >= 1:
-            c.check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
-                    f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        if self.gpt:
-            c.check(self.num_kv_heads == self.num_heads, "num_kv_heads",
-                    f"a {self.architecture} decoder has multi-head attention: must equal num_heads {self.num_heads}")
-        if not c.problems and self.rotary:
-            c.check(self.head_size % 2 == 0, "head_dim",
-                    f"head dimension {self.head_size} must be even for rotary embeddings")
-        c.raise_if_any()
+        with Checker() as c:
+            c.each(self, ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_heads", "vocab_size",
+                          "max_seq_len"), lambda v: v >= 1, "must be at least 1")
+            c.check(self.num_layers <= MAX_LAYERS, "num_layers", f"must be at most {MAX_LAYERS}, got {self.num_layers}")
+            c.check(self.rope_theta > 0, "rope_theta", "must be positive")
+            c.check(self.norm_eps > 0, "norm_eps", "must be positive")
+            if self.sliding_window is not None:
+                c.check(self.sliding_window >= 1, "sliding_window", f"must be at least 1, got {self.sliding_window}")
+            if self.head_dim is None:
+                if self.num_heads >= 1 and self.hidden_size >= 1 and c.check(
+                        self.hidden_size % self.num_heads == 0, "hidden_size",
+                        f"{self.hidden_size} is not divisible by num_heads {self.num_heads} (or give head_dim)"):
+                    object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+            else:
+                c.check(self.head_dim >= 1, "head_dim", f"must be at least 1, got {self.head_dim}")
+            if self.num_kv_heads >= 1 and self.num_heads >= 1:
+                c.check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads",
+                        f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            if self.gpt:
+                c.check(self.num_kv_heads == self.num_heads, "num_kv_heads",
+                        f"a {self.architecture} decoder has multi-head attention: must equal num_heads "
+                        f"{self.num_heads}")
+            if not c.problems and self.rotary:
+                c.check(self.head_size % 2 == 0, "head_dim",
+                        f"head dimension {self.head_size} must be even for rotary embeddings")
 
     @property
     def gpt(self) -> bool:

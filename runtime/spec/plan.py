@@ -37,14 +37,13 @@ class OptimizerSettings:
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.check(self.lr > 0, "lr", "must be positive")
-        c.check(self.weight_decay >= 0, "weight_decay", "must not be negative")
-        c.check(0 <= self.beta1 < 1, "beta1", "must be in [0, 1)")
-        c.check(0 <= self.beta2 < 1, "beta2", "must be in [0, 1)")
-        c.check(self.eps > 0, "eps", "must be positive")
-        c.check(self.grad_clip >= 0, "grad_clip", "must not be negative (0 disables clipping)")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(self.lr > 0, "lr", "must be positive")
+            c.check(self.weight_decay >= 0, "weight_decay", "must not be negative")
+            c.check(0 <= self.beta1 < 1, "beta1", "must be in [0, 1)")
+            c.check(0 <= self.beta2 < 1, "beta2", "must be in [0, 1)")
+            c.check(self.eps > 0, "eps", "must be positive")
+            c.check(self.grad_clip >= 0, "grad_clip", "must not be negative (0 disables clipping)")
 
 
 @dataclass(frozen=True)
@@ -68,21 +67,20 @@ class TrainingSettings:
     sequence_parallel: bool = field(default=False, metadata={"omit_default": True})
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.each(self, ("global_batch", "micro_batch", "seq_len", "zero_redundancy"), lambda v: v >= 1,
-               "must be at least 1")
-        c.check(self.zero or self.zero_redundancy == 1, "zero_redundancy",
-                f"{self.zero_redundancy} copies of ZeRO-1's moment chunks need zero: true")
-        c.check(self.global_batch <= MAX_GLOBAL_BATCH, "global_batch",
-                f"{self.global_batch:,} sequences per step: hspmd plans for at most {MAX_GLOBAL_BATCH:,}")
-        c.check(self.tokens_per_step is None or self.tokens_per_step >= 1, "tokens_per_step",
-                f"must be at least 1, got {self.tokens_per_step}")
-        if self.tokens_per_step is not None and self.tokens_per_step > MAX_TOKENS_PER_STEP:
-            c.add("tokens_per_step", f"{self.tokens_per_step:,} tokens per step: hspmd plans for at most "
-                                     f"{MAX_TOKENS_PER_STEP:,}")
-        c.check(isinstance(self.sequence_parallel, bool), "sequence_parallel",
-                f"must be true or false, got {self.sequence_parallel!r}")
-        c.raise_if_any()
+        with Checker() as c:
+            c.each(self, ("global_batch", "micro_batch", "seq_len", "zero_redundancy"), lambda v: v >= 1,
+                   "must be at least 1")
+            c.check(self.zero or self.zero_redundancy == 1, "zero_redundancy",
+                    f"{self.zero_redundancy} copies of ZeRO-1's moment chunks need zero: true")
+            c.check(self.global_batch <= MAX_GLOBAL_BATCH, "global_batch",
+                    f"{self.global_batch:,} sequences per step: hspmd plans for at most {MAX_GLOBAL_BATCH:,}")
+            c.check(self.tokens_per_step is None or self.tokens_per_step >= 1, "tokens_per_step",
+                    f"must be at least 1, got {self.tokens_per_step}")
+            if self.tokens_per_step is not None and self.tokens_per_step > MAX_TOKENS_PER_STEP:
+                c.add("tokens_per_step", f"{self.tokens_per_step:,} tokens per step: hspmd plans for at most "
+                                         f"{MAX_TOKENS_PER_STEP:,}")
+            c.check(isinstance(self.sequence_parallel, bool), "sequence_parallel",
+                    f"must be true or false, got {self.sequence_parallel!r}")
 
 
 LayerRange = tuple[int, int]
@@ -131,31 +129,31 @@ class Stage:
         object.__setattr__(self, "layers", _layer_ranges(self.layers))
         if self.op_costs is not None:
             object.__setattr__(self, "op_costs", tuple(tuple(c) for c in self.op_costs))
-        c = Checker()
-        c.check(len(self.devices) >= 1, "devices", "must list at least one device")
-        dup = sorted({d for d in self.devices if self.devices.count(d) > 1})
-        c.check(not dup, "devices", f"lists device(s) {dup} more than once")
-        c.check(all(d >= 0 for d in self.devices), "devices", "device ids must not be negative")
-        c.check(len(self.layers) >= 1, "layers", "must hold at least one layer range")
-        for k, r in enumerate(self.layers):
-            where = "layers" if len(self.layers) == 1 else f"layers[{k}]"
-            if len(r) != 2:
-                c.add(where, f"must be a range [start, end), got {list(r)}")
-                continue
-            start, end = r
-            c.check(0 <= start < end, where,
-                    f"must be a non-empty range [start, end) with 0 <= start < end, got [{start}, {end}]")
-        for line in [] if self.op_costs is None else op_cost_problems(self.op_costs, len(self.layers)):
-            c.add("op_costs", line)
-        k = self.recompute_layers
-        if k is not None:
-            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-                c.add("recompute_layers", f"must be an integer >= 0, got {k!r}")
-            elif self.recompute:
-                c.add("recompute_layers", "set together with recompute: true (which recomputes every layer); give one")
-            elif all(len(r) == 2 for r in self.layers) and k > self.num_layers:
-                c.add("recompute_layers", f"recomputes {k} layers but the stage holds {self.num_layers}")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(len(self.devices) >= 1, "devices", "must list at least one device")
+            dup = sorted({d for d in self.devices if self.devices.count(d) > 1})
+            c.check(not dup, "devices", f"lists device(s) {dup} more than once")
+            c.check(all(d >= 0 for d in self.devices), "devices", "device ids must not be negative")
+            c.check(len(self.layers) >= 1, "layers", "must hold at least one layer range")
+            for k, r in enumerate(self.layers):
+                where = "layers" if len(self.layers) == 1 else f"layers[{k}]"
+                if len(r) != 2:
+                    c.add(where, f"must be a range [start, end), got {list(r)}")
+                    continue
+                start, end = r
+                c.check(0 <= start < end, where,
+                        f"must be a non-empty range [start, end) with 0 <= start < end, got [{start}, {end}]")
+            for line in [] if self.op_costs is None else op_cost_problems(self.op_costs, len(self.layers)):
+                c.add("op_costs", line)
+            k = self.recompute_layers
+            if k is not None:
+                if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                    c.add("recompute_layers", f"must be an integer >= 0, got {k!r}")
+                elif self.recompute:
+                    c.add("recompute_layers",
+                          "set together with recompute: true (which recomputes every layer); give one")
+                elif all(len(r) == 2 for r in self.layers) and k > self.num_layers:
+                    c.add("recompute_layers", f"recomputes {k} layers but the stage holds {self.num_layers}")
 
     @property
     def recomputed_layers(self) -> int:
@@ -228,22 +226,22 @@ class Pipeline:
             object.__setattr__(self, "transfer_costs", tuple(self.transfer_costs))
         if self.activation_limits is not None:
             object.__setattr__(self, "activation_limits", tuple(self.activation_limits))
-        c = Checker()
-        c.check(self.micro_batches >= 1, "micro_batches", f"must be at least 1, got {self.micro_batches}")
-        c.check(len(self.stages) >= 1, "stages", "must list at least one stage")
-        if self.transfer_costs is not None:
-            chunks = {st.chunks for st in self.stages}
-            boundaries = len(self.stages) * chunks.pop() - 1 if len(chunks) == 1 else None
-            c.check(boundaries is None or len(self.transfer_costs) == boundaries, "transfer_costs",
-                    f"lists {len(self.transfer_costs)} transfer time(s) for {boundaries} virtual-stage boundaries")
-            bad = [t for t in self.transfer_costs if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0)]
-            c.check(not bad, "transfer_costs", f"transfer times must be finite seconds >= 0, got {bad}")
-        if self.activation_limits is not None:
-            c.check(len(self.activation_limits) == len(self.stages), "activation_limits",
-                    f"lists {len(self.activation_limits)} limit(s) for {len(self.stages)} stage(s)")
-            low = [x for x in self.activation_limits if isinstance(x, bool) or not isinstance(x, int) or x < 1]
-            c.check(not low, "activation_limits", f"limits must be integers >= 1, got {low}")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(self.micro_batches >= 1, "micro_batches", f"must be at least 1, got {self.micro_batches}")
+            c.check(len(self.stages) >= 1, "stages", "must list at least one stage")
+            if self.transfer_costs is not None:
+                chunks = {st.chunks for st in self.stages}
+                boundaries = len(self.stages) * chunks.pop() - 1 if len(chunks) == 1 else None
+                c.check(boundaries is None or len(self.transfer_costs) == boundaries, "transfer_costs",
+                        f"lists {len(self.transfer_costs)} transfer time(s) for {boundaries} virtual-stage boundaries")
+                bad = [t for t in self.transfer_costs
+                       if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0)]
+                c.check(not bad, "transfer_costs", f"transfer times must be finite seconds >= 0, got {bad}")
+            if self.activation_limits is not None:
+                c.check(len(self.activation_limits) == len(self.stages), "activation_limits",
+                        f"lists {len(self.activation_limits)} limit(s) for {len(self.stages)} stage(s)")
+                low = [x for x in self.activation_limits if isinstance(x, bool) or not isinstance(x, int) or x < 1]
+                c.check(not low, "activation_limits", f"limits must be integers >= 1, got {low}")
 
     @property
     def devices(self) -> tuple[int, ...]:
@@ -276,12 +274,11 @@ class Strategy:
     max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.check(bool(self.name), "name", "must not be empty")
-        c.check(len(self.pipelines) >= 1, "pipelines", "must list at least one pipeline")
-        c.check(self.max_seq_len is None or self.max_seq_len >= 1, "max_seq_len",
-                f"must be at least 1, got {self.max_seq_len}")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(bool(self.name), "name", "must not be empty")
+            c.check(len(self.pipelines) >= 1, "pipelines", "must list at least one pipeline")
+            c.check(self.max_seq_len is None or self.max_seq_len >= 1, "max_seq_len",
+                    f"must be at least 1, got {self.max_seq_len}")
 
     def max_len_of(self, training: TrainingSettings) -> int:
         """The longest document this strategy serves (``max_seq_len``, else ``training.seq_len``)."""
@@ -315,15 +312,14 @@ class Plan:
     strategies: tuple[Strategy, ...]
 
     def __post_init__(self) -> None:
-        c = Checker()
-        c.check(self.version == PLAN_VERSION, "version",
-                f"unsupported plan version {self.version} (this hspmd reads version {PLAN_VERSION})")
-        c.check(len(self.strategies) >= 1, "strategies", "must list at least one strategy")
-        names = [s.name for s in self.strategies]
-        for i, name in enumerate(names):
-            if names.index(name) != i:
-                c.add(f"strategies[{i}].name", f"duplicate strategy name {name!r}")
-        c.raise_if_any()
+        with Checker() as c:
+            c.check(self.version == PLAN_VERSION, "version",
+                    f"unsupported plan version {self.version} (this hspmd reads version {PLAN_VERSION})")
+            c.check(len(self.strategies) >= 1, "strategies", "must list at least one strategy")
+            names = [s.name for s in self.strategies]
+            for i, name in enumerate(names):
+                if names.index(name) != i:
+                    c.add(f"strategies[{i}].name", f"duplicate strategy name {name!r}")
 
     def strategy(self, name: str | None = None) -> Strategy:
         """The named strategy, or the first one."""

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from oracles import optimizer_state
 
 from runtime.checkpoint import read_saved
 from runtime.data import token_source
@@ -57,7 +58,7 @@ def saved_state(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_matches_reference(saved: dict[str, torch.Tensor], trainer: ReferenceTrainer) -> None:
-    expected = {**trainer.parameters(), **trainer.optimizer_state()}
+    expected = {**trainer.parameters(), **optimizer_state(trainer)}
     assert set(saved) == set(expected)
     for name, want in expected.items():
         atol = RTOL * float(want.abs().max()) if name.endswith(("exp_avg", "exp_avg_sq")) else PARAM_ATOL

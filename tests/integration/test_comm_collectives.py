@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from oracles import local_view, to_placements
 
-from runtime.annotations import Annotation, DistributedStates, to_placements
+from runtime.annotations import Annotation, DistributedStates
 from runtime.annotations.from_plan import annotate_strategy, strategy_groups
 from runtime.comm.bsr import TensorMove, plan_bsr
 from runtime.comm.execute import pack_message, recv_buffer, run_bsr, start_output, unpack_message
@@ -153,7 +154,7 @@ def _p2p_api_job(ctx):
     assert op.p2p_only and op.kind == "bsr"
     full = torch.arange(24.0).view(shape)
     me = ctx.device
-    x = op.src.local_view(full, me).clone() if me in op.src else None
+    x = local_view(op.src, full, me).clone() if me in op.src else None
     out = start_output(op, x, me, dtype=torch.float32, device=torch.device("cpu"))
     ops, inbox = [], []
     for m in op.sends(me):
@@ -175,7 +176,7 @@ def test_p2p_messages_fuse_into_a_schedule(world):
     full = torch.arange(24.0).view(4, 6)
     lay = Annotation.spmd([2, 3, 1], S.split(1, 3)).layout((4, 6))
     for dev in (2, 3, 1):
-        assert torch.equal(torch.from_numpy(results[dev]), lay.local_view(full, dev))
+        assert torch.equal(torch.from_numpy(results[dev]), local_view(lay, full, dev))
     assert results[0] is None
 
 

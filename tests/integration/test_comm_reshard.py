@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from oracles import local_view
 
 from runtime.annotations import Annotation, DistributedStates, Layout, LayoutError
 from runtime.comm.execute import execute
@@ -38,7 +39,7 @@ def make_inputs(layout: Layout, seed: int) -> tuple[torch.Tensor, dict[int, torc
     shape = layout.shape
     x = torch.randn(shape, generator=g)
     if not layout.is_partial:
-        return x, {d: layout.local_view(x, d).clone() for d in layout.devices}
+        return x, {d: local_view(layout, x, d).clone() for d in layout.devices}
     # Summands that add up to X: all members' together under a partial top tier (HDim -2), else each
     # member's own (a duplicated or split top tier: every member's value is X on its part).
     top_partial = any(h.summand[0] for _, h in layout.holdings)
@@ -70,7 +71,7 @@ def _reshard_job(ctx, src: Annotation, dst: Annotation, shape: tuple[int, ...], 
     if y is None:
         return None
     gdst = op.dst.reduced()
-    gy = gdst.local_view(upstream_grad(shape, seed), me) if me in gdst else torch.empty(0)
+    gy = local_view(gdst, upstream_grad(shape, seed), me) if me in gdst else torch.empty(0)
     torch.autograd.backward([y], [gy])
     return {"y": y.detach().numpy() if me in op.dst else None,
             "gx": x.grad.numpy() if x is not None else None, "kind": op.kind}

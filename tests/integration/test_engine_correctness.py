@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_world import DeviceResult, EngineWorld, saved_activation_job
+from oracles import optimizer_state
 
 from runtime.checkpoint import read_saved
 from runtime.engine.reference import ReferenceTrainer
@@ -107,7 +108,7 @@ def check_against_reference(plan: Path, results: dict[int, DeviceResult], batche
                                    rtol=RTOL, atol=0, msg=lambda m, d=dev: f"grad norms on device {d}: {m}")
         assert float(r.state["step"]) == steps
         check_spans(ctx, r)
-    moments = ref.optimizer_state()
+    moments = optimizer_state(ref)
     atol = ATOL_STEPS * ctx.plan.training.optimizer.lr
     for name, p in ref.parameters().items():
         got = assemble(results, name, name, tuple(p.shape))
@@ -237,7 +238,7 @@ def check_saved(directory: Path, ref: ReferenceTrainer, step: int) -> None:
     """The checkpoint holds the reference's full parameters and moments after ``step`` steps."""
     saved, meta = read_saved(directory)
     assert meta["step"] == str(step)
-    want = {**ref.parameters(), **ref.optimizer_state()}
+    want = {**ref.parameters(), **optimizer_state(ref)}
     assert set(saved) == set(want)
     atol = ATOL_STEPS * ref.training.optimizer.lr
     for name, w in want.items():

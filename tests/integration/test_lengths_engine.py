@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from lengths_world import BINS, Result, documents_job, holdings_job, source
+from oracles import train_documents
 
 from runtime.comm.world import LocalWorld
 from runtime.engine.reference import ReferenceTrainer
@@ -44,7 +45,7 @@ def ctx():
 def reference(ctx, steps, **kw):
     trainer = ReferenceTrainer(ctx.model, ctx.plan.training)
     src = source(ctx, **kw)
-    stats = [trainer.train_documents([d.tokens for d in src.documents(k).documents]) for k in steps]
+    stats = [train_documents(trainer, [d.tokens for d in src.documents(k).documents]) for k in steps]
     return stats, trainer
 
 

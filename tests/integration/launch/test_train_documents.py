@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import torch
+from oracles import train_documents
 from train_helpers import REPO
 
 from runtime.engine.reference import ReferenceTrainer
@@ -47,7 +48,7 @@ def test_documents_run_switches_strategy_and_matches_the_reference(tmp_path: Pat
         assert x["documents"] == len(d.documents) and x["tokens"] == ctx.plan.training.tokens_per_step
         assert x["padding_fraction"] == 0.0 and x["imbalance"] >= 1.0 and x["dispatch_method"] in ("ilp", "greedy")
     trainer = ReferenceTrainer(ctx.model, ctx.plan.training)
-    ref = [trainer.train_documents([doc.tokens for doc in d.documents]) for d in docs]
+    ref = [train_documents(trainer, [doc.tokens for doc in d.documents]) for d in docs]
     torch.testing.assert_close([x["loss"] for x in steps], [r.loss for r in ref], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close([x["grad_norm"] for x in steps], [r.grad_norm for r in ref], rtol=1e-4, atol=1e-6)
 
@@ -74,5 +75,5 @@ def test_dispatch_costs_profiles_dispatch_as_the_simulator_plays(tmp_path: Path)
     ctx = load_plan_context(PLAN)
     source = document_source_of(ctx, TrainOptions(plan=PLAN, lengths=str(hist)))
     trainer = ReferenceTrainer(ctx.model, ctx.plan.training)
-    ref = [trainer.train_documents([doc.tokens for doc in source.documents(k).documents]) for k in range(1, STEPS + 1)]
+    ref = [train_documents(trainer, [doc.tokens for doc in source.documents(k).documents]) for k in range(1, STEPS + 1)]
     torch.testing.assert_close([x["loss"] for x in steps], [r.loss for r in ref], rtol=1e-5, atol=1e-6)

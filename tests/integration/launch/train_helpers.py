@@ -6,6 +6,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from oracles import optimizer_state
 
 from runtime.data import TokenSource, token_source
 from runtime.engine.reference import ReferenceTrainer
@@ -58,4 +59,4 @@ def reference(plan_path: Path, steps: int, data_file: Path | None = None) -> tup
 
 def reference_state(trainer: ReferenceTrainer) -> dict[str, torch.Tensor]:
     """Parameters and AdamW moments of the reference, named as in a checkpoint."""
-    return {**trainer.parameters(), **trainer.optimizer_state()}
+    return {**trainer.parameters(), **optimizer_state(trainer)}

@@ -8,9 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import global_view, local_view, to_placements
 
 from runtime.annotations import Annotation, DeviceGroup, DistributedStates, DSUnion, LayoutError, lcm_degrees
-from runtime.annotations.states import to_placements
 
 S = DistributedStates
 
@@ -36,12 +36,20 @@ def test_states_reject(states, order, message):
         S.of(states, order)
 
 
+def index_of(ds: DistributedStates, coords: dict[int, int]) -> int:
+    """The inverse of ``coordinates``: the position in the group of the device at ``coords``."""
+    idx = 0
+    for dim in ds.order:
+        idx = idx * ds.degree(dim) + coords.get(dim, 0)
+    return idx
+
+
 def test_coordinates_last_dim_fastest():
     ds = S.of({0: 2, -1: 3}, order=(0, -1))
     assert [ds.coordinates(i) for i in range(6)][:4] == [{0: 0, -1: 0}, {0: 0, -1: 1}, {0: 0, -1: 2}, {0: 1, -1: 0}]
     ds2 = S.of({0: 2, -1: 3}, order=(-1, 0))
     assert ds2.coordinates(1) == {-1: 0, 0: 1}
-    assert all(ds.index_of(ds.coordinates(i)) == i for i in range(6))
+    assert all(index_of(ds, ds.coordinates(i)) == i for i in range(6))
 
 
 def test_union_validation_and_normalisation():
@@ -98,14 +106,14 @@ def test_global_view_counts_member_once():
     a = Annotation.union(-2, [((0, 1), S.duplicate(2)), ((2,), S.of())])
     lay = a.layout((3,))
     ga, gb = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 20.0, 30.0])
-    assert torch.equal(lay.global_view({0: ga, 1: ga, 2: gb}), ga + gb)
+    assert torch.equal(global_view(lay, {0: ga, 1: ga, 2: gb}), ga + gb)
 
 
 def test_global_view_split_top_with_partial_member():
     # Member 0 holds rows 0-1 whole, member 1 holds rows 2-3 as two summands.
     a = Annotation.union(0, [((0,), S.of()), ((1, 2), S.partial(2))], (1, 1))
     lay = a.layout((4,))
-    got = lay.global_view({0: torch.tensor([1.0, 2.0]), 1: torch.tensor([3.0, 4.0]), 2: torch.tensor([10.0, 20.0])})
+    got = global_view(lay, {0: torch.tensor([1.0, 2.0]), 1: torch.tensor([3.0, 4.0]), 2: torch.tensor([10.0, 20.0])})
     assert torch.equal(got, torch.tensor([1.0, 2.0, 13.0, 24.0]))
 
 
@@ -165,4 +173,4 @@ def test_regions_tile_tensor_dup_times(case):
     for d in lay.devices:
         assert math.prod(lay.local_shape(d)) * ds.device_num == math.prod(shape) * ds.degree(-1)
     full = torch.arange(math.prod(shape)).view(shape)
-    assert torch.equal(lay.global_view({d: lay.local_view(full, d) for d in lay.devices}), full)
+    assert torch.equal(global_view(lay, {d: local_view(lay, full, d) for d in lay.devices}), full)

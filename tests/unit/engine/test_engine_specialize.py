@@ -82,7 +82,8 @@ def test_every_element_has_one_primary_copy_and_the_batch_is_partitioned(ctx: Pl
         assert role is not None and role.device == d
         if role.tp_rank == 0 and role.embed:
             for mb in range(role.micro_batches):
-                rows[role.micro_batch_rows(mb)] += 1
+                start = role.first_sample + mb * role.micro_batch   # the rows micro-batch mb takes
+                rows[start:start + role.micro_batch] += 1
         # parameter_shards checks each region against DTensor's Shard slice of this TP rank.
         for s in parameter_shards(MODEL, role, ann):
             assert s.local_shape == tuple(torch.empty(s.info.shape)[s.region].shape)

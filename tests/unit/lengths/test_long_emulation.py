@@ -176,7 +176,9 @@ def test_a_switch_that_does_not_fit_a_device_is_refused(long_plan):
     assert shared(members, TINY, LONG, s) == members
 
     def squeezed(ls, factor):
-        most = {d: max(m.state_on(d) for m in members) for d in range(LONG.num_devices)}
+        # Each device's most state bytes (parameters, AdamW moments) between steps, over the members.
+        most = {d: max(sum(r.state_bytes for pipe in m.rooms for r in pipe if d in r.devices) for m in members)
+                for d in range(LONG.num_devices)}
         rooms = tuple(tuple(dataclasses.replace(r, state_room=factor * max(most[d] for d in r.devices)) for r in pr)
                       for pr in ls.rooms)
         return dataclasses.replace(ls, rooms=rooms)

@@ -14,12 +14,12 @@ from planner.cost import (
     CostModel,
     allreduce_seconds,
     analytic_components,
-    in_flight_micro_batches,
     model_flops_per_token,
     pipeline_time,
 )
 from runtime.annotations.states import PARTIAL, Annotation, DistributedStates
 from runtime.comm.gradsync import SyncGroup, plan_sync, sync_groups
+from runtime.pipeline_schedules import live_activation_limit
 from runtime.profiling.profile import (
     CommFigures,
     ComponentFit,
@@ -88,9 +88,10 @@ def test_gpipe_formula_hand_computed():
 
 
 def test_in_flight_micro_batches():
-    assert [in_flight_micro_batches(k, 4, 8) for k in range(4)] == [4, 3, 2, 1]
-    assert [in_flight_micro_batches(k, 4, 2) for k in range(4)] == [2, 2, 2, 1]
-    assert [in_flight_micro_batches(k, 4, 8, "gpipe") for k in range(4)] == [8, 8, 8, 8]
+    # The planner's memory bound of a one-chunk schedule: stage k of S holds min(S-k, m) under 1F1B, m under GPipe.
+    assert [live_activation_limit("1f1b", 4, k, 8) for k in range(4)] == [4, 3, 2, 1]
+    assert [live_activation_limit("1f1b", 4, k, 2) for k in range(4)] == [2, 2, 2, 1]
+    assert [live_activation_limit("gpipe", 4, k, 8) for k in range(4)] == [8, 8, 8, 8]
 
 
 def test_allreduce_formula():

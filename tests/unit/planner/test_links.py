@@ -134,7 +134,7 @@ def test_send_and_receive_at_one_tick(serialised: bool):
     cm = model(nodes=1, per_node=8, serialised_send_recv=serialised)
     s = Strategy("pp", (pp(((0,), (0, 1)), ((1,), (1, 2)), m=2),))
     p = ACT / (INTRA * 1e9)
-    assert cm.tick_time((0,), (p, p)) == pytest.approx(2 * p if serialised else p)
+    assert tick_seconds((p, p), cm.serialises((0,))) == pytest.approx(2 * p if serialised else p)
     # 1F1B, 2 stages of f = 1, b = 2, m = 2 (hand-played): stage 0's send_forward 1 + recv_backward 0 and
     # stage 1's send_backward 0 + recv_forward 1 are posted together; serialised they take 2p, not p.
     # F0 | p | F1 | tick (waits for stage 1's F0 B0) | B0 | recv_backward 1 (waits for F1 B1) | p | B1.

@@ -61,5 +61,5 @@ def test_bandwidth_model():
     assert c.bandwidth_gbs(0, 1) == 200  # H800 NVLink
     assert c.bandwidth_gbs(16, 17) == 450  # H20 NVLink
     assert c.bandwidth_gbs(0, 16) == 50  # across nodes
-    m = c.bandwidth_matrix()
+    m = [[c.bandwidth_gbs(i, j) for j in range(c.num_devices)] for i in range(c.num_devices)]
     assert len(m) == 48 and m[3][40] == m[40][3]
