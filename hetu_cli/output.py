@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -11,10 +12,27 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from runtime.errors import HspmdError, Problem, SpecError
+from runtime.spec.schema import MAX_FLOAT
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
+
+class FiniteFloatRange(click.FloatRange):
+    """``click.FloatRange`` that also refuses nan, inf and figures beyond the specs' MAX_FLOAT. Click's range
+    check lets nan through (every comparison with nan is false) and has no upper bound: ``replan --tolerance
+    nan`` left no candidate within tolerance (a traceback), ``plan --time-limit nan`` planned as if unlimited."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv) or abs(rv) > MAX_FLOAT:
+            self.fail(f"{value!r} is not a finite number of at most {MAX_FLOAT:g}", param, ctx)
+        return rv
+
+
+# Timeouts become ``datetime.timedelta``s (process groups, stores), which overflow past ~1e14 s: a
+# ``--timeout 1e20`` crashed every worker. No run waits on one operation for more than ~115 days.
+MAX_TIMEOUT_S = 1e7
 
 FORMAT_OPTION = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
                              show_default=True, help="'json' prints one JSON object for scripts.")

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hetu_cli.commands.lengths_report import plan_for_lengths
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json, refuse_given
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, FiniteFloatRange, console, emit_json, refuse_given
 from planner.api import PlanSettings
 from planner.api import plan as run_planner
 from planner.report import print_report, result_json
@@ -38,7 +38,7 @@ from runtime.spec.plan import MAX_TOKENS_PER_STEP
 @click.option("--zero/--no-zero", "use_zero", default=None,
               help="ZeRO-1 (optimizer states sharded over the pipelines; with --elastic, 2 copies of each chunk). "
                    "Default: on; with --elastic, whichever is faster.")
-@click.option("--time-limit", "time_limit", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
+@click.option("--time-limit", "time_limit", type=FiniteFloatRange(min=1.0), default=120.0, show_default=True,
               help="Seconds the search may take (it stops early and keeps what it found).")
 @click.option("--top-k", type=click.IntRange(min=1), default=5, show_default=True,
               help="Near-best candidates to list.")

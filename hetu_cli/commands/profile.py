@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import FORMAT_OPTION, console, emit_json, refuse_given, table
+from hetu_cli.output import FORMAT_OPTION, FiniteFloatRange, console, emit_json, refuse_given, table
 from runtime.errors import Problem, SpecError
 from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, DeviceProfile, Fit, LinkFit, eval_fit, load_profile
 from runtime.spec import load_cluster, load_model
@@ -27,7 +27,7 @@ from runtime.spec.schema import to_data
 @click.option("--device-type", help="Which cluster device type this machine's GPU is (GPU clusters).")
 @click.option("--seq-lens", default="16,32,64,128,256", show_default=True,
               help="Sequence lengths to time (comma-separated; capped at each model's max_seq_len).")
-@click.option("--budget", type=click.FloatRange(0.0), default=0.1, show_default=True,
+@click.option("--budget", type=FiniteFloatRange(0.0), default=0.1, show_default=True,
               help="Seconds of repeats per timed point (at least 5 repeats each).")
 @click.option("--link-processes", type=click.IntRange(2), default=4, show_default=True,
               help="Most local processes for the link measurement.")

@@ -11,7 +11,7 @@ from rich import filesize
 from rich.markup import escape
 from rich.table import Table
 
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json, table
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, FiniteFloatRange, console, emit_json, table
 from planner.replan import DEFAULT_TOLERANCE, ReplanResult, RestartModel
 from planner.replan import replan as run_replan
 from runtime.errors import HspmdError, Problem, SpecError
@@ -48,14 +48,14 @@ def plan_refs(ctx: PlanContext) -> tuple[str, str]:
 @click.option("--failed", "failed_text", required=True, help="The failed device ids, e.g. 5,6.")
 @click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), help="Write the new plan here (YAML).")
 @PROFILE_OPTION
-@click.option("--tolerance", type=click.FloatRange(min=0.0), default=DEFAULT_TOLERANCE, show_default=True,
+@click.option("--tolerance", type=FiniteFloatRange(min=0.0), default=DEFAULT_TOLERANCE, show_default=True,
               help="Candidates within this fraction of the fastest step time count as equally fast; among "
                    "them the one that moves the least state wins.")
-@click.option("--time-limit", "time_limit", type=click.FloatRange(min=1.0), default=60.0, show_default=True,
+@click.option("--time-limit", "time_limit", type=FiniteFloatRange(min=1.0), default=60.0, show_default=True,
               help="Seconds the planner may search.")
-@click.option("--storage-gbs", type=click.FloatRange(min=0.001), default=RestartModel.storage_gbs, show_default=True,
+@click.option("--storage-gbs", type=FiniteFloatRange(min=0.001), default=RestartModel.storage_gbs, show_default=True,
               help="Checkpoint-restart model: aggregate storage bandwidth (GB/s) for writing and reading.")
-@click.option("--restart-s", type=click.FloatRange(min=0.0), default=RestartModel.restart_s, show_default=True,
+@click.option("--restart-s", type=FiniteFloatRange(min=0.0), default=RestartModel.restart_s, show_default=True,
               help="Checkpoint-restart model: seconds to start new processes and process groups.")
 @click.option("--checkpoint-interval", type=click.IntRange(min=1), default=RestartModel.checkpoint_interval_steps,
               show_default=True, help="Checkpoint-restart model: steps between checkpoints (half is lost on average).")

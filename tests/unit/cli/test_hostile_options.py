@@ -1,0 +1,61 @@
+"""Hostile values of command-line options: refused at once (exit 2, one error line, nothing written),
+never a traceback, never planned with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from hetu_cli.main import COMMANDS, cli
+from hetu_cli.output import FiniteFloatRange
+
+REPO = Path(__file__).resolve().parents[3]
+TINY = str(REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml")
+PLAN_TINY = ["plan", "--model", "llama-tiny", "--cluster", "cpu-hetero4", "--global-batch", "8", "--seq-len", "16",
+             "--check-top", "0"]
+MISSING_DATA = "/nonexistent/hspmd-options/data.txt"
+
+
+def every_command() -> list[tuple[str, click.Command]]:
+    ctx = click.Context(cli)
+    out = []
+    for name in COMMANDS:
+        cmd = cli.get_command(ctx, name)
+        assert cmd is not None
+        out.append((name, cmd))
+        if isinstance(cmd, click.Group):
+            out.extend((f"{name} {sub}", cmd.get_command(ctx, sub)) for sub in cmd.list_commands(ctx))
+    return out
+
+
+def test_every_float_option_refuses_non_finite_values():
+    """Click's FloatRange lets nan through its range check (and inf through a lower bound): every float
+    option of every verb uses FiniteFloatRange, the ones added later too."""
+    plain = [f"{name} {'/'.join(p.opts)}" for name, cmd in every_command() for p in cmd.params
+             if isinstance(p.type, click.types.FloatParamType) and not isinstance(p.type, FiniteFloatRange)]
+    assert not plain, plain
+
+
+@pytest.mark.parametrize("args", [
+    ["replan", "--plan", TINY, "--failed", "0", "--time-limit", "1", "--tolerance", "nan"],   # once a traceback
+    ["replan", "--plan", TINY, "--failed", "0", "--time-limit", "1", "--storage-gbs", "inf"],
+    ["replan", "--plan", TINY, "--failed", "0", "--time-limit", "1", "--restart-s", "1e400"],
+    [*PLAN_TINY, "--time-limit", "nan"],                                                     # once planned
+    [*PLAN_TINY, "--time-limit", "inf"],
+    ["train", "--plan", TINY, "--timeout", "1e20", "--data", MISSING_DATA],  # overflowed timedelta in the workers
+    ["train", "--plan", TINY, "--heartbeat-timeout", "nan", "--data", MISSING_DATA],
+    ["agent", "--coordinator", "127.0.0.1:1", "--node", "n", "--token", "t", "--timeout", "inf"],
+    ["profile", "--cluster", "cpu-hetero4", "--budget", "nan", "--out", "OUT"],
+], ids=lambda a: " ".join(a[i] for i in (0, -2, -1)))
+def test_non_finite_floats_are_refused(args: list[str], tmp_path: Path):
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
+    result = CliRunner().invoke(cli, [*args, "-o", str(tmp_path / "p.yaml")] if args[0] in ("plan", "replan")
+                                else args)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    errors = [line for line in result.output.splitlines() if line.startswith(("error: ", "Error: "))]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert "is not a finite number" in errors[0] or "is not in the range" in errors[0], result.output
+    assert not any(tmp_path.iterdir())
