@@ -17,8 +17,9 @@ from planner.schedule_choice import AUTO
 from runtime.errors import Problem, SpecError
 from runtime.pipeline_schedules import SCHEDULE_NAMES
 from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model, save_plan, validate_plan
+from runtime.spec import dump_plan, load_cluster, load_model, validate_plan
 from runtime.spec.catalog import recorded_ref
+from runtime.spec.io import atomic_write_files, check_output_file
 from runtime.spec.plan import MAX_TOKENS_PER_STEP
 
 
@@ -77,9 +78,9 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
     """Search TP groups, pipelines, layer splits (ILP), micro-batches (ILP) and recompute for the fastest
     plan that fits memory; compare it with the best symmetric plans and the lower bound. With --lengths:
     one plan of several strategies, each serving a range of document lengths (planner/lengths.py)."""
-    for path in (out_path, symmetric_path, fixed_path):
-        if path is not None and path.is_dir():
-            raise SpecError([Problem(str(path), "", "is a directory; give a file name for the plan")])
+    for path, option in ((out_path, "-o"), (symmetric_path, "--symmetric-out"), (fixed_path, "--fixed-out")):
+        if path is not None:
+            check_output_file(path, option)   # before the search, which may take minutes
     if lengths is not None:
         unused = {"--global-batch": global_batch, "--micro-batch": micro_batch, "--elastic": elastic or None,
                   "--zero/--no-zero": use_zero, "--symmetric-out": symmetric_path}
@@ -116,10 +117,9 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         problems = [] if p is None else validate_plan(p, model, cluster, str(path or "plan"))
         if problems:   # a planner bug, not a user error: refuse to write it
             raise RuntimeError("planner produced an invalid plan: " + "; ".join(str(x) for x in problems))
-    if out_path is not None:
-        save_plan(planned, out_path)
-    if symmetric_path is not None and symmetric is not None:
-        save_plan(symmetric, symmetric_path)
+    # Both files or neither: a symmetric baseline that cannot be written leaves no plan beside it.
+    atomic_write_files([(path, dump_plan(p).encode()) for p, path in ((planned, out_path), (symmetric, symmetric_path))
+                        if path is not None and p is not None])
     written = None if out_path is None else str(out_path)
     if fmt == "json":
         out = result_json(result, planned, written)

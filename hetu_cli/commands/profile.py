@@ -15,6 +15,7 @@ from runtime.errors import Problem, SpecError
 from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, DeviceProfile, Fit, LinkFit, eval_fit, load_profile
 from runtime.spec import load_cluster, load_model
 from runtime.spec.catalog import resolve_profile_ref
+from runtime.spec.io import check_output_file
 from runtime.spec.schema import to_data
 
 
@@ -146,6 +147,8 @@ def import_(table: Path, device_type: str, model_ref: str, table_fmt: str | None
     from runtime.profiling.flat_table import import_profile
     from runtime.profiling.profile import save_profile
 
+    out = out_path or PROFILES_DIR / f"{device_type}.imported.yaml"
+    check_output_file(out, "--out")
     model = load_model(model_ref, file="--model", field="")
     if base_ref is None and resolve_profile_ref(device_type) is None:
         raise SpecError([Problem("--base", "", f"no shipped profile of {device_type!r} to start from: give --base")])
@@ -153,7 +156,6 @@ def import_(table: Path, device_type: str, model_ref: str, table_fmt: str | None
     prof = import_profile(table, device_type=device_type, model=model, base=base, fmt=table_fmt,
                           includes_tp_comm=includes_tp_comm, serialised_send_recv=serialised_send_recv,
                           base_name=str(base_path))
-    out = out_path or PROFILES_DIR / f"{device_type}.imported.yaml"
     save_profile(prof, out)
     click.echo(f"wrote {out} ({device_type}, imported from {table})")
 
@@ -167,6 +169,8 @@ def export(profile_ref: str, table_fmt: str, model_key: str | None, out_path: Pa
     """Write a profile's measurements as the flat table ``profile import`` reads."""
     from runtime.profiling.flat_table import format_rows, table_rows, write_rows
 
+    if out_path is not None:
+        check_output_file(out_path, "--out")
     _, prof = _profile_file(profile_ref, "PROFILE")
     rows = table_rows(prof, model_key)
     if out_path is None:

@@ -14,11 +14,12 @@ from rich.table import Table
 from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, FiniteFloatRange, console, emit_json, table
 from planner.replan import DEFAULT_TOLERANCE, ReplanResult, RestartModel
 from planner.replan import replan as run_replan
-from runtime.errors import HspmdError, Problem, SpecError
+from runtime.errors import HspmdError
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import PlanContext, load_plan_context, save_plan
 from runtime.spec.catalog import recorded_ref
 from runtime.spec.handle import StrategyHandle
+from runtime.spec.io import check_output_file
 from runtime.spec.schema import to_data
 
 TOP_LINKS = 12
@@ -68,8 +69,8 @@ def replan(plan_path: Path, strategy_name: str | None, failed_text: str, out_pat
 
     Exit code 2, nothing written, when some parameter has no surviving replica or (ZeRO-1) some moment chunk
     no surviving copy: the coordinator's own check, naming what is lost and who held it."""
-    if out_path is not None and out_path.is_dir():
-        raise SpecError([Problem(str(out_path), "", "is a directory; give a file name for the plan")])
+    if out_path is not None:
+        check_output_file(out_path, "-o")
     failed = parse_devices(failed_text, "--failed")
     ctx = load_plan_context(plan_path)
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))

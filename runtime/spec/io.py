@@ -311,9 +311,59 @@ def _umask() -> int:
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it over ``path``."""
-    with AtomicFiles() as files:
-        files.write(path, data)
+    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it over ``path``.
+
+    A target that cannot be written (a directory, a path under a file, a read-only or pseudo file system, a
+    name too long, a full disk) is one SpecError naming it, and the directories this write created for it
+    are removed again: nothing is left behind."""
+    atomic_write_files([(path, data)])
+
+
+def atomic_write_files(items: list[tuple[str | os.PathLike[str], bytes]]) -> None:
+    """Several files replaced together (``AtomicFiles``): all of them written, or none (e.g. ``hspmd plan -o
+    P --symmetric-out S`` when S cannot be written leaves no P either)."""
+    created = {d: None for path, _ in items for d in Path(path).parents if not os.path.lexists(d)}
+    target = ""
+    try:
+        with AtomicFiles() as files:
+            for path, data in items:
+                target = str(path)
+                files.write(path, data)
+            target = ""  # past here only the renames fail: the error's filename2 is the target
+    except OSError as exc:
+        for d in sorted(created, key=lambda d: len(d.parts), reverse=True):  # deepest first
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise SpecError([Problem(target or str(exc.filename2 or items[-1][0]), "",
+                                 f"cannot write: {why_not(exc)}")]) from None
+
+
+def why_not(exc: OSError) -> str:
+    """An OS error as the words a one-line user error ends with."""
+    if isinstance(exc, IsADirectoryError):
+        return "is a directory, expected a file name"
+    return exc.strerror or str(exc)
+
+
+def check_output_file(path: str | os.PathLike[str], option: str) -> None:
+    """Refuse, before any work, an output file that cannot be written: a directory, a name too long, a
+    path whose nearest existing ancestor is a file or not writable. (Mode bits are as the OS reports them:
+    root writes through them. What only the write itself finds out, e.g. a pseudo file system, is refused by
+    ``atomic_write_bytes`` without writing anything.)"""
+    p = Path(path)
+    try:
+        os.lstat(p)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:   # ENAMETOOLONG, ENOTDIR (a file on the way), ELOOP, EACCES
+        raise SpecError([Problem(str(p), option, f"cannot write: {why_not(exc)}")]) from None
+    if p.is_dir():
+        raise SpecError([Problem(str(p), option, "is a directory, expected a file name")])
+    existing = next(a for a in p.absolute().parents if os.path.lexists(a))
+    if not existing.is_dir():
+        raise SpecError([Problem(str(p), option, f"cannot write: {existing} is not a directory")])
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SpecError([Problem(str(p), option, f"cannot write: {existing} is not writable")])
 
 
 class AtomicFiles:

@@ -59,3 +59,58 @@ def test_non_finite_floats_are_refused(args: list[str], tmp_path: Path):
     assert len(errors) == 1 and "Traceback" not in result.output, result.output
     assert "is not a finite number" in errors[0] or "is not in the range" in errors[0], result.output
     assert not any(tmp_path.iterdir())
+
+
+def output_cases(table: str = ""):
+    """Every verb option that writes a file, as argv given the output path (``table``: an import table)."""
+    return {
+        "plan -o": lambda o: [*PLAN_TINY, "--time-limit", "1", "-o", o],
+        "plan --symmetric-out": lambda o: [*PLAN_TINY, "--time-limit", "1", "--symmetric-out", o],
+        "replan -o": lambda o: ["replan", "--plan", TINY, "--failed", "3", "--time-limit", "1", "-o", o],
+        "simulate --trace": lambda o: ["simulate", "--plan", TINY, "--trace", o],
+        "profile import --out": lambda o: ["profile", "import", table, "--type", "chip-a", "--model", "llama-tiny",
+                                           "--out", o],
+        "profile export --out": lambda o: ["profile", "export", "chip-a", "--out", o],
+    }
+
+
+UNWRITABLE = {
+    "a directory": (lambda d: d / "adir", "is a directory, expected a file name"),
+    "under a file": (lambda d: d / "afile" / "x.out", "cannot write: Not a directory"),
+    "a name too long": (lambda d: d / ("x" * 300), "cannot write: File name too long"),
+    "deep and too long": (lambda d: d.joinpath("new", *["y" * 200] * 30, "x.out"), "cannot write: File name too long"),
+}
+
+
+@pytest.mark.parametrize("what", list(UNWRITABLE))
+@pytest.mark.parametrize("verb", list(output_cases()))
+def test_unwritable_outputs_are_refused_before_any_work(verb: str, what: str, tmp_path: Path):
+    """Each once raised OSError (a traceback) after the work was done, or left the first of two outputs."""
+    from runtime.profiling.flat_table import format_rows, table_rows
+    from runtime.profiling.profile import load_profile
+
+    table = tmp_path / "afile"   # chip-a's own table: fine to import, and a file to write under
+    table.write_text(format_rows(table_rows(load_profile(REPO / "profiles" / "chip-a.yaml"), None), "csv"))
+    (tmp_path / "adir").mkdir()
+    where, says = UNWRITABLE[what]
+    out = where(tmp_path)
+    args = output_cases(str(table))[verb](str(out))
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {out}: ") and says in lines[0], result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"]
+    assert not any((tmp_path / "adir").iterdir())
+
+
+def test_a_write_that_fails_leaves_nothing(tmp_path: Path):
+    """Where only the write finds out (a pseudo file system, a full disk): one line, and neither of two outputs
+    nor a directory created for them is left."""
+    from runtime.errors import SpecError
+    from runtime.spec.io import atomic_write_files
+
+    first = tmp_path / "new" / "deeper" / "plan.yaml"
+    with pytest.raises(SpecError) as err:
+        atomic_write_files([(first, b"a"), (Path("/proc/hspmd-test/x.yaml"), b"b")])
+    assert [str(p) for p in err.value.problems] == ["/proc/hspmd-test/x.yaml: cannot write: No such file or directory"]
+    assert not any(tmp_path.iterdir())
