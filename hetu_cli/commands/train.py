@@ -24,6 +24,7 @@ from runtime.launch.options import ELASTIC_HEARTBEAT_TIMEOUT_S, ELASTIC_TIMEOUT_
 from runtime.launch.session import TRACE_MERGED
 from runtime.launch.supervise import PlainPolicy
 from runtime.precision import PRECISIONS
+from runtime.spec.io import is_file
 
 
 class MetricsFile:
@@ -330,7 +331,7 @@ def _parse_switch(spec: str) -> PlannedSwitch:
     step, sep, path = spec.partition(":")
     if not sep or not step.strip().isdigit() or not path:
         raise HspmdError(f"--switch: expected STEP:PLAN such as 10:other-plan.yaml, got {spec!r}")
-    if not Path(path).is_file():
+    if not is_file(path):
         raise HspmdError(f"{path}: --switch: file not found")
     if int(step) < 1:
         raise HspmdError(f"--switch {spec}: the step must be at least 1")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -143,6 +144,24 @@ class _BoundedLoader(yaml.composer.Composer, *((_PARSER,) if _PARSER else (yaml.
             if first is not key:
                 self.refuse(key.start_mark, f"duplicate key {key.value!r} (first at line {first.start_mark.line + 1})")
         return node
+
+
+def is_file(path: str | os.PathLike[str]) -> bool:
+    """``Path.is_file`` that answers False, not an OSError (a traceback), for a name no file can have: a
+    component longer than the file system allows, a path through a file the OS refuses (Python 3.11's
+    pathlib passes ENAMETOOLONG and EACCES on)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):   # ValueError: an embedded NUL byte
+        return False
+
+
+def is_dir(path: str | os.PathLike[str]) -> bool:
+    """``Path.is_dir`` with ``is_file``'s answer for names no directory can have."""
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def _read_bytes(p: Path, limits: ReadLimits) -> bytes:

@@ -114,3 +114,70 @@ def test_a_write_that_fails_leaves_nothing(tmp_path: Path):
         atomic_write_files([(first, b"a"), (Path("/proc/hspmd-test/x.yaml"), b"b")])
     assert [str(p) for p in err.value.problems] == ["/proc/hspmd-test/x.yaml: cannot write: No such file or directory"]
     assert not any(tmp_path.iterdir())
+
+
+LONG = "x" * 300   # a file name longer than any file system's 255 bytes: ENAMETOOLONG, not ENOENT
+
+
+def long_path_cases(d: Path) -> dict[str, tuple[list[str], str]]:
+    """argv given a path no file can have, and what the one error line must name."""
+    long = str(d / LONG)
+    deep = str(d.joinpath(*["y" * 200] * 30))   # past PATH_MAX
+    plan = d / "plan.yaml"
+    plan.write_text(Path(TINY).read_text().replace("model: llama-tiny", f"model: {long}"))
+    cluster = d / "cluster.yaml"
+    cluster.write_text((REPO / "configs" / "clusters" / "cpu-hetero4-sleep.yaml").read_text()
+                       .replace("profile: A800", f"profile: {long}.yaml"))
+    return {
+        "validate PLAN": (["validate", long], long),
+        "validate deep PLAN": (["validate", deep], deep),
+        "plan's model:": (["validate", str(plan)], f"{plan}: model: unknown model"),
+        "validate --cluster": (["validate", TINY, "--cluster", long], "--cluster: unknown cluster"),
+        "emulate target profile": (["validate", TINY, "--cluster", str(cluster)],
+                                   f"{cluster}: device_types.emu-a800.emulate.target.profile: unknown device profile"),
+        "plan --model": ([*PLAN_TINY, "--model", long], "--model: unknown model"),
+        "simulate --lengths": (["simulate", "--plan", TINY, "--lengths", long, "--tokens-per-step", "256"], long),
+        "simulate --profile": (["simulate", "--plan", TINY, "--profile", long], long),
+        "simulate --events": (["simulate", "--plan", TINY, "--events", long], long),
+        "profile show": (["profile", "show", deep], "no profile"),
+        "profile import --base": (["profile", "import", TINY, "--type", "chip-a", "--model", "llama-tiny",
+                                   "--base", long, "--out", str(d / "p.yaml")], "--base: no profile"),
+        "export --checkpoint": (["export", "--checkpoint", long, "--out", str(d / "e")], long),
+        "export --out": (["export", "--checkpoint", str(d), "--out", long], long),
+        "train --save": (["train", "--plan", TINY, "--save", long], long),
+        "train --switch": (["train", "--plan", TINY, "--switch", f"2:{long}"], long),
+    }
+
+
+LONG_CASES = ["validate PLAN", "validate deep PLAN", "plan's model:", "validate --cluster", "emulate target profile",
+              "plan --model", "simulate --lengths", "simulate --profile", "simulate --events", "profile show",
+              "profile import --base", "export --checkpoint", "export --out", "train --save", "train --switch"]
+
+
+@pytest.mark.parametrize("case", LONG_CASES)
+def test_paths_no_file_can_have_are_one_line(case: str, tmp_path: Path):
+    """Python 3.11's pathlib raises ENAMETOOLONG from is_file/is_dir/exists: each of these was a traceback
+    (train --save passed its up-front check and would have failed only at the end of the run)."""
+    cases = long_path_cases(tmp_path)
+    assert sorted(cases) == sorted(LONG_CASES)
+    args, names = cases[case]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    errors = [line for line in result.output.splitlines() if line.strip()]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert errors[0].startswith("error: ") and names in errors[0], result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster.yaml", "plan.yaml"]
+
+
+def test_an_os_error_on_a_path_is_one_line(monkeypatch):
+    """The backstop: an OS error on a user's path that no check met first (e.g. a directory the user may not
+    read, which root, who runs these tests, always may) is one line naming the path, exit 2."""
+    import hetu_cli.commands.validate as validate
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", "/some/where/plan.yaml")
+
+    monkeypatch.setattr(validate, "load_plan_context", denied)
+    result = CliRunner().invoke(cli, ["validate", TINY])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert result.output.splitlines() == ["error: /some/where/plan.yaml: Permission denied"]
