@@ -15,6 +15,7 @@ from runtime.errors import Problem, SpecError
 from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, DeviceProfile, Fit, LinkFit, eval_fit, load_profile
 from runtime.spec import load_cluster, load_model
 from runtime.spec.catalog import resolve_profile_ref
+from runtime.spec.cluster import type_name_problem
 from runtime.spec.io import check_output_file
 from runtime.spec.schema import to_data
 
@@ -147,6 +148,9 @@ def import_(table: Path, device_type: str, model_ref: str, table_fmt: str | None
     from runtime.profiling.flat_table import import_profile
     from runtime.profiling.profile import save_profile
 
+    bad = type_name_problem(device_type)
+    if bad is not None:
+        raise SpecError([Problem("--type", "", bad)])
     out = out_path or PROFILES_DIR / f"{device_type}.imported.yaml"
     check_output_file(out, "--out")
     model = load_model(model_ref, file="--model", field="")

@@ -142,6 +142,18 @@ class Node:
         c.raise_if_any()
 
 
+def type_name_problem(name: str) -> str | None:
+    """What is wrong with a device type name, or None. A type names files (``profiles/<type>.yaml`` is looked
+    up, ``hspmd profile`` writes ``<type>.measured.yaml`` into --out, ``profile import`` ``<type>.imported.yaml``):
+    an empty name crashed every verb that prices (a traceback), and one with a path separator would write
+    outside the profile directory."""
+    if not name.strip():
+        return "a device type name must not be empty"
+    if name in (".", "..") or any(ch in "/\\" or ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        return f"device type name {name!r} is not a file name (no path separators or control characters)"
+    return None
+
+
 @dataclass(frozen=True)
 class BandwidthOverride:
     """Measured or known bandwidth between two devices, or between every device of two nodes."""
@@ -190,6 +202,10 @@ class Cluster:
         c.check(bool(self.name), "name", "must not be empty")
         c.check(self.nics_per_node >= 1, "nics_per_node", f"must be at least 1, got {self.nics_per_node}")
         c.check(len(self.device_types) > 0, "device_types", "must define at least one device type")
+        for type_name in self.device_types:
+            bad = type_name_problem(type_name)
+            if bad is not None:
+                c.add(f"device_types.{type_name}" if type_name.strip() else "device_types", bad)
         c.check(len(self.nodes) > 0, "nodes", "must list at least one node")
         if c.check(self.inter_node_bandwidth_gbs > 0, "inter_node_bandwidth_gbs", "must be positive"):
             c.check(self.inter_node_bandwidth_gbs <= MAX_FIGURE, "inter_node_bandwidth_gbs",
@@ -212,6 +228,8 @@ class Cluster:
                 for j, d in enumerate(o.devices):
                     c.check(0 <= d < n, f"bandwidth_overrides[{i}].devices[{j}]",
                             f"unknown device id {d} (cluster has devices 0-{n - 1})")
+                c.check(o.devices[0] != o.devices[1], f"bandwidth_overrides[{i}].devices",
+                        f"names device {o.devices[0]} twice: a link joins two devices")
             if o.nodes is not None:
                 for j, name in enumerate(o.nodes):
                     c.check(name in names, f"bandwidth_overrides[{i}].nodes[{j}]", f"unknown node {name!r}")

@@ -181,3 +181,15 @@ def test_an_os_error_on_a_path_is_one_line(monkeypatch):
     result = CliRunner().invoke(cli, ["validate", TINY])
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
     assert result.output.splitlines() == ["error: /some/where/plan.yaml: Permission denied"]
+
+
+@pytest.mark.parametrize("type_name", ["", "../../outside", "a/b"])
+def test_profile_import_type_is_a_file_name(type_name: str, tmp_path: Path):
+    """--type names the default output, profiles/<type>.imported.yaml: '../../outside' wrote outside profiles/."""
+    table = tmp_path / "t.csv"
+    table.write_text("kind\n")
+    result = CliRunner().invoke(cli, ["profile", "import", str(table), "--type", type_name, "--model", "llama-tiny",
+                                      "--base", "chip-a"])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --type: "), result.output
