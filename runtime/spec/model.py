@@ -171,9 +171,12 @@ class ModelSpec:
 
     def tp_problem(self, tp: int) -> str | None:
         """Why this TP degree cannot shard the model, or None if it can."""
+        # vocab_size: the embedding and the head are split by rows over their stage's TP group; an odd vocabulary
+        # passed validation and failed annotating it ('dim 0 of extent 255 is not divisible by its split degree
+        # 2') in show --device, simulate and plan, naming no file.
         bad = [f"{name} {value}" for name, value in
                (("num_heads", self.num_heads), ("num_kv_heads", self.num_kv_heads),
-                ("ffn_hidden_size", self.ffn_hidden_size)) if value % tp]
+                ("ffn_hidden_size", self.ffn_hidden_size), ("vocab_size", self.vocab_size)) if value % tp]
         if not bad:
             return None
         return f"TP degree {tp} does not divide " + ", ".join(bad)

@@ -208,3 +208,24 @@ def test_direct_construction_validates():
 
     with pytest.raises(ValueError, match="layers"):
         Stage(devices=(0,), layers=(3, 1))
+
+
+def test_an_odd_vocabulary_is_not_split_over_a_tp_group(tmp_path: Path):
+    """The embedding and head are split by rows over their TP group: vocab_size 255 under a TP-2 stage passed
+    validate and then failed show --device, simulate and plan with 'dim 0 of extent 255 is not divisible by its
+    split degree 2', naming no file. Validation names the stage; the planner keeps such a model at TP 1."""
+    from click.testing import CliRunner
+
+    from hetu_cli.main import cli
+
+    model = tmp_path / "odd.yaml"
+    model.write_text((CONFIGS / "models" / "llama-tiny.yaml").read_text().replace("vocab_size: 256",
+                                                                                   "vocab_size: 255"))
+    data = edited(lambda d: d.update(model=str(model)))
+    assert problems_of(tmp_path, data) == [f"{tmp_path / 'plan.yaml'}: strategies[0].pipelines[0].stages[0].devices: "
+                                           "TP degree 2 does not divide vocab_size 255 of llama-tiny"]
+    result = CliRunner().invoke(cli, ["plan", "--model", str(model), "--cluster", "cpu-hetero4", "--global-batch",
+                                      "8", "--seq-len", "16", "--time-limit", "1", "--check-top", "0", "--format",
+                                      "json"])
+    assert result.exit_code == 0, result.output
+    assert "/tp2" not in result.output and "/tp1" in result.output
