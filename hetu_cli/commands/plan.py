@@ -22,6 +22,8 @@ from runtime.spec.catalog import recorded_ref
 from runtime.spec.io import atomic_write_files, check_output_file
 from runtime.spec.plan import MAX_TOKENS_PER_STEP
 
+MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k) grows fast past it
+
 
 @click.command()
 @click.option("--model", "model_ref", required=True, help="Model (catalog name or path).")
@@ -63,7 +65,7 @@ from runtime.spec.plan import MAX_TOKENS_PER_STEP
                                 "histogram YAML file; plans several strategies, each for a length range.")
 @click.option("--tokens-per-step", type=click.IntRange(min=1, max=MAX_TOKENS_PER_STEP),
               help="With --lengths: the tokens of one step.")
-@click.option("--max-strategies", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--max-strategies", type=click.IntRange(min=1, max=MAX_STRATEGIES), default=3, show_default=True,
               help="With --lengths: the most strategies in the plan.")
 @click.option("--fixed-out", "fixed_path", type=click.Path(path_type=Path),
               help="With --lengths: also write the best single plan for the longest document (the comparison the "

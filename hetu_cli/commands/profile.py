@@ -52,6 +52,9 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
     from runtime.profiling.profiler import ProfileSettings, count_steps, plan_targets, profile_cluster
 
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
+    if cluster.emulated:   # every type is derived from this CPU's measurement: a --device-type was ignored
+        refuse_given(f"only for GPU clusters (cluster {cluster.name!r} is CPU-emulated: all its types are "
+                     "measured on this CPU)", "device_type")
     models = [load_model(m, file="--model", field="") for m in model_refs]
     for ref, m in zip(model_refs, models):
         if m.gpt:   # the profiler times the runtime's own (Llama) modules

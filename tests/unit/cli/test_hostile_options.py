@@ -193,3 +193,13 @@ def test_profile_import_type_is_a_file_name(type_name: str, tmp_path: Path):
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
     lines = result.output.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --type: "), result.output
+
+
+def test_max_strategies_is_bounded(tmp_path: Path):
+    """--max-strategies 10**9 looped a billion (empty) combinations of candidate strategies: a hang."""
+    out = tmp_path / "p.yaml"
+    result = CliRunner().invoke(cli, ["plan", "--model", "llama-tiny", "--cluster", "cpu-hetero4", "--lengths",
+                                      "longtail", "--tokens-per-step", "256", "--max-strategies", str(10**9),
+                                      "--time-limit", "1", "-o", str(out)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "'--max-strategies': 1000000000 is not in the range 1<=x<=8" in result.output and not out.exists()
