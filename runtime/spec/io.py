@@ -35,11 +35,14 @@ class ReadLimits:
     max_aliases: int = 1000        # YAML alias uses (*name) in one file
     max_alias_nesting: int = 2     # an anchored node may use aliases, whose nodes may not (again)
     max_nodes: int = 250_000       # nodes after expanding every alias (the billion-laughs bound)
+    pipe_wait_s: float = 10.0      # a named pipe (FIFO) no one writes to blocked the open forever
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_depth", "max_aliases", "max_alias_nesting", "max_nodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ReadLimits.{name} must be at least 1")
+        if not self.pipe_wait_s > 0:
+            raise ValueError("ReadLimits.pipe_wait_s must be positive")
 
 
 DEFAULT_LIMITS = ReadLimits()
@@ -164,9 +167,28 @@ def is_dir(path: str | os.PathLike[str]) -> bool:
         return False
 
 
+def _open_pipe(p: Path, limits: ReadLimits) -> Any:
+    """A named pipe, opened without blocking and read once a writer has written or closed it (within
+    ``pipe_wait_s``). A plain open() of a FIFO that no one writes to never returns: every verb hung."""
+    import select
+
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+        if not poller.poll(limits.pipe_wait_s * 1000):
+            raise SpecError([Problem(str(p), "", f"a named pipe that nothing wrote to within {limits.pipe_wait_s:g} "
+                                                 "s (give a file)")])
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _read_bytes(p: Path, limits: ReadLimits) -> bytes:
     try:
-        with open(p, "rb") as f:
+        with (_open_pipe(p, limits) if stat.S_ISFIFO(os.stat(p).st_mode) else open(p, "rb")) as f:
             data = f.read(limits.max_bytes + 1)
     except FileNotFoundError:
         raise SpecError([Problem(str(p), "", "file not found")]) from None
