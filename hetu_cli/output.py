@@ -64,12 +64,20 @@ def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False))
 
 
+def printable(text: str) -> str:
+    """``text`` with control characters (C0 but newline and tab, DEL, C1) escaped: error lines quote keys and
+    values of hostile files, where YAML's "\\r", "\\b" or "\\x9b" (a terminal's CSI) rewrote the line on the
+    user's terminal. (Messages of several lines keep their newlines.)"""
+    return "".join(ch if ch in "\n\t" or not (ord(ch) < 32 or 127 <= ord(ch) < 160) else ascii(ch)[1:-1]
+                   for ch in text)
+
+
 def fail(error: HspmdError | str) -> NoReturn:
     """Print a user error, one problem per line, to stderr and exit with status 2."""
     lines = error.lines() if isinstance(error, HspmdError) else [error]
     for line in lines:
         # click.echo, not rich: field paths like stages[0] must not be read as markup.
-        click.echo(f"error: {line}", err=True)
+        click.echo(f"error: {printable(line)}", err=True)
     sys.exit(2)
 
 

@@ -203,3 +203,16 @@ def test_max_strategies_is_bounded(tmp_path: Path):
                                       "--time-limit", "1", "-o", str(out)])
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
     assert "'--max-strategies': 1000000000 is not in the range 1<=x<=8" in result.output and not out.exists()
+
+
+def test_control_characters_in_an_error_line_are_escaped(tmp_path: Path):
+    """A key quoted from a hostile file reached the terminal raw: "\\r", "\\b", ESC or the C1 CSI (0x9b) could
+    rewrite or hide the error line."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text('version: 1\n"a\\rb\\bc\\ed\\x9be\\x07": 1\n')
+    result = CliRunner().invoke(cli, ["validate", str(plan)])
+    assert result.exit_code == 2, result.output
+    first = result.output.splitlines()[0]
+    assert first == (f"error: {plan}: a\\rb\\x08c\\x1bd\\x9be\\x07: unknown key (expected one of: version, model, "
+                     "cluster, training, strategies)"), result.output
+    assert not any(ord(c) < 32 or 127 <= ord(c) < 160 for c in result.output.replace("\n", ""))
