@@ -71,6 +71,8 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         c = Checker()
+        # An empty name was accepted: reports read 'on cpu-hetero4', checkpoints recorded model ''.
+        c.check(bool(self.name.strip()), "name", "must not be empty")
         c.each(self, ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_heads", "vocab_size",
                       "max_seq_len"), lambda v: v >= 1, "must be at least 1")
         c.check(self.num_layers <= MAX_LAYERS, "num_layers", f"must be at most {MAX_LAYERS}, got {self.num_layers}")

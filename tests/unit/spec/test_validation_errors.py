@@ -229,3 +229,11 @@ def test_an_odd_vocabulary_is_not_split_over_a_tp_group(tmp_path: Path):
                                       "json"])
     assert result.exit_code == 0, result.output
     assert "/tp2" not in result.output and "/tp1" in result.output
+
+
+def test_a_model_needs_a_name(tmp_path: Path):
+    path = tmp_path / "m.yaml"
+    path.write_text((CONFIGS / "models" / "llama-tiny.yaml").read_text().replace("name: llama-tiny", "name: '  '"))
+    with pytest.raises(SpecError) as err:
+        load_model(str(path))
+    assert err.value.lines() == [f"{path}: name: must not be empty"]
