@@ -183,9 +183,11 @@ def test_an_os_error_on_a_path_is_one_line(monkeypatch):
     assert result.output.splitlines() == ["error: /some/where/plan.yaml: Permission denied"]
 
 
-@pytest.mark.parametrize("type_name", ["", "../../outside", "a/b"])
+@pytest.mark.parametrize("type_name", ["", "TRAVERSE/outside", "\\x"])
 def test_profile_import_type_is_a_file_name(type_name: str, tmp_path: Path):
-    """--type names the default output, profiles/<type>.imported.yaml: '../../outside' wrote outside profiles/."""
+    """--type names the default output, profiles/<type>.imported.yaml: '../../outside' wrote
+    /work/wt/outside.imported.yaml, outside the checkout. (Here a traversal would land in tmp_path.)"""
+    type_name = type_name.replace("TRAVERSE", "../" * 40 + str(tmp_path).lstrip("/"))
     table = tmp_path / "t.csv"
     table.write_text("kind\n")
     result = CliRunner().invoke(cli, ["profile", "import", str(table), "--type", type_name, "--model", "llama-tiny",
@@ -193,6 +195,7 @@ def test_profile_import_type_is_a_file_name(type_name: str, tmp_path: Path):
     assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
     lines = result.output.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --type: "), result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.csv"]
 
 
 def test_max_strategies_is_bounded(tmp_path: Path):
