@@ -36,6 +36,12 @@ class HspmdGroup(click.Group):
             return super().invoke(ctx)
         except HspmdError as err:
             fail(err)
+        except OSError as err:
+            # A backstop: an OS error on a path the user gave (permissions, a name no file can have) that no
+            # check met first is still one line naming the path, not a traceback. One with no path is a bug.
+            if err.filename is None:
+                raise
+            fail(f"{err.filename}: {err.strerror or err}")
 
 
 @click.group(cls=HspmdGroup, context_settings={"help_option_names": ["-h", "--help"]})

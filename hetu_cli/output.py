@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Collection, Sequence
 from pathlib import Path
@@ -11,10 +12,27 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from runtime.errors import HspmdError, Problem, SpecError
+from runtime.spec.schema import MAX_FLOAT
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
+
+class FiniteFloatRange(click.FloatRange):
+    """``click.FloatRange`` that also refuses nan, inf and figures beyond the specs' MAX_FLOAT. Click's range
+    check lets nan through (every comparison with nan is false) and has no upper bound: ``replan --tolerance
+    nan`` left no candidate within tolerance (a traceback), ``plan --time-limit nan`` planned as if unlimited."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv) or abs(rv) > MAX_FLOAT:
+            self.fail(f"{value!r} is not a finite number of at most {MAX_FLOAT:g}", param, ctx)
+        return rv
+
+
+# Timeouts become ``datetime.timedelta``s (process groups, stores), which overflow past ~1e14 s: a
+# ``--timeout 1e20`` crashed every worker. No run waits on one operation for more than ~115 days.
+MAX_TIMEOUT_S = 1e7
 
 FORMAT_OPTION = click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text",
                              show_default=True, help="'json' prints one JSON object for scripts.")
@@ -46,12 +64,20 @@ def emit_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=False))
 
 
+def printable(text: str) -> str:
+    """``text`` with control characters (C0 but newline and tab, DEL, C1) escaped: error lines quote keys and
+    values of hostile files, where YAML's "\\r", "\\b" or "\\x9b" (a terminal's CSI) rewrote the line on the
+    user's terminal. (Messages of several lines keep their newlines.)"""
+    return "".join(ch if ch in "\n\t" or not (ord(ch) < 32 or 127 <= ord(ch) < 160) else ascii(ch)[1:-1]
+                   for ch in text)
+
+
 def fail(error: HspmdError | str) -> NoReturn:
     """Print a user error, one problem per line, to stderr and exit with status 2."""
     lines = error.lines() if isinstance(error, HspmdError) else [error]
     for line in lines:
         # click.echo, not rich: field paths like stages[0] must not be read as markup.
-        click.echo(f"error: {line}", err=True)
+        click.echo(f"error: {printable(line)}", err=True)
     sys.exit(2)
 
 

@@ -717,7 +717,8 @@ def ranked_sets(cands: Sequence[LengthStrategy], times: Sequence[Sequence[float 
     below = [i for i in order if cands[i].max_seq_len < settings.max_len]
     out = []
     for top in tops:
-        for r in range(settings.max_strategies):
+        # No more below the top than there are (--max-strategies 10**9 looped a billion empty combinations).
+        for r in range(min(settings.max_strategies, len(below) + 1)):
             for rest in itertools.combinations(below, r):
                 if len({cands[i].max_seq_len for i in rest}) < r:
                     continue

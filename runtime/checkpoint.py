@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -49,7 +50,7 @@ from runtime.models.params import llama_parameters
 from runtime.spec import ModelSpec, PlanContext
 from runtime.spec.catalog import model_source_config
 from runtime.spec.hf import CONFIG_FILE, HF_NAMES, config_for, read_config, spec_from_config
-from runtime.spec.io import AtomicFiles
+from runtime.spec.io import AtomicFiles, is_dir
 
 if TYPE_CHECKING:
     import torch
@@ -225,7 +226,7 @@ def checkpoint_info(directory: str | Path, model: ModelSpec, *, option: str = "-
 
 
 def _check_source(directory: Path, option: str) -> None:
-    if not directory.is_dir():
+    if not is_dir(directory):
         what = "not a directory" if os.path.lexists(directory) and not directory.is_symlink() else "no such directory"
         raise HspmdError(f"{directory}: {option}: {what}")
 
@@ -404,6 +405,11 @@ def check_save_target(directory: str | Path, option: str) -> None:
     """Refuse a directory a checkpoint cannot be written to, before any work: a run trains for its whole
     length before it saves. (Mode bits are as the OS reports them: root writes through them.)"""
     directory = Path(directory)
+    try:
+        os.lstat(directory)
+    except OSError as exc:   # a name too long, which only the save itself met before (the rest: below)
+        if exc.errno == errno.ENAMETOOLONG:
+            raise HspmdError(f"{directory}: {option}: cannot write: {exc.strerror}") from None
     if os.path.lexists(directory) and not directory.is_dir():
         raise HspmdError(f"{directory}: {option}: exists and is not a directory")
     existing = next(p for p in (directory, *directory.absolute().parents) if os.path.lexists(p))

@@ -27,6 +27,7 @@ import hashlib
 import itertools
 import json
 import math
+import os
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from typing import Literal, Protocol
 
 from runtime.data import BYTE_VOCAB, MAX_STRIDE
 from runtime.errors import Checker, FieldErrors, Problem, SpecError
-from runtime.spec.io import read_yaml
+from runtime.spec.io import is_dir, is_file, read_yaml
 
 IGNORE_INDEX = -100          # the label of a document's last token and of padding (torch's cross_entropy default)
 
@@ -328,7 +329,7 @@ def length_distribution(spec: str, max_len: int, policy: LongDocuments = "split"
     """``spec`` is a built-in name, or else the path of a histogram YAML file (what ``--lengths`` takes)."""
     if spec in NAMED_DISTRIBUTIONS:
         return named_distribution(spec, max_len)
-    if not Path(spec).exists():
+    if not os.path.exists(spec):   # (False, not an OSError, for names no file can have: too long)
         raise SpecError([Problem(spec, "lengths", f"neither a known distribution "
                                                   f"({', '.join(NAMED_DISTRIBUTIONS)}) nor an existing file")])
     return load_histogram(spec, max_len, policy)
@@ -420,8 +421,8 @@ class HFTokenizer:
 
         self.origin = str(path)
         p = Path(path)
-        if not p.is_file():
-            what = "is a directory, expected a tokenizer.json" if p.is_dir() else "file not found"
+        if not is_file(p):
+            what = "is a directory, expected a tokenizer.json" if is_dir(p) else "file not found"
             raise SpecError([Problem(self.origin, "", what)])
         try:
             self._tok = HFTok.from_file(str(p))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import click
 
+from hetu_cli.output import MAX_TIMEOUT_S, FiniteFloatRange
 from runtime.elastic.agents import DEFAULT_PORT, run_agent
 
 
@@ -19,7 +20,8 @@ from runtime.elastic.agents import DEFAULT_PORT, run_agent
                    f"{DEFAULT_PORT} unless that says otherwise (the port is always given here).")
 @click.option("--node", required=True, help="This node's name in the cluster file.")
 @click.option("--token", required=True, help="The job token the coordinator was given.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
+@click.option("--timeout", "timeout_s", type=FiniteFloatRange(min=1.0, max=MAX_TIMEOUT_S), default=120.0,
+              show_default=True,
               help="Seconds to wait for the coordinator's answer.")
 def agent(coordinator: str, node: str, token: str, timeout_s: float) -> None:
     """Run node NAME's workers for the elastic job at HOST:PORT."""

@@ -32,9 +32,9 @@ from runtime.errors import Problem, SpecError
 from runtime.launch.options import TrainOptions
 from runtime.launch.session import document_source_of
 from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model, save_plan, validate_plan
+from runtime.spec import dump_plan, load_cluster, load_model, validate_plan
 from runtime.spec.catalog import PlanContext, recorded_ref
-from runtime.spec.io import atomic_write_text
+from runtime.spec.io import atomic_write_files, atomic_write_text
 
 
 def plan_for_lengths(model_ref: str, cluster_ref: str, profile_dirs: Sequence[Path], lengths: str,
@@ -64,10 +64,8 @@ def plan_for_lengths(model_ref: str, cluster_ref: str, profile_dirs: Sequence[Pa
     if problems:   # a planner bug, not a user error: refuse to write it
         raise RuntimeError("planner produced an invalid plan: " + "; ".join(str(x) for x in problems))
     fixed = build_plan([result.single_best], settings, planned.model, planned.cluster)
-    if out_path is not None:
-        save_plan(planned, out_path)
-    if fixed_path is not None:
-        save_plan(fixed, fixed_path)
+    atomic_write_files([(path, dump_plan(p).encode()) for p, path in ((planned, out_path), (fixed, fixed_path))
+                        if path is not None])
     ranges = length_ranges(planned)
     rows = [{"name": s.name, "range": list(ranges[s.name]), "max_seq_len": s.max_seq_len, "summary": ls.summary,
              "pipeline_capacity_tokens": [p.capacity for p in ls.cost.pipelines], "fixed_step_s": ls.fixed_s}

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hetu_cli.commands.lengths_report import plan_for_lengths
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json, refuse_given
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, FiniteFloatRange, console, emit_json, refuse_given
 from planner.api import PlanSettings
 from planner.api import plan as run_planner
 from planner.report import print_report, result_json
@@ -17,9 +17,12 @@ from planner.schedule_choice import AUTO
 from runtime.errors import Problem, SpecError
 from runtime.pipeline_schedules import SCHEDULE_NAMES
 from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model, save_plan, validate_plan
+from runtime.spec import dump_plan, load_cluster, load_model, validate_plan
 from runtime.spec.catalog import recorded_ref
+from runtime.spec.io import atomic_write_files, check_output_file
 from runtime.spec.plan import MAX_TOKENS_PER_STEP
+
+MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k) grows fast past it
 
 
 @click.command()
@@ -38,7 +41,7 @@ from runtime.spec.plan import MAX_TOKENS_PER_STEP
 @click.option("--zero/--no-zero", "use_zero", default=None,
               help="ZeRO-1 (optimizer states sharded over the pipelines; with --elastic, 2 copies of each chunk). "
                    "Default: on; with --elastic, whichever is faster.")
-@click.option("--time-limit", "time_limit", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
+@click.option("--time-limit", "time_limit", type=FiniteFloatRange(min=1.0), default=120.0, show_default=True,
               help="Seconds the search may take (it stops early and keeps what it found).")
 @click.option("--top-k", type=click.IntRange(min=1), default=5, show_default=True,
               help="Near-best candidates to list.")
@@ -62,7 +65,7 @@ from runtime.spec.plan import MAX_TOKENS_PER_STEP
                                 "histogram YAML file; plans several strategies, each for a length range.")
 @click.option("--tokens-per-step", type=click.IntRange(min=1, max=MAX_TOKENS_PER_STEP),
               help="With --lengths: the tokens of one step.")
-@click.option("--max-strategies", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--max-strategies", type=click.IntRange(min=1, max=MAX_STRATEGIES), default=3, show_default=True,
               help="With --lengths: the most strategies in the plan.")
 @click.option("--fixed-out", "fixed_path", type=click.Path(path_type=Path),
               help="With --lengths: also write the best single plan for the longest document (the comparison the "
@@ -77,9 +80,9 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
     """Search TP groups, pipelines, layer splits (ILP), micro-batches (ILP) and recompute for the fastest
     plan that fits memory; compare it with the best symmetric plans and the lower bound. With --lengths:
     one plan of several strategies, each serving a range of document lengths (planner/lengths.py)."""
-    for path in (out_path, symmetric_path, fixed_path):
-        if path is not None and path.is_dir():
-            raise SpecError([Problem(str(path), "", "is a directory; give a file name for the plan")])
+    for path, option in ((out_path, "-o"), (symmetric_path, "--symmetric-out"), (fixed_path, "--fixed-out")):
+        if path is not None:
+            check_output_file(path, option)   # before the search, which may take minutes
     if lengths is not None:
         unused = {"--global-batch": global_batch, "--micro-batch": micro_batch, "--elastic": elastic or None,
                   "--zero/--no-zero": use_zero, "--symmetric-out": symmetric_path}
@@ -116,10 +119,9 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         problems = [] if p is None else validate_plan(p, model, cluster, str(path or "plan"))
         if problems:   # a planner bug, not a user error: refuse to write it
             raise RuntimeError("planner produced an invalid plan: " + "; ".join(str(x) for x in problems))
-    if out_path is not None:
-        save_plan(planned, out_path)
-    if symmetric_path is not None and symmetric is not None:
-        save_plan(symmetric, symmetric_path)
+    # Both files or neither: a symmetric baseline that cannot be written leaves no plan beside it.
+    atomic_write_files([(path, dump_plan(p).encode()) for p, path in ((planned, out_path), (symmetric, symmetric_path))
+                        if path is not None and p is not None])
     written = None if out_path is None else str(out_path)
     if fmt == "json":
         out = result_json(result, planned, written)

@@ -10,11 +10,13 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import FORMAT_OPTION, console, emit_json, refuse_given, table
+from hetu_cli.output import FORMAT_OPTION, FiniteFloatRange, console, emit_json, refuse_given, table
 from runtime.errors import Problem, SpecError
 from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, DeviceProfile, Fit, LinkFit, eval_fit, load_profile
 from runtime.spec import load_cluster, load_model
 from runtime.spec.catalog import resolve_profile_ref
+from runtime.spec.cluster import type_name_problem
+from runtime.spec.io import check_output_file
 from runtime.spec.schema import to_data
 
 
@@ -27,7 +29,7 @@ from runtime.spec.schema import to_data
 @click.option("--device-type", help="Which cluster device type this machine's GPU is (GPU clusters).")
 @click.option("--seq-lens", default="16,32,64,128,256", show_default=True,
               help="Sequence lengths to time (comma-separated; capped at each model's max_seq_len).")
-@click.option("--budget", type=click.FloatRange(0.0), default=0.1, show_default=True,
+@click.option("--budget", type=FiniteFloatRange(0.0), default=0.1, show_default=True,
               help="Seconds of repeats per timed point (at least 5 repeats each).")
 @click.option("--link-processes", type=click.IntRange(2), default=4, show_default=True,
               help="Most local processes for the link measurement.")
@@ -50,6 +52,9 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
     from runtime.profiling.profiler import ProfileSettings, count_steps, plan_targets, profile_cluster
 
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
+    if cluster.emulated:   # every type is derived from this CPU's measurement: a --device-type was ignored
+        refuse_given(f"only for GPU clusters (cluster {cluster.name!r} is CPU-emulated: all its types are "
+                     "measured on this CPU)", "device_type")
     models = [load_model(m, file="--model", field="") for m in model_refs]
     for ref, m in zip(model_refs, models):
         if m.gpt:   # the profiler times the runtime's own (Llama) modules
@@ -146,6 +151,11 @@ def import_(table: Path, device_type: str, model_ref: str, table_fmt: str | None
     from runtime.profiling.flat_table import import_profile
     from runtime.profiling.profile import save_profile
 
+    bad = type_name_problem(device_type)
+    if bad is not None:
+        raise SpecError([Problem("--type", "", bad)])
+    out = out_path or PROFILES_DIR / f"{device_type}.imported.yaml"
+    check_output_file(out, "--out")
     model = load_model(model_ref, file="--model", field="")
     if base_ref is None and resolve_profile_ref(device_type) is None:
         raise SpecError([Problem("--base", "", f"no shipped profile of {device_type!r} to start from: give --base")])
@@ -153,7 +163,6 @@ def import_(table: Path, device_type: str, model_ref: str, table_fmt: str | None
     prof = import_profile(table, device_type=device_type, model=model, base=base, fmt=table_fmt,
                           includes_tp_comm=includes_tp_comm, serialised_send_recv=serialised_send_recv,
                           base_name=str(base_path))
-    out = out_path or PROFILES_DIR / f"{device_type}.imported.yaml"
     save_profile(prof, out)
     click.echo(f"wrote {out} ({device_type}, imported from {table})")
 
@@ -167,6 +176,8 @@ def export(profile_ref: str, table_fmt: str, model_key: str | None, out_path: Pa
     """Write a profile's measurements as the flat table ``profile import`` reads."""
     from runtime.profiling.flat_table import format_rows, table_rows, write_rows
 
+    if out_path is not None:
+        check_output_file(out_path, "--out")
     _, prof = _profile_file(profile_ref, "PROFILE")
     rows = table_rows(prof, model_key)
     if out_path is None:

@@ -11,14 +11,15 @@ from rich import filesize
 from rich.markup import escape
 from rich.table import Table
 
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json, table
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, FiniteFloatRange, console, emit_json, table
 from planner.replan import DEFAULT_TOLERANCE, ReplanResult, RestartModel
 from planner.replan import replan as run_replan
-from runtime.errors import HspmdError, Problem, SpecError
+from runtime.errors import HspmdError
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import PlanContext, load_plan_context, save_plan
 from runtime.spec.catalog import recorded_ref
 from runtime.spec.handle import StrategyHandle
+from runtime.spec.io import check_output_file
 from runtime.spec.schema import to_data
 
 TOP_LINKS = 12
@@ -48,14 +49,14 @@ def plan_refs(ctx: PlanContext) -> tuple[str, str]:
 @click.option("--failed", "failed_text", required=True, help="The failed device ids, e.g. 5,6.")
 @click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), help="Write the new plan here (YAML).")
 @PROFILE_OPTION
-@click.option("--tolerance", type=click.FloatRange(min=0.0), default=DEFAULT_TOLERANCE, show_default=True,
+@click.option("--tolerance", type=FiniteFloatRange(min=0.0), default=DEFAULT_TOLERANCE, show_default=True,
               help="Candidates within this fraction of the fastest step time count as equally fast; among "
                    "them the one that moves the least state wins.")
-@click.option("--time-limit", "time_limit", type=click.FloatRange(min=1.0), default=60.0, show_default=True,
+@click.option("--time-limit", "time_limit", type=FiniteFloatRange(min=1.0), default=60.0, show_default=True,
               help="Seconds the planner may search.")
-@click.option("--storage-gbs", type=click.FloatRange(min=0.001), default=RestartModel.storage_gbs, show_default=True,
+@click.option("--storage-gbs", type=FiniteFloatRange(min=0.001), default=RestartModel.storage_gbs, show_default=True,
               help="Checkpoint-restart model: aggregate storage bandwidth (GB/s) for writing and reading.")
-@click.option("--restart-s", type=click.FloatRange(min=0.0), default=RestartModel.restart_s, show_default=True,
+@click.option("--restart-s", type=FiniteFloatRange(min=0.0), default=RestartModel.restart_s, show_default=True,
               help="Checkpoint-restart model: seconds to start new processes and process groups.")
 @click.option("--checkpoint-interval", type=click.IntRange(min=1), default=RestartModel.checkpoint_interval_steps,
               show_default=True, help="Checkpoint-restart model: steps between checkpoints (half is lost on average).")
@@ -68,8 +69,8 @@ def replan(plan_path: Path, strategy_name: str | None, failed_text: str, out_pat
 
     Exit code 2, nothing written, when some parameter has no surviving replica or (ZeRO-1) some moment chunk
     no surviving copy: the coordinator's own check, naming what is lost and who held it."""
-    if out_path is not None and out_path.is_dir():
-        raise SpecError([Problem(str(out_path), "", "is a directory; give a file name for the plan")])
+    if out_path is not None:
+        check_output_file(out_path, "-o")
     failed = parse_devices(failed_text, "--failed")
     ctx = load_plan_context(plan_path)
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))

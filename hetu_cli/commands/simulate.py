@@ -14,7 +14,7 @@ from planner.simulate import chrome_trace
 from planner.simulate import simulate as run_simulation
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_plan_context
-from runtime.spec.io import atomic_write_text
+from runtime.spec.io import atomic_write_text, check_output_file
 from runtime.spec.plan import MAX_TOKENS_PER_STEP
 
 MAX_TRACE_STEPS = 10_000
@@ -50,6 +50,8 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
         refuse_given("not with --lengths (it models failures of fixed-length steps)", "events_file")
     if events_file is not None:
         refuse_given("not with --events (the failure model writes no timeline)", "trace_path")
+    if trace_path is not None:
+        check_output_file(trace_path, "--trace")
     ctx = load_plan_context(plan_path, cluster=cluster)
     if lengths is not None:
         simulate_lengths(ctx, profile_dirs, lengths, steps, tokens_per_step, strategy_name, trace_path, fmt)

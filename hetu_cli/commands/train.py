@@ -16,7 +16,7 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import console, given, refuse_given
+from hetu_cli.output import MAX_TIMEOUT_S, FiniteFloatRange, console, given, refuse_given
 from runtime.elastic.agents import DEFAULT_PORT
 from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
@@ -24,6 +24,7 @@ from runtime.launch.options import ELASTIC_HEARTBEAT_TIMEOUT_S, ELASTIC_TIMEOUT_
 from runtime.launch.session import TRACE_MERGED
 from runtime.launch.supervise import PlainPolicy
 from runtime.precision import PRECISIONS
+from runtime.spec.io import is_file
 
 
 class MetricsFile:
@@ -118,7 +119,7 @@ class StepDisplay:
                                       "seq_len tokens, or refuse the run.")
 @click.option("--save", "save_dir", type=click.Path(path_type=Path), help="Save a checkpoint here at the end.")
 @click.option("--load", "load_dir", type=click.Path(path_type=Path), help="Start from this checkpoint.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0),
+@click.option("--timeout", "timeout_s", type=FiniteFloatRange(min=1.0, max=MAX_TIMEOUT_S),
               help="Seconds any collective or store operation may take before the run fails "
                    f"[default: 120; {ELASTIC_TIMEOUT_S:g} with --elastic].")
 @click.option("--elastic", is_flag=True,
@@ -137,7 +138,7 @@ class StepDisplay:
 @click.option("--fault-point", type=click.Choice(["start", "after-commit"]), default="start", show_default=True,
               help="Where in --at-step they fire: its start, or (--elastic) once it is committed, as its optimizer "
                    "update and ZeRO-1 parameter all-gather begin.")
-@click.option("--heartbeat-timeout", "heartbeat_timeout_s", type=click.FloatRange(min=1.0),
+@click.option("--heartbeat-timeout", "heartbeat_timeout_s", type=FiniteFloatRange(min=1.0, max=MAX_TIMEOUT_S),
               help=f"A worker silent this long counts as hung [default: 30; {ELASTIC_HEARTBEAT_TIMEOUT_S:g} with "
                    "--elastic].")
 @click.option("--profile", "profile_dirs", multiple=True, type=click.Path(path_type=Path),
@@ -148,7 +149,7 @@ class StepDisplay:
                    "peak rates and micro-batches of the strategy's max_seq_len; profiles: the planner's cost model "
                    "(the profiles' per-document costs and each stage's memory, the strategies' states side by "
                    "side), as `hspmd plan --lengths` and `hspmd simulate --lengths` price them.")
-@click.option("--replan-tolerance", type=click.FloatRange(min=0.0), default=0.05, show_default=True,
+@click.option("--replan-tolerance", type=FiniteFloatRange(min=0.0), default=0.05, show_default=True,
               help="--elastic: only candidates this close to the fastest are considered; among them, the one "
                    "with the least modelled switch plus predicted step time over the steps left wins.")
 @click.option("--preplan/--no-preplan", default=True, show_default=True,
@@ -330,7 +331,7 @@ def _parse_switch(spec: str) -> PlannedSwitch:
     step, sep, path = spec.partition(":")
     if not sep or not step.strip().isdigit() or not path:
         raise HspmdError(f"--switch: expected STEP:PLAN such as 10:other-plan.yaml, got {spec!r}")
-    if not Path(path).is_file():
+    if not is_file(path):
         raise HspmdError(f"{path}: --switch: file not found")
     if int(step) < 1:
         raise HspmdError(f"--switch {spec}: the step must be at least 1")

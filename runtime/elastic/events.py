@@ -73,6 +73,12 @@ class Trace:
         return sum(1 for e in self.events if e.action == "rejoin")
 
 
+# Bounds on what a (hostile) trace makes every reader enumerate: each event is a replan (~0.2 s on the tiny
+# model; 20,000 events ran for an hour), and a step count past 10**9 is no run (2**60 steps was modelled).
+MAX_TRACE_EVENTS = 1000
+MAX_TRACE_STEPS = 10**9
+
+
 def load_trace(path: str | Path, cluster: Cluster, running: Collection[int]) -> Trace:
     """Read and check a trace file; ``running``: the devices the run starts on."""
     data = read_yaml(path)
@@ -90,8 +96,13 @@ def parse_trace(data: Any, cluster: Cluster, running: Collection[int], file: str
     steps = data.get("steps")
     if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
         raise bad("steps", f"must be an integer >= 1, got {steps!r}")
+    if steps is not None and steps > MAX_TRACE_STEPS:
+        raise bad("steps", f"{steps:,} steps: hspmd models traces of at most {MAX_TRACE_STEPS:,}")
     if not isinstance(items, list):
         raise bad("events", "must be a list of {step, action, devices | node}")
+    if len(items) > MAX_TRACE_EVENTS:
+        raise bad("events", f"{len(items):,} events: hspmd models traces of at most {MAX_TRACE_EVENTS:,} (each is "
+                            "a replan)")
     nodes = {n.name for n in cluster.nodes}
     node_devices = {name: tuple(d.id for d in cluster.devices if d.node == name) for name in nodes}
     alive = set(running)
@@ -107,6 +118,8 @@ def parse_trace(data: Any, cluster: Cluster, running: Collection[int], file: str
         step = item.get("step")
         if not isinstance(step, int) or isinstance(step, bool) or step < 1:
             raise bad(f"{at}.step", f"must be an integer >= 1, got {step!r}")
+        if step > MAX_TRACE_STEPS:
+            raise bad(f"{at}.step", f"step {step:,}: hspmd models traces of at most {MAX_TRACE_STEPS:,} steps")
         if step < last_step:
             raise bad(f"{at}.step", f"step {step} comes after step {last_step}: events must be in step order")
         last_step = step

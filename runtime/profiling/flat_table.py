@@ -28,6 +28,7 @@ from runtime.profiling.profile import COMPONENTS, LAYER_COMPONENTS, DeviceProfil
 from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves
 from runtime.spec.io import atomic_write_text, read_json, read_text
 from runtime.spec.model import ModelSpec
+from runtime.spec.schema import MAX_FLOAT, MAX_INT
 
 TableFormat = Literal["csv", "json"]
 KINDS = ("compute", "link", "allreduce", "iteration")
@@ -80,6 +81,9 @@ def read_rows(path: str | Path, fmt: str | None = None) -> list[tuple[int, dict[
     if unknown:
         raise SpecError([Problem(f"{p}:1", h, f"unknown column (expected some of: {', '.join(COLUMNS)})")
                          for h in unknown])
+    twice = sorted({h for h in header if header.count(h) > 1})
+    if twice:   # the row dicts would keep the last of the two cells, silently
+        raise SpecError([Problem(f"{p}:1", h, "column given twice") for h in twice])
     rows = []
     try:
         for cells in reader:
@@ -109,8 +113,15 @@ def _cell(where: str, name: str, value: Any, problems: list[Problem]) -> Any:
         except ValueError:
             value = None
     wrong_type = isinstance(value, bool) or not isinstance(value, int if convert is int else (int, float))
-    if wrong_type or not math.isfinite(value):
+    if wrong_type or isinstance(value, float) and not math.isfinite(value):
         problems.append(Problem(where, name, f"expected {kind}, got {raw!r}"))
+        return None
+    # The spec files' bounds (runtime/spec/schema.py): a JSON integer of 400 digits overflowed math.isfinite
+    # (a traceback), and 1e300 seconds were imported as measured.
+    if abs(value) > (MAX_INT if name in INTS else MAX_FLOAT):
+        shown = repr(raw) if len(repr(raw)) <= 40 else repr(raw)[:37] + "..."
+        problems.append(Problem(where, name, f"{shown} is out of range (at most "
+                                             f"{f'{MAX_INT:,}' if name in INTS else f'{MAX_FLOAT:g}'} in size)"))
         return None
     if name in INTS and value < INTS[name]:
         problems.append(Problem(where, name, f"must be at least {INTS[name]}, got {value}"))
@@ -228,7 +239,10 @@ def import_profile(path: str | Path, *, device_type: str, model: ModelSpec, base
     """A ``provenance: imported`` profile of ``device_type``: ``base``'s figures (a spec profile: memory,
     throughput, link latencies) with the table's measurements for ``model``'s shape."""
     file = str(path)
-    parsed = parse_rows(read_rows(path, fmt), file)
+    rows = read_rows(path, fmt)
+    if not rows:   # a header alone wrote the base profile back as 'imported', measuring nothing
+        raise SpecError([Problem(file, "", "no rows: the table measures nothing to import")])
+    parsed = parse_rows(rows, file)
     tables: dict[int, dict[str, ComponentTable]] = {}
     layers: dict[int, dict[int, dict[str, ComponentTable]]] = {}
     for key in sorted(parsed.compute, key=lambda k: (k[0] is not None, k[0] or 0, k[1], COMPONENTS.index(k[2]))):

@@ -106,7 +106,10 @@ def size_problem(spec: ModelSpec, settings: NumericsSettings) -> str | None:
     largest = {"the embedding / head weight": spec.vocab_size * spec.hidden_size,
                "an MLP weight": spec.hidden_size * spec.ffn_hidden_size,
                "the head's logits": tokens * spec.vocab_size,
-               "the MLP's activations": tokens * spec.ffn_hidden_size}
+               "the MLP's activations": tokens * spec.ffn_hidden_size,
+               # head_dim 10**6 on llama-tiny's 8 heads: 5e8-element q/o projections, allocated for minutes
+               "an attention projection": spec.hidden_size * spec.num_heads * spec.head_size,
+               "the attention scores": settings.batch * spec.num_heads * settings.seq_len ** 2}
     what, n = max(largest.items(), key=lambda kv: kv[1])
     if n > MAX_ELEMENTS:
         return (f"{spec.name}: {what} has {n:,} elements, more than the {MAX_ELEMENTS:,} checked in fp64 here "

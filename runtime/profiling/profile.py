@@ -31,7 +31,7 @@ from runtime.errors import Checker, Problem, SpecError
 from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves, nearest_degree
 from runtime.spec.catalog import PROFILES_DIR, load_model, resolve_profile_ref
 from runtime.spec.cluster import DeviceType, Emulation
-from runtime.spec.io import atomic_write_text, dump_yaml, load_file
+from runtime.spec.io import atomic_write_text, dump_yaml, is_dir, is_file, load_file
 from runtime.spec.model import Architecture, ModelSpec
 from runtime.spec.schema import to_data
 
@@ -439,8 +439,9 @@ def save_profile(profile: DeviceProfile, path: str | Path) -> None:
 def read_profile_dir(directory: str | Path) -> list[tuple[Path, DeviceProfile]]:
     """Every ``*.yaml`` profile in a directory (not recursive), sorted by file name."""
     d = Path(directory)
-    if not d.is_dir():
-        raise SpecError([Problem(str(d), "", "profile directory not found")])
+    if not is_dir(d):
+        what = "is a file, expected a directory of profiles" if is_file(d) else "profile directory not found"
+        raise SpecError([Problem(str(d), "", what)])
     out: list[tuple[Path, DeviceProfile]] = []
     problems: list[Problem] = []
     for p in sorted(d.glob("*.yaml")):

@@ -12,7 +12,7 @@ from pathlib import Path
 from runtime.errors import Problem, SpecError
 from runtime.spec.cluster import Cluster
 from runtime.spec.hf import config_file, is_hf_config, load_hf_model
-from runtime.spec.io import atomic_write_text, dump_yaml, load_file
+from runtime.spec.io import atomic_write_text, dump_yaml, is_file, load_file
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import PLAN_VERSION, Plan
 from runtime.spec.schema import to_data
@@ -40,7 +40,7 @@ def _path_ref(ref: str, kind: str, relative_to: Path | None) -> Path | None:
     for c in candidates:
         if kind == "models":
             c = config_file(c)  # a Hugging Face model directory stands for its config.json
-        if c.is_file():
+        if is_file(c):
             return c
     return None
 
@@ -53,7 +53,7 @@ def resolve_ref(ref: str, kind: str, relative_to: Path | None = None) -> Path | 
     if looks_like_path(ref):
         return _path_ref(ref, kind, relative_to)
     p = CONFIGS_DIR / kind / f"{ref}.yaml"
-    if p.is_file():
+    if is_file(p):
         return p
     return _path_ref(ref, kind, relative_to) if kind == "models" else None
 
@@ -73,7 +73,7 @@ def resolve_profile_ref(ref: str, relative_to: Path | None = None) -> Path | Non
     if looks_like_path(ref):
         return resolve_ref(ref, "profiles", relative_to)
     p = PROFILES_DIR / f"{ref}.yaml"
-    return p if p.is_file() else None
+    return p if is_file(p) else None
 
 
 def load_model(ref: str, *, relative_to: Path | None = None, file: str = "", field: str = "model") -> ModelSpec:

@@ -18,6 +18,9 @@ MAX_DEVICES = 65_536  # a bound on what a (hostile) file makes every verb enumer
 # A device's GiB, TFLOPS and GB/s beyond a million are no device; 1e308 overflows the cost model's byte and
 # FLOP products to inf, and inf - inf to nan.
 MAX_FIGURE = 1e6
+# Below a millionth (a KiB of memory, a MFLOPS, a KB/s link) they are no device either: a 1e-20 GB/s link
+# prices one message at 1e15 s, beside which a micro-batch's 0.01 s vanishes in rounding (hspmd plan spun).
+MIN_FIGURE = 1e-6
 MAX_SLOWDOWN = 1000.0  # beyond this the planner's ILP coefficients span too many orders of magnitude
 
 
@@ -112,6 +115,7 @@ class DeviceType:
                 v = getattr(self, name)
                 if c.check(v > 0, name, f"must be positive, got {v}"):
                     c.check(v <= MAX_FIGURE, name, f"{v:g} is beyond any device (at most {MAX_FIGURE:g})")
+                    c.check(v >= MIN_FIGURE, name, f"{v:g} is below any device (at least {MIN_FIGURE:g})")
 
     @property
     def emulated(self) -> bool:
@@ -136,6 +140,18 @@ class Node:
             c.check(self.count >= 1, "count", f"must be at least 1, got {self.count}")
 
 
+def type_name_problem(name: str) -> str | None:
+    """What is wrong with a device type name, or None. A type names files (``profiles/<type>.yaml`` is looked
+    up, ``hspmd profile`` writes ``<type>.measured.yaml`` into --out, ``profile import`` ``<type>.imported.yaml``):
+    an empty name crashed every verb that prices (a traceback), and one with a path separator would write
+    outside the profile directory."""
+    if not name.strip():
+        return "a device type name must not be empty"
+    if name in (".", "..") or any(ch in "/\\" or ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        return f"device type name {name!r} is not a file name (no path separators or control characters)"
+    return None
+
+
 @dataclass(frozen=True)
 class BandwidthOverride:
     """Measured or known bandwidth between two devices, or between every device of two nodes."""
@@ -149,6 +165,8 @@ class BandwidthOverride:
             if c.check(self.bandwidth_gbs > 0, "bandwidth_gbs", f"must be positive, got {self.bandwidth_gbs}"):
                 c.check(self.bandwidth_gbs <= MAX_FIGURE, "bandwidth_gbs",
                         f"{self.bandwidth_gbs:g} is beyond any link (at most {MAX_FIGURE:g})")
+                c.check(self.bandwidth_gbs >= MIN_FIGURE, "bandwidth_gbs",
+                        f"{self.bandwidth_gbs:g} is below any link (at least {MIN_FIGURE:g})")
             c.check((self.devices is None) != (self.nodes is None), "",
                     "give exactly one of 'devices' or 'nodes'")
 
@@ -181,10 +199,16 @@ class Cluster:
             c.check(bool(self.name), "name", "must not be empty")
             c.check(self.nics_per_node >= 1, "nics_per_node", f"must be at least 1, got {self.nics_per_node}")
             c.check(len(self.device_types) > 0, "device_types", "must define at least one device type")
+            for type_name in self.device_types:
+                bad = type_name_problem(type_name)
+                if bad is not None:
+                    c.add(f"device_types.{type_name}" if type_name.strip() else "device_types", bad)
             c.check(len(self.nodes) > 0, "nodes", "must list at least one node")
             if c.check(self.inter_node_bandwidth_gbs > 0, "inter_node_bandwidth_gbs", "must be positive"):
                 c.check(self.inter_node_bandwidth_gbs <= MAX_FIGURE, "inter_node_bandwidth_gbs",
                         f"{self.inter_node_bandwidth_gbs:g} is beyond any link (at most {MAX_FIGURE:g})")
+                c.check(self.inter_node_bandwidth_gbs >= MIN_FIGURE, "inter_node_bandwidth_gbs",
+                        f"{self.inter_node_bandwidth_gbs:g} is below any link (at least {MIN_FIGURE:g})")
             seen_pair: set[tuple[str, str]] = set()
             for i, node in enumerate(self.nodes):
                 if node.device_type not in self.device_types:
@@ -201,6 +225,8 @@ class Cluster:
                     for j, d in enumerate(o.devices):
                         c.check(0 <= d < n, f"bandwidth_overrides[{i}].devices[{j}]",
                                 f"unknown device id {d} (cluster has devices 0-{n - 1})")
+                    c.check(o.devices[0] != o.devices[1], f"bandwidth_overrides[{i}].devices",
+                            f"names device {o.devices[0]} twice: a link joins two devices")
                 if o.nodes is not None:
                     for j, name in enumerate(o.nodes):
                         c.check(name in names, f"bandwidth_overrides[{i}].nodes[{j}]", f"unknown node {name!r}")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import FieldErrors, Problem, SpecError
-from runtime.spec.io import read_json
+from runtime.spec.io import is_dir, read_json
 from runtime.spec.model import ModelSpec, RopeScaling
 
 CONFIG_FILE = "config.json"
@@ -34,7 +34,7 @@ def is_hf_config(path: Path) -> bool:
 
 def config_file(path: Path) -> Path:
     """``path`` itself, or the ``config.json`` of a model directory."""
-    return path / CONFIG_FILE if path.is_dir() else path
+    return path / CONFIG_FILE if is_dir(path) else path
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

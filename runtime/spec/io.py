@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,11 +35,14 @@ class ReadLimits:
     max_aliases: int = 1000        # YAML alias uses (*name) in one file
     max_alias_nesting: int = 2     # an anchored node may use aliases, whose nodes may not (again)
     max_nodes: int = 250_000       # nodes after expanding every alias (the billion-laughs bound)
+    pipe_wait_s: float = 10.0      # a named pipe (FIFO) no one writes to blocked the open forever
 
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_depth", "max_aliases", "max_alias_nesting", "max_nodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ReadLimits.{name} must be at least 1")
+        if not self.pipe_wait_s > 0:
+            raise ValueError("ReadLimits.pipe_wait_s must be positive")
 
 
 DEFAULT_LIMITS = ReadLimits()
@@ -145,9 +149,46 @@ class _BoundedLoader(yaml.composer.Composer, *((_PARSER,) if _PARSER else (yaml.
         return node
 
 
+def is_file(path: str | os.PathLike[str]) -> bool:
+    """``Path.is_file`` that answers False, not an OSError (a traceback), for a name no file can have: a
+    component longer than the file system allows, a path through a file the OS refuses (Python 3.11's
+    pathlib passes ENAMETOOLONG and EACCES on)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except (OSError, ValueError):   # ValueError: an embedded NUL byte
+        return False
+
+
+def is_dir(path: str | os.PathLike[str]) -> bool:
+    """``Path.is_dir`` with ``is_file``'s answer for names no directory can have."""
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def _open_pipe(p: Path, limits: ReadLimits) -> Any:
+    """A named pipe, opened without blocking and read once a writer has written or closed it (within
+    ``pipe_wait_s``). A plain open() of a FIFO that no one writes to never returns: every verb hung."""
+    import select
+
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+        if not poller.poll(limits.pipe_wait_s * 1000):
+            raise SpecError([Problem(str(p), "", f"a named pipe that nothing wrote to within {limits.pipe_wait_s:g} "
+                                                 "s (give a file)")])
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _read_bytes(p: Path, limits: ReadLimits) -> bytes:
     try:
-        with open(p, "rb") as f:
+        with (_open_pipe(p, limits) if stat.S_ISFIFO(os.stat(p).st_mode) else open(p, "rb")) as f:
             data = f.read(limits.max_bytes + 1)
     except FileNotFoundError:
         raise SpecError([Problem(str(p), "", "file not found")]) from None
@@ -311,9 +352,59 @@ def _umask() -> int:
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it over ``path``."""
-    with AtomicFiles() as files:
-        files.write(path, data)
+    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it over ``path``.
+
+    A target that cannot be written (a directory, a path under a file, a read-only or pseudo file system, a
+    name too long, a full disk) is one SpecError naming it, and the directories this write created for it
+    are removed again: nothing is left behind."""
+    atomic_write_files([(path, data)])
+
+
+def atomic_write_files(items: list[tuple[str | os.PathLike[str], bytes]]) -> None:
+    """Several files replaced together (``AtomicFiles``): all of them written, or none (e.g. ``hspmd plan -o
+    P --symmetric-out S`` when S cannot be written leaves no P either)."""
+    created = {d: None for path, _ in items for d in Path(path).parents if not os.path.lexists(d)}
+    target = ""
+    try:
+        with AtomicFiles() as files:
+            for path, data in items:
+                target = str(path)
+                files.write(path, data)
+            target = ""  # past here only the renames fail: the error's filename2 is the target
+    except OSError as exc:
+        for d in sorted(created, key=lambda d: len(d.parts), reverse=True):  # deepest first
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise SpecError([Problem(target or str(exc.filename2 or items[-1][0]), "",
+                                 f"cannot write: {why_not(exc)}")]) from None
+
+
+def why_not(exc: OSError) -> str:
+    """An OS error as the words a one-line user error ends with."""
+    if isinstance(exc, IsADirectoryError):
+        return "is a directory, expected a file name"
+    return exc.strerror or str(exc)
+
+
+def check_output_file(path: str | os.PathLike[str], option: str) -> None:
+    """Refuse, before any work, an output file that cannot be written: a directory, a name too long, a
+    path whose nearest existing ancestor is a file or not writable. (Mode bits are as the OS reports them:
+    root writes through them. What only the write itself finds out, e.g. a pseudo file system, is refused by
+    ``atomic_write_bytes`` without writing anything.)"""
+    p = Path(path)
+    try:
+        os.lstat(p)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:   # ENAMETOOLONG, ENOTDIR (a file on the way), ELOOP, EACCES
+        raise SpecError([Problem(str(p), option, f"cannot write: {why_not(exc)}")]) from None
+    if p.is_dir():
+        raise SpecError([Problem(str(p), option, "is a directory, expected a file name")])
+    existing = next(a for a in p.absolute().parents if os.path.lexists(a))
+    if not existing.is_dir():
+        raise SpecError([Problem(str(p), option, f"cannot write: {existing} is not a directory")])
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SpecError([Problem(str(p), option, f"cannot write: {existing} is not writable")])
 
 
 class AtomicFiles:

@@ -83,6 +83,18 @@ def test_cli_refuses_components_too_large_for_an_fp64_check(tmp_path):
     assert "--model: llama-tiny: an MLP weight has 512,000,000 elements, more than the 268,435,456" in r.output
 
 
+def test_cli_refuses_attention_too_large_for_an_fp64_check(tmp_path):
+    """head_dim 10**6 made 5e8-element attention projections that the size check did not count: check-numerics
+    allocated and initialised them for minutes."""
+    huge = tmp_path / "wide.yaml"
+    huge.write_text((Path(__file__).resolve().parents[3] / "configs" / "models" / "llama-tiny.yaml").read_text()
+                    + "head_dim: 1000000\n")
+    r = CliRunner().invoke(cli, ["check-numerics", "--model", str(huge), "--seq-len", "8"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "--model: llama-tiny: an attention projection has 512,000,000 elements, more than the 268,435,456" \
+        in r.output
+
+
 def test_cli_bad_input_is_exit_2():
     for argv, msg in ((["--types", "tpu"], "--types: expected a comma-separated list of cpu"),
                       (["--dtypes", "fp8"], "--dtypes: expected a comma-separated list of fp32, bf16, fp16"),

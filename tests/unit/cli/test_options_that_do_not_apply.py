@@ -44,6 +44,10 @@ def events_file(tmp_path: Path) -> str:
       "training.tokens_per_step); this run trains fixed windows"]),
     (["train", "--plan", TINY, "--steps", "1", "--no-preplan", "--replan-tolerance", "0.1"],
      ["--replan-tolerance: only with --elastic", "--preplan/--no-preplan: only with --elastic"]),
+    # Once ignored: a CPU-emulated cluster's types are all measured on this CPU, whatever --device-type says.
+    (["profile", "--cluster", "cpu-hetero4", "--device-type", "nope", "--out", "OUT/p"],
+     ["--device-type: only for GPU clusters (cluster 'cpu-hetero4' is CPU-emulated: all its types are measured on "
+      "this CPU)"]),
 ])
 def test_refused_in_one_line_each(args, lines, tmp_path: Path) -> None:
     args = [a.replace("OUT", str(tmp_path)).replace("EVENTS", events_file(tmp_path)) if isinstance(a, str) else a

@@ -59,6 +59,27 @@ def test_a_bad_trace_is_one_line_naming_the_field(events, message):
     assert err.value.lines() == [message]
 
 
+def flapping(n: int) -> list[dict]:
+    return [{"step": i + 2, "action": "kill" if i % 2 == 0 else "rejoin", "devices": [3]} for i in range(n)]
+
+
+@pytest.mark.parametrize("data,message", [
+    # Each event is a replan (~0.2 s on llama-tiny): 20,000 of them ran simulate --events for an hour.
+    ({"events": flapping(1001)}, "t.yaml: events: 1,001 events: hspmd models traces of at most 1,000 (each is a "
+                                 "replan)"),
+    # Modelled as given: 1152921504606846976 steps, 5.6e16 s of hspmd.
+    ({"steps": 2**60, "events": flapping(1)}, "t.yaml: steps: 1,152,921,504,606,846,976 steps: hspmd models traces "
+                                              "of at most 1,000,000,000"),
+    ({"events": [{"step": 10**20, "action": "kill", "devices": [3]}]},
+     "t.yaml: events[0].step: step 100,000,000,000,000,000,000: hspmd models traces of at most 1,000,000,000 steps"),
+])
+def test_a_trace_past_the_bounds_is_one_line(data, message):
+    with pytest.raises(SpecError) as err:
+        parse_trace(data, CLUSTER, [0, 1, 2, 3], "t.yaml")
+    assert err.value.lines() == [message]
+    assert parse_trace({"steps": 10**9, "events": flapping(1000)}, CLUSTER, [0, 1, 2, 3], "t.yaml").steps == 10**9
+
+
 def test_cli_refuses_a_bad_trace_and_a_rejoin_outside_the_cluster(tmp_path):
     trace = tmp_path / "trace.yaml"
     trace.write_text("events:\n  - {step: 4, action: kill, devices: [2]}\n"

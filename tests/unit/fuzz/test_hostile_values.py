@@ -264,6 +264,7 @@ REGRESSIONS: list[tuple[str, str, int, dict[Path_, Any]]] = [
     ("config.json", "validate", 0, {("model_type",): [1, 2]}),             # TypeError: unhashable list
     ("used profile", "plan --profile", 0, {("compute", "kernel_overhead_s"): 1e308}),  # PulpError: inf
     ("cluster", "plan --cluster", 0, {("device_types", "cpu-fast", "memory_gib"): 1e308}),  # ValueError: nan
+    ("cluster", "plan --cluster", 0, {("device_types", "cpu-fast", "intra_node_bandwidth_gbs"): 1e-20}),  # a hang
     ("lengths", "simulate --lengths", 0, {("bins", 0, "hi"): 10**30}),    # OverflowError splitting
     ("lengths", "simulate --lengths", 0, {("bins", 0, "lo"): True}),       # true read as 1
     # A consistent billion-sequence step: every schedule listed a billion micro-batches (a hang).

@@ -115,3 +115,20 @@ def test_brute_force_helper_sanity():
     # Options are per pipeline: with 4 micro-batches on one pipeline the cheaper option at m=4 wins.
     two = PipelineClass((TimeOption(1.0, 5.0), TimeOption(2.0, 0.0)), 1)
     assert brute_force([two], 4) == 8.0
+
+
+def test_greedy_ends_where_fixed_times_dwarf_a_micro_batch():
+    """A 1e-20 GB/s link (before the cluster spec refused it) made fixed_s ~1e15 s beside per_mb_s 0.01 s: the
+    fluid bound's rounding slack (1e-9 of it) was 1e8 micro-batches below the optimum, which the search for an
+    upper end walked one micro-batch at a time (hspmd plan spun for hours). Now it ends, and still right."""
+    import time
+
+    classes = [PipelineClass((TimeOption(0.00992284224, 1092266666666666.5),), 2, 1)]
+    t0 = time.process_time()
+    alloc = allocate_greedy(classes, 6)
+    assert time.process_time() - t0 < 1.0
+    assert alloc is not None and alloc.per_class == ((6,),)
+    two = [PipelineClass((TimeOption(0.01, 1e15),), 1, 1), PipelineClass((TimeOption(0.02, 1e15),), 1, 1)]
+    alloc = allocate_greedy(two, 9)
+    assert alloc is not None and sum(sum(ms) for ms in alloc.per_class) == 9
+    assert alloc.makespan_s == pytest.approx(brute_force(two, 9), rel=1e-12)

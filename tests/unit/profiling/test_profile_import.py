@@ -159,6 +159,42 @@ def test_bad_row_is_one_line_naming_file_row_and_field(tmp_path: Path, edit, whe
     assert not out.exists()
 
 
+@pytest.mark.parametrize("text, says", [
+    # A JSON integer of 400 digits: OverflowError in math.isfinite, a traceback.
+    ('[{"kind": "compute", "component": "attention", "tp": 1, "micro_batch": 1, "seq_len": ' + "9" * 400 +
+     ', "forward_s": 0.1, "backward_s": 0.2}]', ":1: seq_len: 9999999999999999999999999999999999999... is out of "
+                                              "range (at most 9,007,199,254,740,992 in size)"),
+    # 1e300 seconds were imported as measured (the spec files refuse figures beyond 1e30).
+    ('[{"kind": "iteration", "seconds": 1e300}]', ":1: seconds: 1e+300 is out of range (at most 1e+30 in size)"),
+    ("[]", ": no rows: the table measures nothing to import"),   # wrote the base profile back as 'imported'
+])
+def test_hostile_json_cells(tmp_path: Path, text: str, says: str):
+    table = tmp_path / "t.json"
+    table.write_text(text)
+    out = tmp_path / "x.yaml"
+    res = CliRunner().invoke(cli, ["profile", "import", str(table), "--type", "gpu", "--model", "llama-tiny",
+                                   "--base", "H800", "--out", str(out)])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert res.output.strip().splitlines() == [f"error: {table}{says}"]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text, says", [
+    (",".join(COLUMNS) + "\n", ": no rows: the table measures nothing to import"),
+    ("kind,seconds,kind\niteration,0.1,compute\n", ":1: kind: column given twice"),   # the last cell won, silently
+    ("kind,seconds\niteration,1e300\n", ":2: seconds: '1e300' is out of range (at most 1e+30 in size)"),
+])
+def test_hostile_csv_tables(tmp_path: Path, text: str, says: str):
+    table = tmp_path / "t.csv"
+    table.write_text(text)
+    out = tmp_path / "x.yaml"
+    res = CliRunner().invoke(cli, ["profile", "import", str(table), "--type", "gpu", "--model", "llama-tiny",
+                                   "--base", "H800", "--out", str(out)])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    assert res.output.strip().splitlines() == [f"error: {table}{says}"]
+    assert not out.exists()
+
+
 def test_incomplete_grid_names_what_is_missing(tmp_path: Path):
     rows = [r for r in measured_rows() if r["kind"] == "compute" and "layer" not in r]
     rows = [r for r in rows if not (r["component"] == "mlp" and r["tp"] == 2 and r["micro_batch"] == 4

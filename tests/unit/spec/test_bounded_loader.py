@@ -187,3 +187,42 @@ def test_an_absurd_emulated_slowdown_is_refused(tmp_path):
     with pytest.raises(SpecError) as err:
         load_cluster(str(p))
     assert err.value.lines() == [f"{p}: device_types.cpu-slow.emulate.slowdown: must be at most 1000, got 1e+30"]
+
+
+def test_a_named_pipe_nothing_writes_to_is_refused_not_waited_on(tmp_path):
+    """open() of a FIFO blocks until a writer comes: hspmd validate FIFO hung forever."""
+    import os
+    import time
+
+    fifo = tmp_path / "plan.yaml"
+    os.mkfifo(fifo)
+    t0 = time.monotonic()
+    with pytest.raises(SpecError) as err:
+        read_yaml(fifo, ReadLimits(pipe_wait_s=0.2))
+    assert time.monotonic() - t0 < 5
+    assert err.value.lines() == [f"{fifo}: a named pipe that nothing wrote to within 0.2 s (give a file)"]
+
+
+def test_a_pipe_with_a_writer_reads(tmp_path):
+    """Process substitution (<(...)) and a written FIFO still read."""
+    import os
+    import threading
+
+    fifo = tmp_path / "c.yaml"
+    os.mkfifo(fifo)
+
+    def write() -> None:
+        with open(fifo, "w") as f:
+            f.write("a: 1\nb: [2, 3]\n")
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert read_yaml(fifo) == {"a": 1, "b": [2, 3]}
+    writer.join(5)
+    r, w = os.pipe()
+    os.write(w, b"x: 5\n")
+    os.close(w)
+    try:
+        assert read_yaml(f"/dev/fd/{r}") == {"x": 5}
+    finally:
+        os.close(r)
