@@ -63,6 +63,9 @@ def main() -> None:
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "cores": os.cpu_count(),
         "which_hspmd": shutil.which("hspmd"),
+        # Without cached bytecode every start compiles our modules again (make install precompiles them).
+        "bytecode_written": not sys.dont_write_bytecode,
+        "bytecode_cached": (REPO / "runtime" / "__pycache__").is_dir(),
     }
     if args.json:
         print(json.dumps(out))
