@@ -117,6 +117,7 @@ from runtime.pipeline_schedules import (
     Layout,
     TimedOp,
     device_limits,
+    op_kinds,
     schedule_layout,
     step_time,
     step_time_bound,
@@ -146,7 +147,7 @@ from runtime.profiling.profile import (
 )
 from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
-from runtime.spec.handle import StrategyHandle, plan_schedule, plan_timeline
+from runtime.spec.handle import StrategyHandle, plan_order, plan_schedule
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import PLAN_VERSION, OpCosts, Pipeline, Plan, Schedule, Stage, Strategy, TrainingSettings
 
@@ -229,6 +230,74 @@ def play_timeline(layout: Layout, timeline: Sequence[Sequence[TimedOp]], costs: 
                 moved = True
             clock[d] = t
     if any(p < len(ops) for p, ops in zip(pos, timeline)):
+        raise RuntimeError("the action lists deadlock (a runtime schedule bug, not a user error)")
+    return last
+
+
+def timeline_order(layout: Layout, kinds: Sequence[str], timeline: Sequence[Sequence[TimedOp]]
+                   ) -> tuple[tuple[int, ...], ...]:
+    """A timeline's op order as op numbers (``runtime.pipeline_schedules.schedule_order``)."""
+    n, index = layout.num_stages, {k: i for i, k in enumerate(kinds)}
+    return tuple(tuple((t.op.micro_batch * n + t.op.stage) * len(kinds) + index[t.op.kind] for t in ops)
+                 for ops in timeline)
+
+
+def play_order(layout: Layout, kinds: Sequence[str], order: Sequence[Sequence[int]], costs: Costs) -> float:
+    """``play_timeline`` of the timeline whose op order is ``order`` (op numbers over ``kinds``,
+    ``schedule_order``): the same arithmetic in the same order per op, so the same float to the bit
+    (tests/unit/planner/test_fast_pricing.py), with each op's duration, the message it waits for and the
+    transfer its output takes looked up by number instead of read from a ``TimedOp``."""
+    n, nk = layout.num_stages, len(kinds)
+    per_mb = n * nk
+    dev = [layout.device(j) for j in range(n)]
+    dur: list[float] = []
+    src: list[int] = []               # per op of one micro-batch: the op (offset) whose message it waits for, 0: none
+    out: list[float | None] = []      # the transfer time its output takes to another device, None: none
+    for j in range(n):
+        cc = costs.chunk(dev[j], layout.chunk(j))
+        for kind in kinds:
+            dur.append(cc.of(kind))  # type: ignore[arg-type]
+            back = kind in ("B", "BW")
+            if kind == "F" and j > 0 and dev[j - 1] != dev[j]:
+                src.append(-nk)       # the previous stage's F of this micro-batch
+            elif back and j < n - 1 and dev[j + 1] != dev[j]:
+                src.append(nk)        # the next stage's backward
+            else:
+                src.append(0)
+            if kind == "F" and j < n - 1 and dev[j + 1] != dev[j]:
+                out.append(costs.transfer(j))
+            elif back and j > 0 and dev[j - 1] != dev[j]:
+                out.append(costs.transfer(j - 1))
+            else:
+                out.append(None)
+    arrival: list[float | None] = [None] * sum(len(ops) for ops in order)
+    clock = [0.0] * layout.num_devices
+    pos = [0] * layout.num_devices
+    last = 0.0
+    moved = True
+    while moved:
+        moved = False
+        for d, ops in enumerate(order):
+            t, p, size = clock[d], pos[d], len(ops)
+            while p < size:
+                o = ops[p]
+                r = o % per_mb
+                if src[r]:
+                    a = arrival[o + src[r]]
+                    if a is None:
+                        break   # its sender has not got there yet
+                    if a > t:   # (``max(t, a)``)
+                        t = a
+                t += dur[r]
+                if t > last:
+                    last = t
+                x = out[r]
+                if x is not None:
+                    arrival[o] = t + x
+                p += 1
+                moved = True
+            clock[d], pos[d] = t, p
+    if any(p < len(ops) for p, ops in zip(pos, order)):
         raise RuntimeError("the action lists deadlock (a runtime schedule bug, not a user error)")
     return last
 
@@ -1238,22 +1307,24 @@ class CostModel:
     def pipeline_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
         """Pipeline ``pi``'s part of the step under its schedule (``schedule`` unless it names its own): the
         action lists the runtime executes (``runtime_schedule``) played with the real op costs
-        (played from their timeline, ``play_timeline``, which gives the number the lists give
-        without deriving the lists), cached."""
+        (played from their op order, ``play_order``, which gives the number the lists give
+        without deriving the lists or building the timeline), cached."""
         pipe = strategy.pipelines[pi]
         name = pipe.schedule if pipe.schedule is not None else schedule
         costs = self.pipeline_costs(strategy, pi, name)
         key = self._schedule_key(pipe, name)
+        layout = schedule_layout(name, len(pipe.stages), pipe.stages[0].chunks)
+        kinds = op_kinds(name)
         full = self.__dict__.get("_runtime_schedules", {}).get(key)
-        timelines = self.__dict__.setdefault("_runtime_timelines", {})
-        if key not in timelines:
-            timelines[key] = full.timeline if full is not None else plan_timeline(pipe, name, pipe.micro_batches)
-        timeline = timelines[key]
+        orders = self.__dict__.setdefault("_runtime_orders", {})
+        if key not in orders:
+            orders[key] = timeline_order(layout, kinds, full.timeline) if full is not None else \
+                plan_order(pipe, name, pipe.micro_batches)
+        order = orders[key]
         cache = self.__dict__.setdefault("_step_times", {})
-        played = (id(timeline), costs)
+        played = (id(order), costs)
         if played not in cache:
-            layout = schedule_layout(name, len(pipe.stages), pipe.stages[0].chunks)
-            cache[played] = play_timeline(layout, timeline, costs)
+            cache[played] = play_order(layout, kinds, order, costs)
         return cache[played]
 
     def pipeline_step_bound(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:

@@ -414,7 +414,8 @@ def _pareto(view: Callable[[int], BlockCandidate], n: int, lower: Sequence[float
 # the schedules searched): the searches ``search`` runs per micro-batch size share them. (``memo`` keeps a
 # method's cache under ``_memo_<name>``.)
 SHARED_CACHES = ("_memo_layer_s", "_memo_groups", "_memo_fast_split", "_memo__split_of", "_memo_fill",
-                 "_memo__segment_grad_bytes", "_sync_cache", "_p2p", "_spare", "_room", "_open")
+                 "_memo__segment_grad_bytes", "_sync_cache", "_p2p", "_spare", "_room", "_open",
+                 "_bare")
 
 
 class Searcher:
@@ -448,6 +449,7 @@ class Searcher:
         self._spare: dict[tuple, float] = {}
         self._room: dict[tuple, float | None] = {}
         self._open: dict[tuple, float] = {}
+        self._bare: dict[tuple, Pipeline] = {}
         self._seen_blocks: set[tuple] = set()
         names = {n.name: i for i, n in enumerate(self.cluster.nodes)}
         self._node_idx = [names[d.node] for d in self.cluster.devices]
@@ -1324,13 +1326,18 @@ class Searcher:
 
     def _bare_pipeline(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
                        ) -> Pipeline:
-        """``_pipeline`` without its op and transfer costs."""
-        partial = split.recompute_layers or (0,) * len(split.layers)
-        stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc, recompute_layers=k or None)
-                       for g, r, rc, k in zip(lay.groups, stage_layer_ranges(split.layers, choice), split.recompute,
-                                              partial))
-        own = None if choice.name == self.settings.default_schedule else choice.name
-        return Pipeline(micro_batches=micro_batches, stages=stages, schedule=own)
+        """``_pipeline`` without its op and transfer costs; cached (a pure function of its arguments: the
+        bounds, the memory check and the play of one class each built it, validating every stage anew)."""
+        key = (lay, split, micro_batches, choice)
+        hit = self._bare.get(key)
+        if hit is None:
+            partial = split.recompute_layers or (0,) * len(split.layers)
+            stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc, recompute_layers=k or None)
+                           for g, r, rc, k in zip(lay.groups, stage_layer_ranges(split.layers, choice),
+                                                  split.recompute, partial))
+            own = None if choice.name == self.settings.default_schedule else choice.name
+            hit = self._bare[key] = Pipeline(micro_batches=micro_batches, stages=stages, schedule=own)
+        return hit
 
     def realize(self, combo: Sequence[BlockCandidate], alloc: Allocation) -> Candidate | None:
         """The combination as it was scored: fast splits, greedy micro-batch counts, each class's schedule;

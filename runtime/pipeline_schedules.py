@@ -30,6 +30,7 @@ deadlock-freedom argument, and ``check_schedule`` verifies it on the action list
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -240,6 +241,11 @@ class WaitSends:
 
 
 Action = Compute | PostSend | PostRecv | WaitRecv | WaitSends
+
+
+# One ``Compute`` per op, shared by the timelines that run it (they are immutable): the planner builds
+# thousands of timelines of the same ops, and validating each op anew was a tenth of the list scheduler's time.
+_compute = functools.lru_cache(maxsize=1 << 18)(Compute)
 
 
 @dataclass(frozen=True)
@@ -532,6 +538,18 @@ def schedule_timeline(name: str, num_devices: int, micro_batches: int, chunks: i
     return tuple(tuple(t) for t in _list_schedule(name, layout, micro_batches, costs, bounds))
 
 
+def schedule_order(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
+                   costs: Costs | None = None, limits: Sequence[int] | None = None) -> tuple[tuple[int, ...], ...]:
+    """``schedule_timeline``'s op order alone: per device its ops in order, each numbered
+    ``(micro_batch * virtual_stages + stage) * len(op_kinds(name)) + kind`` (``kind`` indexing ``op_kinds``).
+    A caller that replays the order with other costs needs no ``TimedOp`` per op (building those was a fifth
+    of the list scheduler's time in the planner, which prices thousands of orders)."""
+    layout, costs = _checked(name, num_devices, micro_batches, chunks, costs, limits)
+    bounds = device_limits(name, num_devices, micro_batches, layout.chunks, limits)
+    order, _ = _list_run(name, layout, micro_batches, costs, bounds)
+    return tuple(tuple(o for o, _ in ops) for ops in order)
+
+
 def step_time(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
               costs: Costs | None = None, limits: Sequence[int] | None = None) -> float:
     """The pipeline's step time under ``name`` with ``costs``: the scheduler's simulated makespan.
@@ -556,8 +574,8 @@ def step_time(name: str, num_devices: int, micro_batches: int, chunks: int | Non
     """
     layout, costs = _checked(name, num_devices, micro_batches, chunks, costs, limits)
     bounds = device_limits(name, num_devices, micro_batches, layout.chunks, limits)
-    timeline = _list_schedule(name, layout, micro_batches, costs, bounds)
-    return max((t[-1].end for t in timeline if t), default=0.0)
+    order, end = _list_run(name, layout, micro_batches, costs, bounds)
+    return max((end[ops[-1][0]] for ops in order if ops), default=0.0)
 
 
 def step_time_bound(name: str, num_stages: int, micro_batches: int, chunks: int, costs: Costs) -> float:
@@ -626,10 +644,9 @@ class _DeviceState:
     forwards_left: int = 0
     free_at: float = 0.0
     after_backward: bool = False  # the op run last was a backward (B or BW): 1F1B's alternation
-    # Ops started and readied here so far, and those counts when it last found none it may run.
-    started: int = 0
-    readied: int = 0
-    stuck: tuple[int, int, float] | None = None   # (ops readied, ops started, when the next one comes due)
+    # When it last found no op it may run: when the next of its ready ops comes due; -inf once an op
+    # is started or readied here since (until then it would find none again).
+    asleep_until: float = -math.inf
     # Ready ops (numbers, ``_list_schedule``): not yet due, as (ready time, op); due ones by kind, as
     # ``rank * ops + op`` (``_priority_keys``: least first): a micro-batch's first forward here, B or BW, W;
     # and its later chunks' forwards as op numbers (few: of micro-batches held here).
@@ -697,7 +714,8 @@ def _priority_keys(pol: Policy, layout: Layout, kinds: tuple[str, ...], m: int) 
     return keys, after
 
 
-def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]) -> list[list[TimedOp]]:
+def _list_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]
+              ) -> tuple[list[list[tuple[int, float]]], list[float]]:
     """Event-driven simulation: each idle device starts the best ready op its policy allows, holding at
     most ``limit[d]`` activations on device ``d``.
 
@@ -735,7 +753,6 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
         if waiting[o] == 0:
             st0 = devs[dev[(o // nk) % stages]]
             st0.pending.append((0.0, o))
-            st0.readied += 1
     for st0 in devs:
         heapq.heapify(st0.pending)
     forwards_first = pol.forwards_first
@@ -792,6 +809,13 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
             best_heap = st.weights
         beats = None if best_heap is None else best_heap[0] // total   # (a backward ranks the same after either)
         if st.live < lim:   # else no forward fits (safe_forward)
+            if chunks == 1:
+                # One chunk: every forward is a first one, and the banker's rule allows any with a free slot
+                # (``first_safe`` reduced to its first test).
+                heap = st.first_forwards
+                if heap and (beats is None or ranks[heap[0] % total] <= beats):
+                    return heappop(heap) % total
+                return None if best_heap is None else heappop(best_heap) % total
             later = None
             # A forward must leave the device in a state where the oldest micro-batch here can still reach
             # its backward (a banker's rule): a bounded device must not fill up with chunk-0 forwards of new
@@ -812,20 +836,23 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
                 return later
         return None if best_heap is None else heappop(best_heap) % total
 
-    timeline: list[list[TimedOp]] = [[] for _ in range(n)]
+    # Per device its ops started, in order, as (op, start); built into ``TimedOp``s at the end.
+    order: list[list[tuple[int, float]]] = [[] for _ in range(n)]
     # Times that differ only by rounding are one moment: the order must not hinge on float noise
     # (a schedule on costs x * (1, 1, 1) is the schedule on (1, 1, 1), for any x).
     tol = 1e-9 * max(costs.chunk(d, c).of(k) for d in range(n) for c in range(chunks) for k in kinds)  # type: ignore[arg-type]
     events = [0.0]
     started = 0
     now = 0.0
-
-    def readied(nxt: int, t: float) -> None:
-        ready_at[nxt] = t
-        target = devs[dev[(nxt // nk) % stages]]
-        heappush(target.pending, (t, nxt))
-        target.readied += 1
-        heappush(events, t)
+    # Per op of one micro-batch (``o % per_mb``): its kind's index, virtual stage, and device.
+    kind_of = [k for _ in range(stages) for k in range(nk)]
+    stage_of = [j for j in range(stages) for _ in range(nk)]
+    dev_of = [devs[dev[j]] for j in stage_of]
+    first_chunk = [chunk[j] == 0 for j in stage_of]
+    lasting = [dur[j][k] for j, k in zip(stage_of, kind_of)]
+    hop_of = [hop[j] if j < last else 0.0 for j in stage_of]
+    hop_in = [hop[j - 1] if j > 0 else 0.0 for j in stage_of]
+    inf = math.inf
 
     while started < total:
         if not events:
@@ -834,23 +861,22 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
             raise RuntimeError(f"{name}: the list scheduler stalled at t={now} (ready per device: {stuck}); "
                                "the activation bound is too small for this shape")
         now = heappop(events)
-        while events and events[0] <= now + tol:
-            heappop(events)
         due_by = now + tol
+        while events and events[0] <= due_by:
+            heappop(events)
         for d, st in enumerate(devs):
-            if st.free_at > due_by:
-                continue
             # Ready ops only join and become due as time passes: with no op started or readied here since
             # the device last found none to run, and none of its ready ops come due since, it would find
             # none again.
-            if st.stuck is not None and st.stuck[:2] == (st.readied, st.started) and due_by < st.stuck[2]:
+            if st.free_at > due_by or due_by < st.asleep_until:
                 continue
             pending = st.pending
             while pending and pending[0][0] <= due_by:
                 o = heappop(pending)[1]
-                k = o % nk
+                r = o % per_mb
+                k = kind_of[r]
                 if k == 0:
-                    if chunk[(o // nk) % stages] == 0:
+                    if first_chunk[r]:
                         heappush(st.first_forwards, keys[o] * total + o)
                     else:
                         st.later_forwards.append(o)
@@ -858,49 +884,99 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
                     heappush(st.backwards if k == 1 else st.weights, keys[o] * total + o)
             op = take(st, limit[d])
             if op is None:
-                st.stuck = (st.readied, st.started, pending[0][0] if pending else math.inf)
+                st.asleep_until = pending[0][0] if pending else inf
                 continue
-            mb, j, k = op // per_mb, (op // nk) % stages, op % nk
-            st.started += 1
+            r = op % per_mb
+            k = kind_of[r]
+            st.asleep_until = -inf
             st.after_backward = k == 1
-            start = max(now, st.free_at, ready_at[op])  # never before its inputs, even by a rounding error
-            end[op] = st.free_at = start + dur[j][k]
-            heappush(events, st.free_at)
-            timeline[d].append(TimedOp(Compute(kinds[k], mb, j, chunk[j]), start, end[op]))  # type: ignore[arg-type]
+            start = now   # (``max(now, free_at, ready_at[op])`` written out)
+            if st.free_at > start:
+                start = st.free_at
+            if ready_at[op] > start:   # never before its inputs, even by a rounding error
+                start = ready_at[op]
+            end[op] = st.free_at = t = start + lasting[r]
+            heappush(events, t)
+            order[d].append((op, start))
             started += 1
             if k == 0:
                 st.live += 1
                 st.forwards_left -= 1
-                st.held[mb] = st.held.get(mb, 0) + 1
-                st.owed[mb] = st.owed.get(mb, chunks) - 1
+                if chunks > 1:   # (the banker's rule reads them only with more than one chunk)
+                    mb = op // per_mb
+                    st.held[mb] = st.held.get(mb, 0) + 1
+                    st.owed[mb] = st.owed.get(mb, chunks) - 1
             elif k == frees:
                 st.live -= 1
-                st.held[mb] -= 1
-                if not st.held[mb]:
-                    del st.held[mb], st.owed[mb]
+                if chunks > 1:
+                    mb = op // per_mb
+                    st.held[mb] -= 1
+                    if not st.held[mb]:
+                        del st.held[mb], st.owed[mb]
             # What this op's end readies (its end is known now): its dependents whose last input it was.
+            # (Each joins its device's pending ops, which wakes the device: ``asleep_until``.)
             if k == 0:
                 nxt = op + 1   # its own backward (B or BW)
                 waiting[nxt] -= 1
                 if not waiting[nxt]:
-                    readied(nxt, max(end[op], end[nxt + nk] + hop[j]) if j < last else end[op])
-                if j < last:   # the next stage's forward
+                    if stage_of[r] < last:
+                        u = end[nxt + nk] + hop_of[r]
+                        ready_t = t if t >= u else u
+                    else:
+                        ready_t = t
+                    ready_at[nxt] = ready_t
+                    target = dev_of[r + 1]
+                    heappush(target.pending, (ready_t, nxt))
+                    target.asleep_until = -inf
+                    heappush(events, ready_t)
+                if stage_of[r] < last:   # the next stage's forward
                     nxt = op + nk
                     waiting[nxt] -= 1
                     if not waiting[nxt]:
-                        readied(nxt, end[op] + hop[j])
+                        ready_t = t + hop_of[r]
+                        ready_at[nxt] = ready_t
+                        target = dev_of[r + nk]
+                        heappush(target.pending, (ready_t, nxt))
+                        target.asleep_until = -inf
+                        heappush(events, ready_t)
             elif k == 1:
                 if split:   # its W
                     nxt = op + 1
                     waiting[nxt] -= 1
                     if not waiting[nxt]:
-                        readied(nxt, end[op])
-                if j > 0:   # the previous stage's backward
+                        ready_at[nxt] = t
+                        target = dev_of[r + 1]
+                        heappush(target.pending, (t, nxt))
+                        target.asleep_until = -inf
+                        heappush(events, t)
+                if stage_of[r] > 0:   # the previous stage's backward
                     nxt = op - nk
                     waiting[nxt] -= 1
                     if not waiting[nxt]:
-                        readied(nxt, max(end[nxt - 1], end[op] + hop[j - 1]))
-    return timeline
+                        u = end[op] + hop_in[r]
+                        w = end[nxt - 1]
+                        ready_t = w if w >= u else u
+                        ready_at[nxt] = ready_t
+                        target = dev_of[r - nk]
+                        heappush(target.pending, (ready_t, nxt))
+                        target.asleep_until = -inf
+                        heappush(events, ready_t)
+    return order, end
+
+
+def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]) -> list[list[TimedOp]]:
+    """Per device its ops with their start and end times, in the order ``_list_run`` starts them."""
+    order, end = _list_run(name, layout, m, costs, limit)
+    kinds, stages = op_kinds(name), layout.num_stages
+    nk = len(kinds)
+    return [[TimedOp(_compute(kinds[o % nk], o // (stages * nk), (o // nk) % stages, layout.chunk((o // nk) % stages)),
+                     start, end[o]) for o, start in ops] for ops in order]
+
+
+def op_kinds(name: str) -> tuple[OpKind, ...]:
+    """The op kinds of one micro-batch on one virtual stage under schedule ``name``, in the order op numbers
+    count them (``schedule_order``): F, then B and W (a split backward) or the fused BW."""
+    return ("F", "B", "W") if POLICIES[name].split_backward else ("F", "BW")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from runtime.pipeline_schedules import (
     TimedOp,
     build_schedule,
     schedule_layout,
+    schedule_order,
     schedule_timeline,
 )
 from runtime.spec.catalog import PlanContext
@@ -57,6 +58,13 @@ def plan_timeline(pipe: Pipeline, name: ScheduleName, micro_batches: int) -> tup
     layout = schedule_layout(name, len(pipe.stages), pipe.stages[0].chunks)
     return schedule_timeline(name, len(pipe.stages), micro_batches, layout.chunks, plan_costs(pipe),
                              pipe.activation_limits)
+
+
+def plan_order(pipe: Pipeline, name: ScheduleName, micro_batches: int) -> tuple[tuple[int, ...], ...]:
+    """``plan_timeline``'s op order alone, as op numbers (``schedule_order``)."""
+    layout = schedule_layout(name, len(pipe.stages), pipe.stages[0].chunks)
+    return schedule_order(name, len(pipe.stages), micro_batches, layout.chunks, plan_costs(pipe),
+                          pipe.activation_limits)
 
 
 @dataclass(frozen=True, eq=False)

@@ -172,7 +172,9 @@ class Stage:
         a, b = self.layers[chunk]
         if self.recompute:
             return b - a
-        ids = self.layer_ids[:self.recompute_layers or 0]
+        if not self.recompute_layers:   # (none: the common case, asked per chunk of every pipeline priced)
+            return 0
+        ids = self.layer_ids[:self.recompute_layers]
         return sum(1 for i in ids if a <= i < b)
 
     @property

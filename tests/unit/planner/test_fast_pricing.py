@@ -2,7 +2,8 @@
 pricing where this bound says a plan cannot win, which is only sound if it never exceeds the exact time
 (the list scheduler's, and the runtime's lists played on other costs than they were ordered by, as the
 cost model prices them). ``play_timeline``: the price without deriving the action lists, which must be
-exactly ``play_actions``' number."""
+exactly ``play_actions``' number; ``play_order`` the same from the op order alone (``schedule_order``), as
+``CostModel.pipeline_step_time`` prices it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from played_lists import play_actions
 
 from planner.baselines import EXACTLY_PRICED, best_symmetric, symmetric_strategies
-from planner.cost import CostModel, play_timeline
+from planner.cost import CostModel, play_order, play_timeline, timeline_order
 from planner.search import BOUND_ROUNDING, lazily_sorted
 from runtime.pipeline_schedules import (
     SCHEDULE_NAMES,
@@ -23,7 +24,9 @@ from runtime.pipeline_schedules import (
     Costs,
     build_schedule,
     device_limits,
+    op_kinds,
     schedule_layout,
+    schedule_order,
     schedule_problems,
     schedule_timeline,
     step_time,
@@ -111,6 +114,25 @@ def test_playing_the_timeline_is_playing_the_action_lists(shape: tuple[str, int,
     sched = build_schedule(name, s, m, v, order)
     assert schedule_timeline(name, s, m, v, order) == sched.timeline
     assert play_timeline(sched.layout, sched.timeline, played) == play_actions(sched, played)   # exactly
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes(), st.lists(st.integers(0, 30), min_size=6, max_size=6), st.booleans())
+def test_playing_the_order_is_playing_the_timeline(shape: tuple[str, int, int, int, Costs, Costs], extra: list[int],
+                                                   raised: bool) -> None:
+    """``schedule_order`` is the timeline's order op for op, and ``play_order`` on it gives ``play_timeline``'s
+    float to the bit (and so the played lists'), at the schedule's own limits and raised ones."""
+    name, s, m, v, order, played = shape
+    limits = tuple(lim + x for lim, x in zip(device_limits(name, s, m, v), extra)) if raised else None
+    sched = build_schedule(name, s, m, v, order, limits)
+    kinds = op_kinds(name)
+    ops = schedule_order(name, s, m, v, order, limits)
+    assert ops == timeline_order(sched.layout, kinds, sched.timeline)
+    assert [[(k // len(kinds)) % sched.layout.num_stages for k in d] for d in ops] == \
+        [[t.op.stage for t in d] for d in sched.timeline]
+    want = play_timeline(sched.layout, sched.timeline, played)
+    assert play_order(sched.layout, kinds, ops, played) == want
+    assert want == play_actions(sched, played)
 
 
 @settings(max_examples=200, deadline=None)

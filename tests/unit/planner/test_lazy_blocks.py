@@ -140,3 +140,30 @@ def test_cached_spare_prices_are_the_layouts_own(data: st.DataObject) -> None:
     for lay, got in zip(layouts, warm_prices):
         cold = searcher(0)
         assert got == (cold.spare_room(lay, zd, split, choice, m), cold.spare_gain(lay, zd, split, choice, m, proxy))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_cached_bare_pipelines_are_the_layouts_own(data: st.DataObject) -> None:
+    """``Searcher._bare_pipeline`` is cached per (layout, split, count, schedule): after pricing other layouts,
+    counts and schedules, a warm searcher's pipeline (and the costed one ``_pipeline`` builds on it) equals a
+    cold searcher's for the same arguments alone."""
+    warm = searcher(data.draw(st.sampled_from([0, 2])))
+    case = 0 if warm.cluster.name == "h2-example" else 2
+    (ka, ga), (kb, gb) = sorted(warm.groups(tuple(TypeChoice(t, 2) for t in sorted(warm.cluster.device_types))
+                                            ).items(), key=lambda kv: -warm.memory_gib(kv[0]))
+    n = data.draw(st.integers(1, min(4, len(ga))))
+    template = (ka,) * n + (kb,)
+    asks = []
+    for _ in range(4):
+        choice = data.draw(st.sampled_from(warm.choices))
+        split = warm.fast_split(template, warm.zero_degree(1), choice)
+        if split is None:
+            continue
+        lay = PipelineLayout(tuple(data.draw(st.permutations(ga))[:n]) + (gb[data.draw(st.integers(0, len(gb) - 1))],))
+        asks.append((lay, split, data.draw(st.sampled_from([n + 1, 16, 32])), choice))
+    got = [(warm._bare_pipeline(*a), warm._pipeline(*a)) for a in asks + asks[::-1]]
+    for a, (bare, costed) in zip(asks + asks[::-1], got):
+        cold = searcher(case)
+        assert bare == cold._bare_pipeline(*a)
+        assert costed == cold._pipeline(*a)
