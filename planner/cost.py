@@ -52,7 +52,7 @@ planner can call them millions of times:
   every moment chunk (``training.zero_redundancy``, elastic plans): ``zero_degree`` divides a device's
   optimizer state and AdamW step by ``pipelines // r``; the all-gather sends each element once whatever r.
 * ``estimate(strategy, global_batch, schedule, zero) -> StrategyEstimate``: the whole step, each pipeline
-  by ``pipeline_step_time`` (the runtime's action lists played with ``chunk_cost``s: ``play_timeline``)
+  by ``pipeline_step_time`` (the runtime's action lists played with ``chunk_cost``s: ``play_order``)
   under its own schedule, plus memory per device (the schedule's ``live_activation_limit``:
   ``pipeline_memory``) with OOM flags. docs/design.md §10.
 * ``chunk_cost``: a chunk's F, B and W (the backward split by ``weight_grad_fraction``); ``with_op_costs``:
@@ -82,7 +82,7 @@ two the estimate charges as well (``pipeline_costs``): the executor's CPU per bo
 
 Pure formulas (module level): ``pipeline_time`` (1F1B's closed form ``(m-1)*max(t) + sum(t) +
 sum(boundary comm)``, GPipe's on forward and backward separately: ranking proxies, e.g.
-``pipeline_proxy_time``), ``play_timeline``, ``weight_grad_fraction``, ``allreduce_seconds``,
+``pipeline_proxy_time``), ``play_order``, ``weight_grad_fraction``, ``allreduce_seconds``,
 ``model_flops_per_token`` (for MFU).
 
 Where a profile has measured fits for this model's shape and TP degree, they are used as measured;
@@ -190,50 +190,6 @@ def pipeline_time(forward_s: Sequence[float], backward_s: Sequence[float], micro
     return (m - 1) * (max(forward_s) + max(backward_s)) + sum(forward_s) + sum(backward_s) + sum(boundary_s)
 
 
-def play_timeline(layout: Layout, timeline: Sequence[Sequence[TimedOp]], costs: Costs) -> float:
-    """What the action lists ``derive_actions`` makes of ``timeline`` take when played, without making them:
-    those lists put each ``WaitRecv`` right before the op that reads its message and each ``PostSend``
-    right after the producer, so playing them is each device running its ops in timeline order, an op
-    on another device's output starting no earlier than the producer's end plus the boundary's transfer
-    time. The tests play the lists themselves (tests/unit/planner/played_lists.py) and get the same number;
-    the planner prices many more pipelines than it writes."""
-    n = layout.num_stages
-    dev = [layout.device(j) for j in range(n)]
-    arrival: dict[tuple[bool, int, int], float] = {}   # (gradient?, micro-batch, sending virtual stage)
-    clock = [0.0] * layout.num_devices
-    pos = [0] * layout.num_devices
-    last = 0.0
-    moved = True
-    while moved:
-        moved = False
-        for d, ops in enumerate(timeline):
-            t = clock[d]
-            while pos[d] < len(ops):
-                op = ops[pos[d]].op
-                kind, mb, j = op.kind, op.micro_batch, op.stage
-                back = kind in ("B", "BW")
-                if kind == "F" and j > 0 and dev[j - 1] != dev[j]:
-                    if (False, mb, j - 1) not in arrival:
-                        break   # its sender has not got there yet
-                    t = max(t, arrival[False, mb, j - 1])
-                elif back and j < n - 1 and dev[j + 1] != dev[j]:
-                    if (True, mb, j + 1) not in arrival:
-                        break
-                    t = max(t, arrival[True, mb, j + 1])
-                t += costs.chunk(d, op.chunk).of(kind)
-                last = max(last, t)
-                if kind == "F" and j < n - 1 and dev[j + 1] != dev[j]:
-                    arrival[False, mb, j] = t + costs.transfer(j)
-                elif back and j > 0 and dev[j - 1] != dev[j]:
-                    arrival[True, mb, j] = t + costs.transfer(j - 1)
-                pos[d] += 1
-                moved = True
-            clock[d] = t
-    if any(p < len(ops) for p, ops in zip(pos, timeline)):
-        raise RuntimeError("the action lists deadlock (a runtime schedule bug, not a user error)")
-    return last
-
-
 def timeline_order(layout: Layout, kinds: Sequence[str], timeline: Sequence[Sequence[TimedOp]]
                    ) -> tuple[tuple[int, ...], ...]:
     """A timeline's op order as op numbers (``runtime.pipeline_schedules.schedule_order``)."""
@@ -243,7 +199,7 @@ def timeline_order(layout: Layout, kinds: Sequence[str], timeline: Sequence[Sequ
 
 
 def play_order(layout: Layout, kinds: Sequence[str], order: Sequence[Sequence[int]], costs: Costs) -> float:
-    """``play_timeline`` of the timeline whose op order is ``order`` (op numbers over ``kinds``,
+    """What the timeline whose op order is ``order`` takes when played (op numbers over ``kinds``,
     ``schedule_order``): the same arithmetic in the same order per op, so the same float to the bit
     (tests/unit/planner/test_fast_pricing.py), with each op's duration, the message it waits for and the
     transfer its output takes looked up by number instead of read from a ``TimedOp``."""

@@ -13,10 +13,10 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from played_lists import play_actions
+from played_lists import play_actions, play_timeline
 
 from planner.baselines import EXACTLY_PRICED, best_symmetric, symmetric_strategies
-from planner.cost import CostModel, play_order, play_timeline, timeline_order
+from planner.cost import CostModel, play_order, timeline_order
 from planner.search import BOUND_ROUNDING, lazily_sorted
 from runtime.pipeline_schedules import (
     SCHEDULE_NAMES,
