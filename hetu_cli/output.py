@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from collections.abc import Collection, Sequence
@@ -61,6 +60,8 @@ def table(title: str, columns: Sequence[str], left: Collection[str] = ()) -> Tab
 
 
 def emit_json(obj: Any) -> None:
+    import json  # here, not at the top: a verb that prints no JSON does not pay for it at start-up
+
     click.echo(json.dumps(obj, indent=2, sort_keys=False))
 
 

@@ -38,8 +38,8 @@ from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, Sea
 from planner.simulate import simulated_step_time
 from planner.tp_groups import GroupKind, available, form_groups, tp_choices
 from runtime.errors import InfeasibleError
-from runtime.pipeline_schedules import SCHEDULE_NAMES, schedule_problems
 from runtime.profiling.profile import DeviceProfile, ProfileSet
+from runtime.schedule_policies import SCHEDULE_NAMES, schedule_problems
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import MAX_GLOBAL_BATCH, PLAN_VERSION, Plan, Schedule, Strategy, TrainingSettings

@@ -111,17 +111,7 @@ from runtime.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_sl
 from runtime.engine.specialize import BOUNDARY_DTYPE, resolve_boundary
 from runtime.models.decoders import model_parameters
 from runtime.models.params import ParamInfo
-from runtime.pipeline_schedules import (
-    ChunkCost,
-    Costs,
-    Layout,
-    TimedOp,
-    device_limits,
-    op_kinds,
-    schedule_layout,
-    step_time,
-    step_time_bound,
-)
+from runtime.pipeline_schedules import ChunkCost, Costs, TimedOp, op_kinds, step_time, step_time_bound
 from runtime.pipeline_schedules import Schedule as PipelineSchedule
 from runtime.profiling.profile import (
     BLOCKS,
@@ -145,6 +135,7 @@ from runtime.profiling.profile import (
     sleep_target,
     table_optimizer_s,
 )
+from runtime.schedule_policies import Layout, device_limits, schedule_layout
 from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
 from runtime.spec.handle import StrategyHandle, plan_order, plan_schedule

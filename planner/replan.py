@@ -39,8 +39,8 @@ from runtime.elastic.preplan import candidates, grown, returns, survivors
 from runtime.elastic.state import LostState, holder_sets, lost_state, lost_tensors, plan_switch
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.launch.options import node_loss_detect_s
-from runtime.pipeline_schedules import schedule_problems
 from runtime.profiling.profile import DeviceProfile, ProfileSet
+from runtime.schedule_policies import schedule_problems
 from runtime.spec import Cluster, Plan, PlanContext, Strategy, validate_plan
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec

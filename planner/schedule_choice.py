@@ -18,15 +18,8 @@ from dataclasses import dataclass
 from functools import cache
 
 from planner.cost import GIB, CostModel, stage_recompute
-from runtime.pipeline_schedules import (
-    SCHEDULE_NAMES,
-    ChunkCost,
-    Costs,
-    device_limits,
-    live_activation_limit,
-    schedule_layout,
-    step_time,
-)
+from runtime.pipeline_schedules import ChunkCost, Costs, step_time
+from runtime.schedule_policies import SCHEDULE_NAMES, device_limits, live_activation_limit, schedule_layout
 from runtime.spec.plan import Strategy
 
 AUTO = "auto"

@@ -88,7 +88,8 @@ from planner.schedule_choice import (
     stage_layer_ranges,
 )
 from planner.tp_groups import GroupKind, TPGroup, form_groups, groups_by_kind, tp_choices
-from runtime.pipeline_schedules import Costs, device_limits, step_time_bound
+from runtime.pipeline_schedules import Costs, step_time_bound
+from runtime.schedule_policies import device_limits
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import OptimizerSettings, Pipeline, Schedule, Stage, Strategy

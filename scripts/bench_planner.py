@@ -60,8 +60,8 @@ from planner.schedule_choice import AUTO  # noqa: E402
 from planner.search import schedule_label  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
 from runtime.errors import InfeasibleError  # noqa: E402
-from runtime.pipeline_schedules import SCHEDULE_NAMES  # noqa: E402
 from runtime.profiling.profile import resolve_profiles  # noqa: E402
+from runtime.schedule_policies import SCHEDULE_NAMES  # noqa: E402
 from runtime.spec import load_cluster, load_model, load_plan  # noqa: E402
 from runtime.spec.cluster import Cluster, DeviceType, Node  # noqa: E402
 

@@ -15,8 +15,8 @@ from planner.api import plan as run_planner
 from planner.report import print_report, result_json
 from planner.schedule_choice import AUTO
 from runtime.errors import Problem, SpecError
-from runtime.pipeline_schedules import SCHEDULE_NAMES
 from runtime.profiling.profile import resolve_profiles
+from runtime.schedule_policies import SCHEDULE_NAMES
 from runtime.spec import dump_plan, load_cluster, load_model, validate_plan
 from runtime.spec.catalog import recorded_ref
 from runtime.spec.io import atomic_write_files, check_output_file

@@ -16,7 +16,8 @@ from runtime.comm.gradsync import SyncBucket, plan_sync
 from runtime.comm.resolve import CommOp, resolve
 from runtime.engine.zero import MomentPiece, ZeroBucket, ZeroSlice, moment_pieces, strategy_zero_slices, zero_buckets
 from runtime.models.params import ParamInfo, llama_parameters
-from runtime.pipeline_schedules import Action, Compute, Layout
+from runtime.pipeline_schedules import Action, Compute
+from runtime.schedule_policies import Layout
 from runtime.spec.cluster import Cluster
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec

@@ -18,13 +18,12 @@ from runtime.pipeline_schedules import (
     ChunkCost,
     Costs,
     Schedule,
-    ScheduleName,
     TimedOp,
     build_schedule,
-    schedule_layout,
     schedule_order,
     schedule_timeline,
 )
+from runtime.schedule_policies import ScheduleName, schedule_layout
 from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec

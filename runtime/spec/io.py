@@ -11,7 +11,6 @@ duplicate keys are an error, JSON's NaN/Infinity are refused).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import stat
 from dataclasses import dataclass
@@ -284,6 +283,8 @@ def read_json(path: str | os.PathLike[str], limits: ReadLimits = DEFAULT_LIMITS)
     if deepest > limits.max_depth:
         raise SpecError([Problem(str(p), f"line {at}", f"nested more than {limits.max_depth} levels deep "
                                                        f"(hspmd reads at most {limits.max_depth})")])
+
+    import json  # here: most verbs read no JSON, and start-up counts (docs/design.md §8)
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}

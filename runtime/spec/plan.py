@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from runtime.errors import Checker, Problem, SpecError
-from runtime.pipeline_schedules import ScheduleName
+from runtime.schedule_policies import ScheduleName
 
 PLAN_VERSION = 1
 # Bounds on what a (hostile) file or request makes every verb enumerate: schedules list each micro-batch and

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import math
 import types
 from collections.abc import Mapping
@@ -151,9 +152,16 @@ def _build_tuple(tp: Any, data: list, file: str, path: str, problems: list[Probl
     return tuple(out)
 
 
+@functools.cache
+def _schema_of(cls: Any) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """A dataclass's field types and init fields, once per class: the annotations are strings (``from
+    __future__ import annotations``) that ``get_type_hints`` compiles anew on every call, a third of
+    reading a plan (one call per stage and device object), and a start-up cost of every verb."""
+    return get_type_hints(cls), {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
 def _build_dataclass(cls: Any, data: dict, file: str, path: str, problems: list[Problem]) -> Any:
-    hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints, fields = _schema_of(cls)
     failed = False
     for key in data:
         if key not in fields:

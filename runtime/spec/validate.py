@@ -3,13 +3,7 @@
 from __future__ import annotations
 
 from runtime.errors import Problem
-from runtime.pipeline_schedules import (
-    SCHEDULE_NAMES,
-    chunk_problems,
-    limit_problems,
-    schedule_layout,
-    schedule_problems,
-)
+from runtime.schedule_policies import SCHEDULE_NAMES, chunk_problems, limit_problems, schedule_layout, schedule_problems
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import Plan, Strategy

@@ -17,14 +17,17 @@ REPO = Path(__file__).resolve().parents[2]
 PLAN = str(REPO / "configs" / "plans" / "cpu-hetero4-dp-pp.yaml")
 
 PROBE = """
-import json, sys
+import sys
 from hetu_cli.main import cli
 try:
     cli.main(sys.argv[1:], prog_name="hspmd", standalone_mode=False)
     code = 0
 except SystemExit as e:
     code = e.code
-print(json.dumps({"torch": "torch" in sys.modules, "code": code}))
+loaded = {"json": "json" in sys.modules}  # before this probe imports it to report
+import json
+print(json.dumps({**loaded, "torch": "torch" in sys.modules, "code": code,
+                  "scheduler": "runtime.pipeline_schedules" in sys.modules}))
 """
 
 
@@ -49,6 +52,15 @@ def test_verb_does_not_load_torch(args):
     out = _run(args)
     assert out["code"] in (0, None), out
     assert out["torch"] is False, f"hspmd {' '.join(args)} loaded torch"
+
+
+def test_validate_loads_neither_the_scheduler_nor_json():
+    # The start-up target (validate within 1.5x of importing yaml, click and rich) has a few ms of slack:
+    # defining the list scheduler's op classes cost a tenth of validate's start, and validate needs only
+    # the schedules' policies and bounds (runtime/schedule_policies.py).
+    out = _run(["validate", PLAN])
+    assert out["code"] in (0, None), out
+    assert out["scheduler"] is False and out["json"] is False, out
 
 
 def test_the_probe_sees_torch_when_it_is_loaded():

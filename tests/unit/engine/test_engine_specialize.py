@@ -14,7 +14,7 @@ from runtime.annotations.from_plan import strategy_annotations
 from runtime.engine.describe import describe_program
 from runtime.engine.specialize import parameter_shards, stage_role
 from runtime.models.params import llama_parameters
-from runtime.pipeline_schedules import SCHEDULE_NAMES, schedule_layout
+from runtime.schedule_policies import SCHEDULE_NAMES, schedule_layout
 from runtime.spec import (
     OptimizerSettings,
     Pipeline,

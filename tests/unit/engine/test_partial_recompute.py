@@ -9,7 +9,7 @@ import torch
 from runtime.engine.program import checkpoint_layers
 from runtime.engine.specialize import chunk_roles
 from runtime.models.llama import LlamaForCausalLM
-from runtime.pipeline_schedules import schedule_layout
+from runtime.schedule_policies import schedule_layout
 from runtime.spec import load_model
 from runtime.spec.plan import Pipeline, Stage
 

@@ -15,8 +15,8 @@ from planner.gap import CATEGORIES, gap_breakdown
 from planner.schedule_choice import ScheduleChoice, refine_limits, spare_activation_limits, stage_layer_ranges
 from planner.search import Candidate, auto_families, refined_limits
 from planner.simulate import simulate
-from runtime.pipeline_schedules import device_limits
 from runtime.profiling.profile import resolve_profiles
+from runtime.schedule_policies import device_limits
 from runtime.spec import load_cluster, load_model, validate_plan
 from runtime.spec.plan import Pipeline, Stage, Strategy
 

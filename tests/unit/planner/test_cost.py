@@ -19,7 +19,6 @@ from planner.cost import (
 )
 from runtime.annotations.states import PARTIAL, Annotation, DistributedStates
 from runtime.comm.gradsync import SyncGroup, plan_sync, sync_groups
-from runtime.pipeline_schedules import live_activation_limit
 from runtime.profiling.profile import (
     CommFigures,
     ComponentFit,
@@ -29,6 +28,7 @@ from runtime.profiling.profile import (
     ResolvedProfile,
     spec_profile,
 )
+from runtime.schedule_policies import live_activation_limit
 from runtime.spec import load_cluster, load_model
 from runtime.spec.plan import Pipeline, Stage, Strategy
 

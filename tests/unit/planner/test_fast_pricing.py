@@ -19,20 +19,17 @@ from planner.baselines import EXACTLY_PRICED, best_symmetric, symmetric_strategi
 from planner.cost import CostModel, play_order, timeline_order
 from planner.search import BOUND_ROUNDING, lazily_sorted
 from runtime.pipeline_schedules import (
-    SCHEDULE_NAMES,
     ChunkCost,
     Costs,
     build_schedule,
-    device_limits,
     op_kinds,
-    schedule_layout,
     schedule_order,
-    schedule_problems,
     schedule_timeline,
     step_time,
     step_time_bound,
 )
 from runtime.profiling.profile import resolve_profiles
+from runtime.schedule_policies import SCHEDULE_NAMES, device_limits, schedule_layout, schedule_problems
 from runtime.spec import load_cluster, load_model
 
 positive = st.floats(min_value=1e-3, max_value=5.0, allow_nan=False, allow_infinity=False)

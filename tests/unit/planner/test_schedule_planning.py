@@ -16,17 +16,9 @@ from planner.report import result_json, schedule_rows
 from planner.schedule_choice import AUTO, ScheduleChoice, chunk_sizes, fill_factor, schedule_choices, stage_layer_ranges
 from planner.simulate import simulate
 from runtime.errors import InfeasibleError
-from runtime.pipeline_schedules import (
-    SCHEDULE_NAMES,
-    ChunkCost,
-    Costs,
-    build_schedule,
-    chunk_problems,
-    live_activation_limit,
-    schedule_layout,
-    step_time,
-)
+from runtime.pipeline_schedules import ChunkCost, Costs, build_schedule, step_time
 from runtime.profiling.profile import resolve_profiles
+from runtime.schedule_policies import SCHEDULE_NAMES, chunk_problems, live_activation_limit, schedule_layout
 from runtime.spec import load_cluster, load_model, load_plan_context, validate_plan
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.io import dump_yaml

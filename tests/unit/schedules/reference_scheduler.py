@@ -9,7 +9,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from runtime.pipeline_schedules import POLICIES, Compute, Costs, Layout, TimedOp
+from runtime.pipeline_schedules import Compute, Costs, TimedOp
+from runtime.schedule_policies import POLICIES, Layout
 
 
 def _safe_forward(live: int, owed: dict[int, int], held: dict[int, int], mb: int, limit: int, chunks: int) -> bool:

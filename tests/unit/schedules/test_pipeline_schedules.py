@@ -11,11 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.pipeline_schedules import (
-    SCHEDULE_NAMES,
     ChunkCost,
     Compute,
     Costs,
-    Layout,
     Message,
     PostRecv,
     PostSend,
@@ -24,13 +22,17 @@ from runtime.pipeline_schedules import (
     WaitSends,
     build_schedule,
     check_schedule,
+    step_time,
+)
+from runtime.schedule_policies import (
+    SCHEDULE_NAMES,
+    Layout,
     chunk_problems,
     device_limits,
     limit_problems,
     live_activation_limit,
     schedule_layout,
     schedule_problems,
-    step_time,
 )
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,16 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference_scheduler import reference_timeline
 
-from runtime.pipeline_schedules import (
-    SCHEDULE_NAMES,
-    ChunkCost,
-    Costs,
-    Layout,
-    build_schedule,
-    device_limits,
-    schedule_layout,
-    schedule_timeline,
-)
+from runtime.pipeline_schedules import ChunkCost, Costs, build_schedule, schedule_timeline
+from runtime.schedule_policies import SCHEDULE_NAMES, Layout, device_limits, schedule_layout
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plan_files import load, problems
 
-from runtime.pipeline_schedules import ChunkCost, Costs, build_schedule, check_schedule, schedule_layout
+from runtime.pipeline_schedules import ChunkCost, Costs, build_schedule, check_schedule
+from runtime.schedule_policies import schedule_layout
 from runtime.spec.handle import StrategyHandle, plan_schedule
 from runtime.spec.io import dump_yaml
 from runtime.spec.plan import Pipeline, Stage
