@@ -17,7 +17,21 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-class FiniteFloatRange(click.FloatRange):
+class AsciiNumber(click.ParamType):
+    """A number option that takes ASCII only, as YAML and JSON files do: Python's int() and float() read any
+    script's digits (``--global-batch １２``, "١٢") as numbers."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.isascii():
+            self.fail(f"{value!r} is not a number (ASCII digits only)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class IntRange(AsciiNumber, click.IntRange):
+    """``click.IntRange`` (``IntRange()``: any integer) of ASCII digits (AsciiNumber)."""
+
+
+class FiniteFloatRange(AsciiNumber, click.FloatRange):
     """``click.FloatRange`` that also refuses nan, inf and figures beyond the specs' MAX_FLOAT. Click's range
     check lets nan through (every comparison with nan is false) and has no upper bound: ``replan --tolerance
     nan`` left no candidate within tolerance (a traceback), ``plan --time-limit nan`` planned as if unlimited."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import FORMAT_OPTION, FiniteFloatRange, console, emit_json, refuse_given, table
+from hetu_cli.output import FORMAT_OPTION, FiniteFloatRange, IntRange, console, emit_json, refuse_given, table
 from runtime.errors import Problem, SpecError
 from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, DeviceProfile, Fit, LinkFit, eval_fit, load_profile
 from runtime.spec import load_cluster, load_model
@@ -31,7 +31,7 @@ from runtime.spec.schema import to_data
               help="Sequence lengths to time (comma-separated; capped at each model's max_seq_len).")
 @click.option("--budget", type=FiniteFloatRange(0.0), default=0.1, show_default=True,
               help="Seconds of repeats per timed point (at least 5 repeats each).")
-@click.option("--link-processes", type=click.IntRange(2), default=4, show_default=True,
+@click.option("--link-processes", type=IntRange(2), default=4, show_default=True,
               help="Most local processes for the link measurement.")
 @click.option("--no-comm", is_flag=True, help="Skip the link measurement (keeps the spec link figures).")
 @FORMAT_OPTION
@@ -62,6 +62,8 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
                                                     "times the runtime's Llama modules); bring its timings with "
                                                     "hspmd profile import")])
     try:
+        if not seq_lens.isascii():  # int() reads any script's digits ("１２")
+            raise ValueError
         lens = tuple(sorted({int(x) for x in seq_lens.split(",") if x.strip()}))
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {seq_lens!r}",
