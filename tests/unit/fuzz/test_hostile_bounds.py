@@ -142,3 +142,16 @@ def test_a_long_trace_of_repeated_events_is_modelled_quickly(tmp_path: Path):
     assert cpu < 20, f"{cpu:.1f} s of CPU for 200 events"
     walls = [e["planner_wall_s"] for e in json.loads(result.output)["hspmd"]["events"] if e["event"] == "rejoin"]
     assert len(walls) == 100 and min(walls) > walls[0] / 2 > 0, walls[:5]  # not a free lookup
+
+
+@pytest.mark.parametrize("events", [
+    [{"step": 1, "action": "hang", "devices": [0, 1, 2, 3]}],
+    [{"step": 2, "action": "kill", "node": "cpu0"}],
+    [{"step": 1, "action": "kill", "devices": [0, 1, 2]}, {"step": 2, "action": "kill", "devices": [3]}],
+], ids=["hang-all", "kill-node", "one-by-one"])
+def test_a_trace_that_leaves_no_device_names_its_event(events: list[dict[str, Any]], tmp_path: Path):
+    """Once "error: no devices to plan on" (no file, no field) from the middle of the modelled run."""
+    trace = tmp_path / "events.yaml"
+    trace.write_text(yaml.safe_dump({"events": events}))
+    line = one_error(CliRunner().invoke(cli, ["simulate", "--plan", str(TINY_PLAN), "--events", str(trace)]))
+    assert f"{trace}: events[{len(events) - 1}]: leaves no device running" in line, line
