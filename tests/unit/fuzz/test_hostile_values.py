@@ -269,6 +269,7 @@ REGRESSIONS: list[tuple[str, str, int, dict[Path_, Any]]] = [
     ("cluster", "plan --cluster", 0, {("device_types", "cpu-fast", "intra_node_bandwidth_gbs"): 1e-20}),  # a hang
     ("lengths", "simulate --lengths", 0, {("bins", 0, "hi"): 10**30}),    # OverflowError splitting
     ("lengths", "simulate --lengths", 0, {("bins", 0, "lo"): True}),       # true read as 1
+    ("lengths", "simulate --lengths", 0, {("bins", 0, "weight"): 10**400}),  # OverflowError in isfinite
     # A consistent billion-sequence step: every schedule listed a billion micro-batches (a hang).
     ("plan", "simulate", 0, {("training", "global_batch"): 10**9,
                              ("strategies", 0, "pipelines", 0, "micro_batches"): 10**9 - 2}),
