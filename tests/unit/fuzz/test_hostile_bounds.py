@@ -159,3 +159,12 @@ def test_a_trace_that_leaves_no_device_names_its_event(events: list[dict[str, An
     trace.write_text(yaml.safe_dump({"events": events}))
     line = one_error(CliRunner().invoke(cli, ["simulate", "--plan", str(TINY_PLAN), "--events", str(trace)]))
     assert f"{trace}: events[{len(events) - 1}]: leaves no device running" in line, line
+
+
+def test_a_large_plain_file_is_not_called_an_alias_bomb(tmp_path: Path):
+    """More YAML values than the reader's bound, with no alias at all: said as it is (it read "YAML aliases
+    expand to more than 250,000 nodes (an alias bomb?)")."""
+    f = tmp_path / "plan.yaml"
+    f.write_text("x: [" + "1," * 250_001 + "1]\n")
+    line = one_error(CliRunner().invoke(cli, ["validate", str(f)]))
+    assert f"{f}: " in line and "more than 250,000 YAML values" in line and "alias" not in line, line
