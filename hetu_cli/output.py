@@ -27,8 +27,12 @@ class AsciiNumber(click.ParamType):
         return super().convert(value, param, ctx)
 
 
+class Int(AsciiNumber, click.types.IntParamType):
+    """``int`` of ASCII digits (AsciiNumber)."""
+
+
 class IntRange(AsciiNumber, click.IntRange):
-    """``click.IntRange`` (``IntRange()``: any integer) of ASCII digits (AsciiNumber)."""
+    """``click.IntRange`` of ASCII digits (AsciiNumber)."""
 
 
 class FiniteFloatRange(AsciiNumber, click.FloatRange):

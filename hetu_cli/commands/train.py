@@ -16,7 +16,7 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import MAX_TIMEOUT_S, FiniteFloatRange, IntRange, console, given, refuse_given
+from hetu_cli.output import MAX_TIMEOUT_S, FiniteFloatRange, Int, IntRange, console, given, refuse_given
 from runtime.elastic.agents import DEFAULT_PORT
 from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
@@ -156,7 +156,7 @@ class StepDisplay:
               help="--elastic: between failures, plan in the background for the loss of each device and node of the "
                    "running layout, and decide the return of each device (and node) out of it, so that such a "
                    "failure or return switches without planning.")
-@click.option("--rejoin-device", "rejoin_devices", multiple=True, type=IntRange(), metavar="D",
+@click.option("--rejoin-device", "rejoin_devices", multiple=True, type=Int(), metavar="D",
               help="--elastic: device D returns at the start of --rejoin-at-step (or --at-step) K: a worker is "
                    "started for it and joins the running job when the predicted gain beats the switch cost.")
 @click.option("--rejoin-at-step", "rejoin_step", type=IntRange(min=1), metavar="K",

@@ -108,12 +108,13 @@ def test_absurd_table_cells_are_refused(column: str, value: str, says: str, tmp_
     (["plan", "--model", "llama-tiny", "--cluster", "cpu-hetero4", "--global-batch", "\uff18", "--seq-len", "16",
       "-o", "OUT"], "--global-batch"),
     (["show", str(TINY_PLAN), "--device", "\uff10"], "--device"),
+    (["check-numerics", "--seed", str(10**26)], "--seed"),                 # torch: "Overflow when unpacking"
     (["agent", "--coordinator", "127.0.0.1:\u00b2", "--node", "n", "--token", "t", "--timeout", "1"],
      "--coordinator"),                                                    # int("²"): a traceback
     (["agent", "--coordinator", "127.0.0.1:\uff11\uff12", "--node", "n", "--token", "t", "--timeout", "1"],
      "--coordinator"),                                                    # dialled port 12
 ])
-def test_digits_of_other_scripts_are_refused(args: list[str], says: str, tmp_path: Path):
+def test_numbers_in_other_scripts_or_beyond_range_are_refused(args: list[str], says: str, tmp_path: Path):
     args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
     line = one_error(CliRunner().invoke(cli, args))
     assert says in line and not (tmp_path / "out").exists(), line
