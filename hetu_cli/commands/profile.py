@@ -19,6 +19,8 @@ from runtime.spec.cluster import type_name_problem
 from runtime.spec.io import check_output_file
 from runtime.spec.schema import to_data
 
+MAX_BUDGET_S = 10.0  # per timed point; a profile times hundreds (every component, length and type)
+
 
 @click.group(invoke_without_command=True)
 @click.option("--cluster", "cluster_ref", help="Cluster (name or path) whose device types to profile.")
@@ -29,8 +31,9 @@ from runtime.spec.schema import to_data
 @click.option("--device-type", help="Which cluster device type this machine's GPU is (GPU clusters).")
 @click.option("--seq-lens", default="16,32,64,128,256", show_default=True,
               help="Sequence lengths to time (comma-separated; capped at each model's max_seq_len).")
-@click.option("--budget", type=FiniteFloatRange(0.0), default=0.1, show_default=True,
-              help="Seconds of repeats per timed point (at least 5 repeats each).")
+@click.option("--budget", type=FiniteFloatRange(0.0, MAX_BUDGET_S), default=0.1, show_default=True,
+              help=f"Seconds of repeats per timed point (at least 5 repeats each; at most {MAX_BUDGET_S:g}: a profile "
+                   "times hundreds of points, and --budget 1e29 timed the first for ever).")
 @click.option("--link-processes", type=IntRange(2), default=4, show_default=True,
               help="Most local processes for the link measurement.")
 @click.option("--no-comm", is_flag=True, help="Skip the link measurement (keeps the spec link figures).")
