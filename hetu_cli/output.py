@@ -61,10 +61,21 @@ PROFILE_OPTION = click.option("--profile", "profile_dirs", multiple=True, type=c
 def console(stderr: bool = False) -> Console:
     # Imported here: rich's console costs ~25 ms of start-up that verbs printing one line need not pay.
     from rich.console import Console
+    from rich.errors import MarkupError
+
+    class Tolerant(Console):
+        """Prints a line whose names from a file read as broken markup (a strategy named "[/red]": a
+        MarkupError traceback in every verb that printed it) as it is, markup off."""
+
+        def render_str(self, text: str, **kw: Any) -> Any:
+            try:
+                return super().render_str(text, **kw)
+            except MarkupError:
+                return super().render_str(text, **{**kw, "markup": False})
 
     # Pipes and CI logs get a wide fixed width rather than rich's 80 columns, so tables stay legible.
     width = None if (sys.stderr if stderr else sys.stdout).isatty() else 140
-    return Console(stderr=stderr, highlight=False, width=width)
+    return Tolerant(stderr=stderr, highlight=False, width=width)
 
 
 def table(title: str, columns: Sequence[str], left: Collection[str] = ()) -> Table:

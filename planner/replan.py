@@ -412,7 +412,8 @@ class TraceModel:
     """How the three ways of surviving failures are priced over a trace (every assumption a field).
 
     * **hspmd**: a failure costs detection (a process death at once, a node's loss after the agent timeout),
-      the replan (the planner's own wall time, measured here), the fused BSR of the chosen plan (modelled)
+      the replan (the planner's own wall time, measured here; a device set searched before is
+      charged what its search took then: ``PlanMemo``), the fused BSR of the chosen plan (modelled)
       plus regrouping, and half a step (the step in flight is redone); a return costs the grow decision and
       its switch, adopted only when it pays. With ``preplan`` (the coordinator's default) the loss of one
       device or one whole node of the running layout was planned ahead in the background

@@ -169,3 +169,18 @@ def test_a_large_plain_file_is_not_called_an_alias_bomb(tmp_path: Path):
     f.write_text("x: [" + "1," * 250_001 + "1]\n")
     line = one_error(CliRunner().invoke(cli, ["validate", str(f)]))
     assert f"{f}: " in line and "more than 250,000 YAML values" in line and "alias" not in line, line
+
+
+@pytest.mark.parametrize("verb", [["show"], ["simulate", "--plan"], ["validate"]], ids=lambda v: v[0])
+def test_names_that_read_as_markup_print_as_they_are(verb: list[str], tmp_path: Path):
+    """A strategy named "[/red]" (a closing tag of rich markup) or a model named "[/bold]m" was a MarkupError
+    traceback in every verb that printed it; now the line is printed with markup off, the name as written."""
+    model = tmp_path / "m.yaml"
+    model.write_text((REPO / "configs" / "models" / "llama-tiny.yaml").read_text()
+                     .replace("name: llama-tiny", 'name: "[/bold]m"'))
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(TINY_PLAN.read_text().replace("name: hetero", 'name: "[/red]s"')
+                    .replace("model: llama-tiny", f"model: {model}"))
+    result = CliRunner().invoke(cli, [*verb, str(plan)])
+    assert result.exit_code == 0 and result.exception is None, result.output
+    assert "[/red]s" in result.output and "[/bold]m" in result.output, result.output
