@@ -82,6 +82,9 @@ def documents_problems(ctx: PlanContext, options: TrainOptions) -> list[str]:
     names = run_strategies(ctx, options)
     longest = max(ctx.strategy(n).max_len_of(t) for n in names)
     problems = []
+    if t.seq_len < 2:  # every piece one token: it trained on nothing, loss 0.0000 (one step at 8 tokens/s)
+        problems.append(f"{ctx.path}: training.seq_len: documents cut at {t.seq_len} token leave no next token to "
+                        "predict (a documents run needs seq_len >= 2)")
     if longest < t.seq_len:
         problems.append(f"{ctx.path}: --strategy: {names[0]!r} serves documents up to {longest} tokens, but the "
                         f"run's documents reach training.seq_len {t.seq_len}")

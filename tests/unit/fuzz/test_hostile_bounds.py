@@ -184,3 +184,18 @@ def test_names_that_read_as_markup_print_as_they_are(verb: list[str], tmp_path: 
     result = CliRunner().invoke(cli, [*verb, str(plan)])
     assert result.exit_code == 0 and result.exception is None, result.output
     assert "[/red]s" in result.output and "[/bold]m" in result.output, result.output
+
+
+def test_a_documents_run_of_one_token_sequences_is_refused(tmp_path: Path):
+    """seq_len 1 in documents mode cut every document into one-token pieces: one step trained on nothing
+    (loss 0.0000, exit 0). Refused before any worker starts, naming the plan and the field."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(TINY_PLAN.read_text().replace("seq_len: 64", "seq_len: 1"))
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i}"}) + "\n" for i in range(20)))
+    metrics = tmp_path / "metrics.jsonl"
+    with deadline(60):
+        result = CliRunner().invoke(cli, ["train", "--plan", str(plan), "--data", str(data), "--steps", "1",
+                                          "--metrics", str(metrics)])
+    line = one_error(result)
+    assert f"{plan}: training.seq_len: " in line and "no next token" in line and not metrics.exists(), line
