@@ -7,7 +7,6 @@ under the same name (the CPU emulation cluster does this).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -16,6 +15,7 @@ from runtime.errors import Checker, FieldErrors
 
 MAX_DEVICES = 65_536  # a bound on what a (hostile) file makes every verb enumerate
 MAX_SLOWDOWN = 1000.0  # beyond this the planner's ILP coefficients span too many orders of magnitude
+MAX_SEQ_SCALE = 4096  # target tokens per real one: a 1M-token target on a 256-token model
 
 
 @dataclass(frozen=True)
@@ -79,13 +79,14 @@ class Emulation:
                 c.check(self.time_scale is None, "time_scale", "only meaningful with 'target' (sleep mode)")
                 c.check(self.seq_scale == 1, "seq_scale", "only meaningful with 'target' (sleep mode)")
                 c.check(self.memory == "real", "memory", "only meaningful with 'target' (sleep mode)")
-            c.check(isinstance(self.seq_scale, int) and not isinstance(self.seq_scale, bool) and self.seq_scale >= 1,
-                    "seq_scale",
-                    f"must be a whole number of target tokens per real token (>= 1), got {self.seq_scale!r}")
+            # Bounded like slowdown: seq_scale 2**50 priced a step at 5.5e26 s, time_scale 1e29 slept a block for ever.
+            c.check(isinstance(self.seq_scale, int) and not isinstance(self.seq_scale, bool) and
+                    1 <= self.seq_scale <= MAX_SEQ_SCALE, "seq_scale", "must be a whole number of target tokens per "
+                    f"real token in [1, {MAX_SEQ_SCALE}], got {self.seq_scale!r}")
             c.check(self.memory in ("real", "target"), "memory", f"must be 'real' or 'target', got {self.memory!r}")
             if self.time_scale is not None:
-                c.check(math.isfinite(self.time_scale) and self.time_scale > 0, "time_scale",
-                        f"must be a positive number of wall seconds per target second, got {self.time_scale}")
+                c.check(0 < self.time_scale <= MAX_SLOWDOWN, "time_scale", "must be a positive number of wall "
+                        f"seconds per target second, at most {MAX_SLOWDOWN:g}, got {self.time_scale}")
 
     @property
     def sleeps(self) -> bool:

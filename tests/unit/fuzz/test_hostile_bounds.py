@@ -199,3 +199,16 @@ def test_a_documents_run_of_one_token_sequences_is_refused(tmp_path: Path):
                                           "--metrics", str(metrics)])
     line = one_error(result)
     assert f"{plan}: training.seq_len: " in line and "no next token" in line and not metrics.exists(), line
+
+
+@pytest.mark.parametrize("key,value", [("seq_scale", 2**50), ("time_scale", 1e29)])
+def test_absurd_emulation_scales_are_refused(key: str, value: Any, tmp_path: Path):
+    """seq_scale 2**50 priced a step at 5.5e26 s (and a run would sleep as long); time_scale 1e29 slept one
+    block for ever. Bounded like slowdown, naming the file and the field."""
+    data = yaml.safe_load((REPO / "configs" / "clusters" / "cpu-hetero4-sleep.yaml").read_text())
+    data["device_types"]["emu-a800"]["emulate"][key] = value
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(yaml.safe_dump(data))
+    plan = REPO / "configs" / "plans" / "cpu-hetero4-sleep-dp-pp.yaml"
+    line = one_error(CliRunner().invoke(cli, ["validate", str(plan), "--cluster", str(cluster)]))
+    assert f"{cluster}: device_types.emu-a800.emulate.{key}: " in line and ("at most" in line or "in [1," in line), line
