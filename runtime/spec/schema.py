@@ -33,9 +33,15 @@ MIN_FIGURE = 1e-6
 UNITS = {"_s": "s", "_gib": "GiB", "tflops": "TFLOPS", "_gbs": "GB/s"}  # by the end of a field's name
 
 
+@functools.cache
+def unit_of(name: str) -> str | None:
+    """The unit of a field called ``name`` (``UNITS``), None for a dimensionless one."""
+    return "s" if name.startswith("seconds") else next((u for end, u in UNITS.items() if name.endswith(end)), None)
+
+
 def figure_problem(name: str, value: float) -> str | None:
     """What is wrong with ``value`` for a field called ``name`` (its unit read off the name), None if fine."""
-    unit = "s" if name.startswith("seconds") else next((u for end, u in UNITS.items() if name.endswith(end)), None)
+    unit = unit_of(name)
     if unit is not None and abs(value) > MAX_FIGURE:
         return f"{value:g} {unit} is beyond any device or measurement (at most {MAX_FIGURE:g} {unit})"
     if unit not in (None, "s") and 0 < value < MIN_FIGURE:
@@ -201,7 +207,7 @@ def _build_dataclass(cls: Any, data: dict, file: str, path: str, problems: list[
         except _Invalid:
             failed = True
     for name, value in kwargs.items():
-        for at, v in _floats(value, join_field(path, name)):
+        for at, v in _floats(value, join_field(path, name)) if unit_of(name) else ():
             why = figure_problem(name, v)
             if why is not None:
                 problems.append(Problem(file, at, why))
