@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -134,6 +135,8 @@ def _link(f: LinkFit) -> str:
 def _profile_file(ref: str, option: str) -> tuple[Path, DeviceProfile]:
     """A profile given by path or by a shipped profile's name, loaded."""
     path = resolve_profile_ref(ref)
+    if path is None and os.path.lexists(ref):  # a directory, a looping link: the reader says which, not "no profile"
+        path = Path(ref)
     if path is None:
         raise SpecError([Problem(option, "", f"no profile {ref!r} (a path, or a name in profiles/)")])
     return path, load_profile(path)

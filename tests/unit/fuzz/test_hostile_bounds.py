@@ -212,3 +212,13 @@ def test_absurd_emulation_scales_are_refused(key: str, value: Any, tmp_path: Pat
     plan = REPO / "configs" / "plans" / "cpu-hetero4-sleep-dp-pp.yaml"
     line = one_error(CliRunner().invoke(cli, ["validate", str(plan), "--cluster", str(cluster)]))
     assert f"{cluster}: device_types.emu-a800.emulate.{key}: " in line and ("at most" in line or "in [1," in line), line
+
+
+def test_a_profile_path_that_is_no_file_says_what_it_is(tmp_path: Path):
+    """``profile show DIR`` (or a looping link) said "no profile 'DIR'", as for a name that does not exist."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for path, says in ((tmp_path, "is a directory, expected a file"), (loop, "symbolic links")):
+        for verb in (["profile", "show", str(path)], ["profile", "export", str(path), "--out", str(tmp_path / "x")]):
+            line = one_error(CliRunner().invoke(cli, verb))
+            assert f"{path}: " in line and says in line and not (tmp_path / "x").exists(), line
