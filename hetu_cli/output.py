@@ -17,7 +17,25 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
-class FiniteFloatRange(click.FloatRange):
+class AsciiNumber(click.ParamType):
+    """A number option that takes ASCII only, as YAML and JSON files do: Python's int() and float() read any
+    script's digits (``--global-batch １２``, "١٢") as numbers."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.isascii():
+            self.fail(f"{value!r} is not a number (ASCII digits only)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class Int(AsciiNumber, click.types.IntParamType):
+    """``int`` of ASCII digits (AsciiNumber)."""
+
+
+class IntRange(AsciiNumber, click.IntRange):
+    """``click.IntRange`` of ASCII digits (AsciiNumber)."""
+
+
+class FiniteFloatRange(AsciiNumber, click.FloatRange):
     """``click.FloatRange`` that also refuses nan, inf and figures beyond the specs' MAX_FLOAT. Click's range
     check lets nan through (every comparison with nan is false) and has no upper bound: ``replan --tolerance
     nan`` left no candidate within tolerance (a traceback), ``plan --time-limit nan`` planned as if unlimited."""
@@ -43,10 +61,21 @@ PROFILE_OPTION = click.option("--profile", "profile_dirs", multiple=True, type=c
 def console(stderr: bool = False) -> Console:
     # Imported here: rich's console costs ~25 ms of start-up that verbs printing one line need not pay.
     from rich.console import Console
+    from rich.errors import MarkupError
+
+    class Tolerant(Console):
+        """Prints a line whose names from a file read as broken markup (a strategy named "[/red]": a
+        MarkupError traceback in every verb that printed it) as it is, markup off."""
+
+        def render_str(self, text: str, **kw: Any) -> Any:
+            try:
+                return super().render_str(text, **kw)
+            except MarkupError:
+                return super().render_str(text, **{**kw, "markup": False})
 
     # Pipes and CI logs get a wide fixed width rather than rich's 80 columns, so tables stay legible.
     width = None if (sys.stderr if stderr else sys.stdout).isatty() else 140
-    return Console(stderr=stderr, highlight=False, width=width)
+    return Tolerant(stderr=stderr, highlight=False, width=width)
 
 
 def table(title: str, columns: Sequence[str], left: Collection[str] = ()) -> Table:

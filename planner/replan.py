@@ -169,7 +169,7 @@ def replan(current: StrategyHandle, failed: Collection[int],
            profiles: Mapping[str, DeviceProfile] | ProfileSet, *, tolerance: float = DEFAULT_TOLERANCE,
            time_limit_s: float = 60.0, top_k: int = 5, restart: RestartModel | None = None,
            model_ref: str | None = None, cluster_ref: str | None = None, steps_left: int | None = None,
-           ) -> ReplanResult:
+           memo: PlanMemo | None = None) -> ReplanResult:
     """The plan to switch to when ``failed`` devices of ``current`` are lost (see the module docstring).
 
     The survivors are the strategy's other devices (a running job has processes only there). Raises
@@ -197,7 +197,7 @@ def replan(current: StrategyHandle, failed: Collection[int],
     current_time = modelled_step_time(current, profiles)
 
     plans: list[tuple[Literal["planner", "repair"], int, Plan, float, str]] = []
-    result, refused = _plan_elastic(current, survivors, profiles, time_limit_s, top_k)
+    result, refused = _plan_elastic(current, survivors, profiles, time_limit_s, top_k, memo)
     if refused is not None:
         notes.append(f"no elastic plan (>= 2 pipelines) fits the survivors ({refused}); planning without that")
     for i, cand in enumerate(result.candidates):
@@ -244,17 +244,37 @@ def settings_for(t: TrainingSettings, **choices: object) -> PlanSettings:
                         schedule=t.schedule, **choices)  # type: ignore[arg-type]
 
 
+class PlanMemo:
+    """The planner's results by (settings, devices) within one modelled trace (its model, cluster and profiles
+    fixed): a trace repeats device sets (a device lost and back, again and again), and each search is ~0.4 s on
+    the tiny model (200 such events took 50 s). A repeat is charged the wall time its search took once
+    (``saved_s``), so the modelled figures stay those of a coordinator that plans every event."""
+
+    def __init__(self) -> None:
+        self.found: dict[tuple[PlanSettings, tuple[int, ...]], tuple[tuple[PlanResult, str | None], float]] = {}
+        self.saved_s = 0.0
+
+
 def _plan_elastic(current: StrategyHandle, devices: Sequence[int], profiles: Mapping[str, DeviceProfile] | ProfileSet,
-                  time_limit_s: float, top_k: int) -> tuple[PlanResult, str | None]:
+                  time_limit_s: float, top_k: int, memo: PlanMemo | None = None) -> tuple[PlanResult, str | None]:
     """The planner on ``devices``: elastic (>= 2 pipelines) keeping the run's ZeRO choice (an elastic ZeRO-1
     plan keeps 2 copies of every chunk) where that fits, else neither; with why the elastic one did not."""
     ctx, t = current.ctx, current.ctx.plan.training
     settings = settings_for(t, elastic=True, use_zero=t.zero, time_limit_s=time_limit_s, top_k=top_k)
+    key = (settings, tuple(devices))
+    if memo is not None and key in memo.found:
+        found, wall = memo.found[key]
+        memo.saved_s += wall
+        return found
+    t0 = time.perf_counter()
     try:
-        return plan(ctx.model, ctx.cluster, profiles, settings, devices=devices, baselines=False), None
+        found = plan(ctx.model, ctx.cluster, profiles, settings, devices=devices, baselines=False), None
     except InfeasibleError as err:
-        return plan(ctx.model, ctx.cluster, profiles, dataclasses.replace(settings, elastic=False, use_zero=False),
-                    devices=devices, baselines=False), str(err)
+        found = plan(ctx.model, ctx.cluster, profiles, dataclasses.replace(settings, elastic=False, use_zero=False),
+                     devices=devices, baselines=False), str(err)
+    if memo is not None:
+        memo.found[key] = (found, time.perf_counter() - t0)
+    return found
 
 
 def choose(options: list[Option], tolerance: float, steps_left: int | None = None) -> Option:
@@ -349,7 +369,7 @@ class GrowResult:
 
 def grow(current: StrategyHandle, joining: Collection[int], profiles: Mapping[str, DeviceProfile] | ProfileSet, *,
          steps_left: int, time_limit_s: float = 60.0, switch: SwitchModel | None = None,
-         model_ref: str | None = None, cluster_ref: str | None = None) -> GrowResult:
+         model_ref: str | None = None, cluster_ref: str | None = None, memo: PlanMemo | None = None) -> GrowResult:
     """The plan on ``current``'s devices plus ``joining`` (elastic when they allow it, ZeRO off), adopted
     only when the step time it saves over ``steps_left`` steps beats the modelled cost of switching to it
     (the state's fused BSR from its holders, plus regrouping)."""
@@ -359,7 +379,7 @@ def grow(current: StrategyHandle, joining: Collection[int], profiles: Mapping[st
     switch = switch or SwitchModel()
     current_time = modelled_step_time(current, profiles)
     devices = tuple(sorted(set(current.devices) | set(joining)))
-    result, _ = _plan_elastic(current, devices, profiles, time_limit_s, 1)
+    result, _ = _plan_elastic(current, devices, profiles, time_limit_s, 1, memo)
     best = result.candidates[0]
     p = result.to_plan(model_ref or ctx.plan.model, cluster_ref or ctx.plan.cluster, 0)
     target_ctx = dataclasses.replace(ctx, plan=p)
@@ -392,7 +412,8 @@ class TraceModel:
     """How the three ways of surviving failures are priced over a trace (every assumption a field).
 
     * **hspmd**: a failure costs detection (a process death at once, a node's loss after the agent timeout),
-      the replan (the planner's own wall time, measured here), the fused BSR of the chosen plan (modelled)
+      the replan (the planner's own wall time, measured here; a device set searched before is
+      charged what its search took then: ``PlanMemo``), the fused BSR of the chosen plan (modelled)
       plus regrouping, and half a step (the step in flight is redone); a return costs the grow decision and
       its switch, adopted only when it pays. With ``preplan`` (the coordinator's default) the loss of one
       device or one whole node of the running layout was planned ahead in the background
@@ -635,6 +656,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
     nodes = {n.name: {d.id for d in cluster.devices if d.node == n.name} for n in cluster.nodes}
     original = current
     plans: dict[tuple[tuple[int, ...], bool], tuple[StrategyHandle, float]] = {}
+    memo = PlanMemo()
 
     def best_on(devices: Collection[int], zero: bool = False) -> tuple[StrategyHandle, float]:
         key = (tuple(sorted(devices)), zero)
@@ -757,11 +779,11 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
         before = h.step_time_s
         if e.action != "rejoin":
             world -= set(e.devices)
-        t0 = time.perf_counter()
+        t0, saved = time.perf_counter(), memo.saved_s
         if e.action == "rejoin":
             g = grow(h.handle, e.devices, profiles, steps_left=steps_left, time_limit_s=model.time_limit_s,
-                     switch=model.switch)
-            wall = time.perf_counter() - t0
+                     switch=model.switch, memo=memo)
+            wall = time.perf_counter() - t0 + memo.saved_s - saved
             out = set(range(cluster.num_devices)) - world
             ahead = preplanned(h.handle, alive_before, out, (e.step - h_since) * before, wall, joining=e.devices)
             # decided ahead: a lookup, then (adopted) the coordinator plans the fused BSR of the plan found
@@ -782,7 +804,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
             if e.node != coordinator:
                 try:
                     r = replan(h.handle, set(e.devices), profiles, time_limit_s=model.time_limit_s,
-                               steps_left=steps_left)
+                               steps_left=steps_left, memo=memo)
                 except LostStateError:
                     cause = "state lost"
             if r is None:
@@ -790,7 +812,7 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
                 world = set(h.handle.devices)
                 h.restarted(e, {"detect": detect(e, False), **from_checkpoint}, before, restarted=cause)
             else:
-                wall = time.perf_counter() - t0
+                wall = time.perf_counter() - t0 + memo.saved_s - saved
                 ahead = preplanned(h.handle, alive_before, (), (e.step - h_since) * before, wall, lost=e.devices)
                 if ahead:  # the coordinator looks the plan up and plans its fused BSR
                     t1 = time.perf_counter()

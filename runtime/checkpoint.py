@@ -294,7 +294,7 @@ def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: P
     from runtime.comm.execute import run_bsr
     from runtime.engine.zero import moment_pieces, strategy_zero_slices
 
-    strat = plan.plan.strategy(strategy)
+    strat = plan.strategy(strategy)
     me = groups.my_device
     writer = min(strat.devices)
     local = dict(program.local_state())

@@ -37,6 +37,7 @@ from typing import Literal, Protocol
 from runtime.data import BYTE_VOCAB, MAX_STRIDE
 from runtime.errors import Checker, FieldErrors, Problem, SpecError
 from runtime.spec.io import is_dir, is_file, read_yaml
+from runtime.spec.schema import MAX_FLOAT
 
 IGNORE_INDEX = -100          # the label of a document's last token and of padding (torch's cross_entropy default)
 
@@ -297,8 +298,9 @@ def load_histogram(path: str | Path, max_len: int, policy: LongDocuments = "spli
         problems += [Problem(file, f"{where}.{k}", "missing") for k in BIN_KEYS if k not in b]
         if len(problems) > n:
             continue
+        # "not 0 <= w": nan too; math.isfinite(10**400) raised OverflowError (a traceback)
         lo, hi, w = b["lo"], b["hi"], b["weight"]
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= MAX_FLOAT:
             bad(f"{where}.weight", f"must be a finite number >= 0, got {w!r}")
             continue
         if scale == "fraction":

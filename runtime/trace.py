@@ -233,7 +233,7 @@ def stage_block_targets(ctx: PlanContext, strategy: str, device: int,
         if em is None or not em.sleeps:
             raise ValueError(f"device {device} ({dev_type}) is not emulated in sleep mode")
         target = sleep_target(em, file=f"cluster {cluster.name}", field=f"device_types.{dev_type}.emulate")
-    strat = ctx.plan.strategy(strategy)
+    strat = ctx.strategy(strategy)
     where = strat.locate(device)
     if where is None:   # idle in this strategy (an elastic run's standby device): no blocks to price
         return lambda name, args: None

@@ -7,8 +7,9 @@ import sys
 
 import click
 
-from hetu_cli.output import FORMAT_OPTION, console, emit_json, table
+from hetu_cli.output import FORMAT_OPTION, IntRange, console, emit_json, table
 from runtime.errors import HspmdError
+from runtime.spec.schema import MAX_INT
 
 EXIT_FLAGGED = 3  # ran, and some component is outside its tolerance (2 stays "bad input")
 
@@ -28,9 +29,10 @@ def _list(text: str, option: str, allowed: list[str]) -> list[str]:
               help="Dtypes to run each component in (fp32, bf16, fp16).")
 @click.option("--model", "model_ref", default="llama-tiny", show_default=True,
               help="Model (catalog name or path) whose component shapes to check.")
-@click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--seq-len", type=click.IntRange(min=2), default=32, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--batch", type=IntRange(min=1), default=2, show_default=True)
+@click.option("--seq-len", type=IntRange(min=2), default=32, show_default=True)
+@click.option("--seed", type=IntRange(min=0, max=MAX_INT), default=0, show_default=True,
+              help="Seed of the inputs and weights (torch takes at most 64 bits: a larger one was a traceback).")
 @FORMAT_OPTION
 def check_numerics(types_text: str | None, dtypes_text: str, model_ref: str, batch: int, seq_len: int, seed: int,
                    fmt: str) -> None:

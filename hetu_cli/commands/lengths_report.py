@@ -131,7 +131,7 @@ def planner_dispatch_costs(options: TrainOptions, profile_dirs: Sequence[Path]) 
                                                          "FILE.jsonl, or a plan with training.tokens_per_step)")])
     names = run_strategies(ctx, options)
     ctx = dataclasses.replace(ctx, plan=dataclasses.replace(
-        ctx.plan, strategies=tuple(ctx.plan.strategy(n) for n in names)))
+        ctx.plan, strategies=tuple(ctx.strategy(n) for n in names)))
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
     return dataclasses.replace(options, dispatch_costs=tuple(m.cost for m in strategies_of(ctx, profiles)))
 
@@ -149,7 +149,7 @@ def simulate_lengths(ctx: PlanContext, profile_dirs: Sequence[Path], lengths: st
         ctx = dataclasses.replace(ctx, plan=dataclasses.replace(
             ctx.plan, training=dataclasses.replace(t, tokens_per_step=tokens)))
     if strategy_name is not None:
-        only = ctx.plan.strategy(strategy_name)
+        only = ctx.strategy(strategy_name)
         ctx = dataclasses.replace(ctx, plan=dataclasses.replace(ctx.plan, strategies=(only,)))
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
     dist = length_distribution(lengths, t.seq_len)

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hetu_cli.commands.lengths_report import plan_for_lengths
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, FiniteFloatRange, console, emit_json, refuse_given
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, FiniteFloatRange, IntRange, console, emit_json, refuse_given
 from planner.api import PlanSettings
 from planner.api import plan as run_planner
 from planner.report import print_report, result_json
@@ -29,11 +29,11 @@ MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k
 @click.option("--model", "model_ref", required=True, help="Model (catalog name or path).")
 @click.option("--cluster", "cluster_ref", required=True, help="Cluster (catalog name or path).")
 @PROFILE_OPTION
-@click.option("--global-batch", type=click.IntRange(min=1), help="Sequences per step (required without --lengths).")
-@click.option("--seq-len", type=click.IntRange(min=1),
+@click.option("--global-batch", type=IntRange(min=1), help="Sequences per step (required without --lengths).")
+@click.option("--seq-len", type=IntRange(min=1),
               help="Tokens per sequence (required without --lengths); with --lengths the longest document "
                    "(default: the model's max_seq_len).")
-@click.option("--micro-batch", type=click.IntRange(min=1),
+@click.option("--micro-batch", type=IntRange(min=1),
               help="Sequences per micro-batch (default: the planner chooses among 1, 2, 4).")
 @click.option("--elastic", is_flag=True,
               help="Keep every parameter on >= 2 pipelines (failure recovery); ZeRO-1 only with 2 copies of each "
@@ -43,19 +43,19 @@ MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k
                    "Default: on; with --elastic, whichever is faster.")
 @click.option("--time-limit", "time_limit", type=FiniteFloatRange(min=1.0), default=120.0, show_default=True,
               help="Seconds the search may take (it stops early and keeps what it found).")
-@click.option("--top-k", type=click.IntRange(min=1), default=5, show_default=True,
+@click.option("--top-k", type=IntRange(min=1), default=5, show_default=True,
               help="Near-best candidates to list.")
 @click.option("--schedule", type=click.Choice([AUTO, *SCHEDULE_NAMES]), default=AUTO, show_default=True,
               help="Pipeline schedule: 'auto' searches the schedule and its model chunks per pipeline "
                    "(docs/schedules.md); a name fixes it for every pipeline (interleaved: chunks searched).")
-@click.option("--check-top", type=click.IntRange(min=0), default=8, show_default=True,
+@click.option("--check-top", type=IntRange(min=0), default=8, show_default=True,
               help="Re-check this many of the best plans (and the best with identical pipelines, and the "
                    "baselines) with the step simulator and rank them by the worse of the two predictions "
                    "(0: rank by the closed-form estimate alone).")
 @click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True,
               help="Plan TP stages with Megatron sequence parallelism (training.sequence_parallel): less "
                    "activation memory, the same TP traffic.")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--workers", type=IntRange(min=1), default=1, show_default=True,
               help="Processes for the independent searches and the simulator's checks (the same plan, less wall "
                    "time on a multi-core host; worth it on large clusters).")
 @click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), help="Write the plan here (YAML).")
@@ -63,9 +63,9 @@ MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k
               help="Also write the best symmetric baseline as a plan here (to measure it with hspmd train).")
 @click.option("--lengths", help="Documents of mixed length: a distribution name (longtail, uniform, fixed) or a "
                                 "histogram YAML file; plans several strategies, each for a length range.")
-@click.option("--tokens-per-step", type=click.IntRange(min=1, max=MAX_TOKENS_PER_STEP),
+@click.option("--tokens-per-step", type=IntRange(min=1, max=MAX_TOKENS_PER_STEP),
               help="With --lengths: the tokens of one step.")
-@click.option("--max-strategies", type=click.IntRange(min=1, max=MAX_STRATEGIES), default=3, show_default=True,
+@click.option("--max-strategies", type=IntRange(min=1, max=MAX_STRATEGIES), default=3, show_default=True,
               help="With --lengths: the most strategies in the plan.")
 @click.option("--fixed-out", "fixed_path", type=click.Path(path_type=Path),
               help="With --lengths: also write the best single plan for the longest document (the comparison the "

@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import FORMAT_OPTION, FiniteFloatRange, console, emit_json, refuse_given, table
+from hetu_cli.output import FORMAT_OPTION, FiniteFloatRange, IntRange, console, emit_json, refuse_given, table
 from runtime.errors import Problem, SpecError
 from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, DeviceProfile, Fit, LinkFit, eval_fit, load_profile
 from runtime.spec import load_cluster, load_model
@@ -18,6 +19,8 @@ from runtime.spec.catalog import resolve_profile_ref
 from runtime.spec.cluster import type_name_problem
 from runtime.spec.io import check_output_file
 from runtime.spec.schema import to_data
+
+MAX_BUDGET_S = 10.0  # per timed point; a profile times hundreds (every component, length and type)
 
 
 @click.group(invoke_without_command=True)
@@ -29,9 +32,10 @@ from runtime.spec.schema import to_data
 @click.option("--device-type", help="Which cluster device type this machine's GPU is (GPU clusters).")
 @click.option("--seq-lens", default="16,32,64,128,256", show_default=True,
               help="Sequence lengths to time (comma-separated; capped at each model's max_seq_len).")
-@click.option("--budget", type=FiniteFloatRange(0.0), default=0.1, show_default=True,
-              help="Seconds of repeats per timed point (at least 5 repeats each).")
-@click.option("--link-processes", type=click.IntRange(2), default=4, show_default=True,
+@click.option("--budget", type=FiniteFloatRange(0.0, MAX_BUDGET_S), default=0.1, show_default=True,
+              help=f"Seconds of repeats per timed point (at least 5 repeats each; at most {MAX_BUDGET_S:g}: a profile "
+                   "times hundreds of points, and --budget 1e29 timed the first for ever).")
+@click.option("--link-processes", type=IntRange(2), default=4, show_default=True,
               help="Most local processes for the link measurement.")
 @click.option("--no-comm", is_flag=True, help="Skip the link measurement (keeps the spec link figures).")
 @FORMAT_OPTION
@@ -62,6 +66,8 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
                                                     "times the runtime's Llama modules); bring its timings with "
                                                     "hspmd profile import")])
     try:
+        if not seq_lens.isascii():  # int() reads any script's digits ("１２")
+            raise ValueError
         lens = tuple(sorted({int(x) for x in seq_lens.split(",") if x.strip()}))
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {seq_lens!r}",
@@ -129,6 +135,8 @@ def _link(f: LinkFit) -> str:
 def _profile_file(ref: str, option: str) -> tuple[Path, DeviceProfile]:
     """A profile given by path or by a shipped profile's name, loaded."""
     path = resolve_profile_ref(ref)
+    if path is None and os.path.lexists(ref):  # a directory, a looping link: the reader says which, not "no profile"
+        path = Path(ref)
     if path is None:
         raise SpecError([Problem(option, "", f"no profile {ref!r} (a path, or a name in profiles/)")])
     return path, load_profile(path)

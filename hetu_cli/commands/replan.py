@@ -11,7 +11,7 @@ from rich import filesize
 from rich.markup import escape
 from rich.table import Table
 
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, FiniteFloatRange, console, emit_json, table
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, FiniteFloatRange, IntRange, console, emit_json, table
 from planner.replan import DEFAULT_TOLERANCE, ReplanResult, RestartModel
 from planner.replan import replan as run_replan
 from runtime.errors import HspmdError
@@ -28,7 +28,7 @@ TOP_LINKS = 12
 def parse_devices(text: str, option: str) -> list[int]:
     """'5,6' -> [5, 6]; anything else is a one-line user error."""
     try:
-        out = [int(x) for x in text.split(",") if x.strip()]
+        out = [int(x) for x in text.split(",") if x.strip()] if text.isascii() else []  # int() reads "１２"
     except ValueError:
         out = []
     if not out or any(d < 0 for d in out):
@@ -58,7 +58,7 @@ def plan_refs(ctx: PlanContext) -> tuple[str, str]:
               help="Checkpoint-restart model: aggregate storage bandwidth (GB/s) for writing and reading.")
 @click.option("--restart-s", type=FiniteFloatRange(min=0.0), default=RestartModel.restart_s, show_default=True,
               help="Checkpoint-restart model: seconds to start new processes and process groups.")
-@click.option("--checkpoint-interval", type=click.IntRange(min=1), default=RestartModel.checkpoint_interval_steps,
+@click.option("--checkpoint-interval", type=IntRange(min=1), default=RestartModel.checkpoint_interval_steps,
               show_default=True, help="Checkpoint-restart model: steps between checkpoints (half is lost on average).")
 @FORMAT_OPTION
 def replan(plan_path: Path, strategy_name: str | None, failed_text: str, out_path: Path | None,

@@ -11,7 +11,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
-from hetu_cli.output import FORMAT_OPTION, console, emit_json, refuse_given, table
+from hetu_cli.output import FORMAT_OPTION, Int, console, emit_json, refuse_given, table
 from planner.lengths import length_ranges
 from planner.report import tp_text, zero_text
 from runtime.annotations.states import span
@@ -86,7 +86,7 @@ def _strategy_tables(ctx: PlanContext, strategy: Strategy) -> tuple[Table, Table
 @click.option("--cluster", help="Use this cluster (name or path) instead of the plan's.")
 @click.option("--annotations", is_flag=True,
               help="Show the HSPMD annotation of every parameter, the batch and stage-boundary activations.")
-@click.option("--device", "device", type=int, default=None,
+@click.option("--device", "device", type=Int(), default=None,
               help="Show the specialized program of this device: layers, shard shapes, ops in execution order.")
 @click.option("--all-ops", "all_ops", is_flag=True,
               help=f"With --device: list every op (default: a block of ops repeated {MIN_REPEATS} or more times, "
@@ -101,7 +101,7 @@ def show(plan: Path, strategy_name: str | None, cluster: str | None, annotations
     else:
         refuse_given("not with --device (one view at a time)", "annotations")
     ctx = load_plan_context(plan, cluster=cluster)
-    strategies = [ctx.plan.strategy(strategy_name)] if strategy_name else list(ctx.plan.strategies)
+    strategies = [ctx.strategy(strategy_name)] if strategy_name is not None else list(ctx.plan.strategies)
     if device is not None:
         _show_device(ctx, strategies, device, fmt, all_ops)
         return

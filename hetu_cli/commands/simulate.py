@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from hetu_cli.commands.lengths_report import simulate_lengths
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, console, emit_json, refuse_given, table
+from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, IntRange, console, emit_json, refuse_given, table
 from planner.cost import CostModel, zero_copies
 from planner.simulate import chrome_trace
 from planner.simulate import simulate as run_simulation
@@ -30,9 +30,9 @@ MAX_TRACE_STEPS = 10_000
 @click.option("--lengths", help="Play a trace of document steps (lengths from this distribution or histogram "
                                 "file) on all of PLAN's strategies, as the dispatcher chooses.")
 # Each step is drawn and priced in turn (~10 ms); a billion would not finish.
-@click.option("--steps", type=click.IntRange(min=1, max=MAX_TRACE_STEPS), default=20, show_default=True,
+@click.option("--steps", type=IntRange(min=1, max=MAX_TRACE_STEPS), default=20, show_default=True,
               help="With --lengths: steps.")
-@click.option("--tokens-per-step", type=click.IntRange(min=1, max=MAX_TOKENS_PER_STEP),
+@click.option("--tokens-per-step", type=IntRange(min=1, max=MAX_TOKENS_PER_STEP),
               help="With --lengths: tokens per step (default: the plan's training.tokens_per_step).")
 @click.option("--events", "events_file", type=click.Path(path_type=Path),
               help="Model a failure trace instead (the --events file of hspmd train): goodput of hspmd vs "
@@ -60,7 +60,7 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
     if events_file is not None:
         _events(ctx, strategy_name, profiles, events_file, fmt)
         return
-    strategy = ctx.plan.strategy(strategy_name)
+    strategy = ctx.strategy(strategy_name)
     t = ctx.plan.training
     note = ctx.model.pricing_note(t.seq_len)
     if note is not None:

@@ -16,7 +16,7 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import MAX_TIMEOUT_S, FiniteFloatRange, console, given, refuse_given
+from hetu_cli.output import MAX_TIMEOUT_S, FiniteFloatRange, Int, IntRange, console, given, refuse_given
 from runtime.elastic.agents import DEFAULT_PORT
 from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
@@ -101,7 +101,7 @@ class StepDisplay:
 @click.command()
 @click.option("--plan", "plan", required=True, type=click.Path(path_type=Path), help="The plan file.")
 @click.option("--strategy", "strategy", help="Strategy of the plan to run (default: its first).")
-@click.option("--steps", type=click.IntRange(min=0), default=20, show_default=True, help="Optimizer steps to run.")
+@click.option("--steps", type=IntRange(min=0), default=20, show_default=True, help="Optimizer steps to run.")
 @click.option("--metrics", type=click.Path(path_type=Path), help="Write one JSON line per step here.")
 @click.option("--trace", "trace_dir", type=click.Path(path_type=Path),
               help="Write per-device Chrome traces (and a merged trace.json) here; open in ui.perfetto.dev.")
@@ -128,12 +128,12 @@ class StepDisplay:
 @click.option("--switch", "switch_specs", multiple=True, metavar="STEP:PLAN",
               help="Switch to PLAN's first strategy in memory before step STEP (repeatable: A->B->A). The workers "
                    "are the union of every plan's devices.")
-@click.option("--kill-device", "kill_devices", multiple=True, type=click.IntRange(min=0), metavar="D",
+@click.option("--kill-device", "kill_devices", multiple=True, type=IntRange(min=0), metavar="D",
               help="Fault injection: SIGKILL device D's worker at the start of --at-step (repeatable).")
-@click.option("--hang-device", "hang_devices", multiple=True, type=click.IntRange(min=0), metavar="D",
+@click.option("--hang-device", "hang_devices", multiple=True, type=IntRange(min=0), metavar="D",
               help="Fault injection: SIGSTOP device D's worker at the start of --at-step (the launcher kills it "
                    "once its heartbeat stops).")
-@click.option("--at-step", "fault_step", type=click.IntRange(min=1), metavar="K",
+@click.option("--at-step", "fault_step", type=IntRange(min=1), metavar="K",
               help="The step at which --kill-device / --hang-device fire.")
 @click.option("--fault-point", type=click.Choice(["start", "after-commit"]), default="start", show_default=True,
               help="Where in --at-step they fire: its start, or (--elastic) once it is committed, as its optimizer "
@@ -156,15 +156,15 @@ class StepDisplay:
               help="--elastic: between failures, plan in the background for the loss of each device and node of the "
                    "running layout, and decide the return of each device (and node) out of it, so that such a "
                    "failure or return switches without planning.")
-@click.option("--rejoin-device", "rejoin_devices", multiple=True, type=int, metavar="D",
+@click.option("--rejoin-device", "rejoin_devices", multiple=True, type=Int(), metavar="D",
               help="--elastic: device D returns at the start of --rejoin-at-step (or --at-step) K: a worker is "
                    "started for it and joins the running job when the predicted gain beats the switch cost.")
-@click.option("--rejoin-at-step", "rejoin_step", type=click.IntRange(min=1), metavar="K",
+@click.option("--rejoin-at-step", "rejoin_step", type=IntRange(min=1), metavar="K",
               help="The step at which --rejoin-device returns (default: --at-step).")
 @click.option("--events", "events_file", type=click.Path(path_type=Path),
               help="--elastic: replay a failure trace (YAML: events: [{step, action: kill|hang|rejoin, devices: [..] "
                    "| node: NAME}]).")
-@click.option("--agents", "agents", type=click.IntRange(min=1), metavar="N",
+@click.option("--agents", "agents", type=IntRange(min=1), metavar="N",
               help="--elastic: run the workers on N node agents (`hspmd agent --coordinator HOST:PORT --node NAME "
                    "--token T` on each node) instead of on this machine.")
 @click.option("--bind", default=f"127.0.0.1:{DEFAULT_PORT}", show_default=True, metavar="HOST:PORT",
@@ -324,12 +324,12 @@ def _trace(plan: Path, strategy: str | None, events_file: Path):
     from runtime.spec import load_plan_context
 
     ctx = load_plan_context(plan)
-    return load_trace(events_file, ctx.cluster, ctx.plan.strategy(strategy).devices)
+    return load_trace(events_file, ctx.cluster, ctx.strategy(strategy).devices)
 
 
 def _parse_switch(spec: str) -> PlannedSwitch:
     step, sep, path = spec.partition(":")
-    if not sep or not step.strip().isdigit() or not path:
+    if not sep or not (step.strip().isascii() and step.strip().isdigit()) or not path:  # int() refuses "²"
         raise HspmdError(f"--switch: expected STEP:PLAN such as 10:other-plan.yaml, got {spec!r}")
     if not is_file(path):
         raise HspmdError(f"{path}: --switch: file not found")

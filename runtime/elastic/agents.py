@@ -75,7 +75,7 @@ def _client(host: str, port: int, timeout_s: float) -> Any:
 
 def parse_address(text: str, what: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
         raise HspmdError(f"{what}: expected HOST:PORT such as 127.0.0.1:{DEFAULT_PORT}, got {text!r}")
     return host, int(port)
 

@@ -166,6 +166,8 @@ def parse_trace(data: Any, cluster: Cluster, running: Collection[int], file: str
             alive |= set(devices)
         else:
             alive -= set(devices)
+        if not alive:  # nothing left to train or replan on (the modelled run said "no devices to plan on")
+            raise bad(at, f"leaves no device running at step {step}: a trace keeps at least one")
         out.append(TraceEvent(step, action, devices, node))
     if not out:
         raise bad("events", "is empty")

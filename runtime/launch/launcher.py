@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.errors import HspmdError, SpecError
+from runtime.errors import HspmdError
 from runtime.launch.messages import Start
 from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, rank_map
 from runtime.launch.session import (
@@ -26,19 +26,10 @@ from runtime.launch.session import (
 )
 from runtime.launch.supervise import LocalWorkers, PlainPolicy, Policy, Run, RunSummary, supervise
 from runtime.profiling.host import emulated_cpu_shares, host_cpus
-from runtime.spec import PlanContext, Strategy, load_plan_context
+from runtime.spec import PlanContext, load_plan_context
 from runtime.spec.catalog import check_trainable
 
 STORE_HOST = "127.0.0.1"
-
-
-def select_strategy(ctx: PlanContext, name: str | None) -> Strategy:
-    """The named strategy (or the plan's first); an unknown name is a user error naming the plan file."""
-    try:
-        return ctx.plan.strategy(name)
-    except SpecError:
-        raise HspmdError(f"{ctx.path}: --strategy: no strategy named {name!r} "
-                         f"(the plan has: {', '.join(s.name for s in ctx.plan.strategies)})") from None
 
 
 def placement(ctx: PlanContext, devices: list[int], *, one_host: bool = True) -> tuple[str, dict[int, str]]:
@@ -116,7 +107,7 @@ def prepare(options: TrainOptions, policy: Policy, *, one_host: bool = True) -> 
     """Load the plan, ask the policy which devices run, refuse bad requests (no process started yet).
     ``one_host``: this launcher starts every worker (a strategy spanning nodes is refused)."""
     ctx = load_plan_context(options.plan)
-    strategy = select_strategy(ctx, options.strategy)
+    strategy = ctx.strategy(options.strategy)
     devices = policy.prepare(options, ctx, strategy.name)
     n = ctx.cluster.num_devices
     outside = sorted({r.device for r in options.rejoins if not 0 <= r.device < n})

@@ -64,7 +64,7 @@ def run_strategies(ctx: PlanContext, options: TrainOptions) -> tuple[str, ...]:
     """The strategies a run trains with: ``--strategy`` alone when given; in documents mode, every strategy of a
     plan that tags length ranges (``max_seq_len``; dispatch picks one per step); else the plan's first."""
     if options.strategy is not None:
-        return (ctx.plan.strategy(options.strategy).name,)
+        return (ctx.strategy(options.strategy).name,)
     strategies = ctx.plan.strategies
     if documents_mode(options, ctx.plan.training) and any(s.max_seq_len is not None for s in strategies):
         return tuple(s.name for s in strategies)
@@ -73,15 +73,18 @@ def run_strategies(ctx: PlanContext, options: TrainOptions) -> tuple[str, ...]:
 
 def run_devices(ctx: PlanContext, options: TrainOptions) -> list[int]:
     """Every device some strategy of the run uses (one worker each)."""
-    return sorted({d for name in run_strategies(ctx, options) for d in ctx.plan.strategy(name).devices})
+    return sorted({d for name in run_strategies(ctx, options) for d in ctx.strategy(name).devices})
 
 
 def documents_problems(ctx: PlanContext, options: TrainOptions) -> list[str]:
     """Why a documents run cannot start (empty: it can): every document must fit some strategy."""
     t = ctx.plan.training
     names = run_strategies(ctx, options)
-    longest = max(ctx.plan.strategy(n).max_len_of(t) for n in names)
+    longest = max(ctx.strategy(n).max_len_of(t) for n in names)
     problems = []
+    if t.seq_len < 2:  # every piece one token: it trained on nothing, loss 0.0000 (one step at 8 tokens/s)
+        problems.append(f"{ctx.path}: training.seq_len: documents cut at {t.seq_len} token leave no next token to "
+                        "predict (a documents run needs seq_len >= 2)")
     if longest < t.seq_len:
         problems.append(f"{ctx.path}: --strategy: {names[0]!r} serves documents up to {longest} tokens, but the "
                         f"run's documents reach training.seq_len {t.seq_len}")

@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from runtime.errors import HspmdError
-from runtime.launch.launcher import select_strategy
 from runtime.launch.messages import Log, StepDone
 from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, rank_map
 from runtime.launch.session import Reporter, run_devices
@@ -63,7 +62,7 @@ def run_torchrun(options: TrainOptions, env: TorchrunEnv, *, on_step: Callable[[
     ctx = load_plan_context(options.plan)
     check_trainable(ctx)
     check_load_and_save(ctx, options.load_dir, options.save_dir)
-    strategy = select_strategy(ctx, options.strategy)
+    strategy = ctx.strategy(options.strategy)
     devices = run_devices(ctx, options)  # a documents run: every strategy's devices (runtime/launch/session.py)
     if env.world_size != len(devices):
         raise HspmdError(f"{options.plan}: strategy {strategy.name!r} uses {len(devices)} devices, but torchrun "

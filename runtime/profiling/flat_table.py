@@ -28,7 +28,7 @@ from runtime.profiling.profile import COMPONENTS, LAYER_COMPONENTS, DeviceProfil
 from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves
 from runtime.spec.io import atomic_write_text, read_json, read_text
 from runtime.spec.model import ModelSpec
-from runtime.spec.schema import MAX_FLOAT, MAX_INT
+from runtime.spec.schema import MAX_FLOAT, MAX_INT, figure_problem
 
 TableFormat = Literal["csv", "json"]
 KINDS = ("compute", "link", "allreduce", "iteration")
@@ -109,7 +109,7 @@ def _cell(where: str, name: str, value: Any, problems: list[Problem]) -> Any:
     raw = value
     if isinstance(value, str):
         try:
-            value = convert(value)
+            value = convert(value) if value.isascii() else None  # int() and float() read "１２" too
         except ValueError:
             value = None
     wrong_type = isinstance(value, bool) or not isinstance(value, int if convert is int else (int, float))
@@ -129,6 +129,9 @@ def _cell(where: str, name: str, value: Any, problems: list[Problem]) -> Any:
     if name in FLOATS and (value < 0 or (name == "bandwidth_gbs" and value == 0)):
         problems.append(Problem(where, name, f"must be {'positive' if name == 'bandwidth_gbs' else 'non-negative'}"
                                              f", got {value}"))
+        return None
+    if name in FLOATS and figure_problem(name, value) is not None:
+        problems.append(Problem(where, name, figure_problem(name, value)))  # type: ignore[arg-type]
         return None
     return convert(value)
 

@@ -14,7 +14,7 @@ from runtime.spec.cluster import Cluster
 from runtime.spec.hf import config_file, is_hf_config, load_hf_model
 from runtime.spec.io import atomic_write_text, dump_yaml, is_file, load_file
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import PLAN_VERSION, Plan
+from runtime.spec.plan import PLAN_VERSION, Plan, Strategy
 from runtime.spec.schema import to_data
 from runtime.spec.validate import validate_plan
 
@@ -144,6 +144,13 @@ class PlanContext:
     model: ModelSpec
     cluster: Cluster
     path: Path
+
+    def strategy(self, name: str | None = None) -> Strategy:
+        """The named strategy (``--strategy``), or the plan's first; an unknown name (or "") names the plan."""
+        if name is not None and name not in (names := [s.name for s in self.plan.strategies]):
+            raise SpecError([Problem(str(self.path), "--strategy", f"no strategy named {name!r} (the plan has: "
+                                                                   f"{', '.join(names)})")])
+        return self.plan.strategy(name)
 
 
 def load_plan_context(path: str | Path, cluster: str | None = None) -> PlanContext:

@@ -7,7 +7,6 @@ under the same name (the CPU emulation cluster does this).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -15,13 +14,8 @@ from functools import cached_property
 from runtime.errors import Checker, FieldErrors
 
 MAX_DEVICES = 65_536  # a bound on what a (hostile) file makes every verb enumerate
-# A device's GiB, TFLOPS and GB/s beyond a million are no device; 1e308 overflows the cost model's byte and
-# FLOP products to inf, and inf - inf to nan.
-MAX_FIGURE = 1e6
-# Below a millionth (a KiB of memory, a MFLOPS, a KB/s link) they are no device either: a 1e-20 GB/s link
-# prices one message at 1e15 s, beside which a micro-batch's 0.01 s vanishes in rounding (hspmd plan spun).
-MIN_FIGURE = 1e-6
 MAX_SLOWDOWN = 1000.0  # beyond this the planner's ILP coefficients span too many orders of magnitude
+MAX_SEQ_SCALE = 4096  # target tokens per real one: a 1M-token target on a 256-token model
 
 
 @dataclass(frozen=True)
@@ -85,13 +79,14 @@ class Emulation:
                 c.check(self.time_scale is None, "time_scale", "only meaningful with 'target' (sleep mode)")
                 c.check(self.seq_scale == 1, "seq_scale", "only meaningful with 'target' (sleep mode)")
                 c.check(self.memory == "real", "memory", "only meaningful with 'target' (sleep mode)")
-            c.check(isinstance(self.seq_scale, int) and not isinstance(self.seq_scale, bool) and self.seq_scale >= 1,
-                    "seq_scale",
-                    f"must be a whole number of target tokens per real token (>= 1), got {self.seq_scale!r}")
+            # Bounded like slowdown: seq_scale 2**50 priced a step at 5.5e26 s, time_scale 1e29 slept a block for ever.
+            c.check(isinstance(self.seq_scale, int) and not isinstance(self.seq_scale, bool) and
+                    1 <= self.seq_scale <= MAX_SEQ_SCALE, "seq_scale", "must be a whole number of target tokens per "
+                    f"real token in [1, {MAX_SEQ_SCALE}], got {self.seq_scale!r}")
             c.check(self.memory in ("real", "target"), "memory", f"must be 'real' or 'target', got {self.memory!r}")
             if self.time_scale is not None:
-                c.check(math.isfinite(self.time_scale) and self.time_scale > 0, "time_scale",
-                        f"must be a positive number of wall seconds per target second, got {self.time_scale}")
+                c.check(0 < self.time_scale <= MAX_SLOWDOWN, "time_scale", "must be a positive number of wall "
+                        f"seconds per target second, at most {MAX_SLOWDOWN:g}, got {self.time_scale}")
 
     @property
     def sleeps(self) -> bool:
@@ -112,10 +107,7 @@ class DeviceType:
     def __post_init__(self) -> None:
         with Checker() as c:
             for name in ("memory_gib", "peak_bf16_tflops", "hbm_bandwidth_gbs", "intra_node_bandwidth_gbs"):
-                v = getattr(self, name)
-                if c.check(v > 0, name, f"must be positive, got {v}"):
-                    c.check(v <= MAX_FIGURE, name, f"{v:g} is beyond any device (at most {MAX_FIGURE:g})")
-                    c.check(v >= MIN_FIGURE, name, f"{v:g} is below any device (at least {MIN_FIGURE:g})")
+                c.check(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
 
     @property
     def emulated(self) -> bool:
@@ -162,11 +154,7 @@ class BandwidthOverride:
 
     def __post_init__(self) -> None:
         with Checker() as c:
-            if c.check(self.bandwidth_gbs > 0, "bandwidth_gbs", f"must be positive, got {self.bandwidth_gbs}"):
-                c.check(self.bandwidth_gbs <= MAX_FIGURE, "bandwidth_gbs",
-                        f"{self.bandwidth_gbs:g} is beyond any link (at most {MAX_FIGURE:g})")
-                c.check(self.bandwidth_gbs >= MIN_FIGURE, "bandwidth_gbs",
-                        f"{self.bandwidth_gbs:g} is below any link (at least {MIN_FIGURE:g})")
+            c.check(self.bandwidth_gbs > 0, "bandwidth_gbs", f"must be positive, got {self.bandwidth_gbs}")
             c.check((self.devices is None) != (self.nodes is None), "",
                     "give exactly one of 'devices' or 'nodes'")
 
@@ -204,11 +192,7 @@ class Cluster:
                 if bad is not None:
                     c.add(f"device_types.{type_name}" if type_name.strip() else "device_types", bad)
             c.check(len(self.nodes) > 0, "nodes", "must list at least one node")
-            if c.check(self.inter_node_bandwidth_gbs > 0, "inter_node_bandwidth_gbs", "must be positive"):
-                c.check(self.inter_node_bandwidth_gbs <= MAX_FIGURE, "inter_node_bandwidth_gbs",
-                        f"{self.inter_node_bandwidth_gbs:g} is beyond any link (at most {MAX_FIGURE:g})")
-                c.check(self.inter_node_bandwidth_gbs >= MIN_FIGURE, "inter_node_bandwidth_gbs",
-                        f"{self.inter_node_bandwidth_gbs:g} is below any link (at least {MIN_FIGURE:g})")
+            c.check(self.inter_node_bandwidth_gbs > 0, "inter_node_bandwidth_gbs", "must be positive")
             seen_pair: set[tuple[str, str]] = set()
             for i, node in enumerate(self.nodes):
                 if node.device_type not in self.device_types:

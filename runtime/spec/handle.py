@@ -83,7 +83,7 @@ class StrategyHandle:
     @classmethod
     def of(cls, ctx: PlanContext, name: str | None = None) -> StrategyHandle:
         """The named strategy of ``ctx`` (the first when ``name`` is None)."""
-        return cls(ctx, ctx.plan.strategy(name))
+        return cls(ctx, ctx.strategy(name))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.ctx, self.strategy))  # the derived values are rebuilt where needed

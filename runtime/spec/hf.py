@@ -17,6 +17,7 @@ from typing import Any
 from runtime.errors import FieldErrors, Problem, SpecError
 from runtime.spec.io import is_dir, read_json
 from runtime.spec.model import ModelSpec, RopeScaling
+from runtime.spec.schema import MAX_FLOAT, MAX_INT
 
 CONFIG_FILE = "config.json"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -66,14 +67,17 @@ class _Fields:
         if not isinstance(value, int) or isinstance(value, bool):
             self.bad(key, f"expected an integer, got {value!r}")
             return default
+        if abs(value) > MAX_INT:  # the YAML specs' bound: 10**400 overflowed float division (a traceback)
+            self.bad(key, f"an integer of {len(str(abs(value)))} digits is out of range (at most {MAX_INT:,})")
+            return default
         return value
 
     def get_float(self, key: str, default: float, source: dict[str, Any] | None = None, prefix: str = "") -> float:
         value = (self.data if source is None else source).get(key)
         if value is None:
             return default
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            self.bad(prefix + key, f"expected a number, got {value!r}")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not abs(value) <= MAX_FLOAT:
+            self.bad(prefix + key, f"expected a finite number of at most {MAX_FLOAT:g}, got {str(value)[:40]}")
             return default
         return float(value)
 

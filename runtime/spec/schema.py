@@ -22,6 +22,32 @@ T = TypeVar("T")
 # nan), and integers lose exactness as floats and overflow index and seed sizes.
 MAX_FLOAT = 1e30
 MAX_INT = 2**53
+# A figure in device units -- seconds, GiB, TFLOPS, GB/s: a field named ``*_s``, ``seconds*``, ``*_gib``,
+# ``*tflops``, ``*_gbs`` -- beyond a million is no device, link or measurement (11.6 days for one op or
+# latency, a PiB of memory, an exaFLOPS, a PB/s link): a unit slip, and a profile's 1e25 s forward or 1e30 GB/s
+# link priced plans as nonsense. A positive capacity or rate below a millionth (a KiB, a MFLOPS, a KB/s link)
+# is none either: a 1e-20 GB/s link priced one message at 1e15 s, beside which a micro-batch's 0.01 s vanished
+# in rounding (hspmd plan spun). Times have no lower bound (a per-parameter optimizer cost is ~1e-11 s).
+MAX_FIGURE = 1e6
+MIN_FIGURE = 1e-6
+UNITS = {"_s": "s", "_gib": "GiB", "tflops": "TFLOPS", "_gbs": "GB/s"}  # by the end of a field's name
+
+
+@functools.cache
+def unit_of(name: str) -> str | None:
+    """The unit of a field called ``name`` (``UNITS``), None for a dimensionless one."""
+    return "s" if name.startswith("seconds") else next((u for end, u in UNITS.items() if name.endswith(end)), None)
+
+
+def figure_problem(name: str, value: float) -> str | None:
+    """What is wrong with ``value`` for a field called ``name`` (its unit read off the name), None if fine."""
+    unit = unit_of(name)
+    if unit is not None and abs(value) > MAX_FIGURE:
+        return f"{value:g} {unit} is beyond any device or measurement (at most {MAX_FIGURE:g} {unit})"
+    if unit not in (None, "s") and 0 < value < MIN_FIGURE:
+        return f"{value:g} {unit} is below any device (at least {MIN_FIGURE:g} {unit})"
+    return None
+
 
 _MISSING = object()
 
@@ -180,6 +206,12 @@ def _build_dataclass(cls: Any, data: dict, file: str, path: str, problems: list[
             kwargs[name] = _build_field(f, hints[name], data[name], file, sub, problems)
         except _Invalid:
             failed = True
+    for name, value in kwargs.items():
+        for at, v in _floats(value, join_field(path, name)) if unit_of(name) else ():
+            why = figure_problem(name, v)
+            if why is not None:
+                problems.append(Problem(file, at, why))
+                failed = True
     if failed:
         raise _Invalid
     try:
@@ -188,6 +220,13 @@ def _build_dataclass(cls: Any, data: dict, file: str, path: str, problems: list[
         for f, m in err.problems:
             problems.append(Problem(file, join_field(path, f), m))
         raise _Invalid from None
+
+
+def _floats(value: Any, path: str) -> list[tuple[str, float]]:
+    """The numbers of a field's value (a number, or lists of them: fits, grids), each with its path."""
+    if isinstance(value, tuple):
+        return [x for i, v in enumerate(value) for x in _floats(v, f"{path}[{i}]")]
+    return [(path, value)] if isinstance(value, float) else []
 
 
 def _is_pair_form(f: dataclasses.Field, value: Any) -> bool:

@@ -39,6 +39,22 @@ def test_every_float_option_refuses_non_finite_values():
     assert not plain, plain
 
 
+def test_every_number_option_refuses_digits_of_other_scripts():
+    """int() and float() read "１２" (full-width) and "١٢" (Arabic-Indic) as 12: every int and float option of
+    every verb, the ones added later too, takes ASCII digits only, as the YAML and JSON files do."""
+    ctx = click.Context(cli)
+    took = []
+    for name, cmd in every_command():
+        for p in cmd.params:
+            if isinstance(p.type, (click.types.IntParamType, click.types.FloatParamType)):
+                for text in ("\uff11\uff12", "\u0661\u0662"):
+                    try:
+                        took.append((name, p.opts, text, p.type.convert(text, p, ctx)))
+                    except click.BadParameter as err:
+                        assert "ASCII digits only" in err.format_message()
+    assert not took, took
+
+
 @pytest.mark.parametrize("args", [
     ["replan", "--plan", TINY, "--failed", "0", "--time-limit", "1", "--tolerance", "nan"],   # once a traceback
     ["replan", "--plan", TINY, "--failed", "0", "--time-limit", "1", "--storage-gbs", "inf"],
@@ -49,6 +65,7 @@ def test_every_float_option_refuses_non_finite_values():
     ["train", "--plan", TINY, "--heartbeat-timeout", "nan", "--data", MISSING_DATA],
     ["agent", "--coordinator", "127.0.0.1:1", "--node", "n", "--token", "t", "--timeout", "inf"],
     ["profile", "--cluster", "cpu-hetero4", "--budget", "nan", "--out", "OUT"],
+    ["profile", "--cluster", "cpu-hetero4", "--budget", "1e29", "--out", "OUT"],  # timed one point for ever
 ], ids=lambda a: " ".join(a[i] for i in (0, -2, -1)))
 def test_non_finite_floats_are_refused(args: list[str], tmp_path: Path):
     args = [str(tmp_path / "out") if a == "OUT" else a for a in args]

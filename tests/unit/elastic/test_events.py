@@ -3,6 +3,7 @@ trace is refused with one line naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -21,16 +22,18 @@ PAPER = load_cluster("h800-h20-48")
 
 
 def test_a_trace_replays_kills_hangs_and_rejoins_of_devices_and_nodes():
+    # Two nodes (the slow pair on cpu1): killing the only node would leave no device running (refused).
+    two = dataclasses.replace(CLUSTER, nodes=(CLUSTER.nodes[0], dataclasses.replace(CLUSTER.nodes[1], name="cpu1")))
     trace = parse_trace({"events": [{"step": 3, "action": "kill", "devices": [1]},
                                     {"step": 3, "action": "hang", "devices": [2]},
                                     {"step": 5, "action": "rejoin", "devices": [1]},
-                                    {"step": 7, "action": "kill", "node": "cpu0"},
-                                    {"step": 9, "action": "rejoin", "node": "cpu0"}]}, CLUSTER, [0, 1, 2, 3], "t.yaml")
+                                    {"step": 7, "action": "kill", "node": "cpu1"},
+                                    {"step": 9, "action": "rejoin", "node": "cpu1"}]}, two, [0, 1, 2, 3], "t.yaml")
     assert trace.faults() == (Fault(1, 3, "kill"), Fault(2, 3, "hang"))
-    assert trace.node_kills() == (NodeKill("cpu0", 7),)
-    # The node kill takes the devices running then (0, 1, 3); the node's rejoin brings back all four.
-    assert [e.devices for e in trace.events] == [(1,), (2,), (1,), (0, 1, 3), (0, 1, 2, 3)]
-    assert trace.rejoins() == (Rejoin(1, 5), Rejoin(0, 9), Rejoin(1, 9), Rejoin(2, 9), Rejoin(3, 9))
+    assert trace.node_kills() == (NodeKill("cpu1", 7),)
+    # The node kill takes its devices running then (3; 2 hung); the node's rejoin brings back both.
+    assert [e.devices for e in trace.events] == [(1,), (2,), (1,), (3,), (2, 3)]
+    assert trace.rejoins() == (Rejoin(1, 5), Rejoin(2, 9), Rejoin(3, 9))
     assert (trace.failures, trace.returns) == (3, 2)
 
 

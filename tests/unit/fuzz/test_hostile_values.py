@@ -262,11 +262,14 @@ REGRESSIONS: list[tuple[str, str, int, dict[Path_, Any]]] = [
     ("events", "train --events", 0, {("events", 1, "node"): [1, 2]}),      # TypeError: unhashable list
     ("events", "train --events", 0, {("events", 1, "node"): {}}),
     ("config.json", "validate", 0, {("model_type",): [1, 2]}),             # TypeError: unhashable list
+    ("config.json", "validate", 0, {("hidden_size",): 10**400}),           # OverflowError dividing it
+    ("config.json", "validate", 0, {("rope_theta",): 10**400}),            # OverflowError: float()
     ("used profile", "plan --profile", 0, {("compute", "kernel_overhead_s"): 1e308}),  # PulpError: inf
     ("cluster", "plan --cluster", 0, {("device_types", "cpu-fast", "memory_gib"): 1e308}),  # ValueError: nan
     ("cluster", "plan --cluster", 0, {("device_types", "cpu-fast", "intra_node_bandwidth_gbs"): 1e-20}),  # a hang
     ("lengths", "simulate --lengths", 0, {("bins", 0, "hi"): 10**30}),    # OverflowError splitting
     ("lengths", "simulate --lengths", 0, {("bins", 0, "lo"): True}),       # true read as 1
+    ("lengths", "simulate --lengths", 0, {("bins", 0, "weight"): 10**400}),  # OverflowError in isfinite
     # A consistent billion-sequence step: every schedule listed a billion micro-batches (a hang).
     ("plan", "simulate", 0, {("training", "global_batch"): 10**9,
                              ("strategies", 0, "pipelines", 0, "micro_batches"): 10**9 - 2}),

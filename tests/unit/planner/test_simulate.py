@@ -29,8 +29,8 @@ from runtime.profiling.profile import (
     spec_profile,
 )
 from runtime.spec import load_cluster, load_model
-from runtime.spec.cluster import MAX_FIGURE
 from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.spec.schema import MAX_FIGURE
 
 TINY = load_model("llama-tiny")
 CPU4 = load_cluster("cpu-hetero4")

@@ -38,7 +38,8 @@ CASES = {
     "unknown_key": ({"target": {"profile": "H20", "model": "llama-32b"}, "time_scale": 10, "speed": 2},
                     f"{FIELD}.speed: "),
     "zero_seq_scale": ({"target": {"profile": "H20", "model": "llama-32b"}, "time_scale": 10, "seq_scale": 0},
-                       f"{FIELD}.seq_scale: must be a whole number of target tokens per real token (>= 1), got 0"),
+                       f"{FIELD}.seq_scale: must be a whole number of target tokens per real token in [1, 4096], "
+                       "got 0"),
     "fractional_seq_scale": ({"target": {"profile": "H20", "model": "llama-32b"}, "time_scale": 10,
                               "seq_scale": 1.5}, f"{FIELD}.seq_scale: expected an integer, got 1.5"),
     "seq_scale_without_target": ({"slowdown": 2.0, "seq_scale": 8},
