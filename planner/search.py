@@ -416,7 +416,7 @@ def _pareto(view: Callable[[int], BlockCandidate], n: int, lower: Sequence[float
 # method's cache under ``_memo_<name>``.)
 SHARED_CACHES = ("_memo_layer_s", "_memo_groups", "_memo_fast_split", "_memo__split_of", "_memo_fill",
                  "_memo__segment_grad_bytes", "_sync_cache", "_p2p", "_spare", "_room", "_open",
-                 "_bare")
+                 "_bare", "_ranges", "_stages")
 
 
 class Searcher:
@@ -451,6 +451,8 @@ class Searcher:
         self._room: dict[tuple, float | None] = {}
         self._open: dict[tuple, float] = {}
         self._bare: dict[tuple, Pipeline] = {}
+        self._ranges: dict[tuple, list[tuple[tuple[int, int], ...]]] = {}
+        self._stages: dict[tuple, Stage] = {}
         self._seen_blocks: set[tuple] = set()
         names = {n.name: i for i, n in enumerate(self.cluster.nodes)}
         self._node_idx = [names[d.node] for d in self.cluster.devices]
@@ -1333,9 +1335,20 @@ class Searcher:
         hit = self._bare.get(key)
         if hit is None:
             partial = split.recompute_layers or (0,) * len(split.layers)
-            stages = tuple(Stage(devices=g.devices, layers=r, recompute=rc, recompute_layers=k or None)
-                           for g, r, rc, k in zip(lay.groups, stage_layer_ranges(split.layers, choice),
-                                                  split.recompute, partial))
+            # Stages and layer ranges shared between the pipelines that have them (each a pure function of
+            # its arguments; a ``Stage`` is immutable): many layouts put one group on one layer range, and
+            # each ``Stage`` validates itself when built.
+            ranges = self._ranges.get((split.layers, choice))
+            if ranges is None:
+                ranges = self._ranges[split.layers, choice] = stage_layer_ranges(split.layers, choice)
+            stages = []
+            for g, r, rc, k in zip(lay.groups, ranges, split.recompute, partial):
+                st = self._stages.get((g.devices, r, rc, k))
+                if st is None:
+                    st = self._stages[g.devices, r, rc, k] = Stage(devices=g.devices, layers=r, recompute=rc,
+                                                                   recompute_layers=k or None)
+                stages.append(st)
+            stages = tuple(stages)
             own = None if choice.name == self.settings.default_schedule else choice.name
             hit = self._bare[key] = Pipeline(micro_batches=micro_batches, stages=stages, schedule=own)
         return hit

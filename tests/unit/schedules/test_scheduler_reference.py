@@ -61,3 +61,29 @@ def test_build_schedule_uses_the_same_timeline() -> None:
     costs = Costs.uniform(schedule_layout("zb-v", 3), ChunkCost(1.0, 2.0, 1.0), 0.5)
     sched = build_schedule("zb-v", 3, 9, None, costs)
     assert sched.timeline == schedule_timeline("zb-v", 3, 9, None, costs)
+
+
+@st.composite
+def instant_cases(draw):
+    """Ops and transfers shorter than the scheduler's tolerance (1e-9 of the longest op): an op's end then
+    readies its dependents within the event that started it, so a device later in device order must be
+    looked at in that same event (``_list_run`` looks only at the devices an event names, ``_woke``)."""
+    name = draw(st.sampled_from(SCHEDULE_NAMES))
+    s = draw(st.integers(2, 5))
+    m = draw(st.integers(s if name == "interleaved" else 1, 16))
+    v = draw(st.integers(1, 3)) if name == "interleaved" else None
+    layout = schedule_layout(name, s, v)
+    cost = st.sampled_from([1e-12, 1e-12, 0.5, 1.0])
+    costs = Costs(tuple(tuple(ChunkCost(draw(cost), draw(cost), draw(cost)) for _ in range(layout.chunks))
+                        for _ in range(s)),
+                  tuple(draw(st.sampled_from([0.0, 1e-12, 0.25])) for _ in range(layout.num_stages - 1)))
+    limits = None
+    if draw(st.booleans()):
+        limits = [x + draw(st.integers(0, s)) for x in device_limits(name, s, m, v)]
+    return name, s, m, v, layout, costs, limits
+
+
+@SETTINGS
+@given(instant_cases())
+def test_instant_ops_make_the_reference_choices(case) -> None:
+    same_as_reference(*case)
