@@ -73,6 +73,15 @@ class OptimizerSettings:
                     "is constant, so decay_steps and min_lr mean nothing: set decay to linear or cosine")
             c.check(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr = {self.lr:g}], got {self.min_lr:g}")
 
+    def schedule_text(self) -> str:
+        """The schedule in words (``hspmd show``)."""
+        text = f"lr {self.lr:g}"
+        if self.warmup_steps:
+            text += f" after a {self.warmup_steps}-step warmup"
+        if self.decay != "constant":
+            text += f", {self.decay} decay to {self.min_lr:g} over {self.decay_steps} steps"
+        return text
+
     def lr_at(self, step: int) -> float:
         """The learning rate of update ``step`` (0: the first): ``lr * (step + 1) / warmup_steps`` while
         warming up (the last warmup update at ``lr``), then the decay from ``lr`` (at its start) towards

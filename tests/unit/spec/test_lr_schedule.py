@@ -166,3 +166,9 @@ def test_bad_schedules_are_refused_one_line_each(tmp_path: Path, case: str) -> N
     edit, want = BAD[case]
     lines = problems(tmp_path, with_optimizer(**edit))
     assert len(lines) == 1 and lines[0].startswith(want), lines
+
+
+def test_schedule_in_words() -> None:
+    assert OptimizerSettings(lr=1e-3).schedule_text() == "lr 0.001"
+    assert schedule(warmup_steps=20, decay="cosine", decay_steps=80, min_lr=1e-4).schedule_text() == \
+        "lr 0.001 after a 20-step warmup, cosine decay to 0.0001 over 80 steps"
