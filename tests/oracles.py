@@ -86,9 +86,9 @@ def train_documents(trainer: ReferenceTrainer, documents: Sequence[Sequence[int]
         torch._foreach_mul_(grads, coef)
     for p, g in zip(trainer.params, grads):
         p.grad = g
-    trainer.optimizer.step()
+    lr = trainer.update()
     return StepStats(loss=(loss_sum / labels).item() if labels else 0.0, grad_norm=norm.item(),
-                     tokens=sum(len(d) for d in documents), compute_s=time.perf_counter() - t0, comm_s=0.0)
+                     tokens=sum(len(d) for d in documents), compute_s=time.perf_counter() - t0, comm_s=0.0, lr=lr)
 
 
 def optimizer_state(trainer: ReferenceTrainer) -> dict[str, torch.Tensor]:

@@ -123,7 +123,8 @@ def show(plan: Path, strategy_name: str | None, cluster: str | None, annotations
               f"({ctx.cluster.num_devices} devices): global batch {t.global_batch}, micro-batch "
               f"{t.micro_batch}, sequence {t.seq_len}, schedule {t.schedule}, "
               f"ZeRO-1 {zero_text(t.zero_redundancy if t.zero else 0)}"
-              f"{', sequence parallel on TP stages (TP: sp)' if t.sequence_parallel else ''}")
+              f"{', sequence parallel on TP stages (TP: sp)' if t.sequence_parallel else ''}, "
+              f"{escape(t.optimizer.schedule_text())}")
     for s in strategies:
         stages, devices = _strategy_tables(ctx, s)
         out.print(stages)

@@ -88,7 +88,8 @@ class StepDisplay:
                 emu += f", blocks overran their targets by {r.emulation_overrun_s:.3f} s"
             docs = (f", {r.strategy}: {r.documents} documents, imbalance {r.imbalance:.2f}"
                     if r.documents is not None and r.imbalance is not None else "")
-            self.console.print(f"step {r.step}: loss {r.loss:.4f}, {r.step_time_s:.3f} s/step, "
+            lr = f", lr {r.lr:.3g}" if r.lr is not None else ""
+            self.console.print(f"step {r.step}: loss {r.loss:.4f}{lr}, {r.step_time_s:.3f} s/step, "
                                f"{r.tokens_per_s:,.0f} tokens/s{emu}{docs}")
 
     def log(self, message: str) -> None:

@@ -56,3 +56,4 @@ class StepStats:
     tokens: int  # tokens in the global batch
     compute_s: float  # this device's time in compute spans (best effort)
     comm_s: float  # this device's time in comm spans (best effort)
+    lr: float = 0.0  # the learning rate of the step's update (OptimizerSettings.lr_at)

@@ -31,6 +31,12 @@ def build_adamw(params: Sequence[torch.Tensor], settings: OptimizerSettings) -> 
                              eps=settings.eps, weight_decay=settings.weight_decay)
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """What torch's LR schedulers do between steps: the rate is the param groups' ``lr``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor | None:
     """The factor torch.nn.utils.clip_grad_norm_ multiplies gradients by; None when clipping is off."""
     if max_norm <= 0:
@@ -55,7 +61,11 @@ class LocalAdamW:
         # What each shard's storage holds when allocated (``release`` frees it, ``receive`` restores it).
         self._storage_bytes = [p.untyped_storage().nbytes() for p in self.params]
 
-    def step(self, grads: dict[str, torch.Tensor], coef: torch.Tensor | None) -> None:
+    def step(self, grads: dict[str, torch.Tensor], coef: torch.Tensor | None, lr: float | None = None) -> float:
+        """One AdamW update at ``lr`` (None: the schedule's rate for this update); returns the rate used."""
+        if lr is None:
+            lr = self.settings.lr_at(self.step_count)
+        set_lr(self.optimizer, lr)
         gs = [grads[n] for n in self.names]
         if coef is not None:
             torch._foreach_mul_(gs, coef.to(gs[0].device))
@@ -64,6 +74,7 @@ class LocalAdamW:
         self.optimizer.step()
         for p in self.params:
             p.grad = None
+        return lr
 
     @property
     def step_count(self) -> int:
@@ -261,10 +272,12 @@ class ShardedAdamW:
     # -- one step ------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def update(self, grads: Mapping[str, torch.Tensor], coef: torch.Tensor | None) -> None:
-        """AdamW on this device's chunks (and its unsharded parameters); ``gather`` must follow."""
+    def update(self, grads: Mapping[str, torch.Tensor], coef: torch.Tensor | None) -> float:
+        """AdamW on this device's chunks (and its unsharded parameters) at the schedule's rate, which it
+        returns; ``gather`` must follow."""
+        lr = self.settings.lr_at(self.steps)
         if self.rest is not None:
-            self.rest.step({n: grads[n] for n in self.rest.names}, coef)
+            self.rest.step({n: grads[n] for n in self.rest.names}, coef, lr)
         params = [b.chunks(self.shards) for b in self.buckets]
         gs = [b.chunks(grads) for b in self.buckets]
         if coef is not None and gs:
@@ -273,10 +286,11 @@ class ShardedAdamW:
         steps = [torch.tensor(float(self.steps)) for _ in self.buckets]
         if params:
             adamw(params, gs, [b.exp_avg for b in self.buckets], [b.exp_avg_sq for b in self.buckets], [], steps,
-                  amsgrad=False, beta1=s.beta1, beta2=s.beta2, lr=s.lr, weight_decay=s.weight_decay, eps=s.eps,
+                  amsgrad=False, beta1=s.beta1, beta2=s.beta2, lr=lr, weight_decay=s.weight_decay, eps=s.eps,
                   maximize=False)
         self.steps += 1
         self._updated = params
+        return lr
 
     @torch.no_grad()
     def gather(self) -> None:
@@ -319,9 +333,10 @@ class ShardedAdamW:
         work.wait()
         bucket.unpack(gathered, self.shards)
 
-    def step(self, grads: Mapping[str, torch.Tensor], coef: torch.Tensor | None) -> None:
-        self.update(grads, coef)
+    def step(self, grads: Mapping[str, torch.Tensor], coef: torch.Tensor | None) -> float:
+        lr = self.update(grads, coef)
         self.gather()
+        return lr
 
     # -- state ---------------------------------------------------------------------------------------
 

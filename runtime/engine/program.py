@@ -180,13 +180,13 @@ class DeviceProgram:
         if before_update is not None:  # (reading the statistics waits for the device: only when asked)
             before_update(StepStats(loss=float(stats[0]) / denominator if denominator else 0.0,
                                     grad_norm=float(norm), tokens=tokens, compute_s=self._times["compute"],
-                                    comm_s=self._times["comm"]))
+                                    comm_s=self._times["comm"], lr=t.optimizer.lr_at(self.optimizer.step_count)))
         zero = self.optimizer if isinstance(self.optimizer, ShardedAdamW) else None
         with self._span("compute", "optimizer"):
             if zero is None:
-                self.optimizer.step(grads, clip_coefficient(norm, t.optimizer.grad_clip))
+                lr = self.optimizer.step(grads, clip_coefficient(norm, t.optimizer.grad_clip))
             else:
-                zero.update(grads, clip_coefficient(norm, t.optimizer.grad_clip))
+                lr = zero.update(grads, clip_coefficient(norm, t.optimizer.grad_clip))
         if zero is not None and zero.buckets:
             with self._span("comm", "param_all_gather"):
                 zero.gather()
@@ -194,7 +194,7 @@ class DeviceProgram:
             p.grad = None
         loss = float(stats[0]) / denominator if denominator else 0.0
         return StepStats(loss=loss, grad_norm=float(norm), tokens=tokens,
-                         compute_s=self._times["compute"], comm_s=self._times["comm"])
+                         compute_s=self._times["compute"], comm_s=self._times["comm"], lr=lr)
 
     def _micro_batches(self, batch: torch.Tensor | StepBatch) -> tuple[tuple[MicroBatch, ...], int, int]:
         """This pipeline's micro-batches of the step (on this device), the loss denominator, the step's tokens."""

@@ -13,7 +13,7 @@ import time
 import torch
 
 from runtime.engine.api import StepStats
-from runtime.engine.optim import build_adamw, clip_coefficient
+from runtime.engine.optim import build_adamw, clip_coefficient, set_lr
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
 from runtime.precision import Precision, uses_bf16
 from runtime.spec import ModelSpec, TrainingSettings
@@ -59,6 +59,7 @@ class ReferenceTrainer:
         self.module = module.to(self.device)
         self.params = [p for p in self.module.parameters()]
         self.optimizer = build_adamw(self.params, training.optimizer)
+        self.steps = 0  # updates done: the schedule's index (OptimizerSettings.lr_at)
 
     def train_step(self, global_batch: torch.Tensor) -> StepStats:
         """One optimizer step on ``global_batch`` [samples, seq_len + 1] (inputs then shifted labels)."""
@@ -80,10 +81,18 @@ class ReferenceTrainer:
         coef = clip_coefficient(norm, self.training.optimizer.grad_clip)
         if coef is not None:
             torch._foreach_mul_(grads, coef)
-        self.optimizer.step()
+        lr = self.update()
         loss_value = (loss_sum / tokens).item()
         return StepStats(loss=loss_value, grad_norm=norm.item(), tokens=tokens,
-                         compute_s=time.perf_counter() - t0, comm_s=0.0)
+                         compute_s=time.perf_counter() - t0, comm_s=0.0, lr=lr)
+
+    def update(self) -> float:
+        """AdamW on the gradients in ``.grad`` at the schedule's rate for this update, which it returns."""
+        lr = self.training.optimizer.lr_at(self.steps)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.steps += 1
+        return lr
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Full parameters by name (detached, on the trainer's device)."""

@@ -190,6 +190,7 @@ class StepReport:
     comm_s: float
     emulation_s: float  # seconds slept to emulate a slower device
     emulation_overrun_s: float = 0.0  # sleep mode: seconds the blocks' real compute ran past their targets
+    lr: float = 0.0  # the learning rate of the step's update
     lengths: LengthsStep | None = None  # documents runs: the step's dispatch (the same on every device)
     idle: bool = False  # documents runs: the step's strategy leaves this device idle (no loss, no time)
 
@@ -224,6 +225,7 @@ class StepRecord:
     grad_norm: float
     emulation_s: float  # most any worker slept to emulate slowness this step
     emulation_overrun_s: float = 0.0  # sleep mode: most any worker's blocks ran past their targets
+    lr: float | None = None  # the learning rate of the step's update (the plan's schedule)
     # Documents runs (omitted from the JSON otherwise): the step's documents and tokens, its padding, the
     # dispatch imbalance, and the switch (wall time: the slowest device's; bytes: all devices') when the
     # strategy changed.
@@ -263,6 +265,6 @@ class StepRecord:
                              switch_modelled_s=d.switch_modelled_s, switch_gain_s=d.switch_gain_s)
         return StepRecord(step=first.step, loss=first.loss, step_time_s=step_time,
                           tokens_per_s=first.tokens / step_time if step_time > 0 else 0.0,
-                          strategy=strategy, grad_norm=first.grad_norm,
+                          strategy=strategy, grad_norm=first.grad_norm, lr=first.lr,
                           emulation_s=max(r.emulation_s for r in reports),
                           emulation_overrun_s=max(r.emulation_overrun_s for r in reports), **extra)

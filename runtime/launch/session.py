@@ -243,7 +243,7 @@ class Session:
         """What this worker reports of ``step`` (``stats``: the program's ``StepStats``)."""
         return StepReport(step=step, rank=self.rank, device=self.me, loss=float(stats.loss),
                           grad_norm=float(stats.grad_norm), tokens=int(stats.tokens), wall_s=wall,
-                          compute_s=float(stats.compute_s), comm_s=float(stats.comm_s),
+                          compute_s=float(stats.compute_s), comm_s=float(stats.comm_s), lr=float(stats.lr),
                           emulation_s=self.emulator.take_emulated_s() if self.emulator is not None else 0.0,
                           emulation_overrun_s=self.emulator.take_overrun_s() if self.emulator is not None else 0.0,
                           lengths=lengths)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 from runtime.errors import Checker, Problem, SpecError
 from runtime.schedule_policies import ScheduleName
@@ -23,18 +24,36 @@ PLAN_VERSION = 1
 # tokens per step.
 MAX_GLOBAL_BATCH = 65_536
 MAX_TOKENS_PER_STEP = 1 << 26
+# Warmup and decay lengths, in updates (Llama 3 405B: 1.2M steps); more is a typo or a hostile file.
+MAX_SCHEDULE_STEPS = 100_000_000
 
 Schedule = ScheduleName  # the plan's name for it (the planner imports it from here)
 
 
+LrDecay = Literal["constant", "linear", "cosine"]
+
+
 @dataclass(frozen=True)
 class OptimizerSettings:
+    """AdamW's settings and its learning-rate schedule (``lr_at``).
+
+    The schedule is Megatron's and torchtitan's usual shape: a linear warmup over ``warmup_steps`` updates,
+    then ``decay`` from ``lr`` to ``min_lr`` over ``decay_steps`` updates, then ``min_lr``. It is a function
+    of the update's index alone, which every device, the reference, a resumed checkpoint and an elastic
+    switch already agree on (AdamW's bias correction counts the same steps), so it needs no state of its own.
+    """
+
     lr: float = 3e-4
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    # Omitted where default: plans without a schedule read and write as before (a constant ``lr``).
+    warmup_steps: int = field(default=0, metadata={"omit_default": True})
+    decay: LrDecay = field(default="constant", metadata={"omit_default": True})
+    decay_steps: int = field(default=0, metadata={"omit_default": True})
+    min_lr: float = field(default=0.0, metadata={"omit_default": True})
 
     def __post_init__(self) -> None:
         with Checker() as c:
@@ -44,6 +63,36 @@ class OptimizerSettings:
             c.check(0 <= self.beta2 < 1, "beta2", "must be in [0, 1)")
             c.check(self.eps > 0, "eps", "must be positive")
             c.check(self.grad_clip >= 0, "grad_clip", "must not be negative (0 disables clipping)")
+            c.check(0 <= self.warmup_steps <= MAX_SCHEDULE_STEPS, "warmup_steps",
+                    f"must be in [0, {MAX_SCHEDULE_STEPS:,}], got {self.warmup_steps}")
+            c.check(0 <= self.decay_steps <= MAX_SCHEDULE_STEPS, "decay_steps",
+                    f"must be in [0, {MAX_SCHEDULE_STEPS:,}], got {self.decay_steps}")
+            c.check(self.decay == "constant" or self.decay_steps >= 1, "decay_steps",
+                    f"decay {self.decay!r} needs decay_steps >= 1 (the updates over which lr falls to min_lr)")
+            c.check(self.decay != "constant" or (self.decay_steps == 0 and self.min_lr == 0), "decay",
+                    "is constant, so decay_steps and min_lr mean nothing: set decay to linear or cosine")
+            c.check(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr = {self.lr:g}], got {self.min_lr:g}")
+
+    def schedule_text(self) -> str:
+        """The schedule in words (``hspmd show``)."""
+        text = f"lr {self.lr:g}"
+        if self.warmup_steps:
+            text += f" after a {self.warmup_steps}-step warmup"
+        if self.decay != "constant":
+            text += f", {self.decay} decay to {self.min_lr:g} over {self.decay_steps} steps"
+        return text
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of update ``step`` (0: the first): ``lr * (step + 1) / warmup_steps`` while
+        warming up (the last warmup update at ``lr``), then the decay from ``lr`` (at its start) towards
+        ``min_lr`` (reached after ``decay_steps`` updates, and kept)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.decay == "constant":
+            return self.lr
+        done = min(1.0, (step - self.warmup_steps) / self.decay_steps)
+        left = 1.0 - done if self.decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+        return self.min_lr + (self.lr - self.min_lr) * left
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,14 @@ import multiprocessing
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from train_helpers import HETERO_PLAN, REPO, reference, shrink, write_plan
 
 from runtime.launch import Fault, TrainOptions, WorkerFailure, launch
+from runtime.spec import load_plan, save_plan
 
 STEPS = 3
 
@@ -21,10 +23,18 @@ STEPS = 3
 def plans(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("plans")
     return {
-        "hetero": shrink(HETERO_PLAN, d / "hetero.yaml"),
+        "hetero": scheduled(shrink(HETERO_PLAN, d / "hetero.yaml")),
         # Two fast devices in a 2-stage pipeline: the cheapest world that has a peer to be stuck on.
         "pp2": write_plan(d / "pp2.yaml", "pp2", [(2, [([0], (0, 3)), ([1], (3, 6))])], global_batch=2),
     }
+
+
+def scheduled(path: Path) -> Path:
+    """The plan with a 3-update warmup: each of the test's steps at its own learning rate."""
+    plan = load_plan(path)
+    optimizer = replace(plan.training.optimizer, warmup_steps=3)
+    save_plan(replace(plan, training=replace(plan.training, optimizer=optimizer)), path)
+    return path
 
 
 def test_cli_trains_the_hetero_plan_with_metrics_traces_and_emulation(plans, tmp_path):
@@ -40,6 +50,7 @@ def test_cli_trains_the_hetero_plan_with_metrics_traces_and_emulation(plans, tmp
     assert all(x["strategy"] == "hetero" and x["step_time_s"] > 0 and x["tokens_per_s"] > 0 for x in lines)
     expected, _ = reference(plans["hetero"], STEPS)
     assert [x["loss"] for x in lines] == pytest.approx(expected, rel=1e-5)
+    assert [x["lr"] for x in lines] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3], rel=1e-12)  # the warmup's rates
     assert all(x["emulation_s"] > 0 for x in lines)  # devices 2 and 3 are emulated 3x slower
 
     events = json.loads((traces / "trace.json").read_text())["traceEvents"]

@@ -47,7 +47,7 @@ def test_window_records_keep_their_json():
     r = StepRecord.combine([StepReport(step=1, rank=0, device=0, loss=2.0, grad_norm=1.0, tokens=512, wall_s=1.0,
                                        compute_s=0.5, comm_s=0.1, emulation_s=0.0)], "hetero")
     assert set(r.to_json()) == {"step", "loss", "step_time_s", "tokens_per_s", "strategy", "grad_norm",
-                                "emulation_s", "emulation_overrun_s"}
+                                "emulation_s", "emulation_overrun_s", "lr"}
 
 
 def test_metrics_get_a_switch_event_before_the_switched_step(monkeypatch, tmp_path):
