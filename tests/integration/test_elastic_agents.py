@@ -111,7 +111,9 @@ def test_cli_coordinator_replays_a_trace_over_agents(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "hetu_cli", "train", "--plan", str(plan), "--steps", "10",
                                "--elastic", "--agents", "2", "--bind", f"127.0.0.1:{port}", "--token", TOKEN,
                                "--events", str(trace), "--metrics", str(metrics), "--save", str(tmp_path / "ck"),
-                               "--timeout", "20", "--heartbeat-timeout", "3"],
+                               # an agent may be silent for half the heartbeat timeout (agent_timeout_s): 4 s,
+                               # not 1.5, so that a loaded box's starved beat thread is not a lost node
+                               "--timeout", "20", "--heartbeat-timeout", "8"],
                               cwd=REPO, capture_output=True, text=True, timeout=300)
         for p in agents:
             p.communicate(timeout=60)
