@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from runtime.errors import Problem, SpecError
+from runtime.errors import FieldErrors, Problem, SpecError
 from runtime.profiling.profile import COMPONENTS, LAYER_COMPONENTS, DeviceProfile, MeasuredModel, eval_fit
 from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves
 from runtime.spec.io import atomic_write_text, read_json, read_text
 from runtime.spec.model import ModelSpec
-from runtime.spec.schema import MAX_FLOAT, MAX_INT, figure_problem
+from runtime.spec.schema import MAX_FLOAT, MAX_INT, figure_problem, number_text_problem
 
 TableFormat = Literal["csv", "json"]
 KINDS = ("compute", "link", "allreduce", "iteration")
@@ -109,7 +109,7 @@ def _cell(where: str, name: str, value: Any, problems: list[Problem]) -> Any:
     raw = value
     if isinstance(value, str):
         try:
-            value = convert(value) if value.isascii() else None  # int() and float() read "１２" too
+            value = convert(value) if number_text_problem(value) is None else None  # int() reads "１２", "1_0"
         except ValueError:
             value = None
     wrong_type = isinstance(value, bool) or not isinstance(value, int if convert is int else (int, float))
@@ -130,8 +130,10 @@ def _cell(where: str, name: str, value: Any, problems: list[Problem]) -> Any:
         problems.append(Problem(where, name, f"must be {'positive' if name == 'bandwidth_gbs' else 'non-negative'}"
                                              f", got {value}"))
         return None
-    if name in FLOATS and figure_problem(name, value) is not None:
-        problems.append(Problem(where, name, figure_problem(name, value)))  # type: ignore[arg-type]
+    # bandwidth_gbs is a link curve's point (link and allreduce rows): bounded per message by LinkCurve
+    why = figure_problem(name, value, floor=name != "bandwidth_gbs") if name in FLOATS else None
+    if why is not None:
+        problems.append(Problem(where, name, why))
         return None
     return convert(value)
 
@@ -231,9 +233,12 @@ def _grid(file: str, key: tuple[int | None, int, str], points: Mapping[tuple[int
                           tuple(tuple(points[b, s][1] for s in lens) for b in mbs), optimizer_s)
 
 
-def _curve(points: Mapping[int, float]) -> LinkCurve:
+def _curve(points: Mapping[int, float], file: str, what: str) -> LinkCurve:
     sizes = tuple(sorted(points))
-    return LinkCurve(sizes, tuple(points[b] for b in sizes))
+    try:
+        return LinkCurve(sizes, tuple(points[b] for b in sizes))
+    except FieldErrors as err:  # a point's message time (LinkCurve): said with the rows' own names
+        raise SpecError([Problem(file, what, m) for _, m in err.problems]) from None
 
 
 def import_profile(path: str | Path, *, device_type: str, model: ModelSpec, base: DeviceProfile,
@@ -271,10 +276,11 @@ def import_profile(path: str | Path, *, device_type: str, model: ModelSpec, base
     for cls in ("intra", "inter"):
         send, recv = parsed.links.get((cls, "send")), parsed.links.get((cls, "recv"))
         if send or recv:
-            links[cls] = LinkCurves(send=_curve(send) if send else None, recv=_curve(recv) if recv else None)
+            links[cls] = LinkCurves(send=_curve(send, file, f"link {cls} send") if send else None,
+                                    recv=_curve(recv, file, f"link {cls} recv") if recv else None)
     allreduce: dict[str, dict[int, LinkCurve]] = {}
     for (cls, n), points in sorted(parsed.allreduce.items()):
-        allreduce.setdefault(cls, {})[n] = _curve(points)
+        allreduce.setdefault(cls, {})[n] = _curve(points, file, f"allreduce {cls} group {n}")
     comm = dataclasses.replace(base.comm, links=links or base.comm.links,
                                allreduce_curves=allreduce or base.comm.allreduce_curves,
                                serialised_send_recv=serialised_send_recv)
