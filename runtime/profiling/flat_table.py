@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from runtime.errors import FieldErrors, Problem, SpecError
 from runtime.profiling.profile import COMPONENTS, LAYER_COMPONENTS, DeviceProfile, MeasuredModel, eval_fit
-from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves
+from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves, curve_point_problem
 from runtime.spec.io import atomic_write_text, read_json, read_text
 from runtime.spec.model import ModelSpec
 from runtime.spec.schema import MAX_FLOAT, MAX_INT, figure_problem, number_text_problem
@@ -204,6 +204,10 @@ def parse_rows(rows: Sequence[tuple[int, Mapping[str, Any]]], file: str) -> _Par
                 problems.append(Problem(where, "bytes", f"duplicate of row {seen[dup]}"))
                 continue
             seen[dup] = n
+            why = curve_point_problem(v["bytes"], v["bandwidth_gbs"], last=False)  # the curve's rule, at its row
+            if why is not None:
+                problems.append(Problem(where, "bandwidth_gbs", why))
+                continue
             target = out.links if kind == "link" else out.allreduce
             target.setdefault((v["link"], sub), {})[v["bytes"]] = v["bandwidth_gbs"]  # type: ignore[index]
         else:
@@ -213,6 +217,12 @@ def parse_rows(rows: Sequence[tuple[int, Mapping[str, Any]]], file: str) -> _Par
                 continue
             seen["iteration"] = n
             out.iteration_s = v["seconds"]
+    for kind, curves in (("link", out.links), ("allreduce", out.allreduce)):
+        for (cls, sub), points in curves.items():  # the largest message's rate prices every larger one
+            top = max(points)
+            why = curve_point_problem(top, points[top], last=True)
+            if why is not None:
+                problems.append(Problem(f"{file}:{seen[kind, cls, sub, top]}", "bandwidth_gbs", why))
     if problems:
         raise SpecError(problems)
     return out

@@ -119,11 +119,11 @@ def curve_point_problem(nbytes: int, gbs: float, *, last: bool) -> str | None:
     a rate and at least MIN_FIGURE GB/s like any other."""
     seconds = nbytes / (gbs * 1e9)
     if seconds > MAX_FIGURE:
-        return (f"{gbs:g} GB/s for a message of {nbytes:,} bytes is {seconds:g} s for it, beyond any link (at most "
+        return (f"{gbs:g} GB/s takes {seconds:g} s for a {nbytes:,}-byte message: beyond any link (at most "
                 f"{MAX_FIGURE:g} s a message)")
     if last and gbs < MIN_FIGURE:
         return (f"{gbs:g} GB/s at the largest message ({nbytes:,} bytes), the rate of every larger one, is below "
-                f"any link (at least {MIN_FIGURE:g} GB/s)")
+                f"any link (at least {MIN_FIGURE:g} GB/s there)")
     return None
 
 

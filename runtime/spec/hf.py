@@ -66,7 +66,7 @@ class _Fields:
                 self.bad(prefix + key, "missing required field")
             return default
         if not isinstance(value, int) or isinstance(value, bool):
-            self.bad(prefix + key, f"expected an integer, got {str(value)[:40]}")
+            self.bad(prefix + key, f"expected an integer, got {repr(value)[:40]}")
             return default
         if abs(value) > MAX_INT:  # the YAML specs' bound: 10**400 overflowed float division (a traceback)
             self.bad(prefix + key, f"an integer of {len(str(abs(value)))} digits is out of range (at most "
