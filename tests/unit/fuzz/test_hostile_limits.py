@@ -233,3 +233,37 @@ def test_format_characters_in_a_path_are_escaped_in_what_a_verb_prints(tmp_path:
     result = CliRunner().invoke(cli, ["simulate", "--plan", str(TINY_PLAN), "--trace", str(trace)])
     assert result.exit_code == 0, result.output
     assert BIDI not in result.output and "t\\u202enosj.json" in result.output and trace.exists(), ascii(result.output)
+
+
+@pytest.mark.parametrize("verb", [
+    ["plan", "--model", "llama-tiny", "--cluster", "cpu-hetero4", "--global-batch", "8", "--seq-len", "16",
+     "--time-limit", "1", "--check-top", "0", "-o"],
+    ["simulate", "--plan", str(TINY_PLAN), "--trace"],
+    ["replan", "--plan", str(TINY_PLAN), "--failed", "3", "--time-limit", "1", "-o"],
+], ids=lambda v: v[0])
+def test_an_output_that_is_no_regular_file_is_not_replaced(verb: list[str], tmp_path: Path):
+    """A new file is renamed over its target: ``plan -o /dev/null`` as root replaced the device node with the
+    plan (a named pipe stands in for it here). Refused before any work, the pipe left as it was."""
+    import os
+    import stat
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    line = one_error(CliRunner().invoke(cli, [*verb, str(pipe)]))
+    assert f"{pipe}: " in line and "is a named pipe, expected a regular file" in line, line
+    assert stat.S_ISFIFO(os.lstat(pipe).st_mode)
+
+
+def test_atomic_writes_refuse_to_replace_a_pipe(tmp_path: Path):
+    """The writers' backstop (runtime/spec/io.py AtomicFiles), for a caller that checked nothing first."""
+    import os
+    import stat
+
+    from runtime.errors import SpecError
+    from runtime.spec.io import atomic_write_text
+
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    with pytest.raises(SpecError, match="is a named pipe"):
+        atomic_write_text(pipe, "x")
+    assert stat.S_ISFIFO(os.lstat(pipe).st_mode) and os.listdir(tmp_path) == ["pipe"]
