@@ -267,3 +267,14 @@ def test_atomic_writes_refuse_to_replace_a_pipe(tmp_path: Path):
     with pytest.raises(SpecError, match="is a named pipe"):
         atomic_write_text(pipe, "x")
     assert stat.S_ISFIFO(os.lstat(pipe).st_mode) and os.listdir(tmp_path) == ["pipe"]
+
+
+@pytest.mark.skipif(not Path("/dev/full").is_char_device(), reason="needs /dev/full (every write: ENOSPC)")
+def test_a_metrics_file_that_cannot_be_written_is_one_line():
+    """``--metrics /dev/full`` (a full disk): os.write's OSError names no file, so it was a traceback after
+    the first step. Now one line naming the file and the option, exit 2, the workers stopped."""
+    with deadline(120):
+        result = CliRunner().invoke(cli, ["train", "--plan", str(TINY_PLAN), "--steps", "1", "--metrics",
+                                          "/dev/full"])
+    line = one_error(result)
+    assert line == "error: /dev/full: --metrics: cannot write: No space left on device", line
