@@ -278,3 +278,13 @@ def test_a_metrics_file_that_cannot_be_written_is_one_line():
                                           "/dev/full"])
     line = one_error(result)
     assert line == "error: /dev/full: --metrics: cannot write: No space left on device", line
+
+
+@pytest.mark.parametrize("ref", ["", "  "])
+def test_an_empty_model_reference_names_nothing(ref: str, tmp_path: Path):
+    """``model: ""`` resolved as a path to the plan's own directory, and loaded any config.json beside it."""
+    (tmp_path / "config.json").write_text(json.dumps(config_for(load_model("llama-tiny"), "float32")))
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(TINY_PLAN.read_text().replace("model: llama-tiny", f'model: "{ref}"'))
+    line = one_error(CliRunner().invoke(cli, ["validate", str(plan)]))
+    assert f"{plan}: model: unknown model {ref!r}" in line, line
