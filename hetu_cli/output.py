@@ -11,20 +11,29 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from runtime.errors import HspmdError, Problem, SpecError
-from runtime.spec.schema import MAX_FLOAT
+from runtime.spec.schema import MAX_FLOAT, number_text_problem
 
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
 class AsciiNumber(click.ParamType):
-    """A number option that takes ASCII only, as YAML and JSON files do: Python's int() and float() read any
-    script's digits (``--global-batch １２``, "١٢") as numbers."""
+    """A number option that takes ASCII digits only, as YAML and JSON files do: Python's int() and float() read
+    any script's digits (``--global-batch １２``, "١٢") and digit groups (``--global-batch 1_0`` as 10) as
+    numbers (``number_text_problem``)."""
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, str) and not value.isascii():
-            self.fail(f"{value!r} is not a number (ASCII digits only)", param, ctx)
+        why = number_text_problem(value) if isinstance(value, str) else None
+        if why is not None:
+            self.fail(f"{value!r} is not a number: {why}", param, ctx)
         return super().convert(value, param, ctx)
+
+
+def int_list(text: str) -> list[int]:
+    """'5,6' -> [5, 6] in ASCII digits (``number_text_problem``); ValueError for anything else, blanks skipped."""
+    if number_text_problem(text) is not None:
+        raise ValueError(text)
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 class Int(AsciiNumber, click.types.IntParamType):
@@ -65,9 +74,11 @@ def console(stderr: bool = False) -> Console:
 
     class Tolerant(Console):
         """Prints a line whose names from a file read as broken markup (a strategy named "[/red]": a
-        MarkupError traceback in every verb that printed it) as it is, markup off."""
+        MarkupError traceback in every verb that printed it) as it is, markup off; control and format
+        characters escaped (``printable``)."""
 
         def render_str(self, text: str, **kw: Any) -> Any:
+            text = printable(text)  # a path or name that would reorder or rewrite the terminal's line
             try:
                 return super().render_str(text, **kw)
             except MarkupError:
@@ -95,11 +106,18 @@ def emit_json(obj: Any) -> None:
 
 
 def printable(text: str) -> str:
-    """``text`` with control characters (C0 but newline and tab, DEL, C1) escaped: error lines quote keys and
-    values of hostile files, where YAML's "\\r", "\\b" or "\\x9b" (a terminal's CSI) rewrote the line on the
-    user's terminal. (Messages of several lines keep their newlines.)"""
-    return "".join(ch if ch in "\n\t" or not (ord(ch) < 32 or 127 <= ord(ch) < 160) else ascii(ch)[1:-1]
-                   for ch in text)
+    """``text`` with control and format characters (C0 but newline and tab, DEL, C1; Unicode's Cf, Zl, Zp: the
+    bidirectional overrides U+202A-U+202E and isolates U+2066-U+2069, zero-width ones, U+2028) escaped: error
+    lines and tables quote keys, values and paths the user gave, where YAML's "\\r", "\\b" or "\\x9b" (a
+    terminal's CSI) rewrote the line on the user's terminal and U+202E showed "a800" as "008a". The spec
+    reader refuses them in names (runtime/spec/schema.py ``text_problem``); paths and keys of hostile files
+    still reach here. (Messages of several lines keep their newlines.)"""
+    if text.isascii() and text.isprintable():
+        return text
+    import unicodedata
+
+    return "".join(ch if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cf", "Zl", "Zp")
+                   else ascii(ch)[1:-1] for ch in text)
 
 
 def fail(error: HspmdError | str) -> NoReturn:

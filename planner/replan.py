@@ -27,17 +27,17 @@ import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from planner.api import PlanResult, PlanSettings, micro_batch_sizes, plan
 from planner.baselines import best_symmetric, best_symmetric_subset
 from planner.cost import CostModel, has_tp_stage, planner_handle, zero_copies
 from runtime.checkpoint import STATE_SUFFIXES
 from runtime.comm.bsr import BsrPlan
-from runtime.elastic.events import TraceEvent
+from runtime.elastic.events import MAX_TRACE_SEARCHES, TraceEvent
 from runtime.elastic.preplan import candidates, grown, returns, survivors
 from runtime.elastic.state import LostState, holder_sets, lost_state, lost_tensors, plan_switch
-from runtime.errors import HspmdError, InfeasibleError
+from runtime.errors import HspmdError, InfeasibleError, Problem, SpecError
 from runtime.launch.options import node_loss_detect_s
 from runtime.profiling.profile import DeviceProfile, ProfileSet
 from runtime.schedule_policies import schedule_problems
@@ -45,6 +45,8 @@ from runtime.spec import Cluster, Plan, PlanContext, Strategy, validate_plan
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import Pipeline, TrainingSettings
+
+T = TypeVar("T")
 
 DEFAULT_TOLERANCE = 0.05
 STATE_BYTES_PER_PARAM = 4 * len(STATE_SUFFIXES)  # fp32 parameter + two fp32 AdamW moments (a checkpoint)
@@ -244,15 +246,49 @@ def settings_for(t: TrainingSettings, **choices: object) -> PlanSettings:
                         schedule=t.schedule, **choices)  # type: ignore[arg-type]
 
 
+class SearchBudgetSpent(InfeasibleError):
+    """A modelled trace asked for more planner searches than its ``TraceModel.max_searches``; ``field``: the
+    event that asked (``events[i]``), or "" for the run's start."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class PlanMemo:
     """The planner's results by (settings, devices) within one modelled trace (its model, cluster and profiles
     fixed): a trace repeats device sets (a device lost and back, again and again), and each search is ~0.4 s on
     the tiny model (200 such events took 50 s). A repeat is charged the wall time its search took once
-    (``saved_s``), so the modelled figures stay those of a coordinator that plans every event."""
+    (``saved_s``), so the modelled figures stay those of a coordinator that plans every event.
 
-    def __init__(self) -> None:
+    It also counts the searches the trace runs (``charge``: every planner search of the modelled lines, not
+    the repeats), and stops at ``max_searches``: a trace of 1000 distinct device sets on a paper-scale cluster
+    was 1000+ searches of 8-10 s each, hours of work for one command."""
+
+    def __init__(self, max_searches: int | None = None) -> None:
         self.found: dict[tuple[PlanSettings, tuple[int, ...]], tuple[tuple[PlanResult, str | None], float]] = {}
         self.saved_s = 0.0
+        self.max_searches = max_searches
+        self.searches = 0
+        self.search_s = 0.0  # wall time of the searches run
+        self.at = "events"  # the trace's event being modelled (its field), for SearchBudgetSpent
+
+    def charge(self) -> None:
+        """Count one planner search about to run; SearchBudgetSpent when it is one beyond the budget."""
+        if self.max_searches is not None and self.searches >= self.max_searches:
+            raise SearchBudgetSpent(self.at, f"needs a planner search beyond the {self.searches} run so far "
+                                    f"({self.search_s:.0f} s): at most {self.max_searches} are modelled per run "
+                                    "(simulate --max-searches)")
+        self.searches += 1
+
+    def timed(self, search: Callable[[], T]) -> T:
+        """Run one planner search, charged and timed."""
+        self.charge()
+        t0 = time.perf_counter()
+        try:
+            return search()
+        finally:
+            self.search_s += time.perf_counter() - t0
 
 
 def _plan_elastic(current: StrategyHandle, devices: Sequence[int], profiles: Mapping[str, DeviceProfile] | ProfileSet,
@@ -267,11 +303,16 @@ def _plan_elastic(current: StrategyHandle, devices: Sequence[int], profiles: Map
         memo.saved_s += wall
         return found
     t0 = time.perf_counter()
+    search = memo.timed if memo is not None else lambda f: f()
     try:
-        found = plan(ctx.model, ctx.cluster, profiles, settings, devices=devices, baselines=False), None
+        found = search(lambda: plan(ctx.model, ctx.cluster, profiles, settings, devices=devices,
+                                    baselines=False)), None
+    except SearchBudgetSpent:
+        raise
     except InfeasibleError as err:
-        found = plan(ctx.model, ctx.cluster, profiles, dataclasses.replace(settings, elastic=False, use_zero=False),
-                     devices=devices, baselines=False), str(err)
+        found = search(lambda: plan(ctx.model, ctx.cluster, profiles,
+                                    dataclasses.replace(settings, elastic=False, use_zero=False), devices=devices,
+                                    baselines=False)), str(err)
     if memo is not None:
         memo.found[key] = (found, time.perf_counter() - t0)
     return found
@@ -465,6 +506,9 @@ class TraceModel:
     preplan: bool = True  # hspmd plans single-device and node losses ahead (hspmd train --elastic's default)
     switch: SwitchModel = SwitchModel()
     time_limit_s: float = 30.0  # the planner's limit per replan
+    # The planner searches one modelled trace may run (every line's, repeats of a device set free: ``PlanMemo``;
+    # why 100: MAX_TRACE_SEARCHES); a trace through more distinct device sets is refused before any.
+    max_searches: int = MAX_TRACE_SEARCHES
     # Where hspmd's coordinator (and the Oobleck-like master) runs: its node's loss ends the job whatever the
     # replicas (None: the cluster's first node; every node fails at the same rate, so only a trace that names
     # it depends on the choice).
@@ -481,6 +525,8 @@ class TraceModel:
             raise ValueError("checkpoint_interval_steps must be >= 1 (or None: Young's optimum)")
         if self.recovery_window_s is not None and self.recovery_window_s < 0:
             raise ValueError("recovery_window_s must not be negative")
+        if self.max_searches < 1:
+            raise ValueError("max_searches must be >= 1")
 
 
 def young_interval_steps(write_s: float, step_time_s: float, run_s: float, failures: float) -> int | None:
@@ -636,15 +682,44 @@ class _Line:
                 "events": self.recovery}
 
 
+def device_sets_visited(start: Collection[int], events: Sequence[TraceEvent]) -> int:
+    """How many distinct sets of running devices a trace passes through from ``start`` (itself included):
+    each new one is at least one planner search of the modelled lines (``TraceModel.max_searches``)."""
+    up = set(start)
+    seen = {frozenset(up)}
+    for e in events:
+        up = up | set(e.devices) if e.action == "rejoin" else up - set(e.devices)
+        seen.add(frozenset(up))
+    return len(seen)
+
+
 def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int,
                 profiles: Mapping[str, DeviceProfile] | ProfileSet, model: TraceModel | None = None,
-                log: Callable[[str], None] = lambda _m: None) -> dict[str, object]:
+                log: Callable[[str], None] = lambda _m: None, source: str = "") -> dict[str, object]:
+    """``_model_trace``; a search budget spent mid-trace is one line naming ``source`` and the event."""
+    try:
+        return _model_trace(current, trace, steps, profiles, model, log, source)
+    except SearchBudgetSpent as err:
+        raise SpecError([Problem(source, err.field, str(err))]) from None
+
+
+def _model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int,
+                 profiles: Mapping[str, DeviceProfile] | ProfileSet, model: TraceModel | None,
+                 log: Callable[[str], None], source: str) -> dict[str, object]:
     """Goodput (steps per second over the whole trace) of hspmd, checkpoint-restart and an Oobleck-like
     baseline on ``steps`` steps of ``current`` with the failures and returns of ``trace``; each line's time
     broken down (failure-free steps, the extra time of slower steps, recoveries and switches, checkpoint
     writes, the expected cost of losses memory cannot survive) and every event's parts; each line's checkpoint
-    interval and the rate it is chosen for (see ``TraceModel``)."""
+    interval and the rate it is chosen for (see ``TraceModel``). ``source``: the trace's file, named when the
+    trace needs more planner searches than ``model.max_searches`` (refused before any where its distinct
+    device sets alone are more; else at the event that would run one more)."""
     model = model or TraceModel()
+    events = sorted(trace, key=lambda e: e.step)
+    visited = device_sets_visited(current.devices, events)
+    if visited > model.max_searches:
+        raise SpecError([Problem(source, "events", f"the trace passes through {visited} distinct sets of running "
+                                 f"devices, each at least one planner search (seconds each at paper scale): at most "
+                                 f"{model.max_searches} searches are modelled per run (simulate --max-searches)")])
     ctx = current.ctx
     t = ctx.plan.training
     cluster = ctx.cluster
@@ -656,13 +731,13 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
     nodes = {n.name: {d.id for d in cluster.devices if d.node == n.name} for n in cluster.nodes}
     original = current
     plans: dict[tuple[tuple[int, ...], bool], tuple[StrategyHandle, float]] = {}
-    memo = PlanMemo()
+    memo = PlanMemo(model.max_searches)
 
     def best_on(devices: Collection[int], zero: bool = False) -> tuple[StrategyHandle, float]:
         key = (tuple(sorted(devices)), zero)
         if key not in plans:
             settings = settings_for(t, use_zero=zero, time_limit_s=model.time_limit_s, top_k=1)
-            result = plan(ctx.model, cluster, profiles, settings, devices=key[0], baselines=False)
+            result = memo.timed(lambda: plan(ctx.model, cluster, profiles, settings, devices=key[0], baselines=False))
             p = result.to_plan(ctx.plan.model, ctx.plan.cluster, 0)
             plans[key] = (StrategyHandle.of(dataclasses.replace(ctx, plan=p)), result.candidates[0].step_time_s)
         return plans[key]
@@ -677,7 +752,8 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
             settings = settings_for(t, use_zero=model.restart_zero, time_limit_s=model.time_limit_s, top_k=1)
             every = {b: CostModel(ctx.model, cluster, profiles, micro_batch=b, seq_len=t.seq_len)
                      for b in micro_batch_sizes(settings)}
-            found = [f(every, key, t.global_batch, settings.zero, schedule=settings.default_schedule)
+            found = [memo.timed(lambda f=f: f(every, key, t.global_batch, settings.zero,
+                                              schedule=settings.default_schedule))
                      for f in (best_symmetric, best_symmetric_subset)]
             ok = [b for b in found if b.strategy is not None and b.estimate is not None and b.micro_batch is not None]
             if not ok:
@@ -699,8 +775,10 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
             settings = settings_for(t, micro_batch=t.micro_batch, use_zero=False, time_limit_s=model.time_limit_s,
                                  top_k=1)
             try:
-                result = plan(ctx.model, cluster, profiles, settings, devices=key, baselines=False)
+                result = memo.timed(lambda: plan(ctx.model, cluster, profiles, settings, devices=key, baselines=False))
                 templates[key] = result.to_plan(ctx.plan.model, ctx.plan.cluster, 0).strategies[0].pipelines
+            except SearchBudgetSpent:
+                raise
             except InfeasibleError:
                 templates[key] = ()
         return templates[key]
@@ -736,7 +814,6 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
         return any(grown(handle, c) == grown(handle, joining) for c in back) and \
             ran_s >= (len(losses) + len(back)) * plan_s
 
-    events = sorted(trace, key=lambda e: e.step)
     usable = set(original.devices) | {x for ev in events for x in ev.devices}
     # The restart lines: each its layout on the surviving whole nodes.
     restarts: dict[str, Callable[[Collection[int]], tuple[StrategyHandle, float]]] = {
@@ -763,7 +840,8 @@ def model_trace(current: StrategyHandle, trace: Sequence[TraceEvent], steps: int
     prev = 1
     h_since = 1  # the step from which hspmd's current layout runs (its losses are planned ahead from there)
     world = set(original.devices)  # the devices in hspmd's world (the coordinator's ``alive``)
-    for e in events:
+    for i, e in enumerate(events):
+        memo.at = f"events[{i}]"
         for line in lines.values():
             line.run(e.step - prev)
         prev = e.step

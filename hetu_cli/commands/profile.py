@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import FORMAT_OPTION, FiniteFloatRange, IntRange, console, emit_json, refuse_given, table
+from hetu_cli.output import FORMAT_OPTION, FiniteFloatRange, IntRange, console, emit_json, int_list, refuse_given, table
 from runtime.errors import Problem, SpecError
 from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, DeviceProfile, Fit, LinkFit, eval_fit, load_profile
 from runtime.spec import load_cluster, load_model
@@ -66,9 +66,7 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
                                                     "times the runtime's Llama modules); bring its timings with "
                                                     "hspmd profile import")])
     try:
-        if not seq_lens.isascii():  # int() reads any script's digits ("１２")
-            raise ValueError
-        lens = tuple(sorted({int(x) for x in seq_lens.split(",") if x.strip()}))
+        lens = tuple(sorted(set(int_list(seq_lens))))
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {seq_lens!r}",
                                  param_hint="--seq-lens") from None

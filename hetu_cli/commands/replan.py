@@ -11,7 +11,16 @@ from rich import filesize
 from rich.markup import escape
 from rich.table import Table
 
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, FiniteFloatRange, IntRange, console, emit_json, table
+from hetu_cli.output import (
+    FORMAT_OPTION,
+    PROFILE_OPTION,
+    FiniteFloatRange,
+    IntRange,
+    console,
+    emit_json,
+    int_list,
+    table,
+)
 from planner.replan import DEFAULT_TOLERANCE, ReplanResult, RestartModel
 from planner.replan import replan as run_replan
 from runtime.errors import HspmdError
@@ -28,7 +37,7 @@ TOP_LINKS = 12
 def parse_devices(text: str, option: str) -> list[int]:
     """'5,6' -> [5, 6]; anything else is a one-line user error."""
     try:
-        out = [int(x) for x in text.split(",") if x.strip()] if text.isascii() else []  # int() reads "１２"
+        out = int_list(text)
     except ValueError:
         out = []
     if not out or any(d < 0 for d in out):

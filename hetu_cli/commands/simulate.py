@@ -12,12 +12,14 @@ from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, IntRange, console, em
 from planner.cost import CostModel, zero_copies
 from planner.simulate import chrome_trace
 from planner.simulate import simulate as run_simulation
+from runtime.elastic.events import MAX_TRACE_SEARCHES
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_plan_context
 from runtime.spec.io import atomic_write_text, check_output_file
 from runtime.spec.plan import MAX_TOKENS_PER_STEP
 
 MAX_TRACE_STEPS = 10_000
+MAX_SEARCHES = 10_000  # the trace's own bound is 1000 events (runtime/elastic/events.py), a few searches each
 
 
 @click.command()
@@ -37,10 +39,14 @@ MAX_TRACE_STEPS = 10_000
 @click.option("--events", "events_file", type=click.Path(path_type=Path),
               help="Model a failure trace instead (the --events file of hspmd train): goodput of hspmd vs "
                    "checkpoint-restart vs an Oobleck-like baseline.")
+@click.option("--max-searches", type=IntRange(min=1, max=MAX_SEARCHES), default=MAX_TRACE_SEARCHES,
+              show_default=True, help="With --events: the planner searches the model may run (a trace through "
+                                      "more distinct device sets is refused before any; each is seconds at paper "
+                                      "scale).")
 @FORMAT_OPTION
 def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str | None, cluster: str | None,
              trace_path: Path | None, lengths: str | None, steps: int, tokens_per_step: int | None,
-             events_file: Path | None, fmt: str) -> None:
+             events_file: Path | None, max_searches: int, fmt: str) -> None:
     """Simulate one training step of PLAN: step time, tokens/s, MFU, per-stage compute / comm /
     bubble, and peak memory per device with out-of-memory flags. With --lengths: a trace of steps of
     documents (per step: strategy, time, switch, idle per pipeline)."""
@@ -50,6 +56,8 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
         refuse_given("not with --lengths (it models failures of fixed-length steps)", "events_file")
     if events_file is not None:
         refuse_given("not with --events (the failure model writes no timeline)", "trace_path")
+    else:
+        refuse_given("only with --events", "max_searches")
     if trace_path is not None:
         check_output_file(trace_path, "--trace")
     ctx = load_plan_context(plan_path, cluster=cluster)
@@ -58,7 +66,7 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
         return
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
     if events_file is not None:
-        _events(ctx, strategy_name, profiles, events_file, fmt)
+        _events(ctx, strategy_name, profiles, events_file, max_searches, fmt)
         return
     strategy = ctx.strategy(strategy_name)
     t = ctx.plan.training
@@ -104,15 +112,16 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
         con.print(f"trace: {trace_path} (open in https://ui.perfetto.dev)")
 
 
-def _events(ctx, strategy_name: str | None, profiles, events_file: Path, fmt: str) -> None:
-    from planner.replan import model_trace
+def _events(ctx, strategy_name: str | None, profiles, events_file: Path, max_searches: int, fmt: str) -> None:
+    from planner.replan import TraceModel, model_trace
     from runtime.elastic.events import load_trace
     from runtime.spec.handle import StrategyHandle
 
     handle = StrategyHandle.of(ctx, strategy_name)
     trace = load_trace(events_file, ctx.cluster, handle.devices)
     steps = trace.steps or trace.events[-1].step + 100
-    out = model_trace(handle, trace.events, steps, profiles)
+    out = model_trace(handle, trace.events, steps, profiles, TraceModel(max_searches=max_searches),
+                      source=str(events_file))
     if fmt == "json":
         emit_json(out)
         return

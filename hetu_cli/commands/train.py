@@ -24,7 +24,7 @@ from runtime.launch.options import ELASTIC_HEARTBEAT_TIMEOUT_S, ELASTIC_TIMEOUT_
 from runtime.launch.session import TRACE_MERGED
 from runtime.launch.supervise import PlainPolicy
 from runtime.precision import PRECISIONS
-from runtime.spec.io import is_file
+from runtime.spec.io import is_file, why_not
 
 
 class MetricsFile:
@@ -40,10 +40,13 @@ class MetricsFile:
 
     def write_line(self, obj: dict) -> None:
         """One JSON line: a step, or an event (``{"event": "failure"|"switch", ...}``)."""
-        if self.fd is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-        os.write(self.fd, (json.dumps(obj) + "\n").encode())
+        try:
+            if self.fd is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+            os.write(self.fd, (json.dumps(obj) + "\n").encode())
+        except OSError as err:  # a full disk or /dev/full: os.write's error names no file (it was a traceback)
+            raise HspmdError(f"{self.path}: --metrics: cannot write: {why_not(err)}") from None
 
     def close(self) -> None:
         if self.fd is not None:

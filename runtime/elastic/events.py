@@ -77,6 +77,13 @@ class Trace:
 # model; 20,000 events ran for an hour), and a step count past 10**9 is no run (2**60 steps was modelled).
 MAX_TRACE_EVENTS = 1000
 MAX_TRACE_STEPS = 10**9
+# The planner searches one modelled trace may run by default (planner/replan.py ``TraceModel.max_searches``:
+# every modelled line's, a device set searched before free). Each is 0.4 s on the tiny model, 8-10 s at paper
+# scale: 100 bound ``simulate --events`` to ~15 min there. An event costs at most 7 (hspmd's search and its
+# fallback, restart's, Megatron's two symmetric ones, the Oobleck-like template and restart), the start 3: the
+# benchmark's paper-scale trace (6 events) at most 45. A hostile trace of 1000 distinct device sets was 1000+
+# searches (hours).
+MAX_TRACE_SEARCHES = 100
 
 
 def load_trace(path: str | Path, cluster: Cluster, running: Collection[int]) -> Trace:

@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from runtime.errors import Problem, SpecError
+from runtime.errors import FieldErrors, Problem, SpecError
 from runtime.profiling.profile import COMPONENTS, LAYER_COMPONENTS, DeviceProfile, MeasuredModel, eval_fit
-from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves
+from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves, curve_point_problem
 from runtime.spec.io import atomic_write_text, read_json, read_text
 from runtime.spec.model import ModelSpec
-from runtime.spec.schema import MAX_FLOAT, MAX_INT, figure_problem
+from runtime.spec.schema import MAX_FLOAT, MAX_INT, figure_problem, number_text_problem
 
 TableFormat = Literal["csv", "json"]
 KINDS = ("compute", "link", "allreduce", "iteration")
@@ -109,7 +109,7 @@ def _cell(where: str, name: str, value: Any, problems: list[Problem]) -> Any:
     raw = value
     if isinstance(value, str):
         try:
-            value = convert(value) if value.isascii() else None  # int() and float() read "１２" too
+            value = convert(value) if number_text_problem(value) is None else None  # int() reads "１２", "1_0"
         except ValueError:
             value = None
     wrong_type = isinstance(value, bool) or not isinstance(value, int if convert is int else (int, float))
@@ -130,8 +130,10 @@ def _cell(where: str, name: str, value: Any, problems: list[Problem]) -> Any:
         problems.append(Problem(where, name, f"must be {'positive' if name == 'bandwidth_gbs' else 'non-negative'}"
                                              f", got {value}"))
         return None
-    if name in FLOATS and figure_problem(name, value) is not None:
-        problems.append(Problem(where, name, figure_problem(name, value)))  # type: ignore[arg-type]
+    # bandwidth_gbs is a link curve's point (link and allreduce rows): bounded per message by LinkCurve
+    why = figure_problem(name, value, floor=name != "bandwidth_gbs") if name in FLOATS else None
+    if why is not None:
+        problems.append(Problem(where, name, why))
         return None
     return convert(value)
 
@@ -202,6 +204,10 @@ def parse_rows(rows: Sequence[tuple[int, Mapping[str, Any]]], file: str) -> _Par
                 problems.append(Problem(where, "bytes", f"duplicate of row {seen[dup]}"))
                 continue
             seen[dup] = n
+            why = curve_point_problem(v["bytes"], v["bandwidth_gbs"], last=False)  # the curve's rule, at its row
+            if why is not None:
+                problems.append(Problem(where, "bandwidth_gbs", why))
+                continue
             target = out.links if kind == "link" else out.allreduce
             target.setdefault((v["link"], sub), {})[v["bytes"]] = v["bandwidth_gbs"]  # type: ignore[index]
         else:
@@ -211,6 +217,12 @@ def parse_rows(rows: Sequence[tuple[int, Mapping[str, Any]]], file: str) -> _Par
                 continue
             seen["iteration"] = n
             out.iteration_s = v["seconds"]
+    for kind, curves in (("link", out.links), ("allreduce", out.allreduce)):
+        for (cls, sub), points in curves.items():  # the largest message's rate prices every larger one
+            top = max(points)
+            why = curve_point_problem(top, points[top], last=True)
+            if why is not None:
+                problems.append(Problem(f"{file}:{seen[kind, cls, sub, top]}", "bandwidth_gbs", why))
     if problems:
         raise SpecError(problems)
     return out
@@ -231,9 +243,12 @@ def _grid(file: str, key: tuple[int | None, int, str], points: Mapping[tuple[int
                           tuple(tuple(points[b, s][1] for s in lens) for b in mbs), optimizer_s)
 
 
-def _curve(points: Mapping[int, float]) -> LinkCurve:
+def _curve(points: Mapping[int, float], file: str, what: str) -> LinkCurve:
     sizes = tuple(sorted(points))
-    return LinkCurve(sizes, tuple(points[b] for b in sizes))
+    try:
+        return LinkCurve(sizes, tuple(points[b] for b in sizes))
+    except FieldErrors as err:  # a point's message time (LinkCurve): said with the rows' own names
+        raise SpecError([Problem(file, what, m) for _, m in err.problems]) from None
 
 
 def import_profile(path: str | Path, *, device_type: str, model: ModelSpec, base: DeviceProfile,
@@ -271,10 +286,11 @@ def import_profile(path: str | Path, *, device_type: str, model: ModelSpec, base
     for cls in ("intra", "inter"):
         send, recv = parsed.links.get((cls, "send")), parsed.links.get((cls, "recv"))
         if send or recv:
-            links[cls] = LinkCurves(send=_curve(send) if send else None, recv=_curve(recv) if recv else None)
+            links[cls] = LinkCurves(send=_curve(send, file, f"link {cls} send") if send else None,
+                                    recv=_curve(recv, file, f"link {cls} recv") if recv else None)
     allreduce: dict[str, dict[int, LinkCurve]] = {}
     for (cls, n), points in sorted(parsed.allreduce.items()):
-        allreduce.setdefault(cls, {})[n] = _curve(points)
+        allreduce.setdefault(cls, {})[n] = _curve(points, file, f"allreduce {cls} group {n}")
     comm = dataclasses.replace(base.comm, links=links or base.comm.links,
                                allreduce_curves=allreduce or base.comm.allreduce_curves,
                                serialised_send_recv=serialised_send_recv)

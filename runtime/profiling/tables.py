@@ -23,9 +23,10 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.errors import Checker
+from runtime.spec.schema import MAX_FIGURE, MIN_FIGURE
 
 Grid = tuple[tuple[float, ...], ...]
 
@@ -111,13 +112,31 @@ def nearest_degree(degrees: Sequence[int], tp: int) -> int:
     return min(degrees, key=lambda t: (abs(t - tp), t))
 
 
+def curve_point_problem(nbytes: int, gbs: float, *, last: bool) -> str | None:
+    """What is wrong with a link curve's point (a message of ``nbytes`` at ``gbs`` GB/s, latency included),
+    None if fine: its message may take at most MAX_FIGURE seconds, as any time of a spec (1e-20 GB/s priced
+    one message at 1e15 s); the largest message's rate also prices every larger one (``seconds``), so it is
+    a rate and at least MIN_FIGURE GB/s like any other."""
+    seconds = nbytes / (gbs * 1e9)
+    if seconds > MAX_FIGURE:
+        return (f"{gbs:g} GB/s takes {seconds:g} s for a {nbytes:,}-byte message: beyond any link (at most "
+                f"{MAX_FIGURE:g} s a message)")
+    if last and gbs < MIN_FIGURE:
+        return (f"{gbs:g} GB/s at the largest message ({nbytes:,} bytes), the rate of every larger one, is below "
+                f"any link (at least {MIN_FIGURE:g} GB/s there)")
+    return None
+
+
 @dataclass(frozen=True)
 class LinkCurve:
     """Bandwidth by message size: ``bandwidth_gbs[i]`` is ``bytes[i] / seconds`` of a message of
     ``bytes[i]`` bytes (for an all-reduce: the bus bandwidth, ``2(n-1)/n x bytes / seconds``)."""
 
     bytes: tuple[int, ...]
-    bandwidth_gbs: tuple[float, ...]
+    # Checked here, not by the spec reader's rate floor (MIN_FIGURE GB/s): a point is one message's effective
+    # rate, latency included, and a tiny message is latency-bound: 1 byte in 10 ms (TCP on a loaded host) is
+    # 1e-7 GB/s, a real measurement the floor refused.
+    bandwidth_gbs: tuple[float, ...] = field(metadata={"rate_by_size": True})
 
     def __post_init__(self) -> None:
         with Checker() as c:
@@ -127,7 +146,11 @@ class LinkCurve:
             c.check(len(self.bandwidth_gbs) == len(self.bytes), "bandwidth_gbs",
                     f"expected {len(self.bytes)} values (one per message size), got {len(self.bandwidth_gbs)}")
             for i, bw in enumerate(self.bandwidth_gbs):
-                c.check(math.isfinite(bw) and bw > 0, f"bandwidth_gbs[{i}]", f"must be positive, got {bw}")
+                if c.check(math.isfinite(bw) and bw > 0, f"bandwidth_gbs[{i}]", f"must be positive, got {bw}") \
+                        and why is None and i < len(self.bytes):
+                    problem = curve_point_problem(self.bytes[i], bw, last=i == len(self.bytes) - 1)
+                    if problem is not None:
+                        c.add(f"bandwidth_gbs[{i}]", problem)
 
     def seconds(self, nbytes: float) -> float:
         """Time of one message of ``nbytes`` (the rule in the module docstring); all-reduce curves give

@@ -49,7 +49,10 @@ def resolve_ref(ref: str, kind: str, relative_to: Path | None = None) -> Path | 
     """Path of a spec given by name or path; None when no such file or catalog entry exists.
 
     A bare name is a catalog entry first; for models, else a Hugging Face model directory of that name
-    (``--model Llama-3.2-1B`` beside a downloaded model)."""
+    (``--model Llama-3.2-1B`` beside a downloaded model). An empty or blank reference names nothing: as a
+    path it was the plan's own directory, whose config.json (if any) ``model: ""`` then loaded."""
+    if not ref.strip():
+        return None
     if looks_like_path(ref):
         return _path_ref(ref, kind, relative_to)
     p = CONFIGS_DIR / kind / f"{ref}.yaml"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from runtime.errors import Checker, FieldErrors
+from runtime.spec.schema import text_problem
 
 MAX_DEVICES = 65_536  # a bound on what a (hostile) file makes every verb enumerate
 MAX_SLOWDOWN = 1000.0  # beyond this the planner's ILP coefficients span too many orders of magnitude
@@ -139,9 +140,9 @@ def type_name_problem(name: str) -> str | None:
     outside the profile directory."""
     if not name.strip():
         return "a device type name must not be empty"
-    if name in (".", "..") or any(ch in "/\\" or ord(ch) < 32 or ord(ch) == 127 for ch in name):
-        return f"device type name {name!r} is not a file name (no path separators or control characters)"
-    return None
+    if name in (".", "..") or any(ch in "/\\" for ch in name):
+        return f"device type name {name!r} is not a file name (no path separators)"
+    return text_problem(name)  # from a file the reader said it first; --type NAME on the command line comes here
 
 
 @dataclass(frozen=True)

@@ -58,17 +58,19 @@ class _Fields:
     def bad(self, field: str, message: str) -> None:
         self.problems.append(Problem(self.file, field, message))
 
-    def get_int(self, key: str, default: int | None = None, *, required: bool = False) -> int | None:
-        value = self.data.get(key)
+    def get_int(self, key: str, default: int | None = None, *, required: bool = False,
+                source: dict[str, Any] | None = None, prefix: str = "") -> int | None:
+        value = (self.data if source is None else source).get(key)
         if value is None:
             if required:
-                self.bad(key, "missing required field")
+                self.bad(prefix + key, "missing required field")
             return default
         if not isinstance(value, int) or isinstance(value, bool):
-            self.bad(key, f"expected an integer, got {value!r}")
+            self.bad(prefix + key, f"expected an integer, got {repr(value)[:40]}")
             return default
         if abs(value) > MAX_INT:  # the YAML specs' bound: 10**400 overflowed float division (a traceback)
-            self.bad(key, f"an integer of {len(str(abs(value)))} digits is out of range (at most {MAX_INT:,})")
+            self.bad(prefix + key, f"an integer of {len(str(abs(value)))} digits is out of range (at most "
+                                   f"{MAX_INT:,})")
             return default
         return value
 
@@ -118,16 +120,16 @@ def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
         f.bad(f"{where}.rope_type", f"{kind!r} is not supported (supported: default, llama3)")
         return theta, None
     values: dict[str, Any] = {}
+    before = len(f.problems)
     for key in ("factor", "low_freq_factor", "high_freq_factor"):
         if scaling.get(key) is None:
             f.bad(f"{where}.{key}", "missing required field (rope_type llama3)")
         else:
             values[key] = f.get_float(key, 0.0, scaling, where + ".")
-    orig = scaling.get("original_max_position_embeddings")
-    if not isinstance(orig, int) or isinstance(orig, bool):
-        f.bad(f"{where}.original_max_position_embeddings", f"expected an integer, got {orig!r}")
-    if len(values) < 3 or not isinstance(orig, int):
-        return theta, None
+    # the specs' integer bound too: 10**400 was read, and overflowed RoPE's float arithmetic
+    orig = f.get_int("original_max_position_embeddings", None, required=True, source=scaling, prefix=where + ".")
+    if len(values) < 3 or orig is None or len(f.problems) > before:
+        return theta, None  # a figure already refused: RopeScaling would refuse its stand-in 0 a second time
     try:
         return theta, RopeScaling(values["factor"], values["low_freq_factor"], values["high_freq_factor"], orig)
     except FieldErrors as err:

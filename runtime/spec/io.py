@@ -11,6 +11,7 @@ duplicate keys are an error, JSON's NaN/Infinity are refused).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 from dataclasses import dataclass
@@ -389,6 +390,22 @@ def why_not(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
+def not_replaceable(path: Path) -> str | None:
+    """Why an existing ``path`` must not be replaced by a new file, None if it may (a regular file, a link, or
+    nothing there; a directory is refused on its own). A new file is renamed over its target: ``hspmd plan -o
+    /dev/null`` run as root replaced the device node with the plan (every later write to /dev/null then landed
+    in that file), and a named pipe or socket someone reads from would vanish the same way."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode):
+        return None
+    kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "no regular file")
+    return f"is {kind}, expected a regular file (hspmd writes a new file and renames it over the old one)"
+
+
 def check_output_file(path: str | os.PathLike[str], option: str) -> None:
     """Refuse, before any work, an output file that cannot be written: a directory, a name too long, a
     path whose nearest existing ancestor is a file or not writable. (Mode bits are as the OS reports them:
@@ -403,6 +420,9 @@ def check_output_file(path: str | os.PathLike[str], option: str) -> None:
         raise SpecError([Problem(str(p), option, f"cannot write: {why_not(exc)}")]) from None
     if p.is_dir():
         raise SpecError([Problem(str(p), option, "is a directory, expected a file name")])
+    why = not_replaceable(p)
+    if why is not None:
+        raise SpecError([Problem(str(p), option, why)])
     existing = next(a for a in p.absolute().parents if os.path.lexists(a))
     if not existing.is_dir():
         raise SpecError([Problem(str(p), option, f"cannot write: {existing} is not a directory")])
@@ -424,6 +444,9 @@ class AtomicFiles:
         import tempfile  # here: ~5 ms of start-up that verbs which write nothing need not pay
 
         p = Path(path)
+        why = not_replaceable(p)  # the backstop of check_output_file, for writers that did not call it
+        if why is not None:
+            raise OSError(errno.EINVAL, why, str(p))
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
         self.pending.append((tmp, p))

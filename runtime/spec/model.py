@@ -12,6 +12,17 @@ from typing import Literal
 from runtime.errors import Checker
 
 MAX_LAYERS = 1024  # the planner works per layer; a bound on what a (hostile) file makes it search
+# A norm's epsilon is added to a mean square of order 1: shipped models use 1e-12 (BERT) to 1e-5. Beyond 0.1 it
+# outweighs the activations it normalises (``rms_norm_eps: 1e300`` zeroed every layer's output); below 1e-30 it
+# is zero in fp32 and bf16 arithmetic (a zero row then divides by zero).
+NORM_EPS_RANGE = (1e-30, 0.1)
+# RoPE's base: frequencies theta^(-2i/d) need theta > 1 (at 1 every position rotates alike; below, the
+# frequencies grow with i). Published bases are 1e4 to 3.6e9 (a 1M-context Llama 3); at 1e300 every frequency
+# but the first is below fp32's resolution of a position: no position information at all.
+MAX_ROPE_THETA = 1e12
+# Llama 3.x's RoPE scaling: factor 8 and frequency factors 1 and 4 are published; beyond 1e4 the wavelengths
+# (or the band between the two factors) leave no frequency the model was trained with.
+MAX_ROPE_FACTOR = 1e4
 
 # The Hugging Face ``model_type``s whose decoder the runtime's Llama is: Llama 2/3, Mistral, Qwen2 differ
 # only in figures this spec holds (head_dim, q/k/v bias, tied embeddings, rope scaling).
@@ -36,8 +47,12 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         with Checker() as c:
-            c.check(self.factor >= 1, "factor", f"must be at least 1, got {self.factor}")
-            c.check(self.low_freq_factor > 0, "low_freq_factor", "must be positive")
+            c.check(1 <= self.factor <= MAX_ROPE_FACTOR, "factor",
+                    f"must be in [1, {MAX_ROPE_FACTOR:g}], got {self.factor:g}")
+            c.check(0 < self.low_freq_factor <= MAX_ROPE_FACTOR, "low_freq_factor",
+                    f"must be in (0, {MAX_ROPE_FACTOR:g}], got {self.low_freq_factor:g}")
+            c.check(self.high_freq_factor <= MAX_ROPE_FACTOR, "high_freq_factor",
+                    f"must be at most {MAX_ROPE_FACTOR:g}, got {self.high_freq_factor:g}")
             c.check(self.high_freq_factor > self.low_freq_factor, "high_freq_factor",
                     f"must exceed low_freq_factor {self.low_freq_factor}, got {self.high_freq_factor}")
             c.check(self.original_max_position_embeddings >= 1, "original_max_position_embeddings",
@@ -75,8 +90,11 @@ class ModelSpec:
             c.each(self, ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_heads", "vocab_size",
                           "max_seq_len"), lambda v: v >= 1, "must be at least 1")
             c.check(self.num_layers <= MAX_LAYERS, "num_layers", f"must be at most {MAX_LAYERS}, got {self.num_layers}")
-            c.check(self.rope_theta > 0, "rope_theta", "must be positive")
-            c.check(self.norm_eps > 0, "norm_eps", "must be positive")
+            c.check(1 < self.rope_theta <= MAX_ROPE_THETA, "rope_theta",
+                    f"must be in (1, {MAX_ROPE_THETA:g}] (RoPE's base), got {self.rope_theta:g}")
+            lo, hi = NORM_EPS_RANGE
+            c.check(lo <= self.norm_eps <= hi, "norm_eps",
+                    f"must be in [{lo:g}, {hi:g}] (added to a mean square of order 1), got {self.norm_eps:g}")
             if self.sliding_window is not None:
                 c.check(self.sliding_window >= 1, "sliding_window", f"must be at least 1, got {self.sliding_window}")
             if self.head_dim is None:

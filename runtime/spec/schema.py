@@ -39,13 +39,43 @@ def unit_of(name: str) -> str | None:
     return "s" if name.startswith("seconds") else next((u for end, u in UNITS.items() if name.endswith(end)), None)
 
 
-def figure_problem(name: str, value: float) -> str | None:
-    """What is wrong with ``value`` for a field called ``name`` (its unit read off the name), None if fine."""
+def figure_problem(name: str, value: float, *, floor: bool = True) -> str | None:
+    """What is wrong with ``value`` for a field called ``name`` (its unit read off the name), None if fine.
+    ``floor=False``: no lower bound (a link curve's points, whose class bounds each message's time instead:
+    runtime/profiling/tables.py ``curve_point_problem``; a field says so with ``metadata={"rate_by_size": True}``)."""
     unit = unit_of(name)
     if unit is not None and abs(value) > MAX_FIGURE:
         return f"{value:g} {unit} is beyond any device or measurement (at most {MAX_FIGURE:g} {unit})"
-    if unit not in (None, "s") and 0 < value < MIN_FIGURE:
+    if floor and unit not in (None, "s") and 0 < value < MIN_FIGURE:
         return f"{value:g} {unit} is below any device (at least {MIN_FIGURE:g} {unit})"
+    return None
+
+
+def text_problem(text: str) -> str | None:
+    """What is wrong with a name or text of a spec, None if fine: a control or format character (Unicode
+    categories Cc, Cf, Zl, Zp: NUL, ESC, U+202E RIGHT-TO-LEFT OVERRIDE, the isolates U+2066-U+2069, a zero-width
+    space) is printed in tables and error lines, where it rewrites or reorders what the user reads (a device
+    type "\u202eA800" shows as "008A"), and no name or description needs one."""
+    import unicodedata  # here: most strings are plain ASCII and never need the table
+
+    if text.isascii() and text.isprintable():
+        return None
+    bad = next((ch for ch in text if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp")), None)
+    if bad is None:
+        return None
+    name = unicodedata.name(bad, "a control character")
+    return f"contains U+{ord(bad):04X} ({name}) at {text.index(bad)}: names and text are printed, write them " \
+           "without control or format characters"
+
+
+def number_text_problem(text: str) -> str | None:
+    """What keeps ``text`` from being read as a number where ASCII digits are expected (command-line options,
+    table cells), None if nothing: Python's int() and float() read any script's digits ("\uff11\uff12") and digit
+    groups ("1_0" as 10), which a user who typed them did not mean (YAML files follow YAML 1.1, see README)."""
+    if not text.isascii():
+        return "ASCII digits only"
+    if "_" in text:
+        return "'_' is not a digit (int() would read 1_0 as 10)"
     return None
 
 
@@ -127,6 +157,10 @@ def _build(tp: Any, data: Any, file: str, path: str, problems: list[Problem]) ->
             return float(data)
     elif tp is str:
         if isinstance(data, str):
+            why = text_problem(data)
+            if why is not None:
+                problems.append(Problem(file, path, why))
+                raise _Invalid
             return data
     elif origin is Literal:
         if data in get_args(tp) and type(data) in {type(a) for a in get_args(tp)}:
@@ -208,7 +242,7 @@ def _build_dataclass(cls: Any, data: dict, file: str, path: str, problems: list[
             failed = True
     for name, value in kwargs.items():
         for at, v in _floats(value, join_field(path, name)) if unit_of(name) else ():
-            why = figure_problem(name, v)
+            why = figure_problem(name, v, floor=not fields[name].metadata.get("rate_by_size"))
             if why is not None:
                 problems.append(Problem(file, at, why))
                 failed = True

@@ -79,7 +79,7 @@ def test_sane_figures_at_the_bounds_are_read(tmp_path: Path):
 
 @pytest.mark.parametrize("column,value,says", [
     ("forward_s", "1e25", "1e+25 s is beyond"),
-    ("bandwidth_gbs", "1e-30", "1e-30 GB/s is below"),
+    ("bandwidth_gbs", "1e-30", "1e-30 GB/s takes 4.096e+24 s for a 4,096-byte message"),  # a link curve's point
     ("seconds", "5e8", "s is beyond"),
     ("tp", "\uff11", "expected an integer"),       # full-width 1: int() read it as 1
     ("forward_s", "\u0661.5", "expected a number"),  # Arabic-Indic 1: float() read it as 1.5
