@@ -344,7 +344,8 @@ class SearchStats:
 
 def lazily_sorted(lower: Sequence[float], exact: Callable[[int], float], indices: Iterable[int],
                   skip: Callable[[int], bool] | None = None, middle: Callable[[int], float] | None = None,
-                  first: Callable[[int], float] | None = None) -> Iterator[tuple[float, int]]:
+                  first: Callable[[int], float] | None = None, refine: Callable[[int], float | None] | None = None
+                  ) -> Iterator[tuple[float, int]]:
     """``(exact(i), i)`` for the ``indices`` with a finite exact value, in the order ``sorted`` gives
     (value, then index), computing ``exact(i)`` only when its lower bound ``lower[i]`` comes up: a
     consumer that stops early never pays for the rest. ``skip(i)``, asked then, drops ``i`` unpriced.
@@ -355,7 +356,10 @@ def lazily_sorted(lower: Sequence[float], exact: Callable[[int], float], indices
     value not above the exact one keeps the order: an entry is yielded only once every bound below it
     has been replaced by its exact value. With ``first`` the entries from its value on come up in the
     order they would without it, so ``skip``, ``middle`` and ``exact`` are asked the same things at the
-    same points.)"""
+    same points.) ``refine(i)``: asked each time ``i`` comes up past ``middle`` (``skip`` first, as there):
+    a still tighter lower bound of ``exact(i)`` (a step of its work), or None when there is none left to
+    give, and then ``exact(i)`` follows. A ``skip`` that only ever drops more as the search goes on (one
+    that would drop ``i`` now would drop it later too) drops what it would have dropped without it."""
     start = 0 if first is None else -1
     heap = [(lower[i], i, start) for i in indices if math.isfinite(lower[i])]
     heapq.heapify(heap)
@@ -371,7 +375,8 @@ def lazily_sorted(lower: Sequence[float], exact: Callable[[int], float], indices
         elif level == 0 and middle is not None:
             value, level = middle(i), 1
         else:
-            value, level = exact(i), 2
+            tighter = refine(i) if refine is not None else None
+            value, level = (exact(i), 2) if tighter is None else (tighter, 1)
         if math.isfinite(value):
             heapq.heappush(heap, (value, i, level))
 
@@ -389,8 +394,8 @@ def set_partitions(items: Sequence[str]) -> Iterator[list[tuple[str, ...]]]:
 
 
 def _pareto(view: Callable[[int], BlockCandidate], n: int, lower: Sequence[float], score: Callable[[int], float],
-            keep: int, middle: Callable[[int], float] | None = None, first: Callable[[int], float] | None = None
-            ) -> list[int]:
+            keep: int, middle: Callable[[int], float] | None = None, first: Callable[[int], float] | None = None,
+            refine: Callable[[int], float | None] | None = None) -> list[int]:
     """By score (``score(i)``, best first), the first ``keep`` of ``n`` drafts that no earlier one beats on
     rate, fill-and-drain and score alike. In that order every earlier score is at most a later one's, so
     only rate and fill-and-drain decide, and a draft they rule out when its lower bound ``lower[i]`` comes
@@ -402,7 +407,8 @@ def _pareto(view: Callable[[int], BlockCandidate], n: int, lower: Sequence[float
         c = view(i)
         return any(view(j).rate >= c.rate and view(j).overhead <= c.floor_overhead for j in out)
 
-    for _, i in lazily_sorted(lower, score, range(n), beaten, middle, first):
+    # ``beaten`` only drops more as ``out`` grows and as a draft's floor rises towards its completed value.
+    for _, i in lazily_sorted(lower, score, range(n), beaten, middle, first, refine):
         if beaten(i):
             continue
         out.append(i)
@@ -741,14 +747,15 @@ class Searcher:
         return dataclasses.replace(draft, grad_bytes=grad_bytes, opt_terms=opt_terms, sync_rings=rings[:SYNC_RINGS],
                                    sync_self_s=rings[0][2] if rings else 0.0)
 
-    def with_spare_gains(self, draft: BlockCandidate) -> BlockCandidate:
-        """``draft`` with each class's ``spare_gain`` where it has room and none is priced yet."""
+    def with_spare_gains(self, draft: BlockCandidate, only: int | None = None) -> BlockCandidate:
+        """``draft`` with each class's ``spare_gain`` where it has room and none is priced yet (``only``: that
+        class alone; a class's gain reads nothing of the others')."""
         zd = self.zero_degree(draft.pipelines)
         classes = []
         late = any(c.spare_s is None and c.spare_room for c in draft.classes) and \
             self.out_of_time("raised activation limits")   # past the limit: ranked without them
-        for c in draft.classes:
-            if c.spare_s is None and c.spare_room and not late:
+        for j, c in enumerate(draft.classes):
+            if c.spare_s is None and c.spare_room and not late and only in (None, j):
                 m = c.spare_count
                 c = dataclasses.replace(c, spare_s=self.spare_gain(draft.layouts[c.members[0]], zd, c.split,
                                                                    c.schedule, m, c.option().time(m)))
@@ -1183,6 +1190,7 @@ class Searcher:
         built: dict[int, BlockCandidate | None] = {}
         done: dict[int, BlockCandidate] = {}
         synced: dict[int, BlockCandidate] = {}
+        partial: dict[int, BlockCandidate] = {}   # drafts with some classes' spare gains priced (``step``)
         lazy = any(isinstance(x, BlockJob) for x in found)
         any_built = [False]
 
@@ -1209,11 +1217,27 @@ class Searcher:
 
         def full(i: int) -> BlockCandidate:
             if i not in done:
-                done[i] = self.with_spare_gains(sync_view(i))
+                done[i] = self.with_spare_gains(partial.pop(i, None) or sync_view(i))
             return done[i]
 
         def view(i: int) -> BlockCandidate:
-            return done.get(i) or built_draft(i)
+            return done.get(i) or partial.get(i) or built_draft(i)
+
+        def step(i: int) -> BlockCandidate | None:
+            """The draft with one more class's spare gain priced (None when at most one is left: the score's
+            own work), so that a draft whose classes are priced one at a time can fall out of the ranking
+            before it plays them all. Which class first: the one whose floor is furthest below its option
+            at the draft's rate (``floor_overhead``'s term), the likeliest to lift the bound."""
+            if i in done:
+                return None
+            d = partial.get(i) or sync_view(i)
+            todo = [j for j, c in enumerate(d.classes) if c.spare_s is None and c.spare_room]
+            if len(todo) < 2 or time.perf_counter() > self.deadline:
+                return None   # (past the limit ``full`` decides, and records the cut, as before)
+            j = max(todo, key=lambda j: (len(d.classes[j].members) * (d.classes[j].option().fixed_s
+                                          - d.classes[j].floor_option().fixed_s) / d.classes[j].split.max_s, -j))
+            partial[i] = self.with_spare_gains(d, only=j)
+            return partial[i]
 
         out: list[BlockCandidate] = []
         shares = (share, 1.0) if share < 0.999 else (1.0,)
@@ -1233,17 +1257,28 @@ class Searcher:
                 return self._span_alone(full(i), sh) + self.overheads([full(i)])
 
             def middle(i: int, sh: float = sh) -> float:   # the overheads are the score's; the floor span below its
-                return self._span_alone(sync_view(i), sh, floor=True) + self.overheads([sync_view(i)])
+                d = partial.get(i) or sync_view(i)
+                return self._span_alone(d, sh, floor=True) + self.overheads([d])
+
+            def refine(i: int, sh: float = sh) -> float | None:
+                # ``middle`` with one more class priced: a priced class's floor is its option, at or above its
+                # floor before, and the greedy makespan only grows with a class's fixed time; the overheads
+                # are the score's (the spare gains change none of their terms). The margin: an unpriced
+                # class's floor (from the bound) and its option (from the played time) are rounded apart, and
+                # a bound an ulp above the score could reorder ties.
+                d = step(i)
+                return None if d is None else \
+                    (self._span_alone(d, sh, floor=True) + self.overheads([d])) * (1 - BOUND_ROUNDING) - 1e-12
 
             kept = [full(i) for i in _pareto(view, len(found), lower, score, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2,
-                                             middle, first)]
+                                             middle, first, refine)]
             # ... and the best with identical pipelines (their gradient sync has no chains of waits, which
             # the closed form does not price: see api.simulator_check), in each placement: where the
             # pipelines' stages sit decides between boundary and sync costs, which the ranking prices apart.
             for place in PLACEMENTS:
                 aligned = [i for i, c in enumerate(found) if c.aligned and c.placement == place]
                 kept += [full(i) for _, i in itertools.islice(lazily_sorted(lower, score, aligned, middle=middle,
-                                                                            first=first), 1)]
+                                                                            first=first, refine=refine), 1)]
             for c in kept:
                 if all(c is not o for o in out):
                     out.append(c)
