@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from runtime.errors import HspmdError, Problem, SpecError
-from runtime.spec.schema import MAX_FLOAT, number_text_problem
+from runtime.spec.schema import MAX_FLOAT, UNPRINTABLE_CATEGORIES, number_text_problem
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -116,7 +116,7 @@ def printable(text: str) -> str:
         return text
     import unicodedata
 
-    return "".join(ch if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cf", "Zl", "Zp")
+    return "".join(ch if ch in "\n\t" or unicodedata.category(ch) not in UNPRINTABLE_CATEGORIES
                    else ascii(ch)[1:-1] for ch in text)
 
 

@@ -51,6 +51,12 @@ def figure_problem(name: str, value: float, *, floor: bool = True) -> str | None
     return None
 
 
+# Unicode categories that rewrite or reorder what a terminal shows: control (NUL, ESC, C1's CSI), format (the
+# bidirectional overrides and isolates, zero-width characters), line and paragraph separators. The spec reader
+# refuses them in names (``text_problem``); the CLI escapes them in whatever it prints (hetu_cli ``printable``).
+UNPRINTABLE_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")
+
+
 def text_problem(text: str) -> str | None:
     """What is wrong with a name or text of a spec, None if fine: a control or format character (Unicode
     categories Cc, Cf, Zl, Zp: NUL, ESC, U+202E RIGHT-TO-LEFT OVERRIDE, the isolates U+2066-U+2069, a zero-width
@@ -60,7 +66,7 @@ def text_problem(text: str) -> str | None:
 
     if text.isascii() and text.isprintable():
         return None
-    bad = next((ch for ch in text if unicodedata.category(ch) in ("Cc", "Cf", "Zl", "Zp")), None)
+    bad = next((ch for ch in text if unicodedata.category(ch) in UNPRINTABLE_CATEGORIES), None)
     if bad is None:
         return None
     name = unicodedata.name(bad, "a control character")
