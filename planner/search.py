@@ -1265,10 +1265,8 @@ class Searcher:
                 # floor before, and the greedy makespan only grows with a class's fixed time; the overheads
                 # are the score's (the spare gains change none of their terms). The margin: an unpriced
                 # class's floor (from the bound) and its option (from the played time) are rounded apart, and
-                # a bound an ulp above the score could reorder ties.
-                d = step(i)
-                return None if d is None else \
-                    (self._span_alone(d, sh, floor=True) + self.overheads([d])) * (1 - BOUND_ROUNDING) - 1e-12
+                # a bound an ulp above the score could reorder ties. (``middle`` reads the draft ``step`` priced.)
+                return None if step(i) is None else middle(i, sh) * (1 - BOUND_ROUNDING) - 1e-12
 
             kept = [full(i) for i in _pareto(view, len(found), lower, score, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2,
                                              middle, first, refine)]
