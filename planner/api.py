@@ -264,10 +264,11 @@ def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], setti
     (``aligned``) and those of ``also`` (the baselines) still among the ranked; rank those by the worse of
     estimate and simulation, ahead of the rest.
 
-    The closed-form estimate prices each device's gradient-sync groups back to back; the runtime (and the
-    simulator) runs the groups in one global order, each waiting for its slowest member, so plans whose
-    pipelines split the layers differently can wait far longer than estimated. Ranking by the worse of
-    the two keeps the planner from choosing a plan for a gap in the closed form.
+    The closed-form estimate prices the gradient sync's groups as the runtime runs them (one global order,
+    each a rendezvous of its members: ``CostModel.grad_sync_time``) but starts them all after the slowest
+    pipeline; the simulator starts each device's groups when its own stage is done, plays the pipelines'
+    transfers op by op and its shared cores, so the two still differ. Ranking by the worse of the two keeps
+    the planner from choosing a plan for a gap in the closed form.
 
     Only what can still win is played out: the picks go in order of their estimates against the best
     checked time so far, and one whose estimate is above it (its checked time is at least its estimate)

@@ -6,13 +6,14 @@ both."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.errors import Problem, SpecError
 from runtime.spec.cluster import Cluster
 from runtime.spec.hf import config_file, is_hf_config, load_hf_model
-from runtime.spec.io import atomic_write_text, dump_yaml, is_file, load_file
+from runtime.spec.io import atomic_write_text, dump_yaml, is_dir, is_file, load_file
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import PLAN_VERSION, Plan, Strategy
 from runtime.spec.schema import to_data
@@ -42,6 +43,31 @@ def _path_ref(ref: str, kind: str, relative_to: Path | None) -> Path | None:
             c = config_file(c)  # a Hugging Face model directory stands for its config.json
         if is_file(c):
             return c
+    return None
+
+
+def unusable_path(ref: str, kind: str, relative_to: Path | None = None) -> str | None:
+    """Why a reference that names something on disk still names no spec file (a directory without a
+    config.json, a config.json that is a directory, a device or pipe), or None when nothing is there: the
+    error then says that, not "unknown"."""
+    if not ref.strip():
+        return None
+    candidates = [Path(ref)] if relative_to is None or Path(ref).is_absolute() else [relative_to / ref, Path(ref)]
+    for c in candidates:
+        try:
+            if not os.path.lexists(c):
+                continue
+        except (OSError, ValueError):
+            continue
+        if is_dir(c):
+            if kind != "models":
+                return f"{str(c)!r} is a directory, not a YAML file"
+            inner = config_file(c)
+            if os.path.lexists(inner) and not is_file(inner):
+                return f"{str(inner)!r} is not a regular file"
+            return f"{str(c)!r} is a directory without a {inner.name}"
+        if not is_file(c):
+            return f"{str(c)!r} is not a regular file (or cannot be read)"
     return None
 
 
@@ -82,6 +108,9 @@ def resolve_profile_ref(ref: str, relative_to: Path | None = None) -> Path | Non
 def load_model(ref: str, *, relative_to: Path | None = None, file: str = "", field: str = "model") -> ModelSpec:
     path = resolve_ref(ref, "models", relative_to)
     if path is None:
+        why = unusable_path(ref, "models", relative_to)
+        if why is not None:
+            raise SpecError([Problem(file, field, f"model {ref!r}: {why}")])
         raise SpecError([Problem(file, field, f"unknown model {ref!r} (catalog: "
                                  f"{', '.join(catalog_names('models'))}; or a path to a YAML file, a Hugging "
                                  "Face config.json or its directory)")])
@@ -98,6 +127,9 @@ def load_cluster(ref: str, *, relative_to: Path | None = None, file: str = "",
                  field: str = "cluster") -> Cluster:
     path = resolve_ref(ref, "clusters", relative_to)
     if path is None:
+        why = unusable_path(ref, "clusters", relative_to)
+        if why is not None:
+            raise SpecError([Problem(file, field, f"cluster {ref!r}: {why}")])
         raise SpecError([Problem(file, field, f"unknown cluster {ref!r} (catalog: "
                                  f"{', '.join(catalog_names('clusters'))}; or a path to a YAML file)")])
     cluster = load_file(Cluster, path)

@@ -288,3 +288,29 @@ def test_an_empty_model_reference_names_nothing(ref: str, tmp_path: Path):
     plan.write_text(TINY_PLAN.read_text().replace("model: llama-tiny", f'model: "{ref}"'))
     line = one_error(CliRunner().invoke(cli, ["validate", str(plan)]))
     assert f"{plan}: model: unknown model {ref!r}" in line, line
+
+
+@pytest.mark.parametrize("shape", ["dir-without-config", "config-is-a-dir", "device"])
+def test_a_model_path_that_names_no_file_says_what_it_names(tmp_path: Path, shape: str) -> None:
+    """A model path that exists but is no spec file: the reason, not "unknown model" (it had listed the
+    catalog as if the name were a typo)."""
+    from runtime.errors import SpecError
+
+    ref = {"dir-without-config": tmp_path, "config-is-a-dir": tmp_path, "device": Path("/dev/null")}[shape]
+    if shape == "config-is-a-dir":
+        (tmp_path / "config.json").mkdir()
+    with pytest.raises(SpecError) as err:
+        load_model(str(ref))
+    msg = str(err.value)
+    assert "unknown model" not in msg
+    assert {"dir-without-config": "is a directory without a config.json",
+            "config-is-a-dir": "config.json' is not a regular file",
+            "device": "is not a regular file"}[shape] in msg
+
+
+def test_a_cluster_path_that_is_a_directory_says_so(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["plan", "--model", "llama-tiny", "--cluster", str(tmp_path), "--global-batch",
+                                      "8", "--seq-len", "64", "-o", str(tmp_path / "p.yaml")])
+    assert result.exit_code == 2
+    assert "is a directory, not a YAML file" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "p.yaml").exists()

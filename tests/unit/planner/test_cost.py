@@ -213,6 +213,25 @@ def test_split_allreduce_lcm_slices():
     times = cm.grad_sync_times(s)
     assert times[0] == pytest.approx(ring(g02.numel) + norms) and times[1] == pytest.approx(ring(g12.numel) + norms)
     assert times[2] == pytest.approx(ring(g02.numel) + ring(g12.numel) + norms)
+    # The span, as the runtime runs the groups (one global order, each a rendezvous): device 2's two rings
+    # then the norms, here also the busiest device's sum.
+    assert cm.grad_sync_time(s) == pytest.approx(times[2])
+
+
+def test_grad_sync_span_waits_for_peers_held_up_elsewhere():
+    """A TP-2 stage against two TP-1 stages: the groups (0,2) (0,3) (1,2) (1,3) then the norms (0,1,2)
+    (0,1,3), in the runtime's order. (1,2) waits for device 2's first ring and (1,3) for both, so the norms
+    start after three rings, where each device's own groups take two rings and the norms."""
+    cm = cm_for(hand_set(latency=0.001))
+    s = Strategy("chain", (Pipeline(6, (Stage((0, 1), (0, 6)),)),
+                           Pipeline(2, (Stage((2,), (0, 3)), Stage((3,), (3, 6))))))
+    plan, secs = cm.sync_plan(s), cm.sync_times(s)
+    assert [g.devices for g in plan] == [(0, 2), (0, 3), (1, 2), (1, 3), (0, 1, 2), (0, 1, 3)]
+    ring, norms = secs[0], secs[4] + secs[5]
+    assert secs[:4] == pytest.approx([ring] * 4)
+    assert cm.grad_sync_time(s) == pytest.approx(3 * ring + norms)
+    assert max(cm.grad_sync_times(s).values()) == pytest.approx(2 * ring + norms)
+    assert cm.estimate(s, global_batch=8).grad_sync_s == pytest.approx(3 * ring + norms)
 
 
 # -- whole strategy --------------------------------------------------------------------------------
