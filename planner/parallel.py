@@ -1,5 +1,5 @@
-"""Independent planner work (the searches per schedule family, the simulator's check of the finalists) spread
-over worker processes, with the results in the order of the inputs.
+"""Independent planner work (the searches per schedule family, cut into parts; the simulator's check of the
+finalists) spread over worker processes, with the results in the order of the inputs.
 
 The planner is pure Python and CPU-bound, so threads would not help; processes do, on a multi-core planning
 host. Every task is a deterministic function of its arguments, so the answer is the same with any number of

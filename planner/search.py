@@ -65,7 +65,7 @@ from typing import Literal, TypeVar
 from planner.cost import CostModel, StrategyEstimate, memo, zero_degree
 from planner.layer_split import LayerSplit, SlotCost, refine_split, slot_costs, split_fast, split_ilp
 from planner.microbatch import Allocation, PipelineClass, TimeOption, allocate_greedy, allocate_ilp
-from planner.parallel import ordered_map, worker_count
+from planner.parallel import Tasks, worker_count
 from planner.pipelines import (
     ORDERS,
     PLACEMENTS,
@@ -341,6 +341,16 @@ class SearchStats:
         if phase not in self.cut_short:
             self.cut_short.append(phase)
 
+    def add(self, other: SearchStats) -> None:
+        """Count ``other``'s work in (another search, or a part of one run in a worker process)."""
+        self.block_evaluations += other.block_evaluations
+        self.combinations += other.combinations
+        self.finalists += other.finalists
+        self.ilps += other.ilps
+        self.truncated |= other.truncated
+        self.notes.extend(other.notes)
+        self.cut_short.extend(p for p in other.cut_short if p not in self.cut_short)
+
 
 def lazily_sorted(lower: Sequence[float], exact: Callable[[int], float], indices: Iterable[int],
                   skip: Callable[[int], bool] | None = None, middle: Callable[[int], float] | None = None,
@@ -415,6 +425,39 @@ def _pareto(view: Callable[[int], BlockCandidate], n: int, lower: Sequence[float
         if len(out) >= keep:
             break
     return out
+
+
+@dataclass(frozen=True)
+class MixedInputs:
+    """What the mixed blocks need of the single-type phase (``Searcher.start``): small, so that a worker
+    process gets it with each subset of types (``search``'s parallel path)."""
+
+    top_choice: Mapping[str, tuple[TypeChoice, ...]]   # per type, its TP choices best first (``_top_choices``)
+    alone: frozenset[str]   # the types with a kept single-type block
+    best_rate: Mapping[str, float]   # per type, its best single-type block's throughput
+    total_rate: float
+
+
+@dataclass(frozen=True)
+class SearchStart:
+    """``Searcher.start``'s result: the types searched, their kept single-type blocks, the mixed blocks' inputs."""
+
+    types: tuple[str, ...]
+    singles: Mapping[frozenset[str], list[BlockCandidate]]
+    mixed: MixedInputs
+
+
+def mixed_chunks(types: Sequence[str]) -> list[tuple[tuple[str, ...], ...]]:
+    """``mixed_subsets`` cut into the tasks of ``search``'s parallel path: every pair together, each larger
+    subset alone."""
+    subsets = mixed_subsets(types)
+    pairs = tuple(s for s in subsets if len(s) == 2)
+    return ([pairs] if pairs else []) + [(s,) for s in subsets if len(s) > 2]
+
+
+def mixed_subsets(types: Sequence[str]) -> list[tuple[str, ...]]:
+    """The subsets of >= 2 types that form mixed blocks, in the search's order."""
+    return [s for r in range(2, len(types) + 1) for s in itertools.combinations(types, r)]
 
 
 # The ``Searcher`` caches whose values depend only on the cost model, the settings and the devices (not on
@@ -913,15 +956,35 @@ class Searcher:
     # -- the whole search ----------------------------------------------------------------------------
 
     def run(self) -> list[Candidate]:
-        """The phases of the module docstring, each on what the one before kept."""
+        """The phases of the module docstring, each on what the one before kept (``search``'s parallel path
+        runs the same three parts, ``start``, ``mixed_block`` per subset of types and ``finish``, as tasks)."""
+        start = self.start()
+        subsets = mixed_subsets(start.types)
+        mixed: dict[frozenset[str], list[BlockCandidate]] = {}
+        for done, subset in enumerate(subsets):
+            self._report("pipelines (mixed types)", done, len(subsets))
+            mixed[frozenset(subset)] = self.mixed_block(start.mixed, subset,
+                                                        bool(start.mixed.alone) or any(mixed.values()))
+        self._report("pipelines (mixed types)", len(subsets), len(subsets))
+        return self.finish(start, mixed)
+
+    def start(self) -> SearchStart:
+        """Phase 1 and phase 2's single-type blocks: what the mixed blocks and ``finish`` build on."""
         choices = tp_choices(self.cluster, self.model, self.devices)
-        types = [t for t, tps in choices.items() if tps]
+        types = tuple(t for t, tps in choices.items() if tps)
         single = self._single_type_blocks(choices, types)
         # Share of the batch a block of these types would get, from the single-type throughputs.
         best_rate = {t: max((c.rate for c in single[t]), default=0.0) for t in types}
         total_rate = sum(best_rate.values()) or 1.0
         blocks = {frozenset([t]): self._keep(single[t], best_rate[t] / total_rate) for t in types}
-        blocks.update(self._mixed_blocks(choices, types, blocks, best_rate, total_rate))
+        mixed = MixedInputs(self._top_choices(choices, types, blocks),
+                            frozenset(t for t in types if blocks[frozenset([t])]), best_rate, total_rate)
+        return SearchStart(types, blocks, mixed)
+
+    def finish(self, start: SearchStart, mixed: Mapping[frozenset[str], list[BlockCandidate]]) -> list[Candidate]:
+        """Phases 3-5 on the kept blocks, single-type and mixed."""
+        types = start.types
+        blocks = {**start.singles, **mixed}
         realized = self._realize_best(types, self.combine(types, blocks))
         exact = self._price_best(realized)
         if not exact and realized:
@@ -1072,10 +1135,10 @@ class Searcher:
         return single
 
     def _top_choices(self, choices: Mapping[str, Sequence[int]], types: Sequence[str],
-                     blocks: Mapping[frozenset[str], list[BlockCandidate]]) -> dict[str, list[TypeChoice]]:
+                     blocks: Mapping[frozenset[str], list[BlockCandidate]]) -> dict[str, tuple[TypeChoice, ...]]:
         """Per type, the TP choices of its best own pipelines, then every degree by time per layer (a type
         that cannot hold the model alone, small memory, tries them all)."""
-        top: dict[str, list[TypeChoice]] = {}
+        top: dict[str, tuple[TypeChoice, ...]] = {}
         for t in types:
             seen: list[TypeChoice] = []
             for c in blocks[frozenset([t])]:
@@ -1085,42 +1148,34 @@ class Searcher:
             for tp in by_eff:
                 if TypeChoice(t, tp) not in seen:
                     seen.append(TypeChoice(t, tp))
-            top[t] = seen
+            top[t] = tuple(seen)
         return top
 
-    def _mixed_blocks(self, choices: Mapping[str, Sequence[int]], types: Sequence[str],
-                      blocks: Mapping[frozenset[str], list[BlockCandidate]], best_rate: Mapping[str, float],
-                      total_rate: float) -> dict[frozenset[str], list[BlockCandidate]]:
-        """Phase 2 for mixed blocks: the best TP choices per type, every subset of >= 2 types, every stage
-        order; each subset's kept candidates (for its expected share of the batch)."""
-        top_choice = self._top_choices(choices, types, blocks)
-        subsets = [s for r in range(2, len(types) + 1) for s in itertools.combinations(types, r)]
-        mixed: dict[frozenset[str], list[BlockCandidate]] = {}
-        for done, subset in enumerate(subsets):
-            self._report("pipelines (mixed types)", done, len(subsets))
-            if (any(blocks.values()) or any(mixed.values())) and self.out_of_time("mixed-type pipelines"):
-                break
-            found: list[BlockJob] = []   # built only where ``_keep`` looks at them
-            share = sum(best_rate[t] for t in subset) / total_rate
-            width = TYPE_CHOICES_MULTI[min(len(subset), 4) - 2]
-            lists = [top_choice[t][:width] if blocks[frozenset([t])] else top_choice[t] for t in subset]
-            for combo in itertools.product(*lists):
-                if found and self.out_of_time("mixed-type pipelines"):
-                    break   # the subset's blocks so far are kept
-                gs = self.groups(tuple(combo))
-                total = sum(len(v) for v in gs.values())
-                # Uneven shares only with each type's leading TP choices (they multiply the work).
-                uneven = all(c in top_choice[t][:UNEVEN_CHOICES] for t, c in zip(subset, combo))
-                for p in self.pipeline_counts(total):
-                    for sh in (self.share_options(gs, p) if uneven else [None]):
-                        for order in ORDERS:
-                            for place in self.placements(p):
-                                job = self.block_job(tuple(combo), p, order, None, place, sh)
-                                if job is not None:
-                                    found.append(job)
-            mixed[frozenset(subset)] = self._keep(found, share)
-        self._report("pipelines (mixed types)", len(subsets), len(subsets))
-        return mixed
+    def mixed_block(self, inputs: MixedInputs, subset: Sequence[str], have_blocks: bool) -> list[BlockCandidate]:
+        """Phase 2 for one subset of >= 2 types: the best TP choices per type, every stage order; the kept
+        candidates (for the subset's expected share of the batch). ``have_blocks``: some block is kept
+        already, so past the time limit this subset is skipped (``[]``)."""
+        if have_blocks and self.out_of_time("mixed-type pipelines"):
+            return []
+        found: list[BlockJob] = []   # built only where ``_keep`` looks at them
+        share = sum(inputs.best_rate[t] for t in subset) / inputs.total_rate
+        width = TYPE_CHOICES_MULTI[min(len(subset), 4) - 2]
+        lists = [inputs.top_choice[t][:width] if t in inputs.alone else inputs.top_choice[t] for t in subset]
+        for combo in itertools.product(*lists):
+            if found and self.out_of_time("mixed-type pipelines"):
+                break   # the subset's blocks so far are kept
+            gs = self.groups(tuple(combo))
+            total = sum(len(v) for v in gs.values())
+            # Uneven shares only with each type's leading TP choices (they multiply the work).
+            uneven = all(c in inputs.top_choice[t][:UNEVEN_CHOICES] for t, c in zip(subset, combo))
+            for p in self.pipeline_counts(total):
+                for sh in (self.share_options(gs, p) if uneven else [None]):
+                    for order in ORDERS:
+                        for place in self.placements(p):
+                            job = self.block_job(tuple(combo), p, order, None, place, sh)
+                            if job is not None:
+                                found.append(job)
+        return self._keep(found, share)
 
     @staticmethod
     def _with_each_type(kept: list[_T], ranked: Sequence[_T], types: Sequence[str],
@@ -1540,8 +1595,9 @@ def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterab
     """Run the search at every micro-batch size in ``cms``; candidates ranked best first, distinct.
 
     ``workers`` > 1 (None: every core) runs the searches (one per micro-batch size and ``auto_families``
-    entry) in worker processes (planner/parallel.py): the same candidates, in the same order, but the
-    searches of one size no longer share ``SHARED_CACHES`` and ``progress`` hears only the phases after them."""
+    entry) in worker processes (planner/parallel.py), each cut into tasks (``_parallel_runs``): the same
+    candidates, in the same order, but the tasks no longer share caches and ``progress`` hears only the
+    phases after them."""
     start = time.perf_counter()
     deadline = start + settings.time_limit_s
     devices = tuple(sorted(devices))
@@ -1549,8 +1605,7 @@ def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterab
     found: list[Candidate] = []
     runs = [(b, family) for b in sorted(cms) for family in auto_families(settings)]
     if worker_count(workers, len(runs)) > 1:
-        outcomes = ordered_map(run_search, [(cms[b], settings, devices, deadline - time.perf_counter(), family)
-                                            for b, family in runs], workers)
+        outcomes = _parallel_runs([(cms[b], family) for b, family in runs], settings, devices, deadline, workers)
     else:
         outcomes, shared_by = [], {}
         for b, family in runs:
@@ -1565,13 +1620,7 @@ def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterab
             outcomes.append((s.run(), s.stats))
     for cands, st in outcomes:
         found.extend(cands)
-        stats.block_evaluations += st.block_evaluations
-        stats.combinations += st.combinations
-        stats.finalists += st.finalists
-        stats.ilps += st.ilps
-        stats.truncated |= st.truncated
-        stats.notes.extend(st.notes)
-        stats.cut_short.extend(p for p in st.cut_short if p not in stats.cut_short)
+        stats.add(st)
     ranked = rank(found)
     # The best few: their raised activation limits lowered per stage where that is faster (the search's
     # candidates get them raised all the way: pricing lower ones for all would double its time).
@@ -1585,11 +1634,67 @@ def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterab
     return rank(top + ranked[LIMITS_REFINED:]), stats
 
 
-def run_search(cm: CostModel, settings: PlanSettings, devices: tuple[int, ...], seconds: float,
-               family: tuple[ScheduleChoice, ...] | None) -> tuple[list[Candidate], SearchStats]:
-    """One ``Searcher`` run with ``seconds`` to go, in a worker process (``search``'s parallel path)."""
-    s = Searcher(cm, settings, devices, time.perf_counter() + seconds, None, family)
-    return s.run(), s.stats
+def _parallel_runs(runs: Sequence[tuple[CostModel, tuple[ScheduleChoice, ...] | None]], settings: PlanSettings,
+                   devices: tuple[int, ...], deadline: float, workers: int | None
+                   ) -> list[tuple[list[Candidate], SearchStats]]:
+    """``Searcher.run`` of each run, cut into tasks over ``workers`` processes: every run's ``start``, then its
+    ``mixed_chunks`` (``mixed_block`` of each subset of types in the chunk), the chunks of most types first,
+    then each run's ``finish``. Why: with a task per run, the ZB-H1 search alone (73% of the work at 1024
+    GPUs) was the wall time. The same candidates as the serial runs: each part is a function of its
+    arguments, and the caches it fills (per process now) are exact. Past the time limit a task skips its
+    subsets, as the serial loop does, but it cannot know whether another task kept a block."""
+    # perf_counter is per process: tasks get the limit as an absolute wall-clock time, read when they start.
+    wall_deadline = time.time() + (deadline - time.perf_counter())
+    with Tasks(workers, 1 << 30) as tasks:   # (as many workers as asked: the chunks are many)
+        pending = [tasks.submit(_start_task, cm, settings, devices, wall_deadline, family) for cm, family in runs]
+        starts = [collect() for collect in pending]
+        # A task per subset of three or more types; a run's pairs together, one task each run: they share
+        # their kinds, so the cost model's caches that one pair fills (stage memory, slots) serve the next.
+        jobs = sorted(((ri, chunk) for ri, (start, _) in enumerate(starts) for chunk in mixed_chunks(start.types)),
+                      key=lambda job: -sum(len(s) for s in job[1]))   # stable: ties keep the runs' order
+        mixed = {job: tasks.submit(_mixed_task, runs[job[0]][0], settings, devices, wall_deadline, runs[job[0]][1],
+                                   starts[job[0]][0].mixed, job[1]) for job in jobs}
+        finishing = []
+        for ri, ((cm, family), (start, stats)) in enumerate(zip(runs, starts)):
+            done = {}
+            for chunk in mixed_chunks(start.types):
+                found, st = mixed[ri, chunk]()
+                done.update(zip(chunk, found))
+                stats.add(st)
+            kept = {frozenset(subset): done[subset] for subset in mixed_subsets(start.types)}
+            finishing.append((stats, tasks.submit(_finish_task, cm, settings, devices, wall_deadline, family,
+                                                  start, kept)))
+        out = []
+        for stats, collect in finishing:
+            cands, st = collect()
+            stats.add(st)
+            out.append((cands, stats))
+        return out
+
+
+def _searcher(cm: CostModel, settings: PlanSettings, devices: tuple[int, ...], wall_deadline: float,
+              family: tuple[ScheduleChoice, ...] | None) -> Searcher:
+    return Searcher(cm, settings, devices, time.perf_counter() + (wall_deadline - time.time()), None, family)
+
+
+def _start_task(cm: CostModel, settings: PlanSettings, devices: tuple[int, ...], wall_deadline: float,
+                family: tuple[ScheduleChoice, ...] | None) -> tuple[SearchStart, SearchStats]:
+    s = _searcher(cm, settings, devices, wall_deadline, family)
+    return s.start(), s.stats
+
+
+def _mixed_task(cm: CostModel, settings: PlanSettings, devices: tuple[int, ...], wall_deadline: float,
+                family: tuple[ScheduleChoice, ...] | None, inputs: MixedInputs, subsets: tuple[tuple[str, ...], ...]
+                ) -> tuple[list[list[BlockCandidate]], SearchStats]:
+    s = _searcher(cm, settings, devices, wall_deadline, family)
+    return [s.mixed_block(inputs, subset, bool(inputs.alone)) for subset in subsets], s.stats
+
+
+def _finish_task(cm: CostModel, settings: PlanSettings, devices: tuple[int, ...], wall_deadline: float,
+                 family: tuple[ScheduleChoice, ...] | None, start: SearchStart,
+                 mixed: Mapping[frozenset[str], list[BlockCandidate]]) -> tuple[list[Candidate], SearchStats]:
+    s = _searcher(cm, settings, devices, wall_deadline, family)
+    return s.finish(start, mixed), s.stats
 
 
 LIMITS_REFINED = 3   # best candidates whose activation limits ``refined_limits`` refines

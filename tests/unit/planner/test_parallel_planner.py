@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from planner.api import PlanResult, plan, simulator_check
 from planner.cost import CostModel
 from planner.parallel import Tasks, ordered_map, worker_count
-from planner.search import PlanSettings
+from planner.search import PlanSettings, SearchStats, mixed_chunks, mixed_subsets
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import load_cluster, load_model
 
@@ -40,6 +40,23 @@ def test_serial_tasks_run_when_collected() -> None:
         for collect in reversed(pending):
             collect()
     assert ran == [2, 1, 0]
+
+
+@given(n=st.integers(0, 6))
+def test_mixed_chunks_cover_every_subset_once(n: int) -> None:
+    """The parallel path's tasks search each mixed subset exactly once: pairs in one chunk, the rest alone."""
+    types = [f"t{i}" for i in range(n)]
+    chunks = mixed_chunks(types)
+    flat = [s for c in chunks for s in c]
+    assert sorted(flat) == sorted(mixed_subsets(types))
+    assert len(flat) == len(set(flat)) == 2 ** n - n - 1
+    assert all(len(c) == 1 or {len(s) for s in c} == {2} for c in chunks)
+
+
+def test_search_stats_add_counts_both_and_keeps_phases_once() -> None:
+    a = SearchStats(1, 2, 3, 4, False, ["x"], ["single-type pipelines"])
+    a.add(SearchStats(10, 20, 30, 40, True, ["y"], ["single-type pipelines", "simulator check"]))
+    assert a == SearchStats(11, 22, 33, 44, True, ["x", "y"], ["single-type pipelines", "simulator check"])
 
 
 def test_worker_count() -> None:
