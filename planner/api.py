@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from planner.baselines import Baseline, LowerBound, best_symmetric, best_symmetric_subset, lower_bound
 from planner.cost import GIB, CostModel, has_tp_stage, zero_degree, zero_fields
 from planner.layer_split import feasible, slot_costs
-from planner.parallel import Tasks, ordered_map, worker_count
+from planner.parallel import Tasks, worker_count
 from planner.schedule_choice import schedule_choices, stage_layer_ranges
 from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, SearchStats, describe, rank, search
 from planner.simulate import simulated_step_time
@@ -275,10 +275,11 @@ def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], setti
     or whose simulation passes it (``simulated_step_time``'s ``cutoff``: the simulator stops there) cannot
     be the best, so it stays unchecked among the rest. The best plan is the one checking them all would
     pick (tested); the unchecked lose their simulated time in the listing. ``workers``: processes for the
-    simulations (planner/parallel.py), which then play every pick to the end, the same ones kept.
+    simulations (planner/parallel.py), played in waves of one pick per worker, the same ones kept (before,
+    every pick was played to the end: at 1024 GPUs 13 simulations where one decides).
 
-    ``deadline`` (``time.perf_counter``): in one process, no simulation starts after it (those left keep the
-    estimate alone; ``stats`` records the cut); with workers every simulation runs."""
+    ``deadline`` (``time.perf_counter``): no wave starts after it (those left keep the estimate alone;
+    ``stats`` records the cut)."""
     n = settings.simulate_top
     pick = list(ranked[:n])
     extra = [c for c in ranked if aligned(c.strategy)][:ALIGNED_CHECKED]
@@ -288,22 +289,31 @@ def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], setti
             pick.append(c)
     calls = [(cms[c.micro_batch], c.strategy, settings.default_schedule, settings.zero) for c in pick]
     order = sorted(range(len(pick)), key=lambda i: pick[i].step_time_s)   # stable: ties keep the pick order
-    parallel = worker_count(workers, len(calls)) > 1
-    played = ordered_map(simulated_step_time, [calls[i] for i in order], workers) if parallel else []
     sims: dict[int, float] = {}
     best = math.inf
-    for j, i in enumerate(order):
-        if pick[i].step_time_s > best:
-            break   # this estimate and every later one: above the best checked time
-        if not parallel and time.perf_counter() > deadline:
-            if stats is not None:
-                stats.cut("simulator check")
-            break
-        sim = played[j] if parallel else simulated_step_time(*calls[i], cutoff=best)
-        if sim > best:
-            continue   # its checked time passes the best one's
-        sims[i] = sim
-        best = min(best, max(pick[i].step_time_s, sim))
+    with Tasks(workers, len(calls)) as tasks:
+        j = 0
+        while j < len(order) and pick[order[j]].step_time_s <= best:
+            if time.perf_counter() > deadline:
+                if stats is not None:
+                    stats.cut("simulator check")
+                break
+            # A wave: the next picks, one per worker, played side by side with the best checked time so far as
+            # their cutoff (one at a time in one process: the serial check). Within the wave each is judged
+            # as if played alone after the ones before it: at a cutoff as low or lower it would have passed
+            # the best too, and a time under it is exact either way.
+            wave = order[j:j + tasks.workers]
+            j += len(wave)
+            played = [tasks.submit(simulated_step_time, *calls[i], best) for i in wave]
+            for i, collect in zip(wave, played):
+                if pick[i].step_time_s > best:
+                    j = len(order)   # this estimate and every later one: above the best checked time
+                    break
+                sim = collect()
+                if sim > best:
+                    continue   # its checked time passes the best one's
+                sims[i] = sim
+                best = min(best, max(pick[i].step_time_s, sim))
     checked = [dataclasses.replace(c, simulated_s=sims[i]) for i, c in enumerate(pick) if i in sims]
     checked.sort(key=lambda c: (c.checked_s, c.step_time_s))   # stable: ties keep the estimate's order
     kept = [c for i, c in enumerate(pick) if i in sims]

@@ -42,10 +42,10 @@ class Tasks:
     collected (the serial path: the same calls, in the order they are collected)."""
 
     def __init__(self, workers: int | None, tasks: int) -> None:
-        n = worker_count(workers, tasks)
+        self.workers = worker_count(workers, tasks)
         method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-        self._pool = ProcessPoolExecutor(max_workers=n, mp_context=multiprocessing.get_context(method)) \
-            if n > 1 else None
+        self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context(method)) \
+            if self.workers > 1 else None
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Callable[[], T]:
         if self._pool is None:
