@@ -299,9 +299,9 @@ def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], setti
                     stats.cut("simulator check")
                 break
             # A wave: the next picks, one per worker, played side by side with the best checked time so far as
-            # their cutoff (one at a time in one process: the serial check). Within the wave each is judged
-            # as if played alone after the ones before it: at a cutoff as low or lower it would have passed
-            # the best too, and a time under it is exact either way.
+            # their cutoff (one at a time in one process: the serial check). Each is judged as the serial
+            # check judges it after the ones before it: its cutoff is at or above the best it meets there, so
+            # a time under that best is exact in both, and one over it is over it in both.
             wave = order[j:j + tasks.workers]
             j += len(wave)
             played = [tasks.submit(simulated_step_time, *calls[i], best) for i in wave]
