@@ -276,7 +276,7 @@ def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], setti
     be the best, so it stays unchecked among the rest. The best plan is the one checking them all would
     pick (tested); the unchecked lose their simulated time in the listing. ``workers``: processes for the
     simulations (planner/parallel.py), played in waves of one pick per worker, the same ones kept (before,
-    every pick was played to the end: at 1024 GPUs 13 simulations where one decides).
+    every pick was played to the end: at 1024 GPUs a dozen simulations where one decides).
 
     ``deadline`` (``time.perf_counter``): no wave starts after it (those left keep the estimate alone;
     ``stats`` records the cut)."""
