@@ -67,7 +67,10 @@ def test_measure_runtime_modules_per_shard():
     fit = fit_component(samples, params, batch=1, scale=3.0)
     plain = fit_component(samples, params, batch=1)
     assert fit.forward_s == pytest.approx(tuple(3 * v for v in plain.forward_s))
-    assert fit.activation_bytes == plain.activation_bytes      # a slower device holds the same tensors
+    # A slower device holds the same tensors: the scale does not enter the activation fit. To rounding, not to
+    # the bit: the two fits of these same samples came out 26.83333333333334 and ...35 in a fresh-clone run
+    # (stop 31), torch.linalg.lstsq's LAPACK/BLAS path not being bit-reproducible from call to call.
+    assert fit.activation_bytes == pytest.approx(plain.activation_bytes, rel=1e-12, abs=0.0)
 
 
 def test_plan_targets():
