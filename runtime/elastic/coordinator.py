@@ -430,6 +430,10 @@ class ElasticPolicy:
             self.log(f"the growth with device(s) {_devs(back)} is void: they wait for the recovery")
         return back
 
+    def end(self) -> None:
+        if self.preplanner is not None:
+            self.preplanner.close()
+
     def tick(self) -> bool:
         self._check_errors()
         if self.failures:

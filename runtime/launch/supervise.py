@@ -311,9 +311,20 @@ class Policy(Protocol):
     def tick(self) -> bool:
         """After each round of events: whether the run is over."""
 
+    def end(self) -> None:
+        """The run is over, finished or failing: what the policy runs in the background has stopped when
+        this returns (the process may exit next)."""
+
 
 def supervise(run: Run, source: EventSource, policy: Policy) -> None:
     """The one event loop of a run: until ``policy.tick()`` says it is over, or a failure stops it."""
+    try:
+        _loop(run, source, policy)
+    finally:
+        policy.end()
+
+
+def _loop(run: Run, source: EventSource, policy: Policy) -> None:
     options = run.options
     while True:
         for w, msg in source.poll(policy.failures.wait_s(options.heartbeat_s)):
@@ -377,3 +388,6 @@ class PlainPolicy:
 
     def tick(self) -> bool:
         return all(w.finished for w in self.run.workers.values())
+
+    def end(self) -> None:
+        pass   # nothing runs in the background

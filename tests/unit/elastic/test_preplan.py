@@ -127,3 +127,27 @@ def test_returns_are_decided_after_the_losses_keyed_by_the_resulting_set_and_onl
     wait_for(lambda: p.notes())
     assert p.lookup_return(three, {1}) is None  # replaced with the layout
     assert Preplanner(replan).lookup_return(three, {1}) is None  # without a grower nothing is decided ahead
+
+
+def test_close_waits_for_the_replan_in_flight_and_starts_no_other():
+    """A run that ends (finished or failing) closes the preplanner before the process may exit: a daemon thread
+    left inside the solver at exit aborted the process (SIGABRT) after an unrecoverable failure was reported."""
+    _, four, _ = layouts()
+    inside, release, asked = threading.Event(), threading.Event(), []
+
+    def replan(failed, c, strategy, steps_left):
+        asked.append(failed)
+        inside.set()
+        release.wait(10.0)
+        return c
+
+    p = Preplanner(replan)
+    p.begin(four, [frozenset({1}), frozenset({2})], frozenset(), 5)
+    assert inside.wait(10.0)
+    threading.Timer(0.3, release.set).start()
+    t0 = time.monotonic()
+    p.close()
+    assert time.monotonic() - t0 >= 0.2   # it waited for the replan in flight ...
+    assert not any(t.name == "hspmd-preplan" and t.is_alive() for t in threading.enumerate())
+    assert asked == [frozenset({1})]        # ... and started no other
+    assert p.lookup(four, {1}) is None       # whose result is dropped, as after ``stop``

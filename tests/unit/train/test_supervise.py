@@ -133,3 +133,27 @@ def test_messages_are_validated_on_construction():
 def test_the_plain_policy_refuses_a_coordinated_run():
     with pytest.raises(ValueError, match="ElasticPolicy"):
         PlainPolicy().prepare(TrainOptions(plan=PLAN, elastic=True), None, "s")
+
+
+def test_the_policy_is_ended_when_the_run_ends_and_when_it_fails():
+    """``Policy.end`` (the elastic policy joins its background planner there) runs on both ways out of the loop."""
+    class Counting(PlainPolicy):
+        ended = 0
+
+        def end(self) -> None:
+            self.ended += 1
+
+    options = TrainOptions(plan=PLAN, heartbeat_s=5.0)
+    workers = handles(2, options)
+    run = make_run(options, workers, [], [])
+    policy = Counting()
+    policy.begin(run)
+    supervise(run, Script([[(0, Up()), (1, Up())], [(0, Exited(0)), (1, Exited(0))]], workers), policy)
+    assert policy.ended == 1
+    workers = handles(2, options)
+    run = make_run(options, workers, [], [])
+    policy = Counting()
+    policy.begin(run)
+    with pytest.raises(WorkerFailure):
+        supervise(run, Script([[(0, Up()), (1, Up())], [(1, Exited(-9))]], workers), policy)
+    assert policy.ended == 1
