@@ -34,7 +34,7 @@ def searcher(case: int) -> Searcher:
 
 
 def mixed_jobs(s: Searcher, limit: int) -> list:
-    """Up to ``limit`` mixed-block jobs, as ``_mixed_blocks`` lists them (every TP degree of two types)."""
+    """Up to ``limit`` mixed-block jobs, as ``Searcher.mixed_block`` lists them (every TP degree of two types)."""
     choices = tp_choices(s.cluster, s.model, s.devices)
     types = [t for t, tps in choices.items() if tps]
     out = []
