@@ -957,16 +957,11 @@ class Searcher:
 
     def run(self) -> list[Candidate]:
         """The phases of the module docstring, each on what the one before kept (``search``'s parallel path
-        runs the same three parts, ``start``, ``mixed_block`` per subset of types and ``finish``, as tasks)."""
+        runs the same three parts, ``start``, ``mixed_blocks`` per chunk of subsets of types and ``finish``, as
+        tasks)."""
         start = self.start()
         subsets = mixed_subsets(start.types)
-        mixed: dict[frozenset[str], list[BlockCandidate]] = {}
-        for done, subset in enumerate(subsets):
-            self._report("pipelines (mixed types)", done, len(subsets))
-            mixed[frozenset(subset)] = self.mixed_block(start.mixed, subset,
-                                                        bool(start.mixed.alone) or any(mixed.values()))
-        self._report("pipelines (mixed types)", len(subsets), len(subsets))
-        return self.finish(start, mixed)
+        return self.finish(start, dict(zip(map(frozenset, subsets), self.mixed_blocks(start.mixed, subsets))))
 
     def start(self) -> SearchStart:
         """Phase 1 and phase 2's single-type blocks: what the mixed blocks and ``finish`` build on."""
@@ -1150,6 +1145,16 @@ class Searcher:
                     seen.append(TypeChoice(t, tp))
             top[t] = tuple(seen)
         return top
+
+    def mixed_blocks(self, inputs: MixedInputs, subsets: Sequence[tuple[str, ...]]) -> list[list[BlockCandidate]]:
+        """``mixed_block`` of each subset in turn (all of them in ``run``, a chunk in a worker's task); past the
+        time limit the rest are skipped once some block is kept."""
+        out: list[list[BlockCandidate]] = []
+        for done, subset in enumerate(subsets):
+            self._report("pipelines (mixed types)", done, len(subsets))
+            out.append(self.mixed_block(inputs, subset, bool(inputs.alone) or any(out)))
+        self._report("pipelines (mixed types)", len(subsets), len(subsets))
+        return out
 
     def mixed_block(self, inputs: MixedInputs, subset: Sequence[str], have_blocks: bool) -> list[BlockCandidate]:
         """Phase 2 for one subset of >= 2 types: the best TP choices per type, every stage order; the kept
@@ -1642,7 +1647,7 @@ def _parallel_runs(runs: Sequence[tuple[CostModel, tuple[ScheduleChoice, ...] | 
     then each run's ``finish``. Why: with a task per run, the ZB-H1 search alone (73% of the work at 1024
     GPUs) was the wall time. The same candidates as the serial runs: each part is a function of its
     arguments, and the caches it fills (per process now) are exact. Past the time limit a task skips its
-    subsets, as the serial loop does, but it cannot know whether another task kept a block."""
+    subsets as the serial loop does, but knows only of the blocks its own chunk kept."""
     # perf_counter is per process: tasks get the limit as an absolute wall-clock time, read when they start.
     wall_deadline = time.time() + (deadline - time.perf_counter())
     with Tasks(workers, 1 << 30) as tasks:   # (as many workers as asked: the chunks are many)
@@ -1687,7 +1692,7 @@ def _mixed_task(cm: CostModel, settings: PlanSettings, devices: tuple[int, ...],
                 family: tuple[ScheduleChoice, ...] | None, inputs: MixedInputs, subsets: tuple[tuple[str, ...], ...]
                 ) -> tuple[list[list[BlockCandidate]], SearchStats]:
     s = _searcher(cm, settings, devices, wall_deadline, family)
-    return [s.mixed_block(inputs, subset, bool(inputs.alone)) for subset in subsets], s.stats
+    return s.mixed_blocks(inputs, subsets), s.stats
 
 
 def _finish_task(cm: CostModel, settings: PlanSettings, devices: tuple[int, ...], wall_deadline: float,
