@@ -159,6 +159,9 @@ class SimOp:
     handoff: CoreHandoff | None = None
     hot: bool = False
     message: Message | None = None  # a P2P op: the runtime's message it carries
+    # The ``resume`` penalty's idle time also runs from this resource's last CPU work (the later of the
+    # two): a device's optimizer step follows its stage's compute, on a resource of its own.
+    idle_from: str = ""
 
     @property
     def computes(self) -> bool:
@@ -183,8 +186,9 @@ class EventLoop:
       the runtime emulates a slower device (runtime/trace.py: CPU time, so neither waiting for a core nor
       waiting in a collective is stretched). Without a host, the same with the cores never shared.
     * A compute op with a ``resume`` penalty needs that much more CPU time (a fixed part and one growing
-      with the op's own CPU time) the longer its resource idled since its previous compute op's CPU work
-      ended (cold caches, a woken virtual CPU; measured by ``hspmd profile``); a
+      with the op's own CPU time) the longer its resource (and ``idle_from``, the later of the two) idled
+      since its previous compute op's CPU work ended (cold caches, a woken virtual CPU; measured by
+      ``hspmd profile``); a
       communication op with a ``wake`` penalty ends that much later the longer it waited for its peers.
       ``sharing``: a compute op's efficiency while a core it runs on is time-shared.
     * ``handoff`` (an op's ``CoreHandoff``): the core is not shared as a fluid. A process that used up its
@@ -474,8 +478,8 @@ class _Run:
         r = op.resource
         self.work[name] = op.cpu
         if op.resume is not None and not op.hot:   # caches gone cold while the device idled
-            self.work[name] += op.resume.extra_s(self.now - self.cpu_end.get(r, 0.0), op.kind is OpKind.BACKWARD,
-                                                 op.cpu)
+            since = max(self.cpu_end.get(r, 0.0), self.cpu_end.get(op.idle_from, 0.0) if op.idle_from else 0.0)
+            self.work[name] += op.resume.extra_s(self.now - since, op.kind is OpKind.BACKWARD, op.cpu)
         mine = [(h, r) for h, _ in op.hosts]
         if (op.handoff is not None and op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and not op.hot
                 and self.foreign.intersection(mine)):
@@ -790,7 +794,15 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
                   deps=tuple(sorted(set(last_of.values())))))
     opt_times = cm.optimizer_times(costs.strategy, zero)
     for d in devices:
-        sim.add(costs.device_op(f"opt{d}", d, OpKind.OPTIMIZER, deps=("stats",), **costs.block((d,), opt_times[d])))
+        # After the step's collectives the optimizer finds cold caches, as a block does after idling: it pays
+        # the device's resume penalty, the forward's figures (it streams over weights and states like a
+        # forward over its weights). Measured (docs/benchmarks.md, "Simulator fidelity", stop 32): a 6-layer
+        # stage's AdamW step took 2.36 ms right after its backward and 2.86 ms after a further 20 ms idle;
+        # the forward's figures of the same host add 0.38-0.50 ms.
+        pi, k = costs.stage_of[d]
+        sim.add(costs.device_op(f"opt{d}", d, OpKind.OPTIMIZER, deps=("stats",),
+                                resume=cm.host.resume_penalty(costs.type_of[d]), idle_from=f"p{pi}s{k}",
+                                **costs.block((d,), opt_times[d])))
         last_of[d] = f"opt{d}"
     if zero:
         collectives("z", OpKind.ZERO_GATHER, [cm.zero_gather_time(g) for g in sync])

@@ -494,6 +494,25 @@ def test_weight_gradient_after_idling_pays_no_resume_or_cold_penalty():
     assert any(r[k] > base[k] + 0.1 for k in r if k[1][0] in "FB")
 
 
+def test_optimizer_after_idling_pays_the_resume_penalty():
+    """The optimizer step finds cold caches after the step's collectives, as a block does after idling:
+    hand-computed, two replicas of 6 layers (1 s forward, 2 s backward per layer), 3 micro-batches on
+    device 0 and 1 on device 1: device 1 idles 2 x 18 s in the gradient sync (free on these links) while
+    device 0 computes, so its optimizer pays the whole forward penalty of ``pen`` on top of its priced
+    CPU; device 0's, straight after its own backward, pays nothing. Its idle runs from its stage's last
+    block, not from the step's start."""
+    pen = ResumePenalty(forward_s=0.5, backward_s=1.0, tau_s=1.0, forward_rate=0.25)
+    dp = Strategy("dp", (Pipeline(3, (Stage((0,), (0, 6)),)), Pipeline(1, (Stage((1,), (0, 6)),))))
+    base = {e.pipeline: e for e in simulate(cost_model(profiles()), dp, 4).events
+            if e.category == "optimizer"}
+    r = {e.pipeline: e for e in simulate(cost_model(with_models(profiles(), resume=pen)), dp, 4).events
+         if e.category == "optimizer"}
+    opt = base[0].cpu_s
+    assert opt > 0 and base[1].cpu_s == pytest.approx(opt)
+    assert r[0].cpu_s == pytest.approx(opt, abs=1e-6)
+    assert r[1].cpu_s == pytest.approx(opt + (0.5 + 0.25 * opt) * (1 - math.exp(-36.0)))
+
+
 def test_compute_events_carry_the_cpu_they_consumed():
     """The timeline's compute events say how much CPU work they consumed (an emulated device's sleep
     and any wait excluded), so a measured trace can be held against them op by op."""
