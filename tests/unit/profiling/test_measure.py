@@ -27,7 +27,13 @@ from runtime.profiling.compute import (
     tp_overhead_blocks,
 )
 from runtime.profiling.fit import fit_component, fit_quadratic, nonneg_lstsq
-from runtime.profiling.host import busy_core_handoff, emulated_cpu_shares, handoff_figures, host_cpus
+from runtime.profiling.host import (
+    busy_core_handoff,
+    emulated_cpu_shares,
+    handoff_figures,
+    host_cpus,
+    sharing_efficiency,
+)
 from runtime.profiling.profile import BLOCKS, SPLIT_BLOCKS, ResumePenalty
 from runtime.profiling.profiler import plan_targets
 from runtime.spec import load_cluster, load_model
@@ -201,11 +207,12 @@ def test_resume_penalty_saturates_with_idle_time():
 def test_resume_probe_times_two_block_sizes(monkeypatch):
     """The probe's rate is the peak's growth from the one-layer block to the large one per CPU second of
     the block, its fixed part what is left of the small block's peak: a fake clock whose blocks cost 30%
-    more (plus 0.1 ms) after any idle gives exactly that back."""
+    more (plus 0.1 ms) after any idle gives exactly that back. Its blocks also cost 20% more right after the
+    other block size's (their data evicted): the back-to-back times must not carry that."""
     from runtime.profiling import host
 
     cpu = {"t": 0.0}
-    idle = {"since": False}
+    idle: dict = {"since": False, "last": None}
     cost = {1: (1e-3, 2e-3), 3: (3e-3, 6e-3)}   # (forward, backward) CPU seconds per layer count
     made: list[int] = []
 
@@ -216,13 +223,17 @@ def test_resume_probe_times_two_block_sizes(monkeypatch):
         def prepare_forward(self):
             return lambda: self.block(0)
 
+        def prepare_backward(self):
+            return lambda: (self.block(0), self.block(1))
+
         def backward(self) -> None:
             self.block(1)
 
         def block(self, i: int) -> None:
             base = cost[self.layers][i]
-            cpu["t"] += base + ((1e-4 + 0.3 * base) if idle["since"] else 0.0)
-            idle["since"] = False
+            evicted = idle["last"] not in (None, self.layers)
+            cpu["t"] += base + ((1e-4 + 0.3 * base) if idle["since"] else 0.0) + (0.2 * base if evicted else 0.0)
+            idle["since"], idle["last"] = False, self.layers
 
     def fake_stage_run(model, layers, s, device, micro_batch=1, warmup=2):
         made.append(layers)
@@ -252,6 +263,22 @@ def test_emulated_cpu_shares_pin_like_the_launcher():
     # The profiler measures with the share of the cluster's devices.
     (t,) = plan_targets(load_cluster("cpu-hetero4"), [TINY], None)
     assert t.threads == emulated_cpu_shares(range(4), 4, host_cpus())[0] and len(t.cpus) == 4
+
+
+def test_sharing_efficiency_compares_neighbouring_phases():
+    """Hand-computed: per pair, alone / (shared / 2); the median over the pairs, at most 1. A host that
+    speeds up by half over the probe: each pair, taken at one speed, says 0.9; the first alone phase against
+    the last shared one would say 1.5."""
+    speed = [1.0, 0.9, 0.8, 0.7, 0.6]
+    alone = [1e-3 * v for v in speed]
+    shared = [2e-3 * v / 0.9 for v in speed]
+    assert sharing_efficiency(alone, shared) == pytest.approx(0.9)
+    assert alone[0] / (shared[-1] / 2) == pytest.approx(1.5)
+    # One slow phase (a spell of the host) moves the median by nothing; a freshly built block's first pair
+    # neither; nothing above 1; nothing measured: 1.
+    assert sharing_efficiency([1e-3, 1e-3, 1e-3], [2.5e-3, 2.2e-3, 8e-3]) == pytest.approx(1e-3 / 1.25e-3)
+    assert sharing_efficiency([1e-3], [1.5e-3]) == 1.0
+    assert sharing_efficiency([], []) == 1.0
 
 
 def test_core_handoff_is_busy_minus_idle_never_negative():
