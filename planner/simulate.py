@@ -215,6 +215,9 @@ class EventLoop:
         self.ops: dict[str, SimOp] = {}
         self.cores = cores or {}
         self.cpu_s: dict[str, float] = {}   # after ``run``: each compute op's CPU seconds consumed
+        # resource -> how long it idled before the step (the previous step's tail: an emulated device's
+        # optimizer sleep), so that its first op's ``resume`` penalty counts it; none: 0
+        self.idle_before: dict[str, float] = {}
 
     def add(self, op: SimOp) -> None:
         """Append ``op`` to its resource's queue (hosts without cores here are dropped)."""
@@ -326,7 +329,8 @@ class _Run:
         self.active: dict[str, float] = {}   # compute op -> CPU seconds of work left
         self.work: dict[str, float] = {}     # compute op -> its CPU seconds (with any resume penalty)
         self.used: dict[str, float] = {}     # compute op -> CPU time it consumed (more than work when sharing)
-        self.cpu_end: dict[str, float] = {}  # resource -> when its last compute op's CPU work ended
+        # resource -> when its last compute op's CPU work ended (before the step: its idle before it)
+        self.cpu_end: dict[str, float] = {r: -t for r, t in loop.idle_before.items()}
         self.pending: dict[str, float] = {}  # compute op -> when it gets its core (a wake-up on a busy core)
         self.slept: dict[str, bool] = {}     # resource -> its last op ended in an emulated device's sleep
         self.idle_since: dict[str, float] = {}  # resource -> when its last op completed
@@ -478,7 +482,9 @@ class _Run:
         r = op.resource
         self.work[name] = op.cpu
         if op.resume is not None and not op.hot:   # caches gone cold while the device idled
-            since = max(self.cpu_end.get(r, 0.0), self.cpu_end.get(op.idle_from, 0.0) if op.idle_from else 0.0)
+            since = self.cpu_end.get(r, 0.0)
+            if op.idle_from:
+                since = max(since, self.cpu_end.get(op.idle_from, since))
             self.work[name] += op.resume.extra_s(self.now - since, op.kind is OpKind.BACKWARD, op.cpu)
         mine = [(h, r) for h, _ in op.hosts]
         if (op.handoff is not None and op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and not op.hot
@@ -583,10 +589,16 @@ def _played(cm: CostModel, strategy: Strategy, schedule: Schedule, zero: bool, c
     schedules = tuple(cm.runtime_schedule(strategy, pi, schedule) for pi in range(len(strategy.pipelines)))
     costs = _Costs.of(cm, strategy)
     sim = EventLoop(costs.cores)
+    opt_times = cm.optimizer_times(strategy, zero)
+    # Steps follow one another: a stage's first block follows its devices' previous optimizer step, which on
+    # an emulated slower device ends in a sleep (traced on dp-uneven, stop 32: the slow devices' first
+    # forward started after a 5.3 ms optimizer sleep, its CPU 9% above its price).
+    sim.idle_before = {f"p{pi}s{k}": max(costs.sleep_after(d, opt_times[d]) for d in st.devices)
+                       for pi, pipe in enumerate(strategy.pipelines) for k, st in enumerate(pipe.stages)}
     last_action, tp_s, labels = _add_schedules(sim, costs, schedules)
     twins = pipeline_twins(sim)   # before the step's end joins the pipelines
     sync = cm.sync_plan(strategy)
-    _add_step_end(sim, costs, last_action, sync, zero)
+    _add_step_end(sim, costs, last_action, sync, zero, opt_times)
     # The measured fixed cost per iteration (launches, synchronisation, logging) comes on top.
     fixed = cm.iteration_time(strategy)
     # (a margin far above rounding: a step cut off is longer than ``cutoff`` for sure, not by an ulp)
@@ -663,6 +675,15 @@ class _Costs:
         cpu, comm, comm_cpu = tp_block_split((total - tp) / k, tp - (k - 1.0) * tp_cpu, tp_cpu)
         return {"cpu": cpu, "comm": comm, "comm_cpu": comm_cpu, "stretch": k,
                 **self.waiting(devices), "sharing": self.cm.host.core_sharing(self.type_of[devices[0]])}
+
+    def sleep_after(self, device: int, total: float) -> float:
+        """How long an emulated slower device sleeps after a block priced ``total`` (its sleep's slack
+        included; 0 on other devices), as ``EventLoop`` plays it."""
+        f = self.block((device,), total)
+        if f["stretch"] <= 1.0:
+            return 0.0
+        late = f["handoff"].sleep_late_s if f["handoff"] is not None else 0.0
+        return (f["stretch"] - 1.0) * (f["cpu"] + f["comm_cpu"]) + late
 
     def waiting(self, devices: Sequence[int]) -> dict[str, Any]:
         """The cores an op's devices run on and the scheduler's delays there (``EventLoop``'s handoff)."""
@@ -764,7 +785,7 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
 
 
 def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, int], str],
-                  sync: Sequence[SyncGroup], zero: bool) -> None:
+                  sync: Sequence[SyncGroup], zero: bool, opt_times: Mapping[int, float]) -> None:
     """After its stage's last action each device runs the step's own code (gradients collected, norm
     summed: CPU work, never stretched), joins its gradient-sync groups in the global order (a group's
     all-reduce completes when its last member has joined), then the step's loss / grad-norm all-reduce
@@ -792,7 +813,6 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
     collectives("g", OpKind.GRAD_SYNC, cm.sync_times(costs.strategy))
     sim.add(SimOp("stats", "world", OpKind.CLIP, duration=cm.clip_time(devices),
                   deps=tuple(sorted(set(last_of.values())))))
-    opt_times = cm.optimizer_times(costs.strategy, zero)
     for d in devices:
         # After the step's collectives the optimizer finds cold caches, as a block does after idling: it pays
         # the device's resume penalty, the forward's figures (it streams over weights and states like a

@@ -670,3 +670,21 @@ def test_every_emulated_sleep_ends_late_by_its_measured_slack():
     # A split backward is two blocks, two sleeps: B and W each.
     assert got.chunk(1, 0).input_grad - bare.chunk(1, 0).input_grad == pytest.approx(0.01)
     assert got.chunk(1, 0).weight_grad - bare.chunk(1, 0).weight_grad == pytest.approx(0.01)
+
+
+def test_first_block_follows_the_previous_steps_optimizer_sleep():
+    """Steps follow one another: an emulated slower device's first block of a step comes after its previous
+    optimizer step's sleep, and pays the resume penalty for that idle time. Hand-computed: one stage of 6
+    layers (1 s forward per layer) on the 3x device; its optimizer block of c CPU seconds (2 ms) sleeps 2c,
+    so its first forward costs 6 + 0.5 (1 - e^(-2c / tau)) CPU seconds (tau 1 ms: 0.49 s). A device that is
+    not stretched idles nothing before its first block."""
+    pen = ResumePenalty(forward_s=0.5, backward_s=1.0, tau_s=1e-3)
+    cm = cost_model(with_models(profiles(slow=3.0), resume=pen))
+    for device, stretch in ((2, 3.0), (0, 1.0)):
+        s = Strategy("s", (Pipeline(1, (Stage((device,), (0, 6)),)),))
+        cpu = cm.optimizer_times(s)[device] / stretch
+        assert cpu == pytest.approx(0.006 / stretch)   # 6000 parameters at 1 us, a 3x device sleeping 2/3 of it
+        f0 = {(e.stage, e.name): e for e in simulate(cm, s, 1).events}[0, "F0"]
+        idle = (stretch - 1.0) * cpu
+        assert f0.cpu_s == pytest.approx(6.0 + pen.extra_s(idle, False, 6.0))
+        assert f0.cpu_s == pytest.approx(6.0 + 0.5 * (1 - math.exp(-4.0)) if stretch > 1.0 else 6.0)
