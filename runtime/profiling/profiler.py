@@ -325,7 +325,8 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
             for model in models:
                 lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
                 probed = sorted({lens[len(lens) // 2], lens[-1]})
-                sharing[model.name] = host.core_sharing(rank, pair, model, probed, device=dev)
+                sharing[model.name] = host.core_sharing(rank, pair, model, probed, device=dev,
+                                                        duration_s=0.25 if settings.component_budget_s > 0 else 0.05)
                 raw = host.busy_core_handoff(rank, pair, model, probed, peer=peer, sleep_ratio=sleep_ratio, device=dev,
                                              duration_s=1.0 if settings.component_budget_s > 0 else 0.1)
                 handoff[model.name] = {s: host.handoff_figures(r) for s, r in raw.items()}
