@@ -61,6 +61,12 @@ class HostModel:
         em = self.cluster.device_types[device_type].emulate
         return em is None or not em.sleeps
 
+    def sleeps_to_target(self, device_type: str) -> bool:
+        """Whether this type's forward / backward blocks sleep until they have lasted their targets (a
+        sleep-mode type): a sleep that, like a stretched block's, ends ``CoreHandoff.sleep_late_s`` late."""
+        em = self.cluster.device_types[device_type].emulate
+        return em is not None and em.sleeps
+
     def resume_penalty(self, device_type: str) -> ResumePenalty | None:
         """Extra CPU time of a compute block after its device idled (measured profiles; None otherwise)."""
         m = self._measured(device_type) if self.contended(device_type) else None

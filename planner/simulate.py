@@ -162,6 +162,8 @@ class SimOp:
     # The ``resume`` penalty's idle time also runs from this resource's last CPU work (the later of the
     # two): a device's optimizer step follows its stage's compute, on a resource of its own.
     idle_from: str = ""
+    # A sleep-mode device's block: it sleeps until it has lasted its price, a sleep that ends late too.
+    to_target: bool = False
 
     @property
     def computes(self) -> bool:
@@ -200,7 +202,9 @@ class EventLoop:
       / ``cold_backward_s`` (in proportion, for an op smaller than the block they were measured on)
       more CPU time when another resource's compute ran on its cores since its
       resource's previous op started (that work took over the caches). On an idle core none applies but
-      ``sleep_late_s``: an emulated device's sleep after a block ends that much late, wherever it runs.
+      ``sleep_late_s``: an emulated device's sleep after a block ends that much late, wherever it runs (a
+      sleep-mode device's too, ``to_target``: its sleep to the block's target; measured on a stretched
+      block's, the same timer).
     * A ``hot`` compute op pays neither the ``resume`` nor the cold-cache penalty: it works on what an op of
       its own resource produced (a split backward's W on its B's gradients), and traced runs show no such
       penalty on it (the hand-off's scheduling delays still apply).
@@ -548,7 +552,7 @@ class _Run:
         cpu = self.used.get(name, self.work[name])
         handoff = op.handoff.handoff_s if op.handoff is not None and self.core_busy(name) else 0.0
         sleep = (op.stretch - 1.0) * (cpu + op.comm_cpu)
-        if sleep > 0 and op.handoff is not None:   # the sleep ends late, on an idle core too
+        if (sleep > 0 or op.to_target) and op.handoff is not None:   # the sleep ends late, on an idle core too
             sleep += op.handoff.sleep_late_s
         return cpu_done + handoff + op.comm + sleep
 
@@ -764,7 +768,7 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     # 13.2 ms of CPU per step against 20.4 / 27.9 ms simulated with the resume and cold
                     # penalties, their priced CPU alone about what each measured (1.76 vs 1.65 ms).
                     sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=resume, hot=a.kind == "W",
-                                  **fields))
+                                  to_target=cm.host.sleeps_to_target(device_type), **fields))
                 elif isinstance(a, (PostSend, PostRecv)):
                     post = (0.0 if per_msg is None else per_msg.post_send_s if isinstance(a, PostSend)
                             else per_msg.post_recv_s)
