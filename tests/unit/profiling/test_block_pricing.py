@@ -13,8 +13,8 @@ from planner.cost import CostModel
 from planner.simulate import simulate
 from runtime.profiling.profile import (
     ComponentFit,
-    CoreHandoff,
     ComputeBlock,
+    CoreHandoff,
     MeasuredModel,
     ProfileSet,
     ResolvedProfile,
