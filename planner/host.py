@@ -58,8 +58,7 @@ class HostModel:
         """Whether the shared cores and cold caches after idling apply to this type's compute: not for a
         sleep-mode type (runtime/spec/cluster.py ``Emulation``), whose blocks last their targets however the
         host runs the real work inside them (an overrun is reported by the runtime, not modelled)."""
-        em = self.cluster.device_types[device_type].emulate
-        return em is None or not em.sleeps
+        return not self.sleeps_to_target(device_type)
 
     def sleeps_to_target(self, device_type: str) -> bool:
         """Whether this type's forward / backward blocks sleep until they have lasted their targets (a

@@ -308,6 +308,22 @@ def _signature(loop: EventLoop, queues: list[list[str]], pi: int) -> tuple | Non
     return tuple(out)
 
 
+def emulated_sleep(stretch: float, cpu: float, comm_cpu: float, handoff: CoreHandoff | None,
+                   to_target: bool = False) -> float:
+    """How long an emulated device sleeps after a compute op of ``cpu`` (+ its collectives' ``comm_cpu``)
+    CPU seconds: a stretched device ``stretch - 1`` times that; either kind's sleep (a sleep-mode block's
+    to its target, ``to_target``) ending ``handoff.sleep_late_s`` late, on an idle core too."""
+    sleep = (stretch - 1.0) * (cpu + comm_cpu)
+    if (sleep > 0 or to_target) and handoff is not None:
+        sleep += handoff.sleep_late_s
+    return sleep
+
+
+def stage_resource(pi: int, k: int) -> str:
+    """The event loop's resource of pipeline ``pi``'s stage ``k`` (its compute and messages, in order)."""
+    return f"p{pi}s{k}"
+
+
 _TWIN_FIELDS = tuple(f.name for f in dataclasses.fields(SimOp)
                      if f.name not in ("name", "resource", "pipeline", "deps", "waits", "hosts"))
 _TWIN_VALUES = operator.attrgetter(*_TWIN_FIELDS)   # the tuple of an op's _TWIN_FIELDS
@@ -551,10 +567,7 @@ class _Run:
             self.cpu_end[op.resource] = cpu_done
         cpu = self.used.get(name, self.work[name])
         handoff = op.handoff.handoff_s if op.handoff is not None and self.core_busy(name) else 0.0
-        sleep = (op.stretch - 1.0) * (cpu + op.comm_cpu)
-        if (sleep > 0 or op.to_target) and op.handoff is not None:   # the sleep ends late, on an idle core too
-            sleep += op.handoff.sleep_late_s
-        return cpu_done + handoff + op.comm + sleep
+        return cpu_done + handoff + op.comm + emulated_sleep(op.stretch, cpu, op.comm_cpu, op.handoff, op.to_target)
 
 
 def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
@@ -597,8 +610,9 @@ def _played(cm: CostModel, strategy: Strategy, schedule: Schedule, zero: bool, c
     # Steps follow one another: a stage's first block follows its devices' previous optimizer step, which on
     # an emulated slower device ends in a sleep (traced on dp-uneven, stop 32: the slow devices' first
     # forward started after a 5.3 ms optimizer sleep, its CPU 9% above its price).
-    sim.idle_before = {f"p{pi}s{k}": max(costs.sleep_after(d, opt_times[d]) for d in st.devices)
-                       for pi, pipe in enumerate(strategy.pipelines) for k, st in enumerate(pipe.stages)}
+    idle = {stage_resource(pi, k): max(costs.sleep_after(d, opt_times[d]) for d in st.devices)
+            for pi, pipe in enumerate(strategy.pipelines) for k, st in enumerate(pipe.stages)}
+    sim.idle_before = {r: t for r, t in idle.items() if t > 0}
     last_action, tp_s, labels = _add_schedules(sim, costs, schedules)
     twins = pipeline_twins(sim)   # before the step's end joins the pipelines
     sync = cm.sync_plan(strategy)
@@ -682,12 +696,11 @@ class _Costs:
 
     def sleep_after(self, device: int, total: float) -> float:
         """How long an emulated slower device sleeps after a block priced ``total`` (its sleep's slack
-        included; 0 on other devices), as ``EventLoop`` plays it."""
-        f = self.block((device,), total)
-        if f["stretch"] <= 1.0:
+        included; 0 on other devices, found without pricing the block), as ``EventLoop`` plays it."""
+        if self.cm.host.emulated_slowdown(self.type_of[device]) <= 1.0:
             return 0.0
-        late = f["handoff"].sleep_late_s if f["handoff"] is not None else 0.0
-        return (f["stretch"] - 1.0) * (f["cpu"] + f["comm_cpu"]) + late
+        f = self.block((device,), total)
+        return emulated_sleep(f["stretch"], f["cpu"], f["comm_cpu"], f["handoff"])
 
     def waiting(self, devices: Sequence[int]) -> dict[str, Any]:
         """The cores an op's devices run on and the scheduler's delays there (``EventLoop``'s handoff)."""
@@ -741,10 +754,11 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     sim.add(SimOp(name, pair[1], OpKind.P2P, pi, msg.src, msg.micro_batch, duration=pair[0],
                                   deps=(posted[msg.src, name], posted[msg.dst, name]), message=msg))
         for k, acts in enumerate(sched.actions):
-            st, res = pipe.stages[k], f"p{pi}s{k}"
+            st, res = pipe.stages[k], stage_resource(pi, k)
             device_type = costs.type_of[st.devices[0]]
             resume, wake, waiting = cm.host.resume_penalty(device_type), cm.host.comm_wake(device_type), \
                 costs.waiting(st.devices)
+            to_target = cm.host.sleeps_to_target(device_type)
             # The executor's CPU per message (measured; none charged without the figure): each post, and the
             # unpacking after each wait for a receive, on the stage's cores (ops of its own resource).
             per_msg = cm.host.p2p_actions(device_type)
@@ -768,7 +782,7 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     # 13.2 ms of CPU per step against 20.4 / 27.9 ms simulated with the resume and cold
                     # penalties, their priced CPU alone about what each measured (1.76 vs 1.65 ms).
                     sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=resume, hot=a.kind == "W",
-                                  to_target=cm.host.sleeps_to_target(device_type), **fields))
+                                  to_target=to_target, **fields))
                 elif isinstance(a, (PostSend, PostRecv)):
                     post = (0.0 if per_msg is None else per_msg.post_send_s if isinstance(a, PostSend)
                             else per_msg.post_recv_s)
@@ -823,9 +837,9 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
         # forward over its weights). Measured (docs/benchmarks.md, "Simulator fidelity", stop 32): a 6-layer
         # stage's AdamW step took 2.36 ms right after its backward and 2.86 ms after a further 20 ms idle;
         # the forward's figures of the same host add 0.38-0.50 ms.
-        pi, k = costs.stage_of[d]
         sim.add(costs.device_op(f"opt{d}", d, OpKind.OPTIMIZER, deps=("stats",),
-                                resume=cm.host.resume_penalty(costs.type_of[d]), idle_from=f"p{pi}s{k}",
+                                resume=cm.host.resume_penalty(costs.type_of[d]),
+                                idle_from=stage_resource(*costs.stage_of[d]),
                                 **costs.block((d,), opt_times[d])))
         last_of[d] = f"opt{d}"
     if zero:
