@@ -1245,10 +1245,9 @@ class CostModel:
 
     @memo
     def _executor_figures(self, device_type: str) -> tuple[P2pActions | None, float]:
-        """(CPU per boundary message, lateness of an emulated sleep after a block: 0 unless stretched or
-        sleeping to its target)."""
-        sleeps = self.host.emulated_slowdown(device_type) > 1.0 or self.host.sleeps_to_target(device_type)
-        h = self.host.core_handoff(device_type) if sleeps else None
+        """(CPU per boundary message, lateness of an emulated sleep after a block: 0 unless stretched; a
+        sleep-mode block ends at its target, runtime/trace.py ``EmulatedTarget``)."""
+        h = self.host.core_handoff(device_type) if self.host.emulated_slowdown(device_type) > 1.0 else None
         return self.host.p2p_actions(device_type), 0.0 if h is None else h.sleep_late_s
 
     def _with_executor_costs(self, pipe: Pipeline, layout: Layout, chunks: list[tuple[ChunkCost, ...]]
@@ -1258,8 +1257,8 @@ class CostModel:
         (``HostModel.p2p_actions``) in the ops that send or receive it (a virtual stage's F receives its
         input, post and wait, from the previous one and sends its output to the next, its B or fused BW the
         reverse; W sends nothing; a neighbour on the same device, the bottom of a V, is handed over in
-        memory), and on an emulated slower device (or one sleeping to its targets) the lateness of the sleep
-        after each block (``CoreHandoff.sleep_late_s``: every F, B, W and BW is one block)."""
+        memory), and on an emulated slower device the lateness of the sleep after each block
+        (``CoreHandoff.sleep_late_s``: every F, B, W and BW is one block)."""
         figures = [self._executor_figures(self._type_of[st.devices[0]]) for st in pipe.stages]
         per_stage, late = [f[0] for f in figures], [f[1] for f in figures]
         if all(a is None for a in per_stage) and not any(late):   # (spec and GPU profiles: the search's case)

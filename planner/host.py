@@ -62,7 +62,7 @@ class HostModel:
 
     def sleeps_to_target(self, device_type: str) -> bool:
         """Whether this type's forward / backward blocks sleep until they have lasted their targets (a
-        sleep-mode type): a sleep that, like a stretched block's, ends ``CoreHandoff.sleep_late_s`` late."""
+        sleep-mode type), however long the real work inside them took."""
         em = self.cluster.device_types[device_type].emulate
         return em is not None and em.sleeps
 

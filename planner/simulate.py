@@ -162,8 +162,6 @@ class SimOp:
     # The ``resume`` penalty's idle time also runs from this resource's last CPU work (the later of the
     # two): a device's optimizer step follows its stage's compute, on a resource of its own.
     idle_from: str = ""
-    # A sleep-mode device's block: it sleeps until it has lasted its price, a sleep that ends late too.
-    to_target: bool = False
 
     @property
     def computes(self) -> bool:
@@ -202,9 +200,9 @@ class EventLoop:
       / ``cold_backward_s`` (in proportion, for an op smaller than the block they were measured on)
       more CPU time when another resource's compute ran on its cores since its
       resource's previous op started (that work took over the caches). On an idle core none applies but
-      ``sleep_late_s``: an emulated device's sleep after a block ends that much late, wherever it runs (a
-      sleep-mode device's too, ``to_target``: its sleep to the block's target; measured on a stretched
-      block's, the same timer).
+      ``sleep_late_s``: a stretched device's sleep after a block ends that much late, wherever it runs (a
+      sleep-mode device's block ends at its target: runtime/trace.py ``EmulatedTarget`` spins out the last
+      of its wait, and reports any lateness left as an overrun).
     * A ``hot`` compute op pays neither the ``resume`` nor the cold-cache penalty: it works on what an op of
       its own resource produced (a split backward's W on its B's gradients), and traced runs show no such
       penalty on it (the hand-off's scheduling delays still apply).
@@ -308,13 +306,11 @@ def _signature(loop: EventLoop, queues: list[list[str]], pi: int) -> tuple | Non
     return tuple(out)
 
 
-def emulated_sleep(stretch: float, cpu: float, comm_cpu: float, handoff: CoreHandoff | None,
-                   to_target: bool = False) -> float:
-    """How long an emulated device sleeps after a compute op of ``cpu`` (+ its collectives' ``comm_cpu``)
-    CPU seconds: a stretched device ``stretch - 1`` times that; either kind's sleep (a sleep-mode block's
-    to its target, ``to_target``) ending ``handoff.sleep_late_s`` late, on an idle core too."""
+def emulated_sleep(stretch: float, cpu: float, comm_cpu: float, handoff: CoreHandoff | None) -> float:
+    """How long a stretched device sleeps after a compute op of ``cpu`` (+ its collectives' ``comm_cpu``)
+    CPU seconds: ``stretch - 1`` times that, ending ``handoff.sleep_late_s`` late, on an idle core too."""
     sleep = (stretch - 1.0) * (cpu + comm_cpu)
-    if (sleep > 0 or to_target) and handoff is not None:
+    if sleep > 0 and handoff is not None:
         sleep += handoff.sleep_late_s
     return sleep
 
@@ -567,7 +563,7 @@ class _Run:
             self.cpu_end[op.resource] = cpu_done
         cpu = self.used.get(name, self.work[name])
         handoff = op.handoff.handoff_s if op.handoff is not None and self.core_busy(name) else 0.0
-        return cpu_done + handoff + op.comm + emulated_sleep(op.stretch, cpu, op.comm_cpu, op.handoff, op.to_target)
+        return cpu_done + handoff + op.comm + emulated_sleep(op.stretch, cpu, op.comm_cpu, op.handoff)
 
 
 def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
@@ -758,7 +754,6 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
             device_type = costs.type_of[st.devices[0]]
             resume, wake, waiting = cm.host.resume_penalty(device_type), cm.host.comm_wake(device_type), \
                 costs.waiting(st.devices)
-            to_target = cm.host.sleeps_to_target(device_type)
             # The executor's CPU per message (measured; none charged without the figure): each post, and the
             # unpacking after each wait for a receive, on the stage's cores (ops of its own resource).
             per_msg = cm.host.p2p_actions(device_type)
@@ -782,7 +777,7 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     # 13.2 ms of CPU per step against 20.4 / 27.9 ms simulated with the resume and cold
                     # penalties, their priced CPU alone about what each measured (1.76 vs 1.65 ms).
                     sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=resume, hot=a.kind == "W",
-                                  to_target=to_target, **fields))
+                                  **fields))
                 elif isinstance(a, (PostSend, PostRecv)):
                     post = (0.0 if per_msg is None else per_msg.post_send_s if isinstance(a, PostSend)
                             else per_msg.post_recv_s)

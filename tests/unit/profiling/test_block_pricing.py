@@ -171,11 +171,10 @@ def test_packed_documents_pay_attention_per_document_and_the_fixed_cost_once():
     assert block_seconds(p, TINY, alone) == pytest.approx(block_seconds(p, TINY, whole))
 
 
-def test_a_sleep_mode_blocks_sleep_ends_late_like_a_stretched_ones():
-    """A sleep-mode block sleeps until its target, on the same timer as a stretched block's sleep: with the
-    profile's measured slack of 10 ms, each of the pipeline's 2 forwards and 2 backwards ends 10 ms late
-    (hand-computed: 4 x 0.01 s on its blocks' targets), in the simulator and in the estimate alike. The host
-    model's other effects still stay out (one shared core, a resume penalty: nothing else)."""
+def test_a_sleep_mode_block_lasts_its_target_whatever_the_host_measured():
+    """A sleep-mode block ends at its target (runtime/trace.py ``EmulatedTarget`` spins out the end of its
+    wait), so a profile's measured sleep slack and hand-off delays, which a stretched block's plain sleep
+    pays, change nothing: the simulator and the estimate give the same step as without them."""
     late = CoreHandoff(handoff_s=0.5, wake_s=0.5, recv_wake_s=0.5, cold_forward_s=1.0, sleep_late_s=0.01)
     ps = sleep_profiles(cores=1)
     ps = ProfileSet({t: ResolvedProfile(dataclasses.replace(ps[t], models={"tiny": dataclasses.replace(
@@ -185,5 +184,5 @@ def test_a_sleep_mode_blocks_sleep_ends_late_like_a_stretched_ones():
     dp = Strategy("dp", (Pipeline(2, (Stage((0,), (0, 6)),)), Pipeline(2, (Stage((2,), (0, 6)),))))
     plain, slack = simulate(base, dp, 4), simulate(cm, dp, 4)
     for pi in (0, 1):
-        assert slack.pipeline_end_s[pi] == pytest.approx(plain.pipeline_end_s[pi] + 4 * 0.01)
-        assert cm.pipeline_step_time(dp, pi, "1f1b") == pytest.approx(base.pipeline_step_time(dp, pi, "1f1b") + 0.04)
+        assert slack.pipeline_end_s[pi] == pytest.approx(plain.pipeline_end_s[pi])
+        assert cm.pipeline_step_time(dp, pi, "1f1b") == pytest.approx(base.pipeline_step_time(dp, pi, "1f1b"))

@@ -25,7 +25,7 @@ def target_hook(targets: dict[str, float], inner=None):
         slept.append(s)
         clock.t += s
 
-    hook = EmulatedTarget(lambda name, args: targets.get(name), inner, sleep=sleep, clock=clock)
+    hook = EmulatedTarget(lambda name, args: targets.get(name), inner, sleep=sleep, clock=clock, spin_s=0.0)
     return hook, clock, slept
 
 
@@ -86,7 +86,7 @@ def test_the_pricing_sees_the_span_name_and_args():
     seen = []
     clock = FakeClock()
     hook = EmulatedTarget(lambda name, args: seen.append((name, dict(args))) or None, clock=clock,
-                          sleep=lambda s: None)
+                          sleep=lambda s: None, spin_s=0.0)
     with hook.span("compute", "backward", micro_batch=2):
         pass
     with hook.span("comm", "grad_sync"):
@@ -102,5 +102,46 @@ def test_every_block_lasts_the_longer_of_its_target_and_its_real_work(target, re
         clock.t += real
     assert clock.t == pytest.approx(max(target, real))
     slept, over = hook.take_emulated_s(), hook.take_overrun_s()
-    assert slept >= 0 and over >= 0 and slept * over == 0
+    assert slept >= 0 and over >= 0 and min(slept, over) == pytest.approx(0.0, abs=1e-9)
     assert slept - over == pytest.approx(target - real)
+
+
+class WakingClock(FakeClock):
+    """A host whose sleeps wake ``wake_late_s`` after their end and whose clock advances 1 us per reading
+    (so a spin on it ends)."""
+
+    def __init__(self, wake_late_s: float) -> None:
+        super().__init__()
+        self.wake_late_s = wake_late_s
+
+    def __call__(self) -> float:
+        self.t += 1e-6
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s + self.wake_late_s
+
+
+@pytest.mark.parametrize("wake_late_s", [0.0, 0.0002, 0.00049])
+def test_the_spin_absorbs_a_late_wake_up(wake_late_s):
+    """The OS sleep ends 0.5 ms before the deadline and the spin waits out the rest: a wake-up up to that
+    late still ends the block at its target (to the fake clock's 1 us readings), and nothing is overrun."""
+    clock = WakingClock(wake_late_s)
+    hook = EmulatedTarget(lambda name, args: 0.020, clock=clock, sleep=clock.sleep, spin_s=0.0005)
+    t0 = clock.t
+    with hook.span("compute", "forward"):
+        clock.t += 0.003
+    assert clock.t - t0 == pytest.approx(0.020, abs=5e-6)
+    assert hook.take_overrun_s() == pytest.approx(0.0, abs=5e-6)
+
+
+def test_a_wake_up_later_than_the_spin_is_an_overrun():
+    """Woken 2 ms late, past the 0.5 ms spin: the block lasts 1.5 ms beyond its target, reported as overrun."""
+    clock = WakingClock(0.002)
+    hook = EmulatedTarget(lambda name, args: 0.020, clock=clock, sleep=clock.sleep, spin_s=0.0005)
+    t0 = clock.t
+    with hook.span("compute", "forward"):
+        clock.t += 0.003
+    assert clock.t - t0 == pytest.approx(0.0215, abs=5e-6)
+    assert hook.take_overrun_s() == pytest.approx(0.0015, abs=5e-6)
+    assert hook.take_emulated_s() == pytest.approx(0.017, abs=5e-6)
