@@ -34,6 +34,9 @@ planner can call them millions of times:
   pieces), its messages sharing ports and NICs (planner/links.py); ``transfer_time(a, b, nbytes)`` one
   message (measured link curves, else ``link(a, b)``'s latency and bandwidth); ``serialises(devices)``
   whether a tick's sends and receives serialise, as the profile says (``tick_seconds``, planner/links.py).
+  ``hop_time(strategy, src, dst)``: the same as a run of ``strategy`` carries it, with the emulated host's
+  delay where its launcher pins a sender and its receiver to one core (``HostModel.shared_core_delay``);
+  the estimate and the simulator price boundaries with it.
 * ``allreduce_time(devices, nbytes)``: one ring all-reduce (measured curves by size for its link class,
   across nodes too, when the profiles have them).
 * ``sync_plan(strategy) -> [SyncGroup]``: the cross-pipeline gradient sync exactly as the runtime lays it
@@ -857,6 +860,15 @@ class CostModel:
     def _p2p_time(self, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
         return concurrent_seconds(self.boundary_flows(src, dst), self.transfer_time, self._node_of, self._nic_of)
 
+    def hop_time(self, strategy: Strategy, src: Sequence[int], dst: Sequence[int]) -> float:
+        """One boundary message of ``strategy`` as its run carries it: ``p2p_time``, and on an emulated host
+        the delay when the launcher pins its sender and receiver to one core (``HostModel.shared_core_delay``)."""
+        return self.p2p_time(src, dst) + self._shared_core_delay(tuple(strategy.devices), tuple(src), tuple(dst))
+
+    @memo
+    def _shared_core_delay(self, devices: tuple[int, ...], src: tuple[int, ...], dst: tuple[int, ...]) -> float:
+        return self.host.shared_core_delay(devices, src, dst)
+
     def serialises(self, devices: Sequence[int]) -> bool:
         """Whether a transfer's send and receive directions share the link one after the other (the
         profile's ``comm.serialised_send_recv`` of any of ``devices``), else full duplex."""
@@ -1239,8 +1251,8 @@ class CostModel:
         boundary = []
         for j in range(layout.num_stages - 1):
             a, b = pipe.stages[layout.device(j)], pipe.stages[layout.device(j + 1)]
-            boundary.append(0.0 if a is b else max(self.p2p_time(a.devices, b.devices),
-                                                   self.p2p_time(b.devices, a.devices)))
+            boundary.append(0.0 if a is b else max(self.hop_time(strategy, a.devices, b.devices),
+                                                   self.hop_time(strategy, b.devices, a.devices)))
         return Costs(tuple(chunks), tuple(boundary))
 
     @memo
@@ -1382,7 +1394,7 @@ class CostModel:
         for the list scheduler's time (``pipeline_step_time``), which the best plans then get."""
         pipe = strategy.pipelines[pi]
         stages = [self.stage_total(s) for s in pipe.stages]
-        boundary = [self.p2p_time(a.devices, b.devices) + self.p2p_time(b.devices, a.devices)
+        boundary = [self.hop_time(strategy, a.devices, b.devices) + self.hop_time(strategy, b.devices, a.devices)
                     for a, b in zip(pipe.stages, pipe.stages[1:])]
         return pipeline_time([s.forward_s for s in stages], [s.backward_s for s in stages], pipe.micro_batches,
                              "1f1b", boundary)
@@ -1486,7 +1498,7 @@ class CostModel:
         pipe = strategy.pipelines[pi]
         name = pipe.schedule if pipe.schedule is not None else schedule
         stages = tuple(self.stage_total(s) for s in pipe.stages)
-        boundary = tuple(self.p2p_time(a.devices, b.devices) + self.p2p_time(b.devices, a.devices)
+        boundary = tuple(self.hop_time(strategy, a.devices, b.devices) + self.hop_time(strategy, b.devices, a.devices)
                          for a, b in zip(pipe.stages, pipe.stages[1:]))
         t = self.pipeline_step_time(strategy, pi, name) if time_s is None else time_s
         return PipelineEstimate(pipe.micro_batches, stages, boundary, t, name, pipe.stages[0].chunks)

@@ -83,6 +83,22 @@ class HostModel:
         prof = self._figures(device_type)
         return None if prof is None else prof.comm.p2p_actions
 
+    def shared_core_delay(self, devices: Sequence[int], src: Sequence[int], dst: Sequence[int]) -> float:
+        """How much later a boundary message from stage ``src`` to ``dst`` arrives because the launcher pins
+        a sender and its receiver to one core (the plan's ``devices`` decide the pinning): the measured
+        ``CommFigures.shared_core_p2p_s`` of the sender's type, the sender going on computing after its post
+        as a stage does. Only between sleep-mode devices: where compute contends for the cores, the
+        simulator plays the busy core's delays per op instead (``CoreHandoff.recv_wake_s``)."""
+        if any(self.contended(self.cluster.device(d).type) for d in (*src, *dst)):
+            return 0.0
+        cores = [c for n in {self.cluster.device(d).node for d in (*src, *dst)} if (c := self.host_cores(n))]
+        if not cores:
+            return 0.0
+        _, pinned = emulated_cpu_shares(devices, self.cluster.num_devices, range(min(cores)))
+        shared = [a for a, b in zip(src, dst) if set(pinned.get(a, ())) & set(pinned.get(b, ()))]
+        figures = [self._figures(self.cluster.device(a).type) for a in shared]
+        return max((p.comm.shared_core_p2p_s for p in figures if p is not None), default=0.0)
+
     def core_sharing(self, device_type: str) -> float:
         """Efficiency of two emulated devices' processes time-sharing one CPU core, at this sequence length
         (measured profiles: interpolated in log length between the measured ones; 1 otherwise)."""

@@ -744,7 +744,7 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     if pair is None:
                         src, dst = pipe.stages[msg.src].devices, pipe.stages[msg.dst].devices
                         pair = pairs[msg.src, msg.dst] = (
-                            cm.p2p_time(src, dst), f"p{pi}link{k}-{max(msg.src, msg.dst)}"
+                            cm.hop_time(costs.strategy, src, dst), f"p{pi}link{k}-{max(msg.src, msg.dst)}"
                             if cm.serialises(src + dst) else f"p{pi}link{msg.src}>{msg.dst}")
                     name = names[msg]
                     sim.add(SimOp(name, pair[1], OpKind.P2P, pi, msg.src, msg.micro_batch, duration=pair[0],

@@ -227,6 +227,64 @@ def p2p_actions(rank: int, device: torch.device, shape: Sequence[int], reps: int
                       wait_recv_s=rounded(res[2].item()))
 
 
+def shared_core_p2p(rank: int, pair: tuple[int, int], device: torch.device, shape: Sequence[int], reps: int = 30,
+                    busy_s: float = 0.002, settle_s: float = 0.005) -> float:
+    """How much later a boundary message between the two ranks of ``pair`` (pinned to one core) arrives when
+    its sender computes right after posting it, as a pipeline stage posts its output and goes on to its
+    next block, than when the sender waits (inside an initialised process group; every rank takes part).
+    The first rank of ``pair`` sends a boundary tensor of ``shape`` through the engine's
+    ``BoundaryChannel`` ``reps`` times per case, alternating the cases; the receiver blocks in its wait and
+    notes when the message has arrived; the sender's post time comes after it (one host's clock). The
+    sender's compute is ``busy_s`` of matrix products: on this host the delay does not depend on its length
+    (1.9 ms after 1, 2, 4 and 8 ms). Returns the difference of the cases' means, on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from runtime.annotations import Annotation
+    from runtime.comm.resolve import resolve
+    from runtime.engine.pipeline import BoundaryChannel
+
+    src, dst = pair
+    op = resolve(Annotation.spmd([0]), Annotation.spmd([1]), tuple(shape))
+    x = torch.randn(*shape, device=device)
+    a = torch.randn(128, 128, device=device)
+    stamp = torch.zeros(1, dtype=torch.float64)
+    ranks = {0: src, 1: dst}
+    arrivals: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(2 * (reps + 1)):   # the first of each case warms up
+        busy = bool(i % 2)
+        channel = BoundaryChannel(0 if rank == src else 1, ranks) if rank in pair else None
+        if rank == dst:
+            assert channel is not None
+            channel.post_recv(i, op, dtype=x.dtype, device=device)
+        dist.barrier()
+        if rank == src:   # the receiver is blocked in its wait by now, as a stage waiting for its input is
+            assert channel is not None
+            time.sleep(settle_s)
+            t0 = time.perf_counter()
+            channel.post_send(op, x)
+            end = t0 + busy_s
+            while busy and time.perf_counter() < end:
+                a @ a
+            channel.wait_sends()
+            dist.send(stamp.fill_(t0), dst)
+        elif rank == dst:
+            assert channel is not None
+            channel.wait_recv(i)
+            arrived = time.perf_counter()
+            dist.recv(stamp, src)
+            if i >= 2:
+                arrivals[busy].append(arrived - stamp.item())
+        dist.barrier()
+    res = torch.zeros(1, dtype=torch.float64)
+    if rank == dst:
+        # Means: the delay comes or not (0.35 or ~2.2 ms, about half the time each here), and a step pays
+        # the sum over its boundaries, their mean.
+        res[0] = max(0.0, statistics.fmean(arrivals[True]) - statistics.fmean(arrivals[False]))
+    dist.all_reduce(res)
+    return rounded(res[0].item())
+
+
 def core_sharing(rank: int, pair: tuple[int, int], model: ModelSpec, seq_lens: Sequence[int], *,
                  device: torch.device | str = "cpu", duration_s: float = 0.25, pairs: int = 5) -> dict[int, float]:
     """How well two processes pinned to one core share it (inside an initialised process group; ranks

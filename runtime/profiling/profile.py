@@ -328,10 +328,17 @@ class CommFigures:
     # A device's send and receive posted at one schedule tick serialise on its links (half duplex, or
     # one connection per peer pair carrying both directions in turn); False: they overlap.
     serialised_send_recv: bool = False
+    # Measured (CPU hosts): how much later, on average, a boundary message between two workers pinned to one
+    # core arrives when its sender computes right after posting it than when it does not (the receiver, and
+    # the sender's own transport thread, wait for the sender's time slice about half the time); 0: not
+    # measured.
+    shared_core_p2p_s: float = 0.0
 
     def __post_init__(self) -> None:
         with Checker() as c:
             c.each(self, ("p2p_latency_s", "allreduce_latency_s"), lambda v: v >= 0, "must not be negative")
+            c.check(self.shared_core_p2p_s >= 0 and math.isfinite(self.shared_core_p2p_s), "shared_core_p2p_s",
+                    f"must be a non-negative number of seconds, got {self.shared_core_p2p_s!r}")
             c.each(self, ("bandwidth_efficiency",), lambda v: 0 < v <= 1, "must be in (0, 1]")
             sizes = [("allreduce", self.allreduce), ("allgather", self.allgather)]
             sizes += [(f"allreduce_curves.{cls}", curves) for cls, curves in self.allreduce_curves.items()]

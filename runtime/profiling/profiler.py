@@ -231,7 +231,8 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
         allreduce_latency_s=rounded(allreduce[n_ar].latency_s / (2 * (n_ar - 1))) if allreduce else (15e-6 if cuda
                                                                                                 else 1e-3),
         bandwidth_efficiency=0.75, p2p=p2p, allreduce=allreduce, allgather=links.get("allgather", {}),
-        p2p_wake=links.get("p2p_wake"), p2p_actions=links.get("p2p_actions"))
+        p2p_wake=links.get("p2p_wake"), p2p_actions=links.get("p2p_actions"),
+        shared_core_p2p_s=links.get("shared_core_p2p_s", 0.0))
     memory = MemoryFigures(framework_overhead_gib=rounded(links.get("rss_gib", 0.0) or (2.0 if cuda else 0.3)),
                            cast_bytes=2.0 if cuda else 0.0)   # the profiles' compute: bf16 autocast on CUDA only
     optimizer = OptimizerFit(*(rounded(x * slowdown) for x in (opt.seconds_per_param, opt.fixed_s,
@@ -320,7 +321,10 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
                 if samples is not None:
                     overhead.setdefault(model.name, {})[t] = samples
             dist.barrier()
-        sharing, handoff = {}, {}
+        sharing, handoff, shared_p2p = {}, {}, 0.0
+        if pair is not None and not cuda and models:
+            shared_p2p = host.shared_core_p2p(rank, pair, dev, _boundary_shape(models[0], settings),
+                                              reps=30 if settings.component_budget_s > 0 else 6)
         if pair is not None and not cuda:
             for model in models:
                 lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
@@ -331,8 +335,8 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
                                              duration_s=1.0 if settings.component_budget_s > 0 else 0.1)
                 handoff[model.name] = {s: host.handoff_figures(r) for s, r in raw.items()}
         if rank == 0:
-            out.update(p2p_wake=wake, p2p_actions=actions, tp_overhead=overhead, core_sharing=sharing,
-                       core_handoff=handoff, rss_gib=_rss_gib() if not cuda else 0.0)
+            out.update(p2p_wake=wake, p2p_actions=actions, shared_core_p2p_s=shared_p2p, tp_overhead=overhead,
+                       core_sharing=sharing, core_handoff=handoff, rss_gib=_rss_gib() if not cuda else 0.0)
             queue.put(out)
         dist.barrier()
         dist.destroy_process_group()

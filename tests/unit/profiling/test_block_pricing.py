@@ -186,3 +186,41 @@ def test_a_sleep_mode_block_lasts_its_target_whatever_the_host_measured():
     for pi in (0, 1):
         assert slack.pipeline_end_s[pi] == pytest.approx(plain.pipeline_end_s[pi])
         assert cm.pipeline_step_time(dp, pi, "1f1b") == pytest.approx(base.pipeline_step_time(dp, pi, "1f1b"))
+
+
+def with_shared_core_delay(ps: ProfileSet, delay: float) -> ProfileSet:
+    return ProfileSet({t: ResolvedProfile(dataclasses.replace(ps[t], comm=dataclasses.replace(
+        ps[t].comm, shared_core_p2p_s=delay)), None) for t in ps})
+
+
+@pytest.mark.parametrize("pipes, shared", [(((0, 2), (1, 3)), True), (((0, 1), (2, 3)), False)])
+def test_a_boundary_between_workers_pinned_to_one_core_arrives_later(pipes, shared):
+    """Two cores, four sleep-mode devices: the launcher pins the plan's devices to cores 0, 1, 0, 1 in id
+    order, so stage boundaries 0 -> 2 and 1 -> 3 join workers sharing a core, 0 -> 1 and 2 -> 3 do not. With
+    the measured 10 ms (``shared_core_p2p_s``) and one micro-batch per pipeline, each pipeline's step
+    crosses its boundary twice (F, then B): 20 ms later where shared (hand-computed), the same where not,
+    in the simulator and in the estimate alike."""
+    ps = sleep_profiles(cores=2)
+    base = CostModel(TINY, SLEEP4, ps, micro_batch=1, seq_len=64, step_allreduce=False)
+    cm = CostModel(TINY, SLEEP4, with_shared_core_delay(ps, 0.01), micro_batch=1, seq_len=64, step_allreduce=False)
+    strat = Strategy("pp", tuple(Pipeline(1, (Stage((a,), (0, 3)), Stage((b,), (3, 6)))) for a, b in pipes))
+    extra = 0.01 if shared else 0.0
+    for a, b in pipes:
+        assert cm.hop_time(strat, (a,), (b,)) == pytest.approx(base.p2p_time((a,), (b,)) + extra)
+        assert cm.hop_time(strat, (b,), (a,)) == pytest.approx(base.p2p_time((b,), (a,)) + extra)
+    plain, late = simulate(base, strat, 2), simulate(cm, strat, 2)
+    for pi in (0, 1):
+        assert late.pipeline_end_s[pi] == pytest.approx(plain.pipeline_end_s[pi] + 2 * extra)
+        assert cm.pipeline_step_time(strat, pi, "1f1b") == pytest.approx(
+            base.pipeline_step_time(strat, pi, "1f1b") + 2 * extra)
+
+
+def test_a_stretched_device_plays_the_shared_core_per_op_instead():
+    """Where compute contends for the cores (stretch mode) the simulator plays the busy core's delays op by
+    op (``CoreHandoff.recv_wake_s``): the measured shared-core delay is not added to its transfers."""
+    ps = ProfileSet({t: ResolvedProfile(dataclasses.replace(measured(t), compute=dataclasses.replace(
+        measured(t).compute, host_cores=2)), None) for t in STRETCH4.device_types})
+    cm = CostModel(TINY, STRETCH4, with_shared_core_delay(ps, 0.01), micro_batch=1, seq_len=64)
+    strat = Strategy("pp", (Pipeline(1, (Stage((0,), (0, 3)), Stage((2,), (3, 6)))),
+                            Pipeline(1, (Stage((1,), (0, 6)),)), Pipeline(1, (Stage((3,), (0, 6)),))))
+    assert cm.hop_time(strat, (0,), (2,)) == pytest.approx(cm.p2p_time((0,), (2,)))

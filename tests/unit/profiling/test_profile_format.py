@@ -89,6 +89,7 @@ def test_profile_written_before_the_new_fields_still_loads(tmp_path: Path):
     assert old.models["llama-tiny"].core_handoff == {}
     assert old.comm.p2p_wake is None and old.step_overhead == OptimizerFit(0.0)
     assert old.comm.p2p_actions is None   # no CPU charged per message
+    assert old.comm.shared_core_p2p_s == 0.0   # no delay for workers sharing a core
 
 
 def test_every_shipped_spec_profile_loads():
@@ -119,6 +120,8 @@ def test_every_shipped_spec_profile_loads():
     (lambda d: d["models"]["llama-tiny"]["core_handoff"].update({0: {"handoff_s": 0, "wake_s": 0, "recv_wake_s": 0}}),
      "models.llama-tiny.core_handoff.0: must be keyed by a positive sequence length"),
     (lambda d: d.update(version=9), "version: version 9 is newer than this hspmd reads (1)"),
+    (lambda d: d["comm"].update(shared_core_p2p_s=-0.001),
+     "comm.shared_core_p2p_s: must be a non-negative number of seconds, got -0.001"),
 ])
 def test_bad_field_names_file_and_field(tmp_path: Path, edit, message):
     data = yaml.safe_load(dump_profile(measured()))
