@@ -126,6 +126,7 @@ from runtime.profiling.profile import (
     LinkCurve,
     LinkFit,
     MeasuredModel,
+    P2pAction,
     P2pActions,
     ProfileSet,
     SleepTarget,
@@ -1281,20 +1282,31 @@ class CostModel:
             d, c = layout.device(j), layout.chunk(j)
             acts = per_stage[d]
             f = b = late[d]
+            cc = out[d][c]
             if acts is not None:
-                recv = acts.post_recv_s + acts.wait_recv_s
                 before = j > 0 and layout.device(j - 1) != d     # F receives, B sends
                 after = j < last and layout.device(j + 1) != d   # F sends, B receives
-                f += (recv if before else 0.0) + (acts.post_send_s if after else 0.0)
-                b += (recv if after else 0.0) + (acts.post_send_s if before else 0.0)
+                dtype = self._type_of[pipe.stages[d].devices[0]]
+                f += self._actions_s(acts, dtype, cc.forward, before, after)
+                b += self._actions_s(acts, dtype, cc.input_grad, after, before)
             if f or b:
-                cc = out[d][c]
                 # A fused BW is one block (one sleep), a split backward two (B and W).
                 out[d][c] = dataclasses.replace(cc, forward=cc.forward + f, input_grad=cc.input_grad + b,
                                                 weight_grad=cc.weight_grad + late[d],
                                                 full_backward=cc.input_grad + cc.weight_grad + b
                                                 if cc.full_backward is None else cc.full_backward + b)
         return [tuple(row) for row in out]
+
+    def _actions_s(self, acts: P2pActions, device_type: str, block_s: float, receives: bool, sends: bool) -> float:
+        """The executor's CPU around one block of ``block_s`` that receives and / or sends a boundary
+        message: its send and its receive's unpacking each after the device idled as long as such a block
+        leaves it idle (a sleep-mode block all of it, a stretched one its sleep), the receive's post hot (a
+        stage posts it with the tick's other messages, right after a send or at the step's start). The
+        simulator plays the real idle before each action."""
+        k = self.host.emulated_slowdown(device_type)
+        idle = block_s if self.host.sleeps_to_target(device_type) else (k - 1.0) / k * block_s
+        cold: list[P2pAction] = (["wait_recv"] if receives else []) + (["post_send"] if sends else [])
+        return sum(acts.after_idle(a, idle) for a in cold) + (acts.hot("post_recv") if receives else 0.0)
 
     def pipeline_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
         """Pipeline ``pi``'s part of the step under its schedule (``schedule`` unless it names its own): the

@@ -162,6 +162,9 @@ class SimOp:
     # The ``resume`` penalty's idle time also runs from this resource's last CPU work (the later of the
     # two): a device's optimizer step follows its stage's compute, on a resource of its own.
     idle_from: str = ""
+    # A sleep-mode device's block: a sleep to its target after a little real work, so for the caches the
+    # device idles from the block's start (what a ``HOST`` op after it pays its ``resume`` for).
+    asleep: bool = False
 
     @property
     def computes(self) -> bool:
@@ -208,8 +211,11 @@ class EventLoop:
       penalty on it (the hand-off's scheduling delays still apply).
     * A ``HOST`` op (the executor posting a message, or unpacking one it waited for) is CPU work on its
       cores like a block's, never stretched, but no block: a device's idle time for the ``resume`` penalty
-      runs from its previous block, and it neither takes over another resource's caches nor counts as that
-      resource's core-mate computing for the hand-off (a fraction of a millisecond, between blocks).
+      runs from its previous block (a ``HOST`` op's own ``resume``, the action's cold cost
+      ``P2pActions.cold``, from the later of that and its previous ``HOST`` op; a sleep-mode block,
+      ``asleep``, counts as idle from its start), and it neither takes over another resource's caches nor
+      counts as that resource's core-mate computing for the hand-off (a fraction of a millisecond, between
+      blocks).
     """
 
     def __init__(self, cores: dict[str, float] | None = None) -> None:
@@ -347,6 +353,7 @@ class _Run:
         self.used: dict[str, float] = {}     # compute op -> CPU time it consumed (more than work when sharing)
         # resource -> when its last compute op's CPU work ended (before the step: its idle before it)
         self.cpu_end: dict[str, float] = {r: -t for r, t in loop.idle_before.items()}
+        self.host_end: dict[str, float] = {}  # resource -> when its last HOST op's CPU work ended
         self.pending: dict[str, float] = {}  # compute op -> when it gets its core (a wake-up on a busy core)
         self.slept: dict[str, bool] = {}     # resource -> its last op ended in an emulated device's sleep
         self.idle_since: dict[str, float] = {}  # resource -> when its last op completed
@@ -501,6 +508,8 @@ class _Run:
             since = self.cpu_end.get(r, 0.0)
             if op.idle_from:
                 since = max(since, self.cpu_end.get(op.idle_from, since))
+            if op.kind is OpKind.HOST:   # right after another action its caches are warm
+                since = max(since, self.host_end.get(r, since))
             self.work[name] += op.resume.extra_s(self.now - since, op.kind is OpKind.BACKWARD, op.cpu)
         mine = [(h, r) for h, _ in op.hosts]
         if (op.handoff is not None and op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and not op.hot
@@ -560,7 +569,9 @@ class _Run:
     def compute_tail(self, name: str, cpu_done: float) -> float:
         op = self.ops[name]
         if op.kind is not OpKind.HOST:   # a device idles (cold caches) from one block to the next
-            self.cpu_end[op.resource] = cpu_done
+            self.cpu_end[op.resource] = self.starts[name] if op.asleep else cpu_done
+        else:
+            self.host_end[op.resource] = cpu_done
         cpu = self.used.get(name, self.work[name])
         handoff = op.handoff.handoff_s if op.handoff is not None and self.core_busy(name) else 0.0
         return cpu_done + handoff + op.comm + emulated_sleep(op.stretch, cpu, op.comm_cpu, op.handoff)
@@ -757,6 +768,7 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
             # The executor's CPU per message (measured; none charged without the figure): each post, and the
             # unpacking after each wait for a receive, on the stage's cores (ops of its own resource).
             per_msg = cm.host.p2p_actions(device_type)
+            asleep = cm.host.sleeps_to_target(device_type)
             hosts = waiting["hosts"]
             blocks: dict[tuple[str, int], dict[str, Any]] = {}   # the stage's op fields per (kind, chunk)
             sent: list[str] = []
@@ -777,12 +789,13 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     # 13.2 ms of CPU per step against 20.4 / 27.9 ms simulated with the resume and cold
                     # penalties, their priced CPU alone about what each measured (1.76 vs 1.65 ms).
                     sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=resume, hot=a.kind == "W",
-                                  **fields))
+                                  asleep=asleep, **fields))
                 elif isinstance(a, (PostSend, PostRecv)):
-                    post = (0.0 if per_msg is None else per_msg.post_send_s if isinstance(a, PostSend)
-                            else per_msg.post_recv_s)
+                    action = "post_send" if isinstance(a, PostSend) else "post_recv"
+                    post = 0.0 if per_msg is None else per_msg.hot(action)
                     sim.add(SimOp(name, res, OpKind.HOST if post > 0 else None, pi, k, a.message.micro_batch,
-                                  cpu=post, hosts=hosts if post > 0 else ()))
+                                  cpu=post, hosts=hosts if post > 0 else (),
+                                  resume=None if per_msg is None else per_msg.cold(action)))
                     if isinstance(a, PostSend):
                         sent.append(names[a.message])
                 else:
@@ -792,7 +805,7 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     if isinstance(a, WaitRecv) and per_msg is not None and per_msg.wait_recv_s > 0:
                         name = f"{name}u"   # the message unpacked (the stage's next op waits for it)
                         sim.add(SimOp(name, res, OpKind.HOST, pi, k, a.message.micro_batch, cpu=per_msg.wait_recv_s,
-                                      hosts=hosts))
+                                      hosts=hosts, resume=per_msg.cold("wait_recv")))
             last[pi, k] = name
     return last, tp_s, labels
 

@@ -237,6 +237,12 @@ def show(profile_ref: str, fmt: str) -> None:
         a = cm.p2p_actions
         con.print(f"  executor CPU per message: send post {a.post_send_s * 1e3:.3f} ms, receive post "
                   f"{a.post_recv_s * 1e3:.3f} ms, receive wait {a.wait_recv_s * 1e3:.3f} ms")
+        if a.cold_tau_s > 0:
+            con.print(f"    after idling: up to {a.cold_post_send_s * 1e3:.3f} / {a.cold_post_recv_s * 1e3:.3f} / "
+                      f"{a.cold_wait_recv_s * 1e3:.3f} ms more (time constant {a.cold_tau_s * 1e3:.1f} ms)")
+    if cm.shared_core_p2p_s:
+        con.print(f"  a boundary message between workers pinned to one core: {cm.shared_core_p2p_s * 1e3:.3f} ms "
+                  "later when its sender computes on")
     for n, f in cm.allreduce.items():
         con.print(f"  all-reduce x{n}: {_link(f)}")
     curves = [(f"{cls} {d}", c) for cls, lc in cm.links.items() for d, c in (("send", lc.send), ("recv", lc.recv))]

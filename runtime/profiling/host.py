@@ -180,14 +180,17 @@ def p2p_wake(rank: int, device: torch.device, reps: int = 15,
 
 
 def p2p_actions(rank: int, device: torch.device, shape: Sequence[int], reps: int = 30,
-                settle_s: float = 0.002) -> P2pActions:
+                settle_s: float = 0.002, idles_s: Sequence[float] = (0.0, 0.004, 0.016, 0.048),
+                cold_reps: int = 10) -> P2pActions:
     """The executor's CPU per boundary-message action (inside an initialised process group of at least
     two ranks): rank 0 sends rank 1 a boundary tensor of ``shape`` through the engine's own
-    ``BoundaryChannel`` and op (runtime/engine/pipeline.py, as ``hspmd train`` posts it), ``reps`` times.
-    Timed on the thread that posts (CPU time, so that a preemption is no cost): rank 0's post of the send,
-    rank 1's post of the receive and, once the message has had ``settle_s`` to arrive, its wait (what is
-    left is unpacking it; the time spent blocked waiting is the transfer's, priced apart). Returned on
-    every rank (medians)."""
+    ``BoundaryChannel`` and op (runtime/engine/pipeline.py, as ``hspmd train`` posts it), ``reps`` times
+    back to back and ``cold_reps`` times after each of ``idles_s`` idle before every action (a stage posts
+    its messages after a block's sleep). Timed on the thread that posts (CPU time, so that a preemption
+    is no cost): rank 0's post of the send, rank 1's post of the receive and, once the message has had
+    ``settle_s`` to arrive, its wait (what is left is unpacking it; the time spent blocked waiting is the
+    transfer's, priced apart). Medians; the extra after idling fitted as ``peak * (1 - exp(-t / tau))``,
+    one tau for the three actions. Returned on every rank."""
     import torch
     import torch.distributed as dist
 
@@ -198,33 +201,45 @@ def p2p_actions(rank: int, device: torch.device, shape: Sequence[int], reps: int
     op = resolve(Annotation.spmd([0]), Annotation.spmd([1]), tuple(shape))
     x = torch.randn(*shape, device=device)
     ranks = {0: 0, 1: 1}
-    times: tuple[list[float], list[float], list[float]] = ([], [], [])
-    for i in range(reps + 2):   # the first two warm up
-        channel = BoundaryChannel(rank, ranks) if rank in ranks else None
-        if rank == 1:
-            assert channel is not None
-            c0 = time.thread_time()
-            channel.post_recv(i, op, dtype=x.dtype, device=device)
-            times[1].append(time.thread_time() - c0)
-        dist.barrier()
-        if rank == 0:
-            assert channel is not None
-            c0 = time.thread_time()
-            channel.post_send(op, x)
-            times[0].append(time.thread_time() - c0)
-        time.sleep(settle_s)
-        if rank == 1:
-            assert channel is not None
-            c0 = time.thread_time()
-            channel.wait_recv(i)
-            times[2].append(time.thread_time() - c0)
-        if channel is not None:
-            channel.wait_sends()
-        dist.barrier()
-    res = torch.tensor([statistics.median(t[2:]) if t else 0.0 for t in times], dtype=torch.float64)
-    dist.all_reduce(res)
-    return P2pActions(post_send_s=rounded(res[0].item()), post_recv_s=rounded(res[1].item()),
-                      wait_recv_s=rounded(res[2].item()))
+    medians = []
+    for idle in idles_s:
+        n = reps if idle == 0 else cold_reps
+        times: tuple[list[float], list[float], list[float]] = ([], [], [])
+        for i in range(n + 2):   # the first two warm up
+            channel = BoundaryChannel(rank, ranks) if rank in ranks else None
+            if rank == 1:
+                assert channel is not None
+                time.sleep(idle)
+                c0 = time.thread_time()
+                channel.post_recv(i, op, dtype=x.dtype, device=device)
+                times[1].append(time.thread_time() - c0)
+            dist.barrier()
+            if rank == 0:
+                assert channel is not None
+                time.sleep(idle)
+                c0 = time.thread_time()
+                channel.post_send(op, x)
+                times[0].append(time.thread_time() - c0)
+            time.sleep(max(settle_s, idle))
+            if rank == 1:
+                assert channel is not None
+                c0 = time.thread_time()
+                channel.wait_recv(i)
+                times[2].append(time.thread_time() - c0)
+            if channel is not None:
+                channel.wait_sends()
+            dist.barrier()
+        res = torch.tensor([statistics.median(t[2:]) if t else 0.0 for t in times], dtype=torch.float64)
+        dist.all_reduce(res)
+        medians.append(res.tolist())
+    hot = medians[0]
+    cold: tuple[float, ...] = (0.0, 0.0, 0.0)
+    tau = 0.0
+    if len(idles_s) > 1:
+        cold, tau = fit_saturating(idles_s, [[max(0.0, m[k] - hot[k]) for k in range(3)] for m in medians])
+    return P2pActions(post_send_s=rounded(hot[0]), post_recv_s=rounded(hot[1]), wait_recv_s=rounded(hot[2]),
+                      cold_post_send_s=rounded(cold[0]), cold_post_recv_s=rounded(cold[1]),
+                      cold_wait_recv_s=rounded(cold[2]), cold_tau_s=rounded(tau) if any(cold) else 0.0)
 
 
 def shared_core_p2p(rank: int, pair: tuple[int, int], device: torch.device, shape: Sequence[int], reps: int = 30,

@@ -585,6 +585,22 @@ def test_message_cpu_is_played_on_the_stage_and_priced_by_the_estimate():
     assert cm.pipeline_step_time(one, 0, "1f1b") == pytest.approx(base.pipeline_step_time(one, 0, "1f1b"))
 
 
+def test_an_action_after_idling_pays_its_cold_cost():
+    """The same pipeline with the actions' cold costs measured (saturated at any idle: tau 1 us): a send
+    right after its block's CPU and a receive's post right after a send or at the start are hot; each
+    unpack follows its stage's wait (stage 1's since its post at 0.05, stage 0's since 2.15), so both
+    pay 0.01 more: 12.24 + 2 x 0.01. The estimate charges a cold cost only for the idle a block leaves its
+    device, which a device that is neither stretched nor sleeping to targets does not have: unchanged."""
+    hot = P2pActions(post_send_s=0.1, post_recv_s=0.05, wait_recv_s=0.02)
+    cold = dataclasses.replace(hot, cold_post_send_s=0.5, cold_post_recv_s=0.3, cold_wait_recv_s=0.01,
+                               cold_tau_s=1e-6)
+    s = chain(1, [2, 2])
+    cm = cost_model(with_p2p_actions(profiles(), cold))
+    assert simulate(cm, s, 1).pipeline_end_s[0] == pytest.approx(12.26)
+    assert cm.pipeline_step_time(s, 0, "1f1b") == pytest.approx(
+        cost_model(with_p2p_actions(profiles(), hot)).pipeline_step_time(s, 0, "1f1b"))
+
+
 def test_message_cpu_scales_with_the_messages_a_schedule_sends():
     # Interleaved on 2 stages, 2 chunks each: 3 virtual-stage boundaries, every one across devices, so per
     # micro-batch each device posts 3 sends and 3 receives (of 2 x 3 messages) where 1F1B's 2 stages post 1

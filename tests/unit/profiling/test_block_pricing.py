@@ -16,6 +16,7 @@ from runtime.profiling.profile import (
     ComputeBlock,
     CoreHandoff,
     MeasuredModel,
+    P2pActions,
     ProfileSet,
     ResolvedProfile,
     ResumePenalty,
@@ -224,3 +225,25 @@ def test_a_stretched_device_plays_the_shared_core_per_op_instead():
     strat = Strategy("pp", (Pipeline(1, (Stage((0,), (0, 3)), Stage((2,), (3, 6)))),
                             Pipeline(1, (Stage((1,), (0, 6)),)), Pipeline(1, (Stage((3,), (0, 6)),))))
     assert cm.hop_time(strat, (0,), (2,)) == pytest.approx(cm.p2p_time((0,), (2,)))
+
+
+def test_a_sleep_mode_device_posts_its_messages_after_idling_through_its_block():
+    """A sleep-mode block is a sleep to its target after a little real work: the action after it pays its
+    cold cost (saturated here: tau 1 us). One micro-batch through two stages on devices 0 -> 1 (other
+    cores): stage 0's send after F, stage 1's unpack of it, stage 1's send after B and stage 0's unpack of
+    that lie on the path, 2 x (0.01 + 0.003) later (hand-computed; the receives' posts, at the start and
+    right after a send, stay hot), in the simulator and in the estimate alike."""
+    hot = P2pActions(post_send_s=0.001, post_recv_s=0.0005, wait_recv_s=0.0002)
+    cold = dataclasses.replace(hot, cold_post_send_s=0.01, cold_post_recv_s=0.5, cold_wait_recv_s=0.003,
+                               cold_tau_s=1e-6)
+
+    def model(acts: P2pActions) -> CostModel:
+        ps = sleep_profiles(cores=2)
+        ps = ProfileSet({t: ResolvedProfile(dataclasses.replace(ps[t], comm=dataclasses.replace(
+            ps[t].comm, p2p_actions=acts)), None) for t in ps})
+        return CostModel(TINY, SLEEP4, ps, micro_batch=1, seq_len=64, step_allreduce=False)
+
+    base, cm = model(hot), model(cold)
+    pp = Strategy("pp", (Pipeline(1, (Stage((0,), (0, 3)), Stage((1,), (3, 6)))),))
+    assert simulate(cm, pp, 1).pipeline_end_s[0] == pytest.approx(simulate(base, pp, 1).pipeline_end_s[0] + 0.026)
+    assert cm.pipeline_step_time(pp, 0, "1f1b") == pytest.approx(base.pipeline_step_time(pp, 0, "1f1b") + 0.026)

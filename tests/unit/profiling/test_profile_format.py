@@ -120,6 +120,8 @@ def test_every_shipped_spec_profile_loads():
     (lambda d: d["models"]["llama-tiny"]["core_handoff"].update({0: {"handoff_s": 0, "wake_s": 0, "recv_wake_s": 0}}),
      "models.llama-tiny.core_handoff.0: must be keyed by a positive sequence length"),
     (lambda d: d.update(version=9), "version: version 9 is newer than this hspmd reads (1)"),
+    (lambda d: d["comm"]["p2p_actions"].update(cold_tau_s=-1.0),
+     "comm.p2p_actions.cold_tau_s: must be a non-negative number of seconds"),
     (lambda d: d["comm"].update(shared_core_p2p_s=-0.001),
      "comm.shared_core_p2p_s: must be a non-negative number of seconds, got -0.001"),
 ])
