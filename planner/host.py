@@ -99,10 +99,14 @@ class HostModel:
         figures = [self._figures(self.cluster.device(a).type) for a in shared]
         return max((p.comm.shared_core_p2p_s for p in figures if p is not None), default=0.0)
 
-    def core_sharing(self, device_type: str) -> float:
+    def core_sharing(self, device_type: str, block_s: float = 0.0) -> float:
         """Efficiency of two emulated devices' processes time-sharing one CPU core, at this sequence length
-        (measured profiles: interpolated in log length between the measured ones; 1 otherwise)."""
+        (measured profiles: interpolated in log length between the measured ones; 1 otherwise), for a
+        stage whose forward + backward take ``block_s`` CPU seconds (``SharingCurve``; 0: the smallest
+        block measured)."""
         m = self._measured(device_type)
+        if m and m.core_sharing_curve:
+            return _log_interp(sorted((s, c.at(block_s)) for s, c in m.core_sharing_curve.items()), self.seq_len)
         return _log_interp(sorted(m.core_sharing.items()), self.seq_len) if m and m.core_sharing else 1.0
 
     def core_handoff(self, device_type: str) -> CoreHandoff | None:

@@ -692,14 +692,18 @@ class _Costs:
         total = sc.backward_s if op.kind == "BW" else cc.input_grad
         return total, sc.tp_backward_s, sc.tp_cpu_backward_s
 
-    def block(self, devices: Sequence[int], total: float, tp: float = 0.0, tp_cpu: float = 0.0) -> dict[str, Any]:
+    def block(self, devices: Sequence[int], total: float, tp: float = 0.0, tp_cpu: float = 0.0,
+              stage: StageCost | None = None) -> dict[str, Any]:
         """A compute block's ``SimOp`` fields: its CPU work (the device's stretch taken out), the TP
-        collectives' wall time and CPU time, the stretch, the cores it runs on. ``total``/``tp``/``tp_cpu``
-        as the cost model gives them."""
-        k = self.cm.host.emulated_slowdown(self.type_of[devices[0]])
+        collectives' wall time and CPU time, the stretch, the cores it runs on, and how well it shares them
+        (``HostModel.core_sharing`` for the size of ``stage``, the chunk or stage it belongs to: its
+        forward + backward CPU). ``total``/``tp``/``tp_cpu`` as the cost model gives them."""
+        dtype = self.type_of[devices[0]]
+        k = self.cm.host.emulated_slowdown(dtype)
         cpu, comm, comm_cpu = tp_block_split((total - tp) / k, tp - (k - 1.0) * tp_cpu, tp_cpu)
+        size = 0.0 if stage is None else stage.compute_s / k
         return {"cpu": cpu, "comm": comm, "comm_cpu": comm_cpu, "stretch": k,
-                **self.waiting(devices), "sharing": self.cm.host.core_sharing(self.type_of[devices[0]])}
+                **self.waiting(devices), "sharing": self.cm.host.core_sharing(dtype, size)}
 
     def sleep_after(self, device: int, total: float) -> float:
         """How long an emulated slower device sleeps after a block priced ``total`` (its sleep's slack
@@ -783,7 +787,8 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     kind = OpKind.FORWARD if a.kind == "F" else OpKind.BACKWARD
                     fields = blocks.get((a.kind, a.chunk))
                     if fields is None:
-                        fields = blocks[a.kind, a.chunk] = costs.block(st.devices, total, tp, tp_cpu)
+                        fields = blocks[a.kind, a.chunk] = costs.block(st.devices, total, tp, tp_cpu,
+                                                                       costs.chunks[pi, k, a.chunk][0])
                     # A split backward's W works on what its B produced: traced op by op (pp4-uneven-
                     # zb-h1, docs/benchmarks.md "Simulator fidelity"), the slow stages' W ops took 14.7 /
                     # 13.2 ms of CPU per step against 20.4 / 27.9 ms simulated with the resume and cold
@@ -823,7 +828,8 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
     for d in devices:
         if overhead[d] > 0:
             sim.add(costs.device_op(f"over{d}", d, OpKind.STEP, deps=(last_of[d],), cpu=overhead[d],
-                                    sharing=cm.host.core_sharing(costs.type_of[d]), **costs.waiting((d,))))
+                                    sharing=costs.block((d,), 0.0, stage=costs.stages[costs.stage_of[d]])["sharing"],
+                                    **costs.waiting((d,))))
             last_of[d] = f"over{d}"
 
     def collectives(prefix: str, kind: OpKind, seconds: Sequence[float]) -> None:
@@ -848,7 +854,7 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
         sim.add(costs.device_op(f"opt{d}", d, OpKind.OPTIMIZER, deps=("stats",),
                                 resume=cm.host.resume_penalty(costs.type_of[d]),
                                 idle_from=stage_resource(*costs.stage_of[d]),
-                                **costs.block((d,), opt_times[d])))
+                                **costs.block((d,), opt_times[d], stage=costs.stages[costs.stage_of[d]])))
         last_of[d] = f"opt{d}"
     if zero:
         collectives("z", OpKind.ZERO_GATHER, [cm.zero_gather_time(g) for g in sync])

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from runtime.profiling.fit import fit_saturating, rounded, trimmed_mean
-from runtime.profiling.profile import CoreHandoff, P2pActions, ResumePenalty
+from runtime.profiling.profile import CoreHandoff, P2pActions, ResumePenalty, SharingCurve
 from runtime.spec.model import ModelSpec
 
 if TYPE_CHECKING:
@@ -301,49 +301,66 @@ def shared_core_p2p(rank: int, pair: tuple[int, int], device: torch.device, shap
 
 
 def core_sharing(rank: int, pair: tuple[int, int], model: ModelSpec, seq_lens: Sequence[int], *,
-                 device: torch.device | str = "cpu", duration_s: float = 0.25, pairs: int = 5) -> dict[int, float]:
+                 device: torch.device | str = "cpu", duration_s: float = 0.25, pairs: int = 5
+                 ) -> dict[int, SharingCurve]:
     """How well two processes pinned to one core share it (inside an initialised process group; ranks
-    ``pair`` share a core, as the launcher pins two emulated devices when cores are fewer than devices):
-    a one-layer stage block (forward and backward, as the engine runs it) is run for ``duration_s`` by
-    the first rank alone, then by both at once, ``pairs`` times in turn. Returns ``{seq_len: efficiency}``
-    on every rank (``sharing_efficiency``: 1 when time-slicing costs nothing, less when each switch leaves
-    the other process cold caches)."""
+    ``pair`` share a core, as the launcher pins two emulated devices when cores are fewer than devices),
+    for two blocks: a one-layer stage and the whole model as one stage (forward and backward, as the engine
+    runs them). Each is run for ``duration_s`` by the first rank alone, then by both at once, ``pairs``
+    times in turn. Process CPU time per block, not wall time: the simulator charges sharing as the CPU a
+    block then consumes, and the two ranks' phases never start at one instant (the first alone for a
+    moment made wall times look 3-4% better shared). Returns ``{seq_len: SharingCurve}`` on every rank
+    (``sharing_efficiency``: 1 when time-slicing costs nothing, less when each switch leaves the other
+    process cold caches; less for the larger block, whose working set is evicted more)."""
     import torch
     import torch.distributed as dist
 
-    out: dict[int, float] = {}
+    from runtime.profiling.compute import StageRun
+
+    out: dict[int, SharingCurve] = {}
     for s in seq_lens:
-        run = _stage_run(model, 1, s, device)
-        alone: list[float] = []
-        shared: list[float] = []
-        for _ in range(pairs):
-            per_block = []
-            for both in (False, True):
-                dist.barrier()
-                if rank == pair[0] or (both and rank == pair[1]):
-                    n, t0 = 0, time.perf_counter()
-                    while time.perf_counter() - t0 < duration_s:
-                        run.prepare_backward()()
-                        n += 1
-                    per_block.append((time.perf_counter() - t0) / n)
-                else:
-                    time.sleep(duration_s)
-                    per_block.append(0.0)
-            res = torch.tensor([per_block[0], per_block[1], 1.0 if rank in pair else 0.0], dtype=torch.float64)
-            dist.all_reduce(res)
-            alone.append(res[0].item())                        # only the pair's first rank ran alone
-            shared.append(res[1].item() / max(1.0, res[2].item()))
-        out[s] = sharing_efficiency(alone, shared)
+        points: list[tuple[float, float]] = []
+        for run in (_stage_run(model, 1, s, device),
+                    _warm(StageRun(model, 1, model.num_layers, True, True, 1, s, device))):
+            alone: list[float] = []
+            shared: list[float] = []
+            for _ in range(pairs):
+                per_block = []
+                for both in (False, True):
+                    dist.barrier()
+                    if rank == pair[0] or (both and rank == pair[1]):
+                        n, t0, c0 = 0, time.perf_counter(), time.process_time()
+                        while time.perf_counter() - t0 < duration_s:
+                            run.prepare_backward()()
+                            n += 1
+                        per_block.append((time.process_time() - c0) / n)
+                    else:
+                        time.sleep(duration_s)
+                        per_block.append(0.0)
+                res = torch.tensor([per_block[0], per_block[1], 1.0 if rank in pair else 0.0], dtype=torch.float64)
+                dist.all_reduce(res)
+                alone.append(res[0].item())                        # only the pair's first rank ran alone
+                shared.append(res[1].item() / max(1.0, res[2].item()))
+            points.append((statistics.median(alone), sharing_efficiency(alone, shared)))
+        points.sort()
+        out[s] = SharingCurve(block_s=tuple(rounded(b) for b, _ in points),
+                              efficiency=tuple(rounded(e) for _, e in points))
     return out
 
 
+def _warm(run: StageRun, warmup: int = 2) -> StageRun:
+    for _ in range(warmup):
+        run.prepare_backward()()
+    return run
+
+
 def sharing_efficiency(alone_s: Sequence[float], shared_s: Sequence[float]) -> float:
-    """(time per block alone) / (time per block shared / 2), the median over neighbouring phases
+    """(CPU seconds per block alone) / (CPU seconds per block shared), the median over neighbouring phases
     (``alone_s[i]``, ``shared_s[i]``), at most 1. Neighbours, because the host's speed drifts over
     seconds (a single alone-then-shared pair compares two moments); the median, because a phase can fall
     into one of the host's slow spells, and the first runs a freshly built block (in standalone runs of
     8 pairs, stop 32, the first pair's ratio was the highest: 1.016 against a median of 0.934)."""
-    ratios = [a / (sh / 2) for a, sh in zip(alone_s, shared_s) if a > 0 and sh > 0]
+    ratios = [a / sh for a, sh in zip(alone_s, shared_s) if a > 0 and sh > 0]
     return min(1.0, statistics.median(ratios)) if ratios else 1.0
 
 

@@ -199,9 +199,10 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
             mm = dataclasses.replace(mm, split_blocks=block_fits(split[model.name]))
         if model.name in resume:   # CPU seconds, not stretched (the simulator stretches them)
             mm = dataclasses.replace(mm, resume=resume[model.name])
-        if links.get("core_sharing", {}).get(model.name):
-            mm = dataclasses.replace(mm, core_sharing={s: rounded(e)
-                                                       for s, e in links["core_sharing"][model.name].items()})
+        if links.get("core_sharing", {}).get(model.name):   # the one-layer block's too, for older readers
+            curves = links["core_sharing"][model.name]
+            mm = dataclasses.replace(mm, core_sharing={s: c.efficiency[0] for s, c in curves.items()},
+                                     core_sharing_curve=dict(curves))
         if links.get("core_handoff", {}).get(model.name):   # scheduler delays: wall time, not stretched
             mm = dataclasses.replace(mm, core_handoff=dict(links["core_handoff"][model.name]))
         over = links.get("tp_overhead", {}).get(model.name, {})

@@ -25,6 +25,7 @@ from runtime.profiling.profile import (
     ProfileSet,
     ResolvedProfile,
     ResumePenalty,
+    SharingCurve,
     save_profile,
     spec_profile,
 )
@@ -303,6 +304,14 @@ def test_time_sharing_a_core_costs_its_measured_efficiency():
     cm = CostModel(TINY, FAST_LINKS, with_models(profiles(), core_sharing={32: 0.6, 128: 1.0}), micro_batch=1,
                    seq_len=64, step_allreduce=False)
     assert cm.host.core_sharing("cpu-fast") == pytest.approx(0.8)
+    # By the block's size (``SharingCurve``): the whole 6-layer stage's forward + backward is 18 CPU s, between
+    # measured blocks of 2 s (0.9) and 162 s (0.5): log-interpolated, 0.9 - 0.4 x ln 9 / ln 81 = 0.7.
+    curve = with_models(with_cores(profiles(), 1), core_sharing={64: 0.9},
+                        core_sharing_curve={64: SharingCurve((2.0, 162.0), (0.9, 0.5))})
+    assert cost_model(curve).host.core_sharing("cpu-fast", 18.0) == pytest.approx(0.7)
+    assert cost_model(curve).host.core_sharing("cpu-fast") == pytest.approx(0.9)   # no size: the smallest
+    r = simulate(cost_model(curve), dp2, 2)
+    assert r.pipeline_end_s == pytest.approx((36.0 / 0.7, 36.0 / 0.7))
     # On their own cores nothing is shared, whatever the efficiency.
     alone = simulate(cost_model(with_models(with_cores(profiles(), 2), core_sharing={64: 0.5})), dp2, 2)
     assert alone.pipeline_end_s == pytest.approx((18.0, 18.0))

@@ -266,18 +266,18 @@ def test_emulated_cpu_shares_pin_like_the_launcher():
 
 
 def test_sharing_efficiency_compares_neighbouring_phases():
-    """Hand-computed: per pair, alone / (shared / 2); the median over the pairs, at most 1. A host that
-    speeds up by half over the probe: each pair, taken at one speed, says 0.9; the first alone phase against
-    the last shared one would say 1.5."""
+    """Hand-computed: per pair, CPU per block alone / CPU per block shared; the median over the pairs, at
+    most 1. A host that speeds up by half over the probe: each pair, taken at one speed, says 0.9; the first
+    alone phase against the last shared one would say 1.5."""
     speed = [1.0, 0.9, 0.8, 0.7, 0.6]
     alone = [1e-3 * v for v in speed]
-    shared = [2e-3 * v / 0.9 for v in speed]
+    shared = [1e-3 * v / 0.9 for v in speed]
     assert sharing_efficiency(alone, shared) == pytest.approx(0.9)
-    assert alone[0] / (shared[-1] / 2) == pytest.approx(1.5)
+    assert alone[0] / shared[-1] == pytest.approx(1.5)
     # One slow phase (a spell of the host) moves the median by nothing; a freshly built block's first pair
     # neither; nothing above 1; nothing measured: 1.
-    assert sharing_efficiency([1e-3, 1e-3, 1e-3], [2.5e-3, 2.2e-3, 8e-3]) == pytest.approx(1e-3 / 1.25e-3)
-    assert sharing_efficiency([1e-3], [1.5e-3]) == 1.0
+    assert sharing_efficiency([1e-3, 1e-3, 1e-3], [1.25e-3, 1.1e-3, 4e-3]) == pytest.approx(1e-3 / 1.25e-3)
+    assert sharing_efficiency([1e-3], [0.75e-3]) == 1.0
     assert sharing_efficiency([], []) == 1.0
 
 

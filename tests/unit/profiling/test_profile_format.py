@@ -21,6 +21,7 @@ from runtime.profiling.profile import (
     OptimizerFit,
     P2pActions,
     ResumePenalty,
+    SharingCurve,
     dump_profile,
     load_profile,
     resolve_profiles,
@@ -43,11 +44,13 @@ def measured(name: str = "cpu-fast"):
                        tp_overhead={2: block}, tp_blocks={2: blocks}, tp_blocks_cpu={2: blocks},
                        tp_blocks_sp={2: blocks}, tp_blocks_sp_cpu={2: blocks},
                        blocks={1: blocks}, resume=ResumePenalty(4e-4, 8e-4, 3e-3), core_sharing={64: 0.9},
+                       core_sharing_curve={64: SharingCurve((2e-3, 2e-2), (0.9, 0.85))},
                        core_handoff={64: CoreHandoff(1.2e-3, 3e-4, 5e-4, 1e-4, 2e-4),
                                      256: CoreHandoff(3e-3, 0.0, 2e-4)})
     base = spec_profile(name, peak_tflops=0.1, hbm_bandwidth_gbs=10, memory_gib=2, note="", emulated=True)
     comm = dataclasses.replace(base.comm, p2p=LinkFit(1e-3, 1.5), allreduce={2: LinkFit(2e-3, 1.0)},
-                               p2p_wake=ResumePenalty(3e-4, 3e-4, 1e-3), p2p_actions=P2pActions(2e-4, 1e-4, 1.2e-4))
+                               p2p_wake=ResumePenalty(3e-4, 3e-4, 1e-3), shared_core_p2p_s=1.5e-3,
+                               p2p_actions=P2pActions(2e-4, 1e-4, 1.2e-4, 3e-4, 2e-4, 1e-4, 0.02))
     return dataclasses.replace(base, provenance="measured", comm=comm, models={"llama-tiny": mm},
                                step_overhead=OptimizerFit(1e-9, 1e-5, 2e-6), sync_pack=OptimizerFit(3e-10, 2e-6, 8e-6),
                                source=dataclasses.replace(base.source, host="box", torch_version="2.13",
@@ -71,6 +74,7 @@ def test_profile_written_before_the_new_fields_still_loads(tmp_path: Path):
         data.pop(key)
     data["comm"].pop("p2p_wake")
     data["comm"].pop("p2p_actions")
+    data["comm"].pop("shared_core_p2p_s")
     handoff = yaml.safe_load(dump_profile(measured()))["models"]["llama-tiny"]["core_handoff"]
     for h in handoff.values():
         h.pop("sleep_late_s")
@@ -79,7 +83,7 @@ def test_profile_written_before_the_new_fields_still_loads(tmp_path: Path):
         **yaml.safe_load(dump_profile(measured()))["models"]["llama-tiny"], "core_handoff": handoff}}}))
     assert all(h.sleep_late_s == 0.0 for h in load_profile(path).models["llama-tiny"].core_handoff.values())
     for key in ("tp_blocks", "tp_blocks_cpu", "tp_blocks_sp", "tp_blocks_sp_cpu", "blocks", "resume", "core_sharing",
-                "core_handoff"):
+                "core_sharing_curve", "core_handoff"):
         data["models"]["llama-tiny"].pop(key)
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -90,6 +94,7 @@ def test_profile_written_before_the_new_fields_still_loads(tmp_path: Path):
     assert old.comm.p2p_wake is None and old.step_overhead == OptimizerFit(0.0)
     assert old.comm.p2p_actions is None   # no CPU charged per message
     assert old.comm.shared_core_p2p_s == 0.0   # no delay for workers sharing a core
+    assert old.models["llama-tiny"].core_sharing_curve == {}   # sharing by the one-layer figure alone
 
 
 def test_every_shipped_spec_profile_loads():
@@ -120,6 +125,12 @@ def test_every_shipped_spec_profile_loads():
     (lambda d: d["models"]["llama-tiny"]["core_handoff"].update({0: {"handoff_s": 0, "wake_s": 0, "recv_wake_s": 0}}),
      "models.llama-tiny.core_handoff.0: must be keyed by a positive sequence length"),
     (lambda d: d.update(version=9), "version: version 9 is newer than this hspmd reads (1)"),
+    (lambda d: d["models"]["llama-tiny"].update(core_sharing_curve={64: {"block_s": [0.002, 0.001],
+                                                                        "efficiency": [0.9, 0.8]}}),
+     "models.llama-tiny.core_sharing_curve.64.block_s: must be positive CPU seconds in increasing order"),
+    (lambda d: d["models"]["llama-tiny"].update(core_sharing_curve={64: {"block_s": [0.002],
+                                                                        "efficiency": [1.2]}}),
+     "models.llama-tiny.core_sharing_curve.64.efficiency[0]: must be in (0, 1], got 1.2"),
     (lambda d: d["comm"]["p2p_actions"].update(cold_tau_s=-1.0),
      "comm.p2p_actions.cold_tau_s: must be a non-negative number of seconds"),
     (lambda d: d["comm"].update(shared_core_p2p_s=-0.001),
