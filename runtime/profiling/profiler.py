@@ -308,8 +308,8 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
         out = p2p_and_allreduce(rank, world, settings.comm_sizes, device=dev)
         wake = host.p2p_wake(rank, dev)
         # The executor's CPU per boundary message (CPU hosts: on GPUs it overlaps the device's work).
-        actions = None if cuda or world < 2 or not models else host.p2p_actions(rank, dev, _boundary_shape(
-            models[0], settings))
+        actions = None if cuda or world < 2 or not models else host.p2p_actions(
+            rank, dev, _boundary_shape(models[0], settings), cold_reps=10 if settings.component_budget_s > 0 else 2)
         tp_groups = {t: dist.new_group(list(range(t))) for t in sorted({t for _, t in jobs})}
         overhead: dict[str, dict[int, list]] = {}
         for model, t in jobs:
