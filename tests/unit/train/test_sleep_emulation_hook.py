@@ -144,4 +144,10 @@ def test_a_wake_up_later_than_the_spin_is_an_overrun():
         clock.t += 0.003
     assert clock.t - t0 == pytest.approx(0.0215, abs=5e-6)
     assert hook.take_overrun_s() == pytest.approx(0.0015, abs=5e-6)
+    rec = TraceRecorder(0, "device 0", cpu_clock=None)
+    hook = EmulatedTarget(lambda name, args: 0.020, rec, clock=clock, sleep=clock.sleep, spin_s=0.0005)
+    with hook.span("compute", "forward"):
+        clock.t += 0.003
+    late = [e for e in rec.events if e["cat"] == "emulation" and "woke past" in e["name"]]
+    assert len(late) == 1 and late[0]["args"]["overrun_s"] == pytest.approx(0.0015, abs=5e-6)
     assert hook.take_emulated_s() == pytest.approx(0.017, abs=5e-6)
