@@ -11,25 +11,21 @@ sleep-mode type: no resume penalty, no core in ``cpu_layout``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from runtime.profiling.host import emulated_cpu_shares
-from runtime.profiling.profile import CoreHandoff, DeviceProfile, MeasuredModel, P2pActions, ProfileSet, ResumePenalty
+from runtime.profiling.profile import (
+    CoreHandoff,
+    DeviceProfile,
+    MeasuredModel,
+    P2pActions,
+    ProfileSet,
+    ResumePenalty,
+    log_interp,
+)
 from runtime.spec.cluster import Cluster
 from runtime.spec.model import ModelSpec
-
-
-def _log_interp(pts: Sequence[tuple[int, float]], s: float) -> float:
-    """Linear in log ``s`` between sorted (s, value) points; the end values beyond them."""
-    if s <= pts[0][0]:
-        return pts[0][1]
-    for (s0, e0), (s1, e1) in zip(pts, pts[1:]):
-        if s <= s1:
-            w = math.log(s / s0) / math.log(s1 / s0)
-            return e0 + w * (e1 - e0)
-    return pts[-1][1]
 
 
 @dataclass(frozen=True)
@@ -106,8 +102,8 @@ class HostModel:
         block measured)."""
         m = self._measured(device_type)
         if m and m.core_sharing_curve:
-            return _log_interp(sorted((s, c.at(block_s)) for s, c in m.core_sharing_curve.items()), self.seq_len)
-        return _log_interp(sorted(m.core_sharing.items()), self.seq_len) if m and m.core_sharing else 1.0
+            return log_interp(sorted((s, c.at(block_s)) for s, c in m.core_sharing_curve.items()), self.seq_len)
+        return log_interp(sorted(m.core_sharing.items()), self.seq_len) if m and m.core_sharing else 1.0
 
     def core_handoff(self, device_type: str) -> CoreHandoff | None:
         """The scheduler's delays around a compute block of an emulated device whose core's other process
@@ -116,7 +112,7 @@ class HostModel:
         if m is None or not m.core_handoff:
             return None
         pts = sorted(m.core_handoff.items())
-        return CoreHandoff(**{f.name: max(0.0, _log_interp([(s, getattr(h, f.name)) for s, h in pts], self.seq_len))
+        return CoreHandoff(**{f.name: max(0.0, log_interp([(s, getattr(h, f.name)) for s, h in pts], self.seq_len))
                               for f in dataclasses.fields(CoreHandoff)})
 
     def host_cores(self, node: str) -> int | None:

@@ -132,14 +132,18 @@ class SharingCurve:
 
     def at(self, block_s: float) -> float:
         """Linear in log block size between the points; the end values beyond them."""
-        pts = list(zip(self.block_s, self.efficiency))
-        if block_s <= pts[0][0]:
-            return pts[0][1]
-        for (b0, e0), (b1, e1) in zip(pts, pts[1:]):
-            if block_s <= b1:
-                w = math.log(block_s / b0) / math.log(b1 / b0)
-                return e0 + w * (e1 - e0)
-        return pts[-1][1]
+        return log_interp(list(zip(self.block_s, self.efficiency)), block_s)
+
+
+def log_interp(pts: Sequence[tuple[float, float]], x: float) -> float:
+    """Linear in log ``x`` between sorted (x, value) points; the end values beyond them."""
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, e0), (x1, e1) in zip(pts, pts[1:]):
+        if x <= x1:
+            w = math.log(x / x0) / math.log(x1 / x0)
+            return e0 + w * (e1 - e0)
+    return pts[-1][1]
 
 
 @dataclass(frozen=True)
