@@ -87,10 +87,7 @@ class HostModel:
         simulator plays the busy core's delays per op instead (``CoreHandoff.recv_wake_s``)."""
         if any(self.contended(self.cluster.device(d).type) for d in (*src, *dst)):
             return 0.0
-        cores = [c for n in {self.cluster.device(d).node for d in (*src, *dst)} if (c := self.host_cores(n))]
-        if not cores:
-            return 0.0
-        _, pinned = emulated_cpu_shares(devices, self.cluster.num_devices, range(min(cores)))
+        pinned = self.pinning(devices)
         shared = [a for a, b in zip(src, dst) if set(pinned.get(a, ())) & set(pinned.get(b, ()))]
         figures = [self._figures(self.cluster.device(a).type) for a in shared]
         return max((p.comm.shared_core_p2p_s for p in figures if p is not None), default=0.0)
@@ -124,13 +121,18 @@ class HostModel:
         known = [p.compute.host_cores for p in figures if p is not None and p.compute.host_cores]
         return min(known) if known else None
 
+    def pinning(self, devices: Sequence[int]) -> dict[int, tuple[int, ...]]:
+        """Device -> the cores the launcher pins its worker to, for a strategy's ``devices``
+        (runtime/profiling/host.py ``emulated_cpu_shares``); empty when the devices do not share CPUs."""
+        known = [c for n in {d.node for d in self.cluster.devices} if (c := self.host_cores(n))]
+        if not known:
+            return {}
+        return emulated_cpu_shares(devices, self.cluster.num_devices, range(min(known)))[1]
+
     def cpu_layout(self, devices: Sequence[int]) -> tuple[dict[str, float], dict[int, list[tuple[str, float]]]]:
         """The cores each of a strategy's ``devices`` runs on, as the launcher pins its workers: (cores per
         host, device -> [(host, demand)]), one host per core; empty when the devices do not share CPUs."""
-        known = [c for n in {d.node for d in self.cluster.devices} if (c := self.host_cores(n))]
-        if not known:
-            return {}, {}
-        _, pinned = emulated_cpu_shares(devices, self.cluster.num_devices, range(min(known)))
+        pinned = self.pinning(devices)
         # Sleep-mode devices are pinned too, but their blocks last their targets: they share no core.
         shares = {d: cs for d, cs in pinned.items() if self.contended(self.cluster.device(d).type)}
         cores = {f"core {c}": 1.0 for cs in shares.values() for c in cs}

@@ -698,12 +698,17 @@ class _Costs:
         collectives' wall time and CPU time, the stretch, the cores it runs on, and how well it shares them
         (``HostModel.core_sharing`` for the size of ``stage``, the chunk or stage it belongs to: its
         forward + backward CPU). ``total``/``tp``/``tp_cpu`` as the cost model gives them."""
-        dtype = self.type_of[devices[0]]
-        k = self.cm.host.emulated_slowdown(dtype)
+        k = self.cm.host.emulated_slowdown(self.type_of[devices[0]])
         cpu, comm, comm_cpu = tp_block_split((total - tp) / k, tp - (k - 1.0) * tp_cpu, tp_cpu)
-        size = 0.0 if stage is None else stage.compute_s / k
         return {"cpu": cpu, "comm": comm, "comm_cpu": comm_cpu, "stretch": k,
-                **self.waiting(devices), "sharing": self.cm.host.core_sharing(dtype, size)}
+                **self.waiting(devices), "sharing": self.sharing(devices, stage)}
+
+    def sharing(self, devices: Sequence[int], stage: StageCost | None) -> float:
+        """How well an op of ``devices`` shares their cores: ``HostModel.core_sharing`` for the size of
+        ``stage`` (its forward + backward CPU, the stretch taken out; None: the smallest block measured)."""
+        dtype = self.type_of[devices[0]]
+        size = 0.0 if stage is None else stage.compute_s / self.cm.host.emulated_slowdown(dtype)
+        return self.cm.host.core_sharing(dtype, size)
 
     def sleep_after(self, device: int, total: float) -> float:
         """How long an emulated slower device sleeps after a block priced ``total`` (its sleep's slack
@@ -828,7 +833,7 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
     for d in devices:
         if overhead[d] > 0:
             sim.add(costs.device_op(f"over{d}", d, OpKind.STEP, deps=(last_of[d],), cpu=overhead[d],
-                                    sharing=costs.block((d,), 0.0, stage=costs.stages[costs.stage_of[d]])["sharing"],
+                                    sharing=costs.sharing((d,), costs.stages[costs.stage_of[d]]),
                                     **costs.waiting((d,))))
             last_of[d] = f"over{d}"
 

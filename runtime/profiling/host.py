@@ -75,11 +75,12 @@ def pinned(cpus: Sequence[int], threads: int | None = None) -> Iterator[None]:
 
 
 def _stage_run(model: ModelSpec, layers: int, seq_len: int, device: torch.device | str, micro_batch: int = 1,
-               warmup: int = 2) -> StageRun:
-    """A middle stage of ``layers`` decoder layers at TP 1 run by the engine's step, warmed up."""
+               warmup: int = 2, *, embed: bool = False, head: bool = False) -> StageRun:
+    """A stage of ``layers`` decoder layers at TP 1 (a middle one unless it holds the ``embed``-ding or the
+    ``head``) run by the engine's step, warmed up."""
     from runtime.profiling.compute import StageRun
 
-    run = StageRun(model, 1, layers, False, False, micro_batch, seq_len, device)
+    run = StageRun(model, 1, layers, embed, head, micro_batch, seq_len, device)
     for _ in range(warmup):
         run.prepare_backward()()
     return run
@@ -315,13 +316,11 @@ def core_sharing(rank: int, pair: tuple[int, int], model: ModelSpec, seq_lens: S
     import torch
     import torch.distributed as dist
 
-    from runtime.profiling.compute import StageRun
-
     out: dict[int, SharingCurve] = {}
     for s in seq_lens:
         points: list[tuple[float, float]] = []
         for run in (_stage_run(model, 1, s, device),
-                    _warm(StageRun(model, 1, model.num_layers, True, True, 1, s, device))):
+                    _stage_run(model, model.num_layers, s, device, embed=True, head=True)):
             alone: list[float] = []
             shared: list[float] = []
             for _ in range(pairs):
@@ -346,12 +345,6 @@ def core_sharing(rank: int, pair: tuple[int, int], model: ModelSpec, seq_lens: S
         out[s] = SharingCurve(block_s=tuple(rounded(b) for b, _ in points),
                               efficiency=tuple(rounded(e) for _, e in points))
     return out
-
-
-def _warm(run: StageRun, warmup: int = 2) -> StageRun:
-    for _ in range(warmup):
-        run.prepare_backward()()
-    return run
 
 
 def sharing_efficiency(alone_s: Sequence[float], shared_s: Sequence[float]) -> float:
