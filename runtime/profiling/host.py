@@ -87,18 +87,26 @@ def _stage_run(model: ModelSpec, layers: int, seq_len: int, device: torch.device
 
 
 def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.device | str = "cpu",
-                           idles_s: Sequence[float] = (0.0005, 0.002, 0.008, 0.032), reps: int = 25,
-                           micro_batch: int = 1, large: tuple[int, int] | None = None) -> ResumePenalty:
+                           idles_s: Sequence[float] = (0.0005, 0.002, 0.008, 0.032), reps: int = 8,
+                           burst: int = 6, settle: int = 2, micro_batch: int = 1,
+                           large: tuple[int, int] | None = None) -> ResumePenalty:
     """How much longer a stage block (as the engine runs it, TP 1) takes when the process idled (slept)
-    for ``t`` before it than right after other work: the two take turns, for each ``t`` of ``idles_s``;
-    the mean differences fitted with ``peak * (1 - exp(-t / tau))`` (tau from a log grid shared by every
-    block and phase, peaks by least squares, none below zero). Timed on a one-decoder-layer block at
-    ``seq_len`` and, with ``large`` = (layers, seq_len), on a bigger block too, the two taking turns in
-    every repeat: the peak's growth between them (per CPU second of the block, back to back) is the
-    penalty's rate, the rest its fixed part. A back-to-back block is timed right after an untimed run of
-    the same block: timed after the other shape's block, its own data had left the caches, and the model
-    gave a 6-layer forward 0.26-0.28 ms after 12 ms idle, 0.36-0.60 ms timed this way, where the duty cycle
-    of an emulated device measured 0.77 ms (stop 32, docs/benchmarks.md "Simulator fidelity").
+    for ``t`` before it than back to back: for each ``t`` of ``idles_s`` (and none, the back-to-back
+    base), a burst of ``burst`` blocks (forward and backward), each phase after ``t`` of sleep; the first
+    ``settle`` of a burst are not timed. The mean differences are fitted with ``peak * (1 - exp(-t /
+    tau))`` (tau from a log grid shared by every block and phase, peaks by least squares, none below
+    zero). Timed on a one-decoder-layer block at ``seq_len`` and, with ``large`` = (layers, seq_len), on a
+    bigger block too: the peak's growth between them (per CPU second of the block, back to back) is the
+    penalty's rate, the rest its fixed part. The bursts of every idle and both blocks take turns within
+    each repeat, so a change of the host's speed meanwhile hits them alike.
+
+    Bursts, because a device that idles before each block (a stretched device sleeps twice its block's
+    CPU after each one; a stage waits for its peers) runs slower than one idle once among blocks back to
+    back: timing the two alternately, block by block, gave a one-layer forward 0.0-0.02 ms more after
+    8 ms idle, where this device in bursts, as in a 1F1B replay with micro-batches in flight, takes
+    0.20-0.24 ms (18-20%) more, and an op of a stretched device in training 15-40% more than its back-to-back
+    price (stop 34, docs/benchmarks.md "Simulator fidelity"). The untimed head of a burst absorbs the
+    change from the previous burst's regime and shape (its data had left the caches).
     On a CPU the time is this thread's CPU time, so that a preemption meanwhile is no penalty."""
     from runtime.profiling.compute import time_once
 
@@ -111,40 +119,35 @@ def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.devi
 
     shapes = [(1, seq_len)] + ([large] if large is not None else [])
     runs = [_stage_run(model, layers, s, device, micro_batch, warmup=3) for layers, s in shapes]
-    extra: list[list[float]] = []
-    hot: list[list[tuple[float, float]]] = [[] for _ in shapes]   # per shape: (forward, backward) back to back
-    for idle in idles_s:
-        # (shape, after idle) -> (forward, backward) times; the shapes take turns within each repeat, so a
-        # change of the host's speed meanwhile hits the small and the large block alike
-        times: dict[tuple[int, bool], tuple[list[float], list[float]]] = {
-            (i, a): ([], []) for i in range(len(shapes)) for a in (False, True)}
-        for _ in range(reps):
+    # (shape, idle) -> (forward, backward) CPU seconds of the timed blocks of its bursts
+    times: dict[tuple[int, float], tuple[list[float], list[float]]] = {
+        (i, t): ([], []) for i in range(len(shapes)) for t in (0.0, *idles_s)}
+    for _ in range(reps):
+        for idle in (0.0, *idles_s):
             for i, run in enumerate(runs):
-                for after_idle in (False, True):
-                    if not after_idle:   # back to back: the block once untimed first, so that the timed
-                        run.prepare_backward()()   # one follows its own work, not the other shape's
+                for j in range(burst):
                     fwd = run.prepare_forward()
-                    if after_idle:
+                    if idle:
                         time.sleep(idle)
                     forward_s = timed(fwd, run.device)
-                    if after_idle:
+                    if idle:
                         time.sleep(idle)
-                    times[i, after_idle][0].append(forward_s)
-                    times[i, after_idle][1].append(timed(run.backward, run.device))
-        extra.append([statistics.mean(times[i, True][j]) - statistics.mean(times[i, False][j])
-                      for i in range(len(shapes)) for j in (0, 1)])
-        for i in range(len(shapes)):
-            hot[i].append((statistics.mean(times[i, False][0]), statistics.mean(times[i, False][1])))
-    means = [(statistics.mean(a[0] for a in h), statistics.mean(a[1] for a in h)) for h in hot]
+                    backward_s = timed(run.backward, run.device)
+                    if j >= settle:
+                        times[i, idle][0].append(forward_s)
+                        times[i, idle][1].append(backward_s)
+    means = {k: (statistics.mean(f), statistics.mean(b)) for k, (f, b) in times.items()}
+    hot = [means[i, 0.0] for i in range(len(shapes))]   # per shape: (forward, backward) back to back
+    extra = [[means[i, idle][j] - hot[i][j] for i in range(len(shapes)) for j in (0, 1)] for idle in idles_s]
     peaks, tau = fit_saturating(idles_s, extra)
     fixed, rates = list(peaks[:2]), [0.0, 0.0]
     if large is not None:
         for i in (0, 1):
-            span = means[1][i] - means[0][i]
+            span = hot[1][i] - hot[0][i]
             rates[i] = max(0.0, (peaks[2 + i] - peaks[i]) / span) if span > 0 else 0.0
-            fixed[i] = max(0.0, peaks[i] - rates[i] * means[0][i])
+            fixed[i] = max(0.0, peaks[i] - rates[i] * hot[0][i])
     return ResumePenalty(forward_s=fixed[0], backward_s=fixed[1], tau_s=tau, forward_rate=rates[0],
-                         backward_rate=rates[1], forward_block_s=means[0][0], backward_block_s=means[0][1])
+                         backward_rate=rates[1], forward_block_s=hot[0][0], backward_block_s=hot[0][1])
 
 
 def p2p_wake(rank: int, device: torch.device, reps: int = 15,

@@ -252,6 +252,44 @@ def test_resume_probe_times_two_block_sizes(monkeypatch):
     assert (pen.forward_block_s, pen.backward_block_s) == pytest.approx((1e-3, 2e-3))   # the small block, hot
 
 
+def test_resume_probe_times_a_device_that_idles_before_every_block(monkeypatch):
+    """A host where a block costs 0.5 ms more only while its device idles before every block (the block
+    before it followed an idle too: a stretched device, a stage waiting on its peers), and nothing after
+    one idle among blocks back to back. The probe times bursts of blocks after each idle, so it reports
+    the 0.5 ms; timing one idle block between back-to-back ones, as it did before stop 34, sees none."""
+    from runtime.profiling import host
+
+    cpu = {"t": 0.0}
+    idle = {"since": False, "before": False}   # an idle since the last block; the last block followed one
+
+    class FakeRun:
+        device = torch.device("cpu")
+
+        def prepare_forward(self):
+            return self.block
+
+        def prepare_backward(self):
+            return lambda: (self.block(), self.block())
+
+        def backward(self) -> None:
+            self.block()
+
+        def block(self) -> None:
+            cpu["t"] += 1e-3 + (5e-4 if idle["since"] and idle["before"] else 0.0)
+            idle["before"], idle["since"] = idle["since"], False
+
+    def fake_sleep(secs: float) -> None:
+        idle["since"] = True
+
+    monkeypatch.setattr(host, "_stage_run", lambda *a, **k: FakeRun())
+    monkeypatch.setattr(host.time, "sleep", fake_sleep)
+    monkeypatch.setattr(host.time, "thread_time", lambda: cpu["t"])
+    pen = host.measure_resume_penalty(TINY, 64, idles_s=(0.001, 0.01, 1.0), reps=2)
+    for backward in (False, True):
+        assert pen.extra_s(1.0, backward, 1e-3) == pytest.approx(5e-4, rel=0.05)
+    assert (pen.forward_block_s, pen.backward_block_s) == pytest.approx((1e-3, 1e-3))
+
+
 def test_emulated_cpu_shares_pin_like_the_launcher():
     # 2 cores, a 4-device cluster: 1 thread each, device i of the plan on core i % 2.
     assert emulated_cpu_shares([0, 1, 2, 3], 4, [0, 1]) == (1, {0: (0,), 1: (1,), 2: (0,), 3: (1,)})
