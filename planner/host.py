@@ -5,7 +5,7 @@ measures what the sharing costs). The cost model stretches compute by ``emulated
 effects only the simulator plays out (planner/simulate.py), but for the executor's CPU per boundary message
 (``p2p_actions``), which the estimate charges too. A device type's measured effects all come
 through ``_figures``; ``contended`` says whether its compute shares the cores at all (not for a
-sleep-mode type: no resume penalty, no core in ``cpu_layout``).
+sleep-mode type: no core in ``cpu_layout``, and its blocks, which last their targets, pay no resume penalty).
 """
 
 from __future__ import annotations
@@ -63,8 +63,11 @@ class HostModel:
         return em is not None and em.sleeps
 
     def resume_penalty(self, device_type: str) -> ResumePenalty | None:
-        """Extra CPU time of a compute block after its device idled (measured profiles; None otherwise)."""
-        m = self._measured(device_type) if self.contended(device_type) else None
+        """Extra CPU time of work that runs as it is after its device idled (measured profiles; None
+        otherwise). A sleep-mode type's blocks last their targets and never pay it, but its optimizer step
+        runs as it is, after the device slept through its blocks: traced (docs/benchmarks.md "Simulator
+        fidelity", stop 34), that step took 1.6-2.3x its back-to-back price on every sleep-mode device."""
+        m = self._measured(device_type)
         return None if m is None else m.resume
 
     def comm_wake(self, device_type: str) -> ResumePenalty | None:

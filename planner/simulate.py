@@ -772,12 +772,13 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
         for k, acts in enumerate(sched.actions):
             st, res = pipe.stages[k], stage_resource(pi, k)
             device_type = costs.type_of[st.devices[0]]
-            resume, wake, waiting = cm.host.resume_penalty(device_type), cm.host.comm_wake(device_type), \
-                costs.waiting(st.devices)
+            # A sleep-mode block lasts its target: no idle makes it longer.
+            asleep = cm.host.sleeps_to_target(device_type)
+            resume = None if asleep else cm.host.resume_penalty(device_type)
+            wake, waiting = cm.host.comm_wake(device_type), costs.waiting(st.devices)
             # The executor's CPU per message (measured; none charged without the figure): each post, and the
             # unpacking after each wait for a receive, on the stage's cores (ops of its own resource).
             per_msg = cm.host.p2p_actions(device_type)
-            asleep = cm.host.sleeps_to_target(device_type)
             hosts = waiting["hosts"]
             blocks: dict[tuple[str, int], dict[str, Any]] = {}   # the stage's op fields per (kind, chunk)
             sent: list[str] = []

@@ -4,6 +4,7 @@ the planner / simulator pricing a sleep-mode device by the same function, outsid
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -139,6 +140,30 @@ def test_simulator_keeps_sleep_mode_devices_out_of_the_host_model():
     for pi, t in enumerate(("emu-a800", "emu-h20")):
         st = cm.stage(t, 1, 6, True, True)
         assert r.pipeline_end_s[pi] == pytest.approx(2 * (st.forward_s + st.backward_s))
+
+
+def test_a_sleep_mode_devices_optimizer_pays_for_the_sleep_before_it():
+    """A sleep-mode device's blocks last their targets, but its optimizer step runs as it is, after the
+    device slept through its last block: it pays the resume penalty (the forward's figures: 0.5 s, tau
+    1 s) for the idle since that block's start. Hand-computed on the dp strategy: each optimizer takes its
+    price plus 0.5 (1 - e^(-idle)), idle from its pipeline's last backward's start to the optimizer's start;
+    the blocks cost their targets exactly."""
+    cm = CostModel(TINY, SLEEP4, sleep_profiles(cores=1), micro_batch=1, seq_len=64, step_allreduce=False)
+    dp = Strategy("dp", (Pipeline(2, (Stage((0,), (0, 6)),)), Pipeline(2, (Stage((2,), (0, 6)),))))
+    r = simulate(cm, dp, 4)
+    price = cm.optimizer_times(dp)
+    for pi, (d, t) in enumerate(((0, "emu-a800"), (2, "emu-h20"))):
+        events = [e for e in r.events if e.pipeline == pi]
+        st = cm.stage(t, 1, 6, True, True)
+        for e in events:
+            if e.category in ("forward", "backward"):
+                assert e.cpu_s == pytest.approx(st.forward_s if e.category == "forward" else st.backward_s)
+        last = max((e for e in events if e.category == "backward"), key=lambda e: e.start_s)
+        (opt,) = (e for e in events if e.category == "optimizer")
+        idle = opt.start_s - last.start_s
+        assert idle > 0.1
+        assert opt.cpu_s == pytest.approx(price[d] + 0.5 * (1 - math.exp(-idle)))
+        assert opt.end_s - opt.start_s == pytest.approx(opt.cpu_s)
 
 
 @given(layers=st.integers(1, 12), mb=st.integers(1, 8), seq=st.sampled_from([16, 64, 256, 1024]),
