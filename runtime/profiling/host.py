@@ -104,7 +104,7 @@ def measure_resume_penalty(model: ModelSpec, seq_len: int, *, device: torch.devi
     CPU after each one; a stage waits for its peers) runs slower than one idle once among blocks back to
     back: timing the two alternately, block by block, gave a one-layer forward 0.0-0.02 ms more after
     8 ms idle, where this device in bursts, as in a 1F1B replay with micro-batches in flight, takes
-    0.20-0.24 ms (18-20%) more, and an op of a stretched device in training 15-40% more than its back-to-back
+    0.20-0.24 ms (18-22%) more, and an op of a stretched device in training 15-40% more than its back-to-back
     price (stop 34, docs/benchmarks.md "Simulator fidelity"). The untimed head of a burst absorbs the
     change from the previous burst's regime and shape (its data had left the caches).
     On a CPU the time is this thread's CPU time, so that a preemption meanwhile is no penalty."""
