@@ -29,8 +29,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     Run serially, the integration tests would be the whole run's wall time (the other worker idle once the
     unit tests are done), so the modules in ``BESIDE`` go to the other worker, each as one unit (their
-    module fixtures start once): they run scripts end to end, time no silence and assert no duration. xdist deals the units with the most tests first, so
-    the serial group and these start at once and the single unit tests fill in behind them."""
+    module fixtures start once): they run scripts end to end, time no silence and assert no duration. xdist
+    deals the units with the most tests first, so the serial group and these start at once and the single
+    unit tests fill in behind them."""
     from xdist.scheduler import LoadScopeScheduling
 
     worlds = "tests/integration/"
