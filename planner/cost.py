@@ -113,6 +113,7 @@ from runtime.annotations.from_plan import Boundary, held_by, placements
 from runtime.annotations.states import Annotation
 from runtime.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
 from runtime.engine.specialize import BOUNDARY_DTYPE, resolve_boundary
+from runtime.errors import HspmdError
 from runtime.models.decoders import model_parameters
 from runtime.models.params import ParamInfo
 from runtime.pipeline_schedules import ChunkCost, Costs, TimedOp, op_kinds, step_time, step_time_bound
@@ -491,6 +492,9 @@ class CostModel:
     def __init__(self, model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
                  *, micro_batch: int, seq_len: int, step_allreduce: bool = True,
                  sequence_parallel: bool = False) -> None:
+        refused = model.pricing_problem()
+        if refused is not None:  # a MoE model priced as if dense would be a wrong plan, not an approximate one
+            raise HspmdError(refused)
         missing = [t for t in cluster.device_types if t not in profiles]
         if missing:
             raise ValueError(f"no profile for device type(s) {missing}")

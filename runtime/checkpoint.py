@@ -50,6 +50,7 @@ from runtime.models.params import llama_parameters
 from runtime.spec import ModelSpec, PlanContext
 from runtime.spec.catalog import model_source_config
 from runtime.spec.hf import CONFIG_FILE, HF_NAMES, config_for, read_config, spec_from_config
+from runtime.spec.hf_moe import hf_view
 from runtime.spec.io import AtomicFiles, is_dir
 
 if TYPE_CHECKING:
@@ -237,6 +238,7 @@ def _config_problems(path: Path, model: ModelSpec) -> list[Problem]:
         theirs = spec_from_config(read_config(path), str(path), model.name)
     except SpecError as err:
         return list(err.problems)
+    model = hf_view(model)  # what config.json cannot say is not compared
     out: dict[str, Problem] = {}
     for f in dataclasses.fields(ModelSpec):
         if f.name != "name" and getattr(theirs, f.name) != getattr(model, f.name):

@@ -15,15 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import FieldErrors, Problem, SpecError
+from runtime.spec.hf_moe import moe_config, moe_from_config, qkv_bias
 from runtime.spec.io import is_dir, read_json
 from runtime.spec.model import ModelSpec, RopeScaling
 from runtime.spec.schema import MAX_FLOAT, MAX_INT
 
 CONFIG_FILE = "config.json"
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "olmoe", "jamba")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+# Mixture-of-experts model_types the runtime does not build (Qwen3-MoE: per-head q/k norms; DeepSeek: MLA and
+# sigmoid routing; the others their own blocks).
+MOE_TYPES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "olmoe", "jamba")
 # transformers' defaults for the keys a config.json may leave out, per model_type.
-DEFAULT_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6}
+DEFAULT_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "mixtral": 1e-5, "qwen2_moe": 1e-6}
 REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
             "max_position_embeddings")
 
@@ -199,8 +203,8 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
         if model_type is None:
             f.bad("model_type", "missing required field")
         elif model_type in MOE_TYPES or any(k in data for k in ("num_local_experts", "num_experts")):
-            f.bad("model_type", f"{model_type!r} is a mixture-of-experts model; supported: "
-                                f"{', '.join(ARCHITECTURES)} (dense Llama family)")
+            f.bad("model_type", f"{model_type!r} is a mixture-of-experts model the runtime does not build; "
+                                f"supported: {', '.join(ARCHITECTURES)}")
         else:
             f.bad("model_type", f"{model_type!r} is not supported (supported: "
                                 f"{', '.join([*ARCHITECTURES, *GPT_KEYS])})")
@@ -225,8 +229,10 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
     layer_types = data.get("layer_types")
     sliding_layers = isinstance(layer_types, list) and "sliding_attention" in layer_types
     window = None
-    if model_type == "mistral" or sliding_layers or model_type == "qwen2" and f.get_bool("use_sliding_window", False):
+    if model_type in ("mistral", "mixtral") or sliding_layers or \
+            model_type in ("qwen2", "qwen2_moe") and f.get_bool("use_sliding_window", False):
         window = f.get_int("sliding_window")
+    moe = moe_from_config(f, model_type, sizes["intermediate_size"])
     eps = f.get_float("rms_norm_eps", DEFAULT_EPS[model_type])
     tied = f.get_bool("tie_word_embeddings", False)
     if f.problems:
@@ -236,8 +242,8 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
                          ffn_hidden_size=sizes["intermediate_size"], num_heads=heads, num_kv_heads=kv_heads,
                          vocab_size=sizes["vocab_size"], max_seq_len=sizes["max_position_embeddings"],
                          rope_theta=theta, norm_eps=eps, family=model_type, head_dim=head_dim,
-                         qkv_bias=model_type == "qwen2", tie_word_embeddings=tied, rope_scaling=scaling,
-                         sliding_window=window)
+                         qkv_bias=qkv_bias(f, model_type), tie_word_embeddings=tied, rope_scaling=scaling,
+                         sliding_window=window, moe=moe)
     except FieldErrors as err:
         raise SpecError([Problem(file, HF_NAMES.get(field, field), message) for field, message in err.problems]) \
             from None
@@ -246,7 +252,10 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
 # ModelSpec field -> config.json key, for problems found by ModelSpec's own validation.
 HF_NAMES = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
             "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
-            "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
+            "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps", "moe.num_experts": "num_experts",
+            "moe.top_k": "num_experts_per_tok", "moe.expert_ffn_size": "moe_intermediate_size",
+            "moe.dense_layers": "mlp_only_layers", "moe.sparse_step": "decoder_sparse_step",
+            "moe.aux_loss_coef": "router_aux_loss_coef"}
 
 
 def load_hf_model(path: str | Path) -> ModelSpec:
@@ -275,9 +284,11 @@ def config_for(spec: ModelSpec, dtype: str, source: dict[str, Any] | None = None
     if spec.family == "llama":
         out.setdefault("attention_bias", False)
         out.setdefault("mlp_bias", False)
-    if spec.family == "mistral":
+    if spec.family in ("mistral", "mixtral"):
         out["sliding_window"] = spec.sliding_window
-    if spec.family == "qwen2":
+    if spec.moe is not None:
+        out.update(moe_config(spec))
+    if spec.family in ("qwen2", "qwen2_moe"):
         out["use_sliding_window"] = spec.sliding_window is not None
         if spec.sliding_window is not None:
             out["sliding_window"] = spec.sliding_window
