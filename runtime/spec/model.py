@@ -27,9 +27,8 @@ MAX_ROPE_FACTOR = 1e4
 # Experts over all MoE layers (DeepSeek-V3: 58 x 256 = 14,848); each is three tensors of the parameter table.
 MAX_EXPERT_BLOCKS = 65536
 # What hspmd does not do yet with a mixture-of-experts model (plan, simulate and train refuse it with this).
-MOE_NOT_SUPPORTED = ("mixture-of-experts models are not supported by the planner, cost model, simulator or "
-                     "engine yet (MoE pricing and expert parallelism); the model, Hugging Face import and export "
-                     "are")
+MOE_NOT_SUPPORTED = ("mixture-of-experts models cannot be planned, simulated or trained yet (no MoE pricing, no "
+                     "expert parallelism); hspmd builds, imports and exports them")
 
 # The Hugging Face ``model_type``s whose decoder the runtime's Llama is: Llama 2/3, Mistral, Qwen2 differ
 # only in figures this spec holds (head_dim, q/k/v bias, tied embeddings, rope scaling). Mixtral and
@@ -275,7 +274,7 @@ class ModelSpec:
     def pricing_note(self, seq_len: int) -> str | None:
         """What the planner and simulator approximate for this model at ``seq_len`` (None: nothing)."""
         found = self.train_problem(seq_len)
-        if found is None:
+        if found is None or self.moe is not None:  # not priced at all: ``pricing_problem``
             return None
         if self.gpt:
             return (f"{self.name}: architecture {self.architecture}: priced from its shapes (LayerNorm, GELU MLP, "
