@@ -232,7 +232,7 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
     if model_type in ("mistral", "mixtral") or sliding_layers or \
             model_type in ("qwen2", "qwen2_moe") and f.get_bool("use_sliding_window", False):
         window = f.get_int("sliding_window")
-    moe = moe_from_config(f, model_type, sizes["intermediate_size"])
+    moe = moe_from_config(f, model_type, sizes["intermediate_size"], sizes["num_hidden_layers"])
     eps = f.get_float("rms_norm_eps", DEFAULT_EPS[model_type])
     tied = f.get_bool("tie_word_embeddings", False)
     if f.problems:

@@ -47,7 +47,7 @@ def _aux_coef(f: _Fields) -> float:
     return coef if f.get_bool("output_router_logits", False) else 0.0
 
 
-def moe_from_config(f: _Fields, model_type: str, intermediate: int | None) -> MoeSpec | None:
+def moe_from_config(f: _Fields, model_type: str, intermediate: int | None, layers: int | None) -> MoeSpec | None:
     """The MoeSpec of a Mixtral or Qwen2-MoE config (None for a dense model_type); problems go to ``f``."""
     if model_type == "mixtral":
         jitter = f.get_float("router_jitter_noise", 0.0)
@@ -60,10 +60,15 @@ def moe_from_config(f: _Fields, model_type: str, intermediate: int | None) -> Mo
         shared = f.get_int("shared_expert_intermediate_size", required=True)
         if shared is not None and shared < 1:
             f.bad("shared_expert_intermediate_size", f"must be at least 1 (Qwen2-MoE's shared expert), got {shared}")
+            shared = None  # reported: MoeSpec then takes the experts' width
         dense = f.data.get("mlp_only_layers", [])
         if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
             f.bad("mlp_only_layers", f"expected a list of layer indices, got {str(dense)[:40]}")
             dense = []
+        for i, layer in enumerate(dense):
+            if layers is not None and not 0 <= layer < layers:
+                f.bad(f"mlp_only_layers[{i}]", f"{layer} is not a layer index (num_hidden_layers is {layers})")
+        dense = [i for i in dense if layers is None or 0 <= i < layers]  # the rest is checked below
         values = {"num_experts": f.get_int("num_experts", required=True),
                   "top_k": f.get_int("num_experts_per_tok", required=True),
                   "expert_ffn_size": f.get_int("moe_intermediate_size", required=True),
@@ -72,7 +77,7 @@ def moe_from_config(f: _Fields, model_type: str, intermediate: int | None) -> Mo
                   "norm_topk_prob": f.get_bool("norm_topk_prob", False), "aux_loss_coef": _aux_coef(f)}
     else:
         return None
-    if f.problems or any(v is None for v in values.values()):
+    if any(values[k] is None for k in ("num_experts", "top_k", "expert_ffn_size")):
         return None  # already reported, once
     try:
         return MoeSpec(**values)
