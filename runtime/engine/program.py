@@ -43,6 +43,7 @@ from runtime.engine.specialize import (
 from runtime.engine.tensor_parallel import apply_tensor_parallel, local_tensor
 from runtime.engine.zero import MomentPiece
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
+from runtime.models.moe import MoeForCausalLM, causal_lm
 from runtime.pipeline_schedules import Action, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
 from runtime.precision import Precision
 from runtime.spec.handle import StrategyHandle
@@ -74,8 +75,10 @@ class DeviceProgram:
         mesh = groups.mesh(role.devices, self.device.type) if role.tp > 1 else None
         chunks: list[LlamaForCausalLM] = []
         for c in role.chunks:
-            module = LlamaForCausalLM(spec, range(*c.layers), embed=c.embed, head=c.head)
+            module = causal_lm(spec, range(*c.layers), embed=c.embed, head=c.head)
             module.init_weights(t.seed)  # on CPU, name-seeded: the reference's numbers on every device
+            if isinstance(module, MoeForCausalLM):  # a micro-batch's share of the step's loss, as its tokens'
+                module.set_aux_scale(role.micro_batch * t.seq_len / self.tokens)
             module.to(self.device)
             if mesh is not None:
                 apply_tensor_parallel(module, chunk_parameters(spec, c), mesh, t.sequence_parallel)

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import FieldErrors, Problem, SpecError
+from runtime.spec.hf_fields import Fields
 from runtime.spec.hf_moe import moe_config, moe_from_config, qkv_bias
 from runtime.spec.io import is_dir, read_json
 from runtime.spec.model import ModelSpec, RopeScaling
-from runtime.spec.schema import MAX_FLOAT, MAX_INT
 
 CONFIG_FILE = "config.json"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -52,52 +52,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
-class _Fields:
-    """Typed access to config keys, collecting one problem per bad field."""
-
-    def __init__(self, data: dict[str, Any], file: str) -> None:
-        self.data, self.file = data, file
-        self.problems: list[Problem] = []
-
-    def bad(self, field: str, message: str) -> None:
-        self.problems.append(Problem(self.file, field, message))
-
-    def get_int(self, key: str, default: int | None = None, *, required: bool = False,
-                source: dict[str, Any] | None = None, prefix: str = "") -> int | None:
-        value = (self.data if source is None else source).get(key)
-        if value is None:
-            if required:
-                self.bad(prefix + key, "missing required field")
-            return default
-        if not isinstance(value, int) or isinstance(value, bool):
-            self.bad(prefix + key, f"expected an integer, got {repr(value)[:40]}")
-            return default
-        if abs(value) > MAX_INT:  # the YAML specs' bound: 10**400 overflowed float division (a traceback)
-            self.bad(prefix + key, f"an integer of {len(str(abs(value)))} digits is out of range (at most "
-                                   f"{MAX_INT:,})")
-            return default
-        return value
-
-    def get_float(self, key: str, default: float, source: dict[str, Any] | None = None, prefix: str = "") -> float:
-        value = (self.data if source is None else source).get(key)
-        if value is None:
-            return default
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not abs(value) <= MAX_FLOAT:
-            self.bad(prefix + key, f"expected a finite number of at most {MAX_FLOAT:g}, got {str(value)[:40]}")
-            return default
-        return float(value)
-
-    def get_bool(self, key: str, default: bool) -> bool:
-        value = self.data.get(key, default)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            self.bad(key, f"expected true or false, got {value!r}")
-            return default
-        return value
-
-
-def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
+def _rope(f: Fields) -> tuple[float, RopeScaling | None]:
     """rope_theta and the scaling, from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
     ``rope_scaling`` (earlier)."""
     params = f.data.get("rope_parameters")
@@ -155,7 +110,7 @@ GPT_KEYS: dict[str, tuple[tuple[str, str, str, str, str, str], int, bool]] = {
 }
 
 
-def _gpt_spec(f: _Fields, model_type: str, name: str) -> ModelSpec:
+def _gpt_spec(f: Fields, model_type: str, name: str) -> ModelSpec:
     """A GPT-style decoder's ModelSpec (transformers' key names and defaults for ``model_type``); what
     would change its parameter layout beyond what the spec holds is refused, naming the field."""
     (layers, hidden, ffn, heads, positions, eps_key), ffn_mult, tied_default = GPT_KEYS[model_type]
@@ -192,7 +147,7 @@ def _gpt_spec(f: _Fields, model_type: str, name: str) -> ModelSpec:
 
 def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
     """The ModelSpec of a parsed config.json; every problem raised at once, each naming its field."""
-    f = _Fields(data, file)
+    f = Fields(data, file)
     model_type = data.get("model_type")
     if not isinstance(model_type, (str, type(None))):   # a list or mapping would not even hash
         f.bad("model_type", f"must be a string such as 'llama', got {model_type!r}")

@@ -18,10 +18,10 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from runtime.errors import FieldErrors, Problem, SpecError
+from runtime.spec.hf_fields import Fields
 from runtime.spec.moe import MoeSpec
 
 if TYPE_CHECKING:
-    from runtime.spec.hf import _Fields
     from runtime.spec.model import ModelSpec
 
 # MoeSpec field -> config.json key, per model_type (for problems found by MoeSpec's own validation).
@@ -35,19 +35,19 @@ KEYS = {"mixtral": {"num_experts": "num_local_experts", "top_k": "num_experts_pe
 TRAINING_ONLY = ("bias_update_rate", "capacity_factor", "expert_load")
 
 
-def qkv_bias(f: _Fields, model_type: str) -> bool:
+def qkv_bias(f: Fields, model_type: str) -> bool:
     """Whether q/k/v carry a bias: always for Qwen2, by ``qkv_bias`` (default true) for Qwen2-MoE."""
     if model_type == "qwen2_moe":
         return f.get_bool("qkv_bias", True)
     return model_type == "qwen2"
 
 
-def _aux_coef(f: _Fields) -> float:
+def _aux_coef(f: Fields) -> float:
     coef = f.get_float("router_aux_loss_coef", 0.001)
     return coef if f.get_bool("output_router_logits", False) else 0.0
 
 
-def moe_from_config(f: _Fields, model_type: str, intermediate: int | None, layers: int | None) -> MoeSpec | None:
+def moe_from_config(f: Fields, model_type: str, intermediate: int | None, layers: int | None) -> MoeSpec | None:
     """The MoeSpec of a Mixtral or Qwen2-MoE config (None for a dense model_type); problems go to ``f``."""
     if model_type == "mixtral":
         jitter = f.get_float("router_jitter_noise", 0.0)

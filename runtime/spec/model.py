@@ -27,8 +27,8 @@ MAX_ROPE_FACTOR = 1e4
 # Experts over all MoE layers (DeepSeek-V3: 58 x 256 = 14,848); each is three tensors of the parameter table.
 MAX_EXPERT_BLOCKS = 65536
 # What hspmd does not do yet with a mixture-of-experts model (plan, simulate and train refuse it with this).
-MOE_NOT_SUPPORTED = ("mixture-of-experts models cannot be planned, simulated or trained yet (no MoE pricing, no "
-                     "expert parallelism); hspmd builds, imports and exports them")
+MOE_NOT_SUPPORTED = ("mixture-of-experts models cannot be planned or simulated yet (no MoE pricing, no expert "
+                     "parallelism); hspmd train runs them on TP-1 stages, every stage holding all its layers' experts")
 
 # The Hugging Face ``model_type``s whose decoder the runtime's Llama is: Llama 2/3, Mistral, Qwen2 differ
 # only in figures this spec holds (head_dim, q/k/v bias, tied embeddings, rope scaling). Mixtral and
@@ -260,8 +260,9 @@ class ModelSpec:
         if self.gpt:
             return ("architecture", f"{self.architecture} is priced by the planner and simulator, not trained: "
                                     "the runtime trains the Llama family (llama, mistral, qwen2)")
-        if self.moe is not None:
-            return ("moe", MOE_NOT_SUPPORTED)
+        if self.moe is not None and self.moe.bias_update_rate > 0:
+            return ("moe.bias_update_rate", "aux-loss-free balancing is not trained yet (its per-step bias update "
+                                            "needs the routers' loads summed over data-parallel replicas)")
         if self.sliding_window is not None and seq_len > self.sliding_window:
             return ("sliding_window", f"attention window {self.sliding_window} is shorter than seq_len {seq_len}; "
                                       "the runtime trains full causal attention only")
@@ -274,7 +275,7 @@ class ModelSpec:
     def pricing_note(self, seq_len: int) -> str | None:
         """What the planner and simulator approximate for this model at ``seq_len`` (None: nothing)."""
         found = self.train_problem(seq_len)
-        if found is None or self.moe is not None:  # not priced at all: ``pricing_problem``
+        if found is None or self.moe is not None:  # a MoE model is not priced at all: ``pricing_problem``
             return None
         if self.gpt:
             return (f"{self.name}: architecture {self.architecture}: priced from its shapes (LayerNorm, GELU MLP, "

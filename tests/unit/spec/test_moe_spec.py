@@ -88,6 +88,10 @@ def test_tp_must_split_the_experts(tmp_path: Path):
     assert model.tp_problem(128) is not None and "moe.expert_ffn_size 64" in model.tp_problem(128)
 
 
+REFUSED = ("moe: mixture-of-experts models cannot be planned or simulated yet (no MoE pricing, no expert "
+           "parallelism); hspmd train runs them on TP-1 stages, every stage holding all its layers' experts")
+
+
 @pytest.mark.parametrize("argv", [
     ["plan", "--model", "mixtral-8x7b", "--cluster", "h800-h20-48", "--global-batch", "64", "--seq-len", "4096"],
     ["plan", "--model", "qwen1.5-moe-a2.7b", "--cluster", "cpu-hetero4", "--lengths", "longtail",
@@ -96,20 +100,27 @@ def test_tp_must_split_the_experts(tmp_path: Path):
 def test_planning_a_moe_model_is_refused_in_one_line(argv: list[str]):
     res = CliRunner().invoke(cli, argv)
     assert res.exit_code == 2, res.output
-    assert res.stderr.strip().splitlines() == [
-        f"error: {argv[2]}: moe: mixture-of-experts models cannot be planned, simulated or trained yet (no MoE "
-        "pricing, no expert parallelism); hspmd builds, imports and exports them"]
+    assert res.stderr.strip().splitlines() == [f"error: {argv[2]}: {REFUSED}"]
 
 
-def test_simulate_and_train_refuse_a_moe_plan(tmp_path: Path):
+def test_simulate_refuses_and_train_names_what_it_cannot_run(tmp_path: Path):
     plan = tmp_path / "plan.yaml"
     plan.write_text((CONFIGS / "plans" / "cpu-hetero4-tiny.yaml").read_text().replace("model: llama-tiny",
                                                                                      "model: moe-tiny"))
     res = CliRunner().invoke(cli, ["validate", str(plan)])
     assert res.exit_code == 0, res.output  # the plan itself is well-formed
-    for argv in (["simulate", "--plan", str(plan)], ["train", "--plan", str(plan), "--steps", "1"]):
-        res = CliRunner().invoke(cli, argv)
-        assert res.exit_code == 2, res.output
-        lines = res.stderr.strip().splitlines()
-        assert len(lines) == 1 and "moe: mixture-of-experts models cannot be planned, simulated or trained yet" \
-            in lines[0], lines
+    res = CliRunner().invoke(cli, ["simulate", "--plan", str(plan)])
+    assert res.exit_code == 2 and res.stderr.strip().splitlines() == [f"error: moe-tiny: {REFUSED}"]
+    res = CliRunner().invoke(cli, ["train", "--plan", str(plan), "--steps", "1"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().splitlines() == [
+        f"error: {plan}: strategies[0].pipelines[0].stages[0].devices: TP degree 2: a MoE model trains on TP-1 "
+        "stages only (no tensor or expert parallelism of its MoE layers yet)"]
+    model = tmp_path / "m.yaml"
+    model.write_text((CONFIGS / "models" / "moe-tiny.yaml").read_text() + "  bias_update_rate: 0.001\n")
+    plan.write_text(plan.read_text().replace("model: moe-tiny", f"model: {model}"))
+    res = CliRunner().invoke(cli, ["train", "--plan", str(plan), "--steps", "1"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().splitlines() == [
+        f"error: {model}: moe.bias_update_rate: aux-loss-free balancing is not trained yet (its per-step bias "
+        "update needs the routers' loads summed over data-parallel replicas)"]
