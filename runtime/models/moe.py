@@ -49,7 +49,7 @@ class Expert(nn.Module):
 
 class Router(nn.Linear):
     """Scores [tokens, experts]. ``expert_bias`` (aux-loss-free balancing) shifts which experts are chosen,
-    never their weights; ``load`` counts the tokens each expert was given since ``take_load``."""
+    never their weights; with it on, ``load`` counts the tokens each expert was given since ``take_load``."""
 
     def __init__(self, hidden: int, moe: MoeSpec) -> None:
         super().__init__(hidden, moe.num_experts, bias=False)
@@ -65,7 +65,7 @@ class Router(nn.Linear):
         weights = probs.gather(-1, chosen)
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.training:
+        if self.training and self.moe.bias_update_rate > 0:
             with torch.no_grad():
                 self.load += torch.bincount(chosen.reshape(-1), minlength=self.moe.num_experts).to(self.load.dtype)
         return probs, chosen, weights
@@ -125,8 +125,8 @@ def expert_outputs(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
         if take.numel() == 0:
             continue
         tokens = take // k
-        y = expert(x[tokens]) * weights.reshape(-1)[take].unsqueeze(-1).to(x.dtype)
-        out.index_add_(0, tokens, y)
+        y = expert(x[tokens]) * weights.reshape(-1)[take].unsqueeze(-1)
+        out.index_add_(0, tokens, y.to(out.dtype))  # (under autocast the experts compute in bf16)
     return out
 
 

@@ -144,3 +144,14 @@ def test_stages_compose_into_the_whole_model():
     x = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(last(first(x)), full(x), rtol=0, atol=0)
+
+
+def test_bf16_autocast_runs_the_experts_and_stays_near_fp32():
+    model = tiny()
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        want = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = model(x)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() < 0.05 * want.abs().max()
