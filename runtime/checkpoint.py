@@ -242,7 +242,7 @@ def _config_problems(path: Path, model: ModelSpec) -> list[Problem]:
     out: dict[str, Problem] = {}
     for f in dataclasses.fields(ModelSpec):
         if f.name != "name" and getattr(theirs, f.name) != getattr(model, f.name):
-            key = "model_type" if f.name in ("family", "qkv_bias") else HF_NAMES.get(f.name, f.name)
+            key = "model_type" if f.name in ("family", "qkv_bias", "qk_norm") else HF_NAMES.get(f.name, f.name)
             out.setdefault(key, Problem(str(path), key, f"{getattr(theirs, f.name)!r} differs from the plan's model "
                                                         f"{model.name} ({f.name}: {getattr(model, f.name)!r})"))
     return list(out.values())

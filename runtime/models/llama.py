@@ -113,6 +113,8 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, kv, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(h, kv, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(q, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.norm_eps) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,6 +123,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: each head normalised
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = q.shape[1] != k.shape[1]
         if mask is None:

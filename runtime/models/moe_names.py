@@ -24,4 +24,5 @@ ROUTER = "gate"
 SHARED = "shared_expert"
 SHARED_GATE = "shared_expert_gate"
 SWIGLU_NAMES = MoeNames("mlp", "gate_proj", "up_proj", "down_proj")  # Llama's MLP; shared experts use it too
-MOE_NAMES = {"mixtral": MoeNames("block_sparse_moe", "w1", "w3", "w2"), "qwen2_moe": SWIGLU_NAMES}
+MOE_NAMES = {"mixtral": MoeNames("block_sparse_moe", "w1", "w3", "w2"), "qwen2_moe": SWIGLU_NAMES,
+             "qwen3_moe": SWIGLU_NAMES}

@@ -50,6 +50,8 @@ def layer_parameters(model: ModelSpec, layer: int) -> list[ParamInfo]:
         ParamInfo(p + "input_layernorm.weight", (h,), "layer", layer, None),
         *attn,
         ParamInfo(p + "self_attn.o_proj.weight", (h, q), "layer", layer, 1),
+        *([ParamInfo(p + f"self_attn.{n}.weight", (model.head_size,), "layer", layer, None)
+           for n in ("q_norm", "k_norm")] if model.qk_norm else []),
         ParamInfo(p + "post_attention_layernorm.weight", (h,), "layer", layer, None),
         *ffn,
     ]

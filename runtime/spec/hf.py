@@ -1,10 +1,11 @@
 """Hugging Face ``config.json`` <-> ModelSpec, for the decoders the runtime's Llama is.
 
-Read: the Llama family as ``transformers`` defines it (``model_type`` llama, mistral, qwen2), in either
-of its spellings of RoPE (``rope_theta`` + ``rope_scaling``, or ``rope_parameters``); and GPT-style
-decoders (gpt2, opt, gpt_neox, gpt_neo: ``GPT_KEYS``), which the planner prices and ``hspmd train``
-refuses. What the runtime's module cannot compute is refused here, naming the field, so that nothing
-downstream prices or trains a different model than the file describes. Write: the config a checkpoint
+Read: the Llama family as ``transformers`` defines it (``model_type`` llama, mistral, qwen2, and the
+mixtures of experts mixtral, qwen2_moe, qwen3_moe: runtime/spec/hf_moe.py), in either of its spellings
+of RoPE (``rope_theta`` + ``rope_scaling``, or ``rope_parameters``); and GPT-style decoders (gpt2, opt,
+gpt_neox, gpt_neo: ``GPT_KEYS``), which the planner prices and ``hspmd train`` refuses. What the runtime's
+module cannot compute is refused here, naming the field, so that nothing downstream prices or trains a
+different model than the file describes. Write: the config a checkpoint
 carries, the source config's keys kept (tokenizer ids, ``transformers_version``...), the shape keys
 rewritten from the spec.
 """
@@ -22,12 +23,13 @@ from runtime.spec.model import ModelSpec, RopeScaling
 
 CONFIG_FILE = "config.json"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
-# Mixture-of-experts model_types the runtime does not build (Qwen3-MoE: per-head q/k norms; DeepSeek: MLA and
-# sigmoid routing; the others their own blocks).
-MOE_TYPES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "olmoe", "jamba")
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+# Mixture-of-experts model_types the runtime does not build (DeepSeek: MLA and sigmoid routing; the others
+# their own blocks).
+MOE_TYPES = ("deepseek_v2", "deepseek_v3", "dbrx", "olmoe", "jamba")
 # transformers' defaults for the keys a config.json may leave out, per model_type.
-DEFAULT_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "mixtral": 1e-5, "qwen2_moe": 1e-6}
+DEFAULT_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "mixtral": 1e-5, "qwen2_moe": 1e-6, "qwen3_moe": 1e-6}
 REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
             "max_position_embeddings")
 
@@ -173,7 +175,7 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
         f.bad("hidden_act", f"{act!r} is not supported (the runtime's MLP is SwiGLU: silu)")
     if f.get_bool("mlp_bias", False):
         f.bad("mlp_bias", "true is not supported (the runtime's MLP has no biases)")
-    if model_type == "llama" and f.get_bool("attention_bias", False):
+    if model_type in ("llama", "qwen3_moe") and f.get_bool("attention_bias", False):
         f.bad("attention_bias", "true is not supported (the runtime's o_proj has no bias)")
     tp = f.get_int("pretraining_tp", 1)
     if tp not in (1, None):
@@ -185,7 +187,7 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
     sliding_layers = isinstance(layer_types, list) and "sliding_attention" in layer_types
     window = None
     if model_type in ("mistral", "mixtral") or sliding_layers or \
-            model_type in ("qwen2", "qwen2_moe") and f.get_bool("use_sliding_window", False):
+            model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and f.get_bool("use_sliding_window", False):
         window = f.get_int("sliding_window")
     moe = moe_from_config(f, model_type, sizes["intermediate_size"], sizes["num_hidden_layers"])
     eps = f.get_float("rms_norm_eps", DEFAULT_EPS[model_type])
@@ -197,7 +199,8 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
                          ffn_hidden_size=sizes["intermediate_size"], num_heads=heads, num_kv_heads=kv_heads,
                          vocab_size=sizes["vocab_size"], max_seq_len=sizes["max_position_embeddings"],
                          rope_theta=theta, norm_eps=eps, family=model_type, head_dim=head_dim,
-                         qkv_bias=qkv_bias(f, model_type), tie_word_embeddings=tied, rope_scaling=scaling,
+                         qkv_bias=qkv_bias(f, model_type), qk_norm=model_type == "qwen3_moe",
+                         tie_word_embeddings=tied, rope_scaling=scaling,
                          sliding_window=window, moe=moe)
     except FieldErrors as err:
         raise SpecError([Problem(file, HF_NAMES.get(field, field), message) for field, message in err.problems]) \
@@ -243,7 +246,7 @@ def config_for(spec: ModelSpec, dtype: str, source: dict[str, Any] | None = None
         out["sliding_window"] = spec.sliding_window
     if spec.moe is not None:
         out.update(moe_config(spec))
-    if spec.family in ("qwen2", "qwen2_moe"):
+    if spec.family in ("qwen2", "qwen2_moe", "qwen3_moe"):
         out["use_sliding_window"] = spec.sliding_window is not None
         if spec.sliding_window is not None:
             out["sliding_window"] = spec.sliding_window

@@ -1,10 +1,11 @@
-"""The mixture-of-experts keys of a Hugging Face ``config.json`` (Mixtral, Qwen2-MoE) <-> MoeSpec.
+"""The mixture-of-experts keys of a Hugging Face ``config.json`` (Mixtral, Qwen2-MoE, Qwen3-MoE) <-> MoeSpec.
 
 Mixtral: every layer routed over ``num_local_experts`` experts of width ``intermediate_size``, top-k
 probabilities renormalised. Qwen2-MoE: experts of width ``moe_intermediate_size``, layer i routed when
 ``(i + 1) % decoder_sparse_step == 0`` and i is not in ``mlp_only_layers`` (the others dense, of width
 ``intermediate_size``), one shared expert of width ``shared_expert_intermediate_size`` behind a sigmoid
-gate, renormalisation by ``norm_topk_prob``. As in ``transformers``, ``router_aux_loss_coef`` weighs the
+gate, renormalisation by ``norm_topk_prob``. Qwen3-MoE: Qwen2-MoE's keys without the shared expert (its
+attention's per-head q/k norms are ``ModelSpec.qk_norm``). As in ``transformers``, ``router_aux_loss_coef`` weighs the
 load-balancing loss only when ``output_router_logits`` is true (else there is none).
 
 Aux-loss-free balancing, a capacity factor and a router skew have no Hugging Face keys: a model file sets
@@ -31,6 +32,7 @@ KEYS = {"mixtral": {"num_experts": "num_local_experts", "top_k": "num_experts_pe
                       "expert_ffn_size": "moe_intermediate_size", "shared_ffn_size": "shared_expert_intermediate_size",
                       "sparse_step": "decoder_sparse_step", "dense_layers": "mlp_only_layers",
                       "aux_loss_coef": "router_aux_loss_coef"}}
+KEYS["qwen3_moe"] = KEYS["qwen2_moe"]
 # What a model file may set that config.json cannot say (reset by ``hf_view``).
 TRAINING_ONLY = ("bias_update_rate", "capacity_factor", "expert_load")
 
@@ -56,9 +58,9 @@ def moe_from_config(f: Fields, model_type: str, intermediate: int | None, layers
         values: dict[str, Any] = {"num_experts": f.get_int("num_local_experts", 8),
                                   "top_k": f.get_int("num_experts_per_tok", 2), "expert_ffn_size": intermediate,
                                   "aux_loss_coef": _aux_coef(f)}
-    elif model_type == "qwen2_moe":
-        shared = f.get_int("shared_expert_intermediate_size", required=True)
-        if shared is not None and shared < 1:
+    elif model_type in ("qwen2_moe", "qwen3_moe"):
+        shared = f.get_int("shared_expert_intermediate_size", required=True) if model_type == "qwen2_moe" else 0
+        if model_type == "qwen2_moe" and shared is not None and shared < 1:
             f.bad("shared_expert_intermediate_size", f"must be at least 1 (Qwen2-MoE's shared expert), got {shared}")
             shared = None  # reported: MoeSpec then takes the experts' width
         dense = f.data.get("mlp_only_layers", [])
@@ -69,10 +71,13 @@ def moe_from_config(f: Fields, model_type: str, intermediate: int | None, layers
             if layers is not None and not 0 <= layer < layers:
                 f.bad(f"mlp_only_layers[{i}]", f"{layer} is not a layer index (num_hidden_layers is {layers})")
         dense = [i for i in dense if layers is None or 0 <= i < layers]  # the rest is checked below
-        values = {"num_experts": f.get_int("num_experts", required=True),
+        # transformers 5 writes Qwen3-MoE's count as num_local_experts (published configs: num_experts)
+        count = "num_local_experts" if "num_experts" not in f.data and "num_local_experts" in f.data else "num_experts"
+        values = {"num_experts": f.get_int(count, required=True),
                   "top_k": f.get_int("num_experts_per_tok", required=True),
                   "expert_ffn_size": f.get_int("moe_intermediate_size", required=True),
-                  "shared_experts": 1, "shared_ffn_size": shared, "shared_gate": True,
+                  "shared_experts": int(model_type == "qwen2_moe"), "shared_ffn_size": shared or None,
+                  "shared_gate": model_type == "qwen2_moe",
                   "sparse_step": f.get_int("decoder_sparse_step", 1), "dense_layers": tuple(dense),
                   "norm_topk_prob": f.get_bool("norm_topk_prob", False), "aux_loss_coef": _aux_coef(f)}
     else:
@@ -126,7 +131,10 @@ def moe_config(spec: ModelSpec) -> dict[str, Any]:
                     "router_jitter_noise": 0.0})
     else:
         out.update({"num_experts": moe.num_experts, "moe_intermediate_size": moe.expert_ffn_size,
-                    "shared_expert_intermediate_size": moe.shared_width, "decoder_sparse_step": moe.sparse_step,
-                    "mlp_only_layers": list(moe.dense_layers), "norm_topk_prob": moe.norm_topk_prob,
-                    "qkv_bias": spec.qkv_bias})
+                    "decoder_sparse_step": moe.sparse_step, "mlp_only_layers": list(moe.dense_layers),
+                    "norm_topk_prob": moe.norm_topk_prob})
+    if spec.family == "qwen2_moe":
+        out.update({"shared_expert_intermediate_size": moe.shared_width, "qkv_bias": spec.qkv_bias})
+    if spec.family == "qwen3_moe":
+        out["attention_bias"] = False
     return out

@@ -31,10 +31,11 @@ MOE_NOT_SUPPORTED = ("mixture-of-experts models cannot be planned or simulated y
                      "parallelism); hspmd train runs them on TP-1 stages, every stage holding all its layers' experts")
 
 # The Hugging Face ``model_type``s whose decoder the runtime's Llama is: Llama 2/3, Mistral, Qwen2 differ
-# only in figures this spec holds (head_dim, q/k/v bias, tied embeddings, rope scaling). Mixtral and
-# Qwen2-MoE are the same decoder with MoE layers (``moe``); the family fixes their parameter names.
-Family = Literal["llama", "mistral", "qwen2", "mixtral", "qwen2_moe"]
-MOE_FAMILIES = ("mixtral", "qwen2_moe")
+# only in figures this spec holds (head_dim, q/k/v bias, tied embeddings, rope scaling). Mixtral,
+# Qwen2-MoE and Qwen3-MoE (with per-head q/k norms) are the same decoder with MoE layers (``moe``); the
+# family fixes their parameter names.
+Family = Literal["llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe"]
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # The decoder's layout: the runtime's Llama (``family`` then says which variant), or a GPT-style decoder
 # named by its Hugging Face ``model_type``.
 Architecture = Literal["llama", "gpt2", "opt", "gpt_neox", "gpt_neo"]
@@ -85,6 +86,7 @@ class ModelSpec:
     # Per-head width; hidden_size / num_heads when not given (Mistral-Nemo-style configs set it apart).
     head_dim: int | None = None
     qkv_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head of q and k (weights of head_dim), before RoPE
     tie_word_embeddings: bool = False  # the head multiplies by the embedding matrix (one weight)
     rope_scaling: RopeScaling | None = None
     # Attention window, when the model uses one (Mistral v0.1): the runtime cannot train it (``train_problem``).
@@ -128,6 +130,8 @@ class ModelSpec:
     def _check_moe(self, c: Checker) -> None:
         """The MoE block against the layer count and the family, whose names and Hugging Face layout it takes."""
         moe = self.moe
+        c.check(self.qk_norm == (self.family == "qwen3_moe"), "qk_norm",
+                f"{str(self.qk_norm).lower()} for family {self.family} (q/k norms are Qwen3-MoE's, and it has them)")
         if moe is None:
             c.check(self.family not in MOE_FAMILIES, "moe",
                     f"missing: family {self.family} is a mixture-of-experts decoder")
@@ -135,7 +139,7 @@ class ModelSpec:
         if not c.check(not self.gpt, "moe", f"a {self.architecture} decoder has no MoE layers") or not c.check(
                 self.family in MOE_FAMILIES, "family",
                        f"{self.family} has no MoE layers; a model with moe is family "
-                       f"{' or '.join(MOE_FAMILIES)}"):
+                       f"{', '.join(MOE_FAMILIES)}"):
             return
         for i, layer in enumerate(moe.dense_layers):
             c.check(layer < self.num_layers, f"moe.dense_layers[{i}]",
@@ -146,6 +150,8 @@ class ModelSpec:
         c.check(routed * moe.num_experts <= MAX_EXPERT_BLOCKS, "moe.num_experts",
                 f"{routed} MoE layers of {moe.num_experts} experts are {routed * moe.num_experts:,} experts in all "
                 f"(at most {MAX_EXPERT_BLOCKS:,}: every expert is three tensors of the parameter table)")
+        if self.family == "qwen3_moe":
+            c.check(moe.shared_experts == 0, "moe.shared_experts", "must be 0 for family qwen3_moe")
         if self.family == "mixtral":  # Mixtral's layout: every layer routed, no shared expert
             c.check(moe.shared_experts == 0, "moe.shared_experts", "must be 0 for family mixtral")
             c.check(moe.sparse_step == 1 and not moe.dense_layers, "moe.dense_layers",
@@ -184,7 +190,7 @@ class ModelSpec:
         weights = h * q + 2 * h * kv + q * h
         if self.gpt:
             return weights + h + (0 if self.architecture == "gpt_neo" else q + 2 * kv)
-        return weights + ((q + 2 * kv) if self.qkv_bias else 0)
+        return weights + ((q + 2 * kv) if self.qkv_bias else 0) + (2 * self.head_size if self.qk_norm else 0)
 
     def mlp_params(self) -> int:
         """One dense layer's MLP: SwiGLU's gate, up and down (Llama), or two biased matrices (GPT-style)."""

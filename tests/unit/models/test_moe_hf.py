@@ -31,6 +31,10 @@ CONFIGS = {
                                                      shared_expert_intermediate_size=16, num_experts=5,
                                                      num_experts_per_tok=3, mlp_only_layers=[1],
                                                      norm_topk_prob=False),
+    # Per-head q/k norms, dense layer 0, renormalised top-2 of 4 experts, no shared expert.
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, intermediate_size=40, moe_intermediate_size=24,
+                                                     num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0],
+                                                     norm_topk_prob=True),
 }
 
 

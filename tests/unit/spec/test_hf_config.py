@@ -31,7 +31,7 @@ CONFIGS = {
                                                            sliding_window=None),
 }
 NEW_CATALOG = ["llama-3-8b", "llama-3.1-70b", "llama-3.2-1b", "qwen2.5-7b", "mistral-7b", "mixtral-8x7b",
-               "qwen1.5-moe-a2.7b", "moe-tiny"]
+               "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "moe-tiny"]
 
 
 def write_config(path: Path, data: dict) -> Path:
@@ -107,11 +107,14 @@ def test_catalog_entries_are_what_transformers_builds(name: str):
 
 BAD = {
     "falcon": ({"model_type": "falcon", "num_hidden_layers": 2}, [
-        "model_type: 'falcon' is not supported (supported: llama, mistral, qwen2, mixtral, qwen2_moe, gpt2, opt, "
-        "gpt_neox, gpt_neo)"]),
-    "moe": ({"model_type": "qwen3_moe", **TINY}, ["model_type: 'qwen3_moe' is a mixture-of-experts model the runtime "
-                                                  "does not build; supported: llama, mistral, qwen2, mixtral, "
-                                                  "qwen2_moe"]),
+        "model_type: 'falcon' is not supported (supported: llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe, "
+        "gpt2, opt, gpt_neox, gpt_neo)"]),
+    "moe": ({"model_type": "deepseek_v3", **TINY}, ["model_type: 'deepseek_v3' is a mixture-of-experts model the "
+                                                    "runtime does not build; supported: llama, mistral, qwen2, "
+                                                    "mixtral, qwen2_moe, qwen3_moe"]),
+    "qwen3-moe": ({"model_type": "qwen3_moe", **TINY, "moe_intermediate_size": 16, "attention_bias": True},
+                  ["attention_bias: true is not supported (the runtime's o_proj has no bias)",
+                   "num_experts: missing required field", "num_experts_per_tok: missing required field"]),
     "top-k": ({"model_type": "mixtral", **TINY, "num_local_experts": 2, "num_experts_per_tok": 3},
               ["num_experts_per_tok: 3 is more than num_experts 2 (a token is routed to top_k distinct experts)"]),
     "qwen-moe": ({"model_type": "qwen2_moe", **TINY, "num_experts": 4, "num_experts_per_tok": 2,
@@ -157,7 +160,7 @@ def test_plan_cli_takes_a_config_dir_and_refuses_an_unsupported_one(tmp_path: Pa
     assert res.exit_code == 2 and not (tmp_path / "no.yaml").exists()
     assert res.stderr.strip().splitlines() == [
         f"error: {bad / 'config.json'}: model_type: 'falcon' is not supported (supported: llama, mistral, qwen2, "
-        "mixtral, qwen2_moe, gpt2, opt, gpt_neox, gpt_neo)"]
+        "mixtral, qwen2_moe, qwen3_moe, gpt2, opt, gpt_neox, gpt_neo)"]
 
 
 def test_a_bare_name_is_the_catalog_entry_first_then_a_model_directory(tmp_path: Path):

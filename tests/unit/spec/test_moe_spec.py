@@ -53,7 +53,10 @@ CASES = {
                                           "dense_layers, norm_topk_prob, aux_loss_coef, bias_update_rate, "
                                           "capacity_factor, expert_load)"]),
     "dense family": ({"family": "llama"},
-                     ["family: llama has no MoE layers; a model with moe is family mixtral or qwen2_moe"]),
+                     ["family: llama has no MoE layers; a model with moe is family mixtral, qwen2_moe, qwen3_moe"]),
+    "qwen3": ({"family": "qwen3_moe"},
+              ["qk_norm: false for family qwen3_moe (q/k norms are Qwen3-MoE's, and it has them)",
+               "moe.shared_experts: must be 0 for family qwen3_moe"]),
     "mixtral": ({"family": "mixtral"},
                 ["moe.shared_experts: must be 0 for family mixtral",
                  "moe.dense_layers: family mixtral has no dense layers (sparse_step 1, dense_layers [])",
