@@ -112,7 +112,8 @@ def capture(tree: Path, quick: bool) -> dict[str, str]:
             args = ["simulate", "--plan", str(tree / "configs" / "plans" / plan), "--strategy", strategy,
                     "--events", str(events), "--format", "json"]
             out[key] = _cli(args + (["--cluster", str(two)] if cluster else []))
-    return out
+    # The checkout's and the temporary folder's paths (profile sources, output files) are not behaviour.
+    return {k: v.replace(str(tree), "<checkout>").replace(tmp, "<tmp>") for k, v in out.items()}
 
 
 def compare(a: dict[str, str], b: dict[str, str], names: tuple[str, str]) -> list[str]:
