@@ -88,106 +88,126 @@ def pareto_front(view: Callable[[int], BlockCandidate], n: int, lower: Sequence[
     return out
 
 
-def keep_blocks(blocks: BlockBuilder, found: Sequence[BlockCandidate | BlockJob], share: float) -> list[BlockCandidate]:
-    """The block candidates worth combining, completed (``complete``): the best when the block gets
-    ``share`` of the batch (its expected share next to the other types), and the best when it gets all
+def keep_blocks(blocks: BlockBuilder, found: Sequence[BlockCandidate | BlockJob], share: float
+                ) -> list[BlockCandidate]:
+    """The block candidates worth combining, completed (``BlockBuilder.complete``): the best when the block
+    gets ``share`` of the batch (its expected share next to the other types), and the best when it gets all
     of it; each scored as if it ran alone (makespan plus its ``overheads``). Drafts are completed in
     order of a lower bound of that score (makespan plus clip), so only those that may be kept are; and
     before the spare gains, which play the schedule, each gets a tighter bound (the floor makespan plus
     its own sync and optimizer terms, ``with_sync``), so that only those that still may be kept play it.
     Blocks not built yet (``BlockJob``, the mixed blocks) are built when a bound of that bound from their
     templates (``job_bound``) comes up: those that cannot be kept never deal their groups."""
-    built: dict[int, BlockCandidate | None] = {}
-    done: dict[int, BlockCandidate] = {}
-    synced: dict[int, BlockCandidate] = {}
-    partial: dict[int, BlockCandidate] = {}   # drafts with some classes' spare gains priced (``step``)
-    lazy = any(isinstance(x, BlockJob) for x in found)
-    any_built = [False]
+    drafts = Drafts(blocks, found)
+    out: list[BlockCandidate] = []
+    for k, sh in enumerate((share, 1.0) if share < 0.999 else (1.0,)):
+        for c in drafts.best(sh, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2):
+            if all(c is not o for o in out):
+                out.append(c)
+    return out
 
-    def draft(i: int) -> BlockCandidate | None:
-        x = found[i]
+
+class Drafts:
+    """The drafts of one ``keep_blocks`` call, each built, synced and priced only as far as the ranking asks
+    (each step kept for the next share)."""
+
+    def __init__(self, blocks: BlockBuilder, found: Sequence[BlockCandidate | BlockJob]) -> None:
+        self.blocks = blocks
+        self.found = found
+        self.built: dict[int, BlockCandidate | None] = {}
+        self.done: dict[int, BlockCandidate] = {}
+        self.synced: dict[int, BlockCandidate] = {}
+        self.partial: dict[int, BlockCandidate] = {}   # drafts with some classes' spare gains priced (``step``)
+        self.lazy = any(isinstance(x, BlockJob) for x in found)
+        self.any_built = False
+
+    def draft(self, i: int) -> BlockCandidate | None:
+        x = self.found[i]
         if isinstance(x, BlockCandidate):
             return x
-        if i not in built:
+        if i not in self.built:
             # Past the time limit no more blocks are built once one is (the ones so far are kept).
-            late = any_built[0] and blocks.budget.out_of_time("mixed-type pipelines")
-            built[i] = None if late else blocks.build_block(x)
-            any_built[0] |= built[i] is not None
-        return built[i]
+            late = self.any_built and self.blocks.budget.out_of_time("mixed-type pipelines")
+            self.built[i] = None if late else self.blocks.build_block(x)
+            self.any_built |= self.built[i] is not None
+        return self.built[i]
 
-    def built_draft(i: int) -> BlockCandidate:   # asked only of drafts whose bound came up: built, not None
-        d = draft(i)
+    def built_draft(self, i: int) -> BlockCandidate:   # asked only of drafts whose bound came up: built, not None
+        d = self.draft(i)
         assert d is not None
         return d
 
-    def sync_view(i: int) -> BlockCandidate:
-        if i not in synced:
-            synced[i] = blocks.with_sync(built_draft(i))
-        return synced[i]
+    def sync_view(self, i: int) -> BlockCandidate:
+        if i not in self.synced:
+            self.synced[i] = self.blocks.with_sync(self.built_draft(i))
+        return self.synced[i]
 
-    def full(i: int) -> BlockCandidate:
-        if i not in done:
-            done[i] = blocks.with_spare_gains(partial.pop(i, None) or sync_view(i))
-        return done[i]
+    def full(self, i: int) -> BlockCandidate:
+        if i not in self.done:
+            self.done[i] = self.blocks.with_spare_gains(self.partial.pop(i, None) or self.sync_view(i))
+        return self.done[i]
 
-    def view(i: int) -> BlockCandidate:
-        return done.get(i) or partial.get(i) or built_draft(i)
+    def view(self, i: int) -> BlockCandidate:
+        return self.done.get(i) or self.partial.get(i) or self.built_draft(i)
 
-    def step(i: int) -> BlockCandidate | None:
+    def step(self, i: int) -> BlockCandidate | None:
         """The draft with one more class's spare gain priced (None when at most one is left: the score's
         own work), so that a draft whose classes are priced one at a time can fall out of the ranking
         before it plays them all. Which class first: the one whose floor is furthest below its option
         at the draft's rate (``floor_overhead``'s term), the likeliest to lift the bound."""
-        if i in done:
+        if i in self.done:
             return None
-        d = partial.get(i) or sync_view(i)
+        d = self.partial.get(i) or self.sync_view(i)
         todo = [j for j, c in enumerate(d.classes) if c.spare_s is None and c.spare_room]
-        if len(todo) < 2 or time.perf_counter() > blocks.budget.deadline:
+        if len(todo) < 2 or time.perf_counter() > self.blocks.budget.deadline:
             return None   # (past the limit ``full`` decides, and records the cut, as before)
         j = max(todo, key=lambda j: (len(d.classes[j].members) * (d.classes[j].option().fixed_s
                                       - d.classes[j].floor_option().fixed_s) / d.classes[j].split.max_s, -j))
-        partial[i] = blocks.with_spare_gains(d, only=j)
-        return partial[i]
+        self.partial[i] = self.blocks.with_spare_gains(d, only=j)
+        return self.partial[i]
 
-    out: list[BlockCandidate] = []
-    shares = (share, 1.0) if share < 0.999 else (1.0,)
-    for k, sh in enumerate(shares):
-        # overheads() adds sync + optimizer >= 0 to the clip; the floor span, what the spare limits may save
-        # (below it, for blocks not built yet, their templates' bound).
-        lower = [blocks.job_bound(x, sh) if isinstance(x, BlockJob) else
-                 blocks.span_alone(x, sh, floor=True) + blocks.space.clip_s for x in found]
+    def lower(self, sh: float) -> list[float]:
+        """Each draft's first bound at share ``sh``: overheads() adds sync + optimizer >= 0 to the clip; the
+        floor span, what the spare limits may save (below it, for blocks not built yet, their templates'
+        bound)."""
+        blocks = self.blocks
+        return [blocks.job_bound(x, sh) if isinstance(x, BlockJob) else
+                blocks.span_alone(x, sh, floor=True) + blocks.space.clip_s for x in self.found]
 
-        def cheap(i: int, sh: float = sh) -> float:   # ``lower``'s bound once the block is built
-            d = draft(i)
-            return math.inf if d is None else blocks.span_alone(d, sh, floor=True) + blocks.space.clip_s
+    def cheap(self, i: int, sh: float) -> float:   # ``lower``'s bound once the block is built
+        d = self.draft(i)
+        return math.inf if d is None else self.blocks.span_alone(d, sh, floor=True) + self.blocks.space.clip_s
 
-        first = cheap if lazy else None
+    def score(self, i: int, sh: float) -> float:
+        return self.blocks.span_alone(self.full(i), sh) + self.blocks.overheads([self.full(i)])
 
-        def score(i: int, sh: float = sh) -> float:
-            return blocks.span_alone(full(i), sh) + blocks.overheads([full(i)])
+    def middle(self, i: int, sh: float) -> float:   # the overheads are the score's; the floor span below its
+        d = self.partial.get(i) or self.sync_view(i)
+        return self.blocks.span_alone(d, sh, floor=True) + self.blocks.overheads([d])
 
-        def middle(i: int, sh: float = sh) -> float:   # the overheads are the score's; the floor span below its
-            d = partial.get(i) or sync_view(i)
-            return blocks.span_alone(d, sh, floor=True) + blocks.overheads([d])
+    def refine(self, i: int, sh: float) -> float | None:
+        # ``middle`` with one more class priced: a priced class's floor is its option, at or above its
+        # floor before, and the greedy makespan only grows with a class's fixed time; the overheads
+        # are the score's (the spare gains change none of their terms). The margin: an unpriced
+        # class's floor (from the bound) and its option (from the played time) are rounded apart, and
+        # a bound an ulp above the score could reorder ties. (``middle`` reads the draft ``step`` priced.)
+        return None if self.step(i) is None else self.middle(i, sh) * (1 - BOUND_ROUNDING) - 1e-12
 
-        def refine(i: int, sh: float = sh) -> float | None:
-            # ``middle`` with one more class priced: a priced class's floor is its option, at or above its
-            # floor before, and the greedy makespan only grows with a class's fixed time; the overheads
-            # are the score's (the spare gains change none of their terms). The margin: an unpriced
-            # class's floor (from the bound) and its option (from the played time) are rounded apart, and
-            # a bound an ulp above the score could reorder ties. (``middle`` reads the draft ``step`` priced.)
-            return None if step(i) is None else middle(i, sh) * (1 - BOUND_ROUNDING) - 1e-12
-
-        kept = [full(i) for i in pareto_front(view, len(found), lower, score, BLOCK_KEEP if k == 0 else BLOCK_KEEP // 2,
-                                         middle, first, refine)]
+    def best(self, sh: float, keep: int) -> list[BlockCandidate]:
+        """At share ``sh``: the first ``keep`` on the front (``pareto_front``), then the best with identical
+        pipelines in each placement."""
+        lower = self.lower(sh)
+        first = (lambda i: self.cheap(i, sh)) if self.lazy else None
+        score = lambda i: self.score(i, sh)
+        middle = lambda i: self.middle(i, sh)
+        refine = lambda i: self.refine(i, sh)
+        kept = [self.full(i) for i in pareto_front(self.view, len(self.found), lower, score, keep, middle, first,
+                                                   refine)]
         # ... and the best with identical pipelines (their gradient sync has no chains of waits, which
         # the closed form does not price: see api.simulator_check), in each placement: where the
         # pipelines' stages sit decides between boundary and sync costs, which the ranking prices apart.
         for place in PLACEMENTS:
-            aligned = [i for i, c in enumerate(found) if c.aligned and c.placement == place]
-            kept += [full(i) for _, i in itertools.islice(lazily_sorted(lower, score, aligned, middle=middle,
-                                                                        first=first, refine=refine), 1)]
-        for c in kept:
-            if all(c is not o for o in out):
-                out.append(c)
-    return out
+            aligned = [i for i, c in enumerate(self.found) if c.aligned and c.placement == place]
+            kept += [self.full(i) for _, i in itertools.islice(lazily_sorted(lower, score, aligned, middle=middle,
+                                                                             first=first, refine=refine), 1)]
+        return kept

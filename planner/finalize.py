@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from planner.combination import with_each_type
 from planner.exact_pricing import ExactPricer
@@ -35,6 +36,18 @@ EXACT_REALIZED = 8      # best realized plans (by their proxy) priced exactly as
 # Exact pipeline-time prices per class and finalist when moving layers (refine_split): as many as fit in
 # this many scheduled ops (stages x chunks x micro-batches x op kinds), between 3 and 24.
 REFINE_OPS = 4_000
+
+
+@dataclass(frozen=True)
+class ComboClasses:
+    """A combination's pipeline classes (``Finalizer.combo_classes``): pipelines alike in template, boundary
+    cost and schedule, across its blocks."""
+
+    layouts: tuple[PipelineLayout, ...]   # every pipeline of the combination, block after block
+    keys: tuple[ClassKey, ...]            # the classes, in the order first met
+    members: Mapping[ClassKey, list[int]]   # per class, its pipelines (indices into ``layouts``)
+    most: Mapping[ClassKey, int]          # per class, the largest micro-batch count the hint gave a pipeline
+    fills: Mapping[ClassKey, tuple[float, float]]   # per class, its schedule's (fill, hops)
 
 
 class Finalizer:
@@ -124,62 +137,98 @@ class Finalizer:
         """Exact layer splits and micro-batches for a combination, scored by ``CostModel.estimate``: each
         class offers its fast split and the ILP splits for the micro-batch counts it may get (under its
         schedule's memory and fill), the allocation ILP picks counts and splits together, then each class
-        is re-split for its count. Where a class's split recomputes part of a stage, the plan is also
-        returned with that class split without partial recompute (``plain``): the closed form the splits
-        are chosen by prices partial recompute's extra forwards, but not the activation limits a plain
-        split's free memory buys later (``with_spare_limits``), which can make it the faster."""
-        layouts, keys, members, hint_m, fills = self.combo_classes(combo, hint)
-        zd = self.space.zero_degree(len(layouts))
-        m_total = self.space.micro_batches
-        n_layers = self.space.model.num_layers
-        limit = max(1.0, min(10.0, self.budget.deadline - time.perf_counter()))
+        is re-split for its count (``allocate``) and the split refined by the exact price (``refined``).
+        Where a class's split recomputes part of a stage, the plan is also returned with that class split
+        without partial recompute (``plain``): the closed form the splits are chosen by prices partial
+        recompute's extra forwards, but not the activation limits a plain split's free memory buys later
+        (``with_spare_limits``), which can make it the faster."""
+        cc = self.combo_classes(combo, hint)
+        zd = self.space.zero_degree(len(cc.layouts))
+        limit = max(1.0, min(10.0, self.budget.deadline - time.perf_counter()))   # seconds per ILP
+        options = self.split_options(cc, zd, limit)
+        if options is None:
+            return []
+        allocated = self.allocate(cc, options, zd, limit)
+        if allocated is None:
+            return []
+        alloc, chosen = allocated
+        chosen, plain = self.refined(cc, alloc, chosen, zd)
+        out = []
+        for splits in (chosen, plain) if any(p is not c for p, c in zip(plain, chosen)) else (chosen,):
+            if all(sp is not None for sp in splits):
+                cand = self.candidate(cc, alloc, splits)
+                if cand is not None:
+                    out.append(cand)
+        return out
+
+    def split_options(self, cc: ComboClasses, zd: int, limit: float) -> list[list[LayerSplit]] | None:
+        """Per class, its fast split and the layer-split ILP's for its fewest micro-batches and for the count
+        the hint gave it (None: some class has no split that fits)."""
         options: list[list[LayerSplit]] = []
-        for key in keys:
+        for key in cc.keys:
             template, _, choice = key
-            fill = fills[key][0]
+            fill = cc.fills[key][0]
             slots = self.space.slots(template, zd, choice)
             fast = self.space.fast_split(template, zd, choice)
             if fast is None:
-                return []
+                return None
             found = [fast]
-            for mb in sorted({len(template), hint_m[key]}):
+            for mb in sorted({len(template), cc.most[key]}):
                 self.budget.stats.ilps += 1
-                sp = split_ilp(slots, n_layers, mb, limit, incumbent=fast, fill=fill)
+                sp = split_ilp(slots, self.space.model.num_layers, mb, limit, incumbent=fast, fill=fill)
                 if sp is not None and sp not in found and min(sp.layers) >= choice.chunks:
                     found.append(sp)
             options.append(found)
+        return options
+
+    def allocate(self, cc: ComboClasses, options: list[list[LayerSplit]], zd: int, limit: float
+                 ) -> tuple[Allocation, list[LayerSplit]] | None:
+        """The allocation ILP over every class's split options, then each class re-split by the layer-split
+        ILP for the count it got (where that is a count not solved yet) and, if any split changed, the
+        allocation solved again on the new splits (kept where not slower)."""
+        m_total = self.space.micro_batches
 
         def option(key: ClassKey, sp: LayerSplit) -> TimeOption:
-            return time_option(sp, key[1], *fills[key])
+            return time_option(sp, key[1], *cc.fills[key])
 
-        classes = [PipelineClass(tuple(option(key, s) for s in opts), len(key[0]), len(members[key]))
-                   for key, opts in zip(keys, options)]
+        classes = [PipelineClass(tuple(option(key, s) for s in opts), len(key[0]), len(cc.members[key]))
+                   for key, opts in zip(cc.keys, options)]
         self.budget.stats.ilps += 1
         alloc = allocate_ilp(classes, m_total, limit)
         if alloc is None:
-            return []
+            return None
         chosen = [opts[o] for opts, o in zip(options, alloc.option)]
         changed = False
-        for j, key in enumerate(keys):
+        for j, key in enumerate(cc.keys):
             mb = max(alloc.per_class[j])
-            if mb in (hint_m[key], len(key[0])):
+            if mb in (cc.most[key], len(key[0])):
                 continue   # already solved for this count
             self.budget.stats.ilps += 1
-            fill = fills[key][0]
-            sp = split_ilp(self.space.slots(key[0], zd, key[2]), n_layers, mb, limit, incumbent=chosen[j], fill=fill)
+            fill = cc.fills[key][0]
+            sp = split_ilp(self.space.slots(key[0], zd, key[2]), self.space.model.num_layers, mb, limit,
+                           incumbent=chosen[j], fill=fill)
             if sp is not None and min(sp.layers) >= key[2].chunks and \
                     sp.pipeline_s(mb, fill=fill) < chosen[j].pipeline_s(mb, fill=fill) - 1e-12:
                 chosen[j] = sp
                 changed = True
         if changed:
-            classes = [PipelineClass((option(key, s),), len(key[0]), len(members[key])) for key, s in zip(keys, chosen)]
+            classes = [PipelineClass((option(key, s),), len(key[0]), len(cc.members[key]))
+                       for key, s in zip(cc.keys, chosen)]
             self.budget.stats.ilps += 1
             again = allocate_ilp(classes, m_total, limit)
             if again is not None and again.makespan_s <= alloc.makespan_s + 1e-12:
                 alloc = again
+        return alloc, chosen
+
+    def refined(self, cc: ComboClasses, alloc: Allocation, chosen: list[LayerSplit], zd: int
+                ) -> tuple[list[LayerSplit], list[LayerSplit | None]]:
+        """Each class's split refined by its exact pipeline time (``refine_split``: the exact price has the last
+        word), and where it recomputes part of a stage, its split without partial recompute refined alike
+        (``plain``; None where none fits; the chosen split itself where it recomputes no part)."""
+        chosen = list(chosen)
         plain: list[LayerSplit | None] = list(chosen)
-        for j, key in enumerate(keys):   # the exact pipeline time has the last word on each split
-            lay, mb, choice = layouts[members[key][0]], max(alloc.per_class[j]), key[2]
+        for j, key in enumerate(cc.keys):
+            lay, mb, choice = cc.layouts[cc.members[key][0]], max(alloc.per_class[j]), key[2]
 
             def price(sp: LayerSplit, lay: PipelineLayout = lay, mb: int = mb, choice: ScheduleChoice = choice
                       ) -> float:
@@ -196,28 +245,23 @@ class Finalizer:
                 sp = self.space.fast_split(key[0], zd, choice, False)
                 plain[j] = None if sp is None else \
                     refine_split(self.space.slots(key[0], zd, choice, False), sp, price, choice.chunks, budget, bound)
-        out = []
-        for splits in (chosen, plain) if any(p is not c for p, c in zip(plain, chosen)) else (chosen,):
-            if any(sp is None for sp in splits):
-                continue
-            split_of: dict[int, LayerSplit] = {}
-            mb_of: dict[int, int] = {}
-            choice_of: dict[int, ScheduleChoice] = {}
-            for j, key in enumerate(keys):
-                for idx, mb in zip(members[key], alloc.per_class[j]):
-                    mb_of[idx] = mb
-                    split_of[idx] = splits[j]
-                    choice_of[idx] = key[2]
-            cand = self.pricer.candidate(layouts, split_of, mb_of, choice_of)
-            if cand is not None:
-                out.append(cand)
-        return out
+        return chosen, plain
 
-    def combo_classes(self, combo: Sequence[BlockCandidate], alloc: Allocation
-                 ) -> tuple[list[PipelineLayout], list[ClassKey], dict, dict, dict]:
-        """Classes over the whole combination (identical template, boundary cost and schedule), their
-        members (indices into the layouts), the largest micro-batch count the allocation gave each and
-        their schedule's (fill, hops)."""
+    def candidate(self, cc: ComboClasses, alloc: Allocation, splits: Sequence[LayerSplit]) -> Candidate | None:
+        """The plan of these splits per class and the allocation's counts, estimated (None: out of memory)."""
+        split_of: dict[int, LayerSplit] = {}
+        mb_of: dict[int, int] = {}
+        choice_of: dict[int, ScheduleChoice] = {}
+        for j, key in enumerate(cc.keys):
+            for idx, mb in zip(cc.members[key], alloc.per_class[j]):
+                mb_of[idx] = mb
+                split_of[idx] = splits[j]
+                choice_of[idx] = key[2]
+        return self.pricer.candidate(cc.layouts, split_of, mb_of, choice_of)
+
+    @staticmethod
+    def combo_classes(combo: Sequence[BlockCandidate], alloc: Allocation) -> ComboClasses:
+        """Classes over the whole combination (identical template, boundary cost and schedule)."""
         layouts = [lay for b in combo for lay in b.layouts]
         keys: list[ClassKey] = []
         members: dict[ClassKey, list[int]] = {}
@@ -235,4 +279,4 @@ class Finalizer:
                 most[key] = max(most.get(key, 0), max(alloc.per_class[hj]))
                 hj += 1
             gi += len(b.layouts)
-        return layouts, keys, members, most, fills
+        return ComboClasses(tuple(layouts), tuple(keys), members, most, fills)
