@@ -65,8 +65,8 @@ def lazily_sorted(lower: Sequence[float], exact: Callable[[int], float], indices
 
 
 def pareto_front(view: Callable[[int], BlockCandidate], n: int, lower: Sequence[float], score: Callable[[int], float],
-            keep: int, middle: Callable[[int], float] | None = None, first: Callable[[int], float] | None = None,
-            refine: Callable[[int], float | None] | None = None) -> list[int]:
+                 keep: int, middle: Callable[[int], float] | None = None, first: Callable[[int], float] | None = None,
+                 refine: Callable[[int], float | None] | None = None) -> list[int]:
     """By score (``score(i)``, best first), the first ``keep`` of ``n`` drafts that no earlier one beats on
     rate, fill-and-drain and score alike. In that order every earlier score is at most a later one's, so
     only rate and fill-and-drain decide, and a draft they rule out when its lower bound ``lower[i]`` comes

@@ -86,8 +86,8 @@ class BlockBuilder:
             return None
         self.seen_blocks.add(seen_key)
         for template in set(templates):
-            if len(template) > self.space.model.num_layers or all(self.space.fast_split(template, zd, c) is None
-                                                            for c in self.space.choices):
+            if len(template) > self.space.model.num_layers or \
+                    all(self.space.fast_split(template, zd, c) is None for c in self.space.choices):
                 return None
         if placement != "contiguous" and all(
                 deal(len(gs), [sh.get(k, 0) for sh in shares], placement)
@@ -172,12 +172,12 @@ class BlockBuilder:
             if c.spare_s is None and c.spare_room and not late and only in (None, j):
                 m = c.spare_count
                 c = dataclasses.replace(c, spare_s=self.pricer.spare_gain(draft.layouts[c.members[0]], zd, c.split,
-                                                                   c.schedule, m, c.option().time(m)))
+                                                                          c.schedule, m, c.option().time(m)))
             classes.append(c)
         return dataclasses.replace(draft, classes=tuple(classes))
 
     def sync_rings(self, layouts: Sequence[PipelineLayout], classes: Sequence[ClassInfo]
-                    ) -> list[tuple[tuple[int, ...], float, float]]:
+                   ) -> list[tuple[tuple[int, ...], float, float]]:
         """The block's own gradient sync as ``CostModel.sync_plan`` lays it out, from the fast splits: the
         layers cut where any class changes stage, each segment all-reduced among its holders (one device
         per pipeline; TP slices priced as one ring through the groups' first devices), a stage's segments
@@ -280,7 +280,7 @@ class BlockBuilder:
                                 yield choice, p, "memory", s, place, None
 
     def single_type_blocks(self, choices: Mapping[str, Sequence[int]], types: Sequence[str]
-                            ) -> dict[str, list[BlockCandidate]]:
+                           ) -> dict[str, list[BlockCandidate]]:
         """Phase 2 for one type at a time: every feasible block of ``single_type_jobs``, by type."""
         single: dict[str, list[BlockCandidate]] = {t: [] for t in types}
         jobs = list(self.single_type_jobs(choices, types))
@@ -300,7 +300,7 @@ class BlockBuilder:
         return single
 
     def top_choices(self, choices: Mapping[str, Sequence[int]], types: Sequence[str],
-                     blocks: Mapping[frozenset[str], list[BlockCandidate]]) -> dict[str, tuple[TypeChoice, ...]]:
+                    blocks: Mapping[frozenset[str], list[BlockCandidate]]) -> dict[str, tuple[TypeChoice, ...]]:
         """Per type, the TP choices of its best own pipelines, then every degree by time per layer (a type
         that cannot hold the model alone, small memory, tries them all)."""
         top: dict[str, tuple[TypeChoice, ...]] = {}

@@ -98,7 +98,7 @@ class Combiner:
         return scored
 
     def realize_best(self, types: Sequence[str], scored: Sequence[tuple[float, Combo, Allocation]]
-                      ) -> list[tuple[Candidate, Combo, Allocation]]:
+                     ) -> list[tuple[Candidate, Combo, Allocation]]:
         """Phase 4: the best combinations by the fast score, the best using each type and the best aligned
         ones, realized (fast splits, greedy micro-batches) and scored by the cost model; best first."""
         ranked = [(c, a) for _, c, a in scored]

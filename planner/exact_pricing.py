@@ -73,7 +73,7 @@ class ExactPricer:
             one = Strategy(name="class", pipelines=(self.bare_pipeline(lay, split, micro_batches, choice),))
             costs = self.cm.pipeline_costs(one, 0, choice.name)
             hit = self.open_cache[key] = step_time_bound(choice.name, len(template), micro_batches, choice.chunks,
-                                                    Costs(costs.chunks))
+                                                         Costs(costs.chunks))
         return hit
 
     def spare_room(self, lay: PipelineLayout, zero_degree: int, split: LayerSplit, choice: ScheduleChoice,
@@ -123,13 +123,13 @@ class ExactPricer:
         return hit
 
     def class_time(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
-                    ) -> float:
+                   ) -> float:
         """The exact pipeline time of one pipeline of a class (the runtime's lists played on its op costs)."""
         one = Strategy(name="class", pipelines=(self.pipeline(lay, split, micro_batches, choice),))
         return self.cm.pipeline_step_time(one, 0, choice.name)
 
     def class_bound(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
-                     ) -> float:
+                    ) -> float:
         """A lower bound of ``class_time`` that builds no lists (``CostModel.pipeline_step_bound``). On the bare
         pipeline: the bound reads the cost model's chunk and transfer costs, not the op costs a plan carries
         (``costed_pipeline``), so it is the same number without building them."""
@@ -137,14 +137,14 @@ class ExactPricer:
         return self.cm.pipeline_step_bound(one, 0, choice.name)
 
     def pipeline(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
-                  ) -> Pipeline:
+                 ) -> Pipeline:
         """A pipeline of ``lay``'s groups with ``split``'s layers cut into ``choice``'s chunks (its schedule
         named unless it is the plan's default)."""
         # With its costs, as the plan will carry them: the runtime orders its lists by them (and so the price).
         return self.cm.costed_pipeline(self.bare_pipeline(lay, split, micro_batches, choice), choice.name)
 
     def bare_pipeline(self, lay: PipelineLayout, split: LayerSplit, micro_batches: int, choice: ScheduleChoice
-                       ) -> Pipeline:
+                      ) -> Pipeline:
         """``pipeline`` without its op and transfer costs; cached (a pure function of its arguments: the
         bounds, the memory check and the play of one class each built it, validating every stage anew)."""
         key = (lay, split, micro_batches, choice)
@@ -162,7 +162,7 @@ class ExactPricer:
                 st = self.stage_cache.get((g.devices, r, rc, k))
                 if st is None:
                     st = self.stage_cache[g.devices, r, rc, k] = Stage(devices=g.devices, layers=r, recompute=rc,
-                                                                   recompute_layers=k or None)
+                                                                       recompute_layers=k or None)
                 stages.append(st)
             stages = tuple(stages)
             own = None if choice.name == self.settings.default_schedule else choice.name
@@ -170,8 +170,8 @@ class ExactPricer:
         return hit
 
     def candidate(self, layouts: Sequence[PipelineLayout], split_of: Mapping[int, LayerSplit],
-                   mb_of: Mapping[int, int], choice_of: Mapping[int, ScheduleChoice],
-                   proxy_s: Sequence[float] | None = None) -> Candidate | None:
+                  mb_of: Mapping[int, int], choice_of: Mapping[int, ScheduleChoice],
+                  proxy_s: Sequence[float] | None = None) -> Candidate | None:
         """The plan, estimated (``proxy_s``: with these pipeline times instead of the list scheduler's)."""
         pipes = tuple(self.pipeline(lay, split_of[idx], mb_of[idx], choice_of[idx]) for idx, lay in enumerate(layouts))
         strategy = Strategy(name="planned", pipelines=pipes)

@@ -61,7 +61,7 @@ class Finalizer:
         self.settings = space.settings
 
     def price_best(self, realized: Sequence[tuple[Candidate, Combo, Allocation]]
-                    ) -> list[tuple[Candidate, Combo, Allocation]]:
+                   ) -> list[tuple[Candidate, Combo, Allocation]]:
         """Phase 4b: the best ``EXACT_REALIZED`` realized plans (by the proxy) priced exactly, and with
         ``schedule="auto"`` each also with every pipeline class on the schedule that runs it fastest
         (``best_schedules``). Best first, each with its raised activation limits (``with_spare_limits``) as
@@ -119,7 +119,7 @@ class Finalizer:
         return tuple(blocks) if changed else None
 
     def finalize_best(self, types: Sequence[str], realized: Sequence[tuple[Candidate, Combo, Allocation]]
-                       ) -> list[Candidate]:
+                      ) -> list[Candidate]:
         """Phase 5: exact layer splits and micro-batches (ILPs) for the best realized plans and the best
         one using each type."""
         finalists = with_each_type(list(realized[:COMBOS_FINAL]), realized, types, lambda x: x[1])

@@ -100,7 +100,7 @@ class SearchSpace:
         return zero_degree(pipelines, self.settings.zero)
 
     def slots(self, template: Template, zero_degree: int, choice: ScheduleChoice, partial: bool = True
-               ) -> tuple[SlotCost, ...]:
+              ) -> tuple[SlotCost, ...]:
         """``partial=False``: without partial recompute (whole-stage recompute only)."""
         slots = slot_costs(self.cm, template, zero_degree=zero_degree, recompute=self.settings.allow_recompute,
                            memory_margin=self.settings.memory_margin, schedule=choice)
