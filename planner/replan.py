@@ -243,8 +243,8 @@ def settings_for(t: TrainingSettings, **choices: object) -> PlanSettings:
 
 
 class SearchBudgetSpent(InfeasibleError):
-    """A modelled trace asked for more planner searches than its ``TraceModel.max_searches``; ``field``: the
-    event that asked (``events[i]``), or "" for the run's start."""
+    """A modelled trace (planner/trace_model.py) asked for more planner searches than its
+    ``TraceModel.max_searches``; ``field``: the event that asked (``events[i]``), or "" for the run's start."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
