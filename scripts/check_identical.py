@@ -5,17 +5,20 @@ checkout, what the user sees of the planner, the simulator and the failure-trace
 prints it (``--format json``, and the plan files ``hspmd plan -o`` writes):
 
 * ``hspmd plan`` on the planner's quality cases (scripts/bench_planner.py: ``CASES`` at global batch 64, the
-  search choosing the schedule, ``--check-top 8``) and on each fixed schedule of the search's own test cases;
+  search choosing the schedule, ``--check-top 8``), on each fixed schedule of the search's own test cases, two
+  cases at global batch 256 and one elastic plan (a refusal is captured as its exit status and message);
 * ``hspmd simulate`` of every strategy of every shipped plan (configs/plans);
 * ``hspmd simulate --events`` (planner/trace_model.py ``model_trace``) on traces of device and node losses
   and returns.
 
-    python scripts/check_identical.py capture OUT.json [--quick]
+    python scripts/check_identical.py capture OUT.json [--quick] [--tree CHECKOUT]
     python scripts/check_identical.py compare A.json B.json
     python scripts/check_identical.py against OTHER_CHECKOUT [--quick]   # capture both, compare
 
 ``against`` runs ``capture`` in this checkout and in ``OTHER_CHECKOUT`` (each in its own process, with its
-own tree first on the path) and compares. ``compare`` exits 1 and names every output that differs.
+own tree first on the path) and compares. ``compare`` exits 1 and names every output that differs. The
+checkout's own path and the temporary folder's are written as ``<checkout>`` and ``<tmp>``. A full capture
+takes about a minute on an idle core.
 
 Why a clock is frozen: the search stops at a time limit and the trace model charges the planner's measured
 wall time as replan time, so two runs on a loaded machine differ by chance. ``capture`` fixes
