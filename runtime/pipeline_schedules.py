@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from runtime.canonical_schedules import canonical_orders, play_static
 from runtime.schedule_policies import (
     POLICIES,
     Layout,
@@ -49,6 +50,8 @@ from runtime.schedule_policies import (
 )
 
 MessageKind = Literal["activation", "gradient"]
+# Which order ``schedule_timeline`` gives: the one every consumer runs, or one of its two candidates.
+Source = Literal["best", "list", "textbook"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -296,13 +299,17 @@ def build_schedule(name: str, num_devices: int, micro_batches: int, chunks: int 
 
 
 def schedule_timeline(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
-                      costs: Costs | None = None,
-                      limits: Sequence[int] | None = None) -> tuple[tuple[TimedOp, ...], ...]:
+                      costs: Costs | None = None, limits: Sequence[int] | None = None, *,
+                      source: Source = "best") -> tuple[tuple[TimedOp, ...], ...]:
     """``build_schedule(...).timeline`` without deriving the action lists: the compute order is all a
-    caller that only times the order needs (the planner prices thousands of pipelines)."""
+    caller that only times the order needs (the planner prices thousands of pipelines).
+
+    ``source``: ``"best"``, the order every consumer runs (``_list_run``); ``"list"``, the list scheduler's
+    alone; ``"textbook"``, the schedule's published static order (``canonical_orders``, its first) played
+    with ``costs``: the two candidates, for tests and benchmarks that compare them."""
     layout, costs = _checked(name, num_devices, micro_batches, chunks, costs, limits)
     bounds = device_limits(name, num_devices, micro_batches, layout.chunks, limits)
-    return tuple(tuple(t) for t in _list_schedule(name, layout, micro_batches, costs, bounds))
+    return tuple(tuple(t) for t in _list_schedule(name, layout, micro_batches, costs, bounds, source))
 
 
 def schedule_order(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
@@ -486,8 +493,8 @@ def _run_keys(name: str, layout: Layout, m: int) -> tuple[tuple[int, ...], tuple
     return tuple(keys), tuple(after)
 
 
-def _list_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]
-              ) -> tuple[list[list[tuple[int, float]]], list[float]]:
+def _greedy_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]
+                ) -> tuple[list[list[tuple[int, float]]], list[float]]:
     """Event-driven simulation: each idle device starts the best ready op its policy allows, holding at
     most ``limit[d]`` activations on device ``d``.
 
@@ -763,6 +770,54 @@ def _list_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[i
     return order, end
 
 
+def _list_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]
+              ) -> tuple[list[list[tuple[int, float]]], list[float]]:
+    """The order every consumer gets (engine, simulator, cost model): the list scheduler's (``_greedy_run``)
+    or the schedule's published static order (``canonical_orders``), whichever ends first when played with
+    ``costs``; a tie keeps the list scheduler's. Both keep every device within ``limit`` (the published
+    orders within the schedule's own bound, which ``limit`` only raises). Under 1F1B with room for every
+    micro-batch's activation on every device (GPipe's memory), GPipe's orders are candidates too, so 1F1B
+    is never slower than GPipe where it may hold what GPipe holds. docs/schedules.md, "Never slower than
+    the textbook", has why both are needed: each wins on some uneven pipeline."""
+    best = _greedy_run(name, layout, m, costs, limit)
+    best_t = _makespan(best)
+    names = [name]
+    if name == "1f1b" and all(x >= m for x in limit):
+        names.append("gpipe")
+    for other in names:
+        if other != name:
+            run = _greedy_run(other, layout, m, costs, device_limits(other, layout.num_devices, m, layout.chunks))
+            if _makespan(run) < best_t * (1 - 1e-12):
+                best, best_t = run, _makespan(run)
+        for played in _played(other, layout, m, costs):
+            if played is not None and _makespan(played) < best_t * (1 - 1e-12):
+                best, best_t = played, _makespan(played)
+    return best
+
+
+def _played(name: str, layout: Layout, m: int, costs: Costs
+            ) -> list[tuple[list[list[tuple[int, float]]], list[float]] | None]:
+    """Schedule ``name``'s published orders (``canonical_orders``) played with ``costs`` (None: one that
+    deadlocks, which the tests rule out)."""
+    kinds = op_kinds(name)
+    stages = layout.num_stages
+    dev = [layout.device(j) for j in range(stages)]
+    dur = [[costs.chunk(dev[j], layout.chunk(j)).of(k) for k in kinds] for j in range(stages)]
+    hop = [costs.transfer(j) if dev[j] != dev[j + 1] else 0.0 for j in range(stages - 1)]
+    return [play_static(layout, dur, hop, order) for order in _canonical(name, layout, m)]
+
+
+@functools.lru_cache(maxsize=1 << 8)
+def _canonical(name: str, layout: Layout, m: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """``canonical_orders``, cached: the planner prices one shape at many costs."""
+    return canonical_orders(name, layout, m)
+
+
+def _makespan(run: tuple[list[list[tuple[int, float]]], list[float]]) -> float:
+    order, end = run
+    return max((end[ops[-1][0]] for ops in order if ops), default=0.0)
+
+
 def _woke(looks: list[int], i: int, d: int) -> None:
     """``_list_run``: device ``d``, woken in an event by an op due then, joins the devices that event still
     looks at (``looks[i:]``, in device order) unless it is there already."""
@@ -771,9 +826,19 @@ def _woke(looks: list[int], i: int, d: int) -> None:
         looks.insert(p, d)
 
 
-def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]) -> list[list[TimedOp]]:
-    """Per device its ops with their start and end times, in the order ``_list_run`` starts them."""
-    order, end = _list_run(name, layout, m, costs, limit)
+def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int],
+                   source: Source = "best") -> list[list[TimedOp]]:
+    """Per device its ops with their start and end times, in the order ``_list_run`` starts them (``source``:
+    as for ``schedule_timeline``)."""
+    if source == "best":
+        order, end = _list_run(name, layout, m, costs, limit)
+    elif source == "list":
+        order, end = _greedy_run(name, layout, m, costs, limit)
+    else:
+        played = _played(name, layout, m, costs)[0]
+        if played is None:
+            raise RuntimeError(f"{name}: the published order deadlocks on {layout} with {m} micro-batches")
+        order, end = played
     kinds, stages = op_kinds(name), layout.num_stages
     nk = len(kinds)
     return [[TimedOp(_compute(kinds[o % nk], o // (stages * nk), (o // nk) % stages, layout.chunk((o // nk) % stages)),
