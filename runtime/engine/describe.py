@@ -111,9 +111,9 @@ def _tp_collectives(role: StageRole, chunk: ChunkRole, kind: str, sequence_paral
             parts.append("embedding all-reduce")
         if sequence_parallel:
             parts.append(f"sequence scatter, {2 * n} all-gather (attention and MLP inputs) + {2 * n} reduce-scatter "
-                         f"(o_proj, down_proj) x {n} layers, output all-gather")
+                         f"(attention and MLP outputs) x {n} layers, output all-gather")
         else:
-            parts.append(f"{2 * n} all-reduce (o_proj, down_proj x {n} layers)")
+            parts.append(f"{2 * n} all-reduce (attention and MLP outputs x {n} layers)")
         if chunk.head:
             parts.append("logits all-gather")
     else:
