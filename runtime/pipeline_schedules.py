@@ -6,7 +6,10 @@ W, how many activations a device may hold, and which ready op a device prefers. 
 them as a policy for one event-driven list scheduler means the executor, ``hspmd show``, the
 simulator and the cost model all read the same data, and a heterogeneous pipeline (stages of
 different speeds, uneven chunks) is scheduled with its real op durations instead of a unit-time
-template. The policies, layouts and memory bounds are in ``runtime.schedule_policies``.
+template. The policies, layouts and memory bounds are in ``runtime.schedule_policies``. Each schedule's
+published order (``runtime.canonical_schedules``) is played beside the list scheduler's with the same
+durations, and the faster of the two is the order every consumer gets (``_list_run``), so no schedule
+is slower than its textbook order.
 
 Vocabulary. A pipeline has ``S`` devices; each holds ``v`` chunks, so there are ``S*v`` virtual
 stages ``j``. Placement ``"loop"``: virtual stage ``j`` is chunk ``j // S`` of device ``j % S``
