@@ -119,19 +119,17 @@ def _zb_v(layout: Layout, m: int, d: int, w_last: bool = False) -> list[_Op]:
     j0, j1 = layout.stage(d, 0), layout.stage(d, 1)
     ops: list[_Op] = []
     deferred: list[_Op] = []
-    cnt = {"f0": 0, "f1": 0, "b0": 0, "b1": 0}
+    stage = (j0, j1)
+    fwd, bwd = [0, 0], [0, 0]   # per chunk: the next micro-batch whose F / whose B it runs
 
     def f(c: int) -> None:
-        key = f"f{c}"
-        ops.append((cnt[key], j0 if c == 0 else j1, 0))
-        cnt[key] += 1
+        ops.append((fwd[c], stage[c], 0))
+        fwd[c] += 1
 
     def bw(c: int, late: bool = False) -> None:
-        key = f"b{c}"
-        j = j0 if c == 0 else j1
-        ops.append((cnt[key], j, 1))
-        (deferred if late else ops).append((cnt[key], j, 2))
-        cnt[key] += 1
+        ops.append((bwd[c], stage[c], 1))
+        (deferred if late else ops).append((bwd[c], stage[c], 2))
+        bwd[c] += 1
 
     for _ in range(2 * (s - d) - 1):
         f(0)
@@ -141,16 +139,16 @@ def _zb_v(layout: Layout, m: int, d: int, w_last: bool = False) -> list[_Op]:
     for _ in range(s - d):
         f(1)
         bw(1)
-    while cnt["f1"] < cnt["f0"] or cnt["f0"] < n:
-        if cnt["f0"] < n:
+    while fwd[1] < fwd[0] or fwd[0] < n:
+        if fwd[0] < n:
             f(0)
         bw(0)
         f(1)
         bw(1)
-    while cnt["b0"] < n or cnt["b1"] < n:
-        if cnt["b1"] < n:
+    while bwd[0] < n or bwd[1] < n:
+        if bwd[1] < n:
             bw(1, w_last)
-        if cnt["b0"] < n:
+        if bwd[0] < n:
             bw(0, w_last)
     return [op for op in ops + deferred if op[0] < m]
 
