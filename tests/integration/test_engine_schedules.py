@@ -30,7 +30,7 @@ def world():
 
 CASES = ["interleaved-hetero4.yaml", "zb-h1-hetero4.yaml", "zb-h1-tp-hetero4.yaml", "zb-v-hetero4.yaml",
          "zb-h1-costs-hetero4.yaml", "zb-h1-limits-hetero4.yaml", "zb-h1-partial-hetero4.yaml",
-         "1f1b-textbook-hetero4.yaml", "interleaved-textbook-hetero4.yaml"]
+         "1f1b-textbook-hetero4.yaml", "interleaved-textbook-hetero4.yaml", "1f1b-few-hetero4.yaml"]
 
 
 @pytest.mark.parametrize("plan", CASES, ids=[p.removesuffix("-hetero4.yaml") for p in CASES])
