@@ -25,14 +25,18 @@ Order = tuple[tuple[int, ...], ...]
 _Op = tuple[int, int, int]
 
 
+def canonical_labels(name: str) -> tuple[str, ...]:
+    """What ``canonical_orders(name, ...)`` are, one line each, in the same order (for ``hspmd show``)."""
+    return tuple(label for label, _ in _GENERATORS[name])
+
+
 def canonical_orders(name: str, layout: Layout, micro_batches: int) -> tuple[Order, ...]:
     """Schedule ``name``'s published static orders on ``layout`` for ``micro_batches`` (one, or a few that
     differ only where the publication leaves a choice to the implementation)."""
-    gens = _GENERATORS[name]
     split = POLICIES[name].split_backward
     nk = 3 if split else 2
     out = []
-    for gen in gens:
+    for _, gen in _GENERATORS[name]:
         per_device = [gen(layout, micro_batches, d) for d in range(layout.num_devices)]
         out.append(tuple(tuple((mb * layout.num_stages + j) * nk + k for mb, j, k in ops) for ops in per_device))
     return tuple(out)
@@ -153,12 +157,14 @@ def _zb_v(layout: Layout, m: int, d: int, w_last: bool = False) -> list[_Op]:
     return [op for op in ops + deferred if op[0] < m]
 
 
-_GENERATORS: dict[str, tuple[Callable[[Layout, int, int], list[_Op]], ...]] = {
-    "1f1b": (_one_f_one_b,),
-    "gpipe": (_gpipe,),
-    "interleaved": (_interleaved,),
-    "zb-h1": (_zb_h1, _zb_h1_late_w),
-    "zb-v": (_zb_v, lambda layout, m, d: _zb_v(layout, m, d, w_last=True)),
+_GENERATORS: dict[str, tuple[tuple[str, Callable[[Layout, int, int], list[_Op]]], ...]] = {
+    "1f1b": (("Megatron's 1F1B order", _one_f_one_b),),
+    "gpipe": (("GPipe's order", _gpipe),),
+    "interleaved": (("Megatron's interleaved 1F1B order", _interleaved),),
+    "zb-h1": (("Qi et al.'s ZB-H1 order", _zb_h1),
+              ("Qi et al.'s ZB-H1 order, the cool-down's W last", _zb_h1_late_w)),
+    "zb-v": (("Qi et al.'s ZB-V order", _zb_v),
+             ("Qi et al.'s ZB-V order, the cool-down's W last", lambda layout, m, d: _zb_v(layout, m, d, w_last=True))),
 }
 
 

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from runtime.canonical_schedules import canonical_orders, play_static
+from runtime.canonical_schedules import canonical_labels, canonical_orders, play_static
 from runtime.schedule_policies import (
     POLICIES,
     Layout,
@@ -53,6 +53,8 @@ from runtime.schedule_policies import (
 )
 
 MessageKind = Literal["activation", "gradient"]
+# What an order came from when it is the list scheduler's (else a ``canonical_labels`` line).
+ORDER_LIST = "the list scheduler's order"
 # Which order ``schedule_timeline`` gives: the one every consumer runs, or one of its two candidates.
 Source = Literal["best", "list", "textbook"]
 
@@ -240,6 +242,8 @@ class Schedule:
     # Per device the activation bound the lists were built under, where it was raised above the
     # schedule's own (``build_schedule``'s ``limits``); None: ``live_activation_limit`` everywhere.
     limits: tuple[int, ...] | None = None
+    # Which order this is: ``ORDER_LIST`` or the published one that was faster (``canonical_labels``).
+    origin: str = ORDER_LIST
 
     @property
     def split_backward(self) -> bool:
@@ -294,11 +298,12 @@ def build_schedule(name: str, num_devices: int, micro_batches: int, chunks: int 
     ``limits`` of another length than the devices."""
     layout, costs = _checked(name, num_devices, micro_batches, chunks, costs, limits)
     bounds = device_limits(name, num_devices, micro_batches, layout.chunks, limits)
-    timeline = _list_schedule(name, layout, micro_batches, costs, bounds)
+    run, origin = _chosen(name, layout, micro_batches, costs, bounds)
+    timeline = _timed(name, layout, *run)
     actions = derive_actions(timeline, layout)
     raised = None if limits is None else bounds
     return Schedule(name, layout, micro_batches, costs,  # type: ignore[arg-type]
-                    tuple(tuple(t) for t in timeline), actions, raised)
+                    tuple(tuple(t) for t in timeline), actions, raised, origin)
 
 
 def schedule_timeline(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
@@ -775,15 +780,21 @@ def _greedy_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence
 
 def _list_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]
               ) -> tuple[list[list[tuple[int, float]]], list[float]]:
-    """The order every consumer gets (engine, simulator, cost model): the list scheduler's (``_greedy_run``)
-    or the schedule's published static order (``canonical_orders``), whichever ends first when played with
-    ``costs``; a tie keeps the list scheduler's. Both keep every device within ``limit`` (the published
-    orders within the schedule's own bound, which ``limit`` only raises). Under 1F1B with room for every
-    micro-batch's activation on every device (GPipe's memory), GPipe's orders are candidates too, so 1F1B
-    is never slower than GPipe where it may hold what GPipe holds. docs/schedules.md, "Never slower than
-    the textbook", has why both are needed: each wins on some uneven pipeline."""
+    """The order every consumer gets (engine, simulator, cost model): ``_chosen``'s."""
+    return _chosen(name, layout, m, costs, limit)[0]
+
+
+def _chosen(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]
+            ) -> tuple[tuple[list[list[tuple[int, float]]], list[float]], str]:
+    """The list scheduler's order (``_greedy_run``) or the schedule's published static order
+    (``canonical_orders``), whichever ends first when played with ``costs``, and which one it is (``ORDER_LIST``
+    or a ``canonical_labels`` line); a tie keeps the list scheduler's. Both keep every device within
+    ``limit`` (the published orders within the schedule's own bound, which ``limit`` only raises). Under
+    1F1B with room for every micro-batch's activation on every device (GPipe's memory), GPipe's orders are
+    candidates too, so 1F1B is never slower than GPipe where it may hold what GPipe holds. docs/schedules.md,
+    "Never slower than the textbook", has why both are needed: each wins on some uneven pipeline."""
     best = _greedy_run(name, layout, m, costs, limit)
-    best_t = _makespan(best)
+    best_t, origin = _makespan(best), ORDER_LIST
     names = [name]
     if name == "1f1b" and all(x >= m for x in limit):
         names.append("gpipe")
@@ -791,11 +802,11 @@ def _list_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[i
         if other != name:
             run = _greedy_run(other, layout, m, costs, device_limits(other, layout.num_devices, m, layout.chunks))
             if _makespan(run) < best_t * (1 - 1e-12):
-                best, best_t = run, _makespan(run)
-        for played in _played(other, layout, m, costs):
+                best, best_t, origin = run, _makespan(run), f"{ORDER_LIST} under GPipe's policy"
+        for played, label in zip(_played(other, layout, m, costs), canonical_labels(other)):
             if played is not None and _makespan(played) < best_t * (1 - 1e-12):
-                best, best_t = played, _makespan(played)
-    return best
+                best, best_t, origin = played, _makespan(played), label
+    return best, origin
 
 
 def _played(name: str, layout: Layout, m: int, costs: Costs
@@ -842,6 +853,11 @@ def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Seque
         if played is None:
             raise RuntimeError(f"{name}: the published order deadlocks on {layout} with {m} micro-batches")
         order, end = played
+    return _timed(name, layout, order, end)
+
+
+def _timed(name: str, layout: Layout, order: list[list[tuple[int, float]]], end: list[float]) -> list[list[TimedOp]]:
+    """``TimedOp``s of a run (per device its ops as ``(op number, start)``, per op its end)."""
     kinds, stages = op_kinds(name), layout.num_stages
     nk = len(kinds)
     return [[TimedOp(_compute(kinds[o % nk], o // (stages * nk), (o // nk) % stages, layout.chunk((o // nk) % stages)),
