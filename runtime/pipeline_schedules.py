@@ -425,7 +425,7 @@ class _DeviceState:
     live: int = 0
     forwards_left: int = 0
     after_backward: bool = False  # the op run last was a backward (B or BW): 1F1B's alternation
-    # (When it is free and when it is next worth looking at are ``_list_run``'s lists ``free`` and ``wake``.)
+    # (When it is free and when it is next worth looking at are ``_greedy_run``'s lists ``free`` and ``wake``.)
     # Ready ops (numbers, ``_list_schedule``): not yet due, as (ready time, op); due ones by kind, as
     # ``rank * ops + op`` (``_priority_keys``: least first): a micro-batch's first forward here, B or BW, W;
     # and its later chunks' forwards as op numbers (few: of micro-batches held here).
@@ -833,7 +833,7 @@ def _makespan(run: tuple[list[list[tuple[int, float]]], list[float]]) -> float:
 
 
 def _woke(looks: list[int], i: int, d: int) -> None:
-    """``_list_run``: device ``d``, woken in an event by an op due then, joins the devices that event still
+    """``_greedy_run``: device ``d``, woken in an event by an op due then, joins the devices that event still
     looks at (``looks[i:]``, in device order) unless it is there already."""
     p = bisect.bisect_left(looks, d, i)
     if p == len(looks) or looks[p] != d:
@@ -842,7 +842,7 @@ def _woke(looks: list[int], i: int, d: int) -> None:
 
 def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int],
                    source: Source = "best") -> list[list[TimedOp]]:
-    """Per device its ops with their start and end times, in the order ``_list_run`` starts them (``source``:
+    """Per device its ops with their start and end times, in the order ``_list_run`` gives them (``source``:
     as for ``schedule_timeline``)."""
     if source == "best":
         order, end = _list_run(name, layout, m, costs, limit)
