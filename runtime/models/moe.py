@@ -57,9 +57,11 @@ class Router(nn.Linear):
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=False)
         self.register_buffer("load", torch.zeros(moe.num_experts), persistent=False)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(probabilities [T, E] fp32, chosen experts [T, k], their weights [T, k] fp32) of tokens x [T, H]."""
-        probs = F.softmax(super().forward(x).float(), dim=-1)
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(probabilities [T, E] fp32, chosen experts [T, k], their weights [T, k] fp32) from the router's
+        output ``logits`` [T, E] (the module is called for them: its hooks see the call, as the engine's
+        split backward needs)."""
+        probs = F.softmax(logits.float(), dim=-1)
         scores = probs + self.expert_bias if self.moe.bias_update_rate > 0 else probs
         chosen = torch.topk(scores, self.moe.top_k, dim=-1).indices
         weights = probs.gather(-1, chosen)
@@ -165,7 +167,7 @@ class MoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         flat = x.reshape(-1, h)
-        probs, chosen, weights = self.router.route(flat)
+        probs, chosen, weights = self.router.route(self.router(flat))
         out = expert_outputs(flat, chosen, weights, self.experts, self.moe.capacity(flat.shape[0]))
         if self.shared is not None:
             shared = self.shared(flat)

@@ -4,7 +4,8 @@ the global gradient norm, the final parameters and the AdamW moments, over 3 ste
 Without expert parallelism: each stage is TP 1 and holds every expert of its MoE layers. The plans cover a
 three-stage pipeline (MoE layers on every stage, top-2 routing, a gated shared expert, a dense layer 0, the
 load-balancing loss on) beside a second pipeline holding the whole model (data parallelism: the experts'
-gradients summed across the pipelines like any duplicated tensor), dropless and under a capacity factor.
+gradients summed across the pipelines like any duplicated tensor), dropless and under a capacity factor,
+under 1F1B and ZB-H1, with and without recompute.
 The reference runs the plan's micro-batches (the balance loss and the capacity are per forward). A tiny
 Mixtral saved by transformers trains from its weights, saves, and opens in transformers.
 """
@@ -41,7 +42,7 @@ def world():
     w.close()
 
 
-def write_plan(tmp_path: Path, **moe) -> Path:
+def write_plan(tmp_path: Path, recompute: bool = False, **moe) -> Path:
     model = read_yaml(CONFIGS / "models" / "moe-tiny.yaml")
     model["moe"].update(moe)
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(model))
@@ -49,18 +50,26 @@ def write_plan(tmp_path: Path, **moe) -> Path:
             "training": {"global_batch": 5, "micro_batch": 1, "seq_len": 16, "schedule": "1f1b", "seed": 7,
                          "optimizer": {"lr": 0.001, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "eps": 1e-5,
                                        "grad_clip": 1.0}},
-            "strategies": [{"name": "moe", "pipelines": PIPELINES}]}
+            "strategies": [{"name": "moe", "pipelines": [
+                {**p, "stages": [{**st, "recompute": recompute} for st in p["stages"]]} for p in PIPELINES]}]}
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
     return path
 
 
-@pytest.mark.parametrize("moe", [{}, {"capacity_factor": 1.0, "aux_loss_coef": 0.1}], ids=["dropless", "capacity"])
-def test_moe_plan_matches_single_device_reference(world: EngineWorld, tmp_path: Path, moe: dict) -> None:
+# (model's moe fields and the stages' recompute, schedule): zero-bubble's split backward computes the
+# experts' and routers' weight gradients apart from the input gradients; recompute reruns the routing.
+CASES = [({}, None), ({"capacity_factor": 1.0, "aux_loss_coef": 0.1}, None), ({}, "zb-h1"),
+         ({"recompute": True, "capacity_factor": 1.0}, None)]
+
+
+@pytest.mark.parametrize("moe,schedule", CASES, ids=["dropless", "capacity", "dropless-zb-h1", "capacity-recompute"])
+def test_moe_plan_matches_single_device_reference(world: EngineWorld, tmp_path: Path, moe: dict,
+                                                  schedule: str | None) -> None:
     path = write_plan(tmp_path, **moe)
     ctx = load_plan_context(path)
     batches = make_batches(ctx)
-    results = world.train(str(path), batches)
+    results = world.train(str(path), batches, schedule)
     ref = ReferenceTrainer(ctx.model, ctx.plan.training, micro_batch=ctx.plan.training.micro_batch)
     check_against_reference(path, results, batches, ref=ref)
 

@@ -120,7 +120,7 @@ def test_bias_balancing_moves_choice_not_weights():
     x = torch.randn(32, TINY.hidden_size)
     model.train()
     with torch.no_grad():
-        probs, chosen, weights = block.router.route(x)
+        probs, chosen, weights = block.router.route(block.router(x))
     load = torch.bincount(chosen.reshape(-1), minlength=4).float()
     assert torch.equal(block.router.load, load)
     model.update_router_biases()
@@ -128,7 +128,7 @@ def test_bias_balancing_moves_choice_not_weights():
     assert torch.equal(block.router.expert_bias, 0.1 * torch.sign(load.mean() - load))
     block.router.expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))  # forces experts 0 and 1
     with torch.no_grad():
-        probs, chosen, weights = block.router.route(x)
+        probs, chosen, weights = block.router.route(block.router(x))
     assert torch.equal(chosen.sort(dim=-1).values, torch.tensor([[0, 1]] * 32))
     torch.testing.assert_close(weights, probs.gather(-1, chosen) / probs.gather(-1, chosen).sum(-1, keepdim=True))
 
