@@ -173,9 +173,10 @@ class MoeBlock(nn.Module):
             shared = self.shared(flat)
             out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * shared)
         out = out.reshape(b, s, h)
-        self.last_balance_loss = balance_loss(probs, chosen, self.moe.num_experts)
+        loss = balance_loss(probs, chosen, self.moe.num_experts)
+        self.last_balance_loss = loss.detach()  # for logs; kept without its graph (it holds the layer's input)
         if self.moe.aux_loss_coef > 0 and self.training and torch.is_grad_enabled():
-            out = _AttachLoss.apply(out, self.last_balance_loss, self.moe.aux_loss_coef * self.aux_scale)
+            out = _AttachLoss.apply(out, loss, self.moe.aux_loss_coef * self.aux_scale)
         return out
 
 
@@ -225,8 +226,8 @@ class MoeForCausalLM(LlamaForCausalLM):
             block.aux_scale = scale
 
     def balance_loss(self) -> torch.Tensor:
-        """The last forward's load-balancing loss summed over this module's MoE layers, unscaled (for logs;
-        its gradient already flows through the forward's output when ``aux_loss_coef`` > 0)."""
+        """The last forward's load-balancing loss summed over this module's MoE layers, unscaled and detached
+        (for logs; its gradient flows through the forward's output when ``aux_loss_coef`` > 0)."""
         losses = [b.last_balance_loss for b in self.moe_blocks() if b.last_balance_loss is not None]
         return torch.stack(losses).sum() if losses else torch.zeros(())
 
