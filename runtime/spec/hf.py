@@ -17,7 +17,7 @@ from typing import Any
 
 from runtime.errors import FieldErrors, Problem, SpecError
 from runtime.spec.hf_fields import Fields
-from runtime.spec.hf_moe import moe_config, moe_from_config, qkv_bias
+from runtime.spec.hf_moe import hf_field, moe_config, moe_from_config, qkv_bias
 from runtime.spec.io import is_dir, read_json
 from runtime.spec.model import ModelSpec, RopeScaling
 
@@ -203,17 +203,15 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
                          tie_word_embeddings=tied, rope_scaling=scaling,
                          sliding_window=window, moe=moe)
     except FieldErrors as err:
-        raise SpecError([Problem(file, HF_NAMES.get(field, field), message) for field, message in err.problems]) \
+        raise SpecError([Problem(file, hf_field(model_type, field) or HF_NAMES.get(field, field), message)
+                         for field, message in err.problems]) \
             from None
 
 
 # ModelSpec field -> config.json key, for problems found by ModelSpec's own validation.
 HF_NAMES = {"num_layers": "num_hidden_layers", "ffn_hidden_size": "intermediate_size",
             "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
-            "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps", "moe.num_experts": "num_experts",
-            "moe.top_k": "num_experts_per_tok", "moe.expert_ffn_size": "moe_intermediate_size",
-            "moe.dense_layers": "mlp_only_layers", "moe.sparse_step": "decoder_sparse_step",
-            "moe.aux_loss_coef": "router_aux_loss_coef"}
+            "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps"}
 
 
 def load_hf_model(path: str | Path) -> ModelSpec:

@@ -93,6 +93,17 @@ def moe_from_config(f: Fields, model_type: str, intermediate: int | None, layers
         return None
 
 
+def hf_field(model_type: str, field: str) -> str | None:
+    """The config.json key of a ModelSpec problem's ``moe.*`` field (None: not a MoE field)."""
+    if field == "moe":  # no routed layer: the layer rule's keys
+        return "decoder_sparse_step" if model_type in ("qwen2_moe", "qwen3_moe") else None
+    if not field.startswith("moe."):
+        return None
+    name = field[len("moe."):]
+    base = name.split("[")[0]
+    return KEYS.get(model_type, {}).get(base, base) + name[len(base):]
+
+
 def hf_view(spec: ModelSpec) -> ModelSpec:
     """``spec`` as its config.json reads back: the MoE options config.json has no keys for at their defaults."""
     if spec.moe is None:

@@ -121,6 +121,12 @@ BAD = {
                   "moe_intermediate_size": 0, "shared_expert_intermediate_size": 16, "mlp_only_layers": [0, 5]},
                  ["mlp_only_layers[1]: 5 is not a layer index (num_hidden_layers is 2)",
                   "moe_intermediate_size: must be at least 1, got 0"]),
+    "experts": ({"model_type": "mixtral", **TINY, "num_hidden_layers": 32, "num_local_experts": 4000},
+                ["num_local_experts: 32 MoE layers of 4000 experts are 128,000 experts in all (at most 65,536: "
+                 "every expert is three tensors of the parameter table)"]),
+    "sparse": ({"model_type": "qwen3_moe", **TINY, "num_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16, "decoder_sparse_step": 3},
+               ["decoder_sparse_step: no layer of 2 is a MoE layer (sparse_step 3, dense_layers [])"]),
     "jitter": ({"model_type": "mixtral", **TINY, "router_jitter_noise": 0.1},
                ["router_jitter_noise: 0.1 is not supported (the runtime's router adds no noise)"]),
     "missing": ({"model_type": "llama", **{k: v for k, v in TINY.items() if k not in ("hidden_size", "vocab_size")}},
