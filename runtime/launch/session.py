@@ -312,7 +312,7 @@ def _hooks(spec: WorkerSpec, plan_ctx: Any, device: Any) -> tuple[Any, Any, Any]
     sleeps = em is not None and em.sleeps
     recorder = None
     if options.trace_dir is not None:
-        import torch
+        from runtime.device_clock import device_clock
 
         label = f"device {spec.device_id} ({plan_ctx.cluster.device(spec.device_id).type}"
         if sleeps:
@@ -320,8 +320,7 @@ def _hooks(spec: WorkerSpec, plan_ctx: Any, device: Any) -> tuple[Any, Any, Any]
             label += f", emulating {em.target.profile} running {em.target.model} x{em.time_scale:g})"
         else:
             label += f", emulated {dev_type.emulate.slowdown:g}x slower)" if emulate else ")"
-        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-        recorder = TraceRecorder(spec.device_id, label, sync=sync)
+        recorder = TraceRecorder(spec.device_id, label, clock=device_clock(device))
     emulator: EmulatedSlowdown | EmulatedTarget | None = None
     if sleeps:
         emulator = EmulatedTarget(stage_block_targets(plan_ctx, spec.strategy, spec.device_id), inner=recorder)
