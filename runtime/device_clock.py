@@ -18,7 +18,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 
@@ -75,16 +76,16 @@ class _EventMark:
 
 class EventClock:
     """A CUDA device: a mark is a timing event recorded on the current stream (``event_factory``:
-    ``torch.cuda.Event``; a test passes a stand-in)."""
+    ``torch.cuda.Event``, imported at the first mark; a test passes a stand-in)."""
 
     def __init__(self, event_factory: Callable[..., Any] | None = None) -> None:
-        if event_factory is None:
-            import torch
-
-            event_factory = torch.cuda.Event
         self._event = event_factory
 
     def mark(self) -> Mark:
+        if self._event is None:
+            import torch
+
+            self._event = torch.cuda.Event
         event = self._event(enable_timing=True)
         event.record()  # on the current stream, behind the work enqueued so far
         return _EventMark(event)
@@ -92,37 +93,60 @@ class EventClock:
 
 def device_clock(device: Any) -> DeviceClock:
     """The clock of a torch device: events on CUDA, the host clock elsewhere."""
-    return EventClock() if getattr(device, "type", device) == "cuda" else HostClock()
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    return EventClock() if kind == "cuda" else HostClock()
 
 
 class Progress:
     """Whether the device keeps finishing its work (thread-safe: the main thread marks, the heartbeat
     thread asks).
 
-    ``mark`` (after each action) enqueues a mark; ``stalled_s`` is how long the device has held an unfinished
-    mark without finishing any: 0 while it finishes work or has none. Marks already finished are dropped as
-    they are found, so the queue holds only the device's backlog."""
+    ``mark(kind)`` (after each action; kind "compute" or "comm") enqueues a mark; ``stall`` says how long
+    the device has held an unfinished mark without finishing any (0 while it finishes work or has none),
+    and the kind of the oldest: a device stalled behind a "comm" mark waits for a peer, one stalled behind
+    a "compute" mark is stuck in its own work. Finished marks are dropped as they are found, so the queue
+    holds only the device's backlog."""
 
     def __init__(self, clock: DeviceClock, now: Callable[[], float] = time.monotonic) -> None:
         self._clock, self._now = clock, now
         self._lock = threading.Lock()
-        self._pending: deque[Mark] = deque()
+        self._pending: deque[tuple[Mark, str]] = deque()
         self._since = now()  # when the device last finished something (or had nothing to do)
 
-    def mark(self) -> None:
+    def mark(self, kind: str = "compute") -> None:
         m = self._clock.mark()
         with self._lock:
             if not self._pending:
                 self._since = self._now()  # idle until now: the stall, if any, starts here
             if not m.done():
-                self._pending.append(m)
+                self._pending.append((m, kind))
 
-    def stalled_s(self) -> float:
+    def stall(self) -> tuple[float, str]:
+        """(seconds without finishing pending work, the kind of the oldest pending mark); (0, "") when none."""
         with self._lock:
             finished = False
-            while self._pending and self._pending[0].done():
+            while self._pending and self._pending[0][0].done():
                 self._pending.popleft()
                 finished = True
             if finished or not self._pending:
                 self._since = self._now()
-            return self._now() - self._since if self._pending else 0.0
+            if not self._pending:
+                return 0.0, ""
+            return self._now() - self._since, self._pending[0][1]
+
+    def stalled_s(self) -> float:
+        return self.stall()[0]
+
+
+class ProgressHooks:
+    """The engine's ``Hooks`` (runtime/engine/api.py) that mark ``progress`` as each span closes, around
+    ``inner`` (tracing, emulation)."""
+
+    def __init__(self, progress: Progress, inner: Any) -> None:
+        self.progress, self.inner = progress, inner
+
+    @contextmanager
+    def span(self, kind: str, name: str, **args: Any) -> Iterator[None]:
+        with self.inner.span(kind, name, **args):
+            yield
+        self.progress.mark(kind)

@@ -91,7 +91,7 @@ def test_progress_reports_a_device_that_stops_finishing_its_work():
     stream.run(count=1)  # one of the two finishes at 60 s
     assert progress.stalled_s() == 0.0
     now[0] = 64.0
-    assert progress.stalled_s() == 4.0  # the other has been pending since
+    assert progress.stall() == (4.0, "compute")  # the other has been pending since
 
 
 def test_a_host_device_is_never_stalled():
