@@ -4,7 +4,7 @@ CUDA events are played by a stand-in stream: records queue, the test lets the "d
 
 from __future__ import annotations
 
-from runtime.device_clock import EventClock, HostClock, Progress
+from runtime.device_clock import EventClock, HostClock, Progress, ProgressHooks
 from runtime.trace import TraceRecorder
 
 
@@ -98,3 +98,16 @@ def test_a_host_device_is_never_stalled():
     progress = Progress(HostClock())
     progress.mark()
     assert progress.stalled_s() == 0.0
+
+
+def test_the_program_marks_progress_as_each_span_closes():
+    stream = FakeStream()
+    progress = Progress(EventClock(event_factory(stream)), now=lambda: 0.0)
+    hooks = ProgressHooks(progress, TraceRecorder(0, "device 0", cpu_clock=None))
+    with hooks.span("comm", "WaitRecv"):
+        pass
+    with hooks.span("compute", "F"):
+        pass
+    assert progress.stall() == (0.0, "comm")  # the receive, then the forward, wait on the device
+    stream.run(count=1)  # the device finishes the receive
+    assert progress.stall()[1] == "compute"
