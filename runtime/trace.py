@@ -34,6 +34,9 @@ class TraceRecorder:
     into blocking ones: interleaved 1F1B with 3+ stages deadlocks, every schedule serialises). A span's
     times are read once its end mark has completed, or when the trace is written."""
 
+    # Whether the host waits for the device in a span (runtime/schedule_sync.py checks every schedule with it).
+    SYNCS_IN_SPANS = False
+
     def __init__(self, pid: int, process_name: str, *, clock: DeviceClock | None = None,
                  cpu_clock: Callable[[], float] | None = time.thread_time) -> None:
         self.pid = pid
