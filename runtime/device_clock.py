@@ -150,3 +150,33 @@ class ProgressHooks:
         with self.inner.span(kind, name, **args):
             yield
         self.progress.mark(kind)
+
+
+class SpanTimes:
+    """Device seconds per kind of span over one step (the engine's ``compute_s``/``comm_s``). Marks are taken
+    as spans open and close and read by ``seconds``, which the engine calls once the host has waited for the
+    step's statistics (the device is done with every span by then: reading them waits for nothing)."""
+
+    def __init__(self, clock: DeviceClock, kinds: tuple[str, ...] = ("compute", "comm")) -> None:
+        self._clock, self.kinds = clock, kinds
+        self._spans: list[tuple[str, Mark, Mark]] = []
+        self._totals = dict.fromkeys(kinds, 0.0)
+
+    def reset(self) -> None:
+        self._spans.clear()
+        self._totals = dict.fromkeys(self.kinds, 0.0)
+
+    @contextmanager
+    def span(self, kind: str) -> Iterator[None]:
+        if kind not in self._totals:
+            yield
+            return
+        start = self._clock.mark()
+        yield
+        self._spans.append((kind, start, self._clock.mark()))
+
+    def seconds(self, kind: str) -> float:
+        for k, start, end in self._spans:
+            self._totals[k] += end.seconds_since(start)
+        self._spans.clear()
+        return self._totals[kind]

@@ -4,7 +4,7 @@ CUDA events are played by a stand-in stream: records queue, the test lets the "d
 
 from __future__ import annotations
 
-from runtime.device_clock import EventClock, HostClock, Progress, ProgressHooks
+from runtime.device_clock import EventClock, HostClock, Progress, ProgressHooks, SpanTimes
 from runtime.trace import TraceRecorder
 
 
@@ -111,3 +111,17 @@ def test_the_program_marks_progress_as_each_span_closes():
     assert progress.stall() == (0.0, "comm")  # the receive, then the forward, wait on the device
     stream.run(count=1)  # the device finishes the receive
     assert progress.stall()[1] == "compute"
+
+
+def test_step_span_times_are_device_times_read_after_the_step():
+    stream = FakeStream()
+    times = SpanTimes(EventClock(event_factory(stream)))
+    for kind in ("compute", "comm", "compute", "step"):  # "step" is not a kind it sums
+        with times.span(kind):
+            pass
+    assert len(stream.queued) == 6 and stream.host_waits == 0  # marks only: nothing waited for
+    stream.run()  # the step's statistics are read: the device is done
+    assert times.seconds("compute") == 4.0 / 1e3 and times.seconds("comm") == 2.0 / 1e3
+    assert stream.host_waits == 0
+    times.reset()
+    assert times.seconds("compute") == 0.0
