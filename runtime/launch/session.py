@@ -30,8 +30,11 @@ from runtime.spec.plan import TrainingSettings
 
 TRACE_MERGED = "trace.json"
 DISPATCH_STATE = "dispatch.json"  # beside a documents run's checkpoint: the strategy its last step ran
-ARRIVED = "hspmd-arrived"  # the store keys by which the members of a new world show they are there
-ARRIVAL_POLL_S = 0.05
+# A new world's members count themselves in on one store counter; the last to arrive sets ``ALL_ARRIVED``,
+# on which the others wait (server-side, in slices so that they can see the launcher give the world up).
+ARRIVED = "hspmd-arrived"
+ALL_ARRIVED = "hspmd-all-arrived"
+ARRIVAL_SLICE_S = 0.1
 
 
 class WorldAbandoned(RuntimeError):
@@ -185,16 +188,15 @@ class Session:
         # Every member arrives before torch forms the group: a member that died makes this wait fail while
         # torch's global state is untouched (an init_process_group that fails midway leaves its group counter
         # advanced, and the next world's groups would be named unlike the other members').
-        store.set(f"{ARRIVED}/{ranks[self.me]}", b"1")
-        keys = [f"{ARRIVED}/{r}" for r in sorted(ranks.values())]
+        if store.add(ARRIVED, 1) == len(ranks):
+            store.set(ALL_ARRIVED, b"1")
         end = time.monotonic() + self.timeout.total_seconds()
-        while not store.check(keys):
+        while not _arrived(store, ARRIVAL_SLICE_S):
             if abandoned is not None and abandoned():
                 raise WorldAbandoned(f"world {prefix!r} given up by the launcher while its members gathered")
             if time.monotonic() > end:
                 raise TimeoutError(f"world {prefix!r}: not every member arrived within "
                                    f"{self.timeout.total_seconds():g} s")
-            time.sleep(ARRIVAL_POLL_S)
         dist.init_process_group(self.spec.backend, store=store,
                                 rank=ranks[self.me], world_size=len(ranks), timeout=self.timeout,
                                 device_id=self.device if self.device.type == "cuda" else None)
@@ -343,6 +345,17 @@ class Session:
         del groups
         if abandon:
             gc.collect()  # the last references to the groups go now: their sockets close
+
+
+def _arrived(store: Any, within_s: float) -> bool:
+    """Whether every member of the world has arrived, waiting at most ``within_s`` for it (one request)."""
+    import torch.distributed as dist
+
+    try:
+        store.wait([ALL_ARRIVED], timedelta(seconds=within_s))
+    except dist.DistStoreError:
+        return False
+    return True
 
 
 def _hooks(spec: WorkerSpec, plan_ctx: Any, device: Any) -> tuple[Any, Any, Any]:
