@@ -2,7 +2,7 @@
 
 On a GPU the host only enqueues work: a host clock read around an action measures its launch, and a
 ``torch.cuda.synchronize`` to make it mean more waits for every stream of the device, NCCL's included, which
-turns a posted receive into a blocking one (docs/design.md §6, "Tracing on GPUs"). So device time is taken
+turns a posted receive into a blocking one (docs/design.md §7, "Tracing on GPUs"). So device time is taken
 with CUDA events recorded on the current stream: ``mark`` enqueues one and returns at once, and the event's
 time is read later, once it has completed (``ready``) or at the step's end, where the host waits for the
 stream anyway. On a CPU the work is done when the call returns, and a mark is simply the host clock.
