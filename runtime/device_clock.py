@@ -34,6 +34,8 @@ class Mark(Protocol):
 class DeviceClock(Protocol):
     def mark(self) -> Mark: ...
 
+    def bind_thread(self) -> None: ...  # before a thread other than the marking one asks about marks
+
 
 class _HostMark:
     __slots__ = ("t",)
@@ -58,6 +60,9 @@ class HostClock:
     def mark(self) -> Mark:
         return _HostMark(self._clock())
 
+    def bind_thread(self) -> None:
+        pass
+
 
 class _EventMark:
     __slots__ = ("event",)
@@ -76,10 +81,13 @@ class _EventMark:
 
 class EventClock:
     """A CUDA device: a mark is a timing event recorded on the current stream (``event_factory``:
-    ``torch.cuda.Event``, imported at the first mark; a test passes a stand-in)."""
+    ``torch.cuda.Event``, imported at the first mark; a test passes a stand-in). ``device``: where another
+    thread that asks about marks must point CUDA first (a thread's CUDA calls go to device 0 until it
+    says otherwise, which would open a context there)."""
 
-    def __init__(self, event_factory: Callable[..., Any] | None = None) -> None:
-        self._event = event_factory
+    def __init__(self, event_factory: Callable[..., Any] | None = None, device: Any = None) -> None:
+        self._event, self._device = event_factory, device
+        self._bound = threading.local()
 
     def mark(self) -> Mark:
         if self._event is None:
@@ -90,11 +98,18 @@ class EventClock:
         event.record()  # on the current stream, behind the work enqueued so far
         return _EventMark(event)
 
+    def bind_thread(self) -> None:
+        if self._device is not None and not getattr(self._bound, "done", False):
+            import torch
+
+            torch.cuda.set_device(self._device)
+            self._bound.done = True
+
 
 def device_clock(device: Any) -> DeviceClock:
     """The clock of a torch device: events on CUDA, the host clock elsewhere."""
     kind = getattr(device, "type", None) or str(device).split(":")[0]
-    return EventClock() if kind == "cuda" else HostClock()
+    return EventClock(device=device) if kind == "cuda" else HostClock()
 
 
 class Progress:
@@ -124,6 +139,8 @@ class Progress:
     def stall(self) -> tuple[float, str]:
         """(seconds without finishing pending work, the kind of the oldest pending mark); (0, "") when none."""
         with self._lock:
+            if self._pending:  # marks exist: the marking thread has set its device up; this one follows
+                self._clock.bind_thread()
             finished = False
             while self._pending and self._pending[0][0].done():
                 self._pending.popleft()
