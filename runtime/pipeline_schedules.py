@@ -36,7 +36,7 @@ import bisect
 import functools
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -51,6 +51,7 @@ from runtime.schedule_policies import (
     schedule_layout,
     schedule_problems,
 )
+from runtime.schedule_sync import with_host_syncs
 
 MessageKind = Literal["activation", "gradient"]
 # What an order came from when it is the list scheduler's (else a ``canonical_labels`` line).
@@ -968,7 +969,7 @@ class ScheduleCheck:
 
 
 def check_schedule(actions: Sequence[Sequence[Action]], layout: Layout, micro_batches: int, *,
-                   split_backward: bool) -> ScheduleCheck:
+                   split_backward: bool, host_syncs: Sequence[Collection[int]] | None = None) -> ScheduleCheck:
     """Play per-device action lists on a simulated machine and report every violation.
 
     The machine: a device runs its actions in order; posts never block; ``WaitRecv`` blocks until the
@@ -979,7 +980,11 @@ def check_schedule(actions: Sequence[Sequence[Action]], layout: Layout, micro_ba
     matching, no tags). Checked: every message matched with the content its receiver expects; no
     deadlock; each micro-batch's F and B/W (or BW) exactly once per virtual stage, on the stage's device,
     after what it reads; sends after their producer; the peak of live activations per device.
+    ``host_syncs``: per device, the actions after which its host waits for the device, each waiting for
+    every earlier action of the device (runtime/schedule_sync.py: the NCCL rule).
     """
+    if host_syncs is not None:
+        actions = with_host_syncs(actions, host_syncs, post_recv=PostRecv, wait_recv=WaitRecv, wait_sends=WaitSends)
     n, last = layout.num_devices, layout.num_stages - 1
     problems: list[str] = []
     pc = [0] * n
