@@ -147,3 +147,25 @@ def refuse_given(why: str, *params: str) -> None:
                                  if o.startswith("--")), "", why) for name in given(*params)]
     if problems:
         raise SpecError(problems)
+
+
+def plan_argument(help_text: str):
+    """The plan a verb reads, as its first argument (``hspmd simulate plan.yaml``) or as ``--plan`` (the same
+    path twice is fine; two different ones, or none, is a usage error). The verb receives ``plan_path``."""
+    import functools
+
+    def decorate(func):
+        @functools.wraps(func)
+        def wrapper(*args: Any, plan_arg: Path | None = None, plan_opt: Path | None = None, **kwargs: Any) -> Any:
+            if plan_arg is not None and plan_opt is not None and plan_arg != plan_opt:
+                raise click.UsageError(f"two plans given: PLAN {str(plan_arg)!r} and --plan {str(plan_opt)!r}")
+            path = plan_arg if plan_arg is not None else plan_opt
+            if path is None:
+                raise click.UsageError("missing argument PLAN (the plan file; --plan PLAN also works)")
+            return func(*args, plan_path=path, **kwargs)
+
+        wrapper = click.option("--plan", "plan_opt", type=click.Path(path_type=Path), metavar="PLAN",
+                               help=f"{help_text} (the same as the PLAN argument).")(wrapper)
+        return click.argument("plan_arg", metavar="PLAN", required=False, type=click.Path(path_type=Path))(wrapper)
+
+    return decorate

@@ -59,11 +59,13 @@ def plan_for_lengths(model_ref: str, cluster_ref: str, profile_dirs: Sequence[Pa
     settings = LengthSettings(tokens_per_step=tokens_per_step, max_len=top, max_strategies=max_strategies,
                               time_limit_s=time_limit)
     result = plan_lengths(model, cluster, profiles, dist, settings)
-    planned = result.to_plan(recorded_ref(model_ref, "models"), recorded_ref(cluster_ref, "clusters"))
+    planned = result.to_plan(recorded_ref(model_ref, "models", plan_file=out_path),
+                             recorded_ref(cluster_ref, "clusters", plan_file=out_path))
     problems = validate_plan(planned, model, cluster, str(out_path or "plan"))
     if problems:   # a planner bug, not a user error: refuse to write it
         raise RuntimeError("planner produced an invalid plan: " + "; ".join(str(x) for x in problems))
-    fixed = build_plan([result.single_best], settings, planned.model, planned.cluster)
+    fixed = build_plan([result.single_best], settings, recorded_ref(model_ref, "models", plan_file=fixed_path),
+                       recorded_ref(cluster_ref, "clusters", plan_file=fixed_path))
     atomic_write_files([(path, dump_plan(p).encode()) for p, path in ((planned, out_path), (fixed, fixed_path))
                         if path is not None])
     ranges = length_ranges(planned)

@@ -110,9 +110,11 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
             bar.update(task, description=phase, completed=done, total=total)
 
         result = run_planner(model, cluster, profiles, settings, progress=report, workers=workers)
-    refs = (recorded_ref(model_ref, "models"), recorded_ref(cluster_ref, "clusters"))
-    planned = result.to_plan(*refs)
-    symmetric = result.baseline_plan(result.symmetric, *refs)
+    def refs(path: Path | None) -> tuple[str, str]:   # relative to the file the plan is written to
+        return recorded_ref(model_ref, "models", plan_file=path), recorded_ref(cluster_ref, "clusters", plan_file=path)
+
+    planned = result.to_plan(*refs(out_path))
+    symmetric = result.baseline_plan(result.symmetric, *refs(symmetric_path))
     if symmetric_path is not None and symmetric is None:
         raise SpecError([Problem("--symmetric-out", "", f"no symmetric plan to write: {result.symmetric.description}")])
     for p, path in ((planned, out_path), (symmetric, symmetric_path)):

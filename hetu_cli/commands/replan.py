@@ -19,6 +19,7 @@ from hetu_cli.output import (
     console,
     emit_json,
     int_list,
+    plan_argument,
     table,
 )
 from planner.replan import DEFAULT_TOLERANCE, ReplanResult, RestartModel
@@ -45,15 +46,15 @@ def parse_devices(text: str, option: str) -> list[int]:
     return sorted(set(out))
 
 
-def plan_refs(ctx: PlanContext) -> tuple[str, str]:
-    """What a new plan file records for the model and cluster: catalog names as they are, paths made
-    absolute (the new file may live elsewhere than the plan it replaces)."""
-    return (recorded_ref(ctx.plan.model, "models", ctx.path.parent),
-            recorded_ref(ctx.plan.cluster, "clusters", ctx.path.parent))
+def plan_refs(ctx: PlanContext, out_path: Path | None = None) -> tuple[str, str]:
+    """What a new plan file records for the model and cluster: catalog names as they are, paths relative to
+    the new file ``out_path`` (absolute without one: the new plan may live elsewhere than the one it replaces)."""
+    return (recorded_ref(ctx.plan.model, "models", ctx.path.parent, out_path),
+            recorded_ref(ctx.plan.cluster, "clusters", ctx.path.parent, out_path))
 
 
 @click.command()
-@click.option("--plan", "plan_path", required=True, type=click.Path(path_type=Path), help="The plan that was running.")
+@plan_argument("The plan that was running")
 @click.option("--strategy", "strategy_name", help="Its strategy that was running (default: the first).")
 @click.option("--failed", "failed_text", required=True, help="The failed device ids, e.g. 5,6.")
 @click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), help="Write the new plan here (YAML).")
@@ -83,7 +84,7 @@ def replan(plan_path: Path, strategy_name: str | None, failed_text: str, out_pat
     failed = parse_devices(failed_text, "--failed")
     ctx = load_plan_context(plan_path)
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
-    model_ref, cluster_ref = plan_refs(ctx)
+    model_ref, cluster_ref = plan_refs(ctx, out_path)
     result = run_replan(StrategyHandle.of(ctx, strategy_name), failed, profiles, tolerance=tolerance,
                         time_limit_s=time_limit,
                         restart=RestartModel(storage_gbs, restart_s, checkpoint_interval),

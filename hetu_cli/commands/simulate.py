@@ -8,7 +8,16 @@ from pathlib import Path
 import click
 
 from hetu_cli.commands.lengths_report import simulate_lengths
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, IntRange, console, emit_json, refuse_given, table
+from hetu_cli.output import (
+    FORMAT_OPTION,
+    PROFILE_OPTION,
+    IntRange,
+    console,
+    emit_json,
+    plan_argument,
+    refuse_given,
+    table,
+)
 from planner.cost import CostModel, zero_copies
 from planner.simulate import chrome_trace
 from planner.simulate import simulate as run_simulation
@@ -23,10 +32,11 @@ MAX_SEARCHES = 10_000  # the trace's own bound is 1000 events (runtime/elastic/e
 
 
 @click.command()
-@click.option("--plan", "plan_path", required=True, type=click.Path(path_type=Path), help="The plan to simulate.")
+@plan_argument("The plan to simulate")
 @PROFILE_OPTION
 @click.option("--strategy", "strategy_name", help="Strategy of the plan to simulate (default: the first).")
 @click.option("--cluster", help="Use this cluster (name or path) instead of the plan's.")
+@click.option("--model", "model_ref", help="Use this model (name or path) instead of the plan's.")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path),
               help="Write a Chrome-trace JSON timeline here (open in https://ui.perfetto.dev).")
 @click.option("--lengths", help="Play a trace of document steps (lengths from this distribution or histogram "
@@ -45,6 +55,7 @@ MAX_SEARCHES = 10_000  # the trace's own bound is 1000 events (runtime/elastic/e
                                       "scale).")
 @FORMAT_OPTION
 def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str | None, cluster: str | None,
+             model_ref: str | None,
              trace_path: Path | None, lengths: str | None, steps: int, tokens_per_step: int | None,
              events_file: Path | None, max_searches: int, fmt: str) -> None:
     """Simulate one training step of PLAN: step time, tokens/s, MFU, per-stage compute / comm /
@@ -60,7 +71,7 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
         refuse_given("only with --events", "max_searches")
     if trace_path is not None:
         check_output_file(trace_path, "--trace")
-    ctx = load_plan_context(plan_path, cluster=cluster)
+    ctx = load_plan_context(plan_path, cluster=cluster, model=model_ref)
     if lengths is not None:
         simulate_lengths(ctx, profile_dirs, lengths, steps, tokens_per_step, strategy_name, trace_path, fmt)
         return
