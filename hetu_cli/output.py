@@ -56,6 +56,34 @@ class FiniteFloatRange(AsciiNumber, click.FloatRange):
         return rv
 
 
+class MemoryMarginParam(click.ParamType):
+    """``--memory-margin``: a fraction of each device's memory (0.1) or GiB per device (4GiB)."""
+
+    name = "margin"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from planner.margin import MemoryMargin, parse_margin
+
+        if isinstance(value, MemoryMargin):
+            return value
+        try:
+            return parse_margin(str(value))
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
+
+
+def memory_margin_option():
+    """The ``--memory-margin`` option of the verbs that plan (a function: its default comes from the planner,
+    which a verb that does not plan need not import)."""
+    from planner.margin import DEFAULT_FRACTION
+
+    return click.option("--memory-margin", "memory_margin", type=MemoryMarginParam(), default=str(DEFAULT_FRACTION),
+                        show_default=True,
+                        help="Memory every device keeps free beyond the modelled peak (allocator fragmentation, "
+                             "communication buffers): a fraction of its memory (0.1) or GiB per device (4GiB); "
+                             "0 packs to the modelled capacity (docs/planning.md).")
+
+
 # Timeouts become ``datetime.timedelta``s (process groups, stores), which overflow past ~1e14 s: a
 # ``--timeout 1e20`` crashed every worker. No run waits on one operation for more than ~115 days.
 MAX_TIMEOUT_S = 1e7

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -9,12 +10,22 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hetu_cli.commands.lengths_report import plan_for_lengths
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, FiniteFloatRange, IntRange, console, emit_json, refuse_given
+from hetu_cli.output import (
+    FORMAT_OPTION,
+    PROFILE_OPTION,
+    FiniteFloatRange,
+    IntRange,
+    console,
+    emit_json,
+    memory_margin_option,
+    refuse_given,
+)
 from planner.api import PlanSettings
 from planner.api import plan as run_planner
+from planner.margin import MemoryMargin, margin_said
 from planner.report import print_report, result_json
 from planner.schedule_choice import AUTO
-from runtime.errors import Problem, SpecError
+from runtime.errors import InfeasibleError, Problem, SpecError
 from runtime.profiling.profile import resolve_profiles
 from runtime.schedule_policies import SCHEDULE_NAMES
 from runtime.spec import dump_plan, load_cluster, load_model, validate_plan
@@ -55,6 +66,7 @@ MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k
 @click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True,
               help="Plan TP stages with Megatron sequence parallelism (training.sequence_parallel): less "
                    "activation memory, the same TP traffic.")
+@memory_margin_option()
 @click.option("--workers", type=IntRange(min=1), default=1, show_default=True,
               help="Processes for the independent searches and the simulator's checks (the same plan, less wall "
                    "time on a multi-core host; worth it on large clusters).")
@@ -73,7 +85,8 @@ MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k
 @FORMAT_OPTION
 def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], global_batch: int | None,
          seq_len: int | None, micro_batch: int | None, elastic: bool, use_zero: bool | None, time_limit: float,
-         top_k: int, schedule: str, check_top: int, sequence_parallel: bool, workers: int, out_path: Path | None,
+         top_k: int, schedule: str, check_top: int, sequence_parallel: bool, memory_margin: MemoryMargin,
+         workers: int, out_path: Path | None,
          symmetric_path: Path | None,
          lengths: str | None, tokens_per_step: int | None, max_strategies: int, fixed_path: Path | None,
          fmt: str) -> None:
@@ -87,7 +100,7 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         unused = {"--global-batch": global_batch, "--micro-batch": micro_batch, "--elastic": elastic or None,
                   "--zero/--no-zero": use_zero, "--symmetric-out": symmetric_path}
         plan_for_lengths(model_ref, cluster_ref, profile_dirs, lengths, tokens_per_step, seq_len, unused,
-                         max_strategies, time_limit, out_path, fmt, fixed_path)
+                         max_strategies, time_limit, out_path, fmt, fixed_path, memory_margin)
         return
     refuse_given("only with --lengths", "tokens_per_step", "max_strategies", "fixed_path")
     if global_batch is None or seq_len is None:
@@ -109,7 +122,12 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         def report(phase: str, done: int, total: int) -> None:
             bar.update(task, description=phase, completed=done, total=total)
 
-        result = run_planner(model, cluster, profiles, settings, progress=report, workers=workers)
+        try:
+            result = run_planner(model, memory_margin.apply(cluster), profiles, settings, progress=report,
+                                 workers=workers)
+        except InfeasibleError as err:
+            raise margin_said(err, memory_margin) from None
+    result = dataclasses.replace(result, cluster=cluster)   # the report weighs each stage against the real capacity
     def refs(path: Path | None) -> tuple[str, str]:   # relative to the file the plan is written to
         return recorded_ref(model_ref, "models", plan_file=path), recorded_ref(cluster_ref, "clusters", plan_file=path)
 
@@ -126,11 +144,11 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
                         if path is not None and p is not None])
     written = None if out_path is None else str(out_path)
     if fmt == "json":
-        out = result_json(result, planned, written)
+        out = result_json(result, planned, written, memory_margin)
         out["symmetric_output"] = None if symmetric_path is None else str(symmetric_path)
         emit_json(out)
         return
     con = console()
-    print_report(con, result, written)
+    print_report(con, result, written, memory_margin)
     if symmetric_path is not None:
         con.print(f"symmetric baseline written to [bold]{escape(str(symmetric_path))}[/bold]")

@@ -3,6 +3,7 @@ costs against checkpoint-restart."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,11 @@ from hetu_cli.output import (
     console,
     emit_json,
     int_list,
+    memory_margin_option,
     plan_argument,
     table,
 )
+from planner.margin import MemoryMargin, plan_headroom
 from planner.replan import DEFAULT_TOLERANCE, ReplanResult, RestartModel
 from planner.replan import replan as run_replan
 from runtime.errors import HspmdError
@@ -70,10 +73,11 @@ def plan_refs(ctx: PlanContext, out_path: Path | None = None) -> tuple[str, str]
               help="Checkpoint-restart model: seconds to start new processes and process groups.")
 @click.option("--checkpoint-interval", type=IntRange(min=1), default=RestartModel.checkpoint_interval_steps,
               show_default=True, help="Checkpoint-restart model: steps between checkpoints (half is lost on average).")
+@memory_margin_option()
 @FORMAT_OPTION
 def replan(plan_path: Path, strategy_name: str | None, failed_text: str, out_path: Path | None,
            profile_dirs: tuple[Path, ...], tolerance: float, time_limit: float, storage_gbs: float, restart_s: float,
-           checkpoint_interval: int, fmt: str) -> None:
+           checkpoint_interval: int, memory_margin: MemoryMargin, fmt: str) -> None:
     """A new plan for the survivors of FAILED devices of PLAN, chosen with the switch cost in view, with the
     switch report (bytes per link, modelled fused-BSR time) and the modelled cost of checkpoint-restart.
 
@@ -85,16 +89,32 @@ def replan(plan_path: Path, strategy_name: str | None, failed_text: str, out_pat
     ctx = load_plan_context(plan_path)
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
     model_ref, cluster_ref = plan_refs(ctx, out_path)
-    result = run_replan(StrategyHandle.of(ctx, strategy_name), failed, profiles, tolerance=tolerance,
+    planning = dataclasses.replace(ctx, cluster=memory_margin.apply(ctx.cluster))   # the capacity the margin leaves
+    result = run_replan(StrategyHandle.of(planning, strategy_name), failed, profiles, tolerance=tolerance,
                         time_limit_s=time_limit,
                         restart=RestartModel(storage_gbs, restart_s, checkpoint_interval),
                         model_ref=model_ref, cluster_ref=cluster_ref)
     if out_path is not None:
         save_plan(result.plan, out_path)
+    memory = plan_headroom(result.plan, ctx.model, ctx.cluster, profiles, memory_margin)
     if fmt == "json":
-        emit_json(replan_json(result, None if out_path is None else str(out_path)))
+        out = replan_json(result, None if out_path is None else str(out_path))
+        out["memory_margin"] = {**memory_margin.to_json(), "text": memory_margin.text}
+        out["memory"] = memory
+        emit_json(out)
         return
     print_replan(result, None if out_path is None else str(out_path))
+    print_headroom(memory, memory_margin)
+
+
+def print_headroom(rows: list[dict[str, Any]], margin: MemoryMargin) -> None:
+    """The new plan's stages: peak memory against capacity and the margin kept."""
+    t = table(f"new plan's memory (margin {margin.text})", ("pipe", "stage", "type", "devices", "peak GiB", "cap GiB",
+                                                           "margin GiB", "headroom"), left=("type", "devices"))
+    for r in rows:
+        t.add_row(str(r["pipeline"]), str(r["stage"]), r["device_type"], ",".join(map(str, r["devices"])),
+                  f"{r['peak_gib']:.1f}", f"{r['capacity_gib']:g}", f"{r['margin_gib']:g}", f"{r['headroom_frac']:.0%}")
+    console().print(t)
 
 
 def replan_json(r: ReplanResult, out_path: str | None) -> dict[str, Any]:
