@@ -23,6 +23,7 @@ from hetu_cli.output import (
 from planner.api import PlanSettings
 from planner.api import plan as run_planner
 from planner.margin import MemoryMargin, margin_said
+from planner.provenance import check_profiles, provenance, strategy_tps
 from planner.report import print_report, result_json
 from planner.schedule_choice import AUTO
 from runtime.errors import InfeasibleError, Problem, SpecError
@@ -31,7 +32,7 @@ from runtime.schedule_policies import SCHEDULE_NAMES
 from runtime.spec import dump_plan, load_cluster, load_model, validate_plan
 from runtime.spec.catalog import recorded_ref
 from runtime.spec.io import atomic_write_files, check_output_file
-from runtime.spec.plan import MAX_TOKENS_PER_STEP
+from runtime.spec.plan import MAX_TOKENS_PER_STEP, Plan
 
 MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k) grows fast past it
 
@@ -111,6 +112,8 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         click.echo(f"note: {note}", err=True)
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
+    for line in check_profiles(profiles, model, cluster, profile_dirs, cluster_ref):
+        click.echo(f"warning: {line}", err=True)
     settings = PlanSettings(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch, elastic=elastic,
                             use_zero=use_zero, time_limit_s=time_limit, top_k=top_k, simulate_top=check_top,
                             schedule=schedule, sequence_parallel=sequence_parallel)  # type: ignore[arg-type]
@@ -131,8 +134,16 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
     def refs(path: Path | None) -> tuple[str, str]:   # relative to the file the plan is written to
         return recorded_ref(model_ref, "models", plan_file=path), recorded_ref(cluster_ref, "clusters", plan_file=path)
 
-    planned = result.to_plan(*refs(out_path))
-    symmetric = result.baseline_plan(result.symmetric, *refs(symmetric_path))
+    def recorded(p: Plan | None, path: Path | None) -> Plan | None:   # with the profiles that priced it
+        if p is None:
+            return None
+        priced = provenance(profiles, model, strategy_tps(p, cluster))
+        return dataclasses.replace(p, profiles={n: t.record(path) for n, t in priced.items()})
+
+    planned = recorded(result.to_plan(*refs(out_path)), out_path)
+    symmetric = recorded(result.baseline_plan(result.symmetric, *refs(symmetric_path)), symmetric_path)
+    assert planned is not None
+    priced = provenance(profiles, model, strategy_tps(planned, cluster))
     if symmetric_path is not None and symmetric is None:
         raise SpecError([Problem("--symmetric-out", "", f"no symmetric plan to write: {result.symmetric.description}")])
     for p, path in ((planned, out_path), (symmetric, symmetric_path)):
@@ -145,10 +156,13 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
     written = None if out_path is None else str(out_path)
     if fmt == "json":
         out = result_json(result, planned, written, memory_margin)
+        out["profiles"] = {n: t.to_json() for n, t in priced.items()}
         out["symmetric_output"] = None if symmetric_path is None else str(symmetric_path)
         emit_json(out)
         return
     con = console()
+    for t in priced.values():
+        con.print(escape(t.line()))
     print_report(con, result, written, memory_margin)
     if symmetric_path is not None:
         con.print(f"symmetric baseline written to [bold]{escape(str(symmetric_path))}[/bold]")

@@ -24,7 +24,7 @@ from runtime.launch.options import ELASTIC_HEARTBEAT_TIMEOUT_S, ELASTIC_TIMEOUT_
 from runtime.launch.session import TRACE_MERGED
 from runtime.launch.supervise import PlainPolicy
 from runtime.precision import PRECISIONS
-from runtime.spec.io import check_output_dir, check_output_file, is_file, why_not
+from runtime.spec.io import check_append_file, check_output_dir, is_file, why_not
 
 STDOUT = Path("-")   # ``--metrics -``: the JSON lines go to standard output (the progress lines to stderr)
 
@@ -202,7 +202,7 @@ def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strat
         raise HspmdError("--lengths: synthetic documents or --data FILE, not both")
     if tokenizer is not None and data_file is None:
         raise HspmdError("--tokenizer: tokenizes --data FILE; give the file")
-    check_outputs(metrics, trace_dir, save_dir)
+    check_outputs(metrics, trace_dir)
     faults = _faults(kill_devices, hang_devices, fault_step, bool(rejoin_devices), fault_point)
     rejoins = _rejoins(rejoin_devices, rejoin_step, fault_step, bool(faults))
     node_kills: tuple[NodeKill, ...] = ()
@@ -325,14 +325,13 @@ def random_weights_note(plan_path: Path, model_ref: str | None) -> str | None:
             "to start from them")
 
 
-def check_outputs(metrics: Path | None, trace_dir: Path | None, save_dir: Path | None) -> None:
-    """Every output path, checked before any worker starts: a run of hours must not end by failing to write."""
+def check_outputs(metrics: Path | None, trace_dir: Path | None) -> None:
+    """The output paths, checked before any worker starts: a run of hours must not end by failing to write
+    (``--save`` is checked with the checkpoint it may resume from, also before any worker starts)."""
     if metrics is not None and metrics != STDOUT:
-        check_output_file(metrics, "--metrics")
+        check_append_file(metrics, "--metrics")
     if trace_dir is not None:
         check_output_dir(trace_dir, "--trace")
-    if save_dir is not None:
-        check_output_dir(save_dir, "--save")
 
 
 def _faults(kill: tuple[int, ...], hang: tuple[int, ...], step: int | None, rejoin: bool = False,
