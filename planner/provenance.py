@@ -47,17 +47,43 @@ SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_heads", "num_kv_heads", "
 def component_source(profile: DeviceProfile, model: ModelSpec, tp: int, component: str) -> tuple[str, int | None]:
     """("measured" | "scaled" | "derived", the TP degree scaled from) for one component at one TP degree,
     by ``component_fits``' rule."""
-    m = profile.measured_model(model)
+    return measured_source(profile.measured_model(model), tp, component)
+
+
+def measured_source(m: MeasuredModel | None, tp: int, component: str) -> tuple[str, int | None]:
+    """``component_source`` within one measured model (None: the model was not measured)."""
     if m is None:
         return "derived", None
     by_tp = sorted(t for t, comps in m.tables.items() if component in comps)
-    if by_tp and tp in by_tp:
-        return "measured", None
-    if tp in m.tp:
+    if tp in by_tp or tp in m.tp:
         return "measured", None
     if by_tp:
         return "scaled", nearest_degree(by_tp, tp)
     return "derived", None
+
+
+def unmeasured(m: MeasuredModel) -> dict[int, dict[str, tuple[str, int | None]]]:
+    """Per TP degree the measured model has measurements at, the components it does not measure there and
+    where their times come from instead (scaled from another degree, or derived from the figures)."""
+    out = {}
+    for tp in sorted(set(m.tables) | set(m.tp)):
+        missing = {c: measured_source(m, tp, c) for c in COMPONENTS}
+        missing = {c: how for c, how in missing.items() if how[0] != "measured"}
+        if missing:
+            out[tp] = missing
+    return out
+
+
+def unmeasured_text(m: MeasuredModel) -> list[str]:
+    """``unmeasured`` as lines: 'tp1: embedding, head derived from the profile's figures'."""
+    lines = []
+    for tp, missing in unmeasured(m).items():
+        groups: dict[str, list[str]] = {}
+        for c, (how, base) in missing.items():
+            groups.setdefault("derived from the profile's figures" if how == "derived" else f"scaled from tp{base}",
+                              []).append(c)
+        lines.append(f"tp{tp}: " + "; ".join(f"{', '.join(cs)} {how}" for how, cs in groups.items()))
+    return lines
 
 
 @dataclass(frozen=True)
