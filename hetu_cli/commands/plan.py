@@ -26,6 +26,7 @@ from planner.margin import MemoryMargin, margin_said
 from planner.provenance import check_profiles, provenance, strategy_tps
 from planner.report import print_report, result_json
 from planner.schedule_choice import AUTO
+from planner.survival import plan_survival, prefer_node_survivable
 from runtime.errors import InfeasibleError, Problem, SpecError
 from runtime.profiling.profile import resolve_profiles
 from runtime.schedule_policies import SCHEDULE_NAMES
@@ -131,6 +132,9 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         except InfeasibleError as err:
             raise margin_said(err, memory_margin) from None
     result = dataclasses.replace(result, cluster=cluster)   # the report weighs each stage against the real capacity
+    node_choice = None
+    if elastic:   # among near-equals, the layout whose replicas span nodes (planner/survival.py)
+        result, node_choice = prefer_node_survivable(result, model_ref, cluster_ref)
     def refs(path: Path | None) -> tuple[str, str]:   # relative to the file the plan is written to
         return recorded_ref(model_ref, "models", plan_file=path), recorded_ref(cluster_ref, "clusters", plan_file=path)
 
@@ -144,6 +148,7 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
     symmetric = recorded(result.baseline_plan(result.symmetric, *refs(symmetric_path)), symmetric_path)
     assert planned is not None
     priced = provenance(profiles, model, strategy_tps(planned, cluster))
+    survives = plan_survival(planned, model, cluster)
     if symmetric_path is not None and symmetric is None:
         raise SpecError([Problem("--symmetric-out", "", f"no symmetric plan to write: {result.symmetric.description}")])
     for p, path in ((planned, out_path), (symmetric, symmetric_path)):
@@ -157,12 +162,18 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
     if fmt == "json":
         out = result_json(result, planned, written, memory_margin)
         out["profiles"] = {n: t.to_json() for n, t in priced.items()}
+        out["failures"] = survives.to_json()
+        out["node_choice"] = node_choice
         out["symmetric_output"] = None if symmetric_path is None else str(symmetric_path)
         emit_json(out)
         return
     con = console()
     for t in priced.values():
         con.print(escape(t.line()))
+    if node_choice is not None:
+        con.print(escape(node_choice))
     print_report(con, result, written, memory_margin)
+    for line in survives.lines():
+        con.print(escape(line))
     if symmetric_path is not None:
         con.print(f"symmetric baseline written to [bold]{escape(str(symmetric_path))}[/bold]")

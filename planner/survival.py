@@ -1,0 +1,128 @@
+"""The failure story of a plan: which single-device and which whole-node losses its state survives in memory.
+
+A loss is survivable in memory when every piece of the training state (each parameter slice, and under
+ZeRO-1 each chunk of the AdamW moments) still has a copy on a surviving device: the coordinator's own check
+(``runtime.elastic.state.lost_state``), asked ahead for each device and each node the plan uses. Then
+``hspmd train --elastic`` (or ``hspmd replan``) switches to a plan for the survivors without a checkpoint;
+otherwise the job restarts from its last checkpoint (``hspmd replan --restart`` writes the plan to restart
+with). Whether the survivors' memory holds a new plan is the planner's answer at that point, not this one's.
+
+``prefer_node_survivable``: ``hspmd plan --elastic`` takes, among the near-best candidates within a tolerance of
+the fastest, the one that survives the most whole-node losses (a layout whose replicas span nodes), since
+a node is what usually fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from planner.api import PlanResult, explain_idle
+from runtime.elastic.state import lost_state
+from runtime.spec.catalog import PlanContext
+from runtime.spec.cluster import Cluster
+from runtime.spec.handle import StrategyHandle
+from runtime.spec.model import ModelSpec
+from runtime.spec.plan import Plan
+
+NODE_PREFERENCE_TOLERANCE = 0.05   # --elastic: a layout surviving more node losses may be this much slower
+
+
+@dataclass(frozen=True)
+class Survival:
+    """Per device and per node the strategy uses: does its state survive that loss in memory."""
+
+    devices_ok: tuple[int, ...]
+    devices_lost: tuple[int, ...]
+    nodes_ok: tuple[str, ...]
+    nodes_lost: tuple[str, ...]
+
+    @property
+    def nodes_survived(self) -> int:
+        return len(self.nodes_ok)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"single_device": {"survives": list(self.devices_ok), "restart": list(self.devices_lost)},
+                "whole_node": {"survives": list(self.nodes_ok), "restart": list(self.nodes_lost)}}
+
+    def lines(self) -> list[str]:
+        """The report's sentences: what it survives in memory and what needs a restart from a checkpoint."""
+        n_dev = len(self.devices_ok) + len(self.devices_lost)
+        if not self.devices_lost:
+            dev = f"survives in memory the loss of any one of its {n_dev} devices"
+        elif not self.devices_ok:
+            dev = (f"survives no single device's loss in memory (each of its {n_dev} devices holds state with no "
+                   "other copy): a failure restarts from the last checkpoint; hspmd plan --elastic keeps copies")
+        else:
+            dev = (f"survives in memory the loss of {len(self.devices_ok)} of its {n_dev} devices; not of "
+                   f"{span(self.devices_lost)} (restart from the last checkpoint)")
+        if not self.nodes_lost:
+            node = f"survives the loss of any one of its nodes ({', '.join(self.nodes_ok)})"
+        elif not self.nodes_ok:
+            node = f"survives no whole node's loss ({', '.join(self.nodes_lost)}): restart from the last checkpoint"
+        else:
+            node = (f"survives the loss of node(s) {', '.join(self.nodes_ok)}; not of {', '.join(self.nodes_lost)} "
+                    "(restart from the last checkpoint)")
+        return [f"failures: {dev}", f"failures: whole nodes: {node}"]
+
+
+def span(ids: Sequence[int]) -> str:
+    """'0-3, 8' for device lists."""
+    out, run = [], [ids[0]] if ids else []
+    for d in ids[1:]:
+        if d == run[-1] + 1:
+            run.append(d)
+        else:
+            out.append(run)
+            run = [d]
+    if run:
+        out.append(run)
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in out)
+
+
+def node_devices(cluster: Cluster, used: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """Node name -> the used devices on it (nodes the strategy does not use are left out)."""
+    out: dict[str, list[int]] = {}
+    for d in sorted(used):
+        out.setdefault(cluster.device(d).node, []).append(d)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def survival(handle: StrategyHandle) -> Survival:
+    devices = tuple(sorted(handle.devices))
+    ok = tuple(d for d in devices if not lost_state(handle, [d]))
+    nodes = node_devices(handle.ctx.cluster, devices)
+    nodes_ok = tuple(n for n, ds in nodes.items() if not lost_state(handle, ds))
+    return Survival(ok, tuple(d for d in devices if d not in ok), nodes_ok,
+                    tuple(n for n in nodes if n not in nodes_ok))
+
+
+def plan_survival(plan: Plan, model: ModelSpec, cluster: Cluster, path: Path = Path("plan")) -> Survival:
+    """``survival`` of a plan's first strategy (a plan the planner just made: not yet on disk)."""
+    return survival(StrategyHandle.of(PlanContext(plan, model, cluster, path)))
+
+
+def prefer_node_survivable(result: PlanResult, model_ref: str, cluster_ref: str,
+                           tolerance: float = NODE_PREFERENCE_TOLERANCE) -> tuple[PlanResult, str | None]:
+    """``result`` with, first, the candidate within ``tolerance`` of the fastest that survives the most whole
+    node losses (the fastest among equals), and a sentence when that is not the fastest one."""
+    best_t = result.best.step_time_s
+    scored = []
+    for i, c in enumerate(result.candidates):
+        if c.step_time_s > best_t * (1.0 + tolerance):
+            continue
+        s = plan_survival(result.to_plan(model_ref, cluster_ref, i), result.model, result.cluster)
+        scored.append((-s.nodes_survived, i, s))
+    _, pick, s = min(scored)   # the most nodes survived; among equals the fastest
+    if pick == 0:
+        return result, None
+    first = result.candidates[pick]
+    ranked = (first, *(c for i, c in enumerate(result.candidates) if i != pick))
+    why = (f"elastic: this layout survives the loss of {s.nodes_survived} whole node(s) in memory; the fastest "
+           f"found ({best_t:.4g} s/step) fewer: its {first.step_time_s / best_t - 1.0:.1%} slower step is within "
+           f"the {tolerance:.0%} a node's loss is worth")
+    return dataclasses.replace(result, candidates=ranked, idle=explain_idle(first, ranked, result.cluster),
+                               schedule_options=()), why
