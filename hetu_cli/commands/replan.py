@@ -24,16 +24,19 @@ from hetu_cli.output import (
     plan_argument,
     table,
 )
+from planner.api import PlanSettings
+from planner.api import plan as plan_on
 from planner.margin import MemoryMargin, plan_headroom
-from planner.replan import DEFAULT_TOLERANCE, ReplanResult, RestartModel
+from planner.replan import DEFAULT_TOLERANCE, LostStateError, ReplanResult, RestartModel
 from planner.replan import replan as run_replan
-from runtime.errors import HspmdError
+from runtime.errors import HspmdError, InfeasibleError
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import PlanContext, load_plan_context, save_plan
 from runtime.spec.catalog import recorded_ref
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.io import check_output_file
 from runtime.spec.schema import to_data
+from runtime.spec.validate import validate_plan
 
 TOP_LINKS = 12
 
@@ -73,11 +76,14 @@ def plan_refs(ctx: PlanContext, out_path: Path | None = None) -> tuple[str, str]
               help="Checkpoint-restart model: seconds to start new processes and process groups.")
 @click.option("--checkpoint-interval", type=IntRange(min=1), default=RestartModel.checkpoint_interval_steps,
               show_default=True, help="Checkpoint-restart model: steps between checkpoints (half is lost on average).")
+@click.option("--restart", is_flag=True,
+              help="When memory alone cannot continue (some state lost every copy), write a plan for the surviving "
+                   "devices to restart from the last checkpoint (hspmd train NEW --load CKPT) instead of refusing.")
 @memory_margin_option()
 @FORMAT_OPTION
 def replan(plan_path: Path, strategy_name: str | None, failed_text: str, out_path: Path | None,
            profile_dirs: tuple[Path, ...], tolerance: float, time_limit: float, storage_gbs: float, restart_s: float,
-           checkpoint_interval: int, memory_margin: MemoryMargin, fmt: str) -> None:
+           checkpoint_interval: int, restart: bool, memory_margin: MemoryMargin, fmt: str) -> None:
     """A new plan for the survivors of FAILED devices of PLAN, chosen with the switch cost in view, with the
     switch report (bytes per link, modelled fused-BSR time) and the modelled cost of checkpoint-restart.
 
@@ -90,10 +96,17 @@ def replan(plan_path: Path, strategy_name: str | None, failed_text: str, out_pat
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
     model_ref, cluster_ref = plan_refs(ctx, out_path)
     planning = dataclasses.replace(ctx, cluster=memory_margin.apply(ctx.cluster))   # the capacity the margin leaves
-    result = run_replan(StrategyHandle.of(planning, strategy_name), failed, profiles, tolerance=tolerance,
-                        time_limit_s=time_limit,
-                        restart=RestartModel(storage_gbs, restart_s, checkpoint_interval),
-                        model_ref=model_ref, cluster_ref=cluster_ref)
+    try:
+        result = run_replan(StrategyHandle.of(planning, strategy_name), failed, profiles, tolerance=tolerance,
+                            time_limit_s=time_limit,
+                            restart=RestartModel(storage_gbs, restart_s, checkpoint_interval),
+                            model_ref=model_ref, cluster_ref=cluster_ref)
+    except LostStateError as err:
+        if not restart:
+            raise WithRestartHint(err, f"hspmd replan {plan_path} --failed {failed_text} --restart writes a plan "
+                                       "for the surviving devices to restart from that checkpoint") from None
+        restart_plan(ctx, err, failed, profiles, memory_margin, time_limit, (model_ref, cluster_ref), out_path, fmt)
+        return
     if out_path is not None:
         save_plan(result.plan, out_path)
     memory = plan_headroom(result.plan, ctx.model, ctx.cluster, profiles, memory_margin)
@@ -105,6 +118,59 @@ def replan(plan_path: Path, strategy_name: str | None, failed_text: str, out_pat
         return
     print_replan(result, None if out_path is None else str(out_path))
     print_headroom(memory, memory_margin)
+
+
+class WithRestartHint(HspmdError):
+    """The lost-state refusal with the way on: ``--restart``."""
+
+    def __init__(self, lost: LostStateError, hint: str) -> None:
+        super().__init__(str(lost))
+        self.lost, self.hint = lost, hint
+
+    def lines(self) -> list[str]:
+        return [*self.lost.lines(), self.hint]
+
+
+def restart_plan(ctx: PlanContext, lost: LostStateError, failed: list[int], profiles: Any, margin: MemoryMargin,
+                 time_limit: float, refs: tuple[str, str], out_path: Path | None, fmt: str) -> None:
+    """``--restart``: the state did not survive in memory, so the job restarts from its last checkpoint; the
+    plan for that is a fresh plan on every surviving device of the cluster (the planner's own search, with
+    the same batch, sequence length, seed and optimizer)."""
+    t = ctx.plan.training
+    survivors = [d for d in range(ctx.cluster.num_devices) if d not in set(failed)]
+    settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed, optimizer=t.optimizer,
+                            schedule="auto", time_limit_s=time_limit, top_k=1, simulate_top=1)
+    try:
+        result = plan_on(ctx.model, margin.apply(ctx.cluster), profiles, settings, devices=survivors)
+    except InfeasibleError as err:
+        raise InfeasibleError(f"device(s) {', '.join(map(str, failed))}: {lost.lost.what()}, and no plan for the "
+                              f"{len(survivors)} surviving devices fits to restart from the checkpoint: "
+                              f"{err}") from None
+    new = result.to_plan(*refs)
+    problems = validate_plan(new, ctx.model, ctx.cluster, str(out_path or "plan"))
+    if problems:   # a planner bug, not a user error: refuse to write it
+        raise RuntimeError("planner produced an invalid plan: " + "; ".join(str(x) for x in problems))
+    if out_path is not None:
+        save_plan(new, out_path)
+    memory = plan_headroom(new, ctx.model, ctx.cluster, profiles, margin)
+    best = result.best
+    said = (f"device(s) {', '.join(map(str, failed))}: {lost.lost.what()}: memory alone cannot continue; a plan "
+            f"for the {len(survivors)} surviving devices restarts from the last checkpoint")
+    if fmt == "json":
+        emit_json({"restart": True, "reason": said, "plan": to_data(new), "output": None if out_path is None
+                   else str(out_path), "failed": failed, "survivors": survivors, "step_time_s": best.step_time_s,
+                   "summary": best.summary, "memory_margin": {**margin.to_json(), "text": margin.text},
+                   "memory": memory})
+        return
+    con = console()
+    con.print(f"[bold]replan --restart[/bold]: {escape(said)}")
+    con.print(f"restart plan: {escape(best.summary)}, {best.step_time_s:.4g} s/step (cost model)")
+    print_headroom(memory, margin)
+    if out_path is not None:
+        con.print(f"written to [bold]{escape(str(out_path))}[/bold]: continue with hspmd train "
+                  f"{escape(str(out_path))} --load CHECKPOINT")
+    else:
+        con.print("plan not saved (use -o plan.yaml)")
 
 
 def print_headroom(rows: list[dict[str, Any]], margin: MemoryMargin) -> None:
