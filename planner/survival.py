@@ -15,20 +15,23 @@ a node is what usually fails.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from planner.api import PlanResult, explain_idle
+from planner.cost import CostModel
+from planner.search import Candidate
 from runtime.elastic.state import lost_state
+from runtime.profiling.profile import DeviceProfile
 from runtime.spec.catalog import PlanContext
 from runtime.spec.cluster import Cluster
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.model import ModelSpec
-from runtime.spec.plan import Plan
+from runtime.spec.plan import Plan, Strategy
 
-NODE_PREFERENCE_TOLERANCE = 0.05   # --elastic: a layout surviving more node losses may be this much slower
+NODE_PREFERENCE_TOLERANCE = 0.10   # --elastic: a layout surviving more node losses may be this much slower
 
 
 @dataclass(frozen=True)
@@ -105,24 +108,83 @@ def plan_survival(plan: Plan, model: ModelSpec, cluster: Cluster, path: Path = P
     return survival(StrategyHandle.of(PlanContext(plan, model, cluster, path)))
 
 
-def prefer_node_survivable(result: PlanResult, model_ref: str, cluster_ref: str,
-                           tolerance: float = NODE_PREFERENCE_TOLERANCE) -> tuple[PlanResult, str | None]:
-    """``result`` with, first, the candidate within ``tolerance`` of the fastest that survives the most whole
-    node losses (the fastest among equals), and a sentence when that is not the fastest one."""
+def spread_over_nodes(strategy: Strategy, cluster: Cluster) -> Strategy:
+    """``strategy`` with its TP groups of each (device type, TP degree) reassigned among its stages of that
+    kind so that, stage position by stage position, the pipelines' groups sit on as many different nodes as
+    there are: every stage keeps its type, degree and layers (its compute and memory), only which devices run
+    it changes (its transfers and gradient-sync groups with it). The op and transfer costs are left for the
+    caller to price again."""
+    slots: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for pi, pipe in enumerate(strategy.pipelines):
+        for si, st in enumerate(pipe.stages):
+            slots.setdefault((cluster.device(st.devices[0]).type, st.tp), []).append((si, pi))
+    placed: dict[tuple[int, int], tuple[int, ...]] = {}
+    for kind_slots in slots.values():
+        kind_slots.sort()   # stage position first, then pipeline
+        queues: dict[str, list[tuple[int, ...]]] = {}
+        for si, pi in kind_slots:
+            group = strategy.pipelines[pi].stages[si].devices
+            queues.setdefault(cluster.device(group[0]).node, []).append(group)
+        position, used = None, set()
+        for si, pi in kind_slots:
+            if si != position:
+                position, used = si, set()
+            fresh = [n for n, q in queues.items() if q and n not in used] or [n for n, q in queues.items() if q]
+            node = max(fresh, key=lambda n: len(queues[n]))   # the fullest unused node: keeps later choices open
+            used.add(node)
+            placed[pi, si] = queues[node].pop(0)
+    pipes = tuple(dataclasses.replace(pipe, stages=tuple(dataclasses.replace(st, devices=placed[pi, si], op_costs=None)
+                                                         for si, st in enumerate(pipe.stages)), transfer_costs=None)
+                  for pi, pipe in enumerate(strategy.pipelines))
+    return dataclasses.replace(strategy, pipelines=pipes)
+
+
+def prefer_node_survivable(result: PlanResult, profiles: Mapping[str, DeviceProfile], model_ref: str,
+                           cluster_ref: str, tolerance: float = NODE_PREFERENCE_TOLERANCE
+                           ) -> tuple[PlanResult, str | None]:
+    """``result`` with, first, the layout within ``tolerance`` of the fastest that survives the most whole
+    node losses (the fastest among equals), and a sentence when that is not the fastest one, or when a layout
+    surviving more was found beyond the tolerance. The layouts: the near-best candidates, and each with its
+    groups spread over the nodes (``spread_over_nodes``)."""
     best_t = result.best.step_time_s
-    scored = []
-    for i, c in enumerate(result.candidates):
+    settings = result.settings
+
+    def nodes_survived(c: Candidate) -> int:
+        plan = dataclasses.replace(result, candidates=(c,)).to_plan(model_ref, cluster_ref)
+        return plan_survival(plan, result.model, result.cluster).nodes_survived
+
+    options, beyond = [], []
+    for c in result.candidates:
         if c.step_time_s > best_t * (1.0 + tolerance):
+            beyond.append(c)
             continue
-        s = plan_survival(result.to_plan(model_ref, cluster_ref, i), result.model, result.cluster)
-        scored.append((-s.nodes_survived, i, s))
-    _, pick, s = min(scored)   # the most nodes survived; among equals the fastest
-    if pick == 0:
-        return result, None
-    first = result.candidates[pick]
-    ranked = (first, *(c for i, c in enumerate(result.candidates) if i != pick))
-    why = (f"elastic: this layout survives the loss of {s.nodes_survived} whole node(s) in memory; the fastest "
-           f"found ({best_t:.4g} s/step) fewer: its {first.step_time_s / best_t - 1.0:.1%} slower step is within "
-           f"the {tolerance:.0%} a node's loss is worth")
+        options.append(c)
+        cm = CostModel(result.model, result.cluster, profiles, micro_batch=c.micro_batch, seq_len=settings.seq_len,
+                       sequence_parallel=settings.sequence_parallel)
+        spread = cm.with_op_costs(spread_over_nodes(c.strategy, result.cluster), settings.default_schedule)
+        if spread.pipelines != c.strategy.pipelines:
+            est = cm.estimate(spread, settings.global_batch, settings.default_schedule, settings.zero)
+            if not est.oom_devices:
+                moved = dataclasses.replace(c, strategy=spread, estimate=est, simulated_s=None,
+                                            summary=c.summary + " (groups spread over nodes)")
+                (options if est.step_time_s <= best_t * (1.0 + tolerance) else beyond).append(moved)
+    scored = sorted((-nodes_survived(c), c.step_time_s, i) for i, c in enumerate(options))
+    fastest = -nodes_survived(result.best)
+    nodes, _, pick = scored[0]   # the most nodes survived; among equals the fastest
+    more = [c for c in beyond if nodes_survived(c) > -nodes]
+    later = ""
+    if more:
+        alt = min(more, key=lambda c: c.step_time_s)
+        later = (f"; a layout surviving {nodes_survived(alt)} node loss(es) takes {alt.step_time_s:.4g} s/step "
+                 f"({alt.step_time_s / best_t - 1.0:+.0%}): --node-loss-tolerance "
+                 f"{alt.step_time_s / best_t - 1.0 + 0.005:.2f} takes it")
+    if nodes == fastest:   # the fastest survives as many as any within the tolerance: it stays
+        return result, (f"elastic: no layout within {tolerance:.0%} of the fastest survives more whole-node losses "
+                        f"than it ({-fastest}){later}") if more else None
+    first = options[pick]
+    ranked = (first, *(c for c in result.candidates if c is not first))
+    why = (f"elastic: this layout survives the loss of {-nodes} whole node(s) in memory, the fastest found "
+           f"({best_t:.4g} s/step) {-fastest}: its {first.step_time_s / best_t - 1.0:+.1%} step time is "
+           f"within --node-loss-tolerance {tolerance:g}{later}")
     return dataclasses.replace(result, candidates=ranked, idle=explain_idle(first, ranked, result.cluster),
                                schedule_options=()), why

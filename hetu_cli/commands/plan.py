@@ -26,7 +26,7 @@ from planner.margin import MemoryMargin, margin_said
 from planner.provenance import check_profiles, provenance, strategy_tps
 from planner.report import print_report, result_json
 from planner.schedule_choice import AUTO
-from planner.survival import plan_survival, prefer_node_survivable
+from planner.survival import NODE_PREFERENCE_TOLERANCE, plan_survival, prefer_node_survivable
 from runtime.errors import InfeasibleError, Problem, SpecError
 from runtime.profiling.profile import resolve_profiles
 from runtime.schedule_policies import SCHEDULE_NAMES
@@ -51,6 +51,10 @@ MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k
 @click.option("--elastic", is_flag=True,
               help="Keep every parameter on >= 2 pipelines (failure recovery); ZeRO-1 only with 2 copies of each "
                    "moment chunk, and only when that plan is faster (both are searched).")
+@click.option("--node-loss-tolerance", type=FiniteFloatRange(min=0.0, max=10.0), default=NODE_PREFERENCE_TOLERANCE,
+              show_default=True,
+              help="With --elastic: a layout whose state survives more whole-node losses in memory is preferred when "
+                   "its step time is within this fraction of the fastest's.")
 @click.option("--zero/--no-zero", "use_zero", default=None,
               help="ZeRO-1 (optimizer states sharded over the pipelines; with --elastic, 2 copies of each chunk). "
                    "Default: on; with --elastic, whichever is faster.")
@@ -86,7 +90,8 @@ MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k
                    "report prints) as a documents plan here (to measure it with hspmd train).")
 @FORMAT_OPTION
 def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], global_batch: int | None,
-         seq_len: int | None, micro_batch: int | None, elastic: bool, use_zero: bool | None, time_limit: float,
+         seq_len: int | None, micro_batch: int | None, elastic: bool, node_loss_tolerance: float,
+         use_zero: bool | None, time_limit: float,
          top_k: int, schedule: str, check_top: int, sequence_parallel: bool, memory_margin: MemoryMargin,
          workers: int, out_path: Path | None,
          symmetric_path: Path | None,
@@ -105,6 +110,8 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
                          max_strategies, time_limit, out_path, fmt, fixed_path, memory_margin)
         return
     refuse_given("only with --lengths", "tokens_per_step", "max_strategies", "fixed_path")
+    if not elastic:
+        refuse_given("only with --elastic", "node_loss_tolerance")
     if global_batch is None or seq_len is None:
         raise click.UsageError("--global-batch and --seq-len are required (or --lengths with --tokens-per-step)")
     model = load_model(model_ref, file="--model", field="")
@@ -131,10 +138,10 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
                                  workers=workers)
         except InfeasibleError as err:
             raise margin_said(err, memory_margin) from None
-    result = dataclasses.replace(result, cluster=cluster)   # the report weighs each stage against the real capacity
     node_choice = None
     if elastic:   # among near-equals, the layout whose replicas span nodes (planner/survival.py)
-        result, node_choice = prefer_node_survivable(result, model_ref, cluster_ref)
+        result, node_choice = prefer_node_survivable(result, profiles, model_ref, cluster_ref, node_loss_tolerance)
+    result = dataclasses.replace(result, cluster=cluster)   # the report weighs each stage against the real capacity
     def refs(path: Path | None) -> tuple[str, str]:   # relative to the file the plan is written to
         return recorded_ref(model_ref, "models", plan_file=path), recorded_ref(cluster_ref, "clusters", plan_file=path)
 

@@ -85,3 +85,35 @@ def test_replan_restart_writes_a_plan_for_the_survivors(plans):
 def test_span_reads_as_ranges():
     assert span([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
     assert span([]) == ""
+
+
+def test_elastic_prefers_a_layout_that_survives_a_whole_node_where_the_tolerance_allows(plans):
+    tmp, out = plans
+    assert out["elastic"]["failures"]["whole_node"]["survives"] == []   # the fastest keeps replicas on one node
+    assert "--node-loss-tolerance" in out["elastic"]["node_choice"]       # ... and says what would survive one
+    res = invoke(["plan", *PLAN, "--elastic", "--node-loss-tolerance", "0.5", "--cluster", tmp / "c.yaml", "-o",
+                  tmp / "spread.yaml", "--format", "json"])
+    assert res.exit_code == 0, res.output
+    body = json.loads(res.output)
+    assert body["failures"]["whole_node"]["survives"] == ["n0", "n1"]
+    assert "survives the loss of 2 whole node(s)" in body["node_choice"]
+    lost_node = [d for d in range(4, 8)]
+    res = invoke(["replan", tmp / "spread.yaml", "--failed", ",".join(map(str, lost_node)), "--time-limit", "3"])
+    assert res.exit_code == 0, res.output   # the node's loss is survived in memory
+
+
+def test_spreading_puts_each_stage_positions_replicas_on_different_nodes(plans):
+    from planner.survival import spread_over_nodes
+
+    tmp, _ = plans
+    ctx = load_plan_context(tmp / "elastic.yaml")
+    spread = spread_over_nodes(ctx.plan.strategies[0], ctx.cluster)
+    for j in range(len(spread.pipelines[0].stages)):
+        nodes = {ctx.cluster.device(p.stages[j].devices[0]).node for p in spread.pipelines}
+        assert len(nodes) == min(2, len(spread.pipelines))
+    assert sorted(spread.devices) == sorted(ctx.plan.strategies[0].devices)
+
+
+def test_node_loss_tolerance_is_only_for_elastic():
+    res = invoke(["plan", *PLAN, "--cluster", "cpu-hetero4", "--node-loss-tolerance", "0.2"])
+    assert res.exit_code == 2 and "--node-loss-tolerance: only with --elastic" in res.output, res.output
