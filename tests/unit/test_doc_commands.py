@@ -14,8 +14,8 @@ import pytest
 from hetu_cli.main import cli
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = ["README.md", "docs/design.md", "docs/lengths.md", "docs/profiles.md", "docs/schedules.md",
-        "profiles/README.md"]
+DOCS = ["README.md", "docs/design.md", "docs/lengths.md", "docs/planning.md", "docs/profiles.md",
+        "docs/schedules.md", "profiles/README.md"]
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 INLINE = re.compile(r"`([^`]+)`")
 COMMAND = re.compile(r"(?:\bhspmd|-m hetu_cli)\s+([a-z-]+)((?:\s+(?:import|export|show)\b)?)(.*)", re.S)
