@@ -33,6 +33,7 @@ from runtime.errors import HspmdError, InfeasibleError
 from runtime.profiling.profile import resolve_profiles
 from runtime.spec import PlanContext, load_plan_context, save_plan
 from runtime.spec.catalog import recorded_ref
+from runtime.spec.cluster import MAX_DEVICES
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.io import check_output_file
 from runtime.spec.schema import to_data
@@ -42,13 +43,23 @@ TOP_LINKS = 12
 
 
 def parse_devices(text: str, option: str) -> list[int]:
-    """'5,6' -> [5, 6]; anything else is a one-line user error."""
+    """'5,6' -> [5, 6]; a range '16-23' stands for its devices (a node's, say); anything else is a one-line user
+    error."""
+    out: list[int] = []
     try:
-        out = int_list(text)
-    except ValueError:
+        for part in (x.strip() for x in text.split(",")):
+            lo, sep, hi = part.partition("-")
+            if sep and lo.strip() and hi.strip():
+                a, b = int_list(lo)[0], int_list(hi)[0]
+                if b < a or b >= MAX_DEVICES:   # a hostile range must not enumerate billions of ids
+                    raise ValueError(part)
+                out += range(a, b + 1)
+            elif part:
+                out += int_list(part)
+    except (ValueError, IndexError):
         out = []
     if not out or any(d < 0 for d in out):
-        raise HspmdError(f"{option}: expected comma-separated device ids such as 5,6, got {text!r}")
+        raise HspmdError(f"{option}: expected comma-separated device ids or ranges such as 5,6 or 16-23, got {text!r}")
     return sorted(set(out))
 
 
@@ -62,7 +73,7 @@ def plan_refs(ctx: PlanContext, out_path: Path | None = None) -> tuple[str, str]
 @click.command()
 @plan_argument("The plan that was running")
 @click.option("--strategy", "strategy_name", help="Its strategy that was running (default: the first).")
-@click.option("--failed", "failed_text", required=True, help="The failed device ids, e.g. 5,6.")
+@click.option("--failed", "failed_text", required=True, help="The failed device ids, e.g. 5,6 or 16-23.")
 @click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), help="Write the new plan here (YAML).")
 @PROFILE_OPTION
 @click.option("--tolerance", type=FiniteFloatRange(min=0.0), default=DEFAULT_TOLERANCE, show_default=True,

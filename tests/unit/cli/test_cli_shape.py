@@ -191,3 +191,13 @@ def test_agent_prints_no_cpp_stack_frames_when_the_coordinator_is_not_up():
     assert res.returncode == 2, res.stderr
     assert "frame #" not in res.stderr and "Exception raised from" not in res.stderr, res.stderr
     assert error_lines(res.stderr) and all(line.startswith("error: ") for line in error_lines(res.stderr)), res.stderr
+
+
+def test_failed_takes_ranges_for_a_node():
+    from hetu_cli.commands.replan import parse_devices
+
+    assert parse_devices("16-23", "--failed") == list(range(16, 24))
+    assert parse_devices("1,3-4", "--failed") == [1, 3, 4]
+    for bad in ("5-3", "0-99999999999", "1--2", "-1"):
+        with pytest.raises(Exception, match="ranges such as"):
+            parse_devices(bad, "--failed")
