@@ -19,6 +19,7 @@ listed as used).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -247,3 +248,10 @@ def _identity(path: str | None, shipped: bool, base: Path) -> str | None:
     if shipped:
         return Path(path).name
     return str((base / path).resolve())
+
+
+def with_profiles(plan: Plan, profiles: ProfileSet, model: ModelSpec, cluster: Cluster,
+                  plan_file: Path | None) -> Plan:
+    """``plan`` recording the profiles that priced its device types (paths relative to ``plan_file``)."""
+    priced = provenance(profiles, model, strategy_tps(plan, cluster))
+    return dataclasses.replace(plan, profiles={n: t.record(plan_file) for n, t in priced.items()})

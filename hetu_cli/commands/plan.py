@@ -23,7 +23,7 @@ from hetu_cli.output import (
 from planner.api import PlanSettings
 from planner.api import plan as run_planner
 from planner.margin import MemoryMargin, margin_said
-from planner.provenance import check_profiles, provenance, strategy_tps
+from planner.provenance import check_profiles, provenance, strategy_tps, with_profiles
 from planner.report import print_report, result_json
 from planner.schedule_choice import AUTO
 from planner.survival import NODE_PREFERENCE_TOLERANCE, plan_survival, prefer_node_survivable
@@ -146,10 +146,7 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         return recorded_ref(model_ref, "models", plan_file=path), recorded_ref(cluster_ref, "clusters", plan_file=path)
 
     def recorded(p: Plan | None, path: Path | None) -> Plan | None:   # with the profiles that priced it
-        if p is None:
-            return None
-        priced = provenance(profiles, model, strategy_tps(p, cluster))
-        return dataclasses.replace(p, profiles={n: t.record(path) for n, t in priced.items()})
+        return None if p is None else with_profiles(p, profiles, model, cluster, path)
 
     planned = recorded(result.to_plan(*refs(out_path)), out_path)
     symmetric = recorded(result.baseline_plan(result.symmetric, *refs(symmetric_path)), symmetric_path)

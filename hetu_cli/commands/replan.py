@@ -27,6 +27,7 @@ from hetu_cli.output import (
 from planner.api import PlanSettings
 from planner.api import plan as plan_on
 from planner.margin import MemoryMargin, plan_headroom
+from planner.provenance import with_profiles
 from planner.replan import DEFAULT_TOLERANCE, LostStateError, ReplanResult, RestartModel
 from planner.replan import replan as run_replan
 from runtime.errors import HspmdError, InfeasibleError
@@ -118,11 +119,13 @@ def replan(plan_path: Path, strategy_name: str | None, failed_text: str, out_pat
                                        "for the surviving devices to restart from that checkpoint") from None
         restart_plan(ctx, err, failed, profiles, memory_margin, time_limit, (model_ref, cluster_ref), out_path, fmt)
         return
+    new = with_profiles(result.plan, profiles, ctx.model, ctx.cluster, out_path)   # records what priced it
     if out_path is not None:
-        save_plan(result.plan, out_path)
-    memory = plan_headroom(result.plan, ctx.model, ctx.cluster, profiles, memory_margin)
+        save_plan(new, out_path)
+    memory = plan_headroom(new, ctx.model, ctx.cluster, profiles, memory_margin)
     if fmt == "json":
         out = replan_json(result, None if out_path is None else str(out_path))
+        out["plan"] = to_data(new)
         out["memory_margin"] = {**memory_margin.to_json(), "text": memory_margin.text}
         out["memory"] = memory
         emit_json(out)
@@ -157,7 +160,7 @@ def restart_plan(ctx: PlanContext, lost: LostStateError, failed: list[int], prof
         raise InfeasibleError(f"device(s) {', '.join(map(str, failed))}: {lost.lost.what()}, and no plan for the "
                               f"{len(survivors)} surviving devices fits to restart from the checkpoint: "
                               f"{err}") from None
-    new = result.to_plan(*refs)
+    new = with_profiles(result.to_plan(*refs), profiles, ctx.model, ctx.cluster, out_path)
     problems = validate_plan(new, ctx.model, ctx.cluster, str(out_path or "plan"))
     if problems:   # a planner bug, not a user error: refuse to write it
         raise RuntimeError("planner produced an invalid plan: " + "; ".join(str(x) for x in problems))

@@ -117,3 +117,12 @@ def test_spreading_puts_each_stage_positions_replicas_on_different_nodes(plans):
 def test_node_loss_tolerance_is_only_for_elastic():
     res = invoke(["plan", *PLAN, "--cluster", "cpu-hetero4", "--node-loss-tolerance", "0.2"])
     assert res.exit_code == 2 and "--node-loss-tolerance: only with --elastic" in res.output, res.output
+
+
+def test_a_node_loss_of_an_elastic_plan_does_not_advise_elastic(plans):
+    tmp, out = plans
+    assert "n0" in out["elastic"]["failures"]["whole_node"]["restart"]
+    res = invoke(["replan", tmp / "elastic.yaml", "--failed", "0-3"])
+    assert res.exit_code == 2, res.output
+    assert "every replica of these sat on the failed devices" in res.output
+    assert "plan with --elastic to keep" not in res.output and "--restart writes a plan" in res.output
