@@ -1601,7 +1601,7 @@ def search(cms: Mapping[int, CostModel], settings: PlanSettings, devices: Iterab
 
     ``workers`` > 1 (None: every core) runs the searches (one per micro-batch size and ``auto_families``
     entry) in worker processes (planner/parallel.py), each cut into tasks (``_parallel_runs``): the same
-    candidates, in the same order, but the tasks no longer share caches and ``progress`` hears only the
+    candidates, in the same order, but the tasks do not share caches and ``progress`` hears only the
     phases after them."""
     start = time.perf_counter()
     deadline = start + settings.time_limit_s

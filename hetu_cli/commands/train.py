@@ -196,7 +196,7 @@ def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strat
     """Train with PLAN: every device runs its own specialized program (gloo on CPU, NCCL on GPU).
 
     Started by torchrun (`torchrun ... -m hetu_cli train --plan PLAN`), runs as one of its workers
-    instead of launching its own: the multi-node path (README, 'Training').
+    instead of launching its own: the multi-node path (docs/training.md, 'Multi-node').
     """
     if lengths is not None and data_file is not None:
         raise HspmdError("--lengths: synthetic documents or --data FILE, not both")

@@ -1,6 +1,6 @@
 """Plan strategy -> HSPMD annotations of every parameter, gradient, input batch and boundary activation.
 
-The rules (docs/design.md §2, README "Plan"):
+The rules (docs/design.md §2, docs/formats.md "Plan"):
 
 * a decoder layer's parameter is held by every pipeline, by the stage one of whose layer ranges (model
   chunks) contains it: HDim -1 over those stages' TP groups, member i laid out by its own TP degree

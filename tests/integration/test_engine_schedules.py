@@ -86,9 +86,9 @@ def test_checkpoint_continues_across_schedules(world: EngineWorld, tmp_path: Pat
 
 
 def test_bf16_weight_copies_are_made_once_per_step_not_per_micro_batch(world: EngineWorld) -> None:
-    """Under bf16 autocast each weight's bf16 copy is shared by every micro-batch in flight (it used to be one
-    per micro-batch: 2 bytes per parameter per in-flight micro-batch, which the cost model does not count),
-    and sharing it changes no number."""
+    """Under bf16 autocast each weight's bf16 copy is shared by every micro-batch in flight (one per
+    micro-batch would be 2 bytes per parameter per in-flight micro-batch, which the cost model does not
+    count), and sharing it changes no number."""
     from engine_world import bf16_weight_copies_job
 
     path = PLANS / "zb-h1-tp-hetero4.yaml"
