@@ -188,13 +188,14 @@ def check_profiles(profiles: ProfileSet, model: ModelSpec, cluster: Cluster, dir
     """Warnings (one line each) about how the cluster's types were priced; raises SpecError for a profile
     from ``dirs`` measured for other models only."""
     warnings = []
-    known = known_profile_types(dirs)
+    known: dict[str, Path] | None = None   # read only when a type needs a suggestion
     problems = []
     for name in profiles:
         r = profiles.resolved(name)
         if r.path is None:
             if cluster.device_types[name].emulated:   # CPU test harness types: priced by their emulation
                 continue
+            known = known_profile_types(dirs) if known is None else known
             near = difflib.get_close_matches(name, list(known), n=3, cutoff=0.5)
             hint = f" (did you mean {' or '.join(near)}? profiles are matched on their device_type)" if near else ""
             warnings.append(f"device type {name!r} of {cluster_file} has no profile: priced from the cluster file's "
