@@ -137,7 +137,13 @@ def _profile_file(ref: str, option: str) -> tuple[Path, DeviceProfile]:
     if path is None and os.path.lexists(ref):  # a directory, a looping link: the reader says which, not "no profile"
         path = Path(ref)
     if path is None:
-        raise SpecError([Problem(option, "", f"no profile {ref!r} (a path, or a name in profiles/)")])
+        import difflib
+
+        shipped = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+        near = difflib.get_close_matches(ref, shipped, n=3, cutoff=0.5)
+        hint = f"; did you mean {' or '.join(near)}?" if near else ""
+        raise SpecError([Problem(option, "", f"no profile {ref!r} (a path, or a name in profiles/: "
+                                             f"{', '.join(shipped)}){hint}")])
     return path, load_profile(path)
 
 

@@ -169,3 +169,8 @@ def test_simulate_warns_when_its_estimate_drifts_from_the_plans_and_says_why(mad
     assert "differs from the plan's recorded estimate" in res.output
     assert "was priced by its imported profile (plain/A100-80G.imported.yaml)" in res.output
     assert f"--profile {plain}" in res.output
+
+
+def test_profile_show_of_an_unknown_name_lists_the_shipped_ones_and_the_nearest():
+    res = invoke(["profile", "show", "A100-80GB"])
+    assert res.exit_code == 2 and "did you mean A100-80G?" in res.output and "H100" in res.output, res.output
