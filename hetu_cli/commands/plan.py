@@ -18,6 +18,7 @@ from hetu_cli.output import (
     console,
     emit_json,
     memory_margin_option,
+    printable,
     refuse_given,
 )
 from planner.api import PlanSettings
@@ -121,7 +122,7 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
     for line in check_profiles(profiles, model, cluster, profile_dirs, cluster_ref):
-        click.echo(f"warning: {line}", err=True)
+        click.echo(f"warning: {printable(line)}", err=True)
     settings = PlanSettings(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch, elastic=elastic,
                             use_zero=use_zero, time_limit_s=time_limit, top_k=top_k, simulate_top=check_top,
                             schedule=schedule, sequence_parallel=sequence_parallel)  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from hetu_cli.output import (
     console,
     emit_json,
     plan_argument,
+    printable,
     refuse_given,
     table,
 )
@@ -80,7 +81,7 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
         return
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
     for line in check_profiles(profiles, ctx.model, ctx.cluster, profile_dirs, cluster or "the plan's cluster"):
-        click.echo(f"warning: {line}", err=True)
+        click.echo(f"warning: {printable(line)}", err=True)
     if events_file is not None:
         _events(ctx, strategy_name, profiles, events_file, max_searches, fmt)
         return
@@ -97,7 +98,7 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
                                                           ctx.cluster))
     drift = estimate_drift(ctx, strategy, result.formula_step_time_s, priced, (cluster, model_ref))
     if drift is not None:
-        click.echo(f"warning: {drift}", err=True)
+        click.echo(f"warning: {printable(drift)}", err=True)
     if fmt == "json":
         out = result.to_json()
         out["profiles"] = {name: t.to_json() for name, t in priced.items()}
