@@ -248,7 +248,10 @@ def _identity(path: str | None, shipped: bool, base: Path) -> str | None:
         return None
     if shipped:
         return Path(path).name
-    return str((base / path).resolve())
+    try:
+        return str((base / path).resolve())
+    except (OSError, ValueError):   # a hostile plan file's path (a NUL, a loop): compared as written
+        return path
 
 
 def with_profiles(plan: Plan, profiles: ProfileSet, model: ModelSpec, cluster: Cluster,
