@@ -94,18 +94,20 @@ def node_devices(cluster: Cluster, used: Sequence[int]) -> dict[str, tuple[int, 
     return {k: tuple(v) for k, v in out.items()}
 
 
-def survival(handle: StrategyHandle) -> Survival:
+def survival(handle: StrategyHandle, single_devices: bool = True) -> Survival:
+    """``single_devices=False``: the node losses only (the single-device fields then empty)."""
     devices = tuple(sorted(handle.devices))
-    ok = tuple(d for d in devices if not lost_state(handle, [d]))
+    ok = tuple(d for d in devices if single_devices and not lost_state(handle, [d]))
     nodes = node_devices(handle.ctx.cluster, devices)
     nodes_ok = tuple(n for n, ds in nodes.items() if not lost_state(handle, ds))
-    return Survival(ok, tuple(d for d in devices if d not in ok), nodes_ok,
-                    tuple(n for n in nodes if n not in nodes_ok))
+    lost = tuple(d for d in devices if d not in ok) if single_devices else ()
+    return Survival(ok, lost, nodes_ok, tuple(n for n in nodes if n not in nodes_ok))
 
 
-def plan_survival(plan: Plan, model: ModelSpec, cluster: Cluster, path: Path = Path("plan")) -> Survival:
+def plan_survival(plan: Plan, model: ModelSpec, cluster: Cluster, path: Path = Path("plan"),
+                  single_devices: bool = True) -> Survival:
     """``survival`` of a plan's first strategy (a plan the planner just made: not yet on disk)."""
-    return survival(StrategyHandle.of(PlanContext(plan, model, cluster, path)))
+    return survival(StrategyHandle.of(PlanContext(plan, model, cluster, path)), single_devices)
 
 
 def spread_over_nodes(strategy: Strategy, cluster: Cluster) -> Strategy:
@@ -151,7 +153,7 @@ def prefer_node_survivable(result: PlanResult, profiles: Mapping[str, DeviceProf
 
     def nodes_survived(c: Candidate) -> int:
         plan = dataclasses.replace(result, candidates=(c,)).to_plan(model_ref, cluster_ref)
-        return plan_survival(plan, result.model, result.cluster).nodes_survived
+        return plan_survival(plan, result.model, result.cluster, single_devices=False).nodes_survived
 
     options, beyond = [], []
     for c in result.candidates:
