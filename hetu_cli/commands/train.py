@@ -113,7 +113,8 @@ class StepDisplay:
 @click.option("--model", "model_ref", help="Use this model (name or path) instead of the plan's.")
 @click.option("--strategy", "strategy", help="Strategy of the plan to run (default: its first).")
 @click.option("--steps", type=IntRange(min=0), default=20, show_default=True, help="Optimizer steps to run.")
-@click.option("--metrics", type=click.Path(path_type=Path), help="Write one JSON line per step here.")
+@click.option("--metrics", type=click.Path(path_type=Path),
+              help="Write one JSON line per step here (-: standard output, the progress lines then on stderr).")
 @click.option("--trace", "trace_dir", type=click.Path(path_type=Path),
               help="Write per-device Chrome traces (and a merged trace.json) here; open in ui.perfetto.dev.")
 @click.option("--data", "data_file", type=click.Path(path_type=Path),
