@@ -53,14 +53,20 @@ class LostStateError(HspmdError):
     surviving copy: no plan on the survivors can start from memory. ``lost``: the coordinator's own verdict
     (``runtime.elastic.state.lost_state``), so ``hspmd replan`` answers as a running job would."""
 
-    def __init__(self, lost: LostState) -> None:
+    def __init__(self, lost: LostState, replicated: bool = False) -> None:
         self.lost = lost
         self.failed = lost.failed
+        self.replicated = replicated   # the plan had >= 2 pipelines: every copy sat on the failed devices
         super().__init__("; ".join(self.lines()))
 
     def lines(self) -> list[str]:
-        keep = ("plan with --elastic to keep >= 2 pipelines" if self.lost.tensors else
-                "keep more copies of each chunk: a higher training.zero_redundancy, or zero: false")
+        if self.lost.tensors and self.replicated:
+            keep = ("every replica of these sat on the failed devices: a layout whose replicas span nodes survives "
+                    "that (hspmd plan --elastic --node-loss-tolerance, docs/planning.md)")
+        elif self.lost.tensors:
+            keep = "plan with --elastic to keep >= 2 pipelines"
+        else:
+            keep = "keep more copies of each chunk: a higher training.zero_redundancy, or zero: false"
         return [f"device(s) {', '.join(map(str, self.failed))}: {self.lost.what()}, so no plan can continue from "
                 f"memory (the last checkpoint is what is left: restart from it with --load; {keep}):",
                 *self.lost.details()]
@@ -188,7 +194,7 @@ def replan(current: StrategyHandle, failed: Collection[int],
     notes = [f"device(s) {idle} are idle in strategy {current.name!r}: losing them changes nothing"] if idle else []
     lost = lost_state(current, failed)
     if lost:
-        raise LostStateError(lost)
+        raise LostStateError(lost, replicated=len(current.strategy.pipelines) >= 2)
     survivors = tuple(d for d in current.devices if d not in failed)
     model_ref = model_ref or ctx.plan.model
     cluster_ref = cluster_ref or ctx.plan.cluster

@@ -673,8 +673,9 @@ class _Costs:
                 stages[pi, k] = cm.stage_total(st)
                 for c, (a, b) in enumerate(st.layers):
                     r = st.chunk_recompute(c)
-                    chunks[pi, k, c] = (cm.stage(dtype, st.tp, b - a, a == 0, b == n_layers, recompute_layers=r),
-                                        cm.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers, recompute_layers=r))
+                    chunks[pi, k, c] = (cm.placed_stage(dtype, st.tp, ((a, b),), a == 0, b == n_layers,
+                                                        recompute_layers=r),
+                                        cm.placed_chunk_cost(dtype, st.tp, a, b, recompute_layers=r))
         cores, hosts_of = cm.host.cpu_layout(strategy.devices)
         stage_of = {d: (pi, k) for pi, p in enumerate(strategy.pipelines) for k, st in enumerate(p.stages)
                     for d in st.devices}

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from runtime.comm.bsr import FLOAT32
 from runtime.comm.gradsync import runs
 from runtime.errors import HspmdError, Problem, SpecError
+from runtime.hf_files import copy_side_files
 from runtime.models.params import llama_parameters
 from runtime.spec import ModelSpec, PlanContext
 from runtime.spec.catalog import model_source_config
@@ -336,6 +337,8 @@ def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: P
     write_checkpoint(directory, plan.model, weights, moments=full, step=step,
                      saved_by=f"{plan.path} (strategy {strat.name})",
                      source_config=None if source is None else read_config(source), shard_bytes=shard_bytes)
+    if source is not None:   # the tokenizer and generation config of the model directory travel with it
+        copy_side_files(source.parent, directory)
 
 
 def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[str, torch.Tensor], *,

@@ -106,7 +106,7 @@ class Prepared:
 def prepare(options: TrainOptions, policy: Policy, *, one_host: bool = True) -> Prepared:
     """Load the plan, ask the policy which devices run, refuse bad requests (no process started yet).
     ``one_host``: this launcher starts every worker (a strategy spanning nodes is refused)."""
-    ctx = load_plan_context(options.plan)
+    ctx = load_plan_context(options.plan, options.cluster, options.model)
     strategy = ctx.strategy(options.strategy)
     devices = policy.prepare(options, ctx, strategy.name)
     n = ctx.cluster.num_devices

@@ -105,6 +105,9 @@ class TrainOptions:
 
     plan: Path
     strategy: str | None = None  # None: the plan's first strategy
+    # The cluster and model to run the plan on instead of the ones it names (``--cluster``, ``--model``).
+    cluster: str | None = None
+    model: str | None = None
     steps: int = 10
     trace_dir: Path | None = None
     data_file: Path | None = None

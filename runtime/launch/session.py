@@ -133,7 +133,7 @@ class Session:
         self.spec, self.store, self.report = spec, store, report
         self.options = options = spec.options
         self.me = spec.device_id
-        self.ctx = load_plan_context(options.plan)  # the plan the run starts with
+        self.ctx = load_plan_context(options.plan, options.cluster, options.model)  # the plan the run starts with
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         self.device = torch.device(spec.torch_device)

@@ -234,5 +234,5 @@ def test_control_characters_in_an_error_line_are_escaped(tmp_path: Path):
     assert result.exit_code == 2, result.output
     first = result.output.splitlines()[0]
     assert first == (f"error: {plan}: a\\rb\\x08c\\x1bd\\x9be\\x07: unknown key (expected one of: version, model, "
-                     "cluster, training, strategies)"), result.output
+                     "cluster, training, strategies, profiles)"), result.output
     assert not any(ord(c) < 32 or 127 <= ord(c) < 160 for c in result.output.replace("\n", ""))

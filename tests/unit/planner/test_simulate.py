@@ -249,7 +249,7 @@ def test_simulate_cli_json_and_trace(tmp_path: Path):
     for key in ("step_time_s", "tokens_per_s", "mfu", "stages", "peak_memory_gib"):
         assert key in data
     assert set(data["peak_memory_gib"]) == {"0", "1", "2", "3"}
-    assert data["profiles"]["cpu-fast"].startswith("measured")
+    assert data["profiles"]["cpu-fast"]["provenance"] == "measured"
     assert json.loads(trace.read_text())["traceEvents"]
     res = CliRunner().invoke(cli, ["simulate", "--plan", str(PLANS / "cpu-hetero4-tiny.yaml"), "--profile",
                                    str(prof)])
