@@ -36,6 +36,10 @@ class TokenSource(Protocol):
         """LongTensor [global_batch, seq_len + 1] (inputs and shifted labels) for this step."""
         ...
 
+    def position(self, step: int) -> dict[str, object]:
+        """Where the data stands once ``step`` is done (recorded in checkpoints, JSON-able)."""
+        ...
+
 
 def _generator(seed: int, step: int, stream: str) -> torch.Generator:
     import torch  # here, not at the top: the launcher checks --data before it imports torch
@@ -62,6 +66,9 @@ class SyntheticTokens:
         stride = torch.randint(1, MAX_STRIDE + 1, (self.global_batch, 1), generator=g)
         pos = torch.arange(self.seq_len + 1).unsqueeze(0)
         return (start + stride * pos) % self.vocab_size
+
+    def position(self, step: int) -> dict[str, object]:
+        return {"source": "synthetic", "step": step}
 
 
 class ByteTextTokens:
@@ -96,6 +103,9 @@ class ByteTextTokens:
         offsets = torch.randint(0, self.size - n + 1, (self.global_batch,), generator=g).tolist()
         raw = b"".join(self._mm[o:o + n] for o in offsets)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.long).view(self.global_batch, n)
+
+    def position(self, step: int) -> dict[str, object]:
+        return {"source": "bytes", "file": str(self.path), "step": step}
 
 
 def token_source(*, vocab_size: int, global_batch: int, seq_len: int, seed: int,

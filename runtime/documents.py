@@ -114,6 +114,10 @@ class DocumentSource(Protocol):
     def documents(self, step: int) -> StepDocuments:
         ...
 
+    def position(self, step: int) -> dict[str, object]:
+        """Where the data stands once ``step`` is done (recorded in checkpoints, JSON-able)."""
+        ...
+
 
 def fit_length(length: int, max_len: int, policy: LongDocuments, origin: str) -> tuple[int, ...]:
     """The pieces a document of ``length`` tokens becomes under the long-document policy.
@@ -378,6 +382,9 @@ class SyntheticDocuments:
     def lengths(self, step: int) -> tuple[int, ...]:
         return tuple(self._pieces(step)[0])
 
+    def position(self, step: int) -> dict[str, object]:
+        return {"source": "synthetic-documents", "step": step}
+
     def documents(self, step: int) -> StepDocuments:
         lengths, split, truncated = self._pieces(step)
         rng = step_rng(self.seed, step, "tokens")
@@ -590,6 +597,9 @@ class CorpusDocuments:
 
     def lengths(self, step: int) -> tuple[int, ...]:
         return tuple(n for _, n in self._draws(step))
+
+    def position(self, step: int) -> dict[str, object]:
+        return {"source": "corpus", "file": self.corpus.path, "step": step}
 
     def documents(self, step: int) -> StepDocuments:
         draws = self._draws(step)

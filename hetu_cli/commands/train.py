@@ -121,8 +121,18 @@ class StepDisplay:
 @click.option("--long-documents", type=click.Choice(["split", "truncate", "error"]), default="split",
               show_default=True, help="Documents longer than training.seq_len: split into pieces, keep the first "
                                       "seq_len tokens, or refuse the run.")
-@click.option("--save", "save_dir", type=click.Path(path_type=Path), help="Save a checkpoint here at the end.")
-@click.option("--load", "load_dir", type=click.Path(path_type=Path), help="Start from this checkpoint.")
+@click.option("--save", "save_dir", type=click.Path(path_type=Path),
+              help="Save checkpoints here: DIR/step-<8 digits>/ at the end (and every --save-every steps), "
+                   "DIR/latest naming the newest complete one (docs/training.md).")
+@click.option("--save-every", type=IntRange(min=1), metavar="N",
+              help="Also save every N steps (written in the background while training goes on).")
+@click.option("--keep", type=IntRange(min=1), metavar="K", help="Keep the newest K checkpoints of --save [default: all].")
+@click.option("--resume", is_flag=True,
+              help="Continue from --save's latest checkpoint (step, learning-rate schedule, optimizer, data position, "
+                   "random state); --steps is then the run's last step. Without one yet, start at step 0 "
+                   "(from --load when given).")
+@click.option("--load", "load_dir", type=click.Path(path_type=Path),
+              help="Start from this checkpoint (a directory of one, or a --save directory: its latest).")
 @click.option("--timeout", "timeout_s", type=FiniteFloatRange(min=1.0, max=MAX_TIMEOUT_S),
               help="Seconds any collective or store operation may take before the run fails "
                    f"[default: 120; {ELASTIC_TIMEOUT_S:g} with --elastic].")
@@ -179,7 +189,8 @@ class StepDisplay:
                    "on every device, the CPU included. Master weights and optimizer states stay fp32.")
 def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, trace_dir: Path | None,
           data_file: Path | None, tokenizer: Path | None, lengths: str | None, long_documents: str,
-          save_dir: Path | None, load_dir: Path | None, timeout_s: float | None,
+          save_dir: Path | None, save_every: int | None, keep: int | None, resume: bool, load_dir: Path | None,
+          timeout_s: float | None,
           elastic: bool, switch_specs: tuple[str, ...], kill_devices: tuple[int, ...], hang_devices: tuple[int, ...],
           fault_step: int | None, fault_point: str, heartbeat_timeout_s: float | None, profile_dirs: tuple[Path, ...],
           replan_tolerance: float, preplan: bool, rejoin_devices: tuple[int, ...], rejoin_step: int | None,
@@ -192,6 +203,12 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     """
     if lengths is not None and data_file is not None:
         raise HspmdError("--lengths: synthetic documents or --data FILE, not both")
+    if (save_every is not None or keep is not None or resume) and save_dir is None:
+        raise HspmdError("--save-every, --keep and --resume work on --save DIR; give it")
+    if save_every is not None and (elastic or switch_specs):
+        raise HspmdError("--save-every: an --elastic or --switch run saves at its end only")
+    if resume:
+        load_dir, steps = _resume(save_dir, load_dir, steps)
     if tokenizer is not None and data_file is None:
         raise HspmdError("--tokenizer: tokenizes --data FILE; give the file")
     faults = _faults(kill_devices, hang_devices, fault_step, bool(rejoin_devices), fault_point)
@@ -219,7 +236,8 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     if heartbeat_timeout_s is None:
         heartbeat_timeout_s = ELASTIC_HEARTBEAT_TIMEOUT_S if elastic else TrainOptions.heartbeat_timeout_s
     options = TrainOptions(plan=plan, strategy=strategy, steps=steps, trace_dir=trace_dir, data_file=data_file,
-                           save_dir=save_dir, load_dir=load_dir, timeout_s=timeout_s,
+                           save_dir=save_dir, save_every=save_every or 0, keep=keep, load_dir=load_dir,
+                           timeout_s=timeout_s,
                            heartbeat_timeout_s=heartbeat_timeout_s, faults=faults, elastic=elastic,
                            switches=tuple(_parse_switch(s) for s in switch_specs), precision=precision,
                            lengths=lengths, tokenizer=tokenizer, long_documents=long_documents,
@@ -292,6 +310,26 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
         if sink is not None:
             sink.close()
     _summary(display.records, metrics, trace_dir, save_dir)
+
+
+def _resume(save_dir: Path, load_dir: Path | None, last_step: int) -> tuple[Path | None, int]:
+    """--resume: the checkpoint to start from (``save_dir``'s latest, else ``load_dir``) and the steps left
+    to reach ``last_step``."""
+    from runtime.checkpoint import latest_checkpoint
+    from runtime.checkpoint_series import step_of
+
+    latest = latest_checkpoint(save_dir) if save_dir.is_dir() else None
+    out = console(stderr=True)
+    if latest is None:
+        out.print(f"--resume: no checkpoint in {escape(str(save_dir))} yet: starting "
+                  + (f"from {escape(str(load_dir))}" if load_dir is not None else "at step 0"))
+        return load_dir, last_step
+    done = step_of(latest)
+    if done >= last_step:
+        raise HspmdError(f"{latest}: --resume: the run is at step {done} already, --steps {last_step} asks for no "
+                         "more (--steps is the run's last step when resuming)")
+    out.print(f"--resume: continuing from {escape(str(latest))} (step {done}) to step {last_step}")
+    return latest, last_step - done
 
 
 def _faults(kill: tuple[int, ...], hang: tuple[int, ...], step: int | None, rejoin: bool = False,

@@ -108,7 +108,9 @@ class TrainOptions:
     steps: int = 10
     trace_dir: Path | None = None
     data_file: Path | None = None
-    save_dir: Path | None = None
+    save_dir: Path | None = None  # the run's step checkpoints (runtime/checkpoint_series.py)
+    save_every: int = 0  # also save every N steps (0: only at the end)
+    keep: int | None = None  # keep the newest K step checkpoints (None: all)
     load_dir: Path | None = None
     timeout_s: float = 120.0  # every store operation, process group and collective
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
@@ -135,6 +137,10 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ValueError(f"steps must not be negative, got {self.steps}")
+        if self.save_every < 0 or (self.keep is not None and self.keep < 1):
+            raise ValueError(f"save_every must be >= 0 and keep >= 1, got {self.save_every}, {self.keep}")
+        if self.save_every and self.save_dir is None:
+            raise ValueError("save_every needs a save_dir")
         if self.timeout_s <= 0 or self.heartbeat_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ValueError("timeouts must be positive and heartbeat_timeout_s > heartbeat_s")
         if self.precision not in PRECISIONS:

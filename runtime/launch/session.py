@@ -38,9 +38,10 @@ class WorldAbandoned(RuntimeError):
 def read_dispatch_state(load_dir: Path) -> str | None:
     """The strategy a documents run's last saved step ran (``DISPATCH_STATE`` beside its checkpoint), or
     None where none is recorded. Read strictly: a broken file is the user's, not a worker's crash."""
+    from runtime.checkpoint import resolve_checkpoint
     from runtime.spec.hf import read_config
 
-    path = Path(load_dir) / DISPATCH_STATE
+    path = resolve_checkpoint(load_dir) / DISPATCH_STATE
     if not os.path.lexists(path):
         return None
     name = read_config(path).get("strategy")
@@ -108,6 +109,17 @@ def document_source_of(ctx: PlanContext, options: TrainOptions):  # -> runtime.d
                            long_documents=options.long_documents)  # type: ignore[arg-type]
 
 
+def restore_trainer_state(load_dir: Path) -> None:
+    """The random state a step checkpoint recorded (a checkpoint without trainer state leaves it as is:
+    the data's position is the step itself, runtime/data.py)."""
+    from runtime.checkpoint import resolve_checkpoint
+    from runtime.checkpoint_series import read_trainer_state, restore_rng
+
+    state = read_trainer_state(resolve_checkpoint(load_dir))
+    if state is not None:
+        restore_rng(state.rng)
+
+
 def trace_file(trace_dir: Path, device: int) -> Path:
     return trace_dir / f"device{device}.json"
 
@@ -148,6 +160,12 @@ class Session:
         self.faults = {(f.step, f.point): f for f in options.faults if f.device == self.me}
         self.ranks: dict[int, int] = {}  # device -> rank in the current world
         self.groups: Any = None  # its ProcessGroups
+        self.saver: Any = None  # --save's checkpoints (runtime/checkpoint_series.py Saver)
+        self.saved_step: int | None = None
+        if options.save_dir is not None:
+            from runtime.checkpoint_series import Saver
+
+            self.saver = Saver(options.save_dir, options.keep, lambda line: report(Log(line)))
 
     @property
     def rank(self) -> int:
@@ -215,6 +233,7 @@ class Session:
         if program is None:
             return read_checkpoint_info(load_dir, self.ctx).step
         done = load_checkpoint(program, load_dir, self.ctx)
+        restore_trainer_state(load_dir)
         if self.rank == 0:
             self.report(Log(f"loaded {load_dir} (step {done})"))
         return done
@@ -248,24 +267,42 @@ class Session:
                           emulation_overrun_s=self.emulator.take_overrun_s() if self.emulator is not None else 0.0,
                           lengths=lengths)
 
+    def trainer_state(self, step: int) -> Any:
+        """What a checkpoint of ``step`` records besides the model: the data's position, seed and RNG."""
+        from runtime.checkpoint_series import TrainerState, torch_rng_state
+
+        return TrainerState(step=step, seed=self.ctx.plan.training.seed, data=self.source.position(step),
+                            rng=torch_rng_state())
+
+    def save(self, program: Any, handle: StrategyHandle, step: int, *, background: bool,
+             extra: Mapping[str, bytes] | None = None) -> None:
+        """Checkpoint ``step`` into ``--save``'s series (collective over ``handle``'s devices)."""
+        assert self.saver is not None
+        self.saver.save(program, self.groups, plan=handle.ctx, strategy=handle.name,
+                        trainer=self.trainer_state(step), extra=extra, background=background)
+        self.saved_step = step
+
+    def periodic_save_due(self, step: int, last: int) -> bool:
+        """Whether ``step`` (not the run's last: that one is saved by ``finish``) is a ``--save-every`` step."""
+        every = self.options.save_every
+        return self.saver is not None and every > 0 and step % every == 0 and step != last
+
     def finish(self, program: Any, handle: StrategyHandle, step: int,
-               save: Callable[[Path, int], None] | None = None, *, sync: bool = True) -> None:
-        """Save ``--save`` (when this device holds state; ``save``: how, for a documents run), write the
-        traces, leave the world. ``sync``: wait for every device of the world first (needed to merge the
-        traces; an elastic run skips it without traces, so that a device idle in the plan that died
-        unnoticed cannot fail the end of the run)."""
+               save: Callable[[int], None] | None = None, *, sync: bool = True) -> None:
+        """Save ``--save``'s last checkpoint (when this device holds state and ``step`` is not saved yet;
+        ``save``: how, for a documents run) and wait for every save in flight, write the traces, leave the
+        world. ``sync``: wait for every device of the world first (needed to merge the traces; an elastic
+        run skips it without traces, so that a device idle in the plan that died unnoticed cannot fail the
+        end of the run)."""
         import torch.distributed as dist
 
-        save_dir = self.options.save_dir
-        if save_dir is not None and (save is not None or program is not None):
-            from runtime.checkpoint import save_checkpoint
-
-            if save is not None:
-                save(save_dir, step)
-            else:
-                save_checkpoint(program, self.groups, save_dir, plan=handle.ctx, strategy=handle.name, step=step)
-            if self.me == min(handle.devices):
-                self.report(Log(f"saved {save_dir} (step {step})"))
+        if self.saver is not None and (save is not None or program is not None):
+            if self.saved_step != step:
+                if save is not None:
+                    save(step)
+                else:
+                    self.save(program, handle, step, background=False)
+            self.saver.wait()
         if self.recorder is not None:
             assert self.options.trace_dir is not None
             self.recorder.write(trace_file(self.options.trace_dir, self.me))
@@ -481,21 +518,18 @@ class DocumentSteps:
         self.holder = holder
         if self.programs[holder] is not None:
             load_checkpoint(self.programs[holder], load_dir, self.ctx)
+        restore_trainer_state(load_dir)
         return done
 
-    def save(self, save_dir: Path, step: int) -> None:
+    def save(self, session: Session, step: int, *, background: bool) -> None:
         """Save from the program holding the state (collective over its devices), the dispatch state beside."""
         import json
-
-        from runtime.checkpoint import save_checkpoint
-        from runtime.spec.io import atomic_write_text
 
         handle, program = self.current_handle, self.current_program
         if program is None:
             return
-        save_checkpoint(program, self.groups, save_dir, plan=self.ctx, strategy=handle.name, step=step)
-        if self.me == min(handle.devices):
-            atomic_write_text(Path(save_dir) / DISPATCH_STATE, json.dumps({"strategy": handle.name}) + "\n")
+        session.save(program, handle, step, background=background,
+                     extra={DISPATCH_STATE: (json.dumps({"strategy": handle.name}) + "\n").encode()})
 
     @property
     def current_handle(self) -> StrategyHandle:
