@@ -171,7 +171,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError([Problem(str(path), "", f"cannot read: {getattr(exc, 'strerror', None) or exc}")]) from None
     if not STEP_DIR.fullmatch(name):
-        raise SpecError([Problem(str(path), "", f"expected a step directory name (step-<8 digits>), got {name[:40]!r}")])
+        raise SpecError([Problem(str(path), "", "expected a step directory name (step-<8 digits>), got "
+                                                f"{name[:40]!r}")])
     if not (root / name).is_dir():
         raise SpecError([Problem(str(path), "", f"names {name}, which is not a directory of {root}")])
     return root / name

@@ -33,9 +33,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runtime.checkpoint import (CONFIG_FILE, LATEST, MOMENT_SUFFIXES, OPTIMIZER_FILE, OPTIMIZER_FORMAT,
-                                SAVE_ID, SHARD_BYTES, STATE_DTYPE, STEP_DIR, WEIGHTS_FILE, WEIGHTS_INDEX,
-                                gather_state, saved_by, source_config)
+from runtime.checkpoint import (
+    CONFIG_FILE,
+    LATEST,
+    MOMENT_SUFFIXES,
+    OPTIMIZER_FILE,
+    OPTIMIZER_FORMAT,
+    SAVE_ID,
+    SHARD_BYTES,
+    STATE_DTYPE,
+    STEP_DIR,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX,
+    gather_state,
+    saved_by,
+    source_config,
+)
 from runtime.checkpoint_stream import StreamingCheckpoint, fsync_dir, write_synced
 from runtime.errors import HspmdError, Problem, SpecError
 from runtime.models.params import llama_parameters

@@ -29,7 +29,7 @@ import json
 import math
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -440,6 +440,11 @@ class HFTokenizer:
             raise SpecError([Problem(self.origin, "", f"not a tokenizers tokenizer.json: {first}")]) from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def backend(self):  # -> tokenizers.Tokenizer
+        """The ``tokenizers`` object (batch encoding, special tokens)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
@@ -476,7 +481,11 @@ class Corpus:
 
 def read_jsonl(path: Path) -> list[tuple[str, str]]:
     """(origin ``FILE:LINE``, text) per non-blank line; a bad line is an error naming ``FILE:LINE``."""
-    out = []
+    return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[str, str]]:
+    """``read_jsonl`` one line at a time (corpora larger than memory)."""
     with open_data(path) as f:
         for n, raw in enumerate(f, start=1):
             where = f"{path}:{n}"
@@ -501,16 +510,22 @@ def read_jsonl(path: Path) -> list[tuple[str, str]]:
             except UnicodeEncodeError as exc:
                 raise SpecError([Problem(where, "text", f"not valid Unicode: a lone surrogate at character "
                                                         f"{exc.start}")]) from None
-            out.append((where, obj["text"]))
-    return out
+            yield where, obj["text"]
 
 
 def read_text_blocks(path: Path) -> list[tuple[str, bytes]]:
     """A plain text file's documents: blocks of lines separated by blank (whitespace-only) lines."""
+    return list(iter_text_blocks(path))
+
+
+def iter_text_blocks(path: Path) -> Iterator[tuple[str, bytes]]:
+    """``read_text_blocks`` one block at a time."""
     with open_data(path) as f:
-        lines = list(enumerate(f, start=1))
-    blocks = [list(g) for text, g in itertools.groupby(lines, key=lambda x: bool(x[1].strip())) if text]
-    return [(f"{path}:{b[0][0]}", b"".join(raw for _, raw in b).rstrip(b"\r\n")) for b in blocks]
+        lines = enumerate(f, start=1)
+        for text, group in itertools.groupby(lines, key=lambda x: bool(x[1].strip())):
+            if text:
+                block = list(group)
+                yield f"{path}:{block[0][0]}", b"".join(raw for _, raw in block).rstrip(b"\r\n")
 
 
 def open_data(path: Path):

@@ -126,7 +126,8 @@ class StepDisplay:
                    "DIR/latest naming the newest complete one (docs/training.md).")
 @click.option("--save-every", type=IntRange(min=1), metavar="N",
               help="Also save every N steps (written in the background while training goes on).")
-@click.option("--keep", type=IntRange(min=1), metavar="K", help="Keep the newest K checkpoints of --save [default: all].")
+@click.option("--keep", type=IntRange(min=1), metavar="K",
+              help="Keep the newest K checkpoints of --save [default: all].")
 @click.option("--resume", is_flag=True,
               help="Continue from --save's latest checkpoint (step, learning-rate schedule, optimizer, data position, "
                    "random state); --steps is then the run's last step. Without one yet, start at step 0 "
