@@ -8,7 +8,9 @@ pipelines. Two sources:
 * a synthetic stream (default): arithmetic sequences modulo the vocabulary with a random start and
   stride, so the loss visibly falls within a few dozen steps (pure noise would stay at log(vocab));
 * a local text file read as bytes (token = byte value, vocabulary 256; nothing is downloaded), sampled
-  as windows at random offsets.
+  as windows at random offsets;
+* a ``hspmd data prepare`` directory: consecutive windows of its documents in epoch order
+  (runtime/epochs.py ``ShardWindows``).
 """
 
 from __future__ import annotations
@@ -113,6 +115,14 @@ def token_source(*, vocab_size: int, global_batch: int, seq_len: int, seed: int,
     """The synthetic stream, or byte tokens of ``data_file`` (which needs a vocabulary of at least 256)."""
     if data_file is None:
         return SyntheticTokens(vocab_size, global_batch, seq_len, seed)
+    if Path(data_file).is_dir():   # a ``hspmd data prepare`` directory: windows of its epoch-ordered stream
+        from runtime.epochs import EpochStream, ShardWindows, open_prepared
+
+        docs = open_prepared(Path(data_file))
+        if docs.vocab_size > vocab_size:
+            raise HspmdError(f"{data_file}: --data: its tokens come from a vocabulary of {docs.vocab_size}, more "
+                             f"than the model's {vocab_size}")
+        return ShardWindows(EpochStream(docs, seed), global_batch, seq_len)
     if vocab_size < BYTE_VOCAB:
         raise HspmdError(f"{data_file}: --data: byte-level tokens need a vocabulary of at least {BYTE_VOCAB}, "
                          f"the model has {vocab_size}")

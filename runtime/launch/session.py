@@ -444,10 +444,16 @@ def documents_line(source: Any) -> str:
     from runtime.documents import CorpusDocuments
 
     if isinstance(source, CorpusDocuments):
+        per_step = f"{source.tokens_per_step} tokens per step, at most {source.max_len} per document, epoch order"
         c = source.corpus
+        if c is None:
+            d = source.stream.docs
+            return (f"data: {d.origin}: {len(d.lengths)} prepared documents, {d.tokens} tokens (EOS id {d.eos}), "
+                    f"{per_step}")
+        eos = f"EOS id {c.eos} after each" if c.eos is not None else "no EOS token (bytes, or a tokenizer whose " \
+                                                                        "tokenizer_config.json names none)"
         return (f"data: {c.path}: {len(c.documents)} documents after cutting ({c.skipped_empty} empty skipped, "
-                f"{c.split_documents} split, {c.truncated_documents} truncated), {source.tokens_per_step} tokens "
-                f"per step, at most {source.max_len} per document")
+                f"{c.split_documents} split, {c.truncated_documents} truncated; {eos}), {per_step}")
     return (f"data: synthetic documents, lengths {source.distribution.name} up to {source.max_len} tokens, "
             f"{source.tokens_per_step} tokens per step")
 
