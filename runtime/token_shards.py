@@ -154,7 +154,7 @@ def prepare_corpus(corpora: Iterable[Path], tokenizer: Path, out: Path, *, eos: 
                    max_memory: int = DEFAULT_MAX_MEMORY, shard_tokens: int = DEFAULT_SHARD_TOKENS,
                    progress: Callable[[int], None] | None = None) -> Prepared:
     """Tokenize ``corpora`` into ``out`` (which must not exist); ``progress``: told the bytes of text read
-    so far after each batch. Text is tokenized in batches of at most ``max_memory // 8`` bytes: a batch's
+    so far after each batch. Text is tokenized in batches of ``max_memory // 128`` characters: a batch's
     text, its encodings (Python objects, ~40 bytes per token) and its arrays stay within ``max_memory``."""
     import numpy as np
 
@@ -166,7 +166,7 @@ def prepare_corpus(corpora: Iterable[Path], tokenizer: Path, out: Path, *, eos: 
     tok = HFTokenizer(tokenizer)
     special = special_tokens(Path(tokenizer), tok.backend, eos)
     dtype = token_dtype(tok.vocab_size)
-    budget = max(1, max_memory // 64)  # text bytes per batch: its encodings cost tens of bytes per character
+    budget = max(1, max_memory // 128)  # text bytes per batch: its encodings cost tens of bytes per character
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.{uuid.uuid4().hex}.tmp"
     tmp.mkdir()

@@ -17,8 +17,7 @@ import torch
 from safetensors import safe_open
 
 from runtime.checkpoint import LATEST, checkpoint_info, latest_checkpoint, read_saved
-from runtime.checkpoint_series import (SaveRequest, TrainerState, begin, read_trainer_state, step_dirs,
-                                       write_snapshot)
+from runtime.checkpoint_series import SaveRequest, TrainerState, begin, read_trainer_state, step_dirs, write_snapshot
 from runtime.checkpoint_stream import StreamingCheckpoint
 from runtime.errors import SpecError
 from runtime.models.params import llama_parameters
