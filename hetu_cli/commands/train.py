@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,53 @@ class MetricsFile:
             os.close(self.fd)
 
 
+class TensorBoard:
+    """The step metrics as TensorBoard scalars (torch's SummaryWriter; the tensorboard package is optional)."""
+
+    def __init__(self, directory: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise HspmdError(f"{directory}: --tensorboard: needs the tensorboard package, which is not installed "
+                             "(pip install tensorboard)") from None
+        self.writer = SummaryWriter(log_dir=str(directory))
+
+    def write(self, r: StepRecord) -> None:
+        scalars = {"loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": r.tokens_per_s,
+                   "step_time_s": r.step_time_s, "mfu": r.mfu}
+        for name, value in scalars.items():
+            if value is not None:
+                self.writer.add_scalar(f"train/{name}", value, r.step)
+        for device, peak in (r.peak_memory_bytes or {}).items():
+            self.writer.add_scalar(f"memory/peak_gib/device{device}", peak / 2**30, r.step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def mfu_of(plan: Path) -> Callable[[StepRecord], StepRecord]:
+    """A step's record with its MFU: model FLOPs (planner/cost.py ``model_flops_per_token`` at the plan's
+    seq_len, times the step's tokens) per second over the sum of the step strategy's devices' dense peaks."""
+    from dataclasses import replace
+
+    from planner.cost import model_flops_utilization
+    from runtime.spec import load_plan_context
+
+    ctx = load_plan_context(plan)
+    t = ctx.plan.training
+
+    def add(r: StepRecord) -> StepRecord:
+        strategy = next((s for s in ctx.plan.strategies if s.name == r.strategy), None)
+        if strategy is None:   # a strategy of another plan (an in-memory switch): no MFU rather than a wrong one
+            return r
+        devices = strategy.devices
+        tokens = r.tokens if r.tokens is not None else t.global_batch * t.seq_len
+        return replace(r, mfu=model_flops_utilization(ctx.model, ctx.cluster, devices, t.seq_len, tokens,
+                                                      r.step_time_s))
+
+    return add
+
+
 class StepDisplay:
     """A live progress bar (step, loss, step time, tokens/s) on a terminal; one plain line per step elsewhere
     (CI logs, pipes), where a redrawn bar would only leave noise."""
@@ -92,8 +140,9 @@ class StepDisplay:
             docs = (f", {r.strategy}: {r.documents} documents, imbalance {r.imbalance:.2f}"
                     if r.documents is not None and r.imbalance is not None else "")
             lr = f", lr {r.lr:.3g}" if r.lr is not None else ""
+            mfu = f", MFU {r.mfu:.1%}" if r.mfu is not None else ""
             self.console.print(f"step {r.step}: loss {r.loss:.4f}{lr}, {r.step_time_s:.3f} s/step, "
-                               f"{r.tokens_per_s:,.0f} tokens/s{emu}{docs}")
+                               f"{r.tokens_per_s:,.0f} tokens/s{mfu}{emu}{docs}")
 
     def log(self, message: str) -> None:
         self.progress.console.print(f"[dim]{escape(message)}[/dim]")
@@ -106,7 +155,11 @@ class StepDisplay:
 @click.option("--plan", "plan", required=True, type=click.Path(path_type=Path), help="The plan file.")
 @click.option("--strategy", "strategy", help="Strategy of the plan to run (default: its first).")
 @click.option("--steps", type=IntRange(min=0), default=20, show_default=True, help="Optimizer steps to run.")
-@click.option("--metrics", type=click.Path(path_type=Path), help="Write one JSON line per step here.")
+@click.option("--metrics", type=click.Path(path_type=Path),
+              help="Write one JSON line per step here: loss, lr, grad_norm, step time, tokens/s, mfu, peak memory "
+                   "per device (docs/training.md).")
+@click.option("--tensorboard", "tensorboard_dir", type=click.Path(path_type=Path),
+              help="Also write the step metrics as TensorBoard scalars here (needs the tensorboard package).")
 @click.option("--trace", "trace_dir", type=click.Path(path_type=Path),
               help="Write per-device Chrome traces (and a merged trace.json) here; open in ui.perfetto.dev.")
 @click.option("--data", "data_file", type=click.Path(path_type=Path),
@@ -188,7 +241,8 @@ class StepDisplay:
 @click.option("--precision", type=click.Choice(PRECISIONS), default="auto", show_default=True,
               help="Autocast policy: auto = bf16 on CUDA and fp32 on CPU; fp32 = no autocast; bf16 = bf16 autocast "
                    "on every device, the CPU included. Master weights and optimizer states stay fp32.")
-def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, trace_dir: Path | None,
+def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tensorboard_dir: Path | None,
+          trace_dir: Path | None,
           data_file: Path | None, tokenizer: Path | None, lengths: str | None, long_documents: str,
           save_dir: Path | None, save_every: int | None, keep: int | None, resume: bool, load_dir: Path | None,
           timeout_s: float | None,
@@ -261,9 +315,14 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
         run_torchrun(options, env)
         return
     sink = MetricsFile(metrics) if metrics is not None else None
+    board = TensorBoard(tensorboard_dir) if tensorboard_dir is not None else None
     display = StepDisplay(steps, None if load_dir is not None else steps)
+    with_mfu = mfu_of(plan)
 
     def on_step(record: StepRecord) -> None:
+        record = with_mfu(record)
+        if board is not None:
+            board.write(record)
         if record.switched_from is not None:  # a documents run's dispatch changed strategy before this step
             event = _dispatch_switch_event(record)
             display.event(_dispatch_line(event))
@@ -310,6 +369,8 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     finally:
         if sink is not None:
             sink.close()
+        if board is not None:
+            board.close()
     _summary(display.records, metrics, trace_dir, save_dir)
 
 

@@ -199,6 +199,7 @@ class StepReport:
     lr: float = 0.0  # the learning rate of the step's update
     lengths: LengthsStep | None = None  # documents runs: the step's dispatch (the same on every device)
     idle: bool = False  # documents runs: the step's strategy leaves this device idle (no loss, no time)
+    peak_memory_bytes: int = 0  # the device's peak so far: CUDA's allocator peak, or the process' peak RSS on CPU
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,10 @@ class StepRecord:
     emulation_s: float  # most any worker slept to emulate slowness this step
     emulation_overrun_s: float = 0.0  # sleep mode: most any worker's blocks ran past their targets
     lr: float | None = None  # the learning rate of the step's update (the plan's schedule)
+    # Peak memory of each device so far (device id -> bytes: the CUDA allocator's peak, or on CPU the worker
+    # process' peak resident set), and the model FLOPs utilization (hetu_cli fills it: docs/training.md).
+    peak_memory_bytes: dict[str, int] | None = None
+    mfu: float | None = None
     # Documents runs (omitted from the JSON otherwise): the step's documents and tokens, its padding, the
     # dispatch imbalance, and the switch (wall time: the slowest device's; bytes: all devices') when the
     # strategy changed.
@@ -272,5 +277,7 @@ class StepRecord:
         return StepRecord(step=first.step, loss=first.loss, step_time_s=step_time,
                           tokens_per_s=first.tokens / step_time if step_time > 0 else 0.0,
                           strategy=strategy, grad_norm=first.grad_norm, lr=first.lr,
+                          peak_memory_bytes={str(r.device): r.peak_memory_bytes for r in reports
+                                             if r.peak_memory_bytes} or None,
                           emulation_s=max(r.emulation_s for r in reports),
                           emulation_overrun_s=max(r.emulation_overrun_s for r in reports), **extra)

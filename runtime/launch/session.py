@@ -109,6 +109,18 @@ def document_source_of(ctx: PlanContext, options: TrainOptions):  # -> runtime.d
                            long_documents=options.long_documents)  # type: ignore[arg-type]
 
 
+def peak_memory(device: Any) -> int:
+    """The device's peak memory so far: the CUDA caching allocator's peak allocation, or on a CPU device
+    the worker process' peak resident set (its only memory)."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
 def restore_trainer_state(load_dir: Path) -> None:
     """The random state a step checkpoint recorded (a checkpoint without trainer state leaves it as is:
     the data's position is the step itself, runtime/data.py)."""
@@ -265,7 +277,7 @@ class Session:
                           compute_s=float(stats.compute_s), comm_s=float(stats.comm_s), lr=float(stats.lr),
                           emulation_s=self.emulator.take_emulated_s() if self.emulator is not None else 0.0,
                           emulation_overrun_s=self.emulator.take_overrun_s() if self.emulator is not None else 0.0,
-                          lengths=lengths)
+                          lengths=lengths, peak_memory_bytes=peak_memory(self.device))
 
     def trainer_state(self, step: int) -> Any:
         """What a checkpoint of ``step`` records besides the model: the data's position, seed and RNG."""

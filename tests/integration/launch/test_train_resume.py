@@ -45,7 +45,10 @@ def train(plan: Path, save: Path, metrics: Path, *extra: str, wait: bool = True)
 
 
 def losses(metrics: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r}
+    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step" in r]
+    for r in records:   # every step's observability: MFU and each device's peak memory
+        assert r["mfu"] > 0 and set(r["peak_memory_bytes"]) <= {"0", "1", "2", "3"}
+    return {r["step"]: r["loss"] for r in records}
 
 
 @pytest.fixture(scope="module")
