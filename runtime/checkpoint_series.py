@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -277,6 +278,7 @@ class Saver:
              extra: Mapping[str, bytes] | None = None, background: bool = True) -> None:
         """Collective over the strategy's devices. ``background``: return once the state is on the host (the
         writer's thread writes it); else return once it is on disk, streamed round by round."""
+        t0 = time.perf_counter()
         self.wait()   # the previous save first: at most one snapshot besides the training state
         req = SaveRequest(self.root, trainer.step, plan.model, saved_by(plan, strategy), source_config(plan),
                           trainer, dict(extra or {}), self.keep)
@@ -284,7 +286,8 @@ class Saver:
             snapshot: list[tuple[str, torch.Tensor]] = []
             if gather_state(program, groups, plan=plan, strategy=strategy,
                             emit=lambda n, t: snapshot.append((n, t))):
-                self._thread = threading.Thread(target=self._write, args=(req, snapshot), daemon=True,
+                paused = time.perf_counter() - t0
+                self._thread = threading.Thread(target=self._write, args=(req, snapshot, paused), daemon=True,
                                                 name=f"hspmd-save-{trainer.step}")
                 self._thread.start()
             return
@@ -297,7 +300,8 @@ class Saver:
             writer = gather_state(program, groups, plan=plan, strategy=strategy,
                                   emit=stream.put if stream is not None else _nothing)
             if writer and stream is not None and tmp is not None:
-                self.report(f"saved {finish(tmp, stream, req)} (step {req.step})")
+                self.report(f"saved {finish(tmp, stream, req)} (step {req.step}; "
+                            f"{time.perf_counter() - t0:.3f} s)")
         except OSError as exc:
             raise HspmdError(f"{self.root}: cannot write the checkpoint: {exc.strerror or exc}") from None
         finally:
@@ -306,9 +310,12 @@ class Saver:
                     stream.abort()
                 shutil.rmtree(tmp, ignore_errors=True)
 
-    def _write(self, req: SaveRequest, snapshot: list[tuple[str, torch.Tensor]]) -> None:
+    def _write(self, req: SaveRequest, snapshot: list[tuple[str, torch.Tensor]], paused: float) -> None:
+        t0 = time.perf_counter()
         try:
-            self.report(f"saved {write_snapshot(req, snapshot)} (step {req.step})")
+            where = write_snapshot(req, snapshot)
+            self.report(f"saved {where} (step {req.step}; training paused {paused:.3f} s, written in the "
+                        f"background in {time.perf_counter() - t0:.3f} s)")
         except BaseException as exc:  # noqa: BLE001 - raised again by wait(), in the training thread
             self._error = exc
 
