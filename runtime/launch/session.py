@@ -294,6 +294,11 @@ class Session:
                         trainer=self.trainer_state(step), extra=extra, background=background)
         self.saved_step = step
 
+    def save_documents(self, steps: DocumentSteps, step: int, *, background: bool) -> None:
+        """A documents run's checkpoint of ``step`` (its program holding the state, and the dispatch state)."""
+        if steps.save(self.saver, self.trainer_state(step), background=background):
+            self.saved_step = step
+
     def periodic_save_due(self, step: int, last: int) -> bool:
         """Whether ``step`` (not the run's last: that one is saved by ``finish``) is a ``--save-every`` step."""
         every = self.options.save_every
@@ -539,15 +544,18 @@ class DocumentSteps:
         restore_trainer_state(load_dir)
         return done
 
-    def save(self, session: Session, step: int, *, background: bool) -> None:
-        """Save from the program holding the state (collective over its devices), the dispatch state beside."""
+    def save(self, saver: Any, trainer: Any, *, background: bool) -> bool:
+        """Save from the program holding the state (collective over its devices) into ``saver``'s series
+        (runtime/checkpoint_series.py), the dispatch state beside; False where this device holds none."""
         import json
 
         handle, program = self.current_handle, self.current_program
         if program is None:
-            return
-        session.save(program, handle, step, background=background,
-                     extra={DISPATCH_STATE: (json.dumps({"strategy": handle.name}) + "\n").encode()})
+            return False
+        saver.save(program, self.groups, plan=self.ctx, strategy=handle.name, trainer=trainer,
+                   extra={DISPATCH_STATE: (json.dumps({"strategy": handle.name}) + "\n").encode()},
+                   background=background)
+        return True
 
     @property
     def current_handle(self) -> StrategyHandle:

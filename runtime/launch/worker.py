@@ -47,8 +47,9 @@ def train_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox | 
                 session.fire_fault(step)
                 report(StepDone(documents_step(session, steps, step)))
                 if session.periodic_save_due(step, last):
-                    steps.save(session, step, background=True)
-            session.finish(None, steps.current_handle, last, save=lambda n: steps.save(session, n, background=False))
+                    session.save_documents(steps, step, background=True)
+            session.finish(None, steps.current_handle, last,
+                           save=lambda n: session.save_documents(steps, n, background=False))
             return
         handle = StrategyHandle.of(session.ctx, spec.strategy)
         program = session.build(handle)
