@@ -164,6 +164,11 @@ class ShardWindows:
         return {"source": self.stream.docs.origin, "step": step,
                 **self.stream.position(step * self.global_batch * self.seq_len)}
 
+    def describe(self) -> str:
+        d = self.stream.docs
+        return (f"data: {d.origin}: {len(d.lengths)} prepared documents, {d.tokens} tokens (EOS id {d.eos}), "
+                f"{self.global_batch} windows of {self.seq_len + 1} tokens per step, epoch order")
+
 
 def in_memory(documents: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], origin: str) -> TokenDocuments:
     """A small corpus' documents as one in-memory shard."""
