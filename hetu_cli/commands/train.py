@@ -179,6 +179,10 @@ class StepDisplay:
                    "DIR/latest naming the newest complete one (docs/training.md).")
 @click.option("--save-every", type=IntRange(min=1), metavar="N",
               help="Also save every N steps (written in the background while training goes on).")
+@click.option("--save-in-background/--save-in-foreground", default=True, show_default=True,
+              help="--save-every: write from a host copy of the whole state on the strategy's first device while "
+                   "training goes on, or write before training goes on, holding one transfer round at a time "
+                   "(for a state larger than that host's memory).")
 @click.option("--keep", type=IntRange(min=1), metavar="K",
               help="Keep the newest K checkpoints of --save [default: all].")
 @click.option("--resume", is_flag=True,
@@ -244,7 +248,8 @@ class StepDisplay:
 def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tensorboard_dir: Path | None,
           trace_dir: Path | None,
           data_file: Path | None, tokenizer: Path | None, lengths: str | None, long_documents: str,
-          save_dir: Path | None, save_every: int | None, keep: int | None, resume: bool, load_dir: Path | None,
+          save_dir: Path | None, save_every: int | None, save_in_background: bool, keep: int | None, resume: bool,
+          load_dir: Path | None,
           timeout_s: float | None,
           elastic: bool, switch_specs: tuple[str, ...], kill_devices: tuple[int, ...], hang_devices: tuple[int, ...],
           fault_step: int | None, fault_point: str, heartbeat_timeout_s: float | None, profile_dirs: tuple[Path, ...],
@@ -260,6 +265,8 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, te
         raise HspmdError("--lengths: synthetic documents or --data FILE, not both")
     if (save_every is not None or keep is not None or resume) and save_dir is None:
         raise HspmdError("--save-every, --keep and --resume work on --save DIR; give it")
+    if save_every is None:
+        refuse_given("only with --save-every N", "save_in_background")
     if save_every is not None and (elastic or switch_specs):
         raise HspmdError("--save-every: an --elastic or --switch run saves at its end only")
     if resume:
@@ -292,6 +299,7 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, te
         heartbeat_timeout_s = ELASTIC_HEARTBEAT_TIMEOUT_S if elastic else TrainOptions.heartbeat_timeout_s
     options = TrainOptions(plan=plan, strategy=strategy, steps=steps, trace_dir=trace_dir, data_file=data_file,
                            save_dir=save_dir, save_every=save_every or 0, keep=keep, load_dir=load_dir,
+                           save_in_background=save_in_background,
                            timeout_s=timeout_s,
                            heartbeat_timeout_s=heartbeat_timeout_s, faults=faults, elastic=elastic,
                            switches=tuple(_parse_switch(s) for s in switch_specs), precision=precision,

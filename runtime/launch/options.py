@@ -111,6 +111,10 @@ class TrainOptions:
     save_dir: Path | None = None  # the run's step checkpoints (runtime/checkpoint_series.py)
     save_every: int = 0  # also save every N steps (0: only at the end)
     keep: int | None = None  # keep the newest K step checkpoints (None: all)
+    # Periodic saves written by a background thread from a host copy of the whole state on the writer
+    # (training pauses only for the gather); False: written before training goes on, one BSR round at a
+    # time (host memory for one round, for states larger than the writer's memory).
+    save_in_background: bool = True
     load_dir: Path | None = None
     timeout_s: float = 120.0  # every store operation, process group and collective
     heartbeat_s: float = DEFAULT_HEARTBEAT_S

@@ -47,7 +47,7 @@ def train_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox | 
                 session.fire_fault(step)
                 report(StepDone(documents_step(session, steps, step)))
                 if session.periodic_save_due(step, last):
-                    session.save_documents(steps, step, background=True)
+                    session.save_documents(steps, step, background=spec.options.save_in_background)
             session.finish(None, steps.current_handle, last,
                            save=lambda n: session.save_documents(steps, n, background=False))
             return
@@ -59,7 +59,7 @@ def train_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox | 
             session.fire_fault(step)
             report(StepDone(session.step(program, step)))
             if session.periodic_save_due(step, last):
-                session.save(program, handle, step, background=True)
+                session.save(program, handle, step, background=spec.options.save_in_background)
         session.finish(program, handle, last)
     finally:
         session.leave()
