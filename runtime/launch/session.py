@@ -121,15 +121,22 @@ def peak_memory(device: Any) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def restore_trainer_state(load_dir: Path) -> None:
-    """The random state a step checkpoint recorded (a checkpoint without trainer state leaves it as is:
-    the data's position is the step itself, runtime/data.py)."""
+def restore_trainer_state(load_dir: Path, seed: int, source: Any) -> str | None:
+    """The random state a step checkpoint recorded (a checkpoint without trainer state leaves it as is: the
+    data's position is the step itself, runtime/data.py). Returns a note where the run's data differs from
+    the checkpoint's (another seed or source: the run continues at the same step of its own data)."""
     from runtime.checkpoint import resolve_checkpoint
     from runtime.checkpoint_series import read_trainer_state, restore_rng
 
     state = read_trainer_state(resolve_checkpoint(load_dir))
-    if state is not None:
-        restore_rng(state.rng)
+    if state is None:
+        return None
+    restore_rng(state.rng)
+    theirs, ours = state.data.get("source"), source.position(state.step).get("source")
+    if state.seed != seed or theirs != ours:
+        return (f"note: {load_dir} was saved reading {theirs} with seed {state.seed}; this run reads {ours} with "
+                f"seed {seed}, from the position of step {state.step}")
+    return None
 
 
 def trace_file(trace_dir: Path, device: int) -> Path:
@@ -245,9 +252,11 @@ class Session:
         if program is None:
             return read_checkpoint_info(load_dir, self.ctx).step
         done = load_checkpoint(program, load_dir, self.ctx)
-        restore_trainer_state(load_dir)
+        note = restore_trainer_state(load_dir, self.ctx.plan.training.seed, self.source)
         if self.rank == 0:
             self.report(Log(f"loaded {load_dir} (step {done})"))
+            if note is not None:
+                self.report(Log(note))
         return done
 
     def fire_fault(self, step: int, point: FaultPoint = "start") -> None:
@@ -511,6 +520,7 @@ class DocumentSteps:
         self.costs = costs if costs is not None else [
             plan_strategy_cost(h.strategy, h.model, h.cluster, h.training) for h in self.handles]
         self.current: int | None = None   # the strategy of the previous step (dispatch's hysteresis)
+        self.note: str | None = None   # what loading found different about the data (restore_trainer_state)
         self._switches: dict[tuple[int, int], Any] = {}
 
     def switch_plan(self, src: int, dst: int) -> Any:
@@ -541,7 +551,7 @@ class DocumentSteps:
         self.holder = holder
         if self.programs[holder] is not None:
             load_checkpoint(self.programs[holder], load_dir, self.ctx)
-        restore_trainer_state(load_dir)
+        self.note = restore_trainer_state(load_dir, self.ctx.plan.training.seed, self.source)
         return done
 
     def save(self, saver: Any, trainer: Any, *, background: bool) -> bool:

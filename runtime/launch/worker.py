@@ -42,6 +42,8 @@ def train_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox | 
                 done = steps.load(spec.options.load_dir)
                 if session.rank == 0:
                     report(Log(f"loaded {spec.options.load_dir} (step {done})"))
+                    if steps.note is not None:
+                        report(Log(steps.note))
             last = done + spec.options.steps
             for step in range(done + 1, last + 1):
                 session.fire_fault(step)

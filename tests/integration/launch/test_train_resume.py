@@ -97,10 +97,12 @@ def test_a_job_killed_mid_step_resumes_to_the_uninterrupted_losses_bit_for_bit(r
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert sorted(p.name for p in killed.iterdir()) == ["latest", "step-00000004", "step-00000008", "step-00000012"]
 
-    # The same checkpoint resumed under another plan (one pipeline, another layer split, other devices).
+    # The same checkpoint resumed under another plan (one pipeline, another layer split, other devices),
+    # its saves written in the foreground.
     other = write_plan(d / "other.yaml", "other", [(8, [([3], (0, 1)), ([1], (1, 6))])], global_batch=8)
     scheduled(other)
-    train(other, backup, d / "other.jsonl", "--resume")
+    train(other, backup, d / "other.jsonl", "--resume", "--save-in-foreground")
+    assert latest_checkpoint(backup) == backup / "step-00000012" and (backup / "step-00000008").is_dir()
     crossed = losses(d / "other.jsonl")
     assert sorted(crossed) == list(range(EVERY + 1, STEPS + 1))
     assert [crossed[s] for s in crossed] == pytest.approx([full[s] for s in crossed], rel=1e-5)
