@@ -64,11 +64,17 @@ def iter_documents(path: Path) -> Iterator[tuple[str, str]]:
                 raise SpecError([Problem(where, "", f"not UTF-8 (byte {exc.start} of the document)")]) from None
 
 
-def _iter_parquet(path: Path) -> Iterator[tuple[str, str]]:
+def require_pyarrow(path: Path) -> None:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet  # noqa: F401
     except ImportError:
         raise HspmdError(f"{path}: Parquet needs pyarrow, which is not installed (pip install pyarrow)") from None
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[str, str]]:
+    require_pyarrow(path)
+    import pyarrow.parquet as pq
+
     try:
         f = pq.ParquetFile(path)
     except (OSError, ValueError) as exc:
@@ -161,6 +167,9 @@ def prepare_corpus(corpora: Iterable[Path], tokenizer: Path, out: Path, *, eos: 
     from runtime.documents import HFTokenizer
 
     corpora = list(corpora)
+    for path in corpora:   # before any work: a missing optional dependency is not found after hours
+        if corpus_format(path) == "parquet":
+            require_pyarrow(path)
     if os.path.lexists(out):
         raise HspmdError(f"{out}: -o: exists; remove it or name another directory")
     tok = HFTokenizer(tokenizer)
