@@ -532,4 +532,7 @@ def _summary(records: list[StepRecord], metrics: Path | None, trace_dir: Path | 
         out.print(f"traces: {escape(str(trace_dir / TRACE_MERGED))} (all devices; per device: "
                   f"{escape(str(trace_dir))}/device<N>.json) - open in https://ui.perfetto.dev")
     if save_dir is not None:
-        out.print(f"checkpoint: {escape(str(save_dir))}")
+        from runtime.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(save_dir) if save_dir.is_dir() else None
+        out.print(f"checkpoint: {escape(str(latest or save_dir))}" + (" (latest)" if latest else ""))
