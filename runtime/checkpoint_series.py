@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import re
 import shutil
@@ -146,7 +147,7 @@ def stream_files(model: ModelSpec, *, step: int, saved: str, save_id: str, shard
     dtype = STATE_DTYPE.name
     params = llama_parameters(model)
     meta = {"format": "pt", SAVE_ID: save_id, "step": str(step), "model": model.name}
-    nbytes = {p.name: 4 * _numel(p.shape) for p in params}
+    nbytes = {p.name: STATE_DTYPE.itemsize * math.prod(p.shape) for p in params}
     shards = runs([p.name for p in params], nbytes.__getitem__, shard_bytes)
     shapes = {p.name: tuple(p.shape) for p in params}
     names = [WEIGHTS_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -158,13 +159,6 @@ def stream_files(model: ModelSpec, *, step: int, saved: str, save_id: str, shard
         "metadata": {"total_size": sum(nbytes.values()), SAVE_ID: save_id},
         "weight_map": {k: n for n, keys in zip(names, shards) for k in keys}}
     return files, index
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -197,25 +191,31 @@ def begin(root: Path, step: int) -> Path:
     return tmp
 
 
-def open_stream(tmp: Path, req: SaveRequest) -> StreamingCheckpoint:
-    save_id = uuid.uuid4().hex
-    files, index = stream_files(req.model, step=req.step, saved=req.saved_by, save_id=save_id,
+@dataclass
+class OpenSave:
+    """A step directory being written: its staging directory, its tensor files, the weights index."""
+
+    tmp: Path
+    stream: StreamingCheckpoint
+    index: dict | None
+
+
+def open_stream(tmp: Path, req: SaveRequest) -> OpenSave:
+    files, index = stream_files(req.model, step=req.step, saved=req.saved_by, save_id=uuid.uuid4().hex,
                                 shard_bytes=req.shard_bytes)
-    stream = StreamingCheckpoint(tmp, files)
-    stream.index = index  # type: ignore[attr-defined]
-    return stream
+    return OpenSave(tmp, StreamingCheckpoint(tmp, files), index)
 
 
-def finish(tmp: Path, stream: StreamingCheckpoint, req: SaveRequest) -> Path:
+def finish(save: OpenSave, req: SaveRequest) -> Path:
     """Close the tensor files, write the small ones, then make the step directory and ``latest`` durable,
     and drop the checkpoints beyond the newest ``keep``. Returns the step directory."""
-    stream.close()
+    tmp = save.tmp
+    save.stream.close()
     config = config_for(req.model, STATE_DTYPE.name, dict(req.source_config) if req.source_config else None)
     small = {CONFIG_FILE: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(),
              TRAINER_STATE: req.trainer.to_json().encode(), **req.extra}
-    index = getattr(stream, "index", None)
-    if index is not None:
-        small[WEIGHTS_INDEX] = (json.dumps(index, indent=2) + "\n").encode()
+    if save.index is not None:
+        small[WEIGHTS_INDEX] = (json.dumps(save.index, indent=2) + "\n").encode()
     for name, data in small.items():
         write_synced(tmp / name, data)
     fsync_dir(tmp)
@@ -250,17 +250,17 @@ def write_snapshot(req: SaveRequest, tensors: list[tuple[str, torch.Tensor]]) ->
     """Write a host snapshot (emptied as it is written: each tensor is freed once on disk)."""
     tmp = begin(req.root, req.step)
     try:
-        stream = open_stream(tmp, req)
+        save = open_stream(tmp, req)
         try:
             tensors.reverse()
             while tensors:
                 name, t = tensors.pop()
-                stream.put(name, t)
+                save.stream.put(name, t)
                 del t
         except BaseException:
-            stream.abort()
+            save.stream.abort()
             raise
-        return finish(tmp, stream, req)
+        return finish(save, req)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -292,22 +292,21 @@ class Saver:
                 self._thread.start()
             return
         tmp = None
-        stream = None
+        save = None
         try:
             if groups.my_device == min(plan.strategy(strategy).devices):
                 tmp = begin(self.root, req.step)
-                stream = open_stream(tmp, req)
+                save = open_stream(tmp, req)
             writer = gather_state(program, groups, plan=plan, strategy=strategy,
-                                  emit=stream.put if stream is not None else _nothing)
-            if writer and stream is not None and tmp is not None:
-                self.report(f"saved {finish(tmp, stream, req)} (step {req.step}; "
-                            f"{time.perf_counter() - t0:.3f} s)")
+                                  emit=save.stream.put if save is not None else _nothing)
+            if writer and save is not None:
+                self.report(f"saved {finish(save, req)} (step {req.step}; {time.perf_counter() - t0:.3f} s)")
         except OSError as exc:
             raise HspmdError(f"{self.root}: cannot write the checkpoint: {exc.strerror or exc}") from None
         finally:
-            if tmp is not None and tmp.exists():
-                if stream is not None:
-                    stream.abort()
+            if tmp is not None and tmp.exists():   # the save failed before its rename: nothing of it stays
+                if save is not None:
+                    save.stream.abort()
                 shutil.rmtree(tmp, ignore_errors=True)
 
     def _write(self, req: SaveRequest, snapshot: list[tuple[str, torch.Tensor]], paused: float) -> None:
