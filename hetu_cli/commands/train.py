@@ -395,9 +395,12 @@ def _resume(save_dir: Path, load_dir: Path | None, last_step: int) -> tuple[Path
                   + (f"from {escape(str(load_dir))}" if load_dir is not None else "at step 0"))
         return load_dir, last_step
     done = step_of(latest)
-    if done >= last_step:
-        raise HspmdError(f"{latest}: --resume: the run is at step {done} already, --steps {last_step} asks for no "
-                         "more (--steps is the run's last step when resuming)")
+    if done == last_step:   # the run finished: repeating its command (a retry loop) is not an error
+        out.print(f"--resume: {escape(str(latest))} is the run's last step ({done}): nothing left to train")
+        sys.exit(0)
+    if done > last_step:
+        raise HspmdError(f"{latest}: --resume: the run is at step {done} already, past --steps {last_step} (--steps "
+                         "is the run's last step when resuming)")
     out.print(f"--resume: continuing from {escape(str(latest))} (step {done}) to step {last_step}")
     return latest, last_step - done
 
