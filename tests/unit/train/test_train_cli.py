@@ -88,7 +88,8 @@ def test_resume_continues_from_latest_to_the_runs_last_step(monkeypatch, tmp_pat
     assert res.exit_code == 0 and "nothing left to train" in res.output and len(seen) == 1
     res = CliRunner().invoke(cli, [*base, "--steps", "7"])
     assert res.exit_code == 2 and "the run is at step 8 already, past --steps 7" in res.output
-    res = CliRunner().invoke(cli, ["train", "--plan", PLAN, "--save", str(tmp_path / "new"), "--resume", "--steps", "3"])
+    res = CliRunner().invoke(cli, ["train", "--plan", PLAN, "--save", str(tmp_path / "new"), "--resume",
+                                   "--steps", "3"])
     assert res.exit_code == 0 and "no checkpoint in" in res.output and seen[-1].load_dir is None
     res = CliRunner().invoke(cli, ["train", "--plan", PLAN, "--save-every", "2"])
     assert res.exit_code == 2 and "--save-every, --keep and --resume work on --save DIR" in res.output
