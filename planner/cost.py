@@ -317,6 +317,15 @@ def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     return 6.0 * n + 12.0 * model.num_layers * model.hidden_size * seq_len
 
 
+def model_flops_utilization(model: ModelSpec, cluster: Any, devices: Iterable[int], seq_len: int, tokens: int,
+                            step_time_s: float) -> float:
+    """MFU: the model FLOPs of a step of ``tokens`` tokens (``model_flops_per_token`` at ``seq_len``) per
+    second, over the sum of ``devices``' dense bf16 datasheet peaks (docs/training.md)."""
+    peak = sum(cluster.type_of(d).peak_bf16_tflops for d in devices) * 1e12
+    flops = model_flops_per_token(model, seq_len) * tokens
+    return flops / step_time_s / peak if step_time_s > 0 and peak > 0 else 0.0
+
+
 def has_tp_stage(strategy: Strategy) -> bool:
     """Whether some stage is a TP group: what ``training.sequence_parallel`` acts on (a plan without one
     must not set it, runtime/spec/validate.py)."""
@@ -1575,9 +1584,8 @@ class CostModel:
 
     def mfu(self, step_time_s: float, global_batch: int, devices: Iterable[int]) -> float:
         """Model FLOPs per second over the datasheet peak of the devices used."""
-        peak = sum(self.cluster.type_of(d).peak_bf16_tflops for d in devices) * 1e12
-        flops = model_flops_per_token(self.model, self.seq_len) * global_batch * self.seq_len
-        return flops / step_time_s / peak if step_time_s > 0 and peak > 0 else 0.0
+        return model_flops_utilization(self.model, self.cluster, devices, self.seq_len, global_batch * self.seq_len,
+                                       step_time_s)
 
     def estimate(self, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
                  zero: int = 0, *, pipeline_s: Sequence[float] | None = None) -> StrategyEstimate:

@@ -111,7 +111,13 @@ class TrainOptions:
     steps: int = 10
     trace_dir: Path | None = None
     data_file: Path | None = None
-    save_dir: Path | None = None
+    save_dir: Path | None = None  # the run's step checkpoints (runtime/checkpoint_series.py)
+    save_every: int = 0  # also save every N steps (0: only at the end)
+    keep: int | None = None  # keep the newest K step checkpoints (None: all)
+    # Periodic saves written by a background thread from a host copy of the whole state on the writer
+    # (training pauses only for the gather); False: written before training goes on, one BSR round at a
+    # time (host memory for one round, for states larger than the writer's memory).
+    save_in_background: bool = True
     load_dir: Path | None = None
     timeout_s: float = 120.0  # every store operation, process group and collective
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
@@ -142,6 +148,10 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ValueError(f"steps must not be negative, got {self.steps}")
+        if self.save_every < 0 or (self.keep is not None and self.keep < 1):
+            raise ValueError(f"save_every must be >= 0 and keep >= 1, got {self.save_every}, {self.keep}")
+        if self.save_every and self.save_dir is None:
+            raise ValueError("save_every needs a save_dir")
         if self.timeout_s <= 0 or self.heartbeat_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ValueError("timeouts must be positive and heartbeat_timeout_s > heartbeat_s")
         if self.precision not in PRECISIONS:
@@ -200,6 +210,7 @@ class StepReport:
     lr: float = 0.0  # the learning rate of the step's update
     lengths: LengthsStep | None = None  # documents runs: the step's dispatch (the same on every device)
     idle: bool = False  # documents runs: the step's strategy leaves this device idle (no loss, no time)
+    peak_memory_bytes: int = 0  # the device's peak so far: CUDA's allocator peak, or the process' peak RSS on CPU
 
 
 @dataclass(frozen=True)
@@ -233,6 +244,10 @@ class StepRecord:
     emulation_s: float  # most any worker slept to emulate slowness this step
     emulation_overrun_s: float = 0.0  # sleep mode: most any worker's blocks ran past their targets
     lr: float | None = None  # the learning rate of the step's update (the plan's schedule)
+    # Peak memory of each device so far (device id -> bytes: the CUDA allocator's peak, or on CPU the worker
+    # process' peak resident set), and the model FLOPs utilization (hetu_cli fills it: docs/training.md).
+    peak_memory_bytes: dict[str, int] | None = None
+    mfu: float | None = None
     # Documents runs (omitted from the JSON otherwise): the step's documents and tokens, its padding, the
     # dispatch imbalance, and the switch (wall time: the slowest device's; bytes: all devices') when the
     # strategy changed.
@@ -273,5 +288,7 @@ class StepRecord:
         return StepRecord(step=first.step, loss=first.loss, step_time_s=step_time,
                           tokens_per_s=first.tokens / step_time if step_time > 0 else 0.0,
                           strategy=strategy, grad_norm=first.grad_norm, lr=first.lr,
+                          peak_memory_bytes={str(r.device): r.peak_memory_bytes for r in reports
+                                             if r.peak_memory_bytes} or None,
                           emulation_s=max(r.emulation_s for r in reports),
                           emulation_overrun_s=max(r.emulation_overrun_s for r in reports), **extra)
