@@ -34,9 +34,6 @@ planner can call them millions of times:
   pieces), its messages sharing ports and NICs (planner/links.py); ``transfer_time(a, b, nbytes)`` one
   message (measured link curves, else ``link(a, b)``'s latency and bandwidth); ``serialises(devices)``
   whether a tick's sends and receives serialise, as the profile says (``tick_seconds``, planner/links.py).
-  ``hop_time(strategy, src, dst)``: the same as a run of ``strategy`` carries it, with the emulated host's
-  delay where its launcher pins a sender and its receiver to one core (``HostModel.shared_core_delay``);
-  the estimate and the simulator price boundaries with it.
 * ``allreduce_time(devices, nbytes)``: one ring all-reduce (measured curves by size for its link class,
   across nodes too, when the profiles have them).
 * ``sync_plan(strategy) -> [SyncGroup]``: the cross-pipeline gradient sync exactly as the runtime lays it
@@ -75,14 +72,9 @@ runtime's stage module as the engine runs a micro-batch: ``MeasuredModel.blocks`
 the components. TP collectives are priced from the measured TP overhead per block (DTensor dispatch and
 collectives: ``tp_blocks``, ``tp_blocks_sp`` for a sequence-parallel plan where the profile has them, or
 per layer ``tp_overhead`` in older profiles) when there is one, else
-counted (2 all-reduces forward, 2 backward per layer, as the runtime lays Megatron TP out). On a
-CPU-emulated device type only the CPU-time part of the TP overhead (``tp_blocks_cpu``) is stretched by its
-slowdown: the runtime sleeps a multiple of each compute block's CPU time. ``step_overhead_time`` (the
-step's code outside its spans) and the gradient sync's packing (``sync_group_time``) come from measured
-profiles too. ``host`` (planner/host.py) holds the emulated host's effects: the slowdown ``stage`` stretches
-by, the measured costs of sharing the CPU that only the simulator plays out (planner/simulate.py), and
-two the estimate charges as well (``pipeline_costs``): the executor's CPU per boundary message
-(``p2p_actions``) and the lateness of every emulated sleep (``sleep_late_s``).
+counted (2 all-reduces forward, 2 backward per layer, as the runtime lays Megatron TP out).
+``step_overhead_time`` (the step's code outside its spans) and the gradient sync's packing
+(``sync_group_time``) come from measured profiles too.
 
 Pure formulas (module level): ``pipeline_time`` (1F1B's closed form ``(m-1)*max(t) + sum(t) +
 sum(boundary comm)``, GPipe's on forward and backward separately: ranking proxies, e.g.
@@ -94,8 +86,7 @@ otherwise the component costs are derived from the profile's throughput figures 
 FLOPs and bytes (``analytic_components``, runtime/profiling/profile.py ``component_fits``). Both paths
 yield the same ``ComponentFit`` records. A sleep-mode emulated type (runtime/spec/cluster.py ``Emulation``)
 is priced by its target instead: ``stage`` gives what ``sleep_target`` prices each forward / backward
-block at (runtime/profiling/profile.py ``block_seconds``, the function the runtime sleeps by), and
-``HostModel.contended`` tells the simulator's host model to leave it out.
+block at (runtime/profiling/profile.py ``block_seconds``, the function the runtime sleeps by).
 """
 
 from __future__ import annotations
@@ -107,7 +98,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.host import HostModel
 from planner.links import Flow, concurrent_seconds, curve_seconds, ring_sharers
 from runtime.annotations.from_plan import Boundary, held_by, placements
 from runtime.annotations.states import Annotation
@@ -126,8 +116,6 @@ from runtime.profiling.profile import (
     LinkCurve,
     LinkFit,
     MeasuredModel,
-    P2pAction,
-    P2pActions,
     ProfileSet,
     SleepTarget,
     analytic_components,  # noqa: F401 (re-exported: it lived here before the runtime's block pricing)
@@ -385,10 +373,6 @@ class StageCost:
     tp_forward_s: float     # TP collectives inside forward_s
     tp_backward_s: float    # TP collectives inside backward_s (recompute included)
     params: int             # local parameters on each device of the stage
-    # CPU seconds inside the TP collectives (DTensor dispatch): on an emulated device they are stretched
-    # with the compute (included in tp_forward_s / tp_backward_s as (slowdown - 1) x these).
-    tp_cpu_forward_s: float = 0.0
-    tp_cpu_backward_s: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -503,7 +487,6 @@ class CostModel:
         # Whether TP stages run Megatron sequence parallelism (``training.sequence_parallel``): a plan-wide
         # switch, so every price of a (device type, TP degree) is the one its plan runs.
         self.sequence_parallel = sequence_parallel
-        self.host = HostModel(model, cluster, profiles, seq_len)   # emulated hosts: planner/host.py
         self._type_of = [d.type for d in cluster.devices]
         self._node_of = [d.node for d in cluster.devices]
         self._nic_of = [cluster.nic_of(d.id) for d in cluster.devices]
@@ -670,21 +653,10 @@ class CostModel:
                              tp_backward_s=0.0, params=n * lay.params + ext.params)
         fwd_c = n * lay.forward_s + ext.forward_s
         bwd_c = n * lay.backward_s + r * lay.recompute_s + ext.backward_s
-        # An emulated device sleeps (slowdown - 1) x the CPU time of each compute block (runtime/trace.py
-        # EmulatedSlowdown): the waits inside its TP collectives are not stretched, their CPU time is.
-        stretch = self.host.emulated_slowdown(device_type)
-        cpu_blocks = self._tp_blocks(device_type, tp, cpu=True)
-        tp_cpu_f = tp_cpu_b = 0.0
-        if cpu_blocks is not None:
-            cpu_f = eval_fit(cpu_blocks["layer"].forward_s, b, s)
-            ext_f, ext_b = self._tp_extras(cpu_blocks, first, last, b, s)
-            tp_cpu_f = n * cpu_f + ext_f
-            tp_cpu_b = n * eval_fit(cpu_blocks["layer"].backward_s, b, s) + r * cpu_f + ext_b
-        tp_f = n * lay.tp_forward_s + ext.tp_forward_s + (stretch - 1.0) * tp_cpu_f
-        tp_b = n * lay.tp_backward_s + ext.tp_backward_s + (stretch - 1.0) * tp_cpu_b
+        tp_f = n * lay.tp_forward_s + ext.tp_forward_s
+        tp_b = n * lay.tp_backward_s + ext.tp_backward_s
         return StageCost(forward_s=fwd_c + tp_f, backward_s=bwd_c + tp_b, compute_s=fwd_c + bwd_c,
-                         tp_forward_s=tp_f, tp_backward_s=tp_b, params=n * lay.params + ext.params,
-                         tp_cpu_forward_s=tp_cpu_f, tp_cpu_backward_s=tp_cpu_b)
+                         tp_forward_s=tp_f, tp_backward_s=tp_b, params=n * lay.params + ext.params)
 
     @memo
     def placed_stage(self, device_type: str, tp: int, layers: tuple[tuple[int, int], ...], first: bool, last: bool,
@@ -714,8 +686,8 @@ class CostModel:
         return dataclasses.replace(sc, forward_s=sc.forward_s + d_f, backward_s=sc.backward_s + d_b,
                                    compute_s=sc.compute_s + d_f + d_b)
 
-    def _tp_blocks(self, device_type: str, tp: int, cpu: bool = False) -> Mapping[str, ComponentFit] | None:
-        """Measured TP overhead per stage block (wall time, or its CPU part), if the profile has it: for a
+    def _tp_blocks(self, device_type: str, tp: int) -> Mapping[str, ComponentFit] | None:
+        """Measured TP overhead per stage block, if the profile has it: for a
         sequence-parallel plan the figures measured with it on (``tp_blocks_sp``), where the profile has
         them at this degree, else (older profiles) those measured without it, whose collectives move the
         same bytes (each all-reduce a reduce-scatter plus an all-gather)."""
@@ -723,8 +695,8 @@ class CostModel:
         if m is not None and measured_tp_comm(self.profiles[device_type], self.model, tp):
             return dict.fromkeys(BLOCKS, ZERO_FIT)   # the measured times include the collectives
         if m is not None and self.sequence_sharded(tp) and tp in m.tp_blocks_sp:
-            return (m.tp_blocks_sp_cpu if cpu else m.tp_blocks_sp).get(tp)
-        return None if m is None else (m.tp_blocks_cpu if cpu else m.tp_blocks).get(tp)
+            return m.tp_blocks_sp.get(tp)
+        return None if m is None else m.tp_blocks.get(tp)
 
     @staticmethod
     def _tp_extras(blocks: Mapping[str, ComponentFit], first: bool, last: bool, b: int, s: int) -> tuple[float, float]:
@@ -860,15 +832,6 @@ class CostModel:
     @memo
     def _p2p_time(self, src: tuple[int, ...], dst: tuple[int, ...]) -> float:
         return concurrent_seconds(self.boundary_flows(src, dst), self.transfer_time, self._node_of, self._nic_of)
-
-    def hop_time(self, strategy: Strategy, src: Sequence[int], dst: Sequence[int]) -> float:
-        """One boundary message of ``strategy`` as its run carries it: ``p2p_time``, and on an emulated host
-        the delay when the launcher pins its sender and receiver to one core (``HostModel.shared_core_delay``)."""
-        return self.p2p_time(src, dst) + self._shared_core_delay(tuple(strategy.devices), tuple(src), tuple(dst))
-
-    @memo
-    def _shared_core_delay(self, devices: tuple[int, ...], src: tuple[int, ...], dst: tuple[int, ...]) -> float:
-        return self.host.shared_core_delay(devices, src, dst)
 
     def serialises(self, devices: Sequence[int]) -> bool:
         """Whether a transfer's send and receive directions share the link one after the other (the
@@ -1248,65 +1211,12 @@ class CostModel:
                                                 recompute_layers=st.chunk_recompute(c))
                                 for c, (a, b) in enumerate(st.layers)))
         layout = schedule_layout(schedule, len(pipe.stages), pipe.stages[0].chunks)
-        chunks = self._with_executor_costs(pipe, layout, chunks)
         boundary = []
         for j in range(layout.num_stages - 1):
             a, b = pipe.stages[layout.device(j)], pipe.stages[layout.device(j + 1)]
-            boundary.append(0.0 if a is b else max(self.hop_time(strategy, a.devices, b.devices),
-                                                   self.hop_time(strategy, b.devices, a.devices)))
+            boundary.append(0.0 if a is b else max(self.p2p_time(a.devices, b.devices),
+                                                   self.p2p_time(b.devices, a.devices)))
         return Costs(tuple(chunks), tuple(boundary))
-
-    @memo
-    def _executor_figures(self, device_type: str) -> tuple[P2pActions | None, float]:
-        """(CPU per boundary message, lateness of an emulated sleep after a block: 0 unless stretched; a
-        sleep-mode block ends at its target, runtime/trace.py ``EmulatedTarget``)."""
-        h = self.host.core_handoff(device_type) if self.host.emulated_slowdown(device_type) > 1.0 else None
-        return self.host.p2p_actions(device_type), 0.0 if h is None else h.sleep_late_s
-
-    def _with_executor_costs(self, pipe: Pipeline, layout: Layout, chunks: list[tuple[ChunkCost, ...]]
-                             ) -> list[tuple[ChunkCost, ...]]:
-        """``chunks`` with what the executor adds to the ops, as the simulator plays it on the stage's own
-        timeline (measured; nothing without the figures): the CPU per boundary message
-        (``HostModel.p2p_actions``) in the ops that send or receive it (a virtual stage's F receives its
-        input, post and wait, from the previous one and sends its output to the next, its B or fused BW the
-        reverse; W sends nothing; a neighbour on the same device, the bottom of a V, is handed over in
-        memory), and on an emulated slower device the lateness of the sleep after each block
-        (``CoreHandoff.sleep_late_s``: every F, B, W and BW is one block)."""
-        figures = [self._executor_figures(self._type_of[st.devices[0]]) for st in pipe.stages]
-        per_stage, late = [f[0] for f in figures], [f[1] for f in figures]
-        if all(a is None for a in per_stage) and not any(late):   # (spec and GPU profiles: the search's case)
-            return chunks
-        out = [list(row) for row in chunks]
-        last = layout.num_stages - 1
-        for j in range(layout.num_stages):
-            d, c = layout.device(j), layout.chunk(j)
-            acts = per_stage[d]
-            f = b = late[d]
-            cc = out[d][c]
-            if acts is not None:
-                before = j > 0 and layout.device(j - 1) != d     # F receives, B sends
-                after = j < last and layout.device(j + 1) != d   # F sends, B receives
-                dtype = self._type_of[pipe.stages[d].devices[0]]
-                f += self._actions_s(acts, dtype, cc.forward, before, after)
-                b += self._actions_s(acts, dtype, cc.input_grad, after, before)
-            if f or b:
-                # A fused BW is one block (one sleep), a split backward two (B and W).
-                out[d][c] = dataclasses.replace(cc, forward=cc.forward + f, input_grad=cc.input_grad + b,
-                                                weight_grad=cc.weight_grad + late[d],
-                                                full_backward=cc.input_grad + cc.weight_grad + b
-                                                if cc.full_backward is None else cc.full_backward + b)
-        return [tuple(row) for row in out]
-
-    def _actions_s(self, acts: P2pActions, device_type: str, block_s: float, receives: bool, sends: bool) -> float:
-        """The executor's CPU around one block of ``block_s`` that receives and / or sends a boundary
-        message: its send and its receive's unpacking each after the device idled as long as such a block
-        leaves it idle (a sleep-mode block all of it, a stretched one its sleep), the receive's post hot (a
-        stage posts it with the tick's other messages, right after a send or at the step's start). The
-        simulator plays the real idle before each action."""
-        k = self.host.emulated_slowdown(device_type)
-        idle = block_s if self.host.sleeps_to_target(device_type) else (k - 1.0) / k * block_s
-        cold: list[P2pAction] = (["wait_recv"] if receives else []) + (["post_send"] if sends else [])
-        return sum(acts.after_idle(a, idle) for a in cold) + (acts.hot("post_recv") if receives else 0.0)
 
     def pipeline_step_time(self, strategy: Strategy, pi: int, schedule: Schedule) -> float:
         """Pipeline ``pi``'s part of the step under its schedule (``schedule`` unless it names its own): the
@@ -1406,7 +1316,7 @@ class CostModel:
         for the list scheduler's time (``pipeline_step_time``), which the best plans then get."""
         pipe = strategy.pipelines[pi]
         stages = [self.stage_total(s) for s in pipe.stages]
-        boundary = [self.hop_time(strategy, a.devices, b.devices) + self.hop_time(strategy, b.devices, a.devices)
+        boundary = [self.p2p_time(a.devices, b.devices) + self.p2p_time(b.devices, a.devices)
                     for a, b in zip(pipe.stages, pipe.stages[1:])]
         return pipeline_time([s.forward_s for s in stages], [s.backward_s for s in stages], pipe.micro_batches,
                              "1f1b", boundary)
@@ -1510,7 +1420,7 @@ class CostModel:
         pipe = strategy.pipelines[pi]
         name = pipe.schedule if pipe.schedule is not None else schedule
         stages = tuple(self.stage_total(s) for s in pipe.stages)
-        boundary = tuple(self.hop_time(strategy, a.devices, b.devices) + self.hop_time(strategy, b.devices, a.devices)
+        boundary = tuple(self.p2p_time(a.devices, b.devices) + self.p2p_time(b.devices, a.devices)
                          for a, b in zip(pipe.stages, pipe.stages[1:]))
         t = self.pipeline_step_time(strategy, pi, name) if time_s is None else time_s
         return PipelineEstimate(pipe.micro_batches, stages, boundary, t, name, pipe.stages[0].chunks)
