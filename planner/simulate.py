@@ -9,7 +9,7 @@ a final ``WaitSends``; each pipeline has its own schedule and micro-batch count.
 on its pair of devices' link, in the pair's post order (one stream per pair), and takes ``latency +
 bytes / bandwidth`` once both sides have posted it (a rendezvous: measured so on gloo, where a send
 waits for its receive; NCCL's send/recv behave so too); a pair's two directions share one queue where
-the profile says sends and receives serialise (planner/links.py, the rule the cost model prices by too),
+the profile says sends and receives serialise (planner/costmodel/network.py, the rule the cost model prices by too),
 else each direction has its own. The measured fixed cost per iteration is added to the step. After its
 stage's last action each device joins its gradient-sync groups (a group's all-reduce starts when its
 last member joins), then the per-step all-reduce of loss and gradient norm, then its optimizer step, then

@@ -13,7 +13,6 @@ from planner.cost import (
     GIB,
     CostModel,
     allreduce_seconds,
-    analytic_components,
     model_flops_per_token,
     pipeline_time,
 )
@@ -26,6 +25,7 @@ from runtime.profiling.profile import (
     OptimizerFit,
     ProfileSet,
     ResolvedProfile,
+    analytic_components,
     spec_profile,
 )
 from runtime.schedule_policies import live_activation_limit
