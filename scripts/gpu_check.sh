@@ -46,7 +46,7 @@ if [ -z "$PY" ]; then
     # checkout; the summary says which dependencies are missing and the phases what that breaks.
     if [ -x "$REPO/.venv/bin/python" ]; then PY="$REPO/.venv/bin/python"; else PY="$(command -v python3 || echo python3)"; fi
     export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-    MISSING="$("$PY" -c 'import importlib.util as u; print(" ".join(m for m in ("torch", "yaml", "click", "rich", "pulp", "highspy", "networkx", "safetensors") if u.find_spec(m) is None))' 2>/dev/null || echo "$PY does not run")"
+    MISSING="$("$PY" -c 'import importlib.util as u; print(" ".join(m for m in ("torch", "yaml", "click", "rich", "pulp", "highspy", "safetensors") if u.find_spec(m) is None))' 2>/dev/null || echo "$PY does not run")"
     INSTALL_REASON="$INSTALL_REASON; using $PY${MISSING:+, missing: $MISSING}"
   fi
 else

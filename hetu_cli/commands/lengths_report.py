@@ -1,5 +1,5 @@
 """``hspmd plan --lengths`` and ``hspmd simulate --lengths``: the mixed-length halves of those verbs (kept
-apart from their fixed-length code, which other work edits)."""
+apart from their fixed-length code: one concern per file)."""
 
 from __future__ import annotations
 

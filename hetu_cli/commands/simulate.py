@@ -113,7 +113,7 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
 
 
 def _events(ctx, strategy_name: str | None, profiles, events_file: Path, max_searches: int, fmt: str) -> None:
-    from planner.replan import TraceModel, model_trace
+    from planner.trace_model import TraceModel, model_trace
     from runtime.elastic.events import load_trace
     from runtime.spec.handle import StrategyHandle
 

@@ -188,7 +188,7 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     """Train with PLAN: every device runs its own specialized program (gloo on CPU, NCCL on GPU).
 
     Started by torchrun (`torchrun ... -m hetu_cli train --plan PLAN`), runs as one of its workers
-    instead of launching its own: the multi-node path (README, 'Training').
+    instead of launching its own: the multi-node path (docs/training.md, 'Multi-node').
     """
     if lengths is not None and data_file is not None:
         raise HspmdError("--lengths: synthetic documents or --data FILE, not both")

@@ -10,7 +10,6 @@ list for this stage (runtime/pipeline_schedules.py), then syncs and steps.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 
@@ -22,6 +21,7 @@ from runtime.annotations.from_plan import strategy_groups
 from runtime.comm.execute import torch_dtype
 from runtime.comm.groups import ProcessGroups
 from runtime.comm.resolve import CommOp
+from runtime.device_clock import SpanTimes, device_clock
 from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
 from runtime.engine.data_parallel import GradientSync
 from runtime.engine.describe import COMPUTE_NAMES, ProgramDescription, action_name, describe_plan
@@ -114,7 +114,7 @@ class DeviceProgram:
         connect_peers(role.device, peers, self.ranks, self.device)
         devices = ctx.strategy.devices
         self._stats_group = groups.get(devices) if len(devices) > 1 else None
-        self._times = {"compute": 0.0, "comm": 0.0}
+        self._times = SpanTimes(device_clock(self.device))  # device time: host clocks see launches only
         # Packed documents: micro-batch counts and boundary shapes vary by step; both follow from the step's
         # dispatch, which every rank computes identically, so they are derived here rather than sent.
         self._actions: dict[int, tuple[Action, ...]] = {role.micro_batches: plan.actions}
@@ -141,7 +141,7 @@ class DeviceProgram:
         t = self.ctx.strategy.training
         role = self.role
         micro_batches, denominator, tokens = self._micro_batches(global_batch)
-        self._times = {"compute": 0.0, "comm": 0.0}
+        self._times.reset()
         for p in self.params.values():
             p.grad = None
         run = StepState(self.device, self.ctx.precision)
@@ -178,9 +178,10 @@ class DeviceProgram:
                 dist.all_reduce(stats, group=self._stats_group)
         norm = stats[1].sqrt()
         if before_update is not None:  # (reading the statistics waits for the device: only when asked)
-            before_update(StepStats(loss=float(stats[0]) / denominator if denominator else 0.0,
-                                    grad_norm=float(norm), tokens=tokens, compute_s=self._times["compute"],
-                                    comm_s=self._times["comm"], lr=t.optimizer.lr_at(self.optimizer.step_count)))
+            loss = float(stats[0]) / denominator if denominator else 0.0  # the host waits for the device here
+            before_update(StepStats(loss=loss, grad_norm=float(norm), tokens=tokens,
+                                    compute_s=self._times.seconds("compute"), comm_s=self._times.seconds("comm"),
+                                    lr=t.optimizer.lr_at(self.optimizer.step_count)))
         zero = self.optimizer if isinstance(self.optimizer, ShardedAdamW) else None
         with self._span("compute", "optimizer"):
             if zero is None:
@@ -194,7 +195,7 @@ class DeviceProgram:
             p.grad = None
         loss = float(stats[0]) / denominator if denominator else 0.0
         return StepStats(loss=loss, grad_norm=float(norm), tokens=tokens,
-                         compute_s=self._times["compute"], comm_s=self._times["comm"], lr=lr)
+                         compute_s=self._times.seconds("compute"), comm_s=self._times.seconds("comm"), lr=lr)
 
     def _micro_batches(self, batch: torch.Tensor | StepBatch) -> tuple[tuple[MicroBatch, ...], int, int]:
         """This pipeline's micro-batches of the step (on this device), the loss denominator, the step's tokens."""
@@ -341,11 +342,8 @@ class DeviceProgram:
 
     @contextmanager
     def _span(self, kind: str, name: str, **args: object) -> Iterator[None]:
-        t0 = time.perf_counter()
-        with self.hooks.span(kind, name, **args):
+        with self._times.span(kind), self.hooks.span(kind, name, **args):
             yield
-        if kind in self._times:
-            self._times[kind] += time.perf_counter() - t0
 
 
 class StepState:

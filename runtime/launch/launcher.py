@@ -43,7 +43,7 @@ def placement(ctx: PlanContext, devices: list[int], *, one_host: bool = True) ->
     if len(nodes) > 1:
         raise HspmdError(f"{ctx.path}: the strategy spans nodes {', '.join(nodes)}: `hspmd train` starts "
                          "workers on this machine only; run `torchrun ... -m hetu_cli train --plan PLAN` on "
-                         "every node (README, 'Training')")
+                         "every node (docs/training.md, 'Multi-node')")
     import torch
 
     need = max(ctx.cluster.device(d).local_index for d in devices) + 1

@@ -202,8 +202,8 @@ def test_an_os_error_on_a_path_is_one_line(monkeypatch):
 
 @pytest.mark.parametrize("type_name", ["", "TRAVERSE/outside", "\\x"])
 def test_profile_import_type_is_a_file_name(type_name: str, tmp_path: Path):
-    """--type names the default output, profiles/<type>.imported.yaml: '../../outside' wrote
-    /work/wt/outside.imported.yaml, outside the checkout. (Here a traversal would land in tmp_path.)"""
+    """--type names the default output, profiles/<type>.imported.yaml: '../../outside' would write
+    outside.imported.yaml outside the checkout. (Here a traversal would land in tmp_path.)"""
     type_name = type_name.replace("TRAVERSE", "../" * 40 + str(tmp_path).lstrip("/"))
     table = tmp_path / "t.csv"
     table.write_text("kind\n")

@@ -66,8 +66,8 @@ def test_measure_runtime_modules_per_shard():
     plain = fit_component(samples, params, batch=1)
     assert fit.forward_s == pytest.approx(tuple(3 * v for v in plain.forward_s))
     # A slower device holds the same tensors: the scale does not enter the activation fit. To rounding, not to
-    # the bit: the two fits of these same samples came out 26.83333333333334 and ...35 in a fresh-clone run
-    # (stop 31), torch.linalg.lstsq's LAPACK/BLAS path not being bit-reproducible from call to call.
+    # the bit: two fits of these same samples can come out 26.83333333333334 and ...35, torch.linalg.lstsq's
+    # LAPACK/BLAS path not being bit-reproducible from call to call.
     assert fit.activation_bytes == pytest.approx(plain.activation_bytes, rel=1e-12, abs=0.0)
 
 
