@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from runtime.comm.bsr import FLOAT32
 from runtime.comm.gradsync import runs
+from runtime.elastic.state import MOMENT_SUFFIXES, STATE_DTYPE, STATE_SUFFIXES, moment_key
 from runtime.errors import HspmdError, Problem, SpecError
 from runtime.hf_files import copy_side_files
 from runtime.models.params import llama_parameters
@@ -64,9 +64,6 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_FORMAT = "hspmd-optimizer/1"
 SHARD_BYTES = 4 * 2**30  # weights above this go into several files (Hugging Face's sharded layout)
-STATE_SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")  # the parameter, then AdamW's two moments
-MOMENT_SUFFIXES = STATE_SUFFIXES[1:]
-STATE_DTYPE = FLOAT32  # master weights and moments (bf16 is only autocast compute)
 ROUND_BYTES = 256 * 2**20  # full-tensor bytes gathered per BSR round (bounds the writer's memory)
 FLOATING_DTYPES = ("F", "BF")  # safetensors dtype names of floating-point tensors (F32, F8_E4M3, BF16, ...)
 SAVE_ID = "hspmd_save"  # metadata key tying the files of one save together
@@ -99,11 +96,6 @@ class CheckpointInfo:
 def expected_tensors(model: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of ``model`` holds, with its full shape, in module order."""
     return {info.name + suffix: info.shape for info in llama_parameters(model) for suffix in STATE_SUFFIXES}
-
-
-def moment_key(name: str, suffix: str, i: int) -> str:
-    """A ZeRO-1 moment's slice ``i`` as one 1-D tensor (the fused BSRs of a save and of a switch move these)."""
-    return f"{name}{suffix}@{i}"
 
 
 def checkpoint_path(directory: str | Path) -> Path:
