@@ -83,7 +83,7 @@ class TensorBoard:
         self.writer.close()
 
 
-def mfu_of(plan: tuple[Path, str | None, str | None]) -> Callable[[StepRecord], StepRecord]:
+def mfu_of(plan: Path, cluster: str | None = None, model: str | None = None) -> Callable[[StepRecord], StepRecord]:
     """A step's record with its MFU: model FLOPs (planner/cost.py ``model_flops_per_token`` at the plan's
     seq_len, times the step's tokens) per second over the sum of the step strategy's devices' dense peaks."""
     from dataclasses import replace
@@ -91,7 +91,7 @@ def mfu_of(plan: tuple[Path, str | None, str | None]) -> Callable[[StepRecord], 
     from planner.cost import model_flops_utilization
     from runtime.spec import load_plan_context
 
-    ctx = load_plan_context(*plan)   # (plan, --cluster, --model)
+    ctx = load_plan_context(plan, cluster, model)
     t = ctx.plan.training
 
     def add(r: StepRecord) -> StepRecord:
@@ -338,7 +338,7 @@ def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strat
     sink = MetricsFile(metrics) if metrics is not None else None
     board = TensorBoard(tensorboard_dir) if tensorboard_dir is not None else None
     display = StepDisplay(steps, None if load_dir is not None else steps, stderr=metrics == STDOUT)
-    with_mfu = mfu_of((plan_path, cluster_ref, model_ref))
+    with_mfu = mfu_of(plan_path, cluster_ref, model_ref)
 
     def on_step(record: StepRecord) -> None:
         record = with_mfu(record)
