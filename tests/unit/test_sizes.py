@@ -20,7 +20,6 @@ OVER_LIMIT = frozenset({
     "planner/cost.py",
     "planner/cost.py:CostModel",
     "planner/simulate.py",
-    "runtime/pipeline_schedules.py",
     "runtime/profiling/profile.py",
     "runtime/elastic/coordinator.py",
     "runtime/elastic/coordinator.py:ElasticPolicy",
