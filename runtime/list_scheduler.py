@@ -90,7 +90,8 @@ def greedy_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[
                 continue
             st = devs[d]
             pending = pend[d]
-            picker.admit(st, due_by)
+            if pending and pending[0][0] <= due_by:
+                picker.admit(st, due_by)
             op = picker.take(st, limit[d])
             if op is None:
                 wake[d] = pending[0][0] if pending else inf
