@@ -75,13 +75,15 @@ def greedy_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[
     wake = [0.0] * n
     pend = [st.pending for st in devs]
     heappush, heappop = heapq.heappush, heapq.heappop
+    admit, take, readied = picker.admit, picker.take, ops.readied
 
     while started < total:
         if not events:
             raise _stalled(name, now, devs, ops, total)
         now, d = heappop(events)
         due_by = now + ops.tol
-        looks = _named(events, d, due_by)
+        # The devices this event names: ``d``, and those of the further events due now (if any).
+        looks = [d] if not events or events[0][0] > due_by else _named(events, d, due_by)
         i = 0
         while i < len(looks):
             d = looks[i]
@@ -91,8 +93,8 @@ def greedy_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[
             st = devs[d]
             pending = pend[d]
             if pending and pending[0][0] <= due_by:
-                picker.admit(st, due_by)
-            op = picker.take(st, limit[d])
+                admit(st, due_by)
+            op = take(st, limit[d])
             if op is None:
                 wake[d] = pending[0][0] if pending else inf
                 continue
@@ -113,7 +115,7 @@ def greedy_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[
             # ``due_by`` would find nothing new in this event; one later in device order that an op due now
             # woke (a zero duration or transfer) is looked at in this event, as a scan of every device in
             # turn would (``_woke``).
-            for nxt, ready_t, td in ops.readied(op, r, k, t, waiting, end):
+            for nxt, ready_t, td in readied(op, r, k, t, waiting, end):
                 ready_at[nxt] = ready_t
                 heappush(pend[td], (ready_t, nxt))
                 heappush(events, (ready_t, td))
@@ -428,11 +430,9 @@ def _named(events: list[tuple[float, int]], d: int, due_by: float) -> list[int]:
     """The devices an event names, in device order: ``d``, whose event was just taken, and those of every further
     event due by ``due_by`` (taken off ``events``)."""
     looks = [d]
-    if events and events[0][0] <= due_by:
-        while events and events[0][0] <= due_by:
-            looks.append(heapq.heappop(events)[1])
-        looks = sorted(set(looks))
-    return looks
+    while events and events[0][0] <= due_by:
+        looks.append(heapq.heappop(events)[1])
+    return sorted(set(looks))
 
 
 def _woke(looks: list[int], i: int, d: int) -> None:
