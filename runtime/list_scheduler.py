@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import bisect
 import functools
-import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from heapq import heapify, heappop, heappush
 
 from runtime.schedule_policies import POLICIES, Layout, Policy
 from runtime.schedule_types import Costs, op_kinds
@@ -54,7 +54,7 @@ def greedy_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[
         if waiting[o] == 0:
             devs[ops.dev_num[o % per_mb]].pending.append((0.0, o))
     for st in devs:
-        heapq.heapify(st.pending)
+        heapify(st.pending)
     ready_at = [0.0] * total
     end = [0.0] * total
     order: list[list[tuple[int, float]]] = [[] for _ in range(n)]
@@ -74,7 +74,6 @@ def greedy_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[
     free = [0.0] * n
     wake = [0.0] * n
     pend = [st.pending for st in devs]
-    heappush, heappop = heapq.heappush, heapq.heappop
     admit, take, readied = picker.admit, picker.take, ops.readied
 
     while started < total:
@@ -228,7 +227,6 @@ class _Picker:
     def admit(self, st: _DeviceState, due_by: float) -> None:
         """Move the device's pending ops due by ``due_by`` to its queues of due ops."""
         pending, keys, total = st.pending, self.keys, self.total
-        heappush, heappop = heapq.heappush, heapq.heappop
         while pending and pending[0][0] <= due_by:
             o = heappop(pending)[1]
             r = o % self.per_mb
@@ -246,7 +244,9 @@ class _Picker:
         (GPipe: no B before the device's last forward), unless a forward that the banker's rule allows ranks
         before it (forwards are checked in rank order: the banker's check is the expensive part, and only
         the best allowed forward matters)."""
-        keys, total, chunks, heappop = self.keys, self.total, self.chunks, heapq.heappop
+        keys = self.keys
+        total = self.total
+        chunks = self.chunks
         ranks = self.after if st.after_backward else keys
         best_heap: list[int] | None = None
         if st.backwards and not (self.forwards_first and st.forwards_left):
@@ -290,8 +290,9 @@ class _Picker:
         order them by micro-batch (a device's chunk-0 forwards all sit on one virtual stage, and either
         order compares the micro-batch first among them), so once one younger than every held micro-batch
         fails, every later one fails too."""
-        keys, total, chunks = self.keys, self.total, self.chunks
-        heappush, heappop = heapq.heappush, heapq.heappop
+        keys = self.keys
+        total = self.total
+        chunks = self.chunks
         heap = st.first_forwards
         ranks = self.after if st.after_backward else keys
         order: list[int] | None = None
@@ -431,7 +432,7 @@ def _named(events: list[tuple[float, int]], d: int, due_by: float) -> list[int]:
     event due by ``due_by`` (taken off ``events``)."""
     looks = [d]
     while events and events[0][0] <= due_by:
-        looks.append(heapq.heappop(events)[1])
+        looks.append(heappop(events)[1])
     return sorted(set(looks))
 
 
