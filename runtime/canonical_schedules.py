@@ -2,7 +2,7 @@
 
 Each schedule family has a textbook order: 1F1B and interleaved 1F1B as Megatron-LM runs them, GPipe's two
 phases, ZB-H1 and ZB-V as Qi et al. define them. They are designed for equal stages; the list scheduler
-(``runtime.pipeline_schedules``) builds an order from the real op durations instead, and on uneven
+(``runtime.list_scheduler``) builds an order from the real op durations instead, and on uneven
 pipelines either can be the faster one. ``runtime.pipeline_schedules`` plays both with the same durations
 and keeps the faster (docs/schedules.md, "Never slower than the textbook"), so these orders are
 candidates, never the only answer.

@@ -1,6 +1,6 @@
 """What each pipeline schedule is and what it asks of a pipeline (torch-free, and cheap to import).
 
-The names, the policies the list scheduler runs (``runtime.pipeline_schedules``), the layouts of virtual
+The names, the policies the list scheduler runs (``runtime.list_scheduler``), the layouts of virtual
 stages on devices, the documented activation bounds and the problems a plan's pipeline can have under a
 schedule. They are apart from the scheduler because ``hspmd validate`` needs them and nothing else of it:
 the scheduler's dozen op and message classes cost a start-up a tenth of its time to define (docs/design.md

@@ -1,6 +1,6 @@
 """Where a device's host waits for the device during a step, and the NCCL rule those waits must obey.
 
-``check_schedule`` (runtime/pipeline_schedules.py) plays action lists on NCCL's machine: posts never block,
+``check_schedule`` (runtime/schedule_check.py) plays action lists on NCCL's machine: posts never block,
 ``WaitRecv``/``WaitSends`` block until their operations complete, one FIFO stream per pair of devices. On a
 GPU that holds only while the host never waits for the device between the waits the lists name: a host sync
 (reading a tensor's value, ``torch.cuda.synchronize``) waits for every earlier action of its device,
@@ -19,9 +19,8 @@ tracer syncs in its spans, after every action.
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Sequence
-from typing import Any
 
-Action = Any  # runtime/pipeline_schedules.py's actions (which call this module: it cannot import them)
+from runtime.schedule_types import Action, PostRecv, WaitRecv, WaitSends
 
 
 def engine_host_syncs(actions: Sequence[Sequence[Action]], *,
@@ -33,24 +32,23 @@ def engine_host_syncs(actions: Sequence[Sequence[Action]], *,
                  for acts in actions)
 
 
-def with_host_syncs(actions: Sequence[Sequence[Action]], syncs: Sequence[Collection[int]], *,
-                    post_recv: type, wait_recv: type, wait_sends: type) -> tuple[tuple[Action, ...], ...]:
+def with_host_syncs(actions: Sequence[Sequence[Action]], syncs: Sequence[Collection[int]]
+                    ) -> tuple[tuple[Action, ...], ...]:
     """Each device's action list with its host syncs made explicit: after action i of ``syncs[d]``, a
-    ``wait_recv`` of every receive posted so far and not yet waited for, then a ``wait_sends`` (the action
-    types of runtime/pipeline_schedules.py)."""
+    ``WaitRecv`` of every receive posted so far and not yet waited for, then a ``WaitSends``."""
     out = []
     for acts, at in zip(actions, syncs, strict=True):
         posted: dict[Hashable, None] = {}  # receives posted and not yet waited for, in post order
         seq: list[Action] = []
         for i, a in enumerate(acts):
             seq.append(a)
-            if isinstance(a, post_recv):
+            if isinstance(a, PostRecv):
                 posted[a.message] = None
-            elif isinstance(a, wait_recv):
+            elif isinstance(a, WaitRecv):
                 posted.pop(a.message, None)
             if i in at:
-                seq += [wait_recv(m) for m in posted]
+                seq += [WaitRecv(m) for m in posted]
                 posted.clear()
-                seq.append(wait_sends())
+                seq.append(WaitSends())
         out.append(tuple(seq))
     return tuple(out)

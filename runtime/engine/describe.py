@@ -46,7 +46,7 @@ class ProgramDescription:
     params: tuple[ParamShard, ...]
     ops: tuple[OpLine, ...]
     # Which op order the schedule runs: the list scheduler's or a published one, whichever was faster on the
-    # plan's op costs (``runtime.pipeline_schedules.Schedule.origin``); "" for an idle device.
+    # plan's op costs (``runtime.schedule_types.Schedule.origin``); "" for an idle device.
     order: str = ""
     order_by: str = ""   # the durations the order was chosen by (docs/schedules.md, "Costs in the plan")
 

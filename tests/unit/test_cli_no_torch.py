@@ -27,7 +27,9 @@ except SystemExit as e:
 loaded = {"json": "json" in sys.modules}  # before this probe imports it to report
 import json
 print(json.dumps({**loaded, "torch": "torch" in sys.modules, "code": code,
-                  "scheduler": "runtime.pipeline_schedules" in sys.modules}))
+                  "scheduler": any(m in sys.modules for m in ("runtime.pipeline_schedules", "runtime.list_scheduler",
+                                                              "runtime.schedule_types", "runtime.schedule_actions",
+                                                              "runtime.schedule_check"))}))
 """
 
 

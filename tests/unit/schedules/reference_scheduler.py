@@ -1,4 +1,4 @@
-"""A plain restatement of the list scheduler's rules (runtime/pipeline_schedules.py), for comparing the
+"""A plain restatement of the list scheduler's rules (runtime/list_scheduler.py), for comparing the
 fast scheduler against: every op kept in one ready list, scanned and sorted whenever a device is free
 (quadratic in the micro-batches, fine for the small shapes the property tests draw). It shares no code
 with the scheduler beyond the public policies and data types, so a shortcut there that changes a single

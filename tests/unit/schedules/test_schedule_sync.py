@@ -68,6 +68,6 @@ def test_one_host_sync_after_a_receive_hoisted_ahead_of_what_it_waits_for_breaks
 def test_a_host_sync_waits_for_the_receives_posted_and_the_sends():
     act = Message("activation", 0, 0, 1, 0, 1)
     acts = [[PostRecv(act), Compute("F", 0, 1, 0), WaitRecv(act), WaitSends()]]
-    (seq,) = with_host_syncs(acts, [{1}], post_recv=PostRecv, wait_recv=WaitRecv, wait_sends=WaitSends)
+    (seq,) = with_host_syncs(acts, [{1}])
     assert seq == (PostRecv(act), Compute("F", 0, 1, 0), WaitRecv(act), WaitSends(), WaitRecv(act), WaitSends())
     assert engine_host_syncs(acts) == (frozenset({3}),)
