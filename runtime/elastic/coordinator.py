@@ -46,7 +46,7 @@ from runtime.elastic.incident import (
     lost_lines,
     recovered_line,
 )
-from runtime.elastic.joining import Growth, by_step, decide_growth
+from runtime.elastic.joining import Growth, Returns, by_step, decide_growth
 from runtime.elastic.preflight import check_run, first_step, single_copy_note
 from runtime.elastic.preplan import Grower, Preplanner, Replanner, plan_layout
 from runtime.elastic.protocol import (
@@ -235,11 +235,9 @@ class ElasticPolicy:
         # Joining devices whose adopting transition a failure voided -> its generation: until they have left
         # it, their errors are its consequences and they are not asked for again.
         self.voided: dict[int, int] = {}
-        self.rejoins = by_step((r.step, r.device) for r in run.options.rejoins)
+        self.returns = Returns(by_step((r.step, r.device) for r in run.options.rejoins))
         self.node_kills = by_step((k.step, k.node) for k in run.options.node_kills)
         self.holding = False  # the last commit said "hold" before the run's last step
-        self.admit: dict[int, set[int]] = {}  # step -> returning devices its commit waits for
-        self.unplaced: dict[int, float] = {}  # returning device -> until when to wait for its node's agent
         self.ungathered: set[int] = set()  # committed steps whose ZeRO-1 parameter all-gather some survivor left
         if self.options.elastic and (note := single_copy_note(self.ref)) is not None:
             self.log(note)
@@ -365,8 +363,7 @@ class ElasticPolicy:
             return all(self.workers[d].finished for d in self.alive | set(self.waiting))
         self._returned()
         self._plan_ahead()
-        scheduled = {d for due in self.admit.values() for d in due}
-        if isinstance(self.phase, Training) and self.growth is None and not scheduled & set(self.waiting):
+        if isinstance(self.phase, Training) and self.growth is None and not self.returns.awaited() & set(self.waiting):
             self._consider_growth()  # a device returning unannounced (a scheduled one: when its step comes)
         self.phase.advance(self)
         return False
@@ -389,43 +386,33 @@ class ElasticPolicy:
                 raise HspmdError(f"node kill at step {step}: this launcher has no nodes to lose")
             self.log(f"fault injection: killing the agent of node {node!r} at the start of step {step}")
             self.run.source.kill_node(node)
-        for d in self.rejoins.pop(step + 1, []):
+        for d in self.returns.starting(step):
             self.log(f"device {d} returns: its worker starts now, to train from step {step + 1}")
-            self.admit.setdefault(step, set()).add(d)
             try:
                 self.start_joiner(d)
             except HspmdError as err:
                 # Its node's agent is not back yet: the commit of ``step`` waits for it (up to an op timeout).
-                self.unplaced[d] = time.monotonic() + self.options.timeout_s
+                self.returns.unplaced[d] = time.monotonic() + self.options.timeout_s
                 self.log(f"device {d} waits for its node: {'; '.join(err.lines())}")
 
     def admitted(self, step: int) -> bool:
         """Whether ``step`` may be committed: the devices due to return after it are up (or failed, or
         their node did not come back within an op timeout)."""
-        due = self.admit.get(step)
-        if not due:
+        if step not in self.returns.admit:
             return True
-        for d in sorted(due):
-            if d in self.unplaced:
-                if time.monotonic() < self.unplaced[d]:
-                    return False
-                del self.unplaced[d]
-                due.discard(d)
-                self.log(f"device {d} did not return: its node has no agent")
-            elif d in self.waiting and not self.waiting[d].up:
-                return False
-        del self.admit[step]
+        if not self.returns.arrived(step, self.waiting, self.log):
+            return False
         self._consider_growth()
         return True
 
     def _returned(self) -> None:
         source = self.run.source
         back = source.returned_devices() if source is not None else []
-        scheduled = {d for ds in self.rejoins.values() for d in ds}
+        scheduled = self.returns.scheduled()
         for d in back:
             if d in scheduled:
                 continue  # a trace says when it returns: its worker starts then
-            self.unplaced.pop(d, None)
+            self.returns.unplaced.pop(d, None)
             try:
                 self.start_joiner(d)
             except HspmdError as err:

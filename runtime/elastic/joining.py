@@ -1,21 +1,24 @@
-"""Devices joining a running job: whether the devices that are up and waiting are worth a switch.
+"""Devices joining a running job: when they are awaited, and whether they are worth a switch.
 
-A returning device starts a worker that joins no world; once it is up the coordinator asks the grower (or
-looks up the decision made ahead, runtime/elastic/preplan.py) for a plan with it. ``decide_growth`` gives the
-``Growth`` to adopt at the next step boundary, or None when the devices stay spare.
+A returning device starts a worker that joins no world. ``Returns`` schedules the returns a trace names
+(``--events``): such a device starts a step early and that step's commit waits for it to be up.
+Once it is up the coordinator asks the grower (or looks up the decision made ahead,
+runtime/elastic/preplan.py) for a plan with it: ``decide_growth`` gives the ``Growth`` to adopt at the next
+step boundary, or None when the devices stay spare.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from runtime.elastic.incident import device_list
 from runtime.elastic.preplan import Grower, Preplanner
 from runtime.elastic.state import check_compatible
 from runtime.errors import HspmdError
+from runtime.launch.supervise import WorkerHandle
 from runtime.spec.handle import StrategyHandle
 
 T = TypeVar("T")
@@ -29,6 +32,50 @@ class Growth:
     target: StrategyHandle
     decide_s: float
     preplanned: bool = False  # decided ahead, in the background (runtime/elastic/preplan.py)
+
+
+@dataclass
+class Returns:
+    """The returns a trace schedules, and the commits that wait for them: a device that trains from step
+    ``K`` starts at the start of ``K - 1``, whose commit waits until it is up, has failed, or its node's agent
+    has not come back within the wait it was given (``unplaced``)."""
+
+    by_step: dict[int, list[int]]  # the step they train from -> the devices
+    admit: dict[int, set[int]] = field(default_factory=dict)  # step -> returning devices its commit waits for
+    unplaced: dict[int, float] = field(default_factory=dict)  # returning device -> until when to wait for its node
+
+    def starting(self, step: int) -> list[int]:
+        """The devices to start at the start of ``step`` (they train from ``step + 1``): its commit waits."""
+        devices = self.by_step.pop(step + 1, [])
+        if devices:
+            self.admit.setdefault(step, set()).update(devices)
+        return devices
+
+    def scheduled(self) -> set[int]:
+        """The devices whose return is still to come (they start when their step does)."""
+        return {d for ds in self.by_step.values() for d in ds}
+
+    def awaited(self) -> set[int]:
+        """The devices some commit waits for."""
+        return {d for due in self.admit.values() for d in due}
+
+    def arrived(self, step: int, waiting: Mapping[int, WorkerHandle], log: Callable[[str], None]) -> bool:
+        """Whether the devices the commit of ``step`` waits for are up (or failed: no longer ``waiting``, or
+        their node did not come back in time); then the commit waits for nothing more."""
+        due = self.admit.get(step)
+        if not due:
+            return True
+        for d in sorted(due):
+            if d in self.unplaced:
+                if time.monotonic() < self.unplaced[d]:
+                    return False
+                del self.unplaced[d]
+                due.discard(d)
+                log(f"device {d} did not return: its node has no agent")
+            elif d in waiting and not waiting[d].up:
+                return False
+        del self.admit[step]
+        return True
 
 
 def decide_growth(up: frozenset[int], ref: StrategyHandle, alive: set[int], *, grow: Grower,
