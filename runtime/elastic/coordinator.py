@@ -26,7 +26,8 @@ Every incident and switch is logged with what it cost and reported through ``on_
 
 The decisions live beside it: preflight.py (user errors before the run), recovery.py (errors sorted, the
 plan for the survivors, the recovery's transition), switches.py (planned switches after a failure, their
-events), joining.py (returning devices: the growth decision), incident.py (a failure's record and event).
+events), joining.py (returning devices: when awaited, whether adopted), incident.py (a failure's record and
+event).
 """
 
 from __future__ import annotations
