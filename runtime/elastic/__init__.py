@@ -10,6 +10,10 @@
 * coordinator.py: the launcher's side (``ElasticPolicy``, a policy of the supervisor's loop;
   ``Replanner``; ``UnrecoverableFailure``): ``runtime.launch.launch(options, ElasticPolicy(replan,
   on_event))`` runs an elastic (``options.elastic``) or switching (``options.switches``) run.
+  Its decisions: preflight.py (user errors before the run), recovery.py (errors sorted, the plan for the
+  survivors, the recovery's transition), switches.py (planned switches after a failure), joining.py
+  (returning devices: when awaited, whether adopted), incident.py (a failure's record and event;
+  ``UnrecoverableFailure``).
 * worker.py: the worker's side (commit agreement, leaving a generation, transitions).
 
 The runtime never imports the planner: a run that must replan gets a ``Replanner`` callback from the

@@ -23,18 +23,33 @@ phase object at a time (``Training``, ``Leaving``, ``Switching``, ``Finishing``)
   silently.
 
 Every incident and switch is logged with what it cost and reported through ``on_event``.
+
+The decisions live beside it: preflight.py (user errors before the run), recovery.py (errors sorted, the
+plan for the survivors, the recovery's transition), switches.py (planned switches after a failure, their
+events), joining.py (returning devices: when awaited, whether adopted), incident.py (a failure's record and
+event).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rich import filesize
 
-from runtime.elastic.preplan import Grower, Preplanner, Replanner, candidates, returns
+from runtime.elastic.incident import (
+    Incident,
+    UnrecoverableFailure,
+    device_list,
+    failure_event,
+    lost_lines,
+    recovered_line,
+)
+from runtime.elastic.joining import Growth, Returns, by_step, decide_growth
+from runtime.elastic.preflight import check_run, first_step, single_copy_note
+from runtime.elastic.preplan import Grower, Preplanner, Replanner, plan_layout
 from runtime.elastic.protocol import (
     Abort,
     Commit,
@@ -47,61 +62,19 @@ from runtime.elastic.protocol import (
     Transition,
     World,
 )
-from runtime.elastic.state import (
-    LostState,
-    check_compatible,
-    lost_state,
-    lost_tensors,
-    plan_moment_gather,
-    plan_switch,
-)
+from runtime.elastic.recovery import plan_recovery, replan_for_survivors, sort_errors
+from runtime.elastic.state import lost_state, plan_switch
+from runtime.elastic.switches import after_failure, switch_event
 from runtime.elastic.worker import elastic_worker
 from runtime.errors import HspmdError
 from runtime.launch.messages import FaultFiring, StepDone, WorkerError
-from runtime.launch.options import PlannedSwitch, StepRecord, StepReport, TrainOptions
+from runtime.launch.options import StepRecord, StepReport, TrainOptions
 from runtime.launch.supervise import FailureLog, Run, WorkerHandle
-from runtime.spec import PlanContext, load_plan_context
+from runtime.spec import PlanContext
 from runtime.spec.handle import StrategyHandle
 
 ERROR_GRACE_S = 1.0  # a worker's error with no device failure within this window is a genuine error
 LEAVE_MARGIN_S = 5.0  # beyond the op timeout, how long a survivor may take to leave a failed step
-
-
-class UnrecoverableFailure(HspmdError):
-    """Devices failed and the run cannot continue in memory (a parameter lost every replica, or no
-    plan fits the survivors)."""
-
-    exit_code = 1
-
-    def __init__(self, lines: list[str]) -> None:
-        self._lines = lines
-        super().__init__("; ".join(lines))
-
-    def lines(self) -> list[str]:
-        return list(self._lines)
-
-
-@dataclass
-class _Incident:
-    """One failure (possibly of several devices) and its recovery, with its timeline."""
-
-    step: int  # the step abandoned and redone
-    failed: dict[int, str]  # device -> what happened
-    t_fail_wall: float  # when it failed (injected fault's own clock, else the last sign of life)
-    t_detect: float  # monotonic
-    t_detect_wall: float
-    t_left: float | None = None
-    replan_s: float = 0.0
-    plan_s: float = 0.0
-    replanned: bool = False
-    t_sent: float | None = None
-    t_resumed: float | None = None
-    transition: Transition | None = None
-    times: dict[int, Switched] = field(default_factory=dict)
-    attempts: int = 0
-    moment_bytes: int = 0  # ZeRO-1 with copies: the first round, rebuilding moments from the copies
-    ungathered: bool = False  # it struck inside a committed step's parameter all-gather (ZeRO-1)
-    preplanned: bool = False  # its plan was made ahead, in the background
 
 
 # -- the phases: what the coordinator waits for now, and what comes next ---------------------------------
@@ -151,7 +124,7 @@ class Leaving:
         assert inc is not None
         if inc.t_left is None:
             inc.t_left = time.monotonic()
-            c.log(f"survivors {_devs(c.alive)} abandoned step {inc.step} "
+            c.log(f"survivors {device_list(c.alive)} abandoned step {inc.step} "
                   f"{inc.t_left - inc.t_detect:.3f} s after the failure was detected")
         c.start_recovery(inc)
 
@@ -186,13 +159,13 @@ class Switching:
                   f"({filesize.decimal(t.bsr.total_bytes + inc.moment_bytes)} moved); redoing step {inc.step}")
         elif self.growth is not None:
             g = self.growth
-            c.report(_switch_event(self, now, got),
-                     lambda e: f"device(s) {_devs(g.joining)} joined after step {self.step}: now "
+            c.report(switch_event(t, self.step, self.growth, self.plan_s, self.since, now, got),
+                     lambda e: f"device(s) {device_list(g.joining)} joined after step {self.step}: now "
                                f"{t.target.describe()}; "
                                f"switch {e['total_s']:.3f} s (regroup {e['regroup_s']:.3f} s, transfer "
                                f"{e['transfer_s']:.3f} s, {filesize.decimal(e['switch_bytes'])})")
         else:
-            c.report(_switch_event(self, now, got),
+            c.report(switch_event(t, self.step, self.growth, self.plan_s, self.since, now, got),
                      lambda e: f"switch at step {self.step} to {t.target.describe()} in {e['total_s']:.3f} s "
                                f"(specialize {e['specialize_s']:.3f} s, transfer {e['transfer_s']:.3f} s, "
                                f"{filesize.decimal(e['switch_bytes'])})")
@@ -202,33 +175,7 @@ class Finishing:
     """The last step is recorded: every device saves, writes its trace and exits. A failure is fatal."""
 
 
-@dataclass(frozen=True)
-class Growth:
-    """Devices to adopt at the next step boundary, and the plan that uses them (decided in ``decide_s``)."""
-
-    joining: tuple[int, ...]
-    target: StrategyHandle
-    decide_s: float
-    preplanned: bool = False  # decided ahead, in the background (runtime/elastic/preplan.py)
-
-
 Phase = Training | Leaving | Switching | Finishing
-
-
-def _check_step(what: str, step: int, first: int, last: int) -> None:
-    if not first < step <= last:
-        raise HspmdError(f"{what}: the step must come after the first step of the run ({first}) and at most at "
-                         f"its last ({last})")
-
-
-def _switch_target(sw: PlannedSwitch, ctx: PlanContext, first: int, last: int) -> StrategyHandle:
-    where = f"--switch {sw.step}:{sw.plan}"
-    _check_step(where, sw.step, first, last)
-    target = load_plan_context(sw.plan)
-    if target.cluster != ctx.cluster:
-        raise HspmdError(f"{where}: plan is for cluster {target.cluster.name!r}, the run is on {ctx.cluster.name!r}")
-    check_compatible(ctx, target)
-    return StrategyHandle.of(target, sw.strategy)
 
 
 class ElasticPolicy:
@@ -256,29 +203,8 @@ class ElasticPolicy:
     def prepare(self, options: TrainOptions, ctx: PlanContext, strategy: str) -> list[int]:
         """User errors of a coordinated run, before any process starts; the devices the world needs (the
         union of every plan's devices)."""
-        self.first_step = 1
-        if options.load_dir is not None:
-            from runtime.checkpoint import read_checkpoint_info
-
-            self.first_step = read_checkpoint_info(options.load_dir, ctx).step + 1
-        if ctx.plan.training.zero and ctx.plan.training.zero_redundancy < 2:
-            raise HspmdError(f"{ctx.path}: training.zero: {'--elastic' if options.elastic else '--switch'} moves "
-                             "AdamW moments from surviving copies, and ZeRO-1 keeps one copy of each: use a plan "
-                             "with zero_redundancy: 2 or zero: false (hspmd plan --elastic)")
-        if options.elastic and options.heartbeat_timeout_s >= options.timeout_s:
-            raise HspmdError(f"--elastic: the heartbeat timeout ({options.heartbeat_timeout_s:g} s) must be shorter "
-                             f"than the op timeout (--timeout {options.timeout_s:g} s), so that a hang is found "
-                             "before the survivors' collectives time out")
-        last = self.first_step - 1 + options.steps
-        self.switches = {sw.step: _switch_target(sw, ctx, self.first_step, last) for sw in options.switches}
-        for what, step in [(f"rejoin of device {r.device}", r.step) for r in options.rejoins] + \
-                [(f"kill of node {k.node!r}", k.step) for k in options.node_kills]:
-            _check_step(f"{what} at step {step}", step, self.first_step, last)
-        nodes = {n.name for n in ctx.cluster.nodes}
-        for k in options.node_kills:
-            if k.node not in nodes:
-                raise HspmdError(f"node kill at step {k.step}: unknown node {k.node!r} (cluster "
-                                 f"{ctx.cluster.name!r} has nodes {', '.join(sorted(nodes))})")
+        self.first_step = first_step(options, ctx)
+        self.switches = check_run(options, ctx, self.first_step)
         return sorted(set(StrategyHandle.of(ctx, strategy).devices).union(*(t.devices for t in self.switches.values())))
 
     def begin(self, run: Run) -> None:
@@ -299,8 +225,8 @@ class ElasticPolicy:
         self.switched: dict[int, dict[int, Switched]] = {}
         self.fault_wall: dict[int, float] = {}
         self.errors: list[tuple[float, WorkerHandle, WorkerError]] = []
-        self.incident: _Incident | None = None
-        self.reported_incident: _Incident | None = None
+        self.incident: Incident | None = None
+        self.reported_incident: Incident | None = None
         self.failure_times: list[float] = []
         self.committers: dict[int, set[int]] = {}  # step -> the devices told to commit it
         self.error_grace_s = ERROR_GRACE_S + run.loss_detect_s
@@ -310,17 +236,12 @@ class ElasticPolicy:
         # Joining devices whose adopting transition a failure voided -> its generation: until they have left
         # it, their errors are its consequences and they are not asked for again.
         self.voided: dict[int, int] = {}
-        self.rejoins: dict[int, list[int]] = {}
-        for r in run.options.rejoins:
-            self.rejoins.setdefault(r.step, []).append(r.device)
-        self.node_kills: dict[int, list[str]] = {}
-        for k in run.options.node_kills:
-            self.node_kills.setdefault(k.step, []).append(k.node)
+        self.returns = Returns(by_step((r.step, r.device) for r in run.options.rejoins))
+        self.node_kills = by_step((k.step, k.node) for k in run.options.node_kills)
         self.holding = False  # the last commit said "hold" before the run's last step
-        self.admit: dict[int, set[int]] = {}  # step -> returning devices its commit waits for
-        self.unplaced: dict[int, float] = {}  # returning device -> until when to wait for its node's agent
         self.ungathered: set[int] = set()  # committed steps whose ZeRO-1 parameter all-gather some survivor left
-        self._note_single_copies()
+        if self.options.elastic and (note := single_copy_note(self.ref)) is not None:
+            self.log(note)
         self.inject(self.first_step)
 
     @property
@@ -399,7 +320,7 @@ class ElasticPolicy:
         if inc is None:
             step = self.committed + 1
             t_fail = self.fault_wall.get(d, w.last_seen_wall)
-            self.incident = inc = _Incident(step, {}, t_fail, time.monotonic(), time.time())
+            self.incident = inc = Incident(step, {}, t_fail, time.monotonic(), time.time())
             self.log(f"device {d} failed during step {step}: {how}")
         else:
             self.log(f"device {d} failed too: {how}")
@@ -409,8 +330,7 @@ class ElasticPolicy:
         self.send(voided, Abort(self.gen))  # they leave the world of the void growth, and wait again
 
     def _requeue_switch_in_flight(self) -> None:
-        """A failure during a planned switch's transition voids it; it is due again (at the step being redone,
-        so the recovery goes to its plan, ``_switch_for_recovery``)."""
+        """A failure during a planned switch voids it: it is due again at the step redone (``after_failure``)."""
         phase = self.phase
         if (isinstance(phase, Switching) and phase.growth is None and self.incident is None
                 and phase.transition.target is not self.ref):  # not a release (a switch to the running plan)
@@ -426,10 +346,9 @@ class ElasticPolicy:
         back = {d for d in phase.growth.joining if d in self.alive}
         for d in sorted(back):
             self.alive.discard(d)
-            self.waiting[d] = self.workers[d]
-            self.voided[d] = self.gen
+            self.waiting[d], self.voided[d] = self.workers[d], self.gen
         if back:
-            self.log(f"the growth with device(s) {_devs(back)} is void: they wait for the recovery")
+            self.log(f"the growth with device(s) {device_list(back)} is void: they wait for the recovery")
         return back
 
     def end(self) -> None:
@@ -445,25 +364,17 @@ class ElasticPolicy:
             return all(self.workers[d].finished for d in self.alive | set(self.waiting))
         self._returned()
         self._plan_ahead()
-        scheduled = {d for due in self.admit.values() for d in due}
-        if isinstance(self.phase, Training) and self.growth is None and not scheduled & set(self.waiting):
+        if isinstance(self.phase, Training) and self.growth is None and not self.returns.awaited() & set(self.waiting):
             self._consider_growth()  # a device returning unannounced (a scheduled one: when its step comes)
         self.phase.advance(self)
         return False
 
     def _plan_ahead(self) -> None:
-        """Between failures, on a layout not planned ahead yet: plan its single-device and node losses, then
-        decide the returns of the cluster's devices in no world now (failed earlier, or never started)."""
-        p = self.preplanner
-        if p is None or not self.options.elastic or self.replan is None:
-            return
-        if isinstance(self.phase, Training) and self.incident is None and p.ref is not self.ref:
-            if self.committed + 1 < self.last:
-                out = {d.id for d in self.ref.cluster.devices} - self.alive
-                p.begin(self.ref, candidates(self.ref, self.alive), frozenset(self.failed), self.last - self.committed,
-                        returns(self.ref, out))
-        for line in p.notes():
-            self.log(line)
+        """Between failures, plan ahead the running layout's losses and the returns (``plan_layout``)."""
+        if self.preplanner is not None and self.options.elastic and self.replan is not None:
+            new = isinstance(self.phase, Training) and self.incident is None and self.committed + 1 < self.last
+            plan_layout(self.preplanner, self.ref, self.alive, frozenset(self.failed), self.last - self.committed,
+                        begin=new, log=self.log)
 
     # -- devices joining a running job ----------------------------------------------------------------------
 
@@ -476,43 +387,33 @@ class ElasticPolicy:
                 raise HspmdError(f"node kill at step {step}: this launcher has no nodes to lose")
             self.log(f"fault injection: killing the agent of node {node!r} at the start of step {step}")
             self.run.source.kill_node(node)
-        for d in self.rejoins.pop(step + 1, []):
+        for d in self.returns.starting(step):
             self.log(f"device {d} returns: its worker starts now, to train from step {step + 1}")
-            self.admit.setdefault(step, set()).add(d)
             try:
                 self.start_joiner(d)
             except HspmdError as err:
                 # Its node's agent is not back yet: the commit of ``step`` waits for it (up to an op timeout).
-                self.unplaced[d] = time.monotonic() + self.options.timeout_s
+                self.returns.unplaced[d] = time.monotonic() + self.options.timeout_s
                 self.log(f"device {d} waits for its node: {'; '.join(err.lines())}")
 
     def admitted(self, step: int) -> bool:
         """Whether ``step`` may be committed: the devices due to return after it are up (or failed, or
         their node did not come back within an op timeout)."""
-        due = self.admit.get(step)
-        if not due:
+        if step not in self.returns.admit:
             return True
-        for d in sorted(due):
-            if d in self.unplaced:
-                if time.monotonic() < self.unplaced[d]:
-                    return False
-                del self.unplaced[d]
-                due.discard(d)
-                self.log(f"device {d} did not return: its node has no agent")
-            elif d in self.waiting and not self.waiting[d].up:
-                return False
-        del self.admit[step]
+        if not self.returns.arrived(step, self.waiting, self.log):
+            return False
         self._consider_growth()
         return True
 
     def _returned(self) -> None:
         source = self.run.source
         back = source.returned_devices() if source is not None else []
-        scheduled = {d for ds in self.rejoins.values() for d in ds}
+        scheduled = self.returns.scheduled()
         for d in back:
             if d in scheduled:
                 continue  # a trace says when it returns: its worker starts then
-            self.unplaced.pop(d, None)
+            self.returns.unplaced.pop(d, None)
             try:
                 self.start_joiner(d)
             except HspmdError as err:
@@ -537,38 +438,16 @@ class ElasticPolicy:
             return
         if self.grow is None:
             self.declined |= up
-            self.log(f"device(s) {_devs(up)} are up but no grower was given: they stay spare")
+            self.log(f"device(s) {device_list(up)} are up but no grower was given: they stay spare")
             return
-        t0 = time.perf_counter()
-        ahead = self.preplanner.lookup_return(self.ref, up) if self.preplanner is not None else None
-        if ahead is not None:
-            new_ctx = ahead.context
-            self.log(f"device(s) {_devs(up)}: the grow decision was planned ahead (in {ahead.plan_s:.3f} s, in the "
-                     f"background): {'adopt' if new_ctx is not None else 'stay'}, without planning now")
-        else:
-            try:
-                new_ctx = self.grow(up, self.ref.ctx, self.ref.name, self.last - self.committed - 1)
-            except HspmdError as err:
-                new_ctx = None
-                self.log(f"no plan with device(s) {_devs(up)}: {'; '.join(err.lines())}")
-        decide_s = time.perf_counter() - t0
-        if new_ctx is None:
+        self.growth = decide_growth(up, self.ref, self.alive, grow=self.grow, preplanner=self.preplanner,
+                                    steps_left=self.last - self.committed - 1, after_step=self.committed + 1,
+                                    log=self.log)
+        if self.growth is None:
             self.declined |= up
-            self.log(f"device(s) {_devs(up)} stay spare (not worth a switch now)")
-            return
-        target = StrategyHandle.of(new_ctx)
-        bad = sorted(set(target.devices) - self.alive - up)
-        if bad:
-            raise RuntimeError(f"the grower's plan uses devices {bad} that are not in the job")
-        check_compatible(self.ref.ctx, target.ctx)
-        joining = tuple(sorted(set(target.devices) & up))
-        self.growth = Growth(joining, target, decide_s, ahead is not None)
-        self.log(f"device(s) {_devs(joining)} will join after step {self.committed + 1}: {target.describe()} "
-                 f"(decided in {decide_s:.3f} s)")
 
     def release(self) -> None:
-        """The devices hold for a growth that a failure of the joining device voided: a switch to the plan
-        they run (nothing moves between devices) lets them go on."""
+        """The devices hold for a growth its joiner's failure voided: a switch to the plan they run frees them."""
         self.log(f"the devices held after step {self.committed} go on with {self.ref.describe()}")
         self.start_transition(self.ref, None, self.committed + 1, 0.0, None)
 
@@ -584,18 +463,10 @@ class ElasticPolicy:
         self.start_transition(g.target, World.of(self.gen, sorted(self.alive)), self.committed + 1, g.decide_s, g)
 
     def _check_errors(self) -> None:
-        now = time.monotonic()
-        keep = []
-        for t, w, info in self.errors:
-            # While survivors abandon a step their collectives fail (peers vanish or leave): consequences.
-            # Otherwise an error is one only if a device failed about when it happened.
-            if isinstance(self.phase, Leaving) or any(abs(t - f) <= self.error_grace_s for f in self.failure_times):
-                continue
-            if now - t < self.error_grace_s:
-                keep.append((t, w, info))
-                continue
+        genuine, self.errors = sort_errors(self.errors, self.failure_times, self.error_grace_s,
+                                           leaving=isinstance(self.phase, Leaving))
+        for w, info in genuine:
             self.failures.add(w, info.kind, info.lines, info.traceback)
-        self.errors = keep
 
     def _abort(self) -> None:
         """Abort the current generation; every survivor leaves it."""
@@ -603,15 +474,6 @@ class ElasticPolicy:
         self.ready.clear()
         self.reports = {k: v for k, v in self.reports.items() if k <= self.committed}
         self.send(self.alive, Abort(self.gen))
-
-    def _note_single_copies(self) -> None:
-        if not self.options.elastic:
-            return
-        singles = [(d, len(lost)) for d in self.active if (lost := lost_tensors(self.ref, [d]))]
-        if singles:
-            where = ", ".join(f"device {d} ({n} tensors)" for d, n in singles)
-            self.log(f"note: some parameters have a single copy, on {where}: if such a device fails the run "
-                     "cannot continue in memory (plan with `hspmd plan --elastic` to keep >= 2 pipelines)")
 
     # -- what the phases share --------------------------------------------------------------------------
 
@@ -638,118 +500,38 @@ class ElasticPolicy:
                 self.on_failure(self.workers[d], "hung", f"did not {what} within {limit:g} s")
         return True
 
-    def start_recovery(self, inc: _Incident) -> None:
+    def start_recovery(self, inc: Incident) -> None:
         failed = frozenset(self.failed)
         source = self.ref
         lost = lost_state(source, failed)
         if lost:
-            raise UnrecoverableFailure(_lost_lines(lost, inc.step, self.options))
+            raise UnrecoverableFailure(lost_lines(lost, inc.step, self.options))
         self.collect_records()
         if self.recorded < self.committed:  # every survivor reports a committed step, gathered or not
-            raise RuntimeError(f"survivors {_devs(self.alive)} left step {self.committed} after its commit "
+            raise RuntimeError(f"survivors {device_list(self.alive)} left step {self.committed} after its commit "
                                "without reporting it")
-        # Only ZeRO-1's parameter all-gather communicates after a commit. A failure inside it leaves the
-        # committed step half-gathered, and what is consistent then is: on every survivor the step count,
-        # the unsharded parameters and moments, and the moments of its own chunks are the committed step's
-        # (the update ran everywhere before the all-gather); so are the parameters of its own chunks (kept by
-        # the optimizer until the all-gather ends, runtime/engine/optim.py); every other element of a sharded
-        # slice is of either step, depending on which buckets arrived. Every chunk has a surviving holder (r
-        # copies, ``lost_state`` above), so the first round of the switch rebuilds each slice's parameters
-        # from its chunks' holders as it rebuilds the moments: the all-gather redone among the survivors, then
-        # the usual fused BSR to the new layout. A survivor that finished the all-gather holds the same values.
+        # a failure inside a committed step's ZeRO-1 parameter all-gather: ``plan_recovery`` says what then
         ungathered = self.committed in self.ungathered
         if ungathered:
             self.log(f"step {self.committed} was committed but its parameter all-gather did not finish: the "
                      "switch rebuilds the parameters from the surviving copies of their chunks")
         target = source
-        due = self._switch_for_recovery(inc.step, failed)
+        due = after_failure(self.switches, inc.step, failed, ref=self.ref, alive=self.alive, last=self.last,
+                            replan=self.replan, log=self.log, report=self.report)
         if due is not None:
             target = due
         elif failed & set(source.devices):
-            if self.replan is None:
-                raise UnrecoverableFailure([f"device(s) {_devs(failed)} failed and no replanner was given "
-                                            "(hspmd train --elastic supplies the planner)"])
-            t0 = time.perf_counter()
-            ahead = self.preplanner.lookup(source, failed) if self.preplanner is not None else None
-            if ahead is not None and ahead.context is not None:
-                new_ctx = ahead.context
-                inc.preplanned = True
-                self.log(f"the plan for survivors {_devs(self.alive)} was made ahead (in {ahead.plan_s:.3f} s, "
-                         "in the background): switching without planning")
-            else:
-                try:
-                    new_ctx = self.replan(failed, source.ctx, source.name, self.last - inc.step + 1)
-                except HspmdError as err:
-                    raise UnrecoverableFailure([f"no plan for the survivors {_devs(self.alive)}: {line}"
-                                                for line in err.lines()]) from None
-            inc.replan_s += time.perf_counter() - t0
-            inc.replanned = True
-            target = StrategyHandle.of(new_ctx)
-            bad = sorted(set(target.devices) - self.alive)
-            if bad:
-                raise RuntimeError(f"the replanner's plan uses devices {bad} that are not alive")
-            check_compatible(source.ctx, target.ctx)
-            self.log(f"replanned for survivors {_devs(self.alive)} in {time.perf_counter() - t0:.3f} s: "
-                     f"{target.describe()}")
-        t0 = time.perf_counter()
-        bsr = plan_switch(source, target, failed)
-        # the workers plan the same themselves (runtime/elastic/move.py)
-        gather = plan_moment_gather(source, failed, ungathered=ungathered)
-        inc.moment_bytes = gather.total_bytes if gather is not None else 0
-        inc.ungathered = ungathered
-        inc.plan_s += time.perf_counter() - t0
+            target = replan_for_survivors(inc, source, failed, self.alive, replan=self.replan,
+                                          preplanner=self.preplanner, steps_left=self.last - inc.step + 1,
+                                          log=self.log)
         self.gen += 1
         self.epoch += 1
-        t = Transition(self.epoch, source, target, self.committed, bsr, World.of(self.gen, sorted(self.alive)),
-                       ungathered)
+        t = plan_recovery(inc, source, target, failed, epoch=self.epoch, committed=self.committed,
+                          world=World.of(self.gen, sorted(self.alive)), ungathered=ungathered)
         self.holding = False  # whatever the last commit said, the survivors go on after this transition
-        inc.transition = t
-        inc.attempts += 1
         inc.t_sent = time.monotonic()
         self.phase = Switching(t, inc.t_sent)
         self.send(self.alive, t)
-
-    def _switch_for_recovery(self, step: int, failed: frozenset[int]) -> StrategyHandle | None:
-        """Planned switches after a failure: the one due by ``step`` (the step redone; the last of them if
-        several) is what the recovery switches to, re-planned if its plan lost devices; a later one whose
-        plan lost devices is re-planned now. One that cannot be re-planned is dropped and reported."""
-        due: StrategyHandle | None = None
-        for s in sorted(self.switches):
-            target = self.switches.pop(s)
-            if set(target.devices) & failed:
-                target = self._replan_switch(s, target, failed)
-            if target is None:
-                continue
-            if s <= step:
-                due = target
-                self.log(f"the switch planned for step {s} is taken by the recovery: {target.describe()}")
-            else:
-                self.switches[s] = target
-        if due is not None:
-            check_compatible(self.ref.ctx, due.ctx)
-        return due
-
-    def _replan_switch(self, step: int, target: StrategyHandle, failed: frozenset[int]) -> StrategyHandle | None:
-        lost = sorted(failed & set(target.devices))
-        why = ""
-        if self.replan is not None:
-            try:
-                new = StrategyHandle.of(self.replan(failed & set(target.devices), target.ctx, target.name,
-                                                    self.last - step + 1))
-                if set(new.devices) <= self.alive:
-                    self.log(f"the switch planned for step {step} names failed device(s) {_devs(lost)}: "
-                             f"re-planned as {new.describe()}")
-                    return new
-                why = f"its re-plan uses devices {sorted(set(new.devices) - self.alive)} that are not alive"
-            except HspmdError as err:
-                why = "; ".join(err.lines())
-        else:
-            why = "no replanner was given"
-        self.report({"event": "switch_dropped", "step": step, "strategy": target.name,
-                     "plan_file": str(target.ctx.path), "failed": lost, "reason": why},
-                    lambda e: f"the switch planned for step {step} to {target.describe()} is dropped: it names failed "
-                              f"device(s) {_devs(lost)} and cannot be re-planned ({why})")
-        return None
 
     def start_switch(self, step: int) -> None:
         self.start_transition(self.switches.pop(step), None, step, 0.0, None)
@@ -771,11 +553,7 @@ class ElasticPolicy:
         if inc is None or step < inc.step:
             return
         self.reported_incident = None
-        self.report(_failure_event(inc, time.monotonic(), sorted(self.alive)),
-                    lambda e: f"recovered from the failure of device(s) {_devs(inc.failed)}: step {inc.step} done "
-                              f"{e['recovery_s']:.3f} s after detection (detect {e['detect_s']:.3f} s, abandon "
-                              f"{e['abandon_s']:.3f} s, replan {e['replan_s']:.3f} s, regroup {e['regroup_s']:.3f} s, "
-                              f"transfer {e['transfer_s']:.3f} s, total to resume {e['total_s']:.3f} s)")
+        self.report(failure_event(inc, time.monotonic(), sorted(self.alive)), lambda e: recovered_line(inc, e))
 
     def report(self, event: dict[str, Any], line: Callable[[dict[str, Any]], str]) -> None:
         """An incident's or switch's event: into the summary, the log (``line(event)``) and ``on_event``."""
@@ -787,61 +565,6 @@ class ElasticPolicy:
     def send(self, devices: Any, msg: object) -> None:
         for d in sorted(devices):
             self.workers[d].send(msg)
-
-
-def _devs(devices: Any) -> str:
-    return ", ".join(str(d) for d in sorted(devices))
-
-
-def _lost_lines(lost: LostState, step: int, options: TrainOptions) -> list[str]:
-    lines = [f"device(s) {_devs(lost.failed)} failed during step {step} and {lost.what()}, so the run cannot "
-             "continue in memory:"]
-    return lines + lost.details() + _checkpoint_lines(options)
-
-
-def _checkpoint_lines(options: TrainOptions) -> list[str]:
-    lines = []
-    if options.save_dir is not None:
-        lines.append(f"--save {options.save_dir}: left as it was (checkpoints are written only at the end of a run)")
-    lines.append("restart from the last checkpoint with --load, on a plan for the remaining devices")
-    return lines
-
-
-def _slowest(times: dict[int, Switched]) -> dict[str, float]:
-    """Each part of a transition as its slowest device took it."""
-    return {k: max((getattr(t, k) for t in times.values()), default=0.0)
-            for k in ("regroup_s", "specialize_s", "transfer_s")}
-
-
-def _failure_event(inc: _Incident, now: float, survivors: list[int]) -> dict[str, Any]:
-    t = inc.transition
-    assert t is not None and inc.t_left is not None and inc.t_resumed is not None and inc.t_sent is not None
-    detect = max(0.0, inc.t_detect_wall - inc.t_fail_wall)
-    return {
-        "event": "failure", "step": inc.step, "failed": sorted(inc.failed),
-        "cause": {str(d): how for d, how in sorted(inc.failed.items())}, "survivors": survivors,
-        "replanned": inc.replanned, "strategy": t.target.name, "plan": t.target.describe(),
-        "devices": sorted(t.target.devices), "micro_batch": t.target.ctx.plan.training.micro_batch,
-        "detect_s": detect, "abandon_s": inc.t_left - inc.t_detect, "replan_s": inc.replan_s + inc.plan_s,
-        **_slowest(inc.times), "switch_s": inc.t_resumed - inc.t_sent,
-        "switch_bytes": t.bsr.total_bytes + inc.moment_bytes, "moment_rebuild_bytes": inc.moment_bytes,
-        "in_param_gather": inc.ungathered, "preplanned": inc.preplanned,
-        "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster),
-        "total_s": detect + (inc.t_resumed - inc.t_detect), "first_step_s": now - inc.t_resumed,
-        "recovery_s": now - inc.t_detect, "attempts": inc.attempts,
-    }
-
-
-def _switch_event(sw: Switching, t_resumed: float, times: dict[int, Switched]) -> dict[str, Any]:
-    """A planned switch's event, or a growth's (``rejoin``): what moved, and each part at its slowest device."""
-    t, g = sw.transition, sw.growth
-    which = ({"event": "switch", "step": sw.step} if g is None else
-             {"event": "rejoin", "step": sw.step + 1, "joined": list(g.joining), "decide_s": g.decide_s,
-              "preplanned": g.preplanned})
-    return {**which, "from": t.source.describe(), "to": t.target.describe(), "devices": sorted(t.target.devices),
-            "strategy": t.target.name, "plan_file": str(t.target.ctx.path), "plan_s": sw.plan_s, **_slowest(times),
-            "switch_bytes": t.bsr.total_bytes, "modelled_transfer_s": t.bsr.modelled_time(t.target.ctx.cluster),
-            "total_s": t_resumed - sw.since}
 
 
 __all__ = ["ElasticPolicy", "Grower", "Replanner", "UnrecoverableFailure"]  # the callbacks: preplan.py

@@ -87,6 +87,18 @@ def candidates(ref: StrategyHandle, alive: Collection[int]) -> list[frozenset[in
     return out
 
 
+def plan_layout(p: Preplanner, ref: StrategyHandle, alive: Collection[int], failed: frozenset[int],
+                steps_left: int, *, begin: bool, log: Callable[[str], None]) -> None:
+    """Between failures: on a layout not planned ahead yet (``begin``: the run is training, with steps to go),
+    plan its single-device and node losses, then decide the returns of the cluster's devices in no world now
+    (failed earlier, or never started); log what the work has found so far."""
+    if begin and p.ref is not ref:
+        out = {d.id for d in ref.cluster.devices} - set(alive)
+        p.begin(ref, candidates(ref, alive), failed, steps_left, returns(ref, out))
+    for line in p.notes():
+        log(line)
+
+
 class Preplanner:
     """The background planning of one layout at a time (see the module docstring)."""
 
@@ -186,4 +198,5 @@ class Preplanner:
             self._thread.join()
 
 
-__all__ = ["Grower", "Preplanned", "Preplanner", "Replanner", "candidates", "grown", "returns", "survivors"]
+__all__ = ["Grower", "Preplanned", "Preplanner", "Replanner", "candidates", "grown", "plan_layout", "returns",
+           "survivors"]
