@@ -493,7 +493,7 @@ def checkpoint_layers(module: LlamaForCausalLM, ids: Sequence[int] | None = None
     for layer in module.model.layers.values() if ids is None else _layers(module, ids):
         inner = layer.forward
 
-        def forward(x, cos, sin, mask=None, _inner=inner):
-            return checkpoint(_inner, x, cos, sin, mask, use_reentrant=False)
+        def forward(x, cos, sin, attend=None, _inner=inner):
+            return checkpoint(_inner, x, cos, sin, attend, use_reentrant=False)
 
         layer.forward = forward

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.models.attention import Attend, causal_attention, document_attention
 from runtime.spec.model import ModelSpec, RopeScaling
 
 INIT_STD = 0.02
@@ -85,15 +86,6 @@ def position_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype:
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def document_mask(segments: torch.Tensor) -> torch.Tensor:
-    """The block-diagonal causal mask of packed documents, [batch, 1, seq, seq] bool (True: may attend):
-    token t sees token u iff both carry the same document id in ``segments`` [batch, seq] and u <= t.
-    Padding shares one id (-1) and so only sees padding: no row is ever fully masked."""
-    seq = segments.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril()
-    return (segments.unsqueeze(-1) == segments.unsqueeze(-2)).logical_and(causal).unsqueeze(1)
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -115,18 +107,16 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(q, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                attend: Attend | None = None) -> torch.Tensor:
+        """``attend``: the packed-document kernel of this forward (runtime/models/attention.py); None: each
+        row is one causal sequence."""
         b, s, _ = x.shape
         # -1: the local head count (all heads, or this TP rank's share of them).
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = q.shape[1] != k.shape[1]
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:  # packed documents: block-diagonal causal (``document_mask``)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = (attend or causal_attention)(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -151,8 +141,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(spec)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+                attend: Attend | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -183,9 +173,9 @@ class LlamaModel(nn.Module):
         else:
             cos, sin = position_tables(positions, self.spec.head_size, self.spec.rope_theta, x.dtype,
                                        self.spec.rope_scaling)
-        mask = None if segments is None else document_mask(segments)
+        attend = None if segments is None else document_attention(segments)  # one block mask for every layer
         for layer in self.layers.values():
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, attend)
         if self.norm is not None:
             x = self.norm(x)
         return x
