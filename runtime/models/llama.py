@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -207,24 +207,37 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(h) if self.lm_head is not None else h
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
+    def init_weights(self, seed: int, fill: Fill | None = None) -> None:
         """Deterministic, name-seeded init: N(0, 0.02) for matrices, output projections scaled by
         1/sqrt(2 * num_layers) (GPT-2 style), ones for norms, zeros for biases. A tied head's weight is
-        the embedding's and initialised once, under the embedding's name."""
+        the embedding's and initialised once, under the embedding's name.
+
+        Each parameter's full initial value is made on the CPU, one at a time, and handed to ``fill``
+        (default: copied whole into the parameter); a sharded build passes a ``fill`` that keeps this
+        rank's part (runtime/engine/build.py), so values never depend on how the model is split."""
+        fill = fill or _copy_whole
         out_std = INIT_STD / math.sqrt(2 * self.spec.num_layers)
+        cpu = torch.device("cpu")
         for name, module in self.named_modules():
             if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+                fill(f"{name}.weight", module.weight, torch.ones(module.weight.shape))
             elif module is self.lm_head and self.spec.tie_word_embeddings:
                 continue
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                    fill(f"{name}.bias", module.bias, torch.zeros(module.bias.shape))
                 full = f"{name}.weight"
                 std = out_std if isinstance(module, nn.Linear) and _is_output_projection(self, module) else INIT_STD
                 w = module.weight
-                g = _generator(seed, full, w.device)
-                w.copy_(torch.randn(w.shape, generator=g, device=w.device, dtype=torch.float32).mul_(std))
+                g = _generator(seed, full, cpu)
+                fill(full, w, torch.randn(w.shape, generator=g, dtype=torch.float32).mul_(std))
+
+
+Fill = Callable[[str, torch.Tensor, torch.Tensor], None]  # (parameter name, parameter, its full initial value)
+
+
+def _copy_whole(_name: str, param: torch.Tensor, value: torch.Tensor) -> None:
+    param.copy_(value)
 
 
 def _is_output_projection(model: LlamaForCausalLM, module: nn.Module) -> bool:
