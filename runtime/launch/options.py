@@ -199,6 +199,9 @@ class StepReport:
     lr: float = 0.0  # the learning rate of the step's update
     lengths: LengthsStep | None = None  # documents runs: the step's dispatch (the same on every device)
     idle: bool = False  # documents runs: the step's strategy leaves this device idle (no loss, no time)
+    # CUDA: the step's peak of memory allocated by tensors and reserved by torch's caching allocator (bytes)
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,9 @@ class StepRecord:
     emulation_s: float  # most any worker slept to emulate slowness this step
     emulation_overrun_s: float = 0.0  # sleep mode: most any worker's blocks ran past their targets
     lr: float | None = None  # the learning rate of the step's update (the plan's schedule)
+    # CUDA runs: the step's highest peak on any device, allocated by tensors and reserved by the allocator
+    peak_allocated_gib: float | None = None
+    peak_reserved_gib: float | None = None
     # Documents runs (omitted from the JSON otherwise): the step's documents and tokens, its padding, the
     # dispatch imbalance, and the switch (wall time: the slowest device's; bytes: all devices') when the
     # strategy changed.
@@ -259,9 +265,13 @@ class StepRecord:
         step_time = max(r.wall_s + (r.lengths.dispatch_s + r.lengths.switch_s if r.lengths else 0.0) for r in reports)
         d = first.lengths
         extra: dict[str, Any] = {}
+        peaks = [r for r in reports if r.peak_allocated is not None]
+        if peaks:
+            extra.update(peak_allocated_gib=max(r.peak_allocated or 0 for r in peaks) / 2**30,
+                         peak_reserved_gib=max(r.peak_reserved or 0 for r in peaks) / 2**30)
         if d is not None:
             strategy = d.strategy
-            extra = dict(documents=d.documents, tokens=first.tokens, padding_fraction=d.padding_fraction,
+            extra.update(documents=d.documents, tokens=first.tokens, padding_fraction=d.padding_fraction,
                          imbalance=d.imbalance, predicted_s=d.predicted_s, dispatch_method=d.method,
                          dispatch_s=max(r.lengths.dispatch_s for r in reports if r.lengths is not None))
             if d.switched_from is not None:

@@ -238,6 +238,11 @@ class Session:
     def run_step(self, program: Any, step: int, batch: Any, before_update: Callable[[Any], None] | None = None,
                  lengths: LengthsStep | None = None) -> StepReport:
         """One step of ``program`` on ``batch`` (windows, or a documents run's packed ``StepBatch``)."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device)
         with self.recorder.span("step", f"step {step}") if self.recorder is not None else nullcontext():
             t0 = time.perf_counter()
             stats = program.train_step(batch, before_update=before_update)
@@ -251,7 +256,16 @@ class Session:
                           compute_s=float(stats.compute_s), comm_s=float(stats.comm_s), lr=float(stats.lr),
                           emulation_s=self.emulator.take_emulated_s() if self.emulator is not None else 0.0,
                           emulation_overrun_s=self.emulator.take_overrun_s() if self.emulator is not None else 0.0,
-                          lengths=lengths)
+                          lengths=lengths, **self._peaks())
+
+    def _peaks(self) -> dict[str, int]:
+        """The CUDA allocator's peaks since the step began (nothing on the CPU)."""
+        if self.device.type != "cuda":
+            return {}
+        import torch
+
+        return {"peak_allocated": torch.cuda.max_memory_allocated(self.device),
+                "peak_reserved": torch.cuda.max_memory_reserved(self.device)}
 
     def finish(self, program: Any, handle: StrategyHandle, step: int,
                save: Callable[[Path, int], None] | None = None, *, sync: bool = True) -> None:

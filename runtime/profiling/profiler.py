@@ -234,13 +234,15 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
         bandwidth_efficiency=0.75, p2p=p2p, allreduce=allreduce, allgather=links.get("allgather", {}),
         p2p_wake=links.get("p2p_wake"), p2p_actions=links.get("p2p_actions"),
         shared_core_p2p_s=links.get("shared_core_p2p_s", 0.0))
-    memory = MemoryFigures(framework_overhead_gib=rounded(links.get("rss_gib", 0.0) or (2.0 if cuda else 0.3)),
+    framework, framework_note = _framework_gib(links, cuda, target.device)
+    memory = MemoryFigures(framework_overhead_gib=rounded(framework),
                            cast_bytes=2.0 if cuda else 0.0)   # the profiles' compute: bf16 autocast on CUDA only
     optimizer = OptimizerFit(*(rounded(x * slowdown) for x in (opt.seconds_per_param, opt.fixed_s,
                                                                opt.seconds_per_tensor)))
     what = torch.cuda.get_device_name(torch.device(target.device)) if cuda else (platform.processor() or "cpu")
     note = (f"measured on {what} ({target.threads or torch.get_num_threads()} threads); optimizer fit residual "
             f"{opt_resid:.3f}")
+    note += f"; framework memory {framework_note}"
     if slowdown != 1.0:
         note += f"; emulated device: compute x{slowdown:g}, links as measured"
     dt = cluster.device_types[type_name]
@@ -337,7 +339,8 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
                 handoff[model.name] = {s: host.handoff_figures(r) for s, r in raw.items()}
         if rank == 0:
             out.update(p2p_wake=wake, p2p_actions=actions, shared_core_p2p_s=shared_p2p, tp_overhead=overhead,
-                       core_sharing=sharing, core_handoff=handoff, rss_gib=_rss_gib() if not cuda else 0.0)
+                       core_sharing=sharing, core_handoff=handoff, rss_gib=_rss_gib() if not cuda else 0.0,
+                       cuda_framework_gib=compute.cuda_framework_gib(dev) if cuda else 0.0)
             queue.put(out)
         dist.barrier()
         dist.destroy_process_group()
@@ -350,6 +353,20 @@ def _boundary_shape(model: ModelSpec, settings: ProfileSettings) -> tuple[int, i
     """A stage boundary's tensor (micro-batch, longest profiled length, hidden): what a pipeline sends."""
     lens = [s for s in settings.seq_lens if s <= model.max_seq_len] or [min(settings.seq_lens)]
     return settings.micro_batch, max(lens), model.hidden_size
+
+
+def _framework_gib(links: dict, cuda: bool, device: str) -> tuple[float, str]:
+    """The memory a device loses to the framework, measured, and how it was measured."""
+    if not cuda:
+        if links.get("rss_gib"):
+            return links["rss_gib"], "the resident memory of a gloo link worker"
+        return 0.3, "0.3 GiB assumed (no link workers ran: --no-comm)"
+    if links.get("cuda_framework_gib"):
+        return links["cuda_framework_gib"], ("GPU memory outside torch's allocator in a link worker with its NCCL "
+                                             "communicators (CUDA context, cuBLAS, NCCL buffers)")
+    return compute.cuda_framework_gib(torch.device(device)), ("GPU memory outside torch's allocator in this "
+                                                              "process (CUDA context, cuBLAS); NCCL communicators "
+                                                              "not included (no link workers: --no-comm or one GPU)")
 
 
 def _rss_gib() -> float:
