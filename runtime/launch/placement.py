@@ -159,3 +159,18 @@ def torchrun_device(cluster: Cluster, devices: tuple[int, ...] | list[int], node
                          f"{len(mine)} device(s) on it ({', '.join(map(str, mine)) or 'none'}): start it with "
                          f"--nproc-per-node {len(mine)}")
     return mine[local_rank]
+
+
+def torchrun_commands(cluster: Cluster, devices: tuple[int, ...] | list[int], plan: str, endpoint: str,
+                      run_id: str = "hspmd") -> list[tuple[str, str]]:
+    """(node, command) for every node that runs some of ``devices``, in the order of their first device: the
+    torchrun line to start there. Each node starts one process per device of the run on it (nodes may differ),
+    and names itself (``--node``) so that its processes take the node's devices and GPUs from the cluster
+    file; torchrun's c10d rendezvous at ``endpoint`` (HOST:PORT) forms the world."""
+    per_node: dict[str, int] = {}
+    for d in sorted(set(devices)):
+        node = cluster.device(d).node
+        per_node[node] = per_node.get(node, 0) + 1
+    return [(node, f"torchrun --nnodes {len(per_node)} --nproc-per-node {n} --rdzv-backend c10d "
+                   f"--rdzv-endpoint {endpoint} --rdzv-id {run_id} -m hetu_cli train --plan {plan} --node {node}")
+            for node, n in per_node.items()]

@@ -48,9 +48,9 @@ from runtime.engine.reference import autocast_for, step_casts
 from runtime.engine.tensor_parallel import apply_tensor_parallel
 from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, causal_lm_loss_sum, rope_tables
 from runtime.models.params import llama_parameters
+from runtime.precision import Precision
 from runtime.profiling.fit import Sample, fit_per_param, trimmed_mean
 from runtime.profiling.profile import COMPONENTS, OptimizerFit
-from runtime.precision import Precision
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import OptimizerSettings
 

@@ -117,3 +117,15 @@ def test_torchrun_maps_local_ranks_to_the_nodes_devices(cluster) -> None:
     assert [torchrun_device(cluster, devices, "box-b", r, 3) for r in range(3)] == [4, 5, 6]
     with pytest.raises(HspmdError, match="torchrun started 4 process.*runs 2 device.*--nproc-per-node 2"):
         torchrun_device(cluster, devices, "box-a", 0, 4)
+
+
+def test_torchrun_lines_start_each_node_with_its_own_devices(cluster) -> None:
+    from runtime.launch.placement import torchrun_commands
+
+    # box-a runs devices 1 and 3 (GPUs 0 and 2 idle), box-b all three of its devices.
+    lines = torchrun_commands(cluster, [1, 3, 4, 5, 6], "p.yaml", "head:29500")
+    assert [n for n, _ in lines] == ["box-a", "box-b"]
+    assert "--nnodes 2 --nproc-per-node 2 " in lines[0][1] and lines[0][1].endswith("--plan p.yaml --node box-a")
+    assert "--nproc-per-node 3 " in lines[1][1] and "--rdzv-endpoint head:29500" in lines[1][1]
+    # What each line starts is what torchrun_device maps: the node's devices, one per local rank.
+    assert [torchrun_device(cluster, [1, 3, 4, 5, 6], "box-b", r, 3) for r in range(3)] == [4, 5, 6]
