@@ -11,12 +11,15 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-# An importable torch on $(PYTHON) is kept (the venv sees system site-packages); otherwise the
-# pinned CPU build is installed first, so that `torch>=...` in setup.cfg is already satisfied.
+# An importable torch on $(PYTHON) is kept (the venv sees system site-packages; where $(PYTHON) is itself
+# a venv, whose packages a --system-site-packages venv would not see, a .pth file adds its site-packages);
+# otherwise the pinned CPU build is installed first, so that `torch>=...` in setup.cfg is already satisfied.
 $(STAMP): setup.cfg pyproject.toml
 	@if $(PYTHON) -c "import torch" >/dev/null 2>&1; then \
 		echo "using the torch already importable from $(PYTHON)"; \
 		$(PYTHON) -m venv --system-site-packages $(VENV); \
+		$(PYTHON) -c "import site, sys; sys.prefix != sys.base_prefix and print(*site.getsitepackages(), sep=chr(10))" \
+			> "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/hspmd-parent-venv.pth"; \
 	else \
 		$(PYTHON) -m venv $(VENV); \
 		$(BIN)/pip install --quiet "torch==$(TORCH_VERSION)"; \

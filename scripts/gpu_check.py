@@ -1,14 +1,16 @@
 """The pipeline behind scripts/gpu_check.sh: the first run of hspmd's CUDA/NCCL path on a GPU machine.
 
-Phases: environment (GPUs, CUDA, NCCL) -> cluster file generated from the GPU's name and memory ->
-check-numerics (every component on the GPU in fp32 and bf16 against fp64) -> profile of the GPU type ->
-a small Llama trained for a few steps in bf16 on NCCL (one process per GPU) for each plan that fits the
-machine -> the same steps of the single-process CPU fp32 reference -> loss comparison within bf16
-tolerances -> MFU -> the same plans simulated with the new profile, simulated vs measured step time.
+Phases: environment (GPUs, CUDA, NCCL) -> cluster file generated from the GPU's name and memory (this
+machine as its node) -> model -> the plans this machine can run -> the CPU fp32 reference -> each plan
+trained in bf16 (one process per GPU) and compared with the reference; the one-device plan and the
+3-stage interleaved plan traced -> checkpoint round trip -> a documents run (packed rows, GQA) against
+the planner's memory -> the meta-device build's memory -> check-numerics -> the GPU's profile against
+its spec figures -> elastic recovery (2+ GPUs) -> MFU -> simulated vs measured.
 
 Each phase records ok / failed / skipped with its reason in one JSON summary instead of stopping the
-run; a phase that needs an earlier one that did not succeed is skipped and says which. ``--dry-run``
-runs the same pipeline on the CPU (gloo, bf16 autocast on the CPU, tiny sizes) so CI exercises it.
+run (with what was and was not exercised); a phase that needs an earlier one that did not succeed is
+skipped and says which, as is every phase once the budget is spent. ``--dry-run`` runs the same pipeline
+on the CPU (gloo, bf16 autocast on the CPU, tiny sizes, 4 emulated devices) so CI exercises it.
 """
 
 from __future__ import annotations
