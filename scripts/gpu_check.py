@@ -368,6 +368,37 @@ print(json.dumps({"param_bytes": params, "peak_allocated": torch.cuda.max_memory
 """
 
 
+ATTENTION_KERNELS = """
+import json, sys, torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from runtime.models.attention import flex_document_attention
+from runtime.models.llama import LlamaForCausalLM
+from runtime.spec import load_model
+spec = load_model(sys.argv[1])
+seq = int(sys.argv[2])
+dev = torch.device("cuda:0")
+model = LlamaForCausalLM(spec).to(dev)
+model.init_weights(0)
+rows = torch.randint(0, spec.vocab_size, (2, 256), device=dev)
+# Windows (is_causal, GQA): flash or memory-efficient attention only; a fall back to the math kernel raises.
+with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(rows).float().sum().backward()
+# Packed documents at seq tokens (FlexAttention, compiled): no [heads, seq, seq] tensor at any point.
+heads, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_size
+segments = (torch.arange(seq, device=dev) // (seq // 7)).unsqueeze(0)
+q = torch.randn(1, heads, seq, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+k, v = (torch.randn(1, kv, seq, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(dev)
+base = torch.cuda.memory_allocated(dev)
+flex_document_attention(segments)(q, k, v).float().sum().backward()
+torch.cuda.synchronize()
+scores = heads * seq * seq * 4
+print(json.dumps({"seq": seq, "peak_above_inputs": torch.cuda.max_memory_allocated(dev) - base,
+                  "fp32_scores_bytes": scores}))
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     import importlib.util
     import socket
@@ -588,6 +619,21 @@ def main(argv: list[str] | None = None) -> int:
         if got["peak_allocated"] > 1.05 * got["param_bytes"]:
             raise Failed(f"building the stage peaked at {got['peak_allocated']:,} bytes for {got['param_bytes']:,} "
                          "bytes of parameters: something beyond the shards was allocated on the GPU")
+
+    with summary.phase("attention-kernels") as rec:
+        summary.requires("model")
+        if dry:
+            raise Skip("CUDA kernels (the CPU runs SDPA with the boolean mask; FlexAttention's numbers are "
+                       "unit-tested against it)")
+        p = subprocess.run([args.python, "-c", ATTENTION_KERNELS, str(state["model_long"]), str(DOC_SEQ[mode])],
+                           cwd=REPO, capture_output=True, text=True, timeout=summary.left(180), env=env)
+        if p.returncode != 0:
+            raise Failed(" | ".join(p.stderr.strip().splitlines()[-3:]))
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        rec.update(got, windows="flash / memory-efficient SDPA only (sdpa_kernel)")
+        if got["peak_above_inputs"] > got["fp32_scores_bytes"] / 8:
+            raise Failed(f"packed-document attention at {got['seq']} tokens peaked at {got['peak_above_inputs']:,} "
+                         f"bytes: an s x s tensor ({got['fp32_scores_bytes']:,} bytes in fp32) was likely formed")
 
     with summary.phase("numerics") as rec:
         summary.requires("environment", "model")

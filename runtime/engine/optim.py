@@ -311,7 +311,12 @@ class ShardedAdamW:
             out = mine.new_empty(b.width * len(b.devices))
             pending.append((all_gather_flat(out, mine, group=b.group, async_op=True), out, b))
             while len(pending) > IN_FLIGHT:
-                self._finish(*pending.popleft())
+                work, done, bucket = pending.popleft()
+                self._finish(work, done, bucket)
+                if done.is_cuda:
+                    # On NCCL a wait only orders the stream: without holding the host here it would post every
+                    # bucket at once, and every receive buffer would be live together.
+                    torch.cuda.current_stream(done.device).synchronize()
         while pending:
             self._finish(*pending.popleft())
         self._updated = []

@@ -114,6 +114,7 @@ class DeviceProgram:
         devices = ctx.strategy.devices
         self._stats_group = groups.get(devices) if len(devices) > 1 else None
         self._times = {"compute": 0.0, "comm": 0.0}
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA spans not yet read
         # Packed documents: micro-batch counts and boundary shapes vary by step; both follow from the step's
         # dispatch, which every rank computes identically, so they are derived here rather than sent.
         self._actions: dict[int, tuple[Action, ...]] = {role.micro_batches: plan.actions}
@@ -141,6 +142,7 @@ class DeviceProgram:
         role = self.role
         micro_batches, denominator, tokens = self._micro_batches(global_batch)
         self._times = {"compute": 0.0, "comm": 0.0}
+        self._pending = []
         for p in self.params.values():
             p.grad = None
         run = StepState(self.device, self.ctx.precision)
@@ -177,9 +179,11 @@ class DeviceProgram:
                 dist.all_reduce(stats, group=self._stats_group)
         norm = stats[1].sqrt()
         if before_update is not None:  # (reading the statistics waits for the device: only when asked)
-            before_update(StepStats(loss=float(stats[0]) / denominator if denominator else 0.0,
-                                    grad_norm=float(norm), tokens=tokens, compute_s=self._times["compute"],
-                                    comm_s=self._times["comm"], lr=t.optimizer.lr_at(self.optimizer.step_count)))
+            loss_now = float(stats[0]) / denominator if denominator else 0.0
+            times = self._times_now()
+            before_update(StepStats(loss=loss_now,
+                                    grad_norm=float(norm), tokens=tokens, compute_s=times["compute"],
+                                    comm_s=times["comm"], lr=t.optimizer.lr_at(self.optimizer.step_count)))
         zero = self.optimizer if isinstance(self.optimizer, ShardedAdamW) else None
         with self._span("compute", "optimizer"):
             if zero is None:
@@ -192,8 +196,9 @@ class DeviceProgram:
         for p in self.params.values():
             p.grad = None
         loss = float(stats[0]) / denominator if denominator else 0.0
+        times = self._times_now()
         return StepStats(loss=loss, grad_norm=float(norm), tokens=tokens,
-                         compute_s=self._times["compute"], comm_s=self._times["comm"], lr=lr)
+                         compute_s=times["compute"], comm_s=times["comm"], lr=lr)
 
     def _micro_batches(self, batch: torch.Tensor | StepBatch) -> tuple[tuple[MicroBatch, ...], int, int]:
         """This pipeline's micro-batches of the step (on this device), the loss denominator, the step's tokens."""
@@ -340,11 +345,30 @@ class DeviceProgram:
 
     @contextmanager
     def _span(self, kind: str, name: str, **args: object) -> Iterator[None]:
+        if kind in self._times and self.device.type == "cuda":
+            # On CUDA the host only enqueues: the span's time is the compute stream's, between two events
+            # (read once the step's statistics have synchronised the stream, ``_times_now``).
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            with self.hooks.span(kind, name, **args):
+                yield
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((kind, start, end))
+            return
         t0 = time.perf_counter()
         with self.hooks.span(kind, name, **args):
             yield
         if kind in self._times:
             self._times[kind] += time.perf_counter() - t0
+
+    def _times_now(self) -> dict[str, float]:
+        """The step's compute and communication seconds so far (CUDA: the recorded spans' events, waited for)."""
+        for kind, start, end in self._pending:
+            end.synchronize()
+            self._times[kind] += start.elapsed_time(end) / 1000.0
+        self._pending = []
+        return self._times
 
 
 class StepState:

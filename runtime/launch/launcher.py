@@ -8,7 +8,9 @@ failure means.
 
 from __future__ import annotations
 
+import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -122,8 +124,12 @@ def prepare(options: TrainOptions, policy: Policy, *, one_host: bool = True) -> 
     everyone = list(range(ctx.cluster.num_devices))
     backend, _ = placement(ctx, devices, one_host=one_host, gpus=options.gpus)  # refuses what this host cannot run
     _, torch_devices = placement(ctx, everyone, one_host=False)  # a device joining later included
-    threads, cpus = (emulated_cpu_shares(everyone if options.rejoins else devices, ctx.cluster.num_devices,
-                                         host_cpus()) if backend == "gloo" else (None, {}))
+    if backend == "gloo":
+        threads, cpus = emulated_cpu_shares(everyone if options.rejoins else devices, ctx.cluster.num_devices,
+                                            host_cpus())
+    else:  # GPU workers share this machine's cores, rather than each taking all of them (its build, its loader)
+        per_node = Counter(ctx.cluster.device(d).node for d in devices)
+        threads, cpus = max(1, (os.cpu_count() or 1) // max(per_node.values(), default=1)), {}
     data_line = _preflight(options, ctx)
     return Prepared(ctx, strategy.name, tuple(devices), backend, torch_devices, threads, cpus, data_line)
 

@@ -29,7 +29,11 @@ from runtime.spec.plan import TrainingSettings
 TRACE_MERGED = "trace.json"
 DISPATCH_STATE = "dispatch.json"  # beside a documents run's checkpoint: the strategy its last step ran
 ARRIVED = "hspmd-arrived"  # the store keys by which the members of a new world show they are there
+# The members poll one key (set by the last to arrive), first every ARRIVAL_POLL_S, backing off to every
+# ARRIVAL_POLL_MAX_S: O(1) store requests, a few per second per member once a world is slow to gather.
+# (A blocking store.wait with a timeout would do as well, but each of its timeouts logs socket warnings.)
 ARRIVAL_POLL_S = 0.05
+ARRIVAL_POLL_MAX_S = 0.5
 
 
 class WorldAbandoned(RuntimeError):
@@ -171,16 +175,19 @@ class Session:
         # Every member arrives before torch forms the group: a member that died makes this wait fail while
         # torch's global state is untouched (an init_process_group that fails midway leaves its group counter
         # advanced, and the next world's groups would be named unlike the other members').
-        store.set(f"{ARRIVED}/{ranks[self.me]}", b"1")
-        keys = [f"{ARRIVED}/{r}" for r in sorted(ranks.values())]
+        # A counter; the last member to arrive sets the one key every member polls.
+        if store.add(f"{ARRIVED}/count", 1) == len(ranks):
+            store.set(f"{ARRIVED}/all", b"1")
         end = time.monotonic() + self.timeout.total_seconds()
-        while not store.check(keys):
+        poll = ARRIVAL_POLL_S
+        while not store.check([f"{ARRIVED}/all"]):
             if abandoned is not None and abandoned():
                 raise WorldAbandoned(f"world {prefix!r} given up by the launcher while its members gathered")
             if time.monotonic() > end:
                 raise TimeoutError(f"world {prefix!r}: not every member arrived within "
                                    f"{self.timeout.total_seconds():g} s")
-            time.sleep(ARRIVAL_POLL_S)
+            time.sleep(poll)
+            poll = min(ARRIVAL_POLL_MAX_S, poll * 1.5)
         dist.init_process_group(self.spec.backend, store=store,
                                 rank=ranks[self.me], world_size=len(ranks), timeout=self.timeout,
                                 device_id=self.device if self.device.type == "cuda" else None)
