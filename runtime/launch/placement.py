@@ -40,6 +40,7 @@ VENDOR_PREFIXES = ("NVIDIA", "TESLA")
 class GpuInfo:
     name: str
     memory_bytes: int
+    native_bf16: bool = True  # compute capability 8.0 or later (V100 and T4 only emulate bf16, slowly)
 
 
 class GpuProbe(Protocol):
@@ -66,7 +67,7 @@ class CudaGpus:
         import torch
 
         props = torch.cuda.get_device_properties(index)
-        return GpuInfo(props.name, int(props.total_memory))
+        return GpuInfo(props.name, int(props.total_memory), native_bf16=props.major >= 8)
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,10 @@ def this_node(cluster: Cluster, declared: str | None, host: str) -> str | None:
 
 
 def placement_problem(cluster: Cluster, device: int, rank: int, node: str | None, host: str,
-                      gpu_index: int, probe: GpuProbe) -> str | None:
+                      gpu_index: int, probe: GpuProbe, bf16: bool = False) -> str | None:
     """Why device ``device`` (rank ``rank``) cannot run on this machine's GPU ``gpu_index``, in one line;
-    None when it can. ``node``: the machine's declared node name (None: its host name ``host``)."""
+    None when it can. ``node``: the machine's declared node name (None: its host name ``host``); ``bf16``:
+    the run computes in bf16 (which a GPU before compute capability 8.0 only emulates)."""
     d = cluster.device(device)
     dtype = cluster.device_types[d.type]
     where = f"rank {rank} (device {device})"
@@ -138,13 +140,16 @@ def placement_problem(cluster: Cluster, device: int, rank: int, node: str | None
                 f"device_types.{d.type}.gpu_names)")
     if abs(gpu.memory_bytes / GIB - dtype.memory_gib) > MEMORY_TOLERANCE * dtype.memory_gib:
         return f"{where}: expected {want}, found {found} (memory_gib differs by more than {MEMORY_TOLERANCE:.0%})"
+    if bf16 and not gpu.native_bf16:
+        return (f"{where}: {gpu.name!r} has no native bf16 (compute capability below 8.0), which the run's "
+                "precision computes in: run with --precision fp32")
     return None
 
 
 def check_placement(cluster: Cluster, device: int, rank: int, node: str | None, gpu_index: int,
-                    probe: GpuProbe) -> None:
+                    probe: GpuProbe, bf16: bool = False) -> None:
     """Raise (one line, exit 2) unless device ``device`` may run on this machine's GPU ``gpu_index``."""
-    problem = placement_problem(cluster, device, rank, node, probe.host(), gpu_index, probe)
+    problem = placement_problem(cluster, device, rank, node, probe.host(), gpu_index, probe, bf16)
     if problem is not None:
         raise HspmdError(problem)
 

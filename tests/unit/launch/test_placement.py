@@ -129,3 +129,11 @@ def test_torchrun_lines_start_each_node_with_its_own_devices(cluster) -> None:
     assert "--nproc-per-node 3 " in lines[1][1] and "--rdzv-endpoint head:29500" in lines[1][1]
     # What each line starts is what torchrun_device maps: the node's devices, one per local rank.
     assert [torchrun_device(cluster, [1, 3, 4, 5, 6], "box-b", r, 3) for r in range(3)] == [4, 5, 6]
+
+
+def test_bf16_on_a_gpu_that_only_emulates_it_is_refused(cluster) -> None:
+    v100_like = GpuInfo("NVIDIA H100 80GB HBM3", H100.memory_bytes, native_bf16=False)
+    machine = FixedGpus("box-a", (v100_like,))
+    problem = placement_problem(cluster, 0, 0, None, "box-a", 0, machine, bf16=True)
+    assert problem is not None and "no native bf16" in problem and "--precision fp32" in problem
+    assert placement_problem(cluster, 0, 0, None, "box-a", 0, machine, bf16=False) is None
