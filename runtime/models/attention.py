@@ -14,7 +14,8 @@ document and u <= t. Which kernel computes that depends on the device:
   harness and the reference, whose rows are short.
 
 One sequence per row (no documents) is SDPA with ``is_causal``, which selects flash attention on CUDA
-for bf16/fp16 with or without GQA.
+for bf16/fp16 with or without GQA; in fp32 on CUDA, GQA's K/V are expanded so that the memory-efficient
+kernel applies (flash needs fp16/bf16, and the math kernel would keep s x s scores).
 """
 
 from __future__ import annotations
@@ -29,7 +30,25 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and q.is_cuda and not _half_precision(q):
+        # Flash attention is CUDA's only SDPA kernel that takes GQA, and it needs fp16/bf16: in fp32 the math
+        # kernel would keep s x s scores. K/V expanded to the query heads let the memory-efficient one run.
+        k, v = expand_kv(k, v, q.shape[1])
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+
+def expand_kv(k: torch.Tensor, v: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V of [b, kv_heads, s, d] repeated to ``heads`` heads as GQA pairs them: query head i reads KV head
+    i // (heads / kv_heads)."""
+    rep = heads // k.shape[1]
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+def _half_precision(q: torch.Tensor) -> bool:
+    """Whether SDPA will see ``q`` in fp16/bf16 (autocast casts its inputs inside the op)."""
+    return q.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(q.device.type)
 
 
 def document_mask(segments: torch.Tensor) -> torch.Tensor:

@@ -100,3 +100,17 @@ def test_flex_document_kernel_equals_the_masked_reference(heads, kv_heads):
     with torch.no_grad():
         got = flex_document_attention(segments, compiled=False)(q, k, v)
     torch.testing.assert_close(got, masked_document_attention(segments)(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_expanded_kv_is_what_gqa_computes():
+    """The fp32 CUDA window path expands K/V instead of passing enable_gqa: the same attention."""
+    import torch.nn.functional as F
+
+    from runtime.models.attention import expand_kv
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 8, 20, 16, generator=g)
+    k, v = (torch.randn(2, 2, 20, 16, generator=g) for _ in range(2))
+    ek, ev = expand_kv(k, v, 8)
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, ek, ev, is_causal=True),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
