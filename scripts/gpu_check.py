@@ -485,11 +485,14 @@ def main(argv: list[str] | None = None) -> int:
         t = state["type"]
         sheet = None if dry else datasheet(t)
         if sheet is None:
-            from runtime.profiling.compute import measure_throughput
-
-            figs = measure_throughput("cpu" if dry else "cuda:0")
-            if not dry:
-                torch.cuda.empty_cache()  # this process keeps no GPU memory through the runs below
+            # In a child process: this one must hold no GPU memory (a CUDA context) through the runs below.
+            probe = ("import json, sys; from runtime.profiling.compute import measure_throughput; "
+                     "print(json.dumps(measure_throughput(sys.argv[1])))")
+            p = subprocess.run([args.python, "-c", probe, "cpu" if dry else "cuda:0"], cwd=REPO, capture_output=True,
+                               text=True, timeout=summary.left(120), env=env)
+            if p.returncode != 0:
+                raise Failed("measuring the GEMM rate failed: " + " | ".join(p.stderr.strip().splitlines()[-3:]))
+            figs = json.loads(p.stdout.strip().splitlines()[-1])
             sheet = (figs["tflops"], figs["bandwidth_gbs"], "measured here (GEMM rate and copy bandwidth: no "
                                                             "datasheet entry for this GPU)")
         tflops, hbm, source = sheet
