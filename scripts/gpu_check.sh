@@ -72,7 +72,7 @@ if [ -n "$MISSING" ]; then
   if [ -d "$WHEELS" ] && "$PY" -m pip --version >/dev/null 2>&1; then
     # Into a folder of this run's own, never into the interpreter's environment; --no-deps is not used: the
     # wheel folder holds the dependencies too, and nothing here depends on torch, so torch is never touched.
-    if timeout 120 "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" --target "$OUT/pydeps" \
+    if timeout 50 "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" --target "$OUT/pydeps" \
         --upgrade $MISSING >"$OUT/install.log" 2>&1; then
       INSTALL_REASON="$INSTALL_REASON; installed offline from $WHEELS into $OUT/pydeps: $MISSING"
     else
