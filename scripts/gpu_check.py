@@ -671,11 +671,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if state.get("count", 0) >= 2 and "two-stage-1f1b" in state.get("plans", {}):
         with summary.phase("elastic") as rec:
-            summary.requires("train:two-stage-1f1b")
+            summary.requires("train:dp2-zero1")
             if planner:
                 raise Skip(f"replanning after the loss needs the planner: {no_planner}")
-            # Device 1 is killed at step 3; device 0 goes on alone with a new plan and redoes the step.
-            steps = train(state["plans"]["two-stage-1f1b"], out / "metrics-elastic.jsonl", "--steps", "5",
+            # Two data-parallel replicas; device 1 is killed at step 3, device 0 (a whole replica) goes on
+            # alone with a new plan and redoes the step.
+            plan = write_plan(out / "plan-elastic.yaml", replace(layouts(sizes)["dp2-zero1"], zero=False), sizes,
+                              state["cluster"], state["model"])
+            steps = train(plan, out / "metrics-elastic.jsonl", "--steps", "5",
                           "--elastic", "--kill-device", "1", "--at-step", "3",
                           *(["--profile", str(profiles_dir)] if summary.ok("profile") else []),
                           extra_env={} if dry else NCCL_ELASTIC_ENV)
