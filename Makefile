@@ -25,9 +25,9 @@ $(STAMP): setup.cfg pyproject.toml
 		$(BIN)/pip install --quiet "torch==$(TORCH_VERSION)"; \
 	fi
 	$(BIN)/pip install --quiet -e ".[dev]"
-	@# An editable install leaves our modules uncompiled, and where PYTHONDONTWRITEBYTECODE is set (as on
-	@# this project's machines) every start of a verb compiled them again: validate took 2.2x the bare
-	@# imports instead of 1.6x (docs/benchmarks.md, start-up). A stale file is recompiled by Python as usual.
+	@# An editable install leaves our modules uncompiled, and where PYTHONDONTWRITEBYTECODE is set every
+	@# start of a verb would compile them again (measured with scripts/bench_startup.py: validate at 2.2x
+	@# the bare imports without the compiled files, 1.6x with them). A stale file is recompiled by Python as usual.
 	$(BIN)/python -m compileall -q hetu_cli planner runtime >/dev/null
 	@touch $(STAMP)
 

@@ -7,10 +7,12 @@ train must not pay for torch and the engine (docs/design.md §8), and one verb's
 from __future__ import annotations
 
 import importlib
+import sys
+from typing import NoReturn
 
 import click
 
-from hetu_cli.output import fail
+from hetu_cli.output import fail, printable
 from runtime.errors import HspmdError
 
 # verb -> module in hetu_cli.commands holding a click command of the same name (``-`` becomes ``_``).
@@ -31,9 +33,17 @@ class HspmdGroup(click.Group):
         attr = name.replace("-", "_")
         return getattr(importlib.import_module(f"hetu_cli.commands.{attr}"), attr)
 
+    def make_context(self, info_name, args, parent=None, **extra):  # type: ignore[override]
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.ClickException as err:
+            usage_error(err)
+
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
+        except click.ClickException as err:   # a verb's options or arguments, parsed in here
+            usage_error(err)
         except HspmdError as err:
             fail(err)
         except OSError as err:
@@ -42,6 +52,17 @@ class HspmdGroup(click.Group):
             if err.filename is None:
                 raise
             fail(f"{err.filename}: {err.strerror or err}")
+
+
+def usage_error(err: click.ClickException) -> NoReturn:
+    """Click's own errors (a bad option value, a missing argument) in the one-line ``error: ...`` form of every
+    other user error, with the exit status click gives them (2 for usage errors)."""
+    where = ""
+    ctx = getattr(err, "ctx", None)
+    if isinstance(err, click.UsageError) and ctx is not None:
+        where = f" (see '{ctx.command_path} --help')"
+    click.echo(f"error: {printable(err.format_message())}{where}", err=True)
+    sys.exit(err.exit_code)
 
 
 @click.group(cls=HspmdGroup, context_settings={"help_option_names": ["-h", "--help"]})

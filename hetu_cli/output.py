@@ -56,6 +56,34 @@ class FiniteFloatRange(AsciiNumber, click.FloatRange):
         return rv
 
 
+class MemoryMarginParam(click.ParamType):
+    """``--memory-margin``: a fraction of each device's memory (0.1) or GiB per device (4GiB)."""
+
+    name = "margin"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from planner.margin import MemoryMargin, parse_margin
+
+        if isinstance(value, MemoryMargin):
+            return value
+        try:
+            return parse_margin(str(value))
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
+
+
+def memory_margin_option():
+    """The ``--memory-margin`` option of the verbs that plan (a function: its default comes from the planner,
+    which a verb that does not plan need not import)."""
+    from planner.margin import DEFAULT_FRACTION
+
+    return click.option("--memory-margin", "memory_margin", type=MemoryMarginParam(), default=str(DEFAULT_FRACTION),
+                        show_default=True,
+                        help="Memory every device keeps free beyond the modelled peak (allocator fragmentation, "
+                             "communication buffers): a fraction of its memory (0.1) or GiB per device (4GiB); "
+                             "0 packs to the modelled capacity (docs/planning.md).")
+
+
 # Timeouts become ``datetime.timedelta``s (process groups, stores), which overflow past ~1e14 s: a
 # ``--timeout 1e20`` crashed every worker. No run waits on one operation for more than ~115 days.
 MAX_TIMEOUT_S = 1e7
@@ -147,3 +175,25 @@ def refuse_given(why: str, *params: str) -> None:
                                  if o.startswith("--")), "", why) for name in given(*params)]
     if problems:
         raise SpecError(problems)
+
+
+def plan_argument(help_text: str):
+    """The plan a verb reads, as its first argument (``hspmd simulate plan.yaml``) or as ``--plan`` (the same
+    path twice is fine; two different ones, or none, is a usage error). The verb receives ``plan_path``."""
+    import functools
+
+    def decorate(func):
+        @functools.wraps(func)
+        def wrapper(*args: Any, plan_arg: Path | None = None, plan_opt: Path | None = None, **kwargs: Any) -> Any:
+            if plan_arg is not None and plan_opt is not None and plan_arg != plan_opt:
+                raise click.UsageError(f"two plans given: PLAN {str(plan_arg)!r} and --plan {str(plan_opt)!r}")
+            path = plan_arg if plan_arg is not None else plan_opt
+            if path is None:
+                raise click.UsageError("missing argument PLAN (the plan file; --plan PLAN also works)")
+            return func(*args, plan_path=path, **kwargs)
+
+        wrapper = click.option("--plan", "plan_opt", type=click.Path(path_type=Path), metavar="PLAN",
+                               help=f"{help_text} (the same as the PLAN argument).")(wrapper)
+        return click.argument("plan_arg", metavar="PLAN", required=False, type=click.Path(path_type=Path))(wrapper)
+
+    return decorate

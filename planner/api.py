@@ -275,8 +275,8 @@ def simulator_check(ranked: list[Candidate], cms: Mapping[int, CostModel], setti
     or whose simulation passes it (``simulated_step_time``'s ``cutoff``: the simulator stops there) cannot
     be the best, so it stays unchecked among the rest. The best plan is the one checking them all would
     pick (tested); the unchecked lose their simulated time in the listing. ``workers``: processes for the
-    simulations (planner/parallel.py), played in waves of one pick per worker, the same ones kept (before,
-    every pick was played to the end: at 1024 GPUs a dozen simulations where one decides).
+    simulations (planner/parallel.py), played in waves of one pick per worker, the same ones kept (playing
+    every pick to the end would run, at 1024 GPUs, a dozen simulations where one decides).
 
     ``deadline`` (``time.perf_counter``): no wave starts after it (those left keep the estimate alone;
     ``stats`` records the cut)."""

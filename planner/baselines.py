@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import pulp
 
+from planner.block_ranking import lazily_sorted
 from planner.cost import CostModel, StrategyEstimate, zero_degree
 from planner.layer_split import consecutive_ranges
 from planner.schedule_choice import chunk_sizes
-from planner.search import lazily_sorted
 from planner.tp_groups import available, tp_degrees
 from runtime.solver import solve, var
 from runtime.spec.plan import Pipeline, Schedule, Stage, Strategy

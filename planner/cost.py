@@ -113,6 +113,7 @@ from runtime.annotations.from_plan import Boundary, held_by, placements
 from runtime.annotations.states import Annotation
 from runtime.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
 from runtime.engine.specialize import BOUNDARY_DTYPE, resolve_boundary
+from runtime.errors import HspmdError
 from runtime.models.decoders import model_parameters
 from runtime.models.params import ParamInfo
 from runtime.pipeline_schedules import ChunkCost, Costs, TimedOp, op_kinds, step_time, step_time_bound
@@ -491,6 +492,9 @@ class CostModel:
     def __init__(self, model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
                  *, micro_batch: int, seq_len: int, step_allreduce: bool = True,
                  sequence_parallel: bool = False) -> None:
+        refused = model.pricing_problem()
+        if refused is not None:  # a MoE model priced as if dense would be a wrong plan, not an approximate one
+            raise HspmdError(refused)
         missing = [t for t in cluster.device_types if t not in profiles]
         if missing:
             raise ValueError(f"no profile for device type(s) {missing}")
@@ -1235,17 +1239,32 @@ class CostModel:
         return tuple(num_layers * eval_fit(getattr(split["layer"], f), b, s)  # type: ignore[return-value]
                      + sum(eval_fit(getattr(p, f), b, s) for p in parts) for f in ("forward_s", "backward_s"))
 
+    @memo
+    def placed_chunk_cost(self, device_type: str, tp: int, start: int, stop: int,
+                          recompute_layers: int = 0) -> ChunkCost:
+        """``chunk_cost`` of the chunk holding decoder layers [start, stop), with the profile's per-layer
+        overrides (``placed_stage``): F moves by their forward difference, B and W share the backward's in
+        their own proportion."""
+        n, first, last = stop - start, start == 0, stop == self.model.num_layers
+        cc = self.chunk_cost(device_type, tp, n, first, last, recompute_layers=recompute_layers)
+        placed = self.placed_stage(device_type, tp, ((start, stop),), first, last, recompute_layers=recompute_layers)
+        plain = self.stage(device_type, tp, n, first, last, recompute_layers=recompute_layers)
+        d_f, d_b = placed.forward_s - plain.forward_s, placed.backward_s - plain.backward_s
+        if not (d_f or d_b):
+            return cc
+        grow = 1.0 + d_b / (cc.input_grad + cc.weight_grad)
+        return ChunkCost(forward=cc.forward + d_f, input_grad=cc.input_grad * grow, weight_grad=cc.weight_grad * grow,
+                         full_backward=None if cc.full_backward is None else cc.full_backward + d_b)
+
     def pipeline_costs(self, strategy: Strategy, pi: int, schedule: Schedule) -> Costs:
         """The list scheduler's costs of pipeline ``pi``: per stage and chunk its ``chunk_cost`` (the chunk
         holding layer 0 carries the embedding, the one holding the last layer the head), per virtual-stage
         boundary one activation's transfer (the slower direction; 0 where both sit on one stage)."""
         pipe = strategy.pipelines[pi]
-        n_layers = self.model.num_layers
         chunks = []
         for st in pipe.stages:
             dtype = self._type_of[st.devices[0]]
-            chunks.append(tuple(self.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers,
-                                                recompute_layers=st.chunk_recompute(c))
+            chunks.append(tuple(self.placed_chunk_cost(dtype, st.tp, a, b, recompute_layers=st.chunk_recompute(c))
                                 for c, (a, b) in enumerate(st.layers)))
         layout = schedule_layout(schedule, len(pipe.stages), pipe.stages[0].chunks)
         chunks = self._with_executor_costs(pipe, layout, chunks)
@@ -1378,10 +1397,10 @@ class CostModel:
     def stage_op_costs(self, st: Stage) -> tuple[OpCosts, ...]:
         """A stage's ``op_costs`` for the plan: each chunk's ``chunk_cost`` (F, B, W), the numbers the
         estimate prices, so that the runtime orders its lists by them."""
-        dtype, n_layers = self._type_of[st.devices[0]], self.model.num_layers
+        dtype = self._type_of[st.devices[0]]
         out = []
         for k, (a, b) in enumerate(st.layers):
-            c = self.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers, recompute_layers=st.chunk_recompute(k))
+            c = self.placed_chunk_cost(dtype, st.tp, a, b, recompute_layers=st.chunk_recompute(k))
             out.append((c.forward, c.input_grad, c.weight_grad))
         return tuple(out)
 

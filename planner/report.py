@@ -11,11 +11,14 @@ from rich.table import Table
 
 from planner.api import PlanResult, schedule_reason
 from planner.baselines import Baseline
-from planner.cost import GIB, has_tp_stage
+from planner.cost import has_tp_stage
+from planner.margin import MemoryMargin, headroom_rows
 from planner.search import schedule_label
 from runtime.annotations.states import span
 from runtime.spec.plan import Plan
 from runtime.spec.schema import to_data
+
+NO_MARGIN = MemoryMargin()
 
 
 def _baseline_json(result: PlanResult, b: Baseline) -> dict[str, Any]:
@@ -24,21 +27,11 @@ def _baseline_json(result: PlanResult, b: Baseline) -> dict[str, Any]:
             "mfu": None if b.estimate is None else b.estimate.mfu}
 
 
-def memory_rows(result: PlanResult, index: int = 0) -> list[dict[str, Any]]:
-    """Per stage of the chosen strategy: devices, peak memory, capacity, headroom."""
+def memory_rows(result: PlanResult, index: int = 0, margin: MemoryMargin = NO_MARGIN) -> list[dict[str, Any]]:
+    """Per stage of the chosen strategy: devices, peak memory, capacity, the margin kept, headroom."""
     cand = result.candidates[index]
-    est = cand.estimate
-    rows = []
-    for pi, pipe in enumerate(cand.strategy.pipelines):
-        for si, st in enumerate(pipe.stages):
-            d = st.devices[0]
-            used = est.memory[d].total / GIB
-            cap = est.capacity_gib[d]
-            rows.append({"pipeline": pi, "stage": si, "devices": list(st.devices),
-                         "device_type": result.cluster.device(d).type, "peak_gib": round(used, 3),
-                         "capacity_gib": cap, "headroom_gib": round(cap - used, 3),
-                         "headroom_frac": round((cap - used) / cap, 4)})
-    return rows
+    return headroom_rows(cand.strategy, {d: m.total for d, m in cand.estimate.memory.items()}, result.cluster,
+                         margin)
 
 
 def schedule_rows(result: PlanResult) -> list[dict[str, Any]]:
@@ -55,7 +48,8 @@ def schedule_rows(result: PlanResult) -> list[dict[str, Any]]:
     return rows
 
 
-def result_json(result: PlanResult, plan: Plan, out_path: str | None) -> dict[str, Any]:
+def result_json(result: PlanResult, plan: Plan, out_path: str | None, margin: MemoryMargin = NO_MARGIN
+                ) -> dict[str, Any]:
     best = result.best
     est = best.estimate
     lb = result.lower_bound
@@ -82,7 +76,8 @@ def result_json(result: PlanResult, plan: Plan, out_path: str | None) -> dict[st
                    "block_evaluations": result.stats.block_evaluations,
                    "combinations": result.stats.combinations, "finalists": result.stats.finalists,
                    "ilps": result.stats.ilps},
-        "memory": memory_rows(result),
+        "memory_margin": {**margin.to_json(), "text": margin.text},
+        "memory": memory_rows(result, 0, margin),
         "schedules": schedule_rows(result),
         "idle_devices": [{"device_type": g.device_type, "devices": list(g.devices), "reason": g.reason}
                          for g in result.idle],
@@ -101,7 +96,7 @@ def zero_text(copies: int) -> str:
     return "off" if not copies else "on" if copies == 1 else f"on, {copies} copies of each moment chunk"
 
 
-def print_report(con: Console, result: PlanResult, out_path: str | None) -> None:
+def print_report(con: Console, result: PlanResult, out_path: str | None, margin: MemoryMargin = NO_MARGIN) -> None:
     best = result.best
     est = best.estimate
     s = result.settings
@@ -117,9 +112,10 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
     con.print(f"plan: {escape(best.summary)}")
     table = Table(title="pipelines x stages (one micro-batch per stage)", title_justify="left")
     for col in ("pipe", "mb", "schedule", "stage", "type", "TP", "devices", "layers", "recompute", "stage s",
-                "peak GiB", "cap GiB", "headroom"):
+                "peak GiB", "cap GiB", "margin GiB", "headroom"):
         table.add_column(col, justify="left" if col in ("type", "devices", "layers") else "right")
-    mem = {(r["pipeline"], r["stage"]): r for r in memory_rows(result)}
+    rows = memory_rows(result, 0, margin)
+    mem = {(r["pipeline"], r["stage"]): r for r in rows}
     for pi, (pipe, pe) in enumerate(zip(best.strategy.pipelines, est.pipelines)):
         for si, (st, sc) in enumerate(zip(pipe.stages, pe.stages)):
             r = mem[pi, si]
@@ -127,7 +123,7 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
                           schedule_label(pipe, s.default_schedule) if si == 0 else "", str(si),
                           r["device_type"], tp_text(st.tp, sp), span(st.devices), st.layers_text(),
                           st.recompute_text(), f"{sc.time_s:.4f}", f"{r['peak_gib']:.1f}",
-                          f"{r['capacity_gib']:g}", f"{r['headroom_frac']:.0%}")
+                          f"{r['capacity_gib']:g}", f"{r['margin_gib']:g}", f"{r['headroom_frac']:.0%}")
     con.print(table)
     searched = "searched per pipeline" if s.schedule == "auto" else f"fixed by --schedule {s.schedule}"
     seen = set()
@@ -153,9 +149,11 @@ def print_report(con: Console, result: PlanResult, out_path: str | None) -> None
     base.add_row("lower bound", "all devices at their best compute rate, no comm / bubbles / optimizer",
                  f"{lb.step_time_s:.4f}", f"efficiency {result.efficiency:.1%}")
     con.print(base)
-    low = min(memory_rows(result), key=lambda r: r["headroom_frac"])
+    low = min(rows, key=lambda r: r["headroom_frac"])
     con.print(f"memory: tightest stage is pipeline {low['pipeline']} stage {low['stage']} ({low['device_type']}): "
-              f"{low['peak_gib']:.1f} of {low['capacity_gib']:g} GiB, {low['headroom_frac']:.0%} free")
+              f"{low['peak_gib']:.1f} of {low['capacity_gib']:g} GiB, {low['headroom_frac']:.0%} free; margin "
+              f"{margin.text} (--memory-margin): " + ("every stage keeps it" if all(r["within_margin"] for r in rows)
+                                                      else "[red]not kept by every stage[/red]"))
     if result.idle:
         for g in result.idle:
             con.print(f"[yellow]idle[/yellow] {len(g.devices)} x {escape(g.device_type)} "

@@ -615,8 +615,8 @@ def _played(cm: CostModel, strategy: Strategy, schedule: Schedule, zero: bool, c
     sim = EventLoop(costs.cores)
     opt_times = cm.optimizer_times(strategy, zero)
     # Steps follow one another: a stage's first block follows its devices' previous optimizer step, which on
-    # an emulated slower device ends in a sleep (traced on dp-uneven, stop 32: the slow devices' first
-    # forward started after a 5.3 ms optimizer sleep, its CPU 9% above its price).
+    # an emulated slower device ends in a sleep (traced on dp-uneven: the slow devices' first forward
+    # started after a 5.3 ms optimizer sleep, its CPU 9% above its price).
     idle = {stage_resource(pi, k): max(costs.sleep_after(d, opt_times[d]) for d in st.devices)
             for pi, pipe in enumerate(strategy.pipelines) for k, st in enumerate(pipe.stages)}
     sim.idle_before = {r: t for r, t in idle.items() if t > 0}
@@ -673,8 +673,9 @@ class _Costs:
                 stages[pi, k] = cm.stage_total(st)
                 for c, (a, b) in enumerate(st.layers):
                     r = st.chunk_recompute(c)
-                    chunks[pi, k, c] = (cm.stage(dtype, st.tp, b - a, a == 0, b == n_layers, recompute_layers=r),
-                                        cm.chunk_cost(dtype, st.tp, b - a, a == 0, b == n_layers, recompute_layers=r))
+                    chunks[pi, k, c] = (cm.placed_stage(dtype, st.tp, ((a, b),), a == 0, b == n_layers,
+                                                        recompute_layers=r),
+                                        cm.placed_chunk_cost(dtype, st.tp, a, b, recompute_layers=r))
         cores, hosts_of = cm.host.cpu_layout(strategy.devices)
         stage_of = {d: (pi, k) for pi, p in enumerate(strategy.pipelines) for k, st in enumerate(p.stages)
                     for d in st.devices}
@@ -796,7 +797,7 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                         fields = blocks[a.kind, a.chunk] = costs.block(st.devices, total, tp, tp_cpu,
                                                                        costs.chunks[pi, k, a.chunk][0])
                     # A split backward's W works on what its B produced: traced op by op (pp4-uneven-
-                    # zb-h1, docs/benchmarks.md "Simulator fidelity"), the slow stages' W ops took 14.7 /
+                    # zb-h1 on cpu-hetero4), the slow stages' W ops took 14.7 /
                     # 13.2 ms of CPU per step against 20.4 / 27.9 ms simulated with the resume and cold
                     # penalties, their priced CPU alone about what each measured (1.76 vs 1.65 ms).
                     sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=resume, hot=a.kind == "W",
@@ -854,7 +855,7 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
     for d in devices:
         # After the step's collectives the optimizer finds cold caches, as a block does after idling: it pays
         # the device's resume penalty, the forward's figures (it streams over weights and states like a
-        # forward over its weights). Measured (docs/benchmarks.md, "Simulator fidelity", stop 32): a 6-layer
+        # forward over its weights). Measured on cpu-hetero4: a 6-layer
         # stage's AdamW step took 2.36 ms right after its backward and 2.86 ms after a further 20 ms idle;
         # the forward's figures of the same host add 0.38-0.50 ms.
         sim.add(costs.device_op(f"opt{d}", d, OpKind.OPTIMIZER, deps=("stats",),

@@ -46,10 +46,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from runtime.comm.bsr import FLOAT32
 from runtime.comm.gradsync import runs
 from runtime.errors import HspmdError, Problem, SpecError
+from runtime.hf_files import copy_side_files
 from runtime.models.params import llama_parameters
 from runtime.spec import ModelSpec, PlanContext
 from runtime.spec.catalog import model_source_config
 from runtime.spec.hf import CONFIG_FILE, HF_NAMES, config_for, read_config, spec_from_config
+from runtime.spec.hf_moe import hf_view
 from runtime.spec.io import AtomicFiles, is_dir
 
 if TYPE_CHECKING:
@@ -237,10 +239,11 @@ def _config_problems(path: Path, model: ModelSpec) -> list[Problem]:
         theirs = spec_from_config(read_config(path), str(path), model.name)
     except SpecError as err:
         return list(err.problems)
+    model = hf_view(model)  # what config.json cannot say is not compared
     out: dict[str, Problem] = {}
     for f in dataclasses.fields(ModelSpec):
         if f.name != "name" and getattr(theirs, f.name) != getattr(model, f.name):
-            key = "model_type" if f.name in ("family", "qkv_bias") else HF_NAMES.get(f.name, f.name)
+            key = "model_type" if f.name in ("family", "qkv_bias", "qk_norm") else HF_NAMES.get(f.name, f.name)
             out.setdefault(key, Problem(str(path), key, f"{getattr(theirs, f.name)!r} differs from the plan's model "
                                                         f"{model.name} ({f.name}: {getattr(model, f.name)!r})"))
     return list(out.values())
@@ -334,6 +337,8 @@ def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: P
     write_checkpoint(directory, plan.model, weights, moments=full, step=step,
                      saved_by=f"{plan.path} (strategy {strat.name})",
                      source_config=None if source is None else read_config(source), shard_bytes=shard_bytes)
+    if source is not None:   # the tokenizer and generation config of the model directory travel with it
+        copy_side_files(source.parent, directory)
 
 
 def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[str, torch.Tensor], *,

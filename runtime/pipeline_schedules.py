@@ -6,7 +6,10 @@ W, how many activations a device may hold, and which ready op a device prefers. 
 them as a policy for one event-driven list scheduler means the executor, ``hspmd show``, the
 simulator and the cost model all read the same data, and a heterogeneous pipeline (stages of
 different speeds, uneven chunks) is scheduled with its real op durations instead of a unit-time
-template. The policies, layouts and memory bounds are in ``runtime.schedule_policies``.
+template. The policies, layouts and memory bounds are in ``runtime.schedule_policies``. Each schedule's
+published order (``runtime.canonical_schedules``) is played beside the list scheduler's with the same
+durations, and the faster of the two is the order every consumer gets (``_list_run``), so no schedule
+is slower than its textbook order.
 
 Vocabulary. A pipeline has ``S`` devices; each holds ``v`` chunks, so there are ``S*v`` virtual
 stages ``j``. Placement ``"loop"``: virtual stage ``j`` is chunk ``j // S`` of device ``j % S``
@@ -33,10 +36,11 @@ import bisect
 import functools
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from runtime.canonical_schedules import canonical_labels, canonical_orders, play_static
 from runtime.schedule_policies import (
     POLICIES,
     Layout,
@@ -47,8 +51,13 @@ from runtime.schedule_policies import (
     schedule_layout,
     schedule_problems,
 )
+from runtime.schedule_sync import with_host_syncs
 
 MessageKind = Literal["activation", "gradient"]
+# What an order came from when it is the list scheduler's (else a ``canonical_labels`` line).
+ORDER_LIST = "the list scheduler's order"
+# Which order ``schedule_timeline`` gives: the one every consumer runs, or one of its two candidates.
+Source = Literal["best", "list", "textbook"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -234,6 +243,8 @@ class Schedule:
     # Per device the activation bound the lists were built under, where it was raised above the
     # schedule's own (``build_schedule``'s ``limits``); None: ``live_activation_limit`` everywhere.
     limits: tuple[int, ...] | None = None
+    # Which order this is: ``ORDER_LIST`` or the published one that was faster (``canonical_labels``).
+    origin: str = ORDER_LIST
 
     @property
     def split_backward(self) -> bool:
@@ -288,21 +299,26 @@ def build_schedule(name: str, num_devices: int, micro_batches: int, chunks: int 
     ``limits`` of another length than the devices."""
     layout, costs = _checked(name, num_devices, micro_batches, chunks, costs, limits)
     bounds = device_limits(name, num_devices, micro_batches, layout.chunks, limits)
-    timeline = _list_schedule(name, layout, micro_batches, costs, bounds)
+    run, origin = _chosen(name, layout, micro_batches, costs, bounds)
+    timeline = _timed(name, layout, *run)
     actions = derive_actions(timeline, layout)
     raised = None if limits is None else bounds
     return Schedule(name, layout, micro_batches, costs,  # type: ignore[arg-type]
-                    tuple(tuple(t) for t in timeline), actions, raised)
+                    tuple(tuple(t) for t in timeline), actions, raised, origin)
 
 
 def schedule_timeline(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
-                      costs: Costs | None = None,
-                      limits: Sequence[int] | None = None) -> tuple[tuple[TimedOp, ...], ...]:
+                      costs: Costs | None = None, limits: Sequence[int] | None = None, *,
+                      source: Source = "best") -> tuple[tuple[TimedOp, ...], ...]:
     """``build_schedule(...).timeline`` without deriving the action lists: the compute order is all a
-    caller that only times the order needs (the planner prices thousands of pipelines)."""
+    caller that only times the order needs (the planner prices thousands of pipelines).
+
+    ``source``: ``"best"``, the order every consumer runs (``_list_run``); ``"list"``, the list scheduler's
+    alone; ``"textbook"``, the schedule's published static order (``canonical_orders``, its first) played
+    with ``costs``: the two candidates, for tests and benchmarks that compare them."""
     layout, costs = _checked(name, num_devices, micro_batches, chunks, costs, limits)
     bounds = device_limits(name, num_devices, micro_batches, layout.chunks, limits)
-    return tuple(tuple(t) for t in _list_schedule(name, layout, micro_batches, costs, bounds))
+    return tuple(tuple(t) for t in _list_schedule(name, layout, micro_batches, costs, bounds, source))
 
 
 def schedule_order(name: str, num_devices: int, micro_batches: int, chunks: int | None = None,
@@ -410,7 +426,7 @@ class _DeviceState:
     live: int = 0
     forwards_left: int = 0
     after_backward: bool = False  # the op run last was a backward (B or BW): 1F1B's alternation
-    # (When it is free and when it is next worth looking at are ``_list_run``'s lists ``free`` and ``wake``.)
+    # (When it is free and when it is next worth looking at are ``_greedy_run``'s lists ``free`` and ``wake``.)
     # Ready ops (numbers, ``_list_schedule``): not yet due, as (ready time, op); due ones by kind, as
     # ``rank * ops + op`` (``_priority_keys``: least first): a micro-batch's first forward here, B or BW, W;
     # and its later chunks' forwards as op numbers (few: of micro-batches held here).
@@ -486,8 +502,8 @@ def _run_keys(name: str, layout: Layout, m: int) -> tuple[tuple[int, ...], tuple
     return tuple(keys), tuple(after)
 
 
-def _list_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]
-              ) -> tuple[list[list[tuple[int, float]]], list[float]]:
+def _greedy_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]
+                ) -> tuple[list[list[tuple[int, float]]], list[float]]:
     """Event-driven simulation: each idle device starts the best ready op its policy allows, holding at
     most ``limit[d]`` activations on device ``d``.
 
@@ -763,17 +779,86 @@ def _list_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[i
     return order, end
 
 
+def _list_run(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]
+              ) -> tuple[list[list[tuple[int, float]]], list[float]]:
+    """The order every consumer gets (engine, simulator, cost model): ``_chosen``'s."""
+    return _chosen(name, layout, m, costs, limit)[0]
+
+
+def _chosen(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]
+            ) -> tuple[tuple[list[list[tuple[int, float]]], list[float]], str]:
+    """The list scheduler's order (``_greedy_run``) or the schedule's published static order
+    (``canonical_orders``), whichever ends first when played with ``costs``, and which one it is (``ORDER_LIST``
+    or a ``canonical_labels`` line); a tie keeps the list scheduler's. Both keep every device within
+    ``limit`` (the published orders within the schedule's own bound, which ``limit`` only raises). Under
+    1F1B with room for every micro-batch's activation on every device (GPipe's memory), GPipe's orders are
+    candidates too, so 1F1B is never slower than GPipe where it may hold what GPipe holds. docs/schedules.md,
+    "Never slower than the textbook", has why both are needed: each wins on some uneven pipeline."""
+    best = _greedy_run(name, layout, m, costs, limit)
+    best_t, origin = _makespan(best), ORDER_LIST
+    names = [name]
+    if name == "1f1b" and all(x >= m for x in limit):
+        names.append("gpipe")
+    for other in names:
+        if other != name:
+            run = _greedy_run(other, layout, m, costs, device_limits(other, layout.num_devices, m, layout.chunks))
+            if _makespan(run) < best_t * (1 - 1e-12):
+                best, best_t, origin = run, _makespan(run), f"{ORDER_LIST} under GPipe's policy"
+        for played, label in zip(_played(other, layout, m, costs), canonical_labels(other)):
+            if played is not None and _makespan(played) < best_t * (1 - 1e-12):
+                best, best_t, origin = played, _makespan(played), label
+    return best, origin
+
+
+def _played(name: str, layout: Layout, m: int, costs: Costs
+            ) -> list[tuple[list[list[tuple[int, float]]], list[float]] | None]:
+    """Schedule ``name``'s published orders (``canonical_orders``) played with ``costs`` (None: one that
+    deadlocks, which the tests rule out)."""
+    kinds = op_kinds(name)
+    stages = layout.num_stages
+    dev = [layout.device(j) for j in range(stages)]
+    dur = [[costs.chunk(dev[j], layout.chunk(j)).of(k) for k in kinds] for j in range(stages)]
+    hop = [costs.transfer(j) if dev[j] != dev[j + 1] else 0.0 for j in range(stages - 1)]
+    return [play_static(layout, dur, hop, order) for order in _canonical(name, layout, m)]
+
+
+@functools.lru_cache(maxsize=1 << 8)
+def _canonical(name: str, layout: Layout, m: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """``canonical_orders``, cached: the planner prices one shape at many costs."""
+    return canonical_orders(name, layout, m)
+
+
+def _makespan(run: tuple[list[list[tuple[int, float]]], list[float]]) -> float:
+    order, end = run
+    return max((end[ops[-1][0]] for ops in order if ops), default=0.0)
+
+
 def _woke(looks: list[int], i: int, d: int) -> None:
-    """``_list_run``: device ``d``, woken in an event by an op due then, joins the devices that event still
+    """``_greedy_run``: device ``d``, woken in an event by an op due then, joins the devices that event still
     looks at (``looks[i:]``, in device order) unless it is there already."""
     p = bisect.bisect_left(looks, d, i)
     if p == len(looks) or looks[p] != d:
         looks.insert(p, d)
 
 
-def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int]) -> list[list[TimedOp]]:
-    """Per device its ops with their start and end times, in the order ``_list_run`` starts them."""
-    order, end = _list_run(name, layout, m, costs, limit)
+def _list_schedule(name: str, layout: Layout, m: int, costs: Costs, limit: Sequence[int],
+                   source: Source = "best") -> list[list[TimedOp]]:
+    """Per device its ops with their start and end times, in the order ``_list_run`` gives them (``source``:
+    as for ``schedule_timeline``)."""
+    if source == "best":
+        order, end = _list_run(name, layout, m, costs, limit)
+    elif source == "list":
+        order, end = _greedy_run(name, layout, m, costs, limit)
+    else:
+        played = _played(name, layout, m, costs)[0]
+        if played is None:
+            raise RuntimeError(f"{name}: the published order deadlocks on {layout} with {m} micro-batches")
+        order, end = played
+    return _timed(name, layout, order, end)
+
+
+def _timed(name: str, layout: Layout, order: list[list[tuple[int, float]]], end: list[float]) -> list[list[TimedOp]]:
+    """``TimedOp``s of a run (per device its ops as ``(op number, start)``, per op its end)."""
     kinds, stages = op_kinds(name), layout.num_stages
     nk = len(kinds)
     return [[TimedOp(_compute(kinds[o % nk], o // (stages * nk), (o // nk) % stages, layout.chunk((o // nk) % stages)),
@@ -884,7 +969,7 @@ class ScheduleCheck:
 
 
 def check_schedule(actions: Sequence[Sequence[Action]], layout: Layout, micro_batches: int, *,
-                   split_backward: bool) -> ScheduleCheck:
+                   split_backward: bool, host_syncs: Sequence[Collection[int]] | None = None) -> ScheduleCheck:
     """Play per-device action lists on a simulated machine and report every violation.
 
     The machine: a device runs its actions in order; posts never block; ``WaitRecv`` blocks until the
@@ -895,7 +980,11 @@ def check_schedule(actions: Sequence[Sequence[Action]], layout: Layout, micro_ba
     matching, no tags). Checked: every message matched with the content its receiver expects; no
     deadlock; each micro-batch's F and B/W (or BW) exactly once per virtual stage, on the stage's device,
     after what it reads; sends after their producer; the peak of live activations per device.
+    ``host_syncs``: per device, the actions after which its host waits for the device, each waiting for
+    every earlier action of the device (runtime/schedule_sync.py: the NCCL rule).
     """
+    if host_syncs is not None:
+        actions = with_host_syncs(actions, host_syncs, post_recv=PostRecv, wait_recv=WaitRecv, wait_sends=WaitSends)
     n, last = layout.num_devices, layout.num_stages - 1
     problems: list[str] = []
     pc = [0] * n

@@ -19,15 +19,25 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+from runtime.device_clock import DeviceClock, HostClock, Mark
 from runtime.profiling.profile import SPLIT_BACKWARD_SHARE, ComputeBlock, SleepTarget, sleep_target
 from runtime.spec import PlanContext
 from runtime.spec.io import atomic_write_text
 
 
 class TraceRecorder:
-    """Records spans as Chrome-trace complete events for one process (one device)."""
+    """Records spans as Chrome-trace complete events for one process (one device).
 
-    def __init__(self, pid: int, process_name: str, *, sync: Callable[[], None] | None = None,
+    Span boundaries are marks of the device's ``clock`` (runtime/device_clock.py): on a GPU, events on the
+    current stream, so a span spans what the device did and the host never waits for the device inside a
+    step (a device-wide synchronize there would wait for NCCL's streams too, which turns posted receives
+    into blocking ones: interleaved 1F1B with 3+ stages deadlocks, every schedule serialises). A span's
+    times are read once its end mark has completed, or when the trace is written."""
+
+    # Whether the host waits for the device in a span (runtime/schedule_sync.py checks every schedule with it).
+    SYNCS_IN_SPANS = False
+
+    def __init__(self, pid: int, process_name: str, *, clock: DeviceClock | None = None,
                  cpu_clock: Callable[[], float] | None = time.thread_time) -> None:
         self.pid = pid
         self.process_name = process_name
@@ -35,38 +45,48 @@ class TraceRecorder:
         # a span whose wall time exceeds it waited (for its core, a message, a sleep), which a wall-clock
         # timeline alone cannot tell apart from slow compute. None: wall times only.
         self._cpu_clock = cpu_clock
-        # On GPUs work is asynchronous: a span only means something if it ends when the device is done.
-        self._sync = sync
-        # Wall-clock anchor + monotonic offsets: comparable across the processes of one run.
+        self._clock = clock if clock is not None else HostClock()
+        # Wall-clock anchor + device-clock offsets: comparable across the processes of one run.
         self._wall0_us = time.time_ns() / 1e3
-        self._mono0 = time.perf_counter()
+        self._anchor = self._clock.mark()
+        self._open: list[tuple[dict[str, Any], Mark, Mark]] = []  # events whose marks are not read yet
         self.events: list[dict[str, Any]] = []
 
-    def _now_us(self) -> float:
-        return self._wall0_us + (time.perf_counter() - self._mono0) * 1e6
+    def _resolve(self, *, wait: bool) -> None:
+        """Give the spans whose marks the device has reached (every span: ``wait``) their times."""
+        keep = []
+        for event, start, end in self._open:
+            if wait or end.done():
+                t0 = start.seconds_since(self._anchor)
+                event["ts"] = round(self._wall0_us + t0 * 1e6, 3)
+                event["dur"] = round((end.seconds_since(self._anchor) - t0) * 1e6, 3)
+            else:
+                keep.append((event, start, end))
+        self._open = keep
 
     @contextmanager
     def span(self, kind: str, name: str, **args: Any) -> Iterator[None]:
-        if self._sync is not None:
-            self._sync()
-        start = self._now_us()
+        if self._open:
+            self._resolve(wait=False)
+        start = self._clock.mark()
         cpu0 = self._cpu_clock() if self._cpu_clock is not None else 0.0
         try:
             yield
         finally:
-            if self._sync is not None:
-                self._sync()
-            end = self._now_us()
-            event = {"name": name, "cat": kind, "ph": "X", "ts": round(start, 3), "dur": round(end - start, 3),
-                     "pid": self.pid, "tid": 0}
+            end = self._clock.mark()
+            event = {"name": name, "cat": kind, "ph": "X", "ts": 0.0, "dur": 0.0, "pid": self.pid, "tid": 0}
             out = {k: v if isinstance(v, (str, int, float, bool)) or v is None else str(v) for k, v in args.items()}
             if self._cpu_clock is not None:
                 out["cpu_ms"] = round((self._cpu_clock() - cpu0) * 1e3, 4)
             if out:
                 event["args"] = out
             self.events.append(event)
+            self._open.append((event, start, end))
+            if end.done():  # a host clock's always are: the times are known now
+                self._resolve(wait=False)
 
     def chrome_events(self) -> list[dict[str, Any]]:
+        self._resolve(wait=True)
         meta = [
             {"name": "process_name", "ph": "M", "pid": self.pid, "tid": 0, "args": {"name": self.process_name}},
             {"name": "process_sort_index", "ph": "M", "pid": self.pid, "tid": 0, "args": {"sort_index": self.pid}},

@@ -17,7 +17,7 @@ against checkpoint-restart, measured on this machine and modelled at paper scale
     metrics file's events).
 (2) Modelled, paper scale: llama-32b on h800-h20-48, the planner's elastic plan, a trace of single H20 and
     H800 failures, a whole H20 node lost and every device returning (``PAPER_TRACE``) over
-    ``--paper-steps`` steps: planner/replan.py ``model_trace`` (hspmd vs restart vs Oobleck-like; each
+    ``--paper-steps`` steps: planner/trace_model.py ``model_trace`` (hspmd vs restart vs Oobleck-like; each
     line's time broken down, each event's parts, every assumption a named field of the output's
     ``assumptions``). Keys ``modelled_goodput_over_restart`` (target >= 1.5) and
     ``modelled_goodput_over_oobleck_like``: each line checkpoints at Young's optimum for the failures it must
@@ -61,7 +61,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from planner.api import plan  # noqa: E402
-from planner.replan import model_trace, settings_for  # noqa: E402
+from planner.replan import settings_for  # noqa: E402
+from planner.trace_model import model_trace  # noqa: E402
 from runtime.elastic.events import parse_trace  # noqa: E402
 from runtime.profiling.profile import resolve_profiles  # noqa: E402
 from runtime.spec import PlanContext, load_cluster, load_model, load_plan, load_plan_context, save_plan  # noqa: E402

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Mixed-length documents: hspmd's multi-strategy plan with balanced dispatch vs one fixed strategy and vs a
-HotSPa-like baseline (issue 13).
+HotSPa-like baseline.
 
 1. Modelled, at the HSPMD paper's scale (llama-32b, 200K-token steps, 100 steps of the default long-tailed
    distribution, clusters h20-32 and h800-h20-48), every step priced by ``runtime.dispatch``'s time model on

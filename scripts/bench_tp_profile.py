@@ -6,9 +6,9 @@ stage timed whole, as the engine runs it, in one run (ratios within one run: the
 Two gloo processes pinned as the launcher pins devices 0 and 1 of cpu-hetero4 (one core each on this host)
 run, ``--repeats`` times in turn:
 
-* ``in_turns`` (the profiler's TP timing before it was changed): the ``STAGE_VARIANTS`` TP stage modules and
+* ``in_turns`` (the alternative the profiler does not use): the ``STAGE_VARIANTS`` TP stage modules and
   their local shards taking turns, one forward and one backward each, a barrier per repeat, trimmed mean of 9;
-* ``back_to_back`` (``compute.measure_tp_overhead`` now): the same stages, each run as the engine runs a
+* ``back_to_back`` (what ``compute.measure_tp_overhead`` does): the same stages, each run as the engine runs a
   stage's micro-batches (8 x (forward, backward) back to back, 3 rounds), also with sequence parallelism;
 * ``whole``: the TP stage of the TP plans of scripts/bench_simulator.py (``--layers`` layers, embedding and
   head: tp2-fast's only stage, hetero-tp2-pp2's TP pipeline), with and without sequence parallelism, and its

@@ -10,7 +10,7 @@ sleep that follows it, if any; the span's main-thread CPU, ``cpu_ms`` of runtime
 ratios, then per device and op kind the sums per step. CPU-time ratios say whether a block's work was
 priced right; wall-time ratios beyond them are waiting (for the core, a message, a sleep's wake-up). A TP
 block's simulated CPU includes its collectives' (the profile's process CPU: gloo's threads too), the
-trace's is the main thread's (83-91% of the process's in a TP-2 stage, docs/benchmarks.md).
+trace's is the main thread's (83-91% of the process's in a TP-2 stage on a CPU host).
 """
 
 from __future__ import annotations

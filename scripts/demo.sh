@@ -111,4 +111,4 @@ hspmd train --plan "$OUT/lengths-fixed.yaml" --lengths longtail --steps 8 --disp
   --metrics "$OUT/lengths-fixed-metrics.jsonl"
 python scripts/compare_runs.py hspmd="$OUT/lengths-metrics.jsonl" fixed="$OUT/lengths-fixed-metrics.jsonl"
 echo "(expect hspmd ahead by about the plan's predicted speedup above: scripts/bench_lengths.py --part measured,"
-echo " docs/benchmarks.md \"Mixed sequence lengths\")"
+echo " docs/benchmarks.md, bench_lengths)"

@@ -27,11 +27,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     are dealt one by one to whichever worker is free. (xdist's own `loadgroup` would do this from a mark, but
     its renaming of node ids does not take on pytest 9.)
 
-    Serial, the integration tests were the whole run's wall time (12:58 of CI's fresh clone, the other worker
-    idle for the last ~3 min), so the modules in ``BESIDE`` go to the other worker, each as one unit (their
-    module fixtures start once): they run scripts end to end, time no silence and assert no duration, and
-    they were 4 of the serial ~25 min on a loaded box. xdist deals the units with the most tests first, so
-    the serial group and these start at once and the single unit tests fill in behind them."""
+    Run serially, the integration tests would be the whole run's wall time (the other worker idle once the
+    unit tests are done), so the modules in ``BESIDE`` go to the other worker, each as one unit (their
+    module fixtures start once): they run scripts end to end, time no silence and assert no duration. xdist
+    deals the units with the most tests first, so the serial group and these start at once and the single
+    unit tests fill in behind them."""
     from xdist.scheduler import LoadScopeScheduling
 
     worlds = "tests/integration/"

@@ -1,5 +1,5 @@
 """``hspmd plan --lengths`` and ``hspmd simulate --lengths``: the mixed-length halves of those verbs (kept
-apart from their fixed-length code, which other work edits)."""
+apart from their fixed-length code: one concern per file)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from planner.lengths import (
     stage_rooms,
     strategy_cost,
 )
+from planner.margin import MemoryMargin
 from runtime.documents import length_distribution
 from runtime.errors import Problem, SpecError
 from runtime.launch.options import TrainOptions
@@ -40,9 +41,10 @@ from runtime.spec.io import atomic_write_files, atomic_write_text
 def plan_for_lengths(model_ref: str, cluster_ref: str, profile_dirs: Sequence[Path], lengths: str,
                      tokens_per_step: int | None, max_len: int | None, unused: Mapping[str, object],
                      max_strategies: int, time_limit: float, out_path: Path | None, fmt: str,
-                     fixed_path: Path | None = None) -> None:
-    """``unused``: the fixed-length options given (None where not), refused: a documents plan is micro-batch
-    1, ZeRO off (in-memory switches need full replicas) and a step is ``tokens_per_step`` tokens."""
+                     fixed_path: Path | None = None, margin: MemoryMargin = MemoryMargin()) -> None:
+    """``margin``: the memory every device keeps free (planned on the capacity it leaves). ``unused``: the
+    fixed-length options given (None where not), refused: a documents plan is micro-batch 1, ZeRO off
+    (in-memory switches need full replicas) and a step is ``tokens_per_step`` tokens."""
     problems = [Problem(opt, "", "not used with --lengths (a step is --tokens-per-step tokens of documents, "
                                  "micro-batch 1, ZeRO off)") for opt, v in unused.items() if v is not None]
     if tokens_per_step is None:
@@ -58,12 +60,14 @@ def plan_for_lengths(model_ref: str, cluster_ref: str, profile_dirs: Sequence[Pa
     dist = length_distribution(lengths, top)
     settings = LengthSettings(tokens_per_step=tokens_per_step, max_len=top, max_strategies=max_strategies,
                               time_limit_s=time_limit)
-    result = plan_lengths(model, cluster, profiles, dist, settings)
-    planned = result.to_plan(recorded_ref(model_ref, "models"), recorded_ref(cluster_ref, "clusters"))
+    result = plan_lengths(model, margin.apply(cluster), profiles, dist, settings)
+    planned = result.to_plan(recorded_ref(model_ref, "models", plan_file=out_path),
+                             recorded_ref(cluster_ref, "clusters", plan_file=out_path))
     problems = validate_plan(planned, model, cluster, str(out_path or "plan"))
     if problems:   # a planner bug, not a user error: refuse to write it
         raise RuntimeError("planner produced an invalid plan: " + "; ".join(str(x) for x in problems))
-    fixed = build_plan([result.single_best], settings, planned.model, planned.cluster)
+    fixed = build_plan([result.single_best], settings, recorded_ref(model_ref, "models", plan_file=fixed_path),
+                       recorded_ref(cluster_ref, "clusters", plan_file=fixed_path))
     atomic_write_files([(path, dump_plan(p).encode()) for p, path in ((planned, out_path), (fixed, fixed_path))
                         if path is not None])
     ranges = length_ranges(planned)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -9,18 +10,31 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hetu_cli.commands.lengths_report import plan_for_lengths
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, FiniteFloatRange, IntRange, console, emit_json, refuse_given
+from hetu_cli.output import (
+    FORMAT_OPTION,
+    PROFILE_OPTION,
+    FiniteFloatRange,
+    IntRange,
+    console,
+    emit_json,
+    memory_margin_option,
+    printable,
+    refuse_given,
+)
 from planner.api import PlanSettings
 from planner.api import plan as run_planner
+from planner.margin import MemoryMargin, margin_said
+from planner.provenance import check_profiles, provenance, strategy_tps, with_profiles
 from planner.report import print_report, result_json
 from planner.schedule_choice import AUTO
-from runtime.errors import Problem, SpecError
+from planner.survival import NODE_PREFERENCE_TOLERANCE, plan_survival, prefer_node_survivable
+from runtime.errors import InfeasibleError, Problem, SpecError
 from runtime.profiling.profile import resolve_profiles
 from runtime.schedule_policies import SCHEDULE_NAMES
 from runtime.spec import dump_plan, load_cluster, load_model, validate_plan
 from runtime.spec.catalog import recorded_ref
 from runtime.spec.io import atomic_write_files, check_output_file
-from runtime.spec.plan import MAX_TOKENS_PER_STEP
+from runtime.spec.plan import MAX_TOKENS_PER_STEP, Plan
 
 MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k) grows fast past it
 
@@ -38,6 +52,10 @@ MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k
 @click.option("--elastic", is_flag=True,
               help="Keep every parameter on >= 2 pipelines (failure recovery); ZeRO-1 only with 2 copies of each "
                    "moment chunk, and only when that plan is faster (both are searched).")
+@click.option("--node-loss-tolerance", type=FiniteFloatRange(min=0.0, max=10.0), default=NODE_PREFERENCE_TOLERANCE,
+              show_default=True,
+              help="With --elastic: a layout whose state survives more whole-node losses in memory is preferred when "
+                   "its step time is within this fraction of the fastest's.")
 @click.option("--zero/--no-zero", "use_zero", default=None,
               help="ZeRO-1 (optimizer states sharded over the pipelines; with --elastic, 2 copies of each chunk). "
                    "Default: on; with --elastic, whichever is faster.")
@@ -55,6 +73,7 @@ MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k
 @click.option("--sequence-parallel/--no-sequence-parallel", default=True, show_default=True,
               help="Plan TP stages with Megatron sequence parallelism (training.sequence_parallel): less "
                    "activation memory, the same TP traffic.")
+@memory_margin_option()
 @click.option("--workers", type=IntRange(min=1), default=1, show_default=True,
               help="Processes for the independent searches and the simulator's checks (the same plan, less wall "
                    "time on a multi-core host; worth it on large clusters).")
@@ -72,8 +91,10 @@ MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k
                    "report prints) as a documents plan here (to measure it with hspmd train).")
 @FORMAT_OPTION
 def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], global_batch: int | None,
-         seq_len: int | None, micro_batch: int | None, elastic: bool, use_zero: bool | None, time_limit: float,
-         top_k: int, schedule: str, check_top: int, sequence_parallel: bool, workers: int, out_path: Path | None,
+         seq_len: int | None, micro_batch: int | None, elastic: bool, node_loss_tolerance: float,
+         use_zero: bool | None, time_limit: float,
+         top_k: int, schedule: str, check_top: int, sequence_parallel: bool, memory_margin: MemoryMargin,
+         workers: int, out_path: Path | None,
          symmetric_path: Path | None,
          lengths: str | None, tokens_per_step: int | None, max_strategies: int, fixed_path: Path | None,
          fmt: str) -> None:
@@ -87,9 +108,11 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         unused = {"--global-batch": global_batch, "--micro-batch": micro_batch, "--elastic": elastic or None,
                   "--zero/--no-zero": use_zero, "--symmetric-out": symmetric_path}
         plan_for_lengths(model_ref, cluster_ref, profile_dirs, lengths, tokens_per_step, seq_len, unused,
-                         max_strategies, time_limit, out_path, fmt, fixed_path)
+                         max_strategies, time_limit, out_path, fmt, fixed_path, memory_margin)
         return
     refuse_given("only with --lengths", "tokens_per_step", "max_strategies", "fixed_path")
+    if not elastic:
+        refuse_given("only with --elastic", "node_loss_tolerance")
     if global_batch is None or seq_len is None:
         raise click.UsageError("--global-batch and --seq-len are required (or --lengths with --tokens-per-step)")
     model = load_model(model_ref, file="--model", field="")
@@ -98,6 +121,8 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         click.echo(f"note: {note}", err=True)
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
+    for line in check_profiles(profiles, model, cluster, profile_dirs, cluster_ref):
+        click.echo(f"warning: {printable(line)}", err=True)
     settings = PlanSettings(global_batch=global_batch, seq_len=seq_len, micro_batch=micro_batch, elastic=elastic,
                             use_zero=use_zero, time_limit_s=time_limit, top_k=top_k, simulate_top=check_top,
                             schedule=schedule, sequence_parallel=sequence_parallel)  # type: ignore[arg-type]
@@ -109,10 +134,26 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         def report(phase: str, done: int, total: int) -> None:
             bar.update(task, description=phase, completed=done, total=total)
 
-        result = run_planner(model, cluster, profiles, settings, progress=report, workers=workers)
-    refs = (recorded_ref(model_ref, "models"), recorded_ref(cluster_ref, "clusters"))
-    planned = result.to_plan(*refs)
-    symmetric = result.baseline_plan(result.symmetric, *refs)
+        try:
+            result = run_planner(model, memory_margin.apply(cluster), profiles, settings, progress=report,
+                                 workers=workers)
+        except InfeasibleError as err:
+            raise margin_said(err, memory_margin) from None
+    node_choice = None
+    if elastic:   # among near-equals, the layout whose replicas span nodes (planner/survival.py)
+        result, node_choice = prefer_node_survivable(result, profiles, model_ref, cluster_ref, node_loss_tolerance)
+    result = dataclasses.replace(result, cluster=cluster)   # the report weighs each stage against the real capacity
+    def refs(path: Path | None) -> tuple[str, str]:   # relative to the file the plan is written to
+        return recorded_ref(model_ref, "models", plan_file=path), recorded_ref(cluster_ref, "clusters", plan_file=path)
+
+    def recorded(p: Plan | None, path: Path | None) -> Plan | None:   # with the profiles that priced it
+        return None if p is None else with_profiles(p, profiles, model, cluster, path)
+
+    planned = recorded(result.to_plan(*refs(out_path)), out_path)
+    symmetric = recorded(result.baseline_plan(result.symmetric, *refs(symmetric_path)), symmetric_path)
+    assert planned is not None
+    priced = provenance(profiles, model, strategy_tps(planned, cluster))
+    survives = plan_survival(planned, model, cluster)
     if symmetric_path is not None and symmetric is None:
         raise SpecError([Problem("--symmetric-out", "", f"no symmetric plan to write: {result.symmetric.description}")])
     for p, path in ((planned, out_path), (symmetric, symmetric_path)):
@@ -124,11 +165,20 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
                         if path is not None and p is not None])
     written = None if out_path is None else str(out_path)
     if fmt == "json":
-        out = result_json(result, planned, written)
+        out = result_json(result, planned, written, memory_margin)
+        out["profiles"] = {n: t.to_json() for n, t in priced.items()}
+        out["failures"] = survives.to_json()
+        out["node_choice"] = node_choice
         out["symmetric_output"] = None if symmetric_path is None else str(symmetric_path)
         emit_json(out)
         return
     con = console()
-    print_report(con, result, written)
+    for t in priced.values():
+        con.print(escape(t.line()))
+    if node_choice is not None:
+        con.print(escape(node_choice))
+    print_report(con, result, written, memory_margin)
+    for line in survives.lines():
+        con.print(escape(line))
     if symmetric_path is not None:
         con.print(f"symmetric baseline written to [bold]{escape(str(symmetric_path))}[/bold]")

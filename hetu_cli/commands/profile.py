@@ -12,6 +12,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hetu_cli.output import FORMAT_OPTION, FiniteFloatRange, IntRange, console, emit_json, int_list, refuse_given, table
+from planner.provenance import unmeasured, unmeasured_text
 from runtime.errors import Problem, SpecError
 from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, DeviceProfile, Fit, LinkFit, eval_fit, load_profile
 from runtime.spec import load_cluster, load_model
@@ -65,6 +66,9 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
             raise SpecError([Problem("--model", "", f"{ref}: {m.architecture} is not measured here (hspmd profile "
                                                     "times the runtime's Llama modules); bring its timings with "
                                                     "hspmd profile import")])
+        if m.moe is not None:   # its dense modules are not what its MoE layers cost
+            raise SpecError([Problem("--model", "", f"{ref}: mixture-of-experts layers are not measured yet "
+                                                    "(hspmd profile times dense Llama components)")])
     try:
         lens = tuple(sorted(set(int_list(seq_lens))))
     except ValueError:
@@ -136,7 +140,13 @@ def _profile_file(ref: str, option: str) -> tuple[Path, DeviceProfile]:
     if path is None and os.path.lexists(ref):  # a directory, a looping link: the reader says which, not "no profile"
         path = Path(ref)
     if path is None:
-        raise SpecError([Problem(option, "", f"no profile {ref!r} (a path, or a name in profiles/)")])
+        import difflib
+
+        shipped = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+        near = difflib.get_close_matches(ref, shipped, n=3, cutoff=0.5)
+        hint = f"; did you mean {' or '.join(near)}?" if near else ""
+        raise SpecError([Problem(option, "", f"no profile {ref!r} (a path, or a name in profiles/: "
+                                             f"{', '.join(shipped)}){hint}")])
     return path, load_profile(path)
 
 
@@ -171,6 +181,20 @@ def import_(table: Path, device_type: str, model_ref: str, table_fmt: str | None
                           base_name=str(base_path))
     save_profile(prof, out)
     click.echo(f"wrote {out} ({device_type}, imported from {table})")
+    measured = prof.measured_model(model)
+    if measured is not None:
+        for line in unmeasured_text(measured):   # what the table left out is priced otherwise: said, not silent
+            click.echo(f"note: {model.name} {line} (base {base_path})")
+        if imported_whole_layers(table, table_fmt):
+            click.echo("note: whole-layer rows split into attention, mlp and norm by their derived shares at each "
+                       "point (docs/profiles.md, 'Whole-layer rows')")
+
+
+def imported_whole_layers(table: Path, fmt: str | None) -> bool:
+    from runtime.profiling.flat_table import read_rows
+    from runtime.profiling.layer_rows import LAYER_ROW
+
+    return any(str(cells.get("component", "")).strip() == LAYER_ROW for _, cells in read_rows(table, fmt))
 
 
 @profile.command("export")
@@ -199,7 +223,9 @@ def show(profile_ref: str, fmt: str) -> None:
     """Print a profile: its figures, its models' fits and tables, its link curves."""
     path, prof = _profile_file(profile_ref, "PROFILE")
     if fmt == "json":
-        emit_json({"path": str(path), "profile": to_data(prof)})
+        sources = {name: {str(tp): {c: how if base is None else f"{how} from tp{base}" for c, (how, base) in m.items()}
+                          for tp, m in unmeasured(mm).items()} for name, mm in prof.models.items()}
+        emit_json({"path": str(path), "profile": to_data(prof), "unmeasured": sources})
         return
     con = console()
     c, m = prof.compute, prof.memory
@@ -229,6 +255,9 @@ def show(profile_ref: str, fmt: str) -> None:
                             f"B {','.join(map(str, t.micro_batches))} x s {','.join(map(str, t.seq_lens))}",
                             f"{t.forward_s[-1][-1] * 1e3:.3f}", f"{t.backward_s[-1][-1] * 1e3:.3f}",
                             "" if t.optimizer_s is None else f"{t.optimizer_s * 1e3:.3f}")
+        for tp, missing in unmeasured(mm).items():
+            for comp, (how, base) in missing.items():
+                out.add_row(str(tp), "", comp, how if base is None else f"{how} from tp{base}", "", "", "", "")
         con.print(out)
         if mm.resume is not None:   # the emulated host's figures (CPU hosts): what the simulator plays
             r = mm.resume

@@ -206,7 +206,8 @@ def _show_device(ctx: PlanContext, strategies: list[Strategy], device: int, fmt:
         out.print(f"[bold]strategy {d.strategy!r}, device {device}[/bold]: pipeline {r.pipeline} stage "
                   f"{r.stage} (of {r.num_stages}), TP rank {r.tp_rank} of [{span(r.devices)}]; holds {d.holds}; "
                   f"{r.micro_batches} micro-batches of {r.micro_batch} (samples {r.first_sample}-"
-                  f"{r.first_sample + r.samples - 1}); schedule {d.schedule}")
+                  f"{r.first_sample + r.samples - 1}); schedule {d.schedule}, {d.order} (the faster of the "
+                  f"list scheduler's and the published order on {d.order_by})")
         cols = ("name", "full shape", "local shard", "TP split dim", "counted once here")
         params = table("parameters (local shards)", cols, left=cols)
         for p in d.params:

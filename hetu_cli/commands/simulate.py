@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import click
+from rich.markup import escape
 
 from hetu_cli.commands.lengths_report import simulate_lengths
-from hetu_cli.output import FORMAT_OPTION, PROFILE_OPTION, IntRange, console, emit_json, refuse_given, table
+from hetu_cli.output import (
+    FORMAT_OPTION,
+    PROFILE_OPTION,
+    IntRange,
+    console,
+    emit_json,
+    plan_argument,
+    printable,
+    refuse_given,
+    table,
+)
 from planner.cost import CostModel, zero_copies
+from planner.provenance import check_profiles, provenance, recorded_difference, strategy_tps
 from planner.simulate import chrome_trace
 from planner.simulate import simulate as run_simulation
 from runtime.elastic.events import MAX_TRACE_SEARCHES
@@ -23,10 +36,11 @@ MAX_SEARCHES = 10_000  # the trace's own bound is 1000 events (runtime/elastic/e
 
 
 @click.command()
-@click.option("--plan", "plan_path", required=True, type=click.Path(path_type=Path), help="The plan to simulate.")
+@plan_argument("The plan to simulate")
 @PROFILE_OPTION
 @click.option("--strategy", "strategy_name", help="Strategy of the plan to simulate (default: the first).")
 @click.option("--cluster", help="Use this cluster (name or path) instead of the plan's.")
+@click.option("--model", "model_ref", help="Use this model (name or path) instead of the plan's.")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path),
               help="Write a Chrome-trace JSON timeline here (open in https://ui.perfetto.dev).")
 @click.option("--lengths", help="Play a trace of document steps (lengths from this distribution or histogram "
@@ -45,6 +59,7 @@ MAX_SEARCHES = 10_000  # the trace's own bound is 1000 events (runtime/elastic/e
                                       "scale).")
 @FORMAT_OPTION
 def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str | None, cluster: str | None,
+             model_ref: str | None,
              trace_path: Path | None, lengths: str | None, steps: int, tokens_per_step: int | None,
              events_file: Path | None, max_searches: int, fmt: str) -> None:
     """Simulate one training step of PLAN: step time, tokens/s, MFU, per-stage compute / comm /
@@ -60,11 +75,13 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
         refuse_given("only with --events", "max_searches")
     if trace_path is not None:
         check_output_file(trace_path, "--trace")
-    ctx = load_plan_context(plan_path, cluster=cluster)
+    ctx = load_plan_context(plan_path, cluster=cluster, model=model_ref)
     if lengths is not None:
         simulate_lengths(ctx, profile_dirs, lengths, steps, tokens_per_step, strategy_name, trace_path, fmt)
         return
     profiles = resolve_profiles(ctx.cluster.device_types, list(profile_dirs))
+    for line in check_profiles(profiles, ctx.model, ctx.cluster, profile_dirs, cluster or "the plan's cluster"):
+        click.echo(f"warning: {printable(line)}", err=True)
     if events_file is not None:
         _events(ctx, strategy_name, profiles, events_file, max_searches, fmt)
         return
@@ -77,10 +94,15 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
     result = run_simulation(cm, strategy, t.global_batch, t.schedule, zero_copies(t))
     if trace_path is not None:
         atomic_write_text(trace_path, json.dumps(chrome_trace(result, strategy)))
-    origins = {name: profiles.resolved(name).origin for name in profiles}
+    priced = provenance(profiles, ctx.model, strategy_tps(dataclasses.replace(ctx.plan, strategies=(strategy,)),
+                                                          ctx.cluster))
+    drift = estimate_drift(ctx, strategy, result.formula_step_time_s, priced, (cluster, model_ref))
+    if drift is not None:
+        click.echo(f"warning: {printable(drift)}", err=True)
     if fmt == "json":
         out = result.to_json()
-        out["profiles"] = origins
+        out["profiles"] = {name: t.to_json() for name, t in priced.items()}
+        out["estimate_drift"] = drift
         out["measured_fits"] = {name: any(cm.is_measured(name, s.tp) for p in strategy.pipelines for s in p.stages)
                                 for name in profiles}
         if trace_path is not None:
@@ -91,8 +113,8 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
     scheds = sorted(set(result.pipeline_schedules))
     con.print(f"[bold]{ctx.model.name}[/bold] on [bold]{ctx.cluster.name}[/bold], strategy {strategy.name!r}, "
               f"{', '.join(scheds)}, global batch {t.global_batch} x {t.seq_len} tokens")
-    for name, origin in origins.items():
-        con.print(f"  profile {name}: {origin}")
+    for t in priced.values():
+        con.print(f"  {escape(t.line())}")
     stages = table("per stage (seconds per step)", ("pipe", "schedule", "stage", "devices", "type", "TP", "layers",
                    "mb", "compute", "comm", "p2p", "optim", "bubble", "in-flight", "peak GiB", "cap GiB"),
                    left=("devices", "type", "layers"))
@@ -112,8 +134,29 @@ def simulate(plan_path: Path, profile_dirs: tuple[Path, ...], strategy_name: str
         con.print(f"trace: {trace_path} (open in https://ui.perfetto.dev)")
 
 
+DRIFT = 0.05   # an estimate this far from the plan's recorded one is worth a warning
+
+
+def estimate_drift(ctx, strategy, estimate_s: float, priced, overrides: tuple[str | None, str | None]) -> str | None:
+    """A sentence when the cost model's step time now differs from the one the plan recorded by more than
+    ``DRIFT``, saying why where it can (another profile, cluster or model than the plan was made with)."""
+    recorded = (strategy.estimates or {}).get("step_time_s")
+    if not recorded or abs(estimate_s / recorded - 1.0) <= DRIFT:
+        return None
+    why = recorded_difference(ctx.plan, priced, ctx.path.parent)
+    if overrides[0] is not None:
+        why.append(f"--cluster {overrides[0]} replaces the plan's cluster")
+    if overrides[1] is not None:
+        why.append(f"--model {overrides[1]} replaces the plan's model")
+    if not why:
+        why = ["the plan records no profiles to compare" if not ctx.plan.profiles else
+               "the same profiles by name: their files, or the cost model, changed since the plan was made"]
+    return (f"the cost model's step time {estimate_s:.4g} s differs from the plan's recorded estimate "
+            f"{recorded:.4g} s by {estimate_s / recorded - 1.0:+.1%}: " + "; ".join(why))
+
+
 def _events(ctx, strategy_name: str | None, profiles, events_file: Path, max_searches: int, fmt: str) -> None:
-    from planner.replan import TraceModel, model_trace
+    from planner.trace_model import TraceModel, model_trace
     from runtime.elastic.events import load_trace
     from runtime.spec.handle import StrategyHandle
 

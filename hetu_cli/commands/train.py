@@ -16,7 +16,7 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hetu_cli.output import MAX_TIMEOUT_S, FiniteFloatRange, Int, IntRange, console, given, refuse_given
+from hetu_cli.output import MAX_TIMEOUT_S, FiniteFloatRange, Int, IntRange, console, given, plan_argument, refuse_given
 from runtime.elastic.agents import DEFAULT_PORT
 from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
@@ -24,7 +24,9 @@ from runtime.launch.options import ELASTIC_HEARTBEAT_TIMEOUT_S, ELASTIC_TIMEOUT_
 from runtime.launch.session import TRACE_MERGED
 from runtime.launch.supervise import PlainPolicy
 from runtime.precision import PRECISIONS
-from runtime.spec.io import is_file, why_not
+from runtime.spec.io import check_append_file, check_output_dir, is_file, why_not
+
+STDOUT = Path("-")   # ``--metrics -``: the JSON lines go to standard output (the progress lines to stderr)
 
 
 class MetricsFile:
@@ -40,6 +42,9 @@ class MetricsFile:
 
     def write_line(self, obj: dict) -> None:
         """One JSON line: a step, or an event (``{"event": "failure"|"switch", ...}``)."""
+        if self.path == STDOUT:
+            click.echo(json.dumps(obj))
+            return
         try:
             if self.fd is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,8 +62,8 @@ class StepDisplay:
     """A live progress bar (step, loss, step time, tokens/s) on a terminal; one plain line per step elsewhere
     (CI logs, pipes), where a redrawn bar would only leave noise."""
 
-    def __init__(self, steps: int, last_step: int | None) -> None:
-        self.console = console()
+    def __init__(self, steps: int, last_step: int | None, stderr: bool = False) -> None:
+        self.console = console(stderr=stderr)
         self.live = self.console.is_terminal
         self.progress = Progress(
             TextColumn("[bold]train[/bold]"), BarColumn(bar_width=30),
@@ -103,10 +108,13 @@ class StepDisplay:
 
 
 @click.command()
-@click.option("--plan", "plan", required=True, type=click.Path(path_type=Path), help="The plan file.")
+@plan_argument("The plan to train")
+@click.option("--cluster", "cluster_ref", help="Use this cluster (name or path) instead of the plan's.")
+@click.option("--model", "model_ref", help="Use this model (name or path) instead of the plan's.")
 @click.option("--strategy", "strategy", help="Strategy of the plan to run (default: its first).")
 @click.option("--steps", type=IntRange(min=0), default=20, show_default=True, help="Optimizer steps to run.")
-@click.option("--metrics", type=click.Path(path_type=Path), help="Write one JSON line per step here.")
+@click.option("--metrics", type=click.Path(path_type=Path),
+              help="Write one JSON line per step here (-: standard output, the progress lines then on stderr).")
 @click.option("--trace", "trace_dir", type=click.Path(path_type=Path),
               help="Write per-device Chrome traces (and a merged trace.json) here; open in ui.perfetto.dev.")
 @click.option("--data", "data_file", type=click.Path(path_type=Path),
@@ -181,7 +189,8 @@ class StepDisplay:
               help="This machine's node name in the cluster file (default: its host name). GPU clusters: every "
                    "worker checks it runs on its device's node, GPU index and GPU type before it builds; under "
                    "torchrun the node's devices of the run are its local ranks, in id order (docs/gpu.md).")
-def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, trace_dir: Path | None,
+def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strategy: str | None, steps: int,
+          metrics: Path | None, trace_dir: Path | None,
           data_file: Path | None, tokenizer: Path | None, lengths: str | None, long_documents: str,
           save_dir: Path | None, load_dir: Path | None, timeout_s: float | None,
           elastic: bool, switch_specs: tuple[str, ...], kill_devices: tuple[int, ...], hang_devices: tuple[int, ...],
@@ -192,12 +201,13 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     """Train with PLAN: every device runs its own specialized program (gloo on CPU, NCCL on GPU).
 
     Started by torchrun (`torchrun ... -m hetu_cli train --plan PLAN`), runs as one of its workers
-    instead of launching its own: the multi-node path (README, 'Training').
+    instead of launching its own: the multi-node path (docs/training.md, 'Multi-node').
     """
     if lengths is not None and data_file is not None:
         raise HspmdError("--lengths: synthetic documents or --data FILE, not both")
     if tokenizer is not None and data_file is None:
         raise HspmdError("--tokenizer: tokenizes --data FILE; give the file")
+    check_outputs(metrics, trace_dir)
     faults = _faults(kill_devices, hang_devices, fault_step, bool(rejoin_devices), fault_point)
     rejoins = _rejoins(rejoin_devices, rejoin_step, fault_step, bool(faults))
     node_kills: tuple[NodeKill, ...] = ()
@@ -214,7 +224,7 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
         if dispatch_costs != "profiles":
             refuse_given("only with --elastic (replanning) or --dispatch-costs profiles", "profile_dirs")
     if events_file is not None:
-        trace = _trace(plan, strategy, events_file)
+        trace = _trace((plan_path, cluster_ref, model_ref), strategy, events_file)
         faults, rejoins, node_kills = faults + trace.faults(), rejoins + trace.rejoins(), trace.node_kills()
         if node_kills and agents is None:
             raise HspmdError(f"{events_file}: a node kill needs node agents (--agents N)")
@@ -222,7 +232,8 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
         timeout_s = ELASTIC_TIMEOUT_S if elastic else TrainOptions.timeout_s
     if heartbeat_timeout_s is None:
         heartbeat_timeout_s = ELASTIC_HEARTBEAT_TIMEOUT_S if elastic else TrainOptions.heartbeat_timeout_s
-    options = TrainOptions(plan=plan, strategy=strategy, steps=steps, trace_dir=trace_dir, data_file=data_file,
+    options = TrainOptions(plan=plan_path, cluster=cluster_ref, model=model_ref, strategy=strategy, steps=steps,
+                           trace_dir=trace_dir, data_file=data_file,
                            save_dir=save_dir, load_dir=load_dir, timeout_s=timeout_s,
                            heartbeat_timeout_s=heartbeat_timeout_s, faults=faults, elastic=elastic,
                            switches=tuple(_parse_switch(s) for s in switch_specs), precision=precision,
@@ -232,7 +243,7 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
         from runtime.launch.session import documents_mode
         from runtime.spec import load_plan_context
 
-        if not documents_mode(options, load_plan_context(plan).plan.training):
+        if not documents_mode(options, load_plan_context(plan_path, cluster_ref, model_ref).plan.training):
             refuse_given("only for documents (--lengths, --tokenizer, --data FILE.jsonl, or a plan with "
                          "training.tokens_per_step); this run trains fixed windows", "long_documents")
     if dispatch_costs == "profiles":
@@ -245,8 +256,12 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     if env is not None and env.rank != 0:
         run_torchrun(options, env)
         return
+    if load_dir is None:
+        note = random_weights_note(plan_path, model_ref)
+        if note is not None:
+            click.echo(f"note: {note}", err=True)
     sink = MetricsFile(metrics) if metrics is not None else None
-    display = StepDisplay(steps, None if load_dir is not None else steps)
+    display = StepDisplay(steps, None if load_dir is not None else steps, stderr=metrics == STDOUT)
 
     def on_step(record: StepRecord) -> None:
         if record.switched_from is not None:  # a documents run's dispatch changed strategy before this step
@@ -295,7 +310,33 @@ def train(plan: Path, strategy: str | None, steps: int, metrics: Path | None, tr
     finally:
         if sink is not None:
             sink.close()
-    _summary(display.records, metrics, trace_dir, save_dir)
+    _summary(display.records, metrics, trace_dir, save_dir, display.console)
+
+
+def random_weights_note(plan_path: Path, model_ref: str | None) -> str | None:
+    """One line when the plan's model is a Hugging Face directory holding weights that this run (no --load)
+    does not start from: training from random weights by mistake costs a whole run."""
+    from runtime.spec.catalog import load_plan, model_source_config
+
+    config = (model_source_config(model_ref) if model_ref is not None
+              else model_source_config(load_plan(plan_path).model, plan_path.parent))
+    if config is None:
+        return None
+    weights = sorted(p.name for pattern in ("*.safetensors", "pytorch_model*.bin")
+                     for p in config.parent.glob(pattern) if p.is_file())
+    if not weights:
+        return None
+    return (f"starting from random weights, not from {config.parent / weights[0]}; add --load {config.parent} "
+            "to start from them")
+
+
+def check_outputs(metrics: Path | None, trace_dir: Path | None) -> None:
+    """The output paths, checked before any worker starts: a run of hours must not end by failing to write
+    (``--save`` is checked with the checkpoint it may resume from, also before any worker starts)."""
+    if metrics is not None and metrics != STDOUT:
+        check_append_file(metrics, "--metrics")
+    if trace_dir is not None:
+        check_output_dir(trace_dir, "--trace")
 
 
 def _faults(kill: tuple[int, ...], hang: tuple[int, ...], step: int | None, rejoin: bool = False,
@@ -327,11 +368,11 @@ def _rejoins(devices: tuple[int, ...], step: int | None, fault_step: int | None,
     return tuple(Rejoin(d, step) for d in sorted(set(devices)))
 
 
-def _trace(plan: Path, strategy: str | None, events_file: Path):
+def _trace(plan: tuple[Path, str | None, str | None], strategy: str | None, events_file: Path):
     from runtime.elastic.events import load_trace
     from runtime.spec import load_plan_context
 
-    ctx = load_plan_context(plan)
+    ctx = load_plan_context(*plan)
     return load_trace(events_file, ctx.cluster, ctx.strategy(strategy).devices)
 
 
@@ -407,8 +448,8 @@ def _dispatch_line(e: dict) -> str:
             f"({e['switch_bytes'] / 1e6:.3g} MB)")
 
 
-def _summary(records: list[StepRecord], metrics: Path | None, trace_dir: Path | None, save_dir: Path | None) -> None:
-    out = console()
+def _summary(records: list[StepRecord], metrics: Path | None, trace_dir: Path | None, save_dir: Path | None,
+             out: Any) -> None:
     if records:
         steady = records[1:] or records  # the first step pays for warm-up
         mean = sum(r.step_time_s for r in steady) / len(steady)
@@ -422,7 +463,7 @@ def _summary(records: list[StepRecord], metrics: Path | None, trace_dir: Path | 
             which = f"(steps per strategy: {counts}; {sum(r.switched_from is not None for r in records)} switches)"
         out.print(f"{n} {which}: loss {records[0].loss:.4f} -> "
                   f"{records[-1].loss:.4f}, {mean:.3f} s/step, {tps:,.0f} tokens/s (mean after step 1)")
-    if metrics is not None:
+    if metrics is not None and metrics != STDOUT:
         out.print(f"metrics: {escape(str(metrics))}")
     if trace_dir is not None:
         out.print(f"traces: {escape(str(trace_dir / TRACE_MERGED))} (all devices; per device: "

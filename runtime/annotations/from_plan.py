@@ -1,6 +1,6 @@
 """Plan strategy -> HSPMD annotations of every parameter, gradient, input batch and boundary activation.
 
-The rules (docs/design.md §2, README "Plan"):
+The rules (docs/design.md §2, docs/formats.md "Plan"):
 
 * a decoder layer's parameter is held by every pipeline, by the stage one of whose layer ranges (model
   chunks) contains it: HDim -1 over those stages' TP groups, member i laid out by its own TP degree
@@ -200,7 +200,6 @@ def annotation_rows(strategy: Strategy, model: ModelSpec, training: TrainingSett
     from runtime.comm.resolve import resolve
 
     ann = annotate_strategy(strategy, model, training)
-    by_name = {p.name: p for p in ann.params}
     rows: list[dict[str, Any]] = []
     sync_kind: dict[tuple[Annotation, tuple[int, ...]], str] = {}
 
@@ -212,18 +211,19 @@ def annotation_rows(strategy: Strategy, model: ModelSpec, training: TrainingSett
                 "annotation": p.param.to_data(), "text": str(p.param), "grad_hdim": p.grad.hdim,
                 "sync": sync_kind[key]}
 
-    rows.append(param_row("embedding", None, by_name["model.embed_tokens.weight"], "embed_tokens.weight"))
+    def short(name: str) -> str:   # a module's own name: embed_tokens.weight, wte.weight, ln_f.bias, lm_head.weight
+        return ".".join(name.split(".")[-2:])
+
+    rows += [param_row("embedding", None, p, short(p.name)) for p in ann.params if p.info.owner == "embedding"]
     start = 0
     for layer in range(1, model.num_layers + 1):
         if layer < model.num_layers and _placement(strategy, layer) == _placement(strategy, start):
             continue
-        prefix = f"model.layers.{start}."
-        rows += [param_row(f"layers {start}-{layer - 1}", [start, layer], p, p.name[len(prefix):])
+        # The layer's module prefix differs by architecture (model.layers.3., transformer.h.3., ...).
+        rows += [param_row(f"layers {start}-{layer - 1}", [start, layer], p, p.name.split(f".{start}.", 1)[1])
                  for p in ann.params if p.info.layer == start]
         start = layer
-    rows.append(param_row("head", None, by_name["model.norm.weight"], "norm.weight"))
-    if "lm_head.weight" in by_name:  # a tied head is the embedding row's weight
-        rows.append(param_row("head", None, by_name["lm_head.weight"], "lm_head.weight"))
+    rows += [param_row("head", None, p, short(p.name)) for p in ann.params if p.info.owner == "head"]
     for name, a in (("tokens", ann.tokens), ("labels", ann.labels)):
         rows.append({"where": "batch", "layers": None, "tensor": name, "kind": "input",
                      "shape": list(ann.batch_shape), "annotation": a.to_data(), "text": str(a), "grad_hdim": None,

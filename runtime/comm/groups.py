@@ -89,6 +89,12 @@ class ProcessGroups:
             self._meshes[key] = DeviceMesh.from_group(pg, device_type)
         return self._meshes[key]
 
+    def forget(self) -> None:
+        """Drop the groups without destroying them: torch holds them no more (their world was aborted,
+        runtime/comm/abort.py)."""
+        self._groups.clear()
+        self._meshes.clear()
+
     def destroy(self) -> None:
         for pg in self._groups.values():
             if pg is not None:

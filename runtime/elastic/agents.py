@@ -338,13 +338,36 @@ def launch_agents(options: TrainOptions, policy: Policy, agents: AgentSettings, 
 # -- the agent's side ---------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def native_stderr_quiet() -> Iterator[None]:
+    """Standard error at the file-descriptor level sent to /dev/null meanwhile: torch's C++ store client logs
+    each failed connect attempt with its C++ stack (~40 frames) there, below Python's reach. Agents usually
+    start before their coordinator, so those attempts are expected; the caller reports a final failure."""
+    import sys
+
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:   # no standard error to quiet
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def run_agent(coordinator: str, node: str, token: str, *, timeout_s: float = 120.0,
               log: Callable[[str], None] = lambda _m: None) -> None:
     """``hspmd agent``: join the job at ``coordinator`` as node ``node``, run the workers it asks for,
     relay their words, until the job ends. Raises HspmdError when refused or when the coordinator is gone."""
     host, port = parse_address(coordinator, "--coordinator")
     try:
-        store = _client(host, port, timeout_s)
+        with native_stderr_quiet():   # the error below says it in one line
+            store = _client(host, port, timeout_s)
     except Exception as err:  # noqa: BLE001 - the store's connection errors have no common type
         raise HspmdError(f"--coordinator {coordinator}: cannot reach the coordinator's store: "
                          f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None

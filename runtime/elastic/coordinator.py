@@ -7,11 +7,13 @@ phase object at a time (``Training``, ``Leaving``, ``Switching``, ``Finishing``)
 * **Steps** are all-or-nothing: committed only when every device of the plan is ``Ready`` (why:
   runtime/elastic/worker.py), so a step a failure interrupts is redone on the new plan.
 * **Failures** (elastic runs): a death is seen at once (the process sentinel), a hang when the
-  heartbeat stops (the hung process is then SIGKILLed, which also closes its sockets so that peers
-  blocked on it fail at once). The coordinator aborts the generation and waits for every survivor to
-  leave it; more devices that fail meanwhile join the same incident. Then it checks that every
-  parameter still has a surviving replica (if not: which, and the run stops, exit code 1; a checkpoint
-  directory given with ``--save`` is left as it was, since it is only ever written at the end),
+  heartbeat stops or says the device's GPU has finished no work for the heartbeat timeout (the hung
+  process is then SIGKILLed). The coordinator aborts the generation (every survivor aborts that world's
+  process groups as the word arrives, which releases whatever it is blocked in: runtime/comm/abort.py)
+  and waits for every survivor to leave it; more devices that fail meanwhile join the same incident.
+  Then it checks that every parameter still has a surviving replica (if not: which, and the run stops,
+  exit code 1; a checkpoint directory given with ``--save`` is left as it was, since it is only ever
+  written at the end),
   asks the ``replan`` callback for a plan on the survivors, plans the fused BSR once and sends every
   survivor a transition to a new world (a fresh store prefix, new ranks).
 * **Planned switches**: a transition in the same world before the scheduled step. In an elastic run a

@@ -77,7 +77,7 @@ class Trace:
 # model; 20,000 events ran for an hour), and a step count past 10**9 is no run (2**60 steps was modelled).
 MAX_TRACE_EVENTS = 1000
 MAX_TRACE_STEPS = 10**9
-# The planner searches one modelled trace may run by default (planner/replan.py ``TraceModel.max_searches``:
+# The planner searches one modelled trace may run by default (planner/trace_model.py ``TraceModel.max_searches``:
 # every modelled line's, a device set searched before free). Each is 0.4 s on the tiny model, 8-10 s at paper
 # scale: 100 bound ``simulate --events`` to ~15 min there. An event costs at most 7 (hspmd's search and its
 # fallback, restart's, Megatron's two symmetric ones, the Oobleck-like template and restart), the start 3: the

@@ -29,9 +29,15 @@ def move_state(bsr: Any, source: dict[str, Any], groups: Any, program: Any, step
     me = groups.my_device
     if src is not None and src.training.zero:
         source = _full_moments(src, bsr.excluded, source, groups, device, ungathered)
-    out = run_bsr(bsr, source, groups, device=device) if me in bsr.devices else {}
+    into = None
+    if program is not None and me in bsr.devices and not program.ctx.strategy.training.zero:
+        # The BSR writes into the program's own tensors: its freshly built state is freed first, so the new
+        # layout is held once beside the old (not a built copy, the BSR's output and the old).
+        program.release_state()
+        into = program.receive_state(list(program.param_annotations()), steps_done)
+    out = run_bsr(bsr, source, groups, device=device, into=into) if me in bsr.devices else {}
     del source
-    if program is not None:
+    if program is not None and into is None:
         _keep_chunks(program, out)
         out["step"] = torch.tensor(float(steps_done))
         program.load_local_state(out)

@@ -179,8 +179,8 @@ class Preplanner:
     def close(self) -> None:
         """``stop``, and wait for the replan in flight (one planner call, bounded by its time limit): a
         daemon thread still inside the solver when the process exits aborts it (SIGABRT, "terminate called
-        without an active exception": the solver's C++ threads torn down under it; seen in CI at stop 31,
-        after an unrecoverable failure had been reported)."""
+        without an active exception": the solver's C++ threads torn down under it, as after a run stops on an
+        unrecoverable failure)."""
         self.stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()

@@ -11,11 +11,14 @@ What differs from runtime/launch/worker.py's ``train_worker``:
   follows the update: a failure inside it leaves the committed step half-gathered; the worker then says
   ``Interrupted`` (with the step's statistics) and keeps its updated chunks, from which the recovery
   rebuilds the parameters (runtime/elastic/move.py).
-* **Leaving a generation.** When a step fails (a peer vanished) or the launcher aborts it, the worker
-  keeps its state as plain tensors and drops every reference to its program and process groups and
-  destroys them. Dropping them closes the gloo sockets, so a peer blocked on this worker errors at
-  once instead of waiting for its op timeout: the abort cascades through the survivors in
-  milliseconds. (Gloo has no abort for an op in flight; the op timeout only bounds the worst case.)
+* **Leaving a generation.** When the launcher aborts a generation, the thread that receives its word
+  aborts every process group of that world at once (``Session.abort``), whatever the training thread is
+  blocked in: on NCCL a survivor's training thread waits in a host sync behind a kernel that waits for
+  the dead peer, and only an abort of the communicators from another thread ends it
+  (runtime/comm/abort.py). The training thread then fails its next operation, keeps its state as plain
+  tensors, drops its program and leaves. A worker whose step fails before the launcher's word leaves the
+  same way, aborting its groups first; on gloo it also shuts its connections down, so that a peer blocked
+  on it errors at once (``gloo_shut_on_leave``).
 * **Transitions.** On the launcher's word the worker joins a new world (a fresh store prefix), creates
   the target plan's process groups, builds the target program, runs the fused BSR that the launcher
   planned, and loads the result; the old state is dropped only when every device has switched.
@@ -27,6 +30,7 @@ import gc
 import time
 from typing import Any
 
+from runtime.device_clock import Progress
 from runtime.elastic.move import move_state
 from runtime.elastic.protocol import (
     Abort,
@@ -40,7 +44,7 @@ from runtime.elastic.protocol import (
     Transition,
     World,
 )
-from runtime.launch.messages import StepDone, Up
+from runtime.launch.messages import Log, StepDone, Up
 from runtime.launch.options import WorkerSpec
 from runtime.launch.session import Reporter, Session
 from runtime.launch.worker import Inbox, classify
@@ -54,9 +58,11 @@ class Aborted(Exception):
 class ElasticWorker(Session):
     """One device's side of an elastic or switching run: a session that moves between worlds and plans."""
 
-    def __init__(self, spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox) -> None:
-        super().__init__(spec, store, report)
+    def __init__(self, spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox,
+                 progress: Progress | None = None) -> None:
+        super().__init__(spec, store, report, progress)
         self.inbox = inbox
+        inbox.first(self._on_word)
         self.ref = StrategyHandle.of(self.ctx, spec.strategy)
         self.world: World | None = None
         self.program: Any = None
@@ -148,6 +154,16 @@ class ElasticWorker(Session):
         self.report(StepDone(report))
         return then[0]
 
+    def _on_word(self, msg: object) -> None:
+        """On the control-pipe thread, as a word arrives: the launcher's abort of a generation aborts its
+        world here and now, before the training thread (maybe blocked in it) reads the word."""
+        if isinstance(msg, Abort):
+            try:
+                if self.abort(msg.generation):
+                    self.report(Log(f"device {self.me}: aborted the process groups of generation {msg.generation}"))
+            except Exception as exc:  # noqa: BLE001 - the training thread still reads the abort and leaves
+                self.report(Log(f"device {self.me}: aborting generation {msg.generation} failed: {exc}"))
+
     # -- worlds and programs ----------------------------------------------------------------------------
 
     def _enter(self, world: World) -> None:
@@ -155,7 +171,8 @@ class ElasticWorker(Session):
 
         gen = world.generation
         self.join(world.prefix, world.ranks,
-                  abandoned=lambda: self.inbox.holds(lambda m: isinstance(m, Abort) and m.generation == gen))
+                  abandoned=lambda: self.inbox.holds(lambda m: isinstance(m, Abort) and m.generation == gen),
+                  tag=gen)
         self.world = world
         if world.generation > 0:
             dist.barrier()  # everyone is in; NCCL also wants a world collective before the first P2P
@@ -207,6 +224,7 @@ class ElasticWorker(Session):
         return t, program
 
 
-def elastic_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox) -> None:
+def elastic_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox,
+                   progress: Progress | None = None) -> None:
     """The worker loop of an elastic or switching run (``runtime.launch.worker.process_main`` runs it)."""
-    ElasticWorker(spec, store, report, inbox).run()
+    ElasticWorker(spec, store, report, inbox, progress).run()

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from runtime.engine.specialize import ChunkRole, ParamShard, chunk_parameters
 from runtime.engine.tensor_parallel import apply_tensor_parallel, local_tensor
 from runtime.models.llama import LlamaForCausalLM
+from runtime.models.moe import causal_lm
 from runtime.spec.model import ModelSpec
 
 
@@ -25,7 +26,7 @@ def build_chunk(spec: ModelSpec, chunk: ChunkRole, shards: Mapping[str, ParamSha
     """This rank's module of ``chunk``: its shards (``shards``, by parameter name) on ``device``,
     initialised to their part of the single-device reference's initial weights."""
     with torch.device("meta"):
-        module = LlamaForCausalLM(spec, range(*chunk.layers), embed=chunk.embed, head=chunk.head)
+        module = causal_lm(spec, range(*chunk.layers), embed=chunk.embed, head=chunk.head)
     if mesh is not None:
         apply_tensor_parallel(module, chunk_parameters(spec, chunk), mesh, sequence_parallel)
     tied = _tied_pairs(module)

@@ -45,6 +45,10 @@ class ProgramDescription:
     role: StageRole | None  # None: the strategy leaves this device idle
     params: tuple[ParamShard, ...]
     ops: tuple[OpLine, ...]
+    # Which op order the schedule runs: the list scheduler's or a published one, whichever was faster on the
+    # plan's op costs (``runtime.pipeline_schedules.Schedule.origin``); "" for an idle device.
+    order: str = ""
+    order_by: str = ""   # the durations the order was chosen by (docs/schedules.md, "Costs in the plan")
 
     @property
     def holds(self) -> str:
@@ -60,7 +64,8 @@ class ProgramDescription:
     def to_data(self) -> dict[str, Any]:
         r = self.role
         return {
-            "strategy": self.strategy, "device": self.device, "schedule": self.schedule,
+            "strategy": self.strategy, "device": self.device, "schedule": self.schedule, "order": self.order,
+            "order_by": self.order_by,
             "role": None if r is None else {
                 "pipeline": r.pipeline, "stage": r.stage, "num_stages": r.num_stages, "tp_rank": r.tp_rank,
                 "tp_group": list(r.devices),
@@ -111,9 +116,9 @@ def _tp_collectives(role: StageRole, chunk: ChunkRole, kind: str, sequence_paral
             parts.append("embedding all-reduce")
         if sequence_parallel:
             parts.append(f"sequence scatter, {2 * n} all-gather (attention and MLP inputs) + {2 * n} reduce-scatter "
-                         f"(o_proj, down_proj) x {n} layers, output all-gather")
+                         f"(attention and MLP outputs) x {n} layers, output all-gather")
         else:
-            parts.append(f"{2 * n} all-reduce (o_proj, down_proj x {n} layers)")
+            parts.append(f"{2 * n} all-reduce (attention and MLP outputs x {n} layers)")
         if chunk.head:
             parts.append("logits all-gather")
     else:
@@ -196,7 +201,10 @@ def describe_plan(plan: DevicePlan) -> ProgramDescription:
                               f"ZeRO-1 bucket: {z.numel} elements in {len(z.slices)} slices of "
                               f"{len({s.name for s in z.slices})} parameters; this device updated "
                               f"{z.length(device)}, sends {z.sent(device)}, parts padded to {z.width}"))
-    return ProgramDescription(plan.handle.name, device, plan.schedule, role, plan.shards, tuple(ops))
+    order = plan.handle.pipeline_schedule(role.pipeline).origin
+    costed = all(st.op_costs is not None for st in plan.handle.strategy.pipelines[role.pipeline].stages)
+    by = "the plan's op costs" if costed else "layer counts: the plan gives no op costs"
+    return ProgramDescription(plan.handle.name, device, plan.schedule, role, plan.shards, tuple(ops), order, by)
 
 
 def _short(names: Sequence[str], n: int = 3) -> str:

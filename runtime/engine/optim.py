@@ -298,7 +298,10 @@ class ShardedAdamW:
 
         At most ``IN_FLIGHT`` buckets at a time, so the receive buffers stay a few buckets, not a copy
         of every local parameter. Buckets go in the one global order on every device, so waiting for
-        the oldest never blocks a peer that waits for an earlier one.
+        the oldest never blocks a peer that waits for an earlier one. (On a GPU ``work.wait()`` only makes
+        the stream wait and the host would post every bucket at once, each with its own buffer: the host
+        waits for the stream to finish the oldest instead. The pipeline's receives are all waited for by
+        now, so this sync waits for nothing a peer still needs from this device.)
         """
         pending: deque[tuple[Any, torch.Tensor, _Bucket]] = deque()
         # The updated chunks stay pending until every bucket is back: a failure in between leaves the slices
@@ -311,12 +314,9 @@ class ShardedAdamW:
             out = mine.new_empty(b.width * len(b.devices))
             pending.append((all_gather_flat(out, mine, group=b.group, async_op=True), out, b))
             while len(pending) > IN_FLIGHT:
-                work, done, bucket = pending.popleft()
-                self._finish(work, done, bucket)
-                if done.is_cuda:
-                    # On NCCL a wait only orders the stream: without holding the host here it would post every
-                    # bucket at once, and every receive buffer would be live together.
-                    torch.cuda.current_stream(done.device).synchronize()
+                self._finish(*pending.popleft())
+                if out.is_cuda:
+                    torch.cuda.current_stream(out.device).synchronize()
         while pending:
             self._finish(*pending.popleft())
         self._updated = []

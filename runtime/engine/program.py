@@ -10,7 +10,6 @@ list for this stage (runtime/pipeline_schedules.py), then syncs and steps.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 
@@ -22,6 +21,7 @@ from runtime.annotations.from_plan import strategy_groups
 from runtime.comm.execute import torch_dtype
 from runtime.comm.groups import ProcessGroups
 from runtime.comm.resolve import CommOp
+from runtime.device_clock import SpanTimes, device_clock
 from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
 from runtime.engine.build import build_chunk
 from runtime.engine.data_parallel import GradientSync
@@ -43,6 +43,7 @@ from runtime.engine.specialize import (
 from runtime.engine.tensor_parallel import local_tensor
 from runtime.engine.zero import MomentPiece
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
+from runtime.models.moe import MoeForCausalLM
 from runtime.pipeline_schedules import Action, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
 from runtime.precision import Precision
 from runtime.spec.handle import StrategyHandle
@@ -78,6 +79,8 @@ class DeviceProgram:
             # Meta first, then only this rank's shards, with the reference's initial numbers (build.py).
             module = build_chunk(spec, c, shards, seed=t.seed, device=self.device, mesh=mesh,
                                  sequence_parallel=t.sequence_parallel)
+            if isinstance(module, MoeForCausalLM):  # a micro-batch's share of the step's loss, as its tokens'
+                module.set_aux_scale(role.micro_batch * t.seq_len / self.tokens)
             if c.recomputed:
                 checkpoint_layers(module, c.recomputed)
             chunks.append(module)
@@ -113,8 +116,7 @@ class DeviceProgram:
         connect_peers(role.device, peers, self.ranks, self.device)
         devices = ctx.strategy.devices
         self._stats_group = groups.get(devices) if len(devices) > 1 else None
-        self._times = {"compute": 0.0, "comm": 0.0}
-        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA spans not yet read
+        self._times = SpanTimes(device_clock(self.device))  # device time: host clocks see launches only
         # Packed documents: micro-batch counts and boundary shapes vary by step; both follow from the step's
         # dispatch, which every rank computes identically, so they are derived here rather than sent.
         self._actions: dict[int, tuple[Action, ...]] = {role.micro_batches: plan.actions}
@@ -141,8 +143,7 @@ class DeviceProgram:
         t = self.ctx.strategy.training
         role = self.role
         micro_batches, denominator, tokens = self._micro_batches(global_batch)
-        self._times = {"compute": 0.0, "comm": 0.0}
-        self._pending = []
+        self._times.reset()
         for p in self.params.values():
             p.grad = None
         run = StepState(self.device, self.ctx.precision)
@@ -179,11 +180,10 @@ class DeviceProgram:
                 dist.all_reduce(stats, group=self._stats_group)
         norm = stats[1].sqrt()
         if before_update is not None:  # (reading the statistics waits for the device: only when asked)
-            loss_now = float(stats[0]) / denominator if denominator else 0.0
-            times = self._times_now()
-            before_update(StepStats(loss=loss_now,
-                                    grad_norm=float(norm), tokens=tokens, compute_s=times["compute"],
-                                    comm_s=times["comm"], lr=t.optimizer.lr_at(self.optimizer.step_count)))
+            loss = float(stats[0]) / denominator if denominator else 0.0  # the host waits for the device here
+            before_update(StepStats(loss=loss, grad_norm=float(norm), tokens=tokens,
+                                    compute_s=self._times.seconds("compute"), comm_s=self._times.seconds("comm"),
+                                    lr=t.optimizer.lr_at(self.optimizer.step_count)))
         zero = self.optimizer if isinstance(self.optimizer, ShardedAdamW) else None
         with self._span("compute", "optimizer"):
             if zero is None:
@@ -196,9 +196,8 @@ class DeviceProgram:
         for p in self.params.values():
             p.grad = None
         loss = float(stats[0]) / denominator if denominator else 0.0
-        times = self._times_now()
         return StepStats(loss=loss, grad_norm=float(norm), tokens=tokens,
-                         compute_s=times["compute"], comm_s=times["comm"], lr=lr)
+                         compute_s=self._times.seconds("compute"), comm_s=self._times.seconds("comm"), lr=lr)
 
     def _micro_batches(self, batch: torch.Tensor | StepBatch) -> tuple[tuple[MicroBatch, ...], int, int]:
         """This pipeline's micro-batches of the step (on this device), the loss denominator, the step's tokens."""
@@ -345,30 +344,8 @@ class DeviceProgram:
 
     @contextmanager
     def _span(self, kind: str, name: str, **args: object) -> Iterator[None]:
-        if kind in self._times and self.device.type == "cuda":
-            # On CUDA the host only enqueues: the span's time is the compute stream's, between two events
-            # (read once the step's statistics have synchronised the stream, ``_times_now``).
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            with self.hooks.span(kind, name, **args):
-                yield
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._pending.append((kind, start, end))
-            return
-        t0 = time.perf_counter()
-        with self.hooks.span(kind, name, **args):
+        with self._times.span(kind), self.hooks.span(kind, name, **args):
             yield
-        if kind in self._times:
-            self._times[kind] += time.perf_counter() - t0
-
-    def _times_now(self) -> dict[str, float]:
-        """The step's compute and communication seconds so far (CUDA: the recorded spans' events, waited for)."""
-        for kind, start, end in self._pending:
-            end.synchronize()
-            self._times[kind] += start.elapsed_time(end) / 1000.0
-        self._pending = []
-        return self._times
 
 
 class StepState:

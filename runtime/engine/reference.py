@@ -14,7 +14,8 @@ import torch
 
 from runtime.engine.api import StepStats
 from runtime.engine.optim import build_adamw, clip_coefficient, set_lr
-from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
+from runtime.models.llama import causal_lm_loss_sum
+from runtime.models.moe import MoeForCausalLM, causal_lm
 from runtime.precision import Precision, uses_bf16
 from runtime.spec import ModelSpec, TrainingSettings
 
@@ -44,7 +45,8 @@ class ReferenceTrainer:
     """Plain PyTorch training of the full model on one device.
 
     ``micro_batch``: run the global batch in chunks of this many samples (gradient accumulation), or in
-    one forward pass when None. Either way the gradient is that of (sum of token losses) / tokens.
+    one forward pass when None. Either way the gradient is that of (sum of token losses) / tokens. A MoE
+    model's load-balancing loss and capacity are per forward: a plan's reference uses its micro-batch.
     """
 
     def __init__(self, model: ModelSpec, training: TrainingSettings, *, device: torch.device | str = "cpu",
@@ -54,7 +56,7 @@ class ReferenceTrainer:
         self.training = training
         self.device = torch.device(device)
         self.micro_batch = micro_batch
-        module = LlamaForCausalLM(model)
+        module = causal_lm(model)
         module.init_weights(training.seed)  # on CPU: the same numbers whatever device runs the step
         self.module = module.to(self.device)
         self.params = [p for p in self.module.parameters()]
@@ -71,6 +73,8 @@ class ReferenceTrainer:
             p.grad = None
         loss_sum = torch.zeros((), device=self.device)
         for rows in batch.split(chunk):
+            if isinstance(self.module, MoeForCausalLM):  # the load-balancing loss weighted as the chunk's tokens
+                self.module.set_aux_scale(rows.shape[0] * (rows.shape[1] - 1) / tokens)
             with autocast_for(self.device, self.precision):
                 logits = self.module(rows[:, :-1])
             loss = causal_lm_loss_sum(logits, rows[:, 1:])

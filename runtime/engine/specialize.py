@@ -15,7 +15,8 @@ from runtime.comm.bsr import FLOAT32
 from runtime.comm.gradsync import SyncBucket, plan_sync
 from runtime.comm.resolve import CommOp, resolve
 from runtime.engine.zero import MomentPiece, ZeroBucket, ZeroSlice, moment_pieces, strategy_zero_slices, zero_buckets
-from runtime.models.params import ParamInfo, llama_parameters
+from runtime.models.decoders import model_parameters
+from runtime.models.params import ParamInfo
 from runtime.pipeline_schedules import Action, Compute
 from runtime.schedule_policies import Layout
 from runtime.spec.cluster import Cluster
@@ -227,7 +228,7 @@ def weight_grad_from_outputs(plan: DevicePlan, chunk: ChunkRole) -> bool:
 def chunk_parameters(model: ModelSpec, chunk: ChunkRole) -> list[ParamInfo]:
     """The parameters one chunk's module holds, in module order (a tied head holds the embedding)."""
     lo, hi = chunk.layers
-    return [info for info in llama_parameters(model)
+    return [info for info in model_parameters(model)
             if info.owner == "embedding" and (chunk.embed or info.tied and chunk.head)
             or info.owner == "head" and chunk.head
             or info.owner == "layer" and info.layer is not None and lo <= info.layer < hi]
@@ -236,7 +237,7 @@ def chunk_parameters(model: ModelSpec, chunk: ChunkRole) -> list[ParamInfo]:
 def stage_parameters(model: ModelSpec, role: StageRole) -> list[ParamInfo]:
     """The parameters a stage holds over all its chunks, each once, in module order."""
     names = {info.name for c in role.chunks for info in chunk_parameters(model, c)}
-    return [info for info in llama_parameters(model) if info.name in names]
+    return [info for info in model_parameters(model) if info.name in names]
 
 
 def parameter_shards(model: ModelSpec, role: StageRole, annotations: StrategyAnnotations) -> list[ParamShard]:

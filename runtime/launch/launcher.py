@@ -47,7 +47,7 @@ def placement(ctx: PlanContext, devices: list[int], *, one_host: bool = True,
     if len(nodes) > 1:
         raise HspmdError(f"{ctx.path}: the strategy spans nodes {', '.join(nodes)}: `hspmd train` starts "
                          "workers on this machine only; run `torchrun ... -m hetu_cli train --plan PLAN` on "
-                         "every node (README, 'Training')")
+                         "every node (docs/training.md, 'Multi-node')")
     pin_gpu_order()  # the workers inherit it: GPU indices in PCI order, as the cluster file counts them
     need = max(ctx.cluster.device(d).local_index for d in devices) + 1
     have = gpus.count()
@@ -109,7 +109,7 @@ class Prepared:
 def prepare(options: TrainOptions, policy: Policy, *, one_host: bool = True) -> Prepared:
     """Load the plan, ask the policy which devices run, refuse bad requests (no process started yet).
     ``one_host``: this launcher starts every worker (a strategy spanning nodes is refused)."""
-    ctx = load_plan_context(options.plan)
+    ctx = load_plan_context(options.plan, options.cluster, options.model)
     strategy = ctx.strategy(options.strategy)
     devices = policy.prepare(options, ctx, strategy.name)
     n = ctx.cluster.num_devices

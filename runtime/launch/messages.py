@@ -27,7 +27,12 @@ class Up:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    pass
+    """The worker process lives; ``stalled_s``: how long its device has held unfinished work without
+    finishing any (runtime/device_clock.py ``Progress``; always 0 on a CPU), ``stalled_at``: the kind of
+    the oldest such work ("compute": stuck in its own work; "comm": waiting for a peer)."""
+
+    stalled_s: float = 0.0
+    stalled_at: str = ""
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,9 @@ class TrainOptions:
 
     plan: Path
     strategy: str | None = None  # None: the plan's first strategy
+    # The cluster and model to run the plan on instead of the ones it names (``--cluster``, ``--model``).
+    cluster: str | None = None
+    model: str | None = None
     steps: int = 10
     trace_dir: Path | None = None
     data_file: Path | None = None
@@ -119,6 +122,10 @@ class TrainOptions:
     # move the state from surviving replicas and redo the step (runtime/elastic/).
     elastic: bool = False
     switches: tuple[PlannedSwitch, ...] = ()  # planned in-memory switches, by step
+    # Gloo only: a worker leaving a failed step shuts its connections down, so that peers blocked on it fail
+    # at once, before the launcher's abort reaches them (runtime/comm/abort.py). False leaves their release
+    # to that abort alone, the only way NCCL has (a test runs recovery so, to prove the abort path).
+    gloo_shut_on_leave: bool = True
     # Elastic: devices returning to the running job (a worker started for each at the start of its step;
     # the coordinator adopts it when the predicted gain beats the switch cost), and whole nodes lost.
     rejoins: tuple[Rejoin, ...] = ()

@@ -11,13 +11,16 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from runtime.comm.abort import abort_world, apply_nccl_environment, sever_tcp_connections
+from runtime.device_clock import Progress, ProgressHooks
 from runtime.errors import HspmdError, Problem, SpecError
 from runtime.launch.messages import FaultFiring, Log
 from runtime.launch.options import Fault, FaultPoint, LengthsStep, StepReport, TrainOptions, WorkerSpec
@@ -29,12 +32,11 @@ from runtime.spec.plan import TrainingSettings
 
 TRACE_MERGED = "trace.json"
 DISPATCH_STATE = "dispatch.json"  # beside a documents run's checkpoint: the strategy its last step ran
-ARRIVED = "hspmd-arrived"  # the store keys by which the members of a new world show they are there
-# The members poll one key (set by the last to arrive), first every ARRIVAL_POLL_S, backing off to every
-# ARRIVAL_POLL_MAX_S: O(1) store requests, a few per second per member once a world is slow to gather.
-# (A blocking store.wait with a timeout would do as well, but each of its timeouts logs socket warnings.)
-ARRIVAL_POLL_S = 0.05
-ARRIVAL_POLL_MAX_S = 0.5
+# A new world's members count themselves in on one store counter; the last to arrive sets ``ALL_ARRIVED``,
+# on which the others wait (server-side, in slices so that they can see the launcher give the world up).
+ARRIVED = "hspmd-arrived"
+ALL_ARRIVED = "hspmd-all-arrived"
+ARRIVAL_SLICE_S = 0.1
 
 
 class WorldAbandoned(RuntimeError):
@@ -124,7 +126,7 @@ Reporter = Callable[[object], None]  # where a worker's words go: the launcher's
 class Session:
     """One device of a run, in whichever world it is in now (none between two generations)."""
 
-    def __init__(self, spec: WorkerSpec, store: Any, report: Reporter) -> None:
+    def __init__(self, spec: WorkerSpec, store: Any, report: Reporter, progress: Progress | None = None) -> None:
         import torch
 
         from runtime.data import token_source
@@ -133,7 +135,7 @@ class Session:
         self.spec, self.store, self.report = spec, store, report
         self.options = options = spec.options
         self.me = spec.device_id
-        self.ctx = load_plan_context(options.plan)  # the plan the run starts with
+        self.ctx = load_plan_context(options.plan, options.cluster, options.model)  # the plan the run starts with
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         self.device = torch.device(spec.torch_device)
@@ -143,6 +145,10 @@ class Session:
             check_placement(self.ctx.cluster, self.me, spec.rank, spec.node if spec.node is not None else options.node,
                             self.device.index or 0, options.gpus, bf16=uses_bf16(options.precision, "cuda"))
             torch.cuda.set_device(self.device)
+        if spec.backend == "nccl":  # before the first process group: NCCL reads it as a group is created
+            replaced = apply_nccl_environment(elastic=options.coordinated)
+            if replaced:
+                report(Log(f"device {self.me}: {replaced}"))
         self.timeout = timedelta(seconds=options.timeout_s)
         t = self.ctx.plan.training
         self.documents = documents_mode(options, t)
@@ -152,19 +158,29 @@ class Session:
             self.source = token_source(vocab_size=self.ctx.model.vocab_size, global_batch=t.global_batch,
                                        seq_len=t.seq_len, seed=t.seed, data_file=options.data_file)
         self.hooks, self.recorder, self.emulator = _hooks(spec, self.ctx, self.device)
+        if progress is not None:  # the heartbeat reports whether the device keeps finishing its actions
+            self.hooks = ProgressHooks(progress, self.hooks)
         self._targets: dict[str, Any] = {}  # sleep mode: each built strategy's block pricing, by name
         if self.emulator is not None:
             report(Log(emulation_line(self.me, self.emulator)))
         self.faults = {(f.step, f.point): f for f in options.faults if f.device == self.me}
         self.ranks: dict[int, int] = {}  # device -> rank in the current world
         self.groups: Any = None  # its ProcessGroups
+        # The world torch holds now (or held last): ``abort`` may come from another thread at any time,
+        # ``leave`` from this one; the lock keeps torch's group registry out of their race.
+        self._world_lock = threading.Lock()
+        self._world_tag: int | None = None  # the caller's name for it (an elastic run's generation)
+        self._aborted = False  # its groups were aborted: torch no longer holds them
+        self._shut = False  # gloo: its connections were shut down
 
     @property
     def rank(self) -> int:
         return self.ranks[self.me]
 
-    def join(self, prefix: str, ranks: Mapping[int, int], abandoned: Callable[[], bool] | None = None) -> None:
-        """Form a world under the store ``prefix`` (fresh per generation), with no subgroups yet.
+    def join(self, prefix: str, ranks: Mapping[int, int], abandoned: Callable[[], bool] | None = None,
+             tag: int = 0) -> None:
+        """Form a world under the store ``prefix`` (fresh per generation), with no subgroups yet; ``tag``
+        names it for ``abort``.
 
         ``abandoned``: asked while waiting for the other members; True (the launcher gave this world up: a
         member failed) ends the wait at once with an error instead of after the timeout."""
@@ -172,28 +188,29 @@ class Session:
 
         from runtime.comm.groups import ProcessGroups
 
+        with self._world_lock:
+            self._world_tag = None  # a late abort of the last world must not touch this one
         store = dist.PrefixStore(prefix, self.store)
         # Every member arrives before torch forms the group: a member that died makes this wait fail while
         # torch's global state is untouched (an init_process_group that fails midway leaves its group counter
         # advanced, and the next world's groups would be named unlike the other members').
-        # A counter; the last member to arrive sets the one key every member polls.
-        if store.add(f"{ARRIVED}/count", 1) == len(ranks):
-            store.set(f"{ARRIVED}/all", b"1")
+        if store.add(ARRIVED, 1) == len(ranks):
+            store.set(ALL_ARRIVED, b"1")
         end = time.monotonic() + self.timeout.total_seconds()
-        poll = ARRIVAL_POLL_S
-        while not store.check([f"{ARRIVED}/all"]):
+        while not _arrived(store, ARRIVAL_SLICE_S):
             if abandoned is not None and abandoned():
                 raise WorldAbandoned(f"world {prefix!r} given up by the launcher while its members gathered")
             if time.monotonic() > end:
                 raise TimeoutError(f"world {prefix!r}: not every member arrived within "
                                    f"{self.timeout.total_seconds():g} s")
-            time.sleep(poll)
-            poll = min(ARRIVAL_POLL_MAX_S, poll * 1.5)
         dist.init_process_group(self.spec.backend, store=store,
                                 rank=ranks[self.me], world_size=len(ranks), timeout=self.timeout,
                                 device_id=self.device if self.device.type == "cuda" else None)
         self.ranks = dict(ranks)
-        self.groups = ProcessGroups([], ranks, timeout=self.timeout, device=self.device)
+        groups = ProcessGroups([], ranks, timeout=self.timeout, device=self.device)
+        with self._world_lock:
+            self.groups = groups
+            self._world_tag, self._aborted, self._shut = tag, False, False
 
     def ensure_groups(self, handle: StrategyHandle) -> None:
         """Create the process groups a strategy's programs use (collective over the world)."""
@@ -302,30 +319,63 @@ class Session:
             _merge_traces(self.options.trace_dir, sorted(self.spec.ranks))
         self.leave()
 
-    def leave(self, *, abandon: bool = False) -> None:
-        """Destroy this device's process groups and its world (nothing if it is in none: leaving twice is
-        harmless).
+    def abort(self, tag: int | None = None) -> bool:
+        """Abort every process group of the world ``tag`` (None: whichever this device is in), the world
+        group included, if this device is in it or has just left it; whether it did. Safe from any thread:
+        the launcher's abort arrives on the control-pipe thread while this device's training thread is
+        blocked in that world (runtime/comm/abort.py says why nothing else can end the block on NCCL)."""
+        with self._world_lock:
+            if self._world_tag is None or (tag is not None and tag != self._world_tag):
+                return False
+            return self._abort_locked(shut=True)
 
-        ``abandon``: a step or switch failed (a peer vanished) and the caller has dropped its program. The
-        sockets are shut down and the groups aborted first, so that a peer blocked on this device errors at
-        once instead of waiting for its op timeout: the abort cascades through the survivors in milliseconds.
+    def _abort_locked(self, *, shut: bool) -> bool:
+        did = False
+        if not self._aborted:
+            abort_world(shut_connections=False, keep_port=self.store.port)
+            self._aborted = did = True
+        if shut and self.spec.backend == "gloo" and not self._shut:
+            sever_tcp_connections(keep_port=self.store.port)
+            self._shut = did = True
+        return did
+
+    def leave(self, *, abandon: bool = False) -> None:
+        """Leave the world: destroy this device's process groups and its world (nothing if it is in none:
+        leaving twice is harmless).
+
+        ``abandon``: a step or switch failed (a peer vanished) and the caller has dropped its program. Every
+        group is aborted instead of destroyed (destroying an NCCL group waits for its kernels, which wait
+        for the dead peer). On gloo the connections are also shut down (``gloo_shut_on_leave``), so that a
+        peer blocked on this device errors at once instead of waiting for the launcher's abort.
         """
         import torch.distributed as dist
 
-        groups, self.groups = self.groups, None
-        if abandon and self.spec.backend == "gloo":
-            sever_tcp_connections(keep_port=self.store.port)
-        if groups is not None:
-            if abandon:
-                for key in groups.keys:
-                    if self.me in key:
-                        _abort(groups.get(key))
-            groups.destroy()
-            del groups
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        with self._world_lock:
+            groups, self.groups = self.groups, None
+            if abandon or self._aborted:
+                self._abort_locked(shut=abandon and self.options.gloo_shut_on_leave)
+                if groups is not None:
+                    groups.forget()  # aborted: torch holds them no more
+            else:
+                if groups is not None:
+                    groups.destroy()
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                self._world_tag = None  # left in good order: nothing of it remains to abort
+        del groups
         if abandon:
             gc.collect()  # the last references to the groups go now: their sockets close
+
+
+def _arrived(store: Any, within_s: float) -> bool:
+    """Whether every member of the world has arrived, waiting at most ``within_s`` for it (one request)."""
+    import torch.distributed as dist
+
+    try:
+        store.wait([ALL_ARRIVED], timedelta(seconds=within_s))
+    except dist.DistStoreError:
+        return False
+    return True
 
 
 def _hooks(spec: WorkerSpec, plan_ctx: Any, device: Any) -> tuple[Any, Any, Any]:
@@ -339,7 +389,7 @@ def _hooks(spec: WorkerSpec, plan_ctx: Any, device: Any) -> tuple[Any, Any, Any]
     sleeps = em is not None and em.sleeps
     recorder = None
     if options.trace_dir is not None:
-        import torch
+        from runtime.device_clock import device_clock
 
         label = f"device {spec.device_id} ({plan_ctx.cluster.device(spec.device_id).type}"
         if sleeps:
@@ -347,8 +397,7 @@ def _hooks(spec: WorkerSpec, plan_ctx: Any, device: Any) -> tuple[Any, Any, Any]
             label += f", emulating {em.target.profile} running {em.target.model} x{em.time_scale:g})"
         else:
             label += f", emulated {dev_type.emulate.slowdown:g}x slower)" if emulate else ")"
-        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-        recorder = TraceRecorder(spec.device_id, label, sync=sync)
+        recorder = TraceRecorder(spec.device_id, label, clock=device_clock(device))
     emulator: EmulatedSlowdown | EmulatedTarget | None = None
     if sleeps:
         emulator = EmulatedTarget(stage_block_targets(plan_ctx, spec.strategy, spec.device_id), inner=recorder)
@@ -388,45 +437,6 @@ def inject(fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.kind == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)
-
-
-def sever_tcp_connections(keep_port: int) -> int:
-    """shutdown(2) every connected TCP socket of this process except those to ``keep_port`` (the store).
-
-    Gloo cannot abort an op in flight, and after a peer's death it keeps the generation's other
-    connections open even when its process groups are destroyed (the failed op pins the context), so
-    peers blocked on this worker would wait for their op timeout. Shutting the sockets down is what a
-    process exit would do: every pending op here and on the peers fails at once. The file descriptors
-    stay gloo's (it closes them when it lets go). Returns how many were shut down.
-    """
-    import socket
-
-    if not os.path.isdir("/proc/self/fd"):
-        return 0  # not Linux: peers blocked on this worker wait for their op timeout instead
-    count = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            sock = socket.socket(fileno=int(name))
-        except OSError:
-            continue
-        try:
-            if (sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
-                    and sock.getpeername()[1] != keep_port):
-                sock.shutdown(socket.SHUT_RDWR)
-                count += 1
-        except OSError:
-            pass  # listening or not connected
-        finally:
-            sock.detach()
-    return count
-
-
-def _abort(pg: Any) -> None:
-    """Abort a group's communicators where the backend can (NCCL); gloo has nothing to abort."""
-    with suppress(AttributeError, RuntimeError, NotImplementedError):
-        pg.abort()
 
 
 def documents_line(source: Any) -> str:

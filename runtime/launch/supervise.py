@@ -339,7 +339,16 @@ def _loop(run: Run, source: EventSource, policy: Policy) -> None:
                 w.up = True
             elif isinstance(msg, Log):
                 run.log(msg.text)
-            elif not isinstance(msg, Heartbeat):
+            elif isinstance(msg, Heartbeat):
+                # The process lives, but its GPU may not: stuck in its own work (a wedged GPU, a hung
+                # kernel) for as long as a silent process would be, it is hung. A device stalled behind a
+                # communication waits for a peer: that peer's failure is the one to find.
+                if msg.stalled_at == "compute" and msg.stalled_s > options.heartbeat_timeout_s and w.up \
+                        and not w.finished and not w.failed:
+                    w.hung = True
+                    policy.on_failure(w, "hung", f"its GPU finished no work for {msg.stalled_s:.1f} s "
+                                                 "(stuck in a compute block: wedged)")
+            else:
                 policy.on_message(w, msg)
         now = time.monotonic()
         for d in sorted(run.workers):

@@ -63,7 +63,7 @@ def run_torchrun(options: TrainOptions, env: TorchrunEnv, *, on_step: Callable[[
 
     from runtime.checkpoint import check_load_and_save
 
-    ctx = load_plan_context(options.plan)
+    ctx = load_plan_context(options.plan, options.cluster, options.model)
     check_trainable(ctx)
     check_load_and_save(ctx, options.load_dir, options.save_dir)
     strategy = ctx.strategy(options.strategy)

@@ -21,6 +21,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+from runtime.device_clock import Progress, device_clock
 from runtime.errors import HspmdError
 from runtime.launch.messages import Heartbeat, Log, Start, StepDone, Up, WorkerError
 from runtime.launch.options import WorkerSpec
@@ -28,10 +29,12 @@ from runtime.launch.session import Reporter, Session, document_steps, documents_
 from runtime.spec.handle import StrategyHandle
 
 
-def train_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox | None = None) -> None:
+def train_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox | None = None,
+                 progress: Progress | None = None) -> None:
     """Join the world through ``store``, build this device's program, run the steps, save, trace.
-    (``inbox``: the launcher's other words; a plain run has none.)"""
-    session = Session(spec, store, report)
+    (``inbox``: the launcher's other words, a plain run has none; ``progress``: where the program marks
+    the device's progress for the heartbeat.)"""
+    session = Session(spec, store, report, progress)
     session.join(spec.store_prefix, spec.ranks)
     report(Up())
     try:
@@ -59,7 +62,8 @@ def train_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox | 
         session.leave()
 
 
-WorkerLoop = Callable[[WorkerSpec, Any, Reporter, "Inbox"], None]  # what a worker runs once it has the store
+# What a worker runs once it has the store: (spec, store, report, inbox, progress).
+WorkerLoop = Callable[[WorkerSpec, Any, Reporter, "Inbox", Progress], None]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -93,7 +97,23 @@ def _pipe(conn: Connection) -> Reporter:
 
 
 class Inbox(queue.Queue):
-    """The launcher's words, in order (filled by the control-pipe thread)."""
+    """The launcher's words, in order (filled by the control-pipe thread).
+
+    ``first``: a word's handler run on the control-pipe thread as the word arrives, before the training
+    loop can read it: the one thread free to act while the loop is blocked (an elastic worker aborts its
+    world there when the launcher says the world is over)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._first: Callable[[object], None] | None = None
+
+    def first(self, handler: Callable[[object], None] | None) -> None:
+        self._first = handler
+
+    def deliver(self, msg: object) -> None:
+        if self._first is not None:
+            self._first(msg)
+        self.put(msg)
 
     def next(self, timeout_s: float) -> object:
         try:
@@ -121,16 +141,16 @@ def _watch_launcher(control: Connection, inbox: Inbox) -> None:
     Every word (elastic and switching runs) goes to ``inbox`` for the training loop."""
     try:
         while True:
-            inbox.put(control.recv())
+            inbox.deliver(control.recv())
     except (EOFError, OSError):
         _exit_now(1)
 
 
-def _heartbeat(report: Reporter, every_s: float) -> None:
+def _heartbeat(report: Reporter, every_s: float, progress: Progress) -> None:
     while True:
         time.sleep(every_s)
         try:
-            report(Heartbeat())
+            report(Heartbeat(*progress.stall()))
         except (OSError, ValueError):
             _exit_now(1)
 
@@ -140,7 +160,8 @@ def process_main(spec: WorkerSpec, loop: WorkerLoop, report_conn: Connection, co
     if spec.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, spec.cpus)  # first: threads started from now on inherit it
     report = _pipe(report_conn)
-    threading.Thread(target=_heartbeat, args=(report, spec.options.heartbeat_s), daemon=True).start()
+    progress = Progress(device_clock(spec.torch_device))  # the device's, from the heartbeat thread's view
+    threading.Thread(target=_heartbeat, args=(report, spec.options.heartbeat_s, progress), daemon=True).start()
     try:
         import torch.distributed as dist  # the slow import, overlapping the launcher's store start-up
 
@@ -151,7 +172,7 @@ def process_main(spec: WorkerSpec, loop: WorkerLoop, report_conn: Connection, co
         threading.Thread(target=_watch_launcher, args=(control_conn, inbox), daemon=True).start()
         store = dist.TCPStore(msg.host, msg.port, is_master=False,
                               timeout=timedelta(seconds=spec.options.timeout_s))
-        loop(spec, store, report, inbox)
+        loop(spec, store, report, inbox, progress)
     except (EOFError, KeyboardInterrupt):
         _exit_now(1)
     except BaseException as exc:  # noqa: BLE001 - everything a worker raises goes to the launcher

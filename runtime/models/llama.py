@@ -105,6 +105,8 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, kv, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(h, kv, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(q, h, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.norm_eps) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attend: Attend | None = None) -> torch.Tensor:
@@ -115,6 +117,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: each head normalised
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = (attend or causal_attention)(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -145,6 +149,10 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def output_projections(self) -> tuple[nn.Linear, ...]:
+        """The projections writing into the residual stream (initialised smaller: ``init_weights``)."""
+        return self.self_attn.o_proj, self.mlp.down_proj
+
 
 class LlamaModel(nn.Module):
     """Embedding (optional), a range of decoder layers, final norm (optional).
@@ -157,8 +165,12 @@ class LlamaModel(nn.Module):
         self.spec = spec
         self.lookup = embed
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size) if embed or hold_embedding else None
-        self.layers = nn.ModuleDict({str(i): LlamaDecoderLayer(spec) for i in layers})
+        self.layers = nn.ModuleDict({str(i): self.make_layer(spec, i) for i in layers})
         self.norm = RMSNorm(spec.hidden_size, spec.norm_eps) if final_norm else None
+
+    def make_layer(self, spec: ModelSpec, layer: int) -> nn.Module:
+        """Decoder layer ``layer`` (a MoE model's subclass builds its MoE layers here)."""
+        return LlamaDecoderLayer(spec)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,13 +201,15 @@ class LlamaForCausalLM(nn.Module):
     Output: logits [batch, seq, vocab] when ``head``, else hidden states.
     """
 
+    model_class: type[LlamaModel] = LlamaModel
+
     def __init__(self, spec: ModelSpec, layers: Iterable[int] | None = None, *, embed: bool = True,
                  head: bool = True) -> None:
         super().__init__()
         self.spec = spec
         self.layer_ids = tuple(range(spec.num_layers) if layers is None else layers)
         tied = spec.tie_word_embeddings
-        self.model = LlamaModel(spec, self.layer_ids, embed=embed, final_norm=head, hold_embedding=head and tied)
+        self.model = self.model_class(spec, self.layer_ids, embed=embed, final_norm=head, hold_embedding=head and tied)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if head else None
         if self.lm_head is not None and tied:
             assert self.model.embed_tokens is not None
@@ -231,6 +245,10 @@ class LlamaForCausalLM(nn.Module):
                 w = module.weight
                 g = _generator(seed, full, cpu)
                 fill(full, w, torch.randn(w.shape, generator=g, dtype=torch.float32).mul_(std))
+        for module in self.modules():   # buffers (an MoE router's), as a module built on meta lacks them
+            reset = getattr(module, "reset_buffers", None)
+            if reset is not None:
+                reset()
 
 
 Fill = Callable[[str, torch.Tensor, torch.Tensor], None]  # (parameter name, parameter, its full initial value)
@@ -241,10 +259,7 @@ def _copy_whole(_name: str, param: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def _is_output_projection(model: LlamaForCausalLM, module: nn.Module) -> bool:
-    for layer in model.model.layers.values():
-        if module is layer.self_attn.o_proj or module is layer.mlp.down_proj:
-            return True
-    return False
+    return any(module is p for layer in model.model.layers.values() for p in layer.output_projections())
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

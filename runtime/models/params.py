@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from runtime.models.moe_names import MOE_NAMES, ROUTER, SHARED, SHARED_GATE
 from runtime.spec.model import ModelSpec
 
 Owner = Literal["embedding", "layer", "head"]
@@ -44,15 +45,41 @@ def layer_parameters(model: ModelSpec, layer: int) -> list[ParamInfo]:
         attn.append(ParamInfo(p + f"self_attn.{proj}.weight", (out, h), "layer", layer, 0))
         if model.qkv_bias:  # column parallel: the bias splits with the output features
             attn.append(ParamInfo(p + f"self_attn.{proj}.bias", (out,), "layer", layer, 0))
+    ffn = moe_parameters(model, layer) if model.is_moe_layer(layer) else _swiglu(p + "mlp.", h, f, layer)
     return [
         ParamInfo(p + "input_layernorm.weight", (h,), "layer", layer, None),
         *attn,
         ParamInfo(p + "self_attn.o_proj.weight", (h, q), "layer", layer, 1),
+        *([ParamInfo(p + f"self_attn.{n}.weight", (model.head_size,), "layer", layer, None)
+           for n in ("q_norm", "k_norm")] if model.qk_norm else []),
         ParamInfo(p + "post_attention_layernorm.weight", (h,), "layer", layer, None),
-        ParamInfo(p + "mlp.gate_proj.weight", (f, h), "layer", layer, 0),
-        ParamInfo(p + "mlp.up_proj.weight", (f, h), "layer", layer, 0),
-        ParamInfo(p + "mlp.down_proj.weight", (h, f), "layer", layer, 1),
+        *ffn,
     ]
+
+
+def _swiglu(prefix: str, h: int, f: int, layer: int, names: tuple[str, str, str] = ("gate_proj", "up_proj",
+                                                                                      "down_proj")) -> list[ParamInfo]:
+    gate, up, down = names
+    return [ParamInfo(f"{prefix}{gate}.weight", (f, h), "layer", layer, 0),
+            ParamInfo(f"{prefix}{up}.weight", (f, h), "layer", layer, 0),
+            ParamInfo(f"{prefix}{down}.weight", (h, f), "layer", layer, 1)]
+
+
+def moe_parameters(model: ModelSpec, layer: int) -> list[ParamInfo]:
+    """A MoE block: the router (duplicated in a TP group), each expert split as the dense MLP is, the
+    shared experts as one MLP of their summed width, and the shared experts' gate (duplicated)."""
+    assert model.moe is not None
+    moe, h = model.moe, model.hidden_size
+    n = MOE_NAMES[model.family]
+    p = f"model.layers.{layer}.{n.block}."
+    out = [ParamInfo(f"{p}{ROUTER}.weight", (moe.num_experts, h), "layer", layer, None)]
+    for e in range(moe.num_experts):
+        out += _swiglu(f"{p}experts.{e}.", h, moe.expert_ffn_size, layer, (n.gate, n.up, n.down))
+    if moe.shared_experts:
+        out += _swiglu(f"{p}{SHARED}.", h, moe.shared_width, layer)
+    if moe.shared_gate:
+        out.append(ParamInfo(f"{p}{SHARED_GATE}.weight", (1, h), "layer", layer, None))
+    return out
 
 
 def llama_parameters(model: ModelSpec) -> list[ParamInfo]:

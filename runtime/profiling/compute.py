@@ -17,7 +17,7 @@ what the runtime's TP layer adds among processes as the TP stage minus its local
 sequence parallelism (``measure_tp_overhead``). The TP stages are timed as the engine runs a stage's
 micro-batches, back to back (``time_back_to_back``): timed one forward and one backward at a time, a
 barrier before each pair and the other variants' in between, a TP stage's collectives and DTensor
-dispatch cost other than in a step (by 2-30% on a loaded CPU host; docs/benchmarks.md).
+dispatch cost other than in a step (by 2-30% on a loaded CPU host; docs/benchmarks.md, bench_tp_profile).
 
 What this does not time: the head's all-gather (its output is materialised by a copy).
 """

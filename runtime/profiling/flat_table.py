@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from runtime.errors import FieldErrors, Problem, SpecError
+from runtime.profiling.layer_rows import LAYER_ROW, split_layer_table
 from runtime.profiling.profile import COMPONENTS, LAYER_COMPONENTS, DeviceProfile, MeasuredModel, eval_fit
 from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves, curve_point_problem
 from runtime.spec.io import atomic_write_text, read_json, read_text
@@ -44,7 +45,8 @@ FIELDS: Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 INTS = {"layer": 0, "tp": 1, "micro_batch": 1, "seq_len": 1, "group": 2, "bytes": 1}   # column -> least value
 FLOATS = ("forward_s", "backward_s", "optimizer_s", "seconds", "bandwidth_gbs")        # finite, >= 0 (bw > 0)
-CHOICES = {"component": COMPONENTS, "link": ("intra", "inter"), "direction": ("send", "recv"), "kind": KINDS}
+CHOICES = {"component": (*COMPONENTS, LAYER_ROW), "link": ("intra", "inter"), "direction": ("send", "recv"),
+           "kind": KINDS}
 
 
 def table_format(path: Path, fmt: str | None) -> TableFormat:
@@ -174,7 +176,11 @@ def parse_rows(rows: Sequence[tuple[int, Mapping[str, Any]]], file: str) -> _Par
             continue
         if kind == "compute":
             layer = v.get("layer")
-            if layer is not None and v["component"] not in LAYER_COMPONENTS:
+            if v["component"] == LAYER_ROW and "optimizer_s" in v:
+                problems.append(Problem(where, "optimizer_s", "not used on a whole-layer row (the optimizer step is "
+                                                              "per component: give it on component rows)"))
+                continue
+            if layer is not None and v["component"] not in (*LAYER_COMPONENTS, LAYER_ROW):
                 problems.append(Problem(where, "component", f"a per-layer row overrides one of "
                                                             f"{', '.join(LAYER_COMPONENTS)}, got {v['component']!r}"))
                 continue
@@ -263,13 +269,20 @@ def import_profile(path: str | Path, *, device_type: str, model: ModelSpec, base
     parsed = parse_rows(rows, file)
     tables: dict[int, dict[str, ComponentTable]] = {}
     layers: dict[int, dict[int, dict[str, ComponentTable]]] = {}
-    for key in sorted(parsed.compute, key=lambda k: (k[0] is not None, k[0] or 0, k[1], COMPONENTS.index(k[2]))):
+    order = (*COMPONENTS, LAYER_ROW)
+    for key in sorted(parsed.compute, key=lambda k: (k[0] is not None, k[0] or 0, k[1], order.index(k[2]))):
         layer, tp, comp = key
         grid = _grid(file, key, parsed.compute[key], parsed.optimizer.get(key))
-        if layer is None:
-            tables.setdefault(tp, {})[comp] = grid
-        else:
-            layers.setdefault(layer, {}).setdefault(tp, {})[comp] = grid
+        target = tables.setdefault(tp, {}) if layer is None else layers.setdefault(layer, {}).setdefault(tp, {})
+        if comp != LAYER_ROW:
+            target[comp] = grid
+            continue
+        both = [c for c in LAYER_COMPONENTS if (layer, tp, c) in parsed.compute]
+        if both:
+            where = f"tp {tp}" + (f", layer {layer}" if layer is not None else "")
+            raise SpecError([Problem(file, f"compute ({where})", f"whole-layer rows and {', '.join(both)} rows: give "
+                                     "the layer whole or by its components, not both")])
+        target.update(split_layer_table(grid, model, base.compute, tp))   # the documented split (layer_rows.py)
     models = dict(base.models)
     if tables or layers:
         if not tables:

@@ -6,6 +6,7 @@ both."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,13 +88,39 @@ def resolve_ref(ref: str, kind: str, relative_to: Path | None = None) -> Path | 
     return _path_ref(ref, kind, relative_to) if kind == "models" else None
 
 
-def recorded_ref(ref: str, kind: str, relative_to: Path | None = None) -> str:
-    """What a plan file records for a spec reference: a catalog name as is, a path made absolute (the
-    plan may live elsewhere)."""
+def recorded_ref(ref: str, kind: str, relative_to: Path | None = None, plan_file: Path | None = None) -> str:
+    """What a plan file records for a spec reference: a catalog name as is; a path relative to the directory
+    of ``plan_file`` (the plan and its cluster and model files move together), or absolute when there is no
+    plan file or no relative path from it (another drive)."""
     path = resolve_ref(ref, kind, relative_to)
     if path is None or path.parent == CONFIGS_DIR / kind and not looks_like_path(ref):
         return ref
+    if plan_file is not None:
+        try:
+            rel = os.path.relpath(path.resolve(), Path(plan_file).absolute().parent.resolve())
+        except ValueError:
+            return str(path.resolve())
+        # A bare file name would read as a catalog name: keep the ./ that marks it as a path.
+        return rel if looks_like_path(rel) else f"./{rel}"
     return str(path.resolve())
+
+
+def missing_path(ref: str, kind: str, relative_to: Path | None = None) -> str | None:
+    """"file not found" for a reference that reads as a path (a slash or a YAML/JSON suffix) to nothing, with
+    where it was looked for; None otherwise."""
+    if not looks_like_path(ref):
+        return None
+    where = [Path(ref)] if relative_to is None or Path(ref).is_absolute() else [relative_to / ref, Path(ref)]
+    for w in where:
+        try:
+            os.lstat(w)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError):   # a name too long, a file on the way: not "not found"
+            return None
+        return None
+    looked = " or ".join(dict.fromkeys(str(w) for w in where))
+    return f"{kind[:-1]} {ref!r}: file not found (looked for {looked})"
 
 
 def resolve_profile_ref(ref: str, relative_to: Path | None = None) -> Path | None:
@@ -108,6 +135,9 @@ def resolve_profile_ref(ref: str, relative_to: Path | None = None) -> Path | Non
 def load_model(ref: str, *, relative_to: Path | None = None, file: str = "", field: str = "model") -> ModelSpec:
     path = resolve_ref(ref, "models", relative_to)
     if path is None:
+        missing = missing_path(ref, "models", relative_to)
+        if missing is not None:
+            raise SpecError([Problem(file, field, missing)])
         why = unusable_path(ref, "models", relative_to)
         if why is not None:
             raise SpecError([Problem(file, field, f"model {ref!r}: {why}")])
@@ -127,6 +157,9 @@ def load_cluster(ref: str, *, relative_to: Path | None = None, file: str = "",
                  field: str = "cluster") -> Cluster:
     path = resolve_ref(ref, "clusters", relative_to)
     if path is None:
+        missing = missing_path(ref, "clusters", relative_to)
+        if missing is not None:
+            raise SpecError([Problem(file, field, missing)])
         why = unusable_path(ref, "clusters", relative_to)
         if why is not None:
             raise SpecError([Problem(file, field, f"cluster {ref!r}: {why}")])
@@ -188,17 +221,19 @@ class PlanContext:
         return self.plan.strategy(name)
 
 
-def load_plan_context(path: str | Path, cluster: str | None = None) -> PlanContext:
-    """Load a plan, resolve its model and cluster (or ``cluster`` instead), validate everything.
+def load_plan_context(path: str | Path, cluster: str | None = None, model: str | None = None) -> PlanContext:
+    """Load a plan, resolve its model and cluster (or ``cluster``, ``model`` instead: ``--cluster``,
+    ``--model``), validate everything.
 
     Raises one SpecError listing every problem, whichever file it is in.
     """
     path = Path(path)
     plan = load_plan(path)
     problems: list[Problem] = []
-    model = cluster_spec = None
+    model_spec = cluster_spec = None
     try:
-        model = load_model(plan.model, relative_to=path.parent, file=str(path))
+        model_spec = (load_model(model, file="--model", field="") if model is not None
+                      else load_model(plan.model, relative_to=path.parent, file=str(path)))
     except SpecError as err:
         problems.extend(err.problems)
     try:
@@ -206,12 +241,15 @@ def load_plan_context(path: str | Path, cluster: str | None = None) -> PlanConte
                         else load_cluster(plan.cluster, relative_to=path.parent, file=str(path)))
     except SpecError as err:
         problems.extend(err.problems)
-    if model is not None and cluster_spec is not None:
-        problems.extend(validate_plan(plan, model, cluster_spec, str(path)))
+    if model_spec is not None and cluster_spec is not None:
+        problems.extend(validate_plan(plan, model_spec, cluster_spec, str(path)))
     if problems:
         raise SpecError(problems)
-    assert model is not None and cluster_spec is not None
-    return PlanContext(plan, model, cluster_spec, path)
+    assert model_spec is not None and cluster_spec is not None
+    if model is not None or cluster is not None:   # what the run uses, so every later reader of the plan agrees
+        plan = dataclasses.replace(plan, model=plan.model if model is None else recorded_ref(model, "models"),
+                                   cluster=plan.cluster if cluster is None else recorded_ref(cluster, "clusters"))
+    return PlanContext(plan, model_spec, cluster_spec, path)
 
 
 def check_trainable(ctx: PlanContext) -> None:
@@ -221,3 +259,15 @@ def check_trainable(ctx: PlanContext) -> None:
     if found is not None:
         path = resolve_ref(ctx.plan.model, "models", ctx.path.parent)
         raise SpecError([Problem(str(path or ctx.plan.model), found[0], found[1])])
+    if ctx.model.moe is not None:
+        problems = [Problem(str(ctx.path), f"strategies[{i}].pipelines[{j}].stages[{k}].devices",
+                            f"TP degree {stage.tp}: a MoE model trains on TP-1 stages only (no tensor or expert "
+                            "parallelism of its MoE layers yet)")
+                    for i, s in enumerate(ctx.plan.strategies) for j, p in enumerate(s.pipelines)
+                    for k, stage in enumerate(p.stages) if stage.tp > 1]
+        if ctx.plan.training.tokens_per_step is not None:
+            problems.append(Problem(str(ctx.path), "training.tokens_per_step",
+                                    "a MoE model does not train on packed documents yet (its load-balancing loss is "
+                                    "weighted by fixed micro-batches)"))
+        if problems:
+            raise SpecError(problems)

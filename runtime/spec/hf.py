@@ -1,10 +1,11 @@
 """Hugging Face ``config.json`` <-> ModelSpec, for the decoders the runtime's Llama is.
 
-Read: the Llama family as ``transformers`` defines it (``model_type`` llama, mistral, qwen2), in either
-of its spellings of RoPE (``rope_theta`` + ``rope_scaling``, or ``rope_parameters``); and GPT-style
-decoders (gpt2, opt, gpt_neox, gpt_neo: ``GPT_KEYS``), which the planner prices and ``hspmd train``
-refuses. What the runtime's module cannot compute is refused here, naming the field, so that nothing
-downstream prices or trains a different model than the file describes. Write: the config a checkpoint
+Read: the Llama family as ``transformers`` defines it (``model_type`` llama, mistral, qwen2, and the
+mixtures of experts mixtral, qwen2_moe, qwen3_moe: runtime/spec/hf_moe.py), in either of its spellings
+of RoPE (``rope_theta`` + ``rope_scaling``, or ``rope_parameters``); and GPT-style decoders (gpt2, opt,
+gpt_neox, gpt_neo: ``GPT_KEYS``), which the planner prices and ``hspmd train`` refuses. What the runtime's
+module cannot compute is refused here, naming the field, so that nothing downstream prices or trains a
+different model than the file describes. Write: the config a checkpoint
 carries, the source config's keys kept (tokenizer ids, ``transformers_version``...), the shape keys
 rewritten from the spec.
 """
@@ -15,15 +16,20 @@ from pathlib import Path
 from typing import Any
 
 from runtime.errors import FieldErrors, Problem, SpecError
+from runtime.spec.hf_fields import Fields
+from runtime.spec.hf_moe import hf_field, moe_config, moe_from_config, qkv_bias
 from runtime.spec.io import is_dir, read_json
 from runtime.spec.model import ModelSpec, RopeScaling
-from runtime.spec.schema import MAX_FLOAT, MAX_INT
 
 CONFIG_FILE = "config.json"
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "dbrx", "olmoe", "jamba")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+# Mixture-of-experts model_types the runtime does not build (DeepSeek: MLA and sigmoid routing; the others
+# their own blocks).
+MOE_TYPES = ("deepseek_v2", "deepseek_v3", "dbrx", "olmoe", "jamba")
 # transformers' defaults for the keys a config.json may leave out, per model_type.
-DEFAULT_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6}
+DEFAULT_EPS = {"llama": 1e-6, "mistral": 1e-6, "qwen2": 1e-6, "mixtral": 1e-5, "qwen2_moe": 1e-6, "qwen3_moe": 1e-6}
 REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
             "max_position_embeddings")
 
@@ -48,52 +54,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
-class _Fields:
-    """Typed access to config keys, collecting one problem per bad field."""
-
-    def __init__(self, data: dict[str, Any], file: str) -> None:
-        self.data, self.file = data, file
-        self.problems: list[Problem] = []
-
-    def bad(self, field: str, message: str) -> None:
-        self.problems.append(Problem(self.file, field, message))
-
-    def get_int(self, key: str, default: int | None = None, *, required: bool = False,
-                source: dict[str, Any] | None = None, prefix: str = "") -> int | None:
-        value = (self.data if source is None else source).get(key)
-        if value is None:
-            if required:
-                self.bad(prefix + key, "missing required field")
-            return default
-        if not isinstance(value, int) or isinstance(value, bool):
-            self.bad(prefix + key, f"expected an integer, got {repr(value)[:40]}")
-            return default
-        if abs(value) > MAX_INT:  # the YAML specs' bound: 10**400 overflowed float division (a traceback)
-            self.bad(prefix + key, f"an integer of {len(str(abs(value)))} digits is out of range (at most "
-                                   f"{MAX_INT:,})")
-            return default
-        return value
-
-    def get_float(self, key: str, default: float, source: dict[str, Any] | None = None, prefix: str = "") -> float:
-        value = (self.data if source is None else source).get(key)
-        if value is None:
-            return default
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not abs(value) <= MAX_FLOAT:
-            self.bad(prefix + key, f"expected a finite number of at most {MAX_FLOAT:g}, got {str(value)[:40]}")
-            return default
-        return float(value)
-
-    def get_bool(self, key: str, default: bool) -> bool:
-        value = self.data.get(key, default)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            self.bad(key, f"expected true or false, got {value!r}")
-            return default
-        return value
-
-
-def _rope(f: _Fields) -> tuple[float, RopeScaling | None]:
+def _rope(f: Fields) -> tuple[float, RopeScaling | None]:
     """rope_theta and the scaling, from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
     ``rope_scaling`` (earlier)."""
     params = f.data.get("rope_parameters")
@@ -151,7 +112,7 @@ GPT_KEYS: dict[str, tuple[tuple[str, str, str, str, str, str], int, bool]] = {
 }
 
 
-def _gpt_spec(f: _Fields, model_type: str, name: str) -> ModelSpec:
+def _gpt_spec(f: Fields, model_type: str, name: str) -> ModelSpec:
     """A GPT-style decoder's ModelSpec (transformers' key names and defaults for ``model_type``); what
     would change its parameter layout beyond what the spec holds is refused, naming the field."""
     (layers, hidden, ffn, heads, positions, eps_key), ffn_mult, tied_default = GPT_KEYS[model_type]
@@ -188,7 +149,7 @@ def _gpt_spec(f: _Fields, model_type: str, name: str) -> ModelSpec:
 
 def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
     """The ModelSpec of a parsed config.json; every problem raised at once, each naming its field."""
-    f = _Fields(data, file)
+    f = Fields(data, file)
     model_type = data.get("model_type")
     if not isinstance(model_type, (str, type(None))):   # a list or mapping would not even hash
         f.bad("model_type", f"must be a string such as 'llama', got {model_type!r}")
@@ -199,8 +160,8 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
         if model_type is None:
             f.bad("model_type", "missing required field")
         elif model_type in MOE_TYPES or any(k in data for k in ("num_local_experts", "num_experts")):
-            f.bad("model_type", f"{model_type!r} is a mixture-of-experts model; supported: "
-                                f"{', '.join(ARCHITECTURES)} (dense Llama family)")
+            f.bad("model_type", f"{model_type!r} is a mixture-of-experts model the runtime does not build; "
+                                f"supported: {', '.join(ARCHITECTURES)}")
         else:
             f.bad("model_type", f"{model_type!r} is not supported (supported: "
                                 f"{', '.join([*ARCHITECTURES, *GPT_KEYS])})")
@@ -214,7 +175,7 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
         f.bad("hidden_act", f"{act!r} is not supported (the runtime's MLP is SwiGLU: silu)")
     if f.get_bool("mlp_bias", False):
         f.bad("mlp_bias", "true is not supported (the runtime's MLP has no biases)")
-    if model_type == "llama" and f.get_bool("attention_bias", False):
+    if model_type in ("llama", "qwen3_moe") and f.get_bool("attention_bias", False):
         f.bad("attention_bias", "true is not supported (the runtime's o_proj has no bias)")
     tp = f.get_int("pretraining_tp", 1)
     if tp not in (1, None):
@@ -225,8 +186,10 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
     layer_types = data.get("layer_types")
     sliding_layers = isinstance(layer_types, list) and "sliding_attention" in layer_types
     window = None
-    if model_type == "mistral" or sliding_layers or model_type == "qwen2" and f.get_bool("use_sliding_window", False):
+    if model_type in ("mistral", "mixtral") or sliding_layers or \
+            model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and f.get_bool("use_sliding_window", False):
         window = f.get_int("sliding_window")
+    moe = moe_from_config(f, model_type, sizes["intermediate_size"], sizes["num_hidden_layers"])
     eps = f.get_float("rms_norm_eps", DEFAULT_EPS[model_type])
     tied = f.get_bool("tie_word_embeddings", False)
     if f.problems:
@@ -236,10 +199,12 @@ def spec_from_config(data: dict[str, Any], file: str, name: str) -> ModelSpec:
                          ffn_hidden_size=sizes["intermediate_size"], num_heads=heads, num_kv_heads=kv_heads,
                          vocab_size=sizes["vocab_size"], max_seq_len=sizes["max_position_embeddings"],
                          rope_theta=theta, norm_eps=eps, family=model_type, head_dim=head_dim,
-                         qkv_bias=model_type == "qwen2", tie_word_embeddings=tied, rope_scaling=scaling,
-                         sliding_window=window)
+                         qkv_bias=qkv_bias(f, model_type), qk_norm=model_type == "qwen3_moe",
+                         tie_word_embeddings=tied, rope_scaling=scaling,
+                         sliding_window=window, moe=moe)
     except FieldErrors as err:
-        raise SpecError([Problem(file, HF_NAMES.get(field, field), message) for field, message in err.problems]) \
+        raise SpecError([Problem(file, hf_field(model_type, field) or HF_NAMES.get(field, field), message)
+                         for field, message in err.problems]) \
             from None
 
 
@@ -275,9 +240,11 @@ def config_for(spec: ModelSpec, dtype: str, source: dict[str, Any] | None = None
     if spec.family == "llama":
         out.setdefault("attention_bias", False)
         out.setdefault("mlp_bias", False)
-    if spec.family == "mistral":
+    if spec.family in ("mistral", "mixtral"):
         out["sliding_window"] = spec.sliding_window
-    if spec.family == "qwen2":
+    if spec.moe is not None:
+        out.update(moe_config(spec))
+    if spec.family in ("qwen2", "qwen2_moe", "qwen3_moe"):
         out["use_sliding_window"] = spec.sliding_window is not None
         if spec.sliding_window is not None:
             out["sliding_window"] = spec.sliding_window

@@ -430,6 +430,50 @@ def check_output_file(path: str | os.PathLike[str], option: str) -> None:
         raise SpecError([Problem(str(p), option, f"cannot write: {existing} is not writable")])
 
 
+def check_append_file(path: str | os.PathLike[str], option: str) -> None:
+    """Refuse, before any work, a file to append lines to (``--metrics``) that cannot be opened for writing: a
+    directory, a file on the way, an unwritable place. Unlike ``check_output_file`` a device or a pipe is fine
+    (the lines are written into it, not renamed over it: ``--metrics /dev/stdout``)."""
+    p = Path(path)
+    try:
+        os.lstat(p)
+        exists = True
+    except FileNotFoundError:
+        exists = False
+    except OSError as exc:   # ENAMETOOLONG, ENOTDIR (a file on the way), ELOOP, EACCES
+        raise SpecError([Problem(str(p), option, f"cannot write: {why_not(exc)}")]) from None
+    if p.is_dir():
+        raise SpecError([Problem(str(p), option, "is a directory, expected a file name")])
+    if exists:
+        if not os.access(p, os.W_OK):
+            raise SpecError([Problem(str(p), option, "cannot write: not writable")])
+        return
+    existing = next(a for a in p.absolute().parents if os.path.lexists(a))
+    if not existing.is_dir():
+        raise SpecError([Problem(str(p), option, f"cannot write: {existing} is not a directory")])
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SpecError([Problem(str(p), option, f"cannot write: {existing} is not writable")])
+
+
+def check_output_dir(path: str | os.PathLike[str], option: str) -> None:
+    """Refuse, before any work, an output directory that cannot be made or written into: an existing file
+    there, a file on the way, a nearest existing ancestor that is not writable."""
+    p = Path(path)
+    try:
+        os.lstat(p)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise SpecError([Problem(str(p), option, f"cannot write: {why_not(exc)}")]) from None
+    if os.path.lexists(p) and not p.is_dir():
+        raise SpecError([Problem(str(p), option, "is a file, expected a directory")])
+    existing = next(a for a in (p.absolute(), *p.absolute().parents) if os.path.lexists(a))
+    if not existing.is_dir():
+        raise SpecError([Problem(str(p), option, f"cannot write: {existing} is not a directory")])
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SpecError([Problem(str(p), option, f"cannot write: {existing} is not writable")])
+
+
 class AtomicFiles:
     """Files replaced together. Each is written and fsynced under a temporary name beside its target; the
     renames over the targets come only once every file is written (leaving the ``with`` block without an

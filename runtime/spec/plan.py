@@ -355,12 +355,35 @@ class Strategy:
 
 
 @dataclass(frozen=True)
+class ProfileRecord:
+    """Which device profile priced one device type when the plan was made (written by ``hspmd plan``; read
+    by ``hspmd simulate`` to say why its estimate differs): its provenance (measured, imported, spec, or
+    datasheet: the cluster file's figures), its file (relative to the plan file; a shipped profile by file
+    name with ``shipped``), and per TP degree the plan uses, the components measured, scaled from another
+    degree's measurements, or derived from the profile's throughput figures."""
+
+    provenance: str
+    path: str | None = None
+    shipped: bool = False
+    measured: tuple[str, ...] = ()   # "attention@tp1", ...
+    scaled: tuple[str, ...] = ()     # "attention@tp2 from tp1", ...
+    derived: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        with Checker() as c:
+            c.check(self.provenance in ("measured", "imported", "spec", "datasheet"), "provenance",
+                    f"expected one of measured, imported, spec, datasheet, got {self.provenance!r}")
+
+
+@dataclass(frozen=True)
 class Plan:
     version: int
     model: str
     cluster: str
     training: TrainingSettings
     strategies: tuple[Strategy, ...]
+    # Per device type, the profile that priced it (``hspmd plan``); absent in hand-written plans.
+    profiles: Mapping[str, ProfileRecord] | None = None
 
     def __post_init__(self) -> None:
         with Checker() as c:

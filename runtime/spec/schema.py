@@ -77,7 +77,7 @@ def text_problem(text: str) -> str | None:
 def number_text_problem(text: str) -> str | None:
     """What keeps ``text`` from being read as a number where ASCII digits are expected (command-line options,
     table cells), None if nothing: Python's int() and float() read any script's digits ("\uff11\uff12") and digit
-    groups ("1_0" as 10), which a user who typed them did not mean (YAML files follow YAML 1.1, see README)."""
+    groups ("1_0" as 10), which a user who typed them did not mean (YAML files follow YAML 1.1, see docs/formats.md)."""
     if not text.isascii():
         return "ASCII digits only"
     if "_" in text:

@@ -121,9 +121,6 @@ def validate_strategy(strategy: Strategy, plan: Plan, model: ModelSpec, cluster:
                 if odd:
                     bad(f"{sp}.devices", f"TP degree {stage.tp} does not divide sequence length {odd[0]} "
                                          "(training.sequence_parallel shards the sequence over the TP group)")
-        if name == "1f1b" and pipe.micro_batches < len(pipe.stages):
-            bad(f"{pp}.micro_batches", f"{pipe.micro_batches} micro-batches for {len(pipe.stages)} stages: "
-                                       "1F1B needs at least one micro-batch per stage")
     if t.sequence_parallel and all(st.tp == 1 for p in strategy.pipelines for st in p.stages):
         problems.append(Problem(file, "training.sequence_parallel",
                                 f"needs a TP stage (2 or more devices); strategy {strategy.name!r} has none"))

@@ -98,6 +98,20 @@ def test_survivors_blocked_on_survivors_leave_at_once(plans, tmp_path):
     assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
 
 
+def test_the_launchers_abort_alone_releases_survivors_blocked_on_survivors(plans, tmp_path):
+    # As above, but stage 1 leaves without shutting its connections down (gloo_shut_on_leave=False): stage 2,
+    # blocked on stage 1, is released only by the abort that its control-pipe thread performs on the
+    # launcher's word, the one way NCCL has (runtime/comm/abort.py), not by its 20 s op timeout.
+    options = TrainOptions(plan=plans["pp3"], steps=STEPS, elastic=True, save_dir=tmp_path / "ck", **FAST,
+                           faults=(Fault(device=0, step=3, kind="kill"),), gloo_shut_on_leave=False)
+    records, events = _run(options, fixed_replan(plans["pp3-after-0"], []))
+    expected, trainer = reference(plans["pp3"], STEPS)
+    assert [r.loss for r in records] == pytest.approx(expected, rel=1e-5)
+    (e,) = events
+    assert e["failed"] == [0] and e["abandon_s"] < 5.0
+    assert_matches_reference(saved_state(tmp_path / "ck"), trainer)
+
+
 def test_a_hang_then_two_deaths_at_once_across_two_generations(plans, tmp_path):
     # Step 2: device 3 stops (SIGSTOP); its heartbeat stops, the launcher kills it, device 2 takes the whole
     # model. Step 4: devices 1 and 2 die together; device 0 trains alone. Generation 2, three devices lost.

@@ -16,9 +16,9 @@ from engine_world import EngineWorld
 from test_engine_correctness import PLANS, check_against_reference, check_saved, make_batches
 
 from runtime.engine.reference import ReferenceTrainer
-from runtime.pipeline_schedules import check_schedule
+from runtime.pipeline_schedules import check_schedule, schedule_timeline
 from runtime.spec import load_plan_context
-from runtime.spec.handle import StrategyHandle, plan_schedule
+from runtime.spec.handle import StrategyHandle, plan_costs, plan_schedule
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,8 @@ def world():
 
 
 CASES = ["interleaved-hetero4.yaml", "zb-h1-hetero4.yaml", "zb-h1-tp-hetero4.yaml", "zb-v-hetero4.yaml",
-         "zb-h1-costs-hetero4.yaml", "zb-h1-limits-hetero4.yaml", "zb-h1-partial-hetero4.yaml"]
+         "zb-h1-costs-hetero4.yaml", "zb-h1-limits-hetero4.yaml", "zb-h1-partial-hetero4.yaml",
+         "1f1b-textbook-hetero4.yaml", "interleaved-textbook-hetero4.yaml", "1f1b-few-hetero4.yaml"]
 
 
 @pytest.mark.parametrize("plan", CASES, ids=[p.removesuffix("-hetero4.yaml") for p in CASES])
@@ -51,6 +52,11 @@ def test_schedule_matches_single_device_reference(world: EngineWorld, plan: str)
         uncosted = dataclasses.replace(ctx.plan.strategies[0].pipelines[0], stages=tuple(
             dataclasses.replace(st, op_costs=None) for st in ctx.plan.strategies[0].pipelines[0].stages))
         assert plan_schedule(uncosted, "zb-h1", 6).actions != handle.pipeline_schedule(0).actions
+    if plan.endswith("-textbook-hetero4.yaml"):   # the published order is faster there, and is what ran
+        pipe = ctx.plan.strategies[0].pipelines[0]
+        sched = handle.pipeline_schedule(0)
+        args = (sched.name, len(pipe.stages), pipe.micro_batches, sched.layout.chunks, plan_costs(pipe))
+        assert sched.timeline == schedule_timeline(*args, source="textbook") != schedule_timeline(*args, source="list")
     if plan == "zb-h1-partial-hetero4.yaml":   # partial recompute: the stage's lowest layers checkpointed
         recomputed = {r.description["role"]["stage"]: r.description["role"]["chunks"][0]["recomputed"]
                       for r in results.values()}
@@ -86,9 +92,9 @@ def test_checkpoint_continues_across_schedules(world: EngineWorld, tmp_path: Pat
 
 
 def test_bf16_weight_copies_are_made_once_per_step_not_per_micro_batch(world: EngineWorld) -> None:
-    """Under bf16 autocast each weight's bf16 copy is shared by every micro-batch in flight (it used to be one
-    per micro-batch: 2 bytes per parameter per in-flight micro-batch, which the cost model does not count),
-    and sharing it changes no number."""
+    """Under bf16 autocast each weight's bf16 copy is shared by every micro-batch in flight (one per
+    micro-batch would be 2 bytes per parameter per in-flight micro-batch, which the cost model does not
+    count), and sharing it changes no number."""
     from engine_world import bf16_weight_copies_job
 
     path = PLANS / "zb-h1-tp-hetero4.yaml"

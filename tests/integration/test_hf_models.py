@@ -157,6 +157,8 @@ def test_cli_path_trains_from_pretrained_weights_and_transformers_opens_the_resu
     """What a user runs (hspmd train --load PRETRAINED --save OUT), through the launcher's own workers;
     the plan names the model directory by its bare name, beside the plan."""
     pretrained = hf_dir(tmp_path, "pretrained", MODELS["llama3-rope"]())
+    (pretrained / "tokenizer.json").write_text('{"version": "1.0"}')
+    (pretrained / "generation_config.json").write_text('{"max_new_tokens": 8}')
     plan = write_plan(tmp_path / "plan.yaml", Path("pretrained"), HETERO)
     ctx = load_plan_context(plan)
     out = tmp_path / "tuned"
@@ -169,6 +171,8 @@ def test_cli_path_trains_from_pretrained_weights_and_transformers_opens_the_resu
         assert run.records[0].loss == pytest.approx(model(first, labels=first).loss.item(), rel=1e-5)
     saved, meta = read_saved(out)
     assert meta["step"] == "2"
+    for name in ("tokenizer.json", "generation_config.json"):   # carried along: the result is usable as it is
+        assert (out / name).read_text() == (pretrained / name).read_text()
     params = {k: v for k, v in saved.items() if not k.endswith(("exp_avg", "exp_avg_sq"))}
     tokens = first[:, :-1]
     torch.testing.assert_close(hf_logits(out, tokens), hspmd_logits(ctx, params, tokens), rtol=1e-5, atol=1e-6)

@@ -83,3 +83,43 @@ def test_show_annotations_cli():
     emb = data["rows"][0]
     assert emb["tensor"] == "embed_tokens.weight" and emb["annotation"]["hdim"] == -1
     assert emb["annotation"]["members"][0] == {"devices": [0, 1], "states": {"0": 2}, "order": [0]}
+
+
+def gpt_plan(tmp_path: Path) -> Path:
+    """The tiny plan on a GPT-2 architecture (priced by the planner, not trained)."""
+    import yaml
+
+    data = yaml.safe_load((PLANS / "cpu-hetero4-tiny.yaml").read_text())
+    model = tmp_path / "gpt-tiny.yaml"
+    model.write_text(yaml.safe_dump({"name": "gpt-tiny", "architecture": "gpt2", "num_layers": 6, "hidden_size": 64,
+                                     "ffn_hidden_size": 256, "num_heads": 8, "num_kv_heads": 8, "vocab_size": 256,
+                                     "max_seq_len": 256, "tie_word_embeddings": True}))
+    data["model"] = str(model)
+    data["cluster"] = str(PLANS.parent / "clusters" / f"{data['cluster']}.yaml")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump(data))
+    return plan
+
+
+def test_show_views_of_a_gpt_architecture(tmp_path: Path):
+    """`hspmd show --annotations` and `--device` read the model's own parameter table, whatever decoder."""
+    plan = str(gpt_plan(tmp_path))
+    res = CliRunner().invoke(cli, ["show", "--annotations", "--format", "json", plan])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)["annotations"]["hetero"]["rows"]
+    by_where: dict[str, list[str]] = {}
+    for r in rows:
+        by_where.setdefault(r["where"], []).append(r["tensor"])
+    assert by_where["embedding"] == ["wte.weight", "wpe.weight"]
+    assert by_where["head"] == ["ln_f.weight", "ln_f.bias"]   # the head is the tied wte
+    assert "attn.c_attn.weight" in by_where["layers 0-2"] and "mlp.c_proj.bias" in by_where["layers 3-5"]
+    res = CliRunner().invoke(cli, ["show", "--annotations", plan])
+    assert res.exit_code == 0 and "ln_f.bias" in res.output, res.output
+    res = CliRunner().invoke(cli, ["show", "--device", "3", "--format", "json", plan])
+    assert res.exit_code == 0, res.output
+    (prog,) = json.loads(res.output)["programs"]
+    names = [p["name"] for p in prog["params"]]
+    assert names[0] == "transformer.wte.weight" and "transformer.ln_f.bias" in names   # tied head holds wte
+    assert "transformer.h.3.mlp.c_fc.weight" in names and "transformer.h.2.mlp.c_fc.weight" not in names
+    res = CliRunner().invoke(cli, ["show", "--device", "0", plan])
+    assert res.exit_code == 0 and "attention and MLP outputs" in res.output, res.output

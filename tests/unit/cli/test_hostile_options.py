@@ -202,8 +202,8 @@ def test_an_os_error_on_a_path_is_one_line(monkeypatch):
 
 @pytest.mark.parametrize("type_name", ["", "TRAVERSE/outside", "\\x"])
 def test_profile_import_type_is_a_file_name(type_name: str, tmp_path: Path):
-    """--type names the default output, profiles/<type>.imported.yaml: '../../outside' wrote
-    /work/wt/outside.imported.yaml, outside the checkout. (Here a traversal would land in tmp_path.)"""
+    """--type names the default output, profiles/<type>.imported.yaml: '../../outside' would write
+    outside.imported.yaml outside the checkout. (Here a traversal would land in tmp_path.)"""
     type_name = type_name.replace("TRAVERSE", "../" * 40 + str(tmp_path).lstrip("/"))
     table = tmp_path / "t.csv"
     table.write_text("kind\n")
@@ -234,5 +234,5 @@ def test_control_characters_in_an_error_line_are_escaped(tmp_path: Path):
     assert result.exit_code == 2, result.output
     first = result.output.splitlines()[0]
     assert first == (f"error: {plan}: a\\rb\\x08c\\x1bd\\x9be\\x07: unknown key (expected one of: version, model, "
-                     "cluster, training, strategies)"), result.output
+                     "cluster, training, strategies, profiles)"), result.output
     assert not any(ord(c) < 32 or 127 <= ord(c) < 160 for c in result.output.replace("\n", ""))

@@ -1,4 +1,4 @@
-"""The checkpoint-interval rule of the trace model (planner/replan.py): Young's interval for a rate, the
+"""The checkpoint-interval rule of the trace model (planner/trace_model.py): Young's interval for a rate, the
 trace's failure rates, and the rate of losses in-memory recovery cannot survive, hand-computed on tiny
 layouts (two nodes a: devices 0-1, b: devices 2-3)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.replan import FailureRates, unrecoverable_rate, young_interval_steps
+from planner.trace_model import FailureRates, unrecoverable_rate, young_interval_steps
 from runtime.elastic.events import parse_trace
 from runtime.elastic.state import holder_sets
 from runtime.spec import load_cluster, load_plan, load_plan_context, save_plan

@@ -121,8 +121,8 @@ def test_cli_text_report_and_errors(tmp_path):
     assert "held only by failed device(s) 0, 1" in res.output
     res = runner.invoke(cli, ["replan", "--plan", str(TINY), "--failed", "one"])
     assert res.exit_code == 2
-    assert res.output.strip().splitlines() == ["error: --failed: expected comma-separated device ids such as 5,6, "
-                                               "got 'one'"]
+    assert res.output.strip().splitlines() == ["error: --failed: expected comma-separated device ids or ranges such "
+                                               "as 5,6 or 16-23, got 'one'"]
     res = runner.invoke(cli, ["replan", "--plan", str(TINY), "--failed", "9"])
     assert res.exit_code == 2 and "not in cluster" in res.output
 
@@ -168,7 +168,8 @@ def test_cli_refuses_when_both_holders_of_a_moment_chunk_fail(zero_dp4, tmp_path
     assert "Traceback" not in res.output and not out.exists()
     # the same verdict as the coordinator's, from the same function
     failed = lost_state(StrategyHandle.of(load_plan_context(zero_dp4)), [0, 2])
-    assert not failed.tensors and failed.moments and [f"error: {line}" for line in failed.details()] == lines[1:]
+    assert not failed.tensors and failed.moments and [f"error: {line}" for line in failed.details()] == lines[1:-1]
+    assert lines[-1].endswith("--restart writes a plan for the surviving devices to restart from that checkpoint")
     # one holder of each chunk is no loss; a parameter's last replica still is, as before
     assert not lost_state(StrategyHandle.of(load_plan_context(zero_dp4)), [0, 1])
     res = CliRunner().invoke(cli, ["replan", "--plan", str(zero_dp4), "--failed", "0,1,2,3"])

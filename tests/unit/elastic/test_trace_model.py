@@ -1,4 +1,4 @@
-"""planner/replan.py ``model_trace``: each line's time is the sum of its parts, the restart baseline drops
+"""planner/trace_model.py ``model_trace``: each line's time is the sum of its parts, the restart baseline drops
 whole nodes and pays what torchrun + Megatron pay (NCCL timeout for a lost node, half a checkpoint interval
 redone), checkpoints follow Young's rule for the failures each line must checkpoint against (restart: every
 failure; hspmd and Oobleck-like: the losses memory cannot survive, whose expected cost they are charged), and a
@@ -15,15 +15,8 @@ import pytest
 
 from planner.baselines import best_symmetric, best_symmetric_subset
 from planner.cost import CostModel
-from planner.replan import (
-    MEGATRON_NCCL_TIMEOUT_S,
-    TraceModel,
-    choose,
-    model_trace,
-    pays,
-    restart_cost,
-    young_interval_steps,
-)
+from planner.replan import choose, pays, restart_cost
+from planner.trace_model import MEGATRON_NCCL_TIMEOUT_S, TraceModel, model_trace, young_interval_steps
 from runtime.elastic.events import parse_trace
 from runtime.elastic.preplan import candidates
 from runtime.errors import HspmdError

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -148,3 +149,22 @@ def test_show_device_cli() -> None:
     assert any(o["name"].startswith("grad all-reduce") for o in prog["ops"])
     res = CliRunner().invoke(cli, ["show", "--device", "8", plan])
     assert res.exit_code == 2 and "unknown device id 8" in res.output
+
+
+def test_show_device_says_which_order_the_schedule_runs() -> None:
+    """The published order where it is faster on the plan's op costs, else the list scheduler's (layer counts
+    stand in for op costs the plan does not give)."""
+    repo = Path(__file__).resolve().parents[3]
+    textbook = repo / "tests" / "integration" / "engine_plans" / "1f1b-textbook-hetero4.yaml"
+    res = CliRunner().invoke(cli, ["show", str(textbook), "--device", "1", "--format", "json"])
+    assert res.exit_code == 0, res.output
+    (prog,) = json.loads(res.output)["programs"]
+    assert (prog["order"], prog["order_by"]) == ("Megatron's 1F1B order", "the plan's op costs")
+    res = CliRunner().invoke(cli, ["show", str(repo / "configs" / "plans" / "cpu-hetero4-tiny.yaml"), "--device", "2",
+                                   "--format", "json"])
+    assert res.exit_code == 0, res.output
+    (prog,) = json.loads(res.output)["programs"]
+    assert prog["order"] == "the list scheduler's order"
+    assert prog["order_by"] == "layer counts: the plan gives no op costs"
+    res = CliRunner().invoke(cli, ["show", str(textbook), "--device", "1"])
+    assert res.exit_code == 0 and "Megatron's 1F1B order" in res.output, res.output

@@ -146,7 +146,7 @@ MODEL_VERBS = [
     Verb("plan", lambda f, s, o: ["plan", "--model", str(f), "--cluster", "cpu-hetero4", "--global-batch", "8",
                                   "--seq-len", "16", "--time-limit", "1", "--check-top", "0", "-o", str(o)]),
     Verb("profile", lambda f, s, o: ["profile", "--cluster", "cpu-hetero4", "--model", str(f), "--seq-lens", "1",
-                                     "--out", str(o)], stop="Error: Invalid value for --seq-lens"),
+                                     "--out", str(o)], stop="error: Invalid value for --seq-lens"),
 ]
 CLUSTER_VERBS = [
     Verb("validate --cluster", lambda f, s, o: ["validate", str(TINY_PLAN), "--cluster", str(f)]),
@@ -156,7 +156,7 @@ CLUSTER_VERBS = [
     Verb("plan", lambda f, s, o: ["plan", "--model", "llama-tiny", "--cluster", str(f), "--global-batch", "8",
                                   "--seq-len", "16", "--time-limit", "1", "--check-top", "0", "-o", str(o)]),
     Verb("profile", lambda f, s, o: ["profile", "--cluster", str(f), "--seq-lens", "1", "--out", str(o)],
-         stop="Error: Invalid value for --seq-lens"),
+         stop="error: Invalid value for --seq-lens"),
 ]
 PROFILE_VERBS = [
     Verb("simulate --profile", lambda f, s, o: ["simulate", "--plan", str(TINY_PLAN), "--profile", str(f.parent),

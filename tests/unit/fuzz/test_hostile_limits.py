@@ -170,7 +170,7 @@ DIGITS = "'_' is not a digit"
     (["plan", "--model", "llama-tiny", "--cluster", "cpu-hetero4", "--global-batch", "1_6", "--seq-len", "16",
       "-o", "OUT"], f"--global-batch': '1_6' is not a number: {DIGITS}"),
     (["replan", "--plan", str(TINY_PLAN), "--failed", "0_1", "--time-limit", "1", "-o", "OUT"],
-     "--failed: expected comma-separated device ids such as 5,6, got '0_1'"),
+     "--failed: expected comma-separated device ids or ranges such as 5,6 or 16-23, got '0_1'"),
     (["replan", "--plan", str(TINY_PLAN), "--failed", "1", "--tolerance", "0.0_5", "-o", "OUT"],
      f"--tolerance': '0.0_5' is not a number: {DIGITS}"),
     (["profile", "--cluster", "cpu-hetero4", "--seq-lens", "1_6,32,64", "--out", "OUT"],

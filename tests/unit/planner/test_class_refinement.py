@@ -1,8 +1,8 @@
-"""``Searcher._keep`` prices a block draft's spare gains (each a list play) one class at a time (``refine``):
+"""``block_ranking.keep_blocks`` prices a block draft's spare gains (each a list play) one class at a time (``refine``):
 after each, the draft's floor score is a tighter lower bound of its score, so a draft can fall out of the
 ranking before it plays every class. That is only exact if (1) ``lazily_sorted`` with those extra levels
 yields what it yields without them and its consumer keeps the same entries, (2) the partly priced floor never
-exceeds the score, and (3) ``_keep`` keeps the same blocks, completed alike, with the refinement as without."""
+exceeds the score, and (3) ``keep_blocks`` keeps the same blocks, completed alike, with the refinement as without."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import planner.search as search_mod
-from planner.search import BOUND_ROUNDING, Searcher, lazily_sorted
+import planner.block_ranking as ranking_mod
+from planner.block_ranking import keep_blocks, lazily_sorted
+from planner.search import BOUND_ROUNDING
 from tests.unit.planner.test_lazy_blocks import JOBS, searcher
 
 
@@ -27,7 +28,7 @@ def test_refine_levels_keep_what_is_kept(items: list, keep: int, with_middle: bo
     """Each item: lower, a step to its middle bound, refinement steps (each a tighter bound), a last step to
     its exact value, and two attributes; the consumer keeps, in yield order, items no kept one dominates
     (both attributes at least as good), ``keep`` of them, and ``skip`` drops what the kept ones dominate
-    (more as the search goes on, as ``_pareto``'s ``beaten``). With the refinement the same items are kept,
+    (more as the search goes on, as ``pareto_front``'s ``beaten``). With the refinement the same items are kept,
     every value yielded is the exact one, and ``exact`` is asked of no item that was not asked without it."""
     lower = [lo for lo, *_ in items]
     middles = [lo + a for lo, a, *_ in items]
@@ -80,7 +81,7 @@ def multi_class_drafts(case: int, limit: int) -> list:
     s = searcher(case)
     out = []
     for job in JOBS[case]:
-        d = s.build_block(job)
+        d = s.blocks.build_block(job)
         if d is not None and sum(c.spare_room for c in d.classes) >= 2:
             out.append(job)
             if len(out) >= limit:
@@ -99,19 +100,19 @@ def test_drafts_with_several_priced_classes_exist(case: int) -> None:
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from([0, 1]), st.data(), st.floats(0.05, 1.0))
 def test_partly_priced_floor_never_exceeds_the_score(case: int, data: st.DataObject, share: float) -> None:
-    """Classes priced one at a time, in any order: the floor score (``_keep``'s ``refine``) after each never
+    """Classes priced one at a time, in any order: the floor score (``keep_blocks``'s ``refine``) after each never
     exceeds the score of the draft with every class priced (beyond rounding: ``refine`` takes a margin), and
     that draft is the one pricing all at once gives."""
     s = searcher(case)
     job = data.draw(st.sampled_from(DRAFTS[case]))
-    d = s.with_sync(s.build_block(job))
-    full = s.with_spare_gains(d)
-    score = s._span_alone(full, share) + s.overheads([full])
+    d = s.blocks.with_sync(s.blocks.build_block(job))
+    full = s.blocks.with_spare_gains(d)
+    score = s.blocks.span_alone(full, share) + s.blocks.overheads([full])
     order = data.draw(st.permutations([j for j, c in enumerate(d.classes) if c.spare_room]))
     part = d
     for j in order:
-        part = s.with_spare_gains(part, only=j)
-        floor = s._span_alone(part, share, floor=True) + s.overheads([part])
+        part = s.blocks.with_spare_gains(part, only=j)
+        floor = s.blocks.span_alone(part, share, floor=True) + s.blocks.overheads([part])
         assert floor * (1 - BOUND_ROUNDING) - 1e-12 <= score   # (``refine``'s margin against rounding)
         assert floor <= score * (1 + 1e-12)
     assert part.classes == full.classes
@@ -125,11 +126,11 @@ def block_key(b) -> tuple:
 @settings(max_examples=12, deadline=None)
 @given(st.sampled_from([0, 1]), st.data(), st.floats(0.05, 1.0))
 def test_keep_keeps_the_same_blocks_with_the_refinement(case: int, data: st.DataObject, share: float) -> None:
-    """Random lists of mixed-block jobs (several with more than one class to price among them): ``_keep``
-    keeps the same blocks, completed alike, as a ``_keep`` whose ranking prices every class at once."""
+    """Random lists of mixed-block jobs (several with more than one class to price among them): ``keep_blocks``
+    keeps the same blocks, completed alike, as a ``keep_blocks`` whose ranking prices every class at once."""
     pool = JOBS[case][:120]
     jobs = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=30, unique_by=id)) + DRAFTS[case][:4]
-    got = [block_key(b) for b in searcher(case)._keep(jobs, share)]
+    got = [block_key(b) for b in keep_blocks(searcher(case).blocks, jobs, share)]
     plain = lazily_sorted
 
     def unrefined(*args, **kwargs):
@@ -139,8 +140,8 @@ def test_keep_keeps_the_same_blocks_with_the_refinement(case: int, data: st.Data
         return plain(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(search_mod, "lazily_sorted", unrefined)
-        want = [block_key(b) for b in searcher(case)._keep(jobs, share)]
+        mp.setattr(ranking_mod, "lazily_sorted", unrefined)
+        want = [block_key(b) for b in keep_blocks(searcher(case).blocks, jobs, share)]
     assert got == want
 
 
@@ -150,13 +151,13 @@ def test_refinement_saves_list_plays() -> None:
     plain = lazily_sorted
     for refined in (True, False):
         s = searcher(0)
-        orig = s.spare_gain
+        orig = s.pricer.spare_gain
 
         def counted(*a, refined: bool = refined, orig=orig):
             calls[refined] += 1
             return orig(*a)
 
-        s.spare_gain = counted   # type: ignore[method-assign]
+        s.pricer.spare_gain = counted   # type: ignore[method-assign]
 
         def unrefined(*args, **kwargs):
             kwargs.pop("refine", None)
@@ -164,6 +165,6 @@ def test_refinement_saves_list_plays() -> None:
 
         with pytest.MonkeyPatch.context() as mp:
             if not refined:
-                mp.setattr(search_mod, "lazily_sorted", unrefined)
-            Searcher._keep(s, list(itertools.chain(JOBS[0])), 0.5)
+                mp.setattr(ranking_mod, "lazily_sorted", unrefined)
+            keep_blocks(s.blocks, list(itertools.chain(JOBS[0])), 0.5)
     assert calls[True] < calls[False]

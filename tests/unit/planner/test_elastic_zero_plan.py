@@ -64,7 +64,8 @@ def test_elastic_plan_takes_zero_with_two_copies_where_only_it_fits(tmp_path) ->
     out = tmp_path / "plan.yaml"
     res = CliRunner().invoke(cli, ["plan", "--model", str(tmp_path / "llama-2l.yaml"), "--cluster",
                                    str(tmp_path / "tight.yaml"), "--global-batch", "32", "--seq-len", "1024",
-                                   "--elastic", "--time-limit", "10", "--out", str(out), "--format", "json"])
+                                   "--elastic", "--time-limit", "10", "--memory-margin", "0", "--out", str(out),
+                                   "--format", "json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     assert data["zero_choice"].startswith("elastic: ZeRO-1 with 2 copies of each moment chunk; "

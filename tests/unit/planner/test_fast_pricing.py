@@ -78,7 +78,7 @@ def test_bound_never_exceeds_the_played_lists(shape: tuple[str, int, int, int, C
 def test_bound_never_exceeds_the_played_lists_with_raised_limits(shape: tuple[str, int, int, int, Costs, Costs],
                                                                  extra: list[int]) -> None:
     """With activation limits raised above the schedule's own (``Pipeline.activation_limits``): the bound holds
-    for any op order, so ``Searcher.spare_gain`` plays no lists where it is above the ranking price."""
+    for any op order, so ``ExactPricer.spare_gain`` plays no lists where it is above the ranking price."""
     name, s, m, v, order, played = shape
     own = device_limits(name, s, m, v)
     limits = tuple(lim + x for lim, x in zip(own, extra))

@@ -1,9 +1,10 @@
-"""The search builds a mixed block (deals its groups, prices its classes) only when ``Searcher._keep`` may keep
-it: each block is first ranked by ``Searcher.job_bound``, a bound from its pipelines' templates alone, which
-is only sound if it never exceeds the bound ``_keep`` ranks the built block by; and ``lazily_sorted`` with
-that level below must ask everything it asks without it, in the same order. The caches the blocks share
-(``spare_room``, ``spare_gain``) are keyed by each stage boundary's transfer times (``Searcher.hops``): a
-cached price must be the price of the layout asked for, whichever layout filled the cache."""
+"""The search builds a mixed block (deals its groups, prices its classes) only when ``keep_blocks``
+(planner/block_ranking.py) may keep it: each block is first ranked by ``BlockBuilder.job_bound``, a bound
+from its pipelines' templates alone, which is only sound if it never exceeds the bound ``keep_blocks`` ranks
+the built block by; and ``lazily_sorted`` with that level below must ask everything it asks without it, in
+the same order. The caches the blocks share (``spare_room``, ``spare_gain``) are keyed by each stage
+boundary's transfer times (``SearchSpace.hops``): a cached price must be the price of the layout asked for,
+whichever layout filled the cache."""
 
 from __future__ import annotations
 
@@ -34,19 +35,19 @@ def searcher(case: int) -> Searcher:
 
 
 def mixed_jobs(s: Searcher, limit: int) -> list:
-    """Up to ``limit`` mixed-block jobs, as ``Searcher.mixed_block`` lists them (every TP degree of two types)."""
-    choices = tp_choices(s.cluster, s.model, s.devices)
+    """Up to ``limit`` mixed-block jobs, as ``mixed_blocks.mixed_block`` lists them (every TP degree of two types)."""
+    choices = tp_choices(s.space.cluster, s.space.model, s.space.devices)
     types = [t for t, tps in choices.items() if tps]
     out = []
     for a, b in itertools.combinations(types, 2):
         for tpa, tpb in itertools.product(choices[a], choices[b]):
             combo = (TypeChoice(a, tpa), TypeChoice(b, tpb))
-            gs = s.groups(combo)
-            for p in s.pipeline_counts(sum(len(v) for v in gs.values())):
-                for sh in s.share_options(gs, p):
+            gs = s.space.groups(combo)
+            for p in s.space.pipeline_counts(sum(len(v) for v in gs.values())):
+                for sh in s.space.share_options(gs, p):
                     for order in ORDERS:
-                        for place in s.placements(p):
-                            job = s.block_job(combo, p, order, None, place, sh)
+                        for place in s.space.placements(p):
+                            job = s.blocks.block_job(combo, p, order, None, place, sh)
                             if job is not None:
                                 out.append(job)
                                 if len(out) >= limit:
@@ -64,15 +65,16 @@ def test_job_bound_never_exceeds_the_built_blocks_bound(case: int, data: st.Data
     jobs = JOBS[case]
     assert jobs
     for job in data.draw(st.lists(st.sampled_from(jobs), min_size=1, max_size=8)):
-        block = s.build_block(job)
+        block = s.blocks.build_block(job)
         assert block is not None   # a job is a block that exists: only the dealing is left
         assert block.aligned == job.aligned and block.placement == job.placement
         assert sorted(lay.template for lay in block.layouts) == list(job.templates)
-        cheap = s._span_alone(block, share, floor=True) + s.clip_s
-        assert s.job_bound(job, share) <= cheap
+        cheap = s.blocks.span_alone(block, share, floor=True) + s.space.clip_s
+        assert s.blocks.job_bound(job, share) <= cheap
         for c in block.classes:   # the transfers only add to the bound
             if c.spare_bound_s is not None:
-                assert s.open_bound(c.template, job.groups, c.split, c.schedule, c.spare_count) <= c.spare_bound_s
+                bound = s.pricer.open_bound(c.template, job.groups, c.split, c.schedule, c.spare_count)
+                assert bound <= c.spare_bound_s
 
 
 @settings(max_examples=200, deadline=None)
@@ -123,47 +125,49 @@ def test_cached_spare_prices_are_the_layouts_own(data: st.DataObject) -> None:
     order: equal sums of different hops): the warm searcher's ``spare_room`` and ``spare_gain`` for each,
     asked after the others, are a cold searcher's for that layout alone."""
     warm = searcher(0)
-    groups = warm.groups((TypeChoice("chip-a", 2), TypeChoice("chip-b", 2)))
-    (ka, ga), (kb, gb) = sorted(groups.items(), key=lambda kv: -warm.memory_gib(kv[0]))
-    zd = warm.zero_degree(1)
+    groups = warm.space.groups((TypeChoice("chip-a", 2), TypeChoice("chip-b", 2)))
+    (ka, ga), (kb, gb) = sorted(groups.items(), key=lambda kv: -warm.space.memory_gib(kv[0]))
+    zd = warm.space.zero_degree(1)
     n = data.draw(st.integers(2, min(4, len(ga))))
     template = (ka,) * n + (kb,)
-    choice = warm.choices[0]
-    split = warm.fast_split(template, zd, choice)
+    choice = warm.space.choices[0]
+    split = warm.space.fast_split(template, zd, choice)
     assert split is not None
     layouts = [PipelineLayout(tuple(data.draw(st.permutations(ga))[:n]) + (gb[data.draw(st.integers(0, len(gb) - 1))],))
                for _ in range(3)]
     m = data.draw(st.sampled_from([n + 1, 16, 32]))
     proxy = data.draw(st.floats(1.0, 100.0))
-    warm_prices = [(warm.spare_room(lay, zd, split, choice, m), warm.spare_gain(lay, zd, split, choice, m, proxy))
-                   for lay in layouts]
+    def prices(s: Searcher, lay: PipelineLayout) -> tuple:
+        return s.pricer.spare_room(lay, zd, split, choice, m), s.pricer.spare_gain(lay, zd, split, choice, m, proxy)
+
+    warm_prices = [prices(warm, lay) for lay in layouts]
     for lay, got in zip(layouts, warm_prices):
         cold = searcher(0)
-        assert got == (cold.spare_room(lay, zd, split, choice, m), cold.spare_gain(lay, zd, split, choice, m, proxy))
+        assert got == prices(cold, lay)
 
 
 @settings(max_examples=30, deadline=None)
 @given(st.data())
 def test_cached_bare_pipelines_are_the_layouts_own(data: st.DataObject) -> None:
-    """``Searcher._bare_pipeline`` is cached per (layout, split, count, schedule): after pricing other layouts,
+    """``ExactPricer.bare_pipeline`` is cached per (layout, split, count, schedule): after pricing other layouts,
     counts and schedules, a warm searcher's pipeline (and the costed one ``_pipeline`` builds on it) equals a
     cold searcher's for the same arguments alone."""
     warm = searcher(data.draw(st.sampled_from([0, 2])))
-    case = 0 if warm.cluster.name == "h2-example" else 2
-    (ka, ga), (kb, gb) = sorted(warm.groups(tuple(TypeChoice(t, 2) for t in sorted(warm.cluster.device_types))
-                                            ).items(), key=lambda kv: -warm.memory_gib(kv[0]))
+    case = 0 if warm.space.cluster.name == "h2-example" else 2
+    both = tuple(TypeChoice(t, 2) for t in sorted(warm.space.cluster.device_types))
+    (ka, ga), (kb, gb) = sorted(warm.space.groups(both).items(), key=lambda kv: -warm.space.memory_gib(kv[0]))
     n = data.draw(st.integers(1, min(4, len(ga))))
     template = (ka,) * n + (kb,)
     asks = []
     for _ in range(4):
-        choice = data.draw(st.sampled_from(warm.choices))
-        split = warm.fast_split(template, warm.zero_degree(1), choice)
+        choice = data.draw(st.sampled_from(warm.space.choices))
+        split = warm.space.fast_split(template, warm.space.zero_degree(1), choice)
         if split is None:
             continue
         lay = PipelineLayout(tuple(data.draw(st.permutations(ga))[:n]) + (gb[data.draw(st.integers(0, len(gb) - 1))],))
         asks.append((lay, split, data.draw(st.sampled_from([n + 1, 16, 32])), choice))
-    got = [(warm._bare_pipeline(*a), warm._pipeline(*a)) for a in asks + asks[::-1]]
+    got = [(warm.pricer.bare_pipeline(*a), warm.pricer.pipeline(*a)) for a in asks + asks[::-1]]
     for a, (bare, costed) in zip(asks + asks[::-1], got):
         cold = searcher(case)
-        assert bare == cold._bare_pipeline(*a)
-        assert costed == cold._pipeline(*a)
+        assert bare == cold.pricer.bare_pipeline(*a)
+        assert costed == cold.pricer.pipeline(*a)

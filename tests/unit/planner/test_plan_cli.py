@@ -198,9 +198,8 @@ def test_cli_json_contract_on_a_clean_stdout(tmp_path):
 def test_simulator_check_ranks_by_the_worse_of_estimate_and_simulation():
     """h2-example at global batch 256: the check re-ranks the best candidates by the worse of estimate and
     simulation, and says so per candidate. Since the estimate prices the gradient sync's rendezvous chain as
-    the simulator plays it, the estimate's favourite here is already the checked choice (before, it was a
-    plan of unlike pipelines simulating slower); so the rule is also shown on a favourite whose estimate is
-    made too good: its simulation must push it down."""
+    the simulator plays it, the estimate's favourite here is already the checked choice; so the rule is also
+    shown on a favourite whose estimate is made too good: its simulation must push it down."""
     from planner.api import simulator_check
     from planner.simulate import simulate
 

@@ -43,14 +43,14 @@ def test_simulated_step_time_is_the_simulations(case: int) -> None:
 
 
 def test_raised_limits_never_speed_up_a_plan_whose_slowest_pipeline_keeps_its_own() -> None:
-    """What ``Searcher.with_spare_limits`` leaves unpriced: where a slowest pipeline gets no raised limits, the
+    """What ``ExactPricer.with_spare_limits`` leaves unpriced: where a slowest pipeline gets no raised limits, the
     raised plan's estimate is never below the plan's (so it would not have been taken)."""
     checked = 0
     for cm, settings in CASE_LIST:
         plain = dataclasses.replace(settings, spare_activations=False)
         searcher = Searcher(cm, plain, range(cm.cluster.num_devices), time.perf_counter() + 3600.0)
         for cand in searcher.run():
-            zd = searcher.zero_degree(len(cand.strategy.pipelines))
+            zd = searcher.space.zero_degree(len(cand.strategy.pipelines))
             pipes = []
             for pi, pipe in enumerate(cand.strategy.pipelines):
                 name = pipe.schedule if pipe.schedule is not None else settings.default_schedule

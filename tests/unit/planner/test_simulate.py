@@ -249,7 +249,7 @@ def test_simulate_cli_json_and_trace(tmp_path: Path):
     for key in ("step_time_s", "tokens_per_s", "mfu", "stages", "peak_memory_gib"):
         assert key in data
     assert set(data["peak_memory_gib"]) == {"0", "1", "2", "3"}
-    assert data["profiles"]["cpu-fast"].startswith("measured")
+    assert data["profiles"]["cpu-fast"]["provenance"] == "measured"
     assert json.loads(trace.read_text())["traceEvents"]
     res = CliRunner().invoke(cli, ["simulate", "--plan", str(PLANS / "cpu-hetero4-tiny.yaml"), "--profile",
                                    str(prof)])
@@ -469,7 +469,7 @@ def test_block_after_the_core_mate_computed_pays_its_cold_caches():
 
 
 def test_weight_gradient_after_idling_pays_no_resume_or_cold_penalty():
-    """A split backward's W works on what its B just produced (measured: docs/benchmarks.md, pp4-uneven-zb-h1
+    """A split backward's W works on what its B just produced (measured: pp4-uneven-zb-h1 on cpu-hetero4,
     traced op by op): hand-computed, a 1 CPU-s op waiting 2 s for a peer then pays (1 - e^-2) of its resume
     penalty as F (0.5 s) or B (1 s), and nothing as a hot W; after the core-mate's work, likewise."""
     pen = ResumePenalty(forward_s=0.5, backward_s=1.0, tau_s=1.0)

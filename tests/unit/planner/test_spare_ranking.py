@@ -1,4 +1,4 @@
-"""The search ranks pipelines with the activation bounds their memory lets them raise (``Searcher.spare_gain``).
+"""The search ranks pipelines with the activation bounds their memory lets them raise (``ExactPricer.spare_gain``).
 
 Every plan the search returns gets its pipelines' bounds raised to what its stages' free memory holds
 (``with_spare_limits``) where that is faster, so a search ranking its blocks at the schedules' own bounds

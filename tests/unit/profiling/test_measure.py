@@ -74,8 +74,8 @@ def test_measure_runtime_modules_per_shard():
     plain = fit_component(samples, params, batch=1)
     assert fit.forward_s == pytest.approx(tuple(3 * v for v in plain.forward_s))
     # A slower device holds the same tensors: the scale does not enter the activation fit. To rounding, not to
-    # the bit: the two fits of these same samples came out 26.83333333333334 and ...35 in a fresh-clone run
-    # (stop 31), torch.linalg.lstsq's LAPACK/BLAS path not being bit-reproducible from call to call.
+    # the bit: two fits of these same samples can come out 26.83333333333334 and ...35, torch.linalg.lstsq's
+    # LAPACK/BLAS path not being bit-reproducible from call to call.
     assert fit.activation_bytes == pytest.approx(plain.activation_bytes, rel=1e-12, abs=0.0)
 
 
@@ -256,7 +256,7 @@ def test_resume_probe_times_a_device_that_idles_before_every_block(monkeypatch):
     """A host where a block costs 0.5 ms more only while its device idles before every block (the block
     before it followed an idle too: a stretched device, a stage waiting on its peers), and nothing after
     one idle among blocks back to back. The probe times bursts of blocks after each idle, so it reports
-    the 0.5 ms; timing one idle block between back-to-back ones, as it did before stop 34, sees none."""
+    the 0.5 ms; timing one idle block between back-to-back ones would see none."""
     from runtime.profiling import host
 
     cpu = {"t": 0.0}

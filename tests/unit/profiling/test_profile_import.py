@@ -136,7 +136,7 @@ def test_fits_export_at_their_measured_points(tmp_path: Path):
     (lambda r: r[3].update(forward_s="fast"), 5, "forward_s: expected a number, got 'fast'"),
     (lambda r: r[0].update(tp=0), 2, "tp: must be at least 1, got 0"),
     (lambda r: r[1].update(component="ffn"), 3,
-     "component: expected one of embedding, attention, mlp, norm, head, got 'ffn'"),
+     "component: expected one of embedding, attention, mlp, norm, head, layer, got 'ffn'"),
     (lambda r: r[2].update(bytes=4), 4, "bytes: not used on a compute row"),
     (lambda r: r[4].pop("backward_s"), 6,
      "backward_s: missing (a compute row needs component, tp, micro_batch, seq_len, forward_s, backward_s)"),

@@ -37,7 +37,7 @@ def same_as_reference(name: str, s: int, m: int, v: int | None, layout: Layout, 
                       limits: list[int] | None) -> None:
     bounds = device_limits(name, s, m, layout.chunks, limits)
     want = reference_timeline(name, layout, m, costs, bounds)
-    got = schedule_timeline(name, s, m, v, costs, limits)
+    got = schedule_timeline(name, s, m, v, costs, limits, source="list")
     assert [list(t) for t in got] == want
 
 
@@ -67,7 +67,7 @@ def test_build_schedule_uses_the_same_timeline() -> None:
 def instant_cases(draw):
     """Ops and transfers shorter than the scheduler's tolerance (1e-9 of the longest op): an op's end then
     readies its dependents within the event that started it, so a device later in device order must be
-    looked at in that same event (``_list_run`` looks only at the devices an event names, ``_woke``)."""
+    looked at in that same event (``_greedy_run`` looks only at the devices an event names, ``_woke``)."""
     name = draw(st.sampled_from(SCHEDULE_NAMES))
     s = draw(st.integers(2, 5))
     m = draw(st.integers(s if name == "interleaved" else 1, 16))

@@ -30,7 +30,8 @@ CONFIGS = {
     "mistral-head-dim": lambda: transformers.MistralConfig(**{**TINY, "num_key_value_heads": 1}, head_dim=16,
                                                            sliding_window=None),
 }
-NEW_CATALOG = ["llama-3-8b", "llama-3.1-70b", "llama-3.2-1b", "qwen2.5-7b", "mistral-7b"]
+NEW_CATALOG = ["llama-3-8b", "llama-3.1-70b", "llama-3.2-1b", "qwen2.5-7b", "mistral-7b", "mixtral-8x7b",
+               "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "moe-tiny"]
 
 
 def write_config(path: Path, data: dict) -> Path:
@@ -106,9 +107,28 @@ def test_catalog_entries_are_what_transformers_builds(name: str):
 
 BAD = {
     "falcon": ({"model_type": "falcon", "num_hidden_layers": 2}, [
-        "model_type: 'falcon' is not supported (supported: llama, mistral, qwen2, gpt2, opt, gpt_neox, gpt_neo)"]),
-    "moe": ({"model_type": "mixtral", **TINY}, ["model_type: 'mixtral' is a mixture-of-experts model; supported: "
-                                                "llama, mistral, qwen2 (dense Llama family)"]),
+        "model_type: 'falcon' is not supported (supported: llama, mistral, qwen2, mixtral, qwen2_moe, qwen3_moe, "
+        "gpt2, opt, gpt_neox, gpt_neo)"]),
+    "moe": ({"model_type": "deepseek_v3", **TINY}, ["model_type: 'deepseek_v3' is a mixture-of-experts model the "
+                                                    "runtime does not build; supported: llama, mistral, qwen2, "
+                                                    "mixtral, qwen2_moe, qwen3_moe"]),
+    "qwen3-moe": ({"model_type": "qwen3_moe", **TINY, "moe_intermediate_size": 16, "attention_bias": True},
+                  ["attention_bias: true is not supported (the runtime's o_proj has no bias)",
+                   "num_experts: missing required field", "num_experts_per_tok: missing required field"]),
+    "top-k": ({"model_type": "mixtral", **TINY, "num_local_experts": 2, "num_experts_per_tok": 3},
+              ["num_experts_per_tok: 3 is more than num_experts 2 (a token is routed to top_k distinct experts)"]),
+    "qwen-moe": ({"model_type": "qwen2_moe", **TINY, "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 0, "shared_expert_intermediate_size": 16, "mlp_only_layers": [0, 5]},
+                 ["mlp_only_layers[1]: 5 is not a layer index (num_hidden_layers is 2)",
+                  "moe_intermediate_size: must be at least 1, got 0"]),
+    "experts": ({"model_type": "mixtral", **TINY, "num_hidden_layers": 32, "num_local_experts": 4000},
+                ["num_local_experts: 32 MoE layers of 4000 experts are 128,000 experts in all (at most 65,536: "
+                 "every expert is three tensors of the parameter table)"]),
+    "sparse": ({"model_type": "qwen3_moe", **TINY, "num_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16, "decoder_sparse_step": 3},
+               ["decoder_sparse_step: no layer of 2 is a MoE layer (sparse_step 3, dense_layers [])"]),
+    "jitter": ({"model_type": "mixtral", **TINY, "router_jitter_noise": 0.1},
+               ["router_jitter_noise: 0.1 is not supported (the runtime's router adds no noise)"]),
     "missing": ({"model_type": "llama", **{k: v for k, v in TINY.items() if k not in ("hidden_size", "vocab_size")}},
                 ["hidden_size: missing required field", "vocab_size: missing required field"]),
     "types": ({"model_type": "llama", **TINY, "num_attention_heads": "4", "hidden_act": "gelu"},
@@ -137,7 +157,7 @@ def test_plan_cli_takes_a_config_dir_and_refuses_an_unsupported_one(tmp_path: Pa
     res = CliRunner().invoke(cli, ["plan", "--model", str(good), "--cluster", "cpu-hetero4", "--global-batch", "8",
                                    "--seq-len", "64", "--check-top", "1", "--top-k", "1", "-o", str(out)])
     assert res.exit_code == 0, res.output
-    assert str((good / "config.json").resolve()) in out.read_text()
+    assert "model: llama/config.json" in out.read_text()   # relative to the plan file
     res = CliRunner().invoke(cli, ["simulate", "--plan", str(out)])
     assert res.exit_code == 0, res.output
     bad = write_config(tmp_path / "falcon", {"model_type": "falcon"})
@@ -146,7 +166,7 @@ def test_plan_cli_takes_a_config_dir_and_refuses_an_unsupported_one(tmp_path: Pa
     assert res.exit_code == 2 and not (tmp_path / "no.yaml").exists()
     assert res.stderr.strip().splitlines() == [
         f"error: {bad / 'config.json'}: model_type: 'falcon' is not supported (supported: llama, mistral, qwen2, "
-        "gpt2, opt, gpt_neox, gpt_neo)"]
+        "mixtral, qwen2_moe, qwen3_moe, gpt2, opt, gpt_neox, gpt_neo)"]
 
 
 def test_a_bare_name_is_the_catalog_entry_first_then_a_model_directory(tmp_path: Path):

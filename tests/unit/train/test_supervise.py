@@ -108,6 +108,24 @@ def test_a_silent_worker_is_hung_after_the_heartbeat_limit_only_once_it_is_up():
     assert not workers[1].failed
 
 
+def test_a_worker_whose_gpu_is_stuck_in_its_own_work_is_hung_though_it_beats():
+    # Device 0's heartbeats keep coming (its host thread lives) but its GPU has finished nothing for 9 s,
+    # stuck in a compute block; device 1 is stalled as long, behind a receive: it waits for device 0 and is
+    # not blamed.
+    options = TrainOptions(plan=PLAN, timeout_s=60.0, heartbeat_s=1.0, heartbeat_timeout_s=5.0)
+    workers = handles(2, options)
+    run = make_run(options, workers, [], [])
+    source = Script([[(0, Up()), (1, Up())], [(0, Heartbeat(2.0, "compute")), (1, Heartbeat(9.0, "comm"))],
+                     [(0, Heartbeat(9.0, "compute")), (1, Heartbeat(9.0, "comm"))]], workers)
+    policy = PlainPolicy()
+    policy.begin(run)
+    with pytest.raises(WorkerFailure) as err:
+        supervise(run, source, policy)
+    assert err.value.device == 0 and err.value.kind == "hung" and workers[0].hung
+    assert err.value.messages[0].startswith("its GPU finished no work for 9.0 s")
+    assert not workers[1].failed and not workers[1].hung
+
+
 def test_failure_ranking_user_first_then_silent_deaths_then_the_earliest_error():
     options = TrainOptions(plan=PLAN)
     for kinds, want in [(["comm", "error", "died"], 2), (["error", "comm"], 0), (["hung", "user"], 1),
