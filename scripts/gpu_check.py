@@ -440,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
               extra_env: dict[str, str] | None = None) -> list[dict[str, Any]]:
         hspmd_(["train", "--plan", str(plan), "--metrics", str(metrics), "--precision", "bf16", "--timeout", "60",
                 *extra], want_s, extra_env)  # bf16: on CUDA what 'auto' means; on the CPU it has to be asked for
-        return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        return [r for r in records if "event" not in r]   # steps only (an elastic run also logs its failures)
 
     with summary.phase("environment") as rec:
         summary.requires()
