@@ -595,7 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = write_plan(out / "plan-documents.yaml", layout, doc_sizes, state["cluster"], state["model_long"],
                           tokens_per_step=DOC_TOKENS[mode])
         steps = train(plan, out / "metrics-documents.jsonl", "--steps", "2", "--lengths", "longtail")
-        predicted = json.loads(hspmd_(["simulate", "--plan", str(plan), "--format", "json"], 60))["peak_memory_gib"]
+        peaks = json.loads(hspmd_(["simulate", "--plan", str(plan), "--format", "json"], 60))["peak_memory_gib"]
+        predicted = max(peaks.values()) if isinstance(peaks, dict) else peaks   # per device: one device here
         measured = max((r.get("peak_allocated_gib") for r in steps if r.get("peak_allocated_gib") is not None),
                        default=None)
         rec.update(seq_len=DOC_SEQ[mode], tokens_per_step=DOC_TOKENS[mode], losses=[r["loss"] for r in steps],
