@@ -18,7 +18,7 @@ from runtime.errors import HspmdError
 # verb -> module in hetu_cli.commands holding a click command of the same name (``-`` becomes ``_``).
 # A verb is listed here once it works.
 COMMANDS: tuple[str, ...] = ("validate", "show", "train", "simulate", "profile", "plan", "replan", "export",
-                             "check-numerics", "agent")
+                             "check-numerics", "agent", "data")
 
 
 class HspmdGroup(click.Group):

@@ -31,9 +31,8 @@ from typing import Literal, TypeVar
 
 from planner.api import PlanResult, PlanSettings, plan
 from planner.cost import CostModel, has_tp_stage, zero_copies
-from runtime.checkpoint import STATE_SUFFIXES
 from runtime.comm.bsr import BsrPlan
-from runtime.elastic.state import LostState, lost_state, plan_switch
+from runtime.elastic.state import STATE_SUFFIXES, LostState, lost_state, plan_switch
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.profiling.profile import DeviceProfile, ProfileSet
 from runtime.schedule_policies import schedule_problems

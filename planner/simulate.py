@@ -5,26 +5,16 @@ simulator plays the action lists the runtime executes (``StrategyHandle.pipeline
 same ``Schedule`` objects, runtime/pipeline_schedules.py) as the engine runs them: every stage is a
 resource running its actions in order — its chunks' F, B, W or fused BW ops (TP collectives in F and
 B), ``PostSend`` / ``PostRecv`` (never block), ``WaitRecv`` (blocks until that message has arrived) and
-a final ``WaitSends``; each pipeline has its own schedule and micro-batch count. Each post, and each
-received message's unpacking after its wait, is the executor's CPU work as ``hspmd profile`` measured it
-(``P2pActions``), on the stage's cores. A message is a transfer
+a final ``WaitSends``; each pipeline has its own schedule and micro-batch count. A message is a transfer
 on its pair of devices' link, in the pair's post order (one stream per pair), and takes ``latency +
 bytes / bandwidth`` once both sides have posted it (a rendezvous: measured so on gloo, where a send
 waits for its receive; NCCL's send/recv behave so too); a pair's two directions share one queue where
-the profile says sends and receives serialise (planner/links.py, the rule the cost model prices by too),
+the profile says sends and receives serialise (planner/costmodel/network.py, the rule the cost model prices by too),
 else each direction has its own. The measured fixed cost per iteration is added to the step. After its
 stage's last action each device joins its gradient-sync groups (a group's all-reduce starts when its
 last member joins), then the per-step all-reduce of loss and gradient norm, then its optimizer step, then
 (ZeRO-1) the all-gathers of the updated parameter chunks, group by group in the gradient sync's order.
-
-On a CPU-emulated cluster the devices are processes on one host, each pinned to its share of the cores
-as the launcher pins them (planner/host.py ``HostModel.cpu_layout``): compute blocks running on
-the same core at the same time share it (processor sharing; a TP group's block runs at the pace of its
-slowest member), and an emulated slower device sleeps ``slowdown - 1`` times each compute block's CPU
-time, as the runtime does. The kernel's scheduler hands a core over in time slices, not as a fluid: where
-a process finishes a block, wakes from its sleep or from a blocking receive while the other process on
-its core computes, it waits that much longer for the core as ``hspmd profile`` measured
-(``CoreHandoff``; nothing on an idle core but the measured lateness of every emulated sleep).
+Every device is its own accelerator: an op's length is its price, whatever else runs meanwhile.
 
 The result has the step time, per-stage compute / comm / bubble, the peak number of live chunk
 activations each stage reached and its peak memory (``Schedule.peak_activation_memory`` of the lists
@@ -38,7 +28,7 @@ import heapq
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -46,7 +36,6 @@ from planner.cost import GIB, CostModel, StageCost, stage_recompute
 from runtime.comm.gradsync import SyncGroup
 from runtime.pipeline_schedules import ChunkCost, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
 from runtime.pipeline_schedules import Schedule as PipelineSchedule
-from runtime.profiling.profile import CoreHandoff, ResumePenalty, below_probe
 from runtime.spec.plan import Schedule, Strategy
 
 
@@ -63,7 +52,6 @@ class Event:
     end_s: float
     micro_batch: int | None = None
     comm_s: float = 0.0  # part of the interval spent in TP collectives
-    cpu_s: float = 0.0   # compute ops: the CPU seconds it consumed (penalties and time-sharing included)
 
 
 @dataclass(frozen=True)
@@ -107,7 +95,6 @@ class SimulationResult:
     peak_memory_gib: dict[int, float]
     oom_devices: tuple[int, ...]
     events: tuple[Event, ...]
-    cpu_hosts: dict[str, float] = field(default_factory=dict)   # emulated hosts (cores) shared: their cores
     pipeline_schedules: tuple[str, ...] = ()   # the schedule each pipeline ran
 
     def to_json(self) -> dict[str, Any]:
@@ -116,7 +103,7 @@ class SimulationResult:
                 "formula_step_time_s": self.formula_step_time_s, "pipeline_end_s": list(self.pipeline_end_s),
                 "stages": [s.to_json() for s in self.stages],
                 "peak_memory_gib": {str(d): g for d, g in sorted(self.peak_memory_gib.items())},
-                "oom_devices": list(self.oom_devices), "cpu_hosts": self.cpu_hosts,
+                "oom_devices": list(self.oom_devices),
                 "pipeline_schedules": list(self.pipeline_schedules)}
 
 
@@ -131,7 +118,6 @@ class OpKind(Enum):
     CLIP = "clip"
     OPTIMIZER = "optimizer"
     ZERO_GATHER = "zero_gather"
-    HOST = "host"   # the executor's own CPU work for a boundary message: posting it, unpacking it
 
 
 @dataclass(frozen=True)
@@ -148,27 +134,13 @@ class SimOp:
     duration: float = 0.0
     deps: tuple[str, ...] = ()
     waits: tuple[tuple[str, float], ...] = ()
-    cpu: float = 0.0
-    comm: float = 0.0
-    stretch: float = 1.0
-    comm_cpu: float = 0.0
-    hosts: tuple[tuple[str, float], ...] = ()
-    resume: ResumePenalty | None = None
-    wake: ResumePenalty | None = None
-    sharing: float = 1.0
-    handoff: CoreHandoff | None = None
-    hot: bool = False
+    compute: float = 0.0   # seconds of the device's own work
+    comm: float = 0.0      # then seconds of blocking collectives inside the block (TP)
     message: Message | None = None  # a P2P op: the runtime's message it carries
-    # The ``resume`` penalty's idle time also runs from this resource's last CPU work (the later of the
-    # two): a device's optimizer step follows its stage's compute, on a resource of its own.
-    idle_from: str = ""
-    # A sleep-mode device's block: a sleep to its target after a little real work, so for the caches the
-    # device idles from the block's start (what a ``HOST`` op after it pays its ``resume`` for).
-    asleep: bool = False
 
     @property
     def computes(self) -> bool:
-        return self.cpu > 0 or self.comm > 0
+        return self.compute > 0 or self.comm > 0
 
 
 class EventLoop:
@@ -178,83 +150,32 @@ class EventLoop:
     * A communication op's end is known once every op it ``waits`` on has started: a transfer of
       ``secs`` completes at ``max(own start, peer start) + secs`` (a rendezvous). A fixed op with
       ``deps`` (a wait for a message) starts once they have completed, its resource blocked meanwhile.
-    * A compute op on shared CPU hosts (``hosts``: (host, demand) pairs) first needs ``cpu`` seconds of
-      work: the ops active on a host share its cores (each at ``min(1, cores / total demand)``, processor
-      sharing) times its measured sharing efficiency while the core is oversubscribed (time-slicing
-      leaves caches cold: the CPU time it consumes grows accordingly), and an op on several hosts runs
-      at the slowest of their rates.
-      Then come ``comm`` seconds of blocking collectives (their waiting: a TP block's collectives' CPU
-      time is part of ``cpu``, ``tp_block_split``), then an emulated device's sleep of
-      ``(stretch - 1)`` times the block's CPU time (``cpu`` plus the collectives' own ``comm_cpu``), as
-      the runtime emulates a slower device (runtime/trace.py: CPU time, so neither waiting for a core nor
-      waiting in a collective is stretched). Without a host, the same with the cores never shared.
-    * A compute op with a ``resume`` penalty needs that much more CPU time (a fixed part and one growing
-      with the op's own CPU time) the longer its resource (and ``idle_from``, the later of the two) idled
-      since its previous compute op's CPU work ended (cold caches, a woken virtual CPU; measured by
-      ``hspmd profile``); a
-      communication op with a ``wake`` penalty ends that much later the longer it waited for its peers.
-      ``sharing``: a compute op's efficiency while a core it runs on is time-shared.
-    * ``handoff`` (an op's ``CoreHandoff``): the core is not shared as a fluid. A process that used up its
-      time slice is switched out at its next system call, and one that wakes up runs only once the
-      scheduler hands it the core. So where another compute op is active on a core of the op's ``hosts``
-      at that moment: a compute op's CPU work is followed by ``handoff_s`` before its tail; an op that
-      starts right after its resource's emulation sleep starts ``wake_s`` later; a communication op that
-      waited for its peers ends ``recv_wake_s`` later. And a forward / backward op needs ``cold_forward_s``
-      / ``cold_backward_s`` (in proportion, for an op smaller than the block they were measured on)
-      more CPU time when another resource's compute ran on its cores since its
-      resource's previous op started (that work took over the caches). On an idle core none applies but
-      ``sleep_late_s``: a stretched device's sleep after a block ends that much late, wherever it runs (a
-      sleep-mode device's block ends at its target: runtime/trace.py ``EmulatedTarget`` spins out the last
-      of its wait, and reports any lateness left as an overrun).
-    * A ``hot`` compute op pays neither the ``resume`` nor the cold-cache penalty: it works on what an op of
-      its own resource produced (a split backward's W on its B's gradients), and traced runs show no such
-      penalty on it (the hand-off's scheduling delays still apply).
-    * A ``HOST`` op (the executor posting a message, or unpacking one it waited for) is CPU work on its
-      cores like a block's, never stretched, but no block: a device's idle time for the ``resume`` penalty
-      runs from its previous block (a ``HOST`` op's own ``resume``, the action's cold cost
-      ``P2pActions.cold``, from the later of that and its previous ``HOST`` op; a sleep-mode block,
-      ``asleep``, counts as idle from its start), and it neither takes over another resource's caches nor
-      counts as that resource's core-mate computing for the hand-off (a fraction of a millisecond, between
-      blocks).
+    * A compute op lasts its ``compute`` then its ``comm`` seconds once it starts.
     """
 
-    def __init__(self, cores: dict[str, float] | None = None) -> None:
+    def __init__(self) -> None:
         self.queue: dict[str, list[str]] = {}
         self.ops: dict[str, SimOp] = {}
-        self.cores = cores or {}
-        self.cpu_s: dict[str, float] = {}   # after ``run``: each compute op's CPU seconds consumed
-        # resource -> how long it idled before the step (the previous step's tail: an emulated device's
-        # optimizer sleep), so that its first op's ``resume`` penalty counts it; none: 0
-        self.idle_before: dict[str, float] = {}
 
     def add(self, op: SimOp) -> None:
-        """Append ``op`` to its resource's queue (hosts without cores here are dropped)."""
-        if any(h not in self.cores for h, _ in op.hosts):   # (most ops have none to drop: no copy)
-            op = dataclasses.replace(op, hosts=tuple((h, d) for h, d in op.hosts if h in self.cores))
+        """Append ``op`` to its resource's queue."""
         self.ops[op.name] = op
         self.queue.setdefault(op.resource, []).append(op.name)
 
     def run(self, copies: Mapping[str, Sequence[str]] | None = None, until: float = math.inf
             ) -> dict[str, tuple[float, float]] | None:
-        """(start, end) of every op, and ``cpu_s``: what each played compute op consumed. ``copies``: op ->
+        """(start, end) of every op. ``copies``: op ->
         ops that run exactly as it does (``pipeline_twins``), given its times instead of being played (their
         resources run nothing themselves). ``until``: None as soon as an event lies past it (the last op
         then ends past it too: every event is some op's end, or the start of work that ends later)."""
         run = _Run(self, copies or {})
-        times = run.run(until)
-        if times is None:
-            return None
-        self.cpu_s = {o: run.used.get(o, w) for o, w in run.work.items()}
-        for o, twins in run.copies.items():   # a copy consumed what its original did
-            if o in self.cpu_s:
-                self.cpu_s.update(dict.fromkeys(twins, self.cpu_s[o]))
-        return times
+        return run.run(until)
 
 
 def pipeline_twins(loop: EventLoop) -> dict[str, list[str]]:
     """Op -> the ops of later pipelines that run at exactly its times: pipelines whose ops are alike (names
-    and resources but for the ``p{pi}`` prefix, every other field equal) and that share no CPU host (no
-    op has ``hosts``) interact with nothing before the step's end, where nothing feeds back into them, so
+    and resources but for the ``p{pi}`` prefix, every other field equal) interact with nothing before the
+    step's end, where nothing feeds back into them, so
     the event loop plays the same arithmetic on both. A planned strategy's pipelines of one class are such
     twins: playing one of them is the simulator's saving on large clusters."""
     by_pipe: dict[int, list[list[str]]] = {}
@@ -288,8 +209,8 @@ def pipeline_twins(loop: EventLoop) -> dict[str, list[str]]:
 def _signature(loop: EventLoop, queues: list[list[str]], pi: int) -> tuple | None:
     """What two pipelines must share to be twins (``pipeline_twins``), built once per pipeline: per queue,
     each op's name and resource without the ``p{pi}`` prefix, its dependencies' and waits' names so (with
-    the waits' offsets) and every other field; None where an op runs on a CPU host or depends on an op of
-    another pipeline (such a pipeline has no twin)."""
+    the waits' offsets) and every other field; None where an op depends on an op of another pipeline (such a
+    pipeline has no twin)."""
     cut = len(f"p{pi}")
     ops = loop.ops
     fields = _TWIN_VALUES
@@ -298,7 +219,7 @@ def _signature(loop: EventLoop, queues: list[list[str]], pi: int) -> tuple | Non
         row = []
         for x in q:
             o = ops[x]
-            if o.hosts or o.pipeline != pi:
+            if o.pipeline != pi:
                 return None
             for d in o.deps:
                 if ops[d].pipeline != pi:
@@ -312,22 +233,13 @@ def _signature(loop: EventLoop, queues: list[list[str]], pi: int) -> tuple | Non
     return tuple(out)
 
 
-def emulated_sleep(stretch: float, cpu: float, comm_cpu: float, handoff: CoreHandoff | None) -> float:
-    """How long a stretched device sleeps after a compute op of ``cpu`` (+ its collectives' ``comm_cpu``)
-    CPU seconds: ``stretch - 1`` times that, ending ``handoff.sleep_late_s`` late, on an idle core too."""
-    sleep = (stretch - 1.0) * (cpu + comm_cpu)
-    if sleep > 0 and handoff is not None:
-        sleep += handoff.sleep_late_s
-    return sleep
-
-
 def stage_resource(pi: int, k: int) -> str:
     """The event loop's resource of pipeline ``pi``'s stage ``k`` (its compute and messages, in order)."""
     return f"p{pi}s{k}"
 
 
 _TWIN_FIELDS = tuple(f.name for f in dataclasses.fields(SimOp)
-                     if f.name not in ("name", "resource", "pipeline", "deps", "waits", "hosts"))
+                     if f.name not in ("name", "resource", "pipeline", "deps", "waits"))
 _TWIN_VALUES = operator.attrgetter(*_TWIN_FIELDS)   # the tuple of an op's _TWIN_FIELDS
 
 
@@ -335,7 +247,7 @@ class _Run:
     """The state of one ``EventLoop.run``."""
 
     def __init__(self, loop: EventLoop, copies: Mapping[str, Sequence[str]]) -> None:
-        self.ops, self.queue, self.cores = loop.ops, loop.queue, loop.cores
+        self.ops, self.queue = loop.ops, loop.queue
         self.copies = copies
         self.passive = {self.ops[c].resource for cs in copies.values() for c in cs}   # they run only copies
         if self.passive and any(self.ops[w].resource in self.passive for o in self.ops.values()
@@ -345,20 +257,8 @@ class _Run:
         self.head = {r: 0 for r in self.queue}
         self.busy: dict[str, str | None] = {r: None for r in self.queue}
         self.starts: dict[str, float] = {}
-        self.done: dict[str, float] = {}
         self.times: dict[str, tuple[float, float]] = {}
         self.heap: list[tuple[float, int, str]] = []
-        self.active: dict[str, float] = {}   # compute op -> CPU seconds of work left
-        self.work: dict[str, float] = {}     # compute op -> its CPU seconds (with any resume penalty)
-        self.used: dict[str, float] = {}     # compute op -> CPU time it consumed (more than work when sharing)
-        # resource -> when its last compute op's CPU work ended (before the step: its idle before it)
-        self.cpu_end: dict[str, float] = {r: -t for r, t in loop.idle_before.items()}
-        self.host_end: dict[str, float] = {}  # resource -> when its last HOST op's CPU work ended
-        self.pending: dict[str, float] = {}  # compute op -> when it gets its core (a wake-up on a busy core)
-        self.slept: dict[str, bool] = {}     # resource -> its last op ended in an emulated device's sleep
-        self.idle_since: dict[str, float] = {}  # resource -> when its last op completed
-        self.users: dict[str, set[str]] = {}  # host -> the resources with ops on it
-        self.foreign: set[tuple[str, str]] = set()  # (host, resource): another resource computed there since
         self.watchers: dict[str, set[str]] = {}     # op -> resources to wake when it starts or completes
         self.unstarted: dict[str, int] = {}         # op -> how many of the ops it waits on have not started
         self.undone: dict[str, int] = {}            # op -> how many of its dependencies have not completed
@@ -369,8 +269,6 @@ class _Run:
         for op in self.ops.values():
             if op.resource in self.passive:   # a copy: it never starts or waits by itself
                 continue
-            for h, _ in op.hosts:
-                self.users.setdefault(h, set()).add(op.resource)
             for w in (*op.deps, *(w for w, _ in op.waits)):
                 self.watchers.setdefault(w, set()).add(op.resource)
                 if self.ops[w].resource in self.passive:
@@ -389,86 +287,25 @@ class _Run:
     def run(self, until: float = math.inf) -> dict[str, tuple[float, float]] | None:
         for r in self.queue:
             self.advance(r)
-        while self.step():
+        while self.heap:
+            self.now = self.heap[0][0]
             if self.now > until:
                 return None
+            self.complete(heapq.heappop(self.heap)[2])
         missing = [op for op in self.ops if op not in self.times]
         if missing:  # a cycle: a bug in the schedule construction, not a user error
             raise RuntimeError(f"simulation deadlocked; unscheduled ops: {missing[:5]}")
         return self.times
 
-    # -- one event -------------------------------------------------------------------------------------
-
-    def step(self) -> bool:
-        """Advance to the next event (a compute op's CPU work done, an op's end, a wake-up) and handle it;
-        False when nothing is left."""
-        if not self.active and not self.pending:   # no CPU work under way: the next op end is the next event
-            if not self.heap:
-                return False
-            self.now = self.heap[0][0]
-            self.complete(heapq.heappop(self.heap)[2])
-            return True
-        share, rate = self.rates()
-        t_cpu, cpu_op = math.inf, None
-        for o, left in self.active.items():
-            t = self.now + left / rate[o]
-            if t < t_cpu:
-                t_cpu, cpu_op = t, o
-        t_heap = self.heap[0][0] if self.heap else math.inf
-        woken = min(self.pending, key=lambda o: self.pending[o]) if self.pending else None
-        t_pend = self.pending[woken] if woken is not None else math.inf
-        if cpu_op is None and not self.heap and woken is None:
-            return False
-        self.progress(min(t_cpu, t_heap, t_pend), share, rate)
-        if cpu_op is not None and t_cpu <= min(t_heap, t_pend):
-            del self.active[cpu_op]
-            self.finish_at(cpu_op, self.compute_tail(cpu_op, self.now))
-        elif woken is not None and t_pend <= t_heap:
-            del self.pending[woken]
-            self.active[woken] = self.work[woken]
-        else:
-            self.complete(heapq.heappop(self.heap)[2])
-        return True
-
-    def progress(self, t_next: float, share: dict[str, float], rate: dict[str, float]) -> None:
-        """The active compute ops' CPU work from now to ``t_next``."""
-        for o in self.active:
-            self.active[o] -= (t_next - self.now) * rate[o]
-            self.used[o] += (t_next - self.now) * share[o]
-            if t_next > self.now and self.ops[o].kind is not OpKind.HOST:
-                mine = self.ops[o].resource
-                self.foreign.update((h, r) for h, _ in self.ops[o].hosts for r in self.users[h] if r != mine)
-        self.now = t_next
-
     def complete(self, name: str) -> None:
         op = self.ops[name]
-        self.done[name] = self.times[name][1]
         for later in self.needed_by.get(name, ()):
             self.undone[later] -= 1
         r = op.resource
-        self.slept[r] = op.stretch > 1.0 and op.computes
-        self.idle_since[r] = self.now
         self.busy[r] = None
         self.advance(r)
         for wr in self.watchers.get(name, ()):
             self.advance(wr)
-
-    def rates(self) -> tuple[dict[str, float], dict[str, float]]:
-        """(CPU share, progress rate) of each active op: progress is the share times the op's sharing
-        efficiency while a core it runs on is oversubscribed."""
-        demand: dict[str, float] = {}
-        for o in self.active:
-            for h, d in self.ops[o].hosts:
-                demand[h] = demand.get(h, 0.0) + d
-        share, progress = {}, {}
-        for o in self.active:
-            hosts = self.ops[o].hosts
-            share[o] = min(min(1.0, self.cores[h] / demand[h]) for h, _ in hosts)
-            crowded = any(demand[h] > self.cores[h] + 1e-9 for h, _ in hosts)
-            progress[o] = share[o] * (self.ops[o].sharing if crowded else 1.0)
-        return share, progress
-
-    # -- starting and ending ops -----------------------------------------------------------------------
 
     def advance(self, r: str) -> None:
         """Start resource ``r``'s next op if it is free and the op's dependencies are done."""
@@ -487,47 +324,16 @@ class _Run:
             return
         self.head[r] += 1
         self.busy[r] = name
-        delay = op.handoff.wake_s if self.slept.get(r) and op.handoff is not None and self.core_busy(name) else 0.0
-        self.slept[r] = False
-        self.starts[name] = self.now + delay
+        self.starts[name] = self.now
         for waiter in self.waited_by.get(name, ()):
             self.unstarted[waiter] -= 1
         if op.computes:
-            self.start_compute(name, delay)
+            self.finish_at(name, self.now + op.compute + op.comm)
         else:
             self.try_end(name)
         for wr in self.watchers.get(name, ()):
             if wr != r:
                 self.advance(wr)
-
-    def start_compute(self, name: str, delay: float) -> None:
-        op = self.ops[name]
-        r = op.resource
-        self.work[name] = op.cpu
-        if op.resume is not None and not op.hot:   # caches gone cold while the device idled
-            since = self.cpu_end.get(r, 0.0)
-            if op.idle_from:
-                since = max(since, self.cpu_end.get(op.idle_from, since))
-            if op.kind is OpKind.HOST:   # right after another action its caches are warm
-                since = max(since, self.host_end.get(r, since))
-            self.work[name] += op.resume.extra_s(self.now - since, op.kind is OpKind.BACKWARD, op.cpu)
-        mine = [(h, r) for h, _ in op.hosts]
-        if (op.handoff is not None and op.kind in (OpKind.FORWARD, OpKind.BACKWARD) and not op.hot
-                and self.foreign.intersection(mine)):
-            h = op.handoff   # ... or another process worked on its core meanwhile
-            fwd = op.kind is OpKind.FORWARD
-            self.work[name] += below_probe(h.cold_forward_s if fwd else h.cold_backward_s, op.cpu,
-                                           h.block_forward_s if fwd else h.block_backward_s)
-        if op.kind is not OpKind.HOST:
-            self.foreign.difference_update(mine)
-        if op.hosts and self.work[name] > 0:
-            self.used[name] = 0.0
-            if delay > 0:
-                self.pending[name] = self.now + delay
-            else:
-                self.active[name] = self.work[name]
-        else:
-            self.finish_at(name, self.compute_tail(name, self.starts[name] + self.work[name]))
 
     def finish_at(self, name: str, end: float) -> None:
         self.times[name] = (self.starts[name], end)
@@ -540,12 +346,6 @@ class _Run:
                 self.seq += 1
                 heapq.heappush(self.heap, (end, self.seq, c))
 
-    def core_busy(self, name: str) -> bool:
-        """Another compute op is running on a core of ``name``'s hosts now (one ending this instant is not)."""
-        mine = {h for h, _ in self.ops[name].hosts}
-        return bool(mine) and any(o != name and left > 1e-9 and self.ops[o].kind is not OpKind.HOST
-                                  and any(h in mine for h, _ in self.ops[o].hosts) for o, left in self.active.items())
-
     def try_end(self, name: str) -> bool:
         """End a started communication / fixed op once the ops it waits on have started."""
         op = self.ops[name]
@@ -555,26 +355,8 @@ class _Run:
         end = start + op.duration
         for w, secs in op.waits:
             end = max(end, max(start, self.starts[w]) + secs)
-        blocked = max((self.starts[w] for w, _ in op.waits), default=start) - start
-        if op.deps and not op.waits:   # a wait for a message: blocked since its resource went idle
-            blocked = start - self.idle_since.get(op.resource, 0.0)
-        if blocked > 0:   # blocked meanwhile: resumes later
-            if op.wake is not None:
-                end += op.wake.extra_s(blocked, False)
-            if op.handoff is not None and self.core_busy(name):
-                end += op.handoff.recv_wake_s
         self.finish_at(name, end)
         return True
-
-    def compute_tail(self, name: str, cpu_done: float) -> float:
-        op = self.ops[name]
-        if op.kind is not OpKind.HOST:   # a device idles (cold caches) from one block to the next
-            self.cpu_end[op.resource] = self.starts[name] if op.asleep else cpu_done
-        else:
-            self.host_end[op.resource] = cpu_done
-        cpu = self.used.get(name, self.work[name])
-        handoff = op.handoff.handoff_s if op.handoff is not None and self.core_busy(name) else 0.0
-        return cpu_done + handoff + op.comm + emulated_sleep(op.stretch, cpu, op.comm_cpu, op.handoff)
 
 
 def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule = "1f1b",
@@ -593,7 +375,7 @@ def simulate(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Sch
                              for pi, p in enumerate(strategy.pipelines)),
         stages=tuple(reports), peak_memory_gib=memory,
         oom_devices=tuple(sorted(d for d, g in memory.items() if g > cm.cluster.type_of(d).memory_gib)),
-        events=tuple(sorted(events, key=lambda e: (e.start_s, e.pipeline, e.stage))), cpu_hosts=dict(costs.cores),
+        events=tuple(sorted(events, key=lambda e: (e.start_s, e.pipeline, e.stage))),
         pipeline_schedules=names)
 
 
@@ -612,14 +394,8 @@ def _played(cm: CostModel, strategy: Strategy, schedule: Schedule, zero: bool, c
     # The runtime's lists (StrategyHandle.pipeline_schedule), through the cost model's cache of them.
     schedules = tuple(cm.runtime_schedule(strategy, pi, schedule) for pi in range(len(strategy.pipelines)))
     costs = _Costs.of(cm, strategy)
-    sim = EventLoop(costs.cores)
+    sim = EventLoop()
     opt_times = cm.optimizer_times(strategy, zero)
-    # Steps follow one another: a stage's first block follows its devices' previous optimizer step, which on
-    # an emulated slower device ends in a sleep (traced on dp-uneven: the slow devices' first forward
-    # started after a 5.3 ms optimizer sleep, its CPU 9% above its price).
-    idle = {stage_resource(pi, k): max(costs.sleep_after(d, opt_times[d]) for d in st.devices)
-            for pi, pipe in enumerate(strategy.pipelines) for k, st in enumerate(pipe.stages)}
-    sim.idle_before = {r: t for r, t in idle.items() if t > 0}
     last_action, tp_s, labels = _add_schedules(sim, costs, schedules)
     twins = pipeline_twins(sim)   # before the step's end joins the pipelines
     sync = cm.sync_plan(strategy)
@@ -634,21 +410,6 @@ def _played(cm: CostModel, strategy: Strategy, schedule: Schedule, zero: bool, c
     return sim, costs, schedules, last_action, tp_s, labels, sync, times, step
 
 
-def tp_block_split(compute_cpu: float, tp_wall: float, tp_cpu: float) -> tuple[float, float, float]:
-    """(``cpu``, ``comm``, ``comm_cpu``) of a compute block whose TP collectives take ``tp_wall`` seconds,
-    ``tp_cpu`` of them CPU time (``tp_blocks_cpu``: DTensor's dispatch, gloo's threads), beside
-    ``compute_cpu`` seconds of the block's own work, all unstretched.
-
-    The collectives' CPU time is work on the TP ranks' cores like the block's own: where another process
-    computes on one of those cores, it runs at that core's share too, and the other ranks wait for it. So
-    it joins ``cpu`` (processor shared) and only the rest of the collectives' wall time is ``comm``
-    (waiting, which takes no core). A CPU part above the wall time (several threads at once) keeps the
-    excess in ``comm_cpu``: stretched, but not a core's work. On idle cores the block lasts what it did
-    with the whole of the collectives as ``comm``."""
-    on_core = max(0.0, min(tp_cpu, tp_wall))
-    return compute_cpu + on_core, max(0.0, tp_wall - on_core), tp_cpu - on_core
-
-
 @dataclass(frozen=True)
 class _Costs:
     """What the simulator reads from the cost model for one strategy, looked up once."""
@@ -656,73 +417,35 @@ class _Costs:
     cm: CostModel
     strategy: Strategy
     type_of: dict[int, str]
-    stages: dict[tuple[int, int], StageCost]  # (pipeline, stage) -> one micro-batch through all its chunks
     chunks: dict[tuple[int, int, int], tuple[StageCost, ChunkCost]]  # (pipeline, stage, chunk) -> its costs
-    cores: dict[str, float]
-    hosts_of: dict[int, list[tuple[str, float]]]
     stage_of: dict[int, tuple[int, int]]  # device -> (pipeline, stage)
 
     @classmethod
     def of(cls, cm: CostModel, strategy: Strategy) -> _Costs:
         type_of = {d.id: d.type for d in cm.cluster.devices}
         n_layers = cm.model.num_layers
-        stages, chunks = {}, {}
+        chunks = {}
         for pi, pipe in enumerate(strategy.pipelines):
             for k, st in enumerate(pipe.stages):
                 dtype = type_of[st.devices[0]]
-                stages[pi, k] = cm.stage_total(st)
                 for c, (a, b) in enumerate(st.layers):
                     r = st.chunk_recompute(c)
                     chunks[pi, k, c] = (cm.placed_stage(dtype, st.tp, ((a, b),), a == 0, b == n_layers,
                                                         recompute_layers=r),
                                         cm.placed_chunk_cost(dtype, st.tp, a, b, recompute_layers=r))
-        cores, hosts_of = cm.host.cpu_layout(strategy.devices)
         stage_of = {d: (pi, k) for pi, p in enumerate(strategy.pipelines) for k, st in enumerate(p.stages)
                     for d in st.devices}
-        return cls(cm, strategy, type_of, stages, chunks, cores, hosts_of, stage_of)
+        return cls(cm, strategy, type_of, chunks, stage_of)
 
-    def op_parts(self, pi: int, k: int, op: Compute) -> tuple[float, float, float]:
-        """(seconds, TP collective seconds, their CPU seconds) of a compute op, as the cost model prices
-        its chunk: F and the fused BW as ``stage``, B and W as ``chunk_cost`` splits the backward (the TP
-        collectives are B's)."""
+    def op_parts(self, pi: int, k: int, op: Compute) -> tuple[float, float]:
+        """(seconds, TP collective seconds) of a compute op, as the cost model prices its chunk: F and the
+        fused BW as ``stage``, B and W as ``chunk_cost`` splits the backward (the TP collectives are B's)."""
         sc, cc = self.chunks[pi, k, op.chunk]
         if op.kind == "F":
-            return sc.forward_s, sc.tp_forward_s, sc.tp_cpu_forward_s
+            return sc.forward_s, sc.tp_forward_s
         if op.kind == "W":
-            return cc.weight_grad, 0.0, 0.0
-        total = sc.backward_s if op.kind == "BW" else cc.input_grad
-        return total, sc.tp_backward_s, sc.tp_cpu_backward_s
-
-    def block(self, devices: Sequence[int], total: float, tp: float = 0.0, tp_cpu: float = 0.0,
-              stage: StageCost | None = None) -> dict[str, Any]:
-        """A compute block's ``SimOp`` fields: its CPU work (the device's stretch taken out), the TP
-        collectives' wall time and CPU time, the stretch, the cores it runs on, and how well it shares them
-        (``HostModel.core_sharing`` for the size of ``stage``, the chunk or stage it belongs to: its
-        forward + backward CPU). ``total``/``tp``/``tp_cpu`` as the cost model gives them."""
-        k = self.cm.host.emulated_slowdown(self.type_of[devices[0]])
-        cpu, comm, comm_cpu = tp_block_split((total - tp) / k, tp - (k - 1.0) * tp_cpu, tp_cpu)
-        return {"cpu": cpu, "comm": comm, "comm_cpu": comm_cpu, "stretch": k,
-                **self.waiting(devices), "sharing": self.sharing(devices, stage)}
-
-    def sharing(self, devices: Sequence[int], stage: StageCost | None) -> float:
-        """How well an op of ``devices`` shares their cores: ``HostModel.core_sharing`` for the size of
-        ``stage`` (its forward + backward CPU, the stretch taken out; None: the smallest block measured)."""
-        dtype = self.type_of[devices[0]]
-        size = 0.0 if stage is None else stage.compute_s / self.cm.host.emulated_slowdown(dtype)
-        return self.cm.host.core_sharing(dtype, size)
-
-    def sleep_after(self, device: int, total: float) -> float:
-        """How long an emulated slower device sleeps after a block priced ``total`` (its sleep's slack
-        included; 0 on other devices, found without pricing the block), as ``EventLoop`` plays it."""
-        if self.cm.host.emulated_slowdown(self.type_of[device]) <= 1.0:
-            return 0.0
-        f = self.block((device,), total)
-        return emulated_sleep(f["stretch"], f["cpu"], f["comm_cpu"], f["handoff"])
-
-    def waiting(self, devices: Sequence[int]) -> dict[str, Any]:
-        """The cores an op's devices run on and the scheduler's delays there (``EventLoop``'s handoff)."""
-        return {"hosts": tuple(h for d in devices for h in self.hosts_of.get(d, ())),
-                "handoff": self.cm.host.core_handoff(self.type_of[devices[0]])}
+            return cc.weight_grad, 0.0
+        return (sc.backward_s if op.kind == "BW" else cc.input_grad), sc.tp_backward_s
 
     def device_op(self, name: str, device: int, kind: OpKind, **fields: Any) -> SimOp:
         """An op of one device's own resource after its stage's schedule."""
@@ -765,59 +488,32 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
                     if pair is None:
                         src, dst = pipe.stages[msg.src].devices, pipe.stages[msg.dst].devices
                         pair = pairs[msg.src, msg.dst] = (
-                            cm.hop_time(costs.strategy, src, dst), f"p{pi}link{k}-{max(msg.src, msg.dst)}"
+                            cm.p2p_time(src, dst), f"p{pi}link{k}-{max(msg.src, msg.dst)}"
                             if cm.serialises(src + dst) else f"p{pi}link{msg.src}>{msg.dst}")
                     name = names[msg]
                     sim.add(SimOp(name, pair[1], OpKind.P2P, pi, msg.src, msg.micro_batch, duration=pair[0],
                                   deps=(posted[msg.src, name], posted[msg.dst, name]), message=msg))
         for k, acts in enumerate(sched.actions):
             st, res = pipe.stages[k], stage_resource(pi, k)
-            device_type = costs.type_of[st.devices[0]]
-            # A sleep-mode block lasts its target: no idle makes it longer.
-            asleep = cm.host.sleeps_to_target(device_type)
-            resume = None if asleep else cm.host.resume_penalty(device_type)
-            wake, waiting = cm.host.comm_wake(device_type), costs.waiting(st.devices)
-            # The executor's CPU per message (measured; none charged without the figure): each post, and the
-            # unpacking after each wait for a receive, on the stage's cores (ops of its own resource).
-            per_msg = cm.host.p2p_actions(device_type)
-            hosts = waiting["hosts"]
-            blocks: dict[tuple[str, int], dict[str, Any]] = {}   # the stage's op fields per (kind, chunk)
             sent: list[str] = []
             for ai, a in enumerate(acts):
                 name = f"{res}a{ai}"
                 if isinstance(a, Compute):
-                    total, tp, tp_cpu = costs.op_parts(pi, k, a)
+                    total, tp = costs.op_parts(pi, k, a)
                     name = f"{res}{a.kind}{a.micro_batch}c{a.chunk}"
                     tp_s[name] = tp
                     # 'F3', 'B3' (the whole backward, or its input-gradient half), 'W3'; '/1' for chunk 1
                     labels[name] = (f"{a.kind[0]}{a.micro_batch}" + (f"/{a.chunk}" if len(st.layers) > 1 else ""))
                     kind = OpKind.FORWARD if a.kind == "F" else OpKind.BACKWARD
-                    fields = blocks.get((a.kind, a.chunk))
-                    if fields is None:
-                        fields = blocks[a.kind, a.chunk] = costs.block(st.devices, total, tp, tp_cpu,
-                                                                       costs.chunks[pi, k, a.chunk][0])
-                    # A split backward's W works on what its B produced: traced op by op (pp4-uneven-
-                    # zb-h1 on cpu-hetero4), the slow stages' W ops took 14.7 /
-                    # 13.2 ms of CPU per step against 20.4 / 27.9 ms simulated with the resume and cold
-                    # penalties, their priced CPU alone about what each measured (1.76 vs 1.65 ms).
-                    sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, resume=resume, hot=a.kind == "W",
-                                  asleep=asleep, **fields))
+                    sim.add(SimOp(name, res, kind, pi, k, a.micro_batch, compute=total - tp, comm=tp))
                 elif isinstance(a, (PostSend, PostRecv)):
-                    action = "post_send" if isinstance(a, PostSend) else "post_recv"
-                    post = 0.0 if per_msg is None else per_msg.hot(action)
-                    sim.add(SimOp(name, res, OpKind.HOST if post > 0 else None, pi, k, a.message.micro_batch,
-                                  cpu=post, hosts=hosts if post > 0 else (),
-                                  resume=None if per_msg is None else per_msg.cold(action)))
+                    sim.add(SimOp(name, res, None, pi, k, a.message.micro_batch))
                     if isinstance(a, PostSend):
                         sent.append(names[a.message])
                 else:
                     deps = (names[a.message],) if isinstance(a, WaitRecv) else tuple(sent)
                     assert isinstance(a, (WaitRecv, WaitSends))
-                    sim.add(SimOp(name, res, None, pi, k, deps=deps, wake=wake, **waiting))
-                    if isinstance(a, WaitRecv) and per_msg is not None and per_msg.wait_recv_s > 0:
-                        name = f"{name}u"   # the message unpacked (the stage's next op waits for it)
-                        sim.add(SimOp(name, res, OpKind.HOST, pi, k, a.message.micro_batch, cpu=per_msg.wait_recv_s,
-                                      hosts=hosts, resume=per_msg.cold("wait_recv")))
+                    sim.add(SimOp(name, res, None, pi, k, deps=deps))
             last[pi, k] = name
     return last, tp_s, labels
 
@@ -825,7 +521,7 @@ def _add_schedules(sim: EventLoop, costs: _Costs, schedules: Sequence[PipelineSc
 def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, int], str],
                   sync: Sequence[SyncGroup], zero: bool, opt_times: Mapping[int, float]) -> None:
     """After its stage's last action each device runs the step's own code (gradients collected, norm
-    summed: CPU work, never stretched), joins its gradient-sync groups in the global order (a group's
+    summed), joins its gradient-sync groups in the global order (a group's
     all-reduce completes when its last member has joined), then the step's loss / grad-norm all-reduce
     over every device, then its optimizer step, then (ZeRO-1) the all-gathers of the updated parameter
     chunks in every sync group it belongs to, in the same order (runtime/engine/zero.py)."""
@@ -834,9 +530,7 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
     overhead = cm.step_overhead_times(costs.strategy)
     for d in devices:
         if overhead[d] > 0:
-            sim.add(costs.device_op(f"over{d}", d, OpKind.STEP, deps=(last_of[d],), cpu=overhead[d],
-                                    sharing=costs.sharing((d,), costs.stages[costs.stage_of[d]]),
-                                    **costs.waiting((d,))))
+            sim.add(costs.device_op(f"over{d}", d, OpKind.STEP, deps=(last_of[d],), compute=overhead[d]))
             last_of[d] = f"over{d}"
 
     def collectives(prefix: str, kind: OpKind, seconds: Sequence[float]) -> None:
@@ -845,23 +539,14 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
         for gi, (g, secs) in enumerate(zip(sync, seconds)):
             for d in g.devices:
                 sim.add(costs.device_op(f"{prefix}{gi}d{d}", d, kind, duration=secs, deps=(last_of[d],),
-                                        waits=tuple((f"{prefix}{gi}d{e}", secs) for e in g.devices if e != d),
-                                        wake=cm.host.comm_wake(costs.type_of[d]), **costs.waiting((d,))))
+                                        waits=tuple((f"{prefix}{gi}d{e}", secs) for e in g.devices if e != d)))
                 last_of[d] = f"{prefix}{gi}d{d}"
 
     collectives("g", OpKind.GRAD_SYNC, cm.sync_times(costs.strategy))
     sim.add(SimOp("stats", "world", OpKind.CLIP, duration=cm.clip_time(devices),
                   deps=tuple(sorted(set(last_of.values())))))
     for d in devices:
-        # After the step's collectives the optimizer finds cold caches, as a block does after idling: it pays
-        # the device's resume penalty, the forward's figures (it streams over weights and states like a
-        # forward over its weights). Measured on cpu-hetero4: a 6-layer
-        # stage's AdamW step took 2.36 ms right after its backward and 2.86 ms after a further 20 ms idle;
-        # the forward's figures of the same host add 0.38-0.50 ms.
-        sim.add(costs.device_op(f"opt{d}", d, OpKind.OPTIMIZER, deps=("stats",),
-                                resume=cm.host.resume_penalty(costs.type_of[d]),
-                                idle_from=stage_resource(*costs.stage_of[d]),
-                                **costs.block((d,), opt_times[d], stage=costs.stages[costs.stage_of[d]])))
+        sim.add(costs.device_op(f"opt{d}", d, OpKind.OPTIMIZER, deps=("stats",), compute=opt_times[d]))
         last_of[d] = f"opt{d}"
     if zero:
         collectives("z", OpKind.ZERO_GATHER, [cm.zero_gather_time(g) for g in sync])
@@ -891,7 +576,7 @@ def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Cost
             tp_busy[key] = tp_busy.get(key, 0.0) + tp_s[name]
             label = labels[name]
             events.append(Event(label, op.kind.value, op.pipeline, op.stage, "stage", start, end, op.micro_batch,
-                                tp_s[name], sim.cpu_s.get(name, 0.0)))
+                                tp_s[name]))
     stats0, stats1 = times["stats"]
     cm, pipes = costs.cm, costs.strategy.pipelines
     n_layers = cm.model.num_layers
@@ -922,8 +607,7 @@ def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Cost
                                     stats1 - stats0))
             slowest = max(st.devices, key=lambda d: times[f"opt{d}"][1])
             o0, o1 = times[f"opt{slowest}"]
-            events.append(Event("optimizer", "optimizer", pi, k, "stage", o0, o1,
-                                cpu_s=sim.cpu_s.get(f"opt{slowest}", 0.0)))
+            events.append(Event("optimizer", "optimizer", pi, k, "stage", o0, o1))
             gather_busy = joined("z", sync if zero else (), d0, "ZeRO-1 param all-gather", "zero_gather", pi, k)
             device_type = costs.type_of[d0]
             chunks = tuple((b - a, a == 0, b == n_layers) for a, b in st.layers)
@@ -963,8 +647,6 @@ def chrome_trace(result: SimulationResult, strategy: Strategy) -> dict[str, Any]
             out.append({"ph": "M", "name": "thread_sort_index", "pid": e.pipeline, "tid": tid,
                         "args": {"sort_index": e.stage * 3 + (0 if e.lane == "stage" else 1)}})
         args: dict[str, Any] = {"comm_ms": round(e.comm_s * 1e3, 4)}
-        if e.cpu_s:
-            args["cpu_ms"] = round(e.cpu_s * 1e3, 4)
         if e.micro_batch is not None:
             args["micro_batch"] = e.micro_batch
         out.append({"ph": "X", "name": e.name, "cat": e.category, "pid": e.pipeline, "tid": tids[key],

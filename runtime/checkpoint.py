@@ -37,14 +37,14 @@ import math
 import os
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from runtime.comm.bsr import FLOAT32
 from runtime.comm.gradsync import runs
+from runtime.elastic.state import MOMENT_SUFFIXES, STATE_DTYPE, STATE_SUFFIXES, moment_key
 from runtime.errors import HspmdError, Problem, SpecError
 from runtime.hf_files import copy_side_files
 from runtime.models.params import llama_parameters
@@ -64,9 +64,6 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 OPTIMIZER_FORMAT = "hspmd-optimizer/1"
 SHARD_BYTES = 4 * 2**30  # weights above this go into several files (Hugging Face's sharded layout)
-STATE_SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")  # the parameter, then AdamW's two moments
-MOMENT_SUFFIXES = STATE_SUFFIXES[1:]
-STATE_DTYPE = FLOAT32  # master weights and moments (bf16 is only autocast compute)
 ROUND_BYTES = 256 * 2**20  # full-tensor bytes gathered per BSR round (bounds the writer's memory)
 FLOATING_DTYPES = ("F", "BF")  # safetensors dtype names of floating-point tensors (F32, F8_E4M3, BF16, ...)
 SAVE_ID = "hspmd_save"  # metadata key tying the files of one save together
@@ -78,6 +75,9 @@ STEP_TEXT = re.compile(r"[0-9]{1,16}")
 MAX_STEP = 2**53
 # Tensors that Hugging Face checkpoints may carry besides the parameters (buffers, the tied head's copy).
 IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq)")
+
+LATEST = "latest"  # in a directory of step checkpoints (runtime/checkpoint_series.py): names the newest
+STEP_DIR = re.compile(r"step-([0-9]{8})")
 
 Kind = Literal["hspmd", "huggingface", "legacy"]
 
@@ -96,11 +96,6 @@ class CheckpointInfo:
 def expected_tensors(model: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of ``model`` holds, with its full shape, in module order."""
     return {info.name + suffix: info.shape for info in llama_parameters(model) for suffix in STATE_SUFFIXES}
-
-
-def moment_key(name: str, suffix: str, i: int) -> str:
-    """A ZeRO-1 moment's slice ``i`` as one 1-D tensor (the fused BSRs of a save and of a switch move these)."""
-    return f"{name}{suffix}@{i}"
 
 
 def checkpoint_path(directory: str | Path) -> Path:
@@ -158,6 +153,32 @@ def _weight_files(directory: Path) -> list[Path] | None:
     return [single] if _is_file(single) else None
 
 
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint ``root/latest`` names, or None when ``root`` has no ``latest`` yet. A
+    ``latest`` that names no step directory of ``root`` is an error naming it."""
+    root = Path(root)
+    path = root / LATEST
+    if not os.path.lexists(path):
+        return None
+    try:
+        name = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError([Problem(str(path), "", f"cannot read: {getattr(exc, 'strerror', None) or exc}")]) from None
+    if not STEP_DIR.fullmatch(name):
+        raise SpecError([Problem(str(path), "", "expected a step directory name (step-<8 digits>), got "
+                                                f"{name[:40]!r}")])
+    if not (root / name).is_dir():
+        raise SpecError([Problem(str(path), "", f"names {name}, which is not a directory of {root}")])
+    return root / name
+
+
+
+def resolve_checkpoint(directory: str | Path) -> Path:
+    """``directory`` itself, or the checkpoint its ``latest`` names when it holds a run's step checkpoints."""
+    latest = latest_checkpoint(directory)
+    return Path(directory) if latest is None else latest
+
+
 def read_checkpoint_info(directory: str | Path, plan: PlanContext) -> CheckpointInfo:
     """Check that ``directory`` holds a checkpoint that ``plan``'s model can load (reads headers only)."""
     return checkpoint_info(directory, plan.model)
@@ -166,8 +187,8 @@ def read_checkpoint_info(directory: str | Path, plan: PlanContext) -> Checkpoint
 def checkpoint_info(directory: str | Path, model: ModelSpec, *, option: str = "--load") -> CheckpointInfo:
     """Check that ``directory`` holds a checkpoint of ``model`` (reads headers only); ``option``: the
     command-line option that named it, for the messages."""
-    directory = Path(directory)
-    _check_source(directory, option)
+    _check_source(Path(directory), option)
+    directory = resolve_checkpoint(directory)
     weights = _weight_files(directory)
     if weights is None:
         if _is_file(checkpoint_path(directory)):
@@ -288,7 +309,42 @@ def _legacy_info(directory: Path, model: ModelSpec) -> CheckpointInfo:
 
 def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: PlanContext, strategy: str,
                     step: int, shard_bytes: int = SHARD_BYTES) -> None:
-    """Collective over every device of ``strategy``: write ``directory`` (config, weights, optimizer)."""
+    """Collective over every device of ``strategy``: write ``directory`` (config, weights, optimizer) in
+    place (``hspmd train --save`` writes step directories instead: runtime/checkpoint_series.py)."""
+    full: dict[str, torch.Tensor] = {}
+    if not gather_state(program, groups, plan=plan, strategy=strategy, emit=full.__setitem__):
+        return
+    params = llama_parameters(plan.model)
+    weights = {p.name: full.pop(p.name) for p in params}
+    write_checkpoint(directory, plan.model, weights, moments=full, step=step, saved_by=saved_by(plan, strategy),
+                     source_config=source_config(plan), shard_bytes=shard_bytes)
+    source = model_dir(plan)
+    if source is not None:   # the tokenizer and generation config of the model directory travel with it
+        copy_side_files(source, Path(directory))
+
+
+def model_dir(plan: PlanContext) -> Path | None:
+    """The Hugging Face directory the plan's model comes from, or None (a model file or a catalog name)."""
+    source = model_source_config(plan.plan.model, plan.path.parent)
+    return None if source is None else source.parent
+
+
+def saved_by(plan: PlanContext, strategy: str) -> str:
+    return f"{plan.path} (strategy {strategy})"
+
+
+def source_config(plan: PlanContext) -> dict[str, Any] | None:
+    """The config.json the plan's model came from (its keys are kept in the saved config), or None."""
+    source = model_source_config(plan.plan.model, plan.path.parent)
+    return None if source is None else read_config(source)
+
+
+def gather_state(program: Any, groups: Any, *, plan: PlanContext, strategy: str,
+                 emit: Callable[[str, torch.Tensor], None]) -> bool:
+    """Collective over every device of ``strategy``: assemble every parameter and AdamW moment whole on the
+    strategy's first device (the writer), a bounded number of bytes per BSR round, and hand each to
+    ``emit`` there as soon as it is complete (a CPU tensor the caller may keep: never the live state).
+    Returns whether this device is the writer."""
     import torch
 
     from runtime.annotations import Annotation
@@ -318,27 +374,30 @@ def save_checkpoint(program: Any, groups: Any, directory: str | Path, *, plan: P
     for name in (m.name for m in moves if m.name in local):
         if local[name].dtype != dtype:
             raise RuntimeError(f"{name}: local state is {local[name].dtype}, checkpoints hold {dtype}")
-    full: dict[str, torch.Tensor] = {}
+    # A ZeRO-1 moment arrives as slices: each is assembled whole, then emitted, then dropped.
+    partial: dict[str, tuple[torch.Tensor, set[int]]] = {}
+    slice_of = {moment_key(p.name, s, i): (p, s, i) for p in params if p.name in slices
+                for s in MOMENT_SUFFIXES for i in range(len(slices[p.name]))}
     for chunk in runs(moves, lambda m: m.itemsize * math.prod(m.shape), ROUND_BYTES):
         got = run_bsr(plan_bsr(chunk, bandwidth=plan.cluster),
                       {m.name: local[m.name] for m in chunk if m.name in local}, groups)
-        if me == writer:
-            full.update({k: v.detach().to("cpu").contiguous() for k, v in got.items()})
-    if me != writer:
-        return
-    for p in params:
-        for suffix in MOMENT_SUFFIXES if p.name in slices else ():
-            whole = torch.empty(p.shape, dtype=dtype)
-            for i, s in enumerate(slices[p.name]):
-                whole[tuple(slice(a, b) for a, b in s.region)] = full.pop(moment_key(p.name, suffix, i)).view(s.shape)
-            full[p.name + suffix] = whole
-    weights = {p.name: full.pop(p.name) for p in params}
-    source = model_source_config(plan.plan.model, plan.path.parent)
-    write_checkpoint(directory, plan.model, weights, moments=full, step=step,
-                     saved_by=f"{plan.path} (strategy {strat.name})",
-                     source_config=None if source is None else read_config(source), shard_bytes=shard_bytes)
-    if source is not None:   # the tokenizer and generation config of the model directory travel with it
-        copy_side_files(source.parent, directory)
+        if me != writer:
+            continue
+        for key, value in got.items():
+            host = value.detach().to("cpu", copy=True)  # a copy: the state moves on while it is written
+            if key not in slice_of:
+                emit(key, host)
+                continue
+            p, suffix, i = slice_of[key]
+            whole, seen = partial.setdefault(p.name + suffix, (torch.empty(p.shape, dtype=dtype), set()))
+            s = slices[p.name][i]
+            whole[tuple(slice(a, b) for a, b in s.region)] = host.view(s.shape)
+            seen.add(i)
+            if len(seen) == len(slices[p.name]):
+                emit(p.name + suffix, partial.pop(p.name + suffix)[0])
+    if partial:
+        raise RuntimeError(f"ZeRO-1 moments incomplete after the gather: {sorted(partial)[:3]}")
+    return me == writer
 
 
 def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[str, torch.Tensor], *,
@@ -514,7 +573,7 @@ def read_saved(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     metadata of the file that records the step: for tests and ``hspmd export``, not for training."""
     from safetensors import safe_open
 
-    directory = Path(directory)
+    directory = resolve_checkpoint(directory)
     weights = _weight_files(directory)
     files = [checkpoint_path(directory)] if weights is None else weights
     if weights is not None and _is_file(directory / OPTIMIZER_FILE):
@@ -543,6 +602,7 @@ def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "fp32
 
     source, out = Path(source), Path(out)
     _check_source(source, "--checkpoint")
+    source = resolve_checkpoint(source)
     check_save_target(out, "--out")
     if out.exists() and out.resolve() == source.resolve():
         raise HspmdError(f"{out}: --out: is the checkpoint itself; export into another directory")

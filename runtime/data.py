@@ -8,7 +8,9 @@ pipelines. Two sources:
 * a synthetic stream (default): arithmetic sequences modulo the vocabulary with a random start and
   stride, so the loss visibly falls within a few dozen steps (pure noise would stay at log(vocab));
 * a local text file read as bytes (token = byte value, vocabulary 256; nothing is downloaded), sampled
-  as windows at random offsets.
+  as windows at random offsets;
+* a ``hspmd data prepare`` directory: consecutive windows of its documents in epoch order
+  (runtime/epochs.py ``ShardWindows``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ class TokenSource(Protocol):
 
     def batch(self, step: int) -> torch.Tensor:
         """LongTensor [global_batch, seq_len + 1] (inputs and shifted labels) for this step."""
+        ...
+
+    def position(self, step: int) -> dict[str, object]:
+        """Where the data stands once ``step`` is done (recorded in checkpoints, JSON-able)."""
         ...
 
 
@@ -62,6 +68,9 @@ class SyntheticTokens:
         stride = torch.randint(1, MAX_STRIDE + 1, (self.global_batch, 1), generator=g)
         pos = torch.arange(self.seq_len + 1).unsqueeze(0)
         return (start + stride * pos) % self.vocab_size
+
+    def position(self, step: int) -> dict[str, object]:
+        return {"source": "synthetic", "step": step}
 
 
 class ByteTextTokens:
@@ -97,12 +106,23 @@ class ByteTextTokens:
         raw = b"".join(self._mm[o:o + n] for o in offsets)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.long).view(self.global_batch, n)
 
+    def position(self, step: int) -> dict[str, object]:
+        return {"source": "bytes", "file": str(self.path), "step": step}
+
 
 def token_source(*, vocab_size: int, global_batch: int, seq_len: int, seed: int,
                  data_file: str | Path | None = None) -> TokenSource:
     """The synthetic stream, or byte tokens of ``data_file`` (which needs a vocabulary of at least 256)."""
     if data_file is None:
         return SyntheticTokens(vocab_size, global_batch, seq_len, seed)
+    if Path(data_file).is_dir():   # a ``hspmd data prepare`` directory: windows of its epoch-ordered stream
+        from runtime.epochs import EpochStream, ShardWindows, open_prepared
+
+        docs = open_prepared(Path(data_file))
+        if docs.vocab_size > vocab_size:
+            raise HspmdError(f"{data_file}: --data: its tokens come from a vocabulary of {docs.vocab_size}, more "
+                             f"than the model's {vocab_size}")
+        return ShardWindows(EpochStream(docs, seed), global_batch, seq_len)
     if vocab_size < BYTE_VOCAB:
         raise HspmdError(f"{data_file}: --data: byte-level tokens need a vocabulary of at least {BYTE_VOCAB}, "
                          f"the model has {vocab_size}")

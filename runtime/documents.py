@@ -29,12 +29,13 @@ import json
 import math
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
 from runtime.data import BYTE_VOCAB, MAX_STRIDE
+from runtime.epochs import EpochStream, TokenDocuments, in_memory, step_parts
 from runtime.errors import Checker, FieldErrors, Problem, SpecError
 from runtime.spec.io import is_dir, is_file, read_yaml
 from runtime.spec.schema import MAX_FLOAT
@@ -112,6 +113,10 @@ class DocumentSource(Protocol):
         ...
 
     def documents(self, step: int) -> StepDocuments:
+        ...
+
+    def position(self, step: int) -> dict[str, object]:
+        """Where the data stands once ``step`` is done (recorded in checkpoints, JSON-able)."""
         ...
 
 
@@ -378,6 +383,9 @@ class SyntheticDocuments:
     def lengths(self, step: int) -> tuple[int, ...]:
         return tuple(self._pieces(step)[0])
 
+    def position(self, step: int) -> dict[str, object]:
+        return {"source": "synthetic-documents", "step": step}
+
     def documents(self, step: int) -> StepDocuments:
         lengths, split, truncated = self._pieces(step)
         rng = step_rng(self.seed, step, "tokens")
@@ -433,6 +441,11 @@ class HFTokenizer:
             raise SpecError([Problem(self.origin, "", f"not a tokenizers tokenizer.json: {first}")]) from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def backend(self):  # -> tokenizers.Tokenizer
+        """The ``tokenizers`` object (batch encoding, special tokens)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
@@ -465,11 +478,16 @@ class Corpus:
     skipped_empty: int                # documents with no tokens: never drawn, counted for the report
     split_documents: int
     truncated_documents: int
+    eos: int | None = None            # the EOS appended to every document (None: none; bytes have no EOS)
 
 
 def read_jsonl(path: Path) -> list[tuple[str, str]]:
     """(origin ``FILE:LINE``, text) per non-blank line; a bad line is an error naming ``FILE:LINE``."""
-    out = []
+    return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[str, str]]:
+    """``read_jsonl`` one line at a time (corpora larger than memory)."""
     with open_data(path) as f:
         for n, raw in enumerate(f, start=1):
             where = f"{path}:{n}"
@@ -494,16 +512,22 @@ def read_jsonl(path: Path) -> list[tuple[str, str]]:
             except UnicodeEncodeError as exc:
                 raise SpecError([Problem(where, "text", f"not valid Unicode: a lone surrogate at character "
                                                         f"{exc.start}")]) from None
-            out.append((where, obj["text"]))
-    return out
+            yield where, obj["text"]
 
 
 def read_text_blocks(path: Path) -> list[tuple[str, bytes]]:
     """A plain text file's documents: blocks of lines separated by blank (whitespace-only) lines."""
+    return list(iter_text_blocks(path))
+
+
+def iter_text_blocks(path: Path) -> Iterator[tuple[str, bytes]]:
+    """``read_text_blocks`` one block at a time."""
     with open_data(path) as f:
-        lines = list(enumerate(f, start=1))
-    blocks = [list(g) for text, g in itertools.groupby(lines, key=lambda x: bool(x[1].strip())) if text]
-    return [(f"{path}:{b[0][0]}", b"".join(raw for _, raw in b).rstrip(b"\r\n")) for b in blocks]
+        lines = enumerate(f, start=1)
+        for text, group in itertools.groupby(lines, key=lambda x: bool(x[1].strip())):
+            if text:
+                block = list(group)
+                yield f"{path}:{block[0][0]}", b"".join(raw for _, raw in block).rstrip(b"\r\n")
 
 
 def open_data(path: Path):
@@ -518,8 +542,9 @@ def open_data(path: Path):
 
 
 def load_corpus(path: str | Path, *, max_len: int, tokenizer: Tokenizer, fmt: DataFormat,
-                long_documents: LongDocuments = "split") -> Corpus:
-    """Read, tokenize and cut every document of ``path``; refuse a file with no non-empty document."""
+                long_documents: LongDocuments = "split", eos: int | None = None) -> Corpus:
+    """Read, tokenize and cut every document of ``path`` (``eos`` appended to each non-empty one first);
+    refuse a file with no non-empty document."""
     check_policy(long_documents)
     p = Path(path)
     if fmt == "jsonl":
@@ -545,6 +570,8 @@ def load_corpus(path: str | Path, *, max_len: int, tokenizer: Tokenizer, fmt: Da
         if not ids:
             empty += 1
             continue
+        if eos is not None:
+            ids = [*ids, eos]
         bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
         if bad:
             raise SpecError([Problem(where, "", f"token id {bad[0]} outside the tokenizer's vocabulary "
@@ -560,42 +587,56 @@ def load_corpus(path: str | Path, *, max_len: int, tokenizer: Tokenizer, fmt: Da
             cut.append(was_cut)
     if not docs:
         raise SpecError([Problem(str(p), "data", f"no non-empty document ({empty} empty skipped)")])
-    return Corpus(str(p), tuple(docs), tuple(origins), tuple(pieces), tuple(cut), empty, split, truncated)
+    return Corpus(str(p), tuple(docs), tuple(origins), tuple(pieces), tuple(cut), empty, split, truncated, eos)
 
 
 @dataclass(frozen=True)
 class CorpusDocuments:
-    """A step's documents drawn uniformly, with replacement, from a corpus: a pure function of (seed, step)
-    (an epoch order would make step k depend on how many documents steps 0..k-1 used)."""
+    """A corpus' documents in epoch order (runtime/epochs.py): every document once per epoch, each epoch
+    shuffled by (seed, epoch); step ``s`` holds the ``tokens_per_step`` tokens from ``(s - 1) *
+    tokens_per_step`` of the epochs' stream, so the first and last of its documents may be parts (a
+    document cut by a step boundary trains as two, one per step). A pure function of (seed, step).
 
-    corpus: Corpus
+    ``corpus``: a small file's documents (held in memory), or None with ``prepared``: a ``hspmd data
+    prepare`` directory's memory-mapped shards."""
+
+    corpus: Corpus | None
     tokens_per_step: int
     max_len: int
     seed: int = 0
+    prepared: TokenDocuments | None = None
+    stream: EpochStream = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         with Checker() as c:
             c.check(self.tokens_per_step >= 1, "tokens_per_step", f"must be >= 1, got {self.tokens_per_step}")
-            c.check(self.max_len >= max(len(d) for d in self.corpus.documents), "max_len",
-                    f"{self.max_len} is shorter than the corpus' longest document; load it with this max_len")
+            c.check((self.corpus is None) != (self.prepared is None), "corpus", "give a corpus or prepared shards")
+            if self.corpus is not None:
+                c.check(self.max_len >= max(len(d) for d in self.corpus.documents), "max_len",
+                        f"{self.max_len} is shorter than the corpus' longest document; load it with this max_len")
+        docs = self.prepared if self.prepared is not None else in_memory(self.corpus.documents, self.corpus.path)
+        object.__setattr__(self, "stream", EpochStream(docs, self.seed))
 
-    def _draws(self, step: int) -> list[tuple[int, int]]:
-        docs = self.corpus.documents
-
-        def draw(rng: random.Random) -> tuple[int, int]:
-            i = uniform_int(rng, 0, len(docs) - 1)
-            return i, len(docs[i])
-
-        return draw_budget(step_rng(self.seed, step, "corpus"), self.tokens_per_step, draw)
+    @property
+    def origin(self) -> str:
+        return self.stream.docs.origin
 
     def lengths(self, step: int) -> tuple[int, ...]:
-        return tuple(n for _, n in self._draws(step))
+        return tuple(b - a for _, _, a, b in step_parts(self.stream, self.tokens_per_step, self.max_len, step))
 
     def documents(self, step: int) -> StepDocuments:
-        draws = self._draws(step)
+        parts = step_parts(self.stream, self.tokens_per_step, self.max_len, step)
         c = self.corpus
-        docs = tuple(Document(c.documents[i][:n], c.origins[i]) for i, n in draws)
-        return StepDocuments(step, docs, sum(c.pieces[i] for i, _ in draws), sum(c.cut[i] for i, _ in draws))
+        docs = []
+        for _epoch, i, a, b in parts:
+            where = c.origins[i] if c is not None else f"{self.origin}: document {i}"
+            docs.append(Document(tuple(int(t) for t in self.stream.docs.read(i, a, b)), where))
+        split = sum(c.pieces[i] for _, i, _, _ in parts) if c is not None else 0
+        cut = sum(c.cut[i] for _, i, _, _ in parts) if c is not None else 0
+        return StepDocuments(step, tuple(docs), split, cut)
+
+    def position(self, step: int) -> dict[str, object]:
+        return {"source": self.origin, "step": step, **self.stream.position(step * self.tokens_per_step)}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -708,7 +749,35 @@ def document_source(*, tokens_per_step: int, max_len: int, vocab_size: int, seed
     if data_file is None:
         dist = length_distribution(lengths, max_len, long_documents)
         return SyntheticDocuments(dist, tokens_per_step, max_len, vocab_size, seed, long_documents)
+    if is_dir(Path(data_file)):
+        return prepared_source(Path(data_file), tokens_per_step=tokens_per_step, max_len=max_len,
+                               vocab_size=vocab_size, seed=seed, long_documents=long_documents)
     tok = load_tokenizer(tokenizer, vocab_size)
+    eos = None
+    if isinstance(tok, HFTokenizer):
+        from runtime.special_tokens import special_tokens
+
+        eos = special_tokens(Path(tokenizer), tok.backend, require_eos=False).eos  # type: ignore[arg-type]
     corpus = load_corpus(data_file, max_len=max_len, tokenizer=tok, fmt=data_format(data_file),
-                         long_documents=long_documents)
+                         long_documents=long_documents, eos=eos)
     return CorpusDocuments(corpus, tokens_per_step, max_len, seed)
+
+
+def prepared_source(directory: Path, *, tokens_per_step: int, max_len: int, vocab_size: int, seed: int,
+                    long_documents: LongDocuments) -> CorpusDocuments:
+    """A ``hspmd data prepare`` directory as packed documents, the long-document policy applied."""
+    from runtime.epochs import open_prepared
+
+    docs = open_prepared(directory)
+    if docs.vocab_size > vocab_size:
+        raise SpecError([Problem(str(directory), "vocab_size", f"its tokens come from a vocabulary of "
+                                                               f"{docs.vocab_size}, more than the model's "
+                                                               f"{vocab_size}")])
+    longest = int(docs.lengths.max()) if len(docs.lengths) else 0
+    if longest > max_len and long_documents == "error":
+        raise SpecError([Problem(str(directory), "long_documents", f"a document of {longest} tokens is longer than "
+                                                                   f"the maximum length {max_len} (policy error; "
+                                                                   "use split or truncate)")])
+    if long_documents == "truncate":
+        docs = docs.clipped(max_len)
+    return CorpusDocuments(None, tokens_per_step, max_len, seed, prepared=docs)

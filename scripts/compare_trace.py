@@ -2,15 +2,11 @@
 
     python scripts/compare_trace.py --plan PLAN [--profile DIR] --trace DIR [--skip 2] [--json]
 
-For every compute op (device, F / B / W, micro-batch, chunk) and the optimizer step: the simulator's start,
-duration and CPU seconds (planner/simulate.py ``Event``: the block's CPU work with its penalties, then an
-emulated device's sleep) and the measured medians over the steps after ``--skip`` warm-up steps (start
-from the step's first device start; duration from the compute span's start to the end of the emulation
-sleep that follows it, if any; the span's main-thread CPU, ``cpu_ms`` of runtime/trace.py), with their
-ratios, then per device and op kind the sums per step. CPU-time ratios say whether a block's work was
-priced right; wall-time ratios beyond them are waiting (for the core, a message, a sleep's wake-up). A TP
-block's simulated CPU includes its collectives' (the profile's process CPU: gloo's threads too), the
-trace's is the main thread's (83-91% of the process's in a TP-2 stage on a CPU host).
+For every compute op (device, F / B / W, micro-batch, chunk) and the optimizer step: the simulator's start
+and duration (planner/simulate.py ``Event``) and the measured medians over the steps after ``--skip``
+warm-up steps (start from the step's first device start; duration from the compute span's start to the end
+of the emulation sleep that follows it, if any), with their ratio, then per device and op kind the sums
+per step.
 """
 
 from __future__ import annotations
@@ -35,14 +31,14 @@ LETTER = {"forward": "F", "backward": "B", "input_grad": "B", "weight_grad": "W"
 Key = tuple[int, str, int, int]   # device, letter, micro-batch (-1: none), chunk
 
 
-def simulated(plan: Path, profiles: list[Path]) -> tuple[float, dict[Key, tuple[float, float, float]]]:
-    """The simulated step time and per op (start, duration, CPU) in seconds."""
+def simulated(plan: Path, profiles: list[Path]) -> tuple[float, dict[Key, tuple[float, float]]]:
+    """The simulated step time and per op (start, duration) in seconds."""
     ctx = load_plan_context(plan)
     cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, resolve_profiles(ctx.cluster.device_types, profiles))
     t = ctx.plan.training
     strat = ctx.plan.strategies[0]
     res = simulate(cm, strat, t.global_batch, t.schedule, t.zero)
-    ops: dict[Key, tuple[float, float, float]] = {}
+    ops: dict[Key, tuple[float, float]] = {}
     for e in res.events:
         if e.category not in ("forward", "backward", "optimizer"):
             continue
@@ -50,13 +46,13 @@ def simulated(plan: Path, profiles: list[Path]) -> tuple[float, dict[Key, tuple[
         letter = "opt" if e.category == "optimizer" else letter[0]
         for d in strat.pipelines[e.pipeline].stages[e.stage].devices:
             ops[d, letter, -1 if e.micro_batch is None else e.micro_batch, int(chunk or 0)] = (
-                e.start_s, e.end_s - e.start_s, e.cpu_s)
+                e.start_s, e.end_s - e.start_s)
     return res.step_time_s, ops
 
 
-def measured(trace_dir: Path, skip: int) -> tuple[float, dict[Key, tuple[float, float, float]]]:
+def measured(trace_dir: Path, skip: int) -> tuple[float, dict[Key, tuple[float, float]]]:
     """The median step (first device's start to last device's end) and per op the medians of (start,
-    duration with its emulation sleep, CPU) in seconds, over the steps after ``skip``."""
+    duration with its emulation sleep) in seconds, over the steps after ``skip``."""
     events = [e for e in json.loads((trace_dir / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
     by_dev: dict[int, list[dict]] = defaultdict(list)
     steps: dict[int, list[dict]] = defaultdict(list)
@@ -66,7 +62,7 @@ def measured(trace_dir: Path, skip: int) -> tuple[float, dict[Key, tuple[float, 
             steps[int(e["name"].split()[-1])].append(e)
     for lst in by_dev.values():
         lst.sort(key=lambda e: e["ts"])
-    samples: dict[Key, list[tuple[float, float, float]]] = defaultdict(list)
+    samples: dict[Key, list[tuple[float, float]]] = defaultdict(list)
     spans = []
     for n in sorted(steps)[skip:]:
         t0 = min(e["ts"] for e in steps[n])
@@ -83,8 +79,8 @@ def measured(trace_dir: Path, skip: int) -> tuple[float, dict[Key, tuple[float, 
                 a = e.get("args", {})
                 mb = -1 if e["name"] == "optimizer" else int(a.get("micro_batch", -1))
                 samples[dev, LETTER[e["name"]], mb, int(a.get("chunk", 0))].append(
-                    ((e["ts"] - t0) / 1e6, (end - e["ts"]) / 1e6, float(a.get("cpu_ms", 0.0)) / 1e3))
-    med = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in samples.items()}
+                    ((e["ts"] - t0) / 1e6, (end - e["ts"]) / 1e6))
+    med = {k: tuple(statistics.median(x[i] for x in v) for i in range(2)) for k, v in samples.items()}
     return (statistics.median(spans) if spans else 0.0), med  # type: ignore[return-value]
 
 
@@ -101,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     meas_step, meas = measured(args.trace, args.skip)
     keys = sorted(set(sim) & set(meas), key=lambda k: (k[0], sim[k][0]))
     rows = [{"device": k[0], "op": k[1], "micro_batch": k[2], "chunk": k[3],
-             "sim_start_ms": sim[k][0] * 1e3, "sim_ms": sim[k][1] * 1e3, "sim_cpu_ms": sim[k][2] * 1e3,
-             "meas_start_ms": meas[k][0] * 1e3, "meas_ms": meas[k][1] * 1e3, "meas_cpu_ms": meas[k][2] * 1e3}
+             "sim_start_ms": sim[k][0] * 1e3, "sim_ms": sim[k][1] * 1e3,
+             "meas_start_ms": meas[k][0] * 1e3, "meas_ms": meas[k][1] * 1e3}
             for k in keys]
-    figures = ("sim_ms", "sim_cpu_ms", "meas_ms", "meas_cpu_ms")
+    figures = ("sim_ms", "meas_ms")
     sums: dict[tuple[int, str], dict[str, float]] = defaultdict(lambda: dict.fromkeys(figures, 0.0))
     for r in rows:
         for f in figures:
@@ -115,18 +111,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"step: simulated {sim_step * 1e3:.1f} ms, measured {meas_step * 1e3:.1f} ms (median span, first start "
           "to last end)")
-    print(f"{'dev':>3} {'op':>3} {'mb':>3} {'ch':>2} | {'sim start':>9} {'dur':>7} {'cpu':>7} | {'meas start':>10} "
-          f"{'dur':>7} {'cpu':>7} | {'dur x':>5} {'cpu x':>5}")
+    print(f"{'dev':>3} {'op':>3} {'mb':>3} {'ch':>2} | {'sim start':>9} {'dur':>7} | {'meas start':>10} "
+          f"{'dur':>7} | {'dur x':>5}")
     for r in rows:
         print(f"{r['device']:>3} {r['op']:>3} {r['micro_batch']:>3} {r['chunk']:>2} | {r['sim_start_ms']:9.2f} "
-              f"{r['sim_ms']:7.2f} {r['sim_cpu_ms']:7.2f} | {r['meas_start_ms']:10.2f} {r['meas_ms']:7.2f} "
-              f"{r['meas_cpu_ms']:7.2f} | {r['meas_ms'] / max(1e-9, r['sim_ms']):5.2f} "
-              f"{r['meas_cpu_ms'] / max(1e-9, r['sim_cpu_ms']):5.2f}")
-    print("per device and op, per step (ms): simulated duration / CPU  |  measured duration / CPU")
+              f"{r['sim_ms']:7.2f} | {r['meas_start_ms']:10.2f} {r['meas_ms']:7.2f} | "
+              f"{r['meas_ms'] / max(1e-9, r['sim_ms']):5.2f}")
+    print("per device and op, per step (ms): simulated duration  |  measured duration")
     for t in totals:
-        print(f"  device {t['device']} {t['op']:>3}: {t['sim_ms']:8.2f} / {t['sim_cpu_ms']:8.2f}  |  "
-              f"{t['meas_ms']:8.2f} / {t['meas_cpu_ms']:8.2f}   "
-              f"CPU x{t['meas_cpu_ms'] / max(1e-9, t['sim_cpu_ms']):.3f}")
+        print(f"  device {t['device']} {t['op']:>3}: {t['sim_ms']:8.2f}  |  {t['meas_ms']:8.2f}   "
+              f"x{t['meas_ms'] / max(1e-9, t['sim_ms']):.3f}")
     return 0
 
 

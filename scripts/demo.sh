@@ -47,10 +47,12 @@ act "4. Train the planned plan, then the best symmetric (Megatron-style) plan, a
 echo "(the simulator's step times just above are what to compare them with)"
 rm -rf "$OUT/checkpoint"
 hspmd train --plan "$OUT/plan.yaml" --steps 15 --metrics "$OUT/planned-metrics.jsonl" --trace "$OUT/trace" \
-  --save "$OUT/checkpoint"
+  --save "$OUT/checkpoint" --save-every 5
 hspmd train --plan "$OUT/symmetric.yaml" --steps 15 --metrics "$OUT/symmetric-metrics.jsonl"
 python scripts/compare_runs.py planned="$OUT/planned-metrics.jsonl" symmetric="$OUT/symmetric-metrics.jsonl"
 echo "per-step metrics: $OUT/planned-metrics.jsonl; Perfetto traces (open at ui.perfetto.dev): $OUT/trace/"
+echo "checkpoints every 5 steps ($OUT/checkpoint/step-<N>/, 'latest' names the newest); the run resumed to step 20:"
+hspmd train --plan "$OUT/plan.yaml" --steps 20 --save "$OUT/checkpoint" --save-every 5 --resume
 
 act "5. The checkpoint (full tensors by name) continues under a different plan: a TP-2 pipeline + a 2-stage pipeline"
 echo "(on cpu-hetero4, the other emulation mode: devices 2-3 sleep 2x each block's measured compute time)"

@@ -259,27 +259,9 @@ def show(profile_ref: str, fmt: str) -> None:
             for comp, (how, base) in missing.items():
                 out.add_row(str(tp), "", comp, how if base is None else f"{how} from tp{base}", "", "", "", "")
         con.print(out)
-        if mm.resume is not None:   # the emulated host's figures (CPU hosts): what the simulator plays
-            r = mm.resume
-            con.print(f"  after idling: a block costs up to {r.forward_s * 1e3:.3f} ms + {r.forward_rate:.3f} x "
-                      f"its CPU more forward, {r.backward_s * 1e3:.3f} ms + {r.backward_rate:.3f} x backward (time "
-                      f"constant {r.tau_s * 1e3:.1f} ms)")
-        for sl, curve in sorted(mm.core_sharing_curve.items()):
-            con.print(f"  two devices on one core, s={sl}: efficiency " + ", ".join(
-                f"{e:g} for {b * 1e3:.2f} ms blocks" for b, e in zip(curve.block_s, curve.efficiency)))
     cm = prof.comm
     if cm.p2p is not None:
         con.print(f"  p2p: {_link(cm.p2p)}")
-    if cm.p2p_actions is not None:
-        a = cm.p2p_actions
-        con.print(f"  executor CPU per message: send post {a.post_send_s * 1e3:.3f} ms, receive post "
-                  f"{a.post_recv_s * 1e3:.3f} ms, receive wait {a.wait_recv_s * 1e3:.3f} ms")
-        if a.cold_tau_s > 0:
-            con.print(f"    after idling: up to {a.cold_post_send_s * 1e3:.3f} / {a.cold_post_recv_s * 1e3:.3f} / "
-                      f"{a.cold_wait_recv_s * 1e3:.3f} ms more (time constant {a.cold_tau_s * 1e3:.1f} ms)")
-    if cm.shared_core_p2p_s:
-        con.print(f"  a boundary message between workers pinned to one core: {cm.shared_core_p2p_s * 1e3:.3f} ms "
-                  "later when its sender computes on")
     for n, f in cm.allreduce.items():
         con.print(f"  all-reduce x{n}: {_link(f)}")
     curves = [(f"{cls} {d}", c) for cls, lc in cm.links.items() for d, c in (("send", lc.send), ("recv", lc.recv))]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,53 @@ class MetricsFile:
             os.close(self.fd)
 
 
+class TensorBoard:
+    """The step metrics as TensorBoard scalars (torch's SummaryWriter; the tensorboard package is optional)."""
+
+    def __init__(self, directory: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise HspmdError(f"{directory}: --tensorboard: needs the tensorboard package, which is not installed "
+                             "(pip install tensorboard)") from None
+        self.writer = SummaryWriter(log_dir=str(directory))
+
+    def write(self, r: StepRecord) -> None:
+        scalars = {"loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm, "tokens_per_s": r.tokens_per_s,
+                   "step_time_s": r.step_time_s, "mfu": r.mfu}
+        for name, value in scalars.items():
+            if value is not None:
+                self.writer.add_scalar(f"train/{name}", value, r.step)
+        for device, peak in (r.peak_memory_bytes or {}).items():
+            self.writer.add_scalar(f"memory/peak_gib/device{device}", peak / 2**30, r.step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def mfu_of(plan: tuple[Path, str | None, str | None]) -> Callable[[StepRecord], StepRecord]:
+    """A step's record with its MFU: model FLOPs (planner/cost.py ``model_flops_per_token`` at the plan's
+    seq_len, times the step's tokens) per second over the sum of the step strategy's devices' dense peaks."""
+    from dataclasses import replace
+
+    from planner.cost import model_flops_utilization
+    from runtime.spec import load_plan_context
+
+    ctx = load_plan_context(*plan)   # (plan, --cluster, --model)
+    t = ctx.plan.training
+
+    def add(r: StepRecord) -> StepRecord:
+        strategy = next((s for s in ctx.plan.strategies if s.name == r.strategy), None)
+        if strategy is None:   # a strategy of another plan (an in-memory switch): no MFU rather than a wrong one
+            return r
+        devices = strategy.devices
+        tokens = r.tokens if r.tokens is not None else t.global_batch * t.seq_len
+        return replace(r, mfu=model_flops_utilization(ctx.model, ctx.cluster, devices, t.seq_len, tokens,
+                                                      r.step_time_s))
+
+    return add
+
+
 class StepDisplay:
     """A live progress bar (step, loss, step time, tokens/s) on a terminal; one plain line per step elsewhere
     (CI logs, pipes), where a redrawn bar would only leave noise."""
@@ -97,8 +145,9 @@ class StepDisplay:
             docs = (f", {r.strategy}: {r.documents} documents, imbalance {r.imbalance:.2f}"
                     if r.documents is not None and r.imbalance is not None else "")
             lr = f", lr {r.lr:.3g}" if r.lr is not None else ""
+            mfu = f", MFU {r.mfu:.1%}" if r.mfu is not None else ""
             self.console.print(f"step {r.step}: loss {r.loss:.4f}{lr}, {r.step_time_s:.3f} s/step, "
-                               f"{r.tokens_per_s:,.0f} tokens/s{emu}{docs}")
+                               f"{r.tokens_per_s:,.0f} tokens/s{mfu}{emu}{docs}")
 
     def log(self, message: str) -> None:
         self.progress.console.print(f"[dim]{escape(message)}[/dim]")
@@ -114,7 +163,10 @@ class StepDisplay:
 @click.option("--strategy", "strategy", help="Strategy of the plan to run (default: its first).")
 @click.option("--steps", type=IntRange(min=0), default=20, show_default=True, help="Optimizer steps to run.")
 @click.option("--metrics", type=click.Path(path_type=Path),
-              help="Write one JSON line per step here (-: standard output, the progress lines then on stderr).")
+              help="Write one JSON line per step here (-: standard output, the progress lines then on stderr): loss, "
+                   "lr, grad_norm, step time, tokens/s, mfu, peak memory per device (docs/training.md).")
+@click.option("--tensorboard", "tensorboard_dir", type=click.Path(path_type=Path),
+              help="Also write the step metrics as TensorBoard scalars here (needs the tensorboard package).")
 @click.option("--trace", "trace_dir", type=click.Path(path_type=Path),
               help="Write per-device Chrome traces (and a merged trace.json) here; open in ui.perfetto.dev.")
 @click.option("--data", "data_file", type=click.Path(path_type=Path),
@@ -129,8 +181,23 @@ class StepDisplay:
 @click.option("--long-documents", type=click.Choice(["split", "truncate", "error"]), default="split",
               show_default=True, help="Documents longer than training.seq_len: split into pieces, keep the first "
                                       "seq_len tokens, or refuse the run.")
-@click.option("--save", "save_dir", type=click.Path(path_type=Path), help="Save a checkpoint here at the end.")
-@click.option("--load", "load_dir", type=click.Path(path_type=Path), help="Start from this checkpoint.")
+@click.option("--save", "save_dir", type=click.Path(path_type=Path),
+              help="Save checkpoints here: DIR/step-<8 digits>/ at the end (and every --save-every steps), "
+                   "DIR/latest naming the newest complete one (docs/training.md).")
+@click.option("--save-every", type=IntRange(min=1), metavar="N",
+              help="Also save every N steps (written in the background while training goes on).")
+@click.option("--save-in-background/--save-in-foreground", default=True, show_default=True,
+              help="--save-every: write from a host copy of the whole state on the strategy's first device while "
+                   "training goes on, or write before training goes on, holding one transfer round at a time "
+                   "(for a state larger than that host's memory).")
+@click.option("--keep", type=IntRange(min=1), metavar="K",
+              help="Keep the newest K checkpoints of --save [default: all].")
+@click.option("--resume", is_flag=True,
+              help="Continue from --save's latest checkpoint (step, learning-rate schedule, optimizer, data position, "
+                   "random state); --steps is then the run's last step. Without one yet, start at step 0 "
+                   "(from --load when given).")
+@click.option("--load", "load_dir", type=click.Path(path_type=Path),
+              help="Start from this checkpoint (a directory of one, or a --save directory: its latest).")
 @click.option("--timeout", "timeout_s", type=FiniteFloatRange(min=1.0, max=MAX_TIMEOUT_S),
               help="Seconds any collective or store operation may take before the run fails "
                    f"[default: 120; {ELASTIC_TIMEOUT_S:g} with --elastic].")
@@ -190,9 +257,11 @@ class StepDisplay:
                    "worker checks it runs on its device's node, GPU index and GPU type before it builds; under "
                    "torchrun the node's devices of the run are its local ranks, in id order (docs/gpu.md).")
 def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strategy: str | None, steps: int,
-          metrics: Path | None, trace_dir: Path | None,
+          metrics: Path | None, tensorboard_dir: Path | None, trace_dir: Path | None,
           data_file: Path | None, tokenizer: Path | None, lengths: str | None, long_documents: str,
-          save_dir: Path | None, load_dir: Path | None, timeout_s: float | None,
+          save_dir: Path | None, save_every: int | None, save_in_background: bool, keep: int | None, resume: bool,
+          load_dir: Path | None,
+          timeout_s: float | None,
           elastic: bool, switch_specs: tuple[str, ...], kill_devices: tuple[int, ...], hang_devices: tuple[int, ...],
           fault_step: int | None, fault_point: str, heartbeat_timeout_s: float | None, profile_dirs: tuple[Path, ...],
           replan_tolerance: float, preplan: bool, rejoin_devices: tuple[int, ...], rejoin_step: int | None,
@@ -205,6 +274,14 @@ def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strat
     """
     if lengths is not None and data_file is not None:
         raise HspmdError("--lengths: synthetic documents or --data FILE, not both")
+    if (save_every is not None or keep is not None or resume) and save_dir is None:
+        raise HspmdError("--save-every, --keep and --resume work on --save DIR; give it")
+    if save_every is None:
+        refuse_given("only with --save-every N", "save_in_background")
+    if save_every is not None and (elastic or switch_specs):
+        raise HspmdError("--save-every: an --elastic or --switch run saves at its end only")
+    if resume:
+        load_dir, steps = _resume(save_dir, load_dir, steps)
     if tokenizer is not None and data_file is None:
         raise HspmdError("--tokenizer: tokenizes --data FILE; give the file")
     check_outputs(metrics, trace_dir)
@@ -234,7 +311,9 @@ def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strat
         heartbeat_timeout_s = ELASTIC_HEARTBEAT_TIMEOUT_S if elastic else TrainOptions.heartbeat_timeout_s
     options = TrainOptions(plan=plan_path, cluster=cluster_ref, model=model_ref, strategy=strategy, steps=steps,
                            trace_dir=trace_dir, data_file=data_file,
-                           save_dir=save_dir, load_dir=load_dir, timeout_s=timeout_s,
+                           save_dir=save_dir, save_every=save_every or 0, keep=keep, load_dir=load_dir,
+                           save_in_background=save_in_background,
+                           timeout_s=timeout_s,
                            heartbeat_timeout_s=heartbeat_timeout_s, faults=faults, elastic=elastic,
                            switches=tuple(_parse_switch(s) for s in switch_specs), precision=precision,
                            lengths=lengths, tokenizer=tokenizer, long_documents=long_documents,
@@ -261,9 +340,14 @@ def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strat
         if note is not None:
             click.echo(f"note: {note}", err=True)
     sink = MetricsFile(metrics) if metrics is not None else None
+    board = TensorBoard(tensorboard_dir) if tensorboard_dir is not None else None
     display = StepDisplay(steps, None if load_dir is not None else steps, stderr=metrics == STDOUT)
+    with_mfu = mfu_of((plan_path, cluster_ref, model_ref))
 
     def on_step(record: StepRecord) -> None:
+        record = with_mfu(record)
+        if board is not None:
+            board.write(record)
         if record.switched_from is not None:  # a documents run's dispatch changed strategy before this step
             event = _dispatch_switch_event(record)
             display.event(_dispatch_line(event))
@@ -310,6 +394,8 @@ def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strat
     finally:
         if sink is not None:
             sink.close()
+        if board is not None:
+            board.close()
     _summary(display.records, metrics, trace_dir, save_dir, display.console)
 
 
@@ -337,6 +423,29 @@ def check_outputs(metrics: Path | None, trace_dir: Path | None) -> None:
         check_append_file(metrics, "--metrics")
     if trace_dir is not None:
         check_output_dir(trace_dir, "--trace")
+
+
+def _resume(save_dir: Path, load_dir: Path | None, last_step: int) -> tuple[Path | None, int]:
+    """--resume: the checkpoint to start from (``save_dir``'s latest, else ``load_dir``) and the steps left
+    to reach ``last_step``."""
+    from runtime.checkpoint import latest_checkpoint
+    from runtime.checkpoint_series import step_of
+
+    latest = latest_checkpoint(save_dir) if save_dir.is_dir() else None
+    out = console(stderr=True)
+    if latest is None:
+        out.print(f"--resume: no checkpoint in {escape(str(save_dir))} yet: starting "
+                  + (f"from {escape(str(load_dir))}" if load_dir is not None else "at step 0"))
+        return load_dir, last_step
+    done = step_of(latest)
+    if done == last_step:   # the run finished: repeating its command (a retry loop) is not an error
+        out.print(f"--resume: {escape(str(latest))} is the run's last step ({done}): nothing left to train")
+        sys.exit(0)
+    if done > last_step:
+        raise HspmdError(f"{latest}: --resume: the run is at step {done} already, past --steps {last_step} (--steps "
+                         "is the run's last step when resuming)")
+    out.print(f"--resume: continuing from {escape(str(latest))} (step {done}) to step {last_step}")
+    return latest, last_step - done
 
 
 def _faults(kill: tuple[int, ...], hang: tuple[int, ...], step: int | None, rejoin: bool = False,
@@ -469,4 +578,7 @@ def _summary(records: list[StepRecord], metrics: Path | None, trace_dir: Path | 
         out.print(f"traces: {escape(str(trace_dir / TRACE_MERGED))} (all devices; per device: "
                   f"{escape(str(trace_dir))}/device<N>.json) - open in https://ui.perfetto.dev")
     if save_dir is not None:
-        out.print(f"checkpoint: {escape(str(save_dir))}")
+        from runtime.checkpoint import latest_checkpoint
+
+        latest = latest_checkpoint(save_dir) if save_dir.is_dir() else None
+        out.print(f"checkpoint: {escape(str(latest or save_dir))}" + (" (latest)" if latest else ""))

@@ -84,9 +84,8 @@ def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,
 
     from runtime.annotations.from_plan import strategy_annotations
     from runtime.annotations.states import relative
-    from runtime.checkpoint import MOMENT_SUFFIXES, moment_key
     from runtime.comm.execute import run_bsr
-    from runtime.elastic.state import moment_slices, plan_moment_gather
+    from runtime.elastic.state import MOMENT_SUFFIXES, moment_key, moment_slices, plan_moment_gather
     from runtime.engine.optim import flat_range
 
     me = groups.my_device
@@ -142,7 +141,7 @@ def _keep_chunks(program: Any, state: dict[str, Any]) -> None:
     import torch
 
     from runtime.annotations.states import relative
-    from runtime.checkpoint import MOMENT_SUFFIXES
+    from runtime.elastic.state import MOMENT_SUFFIXES
     from runtime.engine.optim import flat_range
 
     pieces = program.moment_pieces()

@@ -25,12 +25,20 @@ from dataclasses import dataclass
 
 from runtime.annotations.from_plan import strategy_annotations
 from runtime.annotations.states import Annotation, contains
-from runtime.checkpoint import MOMENT_SUFFIXES, STATE_DTYPE, STATE_SUFFIXES, moment_key
-from runtime.comm.bsr import BsrPlan, TensorMove, cells, plan_bsr, tensor_grid
+from runtime.comm.bsr import FLOAT32, BsrPlan, TensorMove, cells, plan_bsr, tensor_grid
 from runtime.engine.zero import ZeroSlice, strategy_zero_slices
 from runtime.errors import HspmdError
 from runtime.spec import PlanContext
 from runtime.spec.handle import StrategyHandle
+
+STATE_SUFFIXES = ("", ".exp_avg", ".exp_avg_sq")  # the parameter, then AdamW's two moments
+MOMENT_SUFFIXES = STATE_SUFFIXES[1:]
+STATE_DTYPE = FLOAT32  # master weights and moments (bf16 is only autocast compute)
+
+
+def moment_key(name: str, suffix: str, i: int) -> str:
+    """A ZeRO-1 moment's slice ``i`` as one 1-D tensor (the fused BSRs of a save and of a switch move these)."""
+    return f"{name}{suffix}@{i}"
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,12 @@ def _preflight(options: TrainOptions, ctx: PlanContext) -> str | None:
         if options.load_dir is not None:
             read_dispatch_state(options.load_dir)
     else:
-        token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed,
-                     data_file=options.data_file)
+        source = token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len,
+                              seed=t.seed, data_file=options.data_file)
+        from runtime.epochs import ShardWindows
+
+        if isinstance(source, ShardWindows):   # windows of a prepared directory: say what they are
+            line = source.describe()
     # Both checked in documents runs too, which skipped them: a bad --load or --save surfaced in the workers.
     from runtime.checkpoint import check_load_and_save
 

@@ -112,7 +112,13 @@ class TrainOptions:
     steps: int = 10
     trace_dir: Path | None = None
     data_file: Path | None = None
-    save_dir: Path | None = None
+    save_dir: Path | None = None  # the run's step checkpoints (runtime/checkpoint_series.py)
+    save_every: int = 0  # also save every N steps (0: only at the end)
+    keep: int | None = None  # keep the newest K step checkpoints (None: all)
+    # Periodic saves written by a background thread from a host copy of the whole state on the writer
+    # (training pauses only for the gather); False: written before training goes on, one BSR round at a
+    # time (host memory for one round, for states larger than the writer's memory).
+    save_in_background: bool = True
     load_dir: Path | None = None
     timeout_s: float = 120.0  # every store operation, process group and collective
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
@@ -147,6 +153,10 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ValueError(f"steps must not be negative, got {self.steps}")
+        if self.save_every < 0 or (self.keep is not None and self.keep < 1):
+            raise ValueError(f"save_every must be >= 0 and keep >= 1, got {self.save_every}, {self.keep}")
+        if self.save_every and self.save_dir is None:
+            raise ValueError("save_every needs a save_dir")
         if self.timeout_s <= 0 or self.heartbeat_s <= 0 or self.heartbeat_timeout_s <= self.heartbeat_s:
             raise ValueError("timeouts must be positive and heartbeat_timeout_s > heartbeat_s")
         if self.precision not in PRECISIONS:
@@ -206,9 +216,7 @@ class StepReport:
     lr: float = 0.0  # the learning rate of the step's update
     lengths: LengthsStep | None = None  # documents runs: the step's dispatch (the same on every device)
     idle: bool = False  # documents runs: the step's strategy leaves this device idle (no loss, no time)
-    # CUDA: the step's peak of memory allocated by tensors and reserved by torch's caching allocator (bytes)
-    peak_allocated: int | None = None
-    peak_reserved: int | None = None
+    peak_memory_bytes: int = 0  # the device's peak so far: CUDA's allocator peak, or the process' peak RSS on CPU
 
 
 @dataclass(frozen=True)
@@ -242,9 +250,10 @@ class StepRecord:
     emulation_s: float  # most any worker slept to emulate slowness this step
     emulation_overrun_s: float = 0.0  # sleep mode: most any worker's blocks ran past their targets
     lr: float | None = None  # the learning rate of the step's update (the plan's schedule)
-    # CUDA runs: the step's highest peak on any device, allocated by tensors and reserved by the allocator
-    peak_allocated_gib: float | None = None
-    peak_reserved_gib: float | None = None
+    # Peak memory of each device so far (device id -> bytes: the CUDA allocator's peak, or on CPU the worker
+    # process' peak resident set), and the model FLOPs utilization (hetu_cli fills it: docs/training.md).
+    peak_memory_bytes: dict[str, int] | None = None
+    mfu: float | None = None
     # Documents runs (omitted from the JSON otherwise): the step's documents and tokens, its padding, the
     # dispatch imbalance, and the switch (wall time: the slowest device's; bytes: all devices') when the
     # strategy changed.
@@ -272,10 +281,6 @@ class StepRecord:
         step_time = max(r.wall_s + (r.lengths.dispatch_s + r.lengths.switch_s if r.lengths else 0.0) for r in reports)
         d = first.lengths
         extra: dict[str, Any] = {}
-        peaks = [r for r in reports if r.peak_allocated is not None]
-        if peaks:
-            extra.update(peak_allocated_gib=max(r.peak_allocated or 0 for r in peaks) / 2**30,
-                         peak_reserved_gib=max(r.peak_reserved or 0 for r in peaks) / 2**30)
         if d is not None:
             strategy = d.strategy
             extra.update(documents=d.documents, tokens=first.tokens, padding_fraction=d.padding_fraction,
@@ -289,5 +294,7 @@ class StepRecord:
         return StepRecord(step=first.step, loss=first.loss, step_time_s=step_time,
                           tokens_per_s=first.tokens / step_time if step_time > 0 else 0.0,
                           strategy=strategy, grad_norm=first.grad_norm, lr=first.lr,
+                          peak_memory_bytes={str(r.device): r.peak_memory_bytes for r in reports
+                                             if r.peak_memory_bytes} or None,
                           emulation_s=max(r.emulation_s for r in reports),
                           emulation_overrun_s=max(r.emulation_overrun_s for r in reports), **extra)

@@ -46,9 +46,10 @@ class WorldAbandoned(RuntimeError):
 def read_dispatch_state(load_dir: Path) -> str | None:
     """The strategy a documents run's last saved step ran (``DISPATCH_STATE`` beside its checkpoint), or
     None where none is recorded. Read strictly: a broken file is the user's, not a worker's crash."""
+    from runtime.checkpoint import resolve_checkpoint
     from runtime.spec.hf import read_config
 
-    path = Path(load_dir) / DISPATCH_STATE
+    path = resolve_checkpoint(load_dir) / DISPATCH_STATE
     if not os.path.lexists(path):
         return None
     name = read_config(path).get("strategy")
@@ -116,6 +117,36 @@ def document_source_of(ctx: PlanContext, options: TrainOptions):  # -> runtime.d
                            long_documents=options.long_documents)  # type: ignore[arg-type]
 
 
+def peak_memory(device: Any) -> int:
+    """The device's peak memory so far: the CUDA caching allocator's peak allocation, or on a CPU device
+    the worker process' peak resident set (its only memory)."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def restore_trainer_state(load_dir: Path, seed: int, source: Any) -> str | None:
+    """The random state a step checkpoint recorded (a checkpoint without trainer state leaves it as is: the
+    data's position is the step itself, runtime/data.py). Returns a note where the run's data differs from
+    the checkpoint's (another seed or source: the run continues at the same step of its own data)."""
+    from runtime.checkpoint import resolve_checkpoint
+    from runtime.checkpoint_series import read_trainer_state, restore_rng
+
+    state = read_trainer_state(resolve_checkpoint(load_dir))
+    if state is None:
+        return None
+    restore_rng(state.rng)
+    theirs, ours = state.data.get("source"), source.position(state.step).get("source")
+    if state.seed != seed or theirs != ours:
+        return (f"note: {load_dir} was saved reading {theirs} with seed {state.seed}; this run reads {ours} with "
+                f"seed {seed}, from the position of step {state.step}")
+    return None
+
+
 def trace_file(trace_dir: Path, device: int) -> Path:
     return trace_dir / f"device{device}.json"
 
@@ -172,6 +203,12 @@ class Session:
         self._world_tag: int | None = None  # the caller's name for it (an elastic run's generation)
         self._aborted = False  # its groups were aborted: torch no longer holds them
         self._shut = False  # gloo: its connections were shut down
+        self.saver: Any = None  # --save's checkpoints (runtime/checkpoint_series.py Saver)
+        self.saved_step: int | None = None
+        if options.save_dir is not None:
+            from runtime.checkpoint_series import Saver
+
+            self.saver = Saver(options.save_dir, options.keep, lambda line: report(Log(line)))
 
     @property
     def rank(self) -> int:
@@ -245,8 +282,11 @@ class Session:
         if program is None:
             return read_checkpoint_info(load_dir, self.ctx).step
         done = load_checkpoint(program, load_dir, self.ctx)
+        note = restore_trainer_state(load_dir, self.ctx.plan.training.seed, self.source)
         if self.rank == 0:
             self.report(Log(f"loaded {load_dir} (step {done})"))
+            if note is not None:
+                self.report(Log(note))
         return done
 
     def fire_fault(self, step: int, point: FaultPoint = "start") -> None:
@@ -263,11 +303,6 @@ class Session:
     def run_step(self, program: Any, step: int, batch: Any, before_update: Callable[[Any], None] | None = None,
                  lengths: LengthsStep | None = None) -> StepReport:
         """One step of ``program`` on ``batch`` (windows, or a documents run's packed ``StepBatch``)."""
-        cuda = self.device.type == "cuda"
-        if cuda:
-            import torch
-
-            torch.cuda.reset_peak_memory_stats(self.device)
         with self.recorder.span("step", f"step {step}") if self.recorder is not None else nullcontext():
             t0 = time.perf_counter()
             stats = program.train_step(batch, before_update=before_update)
@@ -281,35 +316,49 @@ class Session:
                           compute_s=float(stats.compute_s), comm_s=float(stats.comm_s), lr=float(stats.lr),
                           emulation_s=self.emulator.take_emulated_s() if self.emulator is not None else 0.0,
                           emulation_overrun_s=self.emulator.take_overrun_s() if self.emulator is not None else 0.0,
-                          lengths=lengths, **self._peaks())
+                          lengths=lengths, peak_memory_bytes=peak_memory(self.device))
 
-    def _peaks(self) -> dict[str, int]:
-        """The CUDA allocator's peaks since the step began (nothing on the CPU)."""
-        if self.device.type != "cuda":
-            return {}
-        import torch
+    def trainer_state(self, step: int) -> Any:
+        """What a checkpoint of ``step`` records besides the model: the data's position, seed and RNG."""
+        from runtime.checkpoint_series import TrainerState, torch_rng_state
 
-        return {"peak_allocated": torch.cuda.max_memory_allocated(self.device),
-                "peak_reserved": torch.cuda.max_memory_reserved(self.device)}
+        return TrainerState(step=step, seed=self.ctx.plan.training.seed, data=self.source.position(step),
+                            rng=torch_rng_state())
+
+    def save(self, program: Any, handle: StrategyHandle, step: int, *, background: bool,
+             extra: Mapping[str, bytes] | None = None) -> None:
+        """Checkpoint ``step`` into ``--save``'s series (collective over ``handle``'s devices)."""
+        assert self.saver is not None
+        self.saver.save(program, self.groups, plan=handle.ctx, strategy=handle.name,
+                        trainer=self.trainer_state(step), extra=extra, background=background)
+        self.saved_step = step
+
+    def save_documents(self, steps: DocumentSteps, step: int, *, background: bool) -> None:
+        """A documents run's checkpoint of ``step`` (its program holding the state, and the dispatch state)."""
+        if steps.save(self.saver, self.trainer_state(step), background=background):
+            self.saved_step = step
+
+    def periodic_save_due(self, step: int, last: int) -> bool:
+        """Whether ``step`` (not the run's last: that one is saved by ``finish``) is a ``--save-every`` step."""
+        every = self.options.save_every
+        return self.saver is not None and every > 0 and step % every == 0 and step != last
 
     def finish(self, program: Any, handle: StrategyHandle, step: int,
-               save: Callable[[Path, int], None] | None = None, *, sync: bool = True) -> None:
-        """Save ``--save`` (when this device holds state; ``save``: how, for a documents run), write the
-        traces, leave the world. ``sync``: wait for every device of the world first (needed to merge the
-        traces; an elastic run skips it without traces, so that a device idle in the plan that died
-        unnoticed cannot fail the end of the run)."""
+               save: Callable[[int], None] | None = None, *, sync: bool = True) -> None:
+        """Save ``--save``'s last checkpoint (when this device holds state and ``step`` is not saved yet;
+        ``save``: how, for a documents run) and wait for every save in flight, write the traces, leave the
+        world. ``sync``: wait for every device of the world first (needed to merge the traces; an elastic
+        run skips it without traces, so that a device idle in the plan that died unnoticed cannot fail the
+        end of the run)."""
         import torch.distributed as dist
 
-        save_dir = self.options.save_dir
-        if save_dir is not None and (save is not None or program is not None):
-            from runtime.checkpoint import save_checkpoint
-
-            if save is not None:
-                save(save_dir, step)
-            else:
-                save_checkpoint(program, self.groups, save_dir, plan=handle.ctx, strategy=handle.name, step=step)
-            if self.me == min(handle.devices):
-                self.report(Log(f"saved {save_dir} (step {step})"))
+        if self.saver is not None and (save is not None or program is not None):
+            if self.saved_step != step:
+                if save is not None:
+                    save(step)
+                else:
+                    self.save(program, handle, step, background=False)
+            self.saver.wait()
         if self.recorder is not None:
             assert self.options.trace_dir is not None
             self.recorder.write(trace_file(self.options.trace_dir, self.me))
@@ -444,10 +493,16 @@ def documents_line(source: Any) -> str:
     from runtime.documents import CorpusDocuments
 
     if isinstance(source, CorpusDocuments):
+        per_step = f"{source.tokens_per_step} tokens per step, at most {source.max_len} per document, epoch order"
         c = source.corpus
+        if c is None:
+            d = source.stream.docs
+            return (f"data: {d.origin}: {len(d.lengths)} prepared documents, {d.tokens} tokens (EOS id {d.eos}), "
+                    f"{per_step}")
+        eos = f"EOS id {c.eos} after each" if c.eos is not None else "no EOS token (bytes, or a tokenizer whose " \
+                                                                        "tokenizer_config.json names none)"
         return (f"data: {c.path}: {len(c.documents)} documents after cutting ({c.skipped_empty} empty skipped, "
-                f"{c.split_documents} split, {c.truncated_documents} truncated), {source.tokens_per_step} tokens "
-                f"per step, at most {source.max_len} per document")
+                f"{c.split_documents} split, {c.truncated_documents} truncated; {eos}), {per_step}")
     return (f"data: synthetic documents, lengths {source.distribution.name} up to {source.max_len} tokens, "
             f"{source.tokens_per_step} tokens per step")
 
@@ -488,6 +543,7 @@ class DocumentSteps:
         self.costs = costs if costs is not None else [
             plan_strategy_cost(h.strategy, h.model, h.cluster, h.training) for h in self.handles]
         self.current: int | None = None   # the strategy of the previous step (dispatch's hysteresis)
+        self.note: str | None = None   # what loading found different about the data (restore_trainer_state)
         self._switches: dict[tuple[int, int], Any] = {}
 
     def switch_plan(self, src: int, dst: int) -> Any:
@@ -518,21 +574,21 @@ class DocumentSteps:
         self.holder = holder
         if self.programs[holder] is not None:
             load_checkpoint(self.programs[holder], load_dir, self.ctx)
+        self.note = restore_trainer_state(load_dir, self.ctx.plan.training.seed, self.source)
         return done
 
-    def save(self, save_dir: Path, step: int) -> None:
-        """Save from the program holding the state (collective over its devices), the dispatch state beside."""
+    def save(self, saver: Any, trainer: Any, *, background: bool) -> bool:
+        """Save from the program holding the state (collective over its devices) into ``saver``'s series
+        (runtime/checkpoint_series.py), the dispatch state beside; False where this device holds none."""
         import json
-
-        from runtime.checkpoint import save_checkpoint
-        from runtime.spec.io import atomic_write_text
 
         handle, program = self.current_handle, self.current_program
         if program is None:
-            return
-        save_checkpoint(program, self.groups, save_dir, plan=self.ctx, strategy=handle.name, step=step)
-        if self.me == min(handle.devices):
-            atomic_write_text(Path(save_dir) / DISPATCH_STATE, json.dumps({"strategy": handle.name}) + "\n")
+            return False
+        saver.save(program, self.groups, plan=self.ctx, strategy=handle.name, trainer=trainer,
+                   extra={DISPATCH_STATE: (json.dumps({"strategy": handle.name}) + "\n").encode()},
+                   background=background)
+        return True
 
     @property
     def current_handle(self) -> StrategyHandle:

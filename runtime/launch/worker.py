@@ -45,19 +45,27 @@ def train_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox | 
                 done = steps.load(spec.options.load_dir)
                 if session.rank == 0:
                     report(Log(f"loaded {spec.options.load_dir} (step {done})"))
-            for step in range(done + 1, done + spec.options.steps + 1):
+                    if steps.note is not None:
+                        report(Log(steps.note))
+            last = done + spec.options.steps
+            for step in range(done + 1, last + 1):
                 session.fire_fault(step)
                 report(StepDone(documents_step(session, steps, step)))
-            session.finish(None, steps.current_handle, done + spec.options.steps,
-                           save=lambda d, n: steps.save(d, n))
+                if session.periodic_save_due(step, last):
+                    session.save_documents(steps, step, background=spec.options.save_in_background)
+            session.finish(None, steps.current_handle, last,
+                           save=lambda n: session.save_documents(steps, n, background=False))
             return
         handle = StrategyHandle.of(session.ctx, spec.strategy)
         program = session.build(handle)
         done = session.load(program)
-        for step in range(done + 1, done + spec.options.steps + 1):
+        last = done + spec.options.steps
+        for step in range(done + 1, last + 1):
             session.fire_fault(step)
             report(StepDone(session.step(program, step)))
-        session.finish(program, handle, done + spec.options.steps)
+            if session.periodic_save_due(step, last):
+                session.save(program, handle, step, background=spec.options.save_in_background)
+        session.finish(program, handle, last)
     finally:
         session.leave()
 

@@ -1,7 +1,5 @@
 """Fitting ``hspmd profile``'s samples: ``a*s^2 + b*s + c`` by least squares on relative error with
-non-negative coefficients, links as latency + bytes / bandwidth, penalties after idling as
-``peak * (1 - exp(-t / tau))``. Importing this loads no torch (runtime/profiling/host.py has torch-free
-callers); the least squares load it when they run.
+non-negative coefficients, links as latency + bytes / bandwidth. Importing this loads no torch.
 """
 
 from __future__ import annotations
@@ -76,27 +74,6 @@ def fit_quadratic(xs: Sequence[float], ys: Sequence[float], batch: int = 1,
     coef, resid = nonneg_lstsq([all_cols[i] for i in terms], ys)
     out = dict(zip(terms, coef))
     return (out.get(0, 0.0), out.get(1, 0.0), out.get(2, 0.0)), resid
-
-
-def fit_saturating(idles_s: Sequence[float], extra: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], float]:
-    """Fit ``extra[j][i] ~ peak_i * (1 - exp(-idles_s[j] / tau))``: one tau shared by every column i,
-    from a log grid (0.1 ms up to the longest idle measured: no extrapolated growth), the peaks by least
-    squares, none below zero. Returns (peaks, tau)."""
-    cols = range(len(extra[0]))
-    best: tuple[float, tuple[float, ...], float] | None = None
-    for k in range(41):
-        tau = 1e-4 * 10 ** (k / 10)
-        if tau > max(idles_s):
-            break
-        shape = [1.0 - math.exp(-t / tau) for t in idles_s]
-        norm = sum(x * x for x in shape)
-        peaks = tuple(max(0.0, sum(x * e[i] for x, e in zip(shape, extra)) / norm) if norm > 0 else 0.0
-                      for i in cols)
-        err = sum((peaks[i] * x - e[i]) ** 2 for x, e in zip(shape, extra) for i in cols)
-        if best is None or err < best[0]:
-            best = (err, peaks, tau)
-    assert best is not None
-    return best[1], best[2]
 
 
 def link_fit(xs: Sequence[float], ys: Sequence[float]) -> LinkFit:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +32,9 @@ from runtime.errors import Checker, Problem, SpecError
 from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves, nearest_degree
 from runtime.spec.catalog import PROFILES_DIR, load_model, resolve_profile_ref
 from runtime.spec.cluster import DeviceType, Emulation
-from runtime.spec.io import atomic_write_text, dump_yaml, is_dir, is_file, load_file
+from runtime.spec.io import atomic_write_text, check_version, dump_yaml, is_dir, is_file, read_json, read_yaml
 from runtime.spec.model import Architecture, ModelSpec
-from runtime.spec.schema import to_data
+from runtime.spec.schema import build, to_data
 
 PROFILE_VERSION = 1
 COMPONENTS = ("embedding", "attention", "mlp", "norm", "head")
@@ -70,165 +71,6 @@ def check_keys(c: Checker, path: str, got: Mapping[str, Any], expected: Sequence
                    if k not in expected]
 
 @dataclass(frozen=True)
-class ResumePenalty:
-    """What a compute block costs extra when its device idled for ``t`` seconds before it (waiting for a
-    peer, or an emulated device's sleep): ``(forward_s + forward_rate * cpu) * (1 - exp(-t / tau_s))``
-    for a block of ``cpu`` CPU seconds when run back to back, backward likewise. Its caches have gone cold
-    meanwhile (on a shared or virtualised host, other work ran on the core), and a virtual CPU that
-    halted may run slower for a while after it wakes: so the penalty has a fixed part and one that grows
-    with the block (``*_rate``: measured on blocks of two sizes; 0 in older profiles, which measured one).
-    CPU seconds, never stretched by an emulated slowdown in the profile (the simulator stretches it)."""
-
-    forward_s: float
-    backward_s: float
-    tau_s: float
-    forward_rate: float = 0.0
-    backward_rate: float = 0.0
-    # The CPU seconds (back to back) of the smallest block measured: an op smaller than it (a split
-    # backward's half, the first chunk's empty B) pays in proportion to its size (``below_probe``).
-    # 0: not recorded (older profiles), the penalty as is.
-    forward_block_s: float = 0.0
-    backward_block_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        with Checker() as c:
-            c.each(self, ("forward_s", "backward_s", "forward_rate", "backward_rate", "forward_block_s",
-                          "backward_block_s"), lambda v: v >= 0, "must not be negative")
-            c.each(self, ("tau_s",), lambda v: v > 0, "must be positive")
-
-    def extra_s(self, idle_s: float, backward: bool, cpu_s: float = 0.0) -> float:
-        """The extra CPU seconds of a block of ``cpu_s`` (back to back) after ``idle_s`` idle."""
-        fixed, rate, block = ((self.backward_s, self.backward_rate, self.backward_block_s) if backward
-                              else (self.forward_s, self.forward_rate, self.forward_block_s))
-        peak = below_probe(fixed + rate * max(cpu_s, block), cpu_s, block)
-        return peak * (1.0 - math.exp(-max(0.0, idle_s) / self.tau_s))
-
-
-def below_probe(extra_s: float, cpu_s: float, block_s: float) -> float:
-    """A penalty measured on a block of ``block_s`` CPU seconds, for an op of ``cpu_s``: as measured for an
-    op at least that big, in proportion below it (nothing measured says a near-empty op pays a whole
-    block's penalty); as measured where the block is unknown (0)."""
-    return extra_s * min(1.0, max(0.0, cpu_s) / block_s) if block_s > 0 else extra_s
-
-
-@dataclass(frozen=True)
-class SharingCurve:
-    """Core sharing by the size of what shares it: ``efficiency[i]`` for stage blocks of ``block_s[i]``
-    CPU seconds (forward + backward, alone). A larger block's working set is evicted more by its
-    core-mate's (measured here: 0.95 for one layer, 0.91 for llama-tiny's whole model)."""
-
-    block_s: tuple[float, ...]
-    efficiency: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        with Checker() as c:
-            c.check(len(self.block_s) >= 1 and all(b > 0 and math.isfinite(b) for b in self.block_s)
-                    and all(a < b for a, b in zip(self.block_s, self.block_s[1:])), "block_s",
-                    "must be positive CPU seconds in increasing order")
-            c.check(len(self.efficiency) == len(self.block_s), "efficiency",
-                    f"expected {len(self.block_s)} values (one per block), got {len(self.efficiency)}")
-            for i, e in enumerate(self.efficiency):
-                c.check(0 < e <= 1, f"efficiency[{i}]", f"must be in (0, 1], got {e}")
-
-    def at(self, block_s: float) -> float:
-        """Linear in log block size between the points; the end values beyond them."""
-        return log_interp(list(zip(self.block_s, self.efficiency)), block_s)
-
-
-def log_interp(pts: Sequence[tuple[float, float]], x: float) -> float:
-    """Linear in log ``x`` between sorted (x, value) points; the end values beyond them."""
-    if x <= pts[0][0]:
-        return pts[0][1]
-    for (x0, e0), (x1, e1) in zip(pts, pts[1:]):
-        if x <= x1:
-            w = math.log(x / x0) / math.log(x1 / x0)
-            return e0 + w * (e1 - e0)
-    return pts[-1][1]
-
-
-@dataclass(frozen=True)
-class CoreHandoff:
-    """What sharing a core costs beyond processor sharing when two emulated devices' processes are pinned
-    to it and the other one computes: seconds beyond the same moment with that core idle (``hspmd
-    profile``, ``host.busy_core_handoff``). The scheduler hands the core over in time slices:
-    ``handoff_s``: after a compute block, before the process goes on (it used up its slice; its next
-    system call hands the core to the other process); ``wake_s``: after a sleep, before it runs;
-    ``recv_wake_s``: after a blocking receive is answered, before it runs. And where the other process
-    computed since the previous block, its work took over the caches: ``cold_forward_s`` /
-    ``cold_backward_s``, the extra CPU time of a one-layer block then (beyond ``MeasuredModel.resume``, its
-    cost after idling alone)."""
-
-    handoff_s: float
-    wake_s: float
-    recv_wake_s: float
-    cold_forward_s: float = 0.0
-    cold_backward_s: float = 0.0
-    # The one-layer block's CPU seconds with the core-mate idle: smaller ops pay the cold penalties in
-    # proportion (``below_probe``); 0 in older profiles (as measured).
-    block_forward_s: float = 0.0
-    block_backward_s: float = 0.0
-    # With the core-mate idle: how much later than asked an emulated device's sleep after a block ends (the
-    # timer's slack, the wake-up), paid after every such sleep whoever else computes (``wake_s`` comes on
-    # top on a busy core); 0 in older profiles (not measured).
-    sleep_late_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        with Checker() as c:
-            c.each(self, ("handoff_s", "wake_s", "recv_wake_s", "cold_forward_s", "cold_backward_s", "block_forward_s",
-                          "block_backward_s", "sleep_late_s"), lambda v: v >= 0 and math.isfinite(v),
-                   "must be a non-negative number of seconds")
-
-
-P2pAction = Literal["post_send", "post_recv", "wait_recv"]
-
-
-@dataclass(frozen=True)
-class P2pActions:
-    """The executor's own CPU work per boundary-message action (``hspmd profile``: the engine's
-    ``BoundaryChannel`` between two local processes, main-thread CPU time): posting a send (packing the
-    buffer, ``isend``), posting a receive (its buffer, ``irecv``) and completing a receive whose message has
-    arrived (``wait``, unpacking). Seconds per action, never stretched by an emulated slowdown: the runtime
-    stretches only compute blocks. A schedule with more, smaller messages per step (interleaved chunks) pays
-    them more often; on a CPU-emulated cluster they take the device's core like its compute. After the
-    device idled ``t`` seconds (a block's sleep), each costs ``cold_*_s * (1 - exp(-t / cold_tau_s))`` more
-    (its caches gone cold, as a block's ``ResumePenalty``; on this host a send's post took 0.13 ms back to
-    back, 0.45 ms after 20 ms idle)."""
-
-    post_send_s: float
-    post_recv_s: float
-    wait_recv_s: float
-    # The extra seconds at long idle and the idle's time constant; 0: not measured (older profiles).
-    cold_post_send_s: float = 0.0
-    cold_post_recv_s: float = 0.0
-    cold_wait_recv_s: float = 0.0
-    cold_tau_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        with Checker() as c:
-            c.each(self, ("post_send_s", "post_recv_s", "wait_recv_s", "cold_post_send_s", "cold_post_recv_s",
-                          "cold_wait_recv_s", "cold_tau_s"), lambda v: v >= 0 and math.isfinite(v),
-                   "must be a non-negative number of seconds")
-
-    def hot(self, action: P2pAction) -> float:
-        """One action's CPU seconds back to back."""
-        return {"post_send": self.post_send_s, "post_recv": self.post_recv_s, "wait_recv": self.wait_recv_s}[action]
-
-    def cold(self, action: P2pAction) -> ResumePenalty | None:
-        """What one action costs more after its device idled, as a ``ResumePenalty`` (the same rule as a
-        block's, without the part that grows with the block); None where not measured."""
-        peak = {"post_send": self.cold_post_send_s, "post_recv": self.cold_post_recv_s,
-                "wait_recv": self.cold_wait_recv_s}[action]
-        if peak <= 0 or self.cold_tau_s <= 0:
-            return None
-        return ResumePenalty(forward_s=peak, backward_s=peak, tau_s=self.cold_tau_s)
-
-    def after_idle(self, action: P2pAction, idle_s: float) -> float:
-        """One action's CPU seconds after the device idled ``idle_s``."""
-        cold = self.cold(action)
-        return self.hot(action) + (0.0 if cold is None else cold.extra_s(idle_s, False, 0.0))
-
-
-@dataclass(frozen=True)
 class ComponentFit:
     """One component (one instance of it, on one TP shard) at one TP degree."""
 
@@ -260,17 +102,13 @@ class MeasuredModel:
     # counts the collectives from the link figures instead.
     tp_overhead: Mapping[int, ComponentFit] = field(default_factory=dict)
     # Per TP degree > 1, per stage block (``BLOCKS``): what the runtime's TP stage modules add over the
-    # plain local shards, wall time (``tp_blocks``; its ``layer`` is ``tp_overhead``) and CPU time
-    # (``tp_blocks_cpu``: an emulated device's sleep is a multiple of the CPU time of its compute blocks,
-    # so only this part is stretched). Absent in older profiles.
+    # plain local shards (wall time; its ``layer`` is ``tp_overhead``). Absent in older profiles.
     tp_blocks: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
-    tp_blocks_cpu: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
     # The same with sequence parallelism on (``training.sequence_parallel``: the TP stage modules shard the
-    # residual stream along the sequence, reduce-scatter + all-gather instead of all-reduce), wall and CPU
-    # time; the cost model prices a sequence-parallel plan's TP stages by them. Absent in older profiles
-    # (the cost model then uses ``tp_blocks`` for those plans too: the same bytes cross the links).
+    # residual stream along the sequence, reduce-scatter + all-gather instead of all-reduce); the cost model
+    # prices a sequence-parallel plan's TP stages by them. Absent in older profiles (the cost model then
+    # uses ``tp_blocks`` for those plans too: the same bytes cross the links).
     tp_blocks_sp: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
-    tp_blocks_sp_cpu: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
     # Per TP degree: whole stage blocks (``BLOCKS``) timed through the runtime's stage module; absent in
     # older profiles, where the cost model sums the components instead.
     blocks: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
@@ -280,17 +118,6 @@ class MeasuredModel:
     # per-node overhead), so the halves are measured, not shared out. Absent in older profiles, where the
     # cost model splits the fused backward by FLOPs.
     split_blocks: Mapping[int, Mapping[str, ComponentFit]] = field(default_factory=dict)
-    # Measured on a 1-layer stage block; absent in older profiles (no penalty).
-    resume: ResumePenalty | None = None
-    # CPU-emulated hosts with fewer cores than devices: sequence length -> efficiency of two processes
-    # time-sharing one core (1 = no loss; each then progresses at efficiency / 2 of its speed alone).
-    core_sharing: Mapping[int, float] = field(default_factory=dict)
-    # The same by the block's size (the one-layer block and the whole model as one stage, CPU time per
-    # block alone and shared); it supersedes ``core_sharing``. Absent in older profiles.
-    core_sharing_curve: Mapping[int, SharingCurve] = field(default_factory=dict)
-    # The same hosts: sequence length (of the one-layer blocks measured) -> the scheduler's hand-off delays
-    # around a compute block while the core's other process computes. Absent in older profiles (none).
-    core_handoff: Mapping[int, CoreHandoff] = field(default_factory=dict)
     # Per TP degree, per component: measured seconds on a grid of micro-batch size and sequence length
     # (runtime/profiling/tables.py: interpolation and extrapolation rules); they override the time fits.
     tables: Mapping[int, Mapping[str, ComponentTable]] = field(default_factory=dict)
@@ -314,13 +141,7 @@ class MeasuredModel:
                 for t, comps in by_tp.items():
                     c.check(t >= 1, f"layers.{i}.{t}", "TP degree must be at least 1")
                     check_keys(c, f"layers.{i}.{t}", comps, LAYER_COMPONENTS, "layer component", complete=False)
-            for s, eff in self.core_sharing.items():
-                c.check(0 < eff <= 1, f"core_sharing.{s}", f"must be in (0, 1], got {eff}")
-            for s in self.core_sharing_curve:
-                c.check(s >= 1, f"core_sharing_curve.{s}", "must be keyed by a positive sequence length")
-            for s in self.core_handoff:
-                c.check(s >= 1, f"core_handoff.{s}", "must be keyed by a positive sequence length")
-            for name in ("blocks", "tp_blocks", "tp_blocks_cpu", "tp_blocks_sp", "tp_blocks_sp_cpu"):
+            for name in ("blocks", "tp_blocks", "tp_blocks_sp"):
                 for t, blocks in getattr(self, name).items():
                     check_keys(c, f"{name}.{t}", blocks, BLOCKS, "block")
             for t, blocks in self.split_blocks.items():
@@ -349,7 +170,6 @@ class ComputeFigures:
     kernel_overhead_s: float    # fixed cost per kernel / op dispatch
     flash_attention: bool       # fused attention: no s^2 score matrix kept for backward
     activation_bytes: int = 2   # bytes per activation element (2: bf16 autocast; 4: fp32)
-    host_cores: int | None = None  # CPU-emulated types: cores of the host their processes share
 
     def __post_init__(self) -> None:
         with Checker() as c:
@@ -383,12 +203,6 @@ class CommFigures:
     # Measured, by group size: an all-gather of B gathered bytes takes latency + (n-1)/n x B / bandwidth
     # (absent: half an all-reduce, as a ring all-gather would be).
     allgather: Mapping[int, LinkFit] = field(default_factory=dict)
-    # Measured: how much later a process blocked in a receive resumes after waiting t seconds (its core
-    # idle meanwhile): ``forward_s * (1 - exp(-t / tau_s))`` (forward_s = backward_s).
-    p2p_wake: ResumePenalty | None = None
-    # Measured (CPU hosts): the executor's CPU per boundary-message action; absent (older profiles, GPUs,
-    # whose host work overlaps the device's): none charged.
-    p2p_actions: P2pActions | None = None
     # Measured elsewhere (``hspmd profile import``): bandwidth by message size and direction, per link
     # class; they replace ``p2p`` and the cluster's bandwidth for transfers of that class.
     links: Mapping[LinkClass, LinkCurves] = field(default_factory=dict)
@@ -398,17 +212,10 @@ class CommFigures:
     # A device's send and receive posted at one schedule tick serialise on its links (half duplex, or
     # one connection per peer pair carrying both directions in turn); False: they overlap.
     serialised_send_recv: bool = False
-    # Measured (CPU hosts): how much later, on average, a boundary message between two workers pinned to one
-    # core arrives when its sender computes right after posting it than when it does not (the receiver, and
-    # the sender's own transport thread, wait for the sender's time slice about half the time); 0: not
-    # measured.
-    shared_core_p2p_s: float = 0.0
 
     def __post_init__(self) -> None:
         with Checker() as c:
             c.each(self, ("p2p_latency_s", "allreduce_latency_s"), lambda v: v >= 0, "must not be negative")
-            c.check(self.shared_core_p2p_s >= 0 and math.isfinite(self.shared_core_p2p_s), "shared_core_p2p_s",
-                    f"must be a non-negative number of seconds, got {self.shared_core_p2p_s!r}")
             c.each(self, ("bandwidth_efficiency",), lambda v: 0 < v <= 1, "must be in (0, 1]")
             sizes = [("allreduce", self.allreduce), ("allgather", self.allgather)]
             sizes += [(f"allreduce_curves.{cls}", curves) for cls, curves in self.allreduce_curves.items()]
@@ -500,9 +307,47 @@ class DeviceProfile:
         return None
 
 
+# Figures older profiles carry about the CPU host that emulated devices in tests (cores shared, caches gone
+# cold after idling, the executor's CPU per message): no price reads them; they load, ignored, with a note.
+LEGACY_HOST_FIELDS = {
+    ("compute",): ("host_cores",),
+    ("comm",): ("p2p_wake", "p2p_actions", "shared_core_p2p_s"),
+    ("models", "*"): ("resume", "core_sharing", "core_sharing_curve", "core_handoff", "tp_blocks_cpu",
+                      "tp_blocks_sp_cpu"),
+}
+
+
 def load_profile(path: str | Path) -> DeviceProfile:
-    """Parse one profile file; any problem is a SpecError naming the file and the field."""
-    return load_file(DeviceProfile, path, version=PROFILE_VERSION)
+    """Parse one profile file; any problem is a SpecError naming the file and the field. The host figures of
+    older profiles (``LEGACY_HOST_FIELDS``) are dropped, with a one-line note on stderr."""
+    file = str(path)
+    data = (read_json if Path(path).suffix.lower() == ".json" else read_yaml)(path)
+    if data is None:
+        raise SpecError([Problem(file, "", "is empty, expected a mapping")])
+    check_version(data, PROFILE_VERSION, file)
+    dropped = drop_legacy_host_fields(data)
+    if dropped:
+        print(f"note: {file}: ignoring the CPU-host figures {', '.join(dropped)} (hspmd no longer models the "
+              "host; re-profile to drop them)", file=sys.stderr)
+    return build(DeviceProfile, data, file)
+
+
+def drop_legacy_host_fields(data: Any) -> list[str]:
+    """Remove ``LEGACY_HOST_FIELDS`` from a profile's raw mapping in place; their field paths, sorted."""
+    dropped: list[str] = []
+    if not isinstance(data, dict):
+        return dropped
+    for where, names in LEGACY_HOST_FIELDS.items():
+        parents: list[tuple[str, Any]] = [("", data)]
+        for key in where:
+            parents = [(f"{p}{k}.", v) for p, m in parents if isinstance(m, dict)
+                       for k, v in (m.items() if key == "*" else [(key, m.get(key))])]
+        for prefix, m in parents:
+            for n in names:
+                if isinstance(m, dict) and n in m:
+                    del m[n]
+                    dropped.append(f"{prefix}{n}")
+    return sorted(dropped)
 
 
 def dump_profile(profile: DeviceProfile) -> str:

@@ -108,7 +108,7 @@ def plan_targets(cluster: Cluster, models: Sequence[ModelSpec], device_type: str
 def count_steps(targets: Sequence[Target], models: Sequence[ModelSpec], settings: ProfileSettings) -> int:
     steps = 0
     for t in targets:
-        steps += len(models) * (len(t.tp_degrees) * (len(COMPONENTS) + 1) + 1) + 2   # + blocks, resume; opt, GEMM
+        steps += len(models) * (len(t.tp_degrees) * (len(COMPONENTS) + 1) + 1) + 1   # + blocks; opt, GEMM
         steps += 1 if settings.measure_comm and t.local_devices >= 2 else 0
     return steps
 
@@ -151,16 +151,6 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
                 seq_len=max(settings.seq_lens))
             sync_pack = compute.measure_sync_pack(models, target.tp_degrees, device=dev)
             report("", 1)
-            resume = {}
-            for model in models:
-                lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
-                report(f"{target.device}: {model.name} compute after idling", 0)
-                # a one-layer block and a stage-sized one (3 layers, the longest length): the penalty's
-                # fixed part and its growth with the block
-                resume[model.name] = host.measure_resume_penalty(model, lens[len(lens) // 2], device=dev,
-                                                                 micro_batch=settings.micro_batch,
-                                                                 large=(3, lens[-1]))
-                report("", 1)
             report(f"{target.device}: GEMM rate, memory bandwidth", 0)
             thr = compute.measure_throughput(dev)
             report("", 1)
@@ -172,7 +162,7 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
         for type_name, slowdown in target.types.items():
             prof = _build_profile(cluster, type_name, slowdown, target, models, raw, settings, opt, opt_resid, thr,
                                   links, date, blocks=blocks, step_overhead=step_over, sync_pack=sync_pack,
-                                  resume=resume, split=split)
+                                  split=split)
             path = Path(out_dir) / f"{type_name}.measured.yaml"
             save_profile(prof, path)
             written.append((path, prof))
@@ -182,7 +172,7 @@ def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str 
 def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Target, models: Sequence[ModelSpec],
                    raw: dict, settings: ProfileSettings, opt: OptimizerFit, opt_resid: float,
                    thr: dict[str, float], links: dict, date: str, *, blocks: dict, step_overhead: OptimizerFit,
-                   sync_pack: OptimizerFit, resume: dict, split: dict | None = None) -> DeviceProfile:
+                   sync_pack: OptimizerFit, split: dict | None = None) -> DeviceProfile:
     cuda = target.device.startswith("cuda")
     fitted: dict[str, MeasuredModel] = {}
     mb = settings.micro_batch
@@ -197,22 +187,12 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
             mm = dataclasses.replace(mm, blocks=block_fits(blocks[model.name]))
         if split and split.get(model.name):
             mm = dataclasses.replace(mm, split_blocks=block_fits(split[model.name]))
-        if model.name in resume:   # CPU seconds, not stretched (the simulator stretches them)
-            mm = dataclasses.replace(mm, resume=resume[model.name])
-        if links.get("core_sharing", {}).get(model.name):   # the one-layer block's too, for older readers
-            curves = links["core_sharing"][model.name]
-            mm = dataclasses.replace(mm, core_sharing={s: c.efficiency[0] for s, c in curves.items()},
-                                     core_sharing_curve=dict(curves))
-        if links.get("core_handoff", {}).get(model.name):   # scheduler delays: wall time, not stretched
-            mm = dataclasses.replace(mm, core_handoff=dict(links["core_handoff"][model.name]))
         over = links.get("tp_overhead", {}).get(model.name, {})
-        if over:  # As measured, not stretched: the runtime stretches only the CPU time of an emulated
-            # device's compute blocks, which the cost model takes from tp_blocks_cpu.
+        if over:  # as measured, not stretched: an emulated device stretches its compute blocks only
             fits = {kind: block_fits({t: per[kind] for t, per in over.items() if per.get(kind)}, 1.0)
-                    for kind in ("wall", "cpu", "sp_wall", "sp_cpu")}
+                    for kind in ("wall", "sp_wall")}
             mm = dataclasses.replace(mm, tp_overhead={t: b["layer"] for t, b in fits["wall"].items()},
-                                     tp_blocks=fits["wall"], tp_blocks_cpu=fits["cpu"],
-                                     tp_blocks_sp=fits["sp_wall"], tp_blocks_sp_cpu=fits["sp_cpu"])
+                                     tp_blocks=fits["wall"], tp_blocks_sp=fits["sp_wall"])
         fitted[model.name] = mm
     peak = thr["tflops"] / slowdown
     # Attention efficiency: the measured s^2 coefficient against its FLOPs (4*h*s^2 per sequence).
@@ -223,7 +203,7 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
     figures = ComputeFigures(peak_tflops=rounded(peak), matmul_efficiency=1.0, attention_efficiency=rounded(att_eff),
                              memory_bandwidth_gbs=rounded(thr["bandwidth_gbs"] / slowdown), memory_efficiency=1.0,
                              kernel_overhead_s=rounded(thr["op_s"] * slowdown), flash_attention=flash,
-                             activation_bytes=2 if cuda else 4, host_cores=None if cuda else len(host.host_cpus()))
+                             activation_bytes=2 if cuda else 4)
     p2p: LinkFit | None = links.get("p2p")  # type: ignore[assignment]
     allreduce: dict[int, LinkFit] = links.get("allreduce", {})  # type: ignore[assignment]
     n_ar = min(allreduce) if allreduce else 2
@@ -231,9 +211,7 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
         p2p_latency_s=rounded(p2p.latency_s) if p2p else (20e-6 if cuda else 1e-3),
         allreduce_latency_s=rounded(allreduce[n_ar].latency_s / (2 * (n_ar - 1))) if allreduce else (15e-6 if cuda
                                                                                                 else 1e-3),
-        bandwidth_efficiency=0.75, p2p=p2p, allreduce=allreduce, allgather=links.get("allgather", {}),
-        p2p_wake=links.get("p2p_wake"), p2p_actions=links.get("p2p_actions"),
-        shared_core_p2p_s=links.get("shared_core_p2p_s", 0.0))
+        bandwidth_efficiency=0.75, p2p=p2p, allreduce=allreduce, allgather=links.get("allgather", {}))
     framework, framework_note = _framework_gib(links, cuda, target.device)
     memory = MemoryFigures(framework_overhead_gib=rounded(framework),
                            cast_bytes=2.0 if cuda else 0.0)   # the profiles' compute: bf16 autocast on CUDA only
@@ -268,16 +246,9 @@ def measure_links(target: Target, models: Sequence[ModelSpec], settings: Profile
     with tempfile.TemporaryDirectory(prefix="hspmd-profile-") as tmp:
         init = f"file://{Path(tmp) / 'store'}"
         jobs = [(m, t) for m in models for t in target.tp_degrees if 2 <= t <= world]
-        # Two workers the launcher pins to the same cores (fewer cores than devices): how well they share.
-        pair = next(((a, b) for a in range(world) for b in range(a + 1, world)
-                     if target.cpus and target.cpus[a] == target.cpus[b]), None)
-        # A process on other cores, to answer the pair's blocking receives (the hand-off probe).
-        peer = next((r for r in range(world)
-                     if pair is not None and not set(target.cpus[r]) & set(target.cpus[pair[0]])), None)
-        sleep_ratio = max(1.0, max(target.types.values(), default=1.0) - 1.0)
         procs = [ctx.Process(target=_link_worker, args=(r, world, init, cuda, settings, jobs, queue, timeout_s,
-                                                        target.threads or 1, target.cpus[r] if target.cpus else (),
-                                                        pair, list(models), peer, sleep_ratio), daemon=True)
+                                                        target.threads or 1, target.cpus[r] if target.cpus else ()),
+                                 daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -297,8 +268,7 @@ def measure_links(target: Target, models: Sequence[ModelSpec], settings: Profile
 
 def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: ProfileSettings,
                  jobs: Sequence[tuple[ModelSpec, int]], queue, timeout_s: float, threads: int = 1,
-                 cpus: tuple[int, ...] = (), pair: tuple[int, int] | None = None,
-                 models: Sequence[ModelSpec] = (), peer: int | None = None, sleep_ratio: float = 2.0) -> None:
+                 cpus: tuple[int, ...] = ()) -> None:
     try:
         host.pin_process(cpus)
         torch.set_num_threads(threads)
@@ -308,10 +278,6 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
                                 timeout=timedelta(seconds=timeout_s))
         dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
         out = p2p_and_allreduce(rank, world, settings.comm_sizes, device=dev)
-        wake = host.p2p_wake(rank, dev)
-        # The executor's CPU per boundary message (CPU hosts: on GPUs it overlaps the device's work).
-        actions = None if cuda or world < 2 or not models else host.p2p_actions(
-            rank, dev, _boundary_shape(models[0], settings), cold_reps=10 if settings.component_budget_s > 0 else 2)
         tp_groups = {t: dist.new_group(list(range(t))) for t in sorted({t for _, t in jobs})}
         overhead: dict[str, dict[int, list]] = {}
         for model, t in jobs:
@@ -324,22 +290,8 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
                 if samples is not None:
                     overhead.setdefault(model.name, {})[t] = samples
             dist.barrier()
-        sharing, handoff, shared_p2p = {}, {}, 0.0
-        if pair is not None and not cuda and models:
-            shared_p2p = host.shared_core_p2p(rank, pair, dev, _boundary_shape(models[0], settings),
-                                              reps=30 if settings.component_budget_s > 0 else 6)
-        if pair is not None and not cuda:
-            for model in models:
-                lens = [s for s in settings.seq_lens if s <= model.max_seq_len]
-                probed = sorted({lens[len(lens) // 2], lens[-1]})
-                sharing[model.name] = host.core_sharing(rank, pair, model, probed, device=dev,
-                                                        duration_s=0.25 if settings.component_budget_s > 0 else 0.05)
-                raw = host.busy_core_handoff(rank, pair, model, probed, peer=peer, sleep_ratio=sleep_ratio, device=dev,
-                                             duration_s=1.0 if settings.component_budget_s > 0 else 0.1)
-                handoff[model.name] = {s: host.handoff_figures(r) for s, r in raw.items()}
         if rank == 0:
-            out.update(p2p_wake=wake, p2p_actions=actions, shared_core_p2p_s=shared_p2p, tp_overhead=overhead,
-                       core_sharing=sharing, core_handoff=handoff, rss_gib=_rss_gib() if not cuda else 0.0,
+            out.update(tp_overhead=overhead, rss_gib=_rss_gib() if not cuda else 0.0,
                        cuda_framework_gib=compute.cuda_framework_gib(dev) if cuda else 0.0)
             queue.put(out)
         dist.barrier()
@@ -347,12 +299,6 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
     except Exception as exc:  # reported to the parent, which raises it as one line
         if rank == 0:
             queue.put({"error": f"{type(exc).__name__}: {exc}"})
-
-
-def _boundary_shape(model: ModelSpec, settings: ProfileSettings) -> tuple[int, int, int]:
-    """A stage boundary's tensor (micro-batch, longest profiled length, hidden): what a pipeline sends."""
-    lens = [s for s in settings.seq_lens if s <= model.max_seq_len] or [min(settings.seq_lens)]
-    return settings.micro_batch, max(lens), model.hidden_size
 
 
 def _framework_gib(links: dict, cuda: bool, device: str) -> tuple[float, str]:

@@ -183,7 +183,7 @@ class Cluster:
     description: str | None = None
     # NICs per node; ``inter_node_bandwidth_gbs`` is one NIC's. A node's devices use them in turn (device i
     # of a node: NIC i mod nics_per_node, as a rail-optimised node wires one NIC per GPU), and cross-node
-    # transfers through one NIC share it (planner/links.py).
+    # transfers through one NIC share it (planner/costmodel/network.py).
     nics_per_node: int = 1
 
     def __post_init__(self) -> None:

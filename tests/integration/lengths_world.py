@@ -87,7 +87,11 @@ def documents_job(w: WorkerContext, plan: str, names: tuple[str, ...], steps: tu
         res.losses.append(stats.loss)
         res.grad_norms.append(stats.grad_norm)
     if save_dir is not None:
-        run.save(Path(save_dir), steps[-1])
+        from runtime.checkpoint_series import Saver, TrainerState
+
+        run.save(Saver(Path(save_dir), None, lambda _line: None), TrainerState(steps[-1], ctx.plan.training.seed,
+                                                                              {"step": steps[-1]}, b""),
+                 background=False)
     program = run.current_program
     if program is not None:
         res.state = {k: v.detach().numpy().copy() for k, v in program.local_state().items()}

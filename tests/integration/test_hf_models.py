@@ -20,7 +20,7 @@ import torch
 from engine_world import EngineWorld
 from test_engine_correctness import assemble, check_against_reference
 
-from runtime.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, read_saved
+from runtime.checkpoint import OPTIMIZER_FILE, WEIGHTS_FILE, latest_checkpoint, read_saved
 from runtime.data import token_source
 from runtime.engine.reference import ReferenceTrainer
 from runtime.launch import TrainOptions, launch
@@ -175,5 +175,7 @@ def test_cli_path_trains_from_pretrained_weights_and_transformers_opens_the_resu
         assert (out / name).read_text() == (pretrained / name).read_text()
     params = {k: v for k, v in saved.items() if not k.endswith(("exp_avg", "exp_avg_sq"))}
     tokens = first[:, :-1]
-    torch.testing.assert_close(hf_logits(out, tokens), hspmd_logits(ctx, params, tokens), rtol=1e-5, atol=1e-6)
+    assert latest_checkpoint(out) == out / "step-00000002"   # --save writes step checkpoints, each one HF directory
+    torch.testing.assert_close(hf_logits(latest_checkpoint(out), tokens), hspmd_logits(ctx, params, tokens), rtol=1e-5,
+                               atol=1e-6)
     assert not torch.equal(params["lm_head.weight"], model.lm_head.weight.detach())  # it trained

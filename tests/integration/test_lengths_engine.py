@@ -129,7 +129,7 @@ def test_resume_mid_trace_continues_identically(world, switched, ctx, tmp_path):
     save = tmp_path / "ckpt"
     first = run(world, BOTH, (1, 2), slower=SLOWER, save_dir=str(save))
     assert first[0].strategies == ["short", "long"]
-    assert (save / "dispatch.json").is_file()
+    assert (save / "step-00000002" / "dispatch.json").is_file() and (save / "latest").read_text() == "step-00000002\n"
     rest = run(world, BOTH, (3, 4), slower=SLOWER, load_dir=str(save))
     assert rest[0].strategies == switched[0].strategies[2:]
     assert rest[0].switched == switched[0].switched[2:]     # the hysteresis resumed on `long`, as it was

@@ -36,18 +36,16 @@ def test_profile_then_simulate(tmp_path: Path):
     assert fast.comm.p2p is not None and fast.comm.p2p == slow.comm.p2p and sorted(fast.comm.allreduce) == [2]
     assert 0 < fast.comm.p2p.latency_s < 0.1
     # Whole stage blocks through the runtime's stage module, stretched like the components; the TP
-    # stage modules' overhead (DTensor and collectives) per block; the penalty after idling.
+    # stage modules' overhead (DTensor and collectives) per block.
     mm, ms = fast.models["llama-tiny"], slow.models["llama-tiny"]
-    assert sorted(mm.blocks) == [1, 2] and sorted(mm.tp_blocks) == [2] and sorted(mm.tp_blocks_cpu) == [2]
+    assert sorted(mm.blocks) == [1, 2] and sorted(mm.tp_blocks) == [2]
     # ... and with sequence parallelism on, timed apart
-    assert sorted(mm.tp_blocks_sp) == [2] and sorted(mm.tp_blocks_sp_cpu) == [2]
+    assert sorted(mm.tp_blocks_sp) == [2]
     assert mm.tp_blocks_sp[2]["layer"].forward_s != mm.tp_blocks[2]["layer"].forward_s
     assert ms.blocks[1]["layer"].forward_s[2] == pytest.approx(3 * mm.blocks[1]["layer"].forward_s[2])
-    assert mm.resume is not None and mm.resume == ms.resume and fast.comm.p2p_wake is not None
-    # The executor's CPU per message, measured through the engine's channel, not stretched.
-    acts = fast.comm.p2p_actions
-    assert acts is not None and acts == slow.comm.p2p_actions
-    assert 0 < acts.post_send_s < 0.01 and 0 < acts.post_recv_s < 0.01 and 0 < acts.wait_recv_s < 0.01
+    # No figure about the host that emulates the devices.
+    text = (out / "cpu-fast.measured.yaml").read_text()
+    assert not any(k in text for k in ("resume", "core_sharing", "core_handoff", "p2p_actions", "host_cores"))
     assert fast.optimizer.seconds_per_tensor > 0 and fast.step_overhead.seconds_per_tensor >= 0
     # Measured beats the spec fallback, and simulate uses it.
     ps = resolve_profiles(load_cluster("cpu-hetero4").device_types, [out])

@@ -19,7 +19,7 @@ DOCS = ["README.md", "docs/formats.md", "docs/planning.md", "docs/training.md", 
         "profiles/README.md"]
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 INLINE = re.compile(r"`([^`]+)`")
-COMMAND = re.compile(r"(?:\bhspmd|-m hetu_cli)\s+([a-z][a-z-]*)((?:\s+(?:import|export|show)\b)?)(.*)", re.S)
+COMMAND = re.compile(r"(?:\bhspmd|-m hetu_cli)\s+([a-z][a-z-]*)((?:\s+(?:import|export|show|prepare)\b)?)(.*)", re.S)
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 VERBS = set(cli.list_commands(click.Context(cli)))
 REPO_PATH = re.compile(r"(?<![\w./-])((?:runtime|planner|hetu_cli|scripts|tests|configs|profiles|docs)/[\w.*<>/-]*)")

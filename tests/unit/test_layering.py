@@ -89,3 +89,16 @@ def test_the_walker_sees_a_known_arrow():
     g = _graph()
     assert g.number_of_edges() > 100
     assert g.has_edge("hetu_cli.main", "hetu_cli.output")
+
+
+# The emulated CPU cluster's harness: the cores its workers are pinned to and the hooks that stretch or
+# sleep out their blocks. A test harness, not a target: the planner, the cost model and the simulator price
+# GPUs and must never reach it, not even through another module.
+HARNESS = ("runtime.profiling.host", "runtime.trace")
+
+
+def test_the_planner_never_reaches_the_emulation_harness():
+    g = _graph()
+    reached = {m: sorted(set(HARNESS) & nx.descendants(g, m)) for m in MODULES if m.split(".")[0] == "planner"}
+    assert {m: h for m, h in reached.items() if h} == {}
+    assert all(h in MODULES for h in HARNESS)   # the names are real modules: the check can fail

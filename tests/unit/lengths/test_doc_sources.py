@@ -261,8 +261,8 @@ def test_tokenizer_refusals(tmp_path):
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31), step=st.integers(0, 10**6), budget=st.integers(1, 400))
-def test_corpus_draws_deterministic_and_exact_budget(tmp_path_factory, seed, step, budget):
+@given(seed=st.integers(0, 2**31), step=st.integers(1, 10**6), budget=st.integers(1, 400))
+def test_corpus_steps_deterministic_and_exact_budget(tmp_path_factory, seed, step, budget):
     path = tmp_path_factory.getbasetemp() / "draws.jsonl"
     if not path.exists():
         write_jsonl(path, [{"text": "x" * n} for n in (1, 7, 30, 64, 3, 0, 50)])
@@ -271,9 +271,33 @@ def test_corpus_draws_deterministic_and_exact_budget(tmp_path_factory, seed, ste
     docs = src.documents(step)
     assert docs == CorpusDocuments(corpus, budget, 40, seed=seed).documents(step)
     assert docs.lengths == src.lengths(step) and docs.num_tokens == budget
-    for d in docs.documents:   # whole corpus documents, only the last one possibly cut to the budget
-        assert any(d.tokens == full[:len(d)] for full in corpus.documents)
-    assert all(any(d.tokens == full for full in corpus.documents) for d in docs.documents[:-1])
+    for d in docs.documents:   # parts of corpus documents; only the first and last may be cut (step boundaries)
+        assert any(d.tokens == full[a:a + len(d)] for full in corpus.documents for a in range(len(full)))
+    assert all(any(d.tokens == full for full in corpus.documents) for d in docs.documents[1:-1])
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(0, 90), min_size=1, max_size=12), seed=st.integers(0, 2**31),
+       budget=st.integers(1, 120))
+def test_every_document_once_per_epoch(tmp_path_factory, lengths, seed, budget):
+    """Two epochs' worth of steps, their documents joined back: each epoch is every document exactly once
+    (in the order of its own permutation), and the second epoch's order differs from the first's unless the
+    corpus is one document."""
+    path = tmp_path_factory.mktemp("epoch") / "c.jsonl"
+    texts = [chr(65 + i % 26) * n for i, n in enumerate(lengths)]   # each document its own letter and length
+    write_jsonl(path, [{"text": t} for t in texts])
+    if not any(texts):
+        return
+    corpus = load_corpus(path, max_len=40, tokenizer=ByteTokenizer(), fmt="jsonl")
+    src = CorpusDocuments(corpus, budget, 40, seed=seed)
+    total = sum(len(d) for d in corpus.documents)
+    steps = -(-2 * total // budget)
+    stream = [t for s in range(1, steps + 1) for d in src.documents(s).documents for t in d.tokens]
+    for epoch in range(2):
+        tokens = stream[epoch * total:(epoch + 1) * total]
+        perm, _ = src.stream.order(epoch)
+        assert tokens == [t for i in perm for t in corpus.documents[int(i)]]
+        assert sorted(int(i) for i in perm) == list(range(len(corpus.documents)))
 
 
 def test_sources_identical_across_processes(tmp_path):
@@ -305,7 +329,7 @@ def test_document_source_selects_like_the_cli(tmp_path):
     assert syn.documents(4).num_labels == 500 - len(syn.lengths(4))
     f = write_jsonl(tmp_path / "c.jsonl", [{"text": "abc"}, {"text": "de"}])
     src = document_source(tokens_per_step=10, max_len=64, vocab_size=300, data_file=f)
-    assert isinstance(src, CorpusDocuments) and src.documents(0).num_tokens == 10
+    assert isinstance(src, CorpusDocuments) and src.documents(1).num_tokens == 10
     with pytest.raises(SpecError) as err:
         document_source(tokens_per_step=10, max_len=64, vocab_size=100, data_file=f)
     assert "vocab_size" in one_line(err)

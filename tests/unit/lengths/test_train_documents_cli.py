@@ -106,5 +106,6 @@ def test_start_up_line_counts_skipped_and_cut_documents(tmp_path):
     ctx = load_plan_context(PLAN)
     line = documents_line(document_source_of(ctx, TrainOptions(plan=PLAN, data_file=data)))
     # 150 bytes at a maximum of 64 split into 64 + 64 + 22: 5 documents from 3 non-empty lines
-    assert line == (f"data: {data}: 5 documents after cutting (2 empty skipped, 1 split, 0 truncated), 160 tokens "
-                    "per step, at most 64 per document")
+    assert line == (f"data: {data}: 5 documents after cutting (2 empty skipped, 1 split, 0 truncated; no EOS token "
+                    "(bytes, or a tokenizer whose tokenizer_config.json names none)), 160 tokens per step, at most 64 "
+                    "per document, epoch order")

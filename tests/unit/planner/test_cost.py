@@ -13,7 +13,6 @@ from planner.cost import (
     GIB,
     CostModel,
     allreduce_seconds,
-    analytic_components,
     model_flops_per_token,
     pipeline_time,
 )
@@ -26,6 +25,7 @@ from runtime.profiling.profile import (
     OptimizerFit,
     ProfileSet,
     ResolvedProfile,
+    analytic_components,
     spec_profile,
 )
 from runtime.schedule_policies import live_activation_limit
@@ -282,17 +282,12 @@ def test_measured_tp_overhead_replaces_counted_collectives():
     cm = cm_for(ps)
     fast = cm.stage("cpu-fast", 2, 3, False, False)
     assert (fast.tp_forward_s, fast.tp_backward_s) == pytest.approx((3 * 0.01, 3 * 0.02))
-    # An emulated 3x device sleeps 2x the CPU time of its compute blocks: with no measured CPU part, the
-    # collectives' waits are not stretched.
-    slow = cm.stage("cpu-slow", 2, 3, False, False)
-    assert slow.tp_comm_s == pytest.approx(fast.tp_comm_s)
-    assert slow.compute_s == pytest.approx(fast.compute_s)  # the hand profile gives both types equal compute
 
 
 def blocks_set(**kw) -> ProfileSet:
     """``hand_set`` plus measured stage blocks (layer 1.5/2.5 s, stage 0.2/0.1, embedding 0.3/0.05, head
     0.4/0.6) and, at TP 2, measured TP blocks (wall: layer 0.1/0.2, stage 0.01/0.02, embedding 0.03/0,
-    head 0.04/0.05; CPU: half of each)."""
+    head 0.04/0.05)."""
     ps = hand_set(**kw)
 
     def blk(f: float, b: float) -> ComponentFit:
@@ -300,9 +295,8 @@ def blocks_set(**kw) -> ProfileSet:
 
     blocks = {"layer": blk(1.5, 2.5), "stage": blk(0.2, 0.1), "embedding": blk(0.3, 0.05), "head": blk(0.4, 0.6)}
     tp = {"layer": blk(0.1, 0.2), "stage": blk(0.01, 0.02), "embedding": blk(0.03, 0.0), "head": blk(0.04, 0.05)}
-    half = {k: blk(v.forward_s[2] / 2, v.backward_s[2] / 2) for k, v in tp.items()}
     return ProfileSet({t: ResolvedProfile(dataclasses.replace(ps[t], models={k: dataclasses.replace(
-        m, blocks={1: blocks, 2: blocks}, tp_overhead={2: tp["layer"]}, tp_blocks={2: tp}, tp_blocks_cpu={2: half})
+        m, blocks={1: blocks, 2: blocks}, tp_overhead={2: tp["layer"]}, tp_blocks={2: tp})
         for k, m in ps[t].models.items()}), None) for t in ps})
 
 
@@ -315,17 +309,14 @@ def test_measured_stage_blocks_replace_the_component_sum():
     assert (whole.forward_s, whole.backward_s) == pytest.approx((4.5 + 0.2 + 0.3 + 0.4, 7.5 + 0.1 + 0.05 + 0.6))
     # Parameters and activations still come from the components.
     assert whole.params == 3 * cm.layer("cpu-fast", 1).params + 500 + 64 + 700   # + the final norm
-    # TP 2: the measured TP blocks; a 3x emulated device stretches only their CPU part (half).
+    # TP 2: the measured TP blocks.
     tp = cm.stage("cpu-fast", 2, 2, True, False)
     assert (tp.tp_forward_s, tp.tp_backward_s) == pytest.approx((2 * 0.1 + 0.01 + 0.03, 2 * 0.2 + 0.02))
-    slow = cm.stage("cpu-slow", 2, 2, True, False)
-    assert slow.tp_forward_s == pytest.approx(tp.tp_forward_s + 2 * tp.tp_forward_s / 2)
-    assert slow.tp_cpu_forward_s == pytest.approx(tp.tp_forward_s / 2)
 
 
 def test_a_sequence_parallel_plan_is_priced_by_the_tp_blocks_measured_with_it():
     """``tp_blocks_sp`` (measured with sequence parallelism on: wall layer 0.3/0.4, stage 0.05/0.06,
-    embedding 0.07/0, head 0.08/0.09; CPU a quarter of each) price the TP stages of a sequence-parallel
+    embedding 0.07/0, head 0.08/0.09) price the TP stages of a sequence-parallel
     plan; a plan without it keeps ``tp_blocks``; a profile without SP figures prices both by ``tp_blocks``."""
     base = blocks_set(extras=True)
 
@@ -333,9 +324,8 @@ def test_a_sequence_parallel_plan_is_priced_by_the_tp_blocks_measured_with_it():
         return ComponentFit(fit(c=f), fit(c=b), fit(), params=0)
 
     sp = {"layer": blk(0.3, 0.4), "stage": blk(0.05, 0.06), "embedding": blk(0.07, 0.0), "head": blk(0.08, 0.09)}
-    quarter = {k: blk(v.forward_s[2] / 4, v.backward_s[2] / 4) for k, v in sp.items()}
     ps = ProfileSet({t: ResolvedProfile(dataclasses.replace(base[t], models={
-        k: dataclasses.replace(m, tp_blocks_sp={2: sp}, tp_blocks_sp_cpu={2: quarter})
+        k: dataclasses.replace(m, tp_blocks_sp={2: sp})
         for k, m in base[t].models.items()}), None) for t in base})
 
     def model(profiles, sequence_parallel: bool) -> CostModel:
@@ -344,16 +334,11 @@ def test_a_sequence_parallel_plan_is_priced_by_the_tp_blocks_measured_with_it():
 
     on = model(ps, True).stage("cpu-fast", 2, 2, True, False)
     assert (on.tp_forward_s, on.tp_backward_s) == pytest.approx((2 * 0.3 + 0.05 + 0.07, 2 * 0.4 + 0.06))
-    assert (on.tp_cpu_forward_s, on.tp_cpu_backward_s) == pytest.approx(((0.6 + 0.12) / 4, 0.86 / 4))
-    # the 3x emulated device stretches the SP blocks' CPU part
-    slow = model(ps, True).stage("cpu-slow", 2, 2, True, False)
-    assert slow.tp_forward_s == pytest.approx(on.tp_forward_s + 2 * on.tp_cpu_forward_s)
     off = model(ps, False).stage("cpu-fast", 2, 2, True, False)   # blocks_set's tp_blocks
     assert (off.tp_forward_s, off.tp_backward_s) == pytest.approx((2 * 0.1 + 0.01 + 0.03, 2 * 0.2 + 0.02))
     # the stated fallback: no SP figures in the profile, the SP plan priced as without SP
     old = model(base, True).stage("cpu-fast", 2, 2, True, False)
     assert (old.tp_forward_s, old.tp_backward_s) == pytest.approx((off.tp_forward_s, off.tp_backward_s))
-    assert old.tp_cpu_forward_s == pytest.approx(off.tp_cpu_forward_s)
     # TP 1 stages have no TP overhead, whatever the plan's switch
     assert model(ps, True).stage("cpu-fast", 1, 2, True, False).tp_forward_s == 0.0
 

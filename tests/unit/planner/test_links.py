@@ -1,4 +1,4 @@
-"""The network rules of planner/links.py, hand-computed, in the closed-form estimate and the simulator
+"""The network rules of planner/costmodel/network.py, hand-computed, in the closed-form estimate and the simulator
 alike: rings sharing a NIC, a TP stage's boundary as the runtime sends it, a cross-node all-reduce from a
 measured rate, a tick's send and receive serialised, a fixed per-iteration cost."""
 
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from planner.cost import CostModel
-from planner.links import Flow, concurrent_seconds, ring_sharers, tick_seconds
+from planner.costmodel.network import Flow, concurrent_seconds, ring_sharers, tick_seconds
 from planner.simulate import simulate
 from runtime.profiling.profile import COMPONENTS, CommFigures, ComponentFit, MeasuredModel, OptimizerFit, spec_profile
 from runtime.profiling.tables import LinkCurve

@@ -61,45 +61,41 @@ def test_copies_give_the_times_of_playing_every_pipeline(name: str, monkeypatch:
         assert not copied
 
 
-def two_pipelines(hosts: tuple[tuple[str, float], ...]) -> EventLoop:
+def two_pipelines() -> EventLoop:
     """Two pipelines of one compute op and one send each, the sends feeding a shared op of the step's end."""
-    loop = EventLoop({"core 0": 1.0} if hosts else None)
+    loop = EventLoop()
     for pi in range(2):
-        loop.add(SimOp(f"p{pi}s0F0c0", f"p{pi}s0", OpKind.FORWARD, pi, 0, 0, cpu=1.0, hosts=hosts))
+        loop.add(SimOp(f"p{pi}s0F0c0", f"p{pi}s0", OpKind.FORWARD, pi, 0, 0, compute=1.0))
         loop.add(SimOp(f"p{pi}s0a1", f"p{pi}s0", None, pi, 0, 0, duration=0.5, deps=(f"p{pi}s0F0c0",)))
     loop.add(SimOp("stats", "world", OpKind.CLIP, duration=0.25, deps=("p0s0a1", "p1s0a1")))
     return loop
 
 
-def test_pipelines_on_shared_cores_are_never_copies() -> None:
-    """On an emulated cluster the pipelines' compute shares host cores: they are played, not copied."""
-    assert pipeline_twins(two_pipelines(())) == {"p0s0F0c0": ["p1s0F0c0"], "p0s0a1": ["p1s0a1"]}
-    assert pipeline_twins(two_pipelines((("core 0", 1.0),))) == {}
-    alone, shared = two_pipelines(()), two_pipelines((("core 0", 1.0),))
-    assert alone.run(pipeline_twins(alone)) == alone.run()
-    times = shared.run()
-    assert times["p0s0F0c0"][1] == pytest.approx(2.0)   # the two forwards share the core: each at half speed
-    assert times["stats"][1] == pytest.approx(2.75)
+def test_alike_pipelines_are_copies_played_once() -> None:
+    loop = two_pipelines()
+    assert pipeline_twins(loop) == {"p0s0F0c0": ["p1s0F0c0"], "p0s0a1": ["p1s0a1"]}
+    times = loop.run(pipeline_twins(loop))
+    assert times == two_pipelines().run() and times["stats"][1] == pytest.approx(1.75)
 
 
 def test_an_op_that_waits_for_a_copys_start_has_every_pipeline_played() -> None:
     """A rendezvous on a pipeline's op (``waits``) needs that op's own start: such a loop is played in full."""
-    loop = two_pipelines(())
+    loop = two_pipelines()
     loop.add(SimOp("peer", "world2", None, duration=0.1, waits=(("p1s0a1", 0.1),)))
     assert loop.run(pipeline_twins(loop)) == loop.run()
 
 
 def test_pipelines_differing_in_one_field_or_dependency_are_not_twins() -> None:
     """Twins match op for op: one other duration, or a dependency on another pipeline's op, and neither copies."""
-    base = two_pipelines(())
+    base = two_pipelines()
     assert pipeline_twins(base)
-    slower = two_pipelines(())
+    slower = two_pipelines()
     slower.ops["p1s0a1"] = dataclasses.replace(slower.ops["p1s0a1"], duration=0.6)
     assert pipeline_twins(slower) == {}
-    crossed = two_pipelines(())
+    crossed = two_pipelines()
     crossed.ops["p1s0a1"] = dataclasses.replace(crossed.ops["p1s0a1"], deps=("p0s0F0c0",))
     assert pipeline_twins(crossed) == {}
     three = EventLoop()
     for pi, cpu in enumerate((1.0, 2.0, 1.0)):   # the third is the first's twin, the second no one's
-        three.add(SimOp(f"p{pi}s0F0c0", f"p{pi}s0", OpKind.FORWARD, pi, 0, 0, cpu=cpu))
+        three.add(SimOp(f"p{pi}s0F0c0", f"p{pi}s0", OpKind.FORWARD, pi, 0, 0, compute=cpu))
     assert pipeline_twins(three) == {"p0s0F0c0": ["p2s0F0c0"]}

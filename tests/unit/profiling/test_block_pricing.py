@@ -1,10 +1,9 @@
 """Sleep mode's block pricing (runtime/profiling/profile.py ``block_seconds``): hand-computed values, and
-the planner / simulator pricing a sleep-mode device by the same function, outside the host model."""
+the planner / simulator pricing a sleep-mode device by the same function."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 from hypothesis import given, settings
@@ -15,12 +14,9 @@ from planner.simulate import simulate
 from runtime.profiling.profile import (
     ComponentFit,
     ComputeBlock,
-    CoreHandoff,
     MeasuredModel,
-    P2pActions,
     ProfileSet,
     ResolvedProfile,
-    ResumePenalty,
     SleepTarget,
     block_seconds,
     component_fits,
@@ -102,23 +98,16 @@ def test_sleep_target_scales_the_target_price():
     assert Emulation(target=EmulationTarget("H20", "llama-32b"), time_scale=2.0).sleeps
 
 
-def sleep_profiles(cores: int = 1) -> ProfileSet:
-    """Measured-looking profiles for the sleep cluster's types, with every host effect switched on (one
-    shared core, a resume penalty): a sleep-mode device must not feel any of them."""
-    out = {}
-    for t in SLEEP4.device_types:
-        p = measured(t)
-        mm = dataclasses.replace(p.models["tiny"], resume=ResumePenalty(0.5, 1.0, 1.0), core_sharing={64: 0.5})
-        out[t] = ResolvedProfile(dataclasses.replace(
-            p, models={"tiny": mm}, compute=dataclasses.replace(p.compute, host_cores=cores)), None)
-    return ProfileSet(out)
+def sleep_profiles() -> ProfileSet:
+    """Measured-looking profiles for the sleep cluster's types."""
+    return ProfileSet({t: ResolvedProfile(measured(t), None) for t in SLEEP4.device_types})
 
 
 def test_planner_prices_a_sleep_mode_stage_by_its_target():
     cm = CostModel(TINY, SLEEP4, sleep_profiles(), micro_batch=1, seq_len=64, step_allreduce=False)
     for t in ("emu-a800", "emu-h20"):
         target = sleep_target(SLEEP4.device_types[t].emulate)
-        assert cm.sleep_target(t) == target and not cm.host.contended(t)
+        assert cm.sleep_target(t) == target
         st = cm.stage(t, 1, 3, True, False)
         block = ComputeBlock(layers=3, micro_batch=1, seq_len=64, backward=False, first=True)
         assert st.forward_s == pytest.approx(target.block_s(block))
@@ -126,44 +115,18 @@ def test_planner_prices_a_sleep_mode_stage_by_its_target():
         assert st.tp_comm_s == 0.0
     stretch = CostModel(TINY, STRETCH4, ProfileSet({t: ResolvedProfile(measured(t), None)
                                                     for t in STRETCH4.device_types}), micro_batch=1, seq_len=64)
-    assert stretch.sleep_target("cpu-slow") is None and stretch.host.contended("cpu-slow")
+    assert stretch.sleep_target("cpu-slow") is None
 
 
-def test_simulator_keeps_sleep_mode_devices_out_of_the_host_model():
-    cm = CostModel(TINY, SLEEP4, sleep_profiles(cores=1), micro_batch=1, seq_len=64, step_allreduce=False)
-    # Devices 0 (emu-a800) and 2 (emu-h20) each train the whole model on 2 micro-batches at once. Pinned to
-    # one shared core in stretch mode they would share it; in sleep mode each block lasts its target, so
-    # each pipeline takes exactly its blocks' targets, then the optimizer.
+def test_simulator_plays_a_sleep_mode_device_by_its_targets():
+    cm = CostModel(TINY, SLEEP4, sleep_profiles(), micro_batch=1, seq_len=64, step_allreduce=False)
+    # Devices 0 (emu-a800) and 2 (emu-h20) each train the whole model on 2 micro-batches at once: each
+    # pipeline takes exactly its blocks' targets, then the optimizer.
     dp = Strategy("dp", (Pipeline(2, (Stage((0,), (0, 6)),)), Pipeline(2, (Stage((2,), (0, 6)),))))
     r = simulate(cm, dp, 4)
-    assert r.cpu_hosts == {}
     for pi, t in enumerate(("emu-a800", "emu-h20")):
         st = cm.stage(t, 1, 6, True, True)
         assert r.pipeline_end_s[pi] == pytest.approx(2 * (st.forward_s + st.backward_s))
-
-
-def test_a_sleep_mode_devices_optimizer_pays_for_the_sleep_before_it():
-    """A sleep-mode device's blocks last their targets, but its optimizer step runs as it is, after the
-    device slept through its last block: it pays the resume penalty (the forward's figures: 0.5 s, tau
-    1 s) for the idle since that block's start. Hand-computed on the dp strategy: each optimizer takes its
-    price plus 0.5 (1 - e^(-idle)), idle from its pipeline's last backward's start to the optimizer's start;
-    the blocks cost their targets exactly."""
-    cm = CostModel(TINY, SLEEP4, sleep_profiles(cores=1), micro_batch=1, seq_len=64, step_allreduce=False)
-    dp = Strategy("dp", (Pipeline(2, (Stage((0,), (0, 6)),)), Pipeline(2, (Stage((2,), (0, 6)),))))
-    r = simulate(cm, dp, 4)
-    price = cm.optimizer_times(dp)
-    for pi, (d, t) in enumerate(((0, "emu-a800"), (2, "emu-h20"))):
-        events = [e for e in r.events if e.pipeline == pi]
-        st = cm.stage(t, 1, 6, True, True)
-        for e in events:
-            if e.category in ("forward", "backward"):
-                assert e.cpu_s == pytest.approx(st.forward_s if e.category == "forward" else st.backward_s)
-        last = max((e for e in events if e.category == "backward"), key=lambda e: e.start_s)
-        (opt,) = (e for e in events if e.category == "optimizer")
-        idle = opt.start_s - last.start_s
-        assert idle > 0.1
-        assert opt.cpu_s == pytest.approx(price[d] + 0.5 * (1 - math.exp(-idle)))
-        assert opt.end_s - opt.start_s == pytest.approx(opt.cpu_s)
 
 
 @given(layers=st.integers(1, 12), mb=st.integers(1, 8), seq=st.sampled_from([16, 64, 256, 1024]),
@@ -195,80 +158,3 @@ def test_packed_documents_pay_attention_per_document_and_the_fixed_cost_once():
     assert block_seconds(p, TINY, whole) == pytest.approx(1e-4 * 1600 + 1.0 + layer_rest)
     alone = dataclasses.replace(packed, documents=(40,))
     assert block_seconds(p, TINY, alone) == pytest.approx(block_seconds(p, TINY, whole))
-
-
-def test_a_sleep_mode_block_lasts_its_target_whatever_the_host_measured():
-    """A sleep-mode block ends at its target (runtime/trace.py ``EmulatedTarget`` spins out the end of its
-    wait), so a profile's measured sleep slack and hand-off delays, which a stretched block's plain sleep
-    pays, change nothing: the simulator and the estimate give the same step as without them."""
-    late = CoreHandoff(handoff_s=0.5, wake_s=0.5, recv_wake_s=0.5, cold_forward_s=1.0, sleep_late_s=0.01)
-    ps = sleep_profiles(cores=1)
-    ps = ProfileSet({t: ResolvedProfile(dataclasses.replace(ps[t], models={"tiny": dataclasses.replace(
-        ps[t].models["tiny"], core_handoff={64: late})}), None) for t in SLEEP4.device_types})
-    base = CostModel(TINY, SLEEP4, sleep_profiles(cores=1), micro_batch=1, seq_len=64, step_allreduce=False)
-    cm = CostModel(TINY, SLEEP4, ps, micro_batch=1, seq_len=64, step_allreduce=False)
-    dp = Strategy("dp", (Pipeline(2, (Stage((0,), (0, 6)),)), Pipeline(2, (Stage((2,), (0, 6)),))))
-    plain, slack = simulate(base, dp, 4), simulate(cm, dp, 4)
-    for pi in (0, 1):
-        assert slack.pipeline_end_s[pi] == pytest.approx(plain.pipeline_end_s[pi])
-        assert cm.pipeline_step_time(dp, pi, "1f1b") == pytest.approx(base.pipeline_step_time(dp, pi, "1f1b"))
-
-
-def with_shared_core_delay(ps: ProfileSet, delay: float) -> ProfileSet:
-    return ProfileSet({t: ResolvedProfile(dataclasses.replace(ps[t], comm=dataclasses.replace(
-        ps[t].comm, shared_core_p2p_s=delay)), None) for t in ps})
-
-
-@pytest.mark.parametrize("pipes, shared", [(((0, 2), (1, 3)), True), (((0, 1), (2, 3)), False)])
-def test_a_boundary_between_workers_pinned_to_one_core_arrives_later(pipes, shared):
-    """Two cores, four sleep-mode devices: the launcher pins the plan's devices to cores 0, 1, 0, 1 in id
-    order, so stage boundaries 0 -> 2 and 1 -> 3 join workers sharing a core, 0 -> 1 and 2 -> 3 do not. With
-    the measured 10 ms (``shared_core_p2p_s``) and one micro-batch per pipeline, each pipeline's step
-    crosses its boundary twice (F, then B): 20 ms later where shared (hand-computed), the same where not,
-    in the simulator and in the estimate alike."""
-    ps = sleep_profiles(cores=2)
-    base = CostModel(TINY, SLEEP4, ps, micro_batch=1, seq_len=64, step_allreduce=False)
-    cm = CostModel(TINY, SLEEP4, with_shared_core_delay(ps, 0.01), micro_batch=1, seq_len=64, step_allreduce=False)
-    strat = Strategy("pp", tuple(Pipeline(1, (Stage((a,), (0, 3)), Stage((b,), (3, 6)))) for a, b in pipes))
-    extra = 0.01 if shared else 0.0
-    for a, b in pipes:
-        assert cm.hop_time(strat, (a,), (b,)) == pytest.approx(base.p2p_time((a,), (b,)) + extra)
-        assert cm.hop_time(strat, (b,), (a,)) == pytest.approx(base.p2p_time((b,), (a,)) + extra)
-    plain, late = simulate(base, strat, 2), simulate(cm, strat, 2)
-    for pi in (0, 1):
-        assert late.pipeline_end_s[pi] == pytest.approx(plain.pipeline_end_s[pi] + 2 * extra)
-        assert cm.pipeline_step_time(strat, pi, "1f1b") == pytest.approx(
-            base.pipeline_step_time(strat, pi, "1f1b") + 2 * extra)
-
-
-def test_a_stretched_device_plays_the_shared_core_per_op_instead():
-    """Where compute contends for the cores (stretch mode) the simulator plays the busy core's delays op by
-    op (``CoreHandoff.recv_wake_s``): the measured shared-core delay is not added to its transfers."""
-    ps = ProfileSet({t: ResolvedProfile(dataclasses.replace(measured(t), compute=dataclasses.replace(
-        measured(t).compute, host_cores=2)), None) for t in STRETCH4.device_types})
-    cm = CostModel(TINY, STRETCH4, with_shared_core_delay(ps, 0.01), micro_batch=1, seq_len=64)
-    strat = Strategy("pp", (Pipeline(1, (Stage((0,), (0, 3)), Stage((2,), (3, 6)))),
-                            Pipeline(1, (Stage((1,), (0, 6)),)), Pipeline(1, (Stage((3,), (0, 6)),))))
-    assert cm.hop_time(strat, (0,), (2,)) == pytest.approx(cm.p2p_time((0,), (2,)))
-
-
-def test_a_sleep_mode_device_posts_its_messages_after_idling_through_its_block():
-    """A sleep-mode block is a sleep to its target after a little real work: the action after it pays its
-    cold cost (saturated here: tau 1 us). One micro-batch through two stages on devices 0 -> 1 (other
-    cores): stage 0's send after F, stage 1's unpack of it, stage 1's send after B and stage 0's unpack of
-    that lie on the path, 2 x (0.01 + 0.003) later (hand-computed; the receives' posts, at the start and
-    right after a send, stay hot), in the simulator and in the estimate alike."""
-    hot = P2pActions(post_send_s=0.001, post_recv_s=0.0005, wait_recv_s=0.0002)
-    cold = dataclasses.replace(hot, cold_post_send_s=0.01, cold_post_recv_s=0.5, cold_wait_recv_s=0.003,
-                               cold_tau_s=1e-6)
-
-    def model(acts: P2pActions) -> CostModel:
-        ps = sleep_profiles(cores=2)
-        ps = ProfileSet({t: ResolvedProfile(dataclasses.replace(ps[t], comm=dataclasses.replace(
-            ps[t].comm, p2p_actions=acts)), None) for t in ps})
-        return CostModel(TINY, SLEEP4, ps, micro_batch=1, seq_len=64, step_allreduce=False)
-
-    base, cm = model(hot), model(cold)
-    pp = Strategy("pp", (Pipeline(1, (Stage((0,), (0, 3)), Stage((1,), (3, 6)))),))
-    assert simulate(cm, pp, 1).pipeline_end_s[0] == pytest.approx(simulate(base, pp, 1).pipeline_end_s[0] + 0.026)
-    assert cm.pipeline_step_time(pp, 0, "1f1b") == pytest.approx(base.pipeline_step_time(pp, 0, "1f1b") + 0.026)

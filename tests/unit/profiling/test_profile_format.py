@@ -15,13 +15,9 @@ from runtime.profiling.profile import (
     BLOCKS,
     PROFILES_DIR,
     ComponentFit,
-    CoreHandoff,
     LinkFit,
     MeasuredModel,
     OptimizerFit,
-    P2pActions,
-    ResumePenalty,
-    SharingCurve,
     dump_profile,
     load_profile,
     resolve_profiles,
@@ -41,16 +37,10 @@ def measured(name: str = "cpu-fast"):
     blocks = {k: block for k in BLOCKS}
     mm = MeasuredModel(64, 128, 8, 4, 256, 1, (32, 64), {1: {k: comp for k in
                                                               ("embedding", "attention", "mlp", "norm", "head")}},
-                       tp_overhead={2: block}, tp_blocks={2: blocks}, tp_blocks_cpu={2: blocks},
-                       tp_blocks_sp={2: blocks}, tp_blocks_sp_cpu={2: blocks},
-                       blocks={1: blocks}, resume=ResumePenalty(4e-4, 8e-4, 3e-3), core_sharing={64: 0.9},
-                       core_sharing_curve={64: SharingCurve((2e-3, 2e-2), (0.9, 0.85))},
-                       core_handoff={64: CoreHandoff(1.2e-3, 3e-4, 5e-4, 1e-4, 2e-4),
-                                     256: CoreHandoff(3e-3, 0.0, 2e-4)})
+                       tp_overhead={2: block}, tp_blocks={2: blocks}, tp_blocks_sp={2: blocks},
+                       blocks={1: blocks})
     base = spec_profile(name, peak_tflops=0.1, hbm_bandwidth_gbs=10, memory_gib=2, note="", emulated=True)
-    comm = dataclasses.replace(base.comm, p2p=LinkFit(1e-3, 1.5), allreduce={2: LinkFit(2e-3, 1.0)},
-                               p2p_wake=ResumePenalty(3e-4, 3e-4, 1e-3), shared_core_p2p_s=1.5e-3,
-                               p2p_actions=P2pActions(2e-4, 1e-4, 1.2e-4, 3e-4, 2e-4, 1e-4, 0.02))
+    comm = dataclasses.replace(base.comm, p2p=LinkFit(1e-3, 1.5), allreduce={2: LinkFit(2e-3, 1.0)})
     return dataclasses.replace(base, provenance="measured", comm=comm, models={"llama-tiny": mm},
                                step_overhead=OptimizerFit(1e-9, 1e-5, 2e-6), sync_pack=OptimizerFit(3e-10, 2e-6, 8e-6),
                                source=dataclasses.replace(base.source, host="box", torch_version="2.13",
@@ -67,34 +57,44 @@ def test_round_trip(tmp_path: Path):
 
 
 def test_profile_written_before_the_new_fields_still_loads(tmp_path: Path):
-    """Stage blocks, TP blocks, resume / wake penalties, core sharing, step overhead and sync packing are
-    optional: a profile from before them loads, with no penalty and no overhead."""
+    """Stage blocks, TP blocks, step overhead and sync packing are optional: a profile from before them
+    loads, with no overhead."""
     data = yaml.safe_load(dump_profile(measured()))
     for key in ("step_overhead", "sync_pack"):
         data.pop(key)
-    data["comm"].pop("p2p_wake")
-    data["comm"].pop("p2p_actions")
-    data["comm"].pop("shared_core_p2p_s")
-    handoff = yaml.safe_load(dump_profile(measured()))["models"]["llama-tiny"]["core_handoff"]
-    for h in handoff.values():
-        h.pop("sleep_late_s")
-    path = tmp_path / "handoff.yaml"
-    path.write_text(yaml.safe_dump({**yaml.safe_load(dump_profile(measured())), "models": {"llama-tiny": {
-        **yaml.safe_load(dump_profile(measured()))["models"]["llama-tiny"], "core_handoff": handoff}}}))
-    assert all(h.sleep_late_s == 0.0 for h in load_profile(path).models["llama-tiny"].core_handoff.values())
-    for key in ("tp_blocks", "tp_blocks_cpu", "tp_blocks_sp", "tp_blocks_sp_cpu", "blocks", "resume", "core_sharing",
-                "core_sharing_curve", "core_handoff"):
+    for key in ("tp_blocks", "tp_blocks_sp", "blocks"):
         data["models"]["llama-tiny"].pop(key)
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump(data))
     old = load_profile(path)
-    assert old.models["llama-tiny"].blocks == {} and old.models["llama-tiny"].resume is None
-    assert old.models["llama-tiny"].tp_blocks_sp == {} and old.models["llama-tiny"].tp_blocks_sp_cpu == {}
-    assert old.models["llama-tiny"].core_handoff == {}
-    assert old.comm.p2p_wake is None and old.step_overhead == OptimizerFit(0.0)
-    assert old.comm.p2p_actions is None   # no CPU charged per message
-    assert old.comm.shared_core_p2p_s == 0.0   # no delay for workers sharing a core
-    assert old.models["llama-tiny"].core_sharing_curve == {}   # sharing by the one-layer figure alone
+    assert old.models["llama-tiny"].blocks == {} and old.models["llama-tiny"].tp_blocks_sp == {}
+    assert old.step_overhead == OptimizerFit(0.0)
+
+
+def test_profile_with_host_figures_loads_them_ignored_with_a_note(tmp_path: Path, capsys):
+    """A profile written when hspmd modelled the CPU host of emulated devices still loads: those figures
+    are dropped with one line on stderr naming the file and them; everything else is as written."""
+    data = yaml.safe_load(dump_profile(measured()))
+    data["compute"]["host_cores"] = 2
+    data["comm"].update(p2p_wake={"forward_s": 3e-4, "backward_s": 3e-4, "tau_s": 1e-3}, shared_core_p2p_s=1.5e-3,
+                        p2p_actions={"post_send_s": 2e-4, "post_recv_s": 1e-4, "wait_recv_s": 1e-4})
+    data["models"]["llama-tiny"].update(resume={"forward_s": 4e-4, "backward_s": 8e-4, "tau_s": 3e-3},
+                                        core_sharing={64: 0.9}, tp_blocks_cpu=data["models"]["llama-tiny"]["tp_blocks"],
+                                        core_handoff={64: {"handoff_s": 1e-3, "wake_s": 0.0, "recv_wake_s": 0.0}})
+    path = tmp_path / "old-host.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert load_profile(path) == measured()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(path) in err[0]
+    for name in ("compute.host_cores", "comm.p2p_wake", "comm.p2p_actions", "comm.shared_core_p2p_s",
+                 "models.llama-tiny.resume", "models.llama-tiny.core_sharing", "models.llama-tiny.tp_blocks_cpu",
+                 "models.llama-tiny.core_handoff"):
+        assert name in err[0]
+    # A field of that name anywhere else is still an error, not silently dropped.
+    data["memory"]["resume"] = 1
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SpecError, match="memory.resume"):
+        load_profile(path)
 
 
 def test_every_shipped_spec_profile_loads():
@@ -115,26 +115,6 @@ def test_every_shipped_spec_profile_loads():
     (lambda d: d.update(bogus=1), "bogus: unknown key"),
     (lambda d: d["models"]["llama-tiny"]["blocks"][1].pop("stage"),
      "models.llama-tiny.blocks.1: missing block(s) stage"),
-    (lambda d: d["models"]["llama-tiny"]["resume"].update(tau_s=0), "models.llama-tiny.resume.tau_s: must be positive"),
-    (lambda d: d["models"]["llama-tiny"]["core_sharing"].update({64: 1.5}),
-     "models.llama-tiny.core_sharing.64: must be in (0, 1]"),
-    (lambda d: d["models"]["llama-tiny"]["core_handoff"][64].update(wake_s=-1e-3),
-     "models.llama-tiny.core_handoff.64.wake_s: must be a non-negative number of seconds"),
-    (lambda d: d["models"]["llama-tiny"]["core_handoff"][64].pop("recv_wake_s"),
-     "models.llama-tiny.core_handoff.64.recv_wake_s: missing required field"),
-    (lambda d: d["models"]["llama-tiny"]["core_handoff"].update({0: {"handoff_s": 0, "wake_s": 0, "recv_wake_s": 0}}),
-     "models.llama-tiny.core_handoff.0: must be keyed by a positive sequence length"),
-    (lambda d: d.update(version=9), "version: version 9 is newer than this hspmd reads (1)"),
-    (lambda d: d["models"]["llama-tiny"].update(core_sharing_curve={64: {"block_s": [0.002, 0.001],
-                                                                        "efficiency": [0.9, 0.8]}}),
-     "models.llama-tiny.core_sharing_curve.64.block_s: must be positive CPU seconds in increasing order"),
-    (lambda d: d["models"]["llama-tiny"].update(core_sharing_curve={64: {"block_s": [0.002],
-                                                                        "efficiency": [1.2]}}),
-     "models.llama-tiny.core_sharing_curve.64.efficiency[0]: must be in (0, 1], got 1.2"),
-    (lambda d: d["comm"]["p2p_actions"].update(cold_tau_s=-1.0),
-     "comm.p2p_actions.cold_tau_s: must be a non-negative number of seconds"),
-    (lambda d: d["comm"].update(shared_core_p2p_s=-0.001),
-     "comm.shared_core_p2p_s: must be a non-negative number of seconds, got -0.001"),
 ])
 def test_bad_field_names_file_and_field(tmp_path: Path, edit, message):
     data = yaml.safe_load(dump_profile(measured()))

@@ -70,3 +70,26 @@ def test_step_records_take_the_slowest_worker_and_rank_0s_loss():
                for r, w, e in [(1, 2.0, 1.0), (0, 1.0, 0.0), (2, 1.5, 0.5)]]
     r = StepRecord.combine(reports, "s")
     assert (r.step, r.loss, r.step_time_s, r.tokens_per_s, r.emulation_s) == (4, 2.0, 2.0, 2048.0, 1.0)
+
+
+def test_resume_continues_from_latest_to_the_runs_last_step(monkeypatch, tmp_path, repo):
+    """``--resume``: the options the workers get (from DIR/latest, the steps left), the finished run's command
+    repeated (exit 0, no worker), a --steps behind the checkpoint (one line, exit 2), and no checkpoint yet."""
+    seen = []
+    monkeypatch.setattr(train_cmd, "launch", lambda options, policy, on_step, on_log: seen.append(options))
+    ck = tmp_path / "ck"
+    (ck / "step-00000008").mkdir(parents=True)
+    (ck / "latest").write_text("step-00000008\n")
+    base = ["train", "--plan", PLAN, "--save", str(ck), "--save-every", "4", "--resume"]
+    res = CliRunner().invoke(cli, [*base, "--steps", "12"])
+    assert res.exit_code == 0, res.output
+    assert seen[-1].load_dir == ck / "step-00000008" and seen[-1].steps == 4 and seen[-1].save_every == 4
+    res = CliRunner().invoke(cli, [*base, "--steps", "8"])
+    assert res.exit_code == 0 and "nothing left to train" in res.output and len(seen) == 1
+    res = CliRunner().invoke(cli, [*base, "--steps", "7"])
+    assert res.exit_code == 2 and "the run is at step 8 already, past --steps 7" in res.output
+    res = CliRunner().invoke(cli, ["train", "--plan", PLAN, "--save", str(tmp_path / "new"), "--resume",
+                                   "--steps", "3"])
+    assert res.exit_code == 0 and "no checkpoint in" in res.output and seen[-1].load_dir is None
+    res = CliRunner().invoke(cli, ["train", "--plan", PLAN, "--save-every", "2"])
+    assert res.exit_code == 2 and "--save-every, --keep and --resume work on --save DIR" in res.output
