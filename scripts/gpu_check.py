@@ -1,14 +1,16 @@
 """The pipeline behind scripts/gpu_check.sh: the first run of hspmd's CUDA/NCCL path on a GPU machine.
 
-Phases: environment (GPUs, CUDA, NCCL) -> cluster file generated from the GPU's name and memory ->
-check-numerics (every component on the GPU in fp32 and bf16 against fp64) -> profile of the GPU type ->
-a small Llama trained for a few steps in bf16 on NCCL (one process per GPU) for each plan that fits the
-machine -> the same steps of the single-process CPU fp32 reference -> loss comparison within bf16
-tolerances -> MFU -> the same plans simulated with the new profile, simulated vs measured step time.
+Phases: environment (GPUs, CUDA, NCCL) -> cluster file generated from the GPU's name and memory (this
+machine as its node) -> model -> the plans this machine can run -> the CPU fp32 reference -> each plan
+trained in bf16 (one process per GPU) and compared with the reference; the one-device plan and the
+3-stage interleaved plan traced -> checkpoint round trip -> a documents run (packed rows, GQA) against
+the planner's memory -> the meta-device build's memory -> check-numerics -> the GPU's profile against
+its spec figures -> elastic recovery (2+ GPUs) -> MFU -> simulated vs measured.
 
 Each phase records ok / failed / skipped with its reason in one JSON summary instead of stopping the
-run; a phase that needs an earlier one that did not succeed is skipped and says which. ``--dry-run``
-runs the same pipeline on the CPU (gloo, bf16 autocast on the CPU, tiny sizes) so CI exercises it.
+run (with what was and was not exercised); a phase that needs an earlier one that did not succeed is
+skipped and says which, as is every phase once the budget is spent. ``--dry-run`` runs the same pipeline
+on the CPU (gloo, bf16 autocast on the CPU, tiny sizes, 4 emulated devices) so CI exercises it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ sys.path.insert(0, str(REPO))
 # apart a little every step, so later steps get a wider bound.
 LOSS_TOL_FIRST = 1e-2
 LOSS_TOL_LATER = 3e-2
-TOTAL_BUDGET_S = 285.0  # the whole check stays under 5 minutes; phases past it are skipped (--budget-s)
+TOTAL_BUDGET_S = 400.0  # the phases: with at most 50 s of installing, the check ends within 8 minutes
 
 # bf16 dense peak (TFLOPS) and HBM bandwidth (GB/s) of GPUs that profiles/ has no spec profile for.
 DATASHEET = {"H200": (989.0, 4800.0), "GH200": (989.0, 4000.0), "B200": (2250.0, 8000.0), "A10": (125.0, 600.0),
@@ -63,10 +65,19 @@ class Sizes:
     steps: int
 
 
-GPU_SIZES = Sizes(layers=4, hidden=512, ffn=1408, heads=8, kv_heads=4, vocab=8192, max_seq=512, seq_len=256,
+GPU_SIZES = Sizes(layers=12, hidden=512, ffn=1408, heads=8, kv_heads=4, vocab=8192, max_seq=512, seq_len=256,
                   global_batch=8, micro_batch=2, steps=6)
-DRY_SIZES = Sizes(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=256, max_seq=64, seq_len=32,
+DRY_SIZES = Sizes(layers=12, hidden=64, ffn=128, heads=4, kv_heads=2, vocab=256, max_seq=64, seq_len=32,
                   global_batch=4, micro_batch=1, steps=3)
+# The documents run: packed rows of up to DOC_SEQ tokens through a GQA model (FlexAttention on CUDA), checked
+# against the memory the planner predicts for the plan (``hspmd simulate``), within DOC_MEMORY_TOL.
+DOC_SEQ = {"gpu": 16384, "dry-run": 256}
+DOC_TOKENS = {"gpu": 32768, "dry-run": 512}
+DOC_MEMORY_TOL = 0.10
+DRY_DEVICES = 4  # the dry run's emulated devices: enough for every plan of the multi-GPU section
+# What an --elastic run on NCCL is started with (the watchdog aborts communicators without ending the process).
+NCCL_ELASTIC_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "NCCL_DEBUG": "WARN"}
 
 
 class Skip(Exception):
@@ -92,7 +103,14 @@ class Summary:
     def ok(self, name: str) -> bool:
         return self.phases.get(name, {}).get("status") == "ok"
 
+    def left(self, want: float) -> float:
+        """A phase's timeout: ``want`` seconds, or what is left of the budget if that is less (at least 10)."""
+        return max(10.0, min(want, self.budget_s - (time.monotonic() - self.t0)))
+
     def requires(self, *names: str) -> None:
+        """The first line of every phase: skip it when the budget is spent or a phase it needs failed."""
+        if time.monotonic() - self.t0 > self.budget_s:
+            raise Skip(f"out of time (the {self.budget_s:.0f} s budget is spent)")
         missing = [n for n in names if not self.ok(n)]
         if missing:
             raise Skip(f"needs phase(s) {', '.join(missing)}, which did not succeed")
@@ -103,8 +121,6 @@ class Summary:
         rec: dict[str, Any] = {}
         start = time.monotonic()
         try:
-            if start - self.t0 > self.budget_s:
-                raise Skip(f"out of time (the {self.budget_s:.0f} s budget is spent)")
             yield rec
             rec.setdefault("status", "ok")
         except Skip as why:
@@ -147,32 +163,37 @@ def type_name(gpu_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-") or "gpu"
 
 
-def query_gpus() -> tuple[list[dict[str, Any]], str]:
-    """[{index, name, memory_mib}] from nvidia-smi, else from torch; and where they came from."""
+def query_gpus(visible: str | None) -> tuple[list[dict[str, Any]], str]:
+    """[{index, name, memory_mib}] of the GPUs this process may use, in PCI bus order, and where they came
+    from: nvidia-smi's list narrowed to ``visible`` (an existing CUDA_VISIBLE_DEVICES: indices or UUIDs, as a
+    scheduler's allocation sets it), indices renumbered as CUDA will number them; else torch's (run in a child
+    process, so that this one never holds GPU memory)."""
     smi = shutil.which("nvidia-smi")
     if smi is not None:
         try:
-            out = subprocess.run([smi, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+            out = subprocess.run([smi, "--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader,nounits"],
                                  capture_output=True, text=True, timeout=30, check=True).stdout
-            gpus = []
-            for line in out.strip().splitlines():
-                idx, name, mem = (x.strip() for x in line.split(","))
-                gpus.append({"index": int(idx), "name": name, "memory_mib": float(mem)})
+            rows = [[x.strip() for x in line.split(",")] for line in out.strip().splitlines()]
+            by_key = {k: r for r in rows for k in (r[0], r[1])}
+            chosen = rows if visible is None else [by_key[k.strip()] for k in visible.split(",")
+                                                   if k.strip() in by_key]
+            gpus = [{"index": i, "name": r[2], "memory_mib": float(r[3])} for i, r in enumerate(chosen)]
             if gpus:
-                return gpus, "nvidia-smi"
-        except (subprocess.SubprocessError, ValueError, OSError) as exc:
+                return gpus, "nvidia-smi" + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+            note = "nvidia-smi lists no usable GPU; "
+        except (subprocess.SubprocessError, ValueError, OSError, IndexError) as exc:
             note = f"nvidia-smi failed ({exc}); "
-        else:
-            note = "nvidia-smi lists no GPU; "
     else:
         note = "no nvidia-smi on PATH; "
-    import torch
-
-    if torch.cuda.is_available():
-        return [{"index": i, "name": torch.cuda.get_device_name(i),
-                 "memory_mib": torch.cuda.get_device_properties(i).total_memory / 2**20}
-                for i in range(torch.cuda.device_count())], note + "torch.cuda"
-    return [], note + "and torch sees no CUDA device"
+    probe = ("import json, torch; print(json.dumps([{'index': i, 'name': torch.cuda.get_device_name(i), "
+             "'memory_mib': torch.cuda.get_device_properties(i).total_memory / 2**20} "
+             "for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []))")
+    try:
+        gpus = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                         timeout=60, check=True).stdout)
+    except (subprocess.SubprocessError, ValueError, OSError) as exc:
+        return [], note + f"torch.cuda failed ({exc})"
+    return gpus, note + ("torch.cuda" if gpus else "and torch sees no CUDA device")
 
 
 def datasheet(type_: str) -> tuple[float, float, str] | None:
@@ -202,31 +223,73 @@ def write_yaml(path: Path, data: Any) -> Path:
     return path
 
 
-def make_plans(out: Path, n: int, s: Sizes, cluster_file: Path, model_file: Path, *,
-               data_parallel: bool = True) -> dict[str, Path]:
-    """The plans this machine can run, one process per device: one device; two pipeline stages on
-    devices 0 and 1; data parallel over every device."""
-    from runtime.spec import Pipeline, Plan, Stage, Strategy, TrainingSettings, load_plan_context, save_plan
+@dataclass(frozen=True)
+class Layout:
+    """A plan the check trains: its pipelines, schedule, ZeRO, the GPUs it needs, and what it exercises."""
+
+    pipelines: tuple[Any, ...]
+    gpus: int
+    exercises: str
+    schedule: str = "1f1b"
+    zero: bool = False
+
+
+def layouts(s: Sizes) -> dict[str, Layout]:
+    """Every plan of the check, one process per device: the one-device plan, and for 2+ GPUs the multi-GPU
+    section (pipeline schedules, TP x PP, DP with ZeRO-1). ``s.layers`` is a multiple of 6."""
+    from runtime.spec import Pipeline, Stage
+
+    L, mbs = s.layers, s.global_batch // s.micro_batch
+    half, q, six = L // 2, L // 4, L // 6
+
+    def chunks(*ranges: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+        return tuple(ranges)
+
+    return {
+        "one-device": Layout((Pipeline(mbs, (Stage((0,), ((0, L),)),)),), 1, "one GPU: embedding to loss, AdamW"),
+        "two-stage-1f1b": Layout((Pipeline(mbs, (Stage((0,), ((0, half),)), Stage((1,), ((half, L),)))),), 2,
+                                 "1F1B over NCCL p2p"),
+        "interleaved-2x2": Layout((Pipeline(mbs, (Stage((0,), chunks((0, q), (half, half + q))),
+                                                  Stage((1,), chunks((q, half), (half + q, L))))),), 2,
+                                  "interleaved 1F1B, 2 stages x 2 chunks", schedule="interleaved"),
+        "zb-v": Layout((Pipeline(mbs, (Stage((0,), chunks((0, q), (L - q, L))),
+                                       Stage((1,), chunks((q, half), (half, L - q))))),), 2,
+                       "ZB-V (split backward, V placement)", schedule="zb-v"),
+        "dp2-zero1": Layout(tuple(Pipeline(mbs // 2, (Stage((d,), ((0, L),)),)) for d in (0, 1)), 2,
+                            "data parallel 2 with ZeRO-1 (reduce-scatter, all-gather)", zero=True),
+        "interleaved-3x2": Layout((Pipeline(mbs, tuple(Stage((k,), chunks((k * six, (k + 1) * six),
+                                                                          ((k + 3) * six, (k + 4) * six)))
+                                                       for k in range(3))),), 3,
+                                  "interleaved 1F1B, 3 stages x 2 chunks (traced)", schedule="interleaved"),
+        "tp2-pp2": Layout((Pipeline(mbs, (Stage((0, 1), ((0, half),)), Stage((2, 3), ((half, L),)))),), 4,
+                          "TP 2 (DTensor over NCCL) x PP 2"),
+    }
+
+
+def write_plan(path: Path, layout: Layout, s: Sizes, cluster_file: Path, model_file: Path,
+               **training: Any) -> Path:
+    from runtime.spec import Plan, Strategy, TrainingSettings, load_plan_context, save_plan
     from runtime.spec.plan import PLAN_VERSION
 
-    mbs = s.global_batch // s.micro_batch
-    half = s.layers // 2
-    layouts: dict[str, tuple[Pipeline, ...]] = {"one-device": (Pipeline(mbs, (Stage((0,), (0, s.layers)),)),)}
-    if n >= 2:
-        layouts["two-stage"] = (Pipeline(mbs, (Stage((0,), (0, half)), Stage((1,), (half, s.layers)))),)
-        if data_parallel and mbs % n == 0:
-            layouts[f"data-parallel-{n}"] = tuple(Pipeline(mbs // n, (Stage((d,), (0, s.layers)),))
-                                                  for d in range(n))
-    training = TrainingSettings(global_batch=s.global_batch, micro_batch=s.micro_batch, seq_len=s.seq_len)
-    plans = {}
-    for name, pipes in layouts.items():
-        plan = Plan(version=PLAN_VERSION, model=str(model_file), cluster=str(cluster_file), training=training,
-                    strategies=(Strategy(name, pipes),))
-        path = out / f"plan-{name}.yaml"
-        save_plan(plan, path)
-        load_plan_context(path)  # every generated plan is valid, or this phase fails here
-        plans[name] = path
-    return plans
+    settings = TrainingSettings(global_batch=s.global_batch, micro_batch=s.micro_batch, seq_len=s.seq_len,
+                                schedule=layout.schedule, zero=layout.zero, **training)  # type: ignore[arg-type]
+    plan = Plan(version=PLAN_VERSION, model=str(model_file), cluster=str(cluster_file), training=settings,
+                strategies=(Strategy(path.stem.removeprefix("plan-"), layout.pipelines),))
+    save_plan(plan, path)
+    load_plan_context(path)  # every generated plan is valid, or its phase fails here
+    return path
+
+
+def make_plans(out: Path, n: int, s: Sizes, cluster_file: Path, model_file: Path) -> tuple[dict[str, Path],
+                                                                                             dict[str, str]]:
+    """The plans this machine can run, and for the others why not."""
+    plans, left_out = {}, {}
+    for name, layout in layouts(s).items():
+        if layout.gpus > n:
+            left_out[name] = f"not run: needs {layout.gpus} GPUs ({layout.exercises}), this machine has {n}"
+            continue
+        plans[name] = write_plan(out / f"plan-{name}.yaml", layout, s, cluster_file, model_file)
+    return plans, left_out
 
 
 def reference_losses(plan: Path, steps: int) -> list[float]:
@@ -276,62 +339,151 @@ def mfu(plan: Path, profile_dirs: list[Path], step_time_s: float) -> dict[str, f
             "model_tflops_per_step": flops / 1e12}
 
 
+def peak_gib(steps: list[dict[str, Any]]) -> float | None:
+    """The highest peak memory of any device in a run's metrics (GiB): the CUDA allocator's on GPUs."""
+    peaks = [b for r in steps for b in (r.get("peak_memory_bytes") or {}).values()]
+    return max(peaks) / 2**30 if peaks else None
+
+
+def trace_events(trace_dir: Path) -> dict[str, int]:
+    """Events per trace file a traced run wrote (each must be a Chrome trace with events)."""
+    counts = {}
+    for f in sorted(trace_dir.glob("*.json")):
+        data = json.loads(f.read_text())
+        events = data.get("traceEvents", data) if isinstance(data, dict) else data
+        counts[f.name] = len(events)
+    if not counts or not all(counts.values()):
+        raise Failed(f"the traced run left no trace with events in {trace_dir}: {counts}")
+    return counts
+
+
+BUILD_MEMORY = """
+import json, sys, torch
+from runtime.engine.build import build_chunk
+from runtime.engine.specialize import specialize
+from runtime.spec import load_plan_context
+from runtime.spec.handle import StrategyHandle
+h = StrategyHandle.of(load_plan_context(sys.argv[1]))
+plan = specialize(h, 0)
+dev = torch.device("cuda:0")
+torch.cuda.set_device(dev)
+shards = {s.name: s for s in plan.shards}
+module = build_chunk(h.model, plan.role.chunks[0], shards, seed=0, device=dev, mesh=None)
+params = sum(p.numel() * p.element_size() for p in module.parameters())
+print(json.dumps({"param_bytes": params, "peak_allocated": torch.cuda.max_memory_allocated(dev)}))
+"""
+
+
+ATTENTION_KERNELS = """
+import json, sys, torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from runtime.models.attention import flex_document_attention
+from runtime.models.llama import LlamaForCausalLM
+from runtime.spec import load_model
+spec = load_model(sys.argv[1])
+seq = int(sys.argv[2])
+dev = torch.device("cuda:0")
+model = LlamaForCausalLM(spec).to(dev)
+model.init_weights(0)
+rows = torch.randint(0, spec.vocab_size, (2, 256), device=dev)
+# Windows (is_causal, GQA): flash or memory-efficient attention only; a fall back to the math kernel raises.
+with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(rows).float().sum().backward()
+# Packed documents at seq tokens (FlexAttention, compiled): no [heads, seq, seq] tensor at any point.
+heads, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_size
+segments = (torch.arange(seq, device=dev) // (seq // 7)).unsqueeze(0)
+q = torch.randn(1, heads, seq, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+k, v = (torch.randn(1, kv, seq, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(dev)
+base = torch.cuda.memory_allocated(dev)
+flex_document_attention(segments)(q, k, v).float().sum().backward()
+torch.cuda.synchronize()
+scores = heads * seq * seq * 4
+print(json.dumps({"seq": seq, "peak_above_inputs": torch.cuda.max_memory_allocated(dev) - base,
+                  "fp32_scores_bytes": scores}))
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
+    import importlib.util
+    import socket
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="the same pipeline on the CPU (gloo), tiny sizes")
     ap.add_argument("--out", type=Path, default=REPO / "gpu-check-out")
-    ap.add_argument("--python", default=sys.executable, help="interpreter with hspmd installed")
+    ap.add_argument("--python", default=sys.executable, help="interpreter with hspmd's dependencies")
     ap.add_argument("--install-status", default="ok", help="what gpu_check.sh's install phase reported")
     ap.add_argument("--install-reason", default="")
-    ap.add_argument("--budget-s", type=float, default=TOTAL_BUDGET_S,
-                    help="seconds the phases may take in all (gpu_check.sh passes what installing left)")
+    ap.add_argument("--install-s", type=float, default=0.0, help="seconds installing took (not in the budget)")
+    ap.add_argument("--budget-s", type=float, default=TOTAL_BUDGET_S, help="seconds the phases may take in all")
     args = ap.parse_args(argv)
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     dry = args.dry_run
+    mode = "dry-run" if dry else "gpu"
     sizes = DRY_SIZES if dry else GPU_SIZES
-    summary = Summary(out / "summary.json", "dry-run" if dry else "gpu", args.budget_s)
+    summary = Summary(out / "summary.json", mode, args.budget_s)
     summary.data["sizes"] = sizes.__dict__
     summary.data["loss_tolerance"] = {"step_1": LOSS_TOL_FIRST, "later_steps": LOSS_TOL_LATER}
-    summary.phases["install"] = {"status": args.install_status, **({"reason": args.install_reason}
-                                                                   if args.install_reason else {})}
-    env = dict(os.environ)
+    summary.phases["install"] = {"status": args.install_status, "seconds": args.install_s,
+                                 **({"reason": args.install_reason} if args.install_reason else {})}
+    not_exercised: dict[str, str] = summary.data.setdefault("not_exercised", {})
+    # Workers number GPUs in PCI bus order (the cluster file's order; hspmd pins it in its workers too).
+    env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID")
     state: dict[str, Any] = {}
     profiles_dir = out / "profiles"
+    planner = [m for m in ("pulp", "highspy") if importlib.util.find_spec(m) is None]
+    no_planner = (f"{' and '.join(planner)} cannot be imported by {args.python} (the planner's ILP: bring the "
+                  "wheels of `make wheels` along)") if planner else ""
+
+    def hspmd_(cmd: list[str], want_s: float, extra_env: dict[str, str] | None = None,
+               ok_codes: tuple[int, ...] = (0,)) -> str:
+        return hspmd(args.python, cmd, timeout=summary.left(want_s), env={**env, **(extra_env or {})},
+                     ok_codes=ok_codes)
+
+    def train(plan: Path, metrics: Path, *extra: str, want_s: float = 150,
+              extra_env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        hspmd_(["train", "--plan", str(plan), "--metrics", str(metrics), "--precision", "bf16", "--timeout", "60",
+                *extra], want_s, extra_env)  # bf16: on CUDA what 'auto' means; on the CPU it has to be asked for
+        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        return [r for r in records if "event" not in r]   # steps only (an elastic run also logs its failures)
 
     with summary.phase("environment") as rec:
+        summary.requires()
         import torch
         import torch.distributed as dist
 
         rec.update(python=sys.version.split()[0], torch=torch.__version__, torch_cuda=torch.version.cuda,
-                   cuda_available=torch.cuda.is_available(), gloo=dist.is_gloo_available(),
-                   nccl=dist.is_nccl_available())
+                   gloo=dist.is_gloo_available(), nccl=dist.is_nccl_available(),
+                   planner="ok" if not planner else f"missing {', '.join(planner)}")
         if dry:
-            rec.update(device="cpu (dry run)", backend="gloo", count=2)
-            state.update(count=2, type="cpu-dryrun", memory_gib=4.0)
+            rec.update(device="cpu (dry run)", backend="gloo", count=DRY_DEVICES)
+            state.update(count=DRY_DEVICES, type="cpu-dryrun", memory_gib=4.0, node="node0")
         else:
-            gpus, source = query_gpus()
+            gpus, source = query_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"))
             rec.update(gpus=gpus, gpu_source=source)
             if not gpus:
                 raise Failed(f"no NVIDIA GPU found ({source})")
-            if not torch.cuda.is_available():
-                raise Failed(f"{len(gpus)} GPU(s) listed by {source}, but this torch ({torch.__version__}, CUDA "
-                             f"{torch.version.cuda}) cannot use them: install a CUDA build of torch")
             if not dist.is_nccl_available():
                 raise Failed("this torch build has no NCCL backend: multi-process GPU training cannot run")
-            rec["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
             first = gpus[0]["name"]
             same = [g for g in gpus if g["name"] == first]
             if len(same) < len(gpus):
-                # One device type per check: the GPUs like GPU 0 (others hidden from every child process).
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g["index"]) for g in same)
+                # One device type per check: the GPUs like the first (the others hidden from every child).
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                keys = visible.split(",") if visible is not None else [str(g["index"]) for g in gpus]
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(keys[g["index"]] for g in same)
                 rec["note"] = f"mixed GPU types: checking the {len(same)} x {first} only"
-            state.update(count=len(same), type=type_name(first), gpu_name=first,
+            state.update(count=len(same), type=type_name(first), gpu_name=first, node=socket.gethostname(),
                          memory_gib=min(g["memory_mib"] for g in same) / 1024)
             rec.update(device_type=state["type"], count=state["count"], backend="nccl")
-            # Data parallelism over every GPU needs a micro-batch count divisible by the GPU count.
+            # Data parallelism needs a micro-batch count divisible by 2 (and every plan a multiple of 6 layers).
             sizes = replace(sizes, global_batch=sizes.micro_batch * math.lcm(4, state["count"]))
             summary.data["sizes"] = sizes.__dict__
+            if state["count"] < 2:
+                not_exercised["nccl-collectives"] = ("one GPU: p2p, TP, DP, ZeRO-1 and BSR over NCCL need 2+ GPUs "
+                                                     "(NCCL refuses two ranks on one GPU)")
 
     with summary.phase("cluster") as rec:
         summary.requires("environment")
@@ -340,9 +492,14 @@ def main(argv: list[str] | None = None) -> int:
         t = state["type"]
         sheet = None if dry else datasheet(t)
         if sheet is None:
-            from runtime.profiling.compute import measure_throughput
-
-            figs = measure_throughput("cpu" if dry else "cuda:0")
+            # In a child process: this one must hold no GPU memory (a CUDA context) through the runs below.
+            probe = ("import json, sys; from runtime.profiling.compute import measure_throughput; "
+                     "print(json.dumps(measure_throughput(sys.argv[1])))")
+            p = subprocess.run([args.python, "-c", probe, "cpu" if dry else "cuda:0"], cwd=REPO, capture_output=True,
+                               text=True, timeout=summary.left(120), env=env)
+            if p.returncode != 0:
+                raise Failed("measuring the GEMM rate failed: " + " | ".join(p.stderr.strip().splitlines()[-3:]))
+            figs = json.loads(p.stdout.strip().splitlines()[-1])
             sheet = (figs["tflops"], figs["bandwidth_gbs"], "measured here (GEMM rate and copy bandwidth: no "
                                                             "datasheet entry for this GPU)")
         tflops, hbm, source = sheet
@@ -352,8 +509,10 @@ def main(argv: list[str] | None = None) -> int:
                               "intra_node_bandwidth_gbs": NVLINK_GBS if sxm else PCIE_GBS}
         if dry:
             dt["emulate"] = {"slowdown": 1.0}
+        # The node is this machine (its host name): every worker checks it runs where the cluster file says.
         cluster = {"name": f"gpu-check-{t.lower()}", "description": f"generated by gpu_check for {t}",
-                   "device_types": {t: dt}, "nodes": [{"name": "node0", "device_type": t, "count": state["count"]}],
+                   "device_types": {t: dt}, "nodes": [{"name": state["node"], "device_type": t,
+                                                       "count": state["count"]}],
                    "inter_node_bandwidth_gbs": 25.0}
         path = write_yaml(out / "cluster.yaml", cluster)
         load_cluster(str(path))
@@ -362,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                            if k != "emulate"})
 
     with summary.phase("model") as rec:
+        summary.requires()
         from runtime.spec import load_model
 
         s = sizes
@@ -371,56 +531,40 @@ def main(argv: list[str] | None = None) -> int:
         path = write_yaml(out / "model.yaml", model)
         spec = load_model(str(path))
         state["model"] = path
-        rec.update(path=str(path), params=spec.total_params())
-
-    with summary.phase("numerics") as rec:
-        summary.requires("environment", "model")
-        types = "cpu" if dry else "cpu,cuda"
-        # Exit 3: some component was flagged; the JSON report is on stdout all the same.
-        cmd = ["check-numerics", "--types", types, "--dtypes", "fp32,bf16", "--model", str(state["model"]),
-               "--seq-len", str(min(sizes.seq_len, 64)), "--format", "json"]
-        report = json.loads(hspmd(args.python, cmd, timeout=120, env=env, ok_codes=(0, 3)))
-        worst: dict[str, float] = {}
-        for r in report["results"]:
-            key = f"{r['device']} {r['dtype']}"
-            worst[key] = max(worst.get(key, 0.0), r["forward_rel_error"], r["backward_rel_error"])
-        rec.update(flagged=report["flagged"], tolerances=report["tolerances"], worst_rel_error=worst)
-        summary.data["results"]["numerics"] = report["results"]
-        if report["flagged"]:
-            raise Failed(f"components outside tolerance: {', '.join(report['flagged'])}")
+        long = dict(model, name="gpu-check-llama-long", max_seq_len=2 * DOC_SEQ[mode])
+        state["model_long"] = write_yaml(out / "model-long.yaml", long)
+        rec.update(path=str(path), params=spec.total_params(), gqa=f"{s.heads} query heads, {s.kv_heads} KV heads")
 
     with summary.phase("plans") as rec:
         summary.requires("cluster", "model")
-        # The dry run leaves out data parallelism: the same code path as the others, and CI time is short.
-        plans = make_plans(out, state["count"], sizes, state["cluster"], state["model"], data_parallel=not dry)
+        plans, left_out = make_plans(out, state["count"], sizes, state["cluster"], state["model"])
         state["plans"] = plans
-        rec["plans"] = {k: str(v) for k, v in plans.items()}
-        if dry:
-            rec["data-parallel"] = "not run in the dry run (the same code path as the plans above)"
-        if state["count"] < 2:
-            rec["two-stage"] = ("not run: one GPU. hspmd's launcher gives every device its own GPU "
-                                "(cuda:<local index>) and NCCL refuses two ranks on one GPU ('Duplicate GPU "
-                                "detected'), so a two-process plan needs two GPUs")
+        not_exercised.update(left_out)
+        rec.update(plans={k: str(v) for k, v in plans.items()}, left_out=left_out)
 
     with summary.phase("reference") as rec:
         summary.requires("plans")
-        first = next(iter(state["plans"].values()))
-        state["reference"] = reference_losses(first, sizes.steps)
+        state["reference"] = reference_losses(state["plans"]["one-device"], sizes.steps)
         rec.update(device="cpu", precision="fp32", losses=state["reference"])
 
-    precision = "bf16"  # on CUDA this is also what 'auto' means; on the CPU it has to be asked for
+    # The training phases first: the CUDA/NCCL path is what this check is for.
+    traced = {"one-device", "interleaved-3x2"}
     for name, plan in state.get("plans", {}).items():
-        metrics = out / f"metrics-{name}.jsonl"
         with summary.phase(f"train:{name}") as rec:
-            hspmd(args.python, ["train", "--plan", str(plan), "--steps", str(sizes.steps), "--metrics", str(metrics),
-                                "--precision", precision, "--timeout", "60"], timeout=120, env=env)
-            steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-            losses = [r["loss"] for r in steps]
+            summary.requires("plans")
+            extra = ["--steps", str(sizes.steps)]
+            if name in traced:
+                extra += ["--trace", str(out / f"trace-{name}")]
+            steps = train(plan, out / f"metrics-{name}.jsonl", *extra)
             steady = steps[1:] or steps  # step 1 pays for warm-up (NCCL communicators, kernels)
             step_time = sum(r["step_time_s"] for r in steady) / len(steady)
             state[f"step_time:{name}"] = step_time
-            rec.update(precision=precision, backend="gloo" if dry else "nccl", losses=losses,
-                       step_time_s=step_time, tokens_per_s=sum(r["tokens_per_s"] for r in steady) / len(steady))
+            rec.update(exercises=layouts(sizes)[name].exercises, backend="gloo" if dry else "nccl",
+                       losses=[r["loss"] for r in steps], step_time_s=step_time,
+                       tokens_per_s=sum(r["tokens_per_s"] for r in steady) / len(steady),
+                       peak_memory_gib=peak_gib(steps))
+            if name in traced:
+                rec["trace_events"] = trace_events(out / f"trace-{name}")
         with summary.phase(f"losses:{name}") as rec:
             summary.requires(f"train:{name}", "reference")
             cmp = compare_losses(summary.phases[f"train:{name}"]["losses"], state["reference"])
@@ -431,7 +575,92 @@ def main(argv: list[str] | None = None) -> int:
                              (f" (step {worst['step']}: {worst['rel_diff']:.3g} > {worst['tolerance']:g})"
                               if worst else " (no steps)"))
 
-    # Profiling comes after training: the NCCL/bf16 path is what this check is for, so it runs first.
+    with summary.phase("checkpoint") as rec:
+        summary.requires("train:one-device")
+        # Two steps, save, load, one more: step 3 as the uninterrupted run's step 3.
+        plan, ck = state["plans"]["one-device"], out / "checkpoint"
+        shutil.rmtree(ck, ignore_errors=True)
+        train(plan, out / "metrics-save.jsonl", "--steps", "2", "--save", str(ck))
+        resumed = train(plan, out / "metrics-load.jsonl", "--steps", "1", "--load", str(ck))
+        straight = summary.phases["train:one-device"]["losses"][2]
+        rel = abs(resumed[0]["loss"] - straight) / abs(straight)
+        rec.update(step=resumed[0]["step"], loss_resumed=resumed[0]["loss"], loss_straight=straight, rel_diff=rel)
+        if resumed[0]["step"] != 3 or rel > 1e-3:
+            raise Failed(f"resumed step {resumed[0]['step']} loss {resumed[0]['loss']:.6g} vs {straight:.6g} "
+                         "uninterrupted (rel 1e-3 allowed)")
+
+    with summary.phase("documents") as rec:
+        summary.requires("cluster", "model")
+        if planner:
+            raise Skip(f"the documents dispatch and the memory prediction need the planner: {no_planner}")
+        doc_sizes = replace(sizes, seq_len=DOC_SEQ[mode], global_batch=2, micro_batch=1)
+        layout = layouts(sizes)["one-device"]
+        from runtime.spec import Pipeline
+
+        layout = replace(layout, pipelines=(Pipeline(2, layout.pipelines[0].stages),))
+        plan = write_plan(out / "plan-documents.yaml", layout, doc_sizes, state["cluster"], state["model_long"],
+                          tokens_per_step=DOC_TOKENS[mode])
+        steps = train(plan, out / "metrics-documents.jsonl", "--steps", "2", "--lengths", "longtail")
+        peaks = json.loads(hspmd_(["simulate", "--plan", str(plan), "--format", "json"], 60))["peak_memory_gib"]
+        predicted = max(peaks.values()) if isinstance(peaks, dict) else peaks   # per device: one device here
+        measured = None if dry else peak_gib(steps)   # (on the CPU the metrics' peak is the process' RSS)
+        rec.update(seq_len=DOC_SEQ[mode], tokens_per_step=DOC_TOKENS[mode], losses=[r["loss"] for r in steps],
+                   documents=[r.get("documents") for r in steps], predicted_peak_gib=predicted,
+                   measured_peak_gib=measured, attention="FlexAttention, document block mask" if not dry
+                   else "SDPA with the boolean mask (CPU)")
+        if not all(math.isfinite(r["loss"]) for r in steps):
+            raise Failed("non-finite loss in the documents run")
+        if measured is None:
+            rec["memory"] = "not measured: the CPU has no allocator peaks"
+        elif measured > predicted * (1 + DOC_MEMORY_TOL):
+            raise Failed(f"peak {measured:.2f} GiB allocated, the planner predicted {predicted:.2f} GiB "
+                         f"(+{DOC_MEMORY_TOL:.0%} allowed)")
+
+    with summary.phase("build-memory") as rec:
+        summary.requires("plans")
+        if dry:
+            raise Skip("CUDA allocator peaks only (the meta-device build's numbers are unit-tested on the CPU)")
+        p = subprocess.run([args.python, "-c", BUILD_MEMORY, str(state["plans"]["one-device"])], cwd=REPO,
+                           capture_output=True, text=True, timeout=summary.left(120), env=env)
+        if p.returncode != 0:
+            raise Failed(" | ".join(p.stderr.strip().splitlines()[-3:]))
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        rec.update(got, ratio=got["peak_allocated"] / got["param_bytes"])
+        if got["peak_allocated"] > 1.05 * got["param_bytes"]:
+            raise Failed(f"building the stage peaked at {got['peak_allocated']:,} bytes for {got['param_bytes']:,} "
+                         "bytes of parameters: something beyond the shards was allocated on the GPU")
+
+    with summary.phase("attention-kernels") as rec:
+        summary.requires("model")
+        if dry:
+            raise Skip("CUDA kernels (the CPU runs SDPA with the boolean mask; FlexAttention's numbers are "
+                       "unit-tested against it)")
+        p = subprocess.run([args.python, "-c", ATTENTION_KERNELS, str(state["model_long"]), str(DOC_SEQ[mode])],
+                           cwd=REPO, capture_output=True, text=True, timeout=summary.left(180), env=env)
+        if p.returncode != 0:
+            raise Failed(" | ".join(p.stderr.strip().splitlines()[-3:]))
+        got = json.loads(p.stdout.strip().splitlines()[-1])
+        rec.update(got, windows="flash / memory-efficient SDPA only (sdpa_kernel)")
+        if got["peak_above_inputs"] > got["fp32_scores_bytes"] / 8:
+            raise Failed(f"packed-document attention at {got['seq']} tokens peaked at {got['peak_above_inputs']:,} "
+                         f"bytes: an s x s tensor ({got['fp32_scores_bytes']:,} bytes in fp32) was likely formed")
+
+    with summary.phase("numerics") as rec:
+        summary.requires("environment", "model")
+        types = "cpu" if dry else "cpu,cuda"
+        # Exit 3: some component was flagged; the JSON report is on stdout all the same.
+        cmd = ["check-numerics", "--types", types, "--dtypes", "fp32,bf16", "--model", str(state["model"]),
+               "--seq-len", str(min(sizes.seq_len, 64)), "--format", "json"]
+        report = json.loads(hspmd_(cmd, 120, ok_codes=(0, 3)))
+        worst: dict[str, float] = {}
+        for r in report["results"]:
+            key = f"{r['device']} {r['dtype']}"
+            worst[key] = max(worst.get(key, 0.0), r["forward_rel_error"], r["backward_rel_error"])
+        rec.update(flagged=report["flagged"], tolerances=report["tolerances"], worst_rel_error=worst)
+        summary.data["results"]["numerics"] = report["results"]
+        if report["flagged"]:
+            raise Failed(f"components outside tolerance: {', '.join(report['flagged'])}")
+
     with summary.phase("profile") as rec:
         summary.requires("cluster", "model")
         cmd = ["profile", "--cluster", str(state["cluster"]), "--model", str(state["model"]), "--out",
@@ -444,8 +673,28 @@ def main(argv: list[str] | None = None) -> int:
                 cmd.append("--no-comm")  # links need two GPUs
             else:
                 cmd += ["--link-processes", str(min(state["count"], 8))]
-        report = json.loads(hspmd(args.python, cmd, timeout=150, env=env))
-        rec.update(report)
+        rec.update(json.loads(hspmd_(cmd, 150)))
+        rec["against_spec"] = against_spec(profiles_dir, state["type"])
+
+    if state.get("count", 0) >= 2 and "two-stage-1f1b" in state.get("plans", {}):
+        with summary.phase("elastic") as rec:
+            summary.requires("train:dp2-zero1")
+            if planner:
+                raise Skip(f"replanning after the loss needs the planner: {no_planner}")
+            # Two data-parallel replicas; device 1 is killed at step 3, device 0 (a whole replica) goes on
+            # alone with a new plan and redoes the step.
+            plan = write_plan(out / "plan-elastic.yaml", replace(layouts(sizes)["dp2-zero1"], zero=False), sizes,
+                              state["cluster"], state["model"])
+            steps = train(plan, out / "metrics-elastic.jsonl", "--steps", "5",
+                          "--elastic", "--kill-device", "1", "--at-step", "3",
+                          *(["--profile", str(profiles_dir)] if summary.ok("profile") else []),
+                          extra_env={} if dry else NCCL_ELASTIC_ENV)
+            rec.update(steps=[r["step"] for r in steps], strategies=[r["strategy"] for r in steps],
+                       environment=NCCL_ELASTIC_ENV if not dry else "gloo")
+            if [r["step"] for r in steps] != [1, 2, 3, 4, 5]:
+                raise Failed(f"steps {[r['step'] for r in steps]} after losing device 1, expected 1-5")
+    else:
+        not_exercised["elastic"] = "--elastic --kill-device needs 2+ GPUs"
 
     for name, plan in state.get("plans", {}).items():
         with summary.phase(f"mfu:{name}") as rec:
@@ -453,22 +702,44 @@ def main(argv: list[str] | None = None) -> int:
             rec.update(mfu(plan, [profiles_dir] if summary.ok("profile") else [], state[f"step_time:{name}"]))
         with summary.phase(f"simulate:{name}") as rec:
             summary.requires(f"train:{name}", "profile")
-            sim = json.loads(hspmd(args.python, ["simulate", "--plan", str(plan), "--profile", str(profiles_dir),
-                                                 "--format", "json"], timeout=60, env=env))
+            if planner:
+                raise Skip(f"hspmd simulate imports the planner: {no_planner}")
+            sim = json.loads(hspmd_(["simulate", "--plan", str(plan), "--profile", str(profiles_dir),
+                                     "--format", "json"], 60))
             measured = state[f"step_time:{name}"]
             rec.update(simulated_step_time_s=sim["step_time_s"], measured_step_time_s=measured,
-                       rel_error=sim["step_time_s"] / measured - 1.0, profiles=sim.get("profiles"))
+                       rel_error=sim["step_time_s"] / measured - 1.0, profiles=sim.get("profiles"),
+                       simulated_peak_gib=sim.get("peak_memory_gib"),
+                       measured_peak_gib=summary.phases[f"train:{name}"].get("peak_memory_gib"))
 
     phases = summary.phases
+    for name, p in phases.items():
+        if p["status"] == "skipped":
+            not_exercised[name] = p["reason"]
+    summary.data["exercised"] = sorted(n for n, p in phases.items() if p["status"] == "ok")
     trained = [p for n, p in phases.items() if n.startswith(("train:", "losses:"))]
     summary.data["ok"] = all(p["status"] in ("ok", "skipped") for p in phases.values()) and \
         bool(trained) and all(p["status"] == "ok" for p in trained)
     summary.data["results"]["simulated_vs_measured"] = {n.split(":", 1)[1]: p.get("rel_error")
                                                         for n, p in phases.items() if n.startswith("simulate:")}
     summary.write()
-    print(f"[gpu_check] summary: {summary.path} ({'ok' if summary.data['ok'] else 'some phases failed'})",
-          file=sys.stderr)
+    print(f"[gpu_check] summary: {summary.path} ({'ok' if summary.data['ok'] else 'some phases failed'}, "
+          f"{summary.data['seconds']:.0f} s of phases + {args.install_s:.0f} s installing)", file=sys.stderr)
     return 0 if summary.data["ok"] else 1
+
+
+def against_spec(profiles_dir: Path, device_type: str) -> dict[str, Any]:
+    """The measured profile of ``device_type`` beside its datasheet figures (a shipped spec profile or the
+    table above): measured / spec for the GEMM rate and the memory bandwidth."""
+    from runtime.profiling.profile import read_profile_dir
+
+    sheet = datasheet(device_type)
+    measured = [p for _, p in read_profile_dir(profiles_dir) if p.device_type == device_type]
+    if sheet is None or not measured:
+        return {"compared": False, "why": "no spec figures for this type" if sheet is None else "no profile written"}
+    c = measured[0].compute
+    return {"compared": True, "spec_source": sheet[2], "peak_tflops_ratio": c.peak_tflops / sheet[0],
+            "bandwidth_ratio": c.memory_bandwidth_gbs / sheet[1]}
 
 
 if __name__ == "__main__":

@@ -92,10 +92,16 @@ def _strategy_tables(ctx: PlanContext, strategy: Strategy) -> tuple[Table, Table
               help=f"With --device: list every op (default: a block of ops repeated {MIN_REPEATS} or more times, "
                    "as a schedule's steady state is, is listed first and last with one line for the repetitions "
                    "between; --format json always lists every op).")
+@click.option("--torchrun", "endpoint", metavar="HOST:PORT",
+              help="Print the torchrun line to start on each node for the strategy (a documents plan: all of its "
+                   "strategies' devices), with its c10d rendezvous at HOST:PORT (docs/gpu.md).")
 @FORMAT_OPTION
 def show(plan: Path, strategy_name: str | None, cluster: str | None, annotations: bool, device: int | None,
-         all_ops: bool, fmt: str) -> None:
+         all_ops: bool, endpoint: str | None, fmt: str) -> None:
     """Show PLAN: its settings, every strategy's pipelines and stages, and each device's role."""
+    if endpoint is not None:
+        _show_torchrun(load_plan_context(plan, cluster=cluster), plan, strategy_name, endpoint, fmt)
+        return
     if device is None:
         refuse_given("only with --device N", "all_ops")
     else:
@@ -133,6 +139,23 @@ def show(plan: Path, strategy_name: str | None, cluster: str | None, annotations
         out.print(devices)
         if s.estimates:
             out.print("estimates: " + ", ".join(f"{k} = {v:.4g}" for k, v in s.estimates.items()))
+
+
+def _show_torchrun(ctx: PlanContext, plan: Path, strategy_name: str | None, endpoint: str, fmt: str) -> None:
+    from runtime.launch.placement import torchrun_commands
+
+    if ctx.plan.training.tokens_per_step is not None and strategy_name is None:   # a documents run: every strategy
+        devices = sorted({d for s in ctx.plan.strategies for d in s.devices})
+    else:
+        devices = sorted(set(ctx.strategy(strategy_name).devices))
+    lines = torchrun_commands(ctx.cluster, devices, str(plan), endpoint)
+    if fmt == "json":
+        emit_json({"torchrun": [{"node": n, "command": c} for n, c in lines]})
+        return
+    out = console()
+    for node, command in lines:
+        out.print(f"# on {node}", markup=False)
+        out.print(command, markup=False, soft_wrap=True)
 
 
 def _show_annotations(ctx: PlanContext, strategies: list[Strategy], fmt: str) -> None:

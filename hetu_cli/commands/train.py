@@ -252,6 +252,10 @@ class StepDisplay:
 @click.option("--precision", type=click.Choice(PRECISIONS), default="auto", show_default=True,
               help="Autocast policy: auto = bf16 on CUDA and fp32 on CPU; fp32 = no autocast; bf16 = bf16 autocast "
                    "on every device, the CPU included. Master weights and optimizer states stay fp32.")
+@click.option("--node", metavar="NAME",
+              help="This machine's node name in the cluster file (default: its host name). GPU clusters: every "
+                   "worker checks it runs on its device's node, GPU index and GPU type before it builds; under "
+                   "torchrun the node's devices of the run are its local ranks, in id order (docs/gpu.md).")
 def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strategy: str | None, steps: int,
           metrics: Path | None, tensorboard_dir: Path | None, trace_dir: Path | None,
           data_file: Path | None, tokenizer: Path | None, lengths: str | None, long_documents: str,
@@ -262,7 +266,7 @@ def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strat
           fault_step: int | None, fault_point: str, heartbeat_timeout_s: float | None, profile_dirs: tuple[Path, ...],
           replan_tolerance: float, preplan: bool, rejoin_devices: tuple[int, ...], rejoin_step: int | None,
           events_file: Path | None, agents: int | None, bind: str, token: str | None, precision: str,
-          dispatch_costs: str) -> None:
+          dispatch_costs: str, node: str | None) -> None:
     """Train with PLAN: every device runs its own specialized program (gloo on CPU, NCCL on GPU).
 
     Started by torchrun (`torchrun ... -m hetu_cli train --plan PLAN`), runs as one of its workers
@@ -313,7 +317,7 @@ def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strat
                            heartbeat_timeout_s=heartbeat_timeout_s, faults=faults, elastic=elastic,
                            switches=tuple(_parse_switch(s) for s in switch_specs), precision=precision,
                            lengths=lengths, tokenizer=tokenizer, long_documents=long_documents,
-                           rejoins=rejoins, node_kills=node_kills)
+                           rejoins=rejoins, node_kills=node_kills, node=node)
     if given("long_documents"):
         from runtime.launch.session import documents_mode
         from runtime.spec import load_plan_context

@@ -20,6 +20,7 @@ whose devices are not running brings them back: the policy is told through ``ret
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import os
 import pickle
@@ -450,6 +451,8 @@ class _AgentLoop:
                     if isinstance(order, Spawn):
                         spec = order.spec
                         assert isinstance(spec, WorkerSpec)
+                        # the worker checks it runs on this agent's node
+                        spec = dataclasses.replace(spec, node=self.node)
                         self.handles[spec.device_id] = self.local.start(spec, order.loop)  # type: ignore[arg-type]
                         self.log(f"node {self.node}: started the worker of device {spec.device_id}")
                     elif isinstance(order, KillWorker):

@@ -23,6 +23,7 @@ from runtime.comm.groups import ProcessGroups
 from runtime.comm.resolve import CommOp
 from runtime.device_clock import SpanTimes, device_clock
 from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
+from runtime.engine.build import build_chunk
 from runtime.engine.data_parallel import GradientSync
 from runtime.engine.describe import COMPUTE_NAMES, ProgramDescription, action_name, describe_plan
 from runtime.engine.microbatch import MicroBatch, StepBatch, window_micro_batch
@@ -34,16 +35,15 @@ from runtime.engine.specialize import (
     BoundaryOps,
     DevicePlan,
     ParamShard,
-    chunk_parameters,
     resolve_boundary,
     specialize,
     stage_actions,
     weight_grad_from_outputs,
 )
-from runtime.engine.tensor_parallel import apply_tensor_parallel, local_tensor
+from runtime.engine.tensor_parallel import local_tensor
 from runtime.engine.zero import MomentPiece
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
-from runtime.models.moe import MoeForCausalLM, causal_lm
+from runtime.models.moe import MoeForCausalLM
 from runtime.pipeline_schedules import Action, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
 from runtime.precision import Precision
 from runtime.spec.handle import StrategyHandle
@@ -74,14 +74,13 @@ class DeviceProgram:
 
         mesh = groups.mesh(role.devices, self.device.type) if role.tp > 1 else None
         chunks: list[LlamaForCausalLM] = []
+        shards = {s.name: s for s in plan.shards}
         for c in role.chunks:
-            module = causal_lm(spec, range(*c.layers), embed=c.embed, head=c.head)
-            module.init_weights(t.seed)  # on CPU, name-seeded: the reference's numbers on every device
+            # Meta first, then only this rank's shards, with the reference's initial numbers (build.py).
+            module = build_chunk(spec, c, shards, seed=t.seed, device=self.device, mesh=mesh,
+                                 sequence_parallel=t.sequence_parallel)
             if isinstance(module, MoeForCausalLM):  # a micro-batch's share of the step's loss, as its tokens'
                 module.set_aux_scale(role.micro_batch * t.seq_len / self.tokens)
-            module.to(self.device)
-            if mesh is not None:
-                apply_tensor_parallel(module, chunk_parameters(spec, c), mesh, t.sequence_parallel)
             if c.recomputed:
                 checkpoint_layers(module, c.recomputed)
             chunks.append(module)
@@ -494,7 +493,7 @@ def checkpoint_layers(module: LlamaForCausalLM, ids: Sequence[int] | None = None
     for layer in module.model.layers.values() if ids is None else _layers(module, ids):
         inner = layer.forward
 
-        def forward(x, cos, sin, mask=None, _inner=inner):
-            return checkpoint(_inner, x, cos, sin, mask, use_reentrant=False)
+        def forward(x, cos, sin, attend=None, _inner=inner):
+            return checkpoint(_inner, x, cos, sin, attend, use_reentrant=False)
 
         layer.forward = forward

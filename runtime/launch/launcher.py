@@ -8,7 +8,9 @@ failure means.
 
 from __future__ import annotations
 
+import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 from runtime.errors import HspmdError
 from runtime.launch.messages import Start
 from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, rank_map
+from runtime.launch.placement import CudaGpus, GpuProbe, pin_gpu_order
 from runtime.launch.session import (
     document_source_of,
     documents_line,
@@ -32,7 +35,8 @@ from runtime.spec.catalog import check_trainable
 STORE_HOST = "127.0.0.1"
 
 
-def placement(ctx: PlanContext, devices: list[int], *, one_host: bool = True) -> tuple[str, dict[int, str]]:
+def placement(ctx: PlanContext, devices: list[int], *, one_host: bool = True,
+              gpus: GpuProbe = CudaGpus()) -> tuple[str, dict[int, str]]:
     """Backend and torch device of every worker: gloo on CPU for emulated clusters, else NCCL with
     device d on cuda:<its index on its node> (checked here only when this host runs them all)."""
     if ctx.cluster.emulated:
@@ -44,10 +48,9 @@ def placement(ctx: PlanContext, devices: list[int], *, one_host: bool = True) ->
         raise HspmdError(f"{ctx.path}: the strategy spans nodes {', '.join(nodes)}: `hspmd train` starts "
                          "workers on this machine only; run `torchrun ... -m hetu_cli train --plan PLAN` on "
                          "every node (docs/training.md, 'Multi-node')")
-    import torch
-
+    pin_gpu_order()  # the workers inherit it: GPU indices in PCI order, as the cluster file counts them
     need = max(ctx.cluster.device(d).local_index for d in devices) + 1
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    have = gpus.count()
     if have < need:
         raise HspmdError(f"{ctx.path}: cluster {ctx.cluster.name!r} has real GPUs and the strategy needs "
                          f"{need} on this node, but {have} CUDA device(s) are visible (emulated clusters such "
@@ -123,10 +126,14 @@ def prepare(options: TrainOptions, policy: Policy, *, one_host: bool = True) -> 
         raise HspmdError(f"fault injection: device(s) {stray} run no worker in this run (devices "
                          f"{', '.join(map(str, devices))})")
     everyone = list(range(ctx.cluster.num_devices))
-    backend, _ = placement(ctx, devices, one_host=one_host)  # refuses what this host cannot run
+    backend, _ = placement(ctx, devices, one_host=one_host, gpus=options.gpus)  # refuses what this host cannot run
     _, torch_devices = placement(ctx, everyone, one_host=False)  # a device joining later included
-    threads, cpus = (emulated_cpu_shares(everyone if options.rejoins else devices, ctx.cluster.num_devices,
-                                         host_cpus()) if backend == "gloo" else (None, {}))
+    if backend == "gloo":
+        threads, cpus = emulated_cpu_shares(everyone if options.rejoins else devices, ctx.cluster.num_devices,
+                                            host_cpus())
+    else:  # GPU workers share this machine's cores, rather than each taking all of them (its build, its loader)
+        per_node = Counter(ctx.cluster.device(d).node for d in devices)
+        threads, cpus = max(1, (os.cpu_count() or 1) // max(per_node.values(), default=1)), {}
     data_line = _preflight(options, ctx)
     return Prepared(ctx, strategy.name, tuple(devices), backend, torch_devices, threads, cpus, data_line)
 

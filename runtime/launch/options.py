@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from runtime.dispatch import StrategyCost
+from runtime.launch.placement import CudaGpus, GpuProbe
 from runtime.precision import PRECISIONS, Precision
 
 FaultKind = Literal["error", "user-error", "exit", "kill", "hang"]
@@ -144,6 +145,10 @@ class TrainOptions:
     # Documents runs: the cost models dispatch weighs, one per run strategy in plan order (None: priced from the
     # plan alone, runtime/dispatch.py ``plan_strategy_cost``); e.g. the planner's, from measured profiles.
     dispatch_costs: tuple[StrategyCost, ...] | None = None
+    # This machine's node in the cluster file (None: its host name), and how its GPUs are read (tests
+    # describe a machine instead): the placement check every worker makes (runtime/launch/placement.py).
+    node: str | None = None
+    gpus: GpuProbe = CudaGpus()
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -185,6 +190,7 @@ class WorkerSpec:
     store_prefix: str = "hspmd/gen0/"  # a later generation (after a failure) gets a fresh prefix
     cpus: tuple[int, ...] | None = None  # emulated devices: the cores this worker is pinned to
     joining: bool = False  # joins a running job: no world, no state until the coordinator's transition
+    node: str | None = None  # the node this worker's machine is (a node agent's); None: ``options.node``
 
 
 def rank_map(devices: tuple[int, ...] | list[int]) -> dict[int, int]:
@@ -277,7 +283,7 @@ class StepRecord:
         extra: dict[str, Any] = {}
         if d is not None:
             strategy = d.strategy
-            extra = dict(documents=d.documents, tokens=first.tokens, padding_fraction=d.padding_fraction,
+            extra.update(documents=d.documents, tokens=first.tokens, padding_fraction=d.padding_fraction,
                          imbalance=d.imbalance, predicted_s=d.predicted_s, dispatch_method=d.method,
                          dispatch_s=max(r.lengths.dispatch_s for r in reports if r.lengths is not None))
             if d.switched_from is not None:

@@ -24,6 +24,8 @@ from runtime.device_clock import Progress, ProgressHooks
 from runtime.errors import HspmdError, Problem, SpecError
 from runtime.launch.messages import FaultFiring, Log
 from runtime.launch.options import Fault, FaultPoint, LengthsStep, StepReport, TrainOptions, WorkerSpec
+from runtime.launch.placement import check_placement, pin_gpu_order
+from runtime.precision import uses_bf16
 from runtime.spec import PlanContext
 from runtime.spec.handle import StrategyHandle
 from runtime.spec.plan import TrainingSettings
@@ -169,6 +171,10 @@ class Session:
             torch.set_num_threads(spec.num_threads)
         self.device = torch.device(spec.torch_device)
         if self.device.type == "cuda":
+            # Before CUDA allocates anything: this machine, this GPU index, this GPU type are the plan's.
+            pin_gpu_order()
+            check_placement(self.ctx.cluster, self.me, spec.rank, spec.node if spec.node is not None else options.node,
+                            self.device.index or 0, options.gpus, bf16=uses_bf16(options.precision, "cuda"))
             torch.cuda.set_device(self.device)
         if spec.backend == "nccl":  # before the first process group: NCCL reads it as a group is created
             replaced = apply_nccl_environment(elastic=options.coordinated)

@@ -1,8 +1,11 @@
 """Running as one of torchrun's workers (``torchrun ... -m hetu_cli train --plan PLAN``), for multi-node.
 
 torchrun's agent hosts the store and watches the processes (it stops the others when one fails); each
-worker here maps its rank to a device of the strategy (ranks follow device ids, as under the hspmd
-launcher) and runs the same ``train_worker``. Rank 0 reports steps to its console; the others are quiet.
+worker here finds its device: on an emulated cluster the rank-th device of the run; on GPUs the
+local-rank-th of the run's devices on this machine's node (``--node NAME``, else the host name), on the GPU
+the cluster file gives it (runtime/launch/placement.py), so nodes may run different numbers of devices and
+torchrun's node order does not matter. Ranks follow device ids, as under the hspmd launcher; the worker
+runs the same ``train_worker``. Rank 0 reports steps to its console; the others are quiet.
 The torchrun protocol is its environment variables; they are read in one place (``TorchrunEnv``).
 """
 
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 from runtime.errors import HspmdError
 from runtime.launch.messages import Log, StepDone
 from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, rank_map
+from runtime.launch.placement import pin_gpu_order, this_node, torchrun_device
 from runtime.launch.session import Reporter, run_devices
 from runtime.launch.worker import train_worker
 from runtime.spec import load_plan_context
@@ -69,22 +73,28 @@ def run_torchrun(options: TrainOptions, env: TorchrunEnv, *, on_step: Callable[[
                          f"started {env.world_size} processes (--nnodes x --nproc-per-node must equal "
                          f"{len(devices)})")
     ranks = rank_map(devices)
-    device = devices[env.rank]  # rank r runs the r-th device of the strategy; its local rank picks the GPU
     if ctx.cluster.emulated:
+        device = devices[env.rank]  # emulated devices have no GPU: rank r runs the r-th device
         backend, torch_device = "gloo", "cpu"
         threads: int | None = max(1, (os.cpu_count() or 1) // env.local_world_size)
     else:
-        import torch
-
-        if not torch.cuda.is_available() or torch.cuda.device_count() <= env.local_rank:
-            raise HspmdError(f"{options.plan}: cluster {ctx.cluster.name!r} has real GPUs, but local rank "
-                             f"{env.local_rank} has no CUDA device (emulated clusters such as cpu-hetero4 run "
-                             "on CPU)")
-        backend, torch_device, threads = "nccl", f"cuda:{env.local_rank}", None
-    spec = WorkerSpec(options=options, strategy=strategy.name, device_id=device, rank=env.rank, ranks=ranks,
+        # This machine's node, then its local rank among the node's devices of the run: the device and its
+        # GPU follow from the cluster file, whatever torchrun's node order (runtime/launch/placement.py).
+        pin_gpu_order()
+        node = this_node(ctx.cluster, options.node, options.gpus.host())
+        if node is None:
+            named = f"--node {options.node!r}" if options.node is not None else f"host {options.gpus.host()!r}"
+            raise HspmdError(f"{options.plan}: rank {env.rank}: {named} is not a node of cluster "
+                             f"{ctx.cluster.name!r} (nodes: {', '.join(sorted({n.name for n in ctx.cluster.nodes}))}; "
+                             "give this machine's node name with --node NAME)")
+        device = torchrun_device(ctx.cluster, devices, node, env.local_rank, env.local_world_size)
+        backend = "nccl"
+        threads = max(1, (os.cpu_count() or 1) // env.local_world_size)  # the node's cores shared, not each all
+        torch_device = f"cuda:{ctx.cluster.device(device).local_index}"
+    spec = WorkerSpec(options=options, strategy=strategy.name, device_id=device, rank=ranks[device], ranks=ranks,
                       backend=backend, torch_device=torch_device, num_threads=threads)
     # torchrun's "env://" rendezvous: MASTER_ADDR/PORT, and the agent's own store where it hosts one.
     store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size,
                                        timeout=timedelta(seconds=options.timeout_s)))
-    quiet = env.rank != 0
+    quiet = ranks[device] != 0
     train_worker(spec, store, _console(strategy.name, None if quiet else on_step, None if quiet else on_log))

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.models.attention import Attend, causal_attention, document_attention
 from runtime.spec.model import ModelSpec, RopeScaling
 
 INIT_STD = 0.02
@@ -85,15 +86,6 @@ def position_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype:
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def document_mask(segments: torch.Tensor) -> torch.Tensor:
-    """The block-diagonal causal mask of packed documents, [batch, 1, seq, seq] bool (True: may attend):
-    token t sees token u iff both carry the same document id in ``segments`` [batch, seq] and u <= t.
-    Padding shares one id (-1) and so only sees padding: no row is ever fully masked."""
-    seq = segments.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=segments.device).tril()
-    return (segments.unsqueeze(-1) == segments.unsqueeze(-2)).logical_and(causal).unsqueeze(1)
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -117,7 +109,9 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, spec.norm_eps) if spec.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                attend: Attend | None = None) -> torch.Tensor:
+        """``attend``: the packed-document kernel of this forward (runtime/models/attention.py); None: each
+        row is one causal sequence."""
         b, s, _ = x.shape
         # -1: the local head count (all heads, or this TP rank's share of them).
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -126,11 +120,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: each head normalised
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = q.shape[1] != k.shape[1]
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:  # packed documents: block-diagonal causal (``document_mask``)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = (attend or causal_attention)(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -155,8 +145,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(spec)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+                attend: Attend | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def output_projections(self) -> tuple[nn.Linear, ...]:
@@ -195,9 +185,9 @@ class LlamaModel(nn.Module):
         else:
             cos, sin = position_tables(positions, self.spec.head_size, self.spec.rope_theta, x.dtype,
                                        self.spec.rope_scaling)
-        mask = None if segments is None else document_mask(segments)
+        attend = None if segments is None else document_attention(segments)  # one block mask for every layer
         for layer in self.layers.values():
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, attend)
         if self.norm is not None:
             x = self.norm(x)
         return x
@@ -231,24 +221,41 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(h) if self.lm_head is not None else h
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
+    def init_weights(self, seed: int, fill: Fill | None = None) -> None:
         """Deterministic, name-seeded init: N(0, 0.02) for matrices, output projections scaled by
         1/sqrt(2 * num_layers) (GPT-2 style), ones for norms, zeros for biases. A tied head's weight is
-        the embedding's and initialised once, under the embedding's name."""
+        the embedding's and initialised once, under the embedding's name.
+
+        Each parameter's full initial value is made on the CPU, one at a time, and handed to ``fill``
+        (default: copied whole into the parameter); a sharded build passes a ``fill`` that keeps this
+        rank's part (runtime/engine/build.py), so values never depend on how the model is split."""
+        fill = fill or _copy_whole
         out_std = INIT_STD / math.sqrt(2 * self.spec.num_layers)
+        cpu = torch.device("cpu")
         for name, module in self.named_modules():
             if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+                fill(f"{name}.weight", module.weight, torch.ones(module.weight.shape))
             elif module is self.lm_head and self.spec.tie_word_embeddings:
                 continue
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                    fill(f"{name}.bias", module.bias, torch.zeros(module.bias.shape))
                 full = f"{name}.weight"
                 std = out_std if isinstance(module, nn.Linear) and _is_output_projection(self, module) else INIT_STD
                 w = module.weight
-                g = _generator(seed, full, w.device)
-                w.copy_(torch.randn(w.shape, generator=g, device=w.device, dtype=torch.float32).mul_(std))
+                g = _generator(seed, full, cpu)
+                fill(full, w, torch.randn(w.shape, generator=g, dtype=torch.float32).mul_(std))
+        for module in self.modules():   # buffers (an MoE router's), as a module built on meta lacks them
+            reset = getattr(module, "reset_buffers", None)
+            if reset is not None:
+                reset()
+
+
+Fill = Callable[[str, torch.Tensor, torch.Tensor], None]  # (parameter name, parameter, its full initial value)
+
+
+def _copy_whole(_name: str, param: torch.Tensor, value: torch.Tensor) -> None:
+    param.copy_(value)
 
 
 def _is_output_projection(model: LlamaForCausalLM, module: nn.Module) -> bool:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.models.attention import Attend
 from runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, RMSNorm
 from runtime.models.moe_names import MOE_NAMES, ROUTER, SHARED, SHARED_GATE, SWIGLU_NAMES, MoeNames
 from runtime.spec.model import ModelSpec
@@ -56,6 +57,13 @@ class Router(nn.Linear):
         self.moe = moe
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=False)
         self.register_buffer("load", torch.zeros(moe.num_experts), persistent=False)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The buffers' initial values (a module built on the meta device gets them here, torch's
+        ``reset_parameters`` convention for buffers)."""
+        self.expert_bias.zero_()
+        self.load.zero_()
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(probabilities [T, E] fp32, chosen experts [T, k], their weights [T, k] fp32) from the router's
@@ -197,8 +205,8 @@ class MoeDecoderLayer(nn.Module):
         return getattr(self, self.block_name)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+                attend: Attend | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.block(self.post_attention_layernorm(x))
 
     def output_projections(self) -> list[nn.Linear]:

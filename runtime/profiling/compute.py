@@ -44,14 +44,23 @@ from runtime.engine.program import (
     stage_input_grad,
     stage_weight_grad,
 )
-from runtime.engine.reference import autocast_for
+from runtime.engine.reference import autocast_for, step_casts
 from runtime.engine.tensor_parallel import apply_tensor_parallel
 from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, causal_lm_loss_sum, rope_tables
 from runtime.models.params import llama_parameters
+from runtime.precision import Precision
 from runtime.profiling.fit import Sample, fit_per_param, trimmed_mean
 from runtime.profiling.profile import COMPONENTS, OptimizerFit
 from runtime.spec.model import ModelSpec
 from runtime.spec.plan import OptimizerSettings
+
+
+def cuda_framework_gib(device: torch.device) -> float:
+    """GPU memory held outside torch's caching allocator (the CUDA context, cuBLAS workspaces, NCCL
+    communicators' buffers): the device's used memory less what torch reserved. The whole device's: the
+    profiler is meant to have the GPU to itself."""
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free - torch.cuda.memory_reserved(device)) / 2**30
 
 
 def synchronize(device: torch.device) -> None:
@@ -96,10 +105,12 @@ class _GatheredHead(nn.Module):
 class _Component:
     """A module plus how to feed it and how to run its backward."""
 
-    def __init__(self, name: str, model: ModelSpec, tp: int, device: torch.device) -> None:
+    def __init__(self, name: str, model: ModelSpec, tp: int, device: torch.device,
+                 precision: Precision = "auto") -> None:
         self.name = name
         self.model = model
         self.device = device
+        self.precision = precision  # the engine's policy: bf16 autocast on CUDA (tests ask for it on the CPU)
         h = model.hidden_size
         build: dict[str, Callable[[], nn.Module]] = {
             "attention": lambda: _shard_attention(model, tp), "mlp": lambda: _shard_mlp(model, tp),
@@ -127,28 +138,41 @@ class _Component:
         return (x,)
 
     def forward(self, args: tuple) -> torch.Tensor:
-        with autocast_for(self.device):
+        with autocast_for(self.device, self.precision):
             return self.module(*args)
 
     def backward(self, out: torch.Tensor) -> None:
         out.backward(None if out.dim() == 0 else torch.ones_like(out))
 
     def saved_bytes(self, args: tuple) -> float:
-        """Bytes of the tensors autograd keeps for backward (unique storages, parameters excluded)."""
+        """Bytes of the tensors autograd keeps for backward per micro-batch (unique storages; parameters and
+        autocast's weight copies excluded).
+
+        The engine makes each weight's bf16 copy once per step (``step_casts``) and prices it once
+        (``MemoryFigures.cast_bytes``), not per micro-batch in flight. So the measured forward runs inside
+        ``step_casts`` after a first forward that made the copies: the storages the first one saved that
+        the second saves again, other than the inputs, are those copies."""
+        def saved_by(out_seen: dict[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                st = t.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr not in self._param_ptrs:
+                    out_seen[ptr] = max(out_seen.get(ptr, 0), st.nbytes())
+                return t
+            return pack
+
+        first: dict[int, int] = {}
         seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
-            if ptr not in self._param_ptrs:
-                seen[ptr] = max(seen.get(ptr, 0), st.nbytes())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = self.forward(args)
-        del out
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        with step_casts(self.device, self.precision):
+            with torch.autograd.graph.saved_tensors_hooks(saved_by(first), lambda t: t):
+                warm = self.forward(args)   # kept alive: the second forward's activations get storages of their own
+            with torch.autograd.graph.saved_tensors_hooks(saved_by(seen), lambda t: t):
+                out = self.forward(args)
+        del out, warm
         self.module.zero_grad(set_to_none=True)
-        return float(sum(seen.values()))
+        copies = set(first) - inputs
+        return float(sum(n for ptr, n in seen.items() if ptr not in copies))
 
 
 def time_once(timed: Callable[[], None], device: torch.device) -> tuple[float, float]:
@@ -195,10 +219,13 @@ def measure_component(name: str, model: ModelSpec, tp: int, seq_lens: Sequence[i
     samples = []
     for s in seq_lens:
         args = comp.inputs(micro_batch, s)
-        for _ in range(warmup):
-            comp.backward(comp.forward(args))
-        comp.module.zero_grad(set_to_none=True)
-        f, b = _time_forward_backward(comp, args, device, min_reps=min_reps, max_reps=max_reps, budget_s=budget_s)
+        # Timed as a step runs them: autocast's weight copies made once (in the warm-up) and reused.
+        with step_casts(device):
+            for _ in range(warmup):
+                comp.backward(comp.forward(args))
+            comp.module.zero_grad(set_to_none=True)
+            f, b = _time_forward_backward(comp, args, device, min_reps=min_reps, max_reps=max_reps,
+                                          budget_s=budget_s)
         samples.append(Sample(s, f, b, comp.saved_bytes(args)))
     return samples, comp.params
 
@@ -311,8 +338,9 @@ def measure_stage_blocks(model: ModelSpec, tp: int, seq_lens: Sequence[int], *, 
     device = torch.device(device)
     runs = {(s, name): StageRun(model, tp, n, e, h, micro_batch, s, device)
             for s in seq_lens for name, (e, h, n) in STAGE_VARIANTS.items()}
-    med = time_in_turns(runs, device, min_reps=min_reps, max_reps=max_reps, budget_s=budget_s,  # type: ignore[arg-type]
-                        warmup=warmup)
+    with step_casts(device):  # weight copies once, as in a step (the warm-up makes them)
+        med = time_in_turns(runs, device, min_reps=min_reps, max_reps=max_reps,  # type: ignore[arg-type]
+                            budget_s=budget_s, warmup=warmup)
     out: dict[str, list[Sample]] = {k: [] for k in ("layer", "stage", "embedding", "head")}
     for s in seq_lens:
         for k, (f, b) in stage_blocks({name: med[s, name][0] for name in STAGE_VARIANTS}).items():  # type: ignore[index]
@@ -350,19 +378,20 @@ def measure_split_blocks(model: ModelSpec, tp: int, seq_lens: Sequence[int], *, 
         return lambda: stage_weight_grad(0, runs[k].state)
 
     times: dict[tuple[int, str], tuple[list[float], list[float]]] = {k: ([], []) for k in runs}
-    for k in runs:
-        for _ in range(warmup):
-            forward(k)
-            input_grad(k)()
-            weight_grad(k)()
-    start = time.perf_counter()
-    reps = 0
-    while reps < max_reps and (reps < min_reps or time.perf_counter() - start < budget_s * len(runs)):
+    with step_casts(device):  # weight copies once, as in a step (the warm-up makes them)
         for k in runs:
-            forward(k)
-            times[k][0].append(time_once(input_grad(k), device)[0])
-            times[k][1].append(time_once(weight_grad(k), device)[0])
-        reps += 1
+            for _ in range(warmup):
+                forward(k)
+                input_grad(k)()
+                weight_grad(k)()
+        start = time.perf_counter()
+        reps = 0
+        while reps < max_reps and (reps < min_reps or time.perf_counter() - start < budget_s * len(runs)):
+            for k in runs:
+                forward(k)
+                times[k][0].append(time_once(input_grad(k), device)[0])
+                times[k][1].append(time_once(weight_grad(k), device)[0])
+            reps += 1
     out: dict[str, list[Sample]] = {k: [] for k in ("layer", "stage", "head")}
     for s in seq_lens:
         med = {n: (statistics.median(times[s, n][0]), statistics.median(times[s, n][1])) for n in names}
@@ -450,8 +479,9 @@ def measure_tp_overhead(model: ModelSpec, tp: int, group, seq_lens: Sequence[int
                     runs[s, name, kind] = StageRun(model, tp, n, e, h, micro_batch, s, device,
                                                    module=tp_stage(n, e, h, sp))
     dist.barrier(group=group)
-    times = time_back_to_back(runs, device, micro_batches=micro_batches, rounds=rounds,
-                              barrier=lambda: dist.barrier(group=group))
+    with step_casts(device):  # weight copies once, as in a step
+        times = time_back_to_back(runs, device, micro_batches=micro_batches, rounds=rounds,
+                                  barrier=lambda: dist.barrier(group=group))
     out: dict[str, dict[str, list[Sample]]] = {f"{kind}{clock}": {} for kind in kinds for clock in ("wall", "cpu")}
     for s in seq_lens:
         for kind in kinds:
@@ -559,11 +589,16 @@ def measure_throughput(device: torch.device | str = "cpu") -> dict[str, float]:
     n = 4096 if device.type == "cuda" else 512
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    gemm = _median_time(lambda: (lambda: a @ b), device, min_reps=5, max_reps=20, budget_s=0.1)
+    # Several back to back per timed call: one GEMM on a GPU (~0.2 ms) is short enough that the launch and
+    # the host synchronisation around it would take 5-10% off the rate.
+    reps = 10 if device.type == "cuda" else 1
+    gemm = _median_time(lambda: (lambda: [a @ b for _ in range(reps)]), device, min_reps=5, max_reps=20,
+                        budget_s=0.1) / reps
     size = (256 if device.type == "cuda" else 16) * 2**20 // 4
     src = torch.randn(size, device=device)
     dst = torch.empty_like(src)
-    copy = _median_time(lambda: (lambda: dst.copy_(src)), device, min_reps=5, max_reps=20, budget_s=0.1)
+    copy = _median_time(lambda: (lambda: [dst.copy_(src) for _ in range(reps)]), device, min_reps=5, max_reps=20,
+                        budget_s=0.1) / reps
     one = torch.ones(1, device=device)
     op = _median_time(lambda: (lambda: [one.add(one) for _ in range(100)]), device, min_reps=5, max_reps=20,
                       budget_s=0.05) / 100

@@ -212,13 +212,15 @@ def _build_profile(cluster: Cluster, type_name: str, slowdown: float, target: Ta
         allreduce_latency_s=rounded(allreduce[n_ar].latency_s / (2 * (n_ar - 1))) if allreduce else (15e-6 if cuda
                                                                                                 else 1e-3),
         bandwidth_efficiency=0.75, p2p=p2p, allreduce=allreduce, allgather=links.get("allgather", {}))
-    memory = MemoryFigures(framework_overhead_gib=rounded(links.get("rss_gib", 0.0) or (2.0 if cuda else 0.3)),
+    framework, framework_note = _framework_gib(links, cuda, target.device)
+    memory = MemoryFigures(framework_overhead_gib=rounded(framework),
                            cast_bytes=2.0 if cuda else 0.0)   # the profiles' compute: bf16 autocast on CUDA only
     optimizer = OptimizerFit(*(rounded(x * slowdown) for x in (opt.seconds_per_param, opt.fixed_s,
                                                                opt.seconds_per_tensor)))
     what = torch.cuda.get_device_name(torch.device(target.device)) if cuda else (platform.processor() or "cpu")
     note = (f"measured on {what} ({target.threads or torch.get_num_threads()} threads); optimizer fit residual "
             f"{opt_resid:.3f}")
+    note += f"; framework memory {framework_note}"
     if slowdown != 1.0:
         note += f"; emulated device: compute x{slowdown:g}, links as measured"
     dt = cluster.device_types[type_name]
@@ -289,13 +291,28 @@ def _link_worker(rank: int, world: int, init: str, cuda: bool, settings: Profile
                     overhead.setdefault(model.name, {})[t] = samples
             dist.barrier()
         if rank == 0:
-            out.update(tp_overhead=overhead, rss_gib=_rss_gib() if not cuda else 0.0)
+            out.update(tp_overhead=overhead, rss_gib=_rss_gib() if not cuda else 0.0,
+                       cuda_framework_gib=compute.cuda_framework_gib(dev) if cuda else 0.0)
             queue.put(out)
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:  # reported to the parent, which raises it as one line
         if rank == 0:
             queue.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _framework_gib(links: dict, cuda: bool, device: str) -> tuple[float, str]:
+    """The memory a device loses to the framework, measured, and how it was measured."""
+    if not cuda:
+        if links.get("rss_gib"):
+            return links["rss_gib"], "the resident memory of a gloo link worker"
+        return 0.3, "0.3 GiB assumed (no link workers ran: --no-comm)"
+    if links.get("cuda_framework_gib"):
+        return links["cuda_framework_gib"], ("GPU memory outside torch's allocator in a link worker with its NCCL "
+                                             "communicators (CUDA context, cuBLAS, NCCL buffers)")
+    return compute.cuda_framework_gib(torch.device(device)), ("GPU memory outside torch's allocator in this "
+                                                              "process (CUDA context, cuBLAS); NCCL communicators "
+                                                              "not included (no link workers: --no-comm or one GPU)")
 
 
 def _rss_gib() -> float:

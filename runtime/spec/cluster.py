@@ -104,6 +104,9 @@ class DeviceType:
     hbm_bandwidth_gbs: float
     intra_node_bandwidth_gbs: float
     emulate: Emulation | None = None
+    # The names torch reports for GPUs of this type, where the type's name does not name them
+    # (runtime/launch/placement.py: "H100" needs none for "NVIDIA H100 80GB HBM3").
+    gpu_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         with Checker() as c:

@@ -8,7 +8,8 @@ import torch
 
 from runtime.documents import IGNORE_INDEX, Document, StepDocuments
 from runtime.engine.microbatch import MicroBatch, documents_step_batch, packed_micro_batch, window_micro_batch
-from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum, document_mask
+from runtime.models.attention import document_mask
+from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
 from runtime.spec import load_model
 
 MODEL = load_model("llama-tiny")
@@ -82,3 +83,34 @@ def test_step_batch_places_every_document_once():
         documents_step_batch(docs, [[[0, 2]], [[2]], [[1]]])
     with pytest.raises(ValueError):
         MicroBatch(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
+def test_flex_document_kernel_equals_the_masked_reference(heads, kv_heads):
+    """The CUDA kernel (FlexAttention over the document block mask, run here by torch's eager
+    implementation, forward only) computes what the boolean-mask reference computes, GQA included, for
+    rows of several documents, padding, and documents that straddle a 128-token tile."""
+    from runtime.models.attention import flex_document_attention, masked_document_attention
+
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    s, d = 300, 16
+    segments = torch.tensor([[0] * 100 + [1] * 150 + [-1] * 50, [3] * 7 + [4] * 293])
+    q = torch.randn(2, heads, s, d, generator=g)
+    k, v = (torch.randn(2, kv_heads, s, d, generator=g) for _ in range(2))
+    with torch.no_grad():
+        got = flex_document_attention(segments, compiled=False)(q, k, v)
+    torch.testing.assert_close(got, masked_document_attention(segments)(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_expanded_kv_is_what_gqa_computes():
+    """The fp32 CUDA window path expands K/V instead of passing enable_gqa: the same attention."""
+    import torch.nn.functional as F
+
+    from runtime.models.attention import expand_kv
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 8, 20, 16, generator=g)
+    k, v = (torch.randn(2, 2, 20, 16, generator=g) for _ in range(2))
+    ek, ev = expand_kv(k, v, 8)
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, ek, ev, is_causal=True),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
