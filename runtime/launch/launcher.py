@@ -23,9 +23,9 @@ from runtime.launch.session import (
     documents_problems,
     read_dispatch_state,
     run_strategies,
+    sleep_mode_problem,
 )
 from runtime.launch.supervise import LocalWorkers, PlainPolicy, Policy, Run, RunSummary, supervise
-from runtime.profiling.host import emulated_cpu_shares, host_cpus
 from runtime.spec import PlanContext, load_plan_context
 from runtime.spec.catalog import check_trainable
 
@@ -122,11 +122,14 @@ def prepare(options: TrainOptions, policy: Policy, *, one_host: bool = True) -> 
     if stray:
         raise HspmdError(f"fault injection: device(s) {stray} run no worker in this run (devices "
                          f"{', '.join(map(str, devices))})")
+    missing = sleep_mode_problem(ctx, options)
+    if missing is not None:
+        raise HspmdError(missing)
     everyone = list(range(ctx.cluster.num_devices))
     backend, _ = placement(ctx, devices, one_host=one_host)  # refuses what this host cannot run
     _, torch_devices = placement(ctx, everyone, one_host=False)  # a device joining later included
-    threads, cpus = (emulated_cpu_shares(everyone if options.rejoins else devices, ctx.cluster.num_devices,
-                                         host_cpus()) if backend == "gloo" else (None, {}))
+    share = options.worker_cpus if backend == "gloo" and options.worker_cpus is not None else None
+    threads, cpus = (share.threads, dict(share.cpus)) if share is not None else (None, {})
     data_line = _preflight(options, ctx)
     return Prepared(ctx, strategy.name, tuple(devices), backend, torch_devices, threads, cpus, data_line)
 
