@@ -19,9 +19,10 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from planner.costmodel.targets import SPLIT_BACKWARD_SHARE, SleepTarget, sleep_target
 from runtime.launch.options import TrainOptions
 from runtime.profiling.host import WorkerCpus, host_cpus
-from runtime.profiling.profile import SPLIT_BACKWARD_SHARE, ComputeBlock, SleepTarget, sleep_target
+from runtime.profiling.profile import ComputeBlock
 from runtime.spec import Cluster, PlanContext
 
 BlockTarget = Callable[[str, Mapping[str, Any]], float | None]
