@@ -54,13 +54,14 @@ def profiler_cpus(cluster: Cluster) -> WorkerCpus | None:
 
 
 def worker_cpus(ctx: PlanContext, options: TrainOptions) -> WorkerCpus | None:
-    """The CPU share of a run's workers (None: not an emulated cluster): the devices it starts workers on,
-    or every device of the cluster where devices may rejoin it."""
+    """The CPU share of a run's workers (None: not an emulated cluster): the devices its strategies use, or
+    every device of the cluster for a coordinated run (elastic or switching: devices may rejoin it, a switch
+    may bring in others)."""
     if not ctx.cluster.emulated:
         return None
     from runtime.launch.session import run_devices
 
-    devices = range(ctx.cluster.num_devices) if options.rejoins else run_devices(ctx, options)
+    devices = range(ctx.cluster.num_devices) if options.coordinated else run_devices(ctx, options)
     return cpu_shares(list(devices), ctx.cluster.num_devices, host_cpus())
 
 
