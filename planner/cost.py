@@ -85,8 +85,9 @@ Where a profile has measured fits for this model's shape and TP degree, they are
 otherwise the component costs are derived from the profile's throughput figures and the model's
 FLOPs and bytes (``analytic_components``, runtime/profiling/profile.py ``component_fits``). Both paths
 yield the same ``ComponentFit`` records. A sleep-mode emulated type (runtime/spec/cluster.py ``Emulation``)
-is priced by its target instead: ``stage`` gives what ``sleep_target`` prices each forward / backward
-block at (runtime/profiling/profile.py ``block_seconds``, the function the runtime sleeps by).
+is priced by its target instead: ``stage`` gives what its ``SleepTarget`` (planner/costmodel/targets.py)
+prices each forward / backward block at, the prices the CLI's harness (hetu_cli/emulation.py) hands the
+runtime as the blocks' targets.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ is a "comm" span; idle time is the gap between spans). ``TraceRecorder``
 turns those spans into Chrome-trace events (open the JSON in
 https://ui.perfetto.dev). The two CPU emulation modes of runtime/spec/cluster.py ``Emulation`` wrap another
 Hooks: ``EmulatedSlowdown`` (stretch mode), after each outermost compute span, sleeps (k - 1) x the compute
-time it measured; ``EmulatedTarget`` (sleep mode) sleeps until the block has lasted its target time. Both
+time it measured; ``EmulatedTarget`` (sleep mode) sleeps until the block has lasted its target time (the
+targets come from ``TrainOptions.block_targets``, runtime/launch/options.py: the runtime prices nothing). Both
 record their sleep as an "emulation" span. All are plain objects handed to the program: no global switch
 turns them on.
 """
@@ -20,8 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from runtime.device_clock import DeviceClock, HostClock, Mark
-from runtime.profiling.profile import SPLIT_BACKWARD_SHARE, ComputeBlock, SleepTarget, sleep_target
-from runtime.spec import PlanContext
 from runtime.spec.io import atomic_write_text
 
 
@@ -265,58 +264,3 @@ class EmulatedTarget(_Emulation):
             while self._clock() < deadline:
                 pass
         return 0.0
-
-
-def stage_block_targets(ctx: PlanContext, strategy: str, device: int,
-                        target: SleepTarget | None = None) -> Callable[[str, Mapping[str, Any]], float | None]:
-    """``EmulatedTarget``'s pricing for ``device`` in ``strategy``: its stage's forward and backward blocks
-    as its type's sleep-mode target prices them (``SleepTarget.block_s``: the planner and the simulator
-    price the same blocks with the same function), at the plan's micro-batch size and sequence length (or
-    the span's own ``seq_len``, where the engine names one). Other compute blocks (the optimizer step) have
-    no target, and so has every block of a device the strategy leaves idle. ``target``: the resolved target
-    (default: resolved from the device's type)."""
-    cluster = ctx.cluster
-    dev_type = cluster.device(device).type
-    em = cluster.device_types[dev_type].emulate
-    if target is None:
-        if em is None or not em.sleeps:
-            raise ValueError(f"device {device} ({dev_type}) is not emulated in sleep mode")
-        target = sleep_target(em, file=f"cluster {cluster.name}", field=f"device_types.{dev_type}.emulate")
-    strat = ctx.strategy(strategy)
-    where = strat.locate(device)
-    if where is None:   # idle in this strategy (an elastic run's standby device): no blocks to price
-        return lambda name, args: None
-    pi, si, _ = where
-    stages = strat.pipelines[pi].stages
-    st = stages[si]
-    t = ctx.plan.training
-    cache: dict[tuple[bool, int, int, bool, bool], float] = {}
-    resolved = target
-
-    def target_s(name: str, args: Mapping[str, Any]) -> float | None:
-        # A split backward's two halves (zero-bubble schedules: input gradient, then weight gradient) are
-        # priced at half the backward block each.
-        share = {"forward": 1.0, "backward": 1.0, "input_grad": SPLIT_BACKWARD_SHARE,
-                 "weight_grad": SPLIT_BACKWARD_SHARE}.get(name)
-        if share is None:
-            return None
-        backward = name != "forward"
-        seq_len = int(args.get("seq_len", t.seq_len))  # type: ignore[call-overload]
-        # The engine names the chunk it runs (its layers, whether it embeds / holds the head); a span
-        # without them is the whole stage.
-        layers = int(args.get("layers", st.num_layers))  # type: ignore[call-overload]
-        first = bool(args.get("first", si == 0))
-        last = bool(args.get("last", si == len(stages) - 1))
-        docs = tuple(int(n) for n in args.get("documents", ()))  # type: ignore[union-attr]
-        # packed documents (one row of several documents): priced by their lengths, uncached (they vary)
-        key = (backward, seq_len, layers, first, last)
-        if docs or key not in cache:
-            price = resolved.block_s(ComputeBlock(
-                layers=layers, micro_batch=1 if docs else t.micro_batch, seq_len=sum(docs) or seq_len,
-                backward=backward, tp=st.tp, recompute=st.recompute, first=first, last=last, documents=docs))
-            if docs:
-                return share * price
-            cache[key] = price
-        return share * cache[key]
-
-    return target_s

@@ -38,6 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hetu_cli.emulation import emulated  # noqa: E402
 from runtime.launch import TrainOptions, launch  # noqa: E402
 from runtime.spec import load_plan, load_plan_context, save_plan  # noqa: E402
 from runtime.spec.io import atomic_write_text, dump_yaml  # noqa: E402
@@ -68,20 +69,21 @@ def single_device_plan(out: Path) -> Path:
 
 def hspmd_steps(plan: Path, steps: int, warmup: int, strategy: str | None = None) -> tuple[float, float]:
     """(median step time after warm-up, start-up seconds) of one ``hspmd train`` run."""
-    summary = launch(TrainOptions(plan=plan, strategy=strategy, steps=steps + warmup))
+    summary = launch(emulated(TrainOptions(plan=plan, strategy=strategy, steps=steps + warmup)))
     times = [r.step_time_s for r in summary.records[warmup:]]
     return statistics.median(times), summary.startup_s
 
 
 def plain_steps(plan: Path, steps: int, warmup: int) -> float:
-    from runtime.profiling.host import emulated_cpu_shares, host_cpus, pinned
+    from hetu_cli.emulation import cpu_shares
+    from runtime.profiling.host import host_cpus, pinned
 
     ctx = load_plan_context(plan)
     # The CPU share the launcher gives this device's worker (threads and pinned cores: an emulated device
     # gets the same share whichever plan runs it), so both sides compute on the same cores.
     (device,) = ctx.plan.strategies[0].devices
-    threads, cpus = emulated_cpu_shares([device], ctx.cluster.num_devices, host_cpus())
-    with pinned(cpus[device], threads):
+    share = cpu_shares([device], ctx.cluster.num_devices, host_cpus())
+    with pinned(share.cpus[device], share.threads):
         return _plain_loop(ctx, steps, warmup)
 
 

@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hetu_cli.emulation import cpu_shares  # noqa: E402
 from runtime.engine.tensor_parallel import apply_tensor_parallel  # noqa: E402
 from runtime.models.llama import LlamaForCausalLM  # noqa: E402
 from runtime.models.params import llama_parameters  # noqa: E402
@@ -58,9 +59,9 @@ def price(blocks: dict[str, tuple[float, float]], layers: int) -> tuple[float, f
 
 
 def worker(rank: int, init: str, args: argparse.Namespace, queue) -> None:
-    threads, shares = host.emulated_cpu_shares(range(4), 4, host.host_cpus())
-    host.pin_process(shares[rank])
-    torch.set_num_threads(threads)
+    share = cpu_shares(range(4), 4, host.host_cpus())
+    host.pin_process(share.cpus[rank])
+    torch.set_num_threads(share.threads)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=TP, timeout=timedelta(seconds=600))
     model = load_model(args.model)
     dev = torch.device("cpu")

@@ -54,6 +54,7 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
         return
     if cluster_ref is None:
         raise click.UsageError("give --cluster C to measure, or a subcommand (import, export, show)")
+    from hetu_cli.emulation import profiler_cpus
     from runtime.profiling.profiler import ProfileSettings, count_steps, plan_targets, profile_cluster
 
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
@@ -79,7 +80,8 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
                                  param_hint="--seq-lens")
     settings = ProfileSettings(seq_lens=lens, measure_comm=not no_comm, component_budget_s=budget,
                                comm_processes=link_processes)
-    targets = plan_targets(cluster, models, device_type)
+    cpus = profiler_cpus(cluster)
+    targets = plan_targets(cluster, models, device_type, cpus=cpus)
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console(stderr=True), transient=fmt == "json") as bar:
@@ -92,7 +94,7 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
                 bar.advance(task, done)
 
         written = profile_cluster(cluster, models, out_dir, device_type=device_type, settings=settings,
-                                  progress=report)
+                                  progress=report, cpus=cpus)
     elapsed = time.perf_counter() - t0
     summary = {
         "cluster": cluster.name, "out": str(out_dir), "seconds": round(elapsed, 2),

@@ -17,6 +17,7 @@ import click
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from hetu_cli.emulation import emulated
 from hetu_cli.output import MAX_TIMEOUT_S, FiniteFloatRange, Int, IntRange, console, given, plan_argument, refuse_given
 from runtime.elastic.agents import DEFAULT_PORT
 from runtime.errors import HspmdError
@@ -329,6 +330,7 @@ def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strat
         from hetu_cli.commands.lengths_report import planner_dispatch_costs
 
         options = planner_dispatch_costs(options, profile_dirs)
+    options = emulated(options)   # an emulated cluster's harness: block targets, worker cores
     env = TorchrunEnv.detect(os.environ)
     if env is not None and (options.coordinated or faults):
         raise HspmdError("--elastic, --switch and fault injection run under hspmd's own launcher, not torchrun")

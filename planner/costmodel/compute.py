@@ -15,19 +15,18 @@ from planner.costmodel.base import (
     memo,
     recomputed,
 )
+from planner.costmodel.targets import SleepTarget, sleep_target
 from runtime.profiling.profile import (
     BLOCKS,
     ComponentFit,
     ComputeBlock,
     MeasuredModel,
-    SleepTarget,
     component_fits,
     eval_fit,
     extra_components,
     layer_components,
     layer_override_fits,
     measured_tp_comm,
-    sleep_target,
 )
 from runtime.spec.plan import Strategy
 

@@ -7,10 +7,10 @@ import dataclasses
 from collections.abc import Sequence
 
 from planner.costmodel.base import memo, recomputed
+from planner.costmodel.targets import SPLIT_BACKWARD_SHARE
 from runtime.pipeline_schedules import ChunkCost, Costs, TimedOp, op_kinds, step_time, step_time_bound
 from runtime.pipeline_schedules import Schedule as PipelineSchedule
 from runtime.profiling.profile import (
-    SPLIT_BACKWARD_SHARE,
     eval_fit,
 )
 from runtime.schedule_policies import Layout, schedule_layout
@@ -141,7 +141,7 @@ class ScheduleCosts:
         sc = self.stage(device_type, tp, num_layers, first, last, recompute_layers=r)
         tiny = 1e-6 * sc.backward_s   # ChunkCost wants both halves positive
         if self.sleep_target(device_type) is not None:
-            # Sleep emulation prices each half at its share of the backward block (runtime/trace.py
+            # Sleep emulation prices each half at its share of the backward block (hetu_cli/emulation.py
             # stage_block_targets): what the emulated device then takes.
             half = SPLIT_BACKWARD_SHARE * sc.backward_s
             return ChunkCost(forward=sc.forward_s, input_grad=half, weight_grad=half, full_backward=sc.backward_s)

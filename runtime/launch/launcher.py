@@ -26,9 +26,9 @@ from runtime.launch.session import (
     documents_problems,
     read_dispatch_state,
     run_strategies,
+    sleep_mode_problem,
 )
 from runtime.launch.supervise import LocalWorkers, PlainPolicy, Policy, Run, RunSummary, supervise
-from runtime.profiling.host import emulated_cpu_shares, host_cpus
 from runtime.spec import PlanContext, load_plan_context
 from runtime.spec.catalog import check_trainable
 
@@ -125,12 +125,15 @@ def prepare(options: TrainOptions, policy: Policy, *, one_host: bool = True) -> 
     if stray:
         raise HspmdError(f"fault injection: device(s) {stray} run no worker in this run (devices "
                          f"{', '.join(map(str, devices))})")
+    missing = sleep_mode_problem(ctx, options)
+    if missing is not None:
+        raise HspmdError(missing)
     everyone = list(range(ctx.cluster.num_devices))
     backend, _ = placement(ctx, devices, one_host=one_host, gpus=options.gpus)  # refuses what this host cannot run
     _, torch_devices = placement(ctx, everyone, one_host=False)  # a device joining later included
     if backend == "gloo":
-        threads, cpus = emulated_cpu_shares(everyone if options.rejoins else devices, ctx.cluster.num_devices,
-                                            host_cpus())
+        share = options.worker_cpus
+        threads, cpus = (share.threads, dict(share.cpus)) if share is not None else (None, {})
     else:  # GPU workers share this machine's cores, rather than each taking all of them (its build, its loader)
         per_node = Counter(ctx.cluster.device(d).node for d in devices)
         threads, cpus = max(1, (os.cpu_count() or 1) // max(per_node.values(), default=1)), {}

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 from runtime.dispatch import StrategyCost
 from runtime.launch.placement import CudaGpus, GpuProbe
 from runtime.precision import PRECISIONS, Precision
+from runtime.profiling.host import WorkerCpus
+
+if TYPE_CHECKING:
+    from runtime.spec import PlanContext
 
 FaultKind = Literal["error", "user-error", "exit", "kill", "hang"]
 FaultPoint = Literal["start", "after-commit"]
@@ -99,6 +103,17 @@ def node_loss_detect_s(heartbeat_s: float = DEFAULT_HEARTBEAT_S,
     return agent_timeout_s(heartbeat_timeout_s) + heartbeat_s
 
 
+class BlockTargets(Protocol):
+    """Minimum durations of a device's compute blocks: for ``device`` in ``strategy`` of ``ctx``, a function of
+    a compute span's name and args giving the seconds the block lasts at least (None: as long as it takes),
+    or None where the device's blocks have no minimum. The worker's ``EmulatedTarget`` hook (runtime/trace.py)
+    waits each block out to it. Asked again for each strategy a worker builds, so an elastic run's new
+    strategies are covered; the object is pickled to the workers."""
+
+    def for_device(self, ctx: PlanContext, strategy: str,
+                   device: int) -> Callable[[str, Mapping[str, Any]], float | None] | None: ...
+
+
 @dataclass(frozen=True)
 class TrainOptions:
     """One ``hspmd train`` run. Steps are numbered from 1; a run loaded from a checkpoint of step k
@@ -149,6 +164,10 @@ class TrainOptions:
     # describe a machine instead): the placement check every worker makes (runtime/launch/placement.py).
     node: str | None = None
     gpus: GpuProbe = CudaGpus()
+    # Minimum durations of compute blocks, per strategy and device (None: every block takes what it takes).
+    block_targets: BlockTargets | None = None
+    # The workers' CPU share (threads, pinned cores); None: as the OS and torch set them.
+    worker_cpus: WorkerCpus | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0:

@@ -259,13 +259,15 @@ class Session:
         """This device's program of ``handle`` (collective: every device of the world builds its own)."""
         from runtime.engine.api import WorkerContext
         from runtime.engine.program import DeviceProgram
-        from runtime.trace import EmulatedTarget, stage_block_targets
+        from runtime.trace import EmulatedTarget
 
         self.ensure_groups(handle)
-        if isinstance(self.emulator, EmulatedTarget):   # sleep mode: this stage's blocks, priced anew per plan
+        if isinstance(self.emulator, EmulatedTarget):   # blocks with minimum durations, given anew per strategy
             # A documents run builds every strategy's program up front: each block is priced by the strategy
             # its span names (the engine puts it in the span's args), the latest built where none is named.
-            self._targets[handle.name] = latest = stage_block_targets(handle.ctx, handle.name, self.me)
+            assert self.options.block_targets is not None
+            latest = self.options.block_targets.for_device(handle.ctx, handle.name, self.me) or _no_target
+            self._targets[handle.name] = latest
             targets = self._targets
             self.emulator.target_s = lambda name, args: targets.get(args.get("strategy"), latest)(name, args)
         worker = WorkerContext(strategy=handle, device_id=self.me, ranks=dict(self.ranks),
@@ -427,11 +429,27 @@ def _arrived(store: Any, within_s: float) -> bool:
     return True
 
 
+def _no_target(name: str, args: Mapping[str, Any]) -> None:
+    return None
+
+
+def sleep_mode_problem(ctx: PlanContext, options: TrainOptions) -> str | None:
+    """Why ``options`` cannot run ``ctx``'s sleep-mode devices: their blocks' targets are not given."""
+    sleepers = [t for t, dt in ctx.cluster.device_types.items() if dt.emulate is not None and dt.emulate.sleeps]
+    if not sleepers or options.block_targets is not None:
+        return None
+    return (f"cluster {ctx.cluster.name!r}: sleep-mode device types ({', '.join(sleepers)}) need their blocks' "
+            "target durations (TrainOptions.block_targets; hspmd train gives them)")
+
+
 def _hooks(spec: WorkerSpec, plan_ctx: Any, device: Any) -> tuple[Any, Any, Any]:
     from runtime.engine.api import NULL_HOOKS
-    from runtime.trace import EmulatedSlowdown, EmulatedTarget, TraceRecorder, stage_block_targets
+    from runtime.trace import EmulatedSlowdown, EmulatedTarget, TraceRecorder
 
     options = spec.options
+    missing = sleep_mode_problem(plan_ctx, options) if device.type == "cpu" else None
+    if missing is not None:
+        raise HspmdError(missing)
     dev_type = plan_ctx.cluster.type_of(spec.device_id)
     em = dev_type.emulate if device.type == "cpu" else None
     emulate = em is not None and em.slowdown > 1.0
@@ -449,7 +467,9 @@ def _hooks(spec: WorkerSpec, plan_ctx: Any, device: Any) -> tuple[Any, Any, Any]
         recorder = TraceRecorder(spec.device_id, label, clock=device_clock(device))
     emulator: EmulatedSlowdown | EmulatedTarget | None = None
     if sleeps:
-        emulator = EmulatedTarget(stage_block_targets(plan_ctx, spec.strategy, spec.device_id), inner=recorder)
+        assert options.block_targets is not None
+        targets = options.block_targets.for_device(plan_ctx, spec.strategy, spec.device_id) or _no_target
+        emulator = EmulatedTarget(targets, inner=recorder)
     elif emulate:
         emulator = EmulatedSlowdown(dev_type.emulate.slowdown, inner=recorder)
     return emulator or recorder or NULL_HOOKS, recorder, emulator

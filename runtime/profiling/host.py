@@ -1,31 +1,27 @@
-"""How an emulated cluster's workers share this machine's CPU: each worker is a process on one host; the
-launcher gives each its share of the cores (``emulated_cpu_shares``, ``pin_process``) and ``hspmd profile``
-measures under the same share. Importing this loads no torch (``pinned`` loads it when it runs).
+"""Running a process on given cores with a given intra-op thread count: ``WorkerCpus``, which the launcher
+(``TrainOptions.worker_cpus``) and the profiler take from their caller; no policy of its own. Importing this
+loads no torch (``pinned`` loads it when it runs).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 
-def emulated_cpu_shares(devices: Sequence[int], cluster_devices: int,
-                        cpus: Sequence[int]) -> tuple[int, dict[int, tuple[int, ...]]]:
-    """The CPU share of each worker of an emulated cluster on this host: (intra-op threads, device ->
-    cores to pin it to).
+@dataclass(frozen=True)
+class WorkerCpus:
+    """The CPU share of a run's workers: intra-op threads each (None: torch's default) and, per device, the
+    cores its worker is pinned to (a device not listed: not pinned)."""
 
-    Every worker gets the same thread count, ``max(1, cores // cluster devices)``, whichever devices the
-    plan uses: an emulated device's speed must not depend on the plan (and one profile, measured at that
-    count, fits every plan). The i-th device of the plan (in id order) is pinned to cores ``i*t ..
-    i*t+t-1`` (mod the core count): left alone, the scheduler at times puts two communicating workers on
-    one core while another core idles (wake-affine placement), and the same plan's step time varied by
-    +-20% from run to run.
-    """
-    cores = list(cpus) or [0]
-    t = max(1, len(cores) // max(1, cluster_devices))
-    return t, {d: tuple(sorted({cores[(i * t + j) % len(cores)] for j in range(t)}))
-               for i, d in enumerate(sorted(devices))}
+    threads: int | None = None
+    cpus: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
 
 
 def host_cpus() -> list[int]:

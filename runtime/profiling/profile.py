@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 from runtime.errors import Checker, Problem, SpecError
 from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves, nearest_degree
-from runtime.spec.catalog import PROFILES_DIR, load_model, resolve_profile_ref
-from runtime.spec.cluster import DeviceType, Emulation
+from runtime.spec.catalog import PROFILES_DIR
+from runtime.spec.cluster import DeviceType
 from runtime.spec.io import atomic_write_text, check_version, dump_yaml, is_dir, is_file, read_json, read_yaml
 from runtime.spec.model import Architecture, ModelSpec
 from runtime.spec.schema import build, to_data
@@ -377,9 +377,8 @@ def read_profile_dir(directory: str | Path) -> list[tuple[Path, DeviceProfile]]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Pricing compute blocks from a profile. The cost model (planner/cost.py) builds on these; the runtime's
-# sleep-mode emulation (runtime/trace.py ``EmulatedTarget``) prices its targets with ``block_seconds``, so a
-# sleep-mode device's blocks are priced by one definition on both sides.
+# Pricing compute blocks from a profile. The cost model (planner/cost.py) builds on these; a sleep-mode
+# device's target (planner/costmodel/targets.py) prices its blocks with ``block_seconds``.
 
 
 def analytic_components(model: ModelSpec, c: ComputeFigures, tp: int) -> dict[str, ComponentFit]:
@@ -590,47 +589,6 @@ def _block_seconds(profile: DeviceProfile, model: ModelSpec, block: ComputeBlock
     if block.backward and block.recompute:
         out += block.layers * seconds(layer, False)
     return out
-
-
-# Sleep mode prices each half of a split backward (zero-bubble schedules: input gradient B, then weight
-# gradient W) at this share of the backward block: the profiles time the backward as one block. The
-# runtime's targets (runtime/trace.py) and the planner's op costs (planner/cost.py chunk_cost) read it here.
-SPLIT_BACKWARD_SHARE = 0.5
-
-
-@dataclass(frozen=True)
-class SleepTarget:
-    """A sleep-mode device type's target, resolved: the profile, the model whose shapes it runs, and the
-    wall seconds one target second lasts (``runtime.spec.cluster.Emulation``)."""
-
-    profile: DeviceProfile
-    model: ModelSpec
-    time_scale: float
-    seq_scale: int = 1          # target tokens per real token (``Emulation.seq_scale``)
-    memory: bool = False        # the plan's memory is the target's (``Emulation.memory``)
-
-    def block_s(self, block: ComputeBlock) -> float:
-        """Wall seconds the block lasts on the emulated device (at least: unless its real compute overruns),
-        its lengths (and its packed documents') priced at ``seq_scale`` target tokens per real token."""
-        if self.seq_scale != 1:
-            k = self.seq_scale
-            block = dataclasses.replace(block, seq_len=block.seq_len * k,
-                                        documents=tuple(n * k for n in block.documents))
-        return self.time_scale * block_seconds(self.profile, self.model, block)
-
-
-def sleep_target(emulation: Emulation, *, file: str = "", field: str = "emulate") -> SleepTarget:
-    """Resolve a sleep-mode emulation's target (``load_cluster`` has checked that the names exist; a
-    profile file that does not parse is reported against itself)."""
-    target = emulation.target
-    if target is None or emulation.time_scale is None:
-        raise ValueError("not a sleep-mode emulation (no target)")
-    path = resolve_profile_ref(target.profile)
-    if path is None:
-        raise SpecError([Problem(file, f"{field}.target.profile", f"unknown device profile {target.profile!r}")])
-    model = load_model(target.model, file=file, field=f"{field}.target.model")
-    return SleepTarget(load_profile(path), model, emulation.time_scale, emulation.seq_scale,
-                       emulation.memory == "target")
 
 
 # Defaults for a spec profile derived from datasheet figures (see profiles/README.md for why).

@@ -1,7 +1,7 @@
 """``hspmd profile``: measure the device types present on this machine and write their profiles.
 
 CPU-emulated clusters (every type has ``emulate:``): the CPU is measured once, with the intra-op thread
-count and the pinning the launcher gives each worker (runtime/profiling/host.py ``emulated_cpu_shares``:
+count and the pinning the launcher gives each worker (the CLI's ``cpus``, hetu_cli/emulation.py ``cpu_shares``:
 cores // cluster devices threads, pinned), and every emulated type is derived from it by its
 ``emulate.slowdown`` (compute stretched, links not: that is how the runtime emulates). A CUDA GPU is
 measured as the one cluster device type named by ``device_type``. Links are measured among local
@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from runtime.errors import HspmdError, InfeasibleError
 from runtime.profiling import compute, host
 from runtime.profiling.fit import Sample, fit_component, measured_model, rounded
+from runtime.profiling.host import WorkerCpus
 from runtime.profiling.links import p2p_and_allreduce
 from runtime.profiling.profile import (
     COMPONENTS,
@@ -69,8 +70,9 @@ class Target:
 
 
 def plan_targets(cluster: Cluster, models: Sequence[ModelSpec], device_type: str | None,
-                 cuda_available: bool | None = None) -> list[Target]:
-    """What to measure here, or an InfeasibleError saying why nothing can be."""
+                 cuda_available: bool | None = None, cpus: WorkerCpus | None = None) -> list[Target]:
+    """What to measure here, or an InfeasibleError saying why nothing can be. ``cpus``: an emulated
+    cluster's workers' CPU share, measured under as its workers run (None: as this process runs)."""
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     per_node: dict[str, int] = {}
     for node in cluster.nodes:
@@ -83,9 +85,9 @@ def plan_targets(cluster: Cluster, models: Sequence[ModelSpec], device_type: str
     if cluster.emulated:
         types = {name: (dt.emulate.slowdown if dt.emulate else 1.0) for name, dt in cluster.device_types.items()}
         n = cluster.num_devices
-        threads, shares = host.emulated_cpu_shares(range(n), n, host.host_cpus())
-        return [Target("cpu", types, degrees(list(types)), local_devices=n, threads=threads,
-                       cpus=tuple(shares[i] for i in range(n)))]
+        share = cpus or WorkerCpus()
+        return [Target("cpu", types, degrees(list(types)), local_devices=n, threads=share.threads,
+                       cpus=tuple(share.cpus.get(i, ()) for i in range(n)))]
     if device_type is None:
         real = [n for n, dt in cluster.device_types.items() if not dt.emulated]
         if len(real) == 1 and cuda:
@@ -115,10 +117,11 @@ def count_steps(targets: Sequence[Target], models: Sequence[ModelSpec], settings
 
 def profile_cluster(cluster: Cluster, models: Sequence[ModelSpec], out_dir: str | Path, *,
                     device_type: str | None = None, settings: ProfileSettings = ProfileSettings(),
-                    progress: Progress | None = None) -> list[tuple[Path, DeviceProfile]]:
+                    progress: Progress | None = None,
+                    cpus: WorkerCpus | None = None) -> list[tuple[Path, DeviceProfile]]:
     """Measure, fit and write one ``<type>.measured.yaml`` per device type; return what was written."""
     report = progress or (lambda _what, _n: None)
-    targets = plan_targets(cluster, models, device_type)
+    targets = plan_targets(cluster, models, device_type, cpus=cpus)
     written: list[tuple[Path, DeviceProfile]] = []
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
     for target in targets:

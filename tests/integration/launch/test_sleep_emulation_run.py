@@ -1,6 +1,7 @@
 """A small run on cpu-hetero4-sleep: every forward / backward block sleeps exactly to its target (or records
 its overrun), the targets are the ones the block-pricing function gives the device's stage, and the per-step
-metrics sum what the hooks recorded. Behaviour, not speed (speed: scripts/bench_simulator.py)."""
+metrics sum what the hooks recorded; without the harness's targets the launcher refuses the run. Behaviour,
+not speed (speed: scripts/bench_simulator.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from pathlib import Path
 import pytest
 from train_helpers import EPS, HETERO_PLAN, reference
 
+from hetu_cli.emulation import SleepBlockTargets, emulated
+from runtime.errors import HspmdError
 from runtime.launch import TrainOptions, launch
 from runtime.spec import load_plan, load_plan_context, save_plan
 from runtime.spec.plan import Pipeline, Stage, Strategy
-from runtime.trace import stage_block_targets
 
 STEPS = 2
 ROUND = 2e-6   # the trace rounds each figure to 1e-6 s
@@ -33,7 +35,7 @@ def run(tmp_path_factory):
     path = d / "pp2.yaml"
     save_plan(plan, path)
     traces = d / "traces"
-    summary = launch(TrainOptions(plan=path, steps=STEPS, trace_dir=traces))
+    summary = launch(emulated(TrainOptions(plan=path, steps=STEPS, trace_dir=traces)))
     return path, traces, summary
 
 
@@ -51,7 +53,7 @@ def test_losses_are_the_reference(run):
 @pytest.mark.parametrize("device", [0, 2])
 def test_each_block_sleeps_to_the_target_its_stage_is_priced_at(run, device):
     path, traces, _ = run
-    price = stage_block_targets(load_plan_context(path), "pp2", device)
+    price = SleepBlockTargets().for_device(load_plan_context(path), "pp2", device)
     spans = spans_of(traces, device)
     blocks = [e for e in spans if e["cat"] == "compute" and e["name"] in ("forward", "backward")]
     emulation = [e for e in spans if e["cat"] == "emulation" and "woke past" not in e["name"]]
@@ -89,3 +91,9 @@ def test_step_metrics_sum_the_recorded_sleeps_and_overruns(run):
     for i, rec in enumerate(summary.records):
         assert rec.emulation_s == pytest.approx(max(per_device[d][i][0] for d in per_device), abs=1e-5)
         assert rec.emulation_overrun_s == pytest.approx(max(per_device[d][i][1] for d in per_device), abs=1e-5)
+
+
+def test_a_sleep_mode_run_without_its_targets_is_refused(run):
+    path, _, _ = run
+    with pytest.raises(HspmdError, match="sleep-mode device types .* target durations"):
+        launch(TrainOptions(plan=path, steps=1))

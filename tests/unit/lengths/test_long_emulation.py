@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from hetu_cli.commands.lengths_report import planner_dispatch_costs, strategies_of
 from planner.cost import GIB, CostModel
+from planner.costmodel.targets import sleep_target
 from planner.lengths import (
     LengthSettings,
     LengthStrategy,
@@ -31,7 +32,7 @@ from runtime.dispatch import PipelineCost, StageCost, StrategyCost
 from runtime.documents import length_distribution
 from runtime.errors import InfeasibleError, SpecError
 from runtime.launch.options import TrainOptions
-from runtime.profiling.profile import ComputeBlock, block_seconds, resolve_profiles, sleep_target
+from runtime.profiling.profile import ComputeBlock, block_seconds, resolve_profiles
 from runtime.spec import load_cluster, load_model, save_plan
 from runtime.spec.plan import Pipeline, Stage, Strategy
 

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.cost import CostModel
+from planner.costmodel.targets import SleepTarget, sleep_target
 from planner.simulate import simulate
 from runtime.profiling.profile import (
     ComponentFit,
@@ -17,11 +18,9 @@ from runtime.profiling.profile import (
     MeasuredModel,
     ProfileSet,
     ResolvedProfile,
-    SleepTarget,
     block_seconds,
     component_fits,
     eval_fit,
-    sleep_target,
     spec_profile,
 )
 from runtime.spec import load_cluster, load_model

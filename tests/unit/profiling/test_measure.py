@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hetu_cli.emulation import cpu_shares, profiler_cpus
 from runtime.errors import InfeasibleError
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
 from runtime.profiling.compute import (
@@ -25,7 +26,7 @@ from runtime.profiling.compute import (
     tp_overhead_blocks,
 )
 from runtime.profiling.fit import fit_component, fit_quadratic, nonneg_lstsq
-from runtime.profiling.host import emulated_cpu_shares, host_cpus
+from runtime.profiling.host import WorkerCpus, host_cpus
 from runtime.profiling.profile import BLOCKS, SPLIT_BLOCKS
 from runtime.profiling.profiler import plan_targets
 from runtime.spec import load_cluster, load_model
@@ -178,15 +179,31 @@ def test_epilogue_and_sync_pack_fits_are_non_negative():
 
 def test_emulated_cpu_shares_pin_like_the_launcher():
     # 2 cores, a 4-device cluster: 1 thread each, device i of the plan on core i % 2.
-    assert emulated_cpu_shares([0, 1, 2, 3], 4, [0, 1]) == (1, {0: (0,), 1: (1,), 2: (0,), 3: (1,)})
+    assert cpu_shares([0, 1, 2, 3], 4, [0, 1]) == WorkerCpus(1, {0: (0,), 1: (1,), 2: (0,), 3: (1,)})
     # The plan's devices in id order, whichever ids: two devices get both cores even if both ids are even.
-    assert emulated_cpu_shares([2, 0], 4, [0, 1]) == (1, {0: (0,), 2: (1,)})
+    assert cpu_shares([2, 0], 4, [0, 1]) == WorkerCpus(1, {0: (0,), 2: (1,)})
     # 16 cores: 4 threads each on cores of their own, the same for a 2-device plan of the same cluster.
-    threads, cpus = emulated_cpu_shares([1, 3], 4, list(range(16)))
-    assert threads == 4 and cpus == {1: (0, 1, 2, 3), 3: (4, 5, 6, 7)}
-    # The profiler measures with the share of the cluster's devices.
-    (t,) = plan_targets(load_cluster("cpu-hetero4"), [TINY], None)
-    assert t.threads == emulated_cpu_shares(range(4), 4, host_cpus())[0] and len(t.cpus) == 4
+    assert cpu_shares([1, 3], 4, list(range(16))) == WorkerCpus(4, {1: (0, 1, 2, 3), 3: (4, 5, 6, 7)})
+    # The profiler measures with the share the CLI gives it: the cluster's devices'.
+    share = profiler_cpus(load_cluster("cpu-hetero4"))
+    assert share == cpu_shares(range(4), 4, host_cpus())
+    (t,) = plan_targets(load_cluster("cpu-hetero4"), [TINY], None, cpus=share)
+    assert t.threads == share.threads and t.cpus == tuple(share.cpus[i] for i in range(4))
+    assert profiler_cpus(load_cluster("h20-32")) is None
+
+
+def test_a_run_gets_its_workers_share_from_the_harness():
+    from hetu_cli.emulation import emulated
+    from runtime.launch.launcher import prepare
+    from runtime.launch.options import TrainOptions
+    from runtime.launch.supervise import PlainPolicy
+
+    plan = Path(__file__).resolve().parents[3] / "configs" / "plans" / "cpu-hetero4-tiny.yaml"
+    options = emulated(TrainOptions(plan=plan))
+    prep = prepare(options, PlainPolicy())
+    assert (prep.threads, prep.cpus) == (options.worker_cpus.threads, dict(options.worker_cpus.cpus))
+    assert set(prep.cpus) == set(prep.devices)
+    assert prepare(TrainOptions(plan=plan), PlainPolicy()).cpus == {}   # not given: not pinned
 
 
 def test_stage_run_times_the_engines_micro_batch_step():
