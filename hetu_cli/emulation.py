@@ -22,8 +22,8 @@ from typing import Any
 from planner.costmodel.targets import SPLIT_BACKWARD_SHARE, SleepTarget, sleep_target
 from runtime.launch.options import TrainOptions
 from runtime.profiling.host import WorkerCpus, host_cpus
-from runtime.profiling.profile import ComputeBlock
-from runtime.spec import Cluster, PlanContext
+from runtime.torchfree.profiling.profile import ComputeBlock
+from runtime.torchfree.spec import Cluster, PlanContext
 
 BlockTarget = Callable[[str, Mapping[str, Any]], float | None]
 
@@ -87,7 +87,7 @@ def sleeps(cluster: Cluster) -> bool:
 def emulated(options: TrainOptions, ctx: PlanContext | None = None) -> TrainOptions:
     """``options`` with what its emulated cluster needs (block targets, worker cores); unchanged on GPUs."""
     if ctx is None:
-        from runtime.spec import load_plan_context
+        from runtime.torchfree.spec import load_plan_context
 
         ctx = load_plan_context(options.plan, options.cluster, options.model)
     if not ctx.cluster.emulated:

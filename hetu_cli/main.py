@@ -13,7 +13,7 @@ from typing import NoReturn
 import click
 
 from hetu_cli.output import fail, printable
-from runtime.errors import HspmdError
+from runtime.torchfree.errors import HspmdError
 
 # verb -> module in hetu_cli.commands holding a click command of the same name (``-`` becomes ``_``).
 # A verb is listed here once it works.

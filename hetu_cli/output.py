@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from runtime.errors import HspmdError, Problem, SpecError
-from runtime.spec.schema import MAX_FLOAT, UNPRINTABLE_CATEGORIES, number_text_problem
+from runtime.torchfree.errors import HspmdError, Problem, SpecError
+from runtime.torchfree.spec.schema import MAX_FLOAT, UNPRINTABLE_CATEGORIES, number_text_problem
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -138,7 +138,7 @@ def printable(text: str) -> str:
     bidirectional overrides U+202A-U+202E and isolates U+2066-U+2069, zero-width ones, U+2028) escaped: error
     lines and tables quote keys, values and paths the user gave, where YAML's "\\r", "\\b" or "\\x9b" (a
     terminal's CSI) rewrote the line on the user's terminal and U+202E showed "a800" as "008a". The spec
-    reader refuses them in names (runtime/spec/schema.py ``text_problem``); paths and keys of hostile files
+    reader refuses them in names (runtime/torchfree/spec/schema.py ``text_problem``); paths and keys of hostile files
     still reach here. (Messages of several lines keep their newlines.)"""
     if text.isascii() and text.isprintable():
         return text

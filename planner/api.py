@@ -9,7 +9,7 @@ estimate) and pick the one that moves the least state::
                   devices=survivors)
     for cand in result.candidates:            # best first
         cand.strategy, cand.estimate.step_time_s, cand.micro_batch, cand.idle_devices
-    result.to_plan(model_ref, cluster_ref)    # a runtime.spec Plan (the best candidate)
+    result.to_plan(model_ref, cluster_ref)    # a runtime.torchfree.spec Plan (the best candidate)
 
 Candidates are ranked by ``CostModel.estimate``; with ``PlanSettings(simulate_top=N)`` (``hspmd plan``:
 ``--check-top``, default 8) the best N, the best plans of identical pipelines and the baselines are also
@@ -37,12 +37,12 @@ from planner.schedule_choice import schedule_choices, stage_layer_ranges
 from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, SearchStats, describe, rank, search
 from planner.simulate import simulated_step_time
 from planner.tp_groups import GroupKind, available, form_groups, tp_choices
-from runtime.errors import InfeasibleError
-from runtime.profiling.profile import DeviceProfile, ProfileSet
-from runtime.schedule_policies import SCHEDULE_NAMES, schedule_problems
-from runtime.spec.cluster import Cluster
-from runtime.spec.model import ModelSpec
-from runtime.spec.plan import MAX_GLOBAL_BATCH, PLAN_VERSION, Plan, Schedule, Strategy, TrainingSettings
+from runtime.torchfree.errors import InfeasibleError
+from runtime.torchfree.profiling.profile import DeviceProfile, ProfileSet
+from runtime.torchfree.schedule_policies import SCHEDULE_NAMES, schedule_problems
+from runtime.torchfree.spec.cluster import Cluster
+from runtime.torchfree.spec.model import ModelSpec
+from runtime.torchfree.spec.plan import MAX_GLOBAL_BATCH, PLAN_VERSION, Plan, Schedule, Strategy, TrainingSettings
 
 MICRO_BATCH_GAIN = 0.03
 ALIGNED_CHECKED = 3   # plans of alike pipelines the simulator check adds to the estimate's best

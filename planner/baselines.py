@@ -27,8 +27,8 @@ from planner.cost import CostModel, StrategyEstimate, zero_degree
 from planner.layer_split import consecutive_ranges
 from planner.schedule_choice import chunk_sizes
 from planner.tp_groups import available, tp_degrees
-from runtime.solver import solve, var
-from runtime.spec.plan import Pipeline, Schedule, Stage, Strategy
+from runtime.torchfree.solver import solve, var
+from runtime.torchfree.spec.plan import Pipeline, Schedule, Stage, Strategy
 
 EXACTLY_PRICED = 8   # symmetric plans priced by the list scheduler, the best by 1F1B's closed form
 

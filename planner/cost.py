@@ -5,7 +5,7 @@ Everything the planner, the simulator and the reports know about speed and memor
 Quick start::
 
     from planner.cost import CostModel
-    from runtime.profiling.profile import resolve_profiles
+    from runtime.torchfree.profiling.profile import resolve_profiles
 
     profiles = resolve_profiles(cluster.device_types, [profile_dir])   # measured > spec > datasheet
     cm = CostModel(model, cluster, profiles, micro_batch=1, seq_len=4096)   # or CostModel.for_plan(...)
@@ -37,7 +37,7 @@ planner can call them millions of times:
 * ``allreduce_time(devices, nbytes)``: one ring all-reduce (measured curves by size for its link class,
   across nodes too, when the profiles have them).
 * ``sync_plan(strategy) -> [SyncGroup]``: the cross-pipeline gradient sync exactly as the runtime lays it
-  out (runtime/comm/gradsync.py: its device groups in its order, each with its buckets; SplitAllReduce LCM
+  out (runtime/torchfree/comm/gradsync.py: its device groups in its order, each with its buckets; SplitAllReduce LCM
   slices when TP degrees differ, norms duplicated in a TP group synced by the whole group); ``sync_group_time``
   prices one group; ``sync_times(strategy)`` prices them all, the rings that cross one NIC at once
   (the TP ranks' of a stage) sharing it; ``grad_sync_times(strategy) -> {device: seconds}`` sums a device's groups;
@@ -83,8 +83,8 @@ sum(boundary comm)``, GPipe's on forward and backward separately: ranking proxie
 
 Where a profile has measured fits for this model's shape and TP degree, they are used as measured;
 otherwise the component costs are derived from the profile's throughput figures and the model's
-FLOPs and bytes (``analytic_components``, runtime/profiling/profile.py ``component_fits``). Both paths
-yield the same ``ComponentFit`` records. A sleep-mode emulated type (runtime/spec/cluster.py ``Emulation``)
+FLOPs and bytes (``analytic_components``, runtime/torchfree/profiling/profile.py ``component_fits``). Both paths
+yield the same ``ComponentFit`` records. A sleep-mode emulated type (runtime/torchfree/spec/cluster.py ``Emulation``)
 is priced by its target instead: ``stage`` gives what its ``SleepTarget`` (planner/costmodel/targets.py)
 prices each forward / backward block at, the prices the CLI's harness (hetu_cli/emulation.py) hands the
 runtime as the blocks' targets.
@@ -118,18 +118,18 @@ from planner.costmodel.compute import ComputeCosts
 from planner.costmodel.memory import MemoryCosts
 from planner.costmodel.network import NetworkCosts, allreduce_seconds
 from planner.costmodel.schedule import ScheduleCosts, pipeline_time, play_order, timeline_order, weight_grad_fraction
-from runtime.errors import HspmdError
-from runtime.models.decoders import model_parameters
-from runtime.profiling.profile import (
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.models.decoders import model_parameters
+from runtime.torchfree.profiling.profile import (
     DeviceProfile,
     ProfileSet,
     table_optimizer_s,
 )
-from runtime.spec.catalog import PlanContext
-from runtime.spec.cluster import Cluster
-from runtime.spec.handle import StrategyHandle
-from runtime.spec.model import ModelSpec
-from runtime.spec.plan import PLAN_VERSION, Plan, Schedule, Stage, Strategy, TrainingSettings
+from runtime.torchfree.spec.catalog import PlanContext
+from runtime.torchfree.spec.cluster import Cluster
+from runtime.torchfree.spec.handle import StrategyHandle
+from runtime.torchfree.spec.model import ModelSpec
+from runtime.torchfree.spec.plan import PLAN_VERSION, Plan, Schedule, Stage, Strategy, TrainingSettings
 
 # What callers import from here: the facade, its records and the formulas they share with it.
 __all__ = ["CostModel", "GIB", "LayerCost", "MemoryBreakdown", "PipelineEstimate", "StageCost", "StrategyEstimate",

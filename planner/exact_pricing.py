@@ -29,8 +29,8 @@ from planner.search_types import (
     describe,
 )
 from planner.tp_groups import GroupKind, TPGroup
-from runtime.pipeline_schedules import Costs, step_time_bound
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.pipeline_schedules import Costs, step_time_bound
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 
 class ExactPricer:

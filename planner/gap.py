@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from planner.baselines import work_seconds
 from planner.cost import CostModel, StrategyEstimate
 from planner.tp_groups import available
-from runtime.spec.plan import Schedule, Strategy
+from runtime.torchfree.spec.plan import Schedule, Strategy
 
 CATEGORIES = ("idle_devices", "sync_optimizer", "pipeline_imbalance", "fill_drain", "stage_imbalance", "recompute",
               "tp_comm", "slow_compute")

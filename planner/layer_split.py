@@ -31,7 +31,7 @@ import pulp
 from planner.cost import GIB, CostModel
 from planner.schedule_choice import ScheduleChoice, chunk_sizes, stage_shapes
 from planner.tp_groups import GroupKind
-from runtime.solver import solve, var
+from runtime.torchfree.solver import solve, var
 
 
 @dataclass(frozen=True)

@@ -15,19 +15,19 @@
    profile's fits are quadratic), the rest of a micro-batch's stage time is its overhead, and the memory
    left after the stage's weights, gradients and optimizer states is its activation budget in tokens (at
    the cost model's activation bytes per token at L). The step's fixed part (gradient sync, clip,
-   optimizer) comes from ``CostModel.estimate``. Time of a step: ``runtime.dispatch`` (the runtime's pure
+   optimizer) comes from ``CostModel.estimate``. Time of a step: ``runtime.torchfree.dispatch`` (the runtime's pure
    dispatch; its ``pipeline_time`` is the one time model).
 3. **Choice.** Steps of the distribution are drawn with a seed of their own (``PLANNING_SEED_OFFSET``), each
    candidate's step time computed where it holds the step's longest document, and the set of at most
    ``max_strategies`` candidates (distinct ``max_seq_len``, the longest holding the maximum length) with
    the smallest expected step time when every step runs on the set's cheapest eligible strategy is kept;
    the best few sets whose switches fit memory (``shared``: a documents run holds only the running strategy's
-   parameters and moments, and a switch moves them in stages, runtime/elastic/staging.py, whose peak is
+   parameters and moments, and a switch moves them in stages, runtime/torchfree/elastic/staging.py, whose peak is
    checked against each device's memory) are re-scored with the switching rule and its modelled costs
    (``play``), the best wins.
 
 ``play`` runs a trace of steps on a set of strategies as the runtime's dispatcher chooses
-(``runtime.dispatch.choose``: the cheapest strategy that holds the step's longest document, with hysteresis
+(``runtime.torchfree.dispatch.choose``: the cheapest strategy that holds the step's longest document, with hysteresis
 against switching: a switch is taken only when this step's modelled gain exceeds the fused BSR's modelled
 cost, or when the current strategy cannot serve the step).
 """
@@ -45,7 +45,8 @@ from planner.api import PlanSettings, plan, strategy_estimates
 from planner.baselines import best_symmetric
 from planner.cost import GIB, CostModel
 from planner.search import describe
-from runtime.dispatch import (
+from runtime.documents import LengthDistribution, SyntheticDocuments, pack_rows
+from runtime.torchfree.dispatch import (
     Assignment,
     PipelineCost,
     StageCost,
@@ -56,18 +57,17 @@ from runtime.dispatch import (
     finish,
     lower_bound,
 )
-from runtime.dispatch import CostModel as TokenCost
-from runtime.documents import LengthDistribution, SyntheticDocuments, pack_rows
-from runtime.elastic.staging import UnitBytes, plan_staged_switch, switch_peak, switch_units, unit_of
-from runtime.elastic.state import STATE_DTYPE, STATE_SUFFIXES
-from runtime.errors import InfeasibleError
-from runtime.models.params import llama_parameters
-from runtime.profiling.profile import DeviceProfile, ProfileSet
-from runtime.spec.catalog import PlanContext
-from runtime.spec.cluster import Cluster
-from runtime.spec.handle import StrategyHandle
-from runtime.spec.model import ModelSpec
-from runtime.spec.plan import PLAN_VERSION, Pipeline, Plan, Schedule, Strategy, TrainingSettings
+from runtime.torchfree.dispatch import CostModel as TokenCost
+from runtime.torchfree.elastic.staging import UnitBytes, plan_staged_switch, switch_peak, switch_units, unit_of
+from runtime.torchfree.elastic.state import STATE_DTYPE, STATE_SUFFIXES
+from runtime.torchfree.errors import InfeasibleError
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.profiling.profile import DeviceProfile, ProfileSet
+from runtime.torchfree.spec.catalog import PlanContext
+from runtime.torchfree.spec.cluster import Cluster
+from runtime.torchfree.spec.handle import StrategyHandle
+from runtime.torchfree.spec.model import ModelSpec
+from runtime.torchfree.spec.plan import PLAN_VERSION, Pipeline, Plan, Schedule, Strategy, TrainingSettings
 
 DEFAULT_BUCKETS = (1 / 8, 1 / 4, 1 / 2, 1.0)   # fractions of the maximum length
 # Planning draws its sample steps from seed + this, so that the plan is not fitted to the very steps a run
@@ -174,7 +174,7 @@ def stage_rooms(cm: CostModel, strategy: Strategy, memory_margin: float = 0.0) -
     """Per pipeline and stage its ``StageRoom``, by the cost model at ``cm.seq_len`` (its activation bytes per
     token: conservative for shorter documents where attention's saved tensors grow faster than linearly).
     Stage k of S holds S - k micro-batches under 1F1B."""
-    zero_degree = 1   # multi-strategy plans switch in memory: no ZeRO (runtime/elastic/state.py)
+    zero_degree = 1   # multi-strategy plans switch in memory: no ZeRO (runtime/torchfree/elastic/state.py)
     out = []
     for pipe in strategy.pipelines:
         n = len(pipe.stages)
@@ -205,8 +205,8 @@ def documents_peak_bytes(cost: StrategyCost, rooms: tuple[tuple[StageRoom, ...],
 
 
 def unit_scales(cm: CostModel, device_type: str) -> tuple[float, ...]:
-    """Per unit of a switch (runtime/elastic/staging.py ``switch_units``) the state bytes (parameters and AdamW
-    moments, tensor-parallel degree 1) the cost model prices it at on ``device_type``, over the real model's
+    """Per unit of a switch (runtime/torchfree/elastic/staging.py ``switch_units``) the state bytes (parameters and
+    AdamW moments, tensor-parallel degree 1) the cost model prices it at on ``device_type``, over the real model's
     fp32 bytes of it: what scales a staged switch's bytes, computed from the real tensors, to the memory the
     planner checks (a sleep-mode type with ``memory: target`` prices its target's shapes)."""
     units = switch_units(cm.model.num_layers)
@@ -317,7 +317,7 @@ def round_robin(lengths: Sequence[int], pipelines: Sequence[PipelineCost]) -> As
     return finish(lengths, pipelines, layout, lower_bound(lengths, pipelines), "greedy")
 
 
-# hspmd's own is ``runtime.dispatch.assign`` (ILP where small, LPT otherwise), the default below.
+# hspmd's own is ``runtime.torchfree.dispatch.assign`` (ILP where small, LPT otherwise), the default below.
 Dispatcher = Callable[[Sequence[int], Sequence[PipelineCost]], Assignment]
 
 
@@ -419,8 +419,9 @@ def step_times(strategies: Sequence[LengthStrategy], lengths: Sequence[int],
 def play(strategies: Sequence[LengthStrategy], lengths_of: Callable[[int], Sequence[int]], steps: Sequence[int],
          switch_s: Callable[[int, int], float], dispatcher: Dispatcher = assign) -> Trace:
     """A trace of ``steps``: each step's documents dispatched on every strategy that can serve it, the step
-    run where the runtime's rule puts it (``runtime.dispatch.choose``: predicted makespans, hysteresis against
-    switching); with ``assign`` (the default) exactly ``runtime.dispatch.dispatch``'s choice and assignment."""
+    run where the runtime's rule puts it (``runtime.torchfree.dispatch.choose``: predicted makespans, hysteresis against
+    switching); with ``assign`` (the default) exactly ``runtime.torchfree.dispatch.dispatch``'s choice and
+    assignment."""
     records = []
     current: int | None = None
     for step in steps:
@@ -438,7 +439,7 @@ def play(strategies: Sequence[LengthStrategy], lengths_of: Callable[[int], Seque
 
 class SwitchCosts:
     """Modelled switch times between strategies of one plan context, staged as the runtime switches
-    (runtime/elastic/staging.py: one fused BSR per unit, one after the other; computed once per pair)."""
+    (runtime/torchfree/elastic/staging.py: one fused BSR per unit, one after the other; computed once per pair)."""
 
     def __init__(self, ctx: PlanContext, strategies: Sequence[Strategy]) -> None:
         self.ctx = ctx
@@ -620,8 +621,8 @@ def scale_counts(counts: Sequence[int], total: int) -> list[int]:
 
 def switch_fits(strategies: Sequence[LengthStrategy], ctx: PlanContext) -> bool:
     """Whether every switch between two of ``strategies`` (the plan ``ctx``'s, in order) fits memory as the
-    runtime makes it (runtime/elastic/staging.py): between two steps, activations and gradients freed, a device
-    holds at most the staged switch's ``peak`` of state and buffers, its bytes scaled to the cost model's
+    runtime makes it (runtime/torchfree/elastic/staging.py): between two steps, activations and gradients freed, a
+    device holds at most the staged switch's ``peak`` of state and buffers, its bytes scaled to the cost model's
     (``unit_scales``), within its ``state_room``. Each strategy's own steps hold its state alone (its rooms)."""
     if len(strategies) < 2:
         return True
@@ -662,7 +663,8 @@ def context_for(strategies: Sequence[LengthStrategy], model: ModelSpec, cluster:
     system)."""
     together = shared(strategies, model, cluster, settings) if side_by_side else list(strategies)
     if together is None:
-        raise InfeasibleError("a switch between the strategies does not fit memory (runtime/elastic/staging.py)")
+        raise InfeasibleError("a switch between the strategies does not fit memory "
+                              "(runtime/torchfree/elastic/staging.py)")
     p = build_plan(together, settings, model.name, cluster.name)
     members = [dataclasses.replace(ls, strategy=s, cost=dataclasses.replace(ls.cost, name=s.name))
                for ls, s in zip(together, p.strategies)]

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.cost import GIB, CostModel, zero_copies
-from runtime.errors import InfeasibleError, Problem, SpecError
-from runtime.profiling.profile import DeviceProfile
-from runtime.spec.cluster import Cluster
-from runtime.spec.model import ModelSpec
-from runtime.spec.plan import Plan, Strategy
+from runtime.torchfree.errors import InfeasibleError, Problem, SpecError
+from runtime.torchfree.profiling.profile import DeviceProfile
+from runtime.torchfree.spec.cluster import Cluster
+from runtime.torchfree.spec.model import ModelSpec
+from runtime.torchfree.spec.plan import Plan, Strategy
 
 # Default: 5% of each device's memory. Enough for the allocator's typical fragmentation on top of the modelled
 # framework overhead (docs/planning.md, "Memory headroom"); --memory-margin 0 packs to the modelled capacity.

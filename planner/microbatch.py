@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from runtime.solver import solve, var
+from runtime.torchfree.solver import solve, var
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ warning or an error.
 Per device type and TP degree a component's time comes from (the rule of ``component_fits``):
 * **measured**: a table (or a measured fit) of this model's shape at this TP degree;
 * **scaled**: a table at the nearest measured TP degree, scaled by the derived fits' ratio
-  (runtime/profiling/tables.py);
+  (runtime/torchfree/profiling/tables.py);
 * **derived**: the profile's throughput figures (peak TFLOPS times efficiencies, memory bandwidth) through
   the analytic per-component model; for a type with no profile file at all, the cluster file's datasheet
   figures with default efficiencies (provenance ``datasheet``).
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import Problem, SpecError
-from runtime.profiling.profile import (
+from runtime.torchfree.errors import Problem, SpecError
+from runtime.torchfree.profiling.profile import (
     COMPONENTS,
     PROFILES_DIR,
     DeviceProfile,
@@ -36,10 +36,10 @@ from runtime.profiling.profile import (
     ProfileSet,
     read_profile_dir,
 )
-from runtime.profiling.tables import nearest_degree
-from runtime.spec.cluster import Cluster
-from runtime.spec.model import ModelSpec
-from runtime.spec.plan import Plan, ProfileRecord
+from runtime.torchfree.profiling.tables import nearest_degree
+from runtime.torchfree.spec.cluster import Cluster
+from runtime.torchfree.spec.model import ModelSpec
+from runtime.torchfree.spec.plan import Plan, ProfileRecord
 
 # The shape fields a measured model must share with the model it prices (``MeasuredModel.matches``).
 SHAPE_FIELDS = ("hidden_size", "ffn_hidden_size", "num_heads", "num_kv_heads", "vocab_size", "architecture")

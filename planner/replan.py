@@ -3,7 +3,7 @@
 ``replan(ctx, strategy, failed, profiles)``:
 
 1. Every parameter must still have a surviving replica, and under ZeRO-1 every moment chunk a surviving
-   copy (``runtime.elastic.state.lost_state``, the coordinator's check); if not, ``LostStateError`` names
+   copy (``runtime.torchfree.elastic.state.lost_state``, the coordinator's check); if not, ``LostStateError`` names
    what is lost (the run cannot continue in memory).
 2. Candidates: the planner's near-best plans on the survivors (``planner.api.plan`` with
    ``devices=survivors``, elastic when the survivors allow it, ZeRO off), plus a *repair* of the current
@@ -31,15 +31,15 @@ from typing import Literal, TypeVar
 
 from planner.api import PlanResult, PlanSettings, plan
 from planner.cost import CostModel, has_tp_stage, zero_copies
-from runtime.comm.bsr import BsrPlan
-from runtime.elastic.state import STATE_SUFFIXES, LostState, lost_state, plan_switch
-from runtime.errors import HspmdError, InfeasibleError
-from runtime.profiling.profile import DeviceProfile, ProfileSet
-from runtime.schedule_policies import schedule_problems
-from runtime.spec import Plan, PlanContext, Strategy, validate_plan
-from runtime.spec.handle import StrategyHandle
-from runtime.spec.model import ModelSpec
-from runtime.spec.plan import Pipeline, TrainingSettings
+from runtime.torchfree.comm.bsr import BsrPlan
+from runtime.torchfree.elastic.state import STATE_SUFFIXES, LostState, lost_state, plan_switch
+from runtime.torchfree.errors import HspmdError, InfeasibleError
+from runtime.torchfree.profiling.profile import DeviceProfile, ProfileSet
+from runtime.torchfree.schedule_policies import schedule_problems
+from runtime.torchfree.spec import Plan, PlanContext, Strategy, validate_plan
+from runtime.torchfree.spec.handle import StrategyHandle
+from runtime.torchfree.spec.model import ModelSpec
+from runtime.torchfree.spec.plan import Pipeline, TrainingSettings
 
 T = TypeVar("T")
 
@@ -50,7 +50,7 @@ STATE_BYTES_PER_PARAM = 4 * len(STATE_SUFFIXES)  # fp32 parameter + two fp32 Ada
 class LostStateError(HspmdError):
     """Some piece of the state (a slice of a parameter, or under ZeRO-1 a chunk of its moments) has no
     surviving copy: no plan on the survivors can start from memory. ``lost``: the coordinator's own verdict
-    (``runtime.elastic.state.lost_state``), so ``hspmd replan`` answers as a running job would."""
+    (``runtime.torchfree.elastic.state.lost_state``), so ``hspmd replan`` answers as a running job would."""
 
     def __init__(self, lost: LostState, replicated: bool = False) -> None:
         self.lost = lost

@@ -14,9 +14,9 @@ from planner.baselines import Baseline
 from planner.cost import has_tp_stage
 from planner.margin import MemoryMargin, headroom_rows
 from planner.search import schedule_label
-from runtime.annotations.states import span
-from runtime.spec.plan import Plan
-from runtime.spec.schema import to_data
+from runtime.torchfree.annotations.states import span
+from runtime.torchfree.spec.plan import Plan
+from runtime.torchfree.spec.schema import to_data
 
 NO_MARGIN = MemoryMargin()
 

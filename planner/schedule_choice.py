@@ -1,6 +1,6 @@
 """Which pipeline schedules the search tries, and how it ranks them before the exact estimate.
 
-The runtime's schedules (runtime/pipeline_schedules.py) differ, for the planner, in three things: how
+The runtime's schedules (runtime/torchfree/pipeline_schedules.py) differ, for the planner, in three things: how
 many activations a stage keeps (``live_activation_limit``: the memory that decides how many layers a
 device can hold), where the embedding and the head sit (ZB-V's V puts both on the first stage), and
 how much of one micro-batch's pass through the pipeline the schedule fails to overlap (fill and
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from functools import cache
 
 from planner.cost import GIB, CostModel, stage_recompute
-from runtime.pipeline_schedules import ChunkCost, Costs, step_time
-from runtime.schedule_policies import SCHEDULE_NAMES, device_limits, live_activation_limit, schedule_layout
-from runtime.spec.plan import Strategy
+from runtime.torchfree.pipeline_schedules import ChunkCost, Costs, step_time
+from runtime.torchfree.schedule_policies import SCHEDULE_NAMES, device_limits, live_activation_limit, schedule_layout
+from runtime.torchfree.spec.plan import Strategy
 
 AUTO = "auto"
 # Interleaved 1F1B's chunk counts the search tries with the schedule fixed: each halves the fill again

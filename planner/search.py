@@ -88,8 +88,8 @@ from planner.search_types import (
     structure_key,
 )
 from planner.tp_groups import tp_choices
-from runtime.schedule_policies import device_limits
-from runtime.spec.plan import Pipeline, Strategy
+from runtime.torchfree.schedule_policies import device_limits
+from runtime.torchfree.spec.plan import Pipeline, Strategy
 
 __all__ = ["AUTO_FAMILIES", "BOUND_ROUNDING", "LIMITS_REFINED", "MICRO_BATCHES", "Candidate", "PlanSettings",
            "Progress", "SearchStart", "SearchStats", "Searcher", "TypeChoice", "auto_families", "describe",

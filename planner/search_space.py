@@ -31,8 +31,8 @@ from planner.search_types import (
     TypeChoice,
 )
 from planner.tp_groups import GroupKind, TPGroup, form_groups, groups_by_kind
-from runtime.spec.cluster import Cluster
-from runtime.spec.model import ModelSpec
+from runtime.torchfree.spec.cluster import Cluster
+from runtime.torchfree.spec.model import ModelSpec
 
 SMALL_BLOCK_GROUPS = 12  # blocks of at most this many TP groups also try uneven shares (every distribution)
 DISTRIBUTIONS_LIMIT = 150  # ... unless there are more ways than this (then: even shares only)

@@ -22,8 +22,8 @@ from planner.schedule_choice import (
     ScheduleChoice,
 )
 from planner.tp_groups import GroupKind, TPGroup
-from runtime.spec.cluster import Cluster
-from runtime.spec.plan import OptimizerSettings, Pipeline, Schedule, Strategy
+from runtime.torchfree.spec.cluster import Cluster
+from runtime.torchfree.spec.plan import OptimizerSettings, Pipeline, Schedule, Strategy
 
 Progress = Callable[[str, int, int], None]
 

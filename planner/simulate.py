@@ -2,7 +2,7 @@
 
 Where the cost model's ``estimate`` prices each pipeline by the list scheduler on its op costs, the
 simulator plays the action lists the runtime executes (``StrategyHandle.pipeline_schedule``: the
-same ``Schedule`` objects, runtime/pipeline_schedules.py) as the engine runs them: every stage is a
+same ``Schedule`` objects, runtime/torchfree/pipeline_schedules.py) as the engine runs them: every stage is a
 resource running its actions in order — its chunks' F, B, W or fused BW ops (TP collectives in F and
 B), ``PostSend`` / ``PostRecv`` (never block), ``WaitRecv`` (blocks until that message has arrived) and
 a final ``WaitSends``; each pipeline has its own schedule and micro-batch count. A message is a transfer
@@ -33,10 +33,10 @@ from enum import Enum
 from typing import Any
 
 from planner.cost import GIB, CostModel, StageCost, stage_recompute
-from runtime.comm.gradsync import SyncGroup
-from runtime.pipeline_schedules import ChunkCost, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
-from runtime.pipeline_schedules import Schedule as PipelineSchedule
-from runtime.spec.plan import Schedule, Strategy
+from runtime.torchfree.comm.gradsync import SyncGroup
+from runtime.torchfree.pipeline_schedules import ChunkCost, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
+from runtime.torchfree.pipeline_schedules import Schedule as PipelineSchedule
+from runtime.torchfree.spec.plan import Schedule, Strategy
 
 
 @dataclass(frozen=True)
@@ -524,7 +524,7 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
     summed), joins its gradient-sync groups in the global order (a group's
     all-reduce completes when its last member has joined), then the step's loss / grad-norm all-reduce
     over every device, then its optimizer step, then (ZeRO-1) the all-gathers of the updated parameter
-    chunks in every sync group it belongs to, in the same order (runtime/engine/zero.py)."""
+    chunks in every sync group it belongs to, in the same order (runtime/torchfree/engine/zero.py)."""
     cm, devices = costs.cm, costs.strategy.devices
     last_of = {d: last_action[costs.stage_of[d]] for d in devices}
     overhead = cm.step_overhead_times(costs.strategy)

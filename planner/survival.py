@@ -2,7 +2,7 @@
 
 A loss is survivable in memory when every piece of the training state (each parameter slice, and under
 ZeRO-1 each chunk of the AdamW moments) still has a copy on a surviving device: the coordinator's own check
-(``runtime.elastic.state.lost_state``), asked ahead for each device and each node the plan uses. Then
+(``runtime.torchfree.elastic.state.lost_state``), asked ahead for each device and each node the plan uses. Then
 ``hspmd train --elastic`` (or ``hspmd replan``) switches to a plan for the survivors without a checkpoint;
 otherwise the job restarts from its last checkpoint (``hspmd replan --restart`` writes the plan to restart
 with). Whether the survivors' memory holds a new plan is the planner's answer at that point, not this one's.
@@ -23,13 +23,13 @@ from typing import Any
 from planner.api import PlanResult, explain_idle
 from planner.cost import CostModel
 from planner.search import Candidate
-from runtime.elastic.state import lost_state
-from runtime.profiling.profile import DeviceProfile
-from runtime.spec.catalog import PlanContext
-from runtime.spec.cluster import Cluster
-from runtime.spec.handle import StrategyHandle
-from runtime.spec.model import ModelSpec
-from runtime.spec.plan import Plan, Strategy
+from runtime.torchfree.elastic.state import lost_state
+from runtime.torchfree.profiling.profile import DeviceProfile
+from runtime.torchfree.spec.catalog import PlanContext
+from runtime.torchfree.spec.cluster import Cluster
+from runtime.torchfree.spec.handle import StrategyHandle
+from runtime.torchfree.spec.model import ModelSpec
+from runtime.torchfree.spec.plan import Plan, Strategy
 
 NODE_PREFERENCE_TOLERANCE = 0.10   # --elastic: a layout surviving more node losses may be this much slower
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from runtime.spec.cluster import Cluster
-from runtime.spec.model import ModelSpec
+from runtime.torchfree.spec.cluster import Cluster
+from runtime.torchfree.spec.model import ModelSpec
 
 
 @dataclass(frozen=True, order=True)

@@ -30,14 +30,14 @@ from planner.replan import (
     settings_for,
 )
 from runtime.elastic.events import MAX_TRACE_SEARCHES, TraceEvent
-from runtime.elastic.preplan import candidates, grown, returns, survivors
-from runtime.elastic.state import holder_sets, lost_tensors, plan_switch
-from runtime.errors import HspmdError, InfeasibleError, Problem, SpecError
 from runtime.launch.options import node_loss_detect_s
-from runtime.profiling.profile import DeviceProfile, ProfileSet
-from runtime.spec import Cluster
-from runtime.spec.handle import StrategyHandle
-from runtime.spec.plan import Pipeline
+from runtime.torchfree.elastic.preplan import candidates, grown, returns, survivors
+from runtime.torchfree.elastic.state import holder_sets, lost_tensors, plan_switch
+from runtime.torchfree.errors import HspmdError, InfeasibleError, Problem, SpecError
+from runtime.torchfree.profiling.profile import DeviceProfile, ProfileSet
+from runtime.torchfree.spec import Cluster
+from runtime.torchfree.spec.handle import StrategyHandle
+from runtime.torchfree.spec.plan import Pipeline
 
 # Megatron-LM's ``--distributed-timeout-minutes`` default (torch.distributed's NCCL timeout): when a whole node
 # vanishes, the survivors' collectives with it block until this timeout, because torchrun's agents watch only
@@ -55,7 +55,7 @@ class TraceModel:
       plus regrouping, and half a step (the step in flight is redone); a return costs the grow decision and
       its switch, adopted only when it pays. With ``preplan`` (the coordinator's default) the loss of one
       device or one whole node of the running layout was planned ahead in the background
-      (runtime/elastic/preplan.py) when the layout had run long enough for that: one replan per candidate
+      (runtime/torchfree/elastic/preplan.py) when the layout had run long enough for that: one replan per candidate
       loss, each priced at this event's replan wall time; such a failure costs a lookup plus the planning of
       the chosen plan's fused BSR (measured), not the replan. After the losses, the grow decision for each
       device (then each node's devices) out of every world was made ahead too: a return whose resulting
@@ -161,7 +161,7 @@ class FailureRates:
 def unrecoverable_rate(holders: Collection[Collection[int]], node_of: Mapping[int, str], rates: FailureRates,
                        window_s: float, coordinator_node: str | None = None) -> float:
     """Losses per second that in-memory recovery cannot survive, for a layout whose pieces of state are each
-    held by one of the device sets ``holders`` (``runtime.elastic.state.holder_sets``): the coordinator's node
+    held by one of the device sets ``holders`` (``runtime.torchfree.elastic.state.holder_sets``): the coordinator's node
     failing; a single failure (a device, or a node) that takes every holder of some piece; or a first failure
     followed, within ``window_s`` (until the recovery has replicated the state again), by a second that takes
     the rest of some piece's holders. Losses that need three or more failures within one window are left out
@@ -458,7 +458,7 @@ class TraceRun:
     def preplanned(self, handle: StrategyHandle, alive: Collection[int], out: Collection[int], ran_s: float,
                    plan_s: float, *, lost: Collection[int] = (), joining: Collection[int] = ()) -> bool:
         """Whether hspmd's coordinator had this loss (or return) planned ahead: a candidate of the layout (the
-        rules of runtime/elastic/preplan.py: its losses, then the returns of the devices ``out`` of every
+        rules of runtime/torchfree/elastic/preplan.py: its losses, then the returns of the devices ``out`` of every
         world) once the layout ran long enough to plan every candidate up to its own at ``plan_s`` each."""
         if not self.model.preplan:
             return False

@@ -21,7 +21,7 @@ layer's fused BSR (destination layout "whole tensor on one device"), a bounded n
 round, and written by that device. Loading is local: each device reads, from the lazily opened files
 (safetensors slicing), exactly the region of each tensor that its program holds.
 
-Under ZeRO-1 (``training.zero``, runtime/engine/zero.py) a sharded parameter's moments are kept as
+Under ZeRO-1 (``training.zero``, runtime/torchfree/engine/zero.py) a sharded parameter's moments are kept as
 pieces: one contiguous run of each of its slices per device. Saving moves each slice's moment as a 1-D
 tensor split (HDim 0, uneven) over the devices holding its pieces, in the same fused BSR; loading reads
 just this device's pieces (``DeviceProgram.moment_pieces()``). So either side may use ZeRO-1 or not.
@@ -43,16 +43,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from runtime.comm.gradsync import runs
-from runtime.elastic.state import MOMENT_SUFFIXES, STATE_DTYPE, STATE_SUFFIXES, moment_key
-from runtime.errors import HspmdError, Problem, SpecError
-from runtime.hf_files import copy_side_files
-from runtime.models.params import llama_parameters
-from runtime.spec import ModelSpec, PlanContext
-from runtime.spec.catalog import model_source_config
-from runtime.spec.hf import CONFIG_FILE, HF_NAMES, config_for, read_config, spec_from_config
-from runtime.spec.hf_moe import hf_view
-from runtime.spec.io import AtomicFiles, is_dir
+from runtime.torchfree.comm.gradsync import runs
+from runtime.torchfree.elastic.state import MOMENT_SUFFIXES, STATE_DTYPE, STATE_SUFFIXES, moment_key
+from runtime.torchfree.errors import HspmdError, Problem, SpecError
+from runtime.torchfree.hf_files import copy_side_files
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.spec import ModelSpec, PlanContext
+from runtime.torchfree.spec.catalog import model_source_config
+from runtime.torchfree.spec.hf import CONFIG_FILE, HF_NAMES, config_for, read_config, spec_from_config
+from runtime.torchfree.spec.hf_moe import hf_view
+from runtime.torchfree.spec.io import AtomicFiles, is_dir
 
 if TYPE_CHECKING:
     import torch
@@ -347,11 +347,11 @@ def gather_state(program: Any, groups: Any, *, plan: PlanContext, strategy: str,
     Returns whether this device is the writer."""
     import torch
 
-    from runtime.annotations import Annotation
-    from runtime.annotations.from_plan import annotate_strategy
-    from runtime.comm.bsr import TensorMove, plan_bsr
     from runtime.comm.execute import run_bsr
-    from runtime.engine.zero import moment_pieces, strategy_zero_slices
+    from runtime.torchfree.annotations import Annotation
+    from runtime.torchfree.annotations.from_plan import annotate_strategy
+    from runtime.torchfree.comm.bsr import TensorMove, plan_bsr
+    from runtime.torchfree.engine.zero import moment_pieces, strategy_zero_slices
 
     strat = plan.strategy(strategy)
     me = groups.my_device
@@ -535,8 +535,8 @@ def _zero_moves(name: str, suffix: str, slices: Any, writer: int, dtype: Any, me
                 local: dict[str, Any]) -> list[Any]:
     """A ZeRO-1 moment as one 1-D tensor per slice (``moment_key``), split over the devices that keep its
     pieces; this device's local pieces are put into ``local`` under those names."""
-    from runtime.annotations import Annotation, DistributedStates
-    from runtime.comm.bsr import TensorMove
+    from runtime.torchfree.annotations import Annotation, DistributedStates
+    from runtime.torchfree.comm.bsr import TensorMove
 
     key = name + suffix
     mine = local.pop(key, None)
@@ -597,8 +597,8 @@ def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "fp32
     ``model_ref``, else the catalog entry the older format's metadata names. Checks everything first."""
     import torch
 
-    from runtime.spec import load_model
-    from runtime.spec.hf import load_hf_model
+    from runtime.torchfree.spec import load_model
+    from runtime.torchfree.spec.hf import load_hf_model
 
     source, out = Path(source), Path(out)
     _check_source(source, "--checkpoint")

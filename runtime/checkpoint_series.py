@@ -53,11 +53,11 @@ from runtime.checkpoint import (
     source_config,
 )
 from runtime.checkpoint_stream import StreamingCheckpoint, fsync_dir, write_synced
-from runtime.errors import HspmdError, Problem, SpecError
-from runtime.hf_files import copy_side_files
-from runtime.models.params import llama_parameters
-from runtime.spec import ModelSpec, PlanContext
-from runtime.spec.hf import config_for
+from runtime.torchfree.errors import HspmdError, Problem, SpecError
+from runtime.torchfree.hf_files import copy_side_files
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.spec import ModelSpec, PlanContext
+from runtime.torchfree.spec.hf import config_for
 
 if TYPE_CHECKING:
     import torch
@@ -114,7 +114,7 @@ class TrainerState:
 
 def read_trainer_state(checkpoint: Path) -> TrainerState | None:
     """A step directory's trainer state (None for a checkpoint without one: ``--load`` of a plain save)."""
-    from runtime.spec.hf import read_config
+    from runtime.torchfree.spec.hf import read_config
 
     path = checkpoint / TRAINER_STATE
     if not path.is_file():
@@ -144,7 +144,7 @@ def stream_files(model: ModelSpec, *, step: int, saved: str, save_id: str, shard
                  ) -> tuple[dict[str, tuple[dict[str, tuple[tuple[int, ...], str]], dict[str, str]]], dict | None]:
     """The safetensors files of a checkpoint of ``model`` (for ``StreamingCheckpoint``), and the weights
     index when they are sharded (Hugging Face's layout, as ``write_checkpoint`` writes)."""
-    from runtime.comm.gradsync import runs
+    from runtime.torchfree.comm.gradsync import runs
 
     dtype = STATE_DTYPE.name
     params = llama_parameters(model)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from runtime.errors import HspmdError
+from runtime.torchfree.errors import HspmdError
 
 if TYPE_CHECKING:
     import torch

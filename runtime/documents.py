@@ -2,7 +2,7 @@
 budget, packed into micro-batch rows whose attention and labels stay inside each document.
 
 Why documents and not fixed windows: real corpora are long-tailed, and a plan that serves every step at the
-longest length wastes compute on the short ones. The per-step dispatcher (``runtime.dispatch``) needs the
+longest length wastes compute on the short ones. The per-step dispatcher (``runtime.torchfree.dispatch``) needs the
 step's document lengths; the model needs, per packed row, where each document starts (``cu_seqlens``),
 positions that restart per document and labels that never cross a boundary. Both come from here, as plain
 data (tuples of ints), so nothing here needs torch.
@@ -36,9 +36,9 @@ from typing import Literal, Protocol
 
 from runtime.data import BYTE_VOCAB, MAX_STRIDE
 from runtime.epochs import EpochStream, TokenDocuments, in_memory, step_parts
-from runtime.errors import Checker, FieldErrors, Problem, SpecError
-from runtime.spec.io import is_dir, is_file, read_yaml
-from runtime.spec.schema import MAX_FLOAT
+from runtime.torchfree.errors import Checker, FieldErrors, Problem, SpecError
+from runtime.torchfree.spec.io import is_dir, is_file, read_yaml
+from runtime.torchfree.spec.schema import MAX_FLOAT
 
 IGNORE_INDEX = -100          # the label of a document's last token and of padding (torch's cross_entropy default)
 
@@ -755,7 +755,7 @@ def document_source(*, tokens_per_step: int, max_len: int, vocab_size: int, seed
     tok = load_tokenizer(tokenizer, vocab_size)
     eos = None
     if isinstance(tok, HFTokenizer):
-        from runtime.special_tokens import special_tokens
+        from runtime.torchfree.special_tokens import special_tokens
 
         eos = special_tokens(Path(tokenizer), tok.backend, require_eos=False).eos  # type: ignore[arg-type]
     corpus = load_corpus(data_file, max_len=max_len, tokenizer=tok, fmt=data_format(data_file),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime.errors import Problem, SpecError
+from runtime.torchfree.errors import Problem, SpecError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -63,7 +63,7 @@ def open_prepared(directory: Path) -> TokenDocuments:
     """A ``data prepare`` directory, memory-mapped (the files are checked against ``meta.json``)."""
     import numpy as np
 
-    from runtime.spec.hf import read_config
+    from runtime.torchfree.spec.hf import read_config
 
     meta_path = directory / META
     if not meta_path.is_file():

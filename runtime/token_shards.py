@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.epochs import FORMAT, META
-from runtime.errors import HspmdError, Problem, SpecError
-from runtime.special_tokens import SpecialTokens, special_tokens
+from runtime.torchfree.errors import HspmdError, Problem, SpecError
+from runtime.torchfree.special_tokens import SpecialTokens, special_tokens
 
 if TYPE_CHECKING:
     import numpy as np

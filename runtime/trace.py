@@ -3,7 +3,7 @@
 The engine brackets its work in ``hooks.span(kind, name, **args)`` with kind "compute" or "comm" (a wait
 is a "comm" span; idle time is the gap between spans). ``TraceRecorder``
 turns those spans into Chrome-trace events (open the JSON in
-https://ui.perfetto.dev). The two CPU emulation modes of runtime/spec/cluster.py ``Emulation`` wrap another
+https://ui.perfetto.dev). The two CPU emulation modes of runtime/torchfree/spec/cluster.py ``Emulation`` wrap another
 Hooks: ``EmulatedSlowdown`` (stretch mode), after each outermost compute span, sleeps (k - 1) x the compute
 time it measured; ``EmulatedTarget`` (sleep mode) sleeps until the block has lasted its target time (the
 targets come from ``TrainOptions.block_targets``, runtime/launch/options.py: the runtime prices nothing). Both
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.device_clock import DeviceClock, HostClock, Mark
-from runtime.spec.io import atomic_write_text
+from runtime.torchfree.spec.io import atomic_write_text
 
 
 class TraceRecorder:
@@ -33,7 +33,8 @@ class TraceRecorder:
     into blocking ones: interleaved 1F1B with 3+ stages deadlocks, every schedule serialises). A span's
     times are read once its end mark has completed, or when the trace is written."""
 
-    # Whether the host waits for the device in a span (runtime/schedule_sync.py checks every schedule with it).
+    # Whether the host waits for the device in a span (runtime/torchfree/schedule_sync.py checks every schedule with
+    # it).
     SYNCS_IN_SPANS = False
 
     def __init__(self, pid: int, process_name: str, *, clock: DeviceClock | None = None,

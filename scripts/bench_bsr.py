@@ -4,7 +4,7 @@
 (1) Modelled, paper scale: every parameter of llama-32b (bf16) moves from the shipped plan
     ``h800-h20-llama32b`` (3 pipelines of TP 8) to another heterogeneous plan on 16x H800 + 32x H20
     (one TP-8 H800 pipeline, four TP-4 H20 pipelines, other layer splits), and again to a plan for the
-    survivors when one H20 (device 47) has failed. Times come from the cost model of runtime/comm/bsr.py
+    survivors when one H20 (device 47) has failed. Times come from the cost model of runtime/torchfree/comm/bsr.py
     (max over devices of egress and ingress time over the cluster's bandwidth matrix) and are compared
     with its lower bound.
 (2) Measured on gloo: the same three ways of moving every parameter of a ~35M-parameter Llama (fp32,
@@ -29,10 +29,10 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from runtime.annotations.from_plan import annotate_strategy  # noqa: E402
-from runtime.comm.bsr import BsrPlan, TensorMove, plan_bsr  # noqa: E402
-from runtime.spec import ModelSpec, Pipeline, Stage, Strategy, TrainingSettings, load_plan_context  # noqa: E402
-from runtime.spec.validate import validate_strategy  # noqa: E402
+from runtime.torchfree.annotations.from_plan import annotate_strategy  # noqa: E402
+from runtime.torchfree.comm.bsr import BsrPlan, TensorMove, plan_bsr  # noqa: E402
+from runtime.torchfree.spec import ModelSpec, Pipeline, Stage, Strategy, TrainingSettings, load_plan_context  # noqa: E402
+from runtime.torchfree.spec.validate import validate_strategy  # noqa: E402
 
 FAILED_H20 = 47
 

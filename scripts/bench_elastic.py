@@ -64,9 +64,9 @@ from planner.api import plan  # noqa: E402
 from planner.replan import settings_for  # noqa: E402
 from planner.trace_model import model_trace  # noqa: E402
 from runtime.elastic.events import parse_trace  # noqa: E402
-from runtime.profiling.profile import resolve_profiles  # noqa: E402
-from runtime.spec import PlanContext, load_cluster, load_model, load_plan, load_plan_context, save_plan  # noqa: E402
-from runtime.spec.handle import StrategyHandle  # noqa: E402
+from runtime.torchfree.profiling.profile import resolve_profiles  # noqa: E402
+from runtime.torchfree.spec import PlanContext, load_cluster, load_model, load_plan, load_plan_context, save_plan  # noqa: E402
+from runtime.torchfree.spec.handle import StrategyHandle  # noqa: E402
 
 SLEEP_CLUSTER = REPO / "configs" / "clusters" / "cpu-hetero4-sleep.yaml"
 SLEEP_PLAN = REPO / "configs" / "plans" / "cpu-hetero4-sleep-dp-pp.yaml"
@@ -313,8 +313,8 @@ def zero_modelled() -> dict:
 
 def zero_measured(steps: int, out_dir: Path) -> dict:
     """Part 3 measured: the same four-pipeline plan on cpu-hetero4-sleep under each setting, ``steps`` steps."""
-    from runtime.annotations.from_plan import strategy_annotations
-    from runtime.engine.zero import moment_pieces, strategy_zero_slices
+    from runtime.torchfree.annotations.from_plan import strategy_annotations
+    from runtime.torchfree.engine.zero import moment_pieces, strategy_zero_slices
 
     plan0 = load_plan(SLEEP_PLAN)
     whole = plan0.strategies[0].pipelines[0]  # one device, every layer

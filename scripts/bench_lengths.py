@@ -3,10 +3,10 @@
 HotSPa-like baseline.
 
 1. Modelled, at the HSPMD paper's scale (llama-32b, 200K-token steps, 100 steps of the default long-tailed
-   distribution, clusters h20-32 and h800-h20-48), every step priced by ``runtime.dispatch``'s time model on
+   distribution, clusters h20-32 and h800-h20-48), every step priced by ``runtime.torchfree.dispatch``'s time model on
    the profiles' cost model (planner/lengths.py):
    * hspmd: ``plan_lengths``'s strategies, per step the dispatcher's choice (switches at their modelled
-     fused-BSR cost), documents balanced over pipelines and micro-batches (``runtime.dispatch.assign``);
+     fused-BSR cost), documents balanced over pipelines and micro-batches (``runtime.torchfree.dispatch.assign``);
    * fixed: the best whole-cluster plan the planner gives for the longest document (``planned at max``
      candidates; the best on these very 100 steps) on the fixed-length data path: documents packed into
      rows of the maximum length, one row per micro-batch, rows dealt by the plan's micro-batch counts
@@ -58,10 +58,10 @@ from planner.lengths import (  # noqa: E402
     round_robin,
     symmetric_candidates,
 )
-from runtime.dispatch import assign  # noqa: E402
 from runtime.documents import DEFAULT_DISTRIBUTION, SyntheticDocuments, length_distribution  # noqa: E402
-from runtime.profiling.profile import resolve_profiles  # noqa: E402
-from runtime.spec import load_cluster, load_model, save_plan  # noqa: E402
+from runtime.torchfree.dispatch import assign  # noqa: E402
+from runtime.torchfree.profiling.profile import resolve_profiles  # noqa: E402
+from runtime.torchfree.spec import load_cluster, load_model, save_plan  # noqa: E402
 
 TARGET_OVER_FIXED = 1.3
 TARGET_OVER_HOTSPA = 1.1
@@ -110,7 +110,7 @@ def modelled(cluster_name: str, model_name: str, tokens: int, steps: int, seed: 
         "fixed": {**summary(fixed_trace), "summary": fixed_cand.summary,
                   "dispatch": f"documents packed into rows of {max_len} tokens, rows dealt by micro-batch counts"},
         "fixed_balanced": {**summary(fixed_bal_trace), "summary": fixed_bal_cand.summary,
-                           "dispatch": "hspmd's balanced dispatch (runtime.dispatch.assign)"},
+                           "dispatch": "hspmd's balanced dispatch (runtime.torchfree.dispatch.assign)"},
         "hotspa_like": None if hotspa is None else {**summary(hotspa), "strategies": [c.summary for c in sym],
                                                     "memory": "each strategy alone (states freed on a switch)"},
         "speedup_over_fixed": fixed_trace.total_s / hspmd.total_s,
@@ -118,7 +118,7 @@ def modelled(cluster_name: str, model_name: str, tokens: int, steps: int, seed: 
         # The multi-strategy plan's share of the gain: the fixed strategy given hspmd's dispatch too.
         "speedup_over_fixed_balanced": fixed_bal_trace.total_s / hspmd.total_s,
         "targets": {"speedup_over_fixed": TARGET_OVER_FIXED, "speedup_over_hotspa_like": TARGET_OVER_HOTSPA},
-        "model_of_time": "runtime.dispatch pipeline_time on the profiles' cost model (planner/lengths.py "
+        "model_of_time": "runtime.torchfree.dispatch pipeline_time on the profiles' cost model (planner/lengths.py "
                          "strategy_cost) + gradient sync / optimizer (CostModel.estimate) + modelled fused-BSR "
                          "switches",
         "wall_s": time.perf_counter() - t0,
@@ -154,7 +154,7 @@ def predicted_steps(plan_path: Path, lengths: str, records: list[dict],
     from hetu_cli.commands.lengths_report import strategies_of
     from runtime.launch.options import TrainOptions
     from runtime.launch.session import document_source_of
-    from runtime.spec import load_plan_context
+    from runtime.torchfree.spec import load_plan_context
 
     ctx = load_plan_context(plan_path)
     profiles = resolve_profiles(ctx.cluster.device_types, profile_dirs)

@@ -59,11 +59,11 @@ from planner.parallel import worker_count  # noqa: E402
 from planner.schedule_choice import AUTO  # noqa: E402
 from planner.search import schedule_label  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
-from runtime.errors import InfeasibleError  # noqa: E402
-from runtime.profiling.profile import resolve_profiles  # noqa: E402
-from runtime.schedule_policies import SCHEDULE_NAMES  # noqa: E402
-from runtime.spec import load_cluster, load_model, load_plan  # noqa: E402
-from runtime.spec.cluster import Cluster, DeviceType, Node  # noqa: E402
+from runtime.torchfree.errors import InfeasibleError  # noqa: E402
+from runtime.torchfree.profiling.profile import resolve_profiles  # noqa: E402
+from runtime.torchfree.schedule_policies import SCHEDULE_NAMES  # noqa: E402
+from runtime.torchfree.spec import load_cluster, load_model, load_plan  # noqa: E402
+from runtime.torchfree.spec.cluster import Cluster, DeviceType, Node  # noqa: E402
 
 # (case name, cluster, model): the issue's case, H2's example cluster, HexiScale's cluster with a model
 # that fits comfortably (llama-7b) and with the paper's case-study model (Llama-2 13B, memory-bound there).

@@ -40,10 +40,10 @@ sys.path.insert(0, str(REPO))
 
 from hetu_cli.emulation import emulated  # noqa: E402
 from runtime.launch import TrainOptions, launch  # noqa: E402
-from runtime.spec import load_plan, load_plan_context, save_plan  # noqa: E402
-from runtime.spec.io import atomic_write_text, dump_yaml  # noqa: E402
-from runtime.spec.plan import Pipeline, Stage, Strategy  # noqa: E402
-from runtime.spec.schema import to_data  # noqa: E402
+from runtime.torchfree.spec import load_plan, load_plan_context, save_plan  # noqa: E402
+from runtime.torchfree.spec.io import atomic_write_text, dump_yaml  # noqa: E402
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy  # noqa: E402
+from runtime.torchfree.spec.schema import to_data  # noqa: E402
 
 PLANS = REPO / "configs" / "plans"
 DEMO_PLAN = PLANS / "cpu-hetero4-dp-pp.yaml"  # the heterogeneous plan `make demo` trains first (dp-pp)

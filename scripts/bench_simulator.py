@@ -1,6 +1,6 @@
 """Simulator fidelity on the emulated CPU cluster: simulated (`hspmd simulate`) vs measured (`hspmd train`)
 step time of a set of plans on cpu-hetero4-sleep (2 A800 + 2 H20 running llama-32b's layer shapes,
-runtime/spec/cluster.py ``Emulation``, sleep mode): each forward / backward block sleeps until it has lasted
+runtime/torchfree/spec/cluster.py ``Emulation``, sleep mode): each forward / backward block sleeps until it has lasted
 its target's price, so the devices barely load the host's cores and the step is set by the plan, the
 schedule and the communication, as on GPUs.
 
@@ -44,8 +44,8 @@ sys.path.insert(0, str(REPO))
 
 from planner.cost import CostModel  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
-from runtime.profiling.profile import resolve_profiles  # noqa: E402
-from runtime.spec import load_plan_context  # noqa: E402
+from runtime.torchfree.profiling.profile import resolve_profiles  # noqa: E402
+from runtime.torchfree.spec import load_plan_context  # noqa: E402
 
 # Sequences of 256 tokens (llama-tiny's longest): per micro-batch the compute dominates the fixed costs of
 # a step, as in real training; a global batch of 8 in micro-batches of 1 gives every pipeline 8 (or at

@@ -17,7 +17,7 @@ at paper scale.
     Detection is the same for both and left out of both. Target: ``recovery_over_restart`` <= 0.3.
 (2) Modelled, paper scale: ``hspmd replan`` for llama-32b on h800-h20-48 (16x H800 + 32x H20,
     configs/plans/h800-h20-llama32b.yaml) with H20 device 47 lost: the fused-BSR switch time of the
-    chosen plan (runtime/comm/bsr.py cost model), its bytes, the modelled checkpoint-restart time
+    chosen plan (runtime/torchfree/comm/bsr.py cost model), its bytes, the modelled checkpoint-restart time
     (planner/replan.py RestartModel defaults), and how long replanning (planner + BSR planning) took here.
 
 ``--json`` prints one JSON object (nothing else on stdout).
@@ -41,9 +41,9 @@ from hetu_cli.commands.train import planner_replan  # noqa: E402
 from planner.replan import replan  # noqa: E402
 from runtime.elastic.coordinator import ElasticPolicy  # noqa: E402
 from runtime.launch import Fault, TrainOptions, launch  # noqa: E402
-from runtime.profiling.profile import resolve_profiles  # noqa: E402
-from runtime.spec import load_plan, load_plan_context, save_plan  # noqa: E402
-from runtime.spec.handle import StrategyHandle  # noqa: E402
+from runtime.torchfree.profiling.profile import resolve_profiles  # noqa: E402
+from runtime.torchfree.spec import load_plan, load_plan_context, save_plan  # noqa: E402
+from runtime.torchfree.spec.handle import StrategyHandle  # noqa: E402
 
 PLAN = REPO / "configs" / "plans" / "cpu-hetero4-dp-pp.yaml"
 PAPER_PLAN = REPO / "configs" / "plans" / "h800-h20-llama32b.yaml"

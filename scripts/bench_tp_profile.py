@@ -43,9 +43,9 @@ sys.path.insert(0, str(REPO))
 from hetu_cli.emulation import cpu_shares  # noqa: E402
 from runtime.engine.tensor_parallel import apply_tensor_parallel  # noqa: E402
 from runtime.models.llama import LlamaForCausalLM  # noqa: E402
-from runtime.models.params import llama_parameters  # noqa: E402
 from runtime.profiling import compute, host  # noqa: E402
-from runtime.spec import load_model  # noqa: E402
+from runtime.torchfree.models.params import llama_parameters  # noqa: E402
+from runtime.torchfree.spec import load_model  # noqa: E402
 
 TP = 2
 CLOCKS = ("wall", "cpu")

@@ -96,7 +96,7 @@ def capture(tree: Path, quick: bool) -> dict[str, str]:
                 if path.exists():
                     out[key + " (plan file)"] = path.read_text()
                     path.unlink()
-        from runtime.spec import load_plan
+        from runtime.torchfree.spec import load_plan
         for plan in sorted((tree / "configs" / "plans").glob("*.yaml")):
             for s in load_plan(plan).strategies:
                 key = f"simulate {plan.name} {s.name}"

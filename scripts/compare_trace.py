@@ -23,10 +23,10 @@ sys.path.insert(0, str(REPO))
 
 from planner.cost import CostModel  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
-from runtime.profiling.profile import resolve_profiles  # noqa: E402
-from runtime.spec import load_plan_context  # noqa: E402
+from runtime.torchfree.profiling.profile import resolve_profiles  # noqa: E402
+from runtime.torchfree.spec import load_plan_context  # noqa: E402
 
-# runtime/engine/describe.py COMPUTE_NAMES -> the simulator's labels (its F, B, W; B also the fused backward)
+# runtime/torchfree/engine/describe.py COMPUTE_NAMES -> the simulator's labels (its F, B, W; B also the fused backward)
 LETTER = {"forward": "F", "backward": "B", "input_grad": "B", "weight_grad": "W", "optimizer": "opt"}
 Key = tuple[int, str, int, int]   # device, letter, micro-batch (-1: none), chunk
 

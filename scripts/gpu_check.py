@@ -137,7 +137,7 @@ class Summary:
         self.write()
 
     def write(self) -> None:
-        from runtime.spec.io import atomic_write_text
+        from runtime.torchfree.spec.io import atomic_write_text
 
         self.data["seconds"] = round(time.monotonic() - self.t0, 2)
         atomic_write_text(self.path, json.dumps(self.data, indent=2) + "\n")
@@ -198,7 +198,7 @@ def query_gpus(visible: str | None) -> tuple[list[dict[str, Any]], str]:
 
 def datasheet(type_: str) -> tuple[float, float, str] | None:
     """(bf16 TFLOPS, HBM GB/s, source) from a shipped spec profile or the table above, if one matches."""
-    from runtime.profiling.profile import PROFILES_DIR, read_profile_dir
+    from runtime.torchfree.profiling.profile import PROFILES_DIR, read_profile_dir
 
     # Whole tokens only ('H20' must not match an H200), single or two joined ('RTX' '4090' -> 'RTX4090').
     tokens = [t for t in re.split(r"[^A-Z0-9]+", type_.upper()) if t]
@@ -217,7 +217,7 @@ def datasheet(type_: str) -> tuple[float, float, str] | None:
 
 
 def write_yaml(path: Path, data: Any) -> Path:
-    from runtime.spec.io import atomic_write_text, dump_yaml
+    from runtime.torchfree.spec.io import atomic_write_text, dump_yaml
 
     atomic_write_text(path, dump_yaml(data))
     return path
@@ -237,7 +237,7 @@ class Layout:
 def layouts(s: Sizes) -> dict[str, Layout]:
     """Every plan of the check, one process per device: the one-device plan, and for 2+ GPUs the multi-GPU
     section (pipeline schedules, TP x PP, DP with ZeRO-1). ``s.layers`` is a multiple of 6."""
-    from runtime.spec import Pipeline, Stage
+    from runtime.torchfree.spec import Pipeline, Stage
 
     L, mbs = s.layers, s.global_batch // s.micro_batch
     half, q, six = L // 2, L // 4, L // 6
@@ -268,8 +268,8 @@ def layouts(s: Sizes) -> dict[str, Layout]:
 
 def write_plan(path: Path, layout: Layout, s: Sizes, cluster_file: Path, model_file: Path,
                **training: Any) -> Path:
-    from runtime.spec import Plan, Strategy, TrainingSettings, load_plan_context, save_plan
-    from runtime.spec.plan import PLAN_VERSION
+    from runtime.torchfree.spec import Plan, Strategy, TrainingSettings, load_plan_context, save_plan
+    from runtime.torchfree.spec.plan import PLAN_VERSION
 
     settings = TrainingSettings(global_batch=s.global_batch, micro_batch=s.micro_batch, seq_len=s.seq_len,
                                 schedule=layout.schedule, zero=layout.zero, **training)  # type: ignore[arg-type]
@@ -298,7 +298,7 @@ def reference_losses(plan: Path, steps: int) -> list[float]:
 
     from runtime.data import token_source
     from runtime.engine.reference import ReferenceTrainer
-    from runtime.spec import load_plan_context
+    from runtime.torchfree.spec import load_plan_context
 
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     ctx = load_plan_context(plan)
@@ -324,8 +324,8 @@ def mfu(plan: Path, profile_dirs: list[Path], step_time_s: float) -> dict[str, f
     """Model FLOPs utilisation of a measured step: against the cluster file's peak (datasheet) and
     against the profile's peak (its measured GEMM rate when the profile is measured)."""
     from planner.cost import CostModel, model_flops_per_token
-    from runtime.profiling.profile import resolve_profiles
-    from runtime.spec import load_plan_context
+    from runtime.torchfree.profiling.profile import resolve_profiles
+    from runtime.torchfree.spec import load_plan_context
 
     ctx = load_plan_context(plan)
     t = ctx.plan.training
@@ -360,9 +360,9 @@ def trace_events(trace_dir: Path) -> dict[str, int]:
 BUILD_MEMORY = """
 import json, sys, torch
 from runtime.engine.build import build_chunk
-from runtime.engine.specialize import specialize
-from runtime.spec import load_plan_context
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.engine.specialize import specialize
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.handle import StrategyHandle
 h = StrategyHandle.of(load_plan_context(sys.argv[1]))
 plan = specialize(h, 0)
 dev = torch.device("cuda:0")
@@ -379,7 +379,7 @@ import json, sys, torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from runtime.models.attention import flex_document_attention
 from runtime.models.llama import LlamaForCausalLM
-from runtime.spec import load_model
+from runtime.torchfree.spec import load_model
 spec = load_model(sys.argv[1])
 seq = int(sys.argv[2])
 dev = torch.device("cuda:0")
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with summary.phase("cluster") as rec:
         summary.requires("environment")
-        from runtime.spec import load_cluster
+        from runtime.torchfree.spec import load_cluster
 
         t = state["type"]
         sheet = None if dry else datasheet(t)
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with summary.phase("model") as rec:
         summary.requires()
-        from runtime.spec import load_model
+        from runtime.torchfree.spec import load_model
 
         s = sizes
         model = {"name": "gpu-check-llama", "num_layers": s.layers, "hidden_size": s.hidden,
@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
             raise Skip(f"the documents dispatch and the memory prediction need the planner: {no_planner}")
         doc_sizes = replace(sizes, seq_len=DOC_SEQ[mode], global_batch=2, micro_batch=1)
         layout = layouts(sizes)["one-device"]
-        from runtime.spec import Pipeline
+        from runtime.torchfree.spec import Pipeline
 
         layout = replace(layout, pipelines=(Pipeline(2, layout.pipelines[0].stages),))
         plan = write_plan(out / "plan-documents.yaml", layout, doc_sizes, state["cluster"], state["model_long"],
@@ -731,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
 def against_spec(profiles_dir: Path, device_type: str) -> dict[str, Any]:
     """The measured profile of ``device_type`` beside its datasheet figures (a shipped spec profile or the
     table above): measured / spec for the GEMM rate and the memory bandwidth."""
-    from runtime.profiling.profile import read_profile_dir
+    from runtime.torchfree.profiling.profile import read_profile_dir
 
     sheet = datasheet(device_type)
     measured = [p for _, p in read_profile_dir(profiles_dir) if p.device_type == device_type]

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from runtime.annotations import DUPLICATE, PARTIAL, DistributedStates, Layout, LayoutError
-from runtime.annotations.states import region_index
 from runtime.engine.api import StepStats
 from runtime.engine.optim import clip_coefficient
 from runtime.engine.reference import ReferenceTrainer, autocast_for
 from runtime.models.llama import causal_lm_loss_sum
+from runtime.torchfree.annotations import DUPLICATE, PARTIAL, DistributedStates, Layout, LayoutError
+from runtime.torchfree.annotations.states import region_index
 
 
 def local_view(layout: Layout, full: Any, device: int) -> Any:

@@ -8,8 +8,8 @@ import sys
 import click
 
 from hetu_cli.output import FORMAT_OPTION, IntRange, console, emit_json, table
-from runtime.errors import HspmdError
-from runtime.spec.schema import MAX_INT
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec.schema import MAX_INT
 
 EXIT_FLAGGED = 3  # ran, and some component is outside its tolerance (2 stays "bad input")
 
@@ -41,7 +41,7 @@ def check_numerics(types_text: str | None, dtypes_text: str, model_ref: str, bat
     is flagged and the exit code is 3."""
     from runtime.profiling.numerics import DTYPES, NumericsSettings, local_devices, size_problem
     from runtime.profiling.numerics import check_numerics as run_check
-    from runtime.spec import load_model
+    from runtime.torchfree.spec import load_model
 
     here = local_devices()
     types = here if types_text is None else _list(types_text, "--types", here)

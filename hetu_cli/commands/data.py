@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from hetu_cli.output import IntRange, console
-from runtime.errors import HspmdError
+from runtime.torchfree.errors import HspmdError
 
 SIZE = re.compile(r"([0-9]+)\s*(B|KiB|MiB|GiB|TiB)?")
 UNITS = {None: 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}

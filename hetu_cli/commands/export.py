@@ -9,8 +9,8 @@ from rich.markup import escape
 
 from hetu_cli.output import FORMAT_OPTION, console, emit_json
 from runtime.checkpoint import EXPORT_DTYPES, export_checkpoint
-from runtime.hf_files import copy_side_files, side_files
-from runtime.spec.catalog import model_source_config
+from runtime.torchfree.hf_files import copy_side_files, side_files
+from runtime.torchfree.spec.catalog import model_source_config
 
 
 def carry_side_files(source: Path, model_ref: str | None, out: Path) -> list[Path]:

@@ -29,13 +29,13 @@ from planner.lengths import (
 )
 from planner.margin import MemoryMargin
 from runtime.documents import length_distribution
-from runtime.errors import Problem, SpecError
 from runtime.launch.options import TrainOptions
 from runtime.launch.session import document_source_of
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import dump_plan, load_cluster, load_model, validate_plan
-from runtime.spec.catalog import PlanContext, recorded_ref
-from runtime.spec.io import atomic_write_files, atomic_write_text
+from runtime.torchfree.errors import Problem, SpecError
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import dump_plan, load_cluster, load_model, validate_plan
+from runtime.torchfree.spec.catalog import PlanContext, recorded_ref
+from runtime.torchfree.spec.io import atomic_write_files, atomic_write_text
 
 
 def plan_for_lengths(model_ref: str, cluster_ref: str, profile_dirs: Sequence[Path], lengths: str,
@@ -119,7 +119,8 @@ def strategies_of(ctx: PlanContext, profiles) -> list[LengthStrategy]:
     together = shared(out, ctx.model, ctx.cluster, settings)   # as a documents run holds and switches them
     if together is None:
         raise SpecError([Problem(str(ctx.path), "strategies", "a switch between the strategies does not fit "
-                                 "memory (a documents run moves the state in stages: runtime/elastic/staging.py)")])
+                                 "memory (a documents run moves the state in stages: "
+                                 "runtime/torchfree/elastic/staging.py)")])
     return together
 
 
@@ -127,7 +128,7 @@ def planner_dispatch_costs(options: TrainOptions, profile_dirs: Sequence[Path]) 
     """``options`` with the planner's dispatch costs (``strategies_of``) for the strategies the run trains, so
     that the run dispatches and switches as ``hspmd simulate --lengths`` plays it."""
     from runtime.launch.session import documents_mode, run_strategies
-    from runtime.spec import load_plan_context
+    from runtime.torchfree.spec import load_plan_context
 
     ctx = load_plan_context(options.plan)
     if not documents_mode(options, ctx.plan.training):
@@ -193,6 +194,7 @@ def simulate_lengths(ctx: PlanContext, profile_dirs: Sequence[Path], lengths: st
         con.print(f"trace: {trace_path} (open in https://ui.perfetto.dev)")
 
 
-TIME_MODEL = ("cost-model estimate per step (runtime.dispatch.pipeline_time over each pipeline's micro-batches, "
+TIME_MODEL = ("cost-model estimate per step (runtime.torchfree.dispatch.pipeline_time over each pipeline's "
+              "micro-batches, "
               "documents priced a*s^2+b*s from the profiles) + gradient sync and optimizer (CostModel.estimate) "
               "+ the modelled fused-BSR switch; not the discrete-event simulator, which plays equal micro-batches only")

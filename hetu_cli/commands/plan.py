@@ -28,13 +28,13 @@ from planner.provenance import check_profiles, provenance, strategy_tps, with_pr
 from planner.report import print_report, result_json
 from planner.schedule_choice import AUTO
 from planner.survival import NODE_PREFERENCE_TOLERANCE, plan_survival, prefer_node_survivable
-from runtime.errors import InfeasibleError, Problem, SpecError
-from runtime.profiling.profile import resolve_profiles
-from runtime.schedule_policies import SCHEDULE_NAMES
-from runtime.spec import dump_plan, load_cluster, load_model, validate_plan
-from runtime.spec.catalog import recorded_ref
-from runtime.spec.io import atomic_write_files, check_output_file
-from runtime.spec.plan import MAX_TOKENS_PER_STEP, Plan
+from runtime.torchfree.errors import InfeasibleError, Problem, SpecError
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.schedule_policies import SCHEDULE_NAMES
+from runtime.torchfree.spec import dump_plan, load_cluster, load_model, validate_plan
+from runtime.torchfree.spec.catalog import recorded_ref
+from runtime.torchfree.spec.io import atomic_write_files, check_output_file
+from runtime.torchfree.spec.plan import MAX_TOKENS_PER_STEP, Plan
 
 MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k) grows fast past it
 

@@ -13,13 +13,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hetu_cli.output import FORMAT_OPTION, FiniteFloatRange, IntRange, console, emit_json, int_list, refuse_given, table
 from planner.provenance import unmeasured, unmeasured_text
-from runtime.errors import Problem, SpecError
-from runtime.profiling.profile import COMPONENTS, PROFILES_DIR, DeviceProfile, Fit, LinkFit, eval_fit, load_profile
-from runtime.spec import load_cluster, load_model
-from runtime.spec.catalog import resolve_profile_ref
-from runtime.spec.cluster import type_name_problem
-from runtime.spec.io import check_output_file
-from runtime.spec.schema import to_data
+from runtime.torchfree.errors import Problem, SpecError
+from runtime.torchfree.profiling.profile import (
+    COMPONENTS,
+    PROFILES_DIR,
+    DeviceProfile,
+    Fit,
+    LinkFit,
+    eval_fit,
+    load_profile,
+)
+from runtime.torchfree.spec import load_cluster, load_model
+from runtime.torchfree.spec.catalog import resolve_profile_ref
+from runtime.torchfree.spec.cluster import type_name_problem
+from runtime.torchfree.spec.io import check_output_file
+from runtime.torchfree.spec.schema import to_data
 
 MAX_BUDGET_S = 10.0  # per timed point; a profile times hundreds (every component, length and type)
 
@@ -166,8 +174,8 @@ def _profile_file(ref: str, option: str) -> tuple[Path, DeviceProfile]:
 def import_(table: Path, device_type: str, model_ref: str, table_fmt: str | None, base_ref: str | None,
             includes_tp_comm: bool, serialised_send_recv: bool, out_path: Path | None) -> None:
     """Convert a flat table measured elsewhere (docs/profiles.md) into a profile of provenance imported."""
-    from runtime.profiling.flat_table import import_profile
-    from runtime.profiling.profile import save_profile
+    from runtime.torchfree.profiling.flat_table import import_profile
+    from runtime.torchfree.profiling.profile import save_profile
 
     bad = type_name_problem(device_type)
     if bad is not None:
@@ -193,8 +201,8 @@ def import_(table: Path, device_type: str, model_ref: str, table_fmt: str | None
 
 
 def imported_whole_layers(table: Path, fmt: str | None) -> bool:
-    from runtime.profiling.flat_table import read_rows
-    from runtime.profiling.layer_rows import LAYER_ROW
+    from runtime.torchfree.profiling.flat_table import read_rows
+    from runtime.torchfree.profiling.layer_rows import LAYER_ROW
 
     return any(str(cells.get("component", "")).strip() == LAYER_ROW for _, cells in read_rows(table, fmt))
 
@@ -206,7 +214,7 @@ def imported_whole_layers(table: Path, fmt: str | None) -> bool:
 @click.option("--out", "out_path", type=click.Path(path_type=Path), help="Write here (default: standard output).")
 def export(profile_ref: str, table_fmt: str, model_key: str | None, out_path: Path | None) -> None:
     """Write a profile's measurements as the flat table ``profile import`` reads."""
-    from runtime.profiling.flat_table import format_rows, table_rows, write_rows
+    from runtime.torchfree.profiling.flat_table import format_rows, table_rows, write_rows
 
     if out_path is not None:
         check_output_file(out_path, "--out")

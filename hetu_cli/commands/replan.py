@@ -30,15 +30,15 @@ from planner.margin import MemoryMargin, plan_headroom
 from planner.provenance import with_profiles
 from planner.replan import DEFAULT_TOLERANCE, LostStateError, ReplanResult, RestartModel
 from planner.replan import replan as run_replan
-from runtime.errors import HspmdError, InfeasibleError
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import PlanContext, load_plan_context, save_plan
-from runtime.spec.catalog import recorded_ref
-from runtime.spec.cluster import MAX_DEVICES
-from runtime.spec.handle import StrategyHandle
-from runtime.spec.io import check_output_file
-from runtime.spec.schema import to_data
-from runtime.spec.validate import validate_plan
+from runtime.torchfree.errors import HspmdError, InfeasibleError
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import PlanContext, load_plan_context, save_plan
+from runtime.torchfree.spec.catalog import recorded_ref
+from runtime.torchfree.spec.cluster import MAX_DEVICES
+from runtime.torchfree.spec.handle import StrategyHandle
+from runtime.torchfree.spec.io import check_output_file
+from runtime.torchfree.spec.schema import to_data
+from runtime.torchfree.spec.validate import validate_plan
 
 TOP_LINKS = 12
 

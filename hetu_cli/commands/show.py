@@ -14,12 +14,12 @@ from rich.table import Table
 from hetu_cli.output import FORMAT_OPTION, Int, console, emit_json, refuse_given, table
 from planner.lengths import length_ranges
 from planner.report import tp_text, zero_text
-from runtime.annotations.states import span
-from runtime.spec import PlanContext, Strategy, load_plan_context
-from runtime.spec.schema import to_data
+from runtime.torchfree.annotations.states import span
+from runtime.torchfree.spec import PlanContext, Strategy, load_plan_context
+from runtime.torchfree.spec.schema import to_data
 
 if TYPE_CHECKING:
-    from runtime.engine.describe import OpLine
+    from runtime.torchfree.engine.describe import OpLine
 
 # A block of ops repeated this often (the steady state of a schedule over many micro-batches) is printed
 # first and last with one line for the repetitions between; blocks up to MAX_PERIOD ops are looked for.
@@ -159,7 +159,7 @@ def _show_torchrun(ctx: PlanContext, plan: Path, strategy_name: str | None, endp
 
 
 def _show_annotations(ctx: PlanContext, strategies: list[Strategy], fmt: str) -> None:
-    from runtime.annotations.from_plan import annotation_rows, strategy_groups
+    from runtime.torchfree.annotations.from_plan import annotation_rows, strategy_groups
 
     t = ctx.plan.training
     data = {s.name: {"rows": annotation_rows(s, ctx.model, t),
@@ -185,9 +185,9 @@ def _show_annotations(ctx: PlanContext, strategies: list[Strategy], fmt: str) ->
 
 
 def _show_device(ctx: PlanContext, strategies: list[Strategy], device: int, fmt: str, all_ops: bool) -> None:
-    from runtime.engine.describe import describe_program
-    from runtime.errors import Problem, SpecError
-    from runtime.spec.handle import StrategyHandle
+    from runtime.torchfree.engine.describe import describe_program
+    from runtime.torchfree.errors import Problem, SpecError
+    from runtime.torchfree.spec.handle import StrategyHandle
 
     if not 0 <= device < ctx.cluster.num_devices:
         raise SpecError([Problem("--device", "", f"unknown device id {device} (cluster {ctx.cluster.name!r} has "
@@ -247,7 +247,7 @@ def _micro_batch(line: OpLine) -> int | None:
 
 def _shape(line: OpLine) -> Hashable:
     """What a line does but for its micro-batch (equal across a steady state's repetitions)."""
-    from runtime.pipeline_schedules import Compute, PostRecv, PostSend, WaitRecv
+    from runtime.torchfree.pipeline_schedules import Compute, PostRecv, PostSend, WaitRecv
 
     a = line.action
     if isinstance(a, Compute):

@@ -26,10 +26,10 @@ from planner.provenance import check_profiles, provenance, recorded_difference, 
 from planner.simulate import chrome_trace
 from planner.simulate import simulate as run_simulation
 from runtime.elastic.events import MAX_TRACE_SEARCHES
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_plan_context
-from runtime.spec.io import atomic_write_text, check_output_file
-from runtime.spec.plan import MAX_TOKENS_PER_STEP
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.io import atomic_write_text, check_output_file
+from runtime.torchfree.spec.plan import MAX_TOKENS_PER_STEP
 
 MAX_TRACE_STEPS = 10_000
 MAX_SEARCHES = 10_000  # the trace's own bound is 1000 events (runtime/elastic/events.py), a few searches each
@@ -158,7 +158,7 @@ def estimate_drift(ctx, strategy, estimate_s: float, priced, overrides: tuple[st
 def _events(ctx, strategy_name: str | None, profiles, events_file: Path, max_searches: int, fmt: str) -> None:
     from planner.trace_model import TraceModel, model_trace
     from runtime.elastic.events import load_trace
-    from runtime.spec.handle import StrategyHandle
+    from runtime.torchfree.spec.handle import StrategyHandle
 
     handle = StrategyHandle.of(ctx, strategy_name)
     trace = load_trace(events_file, ctx.cluster, handle.devices)

@@ -20,13 +20,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from hetu_cli.emulation import emulated
 from hetu_cli.output import MAX_TIMEOUT_S, FiniteFloatRange, Int, IntRange, console, given, plan_argument, refuse_given
 from runtime.elastic.agents import DEFAULT_PORT
-from runtime.errors import HspmdError
 from runtime.launch import Fault, StepRecord, TorchrunEnv, TrainOptions, WorkerFailure, launch, run_torchrun
 from runtime.launch.options import ELASTIC_HEARTBEAT_TIMEOUT_S, ELASTIC_TIMEOUT_S, NodeKill, PlannedSwitch, Rejoin
 from runtime.launch.session import TRACE_MERGED
 from runtime.launch.supervise import PlainPolicy
-from runtime.precision import PRECISIONS
-from runtime.spec.io import check_append_file, check_output_dir, is_file, why_not
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.precision import PRECISIONS
+from runtime.torchfree.spec.io import check_append_file, check_output_dir, is_file, why_not
 
 STDOUT = Path("-")   # ``--metrics -``: the JSON lines go to standard output (the progress lines to stderr)
 
@@ -90,7 +90,7 @@ def mfu_of(plan: Path, cluster: str | None = None, model: str | None = None) -> 
     from dataclasses import replace
 
     from planner.cost import model_flops_utilization
-    from runtime.spec import load_plan_context
+    from runtime.torchfree.spec import load_plan_context
 
     ctx = load_plan_context(plan, cluster, model)
     t = ctx.plan.training
@@ -321,7 +321,7 @@ def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strat
                            rejoins=rejoins, node_kills=node_kills, node=node)
     if given("long_documents"):
         from runtime.launch.session import documents_mode
-        from runtime.spec import load_plan_context
+        from runtime.torchfree.spec import load_plan_context
 
         if not documents_mode(options, load_plan_context(plan_path, cluster_ref, model_ref).plan.training):
             refuse_given("only for documents (--lengths, --tokenizer, --data FILE.jsonl, or a plan with "
@@ -404,7 +404,7 @@ def train(plan_path: Path, cluster_ref: str | None, model_ref: str | None, strat
 def random_weights_note(plan_path: Path, model_ref: str | None) -> str | None:
     """One line when the plan's model is a Hugging Face directory holding weights that this run (no --load)
     does not start from: training from random weights by mistake costs a whole run."""
-    from runtime.spec.catalog import load_plan, model_source_config
+    from runtime.torchfree.spec.catalog import load_plan, model_source_config
 
     config = (model_source_config(model_ref) if model_ref is not None
               else model_source_config(load_plan(plan_path).model, plan_path.parent))
@@ -481,7 +481,7 @@ def _rejoins(devices: tuple[int, ...], step: int | None, fault_step: int | None,
 
 def _trace(plan: tuple[Path, str | None, str | None], strategy: str | None, events_file: Path):
     from runtime.elastic.events import load_trace
-    from runtime.spec import load_plan_context
+    from runtime.torchfree.spec import load_plan_context
 
     ctx = load_plan_context(*plan)
     return load_trace(events_file, ctx.cluster, ctx.strategy(strategy).devices)
@@ -502,8 +502,8 @@ def _planner_inputs(ctx, strategy: str, profile_dirs: tuple[Path, ...]) -> tuple
     """What the planner's replan and grow take from a running job: its strategy, the profiles and the refs
     its new plan records."""
     from hetu_cli.commands.replan import plan_refs
-    from runtime.profiling.profile import resolve_profiles
-    from runtime.spec.handle import StrategyHandle
+    from runtime.torchfree.profiling.profile import resolve_profiles
+    from runtime.torchfree.spec.handle import StrategyHandle
 
     model_ref, cluster_ref = plan_refs(ctx)
     return (StrategyHandle.of(ctx, strategy), resolve_profiles(ctx.cluster.device_types, list(profile_dirs)),

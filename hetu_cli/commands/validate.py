@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from hetu_cli.output import FORMAT_OPTION, emit_json, fail
-from runtime.errors import SpecError
-from runtime.spec import load_plan_context
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.spec import load_plan_context
 
 
 @click.command()

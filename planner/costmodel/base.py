@@ -8,12 +8,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.engine.specialize import BOUNDARY_DTYPE
-from runtime.profiling.profile import (
+from runtime.torchfree.engine.specialize import BOUNDARY_DTYPE
+from runtime.torchfree.profiling.profile import (
     ComponentFit,
 )
-from runtime.spec.model import ModelSpec
-from runtime.spec.plan import Schedule, Stage, Strategy, TrainingSettings
+from runtime.torchfree.spec.model import ModelSpec
+from runtime.torchfree.spec.plan import Schedule, Stage, Strategy, TrainingSettings
 
 GIB = float(2**30)
 
@@ -63,13 +63,13 @@ def model_flops_utilization(model: ModelSpec, cluster: Any, devices: Iterable[in
 
 def has_tp_stage(strategy: Strategy) -> bool:
     """Whether some stage is a TP group: what ``training.sequence_parallel`` acts on (a plan without one
-    must not set it, runtime/spec/validate.py)."""
+    must not set it, runtime/torchfree/spec/validate.py)."""
     return any(st.tp > 1 for p in strategy.pipelines for st in p.stages)
 
 
 def zero_degree(pipelines: int, zero: int) -> int:
     """How many ways ZeRO-1 divides a device's optimizer state and AdamW step (``zero``: the copy count,
-    0 off): ``pipelines // r`` chunks per slice (runtime/engine/zero.py ``place``; a slice has at least
+    0 off): ``pipelines // r`` chunks per slice (runtime/torchfree/engine/zero.py ``place``; a slice has at least
     one replica per pipeline, so this errs on the side of memory)."""
     return max(1, pipelines // int(zero)) if zero else 1
 

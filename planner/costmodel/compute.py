@@ -16,7 +16,7 @@ from planner.costmodel.base import (
     recomputed,
 )
 from planner.costmodel.targets import SleepTarget, sleep_target
-from runtime.profiling.profile import (
+from runtime.torchfree.profiling.profile import (
     BLOCKS,
     ComponentFit,
     ComputeBlock,
@@ -28,7 +28,7 @@ from runtime.profiling.profile import (
     layer_override_fits,
     measured_tp_comm,
 )
-from runtime.spec.plan import Strategy
+from runtime.torchfree.spec.plan import Strategy
 
 
 def _stage_blocks(blocks: Mapping[str, ComponentFit], first: bool, last: bool) -> list[ComponentFit]:
@@ -56,7 +56,7 @@ class ComputeCosts:
                    seq_len: int | None = None) -> dict[str, ComponentFit]:
         """Per-component fits on this device type at this TP degree: measured if the profile has this
         model shape and TP degree, else derived from the profile's throughput figures; tables (measured
-        elsewhere) resolved at this micro-batch shape (runtime/profiling/profile.py ``component_fits``)."""
+        elsewhere) resolved at this micro-batch shape (runtime/torchfree/profiling/profile.py ``component_fits``)."""
         b, s = self._shape(micro_batch, seq_len)
         return component_fits(self.profiles[device_type], self.model, tp, b, s)
 
@@ -238,7 +238,7 @@ class ComputeCosts:
 
     @memo
     def sleep_target(self, device_type: str) -> SleepTarget | None:
-        """A sleep-mode emulated type's target (runtime/spec/cluster.py ``Emulation``): its forward and
+        """A sleep-mode emulated type's target (runtime/torchfree/spec/cluster.py ``Emulation``): its forward and
         backward blocks last what the target prices them at (``stage``), the same function the runtime's
         emulation sleeps by. None for every other type."""
         em = self.cluster.device_types[device_type].emulate

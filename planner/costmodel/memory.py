@@ -7,11 +7,11 @@ import dataclasses
 from typing import Self
 
 from planner.costmodel.base import GIB, MemoryBreakdown, memo, recomputed, stage_recompute, zero_degree
-from runtime.profiling.profile import (
+from runtime.torchfree.profiling.profile import (
     eval_fit,
 )
-from runtime.schedule_policies import device_limits
-from runtime.spec.plan import Schedule, Strategy
+from runtime.torchfree.schedule_policies import device_limits
+from runtime.torchfree.spec.plan import Schedule, Strategy
 
 
 class MemoryCosts:
@@ -58,7 +58,7 @@ class MemoryCosts:
 
     @memo
     def target_memory_model(self, device_type: str) -> Self | None:
-        """For a sleep-mode type with ``memory: target`` (runtime/spec/cluster.py ``Emulation``): a cost model
+        """For a sleep-mode type with ``memory: target`` (runtime/torchfree/spec/cluster.py ``Emulation``): a cost model
         of the target's model on its profile at ``seq_scale`` times this one's lengths, with the type's
         emulation removed, whose memory is this type's; None for every other type."""
         target = self.sleep_target(device_type)

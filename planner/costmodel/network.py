@@ -4,7 +4,7 @@ Links, stage boundaries, collectives, the gradient sync and ZeRO-1's all-gathers
 these rules:
 
 * A transfer between two devices takes its link's time: measured curves by message size and direction
-  where the profiles have them (runtime/profiling/tables.py ``LinkCurves``; the slower of the sender's
+  where the profiles have them (runtime/torchfree/profiling/tables.py ``LinkCurves``; the slower of the sender's
   and the receiver's curve), else ``latency + bytes / bandwidth`` (``CostModel.link``).
 * Transfers posted together share what they pass through (``concurrent_seconds``): each device's port
   as a sender and as a receiver, and across nodes the NICs they leave and enter by (a cluster's
@@ -26,19 +26,19 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from planner.costmodel.base import BOUNDARY_BYTES, memo
-from runtime.annotations.from_plan import Boundary, held_by, placements
-from runtime.annotations.states import Annotation
-from runtime.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
-from runtime.engine.specialize import resolve_boundary
-from runtime.models.params import ParamInfo
-from runtime.profiling.profile import (
+from runtime.torchfree.annotations.from_plan import Boundary, held_by, placements
+from runtime.torchfree.annotations.states import Annotation
+from runtime.torchfree.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
+from runtime.torchfree.engine.specialize import resolve_boundary
+from runtime.torchfree.models.params import ParamInfo
+from runtime.torchfree.profiling.profile import (
     DeviceProfile,
     LinkCurve,
     LinkFit,
 )
-from runtime.profiling.tables import LinkCurves
-from runtime.spec.cluster import Cluster
-from runtime.spec.plan import Stage, Strategy
+from runtime.torchfree.profiling.tables import LinkCurves
+from runtime.torchfree.spec.cluster import Cluster
+from runtime.torchfree.spec.plan import Stage, Strategy
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class NetworkCosts:
     @memo
     def boundary_flows(self, src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[Flow, ...]:
         """What the runtime sends from stage ``src`` to stage ``dst`` for one micro-batch: the messages of
-        the stage boundary's reshard as runtime/engine/specialize.py ``resolve_boundary`` lays it out
+        the stage boundary's reshard as runtime/torchfree/engine/specialize.py ``resolve_boundary`` lays it out
         (equal TP degrees: every rank's full copy to its counterpart; otherwise the BSR's pieces)."""
         if len(src) == len(dst):
             # Equal TP degrees: the layout does not depend on the devices or links (rank i to rank i), so
@@ -297,7 +297,7 @@ class NetworkCosts:
                 + (len(self._head_tensors) if last else 0))
 
     def sync_plan(self, strategy: Strategy) -> list[SyncGroup]:
-        """The cross-pipeline gradient sync exactly as the runtime lays it out (runtime/comm/gradsync.py
+        """The cross-pipeline gradient sync exactly as the runtime lays it out (runtime/torchfree/comm/gradsync.py
         ``sync_groups``): its device groups in the order it issues them, each with its buckets.
 
         Every pipeline holds every layer (and the embedding and head), each at its own TP degree; where
@@ -440,7 +440,7 @@ class NetworkCosts:
         return [nearest_fit(fits, len(devices)) for fits in measured]  # type: ignore[arg-type]
 
     def zero_gather_time(self, group: SyncGroup) -> float:
-        """ZeRO-1's parameter all-gather of one sync group after the optimizer step (runtime/engine/zero.py):
+        """ZeRO-1's parameter all-gather of one sync group after the optimizer step (runtime/torchfree/engine/zero.py):
         each device sends its updated chunk of every slice the group holds, one all-gather per gradient-sync
         bucket (the parameters, ``param_bytes`` each)."""
         return self._gather_seconds(group.devices, group)

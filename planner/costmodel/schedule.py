@@ -1,5 +1,5 @@
 """Pipeline schedule prices: a model chunk's F, B and W, a pipeline's action lists played with them
-(runtime/pipeline_schedules.py), the closed-form ranking proxies."""
+(runtime/torchfree/pipeline_schedules.py), the closed-form ranking proxies."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from collections.abc import Sequence
 
 from planner.costmodel.base import memo, recomputed
 from planner.costmodel.targets import SPLIT_BACKWARD_SHARE
-from runtime.pipeline_schedules import ChunkCost, Costs, TimedOp, op_kinds, step_time, step_time_bound
-from runtime.pipeline_schedules import Schedule as PipelineSchedule
-from runtime.profiling.profile import (
+from runtime.torchfree.pipeline_schedules import ChunkCost, Costs, TimedOp, op_kinds, step_time, step_time_bound
+from runtime.torchfree.pipeline_schedules import Schedule as PipelineSchedule
+from runtime.torchfree.profiling.profile import (
     eval_fit,
 )
-from runtime.schedule_policies import Layout, schedule_layout
-from runtime.spec.handle import plan_order, plan_schedule
-from runtime.spec.model import ModelSpec
-from runtime.spec.plan import OpCosts, Pipeline, Schedule, Stage, Strategy
+from runtime.torchfree.schedule_policies import Layout, schedule_layout
+from runtime.torchfree.spec.handle import plan_order, plan_schedule
+from runtime.torchfree.spec.model import ModelSpec
+from runtime.torchfree.spec.plan import OpCosts, Pipeline, Schedule, Stage, Strategy
 
 
 def pipeline_time(forward_s: Sequence[float], backward_s: Sequence[float], micro_batches: int,
@@ -37,7 +37,7 @@ def pipeline_time(forward_s: Sequence[float], backward_s: Sequence[float], micro
 
 def timeline_order(layout: Layout, kinds: Sequence[str], timeline: Sequence[Sequence[TimedOp]]
                    ) -> tuple[tuple[int, ...], ...]:
-    """A timeline's op order as op numbers (``runtime.pipeline_schedules.schedule_order``)."""
+    """A timeline's op order as op numbers (``runtime.torchfree.pipeline_schedules.schedule_order``)."""
     n, index = layout.num_stages, {k: i for i, k in enumerate(kinds)}
     return tuple(tuple((t.op.micro_batch * n + t.op.stage) * len(kinds) + index[t.op.kind] for t in ops)
                  for ops in timeline)
@@ -126,7 +126,7 @@ def weight_grad_fraction(model: ModelSpec, seq_len: int, num_layers: int, head: 
 class ScheduleCosts:
     """Schedule prices of a ``CostModel`` (planner/cost.py)."""
 
-    # -- pipeline schedules (runtime/pipeline_schedules.py) ---------------------------------------------
+    # -- pipeline schedules (runtime/torchfree/pipeline_schedules.py) ---------------------------------------------
 
     @memo
     def chunk_cost(self, device_type: str, tp: int, num_layers: int, first: bool, last: bool,

@@ -1,5 +1,5 @@
-"""A sleep-mode emulated device type's target (runtime/spec/cluster.py ``Emulation``), resolved: the profile and
-model whose blocks it lasts, scaled to wall time. The cost model prices these types by it, and the CLI's
+"""A sleep-mode emulated device type's target (runtime/torchfree/spec/cluster.py ``Emulation``), resolved: the profile
+and model whose blocks it lasts, scaled to wall time. The cost model prices these types by it, and the CLI's
 emulation harness (hetu_cli/emulation.py) gives the runtime the same prices as its block targets, so a plan and
 its run agree. The runtime knows none of this: it sleeps out the durations it is handed."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from runtime.errors import Problem, SpecError
-from runtime.profiling.profile import ComputeBlock, DeviceProfile, block_seconds, load_profile
-from runtime.spec.catalog import load_model, resolve_profile_ref
-from runtime.spec.cluster import Emulation
-from runtime.spec.model import ModelSpec
+from runtime.torchfree.errors import Problem, SpecError
+from runtime.torchfree.profiling.profile import ComputeBlock, DeviceProfile, block_seconds, load_profile
+from runtime.torchfree.spec.catalog import load_model, resolve_profile_ref
+from runtime.torchfree.spec.cluster import Emulation
+from runtime.torchfree.spec.model import ModelSpec
 
 # Sleep mode prices each half of a split backward (zero-bubble schedules: input gradient B, then weight
 # gradient W) at this share of the backward block: the profiles time the backward as one block. The
@@ -23,7 +23,7 @@ SPLIT_BACKWARD_SHARE = 0.5
 @dataclass(frozen=True)
 class SleepTarget:
     """A sleep-mode device type's target, resolved: the profile, the model whose shapes it runs, and the
-    wall seconds one target second lasts (``runtime.spec.cluster.Emulation``)."""
+    wall seconds one target second lasts (``runtime.torchfree.spec.cluster.Emulation``)."""
 
     profile: DeviceProfile
     model: ModelSpec

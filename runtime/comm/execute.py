@@ -20,10 +20,10 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from runtime.annotations.states import Region, relative, volume
-from runtime.comm.bsr import BsrPlan, DType, Message
 from runtime.comm.groups import ProcessGroups
-from runtime.comm.resolve import CommOp
+from runtime.torchfree.annotations.states import Region, relative, volume
+from runtime.torchfree.comm.bsr import BsrPlan, DType, Message
+from runtime.torchfree.comm.resolve import CommOp
 
 
 def torch_dtype(dtype: DType) -> torch.dtype:

@@ -1,6 +1,9 @@
 """Failures and switches in memory: no checkpoint, no restart (docs/design.md §4, §7).
 
-* state.py: the model state as data, per ``StrategyHandle`` (runtime/spec/handle.py):
+state.py and protocol.py import no torch and live in runtime/torchfree/elastic/, with events.py
+(failure traces), preplan.py (replans planned ahead) and staging.py (a documents run's switch in stages).
+
+* state.py: the model state as data, per ``StrategyHandle`` (runtime/torchfree/spec/handle.py):
   ``lost_state(ref, failed)`` (what a failure loses for good: parameters without a replica, ZeRO-1
   moment chunks without a copy; the coordinator and `hspmd replan` both ask it);
   ``state_moves(src, dst)`` /

@@ -47,13 +47,13 @@ from runtime.elastic.protocol import (
     StopAgent,
     ToWorker,
 )
-from runtime.errors import HspmdError
 from runtime.launch.launcher import host_store, prepare
 from runtime.launch.messages import Lost, Start
 from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, agent_timeout_s, node_loss_detect_s
 from runtime.launch.supervise import LocalWorkers, Policy, Run, RunSummary, WorkerHandle, supervise
 from runtime.launch.worker import WorkerLoop
-from runtime.spec.cluster import Cluster
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec.cluster import Cluster
 
 QUEUE_UP = "hspmd/agents/up"
 DEFAULT_PORT = 29517

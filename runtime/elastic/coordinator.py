@@ -49,7 +49,6 @@ from runtime.elastic.incident import (
 )
 from runtime.elastic.joining import Growth, Returns, by_step, decide_growth
 from runtime.elastic.preflight import check_run, first_step, single_copy_note
-from runtime.elastic.preplan import Grower, Preplanner, Replanner, plan_layout
 from runtime.elastic.protocol import (
     Abort,
     Commit,
@@ -63,15 +62,16 @@ from runtime.elastic.protocol import (
     World,
 )
 from runtime.elastic.recovery import plan_recovery, replan_for_survivors, sort_errors
-from runtime.elastic.state import lost_state, plan_switch
 from runtime.elastic.switches import after_failure, switch_event
 from runtime.elastic.worker import elastic_worker
-from runtime.errors import HspmdError
 from runtime.launch.messages import FaultFiring, StepDone, WorkerError
 from runtime.launch.options import StepRecord, StepReport, TrainOptions
 from runtime.launch.supervise import FailureLog, Run, WorkerHandle
-from runtime.spec import PlanContext
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.elastic.preplan import Grower, Preplanner, Replanner, plan_layout
+from runtime.torchfree.elastic.state import lost_state, plan_switch
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec import PlanContext
+from runtime.torchfree.spec.handle import StrategyHandle
 
 ERROR_GRACE_S = 1.0  # a worker's error with no device failure within this window is a genuine error
 LEAVE_MARGIN_S = 5.0  # beyond the op timeout, how long a survivor may take to leave a failed step
@@ -196,7 +196,7 @@ class ElasticPolicy:
         self.on_event = on_event
         self.failures = FailureLog(ERROR_GRACE_S)
         # ``preplan`` / ``preplan_grow``: the replanner and grower for planning ahead, in the background
-        # (runtime/elastic/preplan.py; the CLI's are ``replan`` and ``grow`` without their log lines); None
+        # (runtime/torchfree/elastic/preplan.py; the CLI's are ``replan`` and ``grow`` without their log lines); None
         # plans only when a failure strikes (a return: when it comes).
         self.preplanner = Preplanner(preplan, preplan_grow) if preplan is not None else None
 

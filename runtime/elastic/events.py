@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from runtime.errors import Problem, SpecError
 from runtime.launch.options import Fault, NodeKill, Rejoin
-from runtime.spec.cluster import Cluster
-from runtime.spec.io import read_yaml
+from runtime.torchfree.errors import Problem, SpecError
+from runtime.torchfree.spec.cluster import Cluster
+from runtime.torchfree.spec.io import read_yaml
 
 Action = Literal["kill", "hang", "rejoin"]
 

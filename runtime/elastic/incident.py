@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.elastic.protocol import Switched, Transition
-from runtime.elastic.state import LostState
-from runtime.errors import HspmdError
 from runtime.launch.options import TrainOptions
+from runtime.torchfree.elastic.state import LostState
+from runtime.torchfree.errors import HspmdError
 
 
 class UnrecoverableFailure(HspmdError):

@@ -3,7 +3,7 @@
 A returning device starts a worker that joins no world. ``Returns`` schedules the returns a trace names
 (``--events``): such a device starts a step early and that step's commit waits for it to be up.
 Once it is up the coordinator asks the grower (or looks up the decision made ahead,
-runtime/elastic/preplan.py) for a plan with it: ``decide_growth`` gives the ``Growth`` to adopt at the next
+runtime/torchfree/elastic/preplan.py) for a plan with it: ``decide_growth`` gives the ``Growth`` to adopt at the next
 step boundary, or None when the devices stay spare.
 """
 
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from runtime.elastic.incident import device_list
-from runtime.elastic.preplan import Grower, Preplanner
-from runtime.elastic.state import check_compatible
-from runtime.errors import HspmdError
 from runtime.launch.supervise import WorkerHandle
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.elastic.preplan import Grower, Preplanner
+from runtime.torchfree.elastic.state import check_compatible
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec.handle import StrategyHandle
 
 T = TypeVar("T")
 
@@ -31,7 +31,7 @@ class Growth:
     joining: tuple[int, ...]
     target: StrategyHandle
     decide_s: float
-    preplanned: bool = False  # decided ahead, in the background (runtime/elastic/preplan.py)
+    preplanned: bool = False  # decided ahead, in the background (runtime/torchfree/elastic/preplan.py)
 
 
 @dataclass

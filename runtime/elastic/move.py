@@ -3,7 +3,7 @@
 Its own module because two loops use it: the elastic worker (a failure's recovery, a planned ``--switch``)
 and a documents run switching between its plan's strategies per step (runtime/launch/session.py).
 
-From a ZeRO-1 plan with r >= 2 copies the switch takes two rounds (why: runtime/elastic/state.py): the
+From a ZeRO-1 plan with r >= 2 copies the switch takes two rounds (why: runtime/torchfree/elastic/state.py): the
 moments' chunks first become full moments on every surviving replica, then the usual fused BSR runs; a
 ZeRO-1 destination keeps only its chunks of the moments it receives.
 """
@@ -50,7 +50,7 @@ StageObserver = Callable[[int, Any, str], None]
 
 def move_state_staged(switch: Any, src: Any, dst: Any, groups: Any, steps_done: int, device: Any,
                       observe: StageObserver | None = None) -> None:
-    """This device's part of a staged switch (runtime/elastic/staging.py ``StagedSwitch``, collective over
+    """This device's part of a staged switch (runtime/torchfree/elastic/staging.py ``StagedSwitch``, collective over
     each stage's devices) from program ``src`` to program ``dst`` (None where the strategy leaves this device
     idle): per stage, ``dst``'s tensors of the unit are allocated and written in place by the stage's fused
     BSR, then ``src``'s tensors of it are freed. Without ZeRO-1 (a documents run has none)."""
@@ -82,11 +82,11 @@ def _full_moments(src: Any, excluded: Any, source: dict[str, Any], groups: Any,
     sharded slices' parameters too, from their chunks' holders)."""
     import torch
 
-    from runtime.annotations.from_plan import strategy_annotations
-    from runtime.annotations.states import relative
     from runtime.comm.execute import run_bsr
-    from runtime.elastic.state import MOMENT_SUFFIXES, moment_key, moment_slices, plan_moment_gather
     from runtime.engine.optim import flat_range
+    from runtime.torchfree.annotations.from_plan import strategy_annotations
+    from runtime.torchfree.annotations.states import relative
+    from runtime.torchfree.elastic.state import MOMENT_SUFFIXES, moment_key, moment_slices, plan_moment_gather
 
     me = groups.my_device
     plan = plan_moment_gather(src, excluded, ungathered=ungathered)
@@ -140,9 +140,9 @@ def _keep_chunks(program: Any, state: dict[str, Any]) -> None:
     """A ZeRO-1 program keeps its chunks of the full moments (parameter layout) that the switch delivered."""
     import torch
 
-    from runtime.annotations.states import relative
-    from runtime.elastic.state import MOMENT_SUFFIXES
     from runtime.engine.optim import flat_range
+    from runtime.torchfree.annotations.states import relative
+    from runtime.torchfree.elastic.state import MOMENT_SUFFIXES
 
     pieces = program.moment_pieces()
     if not pieces:

@@ -8,11 +8,11 @@ whose one device's loss would end an elastic run.
 
 from __future__ import annotations
 
-from runtime.elastic.state import check_compatible, lost_tensors
-from runtime.errors import HspmdError
 from runtime.launch.options import PlannedSwitch, TrainOptions
-from runtime.spec import PlanContext, load_plan_context
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.elastic.state import check_compatible, lost_tensors
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec import PlanContext, load_plan_context
+from runtime.torchfree.spec.handle import StrategyHandle
 
 
 def first_step(options: TrainOptions, ctx: PlanContext) -> int:

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Literal, get_args
 from runtime.launch.options import rank_map
 
 if TYPE_CHECKING:  # annotations only: this module stays importable without torch
-    from runtime.comm.bsr import BsrPlan
-    from runtime.spec.handle import StrategyHandle
+    from runtime.torchfree.comm.bsr import BsrPlan
+    from runtime.torchfree.spec.handle import StrategyHandle
 
 Then = Literal["next", "hold"]
 

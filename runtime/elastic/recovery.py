@@ -3,7 +3,7 @@
 * ``sort_errors``: a worker's error near a device failure (or while the survivors leave a failed step) is
   that failure's consequence; one with no failure within the grace window is a genuine error.
 * ``replan_for_survivors``: the plan for the survivors is looked up among those made ahead
-  (runtime/elastic/preplan.py) or asked of the ``replan`` callback now; either way it must use only live
+  (runtime/torchfree/elastic/preplan.py) or asked of the ``replan`` callback now; either way it must use only live
   devices and keep the model and the training settings (``check_compatible``). A failure no plan fits stops
   the run (``UnrecoverableFailure``).
 * ``plan_recovery``: the transition to that plan in a new world, its fused BSR planned once.
@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable, Iterable
 
 from runtime.elastic.incident import Incident, UnrecoverableFailure, device_list
-from runtime.elastic.preplan import Preplanner, Replanner
 from runtime.elastic.protocol import Transition, World
-from runtime.elastic.state import check_compatible, plan_moment_gather, plan_switch
-from runtime.errors import HspmdError
 from runtime.launch.messages import WorkerError
 from runtime.launch.supervise import WorkerHandle
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.elastic.preplan import Preplanner, Replanner
+from runtime.torchfree.elastic.state import check_compatible, plan_moment_gather, plan_switch
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec.handle import StrategyHandle
 
 TimedError = tuple[float, WorkerHandle, WorkerError]  # when it arrived (monotonic), from whom, what
 

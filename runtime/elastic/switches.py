@@ -13,11 +13,11 @@ from typing import Any
 
 from runtime.elastic.incident import device_list, slowest
 from runtime.elastic.joining import Growth
-from runtime.elastic.preplan import Replanner
 from runtime.elastic.protocol import Switched, Transition
-from runtime.elastic.state import check_compatible
-from runtime.errors import HspmdError
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.elastic.preplan import Replanner
+from runtime.torchfree.elastic.state import check_compatible
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec.handle import StrategyHandle
 
 Log = Callable[[str], None]
 Report = Callable[[dict[str, Any], Callable[[dict[str, Any]], str]], None]

@@ -48,7 +48,7 @@ from runtime.launch.messages import Log, StepDone, Up
 from runtime.launch.options import WorkerSpec
 from runtime.launch.session import Reporter, Session
 from runtime.launch.worker import Inbox, classify
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.spec.handle import StrategyHandle
 
 
 class Aborted(Exception):

@@ -2,17 +2,17 @@
 
 The launcher (runtime/launch/) creates the world and calls, per worker::
 
-    handle = StrategyHandle.of(plan_context, strategy_name)            # runtime/spec/handle.py
+    handle = StrategyHandle.of(plan_context, strategy_name)            # runtime/torchfree/spec/handle.py
     groups = ProcessGroups(DeviceProgram.required_groups(handle), ranks, timeout=...)
     program = DeviceProgram(WorkerContext(handle, device_id, ranks, torch_device, timeout), groups, hooks)
     stats = program.train_step(global_batch)      # StepStats, the same loss/grad_norm on every rank
 
 ``ReferenceTrainer`` is the single-process training every plan must reproduce.
 
-The planning half is pure and imports no torch: the action lists (runtime/pipeline_schedules.py, through
-``handle.pipeline_schedule``), ``specialize``
-(``specialize(handle, device) -> DevicePlan``), ``describe`` and ``zero`` (ZeRO-1's layout). The
-executing half (``program``, ``pipeline``, ``data_parallel``, ``tensor_parallel``, ``optim``,
-``reference``, ``api``) needs torch; import it from its module. This package imports neither, so
-``import runtime.engine.specialize`` stays torch-free.
+The planning half imports no torch and lives in runtime/torchfree/engine/: ``specialize``
+(``specialize(handle, device) -> DevicePlan``), ``describe`` and ``zero`` (ZeRO-1's layout); the action
+lists come from runtime/torchfree/pipeline_schedules.py through ``handle.pipeline_schedule``. The
+modules here (``program``, ``pipeline``, ``data_parallel``, ``tensor_parallel``, ``optim``,
+``reference``, ``api``) execute and need torch; import each from its module: this package imports
+none of them.
 """

@@ -10,8 +10,8 @@ from typing import Protocol
 
 import torch
 
-from runtime.precision import Precision
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.precision import Precision
+from runtime.torchfree.spec.handle import StrategyHandle
 
 SpanKind = str  # "compute" | "comm"
 
@@ -25,7 +25,7 @@ class WorkerContext:
     ranks: Mapping[int, int]  # device id -> rank in the current torch.distributed world
     torch_device: torch.device  # cpu, or cuda:local_rank
     timeout: timedelta  # for every process group and collective
-    precision: Precision = "auto"  # autocast policy (runtime/precision.py)
+    precision: Precision = "auto"  # autocast policy (runtime/torchfree/precision.py)
 
 
 class Hooks(Protocol):

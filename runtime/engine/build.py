@@ -14,11 +14,11 @@ from collections.abc import Mapping
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from runtime.engine.specialize import ChunkRole, ParamShard, chunk_parameters
 from runtime.engine.tensor_parallel import apply_tensor_parallel, local_tensor
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.moe import causal_lm
-from runtime.spec.model import ModelSpec
+from runtime.torchfree.engine.specialize import ChunkRole, ParamShard, chunk_parameters
+from runtime.torchfree.spec.model import ModelSpec
 
 
 def build_chunk(spec: ModelSpec, chunk: ChunkRole, shards: Mapping[str, ParamShard], *, seed: int,

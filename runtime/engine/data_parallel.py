@@ -3,7 +3,7 @@
 Every pipeline holds every parameter, each at its own TP degree: after the backward pass a parameter's
 gradient is partial across pipelines (HDim -2, one summand per pipeline) and must become the full
 gradient on every holder (HDim -1). Pipelines at different TP degrees make this a SplitAllReduce, which
-the communication layer lays out from the annotations (runtime/comm/gradsync.py) and which runs here
+the communication layer lays out from the annotations (runtime/torchfree/comm/gradsync.py) and which runs here
 fused into its buckets (one all-reduce per device group per bucket). A single pipeline has nothing to
 sync.
 """
@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from runtime.annotations.states import Annotation, relative, volume
-from runtime.comm.gradsync import SyncBucket
 from runtime.comm.groups import ProcessGroups
+from runtime.torchfree.annotations.states import Annotation, relative, volume
+from runtime.torchfree.comm.gradsync import SyncBucket
 
 
 class GradientSync:

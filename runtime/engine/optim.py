@@ -15,11 +15,11 @@ from typing import Any, NamedTuple
 import torch
 from torch.optim.adamw import adamw
 
-from runtime.annotations.states import Region, relative, volume
 from runtime.comm.execute import all_gather_flat
 from runtime.comm.groups import ProcessGroups
-from runtime.engine.zero import ZeroBucket, ZeroSlice, moment_pieces
-from runtime.spec import OptimizerSettings
+from runtime.torchfree.annotations.states import Region, relative, volume
+from runtime.torchfree.engine.zero import ZeroBucket, ZeroSlice, moment_pieces
+from runtime.torchfree.spec import OptimizerSettings
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 IN_FLIGHT = 2  # ZeRO-1 parameter all-gathers outstanding at once (each at most a gradient-sync bucket)
@@ -119,7 +119,7 @@ class LocalAdamW:
             else:
                 self.optimizer.state.pop(p, None)
 
-    # -- holding no state while another strategy runs (a documents run: runtime/elastic/staging.py) ----------
+    # -- holding no state while another strategy runs (a documents run: runtime/torchfree/elastic/staging.py) ----------
 
     def release(self, names: Sequence[str] | None = None) -> None:
         """Free the storage of these shards (all: None) and drop their moments. The tensors keep their shapes
@@ -152,7 +152,7 @@ class LocalAdamW:
             st.resize_(self._storage_bytes[i])
 
 # ---------------------------------------------------------------------------------------------------
-# ZeRO-1 (runtime/engine/zero.py lays the moments out)
+# ZeRO-1 (runtime/torchfree/engine/zero.py lays the moments out)
 
 
 def flat_range(view: torch.Tensor, start: int, stop: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ every device of the sending group, since each one runs the backward of its own c
 The communication layer resolves both directions from the annotations (send/recv between groups of the
 same size, BSR between different TP degrees; specialize.py ``stage_routes``). Here each message is
 posted as a non-blocking ``isend`` / ``irecv`` when the schedule's action list says so
-(runtime/schedule_types.py: ``PostSend``, ``PostRecv``, ``WaitRecv``, ``WaitSends``).
+(runtime/torchfree/schedule_types.py: ``PostSend``, ``PostRecv``, ``WaitRecv``, ``WaitSends``).
 
 The action lists post a device pair's messages in one and the same order on both sides, which is what
 NCCL needs (it matches a pair's operations in post order, on one stream per pair). Gloo matches by tag:
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.comm.execute import pack_message, recv_buffer, start_output, unpack_message
-from runtime.comm.resolve import CommOp
+from runtime.torchfree.comm.resolve import CommOp
 
 
 def connect_peers(me: int, peers: set[int], ranks: dict[int, int], device: torch.device) -> None:

@@ -4,7 +4,7 @@ One instance per worker. Construction specializes the plain model for this devic
 chunk the stage holds, each with its layers only; DTensor TP inside its stage group, boundary routes per
 virtual-stage boundary, gradient-sync buckets across pipelines, AdamW on local shards, or ZeRO-1 over
 the pipelines with ``training.zero``: zero.py); ``train_step`` walks the pipeline schedule's action
-list for this stage (runtime/pipeline_schedules.py), then syncs and steps.
+list for this stage (runtime/torchfree/pipeline_schedules.py), then syncs and steps.
 """
 
 from __future__ import annotations
@@ -17,20 +17,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from runtime.annotations.from_plan import strategy_groups
 from runtime.comm.execute import torch_dtype
 from runtime.comm.groups import ProcessGroups
-from runtime.comm.resolve import CommOp
 from runtime.device_clock import SpanTimes, device_clock
 from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
 from runtime.engine.build import build_chunk
 from runtime.engine.data_parallel import GradientSync
-from runtime.engine.describe import COMPUTE_NAMES, ProgramDescription, action_name, describe_plan
 from runtime.engine.microbatch import MicroBatch, StepBatch, window_micro_batch
 from runtime.engine.optim import LocalAdamW, ShardedAdamW, clip_coefficient
 from runtime.engine.pipeline import BoundaryChannel, connect_peers
 from runtime.engine.reference import autocast_for, step_casts
-from runtime.engine.specialize import (
+from runtime.engine.tensor_parallel import local_tensor
+from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
+from runtime.models.moe import MoeForCausalLM
+from runtime.torchfree.annotations.from_plan import strategy_groups
+from runtime.torchfree.comm.resolve import CommOp
+from runtime.torchfree.engine.describe import COMPUTE_NAMES, ProgramDescription, action_name, describe_plan
+from runtime.torchfree.engine.specialize import (
     BOUNDARY_DTYPE,
     BoundaryOps,
     DevicePlan,
@@ -40,13 +43,10 @@ from runtime.engine.specialize import (
     stage_actions,
     weight_grad_from_outputs,
 )
-from runtime.engine.tensor_parallel import local_tensor
-from runtime.engine.zero import MomentPiece
-from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
-from runtime.models.moe import MoeForCausalLM
-from runtime.pipeline_schedules import Action, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
-from runtime.precision import Precision
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.engine.zero import MomentPiece
+from runtime.torchfree.pipeline_schedules import Action, Compute, Message, PostRecv, PostSend, WaitRecv, WaitSends
+from runtime.torchfree.precision import Precision
+from runtime.torchfree.spec.handle import StrategyHandle
 
 
 class DeviceProgram:
@@ -238,7 +238,7 @@ class DeviceProgram:
 
     def release_state(self, names: Sequence[str] | None = None) -> None:
         """Free these parameters' shards and moments (every one: None) while the program stays built: a
-        documents run keeps only its current strategy's state (runtime/elastic/staging.py)."""
+        documents run keeps only its current strategy's state (runtime/torchfree/elastic/staging.py)."""
         self._local_optimizer().release(names)
 
     def receive_state(self, names: Sequence[str], step: int) -> dict[str, torch.Tensor]:
@@ -354,7 +354,7 @@ class StepState:
 
     def __init__(self, device: torch.device, precision: Precision = "auto") -> None:
         self.device = device
-        self.precision = precision  # the autocast policy of its compute (runtime/precision.py)
+        self.precision = precision  # the autocast policy of its compute (runtime/torchfree/precision.py)
         self.inputs: dict[Hashable, torch.Tensor] = {}
         self.outputs: dict[Hashable, torch.Tensor] = {}
         self.sent: dict[Hashable, torch.Tensor] = {}

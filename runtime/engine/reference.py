@@ -16,8 +16,8 @@ from runtime.engine.api import StepStats
 from runtime.engine.optim import build_adamw, clip_coefficient, set_lr
 from runtime.models.llama import causal_lm_loss_sum
 from runtime.models.moe import MoeForCausalLM, causal_lm
-from runtime.precision import Precision, uses_bf16
-from runtime.spec import ModelSpec, TrainingSettings
+from runtime.torchfree.precision import Precision, uses_bf16
+from runtime.torchfree.spec import ModelSpec, TrainingSettings
 
 
 def autocast_for(device: torch.device, precision: Precision = "auto") -> contextlib.AbstractContextManager[None]:

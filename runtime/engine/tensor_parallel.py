@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from runtime.models.params import ParamInfo
+from runtime.torchfree.models.params import ParamInfo
 
 SEQUENCE_DIM = 1   # hidden states are [batch, seq, hidden]
 

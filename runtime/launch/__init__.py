@@ -7,7 +7,8 @@
 * ``run_torchrun(options, TorchrunEnv.detect(os.environ), ...)`` (torchrun.py): the same worker under
   torchrun, for multi-node runs.
 * ``train_worker`` (worker.py): the per-device loop both share, on a ``Session`` (session.py);
-  messages.py: the words on the pipes. Submodules import torch lazily: importing this package is cheap.
+  the words on the pipes and the run's options are torch-free, in
+  runtime/torchfree/launch/. Submodules import torch lazily: importing this package is cheap.
 """
 
 from runtime.launch.launcher import launch

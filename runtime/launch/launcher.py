@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.errors import HspmdError
 from runtime.launch.messages import Start
 from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, rank_map
 from runtime.launch.placement import CudaGpus, GpuProbe, pin_gpu_order
@@ -29,8 +28,9 @@ from runtime.launch.session import (
     sleep_mode_problem,
 )
 from runtime.launch.supervise import LocalWorkers, PlainPolicy, Policy, Run, RunSummary, supervise
-from runtime.spec import PlanContext, load_plan_context
-from runtime.spec.catalog import check_trainable
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec import PlanContext, load_plan_context
+from runtime.torchfree.spec.catalog import check_trainable
 
 STORE_HOST = "127.0.0.1"
 

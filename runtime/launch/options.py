@@ -7,13 +7,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
-from runtime.dispatch import StrategyCost
 from runtime.launch.placement import CudaGpus, GpuProbe
-from runtime.precision import PRECISIONS, Precision
 from runtime.profiling.host import WorkerCpus
+from runtime.torchfree.dispatch import StrategyCost
+from runtime.torchfree.precision import PRECISIONS, Precision
 
 if TYPE_CHECKING:
-    from runtime.spec import PlanContext
+    from runtime.torchfree.spec import PlanContext
 
 FaultKind = Literal["error", "user-error", "exit", "kill", "hang"]
 FaultPoint = Literal["start", "after-commit"]
@@ -151,14 +151,14 @@ class TrainOptions:
     # the coordinator adopts it when the predicted gain beats the switch cost), and whole nodes lost.
     rejoins: tuple[Rejoin, ...] = ()
     node_kills: tuple[NodeKill, ...] = ()
-    precision: Precision = "auto"  # autocast policy (runtime/precision.py)
+    precision: Precision = "auto"  # autocast policy (runtime/torchfree/precision.py)
     # Documents (docs/lengths.md): synthetic lengths (a distribution name or histogram file), a local
     # tokenizer.json for --data, and what happens to documents longer than training.seq_len.
     lengths: str | None = None
     tokenizer: Path | None = None
     long_documents: str = "split"
     # Documents runs: the cost models dispatch weighs, one per run strategy in plan order (None: priced from the
-    # plan alone, runtime/dispatch.py ``plan_strategy_cost``); e.g. the planner's, from measured profiles.
+    # plan alone, runtime/torchfree/dispatch.py ``plan_strategy_cost``); e.g. the planner's, from measured profiles.
     dispatch_costs: tuple[StrategyCost, ...] | None = None
     # This machine's node in the cluster file (None: its host name), and how its GPUs are read (tests
     # describe a machine instead): the placement check every worker makes (runtime/launch/placement.py).
@@ -247,7 +247,7 @@ class LengthsStep:
     padding_fraction: float  # padded slots / all token slots of the step's micro-batches
     imbalance: float  # slowest / mean predicted pipeline time
     predicted_s: float  # the chosen strategy's modelled step time
-    method: str  # "ilp" or "greedy" (runtime/dispatch.py)
+    method: str  # "ilp" or "greedy" (runtime/torchfree/dispatch.py)
     dispatch_s: float = 0.0  # this device's wall time computing the dispatch (and packing the step)
     switched_from: str | None = None  # the previous step's strategy, when this step switched
     switch_s: float = 0.0  # this device's wall time of the in-memory switch (fused BSR)

@@ -26,8 +26,8 @@ import socket
 from dataclasses import dataclass
 from typing import Protocol
 
-from runtime.errors import HspmdError
-from runtime.spec.cluster import Cluster, DeviceType
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec.cluster import Cluster, DeviceType
 
 GIB = 1024**3
 # A GPU's reported memory is below its nominal size (an 80 GB H100 reports 79.2 GiB, ECC and the driver's

@@ -21,14 +21,14 @@ from typing import Any
 
 from runtime.comm.abort import abort_world, apply_nccl_environment, sever_tcp_connections
 from runtime.device_clock import Progress, ProgressHooks
-from runtime.errors import HspmdError, Problem, SpecError
 from runtime.launch.messages import FaultFiring, Log
 from runtime.launch.options import Fault, FaultPoint, LengthsStep, StepReport, TrainOptions, WorkerSpec
 from runtime.launch.placement import check_placement, pin_gpu_order
-from runtime.precision import uses_bf16
-from runtime.spec import PlanContext
-from runtime.spec.handle import StrategyHandle
-from runtime.spec.plan import TrainingSettings
+from runtime.torchfree.errors import HspmdError, Problem, SpecError
+from runtime.torchfree.precision import uses_bf16
+from runtime.torchfree.spec import PlanContext
+from runtime.torchfree.spec.handle import StrategyHandle
+from runtime.torchfree.spec.plan import TrainingSettings
 
 TRACE_MERGED = "trace.json"
 DISPATCH_STATE = "dispatch.json"  # beside a documents run's checkpoint: the strategy its last step ran
@@ -47,7 +47,7 @@ def read_dispatch_state(load_dir: Path) -> str | None:
     """The strategy a documents run's last saved step ran (``DISPATCH_STATE`` beside its checkpoint), or
     None where none is recorded. Read strictly: a broken file is the user's, not a worker's crash."""
     from runtime.checkpoint import resolve_checkpoint
-    from runtime.spec.hf import read_config
+    from runtime.torchfree.spec.hf import read_config
 
     path = resolve_checkpoint(load_dir) / DISPATCH_STATE
     if not os.path.lexists(path):
@@ -161,7 +161,7 @@ class Session:
         import torch
 
         from runtime.data import token_source
-        from runtime.spec import load_plan_context
+        from runtime.torchfree.spec import load_plan_context
 
         self.spec, self.store, self.report = spec, store, report
         self.options = options = spec.options
@@ -529,7 +529,7 @@ def documents_line(source: Any) -> str:
 
 class DocumentSteps:
     """A documents run on one device: every strategy's program built once at start-up; per step the dispatch
-    (runtime/dispatch.py: the strategy, with hysteresis against switching, and each document's pipeline and
+    (runtime/torchfree/dispatch.py: the strategy, with hysteresis against switching, and each document's pipeline and
     micro-batch), computed identically on every device so nothing is communicated; a switch when the step's
     strategy is not the one holding the state; then the step on the chosen strategy's program (devices it
     leaves idle sit it out).
@@ -545,8 +545,8 @@ class DocumentSteps:
     def __init__(self, ctx: PlanContext, names: tuple[str, ...], *, me: int, groups: Any, device: Any,
                  build: Callable[[StrategyHandle], Any], source: Any, costs: list[Any] | None = None,
                  recorder: Any = None, observe: Callable[[int, Any, str], None] | None = None) -> None:
-        from runtime.dispatch import plan_strategy_cost
         from runtime.engine.program import DeviceProgram
+        from runtime.torchfree.dispatch import plan_strategy_cost
 
         self.ctx, self.me, self.groups, self.device = ctx, me, groups, device
         self.source, self.recorder, self.observe = source, recorder, observe
@@ -569,7 +569,7 @@ class DocumentSteps:
     def switch_plan(self, src: int, dst: int) -> Any:
         """The staged switch moving every parameter and moment from strategy ``src``'s layout to ``dst``'s."""
         if (src, dst) not in self._switches:
-            from runtime.elastic.staging import plan_staged_switch
+            from runtime.torchfree.elastic.staging import plan_staged_switch
 
             self._switches[src, dst] = plan_staged_switch(self.handles[src], self.handles[dst])
         return self._switches[src, dst]
@@ -621,9 +621,9 @@ class DocumentSteps:
     def prepare(self, step: int) -> tuple[Any, Any, LengthsStep]:
         """Dispatch ``step``, switch state when its strategy differs from the previous step's, and return
         the program to run (None: idle here), the packed ``StepBatch`` and what was decided."""
-        from runtime.dispatch import dispatch
         from runtime.elastic.move import move_state_staged
         from runtime.engine.microbatch import documents_step_batch
+        from runtime.torchfree.dispatch import dispatch
 
         t_dispatch = time.perf_counter()
         docs = self.source.documents(step)

@@ -22,12 +22,12 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
-from runtime.errors import HspmdError
 from runtime.launch.messages import Exited, Heartbeat, Log, Lost, Start, StepDone, Up, WorkerError
 from runtime.launch.options import StepRecord, StepReport, TrainOptions, WorkerSpec
 from runtime.launch.session import run_devices
 from runtime.launch.worker import WorkerLoop, process_main, train_worker
-from runtime.spec import PlanContext
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec import PlanContext
 
 FAILURE_GRACE_S = 0.5  # after the first failure, how long to wait for its root cause to report
 STOP_GRACE_S = 2.0  # how long a stopped worker gets to exit before SIGKILL

@@ -15,14 +15,14 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from runtime.errors import HspmdError
 from runtime.launch.messages import Log, StepDone
 from runtime.launch.options import StepRecord, TrainOptions, WorkerSpec, rank_map
 from runtime.launch.placement import pin_gpu_order, this_node, torchrun_device
 from runtime.launch.session import Reporter, run_devices
 from runtime.launch.worker import train_worker
-from runtime.spec import load_plan_context
-from runtime.spec.catalog import check_trainable
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.catalog import check_trainable
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from runtime.device_clock import Progress, device_clock
-from runtime.errors import HspmdError
 from runtime.launch.messages import Heartbeat, Log, Start, StepDone, Up, WorkerError
 from runtime.launch.options import WorkerSpec
 from runtime.launch.session import Reporter, Session, document_steps, documents_step
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec.handle import StrategyHandle
 
 
 def train_worker(spec: WorkerSpec, store: Any, report: Reporter, inbox: Inbox | None = None,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.models.attention import Attend, causal_attention, document_attention
-from runtime.spec.model import ModelSpec, RopeScaling
+from runtime.torchfree.spec.model import ModelSpec, RopeScaling
 
 INIT_STD = 0.02
 

@@ -1,12 +1,12 @@
 """Mixture-of-experts decoder layers for the runtime's Llama (Mixtral, Qwen2-MoE), plain PyTorch.
 
-A MoE layer is the Llama layer with its MLP replaced by a MoE block (``runtime/spec/moe.py`` says which
+A MoE layer is the Llama layer with its MLP replaced by a MoE block (``runtime/torchfree/spec/moe.py`` says which
 layers): a router scores every expert per token (softmax), the top-k are chosen (on the scores plus a
 per-expert bias when DeepSeek-V3's auxiliary-loss-free balancing is on) and weighted by their
 probabilities (renormalised to sum 1 when ``norm_topk_prob``); tokens are sorted by expert and each expert
 computes its tokens in one GEMM chain (dropless, or the first ``capacity`` tokens in token order under a
 capacity factor); shared experts see every token. Parameter names are Hugging Face's for the family
-(runtime/models/moe_names.py), so checkpoints need no renaming.
+(runtime/torchfree/models/moe_names.py), so checkpoints need no renaming.
 
 The load-balancing loss (Switch Transformer's, normalised to 1 when the load is even) is attached to the
 block's output by an identity autograd function whose backward adds its gradient: the loss function and
@@ -23,9 +23,9 @@ from torch import nn
 
 from runtime.models.attention import Attend
 from runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, RMSNorm
-from runtime.models.moe_names import MOE_NAMES, ROUTER, SHARED, SHARED_GATE, SWIGLU_NAMES, MoeNames
-from runtime.spec.model import ModelSpec
-from runtime.spec.moe import MoeSpec
+from runtime.torchfree.models.moe_names import MOE_NAMES, ROUTER, SHARED, SHARED_GATE, SWIGLU_NAMES, MoeNames
+from runtime.torchfree.spec.model import ModelSpec
+from runtime.torchfree.spec.moe import MoeSpec
 
 
 class Expert(nn.Module):

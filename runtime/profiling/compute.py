@@ -47,12 +47,12 @@ from runtime.engine.program import (
 from runtime.engine.reference import autocast_for, step_casts
 from runtime.engine.tensor_parallel import apply_tensor_parallel
 from runtime.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, causal_lm_loss_sum, rope_tables
-from runtime.models.params import llama_parameters
-from runtime.precision import Precision
 from runtime.profiling.fit import Sample, fit_per_param, trimmed_mean
-from runtime.profiling.profile import COMPONENTS, OptimizerFit
-from runtime.spec.model import ModelSpec
-from runtime.spec.plan import OptimizerSettings
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.precision import Precision
+from runtime.torchfree.profiling.profile import COMPONENTS, OptimizerFit
+from runtime.torchfree.spec.model import ModelSpec
+from runtime.torchfree.spec.plan import OptimizerSettings
 
 
 def cuda_framework_gib(device: torch.device) -> float:
@@ -551,7 +551,7 @@ def measure_step_epilogue(models: Sequence[ModelSpec], tp_degrees: Sequence[int]
 def measure_sync_pack(models: Sequence[ModelSpec], tp_degrees: Sequence[int], *,
                       device: torch.device | str = "cpu", reps: int = 9) -> OptimizerFit:
     """The local work of the cross-pipeline gradient sync around its all-reduce, as
-    runtime/comm/gradsync.py ``GradientSync.sync`` does it: each gradient's slice flattened and
+    runtime/torchfree/comm/gradsync.py ``GradientSync.sync`` does it: each gradient's slice flattened and
     concatenated into the bucket, then copied back slice by slice. On the gradients of every
     ``STAGE_VARIANTS`` stage; fitted per parameter, per tensor and fixed (``OptimizerFit``'s form)."""
     device = torch.device(device)

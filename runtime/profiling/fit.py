@@ -9,8 +9,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from runtime.profiling.profile import ComponentFit, Fit, LinkFit, MeasuredModel, OptimizerFit
-from runtime.spec.model import ModelSpec
+from runtime.torchfree.profiling.profile import ComponentFit, Fit, LinkFit, MeasuredModel, OptimizerFit
+from runtime.torchfree.spec.model import ModelSpec
 
 
 @dataclass(frozen=True)

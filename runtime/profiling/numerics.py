@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from runtime.models.llama import LlamaAttention, LlamaMLP, RMSNorm, causal_lm_loss_sum, rope_tables
-from runtime.profiling.profile import COMPONENTS
-from runtime.spec.model import ModelSpec
+from runtime.torchfree.profiling.profile import COMPONENTS
+from runtime.torchfree.spec.model import ModelSpec
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

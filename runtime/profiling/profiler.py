@@ -23,12 +23,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runtime.errors import HspmdError, InfeasibleError
 from runtime.profiling import compute, host
 from runtime.profiling.fit import Sample, fit_component, measured_model, rounded
 from runtime.profiling.host import WorkerCpus
 from runtime.profiling.links import p2p_and_allreduce
-from runtime.profiling.profile import (
+from runtime.torchfree.errors import HspmdError, InfeasibleError
+from runtime.torchfree.profiling.profile import (
     COMPONENTS,
     PROFILE_VERSION,
     CommFigures,
@@ -41,8 +41,8 @@ from runtime.profiling.profile import (
     Source,
     save_profile,
 )
-from runtime.spec.cluster import Cluster
-from runtime.spec.model import ModelSpec
+from runtime.torchfree.spec.cluster import Cluster
+from runtime.torchfree.spec.model import ModelSpec
 
 Progress = Callable[[str, int], None]  # (what is being measured now, steps done since last call)
 

@@ -12,8 +12,8 @@ from oracles import optimizer_state
 from runtime.checkpoint import read_saved
 from runtime.data import token_source
 from runtime.engine.reference import ReferenceTrainer
-from runtime.spec import PlanContext, load_plan, load_plan_context, save_plan
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.spec import PlanContext, load_plan, load_plan_context, save_plan
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 REPO = Path(__file__).resolve().parents[2]
 HETERO_PLAN = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"
@@ -101,10 +101,10 @@ def switch_roundtrip_job(w, plan_a: str, plan_b: str, batches: list) -> dict | N
     from datetime import timedelta
 
     from runtime.elastic.move import move_state
-    from runtime.elastic.state import plan_switch
     from runtime.engine.api import WorkerContext as EngineContext
     from runtime.engine.program import DeviceProgram
-    from runtime.spec.handle import StrategyHandle
+    from runtime.torchfree.elastic.state import plan_switch
+    from runtime.torchfree.spec.handle import StrategyHandle
 
     timeout = timedelta(seconds=60)
     a, b = StrategyHandle.of(load_plan_context(plan_a), "a"), StrategyHandle.of(load_plan_context(plan_b), "b")

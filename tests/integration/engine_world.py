@@ -51,7 +51,7 @@ class RecordingHooks:
 
 def plan_with(plan: str, schedule: str | None = None, zero: bool | None = None, redundancy: int | None = None):
     """The plan's context, with its schedule and ZeRO-1 settings replaced where given."""
-    from runtime.spec import load_plan_context
+    from runtime.torchfree.spec import load_plan_context
 
     ctx = load_plan_context(plan)
     changes: dict[str, Any] = {}
@@ -75,7 +75,7 @@ def train_job(w: WorkerContext, plan: str, batches: list[np.ndarray], schedule: 
     from runtime.checkpoint import load_checkpoint, save_checkpoint
     from runtime.engine.api import WorkerContext as EngineContext
     from runtime.engine.program import DeviceProgram
-    from runtime.spec.handle import StrategyHandle
+    from runtime.torchfree.spec.handle import StrategyHandle
 
     ctx = plan_with(plan, schedule, zero, redundancy)
     handle = StrategyHandle.of(ctx)
@@ -139,8 +139,8 @@ def saved_activation_job(w: WorkerContext, plan: str) -> dict[str, Any] | None:
     local shard)."""
     from runtime.engine.tensor_parallel import apply_tensor_parallel, local_tensor
     from runtime.models.llama import LlamaForCausalLM, RMSNorm
-    from runtime.models.params import llama_parameters
-    from runtime.spec import load_plan_context
+    from runtime.torchfree.models.params import llama_parameters
+    from runtime.torchfree.spec import load_plan_context
 
     ctx = load_plan_context(plan)
     stage = next(s for p in ctx.plan.strategies[0].pipelines for s in p.stages if s.tp > 1)
@@ -205,7 +205,7 @@ def bf16_weight_copies_job(w: WorkerContext, plan: str, batches: list[np.ndarray
 def _count_copies(w: WorkerContext, plan: str, batches: list[np.ndarray], program_module: Any
                   ) -> tuple[int, list[float], int, int] | None:
     from runtime.engine.api import WorkerContext as EngineContext
-    from runtime.spec.handle import StrategyHandle
+    from runtime.torchfree.spec.handle import StrategyHandle
 
     handle = StrategyHandle.of(plan_with(plan))
     w.groups.ensure(program_module.DeviceProgram.required_groups(handle))

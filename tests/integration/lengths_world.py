@@ -26,7 +26,7 @@ def source(ctx, bins=BINS, tokens_per_step: int | None = None, seed: int = 0):
 def scaled_costs(ctx, names: tuple[str, ...], slower: dict[str, float]):
     """The plan-derived cost models, with the named strategies made ``slower`` times slower (so that the
     hysteresis takes switches both ways on this tiny model: what is under test is the switch, not the model)."""
-    from runtime.dispatch import CostModel, PipelineCost, StageCost, StrategyCost, plan_strategy_cost
+    from runtime.torchfree.dispatch import CostModel, PipelineCost, StageCost, StrategyCost, plan_strategy_cost
 
     out = []
     for n in names:
@@ -61,7 +61,7 @@ def documents_job(w: WorkerContext, plan: str, names: tuple[str, ...], steps: tu
     from runtime.engine.api import WorkerContext as EngineContext
     from runtime.engine.program import DeviceProgram
     from runtime.launch.session import DocumentSteps
-    from runtime.spec import load_plan_context
+    from runtime.torchfree.spec import load_plan_context
 
     ctx = load_plan_context(plan)
 
@@ -133,11 +133,11 @@ def holdings_job(w: WorkerContext, plan: str, names: tuple[str, ...], steps: tup
                  slower: dict[str, float] | None = None) -> Holdings:
     """A documents run that records what each strategy's program holds after every step and at both phases
     of every switch stage (``DocumentSteps``'s observer), beside the staged switch plan's model of it."""
-    from runtime.elastic.staging import end_bytes, stage_bytes, start_bytes
     from runtime.engine.api import WorkerContext as EngineContext
     from runtime.engine.program import DeviceProgram
     from runtime.launch.session import DocumentSteps
-    from runtime.spec import load_plan_context
+    from runtime.torchfree.elastic.staging import end_bytes, stage_bytes, start_bytes
+    from runtime.torchfree.spec import load_plan_context
 
     ctx = load_plan_context(plan)
     out = Holdings(w.device, [], [], [], {})

@@ -11,15 +11,15 @@ import torch
 import torch.distributed as dist
 from oracles import local_view, to_placements
 
-from runtime.annotations import Annotation, DistributedStates
-from runtime.annotations.from_plan import annotate_strategy, strategy_groups
-from runtime.comm.bsr import TensorMove, plan_bsr
 from runtime.comm.execute import pack_message, recv_buffer, run_bsr, start_output, unpack_message
-from runtime.comm.gradsync import plan_sync
-from runtime.comm.resolve import resolve
 from runtime.comm.world import LocalWorld
 from runtime.engine.data_parallel import GradientSync
-from runtime.spec import Pipeline, Stage, Strategy, load_plan_context
+from runtime.torchfree.annotations import Annotation, DistributedStates
+from runtime.torchfree.annotations.from_plan import annotate_strategy, strategy_groups
+from runtime.torchfree.comm.bsr import TensorMove, plan_bsr
+from runtime.torchfree.comm.gradsync import plan_sync
+from runtime.torchfree.comm.resolve import resolve
+from runtime.torchfree.spec import Pipeline, Stage, Strategy, load_plan_context
 
 S = DistributedStates
 PLANS = Path(__file__).resolve().parents[2] / "configs" / "plans"
@@ -43,7 +43,7 @@ def three_device_strategy() -> Strategy:
 
 
 def param_values(model, seed: int, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    from runtime.models.params import llama_parameters
+    from runtime.torchfree.models.params import llama_parameters
 
     g = torch.Generator().manual_seed(seed)
     return {p.name: torch.randn(p.shape, generator=g).to(dtype) for p in llama_parameters(model)}

@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from oracles import local_view
 
-from runtime.annotations import Annotation, DistributedStates, Layout, LayoutError
 from runtime.comm.execute import execute
-from runtime.comm.resolve import resolve
 from runtime.comm.world import LocalWorld
-from runtime.errors import HspmdError
+from runtime.torchfree.annotations import Annotation, DistributedStates, Layout, LayoutError
+from runtime.torchfree.comm.resolve import resolve
+from runtime.torchfree.errors import HspmdError
 
 S = DistributedStates
 DEVICES = [20, 3, 11, 7, 21, 10]  # device id of each rank

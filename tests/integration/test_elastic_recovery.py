@@ -22,7 +22,7 @@ from elastic_helpers import (
 
 from runtime.elastic.coordinator import ElasticPolicy
 from runtime.launch import Fault, TrainOptions, launch
-from runtime.spec import load_plan_context
+from runtime.torchfree.spec import load_plan_context
 
 STEPS = 4
 FAST = {"timeout_s": 20.0, "heartbeat_timeout_s": 3.0}  # a bug fails fast instead of hanging

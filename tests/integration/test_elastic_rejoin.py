@@ -21,10 +21,10 @@ from elastic_helpers import (
 )
 
 from runtime.elastic.coordinator import ElasticPolicy
-from runtime.errors import HspmdError
 from runtime.launch import Fault, TrainOptions, launch
 from runtime.launch.options import Rejoin
-from runtime.spec import load_plan_context
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec import load_plan_context
 
 FAST = {"timeout_s": 20.0, "heartbeat_timeout_s": 3.0}
 

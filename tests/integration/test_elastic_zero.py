@@ -23,11 +23,11 @@ from elastic_helpers import (
 )
 
 from runtime.elastic.coordinator import ElasticPolicy
-from runtime.elastic.state import moment_slices
-from runtime.errors import HspmdError
 from runtime.launch import Fault, TrainOptions, launch
-from runtime.spec import load_plan, load_plan_context, save_plan
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.elastic.state import moment_slices
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec import load_plan, load_plan_context, save_plan
+from runtime.torchfree.spec.handle import StrategyHandle
 
 STEPS = 4
 FAST = {"timeout_s": 20.0, "heartbeat_timeout_s": 3.0}

@@ -15,8 +15,8 @@ from oracles import optimizer_state
 
 from runtime.checkpoint import read_saved
 from runtime.engine.reference import ReferenceTrainer
-from runtime.models.params import llama_parameters
-from runtime.spec import PlanContext, load_plan_context
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.spec import PlanContext, load_plan_context
 
 PLANS = Path(__file__).parent / "engine_plans"
 STEPS = 3

@@ -16,9 +16,9 @@ from engine_world import EngineWorld
 from test_engine_correctness import PLANS, check_against_reference, check_saved, make_batches
 
 from runtime.engine.reference import ReferenceTrainer
-from runtime.pipeline_schedules import check_schedule, schedule_timeline
-from runtime.spec import load_plan_context
-from runtime.spec.handle import StrategyHandle, plan_costs, plan_schedule
+from runtime.torchfree.pipeline_schedules import check_schedule, schedule_timeline
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.handle import StrategyHandle, plan_costs, plan_schedule
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from runtime.data import token_source
 from runtime.engine.reference import ReferenceTrainer
 from runtime.launch import TrainOptions, launch
 from runtime.models.llama import LlamaForCausalLM
-from runtime.spec import load_plan_context
+from runtime.torchfree.spec import load_plan_context
 
 transformers = pytest.importorskip("transformers")
 

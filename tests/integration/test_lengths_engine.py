@@ -17,8 +17,8 @@ from oracles import train_documents
 
 from runtime.comm.world import LocalWorld
 from runtime.engine.reference import ReferenceTrainer
-from runtime.models.params import llama_parameters
-from runtime.spec import load_plan_context
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.spec import load_plan_context
 
 PLANS = Path(__file__).parent / "engine_plans"
 PLAN = str(PLANS / "lengths-two.yaml")
@@ -141,7 +141,7 @@ def test_resume_mid_trace_continues_identically(world, switched, ctx, tmp_path):
 
 def test_only_the_current_strategy_holds_state_and_a_switch_moves_it_in_stages(world, ctx):
     """The bytes each program's tensors hold (counted from the tensors), after every step and at both phases
-    of every stage of every switch, against the staged switch plan (runtime/elastic/staging.py): the other
+    of every stage of every switch, against the staged switch plan (runtime/torchfree/elastic/staging.py): the other
     strategy holds nothing, each stage adds the destination's unit and then frees the source's, and the peak
     stays within max(A, B) + one stage, below the A + B of keeping both."""
     out = {h.device: h for h in world.run(holdings_job, PLAN, BOTH, (1, 2, 3, 4), SLOWER, timeout_s=300)}

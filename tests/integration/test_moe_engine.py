@@ -23,8 +23,8 @@ from test_engine_correctness import check_against_reference, make_batches
 from runtime.checkpoint import read_saved
 from runtime.engine.reference import ReferenceTrainer
 from runtime.models.moe import causal_lm
-from runtime.spec import load_plan_context
-from runtime.spec.io import read_yaml
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.io import read_yaml
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CLUSTER = Path(__file__).parent / "engine_plans" / "cpu-emu8.yaml"

@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from hetu_cli.main import cli
-from runtime.profiling.profile import load_profile, resolve_profiles
-from runtime.spec import load_cluster
+from runtime.torchfree.profiling.profile import load_profile, resolve_profiles
+from runtime.torchfree.spec import load_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 

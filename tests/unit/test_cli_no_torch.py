@@ -27,9 +27,10 @@ except SystemExit as e:
 loaded = {"json": "json" in sys.modules}  # before this probe imports it to report
 import json
 print(json.dumps({**loaded, "torch": "torch" in sys.modules, "code": code,
-                  "scheduler": any(m in sys.modules for m in ("runtime.pipeline_schedules", "runtime.list_scheduler",
-                                                              "runtime.schedule_types", "runtime.schedule_actions",
-                                                              "runtime.schedule_check"))}))
+                  "scheduler": any(m in sys.modules for m in (
+                      "runtime.torchfree.pipeline_schedules", "runtime.torchfree.list_scheduler",
+                      "runtime.torchfree.schedule_types", "runtime.torchfree.schedule_actions",
+                      "runtime.torchfree.schedule_check"))}))
 """
 
 
@@ -59,7 +60,7 @@ def test_verb_does_not_load_torch(args):
 def test_validate_loads_neither_the_scheduler_nor_json():
     # The start-up target (validate within 1.5x of importing yaml, click and rich) has a few ms of slack:
     # defining the list scheduler's op classes cost a tenth of validate's start, and validate needs only
-    # the schedules' policies and bounds (runtime/schedule_policies.py).
+    # the schedules' policies and bounds (runtime/torchfree/schedule_policies.py).
     out = _run(["validate", PLAN])
     assert out["code"] in (0, None), out
     assert out["scheduler"] is False and out["json"] is False, out

@@ -113,3 +113,52 @@ def test_the_planner_never_reaches_the_workers_emulation_hooks():
     reached = sorted(m for m in MODULES if m.split(".")[0] == "planner" and WORKER_EMULATION in nx.descendants(g, m))
     assert reached == []
     assert WORKER_EMULATION in MODULES
+
+
+# runtime.torchfree: the half of the runtime that imports no torch, directly or through anything of ours.
+TORCH_FREE = "runtime.torchfree"
+TORCH_LOADERS = ("torch", "safetensors.torch", "transformers", "accelerate", "torchvision", "torchaudio")
+
+
+def _foreign_imports(name: str) -> set[str]:
+    """Every module not of ours that ``name`` imports (lazy imports included), as dotted names."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(MODULES[name].read_text(), filename=str(MODULES[name]))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name not in MODULES}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module not in MODULES:
+            out |= {node.module or ""} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def _loads_torch(name: str) -> bool:
+    return any(f == t or f.startswith(t + ".") for f in _foreign_imports(name) for t in TORCH_LOADERS)
+
+
+def _with_parents(names: set[str]) -> set[str]:
+    # Importing a.b.c runs a and a.b first.
+    return names | {".".join(n.split(".")[:i]) for n in names for i in range(1, n.count(".") + 1)}
+
+
+def _torch_free_package() -> set[str]:
+    return {m for m in MODULES if m == TORCH_FREE or m.startswith(TORCH_FREE + ".")}
+
+
+def test_the_torch_free_package_reaches_no_torch():
+    g = _graph()
+    free = _torch_free_package()
+    assert len(free) > 10, "the torch-free package is missing or the walker found nothing"
+    reached = _with_parents(free | {t for m in free for t in nx.descendants(g, m)})
+    bad = sorted(m for m in reached if _loads_torch(m))
+    assert bad == [], f"{TORCH_FREE} reaches torch through {bad}"
+    outside = sorted(m for m in reached if m not in free and m != "runtime")
+    assert outside == [], f"{TORCH_FREE} imports runtime modules outside it: {outside}"
+
+
+def test_every_torch_free_runtime_module_lives_in_the_torch_free_package():
+    # The layout says which half a module is in: one that reaches no torch belongs in runtime.torchfree.
+    g = _graph()
+    misplaced = sorted(m for m in MODULES if m.startswith("runtime.") and not _is_package(m)
+                       and m not in _torch_free_package()
+                       and not any(_loads_torch(t) for t in {m} | nx.descendants(g, m)))
+    assert misplaced == [], f"torch-free modules outside {TORCH_FREE}: {misplaced}"

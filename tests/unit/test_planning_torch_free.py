@@ -13,10 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 PLANNING_MODULES = (
-    "runtime.spec", "runtime.spec.handle", "runtime.annotations", "runtime.annotations.from_plan",
-    "runtime.engine.specialize", "runtime.engine.describe", "runtime.engine.zero",
-    "runtime.comm.gradsync", "runtime.comm.bsr", "runtime.comm.resolve", "runtime.elastic.state",
-    "runtime.profiling.profile", "planner.api", "planner.simulate", "planner.cost", "planner.replan",
+    "planner.api", "planner.simulate", "planner.cost", "planner.replan",
 )
 
 
@@ -27,6 +24,21 @@ def test_planning_modules_never_load_torch() -> None:
             "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
             "print(loaded[:5])\n"
             "sys.exit(1 if loaded else 0)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, f"torch was imported: {res.stdout.strip()} {res.stderr.strip()[-2000:]}"
+
+
+def test_every_module_of_the_torch_free_package_imports_without_torch() -> None:
+    code = ("import importlib, pkgutil, sys\n"
+            "import runtime.torchfree as pkg\n"
+            "names = [m.name for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.')]\n"
+            "for m in names:\n"
+            "    importlib.import_module(m)\n"
+            "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+            "print(len(names), loaded[:5])\n"
+            "sys.exit(1 if loaded or len(names) < 10 else 0)\n")
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120)

@@ -9,10 +9,10 @@ import os
 import sys
 from pathlib import Path
 
-from runtime.errors import HspmdError
 from runtime.launch.options import TrainOptions
 from runtime.launch.placement import GIB, FixedGpus, GpuInfo
 from runtime.launch.torchrun import TorchrunEnv, run_torchrun
+from runtime.torchfree.errors import HspmdError
 
 
 def main() -> int:

@@ -8,7 +8,7 @@ from train_helpers import HETERO_PLAN, PARAM_ATOL, reference, reference_state, s
 
 from runtime.checkpoint import expected_tensors, read_saved
 from runtime.launch import TrainOptions, launch
-from runtime.spec import load_plan_context
+from runtime.torchfree.spec import load_plan_context
 
 
 def read(directory) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

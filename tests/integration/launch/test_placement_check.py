@@ -77,7 +77,7 @@ def test_launcher_refuses_the_wrong_gpu_type_and_node(tmp_path: Path) -> None:
 
 
 def test_launcher_refuses_a_gpu_index_this_machine_lacks(tmp_path: Path) -> None:
-    from runtime.errors import HspmdError
+    from runtime.torchfree.errors import HspmdError
 
     with pytest.raises(HspmdError, match="needs 4 on this node, but 2 CUDA device"):
         launch(TrainOptions(plan=plan(tmp_path, 2, 3), steps=1, node="box-a", gpus=FixedGpus("h", (H100,) * 2)))

@@ -13,10 +13,10 @@ import pytest
 from train_helpers import EPS, HETERO_PLAN, reference
 
 from hetu_cli.emulation import SleepBlockTargets, emulated
-from runtime.errors import HspmdError
 from runtime.launch import TrainOptions, launch
-from runtime.spec import load_plan, load_plan_context, save_plan
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec import load_plan, load_plan_context, save_plan
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 STEPS = 2
 ROUND = 2e-6   # the trace rounds each figure to 1e-6 s

@@ -16,7 +16,7 @@ from train_helpers import REPO
 from runtime.engine.reference import ReferenceTrainer
 from runtime.launch.options import TrainOptions
 from runtime.launch.session import document_source_of
-from runtime.spec import load_plan_context
+from runtime.torchfree.spec import load_plan_context
 
 PLAN = REPO / "tests" / "integration" / "engine_plans" / "lengths-two.yaml"
 HISTOGRAM = "scale: tokens\nbins:\n  - {lo: 2, hi: 16, weight: 96}\n  - {lo: 17, hi: 64, weight: 4}\n"

@@ -14,7 +14,7 @@ import pytest
 from train_helpers import HETERO_PLAN, REPO, reference, shrink, write_plan
 
 from runtime.launch import Fault, TrainOptions, WorkerFailure, launch
-from runtime.spec import load_plan, save_plan
+from runtime.torchfree.spec import load_plan, save_plan
 
 STEPS = 3
 

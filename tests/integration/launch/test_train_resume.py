@@ -20,7 +20,7 @@ from train_helpers import HETERO_PLAN, PARAM_ATOL, REPO, shrink, write_plan
 
 from runtime.checkpoint import checkpoint_info, latest_checkpoint, read_saved
 from runtime.checkpoint_series import read_trainer_state, step_of
-from runtime.spec import load_plan, load_plan_context, save_plan
+from runtime.torchfree.spec import load_plan, load_plan_context, save_plan
 
 STEPS, EVERY, KILLED_IN = 12, 4, 7
 

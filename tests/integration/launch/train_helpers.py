@@ -10,8 +10,8 @@ from oracles import optimizer_state
 
 from runtime.data import TokenSource, token_source
 from runtime.engine.reference import ReferenceTrainer
-from runtime.spec import load_plan, load_plan_context, save_plan
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.spec import load_plan, load_plan_context, save_plan
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 REPO = Path(__file__).resolve().parents[3]
 HETERO_PLAN = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"

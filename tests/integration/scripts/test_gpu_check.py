@@ -12,7 +12,7 @@ import pytest
 
 from runtime.data import token_source
 from runtime.engine.reference import ReferenceTrainer
-from runtime.spec import load_cluster, load_plan_context
+from runtime.torchfree.spec import load_cluster, load_plan_context
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"

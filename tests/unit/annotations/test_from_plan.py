@@ -8,10 +8,10 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from hetu_cli.main import cli
-from runtime.annotations import Annotation, DistributedStates
-from runtime.annotations.from_plan import annotate_strategy, annotation_rows, strategy_groups
-from runtime.comm.resolve import resolve
-from runtime.spec import load_plan_context
+from runtime.torchfree.annotations import Annotation, DistributedStates
+from runtime.torchfree.annotations.from_plan import annotate_strategy, annotation_rows, strategy_groups
+from runtime.torchfree.comm.resolve import resolve
+from runtime.torchfree.spec import load_plan_context
 
 S = DistributedStates
 PLANS = Path(__file__).resolve().parents[3] / "configs" / "plans"

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracles import global_view, local_view, to_placements
 
-from runtime.annotations import Annotation, DeviceGroup, DistributedStates, DSUnion, LayoutError, lcm_degrees
+from runtime.torchfree.annotations import Annotation, DeviceGroup, DistributedStates, DSUnion, LayoutError, lcm_degrees
 
 S = DistributedStates
 

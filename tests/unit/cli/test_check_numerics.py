@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from hetu_cli.main import cli
 from runtime.models.llama import apply_rope
 from runtime.profiling.numerics import TOLERANCES, NumericsSettings, check_numerics
-from runtime.profiling.profile import COMPONENTS
-from runtime.spec import load_model
+from runtime.torchfree.profiling.profile import COMPONENTS
+from runtime.torchfree.spec import load_model
 
 SPEC = load_model("llama-tiny")
 SMALL = NumericsSettings(batch=1, seq_len=16)

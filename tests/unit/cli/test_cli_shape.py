@@ -15,9 +15,9 @@ from click.testing import CliRunner
 from hetu_cli.commands.export import carry_side_files
 from hetu_cli.commands.train import STDOUT, MetricsFile, random_weights_note
 from hetu_cli.main import cli
-from runtime.hf_files import copy_side_files
-from runtime.spec import load_plan_context
-from runtime.spec.catalog import load_plan
+from runtime.torchfree.hf_files import copy_side_files
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.catalog import load_plan
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"

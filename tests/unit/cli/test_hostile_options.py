@@ -103,8 +103,8 @@ UNWRITABLE = {
 @pytest.mark.parametrize("verb", list(output_cases()))
 def test_unwritable_outputs_are_refused_before_any_work(verb: str, what: str, tmp_path: Path):
     """Each once raised OSError (a traceback) after the work was done, or left the first of two outputs."""
-    from runtime.profiling.flat_table import format_rows, table_rows
-    from runtime.profiling.profile import load_profile
+    from runtime.torchfree.profiling.flat_table import format_rows, table_rows
+    from runtime.torchfree.profiling.profile import load_profile
 
     table = tmp_path / "afile"   # chip-a's own table: fine to import, and a file to write under
     table.write_text(format_rows(table_rows(load_profile(REPO / "profiles" / "chip-a.yaml"), None), "csv"))
@@ -123,8 +123,8 @@ def test_unwritable_outputs_are_refused_before_any_work(verb: str, what: str, tm
 def test_a_write_that_fails_leaves_nothing(tmp_path: Path):
     """Where only the write finds out (a pseudo file system, a full disk): one line, and neither of two outputs
     nor a directory created for them is left."""
-    from runtime.errors import SpecError
-    from runtime.spec.io import atomic_write_files
+    from runtime.torchfree.errors import SpecError
+    from runtime.torchfree.spec.io import atomic_write_files
 
     first = tmp_path / "new" / "deeper" / "plan.yaml"
     with pytest.raises(SpecError) as err:

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from hetu_cli.commands.show import MIN_REPEATS, steady_runs
 from hetu_cli.main import cli
-from runtime.engine.describe import OpLine, describe_program
-from runtime.pipeline_schedules import Compute, Message, PostRecv, PostSend, WaitRecv
-from runtime.spec import load_plan_context
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.engine.describe import OpLine, describe_program
+from runtime.torchfree.pipeline_schedules import Compute, Message, PostRecv, PostSend, WaitRecv
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.handle import StrategyHandle
 
 ENGINE_PLANS = Path(__file__).resolve().parents[2] / "integration" / "engine_plans"
 

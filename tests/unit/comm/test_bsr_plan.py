@@ -7,10 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.annotations import Annotation, DistributedStates
-from runtime.comm.bsr import TensorMove, plan_bsr
-from runtime.errors import HspmdError
-from runtime.spec import load_cluster
+from runtime.torchfree.annotations import Annotation, DistributedStates
+from runtime.torchfree.comm.bsr import TensorMove, plan_bsr
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec import load_cluster
 
 S = DistributedStates
 spmd = Annotation.spmd

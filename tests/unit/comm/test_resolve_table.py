@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.annotations import Annotation, DistributedStates, LayoutError
-from runtime.comm.resolve import KINDS, resolve
-from runtime.errors import HspmdError
+from runtime.torchfree.annotations import Annotation, DistributedStates, LayoutError
+from runtime.torchfree.comm.resolve import KINDS, resolve
+from runtime.torchfree.errors import HspmdError
 
 S = DistributedStates
 spmd = Annotation.spmd

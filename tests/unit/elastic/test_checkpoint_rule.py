@@ -12,9 +12,9 @@ import pytest
 
 from planner.trace_model import FailureRates, unrecoverable_rate, young_interval_steps
 from runtime.elastic.events import parse_trace
-from runtime.elastic.state import holder_sets
-from runtime.spec import load_cluster, load_plan, load_plan_context, save_plan
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.elastic.state import holder_sets
+from runtime.torchfree.spec import load_cluster, load_plan, load_plan_context, save_plan
+from runtime.torchfree.spec.handle import StrategyHandle
 
 REPO = Path(__file__).resolve().parents[3]
 NODE_OF = {0: "a", 1: "a", 2: "b", 3: "b"}

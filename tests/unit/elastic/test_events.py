@@ -11,9 +11,9 @@ from click.testing import CliRunner
 
 from hetu_cli.main import cli
 from runtime.elastic.events import load_trace, parse_trace
-from runtime.errors import SpecError
 from runtime.launch.options import Fault, NodeKill, Rejoin
-from runtime.spec import load_cluster
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.spec import load_cluster
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from planner.replan import SwitchModel, grow, replan
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_plan_context
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.handle import StrategyHandle
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -14,8 +14,8 @@ from runtime.elastic.protocol import Commit, Left, Ready, Switched, Transition
 from runtime.launch.messages import Exited, StepDone
 from runtime.launch.options import Rejoin, StepReport, TrainOptions, WorkerSpec, rank_map
 from runtime.launch.supervise import Run, RunSummary, WorkerHandle
-from runtime.spec import load_plan, load_plan_context, save_plan
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.spec import load_plan, load_plan_context, save_plan
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 REPO = Path(__file__).resolve().parents[3]
 PLAN = REPO / "configs" / "plans" / "cpu-hetero4-dp-pp.yaml"

@@ -1,4 +1,4 @@
-"""runtime/elastic/preplan.py: the losses planned ahead for a layout, the cache keyed by its survivor set and
+"""runtime/torchfree/elastic/preplan.py: the losses planned ahead for a layout, the cache keyed by its survivor set and
 replaced with the layout, and a stop that lets no further replan start."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import time
 
 from test_state import EMU8, with_strategy
 
-from runtime.elastic.preplan import Preplanner, candidates, grown, returns, survivors
-from runtime.errors import HspmdError
-from runtime.spec import load_plan_context
+from runtime.torchfree.elastic.preplan import Preplanner, candidates, grown, returns, survivors
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec import load_plan_context
 
 
 def layouts():

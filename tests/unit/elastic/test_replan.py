@@ -12,10 +12,10 @@ from click.testing import CliRunner
 
 from hetu_cli.main import cli
 from planner.replan import LostStateError, RestartModel, choose, repair, replan, restart_cost
-from runtime.elastic.state import lost_state, moment_slices
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_plan, load_plan_context, save_plan, validate_plan
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.elastic.state import lost_state, moment_slices
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_plan, load_plan_context, save_plan, validate_plan
+from runtime.torchfree.spec.handle import StrategyHandle
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"  # TP-2 on 0,1 | 2 -> 3

@@ -1,4 +1,4 @@
-"""The staged switch of a documents run (runtime/elastic/staging.py): units, their order, the peak bytes."""
+"""The staged switch of a documents run (runtime/torchfree/elastic/staging.py): units, their order, the peak bytes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runtime.elastic.staging import (
+from runtime.torchfree.elastic.staging import (
     SWITCH_STAGES,
     UnitBytes,
     end_bytes,
@@ -18,9 +18,9 @@ from runtime.elastic.staging import (
     switch_peak,
     switch_units,
 )
-from runtime.elastic.state import plan_switch
-from runtime.spec import load_plan_context
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.elastic.state import plan_switch
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.handle import StrategyHandle
 
 PLAN = Path(__file__).resolve().parents[2] / "integration" / "engine_plans" / "lengths-two.yaml"
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.annotations.states import intersect, volume
-from runtime.elastic.state import (
+from runtime.torchfree.annotations.states import intersect, volume
+from runtime.torchfree.elastic.state import (
     STATE_SUFFIXES,
     check_compatible,
     describe_lost,
@@ -19,10 +19,10 @@ from runtime.elastic.state import (
     plan_switch,
     state_moves,
 )
-from runtime.errors import HspmdError
-from runtime.models.params import llama_parameters
-from runtime.spec import Pipeline, PlanContext, Stage, Strategy, load_plan_context, validate_plan
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.spec import Pipeline, PlanContext, Stage, Strategy, load_plan_context, validate_plan
+from runtime.torchfree.spec.handle import StrategyHandle
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"  # TP-2 on 0,1 | 2 -> 3

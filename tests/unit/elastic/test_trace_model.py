@@ -18,12 +18,12 @@ from planner.cost import CostModel
 from planner.replan import choose, pays, restart_cost
 from planner.trace_model import MEGATRON_NCCL_TIMEOUT_S, TraceModel, model_trace, young_interval_steps
 from runtime.elastic.events import parse_trace
-from runtime.elastic.preplan import candidates
-from runtime.errors import HspmdError
 from runtime.launch.options import ELASTIC_HEARTBEAT_TIMEOUT_S, node_loss_detect_s
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_plan, load_plan_context, save_plan
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.elastic.preplan import candidates
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_plan, load_plan_context, save_plan
+from runtime.torchfree.spec.handle import StrategyHandle
 
 REPO = Path(__file__).resolve().parents[3]
 CLUSTER = REPO / "configs" / "clusters" / "cpu-hetero4.yaml"

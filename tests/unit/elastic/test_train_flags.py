@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from hetu_cli.main import cli
 from runtime.launch.options import PlannedSwitch, TrainOptions
-from runtime.spec import load_plan, save_plan
+from runtime.torchfree.spec import load_plan, save_plan
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"

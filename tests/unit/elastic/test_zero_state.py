@@ -1,4 +1,4 @@
-"""What survives a failure under ZeRO-1 with 2 copies of every moment chunk (runtime/elastic/state.py
+"""What survives a failure under ZeRO-1 with 2 copies of every moment chunk (runtime/torchfree/elastic/state.py
 ``lost_moments``, ``plan_moment_gather``), for random strategies and failures."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from test_state import EMU8, strategies_and_failures, with_strategy
 
-from runtime.annotations.states import intersect, volume
-from runtime.elastic.state import check_compatible, lost_moments, moment_slices, plan_moment_gather
-from runtime.engine.zero import moment_pieces
-from runtime.errors import HspmdError
-from runtime.spec import PlanContext, load_plan_context
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.annotations.states import intersect, volume
+from runtime.torchfree.elastic.state import check_compatible, lost_moments, moment_slices, plan_moment_gather
+from runtime.torchfree.engine.zero import moment_pieces
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec import PlanContext, load_plan_context
+from runtime.torchfree.spec.handle import StrategyHandle
 
 
 def with_copies(h: StrategyHandle, r: int = 2) -> StrategyHandle:

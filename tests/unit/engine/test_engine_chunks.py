@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runtime.annotations.from_plan import strategy_annotations
-from runtime.engine.describe import describe_program
-from runtime.engine.specialize import specialize
-from runtime.pipeline_schedules import Compute, PostSend, WaitSends
-from runtime.spec import load_plan_context
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.annotations.from_plan import strategy_annotations
+from runtime.torchfree.engine.describe import describe_program
+from runtime.torchfree.engine.specialize import specialize
+from runtime.torchfree.pipeline_schedules import Compute, PostSend, WaitSends
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.handle import StrategyHandle
 
 PLANS = Path(__file__).resolve().parents[3] / "tests" / "integration" / "engine_plans"
 

@@ -9,7 +9,7 @@ import torch
 
 from runtime.engine.optim import LocalAdamW, build_adamw, clip_coefficient
 from runtime.engine.reference import ReferenceTrainer
-from runtime.spec import OptimizerSettings, TrainingSettings, load_model
+from runtime.torchfree.spec import OptimizerSettings, TrainingSettings, load_model
 
 SETTINGS = OptimizerSettings(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=1.0)
 

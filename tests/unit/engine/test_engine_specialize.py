@@ -11,12 +11,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from hetu_cli.main import cli
-from runtime.annotations.from_plan import strategy_annotations
-from runtime.engine.describe import describe_program
-from runtime.engine.specialize import parameter_shards, stage_role
-from runtime.models.params import llama_parameters
-from runtime.schedule_policies import SCHEDULE_NAMES, schedule_layout
-from runtime.spec import (
+from runtime.torchfree.annotations.from_plan import strategy_annotations
+from runtime.torchfree.engine.describe import describe_program
+from runtime.torchfree.engine.specialize import parameter_shards, stage_role
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.schedule_policies import SCHEDULE_NAMES, schedule_layout
+from runtime.torchfree.spec import (
     OptimizerSettings,
     Pipeline,
     Plan,
@@ -29,7 +29,7 @@ from runtime.spec import (
     load_plan_context,
     validate_plan,
 )
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.spec.handle import StrategyHandle
 
 REPO = Path(__file__).resolve().parents[3]
 ENGINE_PLANS = REPO / "tests" / "integration" / "engine_plans"

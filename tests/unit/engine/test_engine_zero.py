@@ -1,4 +1,4 @@
-"""ZeRO-1's layout rules (runtime/engine/zero.py) for every plan, its description, and what refuses it."""
+"""ZeRO-1's layout rules (runtime/torchfree/engine/zero.py) for every plan, its description, and what refuses it."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from hypothesis import strategies as st
 from test_engine_specialize import ENGINE_PLANS, MODEL, plans
 
 from hetu_cli.main import cli
-from runtime.annotations.from_plan import strategy_annotations
-from runtime.annotations.states import region_index
-from runtime.comm.gradsync import BUCKET_BYTES
-from runtime.engine.describe import describe_program
 from runtime.engine.optim import flat_range, write_flat_range
-from runtime.engine.zero import moment_pieces, zero_buckets, zero_slices
-from runtime.models.params import llama_parameters
-from runtime.spec import PlanContext, load_plan, load_plan_context, save_plan
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.annotations.from_plan import strategy_annotations
+from runtime.torchfree.annotations.states import region_index
+from runtime.torchfree.comm.gradsync import BUCKET_BYTES
+from runtime.torchfree.engine.describe import describe_program
+from runtime.torchfree.engine.zero import moment_pieces, zero_buckets, zero_slices
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.spec import PlanContext, load_plan, load_plan_context, save_plan
+from runtime.torchfree.spec.handle import StrategyHandle
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from runtime.engine.build import build_chunk
-from runtime.engine.specialize import specialize
 from runtime.models.llama import LlamaForCausalLM
-from runtime.spec import load_plan_context
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.engine.specialize import specialize
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.handle import StrategyHandle
 
 PLANS = Path(__file__).resolve().parents[3] / "tests" / "integration" / "engine_plans"
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from runtime.engine.program import checkpoint_layers
-from runtime.engine.specialize import chunk_roles
 from runtime.models.llama import LlamaForCausalLM
-from runtime.schedule_policies import schedule_layout
-from runtime.spec import load_model
-from runtime.spec.plan import Pipeline, Stage
+from runtime.torchfree.engine.specialize import chunk_roles
+from runtime.torchfree.schedule_policies import schedule_layout
+from runtime.torchfree.spec import load_model
+from runtime.torchfree.spec.plan import Pipeline, Stage
 
 TINY = load_model("llama-tiny")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from runtime.engine.describe import describe_program
-from runtime.spec import load_plan_context
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.engine.describe import describe_program
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.handle import StrategyHandle
 
 PLAN = Path(__file__).resolve().parents[2] / "integration" / "engine_plans" / "tp2-sp.yaml"
 

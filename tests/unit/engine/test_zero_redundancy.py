@@ -1,4 +1,4 @@
-"""ZeRO-1 with r copies of every moment chunk (runtime/engine/zero.py ``place``): the placement rule for
+"""ZeRO-1 with r copies of every moment chunk (runtime/torchfree/engine/zero.py ``place``): the placement rule for
 every group of replicas and every node structure, the layout it gives every plan, and the plan field."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine_specialize import MODEL, plans
 
-from runtime.annotations.from_plan import strategy_annotations
-from runtime.annotations.states import region_index
-from runtime.engine.zero import ZeroSlice, moment_pieces, place, zero_slices
-from runtime.errors import SpecError
-from runtime.models.params import llama_parameters
-from runtime.spec import PlanContext, load_plan
-from runtime.spec.handle import StrategyHandle
-from runtime.spec.validate import validate_plan
+from runtime.torchfree.annotations.from_plan import strategy_annotations
+from runtime.torchfree.annotations.states import region_index
+from runtime.torchfree.engine.zero import ZeroSlice, moment_pieces, place, zero_slices
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.spec import PlanContext, load_plan
+from runtime.torchfree.spec.handle import StrategyHandle
+from runtime.torchfree.spec.validate import validate_plan
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -41,9 +41,9 @@ from runtime.checkpoint import (
     read_checkpoint_info,
     write_checkpoint,
 )
-from runtime.errors import HspmdError
-from runtime.models.params import llama_parameters
-from runtime.spec import load_plan_context
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.spec import load_plan_context
 
 REPO = Path(__file__).resolve().parents[3]
 PLAN = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"

@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetu_cli.main import cli
-from runtime.errors import MAX_REPORTED, SpecError
-from runtime.profiling.profile import load_profile
-from runtime.spec import load_cluster, load_model, load_plan
+from runtime.torchfree.errors import MAX_REPORTED, SpecError
+from runtime.torchfree.profiling.profile import load_profile
+from runtime.torchfree.spec import load_cluster, load_model, load_plan
 
 REPO = Path(__file__).resolve().parents[3]
 PLANS = sorted((REPO / "configs" / "plans").glob("*.yaml"))

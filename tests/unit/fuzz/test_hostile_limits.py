@@ -20,8 +20,8 @@ from test_hostile_files import REPO, TINY_PLAN, deadline, plan_referencing
 from test_hostile_values import TABLE
 
 from hetu_cli.main import cli
-from runtime.spec import load_model
-from runtime.spec.hf import config_for
+from runtime.torchfree.spec import load_model
+from runtime.torchfree.spec.hf import config_for
 
 PAPER_PLAN = REPO / "configs" / "plans" / "h800-h20-llama32b.yaml"
 
@@ -255,12 +255,12 @@ def test_an_output_that_is_no_regular_file_is_not_replaced(verb: list[str], tmp_
 
 
 def test_atomic_writes_refuse_to_replace_a_pipe(tmp_path: Path):
-    """The writers' backstop (runtime/spec/io.py AtomicFiles), for a caller that checked nothing first."""
+    """The writers' backstop (runtime/torchfree/spec/io.py AtomicFiles), for a caller that checked nothing first."""
     import os
     import stat
 
-    from runtime.errors import SpecError
-    from runtime.spec.io import atomic_write_text
+    from runtime.torchfree.errors import SpecError
+    from runtime.torchfree.spec.io import atomic_write_text
 
     pipe = tmp_path / "pipe"
     os.mkfifo(pipe)
@@ -294,7 +294,7 @@ def test_an_empty_model_reference_names_nothing(ref: str, tmp_path: Path):
 def test_a_model_path_that_names_no_file_says_what_it_names(tmp_path: Path, shape: str) -> None:
     """A model path that exists but is no spec file: the reason, not "unknown model" (it had listed the
     catalog as if the name were a typo)."""
-    from runtime.errors import SpecError
+    from runtime.torchfree.errors import SpecError
 
     ref = {"dir-without-config": tmp_path, "config-is-a-dir": tmp_path, "device": Path("/dev/null")}[shape]
     if shape == "config-is-a-dir":

@@ -33,11 +33,11 @@ from test_hostile_files import MAX_LINES, MISSING_DATA, REPO, TINY_PLAN, deadlin
 from hetu_cli.main import cli
 from runtime.documents import load_histogram
 from runtime.elastic.events import load_trace
-from runtime.errors import SpecError
-from runtime.profiling.flat_table import COLUMNS
-from runtime.profiling.profile import load_profile
-from runtime.spec import load_cluster, load_model, load_plan
-from runtime.spec.hf import config_for
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.profiling.flat_table import COLUMNS
+from runtime.torchfree.profiling.profile import load_profile
+from runtime.torchfree.spec import load_cluster, load_model, load_plan
+from runtime.torchfree.spec.hf import config_for
 
 SECONDS = 10.0
 SAMPLES = 10  # mutations per (kind, verb); the regressions come on top

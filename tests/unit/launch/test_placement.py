@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.errors import HspmdError
 from runtime.launch.placement import (
     GIB,
     FixedGpus,
@@ -19,8 +18,9 @@ from runtime.launch.placement import (
     placement_problem,
     torchrun_device,
 )
-from runtime.spec.catalog import load_cluster
-from runtime.spec.cluster import DeviceType
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec.catalog import load_cluster
+from runtime.torchfree.spec.cluster import DeviceType
 
 H100 = GpuInfo("NVIDIA H100 80GB HBM3", 85_029_158_912)   # what torch reports for an 80 GB H100 SXM
 H20 = GpuInfo("NVIDIA H20", 102_005_473_280)

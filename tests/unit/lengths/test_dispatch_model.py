@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.dispatch import (
+from runtime.torchfree.dispatch import (
     ILP_GAP_BOUND,
     CostModel,
     PipelineCost,
@@ -15,7 +15,7 @@ from runtime.dispatch import (
     lower_bound,
     pipeline_time,
 )
-from runtime.errors import InfeasibleError
+from runtime.torchfree.errors import InfeasibleError
 
 
 def pipe(*stages: tuple[float, float, float, int] | tuple[float, float, float, int, float]) -> PipelineCost:

@@ -11,7 +11,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from runtime.dispatch import (
+from runtime.torchfree.dispatch import (
     CostModel,
     PipelineCost,
     StageCost,
@@ -115,7 +115,7 @@ def test_strategy_choice_is_the_cheapest_that_holds(lengths, strategies):
 
 CROSS_PROCESS = """
 import json, random, sys
-from runtime.dispatch import CostModel, PipelineCost, StageCost, StrategyCost, dispatch
+from runtime.torchfree.dispatch import CostModel, PipelineCost, StageCost, StrategyCost, dispatch
 
 def instances():
     rng = random.Random(5)

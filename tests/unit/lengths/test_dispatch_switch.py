@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.dispatch import (
+from runtime.torchfree.dispatch import (
     CostModel,
     PipelineCost,
     StageCost,
@@ -17,7 +17,7 @@ from runtime.dispatch import (
     dispatch,
     plan_strategy_cost,
 )
-from runtime.spec import load_plan_context
+from runtime.torchfree.spec import load_plan_context
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 

@@ -29,7 +29,7 @@ from runtime.documents import (
     named_distribution,
     step_rng,
 )
-from runtime.errors import SpecError
+from runtime.torchfree.errors import SpecError
 
 REPO = Path(__file__).resolve().parents[3]
 

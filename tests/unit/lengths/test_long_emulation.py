@@ -27,14 +27,14 @@ from planner.lengths import (
     strategy_cost,
     with_budgets,
 )
-from runtime.dispatch import CostModel as TokenCost
-from runtime.dispatch import PipelineCost, StageCost, StrategyCost
 from runtime.documents import length_distribution
-from runtime.errors import InfeasibleError, SpecError
 from runtime.launch.options import TrainOptions
-from runtime.profiling.profile import ComputeBlock, block_seconds, resolve_profiles
-from runtime.spec import load_cluster, load_model, save_plan
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.dispatch import CostModel as TokenCost
+from runtime.torchfree.dispatch import PipelineCost, StageCost, StrategyCost
+from runtime.torchfree.errors import InfeasibleError, SpecError
+from runtime.torchfree.profiling.profile import ComputeBlock, block_seconds, resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model, save_plan
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 LONG = load_cluster("cpu-hetero4-long")
 TINY = load_model("llama-tiny")
@@ -128,7 +128,7 @@ def test_dispatch_costs_profiles_are_the_planners(long_plan, tmp_path: Path):
     path = tmp_path / "p.yaml"
     save_plan(result.to_plan("llama-tiny", "cpu-hetero4-long"), path)
     opts = planner_dispatch_costs(TrainOptions(plan=path, lengths="longtail"), [])
-    from runtime.spec import load_plan_context
+    from runtime.torchfree.spec import load_plan_context
 
     ctx = load_plan_context(path)
     assert opts.dispatch_costs == tuple(m.cost for m in strategies_of(ctx, profiles))
@@ -151,7 +151,7 @@ def test_plan_lengths_fixed_out_writes_the_single_plan(tmp_path: Path):
     from click.testing import CliRunner
 
     from hetu_cli.main import cli
-    from runtime.spec import load_plan
+    from runtime.torchfree.spec import load_plan
 
     out, fixed = tmp_path / "p.yaml", tmp_path / "fixed.yaml"
     r = CliRunner().invoke(cli, ["plan", "--model", "llama-tiny", "--cluster", "cpu-hetero4-long", "--lengths",

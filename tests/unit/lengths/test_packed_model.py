@@ -10,7 +10,7 @@ from runtime.documents import IGNORE_INDEX, Document, StepDocuments
 from runtime.engine.microbatch import MicroBatch, documents_step_batch, packed_micro_batch, window_micro_batch
 from runtime.models.attention import document_mask
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
-from runtime.spec import load_model
+from runtime.torchfree.spec import load_model
 
 MODEL = load_model("llama-tiny")
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runtime.errors import SpecError
-from runtime.spec import load_plan_context
-from runtime.spec.schema import to_data
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.schema import to_data
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 BASE = yaml.safe_load((CONFIGS / "plans" / "cpu-hetero4-tiny.yaml").read_text())

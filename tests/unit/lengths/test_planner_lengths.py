@@ -27,11 +27,11 @@ from planner.lengths import (
     stage_seconds,
     strategy_cost,
 )
-from runtime.dispatch import CostModel as TokenCost
-from runtime.dispatch import PipelineCost, StageCost, dispatch, pipeline_time
 from runtime.documents import SyntheticDocuments, length_distribution
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model, load_plan, save_plan, validate_plan
+from runtime.torchfree.dispatch import CostModel as TokenCost
+from runtime.torchfree.dispatch import PipelineCost, StageCost, dispatch, pipeline_time
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model, load_plan, save_plan, validate_plan
 
 SLOW = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 MAX_LEN = 256
@@ -112,13 +112,13 @@ def test_peak_memory_estimate_is_each_pipeline_at_its_own_capacity(tiny):
 
 
 def test_every_switch_between_the_strategies_fits_memory_at_its_staged_peak(tiny):
-    """Between two steps a device holds at most the staged switch's peak (runtime/elastic/staging.py, real fp32
-    bytes: this cluster prices the model itself), within its memory less the framework's overhead."""
+    """Between two steps a device holds at most the staged switch's peak (runtime/torchfree/elastic/staging.py, real
+    fp32 bytes: this cluster prices the model itself), within its memory less the framework's overhead."""
     from itertools import permutations
 
-    from runtime.elastic.staging import plan_staged_switch
-    from runtime.spec import PlanContext
-    from runtime.spec.handle import StrategyHandle
+    from runtime.torchfree.elastic.staging import plan_staged_switch
+    from runtime.torchfree.spec import PlanContext
+    from runtime.torchfree.spec.handle import StrategyHandle
 
     model, cluster, profiles, _, result = tiny
     p = result.to_plan("llama-tiny", "cpu-hetero4")

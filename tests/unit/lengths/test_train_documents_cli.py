@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from hetu_cli.main import cli
 from runtime.launch.options import TrainOptions
 from runtime.launch.session import documents_mode, run_devices, run_strategies
-from runtime.spec import load_plan_context
+from runtime.torchfree.spec import load_plan_context
 
 REPO = Path(__file__).resolve().parents[3]
 PLAN = REPO / "tests" / "integration" / "engine_plans" / "lengths-two.yaml"

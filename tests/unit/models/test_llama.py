@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
-from runtime.models.params import llama_parameters
-from runtime.spec import load_model
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.spec import load_model
 
 SPEC = load_model("llama-tiny")
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from runtime.annotations import Annotation, DistributedStates
-from runtime.annotations.from_plan import annotate_strategy, strategy_groups
-from runtime.comm.resolve import plan_reduce
-from runtime.engine.specialize import parameter_shards, stage_parameters, stage_role
 from runtime.models.llama import LlamaForCausalLM
-from runtime.models.params import llama_parameters
-from runtime.spec import load_model, load_plan_context
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.annotations import Annotation, DistributedStates
+from runtime.torchfree.annotations.from_plan import annotate_strategy, strategy_groups
+from runtime.torchfree.comm.resolve import plan_reduce
+from runtime.torchfree.engine.specialize import parameter_shards, stage_parameters, stage_role
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.spec import load_model, load_plan_context
+from runtime.torchfree.spec.handle import StrategyHandle
 
 TINY = load_model("llama-tiny")
 TIED = dataclasses.replace(TINY, tie_word_embeddings=True)

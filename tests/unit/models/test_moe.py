@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from runtime.models.llama import LlamaDecoderLayer, causal_lm_loss_sum
 from runtime.models.moe import MoeBlock, MoeDecoderLayer, MoeForCausalLM, balance_loss, causal_lm, expert_outputs
-from runtime.models.params import llama_parameters
-from runtime.spec import load_model
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.spec import load_model
 
 TINY = load_model("moe-tiny")
 

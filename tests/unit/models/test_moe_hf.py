@@ -14,10 +14,10 @@ from click.testing import CliRunner
 
 from hetu_cli.main import cli
 from runtime.checkpoint import checkpoint_info, read_saved, write_checkpoint
-from runtime.errors import SpecError
 from runtime.models.moe import MoeForCausalLM, causal_lm
-from runtime.spec import load_model
-from runtime.spec.hf import config_for, load_hf_model, read_config
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.spec import load_model
+from runtime.torchfree.spec.hf import config_for, load_hf_model, read_config
 
 transformers = pytest.importorskip("transformers")
 

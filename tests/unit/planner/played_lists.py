@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runtime.pipeline_schedules import Compute, Costs, Message, PostSend, TimedOp, WaitRecv
-from runtime.pipeline_schedules import Schedule as PipelineSchedule
-from runtime.schedule_policies import Layout
+from runtime.torchfree.pipeline_schedules import Compute, Costs, Message, PostSend, TimedOp, WaitRecv
+from runtime.torchfree.pipeline_schedules import Schedule as PipelineSchedule
+from runtime.torchfree.schedule_policies import Layout
 
 
 def play_actions(schedule: PipelineSchedule, costs: Costs) -> float:

@@ -15,10 +15,10 @@ from planner.gap import CATEGORIES, gap_breakdown
 from planner.schedule_choice import ScheduleChoice, refine_limits, spare_activation_limits, stage_layer_ranges
 from planner.search import Candidate, auto_families, refined_limits
 from planner.simulate import simulate
-from runtime.profiling.profile import resolve_profiles
-from runtime.schedule_policies import device_limits
-from runtime.spec import load_cluster, load_model, validate_plan
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.schedule_policies import device_limits
+from runtime.torchfree.spec import load_cluster, load_model, validate_plan
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 HEXI = load_cluster("hexiscale-mixed")
 L7B = load_model("llama-7b")

@@ -22,8 +22,8 @@ from planner.schedule_choice import schedule_choices
 from planner.search import Candidate, PlanSettings
 from planner.simulate import simulated_step_time
 from planner.tp_groups import GroupKind
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model, validate_plan
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model, validate_plan
 
 SETTINGS = PlanSettings(global_batch=32, seq_len=2048, time_limit_s=300, simulate_top=6, top_k=12, schedule="auto")
 

@@ -16,9 +16,9 @@ from planner.cost import (
     model_flops_per_token,
     pipeline_time,
 )
-from runtime.annotations.states import PARTIAL, Annotation, DistributedStates
-from runtime.comm.gradsync import SyncGroup, plan_sync, sync_groups
-from runtime.profiling.profile import (
+from runtime.torchfree.annotations.states import PARTIAL, Annotation, DistributedStates
+from runtime.torchfree.comm.gradsync import SyncGroup, plan_sync, sync_groups
+from runtime.torchfree.profiling.profile import (
     CommFigures,
     ComponentFit,
     MeasuredModel,
@@ -28,9 +28,9 @@ from runtime.profiling.profile import (
     analytic_components,
     spec_profile,
 )
-from runtime.schedule_policies import live_activation_limit
-from runtime.spec import load_cluster, load_model
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.schedule_policies import live_activation_limit
+from runtime.torchfree.spec import load_cluster, load_model
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 TINY = load_model("llama-tiny")
 CPU4 = load_cluster("cpu-hetero4")
@@ -423,7 +423,7 @@ def test_zero1_allgather_per_sync_bucket():
 
 
 def test_zero1_allgather_uses_the_measured_fit():
-    from runtime.profiling.profile import LinkFit
+    from runtime.torchfree.profiling.profile import LinkFit
 
     ps = hand_set(latency=0.001)
     fits = {2: LinkFit(latency_s=0.002, bandwidth_gbs=0.5), 4: LinkFit(latency_s=0.006, bandwidth_gbs=0.25)}

@@ -11,9 +11,9 @@ from click.testing import CliRunner
 from hetu_cli.main import cli
 from planner.api import PlanSettings, plan
 from planner.cost import CostModel, zero_degree
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model, load_plan_context
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model, load_plan_context
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 # Two decoder layers cap a pipeline at two stages, so deeper pipelines cannot stand in for ZeRO's saving;
 # one device per node, so no TP either. Without ZeRO a stage holds ~7.4 GiB at its peak, with two copies

@@ -18,7 +18,7 @@ from played_lists import play_actions, play_timeline
 from planner.baselines import EXACTLY_PRICED, best_symmetric, symmetric_strategies
 from planner.cost import CostModel, play_order, timeline_order
 from planner.search import BOUND_ROUNDING, lazily_sorted
-from runtime.pipeline_schedules import (
+from runtime.torchfree.pipeline_schedules import (
     ChunkCost,
     Costs,
     build_schedule,
@@ -28,9 +28,9 @@ from runtime.pipeline_schedules import (
     step_time,
     step_time_bound,
 )
-from runtime.profiling.profile import resolve_profiles
-from runtime.schedule_policies import SCHEDULE_NAMES, device_limits, schedule_layout, schedule_problems
-from runtime.spec import load_cluster, load_model
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.schedule_policies import SCHEDULE_NAMES, device_limits, schedule_layout, schedule_problems
+from runtime.torchfree.spec import load_cluster, load_model
 
 positive = st.floats(min_value=1e-3, max_value=5.0, allow_nan=False, allow_infinity=False)
 

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from planner.cost import GIB, CostModel, pipeline_time
 from planner.layer_split import SlotCost, feasible, recompute_choice, slot_costs, split_fast, split_ilp, stage_time
 from planner.tp_groups import GroupKind
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model
 
 KIND = GroupKind("x", 1)
 

@@ -8,7 +8,7 @@ import itertools
 import pulp
 import pytest
 
-from runtime.solver import make_solver, solve, var
+from runtime.torchfree.solver import make_solver, solve, var
 
 
 def knapsack() -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:

@@ -18,8 +18,8 @@ from planner.cost import CostModel
 from planner.pipelines import ORDERS, PipelineLayout
 from planner.search import PlanSettings, Searcher, TypeChoice, lazily_sorted
 from planner.tp_groups import tp_choices
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model
 
 CASES = [("h2-example", "llama-13b", "auto"), ("hexiscale-mixed", "llama-7b", "auto"),
          ("h800-h20-48", "llama-32b", "zb-v"), ("hexiscale-mixed", "llama-7b", "interleaved")]

@@ -11,11 +11,18 @@ import pytest
 from planner.cost import CostModel
 from planner.costmodel.network import Flow, concurrent_seconds, ring_sharers, tick_seconds
 from planner.simulate import simulate
-from runtime.profiling.profile import COMPONENTS, CommFigures, ComponentFit, MeasuredModel, OptimizerFit, spec_profile
-from runtime.profiling.tables import LinkCurve
-from runtime.spec import load_model
-from runtime.spec.cluster import Cluster, DeviceType, Node
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.profiling.profile import (
+    COMPONENTS,
+    CommFigures,
+    ComponentFit,
+    MeasuredModel,
+    OptimizerFit,
+    spec_profile,
+)
+from runtime.torchfree.profiling.tables import LinkCurve
+from runtime.torchfree.spec import load_model
+from runtime.torchfree.spec.cluster import Cluster, DeviceType, Node
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 TINY = dataclasses.replace(load_model("llama-tiny"), num_layers=2)
 INTER, INTRA = 10.0, 100.0          # GB/s
@@ -156,9 +163,9 @@ def test_fixed_cost_per_iteration():
 @pytest.mark.parametrize("src, dst", [((3, 1), (6, 4)), ((0, 1, 2, 3), (7, 5, 6, 4)), ((2,), (5,)),
                                       ((0, 1), (4, 5, 6, 7)), ((4, 5, 6, 7), (1, 0))])
 def test_boundary_flows_are_the_runtimes_messages(src, dst):
-    from runtime.annotations.from_plan import Boundary
-    from runtime.annotations.states import Annotation
-    from runtime.engine.specialize import resolve_boundary
+    from runtime.torchfree.annotations.from_plan import Boundary
+    from runtime.torchfree.annotations.states import Annotation
+    from runtime.torchfree.engine.specialize import resolve_boundary
 
     cm = model()
     op = resolve_boundary(Boundary(0, 0, (1, 64, TINY.hidden_size), Annotation.spmd(src), Annotation.spmd(dst), 0, 1),

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from hetu_cli.main import cli
 from planner.cost import GIB, CostModel, zero_copies
 from planner.margin import DEFAULT_MEMORY_MARGIN, MemoryMargin, parse_margin
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_plan_context
-from runtime.spec.catalog import catalog_names, load_cluster
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.catalog import catalog_names, load_cluster
 
 
 def peaks_against_capacity(plan_file: Path) -> list[tuple[float, float]]:

@@ -16,8 +16,8 @@ from planner.api import PlanResult, plan, simulator_check
 from planner.cost import CostModel
 from planner.parallel import Tasks, ordered_map, worker_count
 from planner.search import PlanSettings, SearchStats, mixed_chunks, mixed_subsets
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model
 
 
 def _cm(cluster: str = "h800-h20-48", model: str = "llama-32b") -> CostModel:

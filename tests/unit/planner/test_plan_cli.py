@@ -17,9 +17,9 @@ from hetu_cli.main import cli
 from planner.api import PlanSettings, plan
 from planner.baselines import symmetric_strategies
 from planner.cost import GIB, CostModel
-from runtime.errors import InfeasibleError
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model, load_plan, load_plan_context, validate_plan
+from runtime.torchfree.errors import InfeasibleError
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model, load_plan, load_plan_context, validate_plan
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY_ARGS = ["--model", "llama-tiny", "--cluster", "cpu-hetero4", "--global-batch", "8", "--seq-len", "64"]

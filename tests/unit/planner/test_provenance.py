@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from hetu_cli.main import cli
 from planner.provenance import component_source
-from runtime.profiling.profile import load_profile
-from runtime.spec.catalog import load_model, load_plan
+from runtime.torchfree.profiling.profile import load_profile
+from runtime.torchfree.spec.catalog import load_model, load_plan
 
 BASE = {"embedding": 0.0002, "attention": 0.004, "mlp": 0.006, "norm": 0.0001, "head": 0.003}
 CLUSTER = """name: a100x8

@@ -15,15 +15,15 @@ from planner.cost import CostModel, planner_handle, weight_grad_fraction
 from planner.report import result_json, schedule_rows
 from planner.schedule_choice import AUTO, ScheduleChoice, chunk_sizes, fill_factor, schedule_choices, stage_layer_ranges
 from planner.simulate import simulate
-from runtime.errors import InfeasibleError
-from runtime.pipeline_schedules import ChunkCost, Costs, build_schedule, step_time
-from runtime.profiling.profile import resolve_profiles
-from runtime.schedule_policies import SCHEDULE_NAMES, chunk_problems, live_activation_limit, schedule_layout
-from runtime.spec import load_cluster, load_model, load_plan_context, validate_plan
-from runtime.spec.handle import StrategyHandle
-from runtime.spec.io import dump_yaml
-from runtime.spec.plan import Pipeline, Stage, Strategy
-from runtime.spec.schema import to_data
+from runtime.torchfree.errors import InfeasibleError
+from runtime.torchfree.pipeline_schedules import ChunkCost, Costs, build_schedule, step_time
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.schedule_policies import SCHEDULE_NAMES, chunk_problems, live_activation_limit, schedule_layout
+from runtime.torchfree.spec import load_cluster, load_model, load_plan_context, validate_plan
+from runtime.torchfree.spec.handle import StrategyHandle
+from runtime.torchfree.spec.io import dump_yaml
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.spec.schema import to_data
 
 TINY = load_model("llama-tiny")
 CPU4 = load_cluster("cpu-hetero4")

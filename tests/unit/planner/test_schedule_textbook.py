@@ -10,12 +10,12 @@ import pytest
 import yaml
 
 from planner.cost import CostModel, play_order, timeline_order
-from runtime.canonical_schedules import canonical_orders
-from runtime.pipeline_schedules import op_kinds, schedule_timeline
-from runtime.profiling.profile import resolve_profiles
-from runtime.schedule_policies import schedule_layout
-from runtime.spec import load_plan_context
-from runtime.spec.handle import plan_costs
+from runtime.torchfree.canonical_schedules import canonical_orders
+from runtime.torchfree.pipeline_schedules import op_kinds, schedule_timeline
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.schedule_policies import schedule_layout
+from runtime.torchfree.spec import load_plan_context
+from runtime.torchfree.spec.handle import plan_costs
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 

@@ -15,10 +15,10 @@ from planner.cost import CostModel
 from planner.pipelines import deal, distributions, share_out
 from planner.search import set_partitions
 from planner.tp_groups import GroupKind, available, form_groups, tp_choices
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model
-from runtime.spec.cluster import Cluster, DeviceType, Emulation, Node
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model
+from runtime.torchfree.spec.cluster import Cluster, DeviceType, Emulation, Node
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 TINY = load_model("llama-tiny")
 

@@ -13,8 +13,8 @@ from planner.cost import CostModel
 from planner.schedule_choice import spare_activation_limits
 from planner.search import Searcher
 from planner.simulate import simulate, simulated_step_time
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model
 
 
 def cases() -> list[tuple[CostModel, PlanSettings]]:

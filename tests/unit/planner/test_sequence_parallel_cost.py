@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from planner.cost import CostModel, has_tp_stage
 from planner.simulate import simulate
-from runtime.profiling.profile import eval_fit, resolve_profiles
-from runtime.spec import load_cluster, load_model
-from runtime.spec.plan import PLAN_VERSION, Pipeline, Plan, Stage, Strategy, TrainingSettings
-from runtime.spec.schema import to_data
+from runtime.torchfree.profiling.profile import eval_fit, resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model
+from runtime.torchfree.spec.plan import PLAN_VERSION, Pipeline, Plan, Stage, Strategy, TrainingSettings
+from runtime.torchfree.spec.schema import to_data
 
 L13 = load_model("llama-13b")
 H2 = load_cluster("h2-example")

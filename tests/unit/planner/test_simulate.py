@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from hetu_cli.main import cli
 from planner.cost import CostModel, pipeline_time, planner_handle
 from planner.simulate import chrome_trace, simulate
-from runtime.pipeline_schedules import PostSend
-from runtime.profiling.profile import (
+from runtime.torchfree.pipeline_schedules import PostSend
+from runtime.torchfree.profiling.profile import (
     CommFigures,
     ComponentFit,
     MeasuredModel,
@@ -24,9 +24,9 @@ from runtime.profiling.profile import (
     save_profile,
     spec_profile,
 )
-from runtime.spec import load_cluster, load_model
-from runtime.spec.plan import Pipeline, Stage, Strategy
-from runtime.spec.schema import MAX_FIGURE
+from runtime.torchfree.spec import load_cluster, load_model
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.spec.schema import MAX_FIGURE
 
 TINY = load_model("llama-tiny")
 CPU4 = load_cluster("cpu-hetero4")

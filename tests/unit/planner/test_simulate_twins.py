@@ -10,9 +10,9 @@ import pytest
 import planner.simulate as simulate_module
 from planner.cost import CostModel
 from planner.simulate import EventLoop, OpKind, SimOp, pipeline_twins, simulate
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 H2 = load_cluster("h2-example")
 MODEL = load_model("llama-13b")

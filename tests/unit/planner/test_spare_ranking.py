@@ -15,9 +15,9 @@ import dataclasses
 from planner.api import PlanSettings, plan
 from planner.cost import CostModel
 from planner.schedule_choice import spare_activation_limits
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 
 def hand_built(cm: CostModel) -> Strategy:

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from hetu_cli.main import cli
 from planner.survival import plan_survival, span
-from runtime.spec import load_plan_context
+from runtime.torchfree.spec import load_plan_context
 
 TWO_NODES = """name: two-nodes
 device_types:

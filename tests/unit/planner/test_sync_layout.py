@@ -10,12 +10,21 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from planner.cost import CostModel
-from runtime.annotations.from_plan import strategy_annotations, strategy_groups
-from runtime.comm.gradsync import GRAD_ITEMSIZE, plan_sync
-from runtime.engine.specialize import specialize
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import Pipeline, Plan, PlanContext, Stage, Strategy, TrainingSettings, load_cluster, load_model
-from runtime.spec.handle import StrategyHandle
+from runtime.torchfree.annotations.from_plan import strategy_annotations, strategy_groups
+from runtime.torchfree.comm.gradsync import GRAD_ITEMSIZE, plan_sync
+from runtime.torchfree.engine.specialize import specialize
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import (
+    Pipeline,
+    Plan,
+    PlanContext,
+    Stage,
+    Strategy,
+    TrainingSettings,
+    load_cluster,
+    load_model,
+)
+from runtime.torchfree.spec.handle import StrategyHandle
 
 REPO = Path(__file__).resolve().parents[3]
 CLUSTER = load_cluster(str(REPO / "tests" / "integration" / "engine_plans" / "cpu-emu8.yaml"))

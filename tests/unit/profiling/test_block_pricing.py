@@ -1,4 +1,4 @@
-"""Sleep mode's block pricing (runtime/profiling/profile.py ``block_seconds``): hand-computed values, and
+"""Sleep mode's block pricing (runtime/torchfree/profiling/profile.py ``block_seconds``): hand-computed values, and
 the planner / simulator pricing a sleep-mode device by the same function."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from planner.cost import CostModel
 from planner.costmodel.targets import SleepTarget, sleep_target
 from planner.simulate import simulate
-from runtime.profiling.profile import (
+from runtime.torchfree.profiling.profile import (
     ComponentFit,
     ComputeBlock,
     MeasuredModel,
@@ -23,9 +23,9 @@ from runtime.profiling.profile import (
     eval_fit,
     spec_profile,
 )
-from runtime.spec import load_cluster, load_model
-from runtime.spec.cluster import Emulation, EmulationTarget
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.spec import load_cluster, load_model
+from runtime.torchfree.spec.cluster import Emulation, EmulationTarget
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 TINY = load_model("llama-tiny")
 SLEEP4 = load_cluster("cpu-hetero4-sleep")

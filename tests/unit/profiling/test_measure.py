@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from hetu_cli.emulation import cpu_shares, profiler_cpus
-from runtime.errors import InfeasibleError
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
 from runtime.profiling.compute import (
     StageRun,
@@ -27,9 +26,10 @@ from runtime.profiling.compute import (
 )
 from runtime.profiling.fit import fit_component, fit_quadratic, nonneg_lstsq
 from runtime.profiling.host import WorkerCpus, host_cpus
-from runtime.profiling.profile import BLOCKS, SPLIT_BLOCKS
 from runtime.profiling.profiler import plan_targets
-from runtime.spec import load_cluster, load_model
+from runtime.torchfree.errors import InfeasibleError
+from runtime.torchfree.profiling.profile import BLOCKS, SPLIT_BLOCKS
+from runtime.torchfree.spec import load_cluster, load_model
 
 TINY = load_model("llama-tiny")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runtime.errors import SpecError
-from runtime.profiling.profile import (
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.profiling.profile import (
     BLOCKS,
     PROFILES_DIR,
     ComponentFit,
@@ -24,7 +24,7 @@ from runtime.profiling.profile import (
     save_profile,
     spec_profile,
 )
-from runtime.spec import load_cluster
+from runtime.torchfree.spec import load_cluster
 
 REPO = Path(__file__).resolve().parents[3]
 SHIPPED = ("H800", "H20", "H100", "A100-80G", "A800", "L40S", "RTX4090", "RTX3090", "V100", "T4", "L4",

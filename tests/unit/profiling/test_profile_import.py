@@ -16,10 +16,10 @@ from click.testing import CliRunner
 
 from hetu_cli.main import cli
 from planner.cost import CostModel
-from runtime.profiling.flat_table import COLUMNS, format_rows, table_rows
-from runtime.profiling.profile import COMPONENTS, eval_fit, load_profile, save_profile
-from runtime.spec import load_model
-from runtime.spec.cluster import Cluster, DeviceType, Node
+from runtime.torchfree.profiling.flat_table import COLUMNS, format_rows, table_rows
+from runtime.torchfree.profiling.profile import COMPONENTS, eval_fit, load_profile, save_profile
+from runtime.torchfree.spec import load_model
+from runtime.torchfree.spec.cluster import Cluster, DeviceType, Node
 
 REPO = Path(__file__).resolve().parents[3]
 TINY = load_model("llama-tiny")

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.cost import CostModel
-from runtime.errors import SpecError
-from runtime.profiling.profile import (
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.profiling.profile import (
     COMPONENTS,
     MeasuredModel,
     analytic_components,
@@ -23,10 +23,10 @@ from runtime.profiling.profile import (
     save_profile,
     spec_profile,
 )
-from runtime.profiling.tables import ComponentTable, LinkCurve, LinkCurves
-from runtime.spec import load_model
-from runtime.spec.cluster import Cluster, DeviceType, Node
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.profiling.tables import ComponentTable, LinkCurve, LinkCurves
+from runtime.torchfree.spec import load_model
+from runtime.torchfree.spec.cluster import Cluster, DeviceType, Node
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 TINY = load_model("llama-tiny")
 MBS, LENS = (1, 2, 4), (128, 256)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime.profiling.compute import _Component
-from runtime.spec import load_model
+from runtime.torchfree.spec import load_model
 
 MODEL = load_model("llama-tiny")
 

@@ -1,4 +1,4 @@
-"""A plain restatement of the list scheduler's rules (runtime/list_scheduler.py), for comparing the
+"""A plain restatement of the list scheduler's rules (runtime/torchfree/list_scheduler.py), for comparing the
 fast scheduler against: every op kept in one ready list, scanned and sorted whenever a device is free
 (quadratic in the micro-batches, fine for the small shapes the property tests draw). It shares no code
 with the scheduler beyond the public policies and data types, so a shortcut there that changes a single
@@ -9,8 +9,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from runtime.pipeline_schedules import Compute, Costs, TimedOp
-from runtime.schedule_policies import POLICIES, Layout
+from runtime.torchfree.pipeline_schedules import Compute, Costs, TimedOp
+from runtime.torchfree.schedule_policies import POLICIES, Layout
 
 
 def _safe_forward(live: int, owed: dict[int, int], held: dict[int, int], mb: int, limit: int, chunks: int) -> bool:

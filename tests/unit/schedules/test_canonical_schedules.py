@@ -1,4 +1,4 @@
-"""Published schedule orders (runtime/canonical_schedules.py) and the promise built on them: the order every
+"""Published schedule orders (runtime/torchfree/canonical_schedules.py) and the promise built on them: the order every
 consumer runs is never slower than its schedule's textbook order under the same op and transfer times, on
 random uneven pipelines, within the same activation bound, its transfers matched and free of deadlock."""
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.canonical_schedules import canonical_orders
-from runtime.pipeline_schedules import (
+from runtime.torchfree.canonical_schedules import canonical_orders
+from runtime.torchfree.pipeline_schedules import (
     ChunkCost,
     Costs,
     build_schedule,
@@ -18,7 +18,7 @@ from runtime.pipeline_schedules import (
     schedule_timeline,
     step_time,
 )
-from runtime.schedule_policies import SCHEDULE_NAMES, Layout, device_limits, schedule_layout
+from runtime.torchfree.schedule_policies import SCHEDULE_NAMES, Layout, device_limits, schedule_layout
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

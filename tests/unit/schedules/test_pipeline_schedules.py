@@ -1,4 +1,4 @@
-"""Pipeline schedules (runtime/pipeline_schedules.py): every schedule from the one list scheduler,
+"""Pipeline schedules (runtime/torchfree/pipeline_schedules.py): every schedule from the one list scheduler,
 played on the simulated machine of ``check_schedule`` (blocking waits, one FIFO stream per device
 pair, in-order matching without tags), for random shapes and random uneven per-chunk costs."""
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.pipeline_schedules import (
+from runtime.torchfree.pipeline_schedules import (
     ChunkCost,
     Compute,
     Costs,
@@ -24,7 +24,7 @@ from runtime.pipeline_schedules import (
     check_schedule,
     step_time,
 )
-from runtime.schedule_policies import (
+from runtime.torchfree.schedule_policies import (
     SCHEDULE_NAMES,
     Layout,
     chunk_problems,

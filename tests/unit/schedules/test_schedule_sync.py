@@ -1,5 +1,5 @@
 """The NCCL rule "an action's host sync waits for every earlier action of its device"
-(runtime/schedule_sync.py), played by ``check_schedule``: every schedule family passes it with tracing on;
+(runtime/torchfree/schedule_sync.py), played by ``check_schedule``: every schedule family passes it with tracing on;
 a host sync after every action (a device-wide synchronize per span) deadlocks interleaved 1F1B with 3+
 stages; one host sync after a receive hoisted ahead of what it waits for fails it."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.pipeline_schedules import (
+from runtime.torchfree.pipeline_schedules import (
     Compute,
     Message,
     PostRecv,
@@ -19,8 +19,8 @@ from runtime.pipeline_schedules import (
     derive_actions,
     schedule_timeline,
 )
-from runtime.schedule_policies import POLICIES, SCHEDULE_NAMES, schedule_layout
-from runtime.schedule_sync import engine_host_syncs, with_host_syncs
+from runtime.torchfree.schedule_policies import POLICIES, SCHEDULE_NAMES, schedule_layout
+from runtime.torchfree.schedule_sync import engine_host_syncs, with_host_syncs
 from runtime.trace import TraceRecorder
 
 

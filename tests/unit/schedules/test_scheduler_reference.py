@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference_scheduler import reference_timeline
 
-from runtime.pipeline_schedules import ChunkCost, Costs, build_schedule, schedule_timeline
-from runtime.schedule_policies import SCHEDULE_NAMES, Layout, device_limits, schedule_layout
+from runtime.torchfree.pipeline_schedules import ChunkCost, Costs, build_schedule, schedule_timeline
+from runtime.torchfree.schedule_policies import SCHEDULE_NAMES, Layout, device_limits, schedule_layout
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -67,8 +67,8 @@ def test_build_schedule_uses_the_same_timeline() -> None:
 def instant_cases(draw):
     """Ops and transfers shorter than the scheduler's tolerance (1e-9 of the longest op): an op's end then
     readies its dependents within the event that started it, so a device later in device order must be
-    looked at in that same event (``greedy_run`` in runtime/list_scheduler.py looks only at the devices an event
-    names, ``_woke``)."""
+    looked at in that same event (``greedy_run`` in runtime/torchfree/list_scheduler.py looks only at the devices an
+    event names, ``_woke``)."""
     name = draw(st.sampled_from(SCHEDULE_NAMES))
     s = draw(st.integers(2, 5))
     m = draw(st.integers(s if name == "interleaved" else 1, 16))

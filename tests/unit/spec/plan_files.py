@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runtime.errors import SpecError
-from runtime.spec import load_plan_context
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.spec import load_plan_context
 
 
 def load(tmp_path: Path, data: dict):

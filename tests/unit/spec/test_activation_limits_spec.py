@@ -10,10 +10,10 @@ import pytest
 import yaml
 from plan_files import load, problems
 
-from runtime.pipeline_schedules import build_schedule, check_schedule
-from runtime.spec.handle import StrategyHandle, plan_costs
-from runtime.spec.io import dump_yaml
-from runtime.spec.schema import to_data
+from runtime.torchfree.pipeline_schedules import build_schedule, check_schedule
+from runtime.torchfree.spec.handle import StrategyHandle, plan_costs
+from runtime.torchfree.spec.io import dump_yaml
+from runtime.torchfree.spec.schema import to_data
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 BASE = yaml.safe_load((CONFIGS / "plans" / "cpu-hetero4-tiny.yaml").read_text())

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from runtime.errors import MAX_REPORTED, Problem, SpecError
-from runtime.spec import load_cluster, load_model, load_plan, load_plan_context
-from runtime.spec.io import ReadLimits, check_version, load_file, read_json, read_yaml
-from runtime.spec.model import ModelSpec
+from runtime.torchfree.errors import MAX_REPORTED, Problem, SpecError
+from runtime.torchfree.spec import load_cluster, load_model, load_plan, load_plan_context
+from runtime.torchfree.spec.io import ReadLimits, check_version, load_file, read_json, read_yaml
+from runtime.torchfree.spec.model import ModelSpec
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 PLAN = CONFIGS / "plans" / "cpu-hetero4-tiny.yaml"

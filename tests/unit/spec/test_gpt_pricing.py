@@ -14,13 +14,13 @@ from click.testing import CliRunner
 
 from hetu_cli.main import cli
 from planner.cost import CostModel
-from runtime.errors import SpecError
-from runtime.models.decoders import model_parameters
-from runtime.profiling.profile import resolve_profiles
-from runtime.spec import load_cluster, load_model
-from runtime.spec.hf import load_hf_model
-from runtime.spec.model import ModelSpec
-from runtime.spec.plan import Pipeline, Stage, Strategy
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.models.decoders import model_parameters
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model
+from runtime.torchfree.spec.hf import load_hf_model
+from runtime.torchfree.spec.model import ModelSpec
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""Hugging Face config.json -> ModelSpec (runtime/spec/hf.py), the runtime's Llama against transformers on
+"""Hugging Face config.json -> ModelSpec (runtime/torchfree/spec/hf.py), the runtime's Llama against transformers on
 one device, the new catalog entries, and the one-line refusals of what the runtime cannot run."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import torch
 from click.testing import CliRunner
 
 from hetu_cli.main import cli
-from runtime.errors import SpecError
 from runtime.models.llama import LlamaForCausalLM, rope_frequencies
-from runtime.models.params import llama_parameters
-from runtime.spec import load_model
-from runtime.spec.hf import config_for, load_hf_model, spec_from_config
-from runtime.spec.model import RopeScaling
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.spec import load_model
+from runtime.torchfree.spec.hf import config_for, load_hf_model, spec_from_config
+from runtime.torchfree.spec.model import RopeScaling
 
 transformers = pytest.importorskip("transformers")
 
@@ -170,7 +170,7 @@ def test_plan_cli_takes_a_config_dir_and_refuses_an_unsupported_one(tmp_path: Pa
 
 
 def test_a_bare_name_is_the_catalog_entry_first_then_a_model_directory(tmp_path: Path):
-    from runtime.spec.catalog import recorded_ref
+    from runtime.torchfree.spec.catalog import recorded_ref
 
     CONFIGS["llama3"]().save_pretrained(tmp_path / "My-Llama")
     CONFIGS["llama3"]().save_pretrained(tmp_path / "llama-tiny")

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from plan_files import problems
 
 from runtime.engine.optim import LocalAdamW, build_adamw
-from runtime.spec import OptimizerSettings, load_plan_context
-from runtime.spec.schema import to_data
+from runtime.torchfree.spec import OptimizerSettings, load_plan_context
+from runtime.torchfree.spec.schema import to_data
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 BASE = yaml.safe_load((CONFIGS / "plans" / "cpu-hetero4-tiny.yaml").read_text())

@@ -10,9 +10,9 @@ import yaml
 from click.testing import CliRunner
 
 from hetu_cli.main import cli
-from runtime.errors import SpecError
-from runtime.spec import load_model
-from runtime.spec.io import read_yaml
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.spec import load_model
+from runtime.torchfree.spec.io import read_yaml
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 TINY = read_yaml(CONFIGS / "models" / "moe-tiny.yaml")

@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from plan_files import load, problems
 
-from runtime.pipeline_schedules import ChunkCost, Costs, build_schedule, check_schedule
-from runtime.schedule_policies import schedule_layout
-from runtime.spec.handle import StrategyHandle, plan_schedule
-from runtime.spec.io import dump_yaml
-from runtime.spec.plan import Pipeline, Stage
-from runtime.spec.schema import to_data
+from runtime.torchfree.pipeline_schedules import ChunkCost, Costs, build_schedule, check_schedule
+from runtime.torchfree.schedule_policies import schedule_layout
+from runtime.torchfree.spec.handle import StrategyHandle, plan_schedule
+from runtime.torchfree.spec.io import dump_yaml
+from runtime.torchfree.spec.plan import Pipeline, Stage
+from runtime.torchfree.spec.schema import to_data
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 BASE = yaml.safe_load((CONFIGS / "plans" / "cpu-hetero4-tiny.yaml").read_text())

@@ -10,12 +10,12 @@ import pytest
 import yaml
 from plan_files import load, problems
 
-from runtime.errors import FieldErrors
-from runtime.pipeline_schedules import check_schedule
-from runtime.spec.handle import StrategyHandle
-from runtime.spec.io import dump_yaml
-from runtime.spec.plan import Pipeline, Stage
-from runtime.spec.schema import to_data
+from runtime.torchfree.errors import FieldErrors
+from runtime.torchfree.pipeline_schedules import check_schedule
+from runtime.torchfree.spec.handle import StrategyHandle
+from runtime.torchfree.spec.io import dump_yaml
+from runtime.torchfree.spec.plan import Pipeline, Stage
+from runtime.torchfree.spec.schema import to_data
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 BASE = yaml.safe_load((CONFIGS / "plans" / "cpu-hetero4-tiny.yaml").read_text())

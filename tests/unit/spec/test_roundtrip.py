@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runtime.spec import Cluster, ModelSpec, Plan, load_plan_context
-from runtime.spec.io import dump_yaml, read_yaml
-from runtime.spec.schema import build, to_data
+from runtime.torchfree.spec import Cluster, ModelSpec, Plan, load_plan_context
+from runtime.torchfree.spec.io import dump_yaml, read_yaml
+from runtime.torchfree.spec.schema import build, to_data
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 KINDS = {"models": ModelSpec, "clusters": Cluster, "plans": Plan}
@@ -39,7 +39,7 @@ def test_example_plans_validate(path: Path):
 
 
 def test_cluster_shapes():
-    from runtime.spec import load_cluster
+    from runtime.torchfree.spec import load_cluster
 
     paper = load_cluster("h800-h20-48")
     assert paper.num_devices == 48
@@ -55,7 +55,7 @@ def test_cluster_shapes():
 
 
 def test_bandwidth_model():
-    from runtime.spec import load_cluster
+    from runtime.torchfree.spec import load_cluster
 
     c = load_cluster("h800-h20-48")
     assert c.bandwidth_gbs(0, 1) == 200  # H800 NVLink

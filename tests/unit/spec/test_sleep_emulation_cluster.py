@@ -12,9 +12,9 @@ import yaml
 from click.testing import CliRunner
 
 from hetu_cli.main import cli
-from runtime.errors import SpecError
-from runtime.spec import load_cluster
-from runtime.spec.io import read_yaml
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.spec import load_cluster
+from runtime.torchfree.spec.io import read_yaml
 
 REPO = Path(__file__).resolve().parents[3]
 CLUSTER = REPO / "configs" / "clusters" / "cpu-hetero4-sleep.yaml"

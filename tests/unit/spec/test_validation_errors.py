@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runtime.errors import SpecError
-from runtime.spec import load_cluster, load_model, load_plan_context
-from runtime.spec.io import read_yaml
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.spec import load_cluster, load_model, load_plan_context
+from runtime.torchfree.spec.io import read_yaml
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 BASE = yaml.safe_load((CONFIGS / "plans" / "cpu-hetero4-tiny.yaml").read_text())
@@ -168,7 +168,7 @@ def renamed_type(name: str) -> dict:
     ("../../tmp/x", "device_types.../../tmp/x: device type name '../../tmp/x' is not a file name"),  # profile writes
     ("a\\b", "is not a file name"),
     ("..", "is not a file name"),
-    ("tab\tname", "contains U+0009"),   # every name of a spec: runtime/spec/schema.py text_problem
+    ("tab\tname", "contains U+0009"),   # every name of a spec: runtime/torchfree/spec/schema.py text_problem
 ])
 def test_device_type_names_are_file_names(tmp_path: Path, name: str, says: str):
     """A type names its profile files (looked up as profiles/<type>.yaml, written as <type>.measured.yaml)."""
@@ -211,7 +211,7 @@ def test_model_errors(tmp_path: Path):
 
 
 def test_direct_construction_validates():
-    from runtime.spec import Stage
+    from runtime.torchfree.spec import Stage
 
     with pytest.raises(ValueError, match="layers"):
         Stage(devices=(0,), layers=(3, 1))

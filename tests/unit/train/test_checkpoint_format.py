@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 
 from hetu_cli.main import cli
 from runtime.checkpoint import CHECKPOINT_FILE, FORMAT, expected_tensors, load_checkpoint, read_checkpoint_info
-from runtime.errors import HspmdError, SpecError
-from runtime.spec import load_plan_context
+from runtime.torchfree.errors import HspmdError, SpecError
+from runtime.torchfree.spec import load_plan_context
 
 PLAN = "configs/plans/cpu-hetero4-tiny.yaml"
 

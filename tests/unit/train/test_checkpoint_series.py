@@ -19,9 +19,9 @@ from safetensors import safe_open
 from runtime.checkpoint import LATEST, checkpoint_info, latest_checkpoint, read_saved
 from runtime.checkpoint_series import SaveRequest, TrainerState, begin, read_trainer_state, step_dirs, write_snapshot
 from runtime.checkpoint_stream import StreamingCheckpoint
-from runtime.errors import SpecError
-from runtime.models.params import llama_parameters
-from runtime.spec import load_model
+from runtime.torchfree.errors import SpecError
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.spec import load_model
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL = load_model("llama-tiny", file="test", field="model")

@@ -16,8 +16,8 @@ import torch
 from runtime.data import token_source
 from runtime.documents import CorpusDocuments, document_source
 from runtime.epochs import open_prepared
-from runtime.errors import HspmdError, SpecError
 from runtime.token_shards import prepare_corpus
+from runtime.torchfree.errors import HspmdError, SpecError
 
 REPO = Path(__file__).resolve().parents[3]
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog"]

@@ -25,10 +25,10 @@ from runtime.checkpoint import (
     read_saved,
     write_checkpoint,
 )
-from runtime.errors import HspmdError, SpecError
 from runtime.models.llama import LlamaForCausalLM
-from runtime.models.params import llama_parameters
-from runtime.spec import load_model, load_plan_context
+from runtime.torchfree.errors import HspmdError, SpecError
+from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.spec import load_model, load_plan_context
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ import hetu_cli.commands.train as train_cmd
 from hetu_cli.main import cli
 from runtime.data import token_source
 from runtime.engine.reference import ReferenceTrainer
-from runtime.spec import load_plan_context
+from runtime.torchfree.spec import load_plan_context
 
 PLAN = "configs/plans/cpu-hetero4-tiny.yaml"
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.data import ByteTextTokens, SyntheticTokens, token_source
-from runtime.errors import HspmdError
+from runtime.torchfree.errors import HspmdError
 
 
 @settings(max_examples=40, deadline=None)

@@ -8,9 +8,9 @@ import pytest
 
 from hetu_cli.commands.train import TensorBoard, mfu_of
 from planner.cost import model_flops_per_token
-from runtime.errors import HspmdError
 from runtime.launch.options import StepRecord
-from runtime.spec import load_plan_context
+from runtime.torchfree.errors import HspmdError
+from runtime.torchfree.spec import load_plan_context
 
 REPO = Path(__file__).resolve().parents[3]
 PLAN = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"
