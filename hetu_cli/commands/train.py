@@ -437,16 +437,17 @@ def _resume(save_dir: Path, load_dir: Path | None, last_step: int) -> tuple[Path
     out = console(stderr=True)
     if latest is None:
         out.print(f"--resume: no checkpoint in {escape(str(save_dir))} yet: starting "
-                  + (f"from {escape(str(load_dir))}" if load_dir is not None else "at step 0"))
+                  + (f"from {escape(str(load_dir))}" if load_dir is not None else "at step 0"), soft_wrap=True)
         return load_dir, last_step
     done = step_of(latest)
     if done == last_step:   # the run finished: repeating its command (a retry loop) is not an error
-        out.print(f"--resume: {escape(str(latest))} is the run's last step ({done}): nothing left to train")
+        out.print(f"--resume: {escape(str(latest))} is the run's last step ({done}): nothing left to train",
+                  soft_wrap=True)
         sys.exit(0)
     if done > last_step:
         raise HspmdError(f"{latest}: --resume: the run is at step {done} already, past --steps {last_step} (--steps "
                          "is the run's last step when resuming)")
-    out.print(f"--resume: continuing from {escape(str(latest))} (step {done}) to step {last_step}")
+    out.print(f"--resume: continuing from {escape(str(latest))} (step {done}) to step {last_step}", soft_wrap=True)
     return latest, last_step - done
 
 
