@@ -132,18 +132,27 @@ def resolve_profile_ref(ref: str, relative_to: Path | None = None) -> Path | Non
     return p if is_file(p) else None
 
 
+def resolved_or_refused(ref: str, kind: str, paths: str, relative_to: Path | None, file: str, field: str) -> Path:
+    """The file ``ref`` names among ``kind`` ("models", "clusters"), or one problem saying why there is none:
+    a path that does not exist, one that cannot be read, or a name the catalog lacks (``paths``: what else
+    the reference may be)."""
+    path = resolve_ref(ref, kind, relative_to)
+    if path is not None:
+        return path
+    missing = missing_path(ref, kind, relative_to)
+    if missing is not None:
+        raise SpecError([Problem(file, field, missing)])
+    noun = kind.rstrip("s")
+    why = unusable_path(ref, kind, relative_to)
+    if why is not None:
+        raise SpecError([Problem(file, field, f"{noun} {ref!r}: {why}")])
+    raise SpecError([Problem(file, field, f"unknown {noun} {ref!r} (catalog: {', '.join(catalog_names(kind))}; "
+                                          f"or {paths})")])
+
+
 def load_model(ref: str, *, relative_to: Path | None = None, file: str = "", field: str = "model") -> ModelSpec:
-    path = resolve_ref(ref, "models", relative_to)
-    if path is None:
-        missing = missing_path(ref, "models", relative_to)
-        if missing is not None:
-            raise SpecError([Problem(file, field, missing)])
-        why = unusable_path(ref, "models", relative_to)
-        if why is not None:
-            raise SpecError([Problem(file, field, f"model {ref!r}: {why}")])
-        raise SpecError([Problem(file, field, f"unknown model {ref!r} (catalog: "
-                                 f"{', '.join(catalog_names('models'))}; or a path to a YAML file, a Hugging "
-                                 "Face config.json or its directory)")])
+    path = resolved_or_refused(ref, "models", "a path to a YAML file, a Hugging Face config.json or its directory",
+                               relative_to, file, field)
     return load_hf_model(path) if is_hf_config(path) else load_file(ModelSpec, path)
 
 
@@ -155,16 +164,7 @@ def model_source_config(ref: str, relative_to: Path | None = None) -> Path | Non
 
 def load_cluster(ref: str, *, relative_to: Path | None = None, file: str = "",
                  field: str = "cluster") -> Cluster:
-    path = resolve_ref(ref, "clusters", relative_to)
-    if path is None:
-        missing = missing_path(ref, "clusters", relative_to)
-        if missing is not None:
-            raise SpecError([Problem(file, field, missing)])
-        why = unusable_path(ref, "clusters", relative_to)
-        if why is not None:
-            raise SpecError([Problem(file, field, f"cluster {ref!r}: {why}")])
-        raise SpecError([Problem(file, field, f"unknown cluster {ref!r} (catalog: "
-                                 f"{', '.join(catalog_names('clusters'))}; or a path to a YAML file)")])
+    path = resolved_or_refused(ref, "clusters", "a path to a YAML file", relative_to, file, field)
     cluster = load_file(Cluster, path)
     problems = emulation_target_problems(cluster, str(path))
     if problems:
