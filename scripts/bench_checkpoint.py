@@ -28,10 +28,11 @@ PLAN = REPO / "configs" / "plans" / "cpu-hetero4-tiny.yaml"
 
 def per_step(options) -> float:
     """Seconds per step between the end of step 2 and the end of the last step but one."""
+    from hetu_cli.emulation import emulated
     from runtime.launch import launch
 
     stamps: dict[int, float] = {}
-    launch(options, on_step=lambda r: stamps.__setitem__(r.step, time.perf_counter()), on_log=lambda _line: None)
+    launch(emulated(options), on_step=lambda r: stamps.__setitem__(r.step, time.perf_counter()), on_log=lambda _line: None)
     first, last = 2, options.steps - 1
     return (stamps[last] - stamps[first]) / (last - first)
 

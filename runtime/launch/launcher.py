@@ -131,12 +131,13 @@ def prepare(options: TrainOptions, policy: Policy, *, one_host: bool = True) -> 
     everyone = list(range(ctx.cluster.num_devices))
     backend, _ = placement(ctx, devices, one_host=one_host, gpus=options.gpus)  # refuses what this host cannot run
     _, torch_devices = placement(ctx, everyone, one_host=False)  # a device joining later included
-    if backend == "gloo":
-        share = options.worker_cpus
-        threads, cpus = (share.threads, dict(share.cpus)) if share is not None else (None, {})
-    else:  # GPU workers share this machine's cores, rather than each taking all of them (its build, its loader)
-        per_node = Counter(ctx.cluster.device(d).node for d in devices)
-        threads, cpus = max(1, (os.cpu_count() or 1) // max(per_node.values(), default=1)), {}
+    share = options.worker_cpus
+    if backend == "gloo" and share is not None:   # cores chosen by the caller (the emulated cluster's harness)
+        threads, cpus = share.threads, dict(share.cpus)
+    else:  # the workers on one machine share its cores, rather than each taking all of them
+        local = len(devices) if one_host else max(Counter(ctx.cluster.device(d).node for d in devices).values(),
+                                                   default=1)
+        threads, cpus = max(1, (os.cpu_count() or 1) // local), {}
     data_line = _preflight(options, ctx)
     return Prepared(ctx, strategy.name, tuple(devices), backend, torch_devices, threads, cpus, data_line)
 
