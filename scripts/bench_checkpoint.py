@@ -32,7 +32,8 @@ def per_step(options) -> float:
     from runtime.launch import launch
 
     stamps: dict[int, float] = {}
-    launch(emulated(options), on_step=lambda r: stamps.__setitem__(r.step, time.perf_counter()), on_log=lambda _line: None)
+    launch(emulated(options), on_step=lambda r: stamps.__setitem__(r.step, time.perf_counter()),
+           on_log=lambda _line: None)
     first, last = 2, options.steps - 1
     return (stamps[last] - stamps[first]) / (last - first)
 
