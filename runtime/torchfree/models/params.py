@@ -31,6 +31,12 @@ class ParamInfo:
     layer: int | None  # decoder layer index for owner == "layer"
     tp_dim: int | None  # tensor dim split across a TP group; None = duplicated in the group
     tied: bool = False  # the embedding matrix, also used (and held) by the head stages as the head
+    # A routed expert's tensor: its expert index. On an expert-parallel stage (``Stage.experts``) only the
+    # expert's holders keep it, whole; elsewhere it splits over the TP group like the dense MLP.
+    expert: int | None = None
+    # The router: on an expert-parallel stage each device routes its own share of the tokens, so its gradient
+    # is a summand per device (summed over the stage like any partial gradient).
+    router: bool = False
 
     @property
     def numel(self) -> int:
@@ -58,11 +64,12 @@ def layer_parameters(model: ModelSpec, layer: int) -> list[ParamInfo]:
 
 
 def _swiglu(prefix: str, h: int, f: int, layer: int, names: tuple[str, str, str] = ("gate_proj", "up_proj",
-                                                                                      "down_proj")) -> list[ParamInfo]:
+                                                                                      "down_proj"),
+            expert: int | None = None) -> list[ParamInfo]:
     gate, up, down = names
-    return [ParamInfo(f"{prefix}{gate}.weight", (f, h), "layer", layer, 0),
-            ParamInfo(f"{prefix}{up}.weight", (f, h), "layer", layer, 0),
-            ParamInfo(f"{prefix}{down}.weight", (h, f), "layer", layer, 1)]
+    return [ParamInfo(f"{prefix}{gate}.weight", (f, h), "layer", layer, 0, expert=expert),
+            ParamInfo(f"{prefix}{up}.weight", (f, h), "layer", layer, 0, expert=expert),
+            ParamInfo(f"{prefix}{down}.weight", (h, f), "layer", layer, 1, expert=expert)]
 
 
 def moe_parameters(model: ModelSpec, layer: int) -> list[ParamInfo]:
@@ -72,9 +79,9 @@ def moe_parameters(model: ModelSpec, layer: int) -> list[ParamInfo]:
     moe, h = model.moe, model.hidden_size
     n = MOE_NAMES[model.family]
     p = f"model.layers.{layer}.{n.block}."
-    out = [ParamInfo(f"{p}{ROUTER}.weight", (moe.num_experts, h), "layer", layer, None)]
+    out = [ParamInfo(f"{p}{ROUTER}.weight", (moe.num_experts, h), "layer", layer, None, router=True)]
     for e in range(moe.num_experts):
-        out += _swiglu(f"{p}experts.{e}.", h, moe.expert_ffn_size, layer, (n.gate, n.up, n.down))
+        out += _swiglu(f"{p}experts.{e}.", h, moe.expert_ffn_size, layer, (n.gate, n.up, n.down), expert=e)
     if moe.shared_experts:
         out += _swiglu(f"{p}{SHARED}.", h, moe.shared_width, layer)
     if moe.shared_gate:

@@ -157,6 +157,30 @@ def op_cost_problems(op_costs: tuple[tuple[float, ...], ...], chunks: int) -> li
     return out
 
 
+def _placement_pairs(devices: tuple[int, ...], experts: Mapping) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """``{device: [expert, ...]}`` as (device, experts) pairs: the stage's devices first in their order, then
+    any key that is not one of them (left for validation to name)."""
+    def key(d: object) -> tuple[int, object]:
+        return (devices.index(d), 0) if d in devices else (len(devices), str(d))
+
+    return tuple((d, tuple(experts[d]) if isinstance(experts[d], (list, tuple)) else experts[d])  # type: ignore[misc]
+                 for d in sorted(experts, key=key))
+
+
+def _check_experts(c: Checker, devices: tuple[int, ...], experts: tuple) -> None:
+    """Model-free checks of a stage's expert placement (the model's expert count: validate.py)."""
+    for d, held in experts:
+        where = f"experts.{d}"
+        if d not in devices:
+            c.add(where, f"device {d} is not one of the stage's devices {list(devices)}")
+        if not isinstance(held, tuple) or not all(isinstance(e, int) and not isinstance(e, bool) for e in held):
+            c.add(where, f"must be a list of expert indices, got {held!r}")
+        elif any(e < 0 for e in held):
+            c.add(where, f"expert indices must not be negative, got {list(held)}")
+        elif len(set(held)) != len(held):
+            c.add(where, f"lists expert(s) {sorted({e for e in held if held.count(e) > 1})} more than once")
+
+
 @dataclass(frozen=True)
 class Stage:
     """A TP group and the layer range of each model chunk it holds (one chunk per virtual stage)."""
@@ -172,9 +196,18 @@ class Stage:
     # Per chunk, its ops' durations, which the runtime orders the pipeline's action lists by when every
     # stage of the pipeline has them (docs/schedules.md, "Costs in the plan"); None: layer counts.
     op_costs: tuple[OpCosts, ...] | None = None
+    # Expert parallelism (docs/moe.md): which routed experts each device of the stage holds whole, by device id,
+    # e.g. ``{4: [0, 1, 2], 5: [3]}``; an expert listed under two devices is replicated. The same placement
+    # serves every MoE layer of the stage. Stored as (device, experts) pairs in the stage's device order (a
+    # device not listed holds none); written back as a mapping. None: each expert is split over the stage's
+    # TP group like the dense MLP.
+    experts: tuple[tuple[int, tuple[int, ...]], ...] | None = field(
+        default=None, metadata={"mapping_pairs": True})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
+        if isinstance(self.experts, Mapping):
+            object.__setattr__(self, "experts", _placement_pairs(self.devices, self.experts))
         object.__setattr__(self, "layers", _layer_ranges(self.layers))
         if self.op_costs is not None:
             object.__setattr__(self, "op_costs", tuple(tuple(c) for c in self.op_costs))
@@ -194,6 +227,8 @@ class Stage:
                         f"must be a non-empty range [start, end) with 0 <= start < end, got [{start}, {end}]")
             for line in [] if self.op_costs is None else op_cost_problems(self.op_costs, len(self.layers)):
                 c.add("op_costs", line)
+            if self.experts is not None:
+                _check_experts(c, self.devices, self.experts)
             k = self.recompute_layers
             if k is not None:
                 if isinstance(k, bool) or not isinstance(k, int) or k < 0:
@@ -203,6 +238,19 @@ class Stage:
                           "set together with recompute: true (which recomputes every layer); give one")
                 elif all(len(r) == 2 for r in self.layers) and k > self.num_layers:
                     c.add("recompute_layers", f"recomputes {k} layers but the stage holds {self.num_layers}")
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the stage's MoE layers place whole experts on its devices (``experts``)."""
+        return self.experts is not None
+
+    def experts_of(self, device: int) -> tuple[int, ...]:
+        """The routed experts ``device`` holds whole on this expert-parallel stage (none when unlisted)."""
+        return next((e for d, e in self.experts or () if d == device), ())
+
+    def expert_holders(self, expert: int) -> tuple[int, ...]:
+        """The devices of this expert-parallel stage holding ``expert``, in the stage's device order."""
+        return tuple(d for d in self.devices if expert in self.experts_of(d))
 
     @property
     def recomputed_layers(self) -> int:

@@ -277,6 +277,11 @@ def _is_pair_form(f: dataclasses.Field, value: Any) -> bool:
 
 
 def _build_field(f: dataclasses.Field, tp: Any, data: Any, file: str, path: str, problems: list[Problem]) -> Any:
+    if f.metadata.get("mapping_pairs") and data is not None:
+        # A tuple of (key, value) pairs spelled as a mapping: read as one, the class makes it pairs.
+        pairs = next(a for a in get_args(tp) if a is not type(None))
+        key_t, val_t = get_args(get_args(pairs)[0])
+        return _build(Mapping[key_t, val_t], data, file, path, problems)
     if _is_pair_form(f, data):
         # The pair is read at the field's own path: it is what the YAML spells there.
         return (_build(get_args(tp)[0], data, file, path, problems),)
@@ -294,6 +299,8 @@ def to_data(obj: Any) -> Any:
                 continue
             if f.metadata.get("omit_default") and value == f.default:
                 continue  # an opt-in flag: plans that do not use it read as before
+            if f.metadata.get("mapping_pairs"):
+                value = dict(value)  # (key, value) pairs kept hashable, written as the mapping they were read as
             if f.metadata.get("pair_or_list") and len(value) == 1:
                 value = value[0]  # written back in its one-item form, as it is usually written
             out[f.name] = to_data(value)

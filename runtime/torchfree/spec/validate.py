@@ -12,7 +12,7 @@ from runtime.torchfree.schedule_policies import (
 )
 from runtime.torchfree.spec.cluster import Cluster
 from runtime.torchfree.spec.model import ModelSpec
-from runtime.torchfree.spec.plan import Plan, Strategy
+from runtime.torchfree.spec.plan import Plan, Stage, Strategy
 
 
 def validate_plan(plan: Plan, model: ModelSpec, cluster: Cluster, file: str = "") -> list[Problem]:
@@ -114,13 +114,17 @@ def validate_strategy(strategy: Strategy, plan: Plan, model: ModelSpec, cluster:
                 dev = cluster.device(d)
                 types.add(dev.type)
                 nodes.add(dev.node)
-            if len(types) > 1:
-                bad(f"{sp}.devices", f"mixes device types {sorted(types)}: a TP group must be one type")
+            if len(types) > 1 and not stage.expert_parallel:
+                bad(f"{sp}.devices", f"mixes device types {sorted(types)}: a TP group must be one type (a stage "
+                                     "with experts may mix them)")
             if len(nodes) > 1:
                 bad(f"{sp}.devices", f"spans nodes {sorted(nodes)}: a TP group must be on one node")
             why = model.tp_problem(stage.tp)
             if why is not None:
                 bad(f"{sp}.devices", f"{why} of {model.name}")
+            if stage.experts is not None:
+                for field, message in expert_problems(stage, model, t.sequence_parallel):
+                    bad(f"{sp}.{field}", message)
             if t.sequence_parallel and stage.tp > 1:
                 # Every sequence splits in tp equal pieces (documents mode: rows of the strategy's longest).
                 odd = [n for n in sorted({t.seq_len, strategy.max_len_of(t)}) if n % stage.tp]
@@ -136,3 +140,29 @@ def validate_strategy(strategy: Strategy, plan: Plan, model: ModelSpec, cluster:
         bad("pipelines", f"micro-batches ({counts}) x micro_batch {t.micro_batch} = {total} samples, "
                          f"but training.global_batch is {t.global_batch}")
     return problems
+
+
+def expert_problems(stage: Stage, model: ModelSpec, sequence_parallel: bool) -> list[tuple[str, str]]:
+    """(field, message) for what is wrong with an expert-parallel stage's placement against the model."""
+    moe = model.moe
+    if moe is None:
+        return [("experts", f"{model.name} has no mixture-of-experts layers to place")]
+    if not any(moe.is_moe_layer(i) for i in stage.layer_ids):
+        return [("experts", f"the stage holds no MoE layer of {model.name} (layers {stage.layers_text()})")]
+    out = []
+    n = moe.num_experts
+    for d, held in stage.experts or ():
+        unknown = [e for e in held if e >= n]
+        if unknown:
+            out.append((f"experts.{d}", f"expert(s) {unknown} do not exist: {model.name} has experts 0-{n - 1}"))
+    held_somewhere = {e for _, held in stage.experts or () for e in held}
+    unheld = [e for e in range(n) if e not in held_somewhere]
+    if unheld:
+        out.append(("experts", f"leaves expert(s) {unheld} unheld: every expert needs at least one device"))
+    idle = [d for d in stage.devices if not stage.experts_of(d)]
+    if idle:
+        out.append(("experts", f"device(s) {idle} hold no expert: {n} experts cannot spread over {stage.tp} devices "
+                               "without replicas (replicate hot experts, or place the experts on fewer devices)"))
+    if sequence_parallel:
+        out.append(("experts", "expert parallelism does not run with training.sequence_parallel yet"))
+    return out
