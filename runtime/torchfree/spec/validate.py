@@ -117,8 +117,9 @@ def validate_strategy(strategy: Strategy, plan: Plan, model: ModelSpec, cluster:
             if len(types) > 1 and not stage.expert_parallel:
                 bad(f"{sp}.devices", f"mixes device types {sorted(types)}: a TP group must be one type (a stage "
                                      "with experts may mix them)")
-            if len(nodes) > 1:
-                bad(f"{sp}.devices", f"spans nodes {sorted(nodes)}: a TP group must be on one node")
+            if len(nodes) > 1 and not stage.expert_parallel:
+                bad(f"{sp}.devices", f"spans nodes {sorted(nodes)}: a TP group must be on one node (a stage with "
+                                     "experts may span nodes)")
             why = model.tp_problem(stage.tp)
             if why is not None:
                 bad(f"{sp}.devices", f"{why} of {model.name}")
