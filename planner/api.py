@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from planner.baselines import Baseline, LowerBound, best_symmetric, best_symmetric_subset, lower_bound
 from planner.cost import GIB, CostModel, has_tp_stage, zero_degree, zero_fields
 from planner.layer_split import feasible, slot_costs
+from planner.moe_placement import StageChoice, choose_experts
 from planner.parallel import Tasks, worker_count
 from planner.schedule_choice import schedule_choices, stage_layer_ranges
 from planner.search import MICRO_BATCHES, Candidate, PlanSettings, Progress, SearchStats, describe, rank, search
@@ -74,6 +75,9 @@ class PlanResult:
     schedule_options: tuple[tuple[ScheduleOption, ...], ...] = ()
     # Elastic plans without --zero/--no-zero: both were searched; why this one (empty otherwise).
     zero_choice: str = ""
+    # A MoE model: per stage of the best plan holding MoE layers on several devices, TP-split or
+    # expert-parallel experts, and why (planner/moe_placement.py).
+    moe_stages: tuple[StageChoice, ...] = ()
 
     @property
     def best(self) -> Candidate:
@@ -234,7 +238,7 @@ def _plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfi
                                         tuple(d for d in devs if d not in used),
                                         f"{describe(b.strategy, cluster, settings.default_schedule)} "
                                         f"(the {b.name} baseline)"))
-    ranked = rank(candidates + base_cands)
+    ranked, moe_choices = place_experts(rank(candidates + base_cands), every, settings)
     if settings.simulate_top > 0:
         report("checking the best plans with the simulator", 0, 1)
         ranked = simulator_check(ranked, every, settings, base_cands, workers, deadline, stats)
@@ -247,7 +251,34 @@ def _plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfi
     else:
         options = tuple(tuple(schedule_options(every[best.micro_batch], best.strategy, pi, settings.default_schedule,
                                                settings.zero)) for pi in range(len(best.strategy.pipelines)))
-    return PlanResult(model, cluster, settings, devs, top, sym, sub, lb, idle, solver_time, stats, options)
+    return PlanResult(model, cluster, settings, devs, top, sym, sub, lb, idle, solver_time, stats, options,
+                      moe_stages=moe_choices.get(id(best.strategy), ()))
+
+
+# Plans (best first) whose MoE stages get an expert placement (planner/moe_placement.py) and are priced again.
+MOE_PLACED = 8
+
+
+def place_experts(ranked: list[Candidate], cms: Mapping[int, CostModel], settings: PlanSettings
+                  ) -> tuple[list[Candidate], dict[int, tuple[StageChoice, ...]]]:
+    """A MoE model's best plans with each stage's experts TP-split or placed expert-parallel
+    (``choose_experts``), priced again and ranked; per plan (by ``id`` of its strategy) why. A dense model:
+    ``ranked`` as it is."""
+    if not ranked or ranked[0].strategy is None or cms[ranked[0].micro_batch].model.moe is None:
+        return ranked, {}
+    out, why = [], {}
+    for c in ranked[:MOE_PLACED]:
+        cm = cms[c.micro_batch]
+        strategy, choices = choose_experts(cm, c.strategy, settings.global_batch, settings.default_schedule,
+                                           settings.zero)
+        if any(ch.expert_parallel for ch in choices):
+            strategy = cm.with_op_costs(strategy, settings.default_schedule)
+            c = dataclasses.replace(c, strategy=strategy, proxy=False, simulated_s=None,
+                                    estimate=cm.estimate(strategy, settings.global_batch, settings.default_schedule,
+                                                         settings.zero))
+        why[id(c.strategy)] = choices
+        out.append(c)
+    return rank(out) + ranked[MOE_PLACED:], why
 
 
 def aligned(strategy: Strategy) -> bool:

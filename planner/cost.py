@@ -116,9 +116,9 @@ from planner.costmodel.base import (
 )
 from planner.costmodel.compute import ComputeCosts
 from planner.costmodel.memory import MemoryCosts
+from planner.costmodel.moe import MoeCosts
 from planner.costmodel.network import NetworkCosts, allreduce_seconds
 from planner.costmodel.schedule import ScheduleCosts, pipeline_time, play_order, timeline_order, weight_grad_fraction
-from runtime.torchfree.errors import HspmdError
 from runtime.torchfree.models.decoders import model_parameters
 from runtime.torchfree.profiling.profile import (
     DeviceProfile,
@@ -150,15 +150,12 @@ def planner_handle(cm: CostModel, strategy: Strategy, global_batch: int, schedul
     return StrategyHandle(PlanContext(plan, cm.model, cm.cluster, Path("<planner>")), strategy)
 
 
-class CostModel(ComputeCosts, MemoryCosts, NetworkCosts, ScheduleCosts):
+class CostModel(ComputeCosts, MemoryCosts, NetworkCosts, ScheduleCosts, MoeCosts):
     """Costs of one model on one cluster at one micro-batch shape. Cheap to build; caches as it goes."""
 
     def __init__(self, model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfile] | ProfileSet,
                  *, micro_batch: int, seq_len: int, step_allreduce: bool = True,
                  sequence_parallel: bool = False) -> None:
-        refused = model.pricing_problem()
-        if refused is not None:  # a MoE model priced as if dense would be a wrong plan, not an approximate one
-            raise HspmdError(refused)
         missing = [t for t in cluster.device_types if t not in profiles]
         if missing:
             raise ValueError(f"no profile for device type(s) {missing}")
@@ -174,7 +171,9 @@ class CostModel(ComputeCosts, MemoryCosts, NetworkCosts, ScheduleCosts):
         self._type_of = [d.type for d in cluster.devices]
         self._node_of = [d.node for d in cluster.devices]
         self._nic_of = [cluster.nic_of(d.id) for d in cluster.devices]
-        params = model_parameters(dataclasses.replace(model, num_layers=1))
+        # One decoder layer's tensors (a MoE model's: a MoE layer's, router and experts included).
+        moe = None if model.moe is None else dataclasses.replace(model.moe, dense_layers=(), sparse_step=1)
+        params = model_parameters(dataclasses.replace(model, num_layers=1, moe=moe))
         self._layer_tensors = [p for p in params if p.owner == "layer"]
         self._embed_tensors = [p for p in params if p.owner == "embedding"]
         self._head_tensors = [p for p in params if p.owner == "head"]
@@ -202,9 +201,7 @@ class CostModel(ComputeCosts, MemoryCosts, NetworkCosts, ScheduleCosts):
 
     def stage_total(self, st: Stage) -> StageCost:
         """One micro-batch through every chunk of a stage (``stage`` per chunk, summed)."""
-        dtype, n_layers = self._type_of[st.devices[0]], self.model.num_layers
-        parts = [self.placed_stage(dtype, st.tp, ((a, b),), a == 0, b == n_layers,
-                                   recompute_layers=st.chunk_recompute(c)) for c, (a, b) in enumerate(st.layers)]
+        parts = [self.stage_chunk(st, c)[0] for c in range(st.chunks)]
         if len(parts) == 1:
             return parts[0]
         return StageCost(*(sum(getattr(c, f.name) for c in parts) for f in dataclasses.fields(StageCost)))
@@ -227,10 +224,10 @@ class CostModel(ComputeCosts, MemoryCosts, NetworkCosts, ScheduleCosts):
         for pipe in strategy.pipelines:
             for s in pipe.stages:
                 first, last = self.holds_ends(s)
-                params = self.stage(self._type_of[s.devices[0]], s.tp, s.num_layers, first, last).params
+                params = self.stage(self.stage_type(s), s.tp, s.num_layers, first, last).params
                 tensors = self.tensors_per_stage(s.num_layers, first, last)
                 for d in s.devices:
-                    out[d] = (params, tensors)
+                    out[d] = (round(params + self.ep_params(s, d)), tensors)
         return out
 
     def optimizer_times(self, strategy: Strategy, zero: int = 0) -> dict[int, float]:
@@ -268,7 +265,8 @@ class CostModel(ComputeCosts, MemoryCosts, NetworkCosts, ScheduleCosts):
         gather = self.zero_gather_times(strategy, zero)
         opt = max(t + over[d] + gather[d] for d, t in self.optimizer_times(strategy, zero).items())
         clip = self.clip_time(strategy.devices)
-        step = max(p.time_s for p in pipes) + sync + clip + opt + self.iteration_time(strategy)
+        step = (max(p.time_s for p in pipes) + sync + clip + opt + self.iteration_time(strategy)
+                + self.expert_sync_time(strategy))
         memory = self.strategy_memory(strategy, schedule, zero)
         cap = {d: self.cluster.type_of(d).memory_gib for d in memory}
         oom = tuple(sorted(d for d, m in memory.items() if m.total > cap[d] * GIB))

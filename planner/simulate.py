@@ -400,8 +400,9 @@ def _played(cm: CostModel, strategy: Strategy, schedule: Schedule, zero: bool, c
     twins = pipeline_twins(sim)   # before the step's end joins the pipelines
     sync = cm.sync_plan(strategy)
     _add_step_end(sim, costs, last_action, sync, zero, opt_times)
-    # The measured fixed cost per iteration (launches, synchronisation, logging) comes on top.
-    fixed = cm.iteration_time(strategy)
+    # The measured fixed cost per iteration (launches, synchronisation, logging) comes on top, and the gradient
+    # all-reduces inside expert-parallel stages (planner/costmodel/moe.py), as the estimate adds them.
+    fixed = cm.iteration_time(strategy) + cm.expert_sync_time(strategy)
     # (a margin far above rounding: a step cut off is longer than ``cutoff`` for sure, not by an ulp)
     times = sim.run(twins, cutoff - fixed + 1e-9 * max(1.0, abs(cutoff)))
     if times is None:   # an op ends past that, so the step passes cutoff
@@ -423,16 +424,11 @@ class _Costs:
     @classmethod
     def of(cls, cm: CostModel, strategy: Strategy) -> _Costs:
         type_of = {d.id: d.type for d in cm.cluster.devices}
-        n_layers = cm.model.num_layers
         chunks = {}
         for pi, pipe in enumerate(strategy.pipelines):
             for k, st in enumerate(pipe.stages):
-                dtype = type_of[st.devices[0]]
-                for c, (a, b) in enumerate(st.layers):
-                    r = st.chunk_recompute(c)
-                    chunks[pi, k, c] = (cm.placed_stage(dtype, st.tp, ((a, b),), a == 0, b == n_layers,
-                                                        recompute_layers=r),
-                                        cm.placed_chunk_cost(dtype, st.tp, a, b, recompute_layers=r))
+                for c in range(st.chunks):
+                    chunks[pi, k, c] = cm.stage_chunk(st, c)
         stage_of = {d: (pi, k) for pi, p in enumerate(strategy.pipelines) for k, st in enumerate(p.stages)
                     for d in st.devices}
         return cls(cm, strategy, type_of, chunks, stage_of)

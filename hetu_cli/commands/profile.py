@@ -76,8 +76,9 @@ def profile(ctx: click.Context, cluster_ref: str | None, model_refs: tuple[str, 
                                                     "times the runtime's Llama modules); bring its timings with "
                                                     "hspmd profile import")])
         if m.moe is not None:   # its dense modules are not what its MoE layers cost
-            raise SpecError([Problem("--model", "", f"{ref}: mixture-of-experts layers are not measured yet "
-                                                    "(hspmd profile times dense Llama components)")])
+            raise SpecError([Problem("--model", "", f"{ref}: mixture-of-experts layers are not measured "
+                                                    "(hspmd profile times dense Llama components; hspmd plan prices "
+                                                    "MoE layers from the dense model of the same shapes)")])
     try:
         lens = tuple(sorted(set(int_list(seq_lens))))
     except ValueError:

@@ -124,10 +124,11 @@ class ComputeCosts:
             tp_f, tp_b = TP_ALLREDUCES_PER_LAYER[0] * ar, TP_ALLREDUCES_PER_LAYER[1] * ar
         # A recomputed layer keeps its input: the residual stream, 1/tp of it under sequence parallelism.
         kept = float(b * s * self.model.hidden_size * BOUNDARY_BYTES) / (tp if self.sequence_sharded(tp) else 1)
-        return LayerCost(forward_s=fwd, backward_s=bwd, recompute_s=fwd + tp_f if recompute else 0.0,
-                         tp_forward_s=tp_f, tp_backward_s=tp_b, activation_bytes=act,
-                         checkpoint_bytes=kept,
-                         params=sum(p.params for p in parts))
+        dense = LayerCost(forward_s=fwd, backward_s=bwd, recompute_s=fwd + tp_f if recompute else 0.0,
+                          tp_forward_s=tp_f, tp_backward_s=tp_b, activation_bytes=act,
+                          checkpoint_bytes=kept,
+                          params=sum(p.params for p in parts))
+        return self.moe_layer(dense, device_type, tp, recompute, b, s)   # MoE layers: planner/costmodel/moe.py
 
     @memo
     def extras(self, device_type: str, tp: int, first: bool, last: bool, micro_batch: int | None = None,
@@ -196,7 +197,8 @@ class ComputeCosts:
         overrides some of them by index (``MeasuredModel.layers``), their own components' times replace the
         shared layer's. The recomputed layers are the lowest ``recomputed(...)`` indices."""
         n_layers = sum(b - a for a, b in layers)
-        sc = self.stage(device_type, tp, n_layers, first, last, recompute, recompute_layers=recompute_layers)
+        sc = self.moe_placed(self.stage(device_type, tp, n_layers, first, last, recompute,
+                                        recompute_layers=recompute_layers), device_type, tp, layers)
         rc_ids = set(sorted(i for a, b in layers for i in range(a, b))[:recomputed(n_layers, recompute,
                                                                                    recompute_layers)])
         prof, (b, s) = self.profiles[device_type], self._shape(None, None)

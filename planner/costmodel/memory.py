@@ -160,7 +160,7 @@ class MemoryCosts:
         out = {}
         for pi, pipe in enumerate(strategy.pipelines):
             name = pipe.schedule if pipe.schedule is not None else schedule
-            for s, mem in zip(pipe.stages, self.pipeline_memory(strategy, pi, name, zd)):
+            for k, (s, mem) in enumerate(zip(pipe.stages, self.pipeline_memory(strategy, pi, name, zd))):
                 for d in s.devices:
-                    out[d] = mem
+                    out[d] = self.ep_device_memory(strategy, pi, k, d, mem, name, zd)
         return out

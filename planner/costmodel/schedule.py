@@ -279,10 +279,9 @@ class ScheduleCosts:
     def stage_op_costs(self, st: Stage) -> tuple[OpCosts, ...]:
         """A stage's ``op_costs`` for the plan: each chunk's ``chunk_cost`` (F, B, W), the numbers the
         estimate prices, so that the runtime orders its lists by them."""
-        dtype = self._type_of[st.devices[0]]
         out = []
-        for k, (a, b) in enumerate(st.layers):
-            c = self.placed_chunk_cost(dtype, st.tp, a, b, recompute_layers=st.chunk_recompute(k))
+        for k in range(st.chunks):
+            c = self.stage_chunk(st, k)[1]
             out.append((c.forward, c.input_grad, c.weight_grad))
         return tuple(out)
 

@@ -26,9 +26,11 @@ MAX_ROPE_THETA = 1e12
 MAX_ROPE_FACTOR = 1e4
 # Experts over all MoE layers (DeepSeek-V3: 58 x 256 = 14,848); each is three tensors of the parameter table.
 MAX_EXPERT_BLOCKS = 65536
-# What hspmd does not do yet with a mixture-of-experts model (plan, simulate and train refuse it with this).
-MOE_NOT_SUPPORTED = ("mixture-of-experts models cannot be planned or simulated yet (no MoE pricing, no expert "
-                     "parallelism); hspmd train runs them on TP-1 stages, every stage holding all its layers' experts")
+# How the planner, the cost model and the simulator price a MoE layer (planner/costmodel/moe.py): said with every
+# plan and simulation of a MoE model, as any assumption is.
+MOE_PRICING = ("MoE layers priced from the dense layer of the same shapes: router, routed and shared experts as "
+               "GEMMs at the time per FLOP the profile gives the dense MLP, per device type (fewer rows per expert "
+               "assumed as efficient); expert loads {load}")
 
 # The Hugging Face ``model_type``s whose decoder the runtime's Llama is: Llama 2/3, Mistral, Qwen2 differ
 # only in figures this spec holds (head_dim, q/k/v bias, tied embeddings, rope scaling). Mixtral,
@@ -274,14 +276,14 @@ class ModelSpec:
                                       "the runtime trains full causal attention only")
         return None
 
-    def pricing_problem(self) -> str | None:
-        """Why the planner, cost model and simulator cannot price this model, or None if they can."""
-        return None if self.moe is None else f"{self.name}: moe: {MOE_NOT_SUPPORTED}"
-
     def pricing_note(self, seq_len: int) -> str | None:
         """What the planner and simulator approximate for this model at ``seq_len`` (None: nothing)."""
         found = self.train_problem(seq_len)
-        if found is None or self.moe is not None:  # a MoE model is not priced at all: ``pricing_problem``
+        if self.moe is not None:
+            load = "from moe.expert_load" if self.moe.expert_load is not None else "even (no moe.expert_load given)"
+            moe = f"{self.name}: moe: {MOE_PRICING.format(load=load)}"
+            return moe if found is None else f"{moe}; {found[0]}: {found[1]}"
+        if found is None:
             return None
         if self.gpt:
             return (f"{self.name}: architecture {self.architecture}: priced from its shapes (LayerNorm, GELU MLP, "

@@ -1,0 +1,351 @@
+"""Mixture-of-experts prices: a MoE layer on a stage whose experts are split over its TP group like the dense
+MLP, and on an expert-parallel stage (``Stage.experts``) whose devices hold whole experts and exchange tokens
+by all-to-all (docs/planning.md, "Mixture of experts").
+
+Where the time comes from: profiles measure dense layers (``hspmd profile`` refuses a MoE model), so a MoE
+layer is the dense layer of the same shapes (attention, norms and TP collectives from the profile as for any
+model) with its MLP replaced: the router, the routed experts and the shared experts are GEMMs priced at the
+time per FLOP the profile gives the dense SwiGLU MLP at this micro-batch shape, on each device's own type
+(``mlp_rate``). Expert GEMMs on fewer rows run at that same rate: an assumption ``hspmd plan`` and ``hspmd
+simulate`` state (runtime/torchfree/spec/model.py ``MOE_PRICING``, ``ModelSpec.pricing_note``).
+
+On a TP-split stage every rank computes every routed (token, expert) pair on its width slice; the router's
+skew does not matter there (only the capacity factor's cut does). On an expert-parallel stage of n devices:
+the T tokens of a micro-batch are cut in n slices, each rank routes its slice, (token, expert) pairs go to a
+holder of their expert by all-to-all (a replicated expert's holders h_0..h_{m-1} take the pairs of source rank
+s at h_{s mod m}), each holder runs its experts on the rows it received, the results come back by the
+reverse all-to-all, and the slices are all-gathered; the backward reverses both all-to-alls and all-gathers
+the input-gradient slices. The stage's MoE time is the slowest device's (its experts' rows on its own type)
+plus those exchanges, priced over the links between the devices (``concurrent_seconds``). Attention and the
+shared experts run under TP over the stage's devices at its slowest member's pace.
+
+A model whose layers are not all MoE layers (``dense_layers``, ``sparse_step``): ``layer`` prices the mean
+layer (what the planner's ILPs take, layers being alike there); ``placed_stage`` and ``stage_chunk`` price
+the exact layer indices a chunk holds.
+
+Sleep-mode emulated types price their blocks by their target (planner/costmodel/targets.py): the MoE
+adjustments here do not apply to them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from planner.costmodel.base import LayerCost, MemoryBreakdown, StageCost, memo
+from planner.costmodel.network import Flow, concurrent_seconds
+from runtime.torchfree.profiling.profile import eval_fit
+from runtime.torchfree.schedule_policies import device_limits
+from runtime.torchfree.schedule_types import ChunkCost
+from runtime.torchfree.spec.moe import MoeSpec
+from runtime.torchfree.spec.plan import Schedule, Stage, Strategy
+
+# Bytes of one routed-token count in the counts all-gather ([n, E] int64).
+COUNT_BYTES = 8
+# Router logits and probabilities, kept for the backward in fp32.
+ROUTER_ACT_BYTES = 8
+
+
+def expert_shares(moe: MoeSpec) -> tuple[float, ...]:
+    """Each expert's share of the routed (token, expert) pairs: ``expert_load`` normalised, else even."""
+    load = moe.expert_load or (1.0,) * moe.num_experts
+    total = float(sum(load))
+    return tuple(x / total for x in load)
+
+
+def expert_rows(moe: MoeSpec, tokens: int) -> tuple[float, ...]:
+    """Expected rows each expert computes in a micro-batch of ``tokens`` tokens: ``tokens * top_k * share``,
+    at most the capacity under a capacity factor."""
+    cap = moe.capacity(tokens)
+    rows = tuple(tokens * moe.top_k * s for s in expert_shares(moe))
+    return rows if cap is None else tuple(min(r, float(cap)) for r in rows)
+
+
+def holder_rows(devices: Sequence[int], experts: Mapping[int, Sequence[int]] | Sequence, rows: Sequence[float]
+                ) -> dict[int, dict[int, float]]:
+    """Per device, per expert it holds: the rows it receives. Each of the n source ranks (the stage's devices in
+    order) sends its 1/n of an expert's rows to holder ``h[s mod m]`` of the expert's m holders."""
+    held = dict(experts)
+    n = len(devices)
+    out: dict[int, dict[int, float]] = {d: {} for d in devices}
+    for e, r in enumerate(rows):
+        holders = [d for d in devices if e in held.get(d, ())]
+        m = len(holders)
+        for j, h in enumerate(holders):
+            sources = len(range(j, n, m))
+            out[h][e] = out[h].get(e, 0.0) + r * sources / n
+    return out
+
+
+def a2a_flows(devices: Sequence[int], experts: Mapping[int, Sequence[int]] | Sequence, rows: Sequence[float],
+              row_bytes: float) -> tuple[Flow, ...]:
+    """The dispatch all-to-all's messages (the combine sends the same ones back): source rank s sends its
+    slice's rows of expert e to the expert's holder ``h[s mod m]``."""
+    held = dict(experts)
+    n = len(devices)
+    nbytes: dict[tuple[int, int], float] = {}
+    for e, r in enumerate(rows):
+        holders = [d for d in devices if e in held.get(d, ())]
+        for s, src in enumerate(devices):
+            dst = holders[s % len(holders)]
+            nbytes[src, dst] = nbytes.get((src, dst), 0.0) + r / n * row_bytes
+    return tuple(Flow(a, b, x) for (a, b), x in nbytes.items())
+
+
+@dataclass(frozen=True)
+class EpLayer:
+    """One MoE layer of an expert-parallel stage, one micro-batch, against the TP-split MoE layer of the
+    stage's slowest type at its TP degree (what ``layer`` prices): ``forward_s`` / ``backward_s`` what it
+    adds (negative: saves), communication included; the exchanges themselves; per device its expected rows,
+    its router and expert seconds (forward + backward), and what it holds beyond the TP-split share."""
+
+    forward_s: float
+    backward_s: float
+    comm_forward_s: float
+    comm_backward_s: float
+    rows: Mapping[int, float]            # device -> (token, expert) rows it computes
+    expert_s: Mapping[int, float]        # device -> its router and experts, forward + backward
+    params: Mapping[int, float]          # device -> parameters beyond the TP-split share (per MoE layer)
+    activation_bytes: Mapping[int, float]   # device -> saved bytes beyond the TP-split layer's
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+class MoeCosts:
+    """MoE prices of a ``CostModel`` (planner/cost.py)."""
+
+    def _tokens(self, b: int | None = None, s: int | None = None) -> int:
+        b, s = self._shape(b, s)
+        return b * s
+
+    @memo
+    def mlp_rate(self, device_type: str, tp: int, micro_batch: int | None = None,
+                 seq_len: int | None = None) -> tuple[float, float]:
+        """(forward, backward) seconds per forward FLOP of the dense SwiGLU MLP on this type at this TP degree
+        and micro-batch shape, as the profile prices it: what every MoE GEMM is priced at."""
+        b, s = self._shape(micro_batch, seq_len)
+        mlp = self.components(device_type, tp, b, s)["mlp"]
+        flops = 6.0 * b * s * self.model.hidden_size * self.model.ffn_hidden_size / tp
+        return eval_fit(mlp.forward_s, b, s) / flops, eval_fit(mlp.backward_s, b, s) / flops
+
+    def _shared_flops(self, tokens: float, tp: int) -> float:
+        moe, h = self.model.moe, self.model.hidden_size
+        return 6.0 * tokens * h * moe.shared_width / tp + (2.0 * tokens * h if moe.shared_gate else 0.0)
+
+    def _routed_flops(self, router_tokens: float, rows: float, tp: int) -> float:
+        """Forward FLOPs of the router on ``router_tokens`` tokens and of ``rows`` expert rows at width 1/tp."""
+        moe, h = self.model.moe, self.model.hidden_size
+        return 2.0 * router_tokens * h * moe.num_experts + 6.0 * rows * h * moe.expert_ffn_size / tp
+
+    @memo
+    def moe_tp_delta(self, device_type: str, tp: int, micro_batch: int | None = None,
+                     seq_len: int | None = None) -> LayerCost:
+        """What one MoE layer on a TP-split stage adds to the dense layer: its MLP replaced by the router
+        (every rank routes every token), every routed row's expert at width 1/tp and the shared experts."""
+        b, s = self._shape(micro_batch, seq_len)
+        moe, h, t = self.model.moe, self.model.hidden_size, b * s
+        mlp = self.components(device_type, tp, b, s)["mlp"]
+        rf, rb = self.mlp_rate(device_type, tp, b, s)
+        rows = sum(expert_rows(moe, t))
+        flops = self._routed_flops(t, rows, tp) + self._shared_flops(t, tp)
+        fwd = rf * flops - eval_fit(mlp.forward_s, b, s)
+        bwd = rb * flops - eval_fit(mlp.backward_s, b, s)
+        e = self._act_element_bytes(device_type)
+        act = (e * (t * h + rows * (h + 4.0 * moe.expert_ffn_size / tp) + 4.0 * t * moe.shared_width / tp)
+               + ROUTER_ACT_BYTES * t * moe.num_experts)
+        params = (moe.num_experts * h + moe.num_experts * 3 * h * moe.expert_ffn_size // tp
+                  + 3 * h * moe.shared_width // tp + (h if moe.shared_gate else 0))
+        return LayerCost(forward_s=fwd, backward_s=bwd, recompute_s=fwd, tp_forward_s=0.0, tp_backward_s=0.0,
+                         activation_bytes=act - eval_fit(mlp.activation_bytes, b, s), checkpoint_bytes=0.0,
+                         params=params - mlp.params)
+
+    def moe_layer(self, dense: LayerCost, device_type: str, tp: int, recompute: bool, micro_batch: int,
+                  seq_len: int) -> LayerCost:
+        """``dense`` (one dense decoder layer) as the mean layer of this model: MoE layers' share of the
+        TP-split MoE delta added (a dense model: ``dense`` itself)."""
+        if self.model.moe is None:
+            return dense
+        frac = len(self.model.moe_layers) / self.model.num_layers
+        d = self.moe_tp_delta(device_type, tp, micro_batch, seq_len)
+        return dataclasses.replace(
+            dense, forward_s=dense.forward_s + frac * d.forward_s, backward_s=dense.backward_s + frac * d.backward_s,
+            recompute_s=dense.recompute_s + (frac * d.forward_s if recompute else 0.0),
+            activation_bytes=dense.activation_bytes + frac * d.activation_bytes,
+            params=round(dense.params + frac * d.params))
+
+    def moe_layers_in(self, layers: Sequence[tuple[int, int]]) -> int:
+        return sum(1 for a, b in layers for i in range(a, b) if self.model.is_moe_layer(i))
+
+    def moe_placed(self, sc: StageCost, device_type: str, tp: int, layers: tuple[tuple[int, int], ...]) -> StageCost:
+        """``sc`` (priced with mean layers) for the MoE layers the ranges ``layers`` hold."""
+        moe = self.model.moe
+        if moe is None or self.sleep_target(device_type) is not None:
+            return sc
+        n = sum(b - a for a, b in layers)
+        extra = self.moe_layers_in(layers) - n * len(self.model.moe_layers) / self.model.num_layers
+        if abs(extra) < 1e-12:
+            return sc
+        d = self.moe_tp_delta(device_type, tp)
+        return dataclasses.replace(sc, forward_s=sc.forward_s + extra * d.forward_s,
+                                   backward_s=sc.backward_s + extra * d.backward_s,
+                                   compute_s=sc.compute_s + extra * (d.forward_s + d.backward_s),
+                                   params=round(sc.params + extra * d.params))
+
+    # -- expert-parallel stages ----------------------------------------------------------------------
+
+    def stage_type(self, st: Stage) -> str:
+        """The device type a stage's TP parts run at: its own, or on a mixed-type expert-parallel stage the
+        slowest member's (a TP collective waits for the slowest rank)."""
+        return self._slowest_type(tuple(st.devices))
+
+    def _slowest_type(self, devices: tuple[int, ...]) -> str:
+        types = sorted({self._type_of[d] for d in devices})
+        if len(types) == 1:
+            return types[0]
+        tp = len(devices)
+        return max(types, key=lambda t: (self.layer(t, tp).forward_s + self.layer(t, tp).backward_s, t))
+
+    def ep_priced(self, st: Stage) -> bool:
+        """Whether ``st`` is priced as an expert-parallel stage."""
+        return (st.expert_parallel and self.model.moe is not None
+                and all(self.sleep_target(self._type_of[d]) is None for d in st.devices))
+
+    @memo
+    def ep_layer(self, devices: tuple[int, ...], experts: tuple) -> EpLayer:
+        """One MoE layer of the expert-parallel stage ``devices`` holding ``experts`` ((device, experts)
+        pairs), against the TP-split layer of its slowest type (``EpLayer``)."""
+        moe, h, t, n = self.model.moe, self.model.hidden_size, self._tokens(), len(devices)
+        base = self._slowest_type(devices)
+        rows = expert_rows(moe, t)
+        got = holder_rows(devices, experts, rows)
+        busy_f = busy_b = 0.0
+        expert_s, dev_rows, params, act = {}, {}, {}, {}
+        for d in devices:
+            y = self._type_of[d]
+            rf, rb = self.mlp_rate(y, 1)
+            r = sum(got[d].values())
+            flops = self._routed_flops(t / n, r, 1)
+            busy_f, busy_b = max(busy_f, rf * flops), max(busy_b, rb * flops)
+            expert_s[d], dev_rows[d] = (rf + rb) * flops, r
+            params[d] = (len(dict(experts).get(d, ())) - moe.num_experts / n) * 3 * h * moe.expert_ffn_size
+            e = self._act_element_bytes(y)
+            act[d] = (e * (t / n * h + r * (h + 4.0 * moe.expert_ffn_size)) + ROUTER_ACT_BYTES * t / n * moe.num_experts
+                      - e * sum(rows) * (h + 4.0 * moe.expert_ffn_size / n) - ROUTER_ACT_BYTES * t * moe.num_experts)
+        rf, rb = self.mlp_rate(base, n)
+        split = self._routed_flops(t, sum(rows), n)
+        row_bytes = float(h * self._act_element_bytes(base))
+        flows = a2a_flows(devices, experts, rows, row_bytes)
+        back = tuple(Flow(f.dst, f.src, f.nbytes) for f in flows)
+        dispatch = concurrent_seconds(flows, self.transfer_time, self._node_of, self._nic_of)
+        combine = concurrent_seconds(back, self.transfer_time, self._node_of, self._nic_of)
+        gather = self.allgather_time(devices, t * row_bytes)
+        counts = self.allgather_time(devices, n * moe.num_experts * COUNT_BYTES)
+        comm_f = counts + dispatch + combine + gather
+        comm_b = dispatch + combine + gather
+        return EpLayer(forward_s=busy_f - rf * split + comm_f, backward_s=busy_b - rb * split + comm_b,
+                       comm_forward_s=comm_f, comm_backward_s=comm_b, rows=dev_rows, expert_s=expert_s,
+                       params=params, activation_bytes=act)
+
+    def ep_of(self, st: Stage) -> EpLayer:
+        return self.ep_layer(tuple(st.devices), tuple(st.experts or ()))
+
+    def stage_chunk(self, st: Stage, chunk: int) -> tuple[StageCost, ChunkCost]:
+        """Chunk ``chunk`` of stage ``st``, one micro-batch: the ``placed_stage`` and ``placed_chunk_cost`` the
+        estimate, the plan's op costs and the simulator all price it by; an expert-parallel stage's MoE layers
+        as ``ep_layer`` prices them."""
+        dtype = self.stage_type(st)
+        a, b = st.layers[chunk]
+        r = st.chunk_recompute(chunk)
+        sc = self.placed_stage(dtype, st.tp, ((a, b),), a == 0, b == self.model.num_layers, recompute_layers=r)
+        cc = self.placed_chunk_cost(dtype, st.tp, a, b, recompute_layers=r)
+        if not self.ep_priced(st):
+            return sc, cc
+        ep = self.ep_of(st)
+        n_moe = self.moe_layers_in(((a, b),))
+        # The recomputed layers are the stage's lowest indices (``Stage.chunk_recompute``).
+        ids = [i for i in range(a, b)][:r]
+        rc_moe = sum(1 for i in ids if self.model.is_moe_layer(i))
+        d_f = n_moe * ep.forward_s
+        d_b = n_moe * ep.backward_s + rc_moe * ep.forward_s
+        comm_f, comm_b = n_moe * ep.comm_forward_s, n_moe * ep.comm_backward_s + rc_moe * ep.comm_forward_s
+        sc = dataclasses.replace(sc, forward_s=sc.forward_s + d_f, backward_s=sc.backward_s + d_b,
+                                 compute_s=sc.compute_s + d_f + d_b - comm_f - comm_b,
+                                 tp_forward_s=sc.tp_forward_s + comm_f, tp_backward_s=sc.tp_backward_s + comm_b)
+        grow = max(1e-6, 1.0 + d_b / (cc.input_grad + cc.weight_grad))
+        cc = ChunkCost(forward=max(1e-12, cc.forward + d_f), input_grad=cc.input_grad * grow,
+                       weight_grad=cc.weight_grad * grow,
+                       full_backward=None if cc.full_backward is None else max(1e-12, cc.full_backward + d_b))
+        return sc, cc
+
+    def ep_params(self, st: Stage, device: int) -> float:
+        """Parameters ``device`` of stage ``st`` holds beyond the TP-split share (0 off expert parallelism)."""
+        if not self.ep_priced(st):
+            return 0.0
+        return self.moe_layers_in(st.layers) * self.ep_of(st).params[device]
+
+    def ep_device_memory(self, strategy: Strategy, pi: int, k: int, device: int, mem: MemoryBreakdown,
+                         schedule: Schedule, zero_degree: int) -> MemoryBreakdown:
+        """``mem`` (stage ``k`` of pipeline ``pi`` priced TP-split) for ``device`` of an expert-parallel stage:
+        its own experts' parameters, gradients, optimizer states and bf16 copies instead of 1/n of every
+        expert, and the rows it receives in each in-flight micro-batch."""
+        pipe = strategy.pipelines[pi]
+        st = pipe.stages[k]
+        if not self.ep_priced(st) or self.target_memory_model(self._type_of[device]) is not None:
+            return mem
+        ep = self.ep_of(st)
+        p = self.ep_params(st, device)
+        live = device_limits(schedule, len(pipe.stages), pipe.micro_batches, st.chunks, pipe.activation_limits)[k]
+        per_chunk = max(self.moe_layers_in((r,)) for r in st.layers)
+        recompute_all = st.recompute
+        act = 0.0 if recompute_all else live * per_chunk * ep.activation_bytes[device]
+        m = self.profiles[self._type_of[device]].memory
+        return dataclasses.replace(mem, params=mem.params + p * m.param_bytes, grads=mem.grads + p * m.grad_bytes,
+                                   optimizer=mem.optimizer + p * m.optimizer_bytes / max(1, zero_degree),
+                                   casts=mem.casts + p * m.cast_bytes,
+                                   activations=max(0.0, mem.activations + act))
+
+    def expert_sync_time(self, strategy: Strategy) -> float:
+        """Per step, the slowest expert-parallel stage's ``stage_expert_sync``: added to the step by the
+        estimate and the simulator alike."""
+        return max((self.stage_expert_sync(st) for p in strategy.pipelines for st in p.stages
+                    if self.ep_priced(st)), default=0.0)
+
+    def stage_expert_sync(self, st: Stage, router: bool = True) -> float:
+        """Per step, inside expert-parallel stage ``st``: the gradient all-reduce of every replicated expert
+        among its holders and (``router``) of the router, a summand per device (each routes its own slice)."""
+        moe, h = self.model.moe, self.model.hidden_size
+        n_moe = self.moe_layers_in(st.layers)
+        grad = self.profiles[self.stage_type(st)].memory.grad_bytes
+        t = self.allreduce_time(st.devices, n_moe * moe.num_experts * h * grad) if router else 0.0
+        for e in range(moe.num_experts):
+            holders = st.expert_holders(e)
+            if len(holders) > 1:
+                t += self.allreduce_time(holders, n_moe * 3 * h * moe.expert_ffn_size * grad)
+        return t
+
+    def expert_row_s(self, device: int) -> float:
+        """Seconds one (token, expert) row costs on ``device``'s type, forward + backward (``mlp_rate``)."""
+        rf, rb = self.mlp_rate(self._type_of[device], 1)
+        return (rf + rb) * 6.0 * self.model.hidden_size * self.model.moe.expert_ffn_size
+
+    def expert_bytes(self, device: int, layers: int, zero_degree: int) -> float:
+        """Bytes one whole expert of ``layers`` MoE layers takes on ``device``: parameters, gradients, AdamW
+        states (over ``zero_degree``) and bf16 copies."""
+        m = self.profiles[self._type_of[device]].memory
+        per = m.param_bytes + m.grad_bytes + m.cast_bytes + m.optimizer_bytes / max(1, zero_degree)
+        return layers * 3 * self.model.hidden_size * self.model.moe.expert_ffn_size * per
+
+    def ep_summary(self, st: Stage) -> dict:
+        """What an expert-parallel stage's report says: per device its experts, expected rows per micro-batch
+        (and share of the stage's), and expert seconds per MoE layer; the layer against the TP-split one."""
+        ep = self.ep_of(st)
+        total = sum(ep.rows.values()) or 1.0
+        return {"devices": {d: {"experts": list(st.experts_of(d)), "type": self._type_of[d],
+                                "rows": round(ep.rows[d], 1), "load": round(ep.rows[d] / total, 4),
+                                "expert_ms": round(1e3 * ep.expert_s[d], 3)} for d in st.devices},
+                "vs_tp_split_ms": round(1e3 * ep.time_s, 3), "all_to_all_ms": round(
+                    1e3 * (ep.comm_forward_s + ep.comm_backward_s), 3)}
+

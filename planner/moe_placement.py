@@ -1,0 +1,169 @@
+"""Expert placement for mixture-of-experts models: per stage of a planned strategy, its routed experts split
+over its TP group like the dense MLP, or expert parallelism (``Stage.experts``) with whole experts placed by
+device speed, memory and expected load (planner/costmodel/moe.py prices both; docs/planning.md, "Mixture of
+experts").
+
+The placement (``speed_placement``): longest-processing-time first (the heaviest expert to the device that
+would finish it first, each device's per-row expert cost its own type's), every device holding at least one
+expert (a replica of the expert whose holders take longest where there are fewer experts than devices), then
+a local search on the bottleneck device: move one of its experts, or replicate one onto another device, while
+that lowers the stage's priced step share (the slowest device's experts, the all-to-alls, and the gradient
+all-reduce a replica adds). A device takes no more experts than its memory holds beside the rest of its stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from planner.cost import GIB, CostModel, zero_degree
+from planner.costmodel.moe import expert_rows
+from runtime.torchfree.spec.plan import Schedule, Stage, Strategy
+
+Placement = dict[int, list[int]]
+# Local-search moves per stage: a bound on the planner's time (each move prices E x n neighbours).
+MAX_MOVES = 64
+
+
+def even_placement(devices: Sequence[int], num_experts: int) -> Placement:
+    """Experts dealt round-robin over the devices in order (expert e on device e mod n); with fewer experts
+    than devices, device i holds expert i mod E: the placement blind to speed and load."""
+    n = len(devices)
+    out: Placement = {d: [] for d in devices}
+    for e in range(max(n, num_experts)):
+        out[devices[e % n]].append(e % num_experts)
+    return {d: sorted(set(es)) for d, es in out.items()}
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """Why a stage of a MoE model runs its experts as it does."""
+
+    pipeline: int
+    stage: int
+    devices: tuple[int, ...]
+    expert_parallel: bool
+    why: str
+    devices_detail: Mapping[int, Mapping[str, Any]]   # per device: experts, type, rows, load, expert_ms
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pipeline": self.pipeline, "stage": self.stage, "devices": list(self.devices),
+                "experts": "expert-parallel" if self.expert_parallel else "tp-split", "why": self.why,
+                "per_device": {str(d): dict(v) for d, v in self.devices_detail.items()}}
+
+
+def _objective(cm: CostModel, st: Stage, placement: Placement, micro_batches: int) -> float:
+    """A stage's step share under ``placement``: its MoE layers' price against the TP-split ones over the
+    micro-batches, plus the replicas' gradient all-reduce (``stage_expert_sync``)."""
+    ep_st = dataclasses.replace(st, experts=placement, op_costs=None)
+    return micro_batches * cm.moe_layers_in(st.layers) * cm.ep_of(ep_st).time_s + cm.stage_expert_sync(ep_st)
+
+
+def expert_caps(cm: CostModel, st: Stage, free_bytes: Mapping[int, float], zero: int, pipelines: int) -> dict[int, int]:
+    """Per device of ``st``, the most experts it can hold: its TP-split share plus what its free memory
+    (``free_bytes``, priced TP-split) holds of whole experts (``expert_bytes``); at least one."""
+    moe = cm.model.moe
+    n_moe = cm.moe_layers_in(st.layers)
+    out = {}
+    for d in st.devices:
+        per_expert = cm.expert_bytes(d, n_moe, zero_degree(pipelines, zero))
+        extra = math.floor(max(0.0, free_bytes.get(d, 0.0)) / per_expert) if per_expert > 0 else moe.num_experts
+        out[d] = max(1, min(moe.num_experts, moe.num_experts // len(st.devices) + extra))
+    return out
+
+
+def speed_placement(cm: CostModel, st: Stage, caps: Mapping[int, int], micro_batches: int = 1) -> Placement:
+    """Experts of ``st`` placed by device speed, memory (``caps``: most experts per device) and expected load
+    (the module's rule)."""
+    moe = cm.model.moe
+    devices = list(st.devices)
+    rows = expert_rows(moe, cm.micro_batch * cm.seq_len)
+    per_row = {d: cm.expert_row_s(d) for d in devices}
+    load = dict.fromkeys(devices, 0.0)
+    place: Placement = {d: [] for d in devices}
+    for e in sorted(range(moe.num_experts), key=lambda e: (-rows[e], e)):
+        room = [d for d in devices if len(place[d]) < caps[d]] or devices
+        d = min(room, key=lambda d: ((load[d] + rows[e]) * per_row[d], len(place[d]), devices.index(d)))
+        place[d].append(e)
+        load[d] += rows[e]
+    for d in devices:   # fewer experts than devices: a replica of the expert whose holders take longest
+        if not place[d]:
+            holders = {e: [h for h in devices if e in place[h]] for e in range(moe.num_experts)}
+            e = max(range(moe.num_experts), key=lambda e: (max(rows[e] / len(holders[e]) * per_row[h]
+                                                               for h in holders[e]), -e))
+            place[d].append(e)
+    best = _objective(cm, st, place, micro_batches)
+    for _ in range(MAX_MOVES):
+        ep = cm.ep_of(dataclasses.replace(st, experts=place, op_costs=None))
+        slow = max(devices, key=lambda d: (ep.expert_s[d], -devices.index(d)))
+        found = None
+        for e in place[slow]:
+            for d in devices:
+                if d == slow or e in place[d] or len(place[d]) >= caps[d]:
+                    continue
+                moves = [{**place, d: sorted(place[d] + [e])}]   # replicate e onto d
+                if len(place[slow]) > 1:   # move e to d
+                    moves.append({**place, slow: [x for x in place[slow] if x != e], d: sorted(place[d] + [e])})
+                for cand in moves:
+                    v = _objective(cm, st, cand, micro_batches)
+                    if v < best * (1 - 1e-9) and (found is None or v < found[0]):
+                        found = (v, cand)
+        if found is None:
+            break
+        best, place = found
+    return {d: sorted(es) for d, es in place.items()}
+
+
+def choose_experts(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule, zero: int
+                   ) -> tuple[Strategy, tuple[StageChoice, ...]]:
+    """``strategy`` with each stage of a MoE model (TP degree > 1, holding a MoE layer) run TP-split or expert
+    parallel, whichever the cost model prices faster for the stage (its micro-batches' MoE layers and the
+    replicas' gradient sync) with every device within its memory; and why, per stage. A dense model, or a
+    strategy with no such stage: unchanged."""
+    if cm.model.moe is None:
+        return strategy, ()
+    base = dataclasses.replace(strategy, pipelines=tuple(
+        dataclasses.replace(p, stages=tuple(dataclasses.replace(st, experts=None) for st in p.stages))
+        for p in strategy.pipelines))
+    est = cm.estimate(base, global_batch, schedule, zero)
+    free = {d: cm.cluster.type_of(d).memory_gib * GIB - m.total for d, m in est.memory.items()}
+    pipes, choices = [], []
+    for pi, pipe in enumerate(base.pipelines):
+        stages = []
+        for k, st in enumerate(pipe.stages):
+            if st.tp == 1 or cm.moe_layers_in(st.layers) == 0 or not cm.ep_priced(
+                    dataclasses.replace(st, experts=even_placement(st.devices, cm.model.moe.num_experts))):
+                stages.append(st)
+                continue
+            caps = expert_caps(cm, st, free, zero, len(strategy.pipelines))
+            place = speed_placement(cm, st, caps, pipe.micro_batches)
+            gain = -_objective(cm, st, place, pipe.micro_batches)   # seconds per step the EP layout saves
+            ep_st = dataclasses.replace(st, experts=place, op_costs=None)
+            summary = cm.ep_summary(ep_st)
+            if gain > 0:
+                stages.append(ep_st)
+                why = (f"expert-parallel: {1e3 * gain:.1f} ms per step faster than TP-split experts "
+                       f"(all-to-alls {summary['all_to_all_ms']:.2f} ms per MoE layer and micro-batch)")
+            else:
+                stages.append(st)
+                why = (f"TP-split: expert parallelism with the best placement found would cost "
+                       f"{-1e3 * gain:.1f} ms more per step (all-to-alls {summary['all_to_all_ms']:.2f} ms per MoE "
+                       f"layer and micro-batch)")
+            choices.append(StageChoice(pi, k, st.devices, gain > 0, why, summary["devices"]))
+        pipes.append(dataclasses.replace(pipe, stages=tuple(stages)))
+    out = dataclasses.replace(base, pipelines=tuple(pipes))
+    if any(c.expert_parallel for c in choices):
+        oom = set(cm.estimate(out, global_batch, schedule, zero).oom_devices)
+        if oom - set(est.oom_devices):   # the caps are per device; a stage over them goes back TP-split
+            keep = {(c.pipeline, c.stage) for c in choices if not oom & set(c.devices)}
+            out = dataclasses.replace(out, pipelines=tuple(
+                dataclasses.replace(p, stages=tuple(st if (pi, k) in keep else dataclasses.replace(st, experts=None)
+                                                    for k, st in enumerate(p.stages)))
+                for pi, p in enumerate(out.pipelines)))
+            choices = [c if (c.pipeline, c.stage) in keep or not c.expert_parallel else dataclasses.replace(
+                c, expert_parallel=False, why="TP-split: expert parallelism would run a device out of memory")
+                for c in choices]
+    return out, tuple(choices)
