@@ -79,6 +79,7 @@ def result_json(result: PlanResult, plan: Plan, out_path: str | None, margin: Me
         "memory_margin": {**margin.to_json(), "text": margin.text},
         "memory": memory_rows(result, 0, margin),
         "schedules": schedule_rows(result),
+        **({"experts": [c.to_json() for c in result.moe_stages]} if result.model.moe is not None else {}),
         "idle_devices": [{"device_type": g.device_type, "devices": list(g.devices), "reason": g.reason}
                          for g in result.idle],
         "candidates": [{"rank": i + 1, "step_time_s": c.step_time_s, "simulated_step_time_s": c.simulated_s,
@@ -160,6 +161,7 @@ def print_report(con: Console, result: PlanResult, out_path: str | None, margin:
                       f"(devices {','.join(map(str, g.devices))}): {escape(g.reason)}")
     else:
         con.print("idle devices: none")
+    print_experts(con, result)
     if len(result.candidates) > 1:
         alt = Table(title="near-best candidates", title_justify="left")
         for col in ("rank", "step s", "simulated s", "mb", "plan"):
@@ -182,3 +184,20 @@ def print_report(con: Console, result: PlanResult, out_path: str | None, margin:
         con.print(f"plan written to [bold]{escape(out_path)}[/bold]")
     else:
         con.print("plan not saved (use -o plan.yaml)")
+
+
+def print_experts(con: Console, result: PlanResult) -> None:
+    """A MoE model: per stage holding MoE layers on several devices, its experts TP-split or placed, and why;
+    per device of a placed stage its experts, expected rows per micro-batch and MoE layer, and expert time."""
+    for c in result.moe_stages:
+        con.print(f"experts of pipeline {c.pipeline} stage {c.stage} (devices {','.join(map(str, c.devices))}): "
+                  f"{escape(c.why)}")
+        if not c.expert_parallel:
+            continue
+        t = Table(title_justify="left")
+        for col in ("device", "type", "experts", "rows", "load", "expert ms"):
+            t.add_column(col, justify="left" if col in ("type", "experts") else "right")
+        for d, v in c.devices_detail.items():
+            t.add_row(str(d), escape(v["type"]), ",".join(map(str, v["experts"])), f"{v['rows']:.0f}",
+                      f"{v['load']:.1%}", f"{v['expert_ms']:.3f}")
+        con.print(t)

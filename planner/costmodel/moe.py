@@ -256,7 +256,8 @@ class MoeCosts:
         """Chunk ``chunk`` of stage ``st``, one micro-batch: the ``placed_stage`` and ``placed_chunk_cost`` the
         estimate, the plan's op costs and the simulator all price it by; an expert-parallel stage's MoE layers
         as ``ep_layer`` prices them."""
-        dtype = self.stage_type(st)
+        # (A stage without experts, the planner's hot path: one type, no set built.)
+        dtype = self.stage_type(st) if st.expert_parallel else self._type_of[st.devices[0]]
         a, b = st.layers[chunk]
         r = st.chunk_recompute(chunk)
         sc = self.placed_stage(dtype, st.tp, ((a, b),), a == 0, b == self.model.num_layers, recompute_layers=r)

@@ -198,9 +198,7 @@ class ScheduleCosts:
         pipe = strategy.pipelines[pi]
         chunks = []
         for st in pipe.stages:
-            dtype = self._type_of[st.devices[0]]
-            chunks.append(tuple(self.placed_chunk_cost(dtype, st.tp, a, b, recompute_layers=st.chunk_recompute(c))
-                                for c, (a, b) in enumerate(st.layers)))
+            chunks.append(tuple(self.stage_chunk(st, c)[1] for c in range(st.chunks)))
         layout = schedule_layout(schedule, len(pipe.stages), pipe.stages[0].chunks)
         boundary = []
         for j in range(layout.num_stages - 1):
