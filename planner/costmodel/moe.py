@@ -6,8 +6,10 @@ Where the time comes from: profiles measure dense layers (``hspmd profile`` refu
 layer is the dense layer of the same shapes (attention, norms and TP collectives from the profile as for any
 model) with its MLP replaced: the router, the routed experts and the shared experts are GEMMs priced at the
 time per FLOP the profile gives the dense SwiGLU MLP at this micro-batch shape, on each device's own type
-(``mlp_rate``). Expert GEMMs on fewer rows run at that same rate: an assumption ``hspmd plan`` and ``hspmd
-simulate`` state (runtime/torchfree/spec/model.py ``MOE_PRICING``, ``ModelSpec.pricing_note``).
+(``mlp_rate``), plus the MLP's fixed time per call (its kernels' launch overhead) once per expert that
+computes (the runtime runs its experts one after another), once for the router and once for the shared
+experts. Expert GEMMs on fewer rows run at the dense MLP's time per FLOP: an assumption ``hspmd plan`` and
+``hspmd simulate`` state (runtime/torchfree/spec/model.py ``MOE_PRICING``, ``ModelSpec.pricing_note``).
 
 On a TP-split stage every rank computes every routed (token, expert) pair on its width slice; the router's
 skew does not matter there (only the capacity factor's cut does). On an expert-parallel stage of n devices:
@@ -94,6 +96,22 @@ def a2a_flows(devices: Sequence[int], experts: Mapping[int, Sequence[int]] | Seq
 
 
 @dataclass(frozen=True)
+class GemmRate:
+    """What a MoE GEMM block costs on one device type: seconds per forward FLOP and per call (one expert, the
+    router, the shared experts: each its own kernels), forward and backward."""
+
+    forward_per_flop: float
+    backward_per_flop: float
+    forward_per_call: float
+    backward_per_call: float
+
+    def seconds(self, flops: float, calls: int) -> tuple[float, float]:
+        """(forward, backward) of ``calls`` blocks of ``flops`` forward FLOPs in all."""
+        return (self.forward_per_flop * flops + self.forward_per_call * calls,
+                self.backward_per_flop * flops + self.backward_per_call * calls)
+
+
+@dataclass(frozen=True)
 class EpLayer:
     """One MoE layer of an expert-parallel stage, one micro-batch, against the TP-split MoE layer of the
     stage's slowest type at its TP degree (what ``layer`` prices): ``forward_s`` / ``backward_s`` what it
@@ -123,13 +141,19 @@ class MoeCosts:
 
     @memo
     def mlp_rate(self, device_type: str, tp: int, micro_batch: int | None = None,
-                 seq_len: int | None = None) -> tuple[float, float]:
-        """(forward, backward) seconds per forward FLOP of the dense SwiGLU MLP on this type at this TP degree
-        and micro-batch shape, as the profile prices it: what every MoE GEMM is priced at."""
+                 seq_len: int | None = None) -> GemmRate:
+        """The dense SwiGLU MLP on this type at this TP degree and micro-batch shape, as the profile prices it:
+        seconds per forward FLOP and per call (its fit's constant term, where the fit has a per-token part;
+        a measured table's constant fit is all per FLOP), what every MoE GEMM block is priced at."""
         b, s = self._shape(micro_batch, seq_len)
         mlp = self.components(device_type, tp, b, s)["mlp"]
         flops = 6.0 * b * s * self.model.hidden_size * self.model.ffn_hidden_size / tp
-        return eval_fit(mlp.forward_s, b, s) / flops, eval_fit(mlp.backward_s, b, s) / flops
+
+        def split(fit: tuple[float, float, float]) -> tuple[float, float]:
+            call = fit[2] if (fit[0] or fit[1]) else 0.0
+            return (eval_fit(fit, b, s) - call) / flops, call
+        (rf, cf), (rb, cb) = split(mlp.forward_s), split(mlp.backward_s)
+        return GemmRate(rf, rb, cf, cb)
 
     def _shared_flops(self, tokens: float, tp: int) -> float:
         moe, h = self.model.moe, self.model.hidden_size
@@ -148,11 +172,13 @@ class MoeCosts:
         b, s = self._shape(micro_batch, seq_len)
         moe, h, t = self.model.moe, self.model.hidden_size, b * s
         mlp = self.components(device_type, tp, b, s)["mlp"]
-        rf, rb = self.mlp_rate(device_type, tp, b, s)
-        rows = sum(expert_rows(moe, t))
-        flops = self._routed_flops(t, rows, tp) + self._shared_flops(t, tp)
-        fwd = rf * flops - eval_fit(mlp.forward_s, b, s)
-        bwd = rb * flops - eval_fit(mlp.backward_s, b, s)
+        by_expert = expert_rows(moe, t)
+        rows = sum(by_expert)
+        calls = 1 + sum(1 for r in by_expert if r > 0) + (1 if moe.shared_width else 0)
+        fwd, bwd = self.mlp_rate(device_type, tp, b, s).seconds(
+            self._routed_flops(t, rows, tp) + self._shared_flops(t, tp), calls)
+        fwd -= eval_fit(mlp.forward_s, b, s)
+        bwd -= eval_fit(mlp.backward_s, b, s)
         e = self._act_element_bytes(device_type)
         act = (e * (t * h + rows * (h + 4.0 * moe.expert_ffn_size / tp) + 4.0 * t * moe.shared_width / tp)
                + ROUTER_ACT_BYTES * t * moe.num_experts)
@@ -225,17 +251,17 @@ class MoeCosts:
         expert_s, dev_rows, params, act = {}, {}, {}, {}
         for d in devices:
             y = self._type_of[d]
-            rf, rb = self.mlp_rate(y, 1)
             r = sum(got[d].values())
-            flops = self._routed_flops(t / n, r, 1)
-            busy_f, busy_b = max(busy_f, rf * flops), max(busy_b, rb * flops)
-            expert_s[d], dev_rows[d] = (rf + rb) * flops, r
+            f, b = self.mlp_rate(y, 1).seconds(self._routed_flops(t / n, r, 1),
+                                                1 + sum(1 for x in got[d].values() if x > 0))
+            busy_f, busy_b = max(busy_f, f), max(busy_b, b)
+            expert_s[d], dev_rows[d] = f + b, r
             params[d] = (len(dict(experts).get(d, ())) - moe.num_experts / n) * 3 * h * moe.expert_ffn_size
             e = self._act_element_bytes(y)
             act[d] = (e * (t / n * h + r * (h + 4.0 * moe.expert_ffn_size)) + ROUTER_ACT_BYTES * t / n * moe.num_experts
                       - e * sum(rows) * (h + 4.0 * moe.expert_ffn_size / n) - ROUTER_ACT_BYTES * t * moe.num_experts)
-        rf, rb = self.mlp_rate(base, n)
-        split = self._routed_flops(t, sum(rows), n)
+        split_f, split_b = self.mlp_rate(base, n).seconds(self._routed_flops(t, sum(rows), n),
+                                                          1 + sum(1 for r in rows if r > 0))
         row_bytes = float(h * self._act_element_bytes(base))
         flows = a2a_flows(devices, experts, rows, row_bytes)
         back = tuple(Flow(f.dst, f.src, f.nbytes) for f in flows)
@@ -245,7 +271,7 @@ class MoeCosts:
         counts = self.allgather_time(devices, n * moe.num_experts * COUNT_BYTES)
         comm_f = counts + dispatch + combine + gather
         comm_b = dispatch + combine + gather
-        return EpLayer(forward_s=busy_f - rf * split + comm_f, backward_s=busy_b - rb * split + comm_b,
+        return EpLayer(forward_s=busy_f - split_f + comm_f, backward_s=busy_b - split_b + comm_b,
                        comm_forward_s=comm_f, comm_backward_s=comm_b, rows=dev_rows, expert_s=expert_s,
                        params=params, activation_bytes=act)
 
@@ -329,8 +355,9 @@ class MoeCosts:
 
     def expert_row_s(self, device: int) -> float:
         """Seconds one (token, expert) row costs on ``device``'s type, forward + backward (``mlp_rate``)."""
-        rf, rb = self.mlp_rate(self._type_of[device], 1)
-        return (rf + rb) * 6.0 * self.model.hidden_size * self.model.moe.expert_ffn_size
+        rate = self.mlp_rate(self._type_of[device], 1)
+        return (rate.forward_per_flop + rate.backward_per_flop) * 6.0 * self.model.hidden_size \
+            * self.model.moe.expert_ffn_size
 
     def expert_bytes(self, device: int, layers: int, zero_degree: int) -> float:
         """Bytes one whole expert of ``layers`` MoE layers takes on ``device``: parameters, gradients, AdamW

@@ -29,8 +29,8 @@ MAX_EXPERT_BLOCKS = 65536
 # How the planner, the cost model and the simulator price a MoE layer (planner/costmodel/moe.py): said with every
 # plan and simulation of a MoE model, as any assumption is.
 MOE_PRICING = ("MoE layers priced from the dense layer of the same shapes: router, routed and shared experts as "
-               "GEMMs at the time per FLOP the profile gives the dense MLP, per device type (fewer rows per expert "
-               "assumed as efficient); expert loads {load}")
+               "GEMMs at the time per FLOP and per call the profile gives the dense MLP, per device type (fewer "
+               "rows per expert assumed as efficient); expert loads {load}")
 
 # The Hugging Face ``model_type``s whose decoder the runtime's Llama is: Llama 2/3, Mistral, Qwen2 differ
 # only in figures this spec holds (head_dim, q/k/v bias, tied embeddings, rope scaling). Mixtral,
