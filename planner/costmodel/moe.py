@@ -234,6 +234,18 @@ class MoeCosts:
         tp = len(devices)
         return max(types, key=lambda t: (self.layer(t, tp).forward_s + self.layer(t, tp).backward_s, t))
 
+    @memo
+    def tp_stretch(self, devices: tuple[int, ...]) -> float:
+        """How much longer an activation's all-reduce takes over ``devices`` (an expert-parallel stage, which
+        may span nodes and mix types) than inside one node of its slowest type, where TP collectives are
+        priced: 1 within one node of one type."""
+        if len({self._node_of[d] for d in devices}) == 1 and len({self._type_of[d] for d in devices}) == 1:
+            return 1.0
+        dtype = self._slowest_type(devices)
+        act = self.activation_tensor_bytes(dtype)
+        inside = self._tp_allreduce(dtype, len(devices), act)
+        return max(1.0, self.allreduce_time(devices, act) / inside) if inside > 0 else 1.0
+
     def ep_priced(self, st: Stage) -> bool:
         """Whether ``st`` is priced as an expert-parallel stage."""
         return (st.expert_parallel and self.model.moe is not None
@@ -291,6 +303,16 @@ class MoeCosts:
         if not self.ep_priced(st):
             return sc, cc
         ep = self.ep_of(st)
+        # A stage across nodes or types: its TP collectives ride its slowest links, not one node's.
+        stretch = self.tp_stretch(tuple(st.devices)) - 1.0
+        sc = dataclasses.replace(sc, forward_s=sc.forward_s + stretch * sc.tp_forward_s,
+                                 backward_s=sc.backward_s + stretch * sc.tp_backward_s,
+                                 tp_forward_s=sc.tp_forward_s * (1 + stretch),
+                                 tp_backward_s=sc.tp_backward_s * (1 + stretch))
+        cc = dataclasses.replace(cc, forward=cc.forward + stretch * sc.tp_forward_s / (1 + stretch),
+                                 input_grad=cc.input_grad + stretch * sc.tp_backward_s / (1 + stretch),
+                                 full_backward=None if cc.full_backward is None
+                                 else cc.full_backward + stretch * sc.tp_backward_s / (1 + stretch))
         n_moe = self.moe_layers_in(((a, b),))
         # The recomputed layers are the stage's lowest indices (``Stage.chunk_recompute``).
         ids = [i for i in range(a, b)][:r]

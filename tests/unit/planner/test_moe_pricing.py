@@ -1,0 +1,174 @@
+"""Mixture-of-experts pricing (planner/costmodel/moe.py) and expert placement (planner/moe_placement.py): the
+router's skew matters on expert-parallel stages and not on TP-split ones, a device holds only its experts'
+state, the placement follows load and speed, the estimate and the simulator price one rule, and the planner
+writes placements that validate."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from hetu_cli.main import cli
+from planner.cost import CostModel
+from planner.costmodel.moe import expert_rows, holder_rows
+from planner.moe_placement import choose_experts, even_placement, speed_placement
+from planner.simulate import simulate
+from runtime.torchfree.profiling.profile import resolve_profiles
+from runtime.torchfree.spec import load_cluster, load_model, load_plan_context, validate_plan
+from runtime.torchfree.spec.plan import Pipeline, Stage, Strategy
+
+SKEW = (0.4, 0.1, 0.1, 0.1, 0.1, 0.1, 0.05, 0.05)
+
+
+def cost_model(model: str = "mixtral-8x7b", cluster: str = "h800-h20-48", skew=None, seq_len: int = 4096,
+               capacity: float | None = None) -> CostModel:
+    m, c = load_model(model), load_cluster(cluster)
+    if skew is not None or capacity is not None:
+        m = dataclasses.replace(m, moe=dataclasses.replace(m.moe, expert_load=skew, capacity_factor=capacity))
+    return CostModel(m, c, resolve_profiles(c.device_types), micro_batch=1, seq_len=seq_len)
+
+
+def one_stage(devices, layers: int, experts=None, micro_batches: int = 4) -> Strategy:
+    st = Stage(tuple(devices), ((0, layers),), experts=experts)
+    return Strategy(name="s", pipelines=(Pipeline(stages=(st,), micro_batches=micro_batches),))
+
+
+H800S = tuple(range(8))
+
+
+def test_tp_split_pricing_ignores_skew_but_not_the_capacity_cut():
+    even, skewed = cost_model(), cost_model(skew=SKEW)
+    assert skewed.layer("H800", 8).forward_s == pytest.approx(even.layer("H800", 8).forward_s)
+    assert skewed.layer("H800", 8).backward_s == pytest.approx(even.layer("H800", 8).backward_s)
+    # A capacity factor of 1 drops the hot expert's overflow: fewer rows computed.
+    capped = cost_model(skew=SKEW, capacity=1.0)
+    assert capped.layer("H800", 8).forward_s < skewed.layer("H800", 8).forward_s
+
+
+def test_a_load_balancing_placement_beats_even_placement_under_skew():
+    cm = cost_model(skew=SKEW)
+    st = Stage(H800S, ((0, 32),))
+    even = cm.ep_of(dataclasses.replace(st, experts=even_placement(H800S, 8)))
+    # 64 micro-batches a step: replicating the hot expert pays for its replicas' gradient all-reduce.
+    place = speed_placement(cm, st, dict.fromkeys(H800S, 8), micro_batches=64)
+    placed = cm.ep_of(dataclasses.replace(st, experts=place))
+    assert len(dataclasses.replace(st, experts=place).expert_holders(0)) > 1   # the hottest expert replicated
+    assert max(placed.expert_s.values()) < max(even.expert_s.values())
+    assert placed.time_s < even.time_s
+    # One micro-batch a step: the replicas' all-reduce would cost more than they save.
+    once = dataclasses.replace(st, experts=speed_placement(cm, st, dict.fromkeys(H800S, 8), micro_batches=1))
+    assert all(len(once.expert_holders(e)) == 1 for e in range(8))
+    # Under an even router both placements give every device its eighth of the rows.
+    flat = cost_model()
+    ep = flat.ep_of(dataclasses.replace(st, experts=speed_placement(flat, st, dict.fromkeys(H800S, 8))))
+    assert set(round(r) for r in ep.rows.values()) == {4096 * 2 // 8}
+
+
+def test_speed_aware_placement_gives_the_faster_type_more_rows():
+    cm = cost_model()
+    devices = (0, 1, 2, 3, 16, 17, 18, 19)   # 4 H800, 4 H20 (two nodes)
+    st = Stage(devices, ((0, 32),))
+    place = speed_placement(cm, st, dict.fromkeys(devices, 8))
+    ep = cm.ep_of(dataclasses.replace(st, experts=place))
+    even = cm.ep_of(dataclasses.replace(st, experts=even_placement(devices, 8)))
+    assert sum(ep.rows[d] for d in devices[:4]) > sum(ep.rows[d] for d in devices[4:])
+    assert max(ep.expert_s.values()) < max(even.expert_s.values())
+    assert all(place[d] for d in devices)   # every device holds one at least (validation's rule)
+
+
+def test_an_expert_parallel_device_holds_only_its_experts_state():
+    cm = cost_model("qwen1.5-moe-a2.7b")
+    model = cm.model
+    devices = H800S
+    place = {d: list(range(d * 7, d * 7 + 7)) for d in devices}   # 56 experts, 7 each ...
+    place[0] = place[0] + [56, 57, 58]    # ... device 0 three more, device 1 one more
+    place[1] = place[1] + [59]
+    est = cm.estimate(one_stage(devices, model.num_layers, place), 4)
+    m0, m1, m2 = (est.memory[d] for d in (0, 1, 2))
+    per_expert = model.num_layers * 3 * model.hidden_size * model.moe.expert_ffn_size
+    mem = cm.profiles["H800"].memory
+    assert m0.params - m2.params == pytest.approx(3 * per_expert * mem.param_bytes)
+    assert m1.params - m2.params == pytest.approx(per_expert * mem.param_bytes)
+    assert m0.optimizer - m2.optimizer == pytest.approx(3 * per_expert * mem.optimizer_bytes)
+    # TP-split: every device its 1/8 of every expert, all alike.
+    split = cm.estimate(one_stage(devices, model.num_layers), 4)
+    assert len({round(split.memory[d].params) for d in devices}) == 1
+
+
+def test_the_estimate_and_the_simulator_price_expert_parallel_stages_alike():
+    cm = cost_model(skew=SKEW)
+    for place in (even_placement(H800S, 8), speed_placement(cm, Stage(H800S, ((0, 32),)), dict.fromkeys(H800S, 8))):
+        strategy = cm.with_op_costs(one_stage(H800S, 32, place), "1f1b")
+        est = cm.estimate(strategy, 4)
+        sim = simulate(cm, strategy, 4, "1f1b", 0)
+        assert sim.step_time_s == pytest.approx(est.step_time_s, rel=0.02)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=hs.integers(1, 8), experts=hs.integers(1, 12), data=hs.data())
+def test_every_routed_row_lands_on_a_holder(n: int, experts: int, data):
+    """Whatever the placement, the rows the holders receive add up to the routed rows, expert by expert."""
+    devices = tuple(range(n))
+    place = {d: [] for d in devices}
+    for e in range(experts):
+        for d in data.draw(hs.sets(hs.sampled_from(devices), min_size=1)):
+            place[d].append(e)
+    rows = tuple(float(data.draw(hs.integers(0, 1000))) for _ in range(experts))
+    got = holder_rows(devices, place, rows)
+    for e in range(experts):
+        assert sum(got[d].get(e, 0.0) for d in devices) == pytest.approx(rows[e])
+
+
+def test_expert_rows_follow_the_load_and_the_capacity():
+    m = load_model("mixtral-8x7b").moe
+    assert sum(expert_rows(m, 100)) == pytest.approx(200)
+    skewed = dataclasses.replace(m, expert_load=SKEW, capacity_factor=1.0)
+    assert max(expert_rows(skewed, 100)) == 25   # ceil(1.0 * 100 * 2 / 8)
+
+
+def test_the_planner_writes_placements_that_validate(tmp_path: Path):
+    cm = cost_model("qwen1.5-moe-a2.7b")
+    strategy, choices = choose_experts(cm, one_stage(H800S, cm.model.num_layers), 4, "1f1b", 0)
+    assert [c.expert_parallel for c in choices] == [True]   # 60 small experts: TP-split pays 60 calls per rank
+    st = strategy.pipelines[0].stages[0]
+    assert sorted({e for d in H800S for e in st.experts_of(d)}) == list(range(60))
+    assert "expert-parallel" in choices[0].why
+    plan = {"version": 1, "model": "qwen1.5-moe-a2.7b", "cluster": "h800-h20-48",
+            "training": {"global_batch": 4, "micro_batch": 1, "seq_len": 4096},
+            "strategies": [{"name": "s", "pipelines": [{"micro_batches": 4, "stages": [
+                {"devices": list(H800S), "layers": [0, cm.model.num_layers],
+                 "experts": {d: list(st.experts_of(d)) for d in H800S}}]}]}]}
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    ctx = load_plan_context(str(path))   # validates everything, raising on any problem
+    assert validate_plan(ctx.plan, ctx.model, ctx.cluster) == []
+    assert ctx.plan.strategies[0].pipelines[0].stages[0].experts == st.experts
+
+
+def test_dense_models_are_left_alone():
+    c = load_cluster("h800-h20-48")
+    cm = CostModel(load_model("llama-7b"), c, resolve_profiles(c.device_types), micro_batch=1, seq_len=4096)
+    strategy = one_stage(H800S, 32)
+    assert choose_experts(cm, strategy, 4, "1f1b", 0) == (strategy, ())
+
+
+def test_hspmd_plan_prices_a_moe_model_and_says_how(tmp_path: Path):
+    out = tmp_path / "plan.yaml"
+    res = CliRunner().invoke(cli, ["plan", "--model", "moe-tiny", "--cluster", "cpu-hetero4", "--global-batch", "8",
+                                   "--seq-len", "128", "-o", str(out), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    assert any(line.startswith("note: moe-tiny: moe: MoE layers priced from the dense layer") for line in
+               res.stderr.splitlines())
+    report = json.loads(res.stdout)
+    assert "experts" in report and report["step_time_s"] > 0
+    ctx = load_plan_context(str(out))
+    assert validate_plan(ctx.plan, ctx.model, ctx.cluster) == []
+    res = CliRunner().invoke(cli, ["simulate", "--plan", str(out)])
+    assert res.exit_code == 0, res.output
