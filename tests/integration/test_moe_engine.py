@@ -76,8 +76,9 @@ def test_moe_plan_matches_single_device_reference(world: EngineWorld, tmp_path: 
 
 def test_a_transformers_mixtral_trains_from_its_weights_and_exports(world: EngineWorld, tmp_path: Path) -> None:
     """A tiny Mixtral saved by transformers (random weights, the load-balancing loss on) trains under hspmd
-    from its weights (experts placed unevenly on an expert-parallel stage), equal to the reference started from the same weights; the first step's loss is
-    transformers' on the same batch; the saved directory opens in transformers with hspmd's logits."""
+    from its weights (experts placed unevenly on an expert-parallel stage), equal to the reference started
+    from the same weights; the first step's loss is transformers' on the same batch; the saved directory
+    opens in transformers with hspmd's logits."""
     transformers = pytest.importorskip("transformers")
     config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

@@ -221,8 +221,10 @@ def strategy_groups(strategy: Strategy, model: ModelSpec, training: TrainingSett
     return sorted((k for k in keys if len(k) > 1), key=lambda k: (len(k), k))
 
 
-def _placement(strategy: Strategy, layer: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(next(s.devices for s in p.stages if s.holds_layer(layer)) for p in strategy.pipelines)
+def _placement(strategy: Strategy, model: ModelSpec, layer: int) -> tuple[object, ...]:
+    """What makes a layer's rows differ from its neighbour's: its stages and whether it routes to experts."""
+    return (model.is_moe_layer(layer), *(next(s.devices for s in p.stages if s.holds_layer(layer))
+                                         for p in strategy.pipelines))
 
 
 def annotation_rows(strategy: Strategy, model: ModelSpec, training: TrainingSettings) -> list[dict[str, Any]]:
@@ -247,7 +249,7 @@ def annotation_rows(strategy: Strategy, model: ModelSpec, training: TrainingSett
     rows += [param_row("embedding", None, p, short(p.name)) for p in ann.params if p.info.owner == "embedding"]
     start = 0
     for layer in range(1, model.num_layers + 1):
-        if layer < model.num_layers and _placement(strategy, layer) == _placement(strategy, start):
+        if layer < model.num_layers and _placement(strategy, model, layer) == _placement(strategy, model, start):
             continue
         # The layer's module prefix differs by architecture (model.layers.3., transformer.h.3., ...).
         rows += [param_row(f"layers {start}-{layer - 1}", [start, layer], p, p.name.split(f".{start}.", 1)[1])
