@@ -22,13 +22,15 @@ from runtime.torchfree.spec.model import ModelSpec
 
 
 def build_chunk(spec: ModelSpec, chunk: ChunkRole, shards: Mapping[str, ParamShard], *, seed: int,
-                device: torch.device, mesh: DeviceMesh | None, sequence_parallel: bool = False) -> LlamaForCausalLM:
+                device: torch.device, mesh: DeviceMesh | None, sequence_parallel: bool = False,
+                experts: tuple[int, ...] | None = None) -> LlamaForCausalLM:
     """This rank's module of ``chunk``: its shards (``shards``, by parameter name) on ``device``,
-    initialised to their part of the single-device reference's initial weights."""
+    initialised to their part of the single-device reference's initial weights; on an expert-parallel
+    stage holding only ``experts`` of the routed experts, whole."""
     with torch.device("meta"):
-        module = causal_lm(spec, range(*chunk.layers), embed=chunk.embed, head=chunk.head)
+        module = causal_lm(spec, range(*chunk.layers), embed=chunk.embed, head=chunk.head, experts=experts)
     if mesh is not None:
-        apply_tensor_parallel(module, chunk_parameters(spec, chunk), mesh, sequence_parallel)
+        apply_tensor_parallel(module, chunk_parameters(spec, chunk, experts), mesh, sequence_parallel)
     tied = _tied_pairs(module)
     module.to_empty(device=device)
     for owner, owner_attr, other, attr in tied:  # to_empty may give each module its own tensor: share again

@@ -23,6 +23,7 @@ from runtime.device_clock import SpanTimes, device_clock
 from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
 from runtime.engine.build import build_chunk
 from runtime.engine.data_parallel import GradientSync
+from runtime.engine.expert_parallel import apply_expert_parallel
 from runtime.engine.microbatch import MicroBatch, StepBatch, window_micro_batch
 from runtime.engine.optim import LocalAdamW, ShardedAdamW, clip_coefficient
 from runtime.engine.pipeline import BoundaryChannel, connect_peers
@@ -73,12 +74,17 @@ class DeviceProgram:
         self.annotations = plan.annotations
 
         mesh = groups.mesh(role.devices, self.device.type) if role.tp > 1 else None
+        # Expert parallelism: this device's experts, and the stage's token exchange (expert_parallel.py).
+        experts = role.experts if role.tp > 1 else None
         chunks: list[LlamaForCausalLM] = []
         shards = {s.name: s for s in plan.shards}
         for c in role.chunks:
             # Meta first, then only this rank's shards, with the reference's initial numbers (build.py).
             module = build_chunk(spec, c, shards, seed=t.seed, device=self.device, mesh=mesh,
-                                 sequence_parallel=t.sequence_parallel)
+                                 sequence_parallel=t.sequence_parallel, experts=experts)
+            if experts is not None and role.expert_placement is not None:
+                pg = groups.get(role.devices)
+                apply_expert_parallel(module, role.expert_placement, role.devices, pg, groups.order(pg))
             if isinstance(module, MoeForCausalLM):  # a micro-batch's share of the step's loss, as its tokens'
                 module.set_aux_scale(role.micro_batch * t.seq_len / self.tokens)
             if c.recomputed:

@@ -209,11 +209,15 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.layer_ids = tuple(range(spec.num_layers) if layers is None else layers)
         tied = spec.tie_word_embeddings
-        self.model = self.model_class(spec, self.layer_ids, embed=embed, final_norm=head, hold_embedding=head and tied)
+        self.model = self.make_model(spec, self.layer_ids, embed=embed, final_norm=head, hold_embedding=head and tied)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if head else None
         if self.lm_head is not None and tied:
             assert self.model.embed_tokens is not None
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_model(self, spec: ModelSpec, layers: tuple[int, ...], **kwargs: bool) -> LlamaModel:
+        """The decoder body: embedding, ``layers`` and final norm as ``kwargs`` say (``LlamaModel``)."""
+        return self.model_class(spec, layers, **kwargs)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
                 segments: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,6 +17,8 @@ loss (the training loop's share of one micro-batch in the step's loss).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -143,13 +145,21 @@ def expert_outputs(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
 class MoeBlock(nn.Module):
     """Router, routed experts and (optionally) shared experts with their gate: [B, S, H] -> [B, S, H]."""
 
-    def __init__(self, spec: ModelSpec, names: MoeNames) -> None:
+    def __init__(self, spec: ModelSpec, names: MoeNames, experts: tuple[int, ...] | None = None) -> None:
         super().__init__()
         assert spec.moe is not None
         self.moe = spec.moe
         h = spec.hidden_size
         self.add_module(ROUTER, Router(h, spec.moe))
-        self.experts = nn.ModuleList(Expert(h, spec.moe.expert_ffn_size, names) for _ in range(spec.moe.num_experts))
+        self.experts: nn.ModuleList | nn.ModuleDict
+        width = spec.moe.expert_ffn_size
+        if experts is None:
+            self.experts = nn.ModuleList(Expert(h, width, names) for _ in range(spec.moe.num_experts))
+        else:  # some experts only, under their own indices (the names a full model gives them)
+            self.experts = nn.ModuleDict({str(e): Expert(h, width, names) for e in sorted(experts)})
+        # Expert parallelism (runtime/engine/expert_parallel.py) replaces how routed tokens reach the experts:
+        # a callable (block, tokens [T, H]) -> (routed output [T, H], balance loss). None: all experts here.
+        self.exchange: Callable[[MoeBlock, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
         if spec.moe.shared_experts:  # under their Hugging Face names (read back by the properties below)
             self.add_module(SHARED, Expert(h, spec.moe.shared_width, SWIGLU_NAMES))
         if spec.moe.shared_gate:
@@ -169,19 +179,29 @@ class MoeBlock(nn.Module):
     def shared_gate(self) -> nn.Linear | None:
         return getattr(self, SHARED_GATE, None)
 
+    def held_experts(self) -> dict[int, Expert]:
+        """The routed experts this module holds, by expert index."""
+        if isinstance(self.experts, nn.ModuleDict):
+            return {int(e): m for e, m in self.experts.items()}  # type: ignore[misc]
+        return dict(enumerate(self.experts))  # type: ignore[arg-type]
+
     def output_projections(self) -> list[nn.Linear]:
-        return [e.down for e in self.experts] + ([] if self.shared is None else [self.shared.down])
+        return [e.down for e in self.held_experts().values()] + ([] if self.shared is None else [self.shared.down])
+
+    def routed(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's routed-expert output and the balance loss, all experts here."""
+        probs, chosen, weights = self.router.route(self.router(flat))
+        out = expert_outputs(flat, chosen, weights, self.experts, self.moe.capacity(flat.shape[0]))
+        return out, balance_loss(probs, chosen, self.moe.num_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         flat = x.reshape(-1, h)
-        probs, chosen, weights = self.router.route(self.router(flat))
-        out = expert_outputs(flat, chosen, weights, self.experts, self.moe.capacity(flat.shape[0]))
+        out, loss = self.routed(flat) if self.exchange is None else self.exchange(self, flat)
         if self.shared is not None:
             shared = self.shared(flat)
             out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * shared)
         out = out.reshape(b, s, h)
-        loss = balance_loss(probs, chosen, self.moe.num_experts)
         self.last_balance_loss = loss.detach()  # for logs; kept without its graph (it holds the layer's input)
         if self.moe.aux_loss_coef > 0 and self.training and torch.is_grad_enabled():
             out = _AttachLoss.apply(out, loss, self.moe.aux_loss_coef * self.aux_scale)
@@ -191,14 +211,14 @@ class MoeBlock(nn.Module):
 class MoeDecoderLayer(nn.Module):
     """The Llama layer with a MoE block (under the family's name: ``block_sparse_moe`` or ``mlp``)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, experts: tuple[int, ...] | None = None) -> None:
         super().__init__()
         names = MOE_NAMES[spec.family]
         self.block_name = names.block
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.self_attn = LlamaAttention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        self.add_module(names.block, MoeBlock(spec, names))
+        self.add_module(names.block, MoeBlock(spec, names, experts))
 
     @property
     def block(self) -> MoeBlock:
@@ -214,15 +234,27 @@ class MoeDecoderLayer(nn.Module):
 
 
 class MoeModel(LlamaModel):
+    def __init__(self, spec: ModelSpec, layers: Iterable[int], embed: bool, final_norm: bool,
+                 hold_embedding: bool = False, experts: tuple[int, ...] | None = None) -> None:
+        self.held = experts   # read by make_layer, which the base class calls
+        super().__init__(spec, layers, embed, final_norm, hold_embedding)
+
     def make_layer(self, spec: ModelSpec, layer: int) -> nn.Module:
-        return MoeDecoderLayer(spec) if spec.is_moe_layer(layer) else LlamaDecoderLayer(spec)
+        return MoeDecoderLayer(spec, self.held) if spec.is_moe_layer(layer) else LlamaDecoderLayer(spec)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
     """``LlamaForCausalLM`` whose MoE layers (``spec.moe``) route tokens to experts; a stage, as Llama's,
-    with ``layers``/``embed``/``head``."""
+    with ``layers``/``embed``/``head``, and on an expert-parallel stage with ``experts``: the routed experts
+    it holds (the same in each of its MoE layers)."""
 
-    model_class = MoeModel
+    def __init__(self, spec: ModelSpec, layers: Iterable[int] | None = None, *, embed: bool = True,
+                 head: bool = True, experts: tuple[int, ...] | None = None) -> None:
+        self.held = experts   # read by make_model, which the base class calls
+        super().__init__(spec, layers, embed=embed, head=head)
+
+    def make_model(self, spec: ModelSpec, layers: tuple[int, ...], **kwargs: bool) -> LlamaModel:
+        return MoeModel(spec, layers, experts=self.held, **kwargs)
 
     def moe_blocks(self) -> list[MoeBlock]:
         return [layer.block for layer in self.model.layers.values() if isinstance(layer, MoeDecoderLayer)]
@@ -246,7 +278,10 @@ class MoeForCausalLM(LlamaForCausalLM):
             block.router.update_bias(block.router.take_load())
 
 
-def causal_lm(spec: ModelSpec, layers=None, *, embed: bool = True, head: bool = True) -> LlamaForCausalLM:
-    """The runtime's decoder for ``spec``: Llama, or its MoE variant when ``spec.moe`` is set."""
-    cls = MoeForCausalLM if spec.moe is not None else LlamaForCausalLM
-    return cls(spec, layers, embed=embed, head=head)
+def causal_lm(spec: ModelSpec, layers=None, *, embed: bool = True, head: bool = True,
+              experts: tuple[int, ...] | None = None) -> LlamaForCausalLM:
+    """The runtime's decoder for ``spec``: Llama, or its MoE variant when ``spec.moe`` is set (holding only
+    ``experts`` of the routed experts when given: an expert-parallel stage)."""
+    if spec.moe is None:
+        return LlamaForCausalLM(spec, layers, embed=embed, head=head)
+    return MoeForCausalLM(spec, layers, embed=embed, head=head, experts=experts)

@@ -76,8 +76,9 @@ def test_moe_plan_matches_single_device_reference(world: EngineWorld, tmp_path: 
 
 def test_a_transformers_mixtral_trains_from_its_weights_and_exports(world: EngineWorld, tmp_path: Path) -> None:
     """A tiny Mixtral saved by transformers (random weights, the load-balancing loss on) trains under hspmd
-    from its weights, equal to the reference started from the same weights; the first step's loss is
-    transformers' on the same batch; the saved directory opens in transformers with hspmd's logits."""
+    from its weights (experts placed unevenly on an expert-parallel stage), equal to the reference started
+    from the same weights; the first step's loss is transformers' on the same batch; the saved directory
+    opens in transformers with hspmd's logits."""
     transformers = pytest.importorskip("transformers")
     config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -90,9 +91,11 @@ def test_a_transformers_mixtral_trains_from_its_weights_and_exports(world: Engin
             p.normal_(0.0, 0.1)
     pretrained = tmp_path / "mixtral"
     hf.save_pretrained(pretrained)
-    pipelines = [{"micro_batches": 3, "stages": [{"devices": [0], "layers": [0, 2]},
-                                                 {"devices": [1], "layers": [2, 4]}]},
-                 {"micro_batches": 2, "stages": [{"devices": [2], "layers": [0, 4]}]}]
+    # Pipeline 0 starts with an expert-parallel stage holding 3 and 1 of the 4 experts.
+    pipelines = [{"micro_batches": 3, "stages": [{"devices": [0, 1], "layers": [0, 2],
+                                                  "experts": {0: [0, 1, 2], 1: [3]}},
+                                                 {"devices": [2], "layers": [2, 4]}]},
+                 {"micro_batches": 2, "stages": [{"devices": [3], "layers": [0, 4]}]}]
     plan = tmp_path / "plan.yaml"
     plan.write_text(yaml.safe_dump({
         "version": 1, "model": str(pretrained), "cluster": str(CLUSTER),

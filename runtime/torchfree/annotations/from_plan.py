@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from runtime.torchfree.annotations.states import DUPLICATE, PARTIAL, Annotation, DistributedStates
@@ -79,11 +80,16 @@ class StrategyAnnotations:
 
 def member_states(stage: Stage, tp_dim: int | None) -> DistributedStates:
     """The bottom-tier DS of a parameter in one TP group."""
-    if stage.tp == 1:
+    return _tp_states(stage.tp, tp_dim)
+
+
+@cache
+def _tp_states(tp: int, tp_dim: int | None) -> DistributedStates:
+    if tp == 1:
         return DistributedStates.of()
     if tp_dim is None:
-        return DistributedStates.duplicate(stage.tp)
-    return DistributedStates.split(tp_dim, stage.tp)
+        return DistributedStates.duplicate(tp)
+    return DistributedStates.split(tp_dim, tp)
 
 
 def holding_stages(strategy: Strategy, info: ParamInfo) -> list[Stage]:
@@ -102,10 +108,34 @@ def holding_stages(strategy: Strategy, info: ParamInfo) -> list[Stage]:
     return out
 
 
+Member = tuple[tuple[int, ...], DistributedStates, DistributedStates]
+"""A parameter in one holding stage: (devices, the parameter's DS over them, its gradient's DS)."""
+
+
+def stage_member(stage: Stage, info: ParamInfo) -> Member:
+    """Where a stage keeps a parameter and how its gradient comes out there (docs/moe.md).
+
+    On an expert-parallel stage a routed expert lives whole on its holders, each of which computes the
+    gradient of the tokens it was sent (a summand per holder); the router is on every device, each routing
+    its own share of the tokens (a summand per device). Everything else follows the TP rule, whose
+    duplicated tensors get the same gradient on every TP rank."""
+    if stage.expert_parallel and info.expert is not None:
+        holders = stage.expert_holders(info.expert)
+        return holders, DistributedStates.duplicate(len(holders)), DistributedStates({PARTIAL: len(holders)})
+    if stage.expert_parallel and info.router:
+        return stage.devices, DistributedStates.duplicate(stage.tp), DistributedStates({PARTIAL: stage.tp})
+    ds = member_states(stage, info.tp_dim)
+    return stage.devices, ds, ds
+
+
 def held_by(stages: Sequence[Stage], info: ParamInfo) -> ParamAnnotation:
     """A parameter's annotations when ``stages`` (one per pipeline) hold it."""
-    members = [(s.devices, member_states(s, info.tp_dim)) for s in stages]
-    return ParamAnnotation(info, Annotation.union(DUPLICATE, members), Annotation.union(PARTIAL, members))
+    return _annotations(info, tuple(stage_member(s, info) for s in stages))
+
+
+def _annotations(info: ParamInfo, members: tuple[Member, ...]) -> ParamAnnotation:
+    return ParamAnnotation(info, Annotation.union(DUPLICATE, [(d, p) for d, p, _ in members]),
+                           Annotation.union(PARTIAL, [(d, g) for d, _, g in members]))
 
 
 def placements(strategy: Strategy, model: ModelSpec) -> list[tuple[ParamInfo, tuple[Stage, ...]]]:
@@ -126,11 +156,11 @@ def param_annotations(strategy: Strategy, model: ModelSpec) -> tuple[ParamAnnota
     shared: dict[tuple[object, ...], tuple[Annotation, Annotation]] = {}
     out = []
     for info, stages in placements(strategy, model):
-        key = (tuple(s.devices for s in stages), info.tp_dim)
-        if key not in shared:
-            p = held_by(stages, info)
-            shared[key] = (p.param, p.grad)
-        out.append(ParamAnnotation(info, *shared[key]))
+        members = tuple(stage_member(s, info) for s in stages)
+        if members not in shared:
+            p = _annotations(info, members)
+            shared[members] = (p.param, p.grad)
+        out.append(ParamAnnotation(info, *shared[members]))
     return tuple(out)
 
 
@@ -191,8 +221,10 @@ def strategy_groups(strategy: Strategy, model: ModelSpec, training: TrainingSett
     return sorted((k for k in keys if len(k) > 1), key=lambda k: (len(k), k))
 
 
-def _placement(strategy: Strategy, layer: int) -> tuple[tuple[int, ...], ...]:
-    return tuple(next(s.devices for s in p.stages if s.holds_layer(layer)) for p in strategy.pipelines)
+def _placement(strategy: Strategy, model: ModelSpec, layer: int) -> tuple[object, ...]:
+    """What makes a layer's rows differ from its neighbour's: its stages and whether it routes to experts."""
+    return (model.is_moe_layer(layer), *(next(s.devices for s in p.stages if s.holds_layer(layer))
+                                         for p in strategy.pipelines))
 
 
 def annotation_rows(strategy: Strategy, model: ModelSpec, training: TrainingSettings) -> list[dict[str, Any]]:
@@ -217,7 +249,7 @@ def annotation_rows(strategy: Strategy, model: ModelSpec, training: TrainingSett
     rows += [param_row("embedding", None, p, short(p.name)) for p in ann.params if p.info.owner == "embedding"]
     start = 0
     for layer in range(1, model.num_layers + 1):
-        if layer < model.num_layers and _placement(strategy, layer) == _placement(strategy, start):
+        if layer < model.num_layers and _placement(strategy, model, layer) == _placement(strategy, model, start):
             continue
         # The layer's module prefix differs by architecture (model.layers.3., transformer.h.3., ...).
         rows += [param_row(f"layers {start}-{layer - 1}", [start, layer], p, p.name.split(f".{start}.", 1)[1])

@@ -57,6 +57,8 @@ class ProgramDescription:
         r = self.role
         parts = ["embedding"] if r.embed else []
         parts.append("layers " + ", ".join(f"{a}-{b - 1}" for a, b in r.layers))
+        if r.experts is not None:
+            parts.append(f"experts {', '.join(map(str, r.experts))} of its MoE layers (expert parallel)")
         if r.head:
             parts.append("final norm + head + loss")
         return ", ".join(parts)
@@ -72,7 +74,7 @@ class ProgramDescription:
                 "layers": list(r.layers[0]) if len(r.layers) == 1 else [list(x) for x in r.layers],
                 "chunks": [{"chunk": c.chunk, "virtual_stage": c.stage, "layers": list(c.layers), "embed": c.embed,
                             "head": c.head, "recomputed": list(c.recomputed)} for c in r.chunks],
-                "embed": r.embed, "head": r.head,
+                "embed": r.embed, "head": r.head, "experts": None if r.experts is None else list(r.experts),
                 "recompute": r.recompute, "micro_batches": r.micro_batches, "micro_batch": r.micro_batch,
                 "samples": [r.first_sample, r.first_sample + r.samples]},
             "holds": self.holds,

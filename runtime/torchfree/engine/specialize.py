@@ -7,6 +7,7 @@ program is without starting a world. ``specialize`` derives it once, as a ``Devi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -67,6 +68,11 @@ class StageRole:
     micro_batches: int
     micro_batch: int  # samples per micro-batch
     first_sample: int  # the pipeline's share of the global batch starts at this sample
+    # An expert-parallel stage (``Stage.experts``): the routed experts this device holds whole; None: the
+    # stage splits every expert over its TP group.
+    experts: tuple[int, ...] | None = None
+    # ... and every device's, in TP-rank order (the token exchange's routing table).
+    expert_placement: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def tp(self) -> int:
@@ -201,7 +207,9 @@ def stage_role(handle: StrategyHandle, device: int) -> StageRole | None:
     return StageRole(
         strategy=strat.name, device=device, pipeline=pi, stage=si, num_stages=len(pipe.stages),
         tp_rank=tp_rank, devices=stage.devices, chunks=chunk_roles(pipe, si, handle.pipeline_schedule(pi).layout),
-        recompute=stage.recompute, micro_batches=pipe.micro_batches, micro_batch=mb, first_sample=first)
+        recompute=stage.recompute, micro_batches=pipe.micro_batches, micro_batch=mb, first_sample=first,
+        experts=stage.experts_of(device) if stage.expert_parallel else None,
+        expert_placement=tuple(stage.experts_of(d) for d in stage.devices) if stage.expert_parallel else None)
 
 
 def chunk_roles(pipe: Pipeline, stage: int, layout: Layout) -> tuple[ChunkRole, ...]:
@@ -232,19 +240,29 @@ def weight_grad_from_outputs(plan: DevicePlan, chunk: ChunkRole) -> bool:
         and not chunk.recomputes_all
 
 
-def chunk_parameters(model: ModelSpec, chunk: ChunkRole) -> list[ParamInfo]:
-    """The parameters one chunk's module holds, in module order (a tied head holds the embedding)."""
+def chunk_parameters(model: ModelSpec, chunk: ChunkRole, experts: tuple[int, ...] | None = None) -> list[ParamInfo]:
+    """The parameters one chunk's module holds, in module order (a tied head holds the embedding); on an
+    expert-parallel stage only ``experts`` of the routed experts, whole (``expert_placed``)."""
     lo, hi = chunk.layers
-    return [info for info in model_parameters(model)
-            if info.owner == "embedding" and (chunk.embed or info.tied and chunk.head)
-            or info.owner == "head" and chunk.head
-            or info.owner == "layer" and info.layer is not None and lo <= info.layer < hi]
+    return expert_placed([info for info in model_parameters(model)
+                          if info.owner == "embedding" and (chunk.embed or info.tied and chunk.head)
+                          or info.owner == "head" and chunk.head
+                          or info.owner == "layer" and info.layer is not None and lo <= info.layer < hi], experts)
+
+
+def expert_placed(params: list[ParamInfo], experts: tuple[int, ...] | None) -> list[ParamInfo]:
+    """``params`` as a device of an expert-parallel stage holding ``experts`` keeps them: no other routed
+    expert, and its own unsplit (TP dim None); unchanged when ``experts`` is None (a TP stage)."""
+    if experts is None:
+        return params
+    return [dataclasses.replace(p, tp_dim=None) if p.expert is not None else p
+            for p in params if p.expert is None or p.expert in experts]
 
 
 def stage_parameters(model: ModelSpec, role: StageRole) -> list[ParamInfo]:
     """The parameters a stage holds over all its chunks, each once, in module order."""
-    names = {info.name for c in role.chunks for info in chunk_parameters(model, c)}
-    return [info for info in model_parameters(model) if info.name in names]
+    held = {info.name: info for c in role.chunks for info in chunk_parameters(model, c, role.experts)}
+    return [held[info.name] for info in model_parameters(model) if info.name in held]
 
 
 def parameter_shards(model: ModelSpec, role: StageRole, annotations: StrategyAnnotations) -> list[ParamShard]:
