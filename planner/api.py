@@ -165,6 +165,9 @@ def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfil
     moment chunk (less memory, hence other layouts; the parameter all-gather on top) and without ZeRO --
     and the faster best plan is the answer (``zero_choice`` says why).
     """
+    if model.moe is not None and settings.sequence_parallel:
+        # Expert parallelism (every multi-device stage of a MoE model) does not run with sequence parallelism.
+        settings = dataclasses.replace(settings, sequence_parallel=False)
     if not (settings.elastic and settings.use_zero is None):
         return _plan(model, cluster, profiles, settings, devices, baselines, progress, workers)
     half = settings.time_limit_s / 2
@@ -255,14 +258,16 @@ def _plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfi
                       moe_stages=moe_choices.get(id(best.strategy), ()))
 
 
-# Plans (best first) whose MoE stages get an expert placement (planner/moe_placement.py) and are priced again.
+# Plans (best first) whose multi-device MoE stages get an expert placement (planner/moe_placement.py) and are
+# priced again; the others are dropped.
 MOE_PLACED = 8
 
 
 def place_experts(ranked: list[Candidate], cms: Mapping[int, CostModel], settings: PlanSettings
                   ) -> tuple[list[Candidate], dict[int, tuple[StageChoice, ...]]]:
-    """A MoE model's best plans with each stage's experts TP-split or placed expert-parallel
-    (``choose_experts``), priced again and ranked; per plan (by ``id`` of its strategy) why. A dense model:
+    """A MoE model's best plans (the search prices experts TP-split) with each multi-device stage's experts
+    placed (``choose_experts``), priced again and ranked, those that still fit first; per plan (by ``id`` of its
+    strategy) why. The rest are left out: no plan is written that the runtime would refuse. A dense model:
     ``ranked`` as it is."""
     if not ranked or ranked[0].strategy is None or cms[ranked[0].micro_batch].model.moe is None:
         return ranked, {}
@@ -271,14 +276,15 @@ def place_experts(ranked: list[Candidate], cms: Mapping[int, CostModel], setting
         cm = cms[c.micro_batch]
         strategy, choices = choose_experts(cm, c.strategy, settings.global_batch, settings.default_schedule,
                                            settings.zero)
-        if any(ch.expert_parallel for ch in choices):
+        if choices:
             strategy = cm.with_op_costs(strategy, settings.default_schedule)
             c = dataclasses.replace(c, strategy=strategy, proxy=False, simulated_s=None,
                                     estimate=cm.estimate(strategy, settings.global_batch, settings.default_schedule,
                                                          settings.zero))
         why[id(c.strategy)] = choices
         out.append(c)
-    return rank(out) + ranked[MOE_PLACED:], why
+    fits = [c for c in out if c.estimate.fits]   # a placement may not fit where TP-split experts did
+    return rank(fits or out), why
 
 
 def aligned(strategy: Strategy) -> bool:

@@ -265,8 +265,7 @@ class CostModel(ComputeCosts, MemoryCosts, NetworkCosts, ScheduleCosts, MoeCosts
         gather = self.zero_gather_times(strategy, zero)
         opt = max(t + over[d] + gather[d] for d, t in self.optimizer_times(strategy, zero).items())
         clip = self.clip_time(strategy.devices)
-        step = (max(p.time_s for p in pipes) + sync + clip + opt + self.iteration_time(strategy)
-                + self.expert_sync_time(strategy))
+        step = max(p.time_s for p in pipes) + sync + clip + opt + self.iteration_time(strategy)
         memory = self.strategy_memory(strategy, schedule, zero)
         cap = {d: self.cluster.type_of(d).memory_gib for d in memory}
         oom = tuple(sorted(d for d, m in memory.items() if m.total > cap[d] * GIB))

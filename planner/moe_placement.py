@@ -119,12 +119,13 @@ def speed_placement(cm: CostModel, st: Stage, caps: Mapping[int, int], micro_bat
 
 def choose_experts(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule, zero: int
                    ) -> tuple[Strategy, tuple[StageChoice, ...]]:
-    """``strategy`` with each stage of a MoE model (TP degree > 1, holding a MoE layer) run TP-split or expert
-    parallel, whichever the cost model prices faster for the stage (its micro-batches' MoE layers and the
-    replicas' gradient sync) with every device within its memory; and why, per stage. A dense model, or a
-    strategy with no such stage: unchanged."""
+    """``strategy`` with each multi-device stage of a MoE model expert-parallel (how the runtime runs a MoE
+    model's multi-device stage: runtime/torchfree/spec/catalog.py ``check_trainable``), its experts placed by
+    device speed, memory and expected load (``speed_placement``); and why, per stage: the placement against
+    even placement and expert parallelism against TP-split experts. A dense model: unchanged."""
     if cm.model.moe is None:
         return strategy, ()
+    num = cm.model.moe.num_experts
     base = dataclasses.replace(strategy, pipelines=tuple(
         dataclasses.replace(p, stages=tuple(dataclasses.replace(st, experts=None) for st in p.stages))
         for p in strategy.pipelines))
@@ -134,36 +135,34 @@ def choose_experts(cm: CostModel, strategy: Strategy, global_batch: int, schedul
     for pi, pipe in enumerate(base.pipelines):
         stages = []
         for k, st in enumerate(pipe.stages):
-            if st.tp == 1 or cm.moe_layers_in(st.layers) == 0 or not cm.ep_priced(
-                    dataclasses.replace(st, experts=even_placement(st.devices, cm.model.moe.num_experts))):
+            if st.tp == 1:
                 stages.append(st)
                 continue
-            caps = expert_caps(cm, st, free, zero, len(strategy.pipelines))
-            place = speed_placement(cm, st, caps, pipe.micro_batches)
-            gain = -_objective(cm, st, place, pipe.micro_batches)   # seconds per step the EP layout saves
-            ep_st = dataclasses.replace(st, experts=place, op_costs=None)
-            summary = cm.ep_summary(ep_st)
-            if gain > 0:
-                stages.append(ep_st)
-                why = (f"expert-parallel: {1e3 * gain:.1f} ms per step faster than TP-split experts "
-                       f"(all-to-alls {summary['all_to_all_ms']:.2f} ms per MoE layer and micro-batch)")
+            even = even_placement(st.devices, num)
+            if cm.moe_layers_in(st.layers) == 0:
+                place, why = even, "holds no MoE layer: experts dealt evenly (every device holds one at least)"
+            elif not cm.ep_priced(dataclasses.replace(st, experts=even)):
+                place, why = even, "experts dealt evenly: sleep-mode emulated devices last their target's blocks"
             else:
-                stages.append(st)
-                why = (f"TP-split: expert parallelism with the best placement found would cost "
-                       f"{-1e3 * gain:.1f} ms more per step (all-to-alls {summary['all_to_all_ms']:.2f} ms per MoE "
-                       f"layer and micro-batch)")
-            choices.append(StageChoice(pi, k, st.devices, gain > 0, why, summary["devices"]))
+                caps = expert_caps(cm, st, free, zero, len(strategy.pipelines))
+                place = speed_placement(cm, st, caps, pipe.micro_batches)
+                why = _why(cm, st, place, even, pipe.micro_batches)
+            ep_st = dataclasses.replace(st, experts=place, op_costs=None)
+            stages.append(ep_st)
+            details = cm.ep_summary(ep_st)["devices"] if cm.ep_priced(ep_st) else {
+                d: {"experts": list(ep_st.experts_of(d))} for d in st.devices}
+            choices.append(StageChoice(pi, k, st.devices, True, why, details))
         pipes.append(dataclasses.replace(pipe, stages=tuple(stages)))
-    out = dataclasses.replace(base, pipelines=tuple(pipes))
-    if any(c.expert_parallel for c in choices):
-        oom = set(cm.estimate(out, global_batch, schedule, zero).oom_devices)
-        if oom - set(est.oom_devices):   # the caps are per device; a stage over them goes back TP-split
-            keep = {(c.pipeline, c.stage) for c in choices if not oom & set(c.devices)}
-            out = dataclasses.replace(out, pipelines=tuple(
-                dataclasses.replace(p, stages=tuple(st if (pi, k) in keep else dataclasses.replace(st, experts=None)
-                                                    for k, st in enumerate(p.stages)))
-                for pi, p in enumerate(out.pipelines)))
-            choices = [c if (c.pipeline, c.stage) in keep or not c.expert_parallel else dataclasses.replace(
-                c, expert_parallel=False, why="TP-split: expert parallelism would run a device out of memory")
-                for c in choices]
-    return out, tuple(choices)
+    return dataclasses.replace(base, pipelines=tuple(pipes)), tuple(choices)
+
+
+def _why(cm: CostModel, st: Stage, place: Placement, even: Placement, micro_batches: int) -> str:
+    """One stage's placement in a sentence: against even placement and against TP-split experts, per step."""
+    placed = _objective(cm, st, place, micro_batches)   # seconds per step against TP-split experts
+    gain = _objective(cm, st, even, micro_batches) - placed
+    a2a = cm.ep_summary(dataclasses.replace(st, experts=place, op_costs=None))["all_to_all_ms"]
+    versus = (f"{1e3 * -placed:.1f} ms per step faster than TP-split experts" if placed <= 0 else
+              f"{1e3 * placed:.1f} ms per step slower than TP-split experts would price (the runtime runs a MoE "
+              "model's multi-device stages expert-parallel)")
+    return (f"expert-parallel, placed by device speed, memory and expected load: {1e3 * gain:.1f} ms per step "
+            f"faster than even placement; {versus}; all-to-alls {a2a:.2f} ms per MoE layer and micro-batch")

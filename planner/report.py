@@ -187,12 +187,12 @@ def print_report(con: Console, result: PlanResult, out_path: str | None, margin:
 
 
 def print_experts(con: Console, result: PlanResult) -> None:
-    """A MoE model: per stage holding MoE layers on several devices, its experts TP-split or placed, and why;
-    per device of a placed stage its experts, expected rows per micro-batch and MoE layer, and expert time."""
+    """A MoE model: per multi-device stage, how its experts are placed and why; per device its experts,
+    expected rows per micro-batch and MoE layer, their share and its expert time."""
     for c in result.moe_stages:
         con.print(f"experts of pipeline {c.pipeline} stage {c.stage} (devices {','.join(map(str, c.devices))}): "
                   f"{escape(c.why)}")
-        if not c.expert_parallel:
+        if not c.expert_parallel or not all("rows" in v for v in c.devices_detail.values()):
             continue
         t = Table(title_justify="left")
         for col in ("device", "type", "experts", "rows", "load", "expert ms"):

@@ -400,9 +400,8 @@ def _played(cm: CostModel, strategy: Strategy, schedule: Schedule, zero: bool, c
     twins = pipeline_twins(sim)   # before the step's end joins the pipelines
     sync = cm.sync_plan(strategy)
     _add_step_end(sim, costs, last_action, sync, zero, opt_times)
-    # The measured fixed cost per iteration (launches, synchronisation, logging) comes on top, and the gradient
-    # all-reduces inside expert-parallel stages (planner/costmodel/moe.py), as the estimate adds them.
-    fixed = cm.iteration_time(strategy) + cm.expert_sync_time(strategy)
+    # The measured fixed cost per iteration (launches, synchronisation, logging) comes on top.
+    fixed = cm.iteration_time(strategy)
     # (a margin far above rounding: a step cut off is longer than ``cutoff`` for sure, not by an ulp)
     times = sim.run(twins, cutoff - fixed + 1e-9 * max(1.0, abs(cutoff)))
     if times is None:   # an op ends past that, so the step passes cutoff

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -119,6 +120,14 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
     note = model.pricing_note(seq_len)
     if note is not None:
         click.echo(f"note: {note}", err=True)
+    if model.moe is not None and sequence_parallel:
+        if click.get_current_context().get_parameter_source("sequence_parallel") == ParameterSource.COMMANDLINE:
+            raise SpecError([Problem("--sequence-parallel", "", f"{model_ref}: expert parallelism (how a MoE "
+                                                                 "model's multi-device stages run) does not run "
+                                                                 "with sequence parallelism; plan without it")])
+        click.echo(f"note: {model.name}: planned without sequence parallelism (expert parallelism, how a MoE "
+                   "model's multi-device stages run, does not run with it)", err=True)
+        sequence_parallel = False
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
     for line in check_profiles(profiles, model, cluster, profile_dirs, cluster_ref):

@@ -356,15 +356,12 @@ class MoeCosts:
                                    casts=mem.casts + p * m.cast_bytes,
                                    activations=max(0.0, mem.activations + act))
 
-    def expert_sync_time(self, strategy: Strategy) -> float:
-        """Per step, the slowest expert-parallel stage's ``stage_expert_sync``: added to the step by the
-        estimate and the simulator alike."""
-        return max((self.stage_expert_sync(st) for p in strategy.pipelines for st in p.stages
-                    if self.ep_priced(st)), default=0.0)
-
     def stage_expert_sync(self, st: Stage, router: bool = True) -> float:
         """Per step, inside expert-parallel stage ``st``: the gradient all-reduce of every replicated expert
-        among its holders and (``router``) of the router, a summand per device (each routes its own slice)."""
+        among its holders and (``router``) of the router, a summand per device (each routes its own slice).
+        The placement search's quick price of what the gradient sync lays out from the annotations (a
+        replicated expert's and the router's gradients partial over their holders: ``sync_plan``), which
+        prices the step."""
         moe, h = self.model.moe, self.model.hidden_size
         n_moe = self.moe_layers_in(st.layers)
         grad = self.profiles[self.stage_type(st)].memory.grad_bytes

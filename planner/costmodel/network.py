@@ -112,6 +112,12 @@ def ring_sharers(groups: Sequence[tuple[tuple[int, ...], Hashable]], node_of: Se
     return out
 
 
+def _renumbered(experts: tuple[tuple[int, tuple[int, ...]], ...] | None, number: Mapping[int, int]
+                ) -> tuple[tuple[int, tuple[int, ...]], ...] | None:
+    """A stage's expert placement with its devices renumbered (None: no placement)."""
+    return None if experts is None else tuple((number[d], es) for d, es in experts)
+
+
 def tick_seconds(seconds: Sequence[float], serialise: bool) -> float:
     """A schedule tick's transfers (each priced alone), posted together: the longest where the links are
     full duplex, their sum where sends and receives serialise."""
@@ -321,16 +327,16 @@ class NetworkCosts:
         computed once per pattern and mapped back. The search prices many placements of few shapes, and
         pricing needs only each group's devices mapped back (``_group_times``), not every bucket's."""
         ids = tuple(sorted(strategy.devices))
-        if len(strategy.pipelines) <= 1:
-            return ids, ()  # nothing to sync
+        if len(strategy.pipelines) <= 1 and not any(st.expert_parallel for p in strategy.pipelines for st in p.stages):
+            return ids, ()  # nothing to sync (an expert-parallel stage sums its routers' and replicas' gradients)
         number = {d: i for i, d in enumerate(ids)}
-        pattern = tuple(tuple((tuple(number[d] for d in st.devices), st.layers) for st in p.stages)
-                        for p in strategy.pipelines)
+        pattern = tuple(tuple((tuple(number[d] for d in st.devices), st.layers, _renumbered(st.experts, number))
+                              for st in p.stages) for p in strategy.pipelines)
         cache = self.__dict__.setdefault("_sync_plans", {})
         if pattern not in cache:
             renumbered = dataclasses.replace(strategy, pipelines=tuple(
-                dataclasses.replace(p, stages=tuple(dataclasses.replace(st, devices=devices)
-                                                    for st, (devices, _) in zip(p.stages, shape)))
+                dataclasses.replace(p, stages=tuple(dataclasses.replace(st, devices=devices, experts=experts)
+                                                    for st, (devices, _, experts) in zip(p.stages, shape)))
                 for p, shape in zip(strategy.pipelines, pattern)))
             cache[pattern] = tuple(sync_groups(cut_buckets([self._grad_slices(info, stages)
                                                             for info, stages in placements(renumbered, self.model)])))
@@ -344,18 +350,22 @@ class NetworkCosts:
         devices renumbered 0, 1, ... in their order) and mapped back: plans that place a tensor on other
         devices the same way share it."""
         memo = self.__dict__.setdefault("_slices", {})
-        key = (info.shape, info.tp_dim, tuple(s.devices for s in stages))
+        # Where a stage places whole experts, a routed expert's and the router's gradients follow the placement.
+        routed = info.expert is not None or info.router
+        experts = tuple(s.experts if routed else None for s in stages)
+        key = (info.shape, info.tp_dim, info.expert, info.router, tuple(s.devices for s in stages), experts)
         if key not in memo:
             ids = sorted({d for s in stages for d in s.devices})
             number = {d: i for i, d in enumerate(ids)}
             placed = tuple(tuple(number[d] for d in s.devices) for s in stages)
+            held = tuple(_renumbered(e, number) for e in experts)
+            pattern_key = (info.shape, info.tp_dim, info.expert, info.router, placed, held)
             by_pattern = self.__dict__.setdefault("_slice_patterns", {})
-            if (info.shape, info.tp_dim, placed) not in by_pattern:
-                renumbered = [Stage(devices, s.layers) for devices, s in zip(placed, stages)]
-                by_pattern[info.shape, info.tp_dim, placed] = reduce_slices(
-                    held_by(renumbered, info).grad.layout(info.shape))
+            if pattern_key not in by_pattern:
+                renumbered = [Stage(devices, s.layers, experts=e) for devices, s, e in zip(placed, stages, held)]
+                by_pattern[pattern_key] = reduce_slices(held_by(renumbered, info).grad.layout(info.shape))
             memo[key] = tuple(((tuple(ids[i] for i in group), cls), regions)
-                              for (group, cls), regions in by_pattern[info.shape, info.tp_dim, placed])
+                              for (group, cls), regions in by_pattern[pattern_key])
         return memo[key]
 
     def sync_group_time(self, group: SyncGroup, sharers: int = 1) -> float:

@@ -91,12 +91,12 @@ def test_an_expert_parallel_device_holds_only_its_experts_state():
     place[0] = place[0] + [56, 57, 58]    # ... device 0 three more, device 1 one more
     place[1] = place[1] + [59]
     est = cm.estimate(one_stage(devices, model.num_layers, place), 4)
-    m0, m1, m2 = (est.memory[d] for d in (0, 1, 2))
+    mem0, mem1, mem2 = (est.memory[d] for d in (0, 1, 2))
     per_expert = model.num_layers * 3 * model.hidden_size * model.moe.expert_ffn_size
     mem = cm.profiles["H800"].memory
-    assert m0.params - m2.params == pytest.approx(3 * per_expert * mem.param_bytes)
-    assert m1.params - m2.params == pytest.approx(per_expert * mem.param_bytes)
-    assert m0.optimizer - m2.optimizer == pytest.approx(3 * per_expert * mem.optimizer_bytes)
+    assert mem0.params - mem2.params == pytest.approx(3 * per_expert * mem.param_bytes)
+    assert mem1.params - mem2.params == pytest.approx(per_expert * mem.param_bytes)
+    assert mem0.optimizer - mem2.optimizer == pytest.approx(3 * per_expert * mem.optimizer_bytes)
     # TP-split: every device its 1/8 of every expert, all alike.
     split = cm.estimate(one_stage(devices, model.num_layers), 4)
     assert len({round(split.memory[d].params) for d in devices}) == 1
@@ -172,3 +172,13 @@ def test_hspmd_plan_prices_a_moe_model_and_says_how(tmp_path: Path):
     assert validate_plan(ctx.plan, ctx.model, ctx.cluster) == []
     res = CliRunner().invoke(cli, ["simulate", "--plan", str(out)])
     assert res.exit_code == 0, res.output
+
+
+def test_the_gradient_sync_sums_routers_and_replicas_as_the_annotations_lay_them_out():
+    """One pipeline: nothing to sync TP-split; an expert-parallel stage all-reduces its routers' gradients (each
+    device routed its own tokens), and a replicated expert's among its holders on top."""
+    cm = cost_model()
+    assert cm.grad_sync_time(one_stage(H800S, 32)) == 0.0
+    single = cm.grad_sync_time(one_stage(H800S, 32, even_placement(H800S, 8)))
+    replicated = {**even_placement(H800S, 8), 1: [0, 1]}
+    assert 0.0 < single < cm.grad_sync_time(one_stage(H800S, 32, replicated))

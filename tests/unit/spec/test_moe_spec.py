@@ -109,8 +109,8 @@ def test_simulate_prices_and_train_names_what_it_cannot_run(tmp_path: Path):
     res = CliRunner().invoke(cli, ["train", "--plan", str(plan), "--steps", "1"])
     assert res.exit_code == 2, res.output
     assert res.stderr.strip().splitlines() == [
-        f"error: {plan}: strategies[0].pipelines[0].stages[0].devices: TP degree 2: a MoE model trains on TP-1 "
-        "stages only (no tensor or expert parallelism of its MoE layers yet)"]
+        f"error: {plan}: strategies[0].pipelines[0].stages[0].devices: TP degree 2 without experts: a MoE model's "
+        "multi-device stages place whole experts on their devices (experts: {device: [expert, ...]}, docs/moe.md)"]
     model = tmp_path / "m.yaml"
     model.write_text((CONFIGS / "models" / "moe-tiny.yaml").read_text() + "  bias_update_rate: 0.001\n")
     plan.write_text(plan.read_text().replace("model: moe-tiny", f"model: {model}"))
