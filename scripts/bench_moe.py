@@ -6,17 +6,19 @@ Per case (``shipped``: the model file as it is, even router; ``skewed``: the sam
 given as ``moe.expert_load``, ``SKEW``), every figure from one cost model (planner/cost.py), the estimate's step
 time with the simulator's beside it:
 
-* ``planned``: the plan ``hspmd plan`` writes (each stage's experts TP-split or placed, as it chose);
-* ``even``: the planned layout with every stage of TP degree > 1 expert-parallel, experts dealt round-robin
-  (``even_placement``: blind to speed and load);
-* ``placed_ep``: the same stages expert-parallel under the planner's placement (``speed_placement``), whether
-  or not the planner chose expert parallelism for them;
-* ``symmetric``: the best symmetric (Megatron-style) plan over all devices.
+* ``planned``: the plan ``hspmd plan`` writes (every multi-device stage expert-parallel, experts placed by
+  device speed, memory and expected load);
+* ``even``: the same plan with every stage's experts dealt round-robin (``even_placement``: blind to speed and
+  load);
+* ``tp_split``: the same plan with experts split over each TP group like the dense MLP (priced only: the
+  runtime runs a MoE model's multi-device stages expert-parallel);
+* ``symmetric``: the best symmetric (Megatron-style) plan over all devices, experts dealt evenly over each TP
+  group.
 
 ``moe_placed_over_even`` = even / planned step time, ``moe_placed_over_symmetric`` = symmetric / planned (> 1:
-the planned plan is faster). ``mixed_stage``: one expert-parallel stage of 4 H800 and 4 H20 (two nodes), one MoE
-layer and micro-batch, the routed part (router, experts, all-to-alls) under even against speed-aware placement:
-``placed_over_even`` = even / placed.
+the planned plan is faster), both from the shipped model. ``mixed_stage``: one expert-parallel stage of 4 H800
+and 4 H20 (two nodes), one MoE layer and micro-batch, the routed part (router, experts, all-to-alls) under even
+against speed-aware placement: ``placed_over_even`` = even / placed.
 
 ``moe_measured_placed_over_even`` (the sleep-mode emulated cluster, configs/clusters/cpu-hetero4-sleep.yaml)
 needs the runtime's expert parallelism under ``hspmd train``; where it cannot run, the key is null and
@@ -39,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from planner.api import PlanSettings, plan  # noqa: E402
 from planner.cost import CostModel  # noqa: E402
-from planner.moe_placement import even_placement, expert_caps, speed_placement  # noqa: E402
+from planner.moe_placement import even_placement, speed_placement  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
 from runtime.torchfree.profiling.profile import resolve_profiles  # noqa: E402
 from runtime.torchfree.spec import load_cluster, load_model  # noqa: E402
@@ -49,16 +51,16 @@ MODEL, CLUSTER, BATCH, SEQ_LEN = "mixtral-8x7b", "h800-h20-48", 64, 4096
 # A router skewed as routers drift without a balancing loss: the hottest expert takes 4x the coldest's tokens.
 SKEW = (0.24, 0.18, 0.14, 0.12, 0.10, 0.08, 0.08, 0.06)
 CHECK_TOP = 4
-MEASURED_NOTE = ("not measured: hspmd train does not run expert-parallel stages yet (the runtime trains a MoE model "
-                 "on TP-1 stages), so the sleep-mode cluster cannot time placed against even experts")
+MEASURED_NOTE = ("not measured: on the sleep-mode cluster each forward / backward block lasts its target's price "
+                 "(hetu_cli/emulation.py), which does not depend on which experts a device holds, so a placed "
+                 "against even run there would time the same sleeps; it needs block targets per device priced by "
+                 "their experts' rows")
 
 
 def with_experts(cm: CostModel, strategy: Strategy, place) -> Strategy:
-    """``strategy`` with every stage of TP degree > 1 holding a MoE layer expert-parallel under ``place(stage)``."""
+    """``strategy`` with every multi-device stage's experts placed by ``place(stage)`` (None: TP-split)."""
     def one(st: Stage) -> Stage:
-        if st.tp == 1 or cm.moe_layers_in(st.layers) == 0:
-            return st
-        return dataclasses.replace(st, experts=place(st), op_costs=None)
+        return st if st.tp == 1 else dataclasses.replace(st, experts=place(st), op_costs=None)
     out = dataclasses.replace(strategy, pipelines=tuple(
         dataclasses.replace(p, stages=tuple(one(st) for st in p.stages)) for p in strategy.pipelines))
     return cm.with_op_costs(out, "1f1b")
@@ -73,30 +75,31 @@ def priced(cm: CostModel, strategy: Strategy, settings: PlanSettings) -> dict:
 
 def case(model, cluster, time_limit: float) -> dict:
     profiles = resolve_profiles(cluster.device_types)
-    settings = PlanSettings(global_batch=BATCH, seq_len=SEQ_LEN, time_limit_s=time_limit, simulate_top=CHECK_TOP)
+    # As hspmd plan plans a MoE model: without sequence parallelism (expert parallelism does not run with it).
+    settings = PlanSettings(global_batch=BATCH, seq_len=SEQ_LEN, time_limit_s=time_limit, simulate_top=CHECK_TOP,
+                            sequence_parallel=False)
     t0 = time.perf_counter()
     res = plan(model, cluster, profiles, settings)
     wall = time.perf_counter() - t0
     best = res.best
-    cm = CostModel(model, cluster, profiles, micro_batch=best.micro_batch, seq_len=SEQ_LEN,
-                   sequence_parallel=settings.sequence_parallel)
-    est = cm.estimate(best.strategy, BATCH, settings.default_schedule, settings.zero)
-    free = {d: cluster.type_of(d).memory_gib * 2**30 - m.total for d, m in est.memory.items()}
-    n_pipes = len(best.strategy.pipelines)
+    cm = CostModel(model, cluster, profiles, micro_batch=best.micro_batch, seq_len=SEQ_LEN)
+    num = model.moe.num_experts
     planned = priced(cm, best.strategy, settings)
-    even = priced(cm, with_experts(cm, best.strategy, lambda st: even_placement(st.devices, model.moe.num_experts)),
-                  settings)
-    placed = priced(cm, with_experts(cm, best.strategy, lambda st: speed_placement(
-        cm, st, expert_caps(cm, st, free, settings.zero, n_pipes))), settings)
-    sym = res.symmetric.step_time_s
+    even = priced(cm, with_experts(cm, best.strategy, lambda st: even_placement(st.devices, num)), settings)
+    split = priced(cm, with_experts(cm, best.strategy, lambda st: None), settings)
+    sym = res.symmetric
+    sym_cm = CostModel(model, cluster, profiles, micro_batch=sym.micro_batch, seq_len=SEQ_LEN)
+    # The symmetric (Megatron-style) plan as it would run: experts dealt evenly over each TP group.
+    symmetric = priced(sym_cm, with_experts(sym_cm, sym.strategy, lambda st: even_placement(st.devices, num)),
+                       settings)
     return {
         "plan": best.summary, "micro_batch": best.micro_batch, "planner_wall_s": round(wall, 2),
-        "planned": planned, "even": even, "placed_ep": placed,
-        "symmetric": {"step_s": sym, "plan": res.symmetric.description},
+        "planned": planned, "even": even, "tp_split": split,
+        "symmetric": {**symmetric, "plan": sym.description},
         "moe_placed_over_even": even["step_s"] / planned["step_s"],
         "moe_placed_over_even_simulated": even["simulated_s"] / planned["simulated_s"],
-        "moe_placed_over_symmetric": None if sym is None else sym / planned["step_s"],
-        "placed_ep_over_even_ep": even["step_s"] / placed["step_s"],
+        "moe_placed_over_symmetric": symmetric["step_s"] / planned["step_s"],
+        "moe_placed_over_symmetric_simulated": symmetric["simulated_s"] / planned["simulated_s"],
         "stage_choices": [c.to_json() for c in res.moe_stages],
     }
 
@@ -143,12 +146,10 @@ def main() -> None:
     for name in ("shipped", "skewed"):
         c = out[name]
         print(f"{name}: {c['plan']}")
-        for k in ("planned", "even", "placed_ep"):
+        for k in ("planned", "even", "tp_split", "symmetric"):
             print(f"  {k:10s} step {c[k]['step_s']:.4f} s  simulated {c[k]['simulated_s']:.4f} s  "
                   f"EP stages {c[k]['expert_parallel_stages']}  OOM {c[k]['oom_devices']}")
-        print(f"  symmetric  step {c['symmetric']['step_s']}")
-        print(f"  placed/even {c['moe_placed_over_even']:.3f}  placed/symmetric {c['moe_placed_over_symmetric']:.3f}  "
-              f"placed EP/even EP {c['placed_ep_over_even_ep']:.3f}")
+        print(f"  placed/even {c['moe_placed_over_even']:.3f}  placed/symmetric {c['moe_placed_over_symmetric']:.3f}")
     for name, c in out["mixed_stage"].items():
         print(f"mixed stage ({name}): even {c['even']['routed_ms']:.2f} ms, placed {c['placed']['routed_ms']:.2f} ms "
               f"per MoE layer: x{c['placed_over_even']:.2f}")
