@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.cost import GIB, CostModel, zero_degree
-from planner.costmodel.moe import expert_rows
+from planner.costmodel.moe import expert_rows, holder_rows
 from runtime.torchfree.spec.plan import Schedule, Stage, Strategy
 
 Placement = dict[int, list[int]]
@@ -95,10 +95,35 @@ def speed_placement(cm: CostModel, st: Stage, caps: Mapping[int, int], micro_bat
             e = max(range(moe.num_experts), key=lambda e: (max(rows[e] / len(holders[e]) * per_row[h]
                                                                for h in holders[e]), -e))
             place[d].append(e)
-    best = _objective(cm, st, place, micro_batches)
+    return _improved(cm, st, place, caps, rows, micro_batches)
+
+
+def _improved(cm: CostModel, st: Stage, place: Placement, caps: Mapping[int, int], rows: Sequence[float],
+              micro_batches: int) -> Placement:
+    """``place`` after moving or replicating experts off the slowest device while that lowers the stage's
+    step share: its slowest device's router and experts over the step's MoE layers and micro-batches, plus the
+    replicas' gradient all-reduce (``device_expert_s``, ``replica_sync_s``: what ``ep_layer`` and the sync
+    layout price; the all-to-alls, which a placement changes little, left out of the search)."""
+    devices, n = list(st.devices), len(st.devices)
+    layers = cm.moe_layers_in(st.layers)
+    scale = micro_batches * layers
+
+    def busy(p: Placement) -> dict[int, float]:
+        got = holder_rows(devices, p, rows)
+        return {d: sum(cm.device_expert_s(d, n, sum(got[d].values()), sum(1 for x in got[d].values() if x > 0)))
+                for d in devices}
+
+    def cost(p: Placement) -> float:
+        holders: dict[int, list[int]] = {}
+        for d in devices:
+            for e in p[d]:
+                holders.setdefault(e, []).append(d)
+        return scale * max(busy(p).values()) + sum(cm.replica_sync_s(tuple(h), layers) for h in holders.values())
+
+    best = cost(place)
     for _ in range(MAX_MOVES):
-        ep = cm.ep_of(dataclasses.replace(st, experts=place, op_costs=None))
-        slow = max(devices, key=lambda d: (ep.expert_s[d], -devices.index(d)))
+        times = busy(place)
+        slow = max(devices, key=lambda d: (times[d], -devices.index(d)))
         found = None
         for e in place[slow]:
             for d in devices:
@@ -108,8 +133,8 @@ def speed_placement(cm: CostModel, st: Stage, caps: Mapping[int, int], micro_bat
                 if len(place[slow]) > 1:   # move e to d
                     moves.append({**place, slow: [x for x in place[slow] if x != e], d: sorted(place[d] + [e])})
                 for cand in moves:
-                    v = _objective(cm, st, cand, micro_batches)
-                    if v < best * (1 - 1e-9) and (found is None or v < found[0]):
+                    v = cost(cand)
+                    if v < best - 1e-9 * abs(best) and (found is None or v < found[0]):
                         found = (v, cand)
         if found is None:
             break

@@ -264,8 +264,7 @@ class MoeCosts:
         for d in devices:
             y = self._type_of[d]
             r = sum(got[d].values())
-            f, b = self.mlp_rate(y, 1).seconds(self._routed_flops(t / n, r, 1),
-                                                1 + sum(1 for x in got[d].values() if x > 0))
+            f, b = self.device_expert_s(d, n, r, sum(1 for x in got[d].values() if x > 0))
             busy_f, busy_b = max(busy_f, f), max(busy_b, b)
             expert_s[d], dev_rows[d] = f + b, r
             params[d] = (len(dict(experts).get(d, ())) - moe.num_experts / n) * 3 * h * moe.expert_ffn_size
@@ -366,17 +365,28 @@ class MoeCosts:
         n_moe = self.moe_layers_in(st.layers)
         grad = self.profiles[self.stage_type(st)].memory.grad_bytes
         t = self.allreduce_time(st.devices, n_moe * moe.num_experts * h * grad) if router else 0.0
-        for e in range(moe.num_experts):
-            holders = st.expert_holders(e)
-            if len(holders) > 1:
-                t += self.allreduce_time(holders, n_moe * 3 * h * moe.expert_ffn_size * grad)
-        return t
+        return t + sum(self.replica_sync_s(st.expert_holders(e), n_moe) for e in range(moe.num_experts))
 
     def expert_row_s(self, device: int) -> float:
         """Seconds one (token, expert) row costs on ``device``'s type, forward + backward (``mlp_rate``)."""
         rate = self.mlp_rate(self._type_of[device], 1)
         return (rate.forward_per_flop + rate.backward_per_flop) * 6.0 * self.model.hidden_size \
             * self.model.moe.expert_ffn_size
+
+    def device_expert_s(self, device: int, n: int, rows: float, experts: int) -> tuple[float, float]:
+        """(forward, backward) of ``device`` on an expert-parallel stage of ``n`` devices: routing its 1/n of
+        the tokens and running ``experts`` experts on ``rows`` rows in all, on its own type."""
+        return self.mlp_rate(self._type_of[device], 1).seconds(self._routed_flops(self._tokens() / n, rows, 1),
+                                                               1 + experts)
+
+    @memo
+    def replica_sync_s(self, holders: tuple[int, ...], layers: int) -> float:
+        """Per step, one expert of ``layers`` MoE layers replicated on ``holders``: its gradient all-reduce."""
+        if len(holders) < 2:
+            return 0.0
+        grad = max(self.profiles[self._type_of[d]].memory.grad_bytes for d in holders)
+        return self.allreduce_time(holders, layers * 3 * self.model.hidden_size * self.model.moe.expert_ffn_size
+                                   * grad)
 
     def expert_bytes(self, device: int, layers: int, zero_degree: int) -> float:
         """Bytes one whole expert of ``layers`` MoE layers takes on ``device``: parameters, gradients, AdamW
