@@ -182,3 +182,33 @@ def test_the_gradient_sync_sums_routers_and_replicas_as_the_annotations_lay_them
     single = cm.grad_sync_time(one_stage(H800S, 32, even_placement(H800S, 8)))
     replicated = {**even_placement(H800S, 8), 1: [0, 1]}
     assert 0.0 < single < cm.grad_sync_time(one_stage(H800S, 32, replicated))
+
+
+def test_hspmd_plan_places_experts_on_every_multi_device_stage(tmp_path: Path):
+    out = tmp_path / "plan.yaml"
+    res = CliRunner().invoke(cli, ["plan", "--model", "mixtral-8x7b", "--cluster", "h800-h20-48", "--global-batch",
+                                   "8", "--seq-len", "4096", "--check-top", "0", "-o", str(out), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    assert ("note: mixtral-8x7b: planned without sequence parallelism (expert parallelism, how a MoE model's "
+            "multi-device stages run, does not run with it)") in res.stderr.splitlines()
+    report = json.loads(res.stdout)
+    ctx = load_plan_context(str(out))
+    assert not ctx.plan.training.sequence_parallel
+    stages = [(pi, k, st) for s in ctx.plan.strategies for pi, p in enumerate(s.pipelines)
+              for k, st in enumerate(p.stages)]
+    multi = [(pi, k) for pi, k, st in stages if st.tp > 1]
+    assert multi and all(st.expert_parallel for _, _, st in stages if st.tp > 1)
+    assert [(e["pipeline"], e["stage"]) for e in report["experts"]] == multi
+    for entry in report["experts"]:
+        assert entry["why"].startswith("expert-parallel, placed by device speed, memory and expected load")
+        per = entry["per_device"]
+        assert sum(v["load"] for v in per.values()) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_sequence_parallelism_asked_for_a_moe_model_is_refused_in_one_line():
+    res = CliRunner().invoke(cli, ["plan", "--model", "moe-tiny", "--cluster", "cpu-hetero4", "--global-batch", "8",
+                                   "--seq-len", "128", "--sequence-parallel"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().splitlines()[-1] == (
+        "error: --sequence-parallel: moe-tiny: expert parallelism (how a MoE model's multi-device stages run) does "
+        "not run with sequence parallelism; plan without it")
