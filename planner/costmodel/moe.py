@@ -95,6 +95,28 @@ def a2a_flows(devices: Sequence[int], experts: Mapping[int, Sequence[int]] | Seq
     return tuple(Flow(a, b, x) for (a, b), x in nbytes.items())
 
 
+def lpt_placement(devices: Sequence[int], rows: Sequence[float], per_row: Mapping[int, float],
+                  caps: Mapping[int, int]) -> dict[int, list[int]]:
+    """Longest processing time first: the heaviest expert (by ``rows``) to the device that would finish it
+    first (``per_row``: its seconds per row), no device over ``caps`` experts where another has room; then
+    every device left without one takes a replica of the expert whose holders take longest."""
+    devices = list(devices)
+    load = dict.fromkeys(devices, 0.0)
+    place: dict[int, list[int]] = {d: [] for d in devices}
+    for e in sorted(range(len(rows)), key=lambda e: (-rows[e], e)):
+        room = [d for d in devices if len(place[d]) < caps[d]] or devices
+        d = min(room, key=lambda d: ((load[d] + rows[e]) * per_row[d], len(place[d]), devices.index(d)))
+        place[d].append(e)
+        load[d] += rows[e]
+    for d in devices:
+        if not place[d]:
+            holders = {e: [h for h in devices if e in place[h]] for e in range(len(rows))}
+            e = max(range(len(rows)), key=lambda e: (max(rows[e] / len(holders[e]) * per_row[h]
+                                                         for h in holders[e]), -e))
+            place[d].append(e)
+    return place
+
+
 @dataclass(frozen=True)
 class GemmRate:
     """What a MoE GEMM block costs on one device type: seconds per forward FLOP and per call (one expert, the
@@ -188,17 +210,57 @@ class MoeCosts:
                          activation_bytes=act - eval_fit(mlp.activation_bytes, b, s), checkpoint_bytes=0.0,
                          params=params - mlp.params)
 
+    @memo
+    def ep_reference(self, device_type: str, tp: int, micro_batch: int | None = None,
+                     seq_len: int | None = None) -> EpLayer | None:
+        """How a multi-device stage of this type and TP degree runs a MoE layer, as the runtime runs it
+        (expert-parallel): on the first ``tp`` devices of the type on one node, experts placed by load
+        (``lpt_placement``), against TP-split experts; None where no such stage forms (TP 1, no node with
+        ``tp`` devices of the type) or the type is sleep-mode emulated (TP-split pricing)."""
+        if tp == 1 or self.sleep_target(device_type) is not None:
+            return None
+        by_node: dict[object, list[int]] = {}
+        for d, (t, node) in enumerate(zip(self._type_of, self._node_of)):
+            if t == device_type:
+                by_node.setdefault(node, []).append(d)
+        ref = next((tuple(ds[:tp]) for ds in by_node.values() if len(ds) >= tp), None)
+        if ref is None:
+            return None
+        b, s = self._shape(micro_batch, seq_len)
+        rows = expert_rows(self.model.moe, b * s)
+        place = lpt_placement(ref, rows, {d: self.expert_row_s(d) for d in ref},
+                              dict.fromkeys(ref, self.model.moe.num_experts))
+        return self.ep_layer(ref, tuple((d, tuple(place[d])) for d in ref), b, s)
+
+    @memo
+    def moe_delta(self, device_type: str, tp: int, micro_batch: int | None = None,
+                  seq_len: int | None = None) -> LayerCost:
+        """What one MoE layer adds to the dense layer on a stage of this type and TP degree as the search
+        prices it: TP-split (``moe_tp_delta``), and on a multi-device stage expert-parallel as
+        ``ep_reference`` places it (the exchanges in the TP fields)."""
+        d = self.moe_tp_delta(device_type, tp, micro_batch, seq_len)
+        ref = self.ep_reference(device_type, tp, micro_batch, seq_len)
+        if ref is None:
+            return d
+        f, b = ref.forward_s - ref.comm_forward_s, ref.backward_s - ref.comm_backward_s
+        return dataclasses.replace(d, forward_s=d.forward_s + f, backward_s=d.backward_s + b,
+                                   recompute_s=d.recompute_s + ref.forward_s, tp_forward_s=ref.comm_forward_s,
+                                   tp_backward_s=ref.comm_backward_s,
+                                   activation_bytes=d.activation_bytes + max(ref.activation_bytes.values()))
+
     def moe_layer(self, dense: LayerCost, device_type: str, tp: int, recompute: bool, micro_batch: int,
                   seq_len: int) -> LayerCost:
-        """``dense`` (one dense decoder layer) as the mean layer of this model: MoE layers' share of the
-        TP-split MoE delta added (a dense model: ``dense`` itself)."""
+        """``dense`` (one dense decoder layer) as the mean layer of this model: MoE layers' share of
+        ``moe_delta`` added (a dense model: ``dense`` itself)."""
         if self.model.moe is None:
             return dense
         frac = len(self.model.moe_layers) / self.model.num_layers
-        d = self.moe_tp_delta(device_type, tp, micro_batch, seq_len)
+        d = self.moe_delta(device_type, tp, micro_batch, seq_len)
         return dataclasses.replace(
             dense, forward_s=dense.forward_s + frac * d.forward_s, backward_s=dense.backward_s + frac * d.backward_s,
-            recompute_s=dense.recompute_s + (frac * d.forward_s if recompute else 0.0),
+            recompute_s=dense.recompute_s + (frac * d.recompute_s if recompute else 0.0),
+            tp_forward_s=dense.tp_forward_s + frac * d.tp_forward_s,
+            tp_backward_s=dense.tp_backward_s + frac * d.tp_backward_s,
             activation_bytes=dense.activation_bytes + frac * d.activation_bytes,
             params=round(dense.params + frac * d.params))
 
@@ -214,10 +276,12 @@ class MoeCosts:
         extra = self.moe_layers_in(layers) - n * len(self.model.moe_layers) / self.model.num_layers
         if abs(extra) < 1e-12:
             return sc
-        d = self.moe_tp_delta(device_type, tp)
-        return dataclasses.replace(sc, forward_s=sc.forward_s + extra * d.forward_s,
-                                   backward_s=sc.backward_s + extra * d.backward_s,
+        d = self.moe_delta(device_type, tp)
+        return dataclasses.replace(sc, forward_s=sc.forward_s + extra * (d.forward_s + d.tp_forward_s),
+                                   backward_s=sc.backward_s + extra * (d.backward_s + d.tp_backward_s),
                                    compute_s=sc.compute_s + extra * (d.forward_s + d.backward_s),
+                                   tp_forward_s=sc.tp_forward_s + extra * d.tp_forward_s,
+                                   tp_backward_s=sc.tp_backward_s + extra * d.tp_backward_s,
                                    params=round(sc.params + extra * d.params))
 
     # -- expert-parallel stages ----------------------------------------------------------------------
@@ -252,10 +316,12 @@ class MoeCosts:
                 and all(self.sleep_target(self._type_of[d]) is None for d in st.devices))
 
     @memo
-    def ep_layer(self, devices: tuple[int, ...], experts: tuple) -> EpLayer:
+    def ep_layer(self, devices: tuple[int, ...], experts: tuple, micro_batch: int | None = None,
+                 seq_len: int | None = None) -> EpLayer:
         """One MoE layer of the expert-parallel stage ``devices`` holding ``experts`` ((device, experts)
         pairs), against the TP-split layer of its slowest type (``EpLayer``)."""
-        moe, h, t, n = self.model.moe, self.model.hidden_size, self._tokens(), len(devices)
+        b, s = self._shape(micro_batch, seq_len)
+        moe, h, t, n = self.model.moe, self.model.hidden_size, b * s, len(devices)
         base = self._slowest_type(devices)
         rows = expert_rows(moe, t)
         got = holder_rows(devices, experts, rows)
@@ -264,14 +330,14 @@ class MoeCosts:
         for d in devices:
             y = self._type_of[d]
             r = sum(got[d].values())
-            f, b = self.device_expert_s(d, n, r, sum(1 for x in got[d].values() if x > 0))
-            busy_f, busy_b = max(busy_f, f), max(busy_b, b)
-            expert_s[d], dev_rows[d] = f + b, r
+            fwd, bwd = self.device_expert_s(d, n, r, sum(1 for x in got[d].values() if x > 0), b, s)
+            busy_f, busy_b = max(busy_f, fwd), max(busy_b, bwd)
+            expert_s[d], dev_rows[d] = fwd + bwd, r
             params[d] = (len(dict(experts).get(d, ())) - moe.num_experts / n) * 3 * h * moe.expert_ffn_size
             e = self._act_element_bytes(y)
             act[d] = (e * (t / n * h + r * (h + 4.0 * moe.expert_ffn_size)) + ROUTER_ACT_BYTES * t / n * moe.num_experts
                       - e * sum(rows) * (h + 4.0 * moe.expert_ffn_size / n) - ROUTER_ACT_BYTES * t * moe.num_experts)
-        split_f, split_b = self.mlp_rate(base, n).seconds(self._routed_flops(t, sum(rows), n),
+        split_f, split_b = self.mlp_rate(base, n, b, s).seconds(self._routed_flops(t, sum(rows), n),
                                                           1 + sum(1 for r in rows if r > 0))
         row_bytes = float(h * self._act_element_bytes(base))
         flows = a2a_flows(devices, experts, rows, row_bytes)
@@ -291,16 +357,23 @@ class MoeCosts:
 
     def stage_chunk(self, st: Stage, chunk: int) -> tuple[StageCost, ChunkCost]:
         """Chunk ``chunk`` of stage ``st``, one micro-batch: the ``placed_stage`` and ``placed_chunk_cost`` the
-        estimate, the plan's op costs and the simulator all price it by; an expert-parallel stage's MoE layers
-        as ``ep_layer`` prices them."""
+        estimate, the plan's op costs and the simulator all price it by, with its MoE layers as the stage runs
+        them: ``ep_layer`` on an expert-parallel stage, TP-split experts on one without ``experts`` (where
+        ``placed_stage`` priced ``ep_reference``)."""
         # (A stage without experts, the planner's hot path: one type, no set built.)
         dtype = self.stage_type(st) if st.expert_parallel else self._type_of[st.devices[0]]
         a, b = st.layers[chunk]
         r = st.chunk_recompute(chunk)
         sc = self.placed_stage(dtype, st.tp, ((a, b),), a == 0, b == self.model.num_layers, recompute_layers=r)
         cc = self.placed_chunk_cost(dtype, st.tp, a, b, recompute_layers=r)
-        if not self.ep_priced(st):
+        if self.model.moe is None:
             return sc, cc
+        ref = self.ep_reference(dtype, st.tp)
+        if not self.ep_priced(st):
+            if ref is None:
+                return sc, cc
+            return self._moe_adjusted(sc, cc, st, chunk, -ref.forward_s, -ref.backward_s, -ref.comm_forward_s,
+                                      -ref.comm_backward_s)
         ep = self.ep_of(st)
         # A stage across nodes or types: its TP collectives ride its slowest links, not one node's.
         stretch = self.tp_stretch(tuple(st.devices)) - 1.0
@@ -312,13 +385,24 @@ class MoeCosts:
                                  input_grad=cc.input_grad + stretch * sc.tp_backward_s / (1 + stretch),
                                  full_backward=None if cc.full_backward is None
                                  else cc.full_backward + stretch * sc.tp_backward_s / (1 + stretch))
+        if ref is None:   # priced TP-split: the whole of ``ep``
+            return self._moe_adjusted(sc, cc, st, chunk, ep.forward_s, ep.backward_s, ep.comm_forward_s,
+                                      ep.comm_backward_s)
+        return self._moe_adjusted(sc, cc, st, chunk, ep.forward_s - ref.forward_s, ep.backward_s - ref.backward_s,
+                                  ep.comm_forward_s - ref.comm_forward_s, ep.comm_backward_s - ref.comm_backward_s)
+
+    def _moe_adjusted(self, sc: StageCost, cc: ChunkCost, st: Stage, chunk: int, fwd: float, bwd: float,
+                      comm_f: float, comm_b: float) -> tuple[StageCost, ChunkCost]:
+        """``sc`` and ``cc`` of chunk ``chunk`` of ``st`` with each of its MoE layers taking ``fwd`` and ``bwd``
+        seconds more (``comm_f``, ``comm_b`` of them exchanges); a recomputed MoE layer reruns its forward."""
+        a, b = st.layers[chunk]
         n_moe = self.moe_layers_in(((a, b),))
         # The recomputed layers are the stage's lowest indices (``Stage.chunk_recompute``).
-        ids = [i for i in range(a, b)][:r]
+        ids = [i for i in range(a, b)][:st.chunk_recompute(chunk)]
         rc_moe = sum(1 for i in ids if self.model.is_moe_layer(i))
-        d_f = n_moe * ep.forward_s
-        d_b = n_moe * ep.backward_s + rc_moe * ep.forward_s
-        comm_f, comm_b = n_moe * ep.comm_forward_s, n_moe * ep.comm_backward_s + rc_moe * ep.comm_forward_s
+        d_f = n_moe * fwd
+        d_b = n_moe * bwd + rc_moe * fwd
+        comm_f, comm_b = n_moe * comm_f, n_moe * comm_b + rc_moe * comm_f
         sc = dataclasses.replace(sc, forward_s=sc.forward_s + d_f, backward_s=sc.backward_s + d_b,
                                  compute_s=sc.compute_s + d_f + d_b - comm_f - comm_b,
                                  tp_forward_s=sc.tp_forward_s + comm_f, tp_backward_s=sc.tp_backward_s + comm_b)
@@ -336,9 +420,9 @@ class MoeCosts:
 
     def ep_device_memory(self, strategy: Strategy, pi: int, k: int, device: int, mem: MemoryBreakdown,
                          schedule: Schedule, zero_degree: int) -> MemoryBreakdown:
-        """``mem`` (stage ``k`` of pipeline ``pi`` priced TP-split) for ``device`` of an expert-parallel stage:
-        its own experts' parameters, gradients, optimizer states and bf16 copies instead of 1/n of every
-        expert, and the rows it receives in each in-flight micro-batch."""
+        """``mem`` (stage ``k`` of pipeline ``pi`` as ``layer`` prices its layers) for ``device`` of an
+        expert-parallel stage: its own experts' parameters, gradients, optimizer states and bf16 copies instead
+        of 1/n of every expert, and the rows it receives in each in-flight micro-batch."""
         pipe = strategy.pipelines[pi]
         st = pipe.stages[k]
         if not self.ep_priced(st) or self.target_memory_model(self._type_of[device]) is not None:
@@ -347,8 +431,9 @@ class MoeCosts:
         p = self.ep_params(st, device)
         live = device_limits(schedule, len(pipe.stages), pipe.micro_batches, st.chunks, pipe.activation_limits)[k]
         per_chunk = max(self.moe_layers_in((r,)) for r in st.layers)
-        recompute_all = st.recompute
-        act = 0.0 if recompute_all else live * per_chunk * ep.activation_bytes[device]
+        ref = self.ep_reference(self.stage_type(st), st.tp)   # what ``layer`` counted
+        kept = ep.activation_bytes[device] - (0.0 if ref is None else max(ref.activation_bytes.values()))
+        act = 0.0 if st.recompute else live * per_chunk * kept
         m = self.profiles[self._type_of[device]].memory
         return dataclasses.replace(mem, params=mem.params + p * m.param_bytes, grads=mem.grads + p * m.grad_bytes,
                                    optimizer=mem.optimizer + p * m.optimizer_bytes / max(1, zero_degree),
@@ -373,11 +458,13 @@ class MoeCosts:
         return (rate.forward_per_flop + rate.backward_per_flop) * 6.0 * self.model.hidden_size \
             * self.model.moe.expert_ffn_size
 
-    def device_expert_s(self, device: int, n: int, rows: float, experts: int) -> tuple[float, float]:
+    def device_expert_s(self, device: int, n: int, rows: float, experts: int, micro_batch: int | None = None,
+                        seq_len: int | None = None) -> tuple[float, float]:
         """(forward, backward) of ``device`` on an expert-parallel stage of ``n`` devices: routing its 1/n of
         the tokens and running ``experts`` experts on ``rows`` rows in all, on its own type."""
-        return self.mlp_rate(self._type_of[device], 1).seconds(self._routed_flops(self._tokens() / n, rows, 1),
-                                                               1 + experts)
+        b, s = self._shape(micro_batch, seq_len)
+        return self.mlp_rate(self._type_of[device], 1, b, s).seconds(self._routed_flops(b * s / n, rows, 1),
+                                                                     1 + experts)
 
     @memo
     def replica_sync_s(self, holders: tuple[int, ...], layers: int) -> float:

@@ -44,12 +44,17 @@ H800S = tuple(range(8))
 
 
 def test_tp_split_pricing_ignores_skew_but_not_the_capacity_cut():
+    split = Stage(H800S, ((0, 32),))   # no experts: each expert split over the TP group
+
+    def time_s(cm: CostModel) -> float:
+        return cm.stage_chunk(split, 0)[0].time_s
+
     even, skewed = cost_model(), cost_model(skew=SKEW)
-    assert skewed.layer("H800", 8).forward_s == pytest.approx(even.layer("H800", 8).forward_s)
-    assert skewed.layer("H800", 8).backward_s == pytest.approx(even.layer("H800", 8).backward_s)
+    assert time_s(skewed) == pytest.approx(time_s(even))
     # A capacity factor of 1 drops the hot expert's overflow: fewer rows computed.
-    capped = cost_model(skew=SKEW, capacity=1.0)
-    assert capped.layer("H800", 8).forward_s < skewed.layer("H800", 8).forward_s
+    assert time_s(cost_model(skew=SKEW, capacity=1.0)) < time_s(skewed)
+    # The search prices a multi-device stage as the runtime runs it, expert-parallel: there the skew shows.
+    assert skewed.layer("H800", 8).forward_s > even.layer("H800", 8).forward_s
 
 
 def test_a_load_balancing_placement_beats_even_placement_under_skew():
