@@ -52,6 +52,10 @@ def plan_for_lengths(model_ref: str, cluster_ref: str, profile_dirs: Sequence[Pa
     if problems:
         raise SpecError(problems)
     model = load_model(model_ref, file="--model", field="")
+    if model.moe is not None:   # what hspmd train refuses (runtime/torchfree/spec/catalog.py check_trainable)
+        raise SpecError([Problem("--lengths", "", f"{model_ref}: a MoE model is not planned for packed documents "
+                                                  "(hspmd train does not run it on them: its load-balancing loss "
+                                                  "is weighted by fixed micro-batches)")])
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
     top = model.max_seq_len if max_len is None else max_len

@@ -21,9 +21,12 @@ the input-gradient slices. The stage's MoE time is the slowest device's (its exp
 plus those exchanges, priced over the links between the devices (``concurrent_seconds``). Attention and the
 shared experts run under TP over the stage's devices at its slowest member's pace.
 
-A model whose layers are not all MoE layers (``dense_layers``, ``sparse_step``): ``layer`` prices the mean
-layer (what the planner's ILPs take, layers being alike there); ``placed_stage`` and ``stage_chunk`` price
-the exact layer indices a chunk holds.
+The runtime runs a multi-device stage's MoE layers expert-parallel, so ``layer`` (what the search prices a
+stage of a type and TP degree by) prices them so, on a reference placement (``ep_reference``: the type's first
+devices on one node, experts placed by load); ``stage_chunk`` prices a stage of a plan as its ``experts`` say
+(TP-split where it has none). A model whose layers are not all MoE layers (``dense_layers``, ``sparse_step``):
+``layer`` prices the mean layer (what the planner's ILPs take, layers being alike there); ``placed_stage`` and
+``stage_chunk`` price the exact layer indices a chunk holds.
 
 Sleep-mode emulated types price their blocks by their target (planner/costmodel/targets.py): the MoE
 adjustments here do not apply to them.

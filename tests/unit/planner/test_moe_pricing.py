@@ -217,3 +217,12 @@ def test_sequence_parallelism_asked_for_a_moe_model_is_refused_in_one_line():
     assert res.stderr.strip().splitlines()[-1] == (
         "error: --sequence-parallel: moe-tiny: expert parallelism (how a MoE model's multi-device stages run) does "
         "not run with sequence parallelism; plan without it")
+
+
+def test_a_documents_plan_for_a_moe_model_is_refused_in_one_line():
+    res = CliRunner().invoke(cli, ["plan", "--model", "qwen1.5-moe-a2.7b", "--cluster", "cpu-hetero4", "--lengths",
+                                   "longtail", "--tokens-per-step", "4096"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip().splitlines()[-1] == (
+        "error: --lengths: qwen1.5-moe-a2.7b: a MoE model is not planned for packed documents (hspmd train does not "
+        "run it on them: its load-balancing loss is weighted by fixed micro-batches)")
