@@ -1,14 +1,15 @@
-"""Expert placement for mixture-of-experts models: per stage of a planned strategy, its routed experts split
-over its TP group like the dense MLP, or expert parallelism (``Stage.experts``) with whole experts placed by
-device speed, memory and expected load (planner/costmodel/moe.py prices both; docs/planning.md, "Mixture of
+"""Expert placement for mixture-of-experts models: every multi-device stage of a planned strategy runs its
+MoE layers expert-parallel (``Stage.experts``, the runtime's only way on several devices), whole experts placed
+by device speed, memory and expected load (planner/costmodel/moe.py prices it; docs/planning.md, "Mixture of
 experts").
 
 The placement (``speed_placement``): longest-processing-time first (the heaviest expert to the device that
 would finish it first, each device's per-row expert cost its own type's), every device holding at least one
-expert (a replica of the expert whose holders take longest where there are fewer experts than devices), then
-a local search on the bottleneck device: move one of its experts, or replicate one onto another device, while
-that lowers the stage's priced step share (the slowest device's experts, the all-to-alls, and the gradient
-all-reduce a replica adds). A device takes no more experts than its memory holds beside the rest of its stage.
+expert (a replica of the expert whose holders take longest where there are fewer experts than devices), or
+even placement where that prices lower; then a local search on the bottleneck device: move one of its
+experts, or replicate one onto another device, while that lowers the stage's priced step share (the slowest
+device's router and experts over the step's micro-batches, and the gradient all-reduce a replica adds). A
+device takes no more experts than its memory holds beside the rest of its stage.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.cost import GIB, CostModel, zero_degree
-from planner.costmodel.moe import expert_rows, holder_rows
+from planner.costmodel.moe import expert_rows, holder_rows, lpt_placement
 from runtime.torchfree.spec.plan import Schedule, Stage, Strategy
 
 Placement = dict[int, list[int]]
@@ -77,30 +78,18 @@ def expert_caps(cm: CostModel, st: Stage, free_bytes: Mapping[int, float], zero:
 
 def speed_placement(cm: CostModel, st: Stage, caps: Mapping[int, int], micro_batches: int = 1) -> Placement:
     """Experts of ``st`` placed by device speed, memory (``caps``: most experts per device) and expected load
-    (the module's rule)."""
-    moe = cm.model.moe
+    (the module's rule): longest processing time first (``lpt_placement``), or even placement where that
+    prices lower and fits ``caps``, then improved (``_improved``)."""
     devices = list(st.devices)
-    rows = expert_rows(moe, cm.micro_batch * cm.seq_len)
-    per_row = {d: cm.expert_row_s(d) for d in devices}
-    load = dict.fromkeys(devices, 0.0)
-    place: Placement = {d: [] for d in devices}
-    for e in sorted(range(moe.num_experts), key=lambda e: (-rows[e], e)):
-        room = [d for d in devices if len(place[d]) < caps[d]] or devices
-        d = min(room, key=lambda d: ((load[d] + rows[e]) * per_row[d], len(place[d]), devices.index(d)))
-        place[d].append(e)
-        load[d] += rows[e]
-    for d in devices:   # fewer experts than devices: a replica of the expert whose holders take longest
-        if not place[d]:
-            holders = {e: [h for h in devices if e in place[h]] for e in range(moe.num_experts)}
-            e = max(range(moe.num_experts), key=lambda e: (max(rows[e] / len(holders[e]) * per_row[h]
-                                                               for h in holders[e]), -e))
-            place[d].append(e)
+    rows = expert_rows(cm.model.moe, cm.micro_batch * cm.seq_len)
+    place = lpt_placement(devices, rows, {d: cm.expert_row_s(d) for d in devices}, caps)
     return _improved(cm, st, place, caps, rows, micro_batches)
 
 
 def _improved(cm: CostModel, st: Stage, place: Placement, caps: Mapping[int, int], rows: Sequence[float],
               micro_batches: int) -> Placement:
-    """``place`` after moving or replicating experts off the slowest device while that lowers the stage's
+    """``place`` (or even placement, where that prices lower and fits ``caps``) after moving or replicating
+    experts off the slowest device while that lowers the stage's
     step share: its slowest device's router and experts over the step's MoE layers and micro-batches, plus the
     replicas' gradient all-reduce (``device_expert_s``, ``replica_sync_s``: what ``ep_layer`` and the sync
     layout price; the all-to-alls, which a placement changes little, left out of the search)."""
@@ -121,6 +110,9 @@ def _improved(cm: CostModel, st: Stage, place: Placement, caps: Mapping[int, int
         return scale * max(busy(p).values()) + sum(cm.replica_sync_s(tuple(h), layers) for h in holders.values())
 
     best = cost(place)
+    even = even_placement(devices, len(rows))
+    if all(len(even[d]) <= caps[d] for d in devices) and cost(even) < best:
+        best, place = cost(even), even
     for _ in range(MAX_MOVES):
         times = busy(place)
         slow = max(devices, key=lambda d: (times[d], -devices.index(d)))

@@ -51,6 +51,9 @@ MODEL, CLUSTER, BATCH, SEQ_LEN = "mixtral-8x7b", "h800-h20-48", 64, 4096
 # A router skewed as routers drift without a balancing loss: the hottest expert takes 4x the coldest's tokens.
 SKEW = (0.24, 0.18, 0.14, 0.12, 0.10, 0.08, 0.08, 0.06)
 CHECK_TOP = 4
+# The mixed stage's placement is chosen for a step of this many micro-batches (the planned plans' count): what
+# replicas' gradient all-reduce is weighed against.
+MIXED_MICRO_BATCHES = 64
 MEASURED_NOTE = ("not measured: on the sleep-mode cluster each forward / backward block lasts its target's price "
                  "(hetu_cli/emulation.py), which does not depend on which experts a device holds, so a placed "
                  "against even run there would time the same sleeps; it needs block targets per device priced by "
@@ -113,7 +116,7 @@ def mixed_stage(model, cluster) -> dict:
     caps = dict.fromkeys(devices, model.moe.num_experts)
     out = {}
     for name, place in (("even", even_placement(devices, model.moe.num_experts)),
-                        ("placed", speed_placement(cm, st, caps))):
+                        ("placed", speed_placement(cm, st, caps, MIXED_MICRO_BATCHES))):
         ep_st = dataclasses.replace(st, experts=place)
         summary = cm.ep_summary(ep_st)
         ep = cm.ep_of(ep_st)

@@ -80,7 +80,7 @@ def test_speed_aware_placement_gives_the_faster_type_more_rows():
     cm = cost_model()
     devices = (0, 1, 2, 3, 16, 17, 18, 19)   # 4 H800, 4 H20 (two nodes)
     st = Stage(devices, ((0, 32),))
-    place = speed_placement(cm, st, dict.fromkeys(devices, 8))
+    place = speed_placement(cm, st, dict.fromkeys(devices, 8), micro_batches=64)
     ep = cm.ep_of(dataclasses.replace(st, experts=place))
     even = cm.ep_of(dataclasses.replace(st, experts=even_placement(devices, 8)))
     assert sum(ep.rows[d] for d in devices[:4]) > sum(ep.rows[d] for d in devices[4:])
@@ -226,3 +226,20 @@ def test_a_documents_plan_for_a_moe_model_is_refused_in_one_line():
     assert res.stderr.strip().splitlines()[-1] == (
         "error: --lengths: qwen1.5-moe-a2.7b: a MoE model is not planned for packed documents (hspmd train does not "
         "run it on them: its load-balancing loss is weighted by fixed micro-batches)")
+
+
+@settings(max_examples=25, deadline=None)
+@given(load=hs.lists(hs.floats(0.01, 1.0), min_size=8, max_size=8), micro_batches=hs.sampled_from([1, 8, 64]),
+       devices=hs.sampled_from([H800S[:2], H800S[:4], H800S, (0, 1, 2, 3, 16, 17, 18, 19)]))
+def test_the_placement_is_never_slower_than_even_placement(load, micro_batches, devices):
+    """Whatever the router's skew and the stage, the speed- and load-aware placement's slowest device finishes
+    its experts no later than even placement's, or the step saves the replicas' all-reduce."""
+    cm = cost_model(skew=tuple(load))
+    st = Stage(devices, ((0, 32),))
+    place = speed_placement(cm, st, dict.fromkeys(devices, 8), micro_batches)
+    placed = dataclasses.replace(st, experts=place)
+    even = dataclasses.replace(st, experts=even_placement(devices, 8))
+
+    def step_share(s: Stage) -> float:
+        return micro_batches * 32 * max(cm.ep_of(s).expert_s.values()) + cm.stage_expert_sync(s, router=False)
+    assert step_share(placed) <= step_share(even) * (1 + 1e-9)
