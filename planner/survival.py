@@ -29,7 +29,7 @@ from runtime.torchfree.spec.catalog import PlanContext
 from runtime.torchfree.spec.cluster import Cluster
 from runtime.torchfree.spec.handle import StrategyHandle
 from runtime.torchfree.spec.model import ModelSpec
-from runtime.torchfree.spec.plan import Plan, Strategy
+from runtime.torchfree.spec.plan import Plan, Stage, Strategy
 
 NODE_PREFERENCE_TOLERANCE = 0.10   # --elastic: a layout surviving more node losses may be this much slower
 
@@ -135,10 +135,16 @@ def spread_over_nodes(strategy: Strategy, cluster: Cluster) -> Strategy:
             node = max(fresh, key=lambda n: len(queues[n]))   # the fullest unused node: keeps later choices open
             used.add(node)
             placed[pi, si] = queues[node].pop(0)
-    pipes = tuple(dataclasses.replace(pipe, stages=tuple(dataclasses.replace(st, devices=placed[pi, si], op_costs=None)
+    pipes = tuple(dataclasses.replace(pipe, stages=tuple(_moved(st, placed[pi, si])
                                                          for si, st in enumerate(pipe.stages)), transfer_costs=None)
                   for pi, pipe in enumerate(strategy.pipelines))
     return dataclasses.replace(strategy, pipelines=pipes)
+
+
+def _moved(st: Stage, devices: tuple[int, ...]) -> Stage:
+    """``st`` on ``devices`` (its group's ranks in order), a MoE stage's experts following their ranks."""
+    experts = None if st.experts is None else {new: list(st.experts_of(old)) for old, new in zip(st.devices, devices)}
+    return dataclasses.replace(st, devices=devices, experts=experts, op_costs=None)
 
 
 def prefer_node_survivable(result: PlanResult, profiles: Mapping[str, DeviceProfile], model_ref: str,

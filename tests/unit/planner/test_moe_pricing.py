@@ -243,3 +243,21 @@ def test_the_placement_is_never_slower_than_even_placement(load, micro_batches, 
     def step_share(s: Stage) -> float:
         return micro_batches * 32 * max(cm.ep_of(s).expert_s.values()) + cm.stage_expert_sync(s, router=False)
     assert step_share(placed) <= step_share(even) * (1 + 1e-9)
+
+
+def test_regrouping_stages_over_nodes_carries_each_rank_s_experts():
+    """The node-survivable layout moves TP groups between stages (planner/survival.py): experts follow ranks."""
+    from planner.survival import spread_over_nodes
+
+    c = load_cluster("h800-h20-48")
+    moving = tuple(range(24, 28))   # pipeline 0's second stage: the first node's second H20 group goes there
+    place = {24: [0, 1, 2], 25: [3], 26: [4, 5], 27: [6, 7]}
+    pipes = tuple(Pipeline(stages=(Stage(g, ((0, 16),), experts=even_placement(g, 8)),
+                                   Stage(h, ((16, 32),), experts=place if h == moving else even_placement(h, 8))),
+                           micro_batches=2)
+                  for g, h in ((tuple(range(16, 20)), moving), (tuple(range(20, 24)), tuple(range(28, 32)))))
+    spread = spread_over_nodes(Strategy(name="s", pipelines=pipes), c)
+    assert spread.pipelines[0].stages[1].devices != moving
+    for before, after in zip((st for p in pipes for st in p.stages),
+                             (st for p in spread.pipelines for st in p.stages)):
+        assert [after.experts_of(d) for d in after.devices] == [before.experts_of(d) for d in before.devices]
