@@ -65,6 +65,10 @@ planner can call them millions of times:
 * ``iteration_time``: the measured fixed cost per iteration, added once to the step (estimate and simulator).
 * ``placed_stage(device_type, tp, layers, first, last, recompute)``: ``stage`` for layer ranges, with the
   profile's per-layer-index overrides (estimate and simulator; the planner's ILP prices layers alike).
+* ``stage_chunk(stage, chunk) -> (StageCost, ChunkCost)``: one chunk of a plan's stage as the estimate, the
+  plan's op costs, the list scheduler and the simulator price it: ``placed_stage``, with a mixture-of-experts
+  model's MoE layers as the stage runs them (planner/costmodel/moe.py: TP-split experts, or expert parallelism
+  by the stage's ``experts``, its devices' speeds, the router's skew and the all-to-alls over their links).
 
 Fidelity notes: compute comes from a measured profile's stage blocks when it has them (one decoder
 layer, a stage's fixed time per micro-batch, what the embedding and head add, timed through the
