@@ -138,3 +138,16 @@ def test_a_killed_device_holding_experts_is_replaced_in_memory(tmp_path: Path) -
     assert [r.step for r in records] == [1, 2, 3, 4] and calls == [(frozenset({1}), "ep")]
     assert [r.loss for r in records] == pytest.approx(expected, rel=1e-5)
     assert_matches_reference(saved_state(tmp_path / "ck"), ref)
+
+
+def test_experts_split_over_tp_groups_match_the_reference(world: EngineWorld, tmp_path: Path) -> None:
+    """Stages without a placement split every expert over their TP group like the dense MLP (columns of
+    gate and up, rows of down): TP-2 stages beside a TP-1 stage, ZB-H1, the balance loss on."""
+    tp = [{"micro_batches": 3, "stages": [{"devices": [0, 1], "layers": [0, 3]}, {"devices": [4], "layers": [3, 6]}]},
+          {"micro_batches": 2, "stages": [{"devices": [5, 6], "layers": [0, 6]}]}]
+    path = write_plan(tmp_path, tp, aux_loss_coef=0.1, capacity_factor=1.0)
+    ctx = load_plan_context(path)
+    batches = make_batches(ctx)
+    results = world.train(str(path), batches, "zb-h1")
+    check_against_reference(path, results, batches, ref=ReferenceTrainer(ctx.model, ctx.plan.training, micro_batch=1))
+

@@ -26,9 +26,9 @@ MAX_ROPE_THETA = 1e12
 MAX_ROPE_FACTOR = 1e4
 # Experts over all MoE layers (DeepSeek-V3: 58 x 256 = 14,848); each is three tensors of the parameter table.
 MAX_EXPERT_BLOCKS = 65536
-# What hspmd does not do yet with a mixture-of-experts model (plan, simulate and train refuse it with this).
-MOE_NOT_SUPPORTED = ("mixture-of-experts models cannot be planned or simulated yet (no MoE pricing, no expert "
-                     "parallelism); hspmd train runs them on TP-1 stages, every stage holding all its layers' experts")
+# What hspmd does not do yet with a mixture-of-experts model (plan and simulate refuse it with this).
+MOE_NOT_SUPPORTED = ("mixture-of-experts models cannot be planned or simulated yet (no MoE pricing); hspmd train "
+                     "runs a plan written by hand, with experts placed on its stages (docs/moe.md)")
 
 # The Hugging Face ``model_type``s whose decoder the runtime's Llama is: Llama 2/3, Mistral, Qwen2 differ
 # only in figures this spec holds (head_dim, q/k/v bias, tied embeddings, rope scaling). Mixtral,
