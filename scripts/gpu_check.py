@@ -232,6 +232,7 @@ class Layout:
     exercises: str
     schedule: str = "1f1b"
     zero: bool = False
+    model: str = "model"  # which model file it trains: "model" (dense) or "model_moe" (mixture of experts)
 
 
 def layouts(s: Sizes) -> dict[str, Layout]:
@@ -263,6 +264,12 @@ def layouts(s: Sizes) -> dict[str, Layout]:
                                   "interleaved 1F1B, 3 stages x 2 chunks (traced)", schedule="interleaved"),
         "tp2-pp2": Layout((Pipeline(mbs, (Stage((0, 1), ((0, half),)), Stage((2, 3), ((half, L),)))),), 4,
                           "TP 2 (DTensor over NCCL) x PP 2"),
+        "moe-one-device": Layout((Pipeline(mbs, (Stage((0,), ((0, L),)),)),), 1,
+                                 "a Mixtral-style MoE model on one GPU (router, experts, balance loss)",
+                                 model="model_moe"),
+        "moe-ep2": Layout((Pipeline(mbs, (Stage((0, 1), ((0, L),), experts=((0, (0, 1, 2)), (1, (3,)))),)),), 2,
+                          "expert parallelism: experts 3 + 1 on two GPUs, all_to_all_single over NCCL",
+                          model="model_moe"),
     }
 
 
@@ -280,20 +287,21 @@ def write_plan(path: Path, layout: Layout, s: Sizes, cluster_file: Path, model_f
     return path
 
 
-def make_plans(out: Path, n: int, s: Sizes, cluster_file: Path, model_file: Path) -> tuple[dict[str, Path],
-                                                                                             dict[str, str]]:
-    """The plans this machine can run, and for the others why not."""
+def make_plans(out: Path, n: int, s: Sizes, cluster_file: Path, models: dict[str, Path]) -> tuple[dict[str, Path],
+                                                                                                 dict[str, str]]:
+    """The plans this machine can run, and for the others why not (``models``: file by ``Layout.model``)."""
     plans, left_out = {}, {}
     for name, layout in layouts(s).items():
         if layout.gpus > n:
             left_out[name] = f"not run: needs {layout.gpus} GPUs ({layout.exercises}), this machine has {n}"
             continue
-        plans[name] = write_plan(out / f"plan-{name}.yaml", layout, s, cluster_file, model_file)
+        plans[name] = write_plan(out / f"plan-{name}.yaml", layout, s, cluster_file, models[layout.model])
     return plans, left_out
 
 
 def reference_losses(plan: Path, steps: int) -> list[float]:
-    """The single-process CPU fp32 reference on the launcher's data stream: what every plan must match."""
+    """The single-process CPU fp32 reference on the launcher's data stream: what every plan must match (a
+    MoE model's by the plan's micro-batches: its balance loss and capacity are per forward)."""
     import torch
 
     from runtime.data import token_source
@@ -303,7 +311,8 @@ def reference_losses(plan: Path, steps: int) -> list[float]:
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     ctx = load_plan_context(plan)
     t = ctx.plan.training
-    trainer = ReferenceTrainer(ctx.model, t, device="cpu", precision="fp32")
+    trainer = ReferenceTrainer(ctx.model, t, device="cpu", precision="fp32",
+                               micro_batch=t.micro_batch if ctx.model.moe is not None else None)
     source = token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len,
                           seed=t.seed)
     return [trainer.train_step(source.batch(k)).loss for k in range(1, steps + 1)]
@@ -332,11 +341,10 @@ def mfu(plan: Path, profile_dirs: list[Path], step_time_s: float) -> dict[str, f
     strategy = ctx.plan.strategy()
     flops = model_flops_per_token(ctx.model, t.seq_len) * t.global_batch * t.seq_len
     peak = sum(ctx.cluster.device_types[ctx.cluster.device(d).type].peak_bf16_tflops for d in strategy.devices)
+    out = {"mfu_datasheet": flops / step_time_s / (peak * 1e12), "model_tflops_per_step": flops / 1e12}
     profiles = resolve_profiles(ctx.cluster.device_types, profile_dirs)
     cm = CostModel.for_plan(ctx.plan, ctx.model, ctx.cluster, profiles)
-    return {"mfu_datasheet": flops / step_time_s / (peak * 1e12),
-            "mfu_profile_peak": cm.mfu(step_time_s, t.global_batch, strategy.devices),
-            "model_tflops_per_step": flops / 1e12}
+    return {**out, "mfu_profile_peak": cm.mfu(step_time_s, t.global_batch, strategy.devices)}
 
 
 def peak_gib(steps: list[dict[str, Any]]) -> float | None:
@@ -533,11 +541,16 @@ def main(argv: list[str] | None = None) -> int:
         state["model"] = path
         long = dict(model, name="gpu-check-llama-long", max_seq_len=2 * DOC_SEQ[mode])
         state["model_long"] = write_yaml(out / "model-long.yaml", long)
+        moe = dict(model, name="gpu-check-mixtral", family="mixtral",
+                   moe={"num_experts": 4, "top_k": 2, "expert_ffn_size": s.ffn, "aux_loss_coef": 0.01})
+        state["model_moe"] = write_yaml(out / "model-moe.yaml", moe)
+        load_model(str(state["model_moe"]))
         rec.update(path=str(path), params=spec.total_params(), gqa=f"{s.heads} query heads, {s.kv_heads} KV heads")
 
     with summary.phase("plans") as rec:
         summary.requires("cluster", "model")
-        plans, left_out = make_plans(out, state["count"], sizes, state["cluster"], state["model"])
+        plans, left_out = make_plans(out, state["count"], sizes, state["cluster"],
+                                     {"model": state["model"], "model_moe": state["model_moe"]})
         state["plans"] = plans
         not_exercised.update(left_out)
         rec.update(plans={k: str(v) for k, v in plans.items()}, left_out=left_out)
@@ -545,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     with summary.phase("reference") as rec:
         summary.requires("plans")
         state["reference"] = reference_losses(state["plans"]["one-device"], sizes.steps)
-        rec.update(device="cpu", precision="fp32", losses=state["reference"])
+        state["reference_moe"] = reference_losses(state["plans"]["moe-one-device"], sizes.steps)
+        rec.update(device="cpu", precision="fp32", losses=state["reference"], losses_moe=state["reference_moe"])
 
     # The training phases first: the CUDA/NCCL path is what this check is for.
     traced = {"one-device", "interleaved-3x2"}
@@ -567,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
                 rec["trace_events"] = trace_events(out / f"trace-{name}")
         with summary.phase(f"losses:{name}") as rec:
             summary.requires(f"train:{name}", "reference")
-            cmp = compare_losses(summary.phases[f"train:{name}"]["losses"], state["reference"])
+            want = state["reference_moe" if layouts(sizes)[name].model == "model_moe" else "reference"]
+            cmp = compare_losses(summary.phases[f"train:{name}"]["losses"], want)
             rec.update(cmp)
             if not cmp["ok"]:
                 worst = max(cmp["steps"], key=lambda r: r["rel_diff"] / r["tolerance"]) if cmp["steps"] else None

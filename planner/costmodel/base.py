@@ -47,8 +47,11 @@ def stage_recompute(st: Stage) -> tuple[int, ...]:
 
 def model_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward, no recompute): ``6N + 12*L*h*s`` (PaLM, App. B),
-    with N the layer and head parameters (the embedding lookup is not a matmul)."""
-    n = model.num_layers * model.layer_params() + model.vocab_size * model.hidden_size
+    with N the layer and head parameters a token passes through (the embedding lookup is not a matmul; a
+    MoE layer counts its top-k experts)."""
+    layers = model.num_layers * model.layer_params() if model.moe is None else \
+        sum(model.active_layer_params(i) for i in range(model.num_layers))
+    n = layers + model.vocab_size * model.hidden_size
     return 6.0 * n + 12.0 * model.num_layers * model.hidden_size * seq_len
 
 

@@ -26,6 +26,7 @@ order, so the collectives pair up; the result equals the single-device block's.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -128,7 +129,11 @@ def kept_pairs(counts: torch.Tensor, capacity: int | None) -> torch.Tensor:
 
 
 class ExpertExchange:
-    """The token exchange of one expert-parallel stage, shared by all its MoE blocks (``MoeBlock.exchange``)."""
+    """The token exchange of one expert-parallel stage, shared by all its MoE blocks (``MoeBlock.exchange``).
+
+    Every step of the routing is a tensor operation over pairs or experts (no Python loop over the E
+    experts but the one calling the experts this device holds): DeepSeek-sized layers route to 256.
+    """
 
     def __init__(self, routes: ExpertRoutes, group: dist.ProcessGroup) -> None:
         self.routes = routes
@@ -137,10 +142,11 @@ class ExpertExchange:
         n, e = routes.size, routes.num_experts
         # dest[s, e]: the rank source s sends expert e's tokens to.
         self.dest = torch.tensor([[routes.dest(s, x) for x in range(e)] for s in range(n)])
-        # The experts of each source whose tokens come here, ascending: the segments of what this rank receives.
-        self.incoming = [[x for x in range(e) if routes.dest(s, x) == self.rank] for s in range(n)]
-        # This rank's experts by the rank they go to, then expert: the order of what it sends.
-        self.outgoing = sorted(range(e), key=lambda x: (routes.dest(self.rank, x), x))
+        # What this rank receives, segment by segment: (source, expert) pairs in source order, experts
+        # ascending within a source (the order each source sends in).
+        incoming = [(src, x) for src in range(n) for x in range(e) if routes.dest(src, x) == self.rank]
+        self.in_source = torch.tensor([src for src, _ in incoming], dtype=torch.long)
+        self.in_expert = torch.tensor([x for _, x in incoming], dtype=torch.long)
 
     def __call__(self, block: MoeBlock, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, me, num = self.routes.size, self.rank, self.routes.num_experts
@@ -156,16 +162,13 @@ class ExpertExchange:
         table = mine.new_empty(n * 2 * num)
         all_gather_flat(table, mine, group=self.group)
         table = table.view(n, 2 * num)
-        counts = table[:, :num].round().long().cpu()
+        counts = table[:, :num].round().long().cpu()   # split sizes are host integers: one sync per block
         kept = kept_pairs(counts, block.moe.capacity(rows))
-        # 4. This slice's kept pairs, ordered by destination, then expert, then token.
-        flat_chosen = chosen.reshape(-1)
-        order = torch.argsort(flat_chosen, stable=True)
-        starts = torch.cumsum(counts[me], 0) - counts[me]
-        start, take = starts.tolist(), kept[me].tolist()
-        pairs = torch.cat([order[start[x]:start[x] + take[x]] for x in self.outgoing])
         send = torch.bincount(self.dest[me], weights=kept[me].double(), minlength=n).long().tolist()
         recv = (kept * (self.dest == me)).sum(dim=1).tolist()
+        # 4. This slice's kept pairs (the first kept[me, e] of each expert's, in token order), ordered by
+        # destination, then expert, then token.
+        pairs = self._kept_pairs(chosen.reshape(-1), counts[me], kept[me])
         tokens = x[pairs // k]
         if torch.is_autocast_enabled(tokens.device.type):  # the experts compute in it: send half the bytes
             tokens = tokens.to(torch.get_autocast_dtype(tokens.device.type))
@@ -175,33 +178,35 @@ class ExpertExchange:
         back = _AllToAll.apply(results, recv, send, self.group)
         # 6. Combine in expert order (the single-device order of additions), then gather the slices.
         w = weights.reshape(-1)[pairs].unsqueeze(-1)
-        by_expert = torch.argsort(flat_chosen[pairs], stable=True)
+        by_expert = torch.argsort(chosen.reshape(-1)[pairs], stable=True)
         out = torch.zeros_like(x)
         out = out.index_add(0, (pairs // k)[by_expert], (back * w)[by_expert].to(out.dtype))
         full = _Gather.apply(out, rows, lo, chunk, self.group)
         return full, self._balance_loss(probs, counts, table[:, num:].sum(dim=0), rows, k)
 
+    def _kept_pairs(self, chosen: torch.Tensor, counts: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """Indices into the slice's (token, slot) pairs ``chosen`` that are sent, in sending order."""
+        device = chosen.device
+        order = torch.argsort(chosen, stable=True)        # by expert, token order within
+        expert = chosen[order]
+        starts = (torch.cumsum(counts, 0) - counts).to(device)
+        keep = torch.arange(order.numel(), device=device) - starts[expert] < kept.to(device)[expert]
+        order, expert = order[keep], expert[keep]
+        return order[torch.argsort(self.dest[self.rank].to(device)[expert], stable=True)]
+
     def _run_experts(self, block: MoeBlock, received: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         """The held experts' outputs for ``received`` (segments by source, then expert), in its row order."""
-        held = block.held_experts()
-        segments: dict[int, list[torch.Tensor]] = {x: [] for x in held}
-        at = 0
-        for s, experts in enumerate(self.incoming):
-            for x in experts:
-                m = int(kept[s, x])
-                segments[x].append(torch.arange(at, at + m))
-                at += m
-        if at == 0:
+        sizes = kept[self.in_source, self.in_expert]
+        row_expert = torch.repeat_interleave(self.in_expert, sizes)
+        if row_expert.numel() == 0:
             return received.new_zeros((0, received.shape[-1]))
-        outs, where = [], []
-        for x, expert in sorted(held.items()):
-            idx = torch.cat(segments[x]).to(received.device) if segments[x] else None
-            if idx is None or idx.numel() == 0:
-                continue
-            outs.append(expert(received[idx]))
-            where.append(idx)
-        y = torch.cat(outs)
-        return y[torch.argsort(torch.cat(where))]
+        order = torch.argsort(row_expert, stable=True)  # by expert, source (= token) order within
+        per_expert = torch.bincount(row_expert, minlength=self.routes.num_experts).tolist()
+        starts = list(itertools.accumulate(per_expert, initial=0))
+        order = order.to(received.device)
+        outs = [expert(received[order[starts[e]:starts[e + 1]]])
+                for e, expert in sorted(block.held_experts().items()) if per_expert[e]]
+        return torch.cat(outs)[torch.argsort(order)]
 
     @staticmethod
     def _balance_loss(probs: torch.Tensor, counts: torch.Tensor, prob_sums: torch.Tensor, rows: int,

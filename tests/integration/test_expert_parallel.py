@@ -6,7 +6,7 @@ experts (attention TP-4) followed by a TP-1 stage holding every expert of its la
 expert-parallel stage of 2 devices holding 5 and 4 experts (expert 4 on both: a replicated expert whose
 holders share the senders), so the two pipelines run different EP degrees and the experts' gradients are
 summed across the pipelines and the replicas. Top-2 routing with a gated shared expert and a dense layer 0;
-dropless and under a capacity factor, under 1F1B, ZB-H1 (split backward) and with recompute. A checkpoint
+dropless and under a capacity factor, under 1F1B, ZB-H1 (split backward), with recompute and with ZeRO-1. A checkpoint
 saved under one placement continues under another.
 """
 
@@ -60,17 +60,18 @@ def write_plan(directory: Path, pipelines: list[dict] = PIPELINES, recompute: bo
     return path
 
 
-CASES = [({}, None), ({"capacity_factor": 1.0, "aux_loss_coef": 0.1}, "zb-h1"),
-         ({"recompute": True, "capacity_factor": 0.5}, None)]
+CASES = [({}, None, False), ({"capacity_factor": 1.0, "aux_loss_coef": 0.1}, "zb-h1", False),
+         ({"recompute": True, "capacity_factor": 0.5}, None, False), ({"capacity_factor": 1.5}, None, True)]
 
 
-@pytest.mark.parametrize("moe,schedule", CASES, ids=["dropless", "capacity-zb-h1", "capacity-recompute"])
+@pytest.mark.parametrize("moe,schedule,zero", CASES,
+                         ids=["dropless", "capacity-zb-h1", "capacity-recompute", "capacity-zero1"])
 def test_expert_parallel_plan_matches_single_device_reference(world: EngineWorld, tmp_path: Path, moe: dict,
-                                                              schedule: str | None) -> None:
+                                                              schedule: str | None, zero: bool) -> None:
     path = write_plan(tmp_path, **moe)
     ctx = load_plan_context(path)
     batches = make_batches(ctx)
-    results = world.train(str(path), batches, schedule)
+    results = world.train(str(path), batches, schedule, zero=zero)
     ref = ReferenceTrainer(ctx.model, ctx.plan.training, micro_batch=ctx.plan.training.micro_batch)
     check_against_reference(path, results, batches, ref=ref)
     # Each device of an expert-parallel stage keeps its own experts only.
@@ -137,3 +138,16 @@ def test_a_killed_device_holding_experts_is_replaced_in_memory(tmp_path: Path) -
     assert [r.step for r in records] == [1, 2, 3, 4] and calls == [(frozenset({1}), "ep")]
     assert [r.loss for r in records] == pytest.approx(expected, rel=1e-5)
     assert_matches_reference(saved_state(tmp_path / "ck"), ref)
+
+
+def test_experts_split_over_tp_groups_match_the_reference(world: EngineWorld, tmp_path: Path) -> None:
+    """Stages without a placement split every expert over their TP group like the dense MLP (columns of
+    gate and up, rows of down): TP-2 stages beside a TP-1 stage, ZB-H1, the balance loss on."""
+    tp = [{"micro_batches": 3, "stages": [{"devices": [0, 1], "layers": [0, 3]}, {"devices": [4], "layers": [3, 6]}]},
+          {"micro_batches": 2, "stages": [{"devices": [5, 6], "layers": [0, 6]}]}]
+    path = write_plan(tmp_path, tp, aux_loss_coef=0.1, capacity_factor=1.0)
+    ctx = load_plan_context(path)
+    batches = make_batches(ctx)
+    results = world.train(str(path), batches, "zb-h1")
+    check_against_reference(path, results, batches, ref=ReferenceTrainer(ctx.model, ctx.plan.training, micro_batch=1))
+

@@ -259,15 +259,7 @@ def check_trainable(ctx: PlanContext) -> None:
     if found is not None:
         path = resolve_ref(ctx.plan.model, "models", ctx.path.parent)
         raise SpecError([Problem(str(path or ctx.plan.model), found[0], found[1])])
-    if ctx.model.moe is not None:
-        problems = [Problem(str(ctx.path), f"strategies[{i}].pipelines[{j}].stages[{k}].devices",
-                            f"TP degree {stage.tp} without experts: a MoE model's multi-device stages place whole "
-                            "experts on their devices (experts: {device: [expert, ...]}, docs/moe.md)")
-                    for i, s in enumerate(ctx.plan.strategies) for j, p in enumerate(s.pipelines)
-                    for k, stage in enumerate(p.stages) if stage.tp > 1 and not stage.expert_parallel]
-        if ctx.plan.training.tokens_per_step is not None:
-            problems.append(Problem(str(ctx.path), "training.tokens_per_step",
-                                    "a MoE model does not train on packed documents yet (its load-balancing loss is "
-                                    "weighted by fixed micro-batches)"))
-        if problems:
-            raise SpecError(problems)
+    if ctx.model.moe is not None and ctx.plan.training.tokens_per_step is not None:
+        raise SpecError([Problem(str(ctx.path), "training.tokens_per_step",
+                                 "a MoE model does not train on packed documents yet (its load-balancing loss is "
+                                 "weighted by fixed micro-batches)")])

@@ -228,6 +228,13 @@ class ModelSpec:
             and self.moe.is_moe_layer(layer) else self.mlp_params()
         return self.attention_params() + ffn + 2 * self.norm_params
 
+    def active_layer_params(self, layer: int) -> int:
+        """Parameters one token passes through in decoder block ``layer``: a MoE block's router, its top-k
+        experts and shared experts, not all its experts (what model FLOPs count)."""
+        if self.moe is None or not self.moe.is_moe_layer(layer):
+            return self.layer_params()
+        return self.attention_params() + self.moe.active_params(self.hidden_size) + 2 * self.norm_params
+
     def embedding_params(self) -> int:
         """The token embedding and, where the family learns one, the position embedding."""
         return (self.vocab_size + self.position_rows) * self.hidden_size
