@@ -165,9 +165,6 @@ def plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfil
     moment chunk (less memory, hence other layouts; the parameter all-gather on top) and without ZeRO --
     and the faster best plan is the answer (``zero_choice`` says why).
     """
-    if model.moe is not None and settings.sequence_parallel:
-        # Expert parallelism (every multi-device stage of a MoE model) does not run with sequence parallelism.
-        settings = dataclasses.replace(settings, sequence_parallel=False)
     if not (settings.elastic and settings.use_zero is None):
         return _plan(model, cluster, profiles, settings, devices, baselines, progress, workers)
     half = settings.time_limit_s / 2
@@ -258,16 +255,16 @@ def _plan(model: ModelSpec, cluster: Cluster, profiles: Mapping[str, DeviceProfi
                       moe_stages=moe_choices.get(id(best.strategy), ()))
 
 
-# Plans (best first) whose multi-device MoE stages get an expert placement (planner/moe_placement.py) and are
+# Plans (best first) whose multi-device MoE stages get their experts' layout (planner/moe_placement.py) and are
 # priced again; the others are dropped.
 MOE_PLACED = 8
 
 
 def place_experts(ranked: list[Candidate], cms: Mapping[int, CostModel], settings: PlanSettings
                   ) -> tuple[list[Candidate], dict[int, tuple[StageChoice, ...]]]:
-    """A MoE model's best plans (the search prices experts TP-split) with each multi-device stage's experts
-    placed (``choose_experts``), priced again and ranked, those that still fit first; per plan (by ``id`` of its
-    strategy) why. The rest are left out: no plan is written that the runtime would refuse. A dense model:
+    """A MoE model's best plans with each multi-device stage's experts TP-split or placed expert-parallel
+    (``choose_experts``), priced again and ranked, those that fit first; per plan (by ``id`` of its strategy)
+    why. The rest are left out (priced as the search priced them, not as they would run). A dense model:
     ``ranked`` as it is."""
     if not ranked or ranked[0].strategy is None or cms[ranked[0].micro_batch].model.moe is None:
         return ranked, {}

@@ -1,7 +1,7 @@
-"""Expert placement for mixture-of-experts models: every multi-device stage of a planned strategy runs its
-MoE layers expert-parallel (``Stage.experts``, the runtime's only way on several devices), whole experts placed
-by device speed, memory and expected load (planner/costmodel/moe.py prices it; docs/planning.md, "Mixture of
-experts").
+"""Expert placement for mixture-of-experts models: per multi-device stage of a planned strategy, its routed
+experts split over its TP group like the dense MLP, or expert parallelism (``Stage.experts``) with whole
+experts placed by device speed, memory and expected load, whichever prices faster (planner/costmodel/moe.py
+prices both; docs/planning.md, "Mixture of experts"; docs/moe.md).
 
 The placement (``speed_placement``): longest-processing-time first (the heaviest expert to the device that
 would finish it first, each device's per-row expert cost its own type's), every device holding at least one
@@ -136,10 +136,10 @@ def _improved(cm: CostModel, st: Stage, place: Placement, caps: Mapping[int, int
 
 def choose_experts(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule, zero: int
                    ) -> tuple[Strategy, tuple[StageChoice, ...]]:
-    """``strategy`` with each multi-device stage of a MoE model expert-parallel (how the runtime runs a MoE
-    model's multi-device stage: runtime/torchfree/spec/catalog.py ``check_trainable``), its experts placed by
-    device speed, memory and expected load (``speed_placement``); and why, per stage: the placement against
-    even placement and expert parallelism against TP-split experts. A dense model: unchanged."""
+    """``strategy`` with each multi-device stage of a MoE model that holds a MoE layer run TP-split or expert
+    parallel, its experts placed by device speed, memory and expected load (``speed_placement``), whichever
+    the cost model prices faster over the step (its micro-batches' MoE layers and the replicas' gradient
+    sync) with every device within its memory; and why, per stage. A dense model: unchanged."""
     if cm.model.moe is None:
         return strategy, ()
     num = cm.model.moe.num_experts
@@ -152,34 +152,42 @@ def choose_experts(cm: CostModel, strategy: Strategy, global_batch: int, schedul
     for pi, pipe in enumerate(base.pipelines):
         stages = []
         for k, st in enumerate(pipe.stages):
-            if st.tp == 1:
+            if st.tp == 1 or cm.moe_layers_in(st.layers) == 0:
                 stages.append(st)
                 continue
-            even = even_placement(st.devices, num)
-            if cm.moe_layers_in(st.layers) == 0:
-                place, why = even, "holds no MoE layer: experts dealt evenly (every device holds one at least)"
-            elif not cm.ep_priced(dataclasses.replace(st, experts=even)):
-                place, why = even, "experts dealt evenly: sleep-mode emulated devices last their target's blocks"
+            if cm.sequence_parallel:
+                why = "TP-split: expert parallelism does not run with sequence parallelism"
+            elif not cm.ep_priced(dataclasses.replace(st, experts=even_placement(st.devices, num))):
+                why = "TP-split: sleep-mode emulated devices last their target's blocks whatever experts they hold"
             else:
                 caps = expert_caps(cm, st, free, zero, len(strategy.pipelines))
                 place = speed_placement(cm, st, caps, pipe.micro_batches)
-                why = _why(cm, st, place, even, pipe.micro_batches)
-            ep_st = dataclasses.replace(st, experts=place, op_costs=None)
-            stages.append(ep_st)
-            details = cm.ep_summary(ep_st)["devices"] if cm.ep_priced(ep_st) else {
-                d: {"experts": list(ep_st.experts_of(d))} for d in st.devices}
-            choices.append(StageChoice(pi, k, st.devices, True, why, details))
+                ep_st = dataclasses.replace(st, experts=place, op_costs=None)
+                gain = -_objective(cm, st, place, pipe.micro_batches)   # seconds per step EP saves
+                even = _objective(cm, st, even_placement(st.devices, num), pipe.micro_batches)
+                a2a = cm.ep_summary(ep_st)["all_to_all_ms"]
+                if gain > 0:
+                    why = (f"expert-parallel: {1e3 * gain:.1f} ms per step faster than TP-split experts, placed by "
+                           f"device speed, memory and expected load ({1e3 * (even + gain):.1f} ms per step faster "
+                           f"than even placement); all-to-alls {a2a:.2f} ms per MoE layer and micro-batch")
+                    stages.append(ep_st)
+                    choices.append(StageChoice(pi, k, st.devices, True, why, cm.ep_summary(ep_st)["devices"]))
+                    continue
+                why = (f"TP-split: expert parallelism with the best placement found would cost {-1e3 * gain:.1f} ms "
+                       f"more per step (all-to-alls {a2a:.2f} ms per MoE layer and micro-batch)")
+            stages.append(st)
+            choices.append(StageChoice(pi, k, st.devices, False, why, {}))
         pipes.append(dataclasses.replace(pipe, stages=tuple(stages)))
-    return dataclasses.replace(base, pipelines=tuple(pipes)), tuple(choices)
-
-
-def _why(cm: CostModel, st: Stage, place: Placement, even: Placement, micro_batches: int) -> str:
-    """One stage's placement in a sentence: against even placement and against TP-split experts, per step."""
-    placed = _objective(cm, st, place, micro_batches)   # seconds per step against TP-split experts
-    gain = _objective(cm, st, even, micro_batches) - placed
-    a2a = cm.ep_summary(dataclasses.replace(st, experts=place, op_costs=None))["all_to_all_ms"]
-    versus = (f"{1e3 * -placed:.1f} ms per step faster than TP-split experts" if placed <= 0 else
-              f"{1e3 * placed:.1f} ms per step slower than TP-split experts would price (the runtime runs a MoE "
-              "model's multi-device stages expert-parallel)")
-    return (f"expert-parallel, placed by device speed, memory and expected load: {1e3 * gain:.1f} ms per step "
-            f"faster than even placement; {versus}; all-to-alls {a2a:.2f} ms per MoE layer and micro-batch")
+    out = dataclasses.replace(base, pipelines=tuple(pipes))
+    if any(c.expert_parallel for c in choices):
+        oom = set(cm.estimate(out, global_batch, schedule, zero).oom_devices)
+        if oom - set(est.oom_devices):   # the caps are per device; a stage over them goes back TP-split
+            back = {(c.pipeline, c.stage) for c in choices if c.expert_parallel and oom & set(c.devices)}
+            out = dataclasses.replace(out, pipelines=tuple(
+                dataclasses.replace(p, stages=tuple(dataclasses.replace(st, experts=None) if (pi, k) in back else st
+                                                    for k, st in enumerate(p.stages)))
+                for pi, p in enumerate(out.pipelines)))
+            choices = [dataclasses.replace(c, expert_parallel=False, devices_detail={},
+                                           why="TP-split: expert parallelism would run a device out of memory")
+                       if (c.pipeline, c.stage) in back else c for c in choices]
+    return out, tuple(choices)

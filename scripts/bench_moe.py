@@ -1,28 +1,27 @@
 """Expert placement on a heterogeneous cluster, modelled: Mixtral-8x7B on h800-h20-48 (16 H800 + 32 H20) at global
-batch 64, 4K tokens per sequence, planned as ``hspmd plan`` plans it, side by side with the same plan's stages
-under even expert placement, with the best symmetric plan, and with expert parallelism placed by speed and load.
+batch 64, 4K tokens per sequence, planned as ``hspmd plan`` plans it, side by side with the same layout under
+even expert placement, with experts TP-split, and with the best symmetric plan.
 
 Per case (``shipped``: the model file as it is, even router; ``skewed``: the same model with a router skew
 given as ``moe.expert_load``, ``SKEW``), every figure from one cost model (planner/cost.py), the estimate's step
 time with the simulator's beside it:
 
-* ``planned``: the plan ``hspmd plan`` writes (every multi-device stage expert-parallel, experts placed by
-  device speed, memory and expected load);
-* ``even``: the same plan with every stage's experts dealt round-robin (``even_placement``: blind to speed and
-  load);
-* ``tp_split``: the same plan with experts split over each TP group like the dense MLP (priced only: the
-  runtime runs a MoE model's multi-device stages expert-parallel);
-* ``symmetric``: the best symmetric (Megatron-style) plan over all devices, experts dealt evenly over each TP
-  group.
+* ``planned``: the plan ``hspmd plan`` writes (each multi-device stage's experts TP-split, or expert-parallel
+  placed by device speed, memory and expected load, whichever prices faster);
+* ``even``: the same layout with every multi-device MoE stage expert-parallel, experts dealt round-robin
+  (``even_placement``: expert parallelism blind to speed and load);
+* ``tp_split``: the same layout with every stage's experts split over its TP group;
+* ``symmetric``: the best symmetric (Megatron-style) plan over all devices, its experts laid out as the planner
+  lays out its own.
 
 ``moe_placed_over_even`` = even / planned step time, ``moe_placed_over_symmetric`` = symmetric / planned (> 1:
 the planned plan is faster), both from the shipped model. ``mixed_stage``: one expert-parallel stage of 4 H800
 and 4 H20 (two nodes), one MoE layer and micro-batch, the routed part (router, experts, all-to-alls) under even
 against speed-aware placement: ``placed_over_even`` = even / placed.
 
-``moe_measured_placed_over_even`` (the sleep-mode emulated cluster, configs/clusters/cpu-hetero4-sleep.yaml)
-needs the runtime's expert parallelism under ``hspmd train``; where it cannot run, the key is null and
-``measured_note`` says why.
+``moe_measured_placed_over_even`` (the sleep-mode emulated cluster, configs/clusters/cpu-hetero4-sleep.yaml) is
+null, and ``measured_note`` says why: there every block lasts its target's price whatever experts a device
+holds.
 
     python scripts/bench_moe.py [--json] [--time-limit 60]
 """
@@ -41,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from planner.api import PlanSettings, plan  # noqa: E402
 from planner.cost import CostModel  # noqa: E402
-from planner.moe_placement import even_placement, speed_placement  # noqa: E402
+from planner.moe_placement import choose_experts, even_placement, speed_placement  # noqa: E402
 from planner.simulate import simulate  # noqa: E402
 from runtime.torchfree.profiling.profile import resolve_profiles  # noqa: E402
 from runtime.torchfree.spec import load_cluster, load_model  # noqa: E402
@@ -61,9 +60,12 @@ MEASURED_NOTE = ("not measured: on the sleep-mode cluster each forward / backwar
 
 
 def with_experts(cm: CostModel, strategy: Strategy, place) -> Strategy:
-    """``strategy`` with every multi-device stage's experts placed by ``place(stage)`` (None: TP-split)."""
+    """``strategy`` with every multi-device stage holding a MoE layer placed by ``place(stage)`` (None:
+    TP-split)."""
     def one(st: Stage) -> Stage:
-        return st if st.tp == 1 else dataclasses.replace(st, experts=place(st), op_costs=None)
+        if st.tp == 1 or cm.moe_layers_in(st.layers) == 0:
+            return st
+        return dataclasses.replace(st, experts=place(st), op_costs=None)
     out = dataclasses.replace(strategy, pipelines=tuple(
         dataclasses.replace(p, stages=tuple(one(st) for st in p.stages)) for p in strategy.pipelines))
     return cm.with_op_costs(out, "1f1b")
@@ -78,7 +80,8 @@ def priced(cm: CostModel, strategy: Strategy, settings: PlanSettings) -> dict:
 
 def case(model, cluster, time_limit: float) -> dict:
     profiles = resolve_profiles(cluster.device_types)
-    # As hspmd plan plans a MoE model: without sequence parallelism (expert parallelism does not run with it).
+    # As hspmd plan plans a MoE model by default: without sequence parallelism (expert parallelism does not run
+    # with it).
     settings = PlanSettings(global_batch=BATCH, seq_len=SEQ_LEN, time_limit_s=time_limit, simulate_top=CHECK_TOP,
                             sequence_parallel=False)
     t0 = time.perf_counter()
@@ -92,9 +95,9 @@ def case(model, cluster, time_limit: float) -> dict:
     split = priced(cm, with_experts(cm, best.strategy, lambda st: None), settings)
     sym = res.symmetric
     sym_cm = CostModel(model, cluster, profiles, micro_batch=sym.micro_batch, seq_len=SEQ_LEN)
-    # The symmetric (Megatron-style) plan as it would run: experts dealt evenly over each TP group.
-    symmetric = priced(sym_cm, with_experts(sym_cm, sym.strategy, lambda st: even_placement(st.devices, num)),
-                       settings)
+    # The symmetric (Megatron-style) plan with its experts laid out as the planner lays out its own.
+    sym_strategy = choose_experts(sym_cm, sym.strategy, BATCH, settings.default_schedule, settings.zero)[0]
+    symmetric = priced(sym_cm, sym_cm.with_op_costs(sym_strategy, "1f1b"), settings)
     return {
         "plan": best.summary, "micro_batch": best.micro_batch, "planner_wall_s": round(wall, 2),
         "planned": planned, "even": even, "tp_split": split,

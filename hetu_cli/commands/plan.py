@@ -122,12 +122,13 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         click.echo(f"note: {note}", err=True)
     if model.moe is not None and sequence_parallel:
         if click.get_current_context().get_parameter_source("sequence_parallel") == ParameterSource.COMMANDLINE:
-            raise SpecError([Problem("--sequence-parallel", "", f"{model_ref}: expert parallelism (how a MoE "
-                                                                 "model's multi-device stages run) does not run "
-                                                                 "with sequence parallelism; plan without it")])
-        click.echo(f"note: {model.name}: planned without sequence parallelism (expert parallelism, how a MoE "
-                   "model's multi-device stages run, does not run with it)", err=True)
-        sequence_parallel = False
+            click.echo(f"note: {model.name}: experts split over each TP group on every stage (expert parallelism "
+                       "does not run with --sequence-parallel)", err=True)
+        else:
+            click.echo(f"note: {model.name}: planned without sequence parallelism, so that stages may place "
+                       "experts (expert parallelism does not run with it; --sequence-parallel: every stage "
+                       "TP-split)", err=True)
+            sequence_parallel = False
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
     for line in check_profiles(profiles, model, cluster, profile_dirs, cluster_ref):

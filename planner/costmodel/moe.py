@@ -21,10 +21,11 @@ the input-gradient slices. The stage's MoE time is the slowest device's (its exp
 plus those exchanges, priced over the links between the devices (``concurrent_seconds``). Attention and the
 shared experts run under TP over the stage's devices at its slowest member's pace.
 
-The runtime runs a multi-device stage's MoE layers expert-parallel, so ``layer`` (what the search prices a
-stage of a type and TP degree by) prices them so, on a reference placement (``ep_reference``: the type's first
-devices on one node, experts placed by load); ``stage_chunk`` prices a stage of a plan as its ``experts`` say
-(TP-split where it has none). A model whose layers are not all MoE layers (``dense_layers``, ``sparse_step``):
+``layer`` (what the search prices a stage of a type and TP degree by) prices a multi-device stage's MoE
+layers the faster way, TP-split or expert-parallel on a reference placement (``ep_reference``: the type's
+first devices on one node, experts placed by load), as the planner then chooses per stage
+(planner/moe_placement.py); ``stage_chunk`` prices a stage of a plan as its ``experts`` say (TP-split where
+it has none). A model whose layers are not all MoE layers (``dense_layers``, ``sparse_step``):
 ``layer`` prices the mean layer (what the planner's ILPs take, layers being alike there); ``placed_stage`` and
 ``stage_chunk`` price the exact layer indices a chunk holds.
 
@@ -219,9 +220,9 @@ class MoeCosts:
         """How a multi-device stage of this type and TP degree runs a MoE layer, as the runtime runs it
         (expert-parallel): on the first ``tp`` devices of the type on one node, experts placed by load
         (``lpt_placement``), against TP-split experts; None where no such stage forms (TP 1, no node with
-        ``tp`` devices of the type) or the type is sleep-mode emulated (TP-split pricing)."""
-        if tp == 1 or self.sleep_target(device_type) is not None:
-            return None
+        ``tp`` devices of the type), the type is sleep-mode emulated or the plan runs sequence parallelism."""
+        if tp == 1 or self.sleep_target(device_type) is not None or self.sequence_parallel:
+            return None   # (expert parallelism does not run with sequence parallelism)
         by_node: dict[object, list[int]] = {}
         for d, (t, node) in enumerate(zip(self._type_of, self._node_of)):
             if t == device_type:
@@ -235,14 +236,21 @@ class MoeCosts:
                               dict.fromkeys(ref, self.model.moe.num_experts))
         return self.ep_layer(ref, tuple((d, tuple(place[d])) for d in ref), b, s)
 
+    def search_ep(self, device_type: str, tp: int, micro_batch: int | None = None,
+                  seq_len: int | None = None) -> EpLayer | None:
+        """``ep_reference`` where it prices faster than TP-split experts (what the planner would choose for
+        such a stage), else None: how ``layer`` prices a stage of this type and TP degree."""
+        ref = self.ep_reference(device_type, tp, micro_batch, seq_len)
+        return ref if ref is not None and ref.time_s < 0 else None
+
     @memo
     def moe_delta(self, device_type: str, tp: int, micro_batch: int | None = None,
                   seq_len: int | None = None) -> LayerCost:
         """What one MoE layer adds to the dense layer on a stage of this type and TP degree as the search
-        prices it: TP-split (``moe_tp_delta``), and on a multi-device stage expert-parallel as
-        ``ep_reference`` places it (the exchanges in the TP fields)."""
+        prices it: TP-split (``moe_tp_delta``), or expert-parallel as ``ep_reference`` places it where that
+        is faster (``search_ep``; the exchanges in the TP fields)."""
         d = self.moe_tp_delta(device_type, tp, micro_batch, seq_len)
-        ref = self.ep_reference(device_type, tp, micro_batch, seq_len)
+        ref = self.search_ep(device_type, tp, micro_batch, seq_len)
         if ref is None:
             return d
         f, b = ref.forward_s - ref.comm_forward_s, ref.backward_s - ref.comm_backward_s
@@ -362,7 +370,7 @@ class MoeCosts:
         """Chunk ``chunk`` of stage ``st``, one micro-batch: the ``placed_stage`` and ``placed_chunk_cost`` the
         estimate, the plan's op costs and the simulator all price it by, with its MoE layers as the stage runs
         them: ``ep_layer`` on an expert-parallel stage, TP-split experts on one without ``experts`` (where
-        ``placed_stage`` priced ``ep_reference``)."""
+        ``placed_stage`` priced ``search_ep``)."""
         # (A stage without experts, the planner's hot path: one type, no set built.)
         dtype = self.stage_type(st) if st.expert_parallel else self._type_of[st.devices[0]]
         a, b = st.layers[chunk]
@@ -371,7 +379,7 @@ class MoeCosts:
         cc = self.placed_chunk_cost(dtype, st.tp, a, b, recompute_layers=r)
         if self.model.moe is None:
             return sc, cc
-        ref = self.ep_reference(dtype, st.tp)
+        ref = self.search_ep(dtype, st.tp)
         if not self.ep_priced(st):
             if ref is None:
                 return sc, cc
@@ -434,7 +442,7 @@ class MoeCosts:
         p = self.ep_params(st, device)
         live = device_limits(schedule, len(pipe.stages), pipe.micro_batches, st.chunks, pipe.activation_limits)[k]
         per_chunk = max(self.moe_layers_in((r,)) for r in st.layers)
-        ref = self.ep_reference(self.stage_type(st), st.tp)   # what ``layer`` counted
+        ref = self.search_ep(self.stage_type(st), st.tp)   # what ``layer`` counted
         kept = ep.activation_bytes[device] - (0.0 if ref is None else max(ref.activation_bytes.values()))
         act = 0.0 if st.recompute else live * per_chunk * kept
         m = self.profiles[self._type_of[device]].memory

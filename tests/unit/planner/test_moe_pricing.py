@@ -53,8 +53,8 @@ def test_tp_split_pricing_ignores_skew_but_not_the_capacity_cut():
     assert time_s(skewed) == pytest.approx(time_s(even))
     # A capacity factor of 1 drops the hot expert's overflow: fewer rows computed.
     assert time_s(cost_model(skew=SKEW, capacity=1.0)) < time_s(skewed)
-    # The search prices a multi-device stage as the runtime runs it, expert-parallel: there the skew shows.
-    assert skewed.layer("H800", 8).forward_s > even.layer("H800", 8).forward_s
+    # Expert-parallel, the skew shows.
+    assert skewed.ep_reference("H800", 8).time_s > even.ep_reference("H800", 8).time_s
 
 
 def test_a_load_balancing_placement_beats_even_placement_under_skew():
@@ -189,34 +189,38 @@ def test_the_gradient_sync_sums_routers_and_replicas_as_the_annotations_lay_them
     assert 0.0 < single < cm.grad_sync_time(one_stage(H800S, 32, replicated))
 
 
-def test_hspmd_plan_places_experts_on_every_multi_device_stage(tmp_path: Path):
+def test_hspmd_plan_says_how_each_multi_device_stage_runs_its_experts(tmp_path: Path):
     out = tmp_path / "plan.yaml"
     res = CliRunner().invoke(cli, ["plan", "--model", "mixtral-8x7b", "--cluster", "h800-h20-48", "--global-batch",
                                    "8", "--seq-len", "4096", "--check-top", "0", "-o", str(out), "--format", "json"])
     assert res.exit_code == 0, res.output
-    assert ("note: mixtral-8x7b: planned without sequence parallelism (expert parallelism, how a MoE model's "
-            "multi-device stages run, does not run with it)") in res.stderr.splitlines()
+    assert ("note: mixtral-8x7b: planned without sequence parallelism, so that stages may place experts (expert "
+            "parallelism does not run with it; --sequence-parallel: every stage TP-split)") in res.stderr.splitlines()
     report = json.loads(res.stdout)
     ctx = load_plan_context(str(out))
     assert not ctx.plan.training.sequence_parallel
-    stages = [(pi, k, st) for s in ctx.plan.strategies for pi, p in enumerate(s.pipelines)
-              for k, st in enumerate(p.stages)]
-    multi = [(pi, k) for pi, k, st in stages if st.tp > 1]
-    assert multi and all(st.expert_parallel for _, _, st in stages if st.tp > 1)
-    assert [(e["pipeline"], e["stage"]) for e in report["experts"]] == multi
+    stages = {(pi, k): st for s in ctx.plan.strategies for pi, p in enumerate(s.pipelines)
+              for k, st in enumerate(p.stages)}
+    assert [(e["pipeline"], e["stage"]) for e in report["experts"]] == [k for k, st in stages.items() if st.tp > 1]
     for entry in report["experts"]:
-        assert entry["why"].startswith("expert-parallel, placed by device speed, memory and expected load")
-        per = entry["per_device"]
-        assert sum(v["load"] for v in per.values()) == pytest.approx(1.0, abs=1e-3)
+        st = stages[entry["pipeline"], entry["stage"]]
+        assert entry["experts"] == ("expert-parallel" if st.expert_parallel else "tp-split")
+        assert entry["why"].startswith("expert-parallel: " if st.expert_parallel else "TP-split: ")
+        if st.expert_parallel:
+            assert sum(v["load"] for v in entry["per_device"].values()) == pytest.approx(1.0, abs=1e-3)
 
 
-def test_sequence_parallelism_asked_for_a_moe_model_is_refused_in_one_line():
+def test_sequence_parallelism_asked_for_keeps_every_moe_stage_tp_split():
     res = CliRunner().invoke(cli, ["plan", "--model", "moe-tiny", "--cluster", "cpu-hetero4", "--global-batch", "8",
                                    "--seq-len", "128", "--sequence-parallel"])
-    assert res.exit_code == 2, res.output
-    assert res.stderr.strip().splitlines()[-1] == (
-        "error: --sequence-parallel: moe-tiny: expert parallelism (how a MoE model's multi-device stages run) does "
-        "not run with sequence parallelism; plan without it")
+    assert res.exit_code == 0, res.output
+    assert ("note: moe-tiny: experts split over each TP group on every stage (expert parallelism does not run with "
+            "--sequence-parallel)") in res.stderr.splitlines()
+    cm = cost_model("qwen1.5-moe-a2.7b")
+    sp = CostModel(cm.model, cm.cluster, cm.profiles, micro_batch=1, seq_len=4096, sequence_parallel=True)
+    strategy, choices = choose_experts(sp, one_stage(H800S, cm.model.num_layers), 4, "1f1b", 0)
+    assert [c.expert_parallel for c in choices] == [False] and not strategy.pipelines[0].stages[0].expert_parallel
+    assert choices[0].why == "TP-split: expert parallelism does not run with sequence parallelism"
 
 
 def test_a_documents_plan_for_a_moe_model_is_refused_in_one_line():
