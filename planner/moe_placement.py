@@ -89,10 +89,10 @@ def speed_placement(cm: CostModel, st: Stage, caps: Mapping[int, int], micro_bat
 def _improved(cm: CostModel, st: Stage, place: Placement, caps: Mapping[int, int], rows: Sequence[float],
               micro_batches: int) -> Placement:
     """``place`` (or even placement, where that prices lower and fits ``caps``) after moving or replicating
-    experts off the slowest device while that lowers the stage's
-    step share: its slowest device's router and experts over the step's MoE layers and micro-batches, plus the
-    replicas' gradient all-reduce (``device_expert_s``, ``replica_sync_s``: what ``ep_layer`` and the sync
-    layout price; the all-to-alls, which a placement changes little, left out of the search)."""
+    experts off the slowest device while that lowers the stage's step share: its slowest device's router and
+    experts over the step's MoE layers and micro-batches, plus the replicas' gradient all-reduce
+    (``device_expert_s``, ``replica_sync_s``: what ``ep_layer`` and the sync layout price; the all-to-alls,
+    which a placement changes little, left out of the search)."""
     devices, n = list(st.devices), len(st.devices)
     layers = cm.moe_layers_in(st.layers)
     scale = micro_batches * layers
