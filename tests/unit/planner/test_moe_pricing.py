@@ -265,3 +265,14 @@ def test_regrouping_stages_over_nodes_carries_each_rank_s_experts():
     for before, after in zip((st for p in pipes for st in p.stages),
                              (st for p in spread.pipelines for st in p.stages)):
         assert [after.experts_of(d) for d in after.devices] == [before.experts_of(d) for d in before.devices]
+
+
+def test_a_stage_across_nodes_and_types_pays_its_slowest_links_and_type():
+    """Attention under TP runs at the slowest member's pace, its collectives over the links between nodes."""
+    cm = cost_model()
+    mixed, h20s = (0, 1, 2, 3, 16, 17, 18, 19), tuple(range(16, 24))
+    assert cm.tp_stretch(h20s) == 1.0 < cm.tp_stretch(mixed)
+    assert cm.stage_type(Stage(mixed, ((0, 2),), experts=even_placement(mixed, 8))) == "H20"
+    across = cm.stage_chunk(Stage(mixed, ((0, 2),), experts=even_placement(mixed, 8)), 0)[0]
+    within = cm.stage_chunk(Stage(h20s, ((0, 2),), experts=even_placement(h20s, 8)), 0)[0]
+    assert across.tp_forward_s > within.tp_forward_s
