@@ -117,17 +117,16 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
     if global_batch is None or seq_len is None:
         raise click.UsageError("--global-batch and --seq-len are required (or --lengths with --tokens-per-step)")
     model = load_model(model_ref, file="--model", field="")
-    note = model.pricing_note(seq_len)
-    if note is not None:
-        click.echo(f"note: {note}", err=True)
+    # What the plan assumes, said once it exists (a refused request prints its one error line only).
+    notes = [n for n in (model.pricing_note(seq_len),) if n is not None]
     if model.moe is not None and sequence_parallel:
         if click.get_current_context().get_parameter_source("sequence_parallel") == ParameterSource.COMMANDLINE:
-            click.echo(f"note: {model.name}: experts split over each TP group on every stage (expert parallelism "
-                       "does not run with --sequence-parallel)", err=True)
+            notes.append(f"{model.name}: experts split over each TP group on every stage (expert parallelism "
+                         "does not run with --sequence-parallel)")
         else:
-            click.echo(f"note: {model.name}: planned without sequence parallelism, so that stages may place "
-                       "experts (expert parallelism does not run with it; --sequence-parallel: every stage "
-                       "TP-split)", err=True)
+            notes.append(f"{model.name}: planned without sequence parallelism, so that stages may place "
+                         "experts (expert parallelism does not run with it; --sequence-parallel: every stage "
+                         "TP-split)")
             sequence_parallel = False
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
@@ -149,6 +148,8 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
                                  workers=workers)
         except InfeasibleError as err:
             raise margin_said(err, memory_margin) from None
+    for note in notes:
+        click.echo(f"note: {note}", err=True)
     node_choice = None
     if elastic:   # among near-equals, the layout whose replicas span nodes (planner/survival.py)
         result, node_choice = prefer_node_survivable(result, profiles, model_ref, cluster_ref, node_loss_tolerance)
