@@ -241,8 +241,12 @@ def modelled_step_time(handle: StrategyHandle, profiles: Mapping[str, DeviceProf
     return cm.estimate(handle.strategy, t.global_batch, t.schedule, zero_copies(t)).step_time_s
 
 
-def settings_for(t: TrainingSettings, **choices: object) -> PlanSettings:
-    """The planner's request for a running plan's batch, sequence length, seed, optimizer and schedule."""
+def settings_for(t: TrainingSettings, model: ModelSpec | None = None, **choices: object) -> PlanSettings:
+    """The planner's request for a running plan's batch, sequence length, seed, optimizer and schedule. A
+    mixture-of-experts ``model`` keeps its micro-batch size: its balance loss and expert capacity are per
+    forward, so another size would train other numbers than the run so far."""
+    if model is not None and model.moe is not None:
+        choices.setdefault("micro_batch", t.micro_batch)
     return PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed, optimizer=t.optimizer,
                         schedule=t.schedule, **choices)  # type: ignore[arg-type]
 
@@ -297,7 +301,7 @@ def _plan_elastic(current: StrategyHandle, devices: Sequence[int], profiles: Map
     """The planner on ``devices``: elastic (>= 2 pipelines) keeping the run's ZeRO choice (an elastic ZeRO-1
     plan keeps 2 copies of every chunk) where that fits, else neither; with why the elastic one did not."""
     ctx, t = current.ctx, current.ctx.plan.training
-    settings = settings_for(t, elastic=True, use_zero=t.zero, time_limit_s=time_limit_s, top_k=top_k)
+    settings = settings_for(t, ctx.model, elastic=True, use_zero=t.zero, time_limit_s=time_limit_s, top_k=top_k)
     key = (settings, tuple(devices))
     if memo is not None and key in memo.found:
         found, wall = memo.found[key]

@@ -24,11 +24,10 @@ from hetu_cli.output import (
     plan_argument,
     table,
 )
-from planner.api import PlanSettings
 from planner.api import plan as plan_on
 from planner.margin import MemoryMargin, plan_headroom
 from planner.provenance import with_profiles
-from planner.replan import DEFAULT_TOLERANCE, LostStateError, ReplanResult, RestartModel
+from planner.replan import DEFAULT_TOLERANCE, LostStateError, ReplanResult, RestartModel, settings_for
 from planner.replan import replan as run_replan
 from runtime.torchfree.errors import HspmdError, InfeasibleError
 from runtime.torchfree.profiling.profile import resolve_profiles
@@ -152,8 +151,7 @@ def restart_plan(ctx: PlanContext, lost: LostStateError, failed: list[int], prof
     the same batch, sequence length, seed and optimizer)."""
     t = ctx.plan.training
     survivors = [d for d in range(ctx.cluster.num_devices) if d not in set(failed)]
-    settings = PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed, optimizer=t.optimizer,
-                            schedule="auto", time_limit_s=time_limit, top_k=1, simulate_top=1)
+    settings = settings_for(t, ctx.model, schedule="auto", time_limit_s=time_limit, top_k=1, simulate_top=1)
     try:
         result = plan_on(ctx.model, margin.apply(ctx.cluster), profiles, settings, devices=survivors)
     except InfeasibleError as err:

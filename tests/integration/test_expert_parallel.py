@@ -151,3 +151,40 @@ def test_experts_split_over_tp_groups_match_the_reference(world: EngineWorld, tm
     results = world.train(str(path), batches, "zb-h1")
     check_against_reference(path, results, batches, ref=ReferenceTrainer(ctx.model, ctx.plan.training, micro_batch=1))
 
+
+
+def test_the_planner_replans_experts_onto_the_survivors(tmp_path: Path) -> None:
+    """``hspmd train --elastic`` on the shipped expert-parallel plan: the slow device holding expert 3 of
+    pipeline 0 dies in step 3, the planner prices the MoE model on the survivors and the run goes on equal
+    to the uninterrupted reference (losses, saved parameters and moments)."""
+    import json
+    import subprocess
+    import sys
+
+    from elastic_helpers import assert_matches_reference, saved_state
+
+    from runtime.data import token_source
+
+    repo = CONFIGS.parent
+    plan = tmp_path / "plan.yaml"   # the shipped plan at the engine tests' eps (fp32 noise below the tolerance)
+    plan.write_text((CONFIGS / "plans" / "cpu-hetero4-moe-ep.yaml").read_text().replace("eps: 1.0e-08", "eps: 1.0e-05"))
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "hetu_cli", "train", "--plan", str(plan), "--steps", "4",
+                           "--elastic", "--kill-device", "2", "--at-step", "3", "--metrics", str(metrics),
+                           "--save", str(tmp_path / "ck"), "--timeout", "20", "--no-preplan"],
+                          cwd=repo, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    assert "replan: " in proc.stdout and "recovered from the failure of device(s) 2" in proc.stdout
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    ctx = load_plan_context(plan)
+    t = ctx.plan.training
+    ref = ReferenceTrainer(ctx.model, t, micro_batch=t.micro_batch)
+    source = token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len,
+                          seed=t.seed)
+    expected = [ref.train_step(source.batch(s)).loss for s in range(1, 5)]
+    steps = [x for x in lines if "event" not in x]
+    assert [x["step"] for x in steps] == [1, 2, 3, 4]
+    assert [x["loss"] for x in steps] == pytest.approx(expected, rel=1e-5)
+    (event,) = [x for x in lines if "event" in x]
+    assert event["failed"] == [2] and 2 not in event["devices"]
+    assert_matches_reference(saved_state(tmp_path / "ck"), ref)
