@@ -114,3 +114,11 @@ hspmd train --plan "$OUT/lengths-fixed.yaml" --lengths longtail --steps 8 --disp
 python scripts/compare_runs.py hspmd="$OUT/lengths-metrics.jsonl" fixed="$OUT/lengths-fixed-metrics.jsonl"
 echo "(expect hspmd ahead by about the plan's predicted speedup above: scripts/bench_lengths.py --part measured,"
 echo " docs/benchmarks.md, bench_lengths)"
+
+act "8. Mixture of experts: a Mixtral / Qwen-MoE-style model with its experts placed unevenly (expert parallelism)"
+echo "moe-tiny on cpu-hetero4: each pipeline is a fast and a slow device; attention is TP-2 over the pair, and of the"
+echo "4 routed experts the fast device holds 3, the slow one 1; tokens reach their experts by all_to_all_single"
+hspmd show configs/plans/cpu-hetero4-moe-ep.yaml --device 2
+hspmd train --plan configs/plans/cpu-hetero4-moe-ep.yaml --steps 4 --metrics "$OUT/moe-metrics.jsonl"
+echo "(every placement trains the same numbers: tests/integration/test_expert_parallel.py checks each against the"
+echo " single-device model; the planner places experts by speed, memory and load: docs/moe.md)"
