@@ -233,12 +233,14 @@ def plan_switch(src: StrategyHandle, dst: StrategyHandle, excluded: Iterable[int
 
 def check_compatible(a: PlanContext, b: PlanContext) -> None:
     """Two plans can hand state to each other only if they train the same model the same way (the
-    micro-batch size and schedule may differ: they do not change the numbers being computed)."""
+    micro-batch size and schedule may differ: they do not change the numbers being computed, except for a
+    mixture-of-experts model, whose balance loss and expert capacity are per forward)."""
     problems = []
     if a.model != b.model:
         problems.append(f"model {a.model.name} vs {b.model.name}")
     ta, tb = a.plan.training, b.plan.training
-    for field in ("global_batch", "seq_len", "seed", "optimizer"):
+    same = ("global_batch", "seq_len", "seed", "optimizer") + (("micro_batch",) if a.model.moe is not None else ())
+    for field in same:
         if getattr(ta, field) != getattr(tb, field):
             problems.append(f"training.{field} {getattr(ta, field)} vs {getattr(tb, field)}")
     for t in (ta, tb):

@@ -107,3 +107,23 @@ def test_validate_refuses_in_one_line_with_exit_2(tmp_path: Path) -> None:
     lines = [line for line in (run.stdout + run.stderr).splitlines() if line.strip()]
     assert lines == [f"error: {tmp_path / 'plan.yaml'}: {STAGE}.experts: leaves expert(s) [3] unheld: every "
                      "expert needs at least one device"]
+
+
+def test_a_moe_run_switches_only_to_plans_of_its_micro_batch_size(tmp_path: Path) -> None:
+    """A switch or replan may change the micro-batch size of a dense model, not of a MoE model: its balance
+    loss and capacity are per forward."""
+    import pytest
+
+    from runtime.torchfree.elastic.state import check_compatible
+    from runtime.torchfree.errors import HspmdError
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    one = load(tmp_path / "a", plan(tmp_path / "a", UNEVEN))
+    data = plan(tmp_path / "b", UNEVEN)
+    data["training"]["micro_batch"] = 2
+    data["strategies"][0]["pipelines"][0]["micro_batches"] = 1
+    two = load(tmp_path / "b", data)
+    check_compatible(one, one)
+    with pytest.raises(HspmdError, match="training.micro_batch 1 vs 2"):
+        check_compatible(one, two)
