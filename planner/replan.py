@@ -247,8 +247,9 @@ def settings_for(t: TrainingSettings, model: ModelSpec | None = None, **choices:
     forward, so another size would train other numbers than the run so far."""
     if model is not None and model.moe is not None:
         choices.setdefault("micro_batch", t.micro_batch)
+    choices.setdefault("schedule", t.schedule)
     return PlanSettings(global_batch=t.global_batch, seq_len=t.seq_len, seed=t.seed, optimizer=t.optimizer,
-                        schedule=t.schedule, **choices)  # type: ignore[arg-type]
+                        **choices)  # type: ignore[arg-type]
 
 
 class SearchBudgetSpent(InfeasibleError):
