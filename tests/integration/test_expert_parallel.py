@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from engine_world import EngineWorld
 from test_engine_correctness import check_against_reference, make_batches
@@ -54,7 +55,7 @@ def write_plan(directory: Path, pipelines: list[dict] = PIPELINES, recompute: bo
                          "optimizer": {"lr": 0.001, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "eps": 1e-5,
                                        "grad_clip": 1.0}},
             "strategies": [{"name": "ep", "pipelines": [
-                {**p, "stages": [{**st, "recompute": recompute} for st in p["stages"]]} for p in pipelines]}]}
+                {**p, "stages": [{"recompute": recompute, **st} for st in p["stages"]]} for p in pipelines]}]}
     path = directory / "plan.yaml"
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
     return path
@@ -188,3 +189,61 @@ def test_the_planner_replans_experts_onto_the_survivors(tmp_path: Path) -> None:
     (event,) = [x for x in lines if "event" in x]
     assert event["failed"] == [2] and 2 not in event["devices"]
     assert_matches_reference(saved_state(tmp_path / "ck"), ref)
+
+
+def check_biases(results: dict, ref: ReferenceTrainer) -> None:
+    """Every router's bias (aux-loss-free balancing) on every device holding it equals the reference's, and
+    every router is held somewhere; the biases moved."""
+    want = ref.router_biases()
+    assert want and all(bool(b.abs().sum() > 0) for b in want.values())
+    held = set()
+    for dev, r in results.items():
+        for name, bias in r.biases.items():
+            torch.testing.assert_close(torch.from_numpy(bias), want[name], rtol=0, atol=1e-7,
+                                       msg=lambda m, n=name, d=dev: f"{n} on device {d}: {m}")
+            held.add(name)
+    assert held == set(want)
+
+
+TP_SPLIT = [{"micro_batches": 3, "stages": [{"devices": [0, 1], "layers": [0, 3]}, {"devices": [4], "layers": [3, 6]}]},
+            {"micro_batches": 2, "stages": [{"devices": [5, 6], "layers": [0, 6]}]}]
+# Recompute on pipeline 0's expert-parallel stage alone: a load counted twice there would weigh its tokens
+# twice against pipeline 1's (counting everything twice would move no bias differently).
+RECOMPUTED = [{**PIPELINES[0], "stages": [{**PIPELINES[0]["stages"][0], "recompute": True}, PIPELINES[0]["stages"][1]]},
+              PIPELINES[1]]
+BALANCING = [(PIPELINES, False), (TP_SPLIT, False), (RECOMPUTED, False)]
+
+
+@pytest.mark.parametrize("pipelines,recompute", BALANCING, ids=["expert-parallel", "tp-split", "ep-recomputed"])
+def test_aux_loss_free_balancing_matches_the_reference(world: EngineWorld, tmp_path: Path, pipelines: list,
+                                                       recompute: bool) -> None:
+    """``bias_update_rate``: each router's load summed over the devices that routed a share of its layer's
+    tokens (an expert-parallel stage's slices, both pipelines; a TP-split stage's ranks once), the same bias
+    step on every holder; a recomputed forward counts nothing twice. Losses, parameters, moments and the
+    biases themselves equal the single-device reference's."""
+    path = write_plan(tmp_path, pipelines, recompute=recompute, bias_update_rate=0.01, capacity_factor=1.0)
+    ctx = load_plan_context(path)
+    batches = make_batches(ctx)
+    results = world.train(str(path), batches)
+    ref = ReferenceTrainer(ctx.model, ctx.plan.training, micro_batch=1)
+    check_against_reference(path, results, batches, ref=ref)
+    check_biases(results, ref)
+
+
+def test_balancing_biases_are_saved_and_resumed_under_another_placement(world: EngineWorld, tmp_path: Path) -> None:
+    """The biases are saved with the optimizer's state after 2 steps and loaded under another placement (the
+    expert-parallel stage's routers now on other devices): the continued step equals the reference's."""
+    from test_engine_correctness import check_saved
+
+    first = write_plan(tmp_path / "a", bias_update_rate=0.01)
+    other = write_plan(tmp_path / "b", OTHER, bias_update_rate=0.01)
+    ctx = load_plan_context(first)
+    ref = ReferenceTrainer(ctx.model, ctx.plan.training, micro_batch=1)
+    saved = tmp_path / "saved"
+    batches = make_batches(ctx, 2)
+    check_against_reference(first, world.train(str(first), batches, save_dir=str(saved)), batches, ref=ref, steps=2)
+    check_saved(saved, ref, 2)
+    batches = make_batches(ctx, 1)
+    results = world.train(str(other), batches, load_dir=str(saved), first_step=3)
+    check_against_reference(other, results, batches, ref=ref, steps=3)
+    check_biases(results, ref)
