@@ -651,7 +651,8 @@ def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "fp32
         raise HspmdError(f"{source}: --checkpoint: no checkpoint in this directory ({CONFIG_FILE} or "
                          f"{CHECKPOINT_FILE} not found)")
     # (A model file with bias_update_rate is refused by config_for; a checkpoint's config.json cannot say it.)
-    if _is_file(source / OPTIMIZER_FILE) and set(router_bias_names(model)) & set(_header(source / OPTIMIZER_FILE)[1]):
+    biases = router_bias_names(model)
+    if biases and _is_file(source / OPTIMIZER_FILE) and set(biases) & set(_header(source / OPTIMIZER_FILE)[1]):
         raise HspmdError(f"{source / OPTIMIZER_FILE}: moe.bias_update_rate: the checkpoint holds the routers' biases "
                          "of aux-loss-free balancing, which have no place in a Hugging Face layout (the export "
                          "would route differently)")
