@@ -211,20 +211,21 @@ TP_SPLIT = [{"micro_batches": 3, "stages": [{"devices": [0, 1], "layers": [0, 3]
 # twice against pipeline 1's (counting everything twice would move no bias differently).
 RECOMPUTED = [{**PIPELINES[0], "stages": [{**PIPELINES[0]["stages"][0], "recompute": True}, PIPELINES[0]["stages"][1]]},
               PIPELINES[1]]
-BALANCING = [(PIPELINES, False), (TP_SPLIT, False), (RECOMPUTED, False)]
+BALANCING = [(PIPELINES, None, False), (TP_SPLIT, None, False), (RECOMPUTED, None, False), (PIPELINES, "zb-h1", True)]
 
 
-@pytest.mark.parametrize("pipelines,recompute", BALANCING, ids=["expert-parallel", "tp-split", "ep-recomputed"])
+@pytest.mark.parametrize("pipelines,schedule,zero", BALANCING,
+                         ids=["expert-parallel", "tp-split", "ep-recomputed", "ep-zb-h1-zero1"])
 def test_aux_loss_free_balancing_matches_the_reference(world: EngineWorld, tmp_path: Path, pipelines: list,
-                                                       recompute: bool) -> None:
+                                                       schedule: str | None, zero: bool) -> None:
     """``bias_update_rate``: each router's load summed over the devices that routed a share of its layer's
     tokens (an expert-parallel stage's slices, both pipelines; a TP-split stage's ranks once), the same bias
-    step on every holder; a recomputed forward counts nothing twice. Losses, parameters, moments and the
-    biases themselves equal the single-device reference's."""
-    path = write_plan(tmp_path, pipelines, recompute=recompute, bias_update_rate=0.01, capacity_factor=1.0)
+    step on every holder; a recomputed forward counts nothing twice; a split backward and ZeRO-1 change
+    nothing. Losses, parameters, moments and the biases themselves equal the single-device reference's."""
+    path = write_plan(tmp_path, pipelines, bias_update_rate=0.01, capacity_factor=1.0)
     ctx = load_plan_context(path)
     batches = make_batches(ctx)
-    results = world.train(str(path), batches)
+    results = world.train(str(path), batches, schedule, zero=zero)
     ref = ReferenceTrainer(ctx.model, ctx.plan.training, micro_batch=1)
     check_against_reference(path, results, batches, ref=ref)
     check_biases(results, ref)
