@@ -64,7 +64,7 @@ def _preflight(options: TrainOptions, ctx: PlanContext) -> str | None:
     from runtime.data import token_source
 
     t = ctx.plan.training
-    check_trainable(ctx, coordinated=options.coordinated)
+    check_trainable(ctx)
     line = None
     if documents_mode(options, t):
         problems = documents_problems(ctx, options)

@@ -7,7 +7,9 @@ expert-parallel stage of 2 devices holding 5 and 4 experts (expert 4 on both: a 
 holders share the senders), so the two pipelines run different EP degrees and the experts' gradients are
 summed across the pipelines and the replicas. Top-2 routing with a gated shared expert and a dense layer 0;
 dropless and under a capacity factor, under 1F1B, ZB-H1 (split backward), with recompute and with ZeRO-1. A checkpoint
-saved under one placement continues under another.
+saved under one placement continues under another. Aux-loss-free balancing (``bias_update_rate``): the
+routers' biases equal the reference's on this plan, on TP-split stages, with recompute, after a checkpoint,
+a planned switch and an elastic recovery.
 """
 
 from __future__ import annotations
@@ -107,10 +109,12 @@ def test_a_checkpoint_continues_under_another_placement(world: EngineWorld, tmp_
     check_against_reference(other, results, batches, ref=ref, steps=3)
 
 
-def test_a_killed_device_holding_experts_is_replaced_in_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rate", [0.0, 0.01], ids=["", "balancing"])
+def test_a_killed_device_holding_experts_is_replaced_in_memory(tmp_path: Path, rate: float) -> None:
     """Device 1 holds experts 5-7 of pipeline 0's EP stage and dies in step 3: device 0 takes the whole
     model of pipeline 0 (its missing experts moved from pipeline 1's holders), the step is redone, and the
-    run equals the uninterrupted reference (losses, saved parameters and moments)."""
+    run equals the uninterrupted reference (losses, saved parameters and moments; with aux-loss-free
+    balancing the routers' biases too, carried to the new layout by the survivors)."""
     from elastic_helpers import assert_matches_reference, fixed_replan, saved_state
 
     from runtime.data import token_source
@@ -121,9 +125,11 @@ def test_a_killed_device_holding_experts_is_replaced_in_memory(tmp_path: Path) -
     two = [{"micro_batches": 2, "stages": [{"devices": [2], "layers": [0, 3]}, {"devices": [3], "layers": [3, 6]}]}]
     before = write_plan(tmp_path / "before", [
         {"micro_batches": 2, "stages": [{"devices": [0, 1], "layers": [0, 6],
-                                         "experts": {0: [0, 1, 2, 3, 4], 1: [5, 6, 7]}}]}, *two], cluster=cluster)
+                                         "experts": {0: [0, 1, 2, 3, 4], 1: [5, 6, 7]}}]}, *two], cluster=cluster,
+        bias_update_rate=rate)
     after = write_plan(tmp_path / "after", [
-        {"micro_batches": 2, "stages": [{"devices": [0], "layers": [0, 6]}]}, *two], cluster=cluster)
+        {"micro_batches": 2, "stages": [{"devices": [0], "layers": [0, 6]}]}, *two], cluster=cluster,
+        bias_update_rate=rate)
     steps = 4
     calls: list = []
     options = TrainOptions(plan=before, steps=steps, elastic=True, save_dir=tmp_path / "ck", timeout_s=20.0,
@@ -138,7 +144,51 @@ def test_a_killed_device_holding_experts_is_replaced_in_memory(tmp_path: Path) -
     records = summary.records
     assert [r.step for r in records] == [1, 2, 3, 4] and calls == [(frozenset({1}), "ep")]
     assert [r.loss for r in records] == pytest.approx(expected, rel=1e-5)
-    assert_matches_reference(saved_state(tmp_path / "ck"), ref)
+    saved = saved_state(tmp_path / "ck")
+    biases = ref.router_biases()
+    assert bool(rate) == bool(biases)
+    assert not biases or any(bool(b.abs().sum() > 0) for b in biases.values())   # they moved
+    for name, want in biases.items():
+        torch.testing.assert_close(saved.pop(name), want, rtol=0, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    assert_matches_reference(saved, ref)
+
+
+def test_a_planned_switch_carries_the_balancing_biases(tmp_path: Path) -> None:
+    """``--switch`` before step 3 from an expert-parallel stage on devices 0 and 1 to device 0 alone (device 1
+    idle, its biases lent to the move): the run equals the uninterrupted reference, the biases included."""
+    from elastic_helpers import assert_matches_reference, fixed_replan, saved_state
+
+    from runtime.data import token_source
+    from runtime.elastic.coordinator import ElasticPolicy
+    from runtime.launch import TrainOptions, launch
+    from runtime.launch.options import PlannedSwitch
+
+    cluster = str(Path(__file__).resolve().parents[2] / "configs" / "clusters" / "cpu-hetero4.yaml")
+    two = [{"micro_batches": 2, "stages": [{"devices": [2], "layers": [0, 3]}, {"devices": [3], "layers": [3, 6]}]}]
+    before = write_plan(tmp_path / "before", [
+        {"micro_batches": 2, "stages": [{"devices": [0, 1], "layers": [0, 6],
+                                         "experts": {0: [0, 1, 2, 3, 4], 1: [5, 6, 7]}}]}, *two], cluster=cluster,
+        bias_update_rate=0.01)
+    after = write_plan(tmp_path / "after", [
+        {"micro_batches": 2, "stages": [{"devices": [0], "layers": [0, 6]}]}, *two], cluster=cluster,
+        bias_update_rate=0.01)
+    steps = 4
+    options = TrainOptions(plan=before, steps=steps, save_dir=tmp_path / "ck", timeout_s=20.0,
+                           heartbeat_timeout_s=3.0, switches=(PlannedSwitch(3, after),))
+    summary = launch(options, ElasticPolicy(fixed_replan(after, [])))
+    ctx = load_plan_context(before)
+    t = ctx.plan.training
+    ref = ReferenceTrainer(ctx.model, t, micro_batch=1)
+    source = token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len,
+                          seed=t.seed)
+    expected = [ref.train_step(source.batch(s)).loss for s in range(1, steps + 1)]
+    assert [r.loss for r in summary.records] == pytest.approx(expected, rel=1e-5)
+    saved = saved_state(tmp_path / "ck")
+    biases = ref.router_biases()
+    assert any(bool(b.abs().sum() > 0) for b in biases.values())
+    for name, want in biases.items():
+        torch.testing.assert_close(saved.pop(name), want, rtol=0, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    assert_matches_reference(saved, ref)
 
 
 def test_experts_split_over_tp_groups_match_the_reference(world: EngineWorld, tmp_path: Path) -> None:

@@ -252,14 +252,10 @@ def load_plan_context(path: str | Path, cluster: str | None = None, model: str |
     return PlanContext(plan, model_spec, cluster_spec, path)
 
 
-def check_trainable(ctx: PlanContext, *, coordinated: bool = False) -> None:
+def check_trainable(ctx: PlanContext) -> None:
     """Refuse what in the plan's model the runtime cannot train (the planner prices it regardless), naming
-    the model's file and field. ``coordinated``: an elastic or switching run (runtime/elastic/), whose state
-    moves between layouts in memory."""
+    the model's file and field."""
     found = ctx.model.train_problem(ctx.plan.training.seq_len)
-    if found is None and coordinated and ctx.model.moe is not None and ctx.model.moe.bias_update_rate > 0:
-        found = ("moe.bias_update_rate", "--elastic and --switch do not move the routers' biases of aux-loss-free "
-                                         "balancing between layouts yet (a plain run saves and resumes them)")
     if found is not None:
         path = resolve_ref(ctx.plan.model, "models", ctx.path.parent)
         raise SpecError([Problem(str(path or ctx.plan.model), found[0], found[1])])
