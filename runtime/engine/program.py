@@ -4,7 +4,8 @@ One instance per worker. Construction specializes the plain model for this devic
 chunk the stage holds, each with its layers only; DTensor TP inside its stage group, boundary routes per
 virtual-stage boundary, gradient-sync buckets across pipelines, AdamW on local shards, or ZeRO-1 over
 the pipelines with ``training.zero``: zero.py); ``train_step`` walks the pipeline schedule's action
-list for this stage (runtime/torchfree/pipeline_schedules.py), then syncs and steps.
+list for this stage (runtime/torchfree/pipeline_schedules.py), then syncs (the gradients and, under
+aux-loss-free balancing, the routers' loads: balancing.py) and steps.
 """
 
 from __future__ import annotations
