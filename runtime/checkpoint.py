@@ -6,7 +6,9 @@
   ``torch_dtype``;
 * ``model.safetensors``: the parameters by their Hugging Face names (``model.layers.3.mlp.up_proj.weight``),
   or ``model-0000i-of-0000N.safetensors`` shards and ``model.safetensors.index.json`` above ``SHARD_BYTES``;
-* ``optimizer.safetensors``: ``NAME.exp_avg``, ``NAME.exp_avg_sq`` and, in its metadata, the steps done.
+* ``optimizer.safetensors``: ``NAME.exp_avg``, ``NAME.exp_avg_sq``, under aux-loss-free balancing
+  (``moe.bias_update_rate``) each router's bias ``model.layers.{i}.{block}.gate.expert_bias``, and, in its
+  metadata, the steps done.
 
 A save stages every file under a temporary name before it renames any into place (``AtomicFiles``), so a
 save that fails part-way leaves the previous one whole. The files of one save carry the same save id in
@@ -47,7 +49,7 @@ from runtime.torchfree.comm.gradsync import runs
 from runtime.torchfree.elastic.state import MOMENT_SUFFIXES, STATE_DTYPE, STATE_SUFFIXES, moment_key
 from runtime.torchfree.errors import HspmdError, Problem, SpecError
 from runtime.torchfree.hf_files import copy_side_files
-from runtime.torchfree.models.params import llama_parameters
+from runtime.torchfree.models.params import llama_parameters, router_bias_names, router_biases
 from runtime.torchfree.spec import ModelSpec, PlanContext
 from runtime.torchfree.spec.catalog import model_source_config
 from runtime.torchfree.spec.hf import CONFIG_FILE, HF_NAMES, config_for, read_config, spec_from_config
@@ -179,6 +181,15 @@ def resolve_checkpoint(directory: str | Path) -> Path:
     return Path(directory) if latest is None else latest
 
 
+def optimizer_tensors(model: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """What ``optimizer.safetensors`` holds besides its metadata: every parameter's AdamW moments and, under
+    aux-loss-free balancing, every router's bias (training state that a Hugging Face model has no place for)."""
+    out = {info.name + s: info.shape for info in llama_parameters(model) for s in MOMENT_SUFFIXES}
+    if model.moe is not None:
+        out.update(dict.fromkeys(router_biases(model), (model.moe.num_experts,)))
+    return out
+
+
 def read_checkpoint_info(directory: str | Path, plan: PlanContext) -> CheckpointInfo:
     """Check that ``directory`` holds a checkpoint that ``plan``'s model can load (reads headers only)."""
     return checkpoint_info(directory, plan.model)
@@ -233,9 +244,9 @@ def checkpoint_info(directory: str | Path, model: ModelSpec, *, option: str = "-
         meta, shapes, bad_dtypes = _header(opt)
         problems += bad_dtypes
         ids[opt] = meta.get(SAVE_ID)
-        problems.extend(_state_problems(opt, meta, shapes, {n + s: params[n] for n in params for s in MOMENT_SUFFIXES},
-                                        OPTIMIZER_FORMAT, model))
-        files.update({n + s: opt for n in params for s in MOMENT_SUFFIXES})
+        state = optimizer_tensors(model)
+        problems.extend(_state_problems(opt, meta, shapes, state, OPTIMIZER_FORMAT, model))
+        files.update(dict.fromkeys(state, opt))
         step = _step(meta) or 0
         saved_by, moments = meta.get("saved_by", ""), True
     if len(set(ids.values())) > 1:
@@ -371,6 +382,14 @@ def gather_state(program: Any, groups: Any, *, plan: PlanContext, strategy: str,
                 moves.extend(_zero_moves(p.name, suffix, slices[p.name], writer, dtype, me, local))
                 continue
             moves.append(TensorMove(p.name + suffix, p.shape, dtype, p.param, Annotation.spmd([writer])))
+    # Aux-loss-free balancing: each router's bias, the same on every holder of the router (its parameter's layout).
+    biases = router_biases(plan.model)
+    if biases:
+        local.update(program.router_biases())
+        router = {p.name: p.param for p in params}
+        shape = (plan.model.moe.num_experts,) if plan.model.moe is not None else ()
+        moves += [TensorMove(n, shape, dtype, router[info.name], Annotation.spmd([writer]))
+                  for n, info in biases.items()]
     for name in (m.name for m in moves if m.name in local):
         if local[name].dtype != dtype:
             raise RuntimeError(f"{name}: local state is {local[name].dtype}, checkpoints hold {dtype}")
@@ -429,7 +448,9 @@ def write_checkpoint(directory: str | Path, model: ModelSpec, weights: Mapping[s
                 opt_meta = {**meta, "format": OPTIMIZER_FORMAT, "saved_by": saved_by}
                 staged.write(directory / OPTIMIZER_FILE, save(dict(moments), metadata=opt_meta))
                 written.append(directory / OPTIMIZER_FILE)
-            config = config_for(model, dtypes.pop(), source_config)
+            # A training checkpoint's config.json is the model's Hugging Face view: the routers' biases of
+            # aux-loss-free balancing travel in the optimizer file; a weights-only export refuses them.
+            config = config_for(model if moments is None else hf_view(model), dtypes.pop(), source_config)
             staged.write(directory / CONFIG_FILE, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
             written.append(directory / CONFIG_FILE)
             if len(shards) > 1:
@@ -526,8 +547,14 @@ def load_checkpoint(program: Any, directory: str | Path, plan: PlanContext) -> i
                     state[name + suffix] = source(name + suffix)[shard.region].to(dtype).contiguous()
                 else:
                     state[name + suffix] = torch.zeros_like(state[name])
+        # The routers' biases of aux-loss-free balancing (optimizer_tensors); a Hugging Face checkpoint has
+        # none: they start at zero, as the moments do.
+        balancing = info.kind == "hspmd" and router_biases(plan.model)
+        biases = {n: source(n)[:] for n in program.router_biases()} if balancing else {}
     state["step"] = torch.tensor(float(info.step))
     program.load_local_state(state)
+    if biases:
+        program.load_router_biases(biases)
     return info.step
 
 
@@ -623,6 +650,12 @@ def export_checkpoint(source: str | Path, out: str | Path, *, dtype: str = "fp32
     else:
         raise HspmdError(f"{source}: --checkpoint: no checkpoint in this directory ({CONFIG_FILE} or "
                          f"{CHECKPOINT_FILE} not found)")
+    # (A model file with bias_update_rate is refused by config_for; a checkpoint's config.json cannot say it.)
+    biases = router_bias_names(model)
+    if biases and _is_file(source / OPTIMIZER_FILE) and set(biases) & set(_header(source / OPTIMIZER_FILE)[1]):
+        raise HspmdError(f"{source / OPTIMIZER_FILE}: moe.bias_update_rate: the checkpoint holds the routers' biases "
+                         "of aux-loss-free balancing, which have no place in a Hugging Face layout (the export "
+                         "would route differently)")
     info = checkpoint_info(source, model, option="--checkpoint")
     tensors, _ = read_saved(source)
     target = getattr(torch, EXPORT_DTYPES[dtype])

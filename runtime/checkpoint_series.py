@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 from runtime.checkpoint import (
     CONFIG_FILE,
     LATEST,
-    MOMENT_SUFFIXES,
     OPTIMIZER_FILE,
     OPTIMIZER_FORMAT,
     SAVE_ID,
@@ -49,6 +48,7 @@ from runtime.checkpoint import (
     WEIGHTS_INDEX,
     gather_state,
     model_dir,
+    optimizer_tensors,
     saved_by,
     source_config,
 )
@@ -58,6 +58,7 @@ from runtime.torchfree.hf_files import copy_side_files
 from runtime.torchfree.models.params import llama_parameters
 from runtime.torchfree.spec import ModelSpec, PlanContext
 from runtime.torchfree.spec.hf import config_for
+from runtime.torchfree.spec.hf_moe import hf_view
 
 if TYPE_CHECKING:
     import torch
@@ -155,7 +156,7 @@ def stream_files(model: ModelSpec, *, step: int, saved: str, save_id: str, shard
     names = [WEIGHTS_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                      for i in range(len(shards))]
     files = {n: ({k: (shapes[k], dtype) for k in keys}, meta) for n, keys in zip(names, shards)}
-    files[OPTIMIZER_FILE] = ({p.name + s: (shapes[p.name], dtype) for p in params for s in MOMENT_SUFFIXES},
+    files[OPTIMIZER_FILE] = ({k: (shape, dtype) for k, shape in optimizer_tensors(model).items()},
                              {**meta, "format": OPTIMIZER_FORMAT, "saved_by": saved})
     index = None if len(shards) == 1 else {
         "metadata": {"total_size": sum(nbytes.values()), SAVE_ID: save_id},
@@ -214,7 +215,7 @@ def finish(save: OpenSave, req: SaveRequest) -> Path:
     and drop the checkpoints beyond the newest ``keep``. Returns the step directory."""
     tmp = save.tmp
     save.stream.close()
-    config = config_for(req.model, STATE_DTYPE.name, dict(req.source_config) if req.source_config else None)
+    config = config_for(hf_view(req.model), STATE_DTYPE.name, dict(req.source_config) if req.source_config else None)
     small = {CONFIG_FILE: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(),
              TRAINER_STATE: req.trainer.to_json().encode(), **req.extra}
     if save.index is not None:

@@ -154,3 +154,33 @@ def _keep_chunks(program: Any, state: dict[str, Any]) -> None:
             full = state[name + suffix]
             state[name + suffix] = torch.cat([flat_range(full[relative(p.region, region)], p.start, p.stop)
                                               for p in ps])
+
+
+def carry_router_biases(old: dict[str, Any], program: Any, target: Any, device: Any) -> None:
+    """Aux-loss-free balancing's router biases into the new layout (collective over the whole current world:
+    every worker of a transition calls it). Every device that held a router before (its old program's, or
+    the biases it kept after a failure: ``old``) adds its bias and a count of one; every holder of a router
+    had the same bias, so the sum over the count is it, exactly (fp64), wherever the router now lives.
+    ``target``: the new strategy's handle; ``program``: its program here, or None (idle)."""
+    import torch
+    import torch.distributed as dist
+
+    from runtime.torchfree.models.params import router_biases
+
+    model = target.model
+    names = list(router_biases(model))
+    if not names:
+        return
+    table = torch.zeros(len(names), model.moe.num_experts + 1, dtype=torch.float64, device=device)
+    for i, n in enumerate(names):
+        if n in old:
+            table[i, :-1] = old[n].double()
+            table[i, -1] = 1.0
+    dist.all_reduce(table)
+    if program is None:   # idle in the new strategy: it only lent its biases
+        return
+    held = program.router_biases()
+    lost = [n for i, n in enumerate(names) if n in held and float(table[i, -1]) == 0.0]
+    if lost:
+        raise RuntimeError(f"no surviving device held the router biases {lost[:3]}")
+    program.load_router_biases({n: table[i, :-1] / table[i, -1] for i, n in enumerate(names) if n in held})

@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from runtime.device_clock import Progress
-from runtime.elastic.move import move_state
+from runtime.elastic.move import carry_router_biases, move_state
 from runtime.elastic.protocol import (
     Abort,
     Commit,
@@ -67,6 +67,7 @@ class ElasticWorker(Session):
         self.world: World | None = None
         self.program: Any = None
         self.held: dict[str, Any] | None = None  # the state as plain tensors while no program holds it
+        self.held_biases: dict[str, Any] = {}  # its routers' biases (aux-loss-free balancing), likewise
         self.left_gen = -1
 
     # -- the loop ---------------------------------------------------------------------------------------
@@ -105,7 +106,7 @@ class ElasticWorker(Session):
                     raise RuntimeError(f"resume of transition {msg.epoch} without that transition")
                 t, program = pending
                 pending = None
-                self.program, self.held, self.ref = program, None, t.target
+                self.program, self.held, self.held_biases, self.ref = program, None, {}, t.target
                 step = t.steps_done + 1
                 training = program is not None and step <= last
                 gc.collect()
@@ -189,6 +190,7 @@ class ElasticWorker(Session):
         """Keep the state as plain tensors, drop the program, leave the world (``Session.leave``)."""
         if self.program is not None:
             self.held = {k: v.detach() for k, v in self.program.local_state().items()}
+            self.held_biases = {k: v.detach().clone() for k, v in self.program.router_biases().items()}
             self.program = None
         self.world = None
         self.leave(abandon=abandon)
@@ -213,6 +215,8 @@ class ElasticWorker(Session):
             move_state(t.bsr, source, self.groups, program, t.steps_done, self.device, t.source,
                        ungathered=t.ungathered)
             del source
+            carry_router_biases(self.program.router_biases() if self.program is not None else self.held_biases,
+                                program, t.target, self.device)
             t3 = time.perf_counter()
         except Exception as exc:  # noqa: BLE001 - a peer vanished mid-switch (or a bug: the launcher decides)
             self.report(classify(exc))

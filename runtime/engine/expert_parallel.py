@@ -198,8 +198,8 @@ class ExpertExchange:
         """The held experts' outputs for ``received`` (segments by source, then expert), in its row order."""
         sizes = kept[self.in_source, self.in_expert]
         row_expert = torch.repeat_interleave(self.in_expert, sizes)
-        if row_expert.numel() == 0:
-            return received.new_zeros((0, received.shape[-1]))
+        if row_expert.numel() == 0:  # still on the autograd graph: the reverse exchange's backward pairs up everywhere
+            return received[:0]
         order = torch.argsort(row_expert, stable=True)  # by expert, source (= token) order within
         per_expert = torch.bincount(row_expert, minlength=self.routes.num_experts).tolist()
         starts = list(itertools.accumulate(per_expert, initial=0))

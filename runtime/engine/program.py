@@ -4,7 +4,8 @@ One instance per worker. Construction specializes the plain model for this devic
 chunk the stage holds, each with its layers only; DTensor TP inside its stage group, boundary routes per
 virtual-stage boundary, gradient-sync buckets across pipelines, AdamW on local shards, or ZeRO-1 over
 the pipelines with ``training.zero``: zero.py); ``train_step`` walks the pipeline schedule's action
-list for this stage (runtime/torchfree/pipeline_schedules.py), then syncs and steps.
+list for this stage (runtime/torchfree/pipeline_schedules.py), then syncs (the gradients and, under
+aux-loss-free balancing, the routers' loads: balancing.py) and steps.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from runtime.comm.execute import torch_dtype
 from runtime.comm.groups import ProcessGroups
 from runtime.device_clock import SpanTimes, device_clock
 from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
+from runtime.engine.balancing import RouterBalance
 from runtime.engine.build import build_chunk
 from runtime.engine.data_parallel import GradientSync
 from runtime.engine.expert_parallel import apply_expert_parallel
@@ -30,7 +32,7 @@ from runtime.engine.pipeline import BoundaryChannel, connect_peers
 from runtime.engine.reference import autocast_for, step_casts
 from runtime.engine.tensor_parallel import local_tensor
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
-from runtime.models.moe import MoeForCausalLM
+from runtime.models.moe import MoeForCausalLM, loads_kept
 from runtime.torchfree.annotations.from_plan import strategy_groups
 from runtime.torchfree.comm.resolve import CommOp
 from runtime.torchfree.engine.describe import COMPUTE_NAMES, ProgramDescription, action_name, describe_plan
@@ -117,6 +119,7 @@ class DeviceProgram:
             self.optimizer = LocalAdamW(local, t.optimizer)
         self.grad_sync = GradientSync([(p.name, p.shape, p.grad) for p in plan.annotations.params], plan.grad_sync,
                                       groups)
+        self.balance = RouterBalance(spec, plan.annotations.params, chunks, groups)
         peers = {m.peer for b in plan.routes.values() for op in (b.forward, b.backward)
                  for m in (*op.sends(role.device), *op.recvs(role.device))}
         connect_peers(role.device, peers, self.ranks, self.device)
@@ -152,6 +155,8 @@ class DeviceProgram:
         self._times.reset()
         for p in self.params.values():
             p.grad = None
+        if self.balance.active:
+            self.balance.begin()
         run = StepState(self.device, self.ctx.precision)
         run.shapes = {mb: b.shape for mb, b in enumerate(micro_batches)}
         channel = BoundaryChannel(role.device, self.ranks)
@@ -175,6 +180,9 @@ class DeviceProgram:
         if self.plan.grad_sync:
             with self._span("comm", "grad_sync"):
                 self.grad_sync.sync(grads)
+        if self.balance.active:
+            with self._span("comm", "router_loads") if self.balance.sync.buckets else nullcontext():
+                self.balance.sum_loads()
         norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for s in self.shards:
             if s.primary:
@@ -196,6 +204,8 @@ class DeviceProgram:
                 lr = self.optimizer.step(grads, clip_coefficient(norm, t.optimizer.grad_clip))
             else:
                 lr = zero.update(grads, clip_coefficient(norm, t.optimizer.grad_clip))
+        if self.balance.active:
+            self.balance.update()
         if zero is not None and zero.buckets:
             with self._span("comm", "param_all_gather"):
                 zero.gather()
@@ -236,6 +246,15 @@ class DeviceProgram:
         (ZeRO-1): theirs are 1-D, this device's pieces concatenated in that order. ``names``: those
         parameters' alone (without ZeRO-1)."""
         return self.optimizer.state() if names is None else self._local_optimizer().state(names)
+
+    def router_biases(self) -> dict[str, torch.Tensor]:
+        """Aux-loss-free balancing's state held here: each held router's bias by name
+        (``params.router_biases``; the same on every holder of the router). Empty when balancing is off."""
+        return self.balance.biases()
+
+    def load_router_biases(self, biases: dict[str, torch.Tensor]) -> None:
+        """Set the held routers' biases from full tensors by name (each held one must be given)."""
+        self.balance.load_biases(biases)
 
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
         """Set parameters and AdamW states from a dict shaped like ``local_state()`` (same layouts); a released
@@ -499,7 +518,10 @@ def checkpoint_layers(module: LlamaForCausalLM, ids: Sequence[int] | None = None
     for layer in module.model.layers.values() if ids is None else _layers(module, ids):
         inner = layer.forward
 
-        def forward(x, cos, sin, attend=None, _inner=inner):
-            return checkpoint(_inner, x, cos, sin, attend, use_reentrant=False)
+        def _context(_layer=layer):  # the rerun in the backward counts no router load a second time
+            return nullcontext(), loads_kept(_layer)
+
+        def forward(x, cos, sin, attend=None, _inner=inner, _context=_context):
+            return checkpoint(_inner, x, cos, sin, attend, use_reentrant=False, context_fn=_context)
 
         layer.forward = forward

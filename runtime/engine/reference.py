@@ -86,6 +86,8 @@ class ReferenceTrainer:
         if coef is not None:
             torch._foreach_mul_(grads, coef)
         lr = self.update()
+        if isinstance(self.module, MoeForCausalLM):  # aux-loss-free balancing: by the step's loads
+            self.module.update_router_biases()
         loss_value = (loss_sum / tokens).item()
         return StepStats(loss=loss_value, grad_norm=norm.item(), tokens=tokens,
                          compute_s=time.perf_counter() - t0, comm_s=0.0, lr=lr)
@@ -97,6 +99,12 @@ class ReferenceTrainer:
         self.optimizer.step()
         self.steps += 1
         return lr
+
+    def router_biases(self) -> dict[str, torch.Tensor]:
+        """Every router's ``expert_bias`` (aux-loss-free balancing) by its buffer's name; empty when off."""
+        if not isinstance(self.module, MoeForCausalLM) or self.spec.moe is None or self.spec.moe.bias_update_rate == 0:
+            return {}
+        return {n: r.expert_bias.detach() for n, r in self.module.routers().items()}
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """Full parameters by name (detached, on the trainer's device)."""

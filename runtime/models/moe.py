@@ -17,7 +17,8 @@ loss (the training loop's share of one micro-batch in the step's loss).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,15 @@ from torch import nn
 
 from runtime.models.attention import Attend
 from runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, RMSNorm
-from runtime.torchfree.models.moe_names import MOE_NAMES, ROUTER, SHARED, SHARED_GATE, SWIGLU_NAMES, MoeNames
+from runtime.torchfree.models.moe_names import (
+    MOE_NAMES,
+    ROUTER,
+    ROUTER_BIAS,
+    SHARED,
+    SHARED_GATE,
+    SWIGLU_NAMES,
+    MoeNames,
+)
 from runtime.torchfree.spec.model import ModelSpec
 from runtime.torchfree.spec.moe import MoeSpec
 
@@ -57,7 +66,7 @@ class Router(nn.Linear):
     def __init__(self, hidden: int, moe: MoeSpec) -> None:
         super().__init__(hidden, moe.num_experts, bias=False)
         self.moe = moe
-        self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=False)
+        self.register_buffer(ROUTER_BIAS, torch.zeros(moe.num_experts), persistent=False)
         self.register_buffer("load", torch.zeros(moe.num_experts), persistent=False)
 
     @torch.no_grad()
@@ -89,12 +98,33 @@ class Router(nn.Linear):
         self.load.zero_()
         return load
 
+    @contextmanager
+    def load_kept(self) -> Iterator[None]:
+        """Whatever runs inside leaves ``load`` as it found it: a recomputed forward (activation checkpointing
+        reruns it in the backward) routes the same tokens again and must not count them twice."""
+        before = self.load.clone()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                self.load.copy_(before)
+
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:
         """DeepSeek-V3's update: an expert given more than the mean load gets its bias lowered by the update
         rate, one given less raised. ``load``: tokens per expert over the step, summed over every replica
         of this layer (data-parallel copies route different tokens)."""
         self.expert_bias += self.moe.bias_update_rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
+
+
+@contextmanager
+def loads_kept(module: nn.Module) -> Iterator[None]:
+    """``Router.load_kept`` for every router inside ``module`` (a recomputed decoder layer)."""
+    with ExitStack() as stack:
+        for m in module.modules():
+            if isinstance(m, Router):
+                stack.enter_context(m.load_kept())
+        yield
 
 
 def balance_loss(probs: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -270,6 +300,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         (for logs; its gradient flows through the forward's output when ``aux_loss_coef`` > 0)."""
         losses = [b.last_balance_loss for b in self.moe_blocks() if b.last_balance_loss is not None]
         return torch.stack(losses).sum() if losses else torch.zeros(())
+
+    def routers(self) -> dict[str, Router]:
+        """This module's routers by the name of their bias buffer (``params.router_biases``' keys)."""
+        return {f"{name}.{ROUTER_BIAS}": m for name, m in self.named_modules() if isinstance(m, Router)}
 
     @torch.no_grad()
     def update_router_biases(self) -> None:

@@ -37,6 +37,7 @@ class DeviceResult:
     spans: list[tuple[str, str]]  # (kind, name) of every hooks.span of the last step
     compute_s: float  # of the last step
     comm_s: float
+    biases: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # DeviceProgram.router_biases()
 
 
 class RecordingHooks:
@@ -103,7 +104,8 @@ def train_job(w: WorkerContext, plan: str, batches: list[np.ndarray], schedule: 
         primary={n: a.primary for n, a in ann.items()},
         moment_pieces={n: tuple((p.region, p.start, p.stop) for p in ps) for n, ps in program.moment_pieces().items()},
         moment_numel=program.moment_numel(), description=program.describe().to_data(),
-        spans=list(hooks.spans), compute_s=stats[-1].compute_s, comm_s=stats[-1].comm_s)
+        spans=list(hooks.spans), compute_s=stats[-1].compute_s, comm_s=stats[-1].comm_s,
+        biases={k: v.detach().numpy().copy() for k, v in program.router_biases().items()})
 
 
 class EngineWorld:

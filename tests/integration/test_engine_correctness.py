@@ -143,8 +143,10 @@ def check_spans(ctx: PlanContext, r: DeviceResult) -> None:
     syncs = any(o["name"].startswith("grad all-reduce") for o in r.description["ops"])
     gathers = any(o["name"].startswith("param all-gather") for o in r.description["ops"])  # ZeRO-1
     assert gathers == ("param_all_gather" in comms)
-    # + grad sync, stats, ZeRO-1 all-gather
-    assert len(comms) == len(p2p) + syncs + (len(ctx.plan.strategies[0].devices) > 1) + gathers
+    # + grad sync, stats, ZeRO-1 all-gather, the routers' loads (aux-loss-free balancing across devices)
+    loads = comms.count("router_loads")
+    assert loads <= 1
+    assert len(comms) == len(p2p) + syncs + (len(ctx.plan.strategies[0].devices) > 1) + gathers + loads
     assert r.compute_s > 0 and (r.comm_s > 0) == (len(ctx.plan.strategies[0].devices) > 1)
 
 
@@ -238,7 +240,7 @@ def check_saved(directory: Path, ref: ReferenceTrainer, step: int) -> None:
     """The checkpoint holds the reference's full parameters and moments after ``step`` steps."""
     saved, meta = read_saved(directory)
     assert meta["step"] == str(step)
-    want = {**ref.parameters(), **optimizer_state(ref)}
+    want = {**ref.parameters(), **optimizer_state(ref), **ref.router_biases()}
     assert set(saved) == set(want)
     atol = ATOL_STEPS * ref.training.optimizer.lr
     for name, w in want.items():

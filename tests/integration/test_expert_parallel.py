@@ -7,7 +7,9 @@ expert-parallel stage of 2 devices holding 5 and 4 experts (expert 4 on both: a 
 holders share the senders), so the two pipelines run different EP degrees and the experts' gradients are
 summed across the pipelines and the replicas. Top-2 routing with a gated shared expert and a dense layer 0;
 dropless and under a capacity factor, under 1F1B, ZB-H1 (split backward), with recompute and with ZeRO-1. A checkpoint
-saved under one placement continues under another.
+saved under one placement continues under another. Aux-loss-free balancing (``bias_update_rate``): the
+routers' biases equal the reference's on this plan, on TP-split stages, with recompute, after a checkpoint,
+a planned switch and an elastic recovery.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from engine_world import EngineWorld
 from test_engine_correctness import check_against_reference, make_batches
@@ -54,7 +57,7 @@ def write_plan(directory: Path, pipelines: list[dict] = PIPELINES, recompute: bo
                          "optimizer": {"lr": 0.001, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "eps": 1e-5,
                                        "grad_clip": 1.0}},
             "strategies": [{"name": "ep", "pipelines": [
-                {**p, "stages": [{**st, "recompute": recompute} for st in p["stages"]]} for p in pipelines]}]}
+                {**p, "stages": [{"recompute": recompute, **st} for st in p["stages"]]} for p in pipelines]}]}
     path = directory / "plan.yaml"
     path.write_text(yaml.safe_dump(plan, sort_keys=False))
     return path
@@ -106,10 +109,12 @@ def test_a_checkpoint_continues_under_another_placement(world: EngineWorld, tmp_
     check_against_reference(other, results, batches, ref=ref, steps=3)
 
 
-def test_a_killed_device_holding_experts_is_replaced_in_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rate", [0.0, 0.01], ids=["", "balancing"])
+def test_a_killed_device_holding_experts_is_replaced_in_memory(tmp_path: Path, rate: float) -> None:
     """Device 1 holds experts 5-7 of pipeline 0's EP stage and dies in step 3: device 0 takes the whole
     model of pipeline 0 (its missing experts moved from pipeline 1's holders), the step is redone, and the
-    run equals the uninterrupted reference (losses, saved parameters and moments)."""
+    run equals the uninterrupted reference (losses, saved parameters and moments; with aux-loss-free
+    balancing the routers' biases too, carried to the new layout by the survivors)."""
     from elastic_helpers import assert_matches_reference, fixed_replan, saved_state
 
     from runtime.data import token_source
@@ -120,9 +125,11 @@ def test_a_killed_device_holding_experts_is_replaced_in_memory(tmp_path: Path) -
     two = [{"micro_batches": 2, "stages": [{"devices": [2], "layers": [0, 3]}, {"devices": [3], "layers": [3, 6]}]}]
     before = write_plan(tmp_path / "before", [
         {"micro_batches": 2, "stages": [{"devices": [0, 1], "layers": [0, 6],
-                                         "experts": {0: [0, 1, 2, 3, 4], 1: [5, 6, 7]}}]}, *two], cluster=cluster)
+                                         "experts": {0: [0, 1, 2, 3, 4], 1: [5, 6, 7]}}]}, *two], cluster=cluster,
+        bias_update_rate=rate)
     after = write_plan(tmp_path / "after", [
-        {"micro_batches": 2, "stages": [{"devices": [0], "layers": [0, 6]}]}, *two], cluster=cluster)
+        {"micro_batches": 2, "stages": [{"devices": [0], "layers": [0, 6]}]}, *two], cluster=cluster,
+        bias_update_rate=rate)
     steps = 4
     calls: list = []
     options = TrainOptions(plan=before, steps=steps, elastic=True, save_dir=tmp_path / "ck", timeout_s=20.0,
@@ -137,7 +144,51 @@ def test_a_killed_device_holding_experts_is_replaced_in_memory(tmp_path: Path) -
     records = summary.records
     assert [r.step for r in records] == [1, 2, 3, 4] and calls == [(frozenset({1}), "ep")]
     assert [r.loss for r in records] == pytest.approx(expected, rel=1e-5)
-    assert_matches_reference(saved_state(tmp_path / "ck"), ref)
+    saved = saved_state(tmp_path / "ck")
+    biases = ref.router_biases()
+    assert bool(rate) == bool(biases)
+    assert not biases or any(bool(b.abs().sum() > 0) for b in biases.values())   # they moved
+    for name, want in biases.items():
+        torch.testing.assert_close(saved.pop(name), want, rtol=0, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    assert_matches_reference(saved, ref)
+
+
+def test_a_planned_switch_carries_the_balancing_biases(tmp_path: Path) -> None:
+    """``--switch`` before step 3 from an expert-parallel stage on devices 0 and 1 to device 0 alone (device 1
+    idle, its biases lent to the move): the run equals the uninterrupted reference, the biases included."""
+    from elastic_helpers import assert_matches_reference, fixed_replan, saved_state
+
+    from runtime.data import token_source
+    from runtime.elastic.coordinator import ElasticPolicy
+    from runtime.launch import TrainOptions, launch
+    from runtime.launch.options import PlannedSwitch
+
+    cluster = str(Path(__file__).resolve().parents[2] / "configs" / "clusters" / "cpu-hetero4.yaml")
+    two = [{"micro_batches": 2, "stages": [{"devices": [2], "layers": [0, 3]}, {"devices": [3], "layers": [3, 6]}]}]
+    before = write_plan(tmp_path / "before", [
+        {"micro_batches": 2, "stages": [{"devices": [0, 1], "layers": [0, 6],
+                                         "experts": {0: [0, 1, 2, 3, 4], 1: [5, 6, 7]}}]}, *two], cluster=cluster,
+        bias_update_rate=0.01)
+    after = write_plan(tmp_path / "after", [
+        {"micro_batches": 2, "stages": [{"devices": [0], "layers": [0, 6]}]}, *two], cluster=cluster,
+        bias_update_rate=0.01)
+    steps = 4
+    options = TrainOptions(plan=before, steps=steps, save_dir=tmp_path / "ck", timeout_s=20.0,
+                           heartbeat_timeout_s=3.0, switches=(PlannedSwitch(3, after),))
+    summary = launch(options, ElasticPolicy(fixed_replan(after, [])))
+    ctx = load_plan_context(before)
+    t = ctx.plan.training
+    ref = ReferenceTrainer(ctx.model, t, micro_batch=1)
+    source = token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len,
+                          seed=t.seed)
+    expected = [ref.train_step(source.batch(s)).loss for s in range(1, steps + 1)]
+    assert [r.loss for r in summary.records] == pytest.approx(expected, rel=1e-5)
+    saved = saved_state(tmp_path / "ck")
+    biases = ref.router_biases()
+    assert any(bool(b.abs().sum() > 0) for b in biases.values())
+    for name, want in biases.items():
+        torch.testing.assert_close(saved.pop(name), want, rtol=0, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    assert_matches_reference(saved, ref)
 
 
 def test_experts_split_over_tp_groups_match_the_reference(world: EngineWorld, tmp_path: Path) -> None:
@@ -188,3 +239,62 @@ def test_the_planner_replans_experts_onto_the_survivors(tmp_path: Path) -> None:
     (event,) = [x for x in lines if "event" in x]
     assert event["failed"] == [2] and 2 not in event["devices"]
     assert_matches_reference(saved_state(tmp_path / "ck"), ref)
+
+
+def check_biases(results: dict, ref: ReferenceTrainer) -> None:
+    """Every router's bias (aux-loss-free balancing) on every device holding it equals the reference's, and
+    every router is held somewhere; the biases moved."""
+    want = ref.router_biases()
+    assert want and all(bool(b.abs().sum() > 0) for b in want.values())
+    held = set()
+    for dev, r in results.items():
+        for name, bias in r.biases.items():
+            torch.testing.assert_close(torch.from_numpy(bias), want[name], rtol=0, atol=1e-7,
+                                       msg=lambda m, n=name, d=dev: f"{n} on device {d}: {m}")
+            held.add(name)
+    assert held == set(want)
+
+
+TP_SPLIT = [{"micro_batches": 3, "stages": [{"devices": [0, 1], "layers": [0, 3]}, {"devices": [4], "layers": [3, 6]}]},
+            {"micro_batches": 2, "stages": [{"devices": [5, 6], "layers": [0, 6]}]}]
+# Recompute on pipeline 0's expert-parallel stage alone: a load counted twice there would weigh its tokens
+# twice against pipeline 1's (counting everything twice would move no bias differently).
+RECOMPUTED = [{**PIPELINES[0], "stages": [{**PIPELINES[0]["stages"][0], "recompute": True}, PIPELINES[0]["stages"][1]]},
+              PIPELINES[1]]
+BALANCING = [(PIPELINES, None, False), (TP_SPLIT, None, False), (RECOMPUTED, None, False), (PIPELINES, "zb-h1", True)]
+
+
+@pytest.mark.parametrize("pipelines,schedule,zero", BALANCING,
+                         ids=["expert-parallel", "tp-split", "ep-recomputed", "ep-zb-h1-zero1"])
+def test_aux_loss_free_balancing_matches_the_reference(world: EngineWorld, tmp_path: Path, pipelines: list,
+                                                       schedule: str | None, zero: bool) -> None:
+    """``bias_update_rate``: each router's load summed over the devices that routed a share of its layer's
+    tokens (an expert-parallel stage's slices, both pipelines; a TP-split stage's ranks once), the same bias
+    step on every holder; a recomputed forward counts nothing twice; a split backward and ZeRO-1 change
+    nothing. Losses, parameters, moments and the biases themselves equal the single-device reference's."""
+    path = write_plan(tmp_path, pipelines, bias_update_rate=0.01, capacity_factor=1.0)
+    ctx = load_plan_context(path)
+    batches = make_batches(ctx)
+    results = world.train(str(path), batches, schedule, zero=zero)
+    ref = ReferenceTrainer(ctx.model, ctx.plan.training, micro_batch=1)
+    check_against_reference(path, results, batches, ref=ref)
+    check_biases(results, ref)
+
+
+def test_balancing_biases_are_saved_and_resumed_under_another_placement(world: EngineWorld, tmp_path: Path) -> None:
+    """The biases are saved with the optimizer's state after 2 steps and loaded under another placement (the
+    expert-parallel stage's routers now on other devices): the continued step equals the reference's."""
+    from test_engine_correctness import check_saved
+
+    first = write_plan(tmp_path / "a", bias_update_rate=0.01)
+    other = write_plan(tmp_path / "b", OTHER, bias_update_rate=0.01)
+    ctx = load_plan_context(first)
+    ref = ReferenceTrainer(ctx.model, ctx.plan.training, micro_batch=1)
+    saved = tmp_path / "saved"
+    batches = make_batches(ctx, 2)
+    check_against_reference(first, world.train(str(first), batches, save_dir=str(saved)), batches, ref=ref, steps=2)
+    check_saved(saved, ref, 2)
+    batches = make_batches(ctx, 1)
+    results = world.train(str(other), batches, load_dir=str(saved), first_step=3)
+    check_against_reference(other, results, batches, ref=ref, steps=3)
+    check_biases(results, ref)

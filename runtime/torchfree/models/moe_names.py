@@ -21,6 +21,7 @@ class MoeNames:
 
 
 ROUTER = "gate"
+ROUTER_BIAS = "expert_bias"  # the router's buffer of aux-loss-free balancing (training state, not a parameter)
 SHARED = "shared_expert"
 SHARED_GATE = "shared_expert_gate"
 SWIGLU_NAMES = MoeNames("mlp", "gate_proj", "up_proj", "down_proj")  # Llama's MLP; shared experts use it too

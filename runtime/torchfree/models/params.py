@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from runtime.torchfree.models.moe_names import MOE_NAMES, ROUTER, SHARED, SHARED_GATE
+from runtime.torchfree.models.moe_names import MOE_NAMES, ROUTER, ROUTER_BIAS, SHARED, SHARED_GATE
 from runtime.torchfree.spec.model import ModelSpec
 
 Owner = Literal["embedding", "layer", "head"]
@@ -87,6 +87,24 @@ def moe_parameters(model: ModelSpec, layer: int) -> list[ParamInfo]:
     if moe.shared_gate:
         out.append(ParamInfo(f"{p}{SHARED_GATE}.weight", (1, h), "layer", layer, None))
     return out
+
+
+def router_biases(model: ModelSpec) -> dict[str, ParamInfo]:
+    """Aux-loss-free balancing's training state (``moe.bias_update_rate`` > 0; else none): ``router_bias_names``
+    with each router's parameter (every holder of the router holds its bias, the same on each)."""
+    if model.moe is None or model.moe.bias_update_rate == 0:
+        return {}
+    return router_bias_names(model)
+
+
+def router_bias_names(model: ModelSpec) -> dict[str, ParamInfo]:
+    """Each MoE layer's router bias ``model.layers.{i}.{block}.gate.expert_bias`` [num_experts] with its
+    router's parameter, whether or not the model balances by them."""
+    if model.moe is None:
+        return {}
+    n = MOE_NAMES[model.family]
+    return {f"model.layers.{i}.{n.block}.{ROUTER}.{ROUTER_BIAS}": moe_parameters(model, i)[0]
+            for i in range(model.num_layers) if model.is_moe_layer(i)}
 
 
 def llama_parameters(model: ModelSpec) -> list[ParamInfo]:

@@ -275,9 +275,6 @@ class ModelSpec:
         if self.gpt:
             return ("architecture", f"{self.architecture} is priced by the planner and simulator, not trained: "
                                     "the runtime trains the Llama family (llama, mistral, qwen2)")
-        if self.moe is not None and self.moe.bias_update_rate > 0:
-            return ("moe.bias_update_rate", "aux-loss-free balancing is not trained yet (its per-step bias update "
-                                            "needs the routers' loads summed over data-parallel replicas)")
         if self.sliding_window is not None and seq_len > self.sliding_window:
             return ("sliding_window", f"attention window {self.sliding_window} is shorter than seq_len {seq_len}; "
                                       "the runtime trains full causal attention only")

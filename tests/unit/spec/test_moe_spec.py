@@ -106,11 +106,10 @@ def test_simulate_prices_it_and_train_names_what_it_cannot_run(tmp_path: Path):
     res = CliRunner().invoke(cli, ["simulate", "--plan", str(plan)])
     assert res.exit_code == 0, res.output   # priced, saying how
     assert NOTE in res.stderr.splitlines()
-    model = tmp_path / "m.yaml"
-    model.write_text((CONFIGS / "models" / "moe-tiny.yaml").read_text() + "  bias_update_rate: 0.001\n")
-    plan.write_text(plan.read_text().replace("model: moe-tiny", f"model: {model}"))
+    # Aux-loss-free balancing is trained (tests/integration/test_expert_parallel.py); packed documents are not.
+    plan.write_text(plan.read_text().replace("  seq_len:", "  tokens_per_step: 512\n  seq_len:"))
     res = CliRunner().invoke(cli, ["train", "--plan", str(plan), "--steps", "1"])
     assert res.exit_code == 2, res.output
     assert res.stderr.strip().splitlines() == [
-        f"error: {model}: moe.bias_update_rate: aux-loss-free balancing is not trained yet (its per-step bias "
-        "update needs the routers' loads summed over data-parallel replicas)"]
+        f"error: {plan}: training.tokens_per_step: a MoE model does not train on packed documents yet (its "
+        "load-balancing loss is weighted by fixed micro-batches)"]

@@ -105,3 +105,30 @@ def test_each_device_loads_exactly_the_region_it_holds(ctx, tmp_path):
     for name, region in regions.items():
         for suffix in ("", ".exp_avg", ".exp_avg_sq"):
             assert torch.equal(program.loaded[name + suffix], state[name + suffix][region])
+
+
+def test_the_routers_biases_are_optimizer_state_and_refuse_an_export(tmp_path):
+    """Aux-loss-free balancing: a training checkpoint holds each router's bias in its optimizer file (one
+    missing is named), its config.json is the model's Hugging Face view, and ``hspmd export`` refuses it."""
+    import dataclasses
+
+    from runtime.checkpoint import checkpoint_info, export_checkpoint, optimizer_tensors, write_checkpoint
+    from runtime.torchfree.models.params import llama_parameters, router_biases
+    from runtime.torchfree.spec import load_model
+
+    tiny = load_model("moe-tiny")
+    model = dataclasses.replace(tiny, moe=dataclasses.replace(tiny.moe, bias_update_rate=0.01))
+    biases = router_biases(model)
+    assert len(biases) == 5 and all(n.endswith(".mlp.gate.expert_bias") for n in biases)
+    weights = {p.name: torch.zeros(p.shape) for p in llama_parameters(model)}
+    state = {n: torch.full(s, 0.5) for n, s in optimizer_tensors(model).items()}
+    write_checkpoint(tmp_path / "ck", model, weights, moments=state, step=2, saved_by="test")
+    info = checkpoint_info(tmp_path / "ck", model)
+    assert info.moments and all(info.files[n].name == "optimizer.safetensors" for n in biases)
+    with pytest.raises(SpecError, match="expert_bias: missing"):
+        write_checkpoint(tmp_path / "short", model, weights, moments={n: t for n, t in state.items()
+                                                                       if n not in biases}, step=2, saved_by="test")
+        checkpoint_info(tmp_path / "short", model)
+    with pytest.raises(HspmdError, match="moe.bias_update_rate: the checkpoint holds the routers' biases"):
+        export_checkpoint(tmp_path / "ck", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
