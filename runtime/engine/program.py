@@ -32,7 +32,7 @@ from runtime.engine.pipeline import BoundaryChannel, connect_peers
 from runtime.engine.reference import autocast_for, step_casts
 from runtime.engine.tensor_parallel import local_tensor
 from runtime.models.llama import LlamaForCausalLM, causal_lm_loss_sum
-from runtime.models.moe import MoeForCausalLM, loads_kept
+from runtime.models.moe import LoadsKept, MoeForCausalLM
 from runtime.torchfree.annotations.from_plan import strategy_groups
 from runtime.torchfree.comm.resolve import CommOp
 from runtime.torchfree.engine.describe import COMPUTE_NAMES, ProgramDescription, action_name, describe_plan
@@ -519,7 +519,7 @@ def checkpoint_layers(module: LlamaForCausalLM, ids: Sequence[int] | None = None
         inner = layer.forward
 
         def _context(_layer=layer):  # the rerun in the backward counts no router load a second time
-            return nullcontext(), loads_kept(_layer)
+            return nullcontext(), LoadsKept(_layer)
 
         def forward(x, cos, sin, attend=None, _inner=inner, _context=_context):
             return checkpoint(_inner, x, cos, sin, attend, use_reentrant=False, context_fn=_context)

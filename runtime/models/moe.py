@@ -17,8 +17,7 @@ loss (the training loop's share of one micro-batch in the step's loss).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -98,17 +97,6 @@ class Router(nn.Linear):
         self.load.zero_()
         return load
 
-    @contextmanager
-    def load_kept(self) -> Iterator[None]:
-        """Whatever runs inside leaves ``load`` as it found it: a recomputed forward (activation checkpointing
-        reruns it in the backward) routes the same tokens again and must not count them twice."""
-        before = self.load.clone()
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                self.load.copy_(before)
-
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor) -> None:
         """DeepSeek-V3's update: an expert given more than the mean load gets its bias lowered by the update
@@ -117,14 +105,24 @@ class Router(nn.Linear):
         self.expert_bias += self.moe.bias_update_rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype)
 
 
-@contextmanager
-def loads_kept(module: nn.Module) -> Iterator[None]:
-    """``Router.load_kept`` for every router inside ``module`` (a recomputed decoder layer)."""
-    with ExitStack() as stack:
-        for m in module.modules():
-            if isinstance(m, Router):
-                stack.enter_context(m.load_kept())
-        yield
+class LoadsKept:
+    """Whatever runs inside leaves the ``load`` of every router inside ``module`` (a recomputed decoder layer)
+    as it found it: activation checkpointing reruns the forward in the backward, routing the same tokens again,
+    and must not count them twice. Enterable again after it exits: a split backward may rerun a layer's
+    forward once for the input gradient and once for the weight gradient."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.routers = [m for m in module.modules() if isinstance(m, Router)]
+        self.saved: list[list[torch.Tensor]] = []
+
+    def __enter__(self) -> LoadsKept:
+        self.saved.append([r.load.clone() for r in self.routers])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for r, before in zip(self.routers, self.saved.pop()):
+                r.load.copy_(before)
 
 
 def balance_loss(probs: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
