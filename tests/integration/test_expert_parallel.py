@@ -261,11 +261,16 @@ TP_SPLIT = [{"micro_batches": 3, "stages": [{"devices": [0, 1], "layers": [0, 3]
 # twice against pipeline 1's (counting everything twice would move no bias differently).
 RECOMPUTED = [{**PIPELINES[0], "stages": [{**PIPELINES[0]["stages"][0], "recompute": True}, PIPELINES[0]["stages"][1]]},
               PIPELINES[1]]
-BALANCING = [(PIPELINES, None, False), (TP_SPLIT, None, False), (RECOMPUTED, None, False), (PIPELINES, "zb-h1", True)]
+# Recompute on pipeline 0's second stage under ZB-H1: its layers' forward reruns for the input gradient and
+# again for the weight gradient (a first stage's backward is one pass).
+RECOMPUTED_LATER = [{**PIPELINES[0], "stages": [PIPELINES[0]["stages"][0],
+                                                {**PIPELINES[0]["stages"][1], "recompute": True}]}, PIPELINES[1]]
+BALANCING = [(PIPELINES, None, False), (TP_SPLIT, None, False), (RECOMPUTED, None, False),
+             (RECOMPUTED_LATER, "zb-h1", False), (PIPELINES, "zb-h1", True)]
 
 
 @pytest.mark.parametrize("pipelines,schedule,zero", BALANCING,
-                         ids=["expert-parallel", "tp-split", "ep-recomputed", "ep-zb-h1-zero1"])
+                         ids=["expert-parallel", "tp-split", "ep-recomputed", "ep-recomputed-zb-h1", "ep-zb-h1-zero1"])
 def test_aux_loss_free_balancing_matches_the_reference(world: EngineWorld, tmp_path: Path, pipelines: list,
                                                        schedule: str | None, zero: bool) -> None:
     """``bias_update_rate``: each router's load summed over the devices that routed a share of its layer's
