@@ -36,6 +36,7 @@ adjustments here do not apply to them.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ from runtime.torchfree.profiling.profile import eval_fit
 from runtime.torchfree.schedule_policies import device_limits
 from runtime.torchfree.schedule_types import ChunkCost
 from runtime.torchfree.spec.moe import MoeSpec
-from runtime.torchfree.spec.plan import Schedule, Stage, Strategy
+from runtime.torchfree.spec.plan import Schedule, Stage, Strategy, expert_destination
 
 # Bytes of one routed-token count in the counts all-gather ([n, E] int64).
 COUNT_BYTES = 8
@@ -77,10 +78,9 @@ def holder_rows(devices: Sequence[int], experts: Mapping[int, Sequence[int]] | S
     out: dict[int, dict[int, float]] = {d: {} for d in devices}
     for e, r in enumerate(rows):
         holders = [d for d in devices if e in held.get(d, ())]
-        m = len(holders)
-        for j, h in enumerate(holders):
-            sources = len(range(j, n, m))
-            out[h][e] = out[h].get(e, 0.0) + r * sources / n
+        sources = Counter(expert_destination(holders, s) for s in range(n))
+        for h, c in sources.items():
+            out[h][e] = out[h].get(e, 0.0) + r * c / n
     return out
 
 
@@ -94,7 +94,7 @@ def a2a_flows(devices: Sequence[int], experts: Mapping[int, Sequence[int]] | Seq
     for e, r in enumerate(rows):
         holders = [d for d in devices if e in held.get(d, ())]
         for s, src in enumerate(devices):
-            dst = holders[s % len(holders)]
+            dst = expert_destination(holders, s)
             nbytes[src, dst] = nbytes.get((src, dst), 0.0) + r / n * row_bytes
     return tuple(Flow(a, b, x) for (a, b), x in nbytes.items())
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from runtime.comm.execute import all_gather_flat
 from runtime.models.moe import MoeBlock, MoeForCausalLM
+from runtime.torchfree.spec.plan import expert_destination
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,7 @@ class ExpertRoutes:
         return tuple(r for r, held in enumerate(self.placement) if expert in held)
 
     def dest(self, source: int, expert: int) -> int:
-        h = self.holders(expert)
-        return h[source % len(h)]
+        return expert_destination(self.holders(expert), source)
 
 
 class _Slice(torch.autograd.Function):

@@ -11,7 +11,7 @@ also holds the embedding, the chunk holding the last layer the final norm and he
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -155,6 +155,13 @@ def op_cost_problems(op_costs: tuple[tuple[float, ...], ...], chunks: int) -> li
         elif not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in triple):
             out.append(f"chunk {k}: op durations must be positive finite seconds, got {list(triple)}")
     return out
+
+
+def expert_destination(holders: Sequence[int], source: int) -> int:
+    """Which of an expert's holders gets the expert's tokens of token slice ``source``: a replicated expert's
+    holders share the senders, slice s going to holder s mod m. The runtime's token exchange and the
+    planner's price of it both read the rule here (docs/moe.md)."""
+    return holders[source % len(holders)]
 
 
 def _placement_pairs(devices: tuple[int, ...], experts: Mapping) -> tuple[tuple[int, tuple[int, ...]], ...]:
