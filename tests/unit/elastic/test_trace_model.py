@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from planner import trace_model
 from planner.baselines import best_symmetric, best_symmetric_subset
 from planner.cost import CostModel
 from planner.replan import choose, pays, restart_cost
@@ -222,30 +223,39 @@ def test_megatron_restart_runs_the_best_symmetric_plan_on_the_whole_nodes_left(t
     assert alone["restart"]["total_s"] == pytest.approx(out["restart"]["total_s"])
 
 
-def test_a_loss_planned_ahead_costs_a_lookup_when_the_layout_ran_long_enough_to_plan_it(two_nodes):
+def test_a_loss_planned_ahead_costs_a_lookup_when_the_layout_ran_long_enough_to_plan_it(two_nodes, monkeypatch):
     handle, profiles = two_nodes
+    switches = []  # the devices lost of every fused BSR planned (the Oobleck-like line plans one per event too)
+    real_plan_switch = trace_model.plan_switch
+
+    def plan_switch(source, target, failed):
+        switches.append(set(failed))
+        return real_plan_switch(source, target, failed)
+
+    monkeypatch.setattr(trace_model, "plan_switch", plan_switch)
     trace = parse_trace({"events": [{"step": 150, "action": "kill", "devices": [1]},
                                     {"step": 300, "action": "kill", "devices": [0, 2]}]},
                         handle.ctx.cluster, handle.devices, "t.yaml")
     on = model_trace(handle, trace.events, 400, profiles, TraceModel(time_limit_s=5.0, coordinator_node="b"))
-    off = model_trace(handle, trace.events, 400, profiles,
-                      TraceModel(time_limit_s=5.0, coordinator_node="b", preplan=False))
-    first = on["hspmd"]["events"][0]
+    first, second = on["hspmd"]["events"]
     # device 1 alone is a candidate of the layout; it is planned ahead when 149 steps at the layout's step time
     # cover one replan per candidate (each device, and each node with two of the layout's devices) at this
     # event's planner wall time
     n = len(candidates(handle, set(range(4))))
     ran = 149 * first["step_time_before_s"]
     assert first["preplanned"] == (ran >= n * first["planner_wall_s"])
-    if first["preplanned"]:
-        assert first["parts_s"]["replan"] < first["planner_wall_s"]
-    else:
-        assert first["parts_s"]["replan"] == first["planner_wall_s"]
+    # planned ahead, the loss is charged the lookup's own time, not the planner's (both are wall times: no order
+    # between them is asserted); devices 0 and 2 together are neither one device nor one node: planned at the failure
+    assert (first["parts_s"]["replan"] == first["planner_wall_s"]) != first["preplanned"]
     assert first["cost_s"] == pytest.approx(sum(first["parts_s"].values()))
-    # devices 0 and 2 together are neither one device nor one node: planned at the failure
-    second = on["hspmd"]["events"][1]
-    assert not second.get("preplanned", False)
-    # without it every replan is charged the planner's wall time
+    assert not second["preplanned"] and second["parts_s"]["replan"] == second["planner_wall_s"]
+    # without it every replan is charged the planner's wall time, and nothing is looked up: the one fused BSR
+    # fewer is the lookup's
+    with_lookup = list(switches)
+    switches.clear()
+    off = model_trace(handle, trace.events, 400, profiles,
+                      TraceModel(time_limit_s=5.0, coordinator_node="b", preplan=False))
+    assert sorted(map(sorted, with_lookup)) == sorted(map(sorted, switches + ([{1}] if first["preplanned"] else [])))
     assert all(e["parts_s"]["replan"] == e["planner_wall_s"] and not e["preplanned"]
                for e in off["hspmd"]["events"] if "planner_wall_s" in e)
 
