@@ -19,7 +19,14 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from planner.costmodel.targets import SPLIT_BACKWARD_SHARE, SleepTarget, sleep_target
+from planner.costmodel.targets import (
+    SPLIT_BACKWARD_SHARE,
+    ExpertShare,
+    SleepTarget,
+    moe_block_s,
+    sleep_target,
+    slowest_target,
+)
 from runtime.launch.options import TrainOptions
 from runtime.profiling.host import WorkerCpus, host_cpus
 from runtime.torchfree.profiling.profile import ComputeBlock
@@ -72,12 +79,18 @@ class SleepBlockTargets:
     model prices these types by, so the plan and the run agree. Targets resolve lazily, once per process."""
 
     def for_device(self, ctx: PlanContext, strategy: str, device: int) -> BlockTarget | None:
-        dev_type = ctx.cluster.device(device).type
-        em = ctx.cluster.device_types[dev_type].emulate
-        if em is None or not em.sleeps:
+        if device_target(ctx, ctx.cluster.device(device).type) is None:
             return None
-        target = sleep_target(em, file=f"cluster {ctx.cluster.name}", field=f"device_types.{dev_type}.emulate")
-        return stage_block_targets(ctx, strategy, device, target)
+        return stage_block_targets(ctx, strategy, device)
+
+
+def device_target(ctx: PlanContext, dev_type: str) -> SleepTarget | None:
+    """A device type's sleep-mode target for a run of the plan's model (None: the type does not sleep)."""
+    em = ctx.cluster.device_types[dev_type].emulate
+    if em is None or not em.sleeps:
+        return None
+    return sleep_target(em, trained=ctx.model, file=f"cluster {ctx.cluster.name}",
+                        field=f"device_types.{dev_type}.emulate")
 
 
 def sleeps(cluster: Cluster) -> bool:
@@ -96,11 +109,12 @@ def emulated(options: TrainOptions, ctx: PlanContext | None = None) -> TrainOpti
                                worker_cpus=worker_cpus(ctx, options))
 
 
-def stage_block_targets(ctx: PlanContext, strategy: str, device: int, target: SleepTarget) -> BlockTarget:
-    """The targets of ``device``'s blocks in ``strategy``: its stage's forward and backward blocks as
-    ``target`` prices them, at the plan's micro-batch size and sequence length (or the span's own
-    ``seq_len``, where the engine names one). Other compute blocks (the optimizer step) have no target, and
-    so has every block of a device the strategy leaves idle."""
+def stage_block_targets(ctx: PlanContext, strategy: str, device: int) -> BlockTarget:
+    """The targets of ``device``'s blocks in ``strategy``: its stage's forward and backward blocks as its type's
+    target prices them, at the plan's micro-batch size and sequence length (or the span's own ``seq_len``,
+    where the engine names one), with its MoE layers' difference (``moe_block_s``: on an expert-parallel
+    stage its own experts' rows, the TP parts at the pace of the stage's slowest target). Other compute
+    blocks (the optimizer step) have no target, and so has every block of a device the strategy leaves idle."""
     strat = ctx.strategy(strategy)
     where = strat.locate(device)
     if where is None:   # idle in this strategy (an elastic run's standby device): no blocks to price
@@ -109,32 +123,57 @@ def stage_block_targets(ctx: PlanContext, strategy: str, device: int, target: Sl
     stages = strat.pipelines[pi].stages
     st = stages[si]
     t = ctx.plan.training
-    cache: dict[tuple[bool, int, int, bool, bool], float] = {}
+    model = ctx.model
+    own = device_target(ctx, ctx.cluster.device(device).type)
+    types = {ctx.cluster.device(d).type for d in st.devices}
+    share = None if not st.expert_parallel else ExpertShare(tuple(st.devices), dict(st.experts or ()), device)
+    cache: dict[tuple[bool, int, int, bool, bool, int], float] = {}
+
+    targets = {ty: device_target(ctx, ty) for ty in types}
+
+    def stage_target(seq_len: int) -> SleepTarget:
+        """The target the stage's TP parts run at: its one type's, or a mixed stage's slowest."""
+        return own if len(types) == 1 else targets[slowest_target(targets, st.tp, t.micro_batch, seq_len)]
+
+    def moe_s(backward: bool, seq_len: int, chunk: int | None) -> float:
+        if model.moe is None:
+            return 0.0
+        # the chunk's layers (a span naming none: the stage's), and the lowest of them that recompute
+        ids = range(*st.layers[chunk]) if chunk is not None else st.layer_ids
+        rerun = st.chunk_recompute(chunk) if chunk is not None else (len(ids) if st.recompute else
+                                                                      st.recompute_layers)
+        lowest = sorted(ids)[:rerun]
+        return moe_block_s(stage_target(seq_len), own, model.moe, st.tp, t.micro_batch, seq_len,
+                           backward=backward, moe_layers=sum(1 for i in ids if model.is_moe_layer(i)),
+                           rerun_layers=sum(1 for i in lowest if model.is_moe_layer(i)), share=share)
 
     def target_s(name: str, args: Mapping[str, Any]) -> float | None:
         # A split backward's two halves (zero-bubble schedules: input gradient, then weight gradient) are
         # priced at their share of the backward block each (the cost model's chunk_cost splits it so too).
-        share = {"forward": 1.0, "backward": 1.0, "input_grad": SPLIT_BACKWARD_SHARE,
-                 "weight_grad": SPLIT_BACKWARD_SHARE}.get(name)
-        if share is None:
+        share_of = {"forward": 1.0, "backward": 1.0, "input_grad": SPLIT_BACKWARD_SHARE,
+                    "weight_grad": SPLIT_BACKWARD_SHARE}.get(name)
+        if share_of is None:
             return None
         backward = name != "forward"
         seq_len = int(args.get("seq_len", t.seq_len))
         # The engine names the chunk it runs (its layers, whether it embeds / holds the head); a span
         # without them is the whole stage.
+        chunk = args.get("chunk")
+        chunk = None if chunk is None else int(chunk)
         layers = int(args.get("layers", st.num_layers))
         first = bool(args.get("first", si == 0))
         last = bool(args.get("last", si == len(stages) - 1))
         docs = tuple(int(n) for n in args.get("documents", ()))
         # packed documents (one row of several documents): priced by their lengths, uncached (they vary)
-        key = (backward, seq_len, layers, first, last)
+        key = (backward, seq_len, layers, first, last, -1 if chunk is None else chunk)
         if docs or key not in cache:
-            price = target.block_s(ComputeBlock(
+            price = stage_target(seq_len).block_s(ComputeBlock(
                 layers=layers, micro_batch=1 if docs else t.micro_batch, seq_len=sum(docs) or seq_len,
                 backward=backward, tp=st.tp, recompute=st.recompute, first=first, last=last, documents=docs))
+            price += moe_s(backward, seq_len, chunk)
             if docs:
-                return share * price
+                return share_of * price
             cache[key] = price
-        return share * cache[key]
+        return share_of * cache[key]
 
     return target_s

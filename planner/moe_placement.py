@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.cost import GIB, CostModel, zero_degree
-from planner.costmodel.moe import expert_rows, holder_rows, lpt_placement
+from planner.costmodel.moe import lpt_placement
+from planner.costmodel.moe_gemms import expert_rows, holder_rows
 from runtime.torchfree.spec.plan import Schedule, Stage, Strategy
 
 Placement = dict[int, list[int]]
@@ -157,8 +158,6 @@ def choose_experts(cm: CostModel, strategy: Strategy, global_batch: int, schedul
                 continue
             if cm.sequence_parallel:
                 why = "TP-split: expert parallelism does not run with sequence parallelism"
-            elif not cm.ep_priced(dataclasses.replace(st, experts=even_placement(st.devices, num))):
-                why = "TP-split: sleep-mode emulated devices last their target's blocks whatever experts they hold"
             else:
                 caps = expert_caps(cm, st, free, zero, len(strategy.pipelines))
                 place = speed_placement(cm, st, caps, pipe.micro_batches)

@@ -179,8 +179,9 @@ class ComputeCosts:
         if target is not None:   # sleep mode: each block lasts its target (TP collectives run inside it)
             block = ComputeBlock(layers=n, micro_batch=b, seq_len=s, backward=False, tp=tp, recompute=r == n > 0,
                                  first=first, last=last)
-            fwd = target.block_s(block)
-            bwd = target.block_s(dataclasses.replace(block, backward=True))
+            moe_f, moe_b = self.sleep_moe_stage(device_type, tp, n, r, b, s)
+            fwd = target.block_s(block) + moe_f
+            bwd = target.block_s(dataclasses.replace(block, backward=True)) + moe_b
             return StageCost(forward_s=fwd, backward_s=bwd, compute_s=fwd + bwd, tp_forward_s=0.0,
                              tp_backward_s=0.0, params=n * lay.params + ext.params)
         fwd_c = n * lay.forward_s + ext.forward_s
@@ -197,10 +198,10 @@ class ComputeCosts:
         overrides some of them by index (``MeasuredModel.layers``), their own components' times replace the
         shared layer's. The recomputed layers are the lowest ``recomputed(...)`` indices."""
         n_layers = sum(b - a for a, b in layers)
-        sc = self.moe_placed(self.stage(device_type, tp, n_layers, first, last, recompute,
-                                        recompute_layers=recompute_layers), device_type, tp, layers)
         rc_ids = set(sorted(i for a, b in layers for i in range(a, b))[:recomputed(n_layers, recompute,
                                                                                    recompute_layers)])
+        sc = self.moe_placed(self.stage(device_type, tp, n_layers, first, last, recompute,
+                                        recompute_layers=recompute_layers), device_type, tp, layers, rc_ids)
         prof, (b, s) = self.profiles[device_type], self._shape(None, None)
         measured = self._measured(device_type)
         if measured is None or not measured.layers or self.sleep_target(device_type) is not None:
@@ -246,7 +247,8 @@ class ComputeCosts:
         em = self.cluster.device_types[device_type].emulate
         if em is None or not em.sleeps:
             return None
-        return sleep_target(em, file=f"cluster {self.cluster.name}", field=f"device_types.{device_type}.emulate")
+        return sleep_target(em, trained=self.model, file=f"cluster {self.cluster.name}",
+                            field=f"device_types.{device_type}.emulate")
 
     # -- optimizer -----------------------------------------------------------------------------------
 

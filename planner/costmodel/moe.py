@@ -5,10 +5,9 @@ by all-to-all (docs/planning.md, "Mixture of experts").
 Where the time comes from: profiles measure dense layers (``hspmd profile`` refuses a MoE model), so a MoE
 layer is the dense layer of the same shapes (attention, norms and TP collectives from the profile as for any
 model) with its MLP replaced: the router, the routed experts and the shared experts are GEMMs priced at the
-time per FLOP the profile gives the dense SwiGLU MLP at this micro-batch shape, on each device's own type
-(``mlp_rate``), plus the MLP's fixed time per call (its kernels' launch overhead) once per expert that
-computes (the runtime runs its experts one after another), once for the router and once for the shared
-experts. Expert GEMMs on fewer rows run at the dense MLP's time per FLOP: an assumption ``hspmd plan`` and
+time per FLOP the profile gives the dense SwiGLU MLP at this micro-batch shape, on each device's own type,
+plus the MLP's fixed time per call once per block that computes (``gemms``: planner/costmodel/moe_gemms.py,
+the rule). Expert GEMMs on fewer rows run at the dense MLP's time per FLOP: an assumption ``hspmd plan`` and
 ``hspmd simulate`` state (runtime/torchfree/spec/model.py ``MOE_PRICING``, ``ModelSpec.pricing_note``).
 
 On a TP-split stage every rank computes every routed (token, expert) pair on its width slice; the router's
@@ -29,59 +28,32 @@ it has none). A model whose layers are not all MoE layers (``dense_layers``, ``s
 ``layer`` prices the mean layer (what the planner's ILPs take, layers being alike there); ``placed_stage`` and
 ``stage_chunk`` price the exact layer indices a chunk holds.
 
-Sleep-mode emulated types price their blocks by their target (planner/costmodel/targets.py): the MoE
-adjustments here do not apply to them.
+A sleep-mode emulated type's blocks last its target's prices (planner/costmodel/targets.py): its dense block
+is the target's, and its MoE layers' GEMMs are priced on the target's profile and shapes (``gemms``) by the
+same rules, each device of an expert-parallel stage by its own experts' rows, as the emulation's block targets
+(hetu_cli/emulation.py) sleep them; the exchanges and TP collectives run inside those blocks (no
+communication priced for them).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from planner.costmodel.base import LayerCost, MemoryBreakdown, StageCost, memo
+from planner.costmodel.moe_gemms import MoeGemms, expert_rows, holder_rows
 from planner.costmodel.network import Flow, concurrent_seconds
+from planner.costmodel.targets import slowest_target
 from runtime.torchfree.profiling.profile import eval_fit
 from runtime.torchfree.schedule_policies import device_limits
 from runtime.torchfree.schedule_types import ChunkCost
-from runtime.torchfree.spec.moe import MoeSpec
 from runtime.torchfree.spec.plan import Schedule, Stage, Strategy, expert_destination
 
 # Bytes of one routed-token count in the counts all-gather ([n, E] int64).
 COUNT_BYTES = 8
 # Router logits and probabilities, kept for the backward in fp32.
 ROUTER_ACT_BYTES = 8
-
-
-def expert_shares(moe: MoeSpec) -> tuple[float, ...]:
-    """Each expert's share of the routed (token, expert) pairs: ``expert_load`` normalised, else even."""
-    load = moe.expert_load or (1.0,) * moe.num_experts
-    total = float(sum(load))
-    return tuple(x / total for x in load)
-
-
-def expert_rows(moe: MoeSpec, tokens: int) -> tuple[float, ...]:
-    """Expected rows each expert computes in a micro-batch of ``tokens`` tokens: ``tokens * top_k * share``,
-    at most the capacity under a capacity factor."""
-    cap = moe.capacity(tokens)
-    rows = tuple(tokens * moe.top_k * s for s in expert_shares(moe))
-    return rows if cap is None else tuple(min(r, float(cap)) for r in rows)
-
-
-def holder_rows(devices: Sequence[int], experts: Mapping[int, Sequence[int]] | Sequence, rows: Sequence[float]
-                ) -> dict[int, dict[int, float]]:
-    """Per device, per expert it holds: the rows it receives. Each of the n source ranks (the stage's devices in
-    order) sends its 1/n of an expert's rows to holder ``h[s mod m]`` of the expert's m holders."""
-    held = dict(experts)
-    n = len(devices)
-    out: dict[int, dict[int, float]] = {d: {} for d in devices}
-    for e, r in enumerate(rows):
-        holders = [d for d in devices if e in held.get(d, ())]
-        sources = Counter(expert_destination(holders, s) for s in range(n))
-        for h, c in sources.items():
-            out[h][e] = out[h].get(e, 0.0) + r * c / n
-    return out
 
 
 def a2a_flows(devices: Sequence[int], experts: Mapping[int, Sequence[int]] | Sequence, rows: Sequence[float],
@@ -122,22 +94,6 @@ def lpt_placement(devices: Sequence[int], rows: Sequence[float], per_row: Mappin
 
 
 @dataclass(frozen=True)
-class GemmRate:
-    """What a MoE GEMM block costs on one device type: seconds per forward FLOP and per call (one expert, the
-    router, the shared experts: each its own kernels), forward and backward."""
-
-    forward_per_flop: float
-    backward_per_flop: float
-    forward_per_call: float
-    backward_per_call: float
-
-    def seconds(self, flops: float, calls: int) -> tuple[float, float]:
-        """(forward, backward) of ``calls`` blocks of ``flops`` forward FLOPs in all."""
-        return (self.forward_per_flop * flops + self.forward_per_call * calls,
-                self.backward_per_flop * flops + self.backward_per_call * calls)
-
-
-@dataclass(frozen=True)
 class EpLayer:
     """One MoE layer of an expert-parallel stage, one micro-batch, against the TP-split MoE layer of the
     stage's slowest type at its TP degree (what ``layer`` prices): ``forward_s`` / ``backward_s`` what it
@@ -166,29 +122,16 @@ class MoeCosts:
         return b * s
 
     @memo
-    def mlp_rate(self, device_type: str, tp: int, micro_batch: int | None = None,
-                 seq_len: int | None = None) -> GemmRate:
-        """The dense SwiGLU MLP on this type at this TP degree and micro-batch shape, as the profile prices it:
-        seconds per forward FLOP and per call (its fit's constant term, where the fit has a per-token part;
-        a measured table's constant fit is all per FLOP), what every MoE GEMM block is priced at."""
+    def gemms(self, device_type: str, tp: int, micro_batch: int | None = None,
+              seq_len: int | None = None) -> MoeGemms:
+        """A MoE layer's GEMM blocks on this type at this TP degree and micro-batch shape
+        (planner/costmodel/moe_gemms.py): priced by its profile at this model's shapes, or, sleep-mode
+        emulated, by its target's."""
         b, s = self._shape(micro_batch, seq_len)
-        mlp = self.components(device_type, tp, b, s)["mlp"]
-        flops = 6.0 * b * s * self.model.hidden_size * self.model.ffn_hidden_size / tp
-
-        def split(fit: tuple[float, float, float]) -> tuple[float, float]:
-            call = fit[2] if (fit[0] or fit[1]) else 0.0
-            return (eval_fit(fit, b, s) - call) / flops, call
-        (rf, cf), (rb, cb) = split(mlp.forward_s), split(mlp.backward_s)
-        return GemmRate(rf, rb, cf, cb)
-
-    def _shared_flops(self, tokens: float, tp: int) -> float:
-        moe, h = self.model.moe, self.model.hidden_size
-        return 6.0 * tokens * h * moe.shared_width / tp + (2.0 * tokens * h if moe.shared_gate else 0.0)
-
-    def _routed_flops(self, router_tokens: float, rows: float, tp: int) -> float:
-        """Forward FLOPs of the router on ``router_tokens`` tokens and of ``rows`` expert rows at width 1/tp."""
-        moe, h = self.model.moe, self.model.hidden_size
-        return 2.0 * router_tokens * h * moe.num_experts + 6.0 * rows * h * moe.expert_ffn_size / tp
+        target = self.sleep_target(device_type)
+        if target is not None:
+            return target.gemms(self.model.moe, tp, b, s)
+        return MoeGemms(self.model.moe, self.model, self.components(device_type, tp, b, s)["mlp"], tp, b, s)
 
     @memo
     def moe_tp_delta(self, device_type: str, tp: int, micro_batch: int | None = None,
@@ -198,13 +141,8 @@ class MoeCosts:
         b, s = self._shape(micro_batch, seq_len)
         moe, h, t = self.model.moe, self.model.hidden_size, b * s
         mlp = self.components(device_type, tp, b, s)["mlp"]
-        by_expert = expert_rows(moe, t)
-        rows = sum(by_expert)
-        calls = 1 + sum(1 for r in by_expert if r > 0) + (1 if moe.shared_width else 0)
-        fwd, bwd = self.mlp_rate(device_type, tp, b, s).seconds(
-            self._routed_flops(t, rows, tp) + self._shared_flops(t, tp), calls)
-        fwd -= eval_fit(mlp.forward_s, b, s)
-        bwd -= eval_fit(mlp.backward_s, b, s)
+        rows = sum(expert_rows(moe, t))
+        fwd, bwd = self.gemms(device_type, tp, b, s).tp_delta_s()
         e = self._act_element_bytes(device_type)
         act = (e * (t * h + rows * (h + 4.0 * moe.expert_ffn_size / tp) + 4.0 * t * moe.shared_width / tp)
                + ROUTER_ACT_BYTES * t * moe.num_experts)
@@ -220,8 +158,8 @@ class MoeCosts:
         """How a multi-device stage of this type and TP degree runs a MoE layer, as the runtime runs it
         (expert-parallel): on the first ``tp`` devices of the type on one node, experts placed by load
         (``lpt_placement``), against TP-split experts; None where no such stage forms (TP 1, no node with
-        ``tp`` devices of the type), the type is sleep-mode emulated or the plan runs sequence parallelism."""
-        if tp == 1 or self.sleep_target(device_type) is not None or self.sequence_parallel:
+        ``tp`` devices of the type) or the plan runs sequence parallelism."""
+        if tp == 1 or self.sequence_parallel:
             return None   # (expert parallelism does not run with sequence parallelism)
         by_node: dict[object, list[int]] = {}
         for d, (t, node) in enumerate(zip(self._type_of, self._node_of)):
@@ -278,22 +216,39 @@ class MoeCosts:
     def moe_layers_in(self, layers: Sequence[tuple[int, int]]) -> int:
         return sum(1 for a, b in layers for i in range(a, b) if self.model.is_moe_layer(i))
 
-    def moe_placed(self, sc: StageCost, device_type: str, tp: int, layers: tuple[tuple[int, int], ...]) -> StageCost:
-        """``sc`` (priced with mean layers) for the MoE layers the ranges ``layers`` hold."""
+    def moe_placed(self, sc: StageCost, device_type: str, tp: int, layers: tuple[tuple[int, int], ...],
+                   recomputed_ids: Collection[int] = ()) -> StageCost:
+        """``sc`` (priced with mean layers: ``frac`` of every layer, and of every recomputed one, a MoE layer) for
+        the MoE layers the ranges ``layers`` hold, ``recomputed_ids`` of them re-running their forward."""
         moe = self.model.moe
-        if moe is None or self.sleep_target(device_type) is not None:
+        if moe is None:
             return sc
         n = sum(b - a for a, b in layers)
-        extra = self.moe_layers_in(layers) - n * len(self.model.moe_layers) / self.model.num_layers
-        if abs(extra) < 1e-12:
+        frac = len(self.model.moe_layers) / self.model.num_layers
+        extra = self.moe_layers_in(layers) - n * frac
+        rerun = sum(1 for i in recomputed_ids if self.model.is_moe_layer(i)) - len(recomputed_ids) * frac
+        if abs(extra) < 1e-12 and abs(rerun) < 1e-12:
             return sc
         d = self.moe_delta(device_type, tp)
+        rerun_s = rerun * d.recompute_s
         return dataclasses.replace(sc, forward_s=sc.forward_s + extra * (d.forward_s + d.tp_forward_s),
-                                   backward_s=sc.backward_s + extra * (d.backward_s + d.tp_backward_s),
-                                   compute_s=sc.compute_s + extra * (d.forward_s + d.backward_s),
+                                   backward_s=sc.backward_s + extra * (d.backward_s + d.tp_backward_s) + rerun_s,
+                                   compute_s=sc.compute_s + extra * (d.forward_s + d.backward_s) + rerun_s,
                                    tp_forward_s=sc.tp_forward_s + extra * d.tp_forward_s,
                                    tp_backward_s=sc.tp_backward_s + extra * d.tp_backward_s,
                                    params=round(sc.params + extra * d.params))
+
+    def sleep_moe_stage(self, device_type: str, tp: int, num_layers: int, recomputed_layers: int,
+                        micro_batch: int, seq_len: int) -> tuple[float, float]:
+        """(forward, backward) a sleep-mode type's stage block of ``num_layers`` mean layers adds for its MoE
+        layers (``frac`` of them; ``recomputed_layers`` re-running their forward): the target prices a dense
+        block, the MoE layers' difference is ``moe_delta`` on the target's shapes (``gemms``)."""
+        if self.model.moe is None:
+            return 0.0, 0.0
+        frac = len(self.model.moe_layers) / self.model.num_layers
+        d = self.moe_delta(device_type, tp, micro_batch, seq_len)
+        return (num_layers * frac * (d.forward_s + d.tp_forward_s),
+                num_layers * frac * (d.backward_s + d.tp_backward_s) + recomputed_layers * frac * d.recompute_s)
 
     # -- expert-parallel stages ----------------------------------------------------------------------
 
@@ -307,6 +262,8 @@ class MoeCosts:
         if len(types) == 1:
             return types[0]
         tp = len(devices)
+        if self.sleeps(devices):   # the emulation's rule (hetu_cli/emulation.py prices its blocks so)
+            return slowest_target({t: self.sleep_target(t) for t in types}, tp, self.micro_batch, self.seq_len)
         return max(types, key=lambda t: (self.layer(t, tp).forward_s + self.layer(t, tp).backward_s, t))
 
     @memo
@@ -323,8 +280,12 @@ class MoeCosts:
 
     def ep_priced(self, st: Stage) -> bool:
         """Whether ``st`` is priced as an expert-parallel stage."""
-        return (st.expert_parallel and self.model.moe is not None
-                and all(self.sleep_target(self._type_of[d]) is None for d in st.devices))
+        return st.expert_parallel and self.model.moe is not None
+
+    def sleeps(self, devices: Collection[int]) -> bool:
+        """Whether ``devices`` are all sleep-mode emulated: their blocks last their targets' prices, the
+        communication inside a block (TP collectives, the expert exchanges) included."""
+        return all(self.sleep_target(self._type_of[d]) is not None for d in devices)
 
     @memo
     def ep_layer(self, devices: tuple[int, ...], experts: tuple, micro_batch: int | None = None,
@@ -348,8 +309,7 @@ class MoeCosts:
             e = self._act_element_bytes(y)
             act[d] = (e * (t / n * h + r * (h + 4.0 * moe.expert_ffn_size)) + ROUTER_ACT_BYTES * t / n * moe.num_experts
                       - e * sum(rows) * (h + 4.0 * moe.expert_ffn_size / n) - ROUTER_ACT_BYTES * t * moe.num_experts)
-        split_f, split_b = self.mlp_rate(base, n, b, s).seconds(self._routed_flops(t, sum(rows), n),
-                                                          1 + sum(1 for r in rows if r > 0))
+        split_f, split_b = self.gemms(base, n, b, s).routed_tp_s()
         row_bytes = float(h * self._act_element_bytes(base))
         flows = a2a_flows(devices, experts, rows, row_bytes)
         back = tuple(Flow(f.dst, f.src, f.nbytes) for f in flows)
@@ -359,6 +319,8 @@ class MoeCosts:
         counts = self.allgather_time(devices, n * moe.num_experts * COUNT_BYTES)
         comm_f = counts + dispatch + combine + gather
         comm_b = dispatch + combine + gather
+        if self.sleeps(devices):   # inside each device's block, which lasts its target
+            comm_f = comm_b = 0.0
         return EpLayer(forward_s=busy_f - split_f + comm_f, backward_s=busy_b - split_b + comm_b,
                        comm_forward_s=comm_f, comm_backward_s=comm_b, rows=dev_rows, expert_s=expert_s,
                        params=params, activation_bytes=act)
@@ -464,18 +426,14 @@ class MoeCosts:
         return t + sum(self.replica_sync_s(st.expert_holders(e), n_moe) for e in range(moe.num_experts))
 
     def expert_row_s(self, device: int) -> float:
-        """Seconds one (token, expert) row costs on ``device``'s type, forward + backward (``mlp_rate``)."""
-        rate = self.mlp_rate(self._type_of[device], 1)
-        return (rate.forward_per_flop + rate.backward_per_flop) * 6.0 * self.model.hidden_size \
-            * self.model.moe.expert_ffn_size
+        """Seconds one (token, expert) row costs on ``device``'s type, forward + backward (``MoeGemms.row_s``)."""
+        return self.gemms(self._type_of[device], 1).row_s()
 
     def device_expert_s(self, device: int, n: int, rows: float, experts: int, micro_batch: int | None = None,
                         seq_len: int | None = None) -> tuple[float, float]:
         """(forward, backward) of ``device`` on an expert-parallel stage of ``n`` devices: routing its 1/n of
         the tokens and running ``experts`` experts on ``rows`` rows in all, on its own type."""
-        b, s = self._shape(micro_batch, seq_len)
-        return self.mlp_rate(self._type_of[device], 1, b, s).seconds(self._routed_flops(b * s / n, rows, 1),
-                                                                     1 + experts)
+        return self.gemms(self._type_of[device], 1, micro_batch, seq_len).device_s(n, rows, experts)
 
     @memo
     def replica_sync_s(self, holders: tuple[int, ...], layers: int) -> float:

@@ -17,7 +17,7 @@ from hypothesis import strategies as hs
 
 from hetu_cli.main import cli
 from planner.cost import CostModel
-from planner.costmodel.moe import expert_rows, holder_rows
+from planner.costmodel.moe_gemms import expert_rows, holder_rows
 from planner.moe_placement import choose_experts, even_placement, speed_placement
 from planner.simulate import simulate
 from runtime.torchfree.profiling.profile import resolve_profiles
