@@ -93,7 +93,8 @@ def _improved(cm: CostModel, st: Stage, place: Placement, caps: Mapping[int, int
     experts off the slowest device while that lowers the stage's step share: its slowest device's router and
     experts over the step's MoE layers and micro-batches, plus the replicas' gradient all-reduce
     (``device_expert_s``, ``replica_sync_s``: what ``ep_layer`` and the sync layout price; the all-to-alls,
-    which a placement changes little, left out of the search)."""
+    which a placement changes little, left out of the search). Where alike devices tie at the slowest, no one
+    move helps: one move per tied device together (``_untied``)."""
     devices, n = list(st.devices), len(st.devices)
     layers = cm.moe_layers_in(st.layers)
     scale = micro_batches * layers
@@ -118,21 +119,56 @@ def _improved(cm: CostModel, st: Stage, place: Placement, caps: Mapping[int, int
         times = busy(place)
         slow = max(devices, key=lambda d: (times[d], -devices.index(d)))
         found = None
-        for e in place[slow]:
-            for d in devices:
-                if d == slow or e in place[d] or len(place[d]) >= caps[d]:
-                    continue
-                moves = [{**place, d: sorted(place[d] + [e])}]   # replicate e onto d
-                if len(place[slow]) > 1:   # move e to d
-                    moves.append({**place, slow: [x for x in place[slow] if x != e], d: sorted(place[d] + [e])})
-                for cand in moves:
-                    v = cost(cand)
-                    if v < best - 1e-9 * abs(best) and (found is None or v < found[0]):
-                        found = (v, cand)
+        for cand in _moves(place, slow, devices, caps):
+            v = cost(cand)
+            if v < best - 1e-9 * abs(best) and (found is None or v < found[0]):
+                found = (v, cand)
+        if found is None:   # devices tied at the slowest: no one move lowers the stage's time
+            cand = _untied(place, times, devices, caps, busy)
+            if cand is not None and cost(cand) < best - 1e-9 * abs(best):
+                found = (cost(cand), cand)
         if found is None:
             break
         best, place = found
     return {d: sorted(es) for d, es in place.items()}
+
+
+def _moves(place: Placement, slow: int, devices: Sequence[int], caps: Mapping[int, int]) -> list[Placement]:
+    """Every placement one move from ``place`` off device ``slow``: one of its experts replicated onto, or
+    moved to, another device with room for it."""
+    out = []
+    for e in place[slow]:
+        for d in devices:
+            if d == slow or e in place[d] or len(place[d]) >= caps[d]:
+                continue
+            out.append({**place, d: sorted(place[d] + [e])})   # replicate e onto d
+            if len(place[slow]) > 1:   # move e to d
+                out.append({**place, slow: [x for x in place[slow] if x != e], d: sorted(place[d] + [e])})
+    return out
+
+
+def _untied(place: Placement, times: Mapping[int, float], devices: Sequence[int], caps: Mapping[int, int],
+            busy) -> Placement | None:
+    """Where several devices tie at the slowest time (alike devices with alike experts), one move each: for
+    every tied device in turn the move that most shortens it without making any other device as slow as the
+    tie; None where some tied device has no such move."""
+    top = max(times.values())
+    tied = [d for d in devices if times[d] >= top * (1 - 1e-9)]
+    if len(tied) < 2:
+        return None
+    cand = place
+    for i, t in enumerate(tied):
+        pending = set(tied[i + 1:])   # (still at the tie: shortened by their own moves next)
+        best = None
+        for m in _moves(cand, t, devices, caps):
+            after = busy(m)
+            if all(after[d] < top * (1 - 1e-9) for d in devices if d not in pending) and \
+                    (best is None or after[t] < best[0]):
+                best = (after[t], m)
+        if best is None:
+            return None
+        cand = best[1]
+    return cand
 
 
 def choose_experts(cm: CostModel, strategy: Strategy, global_batch: int, schedule: Schedule, zero: int

@@ -88,6 +88,21 @@ def test_speed_aware_placement_gives_the_faster_type_more_rows():
     assert all(place[d] for d in devices)   # every device holds one at least (validation's rule)
 
 
+def test_alike_devices_tied_at_the_slowest_are_relieved_together():
+    """moe-tiny's 4 experts over 2 emulated A800 and 2 H20 at Mixtral's shapes: longest processing time first
+    gives each device one, and the two H20s tie at the slowest, so no single move shortens the stage; one
+    replica onto an A800 for each H20 together does."""
+    cm = cost_model(model="moe-tiny", cluster="cpu-hetero4-sleep-moe", seq_len=64)
+    devices = (0, 1, 2, 3)   # 2 A800, 2 H20
+    st = Stage(devices, ((0, 6),))
+    place = speed_placement(cm, st, dict.fromkeys(devices, 4), micro_batches=8)
+    ep = cm.ep_of(dataclasses.replace(st, experts=place))
+    even = cm.ep_of(dataclasses.replace(st, experts=even_placement(devices, 4)))
+    assert max(ep.expert_s.values()) < 0.9 * max(even.expert_s.values())
+    assert ep.rows[2] < even.rows[2] and ep.rows[3] < even.rows[3]   # both H20s relieved
+    assert sum(len(place[d]) for d in devices) > 4                    # by replicas
+
+
 def test_an_expert_parallel_device_holds_only_its_experts_state():
     cm = cost_model("qwen1.5-moe-a2.7b")
     model = cm.model
