@@ -76,7 +76,8 @@ def worker_cpus(ctx: PlanContext, options: TrainOptions) -> WorkerCpus | None:
 class SleepBlockTargets:
     """``BlockTargets`` of a cluster's sleep-mode devices: each forward / backward block of a device's
     stage lasts what its type's target (``SleepTarget.block_s``) prices it at, the same function the cost
-    model prices these types by, so the plan and the run agree. Targets resolve lazily, once per process."""
+    model prices these types by, so the plan and the run agree. Targets resolve lazily, per strategy a worker
+    builds."""
 
     def for_device(self, ctx: PlanContext, strategy: str, device: int) -> BlockTarget | None:
         if device_target(ctx, ctx.cluster.device(device).type) is None:
@@ -125,15 +126,15 @@ def stage_block_targets(ctx: PlanContext, strategy: str, device: int) -> BlockTa
     t = ctx.plan.training
     model = ctx.model
     own = device_target(ctx, ctx.cluster.device(device).type)
-    types = {ctx.cluster.device(d).type for d in st.devices}
+    # the sleep-mode types of the stage (an expert-parallel stage may mix them)
+    targets = {ty: tg for ty in {ctx.cluster.device(d).type for d in st.devices}
+               if (tg := device_target(ctx, ty)) is not None}
     share = None if not st.expert_parallel else ExpertShare(tuple(st.devices), dict(st.experts or ()), device)
     cache: dict[tuple[bool, int, int, bool, bool, int], float] = {}
 
-    targets = {ty: device_target(ctx, ty) for ty in types}
-
     def stage_target(seq_len: int) -> SleepTarget:
         """The target the stage's TP parts run at: its one type's, or a mixed stage's slowest."""
-        return own if len(types) == 1 else targets[slowest_target(targets, st.tp, t.micro_batch, seq_len)]
+        return own if len(targets) == 1 else targets[slowest_target(targets, st.tp, t.micro_batch, seq_len)]
 
     def moe_s(backward: bool, seq_len: int, chunk: int | None) -> float:
         if model.moe is None:
