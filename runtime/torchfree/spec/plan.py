@@ -10,6 +10,7 @@ also holds the embedding, the chunk holding the last layer the final norm and he
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -166,12 +167,21 @@ def expert_destination(holders: Sequence[int], source: int) -> int:
 
 def _placement_pairs(devices: tuple[int, ...], experts: Mapping) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """``{device: [expert, ...]}`` as (device, experts) pairs: the stage's devices first in their order, then
-    any key that is not one of them (left for validation to name)."""
+    any key that is not one of them (left for validation to name). Counts, ``{device: n, ...}``, give the
+    devices consecutive experts in that order (``{4: 3, 5: 1}``: device 4 experts 0-2, device 5 expert 3)."""
     def key(d: object) -> tuple[int, object]:
         return (devices.index(d), 0) if d in devices else (len(devices), str(d))
 
+    order = sorted(experts, key=key)
+    if experts and all(_is_count(v) for v in experts.values()) and all(v >= 0 for v in experts.values()):
+        starts = itertools.accumulate((experts[d] for d in order), initial=0)
+        return tuple((d, tuple(range(a, a + experts[d]))) for d, a in zip(order, starts))
     return tuple((d, tuple(experts[d]) if isinstance(experts[d], (list, tuple)) else experts[d])  # type: ignore[misc]
-                 for d in sorted(experts, key=key))
+                 for d in order)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_experts(c: Checker, devices: tuple[int, ...], experts: tuple) -> None:
@@ -180,8 +190,10 @@ def _check_experts(c: Checker, devices: tuple[int, ...], experts: tuple) -> None
         where = f"experts.{d}"
         if d not in devices:
             c.add(where, f"device {d} is not one of the stage's devices {list(devices)}")
-        if not isinstance(held, tuple) or not all(isinstance(e, int) and not isinstance(e, bool) for e in held):
-            c.add(where, f"must be a list of expert indices, got {held!r}")
+        if _is_count(held):   # a count left unexpanded: negative
+            c.add(where, f"must be a count of experts >= 0 or a list of expert indices, got {held}")
+        elif not isinstance(held, tuple) or not all(_is_count(e) for e in held):
+            c.add(where, f"must be a list of expert indices (or, for every device, a count), got {held!r}")
         elif any(e < 0 for e in held):
             c.add(where, f"expert indices must not be negative, got {list(held)}")
         elif len(set(held)) != len(held):
@@ -204,12 +216,13 @@ class Stage:
     # stage of the pipeline has them (docs/schedules.md, "Costs in the plan"); None: layer counts.
     op_costs: tuple[OpCosts, ...] | None = None
     # Expert parallelism (docs/moe.md): which routed experts each device of the stage holds whole, by device id,
-    # e.g. ``{4: [0, 1, 2], 5: [3]}``; an expert listed under two devices is replicated. The same placement
-    # serves every MoE layer of the stage. Stored as (device, experts) pairs in the stage's device order (a
-    # device not listed holds none); written back as a mapping. None: each expert is split over the stage's
-    # TP group like the dense MLP.
+    # e.g. ``{4: [0, 1, 2], 5: [3]}``; an expert listed under two devices is replicated. Or counts, ``{4: 3,
+    # 5: 1}``: consecutive experts in the stage's device order. The same placement serves every MoE layer of
+    # the stage. Stored as (device, experts) pairs in the stage's device order (a device not listed holds
+    # none); written back as a mapping of lists. None: each expert is split over the stage's TP group like
+    # the dense MLP.
     experts: tuple[tuple[int, tuple[int, ...]], ...] | None = field(
-        default=None, metadata={"mapping_pairs": True})
+        default=None, metadata={"mapping_pairs": True, "or_counts": "device"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))

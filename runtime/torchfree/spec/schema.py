@@ -278,9 +278,19 @@ def _is_pair_form(f: dataclasses.Field, value: Any) -> bool:
 
 def _build_field(f: dataclasses.Field, tp: Any, data: Any, file: str, path: str, problems: list[Problem]) -> Any:
     if f.metadata.get("mapping_pairs") and data is not None:
-        # A tuple of (key, value) pairs spelled as a mapping: read as one, the class makes it pairs.
+        # A tuple of (key, value) pairs spelled as a mapping: read as one, the class makes it pairs. With
+        # ``or_counts`` (naming what its keys are), a mapping of whole numbers instead (how many per key; the class
+        # expands them).
         pairs = next(a for a in get_args(tp) if a is not type(None))
         key_t, val_t = get_args(get_args(pairs)[0])
+        if f.metadata.get("or_counts") and isinstance(data, Mapping) and data:
+            counts = [isinstance(v, int) and not isinstance(v, bool) for v in data.values()]
+            if all(counts):
+                val_t = int
+            elif any(counts) and all(c or isinstance(v, list) for c, v in zip(counts, data.values())):
+                key = f.metadata["or_counts"]   # what the keys are, for the message
+                problems.append(Problem(file, path, f"give every {key} a list or every {key} a count, not both"))
+                return None
         return _build(Mapping[key_t, val_t], data, file, path, problems)
     if _is_pair_form(f, data):
         # The pair is read at the field's own path: it is what the YAML spells there.

@@ -60,6 +60,13 @@ def test_placement_parses_writes_back_and_shards(tmp_path: Path) -> None:
     assert ann.param("model.layers.1.mlp.gate.weight").grad.layout((8, 64)).is_partial
 
 
+def test_counts_place_consecutive_experts_in_the_stage_s_device_order(tmp_path: Path) -> None:
+    ctx = load(tmp_path, plan(tmp_path, {3: 2, 1: 1, 0: 3, 2: 2}))
+    stage = ctx.plan.strategies[0].pipelines[0].stages[0]
+    assert stage.experts == ((0, (0, 1, 2)), (1, (3,)), (2, (4, 5)), (3, (6, 7)))
+    assert to_data(ctx.plan)["strategies"][0]["pipelines"][0]["stages"][0]["experts"] == UNEVEN  # written as lists
+
+
 def test_a_replicated_expert_is_partial_over_its_holders(tmp_path: Path) -> None:
     ctx = load(tmp_path, plan(tmp_path, {0: [0, 1, 2, 3], 1: [3, 4, 5, 6, 7]}, devices=[0, 1]))
     ann = annotate_strategy(ctx.plan.strategies[0], ctx.model, ctx.plan.training)
@@ -82,8 +89,15 @@ def test_refusals_name_the_field(tmp_path: Path) -> None:
                     "replicas (replicate hot experts, or place the experts on fewer devices)"]),
         "no moe layer": (dict(experts=UNEVEN, layers=[0, 1]),
                          [f"{STAGE}.experts: the stage holds no MoE layer of moe-tiny (layers [0, 1))"]),
-        "not a list": (dict(experts={0: 3, 1: [0, 1, 2, 3, 4, 5, 6, 7]}),
-                       [f"{STAGE}.experts.0: expected a list, got 3 (int)"]),
+        "not a list": (dict(experts={0: "3", 1: [0, 1, 2, 3, 4, 5, 6, 7]}),
+                       [f"{STAGE}.experts.0: expected a list, got '3' (str)"]),
+        "lists and counts": (dict(experts={0: 3, 1: [0, 1, 2, 3, 4, 5, 6, 7]}),
+                             [f"{STAGE}.experts: give every device a list or every device a count, not both"]),
+        "negative count": (dict(experts={0: -1, 1: 9}, devices=[0, 1]),
+                           [f"{STAGE}.experts.0: must be a count of experts >= 0 or a list of expert indices, got -1",
+                            f"{STAGE}.experts.1: must be a count of experts >= 0 or a list of expert indices, got 9"]),
+        "counts short": (dict(experts={0: 3, 1: 1, 2: 2, 3: 1}),
+                         [f"{STAGE}.experts: leaves expert(s) [7] unheld: every expert needs at least one device"]),
         "twice": (dict(experts={0: [0, 0], 1: [1, 2, 3, 4, 5, 6, 7]}, devices=[0, 1]),
                   [f"{STAGE}.experts.0: lists expert(s) [0] more than once"]),
     }
