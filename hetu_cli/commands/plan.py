@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from hetu_cli.commands.lengths_report import plan_for_lengths
+from hetu_cli.expert_load import with_measured_load
 from hetu_cli.output import (
     FORMAT_OPTION,
     PROFILE_OPTION,
@@ -78,6 +79,9 @@ MAX_STRATEGIES = 8   # every set of up to this many candidates is priced: C(n, k
 @click.option("--workers", type=IntRange(min=1), default=1, show_default=True,
               help="Processes for the independent searches and the simulator's checks (the same plan, less wall "
                    "time on a multi-core host; worth it on large clusters).")
+@click.option("--expert-load", "expert_load", type=click.Path(path_type=Path),
+              help="MoE: plan for the router skew a run measured (the metrics of hspmd train --metrics, or a list of "
+                   "one share per expert) instead of the model file's moe.expert_load.")
 @click.option("-o", "--out", "out_path", type=click.Path(path_type=Path), help="Write the plan here (YAML).")
 @click.option("--symmetric-out", "symmetric_path", type=click.Path(path_type=Path),
               help="Also write the best symmetric baseline as a plan here (to measure it with hspmd train).")
@@ -95,7 +99,7 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
          seq_len: int | None, micro_batch: int | None, elastic: bool, node_loss_tolerance: float,
          use_zero: bool | None, time_limit: float,
          top_k: int, schedule: str, check_top: int, sequence_parallel: bool, memory_margin: MemoryMargin,
-         workers: int, out_path: Path | None,
+         workers: int, expert_load: Path | None, out_path: Path | None,
          symmetric_path: Path | None,
          lengths: str | None, tokens_per_step: int | None, max_strategies: int, fixed_path: Path | None,
          fmt: str) -> None:
@@ -107,7 +111,7 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
             check_output_file(path, option)   # before the search, which may take minutes
     if lengths is not None:
         unused = {"--global-batch": global_batch, "--micro-batch": micro_batch, "--elastic": elastic or None,
-                  "--zero/--no-zero": use_zero, "--symmetric-out": symmetric_path}
+                  "--zero/--no-zero": use_zero, "--symmetric-out": symmetric_path, "--expert-load": expert_load}
         plan_for_lengths(model_ref, cluster_ref, profile_dirs, lengths, tokens_per_step, seq_len, unused,
                          max_strategies, time_limit, out_path, fmt, fixed_path, memory_margin)
         return
@@ -117,8 +121,11 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
     if global_batch is None or seq_len is None:
         raise click.UsageError("--global-batch and --seq-len are required (or --lengths with --tokens-per-step)")
     model = load_model(model_ref, file="--model", field="")
+    measured = None
+    if expert_load is not None:
+        model, measured = with_measured_load(model, expert_load)
     # What the plan assumes, said once it exists (a refused request prints its one error line only).
-    notes = [n for n in (model.pricing_note(seq_len),) if n is not None]
+    notes = [n for n in (model.pricing_note(seq_len), measured) if n is not None]
     if model.moe is not None and sequence_parallel:
         if click.get_current_context().get_parameter_source("sequence_parallel") == ParameterSource.COMMANDLINE:
             notes.append(f"{model.name}: experts split over each TP group on every stage (expert parallelism "

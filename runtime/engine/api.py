@@ -57,3 +57,7 @@ class StepStats:
     compute_s: float  # this device's time in compute spans (best effort)
     comm_s: float  # this device's time in comm spans (best effort)
     lr: float = 0.0  # the learning rate of the step's update (OptimizerSettings.lr_at)
+    # A MoE model's routers' loads over the step: per router (its bias buffer's name, ``params.router_bias_names``)
+    # the tokens each expert was given, summed over every device that routed a share (the same on each holder);
+    # only the routers this device holds.
+    expert_loads: Mapping[str, tuple[float, ...]] | None = None

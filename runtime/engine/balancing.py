@@ -1,5 +1,6 @@
-"""DeepSeek-V3's auxiliary-loss-free balancing across devices: each router's bias moved by its layer's load
-over the whole step, the same on every holder.
+"""Every MoE layer's expert loads over the whole step, summed across devices: what a run reports
+(``StepStats.expert_loads``) and what DeepSeek-V3's auxiliary-loss-free balancing moves each router's bias by,
+the same on every holder.
 
 Each device counts the tokens its routers gave each expert (``Router.load``). Who routed which tokens is
 exactly what the router's gradient annotation says (annotations/from_plan.py ``stage_member``): the ranks of
@@ -26,14 +27,14 @@ from runtime.models.moe import MoeForCausalLM, Router
 from runtime.torchfree.annotations.from_plan import ParamAnnotation
 from runtime.torchfree.annotations.states import Annotation
 from runtime.torchfree.comm.gradsync import SyncBucket, plan_sync
-from runtime.torchfree.models.params import router_biases
+from runtime.torchfree.models.params import router_bias_names
 from runtime.torchfree.spec.model import ModelSpec
 
 
 def load_entries(model: ModelSpec, params: Sequence[ParamAnnotation]) -> list[tuple[str, tuple[int, ...], Annotation]]:
     """``(bias name, [num_experts], its router's gradient annotation)`` for every router of the model, in one
     global order (``GradientSync``'s entries: the same list on every device)."""
-    biases = router_biases(model)
+    biases = router_bias_names(model)
     if not biases or model.moe is None:
         return []
     grads = {p.name: p.grad for p in params}
@@ -46,8 +47,8 @@ def load_sync_buckets(entries: Sequence[tuple[str, tuple[int, ...], Annotation]]
 
 
 class RouterBalance:
-    """One device's part of aux-loss-free balancing: ``begin`` at a step's start, ``sum_loads`` with the
-    gradient sync, ``update`` after the optimizer's update."""
+    """One device's part of the loads and of aux-loss-free balancing: ``begin`` at a step's start,
+    ``sum_loads`` with the gradient sync, ``update`` after the optimizer's update."""
 
     def __init__(self, model: ModelSpec, params: Sequence[ParamAnnotation], chunks: Sequence[LlamaForCausalLM],
                  groups: ProcessGroups) -> None:
@@ -60,10 +61,12 @@ class RouterBalance:
         for b in self.sync.buckets:
             groups.get(b.devices)   # a group the strategy's required groups lack fails here, not mid-step
         self.loads: dict[str, torch.Tensor] = {}
+        self.balancing = model.moe is not None and model.moe.bias_update_rate > 0
 
     @property
     def active(self) -> bool:
         return bool(self.routers)
+
 
     def begin(self) -> None:
         """Forget what an abandoned step counted."""
@@ -79,15 +82,26 @@ class RouterBalance:
 
     @torch.no_grad()
     def update(self) -> None:
-        for n, r in self.routers.items():
-            r.update_bias(self.loads.pop(n))
+        """Move every held router's bias by the step's loads (aux-loss-free balancing; nothing without it)."""
+        if self.balancing:
+            for n, r in self.routers.items():
+                r.update_bias(self.loads[n])
+        self.loads = {}
 
     def biases(self) -> dict[str, torch.Tensor]:
-        """The biases held here, by name (the live tensors)."""
-        return {n: r.expert_bias for n, r in self.routers.items()}
+        """The biases held here, by name (the live tensors); none where the model does not balance by them."""
+        return {n: r.expert_bias for n, r in self.routers.items()} if self.balancing else {}
 
     @torch.no_grad()
     def load_biases(self, biases: dict[str, torch.Tensor]) -> None:
-        """Set every bias held here from ``biases`` (full tensors by name; each held one must be there)."""
+        """Set every bias held here from ``biases`` (full tensors by name; each held one must be there, where
+        the model balances by them)."""
+        if not self.balancing:
+            return
         for n, r in self.routers.items():
             r.expert_bias.copy_(biases[n].to(r.expert_bias.dtype))
+
+
+def host_loads(loads: dict[str, torch.Tensor] | None) -> dict[str, tuple[float, ...]] | None:
+    """Loads by router as host numbers (reading them waits for the device: once per step, at its end)."""
+    return None if loads is None else {n: tuple(float(x) for x in load.cpu()) for n, load in loads.items()}

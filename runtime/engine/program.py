@@ -22,7 +22,7 @@ from runtime.comm.execute import torch_dtype
 from runtime.comm.groups import ProcessGroups
 from runtime.device_clock import SpanTimes, device_clock
 from runtime.engine.api import NULL_HOOKS, Hooks, StepStats, WorkerContext
-from runtime.engine.balancing import RouterBalance
+from runtime.engine.balancing import RouterBalance, host_loads
 from runtime.engine.build import build_chunk
 from runtime.engine.data_parallel import GradientSync
 from runtime.engine.expert_parallel import apply_expert_parallel
@@ -180,9 +180,11 @@ class DeviceProgram:
         if self.plan.grad_sync:
             with self._span("comm", "grad_sync"):
                 self.grad_sync.sync(grads)
+        loads = None
         if self.balance.active:
             with self._span("comm", "router_loads") if self.balance.sync.buckets else nullcontext():
                 self.balance.sum_loads()
+            loads = self.balance.loads   # (the step's tensors: read on the host at its end)
         norm_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for s in self.shards:
             if s.primary:
@@ -197,7 +199,8 @@ class DeviceProgram:
             loss = float(stats[0]) / denominator if denominator else 0.0  # the host waits for the device here
             before_update(StepStats(loss=loss, grad_norm=float(norm), tokens=tokens,
                                     compute_s=self._times.seconds("compute"), comm_s=self._times.seconds("comm"),
-                                    lr=t.optimizer.lr_at(self.optimizer.step_count)))
+                                    lr=t.optimizer.lr_at(self.optimizer.step_count),
+                                    expert_loads=host_loads(loads)))
         zero = self.optimizer if isinstance(self.optimizer, ShardedAdamW) else None
         with self._span("compute", "optimizer"):
             if zero is None:
@@ -213,7 +216,8 @@ class DeviceProgram:
             p.grad = None
         loss = float(stats[0]) / denominator if denominator else 0.0
         return StepStats(loss=loss, grad_norm=float(norm), tokens=tokens,
-                         compute_s=self._times.seconds("compute"), comm_s=self._times.seconds("comm"), lr=lr)
+                         compute_s=self._times.seconds("compute"), comm_s=self._times.seconds("comm"), lr=lr,
+                         expert_loads=host_loads(loads))
 
     def _micro_batches(self, batch: torch.Tensor | StepBatch) -> tuple[tuple[MicroBatch, ...], int, int]:
         """This pipeline's micro-batches of the step (on this device), the loss denominator, the step's tokens."""

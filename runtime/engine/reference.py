@@ -86,11 +86,12 @@ class ReferenceTrainer:
         if coef is not None:
             torch._foreach_mul_(grads, coef)
         lr = self.update()
-        if isinstance(self.module, MoeForCausalLM):  # aux-loss-free balancing: by the step's loads
-            self.module.update_router_biases()
+        loads = None
+        if isinstance(self.module, MoeForCausalLM):  # the step's loads (aux-loss-free balancing moves by them)
+            loads = {n: tuple(float(x) for x in load.cpu()) for n, load in self.module.update_router_biases().items()}
         loss_value = (loss_sum / tokens).item()
         return StepStats(loss=loss_value, grad_norm=norm.item(), tokens=tokens,
-                         compute_s=time.perf_counter() - t0, comm_s=0.0, lr=lr)
+                         compute_s=time.perf_counter() - t0, comm_s=0.0, lr=lr, expert_loads=loads)
 
     def update(self) -> float:
         """AdamW on the gradients in ``.grad`` at the schedule's rate for this update, which it returns."""

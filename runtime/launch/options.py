@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
@@ -236,6 +236,8 @@ class StepReport:
     lengths: LengthsStep | None = None  # documents runs: the step's dispatch (the same on every device)
     idle: bool = False  # documents runs: the step's strategy leaves this device idle (no loss, no time)
     peak_memory_bytes: int = 0  # the device's peak so far: CUDA's allocator peak, or the process' peak RSS on CPU
+    # MoE: the step's expert loads of the routers this device holds (``StepStats.expert_loads``)
+    expert_loads: Mapping[str, tuple[float, ...]] | None = None
 
 
 @dataclass(frozen=True)
@@ -273,6 +275,11 @@ class StepRecord:
     # process' peak resident set), and the model FLOPs utilization (hetu_cli fills it: docs/training.md).
     peak_memory_bytes: dict[str, int] | None = None
     mfu: float | None = None
+    # A MoE model's routing over the step: the tokens each expert was given, summed over the MoE layers
+    # (``expert_load``: what `hspmd plan --expert-load` reads), and the most loaded expert of any layer
+    # against its layer's mean (1: every layer even).
+    expert_load: list[float] | None = None
+    expert_load_max_over_mean: float | None = None
     # Documents runs (omitted from the JSON otherwise): the step's documents and tokens, its padding, the
     # dispatch imbalance, and the switch (wall time: the slowest device's; bytes: all devices') when the
     # strategy changed.
@@ -316,4 +323,18 @@ class StepRecord:
                           peak_memory_bytes={str(r.device): r.peak_memory_bytes for r in reports
                                              if r.peak_memory_bytes} or None,
                           emulation_s=max(r.emulation_s for r in reports),
-                          emulation_overrun_s=max(r.emulation_overrun_s for r in reports), **extra)
+                          emulation_overrun_s=max(r.emulation_overrun_s for r in reports),
+                          **expert_load_fields(reports), **extra)
+
+
+def expert_load_fields(reports: Sequence[StepReport]) -> dict[str, Any]:
+    """A step's ``expert_load`` and ``expert_load_max_over_mean`` from its workers' routers (each router's
+    loads are the same on all its holders: taken once), or nothing for a dense model."""
+    routers: dict[str, tuple[float, ...]] = {}
+    for r in reports:
+        routers.update(r.expert_loads or {})
+    if not routers:
+        return {}
+    total = [sum(col) for col in zip(*routers.values())]
+    worst = max((max(v) / (sum(v) / len(v)) for v in routers.values() if sum(v) > 0), default=1.0)
+    return {"expert_load": total, "expert_load_max_over_mean": worst}

@@ -318,7 +318,8 @@ class Session:
                           compute_s=float(stats.compute_s), comm_s=float(stats.comm_s), lr=float(stats.lr),
                           emulation_s=self.emulator.take_emulated_s() if self.emulator is not None else 0.0,
                           emulation_overrun_s=self.emulator.take_overrun_s() if self.emulator is not None else 0.0,
-                          lengths=lengths, peak_memory_bytes=peak_memory(self.device))
+                          lengths=lengths, peak_memory_bytes=peak_memory(self.device),
+                          expert_loads=stats.expert_loads)
 
     def trainer_state(self, step: int) -> Any:
         """What a checkpoint of ``step`` records besides the model: the data's position, seed and RNG."""

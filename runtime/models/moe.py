@@ -60,7 +60,8 @@ class Expert(nn.Module):
 
 class Router(nn.Linear):
     """Scores [tokens, experts]. ``expert_bias`` (aux-loss-free balancing) shifts which experts are chosen,
-    never their weights; with it on, ``load`` counts the tokens each expert was given since ``take_load``."""
+    never their weights. In training ``load`` counts the tokens each expert was given since ``take_load`` (what
+    the balancing moves the bias by, and the expert loads a run reports)."""
 
     def __init__(self, hidden: int, moe: MoeSpec) -> None:
         super().__init__(hidden, moe.num_experts, bias=False)
@@ -85,7 +86,7 @@ class Router(nn.Linear):
         weights = probs.gather(-1, chosen)
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.training and self.moe.bias_update_rate > 0:
+        if self.training:
             with torch.no_grad():
                 self.load += torch.bincount(chosen.reshape(-1), minlength=self.moe.num_experts).to(self.load.dtype)
         return probs, chosen, weights
@@ -304,10 +305,15 @@ class MoeForCausalLM(LlamaForCausalLM):
         return {f"{name}.{ROUTER_BIAS}": m for name, m in self.named_modules() if isinstance(m, Router)}
 
     @torch.no_grad()
-    def update_router_biases(self) -> None:
-        """After a step, single device: move every router's bias by its layer's load (aux-loss-free balancing)."""
-        for block in self.moe_blocks():
-            block.router.update_bias(block.router.take_load())
+    def update_router_biases(self) -> dict[str, torch.Tensor]:
+        """After a step, single device: every router's load over the step (by its bias buffer's name, as
+        ``routers``), each router's bias moved by it where the model balances so (aux-loss-free balancing)."""
+        loads = {}
+        for name, router in self.routers().items():
+            loads[name] = router.take_load()
+            if router.moe.bias_update_rate > 0:
+                router.update_bias(loads[name])
+        return loads
 
 
 def causal_lm(spec: ModelSpec, layers=None, *, embed: bool = True, head: bool = True,

@@ -38,6 +38,7 @@ class DeviceResult:
     compute_s: float  # of the last step
     comm_s: float
     biases: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # DeviceProgram.router_biases()
+    expert_loads: list[dict[str, tuple[float, ...]]] = dataclasses.field(default_factory=list)  # per step
 
 
 class RecordingHooks:
@@ -105,7 +106,8 @@ def train_job(w: WorkerContext, plan: str, batches: list[np.ndarray], schedule: 
         moment_pieces={n: tuple((p.region, p.start, p.stop) for p in ps) for n, ps in program.moment_pieces().items()},
         moment_numel=program.moment_numel(), description=program.describe().to_data(),
         spans=list(hooks.spans), compute_s=stats[-1].compute_s, comm_s=stats[-1].comm_s,
-        biases={k: v.detach().numpy().copy() for k, v in program.router_biases().items()})
+        biases={k: v.detach().numpy().copy() for k, v in program.router_biases().items()},
+        expert_loads=[dict(s.expert_loads or {}) for s in stats])
 
 
 class EngineWorld:

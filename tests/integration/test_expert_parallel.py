@@ -80,6 +80,19 @@ def test_expert_parallel_plan_matches_single_device_reference(world: EngineWorld
     # Each device of an expert-parallel stage keeps its own experts only.
     held = {n for n in results[1].state if ".experts." in n}
     assert held and all(".experts.3." in n for n in held)
+    check_expert_loads(ctx, results, batches)
+
+
+def check_expert_loads(ctx, results: dict, batches: list) -> None:
+    """Every step's expert loads each device reports for the routers it holds (summed over the devices that
+    routed a share: TP ranks once, EP slices and pipelines added) are the single-device run's counts."""
+    ref = ReferenceTrainer(ctx.model, ctx.plan.training, micro_batch=ctx.plan.training.micro_batch)
+    want = [ref.train_step(b).expert_loads for b in batches]
+    assert all(sum(sum(v) for v in step.values()) > 0 for step in want)
+    for device, r in results.items():
+        assert len(r.expert_loads) == len(want)
+        for got, expected in zip(r.expert_loads, want):
+            assert got and got == {n: expected[n] for n in got}, device
 
 
 # Another placement of the same model: pipeline 0 one EP-2 stage (4 experts each), pipeline 1 one TP-1
