@@ -67,7 +67,6 @@ class RouterBalance:
     def active(self) -> bool:
         return bool(self.routers)
 
-
     def begin(self) -> None:
         """Forget what an abandoned step counted."""
         for r in self.routers.values():

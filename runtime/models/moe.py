@@ -67,7 +67,8 @@ class Router(nn.Linear):
         super().__init__(hidden, moe.num_experts, bias=False)
         self.moe = moe
         self.register_buffer(ROUTER_BIAS, torch.zeros(moe.num_experts), persistent=False)
-        self.register_buffer("load", torch.zeros(moe.num_experts), persistent=False)
+        # fp64: exact token counts (fp32 is exact only to 2^24, fewer than a large step's routed pairs)
+        self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.float64), persistent=False)
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
