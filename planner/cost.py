@@ -264,7 +264,7 @@ class CostModel(ComputeCosts, MemoryCosts, NetworkCosts, ScheduleCosts, MoeCosts
         many plans prices them by a proxy, ``pipeline_proxy_time``, and only the best ones exactly)."""
         pipes = tuple(self.pipeline_estimate(strategy, i, schedule, None if pipeline_s is None else pipeline_s[i])
                       for i in range(len(strategy.pipelines)))
-        sync = self.grad_sync_time(strategy)
+        sync = self.grad_sync_time(strategy) + self.load_sync_time(strategy)
         over = self.step_overhead_times(strategy)
         gather = self.zero_gather_times(strategy, zero)
         opt = max(t + over[d] + gather[d] for d, t in self.optimizer_times(strategy, zero).items())

@@ -528,23 +528,25 @@ def _add_step_end(sim: EventLoop, costs: _Costs, last_action: dict[tuple[int, in
             sim.add(costs.device_op(f"over{d}", d, OpKind.STEP, deps=(last_of[d],), compute=overhead[d]))
             last_of[d] = f"over{d}"
 
-    def collectives(prefix: str, kind: OpKind, seconds: Sequence[float]) -> None:
+    def collectives(prefix: str, kind: OpKind, groups: Sequence[SyncGroup], seconds: Sequence[float]) -> None:
         """One collective per sync group, in the runtime's global group order: each member joins after
         its previous op, and the group's op ends once its last member has joined (a rendezvous)."""
-        for gi, (g, secs) in enumerate(zip(sync, seconds)):
+        for gi, (g, secs) in enumerate(zip(groups, seconds)):
             for d in g.devices:
                 sim.add(costs.device_op(f"{prefix}{gi}d{d}", d, kind, duration=secs, deps=(last_of[d],),
                                         waits=tuple((f"{prefix}{gi}d{e}", secs) for e in g.devices if e != d)))
                 last_of[d] = f"{prefix}{gi}d{d}"
 
-    collectives("g", OpKind.GRAD_SYNC, cm.sync_times(costs.strategy))
+    collectives("g", OpKind.GRAD_SYNC, sync, cm.sync_times(costs.strategy))
+    loads = cm.load_sync_plan(costs.strategy)   # a MoE model's expert loads, after the gradients
+    collectives("r", OpKind.GRAD_SYNC, loads, [cm.load_group_time(g) for g in loads])
     sim.add(SimOp("stats", "world", OpKind.CLIP, duration=cm.clip_time(devices),
                   deps=tuple(sorted(set(last_of.values())))))
     for d in devices:
         sim.add(costs.device_op(f"opt{d}", d, OpKind.OPTIMIZER, deps=("stats",), compute=opt_times[d]))
         last_of[d] = f"opt{d}"
     if zero:
-        collectives("z", OpKind.ZERO_GATHER, [cm.zero_gather_time(g) for g in sync])
+        collectives("z", OpKind.ZERO_GATHER, sync, [cm.zero_gather_time(g) for g in sync])
 
 
 def _reports(sim: EventLoop, times: dict[str, tuple[float, float]], costs: _Costs,

@@ -26,11 +26,11 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from planner.costmodel.base import BOUNDARY_BYTES, memo
-from runtime.torchfree.annotations.from_plan import Boundary, held_by, placements
+from runtime.torchfree.annotations.from_plan import Boundary, held_by, holding_stages, placements
 from runtime.torchfree.annotations.states import Annotation
 from runtime.torchfree.comm.gradsync import SliceGroups, SyncGroup, cut_buckets, reduce_slices, sync_groups
 from runtime.torchfree.engine.specialize import resolve_boundary
-from runtime.torchfree.models.params import ParamInfo
+from runtime.torchfree.models.params import ParamInfo, router_bias_names
 from runtime.torchfree.profiling.profile import (
     DeviceProfile,
     LinkCurve,
@@ -39,6 +39,9 @@ from runtime.torchfree.profiling.profile import (
 from runtime.torchfree.profiling.tables import LinkCurves
 from runtime.torchfree.spec.cluster import Cluster
 from runtime.torchfree.spec.plan import Stage, Strategy
+
+# Bytes of one expert-load count (fp64: exact token counts).
+LOAD_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -510,6 +513,35 @@ class NetworkCosts:
             cache.clear()
         span = cache[key] = max(ready.values(), default=0.0)
         return span
+
+    def load_sync_plan(self, strategy: Strategy) -> list[SyncGroup]:
+        """A MoE model's per-step all-reduce of its routers' expert loads (runtime/engine/balancing.py): each
+        router's gradient layout at [num_experts], laid out as the gradient sync lays out gradients, issued
+        after it. Empty for a dense model."""
+        moe = self.model.moe
+        if moe is None:
+            return []
+        cache = self.__dict__.setdefault("_load_plans", {})
+        if strategy.pipelines not in cache:
+            if len(cache) > 4096:   # bounded: the search prices many plans once each
+                cache.clear()
+            slices = [self._grad_slices(dataclasses.replace(info, shape=(moe.num_experts,)),
+                                        tuple(holding_stages(strategy, info)))
+                      for info in router_bias_names(self.model).values()]
+            cache[strategy.pipelines] = list(sync_groups(cut_buckets(slices)))
+        return cache[strategy.pipelines]
+
+    def load_group_time(self, group: SyncGroup) -> float:
+        """One group of ``load_sync_plan``: its buckets of fp64 counts all-reduced among its devices."""
+        return self.allreduce_calls(group.devices, [n * LOAD_BYTES for n in group.bucket_numel])
+
+    def load_sync_time(self, strategy: Strategy) -> float:
+        """The span of ``load_sync_plan``'s groups in their order, each a rendezvous of its members."""
+        ready: dict[int, float] = {}
+        for g in self.load_sync_plan(strategy):
+            end = max(ready.get(d, 0.0) for d in g.devices) + self.load_group_time(g)
+            ready.update(dict.fromkeys(g.devices, end))
+        return max(ready.values(), default=0.0)
 
     def clip_time(self, devices: Sequence[int]) -> float:
         """The per-step all-reduce of loss and gradient norm (for clipping) over every device."""

@@ -291,3 +291,24 @@ def test_a_stage_across_nodes_and_types_pays_its_slowest_links_and_type():
     across = cm.stage_chunk(Stage(mixed, ((0, 2),), experts=even_placement(mixed, 8)), 0)[0]
     within = cm.stage_chunk(Stage(h20s, ((0, 2),), experts=even_placement(h20s, 8)), 0)[0]
     assert across.tp_forward_s > within.tp_forward_s
+
+
+def test_the_expert_loads_all_reduce_is_priced_as_the_runtime_lays_it_out():
+    """The per-step sum of the routers' loads (runtime/engine/balancing.py): the cost model's groups and bucket
+    sizes are the runtime's, and the estimate and the simulator both pay it after the gradient sync."""
+    from runtime.engine.balancing import load_entries, load_sync_buckets
+    from runtime.torchfree.annotations.from_plan import param_annotations
+
+    cm = cost_model(model="moe-tiny", cluster="h800-h20-48", seq_len=64)
+    ep = Stage((0, 1, 2, 3), ((0, 6),), experts={0: [0], 1: [1], 2: [2], 3: [3]})
+    tp = Stage((16, 17), ((0, 6),))
+    strategy = cm.with_op_costs(Strategy("s", (Pipeline(2, (ep,)), Pipeline(2, (tp,)))), "1f1b")
+    runtime = load_sync_buckets(load_entries(cm.model, param_annotations(strategy, cm.model)))
+    priced = cm.load_sync_plan(strategy)
+    assert [(b.devices, b.numel) for b in runtime] == [(b.devices, b.numel) for g in priced for b in g.buckets]
+    assert cm.load_sync_time(strategy) > 0
+    est = cm.estimate(strategy, 4)
+    assert est.grad_sync_s == pytest.approx(cm.grad_sync_time(strategy) + cm.load_sync_time(strategy))
+    assert simulate(cm, strategy, 4).step_time_s == pytest.approx(est.step_time_s, rel=0.05)
+    dense = cost_model(model="llama-tiny", cluster="h800-h20-48", seq_len=64)
+    assert dense.load_sync_plan(strategy) == [] and dense.load_sync_time(strategy) == 0.0
