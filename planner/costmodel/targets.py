@@ -71,6 +71,10 @@ class ExpertShare:
     experts: Mapping[int, Sequence[int]]
     device: int
 
+    def __post_init__(self) -> None:
+        if self.device not in self.devices:
+            raise ValueError(f"device {self.device} is not one of the stage's devices {list(self.devices)}")
+
 
 def moe_block_s(stage_target: SleepTarget, own_target: SleepTarget, routing: MoeSpec, tp: int, micro_batch: int,
                 seq_len: int, *, backward: bool, moe_layers: int, rerun_layers: int,
