@@ -18,6 +18,7 @@ from typing import Literal
 
 from runtime.torchfree.errors import Checker, Problem, SpecError
 from runtime.torchfree.schedule_policies import ScheduleName
+from runtime.torchfree.spec.moe import MAX_EXPERTS
 
 PLAN_VERSION = 1
 # Bounds on what a (hostile) file or request makes every verb enumerate: schedules list each micro-batch and
@@ -173,7 +174,7 @@ def _placement_pairs(devices: tuple[int, ...], experts: Mapping) -> tuple[tuple[
         return (devices.index(d), 0) if d in devices else (len(devices), str(d))
 
     order = sorted(experts, key=key)
-    if experts and all(_is_count(v) for v in experts.values()) and all(v >= 0 for v in experts.values()):
+    if experts and all(_is_count(v) and 0 <= v <= MAX_EXPERTS for v in experts.values()):
         starts = itertools.accumulate((experts[d] for d in order), initial=0)
         return tuple((d, tuple(range(a, a + experts[d]))) for d, a in zip(order, starts))
     return tuple((d, tuple(experts[d]) if isinstance(experts[d], (list, tuple)) else experts[d])  # type: ignore[misc]
@@ -190,8 +191,10 @@ def _check_experts(c: Checker, devices: tuple[int, ...], experts: tuple) -> None
         where = f"experts.{d}"
         if d not in devices:
             c.add(where, f"device {d} is not one of the stage's devices {list(devices)}")
-        if _is_count(held):   # a count left unexpanded: negative
-            c.add(where, f"must be a count of experts >= 0 or a list of expert indices, got {held}")
+        if _is_count(held):   # counts left unexpanded: one of them is out of range
+            if not 0 <= held <= MAX_EXPERTS:
+                c.add(where, f"must be a count of experts in [0, {MAX_EXPERTS}] or a list of expert indices, "
+                             f"got {held}")
         elif not isinstance(held, tuple) or not all(_is_count(e) for e in held):
             c.add(where, f"must be a list of expert indices (or, for every device, a count), got {held!r}")
         elif any(e < 0 for e in held):

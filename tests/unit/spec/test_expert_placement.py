@@ -94,8 +94,11 @@ def test_refusals_name_the_field(tmp_path: Path) -> None:
         "lists and counts": (dict(experts={0: 3, 1: [0, 1, 2, 3, 4, 5, 6, 7]}),
                              [f"{STAGE}.experts: give every device a list or every device a count, not both"]),
         "negative count": (dict(experts={0: -1, 1: 9}, devices=[0, 1]),
-                           [f"{STAGE}.experts.0: must be a count of experts >= 0 or a list of expert indices, got -1",
-                            f"{STAGE}.experts.1: must be a count of experts >= 0 or a list of expert indices, got 9"]),
+                           [f"{STAGE}.experts.0: must be a count of experts in [0, 4096] or a list of expert "
+                            "indices, got -1"]),
+        "huge count": (dict(experts={0: 10 ** 15, 1: 1}, devices=[0, 1]),
+                       [f"{STAGE}.experts.0: must be a count of experts in [0, 4096] or a list of expert indices, "
+                        "got 1000000000000000"]),
         "counts short": (dict(experts={0: 3, 1: 1, 2: 2, 3: 1}),
                          [f"{STAGE}.experts: leaves expert(s) [7] unheld: every expert needs at least one device"]),
         "twice": (dict(experts={0: [0, 0], 1: [1, 2, 3, 4, 5, 6, 7]}, devices=[0, 1]),
