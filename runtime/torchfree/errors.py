@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,3 +104,11 @@ def join_field(prefix: str, field: str) -> str:
     if field.startswith("["):
         return prefix + field
     return f"{prefix}.{field}"
+
+
+def listed(values: Sequence[object], limit: int = 12) -> str:
+    """``values`` for a one-line message: all of them, or the first ``limit`` and how many there are."""
+    items = list(values)
+    if len(items) <= limit:
+        return str(items)
+    return "[" + ", ".join(str(v) for v in items[:limit]) + f", ... ({len(items)} in all)]"

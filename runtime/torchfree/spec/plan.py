@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from runtime.torchfree.errors import Checker, Problem, SpecError
+from runtime.torchfree.errors import Checker, Problem, SpecError, listed
 from runtime.torchfree.schedule_policies import ScheduleName
 from runtime.torchfree.spec.moe import MAX_EXPERTS
 
@@ -200,7 +201,8 @@ def _check_experts(c: Checker, devices: tuple[int, ...], experts: tuple) -> None
         elif any(e < 0 for e in held):
             c.add(where, f"expert indices must not be negative, got {list(held)}")
         elif len(set(held)) != len(held):
-            c.add(where, f"lists expert(s) {sorted({e for e in held if held.count(e) > 1})} more than once")
+            twice = sorted(e for e, k in Counter(held).items() if k > 1)
+            c.add(where, f"lists expert(s) {listed(twice)} more than once")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from runtime.torchfree.errors import Problem
+from runtime.torchfree.errors import Problem, listed
 from runtime.torchfree.schedule_policies import (
     SCHEDULE_NAMES,
     chunk_problems,
@@ -155,15 +155,17 @@ def expert_problems(stage: Stage, model: ModelSpec, sequence_parallel: bool) -> 
     for d, held in stage.experts or ():
         unknown = [e for e in held if e >= n]
         if unknown:
-            out.append((f"experts.{d}", f"expert(s) {unknown} do not exist: {model.name} has experts 0-{n - 1}"))
+            out.append((f"experts.{d}", f"expert(s) {listed(unknown)} do not exist: {model.name} has experts "
+                                        f"0-{n - 1}"))
     held_somewhere = {e for _, held in stage.experts or () for e in held}
     unheld = [e for e in range(n) if e not in held_somewhere]
     if unheld:
-        out.append(("experts", f"leaves expert(s) {unheld} unheld: every expert needs at least one device"))
+        out.append(("experts", f"leaves expert(s) {listed(unheld)} unheld: every expert needs at least one device"))
     idle = [d for d in stage.devices if not stage.experts_of(d)]
     if idle:
-        out.append(("experts", f"device(s) {idle} hold no expert: {n} experts cannot spread over {stage.tp} devices "
-                               "without replicas (replicate hot experts, or place the experts on fewer devices)"))
+        out.append(("experts", f"device(s) {listed(idle)} hold no expert: {n} experts cannot spread over {stage.tp} "
+                               "devices without replicas (replicate hot experts, or place the experts on fewer "
+                               "devices)"))
     if sequence_parallel:
         out.append(("experts", "expert parallelism does not run with training.sequence_parallel yet"))
     return out
