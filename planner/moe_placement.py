@@ -200,16 +200,17 @@ def choose_experts(cm: CostModel, strategy: Strategy, global_batch: int, schedul
                 ep_st = dataclasses.replace(st, experts=place, op_costs=None)
                 gain = -_objective(cm, st, place, pipe.micro_batches)   # seconds per step EP saves
                 even = _objective(cm, st, even_placement(st.devices, num), pipe.micro_batches)
-                a2a = cm.ep_summary(ep_st)["all_to_all_ms"]
+                a2a = ("the exchanges run inside the emulated blocks" if cm.sleeps(st.devices) else
+                       f"all-to-alls {cm.ep_summary(ep_st)['all_to_all_ms']:.2f} ms per MoE layer and micro-batch")
                 if gain > 0:
                     why = (f"expert-parallel: {1e3 * gain:.1f} ms per step faster than TP-split experts, placed by "
                            f"device speed, memory and expected load ({1e3 * (even + gain):.1f} ms per step faster "
-                           f"than even placement); all-to-alls {a2a:.2f} ms per MoE layer and micro-batch")
+                           f"than even placement); {a2a}")
                     stages.append(ep_st)
                     choices.append(StageChoice(pi, k, st.devices, True, why, cm.ep_summary(ep_st)["devices"]))
                     continue
                 why = (f"TP-split: expert parallelism with the best placement found would cost {-1e3 * gain:.1f} ms "
-                       f"more per step (all-to-alls {a2a:.2f} ms per MoE layer and micro-batch)")
+                       f"more per step ({a2a})")
             stages.append(st)
             choices.append(StageChoice(pi, k, st.devices, False, why, {}))
         pipes.append(dataclasses.replace(pipe, stages=tuple(stages)))
