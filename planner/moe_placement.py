@@ -192,25 +192,22 @@ def choose_experts(cm: CostModel, strategy: Strategy, global_batch: int, schedul
             if st.tp == 1 or cm.moe_layers_in(st.layers) == 0:
                 stages.append(st)
                 continue
-            if cm.sequence_parallel:
-                why = "TP-split: expert parallelism does not run with sequence parallelism"
-            else:
-                caps = expert_caps(cm, st, free, zero, len(strategy.pipelines))
-                place = speed_placement(cm, st, caps, pipe.micro_batches)
-                ep_st = dataclasses.replace(st, experts=place, op_costs=None)
-                gain = -_objective(cm, st, place, pipe.micro_batches)   # seconds per step EP saves
-                even = _objective(cm, st, even_placement(st.devices, num), pipe.micro_batches)
-                a2a = ("the exchanges run inside the emulated blocks" if cm.sleeps(st.devices) else
-                       f"all-to-alls {cm.ep_summary(ep_st)['all_to_all_ms']:.2f} ms per MoE layer and micro-batch")
-                if gain > 0:
-                    why = (f"expert-parallel: {1e3 * gain:.1f} ms per step faster than TP-split experts, placed by "
-                           f"device speed, memory and expected load ({1e3 * (even + gain):.1f} ms per step faster "
-                           f"than even placement); {a2a}")
-                    stages.append(ep_st)
-                    choices.append(StageChoice(pi, k, st.devices, True, why, cm.ep_summary(ep_st)["devices"]))
-                    continue
-                why = (f"TP-split: expert parallelism with the best placement found would cost {-1e3 * gain:.1f} ms "
-                       f"more per step ({a2a})")
+            caps = expert_caps(cm, st, free, zero, len(strategy.pipelines))
+            place = speed_placement(cm, st, caps, pipe.micro_batches)
+            ep_st = dataclasses.replace(st, experts=place, op_costs=None)
+            gain = -_objective(cm, st, place, pipe.micro_batches)   # seconds per step EP saves
+            even = _objective(cm, st, even_placement(st.devices, num), pipe.micro_batches)
+            a2a = ("the exchanges run inside the emulated blocks" if cm.sleeps(st.devices) else
+                   f"all-to-alls {cm.ep_summary(ep_st)['all_to_all_ms']:.2f} ms per MoE layer and micro-batch")
+            if gain > 0:
+                why = (f"expert-parallel: {1e3 * gain:.1f} ms per step faster than TP-split experts, placed by "
+                       f"device speed, memory and expected load ({1e3 * (even + gain):.1f} ms per step faster "
+                       f"than even placement); {a2a}")
+                stages.append(ep_st)
+                choices.append(StageChoice(pi, k, st.devices, True, why, cm.ep_summary(ep_st)["devices"]))
+                continue
+            why = (f"TP-split: expert parallelism with the best placement found would cost {-1e3 * gain:.1f} ms "
+                   f"more per step ({a2a})")
             stages.append(st)
             choices.append(StageChoice(pi, k, st.devices, False, why, {}))
         pipes.append(dataclasses.replace(pipe, stages=tuple(stages)))

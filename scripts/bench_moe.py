@@ -92,21 +92,21 @@ def priced(cm: CostModel, strategy: Strategy, settings: PlanSettings) -> dict:
 
 def case(model, cluster, time_limit: float) -> dict:
     profiles = resolve_profiles(cluster.device_types)
-    # As hspmd plan plans a MoE model by default: without sequence parallelism (expert parallelism does not run
-    # with it).
-    settings = PlanSettings(global_batch=BATCH, seq_len=SEQ_LEN, time_limit_s=time_limit, simulate_top=CHECK_TOP,
-                            sequence_parallel=False)
+    # As hspmd plan plans by default (sequence parallelism on its TP stages).
+    settings = PlanSettings(global_batch=BATCH, seq_len=SEQ_LEN, time_limit_s=time_limit, simulate_top=CHECK_TOP)
     t0 = time.perf_counter()
     res = plan(model, cluster, profiles, settings)
     wall = time.perf_counter() - t0
     best = res.best
-    cm = CostModel(model, cluster, profiles, micro_batch=best.micro_batch, seq_len=SEQ_LEN)
+    cm = CostModel(model, cluster, profiles, micro_batch=best.micro_batch, seq_len=SEQ_LEN,
+                   sequence_parallel=settings.sequence_parallel)
     num = model.moe.num_experts
     planned = priced(cm, best.strategy, settings)
     even = priced(cm, with_experts(cm, best.strategy, lambda st: even_placement(st.devices, num)), settings)
     split = priced(cm, with_experts(cm, best.strategy, lambda st: None), settings)
     sym = res.symmetric
-    sym_cm = CostModel(model, cluster, profiles, micro_batch=sym.micro_batch, seq_len=SEQ_LEN)
+    sym_cm = CostModel(model, cluster, profiles, micro_batch=sym.micro_batch, seq_len=SEQ_LEN,
+                       sequence_parallel=settings.sequence_parallel)
     # The symmetric (Megatron-style) plan with its experts laid out as the planner lays out its own.
     sym_strategy = choose_experts(sym_cm, sym.strategy, BATCH, settings.default_schedule, settings.zero)[0]
     symmetric = priced(sym_cm, sym_cm.with_op_costs(sym_strategy, "1f1b"), settings)

@@ -6,7 +6,6 @@ import dataclasses
 from pathlib import Path
 
 import click
-from click.core import ParameterSource
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -126,15 +125,6 @@ def plan(model_ref: str, cluster_ref: str, profile_dirs: tuple[Path, ...], globa
         model, measured = with_measured_load(model, expert_load)
     # What the plan assumes, said once it exists (a refused request prints its one error line only).
     notes = [n for n in (model.pricing_note(seq_len), measured) if n is not None]
-    if model.moe is not None and sequence_parallel:
-        if click.get_current_context().get_parameter_source("sequence_parallel") == ParameterSource.COMMANDLINE:
-            notes.append(f"{model.name}: experts split over each TP group on every stage (expert parallelism "
-                         "does not run with --sequence-parallel)")
-        else:
-            notes.append(f"{model.name}: planned without sequence parallelism, so that stages may place "
-                         "experts (expert parallelism does not run with it; --sequence-parallel: every stage "
-                         "TP-split)")
-            sequence_parallel = False
     cluster = load_cluster(cluster_ref, file="--cluster", field="")
     profiles = resolve_profiles(cluster.device_types, list(profile_dirs))
     for line in check_profiles(profiles, model, cluster, profile_dirs, cluster_ref):

@@ -148,9 +148,19 @@ class MoeCosts:
                + ROUTER_ACT_BYTES * t * moe.num_experts)
         params = (moe.num_experts * h + moe.num_experts * 3 * h * moe.expert_ffn_size // tp
                   + 3 * h * moe.shared_width // tp + (h if moe.shared_gate else 0))
-        return LayerCost(forward_s=fwd, backward_s=bwd, recompute_s=fwd, tp_forward_s=0.0, tp_backward_s=0.0,
+        sp = self.sp_moe_s(device_type, tp, b, s)
+        return LayerCost(forward_s=fwd, backward_s=bwd, recompute_s=fwd, tp_forward_s=sp, tp_backward_s=sp,
                          activation_bytes=act - eval_fit(mlp.activation_bytes, b, s), checkpoint_bytes=0.0,
                          params=params - mlp.params)
+
+    def sp_moe_s(self, device_type: str, tp: int, micro_batch: int, seq_len: int) -> float:
+        """Under sequence parallelism, what a TP-split MoE layer's collectives add per direction to the dense
+        layer's: the block computes on the whole sequence (gathered as the dense MLP's input is) and all-reduces
+        its output where the dense MLP reduce-scatters it, one all-gather more (runtime/engine/tensor_parallel.py
+        ``_moe_sequence``). 0 without it, and on sleep-mode types (their collectives run inside the blocks)."""
+        if not self.sequence_sharded(tp) or self.sleep_target(device_type) is not None:
+            return 0.0
+        return self._tp_allgather(device_type, tp, self.activation_tensor_bytes(device_type, micro_batch, seq_len))
 
     @memo
     def ep_reference(self, device_type: str, tp: int, micro_batch: int | None = None,
@@ -158,9 +168,9 @@ class MoeCosts:
         """How a multi-device stage of this type and TP degree runs a MoE layer, as the runtime runs it
         (expert-parallel): on the first ``tp`` devices of the type on one node, experts placed by load
         (``lpt_placement``), against TP-split experts; None where no such stage forms (TP 1, no node with
-        ``tp`` devices of the type) or the plan runs sequence parallelism."""
-        if tp == 1 or self.sequence_parallel:
-            return None   # (expert parallelism does not run with sequence parallelism)
+        ``tp`` devices of the type)."""
+        if tp == 1:
+            return None
         by_node: dict[object, list[int]] = {}
         for d, (t, node) in enumerate(zip(self._type_of, self._node_of)):
             if t == device_type:
@@ -317,8 +327,10 @@ class MoeCosts:
         combine = concurrent_seconds(back, self.transfer_time, self._node_of, self._nic_of)
         gather = self.allgather_time(devices, t * row_bytes)
         counts = self.allgather_time(devices, n * moe.num_experts * COUNT_BYTES)
-        comm_f = counts + dispatch + combine + gather
-        comm_b = dispatch + combine + gather
+        # (under sequence parallelism the TP-split layer's output all-reduce, which expert parallelism skips)
+        sp = self.sp_moe_s(base, n, b, s)
+        comm_f = counts + dispatch + combine + gather - sp
+        comm_b = dispatch + combine + gather - sp
         if self.sleeps(devices):   # inside each device's block, which lasts its target
             comm_f = comm_b = 0.0
         return EpLayer(forward_s=busy_f - split_f + comm_f, backward_s=busy_b - split_b + comm_b,

@@ -62,10 +62,19 @@ def apply_tensor_parallel(model: nn.Module, params: Iterable[ParamInfo], mesh: D
                           sequence_parallel: bool = False) -> None:
     """Shard ``model`` (a stage, full weights on every rank) over the 1-D TP ``mesh`` in place; with
     ``sequence_parallel`` its decoder layers also shard the sequence (the module docstring)."""
+    params = list(params)
     plan: dict[str, ParallelStyle] = {}
     blocks: set[str] = set()
     norms: set[str] = set()   # a decoder layer's modules whose parameters are all whole on every rank
     ties: list[tuple[str, str, str]] = []  # (module, attribute, module owning the parameter)
+    # MoE blocks (the routers' parents) run on the flattened tokens of the whole sequence: under sequence
+    # parallelism they take the gathered sequence and give back this rank's share (``_moe_sequence``), and
+    # the projections inside them all-reduce as without it.
+    moe_blocks = {info.name.rsplit(".", 2)[0] for info in params if info.router}
+
+    def in_moe(name: str) -> bool:
+        return any(name.startswith(b + ".") for b in moe_blocks)
+
     for info in params:
         module_name, attr = info.name.rsplit(".", 1)
         if info.tp_dim is None:
@@ -77,12 +86,12 @@ def apply_tensor_parallel(model: nn.Module, params: Iterable[ParamInfo], mesh: D
         param = model.get_parameter(info.name)
         if getattr(module, attr) is not param:
             raise ValueError(f"{info.name}: not the weight of module {module_name}")
-        plan[module_name] = tp_style(module, info, sequence_parallel)
+        plan[module_name] = tp_style(module, info, sequence_parallel and not in_moe(module_name))
         if isinstance(module, nn.Linear) and info.tp_dim == 0 and info.owner == "layer" and "." in module_name:
             blocks.add(module_name.rsplit(".", 1)[0])
         for other_name, other in model.named_modules():  # a tied head: the same weight in a second module
             if other is not module and getattr(other, attr, None) is param:
-                plan[other_name] = tp_style(other, info, sequence_parallel)
+                plan[other_name] = tp_style(other, info, sequence_parallel and not in_moe(other_name))
                 ties.append((other_name, attr, module_name))
     if sequence_parallel:
         for name in norms:
@@ -94,12 +103,18 @@ def apply_tensor_parallel(model: nn.Module, params: Iterable[ParamInfo], mesh: D
     for name in sorted(blocks):
         model.get_submodule(name).register_forward_pre_hook(_replicated_input(mesh))
     if sequence_parallel:
-        # The decoder layers, in the model's order: the parents of the blocks.
-        parents = {b.rsplit(".", 1)[0] for b in blocks if "." in b}
+        # The decoder layers, in the model's order: the parents of the blocks (a MoE block's own, not those
+        # of the experts inside it).
+        parents = {b.rsplit(".", 1)[0] for b in {*blocks, *moe_blocks} if "." in b and not in_moe(b)}
         layers = [m for n, m in model.named_modules() if n in parents]
         if layers:
             layers[0].register_forward_pre_hook(_scatter_sequence(mesh))
             layers[-1].register_forward_hook(_gather_sequence(mesh))
+        for name in sorted(moe_blocks):
+            gather, scatter = _moe_sequence(mesh)
+            block = model.get_submodule(name)
+            block.register_forward_pre_hook(gather)
+            block.register_forward_hook(scatter)
 
 
 def _replicated_input(mesh: DeviceMesh):
@@ -123,6 +138,24 @@ def _replicated_input(mesh: DeviceMesh):
         return (x, *args[1:])
 
     return hook
+
+
+def _moe_sequence(mesh: DeviceMesh):
+    """A MoE block under sequence parallelism: (pre-hook) its input, this rank's share of the sequence, gathered
+    whole (the backward keeps this rank's share of the gradient, which the block computes whole and the same on
+    every rank), and (hook) its output, whole on every rank, cut back to this rank's share (the backward
+    gathers the shares' gradients)."""
+
+    def gather(_module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        shard = x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (Shard(SEQUENCE_DIM),), run_check=False)
+        return (shard.redistribute(mesh, (Replicate(),)).to_local(), *args[1:])
+
+    def scatter(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        whole = DTensor.from_local(out, mesh, (Replicate(),), run_check=False)
+        return whole.redistribute(mesh, (Shard(SEQUENCE_DIM),)).to_local()
+
+    return gather, scatter
 
 
 def _scatter_sequence(mesh: DeviceMesh):

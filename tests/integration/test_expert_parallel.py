@@ -30,6 +30,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 CLUSTER = Path(__file__).parent / "engine_plans" / "cpu-emu8.yaml"
 UNEVEN = {0: [0, 1, 2], 1: [3], 2: [4, 5], 3: [6, 7]}
 REPLICATED = {5: [0, 1, 2, 3, 4], 6: [4, 5, 6, 7]}
+REPLICATED_45 = {4: [0, 1, 2, 3, 4], 5: [4, 5, 6, 7]}
 PIPELINES = [
     {"micro_batches": 3, "stages": [{"devices": [0, 1, 2, 3], "layers": [0, 3], "experts": UNEVEN},
                                     {"devices": [4], "layers": [3, 6]}]},
@@ -45,7 +46,7 @@ def world():
 
 
 def write_plan(directory: Path, pipelines: list[dict] = PIPELINES, recompute: bool = False,
-               cluster: str = str(CLUSTER), **moe) -> Path:
+               cluster: str = str(CLUSTER), sequence_parallel: bool = False, seq_len: int = 16, **moe) -> Path:
     """moe-tiny with 8 experts (and ``moe``'s changes) in ``directory``, trained by ``pipelines``."""
     directory.mkdir(parents=True, exist_ok=True)
     model = read_yaml(CONFIGS / "models" / "moe-tiny.yaml")
@@ -53,7 +54,8 @@ def write_plan(directory: Path, pipelines: list[dict] = PIPELINES, recompute: bo
     (directory / "model.yaml").write_text(yaml.safe_dump(model))
     batch = sum(p["micro_batches"] for p in pipelines)
     plan = {"version": 1, "model": "model.yaml", "cluster": cluster,
-            "training": {"global_batch": batch, "micro_batch": 1, "seq_len": 16, "schedule": "1f1b", "seed": 7,
+            "training": {"global_batch": batch, "micro_batch": 1, "seq_len": seq_len, "schedule": "1f1b", "seed": 7,
+                         "sequence_parallel": sequence_parallel,
                          "optimizer": {"lr": 0.001, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "eps": 1e-5,
                                        "grad_clip": 1.0}},
             "strategies": [{"name": "ep", "pipelines": [
@@ -207,6 +209,31 @@ def test_a_planned_switch_carries_the_balancing_biases(tmp_path: Path) -> None:
     for name, want in biases.items():
         torch.testing.assert_close(saved.pop(name), want, rtol=0, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
     assert_matches_reference(saved, ref)
+
+
+# Sequence parallelism: a TP-split MoE stage (experts split over TP-2) before an expert-parallel TP-2 stage,
+# and a TP-2 expert-parallel stage with a replicated expert in the other pipeline.
+SEQUENCE_PARALLEL = [
+    {"micro_batches": 3, "stages": [{"devices": [0, 1], "layers": [0, 3]},
+                                    {"devices": [2, 3], "layers": [3, 6],
+                                     "experts": {2: [0, 1, 2], 3: [3, 4, 5, 6, 7]}}]},
+    {"micro_batches": 2, "stages": [{"devices": [4, 5], "layers": [0, 6], "experts": REPLICATED_45}]},
+]
+
+
+@pytest.mark.parametrize("schedule", [None, "zb-h1"], ids=["1f1b", "zb-h1"])
+def test_moe_layers_under_sequence_parallelism_match_the_reference(world: EngineWorld, tmp_path: Path,
+                                                                    schedule: str | None) -> None:
+    """Each MoE block takes the gathered sequence and gives back this rank's share; the experts inside it,
+    split over TP or placed whole, compute on the whole sequence's tokens."""
+    path = write_plan(tmp_path, SEQUENCE_PARALLEL, sequence_parallel=True, capacity_factor=1.5)
+    ctx = load_plan_context(path)
+    assert ctx.plan.training.sequence_parallel
+    batches = make_batches(ctx)
+    results = world.train(str(path), batches, schedule)
+    ref = ReferenceTrainer(ctx.model, ctx.plan.training, micro_batch=ctx.plan.training.micro_batch)
+    check_against_reference(path, results, batches, ref=ref)
+    check_expert_loads(ctx, results, batches)
 
 
 def test_experts_split_over_tp_groups_match_the_reference(world: EngineWorld, tmp_path: Path) -> None:

@@ -124,7 +124,7 @@ def validate_strategy(strategy: Strategy, plan: Plan, model: ModelSpec, cluster:
             if why is not None:
                 bad(f"{sp}.devices", f"{why} of {model.name}")
             if stage.experts is not None:
-                for field, message in expert_problems(stage, model, t.sequence_parallel):
+                for field, message in expert_problems(stage, model):
                     bad(f"{sp}.{field}", message)
             if t.sequence_parallel and stage.tp > 1:
                 # Every sequence splits in tp equal pieces (documents mode: rows of the strategy's longest).
@@ -143,7 +143,7 @@ def validate_strategy(strategy: Strategy, plan: Plan, model: ModelSpec, cluster:
     return problems
 
 
-def expert_problems(stage: Stage, model: ModelSpec, sequence_parallel: bool) -> list[tuple[str, str]]:
+def expert_problems(stage: Stage, model: ModelSpec) -> list[tuple[str, str]]:
     """(field, message) for what is wrong with an expert-parallel stage's placement against the model."""
     moe = model.moe
     if moe is None:
@@ -166,6 +166,4 @@ def expert_problems(stage: Stage, model: ModelSpec, sequence_parallel: bool) -> 
         out.append(("experts", f"device(s) {listed(idle)} hold no expert: {n} experts cannot spread over {stage.tp} "
                                "devices without replicas (replicate hot experts, or place the experts on fewer "
                                "devices)"))
-    if sequence_parallel:
-        out.append(("experts", "expert parallelism does not run with training.sequence_parallel yet"))
     return out
