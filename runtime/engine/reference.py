@@ -13,6 +13,7 @@ import time
 import torch
 
 from runtime.engine.api import StepStats
+from runtime.engine.balancing import host_loads
 from runtime.engine.optim import build_adamw, clip_coefficient, set_lr
 from runtime.models.llama import causal_lm_loss_sum
 from runtime.models.moe import MoeForCausalLM, causal_lm
@@ -88,7 +89,7 @@ class ReferenceTrainer:
         lr = self.update()
         loads = None
         if isinstance(self.module, MoeForCausalLM):  # the step's loads (aux-loss-free balancing moves by them)
-            loads = {n: tuple(float(x) for x in load.cpu()) for n, load in self.module.update_router_biases().items()}
+            loads = host_loads(self.module.update_router_biases())
         loss_value = (loss_sum / tokens).item()
         return StepStats(loss=loss_value, grad_norm=norm.item(), tokens=tokens,
                          compute_s=time.perf_counter() - t0, comm_s=0.0, lr=lr, expert_loads=loads)
