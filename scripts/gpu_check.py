@@ -233,6 +233,7 @@ class Layout:
     schedule: str = "1f1b"
     zero: bool = False
     model: str = "model"  # which model file it trains: "model" (dense) or "model_moe" (mixture of experts)
+    sequence_parallel: bool = False
 
 
 def layouts(s: Sizes) -> dict[str, Layout]:
@@ -270,6 +271,9 @@ def layouts(s: Sizes) -> dict[str, Layout]:
         "moe-ep2": Layout((Pipeline(mbs, (Stage((0, 1), ((0, L),), experts=((0, (0, 1, 2)), (1, (3,)))),)),), 2,
                           "expert parallelism: experts 3 + 1 on two GPUs, all_to_all_single over NCCL",
                           model="model_moe"),
+        "moe-ep2-sp": Layout((Pipeline(mbs, (Stage((0, 1), ((0, L),), experts=((0, (0, 1)), (1, (2, 3)))),)),), 2,
+                             "expert parallelism with sequence parallelism (each MoE block gathers the sequence)",
+                             model="model_moe", sequence_parallel=True),
     }
 
 
@@ -279,7 +283,8 @@ def write_plan(path: Path, layout: Layout, s: Sizes, cluster_file: Path, model_f
     from runtime.torchfree.spec.plan import PLAN_VERSION
 
     settings = TrainingSettings(global_batch=s.global_batch, micro_batch=s.micro_batch, seq_len=s.seq_len,
-                                schedule=layout.schedule, zero=layout.zero, **training)  # type: ignore[arg-type]
+                                schedule=layout.schedule, zero=layout.zero,  # type: ignore[arg-type]
+                                sequence_parallel=layout.sequence_parallel, **training)
     plan = Plan(version=PLAN_VERSION, model=str(model_file), cluster=str(cluster_file), training=settings,
                 strategies=(Strategy(path.stem.removeprefix("plan-"), layout.pipelines),))
     save_plan(plan, path)
