@@ -43,11 +43,12 @@ def write_plan(dst: Path, name: str, pipelines: Layout, *, global_batch: int, mi
     return dst
 
 
-def reference(plan: Path, steps: int) -> tuple[list[float], ReferenceTrainer]:
-    """The uninterrupted single-process run: its losses and the trainer (parameters, moments)."""
+def reference(plan: Path, steps: int, micro_batch: int | None = None) -> tuple[list[float], ReferenceTrainer]:
+    """The uninterrupted single-process run: its losses and the trainer (parameters, moments); ``micro_batch``:
+    the plan's forwards' size where the model depends on it (a MoE model's balance loss), else the whole batch."""
     ctx = load_plan_context(plan)
     t = ctx.plan.training
-    trainer = ReferenceTrainer(ctx.model, t)
+    trainer = ReferenceTrainer(ctx.model, t, micro_batch=micro_batch)
     source = token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len,
                           seed=t.seed)
     return [trainer.train_step(source.batch(s)).loss for s in range(1, steps + 1)], trainer

@@ -135,9 +135,8 @@ def test_a_killed_device_holding_experts_is_replaced_in_memory(tmp_path: Path, r
     model of pipeline 0 (its missing experts moved from pipeline 1's holders), the step is redone, and the
     run equals the uninterrupted reference (losses, saved parameters and moments; with aux-loss-free
     balancing the routers' biases too, carried to the new layout by the survivors)."""
-    from elastic_helpers import assert_matches_reference, fixed_replan, saved_state
+    from elastic_helpers import assert_matches_reference, fixed_replan, reference, saved_state
 
-    from runtime.data import token_source
     from runtime.elastic.coordinator import ElasticPolicy
     from runtime.launch import Fault, TrainOptions, launch
 
@@ -155,12 +154,7 @@ def test_a_killed_device_holding_experts_is_replaced_in_memory(tmp_path: Path, r
     options = TrainOptions(plan=before, steps=steps, elastic=True, save_dir=tmp_path / "ck", timeout_s=20.0,
                            heartbeat_timeout_s=3.0, faults=(Fault(device=1, step=3, kind="kill"),))
     summary = launch(options, ElasticPolicy(fixed_replan(after, calls)))
-    ctx = load_plan_context(before)
-    t = ctx.plan.training
-    ref = ReferenceTrainer(ctx.model, t, micro_batch=1)
-    source = token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len,
-                          seed=t.seed)
-    expected = [ref.train_step(source.batch(s)).loss for s in range(1, steps + 1)]
+    expected, ref = reference(before, steps, micro_batch=1)
     records = summary.records
     assert [r.step for r in records] == [1, 2, 3, 4] and calls == [(frozenset({1}), "ep")]
     assert [r.loss for r in records] == pytest.approx(expected, rel=1e-5)
@@ -176,9 +170,8 @@ def test_a_killed_device_holding_experts_is_replaced_in_memory(tmp_path: Path, r
 def test_a_planned_switch_carries_the_balancing_biases(tmp_path: Path) -> None:
     """``--switch`` before step 3 from an expert-parallel stage on devices 0 and 1 to device 0 alone (device 1
     idle, its biases lent to the move): the run equals the uninterrupted reference, the biases included."""
-    from elastic_helpers import assert_matches_reference, fixed_replan, saved_state
+    from elastic_helpers import assert_matches_reference, fixed_replan, reference, saved_state
 
-    from runtime.data import token_source
     from runtime.elastic.coordinator import ElasticPolicy
     from runtime.launch import TrainOptions, launch
     from runtime.launch.options import PlannedSwitch
@@ -196,12 +189,7 @@ def test_a_planned_switch_carries_the_balancing_biases(tmp_path: Path) -> None:
     options = TrainOptions(plan=before, steps=steps, save_dir=tmp_path / "ck", timeout_s=20.0,
                            heartbeat_timeout_s=3.0, switches=(PlannedSwitch(3, after),))
     summary = launch(options, ElasticPolicy(fixed_replan(after, [])))
-    ctx = load_plan_context(before)
-    t = ctx.plan.training
-    ref = ReferenceTrainer(ctx.model, t, micro_batch=1)
-    source = token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len,
-                          seed=t.seed)
-    expected = [ref.train_step(source.batch(s)).loss for s in range(1, steps + 1)]
+    expected, ref = reference(before, steps, micro_batch=1)
     assert [r.loss for r in summary.records] == pytest.approx(expected, rel=1e-5)
     saved = saved_state(tmp_path / "ck")
     biases = ref.router_biases()
@@ -257,9 +245,8 @@ def test_the_planner_replans_experts_onto_the_survivors(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from elastic_helpers import assert_matches_reference, saved_state
+    from elastic_helpers import assert_matches_reference, reference, saved_state
 
-    from runtime.data import token_source
 
     repo = CONFIGS.parent
     plan = tmp_path / "plan.yaml"   # the shipped plan at the engine tests' eps (fp32 noise below the tolerance)
@@ -272,12 +259,7 @@ def test_the_planner_replans_experts_onto_the_survivors(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "replan: " in proc.stdout and "recovered from the failure of device(s) 2" in proc.stdout
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
-    ctx = load_plan_context(plan)
-    t = ctx.plan.training
-    ref = ReferenceTrainer(ctx.model, t, micro_batch=t.micro_batch)
-    source = token_source(vocab_size=ctx.model.vocab_size, global_batch=t.global_batch, seq_len=t.seq_len,
-                          seed=t.seed)
-    expected = [ref.train_step(source.batch(s)).loss for s in range(1, 5)]
+    expected, ref = reference(plan, 4, micro_batch=load_plan_context(plan).plan.training.micro_batch)
     steps = [x for x in lines if "event" not in x]
     assert [x["step"] for x in steps] == [1, 2, 3, 4]
     assert [x["loss"] for x in steps] == pytest.approx(expected, rel=1e-5)
