@@ -80,8 +80,6 @@ class SleepBlockTargets:
     builds."""
 
     def for_device(self, ctx: PlanContext, strategy: str, device: int) -> BlockTarget | None:
-        if device_target(ctx, ctx.cluster.device(device).type) is None:
-            return None
         return stage_block_targets(ctx, strategy, device)
 
 
@@ -110,12 +108,16 @@ def emulated(options: TrainOptions, ctx: PlanContext | None = None) -> TrainOpti
                                worker_cpus=worker_cpus(ctx, options))
 
 
-def stage_block_targets(ctx: PlanContext, strategy: str, device: int) -> BlockTarget:
+def stage_block_targets(ctx: PlanContext, strategy: str, device: int) -> BlockTarget | None:
     """The targets of ``device``'s blocks in ``strategy``: its stage's forward and backward blocks as its type's
     target prices them, at the plan's micro-batch size and sequence length (or the span's own ``seq_len``,
     where the engine names one), with its MoE layers' difference (``moe_block_s``: on an expert-parallel
     stage its own experts' rows, the TP parts at the pace of the stage's slowest target). Other compute
-    blocks (the optimizer step) have no target, and so has every block of a device the strategy leaves idle."""
+    blocks (the optimizer step) have no target, and so has every block of a device the strategy leaves idle.
+    None where the device's type does not sleep."""
+    own = device_target(ctx, ctx.cluster.device(device).type)
+    if own is None:
+        return None
     strat = ctx.strategy(strategy)
     where = strat.locate(device)
     if where is None:   # idle in this strategy (an elastic run's standby device): no blocks to price
@@ -125,7 +127,6 @@ def stage_block_targets(ctx: PlanContext, strategy: str, device: int) -> BlockTa
     st = stages[si]
     t = ctx.plan.training
     model = ctx.model
-    own = device_target(ctx, ctx.cluster.device(device).type)
     # the sleep-mode types of the stage (an expert-parallel stage may mix them)
     targets = {ty: tg for ty in {ctx.cluster.device(d).type for d in st.devices}
                if (tg := device_target(ctx, ty)) is not None}
@@ -139,14 +140,13 @@ def stage_block_targets(ctx: PlanContext, strategy: str, device: int) -> BlockTa
     def moe_s(backward: bool, seq_len: int, chunk: int | None) -> float:
         if model.moe is None:
             return 0.0
-        # the chunk's layers (a span naming none: the stage's), and the lowest of them that recompute
-        ids = range(*st.layers[chunk]) if chunk is not None else st.layer_ids
-        rerun = st.chunk_recompute(chunk) if chunk is not None else (len(ids) if st.recompute else
-                                                                      st.recompute_layers)
-        lowest = sorted(ids)[:rerun]
+        # the chunk's layers (a span naming none: every chunk's), and the lowest of each chunk's that recompute
+        chunks = range(len(st.layers)) if chunk is None else (chunk,)
+        ids = [i for c in chunks for i in range(*st.layers[c])]
+        rerun = [i for c in chunks for i in range(*st.layers[c])[:st.chunk_recompute(c)]]
         return moe_block_s(stage_target(seq_len), own, model.moe, st.tp, t.micro_batch, seq_len,
                            backward=backward, moe_layers=sum(1 for i in ids if model.is_moe_layer(i)),
-                           rerun_layers=sum(1 for i in lowest if model.is_moe_layer(i)), share=share)
+                           rerun_layers=sum(1 for i in rerun if model.is_moe_layer(i)), share=share)
 
     def target_s(name: str, args: Mapping[str, Any]) -> float | None:
         # A split backward's two halves (zero-bubble schedules: input gradient, then weight gradient) are
