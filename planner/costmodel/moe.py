@@ -117,10 +117,6 @@ class EpLayer:
 class MoeCosts:
     """MoE prices of a ``CostModel`` (planner/cost.py)."""
 
-    def _tokens(self, b: int | None = None, s: int | None = None) -> int:
-        b, s = self._shape(b, s)
-        return b * s
-
     @memo
     def gemms(self, device_type: str, tp: int, micro_batch: int | None = None,
               seq_len: int | None = None) -> MoeGemms:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from runtime.torchfree.profiling.profile import ComponentFit, eval_fit
 from runtime.torchfree.spec.model import ModelSpec
@@ -95,6 +96,7 @@ class MoeGemms:
         """Tokens of one micro-batch, priced (the target's, on a sleep-mode type)."""
         return self.micro_batch * self.seq_len * self.token_scale
 
+    @cached_property
     def rate(self) -> GemmRate:
         """The dense MLP's seconds per forward FLOP and per call (its fit's constant term, where the fit has a
         per-token part; a measured table's constant fit is all per FLOP), wall seconds."""
@@ -133,24 +135,24 @@ class MoeGemms:
         every token and computes every routed row on its 1/tp width slice."""
         by_expert = self.rows()
         calls = 1 + sum(1 for r in by_expert if r > 0)
-        return self.rate().seconds(self._routed_flops(self.tokens, self.token_scale * sum(by_expert), 1 / self.tp),
+        return self.rate.seconds(self._routed_flops(self.tokens, self.token_scale * sum(by_expert), 1 / self.tp),
                                    calls)
 
     def tp_delta_s(self) -> tuple[float, float]:
         """(forward, backward) a TP-split MoE layer adds to the dense layer: its MLP replaced by the router,
         the routed experts and the shared experts."""
         (rf, rb), (df, db) = self.routed_tp_s(), self.dense_mlp_s()
-        sf, sb = self.rate().seconds(self._shared_flops(), 1 if self.shapes.moe.shared_width else 0)
+        sf, sb = self.rate.seconds(self._shared_flops(), 1 if self.shapes.moe.shared_width else 0)
         return rf + sf - df, rb + sb - db
 
     def device_s(self, n: int, rows: float, experts: int) -> tuple[float, float]:
         """(forward, backward) of one device of an expert-parallel stage of ``n`` devices (this object at TP 1):
         routing its 1/n of the tokens and running ``experts`` experts on ``rows`` rows in all (trained-model
         rows), whole."""
-        return self.rate().seconds(self._routed_flops(self.tokens / n, self.token_scale * rows, 1.0), 1 + experts)
+        return self.rate.seconds(self._routed_flops(self.tokens / n, self.token_scale * rows, 1.0), 1 + experts)
 
     def row_s(self) -> float:
         """Seconds one (token, expert) row of the trained model costs here, forward + backward, at full width."""
-        rate = self.rate()
+        rate = self.rate
         return ((rate.forward_per_flop + rate.backward_per_flop) * 6.0 * self.token_scale
                 * self.shapes.hidden_size * self.shapes.moe.expert_ffn_size)

@@ -27,7 +27,7 @@ from runtime.models.moe import MoeForCausalLM, Router
 from runtime.torchfree.annotations.from_plan import ParamAnnotation
 from runtime.torchfree.annotations.states import Annotation
 from runtime.torchfree.comm.gradsync import SyncBucket, plan_sync
-from runtime.torchfree.models.params import router_bias_names
+from runtime.torchfree.models.params import router_bias_names, router_biases
 from runtime.torchfree.spec.model import ModelSpec
 
 
@@ -61,7 +61,7 @@ class RouterBalance:
         for b in self.sync.buckets:
             groups.get(b.devices)   # a group the strategy's required groups lack fails here, not mid-step
         self.loads: dict[str, torch.Tensor] = {}
-        self.balancing = model.moe is not None and model.moe.bias_update_rate > 0
+        self.balancing = bool(router_biases(model))
 
     @property
     def active(self) -> bool:
